@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Fresh machine to first result: installs what is missing, builds, runs the main job.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/deps.sh
+cmake --preset default >/dev/null
+cmake --build --preset default
+./build/m3attn layer "$@"

@@ -1,0 +1,59 @@
+// The producer (SPEC section 3): per token, Gemma RMSNorm + partial NeoX RoPE + one E4M3 rounding
+// of the projected heads; compact Q and index-Q out, K/V into the main paged cache and index-K
+// into the index cache at slot out_cache_loc[t]. Three modes share one params struct:
+//   kFused : packed row [Q | K | V | index-Q | index-K]   (the seed's single producer)
+//   kMain  : packed row [Q | K | V]                        (unfused baseline, main producer)
+//   kIndex : packed row [index-Q | index-K]                (unfused baseline, index producer)
+// Tokens whose slot is < 0 or whose page is >= num_pages write no cache, but their Q / index-Q
+// are produced. A position outside [0, max_pos) of the RoPE table is a caller bug that cannot be
+// checked on the host without a device sync: such a token writes no cache and its Q / index-Q
+// rows are filled with NaN (0x7F) so the error is loud, in both the CPU twin and the kernel.
+#pragma once
+
+#include <cstdint>
+
+#include "m3attn/tensor.h"
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace m3attn {
+
+enum class ProducerMode : int { kFused = 0, kMain = 1, kIndex = 2 };
+const char* producer_mode_name(ProducerMode mode);
+
+struct ProducerParams {
+  ProducerMode mode = ProducerMode::kFused;
+  int n_q = 0;   // query heads (kFused, kMain)
+  int n_kv = 0;  // KV heads == index-Q heads
+  float eps = 1e-6f;
+  int64_t num_tokens = 0;  // T
+
+  // Packed BF16 projection rows [T, W] (last stride 1, row stride >= W, 16-byte aligned):
+  //   kFused W = (n_q + 3 n_kv + 1) * 128, kMain W = (n_q + 2 n_kv) * 128, kIndex W = (n_kv + 1) * 128
+  TensorView packed;
+  TensorView positions;  // i32 [T]
+  TensorView slots;      // i32 [>= T] out_cache_loc; only the first T are read
+  TensorView rope;       // f32 [max_pos, 2, 32] (make_rope_table)
+  TensorView q_norm;     // bf16 [128] (kFused, kMain)
+  TensorView k_norm;     // bf16 [128] (kFused, kMain)
+  TensorView iq_norm;    // bf16 [128] (kFused, kIndex)
+  TensorView ik_norm;    // bf16 [128] (kFused, kIndex)
+
+  TensorView q_out;        // e4m3 [T, n_q, 128] contiguous (kFused, kMain)
+  TensorView iq_out;       // e4m3 [T, n_kv, 128] contiguous (kFused, kIndex)
+  TensorView kv_cache;     // e4m3 [pages, 2, n_kv, 128, 128] strided (kFused, kMain)
+  TensorView index_cache;  // e4m3 [pages, 1, 128, 128] strided (kFused, kIndex)
+};
+
+// Every SPEC section 8 rule that applies to the mode; touches nothing.
+Status validate_producer(const ProducerParams& p);
+// CPU twin (the oracle). Requires CPU views.
+Status run_producer_cpu(const ProducerParams& p);
+#if defined(M3ATTN_WITH_CUDA)
+// CUDA launch: validates, then one kernel; no sync, no allocation (graph-capturable).
+Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
+#endif
+
+}  // namespace m3attn

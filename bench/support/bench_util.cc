@@ -1,0 +1,122 @@
+#include "support/bench_util.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+namespace m3attn::bench {
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(e));
+    std::exit(1);
+  }
+}
+
+namespace {
+constexpr size_t kFlushBytes = size_t{256} << 20;
+
+void* flush_buffer() {
+  static void* buf = [] {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, kFlushBytes), "cudaMalloc(flush)");
+    return p;
+  }();
+  return buf;
+}
+
+Timing summarize(std::vector<float> ms) {
+  std::sort(ms.begin(), ms.end());
+  Timing t;
+  t.median_us = 1000.0 * ms[ms.size() / 2];
+  t.min_us = 1000.0 * ms.front();
+  t.p90_us = 1000.0 * ms[std::min(ms.size() - 1, ms.size() * 9 / 10)];
+  return t;
+}
+
+Timing time_loop(const std::function<void(cudaStream_t)>& run, cudaStream_t stream, int warmup,
+                 int iters) {
+  cudaEvent_t start, stop;
+  check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&stop), "cudaEventCreate");
+  for (int i = 0; i < warmup; ++i) run(stream);
+  check_cuda(cudaStreamSynchronize(stream), "warmup");
+  std::vector<float> ms;
+  for (int i = 0; i < iters; ++i) {
+    check_cuda(cudaMemsetAsync(flush_buffer(), i & 0xff, kFlushBytes, stream), "flush");
+    check_cuda(cudaEventRecord(start, stream), "record");
+    run(stream);
+    check_cuda(cudaEventRecord(stop, stream), "record");
+    check_cuda(cudaEventSynchronize(stop), "sync");
+    float t = 0;
+    check_cuda(cudaEventElapsedTime(&t, start, stop), "elapsed");
+    ms.push_back(t);
+  }
+  check_cuda(cudaGetLastError(), "benchmark launch");
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return summarize(std::move(ms));
+}
+}  // namespace
+
+Timing time_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream, int warmup,
+                 int iters) {
+  return time_loop(launch, stream, warmup, iters);
+}
+
+Timing time_graph_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream,
+                       int warmup, int iters) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  launch(stream);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  Timing t = time_loop([&](cudaStream_t s) { check_cuda(cudaGraphLaunch(exec, s), "replay"); },
+                       stream, warmup, iters);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return t;
+}
+
+void Row::add(const std::string& name, double value, int precision) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(precision) << value;
+  cells.emplace_back(name, os.str());
+}
+
+void print_rows(const std::string& title, const std::vector<Row>& rows, bool json) {
+  if (json) {
+    std::cout << "[";
+    for (size_t r = 0; r < rows.size(); ++r) {
+      std::cout << (r ? ",\n " : "") << "{\"bench\":\"" << title << "\"";
+      for (const auto& [k, v] : rows[r].cells) {
+        const bool numeric = !v.empty() && v.find_first_not_of("0123456789.-e+") == std::string::npos;
+        std::cout << ",\"" << k << "\":" << (numeric ? v : "\"" + v + "\"");
+      }
+      std::cout << "}";
+    }
+    std::cout << "]\n";
+    return;
+  }
+  if (rows.empty()) return;
+  std::vector<size_t> width;
+  for (const auto& [k, v] : rows[0].cells) width.push_back(k.size());
+  for (const auto& row : rows)
+    for (size_t c = 0; c < row.cells.size() && c < width.size(); ++c)
+      width[c] = std::max(width[c], row.cells[c].second.size());
+  std::cout << "== " << title << " ==\n";
+  for (size_t c = 0; c < width.size(); ++c)
+    std::cout << std::setw(static_cast<int>(width[c]) + 2) << rows[0].cells[c].first;
+  std::cout << "\n";
+  for (const auto& row : rows) {
+    for (size_t c = 0; c < row.cells.size() && c < width.size(); ++c)
+      std::cout << std::setw(static_cast<int>(width[c]) + 2) << row.cells[c].second;
+    std::cout << "\n";
+  }
+}
+
+}  // namespace m3attn::bench

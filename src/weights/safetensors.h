@@ -59,7 +59,8 @@ class SafetensorsFile {
 
   // Contiguous CPU view into the mapping. The memory is read-only: never write through it. The
   // view stays valid while this object (or a copy of it) is alive. kInvalidArgument when the
-  // tensor does not exist, kUnsupported when it has more than kMaxDims dimensions.
+  // tensor does not exist, kUnsupported when it has more than kMaxDims dimensions or its data is
+  // not aligned to its element size (files from standard writers always are; read() still works).
   Result<TensorView> view(const std::string& name) const;
   // An owning copy of the tensor.
   Result<Tensor> read(const std::string& name) const;

@@ -31,7 +31,8 @@ struct ProducerParams {
   int64_t num_tokens = 0;  // T
 
   // Packed BF16 projection rows [T, W] (last stride 1, row stride >= W, 16-byte aligned):
-  //   kFused W = (n_q + 3 n_kv + 1) * 128, kMain W = (n_q + 2 n_kv) * 128, kIndex W = (n_kv + 1) * 128
+  //   kFused W = (n_q + 3 n_kv + 1) * 128, kMain W = (n_q + 2 n_kv) * 128, kIndex W = (n_kv + 1) *
+  //   128
   TensorView packed;
   TensorView positions;  // i32 [T]
   TensorView slots;      // i32 [>= T] out_cache_loc; only the first T are read
@@ -46,6 +47,9 @@ struct ProducerParams {
   TensorView kv_cache;     // e4m3 [pages, 2, n_kv, 128, 128] strided (kFused, kMain)
   TensorView index_cache;  // e4m3 [pages, 1, 128, 128] strided (kFused, kIndex)
 };
+
+// Width W of a packed row for the mode, in columns (see above).
+int64_t producer_packed_width(ProducerMode mode, int n_q, int n_kv);
 
 // Every SPEC section 8 rule that applies to the mode; touches nothing.
 Status validate_producer(const ProducerParams& p);

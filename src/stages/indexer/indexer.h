@@ -1,6 +1,6 @@
-// The indexer (SPEC section 5): raw fp32 dot products of index-Q with every visible index-K, max per
-// 128-token block, forced local block, top-16 block ids per (token, KV head): ascending ids then -1,
-// exact ties to the smaller id, NaN scores never chosen (the forced local block still is).
+// The indexer (SPEC section 5): raw fp32 dot products of index-Q with every visible index-K, max
+// per 128-token block, forced local block, top-16 block ids per (token, KV head): ascending ids
+// then -1, exact ties to the smaller id, NaN scores never chosen (the forced local block still is).
 #pragma once
 
 #include <cstdint>
@@ -20,10 +20,47 @@ struct IndexerParams {
   TensorView index_q;      // e4m3 [T, n_kv, 128] contiguous
   TensorView index_cache;  // e4m3 [pages, 1, 128, 128] strided
   BatchView batch;
-  TensorView block_ids;    // i32 [T, n_kv, top_k] contiguous (output)
+  TensorView block_ids;  // i32 [T, n_kv, top_k] contiguous (output)
 };
 
+// Every SPEC section 8 rule that applies (n_kv > 0, top_k == kTopK, dtypes, shapes, the index cache
+// layout, the batch views, one device); reads no tensor data, touches nothing.
 Status validate_indexer(const IndexerParams& p);
+
+// CPU twin (the oracle); requires CPU views and also checks the batch contents (positions, page ids
+// inside the pool). Exact semantics, which the CUDA indexer must match:
+//   - s(t,h,p) = fp32 rounding of the EXACT dot product sum_d iq[t,h,d] * ik[p,d]. (E4M3 values are
+//     multiples of 2^-9 below 2^9, so the 128 products and every partial sum are exact in double;
+//     the twin accumulates in double and rounds once, so the score is independent of summation
+//     order. A GPU accumulating in fp32 differs by rounding only: compare with
+//     verify_block_selection and a tolerance, not bit for bit, when scores come close.)
+//   - B(t,h,b) = max of s over p in block b with p <= pos_t, NaN-propagating: a block with any NaN
+//     score has score NaN (E4M3 has no infinities, so NaN comes only from NaN inputs).
+//   - n_valid = pos_t / 128 + 1, local = pos_t / 128. If n_valid <= 16 all blocks 0 .. n_valid-1
+//     are selected whatever their scores (NaN included), so MSA == dense holds unconditionally and
+//     scoring may be skipped. Otherwise: the local block, plus the 15 best non-NaN other blocks
+//     ordered by (score descending, id ascending); fewer when fewer non-NaN blocks exist.
+//   - Output row: selected ids ascending, then -1 up to 16.
 Status run_indexer_cpu(const IndexerParams& p);
+
+// Test and tooling helpers (host only, CPU views).
+//
+// Block scores of the twin: scores f32 [T, n_kv, max_blocks] contiguous, entry (t, h, b) = B(t,h,b)
+// for b < n_valid(t) and -inf beyond. max_blocks must be >= every token's n_valid. Validates like
+// run_indexer_cpu (block_ids is not written and may be any valid output view).
+Status indexer_block_scores_cpu(const IndexerParams& p, const TensorView& scores);
+
+// The selection rule alone: block scores b[0 .. n_valid) of one (token, head) -> 16 ids (ascending,
+// -1 padded) into out. n_valid >= 1.
+void select_blocks_ref(const float* block_scores, int n_valid, int32_t* out);
+
+// Checks a selection `ids` (16 entries) made from scores that may differ from block_scores by up
+// to `tolerance` (a GPU's fp32 accumulation order): the format (ascending, unique, in range, -1
+// padding only at the end, local block present), the count (min(16, n_valid) when n_valid <= 16,
+// else 1 + min(15, non-NaN other blocks)), no NaN block chosen when n_valid > 16, and for every
+// chosen non-local block c and every unchosen non-NaN block u: B(c) >= B(u) - tolerance, with
+// exact ties going to the smaller id when tolerance is 0. The message names the first violation.
+Status verify_block_selection(const float* block_scores, int n_valid, const int32_t* ids,
+                              float tolerance);
 
 }  // namespace m3attn

@@ -1,5 +1,5 @@
-// Attention over the paged E4M3 cache (SPEC section 6). Sparse (MSA layers): for token t and KV head
-// g, keys are the tokens p <= pos_t of the blocks in block_ids[t, g, :] (-1 entries skipped).
+// Attention over the paged E4M3 cache (SPEC section 6). Sparse (MSA layers): for token t and KV
+// head g, keys are the tokens p <= pos_t of the blocks in block_ids[t, g, :] (-1 entries skipped).
 // Dense (layers 0-2): all p <= pos_t. o_j = softmax(q_j . k_p * scale) v_p with raw E4M3 operands,
 // fp32 accumulation, BF16 out [T, n_q * 128]; query head j reads KV head j / (n_q / n_kv).
 #pragma once
@@ -24,10 +24,31 @@ struct AttentionParams {
   TensorView kv_cache;         // e4m3 [pages, 2, n_kv, 128, 128] strided
   TensorView block_ids;        // i32 [T, n_kv, 16] (sparse)
   BatchView batch;
-  TensorView out;              // bf16 [T, n_q * 128], last stride 1
+  TensorView out;  // bf16 [T, n_q * 128], last stride 1
 };
 
+// Every SPEC section 8 rule that applies: n_q, n_kv > 0 and n_q % n_kv == 0; softmax_scale finite
+// and >= 0; dtypes and shapes; q contiguous and 16-byte aligned; the KV cache layout; block_ids
+// (sparse only) i32 [T, n_kv, 16] contiguous, 16-byte aligned; out bf16 [T, n_q * 128] with last
+// stride 1, row stride >= n_q * 128 and a multiple of 8, base 16-byte aligned (16-byte stores);
+// the batch views; one device. Reads no tensor data, touches nothing.
 Status validate_attention(const AttentionParams& p);
+
+// CPU twin (the oracle); requires CPU views and also checks the batch contents (positions, page ids
+// inside the pool). Exact semantics, which the CUDA kernels must match up to fp32 rounding:
+//   - Keys of (t, g): sparse: {p : p / 128 in block_ids[t, g, :], p <= pos_t}, a SET: entries < 0
+//     (the -1 padding) and ids >= n_valid(t) = pos_t / 128 + 1 select nothing, a repeated id counts
+//     once, the order of the row does not matter. Dense: all p <= pos_t.
+//   - Query head j reads KV head j / (n_q / n_kv).
+//   - logit_p = (q_j . k_p) * scale with scale = softmax_scale, or 1 / sqrt(128) when it is 0. The
+//     dot product of raw E4M3 values is exact in double; logits, the max-subtracted softmax and
+//     the weighted sum of v are computed in double in ascending p order; the result is rounded
+//     once (double -> BF16, round to nearest even). NaN in a visible q, k or v row gives NaN out.
+//     So sparse with a key set equal to dense's is bit-identical to dense.
+//   - A (token, head) with no keys (only possible when block_ids omits the forced local block)
+//     gets +0 outputs.
+// Tokens are independent: the output row of t depends only on q[t], pos_t and its request's
+// pages, so padding and batching never change a row.
 Status run_attention_cpu(const AttentionParams& p);
 
 }  // namespace m3attn

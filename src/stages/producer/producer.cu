@@ -1,0 +1,106 @@
+// CUDA launcher of the producer: the same validation as the CPU twin, the CUDA-only rules (every
+// view on the current CUDA device, the launch geometry), then one kernel. No sync, no allocation,
+// no copy: the launch is CUDA-graph capturable and its grid depends only on T and the mode.
+#include <cstdint>
+#include <limits>
+
+#include "core/cuda_check.h"
+#include "m3attn/config.h"
+#include "stages/producer/producer.h"
+#include "stages/producer/producer_kernel.cuh"
+
+namespace m3attn {
+
+namespace {
+
+namespace pk = producer_kernel;
+
+int heads_per_row(ProducerMode mode, int n_q, int n_kv) {
+  return static_cast<int>(producer_packed_width(mode, n_q, n_kv) / kHeadDim);
+}
+
+template <ProducerMode kMode>
+Status launch(const pk::KernelArgs& args, uint32_t blocks, cudaStream_t stream) {
+  pk::producer_kernel<kMode><<<blocks, pk::kThreads, 0, stream>>>(args);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+// The one dispatch point from the run-time mode to the kernel template.
+Status dispatch(ProducerMode mode, const pk::KernelArgs& args, uint32_t blocks,
+                cudaStream_t stream) {
+  switch (mode) {
+    case ProducerMode::kFused:
+      return launch<ProducerMode::kFused>(args, blocks, stream);
+    case ProducerMode::kMain:
+      return launch<ProducerMode::kMain>(args, blocks, stream);
+    case ProducerMode::kIndex:
+      return launch<ProducerMode::kIndex>(args, blocks, stream);
+  }
+  return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
+}
+
+}  // namespace
+
+Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
+  M3_RETURN_IF_ERROR(validate_producer(p));
+  // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
+  // and the current one (the kernel runs there).
+  const Device dev = p.packed.device;
+  M3_CHECK_ARG(dev.type == DeviceType::kCUDA, "run_producer_cuda (", producer_mode_name(p.mode),
+               ") needs CUDA tensors, got ", dev.to_string());
+  int current = -1;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  M3_CHECK_ARG(dev.index == current, "run_producer_cuda: tensors are on ", dev.to_string(),
+               " but the current CUDA device is cuda:", current);
+
+  const int64_t t = p.num_tokens;
+  if (t == 0) return Status::Ok();
+
+  const bool uses_main = p.mode != ProducerMode::kIndex;
+  const bool uses_index = p.mode != ProducerMode::kMain;
+  const int heads = heads_per_row(p.mode, p.n_q, p.n_kv);
+  // The kernel indexes tasks (token, head) in 32 bits and stages at most kMaxTokensPerBlock
+  // tokens per block, which needs H >= 2 (always true for valid head counts).
+  M3_CHECK_ARG(heads >= pk::kMinHeadsPerRow, "producer launch: ", heads,
+               " heads per packed row is below the kernel's minimum ", pk::kMinHeadsPerRow);
+  const int64_t tasks = t * heads;
+  constexpr int64_t kMaxTasks = std::numeric_limits<int32_t>::max() - pk::kTasksPerBlock;
+  M3_CHECK_ARG(tasks <= kMaxTasks, "producer launch geometry: T ", t, " x ", heads,
+               " heads = ", tasks, " tasks exceeds the kernel's limit of ", kMaxTasks);
+  const auto blocks = static_cast<uint32_t>((tasks + pk::kTasksPerBlock - 1) / pk::kTasksPerBlock);
+
+  pk::KernelArgs a;
+  a.packed = p.packed.ptr<const uint16_t>();
+  a.packed_stride = p.packed.stride[0];
+  a.positions = p.positions.ptr<const int32_t>();
+  a.slots = p.slots.ptr<const int32_t>();
+  a.rope = p.rope.ptr<const float>();
+  const int64_t max_pos = p.rope.shape[0];
+  a.max_pos = static_cast<uint32_t>(max_pos < (int64_t{1} << 31) ? max_pos : (int64_t{1} << 31));
+  a.eps = p.eps;
+  a.n_q = p.n_q;
+  a.n_kv = p.n_kv;
+  a.num_tasks = static_cast<uint32_t>(tasks);
+  a.heads = pk::FastDivmod(static_cast<uint32_t>(heads));
+  if (uses_main) {
+    a.norm[pk::kNormQ] = p.q_norm.ptr<const uint16_t>();
+    a.norm[pk::kNormK] = p.k_norm.ptr<const uint16_t>();
+    a.q_out = p.q_out.ptr<uint8_t>();
+    a.kv = p.kv_cache.ptr<uint8_t>();
+    a.kv_page_stride = p.kv_cache.stride[0];
+    a.kv_plane_stride = p.kv_cache.stride[1];
+    a.num_pages = p.kv_cache.shape[0];
+  }
+  if (uses_index) {
+    a.norm[pk::kNormIQ] = p.iq_norm.ptr<const uint16_t>();
+    a.norm[pk::kNormIK] = p.ik_norm.ptr<const uint16_t>();
+    a.iq_out = p.iq_out.ptr<uint8_t>();
+    a.ic = p.index_cache.ptr<uint8_t>();
+    a.ic_page_stride = p.index_cache.stride[0];
+    a.num_pages = p.index_cache.shape[0];  // equal to the main cache's when fused (validated)
+  }
+  return dispatch(p.mode, a, blocks, stream);
+}
+
+}  // namespace m3attn

@@ -1,0 +1,394 @@
+// The block-scaled FP8 GEMM through cuBLASLt (see gemm_cublaslt.h for the contract and layouts).
+#include <cublasLt.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "m3attn/config.h"
+#include "stages/projection/gemm_cublaslt.h"
+
+namespace m3attn {
+
+namespace {
+
+Status lt_status(cublasStatus_t st, const char* call, const std::string& context = {}) {
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::Ok();
+  return make_status(StatusCode::kCudaError, call, " failed: ", cublasLtGetStatusName(st),
+                     " (cuBLAS status ", static_cast<int>(st), ": ", cublasLtGetStatusString(st),
+                     ")", context.empty() ? "" : " ", context);
+}
+
+template <typename T>
+Status set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const T& value,
+                const char* what) {
+  return lt_status(cublasLtMatmulDescSetAttribute(desc, attr, &value, sizeof(value)), what);
+}
+
+template <typename T>
+Status set_layout(cublasLtMatrixLayout_t layout, cublasLtMatrixLayoutAttribute_t attr,
+                  const T& value, const char* what) {
+  return lt_status(cublasLtMatrixLayoutSetAttribute(layout, attr, &value, sizeof(value)), what);
+}
+
+template <typename T>
+Status set_pref(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr,
+                const T& value, const char* what) {
+  return lt_status(cublasLtMatmulPreferenceSetAttribute(pref, attr, &value, sizeof(value)), what);
+}
+
+bool aligned_to(const void* p, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+constexpr int kAligned = 0;    // operands 256-byte aligned (cuBLASLt's default assumption)
+constexpr int kUnaligned = 1;  // operands only 16-byte aligned
+constexpr uint32_t kLooseAlignment = 16;
+constexpr uintptr_t kStrictAlignment = 256;
+
+struct Bucket {
+  int64_t m_lo = 0;  // smallest M of the bucket (a multiple of 4)
+  int64_t m_hi = 0;  // largest M of the bucket, the size the heuristic was asked about
+  cublasLtMatmulAlgo_t algo[2] = {};
+  size_t workspace[2] = {0, 0};
+};
+
+std::string algo_summary(const cublasLtMatmulAlgo_t& algo) {
+  // Attributes are 2 or 4 bytes wide: ask for the size, then read that many bytes.
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr) -> int64_t {
+    size_t size = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, nullptr, 0, &size) !=
+            CUBLAS_STATUS_SUCCESS ||
+        (size != 2 && size != 4))
+      return -1;
+    size_t written = 0;
+    if (size == 2) {
+      uint16_t v = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, 2, &written) !=
+          CUBLAS_STATUS_SUCCESS)
+        return -1;
+      return v;
+    }
+    int32_t v = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &v, 4, &written) != CUBLAS_STATUS_SUCCESS)
+      return -1;
+    return v;
+  };
+  std::ostringstream os;
+  os << "algo " << get(CUBLASLT_ALGO_CONFIG_ID) << " tile " << get(CUBLASLT_ALGO_CONFIG_TILE_ID)
+     << " stages " << get(CUBLASLT_ALGO_CONFIG_STAGES_ID) << " splitK "
+     << get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM) << " reduction "
+     << get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) << " swizzle "
+     << get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " cluster "
+     << get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+  return os.str();
+}
+
+}  // namespace
+
+TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, Device device) {
+  return TensorView::strided(data, DType::kF32, {m_pad, k / kQuantBlock}, {1, m_pad}, device);
+}
+
+struct Fp8BlockGemm::Impl {
+  int device = 0;
+  int64_t max_m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  Fp8BlockGemmOptions options;
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;  // options.workspace_bytes, at least 256 bytes
+  // Descriptors live inside the object (initialized in place): run() allocates nothing.
+  cublasLtMatmulDescOpaque_t desc_storage = {};
+  cublasLtMatrixLayoutOpaque_t w_storage = {};  // cuBLAS A: weights, K x N column-major, op T
+  cublasLtMatrixLayoutOpaque_t x_storage = {};  // cuBLAS B: activations, K x M column-major
+  cublasLtMatrixLayoutOpaque_t d_storage = {};  // cuBLAS C and D: output, N x M column-major
+  std::vector<Bucket> buckets;
+
+  cublasLtMatmulDesc_t desc() { return &desc_storage; }
+  cublasLtMatrixLayout_t w_layout() { return &w_storage; }
+  cublasLtMatrixLayout_t x_layout() { return &x_storage; }
+  cublasLtMatrixLayout_t d_layout() { return &d_storage; }
+
+  ~Impl() {
+    if (workspace) cudaFree(workspace);
+    if (handle) cublasLtDestroy(handle);
+  }
+
+  std::string shape_string(int64_t m) const {
+    std::ostringstream os;
+    os << "(M = " << m << ", N = " << n << ", K = " << k << ")";
+    return os.str();
+  }
+
+  // Sets the M-dependent layout sizes and the row strides (elements).
+  Status set_problem(int64_t m, int64_t ld_x, int64_t ld_w, int64_t ld_d) {
+    const uint64_t cols = static_cast<uint64_t>(m);
+    M3_RETURN_IF_ERROR(set_layout(x_layout(), CUBLASLT_MATRIX_LAYOUT_COLS, cols,
+                                  "cublasLtMatrixLayoutSetAttribute(activations, COLS)"));
+    M3_RETURN_IF_ERROR(set_layout(d_layout(), CUBLASLT_MATRIX_LAYOUT_COLS, cols,
+                                  "cublasLtMatrixLayoutSetAttribute(output, COLS)"));
+    M3_RETURN_IF_ERROR(set_layout(x_layout(), CUBLASLT_MATRIX_LAYOUT_LD, ld_x,
+                                  "cublasLtMatrixLayoutSetAttribute(activations, LD)"));
+    M3_RETURN_IF_ERROR(set_layout(w_layout(), CUBLASLT_MATRIX_LAYOUT_LD, ld_w,
+                                  "cublasLtMatrixLayoutSetAttribute(weights, LD)"));
+    return set_layout(d_layout(), CUBLASLT_MATRIX_LAYOUT_LD, ld_d,
+                      "cublasLtMatrixLayoutSetAttribute(output, LD)");
+  }
+
+  Status set_scale_pointers(const void* weight_scales, const void* activation_scales) {
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, weight_scales,
+                                "cublasLtMatmulDescSetAttribute(A_SCALE_POINTER)"));
+    return set_desc(desc(), CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, activation_scales,
+                    "cublasLtMatmulDescSetAttribute(B_SCALE_POINTER)");
+  }
+
+  Status init_descriptors() {
+    M3_RETURN_IF_ERROR(lt_status(cublasLtMatmulDescInit(desc(), CUBLAS_COMPUTE_32F, CUDA_R_32F),
+                                 "cublasLtMatmulDescInit"));
+    const int32_t trans_a = CUBLAS_OP_T, trans_b = CUBLAS_OP_N;
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_TRANSA, trans_a,
+                                "cublasLtMatmulDescSetAttribute(TRANSA)"));
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_TRANSB, trans_b,
+                                "cublasLtMatmulDescSetAttribute(TRANSB)"));
+    const int8_t fast_accum = 0;
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_FAST_ACCUM, fast_accum,
+                                "cublasLtMatmulDescSetAttribute(FAST_ACCUM)"));
+    const int32_t weight_mode = CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    const int32_t activation_mode = CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_A_SCALE_MODE, weight_mode,
+                                "cublasLtMatmulDescSetAttribute(A_SCALE_MODE = BLK128x128_32F)"));
+    M3_RETURN_IF_ERROR(set_desc(desc(), CUBLASLT_MATMUL_DESC_B_SCALE_MODE, activation_mode,
+                                "cublasLtMatmulDescSetAttribute(B_SCALE_MODE = VEC128_32F)"));
+    // Placeholder scale pointers for the algorithm search (valid device memory, never read there);
+    // run() sets the real ones.
+    M3_RETURN_IF_ERROR(set_scale_pointers(workspace, workspace));
+    M3_RETURN_IF_ERROR(
+        lt_status(cublasLtMatrixLayoutInit(w_layout(), CUDA_R_8F_E4M3, static_cast<uint64_t>(k),
+                                           static_cast<uint64_t>(n), k),
+                  "cublasLtMatrixLayoutInit(weights)"));
+    M3_RETURN_IF_ERROR(lt_status(
+        cublasLtMatrixLayoutInit(x_layout(), CUDA_R_8F_E4M3, static_cast<uint64_t>(k), 4, k),
+        "cublasLtMatrixLayoutInit(activations)"));
+    return lt_status(
+        cublasLtMatrixLayoutInit(d_layout(), CUDA_R_16BF, static_cast<uint64_t>(n), 4, n),
+        "cublasLtMatrixLayoutInit(output)");
+  }
+
+  // Picks the algorithm of one bucket for one alignment class.
+  Status choose(Bucket& bucket, int variant) {
+    cublasLtMatmulPreferenceOpaque_t pref_storage = {};
+    cublasLtMatmulPreference_t pref = &pref_storage;
+    M3_RETURN_IF_ERROR(
+        lt_status(cublasLtMatmulPreferenceInit(pref), "cublasLtMatmulPreferenceInit"));
+    const uint64_t max_ws = options.workspace_bytes;
+    M3_RETURN_IF_ERROR(set_pref(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_ws,
+                                "cublasLtMatmulPreferenceSetAttribute(MAX_WORKSPACE_BYTES)"));
+    if (options.deterministic) {
+      // Split-K is still allowed when its partial sums are reduced in a separate, ordered pass.
+      const uint32_t mask =
+          CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE | CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE;
+      M3_RETURN_IF_ERROR(set_pref(pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, mask,
+                                  "cublasLtMatmulPreferenceSetAttribute(REDUCTION_SCHEME_MASK)"));
+    }
+    if (variant == kUnaligned) {
+      for (auto attr :
+           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+        M3_RETURN_IF_ERROR(set_pref(pref, attr, kLooseAlignment,
+                                    "cublasLtMatmulPreferenceSetAttribute(MIN_ALIGNMENT)"));
+    }
+
+    M3_RETURN_IF_ERROR(set_problem(bucket.m_hi, k, k, n));
+    std::vector<cublasLtMatmulHeuristicResult_t> results(
+        static_cast<size_t>(options.heuristic_candidates));
+    int returned = 0;
+    M3_RETURN_IF_ERROR(
+        lt_status(cublasLtMatmulAlgoGetHeuristic(handle, desc(), w_layout(), x_layout(), d_layout(),
+                                                 d_layout(), pref, options.heuristic_candidates,
+                                                 results.data(), &returned),
+                  "cublasLtMatmulAlgoGetHeuristic",
+                  "for the block-scaled FP8 GEMM " + shape_string(bucket.m_hi) +
+                      " (weights BLK128x128_32F op T, activations VEC128_32F op N)"));
+
+    std::string first_failure;
+    for (int i = 0; i < returned; ++i) {
+      const cublasLtMatmulHeuristicResult_t& r = results[static_cast<size_t>(i)];
+      if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > options.workspace_bytes) continue;
+      // The algorithm must also serve the smallest M of the bucket, within the workspace.
+      size_t need = r.workspaceSize;
+      bool ok = true;
+      for (int64_t m : {bucket.m_lo, bucket.m_hi}) {
+        M3_RETURN_IF_ERROR(set_problem(m, k, k, n));
+        cublasLtMatmulHeuristicResult_t check = {};
+        const cublasStatus_t st = cublasLtMatmulAlgoCheck(handle, desc(), w_layout(), x_layout(),
+                                                          d_layout(), d_layout(), &r.algo, &check);
+        if (st != CUBLAS_STATUS_SUCCESS || check.workspaceSize > options.workspace_bytes) {
+          if (first_failure.empty())
+            first_failure = lt_status(st, "cublasLtMatmulAlgoCheck", shape_string(m)).to_string();
+          ok = false;
+          break;
+        }
+        need = std::max(need, check.workspaceSize);
+      }
+      if (!ok) continue;
+      bucket.algo[variant] = r.algo;
+      bucket.workspace[variant] = need;
+      return Status::Ok();
+    }
+    return unsupported(
+        "no cuBLASLt algorithm serves the block-scaled FP8 GEMM for M in [", bucket.m_lo, ", ",
+        bucket.m_hi, "], N = ", n, ", K = ", k, " with ", variant == kAligned ? "256" : "16",
+        "-byte aligned operands and ", options.workspace_bytes, " bytes of workspace (", returned,
+        " heuristic candidates", first_failure.empty() ? "" : "; ", first_failure, ")");
+  }
+};
+
+Fp8BlockGemm::Fp8BlockGemm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Fp8BlockGemm::~Fp8BlockGemm() = default;
+
+int64_t Fp8BlockGemm::max_m() const { return impl_->max_m; }
+int64_t Fp8BlockGemm::n() const { return impl_->n; }
+int64_t Fp8BlockGemm::k() const { return impl_->k; }
+size_t Fp8BlockGemm::workspace_bytes() const { return impl_->options.workspace_bytes; }
+
+Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_t n, int64_t k,
+                                                           const Fp8BlockGemmOptions& options) {
+  M3_CHECK_ARG(max_m >= 1 && max_m < (int64_t{1} << 31), "Fp8BlockGemm max_m = ", max_m,
+               " must be in [1, 2^31)");
+  M3_CHECK_ARG(n > 0 && n % kQuantBlock == 0 && n < (int64_t{1} << 31), "Fp8BlockGemm N = ", n,
+               " must be a positive multiple of ", kQuantBlock, " below 2^31");
+  M3_CHECK_ARG(k > 0 && k % (4 * kQuantBlock) == 0 && k < (int64_t{1} << 31),
+               "Fp8BlockGemm K = ", k, " must be a positive multiple of ", 4 * kQuantBlock,
+               " (K / 128 scale blocks a multiple of 4) below 2^31");
+  M3_CHECK_ARG(options.heuristic_candidates >= 1 && options.heuristic_candidates <= 256,
+               "Fp8BlockGemm heuristic_candidates = ", options.heuristic_candidates,
+               " must be in [1, 256]");
+
+  auto impl = std::make_unique<Impl>();
+  impl->max_m = max_m;
+  impl->n = n;
+  impl->k = k;
+  impl->options = options;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&impl->device));
+  int major = 0, minor = 0;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, impl->device));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, impl->device));
+  if (major != 9)
+    return unsupported(
+        "Fp8BlockGemm uses cuBLASLt's Hopper block-scaled FP8 modes (sm_90); device ", impl->device,
+        " is sm_", major, minor);
+
+  M3_RETURN_IF_ERROR(lt_status(cublasLtCreate(&impl->handle), "cublasLtCreate"));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaMalloc(&impl->workspace, std::max<size_t>(options.workspace_bytes, 256)));
+  M3_RETURN_IF_ERROR(impl->init_descriptors());
+
+  // M buckets: 4, 8, 16, ... and finally round_up(max_m, 4).
+  const int64_t m_cap = gemm_padded_rows(max_m);
+  int64_t lo = 4;
+  for (int64_t hi = 4;; hi *= 2) {
+    Bucket b;
+    b.m_lo = lo;
+    b.m_hi = std::min(hi, m_cap);
+    impl->buckets.push_back(b);
+    if (b.m_hi == m_cap) break;
+    lo = b.m_hi + 4;
+  }
+  for (Bucket& b : impl->buckets) {
+    M3_RETURN_IF_ERROR(impl->choose(b, kAligned));
+    M3_RETURN_IF_ERROR(impl->choose(b, kUnaligned));
+  }
+  return std::unique_ptr<Fp8BlockGemm>(new Fp8BlockGemm(std::move(impl)));
+}
+
+Status Fp8BlockGemm::check(const GemmParams& p) const {
+  M3_RETURN_IF_ERROR(validate_gemm(p));
+  const Impl& s = *impl_;
+  int current = -1;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  M3_CHECK_ARG(current == s.device, "Fp8BlockGemm was created on device ", s.device,
+               " but the current device is ", current);
+  for (const TensorView* t : {&p.a, &p.a_scales, &p.b, &p.b_scales, &p.out})
+    M3_CHECK_ARG(t->device == Device::cuda(s.device),
+                 "Fp8BlockGemm needs tensors on cuda:", s.device, ", got one on ",
+                 t->device.to_string());
+
+  const int64_t m = p.a.shape[0], k = p.a.shape[1], n = p.b.shape[0];
+  M3_CHECK_ARG(n == s.n && k == s.k, "Fp8BlockGemm was created for N = ", s.n, ", K = ", s.k,
+               " but got N = ", n, ", K = ", k);
+  M3_CHECK_ARG(m <= gemm_padded_rows(s.max_m), "Fp8BlockGemm M = ", m, " exceeds max_m = ", s.max_m,
+               " (padded to ", gemm_padded_rows(s.max_m), ") given at creation");
+  if (m % 4 != 0)
+    return unsupported(
+        "Fp8BlockGemm needs M % 4 == 0 (cuBLASLt 1x128 activation scaling), got M = ", m,
+        ": quantize into ", gemm_padded_rows(m), " rows (padding rows q = 0, scale = 1)");
+
+  const int64_t kb = k / kQuantBlock;
+  // Activation scales token-major: (m, kb) at m + kb * M.
+  M3_CHECK_ARG((m <= 1 || p.a_scales.stride[0] == 1) && (kb <= 1 || p.a_scales.stride[1] == m),
+               "Fp8BlockGemm A scales must have strides (1, M) = (1, ", m,
+               ") (cuBLASLt VEC128_32F layout, see gemm_activation_scales_view), got (",
+               p.a_scales.stride[0], ", ", p.a_scales.stride[1], ")");
+  // Weight scales row-major [N / 128, K / 128].
+  M3_CHECK_ARG((n / kQuantBlock <= 1 || p.b_scales.stride[0] == kb) &&
+                   (kb <= 1 || p.b_scales.stride[1] == 1),
+               "Fp8BlockGemm B scales must have strides (K / 128, 1) = (", kb,
+               ", 1) (cuBLASLt BLK128x128_32F layout), got (", p.b_scales.stride[0], ", ",
+               p.b_scales.stride[1], ")");
+  M3_RETURN_IF_ERROR(check_alignment(p.a_scales, 16, "Fp8BlockGemm A scales"));
+  M3_RETURN_IF_ERROR(check_alignment(p.b_scales, 16, "Fp8BlockGemm B scales"));
+  return Status::Ok();
+}
+
+Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
+  M3_RETURN_IF_ERROR(check(p));
+  Impl& s = *impl_;
+  const int64_t m = p.a.shape[0];
+  if (m == 0) return Status::Ok();
+
+  const Bucket* bucket = &s.buckets.back();
+  for (const Bucket& b : s.buckets) {
+    if (m <= b.m_hi) {
+      bucket = &b;
+      break;
+    }
+  }
+  const bool aligned = aligned_to(p.a.data, kStrictAlignment) &&
+                       aligned_to(p.b.data, kStrictAlignment) &&
+                       aligned_to(p.out.data, kStrictAlignment) &&
+                       p.a.stride[0] % static_cast<int64_t>(kStrictAlignment) == 0 &&
+                       p.b.stride[0] % static_cast<int64_t>(kStrictAlignment) == 0 &&
+                       (p.out.stride[0] * 2) % static_cast<int64_t>(kStrictAlignment) == 0;
+  const int variant = aligned ? kAligned : kUnaligned;
+
+  M3_RETURN_IF_ERROR(s.set_problem(m, p.a.stride[0], p.b.stride[0], p.out.stride[0]));
+  M3_RETURN_IF_ERROR(s.set_scale_pointers(p.b_scales.data, p.a_scales.data));
+  const float alpha = 1.0f, beta = 0.0f;
+  return lt_status(
+      cublasLtMatmul(s.handle, s.desc(), &alpha, p.b.data, s.w_layout(), p.a.data, s.x_layout(),
+                     &beta, p.out.data, s.d_layout(), p.out.data, s.d_layout(),
+                     &bucket->algo[variant], s.workspace, s.options.workspace_bytes, stream),
+      "cublasLtMatmul", "for the block-scaled FP8 GEMM " + s.shape_string(m));
+}
+
+std::string Fp8BlockGemm::describe() const {
+  const Impl& s = *impl_;
+  std::ostringstream os;
+  os << "Fp8BlockGemm N = " << s.n << ", K = " << s.k << ", max_m = " << s.max_m << ", workspace "
+     << s.options.workspace_bytes << " B"
+     << (s.options.deterministic ? ", deterministic reductions" : ", any reduction") << "\n";
+  for (const Bucket& b : s.buckets) {
+    os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
+       << " ws " << b.workspace[kAligned] << "; 16B " << algo_summary(b.algo[kUnaligned]) << " ws "
+       << b.workspace[kUnaligned] << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace m3attn

@@ -1,0 +1,92 @@
+// The FP8 block-scaled GEMM of SPEC section 2 on Hopper, through cuBLASLt:
+//   out bf16 [M, N] = A e4m3 [M, K] (1x128 fp32 scales) x B e4m3 [N, K] (128x128 fp32 scales)^T,
+// fp32 accumulation, fast accumulation off. Same GemmParams and validate_gemm() as the CPU twin,
+// plus the rules of this path (checked by Fp8BlockGemm::check, before anything is launched):
+//   - every tensor on the CUDA device the object was created on (the current device at run time);
+//   - M % 4 == 0 and M <= max_m (pad with the quantizer: gemm_padded_rows, rows [M, M_pad) have
+//     q = 0, scale = 1); N and K as given at creation; K % 512 == 0 (K / 128 blocks a multiple of
+//     4, so no ambiguity about padded scale rows);
+//   - A scales "token-major": element (m, kb) at m + kb * M, i.e. strides (1, M)
+//     (gemm_activation_scales_view builds it; the quantizer writes it when given that view);
+//   - B scales row-major [N / 128, K / 128]: strides (K / 128, 1);
+//   - A, B, out, A scales and B scales 16-byte aligned; row strides of A and B multiples of 16
+//     elements, of out a multiple of 8 elements (validate_gemm checks those).
+//
+// cuBLASLt is column-major, so the row-major product is computed transposed, out^T = B A^T, in the
+// "TN" form FP8 needs:
+//   cuBLAS A := weights B (K x N column-major, ld = B row stride, op T), scale mode BLK128x128_32F;
+//   cuBLAS B := activations A (K x M column-major, ld = A row stride, op N), scale mode VEC128_32F;
+//   cuBLAS D := out (N x M column-major, ld = out row stride, bf16).
+//
+// Algorithm choice: once per M bucket (powers of two from 4, last one round_up(max_m, 4)) at
+// creation with cublasLtMatmulAlgoGetHeuristic, for the bucket's largest M; the first candidate
+// that cublasLtMatmulAlgoCheck accepts at both ends of the bucket within the workspace is kept. Two
+// algorithms per bucket: one for 256-byte aligned operands (cuBLASLt's default assumption) and one
+// that needs only 16-byte alignment; run() picks by the actual pointers and row strides. With
+// Fp8BlockGemmOptions::deterministic (default) the search excludes the in-place (atomic) split-K
+// reduction, so a replay reproduces an eager run bit for bit.
+//
+// run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
+// object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
+// (two GEMMs in flight on different streams need two objects). Any cuBLASLt failure becomes a
+// kCudaError Status naming the call and the cuBLAS status.
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "m3attn/status.h"
+#include "m3attn/tensor.h"
+#include "stages/projection/projection.h"
+
+namespace m3attn {
+
+// Rows the GEMM needs for m token rows: cuBLASLt's 1x128 activation scaling wants M % 4 == 0.
+constexpr int64_t gemm_padded_rows(int64_t m) { return (m + 3) / 4 * 4; }
+
+// f32 [m_pad, K / 128] view with strides (1, m_pad): the activation-scale layout of Fp8BlockGemm
+// (pass it as QuantizeParams::scales and as GemmParams::a_scales). Needs m_pad * K / 128 floats.
+TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, Device device);
+
+struct Fp8BlockGemmOptions {
+  size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
+  int heuristic_candidates = 16;              // how many heuristic results to try per bucket
+  bool deterministic = true;                  // exclude in-place (atomic) split-K reductions
+};
+
+class Fp8BlockGemm {
+ public:
+  // Chooses the algorithms and allocates the workspace on the current device.
+  static Result<std::unique_ptr<Fp8BlockGemm>> create(int64_t max_m, int64_t n, int64_t k,
+                                                      const Fp8BlockGemmOptions& options = {});
+  ~Fp8BlockGemm();
+  Fp8BlockGemm(const Fp8BlockGemm&) = delete;
+  Fp8BlockGemm& operator=(const Fp8BlockGemm&) = delete;
+
+  // validate_gemm + the rules above; launches nothing.
+  Status check(const GemmParams& p) const;
+  // out = A x B^T on `stream`. M == 0 launches nothing.
+  Status run(const GemmParams& p, cudaStream_t stream);
+
+  int64_t max_m() const;
+  int64_t n() const;
+  int64_t k() const;
+  size_t workspace_bytes() const;
+  // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace.
+  std::string describe() const;
+
+  struct Impl;
+
+ private:
+  explicit Fp8BlockGemm(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

@@ -50,6 +50,26 @@ const char* safetensors_dtype_string(DType dtype) {
   return "?";
 }
 
+namespace {
+
+// Element size of every standard safetensors dtype (0 for strings that are not one).
+int standard_dtype_size(const std::string& d) {
+  static const std::map<std::string, int> sizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"F8_E8M0", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
+      {"F32", 4},  {"F64", 8}, {"I64", 8}, {"U64", 8}};
+  auto it = sizes.find(d);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+Status unsupported_entry(const std::string& file, const SafetensorsEntry& e) {
+  return unsupported(file, ": tensor \"", e.name, "\" has dtype \"", e.dtype_string,
+                     "\", which m3attn does not support (supported: BF16, F32, I32, F8_E4M3, "
+                     "F8_E8M0)");
+}
+
+}  // namespace
+
 int64_t SafetensorsEntry::numel() const {
   int64_t n = 1;
   for (int64_t s : shape) n *= s;
@@ -207,12 +227,14 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::shared_ptr<Mapping> mapping,
     if (!v["dtype"].is_string())
       return data_loss(name, ": tensor \"", key, "\" dtype must be a string");
     const std::string dtype_str = v["dtype"].get<std::string>();
+    e.dtype_string = dtype_str;
+    e.element_size = standard_dtype_size(dtype_str);
+    if (e.element_size == 0)
+      return unsupported(name, ": tensor \"", key, "\" has dtype \"", dtype_str,
+                         "\", which is not a safetensors dtype");
     auto dt = safetensors_dtype_from_string(dtype_str);
-    if (!dt.ok())
-      return unsupported(
-          name, ": tensor \"", key, "\" has dtype \"", dtype_str,
-          "\", which is not supported (supported: BF16, F32, I32, F8_E4M3, F8_E8M0)");
-    e.dtype = dt.value();
+    e.supported = dt.ok();
+    if (e.supported) e.dtype = dt.value();
     const json& shape = v["shape"];
     if (!shape.is_array()) return data_loss(name, ": tensor \"", key, "\" shape must be an array");
     int64_t numel = 1;
@@ -227,7 +249,7 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::shared_ptr<Mapping> mapping,
                          " overflows 64-bit element counts");
     }
     int64_t nbytes = 0;
-    if (!checked_mul(numel, dtype_size(e.dtype), &nbytes))
+    if (!checked_mul(numel, e.element_size, &nbytes))
       return data_loss(name, ": tensor \"", key, "\" shape ", shape.dump(),
                        " overflows 64-bit byte counts");
     const json& off = v["data_offsets"];
@@ -279,13 +301,14 @@ const SafetensorsEntry* SafetensorsFile::find(const std::string& name) const {
 int64_t SafetensorsFile::file_size() const { return mapping_ ? mapping_->size : 0; }
 
 const uint8_t* SafetensorsFile::bytes(const SafetensorsEntry& entry) const {
-  if (!mapping_ || find(entry.name) == nullptr) return nullptr;
-  return mapping_->data + entry.offset;
+  const SafetensorsEntry* e = mapping_ ? find(entry.name) : nullptr;
+  return e == nullptr ? nullptr : mapping_->data + e->offset;
 }
 
 Result<TensorView> SafetensorsFile::view(const std::string& name) const {
   const SafetensorsEntry* e = find(name);
   if (e == nullptr) return invalid_argument(path_, ": no tensor named \"", name, "\"");
+  if (!e->supported) return unsupported_entry(path_, *e);
   if (e->shape.size() > static_cast<size_t>(kMaxDims))
     return unsupported(path_, ": tensor \"", name, "\" has ", e->shape.size(),
                        " dimensions, more than the ", kMaxDims, " a TensorView holds");
@@ -303,6 +326,7 @@ Result<TensorView> SafetensorsFile::view(const std::string& name) const {
 Result<Tensor> SafetensorsFile::read(const std::string& name) const {
   const SafetensorsEntry* e = find(name);
   if (e == nullptr) return invalid_argument(path_, ": no tensor named \"", name, "\"");
+  if (!e->supported) return unsupported_entry(path_, *e);
   Tensor t(e->dtype, e->shape);
   if (e->size > 0) std::memcpy(t.data(), mapping_->data + e->offset, static_cast<size_t>(e->size));
   return t;

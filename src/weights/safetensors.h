@@ -5,7 +5,11 @@
 // to the data region) plus an optional "__metadata__" string -> string map.
 //
 // Supported dtypes: "BF16", "F32", "I32", "F8_E4M3" and "F8_E8M0" (DType kBF16, kF32, kI32, kE4M3,
-// kE8M0). Any other dtype string is rejected naming the tensor and the dtype (kUnsupported).
+// kE8M0). The other standard safetensors dtypes (BOOL, U8, I8, F8_E5M2, I16, U16, F16, U32, F64,
+// I64, U64) are parsed and checked like the rest, so that a checkpoint holding such tensors still
+// opens, but view() and read() of them fail with kUnsupported naming the tensor and the dtype
+// (bytes() still gives their raw data). A dtype string that is not a safetensors dtype at all
+// fails the open (kUnsupported, naming the tensor and the dtype).
 //
 // Every rule of the format is checked when a file is opened (sizes, offsets in bounds and not
 // overlapping, byte size == numel * dtype size, shapes non-negative without overflow, no duplicate
@@ -30,7 +34,10 @@ const char* safetensors_dtype_string(DType dtype);
 
 struct SafetensorsEntry {
   std::string name;
-  DType dtype = DType::kF32;
+  std::string dtype_string;   // as in the header: "BF16", "F8_E4M3", "U8", ...
+  bool supported = true;      // dtype_string maps to a DType
+  DType dtype = DType::kF32;  // meaningful only when supported
+  int element_size = 0;       // bytes per element of dtype_string
   std::vector<int64_t> shape;
   int64_t offset = 0;  // absolute byte offset of the data inside the file (8 + header + begin)
   int64_t size = 0;    // bytes (== numel * dtype_size)
@@ -64,7 +71,7 @@ class SafetensorsFile {
   Result<TensorView> view(const std::string& name) const;
   // An owning copy of the tensor.
   Result<Tensor> read(const std::string& name) const;
-  // Raw bytes of a tensor (nullptr when absent).
+  // Raw bytes of a tensor, any dtype (nullptr when `entry` is not an entry of this file).
   const uint8_t* bytes(const SafetensorsEntry& entry) const;
 
  private:

@@ -51,4 +51,25 @@ Status validate_attention(const AttentionParams& p);
 // pages, so padding and batching never change a row.
 Status run_attention_cpu(const AttentionParams& p);
 
+#if defined(M3ATTN_WITH_CUDA)
+// CUDA launch shape. A zero field is chosen from host-known shapes (T, R, n_kv, max_pages and the
+// SM count), never from device data, so the same params always give the same launch.
+struct AttentionCudaConfig {
+  int tokens_per_tile = 0;  // 1, 2 or 4 query tokens of one request sharing each loaded block
+  int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
+};
+
+// Device workspace bytes that run_attention_cuda needs for these params and config (0 when the
+// launch has no split). Size it once at capacity; a replay with the same params needs no more.
+size_t attention_workspace_bytes(const AttentionParams& p, const AttentionCudaConfig& cfg = {});
+
+// CUDA attention: validate_attention, then every view on the current CUDA device, group size
+// n_q / n_kv <= 16, workspace large enough (16-byte aligned); then one kernel (plus a small merge
+// kernel when splits > 1). No sync, no allocation, no host read of device data: graph-capturable.
+// Same semantics as run_attention_cpu (set semantics for ids, no keys -> +0); ids or page-table
+// entries that are out of range on the device are skipped, never dereferenced.
+Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream, const AttentionCudaConfig& cfg = {});
+#endif
+
 }  // namespace m3attn

@@ -1,0 +1,209 @@
+// CUDA launcher of the paged FP8 attention: the CPU twin's validation, the CUDA-only rules, a
+// launch plan derived from host-known shapes only, then attention_tile_kernel (and
+// attention_merge_kernel when the blocks of a tile are split over several CTAs). No sync, no
+// allocation, no copy: the launch is CUDA-graph capturable. Design and work decomposition:
+// attention_kernel.cuh.
+//
+// Expectations (H200, not yet measured): decode is bound by HBM reads of the selected K/V tiles
+// (32 KB per block per KV head); the plan puts >= 4 CTAs per SM (2 resident, 96 KB smem each) so
+// that ~64 KB per SM are in flight. Prefill is bound by shared-memory traffic (every warp reads the
+// 16 KB K tile and the 32 KB f16 V tile per block for its 16 rows) and mma.sync issue; a 4-token x
+// 16-head tile moves ~4.2 MFLOP per 192 KB of ldmatrix traffic, i.e. <= ~650 TFLOP/s at the
+// 128 B/clk shared-memory rate, so expect well below that.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/cuda_check.h"
+#include "m3attn/config.h"
+#include "stages/attention/attention.h"
+#include "stages/attention/attention_kernel.cuh"
+
+namespace m3attn {
+
+namespace {
+
+namespace ak = attention_kernel;
+
+struct Plan {
+  int qt = 1;         // tokens per tile
+  int splits = 1;     // CTAs per (tile, KV head)
+  int64_t tiles = 0;  // grid.x: an upper bound of sum_r ceil(n_r / qt)
+};
+
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    n = 132;
+  }
+  return n;
+}
+
+Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan* out) {
+  const int64_t T = p.batch.num_tokens;
+  const int64_t R = p.batch.num_requests;
+  Plan pl;
+  if (cfg.tokens_per_tile != 0) {
+    if (cfg.tokens_per_tile != 1 && cfg.tokens_per_tile != 2 && cfg.tokens_per_tile != 4)
+      return unsupported("run_attention_cuda: tokens_per_tile ", cfg.tokens_per_tile,
+                         " is not one of 1, 2, 4");
+    pl.qt = cfg.tokens_per_tile;
+  } else {
+    const int64_t avg = R > 0 ? (T + R - 1) / R : 1;
+    pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
+  }
+  // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
+  pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
+  if (cfg.splits != 0) {
+    if (cfg.splits < 1 || cfg.splits > ak::kMaxSplits)
+      return unsupported("run_attention_cuda: splits ", cfg.splits, " is outside [1, ",
+                         ak::kMaxSplits, "]");
+    pl.splits = cfg.splits;
+  } else {
+    // Aim at two waves of two resident CTAs per SM; never more splits than a tile has blocks
+    // (sparse: about 16 per tile; dense: up to the page-table width).
+    const int64_t ctas = std::max<int64_t>(1, pl.tiles * p.n_kv);
+    const int64_t target = 4 * int64_t{sm_count()};
+    const int64_t blocks = std::max<int64_t>(
+        1, p.sparse ? std::min<int64_t>(kTopK, p.batch.max_pages) : p.batch.max_pages);
+    const int64_t s = ctas >= target ? 1 : (target + ctas - 1) / ctas;
+    pl.splits = static_cast<int>(std::min<int64_t>({s, blocks, ak::kMaxSplits}));
+  }
+  *out = pl;
+  return Status::Ok();
+}
+
+// Floats of the partial outputs and of the (m, l) pairs.
+int64_t ws_o_floats(const AttentionParams& p, const Plan& pl) {
+  return p.batch.num_tokens * p.n_kv * pl.splits * ak::kRows * ak::kDim;
+}
+int64_t ws_ml_floats(const AttentionParams& p, const Plan& pl) {
+  return p.batch.num_tokens * p.n_kv * pl.splits * ak::kRows * 2;
+}
+size_t workspace_for(const AttentionParams& p, const Plan& pl) {
+  if (pl.splits <= 1) return 0;
+  return static_cast<size_t>(ws_o_floats(p, pl) + ws_ml_floats(p, pl)) * sizeof(float);
+}
+
+template <int QT, bool kVec16>
+Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  auto kernel = ak::attention_tile_kernel<QT, kVec16>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(pl.splits));
+  kernel<<<grid, ak::kThreads, ak::kSmemBytes, stream>>>(args);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+// The one dispatch point from run-time (tokens per tile, 16-byte cache alignment) to a template.
+Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
+                cudaStream_t stream) {
+  switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
+    case 1 * 2 + 1:
+      return launch_tiles<1, true>(args, pl, n_kv, stream);
+    case 1 * 2 + 0:
+      return launch_tiles<1, false>(args, pl, n_kv, stream);
+    case 2 * 2 + 1:
+      return launch_tiles<2, true>(args, pl, n_kv, stream);
+    case 2 * 2 + 0:
+      return launch_tiles<2, false>(args, pl, n_kv, stream);
+    case 4 * 2 + 1:
+      return launch_tiles<4, true>(args, pl, n_kv, stream);
+    case 4 * 2 + 0:
+      return launch_tiles<4, false>(args, pl, n_kv, stream);
+    default:
+      break;
+  }
+  return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile");
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(const AttentionParams& p, const AttentionCudaConfig& cfg) {
+  Plan pl;
+  if (!make_plan(p, cfg, &pl).ok()) return 0;
+  return workspace_for(p, pl);
+}
+
+Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream, const AttentionCudaConfig& cfg) {
+  M3_RETURN_IF_ERROR(validate_attention(p));
+  // validate_attention puts every view on one device; it must be the current CUDA device.
+  const Device dev = p.q.device;
+  M3_CHECK_ARG(dev.type == DeviceType::kCUDA, "run_attention_cuda needs CUDA tensors, got ",
+               dev.to_string());
+  int current = -1;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  M3_CHECK_ARG(dev.index == current, "run_attention_cuda: tensors are on ", dev.to_string(),
+               " but the current CUDA device is cuda:", current);
+
+  const int group = p.n_q / p.n_kv;
+  if (group > ak::kRows)
+    return unsupported("run_attention_cuda: group size n_q / n_kv = ", group,
+                       " exceeds the kernel's ", ak::kRows, " MMA rows");
+  M3_CHECK_ARG(p.batch.num_requests < std::numeric_limits<int32_t>::max(),
+               "run_attention_cuda: request count ", p.batch.num_requests, " is too large");
+  M3_CHECK_ARG(p.kv_cache.shape[0] <= std::numeric_limits<int32_t>::max(),
+               "run_attention_cuda: pool of ", p.kv_cache.shape[0],
+               " pages exceeds the int32 page ids");
+  M3_CHECK_ARG(p.n_kv <= 65535, "run_attention_cuda: n_kv ", p.n_kv,
+               " exceeds the grid's y limit 65535");
+
+  Plan pl;
+  M3_RETURN_IF_ERROR(make_plan(p, cfg, &pl));
+  const size_t need = workspace_for(p, pl);
+  if (need > 0) {
+    M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need, "run_attention_cuda: ", pl.splits,
+                 " splits need ", need, " workspace bytes, got ",
+                 workspace == nullptr ? 0 : workspace_bytes);
+    M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
+                 "run_attention_cuda: workspace is not 16-byte aligned");
+  }
+  if (pl.tiles == 0) return Status::Ok();  // no tokens, or no request owns any
+
+  ak::AttnArgs a{};
+  a.q = static_cast<const uint8_t*>(p.q.data);
+  a.q_stride_t = p.q.stride[0];
+  a.kv = static_cast<const uint8_t*>(p.kv_cache.data);
+  a.page_stride = p.kv_cache.stride[0];
+  a.plane_stride = p.kv_cache.stride[1];
+  a.num_pages = static_cast<int>(p.kv_cache.shape[0]);
+  a.block_ids = p.sparse ? static_cast<const int32_t*>(p.block_ids.data) : nullptr;
+  a.bid_stride_t = p.sparse ? p.block_ids.stride[0] : 0;
+  a.bid_stride_h = p.sparse ? p.block_ids.stride[1] : 0;
+  a.query_start = static_cast<const int32_t*>(p.batch.query_start.data);
+  a.positions = static_cast<const int32_t*>(p.batch.positions.data);
+  a.page_table = static_cast<const int32_t*>(p.batch.page_table.data);
+  a.pt_stride = p.batch.page_table.stride[0];
+  a.T = static_cast<int>(p.batch.num_tokens);
+  a.R = p.batch.num_requests;
+  a.max_pages = p.batch.max_pages;
+  a.n_kv = p.n_kv;
+  a.group = group;
+  a.splits = pl.splits;
+  a.sparse = p.sparse ? 1 : 0;
+  const float scale = p.softmax_scale > 0.0f ? p.softmax_scale : 0.08838834764831845f;
+  a.scale_log2 = scale * 1.4426950408889634f;
+  a.out = static_cast<uint16_t*>(p.out.data);
+  a.out_stride = p.out.stride[0];
+  if (need > 0) {
+    a.ws_o = static_cast<float*>(workspace);
+    a.ws_ml = a.ws_o + ws_o_floats(p, pl);
+  }
+
+  const bool vec16 = reinterpret_cast<uintptr_t>(p.kv_cache.data) % 16 == 0 &&
+                     p.kv_cache.stride[0] % 16 == 0 && p.kv_cache.stride[1] % 16 == 0;
+  M3_RETURN_IF_ERROR(dispatch(a, pl, p.n_kv, vec16, stream));
+  if (pl.splits > 1) {
+    const dim3 grid(static_cast<unsigned>(p.batch.num_tokens), static_cast<unsigned>(p.n_kv));
+    ak::attention_merge_kernel<<<grid, ak::kThreads, 0, stream>>>(a);
+    M3_CUDA_CHECK_LAUNCH();
+  }
+  return Status::Ok();
+}
+
+}  // namespace m3attn

@@ -1,0 +1,645 @@
+// Device code of the paged FP8 attention (SPEC section 6): block-sparse (MSA layers) and dense
+// causal (layers 0-2), decode/verify, prefill and mixed batches, one kernel template.
+//
+// Work decomposition
+//   A CTA (4 warps) owns one (query tile, KV head g, split s). A query tile is QT in {1, 2, 4}
+//   consecutive tokens of ONE request (tiles never straddle requests; the CTA finds its tile with a
+//   block-wide scan of query_start, so the grid depends only on host-known T and R). The 16 query
+//   heads of group g are the M = 16 rows of the MMAs; warp w serves token w / KS of the tile and
+//   the key slice w % KS of every block (KS = 4 / QT: 32, 64 or 128 keys of each 128-key block).
+//   All tokens of the tile share every loaded block: the CTA builds the union of the tokens'
+//   selected blocks (sparse) or blocks 0 .. max_pos / 128 (dense), each entry with a bitmask of
+//   the tokens that see it; a warp skips blocks its token did not select, key slices past its
+//   position, and masks keys p > pos inside the local block. With splits > 1 (flash-decoding) the
+//   union is cut into `splits` contiguous ranges, one per CTA, and the CTA writes an unnormalised
+//   partial (o, m, l) that attention_merge_kernel combines with log-sum-exp weights.
+//
+// Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
+//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a 2-stage
+//   ring; V is then converted E4M3 -> f16 (cvt.rn.f16x2.e4m3x2: exact) into a swizzled [key][dim]
+//   f16 tile, zeroing rows past the tile's last position (unwritten slots may hold NaN).
+//   S = Q K^T: mma.sync m16n8k32 e4m3 (Q fragments in registers for the whole kernel, K fragments
+//   by ldmatrix from a 16-byte-chunk XOR swizzle: conflict-free). Online softmax in fp32 with
+//   exp2 of log2e-prescaled scores. O += P V: P rounded to f16 (rel. 2^-11; E4M3 P would cost
+//   2^-4), V fragments by ldmatrix.trans from the f16 tile, mma.sync m16n8k16 f16 with fp32
+//   accumulation.
+//
+// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM, the
+//   whole kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each) keep two 32 KB tiles in
+//   flight per SM. Prefill: each CTA of 4 tokens x 16 heads re-reads blocks that neighbouring
+//   tiles also use (L2 hits); the bound is shared-memory bandwidth / mma.sync issue (see
+//   attention.cu for the expectations).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "core/numeric.h"
+
+namespace m3attn {
+namespace attention_kernel {
+
+constexpr int kBlockKeys = 128;  // keys per block (= KV page)
+constexpr int kDim = 128;        // head dim
+constexpr int kRows = 16;        // MMA rows: the query heads of one group (padded to 16)
+constexpr int kTopKIds = 16;     // selected ids per (token, KV head)
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 2;
+constexpr int kMaxList = 128;                  // block entries held in shared memory at once
+constexpr int kMaxSplits = 128;                // CTAs per (tile, KV head)
+constexpr int kTileBytes = kBlockKeys * kDim;  // one raw E4M3 K or V tile
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kVhBytes = kBlockKeys * kDim * 2;               // V as f16
+constexpr int kSmemBytes = kStages * kStageBytes + kVhBytes;  // 96 KB dynamic
+constexpr int kOStride = kDim + 8;  // floats per row of the epilogue buffer (bank spread)
+static_assert(kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4 <= kSmemBytes,
+              "epilogue buffer must fit in the pipeline's shared memory");
+
+struct AttnArgs {
+  const uint8_t* q;  // [T, n_q, 128]
+  int64_t q_stride_t;
+  const uint8_t* kv;  // cache base
+  int64_t page_stride;
+  int64_t plane_stride;
+  int num_pages;
+  const int32_t* block_ids;  // [T, n_kv, 16] (sparse)
+  int64_t bid_stride_t;
+  int64_t bid_stride_h;
+  const int32_t* query_start;  // [R + 1]
+  const int32_t* positions;    // [T]
+  const int32_t* page_table;   // [R, max_pages]
+  int64_t pt_stride;
+  int T;
+  int R;
+  int max_pages;
+  int n_kv;
+  int group;  // query heads per KV head (<= 16)
+  int splits;
+  int sparse;
+  float scale_log2;  // softmax scale * log2(e)
+  uint16_t* out;     // bf16 [T, n_q * 128]
+  int64_t out_stride;
+  float* ws_o;   // [T, n_kv, splits, 16, 128] (splits > 1)
+  float* ws_ml;  // [T, n_kv, splits, 16, 2]
+};
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers.
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
+                                        uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& d0, uint32_t& d1,
+                                              uint32_t& d2, uint32_t& d3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
+               : "r"(addr));
+}
+
+// D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + D, fp32 accumulators.
+__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// D = A(16x16 f16, row) * B(16x8 f16, col) + D, fp32 accumulators.
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two E4M3 bytes (low byte first) -> two f16 (low half first); exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t two_bytes) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_bytes & 0xffffu), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  return static_cast<uint32_t>(float_to_bf16(lo)) |
+         (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+}
+
+// Inclusive prefix sum of v over the CTA; `total` gets the CTA-wide sum. All threads must call.
+__device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int n = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += n;
+  }
+  if (lane == 31) s_warp[warp] = v;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int x = s_warp[w];
+    if (w < warp) before += x;
+    total += x;
+  }
+  __syncthreads();  // s_warp may be reused
+  return v + before;
+}
+
+// Tile `tile` of the batch: requests are cut into ceil(n_r / QT) tiles of QT tokens, in request
+// order. Writes {request, first token, tokens} to s_tile; false when the tile does not exist
+// (the grid is sized for the worst case).
+template <int QT>
+__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile) {
+  if (threadIdx.x == 0) s_tile[0] = -1;
+  __syncthreads();
+  int carry = 0;
+  for (int base = 0; base < a.R; base += kThreads) {
+    const int r = base + static_cast<int>(threadIdx.x);
+    int lo = 0, hi = 0, cnt = 0;
+    if (r < a.R) {
+      lo = min(max(a.query_start[r], 0), a.T);
+      hi = min(max(a.query_start[r + 1], 0), a.T);
+      cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
+    }
+    int total = 0;
+    const int incl = block_inclusive_scan(cnt, s_warp, total);
+    const int excl = incl - cnt;
+    if (cnt > 0 && tile >= carry + excl && tile < carry + incl) {
+      const int start = lo + (tile - carry - excl) * QT;
+      s_tile[0] = r;
+      s_tile[1] = start;
+      s_tile[2] = min(QT, hi - start);
+    }
+    carry += total;
+    __syncthreads();
+    if (s_tile[0] >= 0) break;
+  }
+  return s_tile[0] >= 0;
+}
+
+// Raw K (swizzled 16-byte chunks: chunk c of key k at (c ^ (k & 7))) and V (row-major) of one
+// (page, KV head) into one pipeline stage.
+template <bool kVec16>
+__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage) {
+  const uint8_t* kt =
+      a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
+  const uint8_t* vt = kt + a.plane_stride;
+  const uint32_t ks = smem_u32(stage);
+  const uint32_t vs = ks + kTileBytes;
+#pragma unroll
+  for (int it = 0; it < kTileBytes / 16 / kThreads; ++it) {
+    const int i = it * kThreads + static_cast<int>(threadIdx.x);
+    const int key = i >> 3, c = i & 7;
+    const uint32_t kdst = ks + key * kDim + ((c ^ (key & 7)) << 4);
+    const uint32_t vdst = vs + i * 16;
+    if constexpr (kVec16) {
+      cp_async_16(kdst, kt + i * 16);
+      cp_async_16(vdst, vt + i * 16);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        cp_async_4(kdst + 4 * e, kt + i * 16 + 4 * e);
+        cp_async_4(vdst + 4 * e, vt + i * 16 + 4 * e);
+      }
+    }
+  }
+}
+
+// Raw V (row-major E4M3) -> f16 [key][dim] with 16-byte chunk c of key k at (c ^ (k & 7)); keys
+// past vlim become 0.
+__device__ __forceinline__ void convert_v(const uint8_t* vraw, uint8_t* vh, int vlim) {
+#pragma unroll 4
+  for (int it = 0; it < kBlockKeys * 16 / kThreads; ++it) {
+    const int i = it * kThreads + static_cast<int>(threadIdx.x);
+    const int key = i >> 4, c = i & 15;
+    uint4 h = make_uint4(0u, 0u, 0u, 0u);
+    if (key <= vlim) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(vraw + key * kDim + c * 8);
+      h.x = e4m3x2_to_f16x2(raw.x);
+      h.y = e4m3x2_to_f16x2(raw.x >> 16);
+      h.z = e4m3x2_to_f16x2(raw.y);
+      h.w = e4m3x2_to_f16x2(raw.y >> 16);
+    }
+    *reinterpret_cast<uint4*>(vh + key * (kDim * 2) + ((c ^ (key & 7)) << 4)) = h;
+  }
+}
+
+// Per-warp state of the online softmax: rows grp and grp + 8 of the 16-row tile.
+struct WarpState {
+  float o[kDim / 8][4];  // O accumulators: n-tile n holds dims 8n + 2 tig + {0, 1}
+  float m[2];            // running max (log2 domain)
+  float l[2];            // running sum (this thread's columns only; quad-reduced at the end)
+};
+
+// One chunk of NK keys [key0, key0 + NK) of the block in shared memory. Keys with index > lim
+// are masked when need_mask.
+template <int NK>
+__device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
+                                             uint32_t k_smem, uint32_t vh_smem, int key0,
+                                             bool need_mask, int lim, float scale_log2) {
+  const int lane = threadIdx.x & 31;
+  const int tig = lane & 3;
+  float s[NK / 8][4];
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+
+    // S = Q K^T. ldmatrix lane L addresses key (n0 + (L & 7)), 16-byte chunk (4 kp + (L >> 3)):
+    // register m is the B fragment (bytes 4 tig .. 4 tig + 3 of chunk 4 kp + m) of key n0 + grp.
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j) {
+    const int key = key0 + 8 * j + (lane & 7);
+#pragma unroll
+    for (int kp = 0; kp < 2; ++kp) {
+      const int chunk = 4 * kp + (lane >> 3);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4(k_smem + key * kDim + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
+      mma_e4m3(s[j], qa[2 * kp], b0, b1);
+      mma_e4m3(s[j], qa[2 * kp + 1], b2, b3);
+    }
+  }
+
+  // Scale to the log2 domain, mask, row max (rows grp: elements 0, 1; grp + 8: elements 2, 3).
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float v = s[j][e] * scale_log2;
+      if (need_mask && key0 + 8 * j + 2 * tig + (e & 1) > lim) v = -INFINITY;
+      s[j][e] = v;
+    }
+    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float m0 = fmaxf(st.m[0], mx0), m1 = fmaxf(st.m[1], mx1);
+  // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
+  const float mu0 = m0 == -INFINITY ? 0.0f : m0;
+  const float mu1 = m1 == -INFINITY ? 0.0f : m1;
+  const float alpha0 = exp2f(st.m[0] - mu0), alpha1 = exp2f(st.m[1] - mu1);
+  st.m[0] = m0;
+  st.m[1] = m1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < NK / 8; ++j) {
+    s[j][0] = exp2f(s[j][0] - mu0);
+    s[j][1] = exp2f(s[j][1] - mu0);
+    s[j][2] = exp2f(s[j][2] - mu1);
+    s[j][3] = exp2f(s[j][3] - mu1);
+    sum0 += s[j][0] + s[j][1];
+    sum1 += s[j][2] + s[j][3];
+  }
+  st.l[0] = st.l[0] * alpha0 + sum0;
+  st.l[1] = st.l[1] * alpha1 + sum1;
+#pragma unroll
+  for (int n = 0; n < kDim / 8; ++n) {
+    st.o[n][0] *= alpha0;
+    st.o[n][1] *= alpha0;
+    st.o[n][2] *= alpha1;
+    st.o[n][3] *= alpha1;
+  }
+
+  // O += P V. The S accumulators of n-tiles 2 kk, 2 kk + 1 are the A fragment of keys
+  // [16 kk, 16 kk + 16). ldmatrix.trans lane L addresses key (16 kk + 8 ((L >> 3) & 1) + (L & 7))
+  // and f16 chunk (2 np + (L >> 4)): registers 0, 1 are the B fragment of dims 16 np .. + 7,
+  // registers 2, 3 that of dims 16 np + 8 .. + 15.
+#pragma unroll
+  for (int kk = 0; kk < NK / 16; ++kk) {
+    uint32_t pa[4];
+    pa[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
+    pa[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
+    pa[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+    pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+    const int key = key0 + 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
+#pragma unroll
+    for (int np = 0; np < kDim / 16; ++np) {
+      const int chunk = 2 * np + (lane >> 4);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_trans(vh_smem + key * (kDim * 2) + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
+      mma_f16(st.o[2 * np], pa, b0, b1);
+      mma_f16(st.o[2 * np + 1], pa, b2, b3);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
+// kSmemBytes.
+template <int QT, bool kVec16>
+__global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
+  constexpr int KS = kWarps / QT;          // warps per token (key slices)
+  constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
+  constexpr int kChunk = kSlice < 64 ? kSlice : 64;
+  constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
+  static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
+
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_warp[kWarps];
+  __shared__ int s_tile[3];
+  __shared__ int s_pos[QT];
+  __shared__ int s_cand_b[kCand];
+  __shared__ int s_cand_page[kCand];
+  __shared__ int s_list_b[kMaxList];
+  __shared__ int s_list_page[kMaxList];
+  __shared__ int s_list_mask[kMaxList];
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int g = blockIdx.y, split = blockIdx.z;
+
+  if (!find_tile<QT>(a, static_cast<int>(blockIdx.x), s_warp, s_tile)) return;  // CTA-uniform
+  const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
+  if (tid < QT) s_pos[tid] = tid < nt ? a.positions[t0 + tid] : -1;
+
+  // Q fragments of this warp's token (rows = heads g * group + row, rows >= group are zero).
+  const int tw = warp / KS, ksl = warp % KS;
+  uint32_t qa[4][4];
+  {
+    const bool tok = tw < nt;
+    const bool r0 = tok && grp < a.group, r1 = tok && grp + 8 < a.group;
+    const int64_t t = t0 + (tok ? tw : 0);
+    const uint8_t* q0 = a.q + t * a.q_stride_t + static_cast<int64_t>(g * a.group + grp) * kDim;
+    const uint8_t* q1 = q0 + 8 * kDim;
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const int off = 32 * ks + 4 * tig;
+      qa[ks][0] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off) : 0u;
+      qa[ks][1] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off) : 0u;
+      qa[ks][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
+      qa[ks][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
+    }
+  }
+  __syncthreads();  // s_pos
+
+  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
+  int n_total = 0;
+  if (a.sparse) {
+    // Candidates: every (token, slot) id that selects a visible block with a valid page.
+    if (tid < kCand) {
+      const int w = tid / kTopKIds, k = tid % kTopKIds;
+      int b = -1, page = -1;
+      const int pos = s_pos[w];
+      if (w < nt && pos >= 0) {
+        b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
+                        static_cast<int64_t>(g) * a.bid_stride_h + k];
+        if (b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
+          page = a.page_table[pt_row + b];
+          if (page < 0 || page >= a.num_pages) b = -1;
+        } else {
+          b = -1;
+        }
+      }
+      s_cand_b[tid] = b;
+      s_cand_page[tid] = page;
+    }
+    __syncthreads();
+    // Union: the first occurrence of each id becomes an entry whose mask holds every token that
+    // selected it. Entries keep candidate order, so every split CTA derives the same list.
+    bool first = false;
+    int b = -1, mask = 0;
+    if (tid < kCand) {
+      b = s_cand_b[tid];
+      if (b >= 0) {
+        first = true;
+        for (int j = 0; j < kCand; ++j) {
+          if (s_cand_b[j] == b) {
+            if (j < tid) first = false;
+            mask |= 1 << (j / kTopKIds);
+          }
+        }
+      }
+    }
+    const int rank = block_inclusive_scan(first ? 1 : 0, s_warp, n_total) - 1;
+    if (first) {
+      s_list_b[rank] = b;
+      s_list_page[rank] = s_cand_page[tid];
+      s_list_mask[rank] = mask;
+    }
+  } else {
+    int maxpos = -1;
+#pragma unroll
+    for (int w = 0; w < QT; ++w) maxpos = max(maxpos, s_pos[w]);
+    n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
+  }
+  __syncthreads();
+
+  // This CTA's share of the entries.
+  const int per = (n_total + a.splits - 1) / a.splits;
+  const int lo = min(n_total, split * per);
+  const int hi = min(n_total, lo + per);
+
+  WarpState st;
+#pragma unroll
+  for (int n = 0; n < kDim / 8; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.0f;
+
+  uint8_t* vh = smem + kStages * kStageBytes;
+  const uint32_t vh_smem = smem_u32(vh);
+  const int my_pos = tw < nt ? s_pos[tw] : -1;
+
+  for (int c0 = lo; c0 < hi; c0 += kMaxList) {
+    const int count = min(hi - c0, kMaxList);
+    int off = c0;
+    if (!a.sparse) {
+      // Dense entries [c0, c0 + count): block b = c0 + i, seen by every token with pos / 128 >= b.
+      __syncthreads();  // the previous chunk's entries are no longer read
+      for (int i = tid; i < count; i += kThreads) {
+        const int b = c0 + i;
+        const int page = a.page_table[pt_row + b];
+        int mask = 0;
+        if (page >= 0 && page < a.num_pages) {
+#pragma unroll
+          for (int w = 0; w < QT; ++w)
+            if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) mask |= 1 << w;
+        }
+        s_list_b[i] = b;
+        s_list_page[i] = page;
+        s_list_mask[i] = mask;
+      }
+      __syncthreads();
+      off = 0;
+    }
+
+    if (s_list_mask[off]) load_block<kVec16>(a, s_list_page[off], g, smem);
+    cp_async_commit();
+    for (int i = 0; i < count; ++i) {
+      cp_async_wait_all();
+      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
+      if (i + 1 < count && s_list_mask[off + i + 1])
+        load_block<kVec16>(a, s_list_page[off + i + 1], g, smem + ((i + 1) & 1) * kStageBytes);
+      cp_async_commit();
+      const int mask = s_list_mask[off + i];
+      const int b = s_list_b[off + i];
+      uint8_t* stage = smem + (i & 1) * kStageBytes;
+      if (mask) {
+        // Rows past the last position any token of the tile sees may be unwritten (NaN).
+        int vmax = 0;
+#pragma unroll
+        for (int w = 0; w < QT; ++w)
+          if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
+        convert_v(stage + kTileBytes, vh, vmax - b * kBlockKeys);
+      }
+      __syncthreads();
+      if (mask & (1 << tw)) {
+        const int lim = my_pos - b * kBlockKeys;  // keys > lim are in this token's future
+        const uint32_t k_smem = smem_u32(stage);
+#pragma unroll
+        for (int c = 0; c < kSlice / kChunk; ++c) {
+          const int key0 = ksl * kSlice + c * kChunk;
+          if (key0 <= lim)
+            attend_chunk<kChunk>(st, qa, k_smem, vh_smem, key0, key0 + kChunk - 1 > lim, lim,
+                                 a.scale_log2);
+        }
+      }
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();  // all warps are done with the pipeline buffers
+
+  // Epilogue: each warp parks (o, m, l) of its 16 rows; the KS warps of a token are combined.
+  float* s_o = reinterpret_cast<float*>(smem);
+  float* s_m = s_o + kWarps * kRows * kOStride;
+  float* s_l = s_m + kWarps * kRows;
+  {
+    float l0 = st.l[0], l1 = st.l[1];
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    float* ow = s_o + warp * kRows * kOStride;
+#pragma unroll
+    for (int n = 0; n < kDim / 8; ++n) {
+      *reinterpret_cast<float2*>(ow + grp * kOStride + 8 * n + 2 * tig) =
+          make_float2(st.o[n][0], st.o[n][1]);
+      *reinterpret_cast<float2*>(ow + (grp + 8) * kOStride + 8 * n + 2 * tig) =
+          make_float2(st.o[n][2], st.o[n][3]);
+    }
+    if (tig == 0) {
+      s_m[warp * kRows + grp] = st.m[0];
+      s_m[warp * kRows + grp + 8] = st.m[1];
+      s_l[warp * kRows + grp] = l0;
+      s_l[warp * kRows + grp + 8] = l1;
+    }
+  }
+  __syncthreads();
+
+  const int items = QT * a.group * (kDim / 2);
+  for (int item = tid; item < items; item += kThreads) {
+    const int w = item / (a.group * (kDim / 2));
+    const int rem = item - w * (a.group * (kDim / 2));
+    const int h = rem / (kDim / 2), dp = rem % (kDim / 2);
+    if (w >= nt) continue;
+    float M = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < KS; ++k) M = fmaxf(M, s_m[(w * KS + k) * kRows + h]);
+    float L = 0.0f, ox = 0.0f, oy = 0.0f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int k = 0; k < KS; ++k) {
+        const int wk = w * KS + k;
+        const float wgt = exp2f(s_m[wk * kRows + h] - M);
+        const float2 v =
+            *reinterpret_cast<const float2*>(s_o + (wk * kRows + h) * kOStride + 2 * dp);
+        L += wgt * s_l[wk * kRows + h];
+        ox += wgt * v.x;
+        oy += wgt * v.y;
+      }
+    }
+    const int64_t t = t0 + w;
+    if (a.splits == 1) {
+      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
+      *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + (g * a.group + h) * kDim + 2 * dp) =
+          pack_bf16x2(ox * inv, oy * inv);
+    } else {
+      const int64_t slot = (t * a.n_kv + g) * a.splits + split;
+      *reinterpret_cast<float2*>(a.ws_o + (slot * kRows + h) * kDim + 2 * dp) = make_float2(ox, oy);
+      if (dp == 0) {
+        a.ws_ml[(slot * kRows + h) * 2] = M;
+        a.ws_ml[(slot * kRows + h) * 2 + 1] = L;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Split merge: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s. Grid (T, n_kv), kThreads.
+__global__ void __launch_bounds__(kThreads) attention_merge_kernel(const AttnArgs a) {
+  __shared__ float s_w[kRows][kMaxSplits];
+  __shared__ float s_inv[kRows];
+  const int64_t t = blockIdx.x;
+  const int g = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int64_t slot0 = (t * a.n_kv + g) * a.splits;
+  // Only tokens that a request owns got partials (for monotone query_start: [qs[0], qs[R])); the
+  // outputs of other rows stay untouched, as without a split.
+  if (a.R <= 0 || t < a.query_start[0] || t >= a.query_start[a.R]) return;
+  if (tid < a.group) {
+    const int h = tid;
+    float M = -INFINITY;
+    for (int s = 0; s < a.splits; ++s) M = fmaxf(M, a.ws_ml[((slot0 + s) * kRows + h) * 2]);
+    float L = 0.0f;
+    for (int s = 0; s < a.splits; ++s) {
+      const float w = M == -INFINITY ? 0.0f : exp2f(a.ws_ml[((slot0 + s) * kRows + h) * 2] - M);
+      s_w[h][s] = w;
+      L += w * a.ws_ml[((slot0 + s) * kRows + h) * 2 + 1];
+    }
+    s_inv[h] = L > 0.0f ? 1.0f / L : 0.0f;
+  }
+  __syncthreads();
+  const int items = a.group * (kDim / 2);
+  for (int item = tid; item < items; item += kThreads) {
+    const int h = item / (kDim / 2), dp = item % (kDim / 2);
+    float ox = 0.0f, oy = 0.0f;
+    for (int s = 0; s < a.splits; ++s) {
+      const float w = s_w[h][s];
+      const float2 v =
+          *reinterpret_cast<const float2*>(a.ws_o + ((slot0 + s) * kRows + h) * kDim + 2 * dp);
+      ox += w * v.x;
+      oy += w * v.y;
+    }
+    const float inv = s_inv[h];
+    *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + (g * a.group + h) * kDim + 2 * dp) =
+        pack_bf16x2(ox * inv, oy * inv);
+  }
+}
+
+}  // namespace attention_kernel
+}  // namespace m3attn

@@ -57,9 +57,11 @@ void token_block_scores(const IndexerParams& p, const int32_t* table, int pos, c
     bool nan = false;
     for (int row = 0; row < rows; ++row) {
       const uint8_t* k = page + int64_t{row} * kHeadDim;
-      double dot = 0.0;
-      for (int d = 0; d < kHeadDim; ++d) dot += q[d] * lut.value[k[d]];
-      const float s = static_cast<float>(dot);
+      // Four partial sums: every partial sum is exact, so the order cannot change the result.
+      double acc[4] = {0.0, 0.0, 0.0, 0.0};
+      for (int d = 0; d < kHeadDim; d += 4)
+        for (int i = 0; i < 4; ++i) acc[i] += q[d + i] * lut.value[k[d + i]];
+      const float s = static_cast<float>((acc[0] + acc[1]) + (acc[2] + acc[3]));
       if (std::isnan(s))
         nan = true;
       else
@@ -177,11 +179,12 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
   const int want = 1 + std::min(kTopK - 1, others);
   M3_CHECK_ARG(count == want, "block selection: ", count, " ids, expected ", want, " (", others,
                " non-NaN blocks besides the local one)");
+  for (int i = 0; i < count; ++i)
+    M3_CHECK_ARG(ids[i] == local || !std::isnan(block_scores[ids[i]]), "block selection: block ",
+                 ids[i], " with a NaN score was chosen");
   for (int i = 0; i < count; ++i) {
     const int c = ids[i];
     if (c == local) continue;
-    M3_CHECK_ARG(!std::isnan(block_scores[c]), "block selection: block ", c,
-                 " with a NaN score was chosen");
     for (int u = 0; u < local; ++u) {
       if (chosen[u] || std::isnan(block_scores[u])) continue;
       const float sc = block_scores[c], su = block_scores[u];

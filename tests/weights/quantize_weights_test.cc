@@ -8,19 +8,14 @@
 
 #include "core/numeric.h"
 #include "support/test_util.h"
+#include "weights/weights_test_util.h"
 
 namespace m3attn {
 namespace {
 
 using testing::fresh_seed;
 using testing::Rng;
-
-// Writes one element. Out of line: GCC's -Wstringop-overflow otherwise mistakes a constant index
-// into Tensor storage for a write past its first 64-byte chunk.
-template <typename T>
-[[gnu::noinline]] void poke(Tensor& t, int64_t i, T v) {
-  t.ptr<T>()[i] = v;
-}
+using weights_test::poke;
 
 // Distance between adjacent E4M3 values around magnitude a (a finite, |a| <= 448).
 float e4m3_step(float a) {

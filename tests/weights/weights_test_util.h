@@ -10,7 +10,16 @@
 #include <string>
 #include <vector>
 
+#include "m3attn/tensor.h"
+
 namespace m3attn::weights_test {
+
+// Writes element i of a host tensor. Out of line: with a constant index GCC's
+// -Wstringop-overflow mistakes a write into Tensor storage for one past its first 64-byte chunk.
+template <typename T>
+[[gnu::noinline]] void poke(Tensor& t, int64_t i, T v) {
+  t.ptr<T>()[i] = v;
+}
 
 // A fresh directory under the system temp folder, removed with everything in it at scope exit.
 class ScratchDir {

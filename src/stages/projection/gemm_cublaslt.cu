@@ -324,6 +324,7 @@ Status Fp8BlockGemm::check(const GemmParams& p) const {
                " but got N = ", n, ", K = ", k);
   M3_CHECK_ARG(m <= gemm_padded_rows(s.max_m), "Fp8BlockGemm M = ", m, " exceeds max_m = ", s.max_m,
                " (padded to ", gemm_padded_rows(s.max_m), ") given at creation");
+  if (m == 0) return Status::Ok();  // nothing to compute: the scale layouts do not matter
   if (m % 4 != 0)
     return unsupported(
         "Fp8BlockGemm needs M % 4 == 0 (cuBLASLt 1x128 activation scaling), got M = ", m,

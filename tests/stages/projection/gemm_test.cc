@@ -106,13 +106,13 @@ struct RefValue {
   double bound;
 };
 
-RefValue reference(GemmCase& c, int64_t r, int64_t col) {
+// a_row / b_row: row r of A and row col of B, decoded to double.
+RefValue reference(GemmCase& c, int64_t r, int64_t col, const double* a_row, const double* b_row) {
   const int64_t blocks = c.k / 128;
   double sum = 0.0, abs_terms = 0.0;
   for (int64_t kb = 0; kb < blocks; ++kb) {
     double dot = 0.0;
-    for (int64_t i = kb * 128; i < kb * 128 + 128; ++i)
-      dot += double(e4m3_to_float(c.a_at(r, i))) * double(e4m3_to_float(c.b_at(col, i)));
+    for (int64_t i = kb * 128; i < kb * 128 + 128; ++i) dot += a_row[i] * b_row[i];
     const double term = dot * c.sa(r, kb) * c.sb(col / 128, kb);
     sum += term;
     abs_terms += std::fabs(term);
@@ -138,9 +138,15 @@ void fill_random(GemmCase& c, Rng& rng, bool fill_b = true) {
 }
 
 void check_random(GemmCase& c) {
-  for (int64_t r = 0; r < c.m; ++r) {
-    for (int64_t col = 0; col < c.n; ++col) {
-      const RefValue ref = reference(c, r, col);
+  double decode[256];
+  for (int i = 0; i < 256; ++i) decode[i] = e4m3_to_float(static_cast<uint8_t>(i));
+  std::vector<double> a_rows(c.m * c.k), b_row(c.k);
+  for (int64_t r = 0; r < c.m; ++r)
+    for (int64_t i = 0; i < c.k; ++i) a_rows[r * c.k + i] = decode[c.a_at(r, i)];
+  for (int64_t col = 0; col < c.n; ++col) {
+    for (int64_t i = 0; i < c.k; ++i) b_row[i] = decode[c.b_at(col, i)];
+    for (int64_t r = 0; r < c.m; ++r) {
+      const RefValue ref = reference(c, r, col, &a_rows[r * c.k], b_row.data());
       const uint16_t got = c.out_at(r, col);
       const double v = bf16_to_float(got);
       ASSERT_FALSE(std::isnan(v)) << "row " << r << " col " << col;
@@ -213,9 +219,10 @@ TEST(Gemm, M3ProjectionGeometrySmoke) {
   fill_random(c, rng, /*fill_b=*/false);
   // B is 60 M elements: fill it with random non-NaN codes (8 per draw) instead of normal samples.
   uint8_t* b = c.b.ptr<uint8_t>();
-  for (int64_t i = 0; i < c.b.nbytes(); i += 8) {
+  const int64_t b_bytes = c.b.nbytes();
+  for (int64_t i = 0; i < b_bytes; i += 8) {
     uint64_t bits = rng.engine()();
-    for (int j = 0; j < 8 && i + j < c.b.nbytes(); ++j, bits >>= 8) {
+    for (int j = 0; j < 8 && i + j < b_bytes; ++j, bits >>= 8) {
       const uint8_t code = static_cast<uint8_t>(bits);
       b[i + j] = e4m3_is_nan(code) ? code ^ 1 : code;
     }

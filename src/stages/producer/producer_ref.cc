@@ -12,6 +12,12 @@
 //   V: y unchanged
 //   code = e4m3(y) (round to nearest even, saturate to +-448)
 // Fused and unfused modes call the same per-head routine, so their outputs are byte-identical here.
+// Limits shared with the kernel: ss overflows fp32 for |y| above ~1.6e18 (the head then normalizes
+// to zeros), and RoPE may turn an exact -0 into +0 (y - 0 * s); both are far from real activations
+// and the sign of a zero is not a difference the tests count.
+// Tokens: position outside [0, max_pos) -> Q / index-Q rows 0x7F (NaN), no cache write; slot < 0
+// or page >= num_pages -> Q / index-Q produced, no cache write. Duplicate valid slots within one
+// call are a caller bug: here the later token wins, on the device the order is unspecified.
 #include <cmath>
 #include <cstdint>
 #include <cstring>

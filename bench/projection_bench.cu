@@ -1,0 +1,368 @@
+// The QKV + index projection on the GPU (SPEC section 2): activation quantization and the
+// cuBLASLt block-scaled FP8 GEMM (Fp8BlockGemm), fused [Q|K|V|iQ|iK] (N = 9856) against the
+// unfused pair [Q|K|V] (N = 9216) + [iQ|iK] (N = 640), K = 6144, for M = 1 ... 16384 token rows
+// (M = 1 and other M % 4 != 0 are padded to a multiple of 4 by the quantizer).
+//
+// Every call is timed as a CUDA-graph replay with a cold L2 (bench_util flushes 256 MB before each
+// replay), so the weights always come from HBM. Reported per M:
+//   quant us        the quantizer alone (bf16 x -> e4m3 + 1x128 scales)
+//   fused us        the N = 9856 GEMM alone; GB/s and % of the 4300 GB/s copy bandwidth count
+//                   weights + weight scales + activations + activation scales + output bytes
+//   TFLOP/s         2 M N K / time with the true M (padding rows are not useful work)
+//   pair us         the N = 9216 and N = 640 GEMMs back to back (one graph), same weights
+//   pair/fused      > 1 means the fused projection is faster
+//   q+fused us      quantizer + fused GEMM, the projection as the layer runs it
+// A spot check runs first and prints PASS/FAIL: the quantizer against the CPU twin (byte-identical)
+// and five 128-column blocks of the fused and unfused outputs against run_gemm_cpu (within the
+// accumulation bound of tests/stages/projection/gemm_gpu_test.cu). The exit status is 1 on FAIL.
+//
+// Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
+// --verbose (also print the algorithms of the unfused pair).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/projection.h"
+#include "stages/quantize/quantize.h"
+#include "support/bench_util.h"
+
+namespace m3attn {
+namespace {
+
+using bench::check_cuda;
+
+constexpr int64_t kK = 6144, kNF = 9856, kN1 = 9216, kN2 = 640, kKb = kK / 128;
+
+__device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  return static_cast<uint32_t>(x >> 16);
+}
+
+// E4M3 codes spread over the whole range, NaN codes replaced by +-448.
+__global__ void fill_e4m3(uint8_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint32_t c = hash32(static_cast<uint64_t>(i), seed) & 0xffu;
+    if ((c & 0x7fu) == 0x7fu) c &= 0xfeu;
+    p[i] = static_cast<uint8_t>(c);
+  }
+}
+
+__global__ void fill_scales(float* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] =
+        1e-4f * (1.0f + static_cast<float>(hash32(static_cast<uint64_t>(i), seed) % 1000) / 250.0f);
+}
+
+__global__ void fill_bf16(uint16_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float u = static_cast<float>(hash32(static_cast<uint64_t>(i), seed) % 65536) / 65536.0f;
+    p[i] = float_to_bf16(8.0f * u - 4.0f);
+  }
+}
+
+void must(const Status& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+template <typename T>
+T* device_alloc(size_t count) {
+  void* p = nullptr;
+  check_cuda(cudaMalloc(&p, count * sizeof(T)), "cudaMalloc");
+  return static_cast<T*>(p);
+}
+
+struct Buffers {
+  int64_t max_rows = 0, max_pad = 0;
+  uint16_t* x = nullptr;     // bf16 [max_rows, K]
+  uint8_t* a = nullptr;      // e4m3 [max_pad, K]
+  float* sa = nullptr;       // f32 [max_pad * K / 128]
+  uint8_t* w = nullptr;      // e4m3 [NF, K] packed [Q|K|V|iQ|iK]
+  float* sw = nullptr;       // f32 [NF / 128, K / 128]
+  uint16_t* out = nullptr;   // bf16 [max_pad, NF], fused
+  uint16_t* out2 = nullptr;  // bf16 [max_pad, NF], the pair writes its column ranges
+};
+
+struct Calls {
+  QuantizeParams q;
+  GemmParams fused, first, second;
+};
+
+Calls make_calls(const Buffers& b, int64_t rows) {
+  const Device dev = Device::cuda(0);
+  const int64_t m = gemm_padded_rows(rows);
+  Calls c;
+  c.q.rows = rows;
+  c.q.in = TensorView::contiguous(b.x, DType::kBF16, {rows, kK}, dev);
+  c.q.out = TensorView::contiguous(b.a, DType::kE4M3, {m, kK}, dev);
+  c.q.scales = gemm_activation_scales_view(b.sa, m, kK, dev);
+  c.fused.a = c.q.out;
+  c.fused.a_scales = c.q.scales;
+  c.fused.b = TensorView::contiguous(b.w, DType::kE4M3, {kNF, kK}, dev);
+  c.fused.b_scales = TensorView::contiguous(b.sw, DType::kF32, {kNF / 128, kKb}, dev);
+  c.fused.out = TensorView::contiguous(b.out, DType::kBF16, {m, kNF}, dev);
+  c.first = c.fused;
+  c.first.b.shape[0] = kN1;
+  c.first.b_scales.shape[0] = kN1 / 128;
+  c.first.out = TensorView::strided(b.out2, DType::kBF16, {m, kN1}, {kNF, 1}, dev);
+  c.second = c.fused;
+  c.second.b = TensorView::contiguous(b.w + kN1 * kK, DType::kE4M3, {kN2, kK}, dev);
+  c.second.b_scales =
+      TensorView::contiguous(b.sw + kN1 / 128 * kKb, DType::kF32, {kN2 / 128, kKb}, dev);
+  c.second.out = TensorView::strided(b.out2 + kN1, DType::kBF16, {m, kN2}, {kNF, 1}, dev);
+  return c;
+}
+
+// ---- spot check -------------------------------------------------------------------------------
+bool spot_check(const Buffers& b, Fp8BlockGemm& fused, Fp8BlockGemm& first, Fp8BlockGemm& second,
+                cudaStream_t stream) {
+  const int64_t rows = 5, m = gemm_padded_rows(rows);
+  std::vector<uint16_t> x(static_cast<size_t>(rows * kK));
+  uint64_t state = 12345;
+  for (auto& v : x) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    const float u = static_cast<float>((state >> 33) % 100000) / 100000.0f;
+    v = float_to_bf16((u - 0.5f) * std::pow(10.0f, static_cast<float>((state >> 20) % 3)));
+  }
+  check_cuda(cudaMemcpy(b.x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "upload x");
+  const Calls c = make_calls(b, rows);
+  must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+  must(fused.run(c.fused, stream), "fused GEMM");
+  must(first.run(c.first, stream), "GEMM N = 9216");
+  must(second.run(c.second, stream), "GEMM N = 640");
+  check_cuda(cudaStreamSynchronize(stream), "spot check");
+
+  // Quantizer against the twin, byte for byte.
+  std::vector<uint8_t> qa(static_cast<size_t>(m * kK)), qa_ref(qa.size());
+  std::vector<float> sa(static_cast<size_t>(m * kKb)), sa_ref(sa.size());
+  check_cuda(cudaMemcpy(qa.data(), b.a, qa.size(), cudaMemcpyDeviceToHost), "download a");
+  check_cuda(cudaMemcpy(sa.data(), b.sa, sa.size() * 4, cudaMemcpyDeviceToHost), "download sa");
+  QuantizeParams qh;
+  qh.rows = rows;
+  qh.in = TensorView::contiguous(x.data(), DType::kBF16, {rows, kK});
+  qh.out = TensorView::contiguous(qa_ref.data(), DType::kE4M3, {m, kK});
+  qh.scales = gemm_activation_scales_view(sa_ref.data(), m, kK, Device::cpu());
+  must(run_quantize_cpu(qh), "run_quantize_cpu");
+  const bool quant_ok = qa == qa_ref && std::memcmp(sa.data(), sa_ref.data(), sa.size() * 4) == 0;
+
+  // Five 128-column blocks (first Q, a K/V boundary, last of [Q|K|V], first index-Q, index-K).
+  const int64_t blocks[] = {0, 67, 71, 72, 76};
+  const int64_t nsub = 5 * 128;
+  std::vector<uint8_t> wsub(static_cast<size_t>(nsub * kK));
+  std::vector<float> swsub(static_cast<size_t>(5 * kKb));
+  for (int i = 0; i < 5; ++i) {
+    check_cuda(cudaMemcpy(&wsub[i * 128 * kK], b.w + blocks[i] * 128 * kK, 128 * kK,
+                          cudaMemcpyDeviceToHost),
+               "download w");
+    check_cuda(cudaMemcpy(&swsub[i * kKb], b.sw + blocks[i] * kKb, kKb * 4, cudaMemcpyDeviceToHost),
+               "download sw");
+  }
+  std::vector<uint16_t> ref(static_cast<size_t>(m * nsub));
+  GemmParams gh;
+  gh.a = TensorView::contiguous(qa_ref.data(), DType::kE4M3, {m, kK});
+  gh.a_scales = qh.scales;
+  gh.b = TensorView::contiguous(wsub.data(), DType::kE4M3, {nsub, kK});
+  gh.b_scales = TensorView::contiguous(swsub.data(), DType::kF32, {5, kKb});
+  gh.out = TensorView::contiguous(ref.data(), DType::kBF16, {m, nsub});
+  must(run_gemm_cpu(gh), "run_gemm_cpu");
+
+  std::vector<uint16_t> of(static_cast<size_t>(m * kNF)), ou(of.size());
+  check_cuda(cudaMemcpy(of.data(), b.out, of.size() * 2, cudaMemcpyDeviceToHost), "download out");
+  check_cuda(cudaMemcpy(ou.data(), b.out2, ou.size() * 2, cudaMemcpyDeviceToHost), "download out2");
+  int64_t bad = 0;
+  double worst = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int64_t j = 0; j < nsub; ++j) {
+      const int64_t col = blocks[j / 128] * 128 + j % 128;
+      // S = sum |a b| sa sb for the accumulation bound.
+      double s = 0;
+      for (int64_t kb = 0; kb < kKb; ++kb) {
+        double part = 0;
+        for (int64_t i = kb * 128; i < (kb + 1) * 128; ++i)
+          part += std::fabs(static_cast<double>(e4m3_to_float(qa_ref[r * kK + i])) *
+                            e4m3_to_float(wsub[j * kK + i]));
+        s += part * sa_ref[r + kb * m] * swsub[(j / 128) * kKb + kb];
+      }
+      const double cv = bf16_to_float(ref[r * nsub + j]);
+      for (double gv : {static_cast<double>(bf16_to_float(of[r * kNF + col])),
+                        static_cast<double>(bf16_to_float(ou[r * kNF + col]))}) {
+        const double bound = std::ldexp(std::fabs(cv), -7) + std::ldexp(s, -10);
+        if (!std::isfinite(gv) || std::fabs(gv - cv) > bound) ++bad;
+        if (bound > 0) worst = std::max(worst, std::fabs(gv - cv) / bound);
+      }
+    }
+  }
+  const bool gemm_ok = bad == 0;
+  std::printf(
+      "spot check: quantizer vs twin %s; fused and unfused GEMM vs twin on %lld columns: "
+      "%s (%lld outside the bound, worst error / bound %.3f)\n",
+      quant_ok ? "byte-identical" : "DIFFERENT", static_cast<long long>(nsub),
+      gemm_ok ? "within bound" : "OUT OF BOUND", static_cast<long long>(bad), worst);
+  const bool ok = quant_ok && gemm_ok;
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok;
+}
+
+std::unique_ptr<Fp8BlockGemm> make(int64_t max_m, int64_t n, const Fp8BlockGemmOptions& opt) {
+  auto r = Fp8BlockGemm::create(max_m, n, kK, opt);
+  must(r.status(), "Fp8BlockGemm::create");
+  return std::move(r).value();
+}
+
+int run(int argc, char** argv) {
+  bool json = false, quick = false, verbose = false;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    if (f == "--json") {
+      json = true;
+    } else if (f == "--quick") {
+      quick = true;
+    } else if (f == "--verbose") {
+      verbose = true;
+    } else {
+      std::fprintf(stderr, "unknown flag %s (flags: --json --quick --verbose)\n", argv[i]);
+      return 2;
+    }
+  }
+  const std::vector<int64_t> ms = quick
+                                      ? std::vector<int64_t>{1, 64, 4096}
+                                      : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
+  const int iters = quick ? 10 : 30;
+
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  Buffers b;
+  b.max_rows = ms.back();
+  b.max_pad = gemm_padded_rows(b.max_rows);
+  b.x = device_alloc<uint16_t>(static_cast<size_t>(b.max_rows * kK));
+  b.a = device_alloc<uint8_t>(static_cast<size_t>(b.max_pad * kK));
+  b.sa = device_alloc<float>(static_cast<size_t>(b.max_pad * kKb));
+  b.w = device_alloc<uint8_t>(static_cast<size_t>(kNF * kK));
+  b.sw = device_alloc<float>(static_cast<size_t>(kNF / 128 * kKb));
+  b.out = device_alloc<uint16_t>(static_cast<size_t>(b.max_pad * kNF));
+  b.out2 = device_alloc<uint16_t>(static_cast<size_t>(b.max_pad * kNF));
+  fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);
+  fill_e4m3<<<1024, 256, 0, stream>>>(b.w, kNF * kK, 2);
+  fill_scales<<<64, 256, 0, stream>>>(b.sw, kNF / 128 * kKb, 3);
+  check_cuda(cudaGetLastError(), "fill");
+  check_cuda(cudaStreamSynchronize(stream), "fill");
+
+  const Fp8BlockGemmOptions det;
+  auto fused = make(b.max_pad, kNF, det);
+  auto first = make(b.max_pad, kN1, det);
+  auto second = make(b.max_pad, kN2, det);
+  std::printf("%s", fused->describe().c_str());
+  if (verbose) std::printf("%s%s", first->describe().c_str(), second->describe().c_str());
+
+  const bool pass = spot_check(b, *fused, *first, *second, stream);
+  fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
+  check_cuda(cudaGetLastError(), "fill");
+
+  std::vector<bench::Row> rows;
+  for (int64_t rows_m : ms) {
+    const Calls c = make_calls(b, rows_m);
+    const int64_t m = gemm_padded_rows(rows_m);
+    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");  // meaningful A for the GEMMs
+    check_cuda(cudaStreamSynchronize(stream), "quantize");
+
+    const bench::Timing tq = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(run_quantize_cuda(c.q, s), "quantize"); }, stream, 3, iters);
+    const bench::Timing tf = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(fused->run(c.fused, s), "fused"); }, stream, 3, iters);
+    const bench::Timing tp = bench::time_graph_cold(
+        [&](cudaStream_t s) {
+          must(first->run(c.first, s), "N = 9216");
+          must(second->run(c.second, s), "N = 640");
+        },
+        stream, 3, iters);
+    const bench::Timing tqf = bench::time_graph_cold(
+        [&](cudaStream_t s) {
+          must(run_quantize_cuda(c.q, s), "quantize");
+          must(fused->run(c.fused, s), "fused");
+        },
+        stream, 3, iters);
+
+    const double w_bytes = static_cast<double>(kNF * kK + kNF / 128 * kKb * 4);
+    const double a_bytes = static_cast<double>(m * kK + m * kKb * 4);
+    const double o_bytes = static_cast<double>(m * kNF * 2);
+    const double fused_bytes = w_bytes + a_bytes + o_bytes;
+    const double pair_bytes = w_bytes + 2 * a_bytes + o_bytes;
+    const double flops = 2.0 * static_cast<double>(rows_m) * kNF * kK;
+    bench::Row r;
+    r.add("M", std::to_string(rows_m));
+    r.add("M_gemm", std::to_string(m));
+    r.add("quant_us", tq.median_us);
+    r.add("fused_us", tf.median_us);
+    r.add("fused_GBps", fused_bytes / tf.median_us / 1e3, 0);
+    r.add("fused_%copy", 100.0 * fused_bytes / tf.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
+    r.add("fused_TFLOPs", flops / tf.median_us / 1e6, 1);
+    r.add("pair_us", tp.median_us);
+    r.add("pair_GBps", pair_bytes / tp.median_us / 1e3, 0);
+    r.add("pair_TFLOPs", flops / tp.median_us / 1e6, 1);
+    r.add("pair/fused", tp.median_us / tf.median_us, 3);
+    r.add("q+fused_us", tqf.median_us);
+    rows.push_back(r);
+  }
+  bench::print_rows("projection K=6144: fused N=9856 vs pair 9216+640 (graph replay, cold L2)",
+                    rows, json);
+
+  // Decode sizes with every reduction scheme allowed (split-K reduced in place), to see what the
+  // deterministic default costs.
+  Fp8BlockGemmOptions any;
+  any.deterministic = false;
+  auto fused_any = make(64, kNF, any);
+  if (verbose) std::printf("%s", fused_any->describe().c_str());
+  std::vector<bench::Row> rows_any;
+  for (int64_t rows_m : {int64_t{1}, int64_t{4}, int64_t{16}, int64_t{64}}) {
+    const Calls c = make_calls(b, rows_m);
+    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+    const bench::Timing t = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(fused_any->run(c.fused, s), "fused (any reduction)"); }, stream,
+        3, iters);
+    const int64_t m = gemm_padded_rows(rows_m);
+    const double bytes =
+        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    bench::Row r;
+    r.add("M", std::to_string(rows_m));
+    r.add("fused_us", t.median_us);
+    r.add("fused_GBps", bytes / t.median_us / 1e3, 0);
+    r.add("fused_%copy", 100.0 * bytes / t.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
+    rows_any.push_back(r);
+  }
+  bench::print_rows("fused N=9856, any reduction scheme (non-deterministic split-K allowed)",
+                    rows_any, json);
+
+  cudaFree(b.x);
+  cudaFree(b.a);
+  cudaFree(b.sa);
+  cudaFree(b.w);
+  cudaFree(b.sw);
+  cudaFree(b.out);
+  cudaFree(b.out2);
+  cudaStreamDestroy(stream);
+  std::printf("spot check %s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
+}  // namespace
+}  // namespace m3attn
+
+int main(int argc, char** argv) { return m3attn::run(argc, argv); }

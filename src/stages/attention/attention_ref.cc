@@ -118,9 +118,12 @@ Status run_attention_cpu(const AttentionParams& p) {
           const uint8_t* k = kv_row(keys[i], 0, g);
           for (int d = 0; d < kHeadDim; ++d) row[d] = lut.value[k[d]];
           for (int j = 0; j < group; ++j) {
-            double dot = 0.0;
-            for (int d = 0; d < kHeadDim; ++d) dot += q[j * kHeadDim + d] * row[d];
-            logits[j * nk + i] = dot * scale;
+            // Four partial sums: every partial sum is exact, so the order cannot matter.
+            const double* qj = q.data() + j * kHeadDim;
+            double dot[4] = {0.0, 0.0, 0.0, 0.0};
+            for (int d = 0; d < kHeadDim; d += 4)
+              for (int u = 0; u < 4; ++u) dot[u] += qj[d + u] * row[d + u];
+            logits[j * nk + i] = ((dot[0] + dot[1]) + (dot[2] + dot[3])) * scale;
           }
         }
         // Softmax with max subtraction (NaN-propagating max), then the weighted sum of v.

@@ -150,6 +150,12 @@ TEST_F(IndexerValidation, BatchViews) {
                   StatusCode::kInvalidArgument, "page_table rows must be contiguous");
   expect_rejected([](IndexerParams& p) { p.batch.num_tokens = -1; }, StatusCode::kInvalidArgument,
                   "negative");
+  expect_rejected(
+      [](IndexerParams& p) {
+        p.batch.num_tokens = int64_t{1} << 31;
+        p.batch.positions.shape[0] = int64_t{1} << 31;
+      },
+      StatusCode::kInvalidArgument, "exceeds the int32 range");
 }
 
 TEST_F(IndexerValidation, OneDevice) {

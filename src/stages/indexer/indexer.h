@@ -63,4 +63,41 @@ void select_blocks_ref(const float* block_scores, int n_valid, int32_t* out);
 Status verify_block_selection(const float* block_scores, int n_valid, const int32_t* ids,
                               float tolerance);
 
+#if defined(M3ATTN_WITH_CUDA)
+// ---- CUDA indexer (indexer.cu) ----
+//
+// Workspace: device memory the caller owns (no allocation inside the run). Its first
+// T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
+// entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
+// every b < n_valid(t) (tests read them; other entries are unspecified). Contents need no
+// initialization and are not preserved between runs.
+size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
+
+struct IndexerCudaOptions {
+  // Use the exact CUDA-core scorer even where the tensor-core one applies. The CUDA-core scorer
+  // (fp64 accumulation: scores bit-identical to the twin) also runs whenever the index cache base
+  // or page stride is not 16-byte aligned.
+  bool force_cuda_cores = false;
+  // Key splits per work unit (grid.y); 0 picks a value from the SM count. Tests set it to put
+  // split edges everywhere; any value >= 1 gives the same result.
+  int k_splits = 0;
+};
+
+// True when run_indexer_cuda with these params and options scores on tensor cores (FP8 MMA,
+// ~13-14-bit accumulation: scores differ from the twin beyond fp32 rounding); false for the
+// exact CUDA-core scorer.
+bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options);
+
+// The CUDA indexer: validate_indexer + CUDA-only rules (every view on the current CUDA device,
+// n_kv <= 8, R > 0 when T > 0, workspace size / alignment / device, no overlap of the workspace
+// with the other tensors, grid limits), then two kernels (scores, selection) on `stream`. No sync,
+// no allocation, grid derived from T, R and max_pages only: CUDA-graph capturable. Device data
+// that breaks the contract is guarded, never trusted: page ids outside the pool score NaN (never
+// chosen unless forced), a negative position or a local block beyond the page table gives a row
+// of -1. `workspace` is any contiguous CUDA view of >= indexer_workspace_bytes(T, n_kv,
+// max_pages) bytes, 16-byte aligned.
+Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cudaStream_t stream,
+                        const IndexerCudaOptions& options = {});
+#endif
+
 }  // namespace m3attn

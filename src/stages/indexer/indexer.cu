@@ -1,0 +1,180 @@
+// CUDA launcher of the indexer: validate_indexer + the CUDA-only rules, then a scoring kernel
+// (tensor cores, or CUDA cores for caches that are not 16-byte aligned) writing block scores into
+// the caller's workspace, and the top-16 selection kernel. No sync, no allocation, no copy: the
+// grid depends only on T, R, max_pages and the SM count, so the launch is CUDA-graph capturable.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/cuda_check.h"
+#include "m3attn/config.h"
+#include "stages/indexer/indexer.h"
+#include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_mma.cuh"
+#include "stages/indexer/indexer_kernel_select.cuh"
+#include "stages/indexer/indexer_kernel_simple.cuh"
+
+namespace m3attn {
+
+namespace {
+
+namespace ik = indexer_kernel;
+
+// CTAs the scoring grid aims for per SM (about 2-3 waves of the tensor-core kernel, which keeps
+// 3-4 CTAs resident per SM).
+constexpr int64_t kTargetCtasPerSm = 8;
+
+struct ByteRange {
+  uintptr_t lo = 0, hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+
+// [lo, hi) bytes a view can touch (positive strides, as every validated view has).
+ByteRange byte_range(const TensorView& t) {
+  if (t.data == nullptr || t.numel() == 0) return {};
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  return {base, base + static_cast<uintptr_t>((last + 1) * dtype_size(t.dtype))};
+}
+
+bool overlap(const ByteRange& a, const ByteRange& b) {
+  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+bool tensor_core_path(const IndexerParams& p, const IndexerCudaOptions& o) {
+  const int64_t page_stride_bytes = p.index_cache.stride[0];  // e4m3: 1 byte per element
+  return !o.force_cuda_cores && aligned16(p.index_cache.data) &&
+         (page_stride_bytes % 16 == 0 || p.index_cache.shape[0] == 1) && aligned16(p.index_q.data);
+}
+
+Status check_workspace(const IndexerParams& p, const TensorView& ws, int64_t need) {
+  if (need == 0) return Status::Ok();  // nothing is scored or read
+  M3_CHECK_ARG(ws.device == p.index_q.device, "indexer workspace is on ", ws.device.to_string(),
+               " but the indexer tensors are on ", p.index_q.device.to_string());
+  M3_RETURN_IF_ERROR(check_contiguous(ws, "indexer workspace"));
+  const int64_t have = ws.numel() * dtype_size(ws.dtype);
+  M3_CHECK_ARG(have >= need, "indexer workspace holds ", have, " bytes, needs ", need,
+               " (indexer_workspace_bytes(T ", p.batch.num_tokens, ", n_kv ", p.n_kv,
+               ", max_pages ", p.batch.max_pages, "))");
+  M3_CHECK_ARG(ws.data != nullptr && aligned16(ws.data),
+               "indexer workspace must be 16-byte aligned, got address ", ws.data);
+  const ByteRange w{reinterpret_cast<uintptr_t>(ws.data),
+                    reinterpret_cast<uintptr_t>(ws.data) + static_cast<uintptr_t>(need)};
+  const struct {
+    const TensorView* t;
+    const char* name;
+  } others[] = {{&p.index_q, "index_q"},
+                {&p.index_cache, "the index cache"},
+                {&p.block_ids, "block_ids"},
+                {&p.batch.query_start, "query_start"},
+                {&p.batch.positions, "positions"},
+                {&p.batch.seq_lens, "seq_lens"},
+                {&p.batch.page_table, "page_table"}};
+  for (const auto& o : others)
+    M3_CHECK_ARG(!overlap(w, byte_range(*o.t)), "indexer workspace overlaps ", o.name);
+  return Status::Ok();
+}
+
+int64_t pick_k_splits(int64_t units, int max_pages, int min_chunk, int sms) {
+  const int64_t target = std::max<int64_t>(1, sms) * kTargetCtasPerSm;
+  const int64_t max_useful = std::max<int64_t>(1, (max_pages + min_chunk - 1) / min_chunk);
+  const int64_t k = (target + units - 1) / units;
+  return std::clamp<int64_t>(k, 1, std::min<int64_t>(max_useful, 65535));
+}
+
+}  // namespace
+
+size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
+  if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
+  return static_cast<size_t>(num_tokens) * static_cast<size_t>(n_kv) *
+         static_cast<size_t>(max_pages) * sizeof(float);
+}
+
+bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
+  return tensor_core_path(p, options);
+}
+
+Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cudaStream_t stream,
+                        const IndexerCudaOptions& options) {
+  M3_RETURN_IF_ERROR(validate_indexer(p));
+  // validate_indexer puts every view on one device; it must be the current CUDA device.
+  const Device dev = p.index_q.device;
+  M3_CHECK_ARG(dev.type == DeviceType::kCUDA, "run_indexer_cuda needs CUDA tensors, got ",
+               dev.to_string());
+  int current = -1;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&current));
+  M3_CHECK_ARG(dev.index == current, "run_indexer_cuda: tensors are on ", dev.to_string(),
+               " but the current CUDA device is cuda:", current);
+  if (p.n_kv > ik::kMaxKv)
+    return unsupported("run_indexer_cuda: n_kv ", p.n_kv, " exceeds the kernels' limit of ",
+                       ik::kMaxKv, " index heads");
+  M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
+               options.k_splits, " is outside [0, 65535]");
+
+  const int64_t T = p.batch.num_tokens;
+  const int64_t R = p.batch.num_requests;
+  const int max_pages = p.batch.max_pages;
+  // The kernels add up to kPreRows to token indices in 32 bits.
+  M3_CHECK_ARG(T <= std::numeric_limits<int32_t>::max() - ik::kPreRows,
+               "run_indexer_cuda: token count ", T, " exceeds the kernels' limit of ",
+               std::numeric_limits<int32_t>::max() - ik::kPreRows);
+  M3_CHECK_ARG(T == 0 || R > 0, "run_indexer_cuda: ", T,
+               " query tokens but no request owns them (num_requests 0)");
+  const int64_t need = static_cast<int64_t>(indexer_workspace_bytes(T, p.n_kv, max_pages));
+  M3_RETURN_IF_ERROR(check_workspace(p, workspace, need));
+  if (T == 0) return Status::Ok();
+
+  const bool mma = tensor_core_path(p, options);
+  ik::KernelArgs a;
+  a.iq = p.index_q.ptr<const uint8_t>();
+  a.cache = p.index_cache.ptr<const uint8_t>();
+  a.page_stride = p.index_cache.stride[0];
+  a.num_pages = p.index_cache.shape[0];
+  a.query_start = p.batch.query_start.ptr<const int32_t>();
+  a.positions = p.batch.positions.ptr<const int32_t>();
+  a.page_table = p.batch.page_table.ptr<const int32_t>();
+  a.pt_stride = p.batch.page_table.stride[0];
+  a.num_tokens = static_cast<int>(T);
+  a.num_requests = static_cast<int>(R);
+  a.n_kv = p.n_kv;
+  a.max_pages = max_pages;
+  a.dec_tokens = ik::kDecRows / p.n_kv;
+  a.pre_tokens = ik::kPreRows / p.n_kv;
+  const int64_t overflow = (T + a.pre_tokens - 1) / a.pre_tokens;
+  const int64_t units = overflow + R;
+  M3_CHECK_ARG(units <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", units,
+               " work units exceed the grid limit");
+  a.num_overflow = static_cast<int>(overflow);
+  a.min_chunk = mma ? ik::kMmaWarps : 1;
+  a.scores = static_cast<float*>(workspace.data);
+  a.block_ids = p.block_ids.ptr<int32_t>();
+  const int64_t rows = T * p.n_kv;
+  const int64_t select_blocks = (rows + ik::kSelectWarps - 1) / ik::kSelectWarps;
+  M3_CHECK_ARG(select_blocks <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", rows,
+               " selection rows exceed the grid limit");
+
+  // Tokens see at most max_pages blocks; with <= 16 every visible block is selected and no score
+  // is read, so the scoring kernel is skipped.
+  if (max_pages > kTopK) {
+    int sms = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
+    a.k_splits = options.k_splits > 0
+                     ? options.k_splits
+                     : static_cast<int>(pick_k_splits(units, max_pages, a.min_chunk, sms));
+    const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(a.k_splits));
+    if (mma) {
+      ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
+    } else {
+      ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);
+    }
+    M3_CUDA_CHECK_LAUNCH();
+  }
+  ik::select_kernel<<<static_cast<unsigned>(select_blocks), ik::kSelectThreads, 0, stream>>>(a);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace m3attn

@@ -1,0 +1,165 @@
+// Device pieces shared by the indexer kernels (see indexer_kernel_mma.cuh for the design): the
+// kernel arguments, the work decomposition (which query tokens and which key blocks a CTA owns),
+// the NaN-propagating block max and the guarded page lookup.
+//
+// Work decomposition (a fixed grid derived from host-known T, R and max_pages; device data only
+// decides early exits):
+//   grid.x = num_overflow + R. CTA x >= num_overflow is the "decode unit" of request
+//            r = x - num_overflow: the first dec_tokens (= 32 / n_kv) query tokens of r, i.e. a
+//            whole generation request (1 + draft_len <= 8 tokens at n_kv 4). CTA x < num_overflow
+//            is an "overflow tile": the flat token range [x * pre_tokens, (x + 1) * pre_tokens)
+//            minus the tokens decode units own; it may hold segments of several requests (prefill
+//            chunks).
+//   grid.y = k_splits: the visible blocks [0, nvis) of a segment (nvis from its largest position)
+//            are cut into k_splits chunks of max(min_chunk, ceil(nvis / k_splits)) blocks.
+// Every (token, head, visible block) score is written by exactly one CTA into the workspace
+// scores[t * n_kv + h][b] (f32, row stride max_pages); the select kernel reads them.
+//
+// Device-side guards (the host cannot check device data without a sync):
+//   - query_start values are clamped to [0, T]; an empty or inverted request does nothing.
+//   - a block whose page id is outside [0, num_pages) reads nothing and scores NaN: never chosen
+//     unless it is the token's forced local block.
+//   - blocks at or beyond max_pages are not visible; a token whose position is negative or whose
+//     local block is >= max_pages gets a row of -1 (nothing selected).
+// Tokens no request covers (a query_start that does not partition [0, T)) read stale scores: their
+// output ids are in range but meaningless.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "m3attn/config.h"
+
+namespace m3attn::indexer_kernel {
+
+constexpr int kMaxKv = 8;                          // index heads per rank supported by the kernels
+constexpr int kDecRows = 32;                       // query rows (token x head) of a decode unit
+constexpr int kPreRows = 128;                      // query rows of an overflow tile
+constexpr int kRowBytes = kHeadDim;                // one index-K / index-Q row (E4M3)
+constexpr int kPageBytes = kPageSize * kRowBytes;  // one index-K page (16 KB, contiguous)
+
+struct KernelArgs {
+  const uint8_t* iq = nullptr;     // e4m3 [T, n_kv, 128] contiguous
+  const uint8_t* cache = nullptr;  // index cache base
+  int64_t page_stride = 0;         // bytes between pages
+  int64_t num_pages = 0;
+  const int32_t* query_start = nullptr;  // [R + 1]
+  const int32_t* positions = nullptr;    // [T]
+  const int32_t* page_table = nullptr;   // [R, pt_stride]
+  int64_t pt_stride = 0;                 // elements between page-table rows
+  int num_tokens = 0;                    // T (< 2^31, validated)
+  int num_requests = 0;                  // R
+  int n_kv = 0;
+  int max_pages = 0;
+  int dec_tokens = 0;            // tokens of a decode unit: kDecRows / n_kv
+  int pre_tokens = 0;            // tokens of an overflow tile: kPreRows / n_kv
+  int num_overflow = 0;          // overflow tiles (grid.x offset of the decode units)
+  int k_splits = 1;              // grid.y
+  int min_chunk = 1;             // smallest block chunk of one split
+  float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
+  int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
+};
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
+
+// Block max with NaN propagation (the twin's rule: a block holding any NaN score scores NaN).
+// Masked keys enter as -inf, so garbage beyond a token's position never reaches the result.
+__device__ __forceinline__ float block_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ float warp_block_max_xor(float v, int mask) {
+  return block_max(v, __shfl_xor_sync(0xffffffffu, v, mask));
+}
+
+__device__ __forceinline__ int clamp_token(const KernelArgs& a, int v) {
+  return min(max(v, 0), a.num_tokens);
+}
+
+__device__ __forceinline__ int load_query_start(const KernelArgs& a, int r) {
+  return clamp_token(a, __ldg(a.query_start + r));
+}
+
+// Page of block b of request r, or -1 when the page-table entry is outside the pool.
+__device__ __forceinline__ int64_t guarded_page(const KernelArgs& a, int r, int b) {
+  const int32_t pg = __ldg(a.page_table + int64_t{r} * a.pt_stride + b);
+  return (pg >= 0 && int64_t{pg} < a.num_pages) ? int64_t{pg} : int64_t{-1};
+}
+
+__device__ __forceinline__ const uint8_t* page_base(const KernelArgs& a, int64_t page) {
+  return a.cache + page * a.page_stride;
+}
+
+// Visible blocks of rows whose largest position is max_pos, clamped to the page table; 0 when no
+// scoring is needed: no valid row, or every row sees <= 16 blocks (all of them are selected
+// whatever their scores, so the select kernel never reads them).
+__device__ __forceinline__ int blocks_to_score(const KernelArgs& a, int max_pos) {
+  if (max_pos < 0) return 0;
+  const int nvis = min(max_pos / kPageSize + 1, a.max_pages);
+  return nvis <= kTopK ? 0 : nvis;
+}
+
+// The block range [b0, b1) of split blockIdx.y over nvis blocks; false when empty.
+__device__ __forceinline__ bool split_range(const KernelArgs& a, int nvis, int& b0, int& b1) {
+  const int per = (nvis + a.k_splits - 1) / a.k_splits;
+  const int chunk = max(a.min_chunk, per);
+  b0 = static_cast<int>(blockIdx.y) * chunk;
+  b1 = min(nvis, b0 + chunk);
+  return b0 < b1;
+}
+
+// Calls f(r, ta, te) for every token segment [ta, te) of request r that this CTA owns (see the
+// decomposition above). Uniform across the CTA: every thread evaluates the same loads.
+template <typename F>
+__device__ __forceinline__ void for_each_segment(const KernelArgs& a, F&& f) {
+  const int x = static_cast<int>(blockIdx.x);
+  if (x >= a.num_overflow) {
+    const int r = x - a.num_overflow;
+    const int qa = load_query_start(a, r);
+    const int qe = load_query_start(a, r + 1);
+    const int se = min(qe, qa + a.dec_tokens);
+    if (qa < se) f(r, qa, se);
+    return;
+  }
+  const int ta = x * a.pre_tokens;
+  const int te = min(ta + a.pre_tokens, a.num_tokens);
+  if (ta >= te) return;
+  // First request whose end passes ta (query_start monotone by contract; if it is not, the search
+  // still ends and every index stays in range).
+  int lo = 0, hi = a.num_requests;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (load_query_start(a, mid + 1) > ta)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  // Requests from lo on, 32 at a time (one per lane; every warp computes the same masks, so the
+  // calls stay uniform across the CTA), until one starts at or after te.
+  const int lane = threadIdx.x & 31;
+  for (int base = lo; base < a.num_requests; base += 32) {
+    const int r = base + lane;
+    const bool in = r < a.num_requests;
+    const int qa = in ? load_query_start(a, r) : a.num_tokens;
+    const int qe = in ? load_query_start(a, r + 1) : a.num_tokens;
+    const int sa = max(ta, qa + a.dec_tokens);
+    const int se = min(te, qe);
+    const bool stop = !in || qa >= te;
+    uint32_t todo = __ballot_sync(0xffffffffu, !stop && sa < se);
+    const uint32_t stops = __ballot_sync(0xffffffffu, stop);
+    // Only requests before the first stop count (query_start monotone: none after it would).
+    if (stops) todo &= (1u << (__ffs(stops) - 1)) - 1u;
+    while (todo) {
+      const int i = __ffs(todo) - 1;
+      todo &= todo - 1;
+      f(base + i, __shfl_sync(0xffffffffu, sa, i), __shfl_sync(0xffffffffu, se, i));
+    }
+    if (stops) break;
+  }
+}
+
+}  // namespace m3attn::indexer_kernel

@@ -1,0 +1,466 @@
+// The tensor-core indexer scorer (sm_90a).
+//
+// Why f16 MMAs: mma.sync.m16n8k32 with E4M3 operands is an Ada (sm_89) instruction; on Hopper ptxas
+// emulates it by converting to f16 and issuing HMMAs (NVIDIA/cutlass#1986), hoisting converted
+// copies of loop-invariant operands (255 registers and spills in a first version). So the kernel
+// does the conversion itself, where it is cheapest: cvt.rn.f16x2.e4m3x2 turns two E4M3 bytes into
+// two exact f16 values, then mma.sync.m16n8k16 (f16 x f16, fp32 accumulate). Products are exact;
+// only the fp32 accumulation rounds, so scores sit within a few fp32 ulps (relative to
+// sum |q_d k_d|) of the exact twin. Native FP8 on Hopper would need wgmma (smem operands,
+// ~13-14-bit accumulation); it would mainly help prefill, which is compute bound.
+//
+// Decode units (a generation request: <= 32 query rows = tokens x heads, e.g. 8 tokens x 4 heads)
+// are the hot path: 128 bytes of index-K per context token, read once for all of the request's
+// query rows. Each warp owns whole key blocks (pages) of the CTA's chunk and streams them as
+// 16-key tiles (2 KB, contiguous in a page) through its own 4-stage cp.async ring in shared memory
+// (16-byte copies, 512 contiguous bytes per warp instruction; up to 6 KB in flight per warp).
+// A = 16 keys (converted per tile), B = the request's query rows (n-tiles of 8 rows, 1..4 of
+// them, converted once and kept in registers), C = scores [key][row]; the block max stays in
+// registers and 3 xor-shuffles finish it at the end of a block. No CTA barrier on this path.
+//
+// Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
+// m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage
+// ring of whole index pages in shared memory (cp.async, 16 KB per stage), so each page is read
+// from global memory once per 128 query rows and converted by each of the 4 warps.
+//
+// K-dimension permutation: the dot product does not care about the order of the 128 dims as long
+// as A and B agree. Lane (g = lane / 4, tig = lane % 4) reads bytes [16 tig, 16 tig + 16) and
+// [64 + 16 tig, 80 + 16 tig) of its row: 8 words W0..W7 of 4 E4M3 values; k16-step s takes word Ws
+// (bytes 0-1 -> the a0/a1/b0 register, bytes 2-3 -> a2/a3/b1). The same mapping serves keys and
+// queries, so each MMA pairs a key byte with the query byte of the same dim.
+// Shared-memory swizzle: 16-byte chunk c of row r is stored at chunk c ^ 4 (r & 1), so the 8 lanes
+// of a quarter warp (rows g, g + 1, chunks tig) hit 8 different bank groups.
+//
+// Causal masking: key p of block b counts for a row at position pos iff p <= pos (partial local
+// blocks of prefill tokens and of earlier draft tokens); masked scores become -inf before the
+// NaN-propagating max, so garbage past the sequence never leaks. The mask is evaluated only for
+// blocks that reach past the smallest row position of the unit.
+//
+// Bytes and bounds (decode): index-K pages (16 KB per 128 tokens, read once) + query rows (<= 4 KB
+// per request) + 4 bytes per (row, block) of scores. Memory bound: 8K context x batch 256 is 268 MB
+// = 62 us at 4.3 TB/s. Per 16-key tile a lane issues 4 LDS.128, 32 conversions and 8 x n-tiles
+// HMMAs; at 4.3 TB/s that is ~45 % of the mma.sync f16 rate at 32 rows and about half of the
+// conversion rate, so decode should stay memory bound (to be confirmed on the device).
+#pragma once
+
+#include <climits>
+
+#include "stages/indexer/indexer_kernel_common.cuh"
+
+namespace m3attn::indexer_kernel {
+
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kTileBytes = 16 * kRowBytes;              // 16 keys: 2 KB, contiguous
+constexpr int kDecStages = 4;                           // per-warp tile ring
+constexpr int kPreStages = 3;                           // overflow page ring
+constexpr int kMmaSmemBytes = kPreStages * kPageBytes;  // 48 KB: no opt-in needed
+constexpr int kPreRowsPerWarp = 32;                     // 2 m-tiles of query rows
+static_assert(kMmaWarps * kDecStages * kTileBytes <= kMmaSmemBytes, "decode ring fits");
+static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");
+
+__device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+__device__ __forceinline__ uint4 lds16(const uint8_t* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+// Two E4M3 values (the low / high 16 bits of w) -> two f16 values (exact).
+__device__ __forceinline__ uint32_t f16x2_lo(uint32_t w) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<uint16_t>(w & 0xffffu)));
+  return r;
+}
+__device__ __forceinline__ uint32_t f16x2_hi(uint32_t w) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<uint16_t>(w >> 16)));
+  return r;
+}
+
+__device__ __forceinline__ void hmma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                     uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Word i (0..7) of a lane's row slice held as two 16-byte vectors.
+__device__ __forceinline__ uint32_t word_of(const uint4& lo, const uint4& hi, int i) {
+  const uint4& v = i < 4 ? lo : hi;
+  switch (i & 3) {
+    case 0:
+      return v.x;
+    case 1:
+      return v.y;
+    case 2:
+      return v.z;
+    default:
+      return v.w;
+  }
+}
+
+// A row slice of lane tig (see the permutation above) as 16 f16x2 words: [2 s] = bytes 0-1 of
+// word s, [2 s + 1] = bytes 2-3.
+__device__ __forceinline__ void row_slice_f16(const uint8_t* row, int tig, uint32_t (&out)[16]) {
+  const uint4 lo = ld_query16(row + tig * 16);
+  const uint4 hi = ld_query16(row + 64 + tig * 16);
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    const uint32_t w = word_of(lo, hi, s);
+    out[2 * s] = f16x2_lo(w);
+    out[2 * s + 1] = f16x2_hi(w);
+  }
+}
+
+// Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile or page.
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kRowBytes + ((chunk ^ ((row & 1) << 2)) << 4);
+}
+
+__device__ __forceinline__ void cp_async16(void* smem_dst, const void* gmem_src) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(gmem_src) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode units.
+
+template <int NT>
+struct DecodeState {
+  uint32_t q[NT][16];  // B fragments (f16x2): query row nt * 8 + g
+  int rpos[NT][2];     // positions of the C columns tig * 2, tig * 2 + 1 of each n-tile
+  float run[NT][2];    // running block max of those columns
+};
+
+template <int NT>
+__device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
+                                                    int key0, bool mask, int g, int tig) {
+  const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
+  const uint8_t* r1 = r0 + 8 * kRowBytes;
+  const int c_lo = (tig ^ ((g & 1) << 2)) << 4;
+  const int c_hi = ((tig + 4) ^ ((g & 1) << 2)) << 4;
+  const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
+  const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
+  float c[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
+#pragma unroll
+  for (int st = 0; st < 8; ++st) {
+    const uint32_t w0 = word_of(lo0, hi0, st), w1 = word_of(lo1, hi1, st);
+    const uint32_t a0 = f16x2_lo(w0), a2 = f16x2_hi(w0);
+    const uint32_t a1 = f16x2_lo(w1), a3 = f16x2_hi(w1);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      hmma(c[nt], a0, a1, a2, a3, s.q[nt][2 * st], s.q[nt][2 * st + 1]);
+  }
+  const int p0 = key0 + g;  // key of C rows g; rows g + 8 hold key p0 + 8
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    if (mask) {
+      c[nt][0] = p0 <= s.rpos[nt][0] ? c[nt][0] : neg_inf();
+      c[nt][1] = p0 <= s.rpos[nt][1] ? c[nt][1] : neg_inf();
+      c[nt][2] = p0 + 8 <= s.rpos[nt][0] ? c[nt][2] : neg_inf();
+      c[nt][3] = p0 + 8 <= s.rpos[nt][1] ? c[nt][3] : neg_inf();
+    }
+    s.run[nt][0] = block_max(s.run[nt][0], block_max(c[nt][0], c[nt][2]));
+    s.run[nt][1] = block_max(s.run[nt][1], block_max(c[nt][1], c[nt][3]));
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
+                                             int rows, int b, bool page_ok, int g, int tig) {
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      float v = s.run[nt][e];
+      v = warp_block_max_xor(v, 4);
+      v = warp_block_max_xor(v, 8);
+      v = warp_block_max_xor(v, 16);
+      const int j = nt * 8 + tig * 2 + e;
+      if (g == 0 && j < rows)
+        a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
+      s.run[nt][e] = neg_inf();
+    }
+  }
+}
+
+// The warp's share of a decode unit: blocks b0 + warp, b0 + warp + 4, ... < b1.
+template <int NT>
+__device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
+                                            int rows, int b0, int b1) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  const int first = b0 + warp;
+  if (first >= b1) return;
+  const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
+
+  DecodeState<NT> s;
+  const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
+  int min_pos = INT_MAX;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int row = nt * 8 + g;
+    if (row < rows) {
+      row_slice_f16(iq0 + row * kRowBytes, tig, s.q[nt]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s.q[nt][i] = 0u;
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int j = nt * 8 + tig * 2 + e;
+      s.rpos[nt][e] = j < rows ? __ldg(a.positions + t0 + j / a.n_kv) : -1;
+      if (j < rows) min_pos = min(min_pos, s.rpos[nt][e]);
+      s.run[nt][e] = neg_inf();
+    }
+  }
+  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+
+  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8). The issue side runs
+  // kDecStages - 1 tiles ahead and holds the pages of its current and previous block (the compute
+  // side is never more than one block behind) plus the next block's page, fetched a block ahead.
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  const int total = nblk * 8;
+  int issue_blk = 0;
+  int64_t pg_cur = guarded_page(a, r, first);
+  int64_t pg_prev = -1;
+  int64_t pg_next = nblk > 1 ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
+  auto issue = [&](int i) {
+    if (i < total) {
+      const int k = i >> 3;
+      if (k != issue_blk) {  // tiles are issued in order: k == issue_blk + 1
+        issue_blk = k;
+        pg_prev = pg_cur;
+        pg_cur = pg_next;
+        pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
+      }
+      if (pg_cur >= 0) {
+        const uint8_t* src = page_base(a, pg_cur) + (i & 7) * kTileBytes;
+        uint8_t* dst = ring + (i % kDecStages) * kTileBytes;
+#pragma unroll
+        for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
+          const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
+          cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
+        }
+      }
+    }
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
+  for (int i = 0; i < total; ++i) {
+    cp_async_wait<kDecStages - 2>();
+    __syncwarp();  // tile i landed for every lane; tile i - 1's stage is free
+    issue(i + kDecStages - 1);
+    const int k = i >> 3;
+    const int b = first + k * kMmaWarps;
+    const int key0 = b * kPageSize + (i & 7) * 16;
+    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
+    decode_compute_tile(s, ring + (i % kDecStages) * kTileBytes, key0, mask, g, tig);
+    if ((i & 7) == 7) {
+      const bool ok = (k == issue_blk ? pg_cur : pg_prev) >= 0;
+      decode_flush(s, a, t0, rows, b, ok, g, tig);
+    }
+  }
+  cp_async_wait<0>();
+}
+
+__device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
+  const int lane = threadIdx.x & 31;
+  const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
+  const int qa = load_query_start(a, r);
+  const int qe = load_query_start(a, r + 1);
+  const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
+  if (n <= 0) return;
+  const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+  const int max_pos = __reduce_max_sync(0xffffffffu, p);
+  const int nvis = blocks_to_score(a, max_pos);
+  int b0 = 0, b1 = 0;
+  if (nvis == 0 || !split_range(a, nvis, b0, b1)) return;
+  const int rows = n * a.n_kv;  // <= kDecRows
+  switch ((rows + 7) / 8) {
+    case 1:
+      decode_unit<1>(a, smem, r, qa, rows, b0, b1);
+      break;
+    case 2:
+      decode_unit<2>(a, smem, r, qa, rows, b0, b1);
+      break;
+    case 3:
+      decode_unit<3>(a, smem, r, qa, rows, b0, b1);
+      break;
+    default:
+      decode_unit<4>(a, smem, r, qa, rows, b0, b1);
+      break;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Overflow tiles (prefill).
+
+struct OverflowShared {
+  int max_pos[kMmaWarps];
+  int min_pos[kMmaWarps];
+  int page_ok[kPreStages];
+};
+
+struct PrefillState {
+  uint32_t q[2][2][16];  // A fragments (f16x2): m-tile, row g / g + 8
+  int rpos[2][2];        // positions of rows g, g + 8 of each m-tile
+};
+
+__device__ __forceinline__ void prefill_compute_page(const PrefillState& s, const KernelArgs& a,
+                                                     const uint8_t* page, int b, bool page_ok,
+                                                     int min_pos, int row0, int rows, int t0, int g,
+                                                     int tig) {
+  float run[2][2];
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) run[mt][0] = run[mt][1] = neg_inf();
+  const int key_base = b * kPageSize;
+  const bool mask = key_base + kPageSize - 1 > min_pos;
+  const int c_lo = (tig ^ ((g & 1) << 2)) << 4;  // key rows 8 j + g share the parity of g
+  const int c_hi = ((tig + 4) ^ ((g & 1) << 2)) << 4;
+#pragma unroll 2
+  for (int j = 0; j < kPageSize / 8; ++j) {
+    const uint8_t* krow = page + (j * 8 + g) * kRowBytes;
+    const uint4 lo = lds16(krow + c_lo), hi = lds16(krow + c_hi);
+    float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int st = 0; st < 8; ++st) {
+      const uint32_t w = word_of(lo, hi, st);
+      const uint32_t b0 = f16x2_lo(w), b1 = f16x2_hi(w);
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+        hmma(c[mt], s.q[mt][0][2 * st], s.q[mt][1][2 * st], s.q[mt][0][2 * st + 1],
+             s.q[mt][1][2 * st + 1], b0, b1);
+    }
+    const int p0 = key_base + j * 8 + tig * 2;  // keys of C columns tig * 2, tig * 2 + 1
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt) {
+      if (mask) {
+        c[mt][0] = p0 <= s.rpos[mt][0] ? c[mt][0] : neg_inf();
+        c[mt][1] = p0 + 1 <= s.rpos[mt][0] ? c[mt][1] : neg_inf();
+        c[mt][2] = p0 <= s.rpos[mt][1] ? c[mt][2] : neg_inf();
+        c[mt][3] = p0 + 1 <= s.rpos[mt][1] ? c[mt][3] : neg_inf();
+      }
+      run[mt][0] = block_max(run[mt][0], block_max(c[mt][0], c[mt][1]));
+      run[mt][1] = block_max(run[mt][1], block_max(c[mt][2], c[mt][3]));
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float v = run[mt][h];
+      v = warp_block_max_xor(v, 1);
+      v = warp_block_max_xor(v, 2);
+      const int row = row0 + mt * 16 + g + 8 * h;
+      if (tig == 0 && row < rows)
+        a.scores[(int64_t{t0} * a.n_kv + row) * a.max_pages + b] = page_ok ? v : quiet_nan();
+    }
+  }
+}
+
+__device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* ring,
+                                                 OverflowShared& sh, int r, int sa, int se) {
+  const int tid = threadIdx.x;
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+
+  // Largest and smallest position of the segment (<= kPreRows tokens).
+  int mx = -1, mn = INT_MAX;
+  for (int t = sa + tid; t < se; t += kMmaThreads) {
+    const int p = __ldg(a.positions + t);
+    mx = max(mx, p);
+    mn = min(mn, p);
+  }
+  mx = __reduce_max_sync(0xffffffffu, mx);
+  mn = __reduce_min_sync(0xffffffffu, mn);
+  if (lane == 0) {
+    sh.max_pos[warp] = mx;
+    sh.min_pos[warp] = mn;
+  }
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kMmaWarps; ++w) {
+    mx = max(mx, sh.max_pos[w]);
+    mn = min(mn, sh.min_pos[w]);
+  }
+  __syncthreads();  // sh is reused by the next segment
+  const int nvis = blocks_to_score(a, mx);
+  int b0 = 0, b1 = 0;
+  if (nvis == 0 || !split_range(a, nvis, b0, b1)) return;
+
+  const int rows = (se - sa) * a.n_kv;  // <= kPreRows
+  const int row0 = warp * kPreRowsPerWarp;
+  const bool active = row0 < rows;
+  PrefillState s;
+  const uint8_t* iq0 = a.iq + int64_t{sa} * a.n_kv * kRowBytes;
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + g + 8 * h;
+      if (row < rows) {
+        row_slice_f16(iq0 + row * kRowBytes, tig, s.q[mt][h]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) s.q[mt][h][i] = 0u;
+      }
+      s.rpos[mt][h] = row < rows ? __ldg(a.positions + sa + row / a.n_kv) : -1;
+    }
+  }
+
+  const int npages = b1 - b0;
+  auto issue = [&](int i) {
+    if (i < npages) {
+      const int64_t page = guarded_page(a, r, b0 + i);
+      uint8_t* dst = ring + (i % kPreStages) * kPageBytes;
+      if (page >= 0) {
+        const uint8_t* src = page_base(a, page);
+#pragma unroll
+        for (int c = 0; c < kPageBytes / 16 / kMmaThreads; ++c) {
+          const int chunk = tid + c * kMmaThreads;  // row chunk / 8, 16-byte chunk chunk % 8
+          cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
+        }
+      }
+      if (tid == 0) sh.page_ok[i % kPreStages] = page >= 0 ? 1 : 0;
+    }
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kPreStages - 1; ++i) issue(i);
+  for (int i = 0; i < npages; ++i) {
+    cp_async_wait<kPreStages - 2>();
+    __syncthreads();  // page i landed for every thread; stage (i - 1) % kPreStages is free
+    issue(i + kPreStages - 1);
+    if (active)
+      prefill_compute_page(s, a, ring + (i % kPreStages) * kPageBytes, b0 + i,
+                           sh.page_ok[i % kPreStages] != 0, mn, row0, rows, sa, g, tig);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the ring and page_ok are reused by the next segment
+}
+
+__global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
+    decode_path(a, smem);
+    return;
+  }
+  for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
+}
+
+}  // namespace m3attn::indexer_kernel

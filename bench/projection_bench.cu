@@ -42,6 +42,7 @@ namespace {
 using bench::check_cuda;
 
 constexpr int64_t kK = 6144, kNF = 9856, kN1 = 9216, kN2 = 640, kKb = kK / 128;
+static_assert(kKb == gemm_weight_scales_row_stride(kK), "weight scales are stored contiguous");
 
 __device__ __forceinline__ uint32_t hash32(uint64_t i, uint32_t seed) {
   uint64_t x = i * 0x9E3779B97F4A7C15ull + seed;

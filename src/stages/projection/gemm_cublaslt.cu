@@ -261,9 +261,8 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                " must be in [1, 2^31)");
   M3_CHECK_ARG(n > 0 && n % kQuantBlock == 0 && n < (int64_t{1} << 31), "Fp8BlockGemm N = ", n,
                " must be a positive multiple of ", kQuantBlock, " below 2^31");
-  M3_CHECK_ARG(k > 0 && k % (4 * kQuantBlock) == 0 && k < (int64_t{1} << 31),
-               "Fp8BlockGemm K = ", k, " must be a positive multiple of ", 4 * kQuantBlock,
-               " (K / 128 scale blocks a multiple of 4) below 2^31");
+  M3_CHECK_ARG(k > 0 && k % kQuantBlock == 0 && k < (int64_t{1} << 31), "Fp8BlockGemm K = ", k,
+               " must be a positive multiple of ", kQuantBlock, " below 2^31");
   M3_CHECK_ARG(options.heuristic_candidates >= 1 && options.heuristic_candidates <= 256,
                "Fp8BlockGemm heuristic_candidates = ", options.heuristic_candidates,
                " must be in [1, 256]");
@@ -336,10 +335,11 @@ Status Fp8BlockGemm::check(const GemmParams& p) const {
                "Fp8BlockGemm A scales must have strides (1, M) = (1, ", m,
                ") (cuBLASLt VEC128_32F layout, see gemm_activation_scales_view), got (",
                p.a_scales.stride[0], ", ", p.a_scales.stride[1], ")");
-  // Weight scales row-major [N / 128, K / 128].
-  M3_CHECK_ARG((n / kQuantBlock <= 1 || p.b_scales.stride[0] == kb) &&
+  // Weight scales row-major [N / 128, K / 128], rows round_up(K / 128, 4) apart.
+  const int64_t kb_row = gemm_weight_scales_row_stride(k);
+  M3_CHECK_ARG((n / kQuantBlock <= 1 || p.b_scales.stride[0] == kb_row) &&
                    (kb <= 1 || p.b_scales.stride[1] == 1),
-               "Fp8BlockGemm B scales must have strides (K / 128, 1) = (", kb,
+               "Fp8BlockGemm B scales must have strides (round_up(K / 128, 4), 1) = (", kb_row,
                ", 1) (cuBLASLt BLK128x128_32F layout), got (", p.b_scales.stride[0], ", ",
                p.b_scales.stride[1], ")");
   M3_RETURN_IF_ERROR(check_alignment(p.a_scales, 16, "Fp8BlockGemm A scales"));

@@ -4,11 +4,13 @@
 // plus the rules of this path (checked by Fp8BlockGemm::check, before anything is launched):
 //   - every tensor on the CUDA device the object was created on (the current device at run time);
 //   - M % 4 == 0 and M <= max_m (pad with the quantizer: gemm_padded_rows, rows [M, M_pad) have
-//     q = 0, scale = 1); N and K as given at creation; K % 512 == 0 (K / 128 blocks a multiple of
-//     4, so no ambiguity about padded scale rows);
+//     q = 0, scale = 1); N and K as given at creation;
 //   - A scales "token-major": element (m, kb) at m + kb * M, i.e. strides (1, M)
 //     (gemm_activation_scales_view builds it; the quantizer writes it when given that view);
-//   - B scales row-major [N / 128, K / 128]: strides (K / 128, 1);
+//   - B scales row-major [N / 128, K / 128] with the row stride rounded up to a multiple of 4:
+//     strides (gemm_weight_scales_row_stride(K), 1) (the same as contiguous when K % 512 == 0;
+//     cuBLASLt reads the 128x128 scales in rows of round_up(K / 128, 4), so the buffer must hold
+//     N / 128 full rows, padding included);
 //   - A, B, out, A scales and B scales 16-byte aligned; row strides of A and B multiples of 16
 //     elements, of out a multiple of 8 elements (validate_gemm checks those).
 //
@@ -48,6 +50,9 @@ namespace m3attn {
 
 // Rows the GEMM needs for m token rows: cuBLASLt's 1x128 activation scaling wants M % 4 == 0.
 constexpr int64_t gemm_padded_rows(int64_t m) { return (m + 3) / 4 * 4; }
+
+// Row stride (elements) of the weight scales [N / 128, K / 128]: round_up(K / 128, 4).
+constexpr int64_t gemm_weight_scales_row_stride(int64_t k) { return (k / 128 + 3) / 4 * 4; }
 
 // f32 [m_pad, K / 128] view with strides (1, m_pad): the activation-scale layout of Fp8BlockGemm
 // (pass it as QuantizeParams::scales and as GemmParams::a_scales). Needs m_pad * K / 128 floats.

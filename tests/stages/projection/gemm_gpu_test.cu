@@ -122,9 +122,10 @@ std::vector<double> abs_sums(const GemmData& d) {
   return s;
 }
 
-// Device copies, with guards around the output and optional misalignment of every operand.
+// Device copies, with guards around the output and optional misalignment of every operand. The
+// weight scales are stored with rows round_up(K / 128, 4) apart, padding slots poisoned.
 struct DeviceGemm {
-  int64_t m, n, k, kb, ld_out;
+  int64_t m, n, k, kb, kb_row, ld_out;
   size_t shift;  // bytes added to the 256-byte aligned base of A, B and out
   DeviceBuffer a, sa, b, sb, out;
 
@@ -133,17 +134,18 @@ struct DeviceGemm {
         n(d.n),
         k(d.k),
         kb(d.kb),
+        kb_row(gemm_weight_scales_row_stride(d.k)),
         ld_out(ld_out_),
         shift(shift_),
         a(d.a.size() + 256),
         sa(d.sa.size() * 4 + 16),
         b(d.b.size() + 256),
-        sb(d.sb.size() * 4 + 16),
+        sb(static_cast<size_t>(d.n / 128 * gemm_weight_scales_row_stride(d.k)) * 4 + 16),
         out(2 * kGuard + shift_ + static_cast<size_t>(d.m * ld_out_) * 2, kPoison) {
     a.upload(d.a.data(), d.a.size(), shift);
     sa.upload(d.sa.data(), d.sa.size() * 4);
     b.upload(d.b.data(), d.b.size(), shift);
-    sb.upload(d.sb.data(), d.sb.size() * 4);
+    for (int64_t r = 0; r < n / 128; ++r) sb.upload(&d.sb[r * kb], kb * 4, r * kb_row * 4);
   }
 
   GemmParams params() const {
@@ -154,7 +156,7 @@ struct DeviceGemm {
     p.a_scales = gemm_activation_scales_view(static_cast<float*>(sa.data()), m, k, dev);
     p.b =
         TensorView::contiguous(static_cast<uint8_t*>(b.data()) + shift, DType::kE4M3, {n, k}, dev);
-    p.b_scales = TensorView::contiguous(sb.data(), DType::kF32, {n / 128, kb}, dev);
+    p.b_scales = TensorView::strided(sb.data(), DType::kF32, {n / 128, kb}, {kb_row, 1}, dev);
     p.out = TensorView::strided(static_cast<uint8_t*>(out.data()) + kGuard + shift, DType::kBF16,
                                 {m, n}, {ld_out, 1}, dev);
     return p;
@@ -272,7 +274,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(ExactCase{4, 256, 512, 0, 0}, ExactCase{12, 256, 512, 0, 0},
                       ExactCase{8, 384, 1024, 64, 0}, ExactCase{12, 256, 512, 0, 16},
                       ExactCase{64, 640, 6144, 0, 0}, ExactCase{4, 9856, 6144, 0, 0},
-                      ExactCase{20, 640, 6144, 8, 16}, ExactCase{260, 128, 2048, 8, 0}));
+                      ExactCase{20, 640, 6144, 8, 16}, ExactCase{260, 128, 2048, 8, 0},
+                      ExactCase{8, 256, 384, 0, 0},     // 3 scale blocks: padded rows
+                      ExactCase{4, 128, 640, 0, 16}));  // 5 scale blocks, N = 128
 
 // ---------------------------------------------------------------------------------------------
 struct RandomCase {
@@ -345,7 +349,8 @@ FusedRun run_fused_and_unfused(const GemmData& d) {
   p1.out.shape[1] = kN1;
   p2.b.data = static_cast<uint8_t*>(p2.b.data) + kN1 * kHidden;
   p2.b.shape[0] = kN2;
-  p2.b_scales.data = static_cast<float*>(p2.b_scales.data) + kN1 / 128 * d.kb;
+  p2.b_scales.data =
+      static_cast<float*>(p2.b_scales.data) + kN1 / 128 * gemm_weight_scales_row_stride(kHidden);
   p2.b_scales.shape[0] = kN2 / 128;
   p2.out.data = static_cast<uint16_t*>(p2.out.data) + kN1;
   p2.out.shape[1] = kN2;
@@ -538,8 +543,8 @@ TEST(GemmGpuRules, RejectedCallsWriteNothing) {
   M3_REQUIRE_GPU();
   Rng rng(fresh_seed());
   const int64_t n = 256, k = 512;
-  EXPECT_EQ(Fp8BlockGemm::create(8, n, 384).status().code(), StatusCode::kInvalidArgument)
-      << "K = 384 has 3 scale blocks";
+  EXPECT_EQ(Fp8BlockGemm::create(8, n, 200).status().code(), StatusCode::kInvalidArgument)
+      << "K = 200 is not a multiple of 128";
   EXPECT_EQ(Fp8BlockGemm::create(8, 200, k).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(Fp8BlockGemm::create(0, n, k).status().code(), StatusCode::kInvalidArgument);
 
@@ -566,6 +571,20 @@ TEST(GemmGpuRules, RejectedCallsWriteNothing) {
     p.b_scales = TensorView::strided(p.b_scales.data, DType::kF32, {n / 128, k / 128}, {1, n / 128},
                                      Device::cuda(0));
     EXPECT_EQ(gemm->run(p, nullptr).code(), StatusCode::kInvalidArgument);
+  }
+  {
+    // K = 384: weight-scale rows must be 4 apart, a contiguous [N / 128, 3] view is refused.
+    auto k384 = make_gemm(16, n, 384);
+    ASSERT_NE(k384, nullptr);
+    GemmData d3 = make_integer_data(8, n, 384, rng);
+    DeviceGemm dev3(d3, n);
+    GemmParams p = dev3.params();
+    p.b_scales =
+        TensorView::contiguous(p.b_scales.data, DType::kF32, {n / 128, 3}, Device::cuda(0));
+    EXPECT_EQ(k384->run(p, nullptr).code(), StatusCode::kInvalidArgument);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched3 = 0;
+    for (uint16_t v : dev3.result(&touched3)) ASSERT_EQ(v, 0xA5A5);
   }
   {
     auto other = make_gemm(16, 2 * n, k);  // N differs from the object's

@@ -175,6 +175,11 @@ Result<SafetensorsFile> SafetensorsFile::parse(std::shared_ptr<Mapping> mapping,
   if (header_len > static_cast<uint64_t>(file_size - 8))
     return data_loss(name, ": header length ", header_len, " runs past the end of the file (",
                      file_size, " bytes): the file is truncated or not safetensors");
+  // The same bound as the reference implementation: a larger header is corrupt, not a model.
+  constexpr uint64_t kMaxHeader = 100u << 20;
+  if (header_len > kMaxHeader)
+    return data_loss(name, ": header length ", header_len, " exceeds the ", kMaxHeader,
+                     "-byte limit of safetensors headers");
   const char* hbegin = reinterpret_cast<const char*>(mapping->data + 8);
   const char* hend = hbegin + header_len;
 

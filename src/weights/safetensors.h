@@ -14,7 +14,8 @@
 // Every rule of the format is checked when a file is opened (sizes, offsets in bounds and not
 // overlapping, byte size == numel * dtype size, shapes non-negative without overflow, no duplicate
 // names); a truncated or inconsistent file is a kDataLoss Status, never a crash or a read past the
-// end of the mapping. Files are memory-mapped read-only.
+// end of the mapping. Headers above 100 MB are refused (as the reference implementation does).
+// Files are memory-mapped read-only.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,395 @@
+// Paged FP8 attention benchmark (M3 geometry: 64 query heads, 4 KV heads, head dim 128).
+//   decode/verify: batch {1, 64, 256} x context {8K, 32K, 128K} x draft_len {0, 3}, sparse (16
+//     selected blocks per token and KV head) and dense, CUDA-graph replay with a cold L2: us, bytes
+//     of K/V the selection reads (each distinct block of a request's tokens once: 32 KB per block
+//     and KV head), GB/s and % of the 4300 GB/s copy bandwidth.
+//   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense: us and TFLOP/s counted
+//     on the selected work only (4 * 128 FLOP per (query head, visible selected key)).
+// Selections: per (request, KV head) one random block ranking, so a request's draft tokens share
+//   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
+// Before timing, every configuration is checked once against the CPU twin on a few tokens
+//   (rebuilt as one-token requests over copies of only the pages they read): PASS / FAIL.
+// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}).
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cache/cache_view.h"
+#include "core/numeric.h"
+#include "m3attn/config.h"
+#include "stages/attention/attention.h"
+#include "support/bench_util.h"
+
+namespace m3attn {
+namespace {
+
+using bench::check_cuda;
+
+constexpr int kNq = 64;
+constexpr int kNkv = 4;
+constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // bytes of one K or V tile
+constexpr int64_t kPageBytes = 2 * kNkv * kTile;          // one page of this layer
+constexpr double kSpotTol = 1e-2;                         // row relative L2 (see the GPU test)
+
+// Finite E4M3 values of moderate size: sign, exponent 4..8 (2^-3 .. 2^1), any mantissa.
+__global__ void fill_pool(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t x = (static_cast<uint64_t>(i) + 1) * 0x9E3779B97F4A7C15ull ^ seed;
+    x ^= x >> 31;
+    x *= 0xBF58476D1CE4E5B9ull;
+    x ^= x >> 29;
+    const uint32_t e = 4 + static_cast<uint32_t>((x >> 8) % 5);
+    p[i] = static_cast<uint8_t>((x & 0x87u) | (e << 3));
+  }
+}
+
+struct Pool {
+  uint8_t* data = nullptr;
+  int64_t pages = 0;
+};
+
+// One benchmark problem: host copies of the small tensors, device copies, params.
+struct Case {
+  std::string name;
+  bool sparse = true;
+  int R = 0;
+  int64_t T = 0;
+  int max_pages = 0;
+  std::vector<int32_t> qs, pos, lens, table, ids;
+  std::vector<uint8_t> q;
+  void *d_qs = nullptr, *d_pos = nullptr, *d_lens = nullptr, *d_table = nullptr, *d_ids = nullptr,
+       *d_q = nullptr, *d_out = nullptr, *d_ws = nullptr;
+  size_t ws_bytes = 0;
+  AttentionParams p;
+  double bytes = 0;  // K/V bytes the selection reads
+  double flops = 0;  // selected work
+};
+
+void* upload(const void* h, size_t n) {
+  void* d = nullptr;
+  check_cuda(cudaMalloc(&d, std::max<size_t>(n, 16)), "cudaMalloc");
+  if (n) check_cuda(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), "upload");
+  return d;
+}
+
+void free_case(Case& c) {
+  for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_table, c.d_ids, c.d_q, c.d_out, c.d_ws})
+    if (d) cudaFree(d);
+}
+
+// Requests of `new_tokens` tokens ending at seq_len `ctx`; request r owns pool pages
+// [first_page + r * pages_per_req, ...). Selections: a ranking per (request, head, group of
+// `group_tokens` tokens).
+Case make_case(const std::string& name, bool sparse, int R, int ctx, int new_tokens,
+               int64_t first_page, int64_t pages_per_req, int group_tokens, const Pool& pool,
+               std::mt19937_64& rng) {
+  Case c;
+  c.name = name;
+  c.sparse = sparse;
+  c.R = R;
+  c.T = int64_t{R} * new_tokens;
+  c.max_pages = (ctx + kPageSize - 1) / kPageSize;
+  c.qs.resize(R + 1);
+  c.lens.assign(R, ctx);
+  c.pos.resize(c.T);
+  c.table.resize(static_cast<size_t>(R) * c.max_pages);
+  for (int r = 0; r <= R; ++r) c.qs[r] = r * new_tokens;
+  for (int r = 0; r < R; ++r) {
+    for (int i = 0; i < new_tokens; ++i) c.pos[r * new_tokens + i] = ctx - new_tokens + i;
+    for (int j = 0; j < c.max_pages; ++j)
+      c.table[static_cast<size_t>(r) * c.max_pages + j] =
+          static_cast<int32_t>(first_page + r * pages_per_req + j);
+  }
+  if (first_page + int64_t{R} * pages_per_req > pool.pages) {
+    std::fprintf(stderr, "pool too small\n");
+    std::exit(1);
+  }
+  c.q.resize(static_cast<size_t>(c.T) * kNq * kHeadDim);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (uint8_t& v : c.q) v = float_to_e4m3(normal(rng));
+  c.ids.assign(static_cast<size_t>(c.T) * kNkv * kTopK, -1);
+  std::uniform_real_distribution<double> uni(0.0, 1.0);
+  std::vector<double> rank(static_cast<size_t>(c.max_pages));
+  std::vector<int> order;
+  for (int r = 0; r < R; ++r) {
+    for (int g = 0; g < kNkv; ++g) {
+      std::set<int> uni_blocks;
+      for (int i = 0; i < new_tokens; ++i) {
+        if (i % group_tokens == 0)
+          for (double& x : rank) x = uni(rng);
+        const int64_t t = int64_t{r} * new_tokens + i;
+        const int pos = c.pos[t];
+        const int local = pos / kPageSize;
+        order.resize(local);
+        std::iota(order.begin(), order.end(), 0);
+        if (local > 15) {
+          std::partial_sort(order.begin(), order.begin() + 15, order.end(),
+                            [&](int a, int b) { return rank[a] > rank[b]; });
+          order.resize(15);
+        }
+        order.push_back(local);
+        std::sort(order.begin(), order.end());
+        int32_t* row = c.ids.data() + (t * kNkv + g) * kTopK;
+        int64_t keys = 0;
+        for (size_t k = 0; k < order.size(); ++k) {
+          row[k] = order[k];
+          keys += std::min(kPageSize, pos - order[k] * kPageSize + 1);
+        }
+        if (!sparse) keys = pos + 1;
+        c.flops += 4.0 * kHeadDim * (kNq / kNkv) * static_cast<double>(keys);
+        if (sparse) uni_blocks.insert(order.begin(), order.end());
+      }
+      const int64_t blocks = sparse ? static_cast<int64_t>(uni_blocks.size()) : c.max_pages;
+      c.bytes += static_cast<double>(blocks) * 2 * kTile;
+    }
+  }
+  c.d_qs = upload(c.qs.data(), c.qs.size() * 4);
+  c.d_pos = upload(c.pos.data(), c.pos.size() * 4);
+  c.d_lens = upload(c.lens.data(), c.lens.size() * 4);
+  c.d_table = upload(c.table.data(), c.table.size() * 4);
+  c.d_ids = upload(c.ids.data(), c.ids.size() * 4);
+  c.d_q = upload(c.q.data(), c.q.size());
+  const int64_t width = int64_t{kNq} * kHeadDim;
+  c.d_out = upload(nullptr, static_cast<size_t>(c.T * width * 2));
+  const Device dev = Device::cuda(0);
+  AttentionParams& p = c.p;
+  p.n_q = kNq;
+  p.n_kv = kNkv;
+  p.sparse = sparse;
+  p.q = TensorView::contiguous(c.d_q, DType::kE4M3, {c.T, kNq, kHeadDim}, dev);
+  p.kv_cache = make_kv_cache_view(pool.data, pool.pages, kNkv, kPageBytes, kNkv * kTile, dev);
+  p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
+  p.batch.num_tokens = c.T;
+  p.batch.num_requests = R;
+  p.batch.max_pages = c.max_pages;
+  p.batch.query_start = TensorView::contiguous(c.d_qs, DType::kI32, {R + 1}, dev);
+  p.batch.positions = TensorView::contiguous(c.d_pos, DType::kI32, {c.T}, dev);
+  p.batch.seq_lens = TensorView::contiguous(c.d_lens, DType::kI32, {R}, dev);
+  p.batch.page_table =
+      TensorView::contiguous(c.d_table, DType::kI32, {R, int64_t{c.max_pages}}, dev);
+  p.out = TensorView::contiguous(c.d_out, DType::kBF16, {c.T, width}, dev);
+  c.ws_bytes = attention_workspace_bytes(p);
+  c.d_ws = upload(nullptr, c.ws_bytes);
+  return c;
+}
+
+void run_once(const Case& c, cudaStream_t s) {
+  const Status st = run_attention_cuda(c.p, c.d_ws, c.ws_bytes, s);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", c.name.c_str(), st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Spot check: tokens `toks` rebuilt as one-token requests over host copies of the pages they read
+// (unread visible blocks map to one shared page that no selection touches), run on the CPU twin
+// and compared with the GPU rows.
+bool spot_check(const Case& c, const Pool& pool, const std::vector<int64_t>& toks, double* worst) {
+  const int n = static_cast<int>(toks.size());
+  const int64_t width = int64_t{kNq} * kHeadDim;
+  std::vector<uint16_t> gpu(static_cast<size_t>(c.T * width));
+  check_cuda(cudaMemcpy(gpu.data(), c.d_out, gpu.size() * 2, cudaMemcpyDeviceToHost), "download");
+  int max_pages = 1;
+  for (int64_t t : toks) max_pages = std::max(max_pages, c.pos[t] / kPageSize + 1);
+  std::vector<int32_t> table(static_cast<size_t>(n) * max_pages, 0);
+  std::vector<int64_t> src_pages = {-1};  // compact page 0: zeros, never selected
+  Tensor q(DType::kE4M3, {n, kNq, kHeadDim});
+  Tensor ids(DType::kI32, {n, kNkv, kTopK});
+  Tensor qs(DType::kI32, {n + 1}), pos(DType::kI32, {n}), lens(DType::kI32, {n});
+  for (int i = 0; i < n; ++i) {
+    const int64_t t = toks[i];
+    const int r =
+        static_cast<int>(std::upper_bound(c.qs.begin(), c.qs.end(), t) - c.qs.begin()) - 1;
+    std::memcpy(q.ptr<uint8_t>() + int64_t{i} * kNq * kHeadDim, c.q.data() + t * kNq * kHeadDim,
+                kNq * kHeadDim);
+    std::memcpy(ids.ptr<int32_t>() + int64_t{i} * kNkv * kTopK, c.ids.data() + t * kNkv * kTopK,
+                kNkv * kTopK * 4);
+    qs.ptr<int32_t>()[i] = i;
+    pos.ptr<int32_t>()[i] = c.pos[t];
+    lens.ptr<int32_t>()[i] = c.pos[t] + 1;
+    const int visible = c.pos[t] / kPageSize + 1;
+    std::vector<char> used(static_cast<size_t>(visible), c.sparse ? 0 : 1);
+    if (c.sparse)
+      for (int k = 0; k < kNkv * kTopK; ++k) {
+        const int b = c.ids[t * kNkv * kTopK + k];
+        if (b >= 0 && b < visible) used[b] = 1;
+      }
+    for (int b = 0; b < visible; ++b) {
+      if (!used[b]) continue;
+      table[static_cast<size_t>(i) * max_pages + b] = static_cast<int32_t>(src_pages.size());
+      src_pages.push_back(c.table[static_cast<size_t>(r) * c.max_pages + b]);
+    }
+  }
+  qs.ptr<int32_t>()[n] = n;
+  Tensor kv(DType::kE4M3, {static_cast<int64_t>(src_pages.size()) * kPageBytes});
+  std::memset(kv.data(), 0, static_cast<size_t>(kv.nbytes()));
+  for (size_t j = 1; j < src_pages.size(); ++j)
+    check_cuda(cudaMemcpy(kv.ptr<uint8_t>() + j * kPageBytes, pool.data + src_pages[j] * kPageBytes,
+                          kPageBytes, cudaMemcpyDeviceToHost),
+               "download page");
+  Tensor tab(DType::kI32, {n, max_pages});
+  std::memcpy(tab.data(), table.data(), table.size() * 4);
+  Tensor out(DType::kBF16, {n, width});
+  AttentionParams p;
+  p.n_q = kNq;
+  p.n_kv = kNkv;
+  p.sparse = c.sparse;
+  p.q = q.view();
+  p.kv_cache = make_kv_cache_view(kv.data(), static_cast<int64_t>(src_pages.size()), kNkv,
+                                  kPageBytes, kNkv * kTile);
+  p.block_ids = ids.view();
+  p.batch.num_tokens = n;
+  p.batch.num_requests = n;
+  p.batch.max_pages = max_pages;
+  p.batch.query_start = qs.view();
+  p.batch.positions = pos.view();
+  p.batch.seq_lens = lens.view();
+  p.batch.page_table = tab.view();
+  p.out = out.view();
+  const Status st = run_attention_cpu(p);
+  if (!st.ok()) {
+    std::fprintf(stderr, "spot check twin: %s\n", st.to_string().c_str());
+    return false;
+  }
+  bool ok = true;
+  *worst = 0;
+  for (int i = 0; i < n; ++i)
+    for (int j = 0; j < kNq; ++j) {
+      double num = 0, den = 0;
+      for (int d = 0; d < kHeadDim; ++d) {
+        const double a = bf16_to_float(gpu[toks[i] * width + j * kHeadDim + d]);
+        const double b = bf16_to_float(out.ptr<uint16_t>()[i * width + j * kHeadDim + d]);
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
+      const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      if (!(rel <= kSpotTol)) ok = false;
+      *worst = std::max(*worst, std::isnan(rel) ? 1e30 : rel);
+    }
+  return ok;
+}
+
+}  // namespace
+}  // namespace m3attn
+
+int main(int argc, char** argv) {
+  using namespace m3attn;
+  bool json = false, quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--json") == 0)
+      json = true;
+    else if (std::strcmp(argv[i], "--quick") == 0)
+      quick = true;
+    else {
+      std::fprintf(stderr, "usage: attention_bench [--json] [--quick]\n");
+      return 2;
+    }
+  }
+  const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
+  const std::vector<int> contexts =
+      quick ? std::vector<int>{8192, 131072} : std::vector<int>{8192, 32768, 131072};
+  const int max_ctx_pages = 131072 / kPageSize;
+
+  // One pool for everything: 256 requests x 1024 pages (decode), then 512 pages (64K prefill).
+  Pool pool;
+  pool.pages = int64_t{256} * max_ctx_pages + 65536 / kPageSize;
+  const size_t pool_bytes = static_cast<size_t>(pool.pages * kPageBytes);
+  check_cuda(cudaMalloc(&pool.data, pool_bytes), "cudaMalloc(pool)");
+  fill_pool<<<4096, 256>>>(pool.data, static_cast<int64_t>(pool_bytes), 12345);
+  check_cuda(cudaDeviceSynchronize(), "fill pool");
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreate(&stream), "stream");
+  std::mt19937_64 rng(2024);
+  bool all_pass = true;
+
+  std::vector<bench::Row> rows;
+  for (bool sparse : {true, false}) {
+    for (int draft : {0, 3}) {
+      for (int B : batches) {
+        for (int ctx : contexts) {
+          const std::string name = std::string(sparse ? "sparse" : "dense") + " decode B" +
+                                   std::to_string(B) + " ctx" + std::to_string(ctx / 1024) +
+                                   "K draft" + std::to_string(draft);
+          Case c =
+              make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool, rng);
+          run_once(c, stream);
+          check_cuda(cudaStreamSynchronize(stream), "run");
+          // Spot check: the first and the last token (dense: the last token of batch 1 only,
+          // the twin is slow on long contexts).
+          double worst = 0;
+          std::string verdict = "skip";
+          if (sparse || B == 1) {
+            const std::vector<int64_t> toks =
+                sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
+            const bool ok = spot_check(c, pool, toks, &worst);
+            verdict = ok ? "PASS" : "FAIL";
+            all_pass &= ok;
+          }
+          const bench::Timing tm =
+              bench::time_graph_cold([&](cudaStream_t s) { run_once(c, s); }, stream);
+          bench::Row row;
+          row.add("case", name);
+          row.add("check", verdict);
+          row.add("max_rel", worst, 4);
+          row.add("us", tm.median_us, 1);
+          row.add("min_us", tm.min_us, 1);
+          row.add("MB_kv", c.bytes / 1e6, 1);
+          const double gbs = c.bytes / (tm.median_us * 1e3);
+          row.add("GB/s", gbs, 0);
+          row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+          row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
+          rows.push_back(row);
+          free_case(c);
+        }
+      }
+    }
+  }
+  bench::print_rows(
+      "attention decode/verify (graph replay, cold L2; peer vLLM Triton E4M3: B256 "
+      "317 us, B256 x 4 tokens 1181 us)",
+      rows, json);
+
+  rows.clear();
+  for (bool sparse : {true, false}) {
+    for (int ctx : {8192, 65536}) {
+      const std::string name = std::string(sparse ? "sparse" : "dense") + " prefill 8K chunk ctx" +
+                               std::to_string(ctx / 1024) + "K";
+      Case c = make_case(name, sparse, 1, ctx, 8192, int64_t{256} * max_ctx_pages,
+                         65536 / kPageSize, 64, pool, rng);
+      run_once(c, stream);
+      check_cuda(cudaStreamSynchronize(stream), "run");
+      double worst = 0;
+      const bool ok = spot_check(c, pool, {0, 4095, c.T - 1}, &worst);
+      all_pass &= ok;
+      const int iters = sparse ? 10 : 4;
+      const bench::Timing tm =
+          bench::time_cold([&](cudaStream_t s) { run_once(c, s); }, stream, 1, iters);
+      bench::Row row;
+      row.add("case", name);
+      row.add("check", ok ? "PASS" : "FAIL");
+      row.add("max_rel", worst, 4);
+      row.add("us", tm.median_us, 1);
+      row.add("TFLOP", c.flops / 1e12, 3);
+      row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
+      row.add("MB_kv", c.bytes / 1e6, 1);
+      rows.push_back(row);
+      free_case(c);
+    }
+  }
+  bench::print_rows("attention prefill (cold L2; peer vLLM Triton E4M3: 8K chunk 8.3 ms)", rows,
+                    json);
+  std::printf("spot checks: %s\n", all_pass ? "PASS" : "FAIL");
+  cudaStreamDestroy(stream);
+  cudaFree(pool.data);
+  return all_pass ? 0 : 1;
+}

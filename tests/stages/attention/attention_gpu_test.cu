@@ -1,0 +1,662 @@
+// GPU attention (run_attention_cuda) against the CPU twin (run_attention_cpu) on identical E4M3
+// inputs: decode, verify (draft 1/3/7), chunked prefill and mixed batches, sparse and dense, every
+// launch shape (tokens per tile 1/2/4, with and without splits), 16- and 4-byte-aligned strided
+// pools, page ids past 2^31 bytes, junk block ids, device-side page guards, NaN propagation,
+// sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
+// inputs == eager byte for byte, and rejected calls that write nothing.
+//
+// Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2.
+//   - Both sides round once to BF16 (8 significant bits): each is within 2^-9 of its exact value,
+//     so rounding alone allows up to 2^-8 ~ 3.9e-3 relative per element.
+//   - The GPU's logits come from FP8 tensor-core MMAs whose accumulation keeps ~13 mantissa bits
+//     relative to the largest addend: for N(0,1) E4M3 data (|partial sums| <~ 40 over 4 k-steps of
+//     32) the logit error is <~ 4 * 40 * 2^-13 * (1/sqrt(128)) ~ 1.7e-3, a relative error of the
+//     same size in each softmax weight (the twin's dots are exact in double).
+//   - P is rounded to f16 before P.V: 2^-11 ~ 4.9e-4 relative per weight; fp32 accumulation over
+//     <= a few thousand keys adds ~1e-6.
+//   A weighted average with weights perturbed by eps relative is perturbed by <~ 2 eps relative
+//   (numerator and denominator), so the sum is <~ 3.9e-3 + 2 * (1.7e-3 + 4.9e-4) ~ 8.3e-3 < 1e-2.
+//   Typical rows are far better (most BF16 roundings agree); a wrong mask, layout or block costs
+//   O(1) on short contexts (1, 127, 129 tokens and prefills from position 0 are always included).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cache/cache_view.h"
+#include "core/numeric.h"
+#include "m3attn/config.h"
+#include "stages/attention/attention.h"
+#include "support/batch_builder.h"
+#include "support/cuda_test_util.h"
+#include "support/test_util.h"
+
+namespace m3attn {
+namespace {
+
+using testing::BatchOptions;
+using testing::build_batch;
+using testing::DeviceBuffer;
+using testing::fresh_seed;
+using testing::HostBatch;
+using testing::RequestSpec;
+using testing::Rng;
+
+constexpr double kRowRelL2 = 1e-2;
+constexpr uint8_t kPoison = 0xA5;
+constexpr size_t kGuard = 256;
+constexpr int kPad = 8;  // extra bf16 per output row (must stay poisoned)
+
+// ---- block selections ---------------------------------------------------------------------------
+
+enum class Pick {
+  kShared,  // per (request, head) one random block ranking: tokens of a request mostly agree
+  kRandom,  // an independent ranking per token (large unions in verify/prefill tiles)
+  kJunk,    // kShared plus junk the twin ignores: ids >= n_valid, huge, negative, repeats, unsorted
+};
+
+// ids [T, n_kv, 16]: the local block, then the best 15 of the ranking among blocks < local,
+// ascending, -1 padded (the indexer's contract), unless kJunk scrambles it.
+Tensor make_block_ids(const HostBatch& hb, int n_kv, Pick pick, Rng& rng) {
+  const int64_t T = hb.num_tokens();
+  Tensor ids(DType::kI32, {T, n_kv, kTopK});
+  int32_t* out = ids.ptr<int32_t>();
+  std::vector<std::vector<double>> rank;  // per (request, head) priority of each block
+  auto fresh_rank = [&](int n) {
+    std::vector<double> v(static_cast<size_t>(n));
+    for (double& x : v) x = rng.uniform(0.0f, 1.0f);
+    return v;
+  };
+  const int max_blocks = hb.max_pages() + 1;
+  for (int r = 0; r < hb.num_requests(); ++r)
+    for (int g = 0; g < n_kv; ++g) rank.push_back(fresh_rank(max_blocks));
+  for (int64_t t = 0; t < T; ++t) {
+    const int r = hb.request_of(t);
+    const int local = hb.position_of(t) / kPageSize;
+    for (int g = 0; g < n_kv; ++g) {
+      const std::vector<double> mine =
+          pick == Pick::kRandom ? fresh_rank(max_blocks) : rank[static_cast<size_t>(r) * n_kv + g];
+      std::vector<int> others(static_cast<size_t>(local));
+      std::iota(others.begin(), others.end(), 0);
+      std::sort(others.begin(), others.end(), [&](int a, int b) { return mine[a] > mine[b]; });
+      if (others.size() > 15) others.resize(15);
+      others.push_back(local);
+      std::sort(others.begin(), others.end());
+      int32_t* row = out + (t * n_kv + g) * kTopK;
+      for (int k = 0; k < kTopK; ++k) row[k] = k < static_cast<int>(others.size()) ? others[k] : -1;
+      if (pick == Pick::kJunk) {
+        // Replace the -1 padding (if any) and shuffle: the key set is unchanged for the twin.
+        const int n = static_cast<int>(others.size());
+        for (int k = n; k < kTopK; ++k) {
+          switch (rng.integer(0, 4)) {
+            case 0:
+              row[k] = local + 1 + static_cast<int32_t>(rng.integer(0, 3));
+              break;  // future
+            case 1:
+              row[k] = 1 << 30;
+              break;
+            case 2:
+              row[k] = -static_cast<int32_t>(rng.integer(1, 1000));
+              break;
+            case 3:
+              row[k] = others[static_cast<size_t>(rng.integer(0, n - 1))];
+              break;  // repeat
+            default:
+              row[k] = hb.max_pages() + 7;
+              break;  // past the page table
+          }
+        }
+        std::shuffle(row, row + kTopK, rng.engine());
+      }
+    }
+  }
+  return ids;
+}
+
+// ---- one problem: host inputs, the twin's output, device copies
+// ----------------------------------
+
+struct Problem {
+  HostBatch hb;
+  int n_q = 0, n_kv = 0;
+  bool sparse = true;
+  Tensor q;    // e4m3 [T, n_q, 128]
+  Tensor ids;  // i32 [T, n_kv, 16]
+  Tensor ref;  // bf16 [T, n_q * 128]
+
+  int64_t T() const { return hb.num_tokens(); }
+  int64_t width() const { return int64_t{n_q} * kHeadDim; }
+
+  AttentionParams host_params(bool sparse_, Tensor& out) const {
+    AttentionParams p;
+    p.n_q = n_q;
+    p.n_kv = n_kv;
+    p.sparse = sparse_;
+    p.q = q.view();
+    p.kv_cache = hb.kv_cache();
+    p.block_ids = ids.view();
+    p.batch = hb.batch_view();
+    p.out = out.view();
+    return p;
+  }
+};
+
+Problem make_problem(const std::vector<RequestSpec>& reqs, int n_q, int n_kv, Pick pick, Rng& rng,
+                     BatchOptions o = {}) {
+  Problem pr;
+  o.n_kv = n_kv;
+  pr.hb = build_batch(reqs, o, rng);
+  pr.n_q = n_q;
+  pr.n_kv = n_kv;
+  pr.q = Tensor(DType::kE4M3, {pr.T(), n_q, kHeadDim});
+  testing::fill_e4m3_normal(pr.q, rng);
+  pr.ids = make_block_ids(pr.hb, n_kv, pick, rng);
+  return pr;
+}
+
+// Runs the twin into pr.ref.
+void run_reference(Problem& pr, bool sparse) {
+  pr.sparse = sparse;
+  pr.ref = Tensor(DType::kBF16, {pr.T(), pr.width()});
+  pr.ref.fill_bytes(kPoison);
+  const Status s = run_attention_cpu(pr.host_params(sparse, pr.ref));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+}
+
+struct DeviceProblem {
+  DeviceBuffer q, ids, qs, pos, lens, table, pool, out, ws;
+  int64_t out_stride = 0;
+  size_t out_bytes = 0;  // of the region between the guards
+  TensorView kv;
+  BatchView batch;
+};
+
+// Uploads everything; the output has kPad extra elements per row and kGuard bytes on both sides.
+void upload(const Problem& pr, DeviceProblem& d) {
+  d.q = DeviceBuffer(static_cast<size_t>(pr.q.nbytes()));
+  d.q.upload(pr.q.data(), static_cast<size_t>(pr.q.nbytes()));
+  d.ids = DeviceBuffer(static_cast<size_t>(pr.ids.nbytes()));
+  d.ids.upload(pr.ids.data(), static_cast<size_t>(pr.ids.nbytes()));
+  auto up = [](DeviceBuffer& b, const Tensor& t) {
+    b = DeviceBuffer(static_cast<size_t>(std::max<int64_t>(t.nbytes(), 4)));
+    b.upload(t.data(), static_cast<size_t>(t.nbytes()));
+  };
+  up(d.qs, pr.hb.query_start);
+  up(d.pos, pr.hb.positions);
+  up(d.lens, pr.hb.seq_lens);
+  up(d.table, pr.hb.page_table);
+  up(d.pool, pr.hb.kv_pool);
+  d.kv = pr.hb.kv_view_at(d.pool.data(), Device::cuda(0));
+  d.batch = pr.hb.batch_view_at(d.qs.data(), d.pos.data(), d.lens.data(), d.table.data(),
+                                Device::cuda(0));
+  d.out_stride = pr.width() + kPad;
+  d.out_bytes = static_cast<size_t>(pr.T() * d.out_stride * 2);
+  d.out = DeviceBuffer(d.out_bytes + 2 * kGuard, kPoison);
+}
+
+AttentionParams device_params(const Problem& pr, const DeviceProblem& d, bool sparse) {
+  AttentionParams p;
+  p.n_q = pr.n_q;
+  p.n_kv = pr.n_kv;
+  p.sparse = sparse;
+  p.q =
+      TensorView::contiguous(d.q.data(), DType::kE4M3, {pr.T(), pr.n_q, kHeadDim}, Device::cuda(0));
+  p.kv_cache = d.kv;
+  p.block_ids =
+      TensorView::contiguous(d.ids.data(), DType::kI32, {pr.T(), pr.n_kv, kTopK}, Device::cuda(0));
+  p.batch = d.batch;
+  p.out = TensorView::strided(static_cast<uint8_t*>(d.out.data()) + kGuard, DType::kBF16,
+                              {pr.T(), pr.width()}, {d.out_stride, 1}, Device::cuda(0));
+  return p;
+}
+
+// Runs the GPU with `cfg` (workspace poisoned with 0xFF: NaN floats) and returns the output bytes
+// (guards included).
+std::vector<uint8_t> run_gpu(const Problem& pr, DeviceProblem& d, bool sparse,
+                             AttentionCudaConfig cfg, Status* status = nullptr) {
+  AttentionParams p = device_params(pr, d, sparse);
+  const size_t ws_bytes = attention_workspace_bytes(p, cfg);
+  d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+  d.out.poison(kPoison);
+  const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, nullptr, cfg);
+  if (status) *status = s;
+  EXPECT_TRUE(s.ok() || status) << s.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return d.out.download_all();
+}
+
+bool bf16_is_nan(uint16_t v) { return (v & 0x7fffu) > 0x7f80u; }
+
+// Compares GPU bytes (with guards and padded rows) to the twin: rows within kRowRelL2, NaN exactly
+// where the twin has NaN, +0 rows exactly where the twin has an all-zero row, every guard and pad
+// byte untouched. Returns the worst row error.
+double expect_matches(const Problem& pr, const DeviceProblem& d, const std::vector<uint8_t>& got,
+                      const std::string& what) {
+  const int64_t T = pr.T(), W = pr.width();
+  for (size_t i = 0; i < kGuard; ++i) {
+    if (got[i] != kPoison || got[kGuard + d.out_bytes + i] != kPoison) {
+      ADD_FAILURE() << what << ": guard byte " << i << " was written";
+      break;
+    }
+  }
+  double worst = 0.0;
+  int reported = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = reinterpret_cast<const uint16_t*>(got.data() + kGuard) + t * d.out_stride;
+    const uint16_t* c = pr.ref.ptr<uint16_t>() + t * W;
+    for (int k = 0; k < kPad; ++k) {
+      if (g[W + k] != static_cast<uint16_t>(kPoison * 0x0101)) {
+        if (reported++ < 5) ADD_FAILURE() << what << ": row padding of token " << t << " written";
+      }
+    }
+    for (int j = 0; j < pr.n_q; ++j) {
+      double num = 0.0, den = 0.0;
+      bool ref_nan = false, got_nan = false, ref_zero = true;
+      for (int e = 0; e < kHeadDim; ++e) {
+        const uint16_t gv = g[j * kHeadDim + e], cv = c[j * kHeadDim + e];
+        ref_nan |= bf16_is_nan(cv);
+        got_nan |= bf16_is_nan(gv);
+        ref_zero &= cv == 0;
+        const double a = bf16_to_float(gv), b = bf16_to_float(cv);
+        num += (a - b) * (a - b);
+        den += b * b;
+      }
+      std::string err;
+      if (ref_nan || got_nan) {
+        if (ref_nan != got_nan) err = ref_nan ? "twin NaN, GPU not" : "GPU NaN, twin not";
+        // Both NaN somewhere: every element must then be NaN on both sides (a NaN logit or value
+        // poisons the whole row).
+        for (int e = 0; e < kHeadDim && err.empty(); ++e)
+          if (bf16_is_nan(g[j * kHeadDim + e]) != bf16_is_nan(c[j * kHeadDim + e]))
+            err = "NaN pattern differs";
+      } else if (ref_zero) {
+        for (int e = 0; e < kHeadDim && err.empty(); ++e)
+          if (g[j * kHeadDim + e] != 0) err = "twin row is +0 (no keys), GPU is not";
+      } else {
+        const double rel = std::sqrt(num / den);
+        worst = std::max(worst, rel);
+        if (!(rel <= kRowRelL2)) {
+          std::ostringstream os;
+          os << "relative L2 " << rel << " > " << kRowRelL2 << " (first: GPU "
+             << bf16_to_float(g[j * kHeadDim]) << ", twin " << bf16_to_float(c[j * kHeadDim])
+             << ")";
+          err = os.str();
+        }
+      }
+      if (!err.empty() && reported++ < 8) {
+        ADD_FAILURE() << what << ": token " << t << " (request " << pr.hb.request_of(t)
+                      << ", position " << pr.hb.position_of(t) << ") head " << j << ": " << err;
+      }
+    }
+  }
+  return worst;
+}
+
+std::string cfg_name(const AttentionCudaConfig& c) {
+  std::ostringstream os;
+  os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits;
+  return os.str();
+}
+
+const std::vector<AttentionCudaConfig> kAllConfigs = {{0, 0}, {1, 1}, {1, 3}, {1, 16},
+                                                      {2, 1}, {2, 2}, {4, 1}, {4, 5}};
+
+// The twin once, then the GPU under every config.
+void check_all_configs(Problem& pr, bool sparse, const std::string& what,
+                       const std::vector<AttentionCudaConfig>& cfgs = kAllConfigs) {
+  run_reference(pr, sparse);
+  if (::testing::Test::HasFatalFailure()) return;
+  DeviceProblem d;
+  upload(pr, d);
+  for (const AttentionCudaConfig& cfg : cfgs) {
+    const std::vector<uint8_t> got = run_gpu(pr, d, sparse, cfg);
+    const double worst =
+        expect_matches(pr, d, got, what + (sparse ? " sparse, " : " dense, ") + cfg_name(cfg));
+    std::printf("  %s %s %s: worst row relative L2 %.2e\n", what.c_str(),
+                sparse ? "sparse" : "dense", cfg_name(cfg).c_str(), worst);
+  }
+}
+
+// ---- tests
+// ---------------------------------------------------------------------------------------
+
+TEST(AttentionGpu, DecodeMatchesTwin) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  // Contexts (cached + 1) of 1, 127, 129, 2049, 5000 and 300 tokens.
+  const std::vector<RequestSpec> reqs = {{0, 1},    {126, 1},  {128, 1},
+                                         {2048, 1}, {4999, 1}, {299, 1}};
+  for (Pick pick : {Pick::kShared, Pick::kRandom}) {
+    Problem pr = make_problem(reqs, 64, 4, pick, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    check_all_configs(pr, true, "decode");
+  }
+  Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
+  check_all_configs(pr, false, "decode");
+}
+
+TEST(AttentionGpu, VerifyDraftsMatchTwin) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int draft : {1, 3, 7}) {
+    SCOPED_TRACE(::testing::Message() << "draft_len " << draft);
+    // Drafts that cross a block boundary (126 + 8 > 128) and long contexts.
+    const std::vector<RequestSpec> reqs = {{126, 1 + draft},
+                                           {0, 1 + draft},
+                                           {3000, 1 + draft},
+                                           {static_cast<int>(rng.integer(1, 4000)), 1 + draft}};
+    for (Pick pick : {Pick::kShared, Pick::kRandom}) {
+      Problem pr = make_problem(reqs, 64, 4, pick, rng);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      check_all_configs(pr, true, "verify");
+    }
+    Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
+    check_all_configs(pr, false, "verify", {{0, 0}, {4, 3}});
+  }
+}
+
+TEST(AttentionGpu, PrefillAndMixedBatchesMatchTwin) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  // A fresh prefill (from position 0: every causal mask matters), a chunk after a cached prefix
+  // that is not a block multiple, a one-token chunk, then generation requests with draft 3.
+  std::vector<RequestSpec> ctx = {{0, 261}, {2900, 97}, {129, 1}};
+  const std::vector<RequestSpec> reqs = testing::mixed_requests(ctx, 5, 3, 4500, rng);
+  for (Pick pick : {Pick::kShared, Pick::kRandom}) {
+    Problem pr = make_problem(reqs, 32, 2, pick, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs),
+                      {{0, 0}, {1, 1}, {2, 3}, {4, 1}, {4, 2}});
+  }
+  Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
+  check_all_configs(pr, false, "mixed", {{0, 0}, {1, 2}, {4, 1}, {4, 7}});
+}
+
+TEST(AttentionGpu, SmallGroupsAndStridedPools) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{0, 5}, {1000, 3}, {2049, 1}, {5000, 2}};
+  // Group 8 (TP8: 8 query heads on one KV head) with gapped planes and pages that are multiples of
+  // 16 bytes (16-byte copies), then multiples of 4 only (4-byte copies).
+  const int64_t tile = int64_t{kPageSize} * kHeadDim;
+  for (int64_t extra : {int64_t{64}, int64_t{20}}) {
+    SCOPED_TRACE(::testing::Message() << "stride extra " << extra);
+    BatchOptions o;
+    o.kv_plane_stride = 1 * tile + extra;
+    o.kv_page_stride = 3 * (2 * tile) + extra;
+    o.spare_pages = 5;
+    Problem pr = make_problem(reqs, 8, 1, Pick::kShared, rng, o);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    check_all_configs(pr, true, "group 8", {{0, 0}, {1, 4}, {4, 1}});
+    check_all_configs(pr, false, "group 8", {{0, 0}, {2, 1}});
+  }
+  // Group 16 on 3 KV heads, 4-byte strides.
+  BatchOptions o;
+  o.kv_plane_stride = 3 * tile + 4;
+  o.kv_page_stride = 2 * (3 * tile) + 12;
+  Problem pr = make_problem(reqs, 48, 3, Pick::kRandom, rng, o);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  check_all_configs(pr, true, "3 KV heads", {{0, 0}, {1, 2}, {4, 1}});
+}
+
+TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{0, 3}, {300, 4}, {2500, 4}, {4000, 1}};
+  Problem pr = make_problem(reqs, 32, 2, Pick::kJunk, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  // One (token, head) selects nothing at all: +0 outputs.
+  std::fill_n(pr.ids.ptr<int32_t>() + (4 * 2 + 1) * kTopK, kTopK, -1);
+  check_all_configs(pr, true, "junk ids", {{0, 0}, {1, 3}, {2, 1}, {4, 2}});
+}
+
+TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  // Every position < 2048: at most 16 visible blocks, all of them selected.
+  const std::vector<RequestSpec> reqs = {{0, 130}, {1000, 5}, {2040, 8}, {1, 1}, {1919, 4}};
+  Problem pr = make_problem(reqs, 64, 4, Pick::kRandom, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  run_reference(pr, true);
+  Tensor dense_ref(DType::kBF16, {pr.T(), pr.width()});
+  ASSERT_TRUE(run_attention_cpu(pr.host_params(false, dense_ref)).ok());
+  ASSERT_EQ(std::memcmp(dense_ref.data(), pr.ref.data(), static_cast<size_t>(pr.ref.nbytes())), 0)
+      << "the twin itself breaks MSA == dense";
+  DeviceProblem d;
+  upload(pr, d);
+  for (const AttentionCudaConfig& cfg : kAllConfigs) {
+    const std::vector<uint8_t> s = run_gpu(pr, d, true, cfg);
+    const std::vector<uint8_t> dn = run_gpu(pr, d, false, cfg);
+    EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << cfg_name(cfg);
+    expect_matches(pr, d, s, "sparse == dense, " + cfg_name(cfg));
+  }
+}
+
+TEST(AttentionGpu, PageIdsPast2To31Bytes) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{3000, 1}, {0, 40}, {700, 4}};
+  Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  run_reference(pr, true);
+  DeviceProblem d;
+  upload(pr, d);
+  // The same pages, shifted up by 65536 pages of 32 KB (2^31 bytes) in a larger device pool.
+  constexpr int64_t kShift = 65536;
+  const int64_t page_stride = pr.hb.kv_page_stride();
+  ASSERT_EQ(page_stride, 2 * int64_t{kPageSize} * kHeadDim);
+  const int64_t pages = kShift + pr.hb.num_pages();
+  DeviceBuffer big(static_cast<size_t>(pages * page_stride), 0x7F);
+  M3_CUDA_TEST_CHECK(cudaMemcpy(static_cast<uint8_t*>(big.data()) + kShift * page_stride,
+                                pr.hb.kv_pool.data(), static_cast<size_t>(pr.hb.kv_pool.nbytes()),
+                                cudaMemcpyHostToDevice));
+  Tensor table = pr.hb.page_table.clone();
+  for (int64_t i = 0; i < table.numel(); ++i)
+    if (table.ptr<int32_t>()[i] >= 0) table.ptr<int32_t>()[i] += static_cast<int32_t>(kShift);
+  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
+  d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
+                            Device::cuda(0));
+  for (const AttentionCudaConfig& cfg : {AttentionCudaConfig{0, 0}, AttentionCudaConfig{4, 3}}) {
+    const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
+    expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
+  }
+}
+
+TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{2600, 1}, {3100, 4}};
+  Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  DeviceProblem d;
+  upload(pr, d);
+  // Corrupt two page-table entries of blocks that request 1 selects (not its local block): the
+  // GPU must skip them, i.e. equal the twin on ids without those blocks.
+  const int r = 1;
+  const int64_t t0 = pr.hb.batch_view().query_start.ptr<int32_t>()[r];
+  const int32_t* sel = pr.ids.ptr<int32_t>() + t0 * kTopK;
+  const int32_t bad0 = sel[0], bad1 = sel[3];
+  Tensor table = pr.hb.page_table.clone();
+  table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad0] = -3;
+  table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad1] =
+      static_cast<int32_t>(pr.hb.num_pages() + 1000);
+  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
+  for (int64_t t = t0; t < pr.T(); ++t)
+    for (int k = 0; k < kTopK; ++k) {
+      int32_t& id = pr.ids.ptr<int32_t>()[t * kTopK + k];
+      if (id == bad0 || id == bad1) id = -1;
+    }
+  run_reference(pr, true);
+  for (const AttentionCudaConfig& cfg : {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}}) {
+    const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
+    expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
+  }
+}
+
+TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{200, 2}, {40, 1}};
+  Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;  // V of position 150 of request 0: NaN
+  check_all_configs(pr, true, "NaN value", {{0, 0}, {1, 2}, {2, 1}});
+}
+
+TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 4}, {4000, 4}, {90, 4}};
+  for (bool sparse : {true, false}) {
+    for (const AttentionCudaConfig& cfg : {AttentionCudaConfig{0, 0}, AttentionCudaConfig{4, 3}}) {
+      SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
+      Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
+      Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      ASSERT_EQ(a.hb.kv_pool.nbytes(), b.hb.kv_pool.nbytes());
+      DeviceProblem d;
+      upload(a, d);
+      AttentionParams p = device_params(a, d, sparse);
+      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
+      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      cudaStream_t stream;
+      M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
+      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      // New inputs into the same buffers, then replay.
+      d.q.upload(b.q.data(), static_cast<size_t>(b.q.nbytes()));
+      d.ids.upload(b.ids.data(), static_cast<size_t>(b.ids.nbytes()));
+      d.pool.upload(b.hb.kv_pool.data(), static_cast<size_t>(b.hb.kv_pool.nbytes()));
+      d.table.upload(b.hb.page_table.data(), static_cast<size_t>(b.hb.page_table.nbytes()));
+      d.out.poison(kPoison);
+      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint8_t> replay = d.out.download_all();
+      d.out.poison(kPoison);
+      d.ws.poison(0xFF);
+      const Status e = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
+      ASSERT_TRUE(e.ok()) << e.to_string();
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint8_t> eager = d.out.download_all();
+      EXPECT_TRUE(replay == eager) << "graph replay differs from eager";
+      run_reference(b, sparse);
+      expect_matches(b, d, replay, "graph replay");
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    }
+  }
+}
+
+TEST(AttentionGpu, RejectedCallsWriteNothing) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{10, 2}, {300, 1}};
+  Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  DeviceProblem d;
+  upload(pr, d);
+  const std::vector<uint8_t> pristine(d.out_bytes + 2 * kGuard, kPoison);
+  auto expect_rejected = [&](const AttentionParams& p, void* ws, size_t ws_bytes,
+                             const AttentionCudaConfig& cfg, StatusCode code, const char* what) {
+    d.out.poison(kPoison);
+    const Status s = run_attention_cuda(p, ws, ws_bytes, nullptr, cfg);
+    EXPECT_EQ(s.code(), code) << what << ": " << s.to_string();
+    EXPECT_FALSE(s.message().empty()) << what;
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(d.out.download_all() == pristine) << what << ": output written";
+  };
+  const AttentionParams good = device_params(pr, d, true);
+  DeviceBuffer ws(1 << 20, 0xFF);
+
+  AttentionParams p = good;
+  p.q.device = Device::cpu();
+  p.kv_cache.device = Device::cpu();
+  p.block_ids.device = Device::cpu();
+  p.out.device = Device::cpu();
+  p.batch.query_start.device = p.batch.positions.device = p.batch.seq_lens.device =
+      p.batch.page_table.device = Device::cpu();
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kInvalidArgument, "host views");
+
+  p = good;
+  p.q.device = Device::cpu();
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kInvalidArgument, "mixed devices");
+
+  expect_rejected(good, ws.data(), 64, {1, 4}, StatusCode::kInvalidArgument, "small workspace");
+  expect_rejected(good, nullptr, 0, {1, 4}, StatusCode::kInvalidArgument, "no workspace");
+  expect_rejected(good, static_cast<uint8_t*>(ws.data()) + 4, ws.bytes() - 4, {1, 4},
+                  StatusCode::kInvalidArgument, "misaligned workspace");
+  expect_rejected(good, ws.data(), ws.bytes(), {3, 1}, StatusCode::kUnsupported,
+                  "3 tokens per tile");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 129}, StatusCode::kUnsupported, "129 splits");
+
+  p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
+  p.n_kv = 2;
+  p.kv_cache = make_kv_cache_view(d.pool.data(), pr.hb.num_pages(), 2, pr.hb.kv_page_stride(),
+                                  pr.hb.kv_plane_stride(), Device::cuda(0));
+  p.block_ids =
+      TensorView::contiguous(d.ids.data(), DType::kI32, {pr.T(), 2, kTopK}, Device::cuda(0));
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kUnsupported, "group 32");
+
+  p = good;
+  p.q.data = static_cast<uint8_t*>(p.q.data) + 4;
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kInvalidArgument, "misaligned q");
+
+  p = good;
+  p.kv_cache.stride[0] = 6;
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kInvalidArgument, "bad page stride");
+
+  p = good;
+  p.block_ids.dtype = DType::kF32;
+  expect_rejected(p, ws.data(), ws.bytes(), {}, StatusCode::kInvalidArgument, "f32 block ids");
+
+  // Zero tokens: nothing launched, nothing written, OK.
+  p = good;
+  p.batch.num_tokens = 0;
+  p.batch.positions.shape[0] = 0;
+  p.q.shape[0] = 0;
+  p.block_ids.shape[0] = 0;
+  p.out.shape[0] = 0;
+  d.out.poison(kPoison);
+  EXPECT_TRUE(run_attention_cuda(p, nullptr, 0, nullptr, {}).ok());
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  EXPECT_TRUE(d.out.download_all() == pristine);
+}
+
+}  // namespace
+}  // namespace m3attn

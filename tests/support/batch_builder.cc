@@ -15,7 +15,6 @@ namespace m3attn::testing {
 namespace {
 
 constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // one (page, plane, head) tile
-constexpr uint8_t kE4M3NaN = 0x7f;
 
 uint8_t draw(const BatchOptions& o, Rng& rng) {
   switch (o.fill) {
@@ -153,13 +152,13 @@ HostBatch build_batch(const std::vector<RequestSpec>& requests, const BatchOptio
     }
   }
 
-  // Pools: NaN everywhere, then every visible token's rows in logical order.
+  // Pools: unowned_byte everywhere, then every visible token's rows in logical order.
   const int64_t kv_elems = (h.num_pages_ - 1) * kv_page + kv_plane + int64_t{o.n_kv} * kTile;
   const int64_t ix_elems = (h.num_pages_ - 1) * ix_page + kTile;
   h.kv_pool = Tensor(DType::kE4M3, {kv_elems});
   h.index_pool = Tensor(DType::kE4M3, {ix_elems});
-  h.kv_pool.fill_bytes(kE4M3NaN);
-  h.index_pool.fill_bytes(kE4M3NaN);
+  h.kv_pool.fill_bytes(o.unowned_byte);
+  h.index_pool.fill_bytes(o.unowned_byte);
   for (int r = 0; r < R; ++r) {
     for (int pos = 0; pos < lens[r]; ++pos) {
       for (int plane = 0; plane < 2; ++plane)

@@ -8,8 +8,8 @@
 //     request's pages are neither contiguous nor ascending; page-table columns past a request's
 //     last page hold -1.
 //   - Every byte of the pools that no visible token owns (rows past seq_len in a last page, spare
-//     pages, the gaps of strided layouts) holds the E4M3 NaN 0x7F: a stage that reads outside the
-//     contract produces NaN, and NaN never passes a comparison.
+//     pages, the gaps of strided layouts) holds the E4M3 NaN 0x7F (unowned_byte): a stage that
+//     reads outside the contract produces NaN, and NaN never passes a comparison.
 //   - Values are drawn in logical order (request, position, plane, head, dim), independent of the
 //     layout, so two builds with the same seed, requests and fill but different strides hold the
 //     same logical content and must give bit-identical results.
@@ -47,9 +47,14 @@ struct BatchOptions {
   int64_t kv_page_stride = 0;
   int64_t kv_plane_stride = 0;
   int64_t index_page_stride = 0;
-  int spare_pages = 3;       // pool pages no request owns (filled with NaN)
+  int spare_pages = 3;       // pool pages no request owns (filled with unowned_byte)
   int extra_table_cols = 1;  // page-table columns beyond the longest request (hold -1)
   CacheFill fill = CacheFill::kNormal;
+  // Every pool byte no visible token owns. The E4M3 NaN by default: a kernel that loads whole
+  // 128-row tiles must mask rows past pos_t so that they cannot reach the result (note that a
+  // masked score alone is not enough when V is NaN: 0 * NaN = NaN). Change it only to tell such a
+  // failure apart from others while debugging.
+  uint8_t unowned_byte = 0x7f;
   float stddev = 1.0f;
   int int_lo = -4;
   int int_hi = 4;
@@ -86,7 +91,7 @@ class HostBatch {
   int seq_len(int r) const { return seq_lens.ptr<int32_t>()[r]; }
   int32_t page_of(int r, int pos) const;  // physical page of token `pos` of request r
 
-  // Row (128 E4M3 values) of token `pos` of request r. plane 0 = K, 1 = V.
+  // Row (128 E4M3 values) of token `pos` of request r, 0 <= pos < seq_len(r). plane 0 = K, 1 = V.
   uint8_t* kv_row(int r, int pos, int plane, int head);
   const uint8_t* kv_row(int r, int pos, int plane, int head) const;
   uint8_t* index_row(int r, int pos);

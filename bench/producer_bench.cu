@@ -1,0 +1,362 @@
+// Producer benchmark (SPEC section 3) at the M3 TP1 geometry (n_q 64, n_kv 4): the fused producer
+// against the unfused pair (main + index, timed together as they run in a layer), cold L2, T <= 256
+// as CUDA-graph replays. Before timing, each T is spot-checked against the CPU twin (first and last
+// tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL.
+//   producer_bench [--json] [--quick]
+// Bytes moved are counted, not estimated: packed rows read, positions and slots read, one RoPE row
+// per distinct position, the norm weights, Q and index-Q written, K / V / index-K rows written for
+// tokens with a valid slot. The unfused pair reads positions, slots and RoPE rows twice.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cache/cache_view.h"
+#include "core/numeric.h"
+#include "core/rope.h"
+#include "m3attn/config.h"
+#include "stages/producer/producer.h"
+#include "support/bench_util.h"
+
+namespace m3attn {
+namespace {
+
+using bench::check_cuda;
+
+constexpr int kNq = 64;
+constexpr int kNkv = 4;
+constexpr int64_t kMaxPos = 32768;
+constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;
+
+class DevBuf {
+ public:
+  DevBuf() = default;
+  explicit DevBuf(size_t bytes) : bytes_(bytes) {
+    if (bytes) check_cuda(cudaMalloc(&ptr_, bytes), "cudaMalloc");
+  }
+  ~DevBuf() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  void* get() const { return ptr_; }
+  uint8_t* bytes() const { return static_cast<uint8_t*>(ptr_); }
+  void upload(const void* h, size_t n) {
+    if (n) check_cuda(cudaMemcpy(ptr_, h, n, cudaMemcpyHostToDevice), "upload");
+  }
+  void download(void* h, size_t n, size_t off = 0) const {
+    if (n) check_cuda(cudaMemcpy(h, bytes() + off, n, cudaMemcpyDeviceToHost), "download");
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Cheap reproducible BF16 values, roughly N(0, 1) (sum of three uniforms), for large inputs.
+uint16_t value_at(uint64_t i) {
+  uint64_t x = i * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  x ^= x >> 31;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 29;
+  const float u = (static_cast<float>(x & 0xffff) + static_cast<float>((x >> 16) & 0xffff) +
+                   static_cast<float>((x >> 32) & 0xffff)) /
+                      65536.0f -
+                  1.5f;
+  return float_to_bf16(2.0f * u);
+}
+
+// One benchmark case: host inputs, device buffers, params for the three modes.
+struct Case {
+  int64_t t = 0;
+  int64_t num_pages = 0;
+  int64_t width[3] = {};  // fused, main, index widths (columns)
+  std::vector<uint16_t> packed[3];
+  std::vector<int32_t> positions, slots;
+  Tensor rope;
+  std::vector<uint16_t> norms[4];
+
+  DevBuf d_packed[3], d_pos, d_slots, d_rope, d_norms[4], d_q, d_iq, d_pool;
+  int64_t kv_page = 0, kv_plane = 0, ic_base = 0, ic_page = 0, pool_bytes = 0;
+  ProducerParams params[3];  // fused, main, index (device views)
+};
+
+// Decode-sized batches (T <= 256) get scattered positions and one token per page; prefill-sized
+// ones consecutive positions in consecutive rows of shuffled pages.
+void build(Case& c, int64_t t) {
+  c.t = t;
+  const bool decode = t <= 256;
+  c.num_pages = decode ? t + 1 : (t + kPageSize - 1) / kPageSize + 1;
+  const int64_t w_main = (kNq + 2 * kNkv) * kHeadDim, w_idx = (kNkv + 1) * kHeadDim;
+  c.width[0] = w_main + w_idx;
+  c.width[1] = w_main;
+  c.width[2] = w_idx;
+  c.packed[0].resize(static_cast<size_t>(t * c.width[0]));
+  for (size_t i = 0; i < c.packed[0].size(); ++i) c.packed[0][i] = value_at(i);
+  for (int m = 1; m < 3; ++m) {
+    const int64_t col0 = m == 1 ? 0 : w_main;
+    c.packed[m].resize(static_cast<size_t>(t * c.width[m]));
+    for (int64_t r = 0; r < t; ++r)
+      std::memcpy(&c.packed[m][r * c.width[m]], &c.packed[0][r * c.width[0] + col0],
+                  static_cast<size_t>(c.width[m]) * 2);
+  }
+  std::mt19937_64 rng(1234 + t);
+  std::vector<int32_t> pages(static_cast<size_t>(c.num_pages));
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng);
+  c.positions.resize(t);
+  c.slots.resize(t);
+  for (int64_t i = 0; i < t; ++i) {
+    if (decode) {
+      c.positions[i] = static_cast<int32_t>(rng() % kMaxPos);
+      c.slots[i] = pages[i] * kPageSize + c.positions[i] % kPageSize;
+    } else {
+      c.positions[i] = static_cast<int32_t>(i);
+      c.slots[i] = pages[i / kPageSize] * kPageSize + static_cast<int32_t>(i % kPageSize);
+    }
+  }
+  c.rope = std::move(make_rope_table(kMaxPos, 5e6)).value();
+  for (int w = 0; w < 4; ++w) {
+    c.norms[w].resize(kHeadDim);
+    for (int d = 0; d < kHeadDim; ++d)
+      c.norms[w][d] = float_to_bf16(0.25f * bf16_to_float(value_at(1000003ull * (w + 1) + d)));
+  }
+
+  // Device side. Pool: main cache pages then index cache pages.
+  c.kv_plane = kNkv * kTile;
+  c.kv_page = 2 * c.kv_plane;
+  c.ic_page = kTile;
+  c.ic_base = c.num_pages * c.kv_page;
+  c.pool_bytes = c.ic_base + c.num_pages * c.ic_page;
+  for (int m = 0; m < 3; ++m) {
+    c.d_packed[m] = DevBuf(c.packed[m].size() * 2);
+    c.d_packed[m].upload(c.packed[m].data(), c.packed[m].size() * 2);
+  }
+  c.d_pos = DevBuf(static_cast<size_t>(t) * 4);
+  c.d_pos.upload(c.positions.data(), static_cast<size_t>(t) * 4);
+  c.d_slots = DevBuf(static_cast<size_t>(t) * 4);
+  c.d_slots.upload(c.slots.data(), static_cast<size_t>(t) * 4);
+  c.d_rope = DevBuf(static_cast<size_t>(c.rope.nbytes()));
+  c.d_rope.upload(c.rope.data(), static_cast<size_t>(c.rope.nbytes()));
+  for (int w = 0; w < 4; ++w) {
+    c.d_norms[w] = DevBuf(kHeadDim * 2);
+    c.d_norms[w].upload(c.norms[w].data(), kHeadDim * 2);
+  }
+  c.d_q = DevBuf(static_cast<size_t>(t) * kNq * kHeadDim);
+  c.d_iq = DevBuf(static_cast<size_t>(t) * kNkv * kHeadDim);
+  c.d_pool = DevBuf(static_cast<size_t>(c.pool_bytes));
+  check_cuda(cudaMemset(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes)), "memset pool");
+
+  const Device dev = Device::cuda(0);
+  const ProducerMode modes[3] = {ProducerMode::kFused, ProducerMode::kMain, ProducerMode::kIndex};
+  for (int m = 0; m < 3; ++m) {
+    ProducerParams& p = c.params[m];
+    p.mode = modes[m];
+    p.n_q = kNq;
+    p.n_kv = kNkv;
+    p.num_tokens = t;
+    p.packed = TensorView::contiguous(c.d_packed[m].get(), DType::kBF16, {t, c.width[m]}, dev);
+    p.positions = TensorView::contiguous(c.d_pos.get(), DType::kI32, {t}, dev);
+    p.slots = TensorView::contiguous(c.d_slots.get(), DType::kI32, {t}, dev);
+    p.rope = TensorView::contiguous(c.d_rope.get(), DType::kF32, {kMaxPos, 2, kRotaryHalf}, dev);
+    if (m != 2) {
+      p.q_norm = TensorView::contiguous(c.d_norms[0].get(), DType::kBF16, {kHeadDim}, dev);
+      p.k_norm = TensorView::contiguous(c.d_norms[1].get(), DType::kBF16, {kHeadDim}, dev);
+      p.q_out = TensorView::contiguous(c.d_q.get(), DType::kE4M3, {t, kNq, kHeadDim}, dev);
+      p.kv_cache =
+          make_kv_cache_view(c.d_pool.get(), c.num_pages, kNkv, c.kv_page, c.kv_plane, dev);
+    }
+    if (m != 1) {
+      p.iq_norm = TensorView::contiguous(c.d_norms[2].get(), DType::kBF16, {kHeadDim}, dev);
+      p.ik_norm = TensorView::contiguous(c.d_norms[3].get(), DType::kBF16, {kHeadDim}, dev);
+      p.iq_out = TensorView::contiguous(c.d_iq.get(), DType::kE4M3, {t, kNkv, kHeadDim}, dev);
+      p.index_cache =
+          make_index_cache_view(c.d_pool.bytes() + c.ic_base, c.num_pages, c.ic_page, dev);
+    }
+  }
+}
+
+void run_or_die(const ProducerParams& p, cudaStream_t s) {
+  const Status st = run_producer_cuda(p, s);
+  if (!st.ok()) {
+    std::fprintf(stderr, "run_producer_cuda (%s): %s\n", producer_mode_name(p.mode),
+                 st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Spot check of the device outputs against the CPU twin on the first 32 and the last token.
+bool spot_check(const Case& c, const char* what, FILE* log) {
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < std::min<int64_t>(c.t, 32); ++i) rows.push_back(i);
+  if (c.t > 32) rows.push_back(c.t - 1);
+  const auto n = static_cast<int64_t>(rows.size());
+
+  // The twin over those tokens, on a host pool of the same layout.
+  Tensor packed(DType::kBF16, {n, c.width[0]}), pos(DType::kI32, {n}), slots(DType::kI32, {n});
+  for (int64_t j = 0; j < n; ++j) {
+    std::memcpy(packed.ptr<uint16_t>() + j * c.width[0], &c.packed[0][rows[j] * c.width[0]],
+                static_cast<size_t>(c.width[0]) * 2);
+    pos.ptr<int32_t>()[j] = c.positions[rows[j]];
+    slots.ptr<int32_t>()[j] = c.slots[rows[j]];
+  }
+  Tensor norms[4];
+  for (int w = 0; w < 4; ++w) {
+    norms[w] = Tensor(DType::kBF16, {kHeadDim});
+    std::memcpy(norms[w].data(), c.norms[w].data(), kHeadDim * 2);
+  }
+  Tensor q(DType::kE4M3, {n, kNq, kHeadDim}), iq(DType::kE4M3, {n, kNkv, kHeadDim});
+  std::vector<uint8_t> pool(static_cast<size_t>(c.pool_bytes), 0);
+  ProducerParams p;
+  p.mode = ProducerMode::kFused;
+  p.n_q = kNq;
+  p.n_kv = kNkv;
+  p.num_tokens = n;
+  p.packed = packed.view();
+  p.positions = pos.view();
+  p.slots = slots.view();
+  p.rope = c.rope.view();
+  p.q_norm = norms[0].view();
+  p.k_norm = norms[1].view();
+  p.iq_norm = norms[2].view();
+  p.ik_norm = norms[3].view();
+  p.q_out = q.view();
+  p.iq_out = iq.view();
+  p.kv_cache = make_kv_cache_view(pool.data(), c.num_pages, kNkv, c.kv_page, c.kv_plane);
+  p.index_cache = make_index_cache_view(pool.data() + c.ic_base, c.num_pages, c.ic_page);
+  const Status st = run_producer_cpu(p);
+  if (!st.ok()) {
+    std::fprintf(log, "spot check (%s): CPU twin failed: %s\n", what, st.to_string().c_str());
+    return false;
+  }
+
+  int64_t bad = 0, checked = 0;
+  auto cmp = [&](const uint8_t* want, const uint8_t* got, int64_t len, bool exact) {
+    for (int64_t i = 0; i < len; ++i) {
+      ++checked;
+      if (exact ? want[i] != got[i] : !e4m3_within_one_step(want[i], got[i])) ++bad;
+    }
+  };
+  std::vector<uint8_t> got(static_cast<size_t>(kNq) * kHeadDim);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = rows[j];
+    c.d_q.download(got.data(), kNq * kHeadDim, static_cast<size_t>(r * kNq * kHeadDim));
+    cmp(q.ptr<uint8_t>() + j * kNq * kHeadDim, got.data(), kNq * kHeadDim, false);
+    c.d_iq.download(got.data(), kNkv * kHeadDim, static_cast<size_t>(r * kNkv * kHeadDim));
+    cmp(iq.ptr<uint8_t>() + j * kNkv * kHeadDim, got.data(), kNkv * kHeadDim, false);
+    const int64_t page = c.slots[r] / kPageSize, row = c.slots[r] % kPageSize;
+    for (int h = 0; h < kNkv; ++h) {
+      for (int plane = 0; plane < 2; ++plane) {
+        const int64_t off = page * c.kv_page + plane * c.kv_plane + h * kTile + row * kHeadDim;
+        c.d_pool.download(got.data(), kHeadDim, static_cast<size_t>(off));
+        cmp(pool.data() + off, got.data(), kHeadDim, plane == 1);
+      }
+    }
+    const int64_t off = c.ic_base + page * c.ic_page + row * kHeadDim;
+    c.d_pool.download(got.data(), kHeadDim, static_cast<size_t>(off));
+    cmp(pool.data() + off, got.data(), kHeadDim, false);
+  }
+  const bool pass = bad == 0 && checked > 0;
+  std::fprintf(log, "spot check T=%lld %s vs CPU twin (%lld tokens, %lld bytes): %s (%lld bad)\n",
+               static_cast<long long>(c.t), what, static_cast<long long>(n),
+               static_cast<long long>(checked), pass ? "PASS" : "FAIL",
+               static_cast<long long>(bad));
+  return pass;
+}
+
+// Bytes one call of the mode moves (see the file comment).
+double bytes_moved(const Case& c, int m) {
+  std::set<int32_t> distinct(c.positions.begin(), c.positions.end());
+  const double t = static_cast<double>(c.t);
+  double b = t * static_cast<double>(c.width[m]) * 2 + t * 8 +
+             static_cast<double>(distinct.size()) * 2 * kRotaryHalf * 4;
+  const bool main = m != 2, index = m != 1;
+  b += (main ? 2 : 0) * kHeadDim * 2 + (index ? 2 : 0) * kHeadDim * 2;  // norm weights
+  if (main) b += t * (kNq * kHeadDim + 2 * kNkv * kHeadDim);            // Q, K, V
+  if (index) b += t * (kNkv * kHeadDim + kHeadDim);                     // index-Q, index-K
+  return b;
+}
+
+}  // namespace
+}  // namespace m3attn
+
+int main(int argc, char** argv) {
+  using namespace m3attn;
+  bool json = false, quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json")) {
+      json = true;
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  FILE* log = json ? stderr : stdout;  // keep stdout pure JSON with --json
+  std::vector<int64_t> sizes = {1, 8, 64, 256, 4096, 16384};
+  if (quick) sizes = {1, 64, 4096};
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+
+  std::vector<bench::Row> rows;
+  bool all_pass = true;
+  for (const int64_t t : sizes) {
+    Case c;
+    build(c, t);
+    // Spot checks: fused, then the unfused pair over the same (reset) outputs.
+    run_or_die(c.params[0], stream);
+    check_cuda(cudaStreamSynchronize(stream), "fused run");
+    all_pass &= spot_check(c, "fused", log);
+    check_cuda(cudaMemset(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes)), "reset");
+    check_cuda(cudaMemset(c.d_q.get(), 0, static_cast<size_t>(t) * kNq * kHeadDim), "reset");
+    check_cuda(cudaMemset(c.d_iq.get(), 0, static_cast<size_t>(t) * kNkv * kHeadDim), "reset");
+    run_or_die(c.params[1], stream);
+    run_or_die(c.params[2], stream);
+    check_cuda(cudaStreamSynchronize(stream), "unfused run");
+    all_pass &= spot_check(c, "main + index", log);
+
+    const auto fused = [&](cudaStream_t s) { run_or_die(c.params[0], s); };
+    const auto unfused = [&](cudaStream_t s) {
+      run_or_die(c.params[1], s);
+      run_or_die(c.params[2], s);
+    };
+    const bool graph = t <= 256;
+    const bench::Timing tf =
+        graph ? bench::time_graph_cold(fused, stream) : bench::time_cold(fused, stream);
+    const bench::Timing tu =
+        graph ? bench::time_graph_cold(unfused, stream) : bench::time_cold(unfused, stream);
+    const double bf = bytes_moved(c, 0), bu = bytes_moved(c, 1) + bytes_moved(c, 2);
+    const double gbs_f = bf / (tf.median_us * 1e3), gbs_u = bu / (tu.median_us * 1e3);
+    bench::Row r;
+    r.add("T", std::to_string(t));
+    r.add("timing", graph ? "graph" : "eager");
+    r.add("fused_us", tf.median_us, 2);
+    r.add("unfused_us", tu.median_us, 2);
+    r.add("fused_MB", bf / 1e6, 3);
+    r.add("fused_GBs", gbs_f, 0);
+    r.add("fused_pct_copy", 100.0 * gbs_f / bench::kCopyBandwidthGBs, 1);
+    r.add("unfused_GBs", gbs_u, 0);
+    r.add("unfused_pct_copy", 100.0 * gbs_u / bench::kCopyBandwidthGBs, 1);
+    r.add("unfused_over_fused", tu.median_us / tf.median_us, 3);
+    r.add("fused_min_us", tf.min_us, 2);
+    r.add("fused_p90_us", tf.p90_us, 2);
+    rows.push_back(r);
+  }
+  bench::print_rows("producer (TP1: n_q 64, n_kv 4; cold L2)", rows, json);
+  std::fprintf(log, "spot checks: %s\n", all_pass ? "PASS" : "FAIL");
+  cudaStreamDestroy(stream);
+  return all_pass ? 0 : 1;
+}

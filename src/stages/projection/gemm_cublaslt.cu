@@ -54,6 +54,8 @@ struct Bucket {
   int64_t m_hi = 0;  // largest M of the bucket, the size the heuristic was asked about
   cublasLtMatmulAlgo_t algo[2] = {};
   size_t workspace[2] = {0, 0};
+  bool available[2] = {false, false};
+  std::string why_not[2];  // the search's failure when an algorithm is missing
 };
 
 std::string algo_summary(const cublasLtMatmulAlgo_t& algo) {
@@ -237,6 +239,7 @@ struct Fp8BlockGemm::Impl {
       if (!ok) continue;
       bucket.algo[variant] = r.algo;
       bucket.workspace[variant] = need;
+      bucket.available[variant] = true;
       return Status::Ok();
     }
     return unsupported(
@@ -300,8 +303,11 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
     lo = b.m_hi + 4;
   }
   for (Bucket& b : impl->buckets) {
+    // The 256-byte algorithm is required; the 16-byte one only serves less aligned operands, and
+    // without it such calls are refused with the search's reason.
     M3_RETURN_IF_ERROR(impl->choose(b, kAligned));
-    M3_RETURN_IF_ERROR(impl->choose(b, kUnaligned));
+    const Status loose = impl->choose(b, kUnaligned);
+    if (!loose.ok()) b.why_not[kUnaligned] = loose.to_string();
   }
   return std::unique_ptr<Fp8BlockGemm>(new Fp8BlockGemm(std::move(impl)));
 }
@@ -367,15 +373,20 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
                        p.b.stride[0] % static_cast<int64_t>(kStrictAlignment) == 0 &&
                        (p.out.stride[0] * 2) % static_cast<int64_t>(kStrictAlignment) == 0;
   const int variant = aligned ? kAligned : kUnaligned;
+  if (!bucket->available[variant])
+    return unsupported(
+        "Fp8BlockGemm: A, B or out is not 256-byte aligned (pointers and row strides) ",
+        "and cuBLASLt offered no 16-byte algorithm for M = ", m, ": ", bucket->why_not[variant]);
 
   M3_RETURN_IF_ERROR(s.set_problem(m, p.a.stride[0], p.b.stride[0], p.out.stride[0]));
   M3_RETURN_IF_ERROR(s.set_scale_pointers(p.b_scales.data, p.a_scales.data));
   const float alpha = 1.0f, beta = 0.0f;
-  return lt_status(
+  const cublasStatus_t st =
       cublasLtMatmul(s.handle, s.desc(), &alpha, p.b.data, s.w_layout(), p.a.data, s.x_layout(),
                      &beta, p.out.data, s.d_layout(), p.out.data, s.d_layout(),
-                     &bucket->algo[variant], s.workspace, s.options.workspace_bytes, stream),
-      "cublasLtMatmul", "for the block-scaled FP8 GEMM " + s.shape_string(m));
+                     &bucket->algo[variant], s.workspace, s.options.workspace_bytes, stream);
+  if (st == CUBLAS_STATUS_SUCCESS) return Status::Ok();  // (no message built on the hot path)
+  return lt_status(st, "cublasLtMatmul", "for the block-scaled FP8 GEMM " + s.shape_string(m));
 }
 
 std::string Fp8BlockGemm::describe() const {
@@ -386,8 +397,13 @@ std::string Fp8BlockGemm::describe() const {
      << (s.options.deterministic ? ", deterministic reductions" : ", any reduction") << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
-       << " ws " << b.workspace[kAligned] << "; 16B " << algo_summary(b.algo[kUnaligned]) << " ws "
-       << b.workspace[kUnaligned] << "\n";
+       << " ws " << b.workspace[kAligned] << "; 16B ";
+    if (b.available[kUnaligned]) {
+      os << algo_summary(b.algo[kUnaligned]) << " ws " << b.workspace[kUnaligned];
+    } else {
+      os << "none";
+    }
+    os << "\n";
   }
   return os.str();
 }

@@ -15,20 +15,25 @@
 //   partial (o, m, l) that attention_merge_kernel combines with log-sum-exp weights.
 //
 // Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
-//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a 2-stage
-//   ring; V is then converted E4M3 -> f16 (cvt.rn.f16x2.e4m3x2: exact) into a swizzled [key][dim]
-//   f16 tile, zeroing rows past the tile's last position (unwritten slots may hold NaN).
-//   S = Q K^T: mma.sync m16n8k32 e4m3 (Q fragments in registers for the whole kernel, K fragments
-//   by ldmatrix from a 16-byte-chunk XOR swizzle: conflict-free). Online softmax in fp32 with
-//   exp2 of log2e-prescaled scores. O += P V: P rounded to f16 (rel. 2^-11; E4M3 P would cost
-//   2^-4), V fragments by ldmatrix.trans from the f16 tile, mma.sync m16n8k16 f16 with fp32
-//   accumulation.
+//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a ring of
+//   stages, both with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free).
+//   S = Q K^T: mma.sync m16n8k32 e4m3, Q fragments in registers for the whole kernel, K fragments
+//   by ldmatrix. Online softmax in fp32 with exp2 of log2e-prescaled scores.
+//   O += P V: P rounded to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16
+//   with fp32 accumulation, V converted E4M3 -> f16 by cvt.rn.f16x2.e4m3x2 (exact) in one of two
+//   ways: tiles of 1-2 tokens (each warp owns a key slice, so V is converted once either way)
+//   convert in registers: ldmatrix.trans of the raw tile yields byte pairs (key k, dims 2i, 2i+1),
+//   (key k+1, same dims); prmt splits them into the B fragments of an even-dim and an odd-dim
+//   n-tile (o_dim gives the resulting dim order), with no f16 tile: 3 stages in flight. Tiles of
+//   4 tokens (4 warps share every key) convert once per CTA into a swizzled f16 tile read with
+//   ldmatrix.trans: 2 stages + the f16 tile. Rows past the last visible position are zeroed
+//   before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN).
 //
-// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM, the
-//   whole kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each) keep two 32 KB tiles in
-//   flight per SM. Prefill: each CTA of 4 tokens x 16 heads re-reads blocks that neighbouring
-//   tiles also use (L2 hits); the bound is shared-memory bandwidth / mma.sync issue (see
-//   attention.cu for the expectations).
+// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM; the
+//   kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each), each with 2 blocks in flight on
+//   the register path (1 on the f16 path), i.e. 64-128 KB in flight per SM. Prefill: each CTA of
+//   4 tokens x 16 heads re-reads blocks that neighbouring tiles also use (L2 hits); the bound is
+//   shared-memory bandwidth / mma.sync issue (see attention.cu for the expectations).
 #pragma once
 
 #include <cuda_fp16.h>
@@ -47,13 +52,18 @@ constexpr int kRows = 16;        // MMA rows: the query heads of one group (padd
 constexpr int kTopKIds = 16;     // selected ids per (token, KV head)
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kStages = 2;
 constexpr int kMaxList = 128;                  // block entries held in shared memory at once
 constexpr int kMaxSplits = 128;                // CTAs per (tile, KV head)
 constexpr int kTileBytes = kBlockKeys * kDim;  // one raw E4M3 K or V tile
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kVhBytes = kBlockKeys * kDim * 2;               // V as f16
-constexpr int kSmemBytes = kStages * kStageBytes + kVhBytes;  // 96 KB dynamic
+constexpr int kVhBytes = kBlockKeys * kDim * 2;  // V as f16
+// One 96 KB dynamic shared-memory budget, two layouts:
+//   tiles of 1 or 2 tokens convert V in registers: a 3-stage ring of raw K/V tiles;
+//   tiles of 4 tokens convert V once per CTA: a 2-stage ring plus the f16 V tile.
+constexpr bool v_in_registers(int qt) { return qt <= 2; }
+constexpr int stages_for(int qt) { return v_in_registers(qt) ? 3 : 2; }
+constexpr int kSmemBytes = 3 * kStageBytes;
+static_assert(2 * kStageBytes + kVhBytes == kSmemBytes, "both layouts use the same smem");
 constexpr int kOStride = kDim + 8;  // floats per row of the epilogue buffer (bank spread)
 static_assert(kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4 <= kSmemBytes,
               "epilogue buffer must fit in the pipeline's shared memory");
@@ -104,8 +114,10 @@ __device__ __forceinline__ void cp_async_commit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+// Waits until at most N of this thread's most recent cp.async groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& d0, uint32_t& d1, uint32_t& d2,
@@ -211,21 +223,21 @@ __device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile)
   return s_tile[0] >= 0;
 }
 
-// Raw K (swizzled 16-byte chunks: chunk c of key k at (c ^ (k & 7))) and V (row-major) of one
-// (page, KV head) into one pipeline stage.
+// Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
+// [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
+// ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups.
 template <bool kVec16>
 __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage) {
   const uint8_t* kt =
       a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
   const uint8_t* vt = kt + a.plane_stride;
   const uint32_t ks = smem_u32(stage);
-  const uint32_t vs = ks + kTileBytes;
 #pragma unroll
   for (int it = 0; it < kTileBytes / 16 / kThreads; ++it) {
     const int i = it * kThreads + static_cast<int>(threadIdx.x);
     const int key = i >> 3, c = i & 7;
     const uint32_t kdst = ks + key * kDim + ((c ^ (key & 7)) << 4);
-    const uint32_t vdst = vs + i * 16;
+    const uint32_t vdst = kdst + kTileBytes;
     if constexpr (kVec16) {
       cp_async_16(kdst, kt + i * 16);
       cp_async_16(vdst, vt + i * 16);
@@ -239,16 +251,17 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
   }
 }
 
-// Raw V (row-major E4M3) -> f16 [key][dim] with 16-byte chunk c of key k at (c ^ (k & 7)); keys
-// past vlim become 0.
+// Raw V (swizzled, see load_block) -> f16 [key][dim] with 16-byte chunk c (8 dims) of key k at
+// chunk (c ^ (k & 7)); keys past vlim become 0 (their slots may be unwritten: NaN).
 __device__ __forceinline__ void convert_v(const uint8_t* vraw, uint8_t* vh, int vlim) {
 #pragma unroll 4
   for (int it = 0; it < kBlockKeys * 16 / kThreads; ++it) {
     const int i = it * kThreads + static_cast<int>(threadIdx.x);
-    const int key = i >> 4, c = i & 15;
+    const int key = i >> 4, c = i & 15;  // c: 8-byte unit of the raw row, 8 dims
     uint4 h = make_uint4(0u, 0u, 0u, 0u);
     if (key <= vlim) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(vraw + key * kDim + c * 8);
+      const uint2 raw = *reinterpret_cast<const uint2*>(
+          vraw + key * kDim + (((c >> 1) ^ (key & 7)) << 4) + (c & 1) * 8);
       h.x = e4m3x2_to_f16x2(raw.x);
       h.y = e4m3x2_to_f16x2(raw.x >> 16);
       h.z = e4m3x2_to_f16x2(raw.y);
@@ -258,18 +271,29 @@ __device__ __forceinline__ void convert_v(const uint8_t* vraw, uint8_t* vh, int 
   }
 }
 
-// Per-warp state of the online softmax: rows grp and grp + 8 of the 16-row tile.
+// Per-warp state of the online softmax: rows grp and grp + 8 of the 16-row tile. The dims held by
+// o[n][e] (e: 0, 1 row grp; 2, 3 row grp + 8) depend on the V path, see o_dim.
 struct WarpState {
-  float o[kDim / 8][4];  // O accumulators: n-tile n holds dims 8n + 2 tig + {0, 1}
-  float m[2];            // running max (log2 domain)
-  float l[2];            // running sum (this thread's columns only; quad-reduced at the end)
+  float o[kDim / 8][4];
+  float m[2];  // running max (log2 domain)
+  float l[2];  // running sum (this thread's columns only; quad-reduced at the end)
 };
 
-// One chunk of NK keys [key0, key0 + NK) of the block in shared memory. Keys with index > lim
-// are masked when need_mask.
-template <int NK>
+// Output dim of accumulator o[n][e] for lane group tig.
+//   f16 tile path: n-tile n = dims 8n .. 8n + 7, column c = 2 tig + (e & 1).
+//   register path: n-tile n = 2 j + parity covers dims 16 j + 2 c + parity, c = 2 tig + (e & 1),
+//   so o[2j][e], o[2j + 1][e] (e = 0, 1) are the 4 consecutive dims 16 j + 4 tig .. + 3.
+template <bool kVRegs>
+__device__ __forceinline__ int o_dim(int n, int e, int tig) {
+  return kVRegs ? 16 * (n >> 1) + 4 * tig + 2 * (e & 1) + (n & 1) : 8 * n + 2 * tig + (e & 1);
+}
+
+// One chunk of NK keys [key0, key0 + NK) of the block in shared memory: S = Q K^T, online softmax,
+// O += P V. Keys with index > lim are masked when need_mask (and, on the register path, their V
+// bytes are zeroed: the slots may be unwritten). v_smem is the f16 tile or the raw V tile.
+template <int NK, bool kVRegs>
 __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
-                                             uint32_t k_smem, uint32_t vh_smem, int key0,
+                                             uint32_t k_smem, uint32_t v_smem, int key0,
                                              bool need_mask, int lim, float scale_log2) {
   const int lane = threadIdx.x & 31;
   const int tig = lane & 3;
@@ -336,10 +360,10 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     st.o[n][3] *= alpha1;
   }
 
-  // O += P V. The S accumulators of n-tiles 2 kk, 2 kk + 1 are the A fragment of keys
-  // [16 kk, 16 kk + 16). ldmatrix.trans lane L addresses key (16 kk + 8 ((L >> 3) & 1) + (L & 7))
-  // and f16 chunk (2 np + (L >> 4)): registers 0, 1 are the B fragment of dims 16 np .. + 7,
-  // registers 2, 3 that of dims 16 np + 8 .. + 15.
+  // O += P V. The S accumulators of n-tiles 2 kk, 2 kk + 1 are the f16 A fragment of keys
+  // [16 kk, 16 kk + 16). ldmatrix.trans lane L addresses key 16 kk + 8 ((L >> 3) & 1) + (L & 7)
+  // and 16-byte chunk 2 q + (L >> 4), so registers 0, 1 hold keys (2 tig, 2 tig + 1) and
+  // (2 tig + 8, 2 tig + 9) of chunk 2 q, registers 2, 3 the same keys of chunk 2 q + 1.
 #pragma unroll
   for (int kk = 0; kk < NK / 16; ++kk) {
     uint32_t pa[4];
@@ -347,14 +371,47 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     pa[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
     pa[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
     pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    const int key = key0 + 16 * kk + (((lane >> 3) & 1) << 3) + (lane & 7);
+    const int kb = key0 + 16 * kk;
+    const int key = kb + (((lane >> 3) & 1) << 3) + (lane & 7);
+    if constexpr (kVRegs) {
+      // Raw E4M3 chunks of 16 dims: a register holds the byte pairs (key k, dims 2 grp, 2 grp + 1)
+      // and (key k + 1, same dims), k = kb + 2 tig (+ 8). Bytes 0, 2 are the B fragment of dim
+      // 2 grp, bytes 1, 3 that of dim 2 grp + 1: two n-tiles of even / odd dims per register pair.
+      uint32_t keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;  // keys < 8 / >= 8 of the k-step
+      if (need_mask) {
+        const int k0 = kb + 2 * tig;
+        keep_lo = (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
+        keep_hi = (k0 + 8 <= lim ? 0x0000ffffu : 0u) | (k0 + 9 <= lim ? 0xffff0000u : 0u);
+      }
 #pragma unroll
-    for (int np = 0; np < kDim / 16; ++np) {
-      const int chunk = 2 * np + (lane >> 4);
-      uint32_t b0, b1, b2, b3;
-      ldsm_x4_trans(vh_smem + key * (kDim * 2) + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
-      mma_f16(st.o[2 * np], pa, b0, b1);
-      mma_f16(st.o[2 * np + 1], pa, b2, b3);
+      for (int q = 0; q < kDim / 32; ++q) {
+        const int chunk = 2 * q + (lane >> 4);
+        uint32_t r0, r1, r2, r3;
+        ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (key & 7)) << 4), r0, r1, r2, r3);
+        r0 &= keep_lo;
+        r1 &= keep_hi;
+        r2 &= keep_lo;
+        r3 &= keep_hi;
+        mma_f16(st.o[4 * q + 0], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0020u)),
+                e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0020u)));
+        mma_f16(st.o[4 * q + 1], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0031u)),
+                e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0031u)));
+        mma_f16(st.o[4 * q + 2], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0020u)),
+                e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0020u)));
+        mma_f16(st.o[4 * q + 3], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0031u)),
+                e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0031u)));
+      }
+    } else {
+      // f16 chunks of 8 dims: registers 0, 1 are the B fragment of dims 16 q .. + 7, registers
+      // 2, 3 that of dims 16 q + 8 .. + 15.
+#pragma unroll
+      for (int q = 0; q < kDim / 16; ++q) {
+        const int chunk = 2 * q + (lane >> 4);
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_trans(v_smem + key * (kDim * 2) + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
+        mma_f16(st.o[2 * q], pa, b0, b1);
+        mma_f16(st.o[2 * q + 1], pa, b2, b3);
+      }
     }
   }
 }
@@ -368,7 +425,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
   constexpr int kChunk = kSlice < 64 ? kSlice : 64;
   constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
+  constexpr bool kVRegs = v_in_registers(QT);
+  constexpr int kSt = stages_for(QT);
   static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
+  static_assert(kSt * kStageBytes + (kVRegs ? 0 : kVhBytes) <= kSmemBytes, "smem layout");
 
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -386,7 +446,15 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
 
   if (!find_tile<QT>(a, static_cast<int>(blockIdx.x), s_warp, s_tile)) return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
+  // Positions, candidate ids and Q are independent loads: issue them together (one round trip).
   if (tid < QT) s_pos[tid] = tid < nt ? a.positions[t0 + tid] : -1;
+  int cand_b = -1, cand_pos = -1;
+  if (a.sparse && tid < kCand && tid / kTopKIds < nt) {
+    const int w = tid / kTopKIds;
+    cand_pos = a.positions[t0 + w];
+    cand_b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
+                         static_cast<int64_t>(g) * a.bid_stride_h + tid % kTopKIds];
+  }
 
   // Q fragments of this warp's token (rows = heads g * group + row, rows >= group are zero).
   const int tw = warp / KS, ksl = warp % KS;
@@ -413,18 +481,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   if (a.sparse) {
     // Candidates: every (token, slot) id that selects a visible block with a valid page.
     if (tid < kCand) {
-      const int w = tid / kTopKIds, k = tid % kTopKIds;
-      int b = -1, page = -1;
-      const int pos = s_pos[w];
-      if (w < nt && pos >= 0) {
-        b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                        static_cast<int64_t>(g) * a.bid_stride_h + k];
-        if (b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
-          page = a.page_table[pt_row + b];
-          if (page < 0 || page >= a.num_pages) b = -1;
-        } else {
-          b = -1;
-        }
+      int b = cand_b, page = -1;
+      if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
+        page = a.page_table[pt_row + b];
+        if (page < 0 || page >= a.num_pages) b = -1;
+      } else {
+        b = -1;
       }
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
@@ -471,8 +533,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
 
-  uint8_t* vh = smem + kStages * kStageBytes;
-  const uint32_t vh_smem = smem_u32(vh);
+  uint8_t* vh = smem + kSt * kStageBytes;  // f16 V tile (f16 path only)
   const int my_pos = tw < nt ? s_pos[tw] : -1;
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
@@ -480,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     int off = c0;
     if (!a.sparse) {
       // Dense entries [c0, c0 + count): block b = c0 + i, seen by every token with pos / 128 >= b.
-      __syncthreads();  // the previous chunk's entries are no longer read
+      __syncthreads();  // the previous chunk's entries and stages are no longer read
       for (int i = tid; i < count; i += kThreads) {
         const int b = c0 + i;
         const int page = a.page_table[pt_row + b];
@@ -498,40 +559,56 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
       off = 0;
     }
 
-    if (s_list_mask[off]) load_block<kVec16>(a, s_list_page[off], g, smem);
-    cp_async_commit();
-    for (int i = 0; i < count; ++i) {
-      cp_async_wait_all();
-      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
-      if (i + 1 < count && s_list_mask[off + i + 1])
-        load_block<kVec16>(a, s_list_page[off + i + 1], g, smem + ((i + 1) & 1) * kStageBytes);
+    // kSt-stage ring: blocks 0 .. kSt-2 in flight before the loop; iteration i waits for block i
+    // (one commit group per block, empty groups included, so the counting is uniform), then
+    // refills the stage that block i - 1 used with block i + kSt - 1.
+#pragma unroll
+    for (int j = 0; j < kSt - 1; ++j) {
+      if (j < count && s_list_mask[off + j])
+        load_block<kVec16>(a, s_list_page[off + j], g, smem + j * kStageBytes);
       cp_async_commit();
+    }
+    int stage = 0;
+    for (int i = 0; i < count; ++i) {
+      cp_async_wait<kSt - 2>();
+      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
+      {
+        const int j = i + kSt - 1;
+        const int sj = stage == 0 ? kSt - 1 : stage - 1;  // (i + kSt - 1) mod kSt
+        if (j < count && s_list_mask[off + j])
+          load_block<kVec16>(a, s_list_page[off + j], g, smem + sj * kStageBytes);
+        cp_async_commit();
+      }
       const int mask = s_list_mask[off + i];
       const int b = s_list_b[off + i];
-      uint8_t* stage = smem + (i & 1) * kStageBytes;
-      if (mask) {
-        // Rows past the last position any token of the tile sees may be unwritten (NaN).
-        int vmax = 0;
+      uint8_t* sbuf = smem + stage * kStageBytes;
+      stage = stage + 1 == kSt ? 0 : stage + 1;
+      if constexpr (!kVRegs) {
+        if (mask) {
+          // Rows past the last position any token of the tile sees may be unwritten (NaN).
+          int vmax = 0;
 #pragma unroll
-        for (int w = 0; w < QT; ++w)
-          if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
-        convert_v(stage + kTileBytes, vh, vmax - b * kBlockKeys);
+          for (int w = 0; w < QT; ++w)
+            if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
+          convert_v(sbuf + kTileBytes, vh, vmax - b * kBlockKeys);
+        }
+        __syncthreads();
       }
-      __syncthreads();
       if (mask & (1 << tw)) {
         const int lim = my_pos - b * kBlockKeys;  // keys > lim are in this token's future
-        const uint32_t k_smem = smem_u32(stage);
+        const uint32_t k_smem = smem_u32(sbuf);
+        const uint32_t v_smem = kVRegs ? k_smem + kTileBytes : smem_u32(vh);
 #pragma unroll
         for (int c = 0; c < kSlice / kChunk; ++c) {
           const int key0 = ksl * kSlice + c * kChunk;
           if (key0 <= lim)
-            attend_chunk<kChunk>(st, qa, k_smem, vh_smem, key0, key0 + kChunk - 1 > lim, lim,
-                                 a.scale_log2);
+            attend_chunk<kChunk, kVRegs>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
+                                         a.scale_log2);
         }
       }
     }
   }
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();  // all warps are done with the pipeline buffers
 
   // Epilogue: each warp parks (o, m, l) of its 16 rows; the KS warps of a token are combined.
@@ -547,10 +624,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     float* ow = s_o + warp * kRows * kOStride;
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n) {
-      *reinterpret_cast<float2*>(ow + grp * kOStride + 8 * n + 2 * tig) =
-          make_float2(st.o[n][0], st.o[n][1]);
-      *reinterpret_cast<float2*>(ow + (grp + 8) * kOStride + 8 * n + 2 * tig) =
-          make_float2(st.o[n][2], st.o[n][3]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        ow[(grp + (e >> 1) * 8) * kOStride + o_dim<kVRegs>(n, e, tig)] = st.o[n][e];
     }
     if (tig == 0) {
       s_m[warp * kRows + grp] = st.m[0];

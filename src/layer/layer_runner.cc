@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <iomanip>
 #include <nlohmann/json.hpp>
@@ -91,6 +92,17 @@ void fill_random_e4m3(uint8_t* p, int64_t n, uint64_t seed) {
       r >>= 12;
     }
   }
+}
+
+// The shortest decimal that round-trips a float, as a double (JSON shows 1e-06, not 9.99e-07).
+double float_decimal(float x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%.9g", static_cast<double>(x));
+  for (int digits = 1; digits <= 9; ++digits) {
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, static_cast<double>(x));
+    if (std::strtof(buf, nullptr) == x) break;
+  }
+  return std::strtod(buf, nullptr);
 }
 
 std::string fnv1a_hex(const void* data, int64_t n) {
@@ -371,9 +383,12 @@ std::string LayerRunReport::to_json() const {
   nlohmann::json j;
   j["mode"] = mode;
   j["backend"] = backend;
-  j["geometry"] = {{"hidden", geometry.hidden},         {"q_heads", geometry.n_q},
-                   {"kv_heads", geometry.n_kv},         {"packed_width", geometry.packed_width()},
-                   {"rope_theta", geometry.rope_theta}, {"eps", geometry.eps}};
+  j["geometry"] = {{"hidden", geometry.hidden},
+                   {"q_heads", geometry.n_q},
+                   {"kv_heads", geometry.n_kv},
+                   {"packed_width", geometry.packed_width()},
+                   {"rope_theta", float_decimal(geometry.rope_theta)},
+                   {"eps", float_decimal(geometry.eps)}};
   j["sparse"] = sparse;
   j["fused"] = fused;
   j["tp"] = tp_size;

@@ -19,23 +19,36 @@ int heads_per_row(ProducerMode mode, int n_q, int n_kv) {
   return static_cast<int>(producer_packed_width(mode, n_q, n_kv) / kHeadDim);
 }
 
-template <ProducerMode kMode>
-Status launch(const pk::KernelArgs& args, uint32_t blocks, cudaStream_t stream) {
-  pk::producer_kernel<kMode><<<blocks, pk::kThreads, 0, stream>>>(args);
+// Below one full wave of 1-task blocks (132 SMs x 4 blocks x 32 tasks, about 220 tokens at M3
+// TP1) 3-task groups would leave SMs idle, so 1-task groups trade nothing for a shorter critical
+// path per block. Both variants compute identical bytes; only the grid differs.
+constexpr int64_t kAssumedSms = 132;  // H200; only tunes the choice, never correctness
+constexpr int64_t kSmallBatchTasks = kAssumedSms * 4 * pk::tasks_per_block(pk::kTasksSmall);
+
+template <ProducerMode kMode, int kU>
+Status launch(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
+  constexpr int64_t per_block = pk::tasks_per_block(kU);
+  const auto blocks = static_cast<uint32_t>((tasks + per_block - 1) / per_block);
+  pk::producer_kernel<kMode, kU><<<blocks, pk::kThreads, 0, stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
+template <ProducerMode kMode>
+Status launch_mode(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
+  if (tasks < kSmallBatchTasks) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
+  return launch<kMode, pk::kTasksLarge>(args, tasks, stream);
+}
+
 // The one dispatch point from the run-time mode to the kernel template.
-Status dispatch(ProducerMode mode, const pk::KernelArgs& args, uint32_t blocks,
-                cudaStream_t stream) {
+Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
   switch (mode) {
     case ProducerMode::kFused:
-      return launch<ProducerMode::kFused>(args, blocks, stream);
+      return launch_mode<ProducerMode::kFused>(args, tasks, stream);
     case ProducerMode::kMain:
-      return launch<ProducerMode::kMain>(args, blocks, stream);
+      return launch_mode<ProducerMode::kMain>(args, tasks, stream);
     case ProducerMode::kIndex:
-      return launch<ProducerMode::kIndex>(args, blocks, stream);
+      return launch_mode<ProducerMode::kIndex>(args, tasks, stream);
   }
   return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
 }
@@ -60,15 +73,14 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
   const bool uses_main = p.mode != ProducerMode::kIndex;
   const bool uses_index = p.mode != ProducerMode::kMain;
   const int heads = heads_per_row(p.mode, p.n_q, p.n_kv);
-  // The kernel indexes tasks (token, head) in 32 bits and stages at most kMaxTokensPerBlock
-  // tokens per block, which needs H >= 2 (always true for valid head counts).
+  // The kernel indexes tasks (token, head) in 32 bits and sizes its per-block token staging for
+  // H >= 2 heads per row (always true for valid head counts).
   M3_CHECK_ARG(heads >= pk::kMinHeadsPerRow, "producer launch: ", heads,
                " heads per packed row is below the kernel's minimum ", pk::kMinHeadsPerRow);
   const int64_t tasks = t * heads;
-  constexpr int64_t kMaxTasks = std::numeric_limits<int32_t>::max() - pk::kTasksPerBlock;
+  constexpr int64_t kMaxTasks = std::numeric_limits<int32_t>::max();
   M3_CHECK_ARG(tasks <= kMaxTasks, "producer launch geometry: T ", t, " x ", heads,
                " heads = ", tasks, " tasks exceeds the kernel's limit of ", kMaxTasks);
-  const auto blocks = static_cast<uint32_t>((tasks + pk::kTasksPerBlock - 1) / pk::kTasksPerBlock);
 
   pk::KernelArgs a;
   a.packed = p.packed.ptr<const uint16_t>();
@@ -100,7 +112,7 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
     a.ic_page_stride = p.index_cache.stride[0];
     a.num_pages = p.index_cache.shape[0];  // equal to the main cache's when fused (validated)
   }
-  return dispatch(p.mode, a, blocks, stream);
+  return dispatch(p.mode, a, tasks, stream);
 }
 
 }  // namespace m3attn

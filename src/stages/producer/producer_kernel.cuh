@@ -1,28 +1,39 @@
 // Device code of the producer (SPEC sections 3-4): one kernel template over the mode.
 //
 // Work decomposition. A "task" is one 128-wide head of one token: task = t * H + h, with H heads
-// per packed row (kFused n_q + 3 n_kv + 1, kMain n_q + 2 n_kv, kIndex n_kv + 1). Sixteen lanes
-// (half a warp) own a task; lane j holds channels [8j, 8j + 8) after one 16-byte load of 8 BF16
-// values. A block of 256 threads is 16 such groups and owns 64 consecutive tasks: group g takes
-// tasks base + u * 16 + g for u < 4, so every step of u reads 16 consecutive heads (4 KB, fully
-// coalesced). Three phases:
-//   1. every thread issues its 4 packed loads (streaming, 64 B per thread in flight);
-//   2. while they fly, the block stages into shared memory the norm weights as fp32 (1 + w), and
-//      for the tokens its tasks touch (at most 64 / H + 2 <= 33, H >= 2) the position, the slot
-//      and the fp32 RoPE row rope[pos][0|1][0..31];
-//   3. per task: widen to fp32, sum of squares reduced by shuffles inside the 16-lane group,
-//      y = (y * rsqrt(ss / 128 + eps)) * (1 + w) (V skips the norm), partial NeoX RoPE where lanes
-//      0-3 hold channels 0-31 and lanes 4-7 channels 32-63 (the partner is lane ^ 4), one E4M3
-//      rounding (cvt.rn.satfinite.e4m3x2, the instruction behind float_to_e4m3) and one 8-byte
-//      store per lane: Q / index-Q to the compact outputs, K / V / index-K to their cache row when
-//      the slot is valid. Every lane of a warp runs every shuffle (no shuffle under a branch that
-//      depends on the head type), so the full-warp mask is always right.
+// per packed row (kFused n_q + 3 n_kv + 1, kMain n_q + 2 n_kv, kIndex n_kv + 1). Eight lanes own a
+// task and each lane holds 16 channels chosen so that RoPE needs no shuffle: lane j holds
+//   A = channels [4j, 4j + 4)        (rotary, first halves of pairs i = 4j .. 4j + 3)
+//   B = channels [32 + 4j, 36 + 4j)  (rotary, their partners i + 32)
+//   C = channels [64 + 8j, 72 + 8j)  (pass-through)
+// loaded as 8 + 8 + 16 bytes (every 32-byte sector of the head is read whole by one instruction)
+// and stored the same way as 4 + 4 + 8 E4M3 bytes. A block of 256 threads is 32 groups of 8 lanes
+// and owns 32 kU consecutive tasks: group g takes tasks base + u * 32 + g, so each step u
+// reads 32 consecutive heads. Three phases:
+//   1. every thread issues the loads of its kU tasks (streaming; 32 B per task);
+//   2. while they fly, the block stages into shared memory the norm weights as fp32 (1 + w) and,
+//      for the tokens its tasks touch (H >= 2), the position, the slot and the fp32 RoPE row
+//      rope[pos][0|1][0..31];
+//   3. per task: widen to fp32, sum of squares (3 xor-shuffles inside the 8-lane group, executed
+//      by every lane of the warp, never under a branch), y = (y * rsqrt(ss / 128 + eps)) * (1 + w)
+//      (V skips the norm), RoPE on the lane's own four pairs, one E4M3 rounding
+//      (cvt.rn.satfinite.e4m3x2, the instruction behind float_to_e4m3) and the stores: Q / index-Q
+//      to the compact outputs, K / V / index-K to their cache row when the slot is valid.
 // A token whose position is outside [0, max_pos) writes no cache and NaN (0x7F) Q / index-Q rows.
+//
+// Why 8 lanes x 16 channels rather than 16 x 8: the per-task overhead (index math, metadata,
+// rsqrt, addresses) is shared by twice the values, the norm reduction needs 3 shuffles instead of
+// 4 and RoPE needs none instead of 8 per lane: about 175 instructions per lane and head instead of
+// ~2 x 150, so issue stays near half of the SM's slots at full HBM bandwidth (a 16-lane version
+// would need ~85% of them and could not stay memory bound).
+//
+// kU (tasks per group) is 3 for large batches (96 B of loads in flight per thread, 64 registers,
+// 4 blocks of 256 threads per SM: ~96 KB in flight per SM) and 1 below one full wave of blocks,
+// where more and shorter blocks cut the latency of decode-sized calls.
 //
 // Bytes per token at M3 TP1 (fused): read 9856 * 2 (packed) + 8 (position, slot) + 256 (RoPE row);
 // write 64 * 128 (Q) + 4 * 128 (index-Q) + 2 * 4 * 128 (K, V) + 128 (index-K) = 29,832 B. The
-// kernel is bound by HBM bandwidth: ~4.3 TB/s copy gives ~28 us at T = 4096. Instruction issue is
-// about half of that budget (about 100 instructions per lane and head), so it stays memory bound.
+// kernel is bound by HBM bandwidth: ~4.3 TB/s copy gives ~28 us at T = 4096 (~6.9 ns per token).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -36,13 +47,16 @@
 namespace m3attn::producer_kernel {
 
 constexpr int kThreads = 256;
-constexpr int kLanesPerHead = 16;
-constexpr int kValuesPerLane = 8;                                 // 8 bf16 = one 16-byte load
-constexpr int kGroupsPerBlock = kThreads / kLanesPerHead;         // 16
-constexpr int kTasksPerGroup = 4;                                 // loads in flight per thread
-constexpr int kTasksPerBlock = kGroupsPerBlock * kTasksPerGroup;  // 64
-constexpr int kMinHeadsPerRow = 2;                                // kIndex with n_kv = 1
-constexpr int kMaxTokensPerBlock = (kTasksPerBlock - 1) / kMinHeadsPerRow + 2;  // 33
+constexpr int kLanesPerHead = 8;
+constexpr int kGroupsPerBlock = kThreads / kLanesPerHead;  // 32
+constexpr int kMinHeadsPerRow = 2;                         // kIndex with n_kv = 1
+// Tasks per group (loads in flight per thread) is a template parameter kU: 3 for throughput,
+// 1 for small batches (more, shorter blocks: lower latency when most SMs would idle anyway).
+constexpr int kTasksSmall = 1;
+constexpr int kTasksLarge = 3;
+constexpr int tasks_per_block(int u) { return kGroupsPerBlock * u; }
+// Tokens a block's tasks can touch: its tasks are consecutive and every token has >= 2 heads.
+constexpr int max_tokens_per_block(int u) { return (tasks_per_block(u) - 1) / kMinHeadsPerRow + 2; }
 constexpr int kRopeFloats = 64;        // [2][32] per position
 constexpr int kTileBytes = 128 * 128;  // one (page, plane, head) tile
 
@@ -140,8 +154,26 @@ __device__ __forceinline__ void store8_cache(uint8_t* dst, uint2 v) {
   }
 }
 
-template <ProducerMode kMode>
+// The 16 values of one lane: a[4] = channels 4j.., b[4] = 32 + 4j.., c[8] = 64 + 8j...
+struct LaneRaw {
+  uint2 a, b;
+  uint4 c;
+};
+
+__device__ __forceinline__ void widen2(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+// Stores 4 bytes at dst (4-byte aligned).
+__device__ __forceinline__ void store4(uint8_t* dst, uint32_t v) {
+  *reinterpret_cast<uint32_t*>(dst) = v;
+}
+
+template <ProducerMode kMode, int kU>
 __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs a) {
+  constexpr int kTasksPerBlock = tasks_per_block(kU);
+  constexpr int kMaxTokensPerBlock = max_tokens_per_block(kU);
   __shared__ float4 s_norm[kNumNorms][32];  // (1 + w) as fp32, 128 per tensor
   __shared__ float4 s_rope[kMaxTokensPerBlock][kRopeFloats / 4];
   __shared__ int32_t s_pos[kMaxTokensPerBlock];
@@ -155,17 +187,20 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
   const uint32_t t_last = a.heads.div(block_last);
 
   // ---- phase 1: issue the packed loads ----
-  uint4 raw[kTasksPerGroup];
+  LaneRaw raw[kU];
 #pragma unroll
-  for (int u = 0; u < kTasksPerGroup; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const uint32_t task = block_first + u * kGroupsPerBlock + group;
-    raw[u] = make_uint4(0, 0, 0, 0);
+    raw[u].a = raw[u].b = make_uint2(0, 0);
+    raw[u].c = make_uint4(0, 0, 0, 0);
     if (task < a.num_tasks) {
       uint32_t t, h;
       a.heads.divmod(task, t, h);
-      const uint16_t* src = a.packed + static_cast<int64_t>(t) * a.packed_stride +
-                            static_cast<int64_t>(h) * 128 + lane * kValuesPerLane;
-      raw[u] = __ldcs(reinterpret_cast<const uint4*>(src));
+      const uint16_t* head =
+          a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h) * 128;
+      raw[u].a = __ldcs(reinterpret_cast<const uint2*>(head + 4 * lane));
+      raw[u].b = __ldcs(reinterpret_cast<const uint2*>(head + 32 + 4 * lane));
+      raw[u].c = __ldcs(reinterpret_cast<const uint4*>(head + 64 + 8 * lane));
     }
   }
 
@@ -176,15 +211,13 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
     const uint16_t* w = a.norm[which];
     if (w != nullptr) {
       const uint4 v = __ldg(reinterpret_cast<const uint4*>(w) + part);
-      const uint32_t words[4] = {v.x, v.y, v.z, v.w};
       float f[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        f[2 * i] = 1.0f + __uint_as_float(words[i] << 16);
-        f[2 * i + 1] = 1.0f + __uint_as_float(words[i] & 0xffff0000u);
-      }
-      s_norm[which][2 * part] = make_float4(f[0], f[1], f[2], f[3]);
-      s_norm[which][2 * part + 1] = make_float4(f[4], f[5], f[6], f[7]);
+      widen2(v.x, f[0], f[1]);
+      widen2(v.y, f[2], f[3]);
+      widen2(v.z, f[4], f[5]);
+      widen2(v.w, f[6], f[7]);
+      s_norm[which][2 * part] = make_float4(1.0f + f[0], 1.0f + f[1], 1.0f + f[2], 1.0f + f[3]);
+      s_norm[which][2 * part + 1] = make_float4(1.0f + f[4], 1.0f + f[5], 1.0f + f[6], 1.0f + f[7]);
     }
   }
   const int n_tok = static_cast<int>(t_last - t_first) + 1;
@@ -193,13 +226,12 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
     const int part = e % 16;
     const uint32_t t = t_first + k;
     const int32_t pos = __ldg(a.positions + t);
-    const bool pos_ok = static_cast<uint32_t>(pos) < a.max_pos;
     if (part == 0) {
       s_pos[k] = pos;
       s_slot[k] = __ldg(a.slots + t);
     }
     float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (pos_ok)
+    if (static_cast<uint32_t>(pos) < a.max_pos)
       r = __ldg(reinterpret_cast<const float4*>(a.rope + static_cast<int64_t>(pos) * kRopeFloats) +
                 part);
     s_rope[k][part] = r;
@@ -208,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
 
   // ---- phase 3: norm, RoPE, E4M3, store ----
 #pragma unroll
-  for (int u = 0; u < kTasksPerGroup; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const uint32_t task = block_first + u * kGroupsPerBlock + group;
     const bool valid = task < a.num_tasks;
     uint32_t t, h;
@@ -220,74 +252,77 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
     const int32_t slot = s_slot[k];
     const bool pos_ok = static_cast<uint32_t>(pos) < a.max_pos;
 
-    float y[kValuesPerLane];
-    {
-      const uint32_t words[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        y[2 * i] = __uint_as_float(words[i] << 16);
-        y[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-      }
-    }
+    // y[0..3] = A, y[4..7] = B, y[8..15] = C.
+    float y[16];
+    widen2(raw[u].a.x, y[0], y[1]);
+    widen2(raw[u].a.y, y[2], y[3]);
+    widen2(raw[u].b.x, y[4], y[5]);
+    widen2(raw[u].b.y, y[6], y[7]);
+    widen2(raw[u].c.x, y[8], y[9]);
+    widen2(raw[u].c.y, y[10], y[11]);
+    widen2(raw[u].c.z, y[12], y[13]);
+    widen2(raw[u].c.w, y[14], y[15]);
 
-    // Gemma RMSNorm (all lanes reduce; V discards the result).
+    // Gemma RMSNorm. Every lane reduces (V discards the result) so the shuffles stay converged.
     float ss = 0.0f;
 #pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) ss = fmaf(y[i], y[i], ss);
+    for (int i = 0; i < 16; ++i) ss = fmaf(y[i], y[i], ss);
 #pragma unroll
     for (int off = kLanesPerHead / 2; off > 0; off /= 2)
       ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    const bool normed = kind != kV;
-    if (normed) {
+    if (kind != kV) {
       const float r = rsqrtf(ss * (1.0f / 128.0f) + a.eps);
-      const int slot_w = kind == kQ    ? kNormQ
-                         : kind == kK  ? kNormK
-                         : kind == kIQ ? kNormIQ
-                                       : kNormIK;
-      const float4 w0 = s_norm[slot_w][2 * lane];
-      const float4 w1 = s_norm[slot_w][2 * lane + 1];
-      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      const int ws = kind == kQ ? kNormQ : kind == kK ? kNormK : kind == kIQ ? kNormIQ : kNormIK;
+      const float4 wa = s_norm[ws][lane];                // channels 4j ..
+      const float4 wb = s_norm[ws][8 + lane];            // channels 32 + 4j ..
+      const float4 wc0 = s_norm[ws][16 + 2 * lane];      // channels 64 + 8j ..
+      const float4 wc1 = s_norm[ws][16 + 2 * lane + 1];  // channels 68 + 8j ..
+      const float w[16] = {wa.x,  wa.y,  wa.z,  wa.w,  wb.x,  wb.y,  wb.z,  wb.w,
+                           wc0.x, wc0.y, wc0.z, wc0.w, wc1.x, wc1.y, wc1.z, wc1.w};
 #pragma unroll
-      for (int i = 0; i < kValuesPerLane; ++i) y[i] = (y[i] * r) * w[i];
-    }
+      for (int i = 0; i < 16; ++i) y[i] = (y[i] * r) * w[i];
 
-    // Partial NeoX RoPE on channels [0, 64): lane j < 4 holds y[i], lane j + 4 holds y[i + 32].
-    float partner[kValuesPerLane];
+      // Partial NeoX RoPE: pair i = 4j + m is (y[m], y[4 + m]).
+      if (pos_ok) {
+        const float4 c4 = s_rope[k][lane];      // cos[4j .. 4j + 3]
+        const float4 s4 = s_rope[k][8 + lane];  // sin[4j .. 4j + 3]
+        const float c[4] = {c4.x, c4.y, c4.z, c4.w};
+        const float s[4] = {s4.x, s4.y, s4.z, s4.w};
 #pragma unroll
-    for (int i = 0; i < kValuesPerLane; ++i) partner[i] = __shfl_xor_sync(0xffffffffu, y[i], 4);
-    if (normed && pos_ok && lane < 8) {
-      const int q = (lane & 3) * 2;  // float4 index of this lane's 8 pair indices
-      const float4 c0 = s_rope[k][q], c1 = s_rope[k][q + 1];
-      const float4 s0 = s_rope[k][8 + q], s1 = s_rope[k][8 + q + 1];
-      const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
-      const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-      if (lane < 4) {
-#pragma unroll
-        for (int i = 0; i < kValuesPerLane; ++i) y[i] = y[i] * c[i] - partner[i] * s[i];
-      } else {
-#pragma unroll
-        for (int i = 0; i < kValuesPerLane; ++i) y[i] = y[i] * c[i] + partner[i] * s[i];
+        for (int m = 0; m < 4; ++m) {
+          const float lo = y[m], hi = y[4 + m];
+          y[m] = lo * c[m] - hi * s[m];
+          y[4 + m] = hi * c[m] + lo * s[m];
+        }
       }
     }
 
-    uint2 code = make_uint2(pack4_e4m3(y[0], y[1], y[2], y[3]), pack4_e4m3(y[4], y[5], y[6], y[7]));
+    uint32_t code_a = pack4_e4m3(y[0], y[1], y[2], y[3]);
+    uint32_t code_b = pack4_e4m3(y[4], y[5], y[6], y[7]);
+    uint2 code_c =
+        make_uint2(pack4_e4m3(y[8], y[9], y[10], y[11]), pack4_e4m3(y[12], y[13], y[14], y[15]));
     if (!valid) continue;
+    uint8_t* row = nullptr;  // the 128-byte destination row, or null for no write
     if (kind == kQ || kind == kIQ) {
-      if (!pos_ok) code = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
-      uint8_t* dst = kind == kQ ? a.q_out + (static_cast<int64_t>(t) * a.n_q + sub) * 128
-                                : a.iq_out + (static_cast<int64_t>(t) * a.n_kv + sub) * 128;
-      *reinterpret_cast<uint2*>(dst + lane * kValuesPerLane) = code;
+      if (!pos_ok) {
+        code_a = code_b = code_c.x = code_c.y = 0x7f7f7f7fu;
+      }
+      row = kind == kQ ? a.q_out + (static_cast<int64_t>(t) * a.n_q + sub) * 128
+                       : a.iq_out + (static_cast<int64_t>(t) * a.n_kv + sub) * 128;
     } else if (pos_ok && slot >= 0 && (slot >> 7) < a.num_pages) {
       const int64_t page = slot >> 7;
-      const int row = slot & 127;
-      uint8_t* dst;
+      const int64_t in_page = static_cast<int64_t>(slot & 127) * 128;
       if (kind == kIK) {
-        dst = a.ic + page * a.ic_page_stride;
+        row = a.ic + page * a.ic_page_stride + in_page;
       } else {
-        dst = a.kv + page * a.kv_page_stride + (kind == kV ? a.kv_plane_stride : 0) +
-              static_cast<int64_t>(sub) * kTileBytes;
+        row = a.kv + page * a.kv_page_stride + (kind == kV ? a.kv_plane_stride : 0) +
+              static_cast<int64_t>(sub) * kTileBytes + in_page;
       }
-      store8_cache(dst + row * 128 + lane * kValuesPerLane, code);
+    }
+    if (row != nullptr) {
+      store4(row + 4 * lane, code_a);
+      store4(row + 32 + 4 * lane, code_b);
+      store8_cache(row + 64 + 8 * lane, code_c);
     }
   }
 }

@@ -563,6 +563,21 @@ TEST(ProducerGpu, FusedMatchesUnfusedPair) {
   }
 }
 
+// Few heads per row and many tokens: the 3-task kernel with the most tokens per block (index
+// mode with n_kv = 1 has H = 2), which the sizes above do not reach.
+TEST(ProducerGpu, LargeBatchFewHeadsPerRow) {
+  M3_REQUIRE_GPU();
+  for (const Geometry& geo : {Geometry{8, 1}, Geometry{32, 2}}) {
+    const int64_t t = 9001;
+    const uint64_t seed = mt::fresh_seed();
+    M3_SEED_TRACE(seed);
+    mt::Rng rng(seed);
+    const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages_for(t), rng);
+    const Layout lay = separate_layout(geo.n_kv, pages_for(t), 1, 0, 0);
+    for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng);
+  }
+}
+
 TEST(ProducerGpu, SkippedSlotsAndBadPositionsWriteNoCache) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -729,12 +744,12 @@ TEST(ProducerGpu, Page65536AddressedIn64Bits) {
 // Capture once (fused, and the unfused pair as two nodes), replay with new packed rows, new
 // positions and new slots (a -1 among them) written into the same buffers: byte-identical to
 // an eager run from the same state, and within tolerance of the twin.
-TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
-  M3_REQUIRE_GPU();
+void graph_replay_case(int64_t t) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
+  SCOPED_TRACE(::testing::Message() << "T " << t);
   mt::Rng rng(seed);
-  const int64_t t = 37, pages = 9;
+  const int64_t pages = pages_for(t) + 4;
   Inputs in = make_inputs(64, 4, t, pages, rng);
   const Layout lay = separate_layout(4, pages, 3, 0, 0);
   Packed fused = packed_for(in, ProducerMode::kFused, rng);
@@ -833,6 +848,12 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   }
   for (Variant& v : variants) cudaGraphExecDestroy(v.exec);
   cudaStreamDestroy(stream);
+}
+
+// T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one.
+TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
+  M3_REQUIRE_GPU();
+  for (const int64_t t : {37, 300}) graph_replay_case(t);
 }
 
 // A few rejected calls (the CPU suite covers every rule): a Status, no launch, no byte written.

@@ -83,9 +83,10 @@ struct IndexerCudaOptions {
   int k_splits = 0;
 };
 
-// True when run_indexer_cuda with these params and options scores on tensor cores (FP8 MMA,
-// ~13-14-bit accumulation: scores differ from the twin beyond fp32 rounding); false for the
-// exact CUDA-core scorer.
+// True when run_indexer_cuda with these params and options scores on tensor cores (E4M3
+// converted exactly to f16, mma.sync f16 with fp32 accumulation: scores within a few fp32 ulps of
+// sum_d |q_d k_d| of the twin, exact for integer-valued inputs); false for the exact CUDA-core
+// scorer.
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // The CUDA indexer: validate_indexer + CUDA-only rules (every view on the current CUDA device,

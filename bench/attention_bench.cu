@@ -9,13 +9,16 @@
 //   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
 //   (rebuilt as one-token requests over copies of only the pages they read): PASS / FAIL.
-// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}).
+// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
+//   --tokens-per-tile=N, --splits=N, --v-convert=N: override the launch plan (AttentionCudaConfig)
+//   for tuning.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -71,6 +74,7 @@ struct Case {
        *d_q = nullptr, *d_out = nullptr, *d_ws = nullptr;
   size_t ws_bytes = 0;
   AttentionParams p;
+  AttentionCudaConfig cfg;
   double bytes = 0;  // K/V bytes the selection reads
   double flops = 0;  // selected work
 };
@@ -92,8 +96,9 @@ void free_case(Case& c) {
 // `group_tokens` tokens).
 Case make_case(const std::string& name, bool sparse, int R, int ctx, int new_tokens,
                int64_t first_page, int64_t pages_per_req, int group_tokens, const Pool& pool,
-               std::mt19937_64& rng) {
+               const AttentionCudaConfig& cfg, std::mt19937_64& rng) {
   Case c;
+  c.cfg = cfg;
   c.name = name;
   c.sparse = sparse;
   c.R = R;
@@ -178,13 +183,13 @@ Case make_case(const std::string& name, bool sparse, int R, int ctx, int new_tok
   p.batch.page_table =
       TensorView::contiguous(c.d_table, DType::kI32, {R, int64_t{c.max_pages}}, dev);
   p.out = TensorView::contiguous(c.d_out, DType::kBF16, {c.T, width}, dev);
-  c.ws_bytes = attention_workspace_bytes(p);
+  c.ws_bytes = attention_workspace_bytes(p, cfg);
   c.d_ws = upload(nullptr, c.ws_bytes);
   return c;
 }
 
 void run_once(const Case& c, cudaStream_t s) {
-  const Status st = run_attention_cuda(c.p, c.d_ws, c.ws_bytes, s);
+  const Status st = run_attention_cuda(c.p, c.d_ws, c.ws_bytes, s, c.cfg);
   if (!st.ok()) {
     std::fprintf(stderr, "%s: %s\n", c.name.c_str(), st.to_string().c_str());
     std::exit(1);
@@ -285,13 +290,22 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<int64_t>& tok
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false;
+  AttentionCudaConfig cfg;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--json") == 0)
+    if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
-    else if (std::strcmp(argv[i], "--quick") == 0)
+    } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
-    else {
-      std::fprintf(stderr, "usage: attention_bench [--json] [--quick]\n");
+    } else if (std::strncmp(argv[i], "--tokens-per-tile=", 18) == 0) {
+      cfg.tokens_per_tile = std::atoi(argv[i] + 18);
+    } else if (std::strncmp(argv[i], "--splits=", 9) == 0) {
+      cfg.splits = std::atoi(argv[i] + 9);
+    } else if (std::strncmp(argv[i], "--v-convert=", 12) == 0) {
+      cfg.v_convert = std::atoi(argv[i] + 12);
+    } else {
+      std::fprintf(stderr,
+                   "usage: attention_bench [--json] [--quick] [--tokens-per-tile=N] [--splits=N] "
+                   "[--v-convert=N]\n");
       return 2;
     }
   }
@@ -320,8 +334,8 @@ int main(int argc, char** argv) {
           const std::string name = std::string(sparse ? "sparse" : "dense") + " decode B" +
                                    std::to_string(B) + " ctx" + std::to_string(ctx / 1024) +
                                    "K draft" + std::to_string(draft);
-          Case c =
-              make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool, rng);
+          Case c = make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
+                             cfg, rng);
           run_once(c, stream);
           check_cuda(cudaStreamSynchronize(stream), "run");
           // Spot check: the first and the last token (dense: the last token of batch 1 only,
@@ -365,7 +379,7 @@ int main(int argc, char** argv) {
       const std::string name = std::string(sparse ? "sparse" : "dense") + " prefill 8K chunk ctx" +
                                std::to_string(ctx / 1024) + "K";
       Case c = make_case(name, sparse, 1, ctx, 8192, int64_t{256} * max_ctx_pages,
-                         65536 / kPageSize, 64, pool, rng);
+                         65536 / kPageSize, 64, pool, cfg, rng);
       run_once(c, stream);
       check_cuda(cudaStreamSynchronize(stream), "run");
       double worst = 0;

@@ -26,9 +26,10 @@ namespace {
 namespace ak = attention_kernel;
 
 struct Plan {
-  int qt = 1;         // tokens per tile
-  int splits = 1;     // CTAs per (tile, KV head)
-  int64_t tiles = 0;  // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int qt = 1;          // tokens per tile
+  bool v_regs = true;  // V converted in registers (3 stages) rather than into an f16 tile
+  int splits = 1;      // CTAs per (tile, KV head)
+  int64_t tiles = 0;   // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -45,14 +46,32 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
   Plan pl;
+  const int64_t avg = R > 0 ? (T + R - 1) / R : 1;  // query tokens per request
   if (cfg.tokens_per_tile != 0) {
     if (cfg.tokens_per_tile != 1 && cfg.tokens_per_tile != 2 && cfg.tokens_per_tile != 4)
       return unsupported("run_attention_cuda: tokens_per_tile ", cfg.tokens_per_tile,
                          " is not one of 1, 2, 4");
     pl.qt = cfg.tokens_per_tile;
   } else {
-    const int64_t avg = R > 0 ? (T + R - 1) / R : 1;
     pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
+  }
+  // Tiles of 1-2 tokens always convert V in registers; 4-token tiles do in decode-like batches
+  // (bandwidth-bound: the third stage matters) and share one f16 tile in prefill (compute-bound).
+  switch (cfg.v_convert) {
+    case 0:
+      pl.v_regs = pl.qt <= 2 || avg <= 8;
+      break;
+    case 1:
+      pl.v_regs = true;
+      break;
+    case 2:
+      if (pl.qt != 4)
+        return unsupported(
+            "run_attention_cuda: the shared f16 V tile needs 4 tokens per tile, got ", pl.qt);
+      pl.v_regs = false;
+      break;
+    default:
+      return unsupported("run_attention_cuda: v_convert ", cfg.v_convert, " is not 0, 1 or 2");
   }
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -87,9 +106,9 @@ size_t workspace_for(const AttentionParams& p, const Plan& pl) {
   return static_cast<size_t>(ws_o_floats(p, pl) + ws_ml_floats(p, pl)) * sizeof(float);
 }
 
-template <int QT, bool kVec16>
+template <int QT, bool kVRegs, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ak::attention_tile_kernel<QT, kVec16>;
+  auto kernel = ak::attention_tile_kernel<QT, kVRegs, kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -99,26 +118,33 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
   return Status::Ok();
 }
 
-// The one dispatch point from run-time (tokens per tile, 16-byte cache alignment) to a template.
+// The one dispatch point from run-time (tokens per tile, V path, 16-byte cache alignment) to a
+// template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
-  switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
-    case 1 * 2 + 1:
-      return launch_tiles<1, true>(args, pl, n_kv, stream);
-    case 1 * 2 + 0:
-      return launch_tiles<1, false>(args, pl, n_kv, stream);
-    case 2 * 2 + 1:
-      return launch_tiles<2, true>(args, pl, n_kv, stream);
-    case 2 * 2 + 0:
-      return launch_tiles<2, false>(args, pl, n_kv, stream);
-    case 4 * 2 + 1:
-      return launch_tiles<4, true>(args, pl, n_kv, stream);
-    case 4 * 2 + 0:
-      return launch_tiles<4, false>(args, pl, n_kv, stream);
+  const int key = pl.qt * 4 + (pl.v_regs ? 2 : 0) + (vec16 ? 1 : 0);
+  switch (key) {
+    case 1 * 4 + 2 + 1:
+      return launch_tiles<1, true, true>(args, pl, n_kv, stream);
+    case 1 * 4 + 2 + 0:
+      return launch_tiles<1, true, false>(args, pl, n_kv, stream);
+    case 2 * 4 + 2 + 1:
+      return launch_tiles<2, true, true>(args, pl, n_kv, stream);
+    case 2 * 4 + 2 + 0:
+      return launch_tiles<2, true, false>(args, pl, n_kv, stream);
+    case 4 * 4 + 2 + 1:
+      return launch_tiles<4, true, true>(args, pl, n_kv, stream);
+    case 4 * 4 + 2 + 0:
+      return launch_tiles<4, true, false>(args, pl, n_kv, stream);
+    case 4 * 4 + 0 + 1:
+      return launch_tiles<4, false, true>(args, pl, n_kv, stream);
+    case 4 * 4 + 0 + 0:
+      return launch_tiles<4, false, false>(args, pl, n_kv, stream);
     default:
       break;
   }
-  return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile");
+  return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile with V ",
+                     pl.v_regs ? "in registers" : "in an f16 tile");
 }
 
 }  // namespace

@@ -57,6 +57,7 @@ Status run_attention_cpu(const AttentionParams& p);
 struct AttentionCudaConfig {
   int tokens_per_tile = 0;  // 1, 2 or 4 query tokens of one request sharing each loaded block
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
+  int v_convert = 0;        // V E4M3 -> f16: 1 in registers, 2 once per CTA (4-token tiles only)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

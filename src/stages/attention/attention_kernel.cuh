@@ -21,13 +21,14 @@
 //   by ldmatrix. Online softmax in fp32 with exp2 of log2e-prescaled scores.
 //   O += P V: P rounded to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16
 //   with fp32 accumulation, V converted E4M3 -> f16 by cvt.rn.f16x2.e4m3x2 (exact) in one of two
-//   ways: tiles of 1-2 tokens (each warp owns a key slice, so V is converted once either way)
-//   convert in registers: ldmatrix.trans of the raw tile yields byte pairs (key k, dims 2i, 2i+1),
-//   (key k+1, same dims); prmt splits them into the B fragments of an even-dim and an odd-dim
-//   n-tile (o_dim gives the resulting dim order), with no f16 tile: 3 stages in flight. Tiles of
-//   4 tokens (4 warps share every key) convert once per CTA into a swizzled f16 tile read with
-//   ldmatrix.trans: 2 stages + the f16 tile. Rows past the last visible position are zeroed
-//   before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN).
+//   ways (template kVRegs). In registers: ldmatrix.trans of the raw tile yields byte pairs (key k,
+//   dims 2i, 2i+1), (key k+1, same dims); prmt splits them into the B fragments of an even-dim and
+//   an odd-dim n-tile (o_dim gives the resulting dim order); no f16 tile, so 3 stages fit. Used for
+//   tiles of 1-2 tokens (each warp owns a key slice: V is converted once either way) and for
+//   decode-like 4-token tiles, which are bandwidth-bound. Once per CTA into a swizzled f16 tile
+//   read with ldmatrix.trans (2 stages + the f16 tile): prefill, where the 4 warps of a 4-token
+//   tile all read every key and conversion work matters. Rows past the last visible position are
+//   zeroed before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN).
 //
 // Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM; the
 //   kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each), each with 2 blocks in flight on
@@ -58,10 +59,9 @@ constexpr int kTileBytes = kBlockKeys * kDim;  // one raw E4M3 K or V tile
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kVhBytes = kBlockKeys * kDim * 2;  // V as f16
 // One 96 KB dynamic shared-memory budget, two layouts:
-//   tiles of 1 or 2 tokens convert V in registers: a 3-stage ring of raw K/V tiles;
-//   tiles of 4 tokens convert V once per CTA: a 2-stage ring plus the f16 V tile.
-constexpr bool v_in_registers(int qt) { return qt <= 2; }
-constexpr int stages_for(int qt) { return v_in_registers(qt) ? 3 : 2; }
+//   V converted in registers: a 3-stage ring of raw K/V tiles;
+//   V converted once per CTA into an f16 tile: a 2-stage ring plus the f16 tile.
+constexpr int stages_for(bool v_in_registers) { return v_in_registers ? 3 : 2; }
 constexpr int kSmemBytes = 3 * kStageBytes;
 static_assert(2 * kStageBytes + kVhBytes == kSmemBytes, "both layouts use the same smem");
 constexpr int kOStride = kDim + 8;  // floats per row of the epilogue buffer (bank spread)
@@ -419,14 +419,13 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
 // ---------------------------------------------------------------------------------------------
 // The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
 // kSmemBytes.
-template <int QT, bool kVec16>
+template <int QT, bool kVRegs, bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
   constexpr int KS = kWarps / QT;          // warps per token (key slices)
   constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
   constexpr int kChunk = kSlice < 64 ? kSlice : 64;
   constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
-  constexpr bool kVRegs = v_in_registers(QT);
-  constexpr int kSt = stages_for(QT);
+  constexpr int kSt = stages_for(kVRegs);
   static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
   static_assert(kSt * kStageBytes + (kVRegs ? 0 : kVhBytes) <= kSmemBytes, "smem layout");
 

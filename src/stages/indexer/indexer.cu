@@ -166,6 +166,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                      : static_cast<int>(pick_k_splits(units, max_pages, a.min_chunk, sms));
     const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(a.k_splits));
     if (mma) {
+      // 48 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
+      // limit: opt in (a function attribute, not a stream operation: fine under graph capture).
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
       ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
     } else {
       ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);

@@ -54,7 +54,7 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kTileBytes = 16 * kRowBytes;              // 16 keys: 2 KB, contiguous
 constexpr int kDecStages = 4;                           // per-warp tile ring
 constexpr int kPreStages = 3;                           // overflow page ring
-constexpr int kMmaSmemBytes = kPreStages * kPageBytes;  // 48 KB: no opt-in needed
+constexpr int kMmaSmemBytes = kPreStages * kPageBytes;  // 48 KB (+ static: launcher opts in)
 constexpr int kPreRowsPerWarp = 32;                     // 2 m-tiles of query rows
 static_assert(kMmaWarps * kDecStages * kTileBytes <= kMmaSmemBytes, "decode ring fits");
 static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");

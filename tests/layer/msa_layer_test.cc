@@ -276,6 +276,68 @@ TEST(MsaLayerTest, DraftOfThreeEqualsFourSingleTokenSteps) {
   expect_same_cache(pa, ma, pb, mb, 2, true);
 }
 
+TEST(MsaLayerTest, InterleavedMultiLayerPoolEqualsSeparatePools) {
+  // Three layers (one dense, two sparse) sharing one pool whose page slot holds all three layers'
+  // pages (page stride = 3 layer pages, planes with a gap): each layer's outputs and cache rows
+  // equal those of a layer with a pool of its own, and no layer writes another layer's bytes.
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const MsaGeometry g = small_geometry(256, 4, 2);
+  const Tensor rope = make_rope();
+  std::vector<MsaLayer> layers;
+  for (int l = 0; l < 3; ++l) {
+    Result<AttentionWeights> w = random_attention_weights(g, seed + l, l != 0);
+    ASSERT_TRUE(w.ok());
+    layers.push_back(make_layer(w.value(), rope, l != 2));
+  }
+  CacheManager cache(16);
+  Result<StepPlan> step = plan_step(cache, {{{1, 0, rng.integer(130, 400)}, {2, 0, 3}}, {}, 0});
+  ASSERT_TRUE(step.ok());
+  const int64_t T = step.value().num_tokens();
+
+  PagePoolConfig cfg;
+  cfg.num_pages = 16;
+  cfg.num_layers = 3;
+  cfg.n_kv = g.n_kv;
+  cfg.plane_stride = int64_t{g.n_kv} * kPageSize * kHeadDim + 64;
+  Result<PagePool> shared = PagePool::create(cfg);
+  ASSERT_TRUE(shared.ok());
+  shared.value().fill(0x7f);  // NaN everywhere nothing writes
+  for (int l = 0; l < 3; ++l) {
+    SCOPED_TRACE(::testing::Message() << "layer " << l);
+    const bool sparse = layers[static_cast<size_t>(l)].sparse();
+    const Tensor hidden = random_hidden(T, g.hidden, rng);
+    PagePool own = make_random_pool(g.n_kv, 16, sparse, rng);
+    Tensor out_own(DType::kBF16, {T, g.hidden}), out_shared(DType::kBF16, {T, g.hidden});
+    LayerTrace t_own, t_shared;
+    ASSERT_TRUE(
+        layers[static_cast<size_t>(l)]
+            .step(step.value(), layer_io(own, hidden.view(), out_own.view(), sparse), &t_own)
+            .ok());
+    const PagePool before = shared.value().clone();
+    LayerIO io;
+    io.hidden = hidden.view();
+    io.attn_out = out_shared.view();
+    io.kv_cache = shared.value().kv_cache(l).value();
+    if (sparse) io.index_cache = shared.value().index_cache(l).value();
+    ASSERT_TRUE(layers[static_cast<size_t>(l)].step(step.value(), io, &t_shared).ok());
+    EXPECT_TRUE(same_tensor(out_own, out_shared));
+    EXPECT_TRUE(same_tensor(t_own.k, t_shared.k));
+    EXPECT_TRUE(same_tensor(t_own.v, t_shared.v));
+    EXPECT_TRUE(same_tensor(t_own.index_k, t_shared.index_k));
+    // Bytes outside this layer's share of each page slot are untouched.
+    const int64_t lb = shared.value().layout().layer_bytes();
+    const int64_t ps = shared.value().layout().page_stride();
+    int64_t foreign = 0;
+    for (int64_t i = 0; i < shared.value().bytes(); ++i) {
+      const int64_t layer_of_byte = (i % ps) / lb;
+      if (layer_of_byte != l) foreign += shared.value().data()[i] != before.data()[i];
+    }
+    EXPECT_EQ(foreign, 0) << "layer " << l << " wrote another layer's bytes";
+  }
+}
+
 // A mixed step used by the next tests: one context chunk, then two generation requests with a
 // draft; all over a random cached prefix.
 struct MixedStep {

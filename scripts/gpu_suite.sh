@@ -8,6 +8,9 @@ cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
 build=1 quick=0 filter='*' tests=1 sanitizer=1 benches=1
+# Per-step time limits in seconds (override through the environment).
+t_tests=${M3_T_TESTS:-400} t_san=${M3_T_SANITIZER:-300} t_bench=${M3_T_BENCH:-120}
+tools=${M3_SANITIZERS:-memcheck racecheck}
 while (($#)); do
   case "$1" in
     --no-build) build=0 ;;
@@ -25,21 +28,21 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
   >"$out/device.txt" 2>&1
 if ((build)); then
   { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3ATTN_CUDA=ON -DM3ATTN_PTXAS_VERBOSE=ON &&
-    cmake --build build-gpu -j "$(nproc)"; } >"$out/build.log" 2>&1
+    cmake --build build-gpu -j "$(nproc)" ${M3_TARGETS:-}; } >"$out/build.log" 2>&1
   rc=$?
   summary+=("build: rc=$rc")
   ((rc == 0)) || { tail -50 "$out/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
 fi
 bin=build-gpu
 if ((tests)); then
-  timeout 400 "$bin/tests/m3attn_gpu_tests" --gtest_filter="$filter" >"$out/gpu_tests.log" 2>&1
+  timeout "$t_tests" "$bin/tests/m3attn_gpu_tests" --gtest_filter="$filter" >"$out/gpu_tests.log" 2>&1
   summary+=("gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_tests.log" | tr '\n' ' ')")
 fi
 if ((sanitizer)); then
   sfilter=$filter
   ((quick)) && sfilter="${filter}:-*Large*:*65536*"
-  for tool in memcheck racecheck; do
-    timeout 300 compute-sanitizer --tool "$tool" --error-exitcode 99 \
+  for tool in $tools; do
+    timeout "$t_san" compute-sanitizer --tool "$tool" --error-exitcode 99 \
       "$bin/tests/m3attn_gpu_tests" --gtest_filter="$sfilter" >"$out/sanitizer_$tool.log" 2>&1
     summary+=("sanitizer $tool: rc=$? $(grep -E 'ERROR SUMMARY|^\[  (PASSED|FAILED) ' "$out/sanitizer_$tool.log" | tr '\n' ' ')")
   done
@@ -49,7 +52,7 @@ if ((benches)); then
   for b in "$bin"/bench/*_bench; do
     [ -x "$b" ] || continue
     echo "### $(basename "$b")" >>"$out/bench.log"
-    timeout 120 "$b" >>"$out/bench.log" 2>&1
+    timeout "$t_bench" "$b" >>"$out/bench.log" 2>&1
     summary+=("$(basename "$b"): rc=$?")
   done
 fi

@@ -4,12 +4,18 @@
 // allocation, no copy: the launch is CUDA-graph capturable. Design and work decomposition:
 // attention_kernel.cuh.
 //
-// Expectations (H200, not yet measured): decode is bound by HBM reads of the selected K/V tiles
-// (32 KB per block per KV head); the plan puts >= 4 CTAs per SM (2 resident, 96 KB smem each) so
-// that ~64 KB per SM are in flight. Prefill is bound by shared-memory traffic (every warp reads the
-// 16 KB K tile and the 32 KB f16 V tile per block for its 16 rows) and mma.sync issue; a 4-token x
-// 16-head tile moves ~4.2 MFLOP per 192 KB of ldmatrix traffic, i.e. <= ~650 TFLOP/s at the
-// 128 B/clk shared-memory rate, so expect well below that.
+// Expectations (H200, not yet measured on the device):
+//   - Decode / verify are bound by HBM reads of the selected K/V tiles (32 KB per block and
+//     KV head, each distinct block of a tile read once). 2 CTAs per SM (96 KB smem, 128 threads)
+//     with a 3-stage ring keep ~128 KB in flight per SM, above the ~40 KB that Little's law asks at
+//     4.3 TB/s and ~1.2 us loaded latency; each CTA also pays ~3 dependent global round trips
+//     (query_start scan; positions / ids / Q; page table) before its first tile, which dominates
+//     small batches (B = 1 is launch- and latency-bound whatever the kernel). Goal >= 75 % of
+//     4300 GB/s at B = 256.
+//   - Prefill is bound by mma.sync issue and shared-memory traffic: a 4-token x 16-head tile does
+//     ~4.2 MFLOP per block (K via ldmatrix 16 KB + f16 V 32 KB per warp); with P.V on f16 mma.sync
+//     the realistic ceiling is well under the 500 TFLOP/s goal (expect ~250-400); wgmma
+//     (FA3-style) would be the next step.
 #include <algorithm>
 #include <cstdint>
 #include <limits>

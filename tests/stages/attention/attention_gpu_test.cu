@@ -348,7 +348,7 @@ TEST(AttentionGpu, DecodeMatchesTwin) {
   check_all_configs(pr, false, "decode");
 }
 
-TEST(AttentionGpu, VerifyDraftsMatchTwin) {
+TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
@@ -370,7 +370,7 @@ TEST(AttentionGpu, VerifyDraftsMatchTwin) {
   }
 }
 
-TEST(AttentionGpu, PrefillAndMixedBatchesMatchTwin) {
+TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
@@ -458,7 +458,7 @@ TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
   }
 }
 
-TEST(AttentionGpu, PageIdsPast2To31Bytes) {
+TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);

@@ -266,6 +266,8 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                " must be a positive multiple of ", kQuantBlock, " below 2^31");
   M3_CHECK_ARG(k > 0 && k % kQuantBlock == 0 && k < (int64_t{1} << 31), "Fp8BlockGemm K = ", k,
                " must be a positive multiple of ", kQuantBlock, " below 2^31");
+  M3_CHECK_ARG(options.small_m_max >= 0 && options.small_m_max <= 16,
+               "Fp8BlockGemm small_m_max = ", options.small_m_max, " must be in [0, 16]");
   M3_CHECK_ARG(options.heuristic_candidates >= 1 && options.heuristic_candidates <= 256,
                "Fp8BlockGemm heuristic_candidates = ", options.heuristic_candidates,
                " must be in [1, 256]");
@@ -358,6 +360,7 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   Impl& s = *impl_;
   const int64_t m = p.a.shape[0];
   if (m == 0) return Status::Ok();
+  if (m <= s.options.small_m_max) return run_gemm_small_m_cuda(p, stream);
 
   const Bucket* bucket = &s.buckets.back();
   for (const Bucket& b : s.buckets) {
@@ -394,7 +397,8 @@ std::string Fp8BlockGemm::describe() const {
   std::ostringstream os;
   os << "Fp8BlockGemm N = " << s.n << ", K = " << s.k << ", max_m = " << s.max_m << ", workspace "
      << s.options.workspace_bytes << " B"
-     << (s.options.deterministic ? ", deterministic reductions" : ", any reduction") << "\n";
+     << (s.options.deterministic ? ", deterministic reductions" : ", any reduction")
+     << ", small-M kernel for M <= " << s.options.small_m_max << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
        << " ws " << b.workspace[kAligned] << "; 16B ";

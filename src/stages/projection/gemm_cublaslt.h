@@ -58,10 +58,17 @@ constexpr int64_t gemm_weight_scales_row_stride(int64_t k) { return (k / 128 + 3
 // (pass it as QuantizeParams::scales and as GemmParams::a_scales). Needs m_pad * K / 128 floats.
 TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, Device device);
 
+// The decode GEMM without cuBLASLt (gemm_small_m_kernel.cuh): M <= 16 (any M, no padding needed),
+// any scale strides validate_gemm accepts; deterministic; no workspace, no allocation, no sync.
+// Returns unsupported for M > 16.
+Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
+
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
   int heuristic_candidates = 16;              // how many heuristic results to try per bucket
   bool deterministic = true;                  // exclude in-place (atomic) split-K reductions
+  // M <= small_m_max runs run_gemm_small_m_cuda instead of cuBLASLt (0: never; at most 16).
+  int small_m_max = 0;
 };
 
 class Fp8BlockGemm {

@@ -1,0 +1,292 @@
+// Shared helpers of the block-scaled GEMM GPU tests (gemm_gpu_test.cu, gemm_small_m_gpu_test.cu):
+// host operands, the CPU twin, the accumulation bound and guarded device copies.
+// Numerics and tolerances:
+//  - Integer-valued E4M3 inputs in [-3, 3] with power-of-two scales in {1/2, 1, 2}: every 128-wide
+//    partial dot product is an integer of magnitude <= 128 * 9 = 1152 < 2^11, exact even in the
+//    Hopper tensor core's reduced-precision accumulator (~14 significant bits); every scaled term
+//    is a multiple of 1/4 and the whole sum stays below K / 128 * 1152 * 4 < 2^19 (K <= 8192), so
+//    the fp32 accumulation is exact in any order and both sides round the same exact value to bf16:
+//    the outputs must be bit-identical.
+//  - Random inputs: the twin forms exact per-block dot products and accumulates in fp32; the
+//    device accumulates each 128-wide block in the tensor core (about 14 significant bits kept per
+//    addition, so per block at most ~4 * 2^-13 of the block's sum of |products| across its four
+//    k = 32 steps) and then in fp32. With S(m, n) = sum_k |a b| sa sb:
+//      |G_acc - E| <= 2^-11 S,  |C_acc - E| <= K 2^-24 S <= 2^-11.4 S (K <= 6144),
+//    and each side then rounds to bf16 (relative error <= 2^-8). Test bound:
+//      |gpu - cpu| <= 2^-7 |cpu| + 2^-10 S,
+//    which a wrong scale layout, a transposed operand or a missing block violates by orders of
+//    magnitude (with random data S / |E| is ~ sqrt(K) ~ 80, so the bound is ~1-2 % of |E|).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/projection.h"
+#include "support/cuda_test_util.h"
+#include "support/test_util.h"
+
+namespace m3attn::gemm_test {
+
+using testing::DeviceBuffer;
+using testing::Rng;
+
+constexpr uint8_t kPoison = 0xA5;
+constexpr size_t kGuard = 256;
+
+// Host operands of one GEMM: A [m, k] with token-major scales (m, kb) at m + kb * m, B [n, k] with
+// row-major scales [n / 128, kb].
+struct GemmData {
+  int64_t m = 0, n = 0, k = 0, kb = 0;
+  std::vector<uint8_t> a, b;
+  std::vector<float> sa, sb;
+};
+
+inline GemmData make_integer_data(int64_t m, int64_t n, int64_t k, Rng& rng) {
+  GemmData d;
+  d.m = m, d.n = n, d.k = k, d.kb = k / 128;
+  d.a.resize(static_cast<size_t>(m * k));
+  d.b.resize(static_cast<size_t>(n * k));
+  d.sa.resize(static_cast<size_t>(m * d.kb));
+  d.sb.resize(static_cast<size_t>(n / 128 * d.kb));
+  for (auto& v : d.a) v = float_to_e4m3(static_cast<float>(rng.integer(-3, 3)));
+  for (auto& v : d.b) v = float_to_e4m3(static_cast<float>(rng.integer(-3, 3)));
+  // Distinct per-block scales, so a transposed or shifted scale layout cannot pass.
+  for (auto& v : d.sa) v = std::ldexp(1.0f, static_cast<int>(rng.integer(-1, 1)));
+  for (auto& v : d.sb) v = std::ldexp(1.0f, static_cast<int>(rng.integer(-1, 1)));
+  return d;
+}
+
+inline GemmData make_random_data(int64_t m, int64_t n, int64_t k, Rng& rng) {
+  GemmData d;
+  d.m = m, d.n = n, d.k = k, d.kb = k / 128;
+  d.a.resize(static_cast<size_t>(m * k));
+  d.b.resize(static_cast<size_t>(n * k));
+  d.sa.resize(static_cast<size_t>(m * d.kb));
+  d.sb.resize(static_cast<size_t>(n / 128 * d.kb));
+  // Quantizer-like codes spanning the whole E4M3 range (saturating at 448).
+  for (auto& v : d.a) v = float_to_e4m3(rng.normal(0.0f, 120.0f));
+  for (auto& v : d.b) v = float_to_e4m3(rng.normal(0.0f, 120.0f));
+  for (auto& v : d.sa) v = std::pow(10.0f, rng.uniform(-4.0f, -1.0f));
+  for (auto& v : d.sb) v = std::pow(10.0f, rng.uniform(-4.0f, -2.0f));
+  return d;
+}
+
+inline GemmParams host_params(GemmData& d, std::vector<uint16_t>& out) {
+  out.assign(static_cast<size_t>(d.m * d.n), 0xffff);
+  GemmParams p;
+  p.a = TensorView::contiguous(d.a.data(), DType::kE4M3, {d.m, d.k});
+  p.a_scales = TensorView::strided(d.sa.data(), DType::kF32, {d.m, d.kb}, {1, d.m});
+  p.b = TensorView::contiguous(d.b.data(), DType::kE4M3, {d.n, d.k});
+  p.b_scales = TensorView::contiguous(d.sb.data(), DType::kF32, {d.n / 128, d.kb});
+  p.out = TensorView::contiguous(out.data(), DType::kBF16, {d.m, d.n});
+  return p;
+}
+
+inline std::vector<uint16_t> cpu_gemm(GemmData& d) {
+  std::vector<uint16_t> out;
+  const Status st = run_gemm_cpu(host_params(d, out));
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  return out;
+}
+
+// S(m, n) = sum_k |a b| sa sb, in double.
+inline std::vector<double> abs_sums(const GemmData& d) {
+  std::vector<double> dec(256);
+  for (int c = 0; c < 256; ++c) dec[c] = std::fabs(e4m3_to_float(static_cast<uint8_t>(c)));
+  std::vector<double> s(static_cast<size_t>(d.m * d.n), 0.0);
+  std::vector<double> arow(static_cast<size_t>(d.k));
+  for (int64_t m = 0; m < d.m; ++m) {
+    for (int64_t i = 0; i < d.k; ++i) arow[i] = dec[d.a[m * d.k + i]];
+    for (int64_t n = 0; n < d.n; ++n) {
+      const uint8_t* brow = &d.b[n * d.k];
+      double total = 0.0;
+      for (int64_t kb = 0; kb < d.kb; ++kb) {
+        double part = 0.0;
+        for (int64_t i = kb * 128; i < (kb + 1) * 128; ++i) part += arow[i] * dec[brow[i]];
+        total += part * d.sa[m + kb * d.m] * d.sb[(n / 128) * d.kb + kb];
+      }
+      s[m * d.n + n] = total;
+    }
+  }
+  return s;
+}
+
+// Device copies, with guards around the output and optional misalignment of every operand. The
+// weight scales are stored with rows round_up(K / 128, 4) apart, padding slots poisoned.
+struct DeviceGemm {
+  int64_t m, n, k, kb, kb_row, ld_out;
+  size_t shift;       // bytes added to the 256-byte aligned base of A, B and out
+  bool sa_row_major;  // activation scales [m, kb] row-major instead of token-major
+  DeviceBuffer a, sa, b, sb, out;
+
+  DeviceGemm(const GemmData& d, int64_t ld_out_, size_t shift_ = 0, bool sa_row_major_ = false)
+      : m(d.m),
+        n(d.n),
+        k(d.k),
+        kb(d.kb),
+        kb_row(gemm_weight_scales_row_stride(d.k)),
+        ld_out(ld_out_),
+        shift(shift_),
+        sa_row_major(sa_row_major_),
+        a(d.a.size() + 256),
+        sa(d.sa.size() * 4 + 16),
+        b(d.b.size() + 256),
+        sb(static_cast<size_t>(d.n / 128 * gemm_weight_scales_row_stride(d.k)) * 4 + 16),
+        out(2 * kGuard + shift_ + static_cast<size_t>(d.m * ld_out_) * 2, kPoison) {
+    a.upload(d.a.data(), d.a.size(), shift);
+    if (sa_row_major) {
+      std::vector<float> t(d.sa.size());
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < kb; ++j) t[i * kb + j] = d.sa[i + j * m];
+      sa.upload(t.data(), t.size() * 4);
+    } else {
+      sa.upload(d.sa.data(), d.sa.size() * 4);
+    }
+    b.upload(d.b.data(), d.b.size(), shift);
+    for (int64_t r = 0; r < n / 128; ++r) sb.upload(&d.sb[r * kb], kb * 4, r * kb_row * 4);
+  }
+
+  GemmParams params() const {
+    const Device dev = Device::cuda(0);
+    GemmParams p;
+    p.a =
+        TensorView::contiguous(static_cast<uint8_t*>(a.data()) + shift, DType::kE4M3, {m, k}, dev);
+    p.a_scales = sa_row_major
+                     ? TensorView::contiguous(sa.data(), DType::kF32, {m, kb}, dev)
+                     : gemm_activation_scales_view(static_cast<float*>(sa.data()), m, k, dev);
+    p.b =
+        TensorView::contiguous(static_cast<uint8_t*>(b.data()) + shift, DType::kE4M3, {n, k}, dev);
+    p.b_scales = TensorView::strided(sb.data(), DType::kF32, {n / 128, kb}, {kb_row, 1}, dev);
+    p.out = TensorView::strided(static_cast<uint8_t*>(out.data()) + kGuard + shift, DType::kBF16,
+                                {m, n}, {ld_out, 1}, dev);
+    return p;
+  }
+
+  // The [m, n] result; counts bytes outside it that are no longer poisoned.
+  std::vector<uint16_t> result(int64_t* touched_outside) const {
+    const std::vector<uint8_t> raw = out.download_all();
+    std::vector<uint8_t> inside(raw.size(), 0);
+    std::vector<uint16_t> r(static_cast<size_t>(m * n));
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        const size_t off = kGuard + shift + static_cast<size_t>(i * ld_out + j) * 2;
+        std::memcpy(&r[i * n + j], &raw[off], 2);
+        inside[off] = inside[off + 1] = 1;
+      }
+    }
+    int64_t touched = 0;
+    for (size_t i = 0; i < raw.size(); ++i) touched += !inside[i] && raw[i] != kPoison;
+    *touched_outside = touched;
+    return r;
+  }
+};
+
+inline std::unique_ptr<Fp8BlockGemm> make_gemm(int64_t max_m, int64_t n, int64_t k,
+                                               const Fp8BlockGemmOptions& opt = {}) {
+  auto r = Fp8BlockGemm::create(max_m, n, k, opt);
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  if (!r.ok()) return nullptr;
+  return std::move(r).value();
+}
+
+inline int64_t count_bit_mismatches(const std::vector<uint16_t>& x, const std::vector<uint16_t>& y,
+                                    int64_t n, std::string* report) {
+  int64_t bad = 0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    if (x[i] == y[i]) continue;
+    if (bad < 6 && report)
+      *report += "  [" + std::to_string(i / n) + ", " + std::to_string(i % n) + "] " +
+                 std::to_string(bf16_to_float(x[i])) + " vs " +
+                 std::to_string(bf16_to_float(y[i])) + "\n";
+    ++bad;
+  }
+  return bad;
+}
+
+struct BoundReport {
+  int64_t violations = 0;
+  int64_t non_finite = 0;
+  double worst_ratio = 0;  // max |g - c| / bound
+  double worst_rel_s = 0;  // max |g - c| / S
+  std::string text;
+};
+
+// |g - c| <= 2^-7 |c| + s_factor * S; g must be finite.
+inline BoundReport check_bound(const std::vector<uint16_t>& g, const std::vector<uint16_t>& c,
+                               const std::vector<double>& s, int64_t n, double s_factor) {
+  BoundReport r;
+  for (size_t i = 0; i < g.size(); ++i) {
+    const double gv = bf16_to_float(g[i]), cv = bf16_to_float(c[i]);
+    if (!std::isfinite(gv) || !std::isfinite(cv)) {
+      ++r.non_finite;
+      continue;
+    }
+    const double err = std::fabs(gv - cv);
+    const double bound = std::ldexp(std::fabs(cv), -7) + s_factor * s[i];
+    r.worst_ratio = std::max(r.worst_ratio, bound > 0 ? err / bound : (err > 0 ? 1e30 : 0.0));
+    if (s[i] > 0) r.worst_rel_s = std::max(r.worst_rel_s, err / s[i]);
+    if (err > bound || (bound == 0 && err != 0)) {
+      if (r.violations < 6)
+        r.text += "  [" + std::to_string(i / n) + ", " + std::to_string(i % n) + "] gpu " +
+                  std::to_string(gv) + " cpu " + std::to_string(cv) + " S " + std::to_string(s[i]) +
+                  "\n";
+      ++r.violations;
+    }
+  }
+  return r;
+}
+
+// Fused [Q|K|V|iQ|iK] (N = 9856) against the unfused pair [Q|K|V] (9216) + [iQ|iK] (640) from the
+// same packed weights and scales: the halves are sub-views of the packed buffers, and the pair
+// writes into the column ranges of one packed output (row stride 9856).
+constexpr int64_t kN1 = 9216, kN2 = 640, kNF = kN1 + kN2, kHidden = 6144;
+
+struct FusedRun {
+  std::vector<uint16_t> fused, unfused;
+  int64_t touched = 0;
+};
+
+inline FusedRun run_fused_and_unfused(const GemmData& d, const Fp8BlockGemmOptions& opt = {}) {
+  FusedRun r;
+  auto fused = make_gemm(d.m, kNF, kHidden, opt);
+  auto first = make_gemm(d.m, kN1, kHidden, opt);
+  auto second = make_gemm(d.m, kN2, kHidden, opt);
+  if (!fused || !first || !second) return r;
+  DeviceGemm f(d, kNF);
+  DeviceGemm u(d, kNF);  // same operands; its output buffer receives the pair
+  EXPECT_TRUE(fused->run(f.params(), nullptr).ok());
+
+  GemmParams p1 = u.params(), p2 = u.params();
+  p1.b.shape[0] = kN1;
+  p1.b_scales.shape[0] = kN1 / 128;
+  p1.out.shape[1] = kN1;
+  p2.b.data = static_cast<uint8_t*>(p2.b.data) + kN1 * kHidden;
+  p2.b.shape[0] = kN2;
+  p2.b_scales.data =
+      static_cast<float*>(p2.b_scales.data) + kN1 / 128 * gemm_weight_scales_row_stride(kHidden);
+  p2.b_scales.shape[0] = kN2 / 128;
+  p2.out.data = static_cast<uint16_t*>(p2.out.data) + kN1;
+  p2.out.shape[1] = kN2;
+  const Status s1 = first->run(p1, nullptr);
+  const Status s2 = second->run(p2, nullptr);
+  EXPECT_TRUE(s1.ok()) << s1.to_string();
+  EXPECT_TRUE(s2.ok()) << s2.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  int64_t t1 = 0, t2 = 0;
+  r.fused = f.result(&t1);
+  r.unfused = u.result(&t2);
+  r.touched = t1 + t2;
+  return r;
+}
+
+}  // namespace m3attn::gemm_test

@@ -1,0 +1,257 @@
+// The small-M block-scaled FP8 GEMM kernel (run_gemm_small_m_cuda, and Fp8BlockGemm with
+// small_m_max = 16) against the CPU twin. Numerics and bounds: see gemm_gpu_test_util.h (the kernel
+// accumulates each 128-wide block in the tensor core like cuBLASLt does).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/gemm_gpu_test_util.h"
+#include "stages/projection/projection.h"
+#include "stages/quantize/quantize.h"
+#include "support/cuda_test_util.h"
+#include "support/test_util.h"
+
+namespace m3attn {
+namespace {
+
+using namespace gemm_test;  // NOLINT(build/namespaces)
+using testing::DeviceBuffer;
+using testing::fresh_seed;
+using testing::Rng;
+
+Fp8BlockGemmOptions small_m_options() {
+  Fp8BlockGemmOptions o;
+  o.small_m_max = 16;
+  return o;
+}
+
+struct SmallCase {
+  int64_t m, n, k, ld_pad;
+  size_t shift;       // 16: operands only 16-byte aligned
+  bool sa_row_major;  // activation scales [M, K / 128] row-major (any strides are accepted)
+};
+
+class GemmSmallMExact : public ::testing::TestWithParam<SmallCase> {};
+
+TEST_P(GemmSmallMExact, IntegerInputsBitIdenticalToTwin) {
+  M3_REQUIRE_GPU();
+  const SmallCase c = GetParam();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  SCOPED_TRACE(::testing::Message()
+               << "M " << c.m << " N " << c.n << " K " << c.k << " ld pad " << c.ld_pad << " shift "
+               << c.shift << " sa row-major " << c.sa_row_major);
+  Rng rng(seed);
+  GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
+  const Status st = run_gemm_small_m_cuda(dev.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmSmallMExact,
+    ::testing::Values(SmallCase{1, 128, 128, 0, 0, false},  // one K block: 7 of 8 warps idle
+                      SmallCase{3, 256, 384, 8, 16, true},
+                      SmallCase{4, 640, 6144, 0, 0, false},   // N = 640: 8 warps per CTA
+                      SmallCase{8, 9856, 6144, 0, 0, false},  // fused width: 4 warps per CTA
+                      SmallCase{9, 256, 1024, 0, 16, false},  // first two-half row count
+                      SmallCase{13, 384, 640, 24, 0, true}, SmallCase{16, 640, 8192, 0, 0, false},
+                      SmallCase{16, 6144, 1152, 0, 0, true}));
+
+struct SmallRandomCase {
+  int64_t m, n, k;
+};
+
+class GemmSmallMRandom : public ::testing::TestWithParam<SmallRandomCase> {};
+
+TEST_P(GemmSmallMRandom, WithinAccumulationBoundOfTwin) {
+  M3_REQUIRE_GPU();
+  const SmallRandomCase c = GetParam();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  SCOPED_TRACE(::testing::Message() << "M " << c.m << " N " << c.n << " K " << c.k);
+  Rng rng(seed);
+  GemmData d = make_random_data(c.m, c.n, c.k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  const std::vector<double> s = abs_sums(d);
+  DeviceGemm dev(d, c.n);
+  const Status st = run_gemm_small_m_cuda(dev.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  const BoundReport r = check_bound(got, ref, s, c.n, std::ldexp(1.0, -10));
+  int64_t identical = 0;
+  for (size_t i = 0; i < got.size(); ++i) identical += got[i] == ref[i];
+  std::printf(
+      "[ INFO     ] small-M M %lld N %lld K %lld: %lld of %zu outputs bit-identical to the "
+      "twin, worst |gpu-cpu| / bound %.3g, worst |gpu-cpu| / S %.3g\n",
+      static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k),
+      static_cast<long long>(identical), got.size(), r.worst_ratio, r.worst_rel_s);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_EQ(r.violations, 0) << r.text;
+  EXPECT_EQ(touched, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmSmallMRandom,
+                         ::testing::Values(SmallRandomCase{1, 9856, 6144},
+                                           SmallRandomCase{8, 640, 6144},
+                                           SmallRandomCase{11, 256, 6144},
+                                           SmallRandomCase{16, 128, 8192}));
+
+// Through Fp8BlockGemm (small_m_max = 16): the fused projection equals the unfused pair bit for bit
+// on integer inputs although N = 640 splits K over 8 warps and N = 9856 over 4.
+TEST(GemmSmallMFused, IntegerInputsFusedEqualsUnfusedBitForBit) {
+  M3_REQUIRE_GPU();
+  for (int64_t m : {4, 12}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    Rng rng(seed);
+    const GemmData d = make_integer_data(m, kNF, kHidden, rng);
+    const FusedRun r = run_fused_and_unfused(d, small_m_options());
+    ASSERT_EQ(r.fused.size(), static_cast<size_t>(m * kNF));
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(r.fused, r.unfused, kNF, &report), 0) << report;
+    EXPECT_EQ(r.touched, 0);
+  }
+}
+
+// The small-M kernel and cuBLASLt on the same random operands: both within the accumulation bound
+// of each other (two device accumulations: 2^-9 S), bit-identical fraction reported.
+TEST(GemmSmallMFused, AgreesWithCublasLt) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int64_t m = 8;
+  GemmData d = make_random_data(m, kN2, kHidden, rng);
+  const std::vector<double> s = abs_sums(d);
+  auto lt = make_gemm(16, kN2, kHidden);
+  auto small = make_gemm(16, kN2, kHidden, small_m_options());
+  ASSERT_NE(lt, nullptr);
+  ASSERT_NE(small, nullptr);
+  DeviceGemm x(d, kN2), y(d, kN2);
+  ASSERT_TRUE(lt->run(x.params(), nullptr).ok());
+  ASSERT_TRUE(small->run(y.params(), nullptr).ok());
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t t1 = 0, t2 = 0;
+  const std::vector<uint16_t> a = x.result(&t1), b = y.result(&t2);
+  const BoundReport r = check_bound(b, a, s, kN2, std::ldexp(1.0, -9));
+  int64_t identical = 0;
+  for (size_t i = 0; i < a.size(); ++i) identical += a[i] == b[i];
+  std::printf(
+      "[ INFO     ] small-M kernel vs cuBLASLt, M %lld N %lld: %lld of %zu bit-identical, "
+      "worst |diff| / S %.3g\n",
+      static_cast<long long>(m), static_cast<long long>(kN2), static_cast<long long>(identical),
+      a.size(), r.worst_rel_s);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_EQ(r.violations, 0) << r.text;
+  EXPECT_EQ(t1 + t2, 0);
+}
+
+// Quantize (rows = 1 padded to 4) + small-M GEMM captured once, replayed with a new x: equals
+// eager runs byte for byte.
+TEST(GemmSmallMGraph, ReplayWithNewInputEqualsEager) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int64_t rows = 1, m_pad = 4, n = kNF, k = kHidden;
+  GemmData d = make_random_data(m_pad, n, k, rng);
+  DeviceGemm dev(d, n);
+  DeviceBuffer d_x(static_cast<size_t>(rows * k) * 2);
+  std::vector<uint16_t> x(static_cast<size_t>(rows * k));
+  auto new_x = [&] {
+    for (auto& v : x) v = float_to_bf16(rng.normal(0.0f, 1.0f));
+    d_x.upload(x.data(), x.size() * 2);
+  };
+  new_x();
+  const GemmParams gp = dev.params();
+  QuantizeParams qd;
+  qd.rows = rows;
+  qd.in = TensorView::contiguous(d_x.data(), DType::kBF16, {rows, k}, Device::cuda(0));
+  qd.out = gp.a;
+  qd.scales = gp.a_scales;
+  auto gemm = make_gemm(16, n, k, small_m_options());
+  ASSERT_NE(gemm, nullptr);
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto launch = [&]() -> Status {
+    M3_RETURN_IF_ERROR(run_quantize_cuda(qd, stream));
+    return gemm->run(gp, stream);
+  };
+  ASSERT_TRUE(launch().ok());  // eager warm-up outside the capture
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status cap = launch();
+  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(cap.ok()) << cap.to_string();
+  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  int64_t touched = 0;
+  const std::vector<uint16_t> first = dev.result(&touched);
+
+  new_x();
+  dev.out.poison(kPoison);
+  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<uint8_t> replay = dev.out.download_all();
+  EXPECT_NE(first, dev.result(&touched)) << "the replay did not see the new input";
+  for (int rep = 0; rep < 2; ++rep) {
+    dev.out.poison(kPoison);
+    ASSERT_TRUE(launch().ok());
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(replay, dev.out.download_all()) << "eager run " << rep << " differs from the replay";
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GemmSmallMRules, RejectedCallsWriteNothing) {
+  M3_REQUIRE_GPU();
+  Rng rng(fresh_seed());
+  GemmData d = make_integer_data(17, 256, 512, rng);  // one row too many
+  DeviceGemm dev(d, 256);
+  EXPECT_EQ(run_gemm_small_m_cuda(dev.params(), nullptr).code(), StatusCode::kUnsupported);
+  GemmParams p = dev.params();
+  p.a.device = p.a_scales.device = p.b.device = p.b_scales.device = p.out.device = Device::cpu();
+  EXPECT_EQ(run_gemm_small_m_cuda(p, nullptr).code(), StatusCode::kInvalidArgument);
+  p = dev.params();
+  p.a.shape[0] = 16;
+  p.a_scales.shape[0] = 16;  // out still has 17 rows: shapes disagree
+  EXPECT_EQ(run_gemm_small_m_cuda(p, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Fp8BlockGemm::create(16, 256, 512,
+                                 [] {
+                                   Fp8BlockGemmOptions o;
+                                   o.small_m_max = 17;
+                                   return o;
+                                 }())
+                .status()
+                .code(),
+            StatusCode::kInvalidArgument);
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  EXPECT_EQ(touched, 0);
+}
+
+}  // namespace
+}  // namespace m3attn

@@ -378,24 +378,33 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
 // ---------------------------------------------------------------------------------------------
 // Tests.
 
-const int kContexts[] = {1, 127, 128, 129, 2048, 2049, 65537};
-
-TEST(IndexerGpu, GenerationContextsAndDraftLengths) {
-  M3_REQUIRE_GPU();
+// Generation requests whose sequence (cached + 1 + draft_len tokens) is `ctx` long.
+void check_generation_contexts(const std::vector<int>& contexts, const std::string& name) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   for (int draft : {0, 1, 3, 7}) {
     std::vector<RequestSpec> reqs;
-    for (int ctx : kContexts) {
+    for (int ctx : contexts) {
       const int n = std::min(ctx, 1 + draft);
       reqs.push_back({ctx - n, n});
     }
     const Inputs in = make_inputs(reqs, 4, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(
-        in, "generation draft " + std::to_string(draft) + " " + mt::describe_requests(reqs));
+    check_all_paths(in,
+                    name + " draft " + std::to_string(draft) + " " + mt::describe_requests(reqs));
   }
+}
+
+TEST(IndexerGpu, GenerationContextsAndDraftLengths) {
+  M3_REQUIRE_GPU();
+  check_generation_contexts({1, 127, 128, 129, 2048, 2049, 2050, 4097, 9000}, "generation");
+}
+
+// The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.
+TEST(IndexerGpu, GenerationContext65537Large) {
+  M3_REQUIRE_GPU();
+  check_generation_contexts({65537, 2049}, "generation 65537");
 }
 
 TEST(IndexerGpu, IntegerInputsAreExactEverywhere) {
@@ -405,19 +414,18 @@ TEST(IndexerGpu, IntegerInputsAreExactEverywhere) {
   Rng rng(seed);
   for (int draft : {0, 3, 7}) {
     const std::vector<RequestSpec> reqs = {
-        {2049 - 1 - draft, 1 + draft}, {5000, 1 + draft}, {129 * 128 + 5, 1 + draft}, {3000, 700}};
+        {2049 - 1 - draft, 1 + draft}, {5000, 1 + draft}, {129 * 128 + 5, 1 + draft}, {3000, 150}};
     const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_paths(in, "integer draft " + std::to_string(draft));
   }
 }
 
-TEST(IndexerGpu, MixedBatchesOverHeadCounts) {
-  M3_REQUIRE_GPU();
+void check_mixed(const std::vector<int>& head_counts) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  for (int n_kv : {4, 1, 3, 8}) {
+  for (int n_kv : head_counts) {
     // Context chunks with cached prefixes (one from scratch), then generation requests.
     const std::vector<RequestSpec> contexts = {{2100, 301}, {0, 2100}, {4000, 150}, {130, 1}};
     const std::vector<RequestSpec> reqs = mt::mixed_requests(contexts, 13, 3, 6000, rng);
@@ -425,6 +433,16 @@ TEST(IndexerGpu, MixedBatchesOverHeadCounts) {
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_paths(in, "mixed n_kv " + std::to_string(n_kv));
   }
+}
+
+TEST(IndexerGpu, MixedBatchesOverHeadCounts) {
+  M3_REQUIRE_GPU();
+  check_mixed({4, 3});
+}
+
+TEST(IndexerGpu, MixedBatchesOverHeadCountsLarge) {
+  M3_REQUIRE_GPU();
+  check_mixed({1, 8});
 }
 
 TEST(IndexerGpu, LongGenerationRequestsSpillIntoOverflowTiles) {
@@ -435,7 +453,7 @@ TEST(IndexerGpu, LongGenerationRequestsSpillIntoOverflowTiles) {
   // n_kv 8: a decode unit holds 4 tokens, so 8-token verify requests also use overflow tiles;
   // many short requests make overflow tiles straddle request boundaries.
   std::vector<RequestSpec> reqs;
-  for (int i = 0; i < 40; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 9000)), 8});
+  for (int i = 0; i < 24; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 6000)), 8});
   const Inputs in = make_inputs(reqs, 8, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_all_paths(in, "verify n_kv 8");
@@ -464,7 +482,7 @@ TEST(IndexerGpu, StridedAndUnalignedPools) {
 }
 
 // Page ids past 2^31 bytes: a 2 MiB page stride and ids above 1024.
-TEST(IndexerGpu, SixtyFourBitPageOffsets) {
+TEST(IndexerGpu, SixtyFourBitPageOffsetsLarge) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -592,7 +610,7 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const std::vector<RequestSpec> reqs = {{9000, 4}, {2100, 4}, {100, 4}, {17000, 4}, {2600, 700}};
+  const std::vector<RequestSpec> reqs = {{9000, 4}, {2100, 4}, {100, 4}, {17000, 4}, {2600, 300}};
   const Inputs first = make_inputs(reqs, 4, rng);
   const Inputs second = make_inputs(reqs, 4, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());

@@ -12,9 +12,13 @@
 //   pair us         the N = 9216 and N = 640 GEMMs back to back (one graph), same weights
 //   pair/fused      > 1 means the fused projection is faster
 //   q+fused us      quantizer + fused GEMM, the projection as the layer runs it
-// A spot check runs first and prints PASS/FAIL: the quantizer against the CPU twin (byte-identical)
-// and five 128-column blocks of the fused and unfused outputs against run_gemm_cpu (within the
-// accumulation bound of tests/stages/projection/gemm_gpu_test.cu). The exit status is 1 on FAIL.
+// Spot checks run first (cuBLASLt path, then small-M path) and print PASS/FAIL: the quantizer
+// against the CPU twin (byte-identical) and five 128-column blocks of the fused and unfused outputs
+// against run_gemm_cpu (within the accumulation bound of
+// tests/stages/projection/gemm_gpu_test_util.h). Exit status 1 on FAIL.
+//
+// A second table compares cuBLASLt with the small-M kernel (Fp8BlockGemmOptions::small_m_max)
+// at M = 1, 4, 8, 16; a third shows cuBLASLt with non-deterministic split-K allowed.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair).
@@ -132,9 +136,13 @@ Calls make_calls(const Buffers& b, int64_t rows) {
   return c;
 }
 
+// The three GEMM objects of one path (cuBLASLt, or the small-M kernel).
+struct Trio {
+  std::unique_ptr<Fp8BlockGemm> fused, first, second;
+};
+
 // ---- spot check -------------------------------------------------------------------------------
-bool spot_check(const Buffers& b, Fp8BlockGemm& fused, Fp8BlockGemm& first, Fp8BlockGemm& second,
-                cudaStream_t stream) {
+bool spot_check(const Buffers& b, const Trio& g, const char* path, cudaStream_t stream) {
   const int64_t rows = 5, m = gemm_padded_rows(rows);
   std::vector<uint16_t> x(static_cast<size_t>(rows * kK));
   uint64_t state = 12345;
@@ -146,9 +154,9 @@ bool spot_check(const Buffers& b, Fp8BlockGemm& fused, Fp8BlockGemm& first, Fp8B
   check_cuda(cudaMemcpy(b.x, x.data(), x.size() * 2, cudaMemcpyHostToDevice), "upload x");
   const Calls c = make_calls(b, rows);
   must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
-  must(fused.run(c.fused, stream), "fused GEMM");
-  must(first.run(c.first, stream), "GEMM N = 9216");
-  must(second.run(c.second, stream), "GEMM N = 640");
+  must(g.fused->run(c.fused, stream), "fused GEMM");
+  must(g.first->run(c.first, stream), "GEMM N = 9216");
+  must(g.second->run(c.second, stream), "GEMM N = 640");
   check_cuda(cudaStreamSynchronize(stream), "spot check");
 
   // Quantizer against the twin, byte for byte.
@@ -213,12 +221,12 @@ bool spot_check(const Buffers& b, Fp8BlockGemm& fused, Fp8BlockGemm& first, Fp8B
   }
   const bool gemm_ok = bad == 0;
   std::printf(
-      "spot check: quantizer vs twin %s; fused and unfused GEMM vs twin on %lld columns: "
+      "spot check (%s): quantizer vs twin %s; fused and unfused GEMM vs twin on %lld columns: "
       "%s (%lld outside the bound, worst error / bound %.3f)\n",
-      quant_ok ? "byte-identical" : "DIFFERENT", static_cast<long long>(nsub),
+      path, quant_ok ? "byte-identical" : "DIFFERENT", static_cast<long long>(nsub),
       gemm_ok ? "within bound" : "OUT OF BOUND", static_cast<long long>(bad), worst);
   const bool ok = quant_ok && gemm_ok;
-  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  std::printf("%s (%s)\n", ok ? "PASS" : "FAIL", path);
   return ok;
 }
 
@@ -266,14 +274,15 @@ int run(int argc, char** argv) {
   check_cuda(cudaGetLastError(), "fill");
   check_cuda(cudaStreamSynchronize(stream), "fill");
 
-  const Fp8BlockGemmOptions det;
-  auto fused = make(b.max_pad, kNF, det);
-  auto first = make(b.max_pad, kN1, det);
-  auto second = make(b.max_pad, kN2, det);
-  std::printf("%s", fused->describe().c_str());
-  if (verbose) std::printf("%s%s", first->describe().c_str(), second->describe().c_str());
+  Trio lt{make(b.max_pad, kNF, {}), make(b.max_pad, kN1, {}), make(b.max_pad, kN2, {})};
+  Fp8BlockGemmOptions small_opt;
+  small_opt.small_m_max = 16;
+  Trio sm{make(16, kNF, small_opt), make(16, kN1, small_opt), make(16, kN2, small_opt)};
+  std::printf("%s", lt.fused->describe().c_str());
+  if (verbose) std::printf("%s%s", lt.first->describe().c_str(), lt.second->describe().c_str());
 
-  const bool pass = spot_check(b, *fused, *first, *second, stream);
+  bool pass = spot_check(b, lt, "cuBLASLt", stream);
+  pass = spot_check(b, sm, "small-M kernel", stream) && pass;
   fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
   check_cuda(cudaGetLastError(), "fill");
 
@@ -287,17 +296,17 @@ int run(int argc, char** argv) {
     const bench::Timing tq = bench::time_graph_cold(
         [&](cudaStream_t s) { must(run_quantize_cuda(c.q, s), "quantize"); }, stream, 3, iters);
     const bench::Timing tf = bench::time_graph_cold(
-        [&](cudaStream_t s) { must(fused->run(c.fused, s), "fused"); }, stream, 3, iters);
+        [&](cudaStream_t s) { must(lt.fused->run(c.fused, s), "fused"); }, stream, 3, iters);
     const bench::Timing tp = bench::time_graph_cold(
         [&](cudaStream_t s) {
-          must(first->run(c.first, s), "N = 9216");
-          must(second->run(c.second, s), "N = 640");
+          must(lt.first->run(c.first, s), "N = 9216");
+          must(lt.second->run(c.second, s), "N = 640");
         },
         stream, 3, iters);
     const bench::Timing tqf = bench::time_graph_cold(
         [&](cudaStream_t s) {
           must(run_quantize_cuda(c.q, s), "quantize");
-          must(fused->run(c.fused, s), "fused");
+          must(lt.fused->run(c.fused, s), "fused");
         },
         stream, 3, iters);
 
@@ -324,6 +333,47 @@ int run(int argc, char** argv) {
   }
   bench::print_rows("projection K=6144: fused N=9856 vs pair 9216+640 (graph replay, cold L2)",
                     rows, json);
+
+  // Decode sizes: cuBLASLt against the small-M kernel (run_gemm_small_m_cuda), same operands.
+  std::vector<bench::Row> rows_small;
+  for (int64_t rows_m : {int64_t{1}, int64_t{4}, int64_t{8}, int64_t{16}}) {
+    const Calls c = make_calls(b, rows_m);
+    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+    const bench::Timing t_lt = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(lt.fused->run(c.fused, s), "fused (cuBLASLt)"); }, stream, 3,
+        iters);
+    const bench::Timing t_sm = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(sm.fused->run(c.fused, s), "fused (small-M)"); }, stream, 3,
+        iters);
+    const bench::Timing t_pair = bench::time_graph_cold(
+        [&](cudaStream_t s) {
+          must(sm.first->run(c.first, s), "N = 9216 (small-M)");
+          must(sm.second->run(c.second, s), "N = 640 (small-M)");
+        },
+        stream, 3, iters);
+    const bench::Timing t_qf = bench::time_graph_cold(
+        [&](cudaStream_t s) {
+          must(run_quantize_cuda(c.q, s), "quantize");
+          must(sm.fused->run(c.fused, s), "fused (small-M)");
+        },
+        stream, 3, iters);
+    const int64_t m = gemm_padded_rows(rows_m);
+    const double bytes =
+        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    bench::Row r;
+    r.add("M", std::to_string(rows_m));
+    r.add("cublasLt_us", t_lt.median_us);
+    r.add("small_us", t_sm.median_us);
+    r.add("small_GBps", bytes / t_sm.median_us / 1e3, 0);
+    r.add("small_%copy", 100.0 * bytes / t_sm.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
+    r.add("cublasLt/small", t_lt.median_us / t_sm.median_us, 3);
+    r.add("small_pair_us", t_pair.median_us);
+    r.add("pair/fused", t_pair.median_us / t_sm.median_us, 3);
+    r.add("q+small_us", t_qf.median_us);
+    rows_small.push_back(r);
+  }
+  bench::print_rows("decode: fused N=9856 cuBLASLt vs small-M kernel (graph replay, cold L2)",
+                    rows_small, json);
 
   // Decode sizes with every reduction scheme allowed (split-K reduced in place), to see what the
   // deterministic default costs.
@@ -359,7 +409,7 @@ int run(int argc, char** argv) {
   cudaFree(b.out);
   cudaFree(b.out2);
   cudaStreamDestroy(stream);
-  std::printf("spot check %s\n", pass ? "PASS" : "FAIL");
+  std::printf("spot checks %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
 }
 

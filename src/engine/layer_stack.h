@@ -1,0 +1,61 @@
+// LayerStack: the attention part of an M3-shaped model, as the serving engine drives it. A stack is
+// `num_dense` dense causal layers (M3 layers 0-2) followed by `num_sparse` MSA layers, with the residual
+// add and RMSNorm between them (the MoE blocks are outside this project):
+//     h_0 = token_embedding(request, position);  for each layer l: h += attn_l(rmsnorm(h))
+// Token inputs are generated deterministically from (seed, request id, position) by
+// `synthetic_hidden` so that every backend sees the same numbers without host copies of activations.
+// Backends: CPU (the twins; small geometries) and CUDA (graph-captured decode).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "cache/step_plan.h"
+#include "m3attn/config.h"
+#include "m3attn/tensor.h"
+
+namespace m3attn {
+
+struct LayerStackConfig {
+  MsaGeometry geometry;           // per rank (TP1 here)
+  int num_dense = 3;              // dense causal layers first
+  int num_sparse = 4;             // then MSA layers
+  int64_t num_pages = 0;          // KV pool pages (shared page ids across layers)
+  int64_t max_tokens_per_step = 0;  // capacity: T of the largest step
+  int max_requests_per_step = 0;    // capacity: R of the largest step
+  int max_pages_per_request = 0;    // capacity: page-table width
+  int max_position = 0;           // RoPE table size
+  bool fuse_qkv_index_projection = true;
+  uint64_t seed = 0;              // weights and synthetic inputs
+  int num_layers() const { return num_dense + num_sparse; }
+};
+
+struct StackStepStats {
+  double step_us = 0;             // wall time of the whole step (device time on CUDA)
+  bool graph_replay = false;      // CUDA: the step ran as a captured graph
+};
+
+class LayerStack {
+ public:
+  virtual ~LayerStack() = default;
+  virtual const char* backend() const = 0;  // "cpu" or "cuda"
+  virtual const LayerStackConfig& config() const = 0;
+  // Switch fused / unfused projection+producer (the downstream stages are the same).
+  virtual void set_fused(bool fused) = 0;
+  // Runs every layer for the plan's tokens (their K/V/index-K are written into the pool).
+  virtual Status step(const StepPlan& plan, StackStepStats* stats) = 0;
+  // Final hidden states of the last step, bf16 [T, hidden] copied to the host (tests, checksums).
+  virtual Result<Tensor> last_hidden() const = 0;
+};
+
+// Deterministic synthetic input hidden state for token (request, position): bf16 values ~N(0, 1)
+// from a counter-based hash; identical on host and device.
+float synthetic_hidden_value(uint64_t seed, int64_t request_id, int64_t position, int64_t channel);
+
+Result<std::unique_ptr<LayerStack>> create_cpu_layer_stack(const LayerStackConfig& config);
+#if defined(M3ATTN_WITH_CUDA)
+Result<std::unique_ptr<LayerStack>> create_cuda_layer_stack(const LayerStackConfig& config);
+#endif
+
+}  // namespace m3attn

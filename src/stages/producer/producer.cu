@@ -19,12 +19,6 @@ int heads_per_row(ProducerMode mode, int n_q, int n_kv) {
   return static_cast<int>(producer_packed_width(mode, n_q, n_kv) / kHeadDim);
 }
 
-// Below one full wave of 1-task blocks (132 SMs x 4 blocks x 32 tasks, about 220 tokens at M3
-// TP1) 3-task groups would leave SMs idle, so 1-task groups trade nothing for a shorter critical
-// path per block. Both variants compute identical bytes; only the grid differs.
-constexpr int64_t kAssumedSms = 132;  // H200; only tunes the choice, never correctness
-constexpr int64_t kSmallBatchTasks = kAssumedSms * 4 * pk::tasks_per_block(pk::kTasksSmall);
-
 template <ProducerMode kMode, int kU>
 Status launch(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
   constexpr int64_t per_block = pk::tasks_per_block(kU);
@@ -36,7 +30,7 @@ Status launch(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
 
 template <ProducerMode kMode>
 Status launch_mode(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
-  if (tasks < kSmallBatchTasks) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
+  if (pk::use_small_variant(tasks)) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
   return launch<kMode, pk::kTasksLarge>(args, tasks, stream);
 }
 
@@ -70,8 +64,6 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
   const int64_t t = p.num_tokens;
   if (t == 0) return Status::Ok();
 
-  const bool uses_main = p.mode != ProducerMode::kIndex;
-  const bool uses_index = p.mode != ProducerMode::kMain;
   const int heads = heads_per_row(p.mode, p.n_q, p.n_kv);
   // The kernel indexes tasks (token, head) in 32 bits and sizes its per-block token staging for
   // H >= 2 heads per row (always true for valid head counts).
@@ -82,36 +74,7 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
   M3_CHECK_ARG(tasks <= kMaxTasks, "producer launch geometry: T ", t, " x ", heads,
                " heads = ", tasks, " tasks exceeds the kernel's limit of ", kMaxTasks);
 
-  pk::KernelArgs a;
-  a.packed = p.packed.ptr<const uint16_t>();
-  a.packed_stride = p.packed.stride[0];
-  a.positions = p.positions.ptr<const int32_t>();
-  a.slots = p.slots.ptr<const int32_t>();
-  a.rope = p.rope.ptr<const float>();
-  const int64_t max_pos = p.rope.shape[0];
-  a.max_pos = static_cast<uint32_t>(max_pos < (int64_t{1} << 31) ? max_pos : (int64_t{1} << 31));
-  a.eps = p.eps;
-  a.n_q = p.n_q;
-  a.n_kv = p.n_kv;
-  a.num_tasks = static_cast<uint32_t>(tasks);
-  a.heads = pk::FastDivmod(static_cast<uint32_t>(heads));
-  if (uses_main) {
-    a.norm[pk::kNormQ] = p.q_norm.ptr<const uint16_t>();
-    a.norm[pk::kNormK] = p.k_norm.ptr<const uint16_t>();
-    a.q_out = p.q_out.ptr<uint8_t>();
-    a.kv = p.kv_cache.ptr<uint8_t>();
-    a.kv_page_stride = p.kv_cache.stride[0];
-    a.kv_plane_stride = p.kv_cache.stride[1];
-    a.num_pages = p.kv_cache.shape[0];
-  }
-  if (uses_index) {
-    a.norm[pk::kNormIQ] = p.iq_norm.ptr<const uint16_t>();
-    a.norm[pk::kNormIK] = p.ik_norm.ptr<const uint16_t>();
-    a.iq_out = p.iq_out.ptr<uint8_t>();
-    a.ic = p.index_cache.ptr<uint8_t>();
-    a.ic_page_stride = p.index_cache.stride[0];
-    a.num_pages = p.index_cache.shape[0];  // equal to the main cache's when fused (validated)
-  }
+  const pk::KernelArgs a = pk::make_kernel_args(p, heads);
   return dispatch(p.mode, a, tasks, stream);
 }
 

@@ -118,6 +118,50 @@ struct KernelArgs {
   FastDivmod heads;        // H
 };
 
+// Host side, used by the launcher: the kernel's arguments from validated params (T > 0).
+inline KernelArgs make_kernel_args(const ProducerParams& p, int heads) {
+  const bool uses_main = p.mode != ProducerMode::kIndex;
+  const bool uses_index = p.mode != ProducerMode::kMain;
+  KernelArgs a;
+  a.packed = p.packed.ptr<const uint16_t>();
+  a.packed_stride = p.packed.stride[0];
+  a.positions = p.positions.ptr<const int32_t>();
+  a.slots = p.slots.ptr<const int32_t>();
+  a.rope = p.rope.ptr<const float>();
+  const int64_t max_pos = p.rope.shape[0];
+  a.max_pos = static_cast<uint32_t>(max_pos < (int64_t{1} << 31) ? max_pos : (int64_t{1} << 31));
+  a.eps = p.eps;
+  a.n_q = p.n_q;
+  a.n_kv = p.n_kv;
+  a.num_tasks = static_cast<uint32_t>(p.num_tokens * heads);
+  a.heads = FastDivmod(static_cast<uint32_t>(heads));
+  if (uses_main) {
+    a.norm[kNormQ] = p.q_norm.ptr<const uint16_t>();
+    a.norm[kNormK] = p.k_norm.ptr<const uint16_t>();
+    a.q_out = p.q_out.ptr<uint8_t>();
+    a.kv = p.kv_cache.ptr<uint8_t>();
+    a.kv_page_stride = p.kv_cache.stride[0];
+    a.kv_plane_stride = p.kv_cache.stride[1];
+    a.num_pages = p.kv_cache.shape[0];
+  }
+  if (uses_index) {
+    a.norm[kNormIQ] = p.iq_norm.ptr<const uint16_t>();
+    a.norm[kNormIK] = p.ik_norm.ptr<const uint16_t>();
+    a.iq_out = p.iq_out.ptr<uint8_t>();
+    a.ic = p.index_cache.ptr<uint8_t>();
+    a.ic_page_stride = p.index_cache.stride[0];
+    a.num_pages = p.index_cache.shape[0];  // equal to the main cache's when fused (validated)
+  }
+  return a;
+}
+
+// Below one full wave of 1-task blocks (132 SMs x 4 blocks x 32 tasks, about 220 tokens at M3
+// TP1) 3-task groups would leave SMs idle, so 1-task groups trade nothing for a shorter critical
+// path per block. Both variants compute identical bytes; only the grid differs.
+constexpr int64_t kAssumedSms = 132;  // H200; only tunes the choice, never correctness
+constexpr int64_t kSmallBatchTasks = kAssumedSms * 4 * tasks_per_block(kTasksSmall);
+inline bool use_small_variant(int64_t tasks) { return tasks < kSmallBatchTasks; }
+
 // Kind of head h of a packed row and its index inside its segment.
 template <ProducerMode kMode>
 __device__ __forceinline__ void classify_head(int h, int n_q, int n_kv, int& kind, int& sub) {

@@ -48,6 +48,9 @@ int sm_count() {
   return n;
 }
 
+// CTAs the automatic plan aims at (two waves of two resident CTAs per SM).
+int64_t split_target() { return 4 * int64_t{sm_count()}; }
+
 Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan* out) {
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -90,7 +93,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     // Aim at two waves of two resident CTAs per SM; never more splits than a tile has blocks
     // (sparse: about 16 per tile; dense: up to the page-table width).
     const int64_t ctas = std::max<int64_t>(1, pl.tiles * p.n_kv);
-    const int64_t target = 4 * int64_t{sm_count()};
+    const int64_t target = split_target();
     const int64_t blocks = std::max<int64_t>(
         1, p.sparse ? std::min<int64_t>(kTopK, p.batch.max_pages) : p.batch.max_pages);
     const int64_t s = ctas >= target ? 1 : (target + ctas - 1) / ctas;
@@ -154,6 +157,13 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
 }
 
 }  // namespace
+
+size_t attention_workspace_bound() {
+  // Splits > 1 only when ctas = tiles * n_kv < target, with splits <= ceil(target / ctas); and
+  // T <= 2 * qt * tiles <= 8 * tiles. So T * n_kv * splits <= 8 ctas (target / ctas + 1)
+  // < 16 target.
+  return static_cast<size_t>(16 * split_target() * ak::kRows * (ak::kDim + 2)) * sizeof(float);
+}
 
 size_t attention_workspace_bytes(const AttentionParams& p, const AttentionCudaConfig& cfg) {
   Plan pl;

@@ -64,6 +64,12 @@ struct AttentionCudaConfig {
 // launch has no split). Size it once at capacity; a replay with the same params needs no more.
 size_t attention_workspace_bytes(const AttentionParams& p, const AttentionCudaConfig& cfg = {});
 
+// An upper bound of attention_workspace_bytes(p) (automatic config) over EVERY params on the
+// current device: the automatic plan splits only when the grid is small, so a smaller batch can
+// need more workspace than the capacity batch. Allocate this once (~70 MB on an H200) and any
+// step shape fits.
+size_t attention_workspace_bound();
+
 // CUDA attention: validate_attention, then every view on the current CUDA device, group size
 // n_q / n_kv <= 16, workspace large enough (16-byte aligned); then one kernel (plus a small merge
 // kernel when splits > 1). No sync, no allocation, no host read of device data: graph-capturable.

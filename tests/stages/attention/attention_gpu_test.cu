@@ -590,6 +590,35 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   }
 }
 
+TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
+  M3_REQUIRE_GPU();
+  const size_t bound = attention_workspace_bound();
+  size_t worst = 0;
+  for (int n_kv : {1, 2, 4, 8}) {
+    for (bool sparse : {true, false}) {
+      for (int max_pages : {1, 16, 17, 1024}) {
+        for (int64_t T = 1; T <= 4096; T += (T < 300 ? 1 : 97)) {
+          for (int64_t R : {int64_t{1}, int64_t{2}, int64_t{3}, T / 4 + 1, T / 2 + 1, T}) {
+            if (R > T) continue;
+            AttentionParams p;
+            p.n_q = 16 * n_kv;
+            p.n_kv = n_kv;
+            p.sparse = sparse;
+            p.batch.num_tokens = T;
+            p.batch.num_requests = static_cast<int>(R);
+            p.batch.max_pages = max_pages;
+            const size_t need = attention_workspace_bytes(p);
+            worst = std::max(worst, need);
+            ASSERT_LE(need, bound) << "T " << T << " R " << R << " n_kv " << n_kv << " max_pages "
+                                   << max_pages << (sparse ? " sparse" : " dense");
+          }
+        }
+      }
+    }
+  }
+  std::printf("  workspace bound %zu bytes, largest automatic plan %zu bytes\n", bound, worst);
+}
+
 TEST(AttentionGpu, RejectedCallsWriteNothing) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();

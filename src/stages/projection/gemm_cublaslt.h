@@ -28,6 +28,10 @@
 // Fp8BlockGemmOptions::deterministic (default) the search excludes the in-place (atomic) split-K
 // reduction, so a replay reproduces an eager run bit for bit.
 //
+// With Fp8BlockGemmOptions::small_m_max > 0, calls with M <= small_m_max run the small-M kernel
+// (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32
+// accumulation order (off by default until measured faster on the device).
+//
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
 // (two GEMMs in flight on different streams need two objects). Any cuBLASLt failure becomes a

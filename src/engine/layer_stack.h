@@ -1,10 +1,21 @@
 // LayerStack: the attention part of an M3-shaped model, as the serving engine drives it. A stack is
-// `num_dense` dense causal layers (M3 layers 0-2) followed by `num_sparse` MSA layers, with the residual
-// add and RMSNorm between them (the MoE blocks are outside this project):
+// `num_dense` dense causal layers (M3 layers 0-2) followed by `num_sparse` MSA layers, with the
+// residual add and RMSNorm between them (the MoE blocks are outside this project):
 //     h_0 = token_embedding(request, position);  for each layer l: h += attn_l(rmsnorm(h))
 // Token inputs are generated deterministically from (seed, request id, position) by
-// `synthetic_hidden` so that every backend sees the same numbers without host copies of activations.
+// `synthetic_hidden_value` (engine/synthetic_input.h) so that every backend sees the same numbers
+// without host copies of activations.
 // Backends: CPU (the twins; small geometries) and CUDA (graph-captured decode).
+//
+// The math between layers, shared by every backend (the residual stream is stored in bf16):
+//   h_0[t, c] = synthetic_hidden_bf16(seed, request_id(t), position(t), c)
+//   x[t, c]   = bf16(float(h[t, c]) * rsqrt(sum_c' float(h[t, c'])^2 / hidden + eps))
+//               (plain RMSNorm with unit weight, fp32 math, eps = geometry.eps: the model's own
+//                norm weights belong to the decoder blocks this project does not load)
+//   a         = attn_l(x)                           bf16 [T, hidden] (MsaLayer's attn_out)
+//   h[t, c]   = bf16(float(h[t, c]) + float(a[t, c]))
+// last_hidden() is h after the last layer. Layer l (0-based) uses random weights
+// random_attention_weights(geometry, layer_seed(seed, l), sparse = l >= num_dense).
 #pragma once
 
 #include <cstdint>
@@ -12,28 +23,29 @@
 #include <string>
 
 #include "cache/step_plan.h"
+#include "engine/synthetic_input.h"
 #include "m3attn/config.h"
 #include "m3attn/tensor.h"
 
 namespace m3attn {
 
 struct LayerStackConfig {
-  MsaGeometry geometry;           // per rank (TP1 here)
-  int num_dense = 3;              // dense causal layers first
-  int num_sparse = 4;             // then MSA layers
-  int64_t num_pages = 0;          // KV pool pages (shared page ids across layers)
+  MsaGeometry geometry;             // per rank (TP1 here)
+  int num_dense = 3;                // dense causal layers first
+  int num_sparse = 4;               // then MSA layers
+  int64_t num_pages = 0;            // KV pool pages (shared page ids across layers)
   int64_t max_tokens_per_step = 0;  // capacity: T of the largest step
   int max_requests_per_step = 0;    // capacity: R of the largest step
   int max_pages_per_request = 0;    // capacity: page-table width
-  int max_position = 0;           // RoPE table size
+  int max_position = 0;             // RoPE table size
   bool fuse_qkv_index_projection = true;
-  uint64_t seed = 0;              // weights and synthetic inputs
+  uint64_t seed = 0;  // weights and synthetic inputs
   int num_layers() const { return num_dense + num_sparse; }
 };
 
 struct StackStepStats {
-  double step_us = 0;             // wall time of the whole step (device time on CUDA)
-  bool graph_replay = false;      // CUDA: the step ran as a captured graph
+  double step_us = 0;         // wall time of the whole step (device time on CUDA)
+  bool graph_replay = false;  // CUDA: the step ran as a captured graph
 };
 
 class LayerStack {
@@ -49,9 +61,10 @@ class LayerStack {
   virtual Result<Tensor> last_hidden() const = 0;
 };
 
-// Deterministic synthetic input hidden state for token (request, position): bf16 values ~N(0, 1)
-// from a counter-based hash; identical on host and device.
-float synthetic_hidden_value(uint64_t seed, int64_t request_id, int64_t position, int64_t channel);
+// Seed of layer l's random weights.
+inline uint64_t layer_seed(uint64_t seed, int layer) {
+  return seed * 1000003ull + 7919ull * static_cast<uint64_t>(layer + 1);
+}
 
 Result<std::unique_ptr<LayerStack>> create_cpu_layer_stack(const LayerStackConfig& config);
 #if defined(M3ATTN_WITH_CUDA)

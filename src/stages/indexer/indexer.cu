@@ -176,7 +176,21 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     }
     M3_CUDA_CHECK_LAUNCH();
   }
-  ik::select_kernel<<<static_cast<unsigned>(select_blocks), ik::kSelectThreads, 0, stream>>>(a);
+  // Programmatic dependent launch: the select grid may be scheduled while the scorer's last CTAs
+  // run (saving the launch gap); it executes griddepcontrol.wait before touching memory, which
+  // waits for every preceding grid in the stream to complete and flush. Graph-capturable (the
+  // capture records a programmatic edge).
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(select_blocks));
+  cfg.blockDim = dim3(ik::kSelectThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::select_kernel, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

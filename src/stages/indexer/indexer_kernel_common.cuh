@@ -61,6 +61,13 @@ struct KernelArgs {
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
 };
 
+// Lets the dependent grid (the select kernel, launched with programmatic stream serialization)
+// be scheduled once every CTA of this grid has started; it still waits for this grid's completion
+// (griddepcontrol.wait) before reading anything. A no-op without a dependent launch.
+__device__ __forceinline__ void allow_dependent_launch() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
 

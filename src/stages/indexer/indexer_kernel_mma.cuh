@@ -456,6 +456,7 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
 __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ OverflowShared sh;
+  allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
     decode_path(a, smem);
     return;

@@ -55,7 +55,9 @@ struct Bucket {
   cublasLtMatmulAlgo_t algo[2] = {};
   size_t workspace[2] = {0, 0};
   bool available[2] = {false, false};
-  std::string why_not[2];  // the search's failure when an algorithm is missing
+  std::string why_not[2];     // the search's failure when an algorithm is missing
+  std::string candidates[2];  // what the heuristic offered: "tile/splitK" per candidate, in order
+  int chosen[2] = {-1, -1};   // index of the kept candidate
 };
 
 std::string algo_summary(const cublasLtMatmulAlgo_t& algo) {
@@ -87,6 +89,20 @@ std::string algo_summary(const cublasLtMatmulAlgo_t& algo) {
      << get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " cluster "
      << get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
   return os.str();
+}
+
+// "tile/splitK", e.g. "20/1", for the list of heuristic candidates.
+std::string algo_tile_split(const cublasLtMatmulAlgo_t& algo) {
+  uint32_t tile = 0;
+  int32_t split = 0;
+  size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &tile, sizeof(tile),
+                                           &written) != CUBLAS_STATUS_SUCCESS)
+    return "?";
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &split,
+                                           sizeof(split), &written) != CUBLAS_STATUS_SUCCESS)
+    split = -1;
+  return std::to_string(tile) + "/" + std::to_string(split);
 }
 
 }  // namespace
@@ -218,6 +234,12 @@ struct Fp8BlockGemm::Impl {
 
     std::string first_failure;
     for (int i = 0; i < returned; ++i) {
+      const cublasLtMatmulHeuristicResult_t& c = results[static_cast<size_t>(i)];
+      if (c.state == CUBLAS_STATUS_SUCCESS) {
+        bucket.candidates[variant] += (i ? " " : "") + algo_tile_split(c.algo);
+      }
+    }
+    for (int i = 0; i < returned; ++i) {
       const cublasLtMatmulHeuristicResult_t& r = results[static_cast<size_t>(i)];
       if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > options.workspace_bytes) continue;
       // The algorithm must also serve the smallest M of the bucket, within the workspace.
@@ -240,6 +262,7 @@ struct Fp8BlockGemm::Impl {
       bucket.algo[variant] = r.algo;
       bucket.workspace[variant] = need;
       bucket.available[variant] = true;
+      bucket.chosen[variant] = i;
       return Status::Ok();
     }
     return unsupported(
@@ -401,7 +424,8 @@ std::string Fp8BlockGemm::describe() const {
      << ", small-M kernel for M <= " << s.options.small_m_max << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
-       << " ws " << b.workspace[kAligned] << "; 16B ";
+       << " ws " << b.workspace[kAligned] << " (candidate " << b.chosen[kAligned] << " of ["
+       << b.candidates[kAligned] << "]); 16B ";
     if (b.available[kUnaligned]) {
       os << algo_summary(b.algo[kUnaligned]) << " ws " << b.workspace[kUnaligned];
     } else {

@@ -164,6 +164,13 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     a.k_splits = options.k_splits > 0
                      ? options.k_splits
                      : static_cast<int>(pick_k_splits(units, max_pages, a.min_chunk, sms));
+    // Decode units of the tensor-core scorer: chunks of a multiple of 4 blocks (one per warp per
+    // round) covering max_pages in k_splits pieces. The automatic choice then drops the splits
+    // that would start at or past max_pages.
+    const int64_t per = (int64_t{max_pages} + a.k_splits - 1) / a.k_splits;
+    a.dec_chunk = static_cast<int>((per + ik::kMmaWarps - 1) / ik::kMmaWarps * ik::kMmaWarps);
+    if (mma && options.k_splits == 0)
+      a.k_splits = static_cast<int>((int64_t{max_pages} + a.dec_chunk - 1) / a.dec_chunk);
     const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(a.k_splits));
     if (mma) {
       // 48 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB

@@ -11,7 +11,10 @@
 //            minus the tokens decode units own; it may hold segments of several requests (prefill
 //            chunks).
 //   grid.y = k_splits: the visible blocks [0, nvis) of a segment (nvis from its largest position)
-//            are cut into k_splits chunks of max(min_chunk, ceil(nvis / k_splits)) blocks.
+//            are cut into k_splits chunks of max(min_chunk, ceil(nvis / k_splits)) blocks
+//            (overflow tiles, CUDA-core scorer); decode units of the tensor-core scorer use
+//            chunks of dec_chunk blocks from host-known max_pages (k_splits * dec_chunk >=
+//            max_pages), clipped to nvis.
 // Every (token, head, visible block) score is written by exactly one CTA into the workspace
 // scores[t * n_kv + h][b] (f32, row stride max_pages); the select kernel reads them.
 //
@@ -57,6 +60,7 @@ struct KernelArgs {
   int num_overflow = 0;          // overflow tiles (grid.x offset of the decode units)
   int k_splits = 1;              // grid.y
   int min_chunk = 1;             // smallest block chunk of one split
+  int dec_chunk = 1;             // blocks per split of a decode unit (mma path; see decode_path)
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
 };

@@ -12,8 +12,11 @@
 // Decode units (a generation request: <= 32 query rows = tokens x heads, e.g. 8 tokens x 4 heads)
 // are the hot path: 128 bytes of index-K per context token, read once for all of the request's
 // query rows. Each warp owns whole key blocks (pages) of the CTA's chunk and streams them as
-// 16-key tiles (2 KB, contiguous in a page) through its own 4-stage cp.async ring in shared memory
-// (16-byte copies, 512 contiguous bytes per warp instruction; up to 6 KB in flight per warp).
+// 16-key tiles (2 KB, contiguous in a page) through its own 8-stage cp.async ring in shared memory
+// (16-byte copies, 512 contiguous bytes per warp instruction; up to 14 KB in flight per warp, so
+// 3 CTAs x 4 warps keep ~168 KB per SM in flight: Little's law at 4.3 TB/s / 132 SMs covers a
+// loaded latency of ~5 us; the former 4-stage ring kept 72 KB, ~2 us, about the loaded DRAM
+// latency near saturation).
 // A = 16 keys (converted per tile), B = the request's query rows (n-tiles of 8 rows, 1..4 of
 // them, converted once and kept in registers), C = scores [key][row]; the block max stays in
 // registers and 3 xor-shuffles finish it at the end of a block. No CTA barrier on this path.
@@ -51,12 +54,19 @@ namespace m3attn::indexer_kernel {
 
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
-constexpr int kTileBytes = 16 * kRowBytes;              // 16 keys: 2 KB, contiguous
-constexpr int kDecStages = 4;                           // per-warp tile ring
-constexpr int kPreStages = 3;                           // overflow page ring
-constexpr int kMmaSmemBytes = kPreStages * kPageBytes;  // 48 KB (+ static: launcher opts in)
-constexpr int kPreRowsPerWarp = 32;                     // 2 m-tiles of query rows
+constexpr int kTileBytes = 16 * kRowBytes;  // 16 keys: 2 KB, contiguous
+constexpr int kDecStages = 8;  // per-warp tile ring: 7 tiles (14 KB) in flight per warp
+constexpr int kPreStages = 3;  // overflow page ring
+constexpr int kMaxI(int x, int y) { return x > y ? x : y; }
+// 64 KB (+ 48 static bytes: the launcher opts in); 3 CTAs per SM (registers) use 192 KB.
+constexpr int kMmaSmemBytes = kMaxI(kPreStages * kPageBytes, kMmaWarps* kDecStages* kTileBytes);
+constexpr int kPreRowsPerWarp = 32;  // 2 m-tiles of query rows
 static_assert(kMmaWarps * kDecStages * kTileBytes <= kMmaSmemBytes, "decode ring fits");
+static_assert(kPreStages * kPageBytes <= kMmaSmemBytes, "overflow ring fits");
+// The issue side runs kDecStages - 1 tiles ahead of the compute side; with at most 8 (one block
+// of 16-key tiles) it is never two blocks ahead, which the page bookkeeping relies on.
+static_assert(kDecStages - 1 <= kPageSize / 16, "issue at most one block ahead");
+static_assert((kDecStages & (kDecStages - 1)) == 0, "ring index by mask");
 static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
@@ -195,16 +205,51 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
   }
 }
 
-// The warp's share of a decode unit: blocks b0 + warp, b0 + warp + 4, ... < b1.
+// The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
+// guarded pages of the first two, loaded by the caller before the query_start round trip).
 template <int NT>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
-                                            int rows, int b0, int b1) {
+                                            int rows, int first, int b1, int64_t pg_first,
+                                            int64_t pg_second) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int first = b0 + warp;
-  if (first >= b1) return;
   const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
+
+  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8). The issue side runs
+  // kDecStages - 1 tiles ahead and holds the pages of its current and previous block (the compute
+  // side is never more than one block behind) plus the next block's page, fetched a block ahead.
+  // The first tiles are issued before the query rows are loaded and converted, so that work
+  // hides under the index-K latency.
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  const int total = nblk * 8;
+  int issue_blk = 0;
+  int64_t pg_cur = pg_first;
+  int64_t pg_prev = -1;
+  int64_t pg_next = nblk > 1 ? pg_second : int64_t{-1};
+  auto issue = [&](int i) {
+    if (i < total) {
+      const int k = i >> 3;
+      if (k != issue_blk) {  // tiles are issued in order: k == issue_blk + 1
+        issue_blk = k;
+        pg_prev = pg_cur;
+        pg_cur = pg_next;
+        pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
+      }
+      if (pg_cur >= 0) {
+        const uint8_t* src = page_base(a, pg_cur) + (i & 7) * kTileBytes;
+        uint8_t* dst = ring + (i & (kDecStages - 1)) * kTileBytes;
+#pragma unroll
+        for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
+          const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
+          cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
+        }
+      }
+    }
+    cp_async_commit();  // possibly empty: keeps the group count uniform
+  };
+#pragma unroll
+  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
 
   DecodeState<NT> s;
   const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
@@ -228,38 +273,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
-  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8). The issue side runs
-  // kDecStages - 1 tiles ahead and holds the pages of its current and previous block (the compute
-  // side is never more than one block behind) plus the next block's page, fetched a block ahead.
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const int total = nblk * 8;
-  int issue_blk = 0;
-  int64_t pg_cur = guarded_page(a, r, first);
-  int64_t pg_prev = -1;
-  int64_t pg_next = nblk > 1 ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
-  auto issue = [&](int i) {
-    if (i < total) {
-      const int k = i >> 3;
-      if (k != issue_blk) {  // tiles are issued in order: k == issue_blk + 1
-        issue_blk = k;
-        pg_prev = pg_cur;
-        pg_cur = pg_next;
-        pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
-      }
-      if (pg_cur >= 0) {
-        const uint8_t* src = page_base(a, pg_cur) + (i & 7) * kTileBytes;
-        uint8_t* dst = ring + (i % kDecStages) * kTileBytes;
-#pragma unroll
-        for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
-          const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
-          cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
-        }
-      }
-    }
-    cp_async_commit();  // possibly empty: keeps the group count uniform
-  };
-#pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
   for (int i = 0; i < total; ++i) {
     cp_async_wait<kDecStages - 2>();
     __syncwarp();  // tile i landed for every lane; tile i - 1's stage is free
@@ -268,7 +281,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     const int b = first + k * kMmaWarps;
     const int key0 = b * kPageSize + (i & 7) * 16;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    decode_compute_tile(s, ring + (i % kDecStages) * kTileBytes, key0, mask, g, tig);
+    decode_compute_tile(s, ring + (i & (kDecStages - 1)) * kTileBytes, key0, mask, g, tig);
     if ((i & 7) == 7) {
       const bool ok = (k == issue_blk ? pg_cur : pg_prev) >= 0;
       decode_flush(s, a, t0, rows, b, ok, g, tig);
@@ -277,31 +290,46 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
+// Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
+// owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
+// chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
+// warp's first page-table entries known before query_start and positions arrive: the dependent
+// chain to the first index-K byte is query_start -> positions -> data (the page-table load runs
+// beside query_start) instead of query_start -> positions -> page table -> data.
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
+  const int b0 =
+      static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
+  const int bend = static_cast<int>(min(int64_t{b0} + a.dec_chunk, int64_t{a.max_pages}));
+  const int first = b0 + warp;
+  // Columns < max_pages of row r are inside the page table whatever the device data says.
+  const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
+  const int64_t pg_second =
+      first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
   if (n <= 0) return;
   const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   const int max_pos = __reduce_max_sync(0xffffffffu, p);
-  const int nvis = blocks_to_score(a, max_pos);
-  int b0 = 0, b1 = 0;
-  if (nvis == 0 || !split_range(a, nvis, b0, b1)) return;
+  const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
+  const int b1 = min(nvis, bend);
+  if (first >= b1) return;      // warp-uniform; the decode path has no CTA barrier
   const int rows = n * a.n_kv;  // <= kDecRows
   switch ((rows + 7) / 8) {
     case 1:
-      decode_unit<1>(a, smem, r, qa, rows, b0, b1);
+      decode_unit<1>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
       break;
     case 2:
-      decode_unit<2>(a, smem, r, qa, rows, b0, b1);
+      decode_unit<2>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
       break;
     case 3:
-      decode_unit<3>(a, smem, r, qa, rows, b0, b1);
+      decode_unit<3>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
       break;
     default:
-      decode_unit<4>(a, smem, r, qa, rows, b0, b1);
+      decode_unit<4>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
       break;
   }
 }

@@ -173,7 +173,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       a.k_splits = static_cast<int>((int64_t{max_pages} + a.dec_chunk - 1) / a.dec_chunk);
     const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(a.k_splits));
     if (mma) {
-      // 48 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
+      // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in (a function attribute, not a stream operation: fine under graph capture).
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));

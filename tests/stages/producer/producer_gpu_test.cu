@@ -822,6 +822,8 @@ void graph_replay_case(int64_t t) {
         m.upload(state.q);
         m.upload(state.iq);
         m.upload(state.pool);
+        // Uploads run on the legacy stream; `stream` is non-blocking: order them explicitly.
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
         if (eager) {
           for (const ProducerParams* p : v.runs) {
             const Status s = run_producer_cuda(*p, stream);
@@ -925,6 +927,7 @@ TEST(ProducerGpu, ZeroTokensLaunchesNothing) {
     mirror_inputs(m, in);
     mirror_outputs(m, state);
     const ProducerParams p = m.device_params(make_params(mode, in, packed, state, lay));
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());  // uploads (legacy stream) before `stream`
     cudaGraph_t graph;
     M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     const Status s = run_producer_cuda(p, stream);

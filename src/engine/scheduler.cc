@@ -49,6 +49,10 @@ Result<Scheduler> Scheduler::create(const Workload& workload, const SchedulerOpt
                " + output ", workload.output_len, " + draft ", workload.draft_len, " tokens)");
   M3_CHECK_ARG(s.options_.num_pages < (int64_t{1} << 24), "a pool of ", s.options_.num_pages,
                " pages is too large (slots must fit int32)");
+  M3_CHECK_ARG(options.page_table_width == 0 || options.page_table_width >= ppr,
+               "page table width ", options.page_table_width, " is below the ", ppr,
+               " pages of one request");
+  if (s.options_.page_table_width == 0) s.options_.page_table_width = static_cast<int>(ppr);
   s.cache_ = CacheManager(s.options_.num_pages);
   s.requests_.resize(static_cast<size_t>(workload.num_requests));
   for (int i = 0; i < workload.num_requests; ++i) s.requests_[static_cast<size_t>(i)].id = i;
@@ -93,7 +97,7 @@ Result<StepPlan> Scheduler::next_step() {
                           cache_.num_free_pages(), " free pages");
   PlanOptions po;
   po.admit_new = true;
-  po.page_table_width = static_cast<int>(ppr);
+  po.page_table_width = options_.page_table_width;
   Result<StepPlan> plan = plan_step(cache_, desc, po);
   if (plan.ok()) step_open_ = true;
   return plan;

@@ -52,6 +52,7 @@ struct Workload {
 struct SchedulerOptions {
   int64_t max_tokens_per_step = 8192;  // >= 1 + draft_len
   int64_t num_pages = 0;               // pool pages; 0 = concurrency * pages_per_request
+  int page_table_width = 0;            // plan page-table columns; 0 = pages_per_request
 };
 
 enum class StepPhase { kPrefill, kMixed, kDecode };  // context only, both, generation only

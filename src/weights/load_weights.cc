@@ -122,8 +122,9 @@ Result<AttentionWeights> load_attention_weights(const Checkpoint& ckpt, int laye
   M3_CHECK_ARG(layer >= 0, "layer index ", layer, " is negative");
   const M3Config* cfg = options.config;
   if (cfg != nullptr)
-    M3_CHECK_ARG(layer < cfg->num_layers, "layer ", layer, " is outside the config's ",
-                 cfg->num_layers, " layers");
+    M3_CHECK_ARG(layer < cfg->num_layers && layer < static_cast<int>(cfg->sparse_layer.size()),
+                 "layer ", layer, " is outside the config's ", cfg->num_layers, " layers (",
+                 cfg->sparse_layer.size(), " sparse flags)");
   const std::string tail = "layers." + std::to_string(layer) + ".self_attn.";
   std::string base;
   if (!options.prefix.empty()) {

@@ -91,10 +91,11 @@ TEST(Safetensors, RoundTripThroughFile) {
     auto v = file.view(name);
     ASSERT_TRUE(v.ok()) << v.status().to_string();
     EXPECT_EQ(reinterpret_cast<uintptr_t>(v.value().data) % dtype_size(want.dtype()), 0u);
-    EXPECT_EQ(std::memcmp(v.value().data, want.data(), want.nbytes()), 0);
     auto r = file.read(name);
     ASSERT_TRUE(r.ok());
     EXPECT_EQ(r.value().shape(), want.shape());
+    if (want.nbytes() == 0) return;  // memcmp must not see the null buffer of an empty tensor
+    EXPECT_EQ(std::memcmp(v.value().data, want.data(), want.nbytes()), 0);
     EXPECT_EQ(std::memcmp(r.value().data(), want.data(), want.nbytes()), 0);
   };
   check("e4", e4);

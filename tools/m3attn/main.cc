@@ -10,6 +10,7 @@ int main(int argc, char** argv) {
   int exit_code = 0;
   m3attn::cli::add_info_command(app, exit_code);
   m3attn::cli::add_layer_command(app, exit_code);
+  m3attn::cli::add_bench_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -19,7 +20,8 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    app.exit(e);  // prints the message and the usage hint
+    // One line on stderr and exit code 2 for every bad command line.
+    std::cerr << "m3attn: " << e.what() << " (run with --help for usage)\n";
     return 2;
   }
   return exit_code;

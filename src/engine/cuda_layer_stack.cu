@@ -1,0 +1,291 @@
+// The CUDA LayerStack (layer_stack.h): CudaMsaLayers for every layer sharing one workspace and one
+// persistent step metadata block, a device pool with the layers interleaved in each page slot
+// (PoolLayout over a device base), the synthetic embedding and residual + RMSNorm kernels
+// (residual_norm.h), and CUDA-graph decode.
+//
+// A step enqueues on the stack's stream:
+//   embed(h) ; for l: residual_rmsnorm(h [+= a_{l-1}], -> x) ; layer_l(x -> a_l) ; h += a_last
+// Generation-only steps run at a padded bucket shape: Rb = the smallest power of two >= R (capped
+// at max_requests_per_step) and Tb = Rb * (1 + draft_len); the first step of each (Rb, draft_len,
+// fused) is captured into a graph and every later one replays it after uploading its metadata
+// (padding tokens: slot -1, position 0; padding requests empty; see CudaStepMetadata). Steps with
+// context chunks (prefill, mixed) and buckets whose Tb exceeds the token capacity run eagerly at
+// their own shape. step() records CUDA events around the enqueued work and reports their elapsed
+// time.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <memory>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cache/page_pool.h"
+#include "core/cuda_check.h"
+#include "core/rope.h"
+#include "engine/layer_stack.h"
+#include "engine/residual_norm.h"
+#include "layer/cuda_msa_layer.h"
+#include "weights/packing.h"
+
+namespace m3attn {
+
+namespace {
+
+class CudaLayerStack final : public LayerStack {
+ public:
+  ~CudaLayerStack() override {
+    if (stream_) cudaStreamSynchronize(stream_);
+    for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    if (copied_) cudaEventDestroy(copied_);
+    if (start_) cudaEventDestroy(start_);
+    if (stop_) cudaEventDestroy(stop_);
+    if (staging_) cudaFreeHost(staging_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  const char* backend() const override { return "cuda"; }
+  const LayerStackConfig& config() const override { return config_; }
+
+  void set_fused(bool fused) override {
+    config_.fuse_qkv_index_projection = fused;
+    for (auto& l : layers_) l->set_fused(fused);
+    // Graphs are keyed by the fused flag too, so the other variant's graphs stay valid.
+  }
+
+  Status step(const StepPlan& plan, StackStepStats* stats) override {
+    const int64_t T = plan.num_tokens();
+    const int R = plan.num_requests();
+    M3_CHECK_ARG(T <= config_.max_tokens_per_step, "step of ", T,
+                 " tokens exceeds the stack's max_tokens_per_step ", config_.max_tokens_per_step);
+    M3_CHECK_ARG(R <= config_.max_requests_per_step, "step of ", R,
+                 " requests exceeds the stack's max_requests_per_step ",
+                 config_.max_requests_per_step);
+    M3_CHECK_ARG(plan.max_pages <= config_.max_pages_per_request, "page table width ",
+                 plan.max_pages, " exceeds the stack's max_pages_per_request ",
+                 config_.max_pages_per_request);
+    M3_CHECK_ARG(static_cast<int64_t>(plan.query_start.size()) == R + 1 &&
+                     (R == 0 || plan.query_start.back() == T),
+                 "plan query_start must have R + 1 = ", R + 1, " entries ending at T = ", T);
+
+    // Shape: a graph bucket for generation-only steps, the step's own otherwise.
+    CudaStepShape shape{T, R};
+    bool use_graph = false;
+    if (R > 0 && plan.num_context_requests == 0 && T > 0) {
+      int rb = 1;
+      while (rb < R) rb *= 2;
+      rb = std::min(rb, config_.max_requests_per_step);
+      const int64_t tb = int64_t{rb} * (1 + plan.draft_len);
+      if (tb <= config_.max_tokens_per_step && T == int64_t{R} * (1 + plan.draft_len)) {
+        shape = {tb, rb};
+        use_graph = true;
+      }
+    }
+    M3_RETURN_IF_ERROR(
+        meta_->upload(plan, config_.num_pages, config_.max_position, shape, stream_));
+    // Token -> request id (padding tokens: -1), through the same kind of pinned staging.
+    M3_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(copied_));
+    for (int r = 0; r < R; ++r)
+      for (int32_t t = plan.query_start[static_cast<size_t>(r)];
+           t < plan.query_start[static_cast<size_t>(r) + 1]; ++t)
+        staging_[t] = plan.request_ids[static_cast<size_t>(r)];
+    std::fill(staging_ + T, staging_ + shape.tokens, int64_t{-1});
+    if (shape.tokens > 0)
+      M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(token_request_.data(), staging_,
+                                              static_cast<size_t>(shape.tokens) * sizeof(int64_t),
+                                              cudaMemcpyHostToDevice, stream_));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(copied_, stream_));
+
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(start_, stream_));
+    bool replayed = false;
+    if (use_graph) {
+      const auto key =
+          std::make_tuple(shape.requests, plan.draft_len, config_.fuse_qkv_index_projection);
+      auto it = graphs_.find(key);
+      if (it == graphs_.end()) {
+        M3_RETURN_IF_ERROR(plan_layers(shape.tokens));
+        cudaGraph_t graph = nullptr;
+        M3_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+        const Status st = forward(shape.tokens);
+        const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+        if (!st.ok()) {
+          if (graph) cudaGraphDestroy(graph);
+          return st;
+        }
+        M3_CUDA_RETURN_IF_ERROR(end);
+        cudaGraphExec_t exec = nullptr;
+        const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+        cudaGraphDestroy(graph);
+        M3_CUDA_RETURN_IF_ERROR(inst);
+        it = graphs_.emplace(key, exec).first;
+      } else {
+        replayed = true;
+      }
+      M3_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+    } else {
+      M3_RETURN_IF_ERROR(plan_layers(shape.tokens));
+      M3_RETURN_IF_ERROR(forward(shape.tokens));
+    }
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop_, stream_));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop_));
+    float ms = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, start_, stop_));
+    last_tokens_ = T;
+    if (stats) {
+      stats->step_us = ms * 1e3;
+      stats->graph_replay = replayed;
+    }
+    return Status::Ok();
+  }
+
+  Result<Tensor> last_hidden() const override {
+    Tensor h(DType::kBF16, {last_tokens_, config_.geometry.hidden});
+    if (h.nbytes() > 0) {
+      M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
+      M3_CUDA_RETURN_IF_ERROR(
+          cudaMemcpy(h.data(), h_.data(), static_cast<size_t>(h.nbytes()), cudaMemcpyDeviceToHost));
+    }
+    return Result<Tensor>(std::move(h));
+  }
+
+  static Result<std::unique_ptr<LayerStack>> create(const LayerStackConfig& config) {
+    M3_RETURN_IF_ERROR(config.geometry.validate());
+    M3_CHECK_ARG(config.num_dense >= 0 && config.num_sparse >= 0 && config.num_layers() >= 1,
+                 "a layer stack needs num_dense >= 0, num_sparse >= 0 and at least one layer, got ",
+                 config.num_dense, " dense and ", config.num_sparse, " sparse");
+    M3_CHECK_ARG(config.num_pages >= 1, "num_pages must be >= 1, got ", config.num_pages);
+    M3_CHECK_ARG(config.max_tokens_per_step >= 1 && config.max_requests_per_step >= 1 &&
+                     config.max_pages_per_request >= 1,
+                 "capacities must be >= 1: max_tokens_per_step ", config.max_tokens_per_step,
+                 ", max_requests_per_step ", config.max_requests_per_step,
+                 ", max_pages_per_request ", config.max_pages_per_request);
+    M3_CHECK_ARG(config.max_position >= 1, "max_position must be >= 1, got ", config.max_position);
+    int count = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
+    M3_CHECK_ARG(count > 0, "the cuda layer stack needs a CUDA device");
+
+    std::unique_ptr<CudaLayerStack> s(new CudaLayerStack());
+    s->config_ = config;
+    CudaLayerCapacity cap;
+    cap.max_tokens = config.max_tokens_per_step;
+    cap.max_requests = config.max_requests_per_step;
+    cap.max_pages = config.max_pages_per_request;
+    M3_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s->stream_, cudaStreamNonBlocking));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&s->copied_, cudaEventDisableTiming));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventCreate(&s->start_));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventCreate(&s->stop_));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(s->copied_, s->stream_));
+    void* staging = nullptr;
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaMallocHost(&staging, static_cast<size_t>(cap.max_tokens) * sizeof(int64_t)));
+    s->staging_ = static_cast<int64_t*>(staging);
+
+    Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
+    M3_RETURN_IF_ERROR(meta.status());
+    s->meta_ = std::move(meta.value());
+    Result<std::shared_ptr<CudaLayerWorkspace>> ws =
+        CudaLayerWorkspace::create(config.geometry, cap);
+    M3_RETURN_IF_ERROR(ws.status());
+
+    Result<Tensor> rope = make_rope_table(config.max_position, config.geometry.rope_theta);
+    M3_RETURN_IF_ERROR(rope.status());
+    MsaLayerOptions options;
+    options.fuse_qkv_index_projection = config.fuse_qkv_index_projection;
+    for (int l = 0; l < config.num_layers(); ++l) {
+      Result<AttentionWeights> w = random_attention_weights(
+          config.geometry, layer_seed(config.seed, l), /*sparse=*/l >= config.num_dense);
+      M3_RETURN_IF_ERROR(w.status());
+      Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+      M3_RETURN_IF_ERROR(packed.status());
+      Result<std::unique_ptr<CudaMsaLayer>> layer =
+          CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
+      M3_RETURN_IF_ERROR(layer.status());
+      s->layers_.push_back(std::move(layer.value()));
+    }
+
+    PagePoolConfig pc;
+    pc.num_pages = config.num_pages;
+    pc.num_layers = config.num_layers();
+    pc.n_kv = config.geometry.n_kv;
+    pc.with_index = config.num_sparse > 0;
+    Result<PoolLayout> layout = PoolLayout::create(pc);
+    M3_RETURN_IF_ERROR(layout.status());
+    s->layout_ = layout.value();
+    const size_t pool_bytes = static_cast<size_t>(s->layout_.total_bytes());
+    Result<CudaBuffer> pool = CudaBuffer::create(pool_bytes);
+    M3_RETURN_IF_ERROR(pool.status());
+    s->pool_ = std::move(pool.value());
+    M3_CUDA_RETURN_IF_ERROR(cudaMemset(s->pool_.data(), 0, pool_bytes));
+
+    const size_t rows = static_cast<size_t>(cap.padded_rows());
+    const size_t row_bytes = static_cast<size_t>(config.geometry.hidden) * 2;
+    for (CudaBuffer* b : {&s->h_, &s->x_}) {
+      Result<CudaBuffer> r = CudaBuffer::create(rows * row_bytes);
+      M3_RETURN_IF_ERROR(r.status());
+      *b = std::move(r.value());
+      M3_CUDA_RETURN_IF_ERROR(cudaMemset(b->data(), 0, b->bytes()));
+    }
+    Result<CudaBuffer> tr = CudaBuffer::create(static_cast<size_t>(cap.max_tokens) * 8);
+    M3_RETURN_IF_ERROR(tr.status());
+    s->token_request_ = std::move(tr.value());
+    M3_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    return std::unique_ptr<LayerStack>(std::move(s));
+  }
+
+ private:
+  CudaLayerStack() = default;
+
+  Status plan_layers(int64_t tokens) {
+    int dev = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+    const Device d = Device::cuda(dev);
+    const TensorView x = TensorView::contiguous(x_.data(), DType::kBF16,
+                                                {tokens, int64_t{config_.geometry.hidden}}, d);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      CudaLayerCaches c;
+      c.kv_cache = layout_.kv_cache_view(pool_.data(), static_cast<int>(l), d);
+      if (layers_[l]->sparse())
+        c.index_cache = layout_.index_cache_view(pool_.data(), static_cast<int>(l), d);
+      M3_RETURN_IF_ERROR(layers_[l]->plan(*meta_, x, c));
+    }
+    return Status::Ok();
+  }
+
+  // Enqueues the whole step at `tokens` rows on stream_ (plans must match).
+  Status forward(int64_t tokens) {
+    const int hidden = config_.geometry.hidden;
+    const float eps = config_.geometry.eps;
+    uint16_t* h = h_.ptr<uint16_t>();
+    uint16_t* x = x_.ptr<uint16_t>();
+    M3_RETURN_IF_ERROR(run_synthetic_embed_cuda(config_.seed, token_request_.ptr<int64_t>(),
+                                                meta_->positions().ptr<int32_t>(), tokens, hidden,
+                                                h, stream_));
+    const uint16_t* a = nullptr;
+    for (auto& layer : layers_) {
+      M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
+      M3_RETURN_IF_ERROR(layer->run(stream_));
+      a = layer->attn_out().ptr<const uint16_t>();
+    }
+    return run_residual_rmsnorm_cuda(h, a, nullptr, tokens, hidden, eps, stream_);
+  }
+
+  LayerStackConfig config_;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t copied_ = nullptr, start_ = nullptr, stop_ = nullptr;
+  int64_t* staging_ = nullptr;
+  std::unique_ptr<CudaStepMetadata> meta_;
+  std::vector<std::unique_ptr<CudaMsaLayer>> layers_;
+  PoolLayout layout_;
+  CudaBuffer pool_, h_, x_, token_request_;
+  std::map<std::tuple<int, int, bool>, cudaGraphExec_t> graphs_;
+  int64_t last_tokens_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<LayerStack>> create_cuda_layer_stack(const LayerStackConfig& config) {
+  return CudaLayerStack::create(config);
+}
+
+}  // namespace m3attn

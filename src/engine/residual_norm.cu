@@ -1,0 +1,88 @@
+// Kernels between the layers of the CUDA LayerStack (see residual_norm.h). Both are memory bound
+// and tiny next to a layer (decode: 256 rows x 6144 bf16 = 3 MB per pass).
+#include <cuda_runtime.h>
+
+#include <cmath>
+
+#include "core/cuda_check.h"
+#include "core/numeric.h"
+#include "engine/residual_norm.h"
+#include "engine/synthetic_input.h"
+
+namespace m3attn {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void synthetic_embed_kernel(uint64_t seed, const int64_t* __restrict__ token_request,
+                                       const int32_t* __restrict__ positions, int hidden,
+                                       uint16_t* __restrict__ h) {
+  const int64_t t = blockIdx.x;
+  const int64_t req = token_request[t];
+  const int64_t pos = positions[t];
+  uint16_t* row = h + t * hidden;
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x)
+    row[c] = synthetic_hidden_bf16(seed, req, pos, c);
+}
+
+__global__ void residual_rmsnorm_kernel(uint16_t* __restrict__ h, const uint16_t* __restrict__ a,
+                                        uint16_t* __restrict__ x, int hidden, float eps) {
+  __shared__ float s_part[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  uint16_t* hrow = h + t * hidden;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    float v = bf16_to_float(hrow[c]);
+    if (a != nullptr) {
+      const uint16_t nb = float_to_bf16(v + bf16_to_float(a[t * hidden + c]));
+      hrow[c] = nb;
+      v = bf16_to_float(nb);
+    }
+    ss = fmaf(v, v, ss);
+  }
+  if (x == nullptr) return;  // uniform across the CTA: no barrier below is skipped by a subset
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) total += s_part[w];
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+  // Each thread re-reads only the channels it wrote itself: no barrier needed for h.
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x)
+    x[t * hidden + c] = float_to_bf16(bf16_to_float(hrow[c]) * inv);
+}
+
+Status check_rows(int64_t rows, int hidden, const char* what) {
+  M3_CHECK_ARG(rows >= 0 && rows < (int64_t{1} << 31), what, ": rows ", rows, " outside [0, 2^31)");
+  M3_CHECK_ARG(hidden > 0, what, ": hidden ", hidden, " must be > 0");
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status run_synthetic_embed_cuda(uint64_t seed, const int64_t* token_request,
+                                const int32_t* positions, int64_t rows, int hidden, uint16_t* h,
+                                cudaStream_t stream) {
+  M3_RETURN_IF_ERROR(check_rows(rows, hidden, "synthetic embed"));
+  if (rows == 0) return Status::Ok();
+  M3_CHECK_ARG(token_request && positions && h, "synthetic embed: null pointer");
+  synthetic_embed_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(
+      seed, token_request, positions, hidden, h);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, int64_t rows,
+                                 int hidden, float eps, cudaStream_t stream) {
+  M3_RETURN_IF_ERROR(check_rows(rows, hidden, "residual rmsnorm"));
+  M3_CHECK_ARG(std::isfinite(eps) && eps > 0, "residual rmsnorm: eps ", eps, " must be > 0");
+  if (rows == 0) return Status::Ok();
+  M3_CHECK_ARG(h != nullptr, "residual rmsnorm: null h");
+  residual_rmsnorm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(h, a, x, hidden,
+                                                                                eps);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+}  // namespace m3attn

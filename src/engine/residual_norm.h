@@ -1,0 +1,33 @@
+// The math between the layers of the CUDA LayerStack (layer_stack.h), as device kernels; the host
+// reference is stack_math.h (embed_synthetic_tokens, rmsnorm_unit_bf16, residual_add_bf16).
+//
+//   run_synthetic_embed_cuda   h[t, c] = synthetic_hidden_bf16(seed, token_request[t],
+//   positions[t], c)
+//                              (bit-identical to the host: integer hash + one exact fp32 multiply)
+//   run_residual_rmsnorm_cuda  optionally h = bf16(h + a) (when a != null), then optionally
+//                              x = bf16(h * (1 / sqrt(sum(h^2) / hidden + eps))) (when x != null);
+//                              one CTA per row, fp32 tree sum (differs from the host's sequential
+//                              sum by fp32 rounding only, so x may differ by one bf16 ulp), IEEE
+//                              sqrt and division like the host.
+// Both: rows x hidden bf16 row-major (row stride = hidden), no sync, no allocation, capturable.
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "m3attn/status.h"
+
+namespace m3attn {
+
+Status run_synthetic_embed_cuda(uint64_t seed, const int64_t* token_request,
+                                const int32_t* positions, int64_t rows, int hidden, uint16_t* h,
+                                cudaStream_t stream);
+
+Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, int64_t rows,
+                                 int hidden, float eps, cudaStream_t stream);
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

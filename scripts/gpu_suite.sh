@@ -7,6 +7,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+bdir=${M3_BUILD_DIR:-build-gpu}
 build=1 quick=0 filter='*' tests=1 sanitizer=1 benches=1
 # Per-step time limits in seconds (override through the environment).
 t_tests=${M3_T_TESTS:-400} t_san=${M3_T_SANITIZER:-300} t_bench=${M3_T_BENCH:-120}
@@ -27,13 +28,13 @@ summary=()
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv \
   >"$out/device.txt" 2>&1
 if ((build)); then
-  { cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3ATTN_CUDA=ON -DM3ATTN_PTXAS_VERBOSE=ON &&
-    cmake --build build-gpu -j "$(nproc)" ${M3_TARGETS:-}; } >"$out/build.log" 2>&1
+  { cmake -S . -B "$bdir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DM3ATTN_CUDA=ON -DM3ATTN_PTXAS_VERBOSE=ON &&
+    cmake --build "$bdir" -j "$(nproc)" ${M3_TARGETS:-}; } >"$out/build.log" 2>&1
   rc=$?
   summary+=("build: rc=$rc")
   ((rc == 0)) || { tail -50 "$out/build.log"; printf '%s\n' "${summary[@]}"; exit 1; }
 fi
-bin=build-gpu
+bin=$bdir
 if ((tests)); then
   timeout "$t_tests" "$bin/tests/m3attn_gpu_tests" --gtest_filter="$filter" >"$out/gpu_tests.log" 2>&1
   summary+=("gpu tests: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/gpu_tests.log" | tr '\n' ' ')")

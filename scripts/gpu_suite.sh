@@ -2,7 +2,7 @@
 # The GPU suite, for a machine with an H100/H200: build (unless --no-build), run the GPU tests, run them
 # again under compute-sanitizer memcheck and racecheck, run every benchmark, and write logs to $OUT
 # (default ./gpu-out). Prints a short summary last.
-#   scripts/gpu_suite.sh [--no-build] [--quick] [--filter GTEST_FILTER] [--bench-only] [--no-sanitizer]
+#   scripts/gpu_suite.sh [--no-build] [--no-tests] [--no-bench] [--quick] [--filter GTEST_FILTER] [--bench-only] [--no-sanitizer]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu-out}
@@ -19,6 +19,7 @@ while (($#)); do
     --filter) filter=$2; shift ;;
     --bench-only) tests=0; sanitizer=0 ;;
     --no-bench) benches=0 ;;
+    --no-tests) tests=0 ;;
     --no-sanitizer) sanitizer=0 ;;
     *) echo "unknown flag $1" >&2; exit 2 ;;
   esac

@@ -237,10 +237,17 @@ Result<BenchReport> run_bench(const BenchOptions& options, const BenchProgressFn
 namespace {
 
 std::string fixed(double v, int precision) {
+  if (!std::isfinite(v)) return "-";
   std::ostringstream os;
   os << std::fixed << std::setprecision(precision) << v;
   return os.str();
 }
+
+// NaN (JSON null, "-" in the table) when there is nothing to compare.
+double ratio(double a, double b) { return b != 0 && std::isfinite(a) ? a / b : NAN; }
+
+// Mean step time of a phase in ms; NaN when the run had no step of that phase.
+double phase_ms(const PhaseStats& p) { return p.steps ? p.mean_us() * 1e-3 : NAN; }
 
 struct Row {
   const char* name;
@@ -249,12 +256,11 @@ struct Row {
 };
 
 const Row kRows[] = {
-    {"prefill-only step, mean (ms)",
-     [](const BenchRun& r) { return r.metrics.prefill.mean_us() * 1e-3; }, 3},
-    {"mixed step, mean (ms)", [](const BenchRun& r) { return r.metrics.mixed.mean_us() * 1e-3; },
+    {"prefill-only step, mean (ms)", [](const BenchRun& r) { return phase_ms(r.metrics.prefill); },
      3},
-    {"decode-only step, mean (ms)",
-     [](const BenchRun& r) { return r.metrics.decode.mean_us() * 1e-3; }, 3},
+    {"mixed step, mean (ms)", [](const BenchRun& r) { return phase_ms(r.metrics.mixed); }, 3},
+    {"decode-only step, mean (ms)", [](const BenchRun& r) { return phase_ms(r.metrics.decode); },
+     3},
     {"TTFT median (ms)", [](const BenchRun& r) { return r.metrics.ttft_median_us * 1e-3; }, 3},
     {"TTFT p90 (ms)", [](const BenchRun& r) { return r.metrics.ttft_p90_us * 1e-3; }, 3},
     {"TPOT median (ms)", [](const BenchRun& r) { return r.metrics.tpot_median_us * 1e-3; }, 4},
@@ -265,8 +271,6 @@ const Row kRows[] = {
     {"duration (s, sum of steps)", [](const BenchRun& r) { return r.metrics.duration_us * 1e-6; },
      3},
 };
-
-double ratio(double a, double b) { return b != 0 ? a / b : 0.0; }
 
 }  // namespace
 

@@ -1,5 +1,6 @@
 #include "engine/bench.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -54,7 +55,7 @@ Status check_options(const BenchOptions& o) {
 Workload warmup_workload(const Workload& w) {
   Workload u = w;
   u.input_len = std::min<int64_t>(w.input_len, 256);
-  u.output_len = 4;
+  u.output_len = std::min<int64_t>(w.output_len, 4);  // never more pages than a real request
   u.num_requests = w.concurrency;
   return u;
 }
@@ -203,7 +204,6 @@ Result<BenchReport> run_bench(const BenchOptions& options, const BenchProgressFn
     if (options.warmup) {
       ctx.state.warmup = true;
       SchedulerOptions wo = so;
-      wo.page_table_width = so.page_table_width;
       M3_RETURN_IF_ERROR(
           drive(warmup_workload(w), wo, ctx, /*digest_every_step=*/false, nullptr, nullptr));
       ctx.state.warmup = false;

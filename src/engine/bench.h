@@ -33,8 +33,8 @@ struct BenchOptions {
   bool run_fused = true;
   bool run_unfused = true;
   // Before each measured run, a short unmeasured warm-up (concurrency requests of
-  // min(input, 256) prompt tokens and 4 output tokens) so that one-time costs (workspaces, plans,
-  // graph capture of full decode batches) stay out of the numbers.
+  // min(input, 256) prompt tokens and min(output, 4) output tokens) so that one-time costs
+  // (workspaces, plans, graph capture of full decode batches) stay out of the numbers.
   bool warmup = false;
   // Hash the final hidden states of every step (a fused/unfused identity check over the whole run;
   // costs a host copy per step). Otherwise only the last step's hidden states are kept.

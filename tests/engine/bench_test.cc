@@ -105,6 +105,24 @@ TEST(Bench, SingleVariant) {
   EXPECT_TRUE(j["runs"].contains("fused"));
 }
 
+TEST(Bench, WarmupIsNotMeasured) {
+  BenchOptions o = tiny_options(3);
+  o.warmup = true;
+  o.run_unfused = false;
+  o.workload.input_len = 126;  // warm-up requests must not need more pages than real ones
+  o.workload.output_len = 1;
+  o.workload.draft_len = 0;
+  o.max_tokens_per_step = 200;
+  int warm = 0, measured = 0;
+  Result<BenchReport> rep =
+      run_bench(o, [&](const BenchProgress& p) { (p.warmup ? warm : measured) += 1; });
+  ASSERT_TRUE(rep.ok()) << rep.status().to_string();
+  EXPECT_GT(warm, 0);
+  EXPECT_EQ(measured, rep.value().runs[0].metrics.steps);
+  EXPECT_EQ(rep.value().runs[0].metrics.input_tokens, 3 * 126);  // warm-up tokens not counted
+  EXPECT_EQ(rep.value().runs[0].metrics.output_tokens, 3);
+}
+
 TEST(Bench, RejectedOptions) {
   BenchOptions o = tiny_options(1);
   o.backend = "tpu";

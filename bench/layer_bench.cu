@@ -1,0 +1,262 @@
+// Layer benchmark: one M3 TP1 sparse (MSA) layer step on CudaMsaLayer, fused [Q|K|V|iQ|iK]
+// projection + fused producer against the unfused baseline (two GEMMs + two producers), for
+//   prefill  one 8K-token chunk from position 0                      (eager)
+//   mixed    one 2K-token chunk + 64 decode requests at 8K context   (eager)
+//   decode   64 / 128 / 256 requests at 8K context, draft 0          (CUDA-graph replay)
+// Cold L2 (bench_util's 256 MB flush before each timed iteration). Every step writes the same
+// K / V / index-K rows each iteration (idempotent), cached prefixes hold random E4M3 values.
+// Reports the step time of each variant, the ratio unfused / fused (goal: >= 1.10 at decode, never
+// < 1.0) and the per-stage split of one warm eager run (run_timed: events between stages).
+// Check before timing (cheap, printed PASS / FAIL): attn_out finite, fused vs unfused attn_out
+// relative L2 <= 5e-2 (they differ only by one-E4M3-step rounding of a few q / k / v values), and
+// every block-id row well formed (ascending ids, local block present).
+//   layer_bench [--json] [--quick]   (--quick: decode 64 only, fewer iterations)
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/page_allocator.h"
+#include "cache/page_pool.h"
+#include "cache/step_plan.h"
+#include "core/numeric.h"
+#include "core/rope.h"
+#include "layer/cuda_msa_layer.h"
+#include "m3attn/config.h"
+#include "support/bench_util.h"
+#include "weights/packing.h"
+
+namespace m3attn {
+namespace {
+
+using bench::check_cuda;
+
+void ok_or_die(const Status& s, const char* what) {
+  if (!s.ok()) {
+    std::fprintf(stderr, "layer_bench: %s: %s\n", what, s.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// Random E4M3 codes with exponent field 4..9 (|x| in [2^-3, 2^2 * 1.875]): no NaN, O(1) values.
+__global__ void fill_pool_kernel(uint8_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (static_cast<uint64_t>(i) + seed) * 0x9e3779b97f4a7c15ull;
+    h ^= h >> 29;
+    h *= 0xbf58476d1ce4e5b9ull;
+    h ^= h >> 32;
+    const uint32_t e = 4 + static_cast<uint32_t>((h >> 8) % 6);
+    p[i] = static_cast<uint8_t>((h & 0x80) | (e << 3) | ((h >> 4) & 7));
+  }
+}
+
+__global__ void fill_bf16_kernel(uint16_t* p, int64_t n, uint64_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    uint64_t h = (static_cast<uint64_t>(i) ^ seed) * 0xd6e8feb86659fd93ull;
+    h ^= h >> 32;
+    const float u = static_cast<float>(h & 0xffffff) / 16777216.0f;  // [0, 1)
+    p[i] = float_to_bf16((u - 0.5f) * 3.4f);                         // variance ~1
+  }
+}
+
+struct Scenario {
+  std::string name;
+  std::vector<std::pair<int64_t, int64_t>> context;  // (tokens, cached)
+  int gen = 0;
+  int64_t gen_cached = 0;
+  bool graph = false;
+};
+
+double rel_l2(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, bool* finite) {
+  double num = 0, den = 0;
+  *finite = true;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = bf16_to_float(a[i]), y = bf16_to_float(b[i]);
+    *finite &= std::isfinite(x) && std::isfinite(y);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return den > 0 ? std::sqrt(num / den) : 0.0;
+}
+
+}  // namespace
+}  // namespace m3attn
+
+int main(int argc, char** argv) {
+  using namespace m3attn;
+  bool json = false, quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json")) {
+      json = true;
+    } else if (!std::strcmp(argv[i], "--quick")) {
+      quick = true;
+    } else {
+      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      return 2;
+    }
+  }
+  FILE* log = json ? stderr : stdout;
+  const MsaGeometry g = MsaGeometry::m3();
+  const int64_t ctx = 8192;
+  std::vector<Scenario> scenarios = {
+      {"prefill 8K", {{8192, 0}}, 0, 0, false}, {"mixed 2K+64x8K", {{2048, 0}}, 64, ctx, false},
+      {"decode 64x8K", {}, 64, ctx, true},      {"decode 128x8K", {}, 128, ctx, true},
+      {"decode 256x8K", {}, 256, ctx, true},
+  };
+  if (quick) scenarios = {scenarios[2]};
+  const int iters = quick ? 10 : 30;
+
+  // Capacity and pool: the largest scenario of each kind.
+  CudaLayerCapacity cap;
+  cap.max_tokens = 8192 + 64;
+  cap.max_requests = 257;
+  cap.max_pages = static_cast<int>(CacheManager::pages_for(ctx + 1)) + 1;
+  const int64_t num_pages = int64_t{256} * cap.max_pages + 8;
+  PagePoolConfig pc;
+  pc.num_pages = num_pages;
+  pc.n_kv = g.n_kv;
+  pc.with_index = true;
+  Result<PoolLayout> layout = PoolLayout::create(pc);
+  ok_or_die(layout.status(), "pool layout");
+  uint8_t* pool = nullptr;
+  const int64_t pool_bytes = layout.value().total_bytes();
+  check_cuda(cudaMalloc(&pool, static_cast<size_t>(pool_bytes)), "pool");
+  fill_pool_kernel<<<4096, 256>>>(pool, pool_bytes, 12345);
+  check_cuda(cudaGetLastError(), "fill pool");
+  CudaLayerCaches caches;
+  caches.kv_cache = layout.value().kv_cache_view(pool, 0, Device::cuda(0));
+  caches.index_cache = layout.value().index_cache_view(pool, 0, Device::cuda(0));
+  uint16_t* hidden = nullptr;
+  check_cuda(cudaMalloc(&hidden, static_cast<size_t>(cap.padded_rows() * g.hidden * 2)), "hidden");
+  fill_bf16_kernel<<<4096, 256>>>(hidden, cap.padded_rows() * g.hidden, 777);
+  check_cuda(cudaGetLastError(), "fill hidden");
+
+  std::fprintf(log, "layer_bench: M3 TP1 geometry (%s), pool %.2f GB, building weights...\n",
+               g.to_string().c_str(), static_cast<double>(pool_bytes) / 1e9);
+  Result<AttentionWeights> w = random_attention_weights(g, 2024, true);
+  ok_or_die(w.status(), "weights");
+  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+  ok_or_die(packed.status(), "pack");
+  Result<Tensor> rope = make_rope_table(ctx + 16, g.rope_theta);
+  ok_or_die(rope.status(), "rope");
+  Result<std::unique_ptr<CudaMsaLayer>> layer_r =
+      CudaMsaLayer::create(packed.value(), rope.value().view(), cap);
+  ok_or_die(layer_r.status(), "layer");
+  CudaMsaLayer& layer = *layer_r.value();
+  Result<std::unique_ptr<CudaStepMetadata>> meta_r = CudaStepMetadata::create(cap);
+  ok_or_die(meta_r.status(), "metadata");
+  CudaStepMetadata& meta = *meta_r.value();
+  std::fprintf(log, "layer_bench: workspace %.1f MB\n",
+               static_cast<double>(layer.workspace()->device_bytes()) / 1e6);
+
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  std::vector<bench::Row> rows;
+  bool all_pass = true, goal = true, never_slower = true;
+  for (const Scenario& sc : scenarios) {
+    CacheManager cache(num_pages);
+    StepDescription d;
+    int64_t id = 0;
+    for (const auto& [tokens, cached] : sc.context) {
+      ok_or_die(cache.add_request(id), "add");
+      ok_or_die(cache.reserve(id, cached), "reserve");
+      d.context.push_back({id++, cached, tokens});
+    }
+    for (int i = 0; i < sc.gen; ++i) {
+      ok_or_die(cache.add_request(id), "add");
+      ok_or_die(cache.reserve(id, sc.gen_cached), "reserve");
+      d.generation.push_back({id++, sc.gen_cached});
+    }
+    PlanOptions po;
+    po.page_table_width = cap.max_pages;
+    Result<StepPlan> plan = plan_step(cache, d, po);
+    ok_or_die(plan.status(), "plan");
+    const int64_t T = plan.value().num_tokens();
+    ok_or_die(meta.upload(plan.value(), num_pages, rope.value().shape()[0], {}, stream), "upload");
+    const TensorView hv =
+        TensorView::contiguous(hidden, DType::kBF16, {T, int64_t{g.hidden}}, Device::cuda(0));
+    ok_or_die(layer.plan(meta, hv, caches), "layer plan");
+
+    // Check: both variants once.
+    std::vector<uint16_t> out[2];
+    LayerTimes stage[2];
+    bool ids_ok = true;
+    for (int v = 0; v < 2; ++v) {
+      layer.set_fused(v == 0);
+      ok_or_die(layer.run_timed(stream, &stage[v]), "run");
+      ok_or_die(layer.run_timed(stream, &stage[v]), "run (warm)");
+      out[v].resize(static_cast<size_t>(T * g.hidden));
+      check_cuda(cudaMemcpy(out[v].data(), layer.attn_out().data, out[v].size() * 2,
+                            cudaMemcpyDeviceToHost),
+                 "download");
+      if (v == 0) {
+        std::vector<int32_t> ids(static_cast<size_t>(T * g.n_kv * kTopK));
+        check_cuda(
+            cudaMemcpy(ids.data(), layer.block_ids().data, ids.size() * 4, cudaMemcpyDeviceToHost),
+            "ids");
+        for (int64_t t = 0; t < T && ids_ok; ++t) {
+          const int32_t local = plan.value().positions[static_cast<size_t>(t)] / kPageSize;
+          for (int h = 0; h < g.n_kv; ++h) {
+            const int32_t* r = ids.data() + (t * g.n_kv + h) * kTopK;
+            bool has_local = false;
+            for (int i = 0; i < kTopK; ++i) {
+              has_local |= r[i] == local;
+              if (i > 0 && r[i] >= 0 && !(r[i] > r[i - 1])) ids_ok = false;
+              if (i > 0 && r[i - 1] < 0 && r[i] >= 0) ids_ok = false;
+            }
+            ids_ok &= has_local;
+          }
+        }
+      }
+    }
+    bool finite = true;
+    const double e = rel_l2(out[1], out[0], &finite);
+    const bool pass = finite && e <= 5e-2 && ids_ok;
+    all_pass &= pass;
+    std::fprintf(log, "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s: %s\n",
+                 sc.name.c_str(), e, finite ? "finite" : "NOT FINITE", ids_ok ? "ok" : "BAD",
+                 pass ? "PASS" : "FAIL");
+
+    bench::Timing t[2];
+    for (int v = 0; v < 2; ++v) {
+      layer.set_fused(v == 0);
+      auto launch = [&](cudaStream_t s) { ok_or_die(layer.run(s), "run"); };
+      t[v] = sc.graph ? bench::time_graph_cold(launch, stream, 3, iters)
+                      : bench::time_cold(launch, stream, 3, iters);
+    }
+    const double ratio = t[1].median_us / t[0].median_us;
+    if (sc.graph) goal &= ratio >= 1.10;
+    never_slower &= ratio >= 1.0;
+    bench::Row row;
+    row.add("scenario", sc.name);
+    row.add("tokens", static_cast<double>(T), 0);
+    row.add("mode", sc.graph ? "graph" : "eager");
+    row.add("fused_us", t[0].median_us, 1);
+    row.add("unfused_us", t[1].median_us, 1);
+    row.add("unfused/fused", ratio, 3);
+    row.add("fused_min_us", t[0].min_us, 1);
+    row.add("unfused_min_us", t[1].min_us, 1);
+    for (int s = 0; s < kNumLayerStages; ++s) {
+      const std::string name = layer_stage_name(static_cast<LayerStage>(s));
+      row.add("f." + name + "_us", stage[0].seconds[static_cast<size_t>(s)] * 1e6, 1);
+      row.add("u." + name + "_us", stage[1].seconds[static_cast<size_t>(s)] * 1e6, 1);
+    }
+    rows.push_back(row);
+  }
+  bench::print_rows("MSA layer step (M3 TP1, cold L2): fused vs unfused projection+producer", rows,
+                    json);
+  std::fprintf(log,
+               "layer_bench: checks %s; decode goal unfused/fused >= 1.10: %s; never slower: %s\n",
+               all_pass ? "PASS" : "FAIL", goal ? "met" : "MISSED", never_slower ? "yes" : "NO");
+  cudaFree(hidden);
+  cudaFree(pool);
+  cudaStreamDestroy(stream);
+  return all_pass ? 0 : 1;
+}

@@ -79,10 +79,12 @@ struct Case {
   double flops = 0;  // selected work
 };
 
+// Device copy of n host bytes; with h == nullptr, n bytes poisoned with 0xA5 (outputs, workspace).
 void* upload(const void* h, size_t n) {
   void* d = nullptr;
   check_cuda(cudaMalloc(&d, std::max<size_t>(n, 16)), "cudaMalloc");
-  if (n) check_cuda(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), "upload");
+  if (n && h) check_cuda(cudaMemcpy(d, h, n, cudaMemcpyHostToDevice), "upload");
+  if (n && !h) check_cuda(cudaMemset(d, 0xA5, n), "poison");
   return d;
 }
 

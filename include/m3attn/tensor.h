@@ -104,8 +104,12 @@ class Tensor {
   };
   struct Storage {
     std::vector<Chunk> chunks;
-    uint8_t* data() { return chunks.empty() ? nullptr : chunks[0].bytes; }
-    const uint8_t* data() const { return chunks.empty() ? nullptr : chunks[0].bytes; }
+    // Through the vector's pointer, not chunks[0].bytes: the latter makes GCC treat every access
+    // as bounded by one 64-byte chunk (false -Wstringop-overflow on constant offsets).
+    uint8_t* data() { return chunks.empty() ? nullptr : reinterpret_cast<uint8_t*>(chunks.data()); }
+    const uint8_t* data() const {
+      return chunks.empty() ? nullptr : reinterpret_cast<const uint8_t*>(chunks.data());
+    }
   };
   DType dtype_ = DType::kF32;
   std::vector<int64_t> shape_;

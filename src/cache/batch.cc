@@ -33,9 +33,10 @@ Status validate_batch_contents(const BatchView& b, int64_t num_pages, const char
   const int32_t* pos = b.positions.ptr<int32_t>();
   const int32_t* len = b.seq_lens.ptr<int32_t>();
   M3_CHECK_ARG(b.num_requests == 0 || qs[0] == 0, stage, ": query_start[0] must be 0, got ", qs[0]);
-  M3_CHECK_ARG(qs[b.num_requests] == b.num_tokens || b.num_requests == 0, stage,
-               ": query_start[R] = ", qs[b.num_requests], " must equal the token count ",
-               b.num_tokens);
+  M3_CHECK_ARG(b.num_requests > 0 || b.num_tokens == 0, stage, ": ", b.num_tokens,
+               " tokens but no request owns them");
+  M3_CHECK_ARG(qs[b.num_requests] == b.num_tokens, stage, ": query_start[R] = ", qs[b.num_requests],
+               " must equal the token count ", b.num_tokens);
   for (int r = 0; r < b.num_requests; ++r) {
     M3_CHECK_ARG(qs[r] <= qs[r + 1], stage, ": query_start is not monotone at request ", r);
     const int n = qs[r + 1] - qs[r];

@@ -8,9 +8,9 @@ namespace m3attn {
 
 TensorView make_kv_cache_view(void* base, int64_t num_pages, int n_kv, int64_t page_stride,
                               int64_t plane_stride, Device device) {
-  return TensorView::strided(base, DType::kE4M3, {num_pages, 2, n_kv, kPageSize, kHeadDim},
-                             {page_stride, plane_stride, int64_t{kPageSize} * kHeadDim, kHeadDim, 1},
-                             device);
+  return TensorView::strided(
+      base, DType::kE4M3, {num_pages, 2, n_kv, kPageSize, kHeadDim},
+      {page_stride, plane_stride, int64_t{kPageSize} * kHeadDim, kHeadDim, 1}, device);
 }
 
 TensorView make_index_cache_view(void* base, int64_t num_pages, int64_t page_stride,
@@ -43,9 +43,18 @@ Status validate_kv_cache(const TensorView& kv, int n_kv, const char* what) {
   const int64_t plane_span = int64_t{n_kv} * kTile;
   M3_CHECK_ARG(kv.stride[1] >= plane_span, what, " plane stride ", kv.stride[1],
                " is smaller than one plane of ", n_kv, " heads (", plane_span, " elements)");
-  M3_CHECK_ARG(kv.shape[0] == 1 || kv.stride[0] >= kv.stride[1] + plane_span, what,
-               " page stride ", kv.stride[0], " overlaps the next page (needs >= ",
-               kv.stride[1] + plane_span, ")");
+  // Two layouts keep every (page, plane) span disjoint: page-major (a page holds its K and V
+  // planes: page stride >= plane stride + span) and plane-major (all K pages, then all V pages:
+  // page stride
+  // >= span and the V plane starts after the last K page).
+  const int64_t pages = kv.shape[0];
+  const bool page_major = pages == 1 || kv.stride[0] >= kv.stride[1] + plane_span;
+  const bool plane_major =
+      kv.stride[0] >= plane_span && kv.stride[1] >= (pages - 1) * kv.stride[0] + plane_span;
+  M3_CHECK_ARG(page_major || plane_major, what, " page stride ", kv.stride[0],
+               " overlaps the next page (needs >= ", kv.stride[1] + plane_span,
+               "); a plane-major layout would need plane stride >= ",
+               (pages - 1) * kv.stride[0] + plane_span);
   return Status::Ok();
 }
 

@@ -74,6 +74,14 @@ TEST(BatchView, EmptyBatchIsValid) {
   EXPECT_TRUE(validate_batch_contents(v, 8, "attention").ok());
 }
 
+TEST(BatchView, TokensWithoutARequestAreRejected) {
+  Batch b({}, 4, 8);
+  b.positions = {0, 1};  // two tokens, no request owns them
+  BatchView v = b.view();
+  EXPECT_TRUE(validate_batch_view(v, "attention").ok());
+  EXPECT_TRUE(rejects(validate_batch_contents(v, 8, "attention"), "no request owns them"));
+}
+
 TEST(BatchView, ShapeDtypeAndDeviceRules) {
   Batch b = mixed_batch();
   const BatchView good = b.view();

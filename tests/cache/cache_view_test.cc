@@ -145,6 +145,13 @@ TEST(KvCacheView, RejectsEveryRule) {
   EXPECT_TRUE(rejects(
       validate_kv_cache(make_kv_cache_view(base_at(kBase), 2, n_kv, plane, plane), n_kv, "kv"),
       "overlaps the next page"));
+  // Plane-major (all K pages, then all V pages) keeps every span disjoint and is accepted.
+  EXPECT_TRUE(
+      validate_kv_cache(make_kv_cache_view(base_at(kBase), 8, n_kv, plane, 8 * plane), n_kv, "kv")
+          .ok());
+  EXPECT_TRUE(rejects(
+      validate_kv_cache(make_kv_cache_view(base_at(kBase), 8, n_kv, plane, 7 * plane), n_kv, "kv"),
+      "plane-major layout would need plane stride >= 262144"));
   // Base alignment: 4 bytes.
   EXPECT_TRUE(rejects(
       validate_kv_cache(make_kv_cache_view(base_at(kBase + 2), 8, n_kv, page, plane), n_kv, "kv"),

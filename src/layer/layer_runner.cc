@@ -16,10 +16,19 @@
 #include "cache/step_plan.h"
 #include "core/numeric.h"
 #include "core/rope.h"
+#include "layer/cuda_msa_layer.h"
 #include "layer/golden_io.h"
 #include "layer/tensor_parallel.h"
 #include "weights/hf_config.h"
 #include "weights/packing.h"
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <memory>
+
+#include "core/cuda_check.h"
+#endif
 
 namespace m3attn {
 
@@ -118,8 +127,19 @@ std::string fnv1a_hex(const void* data, int64_t n) {
 }
 
 Status check_options(const LayerRunOptions& o) {
+#if defined(M3ATTN_WITH_CUDA)
+  if (o.backend == Backend::kCuda) {
+    int devices = 0;
+    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+      return unsupported("--backend cuda needs a CUDA device (none found; use --backend cpu)");
+    if (o.tp_size != 1)
+      return unsupported("--backend cuda runs TP1 only (got --tp ", o.tp_size,
+                         "); simulate TP with --backend cpu");
+  }
+#else
   if (o.backend == Backend::kCuda)
-    return unsupported("the cuda backend of `m3attn layer` is not built yet (use --backend cpu)");
+    return unsupported("this build has no CUDA backend (use --backend cpu)");
+#endif
   M3_CHECK_ARG(o.tp_size == 1 || o.tp_size == 2 || o.tp_size == 4 || o.tp_size == 8,
                "tensor-parallel size ", o.tp_size, " is not one of 1, 2, 4, 8");
   M3_CHECK_ARG(o.gen >= 0, "generation request count must be >= 0, got ", o.gen);
@@ -195,6 +215,59 @@ void block_stats(const StepPlan& plan, const std::vector<LayerTrace>& traces, La
   rep->mean_selected_blocks = heads_seen ? selected / static_cast<double>(heads_seen) : 0;
   rep->mean_distinct_blocks = distinct / static_cast<double>(T);
 }
+
+#if defined(M3ATTN_WITH_CUDA)
+// The step on CudaMsaLayer: the host pool (random cached prefixes, as the CPU backend fills it) is
+// copied to the device, the layer runs once eagerly with per-stage CUDA events, and attn_out and
+// the trace (with the K / V / index-K rows read back from the device pool) come back to the host.
+Status run_cuda_step(const AttentionWeights& weights, bool fused, const Tensor& rope,
+                     const PagePool& host_pool, const StepPlan& step, const Tensor& hidden,
+                     Tensor* out, LayerTrace* trace) {
+  const int64_t T = step.num_tokens();
+  Result<PackedRankWeights> packed = pack_rank(weights, 1, 0);
+  M3_RETURN_IF_ERROR(packed.status());
+  CudaLayerCapacity cap;
+  cap.max_tokens = std::max<int64_t>(T, 1);
+  cap.max_requests = std::max(step.num_requests(), 1);
+  cap.max_pages = std::max(step.max_pages, 1);
+  MsaLayerOptions lo;
+  lo.fuse_qkv_index_projection = fused;
+  Result<std::unique_ptr<CudaMsaLayer>> layer =
+      CudaMsaLayer::create(packed.value(), rope.view(), cap, lo);
+  M3_RETURN_IF_ERROR(layer.status());
+  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
+  M3_RETURN_IF_ERROR(meta.status());
+  Result<CudaBuffer> pool = CudaBuffer::create(static_cast<size_t>(host_pool.bytes()));
+  M3_RETURN_IF_ERROR(pool.status());
+  M3_CUDA_RETURN_IF_ERROR(cudaMemcpy(pool.value().data(), host_pool.data(),
+                                     static_cast<size_t>(host_pool.bytes()),
+                                     cudaMemcpyHostToDevice));
+  const size_t hidden_bytes = static_cast<size_t>(std::max<int64_t>(hidden.nbytes(), 16));
+  Result<CudaBuffer> d_hidden = CudaBuffer::create(hidden_bytes);
+  M3_RETURN_IF_ERROR(d_hidden.status());
+  if (hidden.nbytes() > 0)
+    M3_CUDA_RETURN_IF_ERROR(cudaMemcpy(d_hidden.value().data(), hidden.data(),
+                                       static_cast<size_t>(hidden.nbytes()),
+                                       cudaMemcpyHostToDevice));
+  int dev = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
+  const Device d = Device::cuda(dev);
+  CudaLayerCaches caches;
+  caches.kv_cache = host_pool.layout().kv_cache_view(pool.value().data(), 0, d);
+  if (weights.sparse)
+    caches.index_cache = host_pool.layout().index_cache_view(pool.value().data(), 0, d);
+  M3_RETURN_IF_ERROR(
+      meta.value()->upload(step, host_pool.num_pages(), rope.shape()[0], {}, nullptr));
+  const TensorView hv = TensorView::contiguous(d_hidden.value().data(), DType::kBF16,
+                                               {T, int64_t{weights.geometry.hidden}}, d);
+  M3_RETURN_IF_ERROR(layer.value()->plan(*meta.value(), hv, caches));
+  LayerTimes times;
+  M3_RETURN_IF_ERROR(layer.value()->run_timed(nullptr, &times));
+  M3_RETURN_IF_ERROR(layer.value()->download_trace(trace, out, nullptr));
+  trace->times = times;
+  return Status::Ok();
+}
+#endif
 
 }  // namespace
 
@@ -311,7 +384,15 @@ Result<LayerRunReport> run_layer(const LayerRunOptions& o, LayerRunArtifacts* ar
   }
   Tensor out(DType::kBF16, {T, g.hidden});
   std::vector<LayerTrace> traces;
-  M3_RETURN_IF_ERROR(tp.value().step(step, hidden.view(), out.view(), nullptr, &traces));
+  if (o.backend == Backend::kCpu) {
+    M3_RETURN_IF_ERROR(tp.value().step(step, hidden.view(), out.view(), nullptr, &traces));
+  } else {
+#if defined(M3ATTN_WITH_CUDA)
+    traces.resize(1);
+    M3_RETURN_IF_ERROR(run_cuda_step(weights, o.fused, rope.value(), tp.value().pool(0), step,
+                                     hidden, &out, &traces[0]));
+#endif
+  }
 
   // ---- report ----
   for (const LayerTrace& t : traces)

@@ -1,11 +1,16 @@
 // `m3attn layer`: one mixed step of one attention layer (see src/layer/layer_runner.h), on the CPU
-// backend (the CUDA backend is not wired in yet). Prints a summary, or one JSON object with --json.
+// or CUDA backend (default: cuda when this build has it and a device is present and --tp is 1).
+// Prints a summary, or one JSON object with --json.
 #include <iostream>
 #include <memory>
 #include <string>
 
 #include "commands.h"
 #include "layer/layer_runner.h"
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 namespace m3attn::cli {
 
@@ -19,11 +24,20 @@ struct LayerFlags {
   int64_t context_len = 3000;
   uint64_t seed = 1;
   int tp = 1;
-  std::string backend = "cpu";
+  std::string backend;  // empty: cuda when available (TP1), else cpu
   std::string weights, inputs, dump;
   int layer = 0;
   float rope_theta = 5e6f, eps = 1e-6f;
 };
+
+bool cuda_device_present() {
+#if defined(M3ATTN_WITH_CUDA)
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+#else
+  return false;
+#endif
+}
 
 // Bad flags and bad files exit 2; a run that fails exits 1.
 int exit_code_for(const Status& s) {
@@ -73,7 +87,8 @@ void add_layer_command(CLI::App& app, int& exit_code) {
   cmd->add_option("--seed", f->seed, "Seed of the random weights, inputs and cached prefixes");
   cmd->add_option("--tp", f->tp, "Simulated tensor-parallel size (1, 2, 4, 8): all ranks run")
       ->check(CLI::IsMember({1, 2, 4, 8}));
-  cmd->add_option("--backend", f->backend, "cpu or cuda (cuda: not built yet)")
+  cmd->add_option("--backend", f->backend,
+                  "cpu or cuda (default: cuda when a GPU is present and --tp is 1, else cpu)")
       ->check(CLI::IsMember({"cpu", "cuda"}));
   cmd->add_option("--weights", f->weights,
                   "Safetensors file (or checkpoint directory) with model.layers.N.self_attn.* "
@@ -124,7 +139,9 @@ void add_layer_command(CLI::App& app, int& exit_code) {
     }
     o.seed = f->seed;
     o.tp_size = f->tp;
-    Result<Backend> backend = parse_backend(f->backend);
+    std::string chosen = f->backend;
+    if (chosen.empty()) chosen = (f->tp == 1 && cuda_device_present()) ? "cuda" : "cpu";
+    Result<Backend> backend = parse_backend(chosen);
     if (!backend.ok()) {
       std::cerr << "m3attn layer: " << backend.status().to_string() << "\n";
       exit_code = 2;

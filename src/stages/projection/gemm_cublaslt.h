@@ -28,6 +28,25 @@
 // Fp8BlockGemmOptions::deterministic (default) the search excludes the in-place (atomic) split-K
 // reduction, so a replay reproduces an eager run bit for bit.
 //
+// Autotuning (Fp8BlockGemmOptions::autotune, on by default): after the heuristic's choice, the
+// 256-byte algorithm of every bucket with m_hi <= autotune_max_m is timed against alternatives on
+// the bucket's largest M over scratch buffers allocated (and freed) inside create():
+//   - the heuristic's other candidates (up to 32 asked);
+//   - configurations enumerated explicitly (cublasLtMatmulAlgoGetIds / AlgoInit and the
+//     capabilities: every tile, a few cluster shapes, the first stages id that passes), then
+//     split-K 2..8 with the fp32 out-of-place reduction (CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE:
+//     deterministic, partial sums in fp32) and CTA swizzle on the fastest shapes;
+// every candidate must pass cublasLtMatmulAlgoCheck at both ends of the bucket within the
+// workspace, launch without error, and write an output identical byte for byte to the
+// heuristic's on integer-valued data (exact in every summation order); anything else is skipped.
+// Timing: CUDA events around each launch, L2 flushed (memset of twice its size) before each,
+// median of a few launches. Rule: the fastest candidate replaces the heuristic's only if it is at
+// least 2% faster. Bounded by autotune_budget_ms of wall time per object (what is left when the
+// time is spent keeps the heuristic's choice). The result depends on measured times, so two
+// objects may choose differently; each choice is deterministic run to run (no atomics) and
+// describe() says what was chosen and why. Any failure of the tuning itself (allocation, ...)
+// leaves the heuristic's choice and is reported by describe(); create() still succeeds.
+//
 // With Fp8BlockGemmOptions::small_m_max > 0, calls with M <= small_m_max run the small-M kernel
 // (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32
 // accumulation order (off by default until measured faster on the device).
@@ -73,6 +92,12 @@ struct Fp8BlockGemmOptions {
   bool deterministic = true;                  // exclude in-place (atomic) split-K reductions
   // M <= small_m_max runs run_gemm_small_m_cuda instead of cuBLASLt (0: never; at most 16).
   int small_m_max = 0;
+  // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
+  // for speed.
+  bool autotune = true;
+  double autotune_budget_ms = 2000;  // wall-clock bound of the whole tuning of one object
+  int64_t autotune_max_m = 16384;    // buckets above keep the heuristic's choice (scratch memory)
+  int autotune_max_timed = 48;       // timed candidates per bucket at most
 };
 
 class Fp8BlockGemm {
@@ -93,7 +118,8 @@ class Fp8BlockGemm {
   int64_t n() const;
   int64_t k() const;
   size_t workspace_bytes() const;
-  // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace.
+  // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace, and
+  // with autotuning what was timed and chosen (µs of the heuristic's and of the chosen one).
   std::string describe() const;
 
   struct Impl;

@@ -408,6 +408,7 @@ void poison_outputs(const CudaMsaLayer& L, int64_t Tp, const MsaGeometry& g) {
   cudaMemset(L.block_ids().data, 0xA5, static_cast<size_t>(Tp * g.n_kv * kTopK * 4));
   cudaMemset(L.attn_core().data, 0xA5, static_cast<size_t>(Tp * g.n_q * kHeadDim * 2));
   cudaMemset(L.attn_out().data, 0xA5, static_cast<size_t>(Tp * g.hidden * 2));
+  cudaDeviceSynchronize();  // the memsets are ordered before work on any other stream
 }
 
 TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlots) {

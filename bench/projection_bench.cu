@@ -12,6 +12,10 @@
 //   pair us         the N = 9216 and N = 640 GEMMs back to back (one graph), same weights
 //   pair/fused      > 1 means the fused projection is faster
 //   q+fused us      quantizer + fused GEMM, the projection as the layer runs it
+//   heur us         the fused GEMM with Fp8BlockGemmOptions::autotune off (heuristic's choice);
+//                   heur/tuned > 1 means the autotuner's choice is faster
+// The GEMM objects are autotuned at creation (the default); the creation time, describe() of the
+// fused object (every bucket's tuning line) and, per M, the algorithm of each object are printed.
 // Spot checks run first (cuBLASLt path, then small-M path) and print PASS/FAIL: the quantizer
 // against the CPU twin (byte-identical) and five 128-column blocks of the fused and unfused outputs
 // against run_gemm_cpu (within the accumulation bound of
@@ -25,6 +29,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -274,9 +279,19 @@ int run(int argc, char** argv) {
   check_cuda(cudaGetLastError(), "fill");
   check_cuda(cudaStreamSynchronize(stream), "fill");
 
+  // cuBLASLt objects with autotuning (the default), and the fused one without, for comparison.
+  const auto tune_start = std::chrono::steady_clock::now();
   Trio lt{make(b.max_pad, kNF, {}), make(b.max_pad, kN1, {}), make(b.max_pad, kN2, {})};
+  const double tune_ms =
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tune_start)
+          .count();
+  std::printf("creation of the three autotuned GEMM objects: %.0f ms\n", tune_ms);
+  Fp8BlockGemmOptions untuned;
+  untuned.autotune = false;
+  auto fused_heur = make(b.max_pad, kNF, untuned);
   Fp8BlockGemmOptions small_opt;
   small_opt.small_m_max = 16;
+  small_opt.autotune = false;
   Trio sm{make(16, kNF, small_opt), make(16, kN1, small_opt), make(16, kN2, small_opt)};
   std::printf("%s", lt.fused->describe().c_str());
   if (verbose) std::printf("%s%s", lt.first->describe().c_str(), lt.second->describe().c_str());
@@ -297,6 +312,9 @@ int run(int argc, char** argv) {
         [&](cudaStream_t s) { must(run_quantize_cuda(c.q, s), "quantize"); }, stream, 3, iters);
     const bench::Timing tf = bench::time_graph_cold(
         [&](cudaStream_t s) { must(lt.fused->run(c.fused, s), "fused"); }, stream, 3, iters);
+    const bench::Timing th = bench::time_graph_cold(
+        [&](cudaStream_t s) { must(fused_heur->run(c.fused, s), "fused (heuristic)"); }, stream, 3,
+        iters);
     const bench::Timing tp = bench::time_graph_cold(
         [&](cudaStream_t s) {
           must(lt.first->run(c.first, s), "N = 9216");
@@ -324,15 +342,22 @@ int run(int argc, char** argv) {
     r.add("fused_GBps", fused_bytes / tf.median_us / 1e3, 0);
     r.add("fused_%copy", 100.0 * fused_bytes / tf.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
     r.add("fused_TFLOPs", flops / tf.median_us / 1e6, 1);
+    r.add("heur_us", th.median_us);
+    r.add("heur/tuned", th.median_us / tf.median_us, 3);
     r.add("pair_us", tp.median_us);
     r.add("pair_GBps", pair_bytes / tp.median_us / 1e3, 0);
     r.add("pair_TFLOPs", flops / tp.median_us / 1e6, 1);
     r.add("pair/fused", tp.median_us / tf.median_us, 3);
     r.add("q+fused_us", tqf.median_us);
     rows.push_back(r);
+    std::printf("M %lld: fused %s | N=9216 %s | N=640 %s\n", static_cast<long long>(rows_m),
+                lt.fused->algorithm_for(m).c_str(), lt.first->algorithm_for(m).c_str(),
+                lt.second->algorithm_for(m).c_str());
   }
-  bench::print_rows("projection K=6144: fused N=9856 vs pair 9216+640 (graph replay, cold L2)",
-                    rows, json);
+  bench::print_rows(
+      "projection K=6144: fused N=9856 (autotuned; heur = heuristic only) vs pair 9216+640 "
+      "(autotuned) (graph replay, cold L2)",
+      rows, json);
 
   // Decode sizes: cuBLASLt against the small-M kernel (run_gemm_small_m_cuda), same operands.
   std::vector<bench::Row> rows_small;

@@ -997,6 +997,19 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   return lt_status(st, "cublasLtMatmul", "for the block-scaled FP8 GEMM " + s.shape_string(m));
 }
 
+std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
+  const Impl& s = *impl_;
+  const Bucket* bucket = &s.buckets.back();
+  for (const Bucket& b : s.buckets) {
+    if (m <= b.m_hi) {
+      bucket = &b;
+      break;
+    }
+  }
+  return short_label(bucket->algo[kAligned]) +
+         (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
+}
+
 std::string Fp8BlockGemm::describe() const {
   const Impl& s = *impl_;
   std::ostringstream os;

@@ -121,6 +121,9 @@ class Fp8BlockGemm {
   // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace, and
   // with autotuning what was timed and chosen (µs of the heuristic's and of the chosen one).
   std::string describe() const;
+  // The 256-byte-aligned algorithm run() uses for M (one line: ids, tile, stages, split-K, and
+  // "autotuned" or "heuristic").
+  std::string algorithm_for(int64_t m) const;
 
   struct Impl;
 

@@ -3,6 +3,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -376,6 +377,107 @@ TEST(GemmGpuRules, EmptyCallLaunchesNothing) {
   EXPECT_TRUE(st.ok()) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   for (uint8_t v : out.download_all()) ASSERT_EQ(v, kPoison);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autotuning on: the tuned algorithms (whatever was chosen) against the CPU twin at M = 4 and
+// M = 64 (bucket ends), integer inputs bit for bit and random inputs within the accumulation
+// bound, and the fused projection equal to the unfused pair (both tuned) on integer inputs.
+TEST(GemmGpuAutotune, TunedAlgorithmsMatchTwin) {
+  M3_REQUIRE_GPU();
+  Fp8BlockGemmOptions opt;  // autotune on by default
+  ASSERT_TRUE(opt.autotune);
+  opt.autotune_budget_ms = 3000;
+  for (int64_t n : {int64_t{640}, int64_t{2048}}) {
+    const auto t0 = std::chrono::steady_clock::now();
+    auto gemm = make_gemm(64, n, kHidden, opt);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_NE(gemm, nullptr);
+    const std::string text = gemm->describe();
+    std::printf("[ INFO     ] N %lld: creation with autotuning %.0f ms\n%s",
+                static_cast<long long>(n), ms, text.c_str());
+    EXPECT_NE(text.find("autotuned"), std::string::npos) << text;
+    EXPECT_NE(text.find("tuned at M = 64"), std::string::npos) << text;
+    EXPECT_LT(ms, opt.autotune_budget_ms + 5000) << "tuning exceeded its time bound";
+    for (int64_t m : {int64_t{4}, int64_t{64}}) {
+      SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n);
+      {
+        const uint64_t seed = fresh_seed();
+        M3_SEED_TRACE(seed);
+        Rng rng(seed);
+        GemmData d = make_integer_data(m, n, kHidden, rng);
+        const std::vector<uint16_t> ref = cpu_gemm(d);
+        DeviceGemm dev(d, n);
+        const Status st = gemm->run(dev.params(), nullptr);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+        int64_t touched = 0;
+        const std::vector<uint16_t> got = dev.result(&touched);
+        std::string report;
+        EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
+        EXPECT_EQ(touched, 0);
+      }
+      {
+        const uint64_t seed = fresh_seed();
+        M3_SEED_TRACE(seed);
+        Rng rng(seed);
+        GemmData d = make_random_data(m, n, kHidden, rng);
+        const std::vector<uint16_t> ref = cpu_gemm(d);
+        const std::vector<double> s = abs_sums(d);
+        DeviceGemm dev(d, n);
+        const Status st = gemm->run(dev.params(), nullptr);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+        int64_t touched = 0;
+        const std::vector<uint16_t> got = dev.result(&touched);
+        const BoundReport r = check_bound(got, ref, s, n, std::ldexp(1.0, -10));
+        std::printf("[ INFO     ] tuned M %lld N %lld: worst |gpu-cpu| / bound %.3g\n",
+                    static_cast<long long>(m), static_cast<long long>(n), r.worst_ratio);
+        EXPECT_EQ(r.non_finite, 0);
+        EXPECT_EQ(r.violations, 0) << r.text;
+        EXPECT_EQ(touched, 0);
+      }
+    }
+  }
+  // Fused vs unfused, both tuned (possibly different algorithms): exact on integer inputs.
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const GemmData d = make_integer_data(12, kNF, kHidden, rng);
+  Fp8BlockGemmOptions fast = opt;
+  fast.autotune_max_m = 16;
+  const FusedRun r = run_fused_and_unfused(d, fast);
+  ASSERT_EQ(r.fused.size(), static_cast<size_t>(12 * kNF));
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(r.fused, r.unfused, kNF, &report), 0) << report;
+  EXPECT_EQ(r.touched, 0);
+}
+
+// A zero budget tunes nothing and says so; the heuristic's algorithms still work.
+TEST(GemmGpuAutotune, ZeroBudgetKeepsHeuristic) {
+  M3_REQUIRE_GPU();
+  Fp8BlockGemmOptions opt;
+  opt.autotune_budget_ms = 0;
+  auto gemm = make_gemm(16, 256, 512, opt);
+  ASSERT_NE(gemm, nullptr);
+  const std::string text = gemm->describe();
+  EXPECT_NE(text.find("not tuned"), std::string::npos) << text;
+  EXPECT_EQ(text.find("(autotuned;"), std::string::npos) << text;
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  GemmData d = make_integer_data(16, 256, 512, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  DeviceGemm dev(d, 256);
+  const Status st = gemm->run(dev.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, 256, &report), 0) << report;
+  EXPECT_EQ(touched, 0);
 }
 
 // Prints the algorithms cuBLASLt chose for the projection shapes (for the performance log).

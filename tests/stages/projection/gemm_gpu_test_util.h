@@ -191,8 +191,15 @@ struct DeviceGemm {
   }
 };
 
+// Tests run without autotuning (speed) unless they ask for it.
+inline Fp8BlockGemmOptions untuned_options() {
+  Fp8BlockGemmOptions o;
+  o.autotune = false;
+  return o;
+}
+
 inline std::unique_ptr<Fp8BlockGemm> make_gemm(int64_t max_m, int64_t n, int64_t k,
-                                               const Fp8BlockGemmOptions& opt = {}) {
+                                               const Fp8BlockGemmOptions& opt = untuned_options()) {
   auto r = Fp8BlockGemm::create(max_m, n, k, opt);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
   if (!r.ok()) return nullptr;
@@ -256,7 +263,8 @@ struct FusedRun {
   int64_t touched = 0;
 };
 
-inline FusedRun run_fused_and_unfused(const GemmData& d, const Fp8BlockGemmOptions& opt = {}) {
+inline FusedRun run_fused_and_unfused(const GemmData& d,
+                                      const Fp8BlockGemmOptions& opt = untuned_options()) {
   FusedRun r;
   auto fused = make_gemm(d.m, kNF, kHidden, opt);
   auto first = make_gemm(d.m, kN1, kHidden, opt);

@@ -29,6 +29,7 @@ using testing::Rng;
 Fp8BlockGemmOptions small_m_options() {
   Fp8BlockGemmOptions o;
   o.small_m_max = 16;
+  o.autotune = false;
   return o;
 }
 

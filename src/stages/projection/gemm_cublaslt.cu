@@ -524,10 +524,12 @@ struct Fp8BlockGemm::Impl {
   // Runs the candidate once into a poisoned output and fingerprints it, then times `iters`
   // launches (L2 flushed before each). Returns kCudaError only for a CUDA failure (the tuning
   // stops); a refused launch sets *launched = false.
-  Status measure(const cublasLtMatmulAlgo_t& algo, const TuneScratch& t, int iters, bool* launched,
-                 unsigned long long* fingerprint, double* median_us) {
+  // Only the first `rows` output rows are poisoned and fingerprinted (the launch's M).
+  Status measure(const cublasLtMatmulAlgo_t& algo, const TuneScratch& t, int64_t rows, int iters,
+                 bool* launched, unsigned long long* fingerprint, double* median_us) {
+    const size_t elems = static_cast<size_t>(std::min(rows, t.m) * t.ld_d);
     *launched = false;
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, t.d_elems() * 2, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
     if (launch_scratch(algo, t) != CUBLAS_STATUS_SUCCESS) {
       cudaGetLastError();
@@ -536,7 +538,7 @@ struct Fp8BlockGemm::Impl {
                  : make_status(StatusCode::kCudaError,
                                "autotune: stream failed after a refused launch");
     }
-    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(t.d_elems()), t.hash);
+    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
     M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     unsigned long long h = 0;
     M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&h, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
@@ -623,7 +625,7 @@ struct Fp8BlockGemm::Impl {
     M3_RETURN_IF_ERROR(set_scale_pointers(t.sw, t.sa));
     bool launched = false;
     unsigned long long ref_print = 0;
-    M3_RETURN_IF_ERROR(measure(ref.algo, t, iters, &launched, &ref_print, &ref.us));
+    M3_RETURN_IF_ERROR(measure(ref.algo, t, b.m_hi, iters, &launched, &ref_print, &ref.us));
     if (!launched) {
       b.tuning = "not tuned: the heuristic's algorithm did not launch on the scratch operands";
       return Status::Ok();
@@ -648,7 +650,7 @@ struct Fp8BlockGemm::Impl {
       unsigned long long print = 0;
       bool ok = false;
       ++timed;
-      (void)(*error = measure(c.algo, t, iters, &ok, &print, &c.us));
+      (void)(*error = measure(c.algo, t, b.m_hi, iters, &ok, &print, &c.us));
       if (!error->ok()) return false;
       if (!ok) {
         ++refused;

@@ -1,7 +1,10 @@
 // Producer benchmark (SPEC section 3) at the M3 TP1 geometry (n_q 64, n_kv 4): the fused producer
 // against the unfused pair (main + index, timed together as they run in a layer), cold L2, T <= 256
 // as CUDA-graph replays. Before timing, each T is spot-checked against the CPU twin (first and last
-// tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL.
+// tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. For T >= 1024 the two fused
+// kernels are also run and timed explicitly (per_batch_us: one block per batch of 96 tasks, the
+// original kernel; persistent_us: the pipelined grid-stride kernel), each spot-checked; fused_us /
+// unfused_us are the default choice (ProducerCudaKernel::kAuto).
 //   producer_bench [--json] [--quick]
 // Bytes moved are counted, not estimated: packed rows read, positions and slots read, one RoPE row
 // per distinct position, the norm weights, Q and index-Q written, K / V / index-K rows written for
@@ -192,8 +195,8 @@ void build(Case& c, int64_t t) {
   }
 }
 
-void run_or_die(const ProducerParams& p, cudaStream_t s) {
-  const Status st = run_producer_cuda(p, s);
+void run_or_die(const ProducerParams& p, cudaStream_t s, const ProducerCudaOptions& opt = {}) {
+  const Status st = run_producer_cuda(p, s, opt);
   if (!st.ok()) {
     std::fprintf(stderr, "run_producer_cuda (%s): %s\n", producer_mode_name(p.mode),
                  st.to_string().c_str());
@@ -384,8 +387,11 @@ int main(int argc, char** argv) {
     }
   }
   FILE* log = json ? stderr : stdout;  // keep stdout pure JSON with --json
-  std::vector<int64_t> sizes = {1, 8, 64, 256, 4096, 16384};
+  std::vector<int64_t> sizes = {1, 8, 64, 256, 1024, 4096, 16384};
   if (quick) sizes = {1, 64, 4096};
+  ProducerCudaOptions per_batch, persistent;
+  per_batch.kernel = ProducerCudaKernel::kPerBatch;
+  persistent.kernel = ProducerCudaKernel::kPersistent;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
 
@@ -409,6 +415,22 @@ int main(int argc, char** argv) {
     run_or_die(c.params[2], stream);
     check_cuda(cudaStreamSynchronize(stream), "unfused run");
     all_pass &= spot_check(c, "main + index", log);
+    // Both fused kernels explicitly (the default picked one of them above).
+    const bool compare = t >= 1024;
+    if (compare) {
+      for (const ProducerCudaOptions* o : {&per_batch, &persistent}) {
+        check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
+                   "reset");
+        check_cuda(cudaMemsetAsync(c.d_q.get(), 0, static_cast<size_t>(t) * kNq * kHeadDim, stream),
+                   "reset");
+        check_cuda(
+            cudaMemsetAsync(c.d_iq.get(), 0, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
+            "reset");
+        run_or_die(c.params[0], stream, *o);
+        check_cuda(cudaStreamSynchronize(stream), "fused run");
+        all_pass &= spot_check(c, o == &persistent ? "fused persistent" : "fused per-batch", log);
+      }
+    }
 
     const auto fused = [&](cudaStream_t s) { run_or_die(c.params[0], s); };
     const auto unfused = [&](cudaStream_t s) {
@@ -420,6 +442,20 @@ int main(int argc, char** argv) {
     const bench::Timing tu = timer.time(unfused, stream, graph);
     const bench::Timing tf_memset =
         graph ? bench::time_graph_cold(fused, stream) : bench::time_cold(fused, stream);
+    // Kernel comparison (fused; and the unfused pair on the per-batch kernel, as before).
+    bench::Timing tf_pb, tf_ps, tu_pb;
+    if (compare) {
+      tf_pb =
+          timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, per_batch); }, stream, graph);
+      tf_ps = timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, persistent); }, stream,
+                         graph);
+      tu_pb = timer.time(
+          [&](cudaStream_t s) {
+            run_or_die(c.params[1], s, per_batch);
+            run_or_die(c.params[2], s, per_batch);
+          },
+          stream, graph);
+    }
     const double bf = bytes_moved(c, 0), bu = bytes_moved(c, 1) + bytes_moved(c, 2);
     const double gbs_f = bf / (tf.median_us * 1e3), gbs_u = bu / (tu.median_us * 1e3);
     bench::Row r;
@@ -436,6 +472,19 @@ int main(int argc, char** argv) {
     r.add("fused_min_us", tf.min_us, 2);
     r.add("fused_p90_us", tf.p90_us, 2);
     r.add("fused_us_memset_flush", tf_memset.median_us, 2);
+    if (compare) {
+      r.add("per_batch_us", tf_pb.median_us, 2);
+      r.add("per_batch_pct_copy", 100.0 * bf / (tf_pb.median_us * 1e3) / bench::kCopyBandwidthGBs,
+            1);
+      r.add("persistent_us", tf_ps.median_us, 2);
+      r.add("persistent_pct_copy", 100.0 * bf / (tf_ps.median_us * 1e3) / bench::kCopyBandwidthGBs,
+            1);
+      r.add("unfused_per_batch_us", tu_pb.median_us, 2);
+    } else {
+      for (const char* name : {"per_batch_us", "per_batch_pct_copy", "persistent_us",
+                               "persistent_pct_copy", "unfused_per_batch_us"})
+        r.add(name, "-");
+    }
     rows.push_back(r);
   }
   bench::print_rows("producer (TP1: n_q 64, n_kv 4; cold L2)", rows, json);

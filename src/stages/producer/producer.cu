@@ -1,6 +1,7 @@
 // CUDA launcher of the producer: the same validation as the CPU twin, the CUDA-only rules (every
 // view on the current CUDA device, the launch geometry), then one kernel. No sync, no allocation,
 // no copy: the launch is CUDA-graph capturable and its grid depends only on T and the mode.
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -29,28 +30,69 @@ Status launch(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
 }
 
 template <ProducerMode kMode>
-Status launch_mode(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
+Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
+                         cudaStream_t stream) {
+  const int64_t batches = pk::num_batches(tasks, pk::kPersistentTasks);
+  const auto grid = static_cast<uint32_t>(std::min<int64_t>(batches, blocks));
+  pk::producer_persistent_kernel<kMode>
+      <<<grid, pk::kThreads, 0, stream>>>(args, static_cast<uint32_t>(batches));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <ProducerMode kMode>
+Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel kernel,
+                   int persistent_blocks, cudaStream_t stream) {
+  if (kernel == ProducerCudaKernel::kAuto)
+    kernel = pk::use_persistent_variant(tasks) ? ProducerCudaKernel::kPersistent
+                                               : ProducerCudaKernel::kPerBatch;
+  if (kernel == ProducerCudaKernel::kPersistent)
+    return launch_persistent<kMode>(args, tasks, persistent_blocks, stream);
   if (pk::use_small_variant(tasks)) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
   return launch<kMode, pk::kTasksLarge>(args, tasks, stream);
 }
 
 // The one dispatch point from the run-time mode to the kernel template.
-Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
+Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
+                ProducerCudaKernel kernel, int persistent_blocks, cudaStream_t stream) {
   switch (mode) {
     case ProducerMode::kFused:
-      return launch_mode<ProducerMode::kFused>(args, tasks, stream);
+      return launch_mode<ProducerMode::kFused>(args, tasks, kernel, persistent_blocks, stream);
     case ProducerMode::kMain:
-      return launch_mode<ProducerMode::kMain>(args, tasks, stream);
+      return launch_mode<ProducerMode::kMain>(args, tasks, kernel, persistent_blocks, stream);
     case ProducerMode::kIndex:
-      return launch_mode<ProducerMode::kIndex>(args, tasks, stream);
+      return launch_mode<ProducerMode::kIndex>(args, tasks, kernel, persistent_blocks, stream);
   }
   return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
 }
 
 }  // namespace
 
+const char* producer_cuda_kernel_name(ProducerCudaKernel kernel) {
+  switch (kernel) {
+    case ProducerCudaKernel::kAuto:
+      return "auto";
+    case ProducerCudaKernel::kPerBatch:
+      return "per-batch";
+    case ProducerCudaKernel::kPersistent:
+      return "persistent";
+  }
+  return "unknown";
+}
+
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
+  return run_producer_cuda(p, stream, ProducerCudaOptions{});
+}
+
+Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
+                         const ProducerCudaOptions& options) {
   M3_RETURN_IF_ERROR(validate_producer(p));
+  const int kernel = static_cast<int>(options.kernel);
+  M3_CHECK_ARG(kernel >= 0 && kernel <= static_cast<int>(ProducerCudaKernel::kPersistent),
+               "run_producer_cuda: unknown kernel choice ", kernel);
+  M3_CHECK_ARG(options.persistent_blocks >= 0, "run_producer_cuda: persistent_blocks ",
+               options.persistent_blocks, " must be >= 0 (0 = SMs x ", pk::kPersistentBlocksPerSm,
+               ")");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;
@@ -74,8 +116,17 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream) {
   M3_CHECK_ARG(tasks <= kMaxTasks, "producer launch geometry: T ", t, " x ", heads,
                " heads = ", tasks, " tasks exceeds the kernel's limit of ", kMaxTasks);
 
+  // Persistent grid: the device's SMs x resident blocks per SM (a host attribute query, no sync:
+  // capturable), unless the caller fixes it.
+  int blocks = options.persistent_blocks;
+  if (blocks == 0) {
+    int sms = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
+    blocks = std::max(sms, 1) * pk::kPersistentBlocksPerSm;
+  }
+
   const pk::KernelArgs a = pk::make_kernel_args(p, heads);
-  return dispatch(p.mode, a, tasks, stream);
+  return dispatch(p.mode, a, tasks, options.kernel, blocks, stream);
 }
 
 }  // namespace m3attn

@@ -58,6 +58,20 @@ Status run_producer_cpu(const ProducerParams& p);
 #if defined(M3ATTN_WITH_CUDA)
 // CUDA launch: validates, then one kernel; no sync, no allocation (graph-capturable).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
+
+// Kernel choice of the CUDA producer (all produce identical bytes): kAuto picks by batch size;
+// kPerBatch is one block per batch of 96 tasks (32 below one wave), kPersistent a grid of about
+// SMs x 2 blocks looping over the batches with the next batch's loads in flight.
+enum class ProducerCudaKernel : int { kAuto = 0, kPerBatch = 1, kPersistent = 2 };
+const char* producer_cuda_kernel_name(ProducerCudaKernel kernel);
+struct ProducerCudaOptions {
+  ProducerCudaKernel kernel = ProducerCudaKernel::kAuto;
+  // Grid of the persistent kernel (capped at the batch count); 0 = the device's SMs x 2.
+  int persistent_blocks = 0;
+};
+// The same launch with an explicit kernel choice (benchmarks, tests).
+Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
+                         const ProducerCudaOptions& options);
 #endif
 
 }  // namespace m3attn

@@ -31,6 +31,21 @@
 // 4 blocks of 256 threads per SM: ~96 KB in flight per SM) and 1 below one full wave of blocks,
 // where more and shorter blocks cut the latency of decode-sized calls.
 //
+// Two kernels share the per-task code (process_task), so they write identical bytes:
+//   per-batch  (producer_kernel): one block per batch, load -> position -> RoPE row -> barrier ->
+//              compute -> store -> exit. Measured on the H200 at T 4096: 43.5 us (65% of copy).
+//              Model: steady state 9.9 ns/token (70%: 165.0 - 43.5 us over 12,288 tokens) plus
+//              ~3 us fixed, so the loss is per-SM concurrency, not the tail. Each block's life is
+//              two dependent memory latencies (position, then RoPE row) + compute, and its 24.6 KB
+//              of packed reads are in flight only during the first latency: the SM's 4 slots keep
+//              read traffic in flight well under half the time (block life ~6.5 us observed:
+//              4 x 37 KB per 6.5 us = 23 KB/us/SM = 3.0 TB/s).
+//   persistent (producer_persistent_kernel, below): SMs x 2 blocks walk the batches with the next
+//              batch's packed loads, RoPE rows and the positions two batches ahead in flight
+//              during compute: per iteration max(latency, compute), ~49 KB of reads in flight per
+//              SM nearly all the time (85% of copy needs ~28 KB at 1.5 us loaded latency).
+//              Chosen when the per-batch kernel would need more than one wave (> 528 batches).
+//
 // Bytes per token at M3 TP1 (fused): read 9856 * 2 (packed) + 8 (position, slot) + 256 (RoPE row);
 // write 64 * 128 (Q) + 4 * 128 (index-Q) + 2 * 4 * 128 (K, V) + 128 (index-K) = 29,832 B. The
 // kernel is bound by HBM bandwidth: ~4.3 TB/s copy gives ~28 us at T = 4096 (~6.9 ns per token).
@@ -214,6 +229,142 @@ __device__ __forceinline__ void store4(uint8_t* dst, uint32_t v) {
   *reinterpret_cast<uint32_t*>(dst) = v;
 }
 
+// Issues the packed loads of the kU tasks this thread's group owns in the batch starting at
+// `first` (tasks first + u * 32 + group); tasks past the end read nothing and stay zero.
+template <int kU>
+__device__ __forceinline__ void load_batch(const KernelArgs& a, uint32_t first, int group, int lane,
+                                           LaneRaw (&raw)[kU]) {
+#pragma unroll
+  for (int u = 0; u < kU; ++u) {
+    const uint32_t task = first + u * kGroupsPerBlock + group;
+    raw[u].a = raw[u].b = make_uint2(0, 0);
+    raw[u].c = make_uint4(0, 0, 0, 0);
+    if (task < a.num_tasks) {
+      uint32_t t, h;
+      a.heads.divmod(task, t, h);
+      const uint16_t* head =
+          a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h) * 128;
+      raw[u].a = __ldcs(reinterpret_cast<const uint2*>(head + 4 * lane));
+      raw[u].b = __ldcs(reinterpret_cast<const uint2*>(head + 32 + 4 * lane));
+      raw[u].c = __ldcs(reinterpret_cast<const uint4*>(head + 64 + 8 * lane));
+    }
+  }
+}
+
+// Threads 0..63 stage the four norm weights as fp32 (1 + w) (unused ones are skipped).
+__device__ __forceinline__ void stage_norms(const KernelArgs& a, float4 (*s_norm)[32]) {
+  if (threadIdx.x < kNumNorms * 16) {
+    const int which = threadIdx.x / 16;
+    const int part = threadIdx.x % 16;
+    const uint16_t* w = a.norm[which];
+    if (w != nullptr) {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(w) + part);
+      float f[8];
+      widen2(v.x, f[0], f[1]);
+      widen2(v.y, f[2], f[3]);
+      widen2(v.z, f[4], f[5]);
+      widen2(v.w, f[6], f[7]);
+      s_norm[which][2 * part] = make_float4(1.0f + f[0], 1.0f + f[1], 1.0f + f[2], 1.0f + f[3]);
+      s_norm[which][2 * part + 1] = make_float4(1.0f + f[4], 1.0f + f[5], 1.0f + f[6], 1.0f + f[7]);
+    }
+  }
+}
+
+// One task (the lane's 16 values of head h of token t): norm, RoPE, E4M3 and the stores. Both
+// kernels call this, so they produce identical bytes. `s_pos`, `s_slot` and `s_rope` are the
+// batch's staged rows, indexed by t - t_first. Executed by every lane of the warp (shuffles);
+// `valid` false computes on the batch's first task and stores nothing.
+template <ProducerMode kMode>
+__device__ __forceinline__ void process_task(const KernelArgs& a, const LaneRaw& raw, uint32_t task,
+                                             bool valid, uint32_t fallback_task, uint32_t t_first,
+                                             int lane, const float4 (*s_norm)[32],
+                                             const float4 (*s_rope)[kRopeFloats / 4],
+                                             const int32_t* s_pos, const int32_t* s_slot) {
+  uint32_t t, h;
+  a.heads.divmod(valid ? task : fallback_task, t, h);
+  const int k = static_cast<int>(t - t_first);
+  int kind, sub;
+  classify_head<kMode>(static_cast<int>(h), a.n_q, a.n_kv, kind, sub);
+  const int32_t pos = s_pos[k];
+  const int32_t slot = s_slot[k];
+  const bool pos_ok = static_cast<uint32_t>(pos) < a.max_pos;
+
+  // y[0..3] = A, y[4..7] = B, y[8..15] = C.
+  float y[16];
+  widen2(raw.a.x, y[0], y[1]);
+  widen2(raw.a.y, y[2], y[3]);
+  widen2(raw.b.x, y[4], y[5]);
+  widen2(raw.b.y, y[6], y[7]);
+  widen2(raw.c.x, y[8], y[9]);
+  widen2(raw.c.y, y[10], y[11]);
+  widen2(raw.c.z, y[12], y[13]);
+  widen2(raw.c.w, y[14], y[15]);
+
+  // Gemma RMSNorm. Every lane reduces (V discards the result) so the shuffles stay converged.
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) ss = fmaf(y[i], y[i], ss);
+#pragma unroll
+  for (int off = kLanesPerHead / 2; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if (kind != kV) {
+    const float r = rsqrtf(ss * (1.0f / 128.0f) + a.eps);
+    const int ws = kind == kQ ? kNormQ : kind == kK ? kNormK : kind == kIQ ? kNormIQ : kNormIK;
+    const float4 wa = s_norm[ws][lane];                // channels 4j ..
+    const float4 wb = s_norm[ws][8 + lane];            // channels 32 + 4j ..
+    const float4 wc0 = s_norm[ws][16 + 2 * lane];      // channels 64 + 8j ..
+    const float4 wc1 = s_norm[ws][16 + 2 * lane + 1];  // channels 68 + 8j ..
+    const float w[16] = {wa.x,  wa.y,  wa.z,  wa.w,  wb.x,  wb.y,  wb.z,  wb.w,
+                         wc0.x, wc0.y, wc0.z, wc0.w, wc1.x, wc1.y, wc1.z, wc1.w};
+#pragma unroll
+    for (int i = 0; i < 16; ++i) y[i] = (y[i] * r) * w[i];
+
+    // Partial NeoX RoPE: pair i = 4j + m is (y[m], y[4 + m]).
+    if (pos_ok) {
+      const float4 c4 = s_rope[k][lane];      // cos[4j .. 4j + 3]
+      const float4 s4 = s_rope[k][8 + lane];  // sin[4j .. 4j + 3]
+      const float c[4] = {c4.x, c4.y, c4.z, c4.w};
+      const float s[4] = {s4.x, s4.y, s4.z, s4.w};
+#pragma unroll
+      for (int m = 0; m < 4; ++m) {
+        const float lo = y[m], hi = y[4 + m];
+        y[m] = lo * c[m] - hi * s[m];
+        y[4 + m] = hi * c[m] + lo * s[m];
+      }
+    }
+  }
+
+  uint32_t code_a = pack4_e4m3(y[0], y[1], y[2], y[3]);
+  uint32_t code_b = pack4_e4m3(y[4], y[5], y[6], y[7]);
+  uint2 code_c =
+      make_uint2(pack4_e4m3(y[8], y[9], y[10], y[11]), pack4_e4m3(y[12], y[13], y[14], y[15]));
+  if (!valid) return;
+  uint8_t* row = nullptr;  // the 128-byte destination row, or null for no write
+  if (kind == kQ || kind == kIQ) {
+    if (!pos_ok) {
+      code_a = code_b = code_c.x = code_c.y = 0x7f7f7f7fu;
+    }
+    row = kind == kQ ? a.q_out + (static_cast<int64_t>(t) * a.n_q + sub) * 128
+                     : a.iq_out + (static_cast<int64_t>(t) * a.n_kv + sub) * 128;
+  } else if (pos_ok && slot >= 0 && (slot >> 7) < a.num_pages) {
+    const int64_t page = slot >> 7;
+    const int64_t in_page = static_cast<int64_t>(slot & 127) * 128;
+    if (kind == kIK) {
+      row = a.ic + page * a.ic_page_stride + in_page;
+    } else {
+      row = a.kv + page * a.kv_page_stride + (kind == kV ? a.kv_plane_stride : 0) +
+            static_cast<int64_t>(sub) * kTileBytes + in_page;
+    }
+  }
+  if (row != nullptr) {
+    store4(row + 4 * lane, code_a);
+    store4(row + 32 + 4 * lane, code_b);
+    store8_cache(row + 64 + 8 * lane, code_c);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The per-batch kernel: one block = one batch of 32 kU tasks, then exit.
+
 template <ProducerMode kMode, int kU>
 __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs a) {
   constexpr int kTasksPerBlock = tasks_per_block(kU);
@@ -232,38 +383,10 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
 
   // ---- phase 1: issue the packed loads ----
   LaneRaw raw[kU];
-#pragma unroll
-  for (int u = 0; u < kU; ++u) {
-    const uint32_t task = block_first + u * kGroupsPerBlock + group;
-    raw[u].a = raw[u].b = make_uint2(0, 0);
-    raw[u].c = make_uint4(0, 0, 0, 0);
-    if (task < a.num_tasks) {
-      uint32_t t, h;
-      a.heads.divmod(task, t, h);
-      const uint16_t* head =
-          a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h) * 128;
-      raw[u].a = __ldcs(reinterpret_cast<const uint2*>(head + 4 * lane));
-      raw[u].b = __ldcs(reinterpret_cast<const uint2*>(head + 32 + 4 * lane));
-      raw[u].c = __ldcs(reinterpret_cast<const uint4*>(head + 64 + 8 * lane));
-    }
-  }
+  load_batch<kU>(a, block_first, group, lane, raw);
 
   // ---- phase 2: norm weights, positions, slots and RoPE rows into shared memory ----
-  if (threadIdx.x < kNumNorms * 16) {
-    const int which = threadIdx.x / 16;
-    const int part = threadIdx.x % 16;
-    const uint16_t* w = a.norm[which];
-    if (w != nullptr) {
-      const uint4 v = __ldg(reinterpret_cast<const uint4*>(w) + part);
-      float f[8];
-      widen2(v.x, f[0], f[1]);
-      widen2(v.y, f[2], f[3]);
-      widen2(v.z, f[4], f[5]);
-      widen2(v.w, f[6], f[7]);
-      s_norm[which][2 * part] = make_float4(1.0f + f[0], 1.0f + f[1], 1.0f + f[2], 1.0f + f[3]);
-      s_norm[which][2 * part + 1] = make_float4(1.0f + f[4], 1.0f + f[5], 1.0f + f[6], 1.0f + f[7]);
-    }
-  }
+  stage_norms(a, s_norm);
   const int n_tok = static_cast<int>(t_last - t_first) + 1;
   for (int e = threadIdx.x; e < n_tok * 16; e += kThreads) {
     const int k = e / 16;
@@ -286,89 +409,156 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const uint32_t task = block_first + u * kGroupsPerBlock + group;
-    const bool valid = task < a.num_tasks;
-    uint32_t t, h;
-    a.heads.divmod(valid ? task : block_first, t, h);
-    const int k = static_cast<int>(t - t_first);
-    int kind, sub;
-    classify_head<kMode>(static_cast<int>(h), a.n_q, a.n_kv, kind, sub);
-    const int32_t pos = s_pos[k];
-    const int32_t slot = s_slot[k];
-    const bool pos_ok = static_cast<uint32_t>(pos) < a.max_pos;
-
-    // y[0..3] = A, y[4..7] = B, y[8..15] = C.
-    float y[16];
-    widen2(raw[u].a.x, y[0], y[1]);
-    widen2(raw[u].a.y, y[2], y[3]);
-    widen2(raw[u].b.x, y[4], y[5]);
-    widen2(raw[u].b.y, y[6], y[7]);
-    widen2(raw[u].c.x, y[8], y[9]);
-    widen2(raw[u].c.y, y[10], y[11]);
-    widen2(raw[u].c.z, y[12], y[13]);
-    widen2(raw[u].c.w, y[14], y[15]);
-
-    // Gemma RMSNorm. Every lane reduces (V discards the result) so the shuffles stay converged.
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) ss = fmaf(y[i], y[i], ss);
-#pragma unroll
-    for (int off = kLanesPerHead / 2; off > 0; off /= 2)
-      ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if (kind != kV) {
-      const float r = rsqrtf(ss * (1.0f / 128.0f) + a.eps);
-      const int ws = kind == kQ ? kNormQ : kind == kK ? kNormK : kind == kIQ ? kNormIQ : kNormIK;
-      const float4 wa = s_norm[ws][lane];                // channels 4j ..
-      const float4 wb = s_norm[ws][8 + lane];            // channels 32 + 4j ..
-      const float4 wc0 = s_norm[ws][16 + 2 * lane];      // channels 64 + 8j ..
-      const float4 wc1 = s_norm[ws][16 + 2 * lane + 1];  // channels 68 + 8j ..
-      const float w[16] = {wa.x,  wa.y,  wa.z,  wa.w,  wb.x,  wb.y,  wb.z,  wb.w,
-                           wc0.x, wc0.y, wc0.z, wc0.w, wc1.x, wc1.y, wc1.z, wc1.w};
-#pragma unroll
-      for (int i = 0; i < 16; ++i) y[i] = (y[i] * r) * w[i];
-
-      // Partial NeoX RoPE: pair i = 4j + m is (y[m], y[4 + m]).
-      if (pos_ok) {
-        const float4 c4 = s_rope[k][lane];      // cos[4j .. 4j + 3]
-        const float4 s4 = s_rope[k][8 + lane];  // sin[4j .. 4j + 3]
-        const float c[4] = {c4.x, c4.y, c4.z, c4.w};
-        const float s[4] = {s4.x, s4.y, s4.z, s4.w};
-#pragma unroll
-        for (int m = 0; m < 4; ++m) {
-          const float lo = y[m], hi = y[4 + m];
-          y[m] = lo * c[m] - hi * s[m];
-          y[4 + m] = hi * c[m] + lo * s[m];
-        }
-      }
-    }
-
-    uint32_t code_a = pack4_e4m3(y[0], y[1], y[2], y[3]);
-    uint32_t code_b = pack4_e4m3(y[4], y[5], y[6], y[7]);
-    uint2 code_c =
-        make_uint2(pack4_e4m3(y[8], y[9], y[10], y[11]), pack4_e4m3(y[12], y[13], y[14], y[15]));
-    if (!valid) continue;
-    uint8_t* row = nullptr;  // the 128-byte destination row, or null for no write
-    if (kind == kQ || kind == kIQ) {
-      if (!pos_ok) {
-        code_a = code_b = code_c.x = code_c.y = 0x7f7f7f7fu;
-      }
-      row = kind == kQ ? a.q_out + (static_cast<int64_t>(t) * a.n_q + sub) * 128
-                       : a.iq_out + (static_cast<int64_t>(t) * a.n_kv + sub) * 128;
-    } else if (pos_ok && slot >= 0 && (slot >> 7) < a.num_pages) {
-      const int64_t page = slot >> 7;
-      const int64_t in_page = static_cast<int64_t>(slot & 127) * 128;
-      if (kind == kIK) {
-        row = a.ic + page * a.ic_page_stride + in_page;
-      } else {
-        row = a.kv + page * a.kv_page_stride + (kind == kV ? a.kv_plane_stride : 0) +
-              static_cast<int64_t>(sub) * kTileBytes + in_page;
-      }
-    }
-    if (row != nullptr) {
-      store4(row + 4 * lane, code_a);
-      store4(row + 32 + 4 * lane, code_b);
-      store8_cache(row + 64 + 8 * lane, code_c);
-    }
+    process_task<kMode>(a, raw[u], task, task < a.num_tasks, block_first, t_first, lane, s_norm,
+                        s_rope, s_pos, s_slot);
   }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The persistent kernel: a grid of about (SMs x kPersistentBlocksPerSm) blocks walks the batches
+// b = blockIdx.x, + gridDim.x, ... and software-pipelines them. While batch b is computed, the
+// block already has in flight: the packed loads of batch b + G (registers), the RoPE rows of
+// b + G (cp.async into shared memory, from positions staged one iteration earlier) and the
+// positions / slots of b + 2G (cp.async). Per iteration the critical path is
+// max(one memory latency, compute) instead of the per-batch kernel's two dependent latencies
+// (position -> RoPE row) + compute + launch; each SM keeps ~2 x 24.6 KB of packed reads in
+// flight nearly all the time. Shared memory: positions / slots in 3 stages (b, b + G, b + 2G),
+// RoPE rows in 2 (b, b + G); one cp.async wait + barrier per iteration orders every reuse (a
+// stage is refilled only in the iteration after its last reader, past that barrier).
+
+constexpr int kPersistentTasks = kTasksLarge;  // tasks per group and batch (96 per batch)
+constexpr int kPersistentBlocksPerSm = 2;      // ~100 registers per thread fit twice per SM
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(dst)), "l"(src)
+               : "memory");
+}
+// Copies 16 bytes, or writes 16 zero bytes and reads nothing when `copy` is false.
+__device__ __forceinline__ void cp_async16_or_zero(void* dst, const void* src, bool copy) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+               "r"(copy ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+// First task and token of a batch, and its token count.
+template <int kU>
+__device__ __forceinline__ void batch_tokens(const KernelArgs& a, uint32_t batch, uint32_t& first,
+                                             uint32_t& t_first, int& n_tok) {
+  first = batch * static_cast<uint32_t>(tasks_per_block(kU));
+  const uint32_t last = min(first + tasks_per_block(kU), a.num_tasks) - 1;
+  t_first = a.heads.div(first);
+  n_tok = static_cast<int>(a.heads.div(last) - t_first) + 1;
+}
+
+template <int kU>
+__device__ __forceinline__ void stage_pos_slot(const KernelArgs& a, uint32_t batch, int32_t* s_pos,
+                                               int32_t* s_slot) {
+  uint32_t first, t_first;
+  int n_tok;
+  batch_tokens<kU>(a, batch, first, t_first, n_tok);
+  for (int k = threadIdx.x; k < n_tok; k += kThreads) {
+    cp_async4(s_pos + k, a.positions + t_first + k);
+    cp_async4(s_slot + k, a.slots + t_first + k);
+  }
+}
+
+// RoPE rows of the batch's tokens from their staged positions (complete and visible: staged in an
+// earlier iteration, before a wait + barrier); zeros for a position outside the table.
+template <int kU>
+__device__ __forceinline__ void stage_rope(const KernelArgs& a, uint32_t batch,
+                                           const int32_t* s_pos,
+                                           float4 (*s_rope)[kRopeFloats / 4]) {
+  uint32_t first, t_first;
+  int n_tok;
+  batch_tokens<kU>(a, batch, first, t_first, n_tok);
+  for (int e = threadIdx.x; e < n_tok * 16; e += kThreads) {
+    const int k = e / 16;
+    const int part = e % 16;
+    const int32_t pos = s_pos[k];
+    const bool ok = static_cast<uint32_t>(pos) < a.max_pos;
+    const float* src = a.rope + (ok ? static_cast<int64_t>(pos) * kRopeFloats + part * 4 : 0);
+    cp_async16_or_zero(&s_rope[k][part], src, ok);
+  }
+}
+
+template <ProducerMode kMode>
+__global__ void __launch_bounds__(kThreads, kPersistentBlocksPerSm)
+    producer_persistent_kernel(const KernelArgs a, uint32_t num_batches) {
+  constexpr int kU = kPersistentTasks;
+  constexpr int kMaxTok = max_tokens_per_block(kU);
+  __shared__ float4 s_norm[kNumNorms][32];
+  __shared__ float4 s_rope[2][kMaxTok][kRopeFloats / 4];
+  __shared__ int32_t s_pos[3][kMaxTok];
+  __shared__ int32_t s_slot[3][kMaxTok];
+
+  const uint32_t stride = gridDim.x;
+  uint32_t b = blockIdx.x;
+  if (b >= num_batches) return;  // the launcher never makes such blocks; uniform per block
+  const int lane = threadIdx.x & (kLanesPerHead - 1);
+  const int group = threadIdx.x / kLanesPerHead;
+
+  // Prologue: positions / slots of b and b + G, the packed loads of b, then b's RoPE rows.
+  LaneRaw raw[kU];
+  load_batch<kU>(a, b * static_cast<uint32_t>(tasks_per_block(kU)), group, lane, raw);
+  stage_pos_slot<kU>(a, b, s_pos[0], s_slot[0]);
+  if (b + stride < num_batches) stage_pos_slot<kU>(a, b + stride, s_pos[1], s_slot[1]);
+  stage_norms(a, s_norm);
+  cp_async_wait_all();
+  __syncthreads();
+  stage_rope<kU>(a, b, s_pos[0], s_rope[0]);
+  cp_async_wait_all();
+  __syncthreads();
+
+  int ps = 0;  // positions / slots stage of batch b (of 3)
+  int rs = 0;  // RoPE stage of batch b (of 2)
+#pragma unroll 1
+  for (;;) {
+    const uint32_t bn = b + stride;
+    const bool has_next = bn < num_batches;
+    const int ps1 = ps == 2 ? 0 : ps + 1;
+    const int ps2 = ps1 == 2 ? 0 : ps1 + 1;
+    LaneRaw next[kU];
+    if (has_next) {
+      load_batch<kU>(a, bn * static_cast<uint32_t>(tasks_per_block(kU)), group, lane, next);
+      stage_rope<kU>(a, bn, s_pos[ps1], s_rope[rs ^ 1]);
+      if (bn + stride < num_batches) stage_pos_slot<kU>(a, bn + stride, s_pos[ps2], s_slot[ps2]);
+    }
+
+    uint32_t first, t_first;
+    int n_tok;
+    batch_tokens<kU>(a, b, first, t_first, n_tok);
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const uint32_t task = first + u * kGroupsPerBlock + group;
+      process_task<kMode>(a, raw[u], task, task < a.num_tasks, first, t_first, lane, s_norm,
+                          s_rope[rs], s_pos[ps], s_slot[ps]);
+    }
+    if (!has_next) break;
+    cp_async_wait_all();
+    __syncthreads();
+#pragma unroll
+    for (int u = 0; u < kU; ++u) raw[u] = next[u];
+    b = bn;
+    ps = ps1;
+    rs ^= 1;
+  }
+}
+
+// Number of batches (32 kU tasks each) of a call.
+constexpr int64_t num_batches(int64_t tasks, int u) {
+  return (tasks + tasks_per_block(u) - 1) / tasks_per_block(u);
+}
+// The persistent kernel pays off once the per-batch kernel would need more than one wave of its
+// blocks (4 per SM); below that every batch gets its own block and the two are equivalent, with
+// the per-batch kernel's shorter prologue and more blocks per SM.
+inline bool use_persistent_variant(int64_t tasks) {
+  return num_batches(tasks, kPersistentTasks) > kAssumedSms * 4;
 }
 
 }  // namespace m3attn::producer_kernel

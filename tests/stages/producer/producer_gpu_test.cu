@@ -359,13 +359,14 @@ void download_outputs(Mirror& m, Outputs& out) {
 // Runs `runs` (host params whose views point into `packed`, the inputs and `out`) on the GPU in
 // order, starting from the current contents of `out`, and downloads the results into `out`.
 void run_on_gpu(const std::vector<ProducerParams>& runs, const Inputs& in,
-                std::initializer_list<const Packed*> packed, Outputs& out) {
+                std::initializer_list<const Packed*> packed, Outputs& out,
+                const ProducerCudaOptions& options = {}) {
   Mirror m;
   mirror_inputs(m, in);
   for (const Packed* p : packed) m.add(p->data);
   mirror_outputs(m, out);
   for (const ProducerParams& r : runs) {
-    const Status s = run_producer_cuda(m.device_params(r), nullptr);
+    const Status s = run_producer_cuda(m.device_params(r), nullptr, options);
     ASSERT_TRUE(s.ok()) << s.to_string();
   }
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
@@ -563,8 +564,9 @@ TEST(ProducerGpu, FusedMatchesUnfusedPair) {
   }
 }
 
-// Few heads per row and many tokens: the 3-task kernel with the most tokens per block (index
-// mode with n_kv = 1 has H = 2), which the sizes above do not reach.
+// Few heads per row and many tokens: the most tokens per batch (index mode with n_kv = 1 has
+// H = 2), which the sizes above do not reach. The default choice runs the persistent kernel for
+// fused and main (over 528 batches of 96 tasks) and the per-batch kernel for index (188, 282).
 TEST(ProducerGpu, LargeBatchFewHeadsPerRow) {
   M3_REQUIRE_GPU();
   for (const Geometry& geo : {Geometry{8, 1}, Geometry{32, 2}}) {
@@ -744,10 +746,12 @@ TEST(ProducerGpu, Page65536AddressedIn64Bits) {
 // Capture once (fused, and the unfused pair as two nodes), replay with new packed rows, new
 // positions and new slots (a -1 among them) written into the same buffers: byte-identical to
 // an eager run from the same state, and within tolerance of the twin.
-void graph_replay_case(int64_t t) {
+void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
-  SCOPED_TRACE(::testing::Message() << "T " << t);
+  SCOPED_TRACE(::testing::Message()
+               << "T " << t << " kernel " << producer_cuda_kernel_name(opt.kernel)
+               << " persistent_blocks " << opt.persistent_blocks);
   mt::Rng rng(seed);
   const int64_t pages = pages_for(t) + 4;
   Inputs in = make_inputs(64, 4, t, pages, rng);
@@ -781,7 +785,7 @@ void graph_replay_case(int64_t t) {
     cudaGraph_t graph;
     M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
     for (const ProducerParams* p : v.runs) {
-      const Status s = run_producer_cuda(*p, stream);
+      const Status s = run_producer_cuda(*p, stream, opt);
       EXPECT_TRUE(s.ok()) << s.to_string();
     }
     M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
@@ -826,7 +830,7 @@ void graph_replay_case(int64_t t) {
         M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
         if (eager) {
           for (const ProducerParams* p : v.runs) {
-            const Status s = run_producer_cuda(*p, stream);
+            const Status s = run_producer_cuda(*p, stream, opt);
             ASSERT_TRUE(s.ok()) << s.to_string();
           }
         } else {
@@ -852,10 +856,95 @@ void graph_replay_case(int64_t t) {
   cudaStreamDestroy(stream);
 }
 
-// T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one.
+// T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one; then the
+// persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block).
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
+  ProducerCudaOptions persistent;
+  persistent.kernel = ProducerCudaKernel::kPersistent;
+  persistent.persistent_blocks = 5;
+  graph_replay_case(300, persistent);
+}
+
+// The persistent kernel (grid-stride loop over batches, next batch's loads, RoPE rows and
+// positions in flight while the current one is computed) against the per-batch kernel: byte for
+// byte (same per-task code), and against the CPU twin. Grids of 1, 3 and 7 blocks run many loop
+// iterations per block (every pipeline stage reused many times), with a partial last batch
+// (T 129 x 77 heads = 9933 tasks = 103 full batches + 45 tasks; index mode with n_kv 1 has 2
+// heads per row: 49 tokens per batch, the staging maximum); the default grid (SMs x 2) at T 4099
+// with the M3 geometry runs ~12 iterations per block; T 1 is a single partial batch.
+TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
+  M3_REQUIRE_GPU();
+  struct Case {
+    Geometry geo;
+    int64_t t;
+    int blocks;
+  };
+  const Case cases[] = {{{64, 4}, 1, 0},  {{64, 4}, 129, 1}, {{64, 4}, 129, 3}, {{64, 4}, 4099, 0},
+                        {{8, 1}, 129, 1}, {{8, 1}, 1001, 7}, {{32, 2}, 517, 3}};
+  for (const Case& c : cases) {
+    const uint64_t seed = mt::fresh_seed();
+    M3_SEED_TRACE(seed);
+    mt::Rng rng(seed);
+    const int64_t pages = pages_for(c.t);
+    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
+    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
+    for (const ProducerMode mode : kModes) {
+      SCOPED_TRACE(::testing::Message()
+                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
+                   << " T " << c.t << " persistent_blocks " << c.blocks);
+      const Packed packed = packed_for(in, mode, rng);
+      const Outputs init = make_outputs(in, lay, rng);
+      ProducerCudaOptions per_batch, persistent;
+      per_batch.kernel = ProducerCudaKernel::kPerBatch;
+      persistent.kernel = ProducerCudaKernel::kPersistent;
+      persistent.persistent_blocks = c.blocks;
+      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
+      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b, persistent);
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
+                   "persistent vs per-batch (exact)");
+      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
+                   "persistent vs CPU twin");
+    }
+  }
+}
+
+// A negative persistent grid or an unknown kernel choice is rejected before any launch.
+TEST(ProducerGpu, BadKernelOptionsRejected) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const int64_t t = 16, pages = pages_for(t);
+  const Inputs in = make_inputs(8, 1, t, pages, rng);
+  const Layout lay = separate_layout(1, pages, 1, 0, 0);
+  Packed packed = packed_for(in, ProducerMode::kFused, rng);
+  const Outputs init = make_outputs(in, lay, rng);
+  Outputs state = init.clone();
+  Mirror m;
+  mirror_inputs(m, in);
+  m.add(packed.data);
+  mirror_outputs(m, state);
+  const ProducerParams good =
+      m.device_params(make_params(ProducerMode::kFused, in, packed, state, lay));
+  ProducerCudaOptions neg;
+  neg.kernel = ProducerCudaKernel::kPersistent;
+  neg.persistent_blocks = -1;
+  ProducerCudaOptions unknown;
+  unknown.kernel = static_cast<ProducerCudaKernel>(7);
+  for (const ProducerCudaOptions& o : {neg, unknown}) {
+    const Status s = run_producer_cuda(good, nullptr, o);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_FALSE(s.message().empty());
+  }
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  download_outputs(m, state);
+  EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
 }
 
 // A few rejected calls (the CPU suite covers every rule): a Status, no launch, no byte written.

@@ -118,15 +118,6 @@ Status drive(const Workload& workload, const SchedulerOptions& so, RunContext& c
 
 }  // namespace
 
-bool cuda_backend_available() {
-#if defined(M3ATTN_WITH_CUDA)
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-#else
-  return false;
-#endif
-}
-
 Result<std::unique_ptr<LayerStack>> create_layer_stack(const std::string& backend,
                                                        const LayerStackConfig& config) {
   if (backend == "cpu") return create_cpu_layer_stack(config);

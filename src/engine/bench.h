@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "engine/layer_stack.h"
 #include "engine/metrics.h"
 #include "engine/scheduler.h"
@@ -88,7 +89,5 @@ Result<BenchReport> run_bench(const BenchOptions& options, const BenchProgressFn
 // The stack factory for a backend name ("cpu", or "cuda" in a CUDA build); unsupported otherwise.
 Result<std::unique_ptr<LayerStack>> create_layer_stack(const std::string& backend,
                                                        const LayerStackConfig& config);
-// True when this build has the CUDA backend and a device is visible.
-bool cuda_backend_available();
 
 }  // namespace m3attn

@@ -129,8 +129,7 @@ std::string fnv1a_hex(const void* data, int64_t n) {
 Status check_options(const LayerRunOptions& o) {
 #if defined(M3ATTN_WITH_CUDA)
   if (o.backend == Backend::kCuda) {
-    int devices = 0;
-    if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0)
+    if (!cuda_backend_available())
       return unsupported("--backend cuda needs a CUDA device (none found; use --backend cpu)");
     if (o.tp_size != 1)
       return unsupported("--backend cuda runs TP1 only (got --tp ", o.tp_size,

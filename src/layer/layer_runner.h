@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "core/device.h"
 #include "layer/msa_layer.h"
 #include "m3attn/config.h"
 #include "m3attn/status.h"

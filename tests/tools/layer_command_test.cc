@@ -146,7 +146,10 @@ TEST(LayerCommandTest, RejectsBadOptions) {
   o = good;
   o.context = {{10, 0}};
   o.backend = Backend::kCuda;
-  bad(o, StatusCode::kUnsupported, "cuda backend");
+  if (!cuda_backend_available()) bad(o, StatusCode::kUnsupported, "cuda backend without a device");
+  o.tp_size = 2;
+  bad(o, StatusCode::kUnsupported, "cuda backend with tp 2");  // TP1 only, device or not
+  o.tp_size = 1;
   o.backend = Backend::kCpu;
   o.tp_size = 3;
   bad(o, StatusCode::kInvalidArgument, "tp 3");

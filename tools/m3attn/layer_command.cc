@@ -8,10 +8,6 @@
 #include "commands.h"
 #include "layer/layer_runner.h"
 
-#if defined(M3ATTN_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#endif
-
 namespace m3attn::cli {
 
 namespace {
@@ -29,15 +25,6 @@ struct LayerFlags {
   int layer = 0;
   float rope_theta = 5e6f, eps = 1e-6f;
 };
-
-bool cuda_device_present() {
-#if defined(M3ATTN_WITH_CUDA)
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-#else
-  return false;
-#endif
-}
 
 // Bad flags and bad files exit 2; a run that fails exits 1.
 int exit_code_for(const Status& s) {
@@ -140,7 +127,7 @@ void add_layer_command(CLI::App& app, int& exit_code) {
     o.seed = f->seed;
     o.tp_size = f->tp;
     std::string chosen = f->backend;
-    if (chosen.empty()) chosen = (f->tp == 1 && cuda_device_present()) ? "cuda" : "cpu";
+    if (chosen.empty()) chosen = (f->tp == 1 && cuda_backend_available()) ? "cuda" : "cpu";
     Result<Backend> backend = parse_backend(chosen);
     if (!backend.ok()) {
       std::cerr << "m3attn layer: " << backend.status().to_string() << "\n";

@@ -155,38 +155,39 @@ TEST(CudaLayerStack, MatchesCpuStackThroughPrefillMixedAndGraphDecode) {
   s2.context = {{2, 0, 140}};
   s2.generation = {{0, 2200}, {1, 300}};
   run_step(s2, false, "mixed");
-  // Generation with draft 1: 3 requests -> bucket 4 (capture), then again (replay).
+  // (The mixed step grew requests 0 and 1 by one token each.) Generation with draft 1: 3 requests
+  // -> bucket 4 (capture), then again (replay).
   StepDescription s3;
-  s3.generation = {{0, 2202}, {1, 302}, {2, 140}};
+  s3.generation = {{0, 2201}, {1, 301}, {2, 140}};
   s3.draft_len = 1;
   run_step(s3, false, "decode x3 (capture bucket 4)");
   StepDescription s4;
-  s4.generation = {{0, 2204}, {1, 304}, {2, 142}};
+  s4.generation = {{0, 2203}, {1, 303}, {2, 142}};
   s4.draft_len = 1;
   run_step(s4, true, "decode x3 (replay)");
   // Fewer requests than the bucket's captured step: request 2 leaves; 2 requests -> bucket 2
   // (capture), then a 1-request step of a new sequence... bucket 1; then back to 3 in bucket 4.
   ASSERT_TRUE(cache.release(2).ok());
   StepDescription s5;
-  s5.generation = {{0, 2206}, {1, 306}};
+  s5.generation = {{0, 2205}, {1, 305}};
   s5.draft_len = 1;
   run_step(s5, false, "decode x2 (capture bucket 2)");
   StepDescription s6;
   s6.context = {{3, 0, 50}};
   run_step(s6, false, "prefill request 3");
   StepDescription s7;
-  s7.generation = {{0, 2208}, {1, 308}, {3, 50}};
+  s7.generation = {{0, 2207}, {1, 307}, {3, 50}};
   s7.draft_len = 1;
   run_step(s7, true, "decode x3 (replay bucket 4, other requests)");
   // Unfused: its own graphs.
   gpu.value()->set_fused(false);
   cpu.value()->set_fused(false);
   StepDescription s8;
-  s8.generation = {{0, 2210}, {1, 310}, {3, 52}};
+  s8.generation = {{0, 2209}, {1, 309}, {3, 52}};
   s8.draft_len = 1;
   run_step(s8, false, "decode x3 unfused (capture)");
   StepDescription s9;
-  s9.generation = {{0, 2212}, {1, 312}, {3, 54}};
+  s9.generation = {{0, 2211}, {1, 311}, {3, 54}};
   s9.draft_len = 1;
   run_step(s9, true, "decode x3 unfused (replay)");
 }

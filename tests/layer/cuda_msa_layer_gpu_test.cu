@@ -164,6 +164,32 @@ void expect_e4m3_close(const Tensor& gpu, const Tensor& cpu, const char* what) {
                     << " E4M3 values not within one step: " << report;
 }
 
+// GPU layer vs CPU layer: the E4M3 intermediates sit downstream of the FP8 GEMM, whose cuBLASLt
+// output differs from the twin's by accumulation order and one BF16 rounding (the GEMM tests bound
+// it by 2^-7 |y| + 2^-10 sum|a b sa sb|). RMSNorm maps each head to unit RMS, so that difference
+// becomes an absolute error of the order of 2^-7 in normalised units, regardless of the element's
+// size. For |y| >= 2^-3 one E4M3 step (>= 2^-6) covers it; below that the E4M3 grid is finer than
+// the propagated error (observed up to 0.012 on the H200), so there we allow |gpu - cpu| <= 2^-5.
+// NaN never passes. The producer tests compare the kernel with the twin on identical GEMM outputs,
+// where one step is the bound. V is not normalised, but the layer's random weights (std 1/sqrt(K)
+// on O(1) inputs) keep projections O(1), so the same absolute allowance applies to it.
+void expect_e4m3_close_after_gemm(const Tensor& gpu, const Tensor& cpu, const char* what) {
+  ASSERT_EQ(gpu.shape(), cpu.shape()) << what;
+  const uint8_t* a = gpu.ptr<uint8_t>();
+  const uint8_t* b = cpu.ptr<uint8_t>();
+  int64_t bad = 0;
+  std::string report;
+  for (int64_t i = 0; i < gpu.numel(); ++i) {
+    if (e4m3_within_one_step(a[i], b[i])) continue;
+    const float x = e4m3_to_float(a[i]), y = e4m3_to_float(b[i]);
+    if (!std::isnan(x) && !std::isnan(y) && std::fabs(x - y) <= 0.03125f) continue;
+    if (bad++ < 8)
+      report += "  [" + std::to_string(i) + "] " + std::to_string(x) + " vs " + std::to_string(y);
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << gpu.numel()
+                    << " E4M3 values beyond one step and 2^-5: " << report;
+}
+
 class CudaLayerTest : public ::testing::Test {
  protected:
   void SetUp() override { M3_REQUIRE_GPU(); }
@@ -226,12 +252,12 @@ void compare_with_cpu(const MsaGeometry& g, bool sparse, bool fused, const Scena
   EXPECT_TRUE(dev_pool.guards_intact()) << "bytes around the pool changed";
 
   // ---- stage 1: E4M3 intermediates ----
-  expect_e4m3_close(gpu.trace.q, cpu_trace.q, "q");
-  expect_e4m3_close(gpu.trace.k, cpu_trace.k, "k (cache)");
-  expect_e4m3_close(gpu.trace.v, cpu_trace.v, "v (cache)");
+  expect_e4m3_close_after_gemm(gpu.trace.q, cpu_trace.q, "q");
+  expect_e4m3_close_after_gemm(gpu.trace.k, cpu_trace.k, "k (cache)");
+  expect_e4m3_close_after_gemm(gpu.trace.v, cpu_trace.v, "v (cache)");
   if (sparse) {
-    expect_e4m3_close(gpu.trace.index_q, cpu_trace.index_q, "index_q");
-    expect_e4m3_close(gpu.trace.index_k, cpu_trace.index_k, "index_k (cache)");
+    expect_e4m3_close_after_gemm(gpu.trace.index_q, cpu_trace.index_q, "index_q");
+    expect_e4m3_close_after_gemm(gpu.trace.index_k, cpu_trace.index_k, "index_k (cache)");
   }
 
   // The GPU's pool after the step, as a host pool (for the stage twins).

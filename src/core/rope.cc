@@ -23,4 +23,15 @@ Result<Tensor> make_rope_table(int64_t max_pos, double theta) {
   return table;
 }
 
+Status validate_rope_table(const TensorView& rope) {
+  M3_CHECK_ARG(rope.device.type == DeviceType::kCPU, "the RoPE table must be a host view, got ",
+               rope.device.to_string());
+  M3_RETURN_IF_ERROR(check_dtype(rope, DType::kF32, "RoPE table"));
+  M3_RETURN_IF_ERROR(check_ndim(rope, 3, "RoPE table"));
+  M3_CHECK_ARG(rope.shape[0] > 0 && rope.shape[1] == 2 && rope.shape[2] == kRotaryHalf,
+               "RoPE table must be [max_pos, 2, ", kRotaryHalf, "], got ", rope.shape_string());
+  M3_RETURN_IF_ERROR(check_contiguous(rope, "RoPE table"));
+  return Status::Ok();
+}
+
 }  // namespace m3attn

@@ -9,4 +9,7 @@ namespace m3attn {
 
 Result<Tensor> make_rope_table(int64_t max_pos, double theta);
 
+// A host, contiguous f32 [max_pos > 0, 2, 32] table (what the layers keep and upload).
+Status validate_rope_table(const TensorView& rope);
+
 }  // namespace m3attn

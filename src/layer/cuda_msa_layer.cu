@@ -9,6 +9,7 @@
 
 #include "cache/cache_view.h"
 #include "core/cuda_check.h"
+#include "core/rope.h"
 #include "layer/cuda_msa_layer.h"
 
 namespace m3attn {
@@ -302,19 +303,6 @@ size_t CudaLayerWorkspace::device_bytes() const {
 
 namespace {
 
-Status check_matrix(const QuantizedMatrix& m, int64_t rows, int64_t cols, const char* what) {
-  M3_RETURN_IF_ERROR(m.validate(what));
-  M3_CHECK_ARG(m.rows() == rows && m.cols() == cols, what, " must be [", rows, ", ", cols,
-               "], got [", m.rows(), ", ", m.cols(), "]");
-  return Status::Ok();
-}
-
-Status check_norm(const Tensor& t, const char* what) {
-  M3_RETURN_IF_ERROR(check_dtype(t.view(), DType::kBF16, what));
-  M3_RETURN_IF_ERROR(check_shape(t.view(), {kHeadDim}, what));
-  return Status::Ok();
-}
-
 // E4M3 [N, K] contiguous and f32 scales [N/128, K/128] with the row stride Fp8BlockGemm reads.
 Status upload_matrix(const QuantizedMatrix& m, Device dev, CudaBuffer* w, CudaBuffer* s,
                      TensorView* wv, TensorView* sv) {
@@ -346,30 +334,9 @@ Status check_device_view(const TensorView& t, Device dev, const char* what) {
 Result<std::unique_ptr<CudaMsaLayer>> CudaMsaLayer::create(
     const PackedRankWeights& weights, const TensorView& rope, const CudaLayerCapacity& capacity,
     const MsaLayerOptions& options, std::shared_ptr<CudaLayerWorkspace> workspace) {
+  M3_RETURN_IF_ERROR(weights.validate());
+  M3_RETURN_IF_ERROR(validate_rope_table(rope));
   const MsaGeometry& g = weights.geometry;
-  M3_RETURN_IF_ERROR(g.validate());
-  const int64_t hidden = g.hidden;
-  const int64_t qkv_rows = int64_t{g.n_q + 2 * g.n_kv} * kHeadDim;
-  const int64_t index_rows = int64_t{g.n_kv + 1} * kHeadDim;
-  M3_RETURN_IF_ERROR(check_matrix(weights.qkv, qkv_rows, hidden, "layer qkv weights"));
-  M3_RETURN_IF_ERROR(
-      check_matrix(weights.o, hidden, int64_t{g.n_q} * kHeadDim, "layer o_proj weights"));
-  M3_RETURN_IF_ERROR(check_norm(weights.q_norm, "layer q_norm"));
-  M3_RETURN_IF_ERROR(check_norm(weights.k_norm, "layer k_norm"));
-  if (weights.sparse) {
-    M3_RETURN_IF_ERROR(
-        check_matrix(weights.fused, g.packed_width(), hidden, "layer fused weights"));
-    M3_RETURN_IF_ERROR(check_matrix(weights.index, index_rows, hidden, "layer index weights"));
-    M3_RETURN_IF_ERROR(check_norm(weights.index_q_norm, "layer index_q_norm"));
-    M3_RETURN_IF_ERROR(check_norm(weights.index_k_norm, "layer index_k_norm"));
-  }
-  M3_CHECK_ARG(rope.device.type == DeviceType::kCPU, "the RoPE table must be a host view, got ",
-               rope.device.to_string());
-  M3_RETURN_IF_ERROR(check_dtype(rope, DType::kF32, "RoPE table"));
-  M3_RETURN_IF_ERROR(check_ndim(rope, 3, "RoPE table"));
-  M3_CHECK_ARG(rope.shape[0] > 0 && rope.shape[1] == 2 && rope.shape[2] == kRotaryHalf,
-               "RoPE table must be [max_pos, 2, ", kRotaryHalf, "], got ", rope.shape_string());
-  M3_RETURN_IF_ERROR(check_contiguous(rope, "RoPE table"));
   if (workspace) {
     const MsaGeometry& wg = workspace->geometry();
     M3_CHECK_ARG(wg.hidden == g.hidden && wg.n_q == g.n_q && wg.n_kv == g.n_kv, "layer geometry ",

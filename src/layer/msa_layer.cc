@@ -5,6 +5,7 @@
 
 #include "cache/batch.h"
 #include "cache/cache_view.h"
+#include "core/rope.h"
 
 namespace m3attn {
 
@@ -46,19 +47,6 @@ int64_t LayerPlan::workspace_bytes() const {
 
 namespace {
 
-Status check_matrix(const QuantizedMatrix& m, int64_t rows, int64_t cols, const char* what) {
-  M3_RETURN_IF_ERROR(m.validate(what));
-  M3_CHECK_ARG(m.rows() == rows && m.cols() == cols, what, " must be [", rows, ", ", cols,
-               "], got [", m.rows(), ", ", m.cols(), "]");
-  return Status::Ok();
-}
-
-Status check_norm(const Tensor& t, const char* what) {
-  M3_RETURN_IF_ERROR(check_dtype(t.view(), DType::kBF16, what));
-  M3_RETURN_IF_ERROR(check_shape(t.view(), {kHeadDim}, what));
-  return Status::Ok();
-}
-
 Status check_cpu(const TensorView& t, const char* what) {
   M3_CHECK_ARG(t.device.type == DeviceType::kCPU, "the CPU layer needs ", what, " on the CPU, got ",
                t.device.to_string());
@@ -83,29 +71,8 @@ double seconds_since(Clock::time_point t0) {
 
 Result<MsaLayer> MsaLayer::create(PackedRankWeights weights, const TensorView& rope,
                                   const MsaLayerOptions& options) {
-  const MsaGeometry& g = weights.geometry;
-  M3_RETURN_IF_ERROR(g.validate());
-  const int64_t hidden = g.hidden;
-  const int64_t qkv_rows = int64_t{g.n_q + 2 * g.n_kv} * kHeadDim;
-  const int64_t index_rows = int64_t{g.n_kv + 1} * kHeadDim;
-  M3_RETURN_IF_ERROR(check_matrix(weights.qkv, qkv_rows, hidden, "layer qkv weights"));
-  M3_RETURN_IF_ERROR(
-      check_matrix(weights.o, hidden, int64_t{g.n_q} * kHeadDim, "layer o_proj weights"));
-  M3_RETURN_IF_ERROR(check_norm(weights.q_norm, "layer q_norm"));
-  M3_RETURN_IF_ERROR(check_norm(weights.k_norm, "layer k_norm"));
-  if (weights.sparse) {
-    M3_RETURN_IF_ERROR(
-        check_matrix(weights.fused, g.packed_width(), hidden, "layer fused weights"));
-    M3_RETURN_IF_ERROR(check_matrix(weights.index, index_rows, hidden, "layer index weights"));
-    M3_RETURN_IF_ERROR(check_norm(weights.index_q_norm, "layer index_q_norm"));
-    M3_RETURN_IF_ERROR(check_norm(weights.index_k_norm, "layer index_k_norm"));
-  }
-  M3_RETURN_IF_ERROR(check_cpu(rope, "the RoPE table"));
-  M3_RETURN_IF_ERROR(check_dtype(rope, DType::kF32, "RoPE table"));
-  M3_RETURN_IF_ERROR(check_ndim(rope, 3, "RoPE table"));
-  M3_CHECK_ARG(rope.shape[0] > 0 && rope.shape[1] == 2 && rope.shape[2] == kRotaryHalf,
-               "RoPE table must be [max_pos, 2, ", kRotaryHalf, "], got ", rope.shape_string());
-  M3_RETURN_IF_ERROR(check_contiguous(rope, "RoPE table"));
+  M3_RETURN_IF_ERROR(weights.validate());
+  M3_RETURN_IF_ERROR(validate_rope_table(rope));
   MsaLayer layer;
   layer.weights_ = std::move(weights);
   layer.rope_ = rope;

@@ -48,6 +48,25 @@ Status AttentionWeights::validate() const {
   return Status::Ok();
 }
 
+Status PackedRankWeights::validate() const {
+  M3_RETURN_IF_ERROR(geometry.validate());
+  const int64_t h = geometry.hidden, d = kHeadDim;
+  M3_RETURN_IF_ERROR(check_matrix_shape(qkv, int64_t{geometry.n_q + 2 * geometry.n_kv} * d, h,
+                                        "layer qkv weights"));
+  M3_RETURN_IF_ERROR(check_matrix_shape(o, h, int64_t{geometry.n_q} * d, "layer o_proj weights"));
+  M3_RETURN_IF_ERROR(check_norm(q_norm, "layer q_norm"));
+  M3_RETURN_IF_ERROR(check_norm(k_norm, "layer k_norm"));
+  if (sparse) {
+    M3_RETURN_IF_ERROR(
+        check_matrix_shape(fused, geometry.packed_width(), h, "layer fused weights"));
+    M3_RETURN_IF_ERROR(
+        check_matrix_shape(index, int64_t{geometry.n_kv + 1} * d, h, "layer index weights"));
+    M3_RETURN_IF_ERROR(check_norm(index_q_norm, "layer index_q_norm"));
+    M3_RETURN_IF_ERROR(check_norm(index_k_norm, "layer index_k_norm"));
+  }
+  return Status::Ok();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Random weights
 

@@ -98,6 +98,8 @@ struct PackedRankWeights {
   QuantizedMatrix index;  // [IQ_r | IK]                      (unfused GEMM 2, sparse)
   QuantizedMatrix o;      // [hidden, n_q_r*128]: this rank's o_proj columns (row-parallel)
   Tensor q_norm, k_norm, index_q_norm, index_k_norm;  // bf16 [128] (index ones: sparse)
+  // Shapes of every matrix and norm against `geometry` (what a layer needs before it runs).
+  Status validate() const;
 };
 // Dense layers (w.sparse == false) get empty `fused`, `index` and index norms: use `qkv`.
 Result<PackedRankWeights> pack_rank(const AttentionWeights& w, int tp_size, int tp_rank);

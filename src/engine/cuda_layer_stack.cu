@@ -150,17 +150,7 @@ class CudaLayerStack final : public LayerStack {
   }
 
   static Result<std::unique_ptr<LayerStack>> create(const LayerStackConfig& config) {
-    M3_RETURN_IF_ERROR(config.geometry.validate());
-    M3_CHECK_ARG(config.num_dense >= 0 && config.num_sparse >= 0 && config.num_layers() >= 1,
-                 "a layer stack needs num_dense >= 0, num_sparse >= 0 and at least one layer, got ",
-                 config.num_dense, " dense and ", config.num_sparse, " sparse");
-    M3_CHECK_ARG(config.num_pages >= 1, "num_pages must be >= 1, got ", config.num_pages);
-    M3_CHECK_ARG(config.max_tokens_per_step >= 1 && config.max_requests_per_step >= 1 &&
-                     config.max_pages_per_request >= 1,
-                 "capacities must be >= 1: max_tokens_per_step ", config.max_tokens_per_step,
-                 ", max_requests_per_step ", config.max_requests_per_step,
-                 ", max_pages_per_request ", config.max_pages_per_request);
-    M3_CHECK_ARG(config.max_position >= 1, "max_position must be >= 1, got ", config.max_position);
+    M3_RETURN_IF_ERROR(config.validate());
     int count = 0;
     M3_CUDA_RETURN_IF_ERROR(cudaGetDeviceCount(&count));
     M3_CHECK_ARG(count > 0, "the cuda layer stack needs a CUDA device");

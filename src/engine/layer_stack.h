@@ -41,6 +41,7 @@ struct LayerStackConfig {
   bool fuse_qkv_index_projection = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   int num_layers() const { return num_dense + num_sparse; }
+  Status validate() const;  // geometry, layer counts, capacities
 };
 
 struct StackStepStats {

@@ -1,5 +1,5 @@
-// Benchmark helpers shared by bench/*_bench.cu: CUDA-event timing with a cold L2 (a 256 MB buffer is
-// overwritten between iterations so no input stays cached), CUDA-graph replay timing for
+// Benchmark helpers shared by bench/*_bench.cu: CUDA-event timing with a cold L2 (a 256 MB buffer
+// is overwritten between iterations so no input stays cached), CUDA-graph replay timing for
 // decode-sized calls (the flush is a memset followed by a read sweep, so no dirty line is written
 // back inside the timed region), the measured ceilings, and a table / JSON printer.
 #pragma once

@@ -17,8 +17,8 @@ constexpr int kQuantBlock = 128;  // FP8 scale granularity along K (and 128x128 
 
 struct MsaGeometry {
   int hidden = 6144;
-  int n_q = 64;   // query heads (this rank)
-  int n_kv = 4;   // KV heads == index-Q heads (this rank)
+  int n_q = 64;  // query heads (this rank)
+  int n_kv = 4;  // KV heads == index-Q heads (this rank)
   float rope_theta = 5e6f;
   float eps = 1e-6f;
 

@@ -48,7 +48,8 @@ std::string concat(Args&&... args) {
 }
 }  // namespace detail
 
-// Builders that stream their arguments: invalid_argument("page stride ", s, " is not a multiple of 4").
+// Builders that stream their arguments: invalid_argument("page stride ", s, " is not a multiple of
+// 4").
 template <typename... Args>
 Status make_status(StatusCode code, Args&&... args) {
   return Status(code, detail::concat(std::forward<Args>(args)...));
@@ -86,7 +87,7 @@ Status internal_error(Args&&... args) {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : value_(std::move(value)) {}  // NOLINT(runtime/explicit)
+  Result(T value) : value_(std::move(value)) {}          // NOLINT(runtime/explicit)
   Result(Status status) : status_(std::move(status)) {}  // NOLINT(runtime/explicit)
   bool ok() const { return status_.ok(); }
   const Status& status() const { return status_; }
@@ -101,14 +102,14 @@ class [[nodiscard]] Result {
 
 }  // namespace m3attn
 
-#define M3_RETURN_IF_ERROR(expr)                  \
-  do {                                            \
-    ::m3attn::Status m3_status_ = (expr);         \
-    if (!m3_status_.ok()) return m3_status_;      \
+#define M3_RETURN_IF_ERROR(expr)             \
+  do {                                       \
+    ::m3attn::Status m3_status_ = (expr);    \
+    if (!m3_status_.ok()) return m3_status_; \
   } while (0)
 
 // Returns invalid_argument(...) unless cond holds.
-#define M3_CHECK_ARG(cond, ...)                                      \
-  do {                                                               \
-    if (!(cond)) return ::m3attn::invalid_argument(__VA_ARGS__);     \
+#define M3_CHECK_ARG(cond, ...)                                  \
+  do {                                                           \
+    if (!(cond)) return ::m3attn::invalid_argument(__VA_ARGS__); \
   } while (0)

@@ -62,6 +62,16 @@ struct TensorView {
   std::string shape_string() const;  // "[4, 128]"
 };
 
+// The [lo, hi) bytes a view can touch (validated views have positive strides); empty for a view
+// with no elements or no data. Used to reject outputs that alias inputs or each other.
+struct ByteRange {
+  uintptr_t lo = 0;
+  uintptr_t hi = 0;
+  bool empty() const { return hi <= lo; }
+};
+ByteRange byte_range(const TensorView& t);
+bool ranges_overlap(const ByteRange& a, const ByteRange& b);
+
 // Validation helpers: each returns invalid_argument naming `what` and the values.
 Status check_dtype(const TensorView& t, DType dtype, const char* what);
 Status check_ndim(const TensorView& t, int ndim, const char* what);

@@ -14,10 +14,12 @@ struct BatchView {
   int64_t num_tokens = 0;  // T
   int num_requests = 0;    // R
   int max_pages = 0;       // columns of page_table
-  TensorView query_start;  // i32 [R + 1]: tokens of request r are [query_start[r], query_start[r+1])
-  TensorView positions;    // i32 [T]: absolute positions, consecutive and increasing inside a request
-  TensorView seq_lens;     // i32 [R]: tokens in cache for r after this step = last position + 1
-  TensorView page_table;   // i32 [R, max_pages]: token j of r lives in page table[r][j / 128], row j % 128
+  TensorView
+      query_start;       // i32 [R + 1]: tokens of request r are [query_start[r], query_start[r+1])
+  TensorView positions;  // i32 [T]: absolute positions, consecutive and increasing inside a request
+  TensorView seq_lens;   // i32 [R]: tokens in cache for r after this step = last position + 1
+  TensorView
+      page_table;  // i32 [R, max_pages]: token j of r lives in page table[r][j / 128], row j % 128
 };
 
 // Shapes, dtypes and devices of the views (no reads of device memory).

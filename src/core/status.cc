@@ -4,15 +4,24 @@ namespace m3attn {
 
 const char* status_code_name(StatusCode code) {
   switch (code) {
-    case StatusCode::kOk: return "ok";
-    case StatusCode::kInvalidArgument: return "invalid argument";
-    case StatusCode::kUnsupported: return "unsupported";
-    case StatusCode::kOutOfRange: return "out of range";
-    case StatusCode::kResourceExhausted: return "resource exhausted";
-    case StatusCode::kIoError: return "i/o error";
-    case StatusCode::kDataLoss: return "data loss";
-    case StatusCode::kCudaError: return "cuda error";
-    case StatusCode::kInternal: return "internal error";
+    case StatusCode::kOk:
+      return "ok";
+    case StatusCode::kInvalidArgument:
+      return "invalid argument";
+    case StatusCode::kUnsupported:
+      return "unsupported";
+    case StatusCode::kOutOfRange:
+      return "out of range";
+    case StatusCode::kResourceExhausted:
+      return "resource exhausted";
+    case StatusCode::kIoError:
+      return "i/o error";
+    case StatusCode::kDataLoss:
+      return "data loss";
+    case StatusCode::kCudaError:
+      return "cuda error";
+    case StatusCode::kInternal:
+      return "internal error";
   }
   return "unknown";
 }

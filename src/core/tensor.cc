@@ -7,22 +7,32 @@ namespace m3attn {
 
 int dtype_size(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return 2;
-    case DType::kE4M3: return 1;
-    case DType::kE8M0: return 1;
-    case DType::kF32: return 4;
-    case DType::kI32: return 4;
+    case DType::kBF16:
+      return 2;
+    case DType::kE4M3:
+      return 1;
+    case DType::kE8M0:
+      return 1;
+    case DType::kF32:
+      return 4;
+    case DType::kI32:
+      return 4;
   }
   return 0;
 }
 
 const char* dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kBF16: return "bf16";
-    case DType::kE4M3: return "e4m3";
-    case DType::kE8M0: return "e8m0";
-    case DType::kF32: return "f32";
-    case DType::kI32: return "i32";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kE4M3:
+      return "e4m3";
+    case DType::kE8M0:
+      return "e8m0";
+    case DType::kF32:
+      return "f32";
+    case DType::kI32:
+      return "i32";
   }
   return "?";
 }
@@ -60,7 +70,8 @@ TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int
 
 TensorView TensorView::strided(void* data, DType dtype, std::initializer_list<int64_t> shape,
                                std::initializer_list<int64_t> strides, Device device) {
-  TensorView v = make_contiguous(data, dtype, shape.begin(), static_cast<int>(shape.size()), device);
+  TensorView v =
+      make_contiguous(data, dtype, shape.begin(), static_cast<int>(shape.size()), device);
   int d = 0;
   for (int64_t s : strides) {
     if (d < kMaxDims) v.stride[d] = s;
@@ -97,6 +108,18 @@ std::string TensorView::shape_string() const {
   for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
   os << "]";
   return os.str();
+}
+
+ByteRange byte_range(const TensorView& t) {
+  if (t.data == nullptr || t.numel() == 0) return {};
+  int64_t last = 0;
+  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
+  const auto base = reinterpret_cast<uintptr_t>(t.data);
+  return {base, base + static_cast<uintptr_t>((last + 1) * dtype_size(t.dtype))};
+}
+
+bool ranges_overlap(const ByteRange& a, const ByteRange& b) {
+  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
 }
 
 Status check_dtype(const TensorView& t, DType dtype, const char* what) {

@@ -1,5 +1,6 @@
-// GPU test helpers (only in CUDA builds): an owning device buffer, host<->device copies and the skip
-// that every GPU test starts with. Without a device a test skips with a message; it never passes.
+// GPU test helpers (only in CUDA builds): an owning device buffer, host<->device copies and the
+// skip that every GPU test starts with. Without a device a test skips with a message; it never
+// passes.
 #pragma once
 
 #if defined(M3ATTN_WITH_CUDA)
@@ -49,16 +50,16 @@ TensorView device_view_like(const TensorView& like, void* data);
 
 }  // namespace m3attn::testing
 
-#define M3_REQUIRE_GPU()                                                      \
-  do {                                                                        \
-    if (!::m3attn::testing::cuda_device_available())                          \
+#define M3_REQUIRE_GPU()                                                       \
+  do {                                                                         \
+    if (!::m3attn::testing::cuda_device_available())                           \
       GTEST_SKIP() << "no CUDA device: GPU test not run (this is not a pass)"; \
   } while (0)
 
-#define M3_CUDA_TEST_CHECK(expr)                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (expr);                                                       \
-    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_);         \
+#define M3_CUDA_TEST_CHECK(expr)                                           \
+  do {                                                                     \
+    cudaError_t e_ = (expr);                                               \
+    ASSERT_EQ(e_, cudaSuccess) << #expr << ": " << cudaGetErrorString(e_); \
   } while (0)
 
 #endif  // M3ATTN_WITH_CUDA

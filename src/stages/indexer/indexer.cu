@@ -24,24 +24,6 @@ namespace ik = indexer_kernel;
 // 3-4 CTAs resident per SM).
 constexpr int64_t kTargetCtasPerSm = 8;
 
-struct ByteRange {
-  uintptr_t lo = 0, hi = 0;
-  bool empty() const { return hi <= lo; }
-};
-
-// [lo, hi) bytes a view can touch (positive strides, as every validated view has).
-ByteRange byte_range(const TensorView& t) {
-  if (t.data == nullptr || t.numel() == 0) return {};
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
-  const auto base = reinterpret_cast<uintptr_t>(t.data);
-  return {base, base + static_cast<uintptr_t>((last + 1) * dtype_size(t.dtype))};
-}
-
-bool overlap(const ByteRange& a, const ByteRange& b) {
-  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
-}
-
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool tensor_core_path(const IndexerParams& p, const IndexerCudaOptions& o) {
@@ -74,7 +56,7 @@ Status check_workspace(const IndexerParams& p, const TensorView& ws, int64_t nee
                 {&p.batch.seq_lens, "seq_lens"},
                 {&p.batch.page_table, "page_table"}};
   for (const auto& o : others)
-    M3_CHECK_ARG(!overlap(w, byte_range(*o.t)), "indexer workspace overlaps ", o.name);
+    M3_CHECK_ARG(!ranges_overlap(w, byte_range(*o.t)), "indexer workspace overlaps ", o.name);
   return Status::Ok();
 }
 

@@ -38,25 +38,6 @@ namespace {
 
 constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // one (page, plane, head) tile, bytes
 
-// [lo, hi) bytes a view with positive strides can touch; empty for a view with no elements.
-struct ByteRange {
-  int64_t lo = 0;
-  int64_t hi = 0;
-  bool empty() const { return hi <= lo; }
-};
-
-ByteRange byte_range(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
-  const auto base = static_cast<int64_t>(reinterpret_cast<intptr_t>(t.data));
-  return {base, base + (last + 1) * dtype_size(t.dtype)};
-}
-
-bool ranges_overlap(const ByteRange& a, const ByteRange& b) {
-  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
-}
-
 int64_t floor_div(int64_t a, int64_t b) {  // b > 0
   const int64_t q = a / b;
   return (a % b != 0 && a < 0) ? q - 1 : q;

@@ -22,24 +22,6 @@ namespace m3attn {
 
 namespace {
 
-struct ByteRange {
-  uintptr_t lo = 0;
-  uintptr_t hi = 0;
-  bool empty() const { return hi <= lo; }
-};
-
-ByteRange byte_range(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
-  const auto base = reinterpret_cast<uintptr_t>(t.data);
-  return {base, base + static_cast<uintptr_t>((last + 1) * dtype_size(t.dtype))};
-}
-
-bool ranges_overlap(const ByteRange& a, const ByteRange& b) {
-  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
-}
-
 // Row-major operand [rows, cols] with last stride 1: row stride >= cols, a multiple of 16 bytes and
 // a 16-byte aligned base (what cuBLASLt needs for its leading dimensions).
 Status check_matrix(const TensorView& t, DType dtype, const char* what) {

@@ -18,26 +18,6 @@ namespace m3attn {
 
 namespace {
 
-// [lo, hi) byte range a view can touch (all strides of a validated view are positive). Empty for a
-// view with no elements.
-struct ByteRange {
-  uintptr_t lo = 0;
-  uintptr_t hi = 0;
-  bool empty() const { return hi <= lo; }
-};
-
-ByteRange byte_range(const TensorView& t) {
-  if (t.numel() == 0 || t.data == nullptr) return {};
-  int64_t last = 0;
-  for (int d = 0; d < t.ndim; ++d) last += (t.shape[d] - 1) * t.stride[d];
-  const auto base = reinterpret_cast<uintptr_t>(t.data);
-  return {base, base + static_cast<uintptr_t>((last + 1) * dtype_size(t.dtype))};
-}
-
-bool ranges_overlap(const ByteRange& a, const ByteRange& b) {
-  return !a.empty() && !b.empty() && a.lo < b.hi && b.lo < a.hi;
-}
-
 // The scales may use any layout, but two indices must not share an element: sorted by stride, each
 // stride must step over the whole span of the smaller one.
 Status check_scales_layout(const TensorView& s, const char* what) {

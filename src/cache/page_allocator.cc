@@ -7,7 +7,7 @@
 namespace m3attn {
 
 namespace {
-// Slots are int32: page * 128 + row < 2^31.
+// Slots are int32: page * tokens_per_page + row < 2^31.
 constexpr int64_t kMaxTokensPerRequest = int64_t{1} << 31;
 }  // namespace
 
@@ -50,8 +50,17 @@ Status PageAllocator::free(const std::vector<int32_t>& pages) {
   return Status::Ok();
 }
 
-int64_t CacheManager::pages_for(int64_t tokens) {
-  return tokens <= 0 ? 0 : (tokens + kPageSize - 1) / kPageSize;
+Result<CacheManager> CacheManager::make(int64_t num_pages, int tokens_per_page) {
+  M3_CHECK_ARG(num_pages >= 0, "number of pages must be >= 0, got ", num_pages);
+  M3_CHECK_ARG(tokens_per_page >= 1, "tokens per page must be >= 1, got ", tokens_per_page);
+  M3_CHECK_ARG(num_pages <= kMaxTokensPerRequest / tokens_per_page, num_pages, " pages of ",
+               tokens_per_page, " tokens exceed the int32 slot range (2^31 slots)");
+  return CacheManager(num_pages, tokens_per_page);
+}
+
+int64_t CacheManager::pages_for(int64_t tokens, int64_t tokens_per_page) {
+  if (tokens_per_page < 1) tokens_per_page = 1;
+  return tokens <= 0 ? 0 : (tokens + tokens_per_page - 1) / tokens_per_page;
 }
 
 Status CacheManager::add_request(int64_t id) {
@@ -82,11 +91,11 @@ Result<int32_t> CacheManager::slot(int64_t id, int64_t token) const {
   auto it = requests_.find(id);
   M3_CHECK_ARG(it != requests_.end(), "request ", id, " does not exist");
   const std::vector<int32_t>& pages = it->second.pages;
-  if (token < 0 || token / kPageSize >= static_cast<int64_t>(pages.size()))
+  const int64_t P = tokens_per_page_;
+  if (token < 0 || token / P >= static_cast<int64_t>(pages.size()))
     return out_of_range("token ", token, " of request ", id, " is outside its ", pages.size(),
                         " pages");
-  return static_cast<int32_t>(int64_t{pages[static_cast<size_t>(token / kPageSize)]} * kPageSize +
-                              token % kPageSize);
+  return static_cast<int32_t>(int64_t{pages[static_cast<size_t>(token / P)]} * P + token % P);
 }
 
 Status CacheManager::reserve(int64_t id, int64_t new_length) {
@@ -100,7 +109,7 @@ Status CacheManager::truncate(int64_t id, int64_t new_length) {
   Request& r = it->second;
   M3_CHECK_ARG(new_length >= 0 && new_length <= r.length, "cannot truncate request ", id,
                " of length ", r.length, " to ", new_length);
-  const size_t keep = static_cast<size_t>(pages_for(new_length));
+  const size_t keep = static_cast<size_t>(pages_needed(new_length));
   std::vector<int32_t> drop(r.pages.begin() + static_cast<std::ptrdiff_t>(keep), r.pages.end());
   M3_RETURN_IF_ERROR(allocator_.free(drop));
   r.pages.resize(keep);
@@ -164,7 +173,7 @@ Result<StepReservation> CacheManager::reserve_step(
     e.old_length = r.length;
     e.old_num_pages = r.pages.size();
     res.entries.push_back(e);
-    const int64_t need = pages_for(len) - static_cast<int64_t>(r.pages.size());
+    const int64_t need = pages_needed(len) - static_cast<int64_t>(r.pages.size());
     if (need > 0) {
       Status s = allocator_.allocate(need, &r.pages);
       if (!s.ok()) {

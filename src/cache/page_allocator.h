@@ -3,9 +3,11 @@
 //
 //   PageAllocator  free list over [0, num_pages); lowest ids first on a fresh allocator.
 //   CacheManager   request id -> {pages, length}; token j of a request lives in slot
-//                  pages[j / 128] * 128 + j % 128. reserve_step grows several requests at once and
-//                  either succeeds for all of them or leaves every table and the free list exactly
-//                  as they were (resource_exhausted names what was needed and what was free).
+//                  pages[j / P] * P + j % P, P = tokens_per_page() (kPageSize = 128 unless the
+//                  constructor says otherwise, e.g. 32 for the Eagle3 draft cache). reserve_step
+//                  grows several requests at once and either succeeds for all of them or leaves
+//                  every table and the free list exactly as they were (resource_exhausted names
+//                  what was needed and what was free).
 #pragma once
 
 #include <cstdint>
@@ -13,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "m3attn/config.h"
 #include "m3attn/status.h"
 
 namespace m3attn {
@@ -54,12 +57,21 @@ struct StepReservation {
 class CacheManager {
  public:
   CacheManager() = default;
-  explicit CacheManager(int64_t num_pages) : allocator_(num_pages) {}
+  // tokens_per_page < 1 is clamped to 1; use make() to have it (and the int32 slot range) checked.
+  explicit CacheManager(int64_t num_pages, int tokens_per_page = kPageSize)
+      : allocator_(num_pages), tokens_per_page_(tokens_per_page < 1 ? 1 : tokens_per_page) {}
+  // Validating factory: num_pages >= 0, tokens_per_page >= 1, num_pages * tokens_per_page <= 2^31
+  // (every slot fits int32); invalid_argument otherwise.
+  static Result<CacheManager> make(int64_t num_pages, int tokens_per_page = kPageSize);
 
   const PageAllocator& allocator() const { return allocator_; }
   int64_t num_pages() const { return allocator_.num_pages(); }
   int64_t num_free_pages() const { return allocator_.num_free(); }
-  static int64_t pages_for(int64_t tokens);  // ceil(tokens / 128)
+  int tokens_per_page() const { return tokens_per_page_; }
+  // ceil(tokens / tokens_per_page); the static form defaults to kPageSize (128-token pages).
+  static int64_t pages_for(int64_t tokens, int64_t tokens_per_page = kPageSize);
+  // The same count in this manager's geometry.
+  int64_t pages_needed(int64_t tokens) const { return pages_for(tokens, tokens_per_page_); }
 
   // A new request with no tokens (invalid_argument when the id exists).
   Status add_request(int64_t id);
@@ -69,13 +81,14 @@ class CacheManager {
   // Length (tokens whose slots are reserved) and page table of a request; -1 / empty when unknown.
   int64_t length(int64_t id) const;
   const std::vector<int32_t>& pages(int64_t id) const;
-  // Slot of token j of a request: pages[j / 128] * 128 + j % 128; out_of_range past its pages.
+  // Slot of token j of a request: pages[j / P] * P + j % P with P = tokens_per_page();
+  // out_of_range past its pages.
   Result<int32_t> slot(int64_t id, int64_t token) const;
 
   // Grows (or keeps) one request to new_length tokens, allocating pages as needed; atomic.
   Status reserve(int64_t id, int64_t new_length);
   // Shrinks a request to new_length tokens (rejected speculative drafts), freeing whole pages past
-  // ceil(new_length / 128).
+  // ceil(new_length / tokens_per_page()).
   Status truncate(int64_t id, int64_t new_length);
   // Frees every page of a request and forgets it.
   Status release(int64_t id);
@@ -98,6 +111,7 @@ class CacheManager {
   void undo(const std::vector<StepReservation::Entry>& entries);
 
   PageAllocator allocator_;
+  int tokens_per_page_ = kPageSize;
   std::map<int64_t, Request> requests_;
 };
 

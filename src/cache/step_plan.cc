@@ -89,7 +89,7 @@ Result<StepPlan> plan_step(CacheManager& cache, const StepDescription& step,
     max_len = std::max(max_len, it.cached + it.n);
     grow_to.emplace_back(it.id, it.cached + it.n);
   }
-  const int64_t need_cols = CacheManager::pages_for(max_len);
+  const int64_t need_cols = cache.pages_needed(max_len);  // in this cache's page size
   M3_CHECK_ARG(options.page_table_width == 0 || options.page_table_width >= need_cols,
                "page table width ", options.page_table_width, " is smaller than the ", need_cols,
                " pages the longest request needs");
@@ -117,8 +117,9 @@ Result<StepPlan> plan_step(CacheManager& cache, const StepDescription& step,
     plan.request_ids.push_back(it.id);
     for (int64_t j = it.cached; j < it.cached + it.n; ++j) {
       plan.positions.push_back(static_cast<int32_t>(j));
+      const int64_t page_size = cache.tokens_per_page();
       plan.slots.push_back(static_cast<int32_t>(
-          int64_t{pages[static_cast<size_t>(j / kPageSize)]} * kPageSize + j % kPageSize));
+          int64_t{pages[static_cast<size_t>(j / page_size)]} * page_size + j % page_size));
     }
     plan.query_start.push_back(static_cast<int32_t>(plan.positions.size()));
     plan.seq_lens.push_back(static_cast<int32_t>(it.cached + it.n));

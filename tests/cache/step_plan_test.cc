@@ -78,6 +78,32 @@ TEST(StepPlanTest, MixedStepArrays) {
   for (size_t i = 0; i < gen_ids.size(); ++i) EXPECT_EQ(m.length(gen_ids[i]), gen_cached[i]);
 }
 
+TEST(StepPlanTest, DraftGeometryUsesTheCachesPageSize) {
+  // An Eagle3 draft cache has 32-token pages: slots and page-table width follow that size.
+  CacheManager m(64, 32);
+  ASSERT_TRUE(m.add_request(5).ok());
+  ASSERT_TRUE(m.reserve(5, 70).ok());  // 3 pages of 32
+  StepDescription step;
+  step.context = {{6, 0, 100}};  // new request: 4 pages
+  step.generation = {{5, 70}};
+  step.draft_len = 2;  // 70..72: still page 2
+  Result<StepPlan> r = plan_step(m, step);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const StepPlan& p = r.value();
+  EXPECT_EQ(p.max_pages, 4);
+  ASSERT_EQ(p.num_tokens(), 103);
+  for (int64_t t = 0; t < p.num_tokens(); ++t) {
+    const int64_t id = t < 100 ? 6 : 5;
+    const int64_t pos = p.positions[static_cast<size_t>(t)];
+    const std::vector<int32_t>& pages = m.pages(id);
+    EXPECT_EQ(p.slots[static_cast<size_t>(t)], pages[static_cast<size_t>(pos / 32)] * 32 + pos % 32)
+        << "token " << t;
+    Result<int32_t> slot = m.slot(id, pos);
+    ASSERT_TRUE(slot.ok());
+    EXPECT_EQ(p.slots[static_cast<size_t>(t)], slot.value());
+  }
+}
+
 TEST(StepPlanTest, FixedWidthPageTableAndEmptyStep) {
   CacheManager m(8);
   PlanOptions opt;

@@ -78,6 +78,9 @@ Status check_ndim(const TensorView& t, int ndim, const char* what);
 Status check_shape(const TensorView& t, std::initializer_list<int64_t> shape, const char* what);
 Status check_contiguous(const TensorView& t, const char* what);
 Status check_alignment(const TensorView& t, int bytes, const char* what);
+// dtype, shape, contiguity and base alignment, in that order (the usual checks on a packed tensor).
+Status check_packed(const TensorView& t, DType dtype, std::initializer_list<int64_t> shape,
+                    int alignment, const char* what);
 Status check_same_device(std::initializer_list<const TensorView*> tensors, const char* stage);
 
 // Owning, contiguous host tensor (64-byte aligned). Cheap to move, explicit to copy.

@@ -161,6 +161,14 @@ Status check_alignment(const TensorView& t, int bytes, const char* what) {
   return Status::Ok();
 }
 
+Status check_packed(const TensorView& t, DType dtype, std::initializer_list<int64_t> shape,
+                    int alignment, const char* what) {
+  M3_RETURN_IF_ERROR(check_dtype(t, dtype, what));
+  M3_RETURN_IF_ERROR(check_shape(t, shape, what));
+  M3_RETURN_IF_ERROR(check_contiguous(t, what));
+  return check_alignment(t, alignment, what);
+}
+
 Status check_same_device(std::initializer_list<const TensorView*> tensors, const char* stage) {
   const TensorView* first = nullptr;
   for (const TensorView* t : tensors) {

@@ -7,6 +7,7 @@
 #include "cache/cache_view.h"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
+#include "stages/indexer/indexer.h"
 
 namespace m3attn {
 
@@ -23,18 +24,12 @@ Status validate_attention(const AttentionParams& p) {
   M3_CHECK_ARG(T <= std::numeric_limits<int32_t>::max(), "attention: token count ", T,
                " exceeds the int32 range of positions and grid indices");
 
-  M3_RETURN_IF_ERROR(check_dtype(p.q, DType::kE4M3, "attention q"));
-  M3_RETURN_IF_ERROR(check_shape(p.q, {T, p.n_q, kHeadDim}, "attention q"));
-  M3_RETURN_IF_ERROR(check_contiguous(p.q, "attention q"));
-  M3_RETURN_IF_ERROR(check_alignment(p.q, 16, "attention q"));
+  M3_RETURN_IF_ERROR(check_packed(p.q, DType::kE4M3, {T, p.n_q, kHeadDim}, 16, "attention q"));
 
   M3_RETURN_IF_ERROR(validate_kv_cache(p.kv_cache, p.n_kv, "attention KV cache"));
 
   if (p.sparse) {
-    M3_RETURN_IF_ERROR(check_dtype(p.block_ids, DType::kI32, "attention block_ids"));
-    M3_RETURN_IF_ERROR(check_shape(p.block_ids, {T, p.n_kv, kTopK}, "attention block_ids"));
-    M3_RETURN_IF_ERROR(check_contiguous(p.block_ids, "attention block_ids"));
-    M3_RETURN_IF_ERROR(check_alignment(p.block_ids, 16, "attention block_ids"));
+    M3_RETURN_IF_ERROR(validate_block_ids(p.block_ids, T, p.n_kv, "attention block_ids"));
   }
 
   const int64_t width = int64_t{p.n_q} * kHeadDim;

@@ -26,6 +26,9 @@ struct IndexerParams {
 // Every SPEC section 8 rule that applies (n_kv > 0, top_k == kTopK, dtypes, shapes, the index cache
 // layout, the batch views, one device); reads no tensor data, touches nothing.
 Status validate_indexer(const IndexerParams& p);
+// The output contract shared with attention: i32 [T, n_kv, 16], contiguous, 16-byte aligned.
+Status validate_block_ids(const TensorView& block_ids, int64_t num_tokens, int n_kv,
+                          const char* what);
 
 // CPU twin (the oracle); requires CPU views and also checks the batch contents (positions, page ids
 // inside the pool). Exact semantics, which the CUDA indexer must match:

@@ -55,8 +55,18 @@ Timing summarize(std::vector<float> ms) {
   return t;
 }
 
+// M3_BENCH_PROFILE=1 runs every case once, without warmup (for ncu / nsys: one launch per case).
+bool profile_mode() {
+  static const bool on = [] {
+    const char* v = std::getenv("M3_BENCH_PROFILE");
+    return v != nullptr && *v != '\0' && *v != '0';
+  }();
+  return on;
+}
+
 Timing time_loop(const std::function<void(cudaStream_t)>& run, cudaStream_t stream, int warmup,
                  int iters) {
+  if (profile_mode()) warmup = 0, iters = 1;
   cudaEvent_t start, stop;
   check_cuda(cudaEventCreate(&start), "cudaEventCreate");
   check_cuda(cudaEventCreate(&stop), "cudaEventCreate");

@@ -2,6 +2,7 @@
 // is overwritten between iterations so no input stays cached), CUDA-graph replay timing for
 // decode-sized calls (the flush is a memset followed by a read sweep, so no dirty line is written
 // back inside the timed region), the measured ceilings, and a table / JSON printer.
+// M3_BENCH_PROFILE=1 in the environment runs each timed case once (no warmup) for profilers.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -5,6 +5,8 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -290,7 +292,10 @@ struct Fp8BlockGemm::Impl {
   int64_t k = 0;
   Fp8BlockGemmOptions options;
   cublasLtHandle_t handle = nullptr;
-  void* workspace = nullptr;  // options.workspace_bytes, at least 256 bytes
+  void* workspace = nullptr;        // options.workspace_bytes, at least 256 bytes
+  int64_t wgmma_max_m = 0;          // resolved Fp8BlockGemmOptions::wgmma_max_m
+  void* wgmma_workspace = nullptr;  // run_gemm_wgmma_cuda's, counters zeroed at creation
+  size_t wgmma_workspace_bytes = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.
   cublasLtMatmulDescOpaque_t desc_storage = {};
   cublasLtMatrixLayoutOpaque_t w_storage = {};  // cuBLAS A: weights, K x N column-major, op T
@@ -305,6 +310,7 @@ struct Fp8BlockGemm::Impl {
 
   ~Impl() {
     if (workspace) cudaFree(workspace);
+    if (wgmma_workspace) cudaFree(wgmma_workspace);
     if (handle) cublasLtDestroy(handle);
   }
 
@@ -869,6 +875,29 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                " must be a positive multiple of ", kQuantBlock, " below 2^31");
   M3_CHECK_ARG(options.small_m_max >= 0 && options.small_m_max <= 16,
                "Fp8BlockGemm small_m_max = ", options.small_m_max, " must be in [0, 16]");
+  M3_CHECK_ARG(options.wgmma_max_m >= -1 && options.wgmma_max_m <= kGemmWgmmaMaxM,
+               "Fp8BlockGemm wgmma_max_m = ", options.wgmma_max_m, " must be in [-1, ",
+               kGemmWgmmaMaxM, "]");
+  M3_CHECK_ARG(options.wgmma.ctas_per_sm >= 0 && options.wgmma.ctas_per_sm <= 2,
+               "Fp8BlockGemm wgmma.ctas_per_sm = ", options.wgmma.ctas_per_sm,
+               " must be in [0, 2]");
+  M3_CHECK_ARG(options.wgmma.min_units_per_cta >= 1,
+               "Fp8BlockGemm wgmma.min_units_per_cta = ", options.wgmma.min_units_per_cta,
+               " must be >= 1");
+  int64_t wgmma_max_m = options.wgmma_max_m;
+  if (wgmma_max_m < 0) {
+    const char* env = std::getenv("M3ATTN_GEMM_PATH");
+    if (env == nullptr || *env == '\0') {
+      wgmma_max_m = kGemmWgmmaDefaultMaxM;
+    } else if (std::strcmp(env, "wgmma") == 0) {
+      wgmma_max_m = kGemmWgmmaMaxM;
+    } else if (std::strcmp(env, "cublaslt") == 0) {
+      wgmma_max_m = 0;
+    } else {
+      return make_status(StatusCode::kInvalidArgument, "M3ATTN_GEMM_PATH = \"", env,
+                         "\" must be \"wgmma\" or \"cublaslt\"");
+    }
+  }
   M3_CHECK_ARG(options.autotune_budget_ms >= 0 && options.autotune_budget_ms <= 600e3,
                "Fp8BlockGemm autotune_budget_ms = ", options.autotune_budget_ms,
                " must be in [0, 600000]");
@@ -898,6 +927,14 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CUDA_RETURN_IF_ERROR(
       cudaMalloc(&impl->workspace, std::max<size_t>(options.workspace_bytes, 256)));
   M3_RETURN_IF_ERROR(impl->init_descriptors());
+  impl->wgmma_max_m = std::min(wgmma_max_m, gemm_padded_rows(max_m));
+  if (impl->wgmma_max_m > 0) {
+    Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, impl->wgmma_max_m);
+    M3_RETURN_IF_ERROR(bytes.status());
+    impl->wgmma_workspace_bytes = bytes.value();
+    M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));
+    M3_CUDA_RETURN_IF_ERROR(cudaMemset(impl->wgmma_workspace, 0, impl->wgmma_workspace_bytes));
+  }
 
   // M buckets: 4, 8, 16, ... and finally round_up(max_m, 4).
   const int64_t m_cap = gemm_padded_rows(max_m);
@@ -967,6 +1004,9 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   Impl& s = *impl_;
   const int64_t m = p.a.shape[0];
   if (m == 0) return Status::Ok();
+  if (m <= s.wgmma_max_m)
+    return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
+                               s.options.wgmma);
   if (m <= s.options.small_m_max) return run_gemm_small_m_cuda(p, stream);
 
   const Bucket* bucket = &s.buckets.back();
@@ -999,8 +1039,12 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   return lt_status(st, "cublasLtMatmul", "for the block-scaled FP8 GEMM " + s.shape_string(m));
 }
 
+int64_t Fp8BlockGemm::wgmma_max_m() const { return impl_->wgmma_max_m; }
+
 std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
   const Impl& s = *impl_;
+  if (m >= 1 && m <= s.wgmma_max_m) return "wgmma kernel (run_gemm_wgmma_cuda)";
+  if (m >= 1 && m <= s.options.small_m_max) return "small-M kernel (run_gemm_small_m_cuda)";
   const Bucket* bucket = &s.buckets.back();
   for (const Bucket& b : s.buckets) {
     if (m <= b.m_hi) {
@@ -1019,6 +1063,7 @@ std::string Fp8BlockGemm::describe() const {
      << s.options.workspace_bytes << " B"
      << (s.options.deterministic ? ", deterministic reductions" : ", any reduction")
      << ", small-M kernel for M <= " << s.options.small_m_max
+     << ", wgmma kernel for M <= " << s.wgmma_max_m
      << (s.options.autotune ? ", autotuned" : ", heuristic only") << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])

@@ -51,6 +51,13 @@
 // (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32
 // accumulation order (off by default until measured faster on the device).
 //
+// With Fp8BlockGemmOptions::wgmma_max_m > 0, calls with M <= wgmma_max_m (at most 64) run the
+// wgmma kernel (run_gemm_wgmma_cuda, gemm_wgmma.h / gemm_wgmma_kernel.cuh): TMA-streamed weights,
+// swap-AB wgmma, stream-K split with a deterministic in-kernel reduction, its own workspace
+// allocated (and zeroed) by create(). Same contract as the cuBLASLt path. wgmma_max_m = -1 (the
+// default) resolves at create(): the environment variable M3ATTN_GEMM_PATH = "wgmma" gives 64,
+// "cublaslt" gives 0, unset gives kGemmWgmmaDefaultMaxM.
+//
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
 // (two GEMMs in flight on different streams need two objects). Any cuBLASLt failure becomes a
@@ -67,6 +74,7 @@
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
+#include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 
 namespace m3attn {
@@ -86,12 +94,19 @@ TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, De
 // Returns unsupported for M > 16.
 Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 
+// What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH.
+constexpr int kGemmWgmmaDefaultMaxM = 0;
+
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
   int heuristic_candidates = 16;              // how many heuristic results to try per bucket
   bool deterministic = true;                  // exclude in-place (atomic) split-K reductions
   // M <= small_m_max runs run_gemm_small_m_cuda instead of cuBLASLt (0: never; at most 16).
   int small_m_max = 0;
+  // M <= wgmma_max_m runs run_gemm_wgmma_cuda (0: never; at most 64; -1: M3ATTN_GEMM_PATH or
+  // kGemmWgmmaDefaultMaxM). Takes precedence over small_m_max.
+  int wgmma_max_m = -1;
+  GemmWgmmaOptions wgmma;  // grid shape of the wgmma kernel
   // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
   // for speed.
   bool autotune = true;
@@ -124,6 +139,8 @@ class Fp8BlockGemm {
   // The 256-byte-aligned algorithm run() uses for M (one line: ids, tile, stages, split-K, and
   // "autotuned" or "heuristic").
   std::string algorithm_for(int64_t m) const;
+  // The M limit of the wgmma kernel after the environment override (0: cuBLASLt only).
+  int64_t wgmma_max_m() const;
 
   struct Impl;
 

@@ -1,0 +1,205 @@
+// The wgmma decode GEMM: validation, TMA descriptors and launch (device code in
+// gemm_wgmma_kernel.cuh, contract in gemm_wgmma.h).
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "core/cuda_check.h"
+#include "m3attn/config.h"
+#include "stages/projection/gemm_wgmma.h"
+#include "stages/projection/gemm_wgmma_kernel.cuh"
+
+namespace m3attn {
+
+namespace {
+
+using gemm_wgmma_detail::kBlockK;
+using gemm_wgmma_detail::kMaxCtasPerSm;
+using gemm_wgmma_detail::kMaxM;
+using gemm_wgmma_detail::kTileN;
+using gemm_wgmma_detail::WgmmaArgs;
+
+constexpr size_t kCounterAlign = 256;
+
+int64_t tiles_of(int64_t n) { return n / kTileN; }
+
+// cuTensorMapEncodeTiled from the driver, looked up once (no libcuda link needed).
+Result<PFN_cuTensorMapEncodeTiled_v12000> encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static cudaError_t error = cudaSuccess;
+  static cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSuccess;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
+                                             &query);
+    if (error == cudaSuccess && query == cudaDriverEntryPointSuccess)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  if (fn) return fn;
+  return make_status(StatusCode::kCudaError,
+                     "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled) failed: ",
+                     cudaGetErrorString(error), " (query result ", static_cast<int>(query), ")");
+}
+
+// 2D uint8 map over rows x cols (cols K-contiguous, rows `row_bytes` apart), box box_rows x 128,
+// 128B swizzle, out-of-bounds rows read as zero.
+Status encode_map(CUtensorMap* map, const void* data, int64_t rows, int64_t cols, int64_t row_bytes,
+                  int box_rows, const char* what) {
+  Result<PFN_cuTensorMapEncodeTiled_v12000> fn = encode_fn();
+  M3_RETURN_IF_ERROR(fn.status());
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r =
+      fn.value()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(data), dims, strides, box,
+                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS)
+    return make_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled(", what,
+                       ") failed: CUresult ", static_cast<int>(r), " (rows ", rows, ", cols ", cols,
+                       ", row bytes ", row_bytes, ", box ", box_rows, " x ", kBlockK, ")");
+  return Status::Ok();
+}
+
+struct DeviceInfo {
+  int device = -1;
+  int sms = 0;
+  int major = 0;
+};
+
+Status device_info(DeviceInfo* info) {
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info->device));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, info->device));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, info->device));
+  return Status::Ok();
+}
+
+template <int kNw, int kCtasPerSm>
+Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
+              cudaStream_t stream) {
+  constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
+  constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
+  // Once per instantiation and process (the attribute is per function, for every device).
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  M3_CUDA_RETURN_IF_ERROR(attr);
+  kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, args);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
+template <int kCtasPerSm>
+Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
+                     int grid, cudaStream_t stream) {
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, stream);
+  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, stream);
+  // n = 64 needs ~170 registers per thread: one CTA per SM whatever was asked.
+  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, stream);
+  return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
+}
+
+int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
+
+}  // namespace
+
+size_t gemm_wgmma_counter_bytes(int64_t n) {
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1)) * sizeof(unsigned);
+  return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
+}
+
+Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m) {
+  M3_CHECK_ARG(n > 0 && n % kTileN == 0, "gemm_wgmma_workspace_bytes: N = ", n,
+               " must be a positive multiple of ", kTileN);
+  M3_CHECK_ARG(max_m >= 0 && max_m <= kMaxM, "gemm_wgmma_workspace_bytes: max_m = ", max_m,
+               " must be in [0, ", kMaxM, "]");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  const size_t slots = size_t{2} * kMaxCtasPerSm * static_cast<size_t>(info.sms);
+  return gemm_wgmma_counter_bytes(n) + slots * static_cast<size_t>(max_m) * kTileN * sizeof(float);
+}
+
+bool gemm_wgmma_device_supported() {
+  DeviceInfo info;
+  return device_info(&info).ok() && info.major == 9;
+}
+
+Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream, const GemmWgmmaOptions& options) {
+  M3_RETURN_IF_ERROR(validate_gemm(p));
+  for (const TensorView* t : {&p.a, &p.a_scales, &p.b, &p.b_scales, &p.out})
+    M3_CHECK_ARG(t->device.type == DeviceType::kCUDA,
+                 "run_gemm_wgmma_cuda needs CUDA tensors, got one on ", t->device.to_string());
+  M3_CHECK_ARG(options.ctas_per_sm >= 0 && options.ctas_per_sm <= kMaxCtasPerSm,
+               "GemmWgmmaOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [0, ",
+               kMaxCtasPerSm, "]");
+  M3_CHECK_ARG(options.min_units_per_cta >= 1,
+               "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
+               " must be >= 1");
+  const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
+  if (m > kMaxM)
+    return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
+                       " (use Fp8BlockGemm)");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  M3_CHECK_ARG(p.a.device.index == info.device, "run_gemm_wgmma_cuda: tensors are on ",
+               p.a.device.to_string(), " but the current device is ", info.device);
+  if (info.major != 9)
+    return unsupported("run_gemm_wgmma_cuda needs an sm_90 device (wgmma, TMA); device ",
+                       info.device, " has compute capability ", info.major, ".x");
+  const int64_t kblocks = k / kBlockK, tiles = tiles_of(n);
+  const int64_t units = tiles * kblocks;
+  M3_CHECK_ARG(k < (int64_t{1} << 31) && n < (int64_t{1} << 31), "run_gemm_wgmma_cuda: N = ", n,
+               " and K = ", k, " must be below 2^31");
+  if (m == 0) return Status::Ok();
+
+  // M > 32 (n = 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
+  const int ctas_per_sm = m > 32                     ? 1
+                          : options.ctas_per_sm == 0 ? kMaxCtasPerSm
+                                                     : options.ctas_per_sm;
+  const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
+  const int grid = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, by_units)));
+  const size_t counters = gemm_wgmma_counter_bytes(n);
+  const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * static_cast<size_t>(m) *
+                                     kTileN * sizeof(float);
+  M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
+               "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
+               " are needed (N = ", n, ", M = ", m, ", ", grid,
+               " CTAs): size it with gemm_wgmma_workspace_bytes");
+  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
+               "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
+
+  // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.
+  CUtensorMap wmap, xmap;
+  M3_RETURN_IF_ERROR(encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, "weights"));
+  M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
+                                "activations"));
+
+  WgmmaArgs args;
+  args.sa = p.a_scales.ptr<const float>();
+  args.sa_s0 = p.a_scales.stride[0];
+  args.sa_s1 = p.a_scales.stride[1];
+  args.sb = p.b_scales.ptr<const float>();
+  args.sb_s0 = p.b_scales.stride[0];
+  args.sb_s1 = p.b_scales.stride[1];
+  args.out = p.out.ptr<uint16_t>();
+  args.ldo = p.out.stride[0];
+  args.counters = static_cast<unsigned*>(workspace);
+  args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
+  args.m = static_cast<int>(m);
+  args.kblocks = static_cast<int>(kblocks);
+  args.units = units;
+  if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, stream);
+}
+
+}  // namespace m3attn

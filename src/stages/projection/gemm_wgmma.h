@@ -1,0 +1,48 @@
+// The decode-size block-scaled FP8 GEMM on Hopper wgmma (gemm_wgmma_kernel.cuh): the math of
+// run_gemm_cpu (SPEC section 2) for M <= 64, streaming the weights with TMA.
+// Contract (besides validate_gemm):
+//   - every tensor on the current CUDA device, an sm_90 device;
+//   - 1 <= M <= 64 (any M: no padding rows needed; M == 0 launches nothing); any scale strides
+//     validate_gemm accepts (the token-major layout of Fp8BlockGemm included);
+//   - a workspace of at least gemm_wgmma_workspace_bytes(N, M) bytes, 256-byte aligned, whose
+//     first gemm_wgmma_counter_bytes(N) bytes are zero before the first call (cudaMemset once at
+//     allocation): every launch leaves them zero again. One workspace serves one stream at a time.
+// Deterministic: for a given device and options, results do not depend on timing (split-K
+// partials are summed in a fixed order). Allocates nothing, never synchronizes, CUDA-graph
+// capturable (the TMA descriptors are encoded on the host at every call and passed by value).
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "m3attn/status.h"
+#include "stages/projection/projection.h"
+
+namespace m3attn {
+
+struct GemmWgmmaOptions {
+  // CTAs per SM: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic (2).
+  int ctas_per_sm = 0;
+  // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
+  int min_units_per_cta = 4;
+};
+
+constexpr int64_t kGemmWgmmaMaxM = 64;
+
+// Bytes of the arrival counters at the start of the workspace (zero between calls).
+size_t gemm_wgmma_counter_bytes(int64_t n);
+// Workspace bytes for N columns and up to max_m rows on the current device (any options).
+Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m);
+
+// Whether the current device can run the kernel (sm_90 with TMA and wgmma).
+bool gemm_wgmma_device_supported();
+
+Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream, const GemmWgmmaOptions& options = {});
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

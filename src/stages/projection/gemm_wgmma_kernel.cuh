@@ -1,0 +1,392 @@
+// Decode-size block-scaled FP8 GEMM on Hopper tensor cores (wgmma), M <= 64:
+//   out bf16 [M, N] = A e4m3 [M, K] (1x128 fp32 scales) x B e4m3 [N, K] (128x128 fp32 scales)^T,
+// the math of SPEC section 2 and of run_gemm_cpu: per 128-wide K block an fp32 dot product from
+// the tensor cores, multiplied by sa[m, kb] * sb[n / 128, kb] and accumulated in fp32 registers
+// (the promotion keeps the reduced-precision FP8 accumulator to 128 products), rounded once to
+// bf16.
+//
+// Why: at M <= 64 the GEMM streams the weights (N K bytes: 60.6 MB for the fused projection,
+// ideally 14.1 us at 4.3 TB/s); cuBLASLt's block-scaled kernels reach ~57 % of that.
+//
+// Swap-AB: the weights are the wgmma A operand (64 weight rows = 64 output columns per consumer
+// warpgroup), the activations are B (n = M rounded up to 8, 16, 32 or 64). Both are K-major in
+// shared memory, as FP8 wgmma requires: a weight row and an activation row are K-contiguous in
+// global memory, and one 128-wide K block is exactly one 128-byte row of the 128B swizzle.
+//
+// Work decomposition ("unit" = one 128-row weight tile x one 128-wide K block = 16 KB of weights):
+// the tiles x K-blocks units, tile-major, are cut into `grid` contiguous ranges of equal length
+// (+-1), one per CTA (stream-K). A CTA walks its range; each maximal run of units inside one tile
+// (a "segment") is accumulated in registers. A segment covering the whole K of its tile is written
+// as bf16 at once; otherwise the segment's fp32 partial goes to the workspace (slot 2c for the
+// first segment of CTA c, 2c + 1 for its last one), and the CTA that completes a tile's arrival
+// counter sums the tile's partials in CTA order and writes bf16 (then resets the counter to 0):
+// deterministic (the order depends only on the grid), no inter-CTA waiting, one launch.
+//
+// CTA: warps 0-7 are two consumer warpgroups (64 weight rows each), warp 8 the producer. The
+// producer's lane 0 streams each unit with two TMA loads (weights box 128 x 128, activations box
+// 128 x n: rows >= M are zero-filled by TMA) into a ring of kStages stages, full/empty mbarriers.
+// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, release the stage, fold
+// with the scales. Grid: (1 or 2) x SMs CTAs, at least `min_units_per_cta` units each.
+//
+// Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
+// ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (type only: the map is encoded on the host)
+
+#include <cstdint>
+
+#include "core/numeric.h"
+
+namespace m3attn::gemm_wgmma_detail {
+
+constexpr int kTileN = 128;   // weight rows per unit (= one 128-row weight-scale block)
+constexpr int kBlockK = 128;  // K per unit (= one quantization block = one swizzle row)
+constexpr int kConsumerThreads = 256;
+constexpr int kThreads = kConsumerThreads + 32;
+constexpr int kMaxM = 64;
+constexpr int kWeightTileBytes = kTileN * kBlockK;
+constexpr int kMaxCtasPerSm = 2;
+constexpr int kAlignSlack = 1024;  // the dynamic shared memory base is rounded up to 1024 bytes
+
+template <int kNw>
+constexpr int stage_bytes() {
+  return kWeightTileBytes + kNw * kBlockK;
+}
+
+// Ring depth: fits two CTAs per SM (110 KB each) or one (220 KB), at most 12 stages.
+template <int kNw, int kCtasPerSm>
+constexpr int stages() {
+  constexpr int budget = kCtasPerSm == 1 ? 220 * 1024 : 110 * 1024;
+  return budget / stage_bytes<kNw>() < 12 ? budget / stage_bytes<kNw>() : 12;
+}
+
+template <int kNw, int kCtasPerSm>
+constexpr int smem_bytes() {
+  return stages<kNw, kCtasPerSm>() * stage_bytes<kNw>() + kAlignSlack;
+}
+
+struct WgmmaArgs {
+  const float* sa;  // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
+  int64_t sa_s0, sa_s1;
+  const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
+  int64_t sb_s0, sb_s1;
+  uint16_t* out;  // bf16 [m, N], row stride ldo
+  int64_t ldo;
+  float* partials;     // 2 * grid slots of [m][128] fp32
+  unsigned* counters;  // [tiles], zero before and after every launch
+  int m;               // 1 .. 64
+  int kblocks;         // K / 128
+  int64_t units;       // tiles * kblocks
+};
+
+// ---- PTX helpers ------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
+// 1024 bytes apart (SBO); LBO unused for swizzled K-major operands (set to 1 by convention).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+__device__ __forceinline__ void consumer_barrier() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+}
+
+// wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
+// A B.
+template <int kNw>
+struct Wgmma;
+
+template <>
+struct Wgmma<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, "
+        "1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "%8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  __device__ __forceinline__ static void mma(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+        "%9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<64> {
+  __device__ __forceinline__ static void mma(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+        "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+        "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+// First unit of CTA c among `grid` CTAs sharing `units` units; the owner of unit u.
+__device__ __forceinline__ int64_t unit_begin(int64_t c, int64_t grid, int64_t units) {
+  return c * units / grid;
+}
+__device__ __forceinline__ int64_t unit_owner(int64_t u, int64_t grid, int64_t units) {
+  return ((u + 1) * grid - 1) / units;
+}
+
+template <int kNw, int kStages, int kCtasPerSm>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+    gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
+                      const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
+  constexpr int kStageBytes = stage_bytes<kNw>();
+  constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread: 64 x kNw over 128 threads
+  constexpr int kGroups = kNw / 8;
+  static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte swizzle alignment");
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kStages];
+  __shared__ int s_is_last;
+
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int64_t grid = gridDim.x, cta = blockIdx.x;
+  const int64_t units = p.units;
+  const int64_t kb_count = p.kblocks;
+  const int64_t u_begin = unit_begin(cta, grid, units);
+  const int64_t u_end = unit_begin(cta + 1, grid, units);
+
+  if (tid == kConsumerThreads) {
+    prefetch_tensor_map(&wmap);
+    prefetch_tensor_map(&xmap);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1);
+      mbar_init(smem_addr(&empty_bar[s]), kConsumerThreads / 32);  // one arrival per warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (tid >= kConsumerThreads) {
+    // Producer: lane 0 of warp 8 streams the CTA's units in order through the ring.
+    if (tid == kConsumerThreads) {
+      int i = 0;
+      for (int64_t u = u_begin; u < u_end; ++u, ++i) {
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
+        const int tile = static_cast<int>(u / kb_count);
+        const int kb = static_cast<int>(u - tile * kb_count);
+        const uint32_t full = smem_addr(&full_bar[s]);
+        const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
+        mbar_arrive_expect_tx(full, kStageBytes);
+        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+        tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
+      }
+    }
+    return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1, 256)
+  }
+
+  // Consumers: warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
+  const int wg = tid / 128;
+  const int warp = (tid / 32) % 4;
+  const int lane = tid % 32;
+  const int q = lane % 4;
+  const int row0 = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int m_count = p.m;
+  const int64_t first_tile = u_begin / kb_count;
+
+  float acc[kAcc];
+  float tmp[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
+
+  int i = 0;
+  int64_t u = u_begin;
+  while (u < u_end) {
+    const int64_t tile = u / kb_count;
+    const int64_t seg_begin = u;
+    const int64_t seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+
+    for (; u < seg_end; ++u, ++i) {
+      const int s = i % kStages;
+      const int64_t kb = u - tile * kb_count;
+      // Scales first (global loads that do not depend on the stage): lane l holds the activation
+      // scales of rows l and l + 32; the fold fetches its columns' scales with shuffles.
+      const float w_scale = __ldg(p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+      const float xs_lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + kb * p.sa_s1) : 0.0f;
+      const float xs_hi = kNw > 32 && lane + 32 < m_count
+                              ? __ldg(p.sa + (lane + 32) * p.sa_s0 + kb * p.sa_s1)
+                              : 0.0f;
+      mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
+      const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
+      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 32; ++k)
+        Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+      wgmma_commit();
+      wgmma_wait_all();
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
+        // d[4 g + 2 h + e] is (row0 + 8 h, m = 8 g + 2 q + e).
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float xs =
+              __shfl_sync(0xffffffffu, g < 4 ? xs_lo : xs_hi, (8 * g + 2 * q + e) % 32);
+          const float factor = w_scale * xs;
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            acc[4 * g + 2 * h + e] = fmaf(tmp[4 * g + 2 * h + e], factor, acc[4 * g + 2 * h + e]);
+        }
+      }
+    }
+
+    const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
+    if (whole) {
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = 8 * g + 2 * q + e;
+          if (m < m_count) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              p.out[m * p.ldo + tile * kTileN + row0 + 8 * h] =
+                  float_to_bf16(acc[4 * g + 2 * h + e]);
+          }
+        }
+      }
+      continue;
+    }
+
+    // Partial segment: publish it, count the arrival; the last arriving CTA finishes the tile.
+    const int64_t slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
+    float* part = p.partials + slot * m_count * kTileN;
+#pragma unroll
+    for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int m = 8 * g + 2 * q + e;
+        if (m < m_count) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h)
+            __stcg(part + m * kTileN + row0 + 8 * h, acc[4 * g + 2 * h + e]);
+        }
+      }
+    }
+    __threadfence();
+    consumer_barrier();
+    const int64_t c_lo = unit_owner(tile * kb_count, grid, units);
+    const int64_t c_hi = unit_owner((tile + 1) * kb_count - 1, grid, units);
+    if (tid == 0) {
+      const unsigned arrived = atomicAdd(p.counters + tile, 1u);
+      s_is_last = arrived == static_cast<unsigned>(c_hi - c_lo);
+    }
+    consumer_barrier();
+    if (s_is_last) {
+      __threadfence();
+      for (int idx = tid; idx < m_count * kTileN; idx += kConsumerThreads) {
+        const int m = idx / kTileN, r = idx % kTileN;
+        float sum = 0.0f;
+        for (int64_t c = c_lo; c <= c_hi; ++c) {
+          const int64_t c_slot = unit_begin(c, grid, units) / kb_count == tile ? 2 * c : 2 * c + 1;
+          sum += __ldcg(p.partials + (c_slot * m_count + m) * kTileN + r);
+        }
+        p.out[m * p.ldo + tile * kTileN + r] = float_to_bf16(sum);
+      }
+      if (tid == 0) atomicExch(p.counters + tile, 0u);
+    }
+  }
+}
+
+}  // namespace m3attn::gemm_wgmma_detail

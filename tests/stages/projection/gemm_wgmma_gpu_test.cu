@@ -1,0 +1,396 @@
+// The wgmma decode GEMM (run_gemm_wgmma_cuda, and Fp8BlockGemm with wgmma_max_m) against the CPU
+// twin. Numerics and bounds: see gemm_gpu_test_util.h. The kernel accumulates each 128-wide K
+// block in the tensor core (reduced-precision FP8 accumulator, exact for the integer inputs) and
+// folds it into fp32 registers with sa * sb; split-K partials are summed in fp32 in CTA order.
+// So: integer-valued inputs must be bit-identical to the twin, random inputs within
+// |gpu - cpu| <= 2^-7 |cpu| + 2^-10 S. Every case also checks that nothing outside the output
+// was written, that a second launch on the same workspace gives the same bytes (the kernel resets
+// its arrival counters) and that the counters are zero afterwards.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/gemm_gpu_test_util.h"
+#include "stages/projection/gemm_wgmma.h"
+#include "stages/projection/projection.h"
+#include "stages/quantize/quantize.h"
+#include "support/cuda_test_util.h"
+#include "support/test_util.h"
+
+namespace m3attn {
+namespace {
+
+using namespace gemm_test;  // NOLINT(build/namespaces)
+using testing::DeviceBuffer;
+using testing::fresh_seed;
+using testing::Rng;
+
+#define M3_REQUIRE_WGMMA()                                                         \
+  do {                                                                             \
+    M3_REQUIRE_GPU();                                                              \
+    if (!gemm_wgmma_device_supported())                                            \
+      GTEST_SKIP() << "the wgmma GEMM needs an sm_90 device (this is not a pass)"; \
+  } while (0)
+
+Fp8BlockGemmOptions wgmma_options() {
+  Fp8BlockGemmOptions o;
+  o.wgmma_max_m = 64;
+  o.autotune = false;
+  return o;
+}
+
+Fp8BlockGemmOptions cublaslt_options() {
+  Fp8BlockGemmOptions o;
+  o.wgmma_max_m = 0;
+  o.autotune = false;
+  return o;
+}
+
+// A zeroed workspace for run_gemm_wgmma_cuda, sized for (n, m).
+DeviceBuffer make_workspace(int64_t n, int64_t m) {
+  Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, m);
+  EXPECT_TRUE(bytes.ok()) << bytes.status().to_string();
+  return DeviceBuffer(bytes.ok() ? bytes.value() : 256, 0);
+}
+
+int64_t nonzero_counters(const DeviceBuffer& ws, int64_t n) {
+  std::vector<unsigned> c(static_cast<size_t>(n / 128));
+  ws.download(c.data(), c.size() * sizeof(unsigned));
+  int64_t bad = 0;
+  for (unsigned v : c) bad += v != 0;
+  return bad;
+}
+
+struct Case {
+  int64_t m, n, k, ld_pad;
+  size_t shift;       // 16: operands only 16-byte aligned
+  bool sa_row_major;  // activation scales [M, K / 128] row-major instead of token-major
+  int ctas_per_sm;    // GemmWgmmaOptions
+  int min_units;
+};
+
+std::string describe(const Case& c) {
+  return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
+         " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
+         " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
+         std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units);
+}
+
+GemmWgmmaOptions options_of(const Case& c) {
+  GemmWgmmaOptions o;
+  o.ctas_per_sm = c.ctas_per_sm;
+  o.min_units_per_cta = c.min_units;
+  return o;
+}
+
+// Runs the kernel twice on the same workspace (output re-poisoned in between): both results must
+// be identical, nothing outside [M, N] written, the counters zero afterwards.
+std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
+  DeviceBuffer ws = make_workspace(c.n, c.m);
+  const GemmWgmmaOptions o = options_of(c);
+  const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  int64_t touched = 0;
+  const std::vector<uint16_t> first = dev.result(&touched);
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+  EXPECT_EQ(nonzero_counters(ws, c.n), 0) << "arrival counters not reset by the kernel";
+  dev.out.poison(kPoison);
+  const Status st2 = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
+  EXPECT_TRUE(st2.ok()) << st2.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<uint16_t> second = dev.result(&touched);
+  EXPECT_EQ(touched, 0);
+  EXPECT_EQ(first, second) << "a second launch on the same workspace differs";
+  return first;
+}
+
+class GemmWgmmaExact : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemmWgmmaExact, IntegerInputsBitIdenticalToTwin) {
+  M3_REQUIRE_WGMMA();
+  const Case c = GetParam();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  SCOPED_TRACE(describe(c));
+  Rng rng(seed);
+  GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
+  const std::vector<uint16_t> got = run_twice(dev, c);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmWgmmaExact,
+    ::testing::Values(Case{1, 9856, 6144, 0, 0, false, 0, 4},     // decode, fused width
+                      Case{3, 640, 6144, 8, 16, true, 0, 4},      // odd M, unaligned, row-major sa
+                      Case{4, 9856, 256, 0, 0, false, 0, 4},      // two K blocks: whole tiles
+                      Case{16, 640, 256, 0, 16, false, 1, 4},     // n = 16, one CTA per SM
+                      Case{33, 384, 6144, 24, 0, true, 0, 4},     // n = 64, padded output rows
+                      Case{64, 640, 6144, 0, 0, false, 0, 4},     // largest M
+                      Case{64, 9856, 256, 0, 0, false, 0, 4},     // largest M, fused width
+                      Case{16, 9856, 6144, 0, 0, false, 2, 4},    // n = 16, two CTAs per SM
+                      Case{8, 640, 6144, 0, 0, false, 2, 1},      // ~50 CTAs per tile: fixup
+                      Case{33, 128, 6144, 0, 0, false, 0, 1},     // one tile, every CTA on it
+                      Case{5, 256, 128, 0, 0, false, 0, 4},       // one K block, one CTA
+                      Case{32, 640, 1024, 0, 16, false, 2, 1},    // n = 32, two CTAs per SM
+                      Case{24, 1280, 2048, 16, 0, true, 1, 3}));  // n = 32, one CTA per SM
+
+struct RandomCase {
+  int64_t m, n, k;
+};
+
+class GemmWgmmaRandom : public ::testing::TestWithParam<RandomCase> {};
+
+TEST_P(GemmWgmmaRandom, WithinAccumulationBoundOfTwin) {
+  M3_REQUIRE_WGMMA();
+  const RandomCase rc = GetParam();
+  const Case c{rc.m, rc.n, rc.k, 0, 0, false, 0, 4};
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  SCOPED_TRACE(describe(c));
+  Rng rng(seed);
+  GemmData d = make_random_data(c.m, c.n, c.k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  const std::vector<double> s = abs_sums(d);
+  DeviceGemm dev(d, c.n);
+  const std::vector<uint16_t> got = run_twice(dev, c);
+  const BoundReport r = check_bound(got, ref, s, c.n, std::ldexp(1.0, -10));
+  int64_t identical = 0;
+  for (size_t i = 0; i < got.size(); ++i) identical += got[i] == ref[i];
+  std::printf(
+      "[ INFO     ] wgmma M %lld N %lld K %lld: %lld of %zu outputs bit-identical to the twin, "
+      "worst |gpu-cpu| / bound %.3g, worst |gpu-cpu| / S %.3g\n",
+      static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k),
+      static_cast<long long>(identical), got.size(), r.worst_ratio, r.worst_rel_s);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_EQ(r.violations, 0) << r.text;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
+                         ::testing::Values(RandomCase{1, 9856, 6144}, RandomCase{8, 640, 6144},
+                                           RandomCase{33, 256, 6144}, RandomCase{64, 640, 6144},
+                                           RandomCase{16, 128, 8192}));
+
+// Through Fp8BlockGemm (wgmma_max_m = 64): the fused projection equals the unfused pair bit for
+// bit on integer inputs although the three GEMMs split K differently.
+TEST(GemmWgmmaFused, IntegerInputsFusedEqualsUnfusedBitForBit) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {4, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    const GemmData d = make_integer_data(m, kNF, kHidden, rng);
+    const FusedRun r = run_fused_and_unfused(d, wgmma_options());
+    ASSERT_EQ(r.fused.size(), static_cast<size_t>(m * kNF));
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(r.fused, r.unfused, kNF, &report), 0) << report;
+    EXPECT_EQ(r.touched, 0);
+  }
+}
+
+// The wgmma kernel and cuBLASLt on the same random operands, through Fp8BlockGemm: within the
+// accumulation bound of each other (two device accumulations: 2^-9 S), identical fraction
+// reported.
+TEST(GemmWgmmaFused, AgreesWithCublasLt) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {16, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    Rng rng(seed);
+    GemmData d = make_random_data(m, kN2, kHidden, rng);
+    const std::vector<double> s = abs_sums(d);
+    auto lt = make_gemm(64, kN2, kHidden, cublaslt_options());
+    auto wg = make_gemm(64, kN2, kHidden, wgmma_options());
+    ASSERT_NE(lt, nullptr);
+    ASSERT_NE(wg, nullptr);
+    EXPECT_EQ(wg->wgmma_max_m(), 64);
+    EXPECT_EQ(lt->wgmma_max_m(), 0);
+    DeviceGemm x(d, kN2), y(d, kN2);
+    const Status s1 = lt->run(x.params(), nullptr);
+    const Status s2 = wg->run(y.params(), nullptr);
+    ASSERT_TRUE(s1.ok()) << s1.to_string();
+    ASSERT_TRUE(s2.ok()) << s2.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t t1 = 0, t2 = 0;
+    const std::vector<uint16_t> a = x.result(&t1), b = y.result(&t2);
+    const BoundReport r = check_bound(b, a, s, kN2, std::ldexp(1.0, -9));
+    int64_t identical = 0;
+    for (size_t i = 0; i < a.size(); ++i) identical += a[i] == b[i];
+    std::printf(
+        "[ INFO     ] wgmma kernel vs cuBLASLt, M %lld N %lld: %lld of %zu bit-identical, "
+        "worst |diff| / S %.3g\n",
+        static_cast<long long>(m), static_cast<long long>(kN2), static_cast<long long>(identical),
+        a.size(), r.worst_rel_s);
+    EXPECT_EQ(r.non_finite, 0);
+    EXPECT_EQ(r.violations, 0) << r.text;
+    EXPECT_EQ(t1 + t2, 0);
+  }
+}
+
+// Quantize (rows padded to a multiple of 4) + wgmma GEMM through Fp8BlockGemm, captured once and
+// replayed with a new x: equals eager runs byte for byte.
+TEST(GemmWgmmaGraph, ReplayWithNewInputEqualsEager) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t rows : {1, 33}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "rows " << rows);
+    Rng rng(seed);
+    const int64_t m_pad = gemm_padded_rows(rows), n = kNF, k = kHidden;
+    GemmData d = make_random_data(m_pad, n, k, rng);
+    DeviceGemm dev(d, n);
+    DeviceBuffer d_x(static_cast<size_t>(rows * k) * 2);
+    std::vector<uint16_t> x(static_cast<size_t>(rows * k));
+    auto new_x = [&] {
+      for (auto& v : x) v = float_to_bf16(rng.normal(0.0f, 1.0f));
+      d_x.upload(x.data(), x.size() * 2);
+    };
+    new_x();
+    const GemmParams gp = dev.params();
+    QuantizeParams qd;
+    qd.rows = rows;
+    qd.in = TensorView::contiguous(d_x.data(), DType::kBF16, {rows, k}, Device::cuda(0));
+    qd.out = gp.a;
+    qd.scales = gp.a_scales;
+    auto gemm = make_gemm(64, n, k, wgmma_options());
+    ASSERT_NE(gemm, nullptr);
+    cudaStream_t stream;
+    M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto launch = [&]() -> Status {
+      M3_RETURN_IF_ERROR(run_quantize_cuda(qd, stream));
+      return gemm->run(gp, stream);
+    };
+    ASSERT_TRUE(launch().ok());  // eager warm-up outside the capture
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status cap = launch();
+    M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+    ASSERT_TRUE(cap.ok()) << cap.to_string();
+    M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    int64_t touched = 0;
+    const std::vector<uint16_t> first = dev.result(&touched);
+    EXPECT_EQ(touched, 0);
+
+    new_x();
+    dev.out.poison(kPoison);
+    M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<uint8_t> replay = dev.out.download_all();
+    EXPECT_NE(first, dev.result(&touched)) << "the replay did not see the new input";
+    for (int rep = 0; rep < 2; ++rep) {
+      dev.out.poison(kPoison);
+      ASSERT_TRUE(launch().ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(replay, dev.out.download_all())
+          << "eager run " << rep << " differs from the replay";
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
+TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
+  M3_REQUIRE_WGMMA();
+  Rng rng(fresh_seed());
+  {
+    GemmData d = make_integer_data(65, 256, 512, rng);  // one row too many
+    DeviceGemm dev(d, 256);
+    DeviceBuffer ws = make_workspace(256, 64);
+    EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr).code(),
+              StatusCode::kUnsupported);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+    EXPECT_EQ(touched, 0);
+  }
+  GemmData d = make_integer_data(8, 256, 512, rng);
+  DeviceGemm dev(d, 256);
+  DeviceBuffer ws = make_workspace(256, 8);
+  GemmParams p = dev.params();
+  // Workspace too small, null, or misaligned.
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), 64, nullptr).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, nullptr, ws.bytes(), nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, static_cast<uint8_t*>(ws.data()) + 16, ws.bytes() - 16, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);
+  // N not a multiple of 128 (N = 200): validate_gemm refuses it.
+  p.b.shape[0] = 200;
+  p.out.shape[1] = 200;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr).code(),
+            StatusCode::kInvalidArgument);
+  // CPU tensors; bad options.
+  p = dev.params();
+  GemmParams cpu = p;
+  cpu.a.device = cpu.a_scales.device = cpu.b.device = cpu.b_scales.device = cpu.out.device =
+      Device::cpu();
+  EXPECT_EQ(run_gemm_wgmma_cuda(cpu, ws.data(), ws.bytes(), nullptr).code(),
+            StatusCode::kInvalidArgument);
+  GemmWgmmaOptions bad;
+  bad.ctas_per_sm = 3;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.min_units_per_cta = 0;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  Fp8BlockGemmOptions o = wgmma_options();
+  o.wgmma_max_m = 65;
+  EXPECT_EQ(Fp8BlockGemm::create(64, 256, 512, o).status().code(), StatusCode::kInvalidArgument);
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  EXPECT_EQ(touched, 0);
+  // M == 0 launches nothing and succeeds.
+  GemmData e = make_integer_data(0, 256, 512, rng);
+  DeviceGemm empty(e, 256);
+  EXPECT_TRUE(run_gemm_wgmma_cuda(empty.params(), ws.data(), ws.bytes(), nullptr).ok());
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));
+}
+
+// M3ATTN_GEMM_PATH resolves wgmma_max_m = -1 (the default) at creation; explicit values win.
+TEST(GemmWgmmaRules, EnvironmentSelectsThePath) {
+  M3_REQUIRE_WGMMA();
+  const char* old = std::getenv("M3ATTN_GEMM_PATH");
+  const std::string saved = old ? old : "";
+  Fp8BlockGemmOptions dflt;
+  dflt.autotune = false;
+  auto max_m_with = [&](const char* env, const Fp8BlockGemmOptions& o, int64_t max_m) -> int64_t {
+    setenv("M3ATTN_GEMM_PATH", env, 1);
+    auto r = Fp8BlockGemm::create(max_m, 256, 512, o);
+    if (!r.ok()) return -100 - static_cast<int>(r.status().code());
+    return r.value()->wgmma_max_m();
+  };
+  EXPECT_EQ(max_m_with("wgmma", dflt, 256), 64);
+  EXPECT_EQ(max_m_with("wgmma", dflt, 5), 8);  // capped at the padded max_m
+  EXPECT_EQ(max_m_with("cublaslt", dflt, 256), 0);
+  EXPECT_EQ(max_m_with("", dflt, 256), kGemmWgmmaDefaultMaxM);
+  EXPECT_EQ(max_m_with("bogus", dflt, 256), -100 - static_cast<int>(StatusCode::kInvalidArgument));
+  EXPECT_EQ(max_m_with("cublaslt", wgmma_options(), 256), 64);  // explicit option wins
+  if (old) {
+    setenv("M3ATTN_GEMM_PATH", saved.c_str(), 1);
+  } else {
+    unsetenv("M3ATTN_GEMM_PATH");
+  }
+}
+
+}  // namespace
+}  // namespace m3attn

@@ -11,7 +11,14 @@
 // and the spot check can demand identical ids. Pages of a request are scattered over the pool.
 // Before timing, every configuration is checked against the CPU twin on a few requests/tokens
 // (rebuilt as small host batches over copies of only their pages): PASS / FAIL.
-// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}).
+// Paths: the default (fused decode: scoring + per-split top-15 in one kernel, then the merge) and
+// the two-kernel path (IndexerCudaOptions::unfused_decode: every block score to the workspace,
+// then the selection kernel) are both timed and spot-checked; the plan column shows the default's
+// launch plan (f = fused, k = splits per request, c = blocks per split, w = merge warps per row);
+// bulk_us: the fused path with bulk (TMA) tile copies (IndexerCudaOptions::decode_bulk_copy).
+// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
+//   --unfused (time the two-kernel path only), --sweep (also time the fused path over k_splits
+//   at batch 64 / 256, context 8K / 32K, draft 0).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -236,6 +243,39 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slice
   return true;
 }
 
+// Runs `o` once, spot-checks the slices against the twin (FAIL printed to stderr, *pass cleared),
+// then times it: CUDA-graph replays (graph) or eager launches, cold L2 either way.
+bench::Timing check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
+                             const IndexerCudaOptions& o, cudaStream_t stream, bool graph,
+                             const std::string& what, bool* pass) {
+  const auto launch = [&](cudaStream_t s) {
+    const Status st = run_indexer_cuda(c.p, c.ws, s, o);
+    if (!st.ok()) {
+      std::fprintf(stderr, "run_indexer_cuda: %s\n", st.to_string().c_str());
+      std::exit(1);
+    }
+  };
+  check_cuda(cudaMemsetAsync(c.d_ids, 0xa5, static_cast<size_t>(c.T) * kNkv * kTopK * 4, stream),
+             "poison");
+  launch(stream);
+  check_cuda(cudaStreamSynchronize(stream), "check run");
+  std::string why;
+  if (!spot_check(c, pool, slices, &why)) {
+    *pass = false;
+    std::fprintf(stderr, "FAIL %s (%s): %s\n", what.c_str(),
+                 o.unfused_decode ? "two-kernel" : (o.decode_bulk_copy ? "bulk" : "default"),
+                 why.c_str());
+  }
+  return graph ? bench::time_graph_cold(launch, stream) : bench::time_cold(launch, stream, 2, 10);
+}
+
+std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
+  const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
+  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + " k" +
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+         std::to_string(pl.merge_wpr);
+}
+
 std::string kilo(int v) {
   return v % 1024 == 0 ? std::to_string(v / 1024) + "K" : std::to_string(v);
 }
@@ -245,18 +285,26 @@ std::string kilo(int v) {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false;
+  bool json = false, quick = false, unfused_only = false, sweep = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
       json = true;
     else if (a == "--quick")
       quick = true;
+    else if (a == "--unfused")
+      unfused_only = true;
+    else if (a == "--sweep")
+      sweep = true;
     else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--unfused] [--sweep]\n", argv[0]);
       return 2;
     }
   }
+  IndexerCudaOptions fused_o, two_o, bulk_o;
+  two_o.unfused_decode = true;
+  bulk_o.decode_bulk_copy = true;
+  const IndexerCudaOptions main_o = unfused_only ? two_o : fused_o;
   const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
   const std::vector<int> contexts =
       quick ? std::vector<int>{8192, 131072} : std::vector<int>{8192, 32768, 131072};
@@ -280,24 +328,18 @@ int main(int argc, char** argv) {
     for (int ctx : contexts) {
       for (int batch : batches) {
         Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-        const auto launch = [&](cudaStream_t s) {
-          const Status st = run_indexer_cuda(c.p, c.ws, s);
-          if (!st.ok()) {
-            std::fprintf(stderr, "run_indexer_cuda: %s\n", st.to_string().c_str());
-            std::exit(1);
-          }
-        };
-        launch(stream);
-        check_cuda(cudaStreamSynchronize(stream), "check run");
-        std::string why;
         std::vector<Slice> slices = {{0, 0, 1 + draft}};
         if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
-        const bool pass = spot_check(c, pool, slices, &why);
+        const std::string what = "decode b" + std::to_string(batch) + " ctx " +
+                                 std::to_string(ctx) + " draft " + std::to_string(draft);
+        bool pass = true;
+        const bench::Timing tm = check_and_time(c, pool, slices, main_o, stream, true, what, &pass);
+        bench::Timing tm2, tm3;
+        if (!unfused_only) {
+          tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
+          tm3 = check_and_time(c, pool, slices, bulk_o, stream, true, what, &pass);
+        }
         all_pass = all_pass && pass;
-        if (!pass)
-          std::fprintf(stderr, "FAIL decode b%d ctx %d draft %d: %s\n", batch, ctx, draft,
-                       why.c_str());
-        const bench::Timing tm = bench::time_graph_cold(launch, stream);
         const double gbs = c.index_bytes / (tm.median_us * 1e3);
         bench::Row row;
         row.add("batch", std::to_string(batch));
@@ -309,6 +351,13 @@ int main(int argc, char** argv) {
         row.add("index_MB", c.index_bytes / 1e6, 1);
         row.add("GB/s", gbs, 0);
         row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+        if (!unfused_only) {
+          row.add("2kernel_us", tm2.median_us, 1);
+          row.add("2k_%copy",
+                  100.0 * c.index_bytes / (tm2.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
+          row.add("bulk_us", tm3.median_us, 1);
+        }
+        row.add("plan", plan_str(c, main_o));
         std::string peer = "-";
         if (batch == 256 && ctx == 8192) peer = "175";
         if (batch == 256 && ctx == 32768) peer = "539";
@@ -318,25 +367,53 @@ int main(int argc, char** argv) {
       }
     }
   }
-  bench::print_rows("indexer decode (graph replay, cold L2, n_kv 4)", rows, json);
+  bench::print_rows(unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
+                                 : "indexer decode (graph replay, cold L2, n_kv 4; us = fused "
+                                   "default, 2kernel = unfused_decode)",
+                    rows, json);
+
+  if (sweep) {
+    rows.clear();
+    for (int ctx : {8192, 32768}) {
+      for (int batch : {64, 256}) {
+        Case c = make_case(batch, ctx, 1, pool, rng, rng());
+        const std::vector<Slice> slices = {{0, 0, 1}, {batch - 1, 0, 1}};
+        for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32, -1}) {
+          IndexerCudaOptions o = k < 0 ? bulk_o : fused_o;  // -1: bulk copies, automatic splits
+          o.k_splits = std::max(k, 0);
+          if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
+          const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
+                                   std::to_string(ctx) + " k " + std::to_string(k);
+          bool pass = true;
+          const bench::Timing tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
+          all_pass = all_pass && pass;
+          const double gbs = c.index_bytes / (tm.median_us * 1e3);
+          bench::Row row;
+          row.add("batch", std::to_string(batch));
+          row.add("context", kilo(ctx));
+          row.add("k_splits",
+                  k <= 0 ? std::string(k < 0 ? "auto, bulk" : "auto") : std::to_string(k));
+          row.add("plan", plan_str(c, o));
+          row.add("check", pass ? "PASS" : "FAIL");
+          row.add("us", tm.median_us, 1);
+          row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+          rows.push_back(row);
+        }
+        free_case(c);
+      }
+    }
+    bench::print_rows("indexer decode split sweep (fused, draft 0, graph replay, cold L2)", rows,
+                      json);
+  }
 
   rows.clear();
   for (int ctx : {8192, 65536}) {
     Case c = make_case(1, ctx, 8192, pool, rng, rng());
-    const auto launch = [&](cudaStream_t s) {
-      const Status st = run_indexer_cuda(c.p, c.ws, s);
-      if (!st.ok()) {
-        std::fprintf(stderr, "run_indexer_cuda: %s\n", st.to_string().c_str());
-        std::exit(1);
-      }
-    };
-    launch(stream);
-    check_cuda(cudaStreamSynchronize(stream), "check run");
-    std::string why;
-    const bool pass = spot_check(c, pool, {{0, 0, 3}, {0, 2047, 3}, {0, 8189, 3}}, &why);
+    const std::vector<Slice> slices = {{0, 0, 3}, {0, 2047, 3}, {0, 8189, 3}};
+    const std::string what = "prefill ctx " + std::to_string(ctx);
+    bool pass = true;
+    const bench::Timing tm = check_and_time(c, pool, slices, main_o, stream, false, what, &pass);
     all_pass = all_pass && pass;
-    if (!pass) std::fprintf(stderr, "FAIL prefill ctx %d: %s\n", ctx, why.c_str());
-    const bench::Timing tm = bench::time_cold(launch, stream, 2, 10);
     bench::Row row;
     row.add("chunk", "8K");
     row.add("context", kilo(ctx));

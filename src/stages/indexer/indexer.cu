@@ -10,6 +10,7 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_merge.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -67,16 +68,109 @@ int64_t pick_k_splits(int64_t units, int max_pages, int min_chunk, int sms) {
   return std::clamp<int64_t>(k, 1, std::min<int64_t>(max_useful, 65535));
 }
 
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Candidate lists (16 keys, 128 bytes each) the workspace holds after the scores: one per (row,
+// split) for splits of >= 4 blocks, capped at max(rows, 65536) lists (8 MB), which bounds the
+// fused path's splits per row at 8K and more rows.
+constexpr int64_t kCandListBudget = 65536;
+constexpr int64_t kCandListBytes = int64_t{kTopK} * 8;
+
+int64_t cand_lists(int64_t num_tokens, int n_kv, int max_pages) {
+  const int64_t rows = num_tokens * n_kv;
+  const int64_t natural = rows * ceil_div(max_pages, ik::kMmaWarps);
+  return std::min(natural, std::max(rows, kCandListBudget));
+}
+
+int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
+  return ceil_div(num_tokens * n_kv * max_pages * int64_t{sizeof(float)}, 16) * 16;
+}
+
+// The launch plan, from host-known values only (shapes, options, the SM count).
+struct Plan {
+  bool mma = false;
+  bool fused = false;
+  bool bulk = false;
+  int64_t overflow = 0, units = 0;
+  int64_t k_splits = 1;  // grid.y
+  int64_t dec_chunk = 1;
+  int merge_wpr = 1;
+};
+
+Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
+  Plan pl;
+  pl.mma = tensor_core_path(p, o);
+  const int64_t T = p.batch.num_tokens;
+  const int max_pages = p.batch.max_pages;
+  const int64_t pre_tokens = ik::kPreRows / p.n_kv;
+  pl.overflow = ceil_div(T, pre_tokens);
+  pl.units = pl.overflow + p.batch.num_requests;
+  if (max_pages <= kTopK) return pl;  // nothing is scored: the selection kernel alone
+  const int min_chunk = pl.mma ? ik::kMmaWarps : 1;
+  int64_t k = o.k_splits > 0 ? o.k_splits : pick_k_splits(pl.units, max_pages, min_chunk, sms);
+  // Decode units of the tensor-core scorer: chunks of a multiple of 4 blocks (one per warp per
+  // round) covering max_pages in k pieces. The automatic choice then drops the splits that would
+  // start at or past max_pages.
+  int64_t chunk = ceil_div(ceil_div(max_pages, k), ik::kMmaWarps) * ik::kMmaWarps;
+  if (pl.mma && o.k_splits == 0) k = ceil_div(max_pages, chunk);
+  if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0) {
+    // Fused: at most 64 blocks per split (the shared block-max table) and k lists per row within
+    // the workspace's candidate lists; otherwise the two-kernel path.
+    const int64_t kmax = cand_lists(T, p.n_kv, max_pages) / (T * p.n_kv);
+    const int64_t fk = std::min(k, kmax);
+    const int64_t fchunk = std::min<int64_t>(
+        ceil_div(ceil_div(max_pages, fk), ik::kMmaWarps) * ik::kMmaWarps, ik::kFusedMaxChunk);
+    const int64_t need = ceil_div(max_pages, fchunk);
+    if (need <= kmax && need <= 65535) {
+      pl.fused = true;
+      pl.bulk = o.decode_bulk_copy;
+      k = need;
+      chunk = fchunk;
+    }
+  }
+  pl.k_splits = k;
+  pl.dec_chunk = chunk;
+  // Keys a row's final selection scans: block scores (max_pages) or k lists of 16.
+  const int64_t keys = pl.fused ? std::max<int64_t>(k * kTopK, max_pages) : max_pages;
+  while (pl.merge_wpr < ik::kMergeWarps && keys > 256 * pl.merge_wpr) pl.merge_wpr *= 2;
+  return pl;
+}
+
+int sm_count() {
+  int dev = 0, sms = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+    return 1;
+  return sms;
+}
+
 }  // namespace
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(num_tokens) * static_cast<size_t>(n_kv) *
-         static_cast<size_t>(max_pages) * sizeof(float);
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages) +
+                             cand_lists(num_tokens, n_kv, max_pages) * kCandListBytes);
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
   return tensor_core_path(p, options);
+}
+
+IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options) {
+  IndexerCudaPlan info;
+  if (p.n_kv <= 0 || p.batch.num_tokens <= 0 || p.batch.max_pages <= 0) return info;
+  const Plan pl = make_plan(p, options, sm_count());
+  info.tensor_cores = pl.mma;
+  info.fused = pl.fused;
+  info.k_splits = static_cast<int>(pl.k_splits);
+  info.dec_chunk = static_cast<int>(pl.dec_chunk);
+  info.merge_wpr = pl.merge_wpr;
+  info.bulk_copy = pl.bulk;
+  return info;
+}
+
+bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOptions& options) {
+  return indexer_cuda_plan(p, options).fused;
 }
 
 Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cudaStream_t stream,
@@ -109,7 +203,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_RETURN_IF_ERROR(check_workspace(p, workspace, need));
   if (T == 0) return Status::Ok();
 
-  const bool mma = tensor_core_path(p, options);
+  int sms = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
+  const Plan pl = make_plan(p, options, sms);
   ik::KernelArgs a;
   a.iq = p.index_q.ptr<const uint8_t>();
   a.cache = p.index_cache.ptr<const uint8_t>();
@@ -125,38 +221,37 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.max_pages = max_pages;
   a.dec_tokens = ik::kDecRows / p.n_kv;
   a.pre_tokens = ik::kPreRows / p.n_kv;
-  const int64_t overflow = (T + a.pre_tokens - 1) / a.pre_tokens;
-  const int64_t units = overflow + R;
-  M3_CHECK_ARG(units <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", units,
+  M3_CHECK_ARG(pl.units <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", pl.units,
                " work units exceed the grid limit");
-  a.num_overflow = static_cast<int>(overflow);
-  a.min_chunk = mma ? ik::kMmaWarps : 1;
+  a.num_overflow = static_cast<int>(pl.overflow);
+  a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
+  a.k_splits = static_cast<int>(pl.k_splits);
+  a.dec_chunk = static_cast<int>(pl.dec_chunk);
   a.scores = static_cast<float*>(workspace.data);
+  a.cand = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(workspace.data) +
+                                       scores_bytes_aligned(T, p.n_kv, max_pages));
+  a.merge_wpr = pl.merge_wpr;
   a.block_ids = p.block_ids.ptr<int32_t>();
   const int64_t rows = T * p.n_kv;
-  const int64_t select_blocks = (rows + ik::kSelectWarps - 1) / ik::kSelectWarps;
+  const int64_t select_blocks =
+      pl.fused ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
   M3_CHECK_ARG(select_blocks <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", rows,
                " selection rows exceed the grid limit");
 
   // Tokens see at most max_pages blocks; with <= 16 every visible block is selected and no score
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
-    int sms = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
-    a.k_splits = options.k_splits > 0
-                     ? options.k_splits
-                     : static_cast<int>(pick_k_splits(units, max_pages, a.min_chunk, sms));
-    // Decode units of the tensor-core scorer: chunks of a multiple of 4 blocks (one per warp per
-    // round) covering max_pages in k_splits pieces. The automatic choice then drops the splits
-    // that would start at or past max_pages.
-    const int64_t per = (int64_t{max_pages} + a.k_splits - 1) / a.k_splits;
-    a.dec_chunk = static_cast<int>((per + ik::kMmaWarps - 1) / ik::kMmaWarps * ik::kMmaWarps);
-    if (mma && options.k_splits == 0)
-      a.k_splits = static_cast<int>((int64_t{max_pages} + a.dec_chunk - 1) / a.dec_chunk);
-    const dim3 grid(static_cast<unsigned>(units), static_cast<unsigned>(a.k_splits));
-    if (mma) {
+    const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
+    if (pl.fused) {
+      // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
+      // fine under graph capture).
+      const auto kernel = pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel;
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
+      kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);
+    } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
-      // limit: opt in (a function attribute, not a stream operation: fine under graph capture).
+      // limit: opt in.
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
       ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
@@ -165,13 +260,13 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     }
     M3_CUDA_CHECK_LAUNCH();
   }
-  // Programmatic dependent launch: the select grid may be scheduled while the scorer's last CTAs
-  // run (saving the launch gap); it executes griddepcontrol.wait before touching memory, which
-  // waits for every preceding grid in the stream to complete and flush. Graph-capturable (the
-  // capture records a programmatic edge).
+  // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
+  // CTAs run (saving the launch gap); it executes griddepcontrol.wait before touching memory,
+  // which waits for every preceding grid in the stream to complete and flush. Graph-capturable
+  // (the capture records a programmatic edge).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(select_blocks));
-  cfg.blockDim = dim3(ik::kSelectThreads);
+  cfg.blockDim = dim3(pl.fused ? ik::kMergeThreads : ik::kSelectThreads);
   cfg.dynamicSmemBytes = 0;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -179,7 +274,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::select_kernel, a));
+  if (pl.fused)
+    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::merge_kernel, a));
+  else
+    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::select_kernel, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -72,7 +72,10 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // Workspace: device memory the caller owns (no allocation inside the run). Its first
 // T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
 // entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
-// every b < n_valid(t) (tests read them; other entries are unspecified). Contents need no
+// every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
+// decode units when the fused decode path runs (indexer_cuda_uses_fused_decode): their block
+// scores stay on chip. After the scores (16-byte aligned) come the fused path's candidate lists
+// (128 bytes per (row, split), at most max(T * n_kv, 65536) lists). Contents need no
 // initialization and are not preserved between runs.
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
@@ -84,6 +87,15 @@ struct IndexerCudaOptions {
   // Key splits per work unit (grid.y); 0 picks a value from the SM count. Tests set it to put
   // split edges everywhere; any value >= 1 gives the same result.
   int k_splits = 0;
+  // Decode units (the first 32 / n_kv tokens of each request) of the tensor-core scorer use the
+  // fused path by default: each CTA keeps its split's block maxima in shared memory and writes
+  // only its 15 best candidates per (token, head), and the final kernel merges the splits' lists
+  // (ids identical to the two-kernel path). true: the two-kernel path (every block score to the
+  // workspace, then the selection kernel), kept for comparison.
+  bool unfused_decode = false;
+  // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
+  // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
+  bool decode_bulk_copy = false;
 };
 
 // True when run_indexer_cuda with these params and options scores on tensor cores (E4M3
@@ -92,9 +104,27 @@ struct IndexerCudaOptions {
 // scorer.
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options);
 
+// True when run_indexer_cuda with these params and options runs the fused decode path (tensor
+// cores, !unfused_decode, max_pages > 16, and a split plan within the workspace's candidate lists
+// and the kernel's 64 blocks per split): then the workspace holds no block scores for rows of
+// decode units.
+bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOptions& options);
+
+// The launch plan run_indexer_cuda picks on the current device (benchmarks print it).
+struct IndexerCudaPlan {
+  bool tensor_cores = false;
+  bool fused = false;
+  int k_splits = 0;        // grid.y of the scorer
+  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;       // warps per row of the fused path's final kernel
+  bool bulk_copy = false;  // fused with bulk (TMA) tile copies
+};
+IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
+
 // The CUDA indexer: validate_indexer + CUDA-only rules (every view on the current CUDA device,
 // n_kv <= 8, R > 0 when T > 0, workspace size / alignment / device, no overlap of the workspace
-// with the other tensors, grid limits), then two kernels (scores, selection) on `stream`. No sync,
+// with the other tensors, grid limits), then two kernels (scores or fused scoring + local
+// selection, then the selection or the merge of the splits' candidates) on `stream`. No sync,
 // no allocation, grid derived from T, R and max_pages only: CUDA-graph capturable. Device data
 // that breaks the contract is guarded, never trusted: page ids outside the pool score NaN (never
 // chosen unless forced), a negative position or a local block beyond the page table gives a row

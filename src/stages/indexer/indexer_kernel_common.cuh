@@ -16,7 +16,10 @@
 //            chunks of dec_chunk blocks from host-known max_pages (k_splits * dec_chunk >=
 //            max_pages), clipped to nvis.
 // Every (token, head, visible block) score is written by exactly one CTA into the workspace
-// scores[t * n_kv + h][b] (f32, row stride max_pages); the select kernel reads them.
+// scores[t * n_kv + h][b] (f32, row stride max_pages); the select kernel reads them. The fused
+// kernel (score_fused_kernel) does so for overflow tiles only: a decode unit's CTA keeps its
+// split's block maxima in shared memory and writes the split's 15 best candidates per row
+// (KernelArgs::cand); merge_kernel (indexer_kernel_merge.cuh) merges them.
 //
 // Device-side guards (the host cannot check device data without a sync):
 //   - query_start values are clamped to [0, T]; an empty or inverted request does nothing.
@@ -63,7 +66,28 @@ struct KernelArgs {
   int dec_chunk = 1;             // blocks per split of a decode unit (mma path; see decode_path)
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
+  // Fused decode (score_fused_kernel + merge_kernel): decode units keep their block maxima in
+  // shared memory and write, per (row, split), the split's 15 best candidate keys (see
+  // candidate_key) plus a zero pad into cand[(row * k_splits + split) * 16 ..]; the scores of
+  // decode rows never reach global memory. Overflow tiles still write scores.
+  uint64_t* cand = nullptr;
+  int merge_wpr = 1;  // merge kernel: warps per row (1, 2, 4 or 8)
 };
+
+// Ordering key of a candidate block, larger = better: the high word is the score's bits made
+// monotone (0 is reserved for NaN, never chosen; -0 ties with +0), the low word ~id so that an
+// exact tie prefers the smaller id. Keys of distinct ids are distinct.
+__device__ __forceinline__ uint64_t candidate_key(float score, int id) {
+  if (score != score) return 0;     // NaN: never selected
+  if (score == 0.0f) score = 0.0f;  // -0 ties with +0
+  const uint32_t u = __float_as_uint(score);
+  const uint32_t mono = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // >= 0x007fffff (-inf)
+  return (static_cast<uint64_t>(mono) << 32) |
+         static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(id));
+}
+__device__ __forceinline__ int candidate_id(uint64_t key) {
+  return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
+}
 
 // Lets the dependent grid (the select kernel, launched with programmatic stream serialization)
 // be scheduled once every CTA of this grid has started; it still waits for this grid's completion

@@ -21,6 +21,23 @@
 // them, converted once and kept in registers), C = scores [key][row]; the block max stays in
 // registers and 3 xor-shuffles finish it at the end of a block. No CTA barrier on this path.
 //
+// Fused decode (score_fused_kernel, the default): the flush of a block writes the row maxima into a
+// shared table [32 rows][64 blocks] instead of global memory; after one CTA barrier each warp
+// ranks its rows' candidates (blocks of the split before the row's local block) against the
+// table and writes the 15 best as 64-bit keys (score order, then smaller id) to the workspace:
+// 128 bytes per (row, split) instead of 4 bytes per (row, block), and merge_kernel reads at most
+// 16 keys per split instead of every block score. Splits hold at most 64 blocks (1 MB of
+// index-K), so the table costs 8 KB and 3 CTAs still fit per SM (72 KB each).
+// Bulk variant (score_fused_bulk_kernel, IndexerCudaOptions::decode_bulk_copy): lane 0 of each
+// warp issues one 2 KB cp.async.bulk per tile completing on the stage's mbarrier (1 instruction
+// instead of 4 cp.async.16 per lane and their address math); tiles lie unswizzled, so the
+// LDS.128 of rows g and g + 1 share banks (2-way conflicts, affordable at the DRAM rate).
+// Instructions per 16-key tile and warp (cp.async path, 1 n-tile = draft 0): ~25 to issue the
+// copies and bookkeeping, 4 LDS.128, 32 cvt (2 per 4 bytes of a lane's 64 bytes), 8 HMMA,
+// ~10 max / mask / loop: ~80 per 2 KB, i.e. ~5 warp instructions per 128-byte index-K row,
+// ~0.6 issue slots per SM cycle of 4 at 3.4 TB/s; the cvt (F2FP) count, 2 per row, is the
+// largest single class.
+//
 // Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
 // m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage
 // ring of whole index pages in shared memory (cp.async, 16 KB per stage), so each page is read
@@ -68,6 +85,11 @@ static_assert(kPreStages * kPageBytes <= kMmaSmemBytes, "overflow ring fits");
 static_assert(kDecStages - 1 <= kPageSize / 16, "issue at most one block ahead");
 static_assert((kDecStages & (kDecStages - 1)) == 0, "ring index by mask");
 static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");
+// Fused decode: blocks per split at most (the host sizes dec_chunk accordingly) and the shared
+// block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB in all, 3 CTAs per SM.
+constexpr int kFusedMaxChunk = 64;
+constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
+static_assert(kFusedMaxChunk % 32 == 0 && kFusedMaxChunk % kMmaWarps == 0, "chunk shape");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -141,6 +163,45 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// Bulk (TMA, 1D) copies completing on an mbarrier (the fused kernel's bulk variant).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait_loop:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait_loop;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_addr(dst)),
+      "l"(src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decode units.
 
@@ -151,13 +212,16 @@ struct DecodeState {
   float run[NT][2];    // running block max of those columns
 };
 
-template <int NT>
+// kLinear: the tile lies unswizzled (bulk copies); the LDS.128 of lanes g, g + 1 then share banks
+// (2-way conflicts, ~30 % of the shared-memory bandwidth at the DRAM rate).
+template <int NT, bool kLinear>
 __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
                                                     int key0, bool mask, int g, int tig) {
   const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
   const uint8_t* r1 = r0 + 8 * kRowBytes;
-  const int c_lo = (tig ^ ((g & 1) << 2)) << 4;
-  const int c_hi = ((tig + 4) ^ ((g & 1) << 2)) << 4;
+  const int sw = kLinear ? 0 : ((g & 1) << 2);
+  const int c_lo = (tig ^ sw) << 4;
+  const int c_hi = ((tig + 4) ^ sw) << 4;
   const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
   const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
   float c[NT][4];
@@ -186,9 +250,12 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
   }
 }
 
-template <int NT>
+// End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
+// fused, to the CTA's shared block-max table sblk[row][b - b0].
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
-                                             int rows, int b, bool page_ok, int g, int tig) {
+                                             int rows, int b, bool page_ok, int g, int tig,
+                                             float* sblk, int b0) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -198,8 +265,12 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
       v = warp_block_max_xor(v, 8);
       v = warp_block_max_xor(v, 16);
       const int j = nt * 8 + tig * 2 + e;
-      if (g == 0 && j < rows)
-        a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
+      if (g == 0 && j < rows) {
+        if constexpr (kFused)
+          sblk[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
+        else
+          a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
+      }
       s.run[nt][e] = neg_inf();
     }
   }
@@ -207,10 +278,13 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
 
 // The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-template <int NT>
+// kBulk: each tile is one 2 KB bulk copy issued by lane 0, completing on the stage's mbarrier
+// (bars: the warp's kDecStages barriers) instead of 4 x 32 cp.async of 16 bytes.
+template <int NT, bool kFused, bool kBulk>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
-                                            int64_t pg_second) {
+                                            int64_t pg_second, float* sblk, int b0,
+                                            uint64_t* bars) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -236,7 +310,18 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         pg_cur = pg_next;
         pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
       }
-      if (pg_cur >= 0) {
+      if constexpr (kBulk) {
+        if (lane == 0) {
+          uint64_t* bar = bars + (i & (kDecStages - 1));
+          if (pg_cur >= 0) {
+            mbar_arrive_expect_tx(bar, kTileBytes);
+            bulk_copy_g2s(ring + (i & (kDecStages - 1)) * kTileBytes,
+                          page_base(a, pg_cur) + (i & 7) * kTileBytes, kTileBytes, bar);
+          } else {
+            mbar_arrive(bar);  // completes the phase: the block scores NaN, its data is unused
+          }
+        }
+      } else if (pg_cur >= 0) {
         const uint8_t* src = page_base(a, pg_cur) + (i & 7) * kTileBytes;
         uint8_t* dst = ring + (i & (kDecStages - 1)) * kTileBytes;
 #pragma unroll
@@ -246,8 +331,16 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         }
       }
     }
-    cp_async_commit();  // possibly empty: keeps the group count uniform
+    if constexpr (!kBulk) cp_async_commit();  // possibly empty: keeps the group count uniform
   };
+  if constexpr (kBulk) {
+    if (lane == 0) {
+#pragma unroll
+      for (int st = 0; st < kDecStages; ++st) mbar_init(bars + st, 1);
+      mbar_init_fence();
+    }
+    __syncwarp();
+  }
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) issue(i);
 
@@ -274,20 +367,76 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
   for (int i = 0; i < total; ++i) {
-    cp_async_wait<kDecStages - 2>();
+    if constexpr (kBulk)
+      mbar_wait_parity(bars + (i & (kDecStages - 1)), static_cast<uint32_t>(i / kDecStages) & 1u);
+    else
+      cp_async_wait<kDecStages - 2>();
     __syncwarp();  // tile i landed for every lane; tile i - 1's stage is free
     issue(i + kDecStages - 1);
     const int k = i >> 3;
     const int b = first + k * kMmaWarps;
     const int key0 = b * kPageSize + (i & 7) * 16;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    decode_compute_tile(s, ring + (i & (kDecStages - 1)) * kTileBytes, key0, mask, g, tig);
+    decode_compute_tile<NT, kBulk>(s, ring + (i & (kDecStages - 1)) * kTileBytes, key0, mask, g,
+                                   tig);
     if ((i & 7) == 7) {
       const bool ok = (k == issue_blk ? pg_cur : pg_prev) >= 0;
-      decode_flush(s, a, t0, rows, b, ok, g, tig);
+      decode_flush<NT, kFused>(s, a, t0, rows, b, ok, g, tig, sblk, b0);
     }
   }
-  cp_async_wait<0>();
+  if constexpr (!kBulk) cp_async_wait<0>();  // bulk: every issued tile was waited for
+}
+
+// Fused decode, after the split's blocks are scored: the local selection of split y. Row j of the
+// unit (warp j % 4) has the candidates [b0, min(b1, local)): its local block is forced by the
+// merge (no candidate), blocks past it are invisible to the row. Each lane holds the scores of
+// blocks b0 + lane and b0 + lane + 32 and counts the better candidates (score greater, or equal
+// with a smaller id; NaN never counts and is never a candidate) against every block of the range,
+// read back from shared memory as broadcasts: that count is the rank, so no sorting is needed
+// (ranks are distinct: keys are). Ranks < 15 are stored as keys at their rank, the rest of the 16
+// slots are zero. Rows whose merge reads no list of this split (a local block < 16, outside the
+// page table, <= b0, or a negative position) write nothing. Cost: nb <= 64 broadcast loads and
+// ~4 instructions per candidate per load, per row.
+__device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
+                                                   int rows, int b0, int b1) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  constexpr int kPer = kFusedMaxChunk / 32;
+  for (int j = warp; j < rows; j += kMmaWarps) {  // warp-uniform conditions from here on
+    const int pos = __ldg(a.positions + t0 + j / a.n_kv);
+    if (pos < 0) continue;
+    const int local = pos / kPageSize;
+    if (local < kTopK || local >= a.max_pages) continue;
+    const int nb = min(b1, local) - b0;  // <= kFusedMaxChunk
+    if (nb <= 0) continue;
+    const float* row = sblk + j * kFusedMaxChunk;
+    float s[kPer];
+    int rank[kPer];
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const int i = lane + 32 * c;
+      s[c] = i < nb ? row[i] : quiet_nan();
+      rank[c] = 0;
+    }
+#pragma unroll 4
+    for (int m = 0; m < nb; ++m) {
+      const float v = row[m];
+#pragma unroll
+      for (int c = 0; c < kPer; ++c)
+        rank[c] += (v > s[c] || (v == s[c] && m < lane + 32 * c)) ? 1 : 0;
+    }
+    uint64_t* list =
+        a.cand + ((int64_t{t0} * a.n_kv + j) * a.k_splits + blockIdx.y) * int64_t{kTopK};
+    int count = 0;
+#pragma unroll
+    for (int c = 0; c < kPer; ++c) {
+      const bool valid = s[c] == s[c];
+      count += __popc(__ballot_sync(0xffffffffu, valid));
+      if (valid && rank[c] < kTopK - 1) list[rank[c]] = candidate_key(s[c], b0 + lane + 32 * c);
+    }
+    count = min(count, kTopK - 1);
+    if (lane >= count && lane < kTopK) list[lane] = 0;
+  }
 }
 
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
@@ -296,7 +445,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // warp's first page-table entries known before query_start and positions arrive: the dependent
 // chain to the first index-K byte is query_start -> positions -> data (the page-table load runs
 // beside query_start) instead of query_start -> positions -> page table -> data.
-__device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
+template <bool kFused, bool kBulk>
+__device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -311,26 +461,41 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
-  if (n <= 0) return;
+  if (n <= 0) return;                        // CTA-uniform
   const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   const int max_pos = __reduce_max_sync(0xffffffffu, p);
   const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
   const int b1 = min(nvis, bend);
-  if (first >= b1) return;      // warp-uniform; the decode path has no CTA barrier
+  if constexpr (kFused) {
+    if (b0 >= b1) return;  // CTA-uniform: the fused path has one CTA barrier below
+  } else {
+    if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
+  }
   const int rows = n * a.n_kv;  // <= kDecRows
-  switch ((rows + 7) / 8) {
-    case 1:
-      decode_unit<1>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
-      break;
-    case 2:
-      decode_unit<2>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
-      break;
-    case 3:
-      decode_unit<3>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
-      break;
-    default:
-      decode_unit<4>(a, smem, r, qa, rows, first, b1, pg_first, pg_second);
-      break;
+  float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
+  if (first < b1) {
+    switch ((rows + 7) / 8) {
+      case 1:
+        decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
+                                      b0, bars + warp * kDecStages);
+        break;
+      case 2:
+        decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
+                                      b0, bars + warp * kDecStages);
+        break;
+      case 3:
+        decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
+                                      b0, bars + warp * kDecStages);
+        break;
+      default:
+        decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
+                                      b0, bars + warp * kDecStages);
+        break;
+    }
+  }
+  if constexpr (kFused) {
+    __syncthreads();  // every block max of [b0, b1) is in sblk
+    fused_local_select(a, sblk, qa, rows, b0, b1);
   }
 }
 
@@ -481,15 +646,39 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-__global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ OverflowShared sh;
+template <bool kFused, bool kBulk>
+__device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
+                                               OverflowShared& sh, uint64_t* bars) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path(a, smem);
+    decode_path<kFused, kBulk>(a, smem, bars);
     return;
   }
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
+}
+
+// Two-kernel path: every block score goes to the workspace; select_kernel picks.
+__global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<false, false>(a, smem, sh, nullptr);
+}
+
+// Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
+// merge_kernel finishes. Dynamic shared memory: kFusedSmemBytes.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<true, false>(a, smem, sh, nullptr);
+}
+
+// The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::
+// decode_bulk_copy); the same results.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_bulk_kernel(const KernelArgs a) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  __shared__ __align__(8) uint64_t bars[kMmaWarps * kDecStages];
+  score_mma_body<true, true>(a, smem, sh, bars);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -6,9 +6,8 @@
 //   (score descending, id ascending; -0 == +0), ascending ids, then -1.
 // A position < 0 or a local block >= max_pages (no page-table column) gives a row of -1.
 //
-// Each candidate becomes one 64-bit key, larger = better: the high word is the score's bits made
-// monotone (0 is reserved for NaN, never chosen), the low word ~id so that an exact tie prefers
-// the smaller id. Keys are distinct (one per id).
+// Each candidate becomes one 64-bit key (candidate_key in indexer_kernel_common.cuh), larger =
+// better. Keys are distinct (one per id).
 //
 // One pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
@@ -33,15 +32,6 @@ namespace m3attn::indexer_kernel {
 
 constexpr int kSelectWarps = 8;
 constexpr int kSelectThreads = kSelectWarps * 32;
-
-__device__ __forceinline__ uint64_t candidate_key(float score, int id) {
-  if (score != score) return 0;     // NaN: never selected
-  if (score == 0.0f) score = 0.0f;  // -0 ties with +0
-  const uint32_t u = __float_as_uint(score);
-  const uint32_t mono = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // >= 0x007fffff (-inf)
-  return (static_cast<uint64_t>(mono) << 32) |
-         static_cast<uint64_t>(0xffffffffu - static_cast<uint32_t>(id));
-}
 
 // Waits until the grids this one depends on (programmatic dependent launch) have completed and
 // their writes are visible; returns at once for a normal launch.

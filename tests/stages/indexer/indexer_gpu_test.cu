@@ -341,7 +341,28 @@ CompareStats compare(const Inputs& in, const Reference& ref, const GpuResult& gp
   return st;
 }
 
-// Runs every scorer variant on one input set and compares each with the twin.
+// The fused decode path against the two-kernel path: identical ids (the block maxima are computed
+// by the same code; the merge applies the same exact rule).
+void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuResult& two,
+                     const std::string& label) {
+  SCOPED_TRACE(label);
+  ASSERT_EQ(fused.ids.size(), two.ids.size());
+  int failures = 0;
+  for (int64_t row = 0; row < in.rows(); ++row) {
+    const int32_t* f = fused.ids.data() + row * kTopK;
+    const int32_t* g = two.ids.data() + row * kTopK;
+    if (!std::equal(f, f + kTopK, g) && ++failures <= 8)
+      ADD_FAILURE() << "row " << row << " (token " << row / in.n_kv << ", position "
+                    << in.hb.position_of(row / in.n_kv) << "): fused " << row_str(f)
+                    << " two-kernel " << row_str(g);
+  }
+  if (failures > 8) ADD_FAILURE() << failures << " differing rows in total";
+  std::printf("[ indexer  ] %s: %lld rows, %d differ\n", label.c_str(),
+              static_cast<long long>(in.rows()), failures);
+}
+
+// Runs every scorer variant on one input set and compares each with the twin (two-kernel path)
+// and the fused path with the two-kernel path.
 void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_offset = 0) {
   const Reference ref = reference(in);
   DeviceSet d;
@@ -368,9 +389,22 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
   }
   for (const Variant& v : variants) {
     const bool tc = indexer_cuda_uses_tensor_cores(d.params, v.o);
-    const GpuResult g = run_gpu(d, v.o);
-    compare(in, ref, g, /*exact_scores=*/!tc || in.integer,
-            label + " [" + v.name + (tc ? ", tensor cores]" : ", cuda cores]"));
+    // The two-kernel path leaves every block score in the workspace: checked against the twin.
+    IndexerCudaOptions two = v.o;
+    two.unfused_decode = true;
+    ASSERT_FALSE(indexer_cuda_uses_fused_decode(d.params, two));
+    const GpuResult g = run_gpu(d, two);
+    const std::string name = label + " [" + v.name + (tc ? ", tensor cores" : ", cuda cores");
+    compare(in, ref, g, /*exact_scores=*/!tc || in.integer, name + "]");
+    // The fused path computes the same block maxima and must select the same ids, byte for byte.
+    if (indexer_cuda_uses_fused_decode(d.params, v.o)) {
+      const GpuResult f = run_gpu(d, v.o);
+      expect_same_ids(in, f, g, name + ", fused vs two-kernel]");
+      IndexerCudaOptions bulk = v.o;  // the bulk-copy (TMA) variant of the fused kernel
+      bulk.decode_bulk_copy = true;
+      const GpuResult fb = run_gpu(d, bulk);
+      expect_same_ids(in, fb, g, name + ", fused bulk copies vs two-kernel]");
+    }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
 }
@@ -514,9 +548,20 @@ TEST(IndexerGpu, SixtyFourBitPageOffsetsLarge) {
   for (bool cores : {false, true}) {
     IndexerCudaOptions o;
     o.force_cuda_cores = cores;
+    o.unfused_decode = true;  // block scores in the workspace
     const GpuResult g = run_gpu(d, o);
     compare(in, ref, g, true,
             cores ? "64-bit offsets [cuda cores]" : "64-bit offsets [tensor cores]");
+    if (!cores) {
+      for (bool bulk : {false, true}) {
+        IndexerCudaOptions f;
+        f.decode_bulk_copy = bulk;
+        ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, f));
+        expect_same_ids(in, run_gpu(d, f), g,
+                        bulk ? "64-bit offsets [fused bulk vs two-kernel]"
+                             : "64-bit offsets [fused vs two-kernel]");
+      }
+    }
   }
 }
 
@@ -547,6 +592,42 @@ TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
   // Request 2: NaN in 20 of its 21 blocks: fewer than 15 candidates remain.
   for (int b = 0; b < 20; ++b) in.hb.index_row(2, b * 128 + 64)[3] = 0x7f;
   check_all_paths(in, "NaN");
+}
+
+// The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000, and auto), so
+// the merge reads up to 79 lists per row with 2 to 8 warps per row, beside a prefill chunk whose
+// overflow rows take the block-score route of the same merge kernel; integer inputs (many exact
+// ties, also across split edges) and normal ones, n_kv 4 and 1.
+TEST(IndexerGpu, FusedMergeOverManySplits) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int n_kv : {4, 1}) {
+    for (bool integer : {true, false}) {
+      const std::vector<RequestSpec> reqs = {{40000 - 4, 4}, {2600, 300}, {30000, 1},
+                                             {5000 - 3, 3},  {100, 1},    {2047, 1}};
+      const Inputs in = make_inputs(reqs, n_kv, rng, integer);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      const Reference ref = reference(in);
+      DeviceSet d;
+      upload(in, d);
+      for (int k : {0, 1000, 7}) {
+        IndexerCudaOptions o;
+        o.k_splits = k;
+        ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, o)) << "k_splits " << k;
+        IndexerCudaOptions two = o;
+        two.unfused_decode = true;
+        const std::string name = "fused merge n_kv " + std::to_string(n_kv) +
+                                 (integer ? " integer" : " normal") + " k_splits " +
+                                 std::to_string(k);
+        const GpuResult g = run_gpu(d, two);
+        compare(in, ref, g, integer, name + " [two-kernel]");
+        const GpuResult f = run_gpu(d, o);
+        expect_same_ids(in, f, g, name + " [fused vs two-kernel]");
+      }
+    }
+  }
 }
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
@@ -591,16 +672,21 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   upload(in, d);
   d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
   d.pos.upload(pos.data(), static_cast<size_t>(pos.nbytes()));
-  for (bool cores : {false, true}) {
+  // Tensor cores fused, two-kernel, fused with bulk copies; CUDA cores.
+  for (int path = 0; path < 4; ++path) {
     IndexerCudaOptions o;
-    o.force_cuda_cores = cores;
+    o.force_cuda_cores = path == 3;
+    o.unfused_decode = path == 1;
+    o.decode_bulk_copy = path == 2;
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] "};
+    const char* name = names[path];
+    if (path == 0 || path == 2) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {
       const int32_t* got = g.ids.data() + row * kTopK;
       const int32_t* want = ref.ids.data() + row * kTopK;
       EXPECT_TRUE(std::equal(got, got + kTopK, want))
-          << (cores ? "[cuda cores] " : "[tensor cores] ") << "row " << row << ": gpu "
-          << row_str(got) << " expected " << row_str(want);
+          << name << "row " << row << ": gpu " << row_str(got) << " expected " << row_str(want);
     }
   }
 }
@@ -623,6 +709,7 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, {}));
   const Status st = run_indexer_cuda(d.params, d.workspace, stream);
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_TRUE(st.ok()) << st.to_string();
@@ -636,7 +723,12 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
     const GpuResult replay = download(d);
     const GpuResult eager = run_gpu(d, {});
     EXPECT_TRUE(replay.ids == eager.ids) << "graph replay and eager ids differ";
-    compare(*in, reference(*in), replay, false, "graph replay");
+    // The default (fused) path against the two-kernel path, which is checked against the twin.
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    const GpuResult unfused = run_gpu(d, two);
+    expect_same_ids(*in, replay, unfused, "graph replay (fused) vs two-kernel");
+    compare(*in, reference(*in), unfused, false, "two-kernel after graph replay");
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

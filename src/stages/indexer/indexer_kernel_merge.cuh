@@ -1,0 +1,182 @@
+// Final selection of the fused path (score_fused_kernel, then this kernel with programmatic
+// dependent launch). Same output rule as select_kernel (indexer_kernel_select.cuh):
+//   position < 0 or local block >= max_pages: a row of -1;
+//   n_valid = local + 1 <= 16: ids 0 .. local, then -1 (nothing is read);
+//   otherwise the local block plus the 15 best non-NaN blocks among 0 .. local - 1 (score
+//   descending, id ascending), ascending ids, then -1.
+// Sources of the 15 best:
+//   - rows of decode units (the first dec_tokens tokens of a request): the candidate lists the
+//     scorer's splits wrote, list y covering blocks [y * dec_chunk, (y + 1) * dec_chunk), for
+//     y < ceil(local / dec_chunk): the best 15 of the row are among the union of the lists' best
+//     15 (each non-selected block of a split is beaten by 15 of that split's blocks);
+//   - other rows (overflow tiles, prefill): the block scores in the workspace, as select_kernel.
+// A row is a decode row iff t - query_start[r] < dec_tokens for the request r holding token t
+// (binary search over query_start: log2(R) cached loads), the scorer's own rule.
+//
+// Work: merge_wpr warps per row (1, 2, 4 or 8, from the host-known bound on keys per row); each
+// warp scans its share with per-lane sorted top-15 lists (insert_key), reduces them to the warp's
+// top 15 (15 redux rounds), and with several warps per row the first warp merges their 15s from
+// shared memory the same way. Keys are exact (score bits and id), so every step is exact and the
+// result is the one select_kernel gives on the same block scores.
+// Corrupted device data stays memory-safe: a list key whose id is outside its split's visible
+// range (only possible when no CTA wrote that list this run) is dropped.
+#pragma once
+
+#include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_select.cuh"
+
+namespace m3attn::indexer_kernel {
+
+constexpr int kMergeWarps = 8;
+constexpr int kMergeThreads = kMergeWarps * 32;
+
+// The warp's 15 best keys from the lanes' sorted lists (consumed): lane k < 15 gets the k-th best
+// key, 0 where fewer than k + 1 non-zero keys exist; lanes >= 15 get 0.
+__device__ __forceinline__ uint64_t warp_top15(uint64_t (&top)[kTopK - 1]) {
+  const int lane = threadIdx.x & 31;
+  uint64_t mine = 0;
+  for (int k = 0; k < kTopK - 1; ++k) {
+    const uint32_t hi = static_cast<uint32_t>(top[0] >> 32);
+    const uint32_t lo = static_cast<uint32_t>(top[0]);
+    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
+    if (best_hi == 0) break;  // no non-NaN key left (uniform)
+    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? lo : 0u);
+    if (hi == best_hi && lo == best_lo) {  // one lane (keys are distinct): pop its head
+#pragma unroll
+      for (int i = 0; i < kTopK - 2; ++i) top[i] = top[i + 1];
+      top[kTopK - 2] = 0;
+    }
+    if (lane == k) mine = (static_cast<uint64_t>(best_hi) << 32) | best_lo;
+  }
+  return mine;
+}
+
+// True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
+// request is guessed first from t * R / T (right at once for equal-length requests: one round
+// trip), else found by binary search (the last r with query_start[r] <= t).
+__device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t) {
+  const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
+  {
+    const int qa = load_query_start(a, guess);
+    const int qe = load_query_start(a, guess + 1);
+    if (t >= qa && t < qe) return t - qa < a.dec_tokens;
+  }
+  int lo = 0, hi = a.num_requests - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_query_start(a, mid) <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int qa = load_query_start(a, lo);
+  const int qe = load_query_start(a, lo + 1);
+  return t >= qa && t < qe && t - qa < a.dec_tokens;
+}
+
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a) {
+  __shared__ uint64_t part_keys[kMergeWarps][kTopK];
+  wait_for_prerequisite_grids();  // before any global access (PDL launch)
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int wpr = a.merge_wpr;
+  const int64_t row = int64_t{blockIdx.x} * (kMergeWarps / wpr) + warp / wpr;
+  const int part = warp % wpr;
+  const int step = 32 * wpr;  // stride of a warp's keys
+  // mode (uniform over the row's warps): 0 nothing to merge, 1 block scores, 2 candidate lists.
+  int mode = 0;
+  int local = -1;
+  int32_t* out = nullptr;
+  if (row < int64_t{a.num_tokens} * a.n_kv) {
+    const int t = static_cast<int>(row / a.n_kv);
+    const int pos = __ldg(a.positions + t);
+    out = a.block_ids + row * kTopK;
+    if (pos < 0 || pos / kPageSize >= a.max_pages) {
+      if (part == 0 && lane < kTopK) out[lane] = -1;
+    } else {
+      local = pos / kPageSize;
+      if (local < kTopK) {  // n_valid <= 16: everything visible
+        if (part == 0 && lane < kTopK) out[lane] = lane <= local ? lane : -1;
+      } else {
+        mode = is_decode_token(a, t) ? 2 : 1;
+      }
+    }
+  }
+  uint64_t top[kTopK - 1];
+#pragma unroll
+  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+  if (mode == 1) {
+    // Written by the scorer in this stream: plain loads (not the read-only path).
+    const float* scores = a.scores + row * a.max_pages;
+    int b = lane + 32 * part;
+    for (; b + 3 * step < local; b += 4 * step) {
+      const float s0 = scores[b], s1 = scores[b + step], s2 = scores[b + 2 * step],
+                  s3 = scores[b + 3 * step];
+      insert_key(top, candidate_key(s0, b));
+      insert_key(top, candidate_key(s1, b + step));
+      insert_key(top, candidate_key(s2, b + 2 * step));
+      insert_key(top, candidate_key(s3, b + 3 * step));
+    }
+    for (; b < local; b += step) insert_key(top, candidate_key(scores[b], b));
+  } else if (mode == 2) {
+    const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
+    const int n = (local + a.dec_chunk - 1) / a.dec_chunk * kTopK;  // lists 0 .. ceil - 1
+    // Key e: list e / 16, slot e % 16; its id must lie in the list's visible blocks.
+    auto take = [&](uint64_t key, int e) {
+      const int id = candidate_id(key);
+      const int y0 = (e / kTopK) * a.dec_chunk;
+      if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
+    };
+    int e = lane + 32 * part;
+    for (; e + 3 * step < n; e += 4 * step) {
+      const uint64_t k0 = lists[e], k1 = lists[e + step], k2 = lists[e + 2 * step],
+                     k3 = lists[e + 3 * step];
+      take(k0, e);
+      take(k1, e + step);
+      take(k2, e + 2 * step);
+      take(k3, e + 3 * step);
+    }
+    for (; e < n; e += step) take(lists[e], e);
+  }
+  uint64_t best = mode != 0 ? warp_top15(top) : 0;  // mode is warp-uniform
+  if (wpr > 1) {                                    // CTA-uniform
+    if (lane < kTopK) part_keys[warp][lane] = best;
+    __syncthreads();
+    if (part == 0 && mode != 0) {
+#pragma unroll
+      for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+      for (int e = lane; e < wpr * kTopK; e += 32)
+        insert_key(top, part_keys[warp + e / kTopK][e % kTopK]);
+      best = warp_top15(top);
+    }
+  }
+  if (part != 0 || mode == 0) return;
+  // Lane 0 holds the local block, lane k (1..15) the k-th best other block (or -1).
+  const uint64_t prev = __shfl_up_sync(0xffffffffu, best, 1);
+  int my_id = lane == 0 ? local : (lane < kTopK && prev != 0 ? candidate_id(prev) : -1);
+  // Ids are distinct for any data the scorer wrote this run; a repeat (only from stale lists under
+  // corrupted query_start) is dropped so that every output slot is written.
+  bool repeat = false;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    repeat = repeat || (j < lane && other == my_id);
+  }
+  if (repeat) my_id = -1;
+  // Ascending ids (distinct), then -1.
+  int rank = 0, picked = 0;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    if (other >= 0) {
+      ++picked;
+      rank += other < my_id ? 1 : 0;
+    }
+  }
+  if (lane < kTopK) {
+    if (my_id >= 0) out[rank] = my_id;
+    if (lane >= picked) out[lane] = -1;
+  }
+}
+
+}  // namespace m3attn::indexer_kernel

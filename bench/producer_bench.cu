@@ -1,11 +1,14 @@
 // Producer benchmark (SPEC section 3) at the M3 TP1 geometry (n_q 64, n_kv 4): the fused producer
 // against the unfused pair (main + index, timed together as they run in a layer), cold L2, T <= 256
 // as CUDA-graph replays. Before timing, each T is spot-checked against the CPU twin (first and last
-// tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. For T >= 1024 the two fused
-// kernels are also run and timed explicitly (per_batch_us: one block per batch of 96 tasks, the
-// original kernel; persistent_us: the pipelined grid-stride kernel), each spot-checked; fused_us /
-// unfused_us are the default choice (ProducerCudaKernel::kAuto).
-//   producer_bench [--json] [--quick]
+// tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. Every fused kernel variant is
+// also run, spot-checked and timed at every T (<name>_us, <name>_pct of copy: per_batch, one block
+// per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
+// shared-memory pipeline with 3 stages, tma_s2 / tma_s4 with 2 / 4, tma_1blk one block per SM),
+// and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us are the
+// default choice (ProducerCudaKernel::kAuto).
+//   producer_bench [--json] [--quick] [--only VARIANT] [--t T]
+// --only runs one fused variant (auto or a name above) and --t one T, e.g. for a profiler.
 // Bytes moved are counted, not estimated: packed rows read, positions and slots read, one RoPE row
 // per distinct position, the norm weights, Q and index-Q written, K / V / index-K rows written for
 // tokens with a valid slot. The unfused pair reads positions, slots and RoPE rows twice.
@@ -14,14 +17,17 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <numeric>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cache/cache_view.h"
@@ -204,6 +210,20 @@ void run_or_die(const ProducerParams& p, cudaStream_t s, const ProducerCudaOptio
   }
 }
 
+// Waits for `s` at most 20 s: a kernel that never finishes (a pipeline deadlock) ends the
+// benchmark with a message instead of hanging the GPU round.
+void sync_or_die(cudaStream_t s, const char* what) {
+  for (int i = 0; i < 20000; ++i) {
+    const cudaError_t e = cudaStreamQuery(s);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) check_cuda(e, what);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  std::fprintf(stderr, "%s: TIMEOUT (kernel still running after 20 s): FAIL\n", what);
+  std::fflush(stdout);
+  std::_Exit(3);
+}
+
 // Spot check of the device outputs against the CPU twin on the first 32 and the last token.
 bool spot_check(const Case& c, const char* what, FILE* log) {
   std::vector<int64_t> rows;
@@ -298,6 +318,12 @@ __global__ void sweep_read(const uint4* p, size_t n, unsigned* sink) {
   if (acc == 0x9E3779B9u) *sink = acc;  // keeps the loads alive, practically never stores
 }
 
+// M3_BENCH_PROFILE=1 (as bench_util): every timed case runs once, without warmup (ncu / nsys).
+bool profile_mode() {
+  const char* v = std::getenv("M3_BENCH_PROFILE");
+  return v != nullptr && *v != '\0' && *v != '0';
+}
+
 class CleanColdTimer {
  public:
   CleanColdTimer() : flush_(kFlushBytes), sink_(4) {
@@ -306,6 +332,7 @@ class CleanColdTimer {
   }
   bench::Timing time(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream,
                      bool graph, int warmup = 3, int iters = 30) {
+    if (profile_mode()) warmup = 0, iters = 1;
     cudaGraphExec_t exec = nullptr;
     if (graph) {
       cudaGraph_t g;
@@ -376,24 +403,94 @@ double bytes_moved(const Case& c, int m) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false;
+  const char* only = nullptr;  // one fused variant (name below), spot-checked and timed alone
+  int64_t only_t = 0;          // one T
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
+      only = argv[++i];
+    } else if (!std::strcmp(argv[i], "--t") && i + 1 < argc) {
+      only_t = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json] [--quick] [--only VARIANT] [--t T]\n"
+                   "  VARIANT: auto per_batch persistent tma tma_s2 tma_s4 tma_1blk\n",
+                   argv[0]);
       return 2;
     }
   }
   FILE* log = json ? stderr : stdout;  // keep stdout pure JSON with --json
   std::vector<int64_t> sizes = {1, 8, 64, 256, 1024, 4096, 16384};
   if (quick) sizes = {1, 64, 4096};
-  ProducerCudaOptions per_batch, persistent;
-  per_batch.kernel = ProducerCudaKernel::kPerBatch;
-  persistent.kernel = ProducerCudaKernel::kPersistent;
+  if (only_t > 0) sizes = {only_t};
+  int sms = 0;
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  // Every fused kernel variant, spot-checked and timed at every T (the default choice, kAuto, is
+  // fused_us / unfused_us). tma = the bulk-copy pipeline with 3 stages; s2 / s4 other stage counts;
+  // 1blk one block per SM.
+  struct Variant {
+    const char* name;
+    ProducerCudaOptions opt;
+  };
+  std::vector<Variant> variants(6);
+  variants[0].name = "per_batch";
+  variants[0].opt.kernel = ProducerCudaKernel::kPerBatch;
+  variants[1].name = "persistent";
+  variants[1].opt.kernel = ProducerCudaKernel::kPersistent;
+  variants[2].name = "tma";
+  variants[2].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[3].name = "tma_s2";
+  variants[3].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[3].opt.tma_stages = 2;
+  variants[4].name = "tma_s4";
+  variants[4].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[4].opt.tma_stages = 4;
+  variants[5].name = "tma_1blk";
+  variants[5].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[5].opt.persistent_blocks = sms;
+  const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  if (only != nullptr) {  // one variant: for profiling (M3_BENCH_PROFILE=1: two launches per T)
+    ProducerCudaOptions opt;
+    bool found = !std::strcmp(only, "auto");
+    for (const Variant& v : variants) {
+      if (!std::strcmp(only, v.name)) {
+        opt = v.opt;
+        found = true;
+      }
+    }
+    if (!found) {
+      std::fprintf(stderr, "unknown variant %s\n", only);
+      return 2;
+    }
+    bool pass = true;
+    CleanColdTimer timer;
+    std::vector<bench::Row> rows;
+    for (const int64_t t : sizes) {
+      Case c;
+      build(c, t);
+      run_or_die(c.params[0], stream, opt);
+      sync_or_die(stream, only);
+      pass &= spot_check(c, only, log);
+      const double us =
+          timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, opt); }, stream, t <= 256)
+              .median_us;
+      bench::Row r;
+      r.add("T", std::to_string(t));
+      r.add("variant", only);
+      r.add("fused_us", us, 2);
+      r.add("fused_pct_copy", 100.0 * bytes_moved(c, 0) / (us * 1e3) / bench::kCopyBandwidthGBs, 1);
+      rows.push_back(r);
+    }
+    bench::print_rows("producer, one variant (TP1: n_q 64, n_kv 4; cold L2)", rows, json);
+    std::fprintf(log, "spot checks: %s\n", pass ? "PASS" : "FAIL");
+    cudaStreamDestroy(stream);
+    return pass ? 0 : 1;
+  }
 
   std::vector<bench::Row> rows;
   bool all_pass = true;
@@ -401,35 +498,31 @@ int main(int argc, char** argv) {
   for (const int64_t t : sizes) {
     Case c;
     build(c, t);
-    // Spot checks: fused, then the unfused pair over the same (reset) outputs.
+    const auto reset = [&] {
+      check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
+                 "reset");
+      check_cuda(cudaMemsetAsync(c.d_q.get(), 0, static_cast<size_t>(t) * kNq * kHeadDim, stream),
+                 "reset");
+      check_cuda(cudaMemsetAsync(c.d_iq.get(), 0, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
+                 "reset");
+    };
+    // Spot checks: fused, then the unfused pair over the same (reset) outputs, on the default
+    // choice and on the bulk-copy kernel; then every fused variant.
     run_or_die(c.params[0], stream);
-    check_cuda(cudaStreamSynchronize(stream), "fused run");
+    sync_or_die(stream, "fused run");
     all_pass &= spot_check(c, "fused", log);
-    check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
-               "reset");
-    check_cuda(cudaMemsetAsync(c.d_q.get(), 0, static_cast<size_t>(t) * kNq * kHeadDim, stream),
-               "reset");
-    check_cuda(cudaMemsetAsync(c.d_iq.get(), 0, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
-               "reset");
-    run_or_die(c.params[1], stream);
-    run_or_die(c.params[2], stream);
-    check_cuda(cudaStreamSynchronize(stream), "unfused run");
-    all_pass &= spot_check(c, "main + index", log);
-    // Both fused kernels explicitly (the default picked one of them above).
-    const bool compare = t >= 1024;
-    if (compare) {
-      for (const ProducerCudaOptions* o : {&per_batch, &persistent}) {
-        check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
-                   "reset");
-        check_cuda(cudaMemsetAsync(c.d_q.get(), 0, static_cast<size_t>(t) * kNq * kHeadDim, stream),
-                   "reset");
-        check_cuda(
-            cudaMemsetAsync(c.d_iq.get(), 0, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
-            "reset");
-        run_or_die(c.params[0], stream, *o);
-        check_cuda(cudaStreamSynchronize(stream), "fused run");
-        all_pass &= spot_check(c, o == &persistent ? "fused persistent" : "fused per-batch", log);
-      }
+    for (const ProducerCudaOptions* o : {static_cast<const ProducerCudaOptions*>(nullptr), &tma}) {
+      reset();
+      run_or_die(c.params[1], stream, o ? *o : ProducerCudaOptions{});
+      run_or_die(c.params[2], stream, o ? *o : ProducerCudaOptions{});
+      sync_or_die(stream, "unfused run");
+      all_pass &= spot_check(c, o ? "main + index (tma)" : "main + index", log);
+    }
+    for (const Variant& v : variants) {
+      reset();
+      run_or_die(c.params[0], stream, v.opt);
+      sync_or_die(stream, v.name);
+      all_pass &= spot_check(c, (std::string("fused ") + v.name).c_str(), log);
     }
 
     const auto fused = [&](cudaStream_t s) { run_or_die(c.params[0], s); };
@@ -442,22 +535,24 @@ int main(int argc, char** argv) {
     const bench::Timing tu = timer.time(unfused, stream, graph);
     const bench::Timing tf_memset =
         graph ? bench::time_graph_cold(fused, stream) : bench::time_cold(fused, stream);
-    // Kernel comparison (fused; and the unfused pair on the per-batch kernel, as before).
-    bench::Timing tf_pb, tf_ps, tu_pb;
-    if (compare) {
-      tf_pb =
-          timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, per_batch); }, stream, graph);
-      tf_ps = timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, persistent); }, stream,
-                         graph);
-      tu_pb = timer.time(
-          [&](cudaStream_t s) {
-            run_or_die(c.params[1], s, per_batch);
-            run_or_die(c.params[2], s, per_batch);
-          },
-          stream, graph);
-    }
+    std::vector<double> tv;
+    for (const Variant& v : variants)
+      tv.push_back(
+          timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, v.opt); }, stream, graph)
+              .median_us);
+    const double tu_tma = timer
+                              .time(
+                                  [&](cudaStream_t s) {
+                                    run_or_die(c.params[1], s, tma);
+                                    run_or_die(c.params[2], s, tma);
+                                  },
+                                  stream, graph)
+                              .median_us;
     const double bf = bytes_moved(c, 0), bu = bytes_moved(c, 1) + bytes_moved(c, 2);
     const double gbs_f = bf / (tf.median_us * 1e3), gbs_u = bu / (tu.median_us * 1e3);
+    const auto pct = [](double bytes, double us) {
+      return 100.0 * bytes / (us * 1e3) / bench::kCopyBandwidthGBs;
+    };
     bench::Row r;
     r.add("T", std::to_string(t));
     r.add("timing", graph ? "graph" : "eager");
@@ -472,19 +567,13 @@ int main(int argc, char** argv) {
     r.add("fused_min_us", tf.min_us, 2);
     r.add("fused_p90_us", tf.p90_us, 2);
     r.add("fused_us_memset_flush", tf_memset.median_us, 2);
-    if (compare) {
-      r.add("per_batch_us", tf_pb.median_us, 2);
-      r.add("per_batch_pct_copy", 100.0 * bf / (tf_pb.median_us * 1e3) / bench::kCopyBandwidthGBs,
-            1);
-      r.add("persistent_us", tf_ps.median_us, 2);
-      r.add("persistent_pct_copy", 100.0 * bf / (tf_ps.median_us * 1e3) / bench::kCopyBandwidthGBs,
-            1);
-      r.add("unfused_per_batch_us", tu_pb.median_us, 2);
-    } else {
-      for (const char* name : {"per_batch_us", "per_batch_pct_copy", "persistent_us",
-                               "persistent_pct_copy", "unfused_per_batch_us"})
-        r.add(name, "-");
+    for (size_t i = 0; i < variants.size(); ++i) {
+      r.add(std::string(variants[i].name) + "_us", tv[i], 2);
+      r.add(std::string(variants[i].name) + "_pct", pct(bf, tv[i]), 1);
     }
+    r.add("unfused_tma_us", tu_tma, 2);
+    r.add("unfused_tma_pct", pct(bu, tu_tma), 1);
+    r.add("unfused_tma_over_tma", tu_tma / tv[2], 3);
     rows.push_back(r);
   }
   bench::print_rows("producer (TP1: n_q 64, n_kv 4; cold L2)", rows, json);

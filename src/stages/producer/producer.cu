@@ -40,28 +40,74 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
   return Status::Ok();
 }
 
+// The bulk-copy pipeline: dynamic shared memory sized from the heads per row (host attribute
+// calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
+template <ProducerMode kMode, int kStages>
+Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms,
+                  cudaStream_t stream) {
+  const pk::TmaGeometry g = pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor));
+  const size_t smem = pk::tma_smem_bytes(g, kStages);
+  auto* kernel = &pk::producer_tma_kernel<kMode, kStages>;
+  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem)));
+  if (blocks == 0) {
+    int per_sm = 0;
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, pk::kTmaThreads, smem));
+    M3_CHECK_ARG(per_sm > 0, "producer bulk-copy kernel: ", smem,
+                 " bytes of shared memory per block do not fit one SM");
+    blocks = sms * per_sm;
+  }
+  const auto grid = static_cast<uint32_t>(std::min<int64_t>(g.num_tiles, blocks));
+  kernel<<<grid, pk::kTmaThreads, smem, stream>>>(args, g);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <ProducerMode kMode>
+Status launch_tma_stages(const pk::KernelArgs& args, int64_t tasks, int stages, int blocks, int sms,
+                         cudaStream_t stream) {
+  switch (stages) {
+    case 2:
+      return launch_tma<kMode, 2>(args, tasks, blocks, sms, stream);
+    case 3:
+      return launch_tma<kMode, 3>(args, tasks, blocks, sms, stream);
+    case 4:
+      return launch_tma<kMode, 4>(args, tasks, blocks, sms, stream);
+  }
+  return unsupported("producer: no bulk-copy kernel with ", stages, " stages");
+}
+
 template <ProducerMode kMode>
 Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel kernel,
-                   int persistent_blocks, cudaStream_t stream) {
+                   int persistent_blocks, int tma_stages, int sms, cudaStream_t stream) {
   if (kernel == ProducerCudaKernel::kAuto)
     kernel = pk::use_persistent_variant(tasks) ? ProducerCudaKernel::kPersistent
                                                : ProducerCudaKernel::kPerBatch;
+  if (kernel == ProducerCudaKernel::kTmaPipeline)
+    return launch_tma_stages<kMode>(args, tasks, tma_stages, persistent_blocks, sms, stream);
   if (kernel == ProducerCudaKernel::kPersistent)
-    return launch_persistent<kMode>(args, tasks, persistent_blocks, stream);
+    return launch_persistent<kMode>(
+        args, tasks, persistent_blocks > 0 ? persistent_blocks : sms * pk::kPersistentBlocksPerSm,
+        stream);
   if (pk::use_small_variant(tasks)) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
   return launch<kMode, pk::kTasksLarge>(args, tasks, stream);
 }
 
 // The one dispatch point from the run-time mode to the kernel template.
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
-                ProducerCudaKernel kernel, int persistent_blocks, cudaStream_t stream) {
+                const ProducerCudaOptions& o, int sms, cudaStream_t stream) {
+  const int stages = o.tma_stages == 0 ? pk::kTmaStagesDefault : o.tma_stages;
   switch (mode) {
     case ProducerMode::kFused:
-      return launch_mode<ProducerMode::kFused>(args, tasks, kernel, persistent_blocks, stream);
+      return launch_mode<ProducerMode::kFused>(args, tasks, o.kernel, o.persistent_blocks, stages,
+                                               sms, stream);
     case ProducerMode::kMain:
-      return launch_mode<ProducerMode::kMain>(args, tasks, kernel, persistent_blocks, stream);
+      return launch_mode<ProducerMode::kMain>(args, tasks, o.kernel, o.persistent_blocks, stages,
+                                              sms, stream);
     case ProducerMode::kIndex:
-      return launch_mode<ProducerMode::kIndex>(args, tasks, kernel, persistent_blocks, stream);
+      return launch_mode<ProducerMode::kIndex>(args, tasks, o.kernel, o.persistent_blocks, stages,
+                                               sms, stream);
   }
   return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
 }
@@ -76,6 +122,8 @@ const char* producer_cuda_kernel_name(ProducerCudaKernel kernel) {
       return "per-batch";
     case ProducerCudaKernel::kPersistent:
       return "persistent";
+    case ProducerCudaKernel::kTmaPipeline:
+      return "tma-pipeline";
   }
   return "unknown";
 }
@@ -88,11 +136,15 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                          const ProducerCudaOptions& options) {
   M3_RETURN_IF_ERROR(validate_producer(p));
   const int kernel = static_cast<int>(options.kernel);
-  M3_CHECK_ARG(kernel >= 0 && kernel <= static_cast<int>(ProducerCudaKernel::kPersistent),
+  M3_CHECK_ARG(kernel >= 0 && kernel <= static_cast<int>(ProducerCudaKernel::kTmaPipeline),
                "run_producer_cuda: unknown kernel choice ", kernel);
   M3_CHECK_ARG(options.persistent_blocks >= 0, "run_producer_cuda: persistent_blocks ",
                options.persistent_blocks, " must be >= 0 (0 = SMs x ", pk::kPersistentBlocksPerSm,
                ")");
+  M3_CHECK_ARG(options.tma_stages == 0 ||
+                   (options.tma_stages >= 2 && options.tma_stages <= pk::kTmaStagesMax),
+               "run_producer_cuda: tma_stages ", options.tma_stages, " must be 0 (default ",
+               pk::kTmaStagesDefault, ") or in [2, ", pk::kTmaStagesMax, "]");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;
@@ -116,17 +168,14 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CHECK_ARG(tasks <= kMaxTasks, "producer launch geometry: T ", t, " x ", heads,
                " heads = ", tasks, " tasks exceeds the kernel's limit of ", kMaxTasks);
 
-  // Persistent grid: the device's SMs x resident blocks per SM (a host attribute query, no sync:
-  // capturable), unless the caller fixes it.
-  int blocks = options.persistent_blocks;
-  if (blocks == 0) {
-    int sms = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
-    blocks = std::max(sms, 1) * pk::kPersistentBlocksPerSm;
-  }
+  // Persistent grids: the device's SMs x resident blocks per SM (host attribute queries, no sync:
+  // capturable), unless the caller fixes them.
+  int sms = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
+  sms = std::max(sms, 1);
 
   const pk::KernelArgs a = pk::make_kernel_args(p, heads);
-  return dispatch(p.mode, a, tasks, options.kernel, blocks, stream);
+  return dispatch(p.mode, a, tasks, options, sms, stream);
 }
 
 }  // namespace m3attn

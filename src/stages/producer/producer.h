@@ -61,13 +61,18 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
 
 // Kernel choice of the CUDA producer (all produce identical bytes): kAuto picks by batch size;
 // kPerBatch is one block per batch of 96 tasks (32 below one wave), kPersistent a grid of about
-// SMs x 2 blocks looping over the batches with the next batch's loads in flight.
-enum class ProducerCudaKernel : int { kAuto = 0, kPerBatch = 1, kPersistent = 2 };
+// SMs x 2 blocks looping over the batches with the next batch's loads in flight, kTmaPipeline a
+// persistent warp-specialized grid whose copy warp streams tiles of 128 tasks into a 3-stage
+// shared-memory ring with bulk copies (TMA) while 8 warps compute.
+enum class ProducerCudaKernel : int { kAuto = 0, kPerBatch = 1, kPersistent = 2, kTmaPipeline = 3 };
 const char* producer_cuda_kernel_name(ProducerCudaKernel kernel);
 struct ProducerCudaOptions {
   ProducerCudaKernel kernel = ProducerCudaKernel::kAuto;
-  // Grid of the persistent kernel (capped at the batch count); 0 = the device's SMs x 2.
+  // Grid of the persistent and bulk-copy kernels (capped at the batch / tile count); 0 = the
+  // device's SMs x resident blocks per SM.
   int persistent_blocks = 0;
+  // Shared-memory stages of the bulk-copy kernel: 0 = the default (3), else 2..4.
+  int tma_stages = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -31,24 +31,38 @@
 // 4 blocks of 256 threads per SM: ~96 KB in flight per SM) and 1 below one full wave of blocks,
 // where more and shorter blocks cut the latency of decode-sized calls.
 //
-// Two kernels share the per-task code (process_task), so they write identical bytes:
+// Three kernels share the per-task code (process_task), so they write identical bytes:
 //   per-batch  (producer_kernel): one block per batch, load -> position -> RoPE row -> barrier ->
 //              compute -> store -> exit. Measured on the H200 at T 4096: 43.5 us (65% of copy).
 //              Model: steady state 9.9 ns/token (70%: 165.0 - 43.5 us over 12,288 tokens) plus
 //              ~3 us fixed, so the loss is per-SM concurrency, not the tail. Each block's life is
 //              two dependent memory latencies (position, then RoPE row) + compute, and its 24.6 KB
-//              of packed reads are in flight only during the first latency: the SM's 4 slots keep
-//              read traffic in flight well under half the time (block life ~6.5 us observed:
-//              4 x 37 KB per 6.5 us = 23 KB/us/SM = 3.0 TB/s).
-//   persistent (producer_persistent_kernel, below): SMs x 2 blocks walk the batches with the next
+//              of packed reads are in flight only during the first latency.
+//   persistent (producer_persistent_kernel): SMs x 2 blocks walk the batches with the next
 //              batch's packed loads, RoPE rows and the positions two batches ahead in flight
-//              during compute: per iteration max(latency, compute), ~49 KB of reads in flight per
-//              SM nearly all the time (85% of copy needs ~28 KB at 1.5 us loaded latency).
-//              Chosen when the per-batch kernel would need more than one wave (> 528 batches).
+//              during compute. Measured: 43.9 us at T 4096 (64.8%), 158.3 us at 16384 (71.8%):
+//              no better. Nsight Compute on both: 116 (persistent) / 64 (per-batch) registers,
+//              25% / 50% occupancy, issue slots 54% / 51% busy, IPC 2.4 / 2.3, DRAM 47% / 46% of
+//              peak, ALU (integer) the busiest pipe at 35%: neither memory- nor issue-bound, i.e.
+//              latency-bound. SM active cycles x IPC / tasks = ~290 warp instructions per 4 tasks
+//              (one warp-step): the compute phase is long and, with loads tied to registers, the
+//              bytes in flight per SM fall whenever the warps compute.
+//   bulk-copy pipeline (producer_tma_kernel, ProducerCudaKernel::kTmaPipeline, end of file):
+//              warp-specialized: one copy warp per block streams tiles of 128 tasks (32 KB) into a
+//              ring of 3 shared-memory stages with cp.async.bulk (TMA) and an mbarrier per stage,
+//              8 compute warps read the heads from shared memory. Bytes in flight no longer depend
+//              on registers or on what the compute warps do: 2 blocks per SM (101 KB of shared
+//              memory each at M3 TP1, 70 registers) keep up to 4 stages = 131 KB of reads in
+//              flight per SM (85% of copy needs ~28 KB at ~1.5 us loaded latency), and the compute
+//              warps lose the global-load address math, the per-batch staging loops and the block
+//              barrier: ~215 instead of ~290 warp instructions per warp-step (estimate), i.e. ~1.9
+//              IPC per SM at 85% of copy (49% of the issue slots) with 16 compute warps per SM
+//              that wait only on shared memory and their own arithmetic.
 //
 // Bytes per token at M3 TP1 (fused): read 9856 * 2 (packed) + 8 (position, slot) + 256 (RoPE row);
 // write 64 * 128 (Q) + 4 * 128 (index-Q) + 2 * 4 * 128 (K, V) + 128 (index-K) = 29,832 B. The
-// kernel is bound by HBM bandwidth: ~4.3 TB/s copy gives ~28 us at T = 4096 (~6.9 ns per token).
+// kernel should be bound by HBM bandwidth: ~4.3 TB/s copy gives ~28 us at T = 4096 (~6.9 ns per
+// token); 85% of copy is 33.4 us at T 4096 and 134 us at T 16384.
 #pragma once
 
 #include <cuda_fp8.h>
@@ -78,6 +92,9 @@ constexpr int kTileBytes = 128 * 128;  // one (page, plane, head) tile
 // Head kinds inside a packed row, and their norm-weight slots (V has none).
 enum HeadKind : int { kQ = 0, kK = 1, kV = 2, kIQ = 3, kIK = 4 };
 enum NormSlot : int { kNormQ = 0, kNormK = 1, kNormIQ = 2, kNormIK = 3, kNumNorms = 4 };
+static_assert(int{kNormQ} == int{kQ} && int{kNormK} == int{kK} && int{kNormIQ} == int{kIQ} - 1 &&
+                  int{kNormIK} == int{kIK} - 1,
+              "process_task maps a head kind to its norm slot as kind - (kind > kV)");
 
 // Unsigned 32-bit division by a run-time invariant divisor d in [1, 2^31]: with l = ceil(log2 d)
 // and m = floor(2^32 (2^l - d) / d) + 1, n / d = (mulhi(n, m) + n) >> l for every 32-bit n (the
@@ -301,16 +318,21 @@ __device__ __forceinline__ void process_task(const KernelArgs& a, const LaneRaw&
   widen2(raw.c.w, y[14], y[15]);
 
   // Gemma RMSNorm. Every lane reduces (V discards the result) so the shuffles stay converged.
-  float ss = 0.0f;
+  // Two partial sums (even / odd channels) halve the dependent FMA chain.
+  float ss0 = 0.0f, ss1 = 0.0f;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) ss = fmaf(y[i], y[i], ss);
+  for (int i = 0; i < 16; i += 2) {
+    ss0 = fmaf(y[i], y[i], ss0);
+    ss1 = fmaf(y[i + 1], y[i + 1], ss1);
+  }
+  float ss = ss0 + ss1;
 #pragma unroll
   for (int off = kLanesPerHead / 2; off > 0; off /= 2) ss += __shfl_xor_sync(0xffffffffu, ss, off);
   if (kind != kV) {
     const float r = rsqrtf(ss * (1.0f / 128.0f) + a.eps);
-    const int ws = kind == kQ ? kNormQ : kind == kK ? kNormK : kind == kIQ ? kNormIQ : kNormIK;
-    const float4 wa = s_norm[ws][lane];                // channels 4j ..
-    const float4 wb = s_norm[ws][8 + lane];            // channels 32 + 4j ..
+    const int ws = kind - (kind > kV);       // kQ, kK, kIQ, kIK -> kNormQ, kNormK, kNormIQ, kNormIK
+    const float4 wa = s_norm[ws][lane];      // channels 4j ..
+    const float4 wb = s_norm[ws][8 + lane];  // channels 32 + 4j ..
     const float4 wc0 = s_norm[ws][16 + 2 * lane];      // channels 64 + 8j ..
     const float4 wc1 = s_norm[ws][16 + 2 * lane + 1];  // channels 68 + 8j ..
     const float w[16] = {wa.x,  wa.y,  wa.z,  wa.w,  wb.x,  wb.y,  wb.z,  wb.w,
@@ -343,8 +365,9 @@ __device__ __forceinline__ void process_task(const KernelArgs& a, const LaneRaw&
     if (!pos_ok) {
       code_a = code_b = code_c.x = code_c.y = 0x7f7f7f7fu;
     }
-    row = kind == kQ ? a.q_out + (static_cast<int64_t>(t) * a.n_q + sub) * 128
-                     : a.iq_out + (static_cast<int64_t>(t) * a.n_kv + sub) * 128;
+    // t * n + sub < T * H <= 2^31 - 1 (checked by the launcher): a 32-bit row index.
+    row = kind == kQ ? a.q_out + static_cast<uint64_t>(t * a.n_q + sub) * 128
+                     : a.iq_out + static_cast<uint64_t>(t * a.n_kv + sub) * 128;
   } else if (pos_ok && slot >= 0 && (slot >> 7) < a.num_pages) {
     const int64_t page = slot >> 7;
     const int64_t in_page = static_cast<int64_t>(slot & 127) * 128;
@@ -559,6 +582,229 @@ constexpr int64_t num_batches(int64_t tasks, int u) {
 // the per-batch kernel's shorter prologue and more blocks per SM.
 inline bool use_persistent_variant(int64_t tasks) {
   return num_batches(tasks, kPersistentTasks) > kAssumedSms * 4;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The bulk-copy pipeline kernel (ProducerCudaKernel::kTmaPipeline). Warp-specialized persistent
+// blocks of 8 compute warps + 1 copy warp; the packed rows never pass through the compute warps'
+// registers on their way from HBM: the copy warp moves them into a ring of kTmaStages shared-memory
+// stages with cp.async.bulk (the Hopper TMA unit's 1-D copy, completion counted in bytes on an
+// mbarrier), and the compute warps read them from shared memory.
+//
+// Tile: kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16, 1.66 tokens at M3 TP1), the
+// same (token, head) numbering as above; group g (0..31) of the compute warps takes tasks
+// first + 32 r + g, r = 0..3, and runs process_task on them, so this kernel writes the same bytes
+// as the other two. Per stage the copy warp also stages the tile's positions and slots (plain
+// loads and st.shared by the copy lanes, each lane arriving on the stage's "full" barrier after
+// its own writes) and the RoPE rows of the positions inside the table (bulk copies, 256 B each).
+// Per token of a tile one bulk copy moves the token's heads inside the tile (rows are contiguous
+// from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies at M3 TP1.
+//
+// Why: the per-batch and persistent kernels keep their loads in registers (96 B per thread), so
+// bytes in flight are tied to registers and occupancy (116 registers: 25% occupancy, 47% of DRAM
+// peak measured), and each block's life is a chain of dependent latencies. Here the bytes in
+// flight per SM are the stages being filled: with 3 stages of 32.8 KB and 2 blocks per SM (2 x
+// 101 KB of shared memory at M3 TP1), up to 4 stages = 131 KB per SM can be in flight while 2 are
+// computed; 85% of 4.3 TB/s with ~1.5 us loaded latency needs ~28 KB of reads in flight per SM.
+// The compute warps then only issue: shared loads (3 per task and lane instead of 3 global loads
+// plus their address math), the per-task math and the stores; no barrier of the whole block per
+// batch and no dependent position -> RoPE load in their path (the copy warp, running up to 2
+// tiles ahead, absorbs it).
+// Synchronisation per stage s (use u = it / kTmaStages of iteration it):
+//   full[s]  (32 arrivals: every copy lane; + the tile's bytes): the compute warps wait parity u&1;
+//   empty[s] (8 arrivals: one per compute warp after its last shared read of the stage): the copy
+//            warp waits parity (u - 1)&1 before refilling the stage (it >= kTmaStages).
+
+constexpr int kTmaComputeWarps = 8;
+constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
+constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
+constexpr int kTmaRounds = kTmaTileTasks / kGroupsPerBlock;
+constexpr int kTmaStagesDefault = 3;  // 2 and 4 are built too (ProducerCudaOptions::tma_stages)
+constexpr int kTmaStagesMax = 4;
+constexpr int kHeadBytes = 128 * 2;  // one BF16 head
+static_assert(kTmaComputeWarps * 32 == kThreads, "compute warps are the 256-thread group layout");
+
+// Shared-memory layout of one stage (bytes), from the heads per row (host and device agree).
+struct TmaGeometry {
+  uint32_t num_tiles = 0;
+  uint32_t max_tok = 0;      // tokens a tile can touch: (128 - 1) / H + 2
+  uint32_t rope_off = 0;     // [max_tok][64] f32
+  uint32_t pos_off = 0;      // [max_tok] i32
+  uint32_t slot_off = 0;     // [max_tok] i32
+  uint32_t stage_bytes = 0;  // multiple of 16
+};
+
+__host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
+
+inline TmaGeometry make_tma_geometry(int64_t tasks, int heads) {
+  TmaGeometry g;
+  g.num_tiles = static_cast<uint32_t>((tasks + kTmaTileTasks - 1) / kTmaTileTasks);
+  g.max_tok = static_cast<uint32_t>((kTmaTileTasks - 1) / heads + 2);
+  g.rope_off = kTmaTileTasks * kHeadBytes;
+  g.pos_off = g.rope_off + g.max_tok * kRopeFloats * 4;
+  g.slot_off = g.pos_off + round_up16(g.max_tok * 4);
+  g.stage_bytes = g.slot_off + round_up16(g.max_tok * 4);
+  return g;
+}
+inline size_t tma_smem_bytes(const TmaGeometry& g, int stages) {
+  return static_cast<size_t>(stages) * g.stage_bytes;
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.b32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 1-D bulk copy global -> shared, completion (bytes) counted on `bar`. 16-byte aligned addresses,
+// size a multiple of 16.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(smem_addr(dst)),
+      "l"(static_cast<uint64_t>(__cvta_generic_to_global(src))), "r"(bytes), "r"(smem_addr(bar)),
+      "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
+// The copy warp's work for one tile into stage `st`: positions and slots (st.shared), then one
+// arrival per lane on `full` (lane 0 with the tile's byte count), then the bulk copies.
+__device__ __forceinline__ void tma_fill_stage(const KernelArgs& a, const TmaGeometry& g,
+                                               uint32_t tile, uint8_t* st, uint64_t* full, int lane,
+                                               uint64_t stream_policy, uint64_t keep_policy) {
+  const uint32_t first = tile * static_cast<uint32_t>(kTmaTileTasks);
+  const uint32_t last = min(first + kTmaTileTasks, a.num_tasks) - 1;
+  const uint32_t t_first = a.heads.div(first);
+  const uint32_t t_last = a.heads.div(last);
+  const int n_tok = static_cast<int>(t_last - t_first) + 1;
+  auto* s_pos = reinterpret_cast<int32_t*>(st + g.pos_off);
+  auto* s_slot = reinterpret_cast<int32_t*>(st + g.slot_off);
+  uint32_t rows = 0;  // RoPE rows this lane copies
+  for (int k = lane; k < n_tok; k += 32) {
+    const int32_t pos = __ldg(a.positions + t_first + k);
+    s_pos[k] = pos;
+    s_slot[k] = __ldg(a.slots + t_first + k);
+    rows += static_cast<uint32_t>(pos) < a.max_pos;
+  }
+  const uint32_t all_rows = __reduce_add_sync(0xffffffffu, rows);
+  if (lane == 0) {
+    mbar_arrive_expect_tx(full, (last - first + 1) * kHeadBytes + all_rows * kRopeFloats * 4);
+  } else {
+    mbar_arrive(full);
+  }
+  __syncwarp();
+  const uint32_t heads = a.heads.divisor;
+  for (int k = lane; k < n_tok; k += 32) {
+    const uint32_t t = t_first + k;
+    const uint32_t h0 = k == 0 ? first - t * heads : 0;
+    const uint32_t h1 = t == t_last ? last - t * heads : heads - 1;
+    const uint16_t* src =
+        a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h0) * 128;
+    bulk_copy_g2s(st + (t * heads + h0 - first) * kHeadBytes, src, (h1 - h0 + 1) * kHeadBytes, full,
+                  stream_policy);
+    const int32_t pos = s_pos[k];
+    if (static_cast<uint32_t>(pos) < a.max_pos)
+      bulk_copy_g2s(st + g.rope_off + k * kRopeFloats * 4,
+                    a.rope + static_cast<int64_t>(pos) * kRopeFloats, kRopeFloats * 4, full,
+                    keep_policy);
+  }
+}
+
+template <ProducerMode kMode, int kTmaStages>
+__global__ void __launch_bounds__(kTmaThreads, 2)
+    producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float4 s_norm[kNumNorms][32];
+  __shared__ __align__(8) uint64_t full[kTmaStages];
+  __shared__ __align__(8) uint64_t empty[kTmaStages];
+
+  const int warp = threadIdx.x / 32;
+  const int lane32 = threadIdx.x % 32;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kTmaStages; ++s) {
+      mbar_init(&full[s], 32);
+      mbar_init(&empty[s], kTmaComputeWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  stage_norms(a, s_norm);  // threads 0..63: compute warps 0 and 1
+  __syncthreads();
+
+  const uint32_t stride = gridDim.x;
+  if (warp == kTmaComputeWarps) {
+    // ---- copy warp ----
+    const uint64_t stream_policy = l2_policy_evict_first();
+    const uint64_t keep_policy = l2_policy_evict_last();
+    uint32_t it = 0;
+    for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
+      const uint32_t s = it % kTmaStages;
+      const uint32_t use = it / kTmaStages;
+      if (use > 0) mbar_wait(&empty[s], (use - 1) & 1u);
+      tma_fill_stage(a, g, tile, smem + s * g.stage_bytes, &full[s], lane32, stream_policy,
+                     keep_policy);
+    }
+    return;
+  }
+
+  // ---- compute warps ----
+  const int lane = threadIdx.x & (kLanesPerHead - 1);
+  const int group = threadIdx.x / kLanesPerHead;  // 0..31
+  uint32_t it = 0;
+#pragma unroll 1
+  for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
+    const uint32_t s = it % kTmaStages;
+    const uint8_t* st = smem + s * g.stage_bytes;
+    const uint32_t first = tile * static_cast<uint32_t>(kTmaTileTasks);
+    const uint32_t t_first = a.heads.div(first);
+    mbar_wait(&full[s], (it / kTmaStages) & 1u);
+    const auto* s_rope = reinterpret_cast<const float4(*)[kRopeFloats / 4]>(st + g.rope_off);
+    const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
+    const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
+#pragma unroll 1
+    for (int r = 0; r < kTmaRounds; ++r) {
+      const uint32_t task = first + r * kGroupsPerBlock + group;
+      const bool valid = task < a.num_tasks;
+      const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
+      LaneRaw raw;
+      raw.a = *reinterpret_cast<const uint2*>(head + 8 * lane);
+      raw.b = *reinterpret_cast<const uint2*>(head + 64 + 8 * lane);
+      raw.c = *reinterpret_cast<const uint4*>(head + 128 + 16 * lane);
+      process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos, s_slot);
+    }
+    __syncwarp();
+    if (lane32 == 0) mbar_arrive(&empty[s]);
+  }
 }
 
 }  // namespace m3attn::producer_kernel

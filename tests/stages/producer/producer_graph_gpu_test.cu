@@ -1,0 +1,358 @@
+// GPU tests of the producer kernels (SPEC sections 3-4, 8) beyond the twin comparisons of
+// producer_gpu_test.cu: CUDA-graph capture and replay with new inputs, the kernel variants
+// (per-batch, persistent, bulk-copy pipeline) against each other byte for byte, rejected options
+// and calls, and T = 0. Helpers and tolerances: producer_gpu_test_util.h.
+#include "producer_gpu_test_util.h"
+
+namespace m3attn::producer_gpu_test {
+namespace {
+
+// Capture once (fused, and the unfused pair as two nodes), replay with new packed rows, new
+// positions and new slots (a -1 among them) written into the same buffers: byte-identical to
+// an eager run from the same state, and within tolerance of the twin.
+void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  SCOPED_TRACE(::testing::Message()
+               << "T " << t << " kernel " << producer_cuda_kernel_name(opt.kernel)
+               << " persistent_blocks " << opt.persistent_blocks);
+  mt::Rng rng(seed);
+  const int64_t pages = pages_for(t) + 4;
+  Inputs in = make_inputs(64, 4, t, pages, rng);
+  const Layout lay = separate_layout(4, pages, 3, 0, 0);
+  Packed fused = packed_for(in, ProducerMode::kFused, rng);
+  Packed main = packed_for(in, ProducerMode::kMain, rng);
+  Packed index = packed_for(in, ProducerMode::kIndex, rng);
+  const Outputs init = make_outputs(in, lay, rng);
+  Outputs state = init.clone();  // the host side of the device outputs
+
+  Mirror m;
+  mirror_inputs(m, in);
+  m.add_all({&fused.data, &main.data, &index.data});
+  mirror_outputs(m, state);
+  const ProducerParams p_fused =
+      m.device_params(make_params(ProducerMode::kFused, in, fused, state, lay));
+  const ProducerParams p_main =
+      m.device_params(make_params(ProducerMode::kMain, in, main, state, lay));
+  const ProducerParams p_index =
+      m.device_params(make_params(ProducerMode::kIndex, in, index, state, lay));
+
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct Variant {
+    const char* name;
+    std::vector<const ProducerParams*> runs;
+    cudaGraphExec_t exec = nullptr;
+  };
+  Variant variants[] = {{"fused", {&p_fused}}, {"main + index", {&p_main, &p_index}}};
+  for (Variant& v : variants) {
+    cudaGraph_t graph;
+    M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (const ProducerParams* p : v.runs) {
+      const Status s = run_producer_cuda(*p, stream, opt);
+      EXPECT_TRUE(s.ok()) << s.to_string();
+    }
+    M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+    size_t nodes = 0;
+    M3_CUDA_TEST_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    EXPECT_EQ(nodes, v.runs.size()) << v.name << ": one kernel node per call";
+    M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&v.exec, graph, 0));
+    M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
+  }
+
+  for (int round = 0; round < 3; ++round) {
+    SCOPED_TRACE(::testing::Message() << "replay round " << round);
+    fill_token_data(in, pages, rng);
+    int32_t* slot = in.slots.ptr<int32_t>();
+    slot[round] = -1;  // a padding row
+    if (round == 2) {  // padded tail
+      // (through a vector: GCC 12 otherwise believes the tensor is one 64-byte chunk)
+      std::vector<int32_t> all(slot, slot + t + 3);
+      std::fill(all.end() - 11, all.end(), -1);
+      std::memcpy(in.slots.data(), all.data(), all.size() * sizeof(int32_t));
+    }
+    refill_packed(fused, in, ProducerMode::kFused, rng);
+    refill_packed(main, in, ProducerMode::kMain, rng);
+    refill_packed(index, in, ProducerMode::kIndex, rng);
+    for (const Tensor* h : {&in.positions, &in.slots, &fused.data, &main.data, &index.data})
+      m.upload(*h);
+
+    Outputs cpu = init.clone();
+    ASSERT_TRUE(run_producer_cpu(make_params(ProducerMode::kFused, in, fused, cpu, lay)).ok());
+
+    for (Variant& v : variants) {
+      SCOPED_TRACE(v.name);
+      Outputs results[2];  // replay, eager
+      for (int eager = 0; eager < 2; ++eager) {
+        std::memcpy(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes()));
+        std::memcpy(state.iq.data(), init.iq.data(), static_cast<size_t>(init.iq.nbytes()));
+        std::memcpy(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes));
+        m.upload(state.q);
+        m.upload(state.iq);
+        m.upload(state.pool);
+        // Uploads run on the legacy stream; `stream` is non-blocking: order them explicitly.
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+        if (eager) {
+          for (const ProducerParams* p : v.runs) {
+            const Status s = run_producer_cuda(*p, stream, opt);
+            ASSERT_TRUE(s.ok()) << s.to_string();
+          }
+        } else {
+          M3_CUDA_TEST_CHECK(cudaGraphLaunch(v.exec, stream));
+        }
+        wait_or_exit("stream", stream);
+        download_outputs(m, state);
+        results[eager] = state.clone();
+      }
+      EXPECT_EQ(std::memcmp(results[0].q.data(), results[1].q.data(),
+                            static_cast<size_t>(init.q.nbytes())),
+                0);
+      EXPECT_EQ(std::memcmp(results[0].iq.data(), results[1].iq.data(),
+                            static_cast<size_t>(init.iq.nbytes())),
+                0);
+      EXPECT_EQ(std::memcmp(results[0].pool.data(), results[1].pool.data(),
+                            static_cast<size_t>(lay.bytes)),
+                0);
+      expect_match(in, true, true, lay, init, cpu, results[0], false, "replay vs CPU twin");
+    }
+  }
+  for (Variant& v : variants) cudaGraphExecDestroy(v.exec);
+  cudaStreamDestroy(stream);
+}
+
+// T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one; then the
+// persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block) and the
+// bulk-copy pipeline on its default grid and on 5 blocks with 2 stages (181 tiles: ~36 tiles and
+// every stage reused ~18 times per block).
+TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
+  M3_REQUIRE_GPU();
+  for (const int64_t t : {37, 300}) graph_replay_case(t);
+  ProducerCudaOptions persistent;
+  persistent.kernel = ProducerCudaKernel::kPersistent;
+  persistent.persistent_blocks = 5;
+  graph_replay_case(300, persistent);
+  graph_replay_case(37, tma_options());
+  graph_replay_case(300, tma_options(2, 5));
+}
+
+// The persistent kernel (grid-stride loop over batches, next batch's loads, RoPE rows and
+// positions in flight while the current one is computed) against the per-batch kernel: byte for
+// byte (same per-task code), and against the CPU twin. Grids of 1, 3 and 7 blocks run many loop
+// iterations per block (every pipeline stage reused many times), with a partial last batch
+// (T 129 x 77 heads = 9933 tasks = 103 full batches + 45 tasks; index mode with n_kv 1 has 2
+// heads per row: 49 tokens per batch, the staging maximum); the default grid (SMs x 2) at T 4099
+// with the M3 geometry runs ~12 iterations per block; T 1 is a single partial batch.
+TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
+  M3_REQUIRE_GPU();
+  struct Case {
+    Geometry geo;
+    int64_t t;
+    int blocks;
+  };
+  const Case cases[] = {{{64, 4}, 1, 0},  {{64, 4}, 129, 1}, {{64, 4}, 129, 3}, {{64, 4}, 4099, 0},
+                        {{8, 1}, 129, 1}, {{8, 1}, 1001, 7}, {{32, 2}, 517, 3}};
+  for (const Case& c : cases) {
+    const uint64_t seed = mt::fresh_seed();
+    M3_SEED_TRACE(seed);
+    mt::Rng rng(seed);
+    const int64_t pages = pages_for(c.t);
+    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
+    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
+    for (const ProducerMode mode : kModes) {
+      SCOPED_TRACE(::testing::Message()
+                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
+                   << " T " << c.t << " persistent_blocks " << c.blocks);
+      const Packed packed = packed_for(in, mode, rng);
+      const Outputs init = make_outputs(in, lay, rng);
+      ProducerCudaOptions per_batch, persistent;
+      per_batch.kernel = ProducerCudaKernel::kPerBatch;
+      persistent.kernel = ProducerCudaKernel::kPersistent;
+      persistent.persistent_blocks = c.blocks;
+      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
+      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b, persistent);
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
+                   "persistent vs per-batch (exact)");
+      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
+                   "persistent vs CPU twin");
+    }
+  }
+}
+
+// The bulk-copy pipeline (copy warp + 3-stage shared-memory ring, mbarrier phases) against the
+// per-batch kernel: byte for byte (same per-task code) and against the CPU twin. Grids of 1-7
+// blocks run many tiles per block, so every stage and both barrier parities are reused many times
+// (T 129 x 77 heads = 9933 tasks = 77 full tiles of 128 + 77 tasks); index mode with n_kv 1 has 2
+// heads per row, 65 tokens per tile (more than the 32 copy lanes: two passes); rows only 4-byte
+// aligned in the pool; packed row strides padded; 2, 3 and 4 stages.
+TEST(ProducerGpu, TmaPipelineMatchesPerBatchByteForByte) {
+  M3_REQUIRE_GPU();
+  struct Case {
+    Geometry geo;
+    int64_t t;
+    int blocks;
+    int stages;
+  };
+  const Case cases[] = {{{64, 4}, 1, 0, 0},    {{64, 4}, 129, 1, 2},  {{64, 4}, 129, 3, 3},
+                        {{64, 4}, 4099, 0, 0}, {{64, 4}, 4099, 0, 4}, {{8, 1}, 129, 1, 2},
+                        {{8, 1}, 1001, 7, 3},  {{32, 2}, 517, 3, 4},  {{16, 1}, 2050, 0, 2}};
+  for (const Case& c : cases) {
+    const uint64_t seed = mt::fresh_seed();
+    M3_SEED_TRACE(seed);
+    mt::Rng rng(seed);
+    const int64_t pages = pages_for(c.t);
+    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
+    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
+    for (const ProducerMode mode : kModes) {
+      SCOPED_TRACE(::testing::Message()
+                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
+                   << " T " << c.t << " blocks " << c.blocks << " stages " << c.stages);
+      const Packed packed = packed_for(in, mode, rng);
+      const Outputs init = make_outputs(in, lay, rng);
+      ProducerCudaOptions per_batch;
+      per_batch.kernel = ProducerCudaKernel::kPerBatch;
+      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
+      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b,
+                 tma_options(c.stages, c.blocks));
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
+                   "bulk-copy pipeline vs per-batch (exact)");
+      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
+                   "bulk-copy pipeline vs CPU twin");
+    }
+  }
+}
+
+// A negative grid, a stage count outside [2, 4] or an unknown kernel choice is rejected before any
+// launch.
+TEST(ProducerGpu, BadKernelOptionsRejected) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const int64_t t = 16, pages = pages_for(t);
+  const Inputs in = make_inputs(8, 1, t, pages, rng);
+  const Layout lay = separate_layout(1, pages, 1, 0, 0);
+  Packed packed = packed_for(in, ProducerMode::kFused, rng);
+  const Outputs init = make_outputs(in, lay, rng);
+  Outputs state = init.clone();
+  Mirror m;
+  mirror_inputs(m, in);
+  m.add(packed.data);
+  mirror_outputs(m, state);
+  const ProducerParams good =
+      m.device_params(make_params(ProducerMode::kFused, in, packed, state, lay));
+  ProducerCudaOptions neg;
+  neg.kernel = ProducerCudaKernel::kPersistent;
+  neg.persistent_blocks = -1;
+  ProducerCudaOptions unknown;
+  unknown.kernel = static_cast<ProducerCudaKernel>(7);
+  for (const ProducerCudaOptions& o :
+       {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3)}) {
+    const Status s = run_producer_cuda(good, nullptr, o);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_FALSE(s.message().empty());
+  }
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  download_outputs(m, state);
+  EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+}
+
+// A few rejected calls (the CPU suite covers every rule): a Status, no launch, no byte written.
+TEST(ProducerGpu, RejectedCallsTouchNothing) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const int64_t t = 16, pages = pages_for(t);
+  const Inputs in = make_inputs(8, 1, t, pages, rng);
+  const Layout lay = separate_layout(1, pages, 1, 0, 0);
+  Packed packed = packed_for(in, ProducerMode::kFused, rng);
+  const Outputs init = make_outputs(in, lay, rng);
+  Outputs state = init.clone();
+  Mirror m;
+  mirror_inputs(m, in);
+  m.add(packed.data);
+  mirror_outputs(m, state);
+  const ProducerParams host = make_params(ProducerMode::kFused, in, packed, state, lay);
+  const ProducerParams good = m.device_params(host);
+
+  struct Bad {
+    const char* name;
+    ProducerParams p;
+  };
+  std::vector<Bad> bad;
+  bad.push_back({"CPU tensors", host});
+  bad.push_back({"one view on the CPU", good});
+  bad.back().p.rope = host.rope;
+  bad.push_back({"packed base 2 bytes off", good});
+  bad.back().p.packed.data = static_cast<char*>(good.packed.data) + 2;
+  bad.push_back({"slots shorter than T", good});
+  bad.back().p.slots.shape[0] = t - 1;
+  bad.push_back({"index cache page count differs", good});
+  bad.back().p.index_cache.shape[0] = pages - 1;
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.name);
+    const Status s = run_producer_cuda(b.p, nullptr);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_FALSE(s.message().empty());
+  }
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  download_outputs(m, state);
+  EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(state.iq.data(), init.iq.data(), static_cast<size_t>(init.iq.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+
+  // The good call then runs (so the rejections above were not the environment failing).
+  ASSERT_TRUE(run_producer_cuda(good, nullptr).ok());
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+}
+
+// T == 0 launches nothing: the captured graph is empty and every output keeps its bytes.
+TEST(ProducerGpu, ZeroTokensLaunchesNothing) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const Inputs in = make_inputs(16, 1, 0, 2, rng);
+  const Layout lay = separate_layout(1, 2, 1, 0, 0);
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int choice = 0; choice < 2 * 3; ++choice) {
+    const ProducerCudaOptions& opt = kKernelChoices[choice / 3];
+    const ProducerMode mode = kModes[choice % 3];
+    SCOPED_TRACE(::testing::Message()
+                 << producer_mode_name(mode) << " " << producer_cuda_kernel_name(opt.kernel));
+    const Packed packed = packed_for(in, mode, rng);
+    const Outputs init = make_outputs(in, lay, rng);
+    Outputs state = init.clone();
+    Mirror m;
+    mirror_inputs(m, in);
+    mirror_outputs(m, state);
+    const ProducerParams p = m.device_params(make_params(mode, in, packed, state, lay));
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());  // uploads (legacy stream) before `stream`
+    cudaGraph_t graph;
+    M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    const Status s = run_producer_cuda(p, stream, opt);
+    M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    size_t nodes = 1;
+    M3_CUDA_TEST_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    EXPECT_EQ(nodes, 0u);
+    M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
+    ASSERT_TRUE(run_producer_cuda(p, stream, opt).ok());
+    wait_or_exit("stream", stream);
+    download_outputs(m, state);
+    EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+    EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
+  }
+  cudaStreamDestroy(stream);
+}
+
+}  // namespace
+}  // namespace m3attn::producer_gpu_test

@@ -22,7 +22,11 @@
 // tests/stages/projection/gemm_gpu_test_util.h). Exit status 1 on FAIL.
 //
 // A second table compares cuBLASLt with the small-M kernel (Fp8BlockGemmOptions::small_m_max)
-// at M = 1, 4, 8, 16; a third shows cuBLASLt with non-deterministic split-K allowed.
+// at M = 1, 4, 8, 16; a third compares cuBLASLt with the wgmma kernel (Fp8BlockGemmOptions::
+// wgmma_max_m, gemm_wgmma.h) at M = 1, 4, 16, 64, fused and pair, automatic grid and one CTA per
+// SM (its spot checks run at 5, 37 and 13 rows); a fourth shows cuBLASLt with non-deterministic
+// split-K allowed. Every GEMM object names its path, so M3ATTN_GEMM_PATH does not change this
+// benchmark.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair).
@@ -147,8 +151,9 @@ struct Trio {
 };
 
 // ---- spot check -------------------------------------------------------------------------------
-bool spot_check(const Buffers& b, const Trio& g, const char* path, cudaStream_t stream) {
-  const int64_t rows = 5, m = gemm_padded_rows(rows);
+bool spot_check(const Buffers& b, const Trio& g, const char* path, cudaStream_t stream,
+                int64_t rows = 5) {
+  const int64_t m = gemm_padded_rows(rows);
   std::vector<uint16_t> x(static_cast<size_t>(rows * kK));
   uint64_t state = 12345;
   for (auto& v : x) {
@@ -226,10 +231,11 @@ bool spot_check(const Buffers& b, const Trio& g, const char* path, cudaStream_t 
   }
   const bool gemm_ok = bad == 0;
   std::printf(
-      "spot check (%s): quantizer vs twin %s; fused and unfused GEMM vs twin on %lld columns: "
-      "%s (%lld outside the bound, worst error / bound %.3f)\n",
-      path, quant_ok ? "byte-identical" : "DIFFERENT", static_cast<long long>(nsub),
-      gemm_ok ? "within bound" : "OUT OF BOUND", static_cast<long long>(bad), worst);
+      "spot check (%s, %lld rows): quantizer vs twin %s; fused and unfused GEMM vs twin on %lld "
+      "columns: %s (%lld outside the bound, worst error / bound %.3f)\n",
+      path, static_cast<long long>(rows), quant_ok ? "byte-identical" : "DIFFERENT",
+      static_cast<long long>(nsub), gemm_ok ? "within bound" : "OUT OF BOUND",
+      static_cast<long long>(bad), worst);
   const bool ok = quant_ok && gemm_ok;
   std::printf("%s (%s)\n", ok ? "PASS" : "FAIL", path);
   return ok;
@@ -281,23 +287,39 @@ int run(int argc, char** argv) {
 
   // cuBLASLt objects with autotuning (the default), and the fused one without, for comparison.
   const auto tune_start = std::chrono::steady_clock::now();
-  Trio lt{make(b.max_pad, kNF, {}), make(b.max_pad, kN1, {}), make(b.max_pad, kN2, {})};
+  // Every object names its path explicitly (wgmma_max_m), so M3ATTN_GEMM_PATH changes nothing here.
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.wgmma_max_m = 0;
+  Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt), make(b.max_pad, kN2, lt_opt)};
   const double tune_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tune_start)
           .count();
   std::printf("creation of the three autotuned GEMM objects: %.0f ms\n", tune_ms);
   Fp8BlockGemmOptions untuned;
   untuned.autotune = false;
+  untuned.wgmma_max_m = 0;
   auto fused_heur = make(b.max_pad, kNF, untuned);
   Fp8BlockGemmOptions small_opt;
   small_opt.small_m_max = 16;
   small_opt.autotune = false;
+  small_opt.wgmma_max_m = 0;
+  // The wgmma kernel for M <= 64: automatic grid (two CTAs per SM up to M = 32) and one CTA per SM.
+  Fp8BlockGemmOptions wg_opt;
+  wg_opt.autotune = false;
+  wg_opt.wgmma_max_m = 64;
+  Fp8BlockGemmOptions wg1_opt = wg_opt;
+  wg1_opt.wgmma.ctas_per_sm = 1;
+  Trio wg{make(64, kNF, wg_opt), make(64, kN1, wg_opt), make(64, kN2, wg_opt)};
+  Trio wg1{make(64, kNF, wg1_opt), make(64, kN1, wg1_opt), make(64, kN2, wg1_opt)};
   Trio sm{make(16, kNF, small_opt), make(16, kN1, small_opt), make(16, kN2, small_opt)};
   std::printf("%s", lt.fused->describe().c_str());
   if (verbose) std::printf("%s%s", lt.first->describe().c_str(), lt.second->describe().c_str());
 
   bool pass = spot_check(b, lt, "cuBLASLt", stream);
   pass = spot_check(b, sm, "small-M kernel", stream) && pass;
+  pass = spot_check(b, wg, "wgmma kernel", stream) && pass;
+  pass = spot_check(b, wg, "wgmma kernel", stream, 37) && pass;
+  pass = spot_check(b, wg1, "wgmma kernel, 1 CTA/SM", stream, 13) && pass;
   fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
   check_cuda(cudaGetLastError(), "fill");
 
@@ -400,10 +422,72 @@ int run(int argc, char** argv) {
   bench::print_rows("decode: fused N=9856 cuBLASLt vs small-M kernel (graph replay, cold L2)",
                     rows_small, json);
 
+  // Decode sizes: cuBLASLt against the wgmma kernel (run_gemm_wgmma_cuda), same operands; fused
+  // N = 9856 and the pair 9216 + 640.
+  std::vector<bench::Row> rows_wg;
+  for (int64_t rows_m : {int64_t{1}, int64_t{4}, int64_t{16}, int64_t{64}}) {
+    const Calls c = make_calls(b, rows_m);
+    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+    check_cuda(cudaStreamSynchronize(stream), "quantize");
+    auto fused_time = [&](Fp8BlockGemm& g, const char* what) {
+      return bench::time_graph_cold([&](cudaStream_t s) { must(g.run(c.fused, s), what); }, stream,
+                                    3, iters)
+          .median_us;
+    };
+    auto pair_time = [&](const Trio& t, const char* what) {
+      return bench::time_graph_cold(
+                 [&](cudaStream_t s) {
+                   must(t.first->run(c.first, s), what);
+                   must(t.second->run(c.second, s), what);
+                 },
+                 stream, 3, iters)
+          .median_us;
+    };
+    const double t_lt = fused_time(*lt.fused, "fused (cuBLASLt)");
+    const double t_wg = fused_time(*wg.fused, "fused (wgmma)");
+    const double t_wg1 = fused_time(*wg1.fused, "fused (wgmma, 1 CTA/SM)");
+    const double t_lt_pair = pair_time(lt, "pair (cuBLASLt)");
+    const double t_wg_pair = pair_time(wg, "pair (wgmma)");
+    const double t_qwg = bench::time_graph_cold(
+                             [&](cudaStream_t s) {
+                               must(run_quantize_cuda(c.q, s), "quantize");
+                               must(wg.fused->run(c.fused, s), "fused (wgmma)");
+                             },
+                             stream, 3, iters)
+                             .median_us;
+    const int64_t m = gemm_padded_rows(rows_m);
+    const double bytes =
+        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    const double pair_bytes = bytes + static_cast<double>(m * kK + m * kKb * 4);
+    auto pct = [](double b_, double us) {
+      return 100.0 * b_ / us / 1e3 / bench::kCopyBandwidthGBs;
+    };
+    bench::Row r;
+    r.add("M", std::to_string(rows_m));
+    r.add("lt_us", t_lt);
+    r.add("lt_%copy", pct(bytes, t_lt), 1);
+    r.add("wgmma_us", t_wg);
+    r.add("wgmma_GBps", bytes / t_wg / 1e3, 0);
+    r.add("wgmma_%copy", pct(bytes, t_wg), 1);
+    r.add("wgmma1_us", t_wg1);
+    r.add("wgmma1_%copy", pct(bytes, t_wg1), 1);
+    r.add("lt/wgmma", t_lt / t_wg, 3);
+    r.add("lt_pair_us", t_lt_pair);
+    r.add("wg_pair_us", t_wg_pair);
+    r.add("wg_pair_%copy", pct(pair_bytes, t_wg_pair), 1);
+    r.add("q+wgmma_us", t_qwg);
+    rows_wg.push_back(r);
+  }
+  bench::print_rows(
+      "decode: cuBLASLt vs wgmma kernel (wgmma: auto grid; wgmma1: 1 CTA/SM), fused N=9856 and "
+      "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
+      rows_wg, json);
+
   // Decode sizes with every reduction scheme allowed (split-K reduced in place), to see what the
   // deterministic default costs.
   Fp8BlockGemmOptions any;
   any.deterministic = false;
+  any.wgmma_max_m = 0;
   auto fused_any = make(64, kNF, any);
   if (verbose) std::printf("%s", fused_any->describe().c_str());
   std::vector<bench::Row> rows_any;

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -84,6 +85,8 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units);
 }
 
+void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
+
 GemmWgmmaOptions options_of(const Case& c) {
   GemmWgmmaOptions o;
   o.ctas_per_sm = c.ctas_per_sm;
@@ -149,6 +152,10 @@ INSTANTIATE_TEST_SUITE_P(
 struct RandomCase {
   int64_t m, n, k;
 };
+
+void PrintTo(const RandomCase& c, std::ostream* os) {
+  *os << "M " << c.m << " N " << c.n << " K " << c.k;
+}
 
 class GemmWgmmaRandom : public ::testing::TestWithParam<RandomCase> {};
 

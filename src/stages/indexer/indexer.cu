@@ -213,6 +213,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.num_pages = p.index_cache.shape[0];
   a.query_start = p.batch.query_start.ptr<const int32_t>();
   a.positions = p.batch.positions.ptr<const int32_t>();
+  a.seq_lens = p.batch.seq_lens.ptr<const int32_t>();
   a.page_table = p.batch.page_table.ptr<const int32_t>();
   a.pt_stride = p.batch.page_table.stride[0];
   a.num_tokens = static_cast<int>(T);

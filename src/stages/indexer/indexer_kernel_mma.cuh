@@ -182,16 +182,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t by
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
-__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, uint32_t parity) {
+__device__ __forceinline__ bool mbar_try_wait_parity(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
   asm volatile(
       "{\n"
-      ".reg .pred done;\n"
-      "wait_loop:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait_loop;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
+      ".reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
       : "memory");
+  return done != 0;
+}
+// Waits for the phase of the given parity; a wait beyond ~2^32 cycles (seconds: a lost bulk copy)
+// traps instead of hanging, so a broken launch fails visibly.
+__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, uint32_t parity) {
+  if (mbar_try_wait_parity(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait_parity(bar, parity))
+    if (clock64() - start > (1ll << 32)) __trap();
 }
 __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
                                               uint64_t* bar) {
@@ -276,15 +286,76 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
   }
 }
 
+// One 2 KB tile (tile i % 8 of `page`) into ring stage i % kDecStages: 4 x 32 swizzled cp.async of
+// 16 bytes (committed by the caller), or (kBulk) one bulk copy by lane 0 completing on the stage's
+// mbarrier. A page outside the pool (-1) copies nothing; the bulk variant still completes the
+// stage's phase (an arrive without bytes): the block scores NaN and its data is never used.
+template <bool kBulk>
+__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
+                                           int64_t page, int i, int lane) {
+  uint8_t* dst = ring + (i & (kDecStages - 1)) * kTileBytes;
+  if constexpr (kBulk) {
+    if (lane == 0) {
+      uint64_t* bar = bars + (i & (kDecStages - 1));
+      if (page >= 0) {
+        mbar_arrive_expect_tx(bar, kTileBytes);
+        bulk_copy_g2s(dst, page_base(a, page) + (i & 7) * kTileBytes, kTileBytes, bar);
+      } else {
+        mbar_arrive(bar);
+      }
+    }
+  } else if (page >= 0) {
+    const uint8_t* src = page_base(a, page) + (i & 7) * kTileBytes;
+#pragma unroll
+    for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
+      const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
+      cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
+    }
+  }
+}
+
+// The start of a warp's tile stream: (kBulk) the stage barriers, then tiles 0 .. kDecStages - 2,
+// all in the warp's first block (page pg_first). Needs only the page-table entry, so the fused
+// kernel issues it before query_start and positions arrive (see decode_path).
+template <bool kBulk>
+__device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
+                                                int64_t pg_first, int lane) {
+  if constexpr (kBulk) {
+    if (lane == 0) {
+#pragma unroll
+      for (int st = 0; st < kDecStages; ++st) mbar_init(bars + st, 1);
+      mbar_init_fence();
+    }
+    __syncwarp();
+  }
+#pragma unroll
+  for (int i = 0; i < kDecStages - 1; ++i) {
+    issue_tile<kBulk>(a, ring, bars, pg_first, i, lane);
+    if constexpr (!kBulk) cp_async_commit();
+  }
+}
+
+// Waits for a prologue whose tiles turn out not to be needed (no copy may outlive the CTA).
+template <bool kBulk>
+__device__ __forceinline__ void stream_prologue_drain(uint64_t* bars) {
+  if constexpr (kBulk) {
+#pragma unroll
+    for (int st = 0; st < kDecStages - 1; ++st) mbar_wait_parity(bars + st, 0);
+  } else {
+    cp_async_wait<0>();
+  }
+}
+
 // The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // kBulk: each tile is one 2 KB bulk copy issued by lane 0, completing on the stage's mbarrier
 // (bars: the warp's kDecStages barriers) instead of 4 x 32 cp.async of 16 bytes.
+// pre_issued: the caller already ran stream_prologue (same ring, barriers and pg_first).
 template <int NT, bool kFused, bool kBulk>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
-                                            int64_t pg_second, float* sblk, int b0,
-                                            uint64_t* bars) {
+                                            int64_t pg_second, float* sblk, int b0, uint64_t* bars,
+                                            bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -310,39 +381,13 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         pg_cur = pg_next;
         pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
       }
-      if constexpr (kBulk) {
-        if (lane == 0) {
-          uint64_t* bar = bars + (i & (kDecStages - 1));
-          if (pg_cur >= 0) {
-            mbar_arrive_expect_tx(bar, kTileBytes);
-            bulk_copy_g2s(ring + (i & (kDecStages - 1)) * kTileBytes,
-                          page_base(a, pg_cur) + (i & 7) * kTileBytes, kTileBytes, bar);
-          } else {
-            mbar_arrive(bar);  // completes the phase: the block scores NaN, its data is unused
-          }
-        }
-      } else if (pg_cur >= 0) {
-        const uint8_t* src = page_base(a, pg_cur) + (i & 7) * kTileBytes;
-        uint8_t* dst = ring + (i & (kDecStages - 1)) * kTileBytes;
-#pragma unroll
-        for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
-          const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
-          cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
-        }
-      }
+      issue_tile<kBulk>(a, ring, bars, pg_cur, i, lane);
     }
     if constexpr (!kBulk) cp_async_commit();  // possibly empty: keeps the group count uniform
   };
-  if constexpr (kBulk) {
-    if (lane == 0) {
-#pragma unroll
-      for (int st = 0; st < kDecStages; ++st) mbar_init(bars + st, 1);
-      mbar_init_fence();
-    }
-    __syncwarp();
-  }
-#pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) issue(i);
+  // Tiles 0 .. kDecStages - 2 lie in block 0 (total >= 8): the prologue issues what issue(i)
+  // would.
+  if (!pre_issued) stream_prologue<kBulk>(a, ring, bars, pg_first, lane);
 
   DecodeState<NT> s;
   const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
@@ -458,14 +503,31 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second =
       first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
+  uint64_t* wbars = kBulk ? bars + warp * kDecStages : nullptr;
+  bool pre = false;
+  if constexpr (kFused) {
+    // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
+    // the page table) bounds the unit's visible blocks, so the first tiles of the warp's first
+    // block go out before the query_start -> positions round trips. The exact bound from the
+    // positions decides what is scored; tiles issued for a block that turns out invisible are
+    // waited for and ignored (bounded waste, only when seq_lens disagrees with positions).
+    const int spec_b1 = min(blocks_to_score(a, __ldg(a.seq_lens + r) - 1), bend);
+    if (first < spec_b1) {
+      stream_prologue<kBulk>(a, smem + warp * (kDecStages * kTileBytes), wbars, pg_first, lane);
+      pre = true;
+    }
+  }
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
-  if (n <= 0) return;                        // CTA-uniform
-  const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
-  const int max_pos = __reduce_max_sync(0xffffffffu, p);
-  const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
-  const int b1 = min(nvis, bend);
+  int b1 = 0;
+  if (n > 0) {
+    const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+    const int max_pos = __reduce_max_sync(0xffffffffu, p);
+    const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
+    b1 = min(nvis, bend);
+  }
+  if (pre && first >= b1) stream_prologue_drain<kBulk>(wbars);  // warp-uniform
   if constexpr (kFused) {
     if (b0 >= b1) return;  // CTA-uniform: the fused path has one CTA barrier below
   } else {
@@ -477,19 +539,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, bars + warp * kDecStages);
+                                      b0, wbars, pre);
         break;
       case 2:
         decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, bars + warp * kDecStages);
+                                      b0, wbars, pre);
         break;
       case 3:
         decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, bars + warp * kDecStages);
+                                      b0, wbars, pre);
         break;
       default:
         decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, bars + warp * kDecStages);
+                                      b0, wbars, pre);
         break;
     }
   }

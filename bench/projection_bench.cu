@@ -45,6 +45,7 @@
 
 #include "core/numeric.h"
 #include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 #include "stages/quantize/quantize.h"
 #include "support/bench_util.h"
@@ -482,6 +483,61 @@ int run(int argc, char** argv) {
       "decode: cuBLASLt vs wgmma kernel (wgmma: auto grid; wgmma1: 1 CTA/SM), fused N=9856 and "
       "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
       rows_wg, json);
+
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape and L2 hint.
+  {
+    Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
+    must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
+    void* ws = nullptr;
+    check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
+    check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+    struct Variant {
+      const char* label;
+      GemmWgmmaOptions o;
+    };
+    std::vector<Variant> variants;
+    for (int ctas : {2, 1}) {
+      for (int units : {4, 16}) {
+        for (bool ef : {true, false}) {
+          GemmWgmmaOptions o;
+          o.ctas_per_sm = ctas;
+          o.min_units_per_cta = units;
+          o.weight_evict_first = ef;
+          variants.push_back({nullptr, o});
+        }
+      }
+    }
+    std::vector<bench::Row> rows_var;
+    for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
+      const Calls c = make_calls(b, rows_m);
+      must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+      check_cuda(cudaStreamSynchronize(stream), "quantize");
+      const int64_t m = gemm_padded_rows(rows_m);
+      const double bytes =
+          static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+      for (const Variant& v : variants) {
+        const double us =
+            bench::time_graph_cold(
+                [&](cudaStream_t s) {
+                  must(run_gemm_wgmma_cuda(c.fused, ws, ws_bytes.value(), s, v.o), "wgmma variant");
+                },
+                stream, 3, iters)
+                .median_us;
+        bench::Row r;
+        r.add("M", std::to_string(rows_m));
+        r.add("ctas/SM", std::to_string(m > 32 ? 1 : v.o.ctas_per_sm));
+        r.add("min_units", std::to_string(v.o.min_units_per_cta));
+        r.add("evict_first", v.o.weight_evict_first ? "yes" : "no");
+        r.add("us", us);
+        r.add("GBps", bytes / us / 1e3, 0);
+        r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
+        rows_var.push_back(r);
+      }
+    }
+    bench::print_rows("wgmma kernel variants, fused N=9856 (graph replay, cold L2)", rows_var,
+                      json);
+    cudaFree(ws);
+  }
 
   // Decode sizes with every reduction scheme allowed (split-K reduced in place), to see what the
   // deterministic default costs.

@@ -196,6 +196,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.counters = static_cast<unsigned*>(workspace);
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
+  args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.kblocks = static_cast<int>(kblocks);
   args.units = units;
   if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, stream);

@@ -28,6 +28,8 @@ struct GemmWgmmaOptions {
   int ctas_per_sm = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 4;
+  // Load the weights with an L2 evict-first policy (they are read once per call).
+  bool weight_evict_first = true;
 };
 
 constexpr int64_t kGemmWgmmaMaxM = 64;

@@ -73,11 +73,12 @@ struct WgmmaArgs {
   int64_t sb_s0, sb_s1;
   uint16_t* out;  // bf16 [m, N], row stride ldo
   int64_t ldo;
-  float* partials;     // 2 * grid slots of [m][128] fp32
-  unsigned* counters;  // [tiles], zero before and after every launch
-  int m;               // 1 .. 64
-  int kblocks;         // K / 128
-  int64_t units;       // tiles * kblocks
+  float* partials;         // 2 * grid slots of [m][128] fp32
+  unsigned* counters;      // [tiles], zero before and after every launch
+  int m;                   // 1 .. 64
+  int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
+  int kblocks;             // K / 128
+  int64_t units;           // tiles * kblocks
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -127,6 +128,22 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "%3}], [%4];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
       : "memory");
+}
+
+// The same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
+__device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const CUtensorMap* map, int x, int y,
+                                                 uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -261,6 +278,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   if (tid >= kConsumerThreads) {
     // Producer: lane 0 of warp 8 streams the CTA's units in order through the ring.
     if (tid == kConsumerThreads) {
+      const uint64_t policy = evict_first_policy();
       int i = 0;
       for (int64_t u = u_begin; u < u_end; ++u, ++i) {
         const int s = i % kStages;
@@ -270,7 +288,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
         mbar_arrive_expect_tx(full, kStageBytes);
-        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+        if (p.weight_evict_first) {
+          tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
+        } else {
+          tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+        }
         tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
       }
     }

@@ -3,15 +3,17 @@
 //     selected blocks per token and KV head) and dense, CUDA-graph replay with a cold L2: us, bytes
 //     of K/V the selection reads (each distinct block of a request's tokens once: 32 KB per block
 //     and KV head), GB/s and % of the 4300 GB/s copy bandwidth.
-//   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense: us and TFLOP/s counted
-//     on the selected work only (4 * 128 FLOP per (query head, visible selected key)).
+//   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the mma.sync kernel
+//     (kernel 1) and the Hopper wgmma kernel (kernel 2): us and TFLOP/s counted on the selected
+//     work only (4 * 128 FLOP per (query head, visible selected key)).
 // Selections: per (request, KV head) one random block ranking, so a request's draft tokens share
 //   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
 //   (rebuilt as one-token requests over copies of only the pages they read): PASS / FAIL.
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
-//   --tokens-per-tile=N, --splits=N, --v-convert=N: override the launch plan (AttentionCudaConfig)
-//   for tuning.
+//   --prefill (prefill table only), --kernel=N (0 automatic, 1 mma.sync, 2 wgmma: decode uses it;
+//   prefill then runs only that kernel instead of both), --tokens-per-tile=N, --splits=N,
+//   --v-convert=N: override the launch plan (AttentionCudaConfig) for tuning.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -291,13 +293,17 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<int64_t>& tok
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false;
+  bool json = false, quick = false, prefill_only = false;
   AttentionCudaConfig cfg;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
     } else if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
+    } else if (std::strcmp(argv[i], "--prefill") == 0) {
+      prefill_only = true;
+    } else if (std::strncmp(argv[i], "--kernel=", 9) == 0) {
+      cfg.kernel = std::atoi(argv[i] + 9);
     } else if (std::strncmp(argv[i], "--tokens-per-tile=", 18) == 0) {
       cfg.tokens_per_tile = std::atoi(argv[i] + 18);
     } else if (std::strncmp(argv[i], "--splits=", 9) == 0) {
@@ -306,8 +312,8 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else {
       std::fprintf(stderr,
-                   "usage: attention_bench [--json] [--quick] [--tokens-per-tile=N] [--splits=N] "
-                   "[--v-convert=N]\n");
+                   "usage: attention_bench [--json] [--quick] [--prefill] [--kernel=N] "
+                   "[--tokens-per-tile=N] [--splits=N] [--v-convert=N]\n");
       return 2;
     }
   }
@@ -330,6 +336,7 @@ int main(int argc, char** argv) {
 
   std::vector<bench::Row> rows;
   for (bool sparse : {true, false}) {
+    if (prefill_only) break;
     for (int draft : {0, 3}) {
       for (int B : batches) {
         for (int ctx : contexts) {
@@ -370,36 +377,53 @@ int main(int argc, char** argv) {
       }
     }
   }
-  bench::print_rows(
-      "attention decode/verify (graph replay, cold L2; peer vLLM Triton E4M3: B256 "
-      "317 us, B256 x 4 tokens 1181 us)",
-      rows, json);
+  if (!prefill_only)
+    bench::print_rows(
+        "attention decode/verify (graph replay, cold L2; peer vLLM Triton E4M3: B256 "
+        "317 us, B256 x 4 tokens 1181 us)",
+        rows, json);
 
   rows.clear();
+  // Both kernels unless --kernel picks one; the other launch overrides apply to the wgmma kernel
+  // only where they are valid for it (tokens per tile 8 or automatic, no v_convert).
+  const std::vector<int> kernels =
+      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2};
   for (bool sparse : {true, false}) {
     for (int ctx : {8192, 65536}) {
-      const std::string name = std::string(sparse ? "sparse" : "dense") + " prefill 8K chunk ctx" +
-                               std::to_string(ctx / 1024) + "K";
-      Case c = make_case(name, sparse, 1, ctx, 8192, int64_t{256} * max_ctx_pages,
-                         65536 / kPageSize, 64, pool, cfg, rng);
-      run_once(c, stream);
-      check_cuda(cudaStreamSynchronize(stream), "run");
-      double worst = 0;
-      const bool ok = spot_check(c, pool, {0, 4095, c.T - 1}, &worst);
-      all_pass &= ok;
-      const int iters = sparse ? 10 : 4;
-      const bench::Timing tm =
-          bench::time_cold([&](cudaStream_t s) { run_once(c, s); }, stream, 1, iters);
-      bench::Row row;
-      row.add("case", name);
-      row.add("check", ok ? "PASS" : "FAIL");
-      row.add("max_rel", worst, 4);
-      row.add("us", tm.median_us, 1);
-      row.add("TFLOP", c.flops / 1e12, 3);
-      row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
-      row.add("MB_kv", c.bytes / 1e6, 1);
-      rows.push_back(row);
-      free_case(c);
+      for (int kernel : kernels) {
+        // The same selections and queries for both kernels.
+        std::mt19937_64 prng(static_cast<uint64_t>(ctx) * 2 + (sparse ? 1 : 0));
+        AttentionCudaConfig kcfg = cfg;
+        kcfg.kernel = kernel;
+        if (kernel == 2) {
+          if (kcfg.tokens_per_tile != 8) kcfg.tokens_per_tile = 0;
+          kcfg.v_convert = 0;
+        }
+        const std::string name = std::string(sparse ? "sparse" : "dense") +
+                                 " prefill 8K chunk ctx" + std::to_string(ctx / 1024) + "K " +
+                                 (kernel == 2 ? "wgmma" : "mma.sync");
+        Case c = make_case(name, sparse, 1, ctx, 8192, int64_t{256} * max_ctx_pages,
+                           65536 / kPageSize, 64, pool, kcfg, prng);
+        run_once(c, stream);
+        check_cuda(cudaStreamSynchronize(stream), "run");
+        double worst = 0;
+        // Tile edges (8-token tiles) as well as the first, a middle and the last token.
+        const bool ok = spot_check(c, pool, {0, 7, 8, 4095, 4103, c.T - 1}, &worst);
+        all_pass &= ok;
+        const int iters = sparse ? 10 : 4;
+        const bench::Timing tm =
+            bench::time_cold([&](cudaStream_t s) { run_once(c, s); }, stream, 1, iters);
+        bench::Row row;
+        row.add("case", name);
+        row.add("check", ok ? "PASS" : "FAIL");
+        row.add("max_rel", worst, 4);
+        row.add("us", tm.median_us, 1);
+        row.add("TFLOP", c.flops / 1e12, 3);
+        row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
+        row.add("MB_kv", c.bytes / 1e6, 1);
+        rows.push_back(row);
+        free_case(c);
+      }
     }
   }
   bench::print_rows("attention prefill (cold L2; peer vLLM Triton E4M3: 8K chunk 8.3 ms)", rows,

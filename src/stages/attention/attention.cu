@@ -12,10 +12,9 @@
 //     (query_start scan; positions / ids / Q; page table) before its first tile, which dominates
 //     small batches (B = 1 is launch- and latency-bound whatever the kernel). Goal >= 75 % of
 //     4300 GB/s at B = 256.
-//   - Prefill is bound by mma.sync issue and shared-memory traffic: a 4-token x 16-head tile does
-//     ~4.2 MFLOP per block (K via ldmatrix 16 KB + f16 V 32 KB per warp); with P.V on f16 mma.sync
-//     the realistic ceiling is well under the 500 TFLOP/s goal (expect ~250-400); wgmma
-//     (FA3-style) would be the next step.
+//   - Prefill on the mma.sync kernel is bound by mma.sync issue and shared-memory traffic (measured
+//     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh, selected by
+//     AttentionCudaConfig::kernel = 2) runs 8-token x 16-head tiles on warpgroup MMAs.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -24,14 +23,23 @@
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
 #include "stages/attention/attention_kernel.cuh"
+#include "stages/attention/attention_prefill_wgmma.cuh"
 
 namespace m3attn {
 
 namespace {
 
 namespace ak = attention_kernel;
+namespace ap = attention_prefill;
+
+// The automatic plan picks the wgmma prefill kernel for batches averaging at least this many query
+// tokens per request (prefill and mixed chunks); it stays off until the kernel is validated on
+// the device.
+constexpr bool kAutoWgmma = false;
+constexpr int64_t kWgmmaMinAvgTokens = 16;
 
 struct Plan {
+  bool wgmma = false;  // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   int qt = 1;          // tokens per tile
   bool v_regs = true;  // V converted in registers (3 stages) rather than into an f16 tile
   int splits = 1;      // CTAs per (tile, KV head)
@@ -56,7 +64,29 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   const int64_t R = p.batch.num_requests;
   Plan pl;
   const int64_t avg = R > 0 ? (T + R - 1) / R : 1;  // query tokens per request
-  if (cfg.tokens_per_tile != 0) {
+  switch (cfg.kernel) {
+    case 0:
+      pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens;
+      break;
+    case 1:
+      pl.wgmma = false;
+      break;
+    case 2:
+      pl.wgmma = true;
+      break;
+    default:
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not 0, 1 or 2");
+  }
+  if (pl.wgmma) {
+    if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != ap::kQT)
+      return unsupported("run_attention_cuda: the wgmma kernel has ", ap::kQT,
+                         " tokens per tile, got ", cfg.tokens_per_tile);
+    if (cfg.v_convert != 0)
+      return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
+                         " does not apply to the wgmma kernel (its V is always an f16 tile)");
+    pl.qt = ap::kQT;
+    pl.v_regs = false;
+  } else if (cfg.tokens_per_tile != 0) {
     if (cfg.tokens_per_tile != 1 && cfg.tokens_per_tile != 2 && cfg.tokens_per_tile != 4)
       return unsupported("run_attention_cuda: tokens_per_tile ", cfg.tokens_per_tile,
                          " is not one of 1, 2, 4");
@@ -66,21 +96,23 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   // Tiles of 1-2 tokens always convert V in registers; 4-token tiles do in decode-like batches
   // (bandwidth-bound: the third stage matters) and share one f16 tile in prefill (compute-bound).
-  switch (cfg.v_convert) {
-    case 0:
-      pl.v_regs = pl.qt <= 2 || avg <= 8;
-      break;
-    case 1:
-      pl.v_regs = true;
-      break;
-    case 2:
-      if (pl.qt != 4)
-        return unsupported(
-            "run_attention_cuda: the shared f16 V tile needs 4 tokens per tile, got ", pl.qt);
-      pl.v_regs = false;
-      break;
-    default:
-      return unsupported("run_attention_cuda: v_convert ", cfg.v_convert, " is not 0, 1 or 2");
+  if (!pl.wgmma) {
+    switch (cfg.v_convert) {
+      case 0:
+        pl.v_regs = pl.qt <= 2 || avg <= 8;
+        break;
+      case 1:
+        pl.v_regs = true;
+        break;
+      case 2:
+        if (pl.qt != 4)
+          return unsupported(
+              "run_attention_cuda: the shared f16 V tile needs 4 tokens per tile, got ", pl.qt);
+        pl.v_regs = false;
+        break;
+      default:
+        return unsupported("run_attention_cuda: v_convert ", cfg.v_convert, " is not 0, 1 or 2");
+    }
   }
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -115,6 +147,18 @@ size_t workspace_for(const AttentionParams& p, const Plan& pl) {
   return static_cast<size_t>(ws_o_floats(p, pl) + ws_ml_floats(p, pl)) * sizeof(float);
 }
 
+template <bool kVec16>
+Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  auto kernel = ap::attention_prefill_kernel<kVec16>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ap::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(pl.splits));
+  kernel<<<grid, ap::kThreads, ap::kSmemBytes, stream>>>(args);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 template <int QT, bool kVRegs, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   auto kernel = ak::attention_tile_kernel<QT, kVRegs, kVec16>;
@@ -131,6 +175,9 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
+  if (pl.wgmma)
+    return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
+                 : launch_prefill<false>(args, pl, n_kv, stream);
   const int key = pl.qt * 4 + (pl.v_regs ? 2 : 0) + (vec16 ? 1 : 0);
   switch (key) {
     case 1 * 4 + 2 + 1:
@@ -160,8 +207,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
 
 size_t attention_workspace_bound() {
   // Splits > 1 only when ctas = tiles * n_kv < target, with splits <= ceil(target / ctas); and
-  // T <= 2 * qt * tiles <= 8 * tiles. So T * n_kv * splits <= 8 ctas (target / ctas + 1)
-  // < 16 target.
+  // T <= qt * tiles <= 8 * tiles (tiles = min(T, floor((T + R (qt - 1)) / qt)) >= T / qt, qt <= 8
+  // with the wgmma kernel). So T * n_kv * splits <= 8 ctas (target / ctas + 1) < 16 target.
   return static_cast<size_t>(16 * split_target() * ak::kRows * (ak::kDim + 2)) * sizeof(float);
 }
 

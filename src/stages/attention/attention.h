@@ -56,8 +56,11 @@ Status run_attention_cpu(const AttentionParams& p);
 // SM count), never from device data, so the same params always give the same launch.
 struct AttentionCudaConfig {
   int tokens_per_tile = 0;  // 1, 2 or 4 query tokens of one request sharing each loaded block
+                            // (mma.sync kernel); 8 with the wgmma kernel (its only tile size)
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
   int v_convert = 0;        // V E4M3 -> f16: 1 in registers, 2 once per CTA (4-token tiles only)
+  int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
+                            // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -3,7 +3,9 @@
 // launch shape (tokens per tile 1/2/4, with and without splits), 16- and 4-byte-aligned strided
 // pools, page ids past 2^31 bytes, junk block ids, device-side page guards, NaN propagation,
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
-// inputs == eager byte for byte, and rejected calls that write nothing.
+// inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
+// the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
+// with and without splits), which must meet the same tolerance.
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2.
 //   - Both sides round once to BF16 (8 significant bits): each is within 2^-9 of its exact value,
@@ -16,6 +18,8 @@
 //     <= a few thousand keys adds ~1e-6.
 //   A weighted average with weights perturbed by eps relative is perturbed by <~ 2 eps relative
 //   (numerator and denominator), so the sum is <~ 3.9e-3 + 2 * (1.7e-3 + 4.9e-4) ~ 8.3e-3 < 1e-2.
+//   The wgmma kernel has the same numerics: S from FP8 wgmma (same reduced-precision accumulation
+//   per k-step of 32), P rounded to f16, P V on f16 wgmma with fp32 accumulators, V exact in f16.
 //   Typical rows are far better (most BF16 roundings agree); a wrong mask, layout or block costs
 //   O(1) on short contexts (1, 127, 129 tokens and prefills from position 0 are always included).
 #include <cuda_runtime_api.h>
@@ -303,14 +307,15 @@ double expect_matches(const Problem& pr, const DeviceProblem& d, const std::vect
 std::string cfg_name(const AttentionCudaConfig& c) {
   std::ostringstream os;
   os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits << " v_convert "
-     << c.v_convert;
+     << c.v_convert << " kernel " << c.kernel;
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert}; 0 = the plan's choice.
-const std::vector<AttentionCudaConfig> kAllConfigs = {{0, 0, 0}, {1, 1, 0}, {1, 3, 0}, {1, 16, 0},
-                                                      {2, 1, 0}, {2, 2, 0}, {4, 1, 1}, {4, 1, 2},
-                                                      {4, 5, 1}, {4, 5, 2}};
+// {tokens_per_tile, splits, v_convert, kernel}; 0 = the plan's choice. Kernel 2 is the wgmma
+// prefill kernel (8 tokens per tile).
+const std::vector<AttentionCudaConfig> kAllConfigs = {
+    {0, 0, 0}, {1, 1, 0}, {1, 3, 0}, {1, 16, 0},   {2, 1, 0},    {2, 2, 0},   {4, 1, 1},
+    {4, 1, 2}, {4, 5, 1}, {4, 5, 2}, {8, 1, 0, 2}, {8, 3, 0, 2}, {0, 0, 0, 2}};
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -366,7 +371,7 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
       check_all_configs(pr, true, "verify");
     }
     Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
-    check_all_configs(pr, false, "verify", {{0, 0, 0}, {4, 3, 1}, {4, 3, 2}});
+    check_all_configs(pr, false, "verify", {{0, 0, 0}, {4, 3, 1}, {4, 3, 2}, {0, 0, 0, 2}});
   }
 }
 
@@ -383,10 +388,100 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs),
-                      {{0, 0, 0}, {1, 1, 0}, {2, 3, 0}, {4, 1, 1}, {4, 1, 2}, {4, 2, 2}});
+                      {{0, 0, 0},
+                       {1, 1, 0},
+                       {2, 3, 0},
+                       {4, 1, 1},
+                       {4, 1, 2},
+                       {4, 2, 2},
+                       {0, 1, 0, 2},
+                       {0, 4, 0, 2},
+                       {0, 0, 0, 2}});
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
-  check_all_configs(pr, false, "mixed", {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 7, 2}});
+  check_all_configs(pr, false, "mixed",
+                    {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 7, 2}, {0, 1, 0, 2}, {0, 5, 0, 2}});
+}
+
+// The wgmma prefill kernel on longer chunks: a chunk from position 0 (every causal mask), chunks
+// after cached prefixes that are neither block nor tile multiples, chunk lengths off multiples of
+// the 8-token tile, contexts past 16 blocks (sparse != dense), and decode rows in the same batch.
+TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{0, 333}, {1917, 120}, {4100, 41}, {3, 9}, {2500, 1}};
+  for (Pick pick : {Pick::kShared, Pick::kRandom}) {
+    Problem pr = make_problem(reqs, 32, 2, pick, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    check_all_configs(pr, true, "long chunks " + testing::describe_requests(reqs),
+                      {{0, 0, 0}, {0, 1, 0, 2}, {0, 3, 0, 2}, {0, 0, 0, 2}});
+  }
+  Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  check_all_configs(pr, false, "long chunks", {{0, 1, 0, 2}, {0, 2, 0, 2}});
+}
+
+// Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
+void dump_row(const Problem& pr, const DeviceProblem& d, const std::vector<uint8_t>& got, int64_t t,
+              int j) {
+  const uint16_t* g =
+      reinterpret_cast<const uint16_t*>(got.data() + kGuard) + t * d.out_stride + j * kHeadDim;
+  const uint16_t* c = pr.ref.ptr<uint16_t>() + t * pr.width() + j * kHeadDim;
+  std::printf("    token %lld head %d:\n      gpu ", static_cast<long long>(t), j);
+  for (int e :
+       {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71})
+    std::printf(" %.4g", bf16_to_float(g[e]));
+  std::printf("\n      twin");
+  for (int e :
+       {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 64, 65, 66, 67, 68, 69, 70, 71})
+    std::printf(" %.4g", bf16_to_float(c[e]));
+  std::printf("\n");
+}
+
+// Structured inputs for the wgmma kernel, so that a failure points at one operand:
+//   - zero queries: every logit is 0 and each output is the plain average of the visible V rows,
+//     which checks the f16 V tile (conversion, MN-major descriptor, zeroed rows) and P V alone;
+//   - one-hot queries (head j of token t reads dim (5 j + 3 t) % 128 with value 8): the logits are
+//     single K entries, which checks the Q and K descriptors (a wrong row, dim or swizzle picks
+//     another K entry).
+// Random data then checks both together (the other tests).
+TEST(AttentionGpu, WgmmaLayoutProbes) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{0, 21}, {130, 11}, {2999, 3}};
+  for (int probe = 0; probe < 2; ++probe) {
+    Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    uint8_t* q = pr.q.ptr<uint8_t>();
+    std::memset(q, 0, static_cast<size_t>(pr.q.nbytes()));
+    if (probe == 1)
+      for (int64_t t = 0; t < pr.T(); ++t)
+        for (int j = 0; j < 16; ++j)
+          q[(t * 16 + j) * kHeadDim + (5 * j + 3 * t) % kHeadDim] = float_to_e4m3(8.0f);
+    const std::string what = probe == 0 ? "probe zero queries" : "probe one-hot queries";
+    run_reference(pr, true);
+    ASSERT_FALSE(::testing::Test::HasFatalFailure());
+    DeviceProblem d;
+    upload(pr, d);
+    for (const AttentionCudaConfig& cfg :
+         {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2}}) {
+      const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
+      const int failures = ::testing::Test::HasFailure() ? 1 : 0;
+      const double worst = expect_matches(pr, d, got, what + ", " + cfg_name(cfg));
+      std::printf("  %s %s: worst row relative L2 %.2e\n", what.c_str(), cfg_name(cfg).c_str(),
+                  worst);
+      if (!failures && ::testing::Test::HasFailure()) {
+        dump_row(pr, d, got, 0, 0);
+        dump_row(pr, d, got, 0, 9);
+        dump_row(pr, d, got, 5, 3);
+        dump_row(pr, d, got, pr.T() - 1, 15);
+      }
+    }
+  }
 }
 
 TEST(AttentionGpu, SmallGroupsAndStridedPools) {
@@ -406,8 +501,9 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
     o.spare_pages = 5;
     Problem pr = make_problem(reqs, 8, 1, Pick::kShared, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "group 8", {{0, 0, 0}, {1, 4, 0}, {4, 1, 1}, {4, 1, 2}});
-    check_all_configs(pr, false, "group 8", {{0, 0}, {2, 1}});
+    check_all_configs(pr, true, "group 8",
+                      {{0, 0, 0}, {1, 4, 0}, {4, 1, 1}, {4, 1, 2}, {0, 1, 0, 2}, {0, 3, 0, 2}});
+    check_all_configs(pr, false, "group 8", {{0, 0}, {2, 1}, {0, 1, 0, 2}});
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -415,7 +511,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
   o.kv_page_stride = 2 * (3 * tile) + 12;
   Problem pr = make_problem(reqs, 48, 3, Pick::kRandom, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_all_configs(pr, true, "3 KV heads", {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 2, 2}});
+  check_all_configs(pr, true, "3 KV heads",
+                    {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 2, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -428,7 +525,9 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   // One (token, head) selects nothing at all: +0 outputs.
   std::fill_n(pr.ids.ptr<int32_t>() + (4 * 2 + 1) * kTopK, kTopK, -1);
-  check_all_configs(pr, true, "junk ids", {{0, 0, 0}, {1, 3, 0}, {2, 1, 0}, {4, 2, 1}, {4, 2, 2}});
+  check_all_configs(
+      pr, true, "junk ids",
+      {{0, 0, 0}, {1, 3, 0}, {2, 1, 0}, {4, 2, 1}, {4, 2, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -485,7 +584,8 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 1, 2}}) {
+       {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 1, 2},
+        AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
     expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
   }
@@ -518,7 +618,9 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
       if (id == bad0 || id == bad1) id = -1;
     }
   run_reference(pr, true);
-  for (const AttentionCudaConfig& cfg : {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}}) {
+  for (const AttentionCudaConfig& cfg :
+       {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}, AttentionCudaConfig{0, 1, 0, 2},
+        AttentionCudaConfig{0, 4, 0, 2}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
     expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
   }
@@ -533,7 +635,9 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;  // V of position 150 of request 0: NaN
-  check_all_configs(pr, true, "NaN value", {{0, 0, 0}, {1, 2, 0}, {2, 1, 0}, {4, 1, 1}, {4, 1, 2}});
+  check_all_configs(
+      pr, true, "NaN value",
+      {{0, 0, 0}, {1, 2, 0}, {2, 1, 0}, {4, 1, 1}, {4, 1, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -544,8 +648,8 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 4}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
-         {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1},
-          AttentionCudaConfig{4, 3, 2}}) {
+         {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 3, 2},
+          AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -607,10 +711,15 @@ TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
             p.batch.num_tokens = T;
             p.batch.num_requests = static_cast<int>(R);
             p.batch.max_pages = max_pages;
-            const size_t need = attention_workspace_bytes(p);
-            worst = std::max(worst, need);
-            ASSERT_LE(need, bound) << "T " << T << " R " << R << " n_kv " << n_kv << " max_pages "
-                                   << max_pages << (sparse ? " sparse" : " dense");
+            for (int kernel : {0, 1, 2}) {
+              AttentionCudaConfig cfg;
+              cfg.kernel = kernel;
+              const size_t need = attention_workspace_bytes(p, cfg);
+              worst = std::max(worst, need);
+              ASSERT_LE(need, bound)
+                  << "T " << T << " R " << R << " n_kv " << n_kv << " max_pages " << max_pages
+                  << (sparse ? " sparse" : " dense") << " kernel " << kernel;
+            }
           }
         }
       }
@@ -665,6 +774,13 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
   expect_rejected(good, ws.data(), ws.bytes(), {2, 1, 2}, StatusCode::kUnsupported,
                   "f16 V tile with 2 tokens per tile");
   expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 3}, StatusCode::kUnsupported, "v_convert 3");
+  expect_rejected(good, ws.data(), ws.bytes(), {8, 1, 0, 1}, StatusCode::kUnsupported,
+                  "8 tokens per tile on the mma.sync kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 0, 2}, StatusCode::kUnsupported,
+                  "4 tokens per tile on the wgmma kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 1, 2}, StatusCode::kUnsupported,
+                  "v_convert on the wgmma kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 3}, StatusCode::kUnsupported, "kernel 3");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -356,6 +356,8 @@ int main(int argc, char** argv) {
           row.add("2k_%copy",
                   100.0 * c.index_bytes / (tm2.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
           row.add("bulk_us", tm3.median_us, 1);
+          row.add("bulk_%copy",
+                  100.0 * c.index_bytes / (tm3.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
         }
         row.add("plan", plan_str(c, main_o));
         std::string peer = "-";

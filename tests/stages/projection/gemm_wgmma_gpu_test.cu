@@ -367,7 +367,7 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   EXPECT_EQ(touched, 0);
   // M == 0 launches nothing and succeeds.
   GemmData e = make_integer_data(0, 256, 512, rng);
-  DeviceGemm empty(e, 256);
+  DeviceGemm empty(e, 256, 0, true);  // row-major scales: positive strides at M = 0
   EXPECT_TRUE(run_gemm_wgmma_cuda(empty.params(), ws.data(), ws.bytes(), nullptr).ok());
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));

@@ -105,6 +105,9 @@ class CpuLayerStack final : public LayerStack {
 
   static Result<std::unique_ptr<LayerStack>> create(const LayerStackConfig& config) {
     M3_RETURN_IF_ERROR(config.validate());
+    if (config.tp_size != 1)
+      return unsupported("the cpu layer stack runs TP1 only (tp_size ", config.tp_size,
+                         "); tensor parallelism needs the cuda backend");
     auto stack = std::unique_ptr<CpuLayerStack>(new CpuLayerStack());
     stack->config_ = config;
     Result<Tensor> rope = make_rope_table(config.max_position, config.geometry.rope_theta);

@@ -12,6 +12,12 @@
 // context chunks (prefill, mixed) and buckets whose Tb exceeds the token capacity run eagerly at
 // their own shape. step() records CUDA events around the enqueued work and reports their elapsed
 // time.
+//
+// Tensor parallelism (config.tp_size > 1): every layer holds this rank's pack_rank shard, the pool
+// and the workspace have the rank geometry (n_q / P query heads, its KV heads), and after each
+// layer the bf16 o_proj partial [Tp, hidden] is summed over the ranks in place (NCCL all-reduce on
+// the stack's stream, captured into the decode graphs with the rest of the step), so every rank
+// holds the full layer output for the residual add.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -24,6 +30,7 @@
 #include "cache/page_pool.h"
 #include "core/cuda_check.h"
 #include "core/rope.h"
+#include "dist/communicator.h"
 #include "engine/layer_stack.h"
 #include "engine/residual_norm.h"
 #include "layer/cuda_msa_layer.h"
@@ -174,8 +181,10 @@ class CudaLayerStack final : public LayerStack {
     Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
     M3_RETURN_IF_ERROR(meta.status());
     s->meta_ = std::move(meta.value());
+    Result<MsaGeometry> rank_geom = rank_geometry(config.geometry, config.tp_size);
+    M3_RETURN_IF_ERROR(rank_geom.status());
     Result<std::shared_ptr<CudaLayerWorkspace>> ws =
-        CudaLayerWorkspace::create(config.geometry, cap);
+        CudaLayerWorkspace::create(rank_geom.value(), cap);
     M3_RETURN_IF_ERROR(ws.status());
 
     Result<Tensor> rope = make_rope_table(config.max_position, config.geometry.rope_theta);
@@ -186,7 +195,7 @@ class CudaLayerStack final : public LayerStack {
       Result<AttentionWeights> w = random_attention_weights(
           config.geometry, layer_seed(config.seed, l), /*sparse=*/l >= config.num_dense);
       M3_RETURN_IF_ERROR(w.status());
-      Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+      Result<PackedRankWeights> packed = pack_rank(w.value(), config.tp_size, config.tp_rank);
       M3_RETURN_IF_ERROR(packed.status());
       Result<std::unique_ptr<CudaMsaLayer>> layer =
           CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
@@ -197,7 +206,7 @@ class CudaLayerStack final : public LayerStack {
     PagePoolConfig pc;
     pc.num_pages = config.num_pages;
     pc.num_layers = config.num_layers();
-    pc.n_kv = config.geometry.n_kv;
+    pc.n_kv = rank_geom.value().n_kv;
     pc.with_index = config.num_sparse > 0;
     Result<PoolLayout> layout = PoolLayout::create(pc);
     M3_RETURN_IF_ERROR(layout.status());
@@ -255,6 +264,9 @@ class CudaLayerStack final : public LayerStack {
     for (auto& layer : layers_) {
       M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
       M3_RETURN_IF_ERROR(layer->run(stream_));
+      if (config_.tp_size > 1)
+        M3_RETURN_IF_ERROR(
+            config_.tp_comm->all_reduce_bf16_sum(layer->attn_out().data, tokens * hidden, stream_));
       a = layer->attn_out().ptr<const uint16_t>();
     }
     return run_residual_rmsnorm_cuda(h, a, nullptr, tokens, hidden, eps, stream_);

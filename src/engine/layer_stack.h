@@ -29,8 +29,10 @@
 
 namespace m3attn {
 
+class Communicator;  // dist/communicator.h
+
 struct LayerStackConfig {
-  MsaGeometry geometry;             // per rank (TP1 here)
+  MsaGeometry geometry;             // the model's (TP1) geometry
   int num_dense = 3;                // dense causal layers first
   int num_sparse = 4;               // then MSA layers
   int64_t num_pages = 0;            // KV pool pages (shared page ids across layers)
@@ -40,8 +42,16 @@ struct LayerStackConfig {
   int max_position = 0;             // RoPE table size
   bool fuse_qkv_index_projection = true;
   uint64_t seed = 0;  // weights and synthetic inputs
+  // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.
+  // `geometry` stays the TP1 (model) geometry; each layer holds pack_rank(weights, tp_size,
+  // tp_rank), the pool holds this rank's KV heads, and after each layer's o_proj the bf16 partial
+  // [T, hidden] is summed over the ranks in place through tp_comm (inside decode graphs too).
+  // Every rank must run the same steps.
+  int tp_size = 1;
+  int tp_rank = 0;
+  Communicator* tp_comm = nullptr;  // required when tp_size > 1; must outlive the stack
   int num_layers() const { return num_dense + num_sparse; }
-  Status validate() const;  // geometry, layer counts, capacities
+  Status validate() const;  // geometry, layer counts, capacities, tensor-parallel fields
 };
 
 struct StackStepStats {

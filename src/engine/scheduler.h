@@ -100,6 +100,9 @@ class Scheduler {
   const std::vector<RequestRecord>& requests() const { return requests_; }
   const std::vector<StepRecord>& steps() const { return steps_; }
   const CacheManager& cache() const { return cache_; }
+  // For attention-DP's dummy generation request (cache/dp_dummy.h) between steps: whatever is
+  // taken from it must be rolled back before the next next_step().
+  CacheManager& mutable_cache() { return cache_; }
   double clock_us() const { return clock_us_; }
   int in_flight() const { return static_cast<int>(active_.size()); }
   int64_t committed_pages() const { return committed_pages_; }

@@ -10,5 +10,6 @@ namespace m3attn::cli {
 void add_info_command(CLI::App& app, int& exit_code);
 void add_layer_command(CLI::App& app, int& exit_code);
 void add_bench_command(CLI::App& app, int& exit_code);
+void add_tp_command(CLI::App& app, int& exit_code);
 
 }  // namespace m3attn::cli

@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   m3attn::cli::add_info_command(app, exit_code);
   m3attn::cli::add_layer_command(app, exit_code);
   m3attn::cli::add_bench_command(app, exit_code);
+  m3attn::cli::add_tp_command(app, exit_code);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -149,6 +149,45 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{32, 640, 1024, 0, 16, false, 2, 1},    // n = 32, two CTAs per SM
                       Case{24, 1280, 2048, 16, 0, true, 1, 3}));  // n = 32, one CTA per SM
 
+// Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
+// k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
+// exact small integer. On failure the test prints a corner of the output next to the expectation.
+TEST(GemmWgmmaProbe, IdentityActivationsSelectWeightColumns) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t k : {128, 512}) {
+    const int64_t m = 8, n = 256, k0 = k - 128 + 40;  // inside the last K block
+    SCOPED_TRACE(::testing::Message() << "K " << k);
+    GemmData d;
+    d.m = m, d.n = n, d.k = k, d.kb = k / 128;
+    d.a.assign(static_cast<size_t>(m * k), 0);
+    d.b.resize(static_cast<size_t>(n * k));
+    d.sa.assign(static_cast<size_t>(m * d.kb), 1.0f);
+    d.sb.assign(static_cast<size_t>(n / 128 * d.kb), 1.0f);
+    for (int64_t i = 0; i < m; ++i) d.a[i * k + k0 + i] = float_to_e4m3(1.0f);
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t c = 0; c < k; ++c)
+        d.b[r * k + c] = float_to_e4m3(static_cast<float>((r + 3 * c) % 17 - 8));
+    DeviceGemm dev(d, n);
+    const Case c{m, n, k, 0, 0, false, 0, 4};
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    int64_t bad = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j)
+        bad += bf16_to_float(got[i * n + j]) != static_cast<float>((j + 3 * (k0 + i)) % 17 - 8);
+    EXPECT_EQ(bad, 0);
+    if (bad != 0) {
+      std::string text = "got (expected) for m < 8, n < 12:\n";
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t j = 0; j < 12; ++j)
+          text += std::to_string(static_cast<int>(bf16_to_float(got[i * n + j]))) + "(" +
+                  std::to_string((j + 3 * (k0 + i)) % 17 - 8) + ") ";
+        text += "\n";
+      }
+      std::printf("%s", text.c_str());
+    }
+  }
+}
+
 struct RandomCase {
   int64_t m, n, k;
 };

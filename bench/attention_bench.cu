@@ -11,8 +11,10 @@
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
 //   (rebuilt as one-token requests over copies of only the pages they read): PASS / FAIL.
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
-//   --prefill (prefill table only), --kernel=N (0 automatic, 1 mma.sync, 2 wgmma: decode uses it;
-//   prefill then runs only that kernel instead of both), --tokens-per-tile=N, --splits=N,
+//   --prefill (prefill table only), --splits-sweep (decode/verify B64 and B256 at 32K, sparse,
+//   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
+//   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
+//   both), --tokens-per-tile=N, --splits=N,
 //   --v-convert=N: override the launch plan (AttentionCudaConfig) for tuning.
 #include <cuda_runtime_api.h>
 
@@ -293,7 +295,7 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<int64_t>& tok
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, prefill_only = false;
+  bool json = false, quick = false, prefill_only = false, sweep = false;
   AttentionCudaConfig cfg;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
@@ -302,6 +304,8 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strcmp(argv[i], "--prefill") == 0) {
       prefill_only = true;
+    } else if (std::strcmp(argv[i], "--splits-sweep") == 0) {
+      sweep = true;
     } else if (std::strncmp(argv[i], "--kernel=", 9) == 0) {
       cfg.kernel = std::atoi(argv[i] + 9);
     } else if (std::strncmp(argv[i], "--tokens-per-tile=", 18) == 0) {
@@ -312,19 +316,28 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else {
       std::fprintf(stderr,
-                   "usage: attention_bench [--json] [--quick] [--prefill] [--kernel=N] "
+                   "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
+                   "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N]\n");
       return 2;
     }
   }
-  const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
-  const std::vector<int> contexts =
-      quick ? std::vector<int>{8192, 131072} : std::vector<int>{8192, 32768, 131072};
-  const int max_ctx_pages = 131072 / kPageSize;
+  const std::vector<int> batches = sweep   ? std::vector<int>{64, 256}
+                                   : quick ? std::vector<int>{1, 256}
+                                           : std::vector<int>{1, 64, 256};
+  const std::vector<int> contexts = sweep   ? std::vector<int>{32768}
+                                    : quick ? std::vector<int>{8192, 131072}
+                                            : std::vector<int>{8192, 32768, 131072};
+  const std::vector<int> sweep_splits =
+      sweep ? std::vector<int>{0, 1, 2, 3, 4, 6, 8} : std::vector<int>{cfg.splits};
+  const int max_ctx_pages = *std::max_element(contexts.begin(), contexts.end()) / kPageSize;
 
-  // One pool for everything: 256 requests x 1024 pages (decode), then 512 pages (64K prefill).
+  // One pool for everything: 256 requests x the longest context (decode), then 512 pages (64K
+  // prefill).
+  const int64_t decode_pages = prefill_only ? 0 : int64_t{256} * max_ctx_pages;
+  const int64_t prefill_pages = sweep ? 0 : 65536 / kPageSize;
   Pool pool;
-  pool.pages = int64_t{256} * max_ctx_pages + 65536 / kPageSize;
+  pool.pages = decode_pages + prefill_pages;
   const size_t pool_bytes = static_cast<size_t>(pool.pages * kPageBytes);
   check_cuda(cudaMalloc(&pool.data, pool_bytes), "cudaMalloc(pool)");
   fill_pool<<<4096, 256>>>(pool.data, static_cast<int64_t>(pool_bytes), 12345);
@@ -336,43 +349,49 @@ int main(int argc, char** argv) {
 
   std::vector<bench::Row> rows;
   for (bool sparse : {true, false}) {
-    if (prefill_only) break;
+    if (prefill_only || (sweep && !sparse)) break;
     for (int draft : {0, 3}) {
       for (int B : batches) {
         for (int ctx : contexts) {
-          const std::string name = std::string(sparse ? "sparse" : "dense") + " decode B" +
-                                   std::to_string(B) + " ctx" + std::to_string(ctx / 1024) +
-                                   "K draft" + std::to_string(draft);
-          Case c = make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
-                             cfg, rng);
-          run_once(c, stream);
-          check_cuda(cudaStreamSynchronize(stream), "run");
-          // Spot check: the first and the last token (dense: the last token of batch 1 only,
-          // the twin is slow on long contexts).
-          double worst = 0;
-          std::string verdict = "skip";
-          if (sparse || B == 1) {
-            const std::vector<int64_t> toks =
-                sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
-            const bool ok = spot_check(c, pool, toks, &worst);
-            verdict = ok ? "PASS" : "FAIL";
-            all_pass &= ok;
+          for (int splits : sweep_splits) {
+            AttentionCudaConfig dcfg = cfg;
+            dcfg.splits = splits;
+            std::string name = std::string(sparse ? "sparse" : "dense") + " decode B" +
+                               std::to_string(B) + " ctx" + std::to_string(ctx / 1024) + "K draft" +
+                               std::to_string(draft);
+            if (sweep)
+              name += " splits " + (splits == 0 ? std::string("auto") : std::to_string(splits));
+            Case c = make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
+                               dcfg, rng);
+            run_once(c, stream);
+            check_cuda(cudaStreamSynchronize(stream), "run");
+            // Spot check: the first and the last token (dense: the last token of batch 1 only,
+            // the twin is slow on long contexts).
+            double worst = 0;
+            std::string verdict = "skip";
+            if (sparse || B == 1) {
+              const std::vector<int64_t> toks =
+                  sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
+              const bool ok = spot_check(c, pool, toks, &worst);
+              verdict = ok ? "PASS" : "FAIL";
+              all_pass &= ok;
+            }
+            const bench::Timing tm =
+                bench::time_graph_cold([&](cudaStream_t s) { run_once(c, s); }, stream);
+            bench::Row row;
+            row.add("case", name);
+            row.add("check", verdict);
+            row.add("max_rel", worst, 4);
+            row.add("us", tm.median_us, 1);
+            row.add("min_us", tm.min_us, 1);
+            row.add("MB_kv", c.bytes / 1e6, 1);
+            const double gbs = c.bytes / (tm.median_us * 1e3);
+            row.add("GB/s", gbs, 0);
+            row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+            row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
+            rows.push_back(row);
+            free_case(c);
           }
-          const bench::Timing tm =
-              bench::time_graph_cold([&](cudaStream_t s) { run_once(c, s); }, stream);
-          bench::Row row;
-          row.add("case", name);
-          row.add("check", verdict);
-          row.add("max_rel", worst, 4);
-          row.add("us", tm.median_us, 1);
-          row.add("min_us", tm.min_us, 1);
-          row.add("MB_kv", c.bytes / 1e6, 1);
-          const double gbs = c.bytes / (tm.median_us * 1e3);
-          row.add("GB/s", gbs, 0);
-          row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-          row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
-          rows.push_back(row);
-          free_case(c);
         }
       }
     }
@@ -389,6 +408,7 @@ int main(int argc, char** argv) {
   const std::vector<int> kernels =
       cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2};
   for (bool sparse : {true, false}) {
+    if (sweep) break;
     for (int ctx : {8192, 65536}) {
       for (int kernel : kernels) {
         // The same selections and queries for both kernels.
@@ -402,8 +422,8 @@ int main(int argc, char** argv) {
         const std::string name = std::string(sparse ? "sparse" : "dense") +
                                  " prefill 8K chunk ctx" + std::to_string(ctx / 1024) + "K " +
                                  (kernel == 2 ? "wgmma" : "mma.sync");
-        Case c = make_case(name, sparse, 1, ctx, 8192, int64_t{256} * max_ctx_pages,
-                           65536 / kPageSize, 64, pool, kcfg, prng);
+        Case c = make_case(name, sparse, 1, ctx, 8192, decode_pages, 65536 / kPageSize, 64, pool,
+                           kcfg, prng);
         run_once(c, stream);
         check_cuda(cudaStreamSynchronize(stream), "run");
         double worst = 0;
@@ -426,8 +446,9 @@ int main(int argc, char** argv) {
       }
     }
   }
-  bench::print_rows("attention prefill (cold L2; peer vLLM Triton E4M3: 8K chunk 8.3 ms)", rows,
-                    json);
+  if (!sweep)
+    bench::print_rows("attention prefill (cold L2; peer vLLM Triton E4M3: 8K chunk 8.3 ms)", rows,
+                      json);
   std::printf("spot checks: %s\n", all_pass ? "PASS" : "FAIL");
   cudaStreamDestroy(stream);
   cudaFree(pool.data);

@@ -288,8 +288,9 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
                      p.kv_cache.stride[0] % 16 == 0 && p.kv_cache.stride[1] % 16 == 0;
   M3_RETURN_IF_ERROR(dispatch(a, pl, p.n_kv, vec16, stream));
   if (pl.splits > 1) {
-    const dim3 grid(static_cast<unsigned>(p.batch.num_tokens), static_cast<unsigned>(p.n_kv));
-    ak::attention_merge_kernel<<<grid, ak::kThreads, 0, stream>>>(a);
+    const dim3 grid(static_cast<unsigned>(p.batch.num_tokens), static_cast<unsigned>(p.n_kv),
+                    static_cast<unsigned>(group));
+    ak::attention_merge_kernel<<<grid, ak::kMergeThreads, 0, stream>>>(a);
     M3_CUDA_CHECK_LAUNCH();
   }
   return Status::Ok();

@@ -10,8 +10,11 @@
 //     y < ceil(local / dec_chunk): the best 15 of the row are among the union of the lists' best
 //     15 (each non-selected block of a split is beaten by 15 of that split's blocks);
 //   - other rows (overflow tiles, prefill): the block scores in the workspace, as select_kernel.
-// A row is a decode row iff t - query_start[r] < dec_tokens for the request r holding token t
-// (binary search over query_start: log2(R) cached loads), the scorer's own rule.
+// A row is a decode row iff t - query_start[r] < dec_tokens for the request r holding token t, the
+// scorer's own rule (r guessed as t * R / T, else a binary search over query_start).
+// Latency: the position, the guessed request bounds and each lane's first 4 list keys are loaded
+// together right after the dependency wait, so a decode row of equal-length requests costs one
+// round trip (two when it has more than 4 keys per lane).
 //
 // Work: merge_wpr warps per row (1, 2, 4 or 8, from the host-known bound on keys per row); each
 // warp scans its share with per-lane sorted top-15 lists (insert_key), reduces them to the warp's
@@ -52,15 +55,11 @@ __device__ __forceinline__ uint64_t warp_top15(uint64_t (&top)[kTopK - 1]) {
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
-// request is guessed first from t * R / T (right at once for equal-length requests: one round
-// trip), else found by binary search (the last r with query_start[r] <= t).
-__device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t) {
-  const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
-  {
-    const int qa = load_query_start(a, guess);
-    const int qe = load_query_start(a, guess + 1);
-    if (t >= qa && t < qe) return t - qa < a.dec_tokens;
-  }
+// caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
+// equal-length requests: no further round trip); otherwise a binary search finds the last r with
+// query_start[r] <= t.
+__device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t, int gqa, int gqe) {
+  if (t >= gqa && t < gqe) return t - gqa < a.dec_tokens;
   int lo = 0, hi = a.num_requests - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -87,8 +86,21 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   int mode = 0;
   int local = -1;
   int32_t* out = nullptr;
-  if (row < int64_t{a.num_tokens} * a.n_kv) {
-    const int t = static_cast<int>(row / a.n_kv);
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  const int t = in_range ? static_cast<int>(row / a.n_kv) : 0;
+  // Independent loads issued together (one round trip): the position, the guessed request's
+  // bounds, and each lane's first 4 keys of the row's candidate lists (inside the row's k_splits
+  // lists whatever the row turns out to need; unused unless it is a decode row).
+  const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
+  const int gqa = load_query_start(a, guess);
+  const int gqe = load_query_start(a, guess + 1);
+  const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
+  const int e0 = lane + 32 * part;
+  uint64_t pre[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    pre[i] = in_range && e0 + i * step < a.k_splits * kTopK ? lists[e0 + i * step] : 0;
+  if (in_range) {
     const int pos = __ldg(a.positions + t);
     out = a.block_ids + row * kTopK;
     if (pos < 0 || pos / kPageSize >= a.max_pages) {
@@ -98,7 +110,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
       if (local < kTopK) {  // n_valid <= 16: everything visible
         if (part == 0 && lane < kTopK) out[lane] = lane <= local ? lane : -1;
       } else {
-        mode = is_decode_token(a, t) ? 2 : 1;
+        mode = is_decode_token(a, t, gqa, gqe) ? 2 : 1;
       }
     }
   }
@@ -119,7 +131,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
     }
     for (; b < local; b += step) insert_key(top, candidate_key(scores[b], b));
   } else if (mode == 2) {
-    const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
     const int n = (local + a.dec_chunk - 1) / a.dec_chunk * kTopK;  // lists 0 .. ceil - 1
     // Key e: list e / 16, slot e % 16; its id must lie in the list's visible blocks.
     auto take = [&](uint64_t key, int e) {
@@ -127,7 +138,10 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
       const int y0 = (e / kTopK) * a.dec_chunk;
       if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
     };
-    int e = lane + 32 * part;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (e0 + i * step < n) take(pre[i], e0 + i * step);
+    int e = e0 + 4 * step;
     for (; e + 3 * step < n; e += 4 * step) {
       const uint64_t k0 = lists[e], k1 = lists[e + step], k2 = lists[e + 2 * step],
                      k3 = lists[e + 3 * step];

@@ -4,7 +4,8 @@
 // tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. Every fused kernel variant is
 // also run, spot-checked and timed at every T (<name>_us, <name>_pct of copy: per_batch, one block
 // per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
-// shared-memory pipeline with 3 stages, tma_s2 / tma_s4 with 2 / 4, tma_1blk one block per SM),
+// shared-memory pipeline with 3 stages, tma_s2 / tma_s4 with 2 / 4, tma_1blk one block per SM,
+// tma_l4 / tma_l4_s2 with 4 lanes per head),
 // and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us are the
 // default choice (ProducerCudaKernel::kAuto).
 //   producer_bench [--json] [--quick] [--only VARIANT] [--t T]
@@ -415,10 +416,11 @@ int main(int argc, char** argv) {
     } else if (!std::strcmp(argv[i], "--t") && i + 1 < argc) {
       only_t = std::atoll(argv[++i]);
     } else {
-      std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--only VARIANT] [--t T]\n"
-                   "  VARIANT: auto per_batch persistent tma tma_s2 tma_s4 tma_1blk\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--json] [--quick] [--only VARIANT] [--t T]\n"
+          "  VARIANT: auto per_batch persistent tma tma_s2 tma_s4 tma_1blk tma_l4 tma_l4_s2\n",
+          argv[0]);
       return 2;
     }
   }
@@ -430,12 +432,12 @@ int main(int argc, char** argv) {
   check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
   // Every fused kernel variant, spot-checked and timed at every T (the default choice, kAuto, is
   // fused_us / unfused_us). tma = the bulk-copy pipeline with 3 stages; s2 / s4 other stage counts;
-  // 1blk one block per SM.
+  // 1blk one block per SM; l4 4 lanes per head.
   struct Variant {
     const char* name;
     ProducerCudaOptions opt;
   };
-  std::vector<Variant> variants(6);
+  std::vector<Variant> variants(8);
   variants[0].name = "per_batch";
   variants[0].opt.kernel = ProducerCudaKernel::kPerBatch;
   variants[1].name = "persistent";
@@ -451,6 +453,13 @@ int main(int argc, char** argv) {
   variants[5].name = "tma_1blk";
   variants[5].opt.kernel = ProducerCudaKernel::kTmaPipeline;
   variants[5].opt.persistent_blocks = sms;
+  variants[6].name = "tma_l4";
+  variants[6].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[6].opt.tma_lanes_per_head = 4;
+  variants[7].name = "tma_l4_s2";
+  variants[7].opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants[7].opt.tma_lanes_per_head = 4;
+  variants[7].opt.tma_stages = 2;
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -42,12 +42,12 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
 
 // The bulk-copy pipeline: dynamic shared memory sized from the heads per row (host attribute
 // calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
-template <ProducerMode kMode, int kStages>
+template <ProducerMode kMode, int kStages, int kLanes>
 Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms,
                   cudaStream_t stream) {
   const pk::TmaGeometry g = pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor));
   const size_t smem = pk::tma_smem_bytes(g, kStages);
-  auto* kernel = &pk::producer_tma_kernel<kMode, kStages>;
+  auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)));
   if (blocks == 0) {
@@ -65,27 +65,41 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms
 }
 
 template <ProducerMode kMode>
-Status launch_tma_stages(const pk::KernelArgs& args, int64_t tasks, int stages, int blocks, int sms,
-                         cudaStream_t stream) {
-  switch (stages) {
-    case 2:
-      return launch_tma<kMode, 2>(args, tasks, blocks, sms, stream);
-    case 3:
-      return launch_tma<kMode, 3>(args, tasks, blocks, sms, stream);
-    case 4:
-      return launch_tma<kMode, 4>(args, tasks, blocks, sms, stream);
+Status launch_tma_variant(const pk::KernelArgs& args, int64_t tasks, int stages, int lanes,
+                          int blocks, int sms, cudaStream_t stream) {
+  if (lanes == 8) {
+    switch (stages) {
+      case 2:
+        return launch_tma<kMode, 2, 8>(args, tasks, blocks, sms, stream);
+      case 3:
+        return launch_tma<kMode, 3, 8>(args, tasks, blocks, sms, stream);
+      case 4:
+        return launch_tma<kMode, 4, 8>(args, tasks, blocks, sms, stream);
+    }
+  } else if (lanes == 4) {
+    switch (stages) {
+      case 2:
+        return launch_tma<kMode, 2, 4>(args, tasks, blocks, sms, stream);
+      case 3:
+        return launch_tma<kMode, 3, 4>(args, tasks, blocks, sms, stream);
+      case 4:
+        return launch_tma<kMode, 4, 4>(args, tasks, blocks, sms, stream);
+    }
   }
-  return unsupported("producer: no bulk-copy kernel with ", stages, " stages");
+  return unsupported("producer: no bulk-copy kernel with ", stages, " stages and ", lanes,
+                     " lanes per head");
 }
 
 template <ProducerMode kMode>
 Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel kernel,
-                   int persistent_blocks, int tma_stages, int sms, cudaStream_t stream) {
+                   int persistent_blocks, int tma_stages, int tma_lanes, int sms,
+                   cudaStream_t stream) {
   if (kernel == ProducerCudaKernel::kAuto)
     kernel = pk::use_persistent_variant(tasks) ? ProducerCudaKernel::kPersistent
                                                : ProducerCudaKernel::kPerBatch;
   if (kernel == ProducerCudaKernel::kTmaPipeline)
-    return launch_tma_stages<kMode>(args, tasks, tma_stages, persistent_blocks, sms, stream);
+    return launch_tma_variant<kMode>(args, tasks, tma_stages, tma_lanes, persistent_blocks, sms,
+                                     stream);
   if (kernel == ProducerCudaKernel::kPersistent)
     return launch_persistent<kMode>(
         args, tasks, persistent_blocks > 0 ? persistent_blocks : sms * pk::kPersistentBlocksPerSm,
@@ -98,16 +112,17 @@ Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
                 const ProducerCudaOptions& o, int sms, cudaStream_t stream) {
   const int stages = o.tma_stages == 0 ? pk::kTmaStagesDefault : o.tma_stages;
+  const int lanes = o.tma_lanes_per_head == 0 ? pk::kLanesPerHead : o.tma_lanes_per_head;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                               sms, stream);
+                                               lanes, sms, stream);
     case ProducerMode::kMain:
       return launch_mode<ProducerMode::kMain>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                              sms, stream);
+                                              lanes, sms, stream);
     case ProducerMode::kIndex:
       return launch_mode<ProducerMode::kIndex>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                               sms, stream);
+                                               lanes, sms, stream);
   }
   return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
 }
@@ -145,6 +160,10 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                    (options.tma_stages >= 2 && options.tma_stages <= pk::kTmaStagesMax),
                "run_producer_cuda: tma_stages ", options.tma_stages, " must be 0 (default ",
                pk::kTmaStagesDefault, ") or in [2, ", pk::kTmaStagesMax, "]");
+  M3_CHECK_ARG(options.tma_lanes_per_head == 0 || options.tma_lanes_per_head == 4 ||
+                   options.tma_lanes_per_head == 8,
+               "run_producer_cuda: tma_lanes_per_head ", options.tma_lanes_per_head,
+               " must be 0 (default 8), 4 or 8");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;

@@ -73,6 +73,10 @@ struct ProducerCudaOptions {
   int persistent_blocks = 0;
   // Shared-memory stages of the bulk-copy kernel: 0 = the default (3), else 2..4.
   int tma_stages = 0;
+  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8: the same bytes as
+  // the other kernels), 4 (32 channels per lane: fewer instructions per head; Q / K / index rows
+  // within one E4M3 step of the 8-lane bytes, V identical).
+  int tma_lanes_per_head = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -618,7 +618,6 @@ inline bool use_persistent_variant(int64_t tasks) {
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
 constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
-constexpr int kTmaRounds = kTmaTileTasks / kGroupsPerBlock;
 constexpr int kTmaStagesDefault = 3;  // 2 and 4 are built too (ProducerCudaOptions::tma_stages)
 constexpr int kTmaStagesMax = 4;
 constexpr int kHeadBytes = 128 * 2;  // one BF16 head
@@ -741,7 +740,140 @@ __device__ __forceinline__ void tma_fill_stage(const KernelArgs& a, const TmaGeo
   }
 }
 
-template <ProducerMode kMode, int kTmaStages>
+// ------------------------------------------------------------------------------------------------
+// Four lanes per head (bulk-copy kernel only, ProducerCudaOptions::tma_lanes_per_head = 4): lane j
+// of a 4-lane group holds 32 channels, again chosen so that RoPE needs no shuffle:
+//   A = channels [8j, 8j + 8)          B = channels [32 + 8j, 40 + 8j)
+//   C = channels [64 + 16j, 80 + 16j)
+// read from the shared-memory stage as 16 + 16 + 32 bytes and stored as 8 + 8 + 16 E4M3 bytes.
+// The per-task overhead (index math, classification, metadata, rsqrt, addresses, branches) is
+// shared by twice the values and the reduction needs 2 shuffles instead of 3: ~125 instead of
+// ~175 warp instructions per 4 heads (estimate). The same arithmetic per value as process_task,
+// but the sum of squares is reduced in another order (per lane 2 x 16 products, then 4 lanes), so
+// its bytes may differ from the 8-lane kernels by one E4M3 step where the rounding of rsqrt's
+// argument moves a value across a rounding boundary; V is byte-identical (no arithmetic).
+
+// Cache rows are only 4-byte aligned in general.
+__device__ __forceinline__ void store16_cache(uint8_t* dst, uint4 v) {
+  const auto addr = reinterpret_cast<uintptr_t>(dst);
+  if ((addr & 15u) == 0) {
+    *reinterpret_cast<uint4*>(dst) = v;
+  } else if ((addr & 7u) == 0) {
+    reinterpret_cast<uint2*>(dst)[0] = make_uint2(v.x, v.y);
+    reinterpret_cast<uint2*>(dst)[1] = make_uint2(v.z, v.w);
+  } else {
+    reinterpret_cast<uint32_t*>(dst)[0] = v.x;
+    reinterpret_cast<uint32_t*>(dst)[1] = v.y;
+    reinterpret_cast<uint32_t*>(dst)[2] = v.z;
+    reinterpret_cast<uint32_t*>(dst)[3] = v.w;
+  }
+}
+
+__device__ __forceinline__ void widen8(uint4 w, float* y) {
+  widen2(w.x, y[0], y[1]);
+  widen2(w.y, y[2], y[3]);
+  widen2(w.z, y[4], y[5]);
+  widen2(w.w, y[6], y[7]);
+}
+
+// One task on 4 lanes; `head` is the task's 256 bytes in shared memory (the batch's first task
+// when `valid` is false: computed, not stored). Executed by every lane of the warp (shuffles).
+template <ProducerMode kMode>
+__device__ __forceinline__ void process_task4(const KernelArgs& a, const uint8_t* head,
+                                              uint32_t task, bool valid, uint32_t fallback_task,
+                                              uint32_t t_first, int lane,
+                                              const float4 (*s_norm)[32],
+                                              const float4 (*s_rope)[kRopeFloats / 4],
+                                              const int32_t* s_pos, const int32_t* s_slot) {
+  uint32_t t, h;
+  a.heads.divmod(valid ? task : fallback_task, t, h);
+  const int k = static_cast<int>(t - t_first);
+  int kind, sub;
+  classify_head<kMode>(static_cast<int>(h), a.n_q, a.n_kv, kind, sub);
+  const int32_t pos = s_pos[k];
+  const int32_t slot = s_slot[k];
+  const bool pos_ok = static_cast<uint32_t>(pos) < a.max_pos;
+
+  // y[0..7] = A, y[8..15] = B, y[16..31] = C.
+  float y[32];
+  widen8(*reinterpret_cast<const uint4*>(head + 16 * lane), y);
+  widen8(*reinterpret_cast<const uint4*>(head + 64 + 16 * lane), y + 8);
+  widen8(*reinterpret_cast<const uint4*>(head + 128 + 32 * lane), y + 16);
+  widen8(*reinterpret_cast<const uint4*>(head + 144 + 32 * lane), y + 24);
+
+  float ss0 = 0.0f, ss1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 32; i += 2) {
+    ss0 = fmaf(y[i], y[i], ss0);
+    ss1 = fmaf(y[i + 1], y[i + 1], ss1);
+  }
+  float ss = ss0 + ss1;
+  ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+  ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+  if (kind != kV) {
+    const float r = rsqrtf(ss * (1.0f / 128.0f) + a.eps);
+    const float4* w = s_norm[kind - (kind > kV)];
+    const float4 wq[8] = {w[2 * lane],      w[2 * lane + 1],  w[8 + 2 * lane],  w[9 + 2 * lane],
+                          w[16 + 4 * lane], w[17 + 4 * lane], w[18 + 4 * lane], w[19 + 4 * lane]};
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      y[4 * q] = (y[4 * q] * r) * wq[q].x;
+      y[4 * q + 1] = (y[4 * q + 1] * r) * wq[q].y;
+      y[4 * q + 2] = (y[4 * q + 2] * r) * wq[q].z;
+      y[4 * q + 3] = (y[4 * q + 3] * r) * wq[q].w;
+    }
+    // Partial NeoX RoPE: pair i = 8j + m is (y[m], y[8 + m]).
+    if (pos_ok) {
+      const float4 c0 = s_rope[k][2 * lane], c1 = s_rope[k][2 * lane + 1];
+      const float4 s0 = s_rope[k][8 + 2 * lane], s1 = s_rope[k][9 + 2 * lane];
+      const float c[8] = {c0.x, c0.y, c0.z, c0.w, c1.x, c1.y, c1.z, c1.w};
+      const float sn[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+#pragma unroll
+      for (int m = 0; m < 8; ++m) {
+        const float lo = y[m], hi = y[8 + m];
+        y[m] = lo * c[m] - hi * sn[m];
+        y[8 + m] = hi * c[m] + lo * sn[m];
+      }
+    }
+  }
+
+  uint2 code_a = make_uint2(pack4_e4m3(y[0], y[1], y[2], y[3]), pack4_e4m3(y[4], y[5], y[6], y[7]));
+  uint2 code_b =
+      make_uint2(pack4_e4m3(y[8], y[9], y[10], y[11]), pack4_e4m3(y[12], y[13], y[14], y[15]));
+  uint4 code_c =
+      make_uint4(pack4_e4m3(y[16], y[17], y[18], y[19]), pack4_e4m3(y[20], y[21], y[22], y[23]),
+                 pack4_e4m3(y[24], y[25], y[26], y[27]), pack4_e4m3(y[28], y[29], y[30], y[31]));
+  if (!valid) return;
+  if (kind == kQ || kind == kIQ) {
+    if (!pos_ok) {
+      code_a = code_b = make_uint2(0x7f7f7f7fu, 0x7f7f7f7fu);
+      code_c = make_uint4(0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu, 0x7f7f7f7fu);
+    }
+    // 16-byte aligned rows (validated base, 128-byte rows); t * n + sub < T * H < 2^31.
+    uint8_t* row = kind == kQ ? a.q_out + static_cast<uint64_t>(t * a.n_q + sub) * 128
+                              : a.iq_out + static_cast<uint64_t>(t * a.n_kv + sub) * 128;
+    *reinterpret_cast<uint2*>(row + 8 * lane) = code_a;
+    *reinterpret_cast<uint2*>(row + 32 + 8 * lane) = code_b;
+    *reinterpret_cast<uint4*>(row + 64 + 16 * lane) = code_c;
+  } else if (pos_ok && slot >= 0 && (slot >> 7) < a.num_pages) {
+    const int64_t page = slot >> 7;
+    const int64_t in_page = static_cast<int64_t>(slot & 127) * 128;
+    uint8_t* row;
+    if (kind == kIK) {
+      row = a.ic + page * a.ic_page_stride + in_page;
+    } else {
+      row = a.kv + page * a.kv_page_stride + (kind == kV ? a.kv_plane_stride : 0) +
+            static_cast<int64_t>(sub) * kTileBytes + in_page;
+    }
+    store8_cache(row + 8 * lane, code_a);
+    store8_cache(row + 32 + 8 * lane, code_b);
+    store16_cache(row + 64 + 16 * lane, code_c);
+  }
+}
+
+// kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
+// or 4 (process_task4).
+template <ProducerMode kMode, int kTmaStages, int kLanes>
 __global__ void __launch_bounds__(kTmaThreads, 2)
     producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -778,8 +910,11 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   }
 
   // ---- compute warps ----
-  const int lane = threadIdx.x & (kLanesPerHead - 1);
-  const int group = threadIdx.x / kLanesPerHead;  // 0..31
+  static_assert(kLanes == 8 || kLanes == 4, "8 or 4 lanes per head");
+  constexpr int kGroups = kTmaComputeWarps * 32 / kLanes;  // 32 or 64
+  constexpr int kRounds = kTmaTileTasks / kGroups;         // 4 or 2
+  const int lane = threadIdx.x & (kLanes - 1);
+  const int group = threadIdx.x / kLanes;
   uint32_t it = 0;
 #pragma unroll 1
   for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
@@ -792,15 +927,21 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
     const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
 #pragma unroll 1
-    for (int r = 0; r < kTmaRounds; ++r) {
-      const uint32_t task = first + r * kGroupsPerBlock + group;
+    for (int r = 0; r < kRounds; ++r) {
+      const uint32_t task = first + r * kGroups + group;
       const bool valid = task < a.num_tasks;
       const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
-      LaneRaw raw;
-      raw.a = *reinterpret_cast<const uint2*>(head + 8 * lane);
-      raw.b = *reinterpret_cast<const uint2*>(head + 64 + 8 * lane);
-      raw.c = *reinterpret_cast<const uint4*>(head + 128 + 16 * lane);
-      process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos, s_slot);
+      if constexpr (kLanes == 8) {
+        LaneRaw raw;
+        raw.a = *reinterpret_cast<const uint2*>(head + 8 * lane);
+        raw.b = *reinterpret_cast<const uint2*>(head + 64 + 8 * lane);
+        raw.c = *reinterpret_cast<const uint4*>(head + 128 + 16 * lane);
+        process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
+                            s_slot);
+      } else {
+        process_task4<kMode>(a, head, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
+                             s_slot);
+      }
     }
     __syncwarp();
     if (lane32 == 0) mbar_arrive(&empty[s]);

@@ -12,7 +12,7 @@ namespace {
 TEST(ProducerGpu, MatchesCpuTwinEveryModeGeometryAndLength) {
   M3_REQUIRE_GPU();
   for (const ProducerCudaOptions& opt : kKernelChoices) {
-    SCOPED_TRACE(producer_cuda_kernel_name(opt.kernel));
+    SCOPED_TRACE(choice_name(opt));
     for (const Geometry& geo : kGeometries) {
       for (const int64_t t : {0, 1, 16, 129, 4099}) {
         const uint64_t seed = mt::fresh_seed();
@@ -43,7 +43,7 @@ TEST(ProducerGpu, StridedPoolsKeepGuardsAndOtherLayers) {
         interleaved_layout(geo.n_kv, pages, 57, 56, 4),
     };
     for (const ProducerCudaOptions& opt : kKernelChoices) {
-      SCOPED_TRACE(producer_cuda_kernel_name(opt.kernel));
+      SCOPED_TRACE(choice_name(opt));
       for (const Layout& lay : layouts)
         for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng, opt);
     }
@@ -66,7 +66,7 @@ TEST(ProducerGpu, FusedMatchesUnfusedPair) {
       const Outputs init = make_outputs(in, lay, rng);
 
       for (const ProducerCudaOptions& opt : kKernelChoices) {
-        SCOPED_TRACE(producer_cuda_kernel_name(opt.kernel));
+        SCOPED_TRACE(choice_name(opt));
         Outputs one = init.clone();
         run_on_gpu({make_params(ProducerMode::kFused, in, fused, one, lay)}, in, {&fused}, one,
                    opt);
@@ -93,7 +93,7 @@ TEST(ProducerGpu, LargeBatchFewHeadsPerRow) {
     const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages_for(t), rng);
     const Layout lay = separate_layout(geo.n_kv, pages_for(t), 1, 0, 0);
     for (const ProducerCudaOptions& opt : kKernelChoices) {
-      SCOPED_TRACE(producer_cuda_kernel_name(opt.kernel));
+      SCOPED_TRACE(choice_name(opt));
       for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng, opt);
     }
   }
@@ -112,11 +112,10 @@ TEST(ProducerGpu, SkippedSlotsAndBadPositionsWriteNoCache) {
   std::memcpy(in.slots.ptr<int32_t>(), slots, sizeof(slots));
   std::memcpy(in.positions.ptr<int32_t>(), positions, sizeof(positions));
   const Layout lay = separate_layout(1, pages, 1, 0, 0);
-  for (int choice = 0; choice < 2 * 3; ++choice) {
+  for (int choice = 0; choice < kNumKernelChoices * 3; ++choice) {
     const ProducerCudaOptions& opt = kKernelChoices[choice / 3];
     const ProducerMode mode = kModes[choice % 3];
-    SCOPED_TRACE(::testing::Message()
-                 << producer_mode_name(mode) << " " << producer_cuda_kernel_name(opt.kernel));
+    SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " " << choice_name(opt));
     const Packed packed = packed_for(in, mode, rng);
     const Outputs init = make_outputs(in, lay, rng);
     Outputs gpu = init.clone();
@@ -211,7 +210,7 @@ TEST(ProducerGpu, Page65536AddressedIn64Bits) {
                                    Device::cuda(0));
   dp.index_cache = make_index_cache_view(base + big.ic_base, pages, big.ic_page, Device::cuda(0));
   for (const ProducerCudaOptions& opt : kKernelChoices) {
-    SCOPED_TRACE(producer_cuda_kernel_name(opt.kernel));
+    SCOPED_TRACE(choice_name(opt));
     pool.poison(kPoison);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
     const Status s = run_producer_cuda(dp, nullptr, opt);

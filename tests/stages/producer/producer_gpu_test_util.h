@@ -56,17 +56,28 @@ inline const Geometry kGeometries[] = {{64, 4}, {32, 2}, {16, 1}, {8, 1}};
 inline const ProducerMode kModes[] = {ProducerMode::kFused, ProducerMode::kMain,
                                       ProducerMode::kIndex};
 
-// Kernel choices: the bulk-copy pipeline with `stages` (0 = default) and `blocks` (0 = a full
-// wave); kKernelChoices are the two every twin test runs: the default choice (kAuto: per-batch or
-// persistent by size) and the bulk-copy pipeline.
-inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0) {
+// Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave)
+// and `lanes` per head (0 = 8); kKernelChoices are the ones every twin test runs: the default
+// choice (kAuto: per-batch or persistent by size) and the bulk-copy pipeline with 8 and 4 lanes.
+inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0) {
   ProducerCudaOptions o;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
   o.tma_stages = stages;
   o.persistent_blocks = blocks;
+  o.tma_lanes_per_head = lanes;
   return o;
 }
-inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options()};
+inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(),
+                                                     tma_options(0, 0, 4)};
+inline constexpr int kNumKernelChoices = 3;
+inline std::string choice_name(const ProducerCudaOptions& o) {
+  std::ostringstream os;
+  os << producer_cuda_kernel_name(o.kernel);
+  if (o.kernel == ProducerCudaKernel::kTmaPipeline)
+    os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head;
+  if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
+  return os.str();
+}
 
 inline bool uses_main(ProducerMode m) { return m != ProducerMode::kIndex; }
 inline bool uses_index(ProducerMode m) { return m != ProducerMode::kMain; }

@@ -13,9 +13,8 @@ namespace {
 void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
-  SCOPED_TRACE(::testing::Message()
-               << "T " << t << " kernel " << producer_cuda_kernel_name(opt.kernel)
-               << " persistent_blocks " << opt.persistent_blocks);
+  SCOPED_TRACE(::testing::Message() << "T " << t << " kernel " << choice_name(opt)
+                                    << " persistent_blocks " << opt.persistent_blocks);
   mt::Rng rng(seed);
   const int64_t pages = pages_for(t) + 4;
   Inputs in = make_inputs(64, 4, t, pages, rng);
@@ -122,8 +121,8 @@ void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
 
 // T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one; then the
 // persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block) and the
-// bulk-copy pipeline on its default grid and on 5 blocks with 2 stages (181 tiles: ~36 tiles and
-// every stage reused ~18 times per block).
+// bulk-copy pipeline on its default grid, on 5 blocks with 2 stages (181 tiles: ~36 tiles and
+// every stage reused ~18 times per block) and with 4 lanes per head on 4 blocks.
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
@@ -133,6 +132,7 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(300, persistent);
   graph_replay_case(37, tma_options());
   graph_replay_case(300, tma_options(2, 5));
+  graph_replay_case(300, tma_options(3, 4, 4));
 }
 
 // The persistent kernel (grid-stride loop over batches, next batch's loads, RoPE rows and
@@ -227,8 +227,50 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchByteForByte) {
   }
 }
 
-// A negative grid, a stage count outside [2, 4] or an unknown kernel choice is rejected before any
-// launch.
+// The bulk-copy pipeline with 4 lanes per head (32 channels per lane, its own reduction order):
+// within one E4M3 step of the CPU twin and of the 8-lane kernel, V rows identical, untouched bytes
+// untouched; the same grids, stage counts and pools as above.
+TEST(ProducerGpu, TmaFourLanesMatchesTwin) {
+  M3_REQUIRE_GPU();
+  struct Case {
+    Geometry geo;
+    int64_t t;
+    int blocks;
+    int stages;
+  };
+  const Case cases[] = {{{64, 4}, 1, 0, 0},   {{64, 4}, 129, 1, 2}, {{64, 4}, 4099, 0, 3},
+                        {{8, 1}, 129, 1, 4},  {{8, 1}, 1001, 7, 3}, {{32, 2}, 517, 3, 2},
+                        {{16, 1}, 2050, 0, 0}};
+  for (const Case& c : cases) {
+    const uint64_t seed = mt::fresh_seed();
+    M3_SEED_TRACE(seed);
+    mt::Rng rng(seed);
+    const int64_t pages = pages_for(c.t);
+    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
+    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
+    for (const ProducerMode mode : kModes) {
+      SCOPED_TRACE(::testing::Message()
+                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
+                   << " T " << c.t << " blocks " << c.blocks << " stages " << c.stages);
+      const Packed packed = packed_for(in, mode, rng);
+      const Outputs init = make_outputs(in, lay, rng);
+      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a,
+                 tma_options(c.stages, c.blocks, 8));
+      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b,
+                 tma_options(c.stages, c.blocks, 4));
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/false,
+                   "4 lanes vs 8 lanes");
+      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
+                   "4 lanes vs CPU twin");
+    }
+  }
+}
+
+// A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, or an unknown
+// kernel choice is rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -252,7 +294,8 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
   ProducerCudaOptions unknown;
   unknown.kernel = static_cast<ProducerCudaKernel>(7);
   for (const ProducerCudaOptions& o :
-       {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3)}) {
+       {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3),
+        tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4)}) {
     const Status s = run_producer_cuda(good, nullptr, o);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
     EXPECT_FALSE(s.message().empty());
@@ -323,11 +366,10 @@ TEST(ProducerGpu, ZeroTokensLaunchesNothing) {
   const Layout lay = separate_layout(1, 2, 1, 0, 0);
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int choice = 0; choice < 2 * 3; ++choice) {
+  for (int choice = 0; choice < kNumKernelChoices * 3; ++choice) {
     const ProducerCudaOptions& opt = kKernelChoices[choice / 3];
     const ProducerMode mode = kModes[choice % 3];
-    SCOPED_TRACE(::testing::Message()
-                 << producer_mode_name(mode) << " " << producer_cuda_kernel_name(opt.kernel));
+    SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " " << choice_name(opt));
     const Packed packed = packed_for(in, mode, rng);
     const Outputs init = make_outputs(in, lay, rng);
     Outputs state = init.clone();

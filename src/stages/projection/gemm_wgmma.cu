@@ -3,6 +3,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 
@@ -82,14 +83,19 @@ Status device_info(DeviceInfo* info) {
 
 template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
-              cudaStream_t stream) {
+              int device, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
   auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
-  // Once per instantiation and process (the attribute is per function, for every device).
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  M3_CUDA_RETURN_IF_ERROR(attr);
+  // The shared-memory opt-in is per function and device (each device has its own module): set it
+  // once per device (bit `device` of `ready`; devices >= 64 set it at every call).
+  static std::atomic<uint64_t> ready{0};
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if (bit == 0 || (ready.load(std::memory_order_acquire) & bit) == 0) {
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    ready.fetch_or(bit, std::memory_order_acq_rel);
+  }
   kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
@@ -98,12 +104,12 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
 // Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
 template <int kCtasPerSm>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
-                     int grid, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, stream);
-  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, stream);
-  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, stream);
+                     int grid, int device, cudaStream_t stream) {
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
+  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
   // n = 64 needs ~170 registers per thread: one CTA per SM whatever was asked.
-  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, stream);
+  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, device, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
 
@@ -199,8 +205,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.kblocks = static_cast<int>(kblocks);
   args.units = units;
-  if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, stream);
-  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, stream);
+  if (ctas_per_sm == 1)
+    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, info.device, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, info.device, stream);
 }
 
 }  // namespace m3attn

@@ -210,6 +210,7 @@ Result<std::unique_ptr<Communicator>> Communicator::create(const UniqueIdBytes& 
   const ncclResult_t r = a.value()->init_rank(&comm, size, uid, rank);
   if (r != ncclSuccess) return nccl_error(*a.value(), r, "ncclCommInitRank", nullptr);
   c->comm_ = comm;
+  M3_RETURN_IF_ERROR(c->init_barrier());
   return c;
 }
 
@@ -236,20 +237,46 @@ Result<std::vector<std::unique_ptr<Communicator>>> Communicator::create_all(
     c->device_ = devices[static_cast<size_t>(i)];
     out.push_back(std::move(c));
   }
+  int prev = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&prev));
+  for (auto& c : out) {
+    M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(c->device_));
+    M3_RETURN_IF_ERROR(c->init_barrier());
+  }
+  M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(prev));
   return out;
 }
 
+Status Communicator::init_barrier() {
+  cudaStream_t s = nullptr;
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stream_ = s;
+  M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&flag_, sizeof(int32_t)));
+  return Status::Ok();
+}
+
+Status Communicator::barrier() {
+  M3_CHECK_ARG(comm_ != nullptr && !failed_, "barrier on a communicator that failed or aborted");
+  M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  M3_RETURN_IF_ERROR(all_reduce(flag_, 1, CollectiveDType::kI32, CollectiveOp::kSum, stream_));
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+  return check_async_error();
+}
+
 Communicator::~Communicator() {
-  if (!comm_) return;
-  const NcclApi& a = *api().value();
   int prev = 0;
   cudaGetDevice(&prev);
   cudaSetDevice(device_);
-  if (failed_) {
-    a.abort(static_cast<ncclComm_t>(comm_));
-  } else {
-    a.destroy(static_cast<ncclComm_t>(comm_));
+  if (comm_) {
+    const NcclApi& a = *api().value();
+    if (failed_) {
+      a.abort(static_cast<ncclComm_t>(comm_));
+    } else {
+      a.destroy(static_cast<ncclComm_t>(comm_));
+    }
   }
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  if (flag_) cudaFree(flag_);
   cudaSetDevice(prev);
 }
 
@@ -364,6 +391,8 @@ Status Communicator::all_reduce(void*, int64_t, CollectiveDType, CollectiveOp, v
   return not_built();
 }
 Status Communicator::all_gather(const void*, void*, int64_t, void*) { return not_built(); }
+Status Communicator::barrier() { return not_built(); }
+Status Communicator::init_barrier() { return not_built(); }
 Status Communicator::check_async_error() { return not_built(); }
 void Communicator::abort() {}
 Status Communicator::check(int, const char*) { return not_built(); }

@@ -67,6 +67,9 @@ class Communicator {
   }
   // `recv` holds size() * bytes; rank r's `send` (bytes) lands at recv + r * bytes.
   Status all_gather(const void* send, void* recv, int64_t bytes, void* stream);
+  // Every rank waits for the others (a one-element all-reduce on a private stream, synchronized):
+  // after it, no rank has collectives of this communicator in flight.
+  Status barrier();
   // A pending asynchronous NCCL error (e.g. a failed peer), as a Status.
   Status check_async_error();
   // Cancels this rank's pending operations; the communicator is unusable afterwards.
@@ -74,10 +77,13 @@ class Communicator {
 
  private:
   Communicator() = default;
-  void* comm_ = nullptr;  // ncclComm_t
+  void* comm_ = nullptr;    // ncclComm_t
+  void* stream_ = nullptr;  // cudaStream_t of barrier()
+  void* flag_ = nullptr;    // device int32 of barrier()
   int rank_ = 0, size_ = 1, device_ = 0;
   bool failed_ = false;
   Status check(int result, const char* what);
+  Status init_barrier();
 };
 
 // Small collectives of host values (synchronous): the per-step lock-step of attention-DP (who has

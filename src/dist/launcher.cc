@@ -1,6 +1,7 @@
 #include "dist/launcher.h"
 
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -271,6 +272,7 @@ Result<LaunchReport> launch_ranks(const LaunchOptions& o) {
   }
 
   std::fflush(nullptr);  // no buffered output duplicated into the children
+  const pid_t parent = getpid();
   for (int r = 0; r < o.ranks; ++r) {
     const pid_t pid = fork();
     if (pid < 0) {
@@ -279,7 +281,10 @@ Result<LaunchReport> launch_ranks(const LaunchOptions& o) {
       return internal_error("launch: fork for rank ", r, " failed: ", why);
     }
     if (pid == 0) {
-      // Child: only async-signal-safe calls until execve.
+      // Child: only async-signal-safe calls until execve. The rank dies with the launcher
+      // (PR_SET_PDEATHSIG survives execve), so a killed launcher leaves no rank holding a GPU.
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != parent) _exit(126);  // the launcher died before prctl
       execve(args[0], args.data(), envps[static_cast<size_t>(r)].data());
       const char msg[] = "m3attn launcher: execve failed\n";
       ssize_t ignored = write(STDERR_FILENO, msg, sizeof(msg) - 1);

@@ -133,7 +133,7 @@ TEST(NcclGpuTest, AllReduceBf16AllGatherAndGraphReplay) {
     cudaGraphExecDestroy(exec);
     cudaGraphDestroy(graph);
     cudaStreamDestroy(s);
-    return c.check_async_error();
+    return c.barrier();
   });
   for (int r = 0; r < 2; ++r) ASSERT_TRUE(st[static_cast<size_t>(r)].ok()) << st[r].to_string();
   for (int round = 0; round < 2; ++round) {

@@ -118,6 +118,15 @@ int work(const DistRole& role, const char* what, Body body) {
   }
   const int code = body(*comm.value());
   std::fflush(stdout);
+  // Only after every rank is done does any rank tear its communicator down.
+  if (code == 0) {
+    const Status s = comm.value()->barrier();
+    if (!s.ok()) {
+      std::cerr << "m3attn tp " << what << " [rank " << role.rank
+                << "]: final barrier: " << s.to_string() << "\n";
+      return 1;
+    }
+  }
   return code;
 }
 

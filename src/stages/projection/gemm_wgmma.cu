@@ -23,6 +23,7 @@ using gemm_wgmma_detail::kTileN;
 using gemm_wgmma_detail::WgmmaArgs;
 
 constexpr size_t kCounterAlign = 256;
+constexpr int64_t kTwoCtaMaxM = 32;  // larger M (n = 64) runs one CTA per SM (registers)
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -129,8 +130,13 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m) {
                " must be in [0, ", kMaxM, "]");
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
-  const size_t slots = size_t{2} * kMaxCtasPerSm * static_cast<size_t>(info.sms);
-  return gemm_wgmma_counter_bytes(n) + slots * static_cast<size_t>(max_m) * kTileN * sizeof(float);
+  // Two partial slots of [M][128] fp32 per CTA; the grid is at most ctas_per_sm(M) x SMs with
+  // ctas_per_sm(M) = 1 for M > 32 (see run_gemm_wgmma_cuda): take the largest M of each regime.
+  const size_t slot_rows = std::max<size_t>(
+      size_t{2} * kMaxCtasPerSm * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
+      size_t{2} * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
+  return gemm_wgmma_counter_bytes(n) +
+         slot_rows * static_cast<size_t>(info.sms) * kTileN * sizeof(float);
 }
 
 bool gemm_wgmma_device_supported() {
@@ -168,7 +174,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   if (m == 0) return Status::Ok();
 
   // M > 32 (n = 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
-  const int ctas_per_sm = m > 32                     ? 1
+  const int ctas_per_sm = m > kTwoCtaMaxM            ? 1
                           : options.ctas_per_sm == 0 ? kMaxCtasPerSm
                                                      : options.ctas_per_sm;
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;

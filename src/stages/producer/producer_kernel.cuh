@@ -594,9 +594,10 @@ inline bool use_persistent_variant(int64_t tasks) {
 // Tile: kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16, 1.66 tokens at M3 TP1), the
 // same (token, head) numbering as above; group g (0..31) of the compute warps takes tasks
 // first + 32 r + g, r = 0..3, and runs process_task on them, so this kernel writes the same bytes
-// as the other two. Per stage the copy warp also stages the tile's positions and slots (plain
-// loads and st.shared by the copy lanes, each lane arriving on the stage's "full" barrier after
-// its own writes) and the RoPE rows of the positions inside the table (bulk copies, 256 B each).
+// as the other two. Per stage the copy warp also stages the tile's positions and slots (loaded
+// into registers one tile ahead, stored with st.shared by the copy lanes, each lane arriving on
+// the stage's "full" barrier after its own writes) and the RoPE rows of the positions inside the
+// table (bulk copies, 256 B each).
 // Per token of a tile one bulk copy moves the token's heads inside the tile (rows are contiguous
 // from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies at M3 TP1.
 //
@@ -611,7 +612,8 @@ inline bool use_persistent_variant(int64_t tasks) {
 // batch and no dependent position -> RoPE load in their path (the copy warp, running up to 2
 // tiles ahead, absorbs it).
 // Synchronisation per stage s (use u = it / kTmaStages of iteration it):
-//   full[s]  (32 arrivals: every copy lane; + the tile's bytes): the compute warps wait parity u&1;
+//   full[s]  (32 arrivals: every copy lane after its st.shared and its expect_tx; + the bytes of
+//            the copies): the compute warps wait parity u&1;
 //   empty[s] (8 arrivals: one per compute warp after its last shared read of the stage): the copy
 //            warp waits parity (u - 1)&1 before refilling the stage (it >= kTmaStages).
 
@@ -656,11 +658,6 @@ __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {
@@ -697,47 +694,91 @@ __device__ __forceinline__ uint64_t l2_policy_evict_last() {
   return p;
 }
 
-// The copy warp's work for one tile into stage `st`: positions and slots (st.shared), then one
-// arrival per lane on `full` (lane 0 with the tile's byte count), then the bulk copies.
-__device__ __forceinline__ void tma_fill_stage(const KernelArgs& a, const TmaGeometry& g,
-                                               uint32_t tile, uint8_t* st, uint64_t* full, int lane,
-                                               uint64_t stream_policy, uint64_t keep_policy) {
-  const uint32_t first = tile * static_cast<uint32_t>(kTmaTileTasks);
-  const uint32_t last = min(first + kTmaTileTasks, a.num_tasks) - 1;
-  const uint32_t t_first = a.heads.div(first);
-  const uint32_t t_last = a.heads.div(last);
-  const int n_tok = static_cast<int>(t_last - t_first) + 1;
-  auto* s_pos = reinterpret_cast<int32_t*>(st + g.pos_off);
-  auto* s_slot = reinterpret_cast<int32_t*>(st + g.slot_off);
-  uint32_t rows = 0;  // RoPE rows this lane copies
-  for (int k = lane; k < n_tok; k += 32) {
-    const int32_t pos = __ldg(a.positions + t_first + k);
-    s_pos[k] = pos;
-    s_slot[k] = __ldg(a.slots + t_first + k);
-    rows += static_cast<uint32_t>(pos) < a.max_pos;
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Tasks [first, last] of a tile and the tokens t_first .. t_first + n_tok - 1 they touch.
+struct TileSpan {
+  uint32_t first = 0, last = 0, t_first = 0;
+  int n_tok = 0;
+};
+__device__ __forceinline__ TileSpan tile_span(const KernelArgs& a, uint32_t tile) {
+  TileSpan sp;
+  sp.first = tile * static_cast<uint32_t>(kTmaTileTasks);
+  sp.last = min(sp.first + kTmaTileTasks, a.num_tasks) - 1;
+  sp.t_first = a.heads.div(sp.first);
+  sp.n_tok = static_cast<int>(a.heads.div(sp.last) - sp.t_first) + 1;
+  return sp;
+}
+
+// A tile touches at most (128 - 1) / 2 + 2 = 65 tokens: 3 per copy lane.
+constexpr int kMaxTokPerLane = 3;
+static_assert((kTmaTileTasks - 1) / kMinHeadsPerRow + 2 <= 32 * kMaxTokPerLane,
+              "tokens of a tile per copy lane");
+
+// Positions and slots of a tile's tokens k = lane + 32 i, into registers (prefetched one tile
+// ahead by the copy warp, so the RoPE copies of a tile never wait for a fresh global load).
+struct TileMeta {
+  int32_t pos[kMaxTokPerLane];
+  int32_t slot[kMaxTokPerLane];
+};
+__device__ __forceinline__ void load_meta(const KernelArgs& a, const TileSpan& sp, int lane,
+                                          TileMeta& m) {
+#pragma unroll
+  for (int i = 0; i < kMaxTokPerLane; ++i) {
+    const int k = lane + 32 * i;
+    m.pos[i] = -1;
+    m.slot[i] = -1;
+    if (k < sp.n_tok) {
+      m.pos[i] = __ldg(a.positions + sp.t_first + k);
+      m.slot[i] = __ldg(a.slots + sp.t_first + k);
+    }
   }
-  const uint32_t all_rows = __reduce_add_sync(0xffffffffu, rows);
-  if (lane == 0) {
-    mbar_arrive_expect_tx(full, (last - first + 1) * kHeadBytes + all_rows * kRopeFloats * 4);
-  } else {
-    mbar_arrive(full);
-  }
-  __syncwarp();
+}
+
+// The copy warp's bulk copies of a tile's packed heads into stage `st`: one per token (the
+// token's heads inside the tile are contiguous whatever the row stride). Each lane announces the
+// bytes of its own copies on `full` (expect_tx) before issuing them.
+__device__ __forceinline__ void tma_copy_packed(const KernelArgs& a, const TileSpan& sp,
+                                                uint8_t* st, uint64_t* full, int lane,
+                                                uint64_t policy) {
   const uint32_t heads = a.heads.divisor;
-  for (int k = lane; k < n_tok; k += 32) {
-    const uint32_t t = t_first + k;
-    const uint32_t h0 = k == 0 ? first - t * heads : 0;
-    const uint32_t h1 = t == t_last ? last - t * heads : heads - 1;
+  for (int k = lane; k < sp.n_tok; k += 32) {
+    const uint32_t t = sp.t_first + k;
+    const uint32_t h0 = k == 0 ? sp.first - t * heads : 0;
+    const uint32_t h1 = k == sp.n_tok - 1 ? sp.last - t * heads : heads - 1;
+    const uint32_t bytes = (h1 - h0 + 1) * kHeadBytes;
     const uint16_t* src =
         a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h0) * 128;
-    bulk_copy_g2s(st + (t * heads + h0 - first) * kHeadBytes, src, (h1 - h0 + 1) * kHeadBytes, full,
-                  stream_policy);
-    const int32_t pos = s_pos[k];
-    if (static_cast<uint32_t>(pos) < a.max_pos)
-      bulk_copy_g2s(st + g.rope_off + k * kRopeFloats * 4,
-                    a.rope + static_cast<int64_t>(pos) * kRopeFloats, kRopeFloats * 4, full,
-                    keep_policy);
+    mbar_expect_tx(full, bytes);
+    bulk_copy_g2s(st + (t * heads + h0 - sp.first) * kHeadBytes, src, bytes, full, policy);
   }
+}
+
+// The tile's positions and slots (st.shared) and RoPE rows (bulk copies, 256 B, positions inside
+// the table only), then this lane's arrival on `full` (after its own writes and expect_tx).
+__device__ __forceinline__ void tma_stage_meta(const KernelArgs& a, const TmaGeometry& g,
+                                               const TileSpan& sp, const TileMeta& m, uint8_t* st,
+                                               uint64_t* full, int lane, uint64_t policy) {
+  auto* s_pos = reinterpret_cast<int32_t*>(st + g.pos_off);
+  auto* s_slot = reinterpret_cast<int32_t*>(st + g.slot_off);
+#pragma unroll
+  for (int i = 0; i < kMaxTokPerLane; ++i) {
+    const int k = lane + 32 * i;
+    if (k < sp.n_tok) {
+      s_pos[k] = m.pos[i];
+      s_slot[k] = m.slot[i];
+      if (static_cast<uint32_t>(m.pos[i]) < a.max_pos) {
+        mbar_expect_tx(full, kRopeFloats * 4);
+        bulk_copy_g2s(st + g.rope_off + k * kRopeFloats * 4,
+                      a.rope + static_cast<int64_t>(m.pos[i]) * kRopeFloats, kRopeFloats * 4, full,
+                      policy);
+      }
+    }
+  }
+  mbar_arrive(full);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -898,13 +939,28 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     // ---- copy warp ----
     const uint64_t stream_policy = l2_policy_evict_first();
     const uint64_t keep_policy = l2_policy_evict_last();
+    // Per tile: the packed copies first (no dependency), then the loads of the next tile's
+    // positions and slots, then this tile's metadata and RoPE copies from the registers loaded
+    // one tile earlier. The first stages fill after one memory latency, not a chain of them.
+    TileSpan cur = tile_span(a, blockIdx.x);
+    TileMeta meta{};
+    load_meta(a, cur, lane32, meta);
     uint32_t it = 0;
     for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
       const uint32_t s = it % kTmaStages;
       const uint32_t use = it / kTmaStages;
       if (use > 0) mbar_wait(&empty[s], (use - 1) & 1u);
-      tma_fill_stage(a, g, tile, smem + s * g.stage_bytes, &full[s], lane32, stream_policy,
-                     keep_policy);
+      uint8_t* st = smem + s * g.stage_bytes;
+      tma_copy_packed(a, cur, st, &full[s], lane32, stream_policy);
+      TileSpan next;
+      TileMeta next_meta{};
+      if (tile + stride < g.num_tiles) {
+        next = tile_span(a, tile + stride);
+        load_meta(a, next, lane32, next_meta);
+      }
+      tma_stage_meta(a, g, cur, meta, st, &full[s], lane32, keep_policy);
+      cur = next;
+      meta = next_meta;
     }
     return;
   }

@@ -14,11 +14,12 @@
 // Paths: the default (fused decode: scoring + per-split top-15 in one kernel, then the merge) and
 // the two-kernel path (IndexerCudaOptions::unfused_decode: every block score to the workspace,
 // then the selection kernel) are both timed and spot-checked; the plan column shows the default's
-// launch plan (f = fused, k = splits per request, c = blocks per split, w = merge warps per row);
-// bulk_us: the fused path with bulk (TMA) tile copies (IndexerCudaOptions::decode_bulk_copy).
+// launch plan (f = fused, fb = fused with bulk copies, 2 = two-kernel; k = splits per request,
+// c = blocks per split, w = merge warps per row).
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
-//   --unfused (time the two-kernel path only), --sweep (also time the fused path over k_splits
-//   at batch 64 / 256, context 8K / 32K, draft 0).
+//   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
+//   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the main path over
+//   k_splits at batch 64 / 256, context 8K / 32K, draft 0).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -285,7 +286,7 @@ std::string kilo(int v) {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, unfused_only = false, sweep = false;
+  bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -294,17 +295,21 @@ int main(int argc, char** argv) {
       quick = true;
     else if (a == "--unfused")
       unfused_only = true;
+    else if (a == "--bulk")
+      bulk_only = true;
     else if (a == "--sweep")
       sweep = true;
     else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--unfused] [--sweep]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep]\n",
+                   argv[0]);
       return 2;
     }
   }
   IndexerCudaOptions fused_o, two_o, bulk_o;
   two_o.unfused_decode = true;
   bulk_o.decode_bulk_copy = true;
-  const IndexerCudaOptions main_o = unfused_only ? two_o : fused_o;
+  const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
+  const bool compare_paths = !unfused_only && !bulk_only;
   const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
   const std::vector<int> contexts =
       quick ? std::vector<int>{8192, 131072} : std::vector<int>{8192, 32768, 131072};
@@ -334,11 +339,8 @@ int main(int argc, char** argv) {
                                  std::to_string(ctx) + " draft " + std::to_string(draft);
         bool pass = true;
         const bench::Timing tm = check_and_time(c, pool, slices, main_o, stream, true, what, &pass);
-        bench::Timing tm2, tm3;
-        if (!unfused_only) {
-          tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
-          tm3 = check_and_time(c, pool, slices, bulk_o, stream, true, what, &pass);
-        }
+        bench::Timing tm2;
+        if (compare_paths) tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
         all_pass = all_pass && pass;
         const double gbs = c.index_bytes / (tm.median_us * 1e3);
         bench::Row row;
@@ -351,13 +353,10 @@ int main(int argc, char** argv) {
         row.add("index_MB", c.index_bytes / 1e6, 1);
         row.add("GB/s", gbs, 0);
         row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-        if (!unfused_only) {
+        if (compare_paths) {
           row.add("2kernel_us", tm2.median_us, 1);
           row.add("2k_%copy",
                   100.0 * c.index_bytes / (tm2.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
-          row.add("bulk_us", tm3.median_us, 1);
-          row.add("bulk_%copy",
-                  100.0 * c.index_bytes / (tm3.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
         }
         row.add("plan", plan_str(c, main_o));
         std::string peer = "-";
@@ -370,6 +369,8 @@ int main(int argc, char** argv) {
     }
   }
   bench::print_rows(unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
+                    : bulk_only  ? "indexer decode, fused path with bulk copies (graph replay, "
+                                   "cold L2, n_kv 4)"
                                  : "indexer decode (graph replay, cold L2, n_kv 4; us = fused "
                                    "default, 2kernel = unfused_decode)",
                     rows, json);
@@ -380,9 +381,9 @@ int main(int argc, char** argv) {
       for (int batch : {64, 256}) {
         Case c = make_case(batch, ctx, 1, pool, rng, rng());
         const std::vector<Slice> slices = {{0, 0, 1}, {batch - 1, 0, 1}};
-        for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32, -1}) {
-          IndexerCudaOptions o = k < 0 ? bulk_o : fused_o;  // -1: bulk copies, automatic splits
-          o.k_splits = std::max(k, 0);
+        for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
+          IndexerCudaOptions o = main_o;
+          o.k_splits = k;
           if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
           const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
                                    std::to_string(ctx) + " k " + std::to_string(k);
@@ -393,8 +394,7 @@ int main(int argc, char** argv) {
           bench::Row row;
           row.add("batch", std::to_string(batch));
           row.add("context", kilo(ctx));
-          row.add("k_splits",
-                  k <= 0 ? std::string(k < 0 ? "auto, bulk" : "auto") : std::to_string(k));
+          row.add("k_splits", k == 0 ? std::string("auto") : std::to_string(k));
           row.add("plan", plan_str(c, o));
           row.add("check", pass ? "PASS" : "FAIL");
           row.add("us", tm.median_us, 1);
@@ -404,8 +404,12 @@ int main(int argc, char** argv) {
         free_case(c);
       }
     }
-    bench::print_rows("indexer decode split sweep (fused, draft 0, graph replay, cold L2)", rows,
-                      json);
+    bench::print_rows(std::string("indexer decode split sweep (") +
+                          (unfused_only ? "two-kernel"
+                           : bulk_only  ? "fused, bulk copies"
+                                        : "fused") +
+                          ", draft 0, graph replay, cold L2)",
+                      rows, json);
   }
 
   rows.clear();

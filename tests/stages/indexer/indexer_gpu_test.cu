@@ -362,8 +362,11 @@ void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuResult& 
 }
 
 // Runs every scorer variant on one input set and compares each with the twin (two-kernel path)
-// and the fused path with the two-kernel path.
-void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_offset = 0) {
+// and the fused path with the two-kernel path. bulk: the fused path's bulk-copy (TMA) variant
+// instead of the default one, tensor-core variants only (tests of the IndexerGpuBulk suite, which
+// runs in its own process until the variant is proven on the device).
+void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_offset = 0,
+                     bool bulk = false) {
   const Reference ref = reference(in);
   DeviceSet d;
   upload(in, d, pool_offset);
@@ -389,6 +392,7 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
   }
   for (const Variant& v : variants) {
     const bool tc = indexer_cuda_uses_tensor_cores(d.params, v.o);
+    if (bulk && !tc) continue;
     // The two-kernel path leaves every block score in the workspace: checked against the twin.
     IndexerCudaOptions two = v.o;
     two.unfused_decode = true;
@@ -397,13 +401,13 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
     const std::string name = label + " [" + v.name + (tc ? ", tensor cores" : ", cuda cores");
     compare(in, ref, g, /*exact_scores=*/!tc || in.integer, name + "]");
     // The fused path computes the same block maxima and must select the same ids, byte for byte.
-    if (indexer_cuda_uses_fused_decode(d.params, v.o)) {
-      const GpuResult f = run_gpu(d, v.o);
-      expect_same_ids(in, f, g, name + ", fused vs two-kernel]");
-      IndexerCudaOptions bulk = v.o;  // the bulk-copy (TMA) variant of the fused kernel
-      bulk.decode_bulk_copy = true;
-      const GpuResult fb = run_gpu(d, bulk);
-      expect_same_ids(in, fb, g, name + ", fused bulk copies vs two-kernel]");
+    IndexerCudaOptions fo = v.o;
+    fo.decode_bulk_copy = bulk;
+    if (indexer_cuda_uses_fused_decode(d.params, fo)) {
+      const GpuResult f = run_gpu(d, fo);
+      expect_same_ids(
+          in, f, g,
+          name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
@@ -413,7 +417,8 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
 // Tests.
 
 // Generation requests whose sequence (cached + 1 + draft_len tokens) is `ctx` long.
-void check_generation_contexts(const std::vector<int>& contexts, const std::string& name) {
+void check_generation_contexts(const std::vector<int>& contexts, const std::string& name,
+                               bool bulk = false) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -425,8 +430,8 @@ void check_generation_contexts(const std::vector<int>& contexts, const std::stri
     }
     const Inputs in = make_inputs(reqs, 4, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(in,
-                    name + " draft " + std::to_string(draft) + " " + mt::describe_requests(reqs));
+    check_all_paths(
+        in, name + " draft " + std::to_string(draft) + " " + mt::describe_requests(reqs), 0, bulk);
   }
 }
 
@@ -455,7 +460,7 @@ TEST(IndexerGpu, IntegerInputsAreExactEverywhere) {
   }
 }
 
-void check_mixed(const std::vector<int>& head_counts) {
+void check_mixed(const std::vector<int>& head_counts, bool bulk = false) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -465,7 +470,7 @@ void check_mixed(const std::vector<int>& head_counts) {
     const std::vector<RequestSpec> reqs = mt::mixed_requests(contexts, 13, 3, 6000, rng);
     const Inputs in = make_inputs(reqs, n_kv, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(in, "mixed n_kv " + std::to_string(n_kv));
+    check_all_paths(in, "mixed n_kv " + std::to_string(n_kv), 0, bulk);
   }
 }
 
@@ -493,8 +498,7 @@ TEST(IndexerGpu, LongGenerationRequestsSpillIntoOverflowTiles) {
   check_all_paths(in, "verify n_kv 8");
 }
 
-TEST(IndexerGpu, StridedAndUnalignedPools) {
-  M3_REQUIRE_GPU();
+void check_strided_pools(bool bulk) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -511,8 +515,13 @@ TEST(IndexerGpu, StridedAndUnalignedPools) {
                         Case{2 * page, 48, "base + 48 (tensor cores)"}}) {
     const Inputs in = make_inputs(reqs, 4, rng, false, c.stride);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(in, c.name, c.offset);
+    check_all_paths(in, c.name, c.offset, bulk);
   }
+}
+
+TEST(IndexerGpu, StridedAndUnalignedPools) {
+  M3_REQUIRE_GPU();
+  check_strided_pools(false);
 }
 
 // Page ids past 2^31 bytes: a 2 MiB page stride and ids above 1024.
@@ -553,14 +562,8 @@ TEST(IndexerGpu, SixtyFourBitPageOffsetsLarge) {
     compare(in, ref, g, true,
             cores ? "64-bit offsets [cuda cores]" : "64-bit offsets [tensor cores]");
     if (!cores) {
-      for (bool bulk : {false, true}) {
-        IndexerCudaOptions f;
-        f.decode_bulk_copy = bulk;
-        ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, f));
-        expect_same_ids(in, run_gpu(d, f), g,
-                        bulk ? "64-bit offsets [fused bulk vs two-kernel]"
-                             : "64-bit offsets [fused vs two-kernel]");
-      }
+      ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, {}));
+      expect_same_ids(in, run_gpu(d, {}), g, "64-bit offsets [fused vs two-kernel]");
     }
   }
 }
@@ -577,8 +580,7 @@ TEST(IndexerGpu, ShortContextsSkipScoring) {
   check_all_paths(in, "max_pages 16");
 }
 
-TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
-  M3_REQUIRE_GPU();
+void check_nan(bool bulk) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -591,7 +593,12 @@ TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
   in.iq.ptr<uint8_t>()[(t1 * 4 + 2) * kHeadDim + 99] = 0xff;
   // Request 2: NaN in 20 of its 21 blocks: fewer than 15 candidates remain.
   for (int b = 0; b < 20; ++b) in.hb.index_row(2, b * 128 + 64)[3] = 0x7f;
-  check_all_paths(in, "NaN");
+  check_all_paths(in, "NaN", 0, bulk);
+}
+
+TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
+  M3_REQUIRE_GPU();
+  check_nan(false);
 }
 
 // The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000, and auto), so
@@ -630,8 +637,8 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
   }
 }
 
-TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
-  M3_REQUIRE_GPU();
+// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores.
+void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -672,8 +679,7 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   upload(in, d);
   d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
   d.pos.upload(pos.data(), static_cast<size_t>(pos.nbytes()));
-  // Tensor cores fused, two-kernel, fused with bulk copies; CUDA cores.
-  for (int path = 0; path < 4; ++path) {
+  for (int path : paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 3;
     o.unfused_decode = path == 1;
@@ -689,6 +695,11 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
           << name << "row " << row << ": gpu " << row_str(got) << " expected " << row_str(want);
     }
   }
+}
+
+TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
+  M3_REQUIRE_GPU();
+  check_guards({0, 1, 3});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -837,6 +848,36 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     const Status st = run_indexer_cuda(p, TensorView{}, nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused path's bulk-copy (TMA) variant (IndexerCudaOptions::decode_bulk_copy) against the
+// two-kernel path, in its own suite: run it in a separate process until it is proven on the device
+// (a lost bulk copy traps after seconds and would take the process's CUDA context with it).
+
+TEST(IndexerGpuBulk, GenerationContextsAndDraftLengths) {
+  M3_REQUIRE_GPU();
+  check_generation_contexts({1, 127, 129, 2049, 4097, 9000}, "bulk generation", true);
+}
+
+TEST(IndexerGpuBulk, MixedBatches) {
+  M3_REQUIRE_GPU();
+  check_mixed({4, 3}, true);
+}
+
+TEST(IndexerGpuBulk, StridedAndUnalignedPools) {
+  M3_REQUIRE_GPU();
+  check_strided_pools(true);
+}
+
+TEST(IndexerGpuBulk, NaNScores) {
+  M3_REQUIRE_GPU();
+  check_nan(true);
+}
+
+TEST(IndexerGpuBulk, GuardsAgainstBadDeviceData) {
+  M3_REQUIRE_GPU();
+  check_guards({2});
 }
 
 }  // namespace

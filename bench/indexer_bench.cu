@@ -19,7 +19,8 @@
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
 //   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
 //   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the main path over
-//   k_splits at batch 64 / 256, context 8K / 32K, draft 0).
+//   k_splits at batch 64 / 256, context 8K / 32K, draft 0), --contiguous (each request's pages
+//   consecutive in the pool instead of scattered over it: the TLB / DRAM-locality comparison).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -101,6 +102,8 @@ struct Case {
   double flops = 0;        // causal scoring work
 };
 
+bool g_contiguous = false;  // --contiguous: request r's pages are r * max_pages + j (no scatter)
+
 Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64& rng,
                uint64_t seed) {
   Case c;
@@ -122,6 +125,7 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
   c.lens.assign(R, ctx);
   c.pos.resize(c.T);
   c.table.assign(perm.begin(), perm.begin() + need);
+  if (g_contiguous) std::iota(c.table.begin(), c.table.end(), 0);
   for (int r = 0; r <= R; ++r) c.qs[r] = r * new_tokens;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < new_tokens; ++i) c.pos[int64_t{r} * new_tokens + i] = ctx - new_tokens + i;
@@ -299,8 +303,11 @@ int main(int argc, char** argv) {
       bulk_only = true;
     else if (a == "--sweep")
       sweep = true;
+    else if (a == "--contiguous")
+      g_contiguous = true;
     else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous]\n",
                    argv[0]);
       return 2;
     }

@@ -484,7 +484,7 @@ int run(int argc, char** argv) {
       "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
       rows_wg, json);
 
-  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape and L2 hint.
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape and bursts.
   {
     Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
     must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
@@ -498,11 +498,11 @@ int run(int argc, char** argv) {
     std::vector<Variant> variants;
     for (int ctas : {2, 1}) {
       for (int units : {4, 16}) {
-        for (bool ef : {true, false}) {
+        for (int burst : {1, 2, 4, 0}) {
           GemmWgmmaOptions o;
           o.ctas_per_sm = ctas;
           o.min_units_per_cta = units;
-          o.weight_evict_first = ef;
+          o.burst = burst;
           variants.push_back({nullptr, o});
         }
       }
@@ -525,9 +525,9 @@ int run(int argc, char** argv) {
                 .median_us;
         bench::Row r;
         r.add("M", std::to_string(rows_m));
-        r.add("ctas/SM", std::to_string(m > 32 ? 1 : v.o.ctas_per_sm));
+        r.add("ctas/SM", std::to_string(m > 16 ? 1 : v.o.ctas_per_sm));
         r.add("min_units", std::to_string(v.o.min_units_per_cta));
-        r.add("evict_first", v.o.weight_evict_first ? "yes" : "no");
+        r.add("burst", v.o.burst == 0 ? std::string("auto") : std::to_string(v.o.burst));
         r.add("us", us);
         r.add("GBps", bytes / us / 1e3, 0);
         r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);

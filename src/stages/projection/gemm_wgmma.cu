@@ -23,7 +23,7 @@ using gemm_wgmma_detail::kTileN;
 using gemm_wgmma_detail::WgmmaArgs;
 
 constexpr size_t kCounterAlign = 256;
-constexpr int64_t kTwoCtaMaxM = 32;  // larger M (n = 64) runs one CTA per SM (registers)
+constexpr int64_t kTwoCtaMaxM = 16;  // larger M (n = 32, 64) runs one CTA per SM (registers)
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -97,7 +97,9 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     ready.fetch_or(bit, std::memory_order_acq_rel);
   }
-  kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, args);
+  WgmmaArgs a = args;
+  a.burst = a.burst <= 0 ? std::max(1, kStages / 2) : std::min(a.burst, kStages);
+  kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, a);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -108,8 +110,8 @@ Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, co
                      int grid, int device, cudaStream_t stream) {
   if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
   if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
-  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
-  // n = 64 needs ~170 registers per thread: one CTA per SM whatever was asked.
+  // n = 32 and 64 need more registers than two CTAs per SM leave (96): one CTA per SM.
+  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, device, stream);
   if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, device, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
@@ -131,7 +133,7 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m) {
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   // Two partial slots of [M][128] fp32 per CTA; the grid is at most ctas_per_sm(M) x SMs with
-  // ctas_per_sm(M) = 1 for M > 32 (see run_gemm_wgmma_cuda): take the largest M of each regime.
+  // ctas_per_sm(M) = 1 for M > 16 (see run_gemm_wgmma_cuda): take the largest M of each regime.
   const size_t slot_rows = std::max<size_t>(
       size_t{2} * kMaxCtasPerSm * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
       size_t{2} * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
@@ -153,6 +155,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.ctas_per_sm >= 0 && options.ctas_per_sm <= kMaxCtasPerSm,
                "GemmWgmmaOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [0, ",
                kMaxCtasPerSm, "]");
+  M3_CHECK_ARG(options.burst >= 0, "GemmWgmmaOptions::burst = ", options.burst, " must be >= 0");
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
@@ -173,7 +176,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " and K = ", k, " must be below 2^31");
   if (m == 0) return Status::Ok();
 
-  // M > 32 (n = 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
+  // M > 16 (n = 32, 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
   const int ctas_per_sm = m > kTwoCtaMaxM            ? 1
                           : options.ctas_per_sm == 0 ? kMaxCtasPerSm
                                                      : options.ctas_per_sm;
@@ -209,6 +212,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
+  args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
   args.units = units;
   if (ctas_per_sm == 1)

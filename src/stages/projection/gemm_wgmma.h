@@ -24,12 +24,17 @@
 namespace m3attn {
 
 struct GemmWgmmaOptions {
-  // CTAs per SM: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic (2).
+  // CTAs per SM for M <= 16: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic (2).
+  // M > 16 always runs one CTA per SM (registers).
   int ctas_per_sm = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 4;
   // Load the weights with an L2 evict-first policy (they are read once per call).
   bool weight_evict_first = true;
+  // The producer issues the loads of `burst` consecutive units back to back (each weight row is
+  // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
+  // to the ring depth.
+  int burst = 0;
 };
 
 constexpr int64_t kGemmWgmmaMaxM = 64;

@@ -77,6 +77,7 @@ struct WgmmaArgs {
   unsigned* counters;      // [tiles], zero before and after every launch
   int m;                   // 1 .. 64
   int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
+  int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
   int64_t units;           // tiles * kblocks
 };
@@ -279,21 +280,31 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // Producer: lane 0 of warp 8 streams the CTA's units in order through the ring.
     if (tid == kConsumerThreads) {
       const uint64_t policy = evict_first_policy();
+      const int burst = p.burst;  // 1 .. kStages (host-clamped)
       int i = 0;
-      for (int64_t u = u_begin; u < u_end; ++u, ++i) {
-        const int s = i % kStages;
-        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
-        const int tile = static_cast<int>(u / kb_count);
-        const int kb = static_cast<int>(u - tile * kb_count);
-        const uint32_t full = smem_addr(&full_bar[s]);
-        const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-        mbar_arrive_expect_tx(full, kStageBytes);
-        if (p.weight_evict_first) {
-          tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
-        } else {
-          tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+      for (int64_t u = u_begin; u < u_end;) {
+        // Bursts: wait until `burst` slots are free, then issue their loads back to back, so each
+        // weight row is requested burst x 128 contiguous bytes at a time (DRAM row locality).
+        const int nb = u_end - u < burst ? static_cast<int>(u_end - u) : burst;
+        for (int j = 0; j < nb; ++j) {
+          const int ij = i + j;
+          if (ij >= kStages)
+            mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);
         }
-        tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
+        for (int j = 0; j < nb; ++j, ++u, ++i) {
+          const int s = i % kStages;
+          const int tile = static_cast<int>(u / kb_count);
+          const int kb = static_cast<int>(u - tile * kb_count);
+          const uint32_t full = smem_addr(&full_bar[s]);
+          const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
+          mbar_arrive_expect_tx(full, kStageBytes);
+          if (p.weight_evict_first) {
+            tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
+          } else {
+            tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+          }
+          tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
+        }
       }
     }
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1, 256)
@@ -309,9 +320,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int64_t first_tile = u_begin / kb_count;
 
   float acc[kAcc];
-  float tmp[kAcc];
-#pragma unroll
-  for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
 
   int i = 0;
   int64_t u = u_begin;
@@ -323,6 +331,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
 
     for (; u < seg_end; ++u, ++i) {
+      float tmp[kAcc];
       const int s = i % kStages;
       const int64_t kb = u - tile * kb_count;
       // Scales first (global loads that do not depend on the stage): lane l holds the activation
@@ -335,8 +344,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
       const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
       const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
+      // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
+      // its registers are free in the epilogue.
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+      for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBlockK / 32; ++k)
@@ -405,15 +416,50 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     consumer_barrier();
     if (s_is_last) {
+      // Sum the tile's partials in CTA order, each thread at its own fragment positions: the other
+      // CTAs' partials from the workspace (all loads of one contributor in flight at once), its
+      // own from registers (the same fp32 values it stored). The slot of contributor c is 2c,
+      // except for c_lo when it started in an earlier tile (its last segment: 2 c_lo + 1).
       __threadfence();
-      for (int idx = tid; idx < m_count * kTileN; idx += kConsumerThreads) {
-        const int m = idx / kTileN, r = idx % kTileN;
-        float sum = 0.0f;
-        for (int64_t c = c_lo; c <= c_hi; ++c) {
-          const int64_t c_slot = unit_begin(c, grid, units) / kb_count == tile ? 2 * c : 2 * c + 1;
-          sum += __ldcg(p.partials + (c_slot * m_count + m) * kTileN + r);
+      const bool lo_second = unit_begin(c_lo, grid, units) < tile * kb_count;
+      float sum[kAcc];
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) sum[j] = 0.0f;
+      for (int64_t c = c_lo; c <= c_hi; ++c) {
+        float v[kAcc];
+        if (c == cta) {
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) v[j] = acc[j];
+        } else {
+          const int64_t c_slot = c == c_lo && lo_second ? 2 * c + 1 : 2 * c;
+          const float* q_part = p.partials + c_slot * m_count * kTileN;
+#pragma unroll
+          for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int m = 8 * g + 2 * q + e;
+#pragma unroll
+              for (int h = 0; h < 2; ++h)
+                v[4 * g + 2 * h + e] =
+                    m < m_count ? __ldcg(q_part + m * kTileN + row0 + 8 * h) : 0.0f;
+            }
+          }
         }
-        p.out[m * p.ldo + tile * kTileN + r] = float_to_bf16(sum);
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) sum[j] += v[j];
+      }
+#pragma unroll
+      for (int g = 0; g < kGroups; ++g) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = 8 * g + 2 * q + e;
+          if (m < m_count) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h)
+              p.out[m * p.ldo + tile * kTileN + row0 + 8 * h] =
+                  float_to_bf16(sum[4 * g + 2 * h + e]);
+          }
+        }
       }
       if (tid == 0) atomicExch(p.counters + tile, 0u);
     }

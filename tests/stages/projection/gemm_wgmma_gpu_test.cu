@@ -76,13 +76,15 @@ struct Case {
   bool sa_row_major;  // activation scales [M, K / 128] row-major instead of token-major
   int ctas_per_sm;    // GemmWgmmaOptions
   int min_units;
+  int burst = 0;
 };
 
 std::string describe(const Case& c) {
   return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
-         std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units);
+         std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
+         std::to_string(c.burst);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -91,6 +93,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   GemmWgmmaOptions o;
   o.ctas_per_sm = c.ctas_per_sm;
   o.min_units_per_cta = c.min_units;
+  o.burst = c.burst;
   return o;
 }
 
@@ -146,8 +149,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{8, 640, 6144, 0, 0, false, 2, 1},      // ~50 CTAs per tile: fixup
                       Case{33, 128, 6144, 0, 0, false, 0, 1},     // one tile, every CTA on it
                       Case{5, 256, 128, 0, 0, false, 0, 4},       // one K block, one CTA
-                      Case{32, 640, 1024, 0, 16, false, 2, 1},    // n = 32, two CTAs per SM
-                      Case{24, 1280, 2048, 16, 0, true, 1, 3}));  // n = 32, one CTA per SM
+                      Case{32, 640, 1024, 0, 16, false, 2, 1},    // n = 32 (asks 2 CTAs/SM, runs 1)
+                      Case{24, 1280, 2048, 16, 0, true, 1, 3},    // n = 32, one CTA per SM
+                      Case{2, 9856, 1024, 0, 0, false, 2, 4, 1},  // bursts of one unit
+                      Case{12, 640, 6144, 0, 0, false, 1, 4, 5},  // odd burst, 12-stage ring
+                      Case{40, 384, 2048, 8, 0, false, 0, 2, 99},  // burst clamped to the ring
+                      Case{7, 256, 1152, 0, 16, true, 2, 1, 6}));  // burst = ring (6 stages)
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -391,6 +398,10 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
             StatusCode::kInvalidArgument);
   GemmWgmmaOptions bad;
   bad.ctas_per_sm = 3;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.burst = -1;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};

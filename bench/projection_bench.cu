@@ -29,7 +29,8 @@
 // benchmark.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
-// --verbose (also print the algorithms of the unfused pair).
+// --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
+// fused wgmma GEMM at M = 1, 16, 64: for profiling).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -249,7 +250,7 @@ std::unique_ptr<Fp8BlockGemm> make(int64_t max_m, int64_t n, const Fp8BlockGemmO
 }
 
 int run(int argc, char** argv) {
-  bool json = false, quick = false, verbose = false;
+  bool json = false, quick = false, verbose = false, wgmma_only = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     if (f == "--json") {
@@ -258,12 +259,16 @@ int run(int argc, char** argv) {
       quick = true;
     } else if (f == "--verbose") {
       verbose = true;
+    } else if (f == "--wgmma-only") {
+      wgmma_only = true;
     } else {
-      std::fprintf(stderr, "unknown flag %s (flags: --json --quick --verbose)\n", argv[i]);
+      std::fprintf(stderr, "unknown flag %s (flags: --json --quick --verbose --wgmma-only)\n",
+                   argv[i]);
       return 2;
     }
   }
-  const std::vector<int64_t> ms = quick
+  const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
+                                  : quick
                                       ? std::vector<int64_t>{1, 64, 4096}
                                       : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
   const int iters = quick ? 10 : 30;
@@ -285,6 +290,39 @@ int run(int argc, char** argv) {
   fill_scales<<<64, 256, 0, stream>>>(b.sw, kNF / 128 * kKb, 3);
   check_cuda(cudaGetLastError(), "fill");
   check_cuda(cudaStreamSynchronize(stream), "fill");
+
+  if (wgmma_only) {
+    // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64.
+    Fp8BlockGemmOptions o;
+    o.autotune = false;
+    o.wgmma_max_m = 64;
+    Trio wg{make(64, kNF, o), make(64, kN1, o), make(64, kN2, o)};
+    const bool ok = spot_check(b, wg, "wgmma kernel", stream);
+    fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);
+    check_cuda(cudaGetLastError(), "fill");
+    std::vector<bench::Row> rows_w;
+    for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
+      const Calls c = make_calls(b, rows_m);
+      must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+      check_cuda(cudaStreamSynchronize(stream), "quantize");
+      const double us =
+          bench::time_graph_cold(
+              [&](cudaStream_t s) { must(wg.fused->run(c.fused, s), "fused (wgmma)"); }, stream, 3,
+              iters)
+              .median_us;
+      const int64_t m = gemm_padded_rows(rows_m);
+      const double bytes =
+          static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+      bench::Row r;
+      r.add("M", std::to_string(rows_m));
+      r.add("wgmma_us", us);
+      r.add("wgmma_%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
+      rows_w.push_back(r);
+    }
+    bench::print_rows("wgmma kernel, fused N=9856 (graph replay, cold L2)", rows_w, json);
+    std::printf("spot checks %s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 1;
+  }
 
   // cuBLASLt objects with autotuning (the default), and the fused one without, for comparison.
   const auto tune_start = std::chrono::steady_clock::now();

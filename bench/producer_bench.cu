@@ -4,10 +4,9 @@
 // tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. Every fused kernel variant is
 // also run, spot-checked and timed at every T (<name>_us, <name>_pct of copy: per_batch, one block
 // per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
-// shared-memory pipeline with 3 stages, tma_s2 / tma_s4 with 2 / 4, tma_1blk one block per SM,
-// tma_l4 / tma_l4_s2 with 4 lanes per head),
-// and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us are the
-// default choice (ProducerCudaKernel::kAuto).
+// shared-memory pipeline with its default stages and lanes, tma_s3 with 3 stages, tma_l4_sN with 4
+// lanes per head and N stages), and the unfused pair on the bulk-copy kernel (unfused_tma_us);
+// fused_us / unfused_us are the default choice (ProducerCudaKernel::kAuto).
 //   producer_bench [--json] [--quick] [--only VARIANT] [--t T]
 // --only runs one fused variant (auto or a name above) and --t one T, e.g. for a profiler.
 // Bytes moved are counted, not estimated: packed rows read, positions and slots read, one RoPE row
@@ -419,7 +418,7 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: %s [--json] [--quick] [--only VARIANT] [--t T]\n"
-          "  VARIANT: auto per_batch persistent tma tma_s2 tma_s4 tma_1blk tma_l4 tma_l4_s2\n",
+          "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n",
           argv[0]);
       return 2;
     }
@@ -428,38 +427,31 @@ int main(int argc, char** argv) {
   std::vector<int64_t> sizes = {1, 8, 64, 256, 1024, 4096, 16384};
   if (quick) sizes = {1, 64, 4096};
   if (only_t > 0) sizes = {only_t};
-  int sms = 0;
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
   // Every fused kernel variant, spot-checked and timed at every T (the default choice, kAuto, is
-  // fused_us / unfused_us). tma = the bulk-copy pipeline with 3 stages; s2 / s4 other stage counts;
-  // 1blk one block per SM; l4 4 lanes per head.
+  // fused_us / unfused_us). tma = the bulk-copy pipeline with its default stages and lanes; sN N
+  // stages; l4 4 lanes per head.
   struct Variant {
     const char* name;
     ProducerCudaOptions opt;
   };
-  std::vector<Variant> variants(8);
+  const auto tma_variant = [](const char* name, int stages, int lanes) {
+    Variant v;
+    v.name = name;
+    v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
+    v.opt.tma_stages = stages;
+    v.opt.tma_lanes_per_head = lanes;
+    return v;
+  };
+  std::vector<Variant> variants(2);
   variants[0].name = "per_batch";
   variants[0].opt.kernel = ProducerCudaKernel::kPerBatch;
   variants[1].name = "persistent";
   variants[1].opt.kernel = ProducerCudaKernel::kPersistent;
-  variants[2].name = "tma";
-  variants[2].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[3].name = "tma_s2";
-  variants[3].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[3].opt.tma_stages = 2;
-  variants[4].name = "tma_s4";
-  variants[4].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[4].opt.tma_stages = 4;
-  variants[5].name = "tma_1blk";
-  variants[5].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[5].opt.persistent_blocks = sms;
-  variants[6].name = "tma_l4";
-  variants[6].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[6].opt.tma_lanes_per_head = 4;
-  variants[7].name = "tma_l4_s2";
-  variants[7].opt.kernel = ProducerCudaKernel::kTmaPipeline;
-  variants[7].opt.tma_lanes_per_head = 4;
-  variants[7].opt.tma_stages = 2;
+  variants.push_back(tma_variant("tma", 0, 0));  // the defaults (what kAuto runs)
+  variants.push_back(tma_variant("tma_s3", 3, 8));
+  variants.push_back(tma_variant("tma_l4_s2", 2, 4));
+  variants.push_back(tma_variant("tma_l4_s3", 3, 4));
+  variants.push_back(tma_variant("tma_l4_s4", 4, 4));
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -95,8 +95,8 @@ Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel
                    int persistent_blocks, int tma_stages, int tma_lanes, int sms,
                    cudaStream_t stream) {
   if (kernel == ProducerCudaKernel::kAuto)
-    kernel = pk::use_persistent_variant(tasks) ? ProducerCudaKernel::kPersistent
-                                               : ProducerCudaKernel::kPerBatch;
+    kernel = pk::use_tma_variant(tasks) ? ProducerCudaKernel::kTmaPipeline
+                                        : ProducerCudaKernel::kPerBatch;
   if (kernel == ProducerCudaKernel::kTmaPipeline)
     return launch_tma_variant<kMode>(args, tasks, tma_stages, tma_lanes, persistent_blocks, sms,
                                      stream);
@@ -112,7 +112,7 @@ Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
                 const ProducerCudaOptions& o, int sms, cudaStream_t stream) {
   const int stages = o.tma_stages == 0 ? pk::kTmaStagesDefault : o.tma_stages;
-  const int lanes = o.tma_lanes_per_head == 0 ? pk::kLanesPerHead : o.tma_lanes_per_head;
+  const int lanes = o.tma_lanes_per_head == 0 ? pk::kTmaLanesDefault : o.tma_lanes_per_head;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o.kernel, o.persistent_blocks, stages,
@@ -163,7 +163,7 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CHECK_ARG(options.tma_lanes_per_head == 0 || options.tma_lanes_per_head == 4 ||
                    options.tma_lanes_per_head == 8,
                "run_producer_cuda: tma_lanes_per_head ", options.tma_lanes_per_head,
-               " must be 0 (default 8), 4 or 8");
+               " must be 0 (default ", pk::kTmaLanesDefault, "), 4 or 8");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;

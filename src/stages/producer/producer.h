@@ -59,11 +59,12 @@ Status run_producer_cpu(const ProducerParams& p);
 // CUDA launch: validates, then one kernel; no sync, no allocation (graph-capturable).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
 
-// Kernel choice of the CUDA producer (all produce identical bytes): kAuto picks by batch size;
+// Kernel choice of the CUDA producer (all produce identical bytes with 8 lanes per head): kAuto
+// picks by batch size (kPerBatch below 2^17 tasks = (token, head) pairs, kTmaPipeline from there);
 // kPerBatch is one block per batch of 96 tasks (32 below one wave), kPersistent a grid of about
 // SMs x 2 blocks looping over the batches with the next batch's loads in flight, kTmaPipeline a
-// persistent warp-specialized grid whose copy warp streams tiles of 128 tasks into a 3-stage
-// shared-memory ring with bulk copies (TMA) while 8 warps compute.
+// persistent warp-specialized grid whose copy warp streams tiles of 128 tasks into a ring of
+// shared-memory stages with bulk copies (TMA) while 8 warps compute.
 enum class ProducerCudaKernel : int { kAuto = 0, kPerBatch = 1, kPersistent = 2, kTmaPipeline = 3 };
 const char* producer_cuda_kernel_name(ProducerCudaKernel kernel);
 struct ProducerCudaOptions {
@@ -71,11 +72,11 @@ struct ProducerCudaOptions {
   // Grid of the persistent and bulk-copy kernels (capped at the batch / tile count); 0 = the
   // device's SMs x resident blocks per SM.
   int persistent_blocks = 0;
-  // Shared-memory stages of the bulk-copy kernel: 0 = the default (3), else 2..4.
+  // Shared-memory stages of the bulk-copy kernel: 0 = the default (2), else 2..4.
   int tma_stages = 0;
-  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8: the same bytes as
-  // the other kernels), 4 (32 channels per lane: fewer instructions per head; Q / K / index rows
-  // within one E4M3 step of the 8-lane bytes, V identical).
+  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 (the same
+  // bytes as the other kernels), 4 (32 channels per lane: fewer instructions per head; Q / K /
+  // index rows within one E4M3 step of the 8-lane bytes, V identical).
   int tma_lanes_per_head = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).

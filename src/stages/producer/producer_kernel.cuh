@@ -47,17 +47,23 @@
 //              latency-bound. SM active cycles x IPC / tasks = ~290 warp instructions per 4 tasks
 //              (one warp-step): the compute phase is long and, with loads tied to registers, the
 //              bytes in flight per SM fall whenever the warps compute.
-//   bulk-copy pipeline (producer_tma_kernel, ProducerCudaKernel::kTmaPipeline, end of file):
-//              warp-specialized: one copy warp per block streams tiles of 128 tasks (32 KB) into a
-//              ring of 3 shared-memory stages with cp.async.bulk (TMA) and an mbarrier per stage,
-//              8 compute warps read the heads from shared memory. Bytes in flight no longer depend
-//              on registers or on what the compute warps do: 2 blocks per SM (101 KB of shared
-//              memory each at M3 TP1, 70 registers) keep up to 4 stages = 131 KB of reads in
-//              flight per SM (85% of copy needs ~28 KB at ~1.5 us loaded latency), and the compute
-//              warps lose the global-load address math, the per-batch staging loops and the block
-//              barrier: ~215 instead of ~290 warp instructions per warp-step (estimate), i.e. ~1.9
-//              IPC per SM at 85% of copy (49% of the issue slots) with 16 compute warps per SM
-//              that wait only on shared memory and their own arithmetic.
+//   bulk-copy pipeline (producer_tma_kernel, ProducerCudaKernel::kTmaPipeline, end of file; the
+//              default from 2^17 tasks): warp-specialized: one copy warp per block streams tiles
+//              of 128 tasks (32 KB) into a ring of 2-4 shared-memory stages with cp.async.bulk
+//              (TMA) and an mbarrier per stage, 8 compute warps read the heads from shared memory.
+//              Bytes in flight no longer depend on registers or on what the compute warps do, and
+//              the compute warps lose the global-load address math, the staging loops and the
+//              block barrier. Round 2 on the H200 (first version, 8 lanes per head): 2 stages
+//              (3 blocks = 24 compute warps per SM) 35.0 us at T 4096 (81.2% of copy), 136.5 us
+//              at 16384 (83.2%); 3 stages (2 blocks) 36.5 / 137.4 us; 1 block per SM 43 / 151 us.
+//              ncu (3 stages, T 4096): issue slots 57-59% busy, IPC 2.65, DRAM 57-59% of peak,
+//              ~262 warp instructions per 4 heads, SM active only 89% of the elapsed cycles (the
+//              tile tail: 9.33 tiles per block). So: still partly issue/latency-bound (more
+//              compute warps per SM are faster) and losing ~10% to the ramp and the tail. Since:
+//              each block takes an equal share of the tasks (no tile tail), the copy warp issues a
+//              tile's packed copies before its metadata and prefetches the next tile's positions
+//              (stages fill after one latency), and a 4-lane-per-head variant (process_task4: 32
+//              channels per lane, ~1/3 fewer instructions per head) is selectable.
 //
 // Bytes per token at M3 TP1 (fused): read 9856 * 2 (packed) + 8 (position, slot) + 256 (RoPE row);
 // write 64 * 128 (Q) + 4 * 128 (index-Q) + 2 * 4 * 128 (K, V) + 128 (index-K) = 29,832 B. The
@@ -577,12 +583,6 @@ __global__ void __launch_bounds__(kThreads, kPersistentBlocksPerSm)
 constexpr int64_t num_batches(int64_t tasks, int u) {
   return (tasks + tasks_per_block(u) - 1) / tasks_per_block(u);
 }
-// The persistent kernel pays off once the per-batch kernel would need more than one wave of its
-// blocks (4 per SM); below that every batch gets its own block and the two are equivalent, with
-// the per-batch kernel's shorter prologue and more blocks per SM.
-inline bool use_persistent_variant(int64_t tasks) {
-  return num_batches(tasks, kPersistentTasks) > kAssumedSms * 4;
-}
 
 // ------------------------------------------------------------------------------------------------
 // The bulk-copy pipeline kernel (ProducerCudaKernel::kTmaPipeline). Warp-specialized persistent
@@ -591,22 +591,25 @@ inline bool use_persistent_variant(int64_t tasks) {
 // stages with cp.async.bulk (the Hopper TMA unit's 1-D copy, completion counted in bytes on an
 // mbarrier), and the compute warps read them from shared memory.
 //
-// Tile: kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16, 1.66 tokens at M3 TP1), the
-// same (token, head) numbering as above; group g (0..31) of the compute warps takes tasks
-// first + 32 r + g, r = 0..3, and runs process_task on them, so this kernel writes the same bytes
-// as the other two. Per stage the copy warp also stages the tile's positions and slots (loaded
-// into registers one tile ahead, stored with st.shared by the copy lanes, each lane arriving on
-// the stage's "full" barrier after its own writes) and the RoPE rows of the positions inside the
-// table (bulk copies, 256 B each).
+// Work: block b owns the tasks [b N / G, (b + 1) N / G) of the N tasks (G blocks: equal shares,
+// no tile tail), walked in tiles of kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16,
+// 1.66 tokens at M3 TP1; the last one of a block partial), the same (token, head) numbering as
+// above. With 8 lanes per head, group g (0..31) of the compute warps takes tasks first + 32 r + g,
+// r = 0..3, and runs process_task on them, so this kernel writes the same bytes as the other two;
+// with 4 lanes, group g (0..63) takes first + 64 r + g, r = 0..1 (process_task4). Per stage the
+// copy warp also stages the tile's positions and slots (loaded into registers one tile ahead,
+// stored with st.shared by the copy lanes, each lane arriving on the stage's "full" barrier after
+// its own writes) and the RoPE rows of the positions inside the table (bulk copies, 256 B each).
 // Per token of a tile one bulk copy moves the token's heads inside the tile (rows are contiguous
 // from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies at M3 TP1.
 //
 // Why: the per-batch and persistent kernels keep their loads in registers (96 B per thread), so
 // bytes in flight are tied to registers and occupancy (116 registers: 25% occupancy, 47% of DRAM
 // peak measured), and each block's life is a chain of dependent latencies. Here the bytes in
-// flight per SM are the stages being filled: with 3 stages of 32.8 KB and 2 blocks per SM (2 x
-// 101 KB of shared memory at M3 TP1), up to 4 stages = 131 KB per SM can be in flight while 2 are
-// computed; 85% of 4.3 TB/s with ~1.5 us loaded latency needs ~28 KB of reads in flight per SM.
+// flight per SM are the stages being filled: with 2 stages of 33.6 KB and 3 blocks per SM (3 x
+// 69 KB of shared memory at M3 TP1, 70 registers), up to 3 stages = 100 KB per SM can be in
+// flight while 3 are computed; 85% of 4.3 TB/s with ~1.5 us loaded latency needs ~28 KB of reads
+// in flight per SM.
 // The compute warps then only issue: shared loads (3 per task and lane instead of 3 global loads
 // plus their address math), the per-task math and the stores; no barrier of the whole block per
 // batch and no dependent position -> RoPE load in their path (the copy warp, running up to 2
@@ -620,8 +623,16 @@ inline bool use_persistent_variant(int64_t tasks) {
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
 constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
-constexpr int kTmaStagesDefault = 3;  // 2 and 4 are built too (ProducerCudaOptions::tma_stages)
+// Defaults of ProducerCudaOptions' tma_stages / tma_lanes_per_head (2, 3, 4 stages and 4 or 8
+// lanes are all built): measured best on the H200 (round 2: 2 stages = 3 blocks per SM).
+constexpr int kTmaStagesDefault = 2;
+constexpr int kTmaLanesDefault = 8;
 constexpr int kTmaStagesMax = 4;
+// kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
+// ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
+// T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.
+constexpr int64_t kTmaMinTasks = int64_t{1} << 17;
+inline bool use_tma_variant(int64_t tasks) { return tasks >= kTmaMinTasks; }
 constexpr int kHeadBytes = 128 * 2;  // one BF16 head
 static_assert(kTmaComputeWarps * 32 == kThreads, "compute warps are the 256-thread group layout");
 
@@ -704,10 +715,10 @@ struct TileSpan {
   uint32_t first = 0, last = 0, t_first = 0;
   int n_tok = 0;
 };
-__device__ __forceinline__ TileSpan tile_span(const KernelArgs& a, uint32_t tile) {
+__device__ __forceinline__ TileSpan tile_span(const KernelArgs& a, uint32_t first, uint32_t end) {
   TileSpan sp;
-  sp.first = tile * static_cast<uint32_t>(kTmaTileTasks);
-  sp.last = min(sp.first + kTmaTileTasks, a.num_tasks) - 1;
+  sp.first = first;
+  sp.last = min(first + kTmaTileTasks, end) - 1;
   sp.t_first = a.heads.div(sp.first);
   sp.n_tok = static_cast<int>(a.heads.div(sp.last) - sp.t_first) + 1;
   return sp;
@@ -915,7 +926,7 @@ __device__ __forceinline__ void process_task4(const KernelArgs& a, const uint8_t
 // kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
 // or 4 (process_task4).
 template <ProducerMode kMode, int kTmaStages, int kLanes>
-__global__ void __launch_bounds__(kTmaThreads, 2)
+__global__ void __launch_bounds__(kTmaThreads, kLanes == 8 ? 3 : 2)
     producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float4 s_norm[kNumNorms][32];
@@ -934,7 +945,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   stage_norms(a, s_norm);  // threads 0..63: compute warps 0 and 1
   __syncthreads();
 
-  const uint32_t stride = gridDim.x;
+  // This block's tasks: an equal share [begin, end) of all tasks (balanced to one task, so no
+  // block runs a tile more than another), walked in tiles of up to 128 tasks.
+  const uint32_t begin = static_cast<uint32_t>(uint64_t{blockIdx.x} * a.num_tasks / gridDim.x);
+  const uint32_t end = static_cast<uint32_t>((uint64_t{blockIdx.x} + 1) * a.num_tasks / gridDim.x);
   if (warp == kTmaComputeWarps) {
     // ---- copy warp ----
     const uint64_t stream_policy = l2_policy_evict_first();
@@ -942,11 +956,11 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
     // Per tile: the packed copies first (no dependency), then the loads of the next tile's
     // positions and slots, then this tile's metadata and RoPE copies from the registers loaded
     // one tile earlier. The first stages fill after one memory latency, not a chain of them.
-    TileSpan cur = tile_span(a, blockIdx.x);
+    TileSpan cur = tile_span(a, begin, end);
     TileMeta meta{};
     load_meta(a, cur, lane32, meta);
     uint32_t it = 0;
-    for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
+    for (uint32_t first = begin; first < end; first += kTmaTileTasks, ++it) {
       const uint32_t s = it % kTmaStages;
       const uint32_t use = it / kTmaStages;
       if (use > 0) mbar_wait(&empty[s], (use - 1) & 1u);
@@ -954,8 +968,8 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
       tma_copy_packed(a, cur, st, &full[s], lane32, stream_policy);
       TileSpan next;
       TileMeta next_meta{};
-      if (tile + stride < g.num_tiles) {
-        next = tile_span(a, tile + stride);
+      if (end - first > static_cast<uint32_t>(kTmaTileTasks)) {
+        next = tile_span(a, first + kTmaTileTasks, end);
         load_meta(a, next, lane32, next_meta);
       }
       tma_stage_meta(a, g, cur, meta, st, &full[s], lane32, keep_policy);
@@ -973,10 +987,10 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
   const int group = threadIdx.x / kLanes;
   uint32_t it = 0;
 #pragma unroll 1
-  for (uint32_t tile = blockIdx.x; tile < g.num_tiles; tile += stride, ++it) {
+  for (uint32_t first = begin; first < end; first += kTmaTileTasks, ++it) {
     const uint32_t s = it % kTmaStages;
     const uint8_t* st = smem + s * g.stage_bytes;
-    const uint32_t first = tile * static_cast<uint32_t>(kTmaTileTasks);
+    const uint32_t tile_end = min(first + kTmaTileTasks, end);
     const uint32_t t_first = a.heads.div(first);
     mbar_wait(&full[s], (it / kTmaStages) & 1u);
     const auto* s_rope = reinterpret_cast<const float4(*)[kRopeFloats / 4]>(st + g.rope_off);
@@ -985,7 +999,7 @@ __global__ void __launch_bounds__(kTmaThreads, 2)
 #pragma unroll 1
     for (int r = 0; r < kRounds; ++r) {
       const uint32_t task = first + r * kGroups + group;
-      const bool valid = task < a.num_tasks;
+      const bool valid = task < tile_end;
       const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
       if constexpr (kLanes == 8) {
         LaneRaw raw;

@@ -1,7 +1,7 @@
 // GPU tests of the producer kernels against the CPU twin (SPEC sections 3-4, 8), each on the
-// default kernel choice and on the bulk-copy pipeline; the byte classes and tolerances are in
-// producer_gpu_test_util.h. Graph replays, the kernel variants against each other and rejected
-// calls are in producer_graph_gpu_test.cu.
+// default kernel choice and on the bulk-copy pipeline (8 and 4 lanes per head); the byte classes
+// and tolerances are in producer_gpu_test_util.h. Graph replays, the kernel variants against each
+// other and rejected calls are in producer_graph_gpu_test.cu.
 #include "producer_gpu_test_util.h"
 
 namespace m3attn::producer_gpu_test {
@@ -11,17 +11,14 @@ namespace {
 
 TEST(ProducerGpu, MatchesCpuTwinEveryModeGeometryAndLength) {
   M3_REQUIRE_GPU();
-  for (const ProducerCudaOptions& opt : kKernelChoices) {
-    SCOPED_TRACE(choice_name(opt));
-    for (const Geometry& geo : kGeometries) {
-      for (const int64_t t : {0, 1, 16, 129, 4099}) {
-        const uint64_t seed = mt::fresh_seed();
-        M3_SEED_TRACE(seed);
-        mt::Rng rng(seed);
-        const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages_for(t), rng);
-        const Layout lay = separate_layout(geo.n_kv, pages_for(t), 1, 0, 0);
-        for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng, opt);
-      }
+  for (const Geometry& geo : kGeometries) {
+    for (const int64_t t : {0, 1, 16, 129, 4099}) {
+      const uint64_t seed = mt::fresh_seed();
+      M3_SEED_TRACE(seed);
+      mt::Rng rng(seed);
+      const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages_for(t), rng);
+      const Layout lay = separate_layout(geo.n_kv, pages_for(t), 1, 0, 0);
+      for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng);
     }
   }
 }
@@ -42,11 +39,8 @@ TEST(ProducerGpu, StridedPoolsKeepGuardsAndOtherLayers) {
         interleaved_layout(geo.n_kv, pages, 57, 31, 64),
         interleaved_layout(geo.n_kv, pages, 57, 56, 4),
     };
-    for (const ProducerCudaOptions& opt : kKernelChoices) {
-      SCOPED_TRACE(choice_name(opt));
-      for (const Layout& lay : layouts)
-        for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng, opt);
-    }
+    for (const Layout& lay : layouts)
+      for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng);
   }
 }
 
@@ -80,9 +74,10 @@ TEST(ProducerGpu, FusedMatchesUnfusedPair) {
   }
 }
 
-// Few heads per row and many tokens: the most tokens per batch (index mode with n_kv = 1 has
-// H = 2), which the sizes above do not reach. The default choice runs the persistent kernel for
-// fused and main (over 528 batches of 96 tasks) and the per-batch kernel for index (188, 282).
+// Few heads per row and many tokens: the most tokens per batch and tile (index mode with n_kv = 1
+// has H = 2: 65 tokens per tile of the bulk-copy kernel), which the sizes above do not reach. The
+// default choice runs the bulk-copy kernel for fused n_q 32 (351,039 tasks) and the per-batch
+// kernel for the others.
 TEST(ProducerGpu, LargeBatchFewHeadsPerRow) {
   M3_REQUIRE_GPU();
   for (const Geometry& geo : {Geometry{8, 1}, Geometry{32, 2}}) {
@@ -92,10 +87,7 @@ TEST(ProducerGpu, LargeBatchFewHeadsPerRow) {
     mt::Rng rng(seed);
     const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages_for(t), rng);
     const Layout lay = separate_layout(geo.n_kv, pages_for(t), 1, 0, 0);
-    for (const ProducerCudaOptions& opt : kKernelChoices) {
-      SCOPED_TRACE(choice_name(opt));
-      for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng, opt);
-    }
+    for (const ProducerMode mode : kModes) check_against_twin(mode, in, lay, rng);
   }
 }
 

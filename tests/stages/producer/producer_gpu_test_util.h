@@ -57,8 +57,9 @@ inline const ProducerMode kModes[] = {ProducerMode::kFused, ProducerMode::kMain,
                                       ProducerMode::kIndex};
 
 // Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave)
-// and `lanes` per head (0 = 8); kKernelChoices are the ones every twin test runs: the default
-// choice (kAuto: per-batch or persistent by size) and the bulk-copy pipeline with 8 and 4 lanes.
+// and `lanes` per head (0 = default); kKernelChoices are the ones every twin test runs: the
+// default choice (kAuto: per-batch, or from 2^17 tasks the bulk-copy kernel with its default
+// stages and lanes), the bulk-copy kernel with 3 stages and 8 lanes, and with 4 lanes.
 inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0) {
   ProducerCudaOptions o;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
@@ -67,7 +68,7 @@ inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes
   o.tma_lanes_per_head = lanes;
   return o;
 }
-inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(),
+inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(3, 0, 8),
                                                      tma_options(0, 0, 4)};
 inline constexpr int kNumKernelChoices = 3;
 inline std::string choice_name(const ProducerCudaOptions& o) {
@@ -551,9 +552,10 @@ inline void expect_match(const Inputs& in, bool main, bool index, const Layout& 
 
 inline int64_t pages_for(int64_t t) { return (t + 3 + kPageSize - 1) / kPageSize + 2; }
 
-// One mode against the CPU twin on a fresh pool of the given layout.
-inline void check_against_twin(ProducerMode mode, const Inputs& in, const Layout& lay, mt::Rng& rng,
-                               const ProducerCudaOptions& options = {}) {
+// One mode against the CPU twin on a fresh pool of the given layout, for every kernel choice (the
+// twin runs once).
+inline void check_against_twin(ProducerMode mode, const Inputs& in, const Layout& lay,
+                               mt::Rng& rng) {
   SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " n_q " << in.n_q << " n_kv "
                                     << in.n_kv << " T " << in.t << " " << lay.name);
   const Packed packed = packed_for(in, mode, rng);
@@ -561,10 +563,13 @@ inline void check_against_twin(ProducerMode mode, const Inputs& in, const Layout
   Outputs cpu = init.clone();
   const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
   ASSERT_TRUE(s.ok()) << s.to_string();
-  Outputs gpu = init.clone();
-  run_on_gpu({make_params(mode, in, packed, gpu, lay)}, in, {&packed}, gpu, options);
-  expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, gpu, /*exact=*/false,
-               "GPU vs CPU twin");
+  for (const ProducerCudaOptions& opt : kKernelChoices) {
+    SCOPED_TRACE(choice_name(opt));
+    Outputs gpu = init.clone();
+    run_on_gpu({make_params(mode, in, packed, gpu, lay)}, in, {&packed}, gpu, opt);
+    expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, gpu, /*exact=*/false,
+                 "GPU vs CPU twin");
+  }
 }
 
 }  // namespace m3attn::producer_gpu_test

@@ -181,13 +181,14 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
   }
 }
 
-// The bulk-copy pipeline (copy warp + 3-stage shared-memory ring, mbarrier phases) against the
-// per-batch kernel: byte for byte (same per-task code) and against the CPU twin. Grids of 1-7
-// blocks run many tiles per block, so every stage and both barrier parities are reused many times
-// (T 129 x 77 heads = 9933 tasks = 77 full tiles of 128 + 77 tasks); index mode with n_kv 1 has 2
-// heads per row, 65 tokens per tile (more than the 32 copy lanes: two passes); rows only 4-byte
-// aligned in the pool; packed row strides padded; 2, 3 and 4 stages.
-TEST(ProducerGpu, TmaPipelineMatchesPerBatchByteForByte) {
+// The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
+// share of the tasks in tiles of 128) against the per-batch kernel: byte for byte with 8 lanes per
+// head (same per-task code), within one E4M3 step with 4 (own reduction order; V identical), and
+// both against the CPU twin. Grids of 1-7 blocks run many tiles per block, so every stage and both
+// barrier parities are reused many times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1
+// has 2 heads per row, up to 65 tokens per tile (more than the 32 copy lanes: three passes); rows
+// only 4-byte aligned in the pool; packed row strides padded; 2, 3 and 4 stages.
+TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
   M3_REQUIRE_GPU();
   struct Case {
     Geometry geo;
@@ -213,58 +214,22 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchByteForByte) {
       const Outputs init = make_outputs(in, lay, rng);
       ProducerCudaOptions per_batch;
       per_batch.kernel = ProducerCudaKernel::kPerBatch;
-      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+      Outputs a = init.clone(), b = init.clone(), four = init.clone(), cpu = init.clone();
       run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
       run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b,
-                 tma_options(c.stages, c.blocks));
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
-                   "bulk-copy pipeline vs per-batch (exact)");
-      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
-                   "bulk-copy pipeline vs CPU twin");
-    }
-  }
-}
-
-// The bulk-copy pipeline with 4 lanes per head (32 channels per lane, its own reduction order):
-// within one E4M3 step of the CPU twin and of the 8-lane kernel, V rows identical, untouched bytes
-// untouched; the same grids, stage counts and pools as above.
-TEST(ProducerGpu, TmaFourLanesMatchesTwin) {
-  M3_REQUIRE_GPU();
-  struct Case {
-    Geometry geo;
-    int64_t t;
-    int blocks;
-    int stages;
-  };
-  const Case cases[] = {{{64, 4}, 1, 0, 0},   {{64, 4}, 129, 1, 2}, {{64, 4}, 4099, 0, 3},
-                        {{8, 1}, 129, 1, 4},  {{8, 1}, 1001, 7, 3}, {{32, 2}, 517, 3, 2},
-                        {{16, 1}, 2050, 0, 0}};
-  for (const Case& c : cases) {
-    const uint64_t seed = mt::fresh_seed();
-    M3_SEED_TRACE(seed);
-    mt::Rng rng(seed);
-    const int64_t pages = pages_for(c.t);
-    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
-    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
-    for (const ProducerMode mode : kModes) {
-      SCOPED_TRACE(::testing::Message()
-                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
-                   << " T " << c.t << " blocks " << c.blocks << " stages " << c.stages);
-      const Packed packed = packed_for(in, mode, rng);
-      const Outputs init = make_outputs(in, lay, rng);
-      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
-      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a,
                  tma_options(c.stages, c.blocks, 8));
-      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b,
+      run_on_gpu({make_params(mode, in, packed, four, lay)}, in, {&packed}, four,
                  tma_options(c.stages, c.blocks, 4));
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/false,
-                   "4 lanes vs 8 lanes");
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
+                   "bulk-copy pipeline (8 lanes) vs per-batch (exact)");
       const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
       ASSERT_TRUE(s.ok()) << s.to_string();
       expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
-                   "4 lanes vs CPU twin");
+                   "bulk-copy pipeline (8 lanes) vs CPU twin");
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, four, /*exact=*/false,
+                   "bulk-copy pipeline (4 lanes) vs CPU twin");
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, b, four, /*exact=*/false,
+                   "bulk-copy pipeline 4 lanes vs 8 lanes");
     }
   }
 }

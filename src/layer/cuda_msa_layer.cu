@@ -538,15 +538,25 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
   return Status::Ok();
 }
 
+namespace {
+// Records the event that opens `stage` when stage timing is on (marks != nullptr).
+Status record_stage_mark(cudaEvent_t* marks, LayerStage stage, cudaStream_t stream) {
+  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[static_cast<int>(stage)], stream));
+  return Status::Ok();
+}
+}  // namespace
+
 Status CudaMsaLayer::launch(cudaStream_t stream, cudaEvent_t* marks) {
+  M3_RETURN_IF_ERROR(launch_front(stream, marks));
+  return launch_back(stream, marks);
+}
+
+Status CudaMsaLayer::launch_front(cudaStream_t stream, cudaEvent_t* marks) {
   M3_CHECK_ARG(planned_, "layer: run without a successful plan");
   if (tokens_ == 0) return Status::Ok();
   CudaLayerWorkspace& w = *workspace_;
   const bool fuse = fused();
-  auto mark = [&](LayerStage s) -> Status {
-    if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[static_cast<int>(s)], stream));
-    return Status::Ok();
-  };
+  auto mark = [&](LayerStage s) { return record_stage_mark(marks, s, stream); };
   M3_RETURN_IF_ERROR(mark(LayerStage::kQuantize));
   M3_RETURN_IF_ERROR(run_quantize_cuda(quantize_in_, stream));
   M3_RETURN_IF_ERROR(mark(LayerStage::kProjection));
@@ -563,6 +573,14 @@ Status CudaMsaLayer::launch(cudaStream_t stream, cudaEvent_t* marks) {
     M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream));
     if (sparse_) M3_RETURN_IF_ERROR(run_producer_cuda(producer_index_, stream));
   }
+  return Status::Ok();
+}
+
+Status CudaMsaLayer::launch_back(cudaStream_t stream, cudaEvent_t* marks) {
+  M3_CHECK_ARG(planned_, "layer: run without a successful plan");
+  if (tokens_ == 0) return Status::Ok();
+  CudaLayerWorkspace& w = *workspace_;
+  auto mark = [&](LayerStage s) { return record_stage_mark(marks, s, stream); };
   M3_RETURN_IF_ERROR(mark(LayerStage::kIndexer));
   if (sparse_) M3_RETURN_IF_ERROR(run_indexer_cuda(indexer_, indexer_ws_, stream));
   M3_RETURN_IF_ERROR(mark(LayerStage::kAttention));
@@ -572,11 +590,13 @@ Status CudaMsaLayer::launch(cudaStream_t stream, cudaEvent_t* marks) {
   M3_RETURN_IF_ERROR(run_quantize_cuda(quantize_core_, stream));
   M3_RETURN_IF_ERROR(mark(LayerStage::kOutProjection));
   M3_RETURN_IF_ERROR(w.gemm_o_->run(gemm_o_, stream));
-  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[kNumLayerStages], stream));
+  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[kNumLayerStages], stream));  // the end
   return Status::Ok();
 }
 
 Status CudaMsaLayer::run(cudaStream_t stream) { return launch(stream, nullptr); }
+Status CudaMsaLayer::run_front(cudaStream_t stream) { return launch_front(stream, nullptr); }
+Status CudaMsaLayer::run_back(cudaStream_t stream) { return launch_back(stream, nullptr); }
 
 Status CudaMsaLayer::run_timed(cudaStream_t stream, LayerTimes* times) {
   cudaEvent_t marks[kNumLayerStages + 1] = {};

@@ -189,6 +189,11 @@ class CudaMsaLayer {
               const CudaLayerCaches& caches);
   // Launches the planned stages on `stream`. No allocation, no sync: capturable.
   Status run(cudaStream_t stream);
+  // run() in two halves, for callers that capture one and launch the other eagerly: the front
+  // (quantize, projection, producers: per-token work whose launches depend only on the planned
+  // token count) and the back (indexer, attention, output quantize, o_proj).
+  Status run_front(cudaStream_t stream);
+  Status run_back(cudaStream_t stream);
   // The same launches with CUDA events between stages, then a sync; stage times into *times.
   Status run_timed(cudaStream_t stream, LayerTimes* times);
 
@@ -207,6 +212,8 @@ class CudaMsaLayer {
  private:
   CudaMsaLayer() = default;
   Status launch(cudaStream_t stream, cudaEvent_t* marks);
+  Status launch_front(cudaStream_t stream, cudaEvent_t* marks);
+  Status launch_back(cudaStream_t stream, cudaEvent_t* marks);
 
   MsaGeometry geometry_;
   bool sparse_ = true;

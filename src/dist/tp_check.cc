@@ -22,6 +22,7 @@
 #include "core/cuda_check.h"
 #include "core/rope.h"
 #include "layer/cuda_msa_layer.h"
+#include "layer/tensor_parallel.h"
 #include "weights/packing.h"
 #endif
 
@@ -269,73 +270,196 @@ struct CudaScope {
   }
 };
 
-}  // namespace
+// Host side of a check, identical on every rank: weights, the three steps, the RoPE table and the
+// layer capacity.
+struct CheckSetup {
+  AttentionWeights weights;
+  std::vector<StepPlan> plans;
+  int64_t num_pages = 0, max_position = 0, max_tokens = 0;
+  int width = 0;
+  Tensor rope;
+  CudaLayerCapacity cap;
+  MsaLayerOptions layer_options;
+};
 
-Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckReport* report) {
-  const int P = comm.size(), rank = comm.rank();
+Status make_setup(const TpCheckOptions& o, int tp_size, CheckSetup* s) {
   const MsaGeometry& g = o.geometry;
   M3_RETURN_IF_ERROR(g.validate());
+  M3_RETURN_IF_ERROR(rank_geometry(g, tp_size).status());
   M3_CHECK_ARG(o.prompt1 >= 1 && o.prompt2 >= 1 && o.chunk >= 1 && o.draft_len >= 0,
                "tp check: prompts and chunk must be >= 1 and draft >= 0, got ", o.prompt1, ", ",
                o.prompt2, ", ", o.chunk, ", ", o.draft_len);
-  M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(comm.device()));
-  const Device dev = Device::cuda(comm.device());
-
-  // ---- host: weights, steps (identical on every rank) ----
   Result<AttentionWeights> w = random_attention_weights(g, o.seed, o.sparse);
   M3_RETURN_IF_ERROR(w.status());
-  Result<PackedRankWeights> mine = pack_rank(w.value(), P, rank);
-  M3_RETURN_IF_ERROR(mine.status());
-  const MsaGeometry& gr = mine.value().geometry;
+  s->weights = std::move(w.value());
   const int64_t gen = 1 + o.draft_len;
   const int64_t len1 = o.prompt1 + o.chunk + gen, len2 = o.prompt2 + 2 * gen;
-  const int width = static_cast<int>(CacheManager::pages_for(std::max(len1, len2)));
-  const int64_t num_pages = CacheManager::pages_for(len1) + CacheManager::pages_for(len2) + 2;
-  const int64_t max_position = std::max(len1, len2) + 1;
-  CacheManager cache(num_pages);
+  s->width = static_cast<int>(CacheManager::pages_for(std::max(len1, len2)));
+  s->num_pages = CacheManager::pages_for(len1) + CacheManager::pages_for(len2) + 2;
+  s->max_position = std::max(len1, len2) + 1;
+  CacheManager cache(s->num_pages);
   const StepDescription descs[3] = {
       {{{1, 0, o.prompt1}, {2, 0, o.prompt2}}, {}, 0},
       {{{1, o.prompt1, o.chunk}}, {{2, o.prompt2}}, o.draft_len},
       {{}, {{1, o.prompt1 + o.chunk}, {2, o.prompt2 + gen}}, o.draft_len}};
-  std::vector<StepPlan> plans;
   PlanOptions po;
-  po.page_table_width = width;
-  int64_t max_t = 0;
+  po.page_table_width = s->width;
   for (const StepDescription& d : descs) {
     Result<StepPlan> p = plan_step(cache, d, po);
     M3_RETURN_IF_ERROR(p.status());
-    max_t = std::max(max_t, p.value().num_tokens());
-    plans.push_back(std::move(p.value()));
+    s->max_tokens = std::max(s->max_tokens, p.value().num_tokens());
+    s->plans.push_back(std::move(p.value()));
   }
-  Result<Tensor> rope = make_rope_table(max_position, g.rope_theta);
+  Result<Tensor> rope = make_rope_table(s->max_position, g.rope_theta);
   M3_RETURN_IF_ERROR(rope.status());
+  s->rope = std::move(rope.value());
+  s->cap.max_tokens = s->max_tokens;
+  s->cap.max_requests = 2;
+  s->cap.max_pages = s->width;
+  s->layer_options.fuse_qkv_index_projection = o.fused;
+  return Status::Ok();
+}
 
-  // ---- device ----
-  CudaLayerCapacity cap;
-  cap.max_tokens = max_t;
-  cap.max_requests = 2;
-  cap.max_pages = width;
-  MsaLayerOptions lo;
-  lo.fuse_qkv_index_projection = o.fused;
-  Result<std::unique_ptr<CudaMsaLayer>> layer =
-      CudaMsaLayer::create(mine.value(), rope.value().view(), cap, lo);
-  M3_RETURN_IF_ERROR(layer.status());
-  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
-  M3_RETURN_IF_ERROR(meta.status());
+// One rank's (or TP1's) layer with its private workspace and pool.
+struct RankLayer {
+  std::unique_ptr<CudaMsaLayer> layer;
   DevicePool pool;
-  M3_RETURN_IF_ERROR(make_pool(num_pages, gr.n_kv, o.sparse, dev, &pool));
-  std::unique_ptr<CudaMsaLayer> ref;  // TP1, rank 0
-  DevicePool ref_pool;
-  if (rank == 0) {
-    Result<PackedRankWeights> full = pack_rank(w.value(), 1, 0);
-    M3_RETURN_IF_ERROR(full.status());
-    Result<std::unique_ptr<CudaMsaLayer>> l =
-        CudaMsaLayer::create(full.value(), rope.value().view(), cap, lo);
-    M3_RETURN_IF_ERROR(l.status());
-    ref = std::move(l.value());
-    M3_RETURN_IF_ERROR(make_pool(num_pages, g.n_kv, o.sparse, dev, &ref_pool));
+};
+
+Status make_rank_layer(const CheckSetup& s, bool sparse, int tp_size, int rank, Device dev,
+                       RankLayer* out) {
+  Result<PackedRankWeights> w = pack_rank(s.weights, tp_size, rank);
+  M3_RETURN_IF_ERROR(w.status());
+  Result<std::unique_ptr<CudaMsaLayer>> l =
+      CudaMsaLayer::create(w.value(), s.rope.view(), s.cap, s.layer_options);
+  M3_RETURN_IF_ERROR(l.status());
+  out->layer = std::move(l.value());
+  return make_pool(s.num_pages, w.value().geometry.n_kv, sparse, dev, &out->pool);
+}
+
+// Uploads step s's hidden rows (bf16 [T, hidden]) and metadata.
+Status upload_step(const TpCheckOptions& o, const CheckSetup& setup, size_t s, CudaBuffer& hidden,
+                   CudaStepMetadata& meta, Device dev, cudaStream_t stream, TensorView* hv) {
+  const StepPlan& plan = setup.plans[s];
+  const int64_t T = plan.num_tokens(), H = o.geometry.hidden;
+  const Tensor h = step_hidden(o.seed, static_cast<int>(s), T, H);
+  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(hidden.data(), h.data(), static_cast<size_t>(h.nbytes()),
+                                          cudaMemcpyHostToDevice, stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));  // h is a temporary
+  *hv = TensorView::contiguous(hidden.data(), DType::kBF16, {T, H}, dev);
+  return meta.upload(plan, setup.num_pages, setup.max_position, {}, stream);
+}
+
+// Rank cores [P][T, qw] (one tensor each) side by side: [T, P * qw].
+Tensor concat_cores(const std::vector<Tensor>& cores) {
+  const int64_t P = static_cast<int64_t>(cores.size());
+  const int64_t T = cores[0].shape()[0], qw = cores[0].shape()[1];
+  Tensor out(DType::kBF16, {T, P * qw});
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t t = 0; t < T; ++t)
+      std::copy(cores[static_cast<size_t>(r)].ptr<uint16_t>() + t * qw,
+                cores[static_cast<size_t>(r)].ptr<uint16_t>() + (t + 1) * qw,
+                out.ptr<uint16_t>() + t * P * qw + r * qw);
+  return out;
+}
+
+}  // namespace
+
+Status run_tp_check_simulated(const TpCheckOptions& o, const std::vector<int>& tp_sizes, int device,
+                              std::vector<TpCheckReport>* reports) {
+  M3_CHECK_ARG(!tp_sizes.empty(), "tp check: no tensor-parallel size to simulate");
+  for (int p : tp_sizes) {
+    M3_CHECK_ARG(p >= 1 && p <= kMaxRanks, "tp check: ranks must be in [1, ", kMaxRanks, "], got ",
+                 p);
+    M3_RETURN_IF_ERROR(rank_geometry(o.geometry, p).status());
   }
-  const int64_t H = g.hidden, qw = int64_t{gr.n_q} * kHeadDim;
+  M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  const Device dev = Device::cuda(device);
+  CheckSetup setup;
+  M3_RETURN_IF_ERROR(make_setup(o, 1, &setup));
+  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(setup.cap);
+  M3_RETURN_IF_ERROR(meta.status());
+  const int64_t H = o.geometry.hidden;
+  Result<CudaBuffer> hidden_d = CudaBuffer::create(static_cast<size_t>(setup.max_tokens * H * 2));
+  M3_RETURN_IF_ERROR(hidden_d.status());
+  CudaScope cs;
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&cs.stream, cudaStreamNonBlocking));
+
+  // Every step through one set of layers (each with its own pool, so steps build their caches);
+  // per step: the bf16 outputs [T, hidden] and attention cores [T, n_q_r * 128] of every layer.
+  auto run_steps = [&](std::vector<RankLayer>& layers, std::vector<std::vector<Tensor>>* outs,
+                       std::vector<std::vector<Tensor>>* cores) -> Status {
+    outs->clear();
+    cores->clear();
+    outs->resize(setup.plans.size());
+    cores->resize(setup.plans.size());
+    for (size_t s = 0; s < setup.plans.size(); ++s) {
+      const int64_t T = setup.plans[s].num_tokens();
+      TensorView hv;
+      M3_RETURN_IF_ERROR(
+          upload_step(o, setup, s, hidden_d.value(), *meta.value(), dev, cs.stream, &hv));
+      for (RankLayer& rl : layers) {
+        M3_RETURN_IF_ERROR(rl.layer->plan(*meta.value(), hv, rl.pool.caches));
+        M3_RETURN_IF_ERROR(rl.layer->run(cs.stream));
+        M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(cs.stream));
+        (*outs)[s].emplace_back(DType::kBF16, std::vector<int64_t>{T, H});
+        M3_RETURN_IF_ERROR(download(rl.layer->attn_out().data, T * H * 2, &(*outs)[s].back()));
+        const int64_t qw = int64_t{rl.layer->geometry().n_q} * kHeadDim;
+        (*cores)[s].emplace_back(DType::kBF16, std::vector<int64_t>{T, qw});
+        M3_RETURN_IF_ERROR(download(rl.layer->attn_core().data, T * qw * 2, &(*cores)[s].back()));
+      }
+    }
+    return Status::Ok();
+  };
+
+  std::vector<std::vector<Tensor>> ref_out, ref_core;
+  {
+    std::vector<RankLayer> ref(1);
+    M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &ref[0]));
+    M3_RETURN_IF_ERROR(run_steps(ref, &ref_out, &ref_core));
+  }
+  if (reports) reports->clear();
+  for (int P : tp_sizes) {
+    std::vector<RankLayer> ranks(static_cast<size_t>(P));
+    for (int r = 0; r < P; ++r)
+      M3_RETURN_IF_ERROR(
+          make_rank_layer(setup, o.sparse, P, r, dev, &ranks[static_cast<size_t>(r)]));
+    std::vector<std::vector<Tensor>> partials, cores;
+    M3_RETURN_IF_ERROR(run_steps(ranks, &partials, &cores));
+    TpCheckReport rep;
+    for (size_t s = 0; s < setup.plans.size(); ++s) {
+      const int64_t T = setup.plans[s].num_tokens();
+      // The reduction an all-reduce performs, as the CPU simulation does it (fp32, one rounding).
+      Tensor out_tp(DType::kBF16, {T, H});
+      std::vector<TensorView> views;
+      for (const Tensor& p : partials[s]) views.push_back(p.view());
+      M3_RETURN_IF_ERROR(sum_rank_partials(views, out_tp.view()));
+      Result<TpComparison> c =
+          compare_tp_output(out_tp, ref_out[s][0], partials[s], concat_cores(cores[s]),
+                            ref_core[s][0], setup.weights.o, o.model);
+      M3_RETURN_IF_ERROR(c.status());
+      rep.steps.push_back(c.value());
+    }
+    if (reports) reports->push_back(std::move(rep));
+  }
+  return Status::Ok();
+}
+
+Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckReport* report) {
+  const int P = comm.size(), rank = comm.rank();
+  const MsaGeometry& g = o.geometry;
+  M3_CUDA_RETURN_IF_ERROR(cudaSetDevice(comm.device()));
+  const Device dev = Device::cuda(comm.device());
+  CheckSetup setup;
+  M3_RETURN_IF_ERROR(make_setup(o, P, &setup));
+  RankLayer mine, ref;
+  M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, P, rank, dev, &mine));
+  if (rank == 0) M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &ref));
+  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(setup.cap);
+  M3_RETURN_IF_ERROR(meta.status());
+  const std::vector<StepPlan>& plans = setup.plans;
+  const int64_t max_t = setup.max_tokens;
+  const int64_t H = g.hidden, qw = int64_t{mine.layer->geometry().n_q} * kHeadDim;
   auto buffer = [](int64_t bytes) { return CudaBuffer::create(static_cast<size_t>(bytes)); };
   Result<CudaBuffer> hidden_d = buffer(max_t * H * 2), partial_d = buffer(max_t * H * 2),
                      partials_all = buffer(P * max_t * H * 2),
@@ -345,57 +469,49 @@ Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckRep
   CudaScope cs;
   M3_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&cs.stream, cudaStreamNonBlocking));
   cudaStream_t stream = cs.stream;
+  auto* layer = &mine.layer;
 
   if (report) *report = TpCheckReport{};
   Tensor last_eager;
   for (size_t s = 0; s < plans.size(); ++s) {
-    const StepPlan& plan = plans[s];
-    const int64_t T = plan.num_tokens();
-    const Tensor h = step_hidden(o.seed, static_cast<int>(s), T, H);
-    M3_CUDA_RETURN_IF_ERROR(cudaMemcpy(hidden_d.value().data(), h.data(),
-                                       static_cast<size_t>(h.nbytes()), cudaMemcpyHostToDevice));
-    const TensorView hv =
-        TensorView::contiguous(hidden_d.value().data(), DType::kBF16, {T, H}, dev);
-    M3_RETURN_IF_ERROR(meta.value()->upload(plan, num_pages, max_position, {}, stream));
-    M3_RETURN_IF_ERROR(layer.value()->plan(*meta.value(), hv, pool.caches));
-    M3_RETURN_IF_ERROR(layer.value()->run(stream));
-    void* out = layer.value()->attn_out().data;
+    const int64_t T = plans[s].num_tokens();
+    TensorView hv;
+    M3_RETURN_IF_ERROR(upload_step(o, setup, s, hidden_d.value(), *meta.value(), dev, stream, &hv));
+    M3_RETURN_IF_ERROR((*layer)->plan(*meta.value(), hv, mine.pool.caches));
+    M3_RETURN_IF_ERROR((*layer)->run(stream));
+    void* out = (*layer)->attn_out().data;
     M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(partial_d.value().data(), out,
                                             static_cast<size_t>(T * H * 2),
                                             cudaMemcpyDeviceToDevice, stream));
     M3_RETURN_IF_ERROR(comm.all_reduce_bf16_sum(out, T * H, stream));
     M3_RETURN_IF_ERROR(
         comm.all_gather(partial_d.value().data(), partials_all.value().data(), T * H * 2, stream));
-    M3_RETURN_IF_ERROR(comm.all_gather(layer.value()->attn_core().data, cores_all.value().data(),
-                                       T * qw * 2, stream));
+    M3_RETURN_IF_ERROR(
+        comm.all_gather((*layer)->attn_core().data, cores_all.value().data(), T * qw * 2, stream));
     M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     M3_RETURN_IF_ERROR(comm.check_async_error());
     if (rank != 0) continue;
 
     Tensor out_tp(DType::kBF16, {T, H}), out_1(DType::kBF16, {T, H});
     M3_RETURN_IF_ERROR(download(out, T * H * 2, &out_tp));
-    std::vector<Tensor> partials;
+    std::vector<Tensor> partials, cores;
     for (int r = 0; r < P; ++r) {
       partials.emplace_back(DType::kBF16, std::vector<int64_t>{T, H});
       M3_RETURN_IF_ERROR(download(partials_all.value().ptr<uint8_t>() + r * T * H * 2, T * H * 2,
                                   &partials.back()));
+      // Rank r's heads are TP1 heads [r*n_q/P, (r+1)*n_q/P).
+      cores.emplace_back(DType::kBF16, std::vector<int64_t>{T, qw});
+      M3_RETURN_IF_ERROR(
+          download(cores_all.value().ptr<uint8_t>() + r * T * qw * 2, T * qw * 2, &cores.back()));
     }
-    // Rank cores side by side: rank r's heads are TP1 heads [r*n_q/P, (r+1)*n_q/P).
-    Tensor cores(DType::kBF16, {int64_t{P}, T, qw}), core_tp(DType::kBF16, {T, P * qw});
-    M3_RETURN_IF_ERROR(download(cores_all.value().data(), P * T * qw * 2, &cores));
-    for (int r = 0; r < P; ++r)
-      for (int64_t t = 0; t < T; ++t)
-        std::copy(cores.ptr<uint16_t>() + (r * T + t) * qw,
-                  cores.ptr<uint16_t>() + (r * T + t + 1) * qw,
-                  core_tp.ptr<uint16_t>() + t * P * qw + r * qw);
-    M3_RETURN_IF_ERROR(ref->plan(*meta.value(), hv, ref_pool.caches));
-    M3_RETURN_IF_ERROR(ref->run(stream));
+    M3_RETURN_IF_ERROR(ref.layer->plan(*meta.value(), hv, ref.pool.caches));
+    M3_RETURN_IF_ERROR(ref.layer->run(stream));
     M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     Tensor core_1(DType::kBF16, {T, int64_t{g.n_q} * kHeadDim});
-    M3_RETURN_IF_ERROR(download(ref->attn_out().data, T * H * 2, &out_1));
-    M3_RETURN_IF_ERROR(download(ref->attn_core().data, core_1.nbytes(), &core_1));
-    Result<TpComparison> c =
-        compare_tp_output(out_tp, out_1, partials, core_tp, core_1, w.value().o, o.model);
+    M3_RETURN_IF_ERROR(download(ref.layer->attn_out().data, T * H * 2, &out_1));
+    M3_RETURN_IF_ERROR(download(ref.layer->attn_core().data, core_1.nbytes(), &core_1));
+    Result<TpComparison> c = compare_tp_output(out_tp, out_1, partials, concat_cores(cores), core_1,
+                                               setup.weights.o, o.model);
     M3_RETURN_IF_ERROR(c.status());
     if (report) report->steps.push_back(c.value());
     if (s + 1 == plans.size()) last_eager = std::move(out_tp);
@@ -406,9 +522,9 @@ Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckRep
     // caches already hold this step's K/V (rewritten with the same values), so the replay must
     // reproduce the eager output byte for byte.
     const int64_t T = plans.back().num_tokens();
-    void* out = layer.value()->attn_out().data;
+    void* out = (*layer)->attn_out().data;
     M3_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    Status st = layer.value()->run(stream);
+    Status st = (*layer)->run(stream);
     if (st.ok()) st = comm.all_reduce_bf16_sum(out, T * H, stream);
     const cudaError_t end = cudaStreamEndCapture(stream, &cs.graph);
     M3_RETURN_IF_ERROR(st);
@@ -434,6 +550,10 @@ Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckRep
 #else  // no CUDA
 
 Status run_tp_check_rank(Communicator&, const TpCheckOptions&, TpCheckReport*) {
+  return unsupported("the tensor-parallel check needs the CUDA backend (this m3attn has none)");
+}
+Status run_tp_check_simulated(const TpCheckOptions&, const std::vector<int>&, int,
+                              std::vector<TpCheckReport>*) {
   return unsupported("the tensor-parallel check needs the CUDA backend (this m3attn has none)");
 }
 

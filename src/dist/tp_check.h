@@ -88,4 +88,11 @@ class Communicator;
 // Every rank calls it with the same options (device = comm.device()); rank 0 fills *report.
 Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& options, TpCheckReport* report);
 
+// The same check in one process on one device, without NCCL (any P, e.g. 4 and 8 on one GPU): for
+// each P of tp_sizes, the P rank layers (pack_rank weights, private pools) run one after another
+// and their partials are summed on the host as sum_rank_partials does (fp32, one rounding); the
+// TP1 layer runs once. One report per P; `graph` is ignored.
+Status run_tp_check_simulated(const TpCheckOptions& options, const std::vector<int>& tp_sizes,
+                              int device, std::vector<TpCheckReport>* reports);
+
 }  // namespace m3attn

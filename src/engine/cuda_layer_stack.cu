@@ -21,8 +21,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <future>
 #include <map>
 #include <memory>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -191,16 +193,29 @@ class CudaLayerStack final : public LayerStack {
     M3_RETURN_IF_ERROR(rope.status());
     MsaLayerOptions options;
     options.fuse_qkv_index_projection = config.fuse_qkv_index_projection;
-    for (int l = 0; l < config.num_layers(); ++l) {
+    // Random weights are made on the host, several layers at a time (about 4 s per M3 layer on
+    // one core); each layer's numbers depend only on its own seed.
+    auto make_weights = [&config](int l) -> Result<PackedRankWeights> {
       Result<AttentionWeights> w = random_attention_weights(
           config.geometry, layer_seed(config.seed, l), /*sparse=*/l >= config.num_dense);
       M3_RETURN_IF_ERROR(w.status());
-      Result<PackedRankWeights> packed = pack_rank(w.value(), config.tp_size, config.tp_rank);
-      M3_RETURN_IF_ERROR(packed.status());
-      Result<std::unique_ptr<CudaMsaLayer>> layer =
-          CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
-      M3_RETURN_IF_ERROR(layer.status());
-      s->layers_.push_back(std::move(layer.value()));
+      return pack_rank(w.value(), config.tp_size, config.tp_rank);
+    };
+    const int batch =
+        static_cast<int>(std::clamp<unsigned>(std::thread::hardware_concurrency() / 2, 1u, 8u));
+    for (int l0 = 0; l0 < config.num_layers(); l0 += batch) {
+      const int l1 = std::min(config.num_layers(), l0 + batch);
+      std::vector<std::future<Result<PackedRankWeights>>> weights;
+      for (int l = l0; l < l1; ++l)
+        weights.push_back(std::async(std::launch::async, make_weights, l));
+      for (auto& f : weights) {
+        Result<PackedRankWeights> packed = f.get();
+        M3_RETURN_IF_ERROR(packed.status());
+        Result<std::unique_ptr<CudaMsaLayer>> layer =
+            CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
+        M3_RETURN_IF_ERROR(layer.status());
+        s->layers_.push_back(std::move(layer.value()));
+      }
     }
 
     PagePoolConfig pc;

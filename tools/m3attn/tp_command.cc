@@ -14,7 +14,9 @@
 #include <cstdio>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "commands.h"
 #include "dist/communicator.h"
@@ -35,13 +37,13 @@ struct TpFlags {
   uint64_t seed = 1;
   bool unfused = false;
   // check
-  bool dense = false, no_graph = false;
+  bool dense = false, no_graph = false, simulate = false;
   int64_t prompt1 = 300, prompt2 = 77, chunk = 29;
   int check_draft = 2;
   // bench
   std::string mode = "tp";
   int64_t input_len = 2048, output_len = 64, max_tokens = 8192, pages = 0;
-  int concurrency = 16, requests = 32, sparse = 3, dense_layers = 3, draft = 0;
+  int concurrency = 16, requests = 32, sparse = 2, dense_layers = 1, draft = 0;
   bool no_warmup = false;
 };
 
@@ -130,6 +132,47 @@ int work(const DistRole& role, const char* what, Body body) {
   return code;
 }
 
+TpCheckOptions check_options(const TpFlags& f) {
+  TpCheckOptions o;
+  o.geometry = geometry_of(f.geometry);
+  o.sparse = !f.dense;
+  o.fused = !f.unfused;
+  o.seed = f.seed;
+  o.prompt1 = f.prompt1;
+  o.prompt2 = f.prompt2;
+  o.chunk = f.chunk;
+  o.draft_len = f.check_draft;
+  o.graph = !f.no_graph;
+  return o;
+}
+
+std::string check_title(const TpCheckOptions& o, int ranks, bool simulated) {
+  std::ostringstream os;
+  os << "m3attn tp check: TP" << ranks << " vs TP1"
+     << (simulated ? " simulated on GPU 0 (rank layers in turn, partials summed on the host)" : "")
+     << ", " << o.geometry.to_string() << ", " << (o.sparse ? "sparse" : "dense") << ", "
+     << (o.fused ? "fused" : "unfused") << ", seed " << o.seed << "\n";
+  return os.str();
+}
+
+// --simulate: every rank's layer in this process on GPU 0, no NCCL.
+int simulate(const TpFlags& f) {
+  if (visible_cuda_devices() < 1) {
+    std::cerr << "m3attn tp check --simulate: needs a CUDA device, this machine has none\n";
+    return 1;
+  }
+  const TpCheckOptions o = check_options(f);
+  std::vector<TpCheckReport> reps;
+  const Status s = run_tp_check_simulated(o, {f.ranks}, 0, &reps);
+  if (!s.ok()) {
+    std::cerr << "m3attn tp check --simulate: " << s.to_string() << "\n";
+    return exit_code_for(s);
+  }
+  const TpCheckReport& rep = reps.at(0);
+  std::cout << (f.json ? rep.to_json() + "\n" : check_title(o, f.ranks, true) + rep.to_text());
+  return rep.pass() ? 0 : 1;
+}
+
 void add_common(CLI::App* cmd, TpFlags* f) {
   cmd->add_option("--ranks", f->ranks, "Ranks = GPUs, one process each (default 2)")
       ->check(CLI::Range(1, kMaxRanks));
@@ -162,6 +205,9 @@ void add_tp_command(CLI::App& app, int& exit_code) {
       "L2 difference against a derived bound, PASS or FAIL (exit 1).");
   add_common(check, f.get());
   check->add_flag("--dense", f->dense, "Check a dense layer (default: sparse MSA layer)");
+  check->add_flag("--simulate", f->simulate,
+                  "One process, GPU 0, no NCCL: the --ranks rank layers run in turn and their "
+                  "partials are summed on the host (any P, e.g. 4 or 8 on one GPU)");
   check->add_flag("--no-graph", f->no_graph,
                   "Skip the CUDA-graph replay of the last step (layer + all-reduce captured)");
   check->add_option("--prompt1", f->prompt1, "First prompt (default 300)")
@@ -179,21 +225,16 @@ void add_tp_command(CLI::App& app, int& exit_code) {
       exit_code = 2;
       return;
     }
+    if (f->simulate) {
+      exit_code = simulate(*f);
+      return;
+    }
     if (!role.value().worker) {
       exit_code = launch(*f, "check");
       return;
     }
     exit_code = work(role.value(), "check", [&](Communicator& comm) {
-      TpCheckOptions o;
-      o.geometry = geometry_of(f->geometry);
-      o.sparse = !f->dense;
-      o.fused = !f->unfused;
-      o.seed = f->seed;
-      o.prompt1 = f->prompt1;
-      o.prompt2 = f->prompt2;
-      o.chunk = f->chunk;
-      o.draft_len = f->check_draft;
-      o.graph = !f->no_graph;
+      const TpCheckOptions o = check_options(*f);
       TpCheckReport rep;
       const Status s = run_tp_check_rank(comm, o, &rep);
       if (!s.ok()) {
@@ -201,14 +242,8 @@ void add_tp_command(CLI::App& app, int& exit_code) {
         return exit_code_for(s);
       }
       if (comm.rank() != 0) return 0;
-      if (f->json) {
-        std::cout << rep.to_json() << "\n";
-      } else {
-        std::cout << "m3attn tp check: TP" << comm.size() << " vs TP1, " << o.geometry.to_string()
-                  << ", " << (o.sparse ? "sparse" : "dense") << ", "
-                  << (o.fused ? "fused" : "unfused") << ", seed " << o.seed << "\n"
-                  << rep.to_text();
-      }
+      std::cout << (f->json ? rep.to_json() + "\n"
+                            : check_title(o, comm.size(), false) + rep.to_text());
       return rep.pass() ? 0 : 1;
     });
   });
@@ -218,7 +253,7 @@ void add_tp_command(CLI::App& app, int& exit_code) {
       "Serving benchmark across ranks: --mode tp (every rank runs its head shard of every layer, "
       "o_proj partials all-reduced) or --mode dp (requests dealt over the ranks, lock-step steps, "
       "an idle rank runs a dummy generation request rolled back afterwards). Reports tokens/s "
-      "total and per GPU. Defaults: m3 geometry, 3 dense + 3 sparse layers, 32 requests x (2048 "
+      "total and per GPU. Defaults: m3 geometry, 1 dense + 2 sparse layers, 32 requests x (2048 "
       "in, 64 out), concurrency 16.");
   add_common(bench, f.get());
   bench->add_option("--mode", f->mode, "tp (tensor parallel, default) or dp (data parallel)")
@@ -231,9 +266,9 @@ void add_tp_command(CLI::App& app, int& exit_code) {
       ->check(CLI::Range(1, 1 << 30));
   bench->add_option("--requests", f->requests, "Requests in the run, whole run")
       ->check(CLI::Range(1, 1 << 30));
-  bench->add_option("--layers", f->sparse, "MSA (sparse) layers (default 3)")
+  bench->add_option("--layers", f->sparse, "MSA (sparse) layers (default 2)")
       ->check(CLI::Range(0, 256));
-  bench->add_option("--dense-layers", f->dense_layers, "Dense layers first (default 3)")
+  bench->add_option("--dense-layers", f->dense_layers, "Dense layers first (default 1)")
       ->check(CLI::Range(0, 256));
   bench->add_option("--max-tokens-per-step", f->max_tokens, "Token budget of a step per rank")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));

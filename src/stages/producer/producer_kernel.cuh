@@ -925,8 +925,13 @@ __device__ __forceinline__ void process_task4(const KernelArgs& a, const uint8_t
 
 // kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
 // or 4 (process_task4).
+// Blocks per SM the register budget is cut for: 3 with 8 lanes (70 registers, no spills) and
+// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers with a few bytes of
+// spills), else 2 (4 lanes: 94 registers).
+constexpr int tma_min_blocks(int stages, int lanes) { return lanes == 8 || stages == 2 ? 3 : 2; }
+
 template <ProducerMode kMode, int kTmaStages, int kLanes>
-__global__ void __launch_bounds__(kTmaThreads, kLanes == 8 ? 3 : 2)
+__global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes))
     producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float4 s_norm[kNumNorms][32];
@@ -935,46 +940,58 @@ __global__ void __launch_bounds__(kTmaThreads, kLanes == 8 ? 3 : 2)
 
   const int warp = threadIdx.x / 32;
   const int lane32 = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kTmaStages; ++s) {
-      mbar_init(&full[s], 32);
-      mbar_init(&empty[s], kTmaComputeWarps);
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  stage_norms(a, s_norm);  // threads 0..63: compute warps 0 and 1
-  __syncthreads();
-
+  const bool copy_warp = warp == kTmaComputeWarps;
   // This block's tasks: an equal share [begin, end) of all tasks (balanced to one task, so no
   // block runs a tile more than another), walked in tiles of up to 128 tasks.
   const uint32_t begin = static_cast<uint32_t>(uint64_t{blockIdx.x} * a.num_tasks / gridDim.x);
   const uint32_t end = static_cast<uint32_t>((uint64_t{blockIdx.x} + 1) * a.num_tasks / gridDim.x);
-  if (warp == kTmaComputeWarps) {
-    // ---- copy warp ----
-    const uint64_t stream_policy = l2_policy_evict_first();
-    const uint64_t keep_policy = l2_policy_evict_last();
-    // Per tile: the packed copies first (no dependency), then the loads of the next tile's
-    // positions and slots, then this tile's metadata and RoPE copies from the registers loaded
-    // one tile earlier. The first stages fill after one memory latency, not a chain of them.
-    TileSpan cur = tile_span(a, begin, end);
-    TileMeta meta{};
-    load_meta(a, cur, lane32, meta);
-    uint32_t it = 0;
-    for (uint32_t first = begin; first < end; first += kTmaTileTasks, ++it) {
-      const uint32_t s = it % kTmaStages;
-      const uint32_t use = it / kTmaStages;
-      if (use > 0) mbar_wait(&empty[s], (use - 1) & 1u);
-      uint8_t* st = smem + s * g.stage_bytes;
-      tma_copy_packed(a, cur, st, &full[s], lane32, stream_policy);
-      TileSpan next;
-      TileMeta next_meta{};
-      if (end - first > static_cast<uint32_t>(kTmaTileTasks)) {
-        next = tile_span(a, first + kTmaTileTasks, end);
-        load_meta(a, next, lane32, next_meta);
+
+  // ---- copy warp ----
+  // Per tile: the packed copies first (no dependency), then the loads of the next tile's
+  // positions and slots, then this tile's metadata and RoPE copies from the registers loaded one
+  // tile earlier. The copy warp initializes the barriers and fills the first kTmaStages stages
+  // (no empty wait) before the block barrier, so their loads overlap the norm-weight staging.
+  uint64_t stream_policy = 0, keep_policy = 0;
+  TileSpan cur;
+  TileMeta meta{};
+  uint32_t first = begin, it = 0;
+  const auto fill_next = [&] {
+    const uint32_t s = it % kTmaStages;
+    uint8_t* st = smem + s * g.stage_bytes;
+    tma_copy_packed(a, cur, st, &full[s], lane32, stream_policy);
+    TileSpan next;
+    TileMeta next_meta{};
+    if (end - first > static_cast<uint32_t>(kTmaTileTasks)) {
+      next = tile_span(a, first + kTmaTileTasks, end);
+      load_meta(a, next, lane32, next_meta);
+    }
+    tma_stage_meta(a, g, cur, meta, st, &full[s], lane32, keep_policy);
+    cur = next;
+    meta = next_meta;
+    first += kTmaTileTasks;
+    ++it;
+  };
+  if (copy_warp) {
+    if (lane32 == 0) {
+      for (int s = 0; s < kTmaStages; ++s) {
+        mbar_init(&full[s], 32);
+        mbar_init(&empty[s], kTmaComputeWarps);
       }
-      tma_stage_meta(a, g, cur, meta, st, &full[s], lane32, keep_policy);
-      cur = next;
-      meta = next_meta;
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    stream_policy = l2_policy_evict_first();
+    keep_policy = l2_policy_evict_last();
+    cur = tile_span(a, begin, end);
+    load_meta(a, cur, lane32, meta);
+    while (first < end && it < static_cast<uint32_t>(kTmaStages)) fill_next();
+  }
+  stage_norms(a, s_norm);  // threads 0..63: compute warps 0 and 1
+  __syncthreads();         // barriers initialized, norms staged
+  if (copy_warp) {
+    while (first < end) {
+      mbar_wait(&empty[it % kTmaStages], (it / kTmaStages - 1) & 1u);
+      fill_next();
     }
     return;
   }
@@ -985,9 +1002,8 @@ __global__ void __launch_bounds__(kTmaThreads, kLanes == 8 ? 3 : 2)
   constexpr int kRounds = kTmaTileTasks / kGroups;         // 4 or 2
   const int lane = threadIdx.x & (kLanes - 1);
   const int group = threadIdx.x / kLanes;
-  uint32_t it = 0;
 #pragma unroll 1
-  for (uint32_t first = begin; first < end; first += kTmaTileTasks, ++it) {
+  for (; first < end; first += kTmaTileTasks, ++it) {
     const uint32_t s = it % kTmaStages;
     const uint8_t* st = smem + s * g.stage_bytes;
     const uint32_t tile_end = min(first + kTmaTileTasks, end);

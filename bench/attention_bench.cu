@@ -4,8 +4,9 @@
 //     of K/V the selection reads (each distinct block of a request's tokens once: 32 KB per block
 //     and KV head), GB/s and % of the 4300 GB/s copy bandwidth.
 //   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the mma.sync kernel
-//     (kernel 1) and the Hopper wgmma kernel (kernel 2): us and TFLOP/s counted on the selected
-//     work only (4 * 128 FLOP per (query head, visible selected key)).
+//     (kernel 1) and the Hopper wgmma kernel (kernel 2, variants 3 and 4 as "wgmma v1", "v2"): us
+//     and TFLOP/s counted on the selected work only (4 * 128 FLOP per (query head, visible selected
+//     key)).
 // Selections: per (request, KV head) one random block ranking, so a request's draft tokens share
 //   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
@@ -430,7 +431,7 @@ int main(int argc, char** argv) {
   // other launch overrides apply to the wgmma kernel only where they are valid for it (tokens per
   // tile 8 or automatic, no v_convert).
   const std::vector<int> kernels =
-      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2};
+      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2, 3, 4};
   for (bool sparse : {true, false}) {
     if (sweep) break;
     for (int ctx : {8192, 65536}) {
@@ -449,12 +450,13 @@ int main(int argc, char** argv) {
       for (int kernel : kernels) {
         kcfg = cfg;
         kcfg.kernel = kernel;
-        if (kernel == 2) {
+        if (kernel >= 2) {
           if (kcfg.tokens_per_tile != 8) kcfg.tokens_per_tile = 0;
           kcfg.v_convert = 0;
         }
         c.cfg = kcfg;
-        c.name = base + (kernel == 2 ? "wgmma" : "mma.sync");
+        c.name =
+            base + (kernel == 1 ? std::string("mma.sync") : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {
           cudaFree(c.d_ws);

@@ -13,8 +13,9 @@
 //     small batches (B = 1 is launch- and latency-bound whatever the kernel). Goal >= 75 % of
 //     4300 GB/s at B = 256.
 //   - Prefill on the mma.sync kernel is bound by mma.sync issue and shared-memory traffic (measured
-//     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh, selected by
-//     AttentionCudaConfig::kernel = 2) runs 8-token x 16-head tiles on warpgroup MMAs.
+//     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
+//     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
+//     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -32,14 +33,16 @@ namespace {
 namespace ak = attention_kernel;
 namespace ap = attention_prefill;
 
-// The automatic plan picks the wgmma prefill kernel for batches averaging at least this many query
-// tokens per request (prefill and mixed chunks); it stays off until the kernel is validated on
-// the device.
-constexpr bool kAutoWgmma = false;
+// The automatic plan picks the wgmma prefill kernel (variant kAutoWgmmaVariant) for batches
+// averaging at least kWgmmaMinAvgTokens query tokens per request (prefill and mixed chunks);
+// decode and verify batches keep the mma.sync kernel.
+constexpr bool kAutoWgmma = true;
+constexpr int kAutoWgmmaVariant = 0;
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 
 struct Plan {
   bool wgmma = false;  // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
+  int variant = 0;     // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;          // tokens per tile
   bool v_regs = true;  // V converted in registers (3 stages) rather than into an f16 tile
   int splits = 1;      // CTAs per (tile, KV head)
@@ -66,16 +69,23 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   const int64_t avg = R > 0 ? (T + R - 1) / R : 1;  // query tokens per request
   switch (cfg.kernel) {
     case 0:
-      pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens;
+      // Tokens per tile 1, 2, 4 or a V conversion choice only exist on the mma.sync kernel: asking
+      // for them selects it.
+      pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
+                 (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
+      pl.variant = kAutoWgmmaVariant;
       break;
     case 1:
       pl.wgmma = false;
       break;
     case 2:
+    case 3:
+    case 4:
       pl.wgmma = true;
+      pl.variant = cfg.kernel - 2;
       break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not 0, 1 or 2");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 4");
   }
   if (pl.wgmma) {
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != ap::kQT)
@@ -147,9 +157,9 @@ size_t workspace_for(const AttentionParams& p, const Plan& pl) {
   return static_cast<size_t>(ws_o_floats(p, pl) + ws_ml_floats(p, pl)) * sizeof(float);
 }
 
-template <bool kVec16>
+template <bool kVec16, int kVariant>
 Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ap::attention_prefill_kernel<kVec16>;
+  auto kernel = ap::attention_prefill_kernel<kVec16, kVariant>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ap::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -175,9 +185,24 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
-  if (pl.wgmma)
-    return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
-                 : launch_prefill<false>(args, pl, n_kv, stream);
+  if (pl.wgmma) {
+    switch (pl.variant * 2 + (vec16 ? 1 : 0)) {
+      case 0:
+        return launch_prefill<false, 0>(args, pl, n_kv, stream);
+      case 1:
+        return launch_prefill<true, 0>(args, pl, n_kv, stream);
+      case 2:
+        return launch_prefill<false, 1>(args, pl, n_kv, stream);
+      case 3:
+        return launch_prefill<true, 1>(args, pl, n_kv, stream);
+      case 4:
+        return launch_prefill<false, 2>(args, pl, n_kv, stream);
+      case 5:
+        return launch_prefill<true, 2>(args, pl, n_kv, stream);
+      default:
+        return unsupported("run_attention_cuda: no wgmma kernel variant ", pl.variant);
+    }
+  }
   const int key = pl.qt * 4 + (pl.v_regs ? 2 : 0) + (vec16 ? 1 : 0);
   switch (key) {
     case 1 * 4 + 2 + 1:

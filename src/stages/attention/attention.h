@@ -60,7 +60,9 @@ struct AttentionCudaConfig {
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
   int v_convert = 0;        // V E4M3 -> f16: 1 in registers, 2 once per CTA (4-token tiles only)
   int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
-                            // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups)
+                            // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups);
+                            // 3, 4 its variants (see attention_prefill_wgmma.cuh: leaner
+                            // bookkeeping; 4 also keeps Q in registers)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -150,6 +150,18 @@ __device__ __forceinline__ void wgmma_qk(float (&d)[64], uint64_t da, uint64_t d
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// d (64 x 128 f32) (+)= A (64 x 32 e4m3, registers: the mma.sync m16n8k32 A fragment of this
+// warp's 16 rows) x B (32 x 128 e4m3, K-major, smem).
+__device__ __forceinline__ void wgmma_qk_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
+                                            int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " M3_WG_D64_REGS
+      ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : M3_WG_D64_OPS(d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
 // d (64 x 128 f32) += A (64 x 16 f16, registers) x B (16 x 128 f16, MN-major smem: trans-b 1).
 __device__ __forceinline__ void wgmma_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
   asm volatile(
@@ -237,6 +249,33 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
   }
 }
 
+// load_block by the kN threads t = 0 .. kN - 1 of one role (each issues kTileBytes / 16 / kN
+// copies per tile).
+template <bool kVec16, int kN>
+__device__ __forceinline__ void load_block_by(const AttnArgs& a, int page, int g, uint32_t stage,
+                                              int t) {
+  const uint8_t* kt =
+      a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
+  const uint8_t* vt = kt + a.plane_stride;
+#pragma unroll
+  for (int it = 0; it < kTileBytes / 16 / kN; ++it) {
+    const int i = it * kN + t;
+    const int key = i >> 3, c = i & 7;
+    const uint32_t kdst = stage + key * ak::kDim + ((c ^ (key & 7)) << 4);
+    const uint32_t vdst = kdst + kTileBytes;
+    if constexpr (kVec16) {
+      ak::cp_async_16(kdst, kt + i * 16);
+      ak::cp_async_16(vdst, vt + i * 16);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ak::cp_async_4(kdst + 4 * e, kt + i * 16 + 4 * e);
+        ak::cp_async_4(vdst + 4 * e, vt + i * 16 + 4 * e);
+      }
+    }
+  }
+}
+
 // Raw V (swizzled rows of 128 bytes) -> f16, MN-major with the 128-byte swizzle: dims
 // [64 h, 64 h + 64) of key k at vh + h * 16 KB + k * 128, 16-byte chunk c (8 dims) stored at chunk
 // c ^ (k & 7). Keys past vlim become 0.
@@ -264,6 +303,27 @@ __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// convert_v by the kN threads t = 0 .. kN - 1 of one role.
+template <int kN>
+__device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, int vlim, int t) {
+#pragma unroll 4
+  for (int it = 0; it < ak::kBlockKeys * 16 / kN; ++it) {
+    const int i = it * kN + t;
+    const int key = i >> 4, c8 = i & 15;
+    uint4 h = make_uint4(0u, 0u, 0u, 0u);
+    if (key <= vlim) {
+      const uint2 raw = *reinterpret_cast<const uint2*>(
+          vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
+      h.x = ak::e4m3x2_to_f16x2(raw.x);
+      h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+      h.z = ak::e4m3x2_to_f16x2(raw.y);
+      h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+    }
+    *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
+                              (((c8 & 7) ^ (key & 7)) << 4)) = h;
+  }
 }
 
 // Per-row online softmax of one block's raw scores s (accumulator fragment: s[4 j + e] is row
@@ -314,14 +374,20 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], flo
 }
 
 // O *= alpha (rows grp, grp + 8), then P = f16(s) as the A fragments of the 8 k-steps of 16 keys.
+// kSkipUnit: the rescale is skipped when every alpha of the warp is 1 (the running maxima did not
+// move, the common case after the first blocks).
+template <bool kSkipUnit = false>
 __device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s)[64],
                                                  const float (&alpha)[2], uint32_t (&p)[8][4]) {
+  const bool unit = kSkipUnit && __all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f);
+  if (!unit) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    o[4 * j] *= alpha[0];
-    o[4 * j + 1] *= alpha[0];
-    o[4 * j + 2] *= alpha[1];
-    o[4 * j + 3] *= alpha[1];
+    for (int j = 0; j < 16; ++j) {
+      o[4 * j] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
   }
 #pragma unroll
   for (int kk = 0; kk < 8; ++kk) {
@@ -334,8 +400,14 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s
 
 // ---------------------------------------------------------------------------------------------
 // The prefill kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-template <bool kVec16>
+// kVariant: 0 the first version (Q in shared memory, every bookkeeping value recomputed per block);
+// 1 per-entry V row limits precomputed with the list and the O rescale skipped when no row
+// maximum moved; 2 as 1 with the Q fragments in registers (register-A QK wgmma: 16 KB less
+// shared-memory traffic per block and no Q tile).
+template <bool kVec16, int kVariant = 0>
 __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const AttnArgs a) {
+  constexpr bool kLean = kVariant >= 1;
+  constexpr bool kQRegs = kVariant >= 2;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
@@ -345,6 +417,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   __shared__ int s_list_b[kMaxList];
   __shared__ int s_list_page[kMaxList];
   __shared__ int s_list_mask[kMaxList];
+  __shared__ int s_list_vlim[kMaxList];  // kLean: V row limit of the entry (vlim_of)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
@@ -369,7 +442,24 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   }
   // Q rows (token w, head h) -> row 16 w + h of the CTA's 128 x 128-byte tile (warpgroup w / 4
   // reads rows 64 (w / 4) ..), swizzled; rows of absent tokens or heads >= group are zero.
-  {
+  // kQRegs: the A fragments of this warp's token instead (rows grp, grp + 8 = heads; k-step kk
+  // holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row).
+  uint32_t qa[4][4];
+  if constexpr (kQRegs) {
+    const bool tk = tok < nt;
+    const bool r0 = tk && grp < a.group, r1 = tk && grp + 8 < a.group;
+    const uint8_t* q0 = a.q + static_cast<int64_t>(t0 + (tk ? tok : 0)) * a.q_stride_t +
+                        static_cast<int64_t>(g * a.group + grp) * ak::kDim;
+    const uint8_t* q1 = q0 + 8 * ak::kDim;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const int off = 32 * kk + 4 * tig;
+      qa[kk][0] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off) : 0u;
+      qa[kk][1] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off) : 0u;
+      qa[kk][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
+      qa[kk][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
+    }
+  } else {
     uint8_t* qs = smem + kQOff;
 #pragma unroll
     for (int it = 0; it < kQT * ak::kRows * 8 / kThreads; ++it) {
@@ -421,6 +511,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       s_list_b[rank] = b;
       s_list_page[rank] = s_cand_page[tid];
       s_list_mask[rank] = mask;
+      if constexpr (kLean) {
+        int vmax = 0;
+#pragma unroll
+        for (int w = 0; w < kQT; ++w)
+          if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
+        s_list_vlim[rank] = vmax - b * ak::kBlockKeys;
+      }
     }
   } else {
     int maxpos = -1;
@@ -452,15 +549,19 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       for (int i = tid; i < count; i += kThreads) {
         const int b = c0 + i;
         const int page = a.page_table[pt_row + b];
-        int mask = 0;
+        int mask = 0, vmax = 0;
         if (page >= 0 && page < a.num_pages) {
 #pragma unroll
           for (int w = 0; w < kQT; ++w)
-            if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) mask |= 1 << w;
+            if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) {
+              mask |= 1 << w;
+              vmax = max(vmax, s_pos[w]);
+            }
         }
         s_list_b[i] = b;
         s_list_page[i] = page;
         s_list_mask[i] = mask;
+        if constexpr (kLean) s_list_vlim[i] = mask ? vmax - b * ak::kBlockKeys : -1;
       }
       __syncthreads();
       off = 0;
@@ -468,14 +569,21 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     const int* lmask = s_list_mask + off;
     const int* lb = s_list_b + off;
     const int* lpage = s_list_page + off;
+    const int* lvlim = s_list_vlim + off;
 
     // Largest position of a token of the tile that sees entry i (its V rows past it are zeroed).
     auto vlim_of = [&](int i) {
-      int vmax = 0;
+      int vlim = 0;
+      if constexpr (kLean) {
+        vlim = lvlim[i];
+      } else {
+        int vmax = 0;
 #pragma unroll
-      for (int w = 0; w < kQT; ++w)
-        if (lmask[i] & (1 << w)) vmax = max(vmax, s_pos[w]);
-      return vmax - lb[i] * ak::kBlockKeys;
+        for (int w = 0; w < kQT; ++w)
+          if (lmask[i] & (1 << w)) vmax = max(vmax, s_pos[w]);
+        vlim = vmax - lb[i] * ak::kBlockKeys;
+      }
+      return vlim;
     };
     // Keys of entry i this thread's token sees: [0, lim] (lim < 0: none).
     auto lim_of = [&](int i) {
@@ -484,15 +592,45 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     auto issue_qk = [&](int i) {
       const uint32_t kaddr = base + (i % kStages) * kStageBytes;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma_qk(s, smem_desc(q_desc_addr + 32 * kk, 16, 1024),
-                 smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+      for (int kk = 0; kk < 4; ++kk) {
+        if constexpr (kQRegs)
+          wgmma_qk_rs(s, qa[kk], smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        else
+          wgmma_qk(s, smem_desc(q_desc_addr + 32 * kk, 16, 1024),
+                   smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+      }
     };
     auto issue_pv = [&](int i) {
       const uint32_t vaddr = base + kVhOff + (i & 1) * kVhBytes;
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk)
         wgmma_pv(o, p[kk], smem_desc(vaddr + kk * 2048, kTileBytes, 1024));
+    };
+
+    // Loads and V conversions. kLean splits the roles: warpgroup 0 issues every cp.async, warpgroup
+    // 1 converts V and alone needs the generic -> async proxy fence for its f16 stores, so that
+    // fence never waits behind in-flight copies of its own; cp.async data reach wgmma after
+    // cp.async.wait_group and the barrier, as in CUTLASS's cp.async + GMMA mainloops.
+    auto load = [&](int j, int stage) {
+      if constexpr (kLean) {
+        if (wg == 0) load_block_by<kVec16, 128>(a, lpage[j], g, base + stage * kStageBytes, tid);
+      } else {
+        load_block<kVec16>(a, lpage[j], g, base + stage * kStageBytes);
+      }
+    };
+    auto convert = [&](int i) {
+      const uint8_t* vraw = smem + (i % kStages) * kStageBytes + kTileBytes;
+      uint8_t* vh = smem + kVhOff + (i & 1) * kVhBytes;
+      const int vlim = lmask[i] ? vlim_of(i) : -1;
+      if constexpr (kLean) {
+        if (wg == 1) {
+          convert_v_by<128>(vraw, vh, vlim, tid - 128);
+          fence_proxy_async();
+        }
+      } else {
+        convert_v(vraw, vh, vlim);
+        fence_proxy_async();
+      }
     };
 
     // Prologue: blocks 0 .. kStages-1 in flight (one commit group each, empty ones included);
@@ -502,18 +640,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     // tile (its stage may hold anything).
 #pragma unroll
     for (int j = 0; j < kStages; ++j) {
-      if (j < count && lmask[j]) load_block<kVec16>(a, lpage[j], g, base + j * kStageBytes);
+      if (j < count && lmask[j]) load(j, j);
       ak::cp_async_commit();
     }
     ak::cp_async_wait<kStages - 1>();
-    fence_proxy_async();
+    if constexpr (!kLean) fence_proxy_async();
     __syncthreads();  // block 0 landed for every thread
     reg_fence(s);
     wgmma_fence();
     issue_qk(0);
     wgmma_commit();
-    convert_v(smem + kTileBytes, smem + kVhOff, lmask[0] ? vlim_of(0) : -1);
-    fence_proxy_async();
+    convert(0);
     wgmma_wait<0>();
     reg_fence(s);
     softmax_block(s, m, l, alpha, lim_of(0), a.scale_log2);
@@ -523,12 +660,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       // Block i + 1 landed; f16 V(i) complete; every warpgroup is done with S(i) and P V(i - 1),
       // so the stage of block i and the f16 tile of i - 1 are free.
       ak::cp_async_wait<kStages - 2>();
-      fence_proxy_async();
+      if constexpr (!kLean) fence_proxy_async();
       __syncthreads();
       {
         const int j = i + kStages;
-        if (j < count && lmask[j])
-          load_block<kVec16>(a, lpage[j], g, base + (i % kStages) * kStageBytes);
+        if (j < count && lmask[j]) load(j, i % kStages);
         ak::cp_async_commit();
       }
       // S(i + 1) first, then P V(i). In the last iteration S of block i is recomputed and
@@ -543,17 +679,18 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       wgmma_commit();
       issue_pv(i);
       wgmma_commit();
-      if (has_next)
-        convert_v(smem + (nx % kStages) * kStageBytes + kTileBytes,
-                  smem + kVhOff + (nx & 1) * kVhBytes, lmask[nx] ? vlim_of(nx) : -1);
-      fence_proxy_async();
+      if (has_next) {
+        convert(nx);
+      } else if constexpr (!kLean) {
+        fence_proxy_async();
+      }
       wgmma_wait<1>();  // S(i + 1) done, P V(i) may still run
       reg_fence(s);
       softmax_block(s, m, l, alpha, has_next ? lim_of(nx) : -1, a.scale_log2);
       wgmma_wait<0>();
       reg_fence(o);
       reg_fence(p);
-      rescale_and_pack(o, s, alpha, p);
+      rescale_and_pack<kLean>(o, s, alpha, p);
     }
     ak::cp_async_wait<0>();
     __syncthreads();  // stages, f16 tiles and entries are free for the next chunk

@@ -5,7 +5,7 @@
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
 // the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
-// with and without splits), which must meet the same tolerance.
+// with and without splits) and its variants 3 and 4, which must meet the same tolerance.
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2.
 //   - Both sides round once to BF16 (8 significant bits): each is within 2^-9 of its exact value,
@@ -314,8 +314,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // {tokens_per_tile, splits, v_convert, kernel}; 0 = the plan's choice. Kernel 2 is the wgmma
 // prefill kernel (8 tokens per tile).
 const std::vector<AttentionCudaConfig> kAllConfigs = {
-    {0, 0, 0}, {1, 1, 0}, {1, 3, 0}, {1, 16, 0},   {2, 1, 0},    {2, 2, 0},   {4, 1, 1},
-    {4, 1, 2}, {4, 5, 1}, {4, 5, 2}, {8, 1, 0, 2}, {8, 3, 0, 2}, {0, 0, 0, 2}};
+    {0, 0, 0},    {1, 1, 0},    {1, 3, 0},    {1, 16, 0},   {2, 1, 0},    {2, 2, 0},
+    {4, 1, 1},    {4, 1, 2},    {4, 5, 1},    {4, 5, 2},    {8, 1, 0, 2}, {8, 3, 0, 2},
+    {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3}, {8, 1, 0, 4}, {8, 3, 0, 4}};
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -371,7 +372,8 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
       check_all_configs(pr, true, "verify");
     }
     Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
-    check_all_configs(pr, false, "verify", {{0, 0, 0}, {4, 3, 1}, {4, 3, 2}, {0, 0, 0, 2}});
+    check_all_configs(pr, false, "verify",
+                      {{0, 0, 0}, {4, 3, 1}, {4, 3, 2}, {0, 0, 0, 2}, {0, 0, 0, 3}, {0, 0, 0, 4}});
   }
 }
 
@@ -396,11 +398,24 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
                        {4, 2, 2},
                        {0, 1, 0, 2},
                        {0, 4, 0, 2},
-                       {0, 0, 0, 2}});
+                       {0, 0, 0, 2},
+                       {0, 1, 0, 3},
+                       {0, 4, 0, 3},
+                       {0, 1, 0, 4},
+                       {0, 4, 0, 4}});
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
   check_all_configs(pr, false, "mixed",
-                    {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 7, 2}, {0, 1, 0, 2}, {0, 5, 0, 2}});
+                    {{0, 0, 0},
+                     {1, 2, 0},
+                     {4, 1, 1},
+                     {4, 7, 2},
+                     {0, 1, 0, 2},
+                     {0, 5, 0, 2},
+                     {0, 1, 0, 3},
+                     {0, 5, 0, 3},
+                     {0, 1, 0, 4},
+                     {0, 5, 0, 4}});
 }
 
 // The wgmma prefill kernel on longer chunks: a chunk from position 0 (every causal mask), chunks
@@ -416,11 +431,20 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_configs(pr, true, "long chunks " + testing::describe_requests(reqs),
-                      {{0, 0, 0}, {0, 1, 0, 2}, {0, 3, 0, 2}, {0, 0, 0, 2}});
+                      {{0, 0, 0},
+                       {0, 1, 0, 2},
+                       {0, 3, 0, 2},
+                       {0, 0, 0, 2},
+                       {0, 1, 0, 3},
+                       {0, 3, 0, 3},
+                       {0, 1, 0, 4},
+                       {0, 3, 0, 4}});
   }
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_all_configs(pr, false, "long chunks", {{0, 1, 0, 2}, {0, 2, 0, 2}});
+  check_all_configs(
+      pr, false, "long chunks",
+      {{0, 1, 0, 2}, {0, 2, 0, 2}, {0, 1, 0, 3}, {0, 2, 0, 3}, {0, 1, 0, 4}, {0, 2, 0, 4}});
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -468,7 +492,9 @@ TEST(AttentionGpu, WgmmaLayoutProbes) {
     DeviceProblem d;
     upload(pr, d);
     for (const AttentionCudaConfig& cfg :
-         {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2}}) {
+         {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2},
+          AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
+          AttentionCudaConfig{0, 2, 0, 4}}) {
       const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
       const int failures = ::testing::Test::HasFailure() ? 1 : 0;
       const double worst = expect_matches(pr, d, got, what + ", " + cfg_name(cfg));
@@ -502,8 +528,17 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
     Problem pr = make_problem(reqs, 8, 1, Pick::kShared, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_configs(pr, true, "group 8",
-                      {{0, 0, 0}, {1, 4, 0}, {4, 1, 1}, {4, 1, 2}, {0, 1, 0, 2}, {0, 3, 0, 2}});
-    check_all_configs(pr, false, "group 8", {{0, 0}, {2, 1}, {0, 1, 0, 2}});
+                      {{0, 0, 0},
+                       {1, 4, 0},
+                       {4, 1, 1},
+                       {4, 1, 2},
+                       {0, 1, 0, 2},
+                       {0, 3, 0, 2},
+                       {0, 1, 0, 3},
+                       {0, 1, 0, 4},
+                       {0, 3, 0, 4}});
+    check_all_configs(pr, false, "group 8",
+                      {{0, 0}, {2, 1}, {0, 1, 0, 2}, {0, 1, 0, 3}, {0, 1, 0, 4}});
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -512,7 +547,15 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
   Problem pr = make_problem(reqs, 48, 3, Pick::kRandom, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_all_configs(pr, true, "3 KV heads",
-                    {{0, 0, 0}, {1, 2, 0}, {4, 1, 1}, {4, 2, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
+                    {{0, 0, 0},
+                     {1, 2, 0},
+                     {4, 1, 1},
+                     {4, 2, 2},
+                     {0, 1, 0, 2},
+                     {0, 2, 0, 2},
+                     {0, 1, 0, 3},
+                     {0, 1, 0, 4},
+                     {0, 2, 0, 4}});
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -525,9 +568,18 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   // One (token, head) selects nothing at all: +0 outputs.
   std::fill_n(pr.ids.ptr<int32_t>() + (4 * 2 + 1) * kTopK, kTopK, -1);
-  check_all_configs(
-      pr, true, "junk ids",
-      {{0, 0, 0}, {1, 3, 0}, {2, 1, 0}, {4, 2, 1}, {4, 2, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
+  check_all_configs(pr, true, "junk ids",
+                    {{0, 0, 0},
+                     {1, 3, 0},
+                     {2, 1, 0},
+                     {4, 2, 1},
+                     {4, 2, 2},
+                     {0, 1, 0, 2},
+                     {0, 2, 0, 2},
+                     {0, 1, 0, 3},
+                     {0, 2, 0, 3},
+                     {0, 1, 0, 4},
+                     {0, 2, 0, 4}});
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -585,7 +637,9 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
        {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 1, 2},
-        AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2}}) {
+        AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
+        AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
+        AttentionCudaConfig{0, 3, 0, 4}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
     expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
   }
@@ -620,7 +674,8 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
   run_reference(pr, true);
   for (const AttentionCudaConfig& cfg :
        {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}, AttentionCudaConfig{0, 1, 0, 2},
-        AttentionCudaConfig{0, 4, 0, 2}}) {
+        AttentionCudaConfig{0, 4, 0, 2}, AttentionCudaConfig{0, 1, 0, 3},
+        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 4, 0, 4}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
     expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
   }
@@ -635,9 +690,17 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;  // V of position 150 of request 0: NaN
-  check_all_configs(
-      pr, true, "NaN value",
-      {{0, 0, 0}, {1, 2, 0}, {2, 1, 0}, {4, 1, 1}, {4, 1, 2}, {0, 1, 0, 2}, {0, 2, 0, 2}});
+  check_all_configs(pr, true, "NaN value",
+                    {{0, 0, 0},
+                     {1, 2, 0},
+                     {2, 1, 0},
+                     {4, 1, 1},
+                     {4, 1, 2},
+                     {0, 1, 0, 2},
+                     {0, 2, 0, 2},
+                     {0, 1, 0, 3},
+                     {0, 1, 0, 4},
+                     {0, 2, 0, 4}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -649,7 +712,9 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
          {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 3, 2},
-          AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2}}) {
+          AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
+          AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
+          AttentionCudaConfig{0, 3, 0, 4}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -711,7 +776,7 @@ TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
             p.batch.num_tokens = T;
             p.batch.num_requests = static_cast<int>(R);
             p.batch.max_pages = max_pages;
-            for (int kernel : {0, 1, 2}) {
+            for (int kernel : {0, 1, 2, 3, 4}) {
               AttentionCudaConfig cfg;
               cfg.kernel = kernel;
               const size_t need = attention_workspace_bytes(p, cfg);
@@ -780,7 +845,9 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "4 tokens per tile on the wgmma kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 1, 2}, StatusCode::kUnsupported,
                   "v_convert on the wgmma kernel");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 3}, StatusCode::kUnsupported, "kernel 3");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5}, StatusCode::kUnsupported, "kernel 5");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
+                  "kernel -1");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

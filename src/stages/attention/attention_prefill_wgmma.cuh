@@ -42,6 +42,14 @@
 //     4-token mma.sync tiles: a NaN in a V row that one token of the tile sees also reaches tokens
 //     of the same warpgroup that masked that key (P = 0, 0 * NaN = NaN).
 //
+// Variants (template kVariant; AttentionCudaConfig::kernel 2, 3, 4): 0 as above, every thread
+//   loads and converts and fences; 1 ("lean") precomputes each entry's V row limit with the list,
+//   skips the O rescale when no row maximum of the warp moved, and splits the roles: warpgroup 0
+//   issues all cp.async copies, warpgroup 1 converts V and alone executes the generic -> async
+//   proxy fence (which then never waits behind its own in-flight copies); no proxy fence follows
+//   cp.async.wait_group (CUTLASS's cp.async + GMMA mainloops rely on wait + barrier as well);
+//   2 is 1 with the Q fragments in registers (register-A QK wgmma, no Q tile reads).
+//
 // Bytes and bound (8K chunk, sparse, ~16 blocks per token): per (block, CTA) 32 KB from L2/HBM
 //   and 8.4 MFLOP (128 rows x 128 keys x 128 dims x 2 x 2); shared memory per block ~200 KB
 //   (Q 16 KB + K 32 KB for 2 warpgroups, f16 V 64 KB read, conversion 48 KB, cp.async 32 KB);

@@ -117,9 +117,23 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     // Fused: at most 64 blocks per split (the shared block-max table) and k lists per row within
     // the workspace's candidate lists; otherwise the two-kernel path.
     const int64_t kmax = cand_lists(T, p.n_kv, max_pages) / (T * p.n_kv);
-    const int64_t fk = std::min(k, kmax);
-    const int64_t fchunk = std::min<int64_t>(
-        ceil_div(ceil_div(max_pages, fk), ik::kMmaWarps) * ik::kMmaWarps, ik::kFusedMaxChunk);
+    const auto round4 = [](int64_t v) { return ceil_div(v, ik::kMmaWarps) * ik::kMmaWarps; };
+    int64_t fchunk = 0;
+    if (o.k_splits > 0) {
+      fchunk = round4(ceil_div(max_pages, std::min(k, kmax)));
+    } else {
+      // Automatic: chunks of clamp(max_pages / 16, 16, 64) blocks, i.e. 256 KB to 1 MB of index-K
+      // per CTA (round 2 on the H200: 16-block chunks were the best or within 1 % at 8K and 32K,
+      // 64 at 128K, while 4-block chunks cost 10-25 % in per-CTA overheads); smaller, down to 4,
+      // when that leaves fewer CTAs than SMs (small batches are latency bound).
+      const int64_t R = std::max(1, p.batch.num_requests);
+      fchunk = round4(std::clamp<int64_t>(ceil_div(max_pages, 16), 16, ik::kFusedMaxChunk));
+      if (R * ceil_div(max_pages, fchunk) < sms)
+        fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
+                                     fchunk);
+      fchunk = std::max(fchunk, round4(ceil_div(max_pages, kmax)));  // list capacity
+    }
+    fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
     if (need <= kmax && need <= 65535) {
       pl.fused = true;
@@ -130,9 +144,12 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
-  // Keys a row's final selection scans: block scores (max_pages) or k lists of 16.
-  const int64_t keys = pl.fused ? std::max<int64_t>(k * kTopK, max_pages) : max_pages;
+  // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
+  // (merge_kernel reads min(16, power of 2 >= dec_chunk) slots per list).
+  const int lg = chunk <= 4 ? 2 : (chunk <= 8 ? 3 : 4);
+  const int64_t keys = pl.fused ? std::max<int64_t>(k << lg, max_pages) : max_pages;
   while (pl.merge_wpr < ik::kMergeWarps && keys > 256 * pl.merge_wpr) pl.merge_wpr *= 2;
+  if (pl.fused && o.merge_warps > 0) pl.merge_wpr = o.merge_warps;
   return pl;
 }
 
@@ -187,6 +204,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   if (p.n_kv > ik::kMaxKv)
     return unsupported("run_indexer_cuda: n_kv ", p.n_kv, " exceeds the kernels' limit of ",
                        ik::kMaxKv, " index heads");
+  M3_CHECK_ARG(options.merge_warps == 0 || options.merge_warps == 1 || options.merge_warps == 2 ||
+                   options.merge_warps == 4 || options.merge_warps == 8,
+               "run_indexer_cuda: merge_warps ", options.merge_warps, " is not 0, 1, 2, 4 or 8");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
 

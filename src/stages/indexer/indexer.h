@@ -96,6 +96,9 @@ struct IndexerCudaOptions {
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
   // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
   bool decode_bulk_copy = false;
+  // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
+  // row. Any value gives the same result (tests set it).
+  int merge_warps = 0;
 };
 
 // True when run_indexer_cuda with these params and options scores on tensor cores (E4M3

@@ -94,12 +94,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
   const int gqa = load_query_start(a, guess);
   const int gqe = load_query_start(a, guess + 1);
+  // A split of dec_chunk blocks has at most dec_chunk candidates: only the first 2^lg slots of
+  // each list are read (4 for 4-block splits, 8 for 8, else all 16; slot 15 is always zero).
+  // Key e of a row: list e >> lg, slot e & (2^lg - 1).
+  const int lg = a.dec_chunk <= 4 ? 2 : (a.dec_chunk <= 8 ? 3 : 4);
   const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
+  auto key_at = [&](int e) { return lists[((e >> lg) << 4) + (e & ((1 << lg) - 1))]; };
   const int e0 = lane + 32 * part;
   uint64_t pre[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i)
-    pre[i] = in_range && e0 + i * step < a.k_splits * kTopK ? lists[e0 + i * step] : 0;
+    pre[i] = in_range && e0 + i * step < (a.k_splits << lg) ? key_at(e0 + i * step) : 0;
   if (in_range) {
     const int pos = __ldg(a.positions + t);
     out = a.block_ids + row * kTopK;
@@ -131,11 +136,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
     }
     for (; b < local; b += step) insert_key(top, candidate_key(scores[b], b));
   } else if (mode == 2) {
-    const int n = (local + a.dec_chunk - 1) / a.dec_chunk * kTopK;  // lists 0 .. ceil - 1
-    // Key e: list e / 16, slot e % 16; its id must lie in the list's visible blocks.
+    const int n = ((local + a.dec_chunk - 1) / a.dec_chunk) << lg;  // lists 0 .. ceil - 1
+    // Key e of list e >> lg: its id must lie in the list's visible blocks.
     auto take = [&](uint64_t key, int e) {
       const int id = candidate_id(key);
-      const int y0 = (e / kTopK) * a.dec_chunk;
+      const int y0 = (e >> lg) * a.dec_chunk;
       if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
     };
 #pragma unroll
@@ -143,14 +148,14 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
       if (e0 + i * step < n) take(pre[i], e0 + i * step);
     int e = e0 + 4 * step;
     for (; e + 3 * step < n; e += 4 * step) {
-      const uint64_t k0 = lists[e], k1 = lists[e + step], k2 = lists[e + 2 * step],
-                     k3 = lists[e + 3 * step];
+      const uint64_t k0 = key_at(e), k1 = key_at(e + step), k2 = key_at(e + 2 * step),
+                     k3 = key_at(e + 3 * step);
       take(k0, e);
       take(k1, e + step);
       take(k2, e + 2 * step);
       take(k3, e + 3 * step);
     }
-    for (; e < n; e += step) take(lists[e], e);
+    for (; e < n; e += step) take(key_at(e), e);
   }
   uint64_t best = mode != 0 ? warp_top15(top) : 0;  // mode is warp-uniform
   if (wpr > 1) {                                    // CTA-uniform

@@ -442,13 +442,14 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // slots are zero. Rows whose merge reads no list of this split (a local block < 16, outside the
 // page table, <= b0, or a negative position) write nothing. Cost: nb <= 64 broadcast loads and
 // ~4 instructions per candidate per load, per row.
+// lane_pos: lane l < n holds the position of token t0 + l (no reload at the CTA's end).
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
-                                                   int rows, int b0, int b1) {
+                                                   int rows, int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
   for (int j = warp; j < rows; j += kMmaWarps) {  // warp-uniform conditions from here on
-    const int pos = __ldg(a.positions + t0 + j / a.n_kv);
+    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
     if (pos < 0) continue;
     const int local = pos / kPageSize;
     if (local < kTopK || local >= a.max_pages) continue;
@@ -504,6 +505,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   const int64_t pg_second =
       first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
   uint64_t* wbars = kBulk ? bars + warp * kDecStages : nullptr;
+  // query_start (and seq_lens) are loaded before the early start below: its copies are asm
+  // volatile with a memory clobber, so loads after them would wait for the page-table entry.
+  const int qa = load_query_start(a, r);
+  const int qe = load_query_start(a, r + 1);
   bool pre = false;
   if constexpr (kFused) {
     // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
@@ -517,12 +522,11 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
       pre = true;
     }
   }
-  const int qa = load_query_start(a, r);
-  const int qe = load_query_start(a, r + 1);
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
   int b1 = 0;
+  int p = -1;  // lane l < n: position of token qa + l
   if (n > 0) {
-    const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+    p = lane < n ? __ldg(a.positions + qa + lane) : -1;
     const int max_pos = __reduce_max_sync(0xffffffffu, p);
     const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
     b1 = min(nvis, bend);
@@ -557,7 +561,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   }
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
-    fused_local_select(a, sblk, qa, rows, b0, b1);
+    fused_local_select(a, sblk, qa, rows, b0, b1, p);
   }
 }
 

@@ -601,8 +601,9 @@ TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
   check_nan(false);
 }
 
-// The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000, and auto), so
-// the merge reads up to 79 lists per row with 2 to 8 warps per row, beside a prefill chunk whose
+// The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000), 16 (auto) and
+// 48 (k_splits 7), so the merge reads up to 79 lists per row, with 1 to 8 warps per row (auto and
+// forced), beside a prefill chunk whose
 // overflow rows take the block-score route of the same merge kernel; integer inputs (many exact
 // ties, also across split edges) and normal ones, n_kv 4 and 1.
 TEST(IndexerGpu, FusedMergeOverManySplits) {
@@ -619,15 +620,16 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
       const Reference ref = reference(in);
       DeviceSet d;
       upload(in, d);
-      for (int k : {0, 1000, 7}) {
+      for (int k : {0, 1000, 7, -1, -8}) {  // -w: automatic splits, w merge warps per row
         IndexerCudaOptions o;
-        o.k_splits = k;
+        o.k_splits = std::max(k, 0);
+        o.merge_warps = k < 0 ? -k : 0;
         ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, o)) << "k_splits " << k;
         IndexerCudaOptions two = o;
         two.unfused_decode = true;
-        const std::string name = "fused merge n_kv " + std::to_string(n_kv) +
-                                 (integer ? " integer" : " normal") + " k_splits " +
-                                 std::to_string(k);
+        const std::string name =
+            "fused merge n_kv " + std::to_string(n_kv) + (integer ? " integer" : " normal") +
+            (k >= 0 ? " k_splits " + std::to_string(k) : " merge warps " + std::to_string(-k));
         const GpuResult g = run_gpu(d, two);
         compare(in, ref, g, integer, name + " [two-kernel]");
         const GpuResult f = run_gpu(d, o);
@@ -811,6 +813,11 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     IndexerCudaOptions o;
     o.k_splits = -1;
     expect_rejected(d.params, d.workspace, o, "k_splits -1");
+  }
+  {
+    IndexerCudaOptions o;
+    o.merge_warps = 3;
+    expect_rejected(d.params, d.workspace, o, "merge_warps 3");
   }
   {
     IndexerParams p = d.params;

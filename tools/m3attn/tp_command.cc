@@ -16,7 +16,12 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
 
 #include "commands.h"
 #include "dist/communicator.h"
@@ -37,7 +42,7 @@ struct TpFlags {
   uint64_t seed = 1;
   bool unfused = false;
   // check
-  bool dense = false, no_graph = false, simulate = false;
+  bool dense = false, no_graph = false, simulate = false;  // simulate: check and bench
   int64_t prompt1 = 300, prompt2 = 77, chunk = 29;
   int check_draft = 2;
   // bench
@@ -173,6 +178,69 @@ int simulate(const TpFlags& f) {
   return rep.pass() ? 0 : 1;
 }
 
+DistBenchOptions bench_options(const TpFlags& f) {
+  DistBenchOptions o;
+  o.backend = "cuda";
+  o.geometry = geometry_of(f.geometry);
+  o.num_dense = f.dense_layers;
+  o.num_sparse = f.sparse;
+  o.workload.input_len = f.input_len;
+  o.workload.output_len = f.output_len;
+  o.workload.concurrency = f.concurrency;
+  o.workload.num_requests = f.requests;
+  o.workload.draft_len = f.draft;
+  o.workload.seed = f.seed;
+  o.max_tokens_per_step = f.max_tokens;
+  o.num_pages = f.pages;
+  o.mode = f.mode == "dp" ? ParallelMode::kData : ParallelMode::kTensor;
+  o.fused = !f.unfused;
+  o.warmup = !f.no_warmup;
+  return o;
+}
+
+// bench --simulate (attention-DP only): the ranks are threads of this process sharing GPU 0, in
+// lock-step through in-process host collectives; no NCCL. Correctness of the DP loop (dealing,
+// dummies, rollbacks) on the CUDA stack; the times are those of ranks sharing one GPU.
+int simulate_bench(const TpFlags& f) {
+  if (f.mode != "dp") {
+    std::cerr << "m3attn tp bench --simulate: only --mode dp can run without NCCL\n";
+    return 2;
+  }
+  if (visible_cuda_devices() < 1) {
+    std::cerr << "m3attn tp bench --simulate: needs a CUDA device, this machine has none\n";
+    return 1;
+  }
+  const DistBenchOptions o = bench_options(f);
+  std::vector<std::unique_ptr<HostCollective>> group = make_thread_host_collectives(f.ranks);
+  std::vector<Result<DistBenchReport>> reps(static_cast<size_t>(f.ranks),
+                                            Result<DistBenchReport>(internal_error("not run")));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < f.ranks; ++r)
+    threads.emplace_back([&, r]() {
+#if defined(M3ATTN_WITH_CUDA)
+      const bool on_device = cudaSetDevice(0) == cudaSuccess;
+#else
+      const bool on_device = false;
+#endif
+      reps[static_cast<size_t>(r)] =
+          on_device ? run_dist_bench_rank(o, *group[static_cast<size_t>(r)], nullptr)
+                    : Result<DistBenchReport>(internal_error("cudaSetDevice(0) failed"));
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < f.ranks; ++r) {
+    if (!reps[static_cast<size_t>(r)].ok()) {
+      std::cerr << "m3attn tp bench --simulate [rank " << r
+                << "]: " << reps[static_cast<size_t>(r)].status().to_string() << "\n";
+      return exit_code_for(reps[static_cast<size_t>(r)].status());
+    }
+  }
+  const DistBenchReport& rep = reps[0].value();
+  std::cout << "(simulated: " << f.ranks << " DP ranks as threads sharing GPU 0; tokens/s are not "
+            << "per-GPU numbers)\n"
+            << (f.json ? rep.to_json() + "\n" : rep.to_text());
+  return rep.finite && rep.rollbacks_verified ? 0 : 1;
+}
+
 void add_common(CLI::App* cmd, TpFlags* f) {
   cmd->add_option("--ranks", f->ranks, "Ranks = GPUs, one process each (default 2)")
       ->check(CLI::Range(1, kMaxRanks));
@@ -277,6 +345,9 @@ void add_tp_command(CLI::App& app, int& exit_code) {
   bench->add_option("--pages", f->pages, "KV pool pages per rank")
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   bench->add_flag("--no-warmup", f->no_warmup, "Skip the unmeasured warm-up");
+  bench->add_flag("--simulate", f->simulate,
+                  "--mode dp only: the ranks as threads of one process sharing GPU 0, no NCCL "
+                  "(checks the DP loop and dummies on the CUDA stack; times are not per GPU)");
   bench->callback([f, &exit_code]() {
     Result<DistRole> role = dist_role_from_env();
     if (!role.ok()) {
@@ -284,27 +355,16 @@ void add_tp_command(CLI::App& app, int& exit_code) {
       exit_code = 2;
       return;
     }
+    if (f->simulate) {
+      exit_code = simulate_bench(*f);
+      return;
+    }
     if (!role.value().worker) {
       exit_code = launch(*f, "bench");
       return;
     }
     exit_code = work(role.value(), "bench", [&](Communicator& comm) {
-      DistBenchOptions o;
-      o.backend = "cuda";
-      o.geometry = geometry_of(f->geometry);
-      o.num_dense = f->dense_layers;
-      o.num_sparse = f->sparse;
-      o.workload.input_len = f->input_len;
-      o.workload.output_len = f->output_len;
-      o.workload.concurrency = f->concurrency;
-      o.workload.num_requests = f->requests;
-      o.workload.draft_len = f->draft;
-      o.workload.seed = f->seed;
-      o.max_tokens_per_step = f->max_tokens;
-      o.num_pages = f->pages;
-      o.mode = f->mode == "dp" ? ParallelMode::kData : ParallelMode::kTensor;
-      o.fused = !f->unfused;
-      o.warmup = !f->no_warmup;
+      const DistBenchOptions o = bench_options(*f);
       Result<std::unique_ptr<HostCollective>> coll = make_nccl_host_collective(&comm);
       if (!coll.ok()) {
         std::cerr << "m3attn tp bench [rank " << comm.rank() << "]: " << coll.status().to_string()

@@ -24,9 +24,10 @@
 // A second table compares cuBLASLt with the small-M kernel (Fp8BlockGemmOptions::small_m_max)
 // at M = 1, 4, 8, 16; a third compares cuBLASLt with the wgmma kernel (Fp8BlockGemmOptions::
 // wgmma_max_m, gemm_wgmma.h) at M = 1, 4, 16, 64, fused and pair, automatic grid and one CTA per
-// SM (its spot checks run at 5, 37 and 13 rows); a fourth shows cuBLASLt with non-deterministic
-// split-K allowed. Every GEMM object names its path, so M3ATTN_GEMM_PATH does not change this
-// benchmark.
+// SM (its spot checks run at 5, 37 and 13 rows), and default_us: a default-options object (the
+// autotuner picks cuBLASLt or the wgmma kernel per M bucket); a fourth shows cuBLASLt with
+// non-deterministic split-K allowed. Every GEMM object names its path, so M3ATTN_GEMM_PATH does not
+// change this benchmark.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
@@ -349,6 +350,10 @@ int run(int argc, char** argv) {
   Fp8BlockGemmOptions wg1_opt = wg_opt;
   wg1_opt.wgmma.ctas_per_sm = 1;
   Trio wg{make(64, kNF, wg_opt), make(64, kN1, wg_opt), make(64, kN2, wg_opt)};
+  // The default options (autotuned; the autotuner picks cuBLASLt or the wgmma kernel per M bucket
+  // unless M3ATTN_GEMM_PATH forces one): what the layer gets.
+  auto fused_auto = make(64, kNF, {});
+  std::printf("default-options fused object:\n%s", fused_auto->describe().c_str());
   Trio wg1{make(64, kNF, wg1_opt), make(64, kN1, wg1_opt), make(64, kN2, wg1_opt)};
   Trio sm{make(16, kNF, small_opt), make(16, kN1, small_opt), make(16, kN2, small_opt)};
   std::printf("%s", lt.fused->describe().c_str());
@@ -485,6 +490,9 @@ int run(int argc, char** argv) {
     const double t_lt = fused_time(*lt.fused, "fused (cuBLASLt)");
     const double t_wg = fused_time(*wg.fused, "fused (wgmma)");
     const double t_wg1 = fused_time(*wg1.fused, "fused (wgmma, 1 CTA/SM)");
+    const double t_auto = fused_time(*fused_auto, "fused (default options)");
+    std::printf("M %lld: default-options fused object runs %s\n", static_cast<long long>(rows_m),
+                fused_auto->algorithm_for(gemm_padded_rows(rows_m)).c_str());
     const double t_lt_pair = pair_time(lt, "pair (cuBLASLt)");
     const double t_wg_pair = pair_time(wg, "pair (wgmma)");
     const double t_qwg = bench::time_graph_cold(
@@ -511,6 +519,7 @@ int run(int argc, char** argv) {
     r.add("wgmma1_us", t_wg1);
     r.add("wgmma1_%copy", pct(bytes, t_wg1), 1);
     r.add("lt/wgmma", t_lt / t_wg, 3);
+    r.add("default_us", t_auto);
     r.add("lt_pair_us", t_lt_pair);
     r.add("wg_pair_us", t_wg_pair);
     r.add("wg_pair_%copy", pct(pair_bytes, t_wg_pair), 1);

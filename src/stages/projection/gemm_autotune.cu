@@ -14,6 +14,7 @@
 #include "core/cuda_check.h"
 #include "m3attn/config.h"
 #include "stages/projection/gemm_cublaslt_internal.h"
+#include "stages/projection/gemm_wgmma.h"
 
 namespace m3attn {
 
@@ -450,6 +451,8 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
   for (const Candidate& c : results)
     if (!best || c.us < best->us) best = &c;
   const bool replace = best && best->us < 0.98 * ref.us;
+  b.tuned_us = replace ? best->us : ref.us;
+  b.tuned_print = ref_print;  // every kept candidate wrote the reference's bytes
   std::ostringstream os;
   os << "tuned at M = " << b.m_hi << ": heuristic " << fmt_us(ref.us) << " us; ";
   if (replace) {
@@ -466,6 +469,64 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
      << std::chrono::duration_cast<std::chrono::milliseconds>(TuneClock::now() - t0).count()
      << " ms" << (out_of_time ? " (enumeration cut by time)" : "");
   b.tuning = os.str();
+  return Status::Ok();
+}
+
+// The wgmma kernel on the scratch operands at b.m_hi: same poisoning, fingerprint and timing as
+// measure(); chosen when bit-identical to the kept cuBLASLt algorithm and >= 2% faster.
+Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
+  const int64_t rows = std::min(b.m_hi, t.m);
+  const Device dev = Device::cuda(device);
+  const int64_t kb_row = gemm_weight_scales_row_stride(k);
+  GemmParams p;
+  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
+  p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
+  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
+  p.b_scales =
+      TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
+  p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
+  const size_t elems = static_cast<size_t>(rows * t.ld_d);
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+  const Status first =
+      run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, options.wgmma);
+  if (!first.ok()) {
+    cudaGetLastError();
+    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+    b.tuning += "; wgmma refused: " + first.to_string();
+    return Status::Ok();
+  }
+  tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
+  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  unsigned long long print = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  if (print != b.tuned_print) {
+    b.tuning += "; wgmma output differs from cuBLASLt's: not used";
+    return Status::Ok();
+  }
+  constexpr int kIters = 5;
+  static_assert(kIters <= kTuneMaxIters, "one event pair per timed launch");
+  for (int i = 0; i < kIters; ++i) {
+    if (t.flush_bytes)
+      M3_CUDA_RETURN_IF_ERROR(
+          cudaMemsetAsync(t.flush, i & 1 ? 0x5A : 0xA5, t.flush_bytes, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(t.ev[2 * i], t.stream));
+    M3_RETURN_IF_ERROR(
+        run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, options.wgmma));
+    M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(t.ev[2 * i + 1], t.stream));
+  }
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  std::vector<double> us;
+  for (int i = 0; i < kIters; ++i) {
+    float ms = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaEventElapsedTime(&ms, t.ev[2 * i], t.ev[2 * i + 1]));
+    us.push_back(1e3 * ms);
+  }
+  std::sort(us.begin(), us.end());
+  const double median = us[us.size() / 2];
+  b.wgmma = median < 0.98 * b.tuned_us;
+  b.tuning += "; wgmma " + fmt_us(median) + " us: " + (b.wgmma ? "chosen" : "not faster");
   return Status::Ok();
 }
 
@@ -503,6 +564,10 @@ void Fp8BlockGemm::Impl::autotune() {
         (void)(st = tune_bucket(b, t, caps, now + slice));
         --remaining;
         if (!st.ok()) break;
+        if (b.m_hi <= wgmma_auto_max_m && b.tuned_us > 0) {
+          (void)(st = tune_wgmma(b, t));
+          if (!st.ok()) break;
+        }
       }
     }
     if (!st.ok()) failure = st.to_string();

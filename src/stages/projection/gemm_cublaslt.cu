@@ -222,7 +222,9 @@ Fp8BlockGemm::~Fp8BlockGemm() = default;
 int64_t Fp8BlockGemm::max_m() const { return impl_->max_m; }
 int64_t Fp8BlockGemm::n() const { return impl_->n; }
 int64_t Fp8BlockGemm::k() const { return impl_->k; }
-size_t Fp8BlockGemm::workspace_bytes() const { return impl_->options.workspace_bytes; }
+size_t Fp8BlockGemm::workspace_bytes() const {
+  return impl_->options.workspace_bytes + impl_->wgmma_workspace_bytes;
+}
 
 Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_t n, int64_t k,
                                                            const Fp8BlockGemmOptions& options) {
@@ -244,10 +246,12 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                "Fp8BlockGemm wgmma.min_units_per_cta = ", options.wgmma.min_units_per_cta,
                " must be >= 1");
   int64_t wgmma_max_m = options.wgmma_max_m;
+  bool wgmma_auto = false;  // the autotuner may choose the wgmma kernel per M bucket
   if (wgmma_max_m < 0) {
     const char* env = std::getenv("M3ATTN_GEMM_PATH");
     if (env == nullptr || *env == '\0') {
       wgmma_max_m = kGemmWgmmaDefaultMaxM;
+      wgmma_auto = options.autotune;
     } else if (std::strcmp(env, "wgmma") == 0) {
       wgmma_max_m = kGemmWgmmaMaxM;
     } else if (std::strcmp(env, "cublaslt") == 0) {
@@ -287,8 +291,10 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
       cudaMalloc(&impl->workspace, std::max<size_t>(options.workspace_bytes, 256)));
   M3_RETURN_IF_ERROR(impl->init_descriptors());
   impl->wgmma_max_m = std::min(wgmma_max_m, gemm_padded_rows(max_m));
-  if (impl->wgmma_max_m > 0) {
-    Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, impl->wgmma_max_m);
+  impl->wgmma_auto_max_m = wgmma_auto ? std::min(kGemmWgmmaMaxM, gemm_padded_rows(max_m)) : 0;
+  if (impl->wgmma_max_m > 0 || impl->wgmma_auto_max_m > 0) {
+    Result<size_t> bytes =
+        gemm_wgmma_workspace_bytes(n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m));
     M3_RETURN_IF_ERROR(bytes.status());
     impl->wgmma_workspace_bytes = bytes.value();
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));
@@ -375,6 +381,9 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
       break;
     }
   }
+  if (bucket->wgmma)  // the autotuner's choice (auto mode); m <= wgmma_auto_max_m
+    return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
+                               s.options.wgmma);
   const bool aligned = aligned_to(p.a.data, kStrictAlignment) &&
                        aligned_to(p.b.data, kStrictAlignment) &&
                        aligned_to(p.out.data, kStrictAlignment) &&
@@ -411,6 +420,7 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
       break;
     }
   }
+  if (bucket->wgmma) return "wgmma kernel (run_gemm_wgmma_cuda, autotuned)";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }
@@ -423,6 +433,7 @@ std::string Fp8BlockGemm::describe() const {
      << (s.options.deterministic ? ", deterministic reductions" : ", any reduction")
      << ", small-M kernel for M <= " << s.options.small_m_max
      << ", wgmma kernel for M <= " << s.wgmma_max_m
+     << " (autotuned candidate for M <= " << s.wgmma_auto_max_m << ")"
      << (s.options.autotune ? ", autotuned" : ", heuristic only") << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
@@ -436,6 +447,7 @@ std::string Fp8BlockGemm::describe() const {
       os << "none";
     }
     os << "\n";
+    if (b.wgmma) os << "    -> wgmma kernel (autotuned)\n";
     if (!b.tuning.empty()) os << "    " << b.tuning << "\n";
   }
   return os.str();

@@ -56,7 +56,10 @@
 // swap-AB wgmma, stream-K split with a deterministic in-kernel reduction, its own workspace
 // allocated (and zeroed) by create(). Same contract as the cuBLASLt path. wgmma_max_m = -1 (the
 // default) resolves at create(): the environment variable M3ATTN_GEMM_PATH = "wgmma" gives 64,
-// "cublaslt" gives 0, unset gives kGemmWgmmaDefaultMaxM.
+// "cublaslt" gives 0; unset gives kGemmWgmmaDefaultMaxM and, with autotuning on, "auto": for
+// every M bucket with m_hi <= 64 the autotuner also times the wgmma kernel on its scratch
+// operands (after the cuBLASLt candidates) and runs it for that bucket when its output is
+// identical to the kept cuBLASLt algorithm's and it is at least 2% faster (describe() shows it).
 //
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
@@ -103,8 +106,9 @@ struct Fp8BlockGemmOptions {
   bool deterministic = true;                  // exclude in-place (atomic) split-K reductions
   // M <= small_m_max runs run_gemm_small_m_cuda instead of cuBLASLt (0: never; at most 16).
   int small_m_max = 0;
-  // M <= wgmma_max_m runs run_gemm_wgmma_cuda (0: never; at most 64; -1: M3ATTN_GEMM_PATH or
-  // kGemmWgmmaDefaultMaxM). Takes precedence over small_m_max.
+  // M <= wgmma_max_m runs run_gemm_wgmma_cuda (0: never; at most 64; -1: M3ATTN_GEMM_PATH, or
+  // kGemmWgmmaDefaultMaxM plus the autotuner's per-bucket choice). Takes precedence over
+  // small_m_max (the autotuner's choice does not).
   int wgmma_max_m = -1;
   GemmWgmmaOptions wgmma;  // grid shape of the wgmma kernel
   // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
@@ -132,6 +136,7 @@ class Fp8BlockGemm {
   int64_t max_m() const;
   int64_t n() const;
   int64_t k() const;
+  // Device bytes the object holds: cuBLASLt's workspace plus the wgmma kernel's (when enabled).
   size_t workspace_bytes() const;
   // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace, and
   // with autotuning what was timed and chosen (µs of the heuristic's and of the chosen one).
@@ -139,7 +144,8 @@ class Fp8BlockGemm {
   // The 256-byte-aligned algorithm run() uses for M (one line: ids, tile, stages, split-K, and
   // "autotuned" or "heuristic").
   std::string algorithm_for(int64_t m) const;
-  // The M limit of the wgmma kernel after the environment override (0: cuBLASLt only).
+  // The M limit of the forced wgmma path after the environment override (0: none; buckets the
+  // autotuner gave to the wgmma kernel are not counted: see algorithm_for).
   int64_t wgmma_max_m() const;
 
   struct Impl;

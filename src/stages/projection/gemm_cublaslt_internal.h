@@ -57,6 +57,9 @@ struct Bucket {
   std::string candidates[2];  // what the heuristic offered: "tile/splitK" per candidate, in order
   int chosen[2] = {-1, -1};   // index of the kept candidate
   std::string tuning;         // what the autotuner did for the 256-byte algorithm
+  double tuned_us = -1;       // the autotuner's time of the kept cuBLASLt algorithm at m_hi
+  unsigned long long tuned_print = 0;  // its output fingerprint on the scratch operands
+  bool wgmma = false;  // the autotuner chose the wgmma kernel for this bucket (auto mode)
 };
 
 constexpr int kTuneMaxIters = 7;
@@ -151,7 +154,8 @@ struct Fp8BlockGemm::Impl {
   Fp8BlockGemmOptions options;
   cublasLtHandle_t handle = nullptr;
   void* workspace = nullptr;        // options.workspace_bytes, at least 256 bytes
-  int64_t wgmma_max_m = 0;          // resolved Fp8BlockGemmOptions::wgmma_max_m
+  int64_t wgmma_max_m = 0;          // resolved Fp8BlockGemmOptions::wgmma_max_m (forced)
+  int64_t wgmma_auto_max_m = 0;     // auto mode: buckets up to this M may choose wgmma
   void* wgmma_workspace = nullptr;  // run_gemm_wgmma_cuda's, counters zeroed at creation
   size_t wgmma_workspace_bytes = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.
@@ -211,6 +215,10 @@ struct Fp8BlockGemm::Impl {
   Status tune_bucket(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t,
                      const std::vector<gemm_lt::AlgoCaps>& caps,
                      gemm_lt::TuneClock::time_point deadline);
+
+  // Auto mode: times the wgmma kernel at b.m_hi and chooses it for the bucket when its output
+  // equals the cuBLASLt algorithm's and it is at least 2% faster.
+  Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
   // Tunes every bucket with m_hi <= autotune_max_m within the time budget. Never fails: what
   // cannot be tuned keeps the heuristic's choice, with the reason in Bucket::tuning.

@@ -423,6 +423,44 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));
 }
 
+// Auto mode (the default options, M3ATTN_GEMM_PATH unset): the autotuner times the wgmma kernel
+// per M bucket and keeps it where faster; whatever it chose must match the twin bit for bit on
+// integer inputs.
+TEST(GemmWgmmaAuto, AutotunerChoiceMatchesTwin) {
+  M3_REQUIRE_WGMMA();
+  const char* old = std::getenv("M3ATTN_GEMM_PATH");
+  const std::string saved = old ? old : "";
+  unsetenv("M3ATTN_GEMM_PATH");
+  Fp8BlockGemmOptions o;  // defaults: autotune on, wgmma_max_m = -1
+  o.autotune_budget_ms = 1500;
+  auto gemm = make_gemm(64, kN2, kHidden, o);
+  if (old) setenv("M3ATTN_GEMM_PATH", saved.c_str(), 1);
+  ASSERT_NE(gemm, nullptr);
+  EXPECT_EQ(gemm->wgmma_max_m(), kGemmWgmmaDefaultMaxM);
+  const std::string text = gemm->describe();
+  std::printf("[ INFO     ] auto mode:\n%s", text.c_str());
+  EXPECT_NE(text.find("autotuned candidate for M <= 64"), std::string::npos) << text;
+  for (int64_t m : {4, 16, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m << ": " << gemm->algorithm_for(m));
+    std::printf("[ INFO     ] auto mode M %lld: %s\n", static_cast<long long>(m),
+                gemm->algorithm_for(m).c_str());
+    Rng rng(seed);
+    GemmData d = make_integer_data(m, kN2, kHidden, rng);
+    const std::vector<uint16_t> ref = cpu_gemm(d);
+    DeviceGemm dev(d, kN2);
+    const Status st = gemm->run(dev.params(), nullptr);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    const std::vector<uint16_t> got = dev.result(&touched);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, ref, kN2, &report), 0) << report;
+    EXPECT_EQ(touched, 0);
+  }
+}
+
 // M3ATTN_GEMM_PATH resolves wgmma_max_m = -1 (the default) at creation; explicit values win.
 TEST(GemmWgmmaRules, EnvironmentSelectsThePath) {
   M3_REQUIRE_WGMMA();

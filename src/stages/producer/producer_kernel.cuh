@@ -1014,6 +1014,10 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
     const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
 #pragma unroll 1
     for (int r = 0; r < kRounds; ++r) {
+      // The last tile of a block is partial: rounds past its end are skipped (uniform per block,
+      // so the shuffles stay converged); inside a round, groups past the end compute on the
+      // tile's first task and store nothing.
+      if (first + r * kGroups >= tile_end) break;
       const uint32_t task = first + r * kGroups + group;
       const bool valid = task < tile_end;
       const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;

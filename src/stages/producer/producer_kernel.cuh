@@ -925,9 +925,9 @@ __device__ __forceinline__ void process_task4(const KernelArgs& a, const uint8_t
 
 // kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
 // or 4 (process_task4).
-// Blocks per SM the register budget is cut for: 3 with 8 lanes (70 registers, no spills) and
-// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers with a few bytes of
-// spills), else 2 (4 lanes: 94 registers).
+// Blocks per SM the register budget is cut for: 3 with 8 lanes (62-64 registers, no spills) and
+// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers, 8 bytes of spills in
+// the fused and main modes), else 2 (4 lanes: 91-92 registers).
 constexpr int tma_min_blocks(int stages, int lanes) { return lanes == 8 || stages == 2 ? 3 : 2; }
 
 template <ProducerMode kMode, int kTmaStages, int kLanes>

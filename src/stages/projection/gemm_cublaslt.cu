@@ -251,7 +251,7 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
     const char* env = std::getenv("M3ATTN_GEMM_PATH");
     if (env == nullptr || *env == '\0') {
       wgmma_max_m = kGemmWgmmaDefaultMaxM;
-      wgmma_auto = options.autotune;
+      wgmma_auto = kGemmWgmmaAutoByDefault && options.autotune;
     } else if (std::strcmp(env, "wgmma") == 0) {
       wgmma_max_m = kGemmWgmmaMaxM;
     } else if (std::strcmp(env, "cublaslt") == 0) {

@@ -97,8 +97,10 @@ TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, De
 // Returns unsupported for M > 16.
 Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 
-// What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH.
+// What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH: this forced limit, and whether the
+// autotuner may choose the wgmma kernel per M bucket ("auto").
 constexpr int kGemmWgmmaDefaultMaxM = 0;
+constexpr bool kGemmWgmmaAutoByDefault = true;
 
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper

@@ -439,7 +439,8 @@ TEST(GemmWgmmaAuto, AutotunerChoiceMatchesTwin) {
   EXPECT_EQ(gemm->wgmma_max_m(), kGemmWgmmaDefaultMaxM);
   const std::string text = gemm->describe();
   std::printf("[ INFO     ] auto mode:\n%s", text.c_str());
-  EXPECT_NE(text.find("autotuned candidate for M <= 64"), std::string::npos) << text;
+  if (kGemmWgmmaAutoByDefault)
+    EXPECT_NE(text.find("autotuned candidate for M <= 64"), std::string::npos) << text;
   for (int64_t m : {4, 16, 64}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);

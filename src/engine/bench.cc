@@ -165,6 +165,7 @@ Result<BenchReport> run_bench(const BenchOptions& options, const BenchProgressFn
   cfg.max_pages_per_request = so.page_table_width;
   cfg.max_position = static_cast<int>(w.max_position());
   cfg.fuse_qkv_index_projection = options.run_fused;
+  cfg.capture_mixed_front = options.capture_mixed_front;
   cfg.seed = w.seed;
   PagePoolConfig pc;
   pc.num_pages = cfg.num_pages;

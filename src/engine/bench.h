@@ -40,6 +40,8 @@ struct BenchOptions {
   // Hash the final hidden states of every step (a fused/unfused identity check over the whole run;
   // costs a host copy per step). Otherwise only the last step's hidden states are kept.
   bool digest_every_step = false;
+  // CUDA: prefill / mixed steps replay each layer's front half as a graph (LayerStackConfig).
+  bool capture_mixed_front = true;
 };
 
 struct BenchProgress {

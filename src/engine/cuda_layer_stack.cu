@@ -9,9 +9,13 @@
 // at max_requests_per_step) and Tb = Rb * (1 + draft_len); the first step of each (Rb, draft_len,
 // fused) is captured into a graph and every later one replays it after uploading its metadata
 // (padding tokens: slot -1, position 0; padding requests empty; see CudaStepMetadata). Steps with
-// context chunks (prefill, mixed) and buckets whose Tb exceeds the token capacity run eagerly at
-// their own shape. step() records CUDA events around the enqueued work and reports their elapsed
-// time.
+// context chunks (prefill, mixed) and buckets whose Tb exceeds the token capacity run at their own
+// shape: each layer's front (quantize, projection, producers: per-token work whose launches depend
+// only on T) replays a graph captured at that exact T (capture_mixed_front; the graphs of the last
+// kMaxFrontGraphShapes token counts are kept: with chunked prefill most mixed steps fill the token
+// budget, so T repeats), and the downstream stages, whose launches depend on the requests, run
+// eagerly. Padding T to a bucket would cost more GEMM and producer rows than the launches save.
+// step() records CUDA events around the enqueued work and reports their elapsed time.
 //
 // Tensor parallelism (config.tp_size > 1): every layer holds this rank's pack_rank shard, the pool
 // and the workspace have the rank geometry (n_q / P query heads, its KV heads), and after each
@@ -47,6 +51,7 @@ class CudaLayerStack final : public LayerStack {
   ~CudaLayerStack() override {
     if (stream_) cudaStreamSynchronize(stream_);
     for (auto& [key, exec] : graphs_) cudaGraphExecDestroy(exec);
+    for (auto& [key, exec] : front_graphs_) cudaGraphExecDestroy(exec);
     if (copied_) cudaEventDestroy(copied_);
     if (start_) cudaEventDestroy(start_);
     if (stop_) cudaEventDestroy(stop_);
@@ -134,7 +139,7 @@ class CudaLayerStack final : public LayerStack {
       M3_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
     } else {
       M3_RETURN_IF_ERROR(plan_layers(shape.tokens));
-      M3_RETURN_IF_ERROR(forward(shape.tokens));
+      M3_RETURN_IF_ERROR(forward(shape.tokens, config_.capture_mixed_front));
     }
     M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(stop_, stream_));
     M3_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(stop_));
@@ -266,8 +271,51 @@ class CudaLayerStack final : public LayerStack {
     return Status::Ok();
   }
 
-  // Enqueues the whole step at `tokens` rows on stream_ (plans must match).
-  Status forward(int64_t tokens) {
+  // Launches layer l's front half: replays the graph captured at `tokens` (capturing it first
+  // when missing; the graphs of the oldest token count go when a new count would exceed
+  // kMaxFrontGraphShapes). The layer's plan must be at `tokens` rows.
+  Status run_front_graph(size_t l, int64_t tokens) {
+    const bool fused = config_.fuse_qkv_index_projection;
+    const auto key = std::make_tuple(static_cast<int>(l), tokens, fused);
+    auto it = front_graphs_.find(key);
+    if (it == front_graphs_.end()) {
+      if (std::find(front_shapes_.begin(), front_shapes_.end(), tokens) == front_shapes_.end()) {
+        if (front_shapes_.size() == kMaxFrontGraphShapes) {
+          const int64_t oldest = front_shapes_.front();
+          front_shapes_.erase(front_shapes_.begin());
+          for (auto g = front_graphs_.begin(); g != front_graphs_.end();) {
+            if (std::get<1>(g->first) == oldest) {
+              cudaGraphExecDestroy(g->second);
+              g = front_graphs_.erase(g);
+            } else {
+              ++g;
+            }
+          }
+        }
+        front_shapes_.push_back(tokens);
+      }
+      cudaGraph_t graph = nullptr;
+      M3_CUDA_RETURN_IF_ERROR(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      const Status st = layers_[l]->run_front(stream_);
+      const cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+      if (!st.ok()) {
+        if (graph) cudaGraphDestroy(graph);
+        return st;
+      }
+      M3_CUDA_RETURN_IF_ERROR(end);
+      cudaGraphExec_t exec = nullptr;
+      const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
+      cudaGraphDestroy(graph);
+      M3_CUDA_RETURN_IF_ERROR(inst);
+      it = front_graphs_.emplace(key, exec).first;
+    }
+    M3_CUDA_RETURN_IF_ERROR(cudaGraphLaunch(it->second, stream_));
+    return Status::Ok();
+  }
+
+  // Enqueues the whole step at `tokens` rows on stream_ (plans must match); with front_graphs,
+  // each layer's front half runs as a graph (run_front_graph) and the rest eagerly.
+  Status forward(int64_t tokens, bool front_graphs = false) {
     const int hidden = config_.geometry.hidden;
     const float eps = config_.geometry.eps;
     uint16_t* h = h_.ptr<uint16_t>();
@@ -276,9 +324,15 @@ class CudaLayerStack final : public LayerStack {
                                                 meta_->positions().ptr<int32_t>(), tokens, hidden,
                                                 h, stream_));
     const uint16_t* a = nullptr;
-    for (auto& layer : layers_) {
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      CudaMsaLayer* layer = layers_[l].get();
       M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
-      M3_RETURN_IF_ERROR(layer->run(stream_));
+      if (front_graphs && tokens > 0) {
+        M3_RETURN_IF_ERROR(run_front_graph(l, tokens));
+        M3_RETURN_IF_ERROR(layer->run_back(stream_));
+      } else {
+        M3_RETURN_IF_ERROR(layer->run(stream_));
+      }
       if (config_.tp_size > 1)
         M3_RETURN_IF_ERROR(
             config_.tp_comm->all_reduce_bf16_sum(layer->attn_out().data, tokens * hidden, stream_));
@@ -296,6 +350,9 @@ class CudaLayerStack final : public LayerStack {
   PoolLayout layout_;
   CudaBuffer pool_, h_, x_, token_request_;
   std::map<std::tuple<int, int, bool>, cudaGraphExec_t> graphs_;
+  static constexpr size_t kMaxFrontGraphShapes = 4;
+  std::map<std::tuple<int, int64_t, bool>, cudaGraphExec_t> front_graphs_;  // (layer, T, fused)
+  std::vector<int64_t> front_shapes_;  // token counts with front graphs, oldest first
   int64_t last_tokens_ = 0;
 };
 

@@ -41,6 +41,10 @@ struct LayerStackConfig {
   int max_pages_per_request = 0;    // capacity: page-table width
   int max_position = 0;             // RoPE table size
   bool fuse_qkv_index_projection = true;
+  // CUDA: steps that are not replayed whole (prefill / mixed) run each layer's front (quantize,
+  // projection, producers) as a CUDA graph captured at the step's exact token count and the
+  // downstream stages eagerly. Graphs are kept for the last kMaxFrontGraphShapes token counts.
+  bool capture_mixed_front = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.
   // `geometry` stays the TP1 (model) geometry; each layer holds pack_rank(weights, tp_size,

@@ -7,12 +7,17 @@
 //    replay with fewer requests than its bucket): last_hidden relative L2 <= 5e-2 per step (a
 //    sanity bound: each layer adds one-step E4M3 and bf16 rounding differences, see
 //    cuda_msa_layer_gpu_test.cu, and the residual stream carries them forward), finite, and the
-//    graph_replay flags as expected.
+//    graph_replay flags as expected;
+//  - prefill / mixed steps with each layer's front replayed from a graph captured at the step's
+//    token count (capture_mixed_front) are bit-identical to fully eager steps, across repeats of
+//    one token count with new requests, positions and slots, and across graph eviction.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <map>
 #include <memory>
 #include <vector>
 
@@ -190,6 +195,74 @@ TEST(CudaLayerStack, MatchesCpuStackThroughPrefillMixedAndGraphDecode) {
   s9.generation = {{0, 2211}, {1, 311}, {3, 54}};
   s9.draft_len = 1;
   run_step(s9, true, "decode x3 unfused (replay)");
+}
+
+TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  LayerStackConfig cfg;
+  cfg.geometry.hidden = 384;
+  cfg.geometry.n_q = 8;
+  cfg.geometry.n_kv = 2;
+  cfg.num_dense = 1;
+  cfg.num_sparse = 2;
+  cfg.num_pages = 64;
+  cfg.max_tokens_per_step = 256;
+  cfg.max_requests_per_step = 16;
+  cfg.max_pages_per_request = 4;
+  cfg.max_position = 512;
+  cfg.seed = seed;
+  LayerStackConfig eager_cfg = cfg;
+  cfg.capture_mixed_front = true;
+  eager_cfg.capture_mixed_front = false;
+  Result<std::unique_ptr<LayerStack>> graphs = create_cuda_layer_stack(cfg);
+  Result<std::unique_ptr<LayerStack>> eager = create_cuda_layer_stack(eager_cfg);
+  ASSERT_TRUE(graphs.ok()) << graphs.status().to_string();
+  ASSERT_TRUE(eager.ok()) << eager.status().to_string();
+
+  CacheManager cache(cfg.num_pages);
+  PlanOptions po;
+  po.page_table_width = cfg.max_pages_per_request;
+  std::map<int, int> len;  // cached tokens per request
+  // One step: a new request's `chunk` prompt tokens plus one generated token of every request
+  // seen so far. Both stacks run it; their hidden states must be bit-identical.
+  auto run_step = [&](int new_request, int chunk, int64_t expect_tokens) {
+    StepDescription d;
+    for (const auto& [r, n] : len) d.generation.push_back({r, n});
+    d.context = {{new_request, 0, chunk}};
+    Result<StepPlan> p = plan_step(cache, d, po);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    ASSERT_EQ(p.value().num_tokens(), expect_tokens);
+    SCOPED_TRACE(::testing::Message()
+                 << "step of " << expect_tokens << " tokens, request " << new_request);
+    StackStepStats sg, se;
+    ASSERT_TRUE(graphs.value()->step(p.value(), &sg).ok());
+    ASSERT_TRUE(eager.value()->step(p.value(), &se).ok());
+    EXPECT_FALSE(sg.graph_replay);
+    Result<Tensor> hg = graphs.value()->last_hidden();
+    Result<Tensor> he = eager.value()->last_hidden();
+    ASSERT_TRUE(hg.ok() && he.ok());
+    ASSERT_EQ(hg.value().nbytes(), he.value().nbytes());
+    EXPECT_EQ(
+        std::memcmp(hg.value().data(), he.value().data(), static_cast<size_t>(hg.value().nbytes())),
+        0)
+        << "front graphs differ from the eager step";
+    for (auto& [r, n] : len) ++n;
+    len[new_request] = chunk;
+  };
+  // T = 100 three times (capture, then two replays with other requests, positions and slots).
+  run_step(0, 100, 100);
+  run_step(1, 99, 100);
+  run_step(2, 98, 100);
+  // Five new token counts (8, 10, ..., 16): the graphs of T = 100 are evicted on the fourth.
+  for (int k = 0; k < 5; ++k) run_step(3 + k, 5 + k, 8 + 2 * k);
+  // T = 100 again: captured anew.
+  run_step(8, 92, 100);
+  // Unfused: its own graphs, same token count.
+  graphs.value()->set_fused(false);
+  eager.value()->set_fused(false);
+  run_step(9, 91, 100);
 }
 
 }  // namespace

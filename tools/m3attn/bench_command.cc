@@ -23,7 +23,8 @@ struct BenchFlags {
   int concurrency = 0, requests = 0, sparse = 0, dense = 3, draft = 0;
   uint64_t seed = 1;
   std::string backend, geometry;
-  bool json = false, fused_only = false, unfused_only = false, no_warmup = false, verify = false;
+  bool json = false, fused_only = false, unfused_only = false, no_warmup = false, verify = false,
+       eager_mixed = false;
 };
 
 int exit_code_for(const Status& s) {
@@ -129,6 +130,9 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--verify", f->verify,
                 "Hash the hidden states of every step (fused vs unfused identity over the whole "
                 "run; default on cpu)");
+  cmd->add_flag("--eager-mixed", f->eager_mixed,
+                "cuda: run prefill / mixed steps fully eagerly (default: each layer's projection + "
+                "producer replayed as a graph captured at the step's token count)");
   cmd->add_flag("--json", f->json, "Print one JSON object instead of the table");
 
   cmd->callback([f, layers, &exit_code]() {
@@ -151,6 +155,7 @@ void add_bench_command(CLI::App& app, int& exit_code) {
     o.run_fused = !f->unfused_only;
     o.run_unfused = !f->fused_only;
     o.warmup = cuda && !f->no_warmup;
+    o.capture_mixed_front = !f->eager_mixed;
     o.digest_every_step = f->verify || !cuda;
 
     Progress progress(isatty(STDERR_FILENO) != 0);

@@ -63,7 +63,15 @@
 //              each block takes an equal share of the tasks (no tile tail), the copy warp issues a
 //              tile's packed copies before its metadata and prefetches the next tile's positions
 //              (stages fill after one latency), and a 4-lane-per-head variant (process_task4: 32
-//              channels per lane, ~1/3 fewer instructions per head) is selectable.
+//              channels per lane) is selectable. Round 3 (before the partial-tile fix below):
+//              default (2 stages, 8 lanes) 36.5 us at T 4096 (77.8%), 140.3 us at 16384 (81.0%);
+//              4 lanes 34.3 us (82.9%, 4 stages, 1 block per SM) and 138.2 us (82.2%, 2 stages):
+//              ~20% fewer instructions per head than 8 lanes (ncu: ~213 vs ~266 per 4 heads), but
+//              not faster in proportion. With equal shares every block ended on a partial tile
+//              whose empty rounds were still computed (~11% of the compute at T 4096, none at
+//              16384): now skipped. Left: issue slots 51-66% busy, DRAM ~58% of peak, ~2 eligible
+//              warps per scheduler: the compute warps are latency-bound (shared loads, the
+//              shuffle reduction, rsqrt, F2FP in one dependent chain per task).
 //
 // Bytes per token at M3 TP1 (fused): read 9856 * 2 (packed) + 8 (position, slot) + 256 (RoPE row);
 // write 64 * 128 (Q) + 4 * 128 (index-Q) + 2 * 4 * 128 (K, V) + 128 (index-K) = 29,832 B. The

@@ -364,6 +364,13 @@ int run(int argc, char** argv) {
   pass = spot_check(b, wg, "wgmma kernel", stream) && pass;
   pass = spot_check(b, wg, "wgmma kernel", stream, 37) && pass;
   pass = spot_check(b, wg1, "wgmma kernel, 1 CTA/SM", stream, 13) && pass;
+  {
+    Fp8BlockGemmOptions pf_opt = wg_opt;
+    pf_opt.wgmma.prefetch_scales = true;
+    Trio wgp{make(64, kNF, pf_opt), make(64, kN1, pf_opt), make(64, kN2, pf_opt)};
+    pass = spot_check(b, wgp, "wgmma kernel, scale prefetch", stream, 5) && pass;
+    pass = spot_check(b, wgp, "wgmma kernel, scale prefetch", stream, 37) && pass;
+  }
   fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
   check_cuda(cudaGetLastError(), "fill");
 
@@ -531,7 +538,8 @@ int run(int argc, char** argv) {
       "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
       rows_wg, json);
 
-  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape and bursts.
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape, scale
+  // prefetch.
   {
     Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
     must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
@@ -545,11 +553,11 @@ int run(int argc, char** argv) {
     std::vector<Variant> variants;
     for (int ctas : {2, 1}) {
       for (int units : {4, 16}) {
-        for (int burst : {1, 2, 4, 0}) {
+        for (bool prefetch : {false, true}) {
           GemmWgmmaOptions o;
           o.ctas_per_sm = ctas;
           o.min_units_per_cta = units;
-          o.burst = burst;
+          o.prefetch_scales = prefetch;
           variants.push_back({nullptr, o});
         }
       }
@@ -574,15 +582,17 @@ int run(int argc, char** argv) {
         r.add("M", std::to_string(rows_m));
         r.add("ctas/SM", std::to_string(m > 16 ? 1 : v.o.ctas_per_sm));
         r.add("min_units", std::to_string(v.o.min_units_per_cta));
-        r.add("burst", v.o.burst == 0 ? std::string("auto") : std::to_string(v.o.burst));
+        r.add("prefetch", v.o.prefetch_scales ? "yes" : "no");
         r.add("us", us);
         r.add("GBps", bytes / us / 1e3, 0);
         r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
         rows_var.push_back(r);
       }
     }
-    bench::print_rows("wgmma kernel variants, fused N=9856 (graph replay, cold L2)", rows_var,
-                      json);
+    bench::print_rows(
+        "wgmma kernel variants, fused N=9856 (graph replay, cold L2; prefetch = scales two units "
+        "ahead)",
+        rows_var, json);
     cudaFree(ws);
   }
 

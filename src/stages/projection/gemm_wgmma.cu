@@ -82,12 +82,12 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm>
+template <int kNw, int kCtasPerSm, bool kPrefetch>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int device, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kPrefetch>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device (bit `device` of `ready`; devices >= 64 set it at every call).
   static std::atomic<uint64_t> ready{0};
@@ -105,14 +105,14 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
 }
 
 // Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
-template <int kCtasPerSm>
+template <int kCtasPerSm, bool kPrefetch>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
                      int grid, int device, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
-  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, device, stream);
+  if (m <= 8) return launch<8, kCtasPerSm, kPrefetch>(wmap, xmap, args, grid, device, stream);
+  if (m <= 16) return launch<16, kCtasPerSm, kPrefetch>(wmap, xmap, args, grid, device, stream);
   // n = 32 and 64 need more registers than two CTAs per SM leave (96): one CTA per SM.
-  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, device, stream);
-  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, device, stream);
+  if (m <= 32) return launch<32, 1, kPrefetch>(wmap, xmap, args, grid, device, stream);
+  if (m <= 64) return launch<64, 1, kPrefetch>(wmap, xmap, args, grid, device, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
 
@@ -215,9 +215,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
   args.units = units;
+  if (options.prefetch_scales) {
+    if (ctas_per_sm == 1)
+      return dispatch_rows<1, true>(args.m, wmap, xmap, args, grid, info.device, stream);
+    return dispatch_rows<2, true>(args.m, wmap, xmap, args, grid, info.device, stream);
+  }
   if (ctas_per_sm == 1)
-    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, info.device, stream);
-  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, info.device, stream);
+    return dispatch_rows<1, false>(args.m, wmap, xmap, args, grid, info.device, stream);
+  return dispatch_rows<2, false>(args.m, wmap, xmap, args, grid, info.device, stream);
 }
 
 }  // namespace m3attn

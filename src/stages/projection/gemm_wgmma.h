@@ -35,6 +35,9 @@ struct GemmWgmmaOptions {
   // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
   // to the ring depth.
   int burst = 0;
+  // Load each unit's scales two units ahead into registers (a separate kernel instantiation).
+  // Experimental, off by default: measured by projection_bench, not yet by the tests.
+  bool prefetch_scales = false;
 };
 
 constexpr int64_t kGemmWgmmaMaxM = 64;

@@ -249,7 +249,12 @@ __device__ __forceinline__ int64_t unit_owner(int64_t u, int64_t grid, int64_t u
   return ((u + 1) * grid - 1) / units;
 }
 
-template <int kNw, int kStages, int kCtasPerSm>
+// kPrefetch: the scales of each unit are loaded kScaleAhead units ahead into registers (the
+// consumer otherwise waits for them, one L1-miss latency per unit at larger M). Off by default
+// (GemmWgmmaOptions::prefetch_scales) until measured.
+constexpr int kScaleAhead = 2;
+
+template <int kNw, int kStages, int kCtasPerSm, bool kPrefetch>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
@@ -328,6 +333,30 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   float acc[kAcc];
 
+  // Scale prefetch queue (kPrefetch): entry d holds the scales of unit (current + d); the cursor
+  // walks the CTA's units in order, (tile, kb) advanced without divisions.
+  float q_w[kScaleAhead], q_lo[kScaleAhead], q_hi[kScaleAhead];
+  int64_t pf_u = u_begin, pf_tile = u_begin / kb_count, pf_kb = u_begin - pf_tile * kb_count;
+  auto prefetch_one = [&](float& w, float& lo, float& hi) {
+    if (pf_u < u_end) {
+      w = __ldg(p.sb + pf_tile * p.sb_s0 + pf_kb * p.sb_s1);
+      lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + pf_kb * p.sa_s1) : 0.0f;
+      hi = kNw > 32 && lane + 32 < m_count ? __ldg(p.sa + (lane + 32) * p.sa_s0 + pf_kb * p.sa_s1)
+                                           : 0.0f;
+    } else {
+      w = lo = hi = 0.0f;
+    }
+    ++pf_u;
+    if (++pf_kb == kb_count) {
+      pf_kb = 0;
+      ++pf_tile;
+    }
+  };
+  if constexpr (kPrefetch) {
+#pragma unroll
+    for (int d = 0; d < kScaleAhead; ++d) prefetch_one(q_w[d], q_lo[d], q_hi[d]);
+  }
+
   int i = 0;
   int64_t u = u_begin;
   while (u < u_end) {
@@ -343,11 +372,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const int64_t kb = u - tile * kb_count;
       // Scales first (global loads that do not depend on the stage): lane l holds the activation
       // scales of rows l and l + 32; the fold fetches its columns' scales with shuffles.
-      const float w_scale = __ldg(p.sb + tile * p.sb_s0 + kb * p.sb_s1);
-      const float xs_lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + kb * p.sa_s1) : 0.0f;
-      const float xs_hi = kNw > 32 && lane + 32 < m_count
-                              ? __ldg(p.sa + (lane + 32) * p.sa_s0 + kb * p.sa_s1)
-                              : 0.0f;
+      float w_scale, xs_lo, xs_hi;
+      if constexpr (kPrefetch) {
+        w_scale = q_w[0];
+        xs_lo = q_lo[0];
+        xs_hi = q_hi[0];
+#pragma unroll
+        for (int d = 0; d + 1 < kScaleAhead; ++d) {
+          q_w[d] = q_w[d + 1];
+          q_lo[d] = q_lo[d + 1];
+          q_hi[d] = q_hi[d + 1];
+        }
+        prefetch_one(q_w[kScaleAhead - 1], q_lo[kScaleAhead - 1], q_hi[kScaleAhead - 1]);
+      } else {
+        w_scale = __ldg(p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+        xs_lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + kb * p.sa_s1) : 0.0f;
+        xs_hi = kNw > 32 && lane + 32 < m_count ? __ldg(p.sa + (lane + 32) * p.sa_s0 + kb * p.sa_s1)
+                                                : 0.0f;
+      }
       mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
       const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
       const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);

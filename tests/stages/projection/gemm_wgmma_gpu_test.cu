@@ -77,6 +77,7 @@ struct Case {
   int ctas_per_sm;    // GemmWgmmaOptions
   int min_units;
   int burst = 0;
+  bool prefetch = false;  // GemmWgmmaOptions::prefetch_scales
 };
 
 std::string describe(const Case& c) {
@@ -84,7 +85,7 @@ std::string describe(const Case& c) {
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
-         std::to_string(c.burst);
+         std::to_string(c.burst) + " prefetch " + std::to_string(c.prefetch);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -94,6 +95,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.ctas_per_sm = c.ctas_per_sm;
   o.min_units_per_cta = c.min_units;
   o.burst = c.burst;
+  o.prefetch_scales = c.prefetch;
   return o;
 }
 
@@ -154,7 +156,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{2, 9856, 1024, 0, 0, false, 2, 4, 1},  // bursts of one unit
                       Case{12, 640, 6144, 0, 0, false, 1, 4, 5},  // odd burst, 12-stage ring
                       Case{40, 384, 2048, 8, 0, false, 0, 2, 99},  // burst clamped to the ring
-                      Case{7, 256, 1152, 0, 16, true, 2, 1, 6}));  // burst = ring (6 stages)
+                      Case{7, 256, 1152, 0, 16, true, 2, 1, 6},    // burst = ring (6 stages)
+                      // Scales prefetched two units ahead (experimental variant, off by default).
+                      Case{1, 9856, 6144, 0, 0, false, 2, 16, 0, true},
+                      Case{16, 640, 6144, 8, 16, true, 1, 4, 0, true},
+                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, true},
+                      Case{64, 256, 640, 0, 0, true, 0, 4, 3, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an

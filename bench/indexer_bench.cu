@@ -11,9 +11,11 @@
 // and the spot check can demand identical ids. Pages of a request are scattered over the pool.
 // Before timing, every configuration is checked against the CPU twin on a few requests/tokens
 // (rebuilt as small host batches over copies of only their pages): PASS / FAIL.
-// Paths: the default (fused decode: scoring + per-split top-15 in one kernel, then the merge) and
-// the two-kernel path (IndexerCudaOptions::unfused_decode: every block score to the workspace,
-// then the selection kernel) are both timed and spot-checked; the plan column shows the default's
+// Paths: the default (fused decode above 128 pages of context: scoring + per-split top-15 in one
+// kernel, then the merge; below, the two-kernel path) and the two-kernel path
+// (IndexerCudaOptions::unfused_decode: every block score to the workspace, then the selection
+// kernel) are both timed and spot-checked (fused_us, 2kernel_us; us = the one the default plan
+// picks); the plan column shows the default's
 // launch plan (f = fused, fb = fused with bulk copies, 2 = two-kernel; k = splits per request,
 // c = blocks per split, w = merge warps per row).
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
@@ -312,10 +314,14 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  IndexerCudaOptions fused_o, two_o, bulk_o;
+  IndexerCudaOptions default_o, fused_o, two_o, bulk_o;
+  fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   bulk_o.decode_bulk_copy = true;
-  const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
+  bulk_o.fused_decode_always = true;
+  const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
+  // The sweep times the fused path (or the flag's path) whatever the automatic choice.
+  const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
   const bool compare_paths = !unfused_only && !bulk_only;
   const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
   const std::vector<int> contexts =
@@ -345,9 +351,16 @@ int main(int argc, char** argv) {
         const std::string what = "decode b" + std::to_string(batch) + " ctx " +
                                  std::to_string(ctx) + " draft " + std::to_string(draft);
         bool pass = true;
-        const bench::Timing tm = check_and_time(c, pool, slices, main_o, stream, true, what, &pass);
-        bench::Timing tm2;
-        if (compare_paths) tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
+        // Default flags: both paths explicitly (fused always, two-kernel); the default path's time
+        // is the one its plan picks.
+        bench::Timing tm, tmf, tm2;
+        if (compare_paths) {
+          tmf = check_and_time(c, pool, slices, fused_o, stream, true, what, &pass);
+          tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
+          tm = indexer_cuda_plan(c.p, default_o).fused ? tmf : tm2;
+        } else {
+          tm = check_and_time(c, pool, slices, main_o, stream, true, what, &pass);
+        }
         all_pass = all_pass && pass;
         const double gbs = c.index_bytes / (tm.median_us * 1e3);
         bench::Row row;
@@ -361,6 +374,9 @@ int main(int argc, char** argv) {
         row.add("GB/s", gbs, 0);
         row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
         if (compare_paths) {
+          row.add("fused_us", tmf.median_us, 1);
+          row.add("f_%copy",
+                  100.0 * c.index_bytes / (tmf.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
           row.add("2kernel_us", tm2.median_us, 1);
           row.add("2k_%copy",
                   100.0 * c.index_bytes / (tm2.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
@@ -378,8 +394,9 @@ int main(int argc, char** argv) {
   bench::print_rows(unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
                     : bulk_only  ? "indexer decode, fused path with bulk copies (graph replay, "
                                    "cold L2, n_kv 4)"
-                                 : "indexer decode (graph replay, cold L2, n_kv 4; us = fused "
-                                   "default, 2kernel = unfused_decode)",
+                                 : "indexer decode (graph replay, cold L2, n_kv 4; us = default "
+                                   "path (plan), fused_us = fused_decode_always, 2kernel_us = "
+                                   "unfused_decode)",
                     rows, json);
 
   if (sweep) {
@@ -389,7 +406,7 @@ int main(int argc, char** argv) {
         Case c = make_case(batch, ctx, 1, pool, rng, rng());
         const std::vector<Slice> slices = {{0, 0, 1}, {batch - 1, 0, 1}};
         for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
-          IndexerCudaOptions o = main_o;
+          IndexerCudaOptions o = sweep_o;
           o.k_splits = k;
           if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
           const std::string what = "sweep b" + std::to_string(batch) + " ctx " +

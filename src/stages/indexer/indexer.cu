@@ -24,6 +24,9 @@ namespace ik = indexer_kernel;
 // CTAs the scoring grid aims for per SM (about 2-3 waves of the tensor-core kernel, which keeps
 // 3-4 CTAs resident per SM).
 constexpr int64_t kTargetCtasPerSm = 8;
+// The fused decode path is chosen automatically above this many page-table columns (see
+// IndexerCudaOptions::fused_decode_always).
+constexpr int kFusedAutoMinPages = 128;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -113,7 +116,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // start at or past max_pages.
   int64_t chunk = ceil_div(ceil_div(max_pages, k), ik::kMmaWarps) * ik::kMmaWarps;
   if (pl.mma && o.k_splits == 0) k = ceil_div(max_pages, chunk);
-  if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0) {
+  if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0 &&
+      (max_pages > kFusedAutoMinPages || o.fused_decode_always)) {
     // Fused: at most 64 blocks per split (the shared block-max table) and k lists per row within
     // the workspace's candidate lists; otherwise the two-kernel path.
     const int64_t kmax = cand_lists(T, p.n_kv, max_pages) / (T * p.n_kv);

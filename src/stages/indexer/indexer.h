@@ -93,6 +93,11 @@ struct IndexerCudaOptions {
   // (ids identical to the two-kernel path). true: the two-kernel path (every block score to the
   // workspace, then the selection kernel), kept for comparison.
   bool unfused_decode = false;
+  // The fused path is the automatic choice when max_pages > 128 (contexts above 16K): at 8K the
+  // H200 measured the two-kernel path as fast or faster (draft 3: 102 vs 108 us at batch 256),
+  // at 32K and 128K the fused one faster (256 x 128K: 1233 vs 1303 us). true: fused wherever it
+  // applies, whatever max_pages (tests and benchmarks set it).
+  bool fused_decode_always = false;
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
   // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
   bool decode_bulk_copy = false;
@@ -108,9 +113,9 @@ struct IndexerCudaOptions {
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // True when run_indexer_cuda with these params and options runs the fused decode path (tensor
-// cores, !unfused_decode, max_pages > 16, and a split plan within the workspace's candidate lists
-// and the kernel's 64 blocks per split): then the workspace holds no block scores for rows of
-// decode units.
+// cores, !unfused_decode, max_pages > 128 or fused_decode_always (and > 16), and a split plan
+// within the workspace's candidate lists and the kernel's 64 blocks per split): then the workspace
+// holds no block scores for rows of decode units.
 bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // The launch plan run_indexer_cuda picks on the current device (benchmarks print it).

@@ -403,6 +403,7 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
     // The fused path computes the same block maxima and must select the same ids, byte for byte.
     IndexerCudaOptions fo = v.o;
     fo.decode_bulk_copy = bulk;
+    fo.fused_decode_always = true;
     if (indexer_cuda_uses_fused_decode(d.params, fo)) {
       const GpuResult f = run_gpu(d, fo);
       expect_same_ids(
@@ -562,8 +563,10 @@ TEST(IndexerGpu, SixtyFourBitPageOffsetsLarge) {
     compare(in, ref, g, true,
             cores ? "64-bit offsets [cuda cores]" : "64-bit offsets [tensor cores]");
     if (!cores) {
-      ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, {}));
-      expect_same_ids(in, run_gpu(d, {}), g, "64-bit offsets [fused vs two-kernel]");
+      IndexerCudaOptions f;
+      f.fused_decode_always = true;
+      ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, f));
+      expect_same_ids(in, run_gpu(d, f), g, "64-bit offsets [fused vs two-kernel]");
     }
   }
 }
@@ -624,6 +627,7 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
         IndexerCudaOptions o;
         o.k_splits = std::max(k, 0);
         o.merge_warps = k < 0 ? -k : 0;
+        o.fused_decode_always = true;
         ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, o)) << "k_splits " << k;
         IndexerCudaOptions two = o;
         two.unfused_decode = true;
@@ -686,6 +690,7 @@ void check_guards(const std::vector<int>& paths) {
     o.force_cuda_cores = path == 3;
     o.unfused_decode = path == 1;
     o.decode_bulk_copy = path == 2;
+    o.fused_decode_always = path == 0 || path == 2;
     const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] "};
     const char* name = names[path];
     if (path == 0 || path == 2) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));

@@ -103,22 +103,28 @@ double rel_l2(const Tensor& a, const Tensor& b, bool* finite) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
-TEST(CudaLayerStack, MatchesCpuStackThroughPrefillMixedAndGraphDecode) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
+// 1 dense + 2 sparse layers of a small geometry (hidden 384, 8 q / 2 kv heads); capacities unset.
+LayerStackConfig small_stack_config(uint64_t seed) {
   LayerStackConfig cfg;
   cfg.geometry.hidden = 384;
   cfg.geometry.n_q = 8;
   cfg.geometry.n_kv = 2;
   cfg.num_dense = 1;
   cfg.num_sparse = 2;
+  cfg.seed = seed;
+  return cfg;
+}
+
+TEST(CudaLayerStack, MatchesCpuStackThroughPrefillMixedAndGraphDecode) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  LayerStackConfig cfg = small_stack_config(seed);
   cfg.num_pages = 160;
   cfg.max_tokens_per_step = 2600;
   cfg.max_requests_per_step = 8;
   cfg.max_pages_per_request = 24;
   cfg.max_position = 3072;
-  cfg.seed = seed;
   Result<std::unique_ptr<LayerStack>> cpu = create_cpu_layer_stack(cfg);
   Result<std::unique_ptr<LayerStack>> gpu = create_cuda_layer_stack(cfg);
   ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
@@ -201,18 +207,12 @@ TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
-  LayerStackConfig cfg;
-  cfg.geometry.hidden = 384;
-  cfg.geometry.n_q = 8;
-  cfg.geometry.n_kv = 2;
-  cfg.num_dense = 1;
-  cfg.num_sparse = 2;
+  LayerStackConfig cfg = small_stack_config(seed);
   cfg.num_pages = 64;
   cfg.max_tokens_per_step = 256;
   cfg.max_requests_per_step = 16;
   cfg.max_pages_per_request = 4;
   cfg.max_position = 512;
-  cfg.seed = seed;
   LayerStackConfig eager_cfg = cfg;
   cfg.capture_mixed_front = true;
   eager_cfg.capture_mixed_front = false;

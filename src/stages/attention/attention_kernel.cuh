@@ -169,7 +169,9 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
          (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
 }
 
-// Inclusive prefix sum of v over the CTA; `total` gets the CTA-wide sum. All threads must call.
+// Inclusive prefix sum of v over the CTA of `Threads` threads; `total` gets the CTA-wide sum. All
+// threads must call; s_warp holds Threads / 32 ints.
+template <int Threads = kThreads>
 __device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -182,7 +184,7 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& tot
   int before = 0;
   total = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < Threads / 32; ++w) {
     const int x = s_warp[w];
     if (w < warp) before += x;
     total += x;
@@ -193,13 +195,13 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& tot
 
 // Tile `tile` of the batch: requests are cut into ceil(n_r / QT) tiles of QT tokens, in request
 // order. Writes {request, first token, tokens} to s_tile; false when the tile does not exist
-// (the grid is sized for the worst case).
-template <int QT>
+// (the grid is sized for the worst case). A CTA of `Threads` threads.
+template <int QT, int Threads = kThreads>
 __device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile) {
   if (threadIdx.x == 0) s_tile[0] = -1;
   __syncthreads();
   int carry = 0;
-  for (int base = 0; base < a.R; base += kThreads) {
+  for (int base = 0; base < a.R; base += Threads) {
     const int r = base + static_cast<int>(threadIdx.x);
     int lo = 0, hi = 0, cnt = 0;
     if (r < a.R) {
@@ -208,7 +210,7 @@ __device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile)
       cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
     }
     int total = 0;
-    const int incl = block_inclusive_scan(cnt, s_warp, total);
+    const int incl = block_inclusive_scan<Threads>(cnt, s_warp, total);
     const int excl = incl - cnt;
     if (cnt > 0 && tile >= carry + excl && tile < carry + incl) {
       const int start = lo + (tile - carry - excl) * QT;

@@ -180,58 +180,6 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
 
-// Inclusive prefix sum over the CTA (kThreads); `total` gets the sum. All threads must call.
-__device__ __forceinline__ int block_scan(int v, int* s_warp, int& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int n = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += n;
-  }
-  if (lane == 31) s_warp[warp] = v;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) {
-    const int x = s_warp[w];
-    if (w < warp) before += x;
-    total += x;
-  }
-  __syncthreads();
-  return v + before;
-}
-
-// Tile `tile` of the batch (requests cut into ceil(n_r / kQT) tiles, request order): writes
-// {request, first token, tokens} to s_tile; false when the tile does not exist.
-__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile) {
-  if (threadIdx.x == 0) s_tile[0] = -1;
-  __syncthreads();
-  int carry = 0;
-  for (int base = 0; base < a.R; base += kThreads) {
-    const int r = base + static_cast<int>(threadIdx.x);
-    int lo = 0, hi = 0, cnt = 0;
-    if (r < a.R) {
-      lo = min(max(a.query_start[r], 0), a.T);
-      hi = min(max(a.query_start[r + 1], 0), a.T);
-      cnt = hi > lo ? (hi - lo + kQT - 1) / kQT : 0;
-    }
-    int total = 0;
-    const int incl = block_scan(cnt, s_warp, total);
-    const int excl = incl - cnt;
-    if (cnt > 0 && tile >= carry + excl && tile < carry + incl) {
-      const int start = lo + (tile - carry - excl) * kQT;
-      s_tile[0] = r;
-      s_tile[1] = start;
-      s_tile[2] = min(kQT, hi - start);
-    }
-    carry += total;
-    __syncthreads();
-    if (s_tile[0] >= 0) break;
-  }
-  return s_tile[0] >= 0;
-}
-
 // Raw K and V tiles of (page, KV head g) into one stage [K | V], swizzled as in ak::load_block.
 template <bool kVec16>
 __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint32_t stage) {
@@ -438,7 +386,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_u32);
 
-  if (!find_tile(a, static_cast<int>(blockIdx.x), s_warp, s_tile)) return;  // CTA-uniform
+  if (!ak::find_tile<kQT, kThreads>(a, static_cast<int>(blockIdx.x), s_warp, s_tile))
+    return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   if (tid < kQT) s_pos[tid] = tid < nt ? a.positions[t0 + tid] : -1;
   int cand_b = -1, cand_pos = -1;
@@ -514,7 +463,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
         }
       }
     }
-    const int rank = block_scan(first ? 1 : 0, s_warp, n_total) - 1;
+    const int rank = ak::block_inclusive_scan<kThreads>(first ? 1 : 0, s_warp, n_total) - 1;
     if (first) {
       s_list_b[rank] = b;
       s_list_page[rank] = s_cand_page[tid];

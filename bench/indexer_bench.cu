@@ -20,9 +20,11 @@
 // c = blocks per split, w = merge warps per row).
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
 //   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
-//   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the main path over
-//   k_splits at batch 64 / 256, context 8K / 32K, draft 0), --contiguous (each request's pages
-//   consecutive in the pool instead of scattered over it: the TLB / DRAM-locality comparison).
+//   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the fused and the
+//   two-kernel paths (or the flag's path) over k_splits at batch 64 / 256, context 8K / 32K,
+//   draft 0), --contiguous (each request's pages consecutive in the pool instead of scattered over
+//   it: the TLB / DRAM-locality comparison), --prefetch (every timed path with
+//   IndexerCudaOptions::decode_l2_prefetch; plan column "p").
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -278,8 +280,8 @@ bench::Timing check_and_time(const Case& c, const Pool& pool, const std::vector<
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + " k" +
-         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + (pl.l2_prefetch ? "p" : "") +
+         " k" + std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
 }
 
@@ -292,7 +294,8 @@ std::string kilo(int v) {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false;
+  bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
+       prefetch = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -307,9 +310,12 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--contiguous")
       g_contiguous = true;
+    else if (a == "--prefetch")
+      prefetch = true;
     else {
       std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous]\n",
+                   "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
+                   "[--prefetch]\n",
                    argv[0]);
       return 2;
     }
@@ -319,6 +325,8 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   bulk_o.decode_bulk_copy = true;
   bulk_o.fused_decode_always = true;
+  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &bulk_o})
+    o->decode_l2_prefetch = prefetch;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
@@ -405,33 +413,34 @@ int main(int argc, char** argv) {
       for (int batch : {64, 256}) {
         Case c = make_case(batch, ctx, 1, pool, rng, rng());
         const std::vector<Slice> slices = {{0, 0, 1}, {batch - 1, 0, 1}};
-        for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
-          IndexerCudaOptions o = sweep_o;
-          o.k_splits = k;
-          if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
-          const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
-                                   std::to_string(ctx) + " k " + std::to_string(k);
-          bool pass = true;
-          const bench::Timing tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
-          all_pass = all_pass && pass;
-          const double gbs = c.index_bytes / (tm.median_us * 1e3);
-          bench::Row row;
-          row.add("batch", std::to_string(batch));
-          row.add("context", kilo(ctx));
-          row.add("k_splits", k == 0 ? std::string("auto") : std::to_string(k));
-          row.add("plan", plan_str(c, o));
-          row.add("check", pass ? "PASS" : "FAIL");
-          row.add("us", tm.median_us, 1);
-          row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-          rows.push_back(row);
-        }
+        for (int path = 0; path < (compare_paths ? 2 : 1); ++path)
+          for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
+            IndexerCudaOptions o = path == 0 ? sweep_o : two_o;
+            o.k_splits = k;
+            if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
+            const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
+                                     std::to_string(ctx) + " k " + std::to_string(k);
+            bool pass = true;
+            const bench::Timing tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
+            all_pass = all_pass && pass;
+            const double gbs = c.index_bytes / (tm.median_us * 1e3);
+            bench::Row row;
+            row.add("batch", std::to_string(batch));
+            row.add("context", kilo(ctx));
+            row.add("k_splits", k == 0 ? std::string("auto") : std::to_string(k));
+            row.add("plan", plan_str(c, o));
+            row.add("check", pass ? "PASS" : "FAIL");
+            row.add("us", tm.median_us, 1);
+            row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+            rows.push_back(row);
+          }
         free_case(c);
       }
     }
     bench::print_rows(std::string("indexer decode split sweep (") +
                           (unfused_only ? "two-kernel"
                            : bulk_only  ? "fused, bulk copies"
-                                        : "fused") +
+                                        : "fused rows, then two-kernel rows") +
                           ", draft 0, graph replay, cold L2)",
                       rows, json);
   }

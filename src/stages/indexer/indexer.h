@@ -101,6 +101,11 @@ struct IndexerCudaOptions {
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
   // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
   bool decode_bulk_copy = false;
+  // Tensor-core decode units (both paths): each warp prefetches the index-K page of its next
+  // block into L2 (cp.async.bulk.prefetch) when it starts issuing the current one, so about one
+  // more page per warp is in flight beyond the shared-memory ring (same results; a performance
+  // variant under evaluation).
+  bool decode_l2_prefetch = false;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -122,10 +127,11 @@ bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOpt
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;        // grid.y of the scorer
-  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;       // warps per row of the fused path's final kernel
-  bool bulk_copy = false;  // fused with bulk (TMA) tile copies
+  int k_splits = 0;          // grid.y of the scorer
+  int dec_chunk = 0;         // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;         // warps per row of the fused path's final kernel
+  bool bulk_copy = false;    // fused with bulk (TMA) tile copies
+  bool l2_prefetch = false;  // decode units prefetch their next page into L2
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

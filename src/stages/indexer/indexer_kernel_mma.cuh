@@ -85,6 +85,15 @@ static_assert(kPreStages * kPageBytes <= kMmaSmemBytes, "overflow ring fits");
 static_assert(kDecStages - 1 <= kPageSize / 16, "issue at most one block ahead");
 static_assert((kDecStages & (kDecStages - 1)) == 0, "ring index by mask");
 static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");
+// Alignment of the dynamic shared memory (the tile rings). The dynamic array starts after the
+// kernel's static shared variables (OverflowShared, the bulk variant's mbarriers), at the
+// declared alignment: with __align__(16) it sat at 48 bytes past a 128-byte boundary, and every
+// 16-byte cp.async of a 128-byte index-K row then wrote two 128-byte shared-memory lines. ncu
+// (session 11, round 1, every LDGSTS of the decode and overflow paths): 16 shared wavefronts per
+// warp instruction instead of 4 and 32 L2 sectors requested instead of 16, i.e. every index-K
+// byte requested from L2 twice (the 49 % L2 hit rate, L2 the busiest unit at 79-94 %). The
+// attention kernel's identical LDGSTS pattern into an __align__(128) array: the ideal counts.
+constexpr int kSmemAlign = 128;
 // Fused decode: blocks per split at most (the host sizes dec_chunk accordingly) and the shared
 // block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB in all, 3 CTAs per SM.
 constexpr int kFusedMaxChunk = 64;
@@ -210,6 +219,12 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
           "r"(smem_addr(dst)),
       "l"(src), "r"(bytes), "r"(smem_addr(bar))
       : "memory");
+}
+
+// A whole index-K page into L2 (no shared-memory destination, no completion to wait for).
+__device__ __forceinline__ void prefetch_page_l2(const uint8_t* page) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(page), "n"(kPageBytes)
+               : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,9 +384,20 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const int total = nblk * 8;
   int issue_blk = 0;
-  int64_t pg_cur = pg_first;
-  int64_t pg_prev = -1;
-  int64_t pg_next = nblk > 1 ? pg_second : int64_t{-1};
+  // Page ids fit in 32 bits (page-table entries are i32; -1 = outside the pool).
+  const auto page_at = [&](int k) {
+    return k < nblk ? static_cast<int>(guarded_page(a, r, first + k * kMmaWarps)) : -1;
+  };
+  int pg_cur = static_cast<int>(pg_first);
+  int pg_prev = -1;
+  int pg_next = nblk > 1 ? static_cast<int>(pg_second) : -1;
+  // L2 prefetch (a.l2_prefetch): when the issue side starts block k, lane 0 prefetches block
+  // k + 1's whole page into L2 (one bulk prefetch), so a further page per warp is in flight
+  // beyond the ring; its page-table entry was loaded one block earlier (pg_next2), so the
+  // prefetch never waits for a load.
+  const bool l2_prefetch = a.l2_prefetch != 0;
+  int pg_next2 = l2_prefetch ? page_at(2) : -1;
+  if (l2_prefetch && lane == 0 && pg_next >= 0) prefetch_page_l2(page_base(a, pg_next));
   auto issue = [&](int i) {
     if (i < total) {
       const int k = i >> 3;
@@ -379,7 +405,13 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         issue_blk = k;
         pg_prev = pg_cur;
         pg_cur = pg_next;
-        pg_next = k + 1 < nblk ? guarded_page(a, r, first + (k + 1) * kMmaWarps) : int64_t{-1};
+        if (l2_prefetch) {
+          pg_next = pg_next2;
+          pg_next2 = page_at(k + 2);
+          if (lane == 0 && pg_next >= 0) prefetch_page_l2(page_base(a, pg_next));
+        } else {
+          pg_next = page_at(k + 1);
+        }
       }
       issue_tile<kBulk>(a, ring, bars, pg_cur, i, lane);
     }
@@ -725,7 +757,7 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
 
 // Two-kernel path: every block score goes to the workspace; select_kernel picks.
 __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false, false>(a, smem, sh, nullptr);
 }
@@ -733,7 +765,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
 // Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
 // merge_kernel finishes. Dynamic shared memory: kFusedSmemBytes.
 __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, false>(a, smem, sh, nullptr);
 }
@@ -741,7 +773,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelAr
 // The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::
 // decode_bulk_copy); the same results.
 __global__ void __launch_bounds__(kMmaThreads) score_fused_bulk_kernel(const KernelArgs a) {
-  extern __shared__ __align__(16) uint8_t smem[];
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   __shared__ __align__(8) uint64_t bars[kMmaWarps * kDecStages];
   score_mma_body<true, true>(a, smem, sh, bars);

@@ -385,6 +385,11 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
     o.k_splits = 1000;
     variants.push_back({"k_splits 1000", o});
     o = IndexerCudaOptions{};
+    o.decode_l2_prefetch = true;
+    variants.push_back({"l2 prefetch", o});
+    o.k_splits = 1;  // many blocks per warp: the prefetch runs ahead over every block edge
+    variants.push_back({"l2 prefetch, k_splits 1", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;
@@ -643,7 +648,8 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
   }
 }
 
-// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores.
+// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 fused
+// with L2 prefetch, 5 two-kernel with L2 prefetch.
 void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -688,12 +694,14 @@ void check_guards(const std::vector<int>& paths) {
   for (int path : paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 3;
-    o.unfused_decode = path == 1;
+    o.unfused_decode = path == 1 || path == 5;
     o.decode_bulk_copy = path == 2;
-    o.fused_decode_always = path == 0 || path == 2;
-    const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] "};
+    o.decode_l2_prefetch = path == 4 || path == 5;
+    o.fused_decode_always = path == 0 || path == 2 || path == 4;
+    const char* names[] = {"[fused] ",      "[two-kernel] ",         "[fused bulk] ",
+                           "[cuda cores] ", "[fused, l2 prefetch] ", "[two-kernel, l2 prefetch] "};
     const char* name = names[path];
-    if (path == 0 || path == 2) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
+    if (o.fused_decode_always) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {
       const int32_t* got = g.ids.data() + row * kTopK;
@@ -706,7 +714,7 @@ void check_guards(const std::vector<int>& paths) {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 3});
+  check_guards({0, 1, 3, 4, 5});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -720,36 +728,41 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   ASSERT_EQ(first.max_pages(), second.max_pages());
   ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
-  DeviceSet d;
-  upload(first, d);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, {}));
-  const Status st = run_indexer_cuda(d.params, d.workspace, stream);
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  IndexerCudaOptions prefetch;
+  prefetch.decode_l2_prefetch = true;
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, prefetch}) {
+    const std::string what = go.decode_l2_prefetch ? " (l2 prefetch)" : "";
+    DeviceSet d;
+    upload(first, d);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, go));
+    const Status st = run_indexer_cuda(d.params, d.workspace, stream, go);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
 
-  for (const Inputs* in : {&first, &second}) {
-    reupload(*in, d);
-    poison_outputs(d);
-    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const GpuResult replay = download(d);
-    const GpuResult eager = run_gpu(d, {});
-    EXPECT_TRUE(replay.ids == eager.ids) << "graph replay and eager ids differ";
-    // The default (fused) path against the two-kernel path, which is checked against the twin.
-    IndexerCudaOptions two;
-    two.unfused_decode = true;
-    const GpuResult unfused = run_gpu(d, two);
-    expect_same_ids(*in, replay, unfused, "graph replay (fused) vs two-kernel");
-    compare(*in, reference(*in), unfused, false, "two-kernel after graph replay");
+    for (const Inputs* in : {&first, &second}) {
+      reupload(*in, d);
+      poison_outputs(d);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const GpuResult replay = download(d);
+      const GpuResult eager = run_gpu(d, go);
+      EXPECT_TRUE(replay.ids == eager.ids) << "graph replay and eager ids differ" << what;
+      // The default (fused) path against the two-kernel path, checked against the twin.
+      IndexerCudaOptions two;
+      two.unfused_decode = true;
+      const GpuResult unfused = run_gpu(d, two);
+      expect_same_ids(*in, replay, unfused, "graph replay (fused) vs two-kernel" + what);
+      compare(*in, reference(*in), unfused, false, "two-kernel after graph replay" + what);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

@@ -364,13 +364,6 @@ int run(int argc, char** argv) {
   pass = spot_check(b, wg, "wgmma kernel", stream) && pass;
   pass = spot_check(b, wg, "wgmma kernel", stream, 37) && pass;
   pass = spot_check(b, wg1, "wgmma kernel, 1 CTA/SM", stream, 13) && pass;
-  {
-    Fp8BlockGemmOptions pf_opt = wg_opt;
-    pf_opt.wgmma.prefetch_scales = true;
-    Trio wgp{make(64, kNF, pf_opt), make(64, kN1, pf_opt), make(64, kN2, pf_opt)};
-    pass = spot_check(b, wgp, "wgmma kernel, scale prefetch", stream, 5) && pass;
-    pass = spot_check(b, wgp, "wgmma kernel, scale prefetch", stream, 37) && pass;
-  }
   fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
   check_cuda(cudaGetLastError(), "fill");
 
@@ -538,8 +531,8 @@ int run(int argc, char** argv) {
       "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
       rows_wg, json);
 
-  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape, scale
-  // prefetch.
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape, bursts,
+  // L2 policy of the weights.
   {
     Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
     must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
@@ -547,21 +540,12 @@ int run(int argc, char** argv) {
     check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
     check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
     struct Variant {
-      const char* label;
-      GemmWgmmaOptions o;
+      int ctas, min_units, burst;
+      bool evict_first;
     };
-    std::vector<Variant> variants;
-    for (int ctas : {2, 1}) {
-      for (int units : {4, 16}) {
-        for (bool prefetch : {false, true}) {
-          GemmWgmmaOptions o;
-          o.ctas_per_sm = ctas;
-          o.min_units_per_cta = units;
-          o.prefetch_scales = prefetch;
-          variants.push_back({nullptr, o});
-        }
-      }
-    }
+    const Variant variants[] = {{0, 4, 0, true},  {1, 4, 0, true}, {2, 16, 0, true},
+                                {0, 4, 1, true},  {0, 4, 2, true}, {0, 4, 99, true},
+                                {0, 4, 0, false}, {1, 1, 99, true}};
     std::vector<bench::Row> rows_var;
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
       const Calls c = make_calls(b, rows_m);
@@ -571,18 +555,24 @@ int run(int argc, char** argv) {
       const double bytes =
           static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
       for (const Variant& v : variants) {
+        GemmWgmmaOptions o;
+        o.ctas_per_sm = v.ctas;
+        o.min_units_per_cta = v.min_units;
+        o.burst = v.burst;
+        o.weight_evict_first = v.evict_first;
         const double us =
             bench::time_graph_cold(
                 [&](cudaStream_t s) {
-                  must(run_gemm_wgmma_cuda(c.fused, ws, ws_bytes.value(), s, v.o), "wgmma variant");
+                  must(run_gemm_wgmma_cuda(c.fused, ws, ws_bytes.value(), s, o), "wgmma variant");
                 },
                 stream, 3, iters)
                 .median_us;
         bench::Row r;
         r.add("M", std::to_string(rows_m));
-        r.add("ctas/SM", std::to_string(m > 16 ? 1 : v.o.ctas_per_sm));
-        r.add("min_units", std::to_string(v.o.min_units_per_cta));
-        r.add("prefetch", v.o.prefetch_scales ? "yes" : "no");
+        r.add("ctas/SM", m > 16 ? "1" : v.ctas == 0 ? "auto" : std::to_string(v.ctas));
+        r.add("min_units", std::to_string(v.min_units));
+        r.add("burst", v.burst == 0 ? "auto" : v.burst == 99 ? "ring" : std::to_string(v.burst));
+        r.add("evict_first", v.evict_first ? "yes" : "no");
         r.add("us", us);
         r.add("GBps", bytes / us / 1e3, 0);
         r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
@@ -590,8 +580,8 @@ int run(int argc, char** argv) {
       }
     }
     bench::print_rows(
-        "wgmma kernel variants, fused N=9856 (graph replay, cold L2; prefetch = scales two units "
-        "ahead)",
+        "wgmma kernel variants, fused N=9856 (graph replay, cold L2; burst auto = half the ring, "
+        "ring = the whole ring)",
         rows_var, json);
     cudaFree(ws);
   }

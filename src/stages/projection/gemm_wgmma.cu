@@ -82,21 +82,28 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm, bool kPrefetch>
+template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
-              int device, cudaStream_t stream) {
+              const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kPrefetch>;
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
-  // once per device (bit `device` of `ready`; devices >= 64 set it at every call).
-  static std::atomic<uint64_t> ready{0};
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if (bit == 0 || (ready.load(std::memory_order_acquire) & bit) == 0) {
+  // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
+  // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
+  static std::atomic<int> resident_of[64] = {};
+  int resident = info.device < 64 ? resident_of[info.device].load(std::memory_order_acquire) : 0;
+  if (resident == 0) {
     M3_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    ready.fetch_or(bit, std::memory_order_acq_rel);
+    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, gemm_wgmma_detail::kThreads, kSmem));
+    if (resident < 1)
+      return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda: no CTA of the n = ", kNw,
+                         " kernel fits on an SM (", kSmem, " B of dynamic shared memory)");
+    if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
   }
+  grid = std::min(grid, std::min(resident, kCtasPerSm) * info.sms);
   WgmmaArgs a = args;
   a.burst = a.burst <= 0 ? std::max(1, kStages / 2) : std::min(a.burst, kStages);
   kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, a);
@@ -105,14 +112,14 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
 }
 
 // Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
-template <int kCtasPerSm, bool kPrefetch>
+template <int kCtasPerSm>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
-                     int grid, int device, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm, kPrefetch>(wmap, xmap, args, grid, device, stream);
-  if (m <= 16) return launch<16, kCtasPerSm, kPrefetch>(wmap, xmap, args, grid, device, stream);
-  // n = 32 and 64 need more registers than two CTAs per SM leave (96): one CTA per SM.
-  if (m <= 32) return launch<32, 1, kPrefetch>(wmap, xmap, args, grid, device, stream);
-  if (m <= 64) return launch<64, 1, kPrefetch>(wmap, xmap, args, grid, device, stream);
+                     int grid, const DeviceInfo& info, cudaStream_t stream) {
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, info, stream);
+  // n = 32 and 64 need more registers than two CTAs per SM leave: one CTA per SM.
+  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, info, stream);
+  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, info, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
 
@@ -172,8 +179,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                        info.device, " has compute capability ", info.major, ".x");
   const int64_t kblocks = k / kBlockK, tiles = tiles_of(n);
   const int64_t units = tiles * kblocks;
-  M3_CHECK_ARG(k < (int64_t{1} << 31) && n < (int64_t{1} << 31), "run_gemm_wgmma_cuda: N = ", n,
-               " and K = ", k, " must be below 2^31");
+  M3_CHECK_ARG(units < (int64_t{1} << 31), "run_gemm_wgmma_cuda: N / 128 x K / 128 = ", units,
+               " units (N = ", n, ", K = ", k, ") must be below 2^31");
   if (m == 0) return Status::Ok();
 
   // M > 16 (n = 32, 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
@@ -214,15 +221,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
-  args.units = units;
-  if (options.prefetch_scales) {
-    if (ctas_per_sm == 1)
-      return dispatch_rows<1, true>(args.m, wmap, xmap, args, grid, info.device, stream);
-    return dispatch_rows<2, true>(args.m, wmap, xmap, args, grid, info.device, stream);
-  }
-  if (ctas_per_sm == 1)
-    return dispatch_rows<1, false>(args.m, wmap, xmap, args, grid, info.device, stream);
-  return dispatch_rows<2, false>(args.m, wmap, xmap, args, grid, info.device, stream);
+  args.units = static_cast<int>(units);
+  if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, info, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, info, stream);
 }
 
 }  // namespace m3attn

@@ -35,8 +35,8 @@ struct GemmWgmmaOptions {
   // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
   // to the ring depth.
   int burst = 0;
-  // Load each unit's scales two units ahead into registers (a separate kernel instantiation).
-  // Experimental, off by default: measured by projection_bench, not yet by the tests.
+  // Kept for source compatibility; ignored: the producer warp now always stages every unit's
+  // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;
 };
 

@@ -6,7 +6,8 @@
 // bf16.
 //
 // Why: at M <= 64 the GEMM streams the weights (N K bytes: 60.6 MB for the fused projection,
-// ideally 14.1 us at 4.3 TB/s); cuBLASLt's block-scaled kernels reach ~57 % of that.
+// ideally 14.1 us at 4.3 TB/s; a pure streaming read of those bytes, timed like the benchmarks,
+// takes 16.96 us = 3570 GB/s: bandwidth_bench, session 11); cuBLASLt reaches 22.9-23.9 us.
 //
 // Swap-AB: the weights are the wgmma A operand (64 weight rows = 64 output columns per consumer
 // warpgroup), the activations are B (n = M rounded up to 8, 16, 32 or 64). Both are K-major in
@@ -31,9 +32,16 @@
 // in bursts: it waits for `burst` free stages and issues their loads back to back, so each weight
 // row is requested burst x 128 contiguous bytes at once (a lone 128-byte piece per row per visit
 // leaves the HBM row buffers mostly unused: round 2 measured ~2.3 TB/s with single-unit issue).
-// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, release the stage, fold
-// with the scales. Grid: (1 or 2 for n <= 16; 1 for n = 32, 64: registers) x SMs CTAs, at least
-// `min_units_per_cta` units each.
+// With each unit the producer warp also stages its scales (the unit's weight scale and the
+// activation scales of its K block, one cp.async of 4 bytes per row, lane r copying rows r and
+// r + 32) into the stage's scale slot in shared memory; the full barrier counts lane 0's
+// arrive.expect_tx plus one cp.async.mbarrier.arrive.noinc per lane, so a stage is full when its
+// TMA bytes and its scales have landed. (Session 11, ncu round 1: with the scales loaded by the
+// consumers from global memory at every unit, 30-47 % of the warp stalls sat on those loads and
+// the consumers, not HBM, set the pace: 2.2-2.5 TB/s, SMs 18 % above / below the mean busy time.)
+// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, fold with the staged
+// scales, release the stage. Grid: (1 or 2 for n <= 16; 1 for n = 32, 64: registers) x SMs CTAs,
+// at least `min_units_per_cta` units each, never more than one wave of resident CTAs.
 //
 // Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
 // ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
@@ -86,7 +94,7 @@ struct WgmmaArgs {
   int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
   int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
-  int64_t units;           // tiles * kblocks
+  int units;               // tiles * kblocks (< 2^31: checked on the host)
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -156,6 +164,16 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+// 4-byte asynchronous global -> shared copy (cp.async), and an arrival on `bar` once every
+// cp.async this thread issued before has landed (.noinc: the barrier's count includes it).
+__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
@@ -242,45 +260,53 @@ struct Wgmma<64> {
 };
 
 // First unit of CTA c among `grid` CTAs sharing `units` units; the owner of unit u.
-__device__ __forceinline__ int64_t unit_begin(int64_t c, int64_t grid, int64_t units) {
-  return c * units / grid;
+__device__ __forceinline__ int unit_begin(int c, int grid, int units) {
+  return static_cast<int>(int64_t{c} * units / grid);
 }
-__device__ __forceinline__ int64_t unit_owner(int64_t u, int64_t grid, int64_t units) {
-  return ((u + 1) * grid - 1) / units;
+__device__ __forceinline__ int unit_owner(int u, int grid, int units) {
+  return static_cast<int>((int64_t{u + 1} * grid - 1) / units);
 }
 
-// kPrefetch: the scales of each unit are loaded kScaleAhead units ahead into registers (the
-// consumer otherwise waits for them, one L1-miss latency per unit at larger M). Off by default
-// (GemmWgmmaOptions::prefetch_scales) until measured.
-constexpr int kScaleAhead = 2;
+// Scale slot of one ring stage: the activation scales of the unit's K block for rows 0 .. kNw - 1
+// (rows >= M stay zero) and the unit's weight scale at index kNw.
+template <int kNw>
+constexpr int scale_slot_floats() {
+  return kNw + 4;
+}
 
-template <int kNw, int kStages, int kCtasPerSm, bool kPrefetch>
+template <int kNw, int kStages, int kCtasPerSm>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
   constexpr int kStageBytes = stage_bytes<kNw>();
   constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread: 64 x kNw over 128 threads
-  constexpr int kGroups = kNw / 8;
+  constexpr int kSlot = scale_slot_floats<kNw>();
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte swizzle alignment");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
+  __shared__ __align__(16) float s_scales[kStages * kSlot];
   __shared__ int s_is_last;
 
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = static_cast<int>(threadIdx.x);
-  const int64_t grid = gridDim.x, cta = blockIdx.x;
-  const int64_t units = p.units;
-  const int64_t kb_count = p.kblocks;
-  const int64_t u_begin = unit_begin(cta, grid, units);
-  const int64_t u_end = unit_begin(cta + 1, grid, units);
+  const int lane = tid % 32;
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int units = p.units;
+  const int kb_count = p.kblocks;
+  const int u_begin = unit_begin(cta, grid, units);
+  const int u_end = unit_begin(cta + 1, grid, units);
+  const int m_count = p.m;
 
+  // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
+  for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
   if (tid == kConsumerThreads) {
     prefetch_tensor_map(&wmap);
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1);
+      // Lane 0's arrive.expect_tx plus one cp.async arrival per producer lane.
+      mbar_init(smem_addr(&full_bar[s]), 1 + 32);
       mbar_init(smem_addr(&empty_bar[s]), kConsumerThreads / 32);  // one arrival per warp
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -289,107 +315,76 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __syncthreads();
 
   if (tid >= kConsumerThreads) {
-    // Producer: lane 0 of warp 8 streams the CTA's units in order through the ring.
-    if (tid == kConsumerThreads) {
-      const uint64_t policy = evict_first_policy();
-      const int burst = p.burst;  // 1 .. kStages (host-clamped)
-      int i = 0;
-      for (int64_t u = u_begin; u < u_end;) {
-        // Bursts: wait until `burst` slots are free, then issue their loads back to back, so each
-        // weight row is requested burst x 128 contiguous bytes at a time (DRAM row locality).
-        const int nb = u_end - u < burst ? static_cast<int>(u_end - u) : burst;
-        for (int j = 0; j < nb; ++j) {
-          const int ij = i + j;
-          if (ij >= kStages)
-            mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);
-        }
-        for (int j = 0; j < nb; ++j, ++u, ++i) {
-          const int s = i % kStages;
-          const int tile = static_cast<int>(u / kb_count);
-          const int kb = static_cast<int>(u - tile * kb_count);
-          const uint32_t full = smem_addr(&full_bar[s]);
+    // Producer warp: lane 0 streams the CTA's units in order through the ring with TMA; every
+    // lane copies its rows' activation scales of the unit (lane 0 also the weight scale) into the
+    // stage's scale slot with cp.async, whose completion the full barrier also waits for.
+    const uint64_t policy = evict_first_policy();
+    const int burst = p.burst;  // 1 .. kStages (host-clamped)
+    int i = 0;
+    for (int u = u_begin; u < u_end;) {
+      // Bursts: wait until `burst` slots are free, then issue their loads back to back, so each
+      // weight row is requested burst x 128 contiguous bytes at a time (DRAM row locality).
+      const int nb = u_end - u < burst ? static_cast<int>(u_end - u) : burst;
+      for (int j = 0; j < nb; ++j) {
+        const int ij = i + j;
+        if (ij >= kStages) mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);
+      }
+      for (int j = 0; j < nb; ++j, ++u, ++i) {
+        const int s = i % kStages;
+        const int tile = u / kb_count;
+        const int kb = u - tile * kb_count;
+        const uint32_t full = smem_addr(&full_bar[s]);
+        if (lane == 0) {
           const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
           mbar_arrive_expect_tx(full, kStageBytes);
+          const int x = kb * kBlockK, y = tile * kTileN;
           if (p.weight_evict_first) {
-            tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
+            tma_load_2d_hint(dst, &wmap, x, y, full, policy);
           } else {
-            tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+            tma_load_2d(dst, &wmap, x, y, full);
           }
-          tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
+          tma_load_2d(dst + kWeightTileBytes, &xmap, x, 0, full);
         }
+        float* slot = s_scales + s * kSlot;
+#pragma unroll
+        for (int r = lane; r < kNw; r += 32)
+          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
+        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+        cp_async_mbar_arrive_noinc(full);
       }
     }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1, 256)
   }
 
   // Consumers: warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
-  const int lane = tid % 32;
   const int q = lane % 4;
   const int row0 = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
-  const int m_count = p.m;
-  const int64_t first_tile = u_begin / kb_count;
+  const int first_tile = u_begin / kb_count;
+
+  // Fragment element j = 4 g + 2 h + e is (weight row row0 + 8 h, activation row 8 g + 2 q + e).
+  auto frag_m = [&](int j) { return 8 * (j / 4) + 2 * q + j % 2; };
+  auto frag_row = [&](int j) { return row0 + 8 * ((j / 2) % 2); };
+  auto store_bf16 = [&](int j, float v, int tile) {
+    if (frag_m(j) < m_count)
+      p.out[frag_m(j) * p.ldo + tile * kTileN + frag_row(j)] = float_to_bf16(v);
+  };
 
   float acc[kAcc];
-
-  // Scale prefetch queue (kPrefetch): entry d holds the scales of unit (current + d); the cursor
-  // walks the CTA's units in order, (tile, kb) advanced without divisions.
-  float q_w[kScaleAhead], q_lo[kScaleAhead], q_hi[kScaleAhead];
-  int64_t pf_u = u_begin, pf_tile = u_begin / kb_count, pf_kb = u_begin - pf_tile * kb_count;
-  auto prefetch_one = [&](float& w, float& lo, float& hi) {
-    if (pf_u < u_end) {
-      w = __ldg(p.sb + pf_tile * p.sb_s0 + pf_kb * p.sb_s1);
-      lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + pf_kb * p.sa_s1) : 0.0f;
-      hi = kNw > 32 && lane + 32 < m_count ? __ldg(p.sa + (lane + 32) * p.sa_s0 + pf_kb * p.sa_s1)
-                                           : 0.0f;
-    } else {
-      w = lo = hi = 0.0f;
-    }
-    ++pf_u;
-    if (++pf_kb == kb_count) {
-      pf_kb = 0;
-      ++pf_tile;
-    }
-  };
-  if constexpr (kPrefetch) {
-#pragma unroll
-    for (int d = 0; d < kScaleAhead; ++d) prefetch_one(q_w[d], q_lo[d], q_hi[d]);
-  }
-
   int i = 0;
-  int64_t u = u_begin;
+  int u = u_begin;
   while (u < u_end) {
-    const int64_t tile = u / kb_count;
-    const int64_t seg_begin = u;
-    const int64_t seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
+    const int tile = u / kb_count;
+    const int seg_begin = u;
+    const int seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
 #pragma unroll
     for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
 
     for (; u < seg_end; ++u, ++i) {
       float tmp[kAcc];
       const int s = i % kStages;
-      const int64_t kb = u - tile * kb_count;
-      // Scales first (global loads that do not depend on the stage): lane l holds the activation
-      // scales of rows l and l + 32; the fold fetches its columns' scales with shuffles.
-      float w_scale, xs_lo, xs_hi;
-      if constexpr (kPrefetch) {
-        w_scale = q_w[0];
-        xs_lo = q_lo[0];
-        xs_hi = q_hi[0];
-#pragma unroll
-        for (int d = 0; d + 1 < kScaleAhead; ++d) {
-          q_w[d] = q_w[d + 1];
-          q_lo[d] = q_lo[d + 1];
-          q_hi[d] = q_hi[d + 1];
-        }
-        prefetch_one(q_w[kScaleAhead - 1], q_lo[kScaleAhead - 1], q_hi[kScaleAhead - 1]);
-      } else {
-        w_scale = __ldg(p.sb + tile * p.sb_s0 + kb * p.sb_s1);
-        xs_lo = lane < m_count ? __ldg(p.sa + lane * p.sa_s0 + kb * p.sa_s1) : 0.0f;
-        xs_hi = kNw > 32 && lane + 32 < m_count ? __ldg(p.sa + (lane + 32) * p.sa_s0 + kb * p.sa_s1)
-                                                : 0.0f;
-      }
       mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
       const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
       const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
@@ -405,60 +400,32 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       wgmma_wait_all();
 #pragma unroll
       for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+      // Promotion with the staged scales (read before the stage is released).
+      const float* slot = s_scales + s * kSlot;
+      const float w_scale = slot[kNw];
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
       __syncwarp();
       if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
-        // d[4 g + 2 h + e] is (row0 + 8 h, m = 8 g + 2 q + e).
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float xs =
-              __shfl_sync(0xffffffffu, g < 4 ? xs_lo : xs_hi, (8 * g + 2 * q + e) % 32);
-          const float factor = w_scale * xs;
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            acc[4 * g + 2 * h + e] = fmaf(tmp[4 * g + 2 * h + e], factor, acc[4 * g + 2 * h + e]);
-        }
-      }
     }
 
     const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
     if (whole) {
 #pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int m = 8 * g + 2 * q + e;
-          if (m < m_count) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              p.out[m * p.ldo + tile * kTileN + row0 + 8 * h] =
-                  float_to_bf16(acc[4 * g + 2 * h + e]);
-          }
-        }
-      }
+      for (int j = 0; j < kAcc; ++j) store_bf16(j, acc[j], tile);
       continue;
     }
 
     // Partial segment: publish it, count the arrival; the last arriving CTA finishes the tile.
-    const int64_t slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
-    float* part = p.partials + slot * m_count * kTileN;
+    const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
+    float* part = p.partials + int64_t{slot} * m_count * kTileN;
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = 8 * g + 2 * q + e;
-        if (m < m_count) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h)
-            __stcg(part + m * kTileN + row0 + 8 * h, acc[4 * g + 2 * h + e]);
-        }
-      }
-    }
+    for (int j = 0; j < kAcc; ++j)
+      if (frag_m(j) < m_count) __stcg(part + frag_m(j) * kTileN + frag_row(j), acc[j]);
     __threadfence();
     consumer_barrier();
-    const int64_t c_lo = unit_owner(tile * kb_count, grid, units);
-    const int64_t c_hi = unit_owner((tile + 1) * kb_count - 1, grid, units);
+    const int c_lo = unit_owner(tile * kb_count, grid, units);
+    const int c_hi = unit_owner((tile + 1) * kb_count - 1, grid, units);
     if (tid == 0) {
       const unsigned arrived = atomicAdd(p.counters + tile, 1u);
       s_is_last = arrived == static_cast<unsigned>(c_hi - c_lo);
@@ -471,44 +438,30 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       // except for c_lo when it started in an earlier tile (its last segment: 2 c_lo + 1).
       __threadfence();
       const bool lo_second = unit_begin(c_lo, grid, units) < tile * kb_count;
-      float sum[kAcc];
+      // (In chunks of at most 16 fragment elements: registers.)
+      constexpr int kChunk = kAcc < 16 ? kAcc : 16;
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) sum[j] = 0.0f;
-      for (int64_t c = c_lo; c <= c_hi; ++c) {
-        float v[kAcc];
-        if (c == cta) {
+      for (int j0 = 0; j0 < kAcc; j0 += kChunk) {
+        float sum[kChunk];
 #pragma unroll
-          for (int j = 0; j < kAcc; ++j) v[j] = acc[j];
-        } else {
-          const int64_t c_slot = c == c_lo && lo_second ? 2 * c + 1 : 2 * c;
-          const float* q_part = p.partials + c_slot * m_count * kTileN;
+        for (int jj = 0; jj < kChunk; ++jj) sum[jj] = 0.0f;
+        for (int c = c_lo; c <= c_hi; ++c) {
+          if (c == cta) {
 #pragma unroll
-          for (int g = 0; g < kGroups; ++g) {
+            for (int jj = 0; jj < kChunk; ++jj) sum[jj] += acc[j0 + jj];
+          } else {
+            const int c_slot = c == c_lo && lo_second ? 2 * c + 1 : 2 * c;
+            const float* q_part = p.partials + int64_t{c_slot} * m_count * kTileN;
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int m = 8 * g + 2 * q + e;
-#pragma unroll
-              for (int h = 0; h < 2; ++h)
-                v[4 * g + 2 * h + e] =
-                    m < m_count ? __ldcg(q_part + m * kTileN + row0 + 8 * h) : 0.0f;
+            for (int jj = 0; jj < kChunk; ++jj) {
+              const int j = j0 + jj;
+              sum[jj] +=
+                  frag_m(j) < m_count ? __ldcg(q_part + frag_m(j) * kTileN + frag_row(j)) : 0.0f;
             }
           }
         }
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) sum[j] += v[j];
-      }
-#pragma unroll
-      for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int m = 8 * g + 2 * q + e;
-          if (m < m_count) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-              p.out[m * p.ldo + tile * kTileN + row0 + 8 * h] =
-                  float_to_bf16(sum[4 * g + 2 * h + e]);
-          }
-        }
+        for (int jj = 0; jj < kChunk; ++jj) store_bf16(j0 + jj, sum[jj], tile);
       }
       if (tid == 0) atomicExch(p.counters + tile, 0u);
     }

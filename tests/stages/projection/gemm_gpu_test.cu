@@ -227,64 +227,7 @@ TEST(GemmGpuGraph, ReplayWithNewInputEqualsEager) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const int64_t rows = 3, m_pad = 4, n = kNF, k = kHidden;
-  GemmData d = make_random_data(m_pad, n, k, rng);
-  DeviceGemm dev(d, n);
-  DeviceBuffer d_x(static_cast<size_t>(rows * k) * 2);
-  std::vector<uint16_t> x(static_cast<size_t>(rows * k));
-  auto new_x = [&] {
-    for (auto& v : x) v = float_to_bf16(rng.normal(0.0f, 1.0f));
-    d_x.upload(x.data(), x.size() * 2);
-  };
-  new_x();
-  const GemmParams gp = dev.params();
-  QuantizeParams qd;
-  qd.rows = rows;
-  qd.in = TensorView::contiguous(d_x.data(), DType::kBF16, {rows, k}, Device::cuda(0));
-  qd.out = gp.a;
-  qd.scales = gp.a_scales;
-  auto gemm = make_gemm(64, n, k);
-  ASSERT_NE(gemm, nullptr);
-
-  cudaStream_t stream;
-  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto launch = [&]() -> Status {
-    M3_RETURN_IF_ERROR(run_quantize_cuda(qd, stream));
-    return gemm->run(gp, stream);
-  };
-  // Warm-up eager call (cuBLASLt may load its kernels lazily), outside the capture.
-  ASSERT_TRUE(launch().ok());
-  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status cap = launch();
-  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_TRUE(cap.ok()) << cap.to_string();
-  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-  int64_t touched = 0;
-  const std::vector<uint16_t> first = dev.result(&touched);
-
-  new_x();
-  dev.out.poison(kPoison);
-  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-  const std::vector<uint8_t> replay = dev.out.download_all();
-  int64_t t2 = 0;
-  EXPECT_NE(first, dev.result(&t2)) << "the replay did not see the new input";
-
-  for (int rep = 0; rep < 2; ++rep) {
-    dev.out.poison(kPoison);
-    ASSERT_TRUE(launch().ok());
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(replay, dev.out.download_all()) << "eager run " << rep << " differs from the replay";
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  expect_graph_replay_equals_eager(3, 64, untuned_options(), rng);
 }
 
 // ---------------------------------------------------------------------------------------------

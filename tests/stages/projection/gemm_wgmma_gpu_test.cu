@@ -77,7 +77,7 @@ struct Case {
   int ctas_per_sm;    // GemmWgmmaOptions
   int min_units;
   int burst = 0;
-  bool prefetch = false;  // GemmWgmmaOptions::prefetch_scales
+  bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
 };
 
 std::string describe(const Case& c) {
@@ -85,7 +85,7 @@ std::string describe(const Case& c) {
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
-         std::to_string(c.burst) + " prefetch " + std::to_string(c.prefetch);
+         std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -95,7 +95,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.ctas_per_sm = c.ctas_per_sm;
   o.min_units_per_cta = c.min_units;
   o.burst = c.burst;
-  o.prefetch_scales = c.prefetch;
+  o.weight_evict_first = c.evict_first;
   return o;
 }
 
@@ -157,11 +157,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{12, 640, 6144, 0, 0, false, 1, 4, 5},  // odd burst, 12-stage ring
                       Case{40, 384, 2048, 8, 0, false, 0, 2, 99},  // burst clamped to the ring
                       Case{7, 256, 1152, 0, 16, true, 2, 1, 6},    // burst = ring (6 stages)
-                      // Scales prefetched two units ahead (experimental variant, off by default).
-                      Case{1, 9856, 6144, 0, 0, false, 2, 16, 0, true},
-                      Case{16, 640, 6144, 8, 16, true, 1, 4, 0, true},
-                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, true},
-                      Case{64, 256, 640, 0, 0, true, 0, 4, 3, true}));
+                      // Weights loaded without the evict-first policy.
+                      Case{1, 9856, 6144, 0, 0, false, 2, 16, 0, false},
+                      Case{16, 640, 6144, 8, 16, true, 1, 4, 0, false},
+                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, false},
+                      Case{64, 256, 640, 0, 0, true, 0, 4, 3, false},
+                      // Every M from 57 to 64 shares the n = 64 kernel: the last rows' scales.
+                      Case{57, 640, 1152, 0, 0, false, 0, 4},
+                      Case{63, 384, 6144, 8, 0, true, 0, 2, 4}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -246,7 +249,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
 // bit on integer inputs although the three GEMMs split K differently.
 TEST(GemmWgmmaFused, IntegerInputsFusedEqualsUnfusedBitForBit) {
   M3_REQUIRE_WGMMA();
-  for (int64_t m : {4, 64}) {
+  for (int64_t m : {4, 16, 36, 64}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);
     SCOPED_TRACE(::testing::Message() << "M " << m);
@@ -303,66 +306,12 @@ TEST(GemmWgmmaFused, AgreesWithCublasLt) {
 // replayed with a new x: equals eager runs byte for byte.
 TEST(GemmWgmmaGraph, ReplayWithNewInputEqualsEager) {
   M3_REQUIRE_WGMMA();
-  for (int64_t rows : {1, 33}) {
+  for (int64_t rows : {1, 16, 33, 64}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);
     SCOPED_TRACE(::testing::Message() << "rows " << rows);
     Rng rng(seed);
-    const int64_t m_pad = gemm_padded_rows(rows), n = kNF, k = kHidden;
-    GemmData d = make_random_data(m_pad, n, k, rng);
-    DeviceGemm dev(d, n);
-    DeviceBuffer d_x(static_cast<size_t>(rows * k) * 2);
-    std::vector<uint16_t> x(static_cast<size_t>(rows * k));
-    auto new_x = [&] {
-      for (auto& v : x) v = float_to_bf16(rng.normal(0.0f, 1.0f));
-      d_x.upload(x.data(), x.size() * 2);
-    };
-    new_x();
-    const GemmParams gp = dev.params();
-    QuantizeParams qd;
-    qd.rows = rows;
-    qd.in = TensorView::contiguous(d_x.data(), DType::kBF16, {rows, k}, Device::cuda(0));
-    qd.out = gp.a;
-    qd.scales = gp.a_scales;
-    auto gemm = make_gemm(64, n, k, wgmma_options());
-    ASSERT_NE(gemm, nullptr);
-    cudaStream_t stream;
-    M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    auto launch = [&]() -> Status {
-      M3_RETURN_IF_ERROR(run_quantize_cuda(qd, stream));
-      return gemm->run(gp, stream);
-    };
-    ASSERT_TRUE(launch().ok());  // eager warm-up outside the capture
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status cap = launch();
-    M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-    ASSERT_TRUE(cap.ok()) << cap.to_string();
-    M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-    int64_t touched = 0;
-    const std::vector<uint16_t> first = dev.result(&touched);
-    EXPECT_EQ(touched, 0);
-
-    new_x();
-    dev.out.poison(kPoison);
-    M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-    const std::vector<uint8_t> replay = dev.out.download_all();
-    EXPECT_NE(first, dev.result(&touched)) << "the replay did not see the new input";
-    for (int rep = 0; rep < 2; ++rep) {
-      dev.out.poison(kPoison);
-      ASSERT_TRUE(launch().ok());
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      EXPECT_EQ(replay, dev.out.download_all())
-          << "eager run " << rep << " differs from the replay";
-    }
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
+    expect_graph_replay_equals_eager(rows, 64, wgmma_options(), rng);
   }
 }
 

@@ -5,10 +5,12 @@
 // also run, spot-checked and timed at every T (<name>_us, <name>_pct of copy: per_batch, one block
 // per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
 // shared-memory pipeline with its default stages and lanes, tma_s3 with 3 stages, tma_l4_sN with 4
-// lanes per head and N stages), and the unfused pair on the bulk-copy kernel (unfused_tma_us);
-// fused_us / unfused_us are the default choice (ProducerCudaKernel::kAuto).
-//   producer_bench [--json] [--quick] [--only VARIANT] [--t T]
-// --only runs one fused variant (auto or a name above) and --t one T, e.g. for a profiler.
+// lanes per head and N stages; _plan: task plans made by the copy warp; _il: interleaved tile
+// order), and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us
+// are the default choice (ProducerCudaKernel::kAuto).
+//   producer_bench [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]
+// --only runs the listed fused variants (auto or names above) and --t the listed T, e.g. for a
+// profiler or an A/B of variants (each case is built once; the variants are timed in turn).
 // Bytes moved are counted, not estimated: packed rows read, positions and slots read, one RoPE row
 // per distinct position, the norm weights, Q and index-Q written, K / V / index-K rows written for
 // tokens with a valid slot. The unfused pair reads positions, slots and RoPE rows twice.
@@ -397,28 +399,46 @@ double bytes_moved(const Case& c, int m) {
   return b;
 }
 
+// Splits "a,b,c" into its items.
+std::vector<std::string> split_list(const char* s) {
+  std::vector<std::string> out;
+  std::string cur;
+  for (const char* c = s; *c; ++c) {
+    if (*c == ',') {
+      if (!cur.empty()) out.push_back(cur);
+      cur.clear();
+    } else {
+      cur += *c;
+    }
+  }
+  if (!cur.empty()) out.push_back(cur);
+  return out;
+}
+
 }  // namespace
 }  // namespace m3attn
 
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false;
-  const char* only = nullptr;  // one fused variant (name below), spot-checked and timed alone
-  int64_t only_t = 0;          // one T
+  std::vector<std::string> only;  // fused variants (names below), spot-checked and timed alone
+  std::vector<int64_t> only_t;    // T values
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--only") && i + 1 < argc) {
-      only = argv[++i];
+      only = split_list(argv[++i]);
     } else if (!std::strcmp(argv[i], "--t") && i + 1 < argc) {
-      only_t = std::atoll(argv[++i]);
+      for (const std::string& t : split_list(argv[++i])) only_t.push_back(std::atoll(t.c_str()));
     } else {
       std::fprintf(
           stderr,
-          "usage: %s [--json] [--quick] [--only VARIANT] [--t T]\n"
-          "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n",
+          "usage: %s [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]\n"
+          "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n"
+          "           tma_il tma_plan tma_plan_il tma_plan_s3 tma_l4_plan_s2 tma_l4_plan_s4\n"
+          "           tma_l4_plan_s4_il\n",
           argv[0]);
       return 2;
     }
@@ -426,20 +446,23 @@ int main(int argc, char** argv) {
   FILE* log = json ? stderr : stdout;  // keep stdout pure JSON with --json
   std::vector<int64_t> sizes = {1, 8, 64, 256, 1024, 4096, 16384};
   if (quick) sizes = {1, 64, 4096};
-  if (only_t > 0) sizes = {only_t};
+  if (!only_t.empty()) sizes = only_t;
   // Every fused kernel variant, spot-checked and timed at every T (the default choice, kAuto, is
   // fused_us / unfused_us). tma = the bulk-copy pipeline with its default stages and lanes; sN N
-  // stages; l4 4 lanes per head.
+  // stages; l4 4 lanes per head; plan task plans; il interleaved tile order.
   struct Variant {
     const char* name;
     ProducerCudaOptions opt;
   };
-  const auto tma_variant = [](const char* name, int stages, int lanes) {
+  const auto tma_variant = [](const char* name, int stages, int lanes, bool plan = false,
+                              bool interleave = false) {
     Variant v;
     v.name = name;
     v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
     v.opt.tma_stages = stages;
     v.opt.tma_lanes_per_head = lanes;
+    v.opt.tma_task_plan = plan;
+    v.opt.tma_interleave = interleave;
     return v;
   };
   std::vector<Variant> variants(2);
@@ -450,23 +473,42 @@ int main(int argc, char** argv) {
   variants.push_back(tma_variant("tma", 0, 0));  // the defaults (what kAuto runs)
   variants.push_back(tma_variant("tma_s3", 3, 8));
   variants.push_back(tma_variant("tma_l4_s2", 2, 4));
-  variants.push_back(tma_variant("tma_l4_s3", 3, 4));
   variants.push_back(tma_variant("tma_l4_s4", 4, 4));
+  variants.push_back(tma_variant("tma_il", 2, 8, false, true));
+  variants.push_back(tma_variant("tma_plan", 2, 8, true));
+  variants.push_back(tma_variant("tma_plan_il", 2, 8, true, true));
+  variants.push_back(tma_variant("tma_l4_plan_s2", 2, 4, true));
+  variants.push_back(tma_variant("tma_l4_plan_s4", 4, 4, true));
+  // Selectable with --only (not in the full table):
+  std::vector<Variant> extra;
+  extra.push_back(tma_variant("tma_l4_s3", 3, 4));
+  extra.push_back(tma_variant("tma_plan_s3", 3, 8, true));
+  extra.push_back(tma_variant("tma_l4_plan_s4_il", 4, 4, true, true));
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  if (only != nullptr) {  // one variant: for profiling (M3_BENCH_PROFILE=1: two launches per T)
-    ProducerCudaOptions opt;
-    bool found = !std::strcmp(only, "auto");
-    for (const Variant& v : variants) {
-      if (!std::strcmp(only, v.name)) {
-        opt = v.opt;
+  if (!only.empty()) {  // listed variants: profiling (M3_BENCH_PROFILE=1: one launch each) or A/B
+    std::vector<Variant> chosen;
+    for (const std::string& name : only) {
+      bool found = false;
+      if (name == "auto") {
+        Variant v;
+        v.name = "auto";
+        chosen.push_back(v);
         found = true;
       }
-    }
-    if (!found) {
-      std::fprintf(stderr, "unknown variant %s\n", only);
-      return 2;
+      for (const std::vector<Variant>* list : {&variants, &extra}) {
+        for (const Variant& v : *list) {
+          if (name == v.name) {
+            chosen.push_back(v);
+            found = true;
+          }
+        }
+      }
+      if (!found) {
+        std::fprintf(stderr, "unknown variant %s\n", name.c_str());
+        return 2;
+      }
     }
     bool pass = true;
     CleanColdTimer timer;
@@ -474,20 +516,34 @@ int main(int argc, char** argv) {
     for (const int64_t t : sizes) {
       Case c;
       build(c, t);
-      run_or_die(c.params[0], stream, opt);
-      sync_or_die(stream, only);
-      pass &= spot_check(c, only, log);
-      const double us =
-          timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, opt); }, stream, t <= 256)
-              .median_us;
-      bench::Row r;
-      r.add("T", std::to_string(t));
-      r.add("variant", only);
-      r.add("fused_us", us, 2);
-      r.add("fused_pct_copy", 100.0 * bytes_moved(c, 0) / (us * 1e3) / bench::kCopyBandwidthGBs, 1);
-      rows.push_back(r);
+      for (const Variant& v : chosen) {
+        // Pool as the twin's (zeros), compact outputs poisoned: a row not written fails.
+        check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
+                   "reset");
+        check_cuda(
+            cudaMemsetAsync(c.d_q.get(), 0xA5, static_cast<size_t>(t) * kNq * kHeadDim, stream),
+            "poison");
+        check_cuda(
+            cudaMemsetAsync(c.d_iq.get(), 0xA5, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
+            "poison");
+        run_or_die(c.params[0], stream, v.opt);
+        sync_or_die(stream, v.name);
+        pass &= spot_check(c, v.name, log);
+      }
+      for (const Variant& v : chosen) {
+        const double us =
+            timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, v.opt); }, stream, t <= 256)
+                .median_us;
+        bench::Row r;
+        r.add("T", std::to_string(t));
+        r.add("variant", v.name);
+        r.add("fused_us", us, 2);
+        r.add("fused_pct_copy", 100.0 * bytes_moved(c, 0) / (us * 1e3) / bench::kCopyBandwidthGBs,
+              1);
+        rows.push_back(r);
+      }
     }
-    bench::print_rows("producer, one variant (TP1: n_q 64, n_kv 4; cold L2)", rows, json);
+    bench::print_rows("producer, listed variants (TP1: n_q 64, n_kv 4; cold L2)", rows, json);
     std::fprintf(log, "spot checks: %s\n", pass ? "PASS" : "FAIL");
     cudaStreamDestroy(stream);
     return pass ? 0 : 1;

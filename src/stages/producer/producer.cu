@@ -42,12 +42,13 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
 
 // The bulk-copy pipeline: dynamic shared memory sized from the heads per row (host attribute
 // calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
-template <ProducerMode kMode, int kStages, int kLanes>
-Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms,
+template <ProducerMode kMode, int kStages, int kLanes, bool kPlan>
+Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms, bool interleave,
                   cudaStream_t stream) {
-  const pk::TmaGeometry g = pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor));
+  pk::TmaGeometry g = pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan);
+  g.interleave = interleave;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
-  auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes>;
+  auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes, kPlan>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)));
   if (blocks == 0) {
@@ -64,65 +65,72 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms
   return Status::Ok();
 }
 
-template <ProducerMode kMode>
-Status launch_tma_variant(const pk::KernelArgs& args, int64_t tasks, int stages, int lanes,
-                          int blocks, int sms, cudaStream_t stream) {
-  if (lanes == 8) {
-    switch (stages) {
+// `o` has its defaults resolved (dispatch): stages and lanes are the kernel's.
+template <ProducerMode kMode, bool kPlan>
+Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
+                        int sms, cudaStream_t stream) {
+  const int blocks = o.persistent_blocks;
+  const bool il = o.tma_interleave;
+  if (o.tma_lanes_per_head == 8) {
+    switch (o.tma_stages) {
       case 2:
-        return launch_tma<kMode, 2, 8>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 2, 8, kPlan>(args, tasks, blocks, sms, il, stream);
       case 3:
-        return launch_tma<kMode, 3, 8>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 3, 8, kPlan>(args, tasks, blocks, sms, il, stream);
       case 4:
-        return launch_tma<kMode, 4, 8>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 4, 8, kPlan>(args, tasks, blocks, sms, il, stream);
     }
-  } else if (lanes == 4) {
-    switch (stages) {
+  } else if (o.tma_lanes_per_head == 4) {
+    switch (o.tma_stages) {
       case 2:
-        return launch_tma<kMode, 2, 4>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 2, 4, kPlan>(args, tasks, blocks, sms, il, stream);
       case 3:
-        return launch_tma<kMode, 3, 4>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 3, 4, kPlan>(args, tasks, blocks, sms, il, stream);
       case 4:
-        return launch_tma<kMode, 4, 4>(args, tasks, blocks, sms, stream);
+        return launch_tma<kMode, 4, 4, kPlan>(args, tasks, blocks, sms, il, stream);
     }
   }
-  return unsupported("producer: no bulk-copy kernel with ", stages, " stages and ", lanes,
-                     " lanes per head");
+  return unsupported("producer: no bulk-copy kernel with ", o.tma_stages, " stages and ",
+                     o.tma_lanes_per_head, " lanes per head");
 }
 
 template <ProducerMode kMode>
-Status launch_mode(const pk::KernelArgs& args, int64_t tasks, ProducerCudaKernel kernel,
-                   int persistent_blocks, int tma_stages, int tma_lanes, int sms,
+Status launch_tma_variant(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
+                          int sms, cudaStream_t stream) {
+  return o.tma_task_plan ? launch_tma_lanes<kMode, true>(args, tasks, o, sms, stream)
+                         : launch_tma_lanes<kMode, false>(args, tasks, o, sms, stream);
+}
+
+template <ProducerMode kMode>
+Status launch_mode(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o, int sms,
                    cudaStream_t stream) {
+  ProducerCudaKernel kernel = o.kernel;
   if (kernel == ProducerCudaKernel::kAuto)
     kernel = pk::use_tma_variant(tasks) ? ProducerCudaKernel::kTmaPipeline
                                         : ProducerCudaKernel::kPerBatch;
   if (kernel == ProducerCudaKernel::kTmaPipeline)
-    return launch_tma_variant<kMode>(args, tasks, tma_stages, tma_lanes, persistent_blocks, sms,
-                                     stream);
+    return launch_tma_variant<kMode>(args, tasks, o, sms, stream);
   if (kernel == ProducerCudaKernel::kPersistent)
     return launch_persistent<kMode>(
-        args, tasks, persistent_blocks > 0 ? persistent_blocks : sms * pk::kPersistentBlocksPerSm,
-        stream);
+        args, tasks,
+        o.persistent_blocks > 0 ? o.persistent_blocks : sms * pk::kPersistentBlocksPerSm, stream);
   if (pk::use_small_variant(tasks)) return launch<kMode, pk::kTasksSmall>(args, tasks, stream);
   return launch<kMode, pk::kTasksLarge>(args, tasks, stream);
 }
 
-// The one dispatch point from the run-time mode to the kernel template.
+// The one dispatch point from the run-time mode to the kernel template; resolves the defaults.
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
-                const ProducerCudaOptions& o, int sms, cudaStream_t stream) {
-  const int stages = o.tma_stages == 0 ? pk::kTmaStagesDefault : o.tma_stages;
-  const int lanes = o.tma_lanes_per_head == 0 ? pk::kTmaLanesDefault : o.tma_lanes_per_head;
+                const ProducerCudaOptions& options, int sms, cudaStream_t stream) {
+  ProducerCudaOptions o = options;
+  if (o.tma_stages == 0) o.tma_stages = pk::kTmaStagesDefault;
+  if (o.tma_lanes_per_head == 0) o.tma_lanes_per_head = pk::kTmaLanesDefault;
   switch (mode) {
     case ProducerMode::kFused:
-      return launch_mode<ProducerMode::kFused>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                               lanes, sms, stream);
+      return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
     case ProducerMode::kMain:
-      return launch_mode<ProducerMode::kMain>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                              lanes, sms, stream);
+      return launch_mode<ProducerMode::kMain>(args, tasks, o, sms, stream);
     case ProducerMode::kIndex:
-      return launch_mode<ProducerMode::kIndex>(args, tasks, o.kernel, o.persistent_blocks, stages,
-                                               lanes, sms, stream);
+      return launch_mode<ProducerMode::kIndex>(args, tasks, o, sms, stream);
   }
   return unsupported("producer: no CUDA kernel for mode ", static_cast<int>(mode));
 }

@@ -59,7 +59,7 @@ Status run_producer_cpu(const ProducerParams& p);
 // CUDA launch: validates, then one kernel; no sync, no allocation (graph-capturable).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
 
-// Kernel choice of the CUDA producer (all produce identical bytes with 8 lanes per head): kAuto
+// Kernel choice of the CUDA producer (all produce identical bytes): kAuto
 // picks by batch size (kPerBatch below 2^17 tasks = (token, head) pairs, kTmaPipeline from there);
 // kPerBatch is one block per batch of 96 tasks (32 below one wave), kPersistent a grid of about
 // SMs x 2 blocks looping over the batches with the next batch's loads in flight, kTmaPipeline a
@@ -74,10 +74,17 @@ struct ProducerCudaOptions {
   int persistent_blocks = 0;
   // Shared-memory stages of the bulk-copy kernel: 0 = the default (2), else 2..4.
   int tma_stages = 0;
-  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 (the same
-  // bytes as the other kernels), 4 (32 channels per lane: fewer instructions per head; Q / K /
-  // index rows within one E4M3 step of the 8-lane bytes, V identical).
+  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 or 4 (32
+  // channels per lane: fewer instructions per head). Both write the bytes of the other kernels.
   int tma_lanes_per_head = 0;
+  // Tile order of the bulk-copy kernel: false = each block walks an equal share of the tasks;
+  // true = rounds of one tile per block over consecutive tiles (one moving front), then equal
+  // shares of the rest. Same bytes either way.
+  bool tma_interleave = false;
+  // Task plans in the bulk-copy kernel: the copy warp precomputes each task's token, head kind,
+  // position check and destination row once (a 16-byte plan per task in the stage), so the
+  // compute warps skip that work. Same bytes either way.
+  bool tma_task_plan = false;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -1,5 +1,5 @@
 // GPU tests of the producer kernels against the CPU twin (SPEC sections 3-4, 8), each on the
-// default kernel choice and on the bulk-copy pipeline (8 and 4 lanes per head); the byte classes
+// default kernel choice and on bulk-copy pipeline variants (kKernelChoices); the byte classes
 // and tolerances are in producer_gpu_test_util.h. Graph replays, the kernel variants against each
 // other and rejected calls are in producer_graph_gpu_test.cu.
 #include "producer_gpu_test_util.h"
@@ -104,32 +104,30 @@ TEST(ProducerGpu, SkippedSlotsAndBadPositionsWriteNoCache) {
   std::memcpy(in.slots.ptr<int32_t>(), slots, sizeof(slots));
   std::memcpy(in.positions.ptr<int32_t>(), positions, sizeof(positions));
   const Layout lay = separate_layout(1, pages, 1, 0, 0);
-  for (int choice = 0; choice < kNumKernelChoices * 3; ++choice) {
-    const ProducerCudaOptions& opt = kKernelChoices[choice / 3];
-    const ProducerMode mode = kModes[choice % 3];
-    SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " " << choice_name(opt));
-    const Packed packed = packed_for(in, mode, rng);
-    const Outputs init = make_outputs(in, lay, rng);
-    Outputs gpu = init.clone();
-    run_on_gpu({make_params(mode, in, packed, gpu, lay)}, in, {&packed}, gpu, opt);
-    EXPECT_EQ(std::memcmp(gpu.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0)
-        << "no token of this batch may write a cache";
-    // Tokens 4 and 5 (bad positions) have NaN Q / index-Q rows; the others are real values.
-    const Tensor& out = uses_main(mode) ? gpu.q : gpu.iq;
-    const int heads = uses_main(mode) ? in.n_q : in.n_kv;
-    for (int64_t i = 0; i < in.t; ++i) {
-      const uint8_t* row = out.ptr<uint8_t>() + kOutGuard + i * heads * kHeadDim;
-      const int64_t nan = std::count(row, row + heads * kHeadDim, uint8_t{0x7f});
-      if (i == 4 || i == 5)
-        EXPECT_EQ(nan, heads * kHeadDim) << "token " << i;
-      else
-        EXPECT_LT(nan, heads * kHeadDim) << "token " << i;
-    }
-    Outputs cpu = init.clone();
-    const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, gpu, false, "vs twin");
-  }
+  for_each_choice_and_mode(
+      in, lay, rng,
+      [&](const ProducerCudaOptions& opt, ProducerMode mode, const Packed& packed,
+          const Outputs& init) {
+        Outputs gpu = init.clone();
+        run_on_gpu({make_params(mode, in, packed, gpu, lay)}, in, {&packed}, gpu, opt);
+        EXPECT_EQ(std::memcmp(gpu.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0)
+            << "no token of this batch may write a cache";
+        // Tokens 4 and 5 (bad positions) have NaN Q / index-Q rows; the others are real values.
+        const Tensor& out = uses_main(mode) ? gpu.q : gpu.iq;
+        const int heads = uses_main(mode) ? in.n_q : in.n_kv;
+        for (int64_t i = 0; i < in.t; ++i) {
+          const uint8_t* row = out.ptr<uint8_t>() + kOutGuard + i * heads * kHeadDim;
+          const int64_t nan = std::count(row, row + heads * kHeadDim, uint8_t{0x7f});
+          if (i == 4 || i == 5)
+            EXPECT_EQ(nan, heads * kHeadDim) << "token " << i;
+          else
+            EXPECT_LT(nan, heads * kHeadDim) << "token " << i;
+        }
+        Outputs cpu = init.clone();
+        const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+        ASSERT_TRUE(s.ok()) << s.to_string();
+        expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, gpu, false, "vs twin");
+      });
 }
 
 __global__ void count_bytes_not_equal(const uint4* p, int64_t n16, uint8_t value,

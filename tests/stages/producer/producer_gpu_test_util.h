@@ -40,8 +40,6 @@ namespace m3attn::producer_gpu_test {
 
 namespace mt = m3attn::testing;
 
-namespace mt = m3attn::testing;
-
 inline constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // one (page, plane, head) tile
 inline constexpr int64_t kPoolGuard = 4096;  // bytes before, between, after caches
 inline constexpr int64_t kOutGuard = 256;    // bytes around the compact outputs
@@ -56,26 +54,31 @@ inline const Geometry kGeometries[] = {{64, 4}, {32, 2}, {16, 1}, {8, 1}};
 inline const ProducerMode kModes[] = {ProducerMode::kFused, ProducerMode::kMain,
                                       ProducerMode::kIndex};
 
-// Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave)
-// and `lanes` per head (0 = default); kKernelChoices are the ones every twin test runs: the
-// default choice (kAuto: per-batch, or from 2^17 tasks the bulk-copy kernel with its default
-// stages and lanes), the bulk-copy kernel with 3 stages and 8 lanes, and with 4 lanes.
-inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0) {
+// Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave),
+// `lanes` per head (0 = default), task plans and the interleaved tile order; kKernelChoices are
+// the ones every twin test runs: the default choice (kAuto: per-batch, or from 2^17 tasks the
+// bulk-copy kernel with its default stages and lanes), the bulk-copy kernel with 3 stages and 8
+// lanes, with task plans in the interleaved order, and with task plans on 4 lanes and 4 stages.
+inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0,
+                                       bool plan = false, bool interleave = false) {
   ProducerCudaOptions o;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
   o.tma_stages = stages;
   o.persistent_blocks = blocks;
   o.tma_lanes_per_head = lanes;
+  o.tma_task_plan = plan;
+  o.tma_interleave = interleave;
   return o;
 }
 inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(3, 0, 8),
-                                                     tma_options(0, 0, 4)};
-inline constexpr int kNumKernelChoices = 3;
+                                                     tma_options(0, 0, 8, true, true),
+                                                     tma_options(4, 0, 4, true)};
 inline std::string choice_name(const ProducerCudaOptions& o) {
   std::ostringstream os;
   os << producer_cuda_kernel_name(o.kernel);
   if (o.kernel == ProducerCudaKernel::kTmaPipeline)
-    os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head;
+    os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head
+       << (o.tma_task_plan ? " plan" : "") << (o.tma_interleave ? " interleaved" : "");
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
   return os.str();
 }
@@ -548,6 +551,20 @@ inline void expect_match(const Inputs& in, bool main, bool index, const Layout& 
   EXPECT_EQ(iq.count, 0) << iq.report;
   EXPECT_EQ(pool.count, 0) << pool.report;
   EXPECT_EQ(unchanged_rows, 0) << "cache rows the kernel should have written (of " << rows << ")";
+}
+
+// Calls fn(opt, mode, packed, init) for every kernel choice and mode, with the mode's packed
+// rows and fresh outputs on `lay`.
+template <typename Fn>
+void for_each_choice_and_mode(const Inputs& in, const Layout& lay, mt::Rng& rng, Fn&& fn) {
+  for (const ProducerCudaOptions& opt : kKernelChoices) {
+    for (const ProducerMode mode : kModes) {
+      SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " " << choice_name(opt));
+      const Packed packed = packed_for(in, mode, rng);
+      const Outputs init = make_outputs(in, lay, rng);
+      fn(opt, mode, packed, init);
+    }
+  }
 }
 
 inline int64_t pages_for(int64_t t) { return (t + 3 + kPageSize - 1) / kPageSize + 2; }

@@ -122,7 +122,8 @@ void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
 // T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one; then the
 // persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block) and the
 // bulk-copy pipeline on its default grid, on 5 blocks with 2 stages (181 tiles: ~36 tiles and
-// every stage reused ~18 times per block) and with 4 lanes per head on 4 blocks.
+// every stage reused ~18 times per block), with 4 lanes per head on 4 blocks, and with task plans
+// (8 lanes, interleaved tile order, 5 blocks; 4 lanes, 4 stages, 3 blocks).
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
@@ -133,6 +134,8 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(37, tma_options());
   graph_replay_case(300, tma_options(2, 5));
   graph_replay_case(300, tma_options(3, 4, 4));
+  graph_replay_case(300, tma_options(2, 5, 8, true, true));
+  graph_replay_case(300, tma_options(4, 3, 4, true));
 }
 
 // The persistent kernel (grid-stride loop over batches, next batch's loads, RoPE rows and
@@ -182,12 +185,13 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
 }
 
 // The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
-// share of the tasks in tiles of 128) against the per-batch kernel: byte for byte with 8 lanes per
-// head (same per-task code), within one E4M3 step with 4 (own reduction order; V identical), and
-// both against the CPU twin. Grids of 1-7 blocks run many tiles per block, so every stage and both
-// barrier parities are reused many times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1
-// has 2 heads per row, up to 65 tokens per tile (more than the 32 copy lanes: three passes); rows
-// only 4-byte aligned in the pool; packed row strides padded; 2, 3 and 4 stages.
+// share of the tasks in tiles of 128, or interleaved rounds of tiles first) against the per-batch
+// kernel, byte for byte: 8 and 4 lanes per head (the same arithmetic and reduction order), with and
+// without task plans; the per-batch kernel against the CPU twin. Grids of 1-7 blocks run many
+// tiles per block, so every stage and both barrier parities are reused many times (T 129 x 77
+// heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65 tokens per tile (more
+// than the 32 copy lanes: three passes); rows only 4-byte aligned in the pool; packed row strides
+// padded; 2, 3 and 4 stages.
 TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
   M3_REQUIRE_GPU();
   struct Case {
@@ -199,6 +203,17 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
   const Case cases[] = {{{64, 4}, 1, 0, 0},    {{64, 4}, 129, 1, 2},  {{64, 4}, 129, 3, 3},
                         {{64, 4}, 4099, 0, 0}, {{64, 4}, 4099, 0, 4}, {{8, 1}, 129, 1, 2},
                         {{8, 1}, 1001, 7, 3},  {{32, 2}, 517, 3, 4},  {{16, 1}, 2050, 0, 2}};
+  struct Variant {
+    const char* name;
+    int lanes;
+    bool plan, interleave;
+  };
+  const Variant variants[] = {{"8 lanes", 8, false, false},
+                              {"4 lanes", 4, false, false},
+                              {"8 lanes, plans", 8, true, false},
+                              {"4 lanes, plans", 4, true, false},
+                              {"8 lanes, interleaved", 8, false, true},
+                              {"4 lanes, plans, interleaved", 4, true, true}};
   for (const Case& c : cases) {
     const uint64_t seed = mt::fresh_seed();
     M3_SEED_TRACE(seed);
@@ -214,24 +229,63 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
       const Outputs init = make_outputs(in, lay, rng);
       ProducerCudaOptions per_batch;
       per_batch.kernel = ProducerCudaKernel::kPerBatch;
-      Outputs a = init.clone(), b = init.clone(), four = init.clone(), cpu = init.clone();
-      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
-      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b,
-                 tma_options(c.stages, c.blocks, 8));
-      run_on_gpu({make_params(mode, in, packed, four, lay)}, in, {&packed}, four,
-                 tma_options(c.stages, c.blocks, 4));
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
-                   "bulk-copy pipeline (8 lanes) vs per-batch (exact)");
+      Outputs ref = init.clone(), cpu = init.clone();
+      run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
       const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
       ASSERT_TRUE(s.ok()) << s.to_string();
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
-                   "bulk-copy pipeline (8 lanes) vs CPU twin");
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, four, /*exact=*/false,
-                   "bulk-copy pipeline (4 lanes) vs CPU twin");
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, b, four, /*exact=*/false,
-                   "bulk-copy pipeline 4 lanes vs 8 lanes");
+      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
+                   "per-batch vs CPU twin");
+      for (const Variant& v : variants) {
+        Outputs out = init.clone();
+        run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out,
+                   tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave));
+        expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
+                     std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
+      }
     }
   }
+}
+
+// A small fused call (n_q 8, n_kv 1, T 16) with its device mirror, for the tests whose calls are
+// rejected: after them every output must still hold its initial bytes.
+struct SmallFusedCall {
+  mt::Rng rng;
+  Inputs in;
+  Layout lay;
+  Packed packed;
+  Outputs init, state;
+  Mirror m;
+  ProducerParams host, good;  // views into the host tensors / their device mirrors
+
+  explicit SmallFusedCall(uint64_t seed)
+      : rng(seed),
+        in(make_inputs(8, 1, 16, pages_for(16), rng)),
+        lay(separate_layout(1, pages_for(16), 1, 0, 0)),
+        packed(packed_for(in, ProducerMode::kFused, rng)),
+        init(make_outputs(in, lay, rng)),
+        state(init.clone()) {
+    mirror_inputs(m, in);
+    m.add(packed.data);
+    mirror_outputs(m, state);
+    host = make_params(ProducerMode::kFused, in, packed, state, lay);
+    good = m.device_params(host);
+  }
+  SmallFusedCall(const SmallFusedCall&) = delete;
+  SmallFusedCall& operator=(const SmallFusedCall&) = delete;
+
+  void expect_untouched() {
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    download_outputs(m, state);
+    EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
+    EXPECT_EQ(std::memcmp(state.iq.data(), init.iq.data(), static_cast<size_t>(init.iq.nbytes())),
+              0);
+    EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+  }
+};
+
+void expect_rejected(const Status& s) {
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_FALSE(s.message().empty());
 }
 
 // A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, or an unknown
@@ -240,19 +294,7 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
-  mt::Rng rng(seed);
-  const int64_t t = 16, pages = pages_for(t);
-  const Inputs in = make_inputs(8, 1, t, pages, rng);
-  const Layout lay = separate_layout(1, pages, 1, 0, 0);
-  Packed packed = packed_for(in, ProducerMode::kFused, rng);
-  const Outputs init = make_outputs(in, lay, rng);
-  Outputs state = init.clone();
-  Mirror m;
-  mirror_inputs(m, in);
-  m.add(packed.data);
-  mirror_outputs(m, state);
-  const ProducerParams good =
-      m.device_params(make_params(ProducerMode::kFused, in, packed, state, lay));
+  SmallFusedCall call(seed);
   ProducerCudaOptions neg;
   neg.kernel = ProducerCudaKernel::kPersistent;
   neg.persistent_blocks = -1;
@@ -260,15 +302,10 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
   unknown.kernel = static_cast<ProducerCudaKernel>(7);
   for (const ProducerCudaOptions& o :
        {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3),
-        tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4)}) {
-    const Status s = run_producer_cuda(good, nullptr, o);
-    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-    EXPECT_FALSE(s.message().empty());
-  }
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  download_outputs(m, state);
-  EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
-  EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+        tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4),
+        tma_options(1, 0, 8, true), tma_options(0, 0, 2, true, true)})
+    expect_rejected(run_producer_cuda(call.good, nullptr, o));
+  call.expect_untouched();
 }
 
 // A few rejected calls (the CPU suite covers every rule): a Status, no launch, no byte written.
@@ -276,45 +313,27 @@ TEST(ProducerGpu, RejectedCallsTouchNothing) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
-  mt::Rng rng(seed);
-  const int64_t t = 16, pages = pages_for(t);
-  const Inputs in = make_inputs(8, 1, t, pages, rng);
-  const Layout lay = separate_layout(1, pages, 1, 0, 0);
-  Packed packed = packed_for(in, ProducerMode::kFused, rng);
-  const Outputs init = make_outputs(in, lay, rng);
-  Outputs state = init.clone();
-  Mirror m;
-  mirror_inputs(m, in);
-  m.add(packed.data);
-  mirror_outputs(m, state);
-  const ProducerParams host = make_params(ProducerMode::kFused, in, packed, state, lay);
-  const ProducerParams good = m.device_params(host);
-
+  SmallFusedCall call(seed);
+  const ProducerParams& good = call.good;
   struct Bad {
     const char* name;
     ProducerParams p;
   };
   std::vector<Bad> bad;
-  bad.push_back({"CPU tensors", host});
+  bad.push_back({"CPU tensors", call.host});
   bad.push_back({"one view on the CPU", good});
-  bad.back().p.rope = host.rope;
+  bad.back().p.rope = call.host.rope;
   bad.push_back({"packed base 2 bytes off", good});
   bad.back().p.packed.data = static_cast<char*>(good.packed.data) + 2;
   bad.push_back({"slots shorter than T", good});
-  bad.back().p.slots.shape[0] = t - 1;
+  bad.back().p.slots.shape[0] = good.num_tokens - 1;
   bad.push_back({"index cache page count differs", good});
-  bad.back().p.index_cache.shape[0] = pages - 1;
+  bad.back().p.index_cache.shape[0] = call.lay.num_pages - 1;
   for (const Bad& b : bad) {
     SCOPED_TRACE(b.name);
-    const Status s = run_producer_cuda(b.p, nullptr);
-    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-    EXPECT_FALSE(s.message().empty());
+    expect_rejected(run_producer_cuda(b.p, nullptr));
   }
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  download_outputs(m, state);
-  EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
-  EXPECT_EQ(std::memcmp(state.iq.data(), init.iq.data(), static_cast<size_t>(init.iq.nbytes())), 0);
-  EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
+  call.expect_untouched();
 
   // The good call then runs (so the rejections above were not the environment failing).
   ASSERT_TRUE(run_producer_cuda(good, nullptr).ok());
@@ -331,33 +350,33 @@ TEST(ProducerGpu, ZeroTokensLaunchesNothing) {
   const Layout lay = separate_layout(1, 2, 1, 0, 0);
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int choice = 0; choice < kNumKernelChoices * 3; ++choice) {
-    const ProducerCudaOptions& opt = kKernelChoices[choice / 3];
-    const ProducerMode mode = kModes[choice % 3];
-    SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " " << choice_name(opt));
-    const Packed packed = packed_for(in, mode, rng);
-    const Outputs init = make_outputs(in, lay, rng);
-    Outputs state = init.clone();
-    Mirror m;
-    mirror_inputs(m, in);
-    mirror_outputs(m, state);
-    const ProducerParams p = m.device_params(make_params(mode, in, packed, state, lay));
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());  // uploads (legacy stream) before `stream`
-    cudaGraph_t graph;
-    M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const Status s = run_producer_cuda(p, stream, opt);
-    M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-    EXPECT_TRUE(s.ok()) << s.to_string();
-    size_t nodes = 1;
-    M3_CUDA_TEST_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
-    EXPECT_EQ(nodes, 0u);
-    M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
-    ASSERT_TRUE(run_producer_cuda(p, stream, opt).ok());
-    wait_or_exit("stream", stream);
-    download_outputs(m, state);
-    EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)), 0);
-    EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())), 0);
-  }
+  for_each_choice_and_mode(
+      in, lay, rng,
+      [&](const ProducerCudaOptions& opt, ProducerMode mode, const Packed& packed,
+          const Outputs& init) {
+        Outputs state = init.clone();
+        Mirror m;
+        mirror_inputs(m, in);
+        mirror_outputs(m, state);
+        const ProducerParams p = m.device_params(make_params(mode, in, packed, state, lay));
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());  // uploads (legacy stream) before `stream`
+        cudaGraph_t graph;
+        M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        const Status s = run_producer_cuda(p, stream, opt);
+        M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+        EXPECT_TRUE(s.ok()) << s.to_string();
+        size_t nodes = 1;
+        M3_CUDA_TEST_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+        EXPECT_EQ(nodes, 0u);
+        M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
+        ASSERT_TRUE(run_producer_cuda(p, stream, opt).ok());
+        wait_or_exit("stream", stream);
+        download_outputs(m, state);
+        EXPECT_EQ(std::memcmp(state.pool.data(), init.pool.data(), static_cast<size_t>(lay.bytes)),
+                  0);
+        EXPECT_EQ(std::memcmp(state.q.data(), init.q.data(), static_cast<size_t>(init.q.nbytes())),
+                  0);
+      });
   cudaStreamDestroy(stream);
 }
 

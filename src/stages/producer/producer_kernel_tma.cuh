@@ -1,0 +1,421 @@
+// The bulk-copy (TMA) pipeline producer kernel (ProducerCudaKernel::kTmaPipeline, the default from
+// 2^17 tasks): a warp-specialized persistent grid; the design is below, before the constants.
+//
+// Measured (kept for the record):
+//   bulk-copy pipeline (producer_tma_kernel, ProducerCudaKernel::kTmaPipeline; the
+//              default from 2^17 tasks): warp-specialized: one copy warp per block streams tiles
+//              of 128 tasks (32 KB) into a ring of 2-4 shared-memory stages with cp.async.bulk
+//              (TMA) and an mbarrier per stage, 8 compute warps read the heads from shared memory.
+//              Bytes in flight no longer depend on registers or on what the compute warps do, and
+//              the compute warps lose the global-load address math, the staging loops and the
+//              block barrier. Round 2 on the H200 (first version, 8 lanes per head): 2 stages
+//              (3 blocks = 24 compute warps per SM) 35.0 us at T 4096 (81.2% of copy), 136.5 us
+//              at 16384 (83.2%); 3 stages (2 blocks) 36.5 / 137.4 us; 1 block per SM 43 / 151 us.
+//              ncu (3 stages, T 4096): issue slots 57-59% busy, IPC 2.65, DRAM 57-59% of peak,
+//              ~262 warp instructions per 4 heads, SM active only 89% of the elapsed cycles (the
+//              tile tail: 9.33 tiles per block). So: still partly issue/latency-bound (more
+//              compute warps per SM are faster) and losing ~10% to the ramp and the tail. Since:
+//              each block takes an equal share of the tasks (no tile tail), the copy warp issues a
+//              tile's packed copies before its metadata and prefetches the next tile's positions
+//              (stages fill after one latency), and a 4-lane-per-head variant (process_task4: 32
+//              channels per lane) is selectable. Round 3 (before the partial-tile fix below):
+//              default (2 stages, 8 lanes) 36.5 us at T 4096 (77.8%), 140.3 us at 16384 (81.0%);
+//              4 lanes 34.3 us (82.9%, 4 stages, 1 block per SM) and 138.2 us (82.2%, 2 stages):
+//              ~20% fewer instructions per head than 8 lanes (ncu: ~213 vs ~266 per 4 heads), but
+//              not faster in proportion. With equal shares every block ended on a partial tile
+//              whose empty rounds were still computed (~11% of the compute at T 4096, none at
+//              16384): now skipped. Left: issue slots 51-66% busy, DRAM ~58% of peak, ~2 eligible
+//              warps per scheduler: the compute warps are latency-bound (shared loads, the
+//              shuffle reduction, rsqrt, F2FP in one dependent chain per task).
+#pragma once
+
+#include <cstddef>
+
+#include "stages/producer/producer_kernel_common.cuh"
+#include "stages/producer/producer_kernel_tma_lanes.cuh"
+#include "stages/producer/producer_kernel_tma_plan.cuh"
+
+namespace m3attn::producer_kernel {
+
+// ------------------------------------------------------------------------------------------------
+// The bulk-copy pipeline kernel (ProducerCudaKernel::kTmaPipeline). Warp-specialized persistent
+// blocks of 8 compute warps + 1 copy warp; the packed rows never pass through the compute warps'
+// registers on their way from HBM: the copy warp moves them into a ring of kTmaStages shared-memory
+// stages with cp.async.bulk (the Hopper TMA unit's 1-D copy, completion counted in bytes on an
+// mbarrier), and the compute warps read them from shared memory.
+//
+// Work: block b owns the tasks [b N / G, (b + 1) N / G) of the N tasks (G blocks: equal shares,
+// no tile tail), walked in tiles of kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16,
+// 1.66 tokens at M3 TP1; the last one of a block partial), the same (token, head) numbering as
+// above. With 8 lanes per head, group g (0..31) of the compute warps takes tasks first + 32 r + g,
+// r = 0..3, and runs process_task on them, so this kernel writes the same bytes as the other two;
+// with 4 lanes, group g (0..63) takes first + 64 r + g, r = 0..1 (process_task4). Per stage the
+// copy warp also stages the tile's positions and slots (loaded into registers one tile ahead,
+// stored with st.shared by the copy lanes, each lane arriving on the stage's "full" barrier after
+// its own writes) and the RoPE rows of the positions inside the table (bulk copies, 256 B each).
+// Per token of a tile one bulk copy moves the token's heads inside the tile (rows are contiguous
+// from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies at M3 TP1.
+//
+// Why: the per-batch and persistent kernels keep their loads in registers (96 B per thread), so
+// bytes in flight are tied to registers and occupancy (116 registers: 25% occupancy, 47% of DRAM
+// peak measured), and each block's life is a chain of dependent latencies. Here the bytes in
+// flight per SM are the stages being filled: with 2 stages of 33.6 KB and 3 blocks per SM (3 x
+// 69 KB of shared memory at M3 TP1, 70 registers), up to 3 stages = 100 KB per SM can be in
+// flight while 3 are computed; 85% of 4.3 TB/s with ~1.5 us loaded latency needs ~28 KB of reads
+// in flight per SM.
+// The compute warps then only issue: shared loads (3 per task and lane instead of 3 global loads
+// plus their address math), the per-task math and the stores; no barrier of the whole block per
+// batch and no dependent position -> RoPE load in their path (the copy warp, running up to 2
+// tiles ahead, absorbs it).
+// Synchronisation per stage s (use u = it / kTmaStages of iteration it):
+//   full[s]  (32 arrivals: every copy lane after its st.shared and its expect_tx; + the bytes of
+//            the copies): the compute warps wait parity u&1;
+//   empty[s] (8 arrivals: one per compute warp after its last shared read of the stage): the copy
+//            warp waits parity (u - 1)&1 before refilling the stage (it >= kTmaStages).
+
+constexpr int kTmaComputeWarps = 8;
+constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
+constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
+// Defaults of ProducerCudaOptions' tma_stages / tma_lanes_per_head (2, 3, 4 stages and 4 or 8
+// lanes are all built): measured best on the H200 (round 2: 2 stages = 3 blocks per SM).
+constexpr int kTmaStagesDefault = 2;
+constexpr int kTmaLanesDefault = 8;
+constexpr int kTmaStagesMax = 4;
+// kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
+// ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
+// T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.
+constexpr int64_t kTmaMinTasks = int64_t{1} << 17;
+inline bool use_tma_variant(int64_t tasks) { return tasks >= kTmaMinTasks; }
+constexpr int kHeadBytes = 128 * 2;  // one BF16 head
+static_assert(kTmaComputeWarps * 32 == kThreads, "compute warps are the 256-thread group layout");
+
+// Shared-memory layout of one stage (bytes), from the heads per row (host and device agree).
+struct TmaGeometry {
+  uint32_t num_tiles = 0;
+  uint32_t max_tok = 0;      // tokens a tile can touch: (128 - 1) / H + 2
+  uint32_t rope_off = 0;     // [max_tok][64] f32
+  uint32_t pos_off = 0;      // [max_tok] i32
+  uint32_t slot_off = 0;     // [max_tok] i32
+  uint32_t plan_off = 0;     // [128] TaskPlan (task-plan kernels only)
+  uint32_t stage_bytes = 0;  // multiple of 16
+  // Tile order (BlockTiles): false = each block walks its equal share of the tasks; true = full
+  // rounds of one tile per block over consecutive tiles first (one moving front), then the equal
+  // shares of the rest.
+  bool interleave = false;
+};
+
+__host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
+
+inline TmaGeometry make_tma_geometry(int64_t tasks, int heads, bool plan) {
+  TmaGeometry g;
+  g.num_tiles = static_cast<uint32_t>((tasks + kTmaTileTasks - 1) / kTmaTileTasks);
+  g.max_tok = static_cast<uint32_t>((kTmaTileTasks - 1) / heads + 2);
+  g.rope_off = kTmaTileTasks * kHeadBytes;
+  g.pos_off = g.rope_off + g.max_tok * kRopeFloats * 4;
+  g.slot_off = g.pos_off + round_up16(g.max_tok * 4);
+  g.plan_off = g.slot_off + round_up16(g.max_tok * 4);
+  g.stage_bytes =
+      g.plan_off + (plan ? kTmaTileTasks * static_cast<uint32_t>(sizeof(TaskPlan)) : 0u);
+  return g;
+}
+inline size_t tma_smem_bytes(const TmaGeometry& g, int stages) {
+  return static_cast<size_t>(stages) * g.stage_bytes;
+}
+
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.b32 %0, 1, 0, p;\n"
+        "}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// 1-D bulk copy global -> shared, completion (bytes) counted on `bar`. 16-byte aligned addresses,
+// size a multiple of 16.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
+                                              uint64_t* bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1], %2, [%3], %4;\n" ::"r"(smem_addr(dst)),
+      "l"(static_cast<uint64_t>(__cvta_generic_to_global(src))), "r"(bytes), "r"(smem_addr(bar)),
+      "l"(policy)
+      : "memory");
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_first() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_policy_evict_last() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Tasks [first, last] of a tile and the tokens t_first .. t_first + n_tok - 1 they touch.
+struct TileSpan {
+  uint32_t first = 0, last = 0, t_first = 0;
+  int n_tok = 0;
+};
+__device__ __forceinline__ TileSpan tile_span(const KernelArgs& a, uint32_t first, uint32_t end) {
+  TileSpan sp;
+  sp.first = first;
+  sp.last = min(first + kTmaTileTasks, end) - 1;
+  sp.t_first = a.heads.div(sp.first);
+  sp.n_tok = static_cast<int>(a.heads.div(sp.last) - sp.t_first) + 1;
+  return sp;
+}
+
+// A tile touches at most (128 - 1) / 2 + 2 = 65 tokens: 3 per copy lane.
+constexpr int kMaxTokPerLane = 3;
+static_assert((kTmaTileTasks - 1) / kMinHeadsPerRow + 2 <= 32 * kMaxTokPerLane,
+              "tokens of a tile per copy lane");
+
+// Positions and slots of a tile's tokens k = lane + 32 i, into registers (prefetched one tile
+// ahead by the copy warp, so the RoPE copies of a tile never wait for a fresh global load).
+struct TileMeta {
+  int32_t pos[kMaxTokPerLane];
+  int32_t slot[kMaxTokPerLane];
+};
+__device__ __forceinline__ void load_meta(const KernelArgs& a, const TileSpan& sp, int lane,
+                                          TileMeta& m) {
+#pragma unroll
+  for (int i = 0; i < kMaxTokPerLane; ++i) {
+    const int k = lane + 32 * i;
+    m.pos[i] = -1;
+    m.slot[i] = -1;
+    if (k < sp.n_tok) {
+      m.pos[i] = __ldg(a.positions + sp.t_first + k);
+      m.slot[i] = __ldg(a.slots + sp.t_first + k);
+    }
+  }
+}
+
+// The copy warp's bulk copies of a tile's packed heads into stage `st`: one per token (the
+// token's heads inside the tile are contiguous whatever the row stride). Each lane announces the
+// bytes of its own copies on `full` (expect_tx) before issuing them.
+__device__ __forceinline__ void tma_copy_packed(const KernelArgs& a, const TileSpan& sp,
+                                                uint8_t* st, uint64_t* full, int lane,
+                                                uint64_t policy) {
+  const uint32_t heads = a.heads.divisor;
+  for (int k = lane; k < sp.n_tok; k += 32) {
+    const uint32_t t = sp.t_first + k;
+    const uint32_t h0 = k == 0 ? sp.first - t * heads : 0;
+    const uint32_t h1 = k == sp.n_tok - 1 ? sp.last - t * heads : heads - 1;
+    const uint32_t bytes = (h1 - h0 + 1) * kHeadBytes;
+    const uint16_t* src =
+        a.packed + static_cast<int64_t>(t) * a.packed_stride + static_cast<int64_t>(h0) * 128;
+    mbar_expect_tx(full, bytes);
+    bulk_copy_g2s(st + (t * heads + h0 - sp.first) * kHeadBytes, src, bytes, full, policy);
+  }
+}
+
+// The tile's positions and slots (st.shared) and RoPE rows (bulk copies, 256 B, positions inside
+// the table only); the caller then arrives on `full` (after the lane's own writes and expect_tx).
+__device__ __forceinline__ void tma_stage_meta(const KernelArgs& a, const TmaGeometry& g,
+                                               const TileSpan& sp, const TileMeta& m, uint8_t* st,
+                                               uint64_t* full, int lane, uint64_t policy) {
+  auto* s_pos = reinterpret_cast<int32_t*>(st + g.pos_off);
+  auto* s_slot = reinterpret_cast<int32_t*>(st + g.slot_off);
+#pragma unroll
+  for (int i = 0; i < kMaxTokPerLane; ++i) {
+    const int k = lane + 32 * i;
+    if (k < sp.n_tok) {
+      s_pos[k] = m.pos[i];
+      s_slot[k] = m.slot[i];
+      if (static_cast<uint32_t>(m.pos[i]) < a.max_pos) {
+        mbar_expect_tx(full, kRopeFloats * 4);
+        bulk_copy_g2s(st + g.rope_off + k * kRopeFloats * 4,
+                      a.rope + static_cast<int64_t>(m.pos[i]) * kRopeFloats, kRopeFloats * 4, full,
+                      policy);
+      }
+    }
+  }
+}
+
+// The tile's task plans (after tma_stage_meta: the warp's positions and slots are read back).
+template <ProducerMode kMode>
+__device__ __forceinline__ void tma_stage_plan(const KernelArgs& a, const TmaGeometry& g,
+                                               const TileSpan& sp, uint8_t* st, int lane) {
+  __syncwarp();  // every lane's st.shared of the positions and slots is visible to the warp
+  const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
+  const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
+  auto* plans = reinterpret_cast<TaskPlan*>(st + g.plan_off);
+#pragma unroll
+  for (int j = 0; j < kTmaTileTasks / 32; ++j) {
+    const uint32_t i = lane + 32 * j;
+    plans[i] = make_task_plan<kMode>(a, sp.first, sp.last, sp.t_first, i, s_pos, s_slot);
+  }
+}
+
+// The tiles of block b of G, in the order it runs them: `rounds` full rounds in which block b
+// takes tile k G + b (tasks [(k G + b) 128, + 128): all blocks stream one moving front of
+// consecutive tiles), then an equal share [share_begin, share_end) of the remaining tasks
+// (balanced to one task) in tiles of up to 128, the last one partial. rounds = 0 (geometry
+// interleave false) is the plain equal share of all tasks.
+struct BlockTiles {
+  uint32_t rounds = 0, share_begin = 0, share_end = 0, count = 0;
+
+  __device__ __forceinline__ BlockTiles(const KernelArgs& a, bool interleave) {
+    const uint64_t grid = gridDim.x, b = blockIdx.x;
+    rounds = interleave ? static_cast<uint32_t>(a.num_tasks / (grid * kTmaTileTasks)) : 0u;
+    const uint64_t base = uint64_t{rounds} * grid * kTmaTileTasks;
+    const uint64_t rest = a.num_tasks - base;
+    share_begin = static_cast<uint32_t>(base + b * rest / grid);
+    share_end = static_cast<uint32_t>(base + (b + 1) * rest / grid);
+    count = rounds + (share_end - share_begin + kTmaTileTasks - 1) / kTmaTileTasks;
+  }
+  // Tile k < count: tasks [first, end).
+  __device__ __forceinline__ void tile(uint32_t k, uint32_t& first, uint32_t& end) const {
+    if (k < rounds) {
+      first = (k * gridDim.x + blockIdx.x) * static_cast<uint32_t>(kTmaTileTasks);
+      end = first + kTmaTileTasks;
+    } else {
+      first = share_begin + (k - rounds) * kTmaTileTasks;
+      end = min(first + kTmaTileTasks, share_end);
+    }
+  }
+};
+
+// kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
+// or 4 (process_task4).
+// Blocks per SM the register budget is cut for: 3 with 8 lanes (62-64 registers, no spills) and
+// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers, 8 bytes of spills in
+// the fused and main modes), else 2 (4 lanes: 91-92 registers).
+constexpr int tma_min_blocks(int stages, int lanes) { return lanes == 8 || stages == 2 ? 3 : 2; }
+
+template <ProducerMode kMode, int kTmaStages, int kLanes, bool kPlan>
+__global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes))
+    producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float4 s_norm[kNumNorms][32];
+  __shared__ __align__(8) uint64_t full[kTmaStages];
+  __shared__ __align__(8) uint64_t empty[kTmaStages];
+
+  const int warp = threadIdx.x / 32;
+  const int lane32 = threadIdx.x % 32;
+  const bool copy_warp = warp == kTmaComputeWarps;
+  const BlockTiles tiles(a, g.interleave);
+
+  // ---- copy warp ----
+  // Per tile: the packed copies first (no dependency), then the loads of the next tile's
+  // positions and slots, then this tile's metadata and RoPE copies from the registers loaded one
+  // tile earlier. The copy warp initializes the barriers and fills the first kTmaStages stages
+  // (no empty wait) before the block barrier, so their loads overlap the norm-weight staging.
+  uint64_t stream_policy = 0, keep_policy = 0;
+  TileSpan cur;
+  TileMeta meta{};
+  uint32_t it = 0;  // tiles issued (copy warp) / consumed (compute warps)
+  const auto span_of = [&](uint32_t k) {
+    uint32_t first, end;
+    tiles.tile(k, first, end);
+    return tile_span(a, first, end);
+  };
+  const auto fill_next = [&] {
+    const uint32_t s = it % kTmaStages;
+    uint8_t* st = smem + s * g.stage_bytes;
+    tma_copy_packed(a, cur, st, &full[s], lane32, stream_policy);
+    TileSpan next;
+    TileMeta next_meta{};
+    if (it + 1 < tiles.count) {
+      next = span_of(it + 1);
+      load_meta(a, next, lane32, next_meta);
+    }
+    tma_stage_meta(a, g, cur, meta, st, &full[s], lane32, keep_policy);
+    if constexpr (kPlan) tma_stage_plan<kMode>(a, g, cur, st, lane32);
+    mbar_arrive(&full[s]);
+    cur = next;
+    meta = next_meta;
+    ++it;
+  };
+  if (copy_warp) {
+    if (lane32 == 0) {
+      for (int s = 0; s < kTmaStages; ++s) {
+        mbar_init(&full[s], 32);
+        mbar_init(&empty[s], kTmaComputeWarps);
+      }
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncwarp();
+    stream_policy = l2_policy_evict_first();
+    keep_policy = l2_policy_evict_last();
+    if (tiles.count > 0) {
+      cur = span_of(0);
+      load_meta(a, cur, lane32, meta);
+    }
+    while (it < tiles.count && it < static_cast<uint32_t>(kTmaStages)) fill_next();
+  }
+  stage_norms(a, s_norm);  // threads 0..63: compute warps 0 and 1
+  __syncthreads();         // barriers initialized, norms staged
+  if (copy_warp) {
+    while (it < tiles.count) {
+      mbar_wait(&empty[it % kTmaStages], (it / kTmaStages - 1) & 1u);
+      fill_next();
+    }
+    return;
+  }
+
+  // ---- compute warps ----
+  static_assert(kLanes == 8 || kLanes == 4, "8 or 4 lanes per head");
+  constexpr int kGroups = kTmaComputeWarps * 32 / kLanes;  // 32 or 64
+  constexpr int kRounds = kTmaTileTasks / kGroups;         // 4 or 2
+  const int lane = threadIdx.x & (kLanes - 1);
+  const int group = threadIdx.x / kLanes;
+#pragma unroll 1
+  for (; it < tiles.count; ++it) {
+    const uint32_t s = it % kTmaStages;
+    const uint8_t* st = smem + s * g.stage_bytes;
+    uint32_t first, tile_end;
+    tiles.tile(it, first, tile_end);
+    const uint32_t t_first = a.heads.div(first);
+    mbar_wait(&full[s], (it / kTmaStages) & 1u);
+    const auto* s_rope = reinterpret_cast<const float4(*)[kRopeFloats / 4]>(st + g.rope_off);
+    const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
+    const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
+#pragma unroll 1
+    for (int r = 0; r < kRounds; ++r) {
+      // The last tile of a block is partial: rounds past its end are skipped (uniform per block,
+      // so the shuffles stay converged); inside a round, groups past the end compute on the
+      // tile's first task and store nothing.
+      if (first + r * kGroups >= tile_end) break;
+      if constexpr (kPlan) {
+        const auto* plans = reinterpret_cast<const TaskPlan*>(st + g.plan_off);
+        process_planned<kLanes>(a, st, plans[r * kGroups + group], lane, s_norm, s_rope);
+        continue;
+      }
+      const uint32_t task = first + r * kGroups + group;
+      const bool valid = task < tile_end;
+      const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
+      if constexpr (kLanes == 8) {
+        const LaneRaw raw = load_slice8(head, lane);
+        process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
+                            s_slot);
+      } else {
+        process_task4<kMode>(a, head, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
+                             s_slot);
+      }
+    }
+    __syncwarp();
+    if (lane32 == 0) mbar_arrive(&empty[s]);
+  }
+}
+
+}  // namespace m3attn::producer_kernel

@@ -290,9 +290,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     M3_CUDA_CHECK_LAUNCH();
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
-  // CTAs run (saving the launch gap); it executes griddepcontrol.wait before touching memory,
-  // which waits for every preceding grid in the stream to complete and flush. Graph-capturable
-  // (the capture records a programmatic edge).
+  // CTAs run (saving the launch gap); it executes griddepcontrol.wait before touching the
+  // scorer's outputs, which waits for the scorer to complete and flush. Graph-capturable (the
+  // capture records a programmatic edge).
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(select_blocks));
   cfg.blockDim = dim3(pl.fused ? ik::kMergeThreads : ik::kSelectThreads);
@@ -302,7 +302,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  // Only behind our own scorer: the selection kernels load the positions before the dependency
+  // wait, which is safe only when the preceding grid does not write them.
+  cfg.numAttrs = max_pages > kTopK ? 1 : 0;
   if (pl.fused)
     M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::merge_kernel, a));
   else

@@ -75,7 +75,6 @@ __device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t, int 
 
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a) {
   __shared__ uint64_t part_keys[kMergeWarps][kTopK];
-  wait_for_prerequisite_grids();  // before any global access (PDL launch)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int wpr = a.merge_wpr;
@@ -88,12 +87,17 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   int32_t* out = nullptr;
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
   const int t = in_range ? static_cast<int>(row / a.n_kv) : 0;
-  // Independent loads issued together (one round trip): the position, the guessed request's
-  // bounds, and each lane's first 4 keys of the row's candidate lists (inside the row's k_splits
+  // The position and the guessed request's bounds are loaded before the dependency wait: the batch
+  // views were written before the scorer was launched (a normal launch, after every earlier
+  // operation of the stream completed), so they are visible already; the scorer's outputs (block
+  // scores, candidate lists) and block_ids are touched only after the wait. Then each lane's first
+  // 4 keys of the row's candidate lists go out together (one round trip; inside the row's k_splits
   // lists whatever the row turns out to need; unused unless it is a decode row).
   const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
   const int gqa = load_query_start(a, guess);
   const int gqe = load_query_start(a, guess + 1);
+  const int pos = in_range ? __ldg(a.positions + t) : -1;
+  wait_for_prerequisite_grids();  // before any access to the scorer's outputs (PDL launch)
   // A split of dec_chunk blocks has at most dec_chunk candidates: only the first 2^lg slots of
   // each list are read (4 for 4-block splits, 8 for 8, else all 16; slot 15 is always zero).
   // Key e of a row: list e >> lg, slot e & (2^lg - 1).
@@ -106,7 +110,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   for (int i = 0; i < 4; ++i)
     pre[i] = in_range && e0 + i * step < (a.k_splits << lg) ? key_at(e0 + i * step) : 0;
   if (in_range) {
-    const int pos = __ldg(a.positions + t);
     out = a.block_ids + row * kTopK;
     if (pos < 0 || pos / kPageSize >= a.max_pages) {
       if (part == 0 && lane < kTopK) out[lane] = -1;

@@ -20,10 +20,11 @@
 // order); a merge round is 2 dependent redux.sync. At 128K context (1023 candidates) about
 // 3-4 us per warp instead of ~7-20 us; at 8K about 1 us.
 //
-// The kernel is launched with programmatic stream serialization (PDL) after the scorer: it waits
-// (griddepcontrol.wait) for every preceding grid to complete and flush before reading anything, so
-// it may become resident while the scorer's last CTAs still run. The wait is a no-op when the
-// kernel was launched without the attribute.
+// The kernel is launched with programmatic stream serialization (PDL) after the scorer (a normal
+// launch without PDL when no scorer runs): it waits (griddepcontrol.wait) for the scorer to
+// complete and flush before reading scores or writing ids, so it may become resident while the
+// scorer's last CTAs still run; the position (an input the scorer does not write) is loaded before
+// the wait. The wait is a no-op when the kernel was launched without the attribute.
 #pragma once
 
 #include "stages/indexer/indexer_kernel_common.cuh"
@@ -51,12 +52,14 @@ __device__ __forceinline__ void insert_key(uint64_t (&top)[kTopK - 1], uint64_t 
 }
 
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
-  wait_for_prerequisite_grids();  // before any global access (PDL launch)
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
-  if (row >= int64_t{a.num_tokens} * a.n_kv) return;
-  const int64_t t = row / a.n_kv;
-  const int pos = __ldg(a.positions + t);
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  // The position is an input written before the scorer was launched: loaded before the dependency
+  // wait (see merge_kernel); the scores and block_ids only after it.
+  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
+  wait_for_prerequisite_grids();
+  if (!in_range) return;
   int32_t* out = a.block_ids + row * kTopK;
   if (pos < 0 || pos / kPageSize >= a.max_pages) {
     if (lane < kTopK) out[lane] = -1;

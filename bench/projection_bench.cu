@@ -542,10 +542,12 @@ int run(int argc, char** argv) {
     struct Variant {
       int ctas, min_units, burst;
       bool evict_first;
+      int promotion;
     };
-    const Variant variants[] = {{0, 4, 0, true},  {1, 4, 0, true}, {2, 16, 0, true},
-                                {0, 4, 1, true},  {0, 4, 2, true}, {0, 4, 99, true},
-                                {0, 4, 0, false}, {1, 1, 99, true}};
+    const Variant variants[] = {{0, 4, 0, true, 256},  {1, 4, 0, true, 256},  {2, 16, 0, true, 256},
+                                {0, 4, 1, true, 256},  {0, 4, 2, true, 256},  {0, 4, 99, true, 256},
+                                {0, 4, 0, false, 256}, {1, 1, 99, true, 256}, {0, 4, 0, true, 128},
+                                {0, 4, 0, true, 0}};
     std::vector<bench::Row> rows_var;
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
       const Calls c = make_calls(b, rows_m);
@@ -560,6 +562,7 @@ int run(int argc, char** argv) {
         o.min_units_per_cta = v.min_units;
         o.burst = v.burst;
         o.weight_evict_first = v.evict_first;
+        o.weight_l2_promotion = v.promotion;
         const double us =
             bench::time_graph_cold(
                 [&](cudaStream_t s) {
@@ -573,6 +576,7 @@ int run(int argc, char** argv) {
         r.add("min_units", std::to_string(v.min_units));
         r.add("burst", v.burst == 0 ? "auto" : v.burst == 99 ? "ring" : std::to_string(v.burst));
         r.add("evict_first", v.evict_first ? "yes" : "no");
+        r.add("L2_promo", std::to_string(v.promotion));
         r.add("us", us);
         r.add("GBps", bytes / us / 1e3, 0);
         r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);

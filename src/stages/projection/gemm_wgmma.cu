@@ -49,7 +49,7 @@ Result<PFN_cuTensorMapEncodeTiled_v12000> encode_fn() {
 // 2D uint8 map over rows x cols (cols K-contiguous, rows `row_bytes` apart), box box_rows x 128,
 // 128B swizzle, out-of-bounds rows read as zero.
 Status encode_map(CUtensorMap* map, const void* data, int64_t rows, int64_t cols, int64_t row_bytes,
-                  int box_rows, const char* what) {
+                  int box_rows, CUtensorMapL2promotion promotion, const char* what) {
   Result<PFN_cuTensorMapEncodeTiled_v12000> fn = encode_fn();
   M3_RETURN_IF_ERROR(fn.status());
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
@@ -58,8 +58,8 @@ Status encode_map(CUtensorMap* map, const void* data, int64_t rows, int64_t cols
   const cuuint32_t elem_strides[2] = {1, 1};
   const CUresult r =
       fn.value()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(data), dims, strides, box,
-                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS)
     return make_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled(", what,
                        ") failed: CUresult ", static_cast<int>(r), " (rows ", rows, ", cols ", cols,
@@ -163,6 +163,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                "GemmWgmmaOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [0, ",
                kMaxCtasPerSm, "]");
   M3_CHECK_ARG(options.burst >= 0, "GemmWgmmaOptions::burst = ", options.burst, " must be >= 0");
+  M3_CHECK_ARG(options.weight_l2_promotion == 0 || options.weight_l2_promotion == 64 ||
+                   options.weight_l2_promotion == 128 || options.weight_l2_promotion == 256,
+               "GemmWgmmaOptions::weight_l2_promotion = ", options.weight_l2_promotion,
+               " must be 0, 64, 128 or 256");
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
@@ -202,9 +206,15 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.
   CUtensorMap wmap, xmap;
-  M3_RETURN_IF_ERROR(encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, "weights"));
+  const CUtensorMapL2promotion promotion =
+      options.weight_l2_promotion == 0     ? CU_TENSOR_MAP_L2_PROMOTION_NONE
+      : options.weight_l2_promotion == 64  ? CU_TENSOR_MAP_L2_PROMOTION_L2_64B
+      : options.weight_l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                           : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  M3_RETURN_IF_ERROR(
+      encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, promotion, "weights"));
   M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
-                                "activations"));
+                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
 
   WgmmaArgs args;
   args.sa = p.a_scales.ptr<const float>();

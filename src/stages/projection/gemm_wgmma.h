@@ -35,6 +35,10 @@ struct GemmWgmmaOptions {
   // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
   // to the ring depth.
   int burst = 0;
+  // L2 promotion of the weight loads (bytes fetched into L2 per request): 0 (none), 64, 128 or
+  // 256. 256 (default) also fetches the neighbouring 128-byte K block of each weight row, which
+  // the CTA's next unit reads.
+  int weight_l2_promotion = 256;
   // Kept for source compatibility; ignored: the producer warp now always stages every unit's
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;

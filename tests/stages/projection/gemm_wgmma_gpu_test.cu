@@ -78,6 +78,7 @@ struct Case {
   int min_units;
   int burst = 0;
   bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
+  int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
 };
 
 std::string describe(const Case& c) {
@@ -85,7 +86,8 @@ std::string describe(const Case& c) {
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
-         std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first);
+         std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
+         " L2 promotion " + std::to_string(c.promotion);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -96,6 +98,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.min_units_per_cta = c.min_units;
   o.burst = c.burst;
   o.weight_evict_first = c.evict_first;
+  o.weight_l2_promotion = c.promotion;
   return o;
 }
 
@@ -164,7 +167,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{64, 256, 640, 0, 0, true, 0, 4, 3, false},
                       // Every M from 57 to 64 shares the n = 64 kernel: the last rows' scales.
                       Case{57, 640, 1152, 0, 0, false, 0, 4},
-                      Case{63, 384, 6144, 8, 0, true, 0, 2, 4}));
+                      Case{63, 384, 6144, 8, 0, true, 0, 2, 4},
+                      // Other L2 promotions of the weight loads.
+                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0},
+                      Case{16, 640, 2048, 0, 16, true, 0, 4, 0, true, 128}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -358,6 +364,10 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
             StatusCode::kInvalidArgument);
   bad = {};
   bad.burst = -1;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.weight_l2_promotion = 100;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};

@@ -461,8 +461,8 @@ int main(int argc, char** argv) {
     v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
     v.opt.tma_stages = stages;
     v.opt.tma_lanes_per_head = lanes;
-    v.opt.tma_task_plan = plan;
-    v.opt.tma_interleave = interleave;
+    v.opt.tma_task_plan = plan ? 1 : -1;
+    v.opt.tma_interleave = interleave ? 1 : -1;
     return v;
   };
   std::vector<Variant> variants(2);

@@ -70,7 +70,7 @@ template <ProducerMode kMode, bool kPlan>
 Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
                         int sms, cudaStream_t stream) {
   const int blocks = o.persistent_blocks;
-  const bool il = o.tma_interleave;
+  const bool il = o.tma_interleave > 0;
   if (o.tma_lanes_per_head == 8) {
     switch (o.tma_stages) {
       case 2:
@@ -97,8 +97,8 @@ Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const Produce
 template <ProducerMode kMode>
 Status launch_tma_variant(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
                           int sms, cudaStream_t stream) {
-  return o.tma_task_plan ? launch_tma_lanes<kMode, true>(args, tasks, o, sms, stream)
-                         : launch_tma_lanes<kMode, false>(args, tasks, o, sms, stream);
+  return o.tma_task_plan > 0 ? launch_tma_lanes<kMode, true>(args, tasks, o, sms, stream)
+                             : launch_tma_lanes<kMode, false>(args, tasks, o, sms, stream);
 }
 
 template <ProducerMode kMode>
@@ -124,6 +124,8 @@ Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
   ProducerCudaOptions o = options;
   if (o.tma_stages == 0) o.tma_stages = pk::kTmaStagesDefault;
   if (o.tma_lanes_per_head == 0) o.tma_lanes_per_head = pk::kTmaLanesDefault;
+  if (o.tma_interleave == 0) o.tma_interleave = pk::kTmaInterleaveDefault ? 1 : -1;
+  if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
@@ -172,6 +174,12 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                    options.tma_lanes_per_head == 8,
                "run_producer_cuda: tma_lanes_per_head ", options.tma_lanes_per_head,
                " must be 0 (default ", pk::kTmaLanesDefault, "), 4 or 8");
+  M3_CHECK_ARG(options.tma_interleave >= -1 && options.tma_interleave <= 1,
+               "run_producer_cuda: tma_interleave ", options.tma_interleave,
+               " must be 0 (default), 1 (on) or -1 (off)");
+  M3_CHECK_ARG(options.tma_task_plan >= -1 && options.tma_task_plan <= 1,
+               "run_producer_cuda: tma_task_plan ", options.tma_task_plan,
+               " must be 0 (default), 1 (on) or -1 (off)");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;

@@ -77,14 +77,14 @@ struct ProducerCudaOptions {
   // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 or 4 (32
   // channels per lane: fewer instructions per head). Both write the bytes of the other kernels.
   int tma_lanes_per_head = 0;
-  // Tile order of the bulk-copy kernel: false = each block walks an equal share of the tasks;
-  // true = rounds of one tile per block over consecutive tiles (one moving front), then equal
-  // shares of the rest. Same bytes either way.
-  bool tma_interleave = false;
-  // Task plans in the bulk-copy kernel: the copy warp precomputes each task's token, head kind,
-  // position check and destination row once (a 16-byte plan per task in the stage), so the
-  // compute warps skip that work. Same bytes either way.
-  bool tma_task_plan = false;
+  // Tile order of the bulk-copy kernel: 0 = the default, 1 = interleaved (rounds of one tile per
+  // block over consecutive tiles, one moving front, then equal shares of the rest), -1 = each
+  // block walks an equal share of the tasks. Same bytes either way.
+  int tma_interleave = 0;
+  // Task plans in the bulk-copy kernel: 0 = the default, 1 = on (the copy warp precomputes each
+  // task's token, head kind, position check and destination row once, a 16-byte plan per task in
+  // the stage, so the compute warps skip that work), -1 = off. Same bytes either way.
+  int tma_task_plan = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

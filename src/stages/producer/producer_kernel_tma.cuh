@@ -81,6 +81,9 @@ constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128
 constexpr int kTmaStagesDefault = 2;
 constexpr int kTmaLanesDefault = 8;
 constexpr int kTmaStagesMax = 4;
+// Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan.
+constexpr bool kTmaInterleaveDefault = false;
+constexpr bool kTmaTaskPlanDefault = false;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
 // ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
 // T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.

@@ -66,8 +66,8 @@ inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes
   o.tma_stages = stages;
   o.persistent_blocks = blocks;
   o.tma_lanes_per_head = lanes;
-  o.tma_task_plan = plan;
-  o.tma_interleave = interleave;
+  o.tma_task_plan = plan ? 1 : -1;
+  o.tma_interleave = interleave ? 1 : -1;
   return o;
 }
 inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(3, 0, 8),
@@ -78,7 +78,7 @@ inline std::string choice_name(const ProducerCudaOptions& o) {
   os << producer_cuda_kernel_name(o.kernel);
   if (o.kernel == ProducerCudaKernel::kTmaPipeline)
     os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head
-       << (o.tma_task_plan ? " plan" : "") << (o.tma_interleave ? " interleaved" : "");
+       << (o.tma_task_plan > 0 ? " plan" : "") << (o.tma_interleave > 0 ? " interleaved" : "");
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
   return os.str();
 }

@@ -283,13 +283,22 @@ struct SmallFusedCall {
   }
 };
 
+// The bulk-copy kernel with tma_task_plan / tma_interleave set to raw values.
+ProducerCudaOptions bad_flag(int plan, int interleave) {
+  ProducerCudaOptions o = tma_options();
+  o.tma_task_plan = plan;
+  o.tma_interleave = interleave;
+  return o;
+}
+
 void expect_rejected(const Status& s) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_FALSE(s.message().empty());
 }
 
-// A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, or an unknown
-// kernel choice is rejected before any launch.
+// A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, a task-plan or
+// tile-order switch outside {-1, 0, 1}, or an unknown kernel choice is rejected before any
+// launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -303,7 +312,8 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
   for (const ProducerCudaOptions& o :
        {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3),
         tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4),
-        tma_options(1, 0, 8, true), tma_options(0, 0, 2, true, true)})
+        tma_options(1, 0, 8, true), tma_options(0, 0, 2, true, true), bad_flag(2, 0),
+        bad_flag(0, -2)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

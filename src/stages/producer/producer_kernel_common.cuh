@@ -220,7 +220,12 @@ __device__ __forceinline__ void store4(uint8_t* dst, uint32_t v) {
   *reinterpret_cast<uint32_t*>(dst) = v;
 }
 
-// Threads 0..63 stage the four norm weights as fp32 (1 + w) (unused ones are skipped).
+// Threads 0..63 stage the four norm weights as fp32 (1 + w) (unused ones are skipped), 32 float4
+// per weight in the order the slices read them (norm_rope_slice): [0, 8) channels 4q .. 4q + 3
+// (A of slice q), [8, 16) the same for B, then the C halves: [16, 24) channels 64 + 8j .. + 3 and
+// [24, 32) channels 68 + 8j .. + 3 of slice j = q - 16 / q - 24. So the 8 lanes of a slice
+// group read 128 contiguous bytes per load (one C load spanning 256 bytes cost twice the
+// shared-memory wavefronts).
 __device__ __forceinline__ void stage_norms(const KernelArgs& a, float4 (*s_norm)[32]) {
   if (threadIdx.x < kNumNorms * 16) {
     const int which = threadIdx.x / 16;
@@ -233,8 +238,11 @@ __device__ __forceinline__ void stage_norms(const KernelArgs& a, float4 (*s_norm
       widen2(v.y, f[2], f[3]);
       widen2(v.z, f[4], f[5]);
       widen2(v.w, f[6], f[7]);
-      s_norm[which][2 * part] = make_float4(1.0f + f[0], 1.0f + f[1], 1.0f + f[2], 1.0f + f[3]);
-      s_norm[which][2 * part + 1] = make_float4(1.0f + f[4], 1.0f + f[5], 1.0f + f[6], 1.0f + f[7]);
+      // Channels 8 part .. 8 part + 7: A / B halves in place, C of slice part - 8 split.
+      const int q0 = part < 8 ? 2 * part : 8 + part;
+      const int q1 = part < 8 ? 2 * part + 1 : 16 + part;
+      s_norm[which][q0] = make_float4(1.0f + f[0], 1.0f + f[1], 1.0f + f[2], 1.0f + f[3]);
+      s_norm[which][q1] = make_float4(1.0f + f[4], 1.0f + f[5], 1.0f + f[6], 1.0f + f[7]);
     }
   }
 }
@@ -304,10 +312,10 @@ __device__ __forceinline__ float rms_scale(float ss, float eps) {
 // i = 4j + m is (y[m], y[4 + m]).
 __device__ __forceinline__ void norm_rope_slice(float (&y)[16], float r, const float4* w,
                                                 const float4* rope, bool pos_ok, int j) {
-  const float4 wa = w[j];                // channels 4j ..
-  const float4 wb = w[8 + j];            // channels 32 + 4j ..
-  const float4 wc0 = w[16 + 2 * j];      // channels 64 + 8j ..
-  const float4 wc1 = w[16 + 2 * j + 1];  // channels 68 + 8j ..
+  const float4 wa = w[j];        // channels 4j ..
+  const float4 wb = w[8 + j];    // channels 32 + 4j ..
+  const float4 wc0 = w[16 + j];  // channels 64 + 8j .. (stage_norms' order)
+  const float4 wc1 = w[24 + j];  // channels 68 + 8j ..
   const float wv[16] = {wa.x,  wa.y,  wa.z,  wa.w,  wb.x,  wb.y,  wb.z,  wb.w,
                         wc0.x, wc0.y, wc0.z, wc0.w, wc1.x, wc1.y, wc1.z, wc1.w};
 #pragma unroll

@@ -170,14 +170,15 @@ __device__ __forceinline__ void wgmma_qk_rs(float (&d)[64], const uint32_t (&a)[
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// d (64 x 128 f32) += A (64 x 16 f16, registers) x B (16 x 128 f16, MN-major smem: trans-b 1).
-__device__ __forceinline__ void wgmma_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+// d (64 x 128 f32) (+)= A (64 x 16 f16, registers) x B (16 x 128 f16, MN-major smem: trans-b 1).
+__device__ __forceinline__ void wgmma_pv(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
+                                         int accumulate = 1) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " M3_WG_D64_REGS
       ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
       : M3_WG_D64_OPS(d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // Raw K and V tiles of (page, KV head g) into one stage [K | V], swizzled as in ak::load_block.

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -252,6 +253,50 @@ inline BoundReport check_bound(const std::vector<uint16_t>& g, const std::vector
     }
   }
   return r;
+}
+
+// `got` within |got - ref| <= 2^-7 |ref| + s_factor S of `ref` (finite), nothing outside the
+// output written (`touched`); prints how many outputs are bit-identical under `label`.
+inline void expect_within_bound(const std::string& label, const std::vector<uint16_t>& got,
+                                const std::vector<uint16_t>& ref, const std::vector<double>& s,
+                                const GemmData& d, double s_factor, int64_t touched) {
+  const BoundReport r = check_bound(got, ref, s, d.n, s_factor);
+  int64_t identical = 0;
+  for (size_t i = 0; i < got.size(); ++i) identical += got[i] == ref[i];
+  std::printf(
+      "[ INFO     ] %s, M %lld N %lld K %lld: %lld of %zu outputs bit-identical, worst |diff| / "
+      "bound %.3g, worst |diff| / S %.3g\n",
+      label.c_str(), static_cast<long long>(d.m), static_cast<long long>(d.n),
+      static_cast<long long>(d.k), static_cast<long long>(identical), got.size(), r.worst_ratio,
+      r.worst_rel_s);
+  EXPECT_EQ(r.non_finite, 0);
+  EXPECT_EQ(r.violations, 0) << r.text;
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+}
+
+// cuBLASLt (no autotuning) and an object with `opt` on the same random [m, 640, 6144] operands:
+// within the accumulation bound of each other (two device accumulations: 2^-9 S).
+inline void expect_agrees_with_cublaslt(const std::string& label, int64_t m, int64_t max_m,
+                                        const Fp8BlockGemmOptions& opt, Rng& rng) {
+  const int64_t n = 640, k = 6144;
+  GemmData d = make_random_data(m, n, k, rng);
+  const std::vector<double> s = abs_sums(d);
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.autotune = false;
+  lt_opt.wgmma_max_m = 0;
+  auto lt = make_gemm(max_m, n, k, lt_opt);
+  auto other = make_gemm(max_m, n, k, opt);
+  ASSERT_NE(lt, nullptr);
+  ASSERT_NE(other, nullptr);
+  DeviceGemm x(d, n), y(d, n);
+  const Status s1 = lt->run(x.params(), nullptr);
+  const Status s2 = other->run(y.params(), nullptr);
+  ASSERT_TRUE(s1.ok()) << s1.to_string();
+  ASSERT_TRUE(s2.ok()) << s2.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t t1 = 0, t2 = 0;
+  const std::vector<uint16_t> a = x.result(&t1), b = y.result(&t2);
+  expect_within_bound(label + " vs cuBLASLt", b, a, s, d, std::ldexp(1.0, -9), t1 + t2);
 }
 
 // Fused [Q|K|V|iQ|iK] (N = 9856) against the unfused pair [Q|K|V] (9216) + [iQ|iK] (640) from the

@@ -95,17 +95,7 @@ TEST_P(GemmSmallMRandom, WithinAccumulationBoundOfTwin) {
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
   const std::vector<uint16_t> got = dev.result(&touched);
-  const BoundReport r = check_bound(got, ref, s, c.n, std::ldexp(1.0, -10));
-  int64_t identical = 0;
-  for (size_t i = 0; i < got.size(); ++i) identical += got[i] == ref[i];
-  std::printf(
-      "[ INFO     ] small-M M %lld N %lld K %lld: %lld of %zu outputs bit-identical to the "
-      "twin, worst |gpu-cpu| / bound %.3g, worst |gpu-cpu| / S %.3g\n",
-      static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k),
-      static_cast<long long>(identical), got.size(), r.worst_ratio, r.worst_rel_s);
-  EXPECT_EQ(r.non_finite, 0);
-  EXPECT_EQ(r.violations, 0) << r.text;
-  EXPECT_EQ(touched, 0);
+  expect_within_bound("small-M kernel vs twin", got, ref, s, d, std::ldexp(1.0, -10), touched);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmSmallMRandom,
@@ -138,30 +128,7 @@ TEST(GemmSmallMFused, AgreesWithCublasLt) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const int64_t m = 8;
-  GemmData d = make_random_data(m, kN2, kHidden, rng);
-  const std::vector<double> s = abs_sums(d);
-  auto lt = make_gemm(16, kN2, kHidden);
-  auto small = make_gemm(16, kN2, kHidden, small_m_options());
-  ASSERT_NE(lt, nullptr);
-  ASSERT_NE(small, nullptr);
-  DeviceGemm x(d, kN2), y(d, kN2);
-  ASSERT_TRUE(lt->run(x.params(), nullptr).ok());
-  ASSERT_TRUE(small->run(y.params(), nullptr).ok());
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t t1 = 0, t2 = 0;
-  const std::vector<uint16_t> a = x.result(&t1), b = y.result(&t2);
-  const BoundReport r = check_bound(b, a, s, kN2, std::ldexp(1.0, -9));
-  int64_t identical = 0;
-  for (size_t i = 0; i < a.size(); ++i) identical += a[i] == b[i];
-  std::printf(
-      "[ INFO     ] small-M kernel vs cuBLASLt, M %lld N %lld: %lld of %zu bit-identical, "
-      "worst |diff| / S %.3g\n",
-      static_cast<long long>(m), static_cast<long long>(kN2), static_cast<long long>(identical),
-      a.size(), r.worst_rel_s);
-  EXPECT_EQ(r.non_finite, 0);
-  EXPECT_EQ(r.violations, 0) << r.text;
-  EXPECT_EQ(t1 + t2, 0);
+  expect_agrees_with_cublaslt("small-M kernel", 8, 16, small_m_options(), rng);
 }
 
 // Quantize (rows = 1 padded to 4) + small-M GEMM captured once, replayed with a new x: equals

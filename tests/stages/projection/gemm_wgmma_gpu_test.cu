@@ -48,13 +48,6 @@ Fp8BlockGemmOptions wgmma_options() {
   return o;
 }
 
-Fp8BlockGemmOptions cublaslt_options() {
-  Fp8BlockGemmOptions o;
-  o.wgmma_max_m = 0;
-  o.autotune = false;
-  return o;
-}
-
 // A zeroed workspace for run_gemm_wgmma_cuda, sized for (n, m).
 DeviceBuffer make_workspace(int64_t n, int64_t m) {
   Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, m);
@@ -234,16 +227,7 @@ TEST_P(GemmWgmmaRandom, WithinAccumulationBoundOfTwin) {
   const std::vector<double> s = abs_sums(d);
   DeviceGemm dev(d, c.n);
   const std::vector<uint16_t> got = run_twice(dev, c);
-  const BoundReport r = check_bound(got, ref, s, c.n, std::ldexp(1.0, -10));
-  int64_t identical = 0;
-  for (size_t i = 0; i < got.size(); ++i) identical += got[i] == ref[i];
-  std::printf(
-      "[ INFO     ] wgmma M %lld N %lld K %lld: %lld of %zu outputs bit-identical to the twin, "
-      "worst |gpu-cpu| / bound %.3g, worst |gpu-cpu| / S %.3g\n",
-      static_cast<long long>(c.m), static_cast<long long>(c.n), static_cast<long long>(c.k),
-      static_cast<long long>(identical), got.size(), r.worst_ratio, r.worst_rel_s);
-  EXPECT_EQ(r.non_finite, 0);
-  EXPECT_EQ(r.violations, 0) << r.text;
+  expect_within_bound("wgmma kernel vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
@@ -274,37 +258,11 @@ TEST(GemmWgmmaFused, IntegerInputsFusedEqualsUnfusedBitForBit) {
 // reported.
 TEST(GemmWgmmaFused, AgreesWithCublasLt) {
   M3_REQUIRE_WGMMA();
-  for (int64_t m : {16, 64}) {
+  for (int64_t m : {1, 16, 64}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);
     Rng rng(seed);
-    GemmData d = make_random_data(m, kN2, kHidden, rng);
-    const std::vector<double> s = abs_sums(d);
-    auto lt = make_gemm(64, kN2, kHidden, cublaslt_options());
-    auto wg = make_gemm(64, kN2, kHidden, wgmma_options());
-    ASSERT_NE(lt, nullptr);
-    ASSERT_NE(wg, nullptr);
-    EXPECT_EQ(wg->wgmma_max_m(), 64);
-    EXPECT_EQ(lt->wgmma_max_m(), 0);
-    DeviceGemm x(d, kN2), y(d, kN2);
-    const Status s1 = lt->run(x.params(), nullptr);
-    const Status s2 = wg->run(y.params(), nullptr);
-    ASSERT_TRUE(s1.ok()) << s1.to_string();
-    ASSERT_TRUE(s2.ok()) << s2.to_string();
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t t1 = 0, t2 = 0;
-    const std::vector<uint16_t> a = x.result(&t1), b = y.result(&t2);
-    const BoundReport r = check_bound(b, a, s, kN2, std::ldexp(1.0, -9));
-    int64_t identical = 0;
-    for (size_t i = 0; i < a.size(); ++i) identical += a[i] == b[i];
-    std::printf(
-        "[ INFO     ] wgmma kernel vs cuBLASLt, M %lld N %lld: %lld of %zu bit-identical, "
-        "worst |diff| / S %.3g\n",
-        static_cast<long long>(m), static_cast<long long>(kN2), static_cast<long long>(identical),
-        a.size(), r.worst_rel_s);
-    EXPECT_EQ(r.non_finite, 0);
-    EXPECT_EQ(r.violations, 0) << r.text;
-    EXPECT_EQ(t1 + t2, 0);
+    expect_agrees_with_cublaslt("wgmma kernel", gemm_padded_rows(m), 64, wgmma_options(), rng);
   }
 }
 

@@ -27,6 +27,8 @@ constexpr int64_t kTargetCtasPerSm = 8;
 // The fused decode path is chosen automatically above this many page-table columns (see
 // IndexerCudaOptions::fused_decode_always).
 constexpr int kFusedAutoMinPages = 128;
+// Largest portable thread-block cluster: splits per unit of the cluster-finish variant.
+constexpr int64_t kMaxClusterSplits = 8;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -95,6 +97,7 @@ struct Plan {
   bool fused = false;
   bool bulk = false;
   bool prefetch = false;
+  bool cluster = false;
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -138,12 +141,15 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
                                      fchunk);
       fchunk = std::max(fchunk, round4(ceil_div(max_pages, kmax)));  // list capacity
+      if (o.cluster_finish)  // at most kMaxClusterSplits splits (one portable cluster)
+        fchunk = std::max(fchunk, round4(ceil_div(max_pages, kMaxClusterSplits)));
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
     if (need <= kmax && need <= 65535) {
       pl.fused = true;
       pl.bulk = o.decode_bulk_copy;
+      pl.cluster = o.cluster_finish && !pl.bulk && need <= kMaxClusterSplits;
       k = need;
       chunk = fchunk;
     }
@@ -190,6 +196,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.merge_wpr = pl.merge_wpr;
   info.bulk_copy = pl.bulk;
   info.l2_prefetch = pl.prefetch;
+  info.cluster = pl.cluster;
   return info;
 }
 
@@ -271,6 +278,28 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
+    if (pl.cluster) {
+      // Clusters of the k_splits CTAs of one unit (grid.y == k_splits <= 8); the CTAs finish
+      // their rows themselves: no merge kernel follows.
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ik::score_fused_cluster_kernel,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   ik::kFusedSmemBytes));
+      cudaLaunchConfig_t ccfg = {};
+      ccfg.gridDim = grid;
+      ccfg.blockDim = dim3(ik::kMmaThreads);
+      ccfg.dynamicSmemBytes = ik::kFusedSmemBytes;
+      ccfg.stream = stream;
+      cudaLaunchAttribute cattr[1];
+      cattr[0].id = cudaLaunchAttributeClusterDimension;
+      cattr[0].val.clusterDim.x = 1;
+      cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
+      cattr[0].val.clusterDim.z = 1;
+      ccfg.attrs = cattr;
+      ccfg.numAttrs = 1;
+      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ik::score_fused_cluster_kernel, a));
+      M3_CUDA_CHECK_LAUNCH();
+      return Status::Ok();
+    }
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).

@@ -106,6 +106,14 @@ struct IndexerCudaOptions {
   // more page per warp is in flight beyond the shared-memory ring (same results; a performance
   // variant under evaluation).
   bool decode_l2_prefetch = false;
+  // Fused path only: launch the scorer in thread-block clusters of (1, k_splits, 1) and let the
+  // CTAs of each decode unit (and overflow tile) finish their rows after a cluster barrier
+  // instead of a separate merge kernel (same ids). Applies when the plan's splits per unit are
+  // <= 8 (the automatic plan then caps them at 8); otherwise the merge kernel runs as usual.
+  // Device data that breaks the contract: with a query_start that is not monotone, rows of
+  // tokens that no decode unit and no overflow tile claims are left unwritten (the merge kernel
+  // writes in-range but meaningless ids there).
+  bool cluster_finish = false;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -132,6 +140,7 @@ struct IndexerCudaPlan {
   int merge_wpr = 0;         // warps per row of the fused path's final kernel
   bool bulk_copy = false;    // fused with bulk (TMA) tile copies
   bool l2_prefetch = false;  // decode units prefetch their next page into L2
+  bool cluster = false;      // fused, finished inside clusters (no merge kernel)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

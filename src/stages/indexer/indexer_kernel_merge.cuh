@@ -73,6 +73,113 @@ __device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t, int 
   return t >= qa && t < qe && t - qa < a.dec_tokens;
 }
 
+// Rows whose ids need no score: a negative position or a local block past the page table gives a
+// row of -1, n_valid = local + 1 <= 16 the blocks 0 .. local. Returns the local block when scores
+// decide (>= 16), else -1 after lanes < 16 wrote the row (when `write`).
+__device__ __forceinline__ int trivial_row(const KernelArgs& a, int32_t* out, int pos, bool write) {
+  const int lane = threadIdx.x & 31;
+  if (pos < 0 || pos / kPageSize >= a.max_pages) {
+    if (write && lane < kTopK) out[lane] = -1;
+    return -1;
+  }
+  const int local = pos / kPageSize;
+  if (local < kTopK) {
+    if (write && lane < kTopK) out[lane] = lane <= local ? lane : -1;
+    return -1;
+  }
+  return local;
+}
+
+// log2 of the slots read per candidate list: a split of dec_chunk blocks has at most dec_chunk
+// candidates, so only the first 4 (4-block splits), 8 (8-block) or all 16 slots are read (slot 15
+// is always zero). Key e of a row: list e >> lg, slot e & (2^lg - 1).
+__device__ __forceinline__ int list_slots_log2(int dec_chunk) {
+  return dec_chunk <= 4 ? 2 : (dec_chunk <= 8 ? 3 : 4);
+}
+
+// Key e of a decode row's lists enters the lane's top list if it is a real candidate whose id lies
+// in its list's visible blocks [y0, min(local, y0 + dec_chunk)) (a stale list key, only possible
+// under corrupted query_start, is dropped).
+__device__ __forceinline__ void take_list_key(const KernelArgs& a, uint64_t (&top)[kTopK - 1],
+                                              uint64_t key, int e, int lg, int local) {
+  const int id = candidate_id(key);
+  const int y0 = (e >> lg) * a.dec_chunk;
+  if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
+}
+
+// Writes a row from its local block and the 15 best other keys (lane k < 15 holds the k-th best
+// in `best`, 0 = none): ascending distinct ids, then -1.
+__device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best) {
+  const int lane = threadIdx.x & 31;
+  // Lane 0 holds the local block, lane k (1..15) the k-th best other block (or -1).
+  const uint64_t prev = __shfl_up_sync(0xffffffffu, best, 1);
+  int my_id = lane == 0 ? local : (lane < kTopK && prev != 0 ? candidate_id(prev) : -1);
+  // Ids are distinct for any data the scorer wrote this run; a repeat (only from stale lists under
+  // corrupted query_start) is dropped so that every output slot is written.
+  bool repeat = false;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    repeat = repeat || (j < lane && other == my_id);
+  }
+  if (repeat) my_id = -1;
+  // Ascending ids (distinct), then -1.
+  int rank = 0, picked = 0;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    if (other >= 0) {
+      ++picked;
+      rank += other < my_id ? 1 : 0;
+    }
+  }
+  if (lane < kTopK) {
+    if (my_id >= 0) out[rank] = my_id;
+    if (lane >= picked) out[lane] = -1;
+  }
+}
+
+// Cluster finish (score_fused_cluster_kernel): after the cluster barrier one warp completes row
+// `row` (position pos) from what the CTAs of its cluster wrote this run: the decode row's
+// candidate lists (lists) or its block scores. The loads bypass L1 (ld.global.cg): the data come
+// from other CTAs of this kernel, ordered by the barrier's release / acquire at cluster scope.
+// Loads go out 4 per lane at a time (one L2 round trip per 128 keys).
+__device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int pos, bool lists) {
+  const int lane = threadIdx.x & 31;
+  int32_t* out = a.block_ids + row * kTopK;
+  const int local = trivial_row(a, out, pos, true);
+  if (local < 0) return;
+  uint64_t top[kTopK - 1];
+#pragma unroll
+  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+  if (lists) {
+    const int lg = list_slots_log2(a.dec_chunk);
+    const auto* base =
+        reinterpret_cast<const unsigned long long*>(a.cand + row * a.k_splits * kTopK);
+    auto at = [&](int e) { return base + ((e >> lg) << 4) + (e & ((1 << lg) - 1)); };
+    const int n = ((local + a.dec_chunk - 1) / a.dec_chunk) << lg;  // lists 0 .. ceil - 1
+    for (int e = lane; e < n; e += 4 * 32) {
+      uint64_t k[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) k[i] = e + 32 * i < n ? __ldcg(at(e + 32 * i)) : 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (e + 32 * i < n) take_list_key(a, top, k[i], e + 32 * i, lg, local);
+    }
+  } else {
+    const float* scores = a.scores + row * a.max_pages;
+    for (int b = lane; b < local; b += 4 * 32) {
+      float v[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = b + 32 * i < local ? __ldcg(scores + b + 32 * i) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (b + 32 * i < local) insert_key(top, candidate_key(v[i], b + 32 * i));
+    }
+  }
+  emit_row(out, local, warp_top15(top));
+}
+
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a) {
   __shared__ uint64_t part_keys[kMergeWarps][kTopK];
   const int lane = threadIdx.x & 31;
@@ -98,10 +205,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   const int gqe = load_query_start(a, guess + 1);
   const int pos = in_range ? __ldg(a.positions + t) : -1;
   wait_for_prerequisite_grids();  // before any access to the scorer's outputs (PDL launch)
-  // A split of dec_chunk blocks has at most dec_chunk candidates: only the first 2^lg slots of
-  // each list are read (4 for 4-block splits, 8 for 8, else all 16; slot 15 is always zero).
-  // Key e of a row: list e >> lg, slot e & (2^lg - 1).
-  const int lg = a.dec_chunk <= 4 ? 2 : (a.dec_chunk <= 8 ? 3 : 4);
+  const int lg = list_slots_log2(a.dec_chunk);
   const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
   auto key_at = [&](int e) { return lists[((e >> lg) << 4) + (e & ((1 << lg) - 1))]; };
   const int e0 = lane + 32 * part;
@@ -111,16 +215,8 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
     pre[i] = in_range && e0 + i * step < (a.k_splits << lg) ? key_at(e0 + i * step) : 0;
   if (in_range) {
     out = a.block_ids + row * kTopK;
-    if (pos < 0 || pos / kPageSize >= a.max_pages) {
-      if (part == 0 && lane < kTopK) out[lane] = -1;
-    } else {
-      local = pos / kPageSize;
-      if (local < kTopK) {  // n_valid <= 16: everything visible
-        if (part == 0 && lane < kTopK) out[lane] = lane <= local ? lane : -1;
-      } else {
-        mode = is_decode_token(a, t, gqa, gqe) ? 2 : 1;
-      }
-    }
+    local = trivial_row(a, out, pos, part == 0);
+    if (local >= 0) mode = is_decode_token(a, t, gqa, gqe) ? 2 : 1;
   }
   uint64_t top[kTopK - 1];
 #pragma unroll
@@ -140,12 +236,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
     for (; b < local; b += step) insert_key(top, candidate_key(scores[b], b));
   } else if (mode == 2) {
     const int n = ((local + a.dec_chunk - 1) / a.dec_chunk) << lg;  // lists 0 .. ceil - 1
-    // Key e of list e >> lg: its id must lie in the list's visible blocks.
-    auto take = [&](uint64_t key, int e) {
-      const int id = candidate_id(key);
-      const int y0 = (e >> lg) * a.dec_chunk;
-      if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
-    };
+    auto take = [&](uint64_t key, int e) { take_list_key(a, top, key, e, lg, local); };
 #pragma unroll
     for (int i = 0; i < 4; ++i)
       if (e0 + i * step < n) take(pre[i], e0 + i * step);
@@ -173,32 +264,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
     }
   }
   if (part != 0 || mode == 0) return;
-  // Lane 0 holds the local block, lane k (1..15) the k-th best other block (or -1).
-  const uint64_t prev = __shfl_up_sync(0xffffffffu, best, 1);
-  int my_id = lane == 0 ? local : (lane < kTopK && prev != 0 ? candidate_id(prev) : -1);
-  // Ids are distinct for any data the scorer wrote this run; a repeat (only from stale lists under
-  // corrupted query_start) is dropped so that every output slot is written.
-  bool repeat = false;
-#pragma unroll
-  for (int j = 0; j < kTopK; ++j) {
-    const int other = __shfl_sync(0xffffffffu, my_id, j);
-    repeat = repeat || (j < lane && other == my_id);
-  }
-  if (repeat) my_id = -1;
-  // Ascending ids (distinct), then -1.
-  int rank = 0, picked = 0;
-#pragma unroll
-  for (int j = 0; j < kTopK; ++j) {
-    const int other = __shfl_sync(0xffffffffu, my_id, j);
-    if (other >= 0) {
-      ++picked;
-      rank += other < my_id ? 1 : 0;
-    }
-  }
-  if (lane < kTopK) {
-    if (my_id >= 0) out[rank] = my_id;
-    if (lane >= picked) out[lane] = -1;
-  }
+  emit_row(out, local, best);
 }
 
 }  // namespace m3attn::indexer_kernel

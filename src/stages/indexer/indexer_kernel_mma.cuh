@@ -38,6 +38,12 @@
 // ~0.6 issue slots per SM cycle of 4 at 3.4 TB/s; the cvt (F2FP) count, 2 per row, is the
 // largest single class.
 //
+// Cluster finish (score_fused_cluster_kernel, IndexerCudaOptions::cluster_finish): the fused
+// kernel launched in clusters of the k_splits (<= 8) CTAs of one unit; after the local selection
+// a cluster barrier, then the cluster's CTAs finish the unit's rows themselves (finish_row: the
+// merge of the lists, or the selection from block scores for overflow rows), one warp per row,
+// so no merge kernel and no second launch / dependency wait follow the scorer.
+//
 // Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
 // m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage
 // ring of whole index pages in shared memory (cp.async, 16 KB per stage), so each page is read
@@ -66,6 +72,7 @@
 #include <climits>
 
 #include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_merge.cuh"
 
 namespace m3attn::indexer_kernel {
 
@@ -517,13 +524,45 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const fl
   }
 }
 
+// Cluster finish of a decode unit (kCluster; after its cluster's barrier): the unit's rows are
+// shared out over the cluster's k_splits CTAs x 4 warps, one warp per row (finish_row from the
+// candidate lists). rows = tokens x n_kv (<= kDecRows; <= 0: none); lane_pos: lane l holds the
+// position of token t0 + l.
+__device__ __forceinline__ void finish_decode_rows(const KernelArgs& a, int t0, int rows,
+                                                   int lane_pos) {
+  const int warp = threadIdx.x >> 5;
+  for (int j = static_cast<int>(blockIdx.y) * kMmaWarps + warp; j < rows;
+       j += a.k_splits * kMmaWarps) {
+    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
+    finish_row(a, int64_t{t0} * a.n_kv + j, pos, true);
+  }
+}
+
+// Cluster finish of an overflow tile (kCluster): the rows of its flat token range that no decode
+// unit owns (prefill tokens, and tokens of no request: stale scores, ids in range), from their
+// block scores; rows shared out like finish_decode_rows.
+__device__ __forceinline__ void finish_overflow_rows(const KernelArgs& a) {
+  const int warp = threadIdx.x >> 5;
+  const int ta = static_cast<int>(blockIdx.x) * a.pre_tokens;
+  const int te = min(ta + a.pre_tokens, a.num_tokens);
+  const int rows = max(te - ta, 0) * a.n_kv;
+  for (int j = static_cast<int>(blockIdx.y) * kMmaWarps + warp; j < rows;
+       j += a.k_splits * kMmaWarps) {
+    const int t = ta + j / a.n_kv;
+    const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
+    const int pos = __ldg(a.positions + t);
+    if (!is_decode_token(a, t, load_query_start(a, guess), load_query_start(a, guess + 1)))
+      finish_row(a, int64_t{ta} * a.n_kv + j, pos, false);
+  }
+}
+
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
 // warp's first page-table entries known before query_start and positions arrive: the dependent
 // chain to the first index-K byte is query_start -> positions -> data (the page-table load runs
 // beside query_start) instead of query_start -> positions -> page table -> data.
-template <bool kFused, bool kBulk>
+template <bool kFused, bool kBulk, bool kCluster>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -565,7 +604,13 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   }
   if (pre && first >= b1) stream_prologue_drain<kBulk>(wbars);  // warp-uniform
   if constexpr (kFused) {
-    if (b0 >= b1) return;  // CTA-uniform: the fused path has one CTA barrier below
+    if (b0 >= b1) {  // CTA-uniform: the fused path has CTA (and cluster) barriers below
+      if constexpr (kCluster) {
+        cluster_barrier();
+        finish_decode_rows(a, qa, n * a.n_kv, p);
+      }
+      return;
+    }
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
@@ -594,6 +639,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     fused_local_select(a, sblk, qa, rows, b0, b1, p);
+    if constexpr (kCluster) {
+      cluster_barrier();  // every split's lists of this unit are written
+      finish_decode_rows(a, qa, rows, p);
+    }
   }
 }
 
@@ -744,15 +793,19 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kBulk>
+template <bool kFused, bool kBulk, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh, uint64_t* bars) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kBulk>(a, smem, bars);
+    decode_path<kFused, kBulk, kCluster>(a, smem, bars);
     return;
   }
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
+  if constexpr (kCluster) {
+    cluster_barrier();  // every split's block scores of this tile are written
+    finish_overflow_rows(a);
+  }
 }
 
 // Two-kernel path: every block score goes to the workspace; select_kernel picks.
@@ -768,6 +821,15 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelAr
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, false>(a, smem, sh, nullptr);
+}
+
+// The fused kernel launched in clusters of (1, k_splits, 1) (k_splits <= 8,
+// IndexerCudaOptions::cluster_finish): after a cluster barrier the CTAs of each decode unit /
+// overflow tile finish its rows themselves (finish_row), so no merge kernel runs.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<true, false, true>(a, smem, sh, nullptr);
 }
 
 // The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::

@@ -414,6 +414,12 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
       expect_same_ids(
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
+      // The cluster-finish variant (no merge kernel) where its plan applies.
+      fo.cluster_finish = true;
+      if (!bulk && indexer_cuda_plan(d.params, fo).cluster) {
+        const GpuResult c = run_gpu(d, fo);
+        expect_same_ids(in, c, g, name + ", fused cluster finish vs two-kernel]");
+      }
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
@@ -643,13 +649,18 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
         compare(in, ref, g, integer, name + " [two-kernel]");
         const GpuResult f = run_gpu(d, o);
         expect_same_ids(in, f, g, name + " [fused vs two-kernel]");
+        o.cluster_finish = true;
+        if (indexer_cuda_plan(d.params, o).cluster) {
+          const GpuResult c = run_gpu(d, o);
+          expect_same_ids(in, c, g, name + " [fused cluster finish vs two-kernel]");
+        }
       }
     }
   }
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 fused
-// with L2 prefetch, 5 two-kernel with L2 prefetch.
+// with L2 prefetch, 5 two-kernel with L2 prefetch, 6 fused with the cluster finish.
 void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -697,10 +708,17 @@ void check_guards(const std::vector<int>& paths) {
     o.unfused_decode = path == 1 || path == 5;
     o.decode_bulk_copy = path == 2;
     o.decode_l2_prefetch = path == 4 || path == 5;
-    o.fused_decode_always = path == 0 || path == 2 || path == 4;
-    const char* names[] = {"[fused] ",      "[two-kernel] ",         "[fused bulk] ",
-                           "[cuda cores] ", "[fused, l2 prefetch] ", "[two-kernel, l2 prefetch] "};
+    o.cluster_finish = path == 6;
+    o.fused_decode_always = path == 0 || path == 2 || path == 4 || path == 6;
+    const char* names[] = {"[fused] ",
+                           "[two-kernel] ",
+                           "[fused bulk] ",
+                           "[cuda cores] ",
+                           "[fused, l2 prefetch] ",
+                           "[two-kernel, l2 prefetch] ",
+                           "[fused, cluster finish] "};
     const char* name = names[path];
+    if (path == 6) EXPECT_TRUE(indexer_cuda_plan(d.params, o).cluster);
     if (o.fused_decode_always) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {
@@ -714,7 +732,7 @@ void check_guards(const std::vector<int>& paths) {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 3, 4, 5});
+  check_guards({0, 1, 3, 4, 5, 6});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -730,16 +748,20 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  IndexerCudaOptions prefetch;
+  IndexerCudaOptions prefetch, cluster;
   prefetch.decode_l2_prefetch = true;
-  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, prefetch}) {
-    const std::string what = go.decode_l2_prefetch ? " (l2 prefetch)" : "";
+  cluster.cluster_finish = true;
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, prefetch, cluster}) {
+    const std::string what = go.decode_l2_prefetch ? " (l2 prefetch)"
+                             : go.cluster_finish   ? " (cluster finish)"
+                                                   : "";
     DeviceSet d;
     upload(first, d);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
     ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, go));
+    ASSERT_EQ(indexer_cuda_plan(d.params, go).cluster, go.cluster_finish);
     const Status st = run_indexer_cuda(d.params, d.workspace, stream, go);
     ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
     ASSERT_TRUE(st.ok()) << st.to_string();

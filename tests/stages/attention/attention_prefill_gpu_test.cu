@@ -378,9 +378,10 @@ TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
       }
       std::shuffle(row, row + kTopK, rng.engine());
     }
-  // Tokens 24 .. 31 (one whole tile of request 1) select nothing on KV head 1: that work item has
-  // no block (+0 rows, or an empty split partial); token 3 selects nothing on head 0.
-  for (int64_t t = 24; t < 32; ++t) std::fill_n(ids + (t * 2 + 1) * kTopK, kTopK, -1);
+  // Tokens 28 .. 35 (the second 8-token tile of request 1, tokens 20 .. 36) select nothing on KV
+  // head 1: that work item has no block (+0 rows, or an empty split partial); token 3 selects
+  // nothing on head 0.
+  for (int64_t t = 28; t < 36; ++t) std::fill_n(ids + (t * 2 + 1) * kTopK, kTopK, -1);
   std::fill_n(ids + (3 * 2 + 0) * kTopK, kTopK, -1);
   check_configs(c, true, "junk ids", standard_configs());
 }

@@ -33,27 +33,6 @@ namespace m3attn::indexer_kernel {
 constexpr int kMergeWarps = 8;
 constexpr int kMergeThreads = kMergeWarps * 32;
 
-// The warp's 15 best keys from the lanes' sorted lists (consumed): lane k < 15 gets the k-th best
-// key, 0 where fewer than k + 1 non-zero keys exist; lanes >= 15 get 0.
-__device__ __forceinline__ uint64_t warp_top15(uint64_t (&top)[kTopK - 1]) {
-  const int lane = threadIdx.x & 31;
-  uint64_t mine = 0;
-  for (int k = 0; k < kTopK - 1; ++k) {
-    const uint32_t hi = static_cast<uint32_t>(top[0] >> 32);
-    const uint32_t lo = static_cast<uint32_t>(top[0]);
-    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
-    if (best_hi == 0) break;  // no non-NaN key left (uniform)
-    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? lo : 0u);
-    if (hi == best_hi && lo == best_lo) {  // one lane (keys are distinct): pop its head
-#pragma unroll
-      for (int i = 0; i < kTopK - 2; ++i) top[i] = top[i + 1];
-      top[kTopK - 2] = 0;
-    }
-    if (lane == k) mine = (static_cast<uint64_t>(best_hi) << 32) | best_lo;
-  }
-  return mine;
-}
-
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
 // caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
 // equal-length requests: no further round trip); otherwise a binary search finds the last r with
@@ -73,23 +52,6 @@ __device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t, int 
   return t >= qa && t < qe && t - qa < a.dec_tokens;
 }
 
-// Rows whose ids need no score: a negative position or a local block past the page table gives a
-// row of -1, n_valid = local + 1 <= 16 the blocks 0 .. local. Returns the local block when scores
-// decide (>= 16), else -1 after lanes < 16 wrote the row (when `write`).
-__device__ __forceinline__ int trivial_row(const KernelArgs& a, int32_t* out, int pos, bool write) {
-  const int lane = threadIdx.x & 31;
-  if (pos < 0 || pos / kPageSize >= a.max_pages) {
-    if (write && lane < kTopK) out[lane] = -1;
-    return -1;
-  }
-  const int local = pos / kPageSize;
-  if (local < kTopK) {
-    if (write && lane < kTopK) out[lane] = lane <= local ? lane : -1;
-    return -1;
-  }
-  return local;
-}
-
 // log2 of the slots read per candidate list: a split of dec_chunk blocks has at most dec_chunk
 // candidates, so only the first 4 (4-block splits), 8 (8-block) or all 16 slots are read (slot 15
 // is always zero). Key e of a row: list e >> lg, slot e & (2^lg - 1).
@@ -105,38 +67,6 @@ __device__ __forceinline__ void take_list_key(const KernelArgs& a, uint64_t (&to
   const int id = candidate_id(key);
   const int y0 = (e >> lg) * a.dec_chunk;
   if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
-}
-
-// Writes a row from its local block and the 15 best other keys (lane k < 15 holds the k-th best
-// in `best`, 0 = none): ascending distinct ids, then -1.
-__device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best) {
-  const int lane = threadIdx.x & 31;
-  // Lane 0 holds the local block, lane k (1..15) the k-th best other block (or -1).
-  const uint64_t prev = __shfl_up_sync(0xffffffffu, best, 1);
-  int my_id = lane == 0 ? local : (lane < kTopK && prev != 0 ? candidate_id(prev) : -1);
-  // Ids are distinct for any data the scorer wrote this run; a repeat (only from stale lists under
-  // corrupted query_start) is dropped so that every output slot is written.
-  bool repeat = false;
-#pragma unroll
-  for (int j = 0; j < kTopK; ++j) {
-    const int other = __shfl_sync(0xffffffffu, my_id, j);
-    repeat = repeat || (j < lane && other == my_id);
-  }
-  if (repeat) my_id = -1;
-  // Ascending ids (distinct), then -1.
-  int rank = 0, picked = 0;
-#pragma unroll
-  for (int j = 0; j < kTopK; ++j) {
-    const int other = __shfl_sync(0xffffffffu, my_id, j);
-    if (other >= 0) {
-      ++picked;
-      rank += other < my_id ? 1 : 0;
-    }
-  }
-  if (lane < kTopK) {
-    if (my_id >= 0) out[rank] = my_id;
-    if (lane >= picked) out[lane] = -1;
-  }
 }
 
 // Cluster finish (score_fused_cluster_kernel): after the cluster barrier one warp completes row

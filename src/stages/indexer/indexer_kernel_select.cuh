@@ -51,6 +51,76 @@ __device__ __forceinline__ void insert_key(uint64_t (&top)[kTopK - 1], uint64_t 
   }
 }
 
+// The warp's 15 best keys from the lanes' sorted lists (consumed): lane k < 15 gets the k-th best
+// key, 0 where fewer than k + 1 non-zero keys exist; lanes >= 15 get 0.
+__device__ __forceinline__ uint64_t warp_top15(uint64_t (&top)[kTopK - 1]) {
+  const int lane = threadIdx.x & 31;
+  uint64_t mine = 0;
+  for (int k = 0; k < kTopK - 1; ++k) {
+    const uint32_t hi = static_cast<uint32_t>(top[0] >> 32);
+    const uint32_t lo = static_cast<uint32_t>(top[0]);
+    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
+    if (best_hi == 0) break;  // no non-NaN key left (uniform)
+    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? lo : 0u);
+    if (hi == best_hi && lo == best_lo) {  // one lane (keys are distinct): pop its head
+#pragma unroll
+      for (int i = 0; i < kTopK - 2; ++i) top[i] = top[i + 1];
+      top[kTopK - 2] = 0;
+    }
+    if (lane == k) mine = (static_cast<uint64_t>(best_hi) << 32) | best_lo;
+  }
+  return mine;
+}
+
+// Rows whose ids need no score: a negative position or a local block past the page table gives a
+// row of -1, n_valid = local + 1 <= 16 the blocks 0 .. local. Returns the local block when scores
+// decide (>= 16), else -1 after lanes < 16 wrote the row (when `write`).
+__device__ __forceinline__ int trivial_row(const KernelArgs& a, int32_t* out, int pos, bool write) {
+  const int lane = threadIdx.x & 31;
+  if (pos < 0 || pos / kPageSize >= a.max_pages) {
+    if (write && lane < kTopK) out[lane] = -1;
+    return -1;
+  }
+  const int local = pos / kPageSize;
+  if (local < kTopK) {
+    if (write && lane < kTopK) out[lane] = lane <= local ? lane : -1;
+    return -1;
+  }
+  return local;
+}
+
+// Writes a row from its local block and the 15 best other keys (lane k < 15 holds the k-th best
+// in `best`, 0 = none): ascending distinct ids, then -1.
+__device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best) {
+  const int lane = threadIdx.x & 31;
+  // Lane 0 holds the local block, lane k (1..15) the k-th best other block (or -1).
+  const uint64_t prev = __shfl_up_sync(0xffffffffu, best, 1);
+  int my_id = lane == 0 ? local : (lane < kTopK && prev != 0 ? candidate_id(prev) : -1);
+  // Ids are distinct for any data the scorer wrote this run; a repeat (only from stale lists under
+  // corrupted query_start) is dropped so that every output slot is written.
+  bool repeat = false;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    repeat = repeat || (j < lane && other == my_id);
+  }
+  if (repeat) my_id = -1;
+  // Ascending ids (distinct), then -1.
+  int rank = 0, picked = 0;
+#pragma unroll
+  for (int j = 0; j < kTopK; ++j) {
+    const int other = __shfl_sync(0xffffffffu, my_id, j);
+    if (other >= 0) {
+      ++picked;
+      rank += other < my_id ? 1 : 0;
+    }
+  }
+  if (lane < kTopK) {
+    if (my_id >= 0) out[rank] = my_id;
+    if (lane >= picked) out[lane] = -1;
+  }
+}
+
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
@@ -61,15 +131,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   wait_for_prerequisite_grids();
   if (!in_range) return;
   int32_t* out = a.block_ids + row * kTopK;
-  if (pos < 0 || pos / kPageSize >= a.max_pages) {
-    if (lane < kTopK) out[lane] = -1;
-    return;
-  }
-  const int local = pos / kPageSize;
-  if (local < kTopK) {  // n_valid = local + 1 <= 16: everything visible
-    if (lane < kTopK) out[lane] = lane <= local ? lane : -1;
-    return;
-  }
+  const int local = trivial_row(a, out, pos, true);
+  if (local < 0) return;
   // The scores are written by the scorer in this stream: plain loads (not the read-only path).
   const float* scores = a.scores + row * a.max_pages;
   uint64_t top[kTopK - 1];
@@ -85,34 +148,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   }
   for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
 
-  int my_id = lane == 0 ? local : -1;  // lane k holds the k-th pick
-  for (int k = 1; k < kTopK; ++k) {
-    const uint32_t hi = static_cast<uint32_t>(top[0] >> 32);
-    const uint32_t lo = static_cast<uint32_t>(top[0]);
-    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hi);
-    if (best_hi == 0) break;  // no non-NaN candidate left (uniform)
-    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hi == best_hi ? lo : 0u);
-    if (hi == best_hi && lo == best_lo) {  // exactly one lane: pop its head
-#pragma unroll
-      for (int i = 0; i < kTopK - 2; ++i) top[i] = top[i + 1];
-      top[kTopK - 2] = 0;
-    }
-    if (lane == k) my_id = static_cast<int>(0xffffffffu - best_lo);
-  }
-  // Ascending ids (distinct), then -1.
-  int rank = 0, picked = 0;
-#pragma unroll
-  for (int j = 0; j < kTopK; ++j) {
-    const int other = __shfl_sync(0xffffffffu, my_id, j);
-    if (other >= 0) {
-      ++picked;
-      rank += other < my_id ? 1 : 0;
-    }
-  }
-  if (lane < kTopK) {
-    if (my_id >= 0) out[rank] = my_id;
-    if (lane >= picked) out[lane] = -1;
-  }
+  emit_row(out, local, warp_top15(top));
 }
 
 }  // namespace m3attn::indexer_kernel

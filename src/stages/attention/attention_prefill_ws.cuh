@@ -170,14 +170,20 @@ __device__ __forceinline__ void turn_pass(int wg) {
 // ---------------------------------------------------------------------------------------------
 // Shared state.
 
+// A work item as the scheduler warp prepared it (two buffers: the current and the next item).
+struct Item {
+  int t0, nt, g, split, lo, hi;  // tile, KV head, split, entry range [lo, hi) of the list
+  int64_t pt_row;                // page-table row offset of the request
+  int pos[kQT];                  // positions of the tile's tokens (-1: absent)
+  int list_b[kCand], list_page[kCand], list_mask[kCand];  // sparse: the union
+};
+
 struct Shared {
   Entry entry[kStages];
   uint64_t full[kStages], empty[kStages], vfull[2], vempty[2], qempty[2];
-  // Scheduler warp only: positions of the tile's tokens (-1: absent), candidates and the union
-  // list of the current tile.
-  int pos[kQT];
+  // Scheduler warp only.
   int cand_b[kCand], cand_page[kCand];
-  int list_b[kCand], list_page[kCand], list_mask[kCand];
+  Item item[2];
 };
 
 __device__ __forceinline__ uint32_t bar_addr(const uint64_t& b) { return ak::smem_u32(&b); }
@@ -223,8 +229,8 @@ __device__ __forceinline__ bool find_tile_warp(const AttnArgs& a, int tile, int&
 // Union of the tile's selected blocks (the wgmma kernel's rules: ids outside [0, pos / 128], past
 // the page table or with an invalid page select nothing; repeats count once), as list entries
 // (block, page, mask of tokens that selected it). Returns the entry count.
-__device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, int64_t pt_row,
-                                                 int t0, int nt, int g, int mypos) {
+__device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, Item& it,
+                                                 int64_t pt_row, int t0, int nt, int g, int mypos) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < kCand / 32; ++k) {
@@ -263,9 +269,9 @@ __device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, 
     const unsigned bal = __ballot_sync(0xffffffffu, first);
     if (first) {
       const int rank = n + __popc(bal & ((1u << lane) - 1u));
-      sh.list_b[rank] = b;
-      sh.list_page[rank] = sh.cand_page[c];
-      sh.list_mask[rank] = mask;
+      it.list_b[rank] = b;
+      it.list_page[rank] = sh.cand_page[c];
+      it.list_mask[rank] = mask;
     }
     n += __popc(bal);
   }
@@ -301,16 +307,56 @@ struct Pending {
   int b, page, mask, vlim, flags;
 };
 
+// Prepares work item w into `it` (tile, positions, sparse union, split range). False when the
+// tile does not exist (the grid bound exceeds the batch's tiles). Warp-uniform.
+__device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item& it, int w) {
+  const int lane = threadIdx.x & 31;
+  const int split = w % a.splits;
+  const int tile = w / a.splits / a.n_kv;
+  const int g = (w / a.splits) % a.n_kv;
+  int r = -1, t0 = 0, nt = 0;
+  if (!find_tile_warp(a, tile, r, t0, nt)) return false;
+  const int mypos = lane < nt ? a.positions[t0 + lane] : -1;
+  if (lane < kQT) it.pos[lane] = mypos;
+  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
+  int n_total = 0;
+  if (a.sparse) {
+    n_total = build_sparse_list(a, sh, it, pt_row, t0, nt, g, mypos);
+  } else {
+    int maxpos = mypos;
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) maxpos = max(maxpos, __shfl_xor_sync(0xffffffffu, maxpos, o));
+    maxpos = __shfl_sync(0xffffffffu, maxpos, 0);
+    n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
+  }
+  const int per = (n_total + a.splits - 1) / a.splits;
+  if (lane == 0) {
+    it.t0 = t0;
+    it.nt = nt;
+    it.g = g;
+    it.split = split;
+    it.lo = min(n_total, split * per);
+    it.hi = min(n_total, it.lo + per);
+    it.pt_row = pt_row;
+  }
+  __syncwarp();
+  return true;
+}
+
+// kLookahead: the next work item is prepared right after the current item's first entry is
+// issued (its global loads overlap the ring's 3 entries of work), else after the last.
+template <bool kLookahead>
 __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensorMap* kmap,
                                                const CUtensorMap* vmap, const CUtensorMap* qmap,
                                                int tiles, Shared& sh, uint32_t base) {
   const int lane = threadIdx.x & 31;
   const int n_work = tiles * a.n_kv * a.splits;
+  const int step = static_cast<int>(gridDim.x);
   uint32_t j = 0;   // entries issued (ring position)
   uint32_t qi = 0;  // items that loaded a Q tile
 
-  // Issues entry e of the current item (lane 0): header, Q (first entry), K and V tiles.
-  auto issue = [&](const Pending& e, int t0, int nt, int g, int split) {
+  // Issues entry e of item `it` (lane 0): header, Q (first entry), K and V tiles.
+  auto issue = [&](const Pending& e, const Item& it) {
     if (lane == 0) {
       const int s = static_cast<int>(j % kStages);
       const uint32_t k = j / kStages;
@@ -318,73 +364,64 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
       const int qs = static_cast<int>(qi & 1);
       if ((e.flags & kFirst) && qi >= 2) mbar_wait(bar_addr(sh.qempty[qs]), ((qi >> 1) - 1) & 1);
       Entry& h = sh.entry[s];
-      h.info = pack_info(e.flags, qs, nt, split, g);
-      h.t0 = t0;
+      h.info = pack_info(e.flags, qs, it.nt, it.split, it.g);
+      h.t0 = it.t0;
       h.vlim = e.vlim;
 #pragma unroll
       for (int w = 0; w < kQT; ++w)
-        h.lim[w] = (e.mask >> w) & 1 ? sh.pos[w] - e.b * ak::kBlockKeys : -1;
+        h.lim[w] = (e.mask >> w) & 1 ? it.pos[w] - e.b * ak::kBlockKeys : -1;
       const uint32_t full = bar_addr(sh.full[s]);
       const uint32_t stage = base + s * kStageBytes;
       mbar_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
       if (e.flags & kFirst)
-        tma_load_3d(base + kQOff + qs * kQBytes, qmap, 0, g * a.group, t0, full);
-      tma_load_4d(stage, kmap, 0, 0, g, e.page, full);
-      tma_load_4d(stage + kTileBytes, vmap, 0, 0, g, e.page, full);
+        tma_load_3d(base + kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
+      tma_load_4d(stage, kmap, 0, 0, it.g, e.page, full);
+      tma_load_4d(stage + kTileBytes, vmap, 0, 0, it.g, e.page, full);
     }
     ++j;
   };
 
-  for (int w = n_work - 1 - static_cast<int>(blockIdx.x); w >= 0; w -= gridDim.x) {
-    const int split = w % a.splits;
-    const int tile = w / a.splits / a.n_kv;
-    const int g = (w / a.splits) % a.n_kv;
-    int r = -1, t0 = 0, nt = 0;
-    if (!find_tile_warp(a, tile, r, t0, nt)) continue;  // warp-uniform
-    const int mypos = lane < nt ? a.positions[t0 + lane] : -1;
-    if (lane < kQT) sh.pos[lane] = mypos;
-    __syncwarp();
-    const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
-    int n_total = 0;
-    if (a.sparse) {
-      n_total = build_sparse_list(a, sh, pt_row, t0, nt, g, mypos);
-    } else {
-      int maxpos = mypos;
-#pragma unroll
-      for (int o = 4; o > 0; o >>= 1) maxpos = max(maxpos, __shfl_xor_sync(0xffffffffu, maxpos, o));
-      maxpos = __shfl_sync(0xffffffffu, maxpos, 0);
-      n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
-    }
-    const int per = (n_total + a.splits - 1) / a.splits;
-    const int lo = min(n_total, split * per);
-    const int hi = min(n_total, lo + per);
-
+  // The first existing item of this CTA (heaviest tiles first: items in descending order).
+  int w = n_work - 1 - static_cast<int>(blockIdx.x);
+  int cur = 0;
+  bool have_item = false;
+  for (; w >= 0 && !have_item; w -= step) have_item = prepare_item(a, sh, sh.item[cur], w);
+  while (have_item) {
+    const Item& it = sh.item[cur];
+    // The next existing item, prepared into the other buffer once (`w` already points at it).
+    bool next_done = false, have_next = false;
+    auto prepare_next = [&]() {
+      if (next_done) return;
+      for (; w >= 0 && !have_next; w -= step) have_next = prepare_item(a, sh, sh.item[cur ^ 1], w);
+      next_done = true;
+    };
     // Entries are issued one behind, so that the last one of the item carries kLast.
     Pending pend{};
     bool have = false;
     int issued = 0;
+    const int lo = it.lo, hi = it.hi;
     for (int c0 = lo; c0 < hi; c0 += 32) {
       const int e = c0 + lane;
       int b = -1, page = -1, mask = 0;
       if (e < hi) {
         if (a.sparse) {
-          b = sh.list_b[e];
-          page = sh.list_page[e];
-          mask = sh.list_mask[e];
+          b = it.list_b[e];
+          page = it.list_page[e];
+          mask = it.list_mask[e];
         } else {
           b = e;
-          page = a.page_table[pt_row + b];
+          page = a.page_table[it.pt_row + b];
           if (page >= 0 && page < a.num_pages) {
 #pragma unroll
             for (int x = 0; x < kQT; ++x)
-              if (sh.pos[x] >= 0 && (sh.pos[x] >> 7) >= b) mask |= 1 << x;
+              if (it.pos[x] >= 0 && (it.pos[x] >> 7) >= b) mask |= 1 << x;
           }
         }
       }
       int vmax = 0;
 #pragma unroll
       for (int x = 0; x < kQT; ++x)
-        if ((mask >> x) & 1) vmax = max(vmax, sh.pos[x]);
+        if ((mask >> x) & 1) vmax = max(vmax, it.pos[x]);
       const int vlim = vmax - b * ak::kBlockKeys;
       unsigned bal = __ballot_sync(0xffffffffu, mask != 0);
       while (bal) {
@@ -396,7 +433,10 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
         nx.mask = __shfl_sync(0xffffffffu, mask, src);
         nx.vlim = __shfl_sync(0xffffffffu, vlim, src);
         nx.flags = issued == 0 ? kFirst : 0;
-        if (have) issue(pend, t0, nt, g, split);
+        if (have) {
+          issue(pend, it);
+          if (kLookahead) prepare_next();
+        }
         pend = nx;
         have = true;
         ++issued;
@@ -404,12 +444,14 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
     }
     if (have) {
       pend.flags |= kLast;
-      issue(pend, t0, nt, g, split);
+      issue(pend, it);
       ++qi;
     } else {
-      write_empty_item(a, t0, nt, g, split);
+      write_empty_item(a, it.t0, it.nt, it.g, it.split);
     }
-    __syncwarp();  // list buffers are reused by the next item
+    prepare_next();
+    cur ^= 1;
+    have_item = have_next;
   }
   // End marker.
   if (lane == 0) {
@@ -640,6 +682,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
+template <bool kLookahead>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -669,7 +712,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLowRegs));
     if (warp == 0)
-      scheduler_warp(a, &kmap, &vmap, &qmap, tiles, sh, base);
+      scheduler_warp<kLookahead>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
       converter_warps(sh, smem);
   } else {
@@ -729,19 +772,19 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, cudaStream_t stream,
-                     bool* launched) {
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead,
+                     cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      attention_prefill_ws_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  auto kernel = lookahead ? attention_prefill_ws_kernel<true> : attention_prefill_ws_kernel<false>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));
-  attention_prefill_ws_kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, kmap, vmap, qmap,
-                                                                      static_cast<int>(tiles));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, kmap, vmap, qmap, static_cast<int>(tiles));
   M3_CUDA_CHECK_LAUNCH();
   *launched = true;
   return Status::Ok();

@@ -1,12 +1,13 @@
 // GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
-// attention_prefill_ws.cuh) against the CPU twin on identical E4M3 inputs: chunked prefills from
-// position 0 and after cached prefixes (contexts and chunk lengths off the 8-token tile and the
-// 128-token block), mixed batches with several chunks and decode / verify rows, sparse and dense,
-// with and without splits, persistent grids of 1 .. 132 CTAs (1 CTA walks every work item: ring
-// phases, Q buffer reuse, item boundaries), 16-byte strided pools (TMA) and 4-byte ones (the
-// launcher falls back to kernel 4), junk ids and work items without any block, page ids past
-// 2^31 bytes, NaN propagation, sparse == dense with <= 16 visible blocks (bit for bit), CUDA-graph
-// replay with new inputs == eager (byte for byte).
+// and 7 = its variant that prepares the next work item early; attention_prefill_ws.cuh) against the
+// CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached prefixes
+// (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches with
+// several chunks and decode / verify rows, sparse and dense, with and without splits, persistent
+// grids of 1 .. 132 CTAs (1 CTA walks every work item: ring phases, Q buffer reuse, item
+// boundaries), 16-byte strided pools (TMA) and 4-byte ones (the launcher falls back to kernel 4),
+// junk ids and work items without any block, page ids past 2^31 bytes, NaN propagation, sparse ==
+// dense with <= 16 visible blocks (bit for bit), CUDA-graph replay with new inputs == eager (byte
+// for byte).
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2,
 // the bound derived in attention_gpu_test.cu for the wgmma kernels, whose numerics this kernel
@@ -50,13 +51,14 @@ using testing::Rng;
 constexpr double kRowRelL2 = 1e-2;
 constexpr uint8_t kPoison = 0xA5;
 constexpr size_t kGuard = 256;
-constexpr int kRowPad = 8;  // bf16 elements past each output row that must stay poisoned
-constexpr int kWs = 6;      // AttentionCudaConfig::kernel of the warp-specialised kernel
+constexpr int kRowPad = 8;       // bf16 elements past each output row that must stay poisoned
+constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-specialised kernel
+constexpr int kWsLookahead = 7;  // the same, next work item prepared early
 
-AttentionCudaConfig ws_config(int splits, int ctas) {
+AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
   c.splits = splits;
-  c.kernel = kWs;
+  c.kernel = kernel;
   c.persistent_ctas = ctas;
   return c;
 }
@@ -274,7 +276,11 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(1, 1),
           ws_config(2, 1),
           ws_config(1, 3),
-          ws_config(0, 7)};
+          ws_config(0, 7),
+          ws_config(0, 0, kWsLookahead),
+          ws_config(3, 0, kWsLookahead),
+          ws_config(1, 1, kWsLookahead),
+          ws_config(2, 5, kWsLookahead)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -310,7 +316,9 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   SCOPED_TRACE(testing::describe_requests(reqs));
   const Case c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "M3", {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5)});
+  check_configs(c, true, "M3",
+                {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
+                 ws_config(1, 3, kWsLookahead)});
   check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2)});
 }
 
@@ -331,7 +339,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     o.spare_pages = 5;
     const Case c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_configs(c, true, "3 KV heads", {ws_config(0, 0), ws_config(2, 3)});
+    check_configs(c, true, "3 KV heads",
+                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Planes farther apart than pages (K planes of every page, then V planes), group 8.
@@ -397,7 +406,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   const Tensor ref = twin(c, true);
   Dev d;
   upload(c, d);
-  for (const AttentionCudaConfig& cfg : {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4)}) {
+  for (const AttentionCudaConfig& cfg :
+       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -456,7 +466,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 40}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
-    for (const AttentionCudaConfig& cfg : {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3)}) {
+    for (const AttentionCudaConfig& cfg :
+         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Case a = make_case(reqs, 64, 4, false, rng);
       const Case b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

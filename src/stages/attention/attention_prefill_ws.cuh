@@ -81,7 +81,7 @@ constexpr int kLaunchRegs = 168;
 constexpr int kLowRegs = 40;
 constexpr int kHighRegs = 232;
 constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
-static_assert(kSmemBytes + 4096 <= 227 * 1024, "shared memory");
+static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
 static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
 static_assert(kLaunchRegs * kThreads <= 65536, "register file");
 static_assert(ap::kQT == kQT, "same tile as the wgmma kernel (shared helpers)");

@@ -383,7 +383,7 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   }
   if (bucket->wgmma)  // the autotuner's choice (auto mode); m <= wgmma_auto_max_m
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
-                               s.options.wgmma);
+                               bucket->wgmma_options);
   const bool aligned = aligned_to(p.a.data, kStrictAlignment) &&
                        aligned_to(p.b.data, kStrictAlignment) &&
                        aligned_to(p.out.data, kStrictAlignment) &&
@@ -420,7 +420,10 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
       break;
     }
   }
-  if (bucket->wgmma) return "wgmma kernel (run_gemm_wgmma_cuda, autotuned)";
+  if (bucket->wgmma)
+    return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: ctas/SM " +
+           std::to_string(bucket->wgmma_options.ctas_per_sm) + " burst " +
+           std::to_string(bucket->wgmma_options.burst) + ")";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }

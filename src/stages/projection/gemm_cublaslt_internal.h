@@ -60,6 +60,7 @@ struct Bucket {
   double tuned_us = -1;       // the autotuner's time of the kept cuBLASLt algorithm at m_hi
   unsigned long long tuned_print = 0;  // its output fingerprint on the scratch operands
   bool wgmma = false;  // the autotuner chose the wgmma kernel for this bucket (auto mode)
+  GemmWgmmaOptions wgmma_options;  // with wgmma: the options it was timed fastest with
 };
 
 constexpr int kTuneMaxIters = 7;
@@ -216,7 +217,8 @@ struct Fp8BlockGemm::Impl {
                      const std::vector<gemm_lt::AlgoCaps>& caps,
                      gemm_lt::TuneClock::time_point deadline);
 
-  // Auto mode: times the wgmma kernel at b.m_hi and chooses it for the bucket when its output
+  // Auto mode: times the wgmma kernel at b.m_hi (Fp8BlockGemmOptions::wgmma, and a few other
+  // grid / burst shapes when those are the defaults) and chooses it for the bucket when its output
   // equals the cuBLASLt algorithm's and it is at least 2% faster.
   Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 

@@ -16,7 +16,12 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
 //   both), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N: override the launch plan (AttentionCudaConfig) for tuning.
+//   --v-convert=N, --l2-prefetch=N: override the launch plan (AttentionCudaConfig) for tuning;
+//   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
+//   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
+//   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel, both with a 2-block L2
+//   prefetch, and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -319,7 +324,9 @@ bool compare_rows(const Case& c, const std::vector<int64_t>& toks,
 int main(int argc, char** argv) {
   using namespace m3attn;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they finish, also in a log file
-  bool json = false, quick = false, prefill_only = false, sweep = false;
+  bool json = false, quick = false, prefill_only = false, sweep = false, no_prefill = false,
+       compare = false;
+  std::string only;  // --case=SUBSTR: only cases whose name contains it
   AttentionCudaConfig cfg;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
@@ -328,6 +335,15 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (std::strcmp(argv[i], "--prefill") == 0) {
       prefill_only = true;
+    } else if (std::strcmp(argv[i], "--no-prefill") == 0) {
+      no_prefill = true;
+    } else if (std::strncmp(argv[i], "--case=", 7) == 0) {
+      only = argv[i] + 7;
+    } else if (std::strcmp(argv[i], "--compare-kernels") == 0) {
+      compare = true;
+      no_prefill = true;
+    } else if (std::strncmp(argv[i], "--l2-prefetch=", 14) == 0) {
+      cfg.l2_prefetch = std::atoi(argv[i] + 14);
     } else if (std::strcmp(argv[i], "--splits-sweep") == 0) {
       sweep = true;
     } else if (std::strncmp(argv[i], "--kernel=", 9) == 0) {
@@ -342,7 +358,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
-                   "[--tokens-per-tile=N] [--splits=N] [--v-convert=N]\n");
+                   "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
+                   "[--no-prefill] [--compare-kernels] [--case=SUBSTR]\n");
       return 2;
     }
   }
@@ -352,14 +369,12 @@ int main(int argc, char** argv) {
   const std::vector<int> contexts = sweep   ? std::vector<int>{32768}
                                     : quick ? std::vector<int>{8192, 131072}
                                             : std::vector<int>{8192, 32768, 131072};
-  const std::vector<int> sweep_splits =
-      sweep ? std::vector<int>{0, 1, 2, 3, 4, 6, 8} : std::vector<int>{cfg.splits};
   const int max_ctx_pages = *std::max_element(contexts.begin(), contexts.end()) / kPageSize;
 
   // One pool for everything: 256 requests x the longest context (decode), then 512 pages (64K
   // prefill).
   const int64_t decode_pages = prefill_only ? 0 : int64_t{256} * max_ctx_pages;
-  const int64_t prefill_pages = sweep ? 0 : 65536 / kPageSize;
+  const int64_t prefill_pages = sweep || no_prefill ? 0 : 65536 / kPageSize;
   Pool pool;
   pool.pages = decode_pages + prefill_pages;
   const size_t pool_bytes = static_cast<size_t>(pool.pages * kPageBytes);
@@ -372,38 +387,82 @@ int main(int argc, char** argv) {
   bool all_pass = true;
 
   std::vector<bench::Row> rows;
+  // Launch variants timed on each decode/verify case (same inputs, selections and twin rows).
+  using Variant = std::pair<std::string, AttentionCudaConfig>;
+  auto variants_for = [&](int draft) {
+    std::vector<Variant> v;
+    if (sweep) {
+      for (int splits : {0, 1, 2, 3, 4, 6, 8}) {
+        AttentionCudaConfig x = cfg;
+        x.splits = splits;
+        v.emplace_back(" splits " + (splits == 0 ? std::string("auto") : std::to_string(splits)),
+                       x);
+      }
+    } else if (compare) {
+      const std::vector<std::pair<int, int>> kp = {{0, 0}, {1, 0}, {5, 0}, {1, 2}, {5, 2}};
+      for (const auto& [kernel, pf] : kp) {
+        AttentionCudaConfig x = cfg;
+        x.kernel = kernel;
+        x.l2_prefetch = pf;
+        const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
+        v.emplace_back(" " + k + (pf ? " pf" + std::to_string(pf) : std::string()), x);
+      }
+      if (draft >= 7) {
+        AttentionCudaConfig x = cfg;
+        x.kernel = 2;
+        v.emplace_back(" wgmma prefill", x);
+      }
+    } else {
+      v.emplace_back("", cfg);
+    }
+    return v;
+  };
+  const std::vector<int> drafts = compare ? std::vector<int>{0, 1, 3, 7} : std::vector<int>{0, 3};
   for (bool sparse : {true, false}) {
     if (prefill_only || (sweep && !sparse)) break;
-    for (int draft : {0, 3}) {
+    for (int draft : drafts) {
+      if (!sparse && compare && draft != 3) continue;
       for (int B : batches) {
         for (int ctx : contexts) {
-          for (int splits : sweep_splits) {
-            AttentionCudaConfig dcfg = cfg;
-            dcfg.splits = splits;
-            std::string name = std::string(sparse ? "sparse" : "dense") + " decode B" +
-                               std::to_string(B) + " ctx" + std::to_string(ctx / 1024) + "K draft" +
-                               std::to_string(draft);
-            if (sweep)
-              name += " splits " + (splits == 0 ? std::string("auto") : std::to_string(splits));
-            Case c = make_case(name, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
-                               dcfg, rng);
+          if (!sparse && compare && ctx != 8192) continue;
+          const std::vector<Variant> variants = variants_for(draft);
+          const std::string base = std::string(sparse ? "sparse" : "dense") + " decode B" +
+                                   std::to_string(B) + " ctx" + std::to_string(ctx / 1024) +
+                                   "K draft" + std::to_string(draft);
+          if (base.find(only) == std::string::npos) continue;
+          Case c = make_case(base, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
+                             variants[0].second, rng);
+          // Spot check: the first and the last token (dense: the last token of batch 1 only,
+          // the twin is slow on long contexts).
+          const bool check = sparse || B == 1;
+          const std::vector<int64_t> toks =
+              sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
+          const std::vector<uint16_t> twin =
+              check ? twin_rows(c, pool, toks) : std::vector<uint16_t>{};
+          for (const Variant& var : variants) {
+            c.cfg = var.second;
+            c.name = base + var.first;
+            const size_t ws = attention_workspace_bytes(c.p, c.cfg);
+            if (ws > c.ws_bytes) {
+              cudaFree(c.d_ws);
+              c.d_ws = upload(nullptr, ws);
+              c.ws_bytes = ws;
+            }
+            check_cuda(cudaMemset(c.d_out, 0xA5, static_cast<size_t>(c.T) * kNq * kHeadDim * 2),
+                       "poison");
             run_once(c, stream);
             check_cuda(cudaStreamSynchronize(stream), "run");
-            // Spot check: the first and the last token (dense: the last token of batch 1 only,
-            // the twin is slow on long contexts).
             double worst = 0;
             std::string verdict = "skip";
-            if (sparse || B == 1) {
-              const std::vector<int64_t> toks =
-                  sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
-              const bool ok = compare_rows(c, toks, twin_rows(c, pool, toks), &worst);
+            if (check) {
+              const bool ok = compare_rows(c, toks, twin, &worst);
               verdict = ok ? "PASS" : "FAIL";
               all_pass &= ok;
             }
             const bench::Timing tm =
                 bench::time_graph_cold([&](cudaStream_t s) { run_once(c, s); }, stream);
             bench::Row row;
-            row.add("case", name);
+            row.add("case", c.name);
             row.add("check", verdict);
             row.add("max_rel", worst, 4);
             row.add("us", tm.median_us, 1);
@@ -414,8 +473,8 @@ int main(int argc, char** argv) {
             row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
             row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
             rows.push_back(row);
-            free_case(c);
           }
+          free_case(c);
         }
       }
     }
@@ -433,7 +492,7 @@ int main(int argc, char** argv) {
   const std::vector<int> kernels =
       cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2, 3, 4};
   for (bool sparse : {true, false}) {
-    if (sweep) break;
+    if (sweep || no_prefill) break;
     for (int ctx : {8192, 65536}) {
       const std::string base = std::string(sparse ? "sparse" : "dense") + " prefill 8K chunk ctx" +
                                std::to_string(ctx / 1024) + "K ";
@@ -455,8 +514,9 @@ int main(int argc, char** argv) {
           kcfg.v_convert = 0;
         }
         c.cfg = kcfg;
-        c.name =
-            base + (kernel == 1 ? std::string("mma.sync") : "wgmma v" + std::to_string(kernel - 2));
+        c.name = base + (kernel == 1   ? std::string("mma.sync")
+                         : kernel == 5 ? std::string("wgmma verify")
+                                       : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {
           cudaFree(c.d_ws);
@@ -486,7 +546,7 @@ int main(int argc, char** argv) {
       free_case(c);
     }
   }
-  if (!sweep)
+  if (!sweep && !no_prefill)
     bench::print_rows("attention prefill (cold L2; peer vLLM Triton E4M3: 8K chunk 8.3 ms)", rows,
                       json);
   std::printf("spot checks: %s\n", all_pass ? "PASS" : "FAIL");

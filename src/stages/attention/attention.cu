@@ -25,6 +25,7 @@
 #include "stages/attention/attention.h"
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
+#include "stages/attention/attention_verify_wgmma.cuh"
 
 namespace m3attn {
 
@@ -32,6 +33,7 @@ namespace {
 
 namespace ak = attention_kernel;
 namespace ap = attention_prefill;
+namespace av = attention_verify;
 
 // The automatic plan picks the wgmma prefill kernel (variant kAutoWgmmaVariant) for batches
 // averaging at least kWgmmaMinAvgTokens query tokens per request (prefill and mixed chunks);
@@ -39,14 +41,23 @@ namespace ap = attention_prefill;
 constexpr bool kAutoWgmma = true;
 constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill cases
 constexpr int64_t kWgmmaMinAvgTokens = 16;
+// The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
+// batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
+constexpr bool kAutoVerifyWgmma = false;
+constexpr int64_t kVerifyMinAvgTokens = 2;
+// L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
+constexpr int kAutoL2Prefetch = 0;
+constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
-  bool wgmma = false;  // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
-  int variant = 0;     // its variant (AttentionCudaConfig::kernel - 2)
-  int qt = 1;          // tokens per tile
-  bool v_regs = true;  // V converted in registers (3 stages) rather than into an f16 tile
-  int splits = 1;      // CTAs per (tile, KV head)
-  int64_t tiles = 0;   // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
+  bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
+  int variant = 0;      // its variant (AttentionCudaConfig::kernel - 2)
+  int qt = 1;           // tokens per tile
+  bool v_regs = true;   // V converted in registers (3 stages) rather than into an f16 tile
+  int splits = 1;       // CTAs per (tile, KV head)
+  int prefetch = 0;     // L2 prefetch distance in blocks (mma.sync and verify kernels)
+  int64_t tiles = 0;    // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -81,6 +92,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
       pl.variant = kAutoWgmmaVariant;
+      pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
+                  cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
     case 1:
       pl.wgmma = false;
@@ -91,10 +104,22 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.wgmma = true;
       pl.variant = cfg.kernel - 2;
       break;
+    case 5:
+      pl.verify = true;
+      break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 4");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 5");
   }
-  if (pl.wgmma) {
+  if (pl.verify) {
+    if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
+      return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
+                         " tokens per tile, got ", cfg.tokens_per_tile);
+    if (cfg.v_convert != 0)
+      return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
+                         " does not apply to the wgmma verify kernel (V is converted in place)");
+    pl.qt = av::kQT;
+    pl.v_regs = false;
+  } else if (pl.wgmma) {
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != ap::kQT)
       return unsupported("run_attention_cuda: the wgmma kernel has ", ap::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);
@@ -113,7 +138,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   // Tiles of 1-2 tokens always convert V in registers; 4-token tiles do in decode-like batches
   // (bandwidth-bound: the third stage matters) and share one f16 tile in prefill (compute-bound).
-  if (!pl.wgmma) {
+  if (!pl.wgmma && !pl.verify) {
     switch (cfg.v_convert) {
       case 0:
         pl.v_regs = pl.qt <= 2 || avg <= 8;
@@ -148,6 +173,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     const int64_t s = std::max<int64_t>(1, split_wave() / ctas);
     pl.splits = static_cast<int>(std::min<int64_t>({s, blocks, ak::kMaxSplits}));
   }
+  if (cfg.l2_prefetch < -1 || cfg.l2_prefetch > kMaxL2Prefetch)
+    return unsupported("run_attention_cuda: l2_prefetch ", cfg.l2_prefetch, " is outside [-1, ",
+                       kMaxL2Prefetch, "]");
+  if (!pl.wgmma)
+    pl.prefetch = cfg.l2_prefetch == 0 ? kAutoL2Prefetch : std::max(0, cfg.l2_prefetch);
   *out = pl;
   return Status::Ok();
 }
@@ -176,6 +206,20 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
+template <bool kVec16>
+Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
+               "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
+               " KV heads exceed the grid's x limit");
+  auto kernel = av::attention_verify_kernel<kVec16>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
+  const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
+  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 template <int QT, bool kVRegs, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   auto kernel = ak::attention_tile_kernel<QT, kVRegs, kVec16>;
@@ -192,6 +236,9 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
+  if (pl.verify)
+    return vec16 ? launch_verify<true>(args, pl, n_kv, stream)
+                 : launch_verify<false>(args, pl, n_kv, stream);
   if (pl.wgmma) {
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {
       case 0:
@@ -312,6 +359,7 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.scale_log2 = scale * 1.4426950408889634f;
   a.out = static_cast<uint16_t*>(p.out.data);
   a.out_stride = p.out.stride[0];
+  a.prefetch = pl.prefetch;
   if (need > 0) {
     a.ws_o = static_cast<float*>(workspace);
     a.ws_ml = a.ws_o + ws_o_floats(p, pl);

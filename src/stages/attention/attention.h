@@ -62,7 +62,12 @@ struct AttentionCudaConfig {
   int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
                             // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups);
                             // 3, 4 its variants (see attention_prefill_wgmma.cuh: leaner
-                            // bookkeeping; 4 also keeps Q in registers)
+                            // bookkeeping; 4 also keeps Q in registers); 5 the Hopper wgmma
+                            // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
+                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM)
+  int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
+                            // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
+                            // -1 none, 1 .. 8
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

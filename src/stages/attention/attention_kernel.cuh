@@ -28,7 +28,9 @@
 //   decode-like 4-token tiles, which are bandwidth-bound. Once per CTA into a swizzled f16 tile
 //   read with ldmatrix.trans (2 stages + the f16 tile): prefill, where the 4 warps of a 4-token
 //   tile all read every key and conversion work matters. Rows past the last visible position are
-//   zeroed before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN).
+//   zeroed before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN), and a
+//   warp clears the keys past its own token's position in its V fragments, so a NaN in a key that
+//   another token of the tile sees never reaches this token's rows (exact twin semantics).
 //
 // Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM; the
 //   kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each), each with 2 blocks in flight on
@@ -94,6 +96,7 @@ struct AttnArgs {
   int64_t out_stride;
   float* ws_o;   // [T, n_kv, splits, 16, 128] (splits > 1)
   float* ws_ml;  // [T, n_kv, splits, 16, 2]
+  int prefetch;  // blocks prefetched into L2 ahead of the cp.async ring (decode / verify kernels)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -225,6 +228,150 @@ __device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile)
   return s_tile[0] >= 0;
 }
 
+// The m16n8k32 A fragments of token t's 16 query heads of KV head g (rows grp, grp + 8; k-step kk
+// holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row); zero when the token
+// is absent (present == false) and for heads >= group.
+__device__ __forceinline__ void load_q_fragments(const AttnArgs& a, int g, int t, bool present,
+                                                 uint32_t (&qa)[4][4]) {
+  const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
+  const bool r0 = present && grp < a.group, r1 = present && grp + 8 < a.group;
+  const uint8_t* q0 = a.q + static_cast<int64_t>(present ? t : 0) * a.q_stride_t +
+                      static_cast<int64_t>(g * a.group + grp) * kDim;
+  const uint8_t* q1 = q0 + 8 * kDim;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int off = 32 * kk + 4 * tig;
+    qa[kk][0] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off) : 0u;
+    qa[kk][1] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off) : 0u;
+    qa[kk][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
+    qa[kk][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
+  }
+}
+
+// What a CTA needs of its tile's tokens [t0, t0 + nt) and KV head g before the block list:
+// pos = the position of token tid (tid < QT, -1 past nt); cand_b, cand_pos = id slot tid % 16 of
+// token tid / 16 and that token's position (sparse, tid < 16 QT; -1 otherwise).
+struct TileInputs {
+  int pos, cand_b, cand_pos;
+};
+
+template <int QT>
+__device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t0, int nt,
+                                                 TileInputs& in) {
+  const int tid = threadIdx.x;
+  in.pos = tid < QT && tid < nt ? a.positions[t0 + tid] : -1;
+  in.cand_b = in.cand_pos = -1;
+  if (a.sparse && tid < kTopKIds * QT && tid / kTopKIds < nt) {
+    const int w = tid / kTopKIds;
+    in.cand_pos = a.positions[t0 + w];
+    in.cand_b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
+                            static_cast<int64_t>(g) * a.bid_stride_h + tid % kTopKIds];
+  }
+}
+
+// find_tile, then the tile's inputs (load_tile_inputs). The inputs of the guessed tile [QT tile,
+// QT tile + QT) are loaded before the scan of query_start confirms it, and again only when the
+// guess was wrong: it holds for single-token tiles of a batch that starts at token 0 (decode) and
+// for requests of QT tokens each (verify), which takes one dependent round trip off the chain
+// query_start -> ids -> page table -> K/V before the first block arrives.
+template <int QT, int Threads = kThreads>
+__device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g,
+                                                   int* s_warp, int* s_tile, TileInputs& in) {
+  const int64_t tg = int64_t{QT} * tile;
+  const int t_guess = tg < a.T ? static_cast<int>(tg) : -1;
+  const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;
+  if (nt_guess > 0) load_tile_inputs<QT>(a, g, t_guess, nt_guess, in);
+  if (!find_tile<QT, Threads>(a, tile, s_warp, s_tile)) return false;
+  if (s_tile[1] != t_guess || s_tile[2] != nt_guess)  // CTA-uniform
+    load_tile_inputs<QT>(a, g, s_tile[1], s_tile[2], in);
+  return true;
+}
+
+// The union of a tile's sparse selections (all threads of the CTA of `Threads` threads call it).
+// Candidate c = tid < QT * 16 is slot c % 16 of token c / 16 (cand_b its id, cand_pos the token's
+// position, -1 for absent tokens); it counts when it selects a visible block (0 <= b <= pos / 128,
+// b < max_pages) whose page is inside the pool. The first occurrence of each id becomes an entry
+// {b, page, mask of the tokens that selected it} (and, when s_list_vlim is not null, the V row
+// limit: the largest position of those tokens minus 128 b); entries keep candidate order, so every
+// split CTA derives the same list. Returns the entry count; the lists are complete after the next
+// barrier (the caller's).
+template <int QT, int Threads = kThreads>
+__device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, int cand_b,
+                                            int cand_pos, const int* s_pos, int* s_cand_b,
+                                            int* s_cand_page, int* s_warp, int* s_list_b,
+                                            int* s_list_page, int* s_list_mask, int* s_list_vlim) {
+  constexpr int kCand = kTopKIds * QT;
+  static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
+  const int tid = threadIdx.x;
+  if (tid < kCand) {
+    int b = cand_b, page = -1;
+    if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
+      page = a.page_table[pt_row + b];
+      if (page < 0 || page >= a.num_pages) b = -1;
+    } else {
+      b = -1;
+    }
+    s_cand_b[tid] = b;
+    s_cand_page[tid] = page;
+  }
+  __syncthreads();
+  bool first = false;
+  int b = -1, mask = 0;
+  if (tid < kCand) {
+    b = s_cand_b[tid];
+    if (b >= 0) {
+      first = true;
+      for (int j = 0; j < kCand; ++j) {
+        if (s_cand_b[j] == b) {
+          if (j < tid) first = false;
+          mask |= 1 << (j / kTopKIds);
+        }
+      }
+    }
+  }
+  int n_total = 0;
+  const int rank = block_inclusive_scan<Threads>(first ? 1 : 0, s_warp, n_total) - 1;
+  if (first) {
+    s_list_b[rank] = b;
+    s_list_page[rank] = s_cand_page[tid];
+    s_list_mask[rank] = mask;
+    if (s_list_vlim != nullptr) {
+      int vmax = 0;
+#pragma unroll
+      for (int w = 0; w < QT; ++w)
+        if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
+      s_list_vlim[rank] = vmax - b * kBlockKeys;
+    }
+  }
+  return n_total;
+}
+
+// Dense entries [c0, c0 + count) of a tile: block b = c0 + i, seen by every token with
+// pos / 128 >= b when its page is inside the pool (mask 0 otherwise); s_list_vlim (optional) as in
+// sparse_union, -1 for an entry no token sees. Threads of a CTA of `Threads` threads.
+template <int QT, int Threads = kThreads>
+__device__ __forceinline__ void dense_entries(const AttnArgs& a, int64_t pt_row, int c0, int count,
+                                              const int* s_pos, int* s_list_b, int* s_list_page,
+                                              int* s_list_mask, int* s_list_vlim) {
+  for (int i = threadIdx.x; i < count; i += Threads) {
+    const int b = c0 + i;
+    const int page = a.page_table[pt_row + b];
+    int mask = 0, vmax = 0;
+    if (page >= 0 && page < a.num_pages) {
+#pragma unroll
+      for (int w = 0; w < QT; ++w)
+        if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) {
+          mask |= 1 << w;
+          vmax = max(vmax, s_pos[w]);
+        }
+    }
+    s_list_b[i] = b;
+    s_list_page[i] = page;
+    s_list_mask[i] = mask;
+    if (s_list_vlim != nullptr) s_list_vlim[i] = mask ? vmax - b * kBlockKeys : -1;
+  }
+}
+
 // Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
 // [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
 // ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups.
@@ -251,6 +398,17 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
       }
     }
   }
+}
+
+// L2 prefetch of the K and V tiles of (page, KV head g): one 128-byte line of each per thread
+// (a tile that is only 4-byte aligned spans one more line, left to the copy). It lets the
+// decode / verify kernels keep more bytes in flight than their shared-memory ring holds.
+__device__ __forceinline__ void prefetch_block_l2(const AttnArgs& a, int page, int g) {
+  static_assert(kThreads * 128 == kTileBytes, "one line per thread and tile");
+  const uint8_t* kt = a.kv + static_cast<int64_t>(page) * a.page_stride +
+                      static_cast<int64_t>(g) * kTileBytes + threadIdx.x * 128;
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt));
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt + a.plane_stride));
 }
 
 // Raw V (swizzled, see load_block) -> f16 [key][dim] with 16-byte chunk c (8 dims) of key k at
@@ -375,16 +533,20 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     const int kb = key0 + 16 * kk;
     const int key = kb + (((lane >> 3) & 1) << 3) + (lane & 7);
+    // Both V paths give this thread keys (k0, k0 + 1) in its registers 0 and 2 and keys
+    // (k0 + 8, k0 + 9) in registers 1 and 3 (k0 = kb + 2 tig; low 16 bits the first key). Keys
+    // past lim are cleared before the MMA: P is 0 there, and 0 * NaN would leak a NaN of another
+    // token's visible key (or of an unwritten slot) into this token's rows.
+    uint32_t keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;  // keys < 8 / >= 8 of the k-step
+    if (need_mask) {
+      const int k0 = kb + 2 * tig;
+      keep_lo = (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
+      keep_hi = (k0 + 8 <= lim ? 0x0000ffffu : 0u) | (k0 + 9 <= lim ? 0xffff0000u : 0u);
+    }
     if constexpr (kVRegs) {
       // Raw E4M3 chunks of 16 dims: a register holds the byte pairs (key k, dims 2 grp, 2 grp + 1)
       // and (key k + 1, same dims), k = kb + 2 tig (+ 8). Bytes 0, 2 are the B fragment of dim
       // 2 grp, bytes 1, 3 that of dim 2 grp + 1: two n-tiles of even / odd dims per register pair.
-      uint32_t keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;  // keys < 8 / >= 8 of the k-step
-      if (need_mask) {
-        const int k0 = kb + 2 * tig;
-        keep_lo = (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
-        keep_hi = (k0 + 8 <= lim ? 0x0000ffffu : 0u) | (k0 + 9 <= lim ? 0xffff0000u : 0u);
-      }
 #pragma unroll
       for (int q = 0; q < kDim / 32; ++q) {
         const int chunk = 2 * q + (lane >> 4);
@@ -411,8 +573,8 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
         const int chunk = 2 * q + (lane >> 4);
         uint32_t b0, b1, b2, b3;
         ldsm_x4_trans(v_smem + key * (kDim * 2) + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
-        mma_f16(st.o[2 * q], pa, b0, b1);
-        mma_f16(st.o[2 * q + 1], pa, b2, b3);
+        mma_f16(st.o[2 * q], pa, b0 & keep_lo, b1 & keep_hi);
+        mma_f16(st.o[2 * q + 1], pa, b2 & keep_lo, b3 & keep_hi);
       }
     }
   }
@@ -445,76 +607,23 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   const int grp = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, split = blockIdx.z;
 
-  if (!find_tile<QT>(a, static_cast<int>(blockIdx.x), s_warp, s_tile)) return;  // CTA-uniform
+  TileInputs in;
+  if (!find_tile_and_load<QT>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in))
+    return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
-  // Positions, candidate ids and Q are independent loads: issue them together (one round trip).
-  if (tid < QT) s_pos[tid] = tid < nt ? a.positions[t0 + tid] : -1;
-  int cand_b = -1, cand_pos = -1;
-  if (a.sparse && tid < kCand && tid / kTopKIds < nt) {
-    const int w = tid / kTopKIds;
-    cand_pos = a.positions[t0 + w];
-    cand_b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                         static_cast<int64_t>(g) * a.bid_stride_h + tid % kTopKIds];
-  }
-
-  // Q fragments of this warp's token (rows = heads g * group + row, rows >= group are zero).
+  const int cand_b = in.cand_b, cand_pos = in.cand_pos;
+  if (tid < QT) s_pos[tid] = in.pos;
+  // Q fragments of this warp's token (off the critical path: first used by the first block).
   const int tw = warp / KS, ksl = warp % KS;
   uint32_t qa[4][4];
-  {
-    const bool tok = tw < nt;
-    const bool r0 = tok && grp < a.group, r1 = tok && grp + 8 < a.group;
-    const int64_t t = t0 + (tok ? tw : 0);
-    const uint8_t* q0 = a.q + t * a.q_stride_t + static_cast<int64_t>(g * a.group + grp) * kDim;
-    const uint8_t* q1 = q0 + 8 * kDim;
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const int off = 32 * ks + 4 * tig;
-      qa[ks][0] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off) : 0u;
-      qa[ks][1] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off) : 0u;
-      qa[ks][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
-      qa[ks][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
-    }
-  }
+  load_q_fragments(a, g, t0 + tw, tw < nt, qa);
   __syncthreads();  // s_pos
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
   if (a.sparse) {
-    // Candidates: every (token, slot) id that selects a visible block with a valid page.
-    if (tid < kCand) {
-      int b = cand_b, page = -1;
-      if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
-        page = a.page_table[pt_row + b];
-        if (page < 0 || page >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
-      s_cand_b[tid] = b;
-      s_cand_page[tid] = page;
-    }
-    __syncthreads();
-    // Union: the first occurrence of each id becomes an entry whose mask holds every token that
-    // selected it. Entries keep candidate order, so every split CTA derives the same list.
-    bool first = false;
-    int b = -1, mask = 0;
-    if (tid < kCand) {
-      b = s_cand_b[tid];
-      if (b >= 0) {
-        first = true;
-        for (int j = 0; j < kCand; ++j) {
-          if (s_cand_b[j] == b) {
-            if (j < tid) first = false;
-            mask |= 1 << (j / kTopKIds);
-          }
-        }
-      }
-    }
-    const int rank = block_inclusive_scan(first ? 1 : 0, s_warp, n_total) - 1;
-    if (first) {
-      s_list_b[rank] = b;
-      s_list_page[rank] = s_cand_page[tid];
-      s_list_mask[rank] = mask;
-    }
+    n_total = sparse_union<QT>(a, pt_row, cand_b, cand_pos, s_pos, s_cand_b, s_cand_page, s_warp,
+                               s_list_b, s_list_page, s_list_mask, nullptr);
   } else {
     int maxpos = -1;
 #pragma unroll
@@ -543,19 +652,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     if (!a.sparse) {
       // Dense entries [c0, c0 + count): block b = c0 + i, seen by every token with pos / 128 >= b.
       __syncthreads();  // the previous chunk's entries and stages are no longer read
-      for (int i = tid; i < count; i += kThreads) {
-        const int b = c0 + i;
-        const int page = a.page_table[pt_row + b];
-        int mask = 0;
-        if (page >= 0 && page < a.num_pages) {
-#pragma unroll
-          for (int w = 0; w < QT; ++w)
-            if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) mask |= 1 << w;
-        }
-        s_list_b[i] = b;
-        s_list_page[i] = page;
-        s_list_mask[i] = mask;
-      }
+      dense_entries<QT>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page, s_list_mask, nullptr);
       __syncthreads();
       off = 0;
     }
@@ -569,6 +666,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
         load_block<kVec16>(a, s_list_page[off + j], g, smem + j * kStageBytes);
       cp_async_commit();
     }
+    // L2 prefetch (single-token tiles only: the multi-token variants sit at the register limit).
+    if constexpr (QT == 1)
+      for (int j = kSt - 1; j < min(count, kSt - 1 + a.prefetch); ++j)
+        if (s_list_mask[off + j]) prefetch_block_l2(a, s_list_page[off + j], g);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
       cp_async_wait<kSt - 2>();
@@ -579,6 +680,11 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
         if (j < count && s_list_mask[off + j])
           load_block<kVec16>(a, s_list_page[off + j], g, smem + sj * kStageBytes);
         cp_async_commit();
+        if constexpr (QT == 1) {
+          const int jp = j + a.prefetch;
+          if (a.prefetch > 0 && jp < count && s_list_mask[off + jp])
+            prefetch_block_l2(a, s_list_page[off + jp], g);
+        }
       }
       const int mask = s_list_mask[off + i];
       const int b = s_list_b[off + i];

@@ -5,7 +5,8 @@
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
 // the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
-// with and without splits) and its variants 3 and 4, which must meet the same tolerance.
+// with and without splits) and its variants 3 and 4, and the Hopper wgmma decode / verify kernel
+// (kernel = 5: 4-token tiles x 16 heads on one warpgroup), which must meet the same tolerance.
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2.
 //   - Both sides round once to BF16 (8 significant bits): each is within 2^-9 of its exact value,
@@ -18,7 +19,7 @@
 //     <= a few thousand keys adds ~1e-6.
 //   A weighted average with weights perturbed by eps relative is perturbed by <~ 2 eps relative
 //   (numerator and denominator), so the sum is <~ 3.9e-3 + 2 * (1.7e-3 + 4.9e-4) ~ 8.3e-3 < 1e-2.
-//   The wgmma kernel has the same numerics: S from FP8 wgmma (same reduced-precision accumulation
+//   The wgmma kernels have the same numerics: S from FP8 wgmma (same reduced-precision accumulation
 //   per k-step of 32), P rounded to f16, P V on f16 wgmma with fp32 accumulators, V exact in f16.
 //   Typical rows are far better (most BF16 roundings agree); a wrong mask, layout or block costs
 //   O(1) on short contexts (1, 127, 129 tokens and prefills from position 0 are always included).
@@ -308,15 +309,18 @@ std::string cfg_name(const AttentionCudaConfig& c) {
   std::ostringstream os;
   os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits << " v_convert "
      << c.v_convert << " kernel " << c.kernel;
+  if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert, kernel}; 0 = the plan's choice. Kernel 2 is the wgmma
-// prefill kernel (8 tokens per tile).
+// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch}; 0 = the plan's choice. Kernel 2 is
+// the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode / verify kernel (4 tokens per
+// tile); l2_prefetch only changes when bytes arrive, never the result.
 const std::vector<AttentionCudaConfig> kAllConfigs = {
-    {0, 0, 0},    {1, 1, 0},    {1, 3, 0},    {1, 16, 0},   {2, 1, 0},    {2, 2, 0},
-    {4, 1, 1},    {4, 1, 2},    {4, 5, 1},    {4, 5, 2},    {8, 1, 0, 2}, {8, 3, 0, 2},
-    {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3}, {8, 1, 0, 4}, {8, 3, 0, 4}};
+    {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
+    {4, 1, 1},    {4, 1, 2},    {4, 5, 1},       {4, 5, 2},       {8, 1, 0, 2},    {8, 3, 0, 2},
+    {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
+    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}};
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -373,7 +377,14 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
     }
     Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
     check_all_configs(pr, false, "verify",
-                      {{0, 0, 0}, {4, 3, 1}, {4, 3, 2}, {0, 0, 0, 2}, {0, 0, 0, 3}, {0, 0, 0, 4}});
+                      {{0, 0, 0},
+                       {4, 3, 1},
+                       {4, 3, 2},
+                       {0, 0, 0, 2},
+                       {0, 0, 0, 3},
+                       {0, 0, 0, 4},
+                       {0, 0, 0, 5},
+                       {0, 3, 0, 5}});
   }
 }
 
@@ -402,7 +413,9 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
                        {0, 1, 0, 3},
                        {0, 4, 0, 3},
                        {0, 1, 0, 4},
-                       {0, 4, 0, 4}});
+                       {0, 4, 0, 4},
+                       {0, 1, 0, 5},
+                       {0, 4, 0, 5}});
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
   check_all_configs(pr, false, "mixed",
@@ -415,7 +428,9 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
                      {0, 1, 0, 3},
                      {0, 5, 0, 3},
                      {0, 1, 0, 4},
-                     {0, 5, 0, 4}});
+                     {0, 5, 0, 4},
+                     {0, 1, 0, 5},
+                     {0, 5, 0, 5}});
 }
 
 // The wgmma prefill kernel on longer chunks: a chunk from position 0 (every causal mask), chunks
@@ -438,13 +453,21 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
                        {0, 1, 0, 3},
                        {0, 3, 0, 3},
                        {0, 1, 0, 4},
-                       {0, 3, 0, 4}});
+                       {0, 3, 0, 4},
+                       {0, 1, 0, 5},
+                       {0, 3, 0, 5}});
   }
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_all_configs(
-      pr, false, "long chunks",
-      {{0, 1, 0, 2}, {0, 2, 0, 2}, {0, 1, 0, 3}, {0, 2, 0, 3}, {0, 1, 0, 4}, {0, 2, 0, 4}});
+  check_all_configs(pr, false, "long chunks",
+                    {{0, 1, 0, 2},
+                     {0, 2, 0, 2},
+                     {0, 1, 0, 3},
+                     {0, 2, 0, 3},
+                     {0, 1, 0, 4},
+                     {0, 2, 0, 4},
+                     {0, 1, 0, 5},
+                     {0, 2, 0, 5}});
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -494,7 +517,8 @@ TEST(AttentionGpu, WgmmaLayoutProbes) {
     for (const AttentionCudaConfig& cfg :
          {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2},
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-          AttentionCudaConfig{0, 2, 0, 4}}) {
+          AttentionCudaConfig{0, 2, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
+          AttentionCudaConfig{0, 2, 0, 5}}) {
       const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
       const int failures = ::testing::Test::HasFailure() ? 1 : 0;
       const double worst = expect_matches(pr, d, got, what + ", " + cfg_name(cfg));
@@ -536,9 +560,11 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 3, 0, 2},
                        {0, 1, 0, 3},
                        {0, 1, 0, 4},
-                       {0, 3, 0, 4}});
+                       {0, 3, 0, 4},
+                       {0, 1, 0, 5},
+                       {0, 3, 0, 5}});
     check_all_configs(pr, false, "group 8",
-                      {{0, 0}, {2, 1}, {0, 1, 0, 2}, {0, 1, 0, 3}, {0, 1, 0, 4}});
+                      {{0, 0}, {2, 1}, {0, 1, 0, 2}, {0, 1, 0, 3}, {0, 1, 0, 4}, {0, 1, 0, 5}});
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -555,7 +581,9 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                      {0, 2, 0, 2},
                      {0, 1, 0, 3},
                      {0, 1, 0, 4},
-                     {0, 2, 0, 4}});
+                     {0, 2, 0, 4},
+                     {0, 1, 0, 5},
+                     {0, 2, 0, 5}});
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -579,7 +607,9 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
                      {0, 1, 0, 3},
                      {0, 2, 0, 3},
                      {0, 1, 0, 4},
-                     {0, 2, 0, 4}});
+                     {0, 2, 0, 4},
+                     {0, 1, 0, 5},
+                     {0, 2, 0, 5}});
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -639,7 +669,8 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
        {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 1, 2},
         AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
         AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-        AttentionCudaConfig{0, 3, 0, 4}}) {
+        AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
+        AttentionCudaConfig{0, 3, 0, 5}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
     expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
   }
@@ -675,7 +706,8 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
   for (const AttentionCudaConfig& cfg :
        {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}, AttentionCudaConfig{0, 1, 0, 2},
         AttentionCudaConfig{0, 4, 0, 2}, AttentionCudaConfig{0, 1, 0, 3},
-        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 4, 0, 4}}) {
+        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 4, 0, 4},
+        AttentionCudaConfig{0, 1, 0, 5}, AttentionCudaConfig{0, 4, 0, 5}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
     expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
   }
@@ -700,7 +732,64 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
                      {0, 2, 0, 2},
                      {0, 1, 0, 3},
                      {0, 1, 0, 4},
-                     {0, 2, 0, 4}});
+                     {0, 2, 0, 4},
+                     {0, 1, 0, 5},
+                     {0, 2, 0, 5}});
+}
+
+// A NaN V element that some tokens of a tile see and others do not (a draft token's own key in
+// the local block, future for the earlier drafts; blocks that only some tokens select): the twin
+// puts NaN exactly in that dim of the tokens that see the key, nothing in the others. A NaN K
+// element makes the whole rows of the tokens that see it NaN. Every kernel that shares a block
+// between tokens must keep those apart (P = 0 and 0 * NaN must never meet). The wgmma prefill
+// kernel (2-4) is left out: it still lets a V NaN reach rows of its warpgroup that mask the key.
+TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  // Request 0: positions 148 .. 151; request 1: 126 .. 129 (crosses a block); request 2: long
+  // context with per-token selections; request 3: decode.
+  const std::vector<RequestSpec> reqs = {{148, 4}, {126, 4}, {4000, 4}, {2500, 1}};
+  for (Pick pick : {Pick::kShared, Pick::kRandom}) {
+    Problem pr = make_problem(reqs, 32, 2, pick, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;   // seen by positions 150, 151 only
+    pr.hb.kv_row(0, 151, 1, 1)[100] = 0xFF;  // by 151 only (head 1)
+    pr.hb.kv_row(1, 127, 1, 0)[3] = 0x7F;    // by 127, 128, 129
+    pr.hb.kv_row(1, 128, 1, 1)[64] = 0x7F;   // by 128, 129 (other block)
+    for (int k = 0; k < 6; ++k) {            // in blocks some tokens of request 2 select
+      const int pos = static_cast<int>(rng.integer(0, 3999));
+      pr.hb.kv_row(2, pos, 1, k & 1)[rng.integer(0, 127)] = 0xFF;
+    }
+    pr.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 0, 1)[9] = 0x7F;  // a K NaN
+    pr.hb.kv_row(0, 151, 0, 0)[40] = 0x7F;  // K NaN seen only by position 151
+    check_all_configs(pr, true, "NaN in some tokens' keys",
+                      {{1, 1, 0},
+                       {1, 3, 0},
+                       {2, 1, 0},
+                       {4, 1, 1},
+                       {4, 1, 2},
+                       {4, 2, 2},
+                       {4, 1, 0, 5},
+                       {4, 3, 0, 5}});
+    check_all_configs(pr, false, "NaN in some tokens' keys",
+                      {{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}});
+  }
+}
+
+// A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
+// without splits, its NaN path, and the mma.sync kernel's shared f16 V tile.
+TEST(AttentionGpu, SanitizerSmallVerify) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> reqs = {{148, 4}, {2100, 4}, {700, 3}, {40, 1}};
+  Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
+  check_all_configs(pr, true, "sanitizer", {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 2, 2}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -714,7 +803,9 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
          {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 3, 2},
           AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-          AttentionCudaConfig{0, 3, 0, 4}}) {
+          AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
+          AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
+          AttentionCudaConfig{0, 1, 0, 5, 2}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -776,7 +867,7 @@ TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
             p.batch.num_tokens = T;
             p.batch.num_requests = static_cast<int>(R);
             p.batch.max_pages = max_pages;
-            for (int kernel : {0, 1, 2, 3, 4}) {
+            for (int kernel : {0, 1, 2, 3, 4, 5, 6}) {
               AttentionCudaConfig cfg;
               cfg.kernel = kernel;
               const size_t need = attention_workspace_bytes(p, cfg);
@@ -845,7 +936,16 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "4 tokens per tile on the wgmma kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 1, 2}, StatusCode::kUnsupported,
                   "v_convert on the wgmma kernel");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5}, StatusCode::kUnsupported, "kernel 5");
+  expect_rejected(good, ws.data(), ws.bytes(), {8, 1, 0, 5}, StatusCode::kUnsupported,
+                  "8 tokens per tile on the wgmma verify kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 2, 5}, StatusCode::kUnsupported,
+                  "v_convert on the wgmma verify kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 99}, StatusCode::kUnsupported,
+                  "kernel 99");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 9}, StatusCode::kUnsupported,
+                  "l2_prefetch 9");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, -2}, StatusCode::kUnsupported,
+                  "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
 

@@ -566,7 +566,11 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
   return Cur{e.info, e.t0, e.lim[tok]};
 }
 
-__device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base) {
+// kQRegs: each warp copies its token's Q fragments from the item's Q tile into registers when the
+// item starts (register-A QK wgmma: 8 KB less shared-memory traffic per warpgroup and block).
+template <bool kQRegs>
+__device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
+                                                    const uint8_t* smem) {
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
   const int wg = ct >> 7;
   const int tok = ct >> 5;  // warp of the consumers = token of the tile
@@ -577,13 +581,34 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
 
+  // kQRegs: the m16n8k32 A fragments of this warp's 16 rows (heads grp, grp + 8 of token tok):
+  // k-step kk holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row.
+  uint32_t qa[4][4];
+  auto load_q = [&](int qslot) {
+    if constexpr (kQRegs) {
+      const uint8_t* q = smem + kQOff + qslot * kQBytes;
+      const int row0 = tok * ak::kRows + (lane >> 2), tig = lane & 3;
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = row0 + 8 * (e & 1), off = 32 * kk + 16 * (e >> 1) + 4 * tig;
+          qa[kk][e] = *reinterpret_cast<const uint32_t*>(
+              q + row * 128 + (((off >> 4) ^ (row & 7)) << 4) + (off & 15));
+        }
+    }
+  };
   auto issue_qk = [&](int qslot, int stage) {
     const uint32_t qaddr = base + kQOff + qslot * kQBytes + wg * (kQBytes / 2);
     const uint32_t kaddr = base + stage * kStageBytes;
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      ap::wgmma_qk(s, ap::smem_desc(qaddr + 32 * kk, 16, 1024),
-                   ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < 4; ++kk) {
+      if constexpr (kQRegs)
+        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+      else
+        ap::wgmma_qk(s, ap::smem_desc(qaddr + 32 * kk, 16, 1024),
+                     ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+    }
   };
   // O (+)= P V; the first entry of an item overwrites O (the previous item's O was stored).
   auto issue_pv = [&](int vs, int flags) {
@@ -601,6 +626,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   if (wg == 1) turn_pass(wg);      // warpgroup 0 issues first
 
   // Entry 0: S, softmax, P.
+  load_q(cur.qslot());
   turn_wait(wg);
   ap::reg_fence(s);
   ap::wgmma_fence();
@@ -623,6 +649,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     const Cur nxt = read_entry(sh.entry[ns], tok);
     if (nxt.flags() & kEnd) break;
     const int vs = static_cast<int>(j & 1);
+    if (nxt.flags() & kFirst) load_q(nxt.qslot());
     mbar_wait(bar_addr(sh.vfull[vs]), (j >> 1) & 1);
     // S(next) then P V(cur), in this warpgroup's turn.
     turn_wait(wg);
@@ -682,7 +709,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead>
+template <bool kLookahead, bool kQRegs>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -717,7 +744,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       converter_warps(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
-    consumer_warpgroups(a, sh, base);
+    consumer_warpgroups<kQRegs>(a, sh, base, smem);
   }
 }
 
@@ -772,7 +799,7 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead,
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
                      cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
@@ -780,7 +807,9 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  auto kernel = lookahead ? attention_prefill_ws_kernel<true> : attention_prefill_ws_kernel<false>;
+  auto kernel = !lookahead ? attention_prefill_ws_kernel<false, false>
+                : q_regs   ? attention_prefill_ws_kernel<true, true>
+                           : attention_prefill_ws_kernel<true, false>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

@@ -1,5 +1,6 @@
 // GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
-// and 7 = its variant that prepares the next work item early; attention_prefill_ws.cuh) against the
+// and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers;
+// attention_prefill_ws.cuh) against the
 // CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached prefixes
 // (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches with
 // several chunks and decode / verify rows, sparse and dense, with and without splits, persistent
@@ -54,6 +55,7 @@ constexpr size_t kGuard = 256;
 constexpr int kRowPad = 8;       // bf16 elements past each output row that must stay poisoned
 constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-specialised kernel
 constexpr int kWsLookahead = 7;  // the same, next work item prepared early
+constexpr int kWsQRegs = 8;      // as 7 with Q in registers
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
@@ -280,7 +282,10 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(0, 0, kWsLookahead),
           ws_config(3, 0, kWsLookahead),
           ws_config(1, 1, kWsLookahead),
-          ws_config(2, 5, kWsLookahead)};
+          ws_config(2, 5, kWsLookahead),
+          ws_config(0, 0, kWsQRegs),
+          ws_config(3, 0, kWsQRegs),
+          ws_config(1, 2, kWsQRegs)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -318,7 +323,7 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "M3",
                 {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
-                 ws_config(1, 3, kWsLookahead)});
+                 ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs)});
   check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2)});
 }
 
@@ -340,7 +345,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     const Case c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_configs(c, true, "3 KV heads",
-                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead)});
+                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
+                   ws_config(2, 2, kWsQRegs)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Planes farther apart than pages (K planes of every page, then V planes), group 8.
@@ -349,7 +355,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   o.kv_plane_stride = 200 * tile;
   const Case c = make_case(reqs, 16, 2, false, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "group 8, far planes", {ws_config(0, 0), ws_config(1, 2)});
+  check_configs(c, true, "group 8, far planes",
+                {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsQRegs)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -407,7 +414,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   Dev d;
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
-       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead)}) {
+       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead),
+        ws_config(1, 3, kWsQRegs)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -440,7 +448,8 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
-  for (const AttentionCudaConfig& cfg : {ws_config(0, 0), ws_config(3, 2)}) {
+  for (const AttentionCudaConfig& cfg :
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, ref, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -456,7 +465,8 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Case c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(c, true, "NaN value", {ws_config(0, 0), ws_config(2, 1)});
+  check_configs(c, true, "NaN value",
+                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs)});
 }
 
 TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -467,7 +477,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 40}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
-         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead)}) {
+         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead),
+          ws_config(0, 0, kWsQRegs)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Case a = make_case(reqs, 64, 4, false, rng);
       const Case b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -26,8 +26,10 @@
 // wgmma_max_m, gemm_wgmma.h) at M = 1, 4, 16, 64, fused and pair, automatic grid and one CTA per
 // SM (its spot checks run at 5, 37 and 13 rows), and default_us: a default-options object (the
 // autotuner picks cuBLASLt or the wgmma kernel per M bucket); a fourth shows cuBLASLt with
-// non-deterministic split-K allowed. Every GEMM object names its path, so M3ATTN_GEMM_PATH does not
-// change this benchmark.
+// non-deterministic split-K allowed. q+wgmma_pdl is the quantizer + the wgmma GEMM launched with
+// GemmWgmmaOptions::programmatic_launch (weights requested while the quantizer finishes). A
+// variants table times run_gemm_wgmma_cuda at other grid / burst / L2 settings. Every GEMM object
+// names its path, so M3ATTN_GEMM_PATH does not change this benchmark.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
@@ -350,6 +352,10 @@ int run(int argc, char** argv) {
   Fp8BlockGemmOptions wg1_opt = wg_opt;
   wg1_opt.wgmma.ctas_per_sm = 1;
   Trio wg{make(64, kNF, wg_opt), make(64, kN1, wg_opt), make(64, kN2, wg_opt)};
+  // The same with programmatic dependent launch (weights requested while the quantizer finishes).
+  Fp8BlockGemmOptions wg_pdl_opt = wg_opt;
+  wg_pdl_opt.wgmma.programmatic_launch = true;
+  auto fused_pdl = make(64, kNF, wg_pdl_opt);
   // The default options (autotuned; the autotuner picks cuBLASLt or the wgmma kernel per M bucket
   // unless M3ATTN_GEMM_PATH forces one): what the layer gets.
   auto fused_auto = make(64, kNF, {});
@@ -502,6 +508,13 @@ int run(int argc, char** argv) {
                              },
                              stream, 3, iters)
                              .median_us;
+    const double t_qpdl = bench::time_graph_cold(
+                              [&](cudaStream_t s) {
+                                must(run_quantize_cuda(c.q, s), "quantize");
+                                must(fused_pdl->run(c.fused, s), "fused (wgmma, PDL)");
+                              },
+                              stream, 3, iters)
+                              .median_us;
     const int64_t m = gemm_padded_rows(rows_m);
     const double bytes =
         static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
@@ -524,6 +537,7 @@ int run(int argc, char** argv) {
     r.add("wg_pair_us", t_wg_pair);
     r.add("wg_pair_%copy", pct(pair_bytes, t_wg_pair), 1);
     r.add("q+wgmma_us", t_qwg);
+    r.add("q+wgmma_pdl_us", t_qpdl);
     rows_wg.push_back(r);
   }
   bench::print_rows(

@@ -106,7 +106,17 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   grid = std::min(grid, std::min(resident, kCtasPerSm) * info.sms);
   WgmmaArgs a = args;
   a.burst = a.burst <= 0 ? std::max(1, kStages / 2) : std::min(a.burst, kStages);
-  kernel<<<grid, gemm_wgmma_detail::kThreads, kSmem, stream>>>(wmap, xmap, a);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);
+  cfg.dynamicSmemBytes = kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = a.early_weights ? 1 : 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, wmap, xmap, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -229,6 +239,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
+  args.early_weights = options.programmatic_launch ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);

@@ -39,6 +39,11 @@ struct GemmWgmmaOptions {
   // 256. 256 (default) also fetches the neighbouring 128-byte K block of each weight row, which
   // the CTA's next unit reads.
   int weight_l2_promotion = 256;
+  // Programmatic dependent launch: the kernel may start while the preceding kernel in the stream
+  // finishes and requests its first ring of weights before waiting for it (griddepcontrol.wait);
+  // activations, scales and every write come after the wait. The preceding kernel must not write
+  // the weights. Graph-capturable (a programmatic edge).
+  bool programmatic_launch = false;
   // Kept for source compatibility; ignored: the producer warp now always stages every unit's
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;

@@ -92,6 +92,7 @@ struct WgmmaArgs {
   unsigned* counters;      // [tiles], zero before and after every launch
   int m;                   // 1 .. 64
   int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
+  int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
   int units;               // tiles * kblocks (< 2^31: checked on the host)
@@ -320,6 +321,24 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // stage's scale slot with cp.async, whose completion the full barrier also waits for.
     const uint64_t policy = evict_first_policy();
     const int burst = p.burst;  // 1 .. kStages (host-clamped)
+    auto load_weights = [&](int s, int u) {
+      const uint32_t full = smem_addr(&full_bar[s]);
+      const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
+      const int tile = u / kb_count, kb = u - tile * kb_count;
+      mbar_arrive_expect_tx(full, kStageBytes);  // weights + activations of the unit
+      if (p.weight_evict_first) {
+        tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
+      } else {
+        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+      }
+    };
+    // Programmatic launch: the weights (which no preceding kernel writes) of the first ring of
+    // units are requested before waiting for the preceding grid, whose outputs (activations and
+    // their scales) are read only after griddepcontrol.wait. Without PDL the wait is a no-op.
+    const int early = p.early_weights ? (u_end - u_begin < kStages ? u_end - u_begin : kStages) : 0;
+    if (lane == 0)
+      for (int j = 0; j < early; ++j) load_weights(j, u_begin + j);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
     int i = 0;
     for (int u = u_begin; u < u_end;) {
       // Bursts: wait until `burst` slots are free, then issue their loads back to back, so each
@@ -335,15 +354,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         const int kb = u - tile * kb_count;
         const uint32_t full = smem_addr(&full_bar[s]);
         if (lane == 0) {
+          if (i >= early) load_weights(s, u);
           const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-          mbar_arrive_expect_tx(full, kStageBytes);
-          const int x = kb * kBlockK, y = tile * kTileN;
-          if (p.weight_evict_first) {
-            tma_load_2d_hint(dst, &wmap, x, y, full, policy);
-          } else {
-            tma_load_2d(dst, &wmap, x, y, full);
-          }
-          tma_load_2d(dst + kWeightTileBytes, &xmap, x, 0, full);
+          tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
         }
         float* slot = s_scales + s * kSlot;
 #pragma unroll
@@ -357,7 +370,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1, 256)
   }
 
-  // Consumers: warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
+  // Consumers: their global writes (output, partials, counters) follow the preceding grid.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // Warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
   const int q = lane % 4;

@@ -346,9 +346,11 @@ inline FusedRun run_fused_and_unfused(const GemmData& d,
 // Quantize `rows` bf16 rows (padded to a multiple of 4) + the GEMM of a `max_m` object with
 // `opt`, on random fused-width operands: captured once in a CUDA graph, replayed with a new x
 // written into the same buffer. The replay must see the new input and equal two eager runs byte
-// for byte (deterministic paths).
+// for byte (deterministic paths); with `reference`, also an object with those options run alone
+// after a device synchronization on the same quantized input.
 inline void expect_graph_replay_equals_eager(int64_t rows, int64_t max_m,
-                                             const Fp8BlockGemmOptions& opt, Rng& rng) {
+                                             const Fp8BlockGemmOptions& opt, Rng& rng,
+                                             const Fp8BlockGemmOptions* reference = nullptr) {
   const int64_t m_pad = gemm_padded_rows(rows), n = kNF, k = kHidden;
   GemmData d = make_random_data(m_pad, n, k, rng);
   DeviceGemm dev(d, n);
@@ -400,6 +402,16 @@ inline void expect_graph_replay_equals_eager(int64_t rows, int64_t max_m,
     ASSERT_TRUE(launch().ok());
     M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
     EXPECT_EQ(replay, dev.out.download_all()) << "eager run " << rep << " differs from the replay";
+  }
+  if (reference) {
+    auto ref = make_gemm(max_m, n, k, *reference);
+    ASSERT_NE(ref, nullptr);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    dev.out.poison(kPoison);
+    const Status st = ref->run(gp, stream);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(replay, dev.out.download_all()) << "the reference object differs from the replay";
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);

@@ -72,6 +72,7 @@ struct Case {
   int burst = 0;
   bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
+  bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
 };
 
 std::string describe(const Case& c) {
@@ -80,7 +81,7 @@ std::string describe(const Case& c) {
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
-         " L2 promotion " + std::to_string(c.promotion);
+         " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -92,6 +93,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.burst = c.burst;
   o.weight_evict_first = c.evict_first;
   o.weight_l2_promotion = c.promotion;
+  o.programmatic_launch = c.pdl;
   return o;
 }
 
@@ -163,7 +165,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{63, 384, 6144, 8, 0, true, 0, 2, 4},
                       // Other L2 promotions of the weight loads.
                       Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0},
-                      Case{16, 640, 2048, 0, 16, true, 0, 4, 0, true, 128}));
+                      Case{16, 640, 2048, 0, 16, true, 0, 4, 0, true, 128},
+                      // Programmatic launch (weights of the first ring before the wait).
+                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, true},
+                      Case{64, 640, 1024, 0, 16, true, 0, 1, 0, true, 256, true},
+                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -276,6 +282,23 @@ TEST(GemmWgmmaGraph, ReplayWithNewInputEqualsEager) {
     SCOPED_TRACE(::testing::Message() << "rows " << rows);
     Rng rng(seed);
     expect_graph_replay_equals_eager(rows, 64, wgmma_options(), rng);
+  }
+}
+
+// The same with programmatic dependent launch (GemmWgmmaOptions::programmatic_launch): the GEMM
+// may start while the quantizer finishes, requesting weights early; the graph records a
+// programmatic edge. Replay and eager runs must equal a plain launch after a full synchronization.
+TEST(GemmWgmmaGraph, ProgrammaticLaunchEqualsPlainLaunch) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t rows : {1, 33}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "rows " << rows);
+    Rng rng(seed);
+    Fp8BlockGemmOptions pdl = wgmma_options();
+    pdl.wgmma.programmatic_launch = true;
+    const Fp8BlockGemmOptions plain = wgmma_options();
+    expect_graph_replay_equals_eager(rows, 64, pdl, rng, &plain);
   }
 }
 

@@ -45,6 +45,7 @@ constexpr int64_t kWgmmaMinAvgTokens = 16;
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
 constexpr bool kAutoVerifyWgmma = false;
 constexpr int64_t kVerifyMinAvgTokens = 2;
+constexpr bool kAutoVerifyPipeline = false;  // its software-pipelined variant
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -52,6 +53,7 @@ constexpr int kMaxL2Prefetch = 8;
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
+  bool verify_pipe = false;  // ... its software-pipelined variant
   int variant = 0;      // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;           // tokens per tile
   bool v_regs = true;   // V converted in registers (3 stages) rather than into an f16 tile
@@ -117,6 +119,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     if (cfg.v_convert != 0)
       return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
                          " does not apply to the wgmma verify kernel (V is converted in place)");
+    if (cfg.verify_pipeline < 0 || cfg.verify_pipeline > 2)
+      return unsupported("run_attention_cuda: verify_pipeline ", cfg.verify_pipeline,
+                         " is not 0, 1 or 2");
+    pl.verify_pipe = cfg.verify_pipeline == 0 ? kAutoVerifyPipeline : cfg.verify_pipeline == 2;
     pl.qt = av::kQT;
     pl.v_regs = false;
   } else if (pl.wgmma) {
@@ -206,16 +212,17 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-template <bool kVec16>
+template <bool kVec16, bool kPipe>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
-  auto kernel = av::attention_verify_kernel<kVec16>;
+  auto kernel = av::attention_verify_kernel<kVec16, kPipe>;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           av::smem_bytes(kPipe)));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args);
+  kernel<<<grid, av::kThreads, av::smem_bytes(kPipe), stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -236,9 +243,13 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
-  if (pl.verify)
-    return vec16 ? launch_verify<true>(args, pl, n_kv, stream)
-                 : launch_verify<false>(args, pl, n_kv, stream);
+  if (pl.verify) {
+    if (pl.verify_pipe)
+      return vec16 ? launch_verify<true, true>(args, pl, n_kv, stream)
+                   : launch_verify<false, true>(args, pl, n_kv, stream);
+    return vec16 ? launch_verify<true, false>(args, pl, n_kv, stream)
+                 : launch_verify<false, false>(args, pl, n_kv, stream);
+  }
   if (pl.wgmma) {
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {
       case 0:

@@ -68,6 +68,8 @@ struct AttentionCudaConfig {
   int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
                             // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
                             // -1 none, 1 .. 8
+  int verify_pipeline = 0;  // kernel 5: 0 automatic, 1 serial, 2 software-pipelined (S of the
+                            // next block and its softmax overlap P V of this one)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -60,7 +60,11 @@ constexpr int kQT = 4;         // query tokens per tile: 4 x 16 heads = 64 wgmma
 constexpr int kStages = 3;
 constexpr int kTileBytes = ak::kTileBytes;
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1 KB
+constexpr int kQBytes = 64 * ak::kDim;  // the pipelined variant's Q tile (64 rows, swizzled)
+// Dynamic shared memory: the ring (+ the Q tile when pipelined) + slack to align the base to 1 KB.
+constexpr int smem_bytes(bool pipelined) {
+  return kStages * kStageBytes + (pipelined ? kQBytes : 0) + 1024;
+}
 constexpr int kCand = kQT * ak::kTopKIds;
 constexpr int kMaxList = 128;  // block entries held in shared memory at once
 constexpr int kKeysPerWarp = ak::kBlockKeys / 4;
@@ -94,17 +98,20 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 
 // This warp's keys [32 warp, 32 warp + 32) of the raw V tile of `stage` -> f16 (see the header);
 // keys > vlim become 0. The K half must be free (S done by every warp). Returns nonzero when a
-// converted raw byte is NaN. Two passes of 16 keys: a pass reads its rows, then overwrites them.
+// converted raw byte is NaN. kPasses passes of 32 / kPasses keys: a pass reads its rows into
+// registers, then overwrites them (more passes, fewer registers).
+template <int kPasses>
 __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim) {
+  constexpr int kIt = 8 / kPasses;  // 16-byte chunks per lane and pass
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint8_t* vraw = stage + kTileBytes;
   uint32_t nan = 0;
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    uint4 raw[4];
+  for (int pass = 0; pass < kPasses; ++pass) {
+    uint4 raw[kIt];
 #pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int i = (pass * 4 + it) * 32 + lane;
+    for (int it = 0; it < kIt; ++it) {
+      const int i = (pass * kIt + it) * 32 + lane;
       const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
       raw[it] = make_uint4(0u, 0u, 0u, 0u);
       if (key <= vlim)
@@ -114,8 +121,8 @@ __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim)
     }
     __syncwarp();  // every lane read this pass's rows before any lane overwrites them
 #pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const int i = (pass * 4 + it) * 32 + lane;
+    for (int it = 0; it < kIt; ++it) {
+      const int i = (pass * kIt + it) * 32 + lane;
       const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
       uint4 h0, h1;
       e4m3x16_to_f16(raw[it], h0, h1);
@@ -151,8 +158,8 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 
 // ---------------------------------------------------------------------------------------------
 // The decode / verify kernel. Grid: (tiles bound x n_kv, 1, splits); block: kThreads; dynamic smem
-// kSmemBytes.
-template <bool kVec16>
+// smem_bytes(kPipe).
+template <bool kVec16, bool kPipe>
 __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const AttnArgs a) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
@@ -184,8 +191,28 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   const int cand_b = in.cand_b, cand_pos = in.cand_pos;
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
+  // Q: serial, the A fragments of this warp's token in registers (register-A QK wgmma: warp w =
+  // rows 16 w ..); pipelined, a 64-row K-major tile after the ring (row 16 w + head, 16-byte chunk
+  // c at c ^ (row & 7)), read by the QK wgmma from shared memory, to free 16 registers.
   uint32_t qa[4][4];
-  ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  const uint32_t q_tile = base + kStages * kStageBytes;
+  if constexpr (kPipe) {
+    uint8_t* qs = smem + kStages * kStageBytes;
+#pragma unroll
+    for (int it = 0; it < 64 * 8 / kThreads; ++it) {
+      const int i = it * kThreads + tid;
+      const int row = i >> 3, c = i & 7, w = row >> 4, h = row & 15;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (w < nt && h < a.group)
+        v = *reinterpret_cast<const uint4*>(a.q + static_cast<int64_t>(t0 + w) * a.q_stride_t +
+                                            static_cast<int64_t>(g * a.group + h) * ak::kDim +
+                                            c * 16);
+      *reinterpret_cast<uint4*>(qs + row * ak::kDim + ((c ^ (row & 7)) << 4)) = v;
+    }
+    ap::fence_proxy_async();  // generic stores -> wgmma reads (after the barrier below)
+  } else {
+    ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   __syncthreads();  // s_pos, s_nan
@@ -231,69 +258,137 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
     const int* lpage = s_list_page + off;
     const int* lvlim = s_list_vlim + off;
 
-    // Ring: blocks 0 .. kStages-2 in flight before the loop; iteration i waits for block i (one
-    // commit group per block, empty ones included), then refills the stage of block i - 1 (free:
-    // every warp finished P V(i - 1) before the barrier) with block i + kStages - 1. An entry no
-    // token sees is not loaded: its stage holds stale bytes, every row masks its keys and its V
-    // rows are zeroed (vlim -1).
-#pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) {
-      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + j * kStageBytes);
+    // Block j of the chunk goes to stage j % kStages, one commit group per block (empty ones
+    // included, so the counting is uniform); with_prefetch also asks L2 for block j + prefetch.
+    // An entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
+    // and its V rows are zeroed (vlim -1).
+    auto issue_load = [&](int j, bool with_prefetch) {
+      if (j < count && lmask[j])
+        ak::load_block<kVec16>(a, lpage[j], g, smem + (j % kStages) * kStageBytes);
       ak::cp_async_commit();
-    }
-    for (int j = kStages - 1; j < min(count, kStages - 1 + a.prefetch); ++j)
-      if (lmask[j]) ak::prefetch_block_l2(a, lpage[j], g);
-    int stage = 0;
-    for (int i = 0; i < count; ++i) {
-      ak::cp_async_wait<kStages - 2>();
-      __syncthreads();  // block i landed for every thread; stage of block i - 1 free
-      {
-        const int j = i + kStages - 1;
-        const int sj = stage == 0 ? kStages - 1 : stage - 1;
-        if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + sj * kStageBytes);
-        ak::cp_async_commit();
-        const int jp = j + a.prefetch;
-        if (a.prefetch > 0 && jp < count && lmask[jp]) ak::prefetch_block_l2(a, lpage[jp], g);
-      }
-      uint8_t* sbuf = smem + stage * kStageBytes;
-      const uint32_t saddr = base + stage * kStageBytes;
-      stage = stage + 1 == kStages ? 0 : stage + 1;
-      const int mask = lmask[i];
-      const int b = lb[i];
-      const int vlim = mask ? lvlim[i] : -1;
-      const int lim = (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1;
-
-      // S = Q K^T.
-      ap::reg_fence(s);
-      ap::wgmma_fence();
+      const int jp = j + a.prefetch;
+      if (with_prefetch && a.prefetch > 0 && jp < count && lmask[jp])
+        ak::prefetch_block_l2(a, lpage[jp], g);
+    };
+    auto stage_addr = [&](int i) { return base + (i % kStages) * kStageBytes; };
+    auto stage_ptr = [&](int i) { return smem + (i % kStages) * kStageBytes; };
+    auto issue_qk = [&](int i) {  // S = Q K(i)^T
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
-      ap::wgmma_commit();
-      ap::wgmma_wait<0>();
-      ap::reg_fence(s);
-      __syncthreads();  // every warp's S is done: the K half is free
-
-      const uint32_t nan = convert_v_in_place(sbuf, vlim);
-      ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
+        if constexpr (kPipe)
+          ap::wgmma_qk(s, ap::smem_desc(q_tile + 32 * kk, 16, 1024),
+                       ap::smem_desc(stage_addr(i) + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        else
+          ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(stage_addr(i) + 32 * kk, 16, 1024),
+                          kk > 0 ? 1 : 0);
+    };
+    auto issue_pv = [&](int i) {  // O += P V(i)
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        ap::wgmma_pv(o, p[kk], ap::smem_desc(stage_addr(i) + kk * 2048, kTileBytes, 1024));
+    };
+    // Once every warp's S(i) is done (K half free): V(i) -> f16 in place, then the softmax of S(i)
+    // (m, l, alpha; the weights stay in s). Returns nonzero when V(i) holds a NaN byte.
+    auto convert_softmax = [&](int i) {
+      const int mask = lmask[i];
+      const uint32_t nan =
+          convert_v_in_place < kPipe ? 4 : 2 > (stage_ptr(i), mask ? lvlim[i] : -1);
+      ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the next barrier)
+      const int lim = (mask >> tok) & 1 ? my_pos - lb[i] * ak::kBlockKeys : -1;
       ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
-      ap::rescale_and_pack<true>(o, s, alpha, p);
-      if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
-        scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
+      return nan;
+    };
+    // Barrier after convert_softmax(i) (every warp's f16 V(i) visible), with the rare NaN path.
+    auto f16_barrier = [&](int i, uint32_t nan) {
+      if (__syncthreads_or(nan != 0u)) {
+        scrub_nan_rows(stage_ptr(i), lmask[i] ? lvlim[i] : -1, lmask[i], lb[i], s_pos, s_nan);
         ap::fence_proxy_async();
         __syncthreads();
       }
+    };
 
-      // O += P V.
-      ap::reg_fence(o);
-      ap::reg_fence(p);
-      ap::wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        ap::wgmma_pv(o, p[kk], ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024));
+    for (int j = 0; j < kStages - 1; ++j) issue_load(j, false);
+    for (int j = kStages - 1; j < min(count, kStages - 1 + a.prefetch); ++j)
+      if (lmask[j]) ak::prefetch_block_l2(a, lpage[j], g);
+
+    if constexpr (!kPipe) {
+      // Serial: iteration i waits for block i, refills the stage of block i - 1 (every warp
+      // finished P V(i - 1) before the barrier) with block i + kStages - 1, then S, V -> f16,
+      // softmax, P V. The two CTAs of an SM overlap each other's phases.
+      for (int i = 0; i < count; ++i) {
+        ak::cp_async_wait<kStages - 2>();
+        __syncthreads();  // block i landed for every thread; stage of block i - 1 free
+        issue_load(i + kStages - 1, true);
+        ap::reg_fence(s);
+        ap::wgmma_fence();
+        issue_qk(i);
+        ap::wgmma_commit();
+        ap::wgmma_wait<0>();
+        ap::reg_fence(s);
+        __syncthreads();  // every warp's S is done: the K half is free
+        const uint32_t nan = convert_softmax(i);
+        ap::rescale_and_pack<true>(o, s, alpha, p);
+        f16_barrier(i, nan);
+        ap::reg_fence(o);
+        ap::reg_fence(p);
+        ap::wgmma_fence();
+        issue_pv(i);
+        ap::wgmma_commit();
+        ap::wgmma_wait<0>();
+        ap::reg_fence(o);
+      }
+    } else {
+      // Software-pipelined: S(i + 1) is issued before P V(i), and V(i + 1) -> f16 plus the softmax
+      // of S(i + 1) run while P V(i) is on the tensor cores; the stage of block i is refilled
+      // with block i + kStages once every warp's P V(i) is done.
+      ak::cp_async_wait<kStages - 2>();
+      __syncthreads();  // block 0 landed
+      issue_load(kStages - 1, true);
+      ap::reg_fence(s);
+      ap::wgmma_fence();
+      issue_qk(0);
       ap::wgmma_commit();
       ap::wgmma_wait<0>();
-      ap::reg_fence(o);
+      ap::reg_fence(s);
+      __syncthreads();
+      {
+        const uint32_t nan = convert_softmax(0);
+        ap::rescale_and_pack<true>(o, s, alpha, p);
+        f16_barrier(0, nan);
+      }
+      for (int i = 0; i < count; ++i) {
+        const bool has_next = i + 1 < count;
+        ak::cp_async_wait<kStages - 2>();
+        __syncthreads();  // block i + 1 landed for every thread
+        ap::reg_fence(o);
+        ap::reg_fence(s);
+        ap::reg_fence(p);
+        ap::wgmma_fence();
+        // Every wgmma is issued unconditionally (a branch around wgmma serialises them): in the
+        // last iteration S is recomputed over the stage of block i and discarded.
+        issue_qk(has_next ? i + 1 : i);
+        ap::wgmma_commit();
+        issue_pv(i);
+        ap::wgmma_commit();
+        ap::wgmma_wait<1>();  // S(i + 1) done; P V(i) may still run
+        ap::reg_fence(s);
+        uint32_t nan = 0;
+        if (has_next) {
+          __syncthreads();  // every warp's S(i + 1) is done: its K half is free
+          nan = convert_softmax(i + 1);
+        }
+        ap::wgmma_wait<0>();
+        ap::reg_fence(o);
+        ap::reg_fence(p);
+        if (has_next) {
+          ap::rescale_and_pack<true>(o, s, alpha, p);
+          f16_barrier(i + 1, nan);  // also: every warp's P V(i) is done
+        } else {
+          __syncthreads();
+        }
+        issue_load(i + kStages, true);  // into the stage of block i
+      }
     }
     ak::cp_async_wait<0>();
     __syncthreads();  // stages and entries are free for the next chunk; s_nan complete

@@ -558,10 +558,10 @@ int run(int argc, char** argv) {
       bool evict_first;
       int promotion;
     };
-    const Variant variants[] = {{0, 4, 0, true, 256},  {1, 4, 0, true, 256},  {2, 16, 0, true, 256},
-                                {0, 4, 1, true, 256},  {0, 4, 2, true, 256},  {0, 4, 99, true, 256},
-                                {0, 4, 0, false, 256}, {1, 1, 99, true, 256}, {0, 4, 0, true, 128},
-                                {0, 4, 0, true, 0}};
+    const Variant variants[] = {{0, 16, 0, true, 256}, {0, 4, 0, true, 256},  {0, 24, 0, true, 256},
+                                {0, 48, 0, true, 256}, {1, 16, 0, true, 256}, {0, 16, 2, true, 256},
+                                {0, 16, 0, true, 0},   {0, 24, 0, true, 0},   {0, 48, 0, true, 0},
+                                {0, 16, 0, false, 256}};
     std::vector<bench::Row> rows_var;
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
       const Calls c = make_calls(b, rows_m);

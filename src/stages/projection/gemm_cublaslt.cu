@@ -421,9 +421,8 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
     }
   }
   if (bucket->wgmma)
-    return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: ctas/SM " +
-           std::to_string(bucket->wgmma_options.ctas_per_sm) + " burst " +
-           std::to_string(bucket->wgmma_options.burst) + ")";
+    return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
+           std::to_string(bucket->wgmma_options.min_units_per_cta) + ")";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }

@@ -58,10 +58,11 @@
 // default) resolves at create(): the environment variable M3ATTN_GEMM_PATH = "wgmma" gives 64,
 // "cublaslt" gives 0; unset gives kGemmWgmmaDefaultMaxM and, with autotuning on, "auto": for
 // every M bucket with m_hi <= 64 the autotuner also times the wgmma kernel on its scratch
-// operands (after the cuBLASLt candidates; with the default GemmWgmmaOptions grid and burst, also
-// one and two CTAs per SM and bursts of two units, keeping the fastest shape) and runs it for that
-// bucket when its output is identical to the kept cuBLASLt algorithm's and it is at least 2%
-// faster (describe() and algorithm_for() show it).
+// operands (after the cuBLASLt candidates; with the default GemmWgmmaOptions grid options, also
+// at 4, 24 and 48 units per CTA, keeping the fastest shape), both it and the kept cuBLASLt
+// algorithm as CUDA-graph replays with a cold L2, and runs it for that bucket when its output is
+// identical to the kept cuBLASLt algorithm's and it is at least 2% faster (describe() and
+// algorithm_for() show it).
 //
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time

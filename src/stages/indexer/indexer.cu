@@ -29,6 +29,10 @@ constexpr int64_t kTargetCtasPerSm = 8;
 constexpr int kFusedAutoMinPages = 128;
 // Largest portable thread-block cluster: splits per unit of the cluster-finish variant.
 constexpr int64_t kMaxClusterSplits = 8;
+// Blocks per split the automatic plan aims for in decode units (two-kernel path, see make_plan).
+constexpr int64_t kDecodeChunk = 16;
+// Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
+constexpr int64_t kFusedCtasPerSm = 3;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -116,17 +120,31 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   if (max_pages <= kTopK) return pl;  // nothing is scored: the selection kernel alone
   const int min_chunk = pl.mma ? ik::kMmaWarps : 1;
   int64_t k = o.k_splits > 0 ? o.k_splits : pick_k_splits(pl.units, max_pages, min_chunk, sms);
+  const auto round4 = [](int64_t v) { return ceil_div(v, ik::kMmaWarps) * ik::kMmaWarps; };
+  const int64_t R = std::max(1, p.batch.num_requests);
   // Decode units of the tensor-core scorer: chunks of a multiple of 4 blocks (one per warp per
   // round) covering max_pages in k pieces. The automatic choice then drops the splits that would
   // start at or past max_pages.
-  int64_t chunk = ceil_div(ceil_div(max_pages, k), ik::kMmaWarps) * ik::kMmaWarps;
-  if (pl.mma && o.k_splits == 0) k = ceil_div(max_pages, chunk);
+  int64_t chunk = round4(ceil_div(max_pages, k));
+  if (pl.mma && o.k_splits == 0) {
+    // Decode units want chunks of 16 blocks (256 KB of index-K per CTA), fewer when that leaves
+    // SMs idle (small batches are latency bound); never more splits than the CTA target above
+    // gives (grid.y is shared: prefill tiles of a mixed batch take the same, possibly smaller,
+    // split count). Session 11 round 2 on the H200, two-kernel path, draft
+    // 0: 64 x 8K 26.8 us with 16-block chunks vs 32.5 us with the 4-block chunks of the CTA
+    // target alone (8 per SM); 256 x 8K 78.7 us either way (its target gives 16 already).
+    int64_t dchunk = std::min<int64_t>(kDecodeChunk, round4(max_pages));
+    if (R * ceil_div(max_pages, dchunk) < sms)
+      dchunk =
+          std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps, dchunk);
+    chunk = std::max(chunk, dchunk);
+    k = ceil_div(max_pages, chunk);
+  }
   if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0 &&
       (max_pages > kFusedAutoMinPages || o.fused_decode_always)) {
     // Fused: at most 64 blocks per split (the shared block-max table) and k lists per row within
     // the workspace's candidate lists; otherwise the two-kernel path.
     const int64_t kmax = cand_lists(T, p.n_kv, max_pages) / (T * p.n_kv);
-    const auto round4 = [](int64_t v) { return ceil_div(v, ik::kMmaWarps) * ik::kMmaWarps; };
     int64_t fchunk = 0;
     if (o.k_splits > 0) {
       fchunk = round4(ceil_div(max_pages, std::min(k, kmax)));
@@ -134,14 +152,18 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       // Automatic: chunks of clamp(max_pages / 16, 16, 64) blocks, i.e. 256 KB to 1 MB of index-K
       // per CTA (round 2 on the H200: 16-block chunks were the best or within 1 % at 8K and 32K,
       // 64 at 128K, while 4-block chunks cost 10-25 % in per-CTA overheads); smaller, down to 4,
-      // when that leaves fewer CTAs than SMs (small batches are latency bound).
-      const int64_t R = std::max(1, p.batch.num_requests);
+      // when that leaves fewer CTAs than SMs (small batches are latency bound). 64-block chunks
+      // when they alone fill the SMs in one wave (session 11 round 2: 64 x 32K 75.9 us with 4
+      // splits of 64 blocks vs 80.6 us with 16 of 16).
       fchunk = round4(std::clamp<int64_t>(ceil_div(max_pages, 16), 16, ik::kFusedMaxChunk));
+      const int64_t ctas64 = R * ceil_div(max_pages, ik::kFusedMaxChunk);
+      if (ctas64 >= sms && ctas64 <= kFusedCtasPerSm * sms) fchunk = ik::kFusedMaxChunk;
       if (R * ceil_div(max_pages, fchunk) < sms)
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
                                      fchunk);
       fchunk = std::max(fchunk, round4(ceil_div(max_pages, kmax)));  // list capacity
-      if (o.cluster_finish)  // at most kMaxClusterSplits splits (one portable cluster)
+      // At most kMaxClusterSplits splits (one portable cluster), where chunks can be that long.
+      if (o.cluster_finish && ceil_div(max_pages, kMaxClusterSplits) <= ik::kFusedMaxChunk)
         fchunk = std::max(fchunk, round4(ceil_div(max_pages, kMaxClusterSplits)));
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);

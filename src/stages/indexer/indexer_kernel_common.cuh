@@ -52,7 +52,7 @@ struct KernelArgs {
   int64_t num_pages = 0;
   const int32_t* query_start = nullptr;  // [R + 1]
   const int32_t* positions = nullptr;    // [T]
-  const int32_t* seq_lens = nullptr;     // [R] (fused decode: early start bound only)
+  const int32_t* seq_lens = nullptr;     // [R] (decode units: early start bound only)
   const int32_t* page_table = nullptr;   // [R, pt_stride]
   int64_t pt_stride = 0;                 // elements between page-table rows
   int num_tokens = 0;                    // T (< 2^31, validated)

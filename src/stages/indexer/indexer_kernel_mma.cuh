@@ -337,8 +337,8 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, u
 }
 
 // The start of a warp's tile stream: (kBulk) the stage barriers, then tiles 0 .. kDecStages - 2,
-// all in the warp's first block (page pg_first). Needs only the page-table entry, so the fused
-// kernel issues it before query_start and positions arrive (see decode_path).
+// all in the warp's first block (page pg_first). Needs only the page-table entry, so decode_path
+// issues it before query_start and positions arrive.
 template <bool kBulk>
 __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
                                                 int64_t pg_first, int lane) {
@@ -581,7 +581,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   bool pre = false;
-  if constexpr (kFused) {
+  {
     // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
     // the page table) bounds the unit's visible blocks, so the first tiles of the warp's first
     // block go out before the query_start -> positions round trips. The exact bound from the

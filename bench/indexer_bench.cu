@@ -23,9 +23,8 @@
 //   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the fused and the
 //   two-kernel paths (or the flag's path) over k_splits at batch 64 / 256, context 8K / 32K,
 //   draft 0), --contiguous (each request's pages consecutive in the pool instead of scattered over
-//   it: the TLB / DRAM-locality comparison), --prefetch (every timed path with
-//   IndexerCudaOptions::decode_l2_prefetch; plan column "p"), --cluster (the default and fused
-//   paths with IndexerCudaOptions::cluster_finish: no merge kernel where the plan allows, "x").
+//   it: the TLB / DRAM-locality comparison), --cluster (the default and fused paths with
+//   IndexerCudaOptions::cluster_finish: no merge kernel where the plan allows, plan "x").
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -281,9 +280,9 @@ bench::Timing check_and_time(const Case& c, const Pool& pool, const std::vector<
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + (pl.l2_prefetch ? "p" : "") +
-         (pl.cluster ? "x" : "") + " k" + std::to_string(pl.k_splits) + " c" +
-         std::to_string(pl.dec_chunk) + " w" + std::to_string(pl.merge_wpr);
+  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + (pl.cluster ? "x" : "") +
+         " k" + std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+         std::to_string(pl.merge_wpr);
 }
 
 std::string kilo(int v) {
@@ -296,7 +295,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       prefetch = false, cluster = false;
+       cluster = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -311,14 +310,12 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--contiguous")
       g_contiguous = true;
-    else if (a == "--prefetch")
-      prefetch = true;
     else if (a == "--cluster")
       cluster = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
-                   "[--prefetch] [--cluster]\n",
+                   "[--cluster]\n",
                    argv[0]);
       return 2;
     }
@@ -328,8 +325,6 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   bulk_o.decode_bulk_copy = true;
   bulk_o.fused_decode_always = true;
-  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &bulk_o})
-    o->decode_l2_prefetch = prefetch;
   default_o.cluster_finish = fused_o.cluster_finish = cluster;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.

@@ -100,7 +100,6 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool bulk = false;
-  bool prefetch = false;
   bool cluster = false;
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
@@ -111,7 +110,6 @@ struct Plan {
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   Plan pl;
   pl.mma = tensor_core_path(p, o);
-  pl.prefetch = pl.mma && o.decode_l2_prefetch;
   const int64_t T = p.batch.num_tokens;
   const int max_pages = p.batch.max_pages;
   const int64_t pre_tokens = ik::kPreRows / p.n_kv;
@@ -217,7 +215,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
   info.bulk_copy = pl.bulk;
-  info.l2_prefetch = pl.prefetch;
   info.cluster = pl.cluster;
   return info;
 }
@@ -288,7 +285,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.cand = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(workspace.data) +
                                        scores_bytes_aligned(T, p.n_kv, max_pages));
   a.merge_wpr = pl.merge_wpr;
-  a.l2_prefetch = pl.prefetch ? 1 : 0;
   a.block_ids = p.block_ids.ptr<int32_t>();
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks =

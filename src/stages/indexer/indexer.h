@@ -101,11 +101,6 @@ struct IndexerCudaOptions {
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
   // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
   bool decode_bulk_copy = false;
-  // Tensor-core decode units (both paths): each warp prefetches the index-K page of its next
-  // block into L2 (cp.async.bulk.prefetch) when it starts issuing the current one, so about one
-  // more page per warp is in flight beyond the shared-memory ring (same results; a performance
-  // variant under evaluation).
-  bool decode_l2_prefetch = false;
   // Fused path only: launch the scorer in thread-block clusters of (1, k_splits, 1) and let the
   // CTAs of each decode unit (and overflow tile) finish their rows after a cluster barrier
   // instead of a separate merge kernel (same ids). Applies when the plan's splits per unit are
@@ -135,12 +130,11 @@ bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOpt
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;          // grid.y of the scorer
-  int dec_chunk = 0;         // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;         // warps per row of the fused path's final kernel
-  bool bulk_copy = false;    // fused with bulk (TMA) tile copies
-  bool l2_prefetch = false;  // decode units prefetch their next page into L2
-  bool cluster = false;      // fused, finished inside clusters (no merge kernel)
+  int k_splits = 0;        // grid.y of the scorer
+  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;       // warps per row of the fused path's final kernel
+  bool bulk_copy = false;  // fused with bulk (TMA) tile copies
+  bool cluster = false;    // fused, finished inside clusters (no merge kernel)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

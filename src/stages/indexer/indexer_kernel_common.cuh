@@ -72,8 +72,7 @@ struct KernelArgs {
   // candidate_key) plus a zero pad into cand[(row * k_splits + split) * 16 ..]; the scores of
   // decode rows never reach global memory. Overflow tiles still write scores.
   uint64_t* cand = nullptr;
-  int merge_wpr = 1;    // merge kernel: warps per row (1, 2, 4 or 8)
-  int l2_prefetch = 0;  // decode units: prefetch each warp's next page into L2 (see decode_unit)
+  int merge_wpr = 1;  // merge kernel: warps per row (1, 2, 4 or 8)
 };
 
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made

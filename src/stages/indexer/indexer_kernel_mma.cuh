@@ -228,12 +228,6 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       : "memory");
 }
 
-// A whole index-K page into L2 (no shared-memory destination, no completion to wait for).
-__device__ __forceinline__ void prefetch_page_l2(const uint8_t* page) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(page), "n"(kPageBytes)
-               : "memory");
-}
-
 // ---------------------------------------------------------------------------------------------
 // Decode units.
 
@@ -398,13 +392,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   int pg_cur = static_cast<int>(pg_first);
   int pg_prev = -1;
   int pg_next = nblk > 1 ? static_cast<int>(pg_second) : -1;
-  // L2 prefetch (a.l2_prefetch): when the issue side starts block k, lane 0 prefetches block
-  // k + 1's whole page into L2 (one bulk prefetch), so a further page per warp is in flight
-  // beyond the ring; its page-table entry was loaded one block earlier (pg_next2), so the
-  // prefetch never waits for a load.
-  const bool l2_prefetch = a.l2_prefetch != 0;
-  int pg_next2 = l2_prefetch ? page_at(2) : -1;
-  if (l2_prefetch && lane == 0 && pg_next >= 0) prefetch_page_l2(page_base(a, pg_next));
   auto issue = [&](int i) {
     if (i < total) {
       const int k = i >> 3;
@@ -412,13 +399,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         issue_blk = k;
         pg_prev = pg_cur;
         pg_cur = pg_next;
-        if (l2_prefetch) {
-          pg_next = pg_next2;
-          pg_next2 = page_at(k + 2);
-          if (lane == 0 && pg_next >= 0) prefetch_page_l2(page_base(a, pg_next));
-        } else {
-          pg_next = page_at(k + 1);
-        }
+        pg_next = page_at(k + 1);
       }
       issue_tile<kBulk>(a, ring, bars, pg_cur, i, lane);
     }

@@ -385,10 +385,6 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
     o.k_splits = 1000;
     variants.push_back({"k_splits 1000", o});
     o = IndexerCudaOptions{};
-    o.decode_l2_prefetch = true;
-    variants.push_back({"l2 prefetch", o});
-    o.k_splits = 1;  // many blocks per warp: the prefetch runs ahead over every block edge
-    variants.push_back({"l2 prefetch, k_splits 1", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
@@ -659,8 +655,8 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
   }
 }
 
-// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 fused
-// with L2 prefetch, 5 two-kernel with L2 prefetch, 6 fused with the cluster finish.
+// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 fused with
+// the cluster finish.
 void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -705,20 +701,14 @@ void check_guards(const std::vector<int>& paths) {
   for (int path : paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 3;
-    o.unfused_decode = path == 1 || path == 5;
+    o.unfused_decode = path == 1;
     o.decode_bulk_copy = path == 2;
-    o.decode_l2_prefetch = path == 4 || path == 5;
-    o.cluster_finish = path == 6;
-    o.fused_decode_always = path == 0 || path == 2 || path == 4 || path == 6;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[fused bulk] ",
-                           "[cuda cores] ",
-                           "[fused, l2 prefetch] ",
-                           "[two-kernel, l2 prefetch] ",
+    o.cluster_finish = path == 4;
+    o.fused_decode_always = path == 0 || path == 2 || path == 4;
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] ",
                            "[fused, cluster finish] "};
     const char* name = names[path];
-    if (path == 6) EXPECT_TRUE(indexer_cuda_plan(d.params, o).cluster);
+    if (path == 4) EXPECT_TRUE(indexer_cuda_plan(d.params, o).cluster);
     if (o.fused_decode_always) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {
@@ -732,7 +722,7 @@ void check_guards(const std::vector<int>& paths) {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 3, 4, 5, 6});
+  check_guards({0, 1, 3, 4});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -748,13 +738,10 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  IndexerCudaOptions prefetch, cluster;
-  prefetch.decode_l2_prefetch = true;
+  IndexerCudaOptions cluster;
   cluster.cluster_finish = true;
-  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, prefetch, cluster}) {
-    const std::string what = go.decode_l2_prefetch ? " (l2 prefetch)"
-                             : go.cluster_finish   ? " (cluster finish)"
-                                                   : "";
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, cluster}) {
+    const std::string what = go.cluster_finish ? " (cluster finish)" : "";
     DeviceSet d;
     upload(first, d);
     cudaGraph_t graph;

@@ -94,17 +94,20 @@ struct IndexerCudaOptions {
   // workspace, then the selection kernel), kept for comparison.
   bool unfused_decode = false;
   // The fused path is the automatic choice when max_pages > 128 (contexts above 16K): at 8K the
-  // H200 measured the two-kernel path as fast or faster (draft 3: 102 vs 108 us at batch 256),
-  // at 32K and 128K the fused one faster (256 x 128K: 1233 vs 1303 us). true: fused wherever it
-  // applies, whatever max_pages (tests and benchmarks set it).
+  // H200 measured the two-kernel path as fast or faster (session 11 round 2, batch 256: 78.7 vs
+  // 81.0 us at draft 0, 84.3 vs 96.2 us at draft 3; batch 64 with 16-block chunks 26.8 vs 28.4
+  // us), at 32K and 128K the fused one faster (256 x 128K: 973 vs 1072 us). true: fused wherever
+  // it applies, whatever max_pages (tests and benchmarks set it).
   bool fused_decode_always = false;
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
-  // mbarriers instead of 16-byte cp.async (same results; a performance variant under evaluation).
+  // mbarriers instead of 16-byte cp.async (same results; a performance variant, slower so far).
   bool decode_bulk_copy = false;
   // Fused path only: launch the scorer in thread-block clusters of (1, k_splits, 1) and let the
   // CTAs of each decode unit (and overflow tile) finish their rows after a cluster barrier
   // instead of a separate merge kernel (same ids). Applies when the plan's splits per unit are
   // <= 8 (the automatic plan then caps them at 8); otherwise the merge kernel runs as usual.
+  // Session 11 round 2: equal or slower (64 x 8K 29.0 vs 29.5 us, 256 x 8K 83.0 vs 81.2 us,
+  // 256 x 32K 270 vs 266 us), so off by default.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of
   // tokens that no decode unit and no overflow tile claims are left unwritten (the merge kernel
   // writes in-range but meaningless ids there).

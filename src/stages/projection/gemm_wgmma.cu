@@ -193,8 +193,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                        info.device, " has compute capability ", info.major, ".x");
   const int64_t kblocks = k / kBlockK, tiles = tiles_of(n);
   const int64_t units = tiles * kblocks;
-  M3_CHECK_ARG(units < (int64_t{1} << 31), "run_gemm_wgmma_cuda: N / 128 x K / 128 = ", units,
-               " units (N = ", n, ", K = ", k, ") must be below 2^31");
+  M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31) && units < (int64_t{1} << 31),
+               "run_gemm_wgmma_cuda: N = ", n, ", K = ", k, " and N / 128 x K / 128 = ", units,
+               " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
 
   // M > 16 (n = 32, 64) always runs one CTA per SM (registers); otherwise as asked (default 2).

@@ -4,9 +4,11 @@
 //     of K/V the selection reads (each distinct block of a request's tokens once: 32 KB per block
 //     and KV head), GB/s and % of the 4300 GB/s copy bandwidth.
 //   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the mma.sync kernel
-//     (kernel 1) and the Hopper wgmma kernel (kernel 2, variants 3 and 4 as "wgmma v1", "v2"): us
-//     and TFLOP/s counted on the selected work only (4 * 128 FLOP per (query head, visible selected
-//     key)).
+//     (kernel 1), the Hopper wgmma kernel (kernel 2, variants 3 and 4 as "wgmma v1", "v2") and the
+//     warp-specialised persistent wgmma kernel (kernel 6 "wgmma ws", variants 7, 8, 9; 9 is the
+//     automatic choice): us and TFLOP/s counted on the selected work only (4 * 128 FLOP per (query
+//     head, visible selected key)); tile_union = blocks walked per 8-token tile and KV head,
+//     mma_work/flop = the MMA work of those blocks over the counted work.
 // Selections: per (request, KV head) one random block ranking, so a request's draft tokens share
 //   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
@@ -16,7 +18,8 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
 //   both), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N: override the launch plan (AttentionCudaConfig) for tuning;
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N: override the launch plan
+//   (AttentionCudaConfig) for tuning;
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
@@ -213,6 +216,35 @@ Case make_case(const std::string& name, bool sparse, int R, int ctx, int new_tok
   return c;
 }
 
+// Blocks per (8-token tile, KV head) that the wgmma kernels walk (the union of the tile's
+// selections, sparse; blocks 0 .. max position / 128, dense), averaged, and the MMA work they do
+// (every walked block costs 8 tokens x 16 heads x 128 keys, masked or not) over the counted work.
+void tile_unions(const Case& c, double* avg_union, double* work_ratio) {
+  constexpr int kTileTokens = 8;
+  double unions = 0, tiles = 0;
+  for (int r = 0; r < c.R; ++r) {
+    for (int64_t t0 = c.qs[r]; t0 < c.qs[r + 1]; t0 += kTileTokens) {
+      const int64_t t1 = std::min<int64_t>(t0 + kTileTokens, c.qs[r + 1]);
+      for (int g = 0; g < kNkv; ++g) {
+        std::set<int> u;
+        int maxpos = 0;
+        for (int64_t t = t0; t < t1; ++t) {
+          maxpos = std::max(maxpos, c.pos[t]);
+          for (int k = 0; k < kTopK && c.sparse; ++k) {
+            const int b = c.ids[(t * kNkv + g) * kTopK + k];
+            if (b >= 0 && b <= c.pos[t] / kPageSize) u.insert(b);
+          }
+        }
+        unions += c.sparse ? static_cast<double>(u.size()) : maxpos / kPageSize + 1;
+        tiles += 1;
+      }
+    }
+  }
+  *avg_union = tiles > 0 ? unions / tiles : 0;
+  const double per_block = 4.0 * kHeadDim * kPageSize * kTileTokens * (kNq / kNkv);
+  *work_ratio = c.flops > 0 ? unions * per_block / c.flops : 0;
+}
+
 void run_once(const Case& c, cudaStream_t s) {
   const Status st = run_attention_cuda(c.p, c.d_ws, c.ws_bytes, s, c.cfg);
   if (!st.ok()) {
@@ -343,6 +375,8 @@ int main(int argc, char** argv) {
     } else if (std::strcmp(argv[i], "--compare-kernels") == 0) {
       compare = true;
       no_prefill = true;
+    } else if (std::strncmp(argv[i], "--persistent-ctas=", 18) == 0) {
+      cfg.persistent_ctas = std::atoi(argv[i] + 18);
     } else if (std::strncmp(argv[i], "--l2-prefetch=", 14) == 0) {
       cfg.l2_prefetch = std::atoi(argv[i] + 14);
     } else if (std::strcmp(argv[i], "--splits-sweep") == 0) {
@@ -360,7 +394,7 @@ int main(int argc, char** argv) {
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--no-prefill] [--compare-kernels] [--case=SUBSTR]\n");
+                   "[--no-prefill] [--compare-kernels] [--persistent-ctas=N] [--case=SUBSTR]\n");
       return 2;
     }
   }
@@ -401,8 +435,8 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, l2_prefetch, verify_pipeline}
-      const std::vector<std::array<int, 3>> kp = {
-          {0, 0, 0}, {1, 0, 0}, {5, 0, 1}, {5, 0, 2}, {1, 2, 0}, {5, 2, 1}};
+      const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 1},
+                                                  {5, 0, 2}, {1, 2, 0}, {5, 2, 1}};
       for (const auto& [kernel, pf, pipe] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
@@ -496,7 +530,7 @@ int main(int argc, char** argv) {
   // other launch overrides apply to the wgmma kernel only where they are valid for it (tokens per
   // tile 8 or automatic, no v_convert).
   const std::vector<int> kernels =
-      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2, 3, 4};
+      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2, 3, 4, 6, 7, 8, 9};
   for (bool sparse : {true, false}) {
     if (sweep || no_prefill) break;
     for (int ctx : {8192, 65536}) {
@@ -522,6 +556,10 @@ int main(int argc, char** argv) {
         c.cfg = kcfg;
         c.name = base + (kernel == 1   ? std::string("mma.sync")
                          : kernel == 5 ? std::string("wgmma verify")
+                         : kernel == 6 ? std::string("wgmma ws")
+                         : kernel == 7 ? std::string("wgmma ws lookahead")
+                         : kernel == 8 ? std::string("wgmma ws lookahead qregs")
+                         : kernel == 9 ? std::string("wgmma ws lookahead qregs fastconv")
                                        : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {
@@ -547,6 +585,10 @@ int main(int argc, char** argv) {
         row.add("TFLOP", c.flops / 1e12, 3);
         row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
         row.add("MB_kv", c.bytes / 1e6, 1);
+        double avg_union = 0, work_ratio = 0;
+        tile_unions(c, &avg_union, &work_ratio);
+        row.add("tile_union", avg_union, 2);
+        row.add("mma_work/flop", work_ratio, 3);
         rows.push_back(row);
       }
       free_case(c);

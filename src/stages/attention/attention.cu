@@ -25,6 +25,7 @@
 #include "stages/attention/attention.h"
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
+#include "stages/attention/attention_prefill_ws.cuh"
 #include "stages/attention/attention_verify_wgmma.cuh"
 
 namespace m3attn {
@@ -40,10 +41,15 @@ namespace av = attention_verify;
 // decode and verify batches keep the mma.sync kernel.
 constexpr bool kAutoWgmma = true;
 constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill cases
+// ... and runs it as the warp-specialised persistent kernel (kernels 6 .. 9) where TMA can address
+// the pool (H200, 8K chunk: kernel 8 1265 / 1426 us sparse at 8K / 64K vs 1350 / 1516 us for
+// variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck).
+constexpr bool kAutoWs = true;
+constexpr int kAutoWsKernel = 9;  // which of its variants (AttentionCudaConfig::kernel 6 .. 9)
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
-constexpr bool kAutoVerifyWgmma = false;
+constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 404 us
 constexpr int64_t kVerifyMinAvgTokens = 2;
 constexpr bool kAutoVerifyPipeline = false;  // its software-pipelined variant
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
@@ -54,12 +60,17 @@ struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
   bool verify_pipe = false;  // ... its software-pipelined variant
-  int variant = 0;      // its variant (AttentionCudaConfig::kernel - 2)
-  int qt = 1;           // tokens per tile
-  bool v_regs = true;   // V converted in registers (3 stages) rather than into an f16 tile
-  int splits = 1;       // CTAs per (tile, KV head)
-  int prefetch = 0;     // L2 prefetch distance in blocks (mma.sync and verify kernels)
-  int64_t tiles = 0;    // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  bool ws = false;  // the warp-specialised prefill kernel (wgmma tiles; variant = its fallback)
+  int ctas = 0;     // its persistent CTAs
+  bool ws_lookahead = false;     // its scheduler prepares the next work item early (kernels 7, 8)
+  bool ws_qregs = false;         // its consumers keep Q in registers (kernels 8, 9)
+  bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
+  int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
+  int qt = 1;                    // tokens per tile
+  bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
+  int splits = 1;                // CTAs per (tile, KV head)
+  int prefetch = 0;              // L2 prefetch distance in blocks (mma.sync and verify kernels)
+  int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -94,6 +105,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
       pl.variant = kAutoWgmmaVariant;
+      pl.ws = pl.wgmma && kAutoWs;
+      pl.ws_lookahead = kAutoWsKernel >= 7;
+      pl.ws_qregs = kAutoWsKernel >= 8;
+      pl.ws_fast_convert = kAutoWsKernel == 9;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -109,8 +124,25 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 5:
       pl.verify = true;
       break;
+    case 6:
+    case 7:
+    case 8:
+    case 9:
+      pl.wgmma = true;
+      pl.ws = true;
+      pl.ws_lookahead = cfg.kernel >= 7;
+      pl.ws_qregs = cfg.kernel >= 8;
+      pl.ws_fast_convert = cfg.kernel == 9;
+      pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
+      break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 5");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 9");
+  }
+  if (pl.ws) {
+    if (cfg.persistent_ctas < 0)
+      return unsupported("run_attention_cuda: persistent_ctas ", cfg.persistent_ctas,
+                         " is negative");
+    pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (pl.verify) {
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -218,9 +250,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
   auto kernel = av::attention_verify_kernel<kVec16, kPipe>;
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           av::smem_bytes(kPipe)));
+  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               av::smem_bytes(kPipe)));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
   kernel<<<grid, av::kThreads, av::smem_bytes(kPipe), stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
@@ -251,6 +282,15 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                  : launch_verify<false, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
+    // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
+    // tensor map the driver accepts); otherwise variant pl.variant of the wgmma kernel runs.
+    if (pl.ws && vec16) {
+      bool launched = false;
+      M3_RETURN_IF_ERROR(attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_lookahead,
+                                                      pl.ws_qregs, pl.ws_fast_convert, stream,
+                                                      &launched));
+      if (launched) return Status::Ok();
+    }
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {
       case 0:
         return launch_prefill<false, 0>(args, pl, n_kv, stream);

@@ -64,12 +64,19 @@ struct AttentionCudaConfig {
                             // 3, 4 its variants (see attention_prefill_wgmma.cuh: leaner
                             // bookkeeping; 4 also keeps Q in registers); 5 the Hopper wgmma
                             // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
-                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM)
+                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 6 the
+                            // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
+                            // TMA, 2 consumer warpgroups; kernel 4 runs instead where TMA cannot
+                            // address the pool: base or strides not multiples of 16 bytes); 7 the
+                            // same with the next work item prepared while the current one runs;
+                            // 8 as 7 with Q in registers; 9 as 8 with the faster V conversion
   int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
                             // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
                             // -1 none, 1 .. 8
   int verify_pipeline = 0;  // kernel 5: 0 automatic, 1 serial, 2 software-pipelined (S of the
                             // next block and its softmax overlap P V of this one)
+  int persistent_ctas = 0;  // kernels 6 .. 9: CTAs of the persistent grid (0: one per SM; fewer
+                            // make each CTA walk more work items, e.g. in tests)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -465,7 +465,32 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
 
 // ---------------------------------------------------------------------------------------------
 // Converter warps: raw V of every entry -> f16 buffer v % 2 (layout of ap::convert_v).
+//
+// kFast: 16-byte raw chunks (16 dims) per item instead of 8, two items per thread in flight
+// (both loads issued before the conversions), rows past the V limit zeroed by selects instead of
+// a branch. ncu of the plain loop (round 2): the 3 converter warps were busy ~85 % of the time
+// and the consumers waited for the f16 tile (16 % of all stall samples): one dependent
+// address -> LDS -> F2FP -> STS chain per 8 dims, one warp per scheduler, no overlap.
 
+// One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks.
+__device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {
+  uint4 lo, hi;
+  lo.x = ak::e4m3x2_to_f16x2(raw.x);
+  lo.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+  lo.z = ak::e4m3x2_to_f16x2(raw.y);
+  lo.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+  hi.x = ak::e4m3x2_to_f16x2(raw.z);
+  hi.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
+  hi.z = ak::e4m3x2_to_f16x2(raw.w);
+  hi.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
+  // 8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8).
+  uint8_t* row = vh + (c16 >> 2) * kTileBytes + key * 128;
+  const int c8 = 2 * c16;
+  *reinterpret_cast<uint4*>(row + (((c8 & 7) ^ (key & 7)) << 4)) = lo;
+  *reinterpret_cast<uint4*>(row + ((((c8 + 1) & 7) ^ (key & 7)) << 4)) = hi;
+}
+
+template <bool kFast>
 __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
   const int t = static_cast<int>(threadIdx.x) - 32;  // 0 .. 95
   const int lane = threadIdx.x & 31;
@@ -479,20 +504,42 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
     if (j >= 2) mbar_wait(bar_addr(sh.vempty[vs]), ((j >> 1) - 1) & 1);
     const uint8_t* vraw = smem + s * kStageBytes + kTileBytes;
     uint8_t* vh = smem + kVhOff + vs * kVhBytes;
-#pragma unroll 2
-    for (int i = t; i < ak::kBlockKeys * 16; i += 32 * kConvWarps) {
-      const int key = i >> 4, c8 = i & 15;  // c8: 8 dims
-      uint4 h = make_uint4(0u, 0u, 0u, 0u);
-      if (key <= vlim) {
-        const uint2 raw = *reinterpret_cast<const uint2*>(
-            vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
-        h.x = ak::e4m3x2_to_f16x2(raw.x);
-        h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
-        h.z = ak::e4m3x2_to_f16x2(raw.y);
-        h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+    if constexpr (kFast) {
+      constexpr int kItems = ak::kBlockKeys * 8;  // 16-byte raw chunks
+      constexpr int kN = 32 * kConvWarps;
+      constexpr int kU = 4;  // items in flight per thread
+#pragma unroll 1
+      for (int i0 = t; i0 < kItems; i0 += kU * kN) {
+        uint4 r[kU];
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = min(i0 + u * kN, kItems - 1);  // past the end: a repeat, not stored
+          const int key = i >> 3, c = i & 7;
+          r[u] = *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
+          if (key > vlim) r[u] = make_uint4(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < kU; ++u) {
+          const int i = i0 + u * kN;
+          if (i < kItems) store_f16_chunk(vh, i >> 3, i & 7, r[u]);
+        }
       }
-      *reinterpret_cast<uint4*>(vh + (c8 >> 3) * kTileBytes + key * 128 +
-                                (((c8 & 7) ^ (key & 7)) << 4)) = h;
+    } else {
+#pragma unroll 2
+      for (int i = t; i < ak::kBlockKeys * 16; i += 32 * kConvWarps) {
+        const int key = i >> 4, c8 = i & 15;  // c8: 8 dims
+        uint4 h = make_uint4(0u, 0u, 0u, 0u);
+        if (key <= vlim) {
+          const uint2 raw = *reinterpret_cast<const uint2*>(
+              vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
+          h.x = ak::e4m3x2_to_f16x2(raw.x);
+          h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+          h.z = ak::e4m3x2_to_f16x2(raw.y);
+          h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+        }
+        *reinterpret_cast<uint4*>(vh + (c8 >> 3) * kTileBytes + key * 128 +
+                                  (((c8 & 7) ^ (key & 7)) << 4)) = h;
+      }
     }
     ap::fence_proxy_async();  // f16 stores -> wgmma (async proxy) reads
     __syncwarp();
@@ -525,12 +572,14 @@ __device__ __forceinline__ void store_item(const AttnArgs& a, const float (&o)[6
     const int h = grp + 8 * e;
     if (h >= a.group) continue;
     if (a.splits == 1) {
-      const float inv = lsum[e] > 0.0f ? 1.0f / lsum[e] : 0.0f;
+      // A row without keys is +0 exactly (its O may be -0: the first P V of an item overwrites O).
+      const bool keys = lsum[e] > 0.0f;
+      const float inv = keys ? 1.0f / lsum[e] : 0.0f;
       uint16_t* orow = a.out + t * a.out_stride + static_cast<int64_t>(g * a.group + h) * ak::kDim;
 #pragma unroll
       for (int jj = 0; jj < 16; ++jj)
         *reinterpret_cast<uint32_t*>(orow + 8 * jj + 2 * tig) =
-            ak::pack_bf16x2(o[4 * jj + 2 * e] * inv, o[4 * jj + 2 * e + 1] * inv);
+            keys ? ak::pack_bf16x2(o[4 * jj + 2 * e] * inv, o[4 * jj + 2 * e + 1] * inv) : 0u;
     } else {
       const int64_t slot = (t * a.n_kv + g) * a.splits + split;
       float* orow = a.ws_o + (slot * ak::kRows + h) * ak::kDim;
@@ -635,6 +684,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   turn_pass(wg);
   ap::wgmma_wait<0>();
   ap::reg_fence(s);
+  __syncwarp();  // every lane has read the header before the stage is released
   if (lane == 0) {
     mbar_arrive(bar_addr(sh.empty[0]));
     if (cur.flags() & kLast) mbar_arrive(bar_addr(sh.qempty[cur.qslot()]));
@@ -664,6 +714,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     turn_pass(wg);
     ap::wgmma_wait<1>();  // S(next) done; P V(cur) may still run
     ap::reg_fence(s);
+    __syncwarp();  // every lane has read the header before the stage is released
     if (lane == 0) {
       mbar_arrive(bar_addr(sh.empty[ns]));
       if (nxt.flags() & kLast) mbar_arrive(bar_addr(sh.qempty[nxt.qslot()]));
@@ -680,6 +731,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     ap::wgmma_wait<0>();
     ap::reg_fence(o);
     ap::reg_fence(p);
+    __syncwarp();
     if (lane == 0) mbar_arrive(bar_addr(sh.vempty[vs]));
     if (boundary) {
       // P first (S dies), then the finished item's rows from O (the next P V overwrites O).
@@ -709,7 +761,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs>
+template <bool kLookahead, bool kQRegs, bool kFastConvert>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -741,7 +793,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0)
       scheduler_warp<kLookahead>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
-      converter_warps(sh, smem);
+      converter_warps<kFastConvert>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
     consumer_warpgroups<kQRegs>(a, sh, base, smem);
@@ -800,16 +852,19 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
-                     cudaStream_t stream, bool* launched) {
+                     bool fast_convert, cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  auto kernel = !lookahead ? attention_prefill_ws_kernel<false, false>
-                : q_regs   ? attention_prefill_ws_kernel<true, true>
-                           : attention_prefill_ws_kernel<true, false>;
+  // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
+  // fast V conversion).
+  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false>
+                : !q_regs       ? attention_prefill_ws_kernel<true, false, false>
+                : !fast_convert ? attention_prefill_ws_kernel<true, true, false>
+                                : attention_prefill_ws_kernel<true, true, true>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

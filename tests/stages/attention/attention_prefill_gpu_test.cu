@@ -1,10 +1,10 @@
 // GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
-// and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers;
-// attention_prefill_ws.cuh) against the
-// CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached prefixes
-// (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches with
-// several chunks and decode / verify rows, sparse and dense, with and without splits, persistent
-// grids of 1 .. 132 CTAs (1 CTA walks every work item: ring phases, Q buffer reuse, item
+// and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers, 9 = 8 with
+// the faster V conversion, the automatic choice for prefill batches; attention_prefill_ws.cuh)
+// against the CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached
+// prefixes (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches
+// with several chunks and decode / verify rows, sparse and dense, with and without splits,
+// persistent grids of 1 .. 132 CTAs (1 CTA walks every work item: ring phases, Q buffer reuse, item
 // boundaries), 16-byte strided pools (TMA) and 4-byte ones (the launcher falls back to kernel 4),
 // junk ids and work items without any block, page ids past 2^31 bytes, NaN propagation, sparse ==
 // dense with <= 16 visible blocks (bit for bit), CUDA-graph replay with new inputs == eager (byte
@@ -56,6 +56,7 @@ constexpr int kRowPad = 8;       // bf16 elements past each output row that must
 constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-specialised kernel
 constexpr int kWsLookahead = 7;  // the same, next work item prepared early
 constexpr int kWsQRegs = 8;      // as 7 with Q in registers
+constexpr int kWsFast = 9;       // as 8 with the faster V conversion (the automatic choice)
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
@@ -285,7 +286,11 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(2, 5, kWsLookahead),
           ws_config(0, 0, kWsQRegs),
           ws_config(3, 0, kWsQRegs),
-          ws_config(1, 2, kWsQRegs)};
+          ws_config(1, 2, kWsQRegs),
+          ws_config(0, 0, kWsFast),
+          ws_config(3, 0, kWsFast),
+          ws_config(1, 1, kWsFast),
+          ws_config(2, 6, kWsFast)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -323,8 +328,9 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "M3",
                 {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
-                 ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs)});
-  check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2)});
+                 ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
+                 ws_config(1, 4, kWsFast)});
+  check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast)});
 }
 
 TEST(AttentionPrefillWsGpu, StridedPools) {
@@ -346,17 +352,19 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_configs(c, true, "3 KV heads",
                   {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
-                   ws_config(2, 2, kWsQRegs)});
+                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
-  // Planes farther apart than pages (K planes of every page, then V planes), group 8.
+  // Group 8 on 2 KV heads, gapped 16-byte strides.
   BatchOptions o;
-  o.kv_page_stride = 2 * tile + 16;
-  o.kv_plane_stride = 200 * tile;
+  o.kv_plane_stride = 2 * tile + 32;
+  o.kv_page_stride = 2 * (2 * tile + 32) + 16;
   const Case c = make_case(reqs, 16, 2, false, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "group 8, far planes",
-                {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsQRegs)});
+  check_configs(c, true, "group 8",
+                {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsQRegs),
+                 ws_config(0, 0, kWsFast), ws_config(2, 3, kWsFast)});
+  check_configs(c, false, "group 8", {ws_config(0, 0, kWsFast)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -415,7 +423,7 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
        {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead),
-        ws_config(1, 3, kWsQRegs)}) {
+        ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -449,7 +457,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs)}) {
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, ref, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -466,7 +474,8 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
   check_configs(c, true, "NaN value",
-                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs)});
+                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs),
+                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast)});
 }
 
 TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -478,7 +487,7 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
          {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead),
-          ws_config(0, 0, kWsQRegs)}) {
+          ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Case a = make_case(reqs, 64, 4, false, rng);
       const Case b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

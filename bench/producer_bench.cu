@@ -6,8 +6,9 @@
 // per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
 // shared-memory pipeline with its default stages and lanes, tma_s3 with 3 stages, tma_l4_sN with 4
 // lanes per head and N stages; _plan: task plans made by the copy warp; _il: interleaved tile
-// order), and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us
-// are the default choice (ProducerCudaKernel::kAuto).
+// order; _share: equal shares, no plans (the round-1 default); _t64: 64-task tiles), and the
+// unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us are the default
+// choice (ProducerCudaKernel::kAuto).
 //   producer_bench [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]
 // --only runs the listed fused variants (auto or names above) and --t the listed T, e.g. for a
 // profiler or an A/B of variants (each case is built once; the variants are timed in turn).
@@ -438,7 +439,8 @@ int main(int argc, char** argv) {
           "usage: %s [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]\n"
           "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n"
           "           tma_il tma_plan tma_plan_il tma_plan_s3 tma_l4_plan_s2 tma_l4_plan_s4\n"
-          "           tma_l4_plan_s4_il\n",
+          "           tma_l4_plan_s4_il tma_share tma_t64_s4 tma_il_t64_s4 tma_plan_il_t64_s4\n"
+          "           tma_plan_il_t64_s3 tma_plan_t64_s4\n",
           argv[0]);
       return 2;
     }
@@ -455,7 +457,7 @@ int main(int argc, char** argv) {
     ProducerCudaOptions opt;
   };
   const auto tma_variant = [](const char* name, int stages, int lanes, bool plan = false,
-                              bool interleave = false) {
+                              bool interleave = false, int tile = 0) {
     Variant v;
     v.name = name;
     v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
@@ -463,6 +465,7 @@ int main(int argc, char** argv) {
     v.opt.tma_lanes_per_head = lanes;
     v.opt.tma_task_plan = plan ? 1 : -1;
     v.opt.tma_interleave = interleave ? 1 : -1;
+    v.opt.tma_tile_tasks = tile;
     return v;
   };
   std::vector<Variant> variants(2);
@@ -470,10 +473,14 @@ int main(int argc, char** argv) {
   variants[0].opt.kernel = ProducerCudaKernel::kPerBatch;
   variants[1].name = "persistent";
   variants[1].opt.kernel = ProducerCudaKernel::kPersistent;
-  variants.push_back(tma_variant("tma", 0, 0));  // the defaults (what kAuto runs)
+  Variant defaults;  // what kAuto runs from 2^17 tasks on
+  defaults.name = "tma";
+  defaults.opt.kernel = ProducerCudaKernel::kTmaPipeline;
+  variants.push_back(defaults);
   variants.push_back(tma_variant("tma_s3", 3, 8));
   variants.push_back(tma_variant("tma_l4_s2", 2, 4));
   variants.push_back(tma_variant("tma_l4_s4", 4, 4));
+  variants.push_back(tma_variant("tma_share", 2, 8));
   variants.push_back(tma_variant("tma_il", 2, 8, false, true));
   variants.push_back(tma_variant("tma_plan", 2, 8, true));
   variants.push_back(tma_variant("tma_plan_il", 2, 8, true, true));
@@ -484,6 +491,11 @@ int main(int argc, char** argv) {
   extra.push_back(tma_variant("tma_l4_s3", 3, 4));
   extra.push_back(tma_variant("tma_plan_s3", 3, 8, true));
   extra.push_back(tma_variant("tma_l4_plan_s4_il", 4, 4, true, true));
+  extra.push_back(tma_variant("tma_t64_s4", 4, 8, false, false, 64));
+  extra.push_back(tma_variant("tma_il_t64_s4", 4, 8, false, true, 64));
+  extra.push_back(tma_variant("tma_plan_il_t64_s4", 4, 8, true, true, 64));
+  extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, 8, true, true, 64));
+  extra.push_back(tma_variant("tma_plan_t64_s4", 4, 8, true, false, 64));
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -44,8 +44,9 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
 // calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
 template <ProducerMode kMode, int kStages, int kLanes, bool kPlan>
 Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms, bool interleave,
-                  cudaStream_t stream) {
-  pk::TmaGeometry g = pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan);
+                  int tile_tasks, cudaStream_t stream) {
+  pk::TmaGeometry g =
+      pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, tile_tasks);
   g.interleave = interleave;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
   auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes, kPlan>;
@@ -74,20 +75,26 @@ Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const Produce
   if (o.tma_lanes_per_head == 8) {
     switch (o.tma_stages) {
       case 2:
-        return launch_tma<kMode, 2, 8, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 2, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
       case 3:
-        return launch_tma<kMode, 3, 8, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 3, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
       case 4:
-        return launch_tma<kMode, 4, 8, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 4, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
     }
   } else if (o.tma_lanes_per_head == 4) {
     switch (o.tma_stages) {
       case 2:
-        return launch_tma<kMode, 2, 4, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 2, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
       case 3:
-        return launch_tma<kMode, 3, 4, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 3, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
       case 4:
-        return launch_tma<kMode, 4, 4, kPlan>(args, tasks, blocks, sms, il, stream);
+        return launch_tma<kMode, 4, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
+                                              stream);
     }
   }
   return unsupported("producer: no bulk-copy kernel with ", o.tma_stages, " stages and ",
@@ -126,6 +133,7 @@ Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
   if (o.tma_lanes_per_head == 0) o.tma_lanes_per_head = pk::kTmaLanesDefault;
   if (o.tma_interleave == 0) o.tma_interleave = pk::kTmaInterleaveDefault ? 1 : -1;
   if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
+  if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::kTmaTileTasksDefault;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
@@ -177,6 +185,10 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CHECK_ARG(options.tma_interleave >= -1 && options.tma_interleave <= 1,
                "run_producer_cuda: tma_interleave ", options.tma_interleave,
                " must be 0 (default), 1 (on) or -1 (off)");
+  M3_CHECK_ARG(options.tma_tile_tasks == 0 || options.tma_tile_tasks == pk::kTmaTileTasks ||
+                   options.tma_tile_tasks == pk::kTmaTileTasksSmall,
+               "run_producer_cuda: tma_tile_tasks ", options.tma_tile_tasks, " must be 0 (default ",
+               pk::kTmaTileTasksDefault, "), ", pk::kTmaTileTasks, " or ", pk::kTmaTileTasksSmall);
   M3_CHECK_ARG(options.tma_task_plan >= -1 && options.tma_task_plan <= 1,
                "run_producer_cuda: tma_task_plan ", options.tma_task_plan,
                " must be 0 (default), 1 (on) or -1 (off)");

@@ -85,6 +85,10 @@ struct ProducerCudaOptions {
   // task's token, head kind, position check and destination row once, a 16-byte plan per task in
   // the stage, so the compute warps skip that work), -1 = off. Same bytes either way.
   int tma_task_plan = 0;
+  // Tasks per tile of the bulk-copy kernel: 0 = the default, 128 or 64 (half the bytes per stage,
+  // twice the stages in the same shared memory: a shorter pipeline fill, more tiles in flight).
+  // Same bytes either way.
+  int tma_tile_tasks = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

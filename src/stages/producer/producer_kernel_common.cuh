@@ -178,29 +178,40 @@ __device__ __forceinline__ uint32_t pack4_e4m3(float a, float b, float c, float 
   return lo | (hi << 16);
 }
 
+// Global stores of 4, 8 and 16 bytes (st.global: the destination rows are global memory even
+// when their address comes from shared memory, as in the task plans, where a plain store through
+// the pointer would compile to a generic one).
+__device__ __forceinline__ void stg4(uint8_t* dst, uint32_t v) {
+  __stwb(reinterpret_cast<unsigned int*>(dst), v);
+}
+__device__ __forceinline__ void stg8(uint8_t* dst, uint2 v) {
+  __stwb(reinterpret_cast<uint2*>(dst), v);
+}
+__device__ __forceinline__ void stg16(uint8_t* dst, uint4 v) {
+  __stwb(reinterpret_cast<uint4*>(dst), v);
+}
+
 // Cache rows are only 4-byte aligned in general (base and strides are multiples of 4).
 __device__ __forceinline__ void store8_cache(uint8_t* dst, uint2 v) {
   if ((reinterpret_cast<uintptr_t>(dst) & 7u) == 0) {
-    *reinterpret_cast<uint2*>(dst) = v;
+    stg8(dst, v);
   } else {
-    reinterpret_cast<uint32_t*>(dst)[0] = v.x;
-    reinterpret_cast<uint32_t*>(dst)[1] = v.y;
+    stg4(dst, v.x);
+    stg4(dst + 4, v.y);
   }
 }
-
-// Cache rows are only 4-byte aligned in general.
 __device__ __forceinline__ void store16_cache(uint8_t* dst, uint4 v) {
   const auto addr = reinterpret_cast<uintptr_t>(dst);
   if ((addr & 15u) == 0) {
-    *reinterpret_cast<uint4*>(dst) = v;
+    stg16(dst, v);
   } else if ((addr & 7u) == 0) {
-    reinterpret_cast<uint2*>(dst)[0] = make_uint2(v.x, v.y);
-    reinterpret_cast<uint2*>(dst)[1] = make_uint2(v.z, v.w);
+    stg8(dst, make_uint2(v.x, v.y));
+    stg8(dst + 8, make_uint2(v.z, v.w));
   } else {
-    reinterpret_cast<uint32_t*>(dst)[0] = v.x;
-    reinterpret_cast<uint32_t*>(dst)[1] = v.y;
-    reinterpret_cast<uint32_t*>(dst)[2] = v.z;
-    reinterpret_cast<uint32_t*>(dst)[3] = v.w;
+    stg4(dst, v.x);
+    stg4(dst + 4, v.y);
+    stg4(dst + 8, v.z);
+    stg4(dst + 12, v.w);
   }
 }
 
@@ -213,11 +224,6 @@ struct LaneRaw {
 __device__ __forceinline__ void widen2(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
-}
-
-// Stores 4 bytes at dst (4-byte aligned).
-__device__ __forceinline__ void store4(uint8_t* dst, uint32_t v) {
-  *reinterpret_cast<uint32_t*>(dst) = v;
 }
 
 // Threads 0..63 stage the four norm weights as fp32 (1 + w) (unused ones are skipped), 32 float4
@@ -401,8 +407,8 @@ __device__ __forceinline__ SliceCode compute_slice8(const LaneRaw& raw, int kind
 // Stores slice `lane`'s bytes into its 128-byte row (Q / index-Q rows 16-byte aligned, cache rows
 // 4-byte aligned).
 __device__ __forceinline__ void store_slice8(uint8_t* row, int lane, const SliceCode& code) {
-  store4(row + 4 * lane, code.a);
-  store4(row + 32 + 4 * lane, code.b);
+  stg4(row + 4 * lane, code.a);
+  stg4(row + 32 + 4 * lane, code.b);
   store8_cache(row + 64 + 8 * lane, code.c);
 }
 __device__ __forceinline__ void set_nan(SliceCode& code) {

@@ -27,6 +27,24 @@
 //              16384): now skipped. Left: issue slots 51-66% busy, DRAM ~58% of peak, ~2 eligible
 //              warps per scheduler: the compute warps are latency-bound (shared loads, the
 //              shuffle reduction, rsqrt, F2FP in one dependent chain per task).
+//   Session 11. Round-1 ncu (default, T 4096, 33 us): 22.1M warp instructions (~280 per 4 heads),
+//              issue 64%, 2.1 eligible warps, stalls: not-selected 22%, wait 16%, long scoreboard
+//              13%, short scoreboard 12%, the start barrier 9% (compute warps idle until the
+//              first tile: positions -> RoPE rows -> data); shared loads 48 wavefronts per warp
+//              round (ideal ~36: the C norm-weight loads and the A / B head loads 2-way
+//              conflicted), with the stores and the bulk writes the L1 data path ~75% busy; DRAM
+//              61% of peak over the kernel (at T 4096 some 25 MB of the 40 MB written are still in
+//              L2 when it ends). A plain copy of the same size reaches 93.6% of 4300 GB/s
+//              (bandwidth_bench), so the ceiling is not the DRAM alone. Changes: norm weights
+//              staged in slice order (C loads conflict-free); the 4-lane path reduced in the 8-lane
+//              order (same bytes; still slower: 37 us); task plans (the copy warp does each task's
+//              division, classification, metadata and row address once: -22% instructions, issue
+//              50%, but not faster at T 4096, so the compute warps are not issue-bound: they wait
+//              for data, 13% at the start barrier and 12% on the stage barrier); the interleaved
+//              tile order (one moving front of tiles). Round 2 (T 4096 / 16384): equal shares
+//              34.98 / 140.29 us, interleaved 34.08 / 137.50, plans 34.88 / 136.58, both 34.66 /
+//              135.49 (83.9%); 4 lanes 37.1-40.8 / 144.5-148.5. Then: 64-task tiles (twice the
+//              stages in the same shared memory: a shorter fill, more tiles in flight).
 #pragma once
 
 #include <cstddef>
@@ -44,17 +62,21 @@ namespace m3attn::producer_kernel {
 // stages with cp.async.bulk (the Hopper TMA unit's 1-D copy, completion counted in bytes on an
 // mbarrier), and the compute warps read them from shared memory.
 //
-// Work: block b owns the tasks [b N / G, (b + 1) N / G) of the N tasks (G blocks: equal shares,
-// no tile tail), walked in tiles of kTmaTileTasks = 128 consecutive tasks (32 KB of packed BF16,
-// 1.66 tokens at M3 TP1; the last one of a block partial), the same (token, head) numbering as
-// above. With 8 lanes per head, group g (0..31) of the compute warps takes tasks first + 32 r + g,
-// r = 0..3, and runs process_task on them, so this kernel writes the same bytes as the other two;
-// with 4 lanes, group g (0..63) takes first + 64 r + g, r = 0..1 (process_task4). Per stage the
-// copy warp also stages the tile's positions and slots (loaded into registers one tile ahead,
-// stored with st.shared by the copy lanes, each lane arriving on the stage's "full" barrier after
-// its own writes) and the RoPE rows of the positions inside the table (bulk copies, 256 B each).
-// Per token of a tile one bulk copy moves the token's heads inside the tile (rows are contiguous
-// from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies at M3 TP1.
+// Work: tiles of 128 (or 64) consecutive tasks (32 KB of packed BF16, 1.66 tokens at M3 TP1), the
+// same (token, head) numbering as the other kernels; block b of G runs the tiles BlockTiles gives
+// it: with the interleaved order rounds of tiles k G + b (one moving front), then an equal share
+// of the rest; otherwise the equal share [b N / G, (b + 1) N / G) of all N tasks (no tile tail;
+// the last tile of a block partial). With 8 lanes per head, group g (0..31) of the compute warps
+// takes tasks first + 32 r + g, r = 0..3, and runs process_task on them, so this kernel writes the
+// same bytes as the other two; with 4 lanes, group g (0..63) takes first + 64 r + g, r = 0..1
+// (process_task4). Per stage the copy warp also stages the tile's positions and slots (loaded into
+// registers one tile ahead, stored with st.shared by the copy lanes, each lane arriving on the
+// stage's "full" barrier after its own writes) and the RoPE rows of the positions inside the table
+// (bulk copies, 256 B each). Per token of a tile one bulk copy moves the token's heads inside the
+// tile (rows are contiguous from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies
+// at M3 TP1. With task plans the copy warp also writes a 16-byte TaskPlan per task
+// (producer_kernel_tma_plan .cuh) and the compute warps run process_planned instead of process_task
+// / process_task4.
 //
 // Why: the per-batch and persistent kernels keep their loads in registers (96 B per thread), so
 // bytes in flight are tied to registers and occupancy (116 registers: 25% occupancy, 47% of DRAM
@@ -75,15 +97,21 @@ namespace m3attn::producer_kernel {
 
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
+// Tasks per tile: kTmaTileTasks (128: 4 rounds of the 32 8-lane groups) or kTmaTileTasksSmall (64,
+// twice the stages in the same shared memory: ProducerCudaOptions::tma_tile_tasks).
 constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
+constexpr int kTmaTileTasksSmall = kTmaTileTasks / 2;
 // Defaults of ProducerCudaOptions' tma_stages / tma_lanes_per_head (2, 3, 4 stages and 4 or 8
 // lanes are all built): measured best on the H200 (round 2: 2 stages = 3 blocks per SM).
 constexpr int kTmaStagesDefault = 2;
 constexpr int kTmaLanesDefault = 8;
 constexpr int kTmaStagesMax = 4;
-// Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan.
-constexpr bool kTmaInterleaveDefault = false;
-constexpr bool kTmaTaskPlanDefault = false;
+// Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan / tma_tile_tasks (session 11
+// round 2 on the H200, T 4096 / 16384: equal shares 34.98 / 140.29 us, interleaved 34.08 /
+// 137.50, task plans 34.88 / 136.58, both 34.66 / 135.49).
+constexpr bool kTmaInterleaveDefault = true;
+constexpr bool kTmaTaskPlanDefault = true;
+constexpr int kTmaTileTasksDefault = kTmaTileTasks;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
 // ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
 // T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.
@@ -94,12 +122,13 @@ static_assert(kTmaComputeWarps * 32 == kThreads, "compute warps are the 256-thre
 
 // Shared-memory layout of one stage (bytes), from the heads per row (host and device agree).
 struct TmaGeometry {
+  uint32_t tile_tasks = kTmaTileTasks;  // 128 or 64
   uint32_t num_tiles = 0;
-  uint32_t max_tok = 0;      // tokens a tile can touch: (128 - 1) / H + 2
+  uint32_t max_tok = 0;      // tokens a tile can touch: (tile_tasks - 1) / H + 2
   uint32_t rope_off = 0;     // [max_tok][64] f32
   uint32_t pos_off = 0;      // [max_tok] i32
   uint32_t slot_off = 0;     // [max_tok] i32
-  uint32_t plan_off = 0;     // [128] TaskPlan (task-plan kernels only)
+  uint32_t plan_off = 0;     // [tile_tasks] TaskPlan (task-plan kernels only)
   uint32_t stage_bytes = 0;  // multiple of 16
   // Tile order (BlockTiles): false = each block walks its equal share of the tasks; true = full
   // rounds of one tile per block over consecutive tiles first (one moving front), then the equal
@@ -109,16 +138,16 @@ struct TmaGeometry {
 
 __host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
 
-inline TmaGeometry make_tma_geometry(int64_t tasks, int heads, bool plan) {
+inline TmaGeometry make_tma_geometry(int64_t tasks, int heads, bool plan, int tile_tasks) {
   TmaGeometry g;
-  g.num_tiles = static_cast<uint32_t>((tasks + kTmaTileTasks - 1) / kTmaTileTasks);
-  g.max_tok = static_cast<uint32_t>((kTmaTileTasks - 1) / heads + 2);
-  g.rope_off = kTmaTileTasks * kHeadBytes;
+  g.tile_tasks = static_cast<uint32_t>(tile_tasks);
+  g.num_tiles = static_cast<uint32_t>((tasks + tile_tasks - 1) / tile_tasks);
+  g.max_tok = static_cast<uint32_t>((tile_tasks - 1) / heads + 2);
+  g.rope_off = g.tile_tasks * kHeadBytes;
   g.pos_off = g.rope_off + g.max_tok * kRopeFloats * 4;
   g.slot_off = g.pos_off + round_up16(g.max_tok * 4);
   g.plan_off = g.slot_off + round_up16(g.max_tok * 4);
-  g.stage_bytes =
-      g.plan_off + (plan ? kTmaTileTasks * static_cast<uint32_t>(sizeof(TaskPlan)) : 0u);
+  g.stage_bytes = g.plan_off + (plan ? g.tile_tasks * static_cast<uint32_t>(sizeof(TaskPlan)) : 0u);
   return g;
 }
 inline size_t tma_smem_bytes(const TmaGeometry& g, int stages) {
@@ -173,7 +202,8 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
                : "memory");
 }
 
-// Tasks [first, last] of a tile and the tokens t_first .. t_first + n_tok - 1 they touch.
+// Tasks [first, last] of a tile ([first, end), at most a tile) and the tokens t_first .. t_first +
+// n_tok - 1 they touch.
 struct TileSpan {
   uint32_t first = 0, last = 0, t_first = 0;
   int n_tok = 0;
@@ -181,13 +211,13 @@ struct TileSpan {
 __device__ __forceinline__ TileSpan tile_span(const KernelArgs& a, uint32_t first, uint32_t end) {
   TileSpan sp;
   sp.first = first;
-  sp.last = min(first + kTmaTileTasks, end) - 1;
+  sp.last = end - 1;
   sp.t_first = a.heads.div(sp.first);
   sp.n_tok = static_cast<int>(a.heads.div(sp.last) - sp.t_first) + 1;
   return sp;
 }
 
-// A tile touches at most (128 - 1) / 2 + 2 = 65 tokens: 3 per copy lane.
+// A tile touches at most (128 - 1) / 2 + 2 = 65 tokens: 3 per copy lane (64-task tiles: 2).
 constexpr int kMaxTokPerLane = 3;
 static_assert((kTmaTileTasks - 1) / kMinHeadsPerRow + 2 <= 32 * kMaxTokPerLane,
               "tokens of a tile per copy lane");
@@ -262,38 +292,36 @@ __device__ __forceinline__ void tma_stage_plan(const KernelArgs& a, const TmaGeo
   const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
   const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
   auto* plans = reinterpret_cast<TaskPlan*>(st + g.plan_off);
-#pragma unroll
-  for (int j = 0; j < kTmaTileTasks / 32; ++j) {
-    const uint32_t i = lane + 32 * j;
+  for (uint32_t i = lane; i < g.tile_tasks; i += 32)
     plans[i] = make_task_plan<kMode>(a, sp.first, sp.last, sp.t_first, i, s_pos, s_slot);
-  }
 }
 
-// The tiles of block b of G, in the order it runs them: `rounds` full rounds in which block b
-// takes tile k G + b (tasks [(k G + b) 128, + 128): all blocks stream one moving front of
+// The tiles of block b of G, in the order it runs them (S tasks per tile): `rounds` full rounds in
+// which block b takes tile k G + b (tasks [(k G + b) S, + S): all blocks stream one moving front of
 // consecutive tiles), then an equal share [share_begin, share_end) of the remaining tasks
-// (balanced to one task) in tiles of up to 128, the last one partial. rounds = 0 (geometry
+// (balanced to one task) in tiles of up to S, the last one partial. rounds = 0 (geometry
 // interleave false) is the plain equal share of all tasks.
 struct BlockTiles {
-  uint32_t rounds = 0, share_begin = 0, share_end = 0, count = 0;
+  uint32_t size = kTmaTileTasks, rounds = 0, share_begin = 0, share_end = 0, count = 0;
 
-  __device__ __forceinline__ BlockTiles(const KernelArgs& a, bool interleave) {
+  __device__ __forceinline__ BlockTiles(const KernelArgs& a, const TmaGeometry& g)
+      : size(g.tile_tasks) {
     const uint64_t grid = gridDim.x, b = blockIdx.x;
-    rounds = interleave ? static_cast<uint32_t>(a.num_tasks / (grid * kTmaTileTasks)) : 0u;
-    const uint64_t base = uint64_t{rounds} * grid * kTmaTileTasks;
+    rounds = g.interleave ? static_cast<uint32_t>(a.num_tasks / (grid * size)) : 0u;
+    const uint64_t base = uint64_t{rounds} * grid * size;
     const uint64_t rest = a.num_tasks - base;
     share_begin = static_cast<uint32_t>(base + b * rest / grid);
     share_end = static_cast<uint32_t>(base + (b + 1) * rest / grid);
-    count = rounds + (share_end - share_begin + kTmaTileTasks - 1) / kTmaTileTasks;
+    count = rounds + (share_end - share_begin + size - 1) / size;
   }
   // Tile k < count: tasks [first, end).
   __device__ __forceinline__ void tile(uint32_t k, uint32_t& first, uint32_t& end) const {
     if (k < rounds) {
-      first = (k * gridDim.x + blockIdx.x) * static_cast<uint32_t>(kTmaTileTasks);
-      end = first + kTmaTileTasks;
+      first = (k * gridDim.x + blockIdx.x) * size;
+      end = first + size;
     } else {
-      first = share_begin + (k - rounds) * kTmaTileTasks;
-      end = min(first + kTmaTileTasks, share_end);
+      first = share_begin + (k - rounds) * size;
+      end = min(first + size, share_end);
     }
   }
 };
@@ -316,7 +344,7 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
   const int warp = threadIdx.x / 32;
   const int lane32 = threadIdx.x % 32;
   const bool copy_warp = warp == kTmaComputeWarps;
-  const BlockTiles tiles(a, g.interleave);
+  const BlockTiles tiles(a, g);
 
   // ---- copy warp ----
   // Per tile: the packed copies first (no dependency), then the loads of the next tile's
@@ -378,8 +406,8 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
 
   // ---- compute warps ----
   static_assert(kLanes == 8 || kLanes == 4, "8 or 4 lanes per head");
-  constexpr int kGroups = kTmaComputeWarps * 32 / kLanes;  // 32 or 64
-  constexpr int kRounds = kTmaTileTasks / kGroups;         // 4 or 2
+  constexpr int kGroups = kTmaComputeWarps * 32 / kLanes;       // 32 or 64
+  const int rounds = static_cast<int>(g.tile_tasks) / kGroups;  // 128 tasks: 4 or 2; 64: 2 or 1
   const int lane = threadIdx.x & (kLanes - 1);
   const int group = threadIdx.x / kLanes;
 #pragma unroll 1
@@ -394,7 +422,7 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
     const auto* s_pos = reinterpret_cast<const int32_t*>(st + g.pos_off);
     const auto* s_slot = reinterpret_cast<const int32_t*>(st + g.slot_off);
 #pragma unroll 1
-    for (int r = 0; r < kRounds; ++r) {
+    for (int r = 0; r < rounds; ++r) {
       // The last tile of a block is partial: rounds past its end are skipped (uniform per block,
       // so the shuffles stay converged); inside a round, groups past the end compute on the
       // tile's first task and store nothing.

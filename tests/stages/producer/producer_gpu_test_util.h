@@ -55,12 +55,13 @@ inline const ProducerMode kModes[] = {ProducerMode::kFused, ProducerMode::kMain,
                                       ProducerMode::kIndex};
 
 // Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave),
-// `lanes` per head (0 = default), task plans and the interleaved tile order; kKernelChoices are
-// the ones every twin test runs: the default choice (kAuto: per-batch, or from 2^17 tasks the
-// bulk-copy kernel with its default stages and lanes), the bulk-copy kernel with 3 stages and 8
-// lanes, with task plans in the interleaved order, and with task plans on 4 lanes and 4 stages.
+// `lanes` per head (0 = default), task plans and the interleaved tile order on or off, `tile`
+// tasks per tile (0 = default); kKernelChoices are the ones every twin test runs: the default
+// choice (kAuto: per-batch, or from 2^17 tasks the bulk-copy kernel with its defaults), the
+// bulk-copy kernel with 3 stages, 8 lanes, no plans, equal shares; with task plans, the
+// interleaved order, 64-task tiles and 4 stages; and with task plans on 4 lanes and 4 stages.
 inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0,
-                                       bool plan = false, bool interleave = false) {
+                                       bool plan = false, bool interleave = false, int tile = 0) {
   ProducerCudaOptions o;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
   o.tma_stages = stages;
@@ -68,17 +69,19 @@ inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes
   o.tma_lanes_per_head = lanes;
   o.tma_task_plan = plan ? 1 : -1;
   o.tma_interleave = interleave ? 1 : -1;
+  o.tma_tile_tasks = tile;
   return o;
 }
 inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(3, 0, 8),
-                                                     tma_options(0, 0, 8, true, true),
+                                                     tma_options(4, 0, 8, true, true, 64),
                                                      tma_options(4, 0, 4, true)};
 inline std::string choice_name(const ProducerCudaOptions& o) {
   std::ostringstream os;
   os << producer_cuda_kernel_name(o.kernel);
   if (o.kernel == ProducerCudaKernel::kTmaPipeline)
     os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head
-       << (o.tma_task_plan > 0 ? " plan" : "") << (o.tma_interleave > 0 ? " interleaved" : "");
+       << (o.tma_task_plan > 0 ? " plan" : "") << (o.tma_interleave > 0 ? " interleaved" : "")
+       << " tile " << o.tma_tile_tasks;
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
   return os.str();
 }

@@ -123,7 +123,8 @@ void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
 // persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block) and the
 // bulk-copy pipeline on its default grid, on 5 blocks with 2 stages (181 tiles: ~36 tiles and
 // every stage reused ~18 times per block), with 4 lanes per head on 4 blocks, and with task plans
-// (8 lanes, interleaved tile order, 5 blocks; 4 lanes, 4 stages, 3 blocks).
+// (8 lanes, interleaved tile order, 5 blocks, with 128- and 64-task tiles; 4 lanes, 4 stages, 3
+// blocks).
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
@@ -135,6 +136,7 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(300, tma_options(2, 5));
   graph_replay_case(300, tma_options(3, 4, 4));
   graph_replay_case(300, tma_options(2, 5, 8, true, true));
+  graph_replay_case(300, tma_options(4, 5, 8, true, true, 64));
   graph_replay_case(300, tma_options(4, 3, 4, true));
 }
 
@@ -187,11 +189,11 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
 // The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
 // share of the tasks in tiles of 128, or interleaved rounds of tiles first) against the per-batch
 // kernel, byte for byte: 8 and 4 lanes per head (the same arithmetic and reduction order), with and
-// without task plans; the per-batch kernel against the CPU twin. Grids of 1-7 blocks run many
-// tiles per block, so every stage and both barrier parities are reused many times (T 129 x 77
-// heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65 tokens per tile (more
-// than the 32 copy lanes: three passes); rows only 4-byte aligned in the pool; packed row strides
-// padded; 2, 3 and 4 stages.
+// without task plans, 128- and 64-task tiles; the per-batch kernel against the CPU twin. Grids of
+// 1-7 blocks run many tiles per block, so every stage and both barrier parities are reused many
+// times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65
+// tokens per tile (more than the 32 copy lanes: three passes); rows only 4-byte aligned in the
+// pool; packed row strides padded; 2, 3 and 4 stages.
 TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
   M3_REQUIRE_GPU();
   struct Case {
@@ -207,13 +209,17 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
     const char* name;
     int lanes;
     bool plan, interleave;
+    int tile;
   };
-  const Variant variants[] = {{"8 lanes", 8, false, false},
-                              {"4 lanes", 4, false, false},
-                              {"8 lanes, plans", 8, true, false},
-                              {"4 lanes, plans", 4, true, false},
-                              {"8 lanes, interleaved", 8, false, true},
-                              {"4 lanes, plans, interleaved", 4, true, true}};
+  const Variant variants[] = {{"8 lanes", 8, false, false, 128},
+                              {"4 lanes", 4, false, false, 128},
+                              {"8 lanes, plans", 8, true, false, 128},
+                              {"4 lanes, plans", 4, true, false, 128},
+                              {"8 lanes, interleaved", 8, false, true, 128},
+                              {"4 lanes, plans, interleaved", 4, true, true, 128},
+                              {"8 lanes, 64-task tiles", 8, false, false, 64},
+                              {"8 lanes, plans, interleaved, 64-task tiles", 8, true, true, 64},
+                              {"4 lanes, plans, 64-task tiles", 4, true, false, 64}};
   for (const Case& c : cases) {
     const uint64_t seed = mt::fresh_seed();
     M3_SEED_TRACE(seed);
@@ -238,7 +244,7 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
       for (const Variant& v : variants) {
         Outputs out = init.clone();
         run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out,
-                   tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave));
+                   tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile));
         expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
                      std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
       }
@@ -297,8 +303,8 @@ void expect_rejected(const Status& s) {
 }
 
 // A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, a task-plan or
-// tile-order switch outside {-1, 0, 1}, or an unknown kernel choice is rejected before any
-// launch.
+// tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, or an unknown kernel
+// choice is rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -313,7 +319,8 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
        {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3),
         tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4),
         tma_options(1, 0, 8, true), tma_options(0, 0, 2, true, true), bad_flag(2, 0),
-        bad_flag(0, -2)})
+        bad_flag(0, -2), tma_options(0, 0, 0, true, true, 32),
+        tma_options(0, 0, 8, false, false, 96), tma_options(0, 0, 4, true, false, -64)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

@@ -15,7 +15,9 @@
 //   - Prefill on the mma.sync kernel is bound by mma.sync issue and shared-memory traffic (measured
 //     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
 //     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
-//     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants).
+//     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants); it
+//     runs as the warp-specialised persistent kernel 9 (attention_prefill_ws.cuh; 6-8: its
+//     variants) where TMA can address the pool.
 #include <algorithm>
 #include <cstdint>
 #include <limits>

@@ -1,7 +1,7 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 5. Same math, tiles, masks, numerics and split workspace as the
-// wgmma kernel of attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is
-// who waits for what.
+// AttentionCudaConfig::kernel = 6 .. 9 (9 is the automatic choice for prefill batches). Same math,
+// tiles, masks, numerics and split workspace as the wgmma kernel of attention_prefill_wgmma.cuh
+// (whose device helpers it reuses); what changes is who waits for what.
 //
 // Why (ncu of the wgmma kernel, 8K chunk): 1 CTA per SM, 0.54 eligible warps per scheduler, the
 // per-block chain load -> QK -> softmax -> P V serialised by one CTA barrier per block, a ~3-5 us
@@ -29,13 +29,30 @@
 //     "ping-pong") so one's softmax overlaps the other's MMAs. The stream of entries runs across
 //     work items without a drain: S of the next item's first block is issued before the last P V of
 //     the current item, whose epilogue (BF16 rows or the split partial) follows its completion.
+// Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert):
+// kLookahead: the scheduler prepares the next work item (global loads, union) right after the
+// current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
+// fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
+// the converters take 16-byte items, 4 in flight per thread, zeroing by selects (round-2 ncu of
+// kernel 6: the 3 converter warps were ~85 % busy and the consumers waited on the f16 tile for
+// 16 % of all samples).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (3 converter warps), vempty[2] (8 consumer
 // warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S).
 //
 // Shared memory: 3 raw stages x 32 KB + 2 f16 V x 32 KB + 2 Q x 16 KB + 1 KB alignment = 193 KB
-// dynamic, ~3.6 KB static. Needs 16-byte aligned pool base and strides (TMA); otherwise, or when
-// the driver refuses a tensor map, the launcher runs the cp.async wgmma kernel (variant 2).
+// dynamic, 4.4 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
+// (no spills), scheduler + converters 40 (ptxas reports 60 B (kernel 6) / 270 B (7-9) of spills:
+// compile experiments place all of them in the scheduler warp's item preparation). Needs 16-byte
+// aligned pool base and strides (TMA); otherwise, or when the driver refuses a tensor map, the
+// launcher runs the cp.async wgmma kernel (kernel 4).
+//
+// Measured (H200, round 2, attention_bench --prefill, 8K chunk, TFLOP/s on the selected work):
+// sparse @ 8K / 64K: kernel 6 359 / 364, 7 364 / 369, 8 370 / 374, kernel 4 347 / 351; dense @ 8K:
+// 8 434 vs 401. The mma_work/flop column (1.03 sparse): the MMA work walked exceeds the counted
+// work by 3 % (the causal part of each token's local block), tile unions are 16 blocks (14.1 at
+// 8K, where early tokens see fewer) for 16 selected per token: the bench's selections share a
+// ranking per 64 tokens, so the union costs nothing there.
 //
 // Expected bound (8K chunk, ~16 blocks per tile): per block and CTA 512 cycles of FP8 QK + 1024 of
 // f16 P V on the tensor cores, 16 K exp2 = 1024 MUFU cycles, 48 KB of conversion traffic; with the

@@ -78,16 +78,21 @@ __device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
   return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
 }
 
+// Four E4M3 bytes (low byte first) -> four f16 in two registers (exact), both halves of w fed to
+// cvt.rn.f16x2.e4m3x2 directly (no shift to extract the high half).
+__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
+}
+
 // One 16-byte raw chunk (16 dims) -> two f16 chunks (8 dims each).
 __device__ __forceinline__ void e4m3x16_to_f16(const uint4& raw, uint4& h0, uint4& h1) {
-  h0.x = ak::e4m3x2_to_f16x2(raw.x);
-  h0.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
-  h0.z = ak::e4m3x2_to_f16x2(raw.y);
-  h0.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
-  h1.x = ak::e4m3x2_to_f16x2(raw.z);
-  h1.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
-  h1.z = ak::e4m3x2_to_f16x2(raw.w);
-  h1.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
+  e4m3x4_to_f16x4(raw.x, h0.x, h0.y);
+  e4m3x4_to_f16x4(raw.y, h0.z, h0.w);
+  e4m3x4_to_f16x4(raw.z, h1.x, h1.y);
+  e4m3x4_to_f16x4(raw.w, h1.z, h1.w);
 }
 
 // Address of the f16 chunk u (dims 64 half + 8 u .. + 7) of key `key` in the converted tile of a
@@ -97,10 +102,10 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 }
 
 // This warp's keys [32 warp, 32 warp + 32) of the raw V tile of `stage` -> f16 (see the header);
-// keys > vlim become 0. The K half must be free (S done by every warp). Returns nonzero when a
-// converted raw byte is NaN. kPasses passes of 32 / kPasses keys: a pass reads its rows into
-// registers, then overwrites them (more passes, fewer registers).
-template <int kPasses>
+// keys > vlim become 0. The K half must be free (S done by every warp). kCheck: returns nonzero
+// when a converted raw byte is NaN (0 otherwise). kPasses passes of 32 / kPasses keys: a pass
+// reads its rows into registers, then overwrites them (more passes, fewer registers).
+template <int kPasses, bool kCheck>
 __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim) {
   constexpr int kIt = 8 / kPasses;  // 16-byte chunks per lane and pass
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -116,8 +121,9 @@ __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim)
       raw[it] = make_uint4(0u, 0u, 0u, 0u);
       if (key <= vlim)
         raw[it] = *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
-      nan |= e4m3x4_nan_bits(raw[it].x) | e4m3x4_nan_bits(raw[it].y) | e4m3x4_nan_bits(raw[it].z) |
-             e4m3x4_nan_bits(raw[it].w);
+      if constexpr (kCheck)
+        nan |= e4m3x4_nan_bits(raw[it].x) | e4m3x4_nan_bits(raw[it].y) |
+               e4m3x4_nan_bits(raw[it].z) | e4m3x4_nan_bits(raw[it].w);
     }
     __syncwarp();  // every lane read this pass's rows before any lane overwrites them
 #pragma unroll
@@ -289,10 +295,22 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
     };
     // Once every warp's S(i) is done (K half free): V(i) -> f16 in place, then the softmax of S(i)
     // (m, l, alpha; the weights stay in s). Returns nonzero when V(i) holds a NaN byte.
+    // A NaN V byte can only reach a row that must not see it when some present token of the tile
+    // misses a key <= vlim: a token outside the entry's mask, or one whose position stops before
+    // vlim. Otherwise every present token sees every converted key, and a NaN reaches exactly the
+    // (token, dim) cells the twin makes NaN: no check needed (the common case).
+    const int present = (1 << nt) - 1;
     auto convert_softmax = [&](int i) {
       const int mask = lmask[i];
-      const uint32_t nan =
-          convert_v_in_place < kPipe ? 4 : 2 > (stage_ptr(i), mask ? lvlim[i] : -1);
+      const int vlim = mask ? lvlim[i] : -1;
+      int lmin = ak::kBlockKeys - 1;
+#pragma unroll
+      for (int w = 0; w < kQT; ++w)
+        if ((mask >> w) & 1) lmin = min(lmin, s_pos[w] - lb[i] * ak::kBlockKeys);
+      const bool check = mask != 0 && (mask != present || lmin < min(vlim, ak::kBlockKeys - 1));
+      constexpr int kPasses = kPipe ? 4 : 2;
+      const uint32_t nan = check ? convert_v_in_place<kPasses, true>(stage_ptr(i), vlim)
+                                 : convert_v_in_place<kPasses, false>(stage_ptr(i), vlim);
       ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the next barrier)
       const int lim = (mask >> tok) & 1 ? my_pos - lb[i] * ak::kBlockKeys : -1;
       ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);

@@ -26,21 +26,30 @@
 //   - Online softmax per row in fp32 (ap::softmax_block: masked scores are -inf, so masked P is
 //     exactly +0), P packed to f16 in the accumulator layout (register A operand).
 //   - O += P V: 8 x wgmma m64n128k16 f16 (B = the f16 tile, transposed-B flag).
-//   The two CTAs of an SM overlap each other's tensor work with softmax / conversion.
+//   Serial variant (the default): S, conversion, softmax, P V in turn; the two CTAs of an SM overlap
+//   each other's phases. Pipelined variant (kPipe, AttentionCudaConfig::verify_pipeline = 2): S of
+//   block i + 1 is issued before P V(i), and the conversion of V(i + 1) and its softmax run while
+//   P V(i) is on the tensor cores (Q then sits in an 8 KB shared tile, to stay under 255 registers).
 //
 // NaN in V (exact twin semantics, no leak across rows): a NaN V element at (key p, dim d) must
 //   make dim d of every head of every token that sees p NaN, and nothing else; in a shared MMA a
-//   row with P = 0 would otherwise get 0 * NaN = NaN. The conversion flags raw NaN bytes (rows the
-//   tile sees only; rows past every selecting token's position are zeroed); when a block has one
-//   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
-//   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
-//   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin.
+//   row with P = 0 would otherwise get 0 * NaN = NaN. Rows past every selecting token's position
+//   are zeroed. When every present token of the tile sees every converted key of a block (the
+//   common case), a NaN lands exactly where the twin puts it and nothing is checked; otherwise
+//   the conversion flags raw NaN bytes and, when a block has one (__syncthreads_or: the barrier is
+//   needed anyway), the rare path replaces the NaN by 0 in the f16 tile and records (token, dim)
+//   for each token that sees the key; the epilogue writes NaN there. NaN in K or Q: the score is
+//   NaN only in rows that see the key (masking replaces the score with -inf), so their whole row
+//   becomes NaN, as in the twin.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
 //   SM's tensor rate), 8 K exp2 (~512 MUFU cycles), 8 K e4m3 pair conversions; at 4.3 TB/s an SM
-//   receives a block every ~1 us (~1.8 K cycles), so two CTAs per SM keep the kernel HBM-bound.
+//   receives a block every ~1 us (~1.8 K cycles). Measured (H200, round 2 of session 11, serial
+//   variant): 192 us = 65 % of copy (mma.sync kernel 404 us); ncu: ~1100 instructions per warp and
+//   block (softmax ~370, conversion and its NaN check ~300, addressing ~250), 2 warps per
+//   scheduler issuing 43 % of cycles, the rest waiting on the wgmma (P V, S), barriers and
+//   shared-memory latency: latency- and issue-bound, not yet HBM-bound.
 #pragma once
 
 #include <cstdint>

@@ -26,10 +26,11 @@
 //   - Online softmax per row in fp32 (ap::softmax_block: masked scores are -inf, so masked P is
 //     exactly +0), P packed to f16 in the accumulator layout (register A operand).
 //   - O += P V: 8 x wgmma m64n128k16 f16 (B = the f16 tile, transposed-B flag).
-//   Serial variant (the default): S, conversion, softmax, P V in turn; the two CTAs of an SM overlap
-//   each other's phases. Pipelined variant (kPipe, AttentionCudaConfig::verify_pipeline = 2): S of
-//   block i + 1 is issued before P V(i), and the conversion of V(i + 1) and its softmax run while
-//   P V(i) is on the tensor cores (Q then sits in an 8 KB shared tile, to stay under 255 registers).
+//   Serial variant (the default): S, conversion, softmax, P V in turn; the two CTAs of an SM
+//   overlap each other's phases. Pipelined variant (kPipe, AttentionCudaConfig::verify_pipeline =
+//   2): S of block i + 1 is issued before P V(i), and the conversion of V(i + 1) and its softmax
+//   run while P V(i) is on the tensor cores (Q then sits in an 8 KB shared tile, to stay under 255
+//   registers).
 //
 // NaN in V (exact twin semantics, no leak across rows): a NaN V element at (key p, dim d) must
 //   make dim d of every head of every token that sees p NaN, and nothing else; in a shared MMA a

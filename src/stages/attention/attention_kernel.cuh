@@ -275,8 +275,8 @@ __device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t
 // for requests of QT tokens each (verify), which takes one dependent round trip off the chain
 // query_start -> ids -> page table -> K/V before the first block arrives.
 template <int QT, int Threads = kThreads>
-__device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g,
-                                                   int* s_warp, int* s_tile, TileInputs& in) {
+__device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g, int* s_warp,
+                                                   int* s_tile, TileInputs& in) {
   const int64_t tg = int64_t{QT} * tile;
   const int t_guess = tg < a.T ? static_cast<int>(tg) : -1;
   const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;

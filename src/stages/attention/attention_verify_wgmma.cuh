@@ -172,6 +172,52 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
   }
 }
 
+// ap::softmax_block with a lazy running maximum (pipelined variant): a row's maximum m moves only
+// when the block's maximum exceeds it by more than kLazyLog2, so weights stay <= 2^kLazyLog2 (f16
+// P and the fp32 sums have ample room), alpha is 1 and O is not rescaled in most blocks. Exact:
+// O and l are accumulated against the same m, and the final division by l cancels it.
+constexpr float kLazyLog2 = 8.0f;
+__device__ __forceinline__ void softmax_block_lazy(float (&s)[64], float (&m)[2], float (&l)[2],
+                                                   float (&alpha)[2], int lim, float scale_log2) {
+  const int tig = threadIdx.x & 3;
+  if (lim < ak::kBlockKeys - 1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
+  }
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float mu[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
+    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
+    // -inf > -inf + 8 is false: a row with only masked keys keeps m = -inf (and mu = 0).
+    const float mn = mx[e] * scale_log2 > m[e] + kLazyLog2 ? mx[e] * scale_log2 : m[e];
+    mu[e] = mn == -INFINITY ? 0.0f : mn;
+    alpha[e] = mn == m[e] ? 1.0f : ap::fast_exp2(m[e] - mu[e]);
+    m[e] = mn;
+  }
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    s[4 * j] = ap::fast_exp2(fmaf(s[4 * j], scale_log2, -mu[0]));
+    s[4 * j + 1] = ap::fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mu[0]));
+    s[4 * j + 2] = ap::fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mu[1]));
+    s[4 * j + 3] = ap::fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mu[1]));
+    sum0 += s[4 * j] + s[4 * j + 1];
+    sum1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l[0] = l[0] * alpha[0] + sum0;
+  l[1] = l[1] * alpha[1] + sum1;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The decode / verify kernel. Grid: (tiles bound x n_kv, 1, splits); block: kThreads; dynamic smem
 // smem_bytes(kPipe).
@@ -323,7 +369,10 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
                                  : convert_v_in_place<kPasses, false>(stage_ptr(i), vlim);
       ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the next barrier)
       const int lim = (mask >> tok) & 1 ? my_pos - lb[i] * ak::kBlockKeys : -1;
-      ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
+      if constexpr (kPipe)
+        softmax_block_lazy(s, m, l, alpha, lim, a.scale_log2);
+      else
+        ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
       return nan;
     };
     // Barrier after convert_softmax(i) (every warp's f16 V(i) visible), with the rare NaN path.

@@ -101,9 +101,14 @@ TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, De
 Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 
 // What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH: this forced limit, and whether the
-// autotuner may choose the wgmma kernel per M bucket ("auto").
+// autotuner may choose the wgmma kernel per M bucket ("auto"). Auto is off (session 11, round 3):
+// the tuner's cold-L2 flush is a plain memset whose dirty lines are written back inside the timed
+// region (it timed cuBLASLt at 29.8 us where projection_bench's memset + read-sweep flush gives
+// 23.7 us), and under that bias it chose the wgmma kernel for M <= 16, which the benchmark then
+// measured at 24.6-25.6 us against cuBLASLt's 23.3-23.7 us. Re-enable after the tuner flushes
+// like bench_util (and re-measure).
 constexpr int kGemmWgmmaDefaultMaxM = 0;
-constexpr bool kGemmWgmmaAutoByDefault = true;
+constexpr bool kGemmWgmmaAutoByDefault = false;
 
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper

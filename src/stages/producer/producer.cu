@@ -129,11 +129,11 @@ Status launch_mode(const pk::KernelArgs& args, int64_t tasks, const ProducerCuda
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
                 const ProducerCudaOptions& options, int sms, cudaStream_t stream) {
   ProducerCudaOptions o = options;
-  if (o.tma_stages == 0) o.tma_stages = pk::kTmaStagesDefault;
   if (o.tma_lanes_per_head == 0) o.tma_lanes_per_head = pk::kTmaLanesDefault;
   if (o.tma_interleave == 0) o.tma_interleave = pk::kTmaInterleaveDefault ? 1 : -1;
   if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
-  if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::kTmaTileTasksDefault;
+  if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::tma_default_tile_tasks(tasks);
+  if (o.tma_stages == 0) o.tma_stages = pk::tma_default_stages(o.tma_tile_tasks);
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
@@ -176,8 +176,8 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                ")");
   M3_CHECK_ARG(options.tma_stages == 0 ||
                    (options.tma_stages >= 2 && options.tma_stages <= pk::kTmaStagesMax),
-               "run_producer_cuda: tma_stages ", options.tma_stages, " must be 0 (default ",
-               pk::kTmaStagesDefault, ") or in [2, ", pk::kTmaStagesMax, "]");
+               "run_producer_cuda: tma_stages ", options.tma_stages,
+               " must be 0 (default: by tile size) or in [2, ", pk::kTmaStagesMax, "]");
   M3_CHECK_ARG(options.tma_lanes_per_head == 0 || options.tma_lanes_per_head == 4 ||
                    options.tma_lanes_per_head == 8,
                "run_producer_cuda: tma_lanes_per_head ", options.tma_lanes_per_head,
@@ -187,8 +187,9 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                " must be 0 (default), 1 (on) or -1 (off)");
   M3_CHECK_ARG(options.tma_tile_tasks == 0 || options.tma_tile_tasks == pk::kTmaTileTasks ||
                    options.tma_tile_tasks == pk::kTmaTileTasksSmall,
-               "run_producer_cuda: tma_tile_tasks ", options.tma_tile_tasks, " must be 0 (default ",
-               pk::kTmaTileTasksDefault, "), ", pk::kTmaTileTasks, " or ", pk::kTmaTileTasksSmall);
+               "run_producer_cuda: tma_tile_tasks ", options.tma_tile_tasks,
+               " must be 0 (default: by batch size), ", pk::kTmaTileTasks, " or ",
+               pk::kTmaTileTasksSmall);
   M3_CHECK_ARG(options.tma_task_plan >= -1 && options.tma_task_plan <= 1,
                "run_producer_cuda: tma_task_plan ", options.tma_task_plan,
                " must be 0 (default), 1 (on) or -1 (off)");

@@ -72,7 +72,8 @@ struct ProducerCudaOptions {
   // Grid of the persistent and bulk-copy kernels (capped at the batch / tile count); 0 = the
   // device's SMs x resident blocks per SM.
   int persistent_blocks = 0;
-  // Shared-memory stages of the bulk-copy kernel: 0 = the default (2), else 2..4.
+  // Shared-memory stages of the bulk-copy kernel: 0 = the default (4 with 64-task tiles, 2 with
+  // 128-task tiles), else 2..4.
   int tma_stages = 0;
   // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 or 4 (32
   // channels per lane: fewer instructions per head). Both write the bytes of the other kernels.
@@ -85,9 +86,9 @@ struct ProducerCudaOptions {
   // task's token, head kind, position check and destination row once, a 16-byte plan per task in
   // the stage, so the compute warps skip that work), -1 = off. Same bytes either way.
   int tma_task_plan = 0;
-  // Tasks per tile of the bulk-copy kernel: 0 = the default, 128 or 64 (half the bytes per stage,
-  // twice the stages in the same shared memory: a shorter pipeline fill, more tiles in flight).
-  // Same bytes either way.
+  // Tasks per tile of the bulk-copy kernel: 0 = the default (64 below 2^19 tasks, 128 from there),
+  // 128 or 64 (half the bytes per stage, twice the stages in the same shared memory: a shorter
+  // pipeline fill, more tiles in flight). Same bytes either way.
   int tma_tile_tasks = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).

@@ -101,17 +101,24 @@ constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
 // twice the stages in the same shared memory: ProducerCudaOptions::tma_tile_tasks).
 constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
 constexpr int kTmaTileTasksSmall = kTmaTileTasks / 2;
-// Defaults of ProducerCudaOptions' tma_stages / tma_lanes_per_head (2, 3, 4 stages and 4 or 8
-// lanes are all built): measured best on the H200 (round 2: 2 stages = 3 blocks per SM).
-constexpr int kTmaStagesDefault = 2;
+// Default of ProducerCudaOptions' tma_lanes_per_head (2, 3, 4 stages and 4 or 8 lanes are all
+// built; the default stages follow the tile size, below): 8 lanes measured faster than 4 in every
+// round.
 constexpr int kTmaLanesDefault = 8;
 constexpr int kTmaStagesMax = 4;
-// Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan / tma_tile_tasks (session 11
-// round 2 on the H200, T 4096 / 16384: equal shares 34.98 / 140.29 us, interleaved 34.08 /
-// 137.50, task plans 34.88 / 136.58, both 34.66 / 135.49).
+// Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan / tma_tile_tasks / tma_stages
+// (session 11 on the H200, two runs each, T 4096 / 16384 at M3 TP1): task plans + interleaved
+// order, with 64-task tiles in 4 stages below kTmaSmallTileMaxTasks (T 4096: 33.66-33.76 us, the
+// 128-task tiles 35.2-35.6) and 128-task tiles in 2 stages from there (T 16384: 135.7-136.1 us,
+// the 64-task tiles 137.4-137.8); the round-1 path (equal shares, no plans, 128 / 2) measured
+// 34.5-35.0 / 139.4-140.3 us. The crossover between 315K and 1.26M tasks was not measured.
 constexpr bool kTmaInterleaveDefault = true;
 constexpr bool kTmaTaskPlanDefault = true;
-constexpr int kTmaTileTasksDefault = kTmaTileTasks;
+constexpr int64_t kTmaSmallTileMaxTasks = int64_t{1} << 19;  // about 6800 tokens at M3 TP1
+inline int tma_default_tile_tasks(int64_t tasks) {
+  return tasks < kTmaSmallTileMaxTasks ? kTmaTileTasksSmall : kTmaTileTasks;
+}
+inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTasksSmall ? 4 : 2; }
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
 // ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
 // T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.

@@ -44,7 +44,13 @@
 //              tile order (one moving front of tiles). Round 2 (T 4096 / 16384): equal shares
 //              34.98 / 140.29 us, interleaved 34.08 / 137.50, plans 34.88 / 136.58, both 34.66 /
 //              135.49 (83.9%); 4 lanes 37.1-40.8 / 144.5-148.5. Then: 64-task tiles (twice the
-//              stages in the same shared memory: a shorter fill, more tiles in flight).
+//              stages in the same shared memory: a shorter fill, more tiles in flight). Round 3
+//              (two runs): plans + interleaved + 64-task tiles in 4 stages 33.66-33.76 us at
+//              T 4096 (84.3%), 137.4-137.8 at 16384; with 128-task tiles in 2 stages 35.4-35.6 /
+//              135.7-136.1 (83.7%): the default takes the first below 2^19 tasks, the second
+//              from there. Still short of 85% (33.4 / 133.7 us); a plain copy of the same bytes
+//              reaches 93.6%. Not tried: dynamic tile scheduling against the end-of-kernel
+//              imbalance (SMs active only 85-89% of the elapsed cycles).
 #pragma once
 
 #include <cstddef>

@@ -140,6 +140,25 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(300, tma_options(4, 3, 4, true));
 }
 
+// For every mode: fresh inputs of `geo` and `t` (a fresh seed), a pool with padded planes and
+// 4-byte aligned rows, the mode's packed rows and fresh outputs; fn(mode, in, lay, packed, init).
+template <typename Fn>
+void for_each_mode_case(const Geometry& geo, int64_t t, Fn&& fn) {
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const int64_t pages = pages_for(t);
+  const Inputs in = make_inputs(geo.n_q, geo.n_kv, t, pages, rng);
+  const Layout lay = separate_layout(geo.n_kv, pages, 3, 260, 4);
+  for (const ProducerMode mode : kModes) {
+    SCOPED_TRACE(::testing::Message() << producer_mode_name(mode) << " n_q " << geo.n_q << " n_kv "
+                                      << geo.n_kv << " T " << t);
+    const Packed packed = packed_for(in, mode, rng);
+    const Outputs init = make_outputs(in, lay, rng);
+    fn(mode, in, lay, packed, init);
+  }
+}
+
 // The persistent kernel (grid-stride loop over batches, next batch's loads, RoPE rows and
 // positions in flight while the current one is computed) against the per-batch kernel: byte for
 // byte (same per-task code), and against the CPU twin. Grids of 1, 3 and 7 blocks run many loop
@@ -157,32 +176,25 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
   const Case cases[] = {{{64, 4}, 1, 0},  {{64, 4}, 129, 1}, {{64, 4}, 129, 3}, {{64, 4}, 4099, 0},
                         {{8, 1}, 129, 1}, {{8, 1}, 1001, 7}, {{32, 2}, 517, 3}};
   for (const Case& c : cases) {
-    const uint64_t seed = mt::fresh_seed();
-    M3_SEED_TRACE(seed);
-    mt::Rng rng(seed);
-    const int64_t pages = pages_for(c.t);
-    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
-    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
-    for (const ProducerMode mode : kModes) {
-      SCOPED_TRACE(::testing::Message()
-                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
-                   << " T " << c.t << " persistent_blocks " << c.blocks);
-      const Packed packed = packed_for(in, mode, rng);
-      const Outputs init = make_outputs(in, lay, rng);
-      ProducerCudaOptions per_batch, persistent;
-      per_batch.kernel = ProducerCudaKernel::kPerBatch;
-      persistent.kernel = ProducerCudaKernel::kPersistent;
-      persistent.persistent_blocks = c.blocks;
-      Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
-      run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
-      run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b, persistent);
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
-                   "persistent vs per-batch (exact)");
-      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
-                   "persistent vs CPU twin");
-    }
+    SCOPED_TRACE(::testing::Message() << "persistent_blocks " << c.blocks);
+    for_each_mode_case(
+        c.geo, c.t,
+        [&](ProducerMode mode, const Inputs& in, const Layout& lay, const Packed& packed,
+            const Outputs& init) {
+          ProducerCudaOptions per_batch, persistent;
+          per_batch.kernel = ProducerCudaKernel::kPerBatch;
+          persistent.kernel = ProducerCudaKernel::kPersistent;
+          persistent.persistent_blocks = c.blocks;
+          Outputs a = init.clone(), b = init.clone(), cpu = init.clone();
+          run_on_gpu({make_params(mode, in, packed, a, lay)}, in, {&packed}, a, per_batch);
+          run_on_gpu({make_params(mode, in, packed, b, lay)}, in, {&packed}, b, persistent);
+          expect_match(in, uses_main(mode), uses_index(mode), lay, init, a, b, /*exact=*/true,
+                       "persistent vs per-batch (exact)");
+          const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+          ASSERT_TRUE(s.ok()) << s.to_string();
+          expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, b, /*exact=*/false,
+                       "persistent vs CPU twin");
+        });
   }
 }
 
@@ -221,34 +233,27 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
                               {"8 lanes, plans, interleaved, 64-task tiles", 8, true, true, 64},
                               {"4 lanes, plans, 64-task tiles", 4, true, false, 64}};
   for (const Case& c : cases) {
-    const uint64_t seed = mt::fresh_seed();
-    M3_SEED_TRACE(seed);
-    mt::Rng rng(seed);
-    const int64_t pages = pages_for(c.t);
-    const Inputs in = make_inputs(c.geo.n_q, c.geo.n_kv, c.t, pages, rng);
-    const Layout lay = separate_layout(c.geo.n_kv, pages, 3, 260, 4);
-    for (const ProducerMode mode : kModes) {
-      SCOPED_TRACE(::testing::Message()
-                   << producer_mode_name(mode) << " n_q " << c.geo.n_q << " n_kv " << c.geo.n_kv
-                   << " T " << c.t << " blocks " << c.blocks << " stages " << c.stages);
-      const Packed packed = packed_for(in, mode, rng);
-      const Outputs init = make_outputs(in, lay, rng);
-      ProducerCudaOptions per_batch;
-      per_batch.kernel = ProducerCudaKernel::kPerBatch;
-      Outputs ref = init.clone(), cpu = init.clone();
-      run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
-      const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
-                   "per-batch vs CPU twin");
-      for (const Variant& v : variants) {
-        Outputs out = init.clone();
-        run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out,
-                   tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile));
-        expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
-                     std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
-      }
-    }
+    SCOPED_TRACE(::testing::Message() << "blocks " << c.blocks << " stages " << c.stages);
+    for_each_mode_case(
+        c.geo, c.t,
+        [&](ProducerMode mode, const Inputs& in, const Layout& lay, const Packed& packed,
+            const Outputs& init) {
+          ProducerCudaOptions per_batch;
+          per_batch.kernel = ProducerCudaKernel::kPerBatch;
+          Outputs ref = init.clone(), cpu = init.clone();
+          run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
+          const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+          ASSERT_TRUE(s.ok()) << s.to_string();
+          expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
+                       "per-batch vs CPU twin");
+          for (const Variant& v : variants) {
+            Outputs out = init.clone();
+            run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out,
+                       tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile));
+            expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
+                         std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
+          }
+        });
   }
 }
 

@@ -63,7 +63,7 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream);
 // picks by batch size (kPerBatch below 2^17 tasks = (token, head) pairs, kTmaPipeline from there);
 // kPerBatch is one block per batch of 96 tasks (32 below one wave), kPersistent a grid of about
 // SMs x 2 blocks looping over the batches with the next batch's loads in flight, kTmaPipeline a
-// persistent warp-specialized grid whose copy warp streams tiles of 128 tasks into a ring of
+// persistent warp-specialized grid whose copy warp streams tiles of 64 or 128 tasks into a ring of
 // shared-memory stages with bulk copies (TMA) while 8 warps compute.
 enum class ProducerCudaKernel : int { kAuto = 0, kPerBatch = 1, kPersistent = 2, kTmaPipeline = 3 };
 const char* producer_cuda_kernel_name(ProducerCudaKernel kernel);

@@ -339,11 +339,11 @@ struct BlockTiles {
   }
 };
 
-// kLanes: lanes per head in the compute warps, 8 (process_task: the bytes of the other kernels)
-// or 4 (process_task4).
-// Blocks per SM the register budget is cut for: 3 with 8 lanes (62-64 registers, no spills) and
-// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers, 8 bytes of spills in
-// the fused and main modes), else 2 (4 lanes: 91-92 registers).
+// kLanes: lanes per head in the compute warps, 8 (process_task) or 4 (process_task4), both the
+// bytes of the other kernels; kPlan: task plans (process_planned).
+// Blocks per SM the register budget is cut for: 3 with 8 lanes (59-62 registers, no spills) and
+// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers, 4 bytes of spills in
+// the fused and main modes), else 2 (4 lanes: 92-96 registers).
 constexpr int tma_min_blocks(int stages, int lanes) { return lanes == 8 || stages == 2 ? 3 : 2; }
 
 template <ProducerMode kMode, int kTmaStages, int kLanes, bool kPlan>

@@ -23,12 +23,11 @@
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel, the wgmma verify kernel (serial and pipelined), both
-//   with a 2-block L2 prefetch, and for draft 7 the wgmma prefill kernel).
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel, both with a 2-block L2
+//   prefetch, and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -434,17 +433,12 @@ int main(int argc, char** argv) {
                        x);
       }
     } else if (compare) {
-      // {kernel, l2_prefetch, verify_pipeline}
-      const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 1},
-                                                  {5, 0, 2}, {1, 2, 0}, {5, 2, 1}};
-      for (const auto& [kernel, pf, pipe] : kp) {
+      const std::vector<std::pair<int, int>> kp = {{0, 0}, {1, 0}, {5, 0}, {1, 2}, {5, 2}};
+      for (const auto& [kernel, pf] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
         x.l2_prefetch = pf;
-        x.verify_pipeline = pipe;
-        const std::string k = kernel == 0   ? "auto"
-                              : kernel == 1 ? "mma.sync"
-                                            : (pipe == 2 ? "wgmma verify pipe" : "wgmma verify");
+        const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
         v.emplace_back(" " + k + (pf ? " pf" + std::to_string(pf) : std::string()), x);
       }
       if (draft >= 7) {

@@ -53,7 +53,6 @@ constexpr int64_t kWgmmaMinAvgTokens = 16;
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
 constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 404 us
 constexpr int64_t kVerifyMinAvgTokens = 2;
-constexpr bool kAutoVerifyPipeline = false;  // its software-pipelined variant
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -61,7 +60,6 @@ constexpr int kMaxL2Prefetch = 8;
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
-  bool verify_pipe = false;  // ... its software-pipelined variant
   bool ws = false;  // the warp-specialised prefill kernel (wgmma tiles; variant = its fallback)
   int ctas = 0;     // its persistent CTAs
   bool ws_lookahead = false;     // its scheduler prepares the next work item early (kernels 7, 8)
@@ -153,10 +151,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     if (cfg.v_convert != 0)
       return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
                          " does not apply to the wgmma verify kernel (V is converted in place)");
-    if (cfg.verify_pipeline < 0 || cfg.verify_pipeline > 2)
-      return unsupported("run_attention_cuda: verify_pipeline ", cfg.verify_pipeline,
-                         " is not 0, 1 or 2");
-    pl.verify_pipe = cfg.verify_pipeline == 0 ? kAutoVerifyPipeline : cfg.verify_pipeline == 2;
     pl.qt = av::kQT;
     pl.v_regs = false;
   } else if (pl.wgmma) {
@@ -246,16 +240,16 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-template <bool kVec16, bool kPipe>
+template <bool kVec16>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
-  auto kernel = av::attention_verify_kernel<kVec16, kPipe>;
-  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               av::smem_bytes(kPipe)));
+  auto kernel = av::attention_verify_kernel<kVec16>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, av::smem_bytes(kPipe), stream>>>(args);
+  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -276,13 +270,9 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
-  if (pl.verify) {
-    if (pl.verify_pipe)
-      return vec16 ? launch_verify<true, true>(args, pl, n_kv, stream)
-                   : launch_verify<false, true>(args, pl, n_kv, stream);
-    return vec16 ? launch_verify<true, false>(args, pl, n_kv, stream)
-                 : launch_verify<false, false>(args, pl, n_kv, stream);
-  }
+  if (pl.verify)
+    return vec16 ? launch_verify<true>(args, pl, n_kv, stream)
+                 : launch_verify<false>(args, pl, n_kv, stream);
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
     // tensor map the driver accepts); otherwise variant pl.variant of the wgmma kernel runs.

@@ -73,8 +73,6 @@ struct AttentionCudaConfig {
   int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
                             // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
                             // -1 none, 1 .. 8
-  int verify_pipeline = 0;  // kernel 5: 0 automatic, 1 serial, 2 software-pipelined (S of the
-                            // next block and its softmax overlap P V of this one)
   int persistent_ctas = 0;  // kernels 6 .. 9: CTAs of the persistent grid (0: one per SM; fewer
                             // make each CTA walk more work items, e.g. in tests)
 };

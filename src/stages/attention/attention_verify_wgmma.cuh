@@ -26,31 +26,28 @@
 //   - Online softmax per row in fp32 (ap::softmax_block: masked scores are -inf, so masked P is
 //     exactly +0), P packed to f16 in the accumulator layout (register A operand).
 //   - O += P V: 8 x wgmma m64n128k16 f16 (B = the f16 tile, transposed-B flag).
-//   Serial variant (the default): S, conversion, softmax, P V in turn; the two CTAs of an SM
-//   overlap each other's phases. Pipelined variant (kPipe, AttentionCudaConfig::verify_pipeline =
-//   2): S of block i + 1 is issued before P V(i), and the conversion of V(i + 1) and its softmax
-//   run while P V(i) is on the tensor cores (Q then sits in an 8 KB shared tile, to stay under 255
-//   registers).
+//   The two CTAs of an SM overlap each other's tensor work with softmax / conversion.
 //
 // NaN in V (exact twin semantics, no leak across rows): a NaN V element at (key p, dim d) must
 //   make dim d of every head of every token that sees p NaN, and nothing else; in a shared MMA a
-//   row with P = 0 would otherwise get 0 * NaN = NaN. Rows past every selecting token's position
-//   are zeroed. When every present token of the tile sees every converted key of a block (the
-//   common case), a NaN lands exactly where the twin puts it and nothing is checked; otherwise
-//   the conversion flags raw NaN bytes and, when a block has one (__syncthreads_or: the barrier is
-//   needed anyway), the rare path replaces the NaN by 0 in the f16 tile and records (token, dim)
-//   for each token that sees the key; the epilogue writes NaN there. NaN in K or Q: the score is
-//   NaN only in rows that see the key (masking replaces the score with -inf), so their whole row
-//   becomes NaN, as in the twin.
+//   row with P = 0 would otherwise get 0 * NaN = NaN. The conversion flags raw NaN bytes (rows the
+//   tile sees only; rows past every selecting token's position are zeroed); when a block has one
+//   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
+//   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
+//   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
+//   score with -inf), so their whole row becomes NaN, as in the twin.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
 //   SM's tensor rate), 8 K exp2 (~512 MUFU cycles), 8 K e4m3 pair conversions; at 4.3 TB/s an SM
-//   receives a block every ~1 us (~1.8 K cycles). Measured (H200, round 2 of session 11, serial
-//   variant): 192 us = 65 % of copy (mma.sync kernel 404 us); ncu: ~1100 instructions per warp and
-//   block (softmax ~370, conversion and its NaN check ~300, addressing ~250), 2 warps per
-//   scheduler issuing 43 % of cycles, the rest waiting on the wgmma (P V, S), barriers and
-//   shared-memory latency: latency- and issue-bound, not yet HBM-bound.
+//   receives a block every ~1 us (~1.8 K cycles). Measured (H200, session 11 round 2): 192 us =
+//   65 % of copy (the mma.sync kernel: 404 us). ncu: ~1100 instructions per warp and block
+//   (softmax ~370, V conversion and its NaN check ~300, addressing ~250), 2 warps per scheduler
+//   issuing 43 % of cycles, the rest waiting on the wgmma (P V, S), barriers and shared-memory
+//   latency: latency- and issue-bound, not yet HBM-bound. Tried in round 3 and dropped (slower on
+//   the H200): a software-pipelined variant (S(i + 1) and its softmax under P V(i), lazy running
+//   maximum), skipping the NaN check in blocks every token sees whole, shift-free conversions
+//   (together 3-7 % slower than this version); an L2 prefetch ahead of the ring (4 % slower).
 #pragma once
 
 #include <cstdint>
@@ -70,11 +67,7 @@ constexpr int kQT = 4;         // query tokens per tile: 4 x 16 heads = 64 wgmma
 constexpr int kStages = 3;
 constexpr int kTileBytes = ak::kTileBytes;
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kQBytes = 64 * ak::kDim;  // the pipelined variant's Q tile (64 rows, swizzled)
-// Dynamic shared memory: the ring (+ the Q tile when pipelined) + slack to align the base to 1 KB.
-constexpr int smem_bytes(bool pipelined) {
-  return kStages * kStageBytes + (pipelined ? kQBytes : 0) + 1024;
-}
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1 KB
 constexpr int kCand = kQT * ak::kTopKIds;
 constexpr int kMaxList = 128;  // block entries held in shared memory at once
 constexpr int kKeysPerWarp = ak::kBlockKeys / 4;
@@ -88,21 +81,16 @@ __device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
   return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
 }
 
-// Four E4M3 bytes (low byte first) -> four f16 in two registers (exact), both halves of w fed to
-// cvt.rn.f16x2.e4m3x2 directly (no shift to extract the high half).
-__device__ __forceinline__ void e4m3x4_to_f16x4(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
-      "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
-      : "=r"(lo), "=r"(hi)
-      : "r"(w));
-}
-
 // One 16-byte raw chunk (16 dims) -> two f16 chunks (8 dims each).
 __device__ __forceinline__ void e4m3x16_to_f16(const uint4& raw, uint4& h0, uint4& h1) {
-  e4m3x4_to_f16x4(raw.x, h0.x, h0.y);
-  e4m3x4_to_f16x4(raw.y, h0.z, h0.w);
-  e4m3x4_to_f16x4(raw.z, h1.x, h1.y);
-  e4m3x4_to_f16x4(raw.w, h1.z, h1.w);
+  h0.x = ak::e4m3x2_to_f16x2(raw.x);
+  h0.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+  h0.z = ak::e4m3x2_to_f16x2(raw.y);
+  h0.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+  h1.x = ak::e4m3x2_to_f16x2(raw.z);
+  h1.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
+  h1.z = ak::e4m3x2_to_f16x2(raw.w);
+  h1.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
 }
 
 // Address of the f16 chunk u (dims 64 half + 8 u .. + 7) of key `key` in the converted tile of a
@@ -112,33 +100,29 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 }
 
 // This warp's keys [32 warp, 32 warp + 32) of the raw V tile of `stage` -> f16 (see the header);
-// keys > vlim become 0. The K half must be free (S done by every warp). kCheck: returns nonzero
-// when a converted raw byte is NaN (0 otherwise). kPasses passes of 32 / kPasses keys: a pass
-// reads its rows into registers, then overwrites them (more passes, fewer registers).
-template <int kPasses, bool kCheck>
+// keys > vlim become 0. The K half must be free (S done by every warp). Returns nonzero when a
+// converted raw byte is NaN. Two passes of 16 keys: a pass reads its rows, then overwrites them.
 __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim) {
-  constexpr int kIt = 8 / kPasses;  // 16-byte chunks per lane and pass
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const uint8_t* vraw = stage + kTileBytes;
   uint32_t nan = 0;
 #pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    uint4 raw[kIt];
+  for (int pass = 0; pass < 2; ++pass) {
+    uint4 raw[4];
 #pragma unroll
-    for (int it = 0; it < kIt; ++it) {
-      const int i = (pass * kIt + it) * 32 + lane;
+    for (int it = 0; it < 4; ++it) {
+      const int i = (pass * 4 + it) * 32 + lane;
       const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
       raw[it] = make_uint4(0u, 0u, 0u, 0u);
       if (key <= vlim)
         raw[it] = *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
-      if constexpr (kCheck)
-        nan |= e4m3x4_nan_bits(raw[it].x) | e4m3x4_nan_bits(raw[it].y) |
-               e4m3x4_nan_bits(raw[it].z) | e4m3x4_nan_bits(raw[it].w);
+      nan |= e4m3x4_nan_bits(raw[it].x) | e4m3x4_nan_bits(raw[it].y) | e4m3x4_nan_bits(raw[it].z) |
+             e4m3x4_nan_bits(raw[it].w);
     }
     __syncwarp();  // every lane read this pass's rows before any lane overwrites them
 #pragma unroll
-    for (int it = 0; it < kIt; ++it) {
-      const int i = (pass * kIt + it) * 32 + lane;
+    for (int it = 0; it < 4; ++it) {
+      const int i = (pass * 4 + it) * 32 + lane;
       const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
       uint4 h0, h1;
       e4m3x16_to_f16(raw[it], h0, h1);
@@ -172,56 +156,10 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
   }
 }
 
-// ap::softmax_block with a lazy running maximum (pipelined variant): a row's maximum m moves only
-// when the block's maximum exceeds it by more than kLazyLog2, so weights stay <= 2^kLazyLog2 (f16
-// P and the fp32 sums have ample room), alpha is 1 and O is not rescaled in most blocks. Exact:
-// O and l are accumulated against the same m, and the final division by l cancels it.
-constexpr float kLazyLog2 = 8.0f;
-__device__ __forceinline__ void softmax_block_lazy(float (&s)[64], float (&m)[2], float (&l)[2],
-                                                   float (&alpha)[2], int lim, float scale_log2) {
-  const int tig = threadIdx.x & 3;
-  if (lim < ak::kBlockKeys - 1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
-  }
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
-    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
-  }
-  float mu[2];
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 1));
-    mx[e] = fmaxf(mx[e], __shfl_xor_sync(0xffffffffu, mx[e], 2));
-    // -inf > -inf + 8 is false: a row with only masked keys keeps m = -inf (and mu = 0).
-    const float mn = mx[e] * scale_log2 > m[e] + kLazyLog2 ? mx[e] * scale_log2 : m[e];
-    mu[e] = mn == -INFINITY ? 0.0f : mn;
-    alpha[e] = mn == m[e] ? 1.0f : ap::fast_exp2(m[e] - mu[e]);
-    m[e] = mn;
-  }
-  float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    s[4 * j] = ap::fast_exp2(fmaf(s[4 * j], scale_log2, -mu[0]));
-    s[4 * j + 1] = ap::fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mu[0]));
-    s[4 * j + 2] = ap::fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mu[1]));
-    s[4 * j + 3] = ap::fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mu[1]));
-    sum0 += s[4 * j] + s[4 * j + 1];
-    sum1 += s[4 * j + 2] + s[4 * j + 3];
-  }
-  l[0] = l[0] * alpha[0] + sum0;
-  l[1] = l[1] * alpha[1] + sum1;
-}
-
 // ---------------------------------------------------------------------------------------------
 // The decode / verify kernel. Grid: (tiles bound x n_kv, 1, splits); block: kThreads; dynamic smem
-// smem_bytes(kPipe).
-template <bool kVec16, bool kPipe>
+// kSmemBytes.
+template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const AttnArgs a) {
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
@@ -253,28 +191,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   const int cand_b = in.cand_b, cand_pos = in.cand_pos;
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
-  // Q: serial, the A fragments of this warp's token in registers (register-A QK wgmma: warp w =
-  // rows 16 w ..); pipelined, a 64-row K-major tile after the ring (row 16 w + head, 16-byte chunk
-  // c at c ^ (row & 7)), read by the QK wgmma from shared memory, to free 16 registers.
   uint32_t qa[4][4];
-  const uint32_t q_tile = base + kStages * kStageBytes;
-  if constexpr (kPipe) {
-    uint8_t* qs = smem + kStages * kStageBytes;
-#pragma unroll
-    for (int it = 0; it < 64 * 8 / kThreads; ++it) {
-      const int i = it * kThreads + tid;
-      const int row = i >> 3, c = i & 7, w = row >> 4, h = row & 15;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (w < nt && h < a.group)
-        v = *reinterpret_cast<const uint4*>(a.q + static_cast<int64_t>(t0 + w) * a.q_stride_t +
-                                            static_cast<int64_t>(g * a.group + h) * ak::kDim +
-                                            c * 16);
-      *reinterpret_cast<uint4*>(qs + row * ak::kDim + ((c ^ (row & 7)) << 4)) = v;
-    }
-    ap::fence_proxy_async();  // generic stores -> wgmma reads (after the barrier below)
-  } else {
-    ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
-  }
+  ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   __syncthreads();  // s_pos, s_nan
@@ -320,152 +238,69 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
     const int* lpage = s_list_page + off;
     const int* lvlim = s_list_vlim + off;
 
-    // Block j of the chunk goes to stage j % kStages, one commit group per block (empty ones
-    // included, so the counting is uniform); with_prefetch also asks L2 for block j + prefetch.
-    // An entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
-    // and its V rows are zeroed (vlim -1).
-    auto issue_load = [&](int j, bool with_prefetch) {
-      if (j < count && lmask[j])
-        ak::load_block<kVec16>(a, lpage[j], g, smem + (j % kStages) * kStageBytes);
+    // Ring: blocks 0 .. kStages-2 in flight before the loop; iteration i waits for block i (one
+    // commit group per block, empty ones included), then refills the stage of block i - 1 (free:
+    // every warp finished P V(i - 1) before the barrier) with block i + kStages - 1. An entry no
+    // token sees is not loaded: its stage holds stale bytes, every row masks its keys and its V
+    // rows are zeroed (vlim -1).
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + j * kStageBytes);
       ak::cp_async_commit();
-      const int jp = j + a.prefetch;
-      if (with_prefetch && a.prefetch > 0 && jp < count && lmask[jp])
-        ak::prefetch_block_l2(a, lpage[jp], g);
-    };
-    auto stage_addr = [&](int i) { return base + (i % kStages) * kStageBytes; };
-    auto stage_ptr = [&](int i) { return smem + (i % kStages) * kStageBytes; };
-    auto issue_qk = [&](int i) {  // S = Q K(i)^T
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        if constexpr (kPipe)
-          ap::wgmma_qk(s, ap::smem_desc(q_tile + 32 * kk, 16, 1024),
-                       ap::smem_desc(stage_addr(i) + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
-        else
-          ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(stage_addr(i) + 32 * kk, 16, 1024),
-                          kk > 0 ? 1 : 0);
-    };
-    auto issue_pv = [&](int i) {  // O += P V(i)
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        ap::wgmma_pv(o, p[kk], ap::smem_desc(stage_addr(i) + kk * 2048, kTileBytes, 1024));
-    };
-    // Once every warp's S(i) is done (K half free): V(i) -> f16 in place, then the softmax of S(i)
-    // (m, l, alpha; the weights stay in s). Returns nonzero when V(i) holds a NaN byte.
-    // A NaN V byte can only reach a row that must not see it when some present token of the tile
-    // misses a key <= vlim: a token outside the entry's mask, or one whose position stops before
-    // vlim. Otherwise every present token sees every converted key, and a NaN reaches exactly the
-    // (token, dim) cells the twin makes NaN: no check needed (the common case).
-    const int present = (1 << nt) - 1;
-    auto convert_softmax = [&](int i) {
-      const int mask = lmask[i];
-      const int vlim = mask ? lvlim[i] : -1;
-      int lmin = ak::kBlockKeys - 1;
-#pragma unroll
-      for (int w = 0; w < kQT; ++w)
-        if ((mask >> w) & 1) lmin = min(lmin, s_pos[w] - lb[i] * ak::kBlockKeys);
-      const bool check = mask != 0 && (mask != present || lmin < min(vlim, ak::kBlockKeys - 1));
-      constexpr int kPasses = kPipe ? 4 : 2;
-      const uint32_t nan = check ? convert_v_in_place<kPasses, true>(stage_ptr(i), vlim)
-                                 : convert_v_in_place<kPasses, false>(stage_ptr(i), vlim);
-      ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the next barrier)
-      const int lim = (mask >> tok) & 1 ? my_pos - lb[i] * ak::kBlockKeys : -1;
-      if constexpr (kPipe)
-        softmax_block_lazy(s, m, l, alpha, lim, a.scale_log2);
-      else
-        ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
-      return nan;
-    };
-    // Barrier after convert_softmax(i) (every warp's f16 V(i) visible), with the rare NaN path.
-    auto f16_barrier = [&](int i, uint32_t nan) {
-      if (__syncthreads_or(nan != 0u)) {
-        scrub_nan_rows(stage_ptr(i), lmask[i] ? lvlim[i] : -1, lmask[i], lb[i], s_pos, s_nan);
-        ap::fence_proxy_async();
-        __syncthreads();
-      }
-    };
-
-#pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) issue_load(j, false);
+    }
     for (int j = kStages - 1; j < min(count, kStages - 1 + a.prefetch); ++j)
       if (lmask[j]) ak::prefetch_block_l2(a, lpage[j], g);
-
-    if constexpr (!kPipe) {
-      // Serial: iteration i waits for block i, refills the stage of block i - 1 (every warp
-      // finished P V(i - 1) before the barrier) with block i + kStages - 1, then S, V -> f16,
-      // softmax, P V. The two CTAs of an SM overlap each other's phases.
-      for (int i = 0; i < count; ++i) {
-        ak::cp_async_wait<kStages - 2>();
-        __syncthreads();  // block i landed for every thread; stage of block i - 1 free
-        issue_load(i + kStages - 1, true);
-        ap::reg_fence(s);
-        ap::wgmma_fence();
-        issue_qk(i);
-        ap::wgmma_commit();
-        ap::wgmma_wait<0>();
-        ap::reg_fence(s);
-        __syncthreads();  // every warp's S is done: the K half is free
-        const uint32_t nan = convert_softmax(i);
-        ap::rescale_and_pack<true>(o, s, alpha, p);
-        f16_barrier(i, nan);
-        ap::reg_fence(o);
-        ap::reg_fence(p);
-        ap::wgmma_fence();
-        issue_pv(i);
-        ap::wgmma_commit();
-        ap::wgmma_wait<0>();
-        ap::reg_fence(o);
-      }
-    } else {
-      // Software-pipelined: S(i + 1) is issued before P V(i), and V(i + 1) -> f16 plus the softmax
-      // of S(i + 1) run while P V(i) is on the tensor cores; the stage of block i is refilled
-      // with block i + kStages once every warp's P V(i) is done.
+    int stage = 0;
+    for (int i = 0; i < count; ++i) {
       ak::cp_async_wait<kStages - 2>();
-      __syncthreads();  // block 0 landed
-      issue_load(kStages - 1, true);
+      __syncthreads();  // block i landed for every thread; stage of block i - 1 free
+      {
+        const int j = i + kStages - 1;
+        const int sj = stage == 0 ? kStages - 1 : stage - 1;
+        if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + sj * kStageBytes);
+        ak::cp_async_commit();
+        const int jp = j + a.prefetch;
+        if (a.prefetch > 0 && jp < count && lmask[jp]) ak::prefetch_block_l2(a, lpage[jp], g);
+      }
+      uint8_t* sbuf = smem + stage * kStageBytes;
+      const uint32_t saddr = base + stage * kStageBytes;
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+      const int mask = lmask[i];
+      const int b = lb[i];
+      const int vlim = mask ? lvlim[i] : -1;
+      const int lim = (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1;
+
+      // S = Q K^T.
       ap::reg_fence(s);
       ap::wgmma_fence();
-      issue_qk(0);
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
       ap::wgmma_commit();
       ap::wgmma_wait<0>();
       ap::reg_fence(s);
-      __syncthreads();
-      {
-        const uint32_t nan = convert_softmax(0);
-        ap::rescale_and_pack<true>(o, s, alpha, p);
-        f16_barrier(0, nan);
+      __syncthreads();  // every warp's S is done: the K half is free
+
+      const uint32_t nan = convert_v_in_place(sbuf, vlim);
+      ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
+      ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
+      ap::rescale_and_pack<true>(o, s, alpha, p);
+      if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
+        scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
+        ap::fence_proxy_async();
+        __syncthreads();
       }
-      for (int i = 0; i < count; ++i) {
-        const bool has_next = i + 1 < count;
-        ak::cp_async_wait<kStages - 2>();
-        __syncthreads();  // block i + 1 landed for every thread
-        ap::reg_fence(o);
-        ap::reg_fence(s);
-        ap::reg_fence(p);
-        ap::wgmma_fence();
-        // Every wgmma is issued unconditionally (a branch around wgmma serialises them): in the
-        // last iteration S is recomputed over the stage of block i and discarded.
-        issue_qk(has_next ? i + 1 : i);
-        ap::wgmma_commit();
-        issue_pv(i);
-        ap::wgmma_commit();
-        ap::wgmma_wait<1>();  // S(i + 1) done; P V(i) may still run
-        ap::reg_fence(s);
-        uint32_t nan = 0;
-        if (has_next) {
-          __syncthreads();  // every warp's S(i + 1) is done: its K half is free
-          nan = convert_softmax(i + 1);
-        }
-        ap::wgmma_wait<0>();
-        ap::reg_fence(o);
-        ap::reg_fence(p);
-        if (has_next) {
-          ap::rescale_and_pack<true>(o, s, alpha, p);
-          f16_barrier(i + 1, nan);  // also: every warp's P V(i) is done
-        } else {
-          __syncthreads();
-        }
-        issue_load(i + kStages, true);  // into the stage of block i
-      }
+
+      // O += P V.
+      ap::reg_fence(o);
+      ap::reg_fence(p);
+      ap::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        ap::wgmma_pv(o, p[kk], ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024));
+      ap::wgmma_commit();
+      ap::wgmma_wait<0>();
+      ap::reg_fence(o);
     }
     ak::cp_async_wait<0>();
     __syncthreads();  // stages and entries are free for the next chunk; s_nan complete

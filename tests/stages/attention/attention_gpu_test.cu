@@ -310,21 +310,17 @@ std::string cfg_name(const AttentionCudaConfig& c) {
   os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits << " v_convert "
      << c.v_convert << " kernel " << c.kernel;
   if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
-  if (c.verify_pipeline != 0) os << " verify_pipeline " << c.verify_pipeline;
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch, verify_pipeline}; 0 = the plan's
-// choice. Kernel 2 is the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode / verify
-// kernel (4 tokens per tile; verify_pipeline 2 its software-pipelined variant); l2_prefetch only
-// changes when bytes arrive, never the result.
+// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch}; 0 = the plan's choice. Kernel 2 is
+// the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode / verify kernel (4 tokens per
+// tile); l2_prefetch only changes when bytes arrive, never the result.
 const std::vector<AttentionCudaConfig> kAllConfigs = {
-    {0, 0, 0},          {1, 1, 0},         {1, 3, 0},       {1, 16, 0},      {2, 1, 0},
-    {2, 2, 0},          {4, 1, 1},         {4, 1, 2},       {4, 5, 1},       {4, 5, 2},
-    {8, 1, 0, 2},       {8, 3, 0, 2},      {0, 0, 0, 2},    {8, 1, 0, 3},    {8, 3, 0, 3},
-    {8, 1, 0, 4},       {8, 3, 0, 4},      {4, 1, 0, 5},    {4, 3, 0, 5},    {0, 0, 0, 5},
-    {1, 1, 0, 1, 3},    {4, 2, 1, 1, 2},   {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}, {4, 1, 0, 5, 0, 2},
-    {4, 3, 0, 5, 2, 2}, {0, 0, 0, 5, 0, 2}};
+    {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
+    {4, 1, 1},    {4, 1, 2},    {4, 5, 1},       {4, 5, 2},       {8, 1, 0, 2},    {8, 3, 0, 2},
+    {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
+    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}};
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -522,7 +518,7 @@ TEST(AttentionGpu, WgmmaLayoutProbes) {
          {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2},
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
           AttentionCudaConfig{0, 2, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
-          AttentionCudaConfig{0, 2, 0, 5}, AttentionCudaConfig{0, 1, 0, 5, 0, 2}}) {
+          AttentionCudaConfig{0, 2, 0, 5}}) {
       const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
       const int failures = ::testing::Test::HasFailure() ? 1 : 0;
       const double worst = expect_matches(pr, d, got, what + ", " + cfg_name(cfg));
@@ -776,12 +772,9 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                        {4, 1, 2},
                        {4, 2, 2},
                        {4, 1, 0, 5},
-                       {4, 3, 0, 5},
-                       {4, 1, 0, 5, 0, 2},
-                       {4, 3, 0, 5, 0, 2}});
-    check_all_configs(
-        pr, false, "NaN in some tokens' keys",
-        {{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}, {4, 2, 0, 5, 0, 2}});
+                       {4, 3, 0, 5}});
+    check_all_configs(pr, false, "NaN in some tokens' keys",
+                      {{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}});
   }
 }
 
@@ -796,9 +789,7 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
   Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_all_configs(
-      pr, true, "sanitizer",
-      {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 1, 0, 5, 0, 2}, {4, 3, 0, 5, 2, 2}, {4, 2, 2}});
+  check_all_configs(pr, true, "sanitizer", {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 2, 2}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -814,7 +805,7 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
           AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
           AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
-          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 2}}) {
+          AttentionCudaConfig{0, 1, 0, 5, 2}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -955,8 +946,6 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch 9");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, -2}, StatusCode::kUnsupported,
                   "l2_prefetch -2");
-  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 0, 5, 0, 3}, StatusCode::kUnsupported,
-                  "verify_pipeline 3");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
 

@@ -69,6 +69,7 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
+#include "core/mbarrier.cuh"
 #include "m3attn/status.h"
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
@@ -129,34 +130,11 @@ static_assert(ak::kMaxSplits <= 256, "split index in 8 bits");
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers (mbarrier, TMA, named barriers, register reallocation).
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done = 0;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits for the completion of the phase with this parity; traps after ~2^34 cycles (a lost
-// arrival or a parity bug fails the launch instead of hanging the device).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
-  const long long start = clock64();
-  while (!mbar_try_wait(bar, parity))
-    if (clock64() - start > (1ll << 34)) __trap();
-}
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_try_wait;
+using sm90::mbar_wait;
 
 __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
                                             int c2, int c3, uint32_t bar) {
@@ -389,7 +367,7 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
         h.lim[w] = (e.mask >> w) & 1 ? it.pos[w] - e.b * ak::kBlockKeys : -1;
       const uint32_t full = bar_addr(sh.full[s]);
       const uint32_t stage = base + s * kStageBytes;
-      mbar_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
+      mbar_arrive_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
       if (e.flags & kFirst)
         tma_load_3d(base + kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
       tma_load_4d(stage, kmap, 0, 0, it.g, e.page, full);

@@ -71,6 +71,7 @@
 
 #include <climits>
 
+#include "core/mbarrier.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_merge.cuh"
 
@@ -184,32 +185,17 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
+  sm90::mbar_init(smem_addr(bar), count);
 }
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
+  sm90::mbar_arrive_expect_tx(smem_addr(bar), bytes);
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { sm90::mbar_arrive(smem_addr(bar)); }
 __device__ __forceinline__ bool mbar_try_wait_parity(uint64_t* bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n"
-      "}\n"
-      : "=r"(done)
-      : "r"(smem_addr(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
+  return sm90::mbar_try_wait(smem_addr(bar), parity);
 }
 // Waits for the phase of the given parity; a wait beyond ~2^32 cycles (seconds: a lost bulk copy)
 // traps instead of hanging, so a broken launch fails visibly.

@@ -55,6 +55,7 @@
 
 #include <cstddef>
 
+#include "core/mbarrier.cuh"
 #include "stages/producer/producer_kernel_common.cuh"
 #include "stages/producer/producer_kernel_tma_lanes.cuh"
 #include "stages/producer/producer_kernel_tma_plan.cuh"
@@ -168,25 +169,12 @@ inline size_t tma_smem_bytes(const TmaGeometry& g, int stages) {
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
+  sm90::mbar_init(smem_addr(bar), count);
 }
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { sm90::mbar_arrive(smem_addr(bar)); }
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n"
-        ".reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.b32 %0, 1, 0, p;\n"
-        "}\n"
-        : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
-        : "memory");
-  } while (!done);
+  while (!sm90::mbar_try_wait(smem_addr(bar), parity)) {
+  }
 }
 // 1-D bulk copy global -> shared, completion (bytes) counted on `bar`. 16-byte aligned addresses,
 // size a multiple of 16.

@@ -110,6 +110,33 @@ Timing time_graph_cold(const std::function<void(cudaStream_t)>& launch, cudaStre
   return t;
 }
 
+Timing time_graph_back_to_back(const std::function<void(cudaStream_t, int)>& launch, int copies,
+                               cudaStream_t stream, int calls, int warmup, int iters) {
+  if (copies < 1) copies = 1;
+  if (calls <= 0) calls = std::max(8, 2 * copies);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+  for (int i = 0; i < calls; ++i) launch(stream, i % copies);
+  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  Timing t = time_loop([&](cudaStream_t s) { check_cuda(cudaGraphLaunch(exec, s), "replay"); },
+                       stream, warmup, iters);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  t.median_us /= calls;
+  t.min_us /= calls;
+  t.p90_us /= calls;
+  return t;
+}
+
+int back_to_back_copies(size_t input_bytes_per_call) {
+  constexpr size_t kSpan = size_t{240} << 20;  // 4 x the H200's 60 MB of L2
+  if (input_bytes_per_call == 0) return 64;
+  const size_t n = (kSpan + input_bytes_per_call - 1) / input_bytes_per_call;
+  return static_cast<int>(std::min<size_t>(64, std::max<size_t>(1, n)));
+}
+
 void Row::add(const std::string& name, double value, int precision) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(precision) << value;

@@ -1,7 +1,17 @@
 // Benchmark helpers shared by bench/*_bench.cu: CUDA-event timing with a cold L2 (a 256 MB buffer
 // is overwritten between iterations so no input stays cached), CUDA-graph replay timing for
 // decode-sized calls (the flush is a memset followed by a read sweep, so no dirty line is written
-// back inside the timed region), the measured ceilings, and a table / JSON printer.
+// back inside the timed region), back-to-back timing over rotating input copies, the measured
+// ceilings, and a table / JSON printer.
+//
+// Two timings of one call, both with cold inputs:
+//   isolated     one call (or one graph replay) after an L2 flush, CUDA events around it: includes
+//                the launch and the event overhead (~3 us on the H200, see bandwidth_bench's
+//                "empty kernel" row), i.e. what a lone call costs;
+//   back-to-back `calls` calls captured in one graph and replayed after a flush, call i reading
+//                input copy i % copies (enough copies that no call finds its inputs in L2): graph
+//                time / calls, i.e. what a call costs inside a captured decode step where launches
+//                follow each other. Launch latency is hidden; each call's ramp-up and tail are not.
 // M3_BENCH_PROFILE=1 in the environment runs each timed case once (no warmup) for profilers.
 #pragma once
 
@@ -32,6 +42,14 @@ Timing time_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t s
 // Captures `launch` once in a CUDA graph, then times replays (cold L2 each time).
 Timing time_graph_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream,
                        int warmup = 3, int iters = 50);
+
+// Back-to-back per-call time (see the top of this file). launch(stream, copy) enqueues one call
+// that reads input copy `copy` (0 <= copy < copies); calls = 0 means max(8, 2 * copies).
+Timing time_graph_back_to_back(const std::function<void(cudaStream_t, int)>& launch, int copies,
+                               cudaStream_t stream, int calls = 0, int warmup = 2, int iters = 15);
+// Input copies a back-to-back sequence needs so that no call finds its inputs in L2: the copies
+// together span at least 4 x 60 MB (1 for calls of 240 MB or more, at most 64).
+int back_to_back_copies(size_t input_bytes_per_call);
 
 struct Row {
   std::vector<std::pair<std::string, std::string>> cells;  // column name -> formatted value

@@ -12,19 +12,25 @@
 // Before timing, every configuration is checked against the CPU twin on a few requests/tokens
 // (rebuilt as small host batches over copies of only their pages): PASS / FAIL.
 // Paths: the default (fused decode above 128 pages of context: scoring + per-split top-15 in one
-// kernel, then the merge; below, the two-kernel path) and the two-kernel path
+// kernel, then the merge; below, the two-kernel path), the two-kernel path
 // (IndexerCudaOptions::unfused_decode: every block score to the workspace, then the selection
-// kernel) are both timed and spot-checked (fused_us, 2kernel_us; us = the one the default plan
-// picks); the plan column shows the default's
-// launch plan (f = fused, fb = fused with bulk copies, 2 = two-kernel; k = splits per request,
-// c = blocks per split, w = merge warps per row).
+// kernel) and, at contexts of <= 64 blocks, the single pass (IndexerCudaOptions::single_pass: one
+// split, rows finished by the scorer, no second kernel) are all timed and spot-checked (fused_us,
+// 2kernel_us, single_us; us = the one the default plan picks); the plan column shows the
+// default's launch plan (f = fused, fb = fused with bulk copies, s = single pass, 2 = two-kernel;
+// k = splits per request, c = blocks per split, w = merge warps per row).
+// Two timings per path (bench_util.h): isolated (us: one graph replay after an L2 flush, launch
+// cost included) and back to back (b2b_us: calls captured in one graph, call i over page-table
+// copy i % copies, each copy mapping the requests onto its own pages of the pool, so every call's
+// index-K is cold; `copies` column). One call of the back-to-back sequence is spot-checked too.
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
 //   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
 //   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the fused and the
-//   two-kernel paths (or the flag's path) over k_splits at batch 64 / 256, context 8K / 32K,
-//   draft 0), --contiguous (each request's pages consecutive in the pool instead of scattered over
-//   it: the TLB / DRAM-locality comparison), --cluster (the default and fused paths with
-//   IndexerCudaOptions::cluster_finish: no merge kernel where the plan allows, plan "x").
+//   two-kernel paths (or the flag's path) over k_splits, and the single pass, at batch 64 / 256,
+//   context 8K (draft 0 and 3) and 32K (draft 0)), --contiguous (each request's pages consecutive
+//   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
+//   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
+//   context must be in the table's sets).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -96,9 +102,15 @@ struct Pool {
 struct Case {
   int R = 0, ctx = 0, new_tokens = 0, max_pages = 0;
   int64_t T = 0;
-  std::vector<int32_t> qs, pos, lens, table;
-  void *d_qs = nullptr, *d_pos = nullptr, *d_lens = nullptr, *d_table = nullptr, *d_iq = nullptr,
-       *d_ids = nullptr, *d_ws = nullptr;
+  std::vector<int32_t> qs, pos, lens;
+  // Page tables of the back-to-back input copies: copy i maps the requests onto its own pages
+  // (disjoint from the other copies' where the pool allows), so every call of a back-to-back
+  // sequence reads cold index-K; copy 0 is the one the isolated timing uses.
+  int copies = 1;
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<void*> d_tables;
+  void *d_qs = nullptr, *d_pos = nullptr, *d_lens = nullptr, *d_iq = nullptr, *d_ids = nullptr,
+       *d_ws = nullptr;
   size_t ws_bytes = 0;
   IndexerParams p;
   TensorView ws;
@@ -128,8 +140,13 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
   c.qs.resize(R + 1);
   c.lens.assign(R, ctx);
   c.pos.resize(c.T);
-  c.table.assign(perm.begin(), perm.begin() + need);
-  if (g_contiguous) std::iota(c.table.begin(), c.table.end(), 0);
+  c.copies = static_cast<int>(std::min<int64_t>(
+      bench::back_to_back_copies(static_cast<size_t>(need * kPageBytes)), pool.pages / need));
+  for (int i = 0; i < c.copies; ++i) {
+    std::vector<int32_t> t(perm.begin() + i * need, perm.begin() + (i + 1) * need);
+    if (g_contiguous) std::iota(t.begin(), t.end(), static_cast<int32_t>(i * need));
+    c.tables.push_back(std::move(t));
+  }
   for (int r = 0; r <= R; ++r) c.qs[r] = r * new_tokens;
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < new_tokens; ++i) c.pos[int64_t{r} * new_tokens + i] = ctx - new_tokens + i;
@@ -140,7 +157,7 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
   c.d_qs = upload(c.qs.data(), c.qs.size() * 4);
   c.d_pos = upload(c.pos.data(), c.pos.size() * 4);
   c.d_lens = upload(c.lens.data(), c.lens.size() * 4);
-  c.d_table = upload(c.table.data(), c.table.size() * 4);
+  for (const auto& t : c.tables) c.d_tables.push_back(upload(t.data(), t.size() * 4));
   c.d_iq = device_alloc(static_cast<size_t>(c.T) * kNkv * kHeadDim);
   fill_device(static_cast<uint8_t*>(c.d_iq), c.T * kNkv * kHeadDim, seed ^ 0x1234);
   c.d_ids = device_alloc(static_cast<size_t>(c.T) * kNkv * kTopK * 4);
@@ -158,15 +175,16 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
   c.p.batch.positions = TensorView::contiguous(c.d_pos, DType::kI32, {c.T}, dev);
   c.p.batch.seq_lens = TensorView::contiguous(c.d_lens, DType::kI32, {R}, dev);
   c.p.batch.page_table =
-      TensorView::contiguous(c.d_table, DType::kI32, {R, int64_t{c.max_pages}}, dev);
+      TensorView::contiguous(c.d_tables[0], DType::kI32, {R, int64_t{c.max_pages}}, dev);
   c.p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
   c.ws = TensorView::contiguous(c.d_ws, DType::kF32, {static_cast<int64_t>(c.ws_bytes / 4)}, dev);
   return c;
 }
 
 void free_case(Case& c) {
-  for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_table, c.d_iq, c.d_ids, c.d_ws})
+  for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_iq, c.d_ids, c.d_ws})
     if (d) cudaFree(d);
+  for (void* d : c.d_tables) cudaFree(d);
 }
 
 // A slice to verify: tokens [first, first + count) of request r.
@@ -174,9 +192,10 @@ struct Slice {
   int r, first, count;
 };
 
-// Rebuilds the slices as a host batch (one request each, over copies of their pages) and checks
-// the GPU ids of those tokens against the twin: exact equality (integer inputs).
-bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
+// Rebuilds the slices as a host batch (one request each, over copies of their pages in page table
+// copy `copy`) and checks the GPU ids of those tokens against the twin: exact equality (integer
+// inputs).
+bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slices, int copy,
                 std::string* why) {
   std::vector<uint8_t> ids_gpu(static_cast<size_t>(c.T) * kNkv * kTopK * 4);
   check_cuda(cudaMemcpy(ids_gpu.data(), c.d_ids, ids_gpu.size(), cudaMemcpyDeviceToHost), "ids");
@@ -204,7 +223,7 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slice
     const int len = c.pos[t0 + s.count - 1] + 1;
     lens.ptr<int32_t>()[i] = len;
     for (int j = 0; j < (len + kPageSize - 1) / kPageSize; ++j, ++page) {
-      const int32_t src = c.table[static_cast<size_t>(s.r) * c.max_pages + j];
+      const int32_t src = c.tables[copy][static_cast<size_t>(s.r) * c.max_pages + j];
       check_cuda(
           cudaMemcpy(pool_h.ptr<uint8_t>() + page * kPageBytes,
                      pool.data + int64_t{src} * kPageBytes, kPageBytes, cudaMemcpyDeviceToHost),
@@ -252,37 +271,70 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slice
   return true;
 }
 
+struct Times {
+  bench::Timing iso;  // isolated: one graph replay (or eager call) after an L2 flush
+  bench::Timing b2b;  // back-to-back over the case's page-table copies (graph timing only)
+};
+
 // Runs `o` once, spot-checks the slices against the twin (FAIL printed to stderr, *pass cleared),
-// then times it: CUDA-graph replays (graph) or eager launches, cold L2 either way.
-bench::Timing check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
-                             const IndexerCudaOptions& o, cudaStream_t stream, bool graph,
-                             const std::string& what, bool* pass) {
-  const auto launch = [&](cudaStream_t s) {
-    const Status st = run_indexer_cuda(c.p, c.ws, s, o);
+// then times it: CUDA-graph replays (graph) or eager launches, cold L2 either way; with graph,
+// also back to back (call i over page-table copy i % copies), followed by a spot check of one
+// call of that sequence (the last copy's).
+Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
+                     const IndexerCudaOptions& o, cudaStream_t stream, bool graph,
+                     const std::string& what, bool* pass) {
+  const auto launch_copy = [&](cudaStream_t s, int copy) {
+    IndexerParams p = c.p;
+    p.batch.page_table.data = c.d_tables[copy];
+    const Status st = run_indexer_cuda(p, c.ws, s, o);
     if (!st.ok()) {
       std::fprintf(stderr, "run_indexer_cuda: %s\n", st.to_string().c_str());
       std::exit(1);
     }
   };
-  check_cuda(cudaMemsetAsync(c.d_ids, 0xa5, static_cast<size_t>(c.T) * kNkv * kTopK * 4, stream),
-             "poison");
-  launch(stream);
-  check_cuda(cudaStreamSynchronize(stream), "check run");
-  std::string why;
-  if (!spot_check(c, pool, slices, &why)) {
-    *pass = false;
-    std::fprintf(stderr, "FAIL %s (%s): %s\n", what.c_str(),
-                 o.unfused_decode ? "two-kernel" : (o.decode_bulk_copy ? "bulk" : "default"),
-                 why.c_str());
+  const auto launch = [&](cudaStream_t s) { launch_copy(s, 0); };
+  const auto check = [&](int copy, const char* how) {
+    check_cuda(cudaMemsetAsync(c.d_ids, 0xa5, static_cast<size_t>(c.T) * kNkv * kTopK * 4, stream),
+               "poison");
+    launch_copy(stream, copy);
+    check_cuda(cudaStreamSynchronize(stream), "check run");
+    std::string why;
+    if (!spot_check(c, pool, slices, copy, &why)) {
+      *pass = false;
+      std::fprintf(stderr, "FAIL %s (%s, %s): %s\n", what.c_str(),
+                   o.unfused_decode ? "two-kernel"
+                   : o.single_pass  ? "single pass"
+                                    : (o.decode_bulk_copy ? "bulk" : "default"),
+                   how, why.c_str());
+    }
+  };
+  check(0, "isolated");
+  Times t;
+  if (!graph) {
+    t.iso = bench::time_cold(launch, stream, 2, 10);
+    return t;
   }
-  return graph ? bench::time_graph_cold(launch, stream) : bench::time_cold(launch, stream, 2, 10);
+  t.iso = bench::time_graph_cold(launch, stream);
+  t.b2b = bench::time_graph_back_to_back(launch_copy, c.copies, stream);
+  check(c.copies - 1, "back-to-back copy");
+  return t;
 }
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2") + (pl.cluster ? "x" : "") +
-         " k" + std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+  return std::string(pl.single ? "s" : (pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2")) + " k" +
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
+}
+
+double pct_copy(const Case& c, double us) {
+  return 100.0 * c.index_bytes / (us * 1e3) / bench::kCopyBandwidthGBs;
+}
+
+std::string fixed1(double v) {
+  char b[32];
+  std::snprintf(b, sizeof b, "%.1f", v);
+  return b;
 }
 
 std::string kilo(int v) {
@@ -295,7 +347,8 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       cluster = false;
+       only = false;
+  int only_batch = 0, only_ctx = 0, only_draft = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -310,22 +363,23 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--contiguous")
       g_contiguous = true;
-    else if (a == "--cluster")
-      cluster = true;
+    else if (a == "--case" && i + 1 < argc &&
+             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
+      only = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
-                   "[--cluster]\n",
+                   "[--case BATCH,CONTEXT,DRAFT]\n",
                    argv[0]);
       return 2;
     }
   }
-  IndexerCudaOptions default_o, fused_o, two_o, bulk_o;
+  IndexerCudaOptions default_o, fused_o, two_o, bulk_o, single_o;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   bulk_o.decode_bulk_copy = true;
   bulk_o.fused_decode_always = true;
-  default_o.cluster_finish = fused_o.cluster_finish = cluster;
+  single_o.single_pass = true;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
@@ -352,43 +406,51 @@ int main(int argc, char** argv) {
   for (int draft : {0, 3}) {
     for (int ctx : contexts) {
       for (int batch : batches) {
+        if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
         Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
         std::vector<Slice> slices = {{0, 0, 1 + draft}};
         if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
         const std::string what = "decode b" + std::to_string(batch) + " ctx " +
                                  std::to_string(ctx) + " draft " + std::to_string(draft);
         bool pass = true;
-        // Default flags: both paths explicitly (fused always, two-kernel); the default path's time
-        // is the one its plan picks.
-        bench::Timing tm, tmf, tm2;
+        // Default flags: every path explicitly (fused always, two-kernel, single pass where it
+        // applies); the default path's times are those of the path its plan picks.
+        Times tm, tmf, tm2, tms;
+        const IndexerCudaPlan dplan = indexer_cuda_plan(c.p, default_o);
+        const bool has_single = compare_paths && indexer_cuda_plan(c.p, single_o).single;
         if (compare_paths) {
           tmf = check_and_time(c, pool, slices, fused_o, stream, true, what, &pass);
           tm2 = check_and_time(c, pool, slices, two_o, stream, true, what, &pass);
-          tm = indexer_cuda_plan(c.p, default_o).fused ? tmf : tm2;
+          if (has_single)
+            tms = check_and_time(c, pool, slices, single_o, stream, true, what, &pass);
+          tm = dplan.single ? tms : (dplan.fused ? tmf : tm2);
         } else {
           tm = check_and_time(c, pool, slices, main_o, stream, true, what, &pass);
         }
         all_pass = all_pass && pass;
-        const double gbs = c.index_bytes / (tm.median_us * 1e3);
+        const double gbs = c.index_bytes / (tm.iso.median_us * 1e3);
         bench::Row row;
         row.add("batch", std::to_string(batch));
         row.add("context", kilo(ctx));
         row.add("draft", std::to_string(draft));
         row.add("check", pass ? "PASS" : "FAIL");
-        row.add("us", tm.median_us, 1);
-        row.add("min_us", tm.min_us, 1);
+        row.add("us", tm.iso.median_us, 1);
+        row.add("b2b_us", tm.b2b.median_us, 1);
+        row.add("min_us", tm.iso.min_us, 1);
         row.add("index_MB", c.index_bytes / 1e6, 1);
         row.add("GB/s", gbs, 0);
-        row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+        row.add("%copy", pct_copy(c, tm.iso.median_us), 1);
+        row.add("b2b_%copy", pct_copy(c, tm.b2b.median_us), 1);
         if (compare_paths) {
-          row.add("fused_us", tmf.median_us, 1);
-          row.add("f_%copy",
-                  100.0 * c.index_bytes / (tmf.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
-          row.add("2kernel_us", tm2.median_us, 1);
-          row.add("2k_%copy",
-                  100.0 * c.index_bytes / (tm2.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
+          row.add("fused_us", tmf.iso.median_us, 1);
+          row.add("f_b2b_us", tmf.b2b.median_us, 1);
+          row.add("2kernel_us", tm2.iso.median_us, 1);
+          row.add("2k_b2b_us", tm2.b2b.median_us, 1);
+          row.add("single_us", has_single ? fixed1(tms.iso.median_us) : "-");
+          row.add("s_b2b_us", has_single ? fixed1(tms.b2b.median_us) : "-");
         }
         row.add("plan", plan_str(c, main_o));
+        row.add("copies", std::to_string(c.copies));
         std::string peer = "-";
         if (batch == 256 && ctx == 8192) peer = "175";
         if (batch == 256 && ctx == 32768) peer = "539";
@@ -398,59 +460,69 @@ int main(int argc, char** argv) {
       }
     }
   }
-  bench::print_rows(unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
-                    : bulk_only  ? "indexer decode, fused path with bulk copies (graph replay, "
-                                   "cold L2, n_kv 4)"
-                                 : "indexer decode (graph replay, cold L2, n_kv 4; us = default "
-                                   "path (plan), fused_us = fused_decode_always, 2kernel_us = "
-                                   "unfused_decode)",
-                    rows, json);
+  bench::print_rows(
+      unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
+      : bulk_only  ? "indexer decode, fused path with bulk copies (graph replay, cold L2, n_kv 4)"
+                   : "indexer decode (graph replay, cold L2, n_kv 4; us / b2b_us = default path "
+                     "(plan) isolated / back to back, fused = fused_decode_always, 2kernel = "
+                     "unfused_decode, single = single_pass where it applies)",
+      rows, json);
 
-  if (sweep) {
+  if (sweep && !only) {
+    // Draft 0 and 3 at 8K, draft 0 at 32K; the single pass once per 8K case.
     rows.clear();
     for (int ctx : {8192, 32768}) {
-      for (int batch : {64, 256}) {
-        Case c = make_case(batch, ctx, 1, pool, rng, rng());
-        const std::vector<Slice> slices = {{0, 0, 1}, {batch - 1, 0, 1}};
-        for (int path = 0; path < (compare_paths ? 2 : 1); ++path)
-          for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
-            IndexerCudaOptions o = path == 0 ? sweep_o : two_o;
-            o.k_splits = k;
-            if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
-            const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
-                                     std::to_string(ctx) + " k " + std::to_string(k);
-            bool pass = true;
-            const bench::Timing tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
-            all_pass = all_pass && pass;
-            const double gbs = c.index_bytes / (tm.median_us * 1e3);
-            bench::Row row;
-            row.add("batch", std::to_string(batch));
-            row.add("context", kilo(ctx));
-            row.add("k_splits", k == 0 ? std::string("auto") : std::to_string(k));
-            row.add("plan", plan_str(c, o));
-            row.add("check", pass ? "PASS" : "FAIL");
-            row.add("us", tm.median_us, 1);
-            row.add("%copy", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-            rows.push_back(row);
-          }
-        free_case(c);
+      for (int draft : {0, 3}) {
+        if (ctx > 8192 && draft > 0) continue;
+        for (int batch : {64, 256}) {
+          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+          const std::vector<Slice> slices = {{0, 0, 1 + draft}, {batch - 1, 0, 1 + draft}};
+          for (int path = 0; path < (compare_paths ? 3 : 1); ++path)
+            for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
+              IndexerCudaOptions o = path == 0 ? sweep_o : (path == 1 ? two_o : single_o);
+              o.k_splits = k;
+              if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
+              if (path == 2 && (k > 0 || !indexer_cuda_plan(c.p, o).single)) continue;
+              const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
+                                       std::to_string(ctx) + " draft " + std::to_string(draft) +
+                                       " k " + std::to_string(k);
+              bool pass = true;
+              const Times tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
+              all_pass = all_pass && pass;
+              bench::Row row;
+              row.add("batch", std::to_string(batch));
+              row.add("context", kilo(ctx));
+              row.add("draft", std::to_string(draft));
+              row.add("k_splits", k == 0 ? std::string("auto") : std::to_string(k));
+              row.add("plan", plan_str(c, o));
+              row.add("check", pass ? "PASS" : "FAIL");
+              row.add("us", tm.iso.median_us, 1);
+              row.add("%copy", pct_copy(c, tm.iso.median_us), 1);
+              row.add("b2b_us", tm.b2b.median_us, 1);
+              row.add("b2b_%copy", pct_copy(c, tm.b2b.median_us), 1);
+              rows.push_back(row);
+            }
+          free_case(c);
+        }
       }
     }
     bench::print_rows(std::string("indexer decode split sweep (") +
                           (unfused_only ? "two-kernel"
                            : bulk_only  ? "fused, bulk copies"
-                                        : "fused rows, then two-kernel rows") +
-                          ", draft 0, graph replay, cold L2)",
+                                        : "fused rows, two-kernel rows, single pass") +
+                          ", graph replay, cold L2; isolated and back to back)",
                       rows, json);
   }
 
   rows.clear();
   for (int ctx : {8192, 65536}) {
+    if (only) break;  // --case: that decode case alone
     Case c = make_case(1, ctx, 8192, pool, rng, rng());
     const std::vector<Slice> slices = {{0, 0, 3}, {0, 2047, 3}, {0, 8189, 3}};
     const std::string what = "prefill ctx " + std::to_string(ctx);
     bool pass = true;
-    const bench::Timing tm = check_and_time(c, pool, slices, main_o, stream, false, what, &pass);
+    const bench::Timing tm =
+        check_and_time(c, pool, slices, main_o, stream, false, what, &pass).iso;
     all_pass = all_pass && pass;
     bench::Row row;
     row.add("chunk", "8K");

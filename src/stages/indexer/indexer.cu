@@ -27,8 +27,6 @@ constexpr int64_t kTargetCtasPerSm = 8;
 // The fused decode path is chosen automatically above this many page-table columns (see
 // IndexerCudaOptions::fused_decode_always).
 constexpr int kFusedAutoMinPages = 128;
-// Largest portable thread-block cluster: splits per unit of the cluster-finish variant.
-constexpr int64_t kMaxClusterSplits = 8;
 // Blocks per split the automatic plan aims for in decode units (two-kernel path, see make_plan).
 constexpr int64_t kDecodeChunk = 16;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
@@ -100,7 +98,7 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool bulk = false;
-  bool cluster = false;
+  bool single = false;
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -160,19 +158,23 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
                                      fchunk);
       fchunk = std::max(fchunk, round4(ceil_div(max_pages, kmax)));  // list capacity
-      // At most kMaxClusterSplits splits (one portable cluster), where chunks can be that long.
-      if (o.cluster_finish && ceil_div(max_pages, kMaxClusterSplits) <= ik::kFusedMaxChunk)
-        fchunk = std::max(fchunk, round4(ceil_div(max_pages, kMaxClusterSplits)));
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
     if (need <= kmax && need <= 65535) {
       pl.fused = true;
       pl.bulk = o.decode_bulk_copy;
-      pl.cluster = o.cluster_finish && !pl.bulk && need <= kMaxClusterSplits;
       k = need;
       chunk = fchunk;
     }
+  }
+  if (pl.mma && o.single_pass && !o.unfused_decode && !o.decode_bulk_copy && T > 0 &&
+      max_pages <= ik::kFusedMaxChunk) {
+    // One split of every block (max_pages > kTopK here): the scorer finishes the rows.
+    pl.fused = pl.single = true;
+    pl.bulk = false;
+    k = 1;
+    chunk = round4(max_pages);
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
@@ -215,7 +217,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
   info.bulk_copy = pl.bulk;
-  info.cluster = pl.cluster;
+  info.single = pl.single;
   return info;
 }
 
@@ -296,32 +298,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
-    if (pl.cluster) {
-      // Clusters of the k_splits CTAs of one unit (grid.y == k_splits <= 8); the CTAs finish
-      // their rows themselves: no merge kernel follows.
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ik::score_fused_cluster_kernel,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   ik::kFusedSmemBytes));
-      cudaLaunchConfig_t ccfg = {};
-      ccfg.gridDim = grid;
-      ccfg.blockDim = dim3(ik::kMmaThreads);
-      ccfg.dynamicSmemBytes = ik::kFusedSmemBytes;
-      ccfg.stream = stream;
-      cudaLaunchAttribute cattr[1];
-      cattr[0].id = cudaLaunchAttributeClusterDimension;
-      cattr[0].val.clusterDim.x = 1;
-      cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
-      cattr[0].val.clusterDim.z = 1;
-      ccfg.attrs = cattr;
-      ccfg.numAttrs = 1;
-      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ik::score_fused_cluster_kernel, a));
-      M3_CUDA_CHECK_LAUNCH();
-      return Status::Ok();
-    }
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).
-      const auto kernel = pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel;
+      const auto kernel = pl.single
+                              ? ik::score_fused_single_kernel
+                              : (pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel);
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);
@@ -335,6 +317,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);
     }
     M3_CUDA_CHECK_LAUNCH();
+    if (pl.single) return Status::Ok();  // the scorer wrote every row
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
   // CTAs run (saving the launch gap); it executes griddepcontrol.wait before touching the

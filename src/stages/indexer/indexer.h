@@ -102,16 +102,14 @@ struct IndexerCudaOptions {
   // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
   // mbarriers instead of 16-byte cp.async (same results; a performance variant, slower so far).
   bool decode_bulk_copy = false;
-  // Fused path only: launch the scorer in thread-block clusters of (1, k_splits, 1) and let the
-  // CTAs of each decode unit (and overflow tile) finish their rows after a cluster barrier
-  // instead of a separate merge kernel (same ids). Applies when the plan's splits per unit are
-  // <= 8 (the automatic plan then caps them at 8); otherwise the merge kernel runs as usual.
-  // Session 11 round 2: equal or slower (64 x 8K 29.0 vs 29.5 us, 256 x 8K 83.0 vs 81.2 us,
-  // 256 x 32K 270 vs 266 us), so off by default.
-  // Device data that breaks the contract: with a query_start that is not monotone, rows of
-  // tokens that no decode unit and no overflow tile claims are left unwritten (the merge kernel
+  // Single pass: where max_pages <= 64 (contexts up to 8K) and the tensor-core fused path can
+  // run (!unfused_decode, !decode_bulk_copy), the fused scorer with one split per unit (k_splits
+  // is ignored) writes block_ids itself: a decode unit's CTA selects from all its block maxima at
+  // once, an overflow tile from the block scores it wrote; no merge kernel follows (same ids).
+  // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
+  // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
-  bool cluster_finish = false;
+  bool single_pass = false;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -137,7 +135,7 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
   int merge_wpr = 0;       // warps per row of the fused path's final kernel
   bool bulk_copy = false;  // fused with bulk (TMA) tile copies
-  bool cluster = false;    // fused, finished inside clusters (no merge kernel)
+  bool single = false;     // fused, one split, rows finished by the scorer (no merge kernel)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -97,18 +97,6 @@ __device__ __forceinline__ void allow_dependent_launch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
-// Cluster-wide barrier: every thread of the cluster waits for all; global-memory writes made by
-// any of them before it are visible to all after it (a device-scope fence first, then the
-// barrier's release / acquire at cluster scope). A CTA launched without a cluster is a cluster of
-// one.
-__device__ __forceinline__ void cluster_barrier() {
-  __threadfence();
-  asm volatile(
-      "barrier.cluster.arrive.release;\n"
-      "barrier.cluster.wait.acquire;\n" ::
-          : "memory");
-}
-
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
 

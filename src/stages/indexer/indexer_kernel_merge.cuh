@@ -69,12 +69,10 @@ __device__ __forceinline__ void take_list_key(const KernelArgs& a, uint64_t (&to
   if (key != 0 && id >= y0 && id < min(local, y0 + a.dec_chunk)) insert_key(top, key);
 }
 
-// Cluster finish (score_fused_cluster_kernel): after the cluster barrier one warp completes row
-// `row` (position pos) from what the CTAs of its cluster wrote this run: the decode row's
-// candidate lists (lists) or its block scores. The loads bypass L1 (ld.global.cg): the data come
-// from other CTAs of this kernel, ordered by the barrier's release / acquire at cluster scope.
-// Loads go out 4 per lane at a time (one L2 round trip per 128 keys).
-__device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int pos, bool lists) {
+// Single pass (score_fused_single_kernel, after a CTA barrier): one warp selects row `row`
+// (position pos) from the block scores its own CTA wrote this run (overflow rows), the rule of
+// select_kernel. Loads go out 4 per lane at a time (one L2 round trip per 128 blocks).
+__device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int pos) {
   const int lane = threadIdx.x & 31;
   int32_t* out = a.block_ids + row * kTopK;
   const int local = trivial_row(a, out, pos, true);
@@ -82,30 +80,14 @@ __device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int
   uint64_t top[kTopK - 1];
 #pragma unroll
   for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
-  if (lists) {
-    const int lg = list_slots_log2(a.dec_chunk);
-    const auto* base =
-        reinterpret_cast<const unsigned long long*>(a.cand + row * a.k_splits * kTopK);
-    auto at = [&](int e) { return base + ((e >> lg) << 4) + (e & ((1 << lg) - 1)); };
-    const int n = ((local + a.dec_chunk - 1) / a.dec_chunk) << lg;  // lists 0 .. ceil - 1
-    for (int e = lane; e < n; e += 4 * 32) {
-      uint64_t k[4];
+  const float* scores = a.scores + row * a.max_pages;
+  for (int b = lane; b < local; b += 4 * 32) {
+    float v[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) k[i] = e + 32 * i < n ? __ldcg(at(e + 32 * i)) : 0;
+    for (int i = 0; i < 4; ++i) v[i] = b + 32 * i < local ? __ldcg(scores + b + 32 * i) : 0.0f;
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (e + 32 * i < n) take_list_key(a, top, k[i], e + 32 * i, lg, local);
-    }
-  } else {
-    const float* scores = a.scores + row * a.max_pages;
-    for (int b = lane; b < local; b += 4 * 32) {
-      float v[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) v[i] = b + 32 * i < local ? __ldcg(scores + b + 32 * i) : 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (b + 32 * i < local) insert_key(top, candidate_key(v[i], b + 32 * i));
-    }
+    for (int i = 0; i < 4; ++i)
+      if (b + 32 * i < local) insert_key(top, candidate_key(v[i], b + 32 * i));
   }
   emit_row(out, local, warp_top15(top));
 }

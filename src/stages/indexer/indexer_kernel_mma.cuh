@@ -38,11 +38,12 @@
 // ~0.6 issue slots per SM cycle of 4 at 3.4 TB/s; the cvt (F2FP) count, 2 per row, is the
 // largest single class.
 //
-// Cluster finish (score_fused_cluster_kernel, IndexerCudaOptions::cluster_finish): the fused
-// kernel launched in clusters of the k_splits (<= 8) CTAs of one unit; after the local selection
-// a cluster barrier, then the cluster's CTAs finish the unit's rows themselves (finish_row: the
-// merge of the lists, or the selection from block scores for overflow rows), one warp per row,
-// so no merge kernel and no second launch / dependency wait follow the scorer.
+// Single pass (score_fused_single_kernel, IndexerCudaOptions::single_pass): the fused kernel with
+// one split per unit (contexts of <= 64 blocks, 8K tokens): a decode unit's CTA holds every block
+// max of its rows, so its local selection is the final one and it writes block_ids directly
+// (ascending ids from the ranks by ballot prefix counts, then the local block, then -1); an
+// overflow tile, after a CTA barrier, selects its non-decode rows from the block scores it wrote
+// (finish_row). No candidate lists, no merge kernel, no second launch or dependency wait.
 //
 // Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
 // m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage
@@ -448,7 +449,12 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // slots are zero. Rows whose merge reads no list of this split (a local block < 16, outside the
 // page table, <= b0, or a negative position) write nothing. Cost: nb <= 64 broadcast loads and
 // ~4 instructions per candidate per load, per row.
+// kDirect (single pass, b0 == 0, one split): the ranks < 15 are the row's final choice; the row of
+// block_ids is written at once (trivial rows included): candidate ids are < local and ascend with
+// the lane, so a selected id's slot is the count of selected ids before it (ballot prefix), the
+// local block follows them, -1 fills the rest.
 // lane_pos: lane l < n holds the position of token t0 + l (no reload at the CTA's end).
+template <bool kDirect>
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
@@ -456,11 +462,18 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const fl
   constexpr int kPer = kFusedMaxChunk / 32;
   for (int j = warp; j < rows; j += kMmaWarps) {  // warp-uniform conditions from here on
     const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
-    if (pos < 0) continue;
-    const int local = pos / kPageSize;
-    if (local < kTopK || local >= a.max_pages) continue;
+    const int64_t row_index = int64_t{t0} * a.n_kv + j;
+    int local = -1;
+    if constexpr (kDirect) {
+      local = trivial_row(a, a.block_ids + row_index * kTopK, pos, true);
+      if (local < 0) continue;
+    } else {
+      if (pos < 0) continue;
+      local = pos / kPageSize;
+      if (local < kTopK || local >= a.max_pages) continue;
+    }
     const int nb = min(b1, local) - b0;  // <= kFusedMaxChunk
-    if (nb <= 0) continue;
+    if (!kDirect && nb <= 0) continue;
     const float* row = sblk + j * kFusedMaxChunk;
     float s[kPer];
     int rank[kPer];
@@ -477,49 +490,49 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const fl
       for (int c = 0; c < kPer; ++c)
         rank[c] += (v > s[c] || (v == s[c] && m < lane + 32 * c)) ? 1 : 0;
     }
-    uint64_t* list =
-        a.cand + ((int64_t{t0} * a.n_kv + j) * a.k_splits + blockIdx.y) * int64_t{kTopK};
-    int count = 0;
+    if constexpr (kDirect) {
+      int32_t* out = a.block_ids + row_index * kTopK;
+      const uint32_t below = (1u << lane) - 1u;
+      int count = 0;
 #pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-      const bool valid = s[c] == s[c];
-      count += __popc(__ballot_sync(0xffffffffu, valid));
-      if (valid && rank[c] < kTopK - 1) list[rank[c]] = candidate_key(s[c], b0 + lane + 32 * c);
+      for (int c = 0; c < kPer; ++c) {
+        const bool take = s[c] == s[c] && rank[c] < kTopK - 1;
+        const uint32_t taken = __ballot_sync(0xffffffffu, take);
+        if (take) out[count + __popc(taken & below)] = b0 + lane + 32 * c;
+        count += __popc(taken);
+      }
+      // count <= 15 (distinct ranks); the local block exceeds every candidate id.
+      if (lane == count) out[lane] = local;
+      if (lane > count && lane < kTopK) out[lane] = -1;
+    } else {
+      uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
+      int count = 0;
+#pragma unroll
+      for (int c = 0; c < kPer; ++c) {
+        const bool valid = s[c] == s[c];
+        count += __popc(__ballot_sync(0xffffffffu, valid));
+        if (valid && rank[c] < kTopK - 1) list[rank[c]] = candidate_key(s[c], b0 + lane + 32 * c);
+      }
+      count = min(count, kTopK - 1);
+      if (lane >= count && lane < kTopK) list[lane] = 0;
     }
-    count = min(count, kTopK - 1);
-    if (lane >= count && lane < kTopK) list[lane] = 0;
   }
 }
 
-// Cluster finish of a decode unit (kCluster; after its cluster's barrier): the unit's rows are
-// shared out over the cluster's k_splits CTAs x 4 warps, one warp per row (finish_row from the
-// candidate lists). rows = tokens x n_kv (<= kDecRows; <= 0: none); lane_pos: lane l holds the
-// position of token t0 + l.
-__device__ __forceinline__ void finish_decode_rows(const KernelArgs& a, int t0, int rows,
-                                                   int lane_pos) {
-  const int warp = threadIdx.x >> 5;
-  for (int j = static_cast<int>(blockIdx.y) * kMmaWarps + warp; j < rows;
-       j += a.k_splits * kMmaWarps) {
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-    finish_row(a, int64_t{t0} * a.n_kv + j, pos, true);
-  }
-}
-
-// Cluster finish of an overflow tile (kCluster): the rows of its flat token range that no decode
-// unit owns (prefill tokens, and tokens of no request: stale scores, ids in range), from their
-// block scores; rows shared out like finish_decode_rows.
+// Single pass, overflow tile (after a CTA barrier): the rows of its flat token range that no
+// decode unit owns (prefill tokens, and tokens of no request: stale scores, ids in range), from
+// the block scores this CTA wrote (one split: every visible block), one warp per row.
 __device__ __forceinline__ void finish_overflow_rows(const KernelArgs& a) {
   const int warp = threadIdx.x >> 5;
   const int ta = static_cast<int>(blockIdx.x) * a.pre_tokens;
   const int te = min(ta + a.pre_tokens, a.num_tokens);
   const int rows = max(te - ta, 0) * a.n_kv;
-  for (int j = static_cast<int>(blockIdx.y) * kMmaWarps + warp; j < rows;
-       j += a.k_splits * kMmaWarps) {
+  for (int j = warp; j < rows; j += kMmaWarps) {
     const int t = ta + j / a.n_kv;
     const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
     const int pos = __ldg(a.positions + t);
     if (!is_decode_token(a, t, load_query_start(a, guess), load_query_start(a, guess + 1)))
-      finish_row(a, int64_t{ta} * a.n_kv + j, pos, false);
+      finish_row(a, int64_t{ta} * a.n_kv + j, pos);
   }
 }
 
@@ -529,7 +542,8 @@ __device__ __forceinline__ void finish_overflow_rows(const KernelArgs& a) {
 // warp's first page-table entries known before query_start and positions arrive: the dependent
 // chain to the first index-K byte is query_start -> positions -> data (the page-table load runs
 // beside query_start) instead of query_start -> positions -> page table -> data.
-template <bool kFused, bool kBulk, bool kCluster>
+// kSingle (with kFused): one split per unit (b0 == 0); the rows are finished here (kDirect).
+template <bool kFused, bool kBulk, bool kSingle>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -571,11 +585,9 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   }
   if (pre && first >= b1) stream_prologue_drain<kBulk>(wbars);  // warp-uniform
   if constexpr (kFused) {
-    if (b0 >= b1) {  // CTA-uniform: the fused path has CTA (and cluster) barriers below
-      if constexpr (kCluster) {
-        cluster_barrier();
-        finish_decode_rows(a, qa, n * a.n_kv, p);
-      }
+    if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
+      // Single pass: every row is trivial (nothing to score); sblk is not read.
+      if constexpr (kSingle) fused_local_select<true>(a, nullptr, qa, n * a.n_kv, b0, b1, p);
       return;
     }
   } else {
@@ -605,11 +617,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   }
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
-    fused_local_select(a, sblk, qa, rows, b0, b1, p);
-    if constexpr (kCluster) {
-      cluster_barrier();  // every split's lists of this unit are written
-      finish_decode_rows(a, qa, rows, p);
-    }
+    fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
   }
 }
 
@@ -760,17 +768,17 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kBulk, bool kCluster = false>
+template <bool kFused, bool kBulk, bool kSingle = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh, uint64_t* bars) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kBulk, kCluster>(a, smem, bars);
+    decode_path<kFused, kBulk, kSingle>(a, smem, bars);
     return;
   }
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
-  if constexpr (kCluster) {
-    cluster_barrier();  // every split's block scores of this tile are written
+  if constexpr (kSingle) {
+    __syncthreads();  // the tile's block scores (global memory) are written and visible
     finish_overflow_rows(a);
   }
 }
@@ -790,10 +798,9 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelAr
   score_mma_body<true, false>(a, smem, sh, nullptr);
 }
 
-// The fused kernel launched in clusters of (1, k_splits, 1) (k_splits <= 8,
-// IndexerCudaOptions::cluster_finish): after a cluster barrier the CTAs of each decode unit /
-// overflow tile finish its rows themselves (finish_row), so no merge kernel runs.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
+// Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
+// block_ids, overflow tiles select their rows from their own block scores; no merge kernel.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, false, true>(a, smem, sh, nullptr);

@@ -410,12 +410,13 @@ void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_of
       expect_same_ids(
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
-      // The cluster-finish variant (no merge kernel) where its plan applies.
-      fo.cluster_finish = true;
-      if (!bulk && indexer_cuda_plan(d.params, fo).cluster) {
-        const GpuResult c = run_gpu(d, fo);
-        expect_same_ids(in, c, g, name + ", fused cluster finish vs two-kernel]");
-      }
+    }
+    // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks).
+    IndexerCudaOptions so = v.o;
+    so.single_pass = true;
+    if (!bulk && indexer_cuda_plan(d.params, so).single) {
+      const GpuResult c = run_gpu(d, so);
+      expect_same_ids(in, c, g, name + ", single pass vs two-kernel]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
@@ -446,6 +447,13 @@ void check_generation_contexts(const std::vector<int>& contexts, const std::stri
 TEST(IndexerGpu, GenerationContextsAndDraftLengths) {
   M3_REQUIRE_GPU();
   check_generation_contexts({1, 127, 128, 129, 2048, 2049, 2050, 4097, 9000}, "generation");
+}
+
+// Contexts of <= 64 blocks (8K), where the single pass (IndexerCudaOptions::single_pass) applies:
+// check_all_paths compares it with the two-kernel path for every draft length.
+TEST(IndexerGpu, GenerationContextsUpTo8KSinglePass) {
+  M3_REQUIRE_GPU();
+  check_generation_contexts({1, 127, 128, 129, 2049, 4097, 8192}, "generation 8K");
 }
 
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.
@@ -645,18 +653,18 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
         compare(in, ref, g, integer, name + " [two-kernel]");
         const GpuResult f = run_gpu(d, o);
         expect_same_ids(in, f, g, name + " [fused vs two-kernel]");
-        o.cluster_finish = true;
-        if (indexer_cuda_plan(d.params, o).cluster) {
+        o.single_pass = true;
+        if (indexer_cuda_plan(d.params, o).single) {
           const GpuResult c = run_gpu(d, o);
-          expect_same_ids(in, c, g, name + " [fused cluster finish vs two-kernel]");
+          expect_same_ids(in, c, g, name + " [single pass vs two-kernel]");
         }
       }
     }
   }
 }
 
-// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 fused with
-// the cluster finish.
+// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 single
+// pass.
 void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -703,12 +711,12 @@ void check_guards(const std::vector<int>& paths) {
     o.force_cuda_cores = path == 3;
     o.unfused_decode = path == 1;
     o.decode_bulk_copy = path == 2;
-    o.cluster_finish = path == 4;
+    o.single_pass = path == 4;
     o.fused_decode_always = path == 0 || path == 2 || path == 4;
     const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] ",
-                           "[fused, cluster finish] "};
+                           "[single pass] "};
     const char* name = names[path];
-    if (path == 4) EXPECT_TRUE(indexer_cuda_plan(d.params, o).cluster);
+    if (path == 4) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (o.fused_decode_always) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {
@@ -730,25 +738,29 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const std::vector<RequestSpec> reqs = {{9000, 4}, {2100, 4}, {100, 4}, {17000, 4}, {2600, 300}};
-  const Inputs first = make_inputs(reqs, 4, rng);
-  const Inputs second = make_inputs(reqs, 4, rng);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  ASSERT_EQ(first.max_pages(), second.max_pages());
-  ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  IndexerCudaOptions cluster;
-  cluster.cluster_finish = true;
-  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, cluster}) {
-    const std::string what = go.cluster_finish ? " (cluster finish)" : "";
+  IndexerCudaOptions single;
+  single.single_pass = true;
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, single}) {
+    // The default plan at 17K (fused + merge kernel); the single pass at <= 64 blocks.
+    const std::vector<RequestSpec> reqs =
+        go.single_pass
+            ? std::vector<RequestSpec>{{8000, 4}, {2100, 4}, {100, 4}, {2600, 300}}
+            : std::vector<RequestSpec>{{9000, 4}, {2100, 4}, {100, 4}, {17000, 4}, {2600, 300}};
+    const Inputs first = make_inputs(reqs, 4, rng);
+    const Inputs second = make_inputs(reqs, 4, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(first.max_pages(), second.max_pages());
+    ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
+    const std::string what = go.single_pass ? " (single pass)" : "";
     DeviceSet d;
     upload(first, d);
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
     ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, go));
-    ASSERT_EQ(indexer_cuda_plan(d.params, go).cluster, go.cluster_finish);
+    ASSERT_EQ(indexer_cuda_plan(d.params, go).single, go.single_pass);
     const Status st = run_indexer_cuda(d.params, d.workspace, stream, go);
     ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
     ASSERT_TRUE(st.ok()) << st.to_string();

@@ -2,7 +2,12 @@
 //   decode/verify: batch {1, 64, 256} x context {8K, 32K, 128K} x draft_len {0, 3}, sparse (16
 //     selected blocks per token and KV head) and dense, CUDA-graph replay with a cold L2: us, bytes
 //     of K/V the selection reads (each distinct block of a request's tokens once: 32 KB per block
-//     and KV head), GB/s and % of the 4300 GB/s copy bandwidth.
+//     and KV head), GB/s and % of the 4300 GB/s copy bandwidth; two timings: `us` (isolated: one
+//     graph replay after an L2 flush, includes ~3 us of launch and event cost) and `b2b_us`
+//     (back-to-back: per call of one graph of calls over `copies` page tables that map the
+//     requests to disjoint pool regions, so every call's selected K/V is cold; launch latency
+//     hidden as inside a captured decode step). The last back-to-back call's output is checked
+//     against the twin on its own pages too.
 //   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the mma.sync kernel
 //     (kernel 1), the Hopper wgmma kernel (kernel 2, variants 3 and 4 as "wgmma v1", "v2") and the
 //     warp-specialised persistent wgmma kernel (kernel 6 "wgmma ws", variants 7, 8, 9; 9 is the
@@ -18,16 +23,19 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
 //   both), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N: override the launch plan
-//   (AttentionCudaConfig) for tuning;
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N: override the launch
+//   plan (AttentionCudaConfig) for tuning;
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel, the wgmma verify kernel, both with a 2-block L2
-//   prefetch, and for draft 7 the wgmma prefill kernel).
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel (also its variants "v2": 2-stage
+//   ring, 3 CTAs per SM, "v3": V converted under the S wgmma, "v4": and NaN checks only in blocks
+//   some token does not see whole), the mma.sync and the wgmma verify
+//   kernel with a 2-block L2 prefetch, and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -90,6 +98,10 @@ struct Case {
   AttentionCudaConfig cfg;
   double bytes = 0;  // K/V bytes the selection reads
   double flops = 0;  // selected work
+  // Back-to-back timing: page tables of the input copies (copy 0 = `table`), copy k mapping
+  // request r to the pool region of request (r + k R) mod regions, so no two copies share a page.
+  std::vector<std::vector<int32_t>> tables;
+  std::vector<void*> d_tables;
 };
 
 // Device copy of n host bytes; with h == nullptr, n bytes poisoned with 0xA5 (outputs, workspace).
@@ -104,6 +116,25 @@ void* upload(const void* h, size_t n) {
 void free_case(Case& c) {
   for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_table, c.d_ids, c.d_q, c.d_out, c.d_ws})
     if (d) cudaFree(d);
+  for (size_t k = 1; k < c.d_tables.size(); ++k) cudaFree(c.d_tables[k]);
+}
+
+// Page tables of `copies` input copies for back-to-back timing (see Case::tables); the pool holds
+// `regions` regions of `pages_per_req` pages (request r of copy 0 owns region r).
+void make_copy_tables(Case& c, int copies, int64_t pages_per_req) {
+  c.tables.assign(1, c.table);
+  c.d_tables.assign(1, c.d_table);
+  for (int k = 1; k < copies; ++k) {
+    std::vector<int32_t> t(c.table.size());
+    for (int r = 0; r < c.R; ++r) {
+      const int64_t region = int64_t{r} + int64_t{k} * c.R;
+      for (int j = 0; j < c.max_pages; ++j)
+        t[static_cast<size_t>(r) * c.max_pages + j] =
+            static_cast<int32_t>(region * pages_per_req + j);
+    }
+    c.d_tables.push_back(upload(t.data(), t.size() * 4));
+    c.tables.push_back(std::move(t));
+  }
 }
 
 // Requests of `new_tokens` tokens ending at seq_len `ctx`; request r owns pool pages
@@ -244,8 +275,13 @@ void tile_unions(const Case& c, double* avg_union, double* work_ratio) {
   *work_ratio = c.flops > 0 ? unions * per_block / c.flops : 0;
 }
 
-void run_once(const Case& c, cudaStream_t s) {
-  const Status st = run_attention_cuda(c.p, c.d_ws, c.ws_bytes, s, c.cfg);
+// One call on input copy `copy` (its page table; everything else is shared).
+void run_once(const Case& c, cudaStream_t s, int copy = 0) {
+  AttentionParams p = c.p;
+  if (copy > 0)
+    p.batch.page_table = TensorView::contiguous(c.d_tables[copy], DType::kI32,
+                                                {c.R, int64_t{c.max_pages}}, Device::cuda(0));
+  const Status st = run_attention_cuda(p, c.d_ws, c.ws_bytes, s, c.cfg);
   if (!st.ok()) {
     std::fprintf(stderr, "%s: %s\n", c.name.c_str(), st.to_string().c_str());
     std::exit(1);
@@ -255,7 +291,9 @@ void run_once(const Case& c, cudaStream_t s) {
 // Twin rows of tokens `toks` ([toks.size(), n_q * 128] bf16), each rebuilt as a one-token request
 // over host copies of the pages it reads (unread visible blocks map to one shared page that no
 // selection touches). Empty on failure.
-std::vector<uint16_t> twin_rows(const Case& c, const Pool& pool, const std::vector<int64_t>& toks) {
+std::vector<uint16_t> twin_rows(const Case& c, const Pool& pool, const std::vector<int64_t>& toks,
+                                int copy = 0) {
+  const std::vector<int32_t>& c_table = copy == 0 ? c.table : c.tables[copy];
   const int n = static_cast<int>(toks.size());
   const int64_t width = int64_t{kNq} * kHeadDim;
   int max_pages = 1;
@@ -286,7 +324,7 @@ std::vector<uint16_t> twin_rows(const Case& c, const Pool& pool, const std::vect
     for (int b = 0; b < visible; ++b) {
       if (!used[b]) continue;
       table[static_cast<size_t>(i) * max_pages + b] = static_cast<int32_t>(src_pages.size());
-      src_pages.push_back(c.table[static_cast<size_t>(r) * c.max_pages + b]);
+      src_pages.push_back(c_table[static_cast<size_t>(r) * c.max_pages + b]);
     }
   }
   qs.ptr<int32_t>()[n] = n;
@@ -360,6 +398,7 @@ int main(int argc, char** argv) {
        compare = false;
   std::string only;  // --case=SUBSTR: only cases whose name contains it
   AttentionCudaConfig cfg;
+  std::vector<int> prefill_kernels;  // --kernels=A,B,...: these prefill kernels on the same cases
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
@@ -380,6 +419,12 @@ int main(int argc, char** argv) {
       cfg.l2_prefetch = std::atoi(argv[i] + 14);
     } else if (std::strcmp(argv[i], "--splits-sweep") == 0) {
       sweep = true;
+    } else if (std::strncmp(argv[i], "--kernels=", 10) == 0) {
+      for (const char* k = argv[i] + 10; *k != '\0';) {
+        prefill_kernels.push_back(std::atoi(k));
+        while (*k != '\0' && *k != ',') ++k;
+        if (*k == ',') ++k;
+      }
     } else if (std::strncmp(argv[i], "--kernel=", 9) == 0) {
       cfg.kernel = std::atoi(argv[i] + 9);
     } else if (std::strncmp(argv[i], "--tokens-per-tile=", 18) == 0) {
@@ -388,12 +433,15 @@ int main(int argc, char** argv) {
       cfg.splits = std::atoi(argv[i] + 9);
     } else if (std::strncmp(argv[i], "--v-convert=", 12) == 0) {
       cfg.v_convert = std::atoi(argv[i] + 12);
+    } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
+      cfg.verify_variant = std::atoi(argv[i] + 17);
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--no-prefill] [--compare-kernels] [--persistent-ctas=N] [--case=SUBSTR]\n");
+                   "[--verify-variant=N] [--no-prefill] [--compare-kernels] [--persistent-ctas=N] "
+                   "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");
       return 2;
     }
   }
@@ -433,13 +481,18 @@ int main(int argc, char** argv) {
                        x);
       }
     } else if (compare) {
-      const std::vector<std::pair<int, int>> kp = {{0, 0}, {1, 0}, {5, 0}, {1, 2}, {5, 2}};
-      for (const auto& [kernel, pf] : kp) {
+      // {kernel, l2 prefetch, verify kernel variant}
+      const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 0}, {5, 0, 2},
+                                                  {5, 0, 3}, {5, 0, 4}, {1, 2, 0}, {5, 2, 0}};
+      for (const auto& [kernel, pf, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
         x.l2_prefetch = pf;
+        x.verify_variant = variant;
         const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
-        v.emplace_back(" " + k + (pf ? " pf" + std::to_string(pf) : std::string()), x);
+        v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()) +
+                           (pf ? " pf" + std::to_string(pf) : std::string()),
+                       x);
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;
@@ -473,6 +526,18 @@ int main(int argc, char** argv) {
               sparse ? std::vector<int64_t>{0, c.T - 1} : std::vector<int64_t>{c.T - 1};
           const std::vector<uint16_t> twin =
               check ? twin_rows(c, pool, toks) : std::vector<uint16_t>{};
+          // Back-to-back: enough page-table copies (distinct pool regions) that every call's
+          // selected K/V is cold; the output of the sequence's last call (copy `last`) is checked
+          // against the twin on that copy's pages.
+          const int regions = static_cast<int>(decode_pages / max_ctx_pages);
+          const int copies = std::max(
+              1, std::min(bench::back_to_back_copies(static_cast<size_t>(c.bytes)), regions / B));
+          make_copy_tables(c, copies, max_ctx_pages);
+          const int calls = std::max(8, 2 * copies);
+          const int last = (calls - 1) % copies;
+          const std::vector<uint16_t> twin_last = !check      ? std::vector<uint16_t>{}
+                                                  : last == 0 ? twin
+                                                              : twin_rows(c, pool, toks, last);
           for (const Variant& var : variants) {
             c.cfg = var.second;
             c.name = base + var.first;
@@ -495,16 +560,32 @@ int main(int argc, char** argv) {
             }
             const bench::Timing tm =
                 bench::time_graph_cold([&](cudaStream_t s) { run_once(c, s); }, stream);
+            check_cuda(cudaMemset(c.d_out, 0xA5, static_cast<size_t>(c.T) * kNq * kHeadDim * 2),
+                       "poison");
+            const bench::Timing tb = bench::time_graph_back_to_back(
+                [&](cudaStream_t s, int copy) { run_once(c, s, copy); }, copies, stream, calls);
+            check_cuda(cudaStreamSynchronize(stream), "back-to-back");
+            if (check) {
+              double worst_b2b = 0;
+              const bool ok = compare_rows(c, toks, twin_last, &worst_b2b);
+              if (!ok) verdict = "FAIL";
+              all_pass &= ok;
+              worst = std::max(worst, worst_b2b);
+            }
             bench::Row row;
             row.add("case", c.name);
             row.add("check", verdict);
             row.add("max_rel", worst, 4);
             row.add("us", tm.median_us, 1);
             row.add("min_us", tm.min_us, 1);
+            row.add("b2b_us", tb.median_us, 1);
+            row.add("copies", std::to_string(copies));
             row.add("MB_kv", c.bytes / 1e6, 1);
             const double gbs = c.bytes / (tm.median_us * 1e3);
             row.add("GB/s", gbs, 0);
             row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+            row.add("b2b_pct_bw", 100.0 * c.bytes / (tb.median_us * 1e3) / bench::kCopyBandwidthGBs,
+                    1);
             row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
             rows.push_back(row);
           }
@@ -515,16 +596,18 @@ int main(int argc, char** argv) {
   }
   if (!prefill_only)
     bench::print_rows(
-        "attention decode/verify (graph replay, cold L2; peer vLLM Triton E4M3: B256 "
-        "317 us, B256 x 4 tokens 1181 us)",
+        "attention decode/verify (us: one graph replay after an L2 flush; b2b_us: per call of "
+        "a graph of back-to-back calls over `copies` page-table copies, every call's K/V cold; "
+        "peer vLLM Triton E4M3: B256 317 us, B256 x 4 tokens 1181 us)",
         rows, json);
 
   rows.clear();
   // Both kernels unless --kernel picks one, on the same case (inputs, selections, twin rows); the
   // other launch overrides apply to the wgmma kernel only where they are valid for it (tokens per
   // tile 8 or automatic, no v_convert).
-  const std::vector<int> kernels =
-      cfg.kernel != 0 ? std::vector<int>{cfg.kernel} : std::vector<int>{1, 2, 3, 4, 6, 7, 8, 9};
+  const std::vector<int> kernels = !prefill_kernels.empty() ? prefill_kernels
+                                   : cfg.kernel != 0        ? std::vector<int>{cfg.kernel}
+                                                     : std::vector<int>{1, 2, 3, 4, 6, 7, 8, 9, 10};
   for (bool sparse : {true, false}) {
     if (sweep || no_prefill) break;
     for (int ctx : {8192, 65536}) {
@@ -548,13 +631,14 @@ int main(int argc, char** argv) {
           kcfg.v_convert = 0;
         }
         c.cfg = kcfg;
-        c.name = base + (kernel == 1   ? std::string("mma.sync")
-                         : kernel == 5 ? std::string("wgmma verify")
-                         : kernel == 6 ? std::string("wgmma ws")
-                         : kernel == 7 ? std::string("wgmma ws lookahead")
-                         : kernel == 8 ? std::string("wgmma ws lookahead qregs")
-                         : kernel == 9 ? std::string("wgmma ws lookahead qregs fastconv")
-                                       : "wgmma v" + std::to_string(kernel - 2));
+        c.name = base + (kernel == 1    ? std::string("mma.sync")
+                         : kernel == 5  ? std::string("wgmma verify")
+                         : kernel == 6  ? std::string("wgmma ws")
+                         : kernel == 7  ? std::string("wgmma ws lookahead")
+                         : kernel == 8  ? std::string("wgmma ws lookahead qregs")
+                         : kernel == 9  ? std::string("wgmma ws lookahead qregs fastconv")
+                         : kernel == 10 ? std::string("wgmma ws fastconv minunion")
+                                        : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {
           cudaFree(c.d_ws);

@@ -53,6 +53,10 @@ constexpr int64_t kWgmmaMinAvgTokens = 16;
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
 constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 404 us
 constexpr int64_t kVerifyMinAvgTokens = 2;
+// Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
+// per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
+// blocks some token does not see whole).
+constexpr int kAutoVerifyVariant = 1;
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -60,8 +64,8 @@ constexpr int kMaxL2Prefetch = 8;
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
-  bool ws = false;  // the warp-specialised prefill kernel (wgmma tiles; variant = its fallback)
-  int ctas = 0;     // its persistent CTAs
+  bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; variant = its fallback)
+  int ctas = 0;         // its persistent CTAs
   bool ws_lookahead = false;     // its scheduler prepares the next work item early (kernels 7, 8)
   bool ws_qregs = false;         // its consumers keep Q in registers (kernels 8, 9)
   bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
@@ -70,6 +74,7 @@ struct Plan {
   bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
   int splits = 1;                // CTAs per (tile, KV head)
   int prefetch = 0;              // L2 prefetch distance in blocks (mma.sync and verify kernels)
+  int verify_variant = 1;        // variant of the verify kernel (AttentionCudaConfig)
   int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -144,7 +149,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
+  if (cfg.verify_variant < 0 || cfg.verify_variant > 4)
+    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
+                       " is not one of 0 .. 4");
   if (pl.verify) {
+    pl.verify_variant = cfg.verify_variant == 0 ? kAutoVerifyVariant : cfg.verify_variant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
       return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);
@@ -240,16 +249,17 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-template <bool kVec16>
+template <bool kVec16, int kVariant>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
-  auto kernel = av::attention_verify_kernel<kVec16>;
+  auto kernel = av::attention_verify_kernel<kVec16, kVariant>;
+  constexpr int smem = av::smem_bytes(kVariant);
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args);
+  kernel<<<grid, av::kThreads, smem, stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -270,9 +280,28 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 // template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
-  if (pl.verify)
-    return vec16 ? launch_verify<true>(args, pl, n_kv, stream)
-                 : launch_verify<false>(args, pl, n_kv, stream);
+  if (pl.verify) {
+    switch (pl.verify_variant * 2 + (vec16 ? 1 : 0)) {
+      case 2:
+        return launch_verify<false, 1>(args, pl, n_kv, stream);
+      case 3:
+        return launch_verify<true, 1>(args, pl, n_kv, stream);
+      case 4:
+        return launch_verify<false, 2>(args, pl, n_kv, stream);
+      case 5:
+        return launch_verify<true, 2>(args, pl, n_kv, stream);
+      case 6:
+        return launch_verify<false, 3>(args, pl, n_kv, stream);
+      case 7:
+        return launch_verify<true, 3>(args, pl, n_kv, stream);
+      case 8:
+        return launch_verify<false, 4>(args, pl, n_kv, stream);
+      case 9:
+        return launch_verify<true, 4>(args, pl, n_kv, stream);
+      default:
+        return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
+    }
+  }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
     // tensor map the driver accepts); otherwise variant pl.variant of the wgmma kernel runs.

@@ -64,10 +64,23 @@ using ak::AttnArgs;
 
 constexpr int kThreads = 128;  // one warpgroup
 constexpr int kQT = 4;         // query tokens per tile: 4 x 16 heads = 64 wgmma rows
-constexpr int kStages = 3;
 constexpr int kTileBytes = ak::kTileBytes;
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1 KB
+// Variants (AttentionCudaConfig::verify_variant; session 12):
+//   1  the session-11 kernel: 3-stage ring (96 KB, 2 CTAs per SM, 2 blocks in flight per CTA);
+//   2  2-stage ring (64 KB, 3 CTAs per SM: 12 warps instead of 8 to hide latency, 1 block in
+//      flight per CTA while it computes);
+//   3  as 1, with the V conversion started under the S wgmma (convert_v_high / convert_v_low);
+//   4  as 3, and V bytes checked for NaN only in blocks that some present token does not see
+//      whole (where every present token sees every key, a NaN V element lands in exactly the
+//      rows and dims where the twin puts it: no scrub needed; padding rows are never written).
+constexpr int stages_of(int variant) { return variant == 2 ? 2 : 3; }
+constexpr bool early_v_of(int variant) { return variant >= 3; }
+constexpr bool nan_partial_only_of(int variant) { return variant == 4; }
+constexpr int smem_bytes(int variant) {
+  return stages_of(variant) * kStageBytes + 1024;  // + slack to align the base to 1 KB
+}
+constexpr int ctas_per_sm(int variant) { return stages_of(variant) == 2 ? 3 : 2; }
 constexpr int kCand = kQT * ak::kTopKIds;
 constexpr int kMaxList = 128;  // block entries held in shared memory at once
 constexpr int kKeysPerWarp = ak::kBlockKeys / 4;
@@ -133,6 +146,67 @@ __device__ __forceinline__ uint32_t convert_v_in_place(uint8_t* stage, int vlim)
   return nan;
 }
 
+// Early V conversion (template kEarlyV), run while the S wgmma is in flight: the K half is still
+// being read, so only dims 64-127 can be written (over the V tile's own raw rows) before S is done.
+// Lane (q = lane / 8, hl = bit 2 of the lane, cl = lane % 4) owns, for j = 0 .. 3, the chunk
+// 4 + cl (dims 64 + 16 cl ..) of key kh = 32 warp + 4 (2 j + 1 - hl) + q and the chunk cl (dims
+// 16 cl ..) of key kl = 32 warp + 4 (2 j + hl) + q: every lane holds 4 high and 4 low chunks (the
+// low ones stay raw in registers until S is done), and each 8-lane phase of a load touches 8
+// distinct 16-byte bank groups (keys kh of the two lane halves differ by 4 in their swizzle).
+__device__ __forceinline__ int early_key(int j, bool high) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int hl = (lane >> 2) & 1;
+  return kKeysPerWarp * warp + 4 * (2 * j + (high ? 1 - hl : hl)) + (lane >> 3);
+}
+
+// Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
+// keeps the raw dims 0-63 chunks in `lo`. Returns nonzero when a raw byte read is NaN (kCheckNaN;
+// else 0).
+template <bool kCheckNaN>
+__device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4]) {
+  const int cl = threadIdx.x & 3;
+  const uint8_t* vraw = stage + kTileBytes;
+  uint4 hi[4];
+  uint32_t nan = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true), kl = early_key(j, false);
+    hi[j] = make_uint4(0u, 0u, 0u, 0u);
+    lo[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (kh <= vlim)
+      hi[j] = *reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
+    if (kl <= vlim)
+      lo[j] = *reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
+    if (kCheckNaN)
+      nan |= e4m3x4_nan_bits(hi[j].x) | e4m3x4_nan_bits(hi[j].y) | e4m3x4_nan_bits(hi[j].z) |
+             e4m3x4_nan_bits(hi[j].w) | e4m3x4_nan_bits(lo[j].x) | e4m3x4_nan_bits(lo[j].y) |
+             e4m3x4_nan_bits(lo[j].z) | e4m3x4_nan_bits(lo[j].w);
+  }
+  __syncwarp();  // every lane read the warp's rows before any lane overwrites them
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true);
+    uint4 h0, h1;
+    e4m3x16_to_f16(hi[j], h0, h1);
+    *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl)) = h0;
+    *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl + 1)) = h1;
+  }
+  return nan;
+}
+
+// The dims 0-63 chunks kept by convert_v_high -> f16 into the K half (free: S done by every warp).
+__device__ __forceinline__ void convert_v_low(uint8_t* stage, const uint4 (&lo)[4]) {
+  const int cl = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kl = early_key(j, false);
+    uint4 h0, h1;
+    e4m3x16_to_f16(lo[j], h0, h1);
+    *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl)) = h0;
+    *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl + 1)) = h1;
+  }
+}
+
 // The rare path of a block with a NaN V byte: this warp's keys of the f16 tile, NaN -> 0, and for
 // each token w of `mask` that sees the key (key <= pos_w - 128 b) the bit of (w, dim) in s_nan.
 __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, int b,
@@ -158,9 +232,14 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 
 // ---------------------------------------------------------------------------------------------
 // The decode / verify kernel. Grid: (tiles bound x n_kv, 1, splits); block: kThreads; dynamic smem
-// kSmemBytes.
-template <bool kVec16>
-__global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const AttnArgs a) {
+// smem_bytes(kVariant).
+template <bool kVec16, int kVariant>
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
+    attention_verify_kernel(const AttnArgs a) {
+  static_assert(kVariant >= 1 && kVariant <= 4, "variants 1 .. 4");
+  constexpr int kStages = stages_of(kVariant);
+  constexpr bool kEarlyV = early_v_of(kVariant);
+  constexpr bool kNaNPartialOnly = nan_partial_only_of(kVariant);
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
@@ -222,6 +301,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
   const int my_pos = s_pos[tok];
+  // kNaNPartialOnly: the present tokens' mask and their smallest position.
+  const int all_mask = (1 << nt) - 1;
+  int min_pos = s_pos[0];
+#pragma unroll
+  for (int w = 1; w < kQT; ++w)
+    if (w < nt) min_pos = min(min_pos, s_pos[w]);
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
     const int count = min(hi - c0, kMaxList);
@@ -277,11 +362,24 @@ __global__ void __launch_bounds__(kThreads, 2) attention_verify_kernel(const Att
       for (int kk = 0; kk < 4; ++kk)
         ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
       ap::wgmma_commit();
-      ap::wgmma_wait<0>();
-      ap::reg_fence(s);
-      __syncthreads();  // every warp's S is done: the K half is free
-
-      const uint32_t nan = convert_v_in_place(sbuf, vlim);
+      uint32_t nan = 0;
+      if constexpr (kEarlyV) {
+        // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
+        uint4 vlo[4];
+        const bool whole = kNaNPartialOnly && mask == all_mask &&
+                           min_pos - b * ak::kBlockKeys >= ak::kBlockKeys - 1;
+        nan =
+            whole ? convert_v_high<false>(sbuf, vlim, vlo) : convert_v_high<true>(sbuf, vlim, vlo);
+        ap::wgmma_wait<0>();
+        ap::reg_fence(s);
+        __syncthreads();  // every warp's S is done: the K half is free
+        convert_v_low(sbuf, vlo);
+      } else {
+        ap::wgmma_wait<0>();
+        ap::reg_fence(s);
+        __syncthreads();  // every warp's S is done: the K half is free
+        nan = convert_v_in_place(sbuf, vlim);
+      }
       ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
       ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
       ap::rescale_and_pack<true>(o, s, alpha, p);

@@ -310,17 +310,24 @@ std::string cfg_name(const AttentionCudaConfig& c) {
   os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits << " v_convert "
      << c.v_convert << " kernel " << c.kernel;
   if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
+  if (c.verify_variant != 0) os << " verify_variant " << c.verify_variant;
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch}; 0 = the plan's choice. Kernel 2 is
-// the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode / verify kernel (4 tokens per
-// tile); l2_prefetch only changes when bytes arrive, never the result.
+// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch, persistent_ctas, verify_variant}; 0 =
+// the plan's choice. Kernel 2 is the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode /
+// verify kernel (4 tokens per tile; verify_variant 2: 2-stage ring, 3 CTAs per SM; 3: V converted
+// under the S wgmma; 4: and NaN checks only where needed); l2_prefetch only changes when bytes
+// arrive, never the result.
+// clang-format off
 const std::vector<AttentionCudaConfig> kAllConfigs = {
     {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
     {4, 1, 1},    {4, 1, 2},    {4, 5, 1},       {4, 5, 2},       {8, 1, 0, 2},    {8, 3, 0, 2},
     {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
-    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}};
+    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8},
+    {4, 1, 0, 5, 0, 0, 2}, {4, 3, 0, 5, 2, 0, 2}, {4, 1, 0, 5, 0, 0, 3}, {4, 3, 0, 5, 2, 0, 3},
+    {4, 1, 0, 5, 0, 0, 4}, {4, 3, 0, 5, 2, 0, 4}};
+// clang-format on
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -384,7 +391,10 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
                        {0, 0, 0, 3},
                        {0, 0, 0, 4},
                        {0, 0, 0, 5},
-                       {0, 3, 0, 5}});
+                       {0, 3, 0, 5},
+                       {0, 3, 0, 5, 0, 0, 2},
+                       {0, 3, 0, 5, 0, 0, 3},
+                       {0, 3, 0, 5, 0, 0, 4}});
   }
 }
 
@@ -467,7 +477,10 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
                      {0, 1, 0, 4},
                      {0, 2, 0, 4},
                      {0, 1, 0, 5},
-                     {0, 2, 0, 5}});
+                     {0, 2, 0, 5},
+                     {0, 2, 0, 5, 0, 0, 2},
+                     {0, 2, 0, 5, 0, 0, 3},
+                     {0, 2, 0, 5, 0, 0, 4}});
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -583,7 +596,10 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                      {0, 1, 0, 4},
                      {0, 2, 0, 4},
                      {0, 1, 0, 5},
-                     {0, 2, 0, 5}});
+                     {0, 2, 0, 5},
+                     {0, 2, 0, 5, 0, 0, 2},
+                     {0, 2, 0, 5, 0, 0, 3},
+                     {0, 2, 0, 5, 0, 0, 4}});
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -609,7 +625,10 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
                      {0, 1, 0, 4},
                      {0, 2, 0, 4},
                      {0, 1, 0, 5},
-                     {0, 2, 0, 5}});
+                     {0, 2, 0, 5},
+                     {0, 2, 0, 5, 0, 0, 2},
+                     {0, 2, 0, 5, 0, 0, 3},
+                     {0, 2, 0, 5, 0, 0, 4}});
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -734,7 +753,10 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
                      {0, 1, 0, 4},
                      {0, 2, 0, 4},
                      {0, 1, 0, 5},
-                     {0, 2, 0, 5}});
+                     {0, 2, 0, 5},
+                     {0, 2, 0, 5, 0, 0, 2},
+                     {0, 2, 0, 5, 0, 0, 3},
+                     {0, 2, 0, 5, 0, 0, 4}});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a draft token's own key in
@@ -772,9 +794,19 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                        {4, 1, 2},
                        {4, 2, 2},
                        {4, 1, 0, 5},
-                       {4, 3, 0, 5}});
+                       {4, 3, 0, 5},
+                       {4, 3, 0, 5, 0, 0, 2},
+                       {4, 3, 0, 5, 0, 0, 3},
+                       {4, 3, 0, 5, 0, 0, 4}});
     check_all_configs(pr, false, "NaN in some tokens' keys",
-                      {{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}});
+                      {{1, 1, 0},
+                       {4, 1, 1},
+                       {4, 1, 2},
+                       {4, 1, 0, 5},
+                       {4, 2, 0, 5},
+                       {4, 2, 0, 5, 0, 0, 2},
+                       {4, 2, 0, 5, 0, 0, 3},
+                       {4, 2, 0, 5, 0, 0, 4}});
   }
 }
 
@@ -789,7 +821,16 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
   Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_all_configs(pr, true, "sanitizer", {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 2, 2}});
+  check_all_configs(pr, true, "sanitizer",
+                    {{4, 1, 0, 5},
+                     {4, 3, 0, 5, 2},
+                     {4, 2, 2},
+                     {4, 1, 0, 5, 0, 0, 2},
+                     {4, 3, 0, 5, 2, 0, 2},
+                     {4, 1, 0, 5, 0, 0, 3},
+                     {4, 3, 0, 5, 2, 0, 3},
+                     {4, 1, 0, 5, 0, 0, 4},
+                     {4, 3, 0, 5, 2, 0, 4}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -805,7 +846,8 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
           AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
           AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
-          AttentionCudaConfig{0, 1, 0, 5, 2}}) {
+          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 2},
+          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 3}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 4}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -948,6 +990,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 5}, StatusCode::kUnsupported,
+                  "verify_variant 5");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -56,6 +57,7 @@ class DevBuf {
   explicit DevBuf(size_t bytes) : bytes_(bytes) {
     if (bytes) check_cuda(cudaMalloc(&ptr_, bytes), "cudaMalloc");
   }
+  DevBuf(DevBuf&& o) noexcept { *this = std::move(o); }
   ~DevBuf() {
     if (ptr_) cudaFree(ptr_);
   }
@@ -104,6 +106,7 @@ struct Case {
   std::vector<uint16_t> norms[4];
 
   DevBuf d_packed[3], d_pos, d_slots, d_rope, d_norms[4], d_q, d_iq, d_pool;
+  std::vector<DevBuf> packed_copies[3];  // back-to-back input copies 1.. of d_packed[m]
   int64_t kv_page = 0, kv_plane = 0, ic_base = 0, ic_page = 0, pool_bytes = 0;
   ProducerParams params[3];  // fused, main, index (device views)
 };
@@ -387,6 +390,51 @@ class CleanColdTimer {
   DevBuf flush_, sink_;
 };
 
+// Pool zeroed (as the twin's), compact outputs poisoned: a row not written fails the spot check.
+void reset_outputs(const Case& c, cudaStream_t stream) {
+  check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
+             "reset");
+  check_cuda(cudaMemsetAsync(c.d_q.get(), 0xA5, static_cast<size_t>(c.t) * kNq * kHeadDim, stream),
+             "poison");
+  check_cuda(
+      cudaMemsetAsync(c.d_iq.get(), 0xA5, static_cast<size_t>(c.t) * kNkv * kHeadDim, stream),
+      "poison");
+}
+
+// Back-to-back per-call time (bench::time_graph_back_to_back) of one call of the fused producer
+// (modes {0}) or of the unfused pair (modes {1, 2}) with `opt`: call i reads input copy
+// i % copies of the packed rows (copy 0 is the case's own, the others device-to-device copies
+// made once per case; positions, slots, outputs shared). The outputs of the last call are then
+// spot-checked against the CPU twin (every copy holds the same bytes).
+double time_back_to_back(Case& c, const std::vector<int>& modes, const ProducerCudaOptions& opt,
+                         cudaStream_t stream, const std::string& what, FILE* log, bool& pass) {
+  size_t bytes = 0;
+  for (const int m : modes) bytes += c.packed[m].size() * 2;
+  const int copies = bench::back_to_back_copies(bytes);
+  for (const int m : modes) {
+    while (static_cast<int>(c.packed_copies[m].size()) + 1 < copies) {
+      DevBuf b(c.packed[m].size() * 2);
+      check_cuda(cudaMemcpy(b.get(), c.d_packed[m].get(), c.packed[m].size() * 2,
+                            cudaMemcpyDeviceToDevice),
+                 "input copy");
+      c.packed_copies[m].push_back(std::move(b));
+    }
+  }
+  reset_outputs(c, stream);
+  const bench::Timing t = bench::time_graph_back_to_back(
+      [&](cudaStream_t s, int k) {
+        for (const int m : modes) {
+          ProducerParams p = c.params[m];
+          if (k > 0) p.packed.data = c.packed_copies[m][k - 1].get();
+          run_or_die(p, s, opt);
+        }
+      },
+      copies, stream);
+  sync_or_die(stream, what.c_str());
+  pass &= spot_check(c, (what + " (back-to-back, last call)").c_str(), log);
+  return t.median_us;
+}
+
 // Bytes one call of the mode moves (see the file comment).
 double bytes_moved(const Case& c, int m) {
   std::set<int32_t> distinct(c.positions.begin(), c.positions.end());
@@ -398,6 +446,11 @@ double bytes_moved(const Case& c, int m) {
   if (main) b += t * (kNq * kHeadDim + 2 * kNkv * kHeadDim);            // Q, K, V
   if (index) b += t * (kNkv * kHeadDim + kHeadDim);                     // index-Q, index-K
   return b;
+}
+
+// Percent of the copy bandwidth for `bytes` in `us`.
+double pct_copy(double bytes, double us) {
+  return 100.0 * bytes / (us * 1e3) / bench::kCopyBandwidthGBs;
 }
 
 // Splits "a,b,c" into its items.
@@ -440,7 +493,10 @@ int main(int argc, char** argv) {
           "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n"
           "           tma_il tma_plan tma_plan_il tma_plan_s3 tma_l4_plan_s2 tma_l4_plan_s4\n"
           "           tma_l4_plan_s4_il tma_share tma_t64_s4 tma_il_t64_s4 tma_plan_il_t64_s4\n"
-          "           tma_plan_il_t64_s3 tma_plan_t64_s4\n",
+          "           tma_plan_il_t64_s3 tma_plan_t64_s4 tail_r1_x1 tail_r1_x2 tail_r1_x4\n"
+          "           tail_r2_x2 tail_r1_x2_t32 tail_r1_x4_t32 tail_r2_x4_t32 tail_r1_x2_t64\n"
+          "           tma_b2 tail_r1_x2_b2 tma_swap tma_plan_il_t64_s4_swap tail_r1_x2_swap\n"
+          "           tail_r1_x2_t32_swap\n",
           argv[0]);
       return 2;
     }
@@ -488,6 +544,7 @@ int main(int argc, char** argv) {
   variants.push_back(tma_variant("tma_l4_plan_s4", 4, 4, true));
   // Selectable with --only (not in the full table):
   std::vector<Variant> extra;
+  std::deque<std::string> swap_names;  // stable storage of the _swap variants' names
   extra.push_back(tma_variant("tma_l4_s3", 3, 4));
   extra.push_back(tma_variant("tma_plan_s3", 3, 8, true));
   extra.push_back(tma_variant("tma_l4_plan_s4_il", 4, 4, true, true));
@@ -496,6 +553,51 @@ int main(int argc, char** argv) {
   extra.push_back(tma_variant("tma_plan_il_t64_s4", 4, 8, true, true, 64));
   extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, 8, true, true, 64));
   extra.push_back(tma_variant("tma_plan_t64_s4", 4, 8, true, false, 64));
+  // The default with tail blocks (ProducerCudaOptions::tma_tail): tail_rR_xN_tS = the last R
+  // rounds to tail blocks of N tiles of S tasks (S 0: the stage's tile); tma_b2: the default on
+  // 2 blocks per SM.
+  const auto tail_variant = [](const char* name, int rounds, int tiles, int tile_tasks) {
+    Variant v;
+    v.name = name;
+    v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
+    v.opt.tma_tail = 1;
+    v.opt.tma_tail_rounds = rounds;
+    v.opt.tma_tail_tiles = tiles;
+    v.opt.tma_tail_tile_tasks = tile_tasks;
+    return v;
+  };
+  extra.push_back(tail_variant("tail_r1_x1", 1, 1, 0));
+  extra.push_back(tail_variant("tail_r1_x2", 1, 2, 0));
+  extra.push_back(tail_variant("tail_r1_x4", 1, 4, 0));
+  extra.push_back(tail_variant("tail_r2_x2", 2, 2, 0));
+  extra.push_back(tail_variant("tail_r1_x2_t32", 1, 2, 32));
+  extra.push_back(tail_variant("tail_r1_x4_t32", 1, 4, 32));
+  extra.push_back(tail_variant("tail_r2_x4_t32", 2, 4, 32));
+  extra.push_back(tail_variant("tail_r1_x2_t64", 1, 2, 64));
+  {
+    int sms = 0;
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
+    Variant b2 = defaults;
+    b2.name = "tma_b2";
+    b2.opt.persistent_blocks = 2 * sms;
+    extra.push_back(b2);
+    Variant b2t = tail_variant("tail_r1_x2_b2", 1, 2, 0);
+    b2t.opt.persistent_blocks = 2 * sms;
+    extra.push_back(b2t);
+  }
+  // <name>_swap: with ProducerCudaOptions::tma_bank_swap.
+  for (const char* base : {"tma", "tma_plan_il_t64_s4", "tail_r1_x2", "tail_r1_x2_t32"}) {
+    for (const std::vector<Variant>* list : {&variants, &extra}) {
+      for (size_t i = 0; i < list->size(); ++i) {
+        if (std::strcmp((*list)[i].name, base) != 0) continue;
+        Variant w = (*list)[i];
+        w.opt.tma_bank_swap = 1;
+        w.name = swap_names.emplace_back(std::string(base) + "_swap").c_str();
+        extra.push_back(w);
+        break;
+      }
+    }
+  }
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
@@ -529,19 +631,12 @@ int main(int argc, char** argv) {
       Case c;
       build(c, t);
       for (const Variant& v : chosen) {
-        // Pool as the twin's (zeros), compact outputs poisoned: a row not written fails.
-        check_cuda(cudaMemsetAsync(c.d_pool.get(), 0, static_cast<size_t>(c.pool_bytes), stream),
-                   "reset");
-        check_cuda(
-            cudaMemsetAsync(c.d_q.get(), 0xA5, static_cast<size_t>(t) * kNq * kHeadDim, stream),
-            "poison");
-        check_cuda(
-            cudaMemsetAsync(c.d_iq.get(), 0xA5, static_cast<size_t>(t) * kNkv * kHeadDim, stream),
-            "poison");
+        reset_outputs(c, stream);
         run_or_die(c.params[0], stream, v.opt);
         sync_or_die(stream, v.name);
         pass &= spot_check(c, v.name, log);
       }
+      const double bf = bytes_moved(c, 0);
       for (const Variant& v : chosen) {
         const double us =
             timer.time([&](cudaStream_t s) { run_or_die(c.params[0], s, v.opt); }, stream, t <= 256)
@@ -550,8 +645,12 @@ int main(int argc, char** argv) {
         r.add("T", std::to_string(t));
         r.add("variant", v.name);
         r.add("fused_us", us, 2);
-        r.add("fused_pct_copy", 100.0 * bytes_moved(c, 0) / (us * 1e3) / bench::kCopyBandwidthGBs,
-              1);
+        r.add("fused_pct_copy", pct_copy(bf, us), 1);
+        if (!profile_mode()) {  // one launch per variant under a profiler
+          const double b2b = time_back_to_back(c, {0}, v.opt, stream, v.name, log, pass);
+          r.add("b2b_us", b2b, 2);
+          r.add("b2b_pct_copy", pct_copy(bf, b2b), 1);
+        }
         rows.push_back(r);
       }
     }
@@ -619,9 +718,6 @@ int main(int argc, char** argv) {
                               .median_us;
     const double bf = bytes_moved(c, 0), bu = bytes_moved(c, 1) + bytes_moved(c, 2);
     const double gbs_f = bf / (tf.median_us * 1e3), gbs_u = bu / (tu.median_us * 1e3);
-    const auto pct = [](double bytes, double us) {
-      return 100.0 * bytes / (us * 1e3) / bench::kCopyBandwidthGBs;
-    };
     bench::Row r;
     r.add("T", std::to_string(t));
     r.add("timing", graph ? "graph" : "eager");
@@ -633,15 +729,24 @@ int main(int argc, char** argv) {
     r.add("unfused_GBs", gbs_u, 0);
     r.add("unfused_pct_copy", 100.0 * gbs_u / bench::kCopyBandwidthGBs, 1);
     r.add("unfused_over_fused", tu.median_us / tf.median_us, 3);
+    if (!profile_mode()) {
+      const double b2b_f = time_back_to_back(c, {0}, {}, stream, "fused", log, all_pass);
+      const double b2b_u = time_back_to_back(c, {1, 2}, {}, stream, "main + index", log, all_pass);
+      r.add("fused_b2b_us", b2b_f, 2);
+      r.add("unfused_b2b_us", b2b_u, 2);
+      r.add("fused_b2b_pct_copy", pct_copy(bf, b2b_f), 1);
+      r.add("unfused_b2b_pct_copy", pct_copy(bu, b2b_u), 1);
+      r.add("unfused_over_fused_b2b", b2b_u / b2b_f, 3);
+    }
     r.add("fused_min_us", tf.min_us, 2);
     r.add("fused_p90_us", tf.p90_us, 2);
     r.add("fused_us_memset_flush", tf_memset.median_us, 2);
     for (size_t i = 0; i < variants.size(); ++i) {
       r.add(std::string(variants[i].name) + "_us", tv[i], 2);
-      r.add(std::string(variants[i].name) + "_pct", pct(bf, tv[i]), 1);
+      r.add(std::string(variants[i].name) + "_pct", pct_copy(bf, tv[i]), 1);
     }
     r.add("unfused_tma_us", tu_tma, 2);
-    r.add("unfused_tma_pct", pct(bu, tu_tma), 1);
+    r.add("unfused_tma_pct", pct_copy(bu, tu_tma), 1);
     r.add("unfused_tma_over_tma", tu_tma / tv[2], 3);
     rows.push_back(r);
   }

@@ -42,12 +42,15 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
 
 // The bulk-copy pipeline: dynamic shared memory sized from the heads per row (host attribute
 // calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
+// `o` has its defaults resolved (dispatch).
 template <ProducerMode kMode, int kStages, int kLanes, bool kPlan>
-Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms, bool interleave,
-                  int tile_tasks, cudaStream_t stream) {
+Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o, int sms,
+                  cudaStream_t stream) {
+  int blocks = o.persistent_blocks;
   pk::TmaGeometry g =
-      pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, tile_tasks);
-  g.interleave = interleave;
+      pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, o.tma_tile_tasks);
+  g.interleave = o.tma_interleave > 0;
+  g.bank_swap = o.tma_bank_swap > 0;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
   auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes, kPlan>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -60,45 +63,39 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, int blocks, int sms
                  " bytes of shared memory per block do not fit one SM");
     blocks = sms * per_sm;
   }
-  const auto grid = static_cast<uint32_t>(std::min<int64_t>(g.num_tiles, blocks));
+  const uint32_t grid =
+      o.tma_tail > 0 ? pk::set_tma_tail(g, tasks, static_cast<uint32_t>(blocks), o.tma_tail_rounds,
+                                        o.tma_tail_tiles, o.tma_tail_tile_tasks)
+                     : static_cast<uint32_t>(std::min<int64_t>(g.num_tiles, blocks));
   kernel<<<grid, pk::kTmaThreads, smem, stream>>>(args, g);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 // `o` has its defaults resolved (dispatch): stages and lanes are the kernel's.
+template <ProducerMode kMode, bool kPlan, int kLanes>
+Status launch_tma_stages(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
+                         int sms, cudaStream_t stream) {
+  switch (o.tma_stages) {
+    case 2:
+      return launch_tma<kMode, 2, kLanes, kPlan>(args, tasks, o, sms, stream);
+    case 3:
+      return launch_tma<kMode, 3, kLanes, kPlan>(args, tasks, o, sms, stream);
+    case 4:
+      return launch_tma<kMode, 4, kLanes, kPlan>(args, tasks, o, sms, stream);
+  }
+  return unsupported("producer: no bulk-copy kernel with ", o.tma_stages, " stages");
+}
+
 template <ProducerMode kMode, bool kPlan>
 Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
                         int sms, cudaStream_t stream) {
-  const int blocks = o.persistent_blocks;
-  const bool il = o.tma_interleave > 0;
-  if (o.tma_lanes_per_head == 8) {
-    switch (o.tma_stages) {
-      case 2:
-        return launch_tma<kMode, 2, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-      case 3:
-        return launch_tma<kMode, 3, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-      case 4:
-        return launch_tma<kMode, 4, 8, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-    }
-  } else if (o.tma_lanes_per_head == 4) {
-    switch (o.tma_stages) {
-      case 2:
-        return launch_tma<kMode, 2, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-      case 3:
-        return launch_tma<kMode, 3, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-      case 4:
-        return launch_tma<kMode, 4, 4, kPlan>(args, tasks, blocks, sms, il, o.tma_tile_tasks,
-                                              stream);
-    }
-  }
-  return unsupported("producer: no bulk-copy kernel with ", o.tma_stages, " stages and ",
-                     o.tma_lanes_per_head, " lanes per head");
+  if (o.tma_lanes_per_head == 8)
+    return launch_tma_stages<kMode, kPlan, 8>(args, tasks, o, sms, stream);
+  if (o.tma_lanes_per_head == 4)
+    return launch_tma_stages<kMode, kPlan, 4>(args, tasks, o, sms, stream);
+  return unsupported("producer: no bulk-copy kernel with ", o.tma_lanes_per_head,
+                     " lanes per head");
 }
 
 template <ProducerMode kMode>
@@ -134,6 +131,11 @@ Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
   if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
   if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::tma_default_tile_tasks(tasks);
   if (o.tma_stages == 0) o.tma_stages = pk::tma_default_stages(o.tma_tile_tasks);
+  if (o.tma_tail == 0) o.tma_tail = pk::kTmaTailDefault ? 1 : -1;
+  if (o.tma_bank_swap == 0) o.tma_bank_swap = pk::kTmaBankSwapDefault ? 1 : -1;
+  if (o.tma_tail_rounds == 0) o.tma_tail_rounds = pk::kTmaTailRoundsDefault;
+  if (o.tma_tail_tiles == 0) o.tma_tail_tiles = pk::kTmaTailTilesDefault;
+  if (o.tma_tail_tile_tasks == 0) o.tma_tail_tile_tasks = o.tma_tile_tasks;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
@@ -193,6 +195,26 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CHECK_ARG(options.tma_task_plan >= -1 && options.tma_task_plan <= 1,
                "run_producer_cuda: tma_task_plan ", options.tma_task_plan,
                " must be 0 (default), 1 (on) or -1 (off)");
+  M3_CHECK_ARG(options.tma_tail >= -1 && options.tma_tail <= 1, "run_producer_cuda: tma_tail ",
+               options.tma_tail, " must be 0 (default), 1 (on) or -1 (off)");
+  M3_CHECK_ARG(options.tma_bank_swap >= -1 && options.tma_bank_swap <= 1,
+               "run_producer_cuda: tma_bank_swap ", options.tma_bank_swap,
+               " must be 0 (default), 1 (on) or -1 (off)");
+  M3_CHECK_ARG(options.tma_tail_rounds >= 0 && options.tma_tail_rounds <= pk::kTmaTailMax,
+               "run_producer_cuda: tma_tail_rounds ", options.tma_tail_rounds,
+               " must be 0 (default) or in [1, ", pk::kTmaTailMax, "]");
+  M3_CHECK_ARG(options.tma_tail_tiles >= 0 && options.tma_tail_tiles <= pk::kTmaTailMax,
+               "run_producer_cuda: tma_tail_tiles ", options.tma_tail_tiles,
+               " must be 0 (default) or in [1, ", pk::kTmaTailMax, "]");
+  // The tail tile must fit the stage's tile (the tile size's default may depend on T).
+  const int tile_max =
+      options.tma_tile_tasks != 0 ? options.tma_tile_tasks : pk::kTmaTileTasksSmall;
+  M3_CHECK_ARG(
+      options.tma_tail_tile_tasks == 0 || (options.tma_tail_tile_tasks >= pk::kTmaTailTileMin &&
+                                           options.tma_tail_tile_tasks <= tile_max),
+      "run_producer_cuda: tma_tail_tile_tasks ", options.tma_tail_tile_tasks,
+      " must be 0 (default: the tile size) or in [", pk::kTmaTailTileMin, ", ", tile_max,
+      "] (the tile size, ", pk::kTmaTileTasksSmall, " when it is left to the default)");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;

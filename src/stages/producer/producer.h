@@ -90,6 +90,20 @@ struct ProducerCudaOptions {
   // 128 or 64 (half the bytes per stage, twice the stages in the same shared memory: a shorter
   // pipeline fill, more tiles in flight). Same bytes either way.
   int tma_tile_tasks = 0;
+  // Tail blocks of the bulk-copy kernel (against the end-of-kernel imbalance: SMs whose blocks
+  // finish early idle while others still work): 0 = the default, 1 = on, -1 = off. On: the
+  // persistent blocks run full interleaved rounds only, all but the last tma_tail_rounds of them
+  // (and the partial last one); the tiles after that go to extra blocks of the same grid that the
+  // hardware starts on whichever SM frees a slot first (tma_tail_tiles tiles of
+  // tma_tail_tile_tasks tasks each). No atomics, no state across calls. Same bytes either way.
+  int tma_tail = 0;
+  int tma_tail_rounds = 0;      // 0 = the default (1), else 1..8
+  int tma_tail_tiles = 0;       // 0 = the default (2), else 1..8
+  int tma_tail_tile_tasks = 0;  // 0 = the default (the tile size), else 16..tile size
+  // Shared-memory load order of the bulk-copy kernel with 8 lanes per head: 0 = the default,
+  // 1 = odd lane groups read the B quarter of their head before the A quarter (conflict-free
+  // loads), -1 = every group reads A first. Same bytes either way.
+  int tma_bank_swap = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -379,11 +379,18 @@ __device__ __forceinline__ uint8_t* task_row(const KernelArgs& a, const TaskInfo
   return nullptr;
 }
 
-// Slice `lane` of a BF16 head in shared memory (8 lanes per head).
-__device__ __forceinline__ LaneRaw load_slice8(const uint8_t* head, int lane) {
+// Slice `lane` of a BF16 head in shared memory (8 lanes per head). The heads of a warp's four
+// groups lie 256 bytes apart, so their A parts (bytes 0-63) all fall in banks 0-15 and their B
+// parts in banks 16-31: each 8-byte load is 2-way conflicted (4 wavefronts for 256 bytes).
+// b_first (odd groups, ProducerCudaOptions::tma_bank_swap) loads B first and A second, so each
+// load instruction covers all 32 banks (2 wavefronts); the values are the same.
+__device__ __forceinline__ LaneRaw load_slice8(const uint8_t* head, int lane,
+                                               bool b_first = false) {
   LaneRaw raw;
-  raw.a = *reinterpret_cast<const uint2*>(head + 8 * lane);
-  raw.b = *reinterpret_cast<const uint2*>(head + 64 + 8 * lane);
+  const uint2 x = *reinterpret_cast<const uint2*>(head + (b_first ? 64 : 0) + 8 * lane);
+  const uint2 y = *reinterpret_cast<const uint2*>(head + (b_first ? 0 : 64) + 8 * lane);
+  raw.a = b_first ? y : x;
+  raw.b = b_first ? x : y;
   raw.c = *reinterpret_cast<const uint4*>(head + 128 + 16 * lane);
   return raw;
 }

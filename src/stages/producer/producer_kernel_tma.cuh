@@ -126,6 +126,15 @@ inline int tma_default_tile_tasks(int64_t tasks) {
   return tasks < kTmaSmallTileMaxTasks ? kTmaTileTasksSmall : kTmaTileTasks;
 }
 inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTasksSmall ? 4 : 2; }
+// Tail blocks (ProducerCudaOptions::tma_tail): default off / rounds / tiles per tail block; the
+// tail tile defaults to the stage's tile. kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the
+// tail tile.
+constexpr bool kTmaTailDefault = false;
+constexpr int kTmaTailRoundsDefault = 1;
+constexpr int kTmaTailTilesDefault = 2;
+constexpr int kTmaTailMax = 8;
+constexpr int kTmaTailTileMin = 16;
+constexpr bool kTmaBankSwapDefault = false;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
 // ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
 // T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.
@@ -148,6 +157,15 @@ struct TmaGeometry {
   // rounds of one tile per block over consecutive tiles first (one moving front), then the equal
   // shares of the rest.
   bool interleave = false;
+  // Tail blocks (tail_block_tasks > 0, set by set_tma_tail): blocks [0, main_blocks) run `rounds`
+  // full interleaved rounds of tiles (nothing else); block main_blocks + j takes the tasks
+  // [tail_first + j tail_block_tasks, + tail_block_tasks) in tiles of tail_tile_tasks.
+  uint32_t main_blocks = 0;
+  uint32_t rounds = 0;
+  uint32_t tail_first = 0;
+  uint32_t tail_block_tasks = 0;
+  uint32_t tail_tile_tasks = 0;
+  bool bank_swap = false;  // ProducerCudaOptions::tma_bank_swap (load_slice8's b_first)
 };
 
 __host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
@@ -166,6 +184,24 @@ inline TmaGeometry make_tma_geometry(int64_t tasks, int heads, bool plan, int ti
 }
 inline size_t tma_smem_bytes(const TmaGeometry& g, int stages) {
   return static_cast<size_t>(stages) * g.stage_bytes;
+}
+
+// Tail blocks over a persistent grid of `blocks` (one full wave): the persistent blocks keep
+// floor(tiles / blocks) - tail_rounds full rounds (none if that is not positive: then the whole
+// grid is tail blocks), the rest goes to tail blocks of tail_tiles tiles of tail_tile_tasks tasks.
+// Returns the grid (persistent + tail blocks).
+inline uint32_t set_tma_tail(TmaGeometry& g, int64_t tasks, uint32_t blocks, int tail_rounds,
+                             int tail_tiles, int tail_tile_tasks) {
+  const uint32_t full_rounds = g.num_tiles / blocks;
+  g.interleave = true;
+  g.rounds = full_rounds > static_cast<uint32_t>(tail_rounds) ? full_rounds - tail_rounds : 0u;
+  g.main_blocks = g.rounds > 0 ? blocks : 0u;
+  g.tail_first = g.rounds * g.main_blocks * g.tile_tasks;
+  g.tail_tile_tasks = static_cast<uint32_t>(tail_tile_tasks);
+  g.tail_block_tasks = static_cast<uint32_t>(tail_tiles * tail_tile_tasks);
+  const int64_t rest = tasks - g.tail_first;
+  return g.main_blocks +
+         static_cast<uint32_t>((rest + g.tail_block_tasks - 1) / g.tail_block_tasks);
 }
 
 __device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
@@ -302,23 +338,37 @@ __device__ __forceinline__ void tma_stage_plan(const KernelArgs& a, const TmaGeo
 // consecutive tiles), then an equal share [share_begin, share_end) of the remaining tasks
 // (balanced to one task) in tiles of up to S, the last one partial. rounds = 0 (geometry
 // interleave false) is the plain equal share of all tasks.
+// With tail blocks (g.tail_block_tasks > 0) the rounds run over the g.main_blocks persistent
+// blocks only; a tail block has no rounds and a share of g.tail_block_tasks tasks in tiles of
+// g.tail_tile_tasks (at most a stage's tile_tasks).
 struct BlockTiles {
-  uint32_t size = kTmaTileTasks, rounds = 0, share_begin = 0, share_end = 0, count = 0;
+  uint32_t size = kTmaTileTasks, grid = 1, rounds = 0, share_begin = 0, share_end = 0, count = 0;
 
   __device__ __forceinline__ BlockTiles(const KernelArgs& a, const TmaGeometry& g)
-      : size(g.tile_tasks) {
-    const uint64_t grid = gridDim.x, b = blockIdx.x;
-    rounds = g.interleave ? static_cast<uint32_t>(a.num_tasks / (grid * size)) : 0u;
-    const uint64_t base = uint64_t{rounds} * grid * size;
-    const uint64_t rest = a.num_tasks - base;
-    share_begin = static_cast<uint32_t>(base + b * rest / grid);
-    share_end = static_cast<uint32_t>(base + (b + 1) * rest / grid);
+      : size(g.tile_tasks), grid(gridDim.x) {
+    const uint32_t b = blockIdx.x;
+    if (g.tail_block_tasks > 0) {
+      if (b < g.main_blocks) {
+        grid = g.main_blocks;
+        rounds = g.rounds;
+      } else {
+        size = g.tail_tile_tasks;
+        share_begin = g.tail_first + (b - g.main_blocks) * g.tail_block_tasks;
+        share_end = min(share_begin + g.tail_block_tasks, a.num_tasks);
+      }
+    } else {
+      rounds = g.interleave ? static_cast<uint32_t>(a.num_tasks / (uint64_t{grid} * size)) : 0u;
+      const uint64_t base = uint64_t{rounds} * grid * size;
+      const uint64_t rest = a.num_tasks - base;
+      share_begin = static_cast<uint32_t>(base + b * rest / grid);
+      share_end = static_cast<uint32_t>(base + (b + 1) * rest / grid);
+    }
     count = rounds + (share_end - share_begin + size - 1) / size;
   }
   // Tile k < count: tasks [first, end).
   __device__ __forceinline__ void tile(uint32_t k, uint32_t& first, uint32_t& end) const {
     if (k < rounds) {
-      first = (k * gridDim.x + blockIdx.x) * size;
+      first = (k * grid + blockIdx.x) * size;
       end = first + size;
     } else {
       first = share_begin + (k - rounds) * size;
@@ -411,6 +461,7 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
   const int rounds = static_cast<int>(g.tile_tasks) / kGroups;  // 128 tasks: 4 or 2; 64: 2 or 1
   const int lane = threadIdx.x & (kLanes - 1);
   const int group = threadIdx.x / kLanes;
+  const bool b_first = g.bank_swap && (group & 1) != 0;  // load_slice8 (8 lanes)
 #pragma unroll 1
   for (; it < tiles.count; ++it) {
     const uint32_t s = it % kTmaStages;
@@ -430,14 +481,14 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
       if (first + r * kGroups >= tile_end) break;
       if constexpr (kPlan) {
         const auto* plans = reinterpret_cast<const TaskPlan*>(st + g.plan_off);
-        process_planned<kLanes>(a, st, plans[r * kGroups + group], lane, s_norm, s_rope);
+        process_planned<kLanes>(a, st, plans[r * kGroups + group], lane, s_norm, s_rope, b_first);
         continue;
       }
       const uint32_t task = first + r * kGroups + group;
       const bool valid = task < tile_end;
       const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
       if constexpr (kLanes == 8) {
-        const LaneRaw raw = load_slice8(head, lane);
+        const LaneRaw raw = load_slice8(head, lane, b_first);
         process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
                             s_slot);
       } else {

@@ -72,9 +72,25 @@ inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes
   o.tma_tile_tasks = tile;
   return o;
 }
-inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{}, tma_options(3, 0, 8),
-                                                     tma_options(4, 0, 8, true, true, 64),
-                                                     tma_options(4, 0, 4, true)};
+// The bulk-copy kernel's defaults (plans, interleaved order, tile and stages by size) with tail
+// blocks: the last `rounds` rounds to tail blocks of `tiles` tiles of `tile_tasks` tasks (0: the
+// defaults) on a persistent grid of `blocks` (0 = a full wave), with or without the bank-swapped
+// shared-memory load order.
+inline ProducerCudaOptions tail_options(int rounds = 0, int tiles = 0, int tile_tasks = 0,
+                                        int blocks = 0, bool bank_swap = false) {
+  ProducerCudaOptions o;
+  o.tma_bank_swap = bank_swap ? 1 : -1;
+  o.kernel = ProducerCudaKernel::kTmaPipeline;
+  o.persistent_blocks = blocks;
+  o.tma_tail = 1;
+  o.tma_tail_rounds = rounds;
+  o.tma_tail_tiles = tiles;
+  o.tma_tail_tile_tasks = tile_tasks;
+  return o;
+}
+inline const ProducerCudaOptions kKernelChoices[] = {
+    ProducerCudaOptions{}, tma_options(3, 0, 8), tma_options(4, 0, 8, true, true, 64),
+    tma_options(4, 0, 4, true), tail_options(1, 2, 32, 0, true)};
 inline std::string choice_name(const ProducerCudaOptions& o) {
   std::ostringstream os;
   os << producer_cuda_kernel_name(o.kernel);
@@ -82,6 +98,10 @@ inline std::string choice_name(const ProducerCudaOptions& o) {
     os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head
        << (o.tma_task_plan > 0 ? " plan" : "") << (o.tma_interleave > 0 ? " interleaved" : "")
        << " tile " << o.tma_tile_tasks;
+  if (o.tma_tail > 0)
+    os << " tail rounds " << o.tma_tail_rounds << " tiles " << o.tma_tail_tiles << " of "
+       << o.tma_tail_tile_tasks;
+  if (o.tma_bank_swap > 0) os << " bank swap";
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
   return os.str();
 }

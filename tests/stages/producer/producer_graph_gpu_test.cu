@@ -124,7 +124,8 @@ void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
 // bulk-copy pipeline on its default grid, on 5 blocks with 2 stages (181 tiles: ~36 tiles and
 // every stage reused ~18 times per block), with 4 lanes per head on 4 blocks, and with task plans
 // (8 lanes, interleaved tile order, 5 blocks, with 128- and 64-task tiles; 4 lanes, 4 stages, 3
-// blocks).
+// blocks); with tail blocks (5 persistent blocks, 2 rounds and the rest in blocks of one
+// 16-task tile).
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
@@ -138,6 +139,7 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(300, tma_options(2, 5, 8, true, true));
   graph_replay_case(300, tma_options(4, 5, 8, true, true, 64));
   graph_replay_case(300, tma_options(4, 3, 4, true));
+  graph_replay_case(300, tail_options(2, 1, 16, 5));
 }
 
 // For every mode: fresh inputs of `geo` and `t` (a fresh seed), a pool with padded planes and
@@ -222,16 +224,23 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
     int lanes;
     bool plan, interleave;
     int tile;
+    int tail_rounds = 0, tail_tiles = 0, tail_tile = 0;  // tail blocks when tail_rounds > 0
+    bool bank_swap = false;
   };
-  const Variant variants[] = {{"8 lanes", 8, false, false, 128},
-                              {"4 lanes", 4, false, false, 128},
-                              {"8 lanes, plans", 8, true, false, 128},
-                              {"4 lanes, plans", 4, true, false, 128},
-                              {"8 lanes, interleaved", 8, false, true, 128},
-                              {"4 lanes, plans, interleaved", 4, true, true, 128},
-                              {"8 lanes, 64-task tiles", 8, false, false, 64},
-                              {"8 lanes, plans, interleaved, 64-task tiles", 8, true, true, 64},
-                              {"4 lanes, plans, 64-task tiles", 4, true, false, 64}};
+  const Variant variants[] = {
+      {"8 lanes", 8, false, false, 128},
+      {"4 lanes", 4, false, false, 128},
+      {"8 lanes, plans", 8, true, false, 128},
+      {"4 lanes, plans", 4, true, false, 128},
+      {"8 lanes, interleaved", 8, false, true, 128},
+      {"4 lanes, plans, interleaved", 4, true, true, 128},
+      {"8 lanes, 64-task tiles", 8, false, false, 64},
+      {"8 lanes, plans, interleaved, 64-task tiles", 8, true, true, 64},
+      {"4 lanes, plans, 64-task tiles", 4, true, false, 64},
+      {"8 lanes, plans, tail 1 x 2 x 64, bank swap", 8, true, true, 128, 1, 2, 64, true},
+      {"8 lanes, plans, tail 2 x 3 x 48", 8, true, true, 64, 2, 3, 48},
+      {"8 lanes, tail 1 x 1 x 128, bank swap", 8, false, false, 128, 1, 1, 0, true},
+      {"8 lanes, plans, interleaved, 64-task tiles, bank swap", 8, true, true, 64, 0, 0, 0, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "blocks " << c.blocks << " stages " << c.stages);
     for_each_mode_case(
@@ -248,8 +257,16 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
                        "per-batch vs CPU twin");
           for (const Variant& v : variants) {
             Outputs out = init.clone();
-            run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out,
-                       tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile));
+            ProducerCudaOptions o =
+                tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile);
+            if (v.tail_rounds > 0) {
+              o.tma_tail = 1;
+              o.tma_tail_rounds = v.tail_rounds;
+              o.tma_tail_tiles = v.tail_tiles;
+              o.tma_tail_tile_tasks = v.tail_tile;
+            }
+            o.tma_bank_swap = v.bank_swap ? 1 : -1;
+            run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out, o);
             expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
                          std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
           }
@@ -302,14 +319,30 @@ ProducerCudaOptions bad_flag(int plan, int interleave) {
   return o;
 }
 
+// The bulk-copy kernel's defaults with the tail switch, rounds, tiles and tail tile set to raw
+// values.
+ProducerCudaOptions bad_tail(int tail, int rounds, int tiles, int tile_tasks) {
+  ProducerCudaOptions o = tail_options(rounds, tiles, tile_tasks);
+  o.tma_tail = tail;
+  return o;
+}
+
+ProducerCudaOptions bad_swap(int swap) {
+  ProducerCudaOptions o = tma_options();
+  o.tma_bank_swap = swap;
+  return o;
+}
+
 void expect_rejected(const Status& s) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_FALSE(s.message().empty());
 }
 
 // A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, a task-plan or
-// tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, or an unknown kernel
-// choice is rejected before any launch.
+// tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, a tail switch outside
+// {-1, 0, 1}, tail rounds or tiles outside [0, 8], a tail tile outside [16, 64] (the default tile
+// size is 64 at small T), a bank-swap switch outside {-1, 0, 1}, or an unknown kernel choice is
+// rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -320,12 +353,32 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
   neg.persistent_blocks = -1;
   ProducerCudaOptions unknown;
   unknown.kernel = static_cast<ProducerCudaKernel>(7);
-  for (const ProducerCudaOptions& o :
-       {neg, unknown, tma_options(1), tma_options(5), tma_options(-1), tma_options(0, -3),
-        tma_options(0, 0, 2), tma_options(0, 0, 16), tma_options(0, 0, -4),
-        tma_options(1, 0, 8, true), tma_options(0, 0, 2, true, true), bad_flag(2, 0),
-        bad_flag(0, -2), tma_options(0, 0, 0, true, true, 32),
-        tma_options(0, 0, 8, false, false, 96), tma_options(0, 0, 4, true, false, -64)})
+  for (const ProducerCudaOptions& o : {neg,
+                                       unknown,
+                                       tma_options(1),
+                                       tma_options(5),
+                                       tma_options(-1),
+                                       tma_options(0, -3),
+                                       tma_options(0, 0, 2),
+                                       tma_options(0, 0, 16),
+                                       tma_options(0, 0, -4),
+                                       tma_options(1, 0, 8, true),
+                                       tma_options(0, 0, 2, true, true),
+                                       bad_flag(2, 0),
+                                       bad_flag(0, -2),
+                                       tma_options(0, 0, 0, true, true, 32),
+                                       tma_options(0, 0, 8, false, false, 96),
+                                       tma_options(0, 0, 4, true, false, -64),
+                                       bad_tail(2, 0, 0, 0),
+                                       bad_tail(-1, 0, 0, 0),
+                                       bad_tail(1, 9, 0, 0),
+                                       bad_tail(1, -1, 0, 0),
+                                       bad_tail(1, 0, 9, 0),
+                                       bad_tail(1, 0, 0, 8),
+                                       bad_tail(1, 0, 0, 65),
+                                       bad_tail(1, 0, 0, -16),
+                                       bad_swap(2),
+                                       bad_swap(-2)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

@@ -47,7 +47,7 @@ constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill
 // the pool (H200, 8K chunk: kernel 8 1265 / 1426 us sparse at 8K / 64K vs 1350 / 1516 us for
 // variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck).
 constexpr bool kAutoWs = true;
-constexpr int kAutoWsKernel = 9;  // which of its variants (AttentionCudaConfig::kernel 6 .. 9)
+constexpr int kAutoWsKernel = 9;  // which of its variants (AttentionCudaConfig::kernel 6 .. 10)
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
@@ -69,6 +69,7 @@ struct Plan {
   bool ws_lookahead = false;     // its scheduler prepares the next work item early (kernels 7, 8)
   bool ws_qregs = false;         // its consumers keep Q in registers (kernels 8, 9)
   bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
+  bool ws_fast_union = false;    // its tile unions by minimum extraction (kernel 10)
   int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;                    // tokens per tile
   bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
@@ -113,7 +114,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws = pl.wgmma && kAutoWs;
       pl.ws_lookahead = kAutoWsKernel >= 7;
       pl.ws_qregs = kAutoWsKernel >= 8;
-      pl.ws_fast_convert = kAutoWsKernel == 9;
+      pl.ws_fast_convert = kAutoWsKernel >= 9;
+      pl.ws_fast_union = kAutoWsKernel >= 10;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -133,15 +135,17 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 7:
     case 8:
     case 9:
+    case 10:
       pl.wgmma = true;
       pl.ws = true;
       pl.ws_lookahead = cfg.kernel >= 7;
       pl.ws_qregs = cfg.kernel >= 8;
-      pl.ws_fast_convert = cfg.kernel == 9;
+      pl.ws_fast_convert = cfg.kernel >= 9;
+      pl.ws_fast_union = cfg.kernel >= 10;
       pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
       break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 9");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 10");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -308,8 +312,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     if (pl.ws && vec16) {
       bool launched = false;
       M3_RETURN_IF_ERROR(attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_lookahead,
-                                                      pl.ws_qregs, pl.ws_fast_convert, stream,
-                                                      &launched));
+                                                      pl.ws_qregs, pl.ws_fast_convert,
+                                                      pl.ws_fast_union, stream, &launched));
       if (launched) return Status::Ok();
     }
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {

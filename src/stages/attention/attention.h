@@ -69,7 +69,8 @@ struct AttentionCudaConfig {
                             // TMA, 2 consumer warpgroups; kernel 4 runs instead where TMA cannot
                             // address the pool: base or strides not multiples of 16 bytes); 7 the
                             // same with the next work item prepared while the current one runs;
-                            // 8 as 7 with Q in registers; 9 as 8 with the faster V conversion
+                            // 8 as 7 with Q in registers; 9 as 8 with the faster V conversion;
+                            // 10 as 9 with the tile unions built by minimum extraction
   int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
                             // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
                             // -1 none, 1 .. 8

@@ -29,13 +29,20 @@
 //     "ping-pong") so one's softmax overlaps the other's MMAs. The stream of entries runs across
 //     work items without a drain: S of the next item's first block is issued before the last P V of
 //     the current item, whose epilogue (BF16 rows or the split partial) follows its completion.
-// Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert):
+// Files: attention_prefill_ws_common.cuh (constants, ring header, shared state, PTX wrappers),
+// attention_prefill_ws_scheduler.cuh (the scheduler warp), this file (converters, consumers, the
+// kernel, tensor maps and launch).
+// Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert, 10 +
+// kFastUnion):
 // kLookahead: the scheduler prepares the next work item (global loads, union) right after the
 // current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
 // fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
 // the converters take 16-byte items, 4 in flight per thread, zeroing by selects (round-2 ncu of
 // kernel 6: the 3 converter warps were ~85 % busy and the consumers waited on the f16 tile for
-// 16 % of all samples).
+// 16 % of all samples); kFastUnion: the scheduler builds each tile's union by minimum extraction
+// (~25 instructions per distinct block; the all-pairs compare took ~2.6 K dependent instructions
+// per item, i.e. longer than the 3-stage ring lasts: sparse entries cost ~25 % more than dense ones
+// in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (3 converter warps), vempty[2] (8 consumer
 // warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S).
@@ -69,394 +76,12 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
-#include "core/mbarrier.cuh"
 #include "m3attn/status.h"
-#include "stages/attention/attention_kernel.cuh"
-#include "stages/attention/attention_prefill_wgmma.cuh"
+#include "stages/attention/attention_prefill_ws_common.cuh"
+#include "stages/attention/attention_prefill_ws_scheduler.cuh"
 
 namespace m3attn {
 namespace attention_prefill_ws {
-
-namespace ak = attention_kernel;
-namespace ap = attention_prefill;
-using ak::AttnArgs;
-
-constexpr int kThreads = 384;  // warpgroup 0: scheduler + converters; 1, 2: consumers
-constexpr int kConvWarps = 3;
-constexpr int kConsumerWarps = 8;
-constexpr int kQT = 8;  // query tokens per tile
-constexpr int kStages = 3;
-constexpr int kTileBytes = ak::kTileBytes;  // raw K or V: 128 keys x 128 bytes
-constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kVhBytes = 2 * kTileBytes;        // f16 V
-constexpr int kQBytes = kQT * ak::kRows * 128;  // 8 tokens x 16 heads x 128 bytes
-constexpr int kVhOff = kStages * kStageBytes;
-constexpr int kQOff = kVhOff + 2 * kVhBytes;
-constexpr int kSmemBytes = kQOff + 2 * kQBytes + 1024;
-// setmaxnreg moves registers within the CTA's launch allocation (168 per thread: 65536 / 384
-// rounded down to a multiple of 8), so 128 x low + 256 x high must not exceed 168 x 384.
-constexpr int kLaunchRegs = 168;
-constexpr int kLowRegs = 40;
-constexpr int kHighRegs = 232;
-constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
-static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
-static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
-static_assert(kLaunchRegs * kThreads <= 65536, "register file");
-static_assert(ap::kQT == kQT, "same tile as the wgmma kernel (shared helpers)");
-
-// Entry flags.
-constexpr int kFirst = 1;  // first entry of its work item (Q tile loaded with it)
-constexpr int kLast = 2;   // last entry of its work item (epilogue after its P V)
-constexpr int kEnd = 4;    // no more entries
-
-// Header of one ring stage, written by the scheduler lane before the stage's full arrival.
-struct Entry {
-  int info;  // flags | Q buffer << 3 | tokens of the tile << 4 | split << 8 | KV head << 16
-  int t0;    // first token of the tile
-  int vlim;  // V rows past it are zeroed
-  int pad;
-  int lim[kQT];  // keys [0, lim] of the block visible to token w (< 0: none)
-};
-__host__ __device__ constexpr int pack_info(int flags, int qslot, int nt, int split, int g) {
-  return flags | qslot << 3 | nt << 4 | split << 8 | g << 16;
-}
-__device__ __forceinline__ int info_flags(int info) { return info & 7; }
-__device__ __forceinline__ int info_qslot(int info) { return (info >> 3) & 1; }
-__device__ __forceinline__ int info_nt(int info) { return (info >> 4) & 15; }
-__device__ __forceinline__ int info_split(int info) { return (info >> 8) & 255; }
-__device__ __forceinline__ int info_g(int info) { return info >> 16; }
-static_assert(ak::kMaxSplits <= 256, "split index in 8 bits");
-
-// ---------------------------------------------------------------------------------------------
-// PTX wrappers (mbarrier, TMA, named barriers, register reallocation).
-
-using sm90::mbar_arrive;
-using sm90::mbar_arrive_expect_tx;
-using sm90::mbar_init;
-using sm90::mbar_try_wait;
-using sm90::mbar_wait;
-
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, int c3, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4, %5}], [%6];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
-      : "memory");
-}
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-
-// Named barriers 1 and 2 over the 256 consumer threads: warpgroup w waits on 1 + w, the other
-// warpgroup arrives on it.
-__device__ __forceinline__ void turn_wait(int wg) {
-  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
-}
-__device__ __forceinline__ void turn_pass(int wg) {
-  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
-}
-
-// ---------------------------------------------------------------------------------------------
-// Shared state.
-
-// A work item as the scheduler warp prepared it (two buffers: the current and the next item).
-struct Item {
-  int t0, nt, g, split, lo, hi;  // tile, KV head, split, entry range [lo, hi) of the list
-  int64_t pt_row;                // page-table row offset of the request
-  int pos[kQT];                  // positions of the tile's tokens (-1: absent)
-  int list_b[kCand], list_page[kCand], list_mask[kCand];  // sparse: the union
-};
-
-struct Shared {
-  Entry entry[kStages];
-  uint64_t full[kStages], empty[kStages], vfull[2], vempty[2], qempty[2];
-  // Scheduler warp only.
-  int cand_b[kCand], cand_page[kCand];
-  Item item[2];
-};
-
-__device__ __forceinline__ uint32_t bar_addr(const uint64_t& b) { return ak::smem_u32(&b); }
-
-// ---------------------------------------------------------------------------------------------
-// Scheduler warp.
-
-// ak::find_tile for one warp (8-token tiles): request r, first token t0, tokens nt of `tile`.
-__device__ __forceinline__ bool find_tile_warp(const AttnArgs& a, int tile, int& r_out, int& t0,
-                                               int& nt) {
-  const int lane = threadIdx.x & 31;
-  int carry = 0;
-  for (int base = 0; base < a.R; base += 32) {
-    const int r = base + lane;
-    int lo = 0, hi = 0, cnt = 0;
-    if (r < a.R) {
-      lo = min(max(a.query_start[r], 0), a.T);
-      hi = min(max(a.query_start[r + 1], 0), a.T);
-      cnt = hi > lo ? (hi - lo + kQT - 1) / kQT : 0;
-    }
-    int incl = cnt;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int n = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += n;
-    }
-    const int excl = incl - cnt;
-    const bool hit = cnt > 0 && tile >= carry + excl && tile < carry + incl;
-    const unsigned bal = __ballot_sync(0xffffffffu, hit);
-    if (bal) {
-      const int src = __ffs(bal) - 1;
-      const int start = lo + (tile - carry - excl) * kQT;
-      r_out = base + src;
-      t0 = __shfl_sync(0xffffffffu, start, src);
-      nt = min(kQT, __shfl_sync(0xffffffffu, hi, src) - t0);
-      return true;
-    }
-    carry += __shfl_sync(0xffffffffu, incl, 31);
-  }
-  return false;
-}
-
-// Union of the tile's selected blocks (the wgmma kernel's rules: ids outside [0, pos / 128], past
-// the page table or with an invalid page select nothing; repeats count once), as list entries
-// (block, page, mask of tokens that selected it). Returns the entry count.
-__device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, Item& it,
-                                                 int64_t pt_row, int t0, int nt, int g, int mypos) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k, w = c / ak::kTopKIds;
-    const int pw = __shfl_sync(0xffffffffu, mypos, w & 7);
-    int b = -1, page = -1;
-    if (w < nt) {
-      b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                      static_cast<int64_t>(g) * a.bid_stride_h + c % ak::kTopKIds];
-      if (b >= 0 && b <= (pw >> 7) && b < a.max_pages) {
-        page = a.page_table[pt_row + b];
-        if (page < 0 || page >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
-    }
-    sh.cand_b[c] = b;
-    sh.cand_page[c] = page;
-  }
-  __syncwarp();
-  int n = 0;
-#pragma unroll
-  for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k;
-    const int b = sh.cand_b[c];
-    bool first = b >= 0;
-    int mask = 0;
-    if (b >= 0) {
-      for (int j = 0; j < kCand; ++j) {
-        if (sh.cand_b[j] == b) {
-          if (j < c) first = false;
-          mask |= 1 << (j / ak::kTopKIds);
-        }
-      }
-    }
-    const unsigned bal = __ballot_sync(0xffffffffu, first);
-    if (first) {
-      const int rank = n + __popc(bal & ((1u << lane) - 1u));
-      it.list_b[rank] = b;
-      it.list_page[rank] = sh.cand_page[c];
-      it.list_mask[rank] = mask;
-    }
-    n += __popc(bal);
-  }
-  __syncwarp();
-  return n;
-}
-
-// Zero output rows (or an empty split partial) of a work item that has no entry.
-__device__ __forceinline__ void write_empty_item(const AttnArgs& a, int t0, int nt, int g,
-                                                 int split) {
-  const int lane = threadIdx.x & 31;
-  for (int w = 0; w < nt; ++w) {
-    const int64_t t = t0 + w;
-    for (int h = 0; h < a.group; ++h) {
-      if (a.splits == 1) {
-        uint16_t* orow =
-            a.out + t * a.out_stride + static_cast<int64_t>(g * a.group + h) * ak::kDim;
-        *reinterpret_cast<uint2*>(orow + 4 * lane) = make_uint2(0u, 0u);
-      } else {
-        const int64_t slot = (t * a.n_kv + g) * a.splits + split;
-        float* orow = a.ws_o + (slot * ak::kRows + h) * ak::kDim;
-        *reinterpret_cast<float4*>(orow + 4 * lane) = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (lane == 0) {
-          a.ws_ml[(slot * ak::kRows + h) * 2] = -INFINITY;
-          a.ws_ml[(slot * ak::kRows + h) * 2 + 1] = 0.0f;
-        }
-      }
-    }
-  }
-}
-
-struct Pending {
-  int b, page, mask, vlim, flags;
-};
-
-// Prepares work item w into `it` (tile, positions, sparse union, split range). False when the
-// tile does not exist (the grid bound exceeds the batch's tiles). Warp-uniform.
-__device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item& it, int w) {
-  const int lane = threadIdx.x & 31;
-  const int split = w % a.splits;
-  const int tile = w / a.splits / a.n_kv;
-  const int g = (w / a.splits) % a.n_kv;
-  int r = -1, t0 = 0, nt = 0;
-  if (!find_tile_warp(a, tile, r, t0, nt)) return false;
-  const int mypos = lane < nt ? a.positions[t0 + lane] : -1;
-  if (lane < kQT) it.pos[lane] = mypos;
-  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
-  int n_total = 0;
-  if (a.sparse) {
-    n_total = build_sparse_list(a, sh, it, pt_row, t0, nt, g, mypos);
-  } else {
-    int maxpos = mypos;
-#pragma unroll
-    for (int o = 4; o > 0; o >>= 1) maxpos = max(maxpos, __shfl_xor_sync(0xffffffffu, maxpos, o));
-    maxpos = __shfl_sync(0xffffffffu, maxpos, 0);
-    n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
-  }
-  const int per = (n_total + a.splits - 1) / a.splits;
-  if (lane == 0) {
-    it.t0 = t0;
-    it.nt = nt;
-    it.g = g;
-    it.split = split;
-    it.lo = min(n_total, split * per);
-    it.hi = min(n_total, it.lo + per);
-    it.pt_row = pt_row;
-  }
-  __syncwarp();
-  return true;
-}
-
-// kLookahead: the next work item is prepared right after the current item's first entry is
-// issued (its global loads overlap the ring's 3 entries of work), else after the last.
-template <bool kLookahead>
-__device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensorMap* kmap,
-                                               const CUtensorMap* vmap, const CUtensorMap* qmap,
-                                               int tiles, Shared& sh, uint32_t base) {
-  const int lane = threadIdx.x & 31;
-  const int n_work = tiles * a.n_kv * a.splits;
-  const int step = static_cast<int>(gridDim.x);
-  uint32_t j = 0;   // entries issued (ring position)
-  uint32_t qi = 0;  // items that loaded a Q tile
-
-  // Issues entry e of item `it` (lane 0): header, Q (first entry), K and V tiles.
-  auto issue = [&](const Pending& e, const Item& it) {
-    if (lane == 0) {
-      const int s = static_cast<int>(j % kStages);
-      const uint32_t k = j / kStages;
-      if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
-      const int qs = static_cast<int>(qi & 1);
-      if ((e.flags & kFirst) && qi >= 2) mbar_wait(bar_addr(sh.qempty[qs]), ((qi >> 1) - 1) & 1);
-      Entry& h = sh.entry[s];
-      h.info = pack_info(e.flags, qs, it.nt, it.split, it.g);
-      h.t0 = it.t0;
-      h.vlim = e.vlim;
-#pragma unroll
-      for (int w = 0; w < kQT; ++w)
-        h.lim[w] = (e.mask >> w) & 1 ? it.pos[w] - e.b * ak::kBlockKeys : -1;
-      const uint32_t full = bar_addr(sh.full[s]);
-      const uint32_t stage = base + s * kStageBytes;
-      mbar_arrive_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
-      if (e.flags & kFirst)
-        tma_load_3d(base + kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
-      tma_load_4d(stage, kmap, 0, 0, it.g, e.page, full);
-      tma_load_4d(stage + kTileBytes, vmap, 0, 0, it.g, e.page, full);
-    }
-    ++j;
-  };
-
-  // The first existing item of this CTA (heaviest tiles first: items in descending order).
-  int w = n_work - 1 - static_cast<int>(blockIdx.x);
-  int cur = 0;
-  bool have_item = false;
-  for (; w >= 0 && !have_item; w -= step) have_item = prepare_item(a, sh, sh.item[cur], w);
-  while (have_item) {
-    const Item& it = sh.item[cur];
-    // The next existing item, prepared into the other buffer once (`w` already points at it).
-    bool next_done = false, have_next = false;
-    auto prepare_next = [&]() {
-      if (next_done) return;
-      for (; w >= 0 && !have_next; w -= step) have_next = prepare_item(a, sh, sh.item[cur ^ 1], w);
-      next_done = true;
-    };
-    // Entries are issued one behind, so that the last one of the item carries kLast.
-    Pending pend{};
-    bool have = false;
-    int issued = 0;
-    const int lo = it.lo, hi = it.hi;
-    for (int c0 = lo; c0 < hi; c0 += 32) {
-      const int e = c0 + lane;
-      int b = -1, page = -1, mask = 0;
-      if (e < hi) {
-        if (a.sparse) {
-          b = it.list_b[e];
-          page = it.list_page[e];
-          mask = it.list_mask[e];
-        } else {
-          b = e;
-          page = a.page_table[it.pt_row + b];
-          if (page >= 0 && page < a.num_pages) {
-#pragma unroll
-            for (int x = 0; x < kQT; ++x)
-              if (it.pos[x] >= 0 && (it.pos[x] >> 7) >= b) mask |= 1 << x;
-          }
-        }
-      }
-      int vmax = 0;
-#pragma unroll
-      for (int x = 0; x < kQT; ++x)
-        if ((mask >> x) & 1) vmax = max(vmax, it.pos[x]);
-      const int vlim = vmax - b * ak::kBlockKeys;
-      unsigned bal = __ballot_sync(0xffffffffu, mask != 0);
-      while (bal) {
-        const int src = __ffs(bal) - 1;
-        bal &= bal - 1;
-        Pending nx;
-        nx.b = __shfl_sync(0xffffffffu, b, src);
-        nx.page = __shfl_sync(0xffffffffu, page, src);
-        nx.mask = __shfl_sync(0xffffffffu, mask, src);
-        nx.vlim = __shfl_sync(0xffffffffu, vlim, src);
-        nx.flags = issued == 0 ? kFirst : 0;
-        if (have) {
-          issue(pend, it);
-          if (kLookahead) prepare_next();
-        }
-        pend = nx;
-        have = true;
-        ++issued;
-      }
-    }
-    if (have) {
-      pend.flags |= kLast;
-      issue(pend, it);
-      ++qi;
-    } else {
-      write_empty_item(a, it.t0, it.nt, it.g, it.split);
-    }
-    prepare_next();
-    cur ^= 1;
-    have_item = have_next;
-  }
-  // End marker.
-  if (lane == 0) {
-    const int s = static_cast<int>(j % kStages);
-    const uint32_t k = j / kStages;
-    if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
-    sh.entry[s].info = kEnd;
-    mbar_arrive(bar_addr(sh.full[s]));
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Converter warps: raw V of every entry -> f16 buffer v % 2 (layout of ap::convert_v).
@@ -756,7 +381,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs, bool kFastConvert>
+template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -786,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLowRegs));
     if (warp == 0)
-      scheduler_warp<kLookahead>(a, &kmap, &vmap, &qmap, tiles, sh, base);
+      scheduler_warp<kLookahead, kFastUnion>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
       converter_warps<kFastConvert>(sh, smem);
   } else {
@@ -847,7 +472,7 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
-                     bool fast_convert, cudaStream_t stream, bool* launched) {
+                     bool fast_convert, bool fast_union, cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -855,11 +480,12 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
-  // fast V conversion).
-  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false>
-                : !q_regs       ? attention_prefill_ws_kernel<true, false, false>
-                : !fast_convert ? attention_prefill_ws_kernel<true, true, false>
-                                : attention_prefill_ws_kernel<true, true, true>;
+  // fast V conversion), 10 (+ the union by minimum extraction).
+  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false, false>
+                : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false>
+                : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false>
+                : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false>
+                                : attention_prefill_ws_kernel<true, true, true, true>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

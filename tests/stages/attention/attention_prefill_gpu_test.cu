@@ -1,6 +1,7 @@
 // GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
 // and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers, 9 = 8 with
-// the faster V conversion, the automatic choice for prefill batches; attention_prefill_ws.cuh)
+// the faster V conversion, the automatic choice for prefill batches; 10 = 9 with the tile unions
+// built by minimum extraction; attention_prefill_ws.cuh)
 // against the CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached
 // prefixes (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches
 // with several chunks and decode / verify rows, sparse and dense, with and without splits,
@@ -57,6 +58,7 @@ constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-spec
 constexpr int kWsLookahead = 7;  // the same, next work item prepared early
 constexpr int kWsQRegs = 8;      // as 7 with Q in registers
 constexpr int kWsFast = 9;       // as 8 with the faster V conversion (the automatic choice)
+constexpr int kWsUnion = 10;     // as 9 with the tile unions by minimum extraction
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
@@ -290,7 +292,11 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(0, 0, kWsFast),
           ws_config(3, 0, kWsFast),
           ws_config(1, 1, kWsFast),
-          ws_config(2, 6, kWsFast)};
+          ws_config(2, 6, kWsFast),
+          ws_config(0, 0, kWsUnion),
+          ws_config(3, 0, kWsUnion),
+          ws_config(1, 1, kWsUnion),
+          ws_config(2, 6, kWsUnion)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -329,8 +335,10 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   check_configs(c, true, "M3",
                 {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
                  ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-                 ws_config(1, 4, kWsFast)});
-  check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast)});
+                 ws_config(1, 4, kWsFast), ws_config(0, 0, kWsUnion), ws_config(1, 4, kWsUnion)});
+  check_configs(
+      c, false, "M3",
+      {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
 }
 
 TEST(AttentionPrefillWsGpu, StridedPools) {
@@ -352,7 +360,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_configs(c, true, "3 KV heads",
                   {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
-                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast)});
+                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -363,8 +371,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "group 8",
                 {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsQRegs),
-                 ws_config(0, 0, kWsFast), ws_config(2, 3, kWsFast)});
-  check_configs(c, false, "group 8", {ws_config(0, 0, kWsFast)});
+                 ws_config(0, 0, kWsFast), ws_config(2, 3, kWsFast), ws_config(2, 3, kWsUnion)});
+  check_configs(c, false, "group 8", {ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -423,7 +431,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
        {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead),
-        ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast)}) {
+        ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast),
+        ws_config(1, 0, kWsUnion), ws_config(2, 5, kWsUnion)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -457,7 +466,8 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast)}) {
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
+        ws_config(0, 0, kWsUnion)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, ref, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -473,9 +483,10 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Case c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(c, true, "NaN value",
-                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs),
-                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast)});
+  check_configs(
+      c, true, "NaN value",
+      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
+       ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsUnion)});
 }
 
 TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -487,7 +498,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
          {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead),
-          ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast)}) {
+          ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast),
+          ws_config(0, 0, kWsUnion), ws_config(3, 0, kWsUnion)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Case a = make_case(reqs, 64, 4, false, rng);
       const Case b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

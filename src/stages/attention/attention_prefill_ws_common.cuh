@@ -1,0 +1,124 @@
+// Shared definitions of the warp-specialised prefill kernel (attention_prefill_ws.cuh, whose
+// design comment describes the roles): tile and shared-memory constants, the ring entry header,
+// the work item, the CTA's shared state and the PTX wrappers that more than one role uses.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "core/mbarrier.cuh"
+#include "stages/attention/attention_kernel.cuh"
+#include "stages/attention/attention_prefill_wgmma.cuh"
+
+namespace m3attn {
+namespace attention_prefill_ws {
+
+namespace ak = attention_kernel;
+namespace ap = attention_prefill;
+using ak::AttnArgs;
+
+constexpr int kThreads = 384;  // warpgroup 0: scheduler + converters; 1, 2: consumers
+constexpr int kConvWarps = 3;
+constexpr int kConsumerWarps = 8;
+constexpr int kQT = 8;  // query tokens per tile
+constexpr int kStages = 3;
+constexpr int kTileBytes = ak::kTileBytes;  // raw K or V: 128 keys x 128 bytes
+constexpr int kStageBytes = 2 * kTileBytes;
+constexpr int kVhBytes = 2 * kTileBytes;        // f16 V
+constexpr int kQBytes = kQT * ak::kRows * 128;  // 8 tokens x 16 heads x 128 bytes
+constexpr int kVhOff = kStages * kStageBytes;
+constexpr int kQOff = kVhOff + 2 * kVhBytes;
+constexpr int kSmemBytes = kQOff + 2 * kQBytes + 1024;
+// setmaxnreg moves registers within the CTA's launch allocation (168 per thread: 65536 / 384
+// rounded down to a multiple of 8), so 128 x low + 256 x high must not exceed 168 x 384.
+constexpr int kLaunchRegs = 168;
+constexpr int kLowRegs = 40;
+constexpr int kHighRegs = 232;
+constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
+static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
+static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
+static_assert(kLaunchRegs * kThreads <= 65536, "register file");
+static_assert(ap::kQT == kQT, "same tile as the wgmma kernel (shared helpers)");
+
+// Entry flags.
+constexpr int kFirst = 1;  // first entry of its work item (Q tile loaded with it)
+constexpr int kLast = 2;   // last entry of its work item (epilogue after its P V)
+constexpr int kEnd = 4;    // no more entries
+
+// Header of one ring stage, written by the scheduler lane before the stage's full arrival.
+struct Entry {
+  int info;  // flags | Q buffer << 3 | tokens of the tile << 4 | split << 8 | KV head << 16
+  int t0;    // first token of the tile
+  int vlim;  // V rows past it are zeroed
+  int pad;
+  int lim[kQT];  // keys [0, lim] of the block visible to token w (< 0: none)
+};
+__host__ __device__ constexpr int pack_info(int flags, int qslot, int nt, int split, int g) {
+  return flags | qslot << 3 | nt << 4 | split << 8 | g << 16;
+}
+__device__ __forceinline__ int info_flags(int info) { return info & 7; }
+__device__ __forceinline__ int info_qslot(int info) { return (info >> 3) & 1; }
+__device__ __forceinline__ int info_nt(int info) { return (info >> 4) & 15; }
+__device__ __forceinline__ int info_split(int info) { return (info >> 8) & 255; }
+__device__ __forceinline__ int info_g(int info) { return info >> 16; }
+static_assert(ak::kMaxSplits <= 256, "split index in 8 bits");
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers (mbarrier, TMA, named barriers, register reallocation).
+
+using sm90::mbar_arrive;
+using sm90::mbar_arrive_expect_tx;
+using sm90::mbar_init;
+using sm90::mbar_try_wait;
+using sm90::mbar_wait;
+
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Named barriers 1 and 2 over the 256 consumer threads: warpgroup w waits on 1 + w, the other
+// warpgroup arrives on it.
+__device__ __forceinline__ void turn_wait(int wg) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int wg) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shared state.
+
+// A work item as the scheduler warp prepared it (two buffers: the current and the next item).
+struct Item {
+  int t0, nt, g, split, lo, hi;  // tile, KV head, split, entry range [lo, hi) of the list
+  int64_t pt_row;                // page-table row offset of the request
+  int pos[kQT];                  // positions of the tile's tokens (-1: absent)
+  int list_b[kCand], list_page[kCand], list_mask[kCand];  // sparse: the union
+};
+
+struct Shared {
+  Entry entry[kStages];
+  uint64_t full[kStages], empty[kStages], vfull[2], vempty[2], qempty[2];
+  // Scheduler warp only.
+  int cand_b[kCand], cand_page[kCand];
+  Item item[2];
+};
+
+__device__ __forceinline__ uint32_t bar_addr(const uint64_t& b) { return ak::smem_u32(&b); }
+
+}  // namespace attention_prefill_ws
+}  // namespace m3attn

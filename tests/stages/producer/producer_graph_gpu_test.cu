@@ -370,7 +370,7 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
                                        tma_options(0, 0, 8, false, false, 96),
                                        tma_options(0, 0, 4, true, false, -64),
                                        bad_tail(2, 0, 0, 0),
-                                       bad_tail(-1, 0, 0, 0),
+                                       bad_tail(-2, 0, 0, 0),
                                        bad_tail(1, 9, 0, 0),
                                        bad_tail(1, -1, 0, 0),
                                        bad_tail(1, 0, 9, 0),

@@ -55,7 +55,8 @@ constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 
 constexpr int64_t kVerifyMinAvgTokens = 2;
 // Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
 // per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
-// blocks some token does not see whole).
+// blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
+// per SM).
 constexpr int kAutoVerifyVariant = 1;
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
@@ -153,9 +154,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant < 0 || cfg.verify_variant > 4)
+  if (cfg.verify_variant < 0 || cfg.verify_variant > 5)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not one of 0 .. 4");
+                       " is not one of 0 .. 5");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant == 0 ? kAutoVerifyVariant : cfg.verify_variant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -262,6 +263,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   constexpr int smem = av::smem_bytes(kVariant);
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if constexpr (av::ctas_per_sm(kVariant) > 2)  // 3 x ~75 KB: the largest shared-memory split
+    M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
   kernel<<<grid, av::kThreads, smem, stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
@@ -302,6 +306,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<false, 4>(args, pl, n_kv, stream);
       case 9:
         return launch_verify<true, 4>(args, pl, n_kv, stream);
+      case 10:
+        return launch_verify<false, 5>(args, pl, n_kv, stream);
+      case 11:
+        return launch_verify<true, 5>(args, pl, n_kv, stream);
       default:
         return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
     }

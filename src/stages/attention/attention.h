@@ -79,7 +79,8 @@ struct AttentionCudaConfig {
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic, 1 the session-11
                             // kernel (3-stage ring, 2 CTAs per SM), 2 a 2-stage ring with 3 CTAs
                             // per SM, 3 as 1 with the V conversion started under the S wgmma,
-                            // 4 as 3 with V's NaN check only in blocks not seen whole
+                            // 4 as 3 with V's NaN check only in blocks not seen whole, 5 as 4
+                            // with a 2-stage ring, Q in shared memory and 3 CTAs per SM
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

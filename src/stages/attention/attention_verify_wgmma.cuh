@@ -73,16 +73,23 @@ constexpr int kStageBytes = 2 * kTileBytes;
 //   3  as 1, with the V conversion started under the S wgmma (convert_v_high / convert_v_low);
 //   4  as 3, and V bytes checked for NaN only in blocks that some present token does not see
 //      whole (where every present token sees every key, a NaN V element lands in exactly the
-//      rows and dims where the twin puts it: no scrub needed; padding rows are never written).
-constexpr int stages_of(int variant) { return variant == 2 ? 2 : 3; }
+//      rows and dims where the twin puts it: no scrub needed; padding rows are never written);
+//   5  as 4 with a 2-stage ring, Q in shared memory (8 KB, the S wgmma reads A from it: 16
+//      registers fewer) and 64-entry block lists, so that 3 CTAs fit an SM's registers (168 per
+//      thread) and shared memory (3 x ~75.5 KB).
+constexpr int stages_of(int variant) { return variant == 2 || variant == 5 ? 2 : 3; }
 constexpr bool early_v_of(int variant) { return variant >= 3; }
-constexpr bool nan_partial_only_of(int variant) { return variant == 4; }
+constexpr bool nan_partial_only_of(int variant) { return variant >= 4; }
+constexpr bool q_smem_of(int variant) { return variant == 5; }
+constexpr int kQTileBytes = kQT * ak::kRows * ak::kDim;  // 64 rows x 128 bytes
 constexpr int smem_bytes(int variant) {
-  return stages_of(variant) * kStageBytes + 1024;  // + slack to align the base to 1 KB
+  return stages_of(variant) * kStageBytes + (q_smem_of(variant) ? kQTileBytes : 0) +
+         1024;  // + slack to align the base to 1 KB
 }
 constexpr int ctas_per_sm(int variant) { return stages_of(variant) == 2 ? 3 : 2; }
+constexpr int list_of(int variant) { return variant == 5 ? 64 : 128; }
 constexpr int kCand = kQT * ak::kTopKIds;
-constexpr int kMaxList = 128;  // block entries held in shared memory at once
+constexpr int kMaxList = 128;  // block entries held in shared memory at once (list_of: <=)
 constexpr int kKeysPerWarp = ak::kBlockKeys / 4;
 static_assert(kQT * ak::kRows == 64, "a warp is one token's 16 heads");
 static_assert(kThreads == ak::kThreads, "ak::load_block copies with ak::kThreads threads");
@@ -236,20 +243,23 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 template <bool kVec16, int kVariant>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
     attention_verify_kernel(const AttnArgs a) {
-  static_assert(kVariant >= 1 && kVariant <= 4, "variants 1 .. 4");
+  static_assert(kVariant >= 1 && kVariant <= 5, "variants 1 .. 5");
   constexpr int kStages = stages_of(kVariant);
   constexpr bool kEarlyV = early_v_of(kVariant);
   constexpr bool kNaNPartialOnly = nan_partial_only_of(kVariant);
+  constexpr bool kQSmem = q_smem_of(kVariant);
+  constexpr int kList = list_of(kVariant);  // block entries held at once
+  static_assert(kCand <= kList, "a sparse union fits the list");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
   __shared__ int s_pos[kQT];
   __shared__ int s_cand_b[kCand];
   __shared__ int s_cand_page[kCand];
-  __shared__ int s_list_b[kMaxList];
-  __shared__ int s_list_page[kMaxList];
-  __shared__ int s_list_mask[kMaxList];
-  __shared__ int s_list_vlim[kMaxList];
+  __shared__ int s_list_b[kList];
+  __shared__ int s_list_page[kList];
+  __shared__ int s_list_mask[kList];
+  __shared__ int s_list_vlim[kList];
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -271,7 +281,27 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
   const int cand_b = in.cand_b, cand_pos = in.cand_pos;
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
-  ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  const uint32_t q_addr = base + kStages * kStageBytes;  // kQSmem: the Q tile (1 KB aligned)
+  if constexpr (kQSmem) {
+    // Row 16 w + h = head h of token w, 128 bytes, 128-byte swizzle (the K tile's layout, K-major
+    // A operand); rows of absent tokens or heads >= group are zero.
+    uint8_t* qs = smem + kStages * kStageBytes;
+#pragma unroll
+    for (int it = 0; it < kQTileBytes / 16 / kThreads; ++it) {
+      const int i = it * kThreads + tid;
+      const int row = i >> 3, c = i & 7;
+      const int w = row >> 4, h = row & 15;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (w < nt && h < a.group)
+        v = *reinterpret_cast<const uint4*>(a.q + static_cast<int64_t>(t0 + w) * a.q_stride_t +
+                                            static_cast<int64_t>(g * a.group + h) * ak::kDim +
+                                            c * 16);
+      *reinterpret_cast<uint4*>(qs + row * ak::kDim + ((c ^ (row & 7)) << 4)) = v;
+    }
+    ap::fence_proxy_async();  // generic Q stores -> wgmma reads (after the barrier below)
+  } else {
+    ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   __syncthreads();  // s_pos, s_nan
@@ -308,8 +338,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
   for (int w = 1; w < kQT; ++w)
     if (w < nt) min_pos = min(min_pos, s_pos[w]);
 
-  for (int c0 = lo; c0 < hi; c0 += kMaxList) {
-    const int count = min(hi - c0, kMaxList);
+  for (int c0 = lo; c0 < hi; c0 += kList) {
+    const int count = min(hi - c0, kList);
     int off = c0;
     if (!a.sparse) {
       __syncthreads();  // the previous chunk's entries are no longer read
@@ -360,7 +390,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
       ap::wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        if constexpr (kQSmem)
+          ap::wgmma_qk(s, ap::smem_desc(q_addr + 32 * kk, 16, 1024),
+                       ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        else
+          ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
       ap::wgmma_commit();
       uint32_t nan = 0;
       if constexpr (kEarlyV) {

@@ -278,8 +278,8 @@ struct Times {
 
 // Runs `o` once, spot-checks the slices against the twin (FAIL printed to stderr, *pass cleared),
 // then times it: CUDA-graph replays (graph) or eager launches, cold L2 either way; with graph,
-// also back to back (call i over page-table copy i % copies), followed by a spot check of one
-// call of that sequence (the last copy's).
+// also back to back (call i over page-table copy i % copies), followed by a spot check of the
+// ids the sequence's last call wrote.
 Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
                      const IndexerCudaOptions& o, cudaStream_t stream, bool graph,
                      const std::string& what, bool* pass) {
@@ -293,10 +293,15 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
     }
   };
   const auto launch = [&](cudaStream_t s) { launch_copy(s, 0); };
-  const auto check = [&](int copy, const char* how) {
-    check_cuda(cudaMemsetAsync(c.d_ids, 0xa5, static_cast<size_t>(c.T) * kNkv * kTopK * 4, stream),
-               "poison");
-    launch_copy(stream, copy);
+  // Checks the ids of a call over page-table copy `copy`: a fresh call on poisoned ids (run), or
+  // what the last call of the back-to-back sequence left.
+  const auto check = [&](int copy, bool run, const char* how) {
+    if (run) {
+      check_cuda(
+          cudaMemsetAsync(c.d_ids, 0xa5, static_cast<size_t>(c.T) * kNkv * kTopK * 4, stream),
+          "poison");
+      launch_copy(stream, copy);
+    }
     check_cuda(cudaStreamSynchronize(stream), "check run");
     std::string why;
     if (!spot_check(c, pool, slices, copy, &why)) {
@@ -308,15 +313,18 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
                    how, why.c_str());
     }
   };
-  check(0, "isolated");
+  check(0, true, "isolated");
   Times t;
   if (!graph) {
     t.iso = bench::time_cold(launch, stream, 2, 10);
     return t;
   }
   t.iso = bench::time_graph_cold(launch, stream);
-  t.b2b = bench::time_graph_back_to_back(launch_copy, c.copies, stream);
-  check(c.copies - 1, "back-to-back copy");
+  // The sequence's default length (bench_util.h): max(8, 2 x copies) calls; the last one read
+  // copy (calls - 1) % copies (!= 0 whenever copies > 1, so stale ids of copy 0 would fail).
+  const int calls = std::max(8, 2 * c.copies);
+  t.b2b = bench::time_graph_back_to_back(launch_copy, c.copies, stream, calls);
+  check((calls - 1) % c.copies, false, "last call of the back-to-back sequence");
   return t;
 }
 

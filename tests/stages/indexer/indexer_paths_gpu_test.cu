@@ -1,0 +1,209 @@
+// GPU tests of the CUDA indexer (see indexer_gpu_test_util.h): guards against bad device data,
+// CUDA-graph replay, rejected calls, and the bulk-copy variant's own suite.
+#include <gtest/gtest.h>
+
+#include "indexer_gpu_test_util.h"
+
+namespace m3attn::indexer_gpu_test {
+namespace {
+
+TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
+  M3_REQUIRE_GPU();
+  check_guards({0, 1, 3, 4});
+}
+
+TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  IndexerCudaOptions single;
+  single.single_pass = true;
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, single}) {
+    // The default plan at 17K (fused + merge kernel); the single pass at <= 64 blocks.
+    const std::vector<RequestSpec> reqs =
+        go.single_pass
+            ? std::vector<RequestSpec>{{8000, 4}, {2100, 4}, {100, 4}, {2600, 300}}
+            : std::vector<RequestSpec>{{9000, 4}, {2100, 4}, {100, 4}, {17000, 4}, {2600, 300}};
+    const Inputs first = make_inputs(reqs, 4, rng);
+    const Inputs second = make_inputs(reqs, 4, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(first.max_pages(), second.max_pages());
+    ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
+    const std::string what = go.single_pass ? " (single pass)" : "";
+    DeviceSet d;
+    upload(first, d);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, go));
+    ASSERT_EQ(indexer_cuda_plan(d.params, go).single, go.single_pass);
+    const Status st = run_indexer_cuda(d.params, d.workspace, stream, go);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+
+    for (const Inputs* in : {&first, &second}) {
+      reupload(*in, d);
+      poison_outputs(d);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      const GpuResult replay = download(d);
+      const GpuResult eager = run_gpu(d, go);
+      EXPECT_TRUE(replay.ids == eager.ids) << "graph replay and eager ids differ" << what;
+      // The default (fused) path against the two-kernel path, checked against the twin.
+      IndexerCudaOptions two;
+      two.unfused_decode = true;
+      const GpuResult unfused = run_gpu(d, two);
+      expect_same_ids(*in, replay, unfused, "graph replay (fused) vs two-kernel" + what);
+      compare(*in, reference(*in), unfused, false, "two-kernel after graph replay" + what);
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+  cudaStreamDestroy(stream);
+}
+
+TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const Inputs in = make_inputs({{3000, 4}, {500, 2}}, 4, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  DeviceSet d;
+  upload(in, d);
+  const auto expect_rejected = [&](const IndexerParams& p, const TensorView& ws,
+                                   const IndexerCudaOptions& o, const char* what) {
+    poison_outputs(d);
+    const Status st = run_indexer_cuda(p, ws, nullptr, o);
+    EXPECT_FALSE(st.ok()) << what << " was accepted";
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint8_t> ids = d.ids.download_all();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const uint8_t want = (i >= kGuard && i < kGuard + d.ids_bytes) ? kIdsPoison : kGuardByte;
+      if (ids[i] != want) {
+        ADD_FAILURE() << what << ": output byte " << i << " changed";
+        break;
+      }
+    }
+    std::printf("[ indexer  ] rejected (%s): %s\n", what, st.to_string().c_str());
+  };
+  const IndexerCudaOptions none;
+  {  // host views
+    Tensor ids;
+    const IndexerParams hp = host_params(in, ids);
+    expect_rejected(hp, d.workspace, none, "host tensors");
+  }
+  {
+    IndexerParams p = d.params;
+    p.top_k = 8;
+    expect_rejected(p, d.workspace, none, "top_k 8");
+  }
+  {
+    IndexerParams p = d.params;
+    p.block_ids.dtype = DType::kF32;
+    expect_rejected(p, d.workspace, none, "f32 block_ids");
+  }
+  {
+    TensorView ws = d.workspace;
+    ws.shape[0] -= 1;
+    expect_rejected(d.params, ws, none, "workspace one float short");
+  }
+  {
+    TensorView ws = d.workspace;
+    ws.data = static_cast<uint8_t*>(ws.data) + 4;
+    expect_rejected(d.params, ws, none, "workspace not 16-byte aligned");
+  }
+  {
+    TensorView ws = d.workspace;
+    ws.device = Device::cpu();
+    expect_rejected(d.params, ws, none, "workspace on the host");
+  }
+  {
+    TensorView ws = d.workspace;
+    ws.data = d.params.block_ids.data;
+    expect_rejected(d.params, ws, none, "workspace overlapping block_ids");
+  }
+  {
+    IndexerCudaOptions o;
+    o.k_splits = -1;
+    expect_rejected(d.params, d.workspace, o, "k_splits -1");
+  }
+  {
+    IndexerCudaOptions o;
+    o.merge_warps = 3;
+    expect_rejected(d.params, d.workspace, o, "merge_warps 3");
+  }
+  {
+    IndexerParams p = d.params;
+    p.batch.num_requests = 0;
+    p.batch.query_start.shape[0] = 1;
+    p.batch.seq_lens.shape[0] = 0;
+    p.batch.page_table.shape[0] = 0;
+    expect_rejected(p, d.workspace, none, "tokens without requests");
+  }
+  {  // n_kv 9: a valid shape the kernels do not support
+    mt::DeviceBuffer iq9(static_cast<size_t>(in.T() * 9 * kHeadDim));
+    mt::DeviceBuffer ids9(static_cast<size_t>(in.T() * 9 * kTopK * 4));
+    IndexerParams p = d.params;
+    p.n_kv = 9;
+    p.index_q =
+        TensorView::contiguous(iq9.data(), DType::kE4M3, {in.T(), 9, kHeadDim}, Device::cuda(0));
+    p.block_ids =
+        TensorView::contiguous(ids9.data(), DType::kI32, {in.T(), 9, kTopK}, Device::cuda(0));
+    mt::DeviceBuffer ws9(indexer_workspace_bytes(in.T(), 9, in.max_pages()) + 16);
+    const TensorView ws = TensorView::contiguous(
+        ws9.data(), DType::kF32, {static_cast<int64_t>(ws9.bytes() / 4)}, Device::cuda(0));
+    const Status st = run_indexer_cuda(p, ws, nullptr);
+    EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
+  }
+  {  // an empty batch is a no-op
+    IndexerParams p = d.params;
+    p.batch.num_tokens = 0;
+    p.batch.num_requests = 0;
+    p.batch.query_start.shape[0] = 1;
+    p.batch.positions.shape[0] = 0;
+    p.batch.seq_lens.shape[0] = 0;
+    p.batch.page_table.shape[0] = 0;
+    p.index_q.shape[0] = 0;
+    p.block_ids.shape[0] = 0;
+    const Status st = run_indexer_cuda(p, TensorView{}, nullptr);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused path's bulk-copy (TMA) variant (IndexerCudaOptions::decode_bulk_copy) against the
+// two-kernel path, in its own suite: run it in a separate process until it is proven on the device
+// (a lost bulk copy traps after seconds and would take the process's CUDA context with it).
+
+TEST(IndexerGpuBulk, GenerationContextsAndDraftLengths) {
+  M3_REQUIRE_GPU();
+  check_generation_contexts({1, 127, 129, 2049, 4097, 9000}, "bulk generation", true);
+}
+
+TEST(IndexerGpuBulk, MixedBatches) {
+  M3_REQUIRE_GPU();
+  check_mixed({4, 3}, true);
+}
+
+TEST(IndexerGpuBulk, StridedAndUnalignedPools) {
+  M3_REQUIRE_GPU();
+  check_strided_pools(true);
+}
+
+TEST(IndexerGpuBulk, NaNScores) {
+  M3_REQUIRE_GPU();
+  check_nan(true);
+}
+
+TEST(IndexerGpuBulk, GuardsAgainstBadDeviceData) {
+  M3_REQUIRE_GPU();
+  check_guards({2});
+}
+
+}  // namespace
+}  // namespace m3attn::indexer_gpu_test

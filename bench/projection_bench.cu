@@ -3,14 +3,21 @@
 // unfused pair [Q|K|V] (N = 9216) + [iQ|iK] (N = 640), K = 6144, for M = 1 ... 16384 token rows
 // (M = 1 and other M % 4 != 0 are padded to a multiple of 4 by the quantizer).
 //
-// Every call is timed as a CUDA-graph replay with a cold L2 (bench_util flushes 256 MB before each
-// replay), so the weights always come from HBM. Reported per M:
+// Two timings (bench_util.h), both with the weights coming from HBM:
+//   us       isolated: one CUDA-graph replay after an L2 flush (256 MB memset + read sweep),
+//            events around it (includes ~3 us of launch / event cost);
+//   b2b_us   back-to-back: calls captured in one graph, call i reading weight copy i % copies
+//            (bench::back_to_back_copies copies of the weights + scales, 5 for 60.6 MB; activations
+//            and outputs shared), graph time / calls: launch latency hidden, as inside a captured
+//            decode step. Each back-to-back case first checks that the call on the last copy writes
+//            the same bytes as the call on copy 0 (FAIL otherwise).
+// Reported per M:
 //   quant us        the quantizer alone (bf16 x -> e4m3 + 1x128 scales)
 //   fused us        the N = 9856 GEMM alone; GB/s and % of the 4300 GB/s copy bandwidth count
 //                   weights + weight scales + activations + activation scales + output bytes
 //   TFLOP/s         2 M N K / time with the true M (padding rows are not useful work)
 //   pair us         the N = 9216 and N = 640 GEMMs back to back (one graph), same weights
-//   pair/fused      > 1 means the fused projection is faster
+//   pair/fused      > 1 means the fused projection is faster (fused_faster: in both timings)
 //   q+fused us      quantizer + fused GEMM, the projection as the layer runs it
 //   heur us         the fused GEMM with Fp8BlockGemmOptions::autotune off (heuristic's choice);
 //                   heur/tuned > 1 means the autotuner's choice is faster
@@ -24,16 +31,19 @@
 // A second table compares cuBLASLt with the small-M kernel (Fp8BlockGemmOptions::small_m_max)
 // at M = 1, 4, 8, 16; a third compares cuBLASLt with the wgmma kernel (Fp8BlockGemmOptions::
 // wgmma_max_m, gemm_wgmma.h) at M = 1, 4, 16, 64, fused and pair, automatic grid and one CTA per
-// SM (its spot checks run at 5, 37 and 13 rows), and default_us: a default-options object (the
-// autotuner picks cuBLASLt or the wgmma kernel per M bucket); a fourth shows cuBLASLt with
-// non-deterministic split-K allowed. q+wgmma_pdl is the quantizer + the wgmma GEMM launched with
-// GemmWgmmaOptions::programmatic_launch (weights requested while the quantizer finishes). A
-// variants table times run_gemm_wgmma_cuda at other grid / burst / L2 settings. Every GEMM object
-// names its path, so M3ATTN_GEMM_PATH does not change this benchmark.
+// SM (its spot checks run at 5, 37 and 13 rows), default_us: a default-options object, and
+// auto_us: an object with wgmma_auto_max_m = 64 (the autotuner picks cuBLASLt or the wgmma kernel
+// per M bucket; its describe() printed at the start shows the tuner's own times); a fourth shows
+// cuBLASLt with non-deterministic split-K allowed. q+wgmma_pdl is the quantizer + the wgmma GEMM
+// launched with GemmWgmmaOptions::programmatic_launch (weights requested while the quantizer
+// finishes). A variants table times run_gemm_wgmma_cuda at other grid / burst / L2 promotion /
+// L2 prefetch settings, fused and (M = 1) the pair's two GEMMs alone. Every GEMM object but the
+// default and auto ones names its path, so M3ATTN_GEMM_PATH changes only those two.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
-// fused wgmma GEMM at M = 1, 16, 64: for profiling).
+// fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
+// --promotion P, --prefetch G, --burst B setting GemmWgmmaOptions).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -43,6 +53,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -111,6 +122,10 @@ T* device_alloc(size_t count) {
 
 struct Buffers {
   int64_t max_rows = 0, max_pad = 0;
+  // Weight (+ scale) copies for the back-to-back timing: copy 0 is w / sw, the others are
+  // device-to-device copies of it (bench::back_to_back_copies of them).
+  std::vector<uint8_t*> wc;
+  std::vector<float*> swc;
   uint16_t* x = nullptr;     // bf16 [max_rows, K]
   uint8_t* a = nullptr;      // e4m3 [max_pad, K]
   float* sa = nullptr;       // f32 [max_pad * K / 128]
@@ -125,9 +140,11 @@ struct Calls {
   GemmParams fused, first, second;
 };
 
-Calls make_calls(const Buffers& b, int64_t rows) {
+Calls make_calls(const Buffers& b, int64_t rows, int copy = 0) {
   const Device dev = Device::cuda(0);
   const int64_t m = gemm_padded_rows(rows);
+  uint8_t* w = b.wc.empty() ? b.w : b.wc[static_cast<size_t>(copy)];
+  float* sw = b.swc.empty() ? b.sw : b.swc[static_cast<size_t>(copy)];
   Calls c;
   c.q.rows = rows;
   c.q.in = TensorView::contiguous(b.x, DType::kBF16, {rows, kK}, dev);
@@ -135,17 +152,17 @@ Calls make_calls(const Buffers& b, int64_t rows) {
   c.q.scales = gemm_activation_scales_view(b.sa, m, kK, dev);
   c.fused.a = c.q.out;
   c.fused.a_scales = c.q.scales;
-  c.fused.b = TensorView::contiguous(b.w, DType::kE4M3, {kNF, kK}, dev);
-  c.fused.b_scales = TensorView::contiguous(b.sw, DType::kF32, {kNF / 128, kKb}, dev);
+  c.fused.b = TensorView::contiguous(w, DType::kE4M3, {kNF, kK}, dev);
+  c.fused.b_scales = TensorView::contiguous(sw, DType::kF32, {kNF / 128, kKb}, dev);
   c.fused.out = TensorView::contiguous(b.out, DType::kBF16, {m, kNF}, dev);
   c.first = c.fused;
   c.first.b.shape[0] = kN1;
   c.first.b_scales.shape[0] = kN1 / 128;
   c.first.out = TensorView::strided(b.out2, DType::kBF16, {m, kN1}, {kNF, 1}, dev);
   c.second = c.fused;
-  c.second.b = TensorView::contiguous(b.w + kN1 * kK, DType::kE4M3, {kN2, kK}, dev);
+  c.second.b = TensorView::contiguous(w + kN1 * kK, DType::kE4M3, {kN2, kK}, dev);
   c.second.b_scales =
-      TensorView::contiguous(b.sw + kN1 / 128 * kKb, DType::kF32, {kN2 / 128, kKb}, dev);
+      TensorView::contiguous(sw + kN1 / 128 * kKb, DType::kF32, {kN2 / 128, kKb}, dev);
   c.second.out = TensorView::strided(b.out2 + kN1, DType::kBF16, {m, kN2}, {kNF, 1}, dev);
   return c;
 }
@@ -252,11 +269,92 @@ std::unique_ptr<Fp8BlockGemm> make(int64_t max_m, int64_t n, const Fp8BlockGemmO
   return std::move(r).value();
 }
 
+// ---- isolated and back-to-back timing ----------------------------------------------------------
+using CallRun = std::function<void(const Calls&, cudaStream_t)>;
+
+struct Both {
+  double us = 0;      // isolated: one graph replay after an L2 flush (median)
+  double b2b_us = 0;  // back-to-back: per call, calls over rotating weight copies (median)
+};
+
+// The call on the last weight copy must write exactly what the call on copy 0 writes (the
+// operands are byte copies and every timed path is deterministic), and copy 0's call must write
+// something: catches a call that ignores its operands or a wrong copy. Checks the first 64 rows.
+bool check_copies(const Buffers& b, int64_t rows, const CallRun& run, cudaStream_t stream,
+                  const char* what) {
+  const int64_t m = std::min<int64_t>(gemm_padded_rows(rows), 64);
+  const size_t bytes = static_cast<size_t>(m * kNF * 2);
+  std::vector<uint8_t> got[2][2];
+  for (int pass = 0; pass < 2; ++pass) {
+    const Calls c = make_calls(b, rows, pass == 0 ? 0 : static_cast<int>(b.wc.size()) - 1);
+    check_cuda(cudaMemsetAsync(b.out, 0xA5, bytes, stream), "poison out");
+    check_cuda(cudaMemsetAsync(b.out2, 0xA5, bytes, stream), "poison out2");
+    run(c, stream);
+    check_cuda(cudaStreamSynchronize(stream), "copy check");
+    for (int o = 0; o < 2; ++o) {
+      got[pass][o].resize(bytes);
+      check_cuda(cudaMemcpy(got[pass][o].data(), o == 0 ? static_cast<void*>(b.out) : b.out2, bytes,
+                            cudaMemcpyDeviceToHost),
+                 "download (copy check)");
+    }
+  }
+  const std::vector<uint8_t> poison(bytes, 0xA5);
+  const bool wrote = got[0][0] != poison || got[0][1] != poison;
+  const bool same = got[0][0] == got[1][0] && got[0][1] == got[1][1];
+  if (!wrote || !same)
+    std::printf("FAIL back-to-back copy check (%s, M %lld): %s\n", what,
+                static_cast<long long>(rows),
+                !wrote ? "the call wrote nothing"
+                       : "the call on the last weight copy wrote other bytes than on copy 0");
+  return wrote && same;
+}
+
+// Isolated and back-to-back timing of run() at `rows` rows; the copy check clears *pass.
+Both time_both(const Buffers& b, int64_t rows, const CallRun& run, cudaStream_t stream, int iters,
+               bool* pass, const char* what) {
+  const int copies = static_cast<int>(b.wc.size());
+  std::vector<Calls> cs;
+  for (int c = 0; c < copies; ++c) cs.push_back(make_calls(b, rows, c));
+  Both t;
+  t.us = bench::time_graph_cold([&](cudaStream_t s) { run(cs[0], s); }, stream, 3, iters).median_us;
+  t.b2b_us = bench::time_graph_back_to_back(
+                 [&](cudaStream_t s, int c) { run(cs[static_cast<size_t>(c)], s); }, copies, stream)
+                 .median_us;
+  if (!check_copies(b, rows, run, stream, what)) *pass = false;
+  return t;
+}
+
+double pct_copy(double bytes, double us) {
+  return 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs;
+}
+
+// Bytes one GEMM call moves: weights + weight scales + activations + their scales + output.
+double gemm_bytes(int64_t m_pad, int64_t n) {
+  return static_cast<double>(n * kK + n / 128 * kKb * 4 + m_pad * kK + m_pad * kKb * 4 +
+                             m_pad * n * 2);
+}
+
 int run(int argc, char** argv) {
   bool json = false, quick = false, verbose = false, wgmma_only = false;
+  GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
-    if (f == "--json") {
+    auto int_arg = [&](int* out) {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", f.c_str());
+        std::exit(2);
+      }
+      *out = std::atoi(argv[++i]);
+    };
+    if (f == "--min-units") {
+      int_arg(&only.min_units_per_cta);
+    } else if (f == "--promotion") {
+      int_arg(&only.weight_l2_promotion);
+    } else if (f == "--prefetch") {
+      int_arg(&only.l2_prefetch_units);
+    } else if (f == "--burst") {
+      int_arg(&only.burst);
+    } else if (f == "--json") {
       json = true;
     } else if (f == "--quick") {
       quick = true;
@@ -265,7 +363,9 @@ int run(int argc, char** argv) {
     } else if (f == "--wgmma-only") {
       wgmma_only = true;
     } else {
-      std::fprintf(stderr, "unknown flag %s (flags: --json --quick --verbose --wgmma-only)\n",
+      std::fprintf(stderr,
+                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
+                   "--wgmma-only: --min-units U --promotion P --prefetch G --burst B)\n",
                    argv[i]);
       return 2;
     }
@@ -292,13 +392,31 @@ int run(int argc, char** argv) {
   fill_e4m3<<<1024, 256, 0, stream>>>(b.w, kNF * kK, 2);
   fill_scales<<<64, 256, 0, stream>>>(b.sw, kNF / 128 * kKb, 3);
   check_cuda(cudaGetLastError(), "fill");
+  // Weight copies for the back-to-back timing, built once by device-to-device copies of the first.
+  const size_t w_bytes = static_cast<size_t>(kNF * kK);
+  const size_t sw_bytes = static_cast<size_t>(kNF / 128 * kKb) * sizeof(float);
+  const int copies = bench::back_to_back_copies(w_bytes + sw_bytes);
+  b.wc.push_back(b.w);
+  b.swc.push_back(b.sw);
+  for (int c = 1; c < copies; ++c) {
+    b.wc.push_back(device_alloc<uint8_t>(w_bytes));
+    b.swc.push_back(device_alloc<float>(sw_bytes / sizeof(float)));
+    check_cuda(cudaMemcpyAsync(b.wc.back(), b.w, w_bytes, cudaMemcpyDeviceToDevice, stream),
+               "copy weights");
+    check_cuda(cudaMemcpyAsync(b.swc.back(), b.sw, sw_bytes, cudaMemcpyDeviceToDevice, stream),
+               "copy weight scales");
+  }
   check_cuda(cudaStreamSynchronize(stream), "fill");
+  std::printf("back-to-back timing: %d copies of the weights + scales (%.1f MB each)\n", copies,
+              static_cast<double>(w_bytes + sw_bytes) / 1e6);
 
   if (wgmma_only) {
-    // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64.
+    // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64
+    // (isolated timing only, so a profiler sees 3 spot-check launches, then one per M).
     Fp8BlockGemmOptions o;
     o.autotune = false;
     o.wgmma_max_m = 64;
+    o.wgmma = only;
     Trio wg{make(64, kNF, o), make(64, kN1, o), make(64, kN2, o)};
     const bool ok = spot_check(b, wg, "wgmma kernel", stream);
     fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);
@@ -313,13 +431,10 @@ int run(int argc, char** argv) {
               [&](cudaStream_t s) { must(wg.fused->run(c.fused, s), "fused (wgmma)"); }, stream, 3,
               iters)
               .median_us;
-      const int64_t m = gemm_padded_rows(rows_m);
-      const double bytes =
-          static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
       bench::Row r;
       r.add("M", std::to_string(rows_m));
       r.add("wgmma_us", us);
-      r.add("wgmma_%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
+      r.add("wgmma_%copy", pct_copy(gemm_bytes(gemm_padded_rows(rows_m), kNF), us), 1);
       rows_w.push_back(r);
     }
     bench::print_rows("wgmma kernel, fused N=9856 (graph replay, cold L2)", rows_w, json);
@@ -356,10 +471,16 @@ int run(int argc, char** argv) {
   Fp8BlockGemmOptions wg_pdl_opt = wg_opt;
   wg_pdl_opt.wgmma.programmatic_launch = true;
   auto fused_pdl = make(64, kNF, wg_pdl_opt);
-  // The default options (autotuned; the autotuner picks cuBLASLt or the wgmma kernel per M bucket
-  // unless M3ATTN_GEMM_PATH forces one): what the layer gets.
-  auto fused_auto = make(64, kNF, {});
-  std::printf("default-options fused object:\n%s", fused_auto->describe().c_str());
+  // The default options (autotuned; the autotuner may pick the wgmma kernel for buckets up to
+  // kGemmWgmmaAutoMaxM unless M3ATTN_GEMM_PATH forces a path): what the layer gets. And the auto
+  // choice over every decode bucket (wgmma_auto_max_m = 64), to compare the tuner's choice with
+  // the timings below.
+  auto fused_dflt = make(64, kNF, {});
+  std::printf("default-options fused object:\n%s", fused_dflt->describe().c_str());
+  Fp8BlockGemmOptions auto_opt;
+  auto_opt.wgmma_auto_max_m = 64;
+  auto fused_auto = make(64, kNF, auto_opt);
+  std::printf("auto fused object (wgmma_auto_max_m = 64):\n%s", fused_auto->describe().c_str());
   Trio wg1{make(64, kNF, wg1_opt), make(64, kN1, wg1_opt), make(64, kN2, wg1_opt)};
   Trio sm{make(16, kNF, small_opt), make(16, kN1, small_opt), make(16, kN2, small_opt)};
   std::printf("%s", lt.fused->describe().c_str());
@@ -382,17 +503,20 @@ int run(int argc, char** argv) {
 
     const bench::Timing tq = bench::time_graph_cold(
         [&](cudaStream_t s) { must(run_quantize_cuda(c.q, s), "quantize"); }, stream, 3, iters);
-    const bench::Timing tf = bench::time_graph_cold(
-        [&](cudaStream_t s) { must(lt.fused->run(c.fused, s), "fused"); }, stream, 3, iters);
+    const Both tf = time_both(
+        b, rows_m,
+        [&](const Calls& x, cudaStream_t s) { must(lt.fused->run(x.fused, s), "fused"); }, stream,
+        iters, &pass, "fused cuBLASLt");
     const bench::Timing th = bench::time_graph_cold(
         [&](cudaStream_t s) { must(fused_heur->run(c.fused, s), "fused (heuristic)"); }, stream, 3,
         iters);
-    const bench::Timing tp = bench::time_graph_cold(
-        [&](cudaStream_t s) {
-          must(lt.first->run(c.first, s), "N = 9216");
-          must(lt.second->run(c.second, s), "N = 640");
+    const Both tp = time_both(
+        b, rows_m,
+        [&](const Calls& x, cudaStream_t s) {
+          must(lt.first->run(x.first, s), "N = 9216");
+          must(lt.second->run(x.second, s), "N = 640");
         },
-        stream, 3, iters);
+        stream, iters, &pass, "pair cuBLASLt");
     const bench::Timing tqf = bench::time_graph_cold(
         [&](cudaStream_t s) {
           must(run_quantize_cuda(c.q, s), "quantize");
@@ -400,26 +524,29 @@ int run(int argc, char** argv) {
         },
         stream, 3, iters);
 
-    const double w_bytes = static_cast<double>(kNF * kK + kNF / 128 * kKb * 4);
-    const double a_bytes = static_cast<double>(m * kK + m * kKb * 4);
-    const double o_bytes = static_cast<double>(m * kNF * 2);
-    const double fused_bytes = w_bytes + a_bytes + o_bytes;
-    const double pair_bytes = w_bytes + 2 * a_bytes + o_bytes;
+    const double fused_bytes = gemm_bytes(m, kNF);
+    const double pair_bytes = fused_bytes + static_cast<double>(m * kK + m * kKb * 4);
     const double flops = 2.0 * static_cast<double>(rows_m) * kNF * kK;
     bench::Row r;
     r.add("M", std::to_string(rows_m));
     r.add("M_gemm", std::to_string(m));
     r.add("quant_us", tq.median_us);
-    r.add("fused_us", tf.median_us);
-    r.add("fused_GBps", fused_bytes / tf.median_us / 1e3, 0);
-    r.add("fused_%copy", 100.0 * fused_bytes / tf.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
-    r.add("fused_TFLOPs", flops / tf.median_us / 1e6, 1);
+    r.add("fused_us", tf.us);
+    r.add("fused_b2b_us", tf.b2b_us);
+    r.add("fused_GBps", fused_bytes / tf.us / 1e3, 0);
+    r.add("fused_%copy", pct_copy(fused_bytes, tf.us), 1);
+    r.add("fused_b2b_%copy", pct_copy(fused_bytes, tf.b2b_us), 1);
+    r.add("fused_TFLOPs", flops / tf.us / 1e6, 1);
+    r.add("fused_b2b_TFLOPs", flops / tf.b2b_us / 1e6, 1);
     r.add("heur_us", th.median_us);
-    r.add("heur/tuned", th.median_us / tf.median_us, 3);
-    r.add("pair_us", tp.median_us);
-    r.add("pair_GBps", pair_bytes / tp.median_us / 1e3, 0);
-    r.add("pair_TFLOPs", flops / tp.median_us / 1e6, 1);
-    r.add("pair/fused", tp.median_us / tf.median_us, 3);
+    r.add("heur/tuned", th.median_us / tf.us, 3);
+    r.add("pair_us", tp.us);
+    r.add("pair_b2b_us", tp.b2b_us);
+    r.add("pair_GBps", pair_bytes / tp.us / 1e3, 0);
+    r.add("pair_TFLOPs", flops / tp.us / 1e6, 1);
+    r.add("pair/fused", tp.us / tf.us, 3);
+    r.add("pair/fused_b2b", tp.b2b_us / tf.b2b_us, 3);
+    r.add("fused_faster", tp.us > tf.us && tp.b2b_us > tf.b2b_us ? "yes" : "NO");
     r.add("q+fused_us", tqf.median_us);
     rows.push_back(r);
     std::printf("M %lld: fused %s | N=9216 %s | N=640 %s\n", static_cast<long long>(rows_m),
@@ -428,7 +555,8 @@ int run(int argc, char** argv) {
   }
   bench::print_rows(
       "projection K=6144: fused N=9856 (autotuned; heur = heuristic only) vs pair 9216+640 "
-      "(autotuned) (graph replay, cold L2)",
+      "(autotuned); us: graph replay after an L2 flush, b2b_us: per call of a back-to-back graph "
+      "over rotating weight copies; fused_faster: pair slower in both timings",
       rows, json);
 
   // Decode sizes: cuBLASLt against the small-M kernel (run_gemm_small_m_cuda), same operands.
@@ -454,15 +582,13 @@ int run(int argc, char** argv) {
           must(sm.fused->run(c.fused, s), "fused (small-M)");
         },
         stream, 3, iters);
-    const int64_t m = gemm_padded_rows(rows_m);
-    const double bytes =
-        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
     bench::Row r;
     r.add("M", std::to_string(rows_m));
     r.add("cublasLt_us", t_lt.median_us);
     r.add("small_us", t_sm.median_us);
     r.add("small_GBps", bytes / t_sm.median_us / 1e3, 0);
-    r.add("small_%copy", 100.0 * bytes / t_sm.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
+    r.add("small_%copy", pct_copy(bytes, t_sm.median_us), 1);
     r.add("cublasLt/small", t_lt.median_us / t_sm.median_us, 3);
     r.add("small_pair_us", t_pair.median_us);
     r.add("pair/fused", t_pair.median_us / t_sm.median_us, 3);
@@ -473,80 +599,95 @@ int run(int argc, char** argv) {
                     rows_small, json);
 
   // Decode sizes: cuBLASLt against the wgmma kernel (run_gemm_wgmma_cuda), same operands; fused
-  // N = 9856 and the pair 9216 + 640.
+  // N = 9856 and the pair 9216 + 640; both timings.
   std::vector<bench::Row> rows_wg;
   for (int64_t rows_m : {int64_t{1}, int64_t{4}, int64_t{16}, int64_t{64}}) {
     const Calls c = make_calls(b, rows_m);
     must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
     check_cuda(cudaStreamSynchronize(stream), "quantize");
     auto fused_time = [&](Fp8BlockGemm& g, const char* what) {
-      return bench::time_graph_cold([&](cudaStream_t s) { must(g.run(c.fused, s), what); }, stream,
-                                    3, iters)
-          .median_us;
+      return time_both(
+          b, rows_m, [&](const Calls& x, cudaStream_t s) { must(g.run(x.fused, s), what); }, stream,
+          iters, &pass, what);
     };
     auto pair_time = [&](const Trio& t, const char* what) {
-      return bench::time_graph_cold(
-                 [&](cudaStream_t s) {
-                   must(t.first->run(c.first, s), what);
-                   must(t.second->run(c.second, s), what);
-                 },
-                 stream, 3, iters)
-          .median_us;
+      return time_both(
+          b, rows_m,
+          [&](const Calls& x, cudaStream_t s) {
+            must(t.first->run(x.first, s), what);
+            must(t.second->run(x.second, s), what);
+          },
+          stream, iters, &pass, what);
     };
-    const double t_lt = fused_time(*lt.fused, "fused (cuBLASLt)");
-    const double t_wg = fused_time(*wg.fused, "fused (wgmma)");
-    const double t_wg1 = fused_time(*wg1.fused, "fused (wgmma, 1 CTA/SM)");
-    const double t_auto = fused_time(*fused_auto, "fused (default options)");
-    std::printf("M %lld: default-options fused object runs %s\n", static_cast<long long>(rows_m),
+    // The quantizer, then the fused GEMM (what the layer runs).
+    auto q_time = [&](Fp8BlockGemm& g, const char* what) {
+      return time_both(
+          b, rows_m,
+          [&](const Calls& x, cudaStream_t s) {
+            must(run_quantize_cuda(x.q, s), "quantize");
+            must(g.run(x.fused, s), what);
+          },
+          stream, iters, &pass, what);
+    };
+    const Both t_lt = fused_time(*lt.fused, "fused (cuBLASLt)");
+    const Both t_wg = fused_time(*wg.fused, "fused (wgmma)");
+    const double t_wg1 =
+        bench::time_graph_cold(
+            [&](cudaStream_t s) { must(wg1.fused->run(c.fused, s), "fused (wgmma, 1 CTA/SM)"); },
+            stream, 3, iters)
+            .median_us;
+    const Both t_dflt = fused_time(*fused_dflt, "fused (default options)");
+    const Both t_auto = fused_time(*fused_auto, "fused (auto, wgmma_auto_max_m 64)");
+    std::printf("M %lld: default-options fused object runs %s; auto object runs %s\n",
+                static_cast<long long>(rows_m),
+                fused_dflt->algorithm_for(gemm_padded_rows(rows_m)).c_str(),
                 fused_auto->algorithm_for(gemm_padded_rows(rows_m)).c_str());
-    const double t_lt_pair = pair_time(lt, "pair (cuBLASLt)");
-    const double t_wg_pair = pair_time(wg, "pair (wgmma)");
-    const double t_qwg = bench::time_graph_cold(
-                             [&](cudaStream_t s) {
-                               must(run_quantize_cuda(c.q, s), "quantize");
-                               must(wg.fused->run(c.fused, s), "fused (wgmma)");
-                             },
-                             stream, 3, iters)
-                             .median_us;
-    const double t_qpdl = bench::time_graph_cold(
-                              [&](cudaStream_t s) {
-                                must(run_quantize_cuda(c.q, s), "quantize");
-                                must(fused_pdl->run(c.fused, s), "fused (wgmma, PDL)");
-                              },
-                              stream, 3, iters)
-                              .median_us;
+    const Both t_lt_pair = pair_time(lt, "pair (cuBLASLt)");
+    const Both t_wg_pair = pair_time(wg, "pair (wgmma)");
+    const Both t_qlt = q_time(*lt.fused, "quantize + fused (cuBLASLt)");
+    const Both t_qwg = q_time(*wg.fused, "quantize + fused (wgmma)");
+    const Both t_qpdl = q_time(*fused_pdl, "quantize + fused (wgmma, PDL)");
     const int64_t m = gemm_padded_rows(rows_m);
-    const double bytes =
-        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    const double bytes = gemm_bytes(m, kNF);
     const double pair_bytes = bytes + static_cast<double>(m * kK + m * kKb * 4);
-    auto pct = [](double b_, double us) {
-      return 100.0 * b_ / us / 1e3 / bench::kCopyBandwidthGBs;
-    };
     bench::Row r;
     r.add("M", std::to_string(rows_m));
-    r.add("lt_us", t_lt);
-    r.add("lt_%copy", pct(bytes, t_lt), 1);
-    r.add("wgmma_us", t_wg);
-    r.add("wgmma_GBps", bytes / t_wg / 1e3, 0);
-    r.add("wgmma_%copy", pct(bytes, t_wg), 1);
+    r.add("lt_us", t_lt.us);
+    r.add("lt_b2b_us", t_lt.b2b_us);
+    r.add("lt_%copy", pct_copy(bytes, t_lt.us), 1);
+    r.add("lt_b2b_%copy", pct_copy(bytes, t_lt.b2b_us), 1);
+    r.add("wgmma_us", t_wg.us);
+    r.add("wgmma_b2b_us", t_wg.b2b_us);
+    r.add("wgmma_%copy", pct_copy(bytes, t_wg.us), 1);
+    r.add("wgmma_b2b_%copy", pct_copy(bytes, t_wg.b2b_us), 1);
     r.add("wgmma1_us", t_wg1);
-    r.add("wgmma1_%copy", pct(bytes, t_wg1), 1);
-    r.add("lt/wgmma", t_lt / t_wg, 3);
-    r.add("default_us", t_auto);
-    r.add("lt_pair_us", t_lt_pair);
-    r.add("wg_pair_us", t_wg_pair);
-    r.add("wg_pair_%copy", pct(pair_bytes, t_wg_pair), 1);
-    r.add("q+wgmma_us", t_qwg);
-    r.add("q+wgmma_pdl_us", t_qpdl);
+    r.add("lt/wgmma", t_lt.us / t_wg.us, 3);
+    r.add("lt/wgmma_b2b", t_lt.b2b_us / t_wg.b2b_us, 3);
+    r.add("default_us", t_dflt.us);
+    r.add("default_b2b_us", t_dflt.b2b_us);
+    r.add("auto_us", t_auto.us);
+    r.add("auto_b2b_us", t_auto.b2b_us);
+    r.add("lt_pair_us", t_lt_pair.us);
+    r.add("lt_pair_b2b_us", t_lt_pair.b2b_us);
+    r.add("wg_pair_us", t_wg_pair.us);
+    r.add("wg_pair_b2b_us", t_wg_pair.b2b_us);
+    r.add("wg_pair_b2b_%copy", pct_copy(pair_bytes, t_wg_pair.b2b_us), 1);
+    r.add("q+lt_us", t_qlt.us);
+    r.add("q+lt_b2b_us", t_qlt.b2b_us);
+    r.add("q+wgmma_us", t_qwg.us);
+    r.add("q+wgmma_b2b_us", t_qwg.b2b_us);
+    r.add("q+wgmma_pdl_us", t_qpdl.us);
+    r.add("q+wgmma_pdl_b2b_us", t_qpdl.b2b_us);
     rows_wg.push_back(r);
   }
   bench::print_rows(
-      "decode: cuBLASLt vs wgmma kernel (wgmma: auto grid; wgmma1: 1 CTA/SM), fused N=9856 and "
-      "pair 9216+640 (graph replay, cold L2; %copy of 4300 GB/s)",
+      "decode: cuBLASLt vs wgmma kernel (wgmma: auto grid; wgmma1: 1 CTA/SM; default: default "
+      "options; auto: autotuner's choice per bucket), fused N=9856 and pair 9216+640 (us: "
+      "isolated, b2b_us: back-to-back; %copy of 4300 GB/s)",
       rows_wg, json);
 
-  // wgmma kernel variants (run_gemm_wgmma_cuda directly, fused N = 9856): grid shape, bursts,
-  // L2 policy of the weights.
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly): grid shape, bursts, L2 policy and
+  // prefetch of the weights; fused N = 9856, and the two GEMMs of the pair alone at M = 1.
   {
     Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
     must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
@@ -556,50 +697,72 @@ int run(int argc, char** argv) {
     struct Variant {
       int ctas, min_units, burst;
       bool evict_first;
-      int promotion;
+      int promotion, prefetch;
     };
-    const Variant variants[] = {{0, 16, 0, true, 256}, {0, 4, 0, true, 256},  {0, 24, 0, true, 256},
-                                {0, 48, 0, true, 256}, {1, 16, 0, true, 256}, {0, 16, 2, true, 256},
-                                {0, 16, 0, true, 0},   {0, 24, 0, true, 0},   {0, 48, 0, true, 0},
-                                {0, 16, 0, false, 256}};
+    const Variant variants[] = {
+        {0, 16, 0, true, 256, 0}, {0, 4, 0, true, 256, 0},  {0, 24, 0, true, 256, 0},
+        {1, 16, 0, true, 256, 0}, {0, 16, 2, true, 256, 0}, {0, 16, 99, true, 256, 0},
+        {0, 16, 0, true, 0, 0},   {0, 24, 0, true, 0, 0},   {0, 16, 2, true, 0, 0},
+        {0, 16, 0, false, 0, 0},  {0, 16, 0, true, 0, 4},   {0, 16, 0, true, 0, 8},
+        {0, 16, 0, true, 0, 16},  {0, 16, 2, true, 0, 8},   {1, 16, 0, true, 0, 8},
+        {0, 16, 0, true, 256, 8}};
     std::vector<bench::Row> rows_var;
+    auto add_row = [&](int64_t rows_m, int64_t n, const Variant& v, const GemmWgmmaOptions& o) {
+      const int64_t m = gemm_padded_rows(rows_m);
+      const Both t = time_both(
+          b, rows_m,
+          [&](const Calls& x, cudaStream_t s) {
+            const GemmParams& gp = n == kNF ? x.fused : n == kN1 ? x.first : x.second;
+            must(run_gemm_wgmma_cuda(gp, ws, ws_bytes.value(), s, o), "wgmma variant");
+          },
+          stream, iters, &pass, "wgmma variant");
+      const double bytes = gemm_bytes(m, n);
+      bench::Row r;
+      r.add("M", std::to_string(rows_m));
+      r.add("N", std::to_string(n));
+      r.add("ctas/SM", m > 16 ? "1" : v.ctas == 0 ? "auto" : std::to_string(v.ctas));
+      r.add("min_units", std::to_string(v.min_units));
+      r.add("burst", v.burst == 0 ? "auto" : v.burst == 99 ? "ring" : std::to_string(v.burst));
+      r.add("evict_first", v.evict_first ? "yes" : "no");
+      r.add("L2_promo", std::to_string(v.promotion));
+      r.add("prefetch", std::to_string(v.prefetch));
+      r.add("us", t.us);
+      r.add("b2b_us", t.b2b_us);
+      r.add("%copy", pct_copy(bytes, t.us), 1);
+      r.add("b2b_%copy", pct_copy(bytes, t.b2b_us), 1);
+      rows_var.push_back(r);
+    };
+    auto options_of = [](const Variant& v) {
+      GemmWgmmaOptions o;
+      o.ctas_per_sm = v.ctas;
+      o.min_units_per_cta = v.min_units;
+      o.burst = v.burst;
+      o.weight_evict_first = v.evict_first;
+      o.weight_l2_promotion = v.promotion;
+      o.l2_prefetch_units = v.prefetch;
+      return o;
+    };
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
       const Calls c = make_calls(b, rows_m);
       must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
       check_cuda(cudaStreamSynchronize(stream), "quantize");
-      const int64_t m = gemm_padded_rows(rows_m);
-      const double bytes =
-          static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
-      for (const Variant& v : variants) {
-        GemmWgmmaOptions o;
-        o.ctas_per_sm = v.ctas;
-        o.min_units_per_cta = v.min_units;
-        o.burst = v.burst;
-        o.weight_evict_first = v.evict_first;
-        o.weight_l2_promotion = v.promotion;
-        const double us =
-            bench::time_graph_cold(
-                [&](cudaStream_t s) {
-                  must(run_gemm_wgmma_cuda(c.fused, ws, ws_bytes.value(), s, o), "wgmma variant");
-                },
-                stream, 3, iters)
-                .median_us;
-        bench::Row r;
-        r.add("M", std::to_string(rows_m));
-        r.add("ctas/SM", m > 16 ? "1" : v.ctas == 0 ? "auto" : std::to_string(v.ctas));
-        r.add("min_units", std::to_string(v.min_units));
-        r.add("burst", v.burst == 0 ? "auto" : v.burst == 99 ? "ring" : std::to_string(v.burst));
-        r.add("evict_first", v.evict_first ? "yes" : "no");
-        r.add("L2_promo", std::to_string(v.promotion));
-        r.add("us", us);
-        r.add("GBps", bytes / us / 1e3, 0);
-        r.add("%copy", 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs, 1);
-        rows_var.push_back(r);
-      }
+      for (const Variant& v : variants) add_row(rows_m, kNF, v, options_of(v));
+    }
+    // The pair's GEMMs alone at M = 1: N = 640 has 240 units, so the grid follows min_units.
+    {
+      const Calls c = make_calls(b, 1);
+      must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+      check_cuda(cudaStreamSynchronize(stream), "quantize");
+      const Variant parts[] = {{0, 16, 0, true, 256, 0}, {0, 4, 0, true, 256, 0},
+                               {0, 1, 0, true, 256, 0},  {0, 4, 0, true, 0, 0},
+                               {0, 1, 0, true, 0, 0},    {0, 16, 0, true, 0, 8}};
+      for (int64_t n : {kN1, kN2})
+        for (const Variant& v : parts) add_row(1, n, v, options_of(v));
     }
     bench::print_rows(
-        "wgmma kernel variants, fused N=9856 (graph replay, cold L2; burst auto = half the ring, "
-        "ring = the whole ring)",
+        "wgmma kernel variants (graph replay, cold L2; us: isolated, b2b_us: back-to-back; burst "
+        "auto = half the ring, ring = the whole ring; prefetch = units per L2 prefetch of each "
+        "weight row, 0 = none)",
         rows_var, json);
     cudaFree(ws);
   }
@@ -618,19 +781,21 @@ int run(int argc, char** argv) {
     const bench::Timing t = bench::time_graph_cold(
         [&](cudaStream_t s) { must(fused_any->run(c.fused, s), "fused (any reduction)"); }, stream,
         3, iters);
-    const int64_t m = gemm_padded_rows(rows_m);
-    const double bytes =
-        static_cast<double>(kNF * kK + kNF / 128 * kKb * 4 + m * kK + m * kKb * 4 + m * kNF * 2);
+    const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
     bench::Row r;
     r.add("M", std::to_string(rows_m));
     r.add("fused_us", t.median_us);
     r.add("fused_GBps", bytes / t.median_us / 1e3, 0);
-    r.add("fused_%copy", 100.0 * bytes / t.median_us / 1e3 / bench::kCopyBandwidthGBs, 1);
+    r.add("fused_%copy", pct_copy(bytes, t.median_us), 1);
     rows_any.push_back(r);
   }
   bench::print_rows("fused N=9856, any reduction scheme (non-deterministic split-K allowed)",
                     rows_any, json);
 
+  for (size_t c = 1; c < b.wc.size(); ++c) {
+    cudaFree(b.wc[c]);
+    cudaFree(b.swc[c]);
+  }
   cudaFree(b.x);
   cudaFree(b.a);
   cudaFree(b.sa);

@@ -245,20 +245,27 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.wgmma.min_units_per_cta >= 1,
                "Fp8BlockGemm wgmma.min_units_per_cta = ", options.wgmma.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
+               "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
+               kGemmWgmmaMaxM, "]");
   int64_t wgmma_max_m = options.wgmma_max_m;
-  bool wgmma_auto = false;  // the autotuner may choose the wgmma kernel per M bucket
+  int64_t wgmma_auto = 0;  // buckets with m_hi <= this: the autotuner may choose the wgmma kernel
   if (wgmma_max_m < 0) {
     const char* env = std::getenv("M3ATTN_GEMM_PATH");
-    if (env == nullptr || *env == '\0') {
+    const bool env_auto = env != nullptr && std::strcmp(env, "auto") == 0;
+    if (env == nullptr || *env == '\0' || env_auto) {
       wgmma_max_m = kGemmWgmmaDefaultMaxM;
-      wgmma_auto = kGemmWgmmaAutoByDefault && options.autotune;
+      wgmma_auto = options.wgmma_auto_max_m >= 0 ? options.wgmma_auto_max_m
+                   : env_auto                    ? kGemmWgmmaMaxM
+                                                 : kGemmWgmmaAutoMaxM;
+      if (!options.autotune) wgmma_auto = 0;
     } else if (std::strcmp(env, "wgmma") == 0) {
       wgmma_max_m = kGemmWgmmaMaxM;
     } else if (std::strcmp(env, "cublaslt") == 0) {
       wgmma_max_m = 0;
     } else {
       return make_status(StatusCode::kInvalidArgument, "M3ATTN_GEMM_PATH = \"", env,
-                         "\" must be \"wgmma\" or \"cublaslt\"");
+                         "\" must be \"wgmma\", \"cublaslt\" or \"auto\"");
     }
   }
   M3_CHECK_ARG(options.autotune_budget_ms >= 0 && options.autotune_budget_ms <= 600e3,
@@ -291,7 +298,7 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
       cudaMalloc(&impl->workspace, std::max<size_t>(options.workspace_bytes, 256)));
   M3_RETURN_IF_ERROR(impl->init_descriptors());
   impl->wgmma_max_m = std::min(wgmma_max_m, gemm_padded_rows(max_m));
-  impl->wgmma_auto_max_m = wgmma_auto ? std::min(kGemmWgmmaMaxM, gemm_padded_rows(max_m)) : 0;
+  impl->wgmma_auto_max_m = std::min(wgmma_auto, gemm_padded_rows(max_m));
   if (impl->wgmma_max_m > 0 || impl->wgmma_auto_max_m > 0) {
     Result<size_t> bytes =
         gemm_wgmma_workspace_bytes(n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m));
@@ -408,6 +415,7 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
 }
 
 int64_t Fp8BlockGemm::wgmma_max_m() const { return impl_->wgmma_max_m; }
+int64_t Fp8BlockGemm::wgmma_auto_max_m() const { return impl_->wgmma_auto_max_m; }
 
 std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
   const Impl& s = *impl_;
@@ -422,7 +430,8 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
   }
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
-           std::to_string(bucket->wgmma_options.min_units_per_cta) + ")";
+           std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
+           std::to_string(bucket->wgmma_options.weight_l2_promotion) + ")";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }

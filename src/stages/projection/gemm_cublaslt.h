@@ -39,7 +39,8 @@
 // every candidate must pass cublasLtMatmulAlgoCheck at both ends of the bucket within the
 // workspace, launch without error, and write an output identical byte for byte to the
 // heuristic's on integer-valued data (exact in every summation order); anything else is skipped.
-// Timing: CUDA events around each launch, L2 flushed (memset of twice its size) before each,
+// Timing: CUDA events around each launch, L2 flushed (memset of twice its size, then a read sweep
+// of it, so no dirty line is written back inside the timed launch) before each,
 // median of a few launches. Rule: the fastest candidate replaces the heuristic's only if it is at
 // least 2% faster. Bounded by autotune_budget_ms of wall time per object (what is left when the
 // time is spent keeps the heuristic's choice). The result depends on measured times, so two
@@ -56,13 +57,14 @@
 // swap-AB wgmma, stream-K split with a deterministic in-kernel reduction, its own workspace
 // allocated (and zeroed) by create(). Same contract as the cuBLASLt path. wgmma_max_m = -1 (the
 // default) resolves at create(): the environment variable M3ATTN_GEMM_PATH = "wgmma" gives 64,
-// "cublaslt" gives 0; unset gives kGemmWgmmaDefaultMaxM and, with autotuning on, "auto": for
-// every M bucket with m_hi <= 64 the autotuner also times the wgmma kernel on its scratch
-// operands (after the cuBLASLt candidates; with the default GemmWgmmaOptions grid options, also
-// at 4, 24 and 48 units per CTA, keeping the fastest shape), both it and the kept cuBLASLt
-// algorithm as CUDA-graph replays with a cold L2, and runs it for that bucket when its output is
-// identical to the kept cuBLASLt algorithm's and it is at least 2% faster (describe() and
-// algorithm_for() show it).
+// "cublaslt" gives 0, "auto" gives 0 and an auto range of 64; unset gives kGemmWgmmaDefaultMaxM
+// and, with autotuning on, "auto" up to Fp8BlockGemmOptions::wgmma_auto_max_m (default
+// kGemmWgmmaAutoMaxM): for every M bucket with m_hi in the auto range the autotuner also times the
+// wgmma kernel on its scratch operands (after the cuBLASLt candidates; with the default
+// GemmWgmmaOptions grid options, also at 4, 24 and 48 units per CTA, keeping the fastest shape),
+// both it and the kept cuBLASLt algorithm as CUDA-graph replays with a cold L2 (memset + read
+// sweep, as the benchmarks), and runs it for that bucket when its output is identical to the kept
+// cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).
 //
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
@@ -100,15 +102,23 @@ TensorView gemm_activation_scales_view(float* data, int64_t m_pad, int64_t k, De
 // Returns unsupported for M > 16.
 Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 
-// What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH: this forced limit, and whether the
-// autotuner may choose the wgmma kernel per M bucket ("auto"). Auto is off (session 11, round 3):
-// the tuner's cold-L2 flush is a plain memset whose dirty lines are written back inside the timed
-// region (it timed cuBLASLt at 29.8 us where projection_bench's memset + read-sweep flush gives
-// 23.7 us), and under that bias it chose the wgmma kernel for M <= 16, which the benchmark then
-// measured at 24.6-25.6 us against cuBLASLt's 23.3-23.7 us. Re-enable after the tuner flushes
-// like bench_util (and re-measure).
+// What wgmma_max_m = -1 means without M3ATTN_GEMM_PATH: this forced limit, and up to which M
+// bucket (m_hi) the autotuner may choose the wgmma kernel ("auto"; 0: never). Session 11 turned
+// auto off: the tuner's cold-L2 flush was a plain memset whose dirty lines were written back inside
+// the timed region (it timed cuBLASLt at 29.8 us where projection_bench measured 23.7 us), and
+// under that bias it chose the wgmma kernel for M <= 16, which the benchmark measured slower.
+// Session 12: the tuner flushes like bench_util (memset + read sweep); the auto range is set from
+// the benchmark's measurements (see gemm_prefer_wgmma).
 constexpr int kGemmWgmmaDefaultMaxM = 0;
-constexpr bool kGemmWgmmaAutoByDefault = false;
+constexpr int kGemmWgmmaAutoMaxM = 0;
+
+// The autotuner's choice for one M bucket (pure; both times are the tuner's cold-L2 replays of
+// the bucket's largest M, with outputs already checked identical): the wgmma kernel runs when the
+// bucket lies in the auto range (m_hi <= auto_max_m) and it is at least 2 % faster than the kept
+// cuBLASLt algorithm. A time <= 0 (not measured, failed) never wins.
+inline bool gemm_prefer_wgmma(double lt_us, double wgmma_us, int64_t m_hi, int64_t auto_max_m) {
+  return m_hi <= auto_max_m && lt_us > 0 && wgmma_us > 0 && wgmma_us < 0.98 * lt_us;
+}
 
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
@@ -120,6 +130,10 @@ struct Fp8BlockGemmOptions {
   // kGemmWgmmaDefaultMaxM plus the autotuner's per-bucket choice). Takes precedence over
   // small_m_max (the autotuner's choice does not).
   int wgmma_max_m = -1;
+  // Auto range when wgmma_max_m = -1 resolves to the default path: buckets with m_hi <= this may
+  // be given to the wgmma kernel by the autotuner (-1: kGemmWgmmaAutoMaxM, or 64 with
+  // M3ATTN_GEMM_PATH = "auto"; 0: never; at most 64). Needs autotune.
+  int wgmma_auto_max_m = -1;
   GemmWgmmaOptions wgmma;  // grid shape of the wgmma kernel
   // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
   // for speed.
@@ -157,6 +171,9 @@ class Fp8BlockGemm {
   // The M limit of the forced wgmma path after the environment override (0: none; buckets the
   // autotuner gave to the wgmma kernel are not counted: see algorithm_for).
   int64_t wgmma_max_m() const;
+  // The resolved auto range: buckets with m_hi <= this may run the wgmma kernel when the autotuner
+  // chose it (0: never).
+  int64_t wgmma_auto_max_m() const;
 
   struct Impl;
 

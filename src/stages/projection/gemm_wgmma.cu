@@ -180,6 +180,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.l2_prefetch_units >= 0 && options.l2_prefetch_units <= 64,
+               "GemmWgmmaOptions::l2_prefetch_units = ", options.l2_prefetch_units,
+               " must be in [0, 64]");
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
   if (m > kMaxM)
     return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
@@ -242,6 +245,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
+  args.w = p.b.ptr<const uint8_t>();
+  args.ldw = p.b.stride[0];
+  args.prefetch = options.l2_prefetch_units;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
   if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, info, stream);

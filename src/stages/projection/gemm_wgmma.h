@@ -39,6 +39,11 @@ struct GemmWgmmaOptions {
   // 256. 256 (default) also fetches the neighbouring 128-byte K block of each weight row, which
   // the CTA's next unit reads.
   int weight_l2_promotion = 256;
+  // L2 prefetch of the weights (variant, 0 = off): the producer warp requests each weight row's
+  // bytes of a group of this many units (within one tile, up to one group past the loads it
+  // issues) as one contiguous cp.async.bulk.prefetch.L2, so the DRAM sees runs of 128 x this many
+  // bytes per row instead of the TMA boxes' 128-byte pieces.
+  int l2_prefetch_units = 0;
   // Programmatic dependent launch: the kernel may start while the preceding kernel in the stream
   // finishes and requests its first ring of weights before waiting for it (griddepcontrol.wait);
   // activations, scales and every write come after the wait. The preceding kernel must not write

@@ -73,6 +73,7 @@ struct Case {
   bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
+  int prefetch = 0;         // GemmWgmmaOptions::l2_prefetch_units
 };
 
 std::string describe(const Case& c) {
@@ -81,7 +82,8 @@ std::string describe(const Case& c) {
          " sa row-major " + std::to_string(c.sa_row_major) + " ctas/SM " +
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
-         " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl);
+         " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
+         " L2 prefetch " + std::to_string(c.prefetch);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -94,6 +96,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.weight_evict_first = c.evict_first;
   o.weight_l2_promotion = c.promotion;
   o.programmatic_launch = c.pdl;
+  o.l2_prefetch_units = c.prefetch;
   return o;
 }
 
@@ -169,7 +172,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // Programmatic launch (weights of the first ring before the wait).
                       Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, true},
                       Case{64, 640, 1024, 0, 16, true, 0, 1, 0, true, 256, true},
-                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true}));
+                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true},
+                      // L2 prefetch of the weight rows (groups split at tile and CTA ends).
+                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 8},
+                      Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 4},
+                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, true, 0, false, 3},
+                      Case{16, 640, 6144, 0, 0, false, 1, 4, 2, true, 0, false, 64},
+                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, true, 8}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -370,7 +379,25 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));
 }
 
-// Auto mode (the default options, M3ATTN_GEMM_PATH unset): the autotuner times the wgmma kernel
+// The autotuner's per-bucket rule (pure host code: runs without a GPU).
+TEST(GemmWgmmaAutoRule, PrefersWgmmaOnlyInRangeAndTwoPercentFaster) {
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.0, 4, 64));
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.0, 64, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 128, 64));  // bucket above the auto range
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 8, 4));
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 4, 0));   // auto off
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.6, 4, 64));  // 1.7 % faster: below the margin
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.5, 4, 64));   // 2.1 % faster
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 24.0, 4, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(23.0, 24.0, 4, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, -1.0, 4, 64));  // wgmma not measured
+  EXPECT_FALSE(gemm_prefer_wgmma(-1.0, 10.0, 4, 64));  // cuBLASLt not measured
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 0.0, 4, 64));
+  EXPECT_GE(kGemmWgmmaAutoMaxM, 0);
+  EXPECT_LE(kGemmWgmmaAutoMaxM, kGemmWgmmaMaxM);
+}
+
+// Auto mode (wgmma_auto_max_m = 64, M3ATTN_GEMM_PATH unset): the autotuner times the wgmma kernel
 // per M bucket and keeps it where faster; whatever it chose must match the twin bit for bit on
 // integer inputs.
 TEST(GemmWgmmaAuto, AutotunerChoiceMatchesTwin) {
@@ -380,14 +407,16 @@ TEST(GemmWgmmaAuto, AutotunerChoiceMatchesTwin) {
   unsetenv("M3ATTN_GEMM_PATH");
   Fp8BlockGemmOptions o;  // defaults: autotune on, wgmma_max_m = -1
   o.autotune_budget_ms = 1500;
+  o.wgmma_auto_max_m = 64;
   auto gemm = make_gemm(64, kN2, kHidden, o);
   if (old) setenv("M3ATTN_GEMM_PATH", saved.c_str(), 1);
   ASSERT_NE(gemm, nullptr);
   EXPECT_EQ(gemm->wgmma_max_m(), kGemmWgmmaDefaultMaxM);
+  EXPECT_EQ(gemm->wgmma_auto_max_m(), 64);
   const std::string text = gemm->describe();
   std::printf("[ INFO     ] auto mode:\n%s", text.c_str());
-  if (kGemmWgmmaAutoByDefault)
-    EXPECT_NE(text.find("autotuned candidate for M <= 64"), std::string::npos) << text;
+  EXPECT_NE(text.find("autotuned candidate for M <= 64"), std::string::npos) << text;
+  EXPECT_NE(text.find("replayed: cuBLASLt"), std::string::npos) << text;
   for (int64_t m : {4, 16, 64}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);
@@ -428,6 +457,27 @@ TEST(GemmWgmmaRules, EnvironmentSelectsThePath) {
   EXPECT_EQ(max_m_with("", dflt, 256), kGemmWgmmaDefaultMaxM);
   EXPECT_EQ(max_m_with("bogus", dflt, 256), -100 - static_cast<int>(StatusCode::kInvalidArgument));
   EXPECT_EQ(max_m_with("cublaslt", wgmma_options(), 256), 64);  // explicit option wins
+  EXPECT_EQ(max_m_with("auto", dflt, 256), kGemmWgmmaDefaultMaxM);
+  // The auto range: "auto" opens it to 64 when autotuning is on; explicit values win; no autotune,
+  // no auto choice.
+  auto auto_with = [&](const char* env, const Fp8BlockGemmOptions& o) -> int64_t {
+    setenv("M3ATTN_GEMM_PATH", env, 1);
+    auto r = Fp8BlockGemm::create(256, 256, 512, o);
+    if (!r.ok()) return -100 - static_cast<int>(r.status().code());
+    return r.value()->wgmma_auto_max_m();
+  };
+  Fp8BlockGemmOptions tuned;
+  tuned.autotune_budget_ms = 50;
+  EXPECT_EQ(auto_with("auto", dflt), 0);
+  EXPECT_EQ(auto_with("auto", tuned), 64);
+  EXPECT_EQ(auto_with("", tuned), kGemmWgmmaAutoMaxM);
+  EXPECT_EQ(auto_with("wgmma", tuned), 0);
+  Fp8BlockGemmOptions tuned8 = tuned;
+  tuned8.wgmma_auto_max_m = 8;
+  EXPECT_EQ(auto_with("", tuned8), 8);
+  EXPECT_EQ(auto_with("auto", tuned8), 8);
+  tuned8.wgmma_auto_max_m = 65;
+  EXPECT_EQ(auto_with("", tuned8), -100 - static_cast<int>(StatusCode::kInvalidArgument));
   if (old) {
     setenv("M3ATTN_GEMM_PATH", saved.c_str(), 1);
   } else {

@@ -28,11 +28,10 @@
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel, the wgmma verify kernel (also its variants "v2": 2-stage
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel and its variants ("v2": 2-stage
 //   ring, 3 CTAs per SM, "v3": V converted under the S wgmma, "v4": and NaN checks only in blocks
-//   some token does not see whole, "v5": and a 2-stage ring, Q in shared memory, 3 CTAs per SM),
-//   the mma.sync and the wgmma verify
-//   kernel with a 2-block L2 prefetch, and for draft 7 the wgmma prefill kernel).
+//   some token does not see whole, "v5": and a 2-stage ring, Q in shared memory, 3 CTAs per SM,
+//   "v6", "v7": v4, v5 with TMA loads of K and V), and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -485,7 +484,7 @@ int main(int argc, char** argv) {
       // {kernel, l2 prefetch, verify kernel variant}
       const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 0},
                                                   {5, 0, 2}, {5, 0, 3}, {5, 0, 4},
-                                                  {5, 0, 5}, {1, 2, 0}, {5, 2, 0}};
+                                                  {5, 0, 5}, {5, 0, 6}, {5, 0, 7}};
       for (const auto& [kernel, pf, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

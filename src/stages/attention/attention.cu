@@ -56,7 +56,7 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
 // per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
 // blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
-// per SM).
+// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V).
 constexpr int kAutoVerifyVariant = 1;
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
@@ -154,9 +154,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant < 0 || cfg.verify_variant > 5)
+  if (cfg.verify_variant < 0 || cfg.verify_variant > 7)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not one of 0 .. 5");
+                       " is not one of 0 .. 7");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant == 0 ? kAutoVerifyVariant : cfg.verify_variant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -254,11 +254,18 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
+// Variants 6, 7 (TMA loads) run as 4, 5 where the pool is not 16-byte aligned or the driver
+// refuses the tensor maps.
 template <bool kVec16, int kVariant>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if constexpr (av::tma_of(kVariant)) {
+    if (!kVec16 || !attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+      return launch_verify<kVec16, kVariant - 2>(args, pl, n_kv, stream);
+  }
   auto kernel = av::attention_verify_kernel<kVec16, kVariant>;
   constexpr int smem = av::smem_bytes(kVariant);
   M3_CUDA_RETURN_IF_ERROR(
@@ -267,7 +274,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, smem, stream>>>(args);
+  kernel<<<grid, av::kThreads, smem, stream>>>(args, kmap, vmap);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -310,6 +317,14 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<false, 5>(args, pl, n_kv, stream);
       case 11:
         return launch_verify<true, 5>(args, pl, n_kv, stream);
+      case 12:
+        return launch_verify<false, 4>(args, pl, n_kv, stream);  // 6 needs 16-byte alignment
+      case 13:
+        return launch_verify<true, 6>(args, pl, n_kv, stream);
+      case 14:
+        return launch_verify<false, 5>(args, pl, n_kv, stream);  // 7 needs 16-byte alignment
+      case 15:
+        return launch_verify<true, 7>(args, pl, n_kv, stream);
       default:
         return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
     }

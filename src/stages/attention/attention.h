@@ -80,7 +80,9 @@ struct AttentionCudaConfig {
                             // kernel (3-stage ring, 2 CTAs per SM), 2 a 2-stage ring with 3 CTAs
                             // per SM, 3 as 1 with the V conversion started under the S wgmma,
                             // 4 as 3 with V's NaN check only in blocks not seen whole, 5 as 4
-                            // with a 2-stage ring, Q in shared memory and 3 CTAs per SM
+                            // with a 2-stage ring, Q in shared memory and 3 CTAs per SM, 6 and
+                            // 7 as 4 and 5 with TMA loads of K and V (where TMA can address the
+                            // pool; else 4 and 5 run)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

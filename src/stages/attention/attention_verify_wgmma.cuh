@@ -54,6 +54,7 @@
 
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
+#include "stages/attention/attention_prefill_ws_common.cuh"
 
 namespace m3attn {
 namespace attention_verify {
@@ -76,18 +77,27 @@ constexpr int kStageBytes = 2 * kTileBytes;
 //      rows and dims where the twin puts it: no scrub needed; padding rows are never written);
 //   5  as 4 with a 2-stage ring, Q in shared memory (8 KB, the S wgmma reads A from it: 16
 //      registers fewer) and 64-entry block lists, so that 3 CTAs fit an SM's registers (168 per
-//      thread) and shared memory (3 x ~75.5 KB).
-constexpr int stages_of(int variant) { return variant == 2 || variant == 5 ? 2 : 3; }
+//      thread) and shared memory (3 x ~75.5 KB);
+//   6  as 4 with each block's K and V tiles loaded by two TMA copies (thread 0, one mbarrier per
+//      stage; the tensor maps of the warp-specialised prefill kernel, 128-byte swizzle = the
+//      layout ak::load_block writes) instead of 16 cp.async per thread and block;
+//   7  as 5 with the TMA loads of 6.
+//   Variants 6, 7 need TMA-addressable pools (16-byte base and strides, maps the driver accepts);
+//   elsewhere the launcher runs 4, 5 instead.
+constexpr int stages_of(int variant) {
+  return variant == 2 || variant == 5 || variant == 7 ? 2 : 3;
+}
 constexpr bool early_v_of(int variant) { return variant >= 3; }
 constexpr bool nan_partial_only_of(int variant) { return variant >= 4; }
-constexpr bool q_smem_of(int variant) { return variant == 5; }
+constexpr bool q_smem_of(int variant) { return variant == 5 || variant == 7; }
+constexpr bool tma_of(int variant) { return variant >= 6; }
 constexpr int kQTileBytes = kQT * ak::kRows * ak::kDim;  // 64 rows x 128 bytes
 constexpr int smem_bytes(int variant) {
   return stages_of(variant) * kStageBytes + (q_smem_of(variant) ? kQTileBytes : 0) +
          1024;  // + slack to align the base to 1 KB
 }
 constexpr int ctas_per_sm(int variant) { return stages_of(variant) == 2 ? 3 : 2; }
-constexpr int list_of(int variant) { return variant == 5 ? 64 : 128; }
+constexpr int list_of(int variant) { return q_smem_of(variant) ? 64 : 128; }
 constexpr int kCand = kQT * ak::kTopKIds;
 constexpr int kMaxList = 128;  // block entries held in shared memory at once (list_of: <=)
 constexpr int kKeysPerWarp = ak::kBlockKeys / 4;
@@ -242,8 +252,12 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 // smem_bytes(kVariant).
 template <bool kVec16, int kVariant>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
-    attention_verify_kernel(const AttnArgs a) {
-  static_assert(kVariant >= 1 && kVariant <= 5, "variants 1 .. 5");
+    attention_verify_kernel(const __grid_constant__ AttnArgs a,
+                            const __grid_constant__ CUtensorMap kmap,
+                            const __grid_constant__ CUtensorMap vmap) {
+  static_assert(kVariant >= 1 && kVariant <= 7, "variants 1 .. 7");
+  constexpr bool kTma = tma_of(kVariant);
+  static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   constexpr int kStages = stages_of(kVariant);
   constexpr bool kEarlyV = early_v_of(kVariant);
   constexpr bool kNaNPartialOnly = nan_partial_only_of(kVariant);
@@ -261,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
   __shared__ int s_list_mask[kList];
   __shared__ int s_list_vlim[kList];
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
+  __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
@@ -304,7 +319,29 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
   }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  __syncthreads();  // s_pos, s_nan
+  if (kTma && tid == 0) {
+#pragma unroll
+    for (int st = 0; st < kStages; ++st) sm90::mbar_init(ak::smem_u32(&s_full[st]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();           // s_pos, s_nan, s_full
+  uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
+  // Block j of the current list into stage st: cp.async by every thread (one commit group per
+  // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
+  auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
+    if constexpr (kTma) {
+      if (tid == 0 && j < count && lmask[j]) {
+        const uint32_t bar = ak::smem_u32(&s_full[st]);
+        const uint32_t dst = base + st * kStageBytes;
+        sm90::mbar_arrive_expect_tx(bar, kStageBytes);
+        attention_prefill_ws::tma_load_4d(dst, &kmap, 0, 0, g, lpage[j], bar);
+        attention_prefill_ws::tma_load_4d(dst + kTileBytes, &vmap, 0, 0, g, lpage[j], bar);
+      }
+    } else {
+      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
+      ak::cp_async_commit();
+    }
+  };
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
@@ -354,26 +391,30 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
     const int* lvlim = s_list_vlim + off;
 
     // Ring: blocks 0 .. kStages-2 in flight before the loop; iteration i waits for block i (one
-    // commit group per block, empty ones included), then refills the stage of block i - 1 (free:
-    // every warp finished P V(i - 1) before the barrier) with block i + kStages - 1. An entry no
+    // commit group per block, empty ones included; kTma: the stage's mbarrier, loaded entries
+    // only), then refills the stage of block i - 1 (free: every warp finished P V(i - 1) and
+    // fenced its generic f16 stores before the barrier) with block i + kStages - 1. An entry no
     // token sees is not loaded: its stage holds stale bytes, every row masks its keys and its V
     // rows are zeroed (vlim -1).
 #pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) {
-      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + j * kStageBytes);
-      ak::cp_async_commit();
-    }
+    for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
     for (int j = kStages - 1; j < min(count, kStages - 1 + a.prefetch); ++j)
       if (lmask[j]) ak::prefetch_block_l2(a, lpage[j], g);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
-      ak::cp_async_wait<kStages - 2>();
+      if constexpr (kTma) {
+        if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
+          sm90::mbar_wait(ak::smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
+          full_parity ^= 1u << stage;
+        }
+      } else {
+        ak::cp_async_wait<kStages - 2>();
+      }
       __syncthreads();  // block i landed for every thread; stage of block i - 1 free
       {
         const int j = i + kStages - 1;
         const int sj = stage == 0 ? kStages - 1 : stage - 1;
-        if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + sj * kStageBytes);
-        ak::cp_async_commit();
+        load(j, count, lmask, lpage, sj);
         const int jp = j + a.prefetch;
         if (a.prefetch > 0 && jp < count && lmask[jp]) ak::prefetch_block_l2(a, lpage[jp], g);
       }

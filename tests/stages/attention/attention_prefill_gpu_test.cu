@@ -489,6 +489,34 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
        ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsUnion)});
 }
 
+// A NaN V element that some tokens of a tile see and others do not (a key of the local block that
+// is in the future of the tile's earlier tokens, blocks only some tokens select): the twin puts
+// NaN in that dim of the tokens that see the key only; a NaN K element makes the rows of the
+// tokens that see it NaN. A shared wgmma row with P = 0 must never meet the NaN (0 * NaN).
+TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  // Request 0: positions 148 .. 155 (one tile); request 1: 126 .. 133 (crosses a block);
+  // request 2: a long context with per-token selections (blocks only some tokens select).
+  const std::vector<RequestSpec> reqs = {{148, 8}, {126, 8}, {4000, 16}};
+  Case c = make_case(reqs, 32, 2, true, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  c.hb.kv_row(0, 151, 1, 0)[17] = 0x7F;   // V: seen by positions 151 .. 155 only
+  c.hb.kv_row(0, 154, 1, 1)[100] = 0xFF;  // by 154, 155 (head 1)
+  c.hb.kv_row(1, 127, 1, 0)[3] = 0x7F;    // by 127 .. 133
+  c.hb.kv_row(1, 129, 1, 1)[64] = 0x7F;   // by 129 .. 133 (other block)
+  for (int k = 0; k < 6; ++k)
+    c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
+  c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
+  const std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0), ws_config(2, 1),
+                                                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast),
+                                                 ws_config(0, 0, kWsUnion)};
+  check_configs(c, true, "NaN seen by some tokens", cfgs);
+  check_configs(c, false, "NaN seen by some tokens", cfgs);
+}
+
 TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();

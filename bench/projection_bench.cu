@@ -43,7 +43,7 @@
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
-// --promotion P, --prefetch G, --burst B setting GemmWgmmaOptions).
+// --promotion P, --prefetch G, --burst B, --waves W setting GemmWgmmaOptions).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -354,6 +354,8 @@ int run(int argc, char** argv) {
       int_arg(&only.l2_prefetch_units);
     } else if (f == "--burst") {
       int_arg(&only.burst);
+    } else if (f == "--waves") {
+      int_arg(&only.max_waves);
     } else if (f == "--json") {
       json = true;
     } else if (f == "--quick") {
@@ -365,7 +367,7 @@ int run(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-                   "--wgmma-only: --min-units U --promotion P --prefetch G --burst B)\n",
+                   "--wgmma-only: --min-units U --promotion P --prefetch G --burst B --waves W)\n",
                    argv[i]);
       return 2;
     }
@@ -689,7 +691,8 @@ int run(int argc, char** argv) {
   // wgmma kernel variants (run_gemm_wgmma_cuda directly): grid shape, bursts, L2 policy and
   // prefetch of the weights; fused N = 9856, and the two GEMMs of the pair alone at M = 1.
   {
-    Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64);
+    constexpr int kVariantWaves = 16;  // the most waves a variant below asks for
+    Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64, kVariantWaves);
     must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
     void* ws = nullptr;
     check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
@@ -698,14 +701,18 @@ int run(int argc, char** argv) {
       int ctas, min_units, burst;
       bool evict_first;
       int promotion, prefetch;
+      int waves = 1;
     };
     const Variant variants[] = {
-        {0, 16, 0, true, 256, 0}, {0, 4, 0, true, 256, 0},  {0, 24, 0, true, 256, 0},
-        {1, 16, 0, true, 256, 0}, {0, 16, 2, true, 256, 0}, {0, 16, 99, true, 256, 0},
-        {0, 16, 0, true, 0, 0},   {0, 24, 0, true, 0, 0},   {0, 16, 2, true, 0, 0},
-        {0, 16, 0, false, 0, 0},  {0, 16, 0, true, 0, 4},   {0, 16, 0, true, 0, 8},
-        {0, 16, 0, true, 0, 16},  {0, 16, 2, true, 0, 8},   {1, 16, 0, true, 0, 8},
-        {0, 16, 0, true, 256, 8}};
+        {0, 16, 0, true, 256, 0},    {0, 4, 0, true, 256, 0},   {0, 24, 0, true, 256, 0},
+        {1, 16, 0, true, 256, 0},    {0, 16, 2, true, 256, 0},  {0, 16, 99, true, 256, 0},
+        {0, 16, 0, true, 0, 0},      {0, 24, 0, true, 0, 0},    {0, 16, 2, true, 0, 0},
+        {0, 16, 0, false, 0, 0},     {0, 16, 0, true, 0, 4},    {0, 16, 0, true, 0, 8},
+        {0, 16, 0, true, 0, 16},     {0, 16, 2, true, 0, 8},    {1, 16, 0, true, 0, 8},
+        {0, 16, 0, true, 256, 8},    {0, 8, 0, true, 0, 0, 16}, {0, 6, 0, true, 0, 0, 16},
+        {0, 4, 0, true, 0, 0, 16},   {0, 2, 0, true, 0, 0, 16}, {0, 8, 0, true, 256, 0, 16},
+        {0, 4, 0, true, 256, 0, 16}, {1, 8, 0, true, 0, 0, 16}, {0, 8, 0, true, 0, 8, 16},
+        {0, 12, 0, true, 0, 0, 16},  {0, 4, 2, true, 0, 0, 16}};
     std::vector<bench::Row> rows_var;
     auto add_row = [&](int64_t rows_m, int64_t n, const Variant& v, const GemmWgmmaOptions& o) {
       const int64_t m = gemm_padded_rows(rows_m);
@@ -726,6 +733,7 @@ int run(int argc, char** argv) {
       r.add("evict_first", v.evict_first ? "yes" : "no");
       r.add("L2_promo", std::to_string(v.promotion));
       r.add("prefetch", std::to_string(v.prefetch));
+      r.add("waves", std::to_string(v.waves));
       r.add("us", t.us);
       r.add("b2b_us", t.b2b_us);
       r.add("%copy", pct_copy(bytes, t.us), 1);
@@ -740,6 +748,7 @@ int run(int argc, char** argv) {
       o.weight_evict_first = v.evict_first;
       o.weight_l2_promotion = v.promotion;
       o.l2_prefetch_units = v.prefetch;
+      o.max_waves = v.waves;
       return o;
     };
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
@@ -753,16 +762,17 @@ int run(int argc, char** argv) {
       const Calls c = make_calls(b, 1);
       must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
       check_cuda(cudaStreamSynchronize(stream), "quantize");
-      const Variant parts[] = {{0, 16, 0, true, 256, 0}, {0, 4, 0, true, 256, 0},
-                               {0, 1, 0, true, 256, 0},  {0, 4, 0, true, 0, 0},
-                               {0, 1, 0, true, 0, 0},    {0, 16, 0, true, 0, 8}};
+      const Variant parts[] = {{0, 16, 0, true, 256, 0},  {0, 4, 0, true, 256, 0},
+                               {0, 1, 0, true, 256, 0},   {0, 4, 0, true, 0, 0},
+                               {0, 1, 0, true, 0, 0},     {0, 16, 0, true, 0, 8},
+                               {0, 4, 0, true, 0, 0, 16}, {0, 8, 0, true, 0, 0, 16}};
       for (int64_t n : {kN1, kN2})
         for (const Variant& v : parts) add_row(1, n, v, options_of(v));
     }
     bench::print_rows(
         "wgmma kernel variants (graph replay, cold L2; us: isolated, b2b_us: back-to-back; burst "
         "auto = half the ring, ring = the whole ring; prefetch = units per L2 prefetch of each "
-        "weight row, 0 = none)",
+        "weight row, 0 = none; waves = GemmWgmmaOptions::max_waves)",
         rows_var, json);
     cudaFree(ws);
   }

@@ -24,6 +24,7 @@ using gemm_wgmma_detail::WgmmaArgs;
 
 constexpr size_t kCounterAlign = 256;
 constexpr int64_t kTwoCtaMaxM = 16;  // larger M (n = 32, 64) runs one CTA per SM (registers)
+constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -84,7 +85,7 @@ Status device_info(DeviceInfo* info) {
 
 template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
-              const DeviceInfo& info, cudaStream_t stream) {
+              int waves, const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
   auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
@@ -103,7 +104,7 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
                          " kernel fits on an SM (", kSmem, " B of dynamic shared memory)");
     if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
   }
-  grid = std::min(grid, std::min(resident, kCtasPerSm) * info.sms);
+  grid = std::min(grid, waves * std::min(resident, kCtasPerSm) * info.sms);
   WgmmaArgs a = args;
   a.burst = a.burst <= 0 ? std::max(1, kStages / 2) : std::min(a.burst, kStages);
   cudaLaunchConfig_t cfg = {};
@@ -124,12 +125,12 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
 // Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
 template <int kCtasPerSm>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
-                     int grid, const DeviceInfo& info, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, info, stream);
-  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, info, stream);
+                     int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   // n = 32 and 64 need more registers than two CTAs per SM leave: one CTA per SM.
-  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, info, stream);
-  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, info, stream);
+  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, waves, info, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
 
@@ -142,11 +143,14 @@ size_t gemm_wgmma_counter_bytes(int64_t n) {
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
 }
 
-Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m) {
+Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves) {
   M3_CHECK_ARG(n > 0 && n % kTileN == 0, "gemm_wgmma_workspace_bytes: N = ", n,
                " must be a positive multiple of ", kTileN);
   M3_CHECK_ARG(max_m >= 0 && max_m <= kMaxM, "gemm_wgmma_workspace_bytes: max_m = ", max_m,
                " must be in [0, ", kMaxM, "]");
+  M3_CHECK_ARG(max_waves >= 1 && max_waves <= kMaxWaves,
+               "gemm_wgmma_workspace_bytes: max_waves = ", max_waves, " must be in [1, ", kMaxWaves,
+               "]");
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   // Two partial slots of [M][128] fp32 per CTA; the grid is at most ctas_per_sm(M) x SMs with
@@ -154,8 +158,8 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m) {
   const size_t slot_rows = std::max<size_t>(
       size_t{2} * kMaxCtasPerSm * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
       size_t{2} * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
-  return gemm_wgmma_counter_bytes(n) +
-         slot_rows * static_cast<size_t>(info.sms) * kTileN * sizeof(float);
+  return gemm_wgmma_counter_bytes(n) + slot_rows * static_cast<size_t>(max_waves) *
+                                           static_cast<size_t>(info.sms) * kTileN * sizeof(float);
 }
 
 bool gemm_wgmma_device_supported() {
@@ -180,6 +184,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
+               "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
+               "]");
   M3_CHECK_ARG(options.l2_prefetch_units >= 0 && options.l2_prefetch_units <= 64,
                "GemmWgmmaOptions::l2_prefetch_units = ", options.l2_prefetch_units,
                " must be in [0, 64]");
@@ -206,8 +213,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                           : options.ctas_per_sm == 0 ? kMaxCtasPerSm
                                                      : options.ctas_per_sm;
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
-  const int grid = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, by_units)));
+  const int grid = static_cast<int>(std::max<int64_t>(
+      1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
   const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * static_cast<size_t>(m) *
                                      kTileN * sizeof(float);
@@ -250,8 +257,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.prefetch = options.l2_prefetch_units;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
-  if (ctas_per_sm == 1) return dispatch_rows<1>(args.m, wmap, xmap, args, grid, info, stream);
-  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, info, stream);
+  if (ctas_per_sm == 1)
+    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
 }
 
 }  // namespace m3attn

@@ -44,6 +44,12 @@ struct GemmWgmmaOptions {
   // issues) as one contiguous cp.async.bulk.prefetch.L2, so the DRAM sees runs of 128 x this many
   // bytes per row instead of the TMA boxes' 128-byte pieces.
   int l2_prefetch_units = 0;
+  // Waves of resident CTAs the grid may span (variant; 1 = one wave, the default). With more, the
+  // hardware hands the remaining CTAs to SMs as CTAs finish, so SMs that stream faster take more
+  // of the work (session 11's profiles: SMs idle ~28 % of the kernel's time at the tail). The
+  // stream-K fixup never waits for another CTA, so any number of waves is safe. Needs a workspace
+  // of gemm_wgmma_workspace_bytes(N, M, max_waves).
+  int max_waves = 1;
   // Programmatic dependent launch: the kernel may start while the preceding kernel in the stream
   // finishes and requests its first ring of weights before waiting for it (griddepcontrol.wait);
   // activations, scales and every write come after the wait. The preceding kernel must not write
@@ -58,8 +64,9 @@ constexpr int64_t kGemmWgmmaMaxM = 64;
 
 // Bytes of the arrival counters at the start of the workspace (zero between calls).
 size_t gemm_wgmma_counter_bytes(int64_t n);
-// Workspace bytes for N columns and up to max_m rows on the current device (any options).
-Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m);
+// Workspace bytes for N columns and up to max_m rows on the current device (any options with
+// max_waves <= the given value).
+Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves = 1);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

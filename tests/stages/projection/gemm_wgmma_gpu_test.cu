@@ -48,9 +48,9 @@ Fp8BlockGemmOptions wgmma_options() {
   return o;
 }
 
-// A zeroed workspace for run_gemm_wgmma_cuda, sized for (n, m).
-DeviceBuffer make_workspace(int64_t n, int64_t m) {
-  Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, m);
+// A zeroed workspace for run_gemm_wgmma_cuda, sized for (n, m, waves).
+DeviceBuffer make_workspace(int64_t n, int64_t m, int waves = 1) {
+  Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, m, waves);
   EXPECT_TRUE(bytes.ok()) << bytes.status().to_string();
   return DeviceBuffer(bytes.ok() ? bytes.value() : 256, 0);
 }
@@ -74,6 +74,7 @@ struct Case {
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
   int prefetch = 0;         // GemmWgmmaOptions::l2_prefetch_units
+  int waves = 1;            // GemmWgmmaOptions::max_waves
 };
 
 std::string describe(const Case& c) {
@@ -83,7 +84,7 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " L2 prefetch " + std::to_string(c.prefetch);
+         " L2 prefetch " + std::to_string(c.prefetch) + " waves " + std::to_string(c.waves);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -97,13 +98,14 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.weight_l2_promotion = c.promotion;
   o.programmatic_launch = c.pdl;
   o.l2_prefetch_units = c.prefetch;
+  o.max_waves = c.waves;
   return o;
 }
 
 // Runs the kernel twice on the same workspace (output re-poisoned in between): both results must
 // be identical, nothing outside [M, N] written, the counters zero afterwards.
 std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
-  DeviceBuffer ws = make_workspace(c.n, c.m);
+  DeviceBuffer ws = make_workspace(c.n, c.m, c.waves);
   const GemmWgmmaOptions o = options_of(c);
   const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -178,7 +180,13 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 4},
                       Case{33, 384, 2048, 0, 0, false, 0, 1, 0, true, 0, false, 3},
                       Case{16, 640, 6144, 0, 0, false, 1, 4, 2, true, 0, false, 64},
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, true, 8}));
+                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, true, 8},
+                      // Grids over several waves of resident CTAs (max_waves).
+                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 0, 16},
+                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 0, 16},
+                      Case{33, 1280, 2048, 8, 16, true, 0, 2, 0, true, 0, false, 4, 8},
+                      Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 0, 4},
+                      Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 0, 4}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -360,6 +368,20 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   bad.weight_l2_promotion = 100;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
+  for (int waves : {0, 65}) {
+    bad = {};
+    bad.max_waves = waves;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument);
+    EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, waves).status().code(),
+              StatusCode::kInvalidArgument);
+  }
+  for (int prefetch : {-1, 65}) {
+    bad = {};
+    bad.l2_prefetch_units = prefetch;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument);
+  }
   bad = {};
   bad.min_units_per_cta = 0;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),

@@ -29,6 +29,8 @@ constexpr int64_t kTargetCtasPerSm = 8;
 constexpr int kFusedAutoMinPages = 128;
 // Blocks per split the automatic plan aims for in decode units (two-kernel path, see make_plan).
 constexpr int64_t kDecodeChunk = 16;
+// The automatic single pass (see make_plan) applies up to this many query tokens per request.
+constexpr int64_t kSingleMaxTokensPerRequest = 1;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
 constexpr int64_t kFusedCtasPerSm = 3;
 
@@ -168,8 +170,15 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       chunk = fchunk;
     }
   }
-  if (pl.mma && o.single_pass && !o.unfused_decode && !o.decode_bulk_copy && T > 0 &&
-      max_pages <= ik::kFusedMaxChunk) {
+  // Single pass: forced by the option, or automatic where round A of session 12 measured it
+  // fastest: <= 64 blocks, at least 1.5 requests (CTAs) per SM and one token per request (256 x
+  // 8K draft 0: 69.9 / 67.6 us isolated / back to back vs 78.5 / 76.6 for the two-kernel path;
+  // at draft 3 86.9 vs 83.9 us, at 64 requests 50.8 vs 26.4 us: too few CTAs).
+  const bool auto_single = o.k_splits == 0 && !o.fused_decode_always &&
+                           2 * int64_t{p.batch.num_requests} >= 3 * int64_t{sms} &&
+                           T <= int64_t{p.batch.num_requests} * kSingleMaxTokensPerRequest;
+  if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
+      T > 0 && max_pages <= ik::kFusedMaxChunk) {
     // One split of every block (max_pages > kTopK here): the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;

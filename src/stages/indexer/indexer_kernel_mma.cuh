@@ -32,11 +32,16 @@
 // warp issues one 2 KB cp.async.bulk per tile completing on the stage's mbarrier (1 instruction
 // instead of 4 cp.async.16 per lane and their address math); tiles lie unswizzled, so the
 // LDS.128 of rows g and g + 1 share banks (2-way conflicts, affordable at the DRAM rate).
-// Instructions per 16-key tile and warp (cp.async path, 1 n-tile = draft 0): ~25 to issue the
-// copies and bookkeeping, 4 LDS.128, 32 cvt (2 per 4 bytes of a lane's 64 bytes), 8 HMMA,
-// ~10 max / mask / loop: ~80 per 2 KB, i.e. ~5 warp instructions per 128-byte index-K row,
-// ~0.6 issue slots per SM cycle of 4 at 3.4 TB/s; the cvt (F2FP) count, 2 per row, is the
-// largest single class.
+// Instructions per 16-key tile and warp (cp.async path): session 12 round A measured (ncu, single
+// pass, 256 x 8K, draft 3 = 2 n-tiles) 200 per tile, of which only 32 F2FP, 16 HMMA, 4 LDGSTS and
+// ~7 LDS are the work; the rest was address math (27 IMAD), shifts feeding the conversions (20
+// SHF), per-tile bookkeeping and branches (~60 ISETP / IADD / BRA / BSSY / BSYNC) and a stall on
+// each block's page-table entry. With 2-3 warps per scheduler the per-warp instruction stream, not
+// DRAM, then bounds a CTA (5.2 cycles per issued instruction, DRAM 65 % busy). Since then: the 8
+// tiles of a block are unrolled (stage == tile index in the page, so every shared and global
+// offset of the copies is an immediate), both halves of a word convert without shifts, a page
+// outside the pool zero-fills instead of branching, and the next pages' entries are loaded a
+// block ahead and checked when used.
 //
 // Single pass (score_fused_single_kernel, IndexerCudaOptions::single_pass): the fused kernel with
 // one split per unit (contexts of <= 64 blocks, 8K tokens): a decode unit's CTA holds every block
@@ -71,6 +76,7 @@
 #pragma once
 
 #include <climits>
+#include <type_traits>
 
 #include "core/mbarrier.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
@@ -113,16 +119,19 @@ __device__ __forceinline__ uint4 lds16(const uint8_t* p) {
   return *reinterpret_cast<const uint4*>(p);
 }
 
-// Two E4M3 values (the low / high 16 bits of w) -> two f16 values (exact).
-__device__ __forceinline__ uint32_t f16x2_lo(uint32_t w) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<uint16_t>(w & 0xffffu)));
-  return r;
-}
-__device__ __forceinline__ uint32_t f16x2_hi(uint32_t w) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(static_cast<uint16_t>(w >> 16)));
-  return r;
+// Four E4M3 values (w) -> two f16x2 words, exact: lo = bytes 0-1, hi = bytes 2-3. The word is
+// split into its 16-bit halves in PTX (mov.b32 {l, h}) so that ptxas can feed the upper half to
+// the conversion directly instead of shifting it down first (session 12 round A, ncu: ~16 SHF per
+// 16-key tile in the decode loop came from the shifted form).
+__device__ __forceinline__ void f16x2_pair(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  asm("{\n"
+      "  .reg .b16 l, h;\n"
+      "  mov.b32 {l, h}, %2;\n"
+      "  cvt.rn.f16x2.e4m3x2 %0, l;\n"
+      "  cvt.rn.f16x2.e4m3x2 %1, h;\n"
+      "}"
+      : "=r"(lo), "=r"(hi)
+      : "r"(w));
 }
 
 __device__ __forceinline__ void hmma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -156,8 +165,7 @@ __device__ __forceinline__ void row_slice_f16(const uint8_t* row, int tig, uint3
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     const uint32_t w = word_of(lo, hi, s);
-    out[2 * s] = f16x2_lo(w);
-    out[2 * s + 1] = f16x2_hi(w);
+    f16x2_pair(w, out[2 * s], out[2 * s + 1]);
   }
 }
 
@@ -240,8 +248,9 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 #pragma unroll
   for (int st = 0; st < 8; ++st) {
     const uint32_t w0 = word_of(lo0, hi0, st), w1 = word_of(lo1, hi1, st);
-    const uint32_t a0 = f16x2_lo(w0), a2 = f16x2_hi(w0);
-    const uint32_t a1 = f16x2_lo(w1), a3 = f16x2_hi(w1);
+    uint32_t a0, a1, a2, a3;
+    f16x2_pair(w0, a0, a2);
+    f16x2_pair(w1, a1, a3);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
       hmma(c[nt], a0, a1, a2, a3, s.q[nt][2 * st], s.q[nt][2 * st + 1]);
@@ -286,31 +295,69 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
   }
 }
 
-// One 2 KB tile (tile i % 8 of `page`) into ring stage i % kDecStages: 4 x 32 swizzled cp.async of
-// 16 bytes (committed by the caller), or (kBulk) one bulk copy by lane 0 completing on the stage's
-// mbarrier. A page outside the pool (-1) copies nothing; the bulk variant still completes the
-// stage's phase (an arrive without bytes): the block scores NaN and its data is never used.
+// One 2 KB tile (tile t of `page`, t < 8) into ring stage t (kDecStages == tiles per page, so a
+// tile's stage is its index in the page and every stage index in the unrolled decode loop is a
+// constant): 4 x 32 swizzled 16-byte cp.async (committed by the caller), or (kBulk) one bulk copy
+// by lane 0 completing on the stage's mbarrier. A page outside the pool (-1) reads nothing: the
+// cp.async zero-fill the stage (source size 0, the source address the pool base), the bulk
+// variant completes the stage's phase by an arrive without bytes; the block scores NaN and its
+// data is never used.
+// cp.async chunk lane + 32 c of the tile = row (lane >> 3) + 4 c, 16-byte column lane & 7: its
+// swizzled destination is lane_dst + 512 c (rows 4 c apart share the swizzle parity), its source
+// lane * 16 + 512 c, so one address pair per lane serves the 4 copies.
+static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the page");
+__device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
+  return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
+}
 template <bool kBulk>
 __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
-                                           int64_t page, int i, int lane) {
-  uint8_t* dst = ring + (i & (kDecStages - 1)) * kTileBytes;
+                                           int64_t page, int t, int lane) {
   if constexpr (kBulk) {
     if (lane == 0) {
-      uint64_t* bar = bars + (i & (kDecStages - 1));
+      uint64_t* bar = bars + t;
       if (page >= 0) {
         mbar_arrive_expect_tx(bar, kTileBytes);
-        bulk_copy_g2s(dst, page_base(a, page) + (i & 7) * kTileBytes, kTileBytes, bar);
+        bulk_copy_g2s(ring + t * kTileBytes, page_base(a, page) + t * kTileBytes, kTileBytes, bar);
       } else {
         mbar_arrive(bar);
       }
     }
-  } else if (page >= 0) {
-    const uint8_t* src = page_base(a, page) + (i & 7) * kTileBytes;
-#pragma unroll
-    for (int c = 0; c < kTileBytes / 16 / 32; ++c) {
-      const int chunk = lane + 32 * c;  // row chunk / 8, 16-byte chunk chunk % 8
-      cp_async16(dst + swizzled(chunk >> 3, chunk & 7), src + chunk * 16);
-    }
+  } else {
+    const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+    const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
+    const uint32_t bytes = page >= 0 ? 16u : 0u;
+    asm volatile(
+        "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+        "cp.async.cg.shared.global [%0+512], [%1+512], 16, %2;\n"
+        "cp.async.cg.shared.global [%0+1024], [%1+1024], 16, %2;\n"
+        "cp.async.cg.shared.global [%0+1536], [%1+1536], 16, %2;\n" ::"r"(dst),
+        "l"(src), "r"(bytes)
+        : "memory");
+  }
+}
+
+// The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
+// compile-time placed): tile kT of the page whose lane source address is `src` (page base +
+// lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
+// whose lane destination is `dst` (shared address of the ring + lane_dst_offset).
+template <int kT>
+__device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, uint32_t bytes) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%4], [%1+%4], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%5], [%1+%5], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%6], [%1+%6], 16, %2;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "n"(kT * kTileBytes), "n"(kT * kTileBytes + 512),
+      "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      : "memory");
+}
+
+// Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
+template <int kI, int kN, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (kI < kN) {
+    f(std::integral_constant<int, kI>{});
+    static_for<kI + 1, kN>(f);
   }
 }
 
@@ -361,36 +408,25 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
 
-  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8). The issue side runs
-  // kDecStages - 1 tiles ahead and holds the pages of its current and previous block (the compute
-  // side is never more than one block behind) plus the next block's page, fetched a block ahead.
-  // The first tiles are issued before the query rows are loaded and converted, so that work
-  // hides under the index-K latency.
+  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
+  // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
+  // k it issues tile 7 of block k (t == 0) or tile t - 1 of block k + 1. Pages: pg_k (block k),
+  // pg_k1 (block k + 1, -1 past the end: zero-fill copies that are never computed) and the raw
+  // page-table entry of block k + 2, loaded a block ahead and checked only when it rotates in
+  // (its load latency stays off the tile loop). The first tiles are issued before the query rows
+  // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
+  // block are unrolled: stages, keys and the flush are compile-time placed.
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const int total = nblk * 8;
-  int issue_blk = 0;
-  // Page ids fit in 32 bits (page-table entries are i32; -1 = outside the pool).
-  const auto page_at = [&](int k) {
-    return k < nblk ? static_cast<int>(guarded_page(a, r, first + k * kMmaWarps)) : -1;
+  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
+  const auto raw_page_at = [&](int k) {
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kMmaWarps) : -1;
   };
-  int pg_cur = static_cast<int>(pg_first);
-  int pg_prev = -1;
-  int pg_next = nblk > 1 ? static_cast<int>(pg_second) : -1;
-  auto issue = [&](int i) {
-    if (i < total) {
-      const int k = i >> 3;
-      if (k != issue_blk) {  // tiles are issued in order: k == issue_blk + 1
-        issue_blk = k;
-        pg_prev = pg_cur;
-        pg_cur = pg_next;
-        pg_next = page_at(k + 1);
-      }
-      issue_tile<kBulk>(a, ring, bars, pg_cur, i, lane);
-    }
-    if constexpr (!kBulk) cp_async_commit();  // possibly empty: keeps the group count uniform
+  const auto guard = [&](int32_t pg) {
+    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
   };
-  // Tiles 0 .. kDecStages - 2 lie in block 0 (total >= 8): the prologue issues what issue(i)
-  // would.
+  int32_t pg_k = static_cast<int32_t>(pg_first);
+  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
+  int32_t raw_k2 = raw_page_at(2);
   if (!pre_issued) stream_prologue<kBulk>(a, ring, bars, pg_first, lane);
 
   DecodeState<NT> s;
@@ -415,23 +451,53 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
-  for (int i = 0; i < total; ++i) {
-    if constexpr (kBulk)
-      mbar_wait_parity(bars + (i & (kDecStages - 1)), static_cast<uint32_t>(i / kDecStages) & 1u);
-    else
-      cp_async_wait<kDecStages - 2>();
-    __syncwarp();  // tile i landed for every lane; tile i - 1's stage is free
-    issue(i + kDecStages - 1);
-    const int k = i >> 3;
+  for (int k = 0; k < nblk; ++k) {
     const int b = first + k * kMmaWarps;
-    const int key0 = b * kPageSize + (i & 7) * 16;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    decode_compute_tile<NT, kBulk>(s, ring + (i & (kDecStages - 1)) * kTileBytes, key0, mask, g,
-                                   tig);
-    if ((i & 7) == 7) {
-      const bool ok = (k == issue_blk ? pg_cur : pg_prev) >= 0;
-      decode_flush<NT, kFused>(s, a, t0, rows, b, ok, g, tig, sblk, b0);
+    // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
+    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
+    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
+    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
+    // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
+    // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
+    const auto tile_step = [&](auto tc) {
+      const int t = tc;
+      if constexpr (kBulk)
+        mbar_wait_parity(bars + t, static_cast<uint32_t>(k) & 1u);
+      else
+        cp_async_wait<kDecStages - 2>();
+      __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
+      if constexpr (kBulk) {
+        if (t == 0) {
+          issue_tile<true>(a, ring, bars, pg_k, 7, lane);
+        } else if (k + 1 < nblk) {
+          issue_tile<true>(a, ring, bars, pg_k1, t - 1, lane);
+        }
+      } else {
+        if constexpr (!std::is_same_v<decltype(tc), int>) {
+          constexpr int kT = decltype(tc)::value;
+          if constexpr (kT == 0)
+            issue_tile_at<7>(ring_dst, src_k, bytes_k);
+          else
+            issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+        } else {
+          issue_tile<false>(a, ring, bars, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
+        }
+        cp_async_commit();
+      }
+      decode_compute_tile<NT, kBulk>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g,
+                                     tig);
+    };
+    if constexpr (NT <= 2) {
+      static_for<0, 8>(tile_step);
+    } else {
+#pragma unroll 1
+      for (int t = 0; t < 8; ++t) tile_step(t);
     }
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
+    pg_k = pg_k1;
+    pg_k1 = guard(raw_k2);
+    raw_k2 = raw_page_at(k + 3);
   }
   if constexpr (!kBulk) cp_async_wait<0>();  // bulk: every issued tile was waited for
 }
@@ -554,7 +620,8 @@ __device__ __forceinline__ void prefill_compute_page(const PrefillState& s, cons
 #pragma unroll
     for (int st = 0; st < 8; ++st) {
       const uint32_t w = word_of(lo, hi, st);
-      const uint32_t b0 = f16x2_lo(w), b1 = f16x2_hi(w);
+      uint32_t b0, b1;
+      f16x2_pair(w, b0, b1);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
         hmma(c[mt], s.q[mt][0][2 * st], s.q[mt][1][2 * st], s.q[mt][0][2 * st + 1],

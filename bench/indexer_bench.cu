@@ -27,7 +27,8 @@
 //   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
 //   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the fused and the
 //   two-kernel paths (or the flag's path) over k_splits, and the single pass, at batch 64 / 256,
-//   context 8K (draft 0 and 3) and 32K (draft 0)), --contiguous (each request's pages consecutive
+//   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
+//   192, 8K), --contiguous (each request's pages consecutive
 //   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets).
@@ -482,14 +483,18 @@ int main(int argc, char** argv) {
     for (int ctx : {8192, 32768}) {
       for (int draft : {0, 3}) {
         if (ctx > 8192 && draft > 0) continue;
-        for (int batch : {64, 256}) {
+        for (int batch : {64, 128, 192, 256}) {
+          // Batches 128 and 192 (8K only): the automatic plan of each path alone, for the batch
+          // threshold of the single pass.
+          const bool auto_only = batch == 128 || batch == 192;
+          if (auto_only && ctx > 8192) continue;
           Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
           const std::vector<Slice> slices = {{0, 0, 1 + draft}, {batch - 1, 0, 1 + draft}};
           for (int path = 0; path < (compare_paths ? 3 : 1); ++path)
             for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
               IndexerCudaOptions o = path == 0 ? sweep_o : (path == 1 ? two_o : single_o);
               o.k_splits = k;
-              if (k > 0 && int64_t{k} * 4 > c.max_pages) continue;  // chunks below 4 blocks
+              if (k > 0 && (auto_only || int64_t{k} * 4 > c.max_pages)) continue;
               if (path == 2 && (k > 0 || !indexer_cuda_plan(c.p, o).single)) continue;
               const std::string what = "sweep b" + std::to_string(batch) + " ctx " +
                                        std::to_string(ctx) + " draft " + std::to_string(draft) +

@@ -4,11 +4,11 @@
 // tokens: Q, index-Q, K, V and index-K rows) and prints PASS / FAIL. Every fused kernel variant is
 // also run, spot-checked and timed at every T (<name>_us, <name>_pct of copy: per_batch, one block
 // per batch of 96 tasks; persistent, the register-pipelined grid-stride kernel; tma, the bulk-copy
-// shared-memory pipeline with its default stages and lanes, tma_s3 with 3 stages, tma_l4_sN with 4
-// lanes per head and N stages; _plan: task plans made by the copy warp; _il: interleaved tile
-// order; _share: equal shares, no plans (the round-1 default); _t64: 64-task tiles), and the
-// unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us / unfused_us are the default
-// choice (ProducerCudaKernel::kAuto).
+// shared-memory pipeline with its defaults, tma_s3 with 3 stages; _plan: task plans made by the
+// copy warp; _il: interleaved tile order; _share: equal shares, no plans (the round-1 default);
+// _t64: 64-task tiles), and the unfused pair on the bulk-copy kernel (unfused_tma_us); fused_us /
+// unfused_us are the default choice (ProducerCudaKernel::kAuto). --only also knows tail-block
+// variants (tail_*) and the other bulk-copy knobs (see extra below).
 //   producer_bench [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]
 // --only runs the listed fused variants (auto or names above) and --t the listed T, e.g. for a
 // profiler or an A/B of variants (each case is built once; the variants are timed in turn).
@@ -16,7 +16,11 @@
 // per distinct position, the norm weights, Q and index-Q written, K / V / index-K rows written for
 // tokens with a valid slot. The unfused pair reads positions, slots and RoPE rows twice.
 // Timing: cold L2 made clean (memset flush, then a read sweep, both outside the timed region; see
-// CleanColdTimer); bench_util's plain memset flush is printed beside it for the fused call.
+// CleanColdTimer); bench_util's plain memset flush is printed beside it for the fused call. Also
+// back-to-back (bench::time_graph_back_to_back: calls captured in one graph, call i reading input
+// copy i % copies of the packed rows, so inputs are cold but launch latency is hidden): *_b2b_us
+// for the fused call and the unfused pair, b2b_us per --only variant; the last call of each
+// sequence is spot-checked too. Under M3_BENCH_PROFILE the back-to-back timings are skipped.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -25,7 +29,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <deque>
 #include <functional>
 #include <numeric>
 #include <random>
@@ -490,13 +493,12 @@ int main(int argc, char** argv) {
       std::fprintf(
           stderr,
           "usage: %s [--json] [--quick] [--only VARIANT[,VARIANT...]] [--t T[,T...]]\n"
-          "  VARIANT: auto per_batch persistent tma tma_s3 tma_l4_s2 tma_l4_s3 tma_l4_s4\n"
-          "           tma_il tma_plan tma_plan_il tma_plan_s3 tma_l4_plan_s2 tma_l4_plan_s4\n"
-          "           tma_l4_plan_s4_il tma_share tma_t64_s4 tma_il_t64_s4 tma_plan_il_t64_s4\n"
+          "  VARIANT: auto per_batch persistent tma tma_s3 tma_il tma_plan tma_plan_il\n"
+          "           tma_plan_s3 tma_share tma_t64_s4 tma_il_t64_s4 tma_plan_il_t64_s4\n"
           "           tma_plan_il_t64_s3 tma_plan_t64_s4 tail_r1_x1 tail_r1_x2 tail_r1_x4\n"
           "           tail_r2_x2 tail_r1_x2_t32 tail_r1_x4_t32 tail_r2_x4_t32 tail_r1_x2_t64\n"
-          "           tma_b2 tail_r1_x2_b2 tma_swap tma_plan_il_t64_s4_swap tail_r1_x2_swap\n"
-          "           tail_r1_x2_t32_swap\n",
+          "           tail_r1_x1_t64 tail_r1_x2_t64 tail_r2_x2_t64 tail_r1_x4_t32 tma_notail\n"
+          "           tma_wr tma_m4_s3 tma_m4_s2 tma_m4_s3_wr\n",
           argv[0]);
       return 2;
     }
@@ -506,22 +508,22 @@ int main(int argc, char** argv) {
   if (quick) sizes = {1, 64, 4096};
   if (!only_t.empty()) sizes = only_t;
   // Every fused kernel variant, spot-checked and timed at every T (the default choice, kAuto, is
-  // fused_us / unfused_us). tma = the bulk-copy pipeline with its default stages and lanes; sN N
-  // stages; l4 4 lanes per head; plan task plans; il interleaved tile order.
+  // fused_us / unfused_us). tma = the bulk-copy pipeline with its defaults; sN N stages; plan task
+  // plans; il interleaved tile order; t64 64-task tiles.
   struct Variant {
     const char* name;
     ProducerCudaOptions opt;
   };
-  const auto tma_variant = [](const char* name, int stages, int lanes, bool plan = false,
+  const auto tma_variant = [](const char* name, int stages, bool plan = false,
                               bool interleave = false, int tile = 0) {
     Variant v;
     v.name = name;
     v.opt.kernel = ProducerCudaKernel::kTmaPipeline;
     v.opt.tma_stages = stages;
-    v.opt.tma_lanes_per_head = lanes;
     v.opt.tma_task_plan = plan ? 1 : -1;
     v.opt.tma_interleave = interleave ? 1 : -1;
     v.opt.tma_tile_tasks = tile;
+    v.opt.tma_tail = -1;  // explicit, whatever the defaults
     return v;
   };
   std::vector<Variant> variants(2);
@@ -533,29 +535,24 @@ int main(int argc, char** argv) {
   defaults.name = "tma";
   defaults.opt.kernel = ProducerCudaKernel::kTmaPipeline;
   variants.push_back(defaults);
-  variants.push_back(tma_variant("tma_s3", 3, 8));
-  variants.push_back(tma_variant("tma_l4_s2", 2, 4));
-  variants.push_back(tma_variant("tma_l4_s4", 4, 4));
-  variants.push_back(tma_variant("tma_share", 2, 8));
-  variants.push_back(tma_variant("tma_il", 2, 8, false, true));
-  variants.push_back(tma_variant("tma_plan", 2, 8, true));
-  variants.push_back(tma_variant("tma_plan_il", 2, 8, true, true));
-  variants.push_back(tma_variant("tma_l4_plan_s2", 2, 4, true));
-  variants.push_back(tma_variant("tma_l4_plan_s4", 4, 4, true));
+  variants.push_back(tma_variant("tma_s3", 3));
+  variants.push_back(tma_variant("tma_share", 2));
+  variants.push_back(tma_variant("tma_il", 2, false, true));
+  variants.push_back(tma_variant("tma_plan", 2, true));
+  variants.push_back(tma_variant("tma_plan_il", 2, true, true));
   // Selectable with --only (not in the full table):
   std::vector<Variant> extra;
-  std::deque<std::string> swap_names;  // stable storage of the _swap variants' names
-  extra.push_back(tma_variant("tma_l4_s3", 3, 4));
-  extra.push_back(tma_variant("tma_plan_s3", 3, 8, true));
-  extra.push_back(tma_variant("tma_l4_plan_s4_il", 4, 4, true, true));
-  extra.push_back(tma_variant("tma_t64_s4", 4, 8, false, false, 64));
-  extra.push_back(tma_variant("tma_il_t64_s4", 4, 8, false, true, 64));
-  extra.push_back(tma_variant("tma_plan_il_t64_s4", 4, 8, true, true, 64));
-  extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, 8, true, true, 64));
-  extra.push_back(tma_variant("tma_plan_t64_s4", 4, 8, true, false, 64));
-  // The default with tail blocks (ProducerCudaOptions::tma_tail): tail_rR_xN_tS = the last R
-  // rounds to tail blocks of N tiles of S tasks (S 0: the stage's tile); tma_b2: the default on
-  // 2 blocks per SM.
+  extra.push_back(tma_variant("tma_plan_s3", 3, true));
+  extra.push_back(tma_variant("tma_t64_s4", 4, false, false, 64));
+  extra.push_back(tma_variant("tma_il_t64_s4", 4, false, true, 64));
+  extra.push_back(tma_variant("tma_plan_il_t64_s4", 4, true, true, 64));
+  extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, true, true, 64));
+  extra.push_back(tma_variant("tma_plan_t64_s4", 4, true, false, 64));
+  // The defaults with other tail blocks (ProducerCudaOptions::tma_tail; by default on with
+  // 128-task tiles only, last round, 4 tiles of 32 tasks): tail_rR_xN_tS = the last R rounds to
+  // tail blocks of N tiles of S tasks, at every tile size; tma_notail: no tail blocks; tma_wr:
+  // one stage release per compute warp (tma_warp_release); tma_m4_sN: 4 blocks per SM, N stages,
+  // 64-task tiles (tma_blocks_per_sm).
   const auto tail_variant = [](const char* name, int rounds, int tiles, int tile_tasks) {
     Variant v;
     v.name = name;
@@ -566,38 +563,26 @@ int main(int argc, char** argv) {
     v.opt.tma_tail_tile_tasks = tile_tasks;
     return v;
   };
-  extra.push_back(tail_variant("tail_r1_x1", 1, 1, 0));
-  extra.push_back(tail_variant("tail_r1_x2", 1, 2, 0));
-  extra.push_back(tail_variant("tail_r1_x4", 1, 4, 0));
-  extra.push_back(tail_variant("tail_r2_x2", 2, 2, 0));
-  extra.push_back(tail_variant("tail_r1_x2_t32", 1, 2, 32));
-  extra.push_back(tail_variant("tail_r1_x4_t32", 1, 4, 32));
-  extra.push_back(tail_variant("tail_r2_x4_t32", 2, 4, 32));
+  extra.push_back(tail_variant("tail_r1_x1_t64", 1, 1, 64));
   extra.push_back(tail_variant("tail_r1_x2_t64", 1, 2, 64));
-  {
-    int sms = 0;
-    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), "SM count");
-    Variant b2 = defaults;
-    b2.name = "tma_b2";
-    b2.opt.persistent_blocks = 2 * sms;
-    extra.push_back(b2);
-    Variant b2t = tail_variant("tail_r1_x2_b2", 1, 2, 0);
-    b2t.opt.persistent_blocks = 2 * sms;
-    extra.push_back(b2t);
-  }
-  // <name>_swap: with ProducerCudaOptions::tma_bank_swap.
-  for (const char* base : {"tma", "tma_plan_il_t64_s4", "tail_r1_x2", "tail_r1_x2_t32"}) {
-    for (const std::vector<Variant>* list : {&variants, &extra}) {
-      for (size_t i = 0; i < list->size(); ++i) {
-        if (std::strcmp((*list)[i].name, base) != 0) continue;
-        Variant w = (*list)[i];
-        w.opt.tma_bank_swap = 1;
-        w.name = swap_names.emplace_back(std::string(base) + "_swap").c_str();
-        extra.push_back(w);
-        break;
-      }
-    }
-  }
+  extra.push_back(tail_variant("tail_r2_x2_t64", 2, 2, 64));
+  extra.push_back(tail_variant("tail_r1_x4_t32", 1, 4, 32));
+  const auto knob_variant = [&](const char* name, int tail, bool warp_release, int per_sm,
+                                int stages) {
+    Variant v = defaults;
+    v.name = name;
+    v.opt.tma_tail = tail;
+    v.opt.tma_warp_release = warp_release ? 1 : -1;
+    v.opt.tma_blocks_per_sm = per_sm;
+    v.opt.tma_stages = stages;
+    if (per_sm == 4) v.opt.tma_tile_tasks = 64;
+    return v;
+  };
+  extra.push_back(knob_variant("tma_notail", -1, false, 0, 0));
+  extra.push_back(knob_variant("tma_wr", 0, true, 0, 0));
+  extra.push_back(knob_variant("tma_m4_s3", 0, false, 4, 3));
+  extra.push_back(knob_variant("tma_m4_s2", 0, false, 4, 2));
+  extra.push_back(knob_variant("tma_m4_s3_wr", 0, true, 4, 3));
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

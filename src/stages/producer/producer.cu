@@ -41,18 +41,19 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
 }
 
 // The bulk-copy pipeline: dynamic shared memory sized from the heads per row (host attribute
-// calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles.
-// `o` has its defaults resolved (dispatch).
-template <ProducerMode kMode, int kStages, int kLanes, bool kPlan>
+// calls only: capturable), grid = SMs x resident blocks (or the caller's), capped at the tiles;
+// with tail blocks that wave plus the tail blocks (set_tma_tail). `o` has its defaults resolved
+// (dispatch).
+template <ProducerMode kMode, int kStages, bool kPlan, int kMinBlocks = pk::kTmaMinBlocks>
 Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o, int sms,
                   cudaStream_t stream) {
   int blocks = o.persistent_blocks;
   pk::TmaGeometry g =
       pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, o.tma_tile_tasks);
   g.interleave = o.tma_interleave > 0;
-  g.bank_swap = o.tma_bank_swap > 0;
+  g.warp_release = o.tma_warp_release > 0;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
-  auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kLanes, kPlan>;
+  auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kPlan, kMinBlocks>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(smem)));
   if (blocks == 0) {
@@ -72,37 +73,34 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaO
   return Status::Ok();
 }
 
-// `o` has its defaults resolved (dispatch): stages and lanes are the kernel's.
-template <ProducerMode kMode, bool kPlan, int kLanes>
+// `o` has its defaults resolved (dispatch): stages and plans are the kernel's.
+template <ProducerMode kMode, bool kPlan>
 Status launch_tma_stages(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
                          int sms, cudaStream_t stream) {
+  if (o.tma_blocks_per_sm == 4) {  // built with task plans only (the default)
+    if constexpr (kPlan) {
+      if (o.tma_stages == 2) return launch_tma<kMode, 2, kPlan, 4>(args, tasks, o, sms, stream);
+      if (o.tma_stages == 3) return launch_tma<kMode, 3, kPlan, 4>(args, tasks, o, sms, stream);
+    }
+    return unsupported("producer: the bulk-copy kernel for 4 blocks per SM has task plans and 2 ",
+                       "or 3 stages, not ", o.tma_stages, " stages, plans ", o.tma_task_plan);
+  }
   switch (o.tma_stages) {
     case 2:
-      return launch_tma<kMode, 2, kLanes, kPlan>(args, tasks, o, sms, stream);
+      return launch_tma<kMode, 2, kPlan>(args, tasks, o, sms, stream);
     case 3:
-      return launch_tma<kMode, 3, kLanes, kPlan>(args, tasks, o, sms, stream);
+      return launch_tma<kMode, 3, kPlan>(args, tasks, o, sms, stream);
     case 4:
-      return launch_tma<kMode, 4, kLanes, kPlan>(args, tasks, o, sms, stream);
+      return launch_tma<kMode, 4, kPlan>(args, tasks, o, sms, stream);
   }
   return unsupported("producer: no bulk-copy kernel with ", o.tma_stages, " stages");
-}
-
-template <ProducerMode kMode, bool kPlan>
-Status launch_tma_lanes(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
-                        int sms, cudaStream_t stream) {
-  if (o.tma_lanes_per_head == 8)
-    return launch_tma_stages<kMode, kPlan, 8>(args, tasks, o, sms, stream);
-  if (o.tma_lanes_per_head == 4)
-    return launch_tma_stages<kMode, kPlan, 4>(args, tasks, o, sms, stream);
-  return unsupported("producer: no bulk-copy kernel with ", o.tma_lanes_per_head,
-                     " lanes per head");
 }
 
 template <ProducerMode kMode>
 Status launch_tma_variant(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaOptions& o,
                           int sms, cudaStream_t stream) {
-  return o.tma_task_plan > 0 ? launch_tma_lanes<kMode, true>(args, tasks, o, sms, stream)
-                             : launch_tma_lanes<kMode, false>(args, tasks, o, sms, stream);
+  return o.tma_task_plan > 0 ? launch_tma_stages<kMode, true>(args, tasks, o, sms, stream)
+                             : launch_tma_stages<kMode, false>(args, tasks, o, sms, stream);
 }
 
 template <ProducerMode kMode>
@@ -126,16 +124,14 @@ Status launch_mode(const pk::KernelArgs& args, int64_t tasks, const ProducerCuda
 Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
                 const ProducerCudaOptions& options, int sms, cudaStream_t stream) {
   ProducerCudaOptions o = options;
-  if (o.tma_lanes_per_head == 0) o.tma_lanes_per_head = pk::kTmaLanesDefault;
   if (o.tma_interleave == 0) o.tma_interleave = pk::kTmaInterleaveDefault ? 1 : -1;
   if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
   if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::tma_default_tile_tasks(tasks);
   if (o.tma_stages == 0) o.tma_stages = pk::tma_default_stages(o.tma_tile_tasks);
-  if (o.tma_tail == 0) o.tma_tail = pk::kTmaTailDefault ? 1 : -1;
-  if (o.tma_bank_swap == 0) o.tma_bank_swap = pk::kTmaBankSwapDefault ? 1 : -1;
+  if (o.tma_tail == 0) o.tma_tail = pk::tma_default_tail(o.tma_tile_tasks) ? 1 : -1;
   if (o.tma_tail_rounds == 0) o.tma_tail_rounds = pk::kTmaTailRoundsDefault;
   if (o.tma_tail_tiles == 0) o.tma_tail_tiles = pk::kTmaTailTilesDefault;
-  if (o.tma_tail_tile_tasks == 0) o.tma_tail_tile_tasks = o.tma_tile_tasks;
+  if (o.tma_tail_tile_tasks == 0) o.tma_tail_tile_tasks = pk::kTmaTailTileDefault;
   switch (mode) {
     case ProducerMode::kFused:
       return launch_mode<ProducerMode::kFused>(args, tasks, o, sms, stream);
@@ -180,10 +176,6 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                    (options.tma_stages >= 2 && options.tma_stages <= pk::kTmaStagesMax),
                "run_producer_cuda: tma_stages ", options.tma_stages,
                " must be 0 (default: by tile size) or in [2, ", pk::kTmaStagesMax, "]");
-  M3_CHECK_ARG(options.tma_lanes_per_head == 0 || options.tma_lanes_per_head == 4 ||
-                   options.tma_lanes_per_head == 8,
-               "run_producer_cuda: tma_lanes_per_head ", options.tma_lanes_per_head,
-               " must be 0 (default ", pk::kTmaLanesDefault, "), 4 or 8");
   M3_CHECK_ARG(options.tma_interleave >= -1 && options.tma_interleave <= 1,
                "run_producer_cuda: tma_interleave ", options.tma_interleave,
                " must be 0 (default), 1 (on) or -1 (off)");
@@ -197,8 +189,14 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
                " must be 0 (default), 1 (on) or -1 (off)");
   M3_CHECK_ARG(options.tma_tail >= -1 && options.tma_tail <= 1, "run_producer_cuda: tma_tail ",
                options.tma_tail, " must be 0 (default), 1 (on) or -1 (off)");
-  M3_CHECK_ARG(options.tma_bank_swap >= -1 && options.tma_bank_swap <= 1,
-               "run_producer_cuda: tma_bank_swap ", options.tma_bank_swap,
+  M3_CHECK_ARG(
+      options.tma_blocks_per_sm == 0 || options.tma_blocks_per_sm == pk::kTmaMinBlocks ||
+          (options.tma_blocks_per_sm == 4 && options.tma_stages >= 2 && options.tma_stages <= 3),
+      "run_producer_cuda: tma_blocks_per_sm ", options.tma_blocks_per_sm, " must be 0 (default ",
+      pk::kTmaMinBlocks, "), ", pk::kTmaMinBlocks, ", or 4 with tma_stages 2 or 3 (got ",
+      options.tma_stages, ")");
+  M3_CHECK_ARG(options.tma_warp_release >= -1 && options.tma_warp_release <= 1,
+               "run_producer_cuda: tma_warp_release ", options.tma_warp_release,
                " must be 0 (default), 1 (on) or -1 (off)");
   M3_CHECK_ARG(options.tma_tail_rounds >= 0 && options.tma_tail_rounds <= pk::kTmaTailMax,
                "run_producer_cuda: tma_tail_rounds ", options.tma_tail_rounds,
@@ -213,8 +211,8 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
       options.tma_tail_tile_tasks == 0 || (options.tma_tail_tile_tasks >= pk::kTmaTailTileMin &&
                                            options.tma_tail_tile_tasks <= tile_max),
       "run_producer_cuda: tma_tail_tile_tasks ", options.tma_tail_tile_tasks,
-      " must be 0 (default: the tile size) or in [", pk::kTmaTailTileMin, ", ", tile_max,
-      "] (the tile size, ", pk::kTmaTileTasksSmall, " when it is left to the default)");
+      " must be 0 (default ", pk::kTmaTailTileDefault, ") or in [", pk::kTmaTailTileMin, ", ",
+      tile_max, "] (the tile size, ", pk::kTmaTileTasksSmall, " when it is left to the default)");
   // validate_producer puts every view the mode uses on packed's device; that must be a CUDA device
   // and the current one (the kernel runs there).
   const Device dev = p.packed.device;

@@ -75,9 +75,6 @@ struct ProducerCudaOptions {
   // Shared-memory stages of the bulk-copy kernel: 0 = the default (4 with 64-task tiles, 2 with
   // 128-task tiles), else 2..4.
   int tma_stages = 0;
-  // Lanes per head in the bulk-copy kernel's compute warps: 0 = the default (8), 8 or 4 (32
-  // channels per lane: fewer instructions per head). Both write the bytes of the other kernels.
-  int tma_lanes_per_head = 0;
   // Tile order of the bulk-copy kernel: 0 = the default, 1 = interleaved (rounds of one tile per
   // block over consecutive tiles, one moving front, then equal shares of the rest), -1 = each
   // block walks an equal share of the tasks. Same bytes either way.
@@ -91,19 +88,24 @@ struct ProducerCudaOptions {
   // pipeline fill, more tiles in flight). Same bytes either way.
   int tma_tile_tasks = 0;
   // Tail blocks of the bulk-copy kernel (against the end-of-kernel imbalance: SMs whose blocks
-  // finish early idle while others still work): 0 = the default, 1 = on, -1 = off. On: the
-  // persistent blocks run full interleaved rounds only, all but the last tma_tail_rounds of them
-  // (and the partial last one); the tiles after that go to extra blocks of the same grid that the
-  // hardware starts on whichever SM frees a slot first (tma_tail_tiles tiles of
-  // tma_tail_tile_tasks tasks each). No atomics, no state across calls. Same bytes either way.
+  // finish early idle while others still work): 0 = the default (on with 128-task tiles, off with
+  // 64), 1 = on, -1 = off. On: the persistent blocks run full interleaved rounds only, all but the
+  // last tma_tail_rounds of them (and the partial last one); the tiles after that go to extra
+  // blocks of the same grid that the hardware starts on whichever SM frees a slot first
+  // (tma_tail_tiles tiles of tma_tail_tile_tasks tasks each). No atomics, no state across calls.
+  // Same bytes either way.
   int tma_tail = 0;
   int tma_tail_rounds = 0;      // 0 = the default (1), else 1..8
-  int tma_tail_tiles = 0;       // 0 = the default (2), else 1..8
-  int tma_tail_tile_tasks = 0;  // 0 = the default (the tile size), else 16..tile size
-  // Shared-memory load order of the bulk-copy kernel with 8 lanes per head: 0 = the default,
-  // 1 = odd lane groups read the B quarter of their head before the A quarter (conflict-free
-  // loads), -1 = every group reads A first. Same bytes either way.
-  int tma_bank_swap = 0;
+  int tma_tail_tiles = 0;       // 0 = the default (4), else 1..8
+  int tma_tail_tile_tasks = 0;  // 0 = the default (32), else 16..tile size
+  // Stage release in the bulk-copy kernel: 0 = the default (every compute thread arrives on the
+  // stage's barrier after its reads), 1 = one lane per compute warp after __syncwarp (fewer
+  // arrivals; compute-sanitizer racecheck reports hazards for it), -1 = the default. Same bytes.
+  int tma_warp_release = 0;
+  // Resident blocks per SM the bulk-copy kernel is built for: 0 = the default (3), 3, or 4 (32
+  // compute warps per SM, registers capped at 56; needs tma_stages 2 or 3 and 64-task tiles to fit
+  // 4 blocks in shared memory, else fewer run). Same bytes.
+  int tma_blocks_per_sm = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -3,8 +3,8 @@
 // The kernels, one header each, all on the shared per-task code of producer_kernel_common.cuh:
 //   producer_kernel_batch.cuh       per-batch (ProducerCudaKernel::kPerBatch);
 //   producer_kernel_persistent.cuh  persistent, register-pipelined (kPersistent);
-//   producer_kernel_tma.cuh         bulk-copy (TMA) pipeline (kTmaPipeline), with its 4-lane
-//                                   per-task code in producer_kernel_tma_lanes.cuh.
+//   producer_kernel_tma.cuh         bulk-copy (TMA) pipeline (kTmaPipeline), with its task plans
+//                                   in producer_kernel_tma_plan.cuh.
 // kAuto (the launcher, producer.cu) runs the per-batch kernel below 2^17 (token, head) tasks and
 // the bulk-copy kernel from there.
 //

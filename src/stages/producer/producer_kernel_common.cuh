@@ -254,13 +254,11 @@ __device__ __forceinline__ void stage_norms(const KernelArgs& a, float4 (*s_norm
 }
 
 // ------------------------------------------------------------------------------------------------
-// The per-task arithmetic, in pieces shared by every lane layout so that all of them produce the
-// same bytes. A head's 128 channels are 8 slices j = 0..7 of 16 values:
+// The per-task arithmetic, shared by every kernel so that all of them produce the same bytes. A
+// head's 128 channels are 8 slices j = 0..7 of 16 values (lane j of a group holds slice j):
 //   A = channels [4j, 4j + 4)   B = [32 + 4j, 36 + 4j)   C = [64 + 8j, 72 + 8j)
-// (the 8-lane kernels: lane j holds slice j; the 4-lane bulk-copy kernel: lane l holds slices 2l
-// and 2l + 1). The sum of squares is taken per slice (two chains), then over the slices in the
-// order of an xor tree of distance 4, 2, 1 (the 8-lane shuffle order), so every layout gets the
-// same float; then y = (y * rsqrt(ss / 128 + eps)) * (1 + w), RoPE on the slice's own pairs
+// The sum of squares is taken per slice (two chains), then over the slices by an xor tree of
+// distance 4, 2, 1; then y = (y * rsqrt(ss / 128 + eps)) * (1 + w), RoPE on the slice's own pairs
 // (i, i + 32), one E4M3 rounding.
 
 // Where a task writes and what it needs: token t (k = t - t_first in the staged rows), head kind,
@@ -379,18 +377,11 @@ __device__ __forceinline__ uint8_t* task_row(const KernelArgs& a, const TaskInfo
   return nullptr;
 }
 
-// Slice `lane` of a BF16 head in shared memory (8 lanes per head). The heads of a warp's four
-// groups lie 256 bytes apart, so their A parts (bytes 0-63) all fall in banks 0-15 and their B
-// parts in banks 16-31: each 8-byte load is 2-way conflicted (4 wavefronts for 256 bytes).
-// b_first (odd groups, ProducerCudaOptions::tma_bank_swap) loads B first and A second, so each
-// load instruction covers all 32 banks (2 wavefronts); the values are the same.
-__device__ __forceinline__ LaneRaw load_slice8(const uint8_t* head, int lane,
-                                               bool b_first = false) {
+// Slice `lane` of a BF16 head in shared memory (8 lanes per head).
+__device__ __forceinline__ LaneRaw load_slice8(const uint8_t* head, int lane) {
   LaneRaw raw;
-  const uint2 x = *reinterpret_cast<const uint2*>(head + (b_first ? 64 : 0) + 8 * lane);
-  const uint2 y = *reinterpret_cast<const uint2*>(head + (b_first ? 0 : 64) + 8 * lane);
-  raw.a = b_first ? y : x;
-  raw.b = b_first ? x : y;
+  raw.a = *reinterpret_cast<const uint2*>(head + 8 * lane);
+  raw.b = *reinterpret_cast<const uint2*>(head + 64 + 8 * lane);
   raw.c = *reinterpret_cast<const uint4*>(head + 128 + 16 * lane);
   return raw;
 }

@@ -49,15 +49,26 @@
 //              T 4096 (84.3%), 137.4-137.8 at 16384; with 128-task tiles in 2 stages 35.4-35.6 /
 //              135.7-136.1 (83.7%): the default takes the first below 2^19 tasks, the second
 //              from there. Still short of 85% (33.4 / 133.7 us); a plain copy of the same bytes
-//              reaches 93.6%. Not tried: dynamic tile scheduling against the end-of-kernel
-//              imbalance (SMs active only 85-89% of the elapsed cycles).
+//              reaches 93.6%.
+//   Session 12. Tail blocks (set_tma_tail): the persistent blocks stop one round early and the
+//              rest goes to extra blocks of the same grid, started by the hardware on whichever SM
+//              frees a slot first (no atomics). Round A (two runs each, isolated / back-to-back):
+//              T 16384 default 135.68-136.38 us, tails 131.5-133.9 (last round in blocks of 4 x
+//              32 tasks 131.52-131.58 = 86.4%, back-to-back 133.8); T 4096 default 34.24-34.30
+//              (83.0%), every tail variant slower (34.4-37.8); ncu at T 4096 with tail blocks: SM
+//              active 91.8% of the cycles (no better), compute warps 26% of their samples on the
+//              stage's full barrier, L2 78% busy, DRAM 58%. A bank-swapped shared-load order (A/B
+//              halves of odd groups) and 2 blocks per SM measured no better / slower and were
+//              removed. Default since: tail blocks with 128-task tiles. racecheck reported 40
+//              hazards with one stage release per warp (__syncwarp, then lane 0 arrives): every
+//              compute thread now arrives on the empty barrier (tma_warp_release restores the
+//              old release for an A/B); 4 blocks per SM (tma_blocks_per_sm) is selectable.
 #pragma once
 
 #include <cstddef>
 
 #include "core/mbarrier.cuh"
 #include "stages/producer/producer_kernel_common.cuh"
-#include "stages/producer/producer_kernel_tma_lanes.cuh"
 #include "stages/producer/producer_kernel_tma_plan.cuh"
 
 namespace m3attn::producer_kernel {
@@ -73,17 +84,17 @@ namespace m3attn::producer_kernel {
 // same (token, head) numbering as the other kernels; block b of G runs the tiles BlockTiles gives
 // it: with the interleaved order rounds of tiles k G + b (one moving front), then an equal share
 // of the rest; otherwise the equal share [b N / G, (b + 1) N / G) of all N tasks (no tile tail;
-// the last tile of a block partial). With 8 lanes per head, group g (0..31) of the compute warps
-// takes tasks first + 32 r + g, r = 0..3, and runs process_task on them, so this kernel writes the
-// same bytes as the other two; with 4 lanes, group g (0..63) takes first + 64 r + g, r = 0..1
-// (process_task4). Per stage the copy warp also stages the tile's positions and slots (loaded into
-// registers one tile ahead, stored with st.shared by the copy lanes, each lane arriving on the
-// stage's "full" barrier after its own writes) and the RoPE rows of the positions inside the table
-// (bulk copies, 256 B each). Per token of a tile one bulk copy moves the token's heads inside the
-// tile (rows are contiguous from head h0 to h1 whatever the row stride), so a tile costs 2-3 copies
-// at M3 TP1. With task plans the copy warp also writes a 16-byte TaskPlan per task
-// (producer_kernel_tma_plan .cuh) and the compute warps run process_planned instead of process_task
-// / process_task4.
+// the last tile of a block partial); with tail blocks (set_tma_tail) the last rounds go to extra
+// blocks instead. Group g (0..31, 8 lanes) of the compute warps takes tasks first + 32 r + g,
+// r = 0..3 (64-task tiles: 0..1), and runs process_task on them, so this kernel writes the same
+// bytes as the other two. Per stage the copy warp also stages the tile's positions and slots
+// (loaded into registers one tile ahead, stored with st.shared by the copy lanes, each lane
+// arriving on the stage's "full" barrier after its own writes) and the RoPE rows of the positions
+// inside the table (bulk copies, 256 B each). Per token of a tile one bulk copy moves the token's
+// heads inside the tile (rows are contiguous from head h0 to h1 whatever the row stride), so a tile
+// costs 2-3 copies at M3 TP1. With task plans the copy warp also writes a 16-byte TaskPlan per task
+// (producer_kernel_tma_plan.cuh) and the compute warps run process_planned instead of
+// process_task.
 //
 // Why: the per-batch and persistent kernels keep their loads in registers (96 B per thread), so
 // bytes in flight are tied to registers and occupancy (116 registers: 25% occupancy, 47% of DRAM
@@ -99,8 +110,13 @@ namespace m3attn::producer_kernel {
 // Synchronisation per stage s (use u = it / kTmaStages of iteration it):
 //   full[s]  (32 arrivals: every copy lane after its st.shared and its expect_tx; + the bytes of
 //            the copies): the compute warps wait parity u&1;
-//   empty[s] (8 arrivals: one per compute warp after its last shared read of the stage): the copy
-//            warp waits parity (u - 1)&1 before refilling the stage (it >= kTmaStages).
+//   empty[s] (256 arrivals: every compute thread after its last shared read of the stage; with
+//            g.warp_release 8: one lane per warp after __syncwarp): the copy warp waits parity
+//            (u - 1)&1 before refilling the stage (it >= kTmaStages). Every thread arrives by
+//            default so that each thread's reads are ordered before the refill by its own release:
+//            compute-sanitizer racecheck does not carry the ordering through __syncwarp to another
+//            lane's arrival (40 hazards reported in session 12, round A, with one arrival per
+//            warp, the session-11 code).
 
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
@@ -108,10 +124,9 @@ constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
 // twice the stages in the same shared memory: ProducerCudaOptions::tma_tile_tasks).
 constexpr int kTmaTileTasks = kTmaComputeWarps * 32 / kLanesPerHead * 4;  // 128: 4 rounds
 constexpr int kTmaTileTasksSmall = kTmaTileTasks / 2;
-// Default of ProducerCudaOptions' tma_lanes_per_head (2, 3, 4 stages and 4 or 8 lanes are all
-// built; the default stages follow the tile size, below): 8 lanes measured faster than 4 in every
-// round.
-constexpr int kTmaLanesDefault = 8;
+// 2, 3 and 4 stages are built (the default follows the tile size, below). A 4-lane-per-head
+// variant (32 channels per lane) measured slower than 8 lanes in every round of session 11 and was
+// removed in session 12.
 constexpr int kTmaStagesMax = 4;
 // Defaults of ProducerCudaOptions' tma_interleave / tma_task_plan / tma_tile_tasks / tma_stages
 // (session 11 on the H200, two runs each, T 4096 / 16384 at M3 TP1): task plans + interleaved
@@ -126,15 +141,18 @@ inline int tma_default_tile_tasks(int64_t tasks) {
   return tasks < kTmaSmallTileMaxTasks ? kTmaTileTasksSmall : kTmaTileTasks;
 }
 inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTasksSmall ? 4 : 2; }
-// Tail blocks (ProducerCudaOptions::tma_tail): default off / rounds / tiles per tail block; the
-// tail tile defaults to the stage's tile. kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the
-// tail tile.
-constexpr bool kTmaTailDefault = false;
+// Tail blocks (ProducerCudaOptions::tma_tail), session 12 round A on the H200 (two runs, T 4096 /
+// 16384): with 128-task tiles (T 16384) every tail variant beat the plain grid, the last round in
+// blocks of 4 tiles of 32 tasks by most: 131.52-131.58 us (86.4 % of copy) vs 135.68-136.38
+// (83.3-83.8 %); with 64-task tiles (T 4096) every tail variant lost (34.43-37.8 us vs
+// 34.24-34.30): by default on with 128-task tiles only, last round, 4 tiles of 32 tasks per tail
+// block. kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the tail tile.
+inline bool tma_default_tail(int tile_tasks) { return tile_tasks == kTmaTileTasks; }
 constexpr int kTmaTailRoundsDefault = 1;
-constexpr int kTmaTailTilesDefault = 2;
+constexpr int kTmaTailTilesDefault = 4;
+constexpr int kTmaTailTileDefault = 32;
 constexpr int kTmaTailMax = 8;
 constexpr int kTmaTailTileMin = 16;
-constexpr bool kTmaBankSwapDefault = false;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
 // ~4 per block): measured faster than the per-batch kernel at T 4096 and 16384 and slower at
 // T <= 1024, where a call is a few tiles per block and the pipeline's fill dominates.
@@ -165,7 +183,9 @@ struct TmaGeometry {
   uint32_t tail_first = 0;
   uint32_t tail_block_tasks = 0;
   uint32_t tail_tile_tasks = 0;
-  bool bank_swap = false;  // ProducerCudaOptions::tma_bank_swap (load_slice8's b_first)
+  // Stage release (ProducerCudaOptions::tma_warp_release): one arrival per compute warp after
+  // __syncwarp instead of one per compute thread.
+  bool warp_release = false;
 };
 
 __host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
@@ -377,15 +397,14 @@ struct BlockTiles {
   }
 };
 
-// kLanes: lanes per head in the compute warps, 8 (process_task) or 4 (process_task4), both the
-// bytes of the other kernels; kPlan: task plans (process_planned).
-// Blocks per SM the register budget is cut for: 3 with 8 lanes (59-62 registers, no spills) and
-// with 4 lanes and 2 stages (3 x 67 KB of shared memory fit; 72 registers, 4 bytes of spills in
-// the fused and main modes), else 2 (4 lanes: 92-96 registers).
-constexpr int tma_min_blocks(int stages, int lanes) { return lanes == 8 || stages == 2 ? 3 : 2; }
+// kPlan: task plans (process_planned), else process_task; the same bytes. The register budget is
+// cut for 3 blocks per SM (59-64 registers, no spills).
+// kMinBlocks 4 (ProducerCudaOptions::tma_blocks_per_sm; 2 or 3 stages of 64-task tiles fit 4
+// blocks in shared memory) caps the registers at 56.
+constexpr int kTmaMinBlocks = 3;
 
-template <ProducerMode kMode, int kTmaStages, int kLanes, bool kPlan>
-__global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes))
+template <ProducerMode kMode, int kTmaStages, bool kPlan, int kMinBlocks = kTmaMinBlocks>
+__global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
     producer_tma_kernel(const KernelArgs a, const TmaGeometry g) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ float4 s_norm[kNumNorms][32];
@@ -432,7 +451,7 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
     if (lane32 == 0) {
       for (int s = 0; s < kTmaStages; ++s) {
         mbar_init(&full[s], 32);
-        mbar_init(&empty[s], kTmaComputeWarps);
+        mbar_init(&empty[s], g.warp_release ? kTmaComputeWarps : kTmaComputeWarps * 32);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -456,12 +475,10 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
   }
 
   // ---- compute warps ----
-  static_assert(kLanes == 8 || kLanes == 4, "8 or 4 lanes per head");
-  constexpr int kGroups = kTmaComputeWarps * 32 / kLanes;       // 32 or 64
-  const int rounds = static_cast<int>(g.tile_tasks) / kGroups;  // 128 tasks: 4 or 2; 64: 2 or 1
-  const int lane = threadIdx.x & (kLanes - 1);
-  const int group = threadIdx.x / kLanes;
-  const bool b_first = g.bank_swap && (group & 1) != 0;  // load_slice8 (8 lanes)
+  constexpr int kGroups = kTmaComputeWarps * 32 / kLanesPerHead;  // 32
+  const int rounds = static_cast<int>(g.tile_tasks) / kGroups;    // 128 tasks: 4; 64: 2
+  const int lane = threadIdx.x & (kLanesPerHead - 1);
+  const int group = threadIdx.x / kLanesPerHead;
 #pragma unroll 1
   for (; it < tiles.count; ++it) {
     const uint32_t s = it % kTmaStages;
@@ -481,23 +498,21 @@ __global__ void __launch_bounds__(kTmaThreads, tma_min_blocks(kTmaStages, kLanes
       if (first + r * kGroups >= tile_end) break;
       if constexpr (kPlan) {
         const auto* plans = reinterpret_cast<const TaskPlan*>(st + g.plan_off);
-        process_planned<kLanes>(a, st, plans[r * kGroups + group], lane, s_norm, s_rope, b_first);
+        process_planned(a, st, plans[r * kGroups + group], lane, s_norm, s_rope);
         continue;
       }
       const uint32_t task = first + r * kGroups + group;
       const bool valid = task < tile_end;
       const uint8_t* head = st + (valid ? task - first : 0u) * kHeadBytes;
-      if constexpr (kLanes == 8) {
-        const LaneRaw raw = load_slice8(head, lane, b_first);
-        process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
-                            s_slot);
-      } else {
-        process_task4<kMode>(a, head, task, valid, first, t_first, lane, s_norm, s_rope, s_pos,
-                             s_slot);
-      }
+      const LaneRaw raw = load_slice8(head, lane);
+      process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos, s_slot);
     }
-    __syncwarp();
-    if (lane32 == 0) mbar_arrive(&empty[s]);
+    if (g.warp_release) {
+      __syncwarp();
+      if (lane32 == 0) mbar_arrive(&empty[s]);
+    } else {
+      mbar_arrive(&empty[s]);
+    }
   }
 }
 

@@ -9,7 +9,6 @@
 #pragma once
 
 #include "stages/producer/producer_kernel_common.cuh"
-#include "stages/producer/producer_kernel_tma_lanes.cuh"  // compute_slices4
 
 namespace m3attn::producer_kernel {
 
@@ -48,31 +47,21 @@ __device__ __forceinline__ TaskPlan make_task_plan(const KernelArgs& a, uint32_t
   return p;
 }
 
-// One planned task on kLanes (8 or 4) lanes. `st` is the stage, `plan` the task's plan, `rope`
-// the stage's RoPE rows, b_first load_slice8's order (8 lanes). Executed by every lane of the warp
-// (shuffles).
-template <int kLanes>
+// One planned task on 8 lanes. `st` is the stage, `plan` the task's plan, `rope` the stage's RoPE
+// rows. Executed by every lane of the warp (shuffles).
 __device__ __forceinline__ void process_planned(const KernelArgs& a, const uint8_t* st,
                                                 const TaskPlan& plan, int lane,
                                                 const float4 (*s_norm)[32],
-                                                const float4 (*rope)[kRopeFloats / 4],
-                                                bool b_first) {
+                                                const float4 (*rope)[kRopeFloats / 4]) {
   const uint8_t* head = st + plan.head;
   const int kind = static_cast<int>((plan.info >> 8) & 0xfu);
   const float4* w = s_norm[(plan.info >> 12) & 0xfu];
   const float4* rope_row = rope[plan.info & 0xffu];
   const bool pos_ok = (plan.info & kPlanPosOk) != 0;
-  if constexpr (kLanes == 8) {
-    const LaneRaw raw = load_slice8(head, lane, b_first);
-    SliceCode code = compute_slice8(raw, kind, w, rope_row, pos_ok, a.eps, lane);
-    if (plan.info & kPlanNan) set_nan(code);
-    if (plan.row != nullptr) store_slice8(plan.row, lane, code);
-  } else {
-    static_assert(kLanes == 4, "8 or 4 lanes per head");
-    PairCode code = compute_slices4(head, kind, w, rope_row, pos_ok, a.eps, lane);
-    if (plan.info & kPlanNan) set_nan(code);
-    if (plan.row != nullptr) store_slices4(plan.row, lane, code);
-  }
+  const LaneRaw raw = load_slice8(head, lane);
+  SliceCode code = compute_slice8(raw, kind, w, rope_row, pos_ok, a.eps, lane);
+  if (plan.info & kPlanNan) set_nan(code);
+  if (plan.row != nullptr) store_slice8(plan.row, lane, code);
 }
 
 }  // namespace m3attn::producer_kernel

@@ -23,6 +23,31 @@ TEST(ProducerGpu, MatchesCpuTwinEveryModeGeometryAndLength) {
   }
 }
 
+// The default choice from 2^19 tasks on (M3 TP1 fused, T 6900: 531,300 tasks) runs the bulk-copy
+// kernel with 128-task tiles, 2 stages and tail blocks, which the sizes above do not reach:
+// against the CPU twin and byte for byte against the per-batch kernel.
+TEST(ProducerGpu, DefaultChoiceWithTailBlocks) {
+  M3_REQUIRE_GPU();
+  const int64_t t = 6900;
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const Inputs in = make_inputs(64, 4, t, pages_for(t), rng);
+  const Layout lay = separate_layout(4, pages_for(t), 1, 0, 0);
+  const Packed packed = packed_for(in, ProducerMode::kFused, rng);
+  const Outputs init = make_outputs(in, lay, rng);
+  Outputs cpu = init.clone(), ref = init.clone(), gpu = init.clone();
+  const Status s = run_producer_cpu(make_params(ProducerMode::kFused, in, packed, cpu, lay));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  ProducerCudaOptions per_batch;
+  per_batch.kernel = ProducerCudaKernel::kPerBatch;
+  run_on_gpu({make_params(ProducerMode::kFused, in, packed, ref, lay)}, in, {&packed}, ref,
+             per_batch);
+  run_on_gpu({make_params(ProducerMode::kFused, in, packed, gpu, lay)}, in, {&packed}, gpu);
+  expect_match(in, true, true, lay, init, cpu, gpu, /*exact=*/false, "default vs CPU twin");
+  expect_match(in, true, true, lay, init, ref, gpu, /*exact=*/true, "default vs per-batch (exact)");
+}
+
 TEST(ProducerGpu, StridedPoolsKeepGuardsAndOtherLayers) {
   M3_REQUIRE_GPU();
   for (const Geometry& geo : {Geometry{64, 4}, Geometry{8, 1}}) {

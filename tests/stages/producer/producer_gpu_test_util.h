@@ -55,21 +55,21 @@ inline const ProducerMode kModes[] = {ProducerMode::kFused, ProducerMode::kMain,
                                       ProducerMode::kIndex};
 
 // Kernel choices: the bulk-copy pipeline with `stages` (0 = default), `blocks` (0 = a full wave),
-// `lanes` per head (0 = default), task plans and the interleaved tile order on or off, `tile`
-// tasks per tile (0 = default); kKernelChoices are the ones every twin test runs: the default
-// choice (kAuto: per-batch, or from 2^17 tasks the bulk-copy kernel with its defaults), the
-// bulk-copy kernel with 3 stages, 8 lanes, no plans, equal shares; with task plans, the
-// interleaved order, 64-task tiles and 4 stages; and with task plans on 4 lanes and 4 stages.
-inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes = 0,
-                                       bool plan = false, bool interleave = false, int tile = 0) {
+// task plans and the interleaved tile order on or off, `tile` tasks per tile (0 = default);
+// kKernelChoices are the ones every twin test runs: the default choice (kAuto: per-batch, or from
+// 2^17 tasks the bulk-copy kernel with its defaults), the bulk-copy kernel with 3 stages, no
+// plans, equal shares; with task plans, the interleaved order, 64-task tiles and 4 stages; with
+// task plans, equal shares, 128-task tiles and 2 stages; and with tail blocks (tail_options).
+inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, bool plan = false,
+                                       bool interleave = false, int tile = 0) {
   ProducerCudaOptions o;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
   o.tma_stages = stages;
   o.persistent_blocks = blocks;
-  o.tma_lanes_per_head = lanes;
   o.tma_task_plan = plan ? 1 : -1;
   o.tma_interleave = interleave ? 1 : -1;
   o.tma_tile_tasks = tile;
+  o.tma_tail = -1;  // explicit, whatever the defaults
   return o;
 }
 // The bulk-copy kernel's defaults (plans, interleaved order, tile and stages by size) with tail
@@ -77,9 +77,8 @@ inline ProducerCudaOptions tma_options(int stages = 0, int blocks = 0, int lanes
 // defaults) on a persistent grid of `blocks` (0 = a full wave), with or without the bank-swapped
 // shared-memory load order.
 inline ProducerCudaOptions tail_options(int rounds = 0, int tiles = 0, int tile_tasks = 0,
-                                        int blocks = 0, bool bank_swap = false) {
+                                        int blocks = 0) {
   ProducerCudaOptions o;
-  o.tma_bank_swap = bank_swap ? 1 : -1;
   o.kernel = ProducerCudaKernel::kTmaPipeline;
   o.persistent_blocks = blocks;
   o.tma_tail = 1;
@@ -89,19 +88,17 @@ inline ProducerCudaOptions tail_options(int rounds = 0, int tiles = 0, int tile_
   return o;
 }
 inline const ProducerCudaOptions kKernelChoices[] = {
-    ProducerCudaOptions{}, tma_options(3, 0, 8), tma_options(4, 0, 8, true, true, 64),
-    tma_options(4, 0, 4, true), tail_options(1, 2, 32, 0, true)};
+    ProducerCudaOptions{}, tma_options(3, 0), tma_options(4, 0, true, true, 64),
+    tma_options(2, 0, true, false, 128), tail_options(1, 2, 32, 0)};
 inline std::string choice_name(const ProducerCudaOptions& o) {
   std::ostringstream os;
   os << producer_cuda_kernel_name(o.kernel);
   if (o.kernel == ProducerCudaKernel::kTmaPipeline)
-    os << " stages " << o.tma_stages << " lanes " << o.tma_lanes_per_head
-       << (o.tma_task_plan > 0 ? " plan" : "") << (o.tma_interleave > 0 ? " interleaved" : "")
-       << " tile " << o.tma_tile_tasks;
+    os << " stages " << o.tma_stages << (o.tma_task_plan > 0 ? " plan" : "")
+       << (o.tma_interleave > 0 ? " interleaved" : "") << " tile " << o.tma_tile_tasks;
   if (o.tma_tail > 0)
     os << " tail rounds " << o.tma_tail_rounds << " tiles " << o.tma_tail_tiles << " of "
        << o.tma_tail_tile_tasks;
-  if (o.tma_bank_swap > 0) os << " bank swap";
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
   return os.str();
 }

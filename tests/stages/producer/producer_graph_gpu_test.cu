@@ -122,10 +122,9 @@ void graph_replay_case(int64_t t, const ProducerCudaOptions& opt = {}) {
 // T = 37 runs the 1-task-per-group kernel, T = 300 (23,100 tasks) the 3-task one; then the
 // persistent kernel on 5 blocks (241 batches of 96 tasks: ~48 loop iterations per block) and the
 // bulk-copy pipeline on its default grid, on 5 blocks with 2 stages (181 tiles: ~36 tiles and
-// every stage reused ~18 times per block), with 4 lanes per head on 4 blocks, and with task plans
-// (8 lanes, interleaved tile order, 5 blocks, with 128- and 64-task tiles; 4 lanes, 4 stages, 3
-// blocks); with tail blocks (5 persistent blocks, 2 rounds and the rest in blocks of one
-// 16-task tile).
+// every stage reused ~18 times per block), with 3 stages on 4 blocks, with task plans (interleaved
+// tile order, 5 blocks, with 128- and 64-task tiles; 4 stages, 3 blocks) and with tail blocks (5
+// persistent blocks, 2 rounds and the rest in blocks of one 16-task tile).
 TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   M3_REQUIRE_GPU();
   for (const int64_t t : {37, 300}) graph_replay_case(t);
@@ -135,10 +134,10 @@ TEST(ProducerGpu, GraphReplayWithNewInputsMatchesEager) {
   graph_replay_case(300, persistent);
   graph_replay_case(37, tma_options());
   graph_replay_case(300, tma_options(2, 5));
-  graph_replay_case(300, tma_options(3, 4, 4));
-  graph_replay_case(300, tma_options(2, 5, 8, true, true));
-  graph_replay_case(300, tma_options(4, 5, 8, true, true, 64));
-  graph_replay_case(300, tma_options(4, 3, 4, true));
+  graph_replay_case(300, tma_options(3, 4));
+  graph_replay_case(300, tma_options(2, 5, true, true));
+  graph_replay_case(300, tma_options(4, 5, true, true, 64));
+  graph_replay_case(300, tma_options(4, 3, true));
   graph_replay_case(300, tail_options(2, 1, 16, 5));
 }
 
@@ -202,8 +201,9 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
 
 // The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
 // share of the tasks in tiles of 128, or interleaved rounds of tiles first) against the per-batch
-// kernel, byte for byte: 8 and 4 lanes per head (the same arithmetic and reduction order), with and
-// without task plans, 128- and 64-task tiles; the per-batch kernel against the CPU twin. Grids of
+// kernel, byte for byte: with and without task plans, 128- and 64-task tiles, tail blocks (the
+// default ones and others), 4 blocks per SM, one stage release per warp; the per-batch kernel
+// against the CPU twin. Grids of
 // 1-7 blocks run many tiles per block, so every stage and both barrier parities are reused many
 // times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65
 // tokens per tile (more than the 32 copy lanes: three passes); rows only 4-byte aligned in the
@@ -221,26 +221,26 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
                         {{8, 1}, 1001, 7, 3},  {{32, 2}, 517, 3, 4},  {{16, 1}, 2050, 0, 2}};
   struct Variant {
     const char* name;
-    int lanes;
     bool plan, interleave;
     int tile;
-    int tail_rounds = 0, tail_tiles = 0, tail_tile = 0;  // tail blocks when tail_rounds > 0
-    bool bank_swap = false;
+    // Tail blocks: tail_rounds > 0 on with these parameters, -1 the default (on with 128-task
+    // tiles), 0 off.
+    int tail_rounds = 0, tail_tiles = 0, tail_tile = 0;
+    int blocks_per_sm = 0;  // 4: 2 stages where the case has 2, else 3
+    bool warp_release = false;
   };
   const Variant variants[] = {
-      {"8 lanes", 8, false, false, 128},
-      {"4 lanes", 4, false, false, 128},
-      {"8 lanes, plans", 8, true, false, 128},
-      {"4 lanes, plans", 4, true, false, 128},
-      {"8 lanes, interleaved", 8, false, true, 128},
-      {"4 lanes, plans, interleaved", 4, true, true, 128},
-      {"8 lanes, 64-task tiles", 8, false, false, 64},
-      {"8 lanes, plans, interleaved, 64-task tiles", 8, true, true, 64},
-      {"4 lanes, plans, 64-task tiles", 4, true, false, 64},
-      {"8 lanes, plans, tail 1 x 2 x 64, bank swap", 8, true, true, 128, 1, 2, 64, true},
-      {"8 lanes, plans, tail 2 x 3 x 48", 8, true, true, 64, 2, 3, 48},
-      {"8 lanes, tail 1 x 1 x 128, bank swap", 8, false, false, 128, 1, 1, 0, true},
-      {"8 lanes, plans, interleaved, 64-task tiles, bank swap", 8, true, true, 64, 0, 0, 0, true}};
+      {"no plans", false, false, 128},
+      {"plans", true, false, 128},
+      {"plans, interleaved", true, true, 128},
+      {"64-task tiles", false, false, 64},
+      {"plans, interleaved, 64-task tiles", true, true, 64},
+      {"plans, interleaved, default tail", true, true, 128, -1},
+      {"plans, tail 1 x 2 x 64", true, true, 128, 1, 2, 64},
+      {"plans, tail 2 x 3 x 48", true, true, 64, 2, 3, 48},
+      {"tail 1 x 1 x 128", false, false, 128, 1, 1, 0},
+      {"plans, interleaved, 64-task tiles, 4 blocks per SM", true, true, 64, 0, 0, 0, 4},
+      {"plans, interleaved, warp release", true, true, 64, 0, 0, 0, 0, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "blocks " << c.blocks << " stages " << c.stages);
     for_each_mode_case(
@@ -257,15 +257,18 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
                        "per-batch vs CPU twin");
           for (const Variant& v : variants) {
             Outputs out = init.clone();
-            ProducerCudaOptions o =
-                tma_options(c.stages, c.blocks, v.lanes, v.plan, v.interleave, v.tile);
+            ProducerCudaOptions o = tma_options(c.stages, c.blocks, v.plan, v.interleave, v.tile);
+            o.tma_tail = v.tail_rounds > 0 ? 1 : v.tail_rounds < 0 ? 0 : -1;
             if (v.tail_rounds > 0) {
-              o.tma_tail = 1;
               o.tma_tail_rounds = v.tail_rounds;
               o.tma_tail_tiles = v.tail_tiles;
               o.tma_tail_tile_tasks = v.tail_tile;
             }
-            o.tma_bank_swap = v.bank_swap ? 1 : -1;
+            if (v.blocks_per_sm == 4) {
+              o.tma_blocks_per_sm = 4;
+              o.tma_stages = c.stages == 2 ? 2 : 3;
+            }
+            o.tma_warp_release = v.warp_release ? 1 : -1;
             run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out, o);
             expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
                          std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
@@ -327,9 +330,11 @@ ProducerCudaOptions bad_tail(int tail, int rounds, int tiles, int tile_tasks) {
   return o;
 }
 
-ProducerCudaOptions bad_swap(int swap) {
-  ProducerCudaOptions o = tma_options();
-  o.tma_bank_swap = swap;
+// The bulk-copy kernel with tma_warp_release, tma_blocks_per_sm and tma_stages set to raw values.
+ProducerCudaOptions bad_knobs(int warp_release, int blocks_per_sm, int stages) {
+  ProducerCudaOptions o = tma_options(stages);
+  o.tma_warp_release = warp_release;
+  o.tma_blocks_per_sm = blocks_per_sm;
   return o;
 }
 
@@ -338,11 +343,11 @@ void expect_rejected(const Status& s) {
   EXPECT_FALSE(s.message().empty());
 }
 
-// A negative grid, a stage count outside [2, 4], lanes per head other than 4 or 8, a task-plan or
+// A negative grid, a stage count outside [2, 4], a task-plan or
 // tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, a tail switch outside
 // {-1, 0, 1}, tail rounds or tiles outside [0, 8], a tail tile outside [16, 64] (the default tile
-// size is 64 at small T), a bank-swap switch outside {-1, 0, 1}, or an unknown kernel choice is
-// rejected before any launch.
+// size is 64 at small T), a warp-release switch outside {-1, 0, 1}, blocks per SM other than 0,
+// 3 or 4 (4 only with 2 or 3 stages), or an unknown kernel choice is rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -359,16 +364,12 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
                                        tma_options(5),
                                        tma_options(-1),
                                        tma_options(0, -3),
-                                       tma_options(0, 0, 2),
-                                       tma_options(0, 0, 16),
-                                       tma_options(0, 0, -4),
-                                       tma_options(1, 0, 8, true),
-                                       tma_options(0, 0, 2, true, true),
+                                       tma_options(1, 0, true),
                                        bad_flag(2, 0),
                                        bad_flag(0, -2),
-                                       tma_options(0, 0, 0, true, true, 32),
-                                       tma_options(0, 0, 8, false, false, 96),
-                                       tma_options(0, 0, 4, true, false, -64),
+                                       tma_options(0, 0, true, true, 32),
+                                       tma_options(0, 0, false, false, 96),
+                                       tma_options(0, 0, true, false, -64),
                                        bad_tail(2, 0, 0, 0),
                                        bad_tail(-2, 0, 0, 0),
                                        bad_tail(1, 9, 0, 0),
@@ -377,8 +378,12 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
                                        bad_tail(1, 0, 0, 8),
                                        bad_tail(1, 0, 0, 65),
                                        bad_tail(1, 0, 0, -16),
-                                       bad_swap(2),
-                                       bad_swap(-2)})
+                                       bad_knobs(2, 0, 0),
+                                       bad_knobs(-2, 0, 0),
+                                       bad_knobs(0, 5, 3),
+                                       bad_knobs(0, 4, 0),
+                                       bad_knobs(0, 4, 4),
+                                       bad_knobs(0, 2, 2)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

@@ -53,6 +53,10 @@ TEST(ProducerGpu, SanitizerSmall) {
   persistent.persistent_blocks = 3;
   tma_default.kernel = ProducerCudaKernel::kTmaPipeline;  // plans, interleaved, 64-task tiles
   tma_default.persistent_blocks = 3;
+  ProducerCudaOptions tile128_default_tail = tma_default, four_per_sm = tma_default;
+  tile128_default_tail.tma_tile_tasks = 128;  // the default tail blocks come with 128-task tiles
+  four_per_sm.tma_blocks_per_sm = 4;
+  four_per_sm.tma_stages = 3;
   struct Choice {
     const char* name;
     ProducerCudaOptions opt;
@@ -60,9 +64,11 @@ TEST(ProducerGpu, SanitizerSmall) {
   const Choice choices[] = {
       {"persistent", persistent},
       {"bulk-copy defaults", tma_default},
-      {"bulk-copy 128-task tiles, 2 stages", tma_options(2, 3, 8, true, true, 128)},
-      {"bulk-copy 4 lanes, 3 stages, no plans", tma_options(3, 3, 4, false, false, 64)},
-      {"bulk-copy tail blocks, bank swap", tail_options(1, 2, 32, 3, true)},
+      {"bulk-copy 128-task tiles, 2 stages", tma_options(2, 3, true, true, 128)},
+      {"bulk-copy 3 stages, no plans, equal shares", tma_options(3, 3, false, false, 64)},
+      {"bulk-copy tail blocks", tail_options(1, 2, 32, 3)},
+      {"bulk-copy 128-task tiles, default tail", tile128_default_tail},
+      {"bulk-copy 4 blocks per SM", four_per_sm},
       {"auto", ProducerCudaOptions{}}};
   for (const ProducerMode mode : kModes) {
     SCOPED_TRACE(producer_mode_name(mode));

@@ -16,7 +16,7 @@
 //     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
 //     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
 //     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants); it
-//     runs as the warp-specialised persistent kernel 9 (attention_prefill_ws.cuh; 6-8: its
+//     runs as the warp-specialised persistent kernel 10 (attention_prefill_ws.cuh; 6-9: its
 //     variants) where TMA can address the pool.
 #include <algorithm>
 #include <cstdint>
@@ -43,11 +43,13 @@ namespace av = attention_verify;
 // decode and verify batches keep the mma.sync kernel.
 constexpr bool kAutoWgmma = true;
 constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill cases
-// ... and runs it as the warp-specialised persistent kernel (kernels 6 .. 9) where TMA can address
+// ... and runs it as the warp-specialised persistent kernel (kernels 6 .. 10) where TMA can address
 // the pool (H200, 8K chunk: kernel 8 1265 / 1426 us sparse at 8K / 64K vs 1350 / 1516 us for
-// variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck).
+// variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck;
+// kernel 10 its tile-union bottleneck: sparse 915 / 1038 us vs 998 / 1112 us for kernel 9,
+// session 12 round A).
 constexpr bool kAutoWs = true;
-constexpr int kAutoWsKernel = 9;  // which of its variants (AttentionCudaConfig::kernel 6 .. 10)
+constexpr int kAutoWsKernel = 10;  // which of its variants (AttentionCudaConfig::kernel 6 .. 11)
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
@@ -71,6 +73,7 @@ struct Plan {
   bool ws_qregs = false;         // its consumers keep Q in registers (kernels 8, 9)
   bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
   bool ws_fast_union = false;    // its tile unions by minimum extraction (kernel 10)
+  bool ws_deep_ring = false;     // its 4-stage ring with one Q buffer (kernel 11)
   int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;                    // tokens per tile
   bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
@@ -117,6 +120,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws_qregs = kAutoWsKernel >= 8;
       pl.ws_fast_convert = kAutoWsKernel >= 9;
       pl.ws_fast_union = kAutoWsKernel >= 10;
+      pl.ws_deep_ring = kAutoWsKernel >= 11;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -137,16 +141,18 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 8:
     case 9:
     case 10:
+    case 11:
       pl.wgmma = true;
       pl.ws = true;
       pl.ws_lookahead = cfg.kernel >= 7;
       pl.ws_qregs = cfg.kernel >= 8;
       pl.ws_fast_convert = cfg.kernel >= 9;
       pl.ws_fast_union = cfg.kernel >= 10;
+      pl.ws_deep_ring = cfg.kernel >= 11;
       pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
       break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 10");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 11");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -334,9 +340,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     // tensor map the driver accepts); otherwise variant pl.variant of the wgmma kernel runs.
     if (pl.ws && vec16) {
       bool launched = false;
-      M3_RETURN_IF_ERROR(attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_lookahead,
-                                                      pl.ws_qregs, pl.ws_fast_convert,
-                                                      pl.ws_fast_union, stream, &launched));
+      M3_RETURN_IF_ERROR(attention_prefill_ws::launch(
+          args, pl.tiles, pl.ctas, pl.ws_lookahead, pl.ws_qregs, pl.ws_fast_convert,
+          pl.ws_fast_union, pl.ws_deep_ring, stream, &launched));
       if (launched) return Status::Ok();
     }
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {

@@ -1,7 +1,7 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 6 .. 9 (9 is the automatic choice for prefill batches). Same math,
-// tiles, masks, numerics and split workspace as the wgmma kernel of attention_prefill_wgmma.cuh
-// (whose device helpers it reuses); what changes is who waits for what.
+// AttentionCudaConfig::kernel = 6 .. 10 (10 is the automatic choice for prefill batches). Same
+// math, tiles, masks, numerics and split workspace as the wgmma kernel of
+// attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is who waits for what.
 //
 // Why (ncu of the wgmma kernel, 8K chunk): 1 CTA per SM, 0.54 eligible warps per scheduler, the
 // per-block chain load -> QK -> softmax -> P V serialised by one CTA barrier per block, a ~3-5 us
@@ -44,8 +44,12 @@
 // per item, i.e. longer than the 3-stage ring lasts: sparse entries cost ~25 % more than dense ones
 // in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
-// 3 converter warps after the conversion), vfull[2] (3 converter warps), vempty[2] (8 consumer
-// warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S).
+// 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
+// warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S). Where one
+// lane arrives for its warp, only that lane reads the shared words the arrival releases (entry
+// headers, NaN records; broadcast by shuffles): racecheck orders accesses through an mbarrier
+// only for the arriving thread (round A of session 12: 107 hazards between header rewrites and
+// the reads of lanes 1-31 when the ring wraps, although __syncwarp orders them).
 //
 // Shared memory: 3 raw stages x 32 KB + 2 f16 V x 32 KB + 2 Q x 16 KB + 1 KB alignment = 193 KB
 // dynamic, 4.4 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
@@ -110,20 +114,63 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, c
   *reinterpret_cast<uint4*>(row + ((((c8 + 1) & 7) ^ (key & 7)) << 4)) = hi;
 }
 
-template <bool kFast>
+// NaN in V (the twin's semantics: a NaN V element at (key p, dim d) makes dim d of every head of
+// every token that sees p NaN, and nothing else). Rows past the V limit are zeroed; in the shared
+// P V wgmma a row whose token masks a key (P = 0) would still get 0 * NaN = NaN from it. So where
+// some present token of the tile misses keys of the entry (keys klo + 1 .. vlim: the local block,
+// blocks that not every token selected), the converters test the raw bytes: a NaN byte becomes 0
+// in the f16 tile and the smallest such key of its dim is recorded with the entry's number
+// (Shared::vnan_key, vnan_gen of the f16 buffer). A token's visible keys are a prefix 0 .. lim of
+// the block, so it sees a recorded NaN of dim d iff that key <= lim: each consumer warp checks
+// this per entry (one shared word unless the entry has a record) and its epilogue writes NaN in
+// those dims. Elsewhere every present row sees the key and the NaN flows through the MMA as in
+// the twin.
+//
+// One raw 4-byte word w (dims d0 .. d0 + 3 of `key`): NaN bytes (low 7 bits all set) cleared and
+// recorded for entry gen - 1 in f16 buffer vs.
+__device__ __forceinline__ void clear_nan_bytes(uint32_t& w, int key, int d0, uint32_t gen,
+                                                Shared& sh, int vs) {
+  uint32_t t = ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  while (t != 0u) {
+    const int byte = (__ffs(t) - 1) >> 3;
+    t &= t - 1u;
+    w &= ~(0xFFu << (8 * byte));
+    atomicMax(&sh.vnan_key[vs][d0 + byte], gen << 8 | static_cast<uint32_t>(255 - key));
+    atomicMax(&sh.vnan_gen[vs], gen);
+  }
+}
+
+template <bool kFast, bool kDeep>
 __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
+  using R = Ring<kDeep>;
   const int t = static_cast<int>(threadIdx.x) - 32;  // 0 .. 95
   const int lane = threadIdx.x & 31;
   for (uint32_t j = 0;; ++j) {  // entry j fills f16 buffer j % 2 (every entry carries a block)
-    const int s = static_cast<int>(j % kStages);
-    mbar_wait(bar_addr(sh.full[s]), (j / kStages) & 1);
-    const int info = sh.entry[s].info;
-    const int vlim = sh.entry[s].vlim;
+    const int s = static_cast<int>(j % R::kStages);
+    mbar_wait(bar_addr(sh.full[s]), (j / R::kStages) & 1);
+    // The header is read by lane 0 alone, which also releases the stage (racecheck orders
+    // accesses by the arriving thread only), and broadcast. Keys klo + 1 .. kmax are missed by
+    // some present token (NaN test there).
+    int info = 0, vlim = 0, klo = ak::kBlockKeys - 1;
+    if (lane == 0) {
+      const Entry& e = sh.entry[s];
+      info = ld_lane0(e.info);
+      vlim = ld_lane0(e.vlim);
+#pragma unroll
+      for (int x = 0; x < kQT; ++x)
+        if (x < info_nt(info)) klo = min(klo, ld_lane0(e.lim[x]));
+    }
+    info = __shfl_sync(0xffffffffu, info, 0);
     if (info_flags(info) & kEnd) return;
+    vlim = __shfl_sync(0xffffffffu, vlim, 0);
+    klo = __shfl_sync(0xffffffffu, klo, 0);
+    const int kmax = min(vlim, ak::kBlockKeys - 1);
+    const bool check = klo < kmax;
+    const uint32_t gen = j + 1;
     const int vs = static_cast<int>(j & 1);
     if (j >= 2) mbar_wait(bar_addr(sh.vempty[vs]), ((j >> 1) - 1) & 1);
     const uint8_t* vraw = smem + s * kStageBytes + kTileBytes;
-    uint8_t* vh = smem + kVhOff + vs * kVhBytes;
+    uint8_t* vh = smem + R::kVhOff + vs * kVhBytes;
     if constexpr (kFast) {
       constexpr int kItems = ak::kBlockKeys * 8;  // 16-byte raw chunks
       constexpr int kN = 32 * kConvWarps;
@@ -144,14 +191,36 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           if (i < kItems) store_f16_chunk(vh, i >> 3, i & 7, r[u]);
         }
       }
+      // NaN test of the keys some present token misses, as a second pass over this thread's own
+      // items (it wrote their f16 chunks: no barrier), off the main loop's registers.
+      if (check) {
+#pragma unroll 1
+        for (int i = t; i < kItems; i += kN) {
+          const int key = i >> 3, c = i & 7;
+          if (key <= klo || key > kmax) continue;
+          const uint4 raw =
+              *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
+          uint4 w = raw;
+          clear_nan_bytes(w.x, key, 16 * c, gen, sh, vs);
+          clear_nan_bytes(w.y, key, 16 * c + 4, gen, sh, vs);
+          clear_nan_bytes(w.z, key, 16 * c + 8, gen, sh, vs);
+          clear_nan_bytes(w.w, key, 16 * c + 12, gen, sh, vs);
+          if (w.x != raw.x || w.y != raw.y || w.z != raw.z || w.w != raw.w)
+            store_f16_chunk(vh, key, c, w);
+        }
+      }
     } else {
 #pragma unroll 2
       for (int i = t; i < ak::kBlockKeys * 16; i += 32 * kConvWarps) {
         const int key = i >> 4, c8 = i & 15;  // c8: 8 dims
         uint4 h = make_uint4(0u, 0u, 0u, 0u);
         if (key <= vlim) {
-          const uint2 raw = *reinterpret_cast<const uint2*>(
+          uint2 raw = *reinterpret_cast<const uint2*>(
               vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
+          if (check && key > klo) {
+            clear_nan_bytes(raw.x, key, 8 * c8, gen, sh, vs);
+            clear_nan_bytes(raw.y, key, 8 * c8 + 4, gen, sh, vs);
+          }
           h.x = ak::e4m3x2_to_f16x2(raw.x);
           h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
           h.z = ak::e4m3x2_to_f16x2(raw.y);
@@ -162,11 +231,10 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
       }
     }
     ap::fence_proxy_async();  // f16 stores -> wgmma (async proxy) reads
-    __syncwarp();
-    if (lane == 0) {
-      mbar_arrive(bar_addr(sh.vfull[vs]));
-      mbar_arrive(bar_addr(sh.empty[s]));
-    }
+    // Every converter thread publishes its own f16 stores and NaN records.
+    mbar_arrive(bar_addr(sh.vfull[vs]));
+    __syncwarp();  // every lane has read the raw V tile
+    if (lane == 0) mbar_arrive(bar_addr(sh.empty[s]));
   }
 }
 
@@ -224,6 +292,45 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[8][4]
     for (int e = 0; e < 4; ++e) p[kk][e] = ak::pack_f16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
+// NaN dims that this warp's token sees in entry gen - 1 (f16 buffer vs, visible keys 0 .. lim),
+// ORed into bits (dim d: bit d % 32 of word d / 32; the same in every lane). Lane 0 alone reads the
+// records (it releases the buffer: racecheck orders accesses by the arriving thread only).
+__device__ __forceinline__ void add_nan_dims(const Shared& sh, int vs, uint32_t gen, int lim,
+                                             uint32_t (&bits)[4]) {
+  const int lane = threadIdx.x & 31;
+  uint32_t g = 0u;
+  if (lane == 0) g = ld_lane0(sh.vnan_gen[vs]);
+  g = __shfl_sync(0xffffffffu, g, 0);
+  if (g != gen) return;  // no record for this entry: the common case
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    uint32_t w = 0u;
+    if (lane == 0) {
+#pragma unroll 1
+      for (int b = 0; b < 32; ++b) {
+        const uint32_t v = ld_lane0(sh.vnan_key[vs][32 * q + b]);
+        if ((v >> 8) == gen && 255 - static_cast<int>(v & 255u) <= lim) w |= 1u << b;
+      }
+    }
+    bits[q] |= __shfl_sync(0xffffffffu, w, 0);
+  }
+}
+
+// NaN in the dims of this warp's token that a V NaN reaches (rows grp, grp + 8; dims
+// 8 jj + 2 tig + x).
+__device__ __forceinline__ void apply_nan_dims(float (&o)[64], const uint32_t (&bits)[4]) {
+  if ((bits[0] | bits[1] | bits[2] | bits[3]) == 0u) return;
+  const int tig = threadIdx.x & 3;
+#pragma unroll
+  for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+      if ((bits[jj >> 2] >> (8 * (jj & 3) + 2 * tig + x)) & 1u) {
+        o[4 * jj + x] = __int_as_float(0x7fffffff);
+        o[4 * jj + 2 + x] = __int_as_float(0x7fffffff);
+      }
+}
+
 // What a consumer warp keeps of an entry header.
 struct Cur {
   int info, t0, lim;
@@ -231,15 +338,29 @@ struct Cur {
   __device__ __forceinline__ int qslot() const { return info_qslot(info); }
 };
 
+// Lane 0 alone reads the header (it releases the stage: racecheck orders accesses by the
+// arriving thread only) and broadcasts it.
 __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
-  return Cur{e.info, e.t0, e.lim[tok]};
+  int info = 0, t0 = 0, lim = 0;
+  if ((threadIdx.x & 31) == 0) {
+    info = ld_lane0(e.info);
+    t0 = ld_lane0(e.t0);
+    lim = ld_lane0(e.lim[tok]);
+  }
+  return Cur{__shfl_sync(0xffffffffu, info, 0), __shfl_sync(0xffffffffu, t0, 0),
+             __shfl_sync(0xffffffffu, lim, 0)};
 }
 
 // kQRegs: each warp copies its token's Q fragments from the item's Q tile into registers when the
 // item starts (register-A QK wgmma: 8 KB less shared-memory traffic per warpgroup and block).
-template <bool kQRegs>
+// kDeep (requires kQRegs): one Q buffer, released by each warp once it has its Q fragments.
+template <bool kQRegs, bool kDeep>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
+  static_assert(kQRegs || !kDeep, "one Q buffer needs Q in registers");
+  using R = Ring<kDeep>;
+  // The entry whose completed S (kDeep: Q copy) releases the item's Q buffer.
+  constexpr int kQRelease = kDeep ? kFirst : kLast;
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
   const int wg = ct >> 7;
   const int tok = ct >> 5;  // warp of the consumers = token of the tile
@@ -247,6 +368,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   float o[64], s[64];
   uint32_t p[8][4];
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
+  uint32_t nan_bits[4] = {0u, 0u, 0u, 0u};  // dims a V NaN reaches in the current item
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
 
@@ -255,7 +377,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   uint32_t qa[4][4];
   auto load_q = [&](int qslot) {
     if constexpr (kQRegs) {
-      const uint8_t* q = smem + kQOff + qslot * kQBytes;
+      const uint8_t* q = smem + R::kQOff + qslot * kQBytes;
       const int row0 = tok * ak::kRows + (lane >> 2), tig = lane & 3;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -268,7 +390,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     }
   };
   auto issue_qk = [&](int qslot, int stage) {
-    const uint32_t qaddr = base + kQOff + qslot * kQBytes + wg * (kQBytes / 2);
+    const uint32_t qaddr = base + R::kQOff + qslot * kQBytes + wg * (kQBytes / 2);
     const uint32_t kaddr = base + stage * kStageBytes;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -281,7 +403,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   };
   // O (+)= P V; the first entry of an item overwrites O (the previous item's O was stored).
   auto issue_pv = [&](int vs, int flags) {
-    const uint32_t vaddr = base + kVhOff + vs * kVhBytes;
+    const uint32_t vaddr = base + R::kVhOff + vs * kVhBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
       ap::wgmma_pv(o, p[kk], ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
@@ -307,15 +429,15 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   __syncwarp();  // every lane has read the header before the stage is released
   if (lane == 0) {
     mbar_arrive(bar_addr(sh.empty[0]));
-    if (cur.flags() & kLast) mbar_arrive(bar_addr(sh.qempty[cur.qslot()]));
+    if (cur.flags() & kQRelease) mbar_arrive(bar_addr(sh.qempty[cur.qslot()]));
   }
   ap::softmax_block(s, m, l, alpha, cur.lim, a.scale_log2);
   ap::rescale_and_pack<true>(o, s, alpha, p);
 
   for (;;) {
     const uint32_t nj = j + 1;
-    const int ns = static_cast<int>(nj % kStages);
-    mbar_wait(bar_addr(sh.full[ns]), (nj / kStages) & 1);
+    const int ns = static_cast<int>(nj % R::kStages);
+    mbar_wait(bar_addr(sh.full[ns]), (nj / R::kStages) & 1);
     const Cur nxt = read_entry(sh.entry[ns], tok);
     if (nxt.flags() & kEnd) break;
     const int vs = static_cast<int>(j & 1);
@@ -332,12 +454,14 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     issue_pv(vs, cur.flags());
     ap::wgmma_commit();
     turn_pass(wg);
+    if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
+    add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
     ap::wgmma_wait<1>();  // S(next) done; P V(cur) may still run
     ap::reg_fence(s);
     __syncwarp();  // every lane has read the header before the stage is released
     if (lane == 0) {
       mbar_arrive(bar_addr(sh.empty[ns]));
-      if (nxt.flags() & kLast) mbar_arrive(bar_addr(sh.qempty[nxt.qslot()]));
+      if (nxt.flags() & kQRelease) mbar_arrive(bar_addr(sh.qempty[nxt.qslot()]));
     }
     // At an item boundary the next entry starts a fresh softmax; the finished item's m, l are
     // kept for its epilogue.
@@ -356,6 +480,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     if (boundary) {
       // P first (S dies), then the finished item's rows from O (the next P V overwrites O).
       pack_p(s, p);
+      apply_nan_dims(o, nan_bits);
       store_item(a, o, m_done, l_done, cur.t0, cur.info, tok);
     } else {
       ap::rescale_and_pack<true>(o, s, alpha, p);
@@ -374,14 +499,17 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   issue_pv(vs, cur.flags());
   ap::wgmma_commit();
   if (wg == 0) turn_pass(wg);  // warpgroup 1's last pass would have no matching wait
+  if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
+  add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
   ap::wgmma_wait<0>();
   ap::reg_fence(o);
+  apply_nan_dims(o, nan_bits);
   store_item(a, o, m, l, cur.t0, cur.info, tok);
 }
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion>
+template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -395,28 +523,30 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x >> 5;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
+    for (int s = 0; s < Ring<kDeep>::kStages; ++s) {
       mbar_init(bar_addr(sh.full[s]), 1);
       mbar_init(bar_addr(sh.empty[s]), kConsumerWarps + kConvWarps);
     }
     for (int i = 0; i < 2; ++i) {
-      mbar_init(bar_addr(sh.vfull[i]), kConvWarps);
+      mbar_init(bar_addr(sh.vfull[i]), 32 * kConvWarps);
       mbar_init(bar_addr(sh.vempty[i]), kConsumerWarps);
       mbar_init(bar_addr(sh.qempty[i]), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+  for (int i = threadIdx.x; i < 2 * ak::kDim; i += kThreads) (&sh.vnan_key[0][0])[i] = 0u;
+  if (threadIdx.x < 2) sh.vnan_gen[threadIdx.x] = 0u;
   __syncthreads();
 
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLowRegs));
     if (warp == 0)
-      scheduler_warp<kLookahead, kFastUnion>(a, &kmap, &vmap, &qmap, tiles, sh, base);
+      scheduler_warp<kLookahead, kFastUnion, kDeep>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
-      converter_warps<kFastConvert>(sh, smem);
+      converter_warps<kFastConvert, kDeep>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
-    consumer_warpgroups<kQRegs>(a, sh, base, smem);
+    consumer_warpgroups<kQRegs, kDeep>(a, sh, base, smem);
   }
 }
 
@@ -472,7 +602,8 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
-                     bool fast_convert, bool fast_union, cudaStream_t stream, bool* launched) {
+                     bool fast_convert, bool fast_union, bool deep_ring, cudaStream_t stream,
+                     bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -480,16 +611,20 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
-  // fast V conversion), 10 (+ the union by minimum extraction).
-  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false, false>
-                : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false>
-                : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false>
-                : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false>
-                                : attention_prefill_ws_kernel<true, true, true, true>;
+  // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer).
+  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false, false, false>
+                : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false, false>
+                : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false, false>
+                : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false, false>
+                : !deep_ring    ? attention_prefill_ws_kernel<true, true, true, true, false>
+                                : attention_prefill_ws_kernel<true, true, true, true, true>;
+  const int smem = deep_ring && q_regs && fast_convert && fast_union && lookahead
+                       ? Ring<true>::kSmemBytes
+                       : Ring<false>::kSmemBytes;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, kmap, vmap, qmap, static_cast<int>(tiles));
+  kernel<<<grid, kThreads, smem, stream>>>(a, kmap, vmap, qmap, static_cast<int>(tiles));
   M3_CUDA_CHECK_LAUNCH();
   *launched = true;
   return Status::Ok();

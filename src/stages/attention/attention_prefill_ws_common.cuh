@@ -22,21 +22,30 @@ constexpr int kThreads = 384;  // warpgroup 0: scheduler + converters; 1, 2: con
 constexpr int kConvWarps = 3;
 constexpr int kConsumerWarps = 8;
 constexpr int kQT = 8;  // query tokens per tile
-constexpr int kStages = 3;
+constexpr int kMaxStages = 4;
 constexpr int kTileBytes = ak::kTileBytes;  // raw K or V: 128 keys x 128 bytes
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kVhBytes = 2 * kTileBytes;        // f16 V
 constexpr int kQBytes = kQT * ak::kRows * 128;  // 8 tokens x 16 heads x 128 bytes
-constexpr int kVhOff = kStages * kStageBytes;
-constexpr int kQOff = kVhOff + 2 * kVhBytes;
-constexpr int kSmemBytes = kQOff + 2 * kQBytes + 1024;
+// Dynamic shared memory: the raw ring, 2 f16 V buffers, the Q buffers. kDeep (kernel 11, Q in
+// registers): 4 stages and one Q buffer (released once every consumer warp has copied its Q
+// fragments) instead of 3 stages and two Q buffers (released after the item's last S).
+template <bool kDeep>
+struct Ring {
+  static constexpr int kStages = kDeep ? 4 : 3;
+  static constexpr int kQBufs = kDeep ? 1 : 2;
+  static constexpr int kVhOff = kStages * kStageBytes;
+  static constexpr int kQOff = kVhOff + 2 * kVhBytes;
+  static constexpr int kSmemBytes = kQOff + kQBufs * kQBytes + 1024;
+};
 // setmaxnreg moves registers within the CTA's launch allocation (168 per thread: 65536 / 384
 // rounded down to a multiple of 8), so 128 x low + 256 x high must not exceed 168 x 384.
 constexpr int kLaunchRegs = 168;
 constexpr int kLowRegs = 40;
 constexpr int kHighRegs = 232;
 constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
-static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
+static_assert(Ring<false>::kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
+static_assert(Ring<true>::kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
 static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
 static_assert(kLaunchRegs * kThreads <= 65536, "register file");
 static_assert(ap::kQT == kQT, "same tile as the wgmma kernel (shared helpers)");
@@ -111,14 +120,26 @@ struct Item {
 };
 
 struct Shared {
-  Entry entry[kStages];
-  uint64_t full[kStages], empty[kStages], vfull[2], vempty[2], qempty[2];
+  Entry entry[kMaxStages];
+  uint64_t full[kMaxStages], empty[kMaxStages], vfull[2], vempty[2], qempty[2];
+  // NaN V bytes in keys that some present token of the tile misses, per f16 buffer v: vnan_gen[v]
+  // = (entry + 1) of the last entry converted into v that had one, vnan_key[v][d] = (entry + 1) <<
+  // 8 | (255 - its smallest such key in dim d) (attention_prefill_ws.cuh, converter_warps).
+  uint32_t vnan_gen[2];
+  uint32_t vnan_key[2][ak::kDim];
   // Scheduler warp only.
   int cand_b[kCand], cand_page[kCand];
   Item item[2];
 };
 
 __device__ __forceinline__ uint32_t bar_addr(const uint64_t& b) { return ak::smem_u32(&b); }
+
+// A shared word read by lane 0 alone (volatile: never speculated into the other lanes), for data
+// whose release is lane 0's mbarrier arrival.
+template <typename T>
+__device__ __forceinline__ T ld_lane0(const T& x) {
+  return *static_cast<const volatile T*>(&x);
+}
 
 }  // namespace attention_prefill_ws
 }  // namespace m3attn

@@ -231,10 +231,11 @@ __device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item
 
 // kLookahead: the next work item is prepared right after the current item's first entry is
 // issued (its global loads overlap the ring's 3 entries of work), else after the last.
-template <bool kLookahead, bool kFastUnion>
+template <bool kLookahead, bool kFastUnion, bool kDeep>
 __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensorMap* kmap,
                                                const CUtensorMap* vmap, const CUtensorMap* qmap,
                                                int tiles, Shared& sh, uint32_t base) {
+  using R = Ring<kDeep>;
   const int lane = threadIdx.x & 31;
   const int n_work = tiles * a.n_kv * a.splits;
   const int step = static_cast<int>(gridDim.x);
@@ -244,11 +245,13 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
   // Issues entry e of item `it` (lane 0): header, Q (first entry), K and V tiles.
   auto issue = [&](const Pending& e, const Item& it) {
     if (lane == 0) {
-      const int s = static_cast<int>(j % kStages);
-      const uint32_t k = j / kStages;
+      const int s = static_cast<int>(j % R::kStages);
+      const uint32_t k = j / R::kStages;
       if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
-      const int qs = static_cast<int>(qi & 1);
-      if ((e.flags & kFirst) && qi >= 2) mbar_wait(bar_addr(sh.qempty[qs]), ((qi >> 1) - 1) & 1);
+      // Q buffer qs of this item; its previous item in that buffer must have released it.
+      const int qs = static_cast<int>(qi % R::kQBufs);
+      const uint32_t qk = qi / R::kQBufs;
+      if ((e.flags & kFirst) && qk > 0) mbar_wait(bar_addr(sh.qempty[qs]), (qk - 1) & 1);
       Entry& h = sh.entry[s];
       h.info = pack_info(e.flags, qs, it.nt, it.split, it.g);
       h.t0 = it.t0;
@@ -260,7 +263,7 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
       const uint32_t stage = base + s * kStageBytes;
       mbar_arrive_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
       if (e.flags & kFirst)
-        tma_load_3d(base + kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
+        tma_load_3d(base + R::kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
       tma_load_4d(stage, kmap, 0, 0, it.g, e.page, full);
       tma_load_4d(stage + kTileBytes, vmap, 0, 0, it.g, e.page, full);
     }
@@ -347,8 +350,8 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
   // with the header reads of the previous round of the stage). The tile (page 0 of head 0, zero
   // filled if the pool has no such page) is never read.
   if (lane == 0) {
-    const int s = static_cast<int>(j % kStages);
-    const uint32_t k = j / kStages;
+    const int s = static_cast<int>(j % R::kStages);
+    const uint32_t k = j / R::kStages;
     if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
     sh.entry[s].info = kEnd;
     const uint32_t full = bar_addr(sh.full[s]);

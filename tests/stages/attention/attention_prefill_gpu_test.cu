@@ -1,15 +1,15 @@
 // GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
 // and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers, 9 = 8 with
-// the faster V conversion, the automatic choice for prefill batches; 10 = 9 with the tile unions
-// built by minimum extraction; attention_prefill_ws.cuh)
-// against the CPU twin on identical E4M3 inputs: chunked prefills from position 0 and after cached
-// prefixes (contexts and chunk lengths off the 8-token tile and the 128-token block), mixed batches
-// with several chunks and decode / verify rows, sparse and dense, with and without splits,
-// persistent grids of 1 .. 132 CTAs (1 CTA walks every work item: ring phases, Q buffer reuse, item
-// boundaries), 16-byte strided pools (TMA) and 4-byte ones (the launcher falls back to kernel 4),
-// junk ids and work items without any block, page ids past 2^31 bytes, NaN propagation, sparse ==
-// dense with <= 16 visible blocks (bit for bit), CUDA-graph replay with new inputs == eager (byte
-// for byte).
+// the faster V conversion, 10 = 9 with the tile unions built by minimum extraction, the automatic
+// choice for prefill batches, 11 = 10 with a 4-stage ring and one Q buffer;
+// attention_prefill_ws.cuh) against the CPU twin on identical E4M3
+// inputs: chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths
+// off the 8-token tile and the 128-token block), mixed batches with several chunks and decode /
+// verify rows, sparse and dense, with and without splits, persistent grids of 1 .. 132 CTAs (1 CTA
+// walks every work item: ring phases, Q buffer reuse, item boundaries), 16-byte strided pools (TMA)
+// and 4-byte ones (the launcher falls back to kernel 4), junk ids and work items without any block,
+// page ids past 2^31 bytes, NaN propagation, sparse == dense with <= 16 visible blocks (bit for
+// bit), CUDA-graph replay with new inputs == eager (byte for byte).
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2,
 // the bound derived in attention_gpu_test.cu for the wgmma kernels, whose numerics this kernel
@@ -57,8 +57,9 @@ constexpr int kRowPad = 8;       // bf16 elements past each output row that must
 constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-specialised kernel
 constexpr int kWsLookahead = 7;  // the same, next work item prepared early
 constexpr int kWsQRegs = 8;      // as 7 with Q in registers
-constexpr int kWsFast = 9;       // as 8 with the faster V conversion (the automatic choice)
-constexpr int kWsUnion = 10;     // as 9 with the tile unions by minimum extraction
+constexpr int kWsFast = 9;       // as 8 with the faster V conversion
+constexpr int kWsUnion = 10;     // as 9 with the tile unions by minimum extraction (automatic)
+constexpr int kWsDeep = 11;      // as 10 with a 4-stage ring and one Q buffer
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
@@ -296,7 +297,11 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(0, 0, kWsUnion),
           ws_config(3, 0, kWsUnion),
           ws_config(1, 1, kWsUnion),
-          ws_config(2, 6, kWsUnion)};
+          ws_config(2, 6, kWsUnion),
+          ws_config(0, 0, kWsDeep),
+          ws_config(3, 0, kWsDeep),
+          ws_config(1, 1, kWsDeep),
+          ws_config(2, 6, kWsDeep)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -335,7 +340,8 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   check_configs(c, true, "M3",
                 {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
                  ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-                 ws_config(1, 4, kWsFast), ws_config(0, 0, kWsUnion), ws_config(1, 4, kWsUnion)});
+                 ws_config(1, 4, kWsFast), ws_config(0, 0, kWsUnion), ws_config(1, 4, kWsUnion),
+                 ws_config(0, 0, kWsDeep), ws_config(1, 4, kWsDeep)});
   check_configs(
       c, false, "M3",
       {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
@@ -358,9 +364,10 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     o.spare_pages = 5;
     const Case c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_configs(c, true, "3 KV heads",
-                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
-                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
+    check_configs(
+        c, true, "3 KV heads",
+        {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead), ws_config(2, 2, kWsQRegs),
+         ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion), ws_config(0, 0, kWsDeep)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -432,7 +439,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   for (const AttentionCudaConfig& cfg :
        {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead),
         ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast),
-        ws_config(1, 0, kWsUnion), ws_config(2, 5, kWsUnion)}) {
+        ws_config(1, 0, kWsUnion), ws_config(2, 5, kWsUnion), ws_config(1, 0, kWsDeep),
+        ws_config(2, 5, kWsDeep)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -467,7 +475,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
        {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-        ws_config(0, 0, kWsUnion)}) {
+        ws_config(0, 0, kWsUnion), ws_config(0, 0, kWsDeep)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, ref, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -483,10 +491,10 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Case c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(
-      c, true, "NaN value",
-      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-       ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsUnion)});
+  check_configs(c, true, "NaN value",
+                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs),
+                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion),
+                 ws_config(2, 1, kWsUnion), ws_config(0, 0, kWsDeep), ws_config(2, 1, kWsDeep)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
@@ -510,9 +518,9 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   for (int k = 0; k < 6; ++k)
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
-  const std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0), ws_config(2, 1),
-                                                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast),
-                                                 ws_config(0, 0, kWsUnion)};
+  const std::vector<AttentionCudaConfig> cfgs = {
+      ws_config(0, 0),          ws_config(2, 1),           ws_config(0, 0, kWsFast),
+      ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep)};
   check_configs(c, true, "NaN seen by some tokens", cfgs);
   check_configs(c, false, "NaN seen by some tokens", cfgs);
 }
@@ -527,7 +535,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
     for (const AttentionCudaConfig& cfg :
          {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead),
           ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast),
-          ws_config(0, 0, kWsUnion), ws_config(3, 0, kWsUnion)}) {
+          ws_config(0, 0, kWsUnion), ws_config(3, 0, kWsUnion), ws_config(0, 0, kWsDeep),
+          ws_config(3, 0, kWsDeep)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Case a = make_case(reqs, 64, 4, false, rng);
       const Case b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

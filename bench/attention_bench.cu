@@ -31,7 +31,8 @@
 //   automatic plan, the mma.sync kernel, the wgmma verify kernel and its variants ("v2": 2-stage
 //   ring, 3 CTAs per SM, "v3": V converted under the S wgmma, "v4": and NaN checks only in blocks
 //   some token does not see whole, "v5": and a 2-stage ring, Q in shared memory, 3 CTAs per SM,
-//   "v6", "v7": v4, v5 with TMA loads of K and V), and for draft 7 the wgmma prefill kernel).
+//   "v6", "v7": v4, v5 with TMA loads of K and V, "v8": v3 with the P V wait deferred; "v1" is
+//   the session-11 kernel, "auto" runs v3 for verify), and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -482,9 +483,9 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, l2 prefetch, verify kernel variant}
-      const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 0},
-                                                  {5, 0, 2}, {5, 0, 3}, {5, 0, 4},
-                                                  {5, 0, 5}, {5, 0, 6}, {5, 0, 7}};
+      const std::vector<std::array<int, 3>> kp = {{0, 0, 0}, {1, 0, 0}, {5, 0, 1}, {5, 0, 2},
+                                                  {5, 0, 3}, {5, 0, 4}, {5, 0, 5}, {5, 0, 6},
+                                                  {5, 0, 7}, {5, 0, 8}};
       for (const auto& [kernel, pf, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
@@ -639,6 +640,7 @@ int main(int argc, char** argv) {
                          : kernel == 8  ? std::string("wgmma ws lookahead qregs")
                          : kernel == 9  ? std::string("wgmma ws lookahead qregs fastconv")
                          : kernel == 10 ? std::string("wgmma ws fastconv minunion")
+                         : kernel == 11 ? std::string("wgmma ws minunion 4-stage")
                                         : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {

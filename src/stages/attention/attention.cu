@@ -58,8 +58,9 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
 // per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
 // blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
-// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V).
-constexpr int kAutoVerifyVariant = 1;
+// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V, 8 as 3 with the wait for P V deferred).
+// H200, session 12, verify B256 x 4 tokens @ 8K: v1 192.4 us, v3 189.7, v4 191.6, v5 206.7.
+constexpr int kAutoVerifyVariant = 3;
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -160,9 +161,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant < 0 || cfg.verify_variant > 7)
+  if (cfg.verify_variant < 0 || cfg.verify_variant > 8)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not one of 0 .. 7");
+                       " is not one of 0 .. 8");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant == 0 ? kAutoVerifyVariant : cfg.verify_variant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -331,6 +332,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<false, 5>(args, pl, n_kv, stream);  // 7 needs 16-byte alignment
       case 15:
         return launch_verify<true, 7>(args, pl, n_kv, stream);
+      case 16:
+        return launch_verify<false, 8>(args, pl, n_kv, stream);
+      case 17:
+        return launch_verify<true, 8>(args, pl, n_kv, stream);
       default:
         return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
     }

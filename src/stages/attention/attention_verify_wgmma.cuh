@@ -81,16 +81,21 @@ constexpr int kStageBytes = 2 * kTileBytes;
 //   6  as 4 with each block's K and V tiles loaded by two TMA copies (thread 0, one mbarrier per
 //      stage; the tensor maps of the warp-specialised prefill kernel, 128-byte swizzle = the
 //      layout ak::load_block writes) instead of 16 cp.async per thread and block;
-//   7  as 5 with the TMA loads of 6.
+//   7  as 5 with the TMA loads of 6;
+//   8  as 3 with the wait for P V(i) deferred: S(i + 1) and the early V conversion of block i + 1
+//      are issued while P V(i) still runs; the refill of block i's stage (with block i + 3) moves
+//      from the top of iteration i + 1 to its second barrier, after which every warp's P V(i) is
+//      complete.
 //   Variants 6, 7 need TMA-addressable pools (16-byte base and strides, maps the driver accepts);
 //   elsewhere the launcher runs 4, 5 instead.
 constexpr int stages_of(int variant) {
   return variant == 2 || variant == 5 || variant == 7 ? 2 : 3;
 }
 constexpr bool early_v_of(int variant) { return variant >= 3; }
-constexpr bool nan_partial_only_of(int variant) { return variant >= 4; }
+constexpr bool nan_partial_only_of(int variant) { return variant >= 4 && variant <= 7; }
 constexpr bool q_smem_of(int variant) { return variant == 5 || variant == 7; }
-constexpr bool tma_of(int variant) { return variant >= 6; }
+constexpr bool tma_of(int variant) { return variant == 6 || variant == 7; }
+constexpr bool defer_pv_of(int variant) { return variant == 8; }
 constexpr int kQTileBytes = kQT * ak::kRows * ak::kDim;  // 64 rows x 128 bytes
 constexpr int smem_bytes(int variant) {
   return stages_of(variant) * kStageBytes + (q_smem_of(variant) ? kQTileBytes : 0) +
@@ -255,8 +260,9 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
-  static_assert(kVariant >= 1 && kVariant <= 7, "variants 1 .. 7");
+  static_assert(kVariant >= 1 && kVariant <= 8, "variants 1 .. 8");
   constexpr bool kTma = tma_of(kVariant);
+  constexpr bool kDeferPV = defer_pv_of(kVariant);
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   constexpr int kStages = stages_of(kVariant);
   constexpr bool kEarlyV = early_v_of(kVariant);
@@ -410,14 +416,18 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
       } else {
         ak::cp_async_wait<kStages - 2>();
       }
-      __syncthreads();  // block i landed for every thread; stage of block i - 1 free
-      {
+      // Block i landed for every thread; the stage of block i - 1 is free (kDeferPV: after the
+      // second barrier below).
+      __syncthreads();
+      // Block i + kStages - 1 into the stage of block i - 1 (cur: the stage of block i).
+      auto refill = [&](int cur) {
         const int j = i + kStages - 1;
-        const int sj = stage == 0 ? kStages - 1 : stage - 1;
+        const int sj = cur == 0 ? kStages - 1 : cur - 1;
         load(j, count, lmask, lpage, sj);
         const int jp = j + a.prefetch;
         if (a.prefetch > 0 && jp < count && lmask[jp]) ak::prefetch_block_l2(a, lpage[jp], g);
-      }
+      };
+      if constexpr (!kDeferPV) refill(stage);
       uint8_t* sbuf = smem + stage * kStageBytes;
       const uint32_t saddr = base + stage * kStageBytes;
       stage = stage + 1 == kStages ? 0 : stage + 1;
@@ -445,9 +455,11 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
                            min_pos - b * ak::kBlockKeys >= ak::kBlockKeys - 1;
         nan =
             whole ? convert_v_high<false>(sbuf, vlim, vlo) : convert_v_high<true>(sbuf, vlim, vlo);
-        ap::wgmma_wait<0>();
+        ap::wgmma_wait<0>();  // S(i) (and kDeferPV: P V(i - 1))
         ap::reg_fence(s);
-        __syncthreads();  // every warp's S is done: the K half is free
+        if constexpr (kDeferPV) ap::reg_fence(o);
+        __syncthreads();  // every warp's S is done: the K half is free (kDeferPV: P V(i - 1) too)
+        if constexpr (kDeferPV) refill(stage == 0 ? kStages - 1 : stage - 1);
         convert_v_low(sbuf, vlo);
       } else {
         ap::wgmma_wait<0>();
@@ -472,7 +484,13 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
       for (int kk = 0; kk < 8; ++kk)
         ap::wgmma_pv(o, p[kk], ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024));
       ap::wgmma_commit();
-      ap::wgmma_wait<0>();
+      if constexpr (!kDeferPV) {
+        ap::wgmma_wait<0>();
+        ap::reg_fence(o);
+      }
+    }
+    if constexpr (kDeferPV) {
+      ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(o);
     }
     ak::cp_async_wait<0>();

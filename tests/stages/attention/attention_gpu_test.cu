@@ -65,8 +65,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // the plan's choice. Kernel 2 is the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode /
 // verify kernel (4 tokens per tile; verify_variant 2: 2-stage ring, 3 CTAs per SM; 3: V converted
 // under the S wgmma; 4: and NaN checks only where needed; 5: 4 with a 2-stage ring, Q in shared
-// memory, 3 CTAs per SM; 6, 7: 4, 5 with TMA loads, run as 4, 5 on pools TMA cannot address);
-// l2_prefetch only changes when bytes arrive, never the result.
+// memory, 3 CTAs per SM; 6, 7: 4, 5 with TMA loads, run as 4, 5 on pools TMA cannot address; 8: 3
+// with the P V wait deferred); l2_prefetch only changes when bytes arrive, never the result.
 // clang-format off
 const std::vector<AttentionCudaConfig> kAllConfigs = {
     {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
@@ -74,8 +74,8 @@ const std::vector<AttentionCudaConfig> kAllConfigs = {
     {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
     {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8},
     {4, 1, 0, 5, 0, 0, 2}, {4, 3, 0, 5, 2, 0, 2}, {4, 1, 0, 5, 0, 0, 3}, {4, 3, 0, 5, 2, 0, 3},
-    {4, 1, 0, 5, 0, 0, 4}, {4, 1, 0, 5, 0, 0, 5}, {4, 1, 0, 5, 0, 0, 6}, {4, 1, 0, 5, 0, 0, 7},
-    {4, 3, 0, 5, 2, 0, 4}, {4, 3, 0, 5, 2, 0, 5}, {4, 3, 0, 5, 2, 0, 6}, {4, 3, 0, 5, 2, 0, 7}};
+    {4, 1, 0, 5, 0, 0, 4}, {4, 1, 0, 5, 0, 0, 5}, {4, 1, 0, 5, 0, 0, 6}, {4, 1, 0, 5, 0, 0, 7}, {4, 1, 0, 5, 0, 0, 8},
+    {4, 3, 0, 5, 2, 0, 4}, {4, 3, 0, 5, 2, 0, 5}, {4, 3, 0, 5, 2, 0, 6}, {4, 3, 0, 5, 2, 0, 7}, {4, 3, 0, 5, 2, 0, 8}};
 // clang-format on
 
 // The twin once, then the GPU under every config.
@@ -146,7 +146,8 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
                        {0, 3, 0, 5, 0, 0, 4},
                        {0, 3, 0, 5, 0, 0, 5},
                        {0, 3, 0, 5, 0, 0, 6},
-                       {0, 3, 0, 5, 0, 0, 7}});
+                       {0, 3, 0, 5, 0, 0, 7},
+                       {0, 3, 0, 5, 0, 0, 8}});
   }
 }
 
@@ -235,7 +236,8 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
                      {0, 2, 0, 5, 0, 0, 4},
                      {0, 2, 0, 5, 0, 0, 5},
                      {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7}});
+                     {0, 2, 0, 5, 0, 0, 7},
+                     {0, 2, 0, 5, 0, 0, 8}});
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -336,7 +338,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 3, 0, 5, 0, 0, 4},
                        {0, 1, 0, 5, 0, 0, 5},
                        {0, 3, 0, 5, 0, 0, 6},
-                       {0, 1, 0, 5, 0, 0, 7}});
+                       {0, 1, 0, 5, 0, 0, 7},
+                       {0, 1, 0, 5, 0, 0, 8}});
     check_all_configs(pr, false, "group 8",
                       {{0, 0},
                        {2, 1},
@@ -345,7 +348,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 1, 0, 4},
                        {0, 1, 0, 5},
                        {0, 1, 0, 5, 0, 0, 6},
-                       {0, 1, 0, 5, 0, 0, 7}});
+                       {0, 1, 0, 5, 0, 0, 7},
+                       {0, 1, 0, 5, 0, 0, 8}});
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -370,7 +374,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                      {0, 2, 0, 5, 0, 0, 4},
                      {0, 2, 0, 5, 0, 0, 5},
                      {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7}});
+                     {0, 2, 0, 5, 0, 0, 7},
+                     {0, 2, 0, 5, 0, 0, 8}});
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -402,7 +407,8 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
                      {0, 2, 0, 5, 0, 0, 4},
                      {0, 2, 0, 5, 0, 0, 5},
                      {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7}});
+                     {0, 2, 0, 5, 0, 0, 7},
+                     {0, 2, 0, 5, 0, 0, 8}});
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -533,7 +539,8 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
                      {0, 2, 0, 5, 0, 0, 4},
                      {0, 2, 0, 5, 0, 0, 5},
                      {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7}});
+                     {0, 2, 0, 5, 0, 0, 7},
+                     {0, 2, 0, 5, 0, 0, 8}});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a draft token's own key in
@@ -577,7 +584,8 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                        {4, 3, 0, 5, 0, 0, 4},
                        {4, 3, 0, 5, 0, 0, 5},
                        {4, 3, 0, 5, 0, 0, 6},
-                       {4, 3, 0, 5, 0, 0, 7}});
+                       {4, 3, 0, 5, 0, 0, 7},
+                       {4, 3, 0, 5, 0, 0, 8}});
     check_all_configs(pr, false, "NaN in some tokens' keys",
                       {{1, 1, 0},
                        {4, 1, 1},
@@ -589,7 +597,8 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                        {4, 2, 0, 5, 0, 0, 4},
                        {4, 2, 0, 5, 0, 0, 5},
                        {4, 2, 0, 5, 0, 0, 6},
-                       {4, 2, 0, 5, 0, 0, 7}});
+                       {4, 2, 0, 5, 0, 0, 7},
+                       {4, 2, 0, 5, 0, 0, 8}});
   }
 }
 
@@ -616,10 +625,12 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
                      {4, 1, 0, 5, 0, 0, 5},
                      {4, 1, 0, 5, 0, 0, 6},
                      {4, 1, 0, 5, 0, 0, 7},
+                     {4, 1, 0, 5, 0, 0, 8},
                      {4, 3, 0, 5, 2, 0, 4},
                      {4, 3, 0, 5, 2, 0, 5},
                      {4, 3, 0, 5, 2, 0, 6},
-                     {4, 3, 0, 5, 2, 0, 7}});
+                     {4, 3, 0, 5, 2, 0, 7},
+                     {4, 3, 0, 5, 2, 0, 8}});
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -635,10 +646,8 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
           AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
           AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
-          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 2},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 3}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 4},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 5}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 6},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 7}}) {
+          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 1},
+          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 6}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -781,8 +790,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 8}, StatusCode::kUnsupported,
-                  "verify_variant 8");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 9}, StatusCode::kUnsupported,
+                  "verify_variant 9");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -38,9 +38,9 @@
 //     while P(i) V(i) finishes; V(i+1) is converted during the same window into the other of two
 //     f16 tiles. One CTA barrier per block (the ring, the f16 tiles).
 //   - Rows past the last position any selecting token of the tile sees are zeroed in the f16 V
-//     tile (unwritten cache slots may hold NaN, and 0 * NaN = NaN). A limitation shared with the
-//     4-token mma.sync tiles: a NaN in a V row that one token of the tile sees also reaches tokens
-//     of the same warpgroup that masked that key (P = 0, 0 * NaN = NaN).
+//     tile (unwritten cache slots may hold NaN, and 0 * NaN = NaN). A NaN in a V row that some
+//     tokens of the tile see and others mask is cleared in the f16 tile and recorded (fix_v_nan);
+//     the tokens that see it write NaN in that dim, as the twin does.
 //
 // Variants (template kVariant; AttentionCudaConfig::kernel 2, 3, 4): 0 as above, every thread
 //   loads and converts and fences; 1 ("lean") precomputes each entry's V row limit with the list,
@@ -283,6 +283,51 @@ __device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, i
   }
 }
 
+// NaN in V where some present token of the tile misses keys of the block (keys klo + 1 .. kmax;
+// P = 0 there in a shared MMA row, and 0 * NaN = NaN would leak into that row): after convert_v
+// (_by), the same kN threads revisit their own chunks of those keys; a NaN byte (low 7 bits set)
+// becomes 0 in the f16 tile and the smallest such key of its dim is recorded with the entry's
+// number gen: key_rec[d] = gen << 8 | (255 - key), gen_rec = gen (atomicMax: numbers grow). A token
+// sees the NaN of dim d iff that key <= its lim (its visible keys are a prefix of the block).
+template <int kN>
+__device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int klo, int kmax,
+                                          int t, uint32_t gen, uint32_t* key_rec,
+                                          uint32_t* gen_rec) {
+  if (klo >= kmax) return;
+#pragma unroll 1
+  for (int i = t; i < ak::kBlockKeys * 16; i += kN) {
+    const int key = i >> 4, c8 = i & 15;
+    if (key <= klo || key > kmax) continue;
+    uint32_t w[2];
+    const uint2 raw = *reinterpret_cast<const uint2*>(
+        vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
+    w[0] = raw.x;
+    w[1] = raw.y;
+    bool any = false;
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      uint32_t bits = ((w[q] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+      while (bits != 0u) {
+        const int byte = (__ffs(bits) - 1) >> 3;
+        bits &= bits - 1u;
+        w[q] &= ~(0xFFu << (8 * byte));
+        atomicMax(&key_rec[8 * c8 + 4 * q + byte], gen << 8 | static_cast<uint32_t>(255 - key));
+        atomicMax(gen_rec, gen);
+        any = true;
+      }
+    }
+    if (any) {
+      uint4 h;
+      h.x = ak::e4m3x2_to_f16x2(w[0]);
+      h.y = ak::e4m3x2_to_f16x2(w[0] >> 16);
+      h.z = ak::e4m3x2_to_f16x2(w[1]);
+      h.w = ak::e4m3x2_to_f16x2(w[1] >> 16);
+      *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
+                                (((c8 & 7) ^ (key & 7)) << 4)) = h;
+    }
+  }
+}
+
 // Per-row online softmax of one block's raw scores s (accumulator fragment: s[4 j + e] is row
 // grp (e < 2) or grp + 8 (e >= 2), key 8 j + 2 tig + (e & 1)). Keys > lim are masked. Scores
 // become p = 2^(s * scale_log2 - new max) (one FFMA + EX2 each; the max is taken on raw scores,
@@ -375,6 +420,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   __shared__ int s_list_page[kMaxList];
   __shared__ int s_list_mask[kMaxList];
   __shared__ int s_list_vlim[kMaxList];  // kLean: V row limit of the entry (vlim_of)
+  __shared__ uint32_t s_vnan_gen[2];     // V NaN records per f16 tile (fix_v_nan)
+  __shared__ uint32_t s_vnan_key[2][ak::kDim];
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
@@ -391,6 +438,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   if (tid < kQT) s_pos[tid] = tid < nt ? a.positions[t0 + tid] : -1;
+  for (int i = tid; i < 2 * ak::kDim; i += kThreads) (&s_vnan_key[0][0])[i] = 0u;
+  if (tid < 2) s_vnan_gen[tid] = 0u;
   int cand_b = -1, cand_pos = -1;
   if (a.sparse && tid < kCand && tid / ak::kTopKIds < nt) {
     const int w = tid / ak::kTopKIds;
@@ -498,6 +547,10 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
 
   const int my_pos = s_pos[tok];
   const uint32_t q_desc_addr = base + kQOff + wg * (kRowsPerWG * ak::kDim);
+  // V NaN: dims of this thread's output values (o[4 jj + x], o[4 jj + 2 + x]: dim 8 jj + 2 tig + x,
+  // bit 2 jj + x) that a recorded NaN reaches; entries are numbered from 1 across chunks.
+  uint32_t nan_dims = 0u;
+  uint32_t gen0 = 1u;
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
     const int count = min(hi - c0, kMaxList);
@@ -576,19 +629,47 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
         load_block<kVec16>(a, lpage[j], g, base + stage * kStageBytes);
       }
     };
+    // Keys of entry i that some present token misses start after klo_of(i).
+    auto klo_of = [&](int i) {
+      int klo = ak::kBlockKeys - 1;
+#pragma unroll
+      for (int w = 0; w < kQT; ++w)
+        if (s_pos[w] >= 0)
+          klo = min(klo, (lmask[i] >> w) & 1 ? s_pos[w] - lb[i] * ak::kBlockKeys : -1);
+      return klo;
+    };
     auto convert = [&](int i) {
       const uint8_t* vraw = smem + (i % kStages) * kStageBytes + kTileBytes;
       uint8_t* vh = smem + kVhOff + (i & 1) * kVhBytes;
       const int vlim = lmask[i] ? vlim_of(i) : -1;
+      const int kmax = min(vlim, ak::kBlockKeys - 1);
       if constexpr (kLean) {
         if (wg == 1) {
           convert_v_by<128>(vraw, vh, vlim, tid - 128);
+          fix_v_nan<128>(vraw, vh, klo_of(i), kmax, tid - 128, gen0 + i, s_vnan_key[i & 1],
+                         &s_vnan_gen[i & 1]);
           fence_proxy_async();
         }
       } else {
         convert_v(vraw, vh, vlim);
+        fix_v_nan<kThreads>(vraw, vh, klo_of(i), kmax, tid, gen0 + i, s_vnan_key[i & 1],
+                            &s_vnan_gen[i & 1]);
         fence_proxy_async();
       }
+    };
+    // The NaN records of entry i (converted before the barrier that precedes P V(i), rewritten
+    // only after the next one) for this thread's token.
+    auto add_nan_dims = [&](int i) {
+      const uint32_t gen = gen0 + i;
+      if (s_vnan_gen[i & 1] != gen) return;
+      const int lim = lim_of(i);
+#pragma unroll 1
+      for (int jj = 0; jj < 16; ++jj)
+        for (int x = 0; x < 2; ++x) {
+          const uint32_t v = s_vnan_key[i & 1][8 * jj + 2 * tig + x];
+          if ((v >> 8) == gen && 255 - static_cast<int>(v & 255u) <= lim)
+            nan_dims |= 1u << (2 * jj + x);
+        }
     };
 
     // Prologue: blocks 0 .. kStages-1 in flight (one commit group each, empty ones included);
@@ -637,6 +718,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       wgmma_commit();
       issue_pv(i);
       wgmma_commit();
+      add_nan_dims(i);
       if (has_next) {
         convert(nx);
       } else if constexpr (!kLean) {
@@ -652,6 +734,17 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     }
     ak::cp_async_wait<0>();
     __syncthreads();  // stages, f16 tiles and entries are free for the next chunk
+    gen0 += static_cast<uint32_t>(count);
+  }
+  if (nan_dims != 0u) {
+#pragma unroll
+    for (int jj = 0; jj < 16; ++jj)
+#pragma unroll
+      for (int x = 0; x < 2; ++x)
+        if ((nan_dims >> (2 * jj + x)) & 1u) {
+          o[4 * jj + x] = __int_as_float(0x7fffffff);
+          o[4 * jj + 2 + x] = __int_as_float(0x7fffffff);
+        }
   }
 
   // Epilogue: rows grp and grp + 8 of this warp = heads grp, grp + 8 of token `tok`.

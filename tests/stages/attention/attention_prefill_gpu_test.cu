@@ -500,7 +500,8 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
 // is in the future of the tile's earlier tokens, blocks only some tokens select): the twin puts
 // NaN in that dim of the tokens that see the key only; a NaN K element makes the rows of the
-// tokens that see it NaN. A shared wgmma row with P = 0 must never meet the NaN (0 * NaN).
+// tokens that see it NaN. A shared wgmma row with P = 0 must never meet the NaN (0 * NaN). The
+// ws kernels and the wgmma kernels 2-4.
 TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -518,9 +519,16 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   for (int k = 0; k < 6; ++k)
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
-  const std::vector<AttentionCudaConfig> cfgs = {
-      ws_config(0, 0),          ws_config(2, 1),           ws_config(0, 0, kWsFast),
-      ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep)};
+  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0),           ws_config(2, 1),
+                                           ws_config(0, 0, kWsFast),  ws_config(2, 1, kWsFast),
+                                           ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep)};
+  for (int kernel : {2, 3, 4}) {  // the wgmma kernel and its variants (kernel 4: TMA fallback)
+    AttentionCudaConfig k;
+    k.kernel = kernel;
+    cfgs.push_back(k);
+    k.splits = 2;
+    cfgs.push_back(k);
+  }
   check_configs(c, true, "NaN seen by some tokens", cfgs);
   check_configs(c, false, "NaN seen by some tokens", cfgs);
 }

@@ -67,15 +67,22 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // under the S wgmma; 4: and NaN checks only where needed; 5: 4 with a 2-stage ring, Q in shared
 // memory, 3 CTAs per SM; 6, 7: 4, 5 with TMA loads, run as 4, 5 on pools TMA cannot address; 8: 3
 // with the P V wait deferred); l2_prefetch only changes when bytes arrive, never the result.
+// `base` plus the wgmma verify kernel's variants 2 .. 8 (AttentionCudaConfig::verify_variant) with
+// `tokens_per_tile`, `splits` and `l2_prefetch`.
+std::vector<AttentionCudaConfig> with_verify_variants(std::vector<AttentionCudaConfig> base,
+                                                      int tokens_per_tile, int splits,
+                                                      int l2_prefetch = 0) {
+  for (int v = 2; v <= 8; ++v) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
+  return base;
+}
+
 // clang-format off
-const std::vector<AttentionCudaConfig> kAllConfigs = {
+const std::vector<AttentionCudaConfig> kAllConfigs = with_verify_variants(with_verify_variants({
     {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
     {4, 1, 1},    {4, 1, 2},    {4, 5, 1},       {4, 5, 2},       {8, 1, 0, 2},    {8, 3, 0, 2},
     {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
-    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8},
-    {4, 1, 0, 5, 0, 0, 2}, {4, 3, 0, 5, 2, 0, 2}, {4, 1, 0, 5, 0, 0, 3}, {4, 3, 0, 5, 2, 0, 3},
-    {4, 1, 0, 5, 0, 0, 4}, {4, 1, 0, 5, 0, 0, 5}, {4, 1, 0, 5, 0, 0, 6}, {4, 1, 0, 5, 0, 0, 7}, {4, 1, 0, 5, 0, 0, 8},
-    {4, 3, 0, 5, 2, 0, 4}, {4, 3, 0, 5, 2, 0, 5}, {4, 3, 0, 5, 2, 0, 6}, {4, 3, 0, 5, 2, 0, 7}, {4, 3, 0, 5, 2, 0, 8}};
+    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}},
+    4, 1), 4, 3, 2);
 // clang-format on
 
 // The twin once, then the GPU under every config.
@@ -133,21 +140,15 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
     }
     Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
     check_all_configs(pr, false, "verify",
-                      {{0, 0, 0},
-                       {4, 3, 1},
-                       {4, 3, 2},
-                       {0, 0, 0, 2},
-                       {0, 0, 0, 3},
-                       {0, 0, 0, 4},
-                       {0, 0, 0, 5},
-                       {0, 3, 0, 5},
-                       {0, 3, 0, 5, 0, 0, 2},
-                       {0, 3, 0, 5, 0, 0, 3},
-                       {0, 3, 0, 5, 0, 0, 4},
-                       {0, 3, 0, 5, 0, 0, 5},
-                       {0, 3, 0, 5, 0, 0, 6},
-                       {0, 3, 0, 5, 0, 0, 7},
-                       {0, 3, 0, 5, 0, 0, 8}});
+                      with_verify_variants({{0, 0, 0},
+                                            {4, 3, 1},
+                                            {4, 3, 2},
+                                            {0, 0, 0, 2},
+                                            {0, 0, 0, 3},
+                                            {0, 0, 0, 4},
+                                            {0, 0, 0, 5},
+                                            {0, 3, 0, 5}},
+                                           0, 3));
   }
 }
 
@@ -223,21 +224,15 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_all_configs(pr, false, "long chunks",
-                    {{0, 1, 0, 2},
-                     {0, 2, 0, 2},
-                     {0, 1, 0, 3},
-                     {0, 2, 0, 3},
-                     {0, 1, 0, 4},
-                     {0, 2, 0, 4},
-                     {0, 1, 0, 5},
-                     {0, 2, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 2},
-                     {0, 2, 0, 5, 0, 0, 3},
-                     {0, 2, 0, 5, 0, 0, 4},
-                     {0, 2, 0, 5, 0, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7},
-                     {0, 2, 0, 5, 0, 0, 8}});
+                    with_verify_variants({{0, 1, 0, 2},
+                                          {0, 2, 0, 2},
+                                          {0, 1, 0, 3},
+                                          {0, 2, 0, 3},
+                                          {0, 1, 0, 4},
+                                          {0, 2, 0, 4},
+                                          {0, 1, 0, 5},
+                                          {0, 2, 0, 5}},
+                                         0, 2));
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -358,24 +353,18 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
   Problem pr = make_problem(reqs, 48, 3, Pick::kRandom, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_all_configs(pr, true, "3 KV heads",
-                    {{0, 0, 0},
-                     {1, 2, 0},
-                     {4, 1, 1},
-                     {4, 2, 2},
-                     {0, 1, 0, 2},
-                     {0, 2, 0, 2},
-                     {0, 1, 0, 3},
-                     {0, 1, 0, 4},
-                     {0, 2, 0, 4},
-                     {0, 1, 0, 5},
-                     {0, 2, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 2},
-                     {0, 2, 0, 5, 0, 0, 3},
-                     {0, 2, 0, 5, 0, 0, 4},
-                     {0, 2, 0, 5, 0, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7},
-                     {0, 2, 0, 5, 0, 0, 8}});
+                    with_verify_variants({{0, 0, 0},
+                                          {1, 2, 0},
+                                          {4, 1, 1},
+                                          {4, 2, 2},
+                                          {0, 1, 0, 2},
+                                          {0, 2, 0, 2},
+                                          {0, 1, 0, 3},
+                                          {0, 1, 0, 4},
+                                          {0, 2, 0, 4},
+                                          {0, 1, 0, 5},
+                                          {0, 2, 0, 5}},
+                                         0, 2));
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -389,26 +378,20 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
   // One (token, head) selects nothing at all: +0 outputs.
   std::fill_n(pr.ids.ptr<int32_t>() + (4 * 2 + 1) * kTopK, kTopK, -1);
   check_all_configs(pr, true, "junk ids",
-                    {{0, 0, 0},
-                     {1, 3, 0},
-                     {2, 1, 0},
-                     {4, 2, 1},
-                     {4, 2, 2},
-                     {0, 1, 0, 2},
-                     {0, 2, 0, 2},
-                     {0, 1, 0, 3},
-                     {0, 2, 0, 3},
-                     {0, 1, 0, 4},
-                     {0, 2, 0, 4},
-                     {0, 1, 0, 5},
-                     {0, 2, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 2},
-                     {0, 2, 0, 5, 0, 0, 3},
-                     {0, 2, 0, 5, 0, 0, 4},
-                     {0, 2, 0, 5, 0, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7},
-                     {0, 2, 0, 5, 0, 0, 8}});
+                    with_verify_variants({{0, 0, 0},
+                                          {1, 3, 0},
+                                          {2, 1, 0},
+                                          {4, 2, 1},
+                                          {4, 2, 2},
+                                          {0, 1, 0, 2},
+                                          {0, 2, 0, 2},
+                                          {0, 1, 0, 3},
+                                          {0, 2, 0, 3},
+                                          {0, 1, 0, 4},
+                                          {0, 2, 0, 4},
+                                          {0, 1, 0, 5},
+                                          {0, 2, 0, 5}},
+                                         0, 2));
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -522,25 +505,19 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;  // V of position 150 of request 0: NaN
   check_all_configs(pr, true, "NaN value",
-                    {{0, 0, 0},
-                     {1, 2, 0},
-                     {2, 1, 0},
-                     {4, 1, 1},
-                     {4, 1, 2},
-                     {0, 1, 0, 2},
-                     {0, 2, 0, 2},
-                     {0, 1, 0, 3},
-                     {0, 1, 0, 4},
-                     {0, 2, 0, 4},
-                     {0, 1, 0, 5},
-                     {0, 2, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 2},
-                     {0, 2, 0, 5, 0, 0, 3},
-                     {0, 2, 0, 5, 0, 0, 4},
-                     {0, 2, 0, 5, 0, 0, 5},
-                     {0, 2, 0, 5, 0, 0, 6},
-                     {0, 2, 0, 5, 0, 0, 7},
-                     {0, 2, 0, 5, 0, 0, 8}});
+                    with_verify_variants({{0, 0, 0},
+                                          {1, 2, 0},
+                                          {2, 1, 0},
+                                          {4, 1, 1},
+                                          {4, 1, 2},
+                                          {0, 1, 0, 2},
+                                          {0, 2, 0, 2},
+                                          {0, 1, 0, 3},
+                                          {0, 1, 0, 4},
+                                          {0, 2, 0, 4},
+                                          {0, 1, 0, 5},
+                                          {0, 2, 0, 5}},
+                                         0, 2));
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a draft token's own key in
@@ -571,34 +548,18 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
     pr.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 0, 1)[9] = 0x7F;  // a K NaN
     pr.hb.kv_row(0, 151, 0, 0)[40] = 0x7F;  // K NaN seen only by position 151
     check_all_configs(pr, true, "NaN in some tokens' keys",
-                      {{1, 1, 0},
-                       {1, 3, 0},
-                       {2, 1, 0},
-                       {4, 1, 1},
-                       {4, 1, 2},
-                       {4, 2, 2},
-                       {4, 1, 0, 5},
-                       {4, 3, 0, 5},
-                       {4, 3, 0, 5, 0, 0, 2},
-                       {4, 3, 0, 5, 0, 0, 3},
-                       {4, 3, 0, 5, 0, 0, 4},
-                       {4, 3, 0, 5, 0, 0, 5},
-                       {4, 3, 0, 5, 0, 0, 6},
-                       {4, 3, 0, 5, 0, 0, 7},
-                       {4, 3, 0, 5, 0, 0, 8}});
-    check_all_configs(pr, false, "NaN in some tokens' keys",
-                      {{1, 1, 0},
-                       {4, 1, 1},
-                       {4, 1, 2},
-                       {4, 1, 0, 5},
-                       {4, 2, 0, 5},
-                       {4, 2, 0, 5, 0, 0, 2},
-                       {4, 2, 0, 5, 0, 0, 3},
-                       {4, 2, 0, 5, 0, 0, 4},
-                       {4, 2, 0, 5, 0, 0, 5},
-                       {4, 2, 0, 5, 0, 0, 6},
-                       {4, 2, 0, 5, 0, 0, 7},
-                       {4, 2, 0, 5, 0, 0, 8}});
+                      with_verify_variants({{1, 1, 0},
+                                            {1, 3, 0},
+                                            {2, 1, 0},
+                                            {4, 1, 1},
+                                            {4, 1, 2},
+                                            {4, 2, 2},
+                                            {4, 1, 0, 5},
+                                            {4, 3, 0, 5}},
+                                           4, 3));
+    check_all_configs(
+        pr, false, "NaN in some tokens' keys",
+        with_verify_variants({{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}}, 4, 2));
   }
 }
 
@@ -613,24 +574,10 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
   Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_all_configs(pr, true, "sanitizer",
-                    {{4, 1, 0, 5},
-                     {4, 3, 0, 5, 2},
-                     {4, 2, 2},
-                     {4, 1, 0, 5, 0, 0, 2},
-                     {4, 3, 0, 5, 2, 0, 2},
-                     {4, 1, 0, 5, 0, 0, 3},
-                     {4, 3, 0, 5, 2, 0, 3},
-                     {4, 1, 0, 5, 0, 0, 4},
-                     {4, 1, 0, 5, 0, 0, 5},
-                     {4, 1, 0, 5, 0, 0, 6},
-                     {4, 1, 0, 5, 0, 0, 7},
-                     {4, 1, 0, 5, 0, 0, 8},
-                     {4, 3, 0, 5, 2, 0, 4},
-                     {4, 3, 0, 5, 2, 0, 5},
-                     {4, 3, 0, 5, 2, 0, 6},
-                     {4, 3, 0, 5, 2, 0, 7},
-                     {4, 3, 0, 5, 2, 0, 8}});
+  check_all_configs(
+      pr, true, "sanitizer",
+      with_verify_variants(with_verify_variants({{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 2, 2}}, 4, 1),
+                           4, 3, 2));
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {

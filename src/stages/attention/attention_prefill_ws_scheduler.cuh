@@ -48,27 +48,37 @@ __device__ __forceinline__ bool find_tile_warp(const AttnArgs& a, int tile, int&
   return false;
 }
 
-// Union of the tile's selected blocks (the wgmma kernel's rules: ids outside [0, pos / 128], past
-// the page table or with an invalid page select nothing; repeats count once), as list entries
-// (block, page, mask of tokens that selected it). Returns the entry count.
+// Candidate c (token c / 16, id c % 16) of the tile with the wgmma kernel's rules: ids outside
+// [0, pos / 128], past the page table or with an invalid page select nothing (b = -1). Warp-wide
+// (shuffles the token's position from lane c / 16).
+__device__ __forceinline__ void load_candidate(const AttnArgs& a, int64_t pt_row, int t0, int nt,
+                                               int g, int mypos, int c, int& b, int& page) {
+  const int w = c / ak::kTopKIds;
+  const int pw = __shfl_sync(0xffffffffu, mypos, w & 7);
+  b = -1;
+  page = -1;
+  if (w < nt) {
+    b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
+                    static_cast<int64_t>(g) * a.bid_stride_h + c % ak::kTopKIds];
+    if (b >= 0 && b <= (pw >> 7) && b < a.max_pages) {
+      page = a.page_table[pt_row + b];
+      if (page < 0 || page >= a.num_pages) b = -1;
+    } else {
+      b = -1;
+    }
+  }
+}
+
+// Union of the tile's selected blocks (repeats count once), as list entries (block, page, mask of
+// tokens that selected it). Returns the entry count.
 __device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, Item& it,
                                                  int64_t pt_row, int t0, int nt, int g, int mypos) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k, w = c / ak::kTopKIds;
-    const int pw = __shfl_sync(0xffffffffu, mypos, w & 7);
-    int b = -1, page = -1;
-    if (w < nt) {
-      b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                      static_cast<int64_t>(g) * a.bid_stride_h + c % ak::kTopKIds];
-      if (b >= 0 && b <= (pw >> 7) && b < a.max_pages) {
-        page = a.page_table[pt_row + b];
-        if (page < 0 || page >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
-    }
+    const int c = lane + 32 * k;
+    int b, page;
+    load_candidate(a, pt_row, t0, nt, g, mypos, c, b, page);
     sh.cand_b[c] = b;
     sh.cand_page[c] = page;
   }
@@ -114,19 +124,8 @@ __device__ __forceinline__ int build_sparse_list_min(const AttnArgs& a, Item& it
   int page[kCand / 32];
 #pragma unroll
   for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k, w = c / ak::kTopKIds;
-    const int pw = __shfl_sync(0xffffffffu, mypos, w & 7);
-    int b = -1, pg = -1;
-    if (w < nt) {
-      b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                      static_cast<int64_t>(g) * a.bid_stride_h + c % ak::kTopKIds];
-      if (b >= 0 && b <= (pw >> 7) && b < a.max_pages) {
-        pg = a.page_table[pt_row + b];
-        if (pg < 0 || pg >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
-    }
+    int b, pg;
+    load_candidate(a, pt_row, t0, nt, g, mypos, lane + 32 * k, b, pg);
     key[k] = b >= 0 ? static_cast<uint32_t>(b) : 0xFFFFFFFFu;
     page[k] = pg;
   }

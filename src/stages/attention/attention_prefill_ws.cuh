@@ -33,7 +33,7 @@
 // attention_prefill_ws_scheduler.cuh (the scheduler warp), this file (converters, consumers, the
 // kernel, tensor maps and launch).
 // Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert, 10 +
-// kFastUnion):
+// kFastUnion, 11 + kDeep):
 // kLookahead: the scheduler prepares the next work item (global loads, union) right after the
 // current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
 // fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
@@ -42,19 +42,24 @@
 // 16 % of all samples); kFastUnion: the scheduler builds each tile's union by minimum extraction
 // (~25 instructions per distinct block; the all-pairs compare took ~2.6 K dependent instructions
 // per item, i.e. longer than the 3-stage ring lasts: sparse entries cost ~25 % more than dense ones
-// in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union).
+// in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union); kDeep: 4 raw
+// stages and one Q buffer, released when every consumer warp has its Q fragments (round-A ncu of
+// kernel 10: consumers and converters waiting on full, the scheduler on empty: TMA latency not
+// covered by 3 stages).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
-// warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S). Where one
+// warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S; kDeep:
+// qempty[0] after its first S, Q being in registers by then). Where one
 // lane arrives for its warp, only that lane reads the shared words the arrival releases (entry
 // headers, NaN records; broadcast by shuffles): racecheck orders accesses through an mbarrier
 // only for the arriving thread (round A of session 12: 107 hazards between header rewrites and
 // the reads of lanes 1-31 when the ring wraps, although __syncwarp orders them).
 //
 // Shared memory: 3 raw stages x 32 KB + 2 f16 V x 32 KB + 2 Q x 16 KB + 1 KB alignment = 193 KB
-// dynamic, 4.4 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
-// (no spills), scheduler + converters 40 (ptxas reports 60 B (kernel 6) / 270 B (7-9) of spills:
-// compile experiments place all of them in the scheduler warp's item preparation). Needs 16-byte
+// dynamic (kDeep: 4 stages, 1 Q: 209 KB), 5.6 KB static. Registers: 168 at launch (384 threads),
+// consumers 232 after setmaxnreg (no spills), scheduler + converters 40 (ptxas reports 64 B
+// (kernel 6) / 262 B (7-9) / 210 B (10) / 182 B (11) of spills: compile experiments place them in
+// the scheduler warp's item preparation). Needs 16-byte
 // aligned pool base and strides (TMA); otherwise, or when the driver refuses a tensor map, the
 // launcher runs the cp.async wgmma kernel (kernel 4).
 //
@@ -63,7 +68,9 @@
 // 8 434 vs 401. The mma_work/flop column (1.03 sparse): the MMA work walked exceeds the counted
 // work by 3 % (the causal part of each token's local block), tile unions are 16 blocks (14.1 at
 // 8K, where early tokens see fewer) for 16 selected per token: the bench's selections share a
-// ranking per 64 tokens, so the union costs nothing there.
+// ranking per 64 tokens, so the union costs nothing there. Session 12 round A (same bench, before
+// the NaN and racecheck changes): kernel 10 sparse 915.0 / 1037.9 us = 511.8 / 513.3 TFLOP/s vs
+// kernel 9 998.0 / 1111.6 us = 469.2 / 479.2; dense 599.4 / 615.7 vs 600.3 / 626.4.
 //
 // Expected bound (8K chunk, ~16 blocks per tile): per block and CTA 512 cycles of FP8 QK + 1024 of
 // f16 P V on the tensor cores, 16 K exp2 = 1024 MUFU cycles, 48 KB of conversion traffic; with the

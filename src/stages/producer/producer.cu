@@ -52,6 +52,7 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaO
       pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, o.tma_tile_tasks);
   g.interleave = o.tma_interleave > 0;
   g.warp_release = o.tma_warp_release > 0;
+  g.row_store = o.tma_row_store > 0;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
   auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kPlan, kMinBlocks>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -195,6 +196,9 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
       "run_producer_cuda: tma_blocks_per_sm ", options.tma_blocks_per_sm, " must be 0 (default ",
       pk::kTmaMinBlocks, "), ", pk::kTmaMinBlocks, ", or 4 with tma_stages 2 or 3 (got ",
       options.tma_stages, ")");
+  M3_CHECK_ARG(options.tma_row_store >= -1 && options.tma_row_store <= 1,
+               "run_producer_cuda: tma_row_store ", options.tma_row_store,
+               " must be 0 (default), 1 (on) or -1 (off)");
   M3_CHECK_ARG(options.tma_warp_release >= -1 && options.tma_warp_release <= 1,
                "run_producer_cuda: tma_warp_release ", options.tma_warp_release,
                " must be 0 (default), 1 (on) or -1 (off)");

@@ -106,6 +106,11 @@ struct ProducerCudaOptions {
   // compute warps per SM, registers capped at 56; needs tma_stages 2 or 3 and 64-task tiles to fit
   // 4 blocks in shared memory, else fewer run). Same bytes.
   int tma_blocks_per_sm = 0;
+  // Output stores of the bulk-copy kernel with task plans (ignored without): 0 = the default
+  // (off), 1 = each 128-byte row as one 16-byte store per lane after 4 shuffles (whole rows per
+  // store instruction), -1 = off (each lane stores its 4 + 4 + 8 bytes at three places). Same
+  // bytes.
+  int tma_row_store = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -186,6 +186,9 @@ struct TmaGeometry {
   // Stage release (ProducerCudaOptions::tma_warp_release): one arrival per compute warp after
   // __syncwarp instead of one per compute thread.
   bool warp_release = false;
+  // Task-plan path only: each output row written as one 16-byte store per lane (gather_row16;
+  // ProducerCudaOptions::tma_row_store).
+  bool row_store = false;
 };
 
 __host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
@@ -498,7 +501,7 @@ __global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
       if (first + r * kGroups >= tile_end) break;
       if constexpr (kPlan) {
         const auto* plans = reinterpret_cast<const TaskPlan*>(st + g.plan_off);
-        process_planned(a, st, plans[r * kGroups + group], lane, s_norm, s_rope);
+        process_planned(a, st, plans[r * kGroups + group], lane, s_norm, s_rope, g.row_store);
         continue;
       }
       const uint32_t task = first + r * kGroups + group;

@@ -202,7 +202,8 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
 // The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
 // share of the tasks in tiles of 128, or interleaved rounds of tiles first) against the per-batch
 // kernel, byte for byte: with and without task plans, 128- and 64-task tiles, tail blocks (the
-// default ones and others), 4 blocks per SM, one stage release per warp; the per-batch kernel
+// default ones and others), 4 blocks per SM, one stage release per warp, whole-row stores; the
+// per-batch kernel
 // against the CPU twin. Grids of
 // 1-7 blocks run many tiles per block, so every stage and both barrier parities are reused many
 // times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65
@@ -228,6 +229,7 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
     int tail_rounds = 0, tail_tiles = 0, tail_tile = 0;
     int blocks_per_sm = 0;  // 4: 2 stages where the case has 2, else 3
     bool warp_release = false;
+    bool row_store = false;
   };
   const Variant variants[] = {
       {"no plans", false, false, 128},
@@ -240,7 +242,9 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
       {"plans, tail 2 x 3 x 48", true, true, 64, 2, 3, 48},
       {"tail 1 x 1 x 128", false, false, 128, 1, 1, 0},
       {"plans, interleaved, 64-task tiles, 4 blocks per SM", true, true, 64, 0, 0, 0, 4},
-      {"plans, interleaved, warp release", true, true, 64, 0, 0, 0, 0, true}};
+      {"plans, interleaved, warp release", true, true, 64, 0, 0, 0, 0, true},
+      {"plans, interleaved, row stores", true, true, 64, 0, 0, 0, 0, false, true},
+      {"plans, default tail, row stores", true, true, 128, -1, 0, 0, 0, false, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "blocks " << c.blocks << " stages " << c.stages);
     for_each_mode_case(
@@ -269,6 +273,7 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
               o.tma_stages = c.stages == 2 ? 2 : 3;
             }
             o.tma_warp_release = v.warp_release ? 1 : -1;
+            o.tma_row_store = v.row_store ? 1 : -1;
             run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out, o);
             expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
                          std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
@@ -338,6 +343,12 @@ ProducerCudaOptions bad_knobs(int warp_release, int blocks_per_sm, int stages) {
   return o;
 }
 
+ProducerCudaOptions bad_row_store(int row_store) {
+  ProducerCudaOptions o = tma_options();
+  o.tma_row_store = row_store;
+  return o;
+}
+
 void expect_rejected(const Status& s) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_FALSE(s.message().empty());
@@ -346,7 +357,8 @@ void expect_rejected(const Status& s) {
 // A negative grid, a stage count outside [2, 4], a task-plan or
 // tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, a tail switch outside
 // {-1, 0, 1}, tail rounds or tiles outside [0, 8], a tail tile outside [16, 64] (the default tile
-// size is 64 at small T), a warp-release switch outside {-1, 0, 1}, blocks per SM other than 0,
+// size is 64 at small T), a warp-release or row-store switch outside {-1, 0, 1}, blocks per SM
+// other than 0,
 // 3 or 4 (4 only with 2 or 3 stages), or an unknown kernel choice is rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
@@ -383,7 +395,9 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
                                        bad_knobs(0, 5, 3),
                                        bad_knobs(0, 4, 0),
                                        bad_knobs(0, 4, 4),
-                                       bad_knobs(0, 2, 2)})
+                                       bad_knobs(0, 2, 2),
+                                       bad_row_store(2),
+                                       bad_row_store(-2)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

@@ -53,7 +53,9 @@ TEST(ProducerGpu, SanitizerSmall) {
   persistent.persistent_blocks = 3;
   tma_default.kernel = ProducerCudaKernel::kTmaPipeline;  // plans, interleaved, 64-task tiles
   tma_default.persistent_blocks = 3;
-  ProducerCudaOptions tile128_default_tail = tma_default, four_per_sm = tma_default;
+  ProducerCudaOptions tile128_default_tail = tma_default, four_per_sm = tma_default,
+                      row_store = tma_default;
+  row_store.tma_row_store = 1;
   tile128_default_tail.tma_tile_tasks = 128;  // the default tail blocks come with 128-task tiles
   four_per_sm.tma_blocks_per_sm = 4;
   four_per_sm.tma_stages = 3;
@@ -69,6 +71,7 @@ TEST(ProducerGpu, SanitizerSmall) {
       {"bulk-copy tail blocks", tail_options(1, 2, 32, 3)},
       {"bulk-copy 128-task tiles, default tail", tile128_default_tail},
       {"bulk-copy 4 blocks per SM", four_per_sm},
+      {"bulk-copy row stores", row_store},
       {"auto", ProducerCudaOptions{}}};
   for (const ProducerMode mode : kModes) {
     SCOPED_TRACE(producer_mode_name(mode));

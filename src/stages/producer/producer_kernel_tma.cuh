@@ -111,12 +111,12 @@ namespace m3attn::producer_kernel {
 //   full[s]  (32 arrivals: every copy lane after its st.shared and its expect_tx; + the bytes of
 //            the copies): the compute warps wait parity u&1;
 //   empty[s] (256 arrivals: every compute thread after its last shared read of the stage; with
-//            g.warp_release 8: one lane per warp after __syncwarp): the copy warp waits parity
-//            (u - 1)&1 before refilling the stage (it >= kTmaStages). Every thread arrives by
-//            default so that each thread's reads are ordered before the refill by its own release:
-//            compute-sanitizer racecheck does not carry the ordering through __syncwarp to another
-//            lane's arrival (40 hazards reported in session 12, round A, with one arrival per
-//            warp, the session-11 code).
+//            g.warp_release 8 arrivals, one lane per warp after __syncwarp): the copy warp waits
+//            parity (u - 1)&1 before refilling the stage (it >= kTmaStages). Every thread arrives
+//            by default so that each thread's reads are ordered before the refill by its own
+//            release: compute-sanitizer racecheck does not carry the ordering through __syncwarp to
+//            another lane's arrival (40 hazards reported in session 12, round A, with one arrival
+//            per warp, the session-11 code).
 
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;

@@ -36,14 +36,14 @@
 // per M bucket; its describe() printed at the start shows the tuner's own times); a fourth shows
 // cuBLASLt with non-deterministic split-K allowed. q+wgmma_pdl is the quantizer + the wgmma GEMM
 // launched with GemmWgmmaOptions::programmatic_launch (weights requested while the quantizer
-// finishes). A variants table times run_gemm_wgmma_cuda at other grid / burst / L2 promotion /
-// L2 prefetch settings, fused and (M = 1) the pair's two GEMMs alone. Every GEMM object but the
-// default and auto ones names its path, so M3ATTN_GEMM_PATH changes only those two.
+// finishes). A variants table times run_gemm_wgmma_cuda at other grid (units per CTA, CTAs per SM,
+// waves) / burst / L2 settings, fused and (M = 1) the pair's two GEMMs alone. Every GEMM object but
+// the default and auto ones names its path, so M3ATTN_GEMM_PATH changes only those two.
 //
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
-// --promotion P, --prefetch G, --burst B, --waves W setting GemmWgmmaOptions).
+// --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -350,12 +350,12 @@ int run(int argc, char** argv) {
       int_arg(&only.min_units_per_cta);
     } else if (f == "--promotion") {
       int_arg(&only.weight_l2_promotion);
-    } else if (f == "--prefetch") {
-      int_arg(&only.l2_prefetch_units);
     } else if (f == "--burst") {
       int_arg(&only.burst);
     } else if (f == "--waves") {
       int_arg(&only.max_waves);
+    } else if (f == "--pdl-chain") {
+      only.programmatic_launch = only.trigger_dependents = true;
     } else if (f == "--json") {
       json = true;
     } else if (f == "--quick") {
@@ -367,7 +367,7 @@ int run(int argc, char** argv) {
     } else {
       std::fprintf(stderr,
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-                   "--wgmma-only: --min-units U --promotion P --prefetch G --burst B --waves W)\n",
+                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain)\n",
                    argv[i]);
       return 2;
     }
@@ -477,8 +477,12 @@ int run(int argc, char** argv) {
   // kGemmWgmmaAutoMaxM unless M3ATTN_GEMM_PATH forces a path): what the layer gets. And the auto
   // choice over every decode bucket (wgmma_auto_max_m = 64), to compare the tuner's choice with
   // the timings below.
-  auto fused_dflt = make(64, kNF, {});
+  Trio dflt{make(64, kNF, {}), make(64, kN1, {}), make(64, kN2, {})};
+  Fp8BlockGemm* fused_dflt = dflt.fused.get();
   std::printf("default-options fused object:\n%s", fused_dflt->describe().c_str());
+  if (verbose)
+    std::printf("default-options pair:\n%s%s", dflt.first->describe().c_str(),
+                dflt.second->describe().c_str());
   Fp8BlockGemmOptions auto_opt;
   auto_opt.wgmma_auto_max_m = 64;
   auto fused_auto = make(64, kNF, auto_opt);
@@ -640,12 +644,16 @@ int run(int argc, char** argv) {
             .median_us;
     const Both t_dflt = fused_time(*fused_dflt, "fused (default options)");
     const Both t_auto = fused_time(*fused_auto, "fused (auto, wgmma_auto_max_m 64)");
-    std::printf("M %lld: default-options fused object runs %s; auto object runs %s\n",
-                static_cast<long long>(rows_m),
-                fused_dflt->algorithm_for(gemm_padded_rows(rows_m)).c_str(),
-                fused_auto->algorithm_for(gemm_padded_rows(rows_m)).c_str());
+    const int64_t m_pad = gemm_padded_rows(rows_m);
+    std::printf(
+        "M %lld: default-options objects run fused %s | N=9216 %s | N=640 %s; auto fused object "
+        "runs %s\n",
+        static_cast<long long>(rows_m), fused_dflt->algorithm_for(m_pad).c_str(),
+        dflt.first->algorithm_for(m_pad).c_str(), dflt.second->algorithm_for(m_pad).c_str(),
+        fused_auto->algorithm_for(m_pad).c_str());
     const Both t_lt_pair = pair_time(lt, "pair (cuBLASLt)");
     const Both t_wg_pair = pair_time(wg, "pair (wgmma)");
+    const Both t_dflt_pair = pair_time(dflt, "pair (default options)");
     const Both t_qlt = q_time(*lt.fused, "quantize + fused (cuBLASLt)");
     const Both t_qwg = q_time(*wg.fused, "quantize + fused (wgmma)");
     const Both t_qpdl = q_time(*fused_pdl, "quantize + fused (wgmma, PDL)");
@@ -674,6 +682,10 @@ int run(int argc, char** argv) {
     r.add("wg_pair_us", t_wg_pair.us);
     r.add("wg_pair_b2b_us", t_wg_pair.b2b_us);
     r.add("wg_pair_b2b_%copy", pct_copy(pair_bytes, t_wg_pair.b2b_us), 1);
+    r.add("default_pair_us", t_dflt_pair.us);
+    r.add("default_pair_b2b_us", t_dflt_pair.b2b_us);
+    r.add("default_fused_faster",
+          t_dflt_pair.us > t_dflt.us && t_dflt_pair.b2b_us > t_dflt.b2b_us ? "yes" : "NO");
     r.add("q+lt_us", t_qlt.us);
     r.add("q+lt_b2b_us", t_qlt.b2b_us);
     r.add("q+wgmma_us", t_qwg.us);
@@ -688,8 +700,9 @@ int run(int argc, char** argv) {
       "isolated, b2b_us: back-to-back; %copy of 4300 GB/s)",
       rows_wg, json);
 
-  // wgmma kernel variants (run_gemm_wgmma_cuda directly): grid shape, bursts, L2 policy and
-  // prefetch of the weights; fused N = 9856, and the two GEMMs of the pair alone at M = 1.
+  // wgmma kernel variants (run_gemm_wgmma_cuda directly): grid shape (units per CTA, CTAs per SM,
+  // waves), bursts, L2 policy of the weights; fused N = 9856, and the two GEMMs of the pair alone
+  // at M = 1.
   {
     constexpr int kVariantWaves = 16;  // the most waves a variant below asks for
     Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64, kVariantWaves);
@@ -700,19 +713,19 @@ int run(int argc, char** argv) {
     struct Variant {
       int ctas, min_units, burst;
       bool evict_first;
-      int promotion, prefetch;
+      int promotion;
       int waves = 1;
+      bool chain = false;  // programmatic_launch + trigger_dependents (overlaps back-to-back calls)
     };
+    // The default first (16 units, burst auto, evict-first, no L2 promotion, one wave).
     const Variant variants[] = {
-        {0, 16, 0, true, 256, 0},    {0, 4, 0, true, 256, 0},   {0, 24, 0, true, 256, 0},
-        {1, 16, 0, true, 256, 0},    {0, 16, 2, true, 256, 0},  {0, 16, 99, true, 256, 0},
-        {0, 16, 0, true, 0, 0},      {0, 24, 0, true, 0, 0},    {0, 16, 2, true, 0, 0},
-        {0, 16, 0, false, 0, 0},     {0, 16, 0, true, 0, 4},    {0, 16, 0, true, 0, 8},
-        {0, 16, 0, true, 0, 16},     {0, 16, 2, true, 0, 8},    {1, 16, 0, true, 0, 8},
-        {0, 16, 0, true, 256, 8},    {0, 8, 0, true, 0, 0, 16}, {0, 6, 0, true, 0, 0, 16},
-        {0, 4, 0, true, 0, 0, 16},   {0, 2, 0, true, 0, 0, 16}, {0, 8, 0, true, 256, 0, 16},
-        {0, 4, 0, true, 256, 0, 16}, {1, 8, 0, true, 0, 0, 16}, {0, 8, 0, true, 0, 8, 16},
-        {0, 12, 0, true, 0, 0, 16},  {0, 4, 2, true, 0, 0, 16}};
+        {0, 16, 0, true, 0},          {0, 16, 0, true, 256},        {0, 16, 2, true, 0},
+        {0, 24, 0, true, 0},          {0, 4, 0, true, 0},           {1, 16, 0, true, 0},
+        {0, 16, 0, false, 0},         {0, 12, 0, true, 0, 16},      {0, 8, 0, true, 0, 16},
+        {0, 6, 0, true, 0, 16},       {0, 4, 0, true, 0, 16},       {0, 2, 0, true, 0, 16},
+        {0, 1, 0, true, 0, 16},       {0, 8, 0, true, 256, 16},     {1, 8, 0, true, 0, 16},
+        {0, 4, 2, true, 0, 16},       {0, 8, 0, true, 0, 4},        {0, 4, 0, true, 0, 4},
+        {0, 16, 0, true, 0, 1, true}, {0, 8, 0, true, 0, 16, true}, {0, 4, 0, true, 0, 4, true}};
     std::vector<bench::Row> rows_var;
     auto add_row = [&](int64_t rows_m, int64_t n, const Variant& v, const GemmWgmmaOptions& o) {
       const int64_t m = gemm_padded_rows(rows_m);
@@ -732,8 +745,8 @@ int run(int argc, char** argv) {
       r.add("burst", v.burst == 0 ? "auto" : v.burst == 99 ? "ring" : std::to_string(v.burst));
       r.add("evict_first", v.evict_first ? "yes" : "no");
       r.add("L2_promo", std::to_string(v.promotion));
-      r.add("prefetch", std::to_string(v.prefetch));
       r.add("waves", std::to_string(v.waves));
+      r.add("pdl_chain", v.chain ? "yes" : "no");
       r.add("us", t.us);
       r.add("b2b_us", t.b2b_us);
       r.add("%copy", pct_copy(bytes, t.us), 1);
@@ -747,8 +760,9 @@ int run(int argc, char** argv) {
       o.burst = v.burst;
       o.weight_evict_first = v.evict_first;
       o.weight_l2_promotion = v.promotion;
-      o.l2_prefetch_units = v.prefetch;
       o.max_waves = v.waves;
+      o.programmatic_launch = v.chain;
+      o.trigger_dependents = v.chain;
       return o;
     };
     for (int64_t rows_m : {int64_t{1}, int64_t{16}, int64_t{64}}) {
@@ -762,17 +776,16 @@ int run(int argc, char** argv) {
       const Calls c = make_calls(b, 1);
       must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
       check_cuda(cudaStreamSynchronize(stream), "quantize");
-      const Variant parts[] = {{0, 16, 0, true, 256, 0},  {0, 4, 0, true, 256, 0},
-                               {0, 1, 0, true, 256, 0},   {0, 4, 0, true, 0, 0},
-                               {0, 1, 0, true, 0, 0},     {0, 16, 0, true, 0, 8},
-                               {0, 4, 0, true, 0, 0, 16}, {0, 8, 0, true, 0, 0, 16}};
+      const Variant parts[] = {
+          {0, 16, 0, true, 0},    {0, 16, 0, true, 256},  {0, 4, 0, true, 0},    {0, 1, 0, true, 0},
+          {0, 8, 0, true, 0, 16}, {0, 4, 0, true, 0, 16}, {0, 2, 0, true, 0, 16}};
       for (int64_t n : {kN1, kN2})
         for (const Variant& v : parts) add_row(1, n, v, options_of(v));
     }
     bench::print_rows(
         "wgmma kernel variants (graph replay, cold L2; us: isolated, b2b_us: back-to-back; burst "
-        "auto = half the ring, ring = the whole ring; prefetch = units per L2 prefetch of each "
-        "weight row, 0 = none; waves = GemmWgmmaOptions::max_waves)",
+        "auto = half the ring; waves = GemmWgmmaOptions::max_waves; pdl_chain: programmatic "
+        "launch + trigger_dependents, so back-to-back calls overlap)",
         rows_var, json);
     cudaFree(ws);
   }

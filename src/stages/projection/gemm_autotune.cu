@@ -570,26 +570,36 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
     return Status::Ok();
   }
 
+  // Candidates: the object's options and, when those are the defaults, other grid shapes and L2
+  // promotion (session 12, projection_bench: 16 units per CTA without promotion fastest for the
+  // fused N 9856 at M <= 16; 4 units for N 640, whose 240 units give 16-unit CTAs only 15 CTAs),
+  // and grids over kTuneWgmmaWaves waves of small CTAs.
   std::vector<GemmWgmmaOptions> candidates = {options.wgmma};
   const GemmWgmmaOptions dflt;
   if (options.wgmma.ctas_per_sm == dflt.ctas_per_sm && options.wgmma.burst == dflt.burst &&
-      options.wgmma.min_units_per_cta == dflt.min_units_per_cta) {
-    for (int units : {4, 24, 48}) {
+      options.wgmma.min_units_per_cta == dflt.min_units_per_cta &&
+      options.wgmma.weight_l2_promotion == dflt.weight_l2_promotion &&
+      options.wgmma.max_waves == dflt.max_waves) {
+    struct Shape {
+      int units, promotion, waves;
+    };
+    for (const Shape& sh : {Shape{24, 0, 1}, Shape{4, 0, 1}, Shape{16, 256, 1},
+                            Shape{8, 0, kTuneWgmmaWaves}, Shape{4, 0, kTuneWgmmaWaves}}) {
       GemmWgmmaOptions o = options.wgmma;
-      o.min_units_per_cta = units;
-      candidates.push_back(o);
-    }
-    // No L2 promotion of the weight loads (session 11's fastest variant at M = 1 and 16).
-    for (int units : {16, 24}) {
-      GemmWgmmaOptions o = options.wgmma;
-      o.min_units_per_cta = units;
-      o.weight_l2_promotion = 0;
+      o.min_units_per_cta = sh.units;
+      o.weight_l2_promotion = sh.promotion;
+      o.max_waves = sh.waves;
       candidates.push_back(o);
     }
   }
   double best_us = -1;
   std::string timed;
   for (const GemmWgmmaOptions& o : candidates) {
+    const std::string label =
+        "min units " + std::to_string(o.min_units_per_cta) +
+        (o.weight_l2_promotion == 0 ? std::string()
+                                    : " promo " + std::to_string(o.weight_l2_promotion)) +
+        (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
     const Status first =
@@ -597,8 +607,8 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
     if (!first.ok()) {
       cudaGetLastError();
       M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-      b.tuning += "; wgmma refused: " + first.to_string();
-      return Status::Ok();
+      timed += (timed.empty() ? "" : ", ") + label + " refused (" + first.to_string() + ")";
+      continue;
     }
     tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
     M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -606,8 +616,8 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
     M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
     if (print != b.tuned_print) {
-      b.tuning += "; wgmma output differs from cuBLASLt's: not used";
-      return Status::Ok();
+      timed += (timed.empty() ? "" : ", ") + label + " output differs from cuBLASLt's";
+      continue;
     }
     double us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
@@ -617,11 +627,7 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
         },
         &us));
     if (us < 0) continue;
-    timed += (timed.empty() ? "" : ", ") + std::string("min units ") +
-             std::to_string(o.min_units_per_cta) +
-             (o.weight_l2_promotion == 256 ? std::string()
-                                           : " promo " + std::to_string(o.weight_l2_promotion)) +
-             " " + fmt_us(us);
+    timed += (timed.empty() ? "" : ", ") + label + " " + fmt_us(us);
     if (best_us < 0 || us < best_us) {
       best_us = us;
       b.wgmma_options = o;

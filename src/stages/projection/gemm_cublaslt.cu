@@ -300,8 +300,12 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   impl->wgmma_max_m = std::min(wgmma_max_m, gemm_padded_rows(max_m));
   impl->wgmma_auto_max_m = std::min(wgmma_auto, gemm_padded_rows(max_m));
   if (impl->wgmma_max_m > 0 || impl->wgmma_auto_max_m > 0) {
-    Result<size_t> bytes = gemm_wgmma_workspace_bytes(
-        n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m), options.wgmma.max_waves);
+    // The auto range's candidates include grids over kTuneWgmmaWaves waves.
+    const int waves = impl->wgmma_auto_max_m > 0
+                          ? std::max(options.wgmma.max_waves, kTuneWgmmaWaves)
+                          : options.wgmma.max_waves;
+    Result<size_t> bytes =
+        gemm_wgmma_workspace_bytes(n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m), waves);
     M3_RETURN_IF_ERROR(bytes.status());
     impl->wgmma_workspace_bytes = bytes.value();
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));
@@ -431,7 +435,8 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
-           std::to_string(bucket->wgmma_options.weight_l2_promotion) + ")";
+           std::to_string(bucket->wgmma_options.weight_l2_promotion) + ", waves " +
+           std::to_string(bucket->wgmma_options.max_waves) + ")";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }

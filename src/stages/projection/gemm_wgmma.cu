@@ -187,9 +187,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
-  M3_CHECK_ARG(options.l2_prefetch_units >= 0 && options.l2_prefetch_units <= 64,
-               "GemmWgmmaOptions::l2_prefetch_units = ", options.l2_prefetch_units,
-               " must be in [0, 64]");
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
   if (m > kMaxM)
     return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
@@ -251,10 +248,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.m = static_cast<int>(m);
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
+  args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
-  args.w = p.b.ptr<const uint8_t>();
-  args.ldw = p.b.stride[0];
-  args.prefetch = options.l2_prefetch_units;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
   if (ctas_per_sm == 1)

@@ -35,15 +35,12 @@ struct GemmWgmmaOptions {
   // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
   // to the ring depth.
   int burst = 0;
-  // L2 promotion of the weight loads (bytes fetched into L2 per request): 0 (none), 64, 128 or
-  // 256. 256 (default) also fetches the neighbouring 128-byte K block of each weight row, which
-  // the CTA's next unit reads.
-  int weight_l2_promotion = 256;
-  // L2 prefetch of the weights (variant, 0 = off): the producer warp requests each weight row's
-  // bytes of a group of this many units (within one tile, up to one group past the loads it
-  // issues) as one contiguous cp.async.bulk.prefetch.L2, so the DRAM sees runs of 128 x this many
-  // bytes per row instead of the TMA boxes' 128-byte pieces.
-  int l2_prefetch_units = 0;
+  // L2 promotion of the weight loads (bytes fetched into L2 per request): 0 (none, default), 64,
+  // 128 or 256 (also fetches the neighbouring 128-byte K block of each weight row, which the CTA's
+  // next unit reads). Session 12, projection_bench at N 9856: 0 beat 256 at M = 1 (22.66 vs 23.68
+  // us isolated, 20.23 vs 21.14 back-to-back) and M = 16 (23.84 vs 24.74, 21.35 vs 22.19), equal at
+  // M = 64 (31.81 vs 31.81, 29.10 vs 29.41); session 11 saw the same. Results do not depend on it.
+  int weight_l2_promotion = 0;
   // Waves of resident CTAs the grid may span (variant; 1 = one wave, the default). With more, the
   // hardware hands the remaining CTAs to SMs as CTAs finish, so SMs that stream faster take more
   // of the work (session 11's profiles: SMs idle ~28 % of the kernel's time at the tail). The
@@ -55,6 +52,12 @@ struct GemmWgmmaOptions {
   // activations, scales and every write come after the wait. The preceding kernel must not write
   // the weights. Graph-capturable (a programmatic edge).
   bool programmatic_launch = false;
+  // Variant: every CTA executes griddepcontrol.launch_dependents at its start, so a kernel
+  // launched next with programmatic dependent launch (which must griddepcontrol.wait before
+  // reading or writing what this GEMM writes, as this kernel does with programmatic_launch) may
+  // start on the SMs this grid's first finishers leave, overlapping its tail. No effect on plain
+  // launches that follow.
+  bool trigger_dependents = false;
   // Kept for source compatibility; ignored: the producer warp now always stages every unit's
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;

@@ -39,13 +39,16 @@
 // TMA bytes and its scales have landed. (Session 11, ncu round 1: with the scales loaded by the
 // consumers from global memory at every unit, 30-47 % of the warp stalls sat on those loads and
 // the consumers, not HBM, set the pace: 2.2-2.5 TB/s, SMs 18 % above / below the mean busy time.)
-// Variant (GemmWgmmaOptions::l2_prefetch_units = G > 0): the producer warp also requests, ahead
-// of its TMA loads, each weight row's bytes of the next group of G units as one contiguous
-// cp.async.bulk.prefetch.L2 (G x 128 bytes per row, one row per lane), to test whether longer
-// per-row runs reach the DRAM better than the boxes' 128-byte pieces.
+// Programmatic dependent launch both ways: programmatic_launch lets this grid request its first
+// ring of weights while the preceding kernel finishes; trigger_dependents (variant) lets the next
+// PDL-launched kernel start while this grid's last CTAs finish.
+// (Session 12 measured and dropped an L2-prefetch variant: the producer warp requested each
+// weight row's next 4-16 units as one contiguous cp.async.bulk.prefetch.L2 ahead of the TMA
+// loads; 19-55 % slower at every M, DRAM throughput 2.36 vs 2.88 TB/s in ncu at M = 1.)
 // Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, fold with the staged
 // scales, release the stage. Grid: (1 or 2 for n <= 16; 1 for n = 32, 64: registers) x SMs CTAs,
-// at least `min_units_per_cta` units each, never more than one wave of resident CTAs.
+// at least `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one;
+// the stream-K fixup never waits for another CTA, so later waves are safe).
 //
 // Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
 // ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
@@ -101,9 +104,7 @@ struct WgmmaArgs {
   int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
   int units;               // tiles * kblocks (< 2^31: checked on the host)
-  const uint8_t* w;        // the weights (row stride ldw bytes), for the L2 prefetches
-  int64_t ldw;
-  int prefetch;  // units per L2 prefetch of each weight row (0: no prefetch)
+  int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -141,11 +142,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
-}
-
-// Prefetch of `bytes` contiguous global bytes into L2 (16-byte aligned, a multiple of 16).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
@@ -299,6 +295,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
+  // A kernel launched after this one with programmatic dependent launch may start once every CTA
+  // of this grid has started (it must griddepcontrol.wait before touching what this grid writes),
+  // so its CTAs take the SMs this grid's early finishers leave and overlap this grid's tail.
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumerThreads) {
     // Producer warp: lane 0 streams the CTA's units in order through the ring with TMA; every
@@ -325,25 +325,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       for (int j = 0; j < early; ++j) load_weights(j, u_begin + j);
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     int i = 0;
-    int pf = u_begin;  // first unit whose weights are not yet prefetched into L2 (p.prefetch > 0)
     for (int u = u_begin; u < u_end;) {
       // Bursts: wait until `burst` slots are free, then issue their loads back to back, so each
       // weight row is requested burst x 128 contiguous bytes at a time (DRAM row locality).
       const int nb = u_end - u < burst ? static_cast<int>(u_end - u) : burst;
-      // L2 prefetch (variant): up to p.prefetch units past this burst, each weight row's bytes of
-      // a group of p.prefetch units (within one tile) are requested as one contiguous bulk
-      // prefetch, one row per lane at a time, so the DRAM sees long runs of each row; the TMA
-      // loads then find the lines in L2 (or in flight).
-      while (p.prefetch > 0 && pf < u_end && pf < u + nb + p.prefetch) {
-        const int tile = pf / kb_count, kb = pf - tile * kb_count;
-        int end = pf + p.prefetch;
-        if (end > (tile + 1) * kb_count) end = (tile + 1) * kb_count;
-        if (end > u_end) end = u_end;
-        const uint8_t* src = p.w + int64_t{tile} * kTileN * p.ldw + int64_t{kb} * kBlockK;
-        for (int r = lane; r < kTileN; r += 32)
-          prefetch_l2_bulk(src + r * p.ldw, static_cast<uint32_t>((end - pf) * kBlockK));
-        pf = end;
-      }
       for (int j = 0; j < nb; ++j) {
         const int ij = i + j;
         if (ij >= kStages) mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);

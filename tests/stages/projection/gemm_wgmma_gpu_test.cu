@@ -73,7 +73,6 @@ struct Case {
   bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
-  int prefetch = 0;         // GemmWgmmaOptions::l2_prefetch_units
   int waves = 1;            // GemmWgmmaOptions::max_waves
 };
 
@@ -84,7 +83,7 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " L2 prefetch " + std::to_string(c.prefetch) + " waves " + std::to_string(c.waves);
+         " waves " + std::to_string(c.waves);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -97,7 +96,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.weight_evict_first = c.evict_first;
   o.weight_l2_promotion = c.promotion;
   o.programmatic_launch = c.pdl;
-  o.l2_prefetch_units = c.prefetch;
   o.max_waves = c.waves;
   return o;
 }
@@ -175,18 +173,12 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, true},
                       Case{64, 640, 1024, 0, 16, true, 0, 1, 0, true, 256, true},
                       Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true},
-                      // L2 prefetch of the weight rows (groups split at tile and CTA ends).
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 8},
-                      Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 4},
-                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, true, 0, false, 3},
-                      Case{16, 640, 6144, 0, 0, false, 1, 4, 2, true, 0, false, 64},
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, true, 8},
                       // Grids over several waves of resident CTAs (max_waves).
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 0, 16},
-                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 0, 16},
-                      Case{33, 1280, 2048, 8, 16, true, 0, 2, 0, true, 0, false, 4, 8},
-                      Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 0, 4},
-                      Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 0, 4}));
+                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 16},
+                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 16},
+                      Case{33, 1280, 2048, 8, 16, true, 0, 2, 0, true, 0, false, 8},
+                      Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 4},
+                      Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 4}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -319,6 +311,68 @@ TEST(GemmWgmmaGraph, ProgrammaticLaunchEqualsPlainLaunch) {
   }
 }
 
+// Two GEMMs back to back, both with programmatic launch and trigger_dependents, writing the same
+// output from different activations, on one workspace: the second may start while the first
+// finishes but writes only after it, so the output is the second's, bit for bit (eager and as a
+// graph replay), and the shared arrival counters end at zero.
+TEST(GemmWgmmaGraph, TriggeredChainWritesTheLastGemm) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t rows : {1, 16, 40}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "rows " << rows);
+    Rng rng(seed);
+    const int64_t n = 1280, k = 2048;
+    GemmData d1 = make_integer_data(rows, n, k, rng);
+    GemmData d2 = make_integer_data(rows, n, k, rng);
+    GemmData mixed = d1;  // the second call: d2's activations, d1's weights
+    mixed.a = d2.a;
+    mixed.sa = d2.sa;
+    const std::vector<uint16_t> ref = cpu_gemm(mixed);
+    DeviceGemm g1(d1, n), g2(d2, n);
+    GemmParams p1 = g1.params(), p2 = g1.params();
+    p2.a = g2.params().a;
+    p2.a_scales = g2.params().a_scales;
+    GemmWgmmaOptions o;
+    o.programmatic_launch = true;
+    o.trigger_dependents = true;
+    o.min_units_per_cta = 2;
+    DeviceBuffer ws = make_workspace(n, rows);
+    cudaStream_t stream;
+    M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto chain = [&] {
+      EXPECT_TRUE(run_gemm_wgmma_cuda(p1, ws.data(), ws.bytes(), stream, o).ok());
+      EXPECT_TRUE(run_gemm_wgmma_cuda(p2, ws.data(), ws.bytes(), stream, o).ok());
+    };
+    for (int pass = 0; pass < 2; ++pass) {
+      g1.out.poison(kPoison);
+      if (pass == 0) {
+        chain();
+      } else {
+        cudaGraph_t graph;
+        cudaGraphExec_t exec;
+        M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        chain();
+        M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+        M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+        M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      int64_t touched = 0;
+      const std::vector<uint16_t> got = g1.result(&touched);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0)
+          << (pass ? "graph: " : "eager: ") << report;
+      EXPECT_EQ(touched, 0);
+      EXPECT_EQ(nonzero_counters(ws, n), 0);
+    }
+    M3_CUDA_TEST_CHECK(cudaStreamDestroy(stream));
+  }
+}
+
 TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -376,12 +430,7 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
     EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, waves).status().code(),
               StatusCode::kInvalidArgument);
   }
-  for (int prefetch : {-1, 65}) {
-    bad = {};
-    bad.l2_prefetch_units = prefetch;
-    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-              StatusCode::kInvalidArgument);
-  }
+
   bad = {};
   bad.min_units_per_cta = 0;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),

@@ -100,7 +100,7 @@ struct Case {
   double bytes = 0;  // K/V bytes the selection reads
   double flops = 0;  // selected work
   // Back-to-back timing: page tables of the input copies (copy 0 = `table`), copy k mapping
-  // request r to the pool region of request (r + k R) mod regions, so no two copies share a page.
+  // request r to the pool region r + k R (copies <= regions / R: no two copies share a page).
   std::vector<std::vector<int32_t>> tables;
   std::vector<void*> d_tables;
 };

@@ -48,6 +48,13 @@
 //   the H200): a software-pipelined variant (S(i + 1) and its softmax under P V(i), lazy running
 //   maximum), skipping the NaN check in blocks every token sees whole, shift-free conversions
 //   (together 3-7 % slower than this version); an L2 prefetch ahead of the ring (4 % slower).
+//   Session 12 (round A, H200, isolated / back-to-back us at B256 x 4 @ 8K; variants below):
+//   v1 192.4 / 187.0, v3 189.7 / 184.7 (now the automatic choice), v4 191.6 / 186.7, v5 206.7,
+//   v2 227.8: 3 CTAs per SM with a 2-stage ring lose (1 block in flight per CTA, spills). Splitting
+//   a tile's blocks over more CTAs costs ~7 us per extra CTA generation per slot (splits sweep:
+//   B256 x 4 257 us with 2 splits): each CTA start pays the dependent chain query_start -> ids ->
+//   page table -> first block under a loaded memory system; hiding it needs CTAs that prepare the
+//   next work item while streaming the current one (persistent), not more CTAs.
 #pragma once
 
 #include <cstdint>

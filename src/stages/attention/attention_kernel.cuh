@@ -400,15 +400,30 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
   }
 }
 
-// L2 prefetch of the K and V tiles of (page, KV head g): one 128-byte line of each per thread
-// (a tile that is only 4-byte aligned spans one more line, left to the copy). It lets the
-// decode / verify kernels keep more bytes in flight than their shared-memory ring holds.
+// L2 prefetch of the K and V tiles of (page, KV head g). It lets the decode / verify kernels keep
+// more bytes in flight than their shared-memory ring holds. 16-byte aligned tiles (kVec16 pools):
+// one bulk prefetch of each 16 KB tile by thread 0 (cp.async.bulk.prefetch.L2, the TMA unit: no
+// load-unit slots); otherwise one 128-byte line of each per thread (prefetch.global.L2; a tile that
+// is only 4-byte aligned spans one more line, left to the copy). Session 11 measured the per-line
+// form 4-15 % slower than no prefetch.
+template <bool kVec16>
 __device__ __forceinline__ void prefetch_block_l2(const AttnArgs& a, int page, int g) {
   static_assert(kThreads * 128 == kTileBytes, "one line per thread and tile");
-  const uint8_t* kt = a.kv + static_cast<int64_t>(page) * a.page_stride +
-                      static_cast<int64_t>(g) * kTileBytes + threadIdx.x * 128;
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt));
-  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt + a.plane_stride));
+  const uint8_t* kt =
+      a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
+  if constexpr (kVec16) {
+    if (threadIdx.x == 0) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kt), "r"(kTileBytes)
+                   : "memory");
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kt + a.plane_stride),
+                   "r"(kTileBytes)
+                   : "memory");
+    }
+  } else {
+    kt += threadIdx.x * 128;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt + a.plane_stride));
+  }
 }
 
 // Raw V (swizzled, see load_block) -> f16 [key][dim] with 16-byte chunk c (8 dims) of key k at
@@ -669,7 +684,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     // L2 prefetch (single-token tiles only: the multi-token variants sit at the register limit).
     if constexpr (QT == 1)
       for (int j = kSt - 1; j < min(count, kSt - 1 + a.prefetch); ++j)
-        if (s_list_mask[off + j]) prefetch_block_l2(a, s_list_page[off + j], g);
+        if (s_list_mask[off + j]) prefetch_block_l2<kVec16>(a, s_list_page[off + j], g);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
       cp_async_wait<kSt - 2>();
@@ -683,7 +698,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
         if constexpr (QT == 1) {
           const int jp = j + a.prefetch;
           if (a.prefetch > 0 && jp < count && s_list_mask[off + jp])
-            prefetch_block_l2(a, s_list_page[off + jp], g);
+            prefetch_block_l2<kVec16>(a, s_list_page[off + jp], g);
         }
       }
       const int mask = s_list_mask[off + i];

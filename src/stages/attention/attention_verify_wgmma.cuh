@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
     for (int j = kStages - 1; j < min(count, kStages - 1 + a.prefetch); ++j)
-      if (lmask[j]) ak::prefetch_block_l2(a, lpage[j], g);
+      if (lmask[j]) ak::prefetch_block_l2<kVec16>(a, lpage[j], g);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
       if constexpr (kTma) {
@@ -432,7 +432,8 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
         const int sj = cur == 0 ? kStages - 1 : cur - 1;
         load(j, count, lmask, lpage, sj);
         const int jp = j + a.prefetch;
-        if (a.prefetch > 0 && jp < count && lmask[jp]) ak::prefetch_block_l2(a, lpage[jp], g);
+        if (a.prefetch > 0 && jp < count && lmask[jp])
+          ak::prefetch_block_l2<kVec16>(a, lpage[jp], g);
       };
       if constexpr (!kDeferPV) refill(stage);
       uint8_t* sbuf = smem + stage * kStageBytes;

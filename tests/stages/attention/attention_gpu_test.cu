@@ -6,7 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
 // the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
 // with and without splits) and its variants 3 and 4, and the Hopper wgmma decode / verify kernel
-// (kernel = 5: 4-token tiles x 16 heads on one warpgroup), which must meet the same tolerance.
+// (kernel = 5: 4-token tiles x 16 heads on one warpgroup; its variants 1 .. 8, verify_variant,
+// with and without splits and L2 prefetch), which must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).

@@ -29,6 +29,10 @@ constexpr int64_t kTargetCtasPerSm = 8;
 constexpr int kFusedAutoMinPages = 128;
 // Blocks per split the automatic plan aims for in decode units (two-kernel path, see make_plan).
 constexpr int64_t kDecodeChunk = 16;
+// ... and at contexts of <= 64 blocks (8K): session 12 round B, two-kernel path, 3 splits of 24
+// blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
+// draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
+constexpr int64_t kDecodeChunkShort = 24;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 1;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
@@ -131,7 +135,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     // split count). Session 11 round 2 on the H200, two-kernel path, draft
     // 0: 64 x 8K 26.8 us with 16-block chunks vs 32.5 us with the 4-block chunks of the CTA
     // target alone (8 per SM); 256 x 8K 78.7 us either way (its target gives 16 already).
-    int64_t dchunk = std::min<int64_t>(kDecodeChunk, round4(max_pages));
+    int64_t dchunk = std::min<int64_t>(
+        max_pages <= ik::kFusedMaxChunk ? kDecodeChunkShort : kDecodeChunk, round4(max_pages));
     if (R * ceil_div(max_pages, dchunk) < sms)
       dchunk =
           std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps, dchunk);
@@ -170,12 +175,14 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       chunk = fchunk;
     }
   }
-  // Single pass: forced by the option, or automatic where round A of session 12 measured it
-  // fastest: <= 64 blocks, at least 1.5 requests (CTAs) per SM and one token per request (256 x
-  // 8K draft 0: 69.9 / 67.6 us isolated / back to back vs 78.5 / 76.6 for the two-kernel path;
-  // at draft 3 86.9 vs 83.9 us, at 64 requests 50.8 vs 26.4 us: too few CTAs).
+  // Single pass: forced by the option, or automatic where session 12 round B measured it fastest
+  // (isolated / back to back, vs the two-kernel path): <= 64 blocks, at least 0.75 requests (CTAs)
+  // per SM and one token per request: 8K draft 0 at 128 requests 38.8 / 36.9 vs 44.7 / 41.7 us,
+  // 192: 53.5 / 51.7 vs 59.6 / 57.4, 256: 68.6 / 66.5 vs 75.6 / 73.4; not at 64 requests (26.4
+  // / 24.7 vs 25.4 / 23.6) nor at draft 3 (equal within 2 % at 128-256 requests, 41.9 vs 27.8 us
+  // at 64).
   const bool auto_single = o.k_splits == 0 && !o.fused_decode_always &&
-                           2 * int64_t{p.batch.num_requests} >= 3 * int64_t{sms} &&
+                           4 * int64_t{p.batch.num_requests} >= 3 * int64_t{sms} &&
                            T <= int64_t{p.batch.num_requests} * kSingleMaxTokensPerRequest;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
       T > 0 && max_pages <= ik::kFusedMaxChunk) {

@@ -106,7 +106,7 @@ struct IndexerCudaOptions {
   // run (!unfused_decode, !decode_bulk_copy), the fused scorer with one split per unit (k_splits
   // is ignored) writes block_ids itself: a decode unit's CTA selects from all its block maxima at
   // once, an overflow tile from the block scores it wrote; no merge kernel follows (same ids).
-  // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of >= 1.5
+  // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of >= 0.75
   // requests per SM and one query token per request; true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path

@@ -16,7 +16,7 @@
 //     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
 //     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
 //     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants); it
-//     runs as the warp-specialised persistent kernel 10 (attention_prefill_ws.cuh; 6-9: its
+//     runs as the warp-specialised persistent kernel 11 (attention_prefill_ws.cuh; 6-10: its
 //     variants) where TMA can address the pool.
 #include <algorithm>
 #include <cstdint>
@@ -47,9 +47,10 @@ constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill
 // the pool (H200, 8K chunk: kernel 8 1265 / 1426 us sparse at 8K / 64K vs 1350 / 1516 us for
 // variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck;
 // kernel 10 its tile-union bottleneck: sparse 915 / 1038 us vs 998 / 1112 us for kernel 9,
-// session 12 round A).
+// session 12 round A; kernel 11 a deeper ring: round B 939-946 / 1061-1071 us vs 1000-1006 /
+// 1139-1148 us for kernel 10).
 constexpr bool kAutoWs = true;
-constexpr int kAutoWsKernel = 10;  // which of its variants (AttentionCudaConfig::kernel 6 .. 11)
+constexpr int kAutoWsKernel = 11;  // which of its variants (AttentionCudaConfig::kernel 6 .. 11)
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).

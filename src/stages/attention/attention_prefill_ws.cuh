@@ -125,7 +125,10 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, c
 // every token that sees p NaN, and nothing else). Rows past the V limit are zeroed; in the shared
 // P V wgmma a row whose token masks a key (P = 0) would still get 0 * NaN = NaN from it. So where
 // some present token of the tile misses keys of the entry (keys klo + 1 .. vlim: the local block,
-// blocks that not every token selected), the converters test the raw bytes: a NaN byte becomes 0
+// blocks that not every token selected; klo from the header), the converters test the raw bytes
+// in the conversion loop (~10 integer operations per 16-byte chunk; session 12 round B: a second
+// pass over the keys made the MSA layer's prefill attention, whose tiles mostly have such blocks,
+// 80 % slower) and, only when one was found, revisit their chunks: a NaN byte becomes 0
 // in the f16 tile and the smallest such key of its dim is recorded with the entry's number
 // (Shared::vnan_key, vnan_gen of the f16 buffer). A token's visible keys are a prefix 0 .. lim of
 // the block, so it sees a recorded NaN of dim d iff that key <= lim: each consumer warp checks
@@ -133,18 +136,28 @@ __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, c
 // those dims. Elsewhere every present row sees the key and the NaN flows through the MMA as in
 // the twin.
 //
-// One raw 4-byte word w (dims d0 .. d0 + 3 of `key`): NaN bytes (low 7 bits all set) cleared and
-// recorded for entry gen - 1 in f16 buffer vs.
-__device__ __forceinline__ void clear_nan_bytes(uint32_t& w, int key, int d0, uint32_t gen,
-                                                Shared& sh, int vs) {
+// NaN bytes (low 7 bits all set) of a 16-byte raw chunk: bit 7 of each such byte (0: none).
+__device__ __forceinline__ uint32_t nan_bytes16(const uint4& r) {
+  const uint32_t m = 0x7F7F7F7Fu, one = 0x01010101u;
+  return (((r.x & m) + one) | ((r.y & m) + one) | ((r.z & m) + one) | ((r.w & m) + one)) &
+         0x80808080u;
+}
+
+// One raw 4-byte word w (dims d0 .. d0 + 3 of `key`): NaN bytes cleared and recorded for entry
+// gen - 1 (key_rec[d] = gen << 8 | (255 - key), gen_rec = gen, by atomicMax: numbers grow).
+// Returns whether it had one.
+__device__ __forceinline__ bool clear_nan_word(uint32_t& w, int key, int d0, uint32_t gen,
+                                               uint32_t* key_rec, uint32_t* gen_rec) {
   uint32_t t = ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  const bool any = t != 0u;
   while (t != 0u) {
     const int byte = (__ffs(t) - 1) >> 3;
     t &= t - 1u;
     w &= ~(0xFFu << (8 * byte));
-    atomicMax(&sh.vnan_key[vs][d0 + byte], gen << 8 | static_cast<uint32_t>(255 - key));
-    atomicMax(&sh.vnan_gen[vs], gen);
+    atomicMax(&key_rec[d0 + byte], gen << 8 | static_cast<uint32_t>(255 - key));
+    atomicMax(gen_rec, gen);
   }
+  return any;
 }
 
 template <bool kFast, bool kDeep>
@@ -158,14 +171,12 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
     // The header is read by lane 0 alone, which also releases the stage (racecheck orders
     // accesses by the arriving thread only), and broadcast. Keys klo + 1 .. kmax are missed by
     // some present token (NaN test there).
-    int info = 0, vlim = 0, klo = ak::kBlockKeys - 1;
+    int info = 0, vlim = 0, klo = 0;
     if (lane == 0) {
       const Entry& e = sh.entry[s];
       info = ld_lane0(e.info);
       vlim = ld_lane0(e.vlim);
-#pragma unroll
-      for (int x = 0; x < kQT; ++x)
-        if (x < info_nt(info)) klo = min(klo, ld_lane0(e.lim[x]));
+      klo = ld_lane0(e.klo);
     }
     info = __shfl_sync(0xffffffffu, info, 0);
     if (info_flags(info) & kEnd) return;
@@ -175,6 +186,10 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
     const bool check = klo < kmax;
     const uint32_t gen = j + 1;
     const int vs = static_cast<int>(j & 1);
+    uint32_t* key_rec = sh.vnan_key[vs];
+    uint32_t* gen_rec = &sh.vnan_gen[vs];
+    bool wrote = false;  // this thread recorded a NaN (it then arrives on vfull itself)
+    uint32_t hit = 0u;   // kFast: a NaN byte in one of this thread's chunks (check only)
     if (j >= 2) mbar_wait(bar_addr(sh.vempty[vs]), ((j >> 1) - 1) & 1);
     const uint8_t* vraw = smem + s * kStageBytes + kTileBytes;
     uint8_t* vh = smem + R::kVhOff + vs * kVhBytes;
@@ -191,6 +206,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           const int key = i >> 3, c = i & 7;
           r[u] = *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
           if (key > vlim) r[u] = make_uint4(0u, 0u, 0u, 0u);
+          if (check) hit |= nan_bytes16(r[u]);
         }
 #pragma unroll
         for (int u = 0; u < kU; ++u) {
@@ -198,22 +214,22 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           if (i < kItems) store_f16_chunk(vh, i >> 3, i & 7, r[u]);
         }
       }
-      // NaN test of the keys some present token misses, as a second pass over this thread's own
-      // items (it wrote their f16 chunks: no barrier), off the main loop's registers.
-      if (check) {
+      // Rare: this thread's chunks had a NaN byte. It revisits them (it wrote their f16 chunks: no
+      // barrier), clears and records the NaN bytes (a NaN of a key every present token sees may be
+      // handled so too: its record marks the dim of every present token, as the MMA would).
+      if (hit != 0u) {
 #pragma unroll 1
         for (int i = t; i < kItems; i += kN) {
           const int key = i >> 3, c = i & 7;
-          if (key <= klo || key > kmax) continue;
-          const uint4 raw =
-              *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
-          uint4 w = raw;
-          clear_nan_bytes(w.x, key, 16 * c, gen, sh, vs);
-          clear_nan_bytes(w.y, key, 16 * c + 4, gen, sh, vs);
-          clear_nan_bytes(w.z, key, 16 * c + 8, gen, sh, vs);
-          clear_nan_bytes(w.w, key, 16 * c + 12, gen, sh, vs);
-          if (w.x != raw.x || w.y != raw.y || w.z != raw.z || w.w != raw.w)
-            store_f16_chunk(vh, key, c, w);
+          if (key > vlim) continue;
+          uint4 w = *reinterpret_cast<const uint4*>(vraw + key * ak::kDim + ((c ^ (key & 7)) << 4));
+          if (nan_bytes16(w) == 0u) continue;
+          clear_nan_word(w.x, key, 16 * c, gen, key_rec, gen_rec);
+          clear_nan_word(w.y, key, 16 * c + 4, gen, key_rec, gen_rec);
+          clear_nan_word(w.z, key, 16 * c + 8, gen, key_rec, gen_rec);
+          clear_nan_word(w.w, key, 16 * c + 12, gen, key_rec, gen_rec);
+          store_f16_chunk(vh, key, c, w);
+          wrote = true;
         }
       }
     } else {
@@ -225,8 +241,8 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           uint2 raw = *reinterpret_cast<const uint2*>(
               vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
           if (check && key > klo) {
-            clear_nan_bytes(raw.x, key, 8 * c8, gen, sh, vs);
-            clear_nan_bytes(raw.y, key, 8 * c8 + 4, gen, sh, vs);
+            wrote |= clear_nan_word(raw.x, key, 8 * c8, gen, key_rec, gen_rec);
+            wrote |= clear_nan_word(raw.y, key, 8 * c8 + 4, gen, key_rec, gen_rec);
           }
           h.x = ak::e4m3x2_to_f16x2(raw.x);
           h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
@@ -238,10 +254,17 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
       }
     }
     ap::fence_proxy_async();  // f16 stores -> wgmma (async proxy) reads
-    // Every converter thread publishes its own f16 stores and NaN records.
-    mbar_arrive(bar_addr(sh.vfull[vs]));
-    __syncwarp();  // every lane has read the raw V tile
-    if (lane == 0) mbar_arrive(bar_addr(sh.empty[s]));
+    // vfull counts 32 arrivals per converter warp: a lane that recorded a NaN arrives itself (its
+    // records are read by consumer lane 0: racecheck orders them through the writer's own
+    // arrival), lane 0 for the rest of the warp after __syncwarp (the f16 stores are read by the
+    // wgmma, which racecheck does not track).
+    const unsigned self = __ballot_sync(0xffffffffu, wrote) & ~1u;
+    if (wrote && lane != 0) mbar_arrive(bar_addr(sh.vfull[vs]));
+    __syncwarp();  // every lane has read the raw V tile and stored its f16 chunks
+    if (lane == 0) {
+      mbar_arrive_count(bar_addr(sh.vfull[vs]), 32u - __popc(self));
+      mbar_arrive(bar_addr(sh.empty[s]));
+    }
   }
 }
 

@@ -57,10 +57,10 @@ constexpr int kEnd = 4;    // no more entries
 
 // Header of one ring stage, written by the scheduler lane before the stage's full arrival.
 struct Entry {
-  int info;  // flags | Q buffer << 3 | tokens of the tile << 4 | split << 8 | KV head << 16
-  int t0;    // first token of the tile
-  int vlim;  // V rows past it are zeroed
-  int pad;
+  int info;      // flags | Q buffer << 3 | tokens of the tile << 4 | split << 8 | KV head << 16
+  int t0;        // first token of the tile
+  int vlim;      // V rows past it are zeroed
+  int klo;       // keys klo + 1 .. of the block are missed by some present token (NaN test there)
   int lim[kQT];  // keys [0, lim] of the block visible to token w (< 0: none)
 };
 __host__ __device__ constexpr int pack_info(int flags, int qslot, int nt, int split, int g) {
@@ -133,6 +133,11 @@ struct Shared {
 };
 
 __device__ __forceinline__ uint32_t bar_addr(const uint64_t& b) { return ak::smem_u32(&b); }
+
+// One thread's arrival counting for `count` arrivals.
+__device__ __forceinline__ void mbar_arrive_count(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
 
 // A shared word read by lane 0 alone (volatile: never speculated into the other lanes), for data
 // whose release is lane 0's mbarrier arrival.

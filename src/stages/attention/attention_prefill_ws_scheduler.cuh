@@ -255,9 +255,14 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
       h.info = pack_info(e.flags, qs, it.nt, it.split, it.g);
       h.t0 = it.t0;
       h.vlim = e.vlim;
+      int klo = ak::kBlockKeys - 1;
 #pragma unroll
-      for (int w = 0; w < kQT; ++w)
-        h.lim[w] = (e.mask >> w) & 1 ? it.pos[w] - e.b * ak::kBlockKeys : -1;
+      for (int w = 0; w < kQT; ++w) {
+        const int lim = (e.mask >> w) & 1 ? it.pos[w] - e.b * ak::kBlockKeys : -1;
+        h.lim[w] = lim;
+        if (w < it.nt) klo = min(klo, lim);
+      }
+      h.klo = klo;
       const uint32_t full = bar_addr(sh.full[s]);
       const uint32_t stage = base + s * kStageBytes;
       mbar_arrive_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));

@@ -31,10 +31,10 @@
 //   automatic plan, the mma.sync kernel, the wgmma verify kernel and its variants ("v2": 2-stage
 //   ring, 3 CTAs per SM, "v3": V converted under the S wgmma, "v4": and NaN checks only in blocks
 //   some token does not see whole, "v5": and a 2-stage ring, Q in shared memory, 3 CTAs per SM,
-//   "v6", "v7": v4, v5 with TMA loads of K and V, "v8": v3 with the P V wait deferred; "v1" is
-//   the session-11 kernel, "auto" runs v3 for verify), the mma.sync kernel with an L2 prefetch of
-//   2 and 4 blocks and v3 with 2 ("pf2", "pf4": bulk prefetches of whole tiles since session 12),
-//   and for draft 7 the wgmma prefill kernel).
+//   "v6", "v7": v4, v5 with TMA loads of K and V, "v8": v3 with the P V wait deferred, "v9": v8
+//   with TMA loads; "v1" is the session-11 kernel, "auto" runs v8 for sparse verify, v3 for
+//   dense), the mma.sync kernel with an L2 prefetch of 2 and 4 blocks and v8 with 2 ("pf2", "pf4":
+//   bulk prefetches of whole tiles since session 12), and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -487,7 +487,7 @@ int main(int argc, char** argv) {
       // {kernel, l2 prefetch, verify kernel variant}
       const std::vector<std::array<int, 3>> kp = {
           {0, 0, 0}, {1, 0, 0}, {5, 0, 1}, {5, 0, 2}, {5, 0, 3}, {5, 0, 4}, {5, 0, 5},
-          {5, 0, 6}, {5, 0, 7}, {5, 0, 8}, {1, 2, 0}, {1, 4, 0}, {5, 2, 3}};
+          {5, 0, 6}, {5, 0, 7}, {5, 0, 8}, {5, 0, 9}, {1, 2, 0}, {1, 4, 0}, {5, 2, 8}};
       for (const auto& [kernel, pf, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

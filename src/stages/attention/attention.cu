@@ -59,9 +59,12 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
 // per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
 // blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
-// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V, 8 as 3 with the wait for P V deferred).
-// H200, session 12, verify B256 x 4 tokens @ 8K: v1 192.4 us, v3 189.7, v4 191.6, v5 206.7.
-constexpr int kAutoVerifyVariant = 3;
+// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V, 8 as 3 with the wait for P V deferred, 9
+// as 8 with TMA loads). H200, session 12, verify B256 x 4 tokens @ 8K / 32K / 128K, isolated us
+// (round B): v1 190.5 / 191.5 / 191.8, v3 189.4 / 189.2 / 192.0, v6 186.1 / 188.4 / 191.0, v8
+// 184.8 / 184.6 / 185.5 (b2b 178.7 / 178.9 / 179.7); dense B64 x 4: v3 164.8, v8 167.4.
+constexpr int kAutoVerifyVariant = 8;       // sparse
+constexpr int kAutoVerifyVariantDense = 3;  // dense (layers 0-2)
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -162,11 +165,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant < 0 || cfg.verify_variant > 8)
+  if (cfg.verify_variant < 0 || cfg.verify_variant > 9)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not one of 0 .. 8");
+                       " is not one of 0 .. 9");
   if (pl.verify) {
-    pl.verify_variant = cfg.verify_variant == 0 ? kAutoVerifyVariant : cfg.verify_variant;
+    pl.verify_variant = cfg.verify_variant != 0
+                            ? cfg.verify_variant
+                            : (p.sparse ? kAutoVerifyVariant : kAutoVerifyVariantDense);
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
       return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);
@@ -262,7 +267,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 6, 7 (TMA loads) run as 4, 5 where the pool is not 16-byte aligned or the driver
+// Variants 6, 7, 9 (TMA loads) run as 4, 5, 8 where the pool is not 16-byte aligned or the driver
 // refuses the tensor maps.
 template <bool kVec16, int kVariant>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
@@ -272,7 +277,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   CUtensorMap kmap{}, vmap{}, qmap{};
   if constexpr (av::tma_of(kVariant)) {
     if (!kVec16 || !attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-      return launch_verify<kVec16, kVariant - 2>(args, pl, n_kv, stream);
+      return launch_verify < kVec16, kVariant == 9 ? 8 : kVariant - 2 > (args, pl, n_kv, stream);
   }
   auto kernel = av::attention_verify_kernel<kVec16, kVariant>;
   constexpr int smem = av::smem_bytes(kVariant);
@@ -337,6 +342,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<false, 8>(args, pl, n_kv, stream);
       case 17:
         return launch_verify<true, 8>(args, pl, n_kv, stream);
+      case 18:
+        return launch_verify<false, 8>(args, pl, n_kv, stream);  // 9 needs 16-byte alignment
+      case 19:
+        return launch_verify<true, 9>(args, pl, n_kv, stream);
       default:
         return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
     }

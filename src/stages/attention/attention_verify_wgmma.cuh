@@ -92,17 +92,18 @@ constexpr int kStageBytes = 2 * kTileBytes;
 //   8  as 3 with the wait for P V(i) deferred: S(i + 1) and the early V conversion of block i + 1
 //      are issued while P V(i) still runs; the refill of block i's stage (with block i + 3) moves
 //      from the top of iteration i + 1 to its second barrier, after which every warp's P V(i) is
-//      complete.
-//   Variants 6, 7 need TMA-addressable pools (16-byte base and strides, maps the driver accepts);
-//   elsewhere the launcher runs 4, 5 instead.
+//      complete;
+//   9  as 8 with the TMA loads of 6.
+//   Variants 6, 7, 9 need TMA-addressable pools (16-byte base and strides, maps the driver
+//   accepts); elsewhere the launcher runs 4, 5, 8 instead.
 constexpr int stages_of(int variant) {
   return variant == 2 || variant == 5 || variant == 7 ? 2 : 3;
 }
 constexpr bool early_v_of(int variant) { return variant >= 3; }
 constexpr bool nan_partial_only_of(int variant) { return variant >= 4 && variant <= 7; }
 constexpr bool q_smem_of(int variant) { return variant == 5 || variant == 7; }
-constexpr bool tma_of(int variant) { return variant == 6 || variant == 7; }
-constexpr bool defer_pv_of(int variant) { return variant == 8; }
+constexpr bool tma_of(int variant) { return variant == 6 || variant == 7 || variant == 9; }
+constexpr bool defer_pv_of(int variant) { return variant == 8 || variant == 9; }
 constexpr int kQTileBytes = kQT * ak::kRows * ak::kDim;  // 64 rows x 128 bytes
 constexpr int smem_bytes(int variant) {
   return stages_of(variant) * kStageBytes + (q_smem_of(variant) ? kQTileBytes : 0) +
@@ -267,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVariant))
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
-  static_assert(kVariant >= 1 && kVariant <= 8, "variants 1 .. 8");
+  static_assert(kVariant >= 1 && kVariant <= 9, "variants 1 .. 9");
   constexpr bool kTma = tma_of(kVariant);
   constexpr bool kDeferPV = defer_pv_of(kVariant);
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");

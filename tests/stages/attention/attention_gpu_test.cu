@@ -67,13 +67,13 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // verify kernel (4 tokens per tile; verify_variant 2: 2-stage ring, 3 CTAs per SM; 3: V converted
 // under the S wgmma; 4: and NaN checks only where needed; 5: 4 with a 2-stage ring, Q in shared
 // memory, 3 CTAs per SM; 6, 7: 4, 5 with TMA loads, run as 4, 5 on pools TMA cannot address; 8: 3
-// with the P V wait deferred); l2_prefetch only changes when bytes arrive, never the result.
-// `base` plus the wgmma verify kernel's variants 2 .. 8 (AttentionCudaConfig::verify_variant) with
-// `tokens_per_tile`, `splits` and `l2_prefetch`.
+// with the P V wait deferred; 9: 8 with TMA loads); l2_prefetch only changes when bytes arrive,
+// never the result. `base` plus the wgmma verify kernel's variants 2 .. 9
+// (AttentionCudaConfig::verify_variant) with `tokens_per_tile`, `splits` and `l2_prefetch`.
 std::vector<AttentionCudaConfig> with_verify_variants(std::vector<AttentionCudaConfig> base,
                                                       int tokens_per_tile, int splits,
                                                       int l2_prefetch = 0) {
-  for (int v = 2; v <= 8; ++v) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
+  for (int v = 2; v <= 9; ++v) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
   return base;
 }
 
@@ -335,7 +335,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 1, 0, 5, 0, 0, 5},
                        {0, 3, 0, 5, 0, 0, 6},
                        {0, 1, 0, 5, 0, 0, 7},
-                       {0, 1, 0, 5, 0, 0, 8}});
+                       {0, 1, 0, 5, 0, 0, 8},
+                       {0, 3, 0, 5, 0, 0, 9}});
     check_all_configs(pr, false, "group 8",
                       {{0, 0},
                        {2, 1},
@@ -345,7 +346,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 1, 0, 5},
                        {0, 1, 0, 5, 0, 0, 6},
                        {0, 1, 0, 5, 0, 0, 7},
-                       {0, 1, 0, 5, 0, 0, 8}});
+                       {0, 1, 0, 5, 0, 0, 8},
+                       {0, 3, 0, 5, 0, 0, 9}});
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -525,8 +527,8 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
 // the local block, future for the earlier drafts; blocks that only some tokens select): the twin
 // puts NaN exactly in that dim of the tokens that see the key, nothing in the others. A NaN K
 // element makes the whole rows of the tokens that see it NaN. Every kernel that shares a block
-// between tokens must keep those apart (P = 0 and 0 * NaN must never meet). The wgmma prefill
-// kernel (2-4) is left out: it still lets a V NaN reach rows of its warpgroup that mask the key.
+// between tokens must keep those apart (P = 0 and 0 * NaN must never meet), the wgmma prefill
+// kernels 2-4 included (they keep a V NaN in the rows that see it since session 12).
 TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -556,7 +558,10 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                                             {4, 1, 2},
                                             {4, 2, 2},
                                             {4, 1, 0, 5},
-                                            {4, 3, 0, 5}},
+                                            {4, 3, 0, 5},
+                                            {0, 1, 0, 2},
+                                            {0, 3, 0, 3},
+                                            {0, 1, 0, 4}},
                                            4, 3));
     check_all_configs(
         pr, false, "NaN in some tokens' keys",
@@ -595,7 +600,8 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
           AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
           AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
           AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 1},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 6}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8}}) {
+          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 6}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8},
+          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 9}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -738,8 +744,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 9}, StatusCode::kUnsupported,
-                  "verify_variant 9");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
+                  "verify_variant 10");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

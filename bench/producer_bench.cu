@@ -498,7 +498,7 @@ int main(int argc, char** argv) {
           "           tma_plan_il_t64_s3 tma_plan_t64_s4 tail_r1_x1 tail_r1_x2 tail_r1_x4\n"
           "           tail_r2_x2 tail_r1_x2_t32 tail_r1_x4_t32 tail_r2_x4_t32 tail_r1_x2_t64\n"
           "           tail_r1_x1_t64 tail_r1_x2_t64 tail_r2_x2_t64 tail_r1_x4_t32 tma_notail\n"
-          "           tma_wr tma_m4_s3 tma_m4_s2 tma_m4_s3_wr tma_rs tma_m4_s3_rs tma_notail_rs\n",
+          "           tma_m4_s3 tma_m4_s2 tma_m3_s4\n",
           argv[0]);
       return 2;
     }
@@ -549,10 +549,10 @@ int main(int argc, char** argv) {
   extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, true, true, 64));
   extra.push_back(tma_variant("tma_plan_t64_s4", 4, true, false, 64));
   // The defaults with other tail blocks (ProducerCudaOptions::tma_tail; by default on with
-  // 128-task tiles only, last round, 4 tiles of 32 tasks): tail_rR_xN_tS = the last R rounds to
-  // tail blocks of N tiles of S tasks, at every tile size; tma_notail: no tail blocks; tma_wr:
-  // one stage release per compute warp (tma_warp_release); tma_m4_sN: 4 blocks per SM, N stages,
-  // 64-task tiles (tma_blocks_per_sm); _rs: whole-row stores (tma_row_store).
+  // 128-task tiles only, last round, one 64-task tile per tail block): tail_rR_xN_tS = the last R
+  // rounds to tail blocks of N tiles of S tasks, at every tile size; tma_notail: no tail blocks;
+  // tma_mB_sN: B blocks per SM (tma_blocks_per_sm), N stages, 64-task tiles (the default below
+  // 2^19 tasks: 4 blocks, 3 stages; tma_m3_s4 the session-11 default).
   const auto tail_variant = [](const char* name, int rounds, int tiles, int tile_tasks) {
     Variant v;
     v.name = name;
@@ -567,26 +567,19 @@ int main(int argc, char** argv) {
   extra.push_back(tail_variant("tail_r1_x2_t64", 1, 2, 64));
   extra.push_back(tail_variant("tail_r2_x2_t64", 2, 2, 64));
   extra.push_back(tail_variant("tail_r1_x4_t32", 1, 4, 32));
-  const auto knob_variant = [&](const char* name, int tail, bool warp_release, int per_sm,
-                                int stages, bool row_store = false) {
+  const auto knob_variant = [&](const char* name, int tail, int per_sm, int stages) {
     Variant v = defaults;
     v.name = name;
     v.opt.tma_tail = tail;
-    v.opt.tma_warp_release = warp_release ? 1 : -1;
     v.opt.tma_blocks_per_sm = per_sm;
     v.opt.tma_stages = stages;
-    v.opt.tma_row_store = row_store ? 1 : -1;
-    if (per_sm == 4) v.opt.tma_tile_tasks = 64;
+    if (per_sm != 0) v.opt.tma_tile_tasks = 64;
     return v;
   };
-  extra.push_back(knob_variant("tma_notail", -1, false, 0, 0));
-  extra.push_back(knob_variant("tma_wr", 0, true, 0, 0));
-  extra.push_back(knob_variant("tma_m4_s3", 0, false, 4, 3));
-  extra.push_back(knob_variant("tma_m4_s2", 0, false, 4, 2));
-  extra.push_back(knob_variant("tma_m4_s3_wr", 0, true, 4, 3));
-  extra.push_back(knob_variant("tma_rs", 0, false, 0, 0, true));
-  extra.push_back(knob_variant("tma_m4_s3_rs", 0, false, 4, 3, true));
-  extra.push_back(knob_variant("tma_notail_rs", -1, false, 0, 0, true));
+  extra.push_back(knob_variant("tma_notail", -1, 0, 0));
+  extra.push_back(knob_variant("tma_m4_s3", 0, 4, 3));
+  extra.push_back(knob_variant("tma_m4_s2", 0, 4, 2));
+  extra.push_back(knob_variant("tma_m3_s4", 0, 3, 4));
   const ProducerCudaOptions tma = variants[2].opt;
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");

@@ -51,8 +51,6 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaO
   pk::TmaGeometry g =
       pk::make_tma_geometry(tasks, static_cast<int>(args.heads.divisor), kPlan, o.tma_tile_tasks);
   g.interleave = o.tma_interleave > 0;
-  g.warp_release = o.tma_warp_release > 0;
-  g.row_store = o.tma_row_store > 0;
   const size_t smem = pk::tma_smem_bytes(g, kStages);
   auto* kernel = &pk::producer_tma_kernel<kMode, kStages, kPlan, kMinBlocks>;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -129,6 +127,9 @@ Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
   if (o.tma_task_plan == 0) o.tma_task_plan = pk::kTmaTaskPlanDefault ? 1 : -1;
   if (o.tma_tile_tasks == 0) o.tma_tile_tasks = pk::tma_default_tile_tasks(tasks);
   if (o.tma_stages == 0) o.tma_stages = pk::tma_default_stages(o.tma_tile_tasks);
+  if (o.tma_blocks_per_sm == 0)
+    o.tma_blocks_per_sm =
+        pk::tma_default_blocks_per_sm(o.tma_tile_tasks, o.tma_stages, o.tma_task_plan > 0);
   if (o.tma_tail == 0) o.tma_tail = pk::tma_default_tail(o.tma_tile_tasks) ? 1 : -1;
   if (o.tma_tail_rounds == 0) o.tma_tail_rounds = pk::kTmaTailRoundsDefault;
   if (o.tma_tail_tiles == 0) o.tma_tail_tiles = pk::kTmaTailTilesDefault;
@@ -193,15 +194,9 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CHECK_ARG(
       options.tma_blocks_per_sm == 0 || options.tma_blocks_per_sm == pk::kTmaMinBlocks ||
           (options.tma_blocks_per_sm == 4 && options.tma_stages >= 2 && options.tma_stages <= 3),
-      "run_producer_cuda: tma_blocks_per_sm ", options.tma_blocks_per_sm, " must be 0 (default ",
-      pk::kTmaMinBlocks, "), ", pk::kTmaMinBlocks, ", or 4 with tma_stages 2 or 3 (got ",
-      options.tma_stages, ")");
-  M3_CHECK_ARG(options.tma_row_store >= -1 && options.tma_row_store <= 1,
-               "run_producer_cuda: tma_row_store ", options.tma_row_store,
-               " must be 0 (default), 1 (on) or -1 (off)");
-  M3_CHECK_ARG(options.tma_warp_release >= -1 && options.tma_warp_release <= 1,
-               "run_producer_cuda: tma_warp_release ", options.tma_warp_release,
-               " must be 0 (default), 1 (on) or -1 (off)");
+      "run_producer_cuda: tma_blocks_per_sm ", options.tma_blocks_per_sm,
+      " must be 0 (default: by tile size and stages), ", pk::kTmaMinBlocks,
+      ", or 4 with tma_stages 2 or 3 (got ", options.tma_stages, ")");
   M3_CHECK_ARG(options.tma_tail_rounds >= 0 && options.tma_tail_rounds <= pk::kTmaTailMax,
                "run_producer_cuda: tma_tail_rounds ", options.tma_tail_rounds,
                " must be 0 (default) or in [1, ", pk::kTmaTailMax, "]");

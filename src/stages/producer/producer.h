@@ -72,7 +72,7 @@ struct ProducerCudaOptions {
   // Grid of the persistent and bulk-copy kernels (capped at the batch / tile count); 0 = the
   // device's SMs x resident blocks per SM.
   int persistent_blocks = 0;
-  // Shared-memory stages of the bulk-copy kernel: 0 = the default (4 with 64-task tiles, 2 with
+  // Shared-memory stages of the bulk-copy kernel: 0 = the default (3 with 64-task tiles, 2 with
   // 128-task tiles), else 2..4.
   int tma_stages = 0;
   // Tile order of the bulk-copy kernel: 0 = the default, 1 = interleaved (rounds of one tile per
@@ -96,21 +96,13 @@ struct ProducerCudaOptions {
   // Same bytes either way.
   int tma_tail = 0;
   int tma_tail_rounds = 0;      // 0 = the default (1), else 1..8
-  int tma_tail_tiles = 0;       // 0 = the default (4), else 1..8
-  int tma_tail_tile_tasks = 0;  // 0 = the default (32), else 16..tile size
-  // Stage release in the bulk-copy kernel: 0 = the default (every compute thread arrives on the
-  // stage's barrier after its reads), 1 = one lane per compute warp after __syncwarp (fewer
-  // arrivals; compute-sanitizer racecheck reports hazards for it), -1 = the default. Same bytes.
-  int tma_warp_release = 0;
-  // Resident blocks per SM the bulk-copy kernel is built for: 0 = the default (3), 3, or 4 (32
-  // compute warps per SM, registers capped at 56; needs tma_stages 2 or 3 and 64-task tiles to fit
-  // 4 blocks in shared memory, else fewer run). Same bytes.
+  int tma_tail_tiles = 0;       // 0 = the default (1), else 1..8
+  int tma_tail_tile_tasks = 0;  // 0 = the default (64), else 16..tile size
+  // Resident blocks per SM the bulk-copy kernel is built for: 0 = the default (4 with task plans,
+  // 64-task tiles and 2 or 3 stages, else 3), 3, or 4 (32 compute warps per SM, registers capped
+  // at 56; needs task plans and tma_stages 2 or 3, and 64-task tiles to fit 4 blocks in shared
+  // memory, else fewer run). Same bytes.
   int tma_blocks_per_sm = 0;
-  // Output stores of the bulk-copy kernel with task plans (ignored without): 0 = the default
-  // (off), 1 = each 128-byte row as one 16-byte store per lane after 4 shuffles (whole rows per
-  // store instruction), -1 = off (each lane stores its 4 + 4 + 8 bytes at three places). Same
-  // bytes.
-  int tma_row_store = 0;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -59,10 +59,18 @@
 //              active 91.8% of the cycles (no better), compute warps 26% of their samples on the
 //              stage's full barrier, L2 78% busy, DRAM 58%. A bank-swapped shared-load order (A/B
 //              halves of odd groups) and 2 blocks per SM measured no better / slower and were
-//              removed. Default since: tail blocks with 128-task tiles. racecheck reported 40
-//              hazards with one stage release per warp (__syncwarp, then lane 0 arrives): every
-//              compute thread now arrives on the empty barrier (tma_warp_release restores the
-//              old release for an A/B); 4 blocks per SM (tma_blocks_per_sm) is selectable.
+//              removed. racecheck reported 40 hazards with one stage release per warp
+//              (__syncwarp, then lane 0 arrives): every compute thread now arrives on the empty
+//              barrier (racecheck 0 hazards in round B; no slower: the old release measured
+//              34.24-34.30 / 130.91 us against 34.11-34.14 / 130.56-130.72). Round B (two runs):
+//              4 blocks per SM with 3 stages of 64-task tiles (32 compute warps per SM, registers
+//              capped at 56, no spills) 33.09-33.34 us at T 4096 (85.2-85.9%; 2 stages 34.2-34.3,
+//              3 blocks x 4 stages 34.11-34.14), at T 16384 137.3 (worse than 128-task tiles);
+//              tail blocks of one 64-task tile 129.86-129.89 us at T 16384 (87.5%; 4 x 32 tasks
+//              130.56-130.72); whole-row stores (4 shuffles per row, one 16-byte store per lane
+//              instead of three partial ones) 41 us at T 4096 / 136.8 at 16384: removed. Defaults
+//              since: below 2^19 tasks 64-task tiles, 3 stages, 4 blocks per SM; from there
+//              128-task tiles, 2 stages, 3 blocks per SM and tail blocks of one 64-task tile.
 #pragma once
 
 #include <cstddef>
@@ -110,13 +118,11 @@ namespace m3attn::producer_kernel {
 // Synchronisation per stage s (use u = it / kTmaStages of iteration it):
 //   full[s]  (32 arrivals: every copy lane after its st.shared and its expect_tx; + the bytes of
 //            the copies): the compute warps wait parity u&1;
-//   empty[s] (256 arrivals: every compute thread after its last shared read of the stage; with
-//            g.warp_release 8 arrivals, one lane per warp after __syncwarp): the copy warp waits
-//            parity (u - 1)&1 before refilling the stage (it >= kTmaStages). Every thread arrives
-//            by default so that each thread's reads are ordered before the refill by its own
-//            release: compute-sanitizer racecheck does not carry the ordering through __syncwarp to
-//            another lane's arrival (40 hazards reported in session 12, round A, with one arrival
-//            per warp, the session-11 code).
+//   empty[s] (256 arrivals: every compute thread after its last shared read of the stage): the
+//            copy warp waits parity (u - 1)&1 before refilling the stage (it >= kTmaStages).
+//            Every thread arrives so that each thread's reads are ordered before the refill by its
+//            own release (compute-sanitizer racecheck does not carry the ordering through
+//            __syncwarp to another lane's arrival: 40 hazards with one arrival per warp).
 
 constexpr int kTmaComputeWarps = 8;
 constexpr int kTmaThreads = (kTmaComputeWarps + 1) * 32;
@@ -140,17 +146,23 @@ constexpr int64_t kTmaSmallTileMaxTasks = int64_t{1} << 19;  // about 6800 token
 inline int tma_default_tile_tasks(int64_t tasks) {
   return tasks < kTmaSmallTileMaxTasks ? kTmaTileTasksSmall : kTmaTileTasks;
 }
-inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTasksSmall ? 4 : 2; }
+// Session 12 round B: with 64-task tiles 3 stages in 4 blocks per SM (33.09-33.34 us at T 4096)
+// beat 4 stages in 3 blocks (34.11-34.14); 4 blocks per SM are built with task plans and 2 or 3
+// stages only.
+inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTasksSmall ? 3 : 2; }
+inline int tma_default_blocks_per_sm(int tile_tasks, int stages, bool plan) {
+  return tile_tasks == kTmaTileTasksSmall && stages <= 3 && plan ? 4 : 3;
+}
 // Tail blocks (ProducerCudaOptions::tma_tail), session 12 round A on the H200 (two runs, T 4096 /
 // 16384): with 128-task tiles (T 16384) every tail variant beat the plain grid, the last round in
 // blocks of 4 tiles of 32 tasks by most: 131.52-131.58 us (86.4 % of copy) vs 135.68-136.38
 // (83.3-83.8 %); with 64-task tiles (T 4096) every tail variant lost (34.43-37.8 us vs
-// 34.24-34.30): by default on with 128-task tiles only, last round, 4 tiles of 32 tasks per tail
-// block. kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the tail tile.
+// 34.24-34.30): by default on with 128-task tiles only, for the last round, in blocks of one
+// 64-task tile (round B). kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the tail tile.
 inline bool tma_default_tail(int tile_tasks) { return tile_tasks == kTmaTileTasks; }
 constexpr int kTmaTailRoundsDefault = 1;
-constexpr int kTmaTailTilesDefault = 4;
-constexpr int kTmaTailTileDefault = 32;
+constexpr int kTmaTailTilesDefault = 1;  // round B: 1 x 64 tasks 129.86-129.89 us at T 16384,
+constexpr int kTmaTailTileDefault = 64;  // 4 x 32 tasks 130.56-130.72
 constexpr int kTmaTailMax = 8;
 constexpr int kTmaTailTileMin = 16;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:
@@ -183,12 +195,6 @@ struct TmaGeometry {
   uint32_t tail_first = 0;
   uint32_t tail_block_tasks = 0;
   uint32_t tail_tile_tasks = 0;
-  // Stage release (ProducerCudaOptions::tma_warp_release): one arrival per compute warp after
-  // __syncwarp instead of one per compute thread.
-  bool warp_release = false;
-  // Task-plan path only: each output row written as one 16-byte store per lane (gather_row16;
-  // ProducerCudaOptions::tma_row_store).
-  bool row_store = false;
 };
 
 __host__ __device__ constexpr uint32_t round_up16(uint32_t x) { return (x + 15u) & ~15u; }
@@ -400,10 +406,10 @@ struct BlockTiles {
   }
 };
 
-// kPlan: task plans (process_planned), else process_task; the same bytes. The register budget is
-// cut for 3 blocks per SM (59-64 registers, no spills).
-// kMinBlocks 4 (ProducerCudaOptions::tma_blocks_per_sm; 2 or 3 stages of 64-task tiles fit 4
-// blocks in shared memory) caps the registers at 56.
+// kPlan: task plans (process_planned), else process_task; the same bytes. kMinBlocks: the blocks
+// per SM the register budget is cut for: 3 (59-64 registers, no spills) or 4 (53-55 registers, no
+// spills; ProducerCudaOptions::tma_blocks_per_sm, the default with 64-task tiles: 3 stages of
+// them fit 4 blocks in shared memory).
 constexpr int kTmaMinBlocks = 3;
 
 template <ProducerMode kMode, int kTmaStages, bool kPlan, int kMinBlocks = kTmaMinBlocks>
@@ -454,7 +460,7 @@ __global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
     if (lane32 == 0) {
       for (int s = 0; s < kTmaStages; ++s) {
         mbar_init(&full[s], 32);
-        mbar_init(&empty[s], g.warp_release ? kTmaComputeWarps : kTmaComputeWarps * 32);
+        mbar_init(&empty[s], kTmaComputeWarps * 32);
       }
       asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -501,7 +507,7 @@ __global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
       if (first + r * kGroups >= tile_end) break;
       if constexpr (kPlan) {
         const auto* plans = reinterpret_cast<const TaskPlan*>(st + g.plan_off);
-        process_planned(a, st, plans[r * kGroups + group], lane, s_norm, s_rope, g.row_store);
+        process_planned(a, st, plans[r * kGroups + group], lane, s_norm, s_rope);
         continue;
       }
       const uint32_t task = first + r * kGroups + group;
@@ -510,12 +516,7 @@ __global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
       const LaneRaw raw = load_slice8(head, lane);
       process_task<kMode>(a, raw, task, valid, first, t_first, lane, s_norm, s_rope, s_pos, s_slot);
     }
-    if (g.warp_release) {
-      __syncwarp();
-      if (lane32 == 0) mbar_arrive(&empty[s]);
-    } else {
-      mbar_arrive(&empty[s]);
-    }
+    mbar_arrive(&empty[s]);
   }
 }
 

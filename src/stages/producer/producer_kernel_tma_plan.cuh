@@ -47,42 +47,12 @@ __device__ __forceinline__ TaskPlan make_task_plan(const KernelArgs& a, uint32_t
   return p;
 }
 
-// The 16 bytes [16 lane, 16 lane + 16) of a group's 128-byte output row, gathered from the 8 lanes'
-// slice codes in 4 shuffles, so that the row is written with one 16-byte store per lane (4 whole
-// rows per warp instruction) instead of store_slice8's 4 + 4 + 8 bytes at three places
-// (ProducerCudaOptions::tma_row_store). The row's 32 words are a_j (word j), b_j (8 + j), cx_j and
-// cy_j (16 + 2j, 17 + 2j) of lane j; lane t wants words 4t .. 4t + 3. Each round k is a perfect
-// matching of the 8 lanes (every lane sends one of its words and receives one):
-//   receiver t 0-1 (a words) reads lane 4t + (k ^ 1), t 2-3 (b) lane 4 (t - 2) + 3 - k,
-//   t 4-7 (c words) lane 2 (t - 4) + (k & 1);
-//   sender q = lane & 3 sends its a word if q == k ^ 1, its b word if q == 3 - k, else cx (rounds
-//   0-1) or cy (rounds 2-3);
-// and the receiver puts round k's word at slot k ^ 1 (t 0-1), 3 - k (t 2-3) or 2 (k & 1) + (k >> 1)
-// (t 4-7). Executed by every lane of the warp.
-__device__ __forceinline__ uint4 gather_row16(const SliceCode& code, int lane) {
-  const int q = lane & 3;
-  uint32_t r[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const uint32_t send = q == (k ^ 1) ? code.a : q == 3 - k ? code.b : k < 2 ? code.c.x : code.c.y;
-    const int src = lane < 2   ? 4 * lane + (k ^ 1)
-                    : lane < 4 ? 4 * (lane - 2) + 3 - k
-                               : 2 * (lane - 4) + (k & 1);
-    r[k] = __shfl_sync(0xffffffffu, send, src, kLanesPerHead);
-  }
-  if (lane < 2) return make_uint4(r[1], r[0], r[3], r[2]);
-  if (lane < 4) return make_uint4(r[3], r[2], r[1], r[0]);
-  return make_uint4(r[0], r[2], r[1], r[3]);
-}
-
 // One planned task on 8 lanes. `st` is the stage, `plan` the task's plan, `rope` the stage's RoPE
-// rows; row_store: gather_row16 and one 16-byte store per lane. Executed by every lane of the warp
-// (shuffles).
+// rows. Executed by every lane of the warp (shuffles).
 __device__ __forceinline__ void process_planned(const KernelArgs& a, const uint8_t* st,
                                                 const TaskPlan& plan, int lane,
                                                 const float4 (*s_norm)[32],
-                                                const float4 (*rope)[kRopeFloats / 4],
-                                                bool row_store) {
+                                                const float4 (*rope)[kRopeFloats / 4]) {
   const uint8_t* head = st + plan.head;
   const int kind = static_cast<int>((plan.info >> 8) & 0xfu);
   const float4* w = s_norm[(plan.info >> 12) & 0xfu];
@@ -91,12 +61,7 @@ __device__ __forceinline__ void process_planned(const KernelArgs& a, const uint8
   const LaneRaw raw = load_slice8(head, lane);
   SliceCode code = compute_slice8(raw, kind, w, rope_row, pos_ok, a.eps, lane);
   if (plan.info & kPlanNan) set_nan(code);
-  if (row_store) {
-    const uint4 v = gather_row16(code, lane);
-    if (plan.row != nullptr) store16_cache(plan.row + 16 * lane, v);
-  } else if (plan.row != nullptr) {
-    store_slice8(plan.row, lane, code);
-  }
+  if (plan.row != nullptr) store_slice8(plan.row, lane, code);
 }
 
 }  // namespace m3attn::producer_kernel

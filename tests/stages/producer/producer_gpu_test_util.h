@@ -589,6 +589,21 @@ void for_each_choice_and_mode(const Inputs& in, const Layout& lay, mt::Rng& rng,
 
 inline int64_t pages_for(int64_t t) { return (t + 3 + kPageSize - 1) / kPageSize + 2; }
 
+// The per-batch kernel's outputs for `mode` from `init`, checked against the CPU twin: the
+// reference the other kernels must match byte for byte.
+inline Outputs per_batch_reference(ProducerMode mode, const Inputs& in, const Layout& lay,
+                                   const Packed& packed, const Outputs& init) {
+  ProducerCudaOptions per_batch;
+  per_batch.kernel = ProducerCudaKernel::kPerBatch;
+  Outputs ref = init.clone(), cpu = init.clone();
+  run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
+  const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
+               "per-batch vs CPU twin");
+  return ref;
+}
+
 // One mode against the CPU twin on a fresh pool of the given layout, for every kernel choice (the
 // twin runs once).
 inline void check_against_twin(ProducerMode mode, const Inputs& in, const Layout& lay,

@@ -202,8 +202,7 @@ TEST(ProducerGpu, PersistentMatchesPerBatchByteForByte) {
 // The bulk-copy pipeline (copy warp + shared-memory ring, mbarrier phases; each block an equal
 // share of the tasks in tiles of 128, or interleaved rounds of tiles first) against the per-batch
 // kernel, byte for byte: with and without task plans, 128- and 64-task tiles, tail blocks (the
-// default ones and others), 4 blocks per SM, one stage release per warp, whole-row stores; the
-// per-batch kernel
+// default ones and others), 4 blocks per SM; the per-batch kernel
 // against the CPU twin. Grids of
 // 1-7 blocks run many tiles per block, so every stage and both barrier parities are reused many
 // times (T 129 x 77 heads = 9933 tasks); index mode with n_kv 1 has 2 heads per row, up to 65
@@ -228,8 +227,6 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
     // tiles), 0 off.
     int tail_rounds = 0, tail_tiles = 0, tail_tile = 0;
     int blocks_per_sm = 0;  // 4: 2 stages where the case has 2, else 3
-    bool warp_release = false;
-    bool row_store = false;
   };
   const Variant variants[] = {
       {"no plans", false, false, 128},
@@ -242,23 +239,14 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
       {"plans, tail 2 x 3 x 48", true, true, 64, 2, 3, 48},
       {"tail 1 x 1 x 128", false, false, 128, 1, 1, 0},
       {"plans, interleaved, 64-task tiles, 4 blocks per SM", true, true, 64, 0, 0, 0, 4},
-      {"plans, interleaved, warp release", true, true, 64, 0, 0, 0, 0, true},
-      {"plans, interleaved, row stores", true, true, 64, 0, 0, 0, 0, false, true},
-      {"plans, default tail, row stores", true, true, 128, -1, 0, 0, 0, false, true}};
+      {"plans, tail 1 x 4 x 32", true, true, 128, 1, 4, 32}};
   for (const Case& c : cases) {
     SCOPED_TRACE(::testing::Message() << "blocks " << c.blocks << " stages " << c.stages);
     for_each_mode_case(
         c.geo, c.t,
         [&](ProducerMode mode, const Inputs& in, const Layout& lay, const Packed& packed,
             const Outputs& init) {
-          ProducerCudaOptions per_batch;
-          per_batch.kernel = ProducerCudaKernel::kPerBatch;
-          Outputs ref = init.clone(), cpu = init.clone();
-          run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
-          const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-          ASSERT_TRUE(s.ok()) << s.to_string();
-          expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
-                       "per-batch vs CPU twin");
+          const Outputs ref = per_batch_reference(mode, in, lay, packed, init);
           for (const Variant& v : variants) {
             Outputs out = init.clone();
             ProducerCudaOptions o = tma_options(c.stages, c.blocks, v.plan, v.interleave, v.tile);
@@ -272,8 +260,6 @@ TEST(ProducerGpu, TmaPipelineMatchesPerBatchAndTwin) {
               o.tma_blocks_per_sm = 4;
               o.tma_stages = c.stages == 2 ? 2 : 3;
             }
-            o.tma_warp_release = v.warp_release ? 1 : -1;
-            o.tma_row_store = v.row_store ? 1 : -1;
             run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out, o);
             expect_match(in, uses_main(mode), uses_index(mode), lay, init, ref, out, /*exact=*/true,
                          std::string("bulk-copy pipeline (") + v.name + ") vs per-batch (exact)");
@@ -335,17 +321,10 @@ ProducerCudaOptions bad_tail(int tail, int rounds, int tiles, int tile_tasks) {
   return o;
 }
 
-// The bulk-copy kernel with tma_warp_release, tma_blocks_per_sm and tma_stages set to raw values.
-ProducerCudaOptions bad_knobs(int warp_release, int blocks_per_sm, int stages) {
+// The bulk-copy kernel with tma_blocks_per_sm and tma_stages set to raw values.
+ProducerCudaOptions bad_blocks(int blocks_per_sm, int stages) {
   ProducerCudaOptions o = tma_options(stages);
-  o.tma_warp_release = warp_release;
   o.tma_blocks_per_sm = blocks_per_sm;
-  return o;
-}
-
-ProducerCudaOptions bad_row_store(int row_store) {
-  ProducerCudaOptions o = tma_options();
-  o.tma_row_store = row_store;
   return o;
 }
 
@@ -357,8 +336,7 @@ void expect_rejected(const Status& s) {
 // A negative grid, a stage count outside [2, 4], a task-plan or
 // tile-order switch outside {-1, 0, 1}, a tile size other than 64 or 128, a tail switch outside
 // {-1, 0, 1}, tail rounds or tiles outside [0, 8], a tail tile outside [16, 64] (the default tile
-// size is 64 at small T), a warp-release or row-store switch outside {-1, 0, 1}, blocks per SM
-// other than 0,
+// size is 64 at small T), blocks per SM other than 0,
 // 3 or 4 (4 only with 2 or 3 stages), or an unknown kernel choice is rejected before any launch.
 TEST(ProducerGpu, BadKernelOptionsRejected) {
   M3_REQUIRE_GPU();
@@ -390,14 +368,10 @@ TEST(ProducerGpu, BadKernelOptionsRejected) {
                                        bad_tail(1, 0, 0, 8),
                                        bad_tail(1, 0, 0, 65),
                                        bad_tail(1, 0, 0, -16),
-                                       bad_knobs(2, 0, 0),
-                                       bad_knobs(-2, 0, 0),
-                                       bad_knobs(0, 5, 3),
-                                       bad_knobs(0, 4, 0),
-                                       bad_knobs(0, 4, 4),
-                                       bad_knobs(0, 2, 2),
-                                       bad_row_store(2),
-                                       bad_row_store(-2)})
+                                       bad_blocks(5, 3),
+                                       bad_blocks(4, 0),
+                                       bad_blocks(4, 4),
+                                       bad_blocks(2, 2)})
     expect_rejected(run_producer_cuda(call.good, nullptr, o));
   call.expect_untouched();
 }

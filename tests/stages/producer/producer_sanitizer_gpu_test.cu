@@ -47,18 +47,16 @@ TEST(ProducerGpu, SanitizerSmall) {
   const int64_t pages = pages_for(kT);
   const Inputs in = make_inputs(8, 1, kT, pages, rng);
   const Layout lay = separate_layout(1, pages, 3, 260, 4);
-  ProducerCudaOptions per_batch, persistent, tma_default;
-  per_batch.kernel = ProducerCudaKernel::kPerBatch;
+  ProducerCudaOptions persistent, tma_default;
   persistent.kernel = ProducerCudaKernel::kPersistent;
   persistent.persistent_blocks = 3;
-  tma_default.kernel = ProducerCudaKernel::kTmaPipeline;  // plans, interleaved, 64-task tiles
+  // plans, interleaved, 64-task tiles in 3 stages, 4 blocks per SM
+  tma_default.kernel = ProducerCudaKernel::kTmaPipeline;
   tma_default.persistent_blocks = 3;
-  ProducerCudaOptions tile128_default_tail = tma_default, four_per_sm = tma_default,
-                      row_store = tma_default;
-  row_store.tma_row_store = 1;
+  ProducerCudaOptions tile128_default_tail = tma_default, three_per_sm = tma_default;
   tile128_default_tail.tma_tile_tasks = 128;  // the default tail blocks come with 128-task tiles
-  four_per_sm.tma_blocks_per_sm = 4;
-  four_per_sm.tma_stages = 3;
+  three_per_sm.tma_blocks_per_sm = 3;         // the default is 4 blocks per SM with 3 stages
+  three_per_sm.tma_stages = 4;
   struct Choice {
     const char* name;
     ProducerCudaOptions opt;
@@ -70,19 +68,13 @@ TEST(ProducerGpu, SanitizerSmall) {
       {"bulk-copy 3 stages, no plans, equal shares", tma_options(3, 3, false, false, 64)},
       {"bulk-copy tail blocks", tail_options(1, 2, 32, 3)},
       {"bulk-copy 128-task tiles, default tail", tile128_default_tail},
-      {"bulk-copy 4 blocks per SM", four_per_sm},
-      {"bulk-copy row stores", row_store},
+      {"bulk-copy 3 blocks per SM, 4 stages", three_per_sm},
       {"auto", ProducerCudaOptions{}}};
   for (const ProducerMode mode : kModes) {
     SCOPED_TRACE(producer_mode_name(mode));
     const Packed packed = packed_for(in, mode, rng);
     const Outputs init = make_outputs(in, lay, rng);
-    Outputs ref = init.clone(), cpu = init.clone();
-    run_on_gpu({make_params(mode, in, packed, ref, lay)}, in, {&packed}, ref, per_batch);
-    const Status s = run_producer_cpu(make_params(mode, in, packed, cpu, lay));
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    expect_match(in, uses_main(mode), uses_index(mode), lay, init, cpu, ref, /*exact=*/false,
-                 "per-batch vs CPU twin");
+    const Outputs ref = per_batch_reference(mode, in, lay, packed, init);
     for (const Choice& c : choices) {
       Outputs out = init.clone();
       run_on_gpu({make_params(mode, in, packed, out, lay)}, in, {&packed}, out, c.opt);

@@ -572,8 +572,9 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
 
   // Candidates: the object's options and, when those are the defaults, other grid shapes and L2
   // promotion (session 12, projection_bench: 16 units per CTA without promotion fastest for the
-  // fused N 9856 at M <= 16; 4 units for N 640, whose 240 units give 16-unit CTAs only 15 CTAs),
-  // and grids over kTuneWgmmaWaves waves of small CTAs.
+  // fused N 9856 at M <= 16; 4 units for N 640, whose 240 units give 16-unit CTAs only 15 CTAs).
+  // (Grids over several waves of small CTAs were candidates in round B and measured 10-60 %
+  // slower at every M: dropped.)
   std::vector<GemmWgmmaOptions> candidates = {options.wgmma};
   const GemmWgmmaOptions dflt;
   if (options.wgmma.ctas_per_sm == dflt.ctas_per_sm && options.wgmma.burst == dflt.burst &&
@@ -581,14 +582,12 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
       options.wgmma.weight_l2_promotion == dflt.weight_l2_promotion &&
       options.wgmma.max_waves == dflt.max_waves) {
     struct Shape {
-      int units, promotion, waves;
+      int units, promotion;
     };
-    for (const Shape& sh : {Shape{24, 0, 1}, Shape{4, 0, 1}, Shape{16, 256, 1},
-                            Shape{8, 0, kTuneWgmmaWaves}, Shape{4, 0, kTuneWgmmaWaves}}) {
+    for (const Shape& sh : {Shape{24, 0}, Shape{4, 0}, Shape{16, 256}}) {
       GemmWgmmaOptions o = options.wgmma;
       o.min_units_per_cta = sh.units;
       o.weight_l2_promotion = sh.promotion;
-      o.max_waves = sh.waves;
       candidates.push_back(o);
     }
   }

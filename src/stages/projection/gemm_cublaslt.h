@@ -61,8 +61,8 @@
 // and, with autotuning on, "auto" up to Fp8BlockGemmOptions::wgmma_auto_max_m (default
 // kGemmWgmmaAutoMaxM): for every M bucket with m_hi in the auto range the autotuner also times the
 // wgmma kernel on its scratch operands (after the cuBLASLt candidates; with the default
-// GemmWgmmaOptions, also at 24 and 4 units per CTA, with L2 promotion 256, and over 4 waves of
-// 8- and 4-unit CTAs, keeping the fastest shape; the wgmma workspace is then sized for 4 waves),
+// GemmWgmmaOptions, also at 24 and 4 units per CTA and with L2 promotion 256, keeping the fastest
+// shape),
 // both it and the kept cuBLASLt algorithm as CUDA-graph replays with a cold L2 (memset + read
 // sweep, as the benchmarks), and runs it for that bucket when its output is identical to the kept
 // cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).

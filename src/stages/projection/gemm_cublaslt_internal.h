@@ -64,9 +64,6 @@ struct Bucket {
 };
 
 constexpr int kTuneMaxIters = 7;
-// Waves of resident CTAs of the autotuner's multi-wave wgmma candidates (GemmWgmmaOptions::
-// max_waves); the object's wgmma workspace is sized for them when the auto range is open.
-constexpr int kTuneWgmmaWaves = 4;
 
 // Device memory and events of one tuning session (freed by the destructor).
 struct TuneScratch {

@@ -106,7 +106,10 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   }
   grid = std::min(grid, waves * std::min(resident, kCtasPerSm) * info.sms);
   WgmmaArgs a = args;
-  a.burst = a.burst <= 0 ? std::max(1, kStages / 2) : std::min(a.burst, kStages);
+  // Automatic burst: 2 units with two CTAs per SM (6-stage rings), half the ring with one.
+  a.burst = a.burst > 0       ? std::min(a.burst, kStages)
+            : kCtasPerSm == 2 ? std::min(2, kStages)
+                              : std::max(1, kStages / 2);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);

@@ -31,9 +31,13 @@ struct GemmWgmmaOptions {
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
   bool weight_evict_first = true;
-  // The producer issues the loads of `burst` consecutive units back to back (each weight row is
-  // then requested burst x 128 contiguous bytes at once); 0 = automatic (half the ring); clamped
-  // to the ring depth.
+  // The producer issues the loads of `burst` consecutive units back to back; 0 = automatic: 2 for
+  // the two-CTA-per-SM kernels (6-stage rings), half the ring for one CTA per SM; clamped to the
+  // ring depth. (Session 12, N 9856: burst 2 vs 3 at M 1: 22.56 / 22.05 vs 22.66 / 22.37 us
+  // isolated in rounds A / B, 20.17 / 20.00 vs 20.23 / 20.13 back-to-back; M 16: 23.46 / 23.20 vs
+  // 23.84 / 23.36, 21.17 / 20.97 vs 21.35 / 21.15; at M 64 (9 stages) burst 2 was slower, 32.2 vs
+  // 31.5.) A TMA box is traversed row by row, so a burst does not place one row's consecutive
+  // 128-byte pieces next to each other in the request stream.
   int burst = 0;
   // L2 promotion of the weight loads (bytes fetched into L2 per request): 0 (none, default), 64,
   // 128 or 256 (also fetches the neighbouring 128-byte K block of each weight row, which the CTA's
@@ -42,10 +46,11 @@ struct GemmWgmmaOptions {
   // M = 64 (31.81 vs 31.81, 29.10 vs 29.41); session 11 saw the same. Results do not depend on it.
   int weight_l2_promotion = 0;
   // Waves of resident CTAs the grid may span (variant; 1 = one wave, the default). With more, the
-  // hardware hands the remaining CTAs to SMs as CTAs finish, so SMs that stream faster take more
-  // of the work (session 11's profiles: SMs idle ~28 % of the kernel's time at the tail). The
-  // stream-K fixup never waits for another CTA, so any number of waves is safe. Needs a workspace
-  // of gemm_wgmma_workspace_bytes(N, M, max_waves).
+  // hardware hands the remaining CTAs to SMs as CTAs finish. The stream-K fixup never waits for
+  // another CTA, so any number of waves is safe. Needs a workspace of
+  // gemm_wgmma_workspace_bytes(N, M, max_waves). Session 12, round B: 10-60 % slower than one wave
+  // at every M and CTA size tried (each CTA pays its pipeline fill: 1-unit CTAs took ~5 us a
+  // wave), so SMs idling at the tail are not what limits the kernel.
   int max_waves = 1;
   // Programmatic dependent launch: the kernel may start while the preceding kernel in the stream
   // finishes and requests its first ring of weights before waiting for it (griddepcontrol.wait);

@@ -785,7 +785,8 @@ int run(int argc, char** argv) {
     }
     bench::print_rows(
         "wgmma kernel variants (graph replay, cold L2; us: isolated, b2b_us: back-to-back; burst "
-        "auto = half the ring; waves = GemmWgmmaOptions::max_waves; pdl_chain: programmatic "
+        "auto = 2 with two CTAs per SM, half the ring with one; waves = "
+        "GemmWgmmaOptions::max_waves; pdl_chain: programmatic "
         "launch + trigger_dependents, so back-to-back calls overlap)",
         rows_var, json);
     cudaFree(ws);

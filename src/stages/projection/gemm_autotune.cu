@@ -632,9 +632,33 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
       b.wgmma_options = o;
     }
   }
+  // Confirmation: the kept cuBLASLt algorithm and the fastest wgmma shape are replayed twice more
+  // each, alternating, and each keeps its lowest median. (One median of a few replays varies by a
+  // few percent: session 12, round C timed the same cuBLASLt algorithm at 23.1-24.5 us in four
+  // objects, which flipped the 2 % rule at M 4 where the benchmark measures the wgmma kernel 4-6 %
+  // faster in every round.)
+  const double first_lt_us = lt_us;
+  for (int round = 0; round < 2 && best_us > 0; ++round) {
+    double us = -1;
+    M3_RETURN_IF_ERROR(graph_median_us(
+        t, kIters, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
+        &us));
+    if (us > 0) lt_us = std::min(lt_us, us);
+    us = -1;
+    M3_RETURN_IF_ERROR(graph_median_us(
+        t, kIters,
+        [&] {
+          return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream,
+                                     b.wgmma_options)
+              .ok();
+        },
+        &us));
+    if (us > 0) best_us = std::min(best_us, us);
+  }
   b.wgmma = gemm_prefer_wgmma(lt_us, best_us, b.m_hi, wgmma_auto_max_m);
-  b.tuning += "; replayed: cuBLASLt " + fmt_us(lt_us) + " us, wgmma [" + timed +
-              "] us: " + (b.wgmma ? "wgmma chosen" : "wgmma not faster");
+  b.tuning += "; replayed: cuBLASLt " + fmt_us(first_lt_us) + " us, wgmma [" + timed +
+              "] us; best of three: cuBLASLt " + fmt_us(lt_us) + ", wgmma " + fmt_us(best_us) +
+              " us: " + (b.wgmma ? "wgmma chosen" : "wgmma not faster");
   return Status::Ok();
 }
 

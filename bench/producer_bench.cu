@@ -548,11 +548,11 @@ int main(int argc, char** argv) {
   extra.push_back(tma_variant("tma_plan_il_t64_s4", 4, true, true, 64));
   extra.push_back(tma_variant("tma_plan_il_t64_s3", 3, true, true, 64));
   extra.push_back(tma_variant("tma_plan_t64_s4", 4, true, false, 64));
-  // The defaults with other tail blocks (ProducerCudaOptions::tma_tail; by default on with
-  // 128-task tiles only, last round, one 64-task tile per tail block): tail_rR_xN_tS = the last R
-  // rounds to tail blocks of N tiles of S tasks, at every tile size; tma_notail: no tail blocks;
-  // tma_mB_sN: B blocks per SM (tma_blocks_per_sm), N stages, 64-task tiles (the default below
-  // 2^19 tasks: 4 blocks, 3 stages; tma_m3_s4 the session-11 default).
+  // The defaults with other tail blocks (ProducerCudaOptions::tma_tail; by default the last
+  // round, one 64-task tile per tail block with 128-task tiles, two with 64): tail_rR_xN_tS = the
+  // last R rounds to tail blocks of N tiles of S tasks, at every tile size; tma_notail: no tail
+  // blocks; tma_mB_sN: B blocks per SM (tma_blocks_per_sm), N stages, 64-task tiles (the default
+  // below 2^19 tasks: 4 blocks, 3 stages; tma_m3_s4 the session-11 default).
   const auto tail_variant = [](const char* name, int rounds, int tiles, int tile_tasks) {
     Variant v;
     v.name = name;

@@ -132,7 +132,7 @@ Status dispatch(ProducerMode mode, const pk::KernelArgs& args, int64_t tasks,
         pk::tma_default_blocks_per_sm(o.tma_tile_tasks, o.tma_stages, o.tma_task_plan > 0);
   if (o.tma_tail == 0) o.tma_tail = pk::tma_default_tail(o.tma_tile_tasks) ? 1 : -1;
   if (o.tma_tail_rounds == 0) o.tma_tail_rounds = pk::kTmaTailRoundsDefault;
-  if (o.tma_tail_tiles == 0) o.tma_tail_tiles = pk::kTmaTailTilesDefault;
+  if (o.tma_tail_tiles == 0) o.tma_tail_tiles = pk::tma_default_tail_tiles(o.tma_tile_tasks);
   if (o.tma_tail_tile_tasks == 0) o.tma_tail_tile_tasks = pk::kTmaTailTileDefault;
   switch (mode) {
     case ProducerMode::kFused:

@@ -88,15 +88,14 @@ struct ProducerCudaOptions {
   // pipeline fill, more tiles in flight). Same bytes either way.
   int tma_tile_tasks = 0;
   // Tail blocks of the bulk-copy kernel (against the end-of-kernel imbalance: SMs whose blocks
-  // finish early idle while others still work): 0 = the default (on with 128-task tiles, off with
-  // 64), 1 = on, -1 = off. On: the persistent blocks run full interleaved rounds only, all but the
-  // last tma_tail_rounds of them (and the partial last one); the tiles after that go to extra
-  // blocks of the same grid that the hardware starts on whichever SM frees a slot first
-  // (tma_tail_tiles tiles of tma_tail_tile_tasks tasks each). No atomics, no state across calls.
-  // Same bytes either way.
+  // finish early idle while others still work): 0 = the default (on), 1 = on, -1 = off. On: the
+  // persistent blocks run full interleaved rounds only, all but the last tma_tail_rounds of them
+  // (and the partial last one); the tiles after that go to extra blocks of the same grid that the
+  // hardware starts on whichever SM frees a slot first (tma_tail_tiles tiles of tma_tail_tile_tasks
+  // tasks each). No atomics, no state across calls. Same bytes either way.
   int tma_tail = 0;
   int tma_tail_rounds = 0;      // 0 = the default (1), else 1..8
-  int tma_tail_tiles = 0;       // 0 = the default (1), else 1..8
+  int tma_tail_tiles = 0;       // 0 = the default (1 with 128-task tiles, 2 with 64), else 1..8
   int tma_tail_tile_tasks = 0;  // 0 = the default (64), else 16..tile size
   // Resident blocks per SM the bulk-copy kernel is built for: 0 = the default (4 with task plans,
   // 64-task tiles and 2 or 3 stages, else 3), 3, or 4 (32 compute warps per SM, registers capped

@@ -71,6 +71,9 @@
 //              instead of three partial ones) 41 us at T 4096 / 136.8 at 16384: removed. Defaults
 //              since: below 2^19 tasks 64-task tiles, 3 stages, 4 blocks per SM; from there
 //              128-task tiles, 2 stages, 3 blocks per SM and tail blocks of one 64-task tile.
+//              Round C: T 4096 33.22 / 33.22 us (85.6%), T 16384 129.44 / 129.44 (87.8%); tail
+//              blocks of two 64-task tiles at T 4096 32.99 / 33.09 (back-to-back 34.9 vs 36.1):
+//              since then the default there too (tma_default_tail below).
 #pragma once
 
 #include <cstddef>
@@ -153,16 +156,20 @@ inline int tma_default_stages(int tile_tasks) { return tile_tasks == kTmaTileTas
 inline int tma_default_blocks_per_sm(int tile_tasks, int stages, bool plan) {
   return tile_tasks == kTmaTileTasksSmall && stages <= 3 && plan ? 4 : 3;
 }
-// Tail blocks (ProducerCudaOptions::tma_tail), session 12 round A on the H200 (two runs, T 4096 /
-// 16384): with 128-task tiles (T 16384) every tail variant beat the plain grid, the last round in
-// blocks of 4 tiles of 32 tasks by most: 131.52-131.58 us (86.4 % of copy) vs 135.68-136.38
-// (83.3-83.8 %); with 64-task tiles (T 4096) every tail variant lost (34.43-37.8 us vs
-// 34.24-34.30): by default on with 128-task tiles only, for the last round, in blocks of one
-// 64-task tile (round B). kTmaTailMax bounds rounds and tiles, kTmaTailTileMin the tail tile.
-inline bool tma_default_tail(int tile_tasks) { return tile_tasks == kTmaTileTasks; }
+// Tail blocks (ProducerCudaOptions::tma_tail), session 12 on the H200 (two runs per round, T 4096
+// / 16384). Round A (3 blocks per SM everywhere): with 128-task tiles every tail variant beat the
+// plain grid (T 16384 131.5-133.9 us vs 135.68-136.38), with 64-task tiles every one lost
+// (34.43-37.8 vs 34.24-34.30). Round B: 128-task tiles, one 64-task tile per tail block
+// 129.86-129.89 us (87.5%; 4 x 32 tasks 130.56-130.72). Round C (64-task tiles now in 4 blocks per
+// SM): two 64-task tiles per tail block 32.99 / 33.09 us at T 4096 (back-to-back 34.90 / 34.91)
+// vs 33.22 / 33.22 (36.08) without tail blocks; at T 16384 one tile per tail block stays best
+// (129.44 vs 130.50-130.94 for two). Defaults since: on, last round, one 64-task tile per tail
+// block with 128-task tiles, two with 64-task tiles. kTmaTailMax bounds rounds and tiles,
+// kTmaTailTileMin the tail tile.
+inline bool tma_default_tail(int /*tile_tasks*/) { return true; }
+inline int tma_default_tail_tiles(int tile_tasks) { return tile_tasks == kTmaTileTasks ? 1 : 2; }
 constexpr int kTmaTailRoundsDefault = 1;
-constexpr int kTmaTailTilesDefault = 1;  // round B: 1 x 64 tasks 129.86-129.89 us at T 16384,
-constexpr int kTmaTailTileDefault = 64;  // 4 x 32 tasks 130.56-130.72
+constexpr int kTmaTailTileDefault = 64;
 constexpr int kTmaTailMax = 8;
 constexpr int kTmaTailTileMin = 16;
 // kAuto runs the bulk-copy kernel from 2^17 tasks on (about 1700 tokens at M3 TP1, ~1000 tiles:

@@ -50,7 +50,7 @@ TEST(ProducerGpu, SanitizerSmall) {
   ProducerCudaOptions persistent, tma_default;
   persistent.kernel = ProducerCudaKernel::kPersistent;
   persistent.persistent_blocks = 3;
-  // plans, interleaved, 64-task tiles in 3 stages, 4 blocks per SM
+  // plans, interleaved, 64-task tiles in 3 stages, 4 blocks per SM, tail blocks
   tma_default.kernel = ProducerCudaKernel::kTmaPipeline;
   tma_default.persistent_blocks = 3;
   ProducerCudaOptions tile128_default_tail = tma_default, three_per_sm = tma_default;

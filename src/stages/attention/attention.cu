@@ -60,11 +60,12 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
 // blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
 // per SM, 6 and 7 as 4 and 5 with TMA loads of K and V, 8 as 3 with the wait for P V deferred, 9
-// as 8 with TMA loads). H200, session 12, verify B256 x 4 tokens @ 8K / 32K / 128K, isolated us
-// (round B): v1 190.5 / 191.5 / 191.8, v3 189.4 / 189.2 / 192.0, v6 186.1 / 188.4 / 191.0, v8
-// 184.8 / 184.6 / 185.5 (b2b 178.7 / 178.9 / 179.7); dense B64 x 4: v3 164.8, v8 167.4.
-constexpr int kAutoVerifyVariant = 8;       // sparse
-constexpr int kAutoVerifyVariantDense = 3;  // dense (layers 0-2)
+// as 8 with TMA loads; 9 runs as 8 where TMA cannot address the pool). H200, session 12, round C
+// (8K, isolated / back-to-back us): verify B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8
+// 188.7 / 179.9, v3 196.5 / 189.0, v1 194.5 / 189.6; B64 x 4 v9 47.7 / 46.3, v8 49.6 / 48.0;
+// dense B64 x 4 v9 157.0, v8 166.1, v3 166.4.
+constexpr int kAutoVerifyVariant = 9;       // sparse
+constexpr int kAutoVerifyVariantDense = 9;  // dense (layers 0-2)
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;

@@ -76,8 +76,8 @@ struct AttentionCudaConfig {
                             // -1 none, 1 .. 8
   int persistent_ctas = 0;  // kernels 6 .. 9: CTAs of the persistent grid (0: one per SM; fewer
                             // make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (8 sparse, 3
-                            // dense), 1 the session-11 kernel (3-stage ring, 2 CTAs per SM), 2 a
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 1 the
+                            // session-11 kernel (3-stage ring, 2 CTAs per SM), 2 a
                             // 2-stage ring with 3 CTAs per SM, 3 as 1 with the V conversion
                             // started under the S wgmma, 4 as 3 with V's NaN check only in blocks
                             // not seen whole, 5 as 4 with a 2-stage ring, Q in shared memory and 3

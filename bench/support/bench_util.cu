@@ -97,17 +97,8 @@ Timing time_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t s
 
 Timing time_graph_cold(const std::function<void(cudaStream_t)>& launch, cudaStream_t stream,
                        int warmup, int iters) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  launch(stream);
-  check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
-  check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  Timing t = time_loop([&](cudaStream_t s) { check_cuda(cudaGraphLaunch(exec, s), "replay"); },
-                       stream, warmup, iters);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  return t;
+  return time_graph_back_to_back([&](cudaStream_t s, int) { launch(s); }, 1, stream, 1, warmup,
+                                 iters);
 }
 
 Timing time_graph_back_to_back(const std::function<void(cudaStream_t, int)>& launch, int copies,

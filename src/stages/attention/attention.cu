@@ -64,8 +64,7 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // (8K, isolated / back-to-back us): verify B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8
 // 188.7 / 179.9, v3 196.5 / 189.0, v1 194.5 / 189.6; B64 x 4 v9 47.7 / 46.3, v8 49.6 / 48.0;
 // dense B64 x 4 v9 157.0, v8 166.1, v3 166.4.
-constexpr int kAutoVerifyVariant = 9;       // sparse
-constexpr int kAutoVerifyVariantDense = 9;  // dense (layers 0-2)
+constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
 // L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
 constexpr int kAutoL2Prefetch = 0;
 constexpr int kMaxL2Prefetch = 8;
@@ -170,9 +169,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
                        " is not one of 0 .. 9");
   if (pl.verify) {
-    pl.verify_variant = cfg.verify_variant != 0
-                            ? cfg.verify_variant
-                            : (p.sparse ? kAutoVerifyVariant : kAutoVerifyVariantDense);
+    pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
       return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);

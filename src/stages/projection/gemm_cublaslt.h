@@ -52,6 +52,11 @@
 // (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32
 // accumulation order (off by default until measured faster on the device).
 //
+// With Fp8BlockGemmOptions::stream_max_m > 0, calls with M <= stream_max_m (at most 16) run the
+// streaming kernel (run_gemm_stream_cuda, gemm_stream.h / gemm_stream_kernel.cuh): each weight row
+// read in long contiguous runs by 1D bulk copies, mma.sync from shared memory, stream-K split with
+// a deterministic in-kernel reduction, its own workspace allocated (and zeroed) by create().
+//
 // With Fp8BlockGemmOptions::wgmma_max_m > 0, calls with M <= wgmma_max_m (at most 64) run the
 // wgmma kernel (run_gemm_wgmma_cuda, gemm_wgmma.h / gemm_wgmma_kernel.cuh): TMA-streamed weights,
 // swap-AB wgmma, stream-K split with a deterministic in-kernel reduction, its own workspace
@@ -83,6 +88,7 @@
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
+#include "stages/projection/gemm_stream.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 
@@ -140,6 +146,12 @@ struct Fp8BlockGemmOptions {
   // M3ATTN_GEMM_PATH = "auto"; 0: never; at most 64). Needs autotune.
   int wgmma_auto_max_m = -1;
   GemmWgmmaOptions wgmma;  // grid shape of the wgmma kernel
+  // M <= stream_max_m runs the streaming kernel (run_gemm_stream_cuda, gemm_stream.h; 0: never; at
+  // most kGemmStreamMaxM = 16), its workspace allocated (and zeroed) by create(). Takes precedence
+  // over every other path; a call it cannot serve (kUnsupported: activations too large for shared
+  // memory, operands not 16-byte aligned) goes to the other paths.
+  int stream_max_m = 0;
+  GemmStreamOptions stream;  // chunk, grid and ring of the streaming kernel
   // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
   // for speed.
   bool autotune = true;

@@ -159,6 +159,9 @@ struct Fp8BlockGemm::Impl {
   int64_t wgmma_auto_max_m = 0;     // auto mode: buckets up to this M may choose wgmma
   void* wgmma_workspace = nullptr;  // run_gemm_wgmma_cuda's, counters zeroed at creation
   size_t wgmma_workspace_bytes = 0;
+  int64_t stream_max_m = 0;          // Fp8BlockGemmOptions::stream_max_m
+  void* stream_workspace = nullptr;  // run_gemm_stream_cuda's, counters zeroed at creation
+  size_t stream_workspace_bytes = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.
   cublasLtMatmulDescOpaque_t desc_storage = {};
   cublasLtMatrixLayoutOpaque_t w_storage = {};  // cuBLAS A: weights, K x N column-major, op T
@@ -174,6 +177,7 @@ struct Fp8BlockGemm::Impl {
   ~Impl() {
     if (workspace) cudaFree(workspace);
     if (wgmma_workspace) cudaFree(wgmma_workspace);
+    if (stream_workspace) cudaFree(stream_workspace);
     if (handle) cublasLtDestroy(handle);
   }
 

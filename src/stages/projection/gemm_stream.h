@@ -1,0 +1,65 @@
+// The streaming decode GEMM (gemm_stream_kernel.cuh): the math of run_gemm_cpu (SPEC section 2)
+// for M <= 16, every weight row read in long contiguous runs (1D bulk copies) by one CTA per SM,
+// FP8 mma.sync from shared memory, stream-K split with a deterministic in-kernel reduction.
+// Contract (besides validate_gemm):
+//   - every tensor on the current CUDA device, an sm_90 device;
+//   - 1 <= M <= 16 (M == 0 launches nothing); any scale strides validate_gemm accepts;
+//   - A and B 16-byte aligned with row strides that are multiples of 16 bytes (bulk copies);
+//   - the activations (M x K bytes) fit in shared memory next to a ring of at least two stages
+//     (K <= ~12K at M 16, ~25K at M <= 8 with the default chunk); otherwise kUnsupported;
+//   - a workspace of at least gemm_stream_workspace_bytes(N) bytes, 256-byte aligned, whose first
+//     gemm_stream_counter_bytes(N) bytes are zero before the first call (cudaMemset once): every
+//     launch leaves them zero again. One workspace serves one stream at a time.
+// Deterministic (results depend on the launch shape only, never on timing), allocates nothing,
+// never synchronizes, CUDA-graph capturable.
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "m3attn/status.h"
+#include "stages/projection/projection.h"
+
+namespace m3attn {
+
+struct GemmStreamOptions {
+  // K blocks (128 bytes of each weight row) per bulk copy; one stage holds 8 rows x this.
+  int chunk_blocks = 16;
+  // CTAs (0: one per SM, at most the number of units). At most the grid the workspace was sized
+  // for.
+  int grid = 0;
+  // Ring depth limit (0: as many stages as shared memory holds, at most 16).
+  int max_stages = 0;
+  // Load the weights with an L2 evict-first policy (they are read once).
+  bool weight_evict_first = true;
+  // Programmatic dependent launch: the first ring of weights is requested before
+  // griddepcontrol.wait; activations, scales and every write come after it. The preceding kernel
+  // must not write the weights.
+  bool programmatic_launch = false;
+  // Every CTA executes griddepcontrol.launch_dependents at its start, so a kernel launched next
+  // with programmatic dependent launch (which waits before touching what this GEMM writes, as
+  // this kernel does with programmatic_launch) may start on the SMs this grid's first finishers
+  // leave. No effect on plain launches that follow.
+  bool trigger_dependents = false;
+};
+
+constexpr int64_t kGemmStreamMaxM = 16;
+
+// Bytes of the arrival counters at the start of the workspace (zero between calls).
+size_t gemm_stream_counter_bytes(int64_t n);
+// Workspace bytes for N columns with grids up to max_grid CTAs (0: one per SM of the current
+// device).
+Result<size_t> gemm_stream_workspace_bytes(int64_t n, int max_grid = 0);
+
+// Whether the current device can run the kernel (sm_90: bulk copies, e4m3 mma.sync).
+bool gemm_stream_device_supported();
+
+Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspace_bytes,
+                            cudaStream_t stream, const GemmStreamOptions& options = {});
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

@@ -31,12 +31,16 @@
 //   192, 8K), --contiguous (each request's pages consecutive
 //   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
-//   context must be in the table's sets).
+//   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
+//   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
+//   the two-kernel path, at batch {1, 64, 128, 256} x 8K, draft 0 and 3), --single-ctas N (the
+//   single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -356,8 +360,8 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       only = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0;
+       only = false, clusters = false;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -370,6 +374,10 @@ int main(int argc, char** argv) {
       bulk_only = true;
     else if (a == "--sweep")
       sweep = true;
+    else if (a == "--clusters")
+      clusters = true;
+    else if (a == "--single-ctas" && i + 1 < argc)
+      single_ctas = std::atoi(argv[++i]);
     else if (a == "--contiguous")
       g_contiguous = true;
     else if (a == "--case" && i + 1 < argc &&
@@ -378,7 +386,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
-                   "[--case BATCH,CONTEXT,DRAFT]\n",
+                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N]\n",
                    argv[0]);
       return 2;
     }
@@ -389,6 +397,7 @@ int main(int argc, char** argv) {
   bulk_o.decode_bulk_copy = true;
   bulk_o.fused_decode_always = true;
   single_o.single_pass = true;
+  single_o.single_pass_ctas = single_ctas;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
@@ -412,6 +421,53 @@ int main(int argc, char** argv) {
   bool all_pass = true;
 
   std::vector<bench::Row> rows;
+  if (clusters) {
+    // The single pass with 1, 2, 3, 4 and 8 CTAs per request (thread-block clusters) beside the
+    // default plan and the two-kernel path, at 8K (<= 64 blocks, where the single pass applies).
+    for (int draft : {0, 3}) {
+      for (int batch : {1, 64, 128, 256}) {
+        Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
+        std::vector<Slice> slices = {{0, 0, 1 + draft}};
+        if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+        for (int ctas : {-1, 0, 1, 2, 3, 4, 8}) {  // -1: default plan, 0: two-kernel
+          IndexerCudaOptions o;
+          o.unfused_decode = ctas == 0;
+          o.single_pass = ctas > 0;
+          o.single_pass_ctas = std::max(ctas, 0);
+          const std::string label = ctas < 0    ? "default"
+                                    : ctas == 0 ? "two-kernel"
+                                                : "single " + std::to_string(ctas);
+          const std::string what = "clusters b" + std::to_string(batch) + " draft " +
+                                   std::to_string(draft) + " " + label;
+          bool pass = true;
+          const Times tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
+          all_pass = all_pass && pass;
+          bench::Row row;
+          row.add("batch", std::to_string(batch));
+          row.add("draft", std::to_string(draft));
+          row.add("path", label);
+          row.add("plan", plan_str(c, o));
+          row.add("check", pass ? "PASS" : "FAIL");
+          row.add("us", tm.iso.median_us, 1);
+          row.add("min_us", tm.iso.min_us, 1);
+          row.add("%copy", pct_copy(c, tm.iso.median_us), 1);
+          row.add("b2b_us", tm.b2b.median_us, 1);
+          row.add("b2b_%copy", pct_copy(c, tm.b2b.median_us), 1);
+          rows.push_back(row);
+        }
+        free_case(c);
+      }
+    }
+    bench::print_rows(
+        "indexer decode 8K: single pass in clusters of 1-8 CTAs per request (graph replay, cold "
+        "L2; isolated and back to back)",
+        rows, json);
+    cudaStreamDestroy(stream);
+    cudaFree(pool.data);
+    std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
+                                 : "indexer_bench: some spot checks FAIL");
+    return all_pass ? 0 : 1;
+  }
   for (int draft : {0, 3}) {
     for (int ctx : contexts) {
       for (int batch : batches) {

@@ -35,6 +35,8 @@ constexpr int64_t kDecodeChunk = 16;
 constexpr int64_t kDecodeChunkShort = 24;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 1;
+// Largest portable thread-block cluster: CTAs per decode unit of the clustered single pass.
+constexpr int64_t kMaxClusterCtas = 8;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
 constexpr int64_t kFusedCtasPerSm = 3;
 
@@ -186,11 +188,13 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
                            T <= int64_t{p.batch.num_requests} * kSingleMaxTokensPerRequest;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
       T > 0 && max_pages <= ik::kFusedMaxChunk) {
-    // One split of every block (max_pages > kTopK here): the scorer finishes the rows.
+    // One split of every block (max_pages > kTopK here), or a cluster of up to
+    // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;
-    k = 1;
-    chunk = round4(max_pages);
+    const int64_t ctas = std::clamp<int64_t>(o.single_pass_ctas, 1, kMaxClusterCtas);
+    chunk = round4(ceil_div(max_pages, ctas));
+    k = ceil_div(max_pages, chunk);
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
@@ -260,6 +264,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                "run_indexer_cuda: merge_warps ", options.merge_warps, " is not 0, 1, 2, 4 or 8");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
+  M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
+               "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
+               kMaxClusterCtas, "]");
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -314,6 +321,27 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
+    if (pl.single && pl.k_splits > 1) {
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ik::score_fused_cluster_kernel,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                   ik::kFusedSmemBytes));
+      cudaLaunchConfig_t ccfg = {};
+      ccfg.gridDim = grid;
+      ccfg.blockDim = dim3(ik::kMmaThreads);
+      ccfg.dynamicSmemBytes = ik::kFusedSmemBytes;
+      ccfg.stream = stream;
+      cudaLaunchAttribute cattr[1];
+      cattr[0].id = cudaLaunchAttributeClusterDimension;
+      cattr[0].val.clusterDim.x = 1;
+      cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
+      cattr[0].val.clusterDim.z = 1;
+      ccfg.attrs = cattr;
+      ccfg.numAttrs = 1;
+      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ik::score_fused_cluster_kernel, a));
+      M3_CUDA_CHECK_LAUNCH();
+      return Status::Ok();
+    }
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).

@@ -112,6 +112,13 @@ struct IndexerCudaOptions {
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
   bool single_pass = false;
+  // Single pass only (forced or automatic): CTAs per decode unit, run as one thread-block cluster
+  // of (1, k, 1) CTAs (1..8; 0 = automatic, currently 1). With k > 1 the unit's blocks are cut into
+  // k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover max_pages sooner); each
+  // CTA scores its chunk and writes the block maxima into the first CTA's shared table (distributed
+  // shared memory), which finishes the rows after a cluster barrier: the single pass's one launch
+  // with up to k times the CTAs (more bytes in flight at small batches). Same ids.
+  int single_pass_ctas = 0;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -137,7 +144,8 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
   int merge_wpr = 0;       // warps per row of the fused path's final kernel
   bool bulk_copy = false;  // fused with bulk (TMA) tile copies
-  bool single = false;     // fused, one split, rows finished by the scorer (no merge kernel)
+  bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
+                           // one thread-block cluster of k_splits CTAs per unit
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

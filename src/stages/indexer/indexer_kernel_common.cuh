@@ -97,6 +97,32 @@ __device__ __forceinline__ void allow_dependent_launch() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
+// Thread-block cluster pieces of the clustered single pass (score_fused_cluster_kernel). Every
+// thread of every CTA of the cluster executes each arrive and each wait exactly once, in order.
+// Arrive without memory ordering (the start: only says "this CTA runs").
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+}
+// Arrive publishing this thread's earlier writes (shared memory of any CTA of the cluster, global
+// memory) to the threads that complete the matching wait.
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release;" ::: "memory");
+}
+// Waits until every (non-exited) thread of the cluster has arrived; acquires their published
+// writes.
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire;" ::: "memory");
+}
+// The generic address of `p` (a shared-memory variable of this CTA) in the shared memory of the
+// cluster's CTA `rank`: ordinary loads and stores through it reach that CTA (distributed shared
+// memory).
+template <typename T>
+__device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
+  uint64_t out;
+  asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
+  return reinterpret_cast<T*>(out);
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
 

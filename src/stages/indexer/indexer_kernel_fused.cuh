@@ -132,15 +132,16 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, const fl
   }
 }
 
-// Single pass, overflow tile (after a CTA barrier): the rows of its flat token range that no
-// decode unit owns (prefill tokens, and tokens of no request: stale scores, ids in range), from
-// the block scores this CTA wrote (one split: every visible block), one warp per row.
+// Single pass, overflow tile (after a CTA barrier, or a cluster barrier when its grid.y splits are
+// one cluster): the rows of its flat token range that no decode unit owns (prefill tokens, and
+// tokens of no request: stale scores, ids in range), from the block scores this CTA (or its
+// cluster) wrote: every visible block. One warp per row; rows shared out over the grid.y CTAs.
 __device__ __forceinline__ void finish_overflow_rows(const KernelArgs& a) {
-  const int warp = threadIdx.x >> 5;
   const int ta = static_cast<int>(blockIdx.x) * a.pre_tokens;
   const int te = min(ta + a.pre_tokens, a.num_tokens);
   const int rows = max(te - ta, 0) * a.n_kv;
-  for (int j = warp; j < rows; j += kMmaWarps) {
+  for (int j = static_cast<int>(blockIdx.y) * kMmaWarps + (threadIdx.x >> 5); j < rows;
+       j += static_cast<int>(gridDim.y) * kMmaWarps) {
     const int t = ta + j / a.n_kv;
     const int guess = static_cast<int>(int64_t{t} * a.num_requests / a.num_tokens);
     const int pos = __ldg(a.positions + t);

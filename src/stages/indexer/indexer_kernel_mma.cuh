@@ -509,8 +509,17 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // chain to the first index-K byte is query_start -> positions -> data (the page-table load runs
 // beside query_start) instead of query_start -> positions -> page table -> data.
 // kSingle (with kFused): one split per unit (b0 == 0); the rows are finished here (kDirect).
-template <bool kFused, bool kBulk, bool kSingle>
+// kCluster (with kSingle): the unit's splits are one thread-block cluster of (1, k_splits, 1)
+// CTAs (rank == blockIdx.y); each CTA writes its block maxima into the table of rank 0 through
+// distributed shared memory (table column = block id: max_pages <= kFusedMaxChunk), and after a
+// cluster barrier rank 0 finishes the rows like the one-CTA single pass. Barriers: an arrive at
+// the start and its wait before the first remote write (every CTA of the cluster has started),
+// then a release / acquire barrier once every block max is written; every thread of the cluster
+// passes both, whatever its data.
+template <bool kFused, bool kBulk, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
+  static_assert(!kCluster || (kFused && kSingle && !kBulk), "cluster: the single pass only");
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -541,46 +550,56 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
     }
   }
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
-  int b1 = 0;
-  int p = -1;  // lane l < n: position of token qa + l
+  int nvis = 0;                              // the unit's blocks to score (all splits)
+  int p = -1;                                // lane l < n: position of token qa + l
   if (n > 0) {
     p = lane < n ? __ldg(a.positions + qa + lane) : -1;
     const int max_pos = __reduce_max_sync(0xffffffffu, p);
-    const int nvis = blocks_to_score(a, max_pos);  // <= max_pages
-    b1 = min(nvis, bend);
+    nvis = blocks_to_score(a, max_pos);  // <= max_pages
   }
+  const int b1 = min(nvis, bend);
   if (pre && first >= b1) stream_prologue_drain<kBulk>(wbars);  // warp-uniform
+  const int rows = n * a.n_kv;                                  // <= kDecRows
+  float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
+  // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
+  const auto score = [&](float* table, int tb0) {
+    switch ((rows + 7) / 8) {
+      case 1:
+        decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
+        break;
+      case 2:
+        decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
+        break;
+      case 3:
+        decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
+        break;
+      default:
+        decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
+        break;
+    }
+  };
+  if constexpr (kCluster) {
+    cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
+    if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
+    cluster_arrive_release();
+    cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
+    if (blockIdx.y == 0) fused_local_select<true>(a, sblk, qa, rows, 0, nvis, p);
+    return;
+  }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select<true>(a, nullptr, qa, n * a.n_kv, b0, b1, p);
+      if constexpr (kSingle) fused_local_select<true>(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  const int rows = n * a.n_kv;  // <= kDecRows
-  float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
-  if (first < b1) {
-    switch ((rows + 7) / 8) {
-      case 1:
-        decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, wbars, pre);
-        break;
-      case 2:
-        decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, wbars, pre);
-        break;
-      case 3:
-        decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, wbars, pre);
-        break;
-      default:
-        decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, sblk,
-                                      b0, wbars, pre);
-        break;
-    }
-  }
+  if (first < b1) score(sblk, b0);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
@@ -735,17 +754,26 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kBulk, bool kSingle = false>
+template <bool kFused, bool kBulk, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh, uint64_t* bars) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kBulk, kSingle>(a, smem, bars);
+    decode_path<kFused, kBulk, kSingle, kCluster>(a, smem, bars);
     return;
   }
+  // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
   if constexpr (kSingle) {
-    __syncthreads();  // the tile's block scores (global memory) are written and visible
+    // The tile's block scores (global memory; with a cluster, every split's) are written and
+    // visible.
+    if constexpr (kCluster) {
+      __threadfence();
+      cluster_arrive_release();
+      cluster_wait_acquire();
+    } else {
+      __syncthreads();
+    }
     finish_overflow_rows(a);
   }
 }
@@ -771,6 +799,17 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const K
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, false, true>(a, smem, sh, nullptr);
+}
+
+// Clustered single pass (IndexerCudaOptions::single_pass_ctas > 1): launched in clusters of
+// (1, k_splits, 1) CTAs, k_splits <= 8; each decode unit's splits write their block maxima into
+// the table of the cluster's first CTA (distributed shared memory), which finishes the rows; an
+// overflow tile's splits write block scores, then finish its rows together after a cluster
+// barrier. No merge kernel.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<true, false, true, true>(a, smem, sh, nullptr);
 }
 
 // The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::

@@ -415,12 +415,18 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
     }
-    // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks).
-    IndexerCudaOptions so = v.o;
-    so.single_pass = true;
-    if (!bulk && indexer_cuda_plan(d.params, so).single) {
+    // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
+    // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
+    for (int ctas : {1, 2, 3, 8}) {
+      IndexerCudaOptions so = v.o;
+      so.single_pass = true;
+      so.single_pass_ctas = ctas;
+      if (bulk || !indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
-      expect_same_ids(in, c, g, name + ", single pass vs two-kernel]");
+      expect_same_ids(in, c, g,
+                      name + ", single pass" +
+                          (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
+                          " vs two-kernel]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
@@ -500,7 +506,7 @@ inline void check_nan(bool bulk) {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 single
-// pass.
+// pass, 5 single pass in clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -547,12 +553,17 @@ inline void check_guards(const std::vector<int>& paths) {
     o.force_cuda_cores = path == 3;
     o.unfused_decode = path == 1;
     o.decode_bulk_copy = path == 2;
-    o.single_pass = path == 4;
-    o.fused_decode_always = path == 0 || path == 2 || path == 4;
-    const char* names[] = {"[fused] ", "[two-kernel] ", "[fused bulk] ", "[cuda cores] ",
-                           "[single pass] "};
+    o.single_pass = path == 4 || path == 5;
+    o.single_pass_ctas = path == 5 ? 4 : 0;
+    o.fused_decode_always = path == 0 || path == 2 || path == 4 || path == 5;
+    const char* names[] = {"[fused] ",      "[two-kernel] ",  "[fused bulk] ",
+                           "[cuda cores] ", "[single pass] ", "[single pass cluster 4] "};
     const char* name = names[path];
     if (path == 4) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
+    if (path == 5) {
+      EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
+      EXPECT_EQ(indexer_cuda_plan(d.params, o).k_splits, 4);
+    }
     if (o.fused_decode_always) EXPECT_TRUE(indexer_cuda_uses_fused_decode(d.params, o));
     const GpuResult g = run_gpu(d, o);
     for (int64_t row = 0; row < in.rows(); ++row) {

@@ -9,7 +9,7 @@ namespace {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 3, 4});
+  check_guards({0, 1, 3, 4, 5});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -21,7 +21,9 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   IndexerCudaOptions single;
   single.single_pass = true;
-  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, single}) {
+  IndexerCudaOptions cluster = single;
+  cluster.single_pass_ctas = 3;
+  for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, single, cluster}) {
     // The default plan at 17K (fused + merge kernel); the single pass at <= 64 blocks.
     const std::vector<RequestSpec> reqs =
         go.single_pass
@@ -32,7 +34,9 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
     ASSERT_FALSE(::testing::Test::HasFailure());
     ASSERT_EQ(first.max_pages(), second.max_pages());
     ASSERT_EQ(first.hb.num_pages(), second.hb.num_pages());
-    const std::string what = go.single_pass ? " (single pass)" : "";
+    const std::string what =
+        go.single_pass ? (go.single_pass_ctas > 1 ? " (single pass, cluster 3)" : " (single pass)")
+                       : "";
     DeviceSet d;
     upload(first, d);
     cudaGraph_t graph;
@@ -136,6 +140,11 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     IndexerCudaOptions o;
     o.merge_warps = 3;
     expect_rejected(d.params, d.workspace, o, "merge_warps 3");
+  }
+  {
+    IndexerCudaOptions o;
+    o.single_pass_ctas = 9;
+    expect_rejected(d.params, d.workspace, o, "single_pass_ctas 9");
   }
   {
     IndexerParams p = d.params;

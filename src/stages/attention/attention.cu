@@ -79,6 +79,7 @@ struct Plan {
   bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
   bool ws_fast_union = false;    // its tile unions by minimum extraction (kernel 10)
   bool ws_deep_ring = false;     // its 4-stage ring with one Q buffer (kernel 11)
+  bool ws_uniform = false;       // its uniform headers and descriptors (kernel 12)
   int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;                    // tokens per tile
   bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
@@ -126,6 +127,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws_fast_convert = kAutoWsKernel >= 9;
       pl.ws_fast_union = kAutoWsKernel >= 10;
       pl.ws_deep_ring = kAutoWsKernel >= 11;
+      pl.ws_uniform = kAutoWsKernel >= 12;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -147,6 +149,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 9:
     case 10:
     case 11:
+    case 12:
       pl.wgmma = true;
       pl.ws = true;
       pl.ws_lookahead = cfg.kernel >= 7;
@@ -154,10 +157,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws_fast_convert = cfg.kernel >= 9;
       pl.ws_fast_union = cfg.kernel >= 10;
       pl.ws_deep_ring = cfg.kernel >= 11;
+      pl.ws_uniform = cfg.kernel >= 12;
       pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
       break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 11");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 12");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -355,7 +359,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       bool launched = false;
       M3_RETURN_IF_ERROR(attention_prefill_ws::launch(
           args, pl.tiles, pl.ctas, pl.ws_lookahead, pl.ws_qregs, pl.ws_fast_convert,
-          pl.ws_fast_union, pl.ws_deep_ring, stream, &launched));
+          pl.ws_fast_union, pl.ws_deep_ring, pl.ws_uniform, stream, &launched));
       if (launched) return Status::Ok();
     }
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {

@@ -1,5 +1,5 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 6 .. 10 (10 is the automatic choice for prefill batches). Same
+// AttentionCudaConfig::kernel = 6 .. 12 (11 is the automatic choice for prefill batches). Same
 // math, tiles, masks, numerics and split workspace as the wgmma kernel of
 // attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is who waits for what.
 //
@@ -33,7 +33,7 @@
 // attention_prefill_ws_scheduler.cuh (the scheduler warp), this file (converters, consumers, the
 // kernel, tensor maps and launch).
 // Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert, 10 +
-// kFastUnion, 11 + kDeep):
+// kFastUnion, 11 + kDeep, 12 + kUni):
 // kLookahead: the scheduler prepares the next work item (global loads, union) right after the
 // current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
 // fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
@@ -45,7 +45,11 @@
 // in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union); kDeep: 4 raw
 // stages and one Q buffer, released when every consumer warp has its Q fragments (round-A ncu of
 // kernel 10: consumers and converters waiting on full, the scheduler on empty: TMA latency not
-// covered by 3 stages).
+// covered by 3 stages); kUni: entry headers broadcast through a warp reduction (a uniform value for
+// the compiler) and wgmma descriptors as constant offsets of two base descriptors, so the issue of
+// the 12 wgmmas between turn_wait and turn_pass is no longer ~7 dependent instructions each
+// (round-A ncu of kernel 10: 16 % of the consumer warps' samples), and the converters' f16 stores
+// in an order free of bank conflicts (store_f16_chunk).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
 // warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S; kDeep:
@@ -104,22 +108,30 @@ namespace attention_prefill_ws {
 // and the consumers waited for the f16 tile (16 % of all stall samples): one dependent
 // address -> LDS -> F2FP -> STS chain per 8 dims, one warp per scheduler, no overlap.
 
-// One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks.
+// One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks
+// (8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8)). The 8
+// threads of a quarter warp hold c16 = 0 .. 7 of one key; the two dim halves lie 16 KB apart
+// (same banks), so storing chunk 2 c16 first in every thread hits each bank group twice (round-A
+// ncu of kernel 10: 43 % of the store wavefronts were conflicts). kSwap: threads with c16 >= 4
+// store their chunk 2 c16 + 1 first: every store of a quarter warp is conflict-free.
+template <bool kSwap>
 __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {
-  uint4 lo, hi;
-  lo.x = ak::e4m3x2_to_f16x2(raw.x);
-  lo.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
-  lo.z = ak::e4m3x2_to_f16x2(raw.y);
-  lo.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
-  hi.x = ak::e4m3x2_to_f16x2(raw.z);
-  hi.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
-  hi.z = ak::e4m3x2_to_f16x2(raw.w);
-  hi.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
-  // 8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8).
+  const int sw = kSwap ? (c16 >> 2) & 1 : 0;
+  const uint32_t a = sw ? raw.z : raw.x, b = sw ? raw.w : raw.y;  // first chunk's 8 dims
+  const uint32_t c = sw ? raw.x : raw.z, d = sw ? raw.y : raw.w;  // second chunk's
+  uint4 first, second;
+  first.x = ak::e4m3x2_to_f16x2(a);
+  first.y = ak::e4m3x2_to_f16x2(a >> 16);
+  first.z = ak::e4m3x2_to_f16x2(b);
+  first.w = ak::e4m3x2_to_f16x2(b >> 16);
+  second.x = ak::e4m3x2_to_f16x2(c);
+  second.y = ak::e4m3x2_to_f16x2(c >> 16);
+  second.z = ak::e4m3x2_to_f16x2(d);
+  second.w = ak::e4m3x2_to_f16x2(d >> 16);
   uint8_t* row = vh + (c16 >> 2) * kTileBytes + key * 128;
-  const int c8 = 2 * c16;
-  *reinterpret_cast<uint4*>(row + (((c8 & 7) ^ (key & 7)) << 4)) = lo;
-  *reinterpret_cast<uint4*>(row + ((((c8 + 1) & 7) ^ (key & 7)) << 4)) = hi;
+  const int c8 = 2 * c16 + sw;  // chunk of `first`; `second` is its neighbour c8 ^ 1
+  *reinterpret_cast<uint4*>(row + (((c8 & 7) ^ (key & 7)) << 4)) = first;
+  *reinterpret_cast<uint4*>(row + ((((c8 ^ 1) & 7) ^ (key & 7)) << 4)) = second;
 }
 
 // NaN in V (the twin's semantics: a NaN V element at (key p, dim d) makes dim d of every head of
@@ -161,7 +173,14 @@ __device__ __forceinline__ bool clear_nan_word(uint32_t& w, int key, int d0, uin
   return any;
 }
 
-template <bool kFast, bool kDeep>
+// lane 0's v (every other lane passes 0) in every lane, by a warp OR reduction: its result is
+// warp-uniform for the compiler (a uniform register), so that branches on it stay uniform and the
+// values derived from it (ring stage, descriptors) can live in uniform registers (kUni).
+__device__ __forceinline__ int bcast_lane0(int v) {
+  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(v)));
+}
+
+template <bool kFast, bool kDeep, bool kUni>
 __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
   using R = Ring<kDeep>;
   const int t = static_cast<int>(threadIdx.x) - 32;  // 0 .. 95
@@ -179,10 +198,17 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
       vlim = ld_lane0(e.vlim);
       klo = ld_lane0(e.klo);
     }
-    info = __shfl_sync(0xffffffffu, info, 0);
-    if (info_flags(info) & kEnd) return;
-    vlim = __shfl_sync(0xffffffffu, vlim, 0);
-    klo = __shfl_sync(0xffffffffu, klo, 0);
+    if constexpr (kUni) {
+      info = bcast_lane0(info);
+      if (info_flags(info) & kEnd) return;
+      vlim = bcast_lane0(vlim);
+      klo = bcast_lane0(klo);
+    } else {
+      info = __shfl_sync(0xffffffffu, info, 0);
+      if (info_flags(info) & kEnd) return;
+      vlim = __shfl_sync(0xffffffffu, vlim, 0);
+      klo = __shfl_sync(0xffffffffu, klo, 0);
+    }
     const int kmax = min(vlim, ak::kBlockKeys - 1);
     const bool check = klo < kmax;
     const uint32_t gen = j + 1;
@@ -217,7 +243,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int i = i0 + u * kN;
-            if (i < kItems) store_f16_chunk(vh, i >> 3, i & 7, r[u]);
+            if (i < kItems) store_f16_chunk<kUni>(vh, i >> 3, i & 7, r[u]);
           }
         }
       };
@@ -239,7 +265,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           clear_nan_word(w.y, key, 16 * c + 4, gen, key_rec, gen_rec);
           clear_nan_word(w.z, key, 16 * c + 8, gen, key_rec, gen_rec);
           clear_nan_word(w.w, key, 16 * c + 12, gen, key_rec, gen_rec);
-          store_f16_chunk(vh, key, c, w);
+          store_f16_chunk<kUni>(vh, key, c, w);
           wrote = true;
         }
       }
@@ -336,12 +362,14 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[8][4]
 // NaN dims that this warp's token sees in entry gen - 1 (f16 buffer vs, visible keys 0 .. lim),
 // ORed into bits (dim d: bit d % 32 of word d / 32; the same in every lane). Lane 0 alone reads the
 // records (it releases the buffer: racecheck orders accesses by the arriving thread only).
+template <bool kUni>
 __device__ __forceinline__ void add_nan_dims(const Shared& sh, int vs, uint32_t gen, int lim,
                                              uint32_t (&bits)[4]) {
   const int lane = threadIdx.x & 31;
   uint32_t g = 0u;
   if (lane == 0) g = ld_lane0(sh.vnan_gen[vs]);
-  g = __shfl_sync(0xffffffffu, g, 0);
+  g = kUni ? static_cast<uint32_t>(bcast_lane0(static_cast<int>(g)))
+           : __shfl_sync(0xffffffffu, g, 0);
   if (g != gen) return;  // no record for this entry: the common case
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -381,6 +409,9 @@ struct Cur {
 
 // Lane 0 alone reads the header (it releases the stage: racecheck orders accesses by the
 // arriving thread only) and broadcasts it.
+// kUni: broadcast by bcast_lane0 (uniform values: the loop over entries and everything derived
+// from the entry count stay warp-uniform for the compiler).
+template <bool kUni>
 __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
   int info = 0, t0 = 0, lim = 0;
   if ((threadIdx.x & 31) == 0) {
@@ -388,14 +419,28 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
     t0 = ld_lane0(e.t0);
     lim = ld_lane0(e.lim[tok]);
   }
+  if constexpr (kUni) return Cur{bcast_lane0(info), bcast_lane0(t0), bcast_lane0(lim)};
   return Cur{__shfl_sync(0xffffffffu, info, 0), __shfl_sync(0xffffffffu, t0, 0),
              __shfl_sync(0xffffffffu, lim, 0)};
+}
+
+// A shared-memory descriptor advanced by `bytes` (a multiple of 16): the address field (bits
+// 0-13, address / 16) does not overflow while the address stays below 256 KB, so this is a plain
+// add to the low word; the high word (stride, swizzle mode) is a constant.
+__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
+  return (d & 0xFFFFFFFF00000000ull) |
+         static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
 }
 
 // kQRegs: each warp copies its token's Q fragments from the item's Q tile into registers when the
 // item starts (register-A QK wgmma: 8 KB less shared-memory traffic per warpgroup and block).
 // kDeep (requires kQRegs): one Q buffer, released by each warp once it has its Q fragments.
-template <bool kQRegs, bool kDeep>
+// kUni: entry headers broadcast as uniform values (read_entry<true>) and the wgmma descriptors
+// as constant offsets of two base descriptors (desc_add): round-A ncu of kernel 10 showed every
+// descriptor rebuilt per use (add, mask, shift, or, two register-to-uniform moves: ~7
+// instructions per wgmma, 16 % of the consumer warps' samples) between turn_wait and turn_pass,
+// where the other warpgroup cannot issue.
+template <bool kQRegs, bool kDeep, bool kUni>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
   static_assert(kQRegs || !kDeep, "one Q buffer needs Q in registers");
@@ -430,16 +475,19 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
         }
     }
   };
+  const uint64_t kdesc0 = ap::smem_desc(base, 16, 1024);                      // K of stage 0
+  const uint64_t vdesc0 = ap::smem_desc(base + R::kVhOff, kTileBytes, 1024);  // f16 V buffer 0
   auto issue_qk = [&](int qslot, int stage) {
     const uint32_t qaddr = base + R::kQOff + qslot * kQBytes + wg * (kQBytes / 2);
     const uint32_t kaddr = base + stage * kStageBytes;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t kd = kUni ? desc_add(kdesc0, stage * kStageBytes + 32 * kk)
+                               : ap::smem_desc(kaddr + 32 * kk, 16, 1024);
       if constexpr (kQRegs)
-        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        ap::wgmma_qk_rs(s, qa[kk], kd, kk > 0 ? 1 : 0);
       else
-        ap::wgmma_qk(s, ap::smem_desc(qaddr + 32 * kk, 16, 1024),
-                     ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+        ap::wgmma_qk(s, ap::smem_desc(qaddr + 32 * kk, 16, 1024), kd, kk > 0 ? 1 : 0);
     }
   };
   // O (+)= P V; the first entry of an item overwrites O (the previous item's O was stored).
@@ -447,13 +495,15 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     const uint32_t vaddr = base + R::kVhOff + vs * kVhBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      ap::wgmma_pv(o, p[kk], ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
+      ap::wgmma_pv(o, p[kk],
+                   kUni ? desc_add(vdesc0, vs * kVhBytes + kk * 2048)
+                        : ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
                    kk > 0 || !(flags & kFirst) ? 1 : 0);
   };
 
   uint32_t j = 0;  // current entry; its V is in f16 buffer j % 2
   mbar_wait(bar_addr(sh.full[0]), 0);
-  Cur cur = read_entry(sh.entry[0], tok);
+  Cur cur = read_entry<kUni>(sh.entry[0], tok);
   if (cur.flags() & kEnd) return;  // no work for this CTA
   if (wg == 1) turn_pass(wg);      // warpgroup 0 issues first
 
@@ -479,7 +529,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     const uint32_t nj = j + 1;
     const int ns = static_cast<int>(nj % R::kStages);
     mbar_wait(bar_addr(sh.full[ns]), (nj / R::kStages) & 1);
-    const Cur nxt = read_entry(sh.entry[ns], tok);
+    const Cur nxt = read_entry<kUni>(sh.entry[ns], tok);
     if (nxt.flags() & kEnd) break;
     const int vs = static_cast<int>(j & 1);
     if (nxt.flags() & kFirst) load_q(nxt.qslot());
@@ -496,7 +546,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     ap::wgmma_commit();
     turn_pass(wg);
     if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
-    add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
+    add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
     ap::wgmma_wait<1>();  // S(next) done; P V(cur) may still run
     ap::reg_fence(s);
     __syncwarp();  // every lane has read the header before the stage is released
@@ -541,7 +591,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   ap::wgmma_commit();
   if (wg == 0) turn_pass(wg);  // warpgroup 1's last pass would have no matching wait
   if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
-  add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
+  add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
   ap::wgmma_wait<0>();
   ap::reg_fence(o);
   apply_nan_dims(o, nan_bits);
@@ -550,7 +600,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep>
+template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep, bool kUni>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -584,10 +634,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0)
       scheduler_warp<kLookahead, kFastUnion, kDeep>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
-      converter_warps<kFastConvert, kDeep>(sh, smem);
+      converter_warps<kFastConvert, kDeep, kUni>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
-    consumer_warpgroups<kQRegs, kDeep>(a, sh, base, smem);
+    consumer_warpgroups<kQRegs, kDeep, kUni>(a, sh, base, smem);
   }
 }
 
@@ -643,8 +693,8 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
-                     bool fast_convert, bool fast_union, bool deep_ring, cudaStream_t stream,
-                     bool* launched) {
+                     bool fast_convert, bool fast_union, bool deep_ring, bool uniform,
+                     cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -652,13 +702,16 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
-  // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer).
-  auto kernel = !lookahead      ? attention_prefill_ws_kernel<false, false, false, false, false>
-                : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false, false>
-                : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false, false>
-                : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false, false>
-                : !deep_ring    ? attention_prefill_ws_kernel<true, true, true, true, false>
-                                : attention_prefill_ws_kernel<true, true, true, true, true>;
+  // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer), 12
+  // (+ uniform headers and descriptors, conflict-free V stores).
+  auto kernel = !lookahead ? attention_prefill_ws_kernel<false, false, false, false, false, false>
+                : !q_regs  ? attention_prefill_ws_kernel<true, false, false, false, false, false>
+                : !fast_convert
+                    ? attention_prefill_ws_kernel<true, true, false, false, false, false>
+                : !fast_union ? attention_prefill_ws_kernel<true, true, true, false, false, false>
+                : !deep_ring  ? attention_prefill_ws_kernel<true, true, true, true, false, false>
+                : !uniform    ? attention_prefill_ws_kernel<true, true, true, true, true, false>
+                              : attention_prefill_ws_kernel<true, true, true, true, true, true>;
   const int smem = deep_ring && q_regs && fast_convert && fast_union && lookahead
                        ? Ring<true>::kSmemBytes
                        : Ring<false>::kSmemBytes;

@@ -5,18 +5,34 @@
 //   decode   64 / 128 / 256 requests at 8K context, draft 0          (CUDA-graph replay)
 // Cold L2 (bench_util's 256 MB flush before each timed iteration). Every step writes the same
 // K / V / index-K rows each iteration (idempotent), cached prefixes hold random E4M3 values.
-// Reports the step time of each variant, the ratio unfused / fused (goal: >= 1.10 at decode, never
-// < 1.0) and the per-stage split of one warm eager run (run_timed: events between stages).
+// Reports for each variant the step time (isolated: one call after a flush, the headline; decode
+// also back-to-back: 8 steps in one graph, per step, as in a captured multi-layer decode), the
+// ratio unfused / fused (goal: >= 1.10 at decode, never < 1.0), the same with the two quantize
+// stages launched with programmatic dependent launch ("pdlq"), and a per-stage split:
+//   eager    one warm eager run with events between stages (includes host launch latency:
+//   cuBLASLt's
+//            host cost shows up here, not in a graph);
+//   prefix   (decode) graph of stages [0, s] minus graph of [0, s): what stage s adds inside the
+//            captured step, launch gap included; the first stage's entry has the empty-graph cost
+//            (launch_us, an empty kernel's graph) subtracted;
+//   alone    (decode) graph of stage s alone, cold L2, minus launch_us (its inputs as the earlier
+//            stages left them, but flushed).
 // Check before timing (cheap, printed PASS / FAIL): attn_out finite, fused vs unfused attn_out
-// relative L2 <= 5e-2 (they differ only by one-E4M3-step rounding of a few q / k / v values), and
-// every block-id row well formed (ascending ids, local block present).
-//   layer_bench [--json] [--quick]   (--quick: decode 64 only, fewer iterations)
+// relative L2 <= 5e-2 (they differ only by one-E4M3-step rounding of a few q / k / v values), every
+// block-id row well formed (ascending ids, local block present), and the pdlq launches give the
+// same attn_out bytes as the plain ones.
+//   layer_bench [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile]
+//     --quick: decode 64 only, fewer iterations; --case: scenarios whose name contains SUBSTRING;
+//     --profile: for Nsight Compute (ncu --profile-from-start off): per graph scenario one warm
+//     graph replay of each variant (fused, unfused) between cudaProfilerStart / Stop, no timing.
+#include <cuda_profiler_api.h>
 #include <cuda_runtime_api.h>
 
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -66,6 +82,8 @@ __global__ void fill_bf16_kernel(uint16_t* p, int64_t n, uint64_t seed) {
   }
 }
 
+__global__ void empty_kernel() {}
+
 struct Scenario {
   std::string name;
   std::vector<std::pair<int64_t, int64_t>> context;  // (tokens, cached)
@@ -91,14 +109,23 @@ double rel_l2(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b, bo
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false;
+  bool json = false, quick = false, split = true, profile = false;
+  std::string only;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--no-split")) {
+      split = false;
+    } else if (!std::strcmp(argv[i], "--profile")) {
+      profile = true;
+    } else if (!std::strcmp(argv[i], "--case") && i + 1 < argc) {
+      only = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -111,6 +138,12 @@ int main(int argc, char** argv) {
       {"decode 256x8K", {}, 256, ctx, true},
   };
   if (quick) scenarios = {scenarios[2]};
+  if (!only.empty()) {
+    std::vector<Scenario> kept;
+    for (const Scenario& sc : scenarios)
+      if (sc.name.find(only) != std::string::npos) kept.push_back(sc);
+    scenarios = kept;
+  }
   const int iters = quick ? 10 : 30;
 
   // Capacity and pool: the largest scenario of each kind.
@@ -153,12 +186,18 @@ int main(int argc, char** argv) {
   Result<std::unique_ptr<CudaStepMetadata>> meta_r = CudaStepMetadata::create(cap);
   ok_or_die(meta_r.status(), "metadata");
   CudaStepMetadata& meta = *meta_r.value();
-  std::fprintf(log, "layer_bench: workspace %.1f MB\n",
-               static_cast<double>(layer.workspace()->device_bytes()) / 1e6);
+  std::fprintf(log, "layer_bench: workspace %.1f MB; GEMM objects:\n%s",
+               static_cast<double>(layer.workspace()->device_bytes()) / 1e6,
+               layer.workspace()->describe_gemms().c_str());
 
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
-  std::vector<bench::Row> rows;
+  // What an empty graph replay costs under the isolated timing (launch + events).
+  const double launch_us =
+      bench::time_graph_cold([](cudaStream_t s) { empty_kernel<<<1, 32, 0, s>>>(); }, stream, 3,
+                             iters)
+          .median_us;
+  std::vector<bench::Row> rows, split_rows;
   bool all_pass = true, goal = true, never_slower = true;
   for (const Scenario& sc : scenarios) {
     CacheManager cache(num_pages);
@@ -183,19 +222,54 @@ int main(int argc, char** argv) {
     const TensorView hv =
         TensorView::contiguous(hidden, DType::kBF16, {T, int64_t{g.hidden}}, Device::cuda(0));
     ok_or_die(layer.plan(meta, hv, caches), "layer plan");
+    auto set_variant = [&](int v, bool pdl) {
+      layer.set_fused(v == 0);
+      layer.set_programmatic_quantize(pdl);
+    };
 
-    // Check: both variants once.
+    if (profile) {
+      if (!sc.graph) continue;
+      cudaGraphExec_t exec[2];
+      for (int v = 0; v < 2; ++v) {
+        set_variant(v, false);
+        ok_or_die(layer.run(stream), "warm run");
+        cudaGraph_t graph;
+        check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
+        ok_or_die(layer.run(stream), "captured run");
+        check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+        check_cuda(cudaGraphInstantiate(&exec[v], graph, 0), "instantiate");
+        cudaGraphDestroy(graph);
+        check_cuda(cudaGraphLaunch(exec[v], stream), "warm replay");
+      }
+      check_cuda(cudaStreamSynchronize(stream), "sync");
+      for (int v = 0; v < 2; ++v) {
+        std::fprintf(log, "layer_bench: profiling %s %s (one graph replay)\n", sc.name.c_str(),
+                     v == 0 ? "fused" : "unfused");
+        std::fflush(log);
+        check_cuda(cudaProfilerStart(), "profiler start");
+        check_cuda(cudaGraphLaunch(exec[v], stream), "profiled replay");
+        check_cuda(cudaStreamSynchronize(stream), "sync");
+        check_cuda(cudaProfilerStop(), "profiler stop");
+        cudaGraphExecDestroy(exec[v]);
+      }
+      continue;
+    }
+
+    // Check: both variants once, then the pdlq launches against the plain ones.
     std::vector<uint16_t> out[2];
     LayerTimes stage[2];
-    bool ids_ok = true;
+    bool ids_ok = true, pdl_same = true;
+    auto download_out = [&](std::vector<uint16_t>* o) {
+      o->resize(static_cast<size_t>(T * g.hidden));
+      check_cuda(
+          cudaMemcpy(o->data(), layer.attn_out().data, o->size() * 2, cudaMemcpyDeviceToHost),
+          "download");
+    };
     for (int v = 0; v < 2; ++v) {
-      layer.set_fused(v == 0);
+      set_variant(v, false);
       ok_or_die(layer.run_timed(stream, &stage[v]), "run");
       ok_or_die(layer.run_timed(stream, &stage[v]), "run (warm)");
-      out[v].resize(static_cast<size_t>(T * g.hidden));
-      check_cuda(cudaMemcpy(out[v].data(), layer.attn_out().data, out[v].size() * 2,
-                            cudaMemcpyDeviceToHost),
-                 "download");
+      download_out(&out[v]);
       if (v == 0) {
         std::vector<int32_t> ids(static_cast<size_t>(T * g.n_kv * kTopK));
         check_cuda(
@@ -215,48 +289,131 @@ int main(int argc, char** argv) {
           }
         }
       }
+      set_variant(v, true);
+      check_cuda(cudaMemsetAsync(layer.attn_out().data, 0xff, out[v].size() * 2, stream), "poison");
+      ok_or_die(layer.run(stream), "run (pdlq)");
+      check_cuda(cudaStreamSynchronize(stream), "sync");
+      std::vector<uint16_t> pdl_out;
+      download_out(&pdl_out);
+      pdl_same &= pdl_out == out[v];
     }
     bool finite = true;
     const double e = rel_l2(out[1], out[0], &finite);
-    const bool pass = finite && e <= 5e-2 && ids_ok;
+    const bool pass = finite && e <= 5e-2 && ids_ok && pdl_same;
     all_pass &= pass;
-    std::fprintf(log, "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s: %s\n",
+    std::fprintf(log,
+                 "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s, pdlq %s: %s\n",
                  sc.name.c_str(), e, finite ? "finite" : "NOT FINITE", ids_ok ? "ok" : "BAD",
-                 pass ? "PASS" : "FAIL");
+                 pdl_same ? "identical" : "DIFFERENT", pass ? "PASS" : "FAIL");
 
-    bench::Timing t[2];
-    for (int v = 0; v < 2; ++v) {
-      layer.set_fused(v == 0);
-      auto launch = [&](cudaStream_t s) { ok_or_die(layer.run(s), "run"); };
-      t[v] = sc.graph ? bench::time_graph_cold(launch, stream, 3, iters)
-                      : bench::time_cold(launch, stream, 3, iters);
+    // Step timings: [pdl][variant], isolated and (graph scenarios) back-to-back.
+    bench::Timing t[2][2], b2b[2][2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      for (int v = 0; v < 2; ++v) {
+        set_variant(v, pdl == 1);
+        auto launch = [&](cudaStream_t s) { ok_or_die(layer.run(s), "run"); };
+        if (sc.graph) {
+          t[pdl][v] = bench::time_graph_cold(launch, stream, 3, iters);
+          b2b[pdl][v] = bench::time_graph_back_to_back([&](cudaStream_t s, int) { launch(s); }, 1,
+                                                       stream, 8, 2, quick ? 5 : 15);
+        } else {
+          t[pdl][v] = bench::time_cold(launch, stream, 3, iters);
+        }
+      }
     }
-    const double ratio = t[1].median_us / t[0].median_us;
+    const double ratio = t[0][1].median_us / t[0][0].median_us;
     if (sc.graph) goal &= ratio >= 1.10;
     never_slower &= ratio >= 1.0;
     bench::Row row;
     row.add("scenario", sc.name);
     row.add("tokens", static_cast<double>(T), 0);
     row.add("mode", sc.graph ? "graph" : "eager");
-    row.add("fused_us", t[0].median_us, 1);
-    row.add("unfused_us", t[1].median_us, 1);
+    row.add("fused_us", t[0][0].median_us, 1);
+    row.add("unfused_us", t[0][1].median_us, 1);
     row.add("unfused/fused", ratio, 3);
-    row.add("fused_min_us", t[0].min_us, 1);
-    row.add("unfused_min_us", t[1].min_us, 1);
-    for (int s = 0; s < kNumLayerStages; ++s) {
-      const std::string name = layer_stage_name(static_cast<LayerStage>(s));
-      row.add("f." + name + "_us", stage[0].seconds[static_cast<size_t>(s)] * 1e6, 1);
-      row.add("u." + name + "_us", stage[1].seconds[static_cast<size_t>(s)] * 1e6, 1);
-    }
+    auto b2b_cell = [&](const std::string& name, double v, int prec) {
+      if (sc.graph) {
+        row.add(name, v, prec);
+      } else {
+        row.add(name, "-");
+      }
+    };
+    b2b_cell("fused_b2b_us", b2b[0][0].median_us, 1);
+    b2b_cell("unfused_b2b_us", b2b[0][1].median_us, 1);
+    b2b_cell("b2b_ratio", b2b[0][1].median_us / b2b[0][0].median_us, 3);
+    row.add("pdlq_fused_us", t[1][0].median_us, 1);
+    row.add("pdlq_unfused_us", t[1][1].median_us, 1);
+    row.add("pdlq_ratio", t[1][1].median_us / t[1][0].median_us, 3);
+    b2b_cell("pdlq_fused_b2b_us", b2b[1][0].median_us, 1);
+    b2b_cell("pdlq_unfused_b2b_us", b2b[1][1].median_us, 1);
+    row.add("fused_min_us", t[0][0].min_us, 1);
+    row.add("unfused_min_us", t[0][1].min_us, 1);
     rows.push_back(row);
+
+    // Per-stage split.
+    for (int v = 0; v < 2; ++v) {
+      const char* variant = v == 0 ? "fused" : "unfused";
+      auto split_row = [&](const char* method, const std::vector<double>& us) {
+        bench::Row r;
+        r.add("scenario", sc.name);
+        r.add("variant", variant);
+        r.add("method", method);
+        double sum = 0;
+        for (int s = 0; s < kNumLayerStages; ++s) {
+          r.add(std::string(layer_stage_name(static_cast<LayerStage>(s))) + "_us",
+                us[static_cast<size_t>(s)], 1);
+          sum += us[static_cast<size_t>(s)];
+        }
+        r.add("sum_us", sum, 1);
+        split_rows.push_back(r);
+      };
+      std::vector<double> eager(kNumLayerStages);
+      for (int s = 0; s < kNumLayerStages; ++s)
+        eager[static_cast<size_t>(s)] = stage[v].seconds[static_cast<size_t>(s)] * 1e6;
+      split_row("eager", eager);
+      if (!sc.graph || !split) continue;
+      set_variant(v, false);
+      std::vector<double> prefix(kNumLayerStages), alone(kNumLayerStages);
+      double before = launch_us;
+      for (int s = 0; s < kNumLayerStages; ++s) {
+        const LayerStage first = static_cast<LayerStage>(s);
+        const LayerStage end = static_cast<LayerStage>(s + 1);
+        const double p = bench::time_graph_cold(
+                             [&](cudaStream_t st) {
+                               ok_or_die(layer.run_stages(LayerStage::kQuantize, end, st), "run");
+                             },
+                             stream, 2, iters)
+                             .median_us;
+        prefix[static_cast<size_t>(s)] = p - before;
+        before = p;
+        alone[static_cast<size_t>(s)] =
+            bench::time_graph_cold(
+                [&](cudaStream_t st) { ok_or_die(layer.run_stages(first, end, st), "run"); },
+                stream, 2, iters)
+                .median_us -
+            launch_us;
+      }
+      split_row("prefix", prefix);
+      split_row("alone", alone);
+    }
+    layer.set_programmatic_quantize(false);
   }
-  bench::print_rows("MSA layer step (M3 TP1, cold L2): fused vs unfused projection+producer", rows,
-                    json);
-  std::fprintf(log,
-               "layer_bench: checks %s; decode goal unfused/fused >= 1.10: %s; never slower: %s\n",
-               all_pass ? "PASS" : "FAIL", goal ? "met" : "MISSED", never_slower ? "yes" : "NO");
   cudaFree(hidden);
   cudaFree(pool);
   cudaStreamDestroy(stream);
+  if (profile) {
+    std::fprintf(log, "layer_bench: profile runs done\n");
+    return 0;
+  }
+  bench::print_rows("MSA layer step (M3 TP1, cold L2): fused vs unfused projection+producer", rows,
+                    json);
+  std::fprintf(log, "layer_bench: empty graph replay (launch_us) %.2f us\n", launch_us);
+  bench::print_rows(
+      "MSA layer per-stage split (us; eager: events in one warm eager run; prefix: graph [0, s] - "
+      "graph [0, s) inside the captured step; alone: graph of stage s alone - launch_us)",
+      split_rows, json);
+  std::fprintf(log,
+               "layer_bench: checks %s; decode goal unfused/fused >= 1.10: %s; never slower: %s\n",
+               all_pass ? "PASS" : "FAIL", goal ? "met" : "MISSED", never_slower ? "yes" : "NO");
   return all_pass ? 0 : 1;
 }

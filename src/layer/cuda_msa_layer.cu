@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -288,6 +289,17 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
   return w;
 }
 
+std::string CudaLayerWorkspace::describe_gemms() const {
+  std::string out;
+  const std::pair<const char*, const Fp8BlockGemm*> gemms[] = {{"fused", gemm_fused_.get()},
+                                                               {"qkv", gemm_qkv_.get()},
+                                                               {"index", gemm_index_.get()},
+                                                               {"o_proj", gemm_o_.get()}};
+  for (const auto& [name, gm] : gemms)
+    if (gm) out += std::string(name) + ": " + gm->describe() + "\n";
+  return out;
+}
+
 size_t CudaLayerWorkspace::device_bytes() const {
   size_t b = 0;
   for (const CudaBuffer* x : {&x_q_, &x_s_, &packed_, &packed_index_, &q_, &index_q_, &block_ids_,
@@ -538,71 +550,73 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
   return Status::Ok();
 }
 
-namespace {
-// Records the event that opens `stage` when stage timing is on (marks != nullptr).
-Status record_stage_mark(cudaEvent_t* marks, LayerStage stage, cudaStream_t stream) {
-  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[static_cast<int>(stage)], stream));
-  return Status::Ok();
-}
-}  // namespace
-
-Status CudaMsaLayer::launch(cudaStream_t stream, cudaEvent_t* marks) {
-  M3_RETURN_IF_ERROR(launch_front(stream, marks));
-  return launch_back(stream, marks);
-}
-
-Status CudaMsaLayer::launch_front(cudaStream_t stream, cudaEvent_t* marks) {
-  M3_CHECK_ARG(planned_, "layer: run without a successful plan");
-  if (tokens_ == 0) return Status::Ok();
+Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
   CudaLayerWorkspace& w = *workspace_;
   const bool fuse = fused();
-  auto mark = [&](LayerStage s) { return record_stage_mark(marks, s, stream); };
-  M3_RETURN_IF_ERROR(mark(LayerStage::kQuantize));
-  M3_RETURN_IF_ERROR(run_quantize_cuda(quantize_in_, stream));
-  M3_RETURN_IF_ERROR(mark(LayerStage::kProjection));
-  if (fuse) {
-    M3_RETURN_IF_ERROR(w.gemm_fused_->run(gemm_fused_, stream));
-  } else {
-    M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
-    if (sparse_) M3_RETURN_IF_ERROR(w.gemm_index_->run(gemm_index_, stream));
+  auto quantize = [&](QuantizeParams q) {
+    q.programmatic_launch = programmatic_quantize_;
+    return run_quantize_cuda(q, stream);
+  };
+  switch (stage) {
+    case LayerStage::kQuantize:
+      return quantize(quantize_in_);
+    case LayerStage::kProjection:
+      if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
+      M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
+      return sparse_ ? w.gemm_index_->run(gemm_index_, stream) : Status::Ok();
+    case LayerStage::kProducer:
+      if (fuse) return run_producer_cuda(producer_fused_, stream);
+      M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream));
+      return sparse_ ? run_producer_cuda(producer_index_, stream) : Status::Ok();
+    case LayerStage::kIndexer:
+      return sparse_ ? run_indexer_cuda(indexer_, indexer_ws_, stream) : Status::Ok();
+    case LayerStage::kAttention:
+      return run_attention_cuda(attention_, w.attention_ws_.data(), w.attention_ws_bytes_, stream);
+    case LayerStage::kOutQuantize:
+      return quantize(quantize_core_);
+    case LayerStage::kOutProjection:
+      return w.gemm_o_->run(gemm_o_, stream);
+    case LayerStage::kCount:
+      break;
   }
-  M3_RETURN_IF_ERROR(mark(LayerStage::kProducer));
-  if (fuse) {
-    M3_RETURN_IF_ERROR(run_producer_cuda(producer_fused_, stream));
-  } else {
-    M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream));
-    if (sparse_) M3_RETURN_IF_ERROR(run_producer_cuda(producer_index_, stream));
-  }
-  return Status::Ok();
+  return unsupported("layer: no stage ", static_cast<int>(stage));
 }
 
-Status CudaMsaLayer::launch_back(cudaStream_t stream, cudaEvent_t* marks) {
+Status CudaMsaLayer::launch(LayerStage first, LayerStage last, cudaStream_t stream,
+                            cudaEvent_t* marks) {
   M3_CHECK_ARG(planned_, "layer: run without a successful plan");
+  M3_CHECK_ARG(static_cast<int>(first) <= static_cast<int>(last) &&
+                   static_cast<int>(last) <= kNumLayerStages,
+               "layer: stage range [", static_cast<int>(first), ", ", static_cast<int>(last),
+               ") is not within [0, ", kNumLayerStages, "]");
   if (tokens_ == 0) return Status::Ok();
-  CudaLayerWorkspace& w = *workspace_;
-  auto mark = [&](LayerStage s) { return record_stage_mark(marks, s, stream); };
-  M3_RETURN_IF_ERROR(mark(LayerStage::kIndexer));
-  if (sparse_) M3_RETURN_IF_ERROR(run_indexer_cuda(indexer_, indexer_ws_, stream));
-  M3_RETURN_IF_ERROR(mark(LayerStage::kAttention));
-  M3_RETURN_IF_ERROR(
-      run_attention_cuda(attention_, w.attention_ws_.data(), w.attention_ws_bytes_, stream));
-  M3_RETURN_IF_ERROR(mark(LayerStage::kOutQuantize));
-  M3_RETURN_IF_ERROR(run_quantize_cuda(quantize_core_, stream));
-  M3_RETURN_IF_ERROR(mark(LayerStage::kOutProjection));
-  M3_RETURN_IF_ERROR(w.gemm_o_->run(gemm_o_, stream));
-  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[kNumLayerStages], stream));  // the end
+  for (int s = static_cast<int>(first); s < static_cast<int>(last); ++s) {
+    if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[s], stream));
+    M3_RETURN_IF_ERROR(launch_stage(static_cast<LayerStage>(s), stream));
+  }
+  if (marks) M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(marks[static_cast<int>(last)], stream));
   return Status::Ok();
 }
 
-Status CudaMsaLayer::run(cudaStream_t stream) { return launch(stream, nullptr); }
-Status CudaMsaLayer::run_front(cudaStream_t stream) { return launch_front(stream, nullptr); }
-Status CudaMsaLayer::run_back(cudaStream_t stream) { return launch_back(stream, nullptr); }
+Status CudaMsaLayer::run(cudaStream_t stream) {
+  return launch(LayerStage::kQuantize, LayerStage::kCount, stream, nullptr);
+}
+Status CudaMsaLayer::run_front(cudaStream_t stream) {
+  return launch(LayerStage::kQuantize, LayerStage::kIndexer, stream, nullptr);
+}
+Status CudaMsaLayer::run_back(cudaStream_t stream) {
+  return launch(LayerStage::kIndexer, LayerStage::kCount, stream, nullptr);
+}
+Status CudaMsaLayer::run_stages(LayerStage first, LayerStage last, cudaStream_t stream) {
+  return launch(first, last, stream, nullptr);
+}
 
 Status CudaMsaLayer::run_timed(cudaStream_t stream, LayerTimes* times) {
   cudaEvent_t marks[kNumLayerStages + 1] = {};
   auto body = [&]() -> Status {
     for (cudaEvent_t& e : marks) M3_CUDA_RETURN_IF_ERROR(cudaEventCreate(&e));
-    M3_RETURN_IF_ERROR(launch(stream, tokens_ > 0 ? marks : nullptr));
+    M3_RETURN_IF_ERROR(
+        launch(LayerStage::kQuantize, LayerStage::kCount, stream, tokens_ > 0 ? marks : nullptr));
     M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
     if (times) {
       *times = LayerTimes{};

@@ -36,6 +36,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "cache/batch.h"
 #include "cache/step_plan.h"
@@ -142,6 +143,8 @@ class CudaLayerWorkspace {
   const MsaGeometry& geometry() const { return geometry_; }
   const CudaLayerCapacity& capacity() const { return capacity_; }
   size_t device_bytes() const;  // everything allocated (GEMM workspaces included)
+  // Fp8BlockGemm::describe() of the four GEMM objects (one block per object, named).
+  std::string describe_gemms() const;
 
  private:
   friend class CudaMsaLayer;
@@ -178,6 +181,11 @@ class CudaMsaLayer {
   bool fused() const { return sparse_ && options_.fuse_qkv_index_projection; }
   // Switches the projection + producer path; takes effect at the next run (plans hold both).
   void set_fused(bool fused) { options_.fuse_qkv_index_projection = fused; }
+  // Launches the two quantize stages with programmatic dependent launch (QuantizeParams::
+  // programmatic_launch: same bytes; they may be scheduled while the preceding kernel finishes).
+  // Takes effect at the next run. Off by default.
+  void set_programmatic_quantize(bool on) { programmatic_quantize_ = on; }
+  bool programmatic_quantize() const { return programmatic_quantize_; }
   int64_t max_position() const { return max_position_; }
   const std::shared_ptr<CudaLayerWorkspace>& workspace() const { return workspace_; }
 
@@ -194,6 +202,9 @@ class CudaMsaLayer {
   // token count) and the back (indexer, attention, output quantize, o_proj).
   Status run_front(cudaStream_t stream);
   Status run_back(cudaStream_t stream);
+  // The planned stages [first, last) only (benchmarks: the graph of a prefix of the step, or of
+  // one stage, in the state the earlier stages left). Same rules as run().
+  Status run_stages(LayerStage first, LayerStage last, cudaStream_t stream);
   // The same launches with CUDA events between stages, then a sync; stage times into *times.
   Status run_timed(cudaStream_t stream, LayerTimes* times);
 
@@ -211,13 +222,15 @@ class CudaMsaLayer {
 
  private:
   CudaMsaLayer() = default;
-  Status launch(cudaStream_t stream, cudaEvent_t* marks);
-  Status launch_front(cudaStream_t stream, cudaEvent_t* marks);
-  Status launch_back(cudaStream_t stream, cudaEvent_t* marks);
+  // One stage's launches (fused or unfused per fused()); launch() runs [first, last), recording
+  // marks[s] before stage s and marks[last] after the last one when marks is not null.
+  Status launch_stage(LayerStage stage, cudaStream_t stream);
+  Status launch(LayerStage first, LayerStage last, cudaStream_t stream, cudaEvent_t* marks);
 
   MsaGeometry geometry_;
   bool sparse_ = true;
   MsaLayerOptions options_;
+  bool programmatic_quantize_ = false;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;
   // Device weights: e4m3 matrices and f32 scales (scales rows padded to

@@ -33,7 +33,8 @@
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
-//   the two-kernel path, at batch {1, 64, 128, 256} x 8K, draft 0 and 3), --single-ctas N (the
+//   the two-kernel path, and with 1, 2 and 4 CTAs and IndexerCudaOptions::decode_split_acc, at
+//   batch {1, 64, 128, 256} x 8K, draft 0 and 3), --single-ctas N (the
 //   single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
 #include <cuda_runtime_api.h>
 
@@ -337,7 +338,7 @@ std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   return std::string(pl.single ? "s" : (pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
-         std::to_string(pl.merge_wpr);
+         std::to_string(pl.merge_wpr) + (pl.split_acc ? " +acc" : "");
 }
 
 double pct_copy(const Case& c, double us) {
@@ -429,14 +430,18 @@ int main(int argc, char** argv) {
         Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
         std::vector<Slice> slices = {{0, 0, 1 + draft}};
         if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
-        for (int ctas : {-1, 0, 1, 2, 3, 4, 8}) {  // -1: default plan, 0: two-kernel
+        // -1: default plan, 0: two-kernel, 1..8: single pass with that many CTAs per request,
+        // 11..18: the same with two accumulators per n-tile (decode_split_acc).
+        for (int ctas : {-1, 0, 1, 2, 3, 4, 8, 11, 12, 14}) {
           IndexerCudaOptions o;
           o.unfused_decode = ctas == 0;
           o.single_pass = ctas > 0;
-          o.single_pass_ctas = std::max(ctas, 0);
-          const std::string label = ctas < 0    ? "default"
-                                    : ctas == 0 ? "two-kernel"
-                                                : "single " + std::to_string(ctas);
+          o.single_pass_ctas = std::max(ctas, 0) % 10;
+          o.decode_split_acc = ctas > 10;
+          const std::string label =
+              ctas < 0    ? "default"
+              : ctas == 0 ? "two-kernel"
+                          : "single " + std::to_string(ctas % 10) + (ctas > 10 ? " +acc" : "");
           const std::string what = "clusters b" + std::to_string(batch) + " draft " +
                                    std::to_string(draft) + " " + label;
           bool pass = true;

@@ -107,6 +107,7 @@ struct Plan {
   bool fused = false;
   bool bulk = false;
   bool single = false;
+  bool split_acc = false;  // single pass with two accumulators per n-tile (decode_split_acc)
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -192,6 +193,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;
+    pl.split_acc = o.decode_split_acc;
     const int64_t ctas = std::clamp<int64_t>(o.single_pass_ctas, 1, kMaxClusterCtas);
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
@@ -238,6 +240,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.merge_wpr = pl.merge_wpr;
   info.bulk_copy = pl.bulk;
   info.single = pl.single;
+  info.split_acc = pl.split_acc;
   return info;
 }
 
@@ -323,9 +326,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(ik::score_fused_cluster_kernel,
-                                                   cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                   ik::kFusedSmemBytes));
+      const auto ckernel = pl.split_acc ? ik::score_fused_cluster_kernel<true>
+                                        : ik::score_fused_cluster_kernel<false>;
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          ckernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);
@@ -338,7 +342,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       cattr[0].val.clusterDim.z = 1;
       ccfg.attrs = cattr;
       ccfg.numAttrs = 1;
-      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ik::score_fused_cluster_kernel, a));
+      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ckernel, a));
       M3_CUDA_CHECK_LAUNCH();
       return Status::Ok();
     }
@@ -346,7 +350,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).
       const auto kernel = pl.single
-                              ? ik::score_fused_single_kernel
+                              ? (pl.split_acc ? ik::score_fused_single_kernel<true>
+                                              : ik::score_fused_single_kernel<false>)
                               : (pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel);
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));

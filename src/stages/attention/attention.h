@@ -58,7 +58,8 @@ struct AttentionCudaConfig {
   int tokens_per_tile = 0;  // 1, 2 or 4 query tokens of one request sharing each loaded block
                             // (mma.sync kernel); 8 with the wgmma kernel (its only tile size)
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
-  int v_convert = 0;        // V E4M3 -> f16: 1 in registers, 2 once per CTA (4-token tiles only)
+  int v_convert = 0;        // V E4M3 -> f16 on the mma.sync kernel: 1 in registers (the only
+                            // path since session 13; 2, the shared f16 tile, was removed)
   int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
                             // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups);
                             // 3, 4 its variants (see attention_prefill_wgmma.cuh: leaner
@@ -71,19 +72,16 @@ struct AttentionCudaConfig {
                             // same with the next work item prepared while the current one runs;
                             // 8 as 7 with Q in registers; 9 as 8 with the faster V conversion;
                             // 10 as 9 with the tile unions built by minimum extraction
-  int l2_prefetch = 0;      // blocks each CTA prefetches into L2 ahead of its shared-memory ring
-                            // (kernel 1 with single-token tiles, kernel 5): 0 automatic,
-                            // -1 none, 1 .. 8
+  int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
+                            // never faster and was removed); still validated: -1 .. 8
   int persistent_ctas = 0;  // kernels 6 .. 9: CTAs of the persistent grid (0: one per SM; fewer
                             // make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 1 the
-                            // session-11 kernel (3-stage ring, 2 CTAs per SM), 2 a
-                            // 2-stage ring with 3 CTAs per SM, 3 as 1 with the V conversion
-                            // started under the S wgmma, 4 as 3 with V's NaN check only in blocks
-                            // not seen whole, 5 as 4 with a 2-stage ring, Q in shared memory and 3
-                            // CTAs per SM, 6 and 7 as 4 and 5 with TMA loads of K and V (where TMA
-                            // can address the pool; else 4 and 5 run), 8 as 3 with the wait for
-                            // P V deferred, 9 as 8 with TMA loads (else 8)
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
+                            // loads of K and V, 9 TMA loads (where TMA can address the pool;
+                            // else 8 runs)
+  int decode_variant = 0;   // kernel 1 with single-token tiles (decode): 0 automatic (1), 1
+                            // cp.async loads of K and V, 2 TMA loads (where TMA can address the
+                            // pool; else 1 runs)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

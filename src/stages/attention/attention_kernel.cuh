@@ -15,35 +15,34 @@
 //   partial (o, m, l) that attention_merge_kernel combines with log-sum-exp weights.
 //
 // Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
-//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a ring of
-//   stages, both with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free).
+//   copied raw into a ring of stages with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free):
+//   cp.async (16-byte when base and strides allow, else 4-byte), or two TMA copies by thread 0
+//   (kTma, single-token tiles: the 128-byte TMA swizzle is the same layout).
 //   S = Q K^T: mma.sync m16n8k32 e4m3, Q fragments in registers for the whole kernel, K fragments
 //   by ldmatrix. Online softmax in fp32 with exp2 of log2e-prescaled scores.
 //   O += P V: P rounded to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16
-//   with fp32 accumulation, V converted E4M3 -> f16 by cvt.rn.f16x2.e4m3x2 (exact) in one of two
-//   ways (template kVRegs). In registers: ldmatrix.trans of the raw tile yields byte pairs (key k,
-//   dims 2i, 2i+1), (key k+1, same dims); prmt splits them into the B fragments of an even-dim and
-//   an odd-dim n-tile (o_dim gives the resulting dim order); no f16 tile, so 3 stages fit. Used for
-//   tiles of 1-2 tokens (each warp owns a key slice: V is converted once either way) and for
-//   decode-like 4-token tiles, which are bandwidth-bound. Once per CTA into a swizzled f16 tile
-//   read with ldmatrix.trans (2 stages + the f16 tile): prefill, where the 4 warps of a 4-token
-//   tile all read every key and conversion work matters. Rows past the last visible position are
-//   zeroed before the MMA in both paths (unwritten slots may hold NaN, and 0 * NaN = NaN), and a
-//   warp clears the keys past its own token's position in its V fragments, so a NaN in a key that
-//   another token of the tile sees never reaches this token's rows (exact twin semantics).
+//   with fp32 accumulation, V converted E4M3 -> f16 in registers by cvt.rn.f16x2.e4m3x2 (exact):
+//   ldmatrix.trans of the raw tile yields byte pairs (key k, dims 2i, 2i+1), (key k+1, same dims);
+//   prmt splits them into the B fragments of an even-dim and an odd-dim n-tile (o_dim gives the
+//   resulting dim order); no f16 tile, so 3 stages fit. A warp clears the V keys past its own
+//   token's position before the MMA (unwritten slots may hold NaN, and 0 * NaN = NaN), so a NaN in
+//   a key that another token of the tile sees never reaches this token's rows. (The f16-tile V
+//   path for prefill-like 4-token tiles, v_convert 2, was removed in session 13: the wgmma kernels
+//   run every prefill.)
 //
-// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM; the
-//   kernel is bandwidth-bound; 2 CTAs per SM (96 KB smem each), each with 2 blocks in flight on
-//   the register path (1 on the f16 path), i.e. 64-128 KB in flight per SM. Prefill: each CTA of
-//   4 tokens x 16 heads re-reads blocks that neighbouring tiles also use (L2 hits); the bound is
-//   shared-memory bandwidth / mma.sync issue (see attention.cu for the expectations).
+// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM;
+//   bandwidth-bound; 2 CTAs per SM (96 KB smem each), 2 blocks in flight per CTA. Session 12 (H200,
+//   8K, isolated us): B256 155.6 (80 % of copy), B64 44.2 (71 %): one wave of 256 CTAs pays the
+//   start chain and the tail once, unhidden.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
 
+#include "core/mbarrier.cuh"
 #include "core/numeric.h"
 
 namespace m3attn {
@@ -59,13 +58,8 @@ constexpr int kMaxList = 128;                  // block entries held in shared m
 constexpr int kMaxSplits = 128;                // CTAs per (tile, KV head)
 constexpr int kTileBytes = kBlockKeys * kDim;  // one raw E4M3 K or V tile
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kVhBytes = kBlockKeys * kDim * 2;  // V as f16
-// One 96 KB dynamic shared-memory budget, two layouts:
-//   V converted in registers: a 3-stage ring of raw K/V tiles;
-//   V converted once per CTA into an f16 tile: a 2-stage ring plus the f16 tile.
-constexpr int stages_for(bool v_in_registers) { return v_in_registers ? 3 : 2; }
-constexpr int kSmemBytes = 3 * kStageBytes;
-static_assert(2 * kStageBytes + kVhBytes == kSmemBytes, "both layouts use the same smem");
+constexpr int kStages = 3;  // ring of raw K/V tiles: 96 KB of dynamic shared memory
+constexpr int kSmemBytes = kStages * kStageBytes;
 constexpr int kOStride = kDim + 8;  // floats per row of the epilogue buffer (bank spread)
 static_assert(kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4 <= kSmemBytes,
               "epilogue buffer must fit in the pipeline's shared memory");
@@ -96,7 +90,6 @@ struct AttnArgs {
   int64_t out_stride;
   float* ws_o;   // [T, n_kv, splits, 16, 128] (splits > 1)
   float* ws_ml;  // [T, n_kv, splits, 16, 2]
-  int prefetch;  // blocks prefetched into L2 ahead of the cp.async ring (decode / verify kernels)
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -400,73 +393,45 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
   }
 }
 
-// L2 prefetch of the K and V tiles of (page, KV head g). It lets the decode / verify kernels keep
-// more bytes in flight than their shared-memory ring holds. 16-byte aligned tiles (kVec16 pools):
-// one bulk prefetch of each 16 KB tile by thread 0 (cp.async.bulk.prefetch.L2, the TMA unit: no
-// load-unit slots); otherwise one 128-byte line of each per thread (prefetch.global.L2; a tile that
-// is only 4-byte aligned spans one more line, left to the copy). Session 11 measured the per-line
-// form 4-15 % slower than no prefetch.
-template <bool kVec16>
-__device__ __forceinline__ void prefetch_block_l2(const AttnArgs& a, int page, int g) {
-  static_assert(kThreads * 128 == kTileBytes, "one line per thread and tile");
-  const uint8_t* kt =
-      a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
-  if constexpr (kVec16) {
-    if (threadIdx.x == 0) {
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kt), "r"(kTileBytes)
-                   : "memory");
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(kt + a.plane_stride),
-                   "r"(kTileBytes)
-                   : "memory");
-    }
-  } else {
-    kt += threadIdx.x * 128;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt));
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(kt + a.plane_stride));
-  }
+// TMA copy of one box of a 4-d tensor map into shared memory, completing on mbarrier `bar`.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, int c3, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4, %5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
 }
 
-// Raw V (swizzled, see load_block) -> f16 [key][dim] with 16-byte chunk c (8 dims) of key k at
-// chunk (c ^ (k & 7)); keys past vlim become 0 (their slots may be unwritten: NaN).
-__device__ __forceinline__ void convert_v(const uint8_t* vraw, uint8_t* vh, int vlim) {
-#pragma unroll 4
-  for (int it = 0; it < kBlockKeys * 16 / kThreads; ++it) {
-    const int i = it * kThreads + static_cast<int>(threadIdx.x);
-    const int key = i >> 4, c = i & 15;  // c: 8-byte unit of the raw row, 8 dims
-    uint4 h = make_uint4(0u, 0u, 0u, 0u);
-    if (key <= vlim) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(
-          vraw + key * kDim + (((c >> 1) ^ (key & 7)) << 4) + (c & 1) * 8);
-      h.x = e4m3x2_to_f16x2(raw.x);
-      h.y = e4m3x2_to_f16x2(raw.x >> 16);
-      h.z = e4m3x2_to_f16x2(raw.y);
-      h.w = e4m3x2_to_f16x2(raw.y >> 16);
-    }
-    *reinterpret_cast<uint4*>(vh + key * (kDim * 2) + ((c ^ (key & 7)) << 4)) = h;
-  }
+// The layout of load_block by two TMA copies (K, V maps of [pages][n_kv][128][128] bytes with the
+// 128-byte swizzle: chunk c of row k lands at c ^ (k & 7) when `dst` is 1024-byte aligned), issued
+// by ONE thread onto mbarrier `bar`, which completes when both tiles landed.
+__device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CUtensorMap* vmap,
+                                               int page, int g, uint32_t dst, uint32_t bar) {
+  sm90::mbar_arrive_expect_tx(bar, kStageBytes);
+  tma_load_4d(dst, kmap, 0, 0, g, page, bar);
+  tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
 }
 
 // Per-warp state of the online softmax: rows grp and grp + 8 of the 16-row tile. The dims held by
-// o[n][e] (e: 0, 1 row grp; 2, 3 row grp + 8) depend on the V path, see o_dim.
+// o[n][e] (e: 0, 1 row grp; 2, 3 row grp + 8): see o_dim.
 struct WarpState {
   float o[kDim / 8][4];
   float m[2];  // running max (log2 domain)
   float l[2];  // running sum (this thread's columns only; quad-reduced at the end)
 };
 
-// Output dim of accumulator o[n][e] for lane group tig.
-//   f16 tile path: n-tile n = dims 8n .. 8n + 7, column c = 2 tig + (e & 1).
-//   register path: n-tile n = 2 j + parity covers dims 16 j + 2 c + parity, c = 2 tig + (e & 1),
-//   so o[2j][e], o[2j + 1][e] (e = 0, 1) are the 4 consecutive dims 16 j + 4 tig .. + 3.
-template <bool kVRegs>
+// Output dim of accumulator o[n][e] for lane group tig: n-tile n = 2 j + parity covers dims
+// 16 j + 2 c + parity, c = 2 tig + (e & 1), so o[2j][e], o[2j + 1][e] (e = 0, 1) are the 4
+// consecutive dims 16 j + 4 tig .. + 3.
 __device__ __forceinline__ int o_dim(int n, int e, int tig) {
-  return kVRegs ? 16 * (n >> 1) + 4 * tig + 2 * (e & 1) + (n & 1) : 8 * n + 2 * tig + (e & 1);
+  return 16 * (n >> 1) + 4 * tig + 2 * (e & 1) + (n & 1);
 }
 
 // One chunk of NK keys [key0, key0 + NK) of the block in shared memory: S = Q K^T, online softmax,
 // O += P V. Keys with index > lim are masked when need_mask (and, on the register path, their V
 // bytes are zeroed: the slots may be unwritten). v_smem is the f16 tile or the raw V tile.
-template <int NK, bool kVRegs>
+template <int NK>
 __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
                                              uint32_t k_smem, uint32_t v_smem, int key0,
                                              bool need_mask, int lim, float scale_log2) {
@@ -548,7 +513,7 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
     const int kb = key0 + 16 * kk;
     const int key = kb + (((lane >> 3) & 1) << 3) + (lane & 7);
-    // Both V paths give this thread keys (k0, k0 + 1) in its registers 0 and 2 and keys
+    // The V fragments give this thread keys (k0, k0 + 1) in its registers 0 and 2 and keys
     // (k0 + 8, k0 + 9) in registers 1 and 3 (k0 = kb + 2 tig; low 16 bits the first key). Keys
     // past lim are cleared before the MMA: P is 0 there, and 0 * NaN would leak a NaN of another
     // token's visible key (or of an unwritten slot) into this token's rows.
@@ -558,57 +523,50 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
       keep_lo = (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
       keep_hi = (k0 + 8 <= lim ? 0x0000ffffu : 0u) | (k0 + 9 <= lim ? 0xffff0000u : 0u);
     }
-    if constexpr (kVRegs) {
-      // Raw E4M3 chunks of 16 dims: a register holds the byte pairs (key k, dims 2 grp, 2 grp + 1)
-      // and (key k + 1, same dims), k = kb + 2 tig (+ 8). Bytes 0, 2 are the B fragment of dim
-      // 2 grp, bytes 1, 3 that of dim 2 grp + 1: two n-tiles of even / odd dims per register pair.
+    // Raw E4M3 chunks of 16 dims: a register holds the byte pairs (key k, dims 2 grp, 2 grp + 1)
+    // and (key k + 1, same dims), k = kb + 2 tig (+ 8). Bytes 0, 2 are the B fragment of dim
+    // 2 grp, bytes 1, 3 that of dim 2 grp + 1: two n-tiles of even / odd dims per register pair.
 #pragma unroll
-      for (int q = 0; q < kDim / 32; ++q) {
-        const int chunk = 2 * q + (lane >> 4);
-        uint32_t r0, r1, r2, r3;
-        ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (key & 7)) << 4), r0, r1, r2, r3);
-        r0 &= keep_lo;
-        r1 &= keep_hi;
-        r2 &= keep_lo;
-        r3 &= keep_hi;
-        mma_f16(st.o[4 * q + 0], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0020u)),
-                e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0020u)));
-        mma_f16(st.o[4 * q + 1], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0031u)),
-                e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0031u)));
-        mma_f16(st.o[4 * q + 2], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0020u)),
-                e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0020u)));
-        mma_f16(st.o[4 * q + 3], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0031u)),
-                e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0031u)));
-      }
-    } else {
-      // f16 chunks of 8 dims: registers 0, 1 are the B fragment of dims 16 q .. + 7, registers
-      // 2, 3 that of dims 16 q + 8 .. + 15.
-#pragma unroll
-      for (int q = 0; q < kDim / 16; ++q) {
-        const int chunk = 2 * q + (lane >> 4);
-        uint32_t b0, b1, b2, b3;
-        ldsm_x4_trans(v_smem + key * (kDim * 2) + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
-        mma_f16(st.o[2 * q], pa, b0 & keep_lo, b1 & keep_hi);
-        mma_f16(st.o[2 * q + 1], pa, b2 & keep_lo, b3 & keep_hi);
-      }
+    for (int q = 0; q < kDim / 32; ++q) {
+      const int chunk = 2 * q + (lane >> 4);
+      uint32_t r0, r1, r2, r3;
+      ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (key & 7)) << 4), r0, r1, r2, r3);
+      r0 &= keep_lo;
+      r1 &= keep_hi;
+      r2 &= keep_lo;
+      r3 &= keep_hi;
+      mma_f16(st.o[4 * q + 0], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0020u)),
+              e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0020u)));
+      mma_f16(st.o[4 * q + 1], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0031u)),
+              e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0031u)));
+      mma_f16(st.o[4 * q + 2], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0020u)),
+              e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0020u)));
+      mma_f16(st.o[4 * q + 3], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0031u)),
+              e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0031u)));
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
-// kSmemBytes.
-template <int QT, bool kVRegs, bool kVec16>
-__global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
+// smem_bytes(kTma). kTma: each block's K and V tiles by two TMA copies (kmap, vmap; thread 0, one
+// mbarrier per stage) instead of 16 cp.async per thread.
+constexpr int smem_bytes(bool tma) { return kSmemBytes + (tma ? 1024 : 0); }  // TMA: 1 KB align
+template <int QT, bool kVec16, bool kTma>
+__global__ void __launch_bounds__(kThreads, 2)
+    attention_tile_kernel(const __grid_constant__ AttnArgs a,
+                          const __grid_constant__ CUtensorMap kmap,
+                          const __grid_constant__ CUtensorMap vmap) {
   constexpr int KS = kWarps / QT;          // warps per token (key slices)
   constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
   constexpr int kChunk = kSlice < 64 ? kSlice : 64;
   constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
-  constexpr int kSt = stages_for(kVRegs);
+  constexpr int kSt = kStages;
   static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
-  static_assert(kSt * kStageBytes + (kVRegs ? 0 : kVhBytes) <= kSmemBytes, "smem layout");
+  static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
 
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t s_full[kSt];  // kTma: K and V of the stage landed
   __shared__ int s_warp[kWarps];
   __shared__ int s_tile[3];
   __shared__ int s_pos[QT];
@@ -621,6 +579,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, split = blockIdx.z;
+  const uint32_t base = (smem_u32(smem_raw) + (kTma ? 1023u : 0u)) & (kTma ? ~1023u : ~0u);
+  uint8_t* smem = smem_raw + (base - smem_u32(smem_raw));
 
   TileInputs in;
   if (!find_tile_and_load<QT>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in))
@@ -632,7 +592,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   const int tw = warp / KS, ksl = warp % KS;
   uint32_t qa[4][4];
   load_q_fragments(a, g, t0 + tw, tw < nt, qa);
-  __syncthreads();  // s_pos
+  if (kTma && tid == 0) {
+#pragma unroll
+    for (int st = 0; st < kSt; ++st) sm90::mbar_init(smem_u32(&s_full[st]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();  // s_pos, s_full
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
@@ -658,8 +623,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
 
-  uint8_t* vh = smem + kSt * kStageBytes;  // f16 V tile (f16 path only)
   const int my_pos = tw < nt ? s_pos[tw] : -1;
+  uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
     const int count = min(hi - c0, kMaxList);
@@ -673,59 +638,49 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     }
 
     // kSt-stage ring: blocks 0 .. kSt-2 in flight before the loop; iteration i waits for block i
-    // (one commit group per block, empty groups included, so the counting is uniform), then
-    // refills the stage that block i - 1 used with block i + kSt - 1.
+    // (one commit group per block, empty groups included, so the counting is uniform; kTma: the
+    // stage's mbarrier, loaded entries only), then refills the stage that block i - 1 used with
+    // block i + kSt - 1. Entries no token sees are not loaded.
+    auto load = [&](int j, int st) {
+      if (j >= count || !s_list_mask[off + j]) {
+        if constexpr (!kTma) cp_async_commit();
+      } else if constexpr (kTma) {
+        if (tid == 0)
+          tma_load_block(&kmap, &vmap, s_list_page[off + j], g, base + st * kStageBytes,
+                         smem_u32(&s_full[st]));
+      } else {
+        load_block<kVec16>(a, s_list_page[off + j], g, smem + st * kStageBytes);
+        cp_async_commit();
+      }
+    };
 #pragma unroll
-    for (int j = 0; j < kSt - 1; ++j) {
-      if (j < count && s_list_mask[off + j])
-        load_block<kVec16>(a, s_list_page[off + j], g, smem + j * kStageBytes);
-      cp_async_commit();
-    }
-    // L2 prefetch (single-token tiles only: the multi-token variants sit at the register limit).
-    if constexpr (QT == 1)
-      for (int j = kSt - 1; j < min(count, kSt - 1 + a.prefetch); ++j)
-        if (s_list_mask[off + j]) prefetch_block_l2<kVec16>(a, s_list_page[off + j], g);
+    for (int j = 0; j < kSt - 1; ++j) load(j, j);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
-      cp_async_wait<kSt - 2>();
-      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
-      {
-        const int j = i + kSt - 1;
-        const int sj = stage == 0 ? kSt - 1 : stage - 1;  // (i + kSt - 1) mod kSt
-        if (j < count && s_list_mask[off + j])
-          load_block<kVec16>(a, s_list_page[off + j], g, smem + sj * kStageBytes);
-        cp_async_commit();
-        if constexpr (QT == 1) {
-          const int jp = j + a.prefetch;
-          if (a.prefetch > 0 && jp < count && s_list_mask[off + jp])
-            prefetch_block_l2<kVec16>(a, s_list_page[off + jp], g);
+      if constexpr (kTma) {
+        if (s_list_mask[off + i]) {  // loaded (CTA-uniform): wait for its TMA bytes
+          sm90::mbar_wait(smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
+          full_parity ^= 1u << stage;
         }
+      } else {
+        cp_async_wait<kSt - 2>();
       }
+      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
+      load(i + kSt - 1, stage == 0 ? kSt - 1 : stage - 1);  // (i + kSt - 1) mod kSt
       const int mask = s_list_mask[off + i];
       const int b = s_list_b[off + i];
       uint8_t* sbuf = smem + stage * kStageBytes;
       stage = stage + 1 == kSt ? 0 : stage + 1;
-      if constexpr (!kVRegs) {
-        if (mask) {
-          // Rows past the last position any token of the tile sees may be unwritten (NaN).
-          int vmax = 0;
-#pragma unroll
-          for (int w = 0; w < QT; ++w)
-            if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
-          convert_v(sbuf + kTileBytes, vh, vmax - b * kBlockKeys);
-        }
-        __syncthreads();
-      }
       if (mask & (1 << tw)) {
         const int lim = my_pos - b * kBlockKeys;  // keys > lim are in this token's future
         const uint32_t k_smem = smem_u32(sbuf);
-        const uint32_t v_smem = kVRegs ? k_smem + kTileBytes : smem_u32(vh);
+        const uint32_t v_smem = k_smem + kTileBytes;
 #pragma unroll
         for (int c = 0; c < kSlice / kChunk; ++c) {
           const int key0 = ksl * kSlice + c * kChunk;
           if (key0 <= lim)
-            attend_chunk<kChunk, kVRegs>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
-                                         a.scale_log2);
+            attend_chunk<kChunk>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
+                                 a.scale_log2);
         }
       }
     }
@@ -748,7 +703,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
     for (int n = 0; n < kDim / 8; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        ow[(grp + (e >> 1) * 8) * kOStride + o_dim<kVRegs>(n, e, tig)] = st.o[n][e];
+        ow[(grp + (e >> 1) * 8) * kOStride + o_dim(n, e, tig)] = st.o[n][e];
     }
     if (tig == 0) {
       s_m[warp * kRows + grp] = st.m[0];
@@ -795,60 +750,6 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
       }
     }
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Split merge: o = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s. Grid (T, n_kv, group): one
-// (token, KV head, query head) per CTA, kMergeThreads threads, one pair of dims per thread (a
-// grid over heads keeps enough CTAs and loads in flight at batch 1, where the partials may come
-// from DRAM).
-constexpr int kMergeThreads = kDim / 2;
-__global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const AttnArgs a) {
-  __shared__ float s_w[kMaxSplits];
-  __shared__ float s_red[kMergeThreads / 32];
-  const int64_t t = blockIdx.x;
-  const int g = blockIdx.y, h = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t slot0 = (t * a.n_kv + g) * a.splits;
-  // Only tokens that a request owns got partials (for monotone query_start: [qs[0], qs[R])); the
-  // outputs of other rows stay untouched, as without a split.
-  if (a.R <= 0 || t < a.query_start[0] || t >= a.query_start[a.R]) return;
-  const float* ml = a.ws_ml + (slot0 * kRows + h) * 2;  // split s: ml[s * kRows * 2 + {0, 1}]
-  float M = -INFINITY;
-  for (int s = tid; s < a.splits; s += kMergeThreads) M = fmaxf(M, ml[s * kRows * 2]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  if (lane == 0) s_red[warp] = M;
-  __syncthreads();
-  M = s_red[0];
-#pragma unroll
-  for (int w = 1; w < kMergeThreads / 32; ++w) M = fmaxf(M, s_red[w]);
-  __syncthreads();  // s_red is reused
-  float L = 0.0f;
-  for (int s = tid; s < a.splits; s += kMergeThreads) {
-    const float w = M == -INFINITY ? 0.0f : exp2f(ml[s * kRows * 2] - M);
-    s_w[s] = w;
-    L += w * ml[s * kRows * 2 + 1];
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-  if (lane == 0) s_red[warp] = L;
-  __syncthreads();  // s_w and s_red complete
-  L = 0.0f;
-#pragma unroll
-  for (int w = 0; w < kMergeThreads / 32; ++w) L += s_red[w];
-  const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-  const float* op = a.ws_o + (slot0 * kRows + h) * kDim + 2 * tid;  // split s: + s * kRows * kDim
-  float ox = 0.0f, oy = 0.0f;
-#pragma unroll 4
-  for (int s = 0; s < a.splits; ++s) {
-    const float w = s_w[s];
-    const float2 v = *reinterpret_cast<const float2*>(op + static_cast<int64_t>(s) * kRows * kDim);
-    ox += w * v.x;
-    oy += w * v.y;
-  }
-  *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + (g * a.group + h) * kDim + 2 * tid) =
-      pack_bf16x2(ox * inv, oy * inv);
 }
 
 }  // namespace attention_kernel

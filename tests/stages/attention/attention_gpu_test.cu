@@ -6,8 +6,9 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
 // the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
 // with and without splits) and its variants 3 and 4, and the Hopper wgmma decode / verify kernel
-// (kernel = 5: 4-token tiles x 16 heads on one warpgroup; its variants 1 .. 8, verify_variant,
-// with and without splits and L2 prefetch), which must meet the same tolerance.
+// (kernel = 5: 4-token tiles x 16 heads on one warpgroup; its variants 8 and 9, verify_variant,
+// with and without splits and L2 prefetch) and the mma.sync kernel's TMA decode variant
+// (decode_variant 2), which must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -59,31 +60,31 @@ std::string cfg_name(const AttentionCudaConfig& c) {
      << c.v_convert << " kernel " << c.kernel;
   if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
   if (c.verify_variant != 0) os << " verify_variant " << c.verify_variant;
+  if (c.decode_variant != 0) os << " decode_variant " << c.decode_variant;
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch, persistent_ctas, verify_variant}; 0 =
-// the plan's choice. Kernel 2 is the wgmma prefill kernel (8 tokens per tile), 5 the wgmma decode /
-// verify kernel (4 tokens per tile; verify_variant 2: 2-stage ring, 3 CTAs per SM; 3: V converted
-// under the S wgmma; 4: and NaN checks only where needed; 5: 4 with a 2-stage ring, Q in shared
-// memory, 3 CTAs per SM; 6, 7: 4, 5 with TMA loads, run as 4, 5 on pools TMA cannot address; 8: 3
-// with the P V wait deferred; 9: 8 with TMA loads); l2_prefetch only changes when bytes arrive,
-// never the result. `base` plus the wgmma verify kernel's variants 2 .. 9
-// (AttentionCudaConfig::verify_variant) with `tokens_per_tile`, `splits` and `l2_prefetch`.
+// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch, persistent_ctas, verify_variant,
+// decode_variant}; 0 = the plan's choice. Kernel 2 is the wgmma prefill kernel (8 tokens per
+// tile), 5 the wgmma decode / verify kernel (4 tokens per tile; verify_variant 8: cp.async loads,
+// 9: TMA loads, run as 8 on pools TMA cannot address); decode_variant 2: the mma.sync kernel's
+// single-token tiles with TMA loads (cp.async where TMA cannot address the pool); l2_prefetch only
+// changes when bytes arrive, never the result. `base` plus the verify variants 8 and 9 with
+// `tokens_per_tile`, `splits` and `l2_prefetch`.
 std::vector<AttentionCudaConfig> with_verify_variants(std::vector<AttentionCudaConfig> base,
                                                       int tokens_per_tile, int splits,
                                                       int l2_prefetch = 0) {
-  for (int v = 2; v <= 9; ++v) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
+  for (int v : {8, 9}) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
   return base;
 }
 
 // clang-format off
 const std::vector<AttentionCudaConfig> kAllConfigs = with_verify_variants(with_verify_variants({
     {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
-    {4, 1, 1},    {4, 1, 2},    {4, 5, 1},       {4, 5, 2},       {8, 1, 0, 2},    {8, 3, 0, 2},
+    {4, 1, 1},    {4, 5, 1},       {8, 1, 0, 2},    {8, 3, 0, 2},
     {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
-    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8}},
-    4, 1), 4, 3, 2);
+    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8},
+    {1, 1, 0, 1, 0, 0, 0, 2}, {1, 3, 0, 1, 0, 0, 0, 2}}, 4, 1), 4, 3, 2);
 // clang-format on
 
 // The twin once, then the GPU under every config.
@@ -143,7 +144,6 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
     check_all_configs(pr, false, "verify",
                       with_verify_variants({{0, 0, 0},
                                             {4, 3, 1},
-                                            {4, 3, 2},
                                             {0, 0, 0, 2},
                                             {0, 0, 0, 3},
                                             {0, 0, 0, 4},
@@ -170,8 +170,6 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
                        {1, 1, 0},
                        {2, 3, 0},
                        {4, 1, 1},
-                       {4, 1, 2},
-                       {4, 2, 2},
                        {0, 1, 0, 2},
                        {0, 4, 0, 2},
                        {0, 0, 0, 2},
@@ -187,7 +185,6 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
                     {{0, 0, 0},
                      {1, 2, 0},
                      {4, 1, 1},
-                     {4, 7, 2},
                      {0, 1, 0, 2},
                      {0, 5, 0, 2},
                      {0, 1, 0, 3},
@@ -320,8 +317,9 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
     check_all_configs(pr, true, "group 8",
                       {{0, 0, 0},
                        {1, 4, 0},
+                       {1, 1, 0, 1, 0, 0, 0, 2},
+                       {1, 4, 0, 1, 0, 0, 0, 2},
                        {4, 1, 1},
-                       {4, 1, 2},
                        {0, 1, 0, 2},
                        {0, 3, 0, 2},
                        {0, 1, 0, 3},
@@ -329,12 +327,6 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 3, 0, 4},
                        {0, 1, 0, 5},
                        {0, 3, 0, 5},
-                       {0, 1, 0, 5, 0, 0, 2},
-                       {0, 1, 0, 5, 0, 0, 3},
-                       {0, 3, 0, 5, 0, 0, 4},
-                       {0, 1, 0, 5, 0, 0, 5},
-                       {0, 3, 0, 5, 0, 0, 6},
-                       {0, 1, 0, 5, 0, 0, 7},
                        {0, 1, 0, 5, 0, 0, 8},
                        {0, 3, 0, 5, 0, 0, 9}});
     check_all_configs(pr, false, "group 8",
@@ -344,8 +336,6 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                        {0, 1, 0, 3},
                        {0, 1, 0, 4},
                        {0, 1, 0, 5},
-                       {0, 1, 0, 5, 0, 0, 6},
-                       {0, 1, 0, 5, 0, 0, 7},
                        {0, 1, 0, 5, 0, 0, 8},
                        {0, 3, 0, 5, 0, 0, 9}});
   }
@@ -359,7 +349,6 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
                     with_verify_variants({{0, 0, 0},
                                           {1, 2, 0},
                                           {4, 1, 1},
-                                          {4, 2, 2},
                                           {0, 1, 0, 2},
                                           {0, 2, 0, 2},
                                           {0, 1, 0, 3},
@@ -385,7 +374,6 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
                                           {1, 3, 0},
                                           {2, 1, 0},
                                           {4, 2, 1},
-                                          {4, 2, 2},
                                           {0, 1, 0, 2},
                                           {0, 2, 0, 2},
                                           {0, 1, 0, 3},
@@ -451,11 +439,10 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 1, 2},
-        AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
-        AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-        AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
-        AttentionCudaConfig{0, 3, 0, 5}}) {
+       {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{0, 1, 0, 2},
+        AttentionCudaConfig{0, 3, 0, 2}, AttentionCudaConfig{0, 1, 0, 3},
+        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 3, 0, 4},
+        AttentionCudaConfig{0, 1, 0, 5}, AttentionCudaConfig{0, 3, 0, 5}}) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
     expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
   }
@@ -512,7 +499,6 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
                                           {1, 2, 0},
                                           {2, 1, 0},
                                           {4, 1, 1},
-                                          {4, 1, 2},
                                           {0, 1, 0, 2},
                                           {0, 2, 0, 2},
                                           {0, 1, 0, 3},
@@ -553,10 +539,9 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
     check_all_configs(pr, true, "NaN in some tokens' keys",
                       with_verify_variants({{1, 1, 0},
                                             {1, 3, 0},
+                                            {1, 1, 0, 1, 0, 0, 0, 2},
                                             {2, 1, 0},
                                             {4, 1, 1},
-                                            {4, 1, 2},
-                                            {4, 2, 2},
                                             {4, 1, 0, 5},
                                             {4, 3, 0, 5},
                                             {0, 1, 0, 2},
@@ -565,7 +550,7 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
                                            4, 3));
     check_all_configs(
         pr, false, "NaN in some tokens' keys",
-        with_verify_variants({{1, 1, 0}, {4, 1, 1}, {4, 1, 2}, {4, 1, 0, 5}, {4, 2, 0, 5}}, 4, 2));
+        with_verify_variants({{1, 1, 0}, {4, 1, 1}, {4, 1, 0, 5}, {4, 2, 0, 5}}, 4, 2));
   }
 }
 
@@ -582,8 +567,11 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
   check_all_configs(
       pr, true, "sanitizer",
-      with_verify_variants(with_verify_variants({{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {4, 2, 2}}, 4, 1),
-                           4, 3, 2));
+      with_verify_variants(
+          with_verify_variants(
+              {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {1, 1, 0, 1, 0, 0, 0, 2}, {1, 3, 0, 1, 0, 0, 0, 2}},
+              4, 1),
+          4, 3, 2));
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -594,14 +582,13 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 4}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
-         {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{4, 3, 2},
+         {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1},
           AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
           AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
           AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
           AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
-          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 1},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 6}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 9}}) {
+          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8},
+          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 9}, AttentionCudaConfig{1, 3, 0, 1, 0, 0, 0, 2}}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -746,6 +733,10 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "kernel -1");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
                   "verify_variant 10");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
+                  "verify_variant 3 (deleted)");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
+                  "decode_variant 3");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -440,7 +440,8 @@ __device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
 // descriptor rebuilt per use (add, mask, shift, or, two register-to-uniform moves: ~7
 // instructions per wgmma, 16 % of the consumer warps' samples) between turn_wait and turn_pass,
 // where the other warpgroup cannot issue.
-template <bool kQRegs, bool kDeep, bool kUni>
+// kFree (kernel 13): no ping-pong turns; each warpgroup issues its wgmmas as soon as it is ready.
+template <bool kQRegs, bool kDeep, bool kUni, bool kFree>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
   static_assert(kQRegs || !kDeep, "one Q buffer needs Q in registers");
@@ -505,16 +506,22 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   mbar_wait(bar_addr(sh.full[0]), 0);
   Cur cur = read_entry<kUni>(sh.entry[0], tok);
   if (cur.flags() & kEnd) return;  // no work for this CTA
-  if (wg == 1) turn_pass(wg);      // warpgroup 0 issues first
+  auto wait_turn = [&] {
+    if constexpr (!kFree) turn_wait(wg);
+  };
+  auto pass_turn = [&] {
+    if constexpr (!kFree) turn_pass(wg);
+  };
+  if (wg == 1) pass_turn();  // warpgroup 0 issues first
 
   // Entry 0: S, softmax, P.
   load_q(cur.qslot());
-  turn_wait(wg);
+  wait_turn();
   ap::reg_fence(s);
   ap::wgmma_fence();
   issue_qk(cur.qslot(), 0);
   ap::wgmma_commit();
-  turn_pass(wg);
+  pass_turn();
   ap::wgmma_wait<0>();
   ap::reg_fence(s);
   __syncwarp();  // every lane has read the header before the stage is released
@@ -535,7 +542,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     if (nxt.flags() & kFirst) load_q(nxt.qslot());
     mbar_wait(bar_addr(sh.vfull[vs]), (j >> 1) & 1);
     // S(next) then P V(cur), in this warpgroup's turn.
-    turn_wait(wg);
+    wait_turn();
     ap::reg_fence(o);
     ap::reg_fence(s);
     ap::reg_fence(p);
@@ -544,7 +551,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     ap::wgmma_commit();
     issue_pv(vs, cur.flags());
     ap::wgmma_commit();
-    turn_pass(wg);
+    pass_turn();
     if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
     add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
     ap::wgmma_wait<1>();  // S(next) done; P V(cur) may still run
@@ -583,13 +590,13 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   // Last entry: P V, epilogue.
   const int vs = static_cast<int>(j & 1);
   mbar_wait(bar_addr(sh.vfull[vs]), (j >> 1) & 1);
-  turn_wait(wg);
+  wait_turn();
   ap::reg_fence(o);
   ap::reg_fence(p);
   ap::wgmma_fence();
   issue_pv(vs, cur.flags());
   ap::wgmma_commit();
-  if (wg == 0) turn_pass(wg);  // warpgroup 1's last pass would have no matching wait
+  if (wg == 0) pass_turn();  // warpgroup 1's last pass would have no matching wait
   if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
   add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
   ap::wgmma_wait<0>();
@@ -600,7 +607,8 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep, bool kUni>
+template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep, bool kUni,
+          bool kFree>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -637,7 +645,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       converter_warps<kFastConvert, kDeep, kUni>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
-    consumer_warpgroups<kQRegs, kDeep, kUni>(a, sh, base, smem);
+    consumer_warpgroups<kQRegs, kDeep, kUni, kFree>(a, sh, base, smem);
   }
 }
 
@@ -694,7 +702,7 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
                      bool fast_convert, bool fast_union, bool deep_ring, bool uniform,
-                     cudaStream_t stream, bool* launched) {
+                     bool free_issue, cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -703,15 +711,16 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
   // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer), 12
-  // (+ uniform headers and descriptors, conflict-free V stores).
-  auto kernel = !lookahead ? attention_prefill_ws_kernel<false, false, false, false, false, false>
-                : !q_regs  ? attention_prefill_ws_kernel<true, false, false, false, false, false>
-                : !fast_convert
-                    ? attention_prefill_ws_kernel<true, true, false, false, false, false>
-                : !fast_union ? attention_prefill_ws_kernel<true, true, true, false, false, false>
-                : !deep_ring  ? attention_prefill_ws_kernel<true, true, true, true, false, false>
-                : !uniform    ? attention_prefill_ws_kernel<true, true, true, true, true, false>
-                              : attention_prefill_ws_kernel<true, true, true, true, true, true>;
+  // (+ uniform headers and descriptors, conflict-free V stores), 13 (+ no ping-pong turns).
+  auto kernel =
+      !lookahead      ? attention_prefill_ws_kernel<false, false, false, false, false, false, false>
+      : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false, false, false, false>
+      : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false, false, false, false>
+      : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false, false, false, false>
+      : !deep_ring    ? attention_prefill_ws_kernel<true, true, true, true, false, false, false>
+      : !uniform      ? attention_prefill_ws_kernel<true, true, true, true, true, false, false>
+      : !free_issue   ? attention_prefill_ws_kernel<true, true, true, true, true, true, false>
+                      : attention_prefill_ws_kernel<true, true, true, true, true, true, true>;
   const int smem = deep_ring && q_regs && fast_convert && fast_union && lookahead
                        ? Ring<true>::kSmemBytes
                        : Ring<false>::kSmemBytes;

@@ -23,18 +23,14 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
 //   both), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N: override the launch
-//   plan (AttentionCudaConfig) for tuning;
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-variant=N:
+//   override the launch plan (AttentionCudaConfig) for tuning;
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel, the wgmma verify kernel and its variants ("v2": 2-stage
-//   ring, 3 CTAs per SM, "v3": V converted under the S wgmma, "v4": and NaN checks only in blocks
-//   some token does not see whole, "v5": and a 2-stage ring, Q in shared memory, 3 CTAs per SM,
-//   "v6", "v7": v4, v5 with TMA loads of K and V, "v8": v3 with the P V wait deferred, "v9": v8
-//   with TMA loads; "v1" is the session-11 kernel, "auto" runs v8 for sparse verify, v3 for
-//   dense), the mma.sync kernel with an L2 prefetch of 2 and 4 blocks and v8 with 2 ("pf2", "pf4":
-//   bulk prefetches of whole tiles since session 12), and for draft 7 the wgmma prefill kernel).
+//   automatic plan, the mma.sync kernel with cp.async ("d1") and TMA ("d2") loads in single-token
+//   tiles, the wgmma verify kernel's variants "v8" (cp.async loads) and "v9" (TMA loads; the
+//   automatic verify choice), and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -438,12 +434,15 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
+    } else if (std::strncmp(argv[i], "--decode-variant=", 17) == 0) {
+      cfg.decode_variant = std::atoi(argv[i] + 17);
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--no-prefill] [--compare-kernels] [--persistent-ctas=N] "
+                   "[--verify-variant=N] [--decode-variant=N] [--no-prefill] [--compare-kernels] "
+                   "[--persistent-ctas=N] "
                    "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");
       return 2;
     }
@@ -484,18 +483,17 @@ int main(int argc, char** argv) {
                        x);
       }
     } else if (compare) {
-      // {kernel, l2 prefetch, verify kernel variant}
+      // {kernel, verify kernel variant, decode variant (mma.sync kernel, 1-token tiles)}
       const std::vector<std::array<int, 3>> kp = {
-          {0, 0, 0}, {1, 0, 0}, {5, 0, 1}, {5, 0, 2}, {5, 0, 3}, {5, 0, 4}, {5, 0, 5},
-          {5, 0, 6}, {5, 0, 7}, {5, 0, 8}, {5, 0, 9}, {1, 2, 0}, {1, 4, 0}, {5, 2, 8}};
-      for (const auto& [kernel, pf, variant] : kp) {
+          {0, 0, 0}, {1, 0, 1}, {1, 0, 2}, {5, 8, 0}, {5, 9, 0}};
+      for (const auto& [kernel, variant, dvar] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
-        x.l2_prefetch = pf;
         x.verify_variant = variant;
+        x.decode_variant = dvar;
         const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
         v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()) +
-                           (pf ? " pf" + std::to_string(pf) : std::string()),
+                           (dvar ? " d" + std::to_string(dvar) : std::string()),
                        x);
       }
       if (draft >= 7) {

@@ -26,6 +26,7 @@
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
 #include "stages/attention/attention_kernel.cuh"
+#include "stages/attention/attention_merge.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
 #include "stages/attention/attention_prefill_ws.cuh"
 #include "stages/attention/attention_verify_wgmma.cuh"
@@ -56,17 +57,17 @@ constexpr int64_t kWgmmaMinAvgTokens = 16;
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
 constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 404 us
 constexpr int64_t kVerifyMinAvgTokens = 2;
-// Its variant (attention_verify_wgmma.cuh: 1 the session-11 kernel, 2 a 2-stage ring with 3 CTAs
-// per SM, 3 the V conversion started under the S wgmma, 4 as 3 with the NaN check of V only in
-// blocks some token does not see whole, 5 as 4 with a 2-stage ring, Q in shared memory, 3 CTAs
-// per SM, 6 and 7 as 4 and 5 with TMA loads of K and V, 8 as 3 with the wait for P V deferred, 9
-// as 8 with TMA loads; 9 runs as 8 where TMA cannot address the pool). H200, session 12, round C
-// (8K, isolated / back-to-back us): verify B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8
-// 188.7 / 179.9, v3 196.5 / 189.0, v1 194.5 / 189.6; B64 x 4 v9 47.7 / 46.3, v8 49.6 / 48.0;
-// dense B64 x 4 v9 157.0, v8 166.1, v3 166.4.
+// Its variant (attention_verify_wgmma.cuh: 8 cp.async loads, 9 TMA loads; 9 runs as 8 where TMA
+// cannot address the pool). H200, session 12, round C (8K, isolated / back-to-back us): verify
+// B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8 188.7 / 179.9; B64 x 4 v9 47.7 / 46.3, v8
+// 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
+// session 13.
 constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
-// L2 prefetch distance (blocks past the shared-memory ring) of the automatic plan.
-constexpr int kAutoL2Prefetch = 0;
+// The mma.sync kernel's loads in single-token tiles (decode): 1 cp.async, 2 TMA (session 13).
+constexpr int kAutoDecodeVariant = 1;
+// AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
+// L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
+// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
 constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
@@ -83,10 +84,9 @@ struct Plan {
   bool ws_free = false;          // its consumers issue without ping-pong turns (kernel 13)
   int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;                    // tokens per tile
-  bool v_regs = true;            // V converted in registers (3 stages) rather than into an f16 tile
   int splits = 1;                // CTAs per (tile, KV head)
-  int prefetch = 0;              // L2 prefetch distance in blocks (mma.sync and verify kernels)
-  int verify_variant = 1;        // variant of the verify kernel (AttentionCudaConfig)
+  int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
+  bool decode_tma = false;       // TMA loads in the mma.sync kernel's single-token tiles
   int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -173,9 +173,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant < 0 || cfg.verify_variant > 9)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not one of 0 .. 9");
+                       " is not 0, 8 or 9");
+  if (cfg.decode_variant < 0 || cfg.decode_variant > 2)
+    return unsupported("run_attention_cuda: decode_variant ", cfg.decode_variant,
+                       " is not 0, 1 or 2");
+  pl.decode_tma = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -185,7 +189,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
                          " does not apply to the wgmma verify kernel (V is converted in place)");
     pl.qt = av::kQT;
-    pl.v_regs = false;
   } else if (pl.wgmma) {
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != ap::kQT)
       return unsupported("run_attention_cuda: the wgmma kernel has ", ap::kQT,
@@ -194,7 +197,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
                          " does not apply to the wgmma kernel (its V is always an f16 tile)");
     pl.qt = ap::kQT;
-    pl.v_regs = false;
   } else if (cfg.tokens_per_tile != 0) {
     if (cfg.tokens_per_tile != 1 && cfg.tokens_per_tile != 2 && cfg.tokens_per_tile != 4)
       return unsupported("run_attention_cuda: tokens_per_tile ", cfg.tokens_per_tile,
@@ -203,26 +205,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   } else {
     pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
   }
-  // Tiles of 1-2 tokens always convert V in registers; 4-token tiles do in decode-like batches
-  // (bandwidth-bound: the third stage matters) and share one f16 tile in prefill (compute-bound).
-  if (!pl.wgmma && !pl.verify) {
-    switch (cfg.v_convert) {
-      case 0:
-        pl.v_regs = pl.qt <= 2 || avg <= 8;
-        break;
-      case 1:
-        pl.v_regs = true;
-        break;
-      case 2:
-        if (pl.qt != 4)
-          return unsupported(
-              "run_attention_cuda: the shared f16 V tile needs 4 tokens per tile, got ", pl.qt);
-        pl.v_regs = false;
-        break;
-      default:
-        return unsupported("run_attention_cuda: v_convert ", cfg.v_convert, " is not 0, 1 or 2");
-    }
-  }
+  // The mma.sync kernel converts V in registers (v_convert 1); its shared f16 V tile (v_convert 2,
+  // prefill-like 4-token tiles) was removed in session 13 (the wgmma kernels run every prefill).
+  if (!pl.wgmma && !pl.verify && cfg.v_convert != 0 && cfg.v_convert != 1)
+    return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
+                       " is not 0 or 1 (the f16 V tile, 2, was removed)");
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
   if (cfg.splits != 0) {
@@ -243,8 +230,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   if (cfg.l2_prefetch < -1 || cfg.l2_prefetch > kMaxL2Prefetch)
     return unsupported("run_attention_cuda: l2_prefetch ", cfg.l2_prefetch, " is outside [-1, ",
                        kMaxL2Prefetch, "]");
-  if (!pl.wgmma)
-    pl.prefetch = cfg.l2_prefetch == 0 ? kAutoL2Prefetch : std::max(0, cfg.l2_prefetch);
   *out = pl;
   return Status::Ok();
 }
@@ -273,39 +258,42 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 6, 7, 9 (TMA loads) run as 4, 5, 8 where the pool is not 16-byte aligned or the driver
-// refuses the tensor maps.
-template <bool kVec16, int kVariant>
+// Variant 9 (kTma: TMA loads) runs as 8 where the pool is not 16-byte aligned or the driver refuses
+// the tensor maps.
+template <bool kVec16, bool kTma>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
   CUtensorMap kmap{}, vmap{}, qmap{};
-  if constexpr (av::tma_of(kVariant)) {
-    if (!kVec16 || !attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-      return launch_verify < kVec16, kVariant == 9 ? 8 : kVariant - 2 > (args, pl, n_kv, stream);
+  if constexpr (kTma) {
+    if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+      return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kVariant>;
-  constexpr int smem = av::smem_bytes(kVariant);
+  auto kernel = av::attention_verify_kernel<kVec16, kTma>;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if constexpr (av::ctas_per_sm(kVariant) > 2)  // 3 x ~75 KB: the largest shared-memory split
-    M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, smem, stream>>>(args, kmap, vmap);
+  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args, kmap, vmap);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
-template <int QT, bool kVRegs, bool kVec16>
+// kTma (single-token tiles, decode_variant 2) runs as cp.async where the driver refuses the maps.
+template <int QT, bool kVec16, bool kTma = false>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ak::attention_tile_kernel<QT, kVRegs, kVec16>;
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if constexpr (kTma) {
+    if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+      return launch_tiles<QT, kVec16, false>(args, pl, n_kv, stream);
+  }
+  auto kernel = ak::attention_tile_kernel<QT, kVec16, kTma>;
+  constexpr int smem = ak::smem_bytes(kTma);
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(pl.splits));
-  kernel<<<grid, ak::kThreads, ak::kSmemBytes, stream>>>(args);
+  kernel<<<grid, ak::kThreads, smem, stream>>>(args, kmap, vmap);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -315,46 +303,9 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
-    switch (pl.verify_variant * 2 + (vec16 ? 1 : 0)) {
-      case 2:
-        return launch_verify<false, 1>(args, pl, n_kv, stream);
-      case 3:
-        return launch_verify<true, 1>(args, pl, n_kv, stream);
-      case 4:
-        return launch_verify<false, 2>(args, pl, n_kv, stream);
-      case 5:
-        return launch_verify<true, 2>(args, pl, n_kv, stream);
-      case 6:
-        return launch_verify<false, 3>(args, pl, n_kv, stream);
-      case 7:
-        return launch_verify<true, 3>(args, pl, n_kv, stream);
-      case 8:
-        return launch_verify<false, 4>(args, pl, n_kv, stream);
-      case 9:
-        return launch_verify<true, 4>(args, pl, n_kv, stream);
-      case 10:
-        return launch_verify<false, 5>(args, pl, n_kv, stream);
-      case 11:
-        return launch_verify<true, 5>(args, pl, n_kv, stream);
-      case 12:
-        return launch_verify<false, 4>(args, pl, n_kv, stream);  // 6 needs 16-byte alignment
-      case 13:
-        return launch_verify<true, 6>(args, pl, n_kv, stream);
-      case 14:
-        return launch_verify<false, 5>(args, pl, n_kv, stream);  // 7 needs 16-byte alignment
-      case 15:
-        return launch_verify<true, 7>(args, pl, n_kv, stream);
-      case 16:
-        return launch_verify<false, 8>(args, pl, n_kv, stream);
-      case 17:
-        return launch_verify<true, 8>(args, pl, n_kv, stream);
-      case 18:
-        return launch_verify<false, 8>(args, pl, n_kv, stream);  // 9 needs 16-byte alignment
-      case 19:
-        return launch_verify<true, 9>(args, pl, n_kv, stream);
-      default:
-        return unsupported("run_attention_cuda: no verify kernel variant ", pl.verify_variant);
-    }
+    if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
+    return pl.verify_variant == 9 ? launch_verify<true, true>(args, pl, n_kv, stream)
+                                  : launch_verify<true, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
@@ -383,29 +334,23 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return unsupported("run_attention_cuda: no wgmma kernel variant ", pl.variant);
     }
   }
-  const int key = pl.qt * 4 + (pl.v_regs ? 2 : 0) + (vec16 ? 1 : 0);
-  switch (key) {
-    case 1 * 4 + 2 + 1:
-      return launch_tiles<1, true, true>(args, pl, n_kv, stream);
-    case 1 * 4 + 2 + 0:
-      return launch_tiles<1, true, false>(args, pl, n_kv, stream);
-    case 2 * 4 + 2 + 1:
-      return launch_tiles<2, true, true>(args, pl, n_kv, stream);
-    case 2 * 4 + 2 + 0:
-      return launch_tiles<2, true, false>(args, pl, n_kv, stream);
-    case 4 * 4 + 2 + 1:
-      return launch_tiles<4, true, true>(args, pl, n_kv, stream);
-    case 4 * 4 + 2 + 0:
-      return launch_tiles<4, true, false>(args, pl, n_kv, stream);
-    case 4 * 4 + 0 + 1:
-      return launch_tiles<4, false, true>(args, pl, n_kv, stream);
-    case 4 * 4 + 0 + 0:
-      return launch_tiles<4, false, false>(args, pl, n_kv, stream);
+  switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
+    case 1 * 2 + 1:
+      return pl.decode_tma ? launch_tiles<1, true, true>(args, pl, n_kv, stream)
+                           : launch_tiles<1, true>(args, pl, n_kv, stream);
+    case 1 * 2 + 0:
+      return launch_tiles<1, false>(args, pl, n_kv, stream);
+    case 2 * 2 + 1:
+      return launch_tiles<2, true>(args, pl, n_kv, stream);
+    case 2 * 2 + 0:
+      return launch_tiles<2, false>(args, pl, n_kv, stream);
+    case 4 * 2 + 1:
+      return launch_tiles<4, true>(args, pl, n_kv, stream);
+    case 4 * 2 + 0:
+      return launch_tiles<4, false>(args, pl, n_kv, stream);
     default:
-      break;
+      return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile");
   }
-  return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile with V ",
-                     pl.v_regs ? "in registers" : "in an f16 tile");
 }
 
 }  // namespace
@@ -485,7 +430,6 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.scale_log2 = scale * 1.4426950408889634f;
   a.out = static_cast<uint16_t*>(p.out.data);
   a.out_stride = p.out.stride[0];
-  a.prefetch = pl.prefetch;
   if (need > 0) {
     a.ws_o = static_cast<float*>(workspace);
     a.ws_ml = a.ws_o + ws_o_floats(p, pl);

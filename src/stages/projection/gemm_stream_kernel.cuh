@@ -19,7 +19,9 @@
 // like the wgmma kernel does it: each contributor writes an fp32 partial to its workspace slot
 // (2c for the CTA's first segment, 2c + 1 for its last) and counts an arrival on the group's
 // counter; the last to arrive sums the partials in CTA order and writes bf16, then resets the
-// counter. Deterministic (the order depends only on the launch shape), no inter-CTA waiting.
+// counter. Deterministic (the order depends only on the launch shape), no inter-CTA waiting. A
+// CTA walks its split groups first (its last group, then its first: UnitOrder), so the fixups
+// happen while the weights stream, not at the end of the kernel.
 //
 // CTA: kWarps consumer warps and one producer warp. The producer streams the CTA's units in order
 // through a ring of `stages` stages (full / empty mbarriers): per unit, lanes 0-7 each issue the
@@ -148,6 +150,29 @@ __device__ __forceinline__ int unit_owner(int u, int grid, int units) {
   return static_cast<int>((int64_t{u + 1} * grid - 1) / units);
 }
 
+// The order in which a CTA walks its units [u_begin, u_end): its partial last group ("tail",
+// which the next CTA shares) first, then its partial first group ("head", shared with the previous
+// CTA), then the whole groups. Both contributors of a split group thus reach it in their first
+// few units and its fixup overlaps the stream, instead of the last CTA to finish its range paying
+// a fence, an atomic and an L2 round trip at the very end of the kernel.
+struct UnitOrder {
+  int tail0, tail_len, head0, head_len, mid0;
+  __device__ __forceinline__ UnitOrder(int u_begin, int u_end, int chunks) {
+    const int first_boundary = (u_begin + chunks - 1) / chunks * chunks;
+    head0 = u_begin;
+    head_len = u_begin % chunks != 0 ? min(u_end, first_boundary) - u_begin : 0;
+    mid0 = u_begin + head_len;
+    tail0 = max(mid0, u_end / chunks * chunks);
+    tail_len = u_end - tail0;
+  }
+  // The unit at position j (0 <= j < u_end - u_begin).
+  __device__ __forceinline__ int at(int j) const {
+    return j < tail_len              ? tail0 + j
+           : j < tail_len + head_len ? head0 + (j - tail_len)
+                                     : mid0 + (j - tail_len - head_len);
+  }
+};
+
 // kHalves: 1 for M <= 8 (the upper half of the m16 fragment is zero), 2 for M <= 16.
 template <int kHalves>
 __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamArgs p) {
@@ -172,6 +197,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
   const int units = p.units, chunks = p.chunks, cb = p.chunk_blocks, stages = p.stages;
   const int u_begin = unit_begin(cta, grid, units);
   const int u_end = unit_begin(cta + 1, grid, units);
+  const int n_units = u_end - u_begin;
+  const UnitOrder order(u_begin, u_end, chunks);
   const int m_count = p.m;
 
   if (tid == 0) {
@@ -215,12 +242,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     };
     // Programmatic launch: the first ring of weights (which no preceding kernel writes) is
     // requested before waiting for the preceding grid; activations only after the wait.
-    const int early = p.early_weights ? (u_end - u_begin < stages ? u_end - u_begin : stages) : 0;
-    for (int j = 0; j < early; ++j) load_weights(j, u_begin + j);
+    const int early = p.early_weights ? (n_units < stages ? n_units : stages) : 0;
+    for (int j = 0; j < early; ++j) load_weights(j, order.at(j));
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
     uint32_t loaded = 0;  // activation chunks requested
-    int i = 0;
-    for (int u = u_begin; u < u_end; ++u, ++i) {
+    for (int i = 0; i < n_units; ++i) {
+      const int u = order.at(i);
       const int s = i % stages;
       const int c = u % chunks;
       if (!(loaded >> c & 1u)) {
@@ -259,10 +286,11 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
   const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  int seg_begin = u_begin;
+  int seg_begin = -1;  // first unit of the current segment (-1: the next unit starts one)
   int groups_done = 0;
-  int i = 0;
-  for (int u = u_begin; u < u_end; ++u, ++i) {
+  for (int i = 0; i < n_units; ++i) {
+    const int u = order.at(i);
+    if (seg_begin < 0) seg_begin = u;
     const int s = i % stages;
     const int group = u / chunks, c = u - group * chunks;
     const int nkb = (c + 1) * cb <= p.kblocks ? cb : p.kblocks - c * cb;
@@ -299,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     if (lane == 0) sm90::mbar_arrive(smem_addr(&empty_bar[s]));
 
     const int seg_end_group = (group + 1) * chunks;
-    if (u + 1 != u_end && u + 1 != seg_end_group) continue;
+    if (i + 1 < n_units && order.at(i + 1) / chunks == group) continue;
 
     // ---- End of this CTA's segment of the group: sum the warps, write ----
     float(*buf)[4][32] = red[groups_done & 1];
@@ -309,7 +337,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
 #pragma unroll
     for (int j = 0; j < 4; ++j) acc[j] = 0.0f;
     const int this_begin = seg_begin;
-    seg_begin = u + 1;
+    seg_begin = -1;
     ++groups_done;
     if (warp != 0) continue;
 

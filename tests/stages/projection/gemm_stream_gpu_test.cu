@@ -62,7 +62,7 @@ struct Case {
   int grid = 0;  // 0: one CTA per SM
   int max_stages = 0;
   bool evict_first = true;
-  bool pdl = false;
+  bool pdl = false;  // programmatic_launch and trigger_dependents
 };
 
 std::string describe(const Case& c) {
@@ -83,6 +83,7 @@ GemmStreamOptions options_of(const Case& c) {
   o.max_stages = c.max_stages;
   o.weight_evict_first = c.evict_first;
   o.programmatic_launch = c.pdl;
+  o.trigger_dependents = c.pdl;
   return o;
 }
 
@@ -108,6 +109,15 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
   return first;
 }
 
+void expect_exact(const Case& c, Rng& rng) {
+  GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
+  const std::vector<uint16_t> got = run_twice(dev, c);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
+}
+
 class GemmStreamExact : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GemmStreamExact, IntegerInputsBitIdenticalToTwin) {
@@ -117,12 +127,26 @@ TEST_P(GemmStreamExact, IntegerInputsBitIdenticalToTwin) {
   M3_SEED_TRACE(seed);
   SCOPED_TRACE(describe(c));
   Rng rng(seed);
-  GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-  const std::vector<uint16_t> ref = cpu_gemm(d);
-  DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
-  const std::vector<uint16_t> got = run_twice(dev, c);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
+  expect_exact(c, rng);
+}
+
+// Small shapes for compute-sanitizer (memcheck, racecheck): both kernels (M <= 8, M <= 16), whole
+// groups and the fixup (groups over several CTAs), a short last chunk, a two-stage ring that
+// wraps many times, programmatic launch with the trigger.
+TEST(GemmStreamSanitizer, SmallShapesExact) {
+  M3_REQUIRE_STREAM_GEMM();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const Case cases[] = {Case{3, 256, 1152, 8, 16, true, 4, 0},
+                        Case{16, 128, 2048, 0, 0, false, 1, 40},
+                        Case{9, 384, 640, 0, 16, false, 2, 5, 2},
+                        Case{1, 1280, 6144, 0, 0, false, 16, 0, 0, true, true},
+                        Case{12, 640, 1024, 0, 0, true, 16, 0, 2, false, true}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(describe(c));
+    expect_exact(c, rng);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -228,6 +252,70 @@ TEST(GemmStreamGraph, ReplayWithNewInputEqualsEager) {
   }
 }
 
+// Two GEMMs back to back, both with programmatic launch and trigger_dependents, writing the same
+// output from different activations on one workspace: the second may start while the first
+// finishes but writes only after it, so the output is the second's, bit for bit (eager and as a
+// graph replay), and the shared arrival counters end at zero. Small grids force fixups.
+TEST(GemmStreamGraph, TriggeredChainWritesTheLastGemm) {
+  M3_REQUIRE_STREAM_GEMM();
+  for (int64_t rows : {1, 16}) {
+    for (int grid : {0, 37}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "rows " << rows << " grid " << grid);
+      Rng rng(seed);
+      const int64_t n = 1280, k = 2048;
+      GemmData d1 = make_integer_data(rows, n, k, rng);
+      GemmData d2 = make_integer_data(rows, n, k, rng);
+      GemmData mixed = d1;  // the second call: d2's activations, d1's weights
+      mixed.a = d2.a;
+      mixed.sa = d2.sa;
+      const std::vector<uint16_t> ref = cpu_gemm(mixed);
+      DeviceGemm g1(d1, n), g2(d2, n);
+      GemmParams p1 = g1.params(), p2 = g1.params();
+      p2.a = g2.params().a;
+      p2.a_scales = g2.params().a_scales;
+      GemmStreamOptions o;
+      o.programmatic_launch = true;
+      o.trigger_dependents = true;
+      o.chunk_blocks = 4;
+      o.grid = grid;
+      DeviceBuffer ws = make_workspace(n, grid);
+      cudaStream_t stream;
+      M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      auto chain = [&] {
+        EXPECT_TRUE(run_gemm_stream_cuda(p1, ws.data(), ws.bytes(), stream, o).ok());
+        EXPECT_TRUE(run_gemm_stream_cuda(p2, ws.data(), ws.bytes(), stream, o).ok());
+      };
+      for (int pass = 0; pass < 2; ++pass) {
+        g1.out.poison(kPoison);
+        if (pass == 0) {
+          chain();
+        } else {
+          cudaGraph_t graph;
+          cudaGraphExec_t exec;
+          M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+          chain();
+          M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+          M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+          M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+          M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+          cudaGraphExecDestroy(exec);
+          cudaGraphDestroy(graph);
+        }
+        M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+        int64_t touched = 0;
+        const std::vector<uint16_t> got = g1.result(&touched);
+        std::string report;
+        EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << "pass " << pass << report;
+        EXPECT_EQ(touched, 0);
+        EXPECT_EQ(nonzero_counters(ws, n), 0);
+      }
+      cudaStreamDestroy(stream);
+    }
+  }
+}
+
 Fp8BlockGemmOptions stream_options() {
   Fp8BlockGemmOptions o;
   o.stream_max_m = 16;
@@ -259,7 +347,7 @@ TEST(GemmStreamGraph, Fp8BlockGemmReplayEqualsEager) {
 // with cuBLASLt on random inputs within two device accumulations' bound.
 TEST(GemmStreamFused, IntegerInputsFusedEqualsUnfusedBitForBit) {
   M3_REQUIRE_STREAM_GEMM();
-  for (int64_t m : {4, 12, 16}) {
+  for (int64_t m : {4, 16}) {
     const uint64_t seed = fresh_seed();
     M3_SEED_TRACE(seed);
     Rng rng(seed);

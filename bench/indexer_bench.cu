@@ -35,7 +35,8 @@
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
 //   the two-kernel path, and with 1, 2 and 4 CTAs and IndexerCudaOptions::decode_split_acc, at
 //   batch {1, 64, 128, 256} x 8K, draft 0 and 3), --single-ctas N (the
-//   single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
+//   single-pass columns and sweep rows use N CTAs per request: single_pass_ctas), --split-acc (the
+//   default, fused and single-pass paths with IndexerCudaOptions::decode_split_acc).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -361,7 +362,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       only = false, clusters = false;
+       only = false, clusters = false, split_acc = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -377,6 +378,8 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--clusters")
       clusters = true;
+    else if (a == "--split-acc")
+      split_acc = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--contiguous")
@@ -387,7 +390,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
-                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N]\n",
+                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--split-acc]\n",
                    argv[0]);
       return 2;
     }
@@ -399,6 +402,7 @@ int main(int argc, char** argv) {
   bulk_o.fused_decode_always = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
+  for (IndexerCudaOptions* o : {&default_o, &fused_o, &single_o}) o->decode_split_acc = split_acc;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);

@@ -107,7 +107,7 @@ struct Plan {
   bool fused = false;
   bool bulk = false;
   bool single = false;
-  bool split_acc = false;  // single pass with two accumulators per n-tile (decode_split_acc)
+  bool split_acc = false;  // fused / single pass: two accumulators per n-tile (decode_split_acc)
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -193,11 +193,11 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;
-    pl.split_acc = o.decode_split_acc;
     const int64_t ctas = std::clamp<int64_t>(o.single_pass_ctas, 1, kMaxClusterCtas);
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
+  pl.split_acc = o.decode_split_acc && pl.fused && !pl.bulk;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -349,10 +349,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).
-      const auto kernel = pl.single
-                              ? (pl.split_acc ? ik::score_fused_single_kernel<true>
-                                              : ik::score_fused_single_kernel<false>)
-                              : (pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel);
+      const auto kernel = pl.single ? (pl.split_acc ? ik::score_fused_single_kernel<true>
+                                                    : ik::score_fused_single_kernel<false>)
+                                    : (pl.bulk ? ik::score_fused_bulk_kernel
+                                               : (pl.split_acc ? ik::score_fused_kernel<true>
+                                                               : ik::score_fused_kernel<false>));
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);

@@ -119,9 +119,9 @@ struct IndexerCudaOptions {
   // shared memory), which finishes the rows after a cluster barrier: the single pass's one launch
   // with up to k times the CTAs (more bytes in flight at small batches). Same ids.
   int single_pass_ctas = 0;
-  // Single pass only: decode tiles of <= 16 query rows accumulate the even and odd k16 steps of
-  // the dot products in two accumulators (half the dependent HMMA chain per tile; a performance
-  // variant: another fp32 summation order, the same ids on exact inputs).
+  // Fused path and single pass (not bulk): decode tiles of <= 16 query rows accumulate the even
+  // and odd k16 steps of the dot products in two accumulators (half the dependent HMMA chain per
+  // tile; a performance variant: another fp32 summation order, the same ids on exact inputs).
   bool decode_split_acc = false;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
@@ -150,7 +150,7 @@ struct IndexerCudaPlan {
   bool bulk_copy = false;  // fused with bulk (TMA) tile copies
   bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
                            // one thread-block cluster of k_splits CTAs per unit
-  bool split_acc = false;  // single pass with two accumulators per n-tile (decode_split_acc)
+  bool split_acc = false;  // fused / single: two accumulators per n-tile (decode_split_acc)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

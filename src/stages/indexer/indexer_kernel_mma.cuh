@@ -806,10 +806,12 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
 
 // Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
 // merge_kernel finishes. Dynamic shared memory: kFusedSmemBytes.
+// kSplit: IndexerCudaOptions::decode_split_acc (see decode_compute_tile).
+template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false>(a, smem, sh, nullptr);
+  score_mma_body<true, false, false, false, kSplit>(a, smem, sh, nullptr);
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of

@@ -441,6 +441,10 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       expect_same_ids(
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
+      if (!bulk) {  // two accumulators per n-tile: another summation order, against the twin
+        fo.decode_split_acc = true;
+        expect_twin_selection(in, ref, run_gpu(d, fo), name + ", fused split accumulators]");
+      }
     }
     // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
     // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).

@@ -649,6 +649,7 @@ int main(int argc, char** argv) {
                          : kernel == 11 ? std::string("wgmma ws minunion 4-stage")
                          : kernel == 12 ? std::string("wgmma ws 4-stage uniform")
                          : kernel == 13 ? std::string("wgmma ws uniform no-turns")
+                         : kernel == 14 ? std::string("wgmma ws uniform 64/216 regs")
                                         : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {

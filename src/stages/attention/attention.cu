@@ -82,6 +82,7 @@ struct Plan {
   bool ws_deep_ring = false;     // its 4-stage ring with one Q buffer (kernel 11)
   bool ws_uniform = false;       // its uniform headers and descriptors (kernel 12)
   bool ws_free = false;          // its consumers issue without ping-pong turns (kernel 13)
+  bool ws_wide = false;          // its 64 / 216 register split (kernel 14, else 40 / 232)
   int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
   int qt = 1;                    // tokens per tile
   int splits = 1;                // CTAs per (tile, KV head)
@@ -129,7 +130,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws_fast_union = kAutoWsKernel >= 10;
       pl.ws_deep_ring = kAutoWsKernel >= 11;
       pl.ws_uniform = kAutoWsKernel >= 12;
-      pl.ws_free = kAutoWsKernel >= 13;
+      pl.ws_free = kAutoWsKernel == 13;
+      pl.ws_wide = kAutoWsKernel >= 14;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -153,6 +155,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 11:
     case 12:
     case 13:
+    case 14:
       pl.wgmma = true;
       pl.ws = true;
       pl.ws_lookahead = cfg.kernel >= 7;
@@ -161,11 +164,12 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.ws_fast_union = cfg.kernel >= 10;
       pl.ws_deep_ring = cfg.kernel >= 11;
       pl.ws_uniform = cfg.kernel >= 12;
-      pl.ws_free = cfg.kernel >= 13;
+      pl.ws_free = cfg.kernel == 13;
+      pl.ws_wide = cfg.kernel >= 14;
       pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
       break;
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 13");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 14");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -314,7 +318,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       bool launched = false;
       M3_RETURN_IF_ERROR(attention_prefill_ws::launch(
           args, pl.tiles, pl.ctas, pl.ws_lookahead, pl.ws_qregs, pl.ws_fast_convert,
-          pl.ws_fast_union, pl.ws_deep_ring, pl.ws_uniform, pl.ws_free, stream, &launched));
+          pl.ws_fast_union, pl.ws_deep_ring, pl.ws_uniform, pl.ws_free, pl.ws_wide, stream,
+          &launched));
       if (launched) return Status::Ok();
     }
     switch (pl.variant * 2 + (vec16 ? 1 : 0)) {

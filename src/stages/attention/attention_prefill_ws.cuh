@@ -1,5 +1,5 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 6 .. 12 (11 is the automatic choice for prefill batches). Same
+// AttentionCudaConfig::kernel = 6 .. 14 (11 is the automatic choice for prefill batches). Same
 // math, tiles, masks, numerics and split workspace as the wgmma kernel of
 // attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is who waits for what.
 //
@@ -33,7 +33,7 @@
 // attention_prefill_ws_scheduler.cuh (the scheduler warp), this file (converters, consumers, the
 // kernel, tensor maps and launch).
 // Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert, 10 +
-// kFastUnion, 11 + kDeep, 12 + kUni):
+// kFastUnion, 11 + kDeep, 12 + kUni, 13 = 12 + kFree, 14 = 12 + kWide):
 // kLookahead: the scheduler prepares the next work item (global loads, union) right after the
 // current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
 // fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
@@ -49,7 +49,8 @@
 // the compiler) and wgmma descriptors as constant offsets of two base descriptors, so the issue of
 // the 12 wgmmas between turn_wait and turn_pass is no longer ~7 dependent instructions each
 // (round-A ncu of kernel 10: 16 % of the consumer warps' samples), and the converters' f16 stores
-// in an order free of bank conflicts (store_f16_chunk).
+// in an order free of bank conflicts (store_f16_chunk); kFree (13): no ping-pong turns; kWide
+// (14): 64 registers for the scheduler and converters, 216 for the consumers.
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
 // warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S; kDeep:
@@ -62,8 +63,9 @@
 // Shared memory: 3 raw stages x 32 KB + 2 f16 V x 32 KB + 2 Q x 16 KB + 1 KB alignment = 193 KB
 // dynamic (kDeep: 4 stages, 1 Q: 209 KB), 5.6 KB static. Registers: 168 at launch (384 threads),
 // consumers 232 after setmaxnreg (no spills), scheduler + converters 40 (ptxas reports 64 B
-// (kernel 6) / 262 B (7-9) / 210 B (10) / 182 B (11) of spills: compile experiments place them in
-// the scheduler warp's item preparation). Needs 16-byte
+// (kernel 6) / 262 B (7-9) / 210 B (10) / 182 B (11, 12) of spills: compile experiments place
+// them in the scheduler warp's item preparation; kWide, kernel 14: 64 / 216, no spills at all).
+// Needs 16-byte
 // aligned pool base and strides (TMA); otherwise, or when the driver refuses a tensor map, the
 // launcher runs the cp.async wgmma kernel (kernel 4).
 //
@@ -608,7 +610,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
 template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep, bool kUni,
-          bool kFree>
+          bool kFree, bool kWide>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -638,13 +640,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLowRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWide ? kLowRegsWide : kLowRegs));
     if (warp == 0)
       scheduler_warp<kLookahead, kFastUnion, kDeep>(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
       converter_warps<kFastConvert, kDeep, kUni>(sh, smem);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
     consumer_warpgroups<kQRegs, kDeep, kUni, kFree>(a, sh, base, smem);
   }
 }
@@ -702,7 +704,7 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
                      bool fast_convert, bool fast_union, bool deep_ring, bool uniform,
-                     bool free_issue, cudaStream_t stream, bool* launched) {
+                     bool free_issue, bool wide_regs, cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -711,16 +713,21 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookah
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
   // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer), 12
-  // (+ uniform headers and descriptors, conflict-free V stores), 13 (+ no ping-pong turns).
+  // (+ uniform headers and descriptors, conflict-free V stores), 13 (+ no ping-pong turns), 14 (12
+  // + 64 / 216 registers).
   auto kernel =
-      !lookahead      ? attention_prefill_ws_kernel<false, false, false, false, false, false, false>
-      : !q_regs       ? attention_prefill_ws_kernel<true, false, false, false, false, false, false>
-      : !fast_convert ? attention_prefill_ws_kernel<true, true, false, false, false, false, false>
-      : !fast_union   ? attention_prefill_ws_kernel<true, true, true, false, false, false, false>
-      : !deep_ring    ? attention_prefill_ws_kernel<true, true, true, true, false, false, false>
-      : !uniform      ? attention_prefill_ws_kernel<true, true, true, true, true, false, false>
-      : !free_issue   ? attention_prefill_ws_kernel<true, true, true, true, true, true, false>
-                      : attention_prefill_ws_kernel<true, true, true, true, true, true, true>;
+      !lookahead
+          ? attention_prefill_ws_kernel<false, false, false, false, false, false, false, false>
+      : !q_regs ? attention_prefill_ws_kernel<true, false, false, false, false, false, false, false>
+      : !fast_convert
+          ? attention_prefill_ws_kernel<true, true, false, false, false, false, false, false>
+      : !fast_union
+          ? attention_prefill_ws_kernel<true, true, true, false, false, false, false, false>
+      : !deep_ring ? attention_prefill_ws_kernel<true, true, true, true, false, false, false, false>
+      : !uniform   ? attention_prefill_ws_kernel<true, true, true, true, true, false, false, false>
+      : free_issue ? attention_prefill_ws_kernel<true, true, true, true, true, true, true, false>
+      : wide_regs  ? attention_prefill_ws_kernel<true, true, true, true, true, true, false, true>
+                   : attention_prefill_ws_kernel<true, true, true, true, true, true, false, false>;
   const int smem = deep_ring && q_regs && fast_convert && fast_union && lookahead
                        ? Ring<true>::kSmemBytes
                        : Ring<false>::kSmemBytes;

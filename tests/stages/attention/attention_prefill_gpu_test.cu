@@ -3,7 +3,8 @@
 // the faster V conversion, 10 = 9 with the tile unions built by minimum extraction, 11 = 10 with a
 // 4-stage ring and one Q buffer (the automatic choice for prefill batches), 12 = 11 with uniform
 // entry headers and wgmma descriptors and conflict-free f16 V stores, 13 = 12 without the
-// consumers' ping-pong turns; attention_prefill_ws.cuh)
+// consumers' ping-pong turns, 14 = 12 with 64 / 216 registers per scheduler-converter /
+// consumer thread; attention_prefill_ws.cuh)
 // against the CPU twin on identical E4M3
 // inputs: chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths
 // off the 8-token tile and the 128-token block), mixed batches with several chunks and decode /
@@ -61,6 +62,7 @@ constexpr int kWsUnion = 10;     // as 9 with the tile unions by minimum extract
 constexpr int kWsDeep = 11;      // as 10 with a 4-stage ring and one Q buffer (automatic)
 constexpr int kWsUni = 12;       // as 11 with uniform headers and descriptors
 constexpr int kWsFree = 13;      // as 12 without ping-pong turns
+constexpr int kWsWide = 14;  // as 12 with 64 / 216 registers (scheduler, converters / consumers)
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
@@ -134,7 +136,11 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(2, 6, kWsUni),
           ws_config(0, 0, kWsFree),
           ws_config(3, 0, kWsFree),
-          ws_config(1, 1, kWsFree)};
+          ws_config(1, 1, kWsFree),
+          ws_config(0, 0, kWsWide),
+          ws_config(3, 0, kWsWide),
+          ws_config(1, 1, kWsWide),
+          ws_config(2, 6, kWsWide)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -175,7 +181,8 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
                  ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
                  ws_config(1, 4, kWsFast), ws_config(0, 0, kWsUnion), ws_config(1, 4, kWsUnion),
                  ws_config(0, 0, kWsDeep), ws_config(1, 4, kWsDeep), ws_config(0, 0, kWsUni),
-                 ws_config(1, 4, kWsUni), ws_config(0, 0, kWsFree)});
+                 ws_config(1, 4, kWsUni), ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide),
+                 ws_config(1, 4, kWsWide)});
   check_configs(
       c, false, "M3",
       {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
@@ -198,11 +205,11 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     o.spare_pages = 5;
     Problem c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_configs(
-        c, true, "3 KV heads",
-        {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead), ws_config(2, 2, kWsQRegs),
-         ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion), ws_config(0, 0, kWsDeep),
-         ws_config(0, 0, kWsUni), ws_config(2, 3, kWsUni), ws_config(0, 0, kWsFree)});
+    check_configs(c, true, "3 KV heads",
+                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
+                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion),
+                   ws_config(0, 0, kWsDeep), ws_config(0, 0, kWsUni), ws_config(2, 3, kWsUni),
+                   ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -277,7 +284,7 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
         ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast),
         ws_config(1, 0, kWsUnion), ws_config(2, 5, kWsUnion), ws_config(1, 0, kWsDeep),
         ws_config(2, 5, kWsDeep), ws_config(1, 0, kWsUni), ws_config(2, 5, kWsUni),
-        ws_config(2, 5, kWsFree)}) {
+        ws_config(2, 5, kWsFree), ws_config(2, 5, kWsWide)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -314,7 +321,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   for (const AttentionCudaConfig& cfg :
        {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
         ws_config(0, 0, kWsUnion), ws_config(0, 0, kWsDeep), ws_config(0, 0, kWsUni),
-        ws_config(0, 0, kWsFree)}) {
+        ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -330,11 +337,12 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Problem c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(c, true, "NaN value",
-                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs),
-                 ws_config(0, 0, kWsFast), ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion),
-                 ws_config(2, 1, kWsUnion), ws_config(0, 0, kWsDeep), ws_config(2, 1, kWsDeep),
-                 ws_config(0, 0, kWsUni), ws_config(2, 1, kWsUni), ws_config(2, 1, kWsFree)});
+  check_configs(
+      c, true, "NaN value",
+      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
+       ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsUnion),
+       ws_config(0, 0, kWsDeep), ws_config(2, 1, kWsDeep), ws_config(0, 0, kWsUni),
+       ws_config(2, 1, kWsUni), ws_config(2, 1, kWsFree), ws_config(2, 1, kWsWide)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
@@ -359,10 +367,11 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   for (int k = 0; k < 6; ++k)
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
-  std::vector<AttentionCudaConfig> cfgs = {
-      ws_config(0, 0),          ws_config(2, 1),           ws_config(0, 0, kWsFast),
-      ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep),
-      ws_config(0, 0, kWsUni),  ws_config(2, 1, kWsUni),   ws_config(0, 0, kWsFree)};
+  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0),           ws_config(2, 1),
+                                           ws_config(0, 0, kWsFast),  ws_config(2, 1, kWsFast),
+                                           ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep),
+                                           ws_config(0, 0, kWsUni),   ws_config(2, 1, kWsUni),
+                                           ws_config(0, 0, kWsFree),  ws_config(2, 1, kWsWide)};
   for (int kernel : {2, 3, 4}) {  // the wgmma kernel and its variants (kernel 4: TMA fallback)
     AttentionCudaConfig k;
     k.kernel = kernel;
@@ -386,7 +395,7 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
           ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast),
           ws_config(0, 0, kWsUnion), ws_config(3, 0, kWsUnion), ws_config(0, 0, kWsDeep),
           ws_config(3, 0, kWsDeep), ws_config(0, 0, kWsUni), ws_config(3, 0, kWsUni),
-          ws_config(0, 0, kWsFree)}) {
+          ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -18,118 +18,143 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kFusedMaxChunk = 64;
 static_assert(kFusedMaxChunk % 32 == 0 && kFusedMaxChunk % kMmaWarps == 0, "chunk shape");
 
-// Ranks among a warp's 64 candidates (lane l holds scores s0 of id0 and s1 of id1; NaN = none) by
-// 15 rounds of a warp-wide maximum of the lanes' larger remaining key (candidate_key: score, then
-// smaller id; distinct), as warp_top15 does: r0 / r1 = the round that took the candidate, or 15
-// when it is not among the 15 best. ~12 instructions per round instead of ~10 per candidate of
-// the counting loop (64 candidates: ~180 instead of ~700 per row).
-__device__ __forceinline__ void rank_by_rounds(float s0, float s1, int id0, int id1, int& r0,
-                                               int& r1) {
-  const uint64_t k0 = candidate_key(s0, id0), k1 = candidate_key(s1, id1);
-  bool head_is_1 = k1 > k0;
-  uint64_t head = head_is_1 ? k1 : k0, tail = head_is_1 ? k0 : k1;
-  r0 = r1 = kTopK - 1;
+// Ranks among a warp's 64 candidates, for N rows at once (row i: lane l holds scores s0[i] of id0
+// and s1[i] of id1; NaN = none) by 15 rounds of a warp-wide maximum of the lanes' larger remaining
+// key (candidate_key: score, then smaller id; distinct), as warp_top15 does: r0 / r1 = the round
+// that took the candidate, or 15 when it is not among the 15 best. ~12 instructions per round and
+// row instead of ~10 per candidate of a counting loop (64 candidates: ~180 instead of ~700 per
+// row). A round is two dependent redux.sync, so one row is a latency chain of 30; the N rows'
+// chains are independent and interleave (session 12 round B ncu, 256 x 8K draft 3: the
+// selection of 4 rows per warp, one after the other, held ~14 % of the single pass's warp stall
+// samples at the end of every CTA).
+template <int N>
+__device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float (&s1)[N], int id0,
+                                               int id1, int (&r0)[N], int (&r1)[N]) {
+  uint64_t head[N], tail[N];
+  bool head_is_1[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const uint64_t k0 = candidate_key(s0[i], id0), k1 = candidate_key(s1[i], id1);
+    head_is_1[i] = k1 > k0;
+    head[i] = head_is_1[i] ? k1 : k0;
+    tail[i] = head_is_1[i] ? k0 : k1;
+    r0[i] = r1[i] = kTopK - 1;
+  }
   for (int r = 0; r < kTopK - 1; ++r) {
-    const uint32_t hh = static_cast<uint32_t>(head >> 32), hl = static_cast<uint32_t>(head);
-    const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hh);
-    if (best_hi == 0) break;  // no candidate left (uniform)
-    const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hh == best_hi ? hl : 0u);
-    if (hh == best_hi && hl == best_lo) {  // one lane (keys are distinct): its head is taken
-      if (head_is_1)
-        r1 = r;
-      else
-        r0 = r;
-      head = tail;
-      tail = 0;
-      head_is_1 = !head_is_1;
+    uint32_t any = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const uint32_t hh = static_cast<uint32_t>(head[i] >> 32), hl = static_cast<uint32_t>(head[i]);
+      const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hh);
+      const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hh == best_hi ? hl : 0u);
+      any |= best_hi;
+      // One lane (keys are distinct) takes its head; best_hi == 0: no candidate left in row i.
+      if (best_hi != 0 && hh == best_hi && hl == best_lo) {
+        if (head_is_1[i])
+          r1[i] = r;
+        else
+          r0[i] = r;
+        head[i] = tail[i];
+        tail[i] = 0;
+        head_is_1[i] = !head_is_1[i];
+      }
     }
+    if (any == 0) break;  // no candidate left in any row (uniform)
   }
 }
 
 // Fused decode, after the split's blocks are scored: the local selection of split y. Row j of the
 // unit (warp j % 4) has the candidates [b0, min(b1, local)): its local block is forced by the
 // merge (no candidate), blocks past it are invisible to the row. Each lane holds the scores of
-// blocks b0 + lane and b0 + lane + 32 and counts the better candidates (score greater, or equal
-// with a smaller id; NaN never counts and is never a candidate) against every block of the range,
-// read back from shared memory as broadcasts: that count is the rank, so no sorting is needed
-// (ranks are distinct: keys are); above 32 candidates rank_by_rounds gives the same ranks below 15
-// in fewer instructions. Ranks < 15 are stored as keys at their rank, the rest of the 16 slots are
-// zero. Rows whose merge reads no list of this split (a local block < 16, outside the page table,
-// <= b0, or a negative position) write nothing. Cost: nb <= 32 broadcast loads and ~4
-// instructions per candidate per load, per row, or 15 rounds of 2 redux.sync.
+// blocks b0 + lane and b0 + lane + 32; rank_by_rounds ranks them (ranks are distinct: keys are;
+// NaN is never a candidate), kG rows of the warp at a time. Ranks < 15 are stored as keys at their
+// rank, the rest of the 16 slots are zero. Rows whose merge reads no list of this split (a local
+// block < 16, outside the page table, <= b0, or a negative position) write nothing.
 // kDirect (single pass, b0 == 0, one split): the ranks < 15 are the row's final choice; the row of
 // block_ids is written at once (trivial rows included): candidate ids are < local and ascend with
 // the lane, so a selected id's slot is the count of selected ids before it (ballot prefix), the
 // local block follows them, -1 fills the rest.
 // lane_pos: lane l < n holds the position of token t0 + l (no reload at the CTA's end).
-template <bool kDirect>
-__device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
-                                                   int rows, int b0, int b1, int lane_pos) {
+template <bool kDirect, int kG>
+__device__ __forceinline__ void select_rows(const KernelArgs& a, const float* sblk, int t0,
+                                            int rows, int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
   static_assert(kPer == 2, "rank_by_rounds takes two candidates per lane");
-  for (int j = warp; j < rows; j += kMmaWarps) {  // warp-uniform conditions from here on
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
-    const int64_t row_index = int64_t{t0} * a.n_kv + j;
-    int local = -1;
-    if constexpr (kDirect) {
-      local = trivial_row(a, a.block_ids + row_index * kTopK, pos, true);
-      if (local < 0) continue;
-    } else {
-      if (pos < 0) continue;
-      local = pos / kPageSize;
-      if (local < kTopK || local >= a.max_pages) continue;
-    }
-    const int nb = min(b1, local) - b0;  // <= kFusedMaxChunk
-    if (!kDirect && nb <= 0) continue;
-    const float* row = sblk + j * kFusedMaxChunk;
-    float s[kPer];
-    int rank[kPer];
+  for (int j0 = warp; j0 < rows; j0 += kG * kMmaWarps) {  // warp-uniform conditions from here on
+    float s[kPer][kG];
+    int rank[kPer][kG];
+    bool live[kG];
+    int local[kG];
 #pragma unroll
-    for (int c = 0; c < kPer; ++c) {
-      const int i = lane + 32 * c;
-      s[c] = i < nb ? row[i] : quiet_nan();
-      rank[c] = 0;
-    }
-    if (nb > 32) {  // warp-uniform; both ways give the same ranks below 15
-      rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
-    } else {
-#pragma unroll 4
-      for (int m = 0; m < nb; ++m) {
-        const float v = row[m];
-#pragma unroll
-        for (int c = 0; c < kPer; ++c)
-          rank[c] += (v > s[c] || (v == s[c] && m < lane + 32 * c)) ? 1 : 0;
+    for (int g = 0; g < kG; ++g) {
+      const int j = j0 + g * kMmaWarps;
+      live[g] = false;
+      local[g] = -1;
+      if (j < rows) {
+        const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
+        if constexpr (kDirect) {
+          local[g] = trivial_row(a, a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK, pos, true);
+          live[g] = local[g] >= 0;
+        } else {
+          local[g] = pos >= 0 ? pos / kPageSize : -1;
+          live[g] = local[g] >= kTopK && local[g] < a.max_pages && min(b1, local[g]) > b0;
+        }
       }
-    }
-    if constexpr (kDirect) {
-      int32_t* out = a.block_ids + row_index * kTopK;
-      const uint32_t below = (1u << lane) - 1u;
-      int count = 0;
+      const int nb = live[g] ? min(b1, local[g]) - b0 : 0;  // <= kFusedMaxChunk
+      const float* row = sblk + j * kFusedMaxChunk;
 #pragma unroll
       for (int c = 0; c < kPer; ++c) {
-        const bool take = s[c] == s[c] && rank[c] < kTopK - 1;
-        const uint32_t taken = __ballot_sync(0xffffffffu, take);
-        if (take) out[count + __popc(taken & below)] = b0 + lane + 32 * c;
-        count += __popc(taken);
+        const int i = lane + 32 * c;
+        s[c][g] = i < nb ? row[i] : quiet_nan();
       }
-      // count <= 15 (distinct ranks); the local block exceeds every candidate id.
-      if (lane == count) out[lane] = local;
-      if (lane > count && lane < kTopK) out[lane] = -1;
-    } else {
-      uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
-      int count = 0;
+    }
+    rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
 #pragma unroll
-      for (int c = 0; c < kPer; ++c) {
-        const bool valid = s[c] == s[c];
-        count += __popc(__ballot_sync(0xffffffffu, valid));
-        if (valid && rank[c] < kTopK - 1) list[rank[c]] = candidate_key(s[c], b0 + lane + 32 * c);
+    for (int g = 0; g < kG; ++g) {
+      if (!live[g]) continue;
+      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
+      if constexpr (kDirect) {
+        int32_t* out = a.block_ids + row_index * kTopK;
+        const uint32_t below = (1u << lane) - 1u;
+        int count = 0;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          const bool take = s[c][g] == s[c][g] && rank[c][g] < kTopK - 1;
+          const uint32_t taken = __ballot_sync(0xffffffffu, take);
+          if (take) out[count + __popc(taken & below)] = b0 + lane + 32 * c;
+          count += __popc(taken);
+        }
+        // count <= 15 (distinct ranks); the local block exceeds every candidate id.
+        if (lane == count) out[lane] = local[g];
+        if (lane > count && lane < kTopK) out[lane] = -1;
+      } else {
+        uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
+        int count = 0;
+#pragma unroll
+        for (int c = 0; c < kPer; ++c) {
+          const bool valid = s[c][g] == s[c][g];
+          count += __popc(__ballot_sync(0xffffffffu, valid));
+          if (valid && rank[c][g] < kTopK - 1)
+            list[rank[c][g]] = candidate_key(s[c][g], b0 + lane + 32 * c);
+        }
+        count = min(count, kTopK - 1);
+        if (lane >= count && lane < kTopK) list[lane] = 0;
       }
-      count = min(count, kTopK - 1);
-      if (lane >= count && lane < kTopK) list[lane] = 0;
     }
   }
+}
+
+// The local selection of every row of the unit (see select_rows): one row per warp at a time for
+// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
+template <bool kDirect>
+__device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
+                                                   int rows, int b0, int b1, int lane_pos) {
+  if (rows <= kMmaWarps)
+    select_rows<kDirect, 1>(a, sblk, t0, rows, b0, b1, lane_pos);
+  else
+    select_rows<kDirect, 4>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
 // Single pass, overflow tile (after a CTA barrier, or a cluster barrier when its grid.y splits are

@@ -177,15 +177,19 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
+  if (cfg.verify_variant != 0 && (cfg.verify_variant < 8 || cfg.verify_variant > 10))
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8 or 9");
+                       " is not 0, 8, 9 or 10");
   if (cfg.decode_variant < 0 || cfg.decode_variant > 2)
     return unsupported("run_attention_cuda: decode_variant ", cfg.decode_variant,
                        " is not 0, 1 or 2");
   pl.decode_tma = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
+    if (cfg.persistent_ctas < 0)
+      return unsupported("run_attention_cuda: persistent_ctas ", cfg.persistent_ctas,
+                         " is negative");
+    pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : av::kPersistCtasPerSm * sm_count();
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
       return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);
@@ -284,6 +288,25 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
 }
 
 // kTma (single-token tiles, decode_variant 2) runs as cp.async where the driver refuses the maps.
+// Variant 10 (the persistent kernel: sparse, TMA) runs as 9 for dense attention and as 8 / 9 where
+// TMA cannot address the pool.
+Status launch_verify_persistent(const ak::AttnArgs& args, const Plan& pl, int n_kv,
+                                cudaStream_t stream) {
+  const int64_t items = pl.tiles * n_kv * pl.splits;
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if (!args.sparse || items > std::numeric_limits<int32_t>::max() ||
+      !attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+    return launch_verify<true, true>(args, pl, n_kv, stream);
+  auto kernel = av::attention_verify_persistent_kernel<av::kPersistCtasPerSm>;
+  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               av::kPersistSmemBytes));
+  const int grid = static_cast<int>(std::min<int64_t>(items, std::max(1, pl.ctas)));
+  kernel<<<grid, av::kThreads, av::kPersistSmemBytes, stream>>>(args, kmap, vmap,
+                                                                static_cast<int>(items));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 template <int QT, bool kVec16, bool kTma = false>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   CUtensorMap kmap{}, vmap{}, qmap{};
@@ -308,6 +331,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
+    if (pl.verify_variant == 10) return launch_verify_persistent(args, pl, n_kv, stream);
     return pl.verify_variant == 9 ? launch_verify<true, true>(args, pl, n_kv, stream)
                                   : launch_verify<true, false>(args, pl, n_kv, stream);
   }

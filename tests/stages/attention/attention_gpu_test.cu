@@ -3,12 +3,11 @@
 // launch shape (tokens per tile 1/2/4, with and without splits), 16- and 4-byte-aligned strided
 // pools, page ids past 2^31 bytes, junk block ids, device-side page guards, NaN propagation,
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
-// inputs == eager byte for byte, and rejected calls that write nothing. Every scenario also runs
-// the Hopper wgmma prefill kernel (AttentionCudaConfig::kernel = 2: 8-token tiles, 2 warpgroups,
-// with and without splits) and its variants 3 and 4, and the Hopper wgmma decode / verify kernel
-// (kernel = 5: 4-token tiles x 16 heads on one warpgroup; its variants 8 and 9, verify_variant,
-// with and without splits and L2 prefetch) and the mma.sync kernel's TMA decode variant
-// (decode_variant 2), which must meet the same tolerance.
+// inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
+// launch-config families of `configs` (below): the automatic plan, the mma.sync kernel (also with
+// TMA loads, decode_variant 2), the Hopper wgmma prefill kernel (8-token tiles) and the Hopper
+// wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup: verify_variant 8, 9 and
+// the persistent 10), with and without splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -64,28 +63,41 @@ std::string cfg_name(const AttentionCudaConfig& c) {
   return os.str();
 }
 
-// {tokens_per_tile, splits, v_convert, kernel, l2_prefetch, persistent_ctas, verify_variant,
-// decode_variant}; 0 = the plan's choice. Kernel 2 is the wgmma prefill kernel (8 tokens per
-// tile), 5 the wgmma decode / verify kernel (4 tokens per tile; verify_variant 8: cp.async loads,
-// 9: TMA loads, run as 8 on pools TMA cannot address); decode_variant 2: the mma.sync kernel's
-// single-token tiles with TMA loads (cp.async where TMA cannot address the pool); l2_prefetch only
-// changes when bytes arrive, never the result. `base` plus the verify variants 8 and 9 with
-// `tokens_per_tile`, `splits` and `l2_prefetch`.
-std::vector<AttentionCudaConfig> with_verify_variants(std::vector<AttentionCudaConfig> base,
-                                                      int tokens_per_tile, int splits,
-                                                      int l2_prefetch = 0) {
-  for (int v : {8, 9}) base.push_back({tokens_per_tile, splits, 0, 5, l2_prefetch, 0, v});
-  return base;
+// Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
+// persistent_ctas, verify_variant, decode_variant}; 0 = the plan's choice): kAuto the automatic
+// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (and decode_variant 2: TMA loads in
+// single-token tiles, cp.async where TMA cannot address the pool); kPrefill the wgmma prefill
+// kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
+// runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
+// (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (persistent; 9 for dense), the
+// latter also on 1 and 3 CTAs so that a CTA walks many work items. Every launch config of a
+// family is also run with `splits` CTAs per (tile, KV head) when splits > 1.
+enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
+const std::vector<int> kPrefillKernels = {4};
+std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
+  std::vector<AttentionCudaConfig> v;
+  auto add = [&](AttentionCudaConfig c) {
+    v.push_back(c);
+    c.splits = splits;
+    if (splits > 1) v.push_back(c);
+  };
+  if (families & kAuto) v.push_back({});
+  if (families & kMma) {
+    add({1, 1, 0});
+    add({2, 1, 0});
+    add({4, 1, 1});
+    add({1, 1, 0, 1, 0, 0, 0, 2});
+  }
+  if (families & kPrefill)
+    for (int k : kPrefillKernels) add({8, 1, 0, k});
+  if (families & kVerify) {
+    for (int variant : {8, 9, 10}) add({4, 1, 0, 5, 0, 0, variant});
+    v.push_back({4, 1, 0, 5, 0, 1, 10});
+    v.push_back({4, splits, 0, 5, 0, 3, 10});
+  }
+  return v;
 }
-
-// clang-format off
-const std::vector<AttentionCudaConfig> kAllConfigs = with_verify_variants(with_verify_variants({
-    {0, 0, 0},    {1, 1, 0},    {1, 3, 0},       {1, 16, 0},      {2, 1, 0},       {2, 2, 0},
-    {4, 1, 1},    {4, 5, 1},       {8, 1, 0, 2},    {8, 3, 0, 2},
-    {0, 0, 0, 2}, {8, 1, 0, 3}, {8, 3, 0, 3},    {8, 1, 0, 4},    {8, 3, 0, 4},    {4, 1, 0, 5},
-    {4, 3, 0, 5}, {0, 0, 0, 5}, {1, 1, 0, 1, 3}, {4, 2, 1, 1, 2}, {4, 1, 0, 5, 2}, {4, 3, 0, 5, 8},
-    {1, 1, 0, 1, 0, 0, 0, 2}, {1, 3, 0, 1, 0, 0, 0, 2}}, 4, 1), 4, 3, 2);
-// clang-format on
+const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
 
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
@@ -141,15 +153,7 @@ TEST(AttentionGpu, LargeVerifyDraftsMatchTwin) {
       check_all_configs(pr, true, "verify");
     }
     Problem pr = make_problem(reqs, 64, 4, Pick::kShared, rng);
-    check_all_configs(pr, false, "verify",
-                      with_verify_variants({{0, 0, 0},
-                                            {4, 3, 1},
-                                            {0, 0, 0, 2},
-                                            {0, 0, 0, 3},
-                                            {0, 0, 0, 4},
-                                            {0, 0, 0, 5},
-                                            {0, 3, 0, 5}},
-                                           0, 3));
+    check_all_configs(pr, false, "verify", configs(kAll, 3));
   }
 }
 
@@ -165,34 +169,10 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
   for (Pick pick : {Pick::kShared, Pick::kRandom}) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs),
-                      {{0, 0, 0},
-                       {1, 1, 0},
-                       {2, 3, 0},
-                       {4, 1, 1},
-                       {0, 1, 0, 2},
-                       {0, 4, 0, 2},
-                       {0, 0, 0, 2},
-                       {0, 1, 0, 3},
-                       {0, 4, 0, 3},
-                       {0, 1, 0, 4},
-                       {0, 4, 0, 4},
-                       {0, 1, 0, 5},
-                       {0, 4, 0, 5}});
+    check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs), configs(kAll, 4));
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
-  check_all_configs(pr, false, "mixed",
-                    {{0, 0, 0},
-                     {1, 2, 0},
-                     {4, 1, 1},
-                     {0, 1, 0, 2},
-                     {0, 5, 0, 2},
-                     {0, 1, 0, 3},
-                     {0, 5, 0, 3},
-                     {0, 1, 0, 4},
-                     {0, 5, 0, 4},
-                     {0, 1, 0, 5},
-                     {0, 5, 0, 5}});
+  check_all_configs(pr, false, "mixed", configs(kAll, 5));
 }
 
 // The wgmma prefill kernel on longer chunks: a chunk from position 0 (every causal mask), chunks
@@ -208,29 +188,11 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_all_configs(pr, true, "long chunks " + testing::describe_requests(reqs),
-                      {{0, 0, 0},
-                       {0, 1, 0, 2},
-                       {0, 3, 0, 2},
-                       {0, 0, 0, 2},
-                       {0, 1, 0, 3},
-                       {0, 3, 0, 3},
-                       {0, 1, 0, 4},
-                       {0, 3, 0, 4},
-                       {0, 1, 0, 5},
-                       {0, 3, 0, 5}});
+                      configs(kAuto | kPrefill, 3));
   }
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_all_configs(pr, false, "long chunks",
-                    with_verify_variants({{0, 1, 0, 2},
-                                          {0, 2, 0, 2},
-                                          {0, 1, 0, 3},
-                                          {0, 2, 0, 3},
-                                          {0, 1, 0, 4},
-                                          {0, 2, 0, 4},
-                                          {0, 1, 0, 5},
-                                          {0, 2, 0, 5}},
-                                         0, 2));
+  check_all_configs(pr, false, "long chunks", configs(kPrefill | kVerify, 2));
 }
 
 // Prints dims [0, 16) and [64, 72) of (token t, head j), GPU vs twin (failure diagnostics).
@@ -277,11 +239,7 @@ TEST(AttentionGpu, WgmmaLayoutProbes) {
     ASSERT_FALSE(::testing::Test::HasFatalFailure());
     DeviceProblem d;
     upload(pr, d);
-    for (const AttentionCudaConfig& cfg :
-         {AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 2, 0, 2},
-          AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-          AttentionCudaConfig{0, 2, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
-          AttentionCudaConfig{0, 2, 0, 5}}) {
+    for (const AttentionCudaConfig& cfg : configs(kPrefill | kVerify, 2)) {
       const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
       const int failures = ::testing::Test::HasFailure() ? 1 : 0;
       const double worst = expect_matches(pr, d, got, what + ", " + cfg_name(cfg));
@@ -314,30 +272,8 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
     o.spare_pages = 5;
     Problem pr = make_problem(reqs, 8, 1, Pick::kShared, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "group 8",
-                      {{0, 0, 0},
-                       {1, 4, 0},
-                       {1, 1, 0, 1, 0, 0, 0, 2},
-                       {1, 4, 0, 1, 0, 0, 0, 2},
-                       {4, 1, 1},
-                       {0, 1, 0, 2},
-                       {0, 3, 0, 2},
-                       {0, 1, 0, 3},
-                       {0, 1, 0, 4},
-                       {0, 3, 0, 4},
-                       {0, 1, 0, 5},
-                       {0, 3, 0, 5},
-                       {0, 1, 0, 5, 0, 0, 8},
-                       {0, 3, 0, 5, 0, 0, 9}});
-    check_all_configs(pr, false, "group 8",
-                      {{0, 0},
-                       {2, 1},
-                       {0, 1, 0, 2},
-                       {0, 1, 0, 3},
-                       {0, 1, 0, 4},
-                       {0, 1, 0, 5},
-                       {0, 1, 0, 5, 0, 0, 8},
-                       {0, 3, 0, 5, 0, 0, 9}});
+    check_all_configs(pr, true, "group 8", configs(kAll, 4));
+    check_all_configs(pr, false, "group 8", configs(kAll, 1));
   }
   // Group 16 on 3 KV heads, 4-byte strides.
   BatchOptions o;
@@ -345,18 +281,7 @@ TEST(AttentionGpu, SmallGroupsAndStridedPools) {
   o.kv_page_stride = 2 * (3 * tile) + 12;
   Problem pr = make_problem(reqs, 48, 3, Pick::kRandom, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_all_configs(pr, true, "3 KV heads",
-                    with_verify_variants({{0, 0, 0},
-                                          {1, 2, 0},
-                                          {4, 1, 1},
-                                          {0, 1, 0, 2},
-                                          {0, 2, 0, 2},
-                                          {0, 1, 0, 3},
-                                          {0, 1, 0, 4},
-                                          {0, 2, 0, 4},
-                                          {0, 1, 0, 5},
-                                          {0, 2, 0, 5}},
-                                         0, 2));
+  check_all_configs(pr, true, "3 KV heads", configs(kAll, 2));
 }
 
 TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
@@ -369,20 +294,7 @@ TEST(AttentionGpu, JunkIdsAndEmptySelectionsFollowTheTwin) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   // One (token, head) selects nothing at all: +0 outputs.
   std::fill_n(pr.ids.ptr<int32_t>() + (4 * 2 + 1) * kTopK, kTopK, -1);
-  check_all_configs(pr, true, "junk ids",
-                    with_verify_variants({{0, 0, 0},
-                                          {1, 3, 0},
-                                          {2, 1, 0},
-                                          {4, 2, 1},
-                                          {0, 1, 0, 2},
-                                          {0, 2, 0, 2},
-                                          {0, 1, 0, 3},
-                                          {0, 2, 0, 3},
-                                          {0, 1, 0, 4},
-                                          {0, 2, 0, 4},
-                                          {0, 1, 0, 5},
-                                          {0, 2, 0, 5}},
-                                         0, 2));
+  check_all_configs(pr, true, "junk ids", configs(kAll, 2));
 }
 
 TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
@@ -438,11 +350,7 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
   d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
                             Device::cuda(0));
-  for (const AttentionCudaConfig& cfg :
-       {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1}, AttentionCudaConfig{0, 1, 0, 2},
-        AttentionCudaConfig{0, 3, 0, 2}, AttentionCudaConfig{0, 1, 0, 3},
-        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 3, 0, 4},
-        AttentionCudaConfig{0, 1, 0, 5}, AttentionCudaConfig{0, 3, 0, 5}}) {
+  for (const AttentionCudaConfig& cfg : configs(kAll, 3)) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
     expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
   }
@@ -475,11 +383,7 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
       if (id == bad0 || id == bad1) id = -1;
     }
   run_reference(pr, true);
-  for (const AttentionCudaConfig& cfg :
-       {AttentionCudaConfig{0, 0}, AttentionCudaConfig{1, 5}, AttentionCudaConfig{0, 1, 0, 2},
-        AttentionCudaConfig{0, 4, 0, 2}, AttentionCudaConfig{0, 1, 0, 3},
-        AttentionCudaConfig{0, 1, 0, 4}, AttentionCudaConfig{0, 4, 0, 4},
-        AttentionCudaConfig{0, 1, 0, 5}, AttentionCudaConfig{0, 4, 0, 5}}) {
+  for (const AttentionCudaConfig& cfg : configs(kAll, 4)) {
     const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
     expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
   }
@@ -494,19 +398,7 @@ TEST(AttentionGpu, NaNInAVisibleValuePropagates) {
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;  // V of position 150 of request 0: NaN
-  check_all_configs(pr, true, "NaN value",
-                    with_verify_variants({{0, 0, 0},
-                                          {1, 2, 0},
-                                          {2, 1, 0},
-                                          {4, 1, 1},
-                                          {0, 1, 0, 2},
-                                          {0, 2, 0, 2},
-                                          {0, 1, 0, 3},
-                                          {0, 1, 0, 4},
-                                          {0, 2, 0, 4},
-                                          {0, 1, 0, 5},
-                                          {0, 2, 0, 5}},
-                                         0, 2));
+  check_all_configs(pr, true, "NaN value", configs(kAll, 2));
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a draft token's own key in
@@ -536,21 +428,8 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
     }
     pr.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 0, 1)[9] = 0x7F;  // a K NaN
     pr.hb.kv_row(0, 151, 0, 0)[40] = 0x7F;  // K NaN seen only by position 151
-    check_all_configs(pr, true, "NaN in some tokens' keys",
-                      with_verify_variants({{1, 1, 0},
-                                            {1, 3, 0},
-                                            {1, 1, 0, 1, 0, 0, 0, 2},
-                                            {2, 1, 0},
-                                            {4, 1, 1},
-                                            {4, 1, 0, 5},
-                                            {4, 3, 0, 5},
-                                            {0, 1, 0, 2},
-                                            {0, 3, 0, 3},
-                                            {0, 1, 0, 4}},
-                                           4, 3));
-    check_all_configs(
-        pr, false, "NaN in some tokens' keys",
-        with_verify_variants({{1, 1, 0}, {4, 1, 1}, {4, 1, 0, 5}, {4, 2, 0, 5}}, 4, 2));
+    check_all_configs(pr, true, "NaN in some tokens' keys", configs(kAll, 3));
+    check_all_configs(pr, false, "NaN in some tokens' keys", configs(kAll, 2));
   }
 }
 
@@ -565,13 +444,7 @@ TEST(AttentionGpu, SanitizerSmallVerify) {
   Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_all_configs(
-      pr, true, "sanitizer",
-      with_verify_variants(
-          with_verify_variants(
-              {{4, 1, 0, 5}, {4, 3, 0, 5, 2}, {1, 1, 0, 1, 0, 0, 0, 2}, {1, 3, 0, 1, 0, 0, 0, 2}},
-              4, 1),
-          4, 3, 2));
+  check_all_configs(pr, true, "sanitizer", configs(kMma | kVerify, 3));
 }
 
 TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
@@ -581,14 +454,7 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 4}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
-    for (const AttentionCudaConfig& cfg :
-         {AttentionCudaConfig{0, 0, 0}, AttentionCudaConfig{4, 3, 1},
-          AttentionCudaConfig{0, 1, 0, 2}, AttentionCudaConfig{0, 3, 0, 2},
-          AttentionCudaConfig{0, 1, 0, 3}, AttentionCudaConfig{0, 1, 0, 4},
-          AttentionCudaConfig{0, 3, 0, 4}, AttentionCudaConfig{0, 1, 0, 5},
-          AttentionCudaConfig{0, 3, 0, 5}, AttentionCudaConfig{1, 1, 0, 1, 2},
-          AttentionCudaConfig{0, 1, 0, 5, 2}, AttentionCudaConfig{0, 3, 0, 5, 0, 0, 8},
-          AttentionCudaConfig{0, 3, 0, 5, 0, 0, 9}, AttentionCudaConfig{1, 3, 0, 1, 0, 0, 0, 2}}) {
+    for (const AttentionCudaConfig& cfg : configs(kAll, 3)) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
       Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
@@ -650,7 +516,7 @@ TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
             p.batch.num_tokens = T;
             p.batch.num_requests = static_cast<int>(R);
             p.batch.max_pages = max_pages;
-            for (int kernel : {0, 1, 2, 3, 4, 5, 6}) {
+            for (int kernel : {0, 1, 4, 5}) {
               AttentionCudaConfig cfg;
               cfg.kernel = kernel;
               const size_t need = attention_workspace_bytes(p, cfg);
@@ -715,10 +581,14 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
   expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 3}, StatusCode::kUnsupported, "v_convert 3");
   expect_rejected(good, ws.data(), ws.bytes(), {8, 1, 0, 1}, StatusCode::kUnsupported,
                   "8 tokens per tile on the mma.sync kernel");
-  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 0, 2}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 0, 4}, StatusCode::kUnsupported,
                   "4 tokens per tile on the wgmma kernel");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 1, 2}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 1, 4}, StatusCode::kUnsupported,
                   "v_convert on the wgmma kernel");
+  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 2}, StatusCode::kUnsupported,
+                  "v_convert 2 (the removed f16 V tile)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, -1, 10}, StatusCode::kUnsupported,
+                  "persistent_ctas -1");
   expect_rejected(good, ws.data(), ws.bytes(), {8, 1, 0, 5}, StatusCode::kUnsupported,
                   "8 tokens per tile on the wgmma verify kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 2, 5}, StatusCode::kUnsupported,

@@ -5,6 +5,8 @@
 //
 // A step enqueues on the stack's stream:
 //   embed(h) ; for l: residual_rmsnorm(h [+= a_{l-1}], -> x) ; layer_l(x -> a_l) ; h += a_last
+// where, with config.fuse_input_quantize (default), the RMSNorm kernel writes layer l's quantized
+// input (E4M3 + 1x128 scales) instead of x and the layer skips its own quantize stage.
 // Generation-only steps run at a padded bucket shape: Rb = the smallest power of two >= R (capped
 // at max_requests_per_step) and Tb = Rb * (1 + draft_len); the first step of each (Rb, draft_len,
 // fused) is captured into a graph and every later one replays it after uploading its metadata
@@ -219,6 +221,7 @@ class CudaLayerStack final : public LayerStack {
         Result<std::unique_ptr<CudaMsaLayer>> layer =
             CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
         M3_RETURN_IF_ERROR(layer.status());
+        layer.value()->set_external_input_quantize(config.fuse_input_quantize);
         s->layers_.push_back(std::move(layer.value()));
       }
     }
@@ -326,7 +329,14 @@ class CudaLayerStack final : public LayerStack {
     const uint16_t* a = nullptr;
     for (size_t l = 0; l < layers_.size(); ++l) {
       CudaMsaLayer* layer = layers_[l].get();
-      M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
+      if (config_.fuse_input_quantize) {
+        // Writes the layer's quantized input directly (the layer skips its quantize stage).
+        if (tokens > 0)
+          M3_RETURN_IF_ERROR(
+              run_residual_rmsnorm_quantize_cuda(h, a, layer->input_quantize(), eps, stream_));
+      } else {
+        M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
+      }
       if (front_graphs && tokens > 0) {
         M3_RETURN_IF_ERROR(run_front_graph(l, tokens));
         M3_RETURN_IF_ERROR(layer->run_back(stream_));

@@ -45,6 +45,10 @@ struct LayerStackConfig {
   // projection, producers) as a CUDA graph captured at the step's exact token count and the
   // downstream stages eagerly. Graphs are kept for the last kMaxFrontGraphShapes token counts.
   bool capture_mixed_front = true;
+  // CUDA: the residual add + RMSNorm before each layer also quantizes its output for the layer's
+  // projection (run_residual_rmsnorm_quantize_cuda: byte-identical to the separate RMSNorm and
+  // quantize kernels, one kernel per layer less); false runs them separately (A/B, tests).
+  bool fuse_input_quantize = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.
   // `geometry` stays the TP1 (model) geometry; each layer holds pack_rank(weights, tp_size,

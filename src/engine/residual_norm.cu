@@ -3,11 +3,13 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <cstdint>
 
 #include "core/cuda_check.h"
 #include "core/numeric.h"
 #include "engine/residual_norm.h"
 #include "engine/synthetic_input.h"
+#include "stages/quantize/quantize_group.cuh"
 
 namespace m3attn {
 
@@ -53,6 +55,59 @@ __global__ void residual_rmsnorm_kernel(uint16_t* __restrict__ h, const uint16_t
     x[t * hidden + c] = float_to_bf16(bf16_to_float(hrow[c]) * inv);
 }
 
+// residual_rmsnorm_kernel's add and sum of squares (same thread-to-channel map and reduction
+// order, so the same inv_rms), then x = bf16(h * inv_rms) quantized per 128 channels by half-warps
+// (quantize_kernel.cuh's group math). Rows [rows, m_pad): q = 0, scale = 1. One CTA per row.
+__global__ void __launch_bounds__(kThreads)
+    residual_rmsnorm_quantize_kernel(uint16_t* __restrict__ h, const uint16_t* __restrict__ a,
+                                     int hidden, int64_t rows, float eps, uint8_t* __restrict__ q,
+                                     float* __restrict__ scales, int64_t s0, int64_t s1) {
+  using namespace quantize_detail;
+  __shared__ float s_part[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  const int groups = hidden / 128;
+  const int sub = static_cast<int>(threadIdx.x) % kThreadsPerGroup;
+  const int first_group = static_cast<int>(threadIdx.x) / kThreadsPerGroup;
+  constexpr int kGroupsPerPass = kThreads / kThreadsPerGroup;
+  uint8_t* qrow = q + t * hidden;
+  if (t >= rows) {  // padding row of the GEMM: contributes nothing
+    for (int g = first_group; g < groups; g += kGroupsPerPass) {
+      *reinterpret_cast<uint2*>(qrow + g * 128 + sub * 8) = make_uint2(0u, 0u);
+      if (sub == 0) scales[t * s0 + g * s1] = 1.0f;
+    }
+    return;
+  }
+  uint16_t* hrow = h + t * hidden;
+  float ss = 0.0f;
+  for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
+    float v = bf16_to_float(hrow[c]);
+    if (a != nullptr) {
+      const uint16_t nb = float_to_bf16(v + bf16_to_float(a[t * hidden + c]));
+      hrow[c] = nb;
+      v = bf16_to_float(nb);
+    }
+    ss = fmaf(v, v, ss);
+  }
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
+  __syncthreads();  // also makes every thread's h stores visible to the whole CTA
+  float total = 0.0f;
+  for (int w = 0; w < kThreads / 32; ++w) total += s_part[w];
+  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+  // A group's 16 lanes share first_group, so each half-warp walks its groups together.
+  const unsigned half_mask = half_warp_mask();
+  for (int g = first_group; g < groups; g += kGroupsPerPass) {
+    float x[8];
+    // A plain load: h was written by this kernel (no read-only cache path).
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(hrow + g * 128 + sub * 8), x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = bf16_to_float(float_to_bf16(x[i] * inv));
+    float scale;
+    *reinterpret_cast<uint2*>(qrow + g * 128 + sub * 8) = quantize_group8(x, half_mask, &scale);
+    if (sub == 0) scales[t * s0 + g * s1] = scale;
+  }
+}
+
 Status check_rows(int64_t rows, int hidden, const char* what) {
   M3_CHECK_ARG(rows >= 0 && rows < (int64_t{1} << 31), what, ": rows ", rows, " outside [0, 2^31)");
   M3_CHECK_ARG(hidden > 0, what, ": hidden ", hidden, " must be > 0");
@@ -81,6 +136,28 @@ Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, in
   M3_CHECK_ARG(h != nullptr, "residual rmsnorm: null h");
   residual_rmsnorm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(h, a, x, hidden,
                                                                                 eps);
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+Status run_residual_rmsnorm_quantize_cuda(uint16_t* h, const uint16_t* a, const QuantizeParams& q,
+                                          float eps, cudaStream_t stream) {
+  M3_RETURN_IF_ERROR(validate_quantize(q));
+  M3_CHECK_ARG(std::isfinite(eps) && eps > 0, "residual rmsnorm quantize: eps ", eps,
+               " must be > 0");
+  M3_CHECK_ARG(q.out.device.type == DeviceType::kCUDA && q.scales.device.type == DeviceType::kCUDA,
+               "residual rmsnorm quantize needs CUDA outputs, got ", q.out.device.to_string(),
+               " and ", q.scales.device.to_string());
+  const int64_t hidden = q.in.shape[1];
+  M3_RETURN_IF_ERROR(check_rows(q.rows, static_cast<int>(hidden), "residual rmsnorm quantize"));
+  if (q.rows == 0) return Status::Ok();
+  M3_CHECK_ARG(h != nullptr, "residual rmsnorm quantize: null h");
+  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(h) % 16 == 0,
+               "residual rmsnorm quantize: h must be 16-byte aligned (16-byte loads)");
+  const int64_t m_pad = q.out.shape[0];
+  residual_rmsnorm_quantize_kernel<<<static_cast<unsigned>(m_pad), kThreads, 0, stream>>>(
+      h, a, static_cast<int>(hidden), q.rows, eps, q.out.ptr<uint8_t>(), q.scales.ptr<float>(),
+      q.scales.stride[0], q.scales.stride[1]);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

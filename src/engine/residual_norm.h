@@ -9,7 +9,13 @@
 //                              one CTA per row, fp32 tree sum (differs from the host's sequential
 //                              sum by fp32 rounding only, so x may differ by one bf16 ulp), IEEE
 //                              sqrt and division like the host.
-// Both: rows x hidden bf16 row-major (row stride = hidden), no sync, no allocation, capturable.
+//   run_residual_rmsnorm_quantize_cuda
+//                              the same residual add and RMSNorm (same sums, same bf16 x), with x
+//                              not stored but quantized in the same kernel exactly as
+//                              run_quantize_cuda (1x128 E4M3 + fp32 scales, padding rows q = 0 /
+//                              scale = 1): byte-identical to run_residual_rmsnorm_cuda followed by
+//                              run_quantize_cuda, one kernel and one bf16 round trip less.
+// All: rows x hidden bf16 row-major (row stride = hidden), no sync, no allocation, capturable.
 #pragma once
 
 #if defined(M3ATTN_WITH_CUDA)
@@ -18,6 +24,7 @@
 #include <cstdint>
 
 #include "m3attn/status.h"
+#include "stages/quantize/quantize.h"
 
 namespace m3attn {
 
@@ -27,6 +34,12 @@ Status run_synthetic_embed_cuda(uint64_t seed, const int64_t* token_request,
 
 Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, int64_t rows,
                                  int hidden, float eps, cudaStream_t stream);
+
+// h (and a, when not null) bf16 [q.rows, hidden] with hidden = q.in.shape[1]; writes q.out and
+// q.scales as run_quantize_cuda(q) would for x = rmsnorm(h) (q.in is validated but not read: it
+// names the x the layer would have read). q.rows == 0 launches nothing.
+Status run_residual_rmsnorm_quantize_cuda(uint16_t* h, const uint16_t* a, const QuantizeParams& q,
+                                          float eps, cudaStream_t stream);
 
 }  // namespace m3attn
 

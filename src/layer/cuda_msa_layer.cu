@@ -437,6 +437,7 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
   slots_ = meta.slots();
   caches_ = caches;
   out_view_ = TensorView::contiguous(w.out_.data(), DType::kBF16, {Tp, hid}, dev);
+  quantize_in_ = QuantizeParams{};
   if (Tp == 0) {
     planned_ = true;
     return Status::Ok();
@@ -559,7 +560,7 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
   };
   switch (stage) {
     case LayerStage::kQuantize:
-      return quantize(quantize_in_);
+      return external_input_quantize_ ? Status::Ok() : quantize(quantize_in_);
     case LayerStage::kProjection:
       if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
       M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));

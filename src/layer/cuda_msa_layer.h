@@ -186,6 +186,13 @@ class CudaMsaLayer {
   // Takes effect at the next run. Off by default.
   void set_programmatic_quantize(bool on) { programmatic_quantize_ = on; }
   bool programmatic_quantize() const { return programmatic_quantize_; }
+  // With this on, run() (and run_front, run_stages) launch nothing for the input quantize stage:
+  // the caller writes input_quantize()'s outputs itself before each run (e.g. the stack's fused
+  // residual + RMSNorm + quantize kernel, run_residual_rmsnorm_quantize_cuda). Off by default.
+  void set_external_input_quantize(bool on) { external_input_quantize_ = on; }
+  // The planned input quantization (rows Tp of `hidden` -> the workspace's E4M3 rows and scales
+  // the projection reads; rows 0 when the plan has no tokens).
+  const QuantizeParams& input_quantize() const { return quantize_in_; }
   int64_t max_position() const { return max_position_; }
   const std::shared_ptr<CudaLayerWorkspace>& workspace() const { return workspace_; }
 
@@ -231,6 +238,7 @@ class CudaMsaLayer {
   bool sparse_ = true;
   MsaLayerOptions options_;
   bool programmatic_quantize_ = false;
+  bool external_input_quantize_ = false;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;
   // Device weights: e4m3 matrices and f32 scales (scales rows padded to

@@ -8,6 +8,11 @@
 //    sanity bound: each layer adds one-step E4M3 and bf16 rounding differences, see
 //    cuda_msa_layer_gpu_test.cu, and the residual stream carries them forward), finite, and the
 //    graph_replay flags as expected;
+//  - the fused residual + RMSNorm + quantize kernel: byte-identical to the RMSNorm kernel followed
+//  by
+//    the quantize kernel (codes, scales, padding rows, the updated h), and a stack using it
+//    (fuse_input_quantize, the default) bit-identical to one running them separately, through
+//    prefill, mixed and graph decode steps, fused and unfused;
 //  - prefill / mixed steps with each layer's front replayed from a graph captured at the step's
 //    token count (capture_mixed_front) are bit-identical to fully eager steps, across repeats of
 //    one token count with new requests, positions and slots, and across graph eviction.
@@ -27,6 +32,7 @@
 #include "engine/layer_stack.h"
 #include "engine/residual_norm.h"
 #include "engine/stack_math.h"
+#include "stages/quantize/quantize.h"
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
 
@@ -89,6 +95,64 @@ TEST(CudaStackKernels, EmbedResidualNormMatchHost) {
     bad += (diff < -1 || diff > 1 || !std::isfinite(bf16_to_float(x_dev[i])));
   }
   EXPECT_EQ(bad, 0) << "RMSNorm outputs more than one bf16 ulp from the host";
+}
+
+TEST(CudaStackKernels, ResidualNormQuantizeEqualsSeparateKernels) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  struct Shape {
+    int64_t rows, m_pad;
+    int hidden;
+    bool residual;
+  };
+  for (const Shape& sh : {Shape{37, 40, 6144, true}, Shape{5, 8, 384, false},
+                          Shape{64, 64, 8192, true}, Shape{1, 4, 128, true}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "rows " << sh.rows << " m_pad " << sh.m_pad << " hidden " << sh.hidden
+                 << (sh.residual ? " with" : " without") << " residual");
+    const size_t n = static_cast<size_t>(sh.rows) * sh.hidden;
+    std::vector<uint16_t> h(n), a(n);
+    for (int64_t r = 0; r < sh.rows; ++r) {
+      const float scale = std::pow(10.0f, rng.uniform(-3.0f, 3.0f));  // rows of any magnitude
+      for (int c = 0; c < sh.hidden; ++c) {
+        h[static_cast<size_t>(r * sh.hidden + c)] = float_to_bf16(rng.normal(0.0f, scale));
+        a[static_cast<size_t>(r * sh.hidden + c)] = float_to_bf16(rng.normal(0.0f, scale));
+      }
+    }
+    const size_t qbytes = static_cast<size_t>(sh.m_pad) * sh.hidden;
+    const size_t sbytes = static_cast<size_t>(sh.m_pad) * (sh.hidden / 128) * 4;
+    mt::DeviceBuffer h1(n * 2), h2(n * 2), d_a(n * 2), x(n * 2), q1(qbytes), q2(qbytes), s1(sbytes),
+        s2(sbytes);
+    h1.upload(h.data(), n * 2);
+    h2.upload(h.data(), n * 2);
+    d_a.upload(a.data(), n * 2);
+    auto params = [&](mt::DeviceBuffer& q, mt::DeviceBuffer& s) {
+      QuantizeParams p;
+      p.rows = sh.rows;
+      p.in = TensorView::contiguous(x.data(), DType::kBF16, {sh.rows, int64_t{sh.hidden}},
+                                    Device::cuda(0));
+      p.out = TensorView::contiguous(q.data(), DType::kE4M3, {sh.m_pad, int64_t{sh.hidden}},
+                                     Device::cuda(0));
+      p.scales = TensorView::strided(s.data(), DType::kF32, {sh.m_pad, int64_t{sh.hidden / 128}},
+                                     {1, sh.m_pad}, Device::cuda(0));  // token-major, as the GEMM
+      return p;
+    };
+    const uint16_t* res = sh.residual ? static_cast<const uint16_t*>(d_a.data()) : nullptr;
+    ASSERT_TRUE(run_residual_rmsnorm_cuda(static_cast<uint16_t*>(h1.data()), res,
+                                          static_cast<uint16_t*>(x.data()), sh.rows, sh.hidden,
+                                          1e-6f, nullptr)
+                    .ok());
+    ASSERT_TRUE(run_quantize_cuda(params(q1, s1), nullptr).ok());
+    const Status st = run_residual_rmsnorm_quantize_cuda(static_cast<uint16_t*>(h2.data()), res,
+                                                         params(q2, s2), 1e-6f, nullptr);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(h1.download_all() == h2.download_all()) << "updated h differs";
+    EXPECT_TRUE(q1.download_all() == q2.download_all()) << "E4M3 codes differ";
+    EXPECT_TRUE(s1.download_all() == s2.download_all()) << "scales differ";
+  }
 }
 
 double rel_l2(const Tensor& a, const Tensor& b, bool* finite) {
@@ -263,6 +327,66 @@ TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
   graphs.value()->set_fused(false);
   eager.value()->set_fused(false);
   run_step(9, 91, 100);
+}
+
+// fuse_input_quantize (the default) against separate RMSNorm and quantize kernels: the same bytes.
+TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  LayerStackConfig cfg = small_stack_config(seed);
+  cfg.num_pages = 96;
+  cfg.max_tokens_per_step = 640;
+  cfg.max_requests_per_step = 8;
+  cfg.max_pages_per_request = 8;
+  cfg.max_position = 1024;
+  LayerStackConfig sep_cfg = cfg;
+  cfg.fuse_input_quantize = true;
+  sep_cfg.fuse_input_quantize = false;
+  Result<std::unique_ptr<LayerStack>> fused = create_cuda_layer_stack(cfg);
+  Result<std::unique_ptr<LayerStack>> sep = create_cuda_layer_stack(sep_cfg);
+  ASSERT_TRUE(fused.ok()) << fused.status().to_string();
+  ASSERT_TRUE(sep.ok()) << sep.status().to_string();
+  CacheManager cache(cfg.num_pages);
+  PlanOptions po;
+  po.page_table_width = cfg.max_pages_per_request;
+  auto run_step = [&](const StepDescription& d, bool expect_replay, const char* what) {
+    SCOPED_TRACE(what);
+    Result<StepPlan> p = plan_step(cache, d, po);
+    ASSERT_TRUE(p.ok()) << p.status().to_string();
+    StackStepStats sf, ss;
+    const Status st = fused.value()->step(p.value(), &sf);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    ASSERT_TRUE(sep.value()->step(p.value(), &ss).ok());
+    EXPECT_EQ(sf.graph_replay, expect_replay);
+    Result<Tensor> hf = fused.value()->last_hidden();
+    Result<Tensor> hs = sep.value()->last_hidden();
+    ASSERT_TRUE(hf.ok() && hs.ok());
+    ASSERT_EQ(hf.value().nbytes(), hs.value().nbytes());
+    EXPECT_EQ(
+        std::memcmp(hf.value().data(), hs.value().data(), static_cast<size_t>(hf.value().nbytes())),
+        0)
+        << "the fused residual + RMSNorm + quantize stack differs from the separate kernels";
+  };
+  StepDescription s1;
+  s1.context = {{0, 0, 600}, {1, 0, 3}};
+  run_step(s1, false, "prefill");
+  StepDescription s2;
+  s2.context = {{2, 0, 90}};
+  s2.generation = {{0, 600}, {1, 3}};
+  run_step(s2, false, "mixed");
+  StepDescription s3;
+  s3.generation = {{0, 601}, {1, 4}, {2, 90}};
+  run_step(s3, false, "decode x3 (capture bucket 4)");
+  StepDescription s4;
+  s4.generation = {{0, 602}, {1, 5}, {2, 91}};
+  run_step(s4, true, "decode x3 (replay)");
+  fused.value()->set_fused(false);
+  sep.value()->set_fused(false);
+  StepDescription s5;
+  s5.generation = {{0, 603}, {1, 6}, {2, 92}};
+  s5.draft_len = 1;
+  run_step(s5, false, "decode x3 draft 1 unfused (capture)");
 }
 
 }  // namespace

@@ -27,11 +27,11 @@
 #include <cstdint>
 
 #include "core/numeric.h"
+#include "stages/quantize/quantize_group.cuh"
 
 namespace m3attn::quantize_detail {
 
-constexpr int kThreadsPerGroup = 16;  // 16 threads x 8 bf16 = 128 channels
-constexpr int kBlockThreads = 256;    // 16 groups per thread block
+constexpr int kBlockThreads = 256;  // 16 groups per thread block
 
 struct QuantizeKernelArgs {
   const uint16_t* in;     // bf16 [rows, K], row stride in_row_stride (multiple of 8), 16 B aligned
@@ -46,9 +46,6 @@ struct QuantizeKernelArgs {
   bool row_fastest;  // group order: row index fastest (true) or block index fastest
 };
 
-__device__ __forceinline__ float bf16_lo(uint32_t w) { return __uint_as_float(w << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
-
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_kernel(QuantizeKernelArgs a) {
   // Programmatic dependent launch (a no-op without it): wait for the preceding grid to complete
   // and flush before the first read, then let a PDL-launched dependent grid be scheduled (it must
@@ -59,7 +56,7 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_rows_kernel(QuantizeKe
   const int sub = static_cast<int>(threadIdx.x) % kThreadsPerGroup;  // lane within the group
   // The two groups of a warp may leave the loop on different iterations: shuffles name only the
   // 16 lanes of this thread's own half-warp.
-  const unsigned half_mask = (threadIdx.x & 16u) ? 0xffff0000u : 0x0000ffffu;
+  const unsigned half_mask = half_warp_mask();
   const int64_t groups_per_grid =
       static_cast<int64_t>(gridDim.x) * (kBlockThreads / kThreadsPerGroup);
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * (kBlockThreads / kThreadsPerGroup) +
@@ -81,24 +78,11 @@ __global__ void __launch_bounds__(kBlockThreads) quantize_rows_kernel(QuantizeKe
       if (sub == 0) *scale_out = 1.0f;
       continue;
     }
-    const uint4 v =
-        __ldg(reinterpret_cast<const uint4*>(a.in + m * a.in_row_stride + kb * 128 + sub * 8));
-    float x[8] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y),
-                  bf16_lo(v.z), bf16_hi(v.z), bf16_lo(v.w), bf16_hi(v.w)};
-    float amax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[i]));
-#pragma unroll
-    for (int off = kThreadsPerGroup / 2; off > 0; off /= 2)
-      amax = fmaxf(amax, __shfl_xor_sync(half_mask, amax, off));
-    const float scale = amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
-    uint32_t packed[2] = {0u, 0u};
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint32_t code = float_to_e4m3(__fdiv_rn(x[i], scale));
-      packed[i / 4] |= code << (8 * (i % 4));
-    }
-    *reinterpret_cast<uint2*>(q) = make_uint2(packed[0], packed[1]);
+    float x[8];
+    unpack_bf16x8(
+        __ldg(reinterpret_cast<const uint4*>(a.in + m * a.in_row_stride + kb * 128 + sub * 8)), x);
+    float scale;
+    *reinterpret_cast<uint2*>(q) = quantize_group8(x, half_mask, &scale);
     if (sub == 0) *scale_out = scale;
   }
 }

@@ -11,7 +11,7 @@
 //  - the fused residual + RMSNorm + quantize kernel: byte-identical to the RMSNorm kernel followed
 //  by
 //    the quantize kernel (codes, scales, padding rows, the updated h), and a stack using it
-//    (fuse_input_quantize, the default) bit-identical to one running them separately, through
+//    (fuse_input_quantize) bit-identical to one running them separately, through
 //    prefill, mixed and graph decode steps, fused and unfused;
 //  - prefill / mixed steps with each layer's front replayed from a graph captured at the step's
 //    token count (capture_mixed_front) are bit-identical to fully eager steps, across repeats of
@@ -329,7 +329,7 @@ TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
   run_step(9, 91, 100);
 }
 
-// fuse_input_quantize (the default) against separate RMSNorm and quantize kernels: the same bytes.
+// fuse_input_quantize against separate RMSNorm and quantize kernels: the same bytes.
 TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();

@@ -363,6 +363,13 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
   Fp8BlockGemmOptions st_pdl_opt = st_opt;
   st_pdl_opt.stream.programmatic_launch = true;
   auto st_pdl = make(16, kNF, st_pdl_opt);
+  // The autotuner's choice with the streaming kernel as a candidate for M <= 16 (what the
+  // default objects would do with kGemmStreamAutoMaxM = 16).
+  Fp8BlockGemmOptions auto_opt;
+  auto_opt.stream_auto_max_m = 16;
+  auto st_auto = make(16, kNF, auto_opt);
+  std::printf("auto object with the streaming kernel as a candidate (stream_auto_max_m = 16):\n%s",
+              st_auto->describe().c_str());
   bool ok = spot_check(b, st, "streaming kernel", stream);
   ok = spot_check(b, st, "streaming kernel", stream, 13) && ok;
   if (!ok) *pass = false;
@@ -403,6 +410,7 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
     const Both t_st_pair = pair_time(st, "pair (streaming)");
     const Both t_qst = q_time(*st.fused, "quantize + fused (streaming)");
     const Both t_qpdl = q_time(*st_pdl, "quantize + fused (streaming, PDL)");
+    const Both t_auto = fused_time(*st_auto, "fused (auto, stream_auto_max_m 16)");
     const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
     bench::Row r;
     r.add("M", std::to_string(rows_m));
@@ -414,6 +422,8 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
     r.add("wgmma_b2b_us", t_wg.b2b_us);
     r.add("lt_us", t_lt.us);
     r.add("lt_b2b_us", t_lt.b2b_us);
+    r.add("auto_us", t_auto.us);
+    r.add("auto_b2b_us", t_auto.b2b_us);
     r.add("wgmma/stream", t_wg.us / t_st.us, 3);
     r.add("lt/stream", t_lt.us / t_st.us, 3);
     r.add("lt/stream_b2b", t_lt.b2b_us / t_st.b2b_us, 3);
@@ -442,15 +452,16 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
       int chunk, stages;
       bool evict_first, chain;
     };
-    const Variant variants[] = {{16, 0, true, false}, {8, 0, true, false},  {24, 0, true, false},
-                                {32, 0, true, false}, {16, 4, true, false}, {16, 0, false, false},
-                                {16, 0, true, true},  {32, 0, true, true}};
+    // chunk 0: automatic (runs of 8 K blocks = 1 KB); 16 (2 KB runs) serves M <= 8 only.
+    const Variant variants[] = {{0, 0, true, false},  {16, 0, true, false}, {0, 4, true, false},
+                                {0, 0, false, false}, {0, 0, true, true},   {16, 0, true, true}};
     std::vector<bench::Row> rows_var;
-    for (int64_t rows_m : {int64_t{1}, int64_t{16}}) {
+    for (int64_t rows_m : {int64_t{1}, int64_t{8}, int64_t{16}}) {
       const Calls c = make_calls(b, rows_m);
       must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
       check_cuda(cudaStreamSynchronize(stream), "quantize");
       for (const Variant& v : variants) {
+        if (v.chunk == 16 && rows_m > 8) continue;
         GemmStreamOptions o;
         o.chunk_blocks = v.chunk;
         o.max_stages = v.stages;
@@ -465,7 +476,7 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
         const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
         bench::Row r;
         r.add("M", std::to_string(rows_m));
-        r.add("chunk_B", std::to_string(v.chunk * 128));
+        r.add("run_B", std::to_string((v.chunk == 0 ? 8 : v.chunk) * 128));
         r.add("stages", v.stages == 0 ? "max" : std::to_string(v.stages));
         r.add("evict_first", v.evict_first ? "yes" : "no");
         r.add("pdl_chain", v.chain ? "yes" : "no");
@@ -506,9 +517,14 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
     check_cuda(cudaStreamSynchronize(stream), "fill o_proj");
     Fp8BlockGemmOptions lt_tuned;
     lt_tuned.wgmma_max_m = 0;
-    auto o_st = make(16, kNo, st_opt);
-    auto o_wg = make(64, kNo, wg_opt);
-    auto o_lt = make(kMaxMo, kNo, lt_tuned);
+    auto make_o = [&](int64_t max_m, const Fp8BlockGemmOptions& opt) {
+      auto r = Fp8BlockGemm::create(max_m, kNo, kKo, opt);
+      must(r.status(), "Fp8BlockGemm::create (o_proj)");
+      return std::move(r).value();
+    };
+    auto o_st = make_o(16, st_opt);
+    auto o_wg = make_o(64, wg_opt);
+    auto o_lt = make_o(kMaxMo, lt_tuned);
     const Device dev = Device::cuda(0);
     auto params = [&](int64_t m, int c) {
       GemmParams p;

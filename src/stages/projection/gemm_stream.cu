@@ -13,17 +13,17 @@ namespace m3attn {
 
 namespace {
 
-using gemm_stream_detail::kGroupRows;
-using gemm_stream_detail::kMaxChunkBlocks;
 using gemm_stream_detail::kMaxChunks;
 using gemm_stream_detail::kMaxM;
 using gemm_stream_detail::kMaxStages;
-using gemm_stream_detail::kRowSkew;
+using gemm_stream_detail::kSlotFloats;
+using gemm_stream_detail::kStageBytes;
 using gemm_stream_detail::StreamArgs;
 
 constexpr size_t kCounterAlign = 256;
-constexpr size_t kSlotBytes = size_t{kMaxM} * kGroupRows * sizeof(float);
-constexpr int kSmemAlignSlack = 128;  // the kernel rounds the dynamic base up to 128 bytes
+constexpr size_t kSlotBytes = size_t{kSlotFloats} * sizeof(float);
+constexpr int kSmemAlignSlack = 1024;  // the kernel rounds the dynamic base up to 1024 bytes
+constexpr int kAutoRunBlocks = 8;      // GemmStreamOptions::chunk_blocks = 0
 
 struct DeviceInfo {
   int device = -1;
@@ -45,12 +45,12 @@ Status device_info(DeviceInfo* info) {
 
 // Dynamic shared memory the kernel may use on this device (opt-in limit minus its static shared
 // memory); the opt-in attribute is set to it once per device and kernel.
-template <int kHalves>
+template <int kW, int kN>
 Result<int> dynamic_smem_limit(const DeviceInfo& info) {
   static std::atomic<int> limit_of[64] = {};
   int limit = info.device < 64 ? limit_of[info.device].load(std::memory_order_acquire) : 0;
   if (limit > 0) return limit;
-  auto* kernel = &gemm_stream_detail::gemm_stream_kernel<kHalves>;
+  auto* kernel = &gemm_stream_detail::gemm_stream_kernel<kW, kN>;
   cudaFuncAttributes attr;
   M3_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
   limit = info.smem_optin - static_cast<int>(attr.sharedSizeBytes);
@@ -64,24 +64,24 @@ Result<int> dynamic_smem_limit(const DeviceInfo& info) {
   return limit;
 }
 
-template <int kHalves>
+template <int kW, int kN>
 Status launch(StreamArgs args, int grid, int max_stages, const DeviceInfo& info,
               cudaStream_t stream) {
-  Result<int> limit = dynamic_smem_limit<kHalves>(info);
+  Result<int> limit = dynamic_smem_limit<kW, kN>(info);
   M3_RETURN_IF_ERROR(limit.status());
-  const int64_t fixed = kSmemAlignSlack + int64_t{kHalves} * 8 * args.act_stride +
+  const int64_t act_bytes = int64_t{args.chunks} * kN * 128;  // [chunks][kN / kW][kW x 128]
+  const int64_t fixed = kSmemAlignSlack + act_bytes +
                         int64_t{args.kblocks} * 16 * static_cast<int64_t>(sizeof(float));
-  const int64_t stage_bytes = int64_t{kGroupRows} * args.stage_stride;
-  const int64_t fit = (limit.value() - fixed) / stage_bytes;
+  const int64_t fit = (limit.value() - fixed) / kStageBytes;
   const int stages = static_cast<int>(
       std::min<int64_t>({fit, kMaxStages, max_stages > 0 ? max_stages : kMaxStages}));
   if (stages < 2)
-    return unsupported("run_gemm_stream_cuda: the activations (", args.m, " rows x ",
-                       args.kblocks * 128, " bytes) leave room for ", std::max<int64_t>(fit, 0),
-                       " ring stages of ", stage_bytes, " bytes in ", limit.value(),
-                       " bytes of shared memory (2 needed)");
+    return unsupported("run_gemm_stream_cuda: the activation tiles (", act_bytes,
+                       " bytes for M = ", args.m, ", K = ", args.kblocks * 128, ") leave room for ",
+                       std::max<int64_t>(fit, 0), " ring stages of ", kStageBytes, " bytes in ",
+                       limit.value(), " bytes of shared memory (2 needed)");
   args.stages = stages;
-  const size_t smem = static_cast<size_t>(fixed + stages * stage_bytes);
+  const size_t smem = static_cast<size_t>(fixed + stages * int64_t{kStageBytes});
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
   cfg.blockDim = dim3(gemm_stream_detail::kThreads);
@@ -93,17 +93,35 @@ Status launch(StreamArgs args, int grid, int max_stages, const DeviceInfo& info,
   cfg.attrs = attr;
   cfg.numAttrs = args.early_weights ? 1 : 0;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&cfg, &gemm_stream_detail::gemm_stream_kernel<kHalves>, args));
+      cudaLaunchKernelEx(&cfg, &gemm_stream_detail::gemm_stream_kernel<kW, kN>, args));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+// Closed dispatch over (run length W, wgmma N = W x activation rows per tile).
+Status dispatch(const StreamArgs& args, int w, int grid, int max_stages, const DeviceInfo& info,
+                cudaStream_t stream) {
+  const int m = args.m;
+  if (w == 8) {
+    if (m <= 2) return launch<8, 16>(args, grid, max_stages, info, stream);
+    if (m <= 4) return launch<8, 32>(args, grid, max_stages, info, stream);
+    if (m <= 8) return launch<8, 64>(args, grid, max_stages, info, stream);
+    if (m <= 16) return launch<8, 128>(args, grid, max_stages, info, stream);
+  } else if (w == 16) {
+    if (m <= 1) return launch<16, 16>(args, grid, max_stages, info, stream);
+    if (m <= 2) return launch<16, 32>(args, grid, max_stages, info, stream);
+    if (m <= 4) return launch<16, 64>(args, grid, max_stages, info, stream);
+    if (m <= 8) return launch<16, 128>(args, grid, max_stages, info, stream);
+  }
+  return unsupported("run_gemm_stream_cuda: runs of ", w, " K blocks serve M <= ", w == 16 ? 8 : 16,
+                     ", got M = ", m);
+}
 
 }  // namespace
 
 size_t gemm_stream_counter_bytes(int64_t n) {
-  const size_t bytes = static_cast<size_t>(std::max<int64_t>(n / kGroupRows, 1)) * sizeof(unsigned);
+  // One counter per group of 128 / W rows: at most N / 8 (W = 16).
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(n / 8, 1)) * sizeof(unsigned);
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
 }
 
@@ -132,9 +150,9 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
   for (const TensorView* t : {&p.a, &p.a_scales, &p.b, &p.b_scales, &p.out})
     M3_CHECK_ARG(t->device.type == DeviceType::kCUDA,
                  "run_gemm_stream_cuda needs CUDA tensors, got one on ", t->device.to_string());
-  M3_CHECK_ARG(options.chunk_blocks >= 1 && options.chunk_blocks <= kMaxChunkBlocks,
-               "GemmStreamOptions::chunk_blocks = ", options.chunk_blocks, " must be in [1, ",
-               kMaxChunkBlocks, "]");
+  M3_CHECK_ARG(options.chunk_blocks == 0 || options.chunk_blocks == 8 || options.chunk_blocks == 16,
+               "GemmStreamOptions::chunk_blocks = ", options.chunk_blocks,
+               " must be 0 (automatic), 8 or 16");
   M3_CHECK_ARG(options.grid >= 0, "GemmStreamOptions::grid = ", options.grid, " must be >= 0");
   M3_CHECK_ARG(options.max_stages >= 0, "GemmStreamOptions::max_stages = ", options.max_stages,
                " must be >= 0");
@@ -142,30 +160,29 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
   if (m > kMaxM)
     return unsupported("run_gemm_stream_cuda serves M <= ", kMaxM, ", got M = ", m,
                        " (use Fp8BlockGemm)");
+  const int w = options.chunk_blocks == 0 ? kAutoRunBlocks : options.chunk_blocks;
+  if (w == 16 && m > 8)
+    return unsupported("run_gemm_stream_cuda: runs of 16 K blocks serve M <= 8, got M = ", m);
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   M3_CHECK_ARG(p.a.device.index == info.device, "run_gemm_stream_cuda: tensors are on ",
                p.a.device.to_string(), " but the current device is ", info.device);
   if (info.major != 9)
-    return unsupported("run_gemm_stream_cuda needs an sm_90 device (bulk copies); device ",
+    return unsupported("run_gemm_stream_cuda needs an sm_90 device (wgmma, bulk copies); device ",
                        info.device, " has compute capability ", info.major, ".x");
+  // validate_gemm guarantees 16-byte aligned A and B with row strides that are multiples of 16
+  // bytes, as the bulk copies need (a one-row operand's stride is never used).
   const int64_t lda = m <= 1 ? k : p.a.stride[0];
   const int64_t ldb = n <= 1 ? k : p.b.stride[0];
-  if (!aligned16(p.a.data) || !aligned16(p.b.data) || lda % 16 != 0 || ldb % 16 != 0)
-    return unsupported(
-        "run_gemm_stream_cuda needs 16-byte aligned A and B with row strides that "
-        "are multiples of 16 bytes (A stride ",
-        lda, ", B stride ", ldb, ")");
   const int64_t kblocks = k / kQuantBlock;
-  const int64_t chunks = (kblocks + options.chunk_blocks - 1) / options.chunk_blocks;
+  const int64_t chunks = (kblocks + w - 1) / w;
   if (chunks > kMaxChunks)
-    return unsupported("run_gemm_stream_cuda: K / 128 = ", kblocks, " in chunks of ",
-                       options.chunk_blocks, " blocks gives ", chunks, " chunks (at most ",
-                       kMaxChunks, ")");
-  const int64_t units = n / kGroupRows * chunks;
-  M3_CHECK_ARG(units < (int64_t{1} << 31) && k < (int64_t{1} << 24),
-               "run_gemm_stream_cuda: N / 8 x chunks = ", units, " must be below 2^31 and K = ", k,
-               " below 2^24");
+    return unsupported("run_gemm_stream_cuda: K / 128 = ", kblocks, " in runs of ", w,
+                       " blocks gives ", chunks, " chunks (at most ", kMaxChunks, ")");
+  const int64_t group_rows = kQuantBlock / w;
+  const int64_t units = n / group_rows * chunks;
+  M3_CHECK_ARG(units < (int64_t{1} << 31), "run_gemm_stream_cuda: N / ", group_rows,
+               " x chunks = ", units, " must be below 2^31");
   if (m == 0) return Status::Ok();
 
   const int grid =
@@ -196,17 +213,13 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
   args.kblocks = static_cast<int>(kblocks);
-  args.chunk_blocks = options.chunk_blocks;
   args.chunks = static_cast<int>(chunks);
   args.units = static_cast<int>(units);
   args.stages = 0;  // set in launch()
-  args.act_stride = static_cast<int>(k + kRowSkew);
-  args.stage_stride = options.chunk_blocks * kQuantBlock + kRowSkew;
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
-  if (m <= 8) return launch<1>(args, grid, options.max_stages, info, stream);
-  return launch<2>(args, grid, options.max_stages, info, stream);
+  return dispatch(args, w, grid, options.max_stages, info, stream);
 }
 
 }  // namespace m3attn

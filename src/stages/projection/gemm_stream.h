@@ -1,12 +1,14 @@
 // The streaming decode GEMM (gemm_stream_kernel.cuh): the math of run_gemm_cpu (SPEC section 2)
-// for M <= 16, every weight row read in long contiguous runs (1D bulk copies) by one CTA per SM,
-// FP8 mma.sync from shared memory, stream-K split with a deterministic in-kernel reduction.
+// for M <= 16, every weight row read in contiguous runs of 1 or 2 KB (1D bulk copies) by one CTA
+// per SM, FP8 wgmma on the runs as they land (a run of W K blocks is W rows of a 64-row wgmma
+// tile; the block dot products sit on a "diagonal" of the result), stream-K split with a
+// deterministic in-kernel reduction.
 // Contract (besides validate_gemm):
 //   - every tensor on the current CUDA device, an sm_90 device;
-//   - 1 <= M <= 16 (M == 0 launches nothing); any scale strides validate_gemm accepts;
-//   - A and B 16-byte aligned with row strides that are multiples of 16 bytes (bulk copies);
-//   - the activations (M x K bytes) fit in shared memory next to a ring of at least two stages
-//     (K <= ~12K at M 16, ~25K at M <= 8 with the default chunk); otherwise kUnsupported;
+//   - 1 <= M <= 16 (M <= 8 with runs of 16 K blocks; M == 0 launches nothing); any scale strides
+//     validate_gemm accepts;
+//   - the activations (M x K bytes, M rounded up to the kernel's tile) fit in shared memory next
+//     to a ring of at least two 16 KB stages (K <= ~12K at M 16); otherwise kUnsupported;
 //   - a workspace of at least gemm_stream_workspace_bytes(N) bytes, 256-byte aligned, whose first
 //     gemm_stream_counter_bytes(N) bytes are zero before the first call (cudaMemset once): every
 //     launch leaves them zero again. One workspace serves one stream at a time.
@@ -26,8 +28,10 @@
 namespace m3attn {
 
 struct GemmStreamOptions {
-  // K blocks (128 bytes of each weight row) per bulk copy; one stage holds 8 rows x this.
-  int chunk_blocks = 16;
+  // K blocks per weight-row run (one bulk copy, one 16 KB stage = 128 / this rows x this): 8
+  // (1 KB runs, M <= 16) or 16 (2 KB runs, M <= 8: twice the wasted tensor work); 0 = automatic
+  // (8).
+  int chunk_blocks = 0;
   // CTAs (0: one per SM, at most the number of units). At most the grid the workspace was sized
   // for.
   int grid = 0;
@@ -54,7 +58,7 @@ size_t gemm_stream_counter_bytes(int64_t n);
 // device).
 Result<size_t> gemm_stream_workspace_bytes(int64_t n, int max_grid = 0);
 
-// Whether the current device can run the kernel (sm_90: bulk copies, e4m3 mma.sync).
+// Whether the current device can run the kernel (sm_90: bulk copies, wgmma).
 bool gemm_stream_device_supported();
 
 Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspace_bytes,

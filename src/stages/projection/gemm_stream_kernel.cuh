@@ -1,49 +1,56 @@
 // Streaming block-scaled FP8 GEMM for decode (M <= 16): the math of run_gemm_cpu (SPEC section 2),
 //   out bf16 [M, N] = A e4m3 [M, K] (1x128 fp32 scales) x B e4m3 [N, K] (128x128 fp32 scales)^T,
-// per 128-wide K block an fp32 dot product from the tensor cores (mma.sync m16n8k32 e4m3),
-// multiplied by sa[m, kb] * sb[n / 128, kb] and accumulated in fp32, rounded once to bf16.
+// per 128-wide K block an fp32 dot product from the tensor cores (wgmma, e4m3), multiplied by
+// sa[m, kb] * sb[n / 128, kb] and accumulated in fp32, rounded once to bf16.
 //
 // Why: at M <= 16 the GEMM is a read of the N K weight bytes (60.6 MB for the fused projection; a
 // plain read of them takes 17.15 us isolated / 15.18 back-to-back, bandwidth_bench session 12).
 // The wgmma kernel (gemm_wgmma_kernel.cuh) loads 128 x 128 TMA boxes: 128 weight rows, 128 bytes
-// each, 6 KB apart; ncu measured 2.9 TB/s from DRAM there against 4.0 for the plain read. This
-// kernel requests every weight row in long contiguous runs instead: one 1D bulk copy
-// (cp.async.bulk, no tensor map) of `chunk_blocks` x 128 bytes (2 KB by default) per row.
+// each, 6 KB apart (ncu: 2.9 TB/s from DRAM against 4.0 for the plain read). This kernel requests
+// every weight row in contiguous runs of W x 128 bytes (W = 8 or 16 K blocks: 1 or 2 KB), one 1D
+// bulk copy (cp.async.bulk, no tensor map) per row and run, straight into shared memory.
+// (Round A of session 13 measured a first version that fed those bytes to mma.sync m16n8k32 e4m3:
+// sm_90 has no FP8 mma.sync, the compiler converts every fragment to f16 (F2FP) and the kernel was
+// instruction-bound at 36 us. FP8 on Hopper means wgmma.)
 //
-// Work decomposition: "group" = 8 consecutive weight rows (the n8 of the mma), "chunk" = a range
-// of chunk_blocks K blocks (the last one may be shorter); unit = (group, chunk), group-major. The
-// units are cut into `grid` contiguous ranges of equal length (+-1), one per CTA (stream-K), one
-// CTA per SM: for the fused projection (1232 groups x 3 chunks = 3696 units on 132 SMs) every CTA
-// streams 28 units = 448 KB. A group whose chunks all lie in one CTA is written as bf16 by that
-// CTA; a group split between CTAs (at most the first and the last of each CTA's range) is summed
-// like the wgmma kernel does it: each contributor writes an fp32 partial to its workspace slot
-// (2c for the CTA's first segment, 2c + 1 for its last) and counts an arrival on the group's
-// counter; the last to arrive sums the partials in CTA order and writes bf16, then resets the
-// counter. Deterministic (the order depends only on the launch shape), no inter-CTA waiting. A
-// CTA walks its split groups first (its last group, then its first: UnitOrder), so the fixups
-// happen while the weights stream, not at the end of the kernel.
+// The wgmma trick: a run of W K blocks of one weight row is W consecutive 128-byte "rows" in
+// shared memory, so a 64-row wgmma A tile (8 KB) holds 64 / W weight rows x W K blocks: A row
+// i = W r + q is K block q of weight row r. The activation tile of the same K range (B operand)
+// holds activation m's W K blocks as rows j = W m + q. Then D[i][j] with q(i) == q(j) is exactly
+// the 128-wide block dot product of weight row r and activation m at K block q; the other entries
+// (q(i) != q(j)) are wasted tensor work (a factor W / ... of the useful MACs: N_wgmma = W x M_pad
+// columns for M_pad tokens). Both tiles are written by plain (unswizzled) copies but described to
+// wgmma as 128B-swizzled: the hardware then reads 16-byte chunk c of a row at chunk c ^ (row & 7).
+// Rows i and j with q(i) == q(j) have i & 7 == j & 7 (W is a multiple of 8), so both operands of
+// every useful product see the same permutation of the row's 128 bytes, and a dot product does
+// not depend on the order of k. (Wasted entries pair different permutations: never read.)
 //
-// CTA: kWarps consumer warps and one producer warp. The producer streams the CTA's units in order
-// through a ring of `stages` stages (full / empty mbarriers): per unit, lanes 0-7 each issue the
-// bulk copy of one weight row's chunk (with an L2 evict-first hint: the weights are read once),
-// into rows chunk_bytes + 64 apart (the 64-byte skew keeps the fragment loads free of bank
-// conflicts). The activations (M rows x K, at most 16 x K bytes) are copied into shared memory
+// Work decomposition: "group" = R = 128 / W consecutive weight rows (16 for W = 8, 8 for W = 16),
+// "chunk" = W K blocks (the last one may be shorter); unit = (group, chunk) = one 16 KB ring stage
+// = two 8 KB A tiles, one per consumer warpgroup. The units, group-major, are cut into `grid`
+// contiguous ranges (+-1), one per CTA (stream-K), one CTA per SM; a CTA walks its split groups
+// first (its last group, then its first: UnitOrder). A group whose chunks all lie in one CTA is
+// written as bf16 by that CTA; a group split between CTAs is summed like the wgmma kernel does it:
+// each contributor writes an fp32 partial to its workspace slot (2c for its first group, 2c + 1
+// for its last) and counts an arrival on the group's counter; the last to arrive sums the partials
+// in CTA order and writes bf16, then resets the counter. Deterministic, no inter-CTA waiting.
+//
+// CTA: two consumer warpgroups and one producer warp. The producer streams the units through a
+// ring of `stages` 16 KB stages (full / empty mbarriers): per unit, lanes 0 .. R - 1 each issue
+// the bulk copy of one weight row's run (L2 evict-first: read once). The activations are copied
 // once per CTA, chunk by chunk just before the first unit that needs the chunk (one mbarrier per
-// chunk). The activation scales are staged by the consumers at the start ([K / 128][16] floats,
-// zero for rows >= M).
+// chunk), into [chunk][M_pad][W x 128 B] tiles. The activation scales are staged by the consumers
+// ([K / 128][16] floats, zero for rows >= M).
 //
-// Consumers: all kWarps warps work on every stage; warp w takes the stage's K blocks w, w + kWarps,
-// ... For one K block: lane (g = lane / 4, t = lane % 4) loads 16 bytes of weight row g and of
-// activation rows g and g + 8 at offset 16 t of each 64-byte half; each 16-byte piece feeds two
-// mma steps (the fragment's logical k t * 4 + j and 16 + t * 4 + j are mapped to physical
-// 16 t + 8 h + j and 16 t + 8 h + 4 + j for step h, identically in A and B, so every physical k is
-// used once: the dot product does not depend on the order of k). Four mma per K block into a
-// fresh fragment, then acc += part * sa[m, kb] * sb[n / 128, kb]. At the end of a group the
-// warps' accumulators are summed in warp order through shared memory (double-buffered, one named
-// barrier per group) and warp 0 writes the group (bf16, or the partial and the fixup above).
+// Consumers per unit: 4 wgmma m64nNk32 (N = W x M_pad) into a fresh accumulator, wait, release
+// the stage, then fold the useful entries: lane (g = lane / 4, t = lane % 4) of warp w holds them
+// when t == g / 2 (rows g and g + 8 of the warp's 16, column 8 b + g); acc[h][m] += D * sa[m, kb] *
+// sb[n / 128, kb]. At the end of a group each warp sums its lanes (xor shuffles, fixed order) and
+// lanes m < M write output row m.
 //
-// Bytes: weights N K once from HBM (each row in chunk-sized runs); activations M K per CTA and
-// partials 2 x 8 x M x 4 B per CTA from / to L2. Bound: HBM bandwidth.
+// Bytes: weights N K once from HBM; activations M K per CTA and partials from / to L2. Tensor
+// work: N_wgmma x 64 x 128 MACs per 8 KB tile: at N_wgmma = 128 (M <= 16 with W = 8) about half of
+// the time a 16 KB stage takes to arrive at 4 TB/s, a quarter at 64. Bound: HBM bandwidth.
 #pragma once
 
 #include <cstdint>
@@ -54,13 +61,15 @@
 namespace m3attn::gemm_stream_detail {
 
 constexpr int kMaxM = 16;
-constexpr int kGroupRows = 8;  // weight rows per group (the n8 of the mma)
-constexpr int kWarps = 8;      // consumer warps
-constexpr int kThreads = 32 * (kWarps + 1);
+constexpr int kConsumerThreads = 256;  // two warpgroups
+constexpr int kWarps = kConsumerThreads / 32;
+constexpr int kThreads = kConsumerThreads + 32;
 constexpr int kMaxStages = 16;  // ring depth limit (barrier arrays)
-constexpr int kMaxChunks = 32;  // K / (chunk_blocks x 128) limit (one barrier per chunk)
-constexpr int kMaxChunkBlocks = 32;
-constexpr int kRowSkew = 64;  // bytes added to every shared-memory row (bank-conflict skew)
+constexpr int kMaxChunks = 32;  // K / (W x 128) limit (one barrier per chunk)
+constexpr int kStageBytes = 16384;
+constexpr int kTileBytes = 8192;  // one warpgroup's A tile (64 rows x 128 bytes)
+constexpr int kMaxGroupRows = 16;
+constexpr int kSlotFloats = kMaxGroupRows * kMaxM;  // one partial slot: [16 rows][16 tokens]
 
 struct StreamArgs {
   const uint8_t* a;  // e4m3 [m, K], rows lda bytes apart (16-byte aligned rows)
@@ -73,20 +82,19 @@ struct StreamArgs {
   int64_t sb_s0, sb_s1;
   uint16_t* out;  // bf16 [m, N], row stride ldo
   int64_t ldo;
-  float* partials;     // 2 * grid slots of [16][8] fp32
-  unsigned* counters;  // [N / 8], zero before and after every launch
+  float* partials;     // 2 * grid slots of kSlotFloats fp32
+  unsigned* counters;  // [N / R], zero before and after every launch
   int m;               // 1 .. 16
   int kblocks;         // K / 128
-  int chunk_blocks;    // K blocks per chunk (1 .. kMaxChunkBlocks)
-  int chunks;          // ceil(kblocks / chunk_blocks) (<= kMaxChunks)
-  int units;           // N / 8 * chunks
+  int chunks;          // ceil(kblocks / W) (<= kMaxChunks)
+  int units;           // N / R * chunks
   int stages;          // ring depth (2 .. kMaxStages)
-  int act_stride;      // bytes between activation rows in shared memory (K + kRowSkew)
-  int stage_stride;    // bytes between weight rows of a stage (chunk_blocks x 128 + kRowSkew)
   int weight_evict_first;
   int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
+
+// ---- PTX helpers ------------------------------------------------------------------------------
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -117,30 +125,105 @@ __device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, ui
       : "memory");
 }
 
-__device__ __forceinline__ uint4 lds128(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
+// Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
+// 1024 bytes apart (SBO); LBO unused for swizzled K-major operands (1 by convention).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
 }
 
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
-
-__device__ __forceinline__ void mma_e4m3(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+__device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
 __device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kWarps * 32) : "memory");
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
+
+// wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
+// A B.
+template <int kN>
+struct Mma;
+
+#define M3_STREAM_MMA_HEAD(N)             \
+  "{\n.reg .pred p;\nsetp.ne.b32 p, %" #N \
+  ", 0;\n"                                \
+  "wgmma.mma_async.sync.aligned.m64n"
+
+template <>
+struct Mma<16> {
+  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(M3_STREAM_MMA_HEAD(10) "16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                                        "%8, %9, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7])
+                 : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Mma<32> {
+  __device__ __forceinline__ static void run(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(M3_STREAM_MMA_HEAD(18) "32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+                                        "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
+                                        "1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+                 : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Mma<64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(M3_STREAM_MMA_HEAD(34) "64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+                                        "%8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
+                                        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
+                                        "%30, %31}, %32, %33, p, 1, 1;\n}\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
+                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
+                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
+                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+                   "+f"(d[30]), "+f"(d[31])
+                 : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+template <>
+struct Mma<128> {
+  __device__ __forceinline__ static void run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        M3_STREAM_MMA_HEAD(66) "128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                               "%10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
+                               "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
+                               "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "
+                               "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+                               "%62, %63}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
+          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
+          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
+          "+f"(d[62]), "+f"(d[63])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+#undef M3_STREAM_MMA_HEAD
 
 // First unit of CTA c among `grid` CTAs sharing `units` units; the owner of unit u.
 __device__ __forceinline__ int unit_begin(int c, int grid, int units) {
@@ -173,28 +256,36 @@ struct UnitOrder {
   }
 };
 
-// kHalves: 1 for M <= 8 (the upper half of the m16 fragment is zero), 2 for M <= 16.
-template <int kHalves>
+// kW: K blocks per weight-row run (8 or 16); kN: wgmma N = kW x M_pad (16, 32, 64 or 128).
+template <int kW, int kN>
 __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamArgs p) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
+  static_assert(kW == 8 || kW == 16, "runs of 8 or 16 K blocks (a multiple of the swizzle's 8)");
+  constexpr int kR = 128 / kW;        // weight rows per group (unit)
+  constexpr int kRowsPerWg = kR / 2;  // weight rows per warpgroup tile
+  constexpr int kMPad = kN / kW;      // activation rows per chunk tile
+  constexpr int kAcc = kN / 2;        // fp32 accumulators per thread: 64 x kN over 128 threads
+  constexpr int kRunBytes = kW * 128;
+  static_assert(kMPad <= kMaxM, "at most 16 activation rows");
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kMaxStages];
   __shared__ __align__(8) uint64_t empty_bar[kMaxStages];
   __shared__ __align__(8) uint64_t act_bar[kMaxChunks];
-  __shared__ __align__(16) float red[2][kWarps][4][32];
+  __shared__ int s_is_last;
 
-  // Dynamic shared memory: activations [kHalves * 8][act_stride], then the ring
-  // [stages][8][stage_stride], then the activation scales [kblocks][16] floats.
-  const uint32_t base = (smem_addr(smem_raw) + 127u) & ~127u;
-  const uint32_t act_base = base;
-  const uint32_t ring_base = act_base + static_cast<uint32_t>(kHalves * 8 * p.act_stride);
-  const int stage_bytes = kGroupRows * p.stage_stride;
-  const uint32_t sa_base = ring_base + static_cast<uint32_t>(p.stages * stage_bytes);
+  // Dynamic shared memory (1024-byte aligned): the ring [stages][16 KB], the activation tiles
+  // [chunks][kMPad][kRunBytes], then the activation scales [kblocks][16] floats.
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const uint32_t ring_base = base;
+  const uint32_t act_base = ring_base + static_cast<uint32_t>(p.stages * kStageBytes);
+  constexpr int kActTileBytes = kMPad * kRunBytes;
+  const uint32_t sa_base = act_base + static_cast<uint32_t>(p.chunks * kActTileBytes);
   float* s_sa = reinterpret_cast<float*>(smem_raw + (sa_base - smem_addr(smem_raw)));
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
   const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
-  const int units = p.units, chunks = p.chunks, cb = p.chunk_blocks, stages = p.stages;
+  const int units = p.units, chunks = p.chunks, stages = p.stages;
   const int u_begin = unit_begin(cta, grid, units);
   const int u_end = unit_begin(cta + 1, grid, units);
   const int n_units = u_end - u_begin;
@@ -216,23 +307,22 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
   // CTAs take the SMs this grid's first finishers leave.
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
+  auto chunk_len = [&](int c) {  // K blocks of chunk c
+    return (c + 1) * kW <= p.kblocks ? kW : p.kblocks - c * kW;
+  };
+
   if (warp == kWarps) {
     // ---- Producer warp ----
     const uint64_t policy = evict_first_policy();
-    auto chunk_len = [&](int c) {  // K blocks of chunk c
-      return (c + 1) * cb <= p.kblocks ? cb : p.kblocks - c * cb;
-    };
     auto load_weights = [&](int s, int u) {
       const int group = u / chunks, c = u - group * chunks;
       const uint32_t bytes = static_cast<uint32_t>(chunk_len(c) * 128);
       const uint32_t full = smem_addr(&full_bar[s]);
-      if (lane == 0) sm90::mbar_arrive_expect_tx(full, bytes * kGroupRows);
+      if (lane == 0) sm90::mbar_arrive_expect_tx(full, bytes * kR);
       __syncwarp();
-      if (lane < kGroupRows) {
-        const uint8_t* src =
-            p.b + (int64_t{group} * kGroupRows + lane) * p.ldb + int64_t{c} * cb * 128;
-        const uint32_t dst =
-            ring_base + static_cast<uint32_t>(s * stage_bytes + lane * p.stage_stride);
+      if (lane < kR) {
+        const uint8_t* src = p.b + (int64_t{group} * kR + lane) * p.ldb + int64_t{c} * kRunBytes;
+        const uint32_t dst = ring_base + static_cast<uint32_t>(s * kStageBytes + lane * kRunBytes);
         if (p.weight_evict_first) {
           bulk_load_hint(dst, src, bytes, full, policy);
         } else {
@@ -257,8 +347,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
         if (lane == 0) sm90::mbar_arrive_expect_tx(bar, bytes * static_cast<uint32_t>(m_count));
         __syncwarp();
         if (lane < m_count) {
-          const uint8_t* src = p.a + int64_t{lane} * p.lda + int64_t{c} * cb * 128;
-          const uint32_t dst = act_base + static_cast<uint32_t>(lane * p.act_stride + c * cb * 128);
+          const uint8_t* src = p.a + int64_t{lane} * p.lda + int64_t{c} * kRunBytes;
+          const uint32_t dst =
+              act_base + static_cast<uint32_t>(c * kActTileBytes + lane * kRunBytes);
           bulk_load(dst, src, bytes, bar);
         }
       }
@@ -269,142 +360,162 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
-  // ---- Consumer warps ----
+  // ---- Consumer warpgroups ----
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // sa, out, partials follow the last grid
-  for (int idx = tid; idx < p.kblocks * 16; idx += kWarps * 32) {
+  for (int idx = tid; idx < p.kblocks * 16; idx += kConsumerThreads) {
     const int kb = idx >> 4, m = idx & 15;
     s_sa[idx] = m < m_count ? p.sa[int64_t{m} * p.sa_s0 + int64_t{kb} * p.sa_s1] : 0.0f;
   }
   consumer_barrier();
 
+  const int wg = warp >> 2, wq = warp & 3;  // warpgroup, warp within it
   const int g = lane >> 2, t = lane & 3;
-  const bool row_lo = g < m_count;
-  const bool row_hi = kHalves == 2 && g + 8 < m_count;
-  const uint32_t act_lo = act_base + static_cast<uint32_t>(g * p.act_stride + 16 * t);
-  const uint32_t act_hi = act_lo + static_cast<uint32_t>(8 * p.act_stride);
+  // This lane holds useful entries (q(row) == q(column)) when 2 t + (g & 1) == g.
+  const bool holder = t == (g >> 1);
+  const int e = g & 1;
+  // Half h of the warp's rows (row 16 wq + g + 8 h of the warpgroup tile): its weight row within
+  // the group and its K block within the chunk.
+  auto row_of = [&](int h) { return kRowsPerWg * wg + (kW == 8 ? 2 * wq + h : wq); };
+  auto q_of = [&](int h) { return kW == 8 ? g : g + 8 * h; };
   const int first_group = u_begin / chunks;
-  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
 
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc[2][kMPad];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int m = 0; m < kMPad; ++m) acc[h][m] = 0.0f;
+
   int seg_begin = -1;  // first unit of the current segment (-1: the next unit starts one)
-  int groups_done = 0;
   for (int i = 0; i < n_units; ++i) {
     const int u = order.at(i);
     if (seg_begin < 0) seg_begin = u;
     const int s = i % stages;
     const int group = u / chunks, c = u - group * chunks;
-    const int nkb = (c + 1) * cb <= p.kblocks ? cb : p.kblocks - c * cb;
+    const int nkb = chunk_len(c);
     sm90::mbar_wait(smem_addr(&act_bar[c]), 0);
     sm90::mbar_wait(smem_addr(&full_bar[s]), (i / stages) & 1);
-    const uint32_t w_row =
-        ring_base + static_cast<uint32_t>(s * stage_bytes + g * p.stage_stride + 16 * t);
-    const float* sb_row = p.sb + int64_t{group * kGroupRows / 128} * p.sb_s0;
-#pragma unroll 2
-    for (int kbl = warp; kbl < nkb; kbl += kWarps) {
-      const int kb = c * cb + kbl;
-      const float sbv = __ldg(sb_row + int64_t{kb} * p.sb_s1);
-      float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const uint32_t a_addr = ring_base + static_cast<uint32_t>(s * kStageBytes + wg * kTileBytes);
+    const uint32_t b_addr = act_base + static_cast<uint32_t>(c * kActTileBytes);
+    float d[kAcc];
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const uint32_t off = static_cast<uint32_t>(kbl * 128 + 64 * half);
-        const uint32_t koff = static_cast<uint32_t>(kb * 128 + 64 * half);
-        const uint4 w = lds128(w_row + off);
-        const uint4 xl = row_lo ? lds128(act_lo + koff) : zero;
-        const uint4 xh = row_hi ? lds128(act_hi + koff) : zero;
+    for (int j = 0; j < kAcc; ++j) d[j] = 0.0f;
+    wgmma_fence();
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          mma_e4m3(part, word(xl, 2 * h), word(xh, 2 * h), word(xl, 2 * h + 1), word(xh, 2 * h + 1),
-                   word(w, 2 * h), word(w, 2 * h + 1));
-      }
-      const float f_lo = s_sa[kb * 16 + g] * sbv;
-      const float f_hi = s_sa[kb * 16 + g + 8] * sbv;
-      acc[0] = fmaf(part[0], f_lo, acc[0]);
-      acc[1] = fmaf(part[1], f_lo, acc[1]);
-      acc[2] = fmaf(part[2], f_hi, acc[2]);
-      acc[3] = fmaf(part[3], f_hi, acc[3]);
-    }
+    for (int k = 0; k < 4; ++k)
+      Mma<kN>::run(d, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) keep_register(d[j]);
     __syncwarp();
     if (lane == 0) sm90::mbar_arrive(smem_addr(&empty_bar[s]));
+
+    // Fold the useful entries: column j = kW m + q sits in n8 block (kW m + q) / 8 at column
+    // (q % 8) = g of the block, i.e. fragment element 4 b + 2 h + e of the holder lane.
+    const float* sb_row = p.sb + int64_t{group * kR / 128} * p.sb_s0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q = q_of(h);
+      const bool live = holder && q < nkb;
+      const int kb = c * kW + (q < nkb ? q : 0);
+      const float sbv = live ? __ldg(sb_row + int64_t{kb} * p.sb_s1) : 0.0f;
+      const float* sa_kb = s_sa + kb * 16;
+#pragma unroll
+      for (int m = 0; m < kMPad; ++m) {
+        const int b = (kW * m + (kW == 8 ? 0 : 8 * h)) / 8;
+        const float v = e ? d[4 * b + 2 * h + 1] : d[4 * b + 2 * h];
+        if (live) acc[h][m] = fmaf(v, sa_kb[m] * sbv, acc[h][m]);
+      }
+    }
 
     const int seg_end_group = (group + 1) * chunks;
     if (i + 1 < n_units && order.at(i + 1) / chunks == group) continue;
 
-    // ---- End of this CTA's segment of the group: sum the warps, write ----
-    float(*buf)[4][32] = red[groups_done & 1];
+    // ---- End of this CTA's segment of the group: sum the lanes, write ----
+    // v[h][m]: the segment's sum for weight row row_of(h) (kW == 16: both halves are one row).
+    float v[2][kMPad];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) buf[warp][j][lane] = acc[j];
-    consumer_barrier();
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j] = 0.0f;
+      for (int m = 0; m < kMPad; ++m) {
+        float x = acc[h][m];
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+        v[h][m] = x;
+        acc[h][m] = 0.0f;
+      }
+    constexpr int kHalves = kW == 8 ? 2 : 1;
+    if (kW == 16) {
+#pragma unroll
+      for (int m = 0; m < kMPad; ++m) v[0][m] += v[1][m];
+    }
     const int this_begin = seg_begin;
     seg_begin = -1;
-    ++groups_done;
-    if (warp != 0) continue;
-
-    float v[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum += buf[w][j][lane];
-      v[j] = sum;
-    }
-    // Fragment element j: token row g + 8 (j / 2), output column group * 8 + 2 t + j % 2.
-    const int64_t col = int64_t{group} * kGroupRows + 2 * t;
-    auto store = [&](const float(&x)[4]) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int m = g + 8 * (j >> 1);
-        if (m < m_count) p.out[int64_t{m} * p.ldo + col + (j & 1)] = float_to_bf16(x[j]);
-      }
-    };
     const bool whole = this_begin == group * chunks && u + 1 == seg_end_group;
+    // Lane m < M writes token row m; the value for m is v[h][m] (a compile-time index: select).
+    auto pick = [&](int h) {
+      float x = 0.0f;
+#pragma unroll
+      for (int m = 0; m < kMPad; ++m)
+        if (lane == m) x = v[h][m];
+      return x;
+    };
     if (whole) {
-      store(v);
+#pragma unroll
+      for (int h = 0; h < kHalves; ++h) {
+        const float x = pick(h);
+        if (lane < m_count)
+          p.out[int64_t{lane} * p.ldo + int64_t{group} * kR + row_of(h)] = float_to_bf16(x);
+      }
       continue;
     }
     // Partial segment: publish, count the arrival; the last arriving CTA finishes the group.
     const int slot = group == first_group ? 2 * cta : 2 * cta + 1;
-    float* part_out = p.partials + int64_t{slot} * (kMaxM * kGroupRows);
+    float* part_out = p.partials + int64_t{slot} * kSlotFloats;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int m = g + 8 * (j >> 1);
-      if (m < m_count) __stcg(part_out + m * kGroupRows + 2 * t + (j & 1), v[j]);
+    for (int h = 0; h < kHalves; ++h) {
+      const float x = pick(h);
+      if (lane < m_count) __stcg(part_out + row_of(h) * kMaxM + lane, x);
     }
+    // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
+    // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is
+    // cumulative, then the arrival; the last arriving CTA's thread 0 fences again after its
+    // atomic (acquire) and the barrier orders the other threads' partial loads after it.
+    consumer_barrier();
     const int c_lo = unit_owner(group * chunks, grid, units);
     const int c_hi = unit_owner(seg_end_group - 1, grid, units);
-    __syncwarp();
-    int last = 0;
-    if (lane == 0) {
+    if (tid == 0) {
       __threadfence();
       const unsigned arrived = atomicAdd(p.counters + group, 1u);
-      last = arrived == static_cast<unsigned>(c_hi - c_lo);
+      const bool last = arrived == static_cast<unsigned>(c_hi - c_lo);
       if (last) __threadfence();
+      s_is_last = last;
     }
-    last = __shfl_sync(0xffffffffu, last, 0);
-    __syncwarp();
-    if (!last) continue;
-    // Sum the group's partials in CTA order, each lane at its own fragment positions (its own
-    // contribution from registers: the values it stored). The slot of contributor c is 2c, except
-    // for c_lo when it started in an earlier group (its last segment: 2 c_lo + 1).
+    consumer_barrier();
+    // (s_is_last is rewritten only after the next partial group's first barrier, which every
+    // consumer reaches after this read.)
+    if (!s_is_last) continue;
+    // Sum the group's partials in CTA order (its own contribution from registers: the values it
+    // stored). The slot of contributor c is 2c, except for c_lo when it started in an earlier
+    // group (its last segment: 2 c_lo + 1).
     const bool lo_second = unit_begin(c_lo, grid, units) < group * chunks;
-    float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int cc = c_lo; cc <= c_hi; ++cc) {
-      if (cc == cta) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) sum[j] += v[j];
-        continue;
+    for (int h = 0; h < kHalves; ++h) {
+      const float mine = pick(h);
+      float sum = 0.0f;
+      for (int cc = c_lo; cc <= c_hi; ++cc) {
+        if (cc == cta) {
+          sum += mine;
+          continue;
+        }
+        const int c_slot = cc == c_lo && lo_second ? 2 * cc + 1 : 2 * cc;
+        const float* q_part = p.partials + int64_t{c_slot} * kSlotFloats;
+        sum += lane < m_count ? __ldcg(q_part + row_of(h) * kMaxM + lane) : 0.0f;
       }
-      const int c_slot = cc == c_lo && lo_second ? 2 * cc + 1 : 2 * cc;
-      const float* q = p.partials + int64_t{c_slot} * (kMaxM * kGroupRows);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int m = g + 8 * (j >> 1);
-        sum[j] += m < m_count ? __ldcg(q + m * kGroupRows + 2 * t + (j & 1)) : 0.0f;
-      }
+      if (lane < m_count)
+        p.out[int64_t{lane} * p.ldo + int64_t{group} * kR + row_of(h)] = float_to_bf16(sum);
     }
-    store(sum);
-    if (lane == 0) atomicExch(p.counters + group, 0u);
+    if (tid == 0) atomicExch(p.counters + group, 0u);
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -56,10 +57,10 @@ int64_t nonzero_counters(const DeviceBuffer& ws, int64_t n) {
 
 struct Case {
   int64_t m, n, k, ld_pad;
-  size_t shift;       // 16: operands only 16-byte aligned
-  bool sa_row_major;  // activation scales [M, K / 128] row-major instead of token-major
-  int chunk_blocks = 16;
-  int grid = 0;  // 0: one CTA per SM
+  size_t shift;          // 16: operands only 16-byte aligned
+  bool sa_row_major;     // activation scales [M, K / 128] row-major instead of token-major
+  int chunk_blocks = 0;  // 0: automatic (8)
+  int grid = 0;          // 0: one CTA per SM
   int max_stages = 0;
   bool evict_first = true;
   bool pdl = false;  // programmatic_launch and trigger_dependents
@@ -138,11 +139,12 @@ TEST(GemmStreamSanitizer, SmallShapesExact) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const Case cases[] = {Case{3, 256, 1152, 8, 16, true, 4, 0},
-                        Case{16, 128, 2048, 0, 0, false, 1, 40},
-                        Case{9, 384, 640, 0, 16, false, 2, 5, 2},
+  const Case cases[] = {Case{3, 256, 1152, 8, 16, true, 8, 0},
+                        Case{16, 128, 2048, 0, 0, false, 8, 40},
+                        Case{9, 384, 640, 0, 16, false, 8, 5, 2},
                         Case{1, 1280, 6144, 0, 0, false, 16, 0, 0, true, true},
-                        Case{12, 640, 1024, 0, 0, true, 16, 0, 2, false, true}};
+                        Case{6, 256, 2304, 0, 0, false, 16, 7, 2},
+                        Case{12, 640, 1024, 0, 0, true, 0, 0, 2, false, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     expect_exact(c, rng);
@@ -151,27 +153,31 @@ TEST(GemmStreamSanitizer, SmallShapesExact) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmStreamExact,
-    ::testing::Values(Case{1, 9856, 6144, 0, 0, false},         // decode, fused width: 28 units/CTA
-                      Case{4, 9856, 6144, 0, 0, false},         //
-                      Case{16, 9856, 6144, 0, 0, false},        // both halves of the m16 fragment
+    ::testing::Values(Case{1, 9856, 6144, 0, 0, false},         // decode, fused width (N_wgmma 16)
+                      Case{4, 9856, 6144, 0, 0, false},         // N_wgmma 32
+                      Case{16, 9856, 6144, 0, 0, false},        // N_wgmma 128
                       Case{3, 640, 6144, 8, 16, true},          // odd M, unaligned, row-major sa
-                      Case{9, 6144, 8192, 0, 0, false},         // o_proj shape, first two-half M
-                      Case{16, 256, 8192, 24, 16, true},        // largest K at M 16: short ring
-                      Case{13, 384, 1152, 0, 0, false, 4},      // last chunk shorter (9 = 4+4+1)
-                      Case{8, 128, 128, 0, 0, false},           // one group per unit: 16 CTAs
-                      Case{5, 256, 384, 0, 0, false, 1, 7},     // 7 CTAs over 96 units: fixups
-                      Case{16, 640, 6144, 0, 16, false, 3, 5},  // 16 chunks, 5 CTAs
-                      Case{16, 128, 2048, 0, 16, false, 1, 100},  // groups span ~7 CTAs
-                      Case{2, 1280, 2048, 16, 0, true, 32, 3},    // chunk longer than K
-                      Case{11, 9856, 6144, 0, 0, false, 8},       // 1 KB runs
-                      Case{7, 9856, 6144, 0, 0, true, 24, 0},     // 3 KB runs, 2 chunks
-                      Case{1, 640, 2048, 0, 0, false, 16, 0, 2},  // two-stage ring
-                      Case{12, 1280, 6144, 8, 0, false, 16, 0, 3},
-                      Case{1, 9856, 6144, 0, 0, false, 16, 0, 0, false},  // no evict-first hint
-                      Case{14, 640, 1024, 0, 16, true, 16, 0, 0, false},
+                      Case{9, 6144, 8192, 0, 0, false},         // o_proj shape
+                      Case{16, 256, 8192, 24, 16, true},        // largest K at M 16: 5-stage ring
+                      Case{13, 384, 1152, 0, 0, false},         // 9 K blocks: runs of 8 and 1
+                      Case{8, 128, 128, 0, 0, false},           // one K block
+                      Case{5, 256, 384, 0, 0, false, 8, 7},     // 7 CTAs: split groups
+                      Case{16, 640, 6144, 0, 16, false, 8, 5},  // 5 CTAs
+                      Case{16, 128, 4096, 0, 16, false, 8, 100},  // each group over 4 CTAs
+                      // Runs of 16 K blocks (M <= 8).
+                      Case{1, 9856, 6144, 0, 0, false, 16},      // N_wgmma 16
+                      Case{2, 1280, 2048, 16, 0, true, 16, 3},   // N_wgmma 32, 3 CTAs
+                      Case{4, 2048, 6144, 0, 0, false, 16},      // N_wgmma 64
+                      Case{7, 1280, 6144, 0, 0, true, 16},       // N_wgmma 128
+                      Case{3, 256, 2304, 0, 0, false, 16, 5},    // 18 K blocks: 16 and 2
+                      Case{11, 2048, 6144, 0, 0, false},         //
+                      Case{1, 640, 2048, 0, 0, false, 0, 0, 2},  // two-stage ring
+                      Case{12, 1280, 6144, 8, 0, false, 0, 0, 3},
+                      Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, false},  // no evict-first hint
+                      Case{14, 640, 1024, 0, 16, true, 0, 0, 0, false},
                       // Programmatic launch (weights of the first ring before the wait).
-                      Case{1, 9856, 6144, 0, 0, false, 16, 0, 0, true, true},
-                      Case{16, 640, 1024, 0, 16, true, 4, 9, 3, true, true},
+                      Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, true, true},
+                      Case{16, 640, 1024, 0, 16, true, 8, 9, 3, true, true},
                       Case{6, 128, 128, 0, 0, false, 16, 0, 0, true, true}));
 
 struct RandomCase {
@@ -278,7 +284,7 @@ TEST(GemmStreamGraph, TriggeredChainWritesTheLastGemm) {
       GemmStreamOptions o;
       o.programmatic_launch = true;
       o.trigger_dependents = true;
-      o.chunk_blocks = 4;
+      o.chunk_blocks = 8;
       o.grid = grid;
       DeviceBuffer ws = make_workspace(n, grid);
       cudaStream_t stream;
@@ -400,6 +406,40 @@ TEST(GemmStreamFused, UnsupportedCallsFallBackToCublasLt) {
   EXPECT_EQ(Fp8BlockGemm::create(16, n, k, bad).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Auto mode (autotuning on, stream_auto_max_m = 16): the autotuner times the streaming kernel for
+// the buckets up to 16 (describe() names it) and whatever it chooses per bucket is exact on
+// integer inputs at every M up to 20 (the bucket above the auto range stays on cuBLASLt).
+TEST(GemmStreamFused, AutotunedChoiceIsExact) {
+  M3_REQUIRE_STREAM_GEMM();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int64_t n = 1280, k = 6144;
+  Fp8BlockGemmOptions o;
+  o.stream_auto_max_m = 16;
+  o.autotune_budget_ms = 500;
+  auto gemm = make_gemm(20, n, k, o);
+  ASSERT_NE(gemm, nullptr);
+  const std::string d = gemm->describe();
+  EXPECT_NE(d.find("stream chunk"), std::string::npos) << d;
+  std::printf("%s", d.c_str());
+  for (int64_t m : {4, 8, 12, 16, 20}) {
+    SCOPED_TRACE(::testing::Message() << "M " << m << ": " << gemm->algorithm_for(m));
+    GemmData g = make_integer_data(m, n, k, rng);
+    const std::vector<uint16_t> ref = cpu_gemm(g);
+    DeviceGemm dev(g, n);
+    const Status st = gemm->run(dev.params(), nullptr);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    const std::vector<uint16_t> got = dev.result(&touched);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
+    EXPECT_EQ(touched, 0);
+  }
+  EXPECT_EQ(gemm->algorithm_for(20).find("streaming"), std::string::npos);
+}
+
 TEST(GemmStreamRules, RejectedCallsWriteNothing) {
   M3_REQUIRE_STREAM_GEMM();
   Rng rng(fresh_seed());
@@ -437,23 +477,26 @@ TEST(GemmStreamRules, RejectedCallsWriteNothing) {
             StatusCode::kInvalidArgument);
   // Bad options.
   GemmStreamOptions o;
-  o.chunk_blocks = 0;
+  o.chunk_blocks = 4;
   EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
             StatusCode::kInvalidArgument);
-  o.chunk_blocks = 33;
+  o.chunk_blocks = 32;
   EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
             StatusCode::kInvalidArgument);
+  o.chunk_blocks = 16;  // runs of 16 K blocks serve M <= 8
+  EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
+            StatusCode::kUnsupported);
   o = GemmStreamOptions{};
   o.grid = -1;
   EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
             StatusCode::kInvalidArgument);
-  // A rows only 8-byte aligned: bulk copies need 16.
+  // A rows only 8-byte aligned (validate_gemm wants 16, as the bulk copies do).
   GemmParams odd = p;
   odd.a.data = static_cast<uint8_t*>(odd.a.data) + 8;
   odd.a.shape[1] = odd.b.shape[1] = 384;  // stays inside the allocation
   odd.a_scales.shape[1] = odd.b_scales.shape[1] = 3;
   EXPECT_EQ(run_gemm_stream_cuda(odd, ws.data(), ws.bytes(), nullptr).code(),
-            StatusCode::kUnsupported);
+            StatusCode::kInvalidArgument);
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
   const std::vector<uint16_t> out = dev.result(&touched);

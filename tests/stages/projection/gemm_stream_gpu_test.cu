@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -415,10 +416,14 @@ TEST(GemmStreamFused, AutotunedChoiceIsExact) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const int64_t n = 1280, k = 6144;
+  const char* old = std::getenv("M3ATTN_GEMM_PATH");  // the auto mode needs it unset
+  const std::string saved = old ? old : "";
+  unsetenv("M3ATTN_GEMM_PATH");
   Fp8BlockGemmOptions o;
   o.stream_auto_max_m = 16;
   o.autotune_budget_ms = 500;
   auto gemm = make_gemm(20, n, k, o);
+  if (old) setenv("M3ATTN_GEMM_PATH", saved.c_str(), 1);
   ASSERT_NE(gemm, nullptr);
   const std::string d = gemm->describe();
   EXPECT_NE(d.find("stream chunk"), std::string::npos) << d;

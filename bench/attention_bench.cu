@@ -8,12 +8,12 @@
 //     requests to disjoint pool regions, so every call's selected K/V is cold; launch latency
 //     hidden as inside a captured decode step). The last back-to-back call's output is checked
 //     against the twin on its own pages too.
-//   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the mma.sync kernel
-//     (kernel 1), the Hopper wgmma kernel (kernel 2, variants 3 and 4 as "wgmma v1", "v2") and the
-//     warp-specialised persistent wgmma kernel (kernel 6 "wgmma ws", variants 7, 8, 9; 9 is the
-//     automatic choice): us and TFLOP/s counted on the selected work only (4 * 128 FLOP per (query
-//     head, visible selected key)); tile_union = blocks walked per 8-token tile and KV head,
-//     mma_work/flop = the MMA work of those blocks over the counted work.
+//   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the cp.async wgmma
+//     kernel (kernel 4, "wgmma v2") and the warp-specialised persistent wgmma kernel (kernel 11,
+//     variants 15, 16, 17; the automatic plan runs 11; the mma.sync kernel 1 on request): us and
+//     TFLOP/s counted on the selected work only (4 * 128 FLOP per (query head, visible selected
+//     key)); tile_union = blocks walked per 8-token tile and KV head, mma_work/flop = the MMA work
+//     of those blocks over the counted work.
 // Selections: per (request, KV head) one random block ranking, so a request's draft tokens share
 //   their blocks (as real top-k does); prefill tokens of one 64-token group share a ranking.
 // Before timing, every configuration is checked once against the CPU twin on a few tokens
@@ -499,7 +499,7 @@ int main(int argc, char** argv) {
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;
-        x.kernel = 2;
+        x.kernel = 4;
         v.emplace_back(" wgmma prefill", x);
       }
     } else {
@@ -610,7 +610,7 @@ int main(int argc, char** argv) {
   // tile 8 or automatic, no v_convert).
   const std::vector<int> kernels = !prefill_kernels.empty() ? prefill_kernels
                                    : cfg.kernel != 0        ? std::vector<int>{cfg.kernel}
-                                                     : std::vector<int>{1, 2, 3, 4, 6, 7, 8, 9, 10};
+                                                     : std::vector<int>{4, 11, 15, 16, 17};
   for (bool sparse : {true, false}) {
     if (sweep || no_prefill) break;
     // Contexts 8K and 64K; sparse also "lowoverlap" at 8K: a fresh ranking per token instead of
@@ -642,15 +642,10 @@ int main(int argc, char** argv) {
         c.cfg = kcfg;
         c.name = base + (kernel == 1    ? std::string("mma.sync")
                          : kernel == 5  ? std::string("wgmma verify")
-                         : kernel == 6  ? std::string("wgmma ws")
-                         : kernel == 7  ? std::string("wgmma ws lookahead")
-                         : kernel == 8  ? std::string("wgmma ws lookahead qregs")
-                         : kernel == 9  ? std::string("wgmma ws lookahead qregs fastconv")
-                         : kernel == 10 ? std::string("wgmma ws fastconv minunion")
                          : kernel == 11 ? std::string("wgmma ws minunion 4-stage")
-                         : kernel == 12 ? std::string("wgmma ws 4-stage uniform")
-                         : kernel == 13 ? std::string("wgmma ws uniform no-turns")
-                         : kernel == 14 ? std::string("wgmma ws uniform 64/216 regs")
+                         : kernel == 15 ? std::string("wgmma ws 64/216 regs")
+                         : kernel == 16 ? std::string("wgmma ws 64/216 regs constdesc")
+                         : kernel == 17 ? std::string("wgmma ws 64/216 regs constdesc swapst")
                                         : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {

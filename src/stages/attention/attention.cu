@@ -15,9 +15,9 @@
 //   - Prefill on the mma.sync kernel is bound by mma.sync issue and shared-memory traffic (measured
 //     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
 //     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
-//     tokens per request, or forced with AttentionCudaConfig::kernel = 2 (3, 4: its variants); it
-//     runs as the warp-specialised persistent kernel 11 (attention_prefill_ws.cuh; 6-10: its
-//     variants) where TMA can address the pool.
+//     tokens per request, or forced with AttentionCudaConfig::kernel = 4; it runs as the
+//     warp-specialised persistent kernel (attention_prefill_ws.cuh; kernels 11, 15-17) where TMA
+//     can address the pool.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -39,19 +39,17 @@ namespace ak = attention_kernel;
 namespace ap = attention_prefill;
 namespace av = attention_verify;
 
-// The automatic plan picks the wgmma prefill kernel (variant kAutoWgmmaVariant) for batches
-// averaging at least kWgmmaMinAvgTokens query tokens per request (prefill and mixed chunks);
-// decode and verify batches keep the mma.sync kernel.
+// The automatic plan picks the wgmma prefill kernel (kernel 4) for batches averaging at least
+// kWgmmaMinAvgTokens query tokens per request (prefill and mixed chunks); decode and verify batches
+// keep the mma.sync kernel.
 constexpr bool kAutoWgmma = true;
-constexpr int kAutoWgmmaVariant = 2;  // fastest on the H200 in all four prefill cases
-// ... and runs it as the warp-specialised persistent kernel (kernels 6 .. 10) where TMA can address
-// the pool (H200, 8K chunk: kernel 8 1265 / 1426 us sparse at 8K / 64K vs 1350 / 1516 us for
-// variant 2, dense 2533 vs 2744 us at 8K; kernel 9 also removes its V-conversion bottleneck;
-// kernel 10 its tile-union bottleneck: sparse 915 / 1038 us vs 998 / 1112 us for kernel 9,
-// session 12 round A; kernel 11 a deeper ring: round B 939-946 / 1061-1071 us vs 1000-1006 /
-// 1139-1148 us for kernel 10).
+// ... and runs it as the warp-specialised persistent kernel where TMA can address the pool (H200,
+// 8K chunk, sparse at 8K / 64K, session 12: kernel 8 1265 / 1426 us vs 1350 / 1516 us for kernel 4;
+// the union by minimum extraction 915 / 1038 us vs 998 / 1112 us (round A); a 4-stage ring
+// (kernel 11) 939-946 / 1061-1071 us vs 1000-1006 / 1139-1148 us (round B)). Kernels 2, 3, 6-10
+// (never faster) and 12-14 (session 13 round A: 3 % slower) were removed in session 13.
 constexpr bool kAutoWs = true;
-constexpr int kAutoWsKernel = 11;  // which of its variants (AttentionCudaConfig::kernel 6 .. 11)
+constexpr int kAutoWsKernel = 11;  // which of its variants (AttentionCudaConfig::kernel 11, 15-17)
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
@@ -73,17 +71,11 @@ constexpr int kMaxL2Prefetch = 8;
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
-  bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; variant = its fallback)
+  bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
   int ctas = 0;         // its persistent CTAs
-  bool ws_lookahead = false;     // its scheduler prepares the next work item early (kernels 7, 8)
-  bool ws_qregs = false;         // its consumers keep Q in registers (kernels 8, 9)
-  bool ws_fast_convert = false;  // its V conversion: 16-byte items, 4 in flight (kernel 9)
-  bool ws_fast_union = false;    // its tile unions by minimum extraction (kernel 10)
-  bool ws_deep_ring = false;     // its 4-stage ring with one Q buffer (kernel 11)
-  bool ws_uniform = false;       // its uniform headers and descriptors (kernel 12)
-  bool ws_free = false;          // its consumers issue without ping-pong turns (kernel 13)
-  bool ws_wide = false;          // its 64 / 216 register split (kernel 14, else 40 / 232)
-  int variant = 0;               // its variant (AttentionCudaConfig::kernel - 2)
+  bool ws_wide = false;        // its 64 / 216 register split (kernels 15-17, else 40 / 232)
+  bool ws_const_desc = false;  // its wgmma descriptors as constant offsets (kernels 16, 17)
+  bool ws_swap = false;        // its conflict-free f16 V stores (kernel 17)
   int qt = 1;                    // tokens per tile
   int splits = 1;                // CTAs per (tile, KV head)
   int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
@@ -122,54 +114,36 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       // for them selects it.
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
-      pl.variant = kAutoWgmmaVariant;
       pl.ws = pl.wgmma && kAutoWs;
-      pl.ws_lookahead = kAutoWsKernel >= 7;
-      pl.ws_qregs = kAutoWsKernel >= 8;
-      pl.ws_fast_convert = kAutoWsKernel >= 9;
-      pl.ws_fast_union = kAutoWsKernel >= 10;
-      pl.ws_deep_ring = kAutoWsKernel >= 11;
-      pl.ws_uniform = kAutoWsKernel >= 12;
-      pl.ws_free = kAutoWsKernel == 13;
-      pl.ws_wide = kAutoWsKernel >= 14;
+      pl.ws_wide = kAutoWsKernel >= 15;
+      pl.ws_const_desc = kAutoWsKernel >= 16;
+      pl.ws_swap = kAutoWsKernel >= 17;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
     case 1:
       pl.wgmma = false;
       break;
-    case 2:
-    case 3:
     case 4:
       pl.wgmma = true;
-      pl.variant = cfg.kernel - 2;
       break;
     case 5:
       pl.verify = true;
       break;
-    case 6:
-    case 7:
-    case 8:
-    case 9:
-    case 10:
     case 11:
-    case 12:
-    case 13:
-    case 14:
+    case 15:
+    case 16:
+    case 17:
       pl.wgmma = true;
       pl.ws = true;
-      pl.ws_lookahead = cfg.kernel >= 7;
-      pl.ws_qregs = cfg.kernel >= 8;
-      pl.ws_fast_convert = cfg.kernel >= 9;
-      pl.ws_fast_union = cfg.kernel >= 10;
-      pl.ws_deep_ring = cfg.kernel >= 11;
-      pl.ws_uniform = cfg.kernel >= 12;
-      pl.ws_free = cfg.kernel == 13;
-      pl.ws_wide = cfg.kernel >= 14;
-      pl.variant = kAutoWgmmaVariant;  // where TMA cannot address the pool
-      break;
+      pl.ws_wide = cfg.kernel >= 15;
+      pl.ws_const_desc = cfg.kernel >= 16;
+      pl.ws_swap = cfg.kernel >= 17;
+      break;  // kernel 4 where TMA cannot address the pool
     default:
-      return unsupported("run_attention_cuda: kernel ", cfg.kernel, " is not one of 0 .. 14");
+      return unsupported("run_attention_cuda: kernel ", cfg.kernel,
+                         " is not one of 0, 1, 4, 5, 11, 15, 16, 17 (2, 3, 6 .. 10, 12 .. 14 were "
+                         "removed)");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -254,9 +228,9 @@ size_t workspace_for(const AttentionParams& p, const Plan& pl) {
   return static_cast<size_t>(ws_o_floats(p, pl) + ws_ml_floats(p, pl)) * sizeof(float);
 }
 
-template <bool kVec16, int kVariant>
+template <bool kVec16>
 Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ap::attention_prefill_kernel<kVec16, kVariant>;
+  auto kernel = ap::attention_prefill_kernel<kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ap::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -337,31 +311,15 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
-    // tensor map the driver accepts); otherwise variant pl.variant of the wgmma kernel runs.
+    // tensor map the driver accepts); otherwise the cp.async wgmma kernel (kernel 4) runs.
     if (pl.ws && vec16) {
       bool launched = false;
       M3_RETURN_IF_ERROR(attention_prefill_ws::launch(
-          args, pl.tiles, pl.ctas, pl.ws_lookahead, pl.ws_qregs, pl.ws_fast_convert,
-          pl.ws_fast_union, pl.ws_deep_ring, pl.ws_uniform, pl.ws_free, pl.ws_wide, stream,
-          &launched));
+          args, pl.tiles, pl.ctas, pl.ws_wide, pl.ws_const_desc, pl.ws_swap, stream, &launched));
       if (launched) return Status::Ok();
     }
-    switch (pl.variant * 2 + (vec16 ? 1 : 0)) {
-      case 0:
-        return launch_prefill<false, 0>(args, pl, n_kv, stream);
-      case 1:
-        return launch_prefill<true, 0>(args, pl, n_kv, stream);
-      case 2:
-        return launch_prefill<false, 1>(args, pl, n_kv, stream);
-      case 3:
-        return launch_prefill<true, 1>(args, pl, n_kv, stream);
-      case 4:
-        return launch_prefill<false, 2>(args, pl, n_kv, stream);
-      case 5:
-        return launch_prefill<true, 2>(args, pl, n_kv, stream);
-      default:
-        return unsupported("run_attention_cuda: no wgmma kernel variant ", pl.variant);
-    }
+    return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
+                 : launch_prefill<false>(args, pl, n_kv, stream);
   }
   switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
     case 1 * 2 + 1:

@@ -61,20 +61,19 @@ struct AttentionCudaConfig {
   int v_convert = 0;        // V E4M3 -> f16 on the mma.sync kernel: 1 in registers (the only
                             // path since session 13; 2, the shared f16 tile, was removed)
   int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
-                            // 2 the Hopper wgmma prefill kernel (8-token tiles, 2 warpgroups);
-                            // 3, 4 its variants (see attention_prefill_wgmma.cuh: leaner
-                            // bookkeeping; 4 also keeps Q in registers); 5 the Hopper wgmma
+                            // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
+                            // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
                             // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
-                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 6 the
+                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 11 the
                             // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
                             // TMA, 2 consumer warpgroups; kernel 4 runs instead where TMA cannot
-                            // address the pool: base or strides not multiples of 16 bytes); 7 the
-                            // same with the next work item prepared while the current one runs;
-                            // 8 as 7 with Q in registers; 9 as 8 with the faster V conversion;
-                            // 10 as 9 with the tile unions built by minimum extraction
+                            // address the pool: base or strides not multiples of 16 bytes); 15,
+                            // 16, 17 its variants (64 / 216 register split; + constant-offset
+                            // wgmma descriptors; + conflict-free f16 V stores). 2, 3, 6-10 and
+                            // 12-14 were removed in session 13 (unsupported)
   int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
                             // never faster and was removed); still validated: -1 .. 8
-  int persistent_ctas = 0;  // kernels 6 .. 9 and verify variant 10: CTAs of the persistent grid
+  int persistent_ctas = 0;  // kernels 11, 15-17 and verify variant 10: CTAs of the persistent grid
                             // (0: one per SM, two for verify variant 10; fewer make each CTA walk
                             // more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async

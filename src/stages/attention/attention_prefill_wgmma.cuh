@@ -17,10 +17,9 @@
 //   - K and V tiles (16 KB each, contiguous in the cache) are copied raw with cp.async into a
 //     3-stage ring, 16-byte chunk c of key k at chunk c ^ (k & 7): exactly the 128-byte swizzle
 //     that wgmma expects for a K-major operand with 128-byte rows (tile base 1024-aligned).
-//   - S = Q K^T: wgmma m64n128k32 e4m3 x e4m3 -> f32, A = the warpgroup's 64 Q rows (K-major,
-//     swizzled, in shared memory, loaded once), B = the K tile as stored (token-major with the 128
-//     dims contiguous = K-major); 4 k-steps advance both descriptors by 32 bytes inside the
-//     swizzle atom.
+//   - S = Q K^T: wgmma m64n128k32 e4m3 x e4m3 -> f32, A = the warpgroup's 64 Q rows (register
+//     fragments, loaded once), B = the K tile as stored (token-major with the 128 dims contiguous
+//     = K-major); 4 k-steps advance the descriptor by 32 bytes inside the swizzle atom.
 //   - Online softmax per row in fp32 registers (log2 domain); keys a token did not select or that
 //     lie in its future get -inf.
 //   - O += P V: FP8 wgmma requires a K-major B, but V is token-major (MN-major for P V). Option (a)
@@ -42,17 +41,19 @@
 //     tokens of the tile see and others mask is cleared in the f16 tile and recorded (fix_v_nan);
 //     the tokens that see it write NaN in that dim, as the twin does.
 //
-// Variants (template kVariant; AttentionCudaConfig::kernel 2, 3, 4): 0 as above, every thread
-//   loads and converts and fences; 1 ("lean") precomputes each entry's V row limit with the list,
-//   skips the O rescale when no row maximum of the warp moved, and splits the roles: warpgroup 0
-//   issues all cp.async copies, warpgroup 1 converts V and alone executes the generic -> async
-//   proxy fence (which then never waits behind its own in-flight copies); no proxy fence follows
-//   cp.async.wait_group (CUTLASS's cp.async + GMMA mainloops rely on wait + barrier as well);
-//   2 is 1 with the Q fragments in registers (register-A QK wgmma, no Q tile reads).
+// AttentionCudaConfig::kernel = 4; the automatic plan runs it where the warp-specialised kernel
+//   (attention_prefill_ws.cuh) cannot address the pool by TMA. Bookkeeping: each entry's V row
+//   limit is precomputed with the list, the O rescale is skipped when no row maximum of the warp
+//   moved, warpgroup 0 issues all cp.async copies while warpgroup 1 converts V and alone executes
+//   the generic -> async proxy fence (which then never waits behind its own in-flight copies; no
+//   proxy fence follows cp.async.wait_group: CUTLASS's cp.async + GMMA mainloops rely on wait +
+//   barrier as well), and the Q fragments live in registers (register-A QK wgmma, no Q tile).
+//   Session 13 removed its variants 2 and 3 (Q in shared memory, every thread loading and
+//   converting: never faster).
 //
 // Bytes and bound (8K chunk, sparse, ~16 blocks per token): per (block, CTA) 32 KB from L2/HBM
-//   and 8.4 MFLOP (128 rows x 128 keys x 128 dims x 2 x 2); shared memory per block ~200 KB
-//   (Q 16 KB + K 32 KB for 2 warpgroups, f16 V 64 KB read, conversion 48 KB, cp.async 32 KB);
+//   and 8.4 MFLOP (128 rows x 128 keys x 128 dims x 2 x 2); shared memory per block ~180 KB
+//   (K 32 KB for 2 warpgroups, f16 V 64 KB read, conversion 48 KB, cp.async 32 KB);
 //   tensor time ~1.5 K cycles (FP8 QK + f16 PV), exp2 of 16 K scores ~1 K cycles on the MUFU pipe
 //   (overlapped with PV by the pipeline). Expected: compute-bound, ~50 % of the mixed FP8/f16 peak.
 #pragma once
@@ -78,12 +79,10 @@ constexpr int kStages = 3;
 constexpr int kTileBytes = ak::kTileBytes;  // raw E4M3 K or V tile: 128 keys x 128 bytes
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kVhBytes = 2 * kTileBytes;  // f16 V tile
-constexpr int kQBytes = kWarpGroups * kRowsPerWG * ak::kDim;
 constexpr int kVhOff = kStages * kStageBytes;
-constexpr int kQOff = kVhOff + 2 * kVhBytes;
-constexpr int kSmemBytes = kQOff + kQBytes + 1024;  // + slack to align the base to 1024 bytes
-constexpr int kCand = kQT * ak::kTopKIds;           // candidate ids of a tile
-constexpr int kMaxList = 128;                       // block entries held in shared memory at once
+constexpr int kSmemBytes = kVhOff + 2 * kVhBytes + 1024;  // + slack to align the base to 1024 B
+constexpr int kCand = kQT * ak::kTopKIds;                 // candidate ids of a tile
+constexpr int kMaxList = 128;  // block entries held in shared memory at once
 static_assert(kRowsPerWG == kTokensPerWG * ak::kRows, "a warp is one token's 16 heads");
 static_assert(kCand <= kThreads && kCand <= kMaxList, "one candidate per thread");
 static_assert(kQT <= 8, "token masks are 8 bits");
@@ -148,16 +147,6 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
          (static_cast<uint64_t>((sbo & 0x3FFFFu) >> 4) << 32) | (uint64_t{1} << 62);
 }
 
-// d (64 x 128 f32) (+)= A (64 x 32 e4m3, K-major, smem) x B (32 x 128 e4m3, K-major, smem).
-__device__ __forceinline__ void wgmma_qk(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " M3_WG_D64_REGS
-      ", %64, %65, p, 1, 1;\n}\n"
-      : M3_WG_D64_OPS(d)
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
 // d (64 x 128 f32) (+)= A (64 x 32 e4m3, registers: the mma.sync m16n8k32 A fragment of this
 // warp's 16 rows) x B (32 x 128 e4m3, K-major, smem).
 __device__ __forceinline__ void wgmma_qk_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
@@ -181,33 +170,8 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[64], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
-// Raw K and V tiles of (page, KV head g) into one stage [K | V], swizzled as in ak::load_block.
-template <bool kVec16>
-__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint32_t stage) {
-  const uint8_t* kt =
-      a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
-  const uint8_t* vt = kt + a.plane_stride;
-#pragma unroll
-  for (int it = 0; it < kTileBytes / 16 / kThreads; ++it) {
-    const int i = it * kThreads + static_cast<int>(threadIdx.x);
-    const int key = i >> 3, c = i & 7;
-    const uint32_t kdst = stage + key * ak::kDim + ((c ^ (key & 7)) << 4);
-    const uint32_t vdst = kdst + kTileBytes;
-    if constexpr (kVec16) {
-      ak::cp_async_16(kdst, kt + i * 16);
-      ak::cp_async_16(vdst, vt + i * 16);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ak::cp_async_4(kdst + 4 * e, kt + i * 16 + 4 * e);
-        ak::cp_async_4(vdst + 4 * e, vt + i * 16 + 4 * e);
-      }
-    }
-  }
-}
-
-// load_block by the kN threads t = 0 .. kN - 1 of one role (each issues kTileBytes / 16 / kN
-// copies per tile).
+// Raw K and V tiles of (page, KV head g) into one stage [K | V], swizzled as in ak::load_block,
+// by the kN threads t = 0 .. kN - 1 of one role (each issues kTileBytes / 16 / kN copies per tile).
 template <bool kVec16, int kN>
 __device__ __forceinline__ void load_block_by(const AttnArgs& a, int page, int g, uint32_t stage,
                                               int t) {
@@ -233,28 +197,6 @@ __device__ __forceinline__ void load_block_by(const AttnArgs& a, int page, int g
   }
 }
 
-// Raw V (swizzled rows of 128 bytes) -> f16, MN-major with the 128-byte swizzle: dims
-// [64 h, 64 h + 64) of key k at vh + h * 16 KB + k * 128, 16-byte chunk c (8 dims) stored at chunk
-// c ^ (k & 7). Keys past vlim become 0.
-__device__ __forceinline__ void convert_v(const uint8_t* vraw, uint8_t* vh, int vlim) {
-#pragma unroll
-  for (int it = 0; it < ak::kBlockKeys * 16 / kThreads; ++it) {
-    const int i = it * kThreads + static_cast<int>(threadIdx.x);
-    const int key = i >> 4, c8 = i & 15;  // c8: 8 dims
-    uint4 h = make_uint4(0u, 0u, 0u, 0u);
-    if (key <= vlim) {
-      const uint2 raw = *reinterpret_cast<const uint2*>(
-          vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
-      h.x = ak::e4m3x2_to_f16x2(raw.x);
-      h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
-      h.z = ak::e4m3x2_to_f16x2(raw.y);
-      h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
-    }
-    *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
-                              (((c8 & 7) ^ (key & 7)) << 4)) = h;
-  }
-}
-
 // 2^x on the MUFU pipe (flushes results below 2^-126 to 0: a weight that small cannot matter).
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
@@ -262,7 +204,10 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
-// convert_v by the kN threads t = 0 .. kN - 1 of one role.
+// Raw V (swizzled rows of 128 bytes) -> f16, MN-major with the 128-byte swizzle: dims
+// [64 h, 64 h + 64) of key k at vh + h * 16 KB + k * 128, 16-byte chunk c (8 dims) stored at chunk
+// c ^ (k & 7). Keys past vlim become 0.
+// By the kN threads t = 0 .. kN - 1 of one role.
 template <int kN>
 __device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, int vlim, int t) {
 #pragma unroll 4
@@ -284,8 +229,8 @@ __device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, i
 }
 
 // NaN in V where some present token of the tile misses keys of the block (keys klo + 1 .. kmax;
-// P = 0 there in a shared MMA row, and 0 * NaN = NaN would leak into that row): after convert_v
-// (_by), the same kN threads revisit their own chunks of those keys; a NaN byte (low 7 bits set)
+// P = 0 there in a shared MMA row, and 0 * NaN = NaN would leak into that row): after convert_v_by,
+// the same kN threads revisit their own chunks of those keys; a NaN byte (low 7 bits set)
 // becomes 0 in the f16 tile and the smallest such key of its dim is recorded with the entry's
 // number gen: key_rec[d] = gen << 8 | (255 - key), gen_rec = gen (atomicMax: numbers grow). A token
 // sees the NaN of dim d iff that key <= its lim (its visible keys are a prefix of the block).
@@ -402,14 +347,8 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s
 
 // ---------------------------------------------------------------------------------------------
 // The prefill kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-// kVariant: 0 the first version (Q in shared memory, every bookkeeping value recomputed per block);
-// 1 per-entry V row limits precomputed with the list and the O rescale skipped when no row
-// maximum moved; 2 as 1 with the Q fragments in registers (register-A QK wgmma: 16 KB less
-// shared-memory traffic per block and no Q tile).
-template <bool kVec16, int kVariant = 0>
+template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const AttnArgs a) {
-  constexpr bool kLean = kVariant >= 1;
-  constexpr bool kQRegs = kVariant >= 2;
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
@@ -419,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   __shared__ int s_list_b[kMaxList];
   __shared__ int s_list_page[kMaxList];
   __shared__ int s_list_mask[kMaxList];
-  __shared__ int s_list_vlim[kMaxList];  // kLean: V row limit of the entry (vlim_of)
+  __shared__ int s_list_vlim[kMaxList];  // V row limit of the entry
   __shared__ uint32_t s_vnan_gen[2];     // V NaN records per f16 tile (fix_v_nan)
   __shared__ uint32_t s_vnan_key[2][ak::kDim];
 
@@ -447,12 +386,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     cand_b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
                          static_cast<int64_t>(g) * a.bid_stride_h + tid % ak::kTopKIds];
   }
-  // Q rows (token w, head h) -> row 16 w + h of the CTA's 128 x 128-byte tile (warpgroup w / 4
-  // reads rows 64 (w / 4) ..), swizzled; rows of absent tokens or heads >= group are zero.
-  // kQRegs: the A fragments of this warp's token instead (rows grp, grp + 8 = heads; k-step kk
-  // holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row).
+  // The Q rows of this warp's token as register A fragments (rows grp, grp + 8 = heads; k-step kk
+  // holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row; zero for an absent
+  // token or heads >= group).
   uint32_t qa[4][4];
-  if constexpr (kQRegs) {
+  {
     const bool tk = tok < nt;
     const bool r0 = tk && grp < a.group, r1 = tk && grp + 8 < a.group;
     const uint8_t* q0 = a.q + static_cast<int64_t>(t0 + (tk ? tok : 0)) * a.q_stride_t +
@@ -466,21 +404,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       qa[kk][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
       qa[kk][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
     }
-  } else {
-    uint8_t* qs = smem + kQOff;
-#pragma unroll
-    for (int it = 0; it < kQT * ak::kRows * 8 / kThreads; ++it) {
-      const int i = it * kThreads + tid;
-      const int row = i >> 3, c = i & 7;
-      const int w = row >> 4, h = row & 15;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (w < nt && h < a.group)
-        v = *reinterpret_cast<const uint4*>(a.q + static_cast<int64_t>(t0 + w) * a.q_stride_t +
-                                            static_cast<int64_t>(g * a.group + h) * ak::kDim +
-                                            c * 16);
-      *reinterpret_cast<uint4*>(qs + row * ak::kDim + ((c ^ (row & 7)) << 4)) = v;
-    }
-    fence_proxy_async();
   }
   __syncthreads();  // s_pos
 
@@ -518,13 +441,11 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       s_list_b[rank] = b;
       s_list_page[rank] = s_cand_page[tid];
       s_list_mask[rank] = mask;
-      if constexpr (kLean) {
-        int vmax = 0;
+      int vmax = 0;
 #pragma unroll
-        for (int w = 0; w < kQT; ++w)
-          if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
-        s_list_vlim[rank] = vmax - b * ak::kBlockKeys;
-      }
+      for (int w = 0; w < kQT; ++w)
+        if (mask & (1 << w)) vmax = max(vmax, s_pos[w]);
+      s_list_vlim[rank] = vmax - b * ak::kBlockKeys;
     }
   } else {
     int maxpos = -1;
@@ -546,7 +467,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2] = {1.0f, 1.0f};
 
   const int my_pos = s_pos[tok];
-  const uint32_t q_desc_addr = base + kQOff + wg * (kRowsPerWG * ak::kDim);
   // V NaN: dims of this thread's output values (o[4 jj + x], o[4 jj + 2 + x]: dim 8 jj + 2 tig + x,
   // bit 2 jj + x) that a recorded NaN reaches; entries are numbered from 1 across chunks.
   uint32_t nan_dims = 0u;
@@ -572,7 +492,7 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
         s_list_b[i] = b;
         s_list_page[i] = page;
         s_list_mask[i] = mask;
-        if constexpr (kLean) s_list_vlim[i] = mask ? vmax - b * ak::kBlockKeys : -1;
+        s_list_vlim[i] = mask ? vmax - b * ak::kBlockKeys : -1;
       }
       __syncthreads();
       off = 0;
@@ -582,20 +502,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     const int* lpage = s_list_page + off;
     const int* lvlim = s_list_vlim + off;
 
-    // Largest position of a token of the tile that sees entry i (its V rows past it are zeroed).
-    auto vlim_of = [&](int i) {
-      int vlim = 0;
-      if constexpr (kLean) {
-        vlim = lvlim[i];
-      } else {
-        int vmax = 0;
-#pragma unroll
-        for (int w = 0; w < kQT; ++w)
-          if (lmask[i] & (1 << w)) vmax = max(vmax, s_pos[w]);
-        vlim = vmax - lb[i] * ak::kBlockKeys;
-      }
-      return vlim;
-    };
     // Keys of entry i this thread's token sees: [0, lim] (lim < 0: none).
     auto lim_of = [&](int i) {
       return (lmask[i] >> tok) & 1 ? my_pos - lb[i] * ak::kBlockKeys : -1;
@@ -603,13 +509,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     auto issue_qk = [&](int i) {
       const uint32_t kaddr = base + (i % kStages) * kStageBytes;
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        if constexpr (kQRegs)
-          wgmma_qk_rs(s, qa[kk], smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
-        else
-          wgmma_qk(s, smem_desc(q_desc_addr + 32 * kk, 16, 1024),
-                   smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
-      }
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_qk_rs(s, qa[kk], smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
     };
     auto issue_pv = [&](int i) {
       const uint32_t vaddr = base + kVhOff + (i & 1) * kVhBytes;
@@ -618,16 +519,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
         wgmma_pv(o, p[kk], smem_desc(vaddr + kk * 2048, kTileBytes, 1024));
     };
 
-    // Loads and V conversions. kLean splits the roles: warpgroup 0 issues every cp.async, warpgroup
-    // 1 converts V and alone needs the generic -> async proxy fence for its f16 stores, so that
-    // fence never waits behind in-flight copies of its own; cp.async data reach wgmma after
+    // Loads and V conversions in two roles: warpgroup 0 issues every cp.async, warpgroup 1
+    // converts V and alone needs the generic -> async proxy fence for its f16 stores, so that fence
+    // never waits behind in-flight copies of its own; cp.async data reach wgmma after
     // cp.async.wait_group and the barrier, as in CUTLASS's cp.async + GMMA mainloops.
     auto load = [&](int j, int stage) {
-      if constexpr (kLean) {
-        if (wg == 0) load_block_by<kVec16, 128>(a, lpage[j], g, base + stage * kStageBytes, tid);
-      } else {
-        load_block<kVec16>(a, lpage[j], g, base + stage * kStageBytes);
-      }
+      if (wg == 0) load_block_by<kVec16, 128>(a, lpage[j], g, base + stage * kStageBytes, tid);
     };
     // Keys of entry i that some present token misses start after klo_of(i).
     auto klo_of = [&](int i) {
@@ -641,19 +538,13 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     auto convert = [&](int i) {
       const uint8_t* vraw = smem + (i % kStages) * kStageBytes + kTileBytes;
       uint8_t* vh = smem + kVhOff + (i & 1) * kVhBytes;
-      const int vlim = lmask[i] ? vlim_of(i) : -1;
+      // Largest position of a token of the tile that sees entry i (its V rows past it are zeroed).
+      const int vlim = lmask[i] ? lvlim[i] : -1;
       const int kmax = min(vlim, ak::kBlockKeys - 1);
-      if constexpr (kLean) {
-        if (wg == 1) {
-          convert_v_by<128>(vraw, vh, vlim, tid - 128);
-          fix_v_nan<128>(vraw, vh, klo_of(i), kmax, tid - 128, gen0 + i, s_vnan_key[i & 1],
-                         &s_vnan_gen[i & 1]);
-          fence_proxy_async();
-        }
-      } else {
-        convert_v(vraw, vh, vlim);
-        fix_v_nan<kThreads>(vraw, vh, klo_of(i), kmax, tid, gen0 + i, s_vnan_key[i & 1],
-                            &s_vnan_gen[i & 1]);
+      if (wg == 1) {
+        convert_v_by<128>(vraw, vh, vlim, tid - 128);
+        fix_v_nan<128>(vraw, vh, klo_of(i), kmax, tid - 128, gen0 + i, s_vnan_key[i & 1],
+                       &s_vnan_gen[i & 1]);
         fence_proxy_async();
       }
     };
@@ -683,7 +574,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       ak::cp_async_commit();
     }
     ak::cp_async_wait<kStages - 1>();
-    if constexpr (!kLean) fence_proxy_async();
     __syncthreads();  // block 0 landed for every thread
     reg_fence(s);
     wgmma_fence();
@@ -699,7 +589,6 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       // Block i + 1 landed; f16 V(i) complete; every warpgroup is done with S(i) and P V(i - 1),
       // so the stage of block i and the f16 tile of i - 1 are free.
       ak::cp_async_wait<kStages - 2>();
-      if constexpr (!kLean) fence_proxy_async();
       __syncthreads();
       {
         const int j = i + kStages;
@@ -719,18 +608,14 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
       issue_pv(i);
       wgmma_commit();
       add_nan_dims(i);
-      if (has_next) {
-        convert(nx);
-      } else if constexpr (!kLean) {
-        fence_proxy_async();
-      }
+      if (has_next) convert(nx);
       wgmma_wait<1>();  // S(i + 1) done, P V(i) may still run
       reg_fence(s);
       softmax_block(s, m, l, alpha, has_next ? lim_of(nx) : -1, a.scale_log2);
       wgmma_wait<0>();
       reg_fence(o);
       reg_fence(p);
-      rescale_and_pack<kLean>(o, s, alpha, p);
+      rescale_and_pack<true>(o, s, alpha, p);
     }
     ak::cp_async_wait<0>();
     __syncthreads();  // stages, f16 tiles and entries are free for the next chunk

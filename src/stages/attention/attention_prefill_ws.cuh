@@ -1,5 +1,5 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 6 .. 14 (11 is the automatic choice for prefill batches). Same
+// AttentionCudaConfig::kernel = 11, 15, 16, 17 (see Variants; 11 is the automatic choice). Same
 // math, tiles, masks, numerics and split workspace as the wgmma kernel of
 // attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is who waits for what.
 //
@@ -10,21 +10,22 @@
 //
 // Roles (384 threads, 1 CTA per SM, persistent over work items (tile, KV head, split), heaviest
 // tiles first):
-//   - warp 0 (scheduler, setmaxnreg 40): for each work item finds the tile (warp scan of
+//   - warp 0 (scheduler, setmaxnreg 40; kWide 64): for each work item finds the tile (warp scan of
 //     query_start), builds the union of the 8 tokens' selected blocks with per-token masks
 //     (sparse) or walks blocks 0 .. max_pos / 128 (dense), and for every entry of its split range
 //     writes a 64-byte header (per-token key limits, V row limit, tile) into the entry's ring
 //     stage and issues two TMA tile loads (K, V: 4D tensor maps over the paged cache, run-time
 //     page stride, 128-byte swizzle = the layout wgmma expects) plus, with the item's first
-//     entry, the Q tile (3D map: 8 tokens x 16 heads x 128 bytes, zero past T) into one of two Q
-//     buffers; all on the stage's full mbarrier (complete_tx). Items without a single entry get
+//     entry, the Q tile (3D map: 8 tokens x 16 heads x 128 bytes, zero past T) into the Q
+//     buffer; all on the stage's full mbarrier (complete_tx). Items without a single entry get
 //     their zero output (or empty split partial) written by this warp directly.
-//   - warps 1-3 (converters, setmaxnreg 40): raw E4M3 V of each entry -> the f16 MN-major tile of
+//   - warps 1-3 (converters, setmaxnreg 40; kWide 64): raw E4M3 V of each entry -> the f16 MN-major
+//   tile of
 //     attention_prefill_wgmma.cuh (2 f16 buffers), rows past the entry's V limit zeroed;
 //     fence.proxy.async, then the f16 buffer's full mbarrier.
-//   - warpgroups 1, 2 (consumers, setmaxnreg 232): 64 rows each (4 tokens x 16 heads). Per entry:
-//     S(i+1) = Q K(i+1)^T and O += P(i) V(i) are issued back to back (FP8 wgmma with Q from the
-//     shared Q tile, f16 wgmma with P from registers), softmax of i+1 runs while P(i) V(i) is on
+//   - warpgroups 1, 2 (consumers, setmaxnreg 232; kWide 216): 64 rows each (4 tokens x 16 heads).
+//     Per entry: S(i+1) = Q K(i+1)^T and O += P(i) V(i) are issued back to back (FP8 wgmma with Q
+//     from registers, f16 wgmma with P from registers), softmax of i+1 runs while P(i) V(i) is on
 //     the tensor cores, and the two warpgroups take turns issuing (named barriers 1, 2:
 //     "ping-pong") so one's softmax overlaps the other's MMAs. The stream of entries runs across
 //     work items without a drain: S of the next item's first block is issued before the last P V of
@@ -32,39 +33,36 @@
 // Files: attention_prefill_ws_common.cuh (constants, ring header, shared state, PTX wrappers),
 // attention_prefill_ws_scheduler.cuh (the scheduler warp), this file (converters, consumers, the
 // kernel, tensor maps and launch).
-// Variants (template flags; kernel 6 none, 7 + kLookahead, 8 + kQRegs, 9 + kFastConvert, 10 +
-// kFastUnion, 11 + kDeep, 12 + kUni, 13 = 12 + kFree, 14 = 12 + kWide):
-// kLookahead: the scheduler prepares the next work item (global loads, union) right after the
-// current item's first entry, not after its last; kQRegs: each consumer warp copies its Q
-// fragments from the Q tile into registers when an item starts (register-A QK wgmma); kFastConvert:
-// the converters take 16-byte items, 4 in flight per thread, zeroing by selects (round-2 ncu of
-// kernel 6: the 3 converter warps were ~85 % busy and the consumers waited on the f16 tile for
-// 16 % of all samples); kFastUnion: the scheduler builds each tile's union by minimum extraction
-// (~25 instructions per distinct block; the all-pairs compare took ~2.6 K dependent instructions
-// per item, i.e. longer than the 3-stage ring lasts: sparse entries cost ~25 % more than dense ones
-// in round 3, 4100 vs 3300 cycles per entry and SM, dense items needing no union); kDeep: 4 raw
-// stages and one Q buffer, released when every consumer warp has its Q fragments (round-A ncu of
-// kernel 10: consumers and converters waiting on full, the scheduler on empty: TMA latency not
-// covered by 3 stages); kUni: entry headers broadcast through a warp reduction (a uniform value for
-// the compiler) and wgmma descriptors as constant offsets of two base descriptors, so the issue of
-// the 12 wgmmas between turn_wait and turn_pass is no longer ~7 dependent instructions each
-// (round-A ncu of kernel 10: 16 % of the consumer warps' samples), and the converters' f16 stores
-// in an order free of bank conflicts (store_f16_chunk); kFree (13): no ping-pong turns; kWide
-// (14): 64 registers for the scheduler and converters, 216 for the consumers.
+// History (session 12, H200, sparse 8K chunk at 8K): the scheduler prepares the next work item
+// right after the current item's first entry (its global loads and union overlap the ring), the
+// consumers keep Q in registers (register-A QK wgmma), the converters take 16-byte items, 4 in
+// flight per thread, zeroing by selects (the 8-byte loop kept them ~85 % busy and the consumers
+// waiting on the f16 tile for 16 % of their samples), the scheduler builds each tile's union by
+// minimum extraction (~25 instructions per distinct block; an all-pairs compare took ~2.6 K
+// dependent instructions per item, longer than the ring lasted) and the ring has 4 stages and one
+// Q buffer, released when every consumer warp has its Q fragments (TMA latency was not covered by
+// 3 stages). Session 13 removed those steps' kernels 6-10 (never faster than 11).
+// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 16 + kConstDesc, 17 +
+// kSwap): kWide: 64 registers for the scheduler and converter warps, 216 for the consumers
+// (instead of 40 / 232; ptxas: no spills instead of ~180 bytes in the 40-register warps);
+// kConstDesc: wgmma descriptors as constant offsets of two base descriptors (consumer_warpgroups);
+// kSwap: the converters' f16 stores in an order free of bank conflicts (store_f16_chunk). Session
+// 13 round A measured and removed kernels 12 (headers broadcast by a warp OR reduction, meant to
+// make the stage index uniform: it did not, and its redux latency made kernel 12 3 % slower than
+// 11: 952 vs 923 us) and 13 (12 without the ping-pong turns: no faster than 12).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
 // 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
-// warps after P V(i) completes), qempty[2] (8 consumer warps after the item's last S; kDeep:
-// qempty[0] after its first S, Q being in registers by then). Where one
+// warps after P V(i) completes), qempty (8 consumer warps after the item's first S, Q being in
+// registers by then). Where one
 // lane arrives for its warp, only that lane reads the shared words the arrival releases (entry
 // headers, NaN records; broadcast by shuffles): racecheck orders accesses through an mbarrier
 // only for the arriving thread (round A of session 12: 107 hazards between header rewrites and
 // the reads of lanes 1-31 when the ring wraps, although __syncwarp orders them).
 //
-// Shared memory: 3 raw stages x 32 KB + 2 f16 V x 32 KB + 2 Q x 16 KB + 1 KB alignment = 193 KB
-// dynamic (kDeep: 4 stages, 1 Q: 209 KB), 5.6 KB static. Registers: 168 at launch (384 threads),
-// consumers 232 after setmaxnreg (no spills), scheduler + converters 40 (ptxas reports 64 B
-// (kernel 6) / 262 B (7-9) / 210 B (10) / 182 B (11, 12) of spills: compile experiments place
-// them in the scheduler warp's item preparation; kWide, kernel 14: 64 / 216, no spills at all).
+// Shared memory: 4 raw stages x 32 KB + 2 f16 V x 32 KB + 1 Q x 16 KB + 1 KB alignment = 209 KB
+// dynamic, ~5 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
+// (no spills), scheduler + converters 40 (ptxas reports ~180-200 bytes of spills, which compile
+// experiments place in the scheduler warp's item preparation); kWide: 216 / 64, no spills at all.
 // Needs 16-byte
 // aligned pool base and strides (TMA); otherwise, or when the driver refuses a tensor map, the
 // launcher runs the cp.async wgmma kernel (kernel 4).
@@ -76,7 +74,11 @@
 // 8K, where early tokens see fewer) for 16 selected per token: the bench's selections share a
 // ranking per 64 tokens, so the union costs nothing there. Session 12 round A (same bench, before
 // the NaN and racecheck changes): kernel 10 sparse 915.0 / 1037.9 us = 511.8 / 513.3 TFLOP/s vs
-// kernel 9 998.0 / 1111.6 us = 469.2 / 479.2; dense 599.4 / 615.7 vs 600.3 / 626.4.
+// kernel 9 998.0 / 1111.6 us = 469.2 / 479.2; dense 599.4 / 615.7 vs 600.3 / 626.4. Session 13
+// round A: kernel 11 sparse 923.0 / 1048.6 us = 507.4 / 508.0 TFLOP/s, lowoverlap 2187 us, dense
+// 572.7 / 592.4 TFLOP/s. ncu of kernel 12 (per consumer warp and entry, ~3900 cycles): softmax
+// ~1390, turn wait + wgmma issue ~630, S wait ~540, full wait + header ~450, epilogue ~310,
+// rescale / pack ~210, vfull wait ~170; tensor pipe ~40 % busy.
 //
 // Expected bound (8K chunk, ~16 blocks per tile): per block and CTA 512 cycles of FP8 QK + 1024 of
 // f16 P V on the tensor cores, 16 K exp2 = 1024 MUFU cycles, 48 KB of conversion traffic; with the
@@ -175,21 +177,13 @@ __device__ __forceinline__ bool clear_nan_word(uint32_t& w, int key, int d0, uin
   return any;
 }
 
-// lane 0's v (every other lane passes 0) in every lane, by a warp OR reduction: its result is
-// warp-uniform for the compiler (a uniform register), so that branches on it stay uniform and the
-// values derived from it (ring stage, descriptors) can live in uniform registers (kUni).
-__device__ __forceinline__ int bcast_lane0(int v) {
-  return static_cast<int>(__reduce_or_sync(0xffffffffu, static_cast<unsigned>(v)));
-}
-
-template <bool kFast, bool kDeep, bool kUni>
+template <bool kSwap>
 __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
-  using R = Ring<kDeep>;
   const int t = static_cast<int>(threadIdx.x) - 32;  // 0 .. 95
   const int lane = threadIdx.x & 31;
   for (uint32_t j = 0;; ++j) {  // entry j fills f16 buffer j % 2 (every entry carries a block)
-    const int s = static_cast<int>(j % R::kStages);
-    mbar_wait(bar_addr(sh.full[s]), (j / R::kStages) & 1);
+    const int s = static_cast<int>(j % kStages);
+    mbar_wait(bar_addr(sh.full[s]), (j / kStages) & 1);
     // The header is read by lane 0 alone, which also releases the stage (racecheck orders
     // accesses by the arriving thread only), and broadcast. Keys klo + 1 .. kmax are missed by
     // some present token (NaN test there).
@@ -200,17 +194,10 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
       vlim = ld_lane0(e.vlim);
       klo = ld_lane0(e.klo);
     }
-    if constexpr (kUni) {
-      info = bcast_lane0(info);
-      if (info_flags(info) & kEnd) return;
-      vlim = bcast_lane0(vlim);
-      klo = bcast_lane0(klo);
-    } else {
-      info = __shfl_sync(0xffffffffu, info, 0);
-      if (info_flags(info) & kEnd) return;
-      vlim = __shfl_sync(0xffffffffu, vlim, 0);
-      klo = __shfl_sync(0xffffffffu, klo, 0);
-    }
+    info = __shfl_sync(0xffffffffu, info, 0);
+    if (info_flags(info) & kEnd) return;
+    vlim = __shfl_sync(0xffffffffu, vlim, 0);
+    klo = __shfl_sync(0xffffffffu, klo, 0);
     const int kmax = min(vlim, ak::kBlockKeys - 1);
     const bool check = klo < kmax;
     const uint32_t gen = j + 1;
@@ -218,11 +205,11 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
     uint32_t* key_rec = sh.vnan_key[vs];
     uint32_t* gen_rec = &sh.vnan_gen[vs];
     bool wrote = false;  // this thread recorded a NaN (it then arrives on vfull itself)
-    uint32_t hit = 0u;   // kFast: a NaN byte in one of this thread's chunks (check only)
+    uint32_t hit = 0u;   // a NaN byte in one of this thread's chunks (check only)
     if (j >= 2) mbar_wait(bar_addr(sh.vempty[vs]), ((j >> 1) - 1) & 1);
     const uint8_t* vraw = smem + s * kStageBytes + kTileBytes;
-    uint8_t* vh = smem + R::kVhOff + vs * kVhBytes;
-    if constexpr (kFast) {
+    uint8_t* vh = smem + kVhOff + vs * kVhBytes;
+    {
       constexpr int kItems = ak::kBlockKeys * 8;  // 16-byte raw chunks
       constexpr int kN = 32 * kConvWarps;
       constexpr int kU = 4;  // items in flight per thread
@@ -245,7 +232,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int i = i0 + u * kN;
-            if (i < kItems) store_f16_chunk<kUni>(vh, i >> 3, i & 7, r[u]);
+            if (i < kItems) store_f16_chunk<kSwap>(vh, i >> 3, i & 7, r[u]);
           }
         }
       };
@@ -267,29 +254,9 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           clear_nan_word(w.y, key, 16 * c + 4, gen, key_rec, gen_rec);
           clear_nan_word(w.z, key, 16 * c + 8, gen, key_rec, gen_rec);
           clear_nan_word(w.w, key, 16 * c + 12, gen, key_rec, gen_rec);
-          store_f16_chunk<kUni>(vh, key, c, w);
+          store_f16_chunk<kSwap>(vh, key, c, w);
           wrote = true;
         }
-      }
-    } else {
-#pragma unroll 2
-      for (int i = t; i < ak::kBlockKeys * 16; i += 32 * kConvWarps) {
-        const int key = i >> 4, c8 = i & 15;  // c8: 8 dims
-        uint4 h = make_uint4(0u, 0u, 0u, 0u);
-        if (key <= vlim) {
-          uint2 raw = *reinterpret_cast<const uint2*>(
-              vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
-          if (check && key > klo) {
-            wrote |= clear_nan_word(raw.x, key, 8 * c8, gen, key_rec, gen_rec);
-            wrote |= clear_nan_word(raw.y, key, 8 * c8 + 4, gen, key_rec, gen_rec);
-          }
-          h.x = ak::e4m3x2_to_f16x2(raw.x);
-          h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
-          h.z = ak::e4m3x2_to_f16x2(raw.y);
-          h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
-        }
-        *reinterpret_cast<uint4*>(vh + (c8 >> 3) * kTileBytes + key * 128 +
-                                  (((c8 & 7) ^ (key & 7)) << 4)) = h;
       }
     }
     ap::fence_proxy_async();  // f16 stores -> wgmma (async proxy) reads
@@ -364,14 +331,12 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[8][4]
 // NaN dims that this warp's token sees in entry gen - 1 (f16 buffer vs, visible keys 0 .. lim),
 // ORed into bits (dim d: bit d % 32 of word d / 32; the same in every lane). Lane 0 alone reads the
 // records (it releases the buffer: racecheck orders accesses by the arriving thread only).
-template <bool kUni>
 __device__ __forceinline__ void add_nan_dims(const Shared& sh, int vs, uint32_t gen, int lim,
                                              uint32_t (&bits)[4]) {
   const int lane = threadIdx.x & 31;
   uint32_t g = 0u;
   if (lane == 0) g = ld_lane0(sh.vnan_gen[vs]);
-  g = kUni ? static_cast<uint32_t>(bcast_lane0(static_cast<int>(g)))
-           : __shfl_sync(0xffffffffu, g, 0);
+  g = __shfl_sync(0xffffffffu, g, 0);
   if (g != gen) return;  // no record for this entry: the common case
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
@@ -406,14 +371,10 @@ __device__ __forceinline__ void apply_nan_dims(float (&o)[64], const uint32_t (&
 struct Cur {
   int info, t0, lim;
   __device__ __forceinline__ int flags() const { return info_flags(info); }
-  __device__ __forceinline__ int qslot() const { return info_qslot(info); }
 };
 
 // Lane 0 alone reads the header (it releases the stage: racecheck orders accesses by the
 // arriving thread only) and broadcasts it.
-// kUni: broadcast by bcast_lane0 (uniform values: the loop over entries and everything derived
-// from the entry count stay warp-uniform for the compiler).
-template <bool kUni>
 __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
   int info = 0, t0 = 0, lim = 0;
   if ((threadIdx.x & 31) == 0) {
@@ -421,35 +382,22 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
     t0 = ld_lane0(e.t0);
     lim = ld_lane0(e.lim[tok]);
   }
-  if constexpr (kUni) return Cur{bcast_lane0(info), bcast_lane0(t0), bcast_lane0(lim)};
   return Cur{__shfl_sync(0xffffffffu, info, 0), __shfl_sync(0xffffffffu, t0, 0),
              __shfl_sync(0xffffffffu, lim, 0)};
 }
 
-// A shared-memory descriptor advanced by `bytes` (a multiple of 16): the address field (bits
-// 0-13, address / 16) does not overflow while the address stays below 256 KB, so this is a plain
-// add to the low word; the high word (stride, swizzle mode) is a constant.
-__device__ __forceinline__ uint64_t desc_add(uint64_t d, uint32_t bytes) {
-  return (d & 0xFFFFFFFF00000000ull) |
-         static_cast<uint32_t>(static_cast<uint32_t>(d) + (bytes >> 4));
-}
-
-// kQRegs: each warp copies its token's Q fragments from the item's Q tile into registers when the
-// item starts (register-A QK wgmma: 8 KB less shared-memory traffic per warpgroup and block).
-// kDeep (requires kQRegs): one Q buffer, released by each warp once it has its Q fragments.
-// kUni: entry headers broadcast as uniform values (read_entry<true>) and the wgmma descriptors
-// as constant offsets of two base descriptors (desc_add): round-A ncu of kernel 10 showed every
-// descriptor rebuilt per use (add, mask, shift, or, two register-to-uniform moves: ~7
-// instructions per wgmma, 16 % of the consumer warps' samples) between turn_wait and turn_pass,
-// where the other warpgroup cannot issue.
-// kFree (kernel 13): no ping-pong turns; each warpgroup issues its wgmmas as soon as it is ready.
-template <bool kQRegs, bool kDeep, bool kUni, bool kFree>
+// Each warp copies its token's Q fragments from the item's Q tile into registers when the item
+// starts (register-A QK wgmma); the one Q buffer is released after the item's first S.
+// kConstDesc: the 12 wgmmas of an entry are issued from one copy of the code per ring stage (QK)
+// and f16 V buffer (P V), so that each descriptor is a base descriptor (computed once from the
+// shared-memory base, a uniform value) plus a constant: round-A ncu (kernels 10, 12) showed every
+// descriptor rebuilt per use in ordinary registers (the stage comes from the entry count, which
+// the compiler does not see as uniform) and moved to uniform registers (R2UR pairs), ~5-7
+// dependent instructions per wgmma between turn_wait and turn_pass (16 % of the consumer samples,
+// ~630 cycles per entry), where the other warpgroup cannot issue.
+template <bool kConstDesc>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
-  static_assert(kQRegs || !kDeep, "one Q buffer needs Q in registers");
-  using R = Ring<kDeep>;
-  // The entry whose completed S (kDeep: Q copy) releases the item's Q buffer.
-  constexpr int kQRelease = kDeep ? kFirst : kLast;
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
   const int wg = ct >> 7;
   const int tok = ct >> 5;  // warp of the consumers = token of the tile
@@ -461,107 +409,133 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 #pragma unroll
   for (int i = 0; i < 64; ++i) o[i] = 0.0f;
 
-  // kQRegs: the m16n8k32 A fragments of this warp's 16 rows (heads grp, grp + 8 of token tok):
-  // k-step kk holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row.
+  // The m16n8k32 A fragments of this warp's 16 rows (heads grp, grp + 8 of token tok): k-step kk
+  // holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row.
   uint32_t qa[4][4];
-  auto load_q = [&](int qslot) {
-    if constexpr (kQRegs) {
-      const uint8_t* q = smem + R::kQOff + qslot * kQBytes;
-      const int row0 = tok * ak::kRows + (lane >> 2), tig = lane & 3;
+  auto load_q = [&] {
+    const uint8_t* q = smem + kQOff;
+    const int row0 = tok * ak::kRows + (lane >> 2), tig = lane & 3;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row0 + 8 * (e & 1), off = 32 * kk + 16 * (e >> 1) + 4 * tig;
+        qa[kk][e] = *reinterpret_cast<const uint32_t*>(
+            q + row * 128 + (((off >> 4) ^ (row & 7)) << 4) + (off & 15));
+      }
+  };
+  const uint64_t kdesc0 = ap::smem_desc(base, 16, 1024);                   // K of stage 0
+  const uint64_t vdesc0 = ap::smem_desc(base + kVhOff, kTileBytes, 1024);  // f16 V buffer 0
+  static_assert(kStages == 4, "one issue copy per stage below");
+  using I0 = std::integral_constant<int, 0>;
+  using I1 = std::integral_constant<int, 1>;
+  using I2 = std::integral_constant<int, 2>;
+  using I3 = std::integral_constant<int, 3>;
+  auto qk_const = [&](auto st) {
+    constexpr int kS = decltype(st)::value;
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      ap::wgmma_qk_rs(s, qa[kk], kdesc0 + static_cast<uint64_t>((kS * kStageBytes + 32 * kk) >> 4),
+                      kk > 0 ? 1 : 0);
+  };
+  auto issue_qk = [&](int stage) {
+    if constexpr (kConstDesc) {
+      switch (stage) {
+        case 0:
+          qk_const(I0{});
+          break;
+        case 1:
+          qk_const(I1{});
+          break;
+        case 2:
+          qk_const(I2{});
+          break;
+        default:
+          qk_const(I3{});
+          break;
+      }
+    } else {
+      const uint32_t kaddr = base + stage * kStageBytes;
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = row0 + 8 * (e & 1), off = 32 * kk + 16 * (e >> 1) + 4 * tig;
-          qa[kk][e] = *reinterpret_cast<const uint32_t*>(
-              q + row * 128 + (((off >> 4) ^ (row & 7)) << 4) + (off & 15));
-        }
-    }
-  };
-  const uint64_t kdesc0 = ap::smem_desc(base, 16, 1024);                      // K of stage 0
-  const uint64_t vdesc0 = ap::smem_desc(base + R::kVhOff, kTileBytes, 1024);  // f16 V buffer 0
-  auto issue_qk = [&](int qslot, int stage) {
-    const uint32_t qaddr = base + R::kQOff + qslot * kQBytes + wg * (kQBytes / 2);
-    const uint32_t kaddr = base + stage * kStageBytes;
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t kd = kUni ? desc_add(kdesc0, stage * kStageBytes + 32 * kk)
-                               : ap::smem_desc(kaddr + 32 * kk, 16, 1024);
-      if constexpr (kQRegs)
-        ap::wgmma_qk_rs(s, qa[kk], kd, kk > 0 ? 1 : 0);
-      else
-        ap::wgmma_qk(s, ap::smem_desc(qaddr + 32 * kk, 16, 1024), kd, kk > 0 ? 1 : 0);
+        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
     }
   };
   // O (+)= P V; the first entry of an item overwrites O (the previous item's O was stored).
-  auto issue_pv = [&](int vs, int flags) {
-    const uint32_t vaddr = base + R::kVhOff + vs * kVhBytes;
+  auto pv_const = [&](auto vb, int flags) {
+    constexpr int kV = decltype(vb)::value;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      ap::wgmma_pv(o, p[kk],
-                   kUni ? desc_add(vdesc0, vs * kVhBytes + kk * 2048)
-                        : ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
+      ap::wgmma_pv(o, p[kk], vdesc0 + static_cast<uint64_t>((kV * kVhBytes + kk * 2048) >> 4),
                    kk > 0 || !(flags & kFirst) ? 1 : 0);
+  };
+  auto issue_pv = [&](int vs, int flags) {
+    if constexpr (kConstDesc) {
+      if (vs == 0)
+        pv_const(I0{}, flags);
+      else
+        pv_const(I1{}, flags);
+    } else {
+      const uint32_t vaddr = base + kVhOff + vs * kVhBytes;
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        ap::wgmma_pv(o, p[kk], ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
+                     kk > 0 || !(flags & kFirst) ? 1 : 0);
+    }
   };
 
   uint32_t j = 0;  // current entry; its V is in f16 buffer j % 2
   mbar_wait(bar_addr(sh.full[0]), 0);
-  Cur cur = read_entry<kUni>(sh.entry[0], tok);
+  Cur cur = read_entry(sh.entry[0], tok);
   if (cur.flags() & kEnd) return;  // no work for this CTA
-  auto wait_turn = [&] {
-    if constexpr (!kFree) turn_wait(wg);
-  };
-  auto pass_turn = [&] {
-    if constexpr (!kFree) turn_pass(wg);
-  };
-  if (wg == 1) pass_turn();  // warpgroup 0 issues first
+  if (wg == 1) turn_pass(wg);      // warpgroup 0 issues first
 
   // Entry 0: S, softmax, P.
-  load_q(cur.qslot());
-  wait_turn();
+  load_q();
+  turn_wait(wg);
   ap::reg_fence(s);
   ap::wgmma_fence();
-  issue_qk(cur.qslot(), 0);
+  issue_qk(0);
   ap::wgmma_commit();
-  pass_turn();
+  turn_pass(wg);
   ap::wgmma_wait<0>();
   ap::reg_fence(s);
   __syncwarp();  // every lane has read the header before the stage is released
   if (lane == 0) {
     mbar_arrive(bar_addr(sh.empty[0]));
-    if (cur.flags() & kQRelease) mbar_arrive(bar_addr(sh.qempty[cur.qslot()]));
+    if (cur.flags() & kFirst) mbar_arrive(bar_addr(sh.qempty));
   }
   ap::softmax_block(s, m, l, alpha, cur.lim, a.scale_log2);
   ap::rescale_and_pack<true>(o, s, alpha, p);
 
   for (;;) {
     const uint32_t nj = j + 1;
-    const int ns = static_cast<int>(nj % R::kStages);
-    mbar_wait(bar_addr(sh.full[ns]), (nj / R::kStages) & 1);
-    const Cur nxt = read_entry<kUni>(sh.entry[ns], tok);
+    const int ns = static_cast<int>(nj % kStages);
+    mbar_wait(bar_addr(sh.full[ns]), (nj / kStages) & 1);
+    const Cur nxt = read_entry(sh.entry[ns], tok);
     if (nxt.flags() & kEnd) break;
     const int vs = static_cast<int>(j & 1);
-    if (nxt.flags() & kFirst) load_q(nxt.qslot());
+    if (nxt.flags() & kFirst) load_q();
     mbar_wait(bar_addr(sh.vfull[vs]), (j >> 1) & 1);
     // S(next) then P V(cur), in this warpgroup's turn.
-    wait_turn();
+    turn_wait(wg);
     ap::reg_fence(o);
     ap::reg_fence(s);
     ap::reg_fence(p);
     ap::wgmma_fence();
-    issue_qk(nxt.qslot(), ns);
+    issue_qk(ns);
     ap::wgmma_commit();
     issue_pv(vs, cur.flags());
     ap::wgmma_commit();
-    pass_turn();
+    turn_pass(wg);
     if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
-    add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
+    add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
     ap::wgmma_wait<1>();  // S(next) done; P V(cur) may still run
     ap::reg_fence(s);
     __syncwarp();  // every lane has read the header before the stage is released
     if (lane == 0) {
       mbar_arrive(bar_addr(sh.empty[ns]));
-      if (nxt.flags() & kQRelease) mbar_arrive(bar_addr(sh.qempty[nxt.qslot()]));
+      if (nxt.flags() & kFirst) mbar_arrive(bar_addr(sh.qempty));
     }
     // At an item boundary the next entry starts a fresh softmax; the finished item's m, l are
     // kept for its epilogue.
@@ -592,15 +566,15 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
   // Last entry: P V, epilogue.
   const int vs = static_cast<int>(j & 1);
   mbar_wait(bar_addr(sh.vfull[vs]), (j >> 1) & 1);
-  wait_turn();
+  turn_wait(wg);
   ap::reg_fence(o);
   ap::reg_fence(p);
   ap::wgmma_fence();
   issue_pv(vs, cur.flags());
   ap::wgmma_commit();
-  if (wg == 0) pass_turn();  // warpgroup 1's last pass would have no matching wait
+  if (wg == 0) turn_pass(wg);  // warpgroup 1's last pass would have no matching wait
   if (cur.flags() & kFirst) nan_bits[0] = nan_bits[1] = nan_bits[2] = nan_bits[3] = 0u;
-  add_nan_dims<kUni>(sh, vs, j + 1, cur.lim, nan_bits);
+  add_nan_dims(sh, vs, j + 1, cur.lim, nan_bits);
   ap::wgmma_wait<0>();
   ap::reg_fence(o);
   apply_nan_dims(o, nan_bits);
@@ -609,8 +583,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kLookahead, bool kQRegs, bool kFastConvert, bool kFastUnion, bool kDeep, bool kUni,
-          bool kFree, bool kWide>
+template <bool kWide, bool kConstDesc, bool kSwap>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -624,15 +597,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x >> 5;
 
   if (threadIdx.x == 0) {
-    for (int s = 0; s < Ring<kDeep>::kStages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_addr(sh.full[s]), 1);
       mbar_init(bar_addr(sh.empty[s]), kConsumerWarps + kConvWarps);
     }
     for (int i = 0; i < 2; ++i) {
       mbar_init(bar_addr(sh.vfull[i]), 32 * kConvWarps);
       mbar_init(bar_addr(sh.vempty[i]), kConsumerWarps);
-      mbar_init(bar_addr(sh.qempty[i]), kConsumerWarps);
     }
+    mbar_init(bar_addr(sh.qempty), kConsumerWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   for (int i = threadIdx.x; i < 2 * ak::kDim; i += kThreads) (&sh.vnan_key[0][0])[i] = 0u;
@@ -642,12 +615,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWide ? kLowRegsWide : kLowRegs));
     if (warp == 0)
-      scheduler_warp<kLookahead, kFastUnion, kDeep>(a, &kmap, &vmap, &qmap, tiles, sh, base);
+      scheduler_warp(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
-      converter_warps<kFastConvert, kDeep, kUni>(sh, smem);
+      converter_warps<kSwap>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
-    consumer_warpgroups<kQRegs, kDeep, kUni, kFree>(a, sh, base, smem);
+    consumer_warpgroups<kConstDesc>(a, sh, base, smem);
   }
 }
 
@@ -702,39 +675,24 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool lookahead, bool q_regs,
-                     bool fast_convert, bool fast_union, bool deep_ring, bool uniform,
-                     bool free_issue, bool wide_regs, cudaStream_t stream, bool* launched) {
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs,
+                     bool const_desc, bool swap_stores, cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  // The compiled combinations: kernels 6 (none), 7 (lookahead), 8 (+ Q in registers), 9 (+ the
-  // fast V conversion), 10 (+ the union by minimum extraction), 11 (+ 4 stages, one Q buffer), 12
-  // (+ uniform headers and descriptors, conflict-free V stores), 13 (+ no ping-pong turns), 14 (12
-  // + 64 / 216 registers).
-  auto kernel =
-      !lookahead
-          ? attention_prefill_ws_kernel<false, false, false, false, false, false, false, false>
-      : !q_regs ? attention_prefill_ws_kernel<true, false, false, false, false, false, false, false>
-      : !fast_convert
-          ? attention_prefill_ws_kernel<true, true, false, false, false, false, false, false>
-      : !fast_union
-          ? attention_prefill_ws_kernel<true, true, true, false, false, false, false, false>
-      : !deep_ring ? attention_prefill_ws_kernel<true, true, true, true, false, false, false, false>
-      : !uniform   ? attention_prefill_ws_kernel<true, true, true, true, true, false, false, false>
-      : free_issue ? attention_prefill_ws_kernel<true, true, true, true, true, true, true, false>
-      : wide_regs  ? attention_prefill_ws_kernel<true, true, true, true, true, true, false, true>
-                   : attention_prefill_ws_kernel<true, true, true, true, true, true, false, false>;
-  const int smem = deep_ring && q_regs && fast_convert && fast_union && lookahead
-                       ? Ring<true>::kSmemBytes
-                       : Ring<false>::kSmemBytes;
+  // Kernels 11 (none), 15 (64 / 216 registers), 16 (15 + constant-offset descriptors), 17 (16 +
+  // conflict-free f16 V stores).
+  auto kernel = !wide_regs     ? attention_prefill_ws_kernel<false, false, false>
+                : !const_desc  ? attention_prefill_ws_kernel<true, false, false>
+                : !swap_stores ? attention_prefill_ws_kernel<true, true, false>
+                               : attention_prefill_ws_kernel<true, true, true>;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));
-  kernel<<<grid, kThreads, smem, stream>>>(a, kmap, vmap, qmap, static_cast<int>(tiles));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(a, kmap, vmap, qmap, static_cast<int>(tiles));
   M3_CUDA_CHECK_LAUNCH();
   *launched = true;
   return Status::Ok();

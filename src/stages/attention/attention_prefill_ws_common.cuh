@@ -21,35 +21,28 @@ using ak::AttnArgs;
 constexpr int kThreads = 384;  // warpgroup 0: scheduler + converters; 1, 2: consumers
 constexpr int kConvWarps = 3;
 constexpr int kConsumerWarps = 8;
-constexpr int kQT = 8;  // query tokens per tile
-constexpr int kMaxStages = 4;
+constexpr int kQT = 8;                      // query tokens per tile
 constexpr int kTileBytes = ak::kTileBytes;  // raw K or V: 128 keys x 128 bytes
 constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kVhBytes = 2 * kTileBytes;        // f16 V
 constexpr int kQBytes = kQT * ak::kRows * 128;  // 8 tokens x 16 heads x 128 bytes
-// Dynamic shared memory: the raw ring, 2 f16 V buffers, the Q buffers. kDeep (kernel 11, Q in
-// registers): 4 stages and one Q buffer (released once every consumer warp has copied its Q
-// fragments) instead of 3 stages and two Q buffers (released after the item's last S).
-template <bool kDeep>
-struct Ring {
-  static constexpr int kStages = kDeep ? 4 : 3;
-  static constexpr int kQBufs = kDeep ? 1 : 2;
-  static constexpr int kVhOff = kStages * kStageBytes;
-  static constexpr int kQOff = kVhOff + 2 * kVhBytes;
-  static constexpr int kSmemBytes = kQOff + kQBufs * kQBytes + 1024;
-};
+// Dynamic shared memory: a 4-stage raw ring (K | V per stage), 2 f16 V buffers, one Q buffer
+// (Q is copied into registers when an item starts; the buffer is released then).
+constexpr int kStages = 4;
+constexpr int kVhOff = kStages * kStageBytes;
+constexpr int kQOff = kVhOff + 2 * kVhBytes;
+constexpr int kSmemBytes = kQOff + kQBytes + 1024;  // + slack to align the base to 1024 bytes
 // setmaxnreg moves registers within the CTA's launch allocation (168 per thread: 65536 / 384
 // rounded down to a multiple of 8), so 128 x low + 256 x high must not exceed 168 x 384.
 constexpr int kLaunchRegs = 168;
 constexpr int kLowRegs = 40;
 constexpr int kHighRegs = 232;
-// kWide (kernel 14): 64 / 216 instead (ptxas: 182 bytes of spills in the scheduler / converter
+// kWide (kernels 15-17): 64 / 216 instead (ptxas: 182 bytes of spills in the scheduler / converter
 // warps at 40, none at 64; the consumers fit in 216 without spills).
 constexpr int kLowRegsWide = 64;
 constexpr int kHighRegsWide = 216;
 constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
-static_assert(Ring<false>::kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
-static_assert(Ring<true>::kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
+static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
 static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
 static_assert(kLowRegsWide * 128 + kHighRegsWide * 256 <= kLaunchRegs * kThreads,
               "register budget");
@@ -63,17 +56,16 @@ constexpr int kEnd = 4;    // no more entries
 
 // Header of one ring stage, written by the scheduler lane before the stage's full arrival.
 struct Entry {
-  int info;      // flags | Q buffer << 3 | tokens of the tile << 4 | split << 8 | KV head << 16
+  int info;      // flags | tokens of the tile << 4 | split << 8 | KV head << 16
   int t0;        // first token of the tile
   int vlim;      // V rows past it are zeroed
   int klo;       // keys klo + 1 .. of the block are missed by some present token (NaN test there)
   int lim[kQT];  // keys [0, lim] of the block visible to token w (< 0: none)
 };
-__host__ __device__ constexpr int pack_info(int flags, int qslot, int nt, int split, int g) {
-  return flags | qslot << 3 | nt << 4 | split << 8 | g << 16;
+__host__ __device__ constexpr int pack_info(int flags, int nt, int split, int g) {
+  return flags | nt << 4 | split << 8 | g << 16;
 }
 __device__ __forceinline__ int info_flags(int info) { return info & 7; }
-__device__ __forceinline__ int info_qslot(int info) { return (info >> 3) & 1; }
 __device__ __forceinline__ int info_nt(int info) { return (info >> 4) & 15; }
 __device__ __forceinline__ int info_split(int info) { return (info >> 8) & 255; }
 __device__ __forceinline__ int info_g(int info) { return info >> 16; }
@@ -126,15 +118,14 @@ struct Item {
 };
 
 struct Shared {
-  Entry entry[kMaxStages];
-  uint64_t full[kMaxStages], empty[kMaxStages], vfull[2], vempty[2], qempty[2];
+  Entry entry[kStages];
+  uint64_t full[kStages], empty[kStages], vfull[2], vempty[2], qempty;
   // NaN V bytes in keys that some present token of the tile misses, per f16 buffer v: vnan_gen[v]
   // = (entry + 1) of the last entry converted into v that had one, vnan_key[v][d] = (entry + 1) <<
   // 8 | (255 - its smallest such key in dim d) (attention_prefill_ws.cuh, converter_warps).
   uint32_t vnan_gen[2];
   uint32_t vnan_key[2][ak::kDim];
   // Scheduler warp only.
-  int cand_b[kCand], cand_page[kCand];
   Item item[2];
 };
 

@@ -69,56 +69,15 @@ __device__ __forceinline__ void load_candidate(const AttnArgs& a, int64_t pt_row
   }
 }
 
-// Union of the tile's selected blocks (repeats count once), as list entries (block, page, mask of
-// tokens that selected it). Returns the entry count.
-__device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Shared& sh, Item& it,
-                                                 int64_t pt_row, int t0, int nt, int g, int mypos) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k;
-    int b, page;
-    load_candidate(a, pt_row, t0, nt, g, mypos, c, b, page);
-    sh.cand_b[c] = b;
-    sh.cand_page[c] = page;
-  }
-  __syncwarp();
-  int n = 0;
-#pragma unroll
-  for (int k = 0; k < kCand / 32; ++k) {
-    const int c = lane + 32 * k;
-    const int b = sh.cand_b[c];
-    bool first = b >= 0;
-    int mask = 0;
-    if (b >= 0) {
-      for (int j = 0; j < kCand; ++j) {
-        if (sh.cand_b[j] == b) {
-          if (j < c) first = false;
-          mask |= 1 << (j / ak::kTopKIds);
-        }
-      }
-    }
-    const unsigned bal = __ballot_sync(0xffffffffu, first);
-    if (first) {
-      const int rank = n + __popc(bal & ((1u << lane) - 1u));
-      it.list_b[rank] = b;
-      it.list_page[rank] = sh.cand_page[c];
-      it.list_mask[rank] = mask;
-    }
-    n += __popc(bal);
-  }
-  __syncwarp();
-  return n;
-}
-
-// The same union (same entries and masks) by repeated minimum extraction, in ascending block order:
-// each lane keeps its 4 candidates in registers (unusable ones as 0xFFFFFFFF); per distinct block
-// one warp minimum (redux.sync), one ballot per candidate group (group k = tokens 2k, 2k + 1 in
-// lanes 0-15, 16-31) and the hits retired. About 25 instructions per distinct block instead of the
-// 128 x 4 compares per lane above, whose ~2.6 K dependent instructions per work item (round-2
-// ncu) kept the scheduler warp from issuing entries for longer than the 3-stage ring lasts.
-__device__ __forceinline__ int build_sparse_list_min(const AttnArgs& a, Item& it, int64_t pt_row,
-                                                     int t0, int nt, int g, int mypos) {
+// Union of the tile's selected blocks (repeats count once) as list entries (block, page, mask of
+// the tokens that selected it), by repeated minimum extraction, in ascending block order: each lane
+// keeps its 4 candidates in registers (unusable ones as 0xFFFFFFFF); per distinct block one warp
+// minimum (redux.sync), one ballot per candidate group (group k = tokens 2k, 2k + 1 in lanes 0-15,
+// 16-31) and the hits retired. About 25 instructions per distinct block (session 12: an all-pairs
+// compare, 128 x 4 compares per lane, ~2.6 K dependent instructions per work item, kept the
+// scheduler warp from issuing entries for longer than the ring lasts). Returns the entry count.
+__device__ __forceinline__ int build_sparse_list(const AttnArgs& a, Item& it, int64_t pt_row,
+                                                 int t0, int nt, int g, int mypos) {
   const int lane = threadIdx.x & 31;
   uint32_t key[kCand / 32];
   int page[kCand / 32];
@@ -190,10 +149,8 @@ struct Pending {
 };
 
 // Prepares work item w into `it` (tile, positions, sparse union, split range). False when the
-// tile does not exist (the grid bound exceeds the batch's tiles). Warp-uniform. kFastUnion: the
-// union by minimum extraction (build_sparse_list_min).
-template <bool kFastUnion>
-__device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item& it, int w) {
+// tile does not exist (the grid bound exceeds the batch's tiles). Warp-uniform.
+__device__ __forceinline__ bool prepare_item(const AttnArgs& a, Item& it, int w) {
   const int lane = threadIdx.x & 31;
   const int split = w % a.splits;
   const int tile = w / a.splits / a.n_kv;
@@ -205,8 +162,7 @@ __device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
   if (a.sparse) {
-    n_total = kFastUnion ? build_sparse_list_min(a, it, pt_row, t0, nt, g, mypos)
-                         : build_sparse_list(a, sh, it, pt_row, t0, nt, g, mypos);
+    n_total = build_sparse_list(a, it, pt_row, t0, nt, g, mypos);
   } else {
     int maxpos = mypos;
 #pragma unroll
@@ -228,13 +184,11 @@ __device__ __forceinline__ bool prepare_item(const AttnArgs& a, Shared& sh, Item
   return true;
 }
 
-// kLookahead: the next work item is prepared right after the current item's first entry is
-// issued (its global loads overlap the ring's 3 entries of work), else after the last.
-template <bool kLookahead, bool kFastUnion, bool kDeep>
+// The next work item is prepared right after the current item's first entry is issued (its
+// global loads and union overlap the ring's entries of work).
 __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensorMap* kmap,
                                                const CUtensorMap* vmap, const CUtensorMap* qmap,
                                                int tiles, Shared& sh, uint32_t base) {
-  using R = Ring<kDeep>;
   const int lane = threadIdx.x & 31;
   const int n_work = tiles * a.n_kv * a.splits;
   const int step = static_cast<int>(gridDim.x);
@@ -244,15 +198,13 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
   // Issues entry e of item `it` (lane 0): header, Q (first entry), K and V tiles.
   auto issue = [&](const Pending& e, const Item& it) {
     if (lane == 0) {
-      const int s = static_cast<int>(j % R::kStages);
-      const uint32_t k = j / R::kStages;
+      const int s = static_cast<int>(j % kStages);
+      const uint32_t k = j / kStages;
       if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
-      // Q buffer qs of this item; its previous item in that buffer must have released it.
-      const int qs = static_cast<int>(qi % R::kQBufs);
-      const uint32_t qk = qi / R::kQBufs;
-      if ((e.flags & kFirst) && qk > 0) mbar_wait(bar_addr(sh.qempty[qs]), (qk - 1) & 1);
+      // The Q buffer: the previous item's consumers must have copied their Q fragments.
+      if ((e.flags & kFirst) && qi > 0) mbar_wait(bar_addr(sh.qempty), (qi - 1) & 1);
       Entry& h = sh.entry[s];
-      h.info = pack_info(e.flags, qs, it.nt, it.split, it.g);
+      h.info = pack_info(e.flags, it.nt, it.split, it.g);
       h.t0 = it.t0;
       h.vlim = e.vlim;
       int klo = ak::kBlockKeys - 1;
@@ -266,8 +218,7 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
       const uint32_t full = bar_addr(sh.full[s]);
       const uint32_t stage = base + s * kStageBytes;
       mbar_arrive_expect_tx(full, kStageBytes + ((e.flags & kFirst) ? kQBytes : 0));
-      if (e.flags & kFirst)
-        tma_load_3d(base + R::kQOff + qs * kQBytes, qmap, 0, it.g * a.group, it.t0, full);
+      if (e.flags & kFirst) tma_load_3d(base + kQOff, qmap, 0, it.g * a.group, it.t0, full);
       tma_load_4d(stage, kmap, 0, 0, it.g, e.page, full);
       tma_load_4d(stage + kTileBytes, vmap, 0, 0, it.g, e.page, full);
     }
@@ -278,16 +229,14 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
   int w = n_work - 1 - static_cast<int>(blockIdx.x);
   int cur = 0;
   bool have_item = false;
-  for (; w >= 0 && !have_item; w -= step)
-    have_item = prepare_item<kFastUnion>(a, sh, sh.item[cur], w);
+  for (; w >= 0 && !have_item; w -= step) have_item = prepare_item(a, sh.item[cur], w);
   while (have_item) {
     const Item& it = sh.item[cur];
     // The next existing item, prepared into the other buffer once (`w` already points at it).
     bool next_done = false, have_next = false;
     auto prepare_next = [&]() {
       if (next_done) return;
-      for (; w >= 0 && !have_next; w -= step)
-        have_next = prepare_item<kFastUnion>(a, sh, sh.item[cur ^ 1], w);
+      for (; w >= 0 && !have_next; w -= step) have_next = prepare_item(a, sh.item[cur ^ 1], w);
       next_done = true;
     };
     // Entries are issued one behind, so that the last one of the item carries kLast.
@@ -330,7 +279,7 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
         nx.flags = issued == 0 ? kFirst : 0;
         if (have) {
           issue(pend, it);
-          if (kLookahead) prepare_next();
+          prepare_next();
         }
         pend = nx;
         have = true;
@@ -354,8 +303,8 @@ __device__ __forceinline__ void scheduler_warp(const AttnArgs& a, const CUtensor
   // with the header reads of the previous round of the stage). The tile (page 0 of head 0, zero
   // filled if the pool has no such page) is never read.
   if (lane == 0) {
-    const int s = static_cast<int>(j % R::kStages);
-    const uint32_t k = j / R::kStages;
+    const int s = static_cast<int>(j % kStages);
+    const uint32_t k = j / kStages;
     if (k > 0) mbar_wait(bar_addr(sh.empty[s]), (k - 1) & 1);
     sh.entry[s].info = kEnd;
     const uint32_t full = bar_addr(sh.full[s]);

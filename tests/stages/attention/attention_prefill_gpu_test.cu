@@ -1,11 +1,8 @@
-// GPU tests of the warp-specialised persistent prefill kernel (AttentionCudaConfig::kernel = 6,
-// and its variants 7 = the next work item prepared early, 8 = 7 with Q in registers, 9 = 8 with
-// the faster V conversion, 10 = 9 with the tile unions built by minimum extraction, 11 = 10 with a
-// 4-stage ring and one Q buffer (the automatic choice for prefill batches), 12 = 11 with uniform
-// entry headers and wgmma descriptors and conflict-free f16 V stores, 13 = 12 without the
-// consumers' ping-pong turns, 14 = 12 with 64 / 216 registers per scheduler-converter /
-// consumer thread; attention_prefill_ws.cuh)
-// against the CPU twin on identical E4M3
+// GPU tests of the warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
+// AttentionCudaConfig::kernel = 11, a 4-stage ring with one Q buffer; 15 = 11 with 64 / 216
+// registers per scheduler-converter / consumer thread; 16 = 15 with constant-offset wgmma
+// descriptors; 17 = 16 with conflict-free f16 V stores) and of its fallback, the cp.async wgmma
+// kernel 4, against the CPU twin on identical E4M3
 // inputs: chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths
 // off the 8-token tile and the 128-token block), mixed batches with several chunks and decode /
 // verify rows, sparse and dense, with and without splits, persistent grids of 1 .. 132 CTAs (1 CTA
@@ -54,17 +51,12 @@ using testing::attn::run_gpu;
 using testing::attn::run_reference;
 using testing::attn::upload;
 
-constexpr int kWs = 6;           // AttentionCudaConfig::kernel of the warp-specialised kernel
-constexpr int kWsLookahead = 7;  // the same, next work item prepared early
-constexpr int kWsQRegs = 8;      // as 7 with Q in registers
-constexpr int kWsFast = 9;       // as 8 with the faster V conversion
-constexpr int kWsUnion = 10;     // as 9 with the tile unions by minimum extraction
-constexpr int kWsDeep = 11;      // as 10 with a 4-stage ring and one Q buffer (automatic)
-constexpr int kWsUni = 12;       // as 11 with uniform headers and descriptors
-constexpr int kWsFree = 13;      // as 12 without ping-pong turns
-constexpr int kWsWide = 14;  // as 12 with 64 / 216 registers (scheduler, converters / consumers)
+constexpr int kWsDeep = 11;   // AttentionCudaConfig::kernel of the warp-specialised kernel
+constexpr int kWsWide = 15;   // 11 with 64 / 216 registers (scheduler, converters / consumers)
+constexpr int kWsConst = 16;  // 15 with constant-offset wgmma descriptors
+constexpr int kWsSwap = 17;   // 16 with conflict-free f16 V stores
 
-AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
+AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWsDeep) {
   AttentionCudaConfig c;
   c.splits = splits;
   c.kernel = kernel;
@@ -111,32 +103,14 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(2, 1),
           ws_config(1, 3),
           ws_config(0, 7),
-          ws_config(0, 0, kWsLookahead),
-          ws_config(3, 0, kWsLookahead),
-          ws_config(1, 1, kWsLookahead),
-          ws_config(2, 5, kWsLookahead),
-          ws_config(0, 0, kWsQRegs),
-          ws_config(3, 0, kWsQRegs),
-          ws_config(1, 2, kWsQRegs),
-          ws_config(0, 0, kWsFast),
-          ws_config(3, 0, kWsFast),
-          ws_config(1, 1, kWsFast),
-          ws_config(2, 6, kWsFast),
-          ws_config(0, 0, kWsUnion),
-          ws_config(3, 0, kWsUnion),
-          ws_config(1, 1, kWsUnion),
-          ws_config(2, 6, kWsUnion),
-          ws_config(0, 0, kWsDeep),
-          ws_config(3, 0, kWsDeep),
-          ws_config(1, 1, kWsDeep),
-          ws_config(2, 6, kWsDeep),
-          ws_config(0, 0, kWsUni),
-          ws_config(3, 0, kWsUni),
-          ws_config(1, 1, kWsUni),
-          ws_config(2, 6, kWsUni),
-          ws_config(0, 0, kWsFree),
-          ws_config(3, 0, kWsFree),
-          ws_config(1, 1, kWsFree),
+          ws_config(2, 6),
+          ws_config(0, 0, kWsConst),
+          ws_config(3, 0, kWsConst),
+          ws_config(1, 1, kWsConst),
+          ws_config(2, 6, kWsConst),
+          ws_config(0, 0, kWsSwap),
+          ws_config(3, 0, kWsSwap),
+          ws_config(1, 1, kWsSwap),
           ws_config(0, 0, kWsWide),
           ws_config(3, 0, kWsWide),
           ws_config(1, 1, kWsWide),
@@ -177,15 +151,12 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   Problem c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "M3",
-                {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(0, 0, kWsLookahead),
-                 ws_config(1, 3, kWsLookahead), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-                 ws_config(1, 4, kWsFast), ws_config(0, 0, kWsUnion), ws_config(1, 4, kWsUnion),
-                 ws_config(0, 0, kWsDeep), ws_config(1, 4, kWsDeep), ws_config(0, 0, kWsUni),
-                 ws_config(1, 4, kWsUni), ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide),
-                 ws_config(1, 4, kWsWide)});
+                {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4),
+                 ws_config(0, 0, kWsConst), ws_config(1, 4, kWsConst), ws_config(0, 0, kWsSwap),
+                 ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide)});
   check_configs(
       c, false, "M3",
-      {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
+      {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsConst), ws_config(1, 2, kWsWide)});
 }
 
 TEST(AttentionPrefillWsGpu, StridedPools) {
@@ -206,10 +177,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     Problem c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_configs(c, true, "3 KV heads",
-                  {ws_config(0, 0), ws_config(2, 3), ws_config(1, 2, kWsLookahead),
-                   ws_config(2, 2, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion),
-                   ws_config(0, 0, kWsDeep), ws_config(0, 0, kWsUni), ws_config(2, 3, kWsUni),
-                   ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)});
+                  {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsConst),
+                   ws_config(2, 3, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsWide)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -218,10 +187,8 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   o.kv_page_stride = 2 * (2 * tile + 32) + 16;
   Problem c = make_case(reqs, 16, 2, false, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "group 8",
-                {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsQRegs),
-                 ws_config(0, 0, kWsFast), ws_config(2, 3, kWsFast), ws_config(2, 3, kWsUnion)});
-  check_configs(c, false, "group 8", {ws_config(0, 0, kWsFast), ws_config(0, 0, kWsUnion)});
+  check_configs(c, true, "group 8", {ws_config(0, 0), ws_config(1, 2)});
+  check_configs(c, false, "group 8", {ws_config(0, 0), ws_config(0, 0, kWsConst)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -280,11 +247,9 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   DeviceProblem d;
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
-       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(1, 3, kWsLookahead),
-        ws_config(1, 3, kWsQRegs), ws_config(1, 0, kWsFast), ws_config(2, 5, kWsFast),
-        ws_config(1, 0, kWsUnion), ws_config(2, 5, kWsUnion), ws_config(1, 0, kWsDeep),
-        ws_config(2, 5, kWsDeep), ws_config(1, 0, kWsUni), ws_config(2, 5, kWsUni),
-        ws_config(2, 5, kWsFree), ws_config(2, 5, kWsWide)}) {
+       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5),
+        ws_config(1, 0, kWsConst), ws_config(2, 5, kWsConst), ws_config(2, 5, kWsSwap),
+        ws_config(2, 5, kWsWide)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -319,9 +284,8 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-        ws_config(0, 0, kWsUnion), ws_config(0, 0, kWsDeep), ws_config(0, 0, kWsUni),
-        ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)}) {
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsConst), ws_config(0, 0, kWsSwap),
+        ws_config(0, 0, kWsWide)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -337,19 +301,16 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Problem c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(
-      c, true, "NaN value",
-      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast),
-       ws_config(2, 1, kWsFast), ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsUnion),
-       ws_config(0, 0, kWsDeep), ws_config(2, 1, kWsDeep), ws_config(0, 0, kWsUni),
-       ws_config(2, 1, kWsUni), ws_config(2, 1, kWsFree), ws_config(2, 1, kWsWide)});
+  check_configs(c, true, "NaN value",
+                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsConst),
+                 ws_config(2, 1, kWsConst), ws_config(2, 1, kWsSwap), ws_config(2, 1, kWsWide)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
 // is in the future of the tile's earlier tokens, blocks only some tokens select): the twin puts
 // NaN in that dim of the tokens that see the key only; a NaN K element makes the rows of the
 // tokens that see it NaN. A shared wgmma row with P = 0 must never meet the NaN (0 * NaN). The
-// ws kernels and the wgmma kernels 2-4.
+// ws kernels and the cp.async wgmma kernel 4.
 TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -368,11 +329,9 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
   std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0),           ws_config(2, 1),
-                                           ws_config(0, 0, kWsFast),  ws_config(2, 1, kWsFast),
-                                           ws_config(0, 0, kWsUnion), ws_config(2, 1, kWsDeep),
-                                           ws_config(0, 0, kWsUni),   ws_config(2, 1, kWsUni),
-                                           ws_config(0, 0, kWsFree),  ws_config(2, 1, kWsWide)};
-  for (int kernel : {2, 3, 4}) {  // the wgmma kernel and its variants (kernel 4: TMA fallback)
+                                           ws_config(0, 0, kWsConst), ws_config(2, 1, kWsConst),
+                                           ws_config(0, 0, kWsSwap),  ws_config(2, 1, kWsWide)};
+  for (int kernel : {4}) {  // the cp.async wgmma kernel (the fallback where TMA cannot run)
     AttentionCudaConfig k;
     k.kernel = kernel;
     cfgs.push_back(k);
@@ -391,11 +350,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 40}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
-         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsLookahead),
-          ws_config(0, 0, kWsQRegs), ws_config(0, 0, kWsFast), ws_config(3, 0, kWsFast),
-          ws_config(0, 0, kWsUnion), ws_config(3, 0, kWsUnion), ws_config(0, 0, kWsDeep),
-          ws_config(3, 0, kWsDeep), ws_config(0, 0, kWsUni), ws_config(3, 0, kWsUni),
-          ws_config(0, 0, kWsFree), ws_config(0, 0, kWsWide)}) {
+         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsConst),
+          ws_config(3, 0, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsWide)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -8,10 +8,10 @@
 // Reports for each variant the step time (isolated: one call after a flush, the headline; decode
 // also back-to-back: 8 steps in one graph, per step, as in a captured multi-layer decode), the
 // ratio unfused / fused (goal: >= 1.10 at decode, never < 1.0), the same with the two quantize
-// stages launched with programmatic dependent launch ("pdlq"), and a per-stage split:
-//   eager    one warm eager run with events between stages (includes host launch latency:
-//   cuBLASLt's
-//            host cost shows up here, not in a graph);
+// stages launched plainly ("plainq"; the layer's default launches them with programmatic
+// dependent launch), and a per-stage split:
+//   eager    one warm eager run with events between stages (includes host launch latency, e.g.
+//            cuBLASLt's host cost, which a graph does not have);
 //   prefix   (decode) graph of stages [0, s] minus graph of [0, s): what stage s adds inside the
 //            captured step, launch gap included; the first stage's entry has the empty-graph cost
 //            (launch_us, an empty kernel's graph) subtracted;
@@ -19,8 +19,8 @@
 //            stages left them, but flushed).
 // Check before timing (cheap, printed PASS / FAIL): attn_out finite, fused vs unfused attn_out
 // relative L2 <= 5e-2 (they differ only by one-E4M3-step rounding of a few q / k / v values), every
-// block-id row well formed (ascending ids, local block present), and the pdlq launches give the
-// same attn_out bytes as the plain ones.
+// block-id row well formed (ascending ids, local block present), and the plainq launches give the
+// same attn_out bytes as the default ones.
 //   layer_bench [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile]
 //     --quick: decode 64 only, fewer iterations; --case: scenarios whose name contains SUBSTRING;
 //     --profile: for Nsight Compute (ncu --profile-from-start off): per graph scenario one warm
@@ -222,9 +222,10 @@ int main(int argc, char** argv) {
     const TensorView hv =
         TensorView::contiguous(hidden, DType::kBF16, {T, int64_t{g.hidden}}, Device::cuda(0));
     ok_or_die(layer.plan(meta, hv, caches), "layer plan");
-    auto set_variant = [&](int v, bool pdl) {
+    const bool default_pdl = layer.programmatic_quantize();
+    auto set_variant = [&](int v, bool plain) {  // plain: quantize stages without PDL
       layer.set_fused(v == 0);
-      layer.set_programmatic_quantize(pdl);
+      layer.set_programmatic_quantize(plain ? false : default_pdl);
     };
 
     if (profile) {
@@ -255,10 +256,10 @@ int main(int argc, char** argv) {
       continue;
     }
 
-    // Check: both variants once, then the pdlq launches against the plain ones.
+    // Check: both variants once, then the plainq launches against the default ones.
     std::vector<uint16_t> out[2];
     LayerTimes stage[2];
-    bool ids_ok = true, pdl_same = true;
+    bool ids_ok = true, plain_same = true;
     auto download_out = [&](std::vector<uint16_t>* o) {
       o->resize(static_cast<size_t>(T * g.hidden));
       check_cuda(
@@ -291,33 +292,33 @@ int main(int argc, char** argv) {
       }
       set_variant(v, true);
       check_cuda(cudaMemsetAsync(layer.attn_out().data, 0xff, out[v].size() * 2, stream), "poison");
-      ok_or_die(layer.run(stream), "run (pdlq)");
+      ok_or_die(layer.run(stream), "run (plainq)");
       check_cuda(cudaStreamSynchronize(stream), "sync");
-      std::vector<uint16_t> pdl_out;
-      download_out(&pdl_out);
-      pdl_same &= pdl_out == out[v];
+      std::vector<uint16_t> plain_out;
+      download_out(&plain_out);
+      plain_same &= plain_out == out[v];
     }
     bool finite = true;
     const double e = rel_l2(out[1], out[0], &finite);
-    const bool pass = finite && e <= 5e-2 && ids_ok && pdl_same;
+    const bool pass = finite && e <= 5e-2 && ids_ok && plain_same;
     all_pass &= pass;
     std::fprintf(log,
-                 "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s, pdlq %s: %s\n",
+                 "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s, plainq %s: %s\n",
                  sc.name.c_str(), e, finite ? "finite" : "NOT FINITE", ids_ok ? "ok" : "BAD",
-                 pdl_same ? "identical" : "DIFFERENT", pass ? "PASS" : "FAIL");
+                 plain_same ? "identical" : "DIFFERENT", pass ? "PASS" : "FAIL");
 
-    // Step timings: [pdl][variant], isolated and (graph scenarios) back-to-back.
+    // Step timings: [plainq][variant], isolated and (graph scenarios) back-to-back.
     bench::Timing t[2][2], b2b[2][2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
+    for (int plain = 0; plain < 2; ++plain) {
       for (int v = 0; v < 2; ++v) {
-        set_variant(v, pdl == 1);
+        set_variant(v, plain == 1);
         auto launch = [&](cudaStream_t s) { ok_or_die(layer.run(s), "run"); };
         if (sc.graph) {
-          t[pdl][v] = bench::time_graph_cold(launch, stream, 3, iters);
-          b2b[pdl][v] = bench::time_graph_back_to_back([&](cudaStream_t s, int) { launch(s); }, 1,
-                                                       stream, 8, 2, quick ? 5 : 15);
+          t[plain][v] = bench::time_graph_cold(launch, stream, 3, iters);
+          b2b[plain][v] = bench::time_graph_back_to_back([&](cudaStream_t s, int) { launch(s); }, 1,
+                                                         stream, 8, 2, quick ? 5 : 15);
         } else {
-          t[pdl][v] = bench::time_cold(launch, stream, 3, iters);
+          t[plain][v] = bench::time_cold(launch, stream, 3, iters);
         }
       }
     }
@@ -341,11 +342,11 @@ int main(int argc, char** argv) {
     b2b_cell("fused_b2b_us", b2b[0][0].median_us, 1);
     b2b_cell("unfused_b2b_us", b2b[0][1].median_us, 1);
     b2b_cell("b2b_ratio", b2b[0][1].median_us / b2b[0][0].median_us, 3);
-    row.add("pdlq_fused_us", t[1][0].median_us, 1);
-    row.add("pdlq_unfused_us", t[1][1].median_us, 1);
-    row.add("pdlq_ratio", t[1][1].median_us / t[1][0].median_us, 3);
-    b2b_cell("pdlq_fused_b2b_us", b2b[1][0].median_us, 1);
-    b2b_cell("pdlq_unfused_b2b_us", b2b[1][1].median_us, 1);
+    row.add("plainq_fused_us", t[1][0].median_us, 1);
+    row.add("plainq_unfused_us", t[1][1].median_us, 1);
+    row.add("plainq_ratio", t[1][1].median_us / t[1][0].median_us, 3);
+    b2b_cell("plainq_fused_b2b_us", b2b[1][0].median_us, 1);
+    b2b_cell("plainq_unfused_b2b_us", b2b[1][1].median_us, 1);
     row.add("fused_min_us", t[0][0].min_us, 1);
     row.add("unfused_min_us", t[0][1].min_us, 1);
     rows.push_back(row);
@@ -396,7 +397,7 @@ int main(int argc, char** argv) {
       split_row("prefix", prefix);
       split_row("alone", alone);
     }
-    layer.set_programmatic_quantize(false);
+    layer.set_programmatic_quantize(default_pdl);
   }
   cudaFree(hidden);
   cudaFree(pool);

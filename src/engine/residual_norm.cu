@@ -28,28 +28,43 @@ __global__ void synthetic_embed_kernel(uint64_t seed, const int64_t* __restrict_
     row[c] = synthetic_hidden_bf16(seed, req, pos, c);
 }
 
-__global__ void residual_rmsnorm_kernel(uint16_t* __restrict__ h, const uint16_t* __restrict__ a,
-                                        uint16_t* __restrict__ x, int hidden, float eps) {
-  __shared__ float s_part[kThreads / 32];
-  const int64_t t = blockIdx.x;
-  uint16_t* hrow = h + t * hidden;
+// Row t: h = bf16(h + a) where a != null; returns this thread's fp32 sum of squares of the row's
+// (new) values over its channels c = threadIdx.x + k * blockDim.x.
+__device__ __forceinline__ float residual_add_sum_squares(uint16_t* __restrict__ hrow,
+                                                          const uint16_t* __restrict__ arow,
+                                                          int hidden) {
   float ss = 0.0f;
   for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
     float v = bf16_to_float(hrow[c]);
-    if (a != nullptr) {
-      const uint16_t nb = float_to_bf16(v + bf16_to_float(a[t * hidden + c]));
+    if (arow != nullptr) {
+      const uint16_t nb = float_to_bf16(v + bf16_to_float(arow[c]));
       hrow[c] = nb;
       v = bf16_to_float(nb);
     }
     ss = fmaf(v, v, ss);
   }
-  if (x == nullptr) return;  // uniform across the CTA: no barrier below is skipped by a subset
+  return ss;
+}
+
+// 1 / sqrt(mean + eps) of the CTA's partial sums of squares, reduced in a fixed order (warp tree,
+// then the warps in turn). Every thread of the CTA must call it (one barrier).
+__device__ __forceinline__ float cta_inv_rms(float ss, float* s_part, int hidden, float eps) {
   for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
   if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
   __syncthreads();
   float total = 0.0f;
   for (int w = 0; w < kThreads / 32; ++w) total += s_part[w];
-  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+  return 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+}
+
+__global__ void residual_rmsnorm_kernel(uint16_t* __restrict__ h, const uint16_t* __restrict__ a,
+                                        uint16_t* __restrict__ x, int hidden, float eps) {
+  __shared__ float s_part[kThreads / 32];
+  const int64_t t = blockIdx.x;
+  uint16_t* hrow = h + t * hidden;
+  const float ss = residual_add_sum_squares(hrow, a != nullptr ? a + t * hidden : nullptr, hidden);
+  if (x == nullptr) return;  // uniform across the CTA: no barrier below is skipped by a subset
+  const float inv = cta_inv_rms(ss, s_part, hidden, eps);
   // Each thread re-reads only the channels it wrote itself: no barrier needed for h.
   for (int c = threadIdx.x; c < hidden; c += blockDim.x)
     x[t * hidden + c] = float_to_bf16(bf16_to_float(hrow[c]) * inv);
@@ -78,22 +93,9 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   uint16_t* hrow = h + t * hidden;
-  float ss = 0.0f;
-  for (int c = threadIdx.x; c < hidden; c += blockDim.x) {
-    float v = bf16_to_float(hrow[c]);
-    if (a != nullptr) {
-      const uint16_t nb = float_to_bf16(v + bf16_to_float(a[t * hidden + c]));
-      hrow[c] = nb;
-      v = bf16_to_float(nb);
-    }
-    ss = fmaf(v, v, ss);
-  }
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  if ((threadIdx.x & 31) == 0) s_part[threadIdx.x >> 5] = ss;
-  __syncthreads();  // also makes every thread's h stores visible to the whole CTA
-  float total = 0.0f;
-  for (int w = 0; w < kThreads / 32; ++w) total += s_part[w];
-  const float inv = 1.0f / sqrtf(total / static_cast<float>(hidden) + eps);
+  const float ss = residual_add_sum_squares(hrow, a != nullptr ? a + t * hidden : nullptr, hidden);
+  // The barrier inside also makes every thread's h stores visible to the whole CTA.
+  const float inv = cta_inv_rms(ss, s_part, hidden, eps);
   // A group's 16 lanes share first_group, so each half-warp walks its groups together.
   const unsigned half_mask = half_warp_mask();
   for (int g = first_group; g < groups; g += kGroupsPerPass) {

@@ -183,21 +183,29 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // per SM and one token per request: 8K draft 0 at 128 requests 38.8 / 36.9 vs 44.7 / 41.7 us,
   // 192: 53.5 / 51.7 vs 59.6 / 57.4, 256: 68.6 / 66.5 vs 75.6 / 73.4; not at 64 requests (26.4
   // / 24.7 vs 25.4 / 23.6) nor at draft 3 (equal within 2 % at 128-256 requests, 41.9 vs 27.8 us
-  // at 64).
-  const bool auto_single = o.k_splits == 0 && !o.fused_decode_always &&
-                           4 * int64_t{p.batch.num_requests} >= 3 * int64_t{sms} &&
-                           T <= int64_t{p.batch.num_requests} * kSingleMaxTokensPerRequest;
+  // at 64). Session 13 round A: from 0.25 requests per SM as clusters of 2-4 CTAs per request
+  // (single_pass_ctas; sms / R CTAs, about one CTA per SM): 64 x 8K draft 0 24.0 / 22.0 us with 2
+  // CTAs vs 25.6 / 23.5 (two-kernel), 24.6 (3), 24.8 (4), 26.1 (1); at 128 requests 2 CTAs tie 1
+  // (38.5 / 36.7 us). Draft 3 stays two-kernel (64: 27.6 vs 30.8 us for the best cluster).
+  const int64_t R_all = p.batch.num_requests;
+  const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && 4 * R_all >= sms &&
+                           T <= R_all * kSingleMaxTokensPerRequest;
+  // CTAs per request of an automatic (or forced, single_pass_ctas 0) single pass: 2-4 (about one
+  // CTA per SM) from 0.25 to 0.75 requests per SM, else 1.
+  const int64_t auto_ctas =
+      4 * R_all >= sms && 4 * R_all < 3 * int64_t{sms} ? std::clamp<int64_t>(sms / R_all, 2, 4) : 1;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
       T > 0 && max_pages <= ik::kFusedMaxChunk) {
     // One split of every block (max_pages > kTopK here), or a cluster of up to
     // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;
-    const int64_t ctas = std::clamp<int64_t>(o.single_pass_ctas, 1, kMaxClusterCtas);
+    const int64_t ctas =
+        o.single_pass_ctas > 0 ? std::min<int64_t>(o.single_pass_ctas, kMaxClusterCtas) : auto_ctas;
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  pl.split_acc = o.decode_split_acc && pl.fused && !pl.bulk;
+  pl.split_acc = o.decode_split_acc && pl.mma && !pl.bulk;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -360,9 +368,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
+      const auto kernel = pl.split_acc ? ik::score_mma_kernel<true> : ik::score_mma_kernel<false>;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
-      ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
+      kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
     } else {
       ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);
     }

@@ -113,16 +113,19 @@ struct IndexerCudaOptions {
   // writes in-range but meaningless ids there).
   bool single_pass = false;
   // Single pass only (forced or automatic): CTAs per decode unit, run as one thread-block cluster
-  // of (1, k, 1) CTAs (1..8; 0 = automatic, currently 1). With k > 1 the unit's blocks are cut into
+  // of (1, k, 1) CTAs (1..8; 0 = automatic: about one CTA per SM, 2-4 per request for 0.25-0.75
+  // requests per SM, else 1). With k > 1 the unit's blocks are cut into
   // k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover max_pages sooner); each
   // CTA scores its chunk and writes the block maxima into the first CTA's shared table (distributed
   // shared memory), which finishes the rows after a cluster barrier: the single pass's one launch
   // with up to k times the CTAs (more bytes in flight at small batches). Same ids.
   int single_pass_ctas = 0;
-  // Fused path and single pass (not bulk): decode tiles of <= 16 query rows accumulate the even
-  // and odd k16 steps of the dot products in two accumulators (half the dependent HMMA chain per
-  // tile; a performance variant: another fp32 summation order, the same ids on exact inputs).
-  bool decode_split_acc = false;
+  // Tensor-core decode units (every path but bulk copies): tiles of <= 16 query rows accumulate
+  // the even and odd k16 steps of the dot products in two accumulators (half the dependent HMMA
+  // chain per tile). Session 13 round A, single pass, 8K: draft 3 at 64 requests 36.6 vs 41.7 us
+  // (one CTA per request), 128: 48.8 vs 51.0; draft 0 equal or up to 0.5 us faster. false: one
+  // accumulator (another fp32 summation order: ids may differ at near ties; exact inputs agree).
+  bool decode_split_acc = true;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -150,7 +153,7 @@ struct IndexerCudaPlan {
   bool bulk_copy = false;  // fused with bulk (TMA) tile copies
   bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
                            // one thread-block cluster of k_splits CTAs per unit
-  bool split_acc = false;  // fused / single: two accumulators per n-tile (decode_split_acc)
+  bool split_acc = false;  // two accumulators per n-tile in decode units (decode_split_acc)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -798,10 +798,12 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
 }
 
 // Two-kernel path: every block score goes to the workspace; select_kernel picks.
+// kSplit: IndexerCudaOptions::decode_split_acc (see decode_compute_tile).
+template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false, false>(a, smem, sh, nullptr);
+  score_mma_body<false, false, false, false, kSplit>(a, smem, sh, nullptr);
 }
 
 // Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;

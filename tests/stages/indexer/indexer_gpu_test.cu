@@ -3,6 +3,8 @@
 // offsets, short contexts, NaN scores, the fused merge over many splits.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "indexer_gpu_test_util.h"
 
 namespace m3attn::indexer_gpu_test {
@@ -18,6 +20,42 @@ TEST(IndexerGpu, GenerationContextsAndDraftLengths) {
 TEST(IndexerGpu, GenerationContextsUpTo8KSinglePass) {
   M3_REQUIRE_GPU();
   check_generation_contexts({1, 127, 128, 129, 2049, 4097, 8192}, "generation 8K");
+}
+
+// The automatic plan of a decode batch of 0.25-0.75 requests per SM at <= 8K (one token per
+// request): the single pass in clusters of 2-4 CTAs per request (sms / R); its ids against the
+// two-kernel path (same block maxima) and the twin.
+TEST(IndexerGpu, AutomaticClusteredSinglePass) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int R = std::max(1, sms / 3);  // 3 CTAs per request where sms / 3 requests fit the rule
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(1, 8191)), 1});
+  reqs[0] = {8191, 1};  // one request at the full 64 blocks
+  const Inputs in = make_inputs(reqs, 4, rng);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  DeviceSet d;
+  upload(in, d);
+  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+  std::printf("[ indexer  ] %d SMs, %d requests: plan single %d k_splits %d c %d\n", sms, R,
+              pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  if (4 * R >= sms && 4 * R < 3 * sms) {
+    const int mp = in.max_pages(), ctas = std::clamp(sms / R, 2, 4);
+    const int chunk = ((mp + ctas - 1) / ctas + 3) / 4 * 4;
+    EXPECT_TRUE(pl.single);
+    EXPECT_EQ(pl.k_splits, (mp + chunk - 1) / chunk);
+    EXPECT_GT(pl.k_splits, 1);
+  }
+  IndexerCudaOptions two;
+  two.unfused_decode = true;
+  const GpuResult g = run_gpu(d, two);
+  compare(in, reference(in), g, false, "automatic plan: two-kernel");
+  expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g, "automatic clustered single pass");
 }
 
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.

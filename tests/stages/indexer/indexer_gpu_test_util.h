@@ -365,7 +365,7 @@ inline void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuR
               static_cast<long long>(in.rows()), failures);
 }
 
-// A path whose fp32 summation order differs from the two-kernel path's (decode_split_acc): its
+// A path whose fp32 summation order differs from the two-kernel path's (decode_split_acc off): its
 // ids must equal the twin's, or (inexact inputs only) differ only where the twin's scores have a
 // near tie at the selection boundary and still satisfy verify_block_selection within the tolerance.
 inline void expect_twin_selection(const Inputs& in, const Reference& ref, const GpuResult& gpu,
@@ -441,20 +441,20 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       expect_same_ids(
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
-      if (!bulk) {  // two accumulators per n-tile: another summation order, against the twin
-        fo.decode_split_acc = true;
-        expect_twin_selection(in, ref, run_gpu(d, fo), name + ", fused split accumulators]");
+      if (!bulk) {  // one accumulator per n-tile: another summation order, against the twin
+        fo.decode_split_acc = false;
+        expect_twin_selection(in, ref, run_gpu(d, fo), name + ", fused one accumulator]");
       }
     }
     // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
     // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
-    // Then (split) with two accumulators per n-tile (decode_split_acc): another summation order,
+    // Then with one accumulator per n-tile (decode_split_acc off): another summation order,
     // checked against the twin.
     for (int ctas : {1, 2, 3, 8, -1, -3}) {
       IndexerCudaOptions so = v.o;
       so.single_pass = true;
       so.single_pass_ctas = std::abs(ctas);
-      so.decode_split_acc = ctas < 0;
+      so.decode_split_acc = ctas > 0;
       if (bulk || !indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
       const std::string what =
@@ -463,7 +463,7 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       if (ctas > 0)
         expect_same_ids(in, c, g, what + " vs two-kernel]");
       else
-        expect_twin_selection(in, ref, c, what + " split accumulators vs twin]");
+        expect_twin_selection(in, ref, c, what + " one accumulator vs twin]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

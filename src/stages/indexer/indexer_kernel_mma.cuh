@@ -49,6 +49,15 @@
 // (ascending ids from the ranks by ballot prefix counts, then the local block, then -1); an
 // overflow tile, after a CTA barrier, selects its non-decode rows from the block scores it wrote
 // (finish_row). No candidate lists, no merge kernel, no second launch or dependency wait.
+// Clustered single pass (score_fused_cluster_kernel, IndexerCudaOptions::single_pass_ctas): the
+// unit's blocks are cut over a thread-block cluster of 2-8 CTAs (grid.y = cluster.y), each CTA
+// writes its block maxima straight into the shared table of the cluster's first CTA (distributed
+// shared memory; table column = block id), and after a cluster barrier that CTA selects as the
+// single pass does. More CTAs per request without a second kernel: automatic at 0.25-0.75
+// requests per SM (session 13 round A, 64 x 8K draft 0: 24.0 us with 2 CTAs per request vs 25.6
+// for the two-kernel path and 26.1 for one CTA).
+// Two accumulators (IndexerCudaOptions::decode_split_acc, default): even and odd k16 steps of a
+// tile accumulate separately (a dependent HMMA chain of 4 instead of 8 per tile and n-tile).
 //
 // Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
 // m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage

@@ -646,6 +646,7 @@ int main(int argc, char** argv) {
                          : kernel == 15 ? std::string("wgmma ws 64/216 regs")
                          : kernel == 16 ? std::string("wgmma ws 64/216 regs constdesc")
                          : kernel == 17 ? std::string("wgmma ws 64/216 regs constdesc swapst")
+                         : kernel == 18 ? std::string("wgmma ws 64/216 regs constdesc polyexp")
                                         : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {

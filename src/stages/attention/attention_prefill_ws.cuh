@@ -42,22 +42,23 @@
 // dependent instructions per item, longer than the ring lasted) and the ring has 4 stages and one
 // Q buffer, released when every consumer warp has its Q fragments (TMA latency was not covered by
 // 3 stages). Session 13 removed those steps' kernels 6-10 (never faster than 11).
-// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 16 + kConstDesc, 17 +
-// kSwap): kWide: 64 registers for the scheduler and converter warps, 216 for the consumers
-// (instead of 40 / 232; ptxas: no spills instead of ~180 bytes in the 40-register warps);
-// kConstDesc: wgmma descriptors as constant offsets of two base descriptors (consumer_warpgroups);
-// kSwap: the converters' f16 stores in an order free of bank conflicts (store_f16_chunk). Session
-// 13 round A measured and removed kernels 12 (headers broadcast by a warp OR reduction, meant to
-// make the stage index uniform: it did not, and its redux latency made kernel 12 3 % slower than
-// 11: 952 vs 923 us) and 13 (12 without the ping-pong turns: no faster than 12).
-// Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i) completes +
-// 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2] (8 consumer
-// warps after P V(i) completes), qempty (8 consumer warps after the item's first S, Q being in
-// registers by then). Where one
-// lane arrives for its warp, only that lane reads the shared words the arrival releases (entry
-// headers, NaN records; broadcast by shuffles): racecheck orders accesses through an mbarrier
-// only for the arriving thread (round A of session 12: 107 hazards between header rewrites and
-// the reads of lanes 1-31 when the ring wraps, although __syncwarp orders them).
+// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 16 + kConstDesc, 17 =
+// 16 + kSwap, 18 = 16 + kPoly): kWide: 64 registers for the scheduler and converter warps, 216 for
+// the consumers (instead of 40 / 232; ptxas: no spills instead of ~180 bytes in the 40-register
+// warps); kConstDesc: wgmma descriptors as constant offsets of two base descriptors
+// (consumer_warpgroups); kSwap: the converters' f16 stores in an order free of bank conflicts
+// (store_f16_chunk); kPoly: a quarter of the softmax exponentials on the FMA pipe
+// (softmax_block_mix). Session 13 round A measured and removed kernels 12 (headers broadcast by a
+// warp OR reduction, meant to make the stage index uniform: it did not, and its redux latency made
+// kernel 12 3 % slower than 11: 952 vs 923 us) and 13 (12 without the ping-pong turns: no faster
+// than 12). Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i)
+// completes + 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2]
+// (8 consumer warps after P V(i) completes), qempty (8 consumer warps after the item's first S, Q
+// being in registers by then). Where one lane arrives for its warp, only that lane reads the shared
+// words the arrival releases (entry headers, NaN records; broadcast by shuffles): racecheck orders
+// accesses through an mbarrier only for the arriving thread (round A of session 12: 107 hazards
+// between header rewrites and the reads of lanes 1-31 when the ring wraps, although __syncwarp
+// orders them).
 //
 // Shared memory: 4 raw stages x 32 KB + 2 f16 V x 32 KB + 1 Q x 16 KB + 1 KB alignment = 209 KB
 // dynamic, ~5 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
@@ -328,6 +329,69 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[8][4]
     for (int e = 0; e < 4; ++e) p[kk][e] = ak::pack_f16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
+// 2^x on the FMA pipe (kPoly), for x <= 0, -inf or NaN (softmax arguments after the max
+// subtraction): x = n + f with n = floor(x) (an add rounded down to the integer spacing of
+// 1.5 * 2^23), 2^f on [0, 1) by a degree-3 polynomial with p(0) = 1 (max relative error 8.7e-5,
+// below the f16 rounding of P, 4.9e-4), n added to the exponent field by one integer multiply-add.
+// x < -127 (and -inf: a masked key) gives exactly +0 (n = -127, f = 0), NaN stays NaN; results
+// below 2^-126 are approximate (weights that small cannot matter).
+__device__ __forceinline__ float poly_exp2(float x) {
+  const float xc = x < -127.0f ? -127.0f : x;
+  const float t = __fadd_rd(xc, 12582912.0f);  // 1.5 * 2^23 + floor(xc)
+  const float f = xc - (t - 12582912.0f);
+  const float q = fmaf(fmaf(fmaf(0.0770519230f, f, 0.2276614270f), f, 0.6951132125f), f, 1.0f);
+  // bits(t) << 23 = floor(xc) << 23 (mod 2^32: the constant's bits vanish in the shift).
+  const int bits = __float_as_int(q) + (__float_as_int(t) << 23);
+  return xc == xc ? __int_as_float(bits) : xc;
+}
+
+// ap::softmax_block with a quarter of the exponentials (keys 8 j + .., j = 12 .. 15 of each
+// thread's 16 column pairs) on the FMA pipe (poly_exp2): round-A ncu of kernel 12 showed the exp
+// phase paced by the MUFU pipe (64 MUFU.EX2 per thread and entry, 8 cycles per warp instruction:
+// the second of every MUFU pair stalled), with issue slots to spare.
+__device__ __forceinline__ void softmax_block_mix(float (&s)[64], float (&m)[2], float (&l)[2],
+                                                  float (&alpha)[2], int lim, float scale_log2) {
+  const int tig = threadIdx.x & 3;
+  if (lim < ak::kBlockKeys - 1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
+  }
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float m0 = fmaxf(m[0], mx0 * scale_log2), m1 = fmaxf(m[1], mx1 * scale_log2);
+  const float mu0 = m0 == -INFINITY ? 0.0f : m0;
+  const float mu1 = m1 == -INFINITY ? 0.0f : m1;
+  alpha[0] = ap::fast_exp2(m[0] - mu0);
+  alpha[1] = ap::fast_exp2(m[1] - mu1);
+  m[0] = m0;
+  m[1] = m1;
+  float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float mu[2] = {mu0, mu1};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = fmaf(s[4 * j + e], scale_log2, -mu[e >> 1]);
+      s[4 * j + e] = j >= 12 ? poly_exp2(x) : ap::fast_exp2(x);
+    }
+    sum0 += s[4 * j] + s[4 * j + 1];
+    sum1 += s[4 * j + 2] + s[4 * j + 3];
+  }
+  l[0] = l[0] * alpha[0] + sum0;
+  l[1] = l[1] * alpha[1] + sum1;
+}
+
 // NaN dims that this warp's token sees in entry gen - 1 (f16 buffer vs, visible keys 0 .. lim),
 // ORed into bits (dim d: bit d % 32 of word d / 32; the same in every lane). Lane 0 alone reads the
 // records (it releases the buffer: racecheck orders accesses by the arriving thread only).
@@ -395,7 +459,8 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
 // the compiler does not see as uniform) and moved to uniform registers (R2UR pairs), ~5-7
 // dependent instructions per wgmma between turn_wait and turn_pass (16 % of the consumer samples,
 // ~630 cycles per entry), where the other warpgroup cannot issue.
-template <bool kConstDesc>
+// kPoly (kernel 18): softmax_block_mix instead of ap::softmax_block.
+template <bool kConstDesc, bool kPoly>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
@@ -505,7 +570,13 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     mbar_arrive(bar_addr(sh.empty[0]));
     if (cur.flags() & kFirst) mbar_arrive(bar_addr(sh.qempty));
   }
-  ap::softmax_block(s, m, l, alpha, cur.lim, a.scale_log2);
+  auto softmax = [&](int lim) {
+    if constexpr (kPoly)
+      softmax_block_mix(s, m, l, alpha, lim, a.scale_log2);
+    else
+      ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
+  };
+  softmax(cur.lim);
   ap::rescale_and_pack<true>(o, s, alpha, p);
 
   for (;;) {
@@ -545,7 +616,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
       m[0] = m[1] = -INFINITY;
       l[0] = l[1] = 0.0f;
     }
-    ap::softmax_block(s, m, l, alpha, nxt.lim, a.scale_log2);
+    softmax(nxt.lim);
     ap::wgmma_wait<0>();
     ap::reg_fence(o);
     ap::reg_fence(p);
@@ -583,7 +654,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kWide, bool kConstDesc, bool kSwap>
+template <bool kWide, bool kConstDesc, bool kSwap, bool kPoly>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -620,7 +691,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       converter_warps<kSwap>(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
-    consumer_warpgroups<kConstDesc>(a, sh, base, smem);
+    consumer_warpgroups<kConstDesc, kPoly>(a, sh, base, smem);
   }
 }
 
@@ -676,7 +747,8 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
 inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs,
-                     bool const_desc, bool swap_stores, cudaStream_t stream, bool* launched) {
+                     bool const_desc, bool swap_stores, bool poly_exp, cudaStream_t stream,
+                     bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
@@ -684,11 +756,12 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_r
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
   // Kernels 11 (none), 15 (64 / 216 registers), 16 (15 + constant-offset descriptors), 17 (16 +
-  // conflict-free f16 V stores).
-  auto kernel = !wide_regs     ? attention_prefill_ws_kernel<false, false, false>
-                : !const_desc  ? attention_prefill_ws_kernel<true, false, false>
-                : !swap_stores ? attention_prefill_ws_kernel<true, true, false>
-                               : attention_prefill_ws_kernel<true, true, true>;
+  // conflict-free f16 V stores), 18 (16 + a quarter of the exponentials on the FMA pipe).
+  auto kernel = !wide_regs    ? attention_prefill_ws_kernel<false, false, false, false>
+                : !const_desc ? attention_prefill_ws_kernel<true, false, false, false>
+                : poly_exp    ? attention_prefill_ws_kernel<true, true, false, true>
+                : swap_stores ? attention_prefill_ws_kernel<true, true, true, false>
+                              : attention_prefill_ws_kernel<true, true, false, false>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

@@ -1,7 +1,8 @@
 // GPU tests of the warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
 // AttentionCudaConfig::kernel = 11, a 4-stage ring with one Q buffer; 15 = 11 with 64 / 216
 // registers per scheduler-converter / consumer thread; 16 = 15 with constant-offset wgmma
-// descriptors; 17 = 16 with conflict-free f16 V stores) and of its fallback, the cp.async wgmma
+// descriptors; 17 = 16 with conflict-free f16 V stores; 18 = 16 with a quarter of the softmax
+// exponentials on the FMA pipe) and of its fallback, the cp.async wgmma
 // kernel 4, against the CPU twin on identical E4M3
 // inputs: chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths
 // off the 8-token tile and the 128-token block), mixed batches with several chunks and decode /
@@ -55,6 +56,7 @@ constexpr int kWsDeep = 11;   // AttentionCudaConfig::kernel of the warp-special
 constexpr int kWsWide = 15;   // 11 with 64 / 216 registers (scheduler, converters / consumers)
 constexpr int kWsConst = 16;  // 15 with constant-offset wgmma descriptors
 constexpr int kWsSwap = 17;   // 16 with conflict-free f16 V stores
+constexpr int kWsPoly = 18;   // 16 with a quarter of the exponentials on the FMA pipe
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWsDeep) {
   AttentionCudaConfig c;
@@ -114,7 +116,10 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(0, 0, kWsWide),
           ws_config(3, 0, kWsWide),
           ws_config(1, 1, kWsWide),
-          ws_config(2, 6, kWsWide)};
+          ws_config(2, 6, kWsWide),
+          ws_config(0, 0, kWsPoly),
+          ws_config(3, 0, kWsPoly),
+          ws_config(1, 1, kWsPoly)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -153,7 +158,7 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   check_configs(c, true, "M3",
                 {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4),
                  ws_config(0, 0, kWsConst), ws_config(1, 4, kWsConst), ws_config(0, 0, kWsSwap),
-                 ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide)});
+                 ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide)});
   check_configs(
       c, false, "M3",
       {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsConst), ws_config(1, 2, kWsWide)});
@@ -176,9 +181,10 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     o.spare_pages = 5;
     Problem c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_configs(c, true, "3 KV heads",
-                  {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsConst),
-                   ws_config(2, 3, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsWide)});
+    check_configs(
+        c, true, "3 KV heads",
+        {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsConst), ws_config(2, 3, kWsConst),
+         ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -249,7 +255,7 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   for (const AttentionCudaConfig& cfg :
        {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5),
         ws_config(1, 0, kWsConst), ws_config(2, 5, kWsConst), ws_config(2, 5, kWsSwap),
-        ws_config(2, 5, kWsWide)}) {
+        ws_config(2, 5, kWsPoly), ws_config(2, 5, kWsWide)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -285,7 +291,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
        {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsConst), ws_config(0, 0, kWsSwap),
-        ws_config(0, 0, kWsWide)}) {
+        ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -301,9 +307,10 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Problem c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(c, true, "NaN value",
-                {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsConst),
-                 ws_config(2, 1, kWsConst), ws_config(2, 1, kWsSwap), ws_config(2, 1, kWsWide)});
+  check_configs(
+      c, true, "NaN value",
+      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsConst), ws_config(2, 1, kWsConst),
+       ws_config(2, 1, kWsSwap), ws_config(2, 1, kWsPoly), ws_config(2, 1, kWsWide)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
@@ -330,7 +337,8 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
   std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0),           ws_config(2, 1),
                                            ws_config(0, 0, kWsConst), ws_config(2, 1, kWsConst),
-                                           ws_config(0, 0, kWsSwap),  ws_config(2, 1, kWsWide)};
+                                           ws_config(0, 0, kWsSwap),  ws_config(0, 0, kWsPoly),
+                                           ws_config(2, 1, kWsWide)};
   for (int kernel : {4}) {  // the cp.async wgmma kernel (the fallback where TMA cannot run)
     AttentionCudaConfig k;
     k.kernel = kernel;
@@ -351,7 +359,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
          {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsConst),
-          ws_config(3, 0, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsWide)}) {
+          ws_config(3, 0, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsPoly),
+          ws_config(0, 0, kWsWide)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -28,9 +28,9 @@
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel with cp.async ("d1") and TMA ("d2") loads in single-token
-//   tiles, the wgmma verify kernel's variants "v8" (cp.async loads), "v9" (TMA loads; the
-//   automatic verify choice) and "v10" (v9 in a persistent grid), and for draft 7 the wgmma
+//   automatic plan, the mma.sync kernel with the session-12 ("d1") and the lean ("d2") softmax in
+//   single-token tiles, the wgmma verify kernel's variants "v8" (cp.async loads), "v9" (TMA loads;
+//   the automatic verify choice) and "v10" (v9 in a persistent grid), and for draft 7 the wgmma
 //   prefill kernel).
 #include <cuda_runtime_api.h>
 

@@ -61,7 +61,8 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
 constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
-// The mma.sync kernel's loads in single-token tiles (decode): 1 cp.async, 2 TMA (session 13).
+// The mma.sync kernel's softmax: 1 as in session 12, 2 lean (fused scale, ex2.approx, O rescale
+// skipped when no row maximum moved). Session 13 round A: TMA loads as variant 2 were slower.
 constexpr int kAutoDecodeVariant = 1;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
@@ -80,7 +81,7 @@ struct Plan {
   int qt = 1;                    // tokens per tile
   int splits = 1;                // CTAs per (tile, KV head)
   int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
-  bool decode_tma = false;       // TMA loads in the mma.sync kernel's single-token tiles
+  bool decode_lean = false;      // the mma.sync kernel's lean softmax (decode_variant 2)
   int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -161,7 +162,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   if (cfg.decode_variant < 0 || cfg.decode_variant > 2)
     return unsupported("run_attention_cuda: decode_variant ", cfg.decode_variant,
                        " is not 0, 1 or 2");
-  pl.decode_tma = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
+  pl.decode_lean = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.persistent_ctas < 0)
@@ -265,7 +266,6 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-// kTma (single-token tiles, decode_variant 2) runs as cp.async where the driver refuses the maps.
 // Variant 10 (the persistent kernel: sparse, TMA) runs as 9 for dense attention and as 8 / 9 where
 // TMA cannot address the pool.
 Status launch_verify_persistent(const ak::AttnArgs& args, const Plan& pl, int n_kv,
@@ -285,20 +285,16 @@ Status launch_verify_persistent(const ak::AttnArgs& args, const Plan& pl, int n_
   return Status::Ok();
 }
 
-template <int QT, bool kVec16, bool kTma = false>
+template <int QT, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  CUtensorMap kmap{}, vmap{}, qmap{};
-  if constexpr (kTma) {
-    if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-      return launch_tiles<QT, kVec16, false>(args, pl, n_kv, stream);
-  }
-  auto kernel = ak::attention_tile_kernel<QT, kVec16, kTma>;
-  constexpr int smem = ak::smem_bytes(kTma);
+  auto kernel = ak::attention_tile_kernel<QT, kVec16, false>;
+  if constexpr (QT == 1)  // decode_variant 2 applies to single-token tiles (decode) only
+    if (pl.decode_lean) kernel = ak::attention_tile_kernel<QT, kVec16, true>;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(pl.splits));
-  kernel<<<grid, ak::kThreads, smem, stream>>>(args, kmap, vmap);
+  kernel<<<grid, ak::kThreads, ak::kSmemBytes, stream>>>(args);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -328,8 +324,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
   }
   switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
     case 1 * 2 + 1:
-      return pl.decode_tma ? launch_tiles<1, true, true>(args, pl, n_kv, stream)
-                           : launch_tiles<1, true>(args, pl, n_kv, stream);
+      return launch_tiles<1, true>(args, pl, n_kv, stream);
     case 1 * 2 + 0:
       return launch_tiles<1, false>(args, pl, n_kv, stream);
     case 2 * 2 + 1:

@@ -81,9 +81,9 @@ struct AttentionCudaConfig {
                             // else 8 runs), 10 as 9 in a persistent grid that builds the next
                             // work item's block list while the current one streams (sparse;
                             // dense runs 9)
-  int decode_variant = 0;   // kernel 1 with single-token tiles (decode): 0 automatic (1), 1
-                            // cp.async loads of K and V, 2 TMA loads (where TMA can address the
-                            // pool; else 1 runs)
+  int decode_variant = 0;   // kernel 1 with single-token tiles (decode): 0 automatic (1), 1 the
+                            // session-12 softmax, 2 a lean one (scale fused into the exponent's
+                            // argument, ex2.approx, O rescale skipped when no maximum moved)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -15,9 +15,10 @@
 //   partial (o, m, l) that attention_merge_kernel combines with log-sum-exp weights.
 //
 // Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
-//   copied raw into a ring of stages with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free):
-//   cp.async (16-byte when base and strides allow, else 4-byte), or two TMA copies by thread 0
-//   (kTma, single-token tiles: the 128-byte TMA swizzle is the same layout).
+//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a ring of
+//   stages with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free; the layout of the 128-byte
+//   TMA swizzle, which the verify kernel uses). Session 13: TMA loads here (decode_variant 2 then)
+//   were slower (B64 8K 45.5 vs 43.6 us, B256 equal) and were removed.
 //   S = Q K^T: mma.sync m16n8k32 e4m3, Q fragments in registers for the whole kernel, K fragments
 //   by ldmatrix. Online softmax in fp32 with exp2 of log2e-prescaled scores.
 //   O += P V: P rounded to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16
@@ -163,6 +164,14 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(float_to_bf16(lo)) |
          (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+}
+
+// 2^x on the MUFU pipe (ex2.approx.ftz: results below 2^-126 flush to 0, a weight that small cannot
+// matter).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Inclusive prefix sum of v over the CTA of `Threads` threads; `total` gets the CTA-wide sum. All
@@ -445,10 +454,11 @@ __device__ __forceinline__ int o_dim(int n, int e, int tig) {
   return 16 * (n >> 1) + 4 * tig + 2 * (e & 1) + (n & 1);
 }
 
-// One chunk of NK keys [key0, key0 + NK) of the block in shared memory: S = Q K^T, online softmax,
-// O += P V. Keys with index > lim are masked when need_mask (and, on the register path, their V
-// bytes are zeroed: the slots may be unwritten). v_smem is the f16 tile or the raw V tile.
-template <int NK>
+// One chunk of NK keys [key0, key0 + NK) (key0 a multiple of 8, so the swizzle of key k is lane & 7
+// wherever a lane addresses key k with k & 7 = lane & 7) of the block in shared memory: S = Q K^T,
+// online softmax, O += P V. Keys with index > lim are masked when need_mask (and their V bytes are
+// zeroed: the slots may be unwritten). v_smem is the raw V tile.
+template <int NK, bool kLean>
 __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
                                              uint32_t k_smem, uint32_t v_smem, int key0,
                                              bool need_mask, int lim, float scale_log2) {
@@ -467,19 +477,20 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     for (int kp = 0; kp < 2; ++kp) {
       const int chunk = 4 * kp + (lane >> 3);
       uint32_t b0, b1, b2, b3;
-      ldsm_x4(k_smem + key * kDim + ((chunk ^ (key & 7)) << 4), b0, b1, b2, b3);
+      ldsm_x4(k_smem + key * kDim + ((chunk ^ (lane & 7)) << 4), b0, b1, b2, b3);  // key & 7
       mma_e4m3(s[j], qa[2 * kp], b0, b1);
       mma_e4m3(s[j], qa[2 * kp + 1], b2, b3);
     }
   }
 
-  // Scale to the log2 domain, mask, row max (rows grp: elements 0, 1; grp + 8: elements 2, 3).
+  // Scale to the log2 domain (kLean: after the row max, fused into the exponent's argument), mask,
+  // row max (rows grp: elements 0, 1; grp + 8: elements 2, 3).
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float v = s[j][e] * scale_log2;
+      float v = kLean ? s[j][e] : s[j][e] * scale_log2;
       if (need_mask && key0 + 8 * j + 2 * tig + (e & 1) > lim) v = -INFINITY;
       s[j][e] = v;
     }
@@ -490,31 +501,46 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  if (kLean) {
+    mx0 *= scale_log2;
+    mx1 *= scale_log2;
+  }
   const float m0 = fmaxf(st.m[0], mx0), m1 = fmaxf(st.m[1], mx1);
   // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
   const float mu0 = m0 == -INFINITY ? 0.0f : m0;
   const float mu1 = m1 == -INFINITY ? 0.0f : m1;
-  const float alpha0 = exp2f(st.m[0] - mu0), alpha1 = exp2f(st.m[1] - mu1);
+  const float alpha0 = kLean ? fast_exp2(st.m[0] - mu0) : exp2f(st.m[0] - mu0);
+  const float alpha1 = kLean ? fast_exp2(st.m[1] - mu1) : exp2f(st.m[1] - mu1);
   st.m[0] = m0;
   st.m[1] = m1;
   float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j) {
-    s[j][0] = exp2f(s[j][0] - mu0);
-    s[j][1] = exp2f(s[j][1] - mu0);
-    s[j][2] = exp2f(s[j][2] - mu1);
-    s[j][3] = exp2f(s[j][3] - mu1);
+    if (kLean) {
+      s[j][0] = fast_exp2(fmaf(s[j][0], scale_log2, -mu0));
+      s[j][1] = fast_exp2(fmaf(s[j][1], scale_log2, -mu0));
+      s[j][2] = fast_exp2(fmaf(s[j][2], scale_log2, -mu1));
+      s[j][3] = fast_exp2(fmaf(s[j][3], scale_log2, -mu1));
+    } else {
+      s[j][0] = exp2f(s[j][0] - mu0);
+      s[j][1] = exp2f(s[j][1] - mu0);
+      s[j][2] = exp2f(s[j][2] - mu1);
+      s[j][3] = exp2f(s[j][3] - mu1);
+    }
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }
   st.l[0] = st.l[0] * alpha0 + sum0;
   st.l[1] = st.l[1] * alpha1 + sum1;
+  // kLean: no rescale when no row maximum of the warp moved (every alpha is exactly 1).
+  if (!kLean || !__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
 #pragma unroll
-  for (int n = 0; n < kDim / 8; ++n) {
-    st.o[n][0] *= alpha0;
-    st.o[n][1] *= alpha0;
-    st.o[n][2] *= alpha1;
-    st.o[n][3] *= alpha1;
+    for (int n = 0; n < kDim / 8; ++n) {
+      st.o[n][0] *= alpha0;
+      st.o[n][1] *= alpha0;
+      st.o[n][2] *= alpha1;
+      st.o[n][3] *= alpha1;
+    }
   }
 
   // O += P V. The S accumulators of n-tiles 2 kk, 2 kk + 1 are the f16 A fragment of keys
@@ -547,7 +573,7 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     for (int q = 0; q < kDim / 32; ++q) {
       const int chunk = 2 * q + (lane >> 4);
       uint32_t r0, r1, r2, r3;
-      ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (key & 7)) << 4), r0, r1, r2, r3);
+      ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (lane & 7)) << 4), r0, r1, r2, r3);
       r0 &= keep_lo;
       r1 &= keep_hi;
       r2 &= keep_lo;
@@ -566,24 +592,19 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
 
 // ---------------------------------------------------------------------------------------------
 // The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
-// smem_bytes(kTma). kTma: each block's K and V tiles by two TMA copies (kmap, vmap; thread 0, one
-// mbarrier per stage) instead of 16 cp.async per thread.
-constexpr int smem_bytes(bool tma) { return kSmemBytes + (tma ? 1024 : 0); }  // TMA: 1 KB align
-template <int QT, bool kVec16, bool kTma>
-__global__ void __launch_bounds__(kThreads, 2)
-    attention_tile_kernel(const __grid_constant__ AttnArgs a,
-                          const __grid_constant__ CUtensorMap kmap,
-                          const __grid_constant__ CUtensorMap vmap) {
+// kSmemBytes. kLean (decode_variant 2): the softmax scale fused into the exponent's argument
+// (fmaf), ex2.approx, and no O rescale when no row maximum of the warp moved (~10 % fewer
+// instructions per block: the decode kernel issues ~1000 per warp and block, session 13 ncu).
+template <int QT, bool kVec16, bool kLean>
+__global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
   constexpr int KS = kWarps / QT;          // warps per token (key slices)
   constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
   constexpr int kChunk = kSlice < 64 ? kSlice : 64;
   constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
   constexpr int kSt = kStages;
   static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
-  static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
 
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t s_full[kSt];  // kTma: K and V of the stage landed
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
   __shared__ int s_tile[3];
   __shared__ int s_pos[QT];
@@ -596,8 +617,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, split = blockIdx.z;
-  const uint32_t base = (smem_u32(smem_raw) + (kTma ? 1023u : 0u)) & (kTma ? ~1023u : ~0u);
-  uint8_t* smem = smem_raw + (base - smem_u32(smem_raw));
 
   TileInputs in;
   if (!find_tile_and_load<QT>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in))
@@ -609,12 +628,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int tw = warp / KS, ksl = warp % KS;
   uint32_t qa[4][4];
   load_q_fragments(a, g, t0 + tw, tw < nt, qa);
-  if (kTma && tid == 0) {
-#pragma unroll
-    for (int st = 0; st < kSt; ++st) sm90::mbar_init(smem_u32(&s_full[st]), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  __syncthreads();  // s_pos, s_full
+  __syncthreads();  // s_pos
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
@@ -641,7 +655,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   st.l[0] = st.l[1] = 0.0f;
 
   const int my_pos = tw < nt ? s_pos[tw] : -1;
-  uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
     const int count = min(hi - c0, kMaxList);
@@ -655,33 +668,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
 
     // kSt-stage ring: blocks 0 .. kSt-2 in flight before the loop; iteration i waits for block i
-    // (one commit group per block, empty groups included, so the counting is uniform; kTma: the
-    // stage's mbarrier, loaded entries only), then refills the stage that block i - 1 used with
-    // block i + kSt - 1. Entries no token sees are not loaded.
+    // (one commit group per block, empty groups included, so the counting is uniform), then
+    // refills the stage that block i - 1 used with block i + kSt - 1. Entries no token sees are
+    // not loaded.
     auto load = [&](int j, int st) {
-      if (j >= count || !s_list_mask[off + j]) {
-        if constexpr (!kTma) cp_async_commit();
-      } else if constexpr (kTma) {
-        if (tid == 0)
-          tma_load_block(&kmap, &vmap, s_list_page[off + j], g, base + st * kStageBytes,
-                         smem_u32(&s_full[st]));
-      } else {
+      if (j < count && s_list_mask[off + j])
         load_block<kVec16>(a, s_list_page[off + j], g, smem + st * kStageBytes);
-        cp_async_commit();
-      }
+      cp_async_commit();
     };
 #pragma unroll
     for (int j = 0; j < kSt - 1; ++j) load(j, j);
     int stage = 0;
     for (int i = 0; i < count; ++i) {
-      if constexpr (kTma) {
-        if (s_list_mask[off + i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-          sm90::mbar_wait(smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
-          full_parity ^= 1u << stage;
-        }
-      } else {
-        cp_async_wait<kSt - 2>();
-      }
+      cp_async_wait<kSt - 2>();
       __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
       load(i + kSt - 1, stage == 0 ? kSt - 1 : stage - 1);  // (i + kSt - 1) mod kSt
       const int mask = s_list_mask[off + i];
@@ -696,8 +695,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         for (int c = 0; c < kSlice / kChunk; ++c) {
           const int key0 = ksl * kSlice + c * kChunk;
           if (key0 <= lim)
-            attend_chunk<kChunk>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
-                                 a.scale_log2);
+            attend_chunk<kChunk, kLean>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
+                                        a.scale_log2);
         }
       }
     }

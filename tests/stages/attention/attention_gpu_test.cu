@@ -5,9 +5,9 @@
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync kernel (also with
-// TMA loads, decode_variant 2), the Hopper wgmma prefill kernel (8-token tiles) and the Hopper
-// wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup: verify_variant 8, 9 and
-// the persistent 10), with and without splits; all must meet the same tolerance.
+// the lean softmax, decode_variant 2), the Hopper wgmma prefill kernel (8-token tiles) and the
+// Hopper wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup: verify_variant 8,
+// 9 and the persistent 10), with and without splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -65,8 +65,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_variant}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (and decode_variant 2: TMA loads in
-// single-token tiles, cp.async where TMA cannot address the pool); kPrefill the wgmma prefill
+// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (and decode_variant 2: the lean
+// softmax in single-token tiles); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
 // runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
 // (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (persistent; 9 for dense), the

@@ -42,16 +42,20 @@
 // dependent instructions per item, longer than the ring lasted) and the ring has 4 stages and one
 // Q buffer, released when every consumer warp has its Q fragments (TMA latency was not covered by
 // 3 stages). Session 13 removed those steps' kernels 6-10 (never faster than 11).
-// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 16 + kConstDesc, 17 =
-// 16 + kSwap, 18 = 16 + kPoly): kWide: 64 registers for the scheduler and converter warps, 216 for
-// the consumers (instead of 40 / 232; ptxas: no spills instead of ~180 bytes in the 40-register
-// warps); kConstDesc: wgmma descriptors as constant offsets of two base descriptors
-// (consumer_warpgroups); kSwap: the converters' f16 stores in an order free of bank conflicts
-// (store_f16_chunk); kPoly: a quarter of the softmax exponentials on the FMA pipe
-// (softmax_block_mix). Session 13 round A measured and removed kernels 12 (headers broadcast by a
-// warp OR reduction, meant to make the stage index uniform: it did not, and its redux latency made
-// kernel 12 3 % slower than 11: 952 vs 923 us) and 13 (12 without the ping-pong turns: no faster
-// than 12). Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i)
+// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 18 = 15 + kPoly; the
+// automatic plan runs 15 for sparse and 11 for dense attention): kWide: 64 registers for the
+// scheduler and converter warps, 216 for the consumers (instead of 40 / 232; ptxas: no spills
+// instead of ~200 bytes in the 40-register warps; session 13 round B: sparse 8K chunk at 8K / 64K
+// 900.3 / 906.0 and 1016.9 / 1028.3 us vs 922.2 / 929.3 and 1046.9 / 1058.4 for 11, lowoverlap
+// 2096 / 2121 vs 2168 / 2182, dense 1-3 % slower); kPoly: a quarter of the softmax exponentials on
+// the FMA pipe (ap::softmax_block<true>). Session 13 measured and removed: 12 (headers broadcast by
+// a warp OR reduction, meant to make the ring stage uniform for the compiler: it did not, and the
+// redux latency made it 3 % slower than 11), 13 (12 without the ping-pong turns: no faster), 14
+// (12 + kWide, superseded), 16 / 17 (15 with the wgmma issue in one code copy per ring stage and
+// f16 buffer, so that every descriptor is a uniform base + constant: ptxas then serialised every
+// wgmma (gsb0 on each, a dummy HGMMA.64x8x16 inserted), 16 % slower; 17 with conflict-free f16 V
+// stores on top, no different).
+// Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i)
 // completes + 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2]
 // (8 consumer warps after P V(i) completes), qempty (8 consumer warps after the item's first S, Q
 // being in registers by then). Where one lane arrives for its warp, only that lane reads the shared
@@ -113,30 +117,22 @@ namespace attention_prefill_ws {
 // and the consumers waited for the f16 tile (16 % of all stall samples): one dependent
 // address -> LDS -> F2FP -> STS chain per 8 dims, one warp per scheduler, no overlap.
 
-// One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks
-// (8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8)). The 8
-// threads of a quarter warp hold c16 = 0 .. 7 of one key; the two dim halves lie 16 KB apart
-// (same banks), so storing chunk 2 c16 first in every thread hits each bank group twice (round-A
-// ncu of kernel 10: 43 % of the store wavefronts were conflicts). kSwap: threads with c16 >= 4
-// store their chunk 2 c16 + 1 first: every store of a quarter warp is conflict-free.
-template <bool kSwap>
+// One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks.
 __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {
-  const int sw = kSwap ? (c16 >> 2) & 1 : 0;
-  const uint32_t a = sw ? raw.z : raw.x, b = sw ? raw.w : raw.y;  // first chunk's 8 dims
-  const uint32_t c = sw ? raw.x : raw.z, d = sw ? raw.y : raw.w;  // second chunk's
-  uint4 first, second;
-  first.x = ak::e4m3x2_to_f16x2(a);
-  first.y = ak::e4m3x2_to_f16x2(a >> 16);
-  first.z = ak::e4m3x2_to_f16x2(b);
-  first.w = ak::e4m3x2_to_f16x2(b >> 16);
-  second.x = ak::e4m3x2_to_f16x2(c);
-  second.y = ak::e4m3x2_to_f16x2(c >> 16);
-  second.z = ak::e4m3x2_to_f16x2(d);
-  second.w = ak::e4m3x2_to_f16x2(d >> 16);
+  uint4 lo, hi;
+  lo.x = ak::e4m3x2_to_f16x2(raw.x);
+  lo.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+  lo.z = ak::e4m3x2_to_f16x2(raw.y);
+  lo.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+  hi.x = ak::e4m3x2_to_f16x2(raw.z);
+  hi.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
+  hi.z = ak::e4m3x2_to_f16x2(raw.w);
+  hi.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
+  // 8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8).
   uint8_t* row = vh + (c16 >> 2) * kTileBytes + key * 128;
-  const int c8 = 2 * c16 + sw;  // chunk of `first`; `second` is its neighbour c8 ^ 1
-  *reinterpret_cast<uint4*>(row + (((c8 & 7) ^ (key & 7)) << 4)) = first;
-  *reinterpret_cast<uint4*>(row + ((((c8 ^ 1) & 7) ^ (key & 7)) << 4)) = second;
+  const int c8 = 2 * c16;
+  *reinterpret_cast<uint4*>(row + (((c8 & 7) ^ (key & 7)) << 4)) = lo;
+  *reinterpret_cast<uint4*>(row + ((((c8 + 1) & 7) ^ (key & 7)) << 4)) = hi;
 }
 
 // NaN in V (the twin's semantics: a NaN V element at (key p, dim d) makes dim d of every head of
@@ -178,7 +174,6 @@ __device__ __forceinline__ bool clear_nan_word(uint32_t& w, int key, int d0, uin
   return any;
 }
 
-template <bool kSwap>
 __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
   const int t = static_cast<int>(threadIdx.x) - 32;  // 0 .. 95
   const int lane = threadIdx.x & 31;
@@ -233,7 +228,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
 #pragma unroll
           for (int u = 0; u < kU; ++u) {
             const int i = i0 + u * kN;
-            if (i < kItems) store_f16_chunk<kSwap>(vh, i >> 3, i & 7, r[u]);
+            if (i < kItems) store_f16_chunk(vh, i >> 3, i & 7, r[u]);
           }
         }
       };
@@ -255,7 +250,7 @@ __device__ __forceinline__ void converter_warps(Shared& sh, uint8_t* smem) {
           clear_nan_word(w.y, key, 16 * c + 4, gen, key_rec, gen_rec);
           clear_nan_word(w.z, key, 16 * c + 8, gen, key_rec, gen_rec);
           clear_nan_word(w.w, key, 16 * c + 12, gen, key_rec, gen_rec);
-          store_f16_chunk<kSwap>(vh, key, c, w);
+          store_f16_chunk(vh, key, c, w);
           wrote = true;
         }
       }
@@ -329,69 +324,6 @@ __device__ __forceinline__ void pack_p(const float (&s)[64], uint32_t (&p)[8][4]
     for (int e = 0; e < 4; ++e) p[kk][e] = ak::pack_f16x2(s[8 * kk + 2 * e], s[8 * kk + 2 * e + 1]);
 }
 
-// 2^x on the FMA pipe (kPoly), for x <= 0, -inf or NaN (softmax arguments after the max
-// subtraction): x = n + f with n = floor(x) (an add rounded down to the integer spacing of
-// 1.5 * 2^23), 2^f on [0, 1) by a degree-3 polynomial with p(0) = 1 (max relative error 8.7e-5,
-// below the f16 rounding of P, 4.9e-4), n added to the exponent field by one integer multiply-add.
-// x < -127 (and -inf: a masked key) gives exactly +0 (n = -127, f = 0), NaN stays NaN; results
-// below 2^-126 are approximate (weights that small cannot matter).
-__device__ __forceinline__ float poly_exp2(float x) {
-  const float xc = x < -127.0f ? -127.0f : x;
-  const float t = __fadd_rd(xc, 12582912.0f);  // 1.5 * 2^23 + floor(xc)
-  const float f = xc - (t - 12582912.0f);
-  const float q = fmaf(fmaf(fmaf(0.0770519230f, f, 0.2276614270f), f, 0.6951132125f), f, 1.0f);
-  // bits(t) << 23 = floor(xc) << 23 (mod 2^32: the constant's bits vanish in the shift).
-  const int bits = __float_as_int(q) + (__float_as_int(t) << 23);
-  return xc == xc ? __int_as_float(bits) : xc;
-}
-
-// ap::softmax_block with a quarter of the exponentials (keys 8 j + .., j = 12 .. 15 of each
-// thread's 16 column pairs) on the FMA pipe (poly_exp2): round-A ncu of kernel 12 showed the exp
-// phase paced by the MUFU pipe (64 MUFU.EX2 per thread and entry, 8 cycles per warp instruction:
-// the second of every MUFU pair stalled), with issue slots to spare.
-__device__ __forceinline__ void softmax_block_mix(float (&s)[64], float (&m)[2], float (&l)[2],
-                                                  float (&alpha)[2], int lim, float scale_log2) {
-  const int tig = threadIdx.x & 3;
-  if (lim < ak::kBlockKeys - 1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
-  }
-  float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-  }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float m0 = fmaxf(m[0], mx0 * scale_log2), m1 = fmaxf(m[1], mx1 * scale_log2);
-  const float mu0 = m0 == -INFINITY ? 0.0f : m0;
-  const float mu1 = m1 == -INFINITY ? 0.0f : m1;
-  alpha[0] = ap::fast_exp2(m[0] - mu0);
-  alpha[1] = ap::fast_exp2(m[1] - mu1);
-  m[0] = m0;
-  m[1] = m1;
-  float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float mu[2] = {mu0, mu1};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = fmaf(s[4 * j + e], scale_log2, -mu[e >> 1]);
-      s[4 * j + e] = j >= 12 ? poly_exp2(x) : ap::fast_exp2(x);
-    }
-    sum0 += s[4 * j] + s[4 * j + 1];
-    sum1 += s[4 * j + 2] + s[4 * j + 3];
-  }
-  l[0] = l[0] * alpha[0] + sum0;
-  l[1] = l[1] * alpha[1] + sum1;
-}
-
 // NaN dims that this warp's token sees in entry gen - 1 (f16 buffer vs, visible keys 0 .. lim),
 // ORed into bits (dim d: bit d % 32 of word d / 32; the same in every lane). Lane 0 alone reads the
 // records (it releases the buffer: racecheck orders accesses by the arriving thread only).
@@ -452,15 +384,9 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
 
 // Each warp copies its token's Q fragments from the item's Q tile into registers when the item
 // starts (register-A QK wgmma); the one Q buffer is released after the item's first S.
-// kConstDesc: the 12 wgmmas of an entry are issued from one copy of the code per ring stage (QK)
-// and f16 V buffer (P V), so that each descriptor is a base descriptor (computed once from the
-// shared-memory base, a uniform value) plus a constant: round-A ncu (kernels 10, 12) showed every
-// descriptor rebuilt per use in ordinary registers (the stage comes from the entry count, which
-// the compiler does not see as uniform) and moved to uniform registers (R2UR pairs), ~5-7
-// dependent instructions per wgmma between turn_wait and turn_pass (16 % of the consumer samples,
-// ~630 cycles per entry), where the other warpgroup cannot issue.
-// kPoly (kernel 18): softmax_block_mix instead of ap::softmax_block.
-template <bool kConstDesc, bool kPoly>
+// kPoly (kernel 18): a quarter of the softmax exponentials on the FMA pipe
+// (ap::softmax_block<true>).
+template <bool kPoly>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
@@ -489,64 +415,19 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
             q + row * 128 + (((off >> 4) ^ (row & 7)) << 4) + (off & 15));
       }
   };
-  const uint64_t kdesc0 = ap::smem_desc(base, 16, 1024);                   // K of stage 0
-  const uint64_t vdesc0 = ap::smem_desc(base + kVhOff, kTileBytes, 1024);  // f16 V buffer 0
-  static_assert(kStages == 4, "one issue copy per stage below");
-  using I0 = std::integral_constant<int, 0>;
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using I3 = std::integral_constant<int, 3>;
-  auto qk_const = [&](auto st) {
-    constexpr int kS = decltype(st)::value;
+  auto issue_qk = [&](int stage) {
+    const uint32_t kaddr = base + stage * kStageBytes;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      ap::wgmma_qk_rs(s, qa[kk], kdesc0 + static_cast<uint64_t>((kS * kStageBytes + 32 * kk) >> 4),
-                      kk > 0 ? 1 : 0);
-  };
-  auto issue_qk = [&](int stage) {
-    if constexpr (kConstDesc) {
-      switch (stage) {
-        case 0:
-          qk_const(I0{});
-          break;
-        case 1:
-          qk_const(I1{});
-          break;
-        case 2:
-          qk_const(I2{});
-          break;
-        default:
-          qk_const(I3{});
-          break;
-      }
-    } else {
-      const uint32_t kaddr = base + stage * kStageBytes;
-#pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
-    }
+      ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(kaddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
   };
   // O (+)= P V; the first entry of an item overwrites O (the previous item's O was stored).
-  auto pv_const = [&](auto vb, int flags) {
-    constexpr int kV = decltype(vb)::value;
+  auto issue_pv = [&](int vs, int flags) {
+    const uint32_t vaddr = base + kVhOff + vs * kVhBytes;
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      ap::wgmma_pv(o, p[kk], vdesc0 + static_cast<uint64_t>((kV * kVhBytes + kk * 2048) >> 4),
+      ap::wgmma_pv(o, p[kk], ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
                    kk > 0 || !(flags & kFirst) ? 1 : 0);
-  };
-  auto issue_pv = [&](int vs, int flags) {
-    if constexpr (kConstDesc) {
-      if (vs == 0)
-        pv_const(I0{}, flags);
-      else
-        pv_const(I1{}, flags);
-    } else {
-      const uint32_t vaddr = base + kVhOff + vs * kVhBytes;
-#pragma unroll
-      for (int kk = 0; kk < 8; ++kk)
-        ap::wgmma_pv(o, p[kk], ap::smem_desc(vaddr + kk * 2048, kTileBytes, 1024),
-                     kk > 0 || !(flags & kFirst) ? 1 : 0);
-    }
   };
 
   uint32_t j = 0;  // current entry; its V is in f16 buffer j % 2
@@ -570,13 +451,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     mbar_arrive(bar_addr(sh.empty[0]));
     if (cur.flags() & kFirst) mbar_arrive(bar_addr(sh.qempty));
   }
-  auto softmax = [&](int lim) {
-    if constexpr (kPoly)
-      softmax_block_mix(s, m, l, alpha, lim, a.scale_log2);
-    else
-      ap::softmax_block(s, m, l, alpha, lim, a.scale_log2);
-  };
-  softmax(cur.lim);
+  ap::softmax_block<kPoly>(s, m, l, alpha, cur.lim, a.scale_log2);
   ap::rescale_and_pack<true>(o, s, alpha, p);
 
   for (;;) {
@@ -616,7 +491,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
       m[0] = m[1] = -INFINITY;
       l[0] = l[1] = 0.0f;
     }
-    softmax(nxt.lim);
+    ap::softmax_block<kPoly>(s, m, l, alpha, nxt.lim, a.scale_log2);
     ap::wgmma_wait<0>();
     ap::reg_fence(o);
     ap::reg_fence(p);
@@ -654,7 +529,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kWide, bool kConstDesc, bool kSwap, bool kPoly>
+template <bool kWide, bool kPoly>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -688,10 +563,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (warp == 0)
       scheduler_warp(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
-      converter_warps<kSwap>(sh, smem);
+      converter_warps(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
-    consumer_warpgroups<kConstDesc, kPoly>(a, sh, base, smem);
+    consumer_warpgroups<kPoly>(a, sh, base, smem);
   }
 }
 
@@ -746,22 +621,19 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs,
-                     bool const_desc, bool swap_stores, bool poly_exp, cudaStream_t stream,
-                     bool* launched) {
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs, bool poly_exp,
+                     cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  // Kernels 11 (none), 15 (64 / 216 registers), 16 (15 + constant-offset descriptors), 17 (16 +
-  // conflict-free f16 V stores), 18 (16 + a quarter of the exponentials on the FMA pipe).
-  auto kernel = !wide_regs    ? attention_prefill_ws_kernel<false, false, false, false>
-                : !const_desc ? attention_prefill_ws_kernel<true, false, false, false>
-                : poly_exp    ? attention_prefill_ws_kernel<true, true, false, true>
-                : swap_stores ? attention_prefill_ws_kernel<true, true, true, false>
-                              : attention_prefill_ws_kernel<true, true, false, false>;
+  // Kernels 11 (40 / 232 registers), 15 (64 / 216), 18 (15 + a quarter of the exponentials on
+  // the FMA pipe).
+  auto kernel = !wide_regs ? attention_prefill_ws_kernel<false, false>
+                : poly_exp ? attention_prefill_ws_kernel<true, true>
+                           : attention_prefill_ws_kernel<true, false>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

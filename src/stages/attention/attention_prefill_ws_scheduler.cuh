@@ -152,6 +152,11 @@ struct Pending {
 // tile does not exist (the grid bound exceeds the batch's tiles). Warp-uniform.
 __device__ __forceinline__ bool prepare_item(const AttnArgs& a, Item& it, int w) {
   const int lane = threadIdx.x & 31;
+  // `it` held the item before the previous one: every lane's reads of it (lane 0's header
+  // computation in issue(), the lanes' list reads) come before these writes in program order, but
+  // racecheck orders the lanes of a warp only through a barrier (session 13 round B: 2 hazard
+  // warnings, it.pos written here vs read in issue(), with one persistent CTA and 2 splits).
+  __syncwarp();
   const int split = w % a.splits;
   const int tile = w / a.splits / a.n_kv;
   const int g = (w / a.splits) % a.n_kv;

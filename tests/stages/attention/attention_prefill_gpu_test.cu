@@ -1,16 +1,15 @@
 // GPU tests of the warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
 // AttentionCudaConfig::kernel = 11, a 4-stage ring with one Q buffer; 15 = 11 with 64 / 216
-// registers per scheduler-converter / consumer thread; 16 = 15 with constant-offset wgmma
-// descriptors; 17 = 16 with conflict-free f16 V stores; 18 = 16 with a quarter of the softmax
-// exponentials on the FMA pipe) and of its fallback, the cp.async wgmma
-// kernel 4, against the CPU twin on identical E4M3
-// inputs: chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths
-// off the 8-token tile and the 128-token block), mixed batches with several chunks and decode /
-// verify rows, sparse and dense, with and without splits, persistent grids of 1 .. 132 CTAs (1 CTA
-// walks every work item: ring phases, Q buffer reuse, item boundaries), 16-byte strided pools (TMA)
-// and 4-byte ones (the launcher falls back to kernel 4), junk ids and work items without any block,
-// page ids past 2^31 bytes, NaN propagation, sparse == dense with <= 16 visible blocks (bit for
-// bit), CUDA-graph replay with new inputs == eager (byte for byte).
+// registers per scheduler-converter / consumer thread, the automatic choice for sparse prefill;
+// 18 = 15 with a quarter of the softmax exponentials on the FMA pipe) and of its fallback, the
+// cp.async wgmma kernel 4, against the CPU twin on identical E4M3 inputs: chunked prefills from
+// position 0 and after cached prefixes (contexts and chunk lengths off the 8-token tile and the
+// 128-token block), mixed batches with several chunks and decode / verify rows, sparse and dense,
+// with and without splits, persistent grids of 1 .. 132 CTAs (1 CTA walks every work item: ring
+// phases, Q buffer reuse, item boundaries), 16-byte strided pools (TMA) and 4-byte ones (the
+// launcher falls back to kernel 4), junk ids and work items without any block, page ids past 2^31
+// bytes, NaN propagation, sparse == dense with <= 16 visible blocks (bit for bit), CUDA-graph
+// replay with new inputs == eager (byte for byte).
 //
 // Problems, device copies, runs and the comparison with the twin come from
 // attention_gpu_test_util.h (shared with attention_gpu_test.cu; its comment derives the tolerance:
@@ -52,11 +51,10 @@ using testing::attn::run_gpu;
 using testing::attn::run_reference;
 using testing::attn::upload;
 
-constexpr int kWsDeep = 11;   // AttentionCudaConfig::kernel of the warp-specialised kernel
-constexpr int kWsWide = 15;   // 11 with 64 / 216 registers (scheduler, converters / consumers)
-constexpr int kWsConst = 16;  // 15 with constant-offset wgmma descriptors
-constexpr int kWsSwap = 17;   // 16 with conflict-free f16 V stores
-constexpr int kWsPoly = 18;   // 16 with a quarter of the exponentials on the FMA pipe
+constexpr int kWsDeep = 11;  // AttentionCudaConfig::kernel of the warp-specialised kernel
+constexpr int kWsWide = 15;  // 11 with 64 / 216 registers (scheduler, converters / consumers)
+constexpr int kWsPoly = 18;  // 15 with a quarter of the exponentials on the FMA pipe
+constexpr int kAuto = 0;     // the automatic plan (kernel 15 sparse, 11 dense on these batches)
 
 AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWsDeep) {
   AttentionCudaConfig c;
@@ -106,20 +104,14 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(1, 3),
           ws_config(0, 7),
           ws_config(2, 6),
-          ws_config(0, 0, kWsConst),
-          ws_config(3, 0, kWsConst),
-          ws_config(1, 1, kWsConst),
-          ws_config(2, 6, kWsConst),
-          ws_config(0, 0, kWsSwap),
-          ws_config(3, 0, kWsSwap),
-          ws_config(1, 1, kWsSwap),
           ws_config(0, 0, kWsWide),
           ws_config(3, 0, kWsWide),
           ws_config(1, 1, kWsWide),
           ws_config(2, 6, kWsWide),
           ws_config(0, 0, kWsPoly),
           ws_config(3, 0, kWsPoly),
-          ws_config(1, 1, kWsPoly)};
+          ws_config(1, 1, kWsPoly),
+          ws_config(0, 0, kAuto)};
 }
 
 // ---- tests ------------------------------------------------------------------------------------
@@ -155,13 +147,13 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   SCOPED_TRACE(testing::describe_requests(reqs));
   Problem c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "M3",
-                {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4),
-                 ws_config(0, 0, kWsConst), ws_config(1, 4, kWsConst), ws_config(0, 0, kWsSwap),
-                 ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide)});
+  check_configs(
+      c, true, "M3",
+      {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4), ws_config(0, 0, kWsPoly),
+       ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide), ws_config(0, 0, kAuto)});
   check_configs(
       c, false, "M3",
-      {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kWsConst), ws_config(1, 2, kWsWide)});
+      {ws_config(0, 0), ws_config(1, 2), ws_config(1, 2, kWsWide), ws_config(0, 0, kAuto)});
 }
 
 TEST(AttentionPrefillWsGpu, StridedPools) {
@@ -183,8 +175,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_configs(
         c, true, "3 KV heads",
-        {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsConst), ws_config(2, 3, kWsConst),
-         ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)});
+        {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -194,7 +185,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   Problem c = make_case(reqs, 16, 2, false, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "group 8", {ws_config(0, 0), ws_config(1, 2)});
-  check_configs(c, false, "group 8", {ws_config(0, 0), ws_config(0, 0, kWsConst)});
+  check_configs(c, false, "group 8", {ws_config(0, 0), ws_config(0, 0, kWsWide)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -254,7 +245,6 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
        {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5),
-        ws_config(1, 0, kWsConst), ws_config(2, 5, kWsConst), ws_config(2, 5, kWsSwap),
         ws_config(2, 5, kWsPoly), ws_config(2, 5, kWsWide)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
@@ -290,8 +280,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsConst), ws_config(0, 0, kWsSwap),
-        ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)}) {
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsPoly), ws_config(0, 0, kWsWide)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -309,8 +298,7 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
   check_configs(
       c, true, "NaN value",
-      {ws_config(0, 0), ws_config(2, 1), ws_config(0, 0, kWsConst), ws_config(2, 1, kWsConst),
-       ws_config(2, 1, kWsSwap), ws_config(2, 1, kWsPoly), ws_config(2, 1, kWsWide)});
+      {ws_config(0, 0), ws_config(2, 1), ws_config(2, 1, kWsPoly), ws_config(2, 1, kWsWide)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
@@ -335,10 +323,9 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   for (int k = 0; k < 6; ++k)
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
-  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0),           ws_config(2, 1),
-                                           ws_config(0, 0, kWsConst), ws_config(2, 1, kWsConst),
-                                           ws_config(0, 0, kWsSwap),  ws_config(0, 0, kWsPoly),
-                                           ws_config(2, 1, kWsWide)};
+  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0), ws_config(2, 1),
+                                           ws_config(0, 0, kWsPoly), ws_config(2, 1, kWsWide),
+                                           ws_config(0, 0, kAuto)};
   for (int kernel : {4}) {  // the cp.async wgmma kernel (the fallback where TMA cannot run)
     AttentionCudaConfig k;
     k.kernel = kernel;
@@ -358,9 +345,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 40}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg :
-         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsConst),
-          ws_config(3, 0, kWsConst), ws_config(0, 0, kWsSwap), ws_config(0, 0, kWsPoly),
-          ws_config(0, 0, kWsWide)}) {
+         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kWsPoly),
+          ws_config(0, 0, kWsWide), ws_config(0, 0, kAuto)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -65,9 +65,13 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
 constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
-// The mma.sync kernel's softmax: 1 as in session 12, 2 lean (fused scale, ex2.approx, O rescale
-// skipped when no row maximum moved). Session 13 round A: TMA loads as variant 2 were slower.
-constexpr int kAutoDecodeVariant = 1;
+// The mma.sync kernel's softmax in single-token tiles (decode): 1 as in session 12, 2 lean (scale
+// fused into the exponent's fmaf, ex2.approx, O rescale skipped when no row maximum of the warp
+// moved): ~10 % fewer instructions in a kernel whose warps are issue-latency bound (session 13
+// round A ncu, B64 8K: ~1015 instructions per warp and block, 4.1 cycles each, against ~4.5 K
+// cycles between a CTA's blocks). Automatic from session 13 round C, whose bench measures both
+// (d1 / d2 in --compare-kernels). TMA loads (round A's variant 2) were slower: B64 45.5 vs 43.6 us.
+constexpr int kAutoDecodeVariant = 2;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
@@ -152,19 +156,15 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && (cfg.verify_variant < 8 || cfg.verify_variant > 10))
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 9 or 10");
+                       " is not 0, 8 or 9");
   if (cfg.decode_variant < 0 || cfg.decode_variant > 2)
     return unsupported("run_attention_cuda: decode_variant ", cfg.decode_variant,
                        " is not 0, 1 or 2");
   pl.decode_lean = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
-    if (cfg.persistent_ctas < 0)
-      return unsupported("run_attention_cuda: persistent_ctas ", cfg.persistent_ctas,
-                         " is negative");
-    pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : av::kPersistCtasPerSm * sm_count();
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
       return unsupported("run_attention_cuda: the wgmma verify kernel has ", av::kQT,
                          " tokens per tile, got ", cfg.tokens_per_tile);
@@ -262,25 +262,6 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-// Variant 10 (the persistent kernel: sparse, TMA) runs as 9 for dense attention and as 8 / 9 where
-// TMA cannot address the pool.
-Status launch_verify_persistent(const ak::AttnArgs& args, const Plan& pl, int n_kv,
-                                cudaStream_t stream) {
-  const int64_t items = pl.tiles * n_kv * pl.splits;
-  CUtensorMap kmap{}, vmap{}, qmap{};
-  if (!args.sparse || items > std::numeric_limits<int32_t>::max() ||
-      !attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-    return launch_verify<true, true>(args, pl, n_kv, stream);
-  auto kernel = av::attention_verify_persistent_kernel<av::kPersistCtasPerSm>;
-  M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               av::kPersistSmemBytes));
-  const int grid = static_cast<int>(std::min<int64_t>(items, std::max(1, pl.ctas)));
-  kernel<<<grid, av::kThreads, av::kPersistSmemBytes, stream>>>(args, kmap, vmap,
-                                                                static_cast<int>(items));
-  M3_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
 template <int QT, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   auto kernel = ak::attention_tile_kernel<QT, kVec16, false>;
@@ -301,7 +282,6 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    if (pl.verify_variant == 10) return launch_verify_persistent(args, pl, n_kv, stream);
     return pl.verify_variant == 9 ? launch_verify<true, true>(args, pl, n_kv, stream)
                                   : launch_verify<true, false>(args, pl, n_kv, stream);
   }

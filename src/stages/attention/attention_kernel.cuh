@@ -230,41 +230,24 @@ __device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile)
   return s_tile[0] >= 0;
 }
 
-// The m16n8k32 A fragments of one token's 16 query heads (rows grp, grp + 8; k-step kk holds bytes
-// 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row) from `rows` (head 0 of the group;
-// 128-byte rows; global or shared memory); zero when the token is absent (present == false) and for
-// heads >= group. kReadAll: all 16 rows are readable (shared memory), so they are read
-// unconditionally and zeroed by selects, without branches (a wgmma reads the fragments).
-template <bool kReadAll = false>
-__device__ __forceinline__ void q_fragments(const uint8_t* rows, bool present, int group,
-                                            uint32_t (&qa)[4][4]) {
+// The m16n8k32 A fragments of token t's 16 query heads of KV head g (rows grp, grp + 8; k-step kk
+// holds bytes 32 kk + 4 tig .. + 3 and 32 kk + 16 + 4 tig .. + 3 of each row); zero when the token
+// is absent (present == false) and for heads >= group.
+__device__ __forceinline__ void load_q_fragments(const AttnArgs& a, int g, int t, bool present,
+                                                 uint32_t (&qa)[4][4]) {
   const int lane = threadIdx.x & 31, grp = lane >> 2, tig = lane & 3;
-  const bool r0 = present && grp < group, r1 = present && grp + 8 < group;
-  const uint8_t* q0 = rows + grp * kDim;
+  const bool r0 = present && grp < a.group, r1 = present && grp + 8 < a.group;
+  const uint8_t* q0 = a.q + static_cast<int64_t>(present ? t : 0) * a.q_stride_t +
+                      static_cast<int64_t>(g * a.group + grp) * kDim;
   const uint8_t* q1 = q0 + 8 * kDim;
-  auto get = [&](bool keep, const uint8_t* q) {
-    if (kReadAll) {
-      const uint32_t x = *reinterpret_cast<const uint32_t*>(q);
-      return keep ? x : 0u;
-    }
-    return keep ? *reinterpret_cast<const uint32_t*>(q) : 0u;
-  };
 #pragma unroll
   for (int kk = 0; kk < 4; ++kk) {
     const int off = 32 * kk + 4 * tig;
-    qa[kk][0] = get(r0, q0 + off);
-    qa[kk][1] = get(r1, q1 + off);
-    qa[kk][2] = get(r0, q0 + off + 16);
-    qa[kk][3] = get(r1, q1 + off + 16);
+    qa[kk][0] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off) : 0u;
+    qa[kk][1] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off) : 0u;
+    qa[kk][2] = r0 ? *reinterpret_cast<const uint32_t*>(q0 + off + 16) : 0u;
+    qa[kk][3] = r1 ? *reinterpret_cast<const uint32_t*>(q1 + off + 16) : 0u;
   }
-}
-
-// q_fragments of token t and KV head g from the Q tensor.
-__device__ __forceinline__ void load_q_fragments(const AttnArgs& a, int g, int t, bool present,
-                                                 uint32_t (&qa)[4][4]) {
-  q_fragments(a.q + static_cast<int64_t>(present ? t : 0) * a.q_stride_t +
-                  static_cast<int64_t>(g * a.group) * kDim,
-              present, a.group, qa);
 }
 
 // What a CTA needs of its tile's tokens [t0, t0 + nt) and KV head g before the block list:

@@ -54,11 +54,17 @@
 //   not seen whole, an L2 prefetch ahead of the ring, a software-pipelined S(i + 1) under P V(i)
 //   with a lazy running maximum. Splitting a tile's blocks over more CTAs costs ~7 us per extra
 //   CTA generation per slot (B256 x 4: 257 us with 2 splits): each CTA start pays the dependent
-//   chain query_start -> ids -> page table -> first block under a loaded memory system.
+//   chain query_start -> ids -> page table -> first block under a loaded memory system. Session 13
+//   (round B, 8K, isolated / back-to-back us): a persistent variant (2 CTAs per SM walking the
+//   work items; at each item start the CTA built the next item's block list and staged its Q,
+//   and the TMA ring ran on across items; commit 926a59e) was no faster: B256 x 4 175.8 / 167.9
+//   vs 170.9 / 166.3 (32K: 174.9 vs 171.2), B64 x 4 47.1 vs 47.4 (one item per CTA): the chain
+//   then stalls the CTA's own warps instead of a new CTA's, with the same 2 blocks in flight. It
+//   was deleted; hiding the chain needs a builder that runs beside the consumers (a producer
+//   warp), not one that interrupts them.
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
 
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
@@ -251,9 +257,7 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
-// (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete. The
-// accumulators are read without branches (selects; only the stores are conditional): the
-// persistent kernel issues more wgmmas after it.
+// (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -439,178 +443,6 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
   }
   write_rows(a, st, s_nan[tok], t0, nt, g, split);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Variant 10: the persistent verify kernel (sparse, TMA loads). Grid: G = min(work items, 2 CTAs
-// per SM) (or AttentionCudaConfig::persistent_ctas); CTA c walks the work items c, c + G, c + 2 G,
-// ... (item = (tile x n_kv + g) x splits + split: tile-major as the grid of variants 8 / 9, so the
-// items past the last real tile come last and the walk stops at the first of them). Dynamic smem
-// kPersistSmemBytes: the 3-stage ring and one 8 KB Q tile.
-// The start chain of an item (query_start -> ids -> page table -> first K/V block) and the CTA
-// launch are paid once per CTA instead of once per item: at the start of item k (its first two
-// blocks already in flight) the CTA builds item k + 1's block list (double-buffered lists,
-// positions and item headers) and stages its Q tile in shared memory (cp.async); the blocks of
-// consecutive items form ONE sequence in the ring (sequence position J in stage J % 3, its
-// mbarrier phase (J / 3) & 1: every sparse entry is loaded), so item k + 1's first blocks are
-// requested while item k's last ones are consumed. Per block the work is variant 9's
-// (attend_block); without variant 9's barrier before each block (each thread waits for the
-// stage's mbarrier itself; nothing else in the stage changed since the previous barrier).
-constexpr int kQTileBytes = kQT * ak::kRows * ak::kDim;  // 4 tokens x 16 heads x 128 bytes
-constexpr int kPersistSmemBytes = kSmemBytes + kQTileBytes;
-constexpr int kPersistCtasPerSm = 2;
-
-// Shared state of the persistent kernel's work items: buffer k & 1 holds item k's block list
-// (ak::sparse_union's entries), positions and header; the rest is scratch of build_item.
-struct ItemBuffers {
-  int list_b[2][kCand], list_page[2][kCand], list_mask[2][kCand], list_vlim[2][kCand];
-  int pos[2][kQT];
-  int head[2][6];  // t0, tokens, KV head, split, first entry, entries
-  int cand_b[kCand], cand_page[kCand];
-  int warp[kThreads / 32], tile[3];
-};
-
-// Work item `item` into buffer `buf` (all threads of the CTA; barriers inside): its tile,
-// positions, block list and header, and its Q rows into qtile by cp.async (one commit group; qtile
-// must be free). False (CTA-uniform) when its tile does not exist: then neither does any later
-// item's. Not inlined: inlined into the kernel's item loop, ptxas serialises every wgmma of the
-// kernel (C7518: a wgmma register dependence in the union's divergent code).
-__device__ __noinline__ bool build_item(const AttnArgs& a, int item, int buf, ItemBuffers& sh,
-                                        uint8_t* qtile) {
-  const int tid = threadIdx.x;
-  const int split = item % a.splits, rest = item / a.splits;
-  const int g = rest % a.n_kv, tile = rest / a.n_kv;
-  ak::TileInputs in;
-  if (!ak::find_tile_and_load<kQT, kThreads>(a, tile, g, sh.warp, sh.tile, in)) return false;
-  const int r = sh.tile[0], t0 = sh.tile[1], nt = sh.tile[2];
-  if (tid < kQT) sh.pos[buf][tid] = in.pos;
-  for (int i = tid; i < kQTileBytes / 16; i += kThreads) {
-    const int w = i >> 7, h = (i >> 3) & 15;  // 8 chunks per row, 16 rows per token
-    if (w < nt && h < a.group)
-      ak::cp_async_16(ak::smem_u32(qtile + i * 16),
-                      a.q + static_cast<int64_t>(t0 + w) * a.q_stride_t +
-                          static_cast<int64_t>(g * a.group + h) * ak::kDim + (i & 7) * 16);
-  }
-  ak::cp_async_commit();
-  __syncthreads();  // sh.pos[buf]
-  const int n_total = ak::sparse_union<kQT, kThreads>(
-      a, static_cast<int64_t>(r) * a.pt_stride, in.cand_b, in.cand_pos, sh.pos[buf], sh.cand_b,
-      sh.cand_page, sh.warp, sh.list_b[buf], sh.list_page[buf], sh.list_mask[buf],
-      sh.list_vlim[buf]);
-  const int per = (n_total + a.splits - 1) / a.splits;
-  const int lo = min(n_total, split * per), hi = min(n_total, lo + per);
-  if (tid == 0) {
-    sh.head[buf][0] = t0;
-    sh.head[buf][1] = nt;
-    sh.head[buf][2] = g;
-    sh.head[buf][3] = split;
-    sh.head[buf][4] = lo;
-    sh.head[buf][5] = hi - lo;
-  }
-  __syncthreads();  // lists and header complete
-  return true;
-}
-
-template <int kCtasPerSm>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
-    attention_verify_persistent_kernel(const __grid_constant__ AttnArgs a,
-                                       const __grid_constant__ CUtensorMap kmap,
-                                       const __grid_constant__ CUtensorMap vmap, int n_items) {
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ ItemBuffers sh;
-  __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
-  __shared__ __align__(8) uint64_t s_full[kStages];
-
-  const int tid = threadIdx.x, tok = tid >> 5;
-  const uint32_t raw_u32 = ak::smem_u32(smem_raw);
-  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (base - raw_u32);
-  uint8_t* qtile = smem + kStages * kStageBytes;  // [token][head][128 bytes]
-
-  if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  init_full_barriers(s_full);
-  int next_item = static_cast<int>(blockIdx.x);
-  if (next_item >= n_items || !build_item(a, next_item, 0, sh, qtile))
-    return;  // CTA-uniform; nothing in flight
-  int cur = 0;
-  // Entries of the current item (first entry, count, KV head) and of the next one (n_ok: built).
-  int c_first = sh.head[0][4], c_count = sh.head[0][5], c_g = sh.head[0][2];
-  int n_first = 0, n_count = 0, n_g = 0;
-  bool n_ok = false;
-  int issued = 0, seq0 = 0;  // sequence positions issued; position of the current item's entry 0
-  // Issues sequence positions [issued, limit) whose lists are built, at most max_count of them
-  // (thread 0; every thread tracks `issued`). The caller guarantees that their stages are free.
-  auto issue_upto = [&](int limit, auto max_count) {
-#pragma unroll
-    for (int k = 0; k < decltype(max_count)::value; ++k) {
-      const int rel = issued - seq0;
-      const bool in_cur = rel < c_count;
-      if (issued >= limit || !(in_cur || (n_ok && rel - c_count < n_count))) break;
-      const int page = in_cur ? sh.list_page[cur][c_first + rel]
-                              : sh.list_page[cur ^ 1][n_first + rel - c_count];
-      const int st = issued % kStages;
-      if (tid == 0)
-        ak::tma_load_block(&kmap, &vmap, page, in_cur ? c_g : n_g, base + st * kStageBytes,
-                           ak::smem_u32(&s_full[st]));
-      ++issued;
-    }
-  };
-  using One = std::integral_constant<int, 1>;
-  using Two = std::integral_constant<int, kStages - 1>;
-  issue_upto(kStages - 1, Two{});
-  uint32_t qa[4][4];
-  ak::cp_async_wait<0>();
-  __syncthreads();  // Q of the first item in qtile
-  ak::q_fragments<true>(qtile + tok * ak::kRows * ak::kDim, tok < sh.head[0][1], a.group, qa);
-  auto build_next = [&]() {  // after every thread read its Q fragments (qtile is reused)
-    next_item += static_cast<int>(gridDim.x);
-    n_ok = next_item < n_items && build_item(a, next_item, cur ^ 1, sh, qtile);
-    if (n_ok) {
-      n_first = sh.head[cur ^ 1][4];
-      n_count = sh.head[cur ^ 1][5];
-      n_g = sh.head[cur ^ 1][2];
-    }
-  };
-  build_next();
-
-  Rows st;
-  st.reset();
-  while (true) {
-    const int my_pos = sh.pos[cur][tok];
-    const int* lmask = sh.list_mask[cur] + c_first;
-    const int* lb = sh.list_b[cur] + c_first;
-    const int* lvlim = sh.list_vlim[cur] + c_first;
-    for (int i = 0; i < c_count; ++i) {
-      const int pos = seq0 + i;
-      issue_upto(pos + kStages - 1, Two{});  // catch-up where the last item could not look ahead
-      const int stg = pos % kStages;
-      sm90::mbar_wait(ak::smem_u32(&s_full[stg]), (pos / kStages) & 1);
-      const int mask = lmask[i], b = lb[i];
-      float s[64];  // per block: no S accumulator lives across items
-      uint32_t p[8][4];
-      attend_block(st, s, p, qa, smem + stg * kStageBytes, base + stg * kStageBytes, mask, b,
-                   lvlim[i], (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, sh.pos[cur],
-                   s_nan, a.scale_log2, [&] { issue_upto(pos + kStages, One{}); });
-    }
-    ap::wgmma_wait<0>();  // the item's last P V
-    ap::reg_fence(st.o);
-    __syncthreads();  // s_nan complete
-    write_rows(a, st, s_nan[tok], sh.head[cur][0], sh.head[cur][1], sh.head[cur][2],
-               sh.head[cur][3]);
-    if (!n_ok) break;
-    st.reset();
-    seq0 += c_count;
-    __syncthreads();  // s_nan and the item's buffer are read
-    if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-    cur ^= 1;
-    c_first = n_first;
-    c_count = n_count;
-    c_g = n_g;
-    ak::cp_async_wait<0>();
-    __syncthreads();  // the item's Q tile landed; s_nan cleared
-    ak::q_fragments<true>(qtile + tok * ak::kRows * ak::kDim, tok < sh.head[cur][1], a.group, qa);
-    build_next();
-  }
 }
 
 }  // namespace attention_verify

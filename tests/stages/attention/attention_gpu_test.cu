@@ -5,9 +5,9 @@
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync kernel (also with
-// the lean softmax, decode_variant 2), the Hopper wgmma prefill kernel (8-token tiles) and the
-// Hopper wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup: verify_variant 8,
-// 9 and the persistent 10), with and without splits; all must meet the same tolerance.
+// the session-12 softmax, decode_variant 1), the Hopper wgmma prefill kernel (8-token tiles) and
+// the Hopper wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup:
+// verify_variant 8 and 9), with and without splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -65,13 +65,12 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_variant}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (and decode_variant 2: the lean
-// softmax in single-token tiles); kPrefill the wgmma prefill
-// kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
-// runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
-// (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (persistent; 9 for dense), the
-// latter also on 1 and 3 CTAs so that a CTA walks many work items. Every launch config of a
-// family is also run with `splits` CTAs per (tile, KV head) when splits > 1.
+// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (single-token tiles: the automatic
+// lean softmax, and decode_variant 1, the session-12 one); kPrefill the wgmma prefill kernel(s)
+// kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan runs, have
+// their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async) and 9
+// (TMA; 8 where TMA cannot address the pool). Every launch config of a family is also run with
+// `splits` CTAs per (tile, KV head) when splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
 const std::vector<int> kPrefillKernels = {4};
 std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
@@ -86,15 +85,12 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
     add({1, 1, 0});
     add({2, 1, 0});
     add({4, 1, 1});
-    add({1, 1, 0, 1, 0, 0, 0, 2});
+    add({1, 1, 0, 1, 0, 0, 0, 1});
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
-  if (families & kVerify) {
-    for (int variant : {8, 9, 10}) add({4, 1, 0, 5, 0, 0, variant});
-    v.push_back({4, 1, 0, 5, 0, 1, 10});
-    v.push_back({4, splits, 0, 5, 0, 3, 10});
-  }
+  if (families & kVerify)
+    for (int variant : {8, 9}) add({4, 1, 0, 5, 0, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -587,8 +583,6 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "v_convert on the wgmma kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 2}, StatusCode::kUnsupported,
                   "v_convert 2 (the removed f16 V tile)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, -1, 10}, StatusCode::kUnsupported,
-                  "persistent_ctas -1");
   expect_rejected(good, ws.data(), ws.bytes(), {8, 1, 0, 5}, StatusCode::kUnsupported,
                   "8 tokens per tile on the wgmma verify kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 2, 5}, StatusCode::kUnsupported,
@@ -602,7 +596,7 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
-                  "verify_variant 10");
+                  "verify_variant 10 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,

@@ -109,13 +109,10 @@ namespace m3attn {
 namespace attention_prefill_ws {
 
 // ---------------------------------------------------------------------------------------------
-// Converter warps: raw V of every entry -> f16 buffer v % 2 (layout of ap::convert_v).
-//
-// kFast: 16-byte raw chunks (16 dims) per item instead of 8, two items per thread in flight
-// (both loads issued before the conversions), rows past the V limit zeroed by selects instead of
-// a branch. ncu of the plain loop (round 2): the 3 converter warps were busy ~85 % of the time
-// and the consumers waited for the f16 tile (16 % of all stall samples): one dependent
-// address -> LDS -> F2FP -> STS chain per 8 dims, one warp per scheduler, no overlap.
+// Converter warps: raw V of every entry -> f16 buffer v % 2 (layout of ap::convert_v_by), in
+// 16-byte raw chunks (16 dims), 4 per thread in flight (all loads issued before the conversions),
+// rows past the V limit zeroed by selects (session 12: a plain 8-byte loop kept the 3 converter
+// warps ~85 % busy and the consumers waiting for the f16 tile for 16 % of their samples).
 
 // One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks.
 __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {

@@ -5,7 +5,7 @@
 //
 // A step enqueues on the stack's stream:
 //   embed(h) ; for l: residual_rmsnorm(h [+= a_{l-1}], -> x) ; layer_l(x -> a_l) ; h += a_last
-// where, with config.fuse_input_quantize, the RMSNorm kernel writes layer l's quantized
+// where, with config.fuse_input_quantize (default), the RMSNorm kernel writes layer l's quantized
 // input (E4M3 + 1x128 scales) instead of x and the layer skips its own quantize stage.
 // Generation-only steps run at a padded bucket shape: Rb = the smallest power of two >= R (capped
 // at max_requests_per_step) and Tb = Rb * (1 + draft_len); the first step of each (Rb, draft_len,

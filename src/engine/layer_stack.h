@@ -47,9 +47,9 @@ struct LayerStackConfig {
   bool capture_mixed_front = true;
   // CUDA: the residual add + RMSNorm before each layer also quantizes its output for the layer's
   // projection (run_residual_rmsnorm_quantize_cuda: byte-identical to the separate RMSNorm and
-  // quantize kernels, one kernel per layer less); false runs them separately. Off until proven on
-  // the GPU (session 13 round A).
-  bool fuse_input_quantize = false;
+  // quantize kernels, one kernel per layer less; proven on the GPU in session 13 round B); false
+  // runs them separately.
+  bool fuse_input_quantize = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.
   // `geometry` stays the TP1 (model) geometry; each layer holds pack_rank(weights, tp_size,

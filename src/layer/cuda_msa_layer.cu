@@ -275,7 +275,6 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
 
   Fp8BlockGemmOptions go;
   go.small_m_max = options.gemm_small_m_max;
-  go.wgmma_auto_max_m = options.gemm_wgmma_auto_max_m;
   const int64_t m = static_cast<int64_t>(M);
   auto make = [&](int64_t n, int64_t k, std::unique_ptr<Fp8BlockGemm>* out) -> Status {
     Result<std::unique_ptr<Fp8BlockGemm>> r = Fp8BlockGemm::create(m, n, k, go);

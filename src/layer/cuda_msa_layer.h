@@ -132,12 +132,6 @@ class CudaStepMetadata {
 struct CudaLayerWorkspaceOptions {
   // Forwarded to every Fp8BlockGemm (run_gemm_small_m_cuda for M <= small_m_max; 0 = cuBLASLt).
   int gemm_small_m_max = 0;
-  // Fp8BlockGemmOptions::wgmma_auto_max_m of every GEMM object: M buckets up to this may run the
-  // wgmma kernel where the autotuner measures it faster than cuBLASLt (same outputs). 64 (the
-  // layer's default) covers the decode buckets: session 13 round A measured cuBLASLt's o_proj
-  // (N 6144, K 8192) at M 64 on 48 CTAs (26.8 us under ncu, 21.7 us inside the decode step for
-  // 50 MB of weights). -1: the projection stage's default.
-  int gemm_wgmma_auto_max_m = 64;
 };
 
 // Activations and workspaces of one step at capacity, for one geometry (all layers of a stack).
@@ -189,8 +183,9 @@ class CudaMsaLayer {
   void set_fused(bool fused) { options_.fuse_qkv_index_projection = fused; }
   // Launches the two quantize stages with programmatic dependent launch (QuantizeParams::
   // programmatic_launch: same bytes; they may be scheduled while the preceding kernel finishes).
-  // Takes effect at the next run. On by default (session 13 round A, decode 64 x 8K: 0.9 us per
-  // step in both timings).
+  // Takes effect at the next run. On by default (same bytes; session 13 rounds A / B, decode
+  // 64 x 8K: within the run-to-run noise of ~1 us either way, as long as the neighbouring stages
+  // do not launch programmatically themselves).
   void set_programmatic_quantize(bool on) { programmatic_quantize_ = on; }
   bool programmatic_quantize() const { return programmatic_quantize_; }
   // With this on, run() (and run_front, run_stages) launch nothing for the input quantize stage:

@@ -327,6 +327,9 @@ TEST(QuantizeGpuSpecial, GraphReplayWithNewInputEqualsEager) {
   M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
   pb.d_out.poison(kPoison);
   pb.d_scales.poison(kPoison);
+  // The uploads and poisons run on the legacy stream, which a non-blocking stream does not wait
+  // for (and a pageable upload may return before its copy lands): finish them first.
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
@@ -343,6 +346,9 @@ TEST(QuantizeGpuSpecial, GraphReplayWithNewInputEqualsEager) {
   pb.upload();
   pb.d_out.poison(kPoison);
   pb.d_scales.poison(kPoison);
+  // The uploads and poisons run on the legacy stream, which a non-blocking stream does not wait
+  // for (and a pageable upload may return before its copy lands): finish them first.
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
   M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
   const std::vector<uint8_t> replay_out = pb.d_out.download_all();
@@ -351,6 +357,9 @@ TEST(QuantizeGpuSpecial, GraphReplayWithNewInputEqualsEager) {
 
   pb.d_out.poison(kPoison);
   pb.d_scales.poison(kPoison);
+  // The uploads and poisons run on the legacy stream, which a non-blocking stream does not wait
+  // for (and a pageable upload may return before its copy lands): finish them first.
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   ASSERT_TRUE(run_quantize_cuda(pb.device_params(), stream).ok());
   M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
   EXPECT_EQ(replay_out, pb.d_out.download_all());

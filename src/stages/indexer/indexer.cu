@@ -34,7 +34,7 @@ constexpr int64_t kDecodeChunk = 16;
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
-constexpr int64_t kSingleMaxTokensPerRequest = 1;
+constexpr int64_t kSingleMaxTokensPerRequest = 4;
 // Largest portable thread-block cluster: CTAs per decode unit of the clustered single pass.
 constexpr int64_t kMaxClusterCtas = 8;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
@@ -178,30 +178,33 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       chunk = fchunk;
     }
   }
-  // Single pass: forced by the option, or automatic where session 12 round B measured it fastest
-  // (isolated / back to back, vs the two-kernel path): <= 64 blocks, at least 0.75 requests (CTAs)
-  // per SM and one token per request: 8K draft 0 at 128 requests 38.8 / 36.9 vs 44.7 / 41.7 us,
-  // 192: 53.5 / 51.7 vs 59.6 / 57.4, 256: 68.6 / 66.5 vs 75.6 / 73.4; not at 64 requests (26.4
-  // / 24.7 vs 25.4 / 23.6) nor at draft 3 (equal within 2 % at 128-256 requests, 41.9 vs 27.8 us
-  // at 64). Session 13 round A: from 0.25 requests per SM as clusters of 2-4 CTAs per request
-  // (single_pass_ctas; sms / R CTAs, about one CTA per SM): 64 x 8K draft 0 24.0 / 22.0 us with 2
-  // CTAs vs 25.6 / 23.5 (two-kernel), 24.6 (3), 24.8 (4), 26.1 (1); at 128 requests 2 CTAs tie 1
-  // (38.5 / 36.7 us). Draft 3 stays two-kernel (64: 27.6 vs 30.8 us for the best cluster).
-  const int64_t R_all = p.batch.num_requests;
-  const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && 4 * R_all >= sms &&
-                           T <= R_all * kSingleMaxTokensPerRequest;
-  // CTAs per request of an automatic (or forced, single_pass_ctas 0) single pass: 2-4 (about one
-  // CTA per SM) from 0.25 to 0.75 requests per SM, else 1.
-  const int64_t auto_ctas =
-      4 * R_all >= sms && 4 * R_all < 3 * int64_t{sms} ? std::clamp<int64_t>(sms / R_all, 2, 4) : 1;
+  // Single pass: forced by the option, or automatic where it measured fastest (isolated / back to
+  // back, vs the two-kernel path; <= 64 blocks), with sms / R CTAs per request (about one CTA per
+  // SM) as a thread-block cluster where that is > 1:
+  //  - one token per request from 1/8 request per SM (session 13 round B, 8K draft 0: 32 requests
+  //    4 CTAs 16.7 / 14.4 us vs 18.1 / 15.4; 64: 2 CTAs 23.8 / 21.8 vs 25.6 / 23.3; 96: 31.7 vs
+  //    33.6; 128: 1 CTA 38.0 vs 43.4; 256: 68.1 vs 74.1; batch 1 ties at 8 CTAs: 9.5 us);
+  //  - 2-4 tokens per request at 0.7-1 requests per SM, 2 CTAs per request (round B, draft 3: 96
+  //    requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 / 40.9 vs 45.1 / 43.4; the two-kernel path
+  //    stays at 64 requests, 27.8 vs 29.2 us with 3 CTAs, and at 256, 77.4 vs 76.5 with 3, within
+  //    the run-to-run spread).
+  const int64_t R_all = std::max(1, p.batch.num_requests);
+  int64_t rule_ctas = 0;  // CTAs per request of the automatic single pass; 0: not automatic
+  if (T <= R_all) {
+    if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
+  } else if (T <= R_all * kSingleMaxTokensPerRequest) {
+    if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms) rule_ctas = 2;
+  }
+  const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && rule_ctas > 0;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
       T > 0 && max_pages <= ik::kFusedMaxChunk) {
     // One split of every block (max_pages > kTopK here), or a cluster of up to
     // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
     pl.bulk = false;
-    const int64_t ctas =
-        o.single_pass_ctas > 0 ? std::min<int64_t>(o.single_pass_ctas, kMaxClusterCtas) : auto_ctas;
+    const int64_t ctas = o.single_pass_ctas > 0
+                             ? std::min<int64_t>(o.single_pass_ctas, kMaxClusterCtas)
+                             : std::max<int64_t>(rule_ctas, 1);
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }

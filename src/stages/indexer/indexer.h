@@ -106,19 +106,21 @@ struct IndexerCudaOptions {
   // run (!unfused_decode, !decode_bulk_copy), the fused scorer with one split per unit (k_splits
   // is ignored) writes block_ids itself: a decode unit's CTA selects from all its block maxima at
   // once, an overflow tile from the block scores it wrote; no merge kernel follows (same ids).
-  // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of >= 0.75
-  // requests per SM and one query token per request; true forces it.
+  // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
+  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
+  // (see single_pass_ctas); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
   bool single_pass = false;
   // Single pass only (forced or automatic): CTAs per decode unit, run as one thread-block cluster
-  // of (1, k, 1) CTAs (1..8; 0 = automatic: about one CTA per SM, 2-4 per request for 0.25-0.75
-  // requests per SM, else 1). With k > 1 the unit's blocks are cut into
-  // k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover max_pages sooner); each
-  // CTA scores its chunk and writes the block maxima into the first CTA's shared table (distributed
-  // shared memory), which finishes the rows after a cluster barrier: the single pass's one launch
-  // with up to k times the CTAs (more bytes in flight at small batches). Same ids.
+  // of (1, k, 1) CTAs (1..8; 0 = automatic: where the automatic plan picks the single pass, its
+  // count (sms / R at one token per request, 2 at 2-4 tokens), else 1). With k > 1 the unit's
+  // blocks are cut into k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover
+  // max_pages sooner); each CTA scores its chunk and writes the block maxima into the first CTA's
+  // shared table (distributed shared memory), which finishes the rows after a cluster barrier: the
+  // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
+  // Same ids.
   int single_pass_ctas = 0;
   // Tensor-core decode units (every path but bulk copies): tiles of <= 16 query rows accumulate
   // the even and odd k16 steps of the dot products in two accumulators (half the dependent HMMA

@@ -22,9 +22,9 @@ TEST(IndexerGpu, GenerationContextsUpTo8KSinglePass) {
   check_generation_contexts({1, 127, 128, 129, 2049, 4097, 8192}, "generation 8K");
 }
 
-// The automatic plan of a decode batch of 0.25-0.75 requests per SM at <= 8K (one token per
-// request): the single pass in clusters of 2-4 CTAs per request (sms / R); its ids against the
-// two-kernel path (same block maxima) and the twin.
+// The automatic plan of decode batches at <= 8K: the single pass in clusters of sms / R CTAs per
+// request at one token per request (R = sms / 3: 3 CTAs), and of 2 CTAs at 4 tokens per request
+// (R = 0.8 sms); ids against the two-kernel path (same block maxima) and the twin.
 TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -33,29 +33,33 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   int dev = 0, sms = 0;
   ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
-  const int R = std::max(1, sms / 3);  // 3 CTAs per request where sms / 3 requests fit the rule
-  std::vector<RequestSpec> reqs;
-  for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(1, 8191)), 1});
-  reqs[0] = {8191, 1};  // one request at the full 64 blocks
-  const Inputs in = make_inputs(reqs, 4, rng);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  DeviceSet d;
-  upload(in, d);
-  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-  std::printf("[ indexer  ] %d SMs, %d requests: plan single %d k_splits %d c %d\n", sms, R,
-              pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
-  if (4 * R >= sms && 4 * R < 3 * sms) {
-    const int mp = in.max_pages(), ctas = std::clamp(sms / R, 2, 4);
-    const int chunk = ((mp + ctas - 1) / ctas + 3) / 4 * 4;
+  for (int tokens : {1, 4}) {
+    const int R = tokens == 1 ? std::max(1, sms / 3) : std::max(1, sms * 4 / 5);
+    std::vector<RequestSpec> reqs;
+    for (int i = 0; i < R; ++i)
+      reqs.push_back({static_cast<int>(rng.integer(0, 8192 - tokens)), tokens});
+    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+    // No spare page-table column: max_pages 64, where the single pass applies.
+    const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
+    DeviceSet d;
+    upload(in, d);
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;
+    const int chunk = ((64 + ctas - 1) / ctas + 3) / 4 * 4;
     EXPECT_TRUE(pl.single);
-    EXPECT_EQ(pl.k_splits, (mp + chunk - 1) / chunk);
-    EXPECT_GT(pl.k_splits, 1);
+    EXPECT_EQ(pl.k_splits, (64 + chunk - 1) / chunk);
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    const GpuResult g = run_gpu(d, two);
+    const std::string what = std::to_string(R) + " requests x " + std::to_string(tokens);
+    compare(in, reference(in), g, false, "automatic plan, two-kernel, " + what);
+    expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g,
+                    "automatic clustered single pass, " + what);
   }
-  IndexerCudaOptions two;
-  two.unfused_decode = true;
-  const GpuResult g = run_gpu(d, two);
-  compare(in, reference(in), g, false, "automatic plan: two-kernel");
-  expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g, "automatic clustered single pass");
 }
 
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.

@@ -1,7 +1,9 @@
 // CUDA launcher of the indexer: validate_indexer + the CUDA-only rules, then a scoring kernel
-// (tensor cores, or CUDA cores for caches that are not 16-byte aligned) writing block scores into
-// the caller's workspace, and the top-16 selection kernel. No sync, no allocation, no copy: the
-// grid depends only on T, R, max_pages and the SM count, so the launch is CUDA-graph capturable.
+// (tensor cores, or CUDA cores for caches that are not 16-byte aligned) writing block scores (or
+// the fused path's candidate lists) into the caller's workspace, and the top-16 selection (or
+// merge) kernel; or the single pass alone (one CTA or one thread-block cluster per request, rows
+// finished by the scorer). No sync, no allocation, no copy: the grid depends only on T, R,
+// max_pages and the SM count, so the launch is CUDA-graph capturable.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -107,7 +109,7 @@ struct Plan {
   bool fused = false;
   bool bulk = false;
   bool single = false;
-  bool split_acc = false;  // fused / single pass: two accumulators per n-tile (decode_split_acc)
+  bool split_acc = false;  // two accumulators per n-tile in decode units (decode_split_acc)
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;

@@ -451,22 +451,40 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
     struct Variant {
       int chunk, stages;
       bool evict_first, chain;
+      int ctas = 1;
+      bool async = false;  // GemmStreamOptions::async_copies
     };
-    // chunk 0: automatic (runs of 8 K blocks = 1 KB); 16 (2 KB runs) serves M <= 8 only.
-    const Variant variants[] = {{0, 0, true, false},  {16, 0, true, false}, {0, 4, true, false},
-                                {0, 0, false, false}, {0, 0, true, true},   {16, 0, true, true}};
+    // chunk 0: automatic (runs of 8 K blocks = 1 KB); 16 (2 KB runs) serves M <= 8 only; ctas:
+    // CTAs per SM (M > 8 runs one).
+    const Variant variants[] = {{0, 0, true, false},
+                                {16, 0, true, false},
+                                {0, 4, true, false},
+                                {0, 0, false, false},
+                                {0, 0, true, true},
+                                {0, 0, true, false, 2},
+                                {16, 0, true, false, 2},
+                                {0, 0, true, false, 3},
+                                {0, 0, true, true, 2},
+                                {0, 0, true, false, 1, true},
+                                {16, 0, true, false, 1, true},
+                                {0, 0, true, false, 2, true},
+                                {0, 0, true, true, 1, true}};
     std::vector<bench::Row> rows_var;
     for (int64_t rows_m : {int64_t{1}, int64_t{8}, int64_t{16}}) {
       const Calls c = make_calls(b, rows_m);
       must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
       check_cuda(cudaStreamSynchronize(stream), "quantize");
       for (const Variant& v : variants) {
-        if (v.chunk == 16 && rows_m > 8) continue;
+        if ((v.chunk == 16 && rows_m > 8) || (v.ctas > 1 && rows_m > 8) ||
+            (v.ctas > 2 && rows_m > 4))
+          continue;
         GemmStreamOptions o;
         o.chunk_blocks = v.chunk;
         o.max_stages = v.stages;
         o.weight_evict_first = v.evict_first;
         o.programmatic_launch = o.trigger_dependents = v.chain;
+        o.ctas_per_sm = v.ctas;
+        o.async_copies = v.async;
         const Both t = time_both(
             b, rows_m,
             [&](const Calls& x, cudaStream_t s) {
@@ -480,6 +498,8 @@ void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool*
         r.add("stages", v.stages == 0 ? "max" : std::to_string(v.stages));
         r.add("evict_first", v.evict_first ? "yes" : "no");
         r.add("pdl_chain", v.chain ? "yes" : "no");
+        r.add("ctas/SM", std::to_string(v.ctas));
+        r.add("copies", v.async ? "cp.async" : "bulk");
         r.add("us", t.us);
         r.add("b2b_us", t.b2b_us);
         r.add("%copy", pct_copy(bytes, t.us), 1);

@@ -25,11 +25,15 @@ constexpr size_t kSlotBytes = size_t{kSlotFloats} * sizeof(float);
 constexpr int kSmemAlignSlack = 1024;  // the kernel rounds the dynamic base up to 1024 bytes
 constexpr int kAutoRunBlocks = 8;      // GemmStreamOptions::chunk_blocks = 0
 
+constexpr int kMaxCtasPerSm = 4;           // GemmStreamOptions::ctas_per_sm limit
+constexpr int kReservedSmemPerCta = 1024;  // shared memory the system reserves per CTA (sm_90)
+
 struct DeviceInfo {
   int device = -1;
   int sms = 0;
   int major = 0;
   int smem_optin = 0;
+  int smem_per_sm = 0;
 };
 
 Status device_info(DeviceInfo* info) {
@@ -40,6 +44,8 @@ Status device_info(DeviceInfo* info) {
       cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, info->device));
   M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
       &info->smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, info->device));
+  M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      &info->smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, info->device));
   return Status::Ok();
 }
 
@@ -65,21 +71,27 @@ Result<int> dynamic_smem_limit(const DeviceInfo& info) {
 }
 
 template <int kW, int kN>
-Status launch(StreamArgs args, int grid, int max_stages, const DeviceInfo& info,
+Status launch(StreamArgs args, int grid, int max_stages, int ctas_per_sm, const DeviceInfo& info,
               cudaStream_t stream) {
-  Result<int> limit = dynamic_smem_limit<kW, kN>(info);
-  M3_RETURN_IF_ERROR(limit.status());
+  Result<int> opt_in = dynamic_smem_limit<kW, kN>(info);
+  M3_RETURN_IF_ERROR(opt_in.status());
+  // With several CTAs per SM each gets its share of the SM's shared memory (static included).
+  const int static_bytes = info.smem_optin - opt_in.value();
+  const int limit = ctas_per_sm <= 1
+                        ? opt_in.value()
+                        : std::min(opt_in.value(), info.smem_per_sm / ctas_per_sm -
+                                                       kReservedSmemPerCta - static_bytes);
   const int64_t act_bytes = int64_t{args.chunks} * kN * 128;  // [chunks][kN / kW][kW x 128]
   const int64_t fixed = kSmemAlignSlack + act_bytes +
                         int64_t{args.kblocks} * 16 * static_cast<int64_t>(sizeof(float));
-  const int64_t fit = (limit.value() - fixed) / kStageBytes;
+  const int64_t fit = (limit - fixed) / kStageBytes;
   const int stages = static_cast<int>(
       std::min<int64_t>({fit, kMaxStages, max_stages > 0 ? max_stages : kMaxStages}));
   if (stages < 2)
     return unsupported("run_gemm_stream_cuda: the activation tiles (", act_bytes,
                        " bytes for M = ", args.m, ", K = ", args.kblocks * 128, ") leave room for ",
                        std::max<int64_t>(fit, 0), " ring stages of ", kStageBytes, " bytes in ",
-                       limit.value(), " bytes of shared memory (2 needed)");
+                       limit, " bytes of shared memory (2 needed)");
   args.stages = stages;
   const size_t smem = static_cast<size_t>(fixed + stages * int64_t{kStageBytes});
   cudaLaunchConfig_t cfg = {};
@@ -99,19 +111,19 @@ Status launch(StreamArgs args, int grid, int max_stages, const DeviceInfo& info,
 }
 
 // Closed dispatch over (run length W, wgmma N = W x activation rows per tile).
-Status dispatch(const StreamArgs& args, int w, int grid, int max_stages, const DeviceInfo& info,
-                cudaStream_t stream) {
+Status dispatch(const StreamArgs& args, int w, int grid, int max_stages, int ctas_per_sm,
+                const DeviceInfo& info, cudaStream_t stream) {
   const int m = args.m;
   if (w == 8) {
-    if (m <= 2) return launch<8, 16>(args, grid, max_stages, info, stream);
-    if (m <= 4) return launch<8, 32>(args, grid, max_stages, info, stream);
-    if (m <= 8) return launch<8, 64>(args, grid, max_stages, info, stream);
-    if (m <= 16) return launch<8, 128>(args, grid, max_stages, info, stream);
+    if (m <= 2) return launch<8, 16>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 4) return launch<8, 32>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 8) return launch<8, 64>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 16) return launch<8, 128>(args, grid, max_stages, ctas_per_sm, info, stream);
   } else if (w == 16) {
-    if (m <= 1) return launch<16, 16>(args, grid, max_stages, info, stream);
-    if (m <= 2) return launch<16, 32>(args, grid, max_stages, info, stream);
-    if (m <= 4) return launch<16, 64>(args, grid, max_stages, info, stream);
-    if (m <= 8) return launch<16, 128>(args, grid, max_stages, info, stream);
+    if (m <= 1) return launch<16, 16>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 2) return launch<16, 32>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 4) return launch<16, 64>(args, grid, max_stages, ctas_per_sm, info, stream);
+    if (m <= 8) return launch<16, 128>(args, grid, max_stages, ctas_per_sm, info, stream);
   }
   return unsupported("run_gemm_stream_cuda: runs of ", w, " K blocks serve M <= ", w == 16 ? 8 : 16,
                      ", got M = ", m);
@@ -134,7 +146,7 @@ Result<size_t> gemm_stream_workspace_bytes(int64_t n, int max_grid) {
   if (grid == 0) {
     DeviceInfo info;
     M3_RETURN_IF_ERROR(device_info(&info));
-    grid = info.sms;
+    grid = kMaxCtasPerSm * info.sms;
   }
   return gemm_stream_counter_bytes(n) + size_t{2} * static_cast<size_t>(grid) * kSlotBytes;
 }
@@ -154,6 +166,9 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
                "GemmStreamOptions::chunk_blocks = ", options.chunk_blocks,
                " must be 0 (automatic), 8 or 16");
   M3_CHECK_ARG(options.grid >= 0, "GemmStreamOptions::grid = ", options.grid, " must be >= 0");
+  M3_CHECK_ARG(options.ctas_per_sm >= 1 && options.ctas_per_sm <= kMaxCtasPerSm,
+               "GemmStreamOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [1, ",
+               kMaxCtasPerSm, "]");
   M3_CHECK_ARG(options.max_stages >= 0, "GemmStreamOptions::max_stages = ", options.max_stages,
                " must be >= 0");
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
@@ -185,8 +200,12 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
                " x chunks = ", units, " must be below 2^31");
   if (m == 0) return Status::Ok();
 
-  const int grid =
-      static_cast<int>(std::min<int64_t>(options.grid > 0 ? options.grid : info.sms, units));
+  // The kernels with a 128-column wgmma (M > 8, or M > 4 with runs of 16 blocks) need ~135
+  // registers per thread: one CTA per SM.
+  const bool wide = w == 8 ? m > 8 : m > 4;
+  const int ctas_per_sm = wide ? 1 : options.ctas_per_sm;
+  const int grid = static_cast<int>(
+      std::min<int64_t>(options.grid > 0 ? options.grid : int64_t{ctas_per_sm} * info.sms, units));
   const size_t counters = gemm_stream_counter_bytes(n);
   const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * kSlotBytes;
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
@@ -219,7 +238,8 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
-  return dispatch(args, w, grid, options.max_stages, info, stream);
+  args.async_copies = options.async_copies ? 1 : 0;
+  return dispatch(args, w, grid, options.max_stages, ctas_per_sm, info, stream);
 }
 
 }  // namespace m3attn

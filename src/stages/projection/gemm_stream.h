@@ -32,9 +32,13 @@ struct GemmStreamOptions {
   // (1 KB runs, M <= 16) or 16 (2 KB runs, M <= 8: twice the wasted tensor work); 0 = automatic
   // (8).
   int chunk_blocks = 0;
-  // CTAs (0: one per SM, at most the number of units). At most the grid the workspace was sized
-  // for.
+  // CTAs (0: ctas_per_sm per SM, at most the number of units). At most the grid the workspace
+  // was sized for.
   int grid = 0;
+  // CTAs sharing an SM (1 .. 4): each gets 1 / ctas_per_sm of the SM's shared memory (fewer
+  // stages); more producer warps per SM. (M > 8, or M > 4 with runs of 16 blocks, runs one per
+  // SM: registers.)
+  int ctas_per_sm = 1;
   // Ring depth limit (0: as many stages as shared memory holds, at most 16).
   int max_stages = 0;
   // Load the weights with an L2 evict-first policy (they are read once).
@@ -48,14 +52,17 @@ struct GemmStreamOptions {
   // this kernel does with programmatic_launch) may start on the SMs this grid's first finishers
   // leave. No effect on plain launches that follow.
   bool trigger_dependents = false;
+  // Weights copied by 16-byte cp.async from every producer lane instead of one 1D bulk copy per
+  // row run (session 13, round B: bulk copies delivered ~1.8 TB/s; variant under test).
+  bool async_copies = false;
 };
 
 constexpr int64_t kGemmStreamMaxM = 16;
 
 // Bytes of the arrival counters at the start of the workspace (zero between calls).
 size_t gemm_stream_counter_bytes(int64_t n);
-// Workspace bytes for N columns with grids up to max_grid CTAs (0: one per SM of the current
-// device).
+// Workspace bytes for N columns with grids up to max_grid CTAs (0: four per SM of the current
+// device, the most GemmStreamOptions::ctas_per_sm asks for).
 Result<size_t> gemm_stream_workspace_bytes(int64_t n, int max_grid = 0);
 
 // Whether the current device can run the kernel (sm_90: bulk copies, wgmma).

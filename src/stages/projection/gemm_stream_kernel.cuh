@@ -37,7 +37,12 @@
 //
 // CTA: two consumer warpgroups and one producer warp. The producer streams the units through a
 // ring of `stages` 16 KB stages (full / empty mbarriers): per unit, lanes 0 .. R - 1 each issue
-// the bulk copy of one weight row's run (L2 evict-first: read once). The activations are copied
+// the bulk copy of one weight row's run (L2 evict-first: read once), or (async_copies) every lane
+// copies 16 bytes per cp.async, 512 contiguous bytes of a run per warp instruction, and arrives on
+// the stage's barrier when its copies land (the consumers then fence the async proxy). (Round B,
+// session 13: with bulk copies the kernel read only 1.8 TB/s from DRAM at M = 1 (ncu: the
+// consumers wait on the full barriers, the ring is never full), for 1 or 2 KB runs and 4 or 12
+// stages alike; cp.async is the alternative path into shared memory.) The activations are copied
 // once per CTA, chunk by chunk just before the first unit that needs the chunk (one mbarrier per
 // chunk), into [chunk][M_pad][W x 128 B] tiles. The activation scales are staged by the consumers
 // ([K / 128][16] floats, zero for rows >= M).
@@ -92,6 +97,7 @@ struct StreamArgs {
   int weight_evict_first;
   int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
+  int async_copies;        // weights by 16-byte cp.async per lane instead of bulk copies
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -123,6 +129,20 @@ __device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, ui
       "[%1], %2, [%3], %4;\n" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
+}
+
+// 16-byte cp.async global -> shared (L2 only), optionally with an L2 cache policy; and an arrival
+// on `bar` once every cp.async this thread issued before has landed (.noinc: counted at init).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
@@ -294,7 +314,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
 
   if (tid == 0) {
     for (int s = 0; s < stages; ++s) {
-      sm90::mbar_init(smem_addr(&full_bar[s]), 1);
+      // Bulk copies: lane 0's arrive.expect_tx; cp.async: one arrival per producer lane.
+      sm90::mbar_init(smem_addr(&full_bar[s]), p.async_copies ? 32 : 1);
       sm90::mbar_init(smem_addr(&empty_bar[s]), kWarps);  // one arrival per consumer warp
     }
     for (int c = 0; c < chunks; ++c) sm90::mbar_init(smem_addr(&act_bar[c]), 1);
@@ -318,6 +339,26 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
       const int group = u / chunks, c = u - group * chunks;
       const uint32_t bytes = static_cast<uint32_t>(chunk_len(c) * 128);
       const uint32_t full = smem_addr(&full_bar[s]);
+      if (p.async_copies) {
+        // 16 bytes per lane and instruction: each instruction covers 512 contiguous bytes of one
+        // row's run.
+        const uint8_t* src0 = p.b + int64_t{group} * kR * p.ldb + int64_t{c} * kRunBytes;
+        const uint32_t dst0 = ring_base + static_cast<uint32_t>(s * kStageBytes);
+#pragma unroll 4
+        for (int r = 0; r < kR; ++r) {
+          for (uint32_t off = 16u * static_cast<uint32_t>(lane); off < bytes; off += 512u) {
+            const uint8_t* src = src0 + int64_t{r} * p.ldb + off;
+            const uint32_t dst = dst0 + static_cast<uint32_t>(r * kRunBytes) + off;
+            if (p.weight_evict_first) {
+              cp_async_16_hint(dst, src, policy);
+            } else {
+              cp_async_16(dst, src);
+            }
+          }
+        }
+        cp_async_mbar_arrive_noinc(full);
+        return;
+      }
       if (lane == 0) sm90::mbar_arrive_expect_tx(full, bytes * kR);
       __syncwarp();
       if (lane < kR) {
@@ -357,6 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
       if (i >= stages) sm90::mbar_wait(smem_addr(&empty_bar[s]), ((i / stages) - 1) & 1);
       load_weights(s, u);
     }
+    if (p.async_copies) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
@@ -394,6 +436,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     const int nkb = chunk_len(c);
     sm90::mbar_wait(smem_addr(&act_bar[c]), 0);
     sm90::mbar_wait(smem_addr(&full_bar[s]), (i / stages) & 1);
+    // cp.async writes are generic-proxy writes: order them before the wgmma's async-proxy reads.
+    if (p.async_copies) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     const uint32_t a_addr = ring_base + static_cast<uint32_t>(s * kStageBytes + wg * kTileBytes);
     const uint32_t b_addr = act_base + static_cast<uint32_t>(c * kActTileBytes);
     float d[kAcc];

@@ -64,7 +64,9 @@ struct Case {
   int grid = 0;          // 0: one CTA per SM
   int max_stages = 0;
   bool evict_first = true;
-  bool pdl = false;  // programmatic_launch and trigger_dependents
+  bool pdl = false;    // programmatic_launch and trigger_dependents
+  int ctas = 1;        // ctas_per_sm
+  bool async = false;  // async_copies
 };
 
 std::string describe(const Case& c) {
@@ -86,6 +88,8 @@ GemmStreamOptions options_of(const Case& c) {
   o.weight_evict_first = c.evict_first;
   o.programmatic_launch = c.pdl;
   o.trigger_dependents = c.pdl;
+  o.ctas_per_sm = c.ctas;
+  o.async_copies = c.async;
   return o;
 }
 
@@ -145,7 +149,9 @@ TEST(GemmStreamSanitizer, SmallShapesExact) {
                         Case{9, 384, 640, 0, 16, false, 8, 5, 2},
                         Case{1, 1280, 6144, 0, 0, false, 16, 0, 0, true, true},
                         Case{6, 256, 2304, 0, 0, false, 16, 7, 2},
-                        Case{12, 640, 1024, 0, 0, true, 0, 0, 2, false, true}};
+                        Case{12, 640, 1024, 0, 0, true, 0, 0, 2, false, true},
+                        Case{4, 384, 1152, 0, 16, false, 0, 5, 2, true, false, 2, true},
+                        Case{13, 256, 2048, 0, 0, true, 0, 3, 0, true, true, 1, true}};
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     expect_exact(c, rng);
@@ -179,7 +185,19 @@ INSTANTIATE_TEST_SUITE_P(
                       // Programmatic launch (weights of the first ring before the wait).
                       Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, true, true},
                       Case{16, 640, 1024, 0, 16, true, 8, 9, 3, true, true},
-                      Case{6, 128, 128, 0, 0, false, 16, 0, 0, true, true}));
+                      Case{6, 128, 128, 0, 0, false, 16, 0, 0, true, true},
+                      // Several CTAs per SM (smaller rings; M > 8 falls back to one).
+                      Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, true, false, 2},
+                      Case{4, 640, 6144, 8, 16, true, 0, 0, 0, true, false, 3},
+                      Case{8, 1280, 2048, 0, 0, false, 0, 0, 0, true, true, 2},
+                      Case{2, 9856, 6144, 0, 0, false, 16, 0, 0, true, false, 2},
+                      Case{16, 640, 1024, 0, 0, false, 0, 0, 0, true, false, 2},
+                      // Weights by cp.async (16 bytes per lane) instead of bulk copies.
+                      Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, true, false, 1, true},
+                      Case{16, 9856, 6144, 0, 0, false, 0, 0, 0, true, false, 1, true},
+                      Case{5, 640, 1152, 8, 16, true, 0, 7, 3, false, false, 1, true},
+                      Case{3, 256, 2304, 0, 0, false, 16, 5, 0, true, true, 2, true},
+                      Case{8, 1280, 6144, 0, 0, false, 0, 0, 0, true, true, 2, true}));
 
 struct RandomCase {
   int64_t m, n, k;
@@ -489,6 +507,17 @@ TEST(GemmStreamRules, RejectedCallsWriteNothing) {
   EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
             StatusCode::kInvalidArgument);
   o.chunk_blocks = 16;  // runs of 16 K blocks serve M <= 8
+  EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
+            StatusCode::kUnsupported);
+  o = GemmStreamOptions{};
+  o.ctas_per_sm = 5;
+  EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
+            StatusCode::kInvalidArgument);
+  o.ctas_per_sm = 0;
+  EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
+            StatusCode::kInvalidArgument);
+  o = GemmStreamOptions{};
+  o.chunk_blocks = 16;
   EXPECT_EQ(run_gemm_stream_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
             StatusCode::kUnsupported);
   o = GemmStreamOptions{};

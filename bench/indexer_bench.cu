@@ -33,10 +33,8 @@
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
-//   the two-kernel path, and with 1, 2 and 4 CTAs and decode_split_acc off, at
-//   batch {1, 32, 64, 96, 128, 256} x 8K, draft 0 and 3), --single-ctas N (the
-//   single-pass columns and sweep rows use N CTAs per request: single_pass_ctas), --no-split-acc
-//   (every path with IndexerCudaOptions::decode_split_acc off: one accumulator per n-tile).
+//   the two-kernel path, at batch {1, 32, 64, 96, 128, 256} x 8K, draft 0 and 3), --single-ctas N
+//   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -339,7 +337,7 @@ std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   return std::string(pl.single ? "s" : (pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
-         std::to_string(pl.merge_wpr) + (pl.split_acc ? "" : " 1acc");
+         std::to_string(pl.merge_wpr);
 }
 
 double pct_copy(const Case& c, double us) {
@@ -362,7 +360,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       only = false, clusters = false, no_split_acc = false;
+       only = false, clusters = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -378,8 +376,6 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--clusters")
       clusters = true;
-    else if (a == "--no-split-acc")
-      no_split_acc = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--contiguous")
@@ -390,7 +386,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
-                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--no-split-acc]\n",
+                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N]\n",
                    argv[0]);
       return 2;
     }
@@ -402,8 +398,6 @@ int main(int argc, char** argv) {
   bulk_o.fused_decode_always = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
-  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &bulk_o, &single_o})
-    o->decode_split_acc = !no_split_acc;
   const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
@@ -435,18 +429,15 @@ int main(int argc, char** argv) {
         Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
         std::vector<Slice> slices = {{0, 0, 1 + draft}};
         if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
-        // -1: default plan, 0: two-kernel, 1..8: single pass with that many CTAs per request,
-        // 11..18: the same with one accumulator per n-tile (decode_split_acc off).
-        for (int ctas : {-1, 0, 1, 2, 3, 4, 8, 11, 12, 14}) {
+        // -1: default plan, 0: two-kernel, 1..8: single pass with that many CTAs per request.
+        for (int ctas : {-1, 0, 1, 2, 3, 4, 8}) {
           IndexerCudaOptions o;
           o.unfused_decode = ctas == 0;
           o.single_pass = ctas > 0;
-          o.single_pass_ctas = std::max(ctas, 0) % 10;
-          o.decode_split_acc = ctas <= 10;
-          const std::string label =
-              ctas < 0    ? "default"
-              : ctas == 0 ? "two-kernel"
-                          : "single " + std::to_string(ctas % 10) + (ctas > 10 ? " 1acc" : "");
+          o.single_pass_ctas = std::max(ctas, 0);
+          const std::string label = ctas < 0    ? "default"
+                                    : ctas == 0 ? "two-kernel"
+                                                : "single " + std::to_string(ctas);
           const std::string what = "clusters b" + std::to_string(batch) + " draft " +
                                    std::to_string(draft) + " " + label;
           bool pass = true;

@@ -109,7 +109,6 @@ struct Plan {
   bool fused = false;
   bool bulk = false;
   bool single = false;
-  bool split_acc = false;  // two accumulators per n-tile in decode units (decode_split_acc)
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -210,7 +209,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  pl.split_acc = o.decode_split_acc && pl.mma && !pl.bulk;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -253,7 +251,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.merge_wpr = pl.merge_wpr;
   info.bulk_copy = pl.bulk;
   info.single = pl.single;
-  info.split_acc = pl.split_acc;
   return info;
 }
 
@@ -339,8 +336,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = pl.split_acc ? ik::score_fused_cluster_kernel<true>
-                                        : ik::score_fused_cluster_kernel<false>;
+      const auto ckernel = ik::score_fused_cluster_kernel;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           ckernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       cudaLaunchConfig_t ccfg = {};
@@ -362,21 +358,18 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).
-      const auto kernel = pl.single ? (pl.split_acc ? ik::score_fused_single_kernel<true>
-                                                    : ik::score_fused_single_kernel<false>)
-                                    : (pl.bulk ? ik::score_fused_bulk_kernel
-                                               : (pl.split_acc ? ik::score_fused_kernel<true>
-                                                               : ik::score_fused_kernel<false>));
+      const auto kernel = pl.single
+                              ? ik::score_fused_single_kernel
+                              : (pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel);
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
-      const auto kernel = pl.split_acc ? ik::score_mma_kernel<true> : ik::score_mma_kernel<false>;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
-      kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
+          ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
+      ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
     } else {
       ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);
     }

@@ -122,12 +122,6 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Tensor-core decode units (every path but bulk copies): tiles of <= 16 query rows accumulate
-  // the even and odd k16 steps of the dot products in two accumulators (half the dependent HMMA
-  // chain per tile). Session 13 round A, single pass, 8K: draft 3 at 64 requests 36.6 vs 41.7 us
-  // (one CTA per request), 128: 48.8 vs 51.0; draft 0 equal or up to 0.5 us faster. false: one
-  // accumulator (another fp32 summation order: ids may differ at near ties; exact inputs agree).
-  bool decode_split_acc = true;
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
@@ -155,7 +149,6 @@ struct IndexerCudaPlan {
   bool bulk_copy = false;  // fused with bulk (TMA) tile copies
   bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
                            // one thread-block cluster of k_splits CTAs per unit
-  bool split_acc = false;  // two accumulators per n-tile in decode units (decode_split_acc)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -56,8 +56,8 @@
 // single pass does. More CTAs per request without a second kernel: automatic at 0.25-0.75
 // requests per SM (session 13 round A, 64 x 8K draft 0: 24.0 us with 2 CTAs per request vs 25.6
 // for the two-kernel path and 26.1 for one CTA).
-// Two accumulators (IndexerCudaOptions::decode_split_acc, default): even and odd k16 steps of a
-// tile accumulate separately (a dependent HMMA chain of 4 instead of 8 per tile and n-tile).
+// Two accumulators: even and odd k16 steps of a decode tile accumulate separately (a dependent
+// HMMA chain of 4 instead of 8 per tile and n-tile; see decode_compute_tile).
 //
 // Overflow tiles (prefill chunks, 128 query rows per CTA) reverse the roles: A = query rows (2
 // m-tiles = 32 rows per warp, f16 in registers for the whole segment), B = 8 keys from a 3-stage
@@ -241,11 +241,13 @@ struct DecodeState {
 
 // kLinear: the tile lies unswizzled (bulk copies); the LDS.128 of lanes g, g + 1 then share banks
 // (2-way conflicts, ~30 % of the shared-memory bandwidth at the DRAM rate).
-// kSplit (NT <= 2 only; IndexerCudaOptions::decode_split_acc): each n-tile accumulates its even and
-// odd k16 steps in two independent accumulators added at the end, so the dependent HMMA chain per
-// tile is 4 long instead of 8 (ncu, session 12: ~28 % of the decode warps' stall samples were
-// fixed-latency waits). Same products, another fp32 summation order.
-template <int NT, bool kLinear, bool kSplit = false>
+// NT <= 2 (the unrolled tile loop): each n-tile accumulates its even and odd k16 steps in two
+// independent accumulators added at the end, so the dependent HMMA chain per tile is 4 long
+// instead of 8 (ncu, session 12: ~28 % of the decode warps' stall samples were fixed-latency
+// waits; session 13 rounds A-B: single pass at 8K, draft 3, one CTA per request: 64 requests
+// 34.9 vs 40.0 us, 128: 46.4 vs 48.9; elsewhere equal or up to 2 % faster, never slower beyond
+// the run-to-run spread). NT >= 3 keeps one accumulator (registers).
+template <int NT, bool kLinear>
 __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
                                                     int key0, bool mask, int g, int tig) {
   const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
@@ -255,7 +257,7 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
   const int c_hi = ((tig + 4) ^ sw) << 4;
   const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
   const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
-  constexpr bool kTwo = kSplit && NT <= 2;
+  constexpr bool kTwo = NT <= 2;
   float c[NT][4], d[kTwo ? NT : 1][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) c[nt][0] = c[nt][1] = c[nt][2] = c[nt][3] = 0.0f;
@@ -426,7 +428,7 @@ __device__ __forceinline__ void stream_prologue_drain(uint64_t* bars) {
 // kBulk: each tile is one 2 KB bulk copy issued by lane 0, completing on the stage's mbarrier
 // (bars: the warp's kDecStages barriers) instead of 4 x 32 cp.async of 16 bytes.
 // pre_issued: the caller already ran stream_prologue (same ring, barriers and pg_first).
-template <int NT, bool kFused, bool kBulk, bool kSplit>
+template <int NT, bool kFused, bool kBulk>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
                                             int64_t pg_second, float* sblk, int b0, uint64_t* bars,
@@ -513,8 +515,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
         }
         cp_async_commit();
       }
-      decode_compute_tile<NT, kBulk, kSplit>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask,
-                                             g, tig);
+      decode_compute_tile<NT, kBulk>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g,
+                                     tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -544,7 +546,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kBulk, bool kSingle, bool kCluster = false, bool kSplit = false>
+template <bool kFused, bool kBulk, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
   static_assert(!kCluster || (kFused && kSingle && !kBulk), "cluster: the single pass only");
   if constexpr (kCluster) cluster_arrive_relaxed();
@@ -593,20 +595,20 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kBulk, kSplit>(a, smem, r, qa, rows, first, b1, pg_first, pg_second,
-                                              table, tb0, wbars, pre);
+        decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
         break;
       case 2:
-        decode_unit<2, kFused, kBulk, kSplit>(a, smem, r, qa, rows, first, b1, pg_first, pg_second,
-                                              table, tb0, wbars, pre);
+        decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
         break;
       case 3:
-        decode_unit<3, kFused, kBulk, kSplit>(a, smem, r, qa, rows, first, b1, pg_first, pg_second,
-                                              table, tb0, wbars, pre);
+        decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
         break;
       default:
-        decode_unit<4, kFused, kBulk, kSplit>(a, smem, r, qa, rows, first, b1, pg_first, pg_second,
-                                              table, tb0, wbars, pre);
+        decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
+                                      tb0, wbars, pre);
         break;
     }
   };
@@ -782,12 +784,12 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kBulk, bool kSingle = false, bool kCluster = false, bool kSplit = false>
+template <bool kFused, bool kBulk, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh, uint64_t* bars) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kBulk, kSingle, kCluster, kSplit>(a, smem, bars);
+    decode_path<kFused, kBulk, kSingle, kCluster>(a, smem, bars);
     return;
   }
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
@@ -807,32 +809,26 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
 }
 
 // Two-kernel path: every block score goes to the workspace; select_kernel picks.
-// kSplit: IndexerCudaOptions::decode_split_acc (see decode_compute_tile).
-template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, false, kSplit>(a, smem, sh, nullptr);
+  score_mma_body<false, false>(a, smem, sh, nullptr);
 }
 
 // Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
 // merge_kernel finishes. Dynamic shared memory: kFusedSmemBytes.
-// kSplit: IndexerCudaOptions::decode_split_acc (see decode_compute_tile).
-template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, false, false, kSplit>(a, smem, sh, nullptr);
+  score_mma_body<true, false>(a, smem, sh, nullptr);
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
 // block_ids, overflow tiles select their rows from their own block scores; no merge kernel.
-// kSplit: IndexerCudaOptions::decode_split_acc (see decode_compute_tile).
-template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, true, false, kSplit>(a, smem, sh, nullptr);
+  score_mma_body<true, false, true>(a, smem, sh, nullptr);
 }
 
 // Clustered single pass (IndexerCudaOptions::single_pass_ctas > 1): launched in clusters of
@@ -840,11 +836,10 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const K
 // the table of the cluster's first CTA (distributed shared memory), which finishes the rows; an
 // overflow tile's splits write block scores, then finish its rows together after a cluster
 // barrier. No merge kernel.
-template <bool kSplit>
 __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, true, true, kSplit>(a, smem, sh, nullptr);
+  score_mma_body<true, false, true, true>(a, smem, sh, nullptr);
 }
 
 // The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::

@@ -365,33 +365,6 @@ inline void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuR
               static_cast<long long>(in.rows()), failures);
 }
 
-// A path whose fp32 summation order differs from the two-kernel path's (decode_split_acc off): its
-// ids must equal the twin's, or (inexact inputs only) differ only where the twin's scores have a
-// near tie at the selection boundary and still satisfy verify_block_selection within the tolerance.
-inline void expect_twin_selection(const Inputs& in, const Reference& ref, const GpuResult& gpu,
-                                  const std::string& label) {
-  SCOPED_TRACE(label);
-  const int mp = in.max_pages();
-  int failures = 0, near = 0;
-  for (int64_t row = 0; row < in.rows(); ++row) {
-    const int32_t* g = gpu.ids.data() + row * kTopK;
-    const int32_t* e = ref.ids.data() + row * kTopK;
-    if (std::equal(g, g + kTopK, e)) continue;
-    const int n_valid = in.hb.position_of(row / in.n_kv) / kPageSize + 1;
-    const bool exact = in.integer || n_valid <= kTopK;
-    near += exact ? 0 : 1;
-    const float tol = 2.0f * kScoreBoundFactor * ref.l1[static_cast<size_t>(row)];
-    const Status v = exact ? Status(StatusCode::kInternal, "ids differ where they must be exact")
-                           : verify_block_selection(ref.scores.data() + row * mp, n_valid, g, tol);
-    if (!v.ok() && ++failures <= 8)
-      ADD_FAILURE() << "row " << row << ": gpu " << row_str(g) << " twin " << row_str(e) << ": "
-                    << v.to_string();
-  }
-  if (failures > 8) ADD_FAILURE() << failures << " failing rows in total";
-  std::printf("[ indexer  ] %s: %lld rows, %d differ from the twin within the tolerance\n",
-              label.c_str(), static_cast<long long>(in.rows()), near);
-}
-
 // Runs every scorer variant on one input set and compares each with the twin (two-kernel path)
 // and the fused path with the two-kernel path. bulk: the fused path's bulk-copy (TMA) variant
 // instead of the default one, tensor-core variants only (tests of the IndexerGpuBulk suite, which
@@ -441,29 +414,19 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       expect_same_ids(
           in, f, g,
           name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
-      if (!bulk) {  // one accumulator per n-tile: another summation order, against the twin
-        fo.decode_split_acc = false;
-        expect_twin_selection(in, ref, run_gpu(d, fo), name + ", fused one accumulator]");
-      }
     }
     // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
     // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
-    // Then with one accumulator per n-tile (decode_split_acc off): another summation order,
-    // checked against the twin.
-    for (int ctas : {1, 2, 3, 8, -1, -3}) {
+    for (int ctas : {1, 2, 3, 8}) {
       IndexerCudaOptions so = v.o;
       so.single_pass = true;
-      so.single_pass_ctas = std::abs(ctas);
-      so.decode_split_acc = ctas > 0;
+      so.single_pass_ctas = ctas;
       if (bulk || !indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
-      const std::string what =
-          name + ", single pass" +
-          (std::abs(ctas) > 1 ? " cluster " + std::to_string(std::abs(ctas)) : std::string());
-      if (ctas > 0)
-        expect_same_ids(in, c, g, what + " vs two-kernel]");
-      else
-        expect_twin_selection(in, ref, c, what + " one accumulator vs twin]");
+      expect_same_ids(in, c, g,
+                      name + ", single pass" +
+                          (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
+                          " vs two-kernel]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

@@ -62,6 +62,7 @@
 
 #include "core/mbarrier.cuh"
 #include "core/numeric.h"
+#include "stages/projection/gemm_wgmma_kernel.cuh"
 
 namespace m3attn::gemm_stream_detail {
 
@@ -100,17 +101,19 @@ struct StreamArgs {
   int async_copies;        // weights by 16-byte cp.async per lane instead of bulk copies
 };
 
-// ---- PTX helpers ------------------------------------------------------------------------------
+// ---- PTX helpers (shared with the wgmma kernel) ------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ uint64_t evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
+using gemm_wgmma_detail::cp_async_mbar_arrive_noinc;
+using gemm_wgmma_detail::evict_first_policy;
+using gemm_wgmma_detail::keep_register;
+using gemm_wgmma_detail::smem_addr;
+using gemm_wgmma_detail::smem_desc;
+using gemm_wgmma_detail::unit_begin;
+using gemm_wgmma_detail::unit_owner;
+using gemm_wgmma_detail::Wgmma;
+using gemm_wgmma_detail::wgmma_commit;
+using gemm_wgmma_detail::wgmma_fence;
+using gemm_wgmma_detail::wgmma_wait_all;
 
 // 1D bulk copy global -> shared, completion counted in bytes on `bar`.
 __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
@@ -131,8 +134,7 @@ __device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, ui
       : "memory");
 }
 
-// 16-byte cp.async global -> shared (L2 only), optionally with an L2 cache policy; and an arrival
-// on `bar` once every cp.async this thread issued before has landed (.noinc: counted at init).
+// 16-byte cp.async global -> shared (L2 only), optionally with an L2 cache policy.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -141,116 +143,10 @@ __device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, 
                "l"(src), "l"(policy)
                : "memory");
 }
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 
-// Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
-// 1024 bytes apart (SBO); LBO unused for swizzled K-major operands (1 by convention).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-__device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-
+// (The wgmma kernel's consumer barrier is the same named barrier 1 over 256 threads.)
 __device__ __forceinline__ void consumer_barrier() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-}
-
-// wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
-// A B.
-template <int kN>
-struct Mma;
-
-#define M3_STREAM_MMA_HEAD(N)             \
-  "{\n.reg .pred p;\nsetp.ne.b32 p, %" #N \
-  ", 0;\n"                                \
-  "wgmma.mma_async.sync.aligned.m64n"
-
-template <>
-struct Mma<16> {
-  __device__ __forceinline__ static void run(float (&d)[8], uint64_t a, uint64_t b, int scale_d) {
-    asm volatile(M3_STREAM_MMA_HEAD(10) "16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
-                                        "%8, %9, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7])
-                 : "l"(a), "l"(b), "r"(scale_d));
-  }
-};
-
-template <>
-struct Mma<32> {
-  __device__ __forceinline__ static void run(float (&d)[16], uint64_t a, uint64_t b, int scale_d) {
-    asm volatile(M3_STREAM_MMA_HEAD(18) "32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
-                                        "%8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, "
-                                        "1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-                 : "l"(a), "l"(b), "r"(scale_d));
-  }
-};
-
-template <>
-struct Mma<64> {
-  __device__ __forceinline__ static void run(float (&d)[32], uint64_t a, uint64_t b, int scale_d) {
-    asm volatile(M3_STREAM_MMA_HEAD(34) "64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
-                                        "%8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, "
-                                        "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-                                        "%30, %31}, %32, %33, p, 1, 1;\n}\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),
-                   "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),
-                   "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),
-                   "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-                   "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
-                   "+f"(d[30]), "+f"(d[31])
-                 : "l"(a), "l"(b), "r"(scale_d));
-  }
-};
-
-template <>
-struct Mma<128> {
-  __device__ __forceinline__ static void run(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
-    asm volatile(
-        M3_STREAM_MMA_HEAD(66) "128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
-                               "%10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, "
-                               "%23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "
-                               "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "
-                               "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-                               "%62, %63}, %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
-          "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
-          "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]),
-          "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
-          "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]),
-          "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]),
-          "+f"(d[62]), "+f"(d[63])
-        : "l"(a), "l"(b), "r"(scale_d));
-  }
-};
-
-#undef M3_STREAM_MMA_HEAD
-
-// First unit of CTA c among `grid` CTAs sharing `units` units; the owner of unit u.
-__device__ __forceinline__ int unit_begin(int c, int grid, int units) {
-  return static_cast<int>(int64_t{c} * units / grid);
-}
-__device__ __forceinline__ int unit_owner(int u, int grid, int units) {
-  return static_cast<int>((int64_t{u + 1} * grid - 1) / units);
 }
 
 // The order in which a CTA walks its units [u_begin, u_end): its partial last group ("tail",
@@ -446,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     wgmma_fence();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      Mma<kN>::run(d, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+      Wgmma<kN>::mma(d, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
     wgmma_commit();
     wgmma_wait_all();
 #pragma unroll

@@ -394,6 +394,22 @@ TEST(GemmStreamFused, AgreesWithCublasLt) {
   expect_agrees_with_cublaslt("streaming kernel", 16, 16, stream_options(), rng);
 }
 
+// One call of `gemm` on fresh integer operands [m, n, k]: bit-identical to the twin, nothing
+// outside the output written.
+void expect_object_exact(Fp8BlockGemm& gemm, int64_t m, int64_t n, int64_t k, Rng& rng) {
+  GemmData d = make_integer_data(m, n, k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  DeviceGemm dev(d, n);
+  const Status st = gemm.run(dev.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
+  EXPECT_EQ(touched, 0);
+}
+
 // An object whose K leaves no room for the activations at M = 16 still serves every M: the calls
 // the streaming kernel refuses (kUnsupported) run on cuBLASLt, the others on the kernel; both
 // exact on integer inputs.
@@ -408,17 +424,7 @@ TEST(GemmStreamFused, UnsupportedCallsFallBackToCublasLt) {
   EXPECT_NE(gemm->algorithm_for(4).find("streaming"), std::string::npos);
   for (int64_t m : {4, 16}) {
     SCOPED_TRACE(::testing::Message() << "M " << m);
-    GemmData d = make_integer_data(m, n, k, rng);
-    const std::vector<uint16_t> ref = cpu_gemm(d);
-    DeviceGemm dev(d, n);
-    const Status st = gemm->run(dev.params(), nullptr);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t touched = 0;
-    const std::vector<uint16_t> got = dev.result(&touched);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
-    EXPECT_EQ(touched, 0);
+    expect_object_exact(*gemm, m, n, k, rng);
   }
   Fp8BlockGemmOptions bad = stream_options();
   bad.stream_max_m = 17;
@@ -448,17 +454,7 @@ TEST(GemmStreamFused, AutotunedChoiceIsExact) {
   std::printf("%s", d.c_str());
   for (int64_t m : {4, 8, 12, 16, 20}) {
     SCOPED_TRACE(::testing::Message() << "M " << m << ": " << gemm->algorithm_for(m));
-    GemmData g = make_integer_data(m, n, k, rng);
-    const std::vector<uint16_t> ref = cpu_gemm(g);
-    DeviceGemm dev(g, n);
-    const Status st = gemm->run(dev.params(), nullptr);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t touched = 0;
-    const std::vector<uint16_t> got = dev.result(&touched);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
-    EXPECT_EQ(touched, 0);
+    expect_object_exact(*gemm, m, n, k, rng);
   }
   EXPECT_EQ(gemm->algorithm_for(20).find("streaming"), std::string::npos);
 }

@@ -16,7 +16,7 @@
 //     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
 //     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
 //     tokens per request, or forced with AttentionCudaConfig::kernel = 4; it runs as the
-//     warp-specialised persistent kernel (attention_prefill_ws.cuh; kernels 11, 15, 18) where TMA
+//     warp-specialised persistent kernel (attention_prefill_ws.cuh; kernels 11, 15) where TMA
 //     can address the pool.
 #include <algorithm>
 #include <cstdint>
@@ -49,9 +49,10 @@ constexpr bool kAutoWgmma = true;
 // (kernel 11) 939-946 / 1061-1071 us vs 1000-1006 / 1139-1148 us (round B); session 13 round B:
 // kernel 15 (64 / 216 registers, no spills) sparse 900.3 / 906.0 and 1016.9 / 1028.3 us vs
 // 922.2 / 929.3 and 1046.9 / 1058.4 for 11, lowoverlap 2096 / 2121 vs 2168 / 2182 us, dense 1-3 %
-// slower). Kernels 2, 3, 6-10 (never faster), 12-14, 16, 17 (session 13: slower) were removed.
+// slower; round C: 15 519-523 / 522-527 TFLOP/s sparse, dense within the spread of 11). Kernels
+// 2, 3, 6-10 (never faster), 12-14, 16-18 (session 13: slower) were removed.
 constexpr bool kAutoWs = true;
-// Which of its variants (AttentionCudaConfig::kernel 11, 15, 18), for sparse and dense attention.
+// Which of its variants (AttentionCudaConfig::kernel 11, 15), for sparse and dense attention.
 constexpr int kAutoWsKernelSparse = 15;
 constexpr int kAutoWsKernelDense = 11;
 constexpr int64_t kWgmmaMinAvgTokens = 16;
@@ -82,8 +83,7 @@ struct Plan {
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
   bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
   int ctas = 0;         // its persistent CTAs
-  bool ws_wide = false;        // its 64 / 216 register split (kernels 15, 18; else 40 / 232)
-  bool ws_poly = false;        // a quarter of its exponentials on the FMA pipe (kernel 18)
+  bool ws_wide = false;        // its 64 / 216 register split (kernel 15; else 40 / 232)
   int qt = 1;                    // tokens per tile
   int splits = 1;                // CTAs per (tile, KV head)
   int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
@@ -123,8 +123,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
       pl.ws = pl.wgmma && kAutoWs;
-      pl.ws_wide = (p.sparse ? kAutoWsKernelSparse : kAutoWsKernelDense) >= 15;
-      pl.ws_poly = (p.sparse ? kAutoWsKernelSparse : kAutoWsKernelDense) == 18;
+      pl.ws_wide = (p.sparse ? kAutoWsKernelSparse : kAutoWsKernelDense) == 15;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -139,16 +138,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       break;
     case 11:
     case 15:
-    case 18:
       pl.wgmma = true;
       pl.ws = true;
-      pl.ws_wide = cfg.kernel >= 15;
-      pl.ws_poly = cfg.kernel == 18;
+      pl.ws_wide = cfg.kernel == 15;
       break;  // kernel 4 where TMA cannot address the pool
     default:
       return unsupported("run_attention_cuda: kernel ", cfg.kernel,
-                         " is not one of 0, 1, 4, 5, 11, 15, 18 (2, 3, 6 .. 10, 12 .. 14, 16, 17 "
-                         "were removed)");
+                         " is not one of 0, 1, 4, 5, 11, 15 (2, 3, 6 .. 10, 12 .. 14, "
+                         "16 .. 18 were removed)");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -290,8 +287,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     // tensor map the driver accepts); otherwise the cp.async wgmma kernel (kernel 4) runs.
     if (pl.ws && vec16) {
       bool launched = false;
-      M3_RETURN_IF_ERROR(attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_wide,
-                                                      pl.ws_poly, stream, &launched));
+      M3_RETURN_IF_ERROR(
+          attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_wide, stream, &launched));
       if (launched) return Status::Ok();
     }
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)

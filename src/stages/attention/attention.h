@@ -69,12 +69,11 @@ struct AttentionCudaConfig {
                             // TMA, 2 consumer warpgroups; kernel 4 runs instead where TMA cannot
                             // address the pool: base or strides not multiples of 16 bytes); 15
                             // its variant with a 64 / 216 register split (automatic for sparse
-                            // prefill; 11 for dense), 18 = 15 with a quarter of the softmax
-                            // exponentials on the FMA pipe. 2, 3, 6-10, 12-14, 16, 17 were
-                            // removed in session 13 (unsupported)
+                            // prefill; 11 for dense). 2, 3, 6-10, 12-18 were removed in
+                            // session 13 (unsupported)
   int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
                             // never faster and was removed); still validated: -1 .. 8
-  int persistent_ctas = 0;  // kernels 11, 15, 18 and verify variant 10: CTAs of the persistent grid
+  int persistent_ctas = 0;  // kernels 11, 15 and verify variant 10: CTAs of the persistent grid
                             // (0: one per SM, two for verify variant 10; fewer make each CTA walk
                             // more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async

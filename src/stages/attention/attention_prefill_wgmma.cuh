@@ -273,30 +273,11 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
   }
 }
 
-// 2^x on the FMA pipe, for x <= 0, -inf or NaN (softmax arguments after the max subtraction):
-// x = n + f with n = floor(x) (an add rounded down to the integer spacing of 1.5 * 2^23), 2^f on
-// [0, 1) by a degree-3 polynomial with p(0) = 1 (max relative error 8.7e-5, below the f16
-// rounding of P, 4.9e-4), n added to the exponent field by one integer add. x <= -127 (and -inf: a
-// masked key) gives exactly +0 (n = -127, f = 0), NaN stays NaN; results below 2^-126 are
-// approximate (weights that small cannot matter).
-__device__ __forceinline__ float poly_exp2(float x) {
-  const float xc = x < -127.0f ? -127.0f : x;
-  const float t = __fadd_rd(xc, 12582912.0f);  // 1.5 * 2^23 + floor(xc)
-  const float f = xc - (t - 12582912.0f);
-  const float q = fmaf(fmaf(fmaf(0.0770519230f, f, 0.2276614270f), f, 0.6951132125f), f, 1.0f);
-  // bits(t) << 23 = floor(xc) << 23 (mod 2^32: the constant's bits vanish in the shift).
-  const int bits = __float_as_int(q) + (__float_as_int(t) << 23);
-  return xc == xc ? __int_as_float(bits) : xc;
-}
-
 // Per-row online softmax of one block's raw scores s (accumulator fragment: s[4 j + e] is row
 // grp (e < 2) or grp + 8 (e >= 2), key 8 j + 2 tig + (e & 1)). Keys > lim are masked. Scores
 // become p = 2^(s * scale_log2 - new max) (one FFMA + EX2 each; the max is taken on raw scores,
 // the scale being > 0); m (log2 domain) and l are updated; alpha = 2^(old max - new max) must
-// still be applied to O. kPolyQuarter: the exponentials of keys 8 j + .., j = 12 .. 15 (a quarter)
-// by poly_exp2 on the FMA pipe instead of MUFU.EX2 (round-A ncu of the ws kernel: the exp phase
-// is paced by the MUFU pipe, the second of every MUFU pair stalled, with issue slots to spare).
-template <bool kPolyQuarter = false>
+// still be applied to O.
 __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], int lim, float scale_log2) {
   const int tig = threadIdx.x & 3;
@@ -328,11 +309,10 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], flo
   float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
-    auto ex = [&](float x) { return kPolyQuarter && j >= 12 ? poly_exp2(x) : fast_exp2(x); };
-    s[4 * j] = ex(fmaf(s[4 * j], scale_log2, -mu0));
-    s[4 * j + 1] = ex(fmaf(s[4 * j + 1], scale_log2, -mu0));
-    s[4 * j + 2] = ex(fmaf(s[4 * j + 2], scale_log2, -mu1));
-    s[4 * j + 3] = ex(fmaf(s[4 * j + 3], scale_log2, -mu1));
+    s[4 * j] = fast_exp2(fmaf(s[4 * j], scale_log2, -mu0));
+    s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
+    s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
+    s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
     sum0 += s[4 * j] + s[4 * j + 1];
     sum1 += s[4 * j + 2] + s[4 * j + 3];
   }

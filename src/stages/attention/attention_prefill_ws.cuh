@@ -42,19 +42,23 @@
 // dependent instructions per item, longer than the ring lasted) and the ring has 4 stages and one
 // Q buffer, released when every consumer warp has its Q fragments (TMA latency was not covered by
 // 3 stages). Session 13 removed those steps' kernels 6-10 (never faster than 11).
-// Variants (template flags; AttentionCudaConfig::kernel 11 none, 15 kWide, 18 = 15 + kPoly; the
-// automatic plan runs 15 for sparse and 11 for dense attention): kWide: 64 registers for the
-// scheduler and converter warps, 216 for the consumers (instead of 40 / 232; ptxas: no spills
-// instead of ~200 bytes in the 40-register warps; session 13 round B: sparse 8K chunk at 8K / 64K
-// 900.3 / 906.0 and 1016.9 / 1028.3 us vs 922.2 / 929.3 and 1046.9 / 1058.4 for 11, lowoverlap
-// 2096 / 2121 vs 2168 / 2182, dense 1-3 % slower); kPoly: a quarter of the softmax exponentials on
-// the FMA pipe (ap::softmax_block<true>). Session 13 measured and removed: 12 (headers broadcast by
-// a warp OR reduction, meant to make the ring stage uniform for the compiler: it did not, and the
-// redux latency made it 3 % slower than 11), 13 (12 without the ping-pong turns: no faster), 14
-// (12 + kWide, superseded), 16 / 17 (15 with the wgmma issue in one code copy per ring stage and
-// f16 buffer, so that every descriptor is a uniform base + constant: ptxas then serialised every
-// wgmma (gsb0 on each, a dummy HGMMA.64x8x16 inserted), 16 % slower; 17 with conflict-free f16 V
-// stores on top, no different).
+// Variants (template flag; AttentionCudaConfig::kernel 11 none, 15 kWide; the automatic plan runs
+// 15 for sparse and 11 for dense attention): kWide: 64 registers for the scheduler and converter
+// warps, 216 for the consumers (instead of 40 / 232; ptxas: no spills instead of ~200 bytes in the
+// 40-register warps). Session 13, H200, sparse 8K chunk at 8K / 64K: round B 900.3 / 906.0 and
+// 1016.9 / 1028.3 us vs 922.2 / 929.3 and 1046.9 / 1058.4 for 11, lowoverlap 2096 / 2121 vs
+// 2168 / 2182 us, dense 1-3 % slower; round C 896-902 / 1011-1020 us = 519-523 / 522-527 TFLOP/s
+// vs 933-934 / 1062-1064 us for 11, lowoverlap 2093-2104 vs 2180-2182 us, dense 572-574 / 580-582
+// vs 559 / 568-586 TFLOP/s (dense: within the run-to-run spread both ways). Session 13 measured
+// and removed: 12 (headers broadcast by a warp OR reduction, meant to make the ring stage uniform
+// for the compiler: it did not, and the redux latency made it 3 % slower than 11), 13 (12 without
+// the ping-pong turns: no faster), 14 (12 + kWide, superseded), 16 / 17 (15 with the wgmma issue in
+// one code copy per ring stage and f16 buffer, so that every descriptor is a uniform base +
+// constant: ptxas then serialised every wgmma (gsb0 on each, a dummy HGMMA.64x8x16 inserted), 16 %
+// slower; 17 with conflict-free f16 V stores on top, no different), 18 (15 with a quarter of the
+// softmax exponentials by a degree-3 polynomial on the FMA pipe, meant to unload the MUFU pipe
+// that paces the exp phase: 5 % slower in round C, 948-950 vs 898-901 us: the ~10 extra
+// instructions per exponential cost more issue than the MUFU saved).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i)
 // completes + 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2]
 // (8 consumer warps after P V(i) completes), qempty (8 consumer warps after the item's first S, Q
@@ -381,9 +385,6 @@ __device__ __forceinline__ Cur read_entry(const Entry& e, int tok) {
 
 // Each warp copies its token's Q fragments from the item's Q tile into registers when the item
 // starts (register-A QK wgmma); the one Q buffer is released after the item's first S.
-// kPoly (kernel 18): a quarter of the softmax exponentials on the FMA pipe
-// (ap::softmax_block<true>).
-template <bool kPoly>
 __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& sh, uint32_t base,
                                                     const uint8_t* smem) {
   const int ct = static_cast<int>(threadIdx.x) - 128;  // 0 .. 255
@@ -448,7 +449,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
     mbar_arrive(bar_addr(sh.empty[0]));
     if (cur.flags() & kFirst) mbar_arrive(bar_addr(sh.qempty));
   }
-  ap::softmax_block<kPoly>(s, m, l, alpha, cur.lim, a.scale_log2);
+  ap::softmax_block(s, m, l, alpha, cur.lim, a.scale_log2);
   ap::rescale_and_pack<true>(o, s, alpha, p);
 
   for (;;) {
@@ -488,7 +489,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
       m[0] = m[1] = -INFINITY;
       l[0] = l[1] = 0.0f;
     }
-    ap::softmax_block<kPoly>(s, m, l, alpha, nxt.lim, a.scale_log2);
+    ap::softmax_block(s, m, l, alpha, nxt.lim, a.scale_log2);
     ap::wgmma_wait<0>();
     ap::reg_fence(o);
     ap::reg_fence(p);
@@ -526,7 +527,7 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kWide, bool kPoly>
+template <bool kWide>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -563,7 +564,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       converter_warps(sh, smem);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
-    consumer_warpgroups<kPoly>(a, sh, base, smem);
+    consumer_warpgroups(a, sh, base, smem);
   }
 }
 
@@ -618,7 +619,7 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs, bool poly_exp,
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs,
                      cudaStream_t stream, bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
@@ -626,11 +627,8 @@ inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_r
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  // Kernels 11 (40 / 232 registers), 15 (64 / 216), 18 (15 + a quarter of the exponentials on
-  // the FMA pipe).
-  auto kernel = !wide_regs ? attention_prefill_ws_kernel<false, false>
-                : poly_exp ? attention_prefill_ws_kernel<true, true>
-                           : attention_prefill_ws_kernel<true, false>;
+  // Kernels 11 (40 / 232 registers), 15 (64 / 216).
+  auto kernel = wide_regs ? attention_prefill_ws_kernel<true> : attention_prefill_ws_kernel<false>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

@@ -21,17 +21,15 @@
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
 //   --prefill (prefill table only), --splits-sweep (decode/verify B64 and B256 at 32K, sparse,
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
-//   automatic, 1 mma.sync, 2 wgmma: decode uses it; prefill then runs only that kernel instead of
-//   both), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-variant=N:
-//   override the launch plan (AttentionCudaConfig) for tuning;
+//   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
+//   kernel instead of its list), --tokens-per-tile=N, --splits=N,
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N: override the launch
+//   plan (AttentionCudaConfig) for tuning;
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel with the session-12 ("d1") and the lean ("d2") softmax in
-//   single-token tiles (d2 is the automatic choice), the wgmma verify kernel's variants "v8"
-//   (cp.async loads) and "v9" (TMA loads; the automatic verify choice), and for draft 7 the wgmma
-//   prefill kernel).
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel's variants "v8" (cp.async loads)
+//   and "v9" (TMA loads; the automatic verify choice), and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -435,14 +433,12 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
-    } else if (std::strncmp(argv[i], "--decode-variant=", 17) == 0) {
-      cfg.decode_variant = std::atoi(argv[i] + 17);
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--decode-variant=N] [--no-prefill] [--compare-kernels] "
+                   "[--verify-variant=N] [--no-prefill] [--compare-kernels] "
                    "[--persistent-ctas=N] "
                    "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");
       return 2;
@@ -484,18 +480,14 @@ int main(int argc, char** argv) {
                        x);
       }
     } else if (compare) {
-      // {kernel, verify kernel variant, decode variant (mma.sync kernel, 1-token tiles)}
-      const std::vector<std::array<int, 3>> kp = {
-          {0, 0, 0}, {1, 0, 1}, {1, 0, 2}, {5, 8, 0}, {5, 9, 0}};
-      for (const auto& [kernel, variant, dvar] : kp) {
+      // {kernel, verify kernel variant}
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}};
+      for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
         x.verify_variant = variant;
-        x.decode_variant = dvar;
         const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
-        v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()) +
-                           (dvar ? " d" + std::to_string(dvar) : std::string()),
-                       x);
+        v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()), x);
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;

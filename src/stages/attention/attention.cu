@@ -66,13 +66,6 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
 constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
-// The mma.sync kernel's softmax in single-token tiles (decode): 1 as in session 12, 2 lean (scale
-// fused into the exponent's fmaf, ex2.approx, O rescale skipped when no row maximum of the warp
-// moved): ~10 % fewer instructions in a kernel whose warps are issue-latency bound (session 13
-// round A ncu, B64 8K: ~1015 instructions per warp and block, 4.1 cycles each, against ~4.5 K
-// cycles between a CTA's blocks). Automatic from session 13 round C, whose bench measures both
-// (d1 / d2 in --compare-kernels). TMA loads (round A's variant 2) were slower: B64 45.5 vs 43.6 us.
-constexpr int kAutoDecodeVariant = 2;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
@@ -87,7 +80,6 @@ struct Plan {
   int qt = 1;                    // tokens per tile
   int splits = 1;                // CTAs per (tile, KV head)
   int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
-  bool decode_lean = false;      // the mma.sync kernel's lean softmax (decode_variant 2)
   int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -156,10 +148,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
                        " is not 0, 8 or 9");
-  if (cfg.decode_variant < 0 || cfg.decode_variant > 2)
-    return unsupported("run_attention_cuda: decode_variant ", cfg.decode_variant,
-                       " is not 0, 1 or 2");
-  pl.decode_lean = (cfg.decode_variant != 0 ? cfg.decode_variant : kAutoDecodeVariant) == 2;
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -261,9 +249,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
 
 template <int QT, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ak::attention_tile_kernel<QT, kVec16, false>;
-  if constexpr (QT == 1)  // decode_variant 2 applies to single-token tiles (decode) only
-    if (pl.decode_lean) kernel = ak::attention_tile_kernel<QT, kVec16, true>;
+  auto kernel = ak::attention_tile_kernel<QT, kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),

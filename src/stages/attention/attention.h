@@ -73,17 +73,11 @@ struct AttentionCudaConfig {
                             // session 13 (unsupported)
   int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
                             // never faster and was removed); still validated: -1 .. 8
-  int persistent_ctas = 0;  // kernels 11, 15 and verify variant 10: CTAs of the persistent grid
-                            // (0: one per SM, two for verify variant 10; fewer make each CTA walk
-                            // more work items, e.g. in tests)
+  int persistent_ctas = 0;  // kernels 11, 15: CTAs of the persistent grid (0: one per SM;
+                            // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
                             // loads of K and V, 9 TMA loads (where TMA can address the pool;
-                            // else 8 runs), 10 as 9 in a persistent grid that builds the next
-                            // work item's block list while the current one streams (sparse;
-                            // dense runs 9)
-  int decode_variant = 0;   // kernel 1 with single-token tiles (decode): 0 automatic (1), 1 the
-                            // session-12 softmax, 2 a lean one (scale fused into the exponent's
-                            // argument, ex2.approx, O rescale skipped when no maximum moved)
+                            // else 8 runs)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -17,19 +17,23 @@
 // Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
 //   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a ring of
 //   stages with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free; the layout of the 128-byte
-//   TMA swizzle, which the verify kernel uses). Session 13: TMA loads here (decode_variant 2 then)
-//   were slower (B64 8K 45.5 vs 43.6 us, B256 equal) and were removed.
+//   TMA swizzle, which the verify kernel uses). Session 13: TMA loads here were slower (B64 8K
+//   45.5 vs 43.6 us, B256 equal) and were removed.
 //   S = Q K^T: mma.sync m16n8k32 e4m3, Q fragments in registers for the whole kernel, K fragments
-//   by ldmatrix. Online softmax in fp32 with exp2 of log2e-prescaled scores.
-//   O += P V: P rounded to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16
-//   with fp32 accumulation, V converted E4M3 -> f16 in registers by cvt.rn.f16x2.e4m3x2 (exact):
-//   ldmatrix.trans of the raw tile yields byte pairs (key k, dims 2i, 2i+1), (key k+1, same dims);
-//   prmt splits them into the B fragments of an even-dim and an odd-dim n-tile (o_dim gives the
-//   resulting dim order); no f16 tile, so 3 stages fit. A warp clears the V keys past its own
-//   token's position before the MMA (unwritten slots may hold NaN, and 0 * NaN = NaN), so a NaN in
-//   a key that another token of the tile sees never reaches this token's rows. (The f16-tile V
-//   path for prefill-like 4-token tiles, v_convert 2, was removed in session 13: the wgmma kernels
-//   run every prefill.)
+//   by ldmatrix. Online softmax in fp32: row maxima of the raw scores, the log2e-prescale fused
+//   into the exponent's fmaf, ex2.approx, and the O rescale skipped when no row maximum of the warp
+//   moved (session 13: the warps are issue-latency bound, ~1015 instructions per warp and block
+//   at 4.1 cycles each against ~4.5 K cycles between a CTA's blocks, round-A ncu at B64 8K; this
+//   softmax is ~10 % fewer instructions: round C, B256 153.2 / 154.2 / 154.3 us at 8K / 32K / 128K
+//   vs 155.6 / 156.5 / 156.8 for the session-12 one, B64 equal within noise). O += P V: P rounded
+//   to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16 with fp32 accumulation,
+//   V converted E4M3 -> f16 in registers by cvt.rn.f16x2.e4m3x2 (exact): ldmatrix.trans of the raw
+//   tile yields byte pairs (key k, dims 2i, 2i+1), (key k+1, same dims); prmt splits them into the
+//   B fragments of an even-dim and an odd-dim n-tile (o_dim gives the resulting dim order); no f16
+//   tile, so 3 stages fit. A warp clears the V keys past its own token's position before the MMA
+//   (unwritten slots may hold NaN, and 0 * NaN = NaN), so a NaN in a key that another token of the
+//   tile sees never reaches this token's rows. (The f16-tile V path for prefill-like 4-token tiles,
+//   v_convert 2, was removed in session 13: the wgmma kernels run every prefill.)
 //
 // Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM;
 //   bandwidth-bound; 2 CTAs per SM (96 KB smem each), 2 blocks in flight per CTA. Session 12 (H200,
@@ -441,7 +445,7 @@ __device__ __forceinline__ int o_dim(int n, int e, int tig) {
 // wherever a lane addresses key k with k & 7 = lane & 7) of the block in shared memory: S = Q K^T,
 // online softmax, O += P V. Keys with index > lim are masked when need_mask (and their V bytes are
 // zeroed: the slots may be unwritten). v_smem is the raw V tile.
-template <int NK, bool kLean>
+template <int NK>
 __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
                                              uint32_t k_smem, uint32_t v_smem, int key0,
                                              bool need_mask, int lim, float scale_log2) {
@@ -466,16 +470,14 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
     }
   }
 
-  // Scale to the log2 domain (kLean: after the row max, fused into the exponent's argument), mask,
-  // row max (rows grp: elements 0, 1; grp + 8: elements 2, 3).
+  // Mask, row max (rows grp: elements 0, 1; grp + 8: elements 2, 3) of the raw scores; the scale to
+  // the log2 domain follows on the maxima and inside the exponent's fmaf.
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float v = kLean ? s[j][e] : s[j][e] * scale_log2;
-      if (need_mask && key0 + 8 * j + 2 * tig + (e & 1) > lim) v = -INFINITY;
-      s[j][e] = v;
+      if (need_mask && key0 + 8 * j + 2 * tig + (e & 1) > lim) s[j][e] = -INFINITY;
     }
     mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
     mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
@@ -484,39 +486,29 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  if (kLean) {
-    mx0 *= scale_log2;
-    mx1 *= scale_log2;
-  }
+  mx0 *= scale_log2;
+  mx1 *= scale_log2;
   const float m0 = fmaxf(st.m[0], mx0), m1 = fmaxf(st.m[1], mx1);
   // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
   const float mu0 = m0 == -INFINITY ? 0.0f : m0;
   const float mu1 = m1 == -INFINITY ? 0.0f : m1;
-  const float alpha0 = kLean ? fast_exp2(st.m[0] - mu0) : exp2f(st.m[0] - mu0);
-  const float alpha1 = kLean ? fast_exp2(st.m[1] - mu1) : exp2f(st.m[1] - mu1);
+  const float alpha0 = fast_exp2(st.m[0] - mu0), alpha1 = fast_exp2(st.m[1] - mu1);
   st.m[0] = m0;
   st.m[1] = m1;
   float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < NK / 8; ++j) {
-    if (kLean) {
-      s[j][0] = fast_exp2(fmaf(s[j][0], scale_log2, -mu0));
-      s[j][1] = fast_exp2(fmaf(s[j][1], scale_log2, -mu0));
-      s[j][2] = fast_exp2(fmaf(s[j][2], scale_log2, -mu1));
-      s[j][3] = fast_exp2(fmaf(s[j][3], scale_log2, -mu1));
-    } else {
-      s[j][0] = exp2f(s[j][0] - mu0);
-      s[j][1] = exp2f(s[j][1] - mu0);
-      s[j][2] = exp2f(s[j][2] - mu1);
-      s[j][3] = exp2f(s[j][3] - mu1);
-    }
+    s[j][0] = fast_exp2(fmaf(s[j][0], scale_log2, -mu0));
+    s[j][1] = fast_exp2(fmaf(s[j][1], scale_log2, -mu0));
+    s[j][2] = fast_exp2(fmaf(s[j][2], scale_log2, -mu1));
+    s[j][3] = fast_exp2(fmaf(s[j][3], scale_log2, -mu1));
     sum0 += s[j][0] + s[j][1];
     sum1 += s[j][2] + s[j][3];
   }
   st.l[0] = st.l[0] * alpha0 + sum0;
   st.l[1] = st.l[1] * alpha1 + sum1;
-  // kLean: no rescale when no row maximum of the warp moved (every alpha is exactly 1).
-  if (!kLean || !__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
+  // No rescale when no row maximum of the warp moved (every alpha is exactly 1).
+  if (!__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
 #pragma unroll
     for (int n = 0; n < kDim / 8; ++n) {
       st.o[n][0] *= alpha0;
@@ -575,10 +567,8 @@ __device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)
 
 // ---------------------------------------------------------------------------------------------
 // The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
-// kSmemBytes. kLean (decode_variant 2): the softmax scale fused into the exponent's argument
-// (fmaf), ex2.approx, and no O rescale when no row maximum of the warp moved (~10 % fewer
-// instructions per block: the decode kernel issues ~1000 per warp and block, session 13 ncu).
-template <int QT, bool kVec16, bool kLean>
+// kSmemBytes.
+template <int QT, bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
   constexpr int KS = kWarps / QT;          // warps per token (key slices)
   constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
@@ -678,8 +668,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
         for (int c = 0; c < kSlice / kChunk; ++c) {
           const int key0 = ksl * kSlice + c * kChunk;
           if (key0 <= lim)
-            attend_chunk<kChunk, kLean>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
-                                        a.scale_log2);
+            attend_chunk<kChunk>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
+                                 a.scale_log2);
         }
       }
     }

@@ -4,10 +4,10 @@
 // pools, page ids past 2^31 bytes, junk block ids, device-side page guards, NaN propagation,
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
-// launch-config families of `configs` (below): the automatic plan, the mma.sync kernel (also with
-// the session-12 softmax, decode_variant 1), the Hopper wgmma prefill kernel (8-token tiles) and
-// the Hopper wgmma decode / verify kernel (4-token tiles x 16 heads on one warpgroup:
-// verify_variant 8 and 9), with and without splits; all must meet the same tolerance.
+// launch-config families of `configs` (below): the automatic plan, the mma.sync kernel, the Hopper
+// wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token tiles x
+// 16 heads on one warpgroup: verify_variant 8 and 9), with and without splits; all must meet the
+// same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -59,14 +59,12 @@ std::string cfg_name(const AttentionCudaConfig& c) {
      << c.v_convert << " kernel " << c.kernel;
   if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
   if (c.verify_variant != 0) os << " verify_variant " << c.verify_variant;
-  if (c.decode_variant != 0) os << " decode_variant " << c.decode_variant;
   return os.str();
 }
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
-// persistent_ctas, verify_variant, decode_variant}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync kernel with 1, 2, 4 tokens per tile (single-token tiles: the automatic
-// lean softmax, and decode_variant 1, the session-12 one); kPrefill the wgmma prefill kernel(s)
+// persistent_ctas, verify_variant}; 0 = the plan's choice): kAuto the automatic plan; kMma the
+// mma.sync kernel with 1, 2, 4 tokens per tile; kPrefill the wgmma prefill kernel(s)
 // kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan runs, have
 // their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async) and 9
 // (TMA; 8 where TMA cannot address the pool). Every launch config of a family is also run with
@@ -85,7 +83,6 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
     add({1, 1, 0});
     add({2, 1, 0});
     add({4, 1, 1});
-    add({1, 1, 0, 1, 0, 0, 0, 1});
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
@@ -599,8 +596,6 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 10 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
-                  "decode_variant 3");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -17,15 +17,14 @@
 // kernel) and, at contexts of <= 64 blocks, the single pass (IndexerCudaOptions::single_pass: one
 // split, rows finished by the scorer, no second kernel) are all timed and spot-checked (fused_us,
 // 2kernel_us, single_us; us = the one the default plan picks); the plan column shows the
-// default's launch plan (f = fused, fb = fused with bulk copies, s = single pass, 2 = two-kernel;
-// k = splits per request, c = blocks per split, w = merge warps per row).
+// default's launch plan (f = fused, s = single pass, 2 = two-kernel; k = splits per request (with
+// s: CTAs per request, one thread-block cluster), c = blocks per split, w = merge warps per row).
 // Two timings per path (bench_util.h): isolated (us: one graph replay after an L2 flush, launch
 // cost included) and back to back (b2b_us: calls captured in one graph, call i over page-table
 // copy i % copies, each copy mapping the requests onto its own pages of the pool, so every call's
 // index-K is cold; `copies` column). One call of the back-to-back sequence is spot-checked too.
 // Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
-//   --unfused (time the two-kernel path only), --bulk (time only the fused path with bulk (TMA)
-//   tile copies, IndexerCudaOptions::decode_bulk_copy), --sweep (also time the fused and the
+//   --unfused (time the two-kernel path only), --sweep (also time the fused and the
 //   two-kernel paths (or the flag's path) over k_splits, and the single pass, at batch 64 / 256,
 //   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
 //   192, 8K), --contiguous (each request's pages consecutive
@@ -33,7 +32,8 @@
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
-//   the two-kernel path, at batch {1, 32, 64, 96, 128, 256} x 8K, draft 0 and 3), --single-ctas N
+//   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3),
+//   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
 #include <cuda_runtime_api.h>
 
@@ -314,7 +314,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
       std::fprintf(stderr, "FAIL %s (%s, %s): %s\n", what.c_str(),
                    o.unfused_decode ? "two-kernel"
                    : o.single_pass  ? "single pass"
-                                    : (o.decode_bulk_copy ? "bulk" : "default"),
+                                    : "default",
                    how, why.c_str());
     }
   };
@@ -335,7 +335,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.single ? "s" : (pl.fused ? (pl.bulk_copy ? "fb" : "f") : "2")) + " k" +
+  return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
 }
@@ -359,8 +359,8 @@ std::string kilo(int v) {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, unfused_only = false, bulk_only = false, sweep = false,
-       only = false, clusters = false;
+  bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
+       clusters = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -370,8 +370,6 @@ int main(int argc, char** argv) {
       quick = true;
     else if (a == "--unfused")
       unfused_only = true;
-    else if (a == "--bulk")
-      bulk_only = true;
     else if (a == "--sweep")
       sweep = true;
     else if (a == "--clusters")
@@ -385,23 +383,21 @@ int main(int argc, char** argv) {
       only = true;
     else {
       std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--unfused | --bulk] [--sweep] [--contiguous] "
+                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N]\n",
                    argv[0]);
       return 2;
     }
   }
-  IndexerCudaOptions default_o, fused_o, two_o, bulk_o, single_o;
+  IndexerCudaOptions default_o, fused_o, two_o, single_o;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
-  bulk_o.decode_bulk_copy = true;
-  bulk_o.fused_decode_always = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
-  const IndexerCudaOptions main_o = unfused_only ? two_o : (bulk_only ? bulk_o : default_o);
+  const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
-  const IndexerCudaOptions sweep_o = unfused_only ? two_o : (bulk_only ? bulk_o : fused_o);
-  const bool compare_paths = !unfused_only && !bulk_only;
+  const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
+  const bool compare_paths = !unfused_only;
   const std::vector<int> batches = quick ? std::vector<int>{1, 256} : std::vector<int>{1, 64, 256};
   const std::vector<int> contexts =
       quick ? std::vector<int>{8192, 131072} : std::vector<int>{8192, 32768, 131072};
@@ -425,7 +421,7 @@ int main(int argc, char** argv) {
     // The single pass with 1, 2, 3, 4 and 8 CTAs per request (thread-block clusters) beside the
     // default plan and the two-kernel path, at 8K (<= 64 blocks, where the single pass applies).
     for (int draft : {0, 3}) {
-      for (int batch : {1, 32, 64, 96, 128, 256}) {
+      for (int batch : {1, 32, 64, 96, 128, 192, 256}) {
         Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
         std::vector<Slice> slices = {{0, 0, 1 + draft}};
         if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
@@ -528,7 +524,6 @@ int main(int argc, char** argv) {
   }
   bench::print_rows(
       unfused_only ? "indexer decode, two-kernel path (graph replay, cold L2, n_kv 4)"
-      : bulk_only  ? "indexer decode, fused path with bulk copies (graph replay, cold L2, n_kv 4)"
                    : "indexer decode (graph replay, cold L2, n_kv 4; us / b2b_us = default path "
                      "(plan) isolated / back to back, fused = fused_decode_always, 2kernel = "
                      "unfused_decode, single = single_pass where it applies)",
@@ -576,12 +571,11 @@ int main(int argc, char** argv) {
         }
       }
     }
-    bench::print_rows(std::string("indexer decode split sweep (") +
-                          (unfused_only ? "two-kernel"
-                           : bulk_only  ? "fused, bulk copies"
-                                        : "fused rows, two-kernel rows, single pass") +
-                          ", graph replay, cold L2; isolated and back to back)",
-                      rows, json);
+    bench::print_rows(
+        std::string("indexer decode split sweep (") +
+            (unfused_only ? "two-kernel" : "fused rows, two-kernel rows, single pass") +
+            ", graph replay, cold L2; isolated and back to back)",
+        rows, json);
   }
 
   rows.clear();

@@ -107,7 +107,6 @@ int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
 struct Plan {
   bool mma = false;
   bool fused = false;
-  bool bulk = false;
   bool single = false;
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
@@ -174,7 +173,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     const int64_t need = ceil_div(max_pages, fchunk);
     if (need <= kmax && need <= 65535) {
       pl.fused = true;
-      pl.bulk = o.decode_bulk_copy;
       k = need;
       chunk = fchunk;
     }
@@ -186,23 +184,24 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   //    4 CTAs 16.7 / 14.4 us vs 18.1 / 15.4; 64: 2 CTAs 23.8 / 21.8 vs 25.6 / 23.3; 96: 31.7 vs
   //    33.6; 128: 1 CTA 38.0 vs 43.4; 256: 68.1 vs 74.1; batch 1 ties at 8 CTAs: 9.5 us);
   //  - 2-4 tokens per request at 0.7-1 requests per SM, 2 CTAs per request (round B, draft 3: 96
-  //    requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 / 40.9 vs 45.1 / 43.4; the two-kernel path
-  //    stays at 64 requests, 27.8 vs 29.2 us with 3 CTAs, and at 256, 77.4 vs 76.5 with 3, within
-  //    the run-to-run spread).
+  //    requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 / 40.9 vs 45.1 / 43.4; round C: 36.0 vs
+  //    40.4, 43.3 vs 46.0), and from 1.9 requests per SM, 4 CTAs (256 requests, rounds B / C: 76.6
+  //    / 77.1 vs 77.4 / 78.5 us); the two-kernel path stays at 64 requests (27.9 vs 29.3 us with
+  //    3 CTAs) and between 1 and 1.9 requests per SM (not measured).
   const int64_t R_all = std::max(1, p.batch.num_requests);
   int64_t rule_ctas = 0;  // CTAs per request of the automatic single pass; 0: not automatic
   if (T <= R_all) {
     if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
   } else if (T <= R_all * kSingleMaxTokensPerRequest) {
     if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms) rule_ctas = 2;
+    if (10 * R_all >= 19 * int64_t{sms}) rule_ctas = 4;
   }
   const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && rule_ctas > 0;
-  if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && !o.decode_bulk_copy &&
-      T > 0 && max_pages <= ik::kFusedMaxChunk) {
+  if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && T > 0 &&
+      max_pages <= ik::kFusedMaxChunk) {
     // One split of every block (max_pages > kTopK here), or a cluster of up to
     // single_pass_ctas splits: the scorer finishes the rows.
     pl.fused = pl.single = true;
-    pl.bulk = false;
     const int64_t ctas = o.single_pass_ctas > 0
                              ? std::min<int64_t>(o.single_pass_ctas, kMaxClusterCtas)
                              : std::max<int64_t>(rule_ctas, 1);
@@ -249,7 +248,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
-  info.bulk_copy = pl.bulk;
   info.single = pl.single;
   return info;
 }
@@ -358,9 +356,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
       // fine under graph capture).
-      const auto kernel = pl.single
-                              ? ik::score_fused_single_kernel
-                              : (pl.bulk ? ik::score_fused_bulk_kernel : ik::score_fused_kernel);
+      const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
       kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);

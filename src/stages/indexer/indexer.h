@@ -99,23 +99,20 @@ struct IndexerCudaOptions {
   // us), at 32K and 128K the fused one faster (256 x 128K: 973 vs 1072 us). true: fused wherever
   // it applies, whatever max_pages (tests and benchmarks set it).
   bool fused_decode_always = false;
-  // Fused path only: decode units load index-K tiles with bulk (TMA) copies completing on
-  // mbarriers instead of 16-byte cp.async (same results; a performance variant, slower so far).
-  bool decode_bulk_copy = false;
   // Single pass: where max_pages <= 64 (contexts up to 8K) and the tensor-core fused path can
-  // run (!unfused_decode, !decode_bulk_copy), the fused scorer with one split per unit (k_splits
+  // run (!unfused_decode), the fused scorer with one split per unit (k_splits
   // is ignored) writes block_ids itself: a decode unit's CTA selects from all its block maxima at
   // once, an overflow tile from the block scores it wrote; no merge kernel follows (same ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
-  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
-  // (see single_pass_ctas); true forces it.
+  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 and from 1.9
+  // requests per SM (see single_pass_ctas); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
   bool single_pass = false;
   // Single pass only (forced or automatic): CTAs per decode unit, run as one thread-block cluster
   // of (1, k, 1) CTAs (1..8; 0 = automatic: where the automatic plan picks the single pass, its
-  // count (sms / R at one token per request, 2 at 2-4 tokens), else 1). With k > 1 the unit's
+  // count (sms / R at one token per request, 2 or 4 at 2-4 tokens), else 1). With k > 1 the unit's
   // blocks are cut into k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover
   // max_pages sooner); each CTA scores its chunk and writes the block maxima into the first CTA's
   // shared table (distributed shared memory), which finishes the rows after a cluster barrier: the
@@ -143,12 +140,11 @@ bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOpt
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;        // grid.y of the scorer
-  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;       // warps per row of the fused path's final kernel
-  bool bulk_copy = false;  // fused with bulk (TMA) tile copies
-  bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
-                           // one thread-block cluster of k_splits CTAs per unit
+  int k_splits = 0;     // grid.y of the scorer
+  int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;    // warps per row of the fused path's final kernel
+  bool single = false;  // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
+                        // one thread-block cluster of k_splits CTAs per unit
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -28,10 +28,8 @@
 // 128 bytes per (row, split) instead of 4 bytes per (row, block), and merge_kernel reads at most
 // 16 keys per split instead of every block score. Splits hold at most 64 blocks (1 MB of
 // index-K), so the table costs 8 KB and 3 CTAs still fit per SM (72 KB each).
-// Bulk variant (score_fused_bulk_kernel, IndexerCudaOptions::decode_bulk_copy): lane 0 of each
-// warp issues one 2 KB cp.async.bulk per tile completing on the stage's mbarrier (1 instruction
-// instead of 4 cp.async.16 per lane and their address math); tiles lie unswizzled, so the
-// LDS.128 of rows g and g + 1 share banks (2-way conflicts, affordable at the DRAM rate).
+// (A bulk-copy variant, lane 0 issuing one 2 KB cp.async.bulk per tile on a stage mbarrier, never
+// beat the cp.async ring in sessions 11-12 and was removed in session 13.)
 // Instructions per 16-key tile and warp (cp.async path): session 12 round A measured (ncu, single
 // pass, 256 x 8K, draft 3 = 2 n-tiles) 200 per tile, of which only 32 F2FP, 16 HMMA, 4 LDGSTS and
 // ~7 LDS are the work; the rest was address math (27 IMAD), shifts feeding the conversions (20
@@ -87,7 +85,6 @@
 #include <climits>
 #include <type_traits>
 
-#include "core/mbarrier.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
 #include "stages/indexer/indexer_kernel_merge.cuh"
@@ -109,7 +106,7 @@ static_assert(kDecStages - 1 <= kPageSize / 16, "issue at most one block ahead")
 static_assert((kDecStages & (kDecStages - 1)) == 0, "ring index by mask");
 static_assert(kMmaWarps * kPreRowsPerWarp == kPreRows, "overflow tile = 4 warps x 32 rows");
 // Alignment of the dynamic shared memory (the tile rings). The dynamic array starts after the
-// kernel's static shared variables (OverflowShared, the bulk variant's mbarriers), at the
+// kernel's static shared variables (OverflowShared), at the
 // declared alignment: with __align__(16) it sat at 48 bytes past a 128-byte boundary, and every
 // 16-byte cp.async of a 128-byte index-K row then wrote two 128-byte shared-memory lines. ncu
 // (session 11, round 1, every LDGSTS of the decode and overflow paths): 16 shared wavefronts per
@@ -195,38 +192,8 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-// Bulk (TMA, 1D) copies completing on an mbarrier (the fused kernel's bulk variant).
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  sm90::mbar_init(smem_addr(bar), count);
-}
-__device__ __forceinline__ void mbar_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  sm90::mbar_arrive_expect_tx(smem_addr(bar), bytes);
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) { sm90::mbar_arrive(smem_addr(bar)); }
-__device__ __forceinline__ bool mbar_try_wait_parity(uint64_t* bar, uint32_t parity) {
-  return sm90::mbar_try_wait(smem_addr(bar), parity);
-}
-// Waits for the phase of the given parity; a wait beyond ~2^32 cycles (seconds: a lost bulk copy)
-// traps instead of hanging, so a broken launch fails visibly.
-__device__ __forceinline__ void mbar_wait_parity(uint64_t* bar, uint32_t parity) {
-  if (mbar_try_wait_parity(bar, parity)) return;
-  const long long start = clock64();
-  while (!mbar_try_wait_parity(bar, parity))
-    if (clock64() - start > (1ll << 32)) __trap();
-}
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes,
-                                              uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -239,20 +206,18 @@ struct DecodeState {
   float run[NT][2];    // running block max of those columns
 };
 
-// kLinear: the tile lies unswizzled (bulk copies); the LDS.128 of lanes g, g + 1 then share banks
-// (2-way conflicts, ~30 % of the shared-memory bandwidth at the DRAM rate).
 // NT <= 2 (the unrolled tile loop): each n-tile accumulates its even and odd k16 steps in two
 // independent accumulators added at the end, so the dependent HMMA chain per tile is 4 long
 // instead of 8 (ncu, session 12: ~28 % of the decode warps' stall samples were fixed-latency
 // waits; session 13 rounds A-B: single pass at 8K, draft 3, one CTA per request: 64 requests
 // 34.9 vs 40.0 us, 128: 46.4 vs 48.9; elsewhere equal or up to 2 % faster, never slower beyond
 // the run-to-run spread). NT >= 3 keeps one accumulator (registers).
-template <int NT, bool kLinear>
+template <int NT>
 __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
                                                     int key0, bool mask, int g, int tig) {
   const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
   const uint8_t* r1 = r0 + 8 * kRowBytes;
-  const int sw = kLinear ? 0 : ((g & 1) << 2);
+  const int sw = (g & 1) << 2;
   const int c_lo = (tig ^ sw) << 4;
   const int c_hi = ((tig + 4) ^ sw) << 4;
   const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
@@ -327,11 +292,9 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
 
 // One 2 KB tile (tile t of `page`, t < 8) into ring stage t (kDecStages == tiles per page, so a
 // tile's stage is its index in the page and every stage index in the unrolled decode loop is a
-// constant): 4 x 32 swizzled 16-byte cp.async (committed by the caller), or (kBulk) one bulk copy
-// by lane 0 completing on the stage's mbarrier. A page outside the pool (-1) reads nothing: the
-// cp.async zero-fill the stage (source size 0, the source address the pool base), the bulk
-// variant completes the stage's phase by an arrive without bytes; the block scores NaN and its
-// data is never used.
+// constant): 4 x 32 swizzled 16-byte cp.async (committed by the caller). A page outside the pool
+// (-1) reads nothing: the cp.async zero-fill the stage (source size 0, the source address the pool
+// base); the block scores NaN and its data is never used.
 // cp.async chunk lane + 32 c of the tile = row (lane >> 3) + 4 c, 16-byte column lane & 7: its
 // swizzled destination is lane_dst + 512 c (rows 4 c apart share the swizzle parity), its source
 // lane * 16 + 512 c, so one address pair per lane serves the 4 copies.
@@ -339,31 +302,18 @@ static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the pa
 __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
   return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
 }
-template <bool kBulk>
-__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
-                                           int64_t page, int t, int lane) {
-  if constexpr (kBulk) {
-    if (lane == 0) {
-      uint64_t* bar = bars + t;
-      if (page >= 0) {
-        mbar_arrive_expect_tx(bar, kTileBytes);
-        bulk_copy_g2s(ring + t * kTileBytes, page_base(a, page) + t * kTileBytes, kTileBytes, bar);
-      } else {
-        mbar_arrive(bar);
-      }
-    }
-  } else {
-    const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
-    const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
-    const uint32_t bytes = page >= 0 ? 16u : 0u;
-    asm volatile(
-        "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-        "cp.async.cg.shared.global [%0+512], [%1+512], 16, %2;\n"
-        "cp.async.cg.shared.global [%0+1024], [%1+1024], 16, %2;\n"
-        "cp.async.cg.shared.global [%0+1536], [%1+1536], 16, %2;\n" ::"r"(dst),
-        "l"(src), "r"(bytes)
-        : "memory");
-  }
+__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
+                                           int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+  const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
+  const uint32_t bytes = page >= 0 ? 16u : 0u;
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+512], [%1+512], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+1024], [%1+1024], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+1536], [%1+1536], 16, %2;\n" ::"r"(dst),
+      "l"(src), "r"(bytes)
+      : "memory");
 }
 
 // The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
@@ -391,47 +341,26 @@ __device__ __forceinline__ void static_for(F&& f) {
   }
 }
 
-// The start of a warp's tile stream: (kBulk) the stage barriers, then tiles 0 .. kDecStages - 2,
-// all in the warp's first block (page pg_first). Needs only the page-table entry, so decode_path
-// issues it before query_start and positions arrive.
-template <bool kBulk>
-__device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring, uint64_t* bars,
+// The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
+// (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
+// and positions arrive. A prologue whose tiles turn out not to be needed is waited for
+// (cp_async_wait<0>: no copy may outlive the CTA).
+__device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring,
                                                 int64_t pg_first, int lane) {
-  if constexpr (kBulk) {
-    if (lane == 0) {
-#pragma unroll
-      for (int st = 0; st < kDecStages; ++st) mbar_init(bars + st, 1);
-      mbar_init_fence();
-    }
-    __syncwarp();
-  }
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) {
-    issue_tile<kBulk>(a, ring, bars, pg_first, i, lane);
-    if constexpr (!kBulk) cp_async_commit();
-  }
-}
-
-// Waits for a prologue whose tiles turn out not to be needed (no copy may outlive the CTA).
-template <bool kBulk>
-__device__ __forceinline__ void stream_prologue_drain(uint64_t* bars) {
-  if constexpr (kBulk) {
-#pragma unroll
-    for (int st = 0; st < kDecStages - 1; ++st) mbar_wait_parity(bars + st, 0);
-  } else {
-    cp_async_wait<0>();
+    issue_tile(a, ring, pg_first, i, lane);
+    cp_async_commit();
   }
 }
 
 // The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-// kBulk: each tile is one 2 KB bulk copy issued by lane 0, completing on the stage's mbarrier
-// (bars: the warp's kDecStages barriers) instead of 4 x 32 cp.async of 16 bytes.
-// pre_issued: the caller already ran stream_prologue (same ring, barriers and pg_first).
-template <int NT, bool kFused, bool kBulk>
+// pre_issued: the caller already ran stream_prologue (same ring and pg_first).
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
-                                            int64_t pg_second, float* sblk, int b0, uint64_t* bars,
+                                            int64_t pg_second, float* sblk, int b0,
                                             bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -457,7 +386,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   int32_t pg_k = static_cast<int32_t>(pg_first);
   int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
   int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued) stream_prologue<kBulk>(a, ring, bars, pg_first, lane);
+  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
 
   DecodeState<NT> s;
   const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
@@ -492,31 +421,19 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      if constexpr (kBulk)
-        mbar_wait_parity(bars + t, static_cast<uint32_t>(k) & 1u);
-      else
-        cp_async_wait<kDecStages - 2>();
+      cp_async_wait<kDecStages - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
-      if constexpr (kBulk) {
-        if (t == 0) {
-          issue_tile<true>(a, ring, bars, pg_k, 7, lane);
-        } else if (k + 1 < nblk) {
-          issue_tile<true>(a, ring, bars, pg_k1, t - 1, lane);
-        }
+      if constexpr (!std::is_same_v<decltype(tc), int>) {
+        constexpr int kT = decltype(tc)::value;
+        if constexpr (kT == 0)
+          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+        else
+          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
       } else {
-        if constexpr (!std::is_same_v<decltype(tc), int>) {
-          constexpr int kT = decltype(tc)::value;
-          if constexpr (kT == 0)
-            issue_tile_at<7>(ring_dst, src_k, bytes_k);
-          else
-            issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
-        } else {
-          issue_tile<false>(a, ring, bars, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
-        }
-        cp_async_commit();
+        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
       }
-      decode_compute_tile<NT, kBulk>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g,
-                                     tig);
+      cp_async_commit();
+      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -529,7 +446,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
   }
-  if constexpr (!kBulk) cp_async_wait<0>();  // bulk: every issued tile was waited for
+  cp_async_wait<0>();
 }
 
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
@@ -546,9 +463,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kBulk, bool kSingle, bool kCluster = false>
-__device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, uint64_t* bars) {
-  static_assert(!kCluster || (kFused && kSingle && !kBulk), "cluster: the single pass only");
+template <bool kFused, bool kSingle, bool kCluster = false>
+__device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
+  static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -561,7 +478,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second =
       first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
-  uint64_t* wbars = kBulk ? bars + warp * kDecStages : nullptr;
   // query_start (and seq_lens) are loaded before the early start below: its copies are asm
   // volatile with a memory clobber, so loads after them would wait for the page-table entry.
   const int qa = load_query_start(a, r);
@@ -575,7 +491,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
     // waited for and ignored (bounded waste, only when seq_lens disagrees with positions).
     const int spec_b1 = min(blocks_to_score(a, __ldg(a.seq_lens + r) - 1), bend);
     if (first < spec_b1) {
-      stream_prologue<kBulk>(a, smem + warp * (kDecStages * kTileBytes), wbars, pg_first, lane);
+      stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
     }
   }
@@ -588,27 +504,27 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem, 
     nvis = blocks_to_score(a, max_pos);  // <= max_pages
   }
   const int b1 = min(nvis, bend);
-  if (pre && first >= b1) stream_prologue_drain<kBulk>(wbars);  // warp-uniform
-  const int rows = n * a.n_kv;                                  // <= kDecRows
+  if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
+  const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
-                                      tb0, wbars, pre);
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
+                               pre);
         break;
       case 2:
-        decode_unit<2, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
-                                      tb0, wbars, pre);
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
+                               pre);
         break;
       case 3:
-        decode_unit<3, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
-                                      tb0, wbars, pre);
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
+                               pre);
         break;
       default:
-        decode_unit<4, kFused, kBulk>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table,
-                                      tb0, wbars, pre);
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
+                               pre);
         break;
     }
   };
@@ -784,12 +700,12 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kBulk, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
-                                               OverflowShared& sh, uint64_t* bars) {
+                                               OverflowShared& sh) {
   allow_dependent_launch();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kBulk, kSingle, kCluster>(a, smem, bars);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
@@ -812,7 +728,7 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
 __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false, false>(a, smem, sh, nullptr);
+  score_mma_body<false>(a, smem, sh);
 }
 
 // Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
@@ -820,7 +736,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
 __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false>(a, smem, sh, nullptr);
+  score_mma_body<true>(a, smem, sh);
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
@@ -828,7 +744,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelAr
 __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, true>(a, smem, sh, nullptr);
+  score_mma_body<true, true>(a, smem, sh);
 }
 
 // Clustered single pass (IndexerCudaOptions::single_pass_ctas > 1): launched in clusters of
@@ -839,16 +755,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const K
 __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, true, true>(a, smem, sh, nullptr);
-}
-
-// The fused kernel with bulk (TMA) tile copies in decode units (IndexerCudaOptions::
-// decode_bulk_copy); the same results.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_bulk_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  __shared__ __align__(8) uint64_t bars[kMmaWarps * kDecStages];
-  score_mma_body<true, true>(a, smem, sh, bars);
+  score_mma_body<true, true, true>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -108,7 +108,7 @@ TEST(IndexerGpu, LongGenerationRequestsSpillIntoOverflowTiles) {
 
 TEST(IndexerGpu, StridedAndUnalignedPools) {
   M3_REQUIRE_GPU();
-  check_strided_pools(false);
+  check_strided_pools();
 }
 
 // Page ids past 2^31 bytes: a 2 MiB page stride and ids above 1024.
@@ -171,7 +171,7 @@ TEST(IndexerGpu, ShortContextsSkipScoring) {
 
 TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
   M3_REQUIRE_GPU();
-  check_nan(false);
+  check_nan();
 }
 
 // The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000), 16 (auto) and

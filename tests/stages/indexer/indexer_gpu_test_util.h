@@ -365,12 +365,9 @@ inline void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuR
               static_cast<long long>(in.rows()), failures);
 }
 
-// Runs every scorer variant on one input set and compares each with the twin (two-kernel path)
-// and the fused path with the two-kernel path. bulk: the fused path's bulk-copy (TMA) variant
-// instead of the default one, tensor-core variants only (tests of the IndexerGpuBulk suite, which
-// runs in its own process until the variant is proven on the device).
-inline void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_offset = 0,
-                            bool bulk = false) {
+// Runs every scorer variant on one input set and compares each with the twin (two-kernel path),
+// and the fused path and the single pass (one CTA or a cluster per unit) with the two-kernel path.
+inline void check_all_paths(const Inputs& in, const std::string& label, int64_t pool_offset = 0) {
   const Reference ref = reference(in);
   DeviceSet d;
   upload(in, d, pool_offset);
@@ -397,7 +394,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
   }
   for (const Variant& v : variants) {
     const bool tc = indexer_cuda_uses_tensor_cores(d.params, v.o);
-    if (bulk && !tc) continue;
     // The two-kernel path leaves every block score in the workspace: checked against the twin.
     IndexerCudaOptions two = v.o;
     two.unfused_decode = true;
@@ -407,13 +403,10 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     compare(in, ref, g, /*exact_scores=*/!tc || in.integer, name + "]");
     // The fused path computes the same block maxima and must select the same ids, byte for byte.
     IndexerCudaOptions fo = v.o;
-    fo.decode_bulk_copy = bulk;
     fo.fused_decode_always = true;
     if (indexer_cuda_uses_fused_decode(d.params, fo)) {
       const GpuResult f = run_gpu(d, fo);
-      expect_same_ids(
-          in, f, g,
-          name + (bulk ? ", fused bulk copies vs two-kernel]" : ", fused vs two-kernel]"));
+      expect_same_ids(in, f, g, name + ", fused vs two-kernel]");
     }
     // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
     // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
@@ -421,7 +414,7 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       IndexerCudaOptions so = v.o;
       so.single_pass = true;
       so.single_pass_ctas = ctas;
-      if (bulk || !indexer_cuda_plan(d.params, so).single) continue;
+      if (!indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
       expect_same_ids(in, c, g,
                       name + ", single pass" +
@@ -436,8 +429,7 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
 // Checks shared by the tests.
 
 // Generation requests whose sequence (cached + 1 + draft_len tokens) is `ctx` long.
-inline void check_generation_contexts(const std::vector<int>& contexts, const std::string& name,
-                                      bool bulk = false) {
+inline void check_generation_contexts(const std::vector<int>& contexts, const std::string& name) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -449,12 +441,12 @@ inline void check_generation_contexts(const std::vector<int>& contexts, const st
     }
     const Inputs in = make_inputs(reqs, 4, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(
-        in, name + " draft " + std::to_string(draft) + " " + mt::describe_requests(reqs), 0, bulk);
+    check_all_paths(in,
+                    name + " draft " + std::to_string(draft) + " " + mt::describe_requests(reqs));
   }
 }
 
-inline void check_mixed(const std::vector<int>& head_counts, bool bulk = false) {
+inline void check_mixed(const std::vector<int>& head_counts) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -464,11 +456,11 @@ inline void check_mixed(const std::vector<int>& head_counts, bool bulk = false) 
     const std::vector<RequestSpec> reqs = mt::mixed_requests(contexts, 13, 3, 6000, rng);
     const Inputs in = make_inputs(reqs, n_kv, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(in, "mixed n_kv " + std::to_string(n_kv), 0, bulk);
+    check_all_paths(in, "mixed n_kv " + std::to_string(n_kv));
   }
 }
 
-inline void check_strided_pools(bool bulk) {
+inline void check_strided_pools() {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -485,11 +477,11 @@ inline void check_strided_pools(bool bulk) {
                         Case{2 * page, 48, "base + 48 (tensor cores)"}}) {
     const Inputs in = make_inputs(reqs, 4, rng, false, c.stride);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_paths(in, c.name, c.offset, bulk);
+    check_all_paths(in, c.name, c.offset);
   }
 }
 
-inline void check_nan(bool bulk) {
+inline void check_nan() {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
@@ -502,11 +494,11 @@ inline void check_nan(bool bulk) {
   in.iq.ptr<uint8_t>()[(t1 * 4 + 2) * kHeadDim + 99] = 0xff;
   // Request 2: NaN in 20 of its 21 blocks: fewer than 15 candidates remain.
   for (int b = 0; b < 20; ++b) in.hb.index_row(2, b * 128 + 64)[3] = 0x7f;
-  check_all_paths(in, "NaN", 0, bulk);
+  check_all_paths(in, "NaN");
 }
 
-// paths: 0 tensor cores fused, 1 two-kernel, 2 fused with bulk copies, 3 CUDA cores, 4 single
-// pass, 5 single pass in clusters of 4 CTAs.
+// paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
+// clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -550,17 +542,16 @@ inline void check_guards(const std::vector<int>& paths) {
   d.pos.upload(pos.data(), static_cast<size_t>(pos.nbytes()));
   for (int path : paths) {
     IndexerCudaOptions o;
-    o.force_cuda_cores = path == 3;
+    o.force_cuda_cores = path == 2;
     o.unfused_decode = path == 1;
-    o.decode_bulk_copy = path == 2;
-    o.single_pass = path == 4 || path == 5;
-    o.single_pass_ctas = path == 5 ? 4 : 0;
-    o.fused_decode_always = path == 0 || path == 2 || path == 4 || path == 5;
-    const char* names[] = {"[fused] ",      "[two-kernel] ",  "[fused bulk] ",
-                           "[cuda cores] ", "[single pass] ", "[single pass cluster 4] "};
+    o.single_pass = path == 3 || path == 4;
+    o.single_pass_ctas = path == 4 ? 4 : 0;
+    o.fused_decode_always = path == 0 || path == 3 || path == 4;
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
-    if (path == 4) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
-    if (path == 5) {
+    if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
+    if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
       EXPECT_EQ(indexer_cuda_plan(d.params, o).k_splits, 4);
     }

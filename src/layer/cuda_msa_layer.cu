@@ -554,13 +554,9 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
 Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
   CudaLayerWorkspace& w = *workspace_;
   const bool fuse = fused();
-  auto quantize = [&](QuantizeParams q) {
-    q.programmatic_launch = programmatic_quantize_;
-    return run_quantize_cuda(q, stream);
-  };
   switch (stage) {
     case LayerStage::kQuantize:
-      return external_input_quantize_ ? Status::Ok() : quantize(quantize_in_);
+      return external_input_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_in_, stream);
     case LayerStage::kProjection:
       if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
       M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
@@ -574,7 +570,7 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
     case LayerStage::kAttention:
       return run_attention_cuda(attention_, w.attention_ws_.data(), w.attention_ws_bytes_, stream);
     case LayerStage::kOutQuantize:
-      return quantize(quantize_core_);
+      return run_quantize_cuda(quantize_core_, stream);
     case LayerStage::kOutProjection:
       return w.gemm_o_->run(gemm_o_, stream);
     case LayerStage::kCount:

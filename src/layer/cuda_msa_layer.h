@@ -181,13 +181,6 @@ class CudaMsaLayer {
   bool fused() const { return sparse_ && options_.fuse_qkv_index_projection; }
   // Switches the projection + producer path; takes effect at the next run (plans hold both).
   void set_fused(bool fused) { options_.fuse_qkv_index_projection = fused; }
-  // Launches the two quantize stages with programmatic dependent launch (QuantizeParams::
-  // programmatic_launch: same bytes; they may be scheduled while the preceding kernel finishes).
-  // Takes effect at the next run. On by default (same bytes; session 13 rounds A / B, decode
-  // 64 x 8K: within the run-to-run noise of ~1 us either way, as long as the neighbouring stages
-  // do not launch programmatically themselves).
-  void set_programmatic_quantize(bool on) { programmatic_quantize_ = on; }
-  bool programmatic_quantize() const { return programmatic_quantize_; }
   // With this on, run() (and run_front, run_stages) launch nothing for the input quantize stage:
   // the caller writes input_quantize()'s outputs itself before each run (e.g. the stack's fused
   // residual + RMSNorm + quantize kernel, run_residual_rmsnorm_quantize_cuda). Off by default.
@@ -239,7 +232,6 @@ class CudaMsaLayer {
   MsaGeometry geometry_;
   bool sparse_ = true;
   MsaLayerOptions options_;
-  bool programmatic_quantize_ = true;
   bool external_input_quantize_ = false;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;

@@ -21,8 +21,7 @@
 // 2. CUDA graph: capture at a padded bucket (8 requests x 2 tokens), replay with new inputs for a
 //    step of FEWER requests; the replay equals an eager run at the same shape byte for byte
 //    (outputs and the whole pool), and the pool changes only in the rows of the new step's tokens
-//    (stale slots of the larger captured step are never written); the same with the quantize
-//    stages launched with programmatic dependent launch (set_programmatic_quantize).
+//    (stale slots of the larger captured step are never written).
 // 3. fused == unfused: q, index_q, K, V, index-K within one E4M3 step, outputs close.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
@@ -438,11 +437,7 @@ void poison_outputs(const CudaMsaLayer& L, int64_t Tp, const MsaGeometry& g) {
   cudaDeviceSynchronize();  // the memsets are ordered before work on any other stream
 }
 
-// A graph captured at a bucket of 8 requests, replayed for 5: equals an eager run byte for byte,
-// writes only the replayed step's slots, and agrees with an unpadded run. programmatic_quantize:
-// the quantize stages launched with programmatic dependent launch (as eager, so in the graph).
-void check_graph_replay_with_fewer_requests(bool programmatic_quantize) {
-  SCOPED_TRACE(programmatic_quantize ? "programmatic quantize" : "plain launches");
+TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlots) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   mt::Rng rng(seed);
@@ -465,7 +460,6 @@ void check_graph_replay_with_fewer_requests(bool programmatic_quantize) {
       CudaMsaLayer::create(packed.value(), rope.view(), cap);
   ASSERT_TRUE(layer.ok()) << layer.status().to_string();
   CudaMsaLayer& L = *layer.value();
-  L.set_programmatic_quantize(programmatic_quantize);
   Result<std::unique_ptr<CudaStepMetadata>> meta_r = CudaStepMetadata::create(cap);
   ASSERT_TRUE(meta_r.ok());
   CudaStepMetadata& meta = *meta_r.value();
@@ -599,14 +593,6 @@ void check_graph_replay_with_fewer_requests(bool programmatic_quantize) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
-}
-
-TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlots) {
-  check_graph_replay_with_fewer_requests(false);
-}
-
-TEST_F(CudaLayerTest, ProgrammaticQuantizeGraphReplayEqualsEagerAndWritesOnlyItsSlots) {
-  check_graph_replay_with_fewer_requests(true);
 }
 
 TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {

@@ -36,16 +36,7 @@ Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream) {
   // (16 M groups) is far past the point where every SM is busy.
   const int64_t blocks =
       std::min<int64_t>((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, int64_t{1} << 20);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kBlockThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.programmatic_launch ? 1 : 0;
-  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, quantize_rows_kernel, a));
+  quantize_rows_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

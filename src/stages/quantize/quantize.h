@@ -18,12 +18,6 @@ struct QuantizeParams {
   TensorView in;      // bf16 [M, K], K % 128 == 0, last stride 1
   TensorView out;     // e4m3 [M_pad, K], M_pad >= M, contiguous
   TensorView scales;  // f32 [M_pad, K / 128], any strides (the GEMM picks the layout it needs)
-  // CUDA only: launch with programmatic dependent launch (PDL). The kernel may then be scheduled
-  // while the preceding kernel in the stream finishes; it waits (griddepcontrol.wait) for that
-  // kernel to complete and flush before reading anything, and lets its own PDL-launched
-  // dependents start as soon as all its blocks run (griddepcontrol.launch_dependents: they must
-  // wait likewise). Same bytes as a plain launch; graph-capturable (a programmatic edge).
-  bool programmatic_launch = false;
 };
 
 Status validate_quantize(const QuantizeParams& p);

@@ -16,8 +16,9 @@
 //   produces canonical NaNs, x86 keeps the sign of the NaN it divides (and makes inf/inf
 //   negative), so NaN inputs give NaN codes on both sides whose sign may differ.
 //
-// Programmatic dependent launch (QuantizeParams::programmatic_launch): every block first waits for
-// the preceding grid (griddepcontrol.wait: complete and flushed), then triggers its dependents.
+// Session 13 tried a programmatic dependent launch of this kernel in the layer (griddepcontrol.wait
+// and launch_dependents at its start): rounds A-C measured it within the ~1 us run-to-run noise of
+// the decode step (its neighbours do not launch programmatically), so it was removed.
 //
 // Bytes moved: 2 M K (read) + M_pad K (write) + 4 M_pad K / 128 (scales). Memory bound: at M = 4,
 // K = 6144 the whole call moves ~75 KB and costs a launch (~3 us); at M = 16384 it moves ~300 MB
@@ -47,11 +48,6 @@ struct QuantizeKernelArgs {
 };
 
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_kernel(QuantizeKernelArgs a) {
-  // Programmatic dependent launch (a no-op without it): wait for the preceding grid to complete
-  // and flush before the first read, then let a PDL-launched dependent grid be scheduled (it must
-  // wait for this grid likewise before touching what it writes).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   const int64_t groups = a.m_pad * a.kblocks;
   const int sub = static_cast<int>(threadIdx.x) % kThreadsPerGroup;  // lane within the group
   // The two groups of a warp may leave the loop on different iterations: shuffles name only the

@@ -239,6 +239,7 @@ Status run_gemm_stream_cuda(const GemmParams& p, void* workspace, size_t workspa
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   args.async_copies = options.async_copies ? 1 : 0;
+  args.pair_units = options.pair_units ? 1 : 0;
   return dispatch(args, w, grid, options.max_stages, ctas_per_sm, info, stream);
 }
 

@@ -55,6 +55,11 @@ struct GemmStreamOptions {
   // Weights copied by 16-byte cp.async from every producer lane instead of one 1D bulk copy per
   // row run (session 13, round B: bulk copies delivered ~1.8 TB/s; variant under test).
   bool async_copies = false;
+  // The consumers issue the wgmmas of two units before one wait where registers allow (M <= 8,
+  // or M <= 4 with runs of 16 blocks), overlapping two units' tensor latency and fold (session 13,
+  // round C: the consumers' per-unit latency, not DRAM, bounded the kernel: 3 CTAs per SM were
+  // 21 % faster than one at M 1).
+  bool pair_units = true;
 };
 
 constexpr int64_t kGemmStreamMaxM = 16;

@@ -98,6 +98,7 @@ struct StreamArgs {
   int weight_evict_first;
   int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
+  int pair_units;          // consumers take two units per wgmma wait where registers allow
   int async_copies;        // weights by 16-byte cp.async per lane instead of bulk copies
 };
 
@@ -324,32 +325,12 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     for (int m = 0; m < kMPad; ++m) acc[h][m] = 0.0f;
 
   int seg_begin = -1;  // first unit of the current segment (-1: the next unit starts one)
-  for (int i = 0; i < n_units; ++i) {
-    const int u = order.at(i);
+  // Fold unit i (unit u, its wgmma result d) into the accumulators; at the end of the CTA's
+  // segment of a group, sum the lanes and write (bf16, or the partial and the fixup).
+  auto finish_unit = [&](int i, int u, const float(&d)[kAcc]) {
     if (seg_begin < 0) seg_begin = u;
-    const int s = i % stages;
     const int group = u / chunks, c = u - group * chunks;
     const int nkb = chunk_len(c);
-    sm90::mbar_wait(smem_addr(&act_bar[c]), 0);
-    sm90::mbar_wait(smem_addr(&full_bar[s]), (i / stages) & 1);
-    // cp.async writes are generic-proxy writes: order them before the wgmma's async-proxy reads.
-    if (p.async_copies) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    const uint32_t a_addr = ring_base + static_cast<uint32_t>(s * kStageBytes + wg * kTileBytes);
-    const uint32_t b_addr = act_base + static_cast<uint32_t>(c * kActTileBytes);
-    float d[kAcc];
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) d[j] = 0.0f;
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      Wgmma<kN>::mma(d, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-    wgmma_commit();
-    wgmma_wait_all();
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) keep_register(d[j]);
-    __syncwarp();
-    if (lane == 0) sm90::mbar_arrive(smem_addr(&empty_bar[s]));
-
     // Fold the useful entries: column j = kW m + q sits in n8 block (kW m + q) / 8 at column
     // (q % 8) = g of the block, i.e. fragment element 4 b + 2 h + e of the holder lane.
     const float* sb_row = p.sb + int64_t{group * kR / 128} * p.sb_s0;
@@ -369,7 +350,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     }
 
     const int seg_end_group = (group + 1) * chunks;
-    if (i + 1 < n_units && order.at(i + 1) / chunks == group) continue;
+    if (i + 1 < n_units && order.at(i + 1) / chunks == group) return;
 
     // ---- End of this CTA's segment of the group: sum the lanes, write ----
     // v[h][m]: the segment's sum for weight row row_of(h) (kW == 16: both halves are one row).
@@ -407,7 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
         if (lane < m_count)
           p.out[int64_t{lane} * p.ldo + int64_t{group} * kR + row_of(h)] = float_to_bf16(x);
       }
-      continue;
+      return;
     }
     // Partial segment: publish, count the arrival; the last arriving CTA finishes the group.
     const int slot = group == first_group ? 2 * cta : 2 * cta + 1;
@@ -434,7 +415,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
     consumer_barrier();
     // (s_is_last is rewritten only after the next partial group's first barrier, which every
     // consumer reaches after this read.)
-    if (!s_is_last) continue;
+    if (!s_is_last) return;
     // Sum the group's partials in CTA order (its own contribution from registers: the values it
     // stored). The slot of contributor c is 2c, except for c_lo when it started in an earlier
     // group (its last segment: 2 c_lo + 1).
@@ -446,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
       for (int cc = c_lo; cc <= c_hi; ++cc) {
         if (cc == cta) {
           sum += mine;
-          continue;
+          return;
         }
         const int c_slot = cc == c_lo && lo_second ? 2 * cc + 1 : 2 * cc;
         const float* q_part = p.partials + int64_t{c_slot} * kSlotFloats;
@@ -456,6 +437,63 @@ __global__ void __launch_bounds__(kThreads, 1) gemm_stream_kernel(const StreamAr
         p.out[int64_t{lane} * p.ldo + int64_t{group} * kR + row_of(h)] = float_to_bf16(sum);
     }
     if (tid == 0) atomicExch(p.counters + group, 0u);
+  };
+
+  // Units are taken one or two at a time (p.pair_units, kN <= 64: registers): both stages' wgmmas
+  // are issued before one wait, so the tensor latency and the fold of two units overlap.
+  constexpr bool kPairOk = kN <= 64;
+  constexpr int kAcc1 = kPairOk ? kAcc : 1;
+  for (int i = 0; i < n_units;) {
+    const bool two = kPairOk && p.pair_units && i + 1 < n_units;  // (uniform)
+    const int u0 = order.at(i);
+    const int u1 = two ? order.at(i + 1) : u0;
+    const int s0 = i % stages, s1 = (i + 1) % stages;
+    const int c0 = u0 % chunks, c1 = u1 % chunks;
+    sm90::mbar_wait(smem_addr(&act_bar[c0]), 0);
+    sm90::mbar_wait(smem_addr(&full_bar[s0]), (i / stages) & 1);
+    if (two) {
+      sm90::mbar_wait(smem_addr(&act_bar[c1]), 0);
+      sm90::mbar_wait(smem_addr(&full_bar[s1]), ((i + 1) / stages) & 1);
+    }
+    // cp.async writes are generic-proxy writes: order them before the wgmma's async-proxy reads.
+    if (p.async_copies) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    const uint32_t a0 = ring_base + static_cast<uint32_t>(s0 * kStageBytes + wg * kTileBytes);
+    const uint32_t b0 = act_base + static_cast<uint32_t>(c0 * kActTileBytes);
+    const uint32_t a1 =
+        two ? ring_base + static_cast<uint32_t>(s1 * kStageBytes + wg * kTileBytes) : a0;
+    const uint32_t b1 = two ? act_base + static_cast<uint32_t>(c1 * kActTileBytes) : b0;
+    float d0[kAcc], d1[kAcc1];
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) d0[j] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < kAcc1; ++j) d1[j] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      Wgmma<kN>::mma(d0, smem_desc(a0 + 32 * k), smem_desc(b0 + 32 * k), k);
+    // (Issued unconditionally: a wgmma under a branch makes the compiler serialize the group.
+    // Without a second unit it recomputes the first into d1, which is discarded.)
+    if constexpr (kPairOk) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        Wgmma<kN>::mma(d1, smem_desc(a1 + 32 * k), smem_desc(b1 + 32 * k), k);
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) keep_register(d0[j]);
+#pragma unroll
+    for (int j = 0; j < kAcc1; ++j) keep_register(d1[j]);
+    __syncwarp();
+    if (lane == 0) {
+      sm90::mbar_arrive(smem_addr(&empty_bar[s0]));
+      if (two) sm90::mbar_arrive(smem_addr(&empty_bar[s1]));
+    }
+    finish_unit(i, u0, d0);
+    if constexpr (kPairOk) {
+      if (two) finish_unit(i + 1, u1, d1);
+    }
+    i += two ? 2 : 1;
   }
 }
 

@@ -67,6 +67,7 @@ struct Case {
   bool pdl = false;    // programmatic_launch and trigger_dependents
   int ctas = 1;        // ctas_per_sm
   bool async = false;  // async_copies
+  bool pair = true;    // pair_units
 };
 
 std::string describe(const Case& c) {
@@ -90,6 +91,7 @@ GemmStreamOptions options_of(const Case& c) {
   o.trigger_dependents = c.pdl;
   o.ctas_per_sm = c.ctas;
   o.async_copies = c.async;
+  o.pair_units = c.pair;
   return o;
 }
 
@@ -151,7 +153,8 @@ TEST(GemmStreamSanitizer, SmallShapesExact) {
                         Case{6, 256, 2304, 0, 0, false, 16, 7, 2},
                         Case{12, 640, 1024, 0, 0, true, 0, 0, 2, false, true},
                         Case{4, 384, 1152, 0, 16, false, 0, 5, 2, true, false, 2, true},
-                        Case{13, 256, 2048, 0, 0, true, 0, 3, 0, true, true, 1, true}};
+                        Case{13, 256, 2048, 0, 0, true, 0, 3, 0, true, true, 1, true},
+                        Case{7, 384, 1152, 0, 0, false, 0, 5, 3, true, false, 1, false, false}};
   for (const Case& c : cases) {
     SCOPED_TRACE(describe(c));
     expect_exact(c, rng);
@@ -197,7 +200,10 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{16, 9856, 6144, 0, 0, false, 0, 0, 0, true, false, 1, true},
                       Case{5, 640, 1152, 8, 16, true, 0, 7, 3, false, false, 1, true},
                       Case{3, 256, 2304, 0, 0, false, 16, 5, 0, true, true, 2, true},
-                      Case{8, 1280, 6144, 0, 0, false, 0, 0, 0, true, true, 2, true}));
+                      Case{8, 1280, 6144, 0, 0, false, 0, 0, 0, true, true, 2, true},
+                      // One unit per wgmma wait (the pairs are the default where they fit).
+                      Case{1, 9856, 6144, 0, 0, false, 0, 0, 0, true, false, 1, false, false},
+                      Case{6, 640, 1152, 8, 16, true, 16, 7, 3, true, true, 2, false, false}));
 
 struct RandomCase {
   int64_t m, n, k;

@@ -55,7 +55,16 @@
 //
 // Bytes: weights N K once from HBM; activations M K per CTA and partials from / to L2. Tensor
 // work: N_wgmma x 64 x 128 MACs per 8 KB tile: at N_wgmma = 128 (M <= 16 with W = 8) about half of
-// the time a 16 KB stage takes to arrive at 4 TB/s, a quarter at 64. Bound: HBM bandwidth.
+// the time a 16 KB stage takes to arrive at 4 TB/s, a quarter at 64. Intended bound: HBM.
+//
+// Measured (session 13, H200, projection_bench --stream-only, fused N 9856 K 6144, isolated /
+// back-to-back us; the wgmma kernel 22.3 / 20.2 and cuBLASLt 22.8 / 21.3 at M 1 on the same runs):
+// round B (one unit per wait) M 1 36.2 / 34.0, M 8 42.6 / 40.1, M 16 54.0 / 51.4; ncu at M 1: 1.79
+// TB/s from DRAM, consumers on the full barriers and ~245 instructions per unit and warp at 6.7
+// cycles each. Round C: 2 KB runs, 4 or 12 stages, no L2 hint: all within 5 %; 2 CTAs per SM
+// 30.4 / 27.8, 3 CTAs 29.2 / 26.3; cp.async weights (async_copies) 87.7 / 85.5. So the consumers'
+// per-unit latency, not the copies, bound it; round D measures two units per wait (pair_units).
+// Slower than both other paths everywhere measured: opt-in only (stream_max_m, stream_auto_max_m).
 #pragma once
 
 #include <cstdint>

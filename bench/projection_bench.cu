@@ -40,16 +40,10 @@
 // waves) / burst / L2 settings, fused and (M = 1) the pair's two GEMMs alone. Every GEMM object but
 // the default and auto ones names its path, so M3ATTN_GEMM_PATH changes only those two.
 //
-// The streaming kernel (gemm_stream.h, Fp8BlockGemmOptions::stream_max_m) has its own tables (see
-// stream_section): against the wgmma kernel and cuBLASLt at M = 1, 4, 8, 16, its variants, and the
-// o_proj shape (N 6144, K 8192) at M = 1 ... 256.
-//
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
-// --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions), --stream-only (the
-// streaming kernel's spot checks and tables only), --stream-quick (the same at M = 1 and 8, fewer
-// variants, no o_proj table).
+// --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -66,7 +60,6 @@
 
 #include "core/numeric.h"
 #include "stages/projection/gemm_cublaslt.h"
-#include "stages/projection/gemm_stream.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 #include "stages/quantize/quantize.h"
@@ -341,315 +334,8 @@ double gemm_bytes(int64_t m_pad, int64_t n) {
                              m_pad * n * 2);
 }
 
-// ---- the streaming kernel (gemm_stream.h) ----------------------------------------------------
-// Spot checks (5 and 13 rows), then at M = 1, 4, 8, 16: the streaming kernel (default options),
-// the wgmma kernel and cuBLASLt (heuristic) on the same operands, fused and pair, both timings;
-// run_gemm_stream_cuda variants (chunk length, ring depth, L2 hint, PDL chain) at M = 1 and 16;
-// and the o_proj shape (N 6144, K 8192: streaming kernel at M 1 / 4 / 16, cuBLASLt at M 1 - 256,
-// wgmma at M 1 - 64). Clears *pass on a failed check.
-void stream_section(Buffers& b, cudaStream_t stream, int iters, bool json, bool* pass,
-                    bool quick = false) {
-  Fp8BlockGemmOptions st_opt;
-  st_opt.autotune = false;
-  st_opt.wgmma_max_m = 0;
-  st_opt.stream_max_m = 16;
-  Fp8BlockGemmOptions wg_opt;
-  wg_opt.autotune = false;
-  wg_opt.wgmma_max_m = 64;
-  Fp8BlockGemmOptions lt_opt;
-  lt_opt.autotune = false;
-  lt_opt.wgmma_max_m = 0;
-  Trio st{make(16, kNF, st_opt), make(16, kN1, st_opt), make(16, kN2, st_opt)};
-  Trio wg{make(16, kNF, wg_opt), make(16, kN1, wg_opt), make(16, kN2, wg_opt)};
-  Trio lt{make(16, kNF, lt_opt), make(16, kN1, lt_opt), make(16, kN2, lt_opt)};
-  Fp8BlockGemmOptions st_pdl_opt = st_opt;
-  st_pdl_opt.stream.programmatic_launch = true;
-  auto st_pdl = make(16, kNF, st_pdl_opt);
-  // The autotuner's choice with the streaming kernel as a candidate for M <= 16 (what the
-  // default objects would do with kGemmStreamAutoMaxM = 16).
-  Fp8BlockGemmOptions auto_opt;
-  auto_opt.stream_auto_max_m = 16;
-  auto st_auto = make(16, kNF, auto_opt);
-  std::printf("auto object with the streaming kernel as a candidate (stream_auto_max_m = 16):\n%s",
-              st_auto->describe().c_str());
-  bool ok = spot_check(b, st, "streaming kernel", stream);
-  ok = spot_check(b, st, "streaming kernel", stream, 13) && ok;
-  if (!ok) *pass = false;
-  fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
-  check_cuda(cudaGetLastError(), "fill");
-
-  std::vector<bench::Row> rows;
-  const std::vector<int64_t> main_ms =
-      quick ? std::vector<int64_t>{1, 8} : std::vector<int64_t>{1, 4, 8, 16};
-  for (int64_t rows_m : main_ms) {
-    const Calls c = make_calls(b, rows_m);
-    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
-    check_cuda(cudaStreamSynchronize(stream), "quantize");
-    auto fused_time = [&](Fp8BlockGemm& g, const char* what) {
-      return time_both(
-          b, rows_m, [&](const Calls& x, cudaStream_t s) { must(g.run(x.fused, s), what); }, stream,
-          iters, pass, what);
-    };
-    auto pair_time = [&](const Trio& t, const char* what) {
-      return time_both(
-          b, rows_m,
-          [&](const Calls& x, cudaStream_t s) {
-            must(t.first->run(x.first, s), what);
-            must(t.second->run(x.second, s), what);
-          },
-          stream, iters, pass, what);
-    };
-    auto q_time = [&](Fp8BlockGemm& g, const char* what) {
-      return time_both(
-          b, rows_m,
-          [&](const Calls& x, cudaStream_t s) {
-            must(run_quantize_cuda(x.q, s), "run_quantize_cuda");
-            must(g.run(x.fused, s), what);
-          },
-          stream, iters, pass, what);
-    };
-    const Both t_st = fused_time(*st.fused, "fused (streaming)");
-    const Both t_wg = fused_time(*wg.fused, "fused (wgmma)");
-    const Both t_lt = fused_time(*lt.fused, "fused (cuBLASLt)");
-    const Both t_st_pair = pair_time(st, "pair (streaming)");
-    const Both t_qst = q_time(*st.fused, "quantize + fused (streaming)");
-    const Both t_qpdl = q_time(*st_pdl, "quantize + fused (streaming, PDL)");
-    const Both t_auto = fused_time(*st_auto, "fused (auto, stream_auto_max_m 16)");
-    const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
-    bench::Row r;
-    r.add("M", std::to_string(rows_m));
-    r.add("stream_us", t_st.us);
-    r.add("stream_b2b_us", t_st.b2b_us);
-    r.add("stream_%copy", pct_copy(bytes, t_st.us), 1);
-    r.add("stream_b2b_%copy", pct_copy(bytes, t_st.b2b_us), 1);
-    r.add("wgmma_us", t_wg.us);
-    r.add("wgmma_b2b_us", t_wg.b2b_us);
-    r.add("lt_us", t_lt.us);
-    r.add("lt_b2b_us", t_lt.b2b_us);
-    r.add("auto_us", t_auto.us);
-    r.add("auto_b2b_us", t_auto.b2b_us);
-    r.add("wgmma/stream", t_wg.us / t_st.us, 3);
-    r.add("lt/stream", t_lt.us / t_st.us, 3);
-    r.add("lt/stream_b2b", t_lt.b2b_us / t_st.b2b_us, 3);
-    r.add("pair_us", t_st_pair.us);
-    r.add("pair_b2b_us", t_st_pair.b2b_us);
-    r.add("pair/fused", t_st_pair.us / t_st.us, 3);
-    r.add("q+stream_us", t_qst.us);
-    r.add("q+stream_b2b_us", t_qst.b2b_us);
-    r.add("q+stream_pdl_us", t_qpdl.us);
-    r.add("q+stream_pdl_b2b_us", t_qpdl.b2b_us);
-    rows.push_back(r);
-  }
-  bench::print_rows(
-      "decode: streaming kernel vs wgmma kernel vs cuBLASLt (heuristic), fused N=9856 (pair "
-      "9216+640: streaming); us: isolated, b2b_us: back-to-back; %copy of 4300 GB/s",
-      rows, json);
-
-  // run_gemm_stream_cuda variants, fused N = 9856.
-  {
-    Result<size_t> ws_bytes = gemm_stream_workspace_bytes(kNF);
-    must(ws_bytes.status(), "gemm_stream_workspace_bytes");
-    void* ws = nullptr;
-    check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc stream workspace");
-    check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset stream workspace");
-    struct Variant {
-      int chunk, stages;
-      bool evict_first, chain;
-      int ctas = 1;
-      bool async = false;  // GemmStreamOptions::async_copies
-      bool pair = true;    // GemmStreamOptions::pair_units
-    };
-    // chunk 0: automatic (runs of 8 K blocks = 1 KB); 16 (2 KB runs) serves M <= 8 only; ctas:
-    // CTAs per SM (M > 8 runs one).
-    // (Round C, cp.async at M 1: 87.7 us with one producer warp: kept as an option only.)
-    const std::vector<Variant> variants =
-        quick ? std::vector<Variant>{{0, 0, true, false},    {0, 0, true, false, 1, false, false},
-                                     {0, 0, true, false, 2}, {0, 0, true, false, 2, false, false},
-                                     {0, 0, true, false, 3}, {16, 0, true, false},
-                                     {0, 0, true, true}}
-              : std::vector<Variant>{
-                    {0, 0, true, false},         {0, 0, true, false, 1, false, false},
-                    {16, 0, true, false},        {0, 4, true, false},
-                    {0, 0, false, false},        {0, 0, true, true},
-                    {0, 0, true, false, 2},      {0, 0, true, false, 2, false, false},
-                    {0, 0, true, false, 3},      {0, 0, true, true, 2},
-                    {0, 0, true, false, 1, true}};
-    std::vector<bench::Row> rows_var;
-    const std::vector<int64_t> var_ms =
-        quick ? std::vector<int64_t>{1, 8} : std::vector<int64_t>{1, 8, 16};
-    for (int64_t rows_m : var_ms) {
-      const Calls c = make_calls(b, rows_m);
-      must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
-      check_cuda(cudaStreamSynchronize(stream), "quantize");
-      for (const Variant& v : variants) {
-        if ((v.chunk == 16 && rows_m > 8) || (v.ctas > 1 && rows_m > 8) ||
-            (v.ctas > 2 && rows_m > 4))
-          continue;
-        GemmStreamOptions o;
-        o.chunk_blocks = v.chunk;
-        o.max_stages = v.stages;
-        o.weight_evict_first = v.evict_first;
-        o.programmatic_launch = o.trigger_dependents = v.chain;
-        o.ctas_per_sm = v.ctas;
-        o.async_copies = v.async;
-        o.pair_units = v.pair;
-        const Both t = time_both(
-            b, rows_m,
-            [&](const Calls& x, cudaStream_t s) {
-              must(run_gemm_stream_cuda(x.fused, ws, ws_bytes.value(), s, o), "stream variant");
-            },
-            stream, iters, pass, "stream variant");
-        const double bytes = gemm_bytes(gemm_padded_rows(rows_m), kNF);
-        bench::Row r;
-        r.add("M", std::to_string(rows_m));
-        r.add("run_B", std::to_string((v.chunk == 0 ? 8 : v.chunk) * 128));
-        r.add("stages", v.stages == 0 ? "max" : std::to_string(v.stages));
-        r.add("evict_first", v.evict_first ? "yes" : "no");
-        r.add("pdl_chain", v.chain ? "yes" : "no");
-        r.add("ctas/SM", std::to_string(v.ctas));
-        r.add("copies", v.async ? "cp.async" : "bulk");
-        r.add("pairs", v.pair ? "yes" : "no");
-        r.add("us", t.us);
-        r.add("b2b_us", t.b2b_us);
-        r.add("%copy", pct_copy(bytes, t.us), 1);
-        r.add("b2b_%copy", pct_copy(bytes, t.b2b_us), 1);
-        rows_var.push_back(r);
-      }
-    }
-    bench::print_rows(
-        "streaming kernel variants, fused N=9856 (us: isolated, b2b_us: back-to-back; pdl_chain: "
-        "programmatic launch + trigger_dependents, so back-to-back calls overlap)",
-        rows_var, json);
-    cudaFree(ws);
-  }
-
-  // o_proj: N 6144, K 8192 (weights 50.3 MB), its own operands and weight copies.
-  if (!quick) {
-    constexpr int64_t kNo = 6144, kKo = 8192, kKbo = kKo / 128, kMaxMo = 256;
-    const size_t w_bytes = static_cast<size_t>(kNo * kKo);
-    const size_t sw_count = static_cast<size_t>(kNo / 128 * kKbo);
-    const int copies = bench::back_to_back_copies(w_bytes + sw_count * 4);
-    std::vector<uint8_t*> wo;
-    std::vector<float*> swo;
-    for (int c = 0; c < copies; ++c) {
-      wo.push_back(device_alloc<uint8_t>(w_bytes));
-      swo.push_back(device_alloc<float>(sw_count));
-      fill_e4m3<<<1024, 256, 0, stream>>>(wo.back(), static_cast<int64_t>(w_bytes), 7);
-      fill_scales<<<64, 256, 0, stream>>>(swo.back(), static_cast<int64_t>(sw_count), 8);
-    }
-    uint8_t* ao = device_alloc<uint8_t>(static_cast<size_t>(kMaxMo * kKo));
-    float* sao = device_alloc<float>(static_cast<size_t>(kMaxMo * kKbo));
-    uint16_t* oo = device_alloc<uint16_t>(static_cast<size_t>(kMaxMo * kNo));
-    fill_e4m3<<<1024, 256, 0, stream>>>(ao, kMaxMo * kKo, 9);
-    fill_scales<<<64, 256, 0, stream>>>(sao, kMaxMo * kKbo, 10);
-    check_cuda(cudaGetLastError(), "fill o_proj");
-    check_cuda(cudaStreamSynchronize(stream), "fill o_proj");
-    Fp8BlockGemmOptions lt_tuned;
-    lt_tuned.wgmma_max_m = 0;
-    auto make_o = [&](int64_t max_m, const Fp8BlockGemmOptions& opt) {
-      auto r = Fp8BlockGemm::create(max_m, kNo, kKo, opt);
-      must(r.status(), "Fp8BlockGemm::create (o_proj)");
-      return std::move(r).value();
-    };
-    auto o_st = make_o(16, st_opt);
-    auto o_wg = make_o(64, wg_opt);
-    auto o_lt = make_o(kMaxMo, lt_tuned);
-    const Device dev = Device::cuda(0);
-    auto params = [&](int64_t m, int c) {
-      GemmParams p;
-      p.a = TensorView::contiguous(ao, DType::kE4M3, {m, kKo}, dev);
-      p.a_scales = gemm_activation_scales_view(sao, m, kKo, dev);
-      p.b = TensorView::contiguous(wo[static_cast<size_t>(c)], DType::kE4M3, {kNo, kKo}, dev);
-      p.b_scales =
-          TensorView::contiguous(swo[static_cast<size_t>(c)], DType::kF32, {kNo / 128, kKbo}, dev);
-      p.out = TensorView::contiguous(oo, DType::kBF16, {m, kNo}, dev);
-      return p;
-    };
-    auto time_o = [&](Fp8BlockGemm& g, int64_t m, const char* what) {
-      Both t;
-      t.us = bench::time_graph_cold([&](cudaStream_t s) { must(g.run(params(m, 0), s), what); },
-                                    stream, 3, iters)
-                 .median_us;
-      t.b2b_us =
-          bench::time_graph_back_to_back(
-              [&](cudaStream_t s, int c) { must(g.run(params(m, c), s), what); }, copies, stream)
-              .median_us;
-      return t;
-    };
-    // Spot check of the streaming kernel against cuBLASLt on this shape (M 16): both within the
-    // accumulation bound of each other is what the GPU tests check; here: the largest relative
-    // difference, printed, and a FAIL above 2^-6 of the largest |output| (a layout error).
-    {
-      must(o_st->run(params(16, 0), stream), "o_proj streaming");
-      check_cuda(cudaStreamSynchronize(stream), "o_proj streaming");
-      std::vector<uint16_t> x(static_cast<size_t>(16 * kNo)), y(x.size());
-      check_cuda(cudaMemcpy(x.data(), oo, x.size() * 2, cudaMemcpyDeviceToHost), "download");
-      must(o_lt->run(params(16, 0), stream), "o_proj cuBLASLt");
-      check_cuda(cudaStreamSynchronize(stream), "o_proj cuBLASLt");
-      check_cuda(cudaMemcpy(y.data(), oo, y.size() * 2, cudaMemcpyDeviceToHost), "download");
-      double worst = 0, big = 0;
-      for (size_t i = 0; i < x.size(); ++i) {
-        const double xv = bf16_to_float(x[i]), yv = bf16_to_float(y[i]);
-        big = std::max(big, std::fabs(yv));
-        worst = std::isfinite(xv) ? std::max(worst, std::fabs(xv - yv)) : 1e30;
-      }
-      const bool o_ok = big > 0 && worst <= big * std::ldexp(1.0, -6);
-      std::printf(
-          "spot check (o_proj N 6144 K 8192, 16 rows): streaming vs cuBLASLt max |diff| "
-          "%.3g of max |out| %.3g: %s\n",
-          worst, big, o_ok ? "PASS" : "FAIL");
-      if (!o_ok) *pass = false;
-    }
-    std::vector<bench::Row> rows_o;
-    for (int64_t m :
-         {int64_t{1}, int64_t{4}, int64_t{16}, int64_t{64}, int64_t{128}, int64_t{256}}) {
-      const int64_t m_pad = gemm_padded_rows(m);
-      const double bytes = static_cast<double>(kNo * kKo + sw_count * 4 + m_pad * kKo +
-                                               m_pad * kKbo * 4 + m_pad * kNo * 2);
-      const Both t_lt = time_o(*o_lt, m_pad, "o_proj cuBLASLt");
-      bench::Row r;
-      r.add("M", std::to_string(m));
-      if (m <= 16) {
-        const Both t = time_o(*o_st, m_pad, "o_proj streaming");
-        r.add("stream_us", t.us);
-        r.add("stream_b2b_us", t.b2b_us);
-        r.add("stream_%copy", pct_copy(bytes, t.us), 1);
-      } else {
-        r.add("stream_us", "n/a");
-        r.add("stream_b2b_us", "n/a");
-        r.add("stream_%copy", "n/a");
-      }
-      if (m <= 64) {
-        const Both t = time_o(*o_wg, m_pad, "o_proj wgmma");
-        r.add("wgmma_us", t.us);
-        r.add("wgmma_b2b_us", t.b2b_us);
-      } else {
-        r.add("wgmma_us", "n/a");
-        r.add("wgmma_b2b_us", "n/a");
-      }
-      r.add("lt_us", t_lt.us);
-      r.add("lt_b2b_us", t_lt.b2b_us);
-      r.add("lt_%copy", pct_copy(bytes, t_lt.us), 1);
-      r.add("lt_TFLOPs", 2.0 * static_cast<double>(m * kNo * kKo) / t_lt.us / 1e6, 1);
-      rows_o.push_back(r);
-    }
-    bench::print_rows(
-        "o_proj N=6144 K=8192 (weights 50.3 MB): streaming kernel, wgmma kernel, cuBLASLt "
-        "(autotuned); us: isolated, b2b_us: back-to-back",
-        rows_o, json);
-    for (int c = 0; c < copies; ++c) {
-      cudaFree(wo[static_cast<size_t>(c)]);
-      cudaFree(swo[static_cast<size_t>(c)]);
-    }
-    cudaFree(ao);
-    cudaFree(sao);
-    cudaFree(oo);
-  }
-}
-
 int run(int argc, char** argv) {
-  bool json = false, quick = false, verbose = false, wgmma_only = false, stream_only = false,
-       stream_quick = false;
+  bool json = false, quick = false, verbose = false, wgmma_only = false;
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -678,20 +364,15 @@ int run(int argc, char** argv) {
       verbose = true;
     } else if (f == "--wgmma-only") {
       wgmma_only = true;
-    } else if (f == "--stream-only") {
-      stream_only = true;
-    } else if (f == "--stream-quick") {
-      stream_only = stream_quick = true;
     } else {
       std::fprintf(stderr,
-                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only --stream-only "
-                   "--stream-quick, and with "
+                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
                    "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain)\n",
                    argv[i]);
       return 2;
     }
   }
-  const std::vector<int64_t> ms = wgmma_only || stream_only ? std::vector<int64_t>{64}
+  const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick
                                       ? std::vector<int64_t>{1, 64, 4096}
                                       : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
@@ -731,12 +412,6 @@ int run(int argc, char** argv) {
   std::printf("back-to-back timing: %d copies of the weights + scales (%.1f MB each)\n", copies,
               static_cast<double>(w_bytes + sw_bytes) / 1e6);
 
-  if (stream_only) {
-    bool ok = true;
-    stream_section(b, stream, iters, json, &ok, stream_quick);
-    std::printf("spot checks %s\n", ok ? "PASS" : "FAIL");
-    return ok ? 0 : 1;
-  }
   if (wgmma_only) {
     // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64
     // (isolated timing only, so a profiler sees 3 spot-check launches, then one per M).
@@ -1116,8 +791,6 @@ int run(int argc, char** argv) {
         rows_var, json);
     cudaFree(ws);
   }
-
-  stream_section(b, stream, iters, json, &pass);
 
   // Decode sizes with every reduction scheme allowed (split-K reduced in place), to see what the
   // deterministic default costs.

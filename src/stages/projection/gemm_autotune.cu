@@ -14,7 +14,6 @@
 #include "core/cuda_check.h"
 #include "m3attn/config.h"
 #include "stages/projection/gemm_cublaslt_internal.h"
-#include "stages/projection/gemm_stream.h"
 #include "stages/projection/gemm_wgmma.h"
 
 namespace m3attn {
@@ -540,15 +539,13 @@ Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* u
 
 }  // namespace
 
-// The own kernels (wgmma, streaming) on the scratch operands at b.m_hi: same poisoning and
-// fingerprint as measure(); each must be bit-identical to the kept cuBLASLt algorithm. Timing: the
-// kept cuBLASLt algorithm and every candidate as CUDA-graph replays (eager launches carry host
-// costs that differ between the paths: session 11 saw the eager timing pick the wgmma kernel where
-// its replay is 6 % slower). Candidates: the wgmma kernel when b.m_hi <= wgmma_auto_max_m (with
-// the default grid options, a few other grid shapes too), the streaming kernel when b.m_hi <=
-// stream_auto_max_m (Fp8BlockGemmOptions::stream). The fastest candidate runs for the bucket when
-// at least 2 % faster than cuBLASLt (gemm_prefer_wgmma's rule, best of three alternating medians).
-Status Fp8BlockGemm::Impl::tune_own_kernels(Bucket& b, const TuneScratch& t) {
+// The wgmma kernel on the scratch operands at b.m_hi: same poisoning and fingerprint as
+// measure(); it must be bit-identical to the kept cuBLASLt algorithm. Timing: the kept cuBLASLt
+// algorithm and every wgmma shape as CUDA-graph replays (eager launches carry host costs that
+// differ between the two paths: session 11 saw the eager timing pick the wgmma kernel where its
+// replay is 6 % slower). With the default grid options, a few other grid shapes are timed too.
+// The fastest shape runs for the bucket when at least 2 % faster than cuBLASLt.
+Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   const int64_t rows = std::min(b.m_hi, t.m);
   const Device dev = Device::cuda(device);
   const int64_t kb_row = gemm_weight_scales_row_stride(k);
@@ -569,85 +566,47 @@ Status Fp8BlockGemm::Impl::tune_own_kernels(Bucket& b, const TuneScratch& t) {
       t, kIters, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
       &lt_us));
   if (lt_us < 0) {
-    b.tuning += "; cuBLASLt replay failed: own kernels not timed";
+    b.tuning += "; cuBLASLt replay failed: wgmma not timed";
     return Status::Ok();
   }
 
-  struct Candidate {
-    bool stream = false;  // the streaming kernel (else the wgmma kernel)
-    GemmWgmmaOptions wgmma;
-    GemmStreamOptions stream_options;
-    std::string label;
-  };
-  std::vector<Candidate> candidates;
-  if (b.m_hi <= wgmma_auto_max_m) {
-    // The object's options and, when those are the defaults, other grid shapes and L2 promotion
-    // (session 12, projection_bench: 16 units per CTA without promotion fastest for the fused
-    // N 9856 at M <= 16; 4 units for N 640, whose 240 units give 16-unit CTAs only 15 CTAs).
-    // (Grids over several waves of small CTAs were candidates in round B and measured 10-60 %
-    // slower at every M: dropped.)
-    std::vector<GemmWgmmaOptions> shapes = {options.wgmma};
-    const GemmWgmmaOptions dflt;
-    if (options.wgmma.ctas_per_sm == dflt.ctas_per_sm && options.wgmma.burst == dflt.burst &&
-        options.wgmma.min_units_per_cta == dflt.min_units_per_cta &&
-        options.wgmma.weight_l2_promotion == dflt.weight_l2_promotion &&
-        options.wgmma.max_waves == dflt.max_waves) {
-      struct Shape {
-        int units, promotion;
-      };
-      for (const Shape& sh : {Shape{24, 0}, Shape{4, 0}, Shape{16, 256}}) {
-        GemmWgmmaOptions o = options.wgmma;
-        o.min_units_per_cta = sh.units;
-        o.weight_l2_promotion = sh.promotion;
-        shapes.push_back(o);
-      }
-    }
-    for (const GemmWgmmaOptions& o : shapes) {
-      Candidate c;
-      c.wgmma = o;
-      c.label = "wgmma min units " + std::to_string(o.min_units_per_cta) +
-                (o.weight_l2_promotion == 0 ? std::string()
-                                            : " promo " + std::to_string(o.weight_l2_promotion)) +
-                (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves));
-      candidates.push_back(c);
+  // Candidates: the object's options and, when those are the defaults, other grid shapes and L2
+  // promotion (session 12, projection_bench: 16 units per CTA without promotion fastest for the
+  // fused N 9856 at M <= 16; 4 units for N 640, whose 240 units give 16-unit CTAs only 15 CTAs).
+  // (Grids over several waves of small CTAs were candidates in round B and measured 10-60 %
+  // slower at every M: dropped.)
+  std::vector<GemmWgmmaOptions> candidates = {options.wgmma};
+  const GemmWgmmaOptions dflt;
+  if (options.wgmma.ctas_per_sm == dflt.ctas_per_sm && options.wgmma.burst == dflt.burst &&
+      options.wgmma.min_units_per_cta == dflt.min_units_per_cta &&
+      options.wgmma.weight_l2_promotion == dflt.weight_l2_promotion &&
+      options.wgmma.max_waves == dflt.max_waves) {
+    struct Shape {
+      int units, promotion;
+    };
+    for (const Shape& sh : {Shape{24, 0}, Shape{4, 0}, Shape{16, 256}}) {
+      GemmWgmmaOptions o = options.wgmma;
+      o.min_units_per_cta = sh.units;
+      o.weight_l2_promotion = sh.promotion;
+      candidates.push_back(o);
     }
   }
-  if (b.m_hi <= stream_auto_max_m) {
-    // The object's options and, when those leave the run length automatic (1 KB), 2 KB runs where
-    // they serve the bucket (M <= 8).
-    std::vector<GemmStreamOptions> shapes = {options.stream};
-    if (options.stream.chunk_blocks == 0 && b.m_hi <= 8) {
-      GemmStreamOptions o = options.stream;
-      o.chunk_blocks = 16;
-      shapes.push_back(o);
-    }
-    for (const GemmStreamOptions& o : shapes) {
-      Candidate c;
-      c.stream = true;
-      c.stream_options = o;
-      c.label = "stream chunk " +
-                std::to_string((o.chunk_blocks == 0 ? 8 : o.chunk_blocks) * kQuantBlock) + " B";
-      candidates.push_back(c);
-    }
-  }
-  auto launch = [&](const Candidate& c) {
-    return c.stream
-               ? run_gemm_stream_cuda(p, stream_workspace, stream_workspace_bytes, t.stream,
-                                      c.stream_options)
-               : run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, c.wgmma);
-  };
-
   double best_us = -1;
-  const Candidate* best = nullptr;
   std::string timed;
-  for (const Candidate& c : candidates) {
+  for (const GemmWgmmaOptions& o : candidates) {
+    const std::string label =
+        "min units " + std::to_string(o.min_units_per_cta) +
+        (o.weight_l2_promotion == 0 ? std::string()
+                                    : " promo " + std::to_string(o.weight_l2_promotion)) +
+        (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
-    const Status first = launch(c);
+    const Status first =
+        run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o);
     if (!first.ok()) {
       cudaGetLastError();
       M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-      timed += (timed.empty() ? "" : ", ") + c.label + " refused (" + first.to_string() + ")";
+      timed += (timed.empty() ? "" : ", ") + label + " refused (" + first.to_string() + ")";
       continue;
     }
     tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
@@ -656,26 +615,30 @@ Status Fp8BlockGemm::Impl::tune_own_kernels(Bucket& b, const TuneScratch& t) {
     M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
     if (print != b.tuned_print) {
-      timed += (timed.empty() ? "" : ", ") + c.label + " output differs from cuBLASLt's";
+      timed += (timed.empty() ? "" : ", ") + label + " output differs from cuBLASLt's";
       continue;
     }
     double us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, kIters, [&] { return launch(c).ok(); }, &us));
+        t, kIters,
+        [&] {
+          return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o).ok();
+        },
+        &us));
     if (us < 0) continue;
-    timed += (timed.empty() ? "" : ", ") + c.label + " " + fmt_us(us);
+    timed += (timed.empty() ? "" : ", ") + label + " " + fmt_us(us);
     if (best_us < 0 || us < best_us) {
       best_us = us;
-      best = &c;
+      b.wgmma_options = o;
     }
   }
-  // Confirmation: the kept cuBLASLt algorithm and the fastest own candidate are replayed twice
-  // more each, alternating, and each keeps its lowest median. (One median of a few replays varies
-  // by a few percent: session 12, round C timed the same cuBLASLt algorithm at 23.1-24.5 us in four
+  // Confirmation: the kept cuBLASLt algorithm and the fastest wgmma shape are replayed twice more
+  // each, alternating, and each keeps its lowest median. (One median of a few replays varies by a
+  // few percent: session 12, round C timed the same cuBLASLt algorithm at 23.1-24.5 us in four
   // objects, which flipped the 2 % rule at M 4 where the benchmark measures the wgmma kernel 4-6 %
   // faster in every round.)
   const double first_lt_us = lt_us;
-  for (int round = 0; round < 2 && best != nullptr; ++round) {
+  for (int round = 0; round < 2 && best_us > 0; ++round) {
     double us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
         t, kIters, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
@@ -683,21 +646,19 @@ Status Fp8BlockGemm::Impl::tune_own_kernels(Bucket& b, const TuneScratch& t) {
     if (us > 0) lt_us = std::min(lt_us, us);
     us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, kIters, [&] { return launch(*best).ok(); }, &us));
+        t, kIters,
+        [&] {
+          return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream,
+                                     b.wgmma_options)
+              .ok();
+        },
+        &us));
     if (us > 0) best_us = std::min(best_us, us);
   }
-  const bool chosen = best != nullptr && gemm_prefer_wgmma(lt_us, best_us, b.m_hi, 64);
-  if (chosen) {
-    b.stream = best->stream;
-    b.wgmma = !best->stream;
-    if (best->stream) b.stream_options = best->stream_options;
-    if (!best->stream) b.wgmma_options = best->wgmma;
-  }
-  b.tuning +=
-      "; replayed: cuBLASLt " + fmt_us(first_lt_us) + " us, own kernels [" + timed +
-      "] us; best of three: cuBLASLt " + fmt_us(lt_us) + ", " +
-      (best ? best->label : std::string("none")) + " " + fmt_us(best_us) + " us: " +
-      (chosen ? (b.stream ? "streaming kernel chosen" : "wgmma chosen") : "own kernels not faster");
+  b.wgmma = gemm_prefer_wgmma(lt_us, best_us, b.m_hi, wgmma_auto_max_m);
+  b.tuning += "; replayed: cuBLASLt " + fmt_us(first_lt_us) + " us, wgmma [" + timed +
+              "] us; best of three: cuBLASLt " + fmt_us(lt_us) + ", wgmma " + fmt_us(best_us) +
+              " us: " + (b.wgmma ? "wgmma chosen" : "wgmma not faster");
   return Status::Ok();
 }
 
@@ -735,8 +696,8 @@ void Fp8BlockGemm::Impl::autotune() {
         (void)(st = tune_bucket(b, t, caps, now + slice));
         --remaining;
         if (!st.ok()) break;
-        if ((b.m_hi <= wgmma_auto_max_m || b.m_hi <= stream_auto_max_m) && b.tuned_us > 0) {
-          (void)(st = tune_own_kernels(b, t));
+        if (b.m_hi <= wgmma_auto_max_m && b.tuned_us > 0) {
+          (void)(st = tune_wgmma(b, t));
           if (!st.ok()) break;
         }
       }

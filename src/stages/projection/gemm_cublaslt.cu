@@ -223,8 +223,7 @@ int64_t Fp8BlockGemm::max_m() const { return impl_->max_m; }
 int64_t Fp8BlockGemm::n() const { return impl_->n; }
 int64_t Fp8BlockGemm::k() const { return impl_->k; }
 size_t Fp8BlockGemm::workspace_bytes() const {
-  return impl_->options.workspace_bytes + impl_->wgmma_workspace_bytes +
-         impl_->stream_workspace_bytes;
+  return impl_->options.workspace_bytes + impl_->wgmma_workspace_bytes;
 }
 
 Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_t n, int64_t k,
@@ -237,11 +236,6 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                " must be a positive multiple of ", kQuantBlock, " below 2^31");
   M3_CHECK_ARG(options.small_m_max >= 0 && options.small_m_max <= 16,
                "Fp8BlockGemm small_m_max = ", options.small_m_max, " must be in [0, 16]");
-  M3_CHECK_ARG(options.stream_max_m >= 0 && options.stream_max_m <= kGemmStreamMaxM,
-               "Fp8BlockGemm stream_max_m = ", options.stream_max_m, " must be in [0, ",
-               kGemmStreamMaxM, "]");
-  M3_CHECK_ARG(options.stream.grid >= 0, "Fp8BlockGemm stream.grid = ", options.stream.grid,
-               " must be >= 0");
   M3_CHECK_ARG(options.wgmma_max_m >= -1 && options.wgmma_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_max_m = ", options.wgmma_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");
@@ -254,13 +248,8 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");
-  M3_CHECK_ARG(options.stream_auto_max_m >= -1 && options.stream_auto_max_m <= kGemmStreamMaxM,
-               "Fp8BlockGemm stream_auto_max_m = ", options.stream_auto_max_m, " must be in [-1, ",
-               kGemmStreamMaxM, "]");
   int64_t wgmma_max_m = options.wgmma_max_m;
   int64_t wgmma_auto = 0;  // buckets with m_hi <= this: the autotuner may choose the wgmma kernel
-  int64_t stream_max_m = options.stream_max_m;
-  int64_t stream_auto = 0;  // ... the streaming kernel
   if (wgmma_max_m < 0) {
     const char* env = std::getenv("M3ATTN_GEMM_PATH");
     const bool env_auto = env != nullptr && std::strcmp(env, "auto") == 0;
@@ -269,19 +258,14 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
       wgmma_auto = options.wgmma_auto_max_m >= 0 ? options.wgmma_auto_max_m
                    : env_auto                    ? kGemmWgmmaMaxM
                                                  : kGemmWgmmaAutoMaxM;
-      stream_auto =
-          options.stream_auto_max_m >= 0 ? options.stream_auto_max_m : kGemmStreamAutoMaxM;
-      if (!options.autotune) wgmma_auto = stream_auto = 0;
+      if (!options.autotune) wgmma_auto = 0;
     } else if (std::strcmp(env, "wgmma") == 0) {
       wgmma_max_m = kGemmWgmmaMaxM;
     } else if (std::strcmp(env, "cublaslt") == 0) {
       wgmma_max_m = 0;
-    } else if (std::strcmp(env, "stream") == 0) {
-      wgmma_max_m = 0;
-      stream_max_m = std::max<int64_t>(stream_max_m, kGemmStreamMaxM);
     } else {
       return make_status(StatusCode::kInvalidArgument, "M3ATTN_GEMM_PATH = \"", env,
-                         "\" must be \"wgmma\", \"cublaslt\", \"stream\" or \"auto\"");
+                         "\" must be \"wgmma\", \"cublaslt\" or \"auto\"");
     }
   }
   M3_CHECK_ARG(options.autotune_budget_ms >= 0 && options.autotune_budget_ms <= 600e3,
@@ -322,16 +306,6 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
     impl->wgmma_workspace_bytes = bytes.value();
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));
     M3_CUDA_RETURN_IF_ERROR(cudaMemset(impl->wgmma_workspace, 0, impl->wgmma_workspace_bytes));
-  }
-
-  impl->stream_max_m = std::min(stream_max_m, gemm_padded_rows(max_m));
-  impl->stream_auto_max_m = std::min(stream_auto, gemm_padded_rows(max_m));
-  if (impl->stream_max_m > 0 || impl->stream_auto_max_m > 0) {
-    Result<size_t> bytes = gemm_stream_workspace_bytes(n, options.stream.grid);
-    M3_RETURN_IF_ERROR(bytes.status());
-    impl->stream_workspace_bytes = bytes.value();
-    M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->stream_workspace, impl->stream_workspace_bytes));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemset(impl->stream_workspace, 0, impl->stream_workspace_bytes));
   }
 
   // M buckets: 4, 8, 16, ... and finally round_up(max_m, 4).
@@ -402,11 +376,6 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   Impl& s = *impl_;
   const int64_t m = p.a.shape[0];
   if (m == 0) return Status::Ok();
-  if (m <= s.stream_max_m) {
-    const Status st = run_gemm_stream_cuda(p, s.stream_workspace, s.stream_workspace_bytes, stream,
-                                           s.options.stream);
-    if (st.code() != StatusCode::kUnsupported) return st;  // (unsupported: another path serves it)
-  }
   if (m <= s.wgmma_max_m)
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                s.options.wgmma);
@@ -418,11 +387,6 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
       bucket = &b;
       break;
     }
-  }
-  if (bucket->stream) {  // the autotuner's choice (auto mode); m <= stream_auto_max_m
-    const Status st = run_gemm_stream_cuda(p, s.stream_workspace, s.stream_workspace_bytes, stream,
-                                           bucket->stream_options);
-    if (st.code() != StatusCode::kUnsupported) return st;  // (unsupported: cuBLASLt serves it)
   }
   if (bucket->wgmma)  // the autotuner's choice (auto mode); m <= wgmma_auto_max_m
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
@@ -455,7 +419,6 @@ int64_t Fp8BlockGemm::wgmma_auto_max_m() const { return impl_->wgmma_auto_max_m;
 
 std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
   const Impl& s = *impl_;
-  if (m >= 1 && m <= s.stream_max_m) return "streaming kernel (run_gemm_stream_cuda)";
   if (m >= 1 && m <= s.wgmma_max_m) return "wgmma kernel (run_gemm_wgmma_cuda)";
   if (m >= 1 && m <= s.options.small_m_max) return "small-M kernel (run_gemm_small_m_cuda)";
   const Bucket* bucket = &s.buckets.back();
@@ -465,12 +428,6 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
       break;
     }
   }
-  if (bucket->stream)
-    return "streaming kernel (run_gemm_stream_cuda, autotuned: runs of " +
-           (bucket->stream_options.chunk_blocks == 0
-                ? std::string("auto")
-                : std::to_string(bucket->stream_options.chunk_blocks * kQuantBlock) + " B") +
-           ")";
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
@@ -486,8 +443,6 @@ std::string Fp8BlockGemm::describe() const {
   os << "Fp8BlockGemm N = " << s.n << ", K = " << s.k << ", max_m = " << s.max_m << ", workspace "
      << s.options.workspace_bytes << " B"
      << (s.options.deterministic ? ", deterministic reductions" : ", any reduction")
-     << ", streaming kernel for M <= " << s.stream_max_m
-     << " (autotuned candidate for M <= " << s.stream_auto_max_m << ")"
      << ", small-M kernel for M <= " << s.options.small_m_max
      << ", wgmma kernel for M <= " << s.wgmma_max_m
      << " (autotuned candidate for M <= " << s.wgmma_auto_max_m << ")"
@@ -505,7 +460,6 @@ std::string Fp8BlockGemm::describe() const {
     }
     os << "\n";
     if (b.wgmma) os << "    -> wgmma kernel (autotuned)\n";
-    if (b.stream) os << "    -> streaming kernel (autotuned)\n";
     if (!b.tuning.empty()) os << "    " << b.tuning << "\n";
   }
   return os.str();

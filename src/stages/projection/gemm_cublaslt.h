@@ -52,15 +52,6 @@
 // (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32
 // accumulation order (off by default until measured faster on the device).
 //
-// With Fp8BlockGemmOptions::stream_max_m > 0, calls with M <= stream_max_m (at most 16) run the
-// streaming kernel (run_gemm_stream_cuda, gemm_stream.h / gemm_stream_kernel.cuh): each weight row
-// read in long contiguous runs by 1D bulk copies, mma.sync from shared memory, stream-K split with
-// a deterministic in-kernel reduction, its own workspace allocated (and zeroed) by create(). With
-// wgmma_max_m = -1 resolving to the default path and autotuning on, the autotuner also times the
-// streaming kernel for buckets with m_hi <= stream_auto_max_m (-1: kGemmStreamAutoMaxM) next to
-// the wgmma kernel and runs the fastest of them when it beats cuBLASLt by 2 % (describe() and
-// algorithm_for() show it). M3ATTN_GEMM_PATH = "stream" forces it for M <= 16 (cuBLASLt above).
-//
 // With Fp8BlockGemmOptions::wgmma_max_m > 0, calls with M <= wgmma_max_m (at most 64) run the
 // wgmma kernel (run_gemm_wgmma_cuda, gemm_wgmma.h / gemm_wgmma_kernel.cuh): TMA-streamed weights,
 // swap-AB wgmma, stream-K split with a deterministic in-kernel reduction, its own workspace
@@ -92,7 +83,6 @@
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
-#include "stages/projection/gemm_stream.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 
@@ -126,9 +116,6 @@ Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 // within 2 %) and 64 (wgmma 35 % slower). The auto range covers the buckets measured competitive.
 constexpr int kGemmWgmmaDefaultMaxM = 0;
 constexpr int kGemmWgmmaAutoMaxM = 16;
-// Up to which M bucket the autotuner may choose the streaming kernel (gemm_stream.h) when the
-// path is not forced (0: never). Session 13: off until measured on the H200.
-constexpr int kGemmStreamAutoMaxM = 0;
 
 // The autotuner's choice for one M bucket (pure; both times are the tuner's cold-L2 replays of
 // the bucket's largest M, with outputs already checked identical): the wgmma kernel runs when the
@@ -153,16 +140,6 @@ struct Fp8BlockGemmOptions {
   // M3ATTN_GEMM_PATH = "auto"; 0: never; at most 64). Needs autotune.
   int wgmma_auto_max_m = -1;
   GemmWgmmaOptions wgmma;  // grid shape of the wgmma kernel
-  // M <= stream_max_m runs the streaming kernel (run_gemm_stream_cuda, gemm_stream.h; 0: never; at
-  // most kGemmStreamMaxM = 16), its workspace allocated (and zeroed) by create(). Takes precedence
-  // over every other path; a call it cannot serve (kUnsupported: activations too large for shared
-  // memory) goes to the other paths.
-  int stream_max_m = 0;
-  // Auto range of the streaming kernel: with wgmma_max_m = -1 resolving to the default path and
-  // autotuning on, buckets with m_hi <= this may be given to the streaming kernel by the autotuner
-  // (-1: kGemmStreamAutoMaxM; 0: never; at most 16).
-  int stream_auto_max_m = -1;
-  GemmStreamOptions stream;  // chunk, grid and ring of the streaming kernel
   // Time alternatives to the heuristic's algorithm at creation (see above). Tests may turn it off
   // for speed.
   bool autotune = true;

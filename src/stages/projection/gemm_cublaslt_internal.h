@@ -61,8 +61,6 @@ struct Bucket {
   unsigned long long tuned_print = 0;  // its output fingerprint on the scratch operands
   bool wgmma = false;  // the autotuner chose the wgmma kernel for this bucket (auto mode)
   GemmWgmmaOptions wgmma_options;  // with wgmma: the options it was timed fastest with
-  bool stream = false;  // the autotuner chose the streaming kernel for this bucket (auto mode)
-  GemmStreamOptions stream_options;  // with stream: its options
 };
 
 constexpr int kTuneMaxIters = 7;
@@ -161,10 +159,6 @@ struct Fp8BlockGemm::Impl {
   int64_t wgmma_auto_max_m = 0;     // auto mode: buckets up to this M may choose wgmma
   void* wgmma_workspace = nullptr;  // run_gemm_wgmma_cuda's, counters zeroed at creation
   size_t wgmma_workspace_bytes = 0;
-  int64_t stream_max_m = 0;          // resolved Fp8BlockGemmOptions::stream_max_m (forced)
-  int64_t stream_auto_max_m = 0;     // auto mode: buckets up to this M may choose the kernel
-  void* stream_workspace = nullptr;  // run_gemm_stream_cuda's, counters zeroed at creation
-  size_t stream_workspace_bytes = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.
   cublasLtMatmulDescOpaque_t desc_storage = {};
   cublasLtMatrixLayoutOpaque_t w_storage = {};  // cuBLAS A: weights, K x N column-major, op T
@@ -180,7 +174,6 @@ struct Fp8BlockGemm::Impl {
   ~Impl() {
     if (workspace) cudaFree(workspace);
     if (wgmma_workspace) cudaFree(wgmma_workspace);
-    if (stream_workspace) cudaFree(stream_workspace);
     if (handle) cublasLtDestroy(handle);
   }
 
@@ -224,11 +217,10 @@ struct Fp8BlockGemm::Impl {
                      const std::vector<gemm_lt::AlgoCaps>& caps,
                      gemm_lt::TuneClock::time_point deadline);
 
-  // Auto mode: times the wgmma kernel (b.m_hi <= wgmma_auto_max_m: Fp8BlockGemmOptions::wgmma,
-  // and a few other grid shapes when those are the defaults) and the streaming kernel (b.m_hi <=
-  // stream_auto_max_m) at b.m_hi, and chooses the fastest for the bucket when its output equals
-  // the cuBLASLt algorithm's and it is at least 2% faster.
-  Status tune_own_kernels(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
+  // Auto mode: times the wgmma kernel at b.m_hi (Fp8BlockGemmOptions::wgmma, and a few other
+  // grid / burst shapes when those are the defaults) and chooses it for the bucket when its output
+  // equals the cuBLASLt algorithm's and it is at least 2% faster.
+  Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
   // Tunes every bucket with m_hi <= autotune_max_m within the time budget. Never fails: what
   // cannot be tuned keeps the heuristic's choice, with the reason in Bucket::tuning.

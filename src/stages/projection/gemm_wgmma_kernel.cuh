@@ -45,6 +45,24 @@
 // (Session 12 measured and dropped an L2-prefetch variant: the producer warp requested each
 // weight row's next 4-16 units as one contiguous cp.async.bulk.prefetch.L2 ahead of the TMA
 // loads; 19-55 % slower at every M, DRAM throughput 2.36 vs 2.88 TB/s in ncu at M = 1.)
+// (Session 13 built and deleted a "streaming" decode kernel for M <= 16, to test whether long
+// contiguous weight runs beat this kernel's 128-byte box rows: one CTA per SM, each weight row
+// read in 1 or 2 KB runs by 1D bulk copies (cp.async.bulk), activations staged once per CTA,
+// stream-K over (8-row group, K run) units. FP8 mma.sync is emulated on sm_90 (the compiler
+// converts every fragment to f16: 36 us at M 1, instruction-bound), so it fed the runs to wgmma:
+// a run of W K blocks is W rows of a 64-row A tile, the activation tile holds activation m's W
+// blocks as rows W m + q, and the block dot products are the "diagonal" entries q(row) == q(col);
+// both tiles are copied unswizzled and described as 128B-swizzled, which permutes the 16-byte
+// chunks of matching rows (row & 7 equal) identically. Correct (exact on integer inputs) but never
+// faster: fused N 9856 at M 1 36-37 us isolated / 34-35 back-to-back (this kernel 22.2 / 20.2,
+// cuBLASLt 22.8 / 21.3), M 8 42.6, M 16 51.7-54 us. ncu at M 1: 1.79 TB/s from DRAM, the consumers
+// waiting on full barriers yet issuing ~245 instructions per 16 KB unit and warp at ~6.7 cycles
+// each: per-unit consumer latency, not the copies, set the pace. 2 KB instead of 1 KB runs, 4 vs 12
+// stages and no L2 hint changed < 5 %; 2-3 CTAs per SM helped (29.2 / 26.3 us at 3), issuing two
+// units' wgmmas per wait helped (27.9 / 25.8 us with 2 CTAs per SM) but broke the results in its
+// first version (round D), and weights by 16-byte cp.async from one producer warp were 2.4x
+// slower (87.7 us). Whether long runs help DRAM at all stayed unanswered: the consumer side
+// never let the copies run at full rate.)
 // Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, fold with the staged
 // scales, release the stage. Grid: (1 or 2 for n <= 16; 1 for n = 32, 64: registers) x SMs CTAs,
 // at least `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one;
@@ -181,7 +199,7 @@ __device__ __forceinline__ void consumer_barrier() {
 }
 
 // wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
-// A B. (N = 128 serves the streaming kernel, gemm_stream_kernel.cuh.)
+// A B.
 template <int kNw>
 struct Wgmma;
 
@@ -237,30 +255,6 @@ struct Wgmma<64> {
           "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
           "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
           "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(a), "l"(b), "r"(scale_d));
-  }
-};
-
-template <>
-struct Wgmma<128> {
-  __device__ __forceinline__ static void mma(float (&d)[64], uint64_t a, uint64_t b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
-        "%8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "
-        "%26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, "
-        "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
-        "%62, %63}, %64, %65, p, 1, 1;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-          "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-          "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-          "+f"(d[63])
         : "l"(a), "l"(b), "r"(scale_d));
   }
 };

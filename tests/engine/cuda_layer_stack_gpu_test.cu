@@ -167,6 +167,18 @@ double rel_l2(const Tensor& a, const Tensor& b, bool* finite) {
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+// Both stacks' last hidden states must be the same bytes.
+void expect_same_last_hidden(LayerStack& a, LayerStack& b, const char* what) {
+  Result<Tensor> ha = a.last_hidden();
+  Result<Tensor> hb = b.last_hidden();
+  ASSERT_TRUE(ha.ok() && hb.ok());
+  ASSERT_EQ(ha.value().nbytes(), hb.value().nbytes());
+  EXPECT_EQ(
+      std::memcmp(ha.value().data(), hb.value().data(), static_cast<size_t>(ha.value().nbytes())),
+      0)
+      << what;
+}
+
 // 1 dense + 2 sparse layers of a small geometry (hidden 384, 8 q / 2 kv heads); capacities unset.
 LayerStackConfig small_stack_config(uint64_t seed) {
   LayerStackConfig cfg;
@@ -304,14 +316,8 @@ TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
     ASSERT_TRUE(graphs.value()->step(p.value(), &sg).ok());
     ASSERT_TRUE(eager.value()->step(p.value(), &se).ok());
     EXPECT_FALSE(sg.graph_replay);
-    Result<Tensor> hg = graphs.value()->last_hidden();
-    Result<Tensor> he = eager.value()->last_hidden();
-    ASSERT_TRUE(hg.ok() && he.ok());
-    ASSERT_EQ(hg.value().nbytes(), he.value().nbytes());
-    EXPECT_EQ(
-        std::memcmp(hg.value().data(), he.value().data(), static_cast<size_t>(hg.value().nbytes())),
-        0)
-        << "front graphs differ from the eager step";
+    expect_same_last_hidden(*graphs.value(), *eager.value(),
+                            "front graphs differ from the eager step");
     for (auto& [r, n] : len) ++n;
     len[new_request] = chunk;
   };
@@ -359,14 +365,9 @@ TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
     ASSERT_TRUE(st.ok()) << st.to_string();
     ASSERT_TRUE(sep.value()->step(p.value(), &ss).ok());
     EXPECT_EQ(sf.graph_replay, expect_replay);
-    Result<Tensor> hf = fused.value()->last_hidden();
-    Result<Tensor> hs = sep.value()->last_hidden();
-    ASSERT_TRUE(hf.ok() && hs.ok());
-    ASSERT_EQ(hf.value().nbytes(), hs.value().nbytes());
-    EXPECT_EQ(
-        std::memcmp(hf.value().data(), hs.value().data(), static_cast<size_t>(hf.value().nbytes())),
-        0)
-        << "the fused residual + RMSNorm + quantize stack differs from the separate kernels";
+    expect_same_last_hidden(
+        *fused.value(), *sep.value(),
+        "the fused residual + RMSNorm + quantize stack differs from the separate kernels");
   };
   StepDescription s1;
   s1.context = {{0, 0, 600}, {1, 0, 3}};

@@ -19,7 +19,11 @@
 // Check before timing (cheap, printed PASS / FAIL): attn_out finite, fused vs unfused attn_out
 // relative L2 <= 5e-2 (they differ only by one-E4M3-step rounding of a few q / k / v values), every
 // block-id row well formed (ascending ids, local block present).
-//   layer_bench [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile]
+// Programmatic dependent launch (CudaMsaLayer::set_programmatic_launch): --pdl off | on | ab
+// (default off). With ab every scenario is timed with it off and on, all four (fused, unfused) x
+// (off, on) interleaved in the same rounds, one result row per setting; the check then also
+// requires the PDL-on outputs (attn_out, block_ids) to equal the PDL-off ones byte for byte.
+//   layer_bench [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile] [--pdl off|on|ab]
 //     --quick: decode 64 only, fewer iterations; --case: scenarios whose name contains SUBSTRING;
 //     --profile: for Nsight Compute (ncu --profile-from-start off): per graph scenario one warm
 //     graph replay of each variant (fused, unfused) between cudaProfilerStart / Stop, no timing.
@@ -110,6 +114,7 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, split = true, profile = false;
   std::string only;
+  std::vector<int> pdl_settings = {0};  // programmatic launch off (0) / on (1)
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
@@ -121,9 +126,17 @@ int main(int argc, char** argv) {
       profile = true;
     } else if (!std::strcmp(argv[i], "--case") && i + 1 < argc) {
       only = argv[++i];
+    } else if (!std::strcmp(argv[i], "--pdl") && i + 1 < argc &&
+               (!std::strcmp(argv[i + 1], "off") || !std::strcmp(argv[i + 1], "on") ||
+                !std::strcmp(argv[i + 1], "ab"))) {
+      ++i;
+      pdl_settings = !std::strcmp(argv[i], "off")  ? std::vector<int>{0}
+                     : !std::strcmp(argv[i], "on") ? std::vector<int>{1}
+                                                   : std::vector<int>{0, 1};
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile]\n",
+                   "usage: %s [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile] "
+                   "[--pdl off|on|ab]\n",
                    argv[0]);
       return 2;
     }
@@ -221,95 +234,110 @@ int main(int argc, char** argv) {
     const TensorView hv =
         TensorView::contiguous(hidden, DType::kBF16, {T, int64_t{g.hidden}}, Device::cuda(0));
     ok_or_die(layer.plan(meta, hv, caches), "layer plan");
-    auto set_variant = [&](int v) { layer.set_fused(v == 0); };
+    // Variant k: fused (k % 2 == 0) or unfused, programmatic launch pdl_settings[k / 2].
+    const int nvar = 2 * static_cast<int>(pdl_settings.size());
+    auto set_variant = [&](int k) {
+      layer.set_fused(k % 2 == 0);
+      layer.set_programmatic_launch(pdl_settings[static_cast<size_t>(k / 2)] != 0);
+    };
+    auto variant_name = [&](int k) {
+      return std::string(k % 2 == 0 ? "fused" : "unfused") +
+             (pdl_settings[static_cast<size_t>(k / 2)] ? " pdl" : "");
+    };
 
     if (profile) {
       if (!sc.graph) continue;
-      cudaGraphExec_t exec[2];
-      for (int v = 0; v < 2; ++v) {
-        set_variant(v);
+      std::vector<cudaGraphExec_t> exec(static_cast<size_t>(nvar));
+      for (int k = 0; k < nvar; ++k) {
+        set_variant(k);
         ok_or_die(layer.run(stream), "warm run");
         cudaGraph_t graph;
         check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "capture");
         ok_or_die(layer.run(stream), "captured run");
         check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
-        check_cuda(cudaGraphInstantiate(&exec[v], graph, 0), "instantiate");
+        check_cuda(cudaGraphInstantiate(&exec[static_cast<size_t>(k)], graph, 0), "instantiate");
         cudaGraphDestroy(graph);
-        check_cuda(cudaGraphLaunch(exec[v], stream), "warm replay");
+        check_cuda(cudaGraphLaunch(exec[static_cast<size_t>(k)], stream), "warm replay");
       }
       check_cuda(cudaStreamSynchronize(stream), "sync");
-      for (int v = 0; v < 2; ++v) {
+      for (int k = 0; k < nvar; ++k) {
         std::fprintf(log, "layer_bench: profiling %s %s (one graph replay)\n", sc.name.c_str(),
-                     v == 0 ? "fused" : "unfused");
+                     variant_name(k).c_str());
         std::fflush(log);
         check_cuda(cudaProfilerStart(), "profiler start");
-        check_cuda(cudaGraphLaunch(exec[v], stream), "profiled replay");
+        check_cuda(cudaGraphLaunch(exec[static_cast<size_t>(k)], stream), "profiled replay");
         check_cuda(cudaStreamSynchronize(stream), "sync");
         check_cuda(cudaProfilerStop(), "profiler stop");
-        cudaGraphExecDestroy(exec[v]);
+        cudaGraphExecDestroy(exec[static_cast<size_t>(k)]);
       }
       continue;
     }
 
-    // Check: both variants once.
-    std::vector<uint16_t> out[2];
-    LayerTimes stage[2];
+    // Check: every variant once (twice: the second run is warm).
+    std::vector<std::vector<uint16_t>> out(static_cast<size_t>(nvar));
+    std::vector<std::vector<int32_t>> ids(static_cast<size_t>(nvar));
+    std::vector<LayerTimes> stage(static_cast<size_t>(nvar));
     bool ids_ok = true;
-    auto download_out = [&](std::vector<uint16_t>* o) {
-      o->resize(static_cast<size_t>(T * g.hidden));
-      check_cuda(
-          cudaMemcpy(o->data(), layer.attn_out().data, o->size() * 2, cudaMemcpyDeviceToHost),
-          "download");
-    };
-    for (int v = 0; v < 2; ++v) {
-      set_variant(v);
-      ok_or_die(layer.run_timed(stream, &stage[v]), "run");
-      ok_or_die(layer.run_timed(stream, &stage[v]), "run (warm)");
-      download_out(&out[v]);
-      if (v == 0) {
-        std::vector<int32_t> ids(static_cast<size_t>(T * g.n_kv * kTopK));
-        check_cuda(
-            cudaMemcpy(ids.data(), layer.block_ids().data, ids.size() * 4, cudaMemcpyDeviceToHost),
-            "ids");
-        for (int64_t t = 0; t < T && ids_ok; ++t) {
-          const int32_t local = plan.value().positions[static_cast<size_t>(t)] / kPageSize;
-          for (int h = 0; h < g.n_kv; ++h) {
-            const int32_t* r = ids.data() + (t * g.n_kv + h) * kTopK;
-            bool has_local = false;
-            for (int i = 0; i < kTopK; ++i) {
-              has_local |= r[i] == local;
-              if (i > 0 && r[i] >= 0 && !(r[i] > r[i - 1])) ids_ok = false;
-              if (i > 0 && r[i - 1] < 0 && r[i] >= 0) ids_ok = false;
-            }
-            ids_ok &= has_local;
+    for (int k = 0; k < nvar; ++k) {
+      const size_t ks = static_cast<size_t>(k);
+      set_variant(k);
+      ok_or_die(layer.run_timed(stream, &stage[ks]), "run");
+      ok_or_die(layer.run_timed(stream, &stage[ks]), "run (warm)");
+      out[ks].resize(static_cast<size_t>(T * g.hidden));
+      check_cuda(cudaMemcpy(out[ks].data(), layer.attn_out().data, out[ks].size() * 2,
+                            cudaMemcpyDeviceToHost),
+                 "download");
+      ids[ks].resize(static_cast<size_t>(T * g.n_kv * kTopK));
+      check_cuda(cudaMemcpy(ids[ks].data(), layer.block_ids().data, ids[ks].size() * 4,
+                            cudaMemcpyDeviceToHost),
+                 "ids");
+      if (k != 0) continue;
+      for (int64_t t = 0; t < T && ids_ok; ++t) {
+        const int32_t local = plan.value().positions[static_cast<size_t>(t)] / kPageSize;
+        for (int h = 0; h < g.n_kv; ++h) {
+          const int32_t* r = ids[ks].data() + (t * g.n_kv + h) * kTopK;
+          bool has_local = false;
+          for (int i = 0; i < kTopK; ++i) {
+            has_local |= r[i] == local;
+            if (i > 0 && r[i] >= 0 && !(r[i] > r[i - 1])) ids_ok = false;
+            if (i > 0 && r[i - 1] < 0 && r[i] >= 0) ids_ok = false;
           }
+          ids_ok &= has_local;
         }
       }
     }
     bool finite = true;
     const double e = rel_l2(out[1], out[0], &finite);
-    const bool pass = finite && e <= 5e-2 && ids_ok;
+    // PDL on must not change a byte (each variant against the same variant with PDL off).
+    bool pdl_same = true;
+    for (int k = 2; k < nvar; ++k)
+      pdl_same &= out[static_cast<size_t>(k)] == out[static_cast<size_t>(k % 2)] &&
+                  ids[static_cast<size_t>(k)] == ids[static_cast<size_t>(k % 2)];
+    const bool pass = finite && e <= 5e-2 && ids_ok && pdl_same;
     all_pass &= pass;
-    std::fprintf(log, "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s: %s\n",
+    std::fprintf(log, "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s%s: %s\n",
                  sc.name.c_str(), e, finite ? "finite" : "NOT FINITE", ids_ok ? "ok" : "BAD",
+                 nvar > 2 ? (pdl_same ? ", pdl on == off" : ", PDL ON != OFF") : "",
                  pass ? "PASS" : "FAIL");
 
-    // Step timings per variant (0 fused, 1 unfused), isolated and (graph scenarios) back-to-back,
-    // interleaved: kRounds rounds each time both variants once; a variant's median is the median
-    // of its round medians, its min the min over rounds (slow drift of the machine hits both).
+    // Step timings per variant, isolated and (graph scenarios) back-to-back, interleaved: kRounds
+    // rounds each time every variant once; a variant's median is the median of its round
+    // medians, its min the min over rounds (slow drift of the machine hits all variants).
     constexpr int kRounds = 3;
-    bench::Timing t[2], b2b[2];
-    std::vector<double> t_med[2], b2b_med[2];
+    std::vector<bench::Timing> t(static_cast<size_t>(nvar)), b2b(static_cast<size_t>(nvar));
+    std::vector<std::vector<double>> t_med(static_cast<size_t>(nvar)),
+        b2b_med(static_cast<size_t>(nvar));
     for (int round = 0; round < kRounds; ++round) {
-      for (int v = 0; v < 2; ++v) {
-        set_variant(v);
+      for (int k = 0; k < nvar; ++k) {
+        const size_t ks = static_cast<size_t>(k);
+        set_variant(k);
         auto launch = [&](cudaStream_t s) { ok_or_die(layer.run(s), "run"); };
         const bench::Timing one = sc.graph ? bench::time_graph_cold(launch, stream, 2, iters)
                                            : bench::time_cold(launch, stream, 2, iters);
-        t_med[v].push_back(one.median_us);
-        t[v].min_us = round == 0 ? one.min_us : std::min(t[v].min_us, one.min_us);
+        t_med[ks].push_back(one.median_us);
+        t[ks].min_us = round == 0 ? one.min_us : std::min(t[ks].min_us, one.min_us);
         if (sc.graph)
-          b2b_med[v].push_back(
+          b2b_med[ks].push_back(
               bench::time_graph_back_to_back([&](cudaStream_t s, int) { launch(s); }, 1, stream, 8,
                                              2, quick ? 5 : 15)
                   .median_us);
@@ -320,37 +348,41 @@ int main(int argc, char** argv) {
       std::sort(x.begin(), x.end());
       return x[x.size() / 2];
     };
-    for (int v = 0; v < 2; ++v) {
-      t[v].median_us = median(t_med[v]);
-      b2b[v].median_us = median(b2b_med[v]);
+    for (int k = 0; k < nvar; ++k) {
+      t[static_cast<size_t>(k)].median_us = median(t_med[static_cast<size_t>(k)]);
+      b2b[static_cast<size_t>(k)].median_us = median(b2b_med[static_cast<size_t>(k)]);
     }
-    const double ratio = t[1].median_us / t[0].median_us;
-    if (sc.graph) goal &= ratio >= 1.10;
-    never_slower &= ratio >= 1.0;
-    bench::Row row;
-    row.add("scenario", sc.name);
-    row.add("tokens", static_cast<double>(T), 0);
-    row.add("mode", sc.graph ? "graph" : "eager");
-    row.add("fused_us", t[0].median_us, 1);
-    row.add("unfused_us", t[1].median_us, 1);
-    row.add("unfused/fused", ratio, 3);
-    auto b2b_cell = [&](const std::string& name, double v, int prec) {
-      if (sc.graph) {
-        row.add(name, v, prec);
-      } else {
-        row.add(name, "-");
-      }
-    };
-    b2b_cell("fused_b2b_us", b2b[0].median_us, 1);
-    b2b_cell("unfused_b2b_us", b2b[1].median_us, 1);
-    b2b_cell("b2b_ratio", b2b[1].median_us / b2b[0].median_us, 3);
-    row.add("fused_min_us", t[0].min_us, 1);
-    row.add("unfused_min_us", t[1].min_us, 1);
-    rows.push_back(row);
+    for (size_t pi = 0; pi < pdl_settings.size(); ++pi) {
+      const bench::Timing &tf = t[2 * pi], &tu = t[2 * pi + 1];
+      const double ratio = tu.median_us / tf.median_us;
+      if (sc.graph) goal &= ratio >= 1.10;
+      never_slower &= ratio >= 1.0;
+      bench::Row row;
+      row.add("scenario", sc.name);
+      row.add("tokens", static_cast<double>(T), 0);
+      row.add("mode", sc.graph ? "graph" : "eager");
+      row.add("pdl", pdl_settings[pi] ? "on" : "off");
+      row.add("fused_us", tf.median_us, 1);
+      row.add("unfused_us", tu.median_us, 1);
+      row.add("unfused/fused", ratio, 3);
+      auto b2b_cell = [&](const std::string& name, double v, int prec) {
+        if (sc.graph) {
+          row.add(name, v, prec);
+        } else {
+          row.add(name, "-");
+        }
+      };
+      b2b_cell("fused_b2b_us", b2b[2 * pi].median_us, 1);
+      b2b_cell("unfused_b2b_us", b2b[2 * pi + 1].median_us, 1);
+      b2b_cell("b2b_ratio", b2b[2 * pi + 1].median_us / b2b[2 * pi].median_us, 3);
+      row.add("fused_min_us", tf.min_us, 1);
+      row.add("unfused_min_us", tu.min_us, 1);
+      rows.push_back(row);
+    }
 
     // Per-stage split.
-    for (int v = 0; v < 2; ++v) {
-      const char* variant = v == 0 ? "fused" : "unfused";
+    for (int k = 0; k < nvar; ++k) {
+      const std::string variant = variant_name(k);
       auto split_row = [&](const char* method, const std::vector<double>& us) {
         bench::Row r;
         r.add("scenario", sc.name);
@@ -367,10 +399,11 @@ int main(int argc, char** argv) {
       };
       std::vector<double> eager(kNumLayerStages);
       for (int s = 0; s < kNumLayerStages; ++s)
-        eager[static_cast<size_t>(s)] = stage[v].seconds[static_cast<size_t>(s)] * 1e6;
+        eager[static_cast<size_t>(s)] =
+            stage[static_cast<size_t>(k)].seconds[static_cast<size_t>(s)] * 1e6;
       split_row("eager", eager);
       if (!sc.graph || !split) continue;
-      set_variant(v);
+      set_variant(k);
       std::vector<double> prefix(kNumLayerStages), alone(kNumLayerStages);
       double before = launch_us;
       for (int s = 0; s < kNumLayerStages; ++s) {

@@ -554,23 +554,26 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
 Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
   CudaLayerWorkspace& w = *workspace_;
   const bool fuse = fused();
+  const bool pdl = programmatic_launch_;
+  ProducerCudaOptions producer_options;
+  producer_options.programmatic_launch = pdl;
   switch (stage) {
     case LayerStage::kQuantize:
-      return external_input_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_in_, stream);
+      return external_input_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_in_, stream, pdl);
     case LayerStage::kProjection:
       if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
       M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
       return sparse_ ? w.gemm_index_->run(gemm_index_, stream) : Status::Ok();
     case LayerStage::kProducer:
-      if (fuse) return run_producer_cuda(producer_fused_, stream);
-      M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream));
-      return sparse_ ? run_producer_cuda(producer_index_, stream) : Status::Ok();
+      if (fuse) return run_producer_cuda(producer_fused_, stream, producer_options);
+      M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream, producer_options));
+      return sparse_ ? run_producer_cuda(producer_index_, stream, producer_options) : Status::Ok();
     case LayerStage::kIndexer:
       return sparse_ ? run_indexer_cuda(indexer_, indexer_ws_, stream) : Status::Ok();
     case LayerStage::kAttention:
       return run_attention_cuda(attention_, w.attention_ws_.data(), w.attention_ws_bytes_, stream);
     case LayerStage::kOutQuantize:
-      return run_quantize_cuda(quantize_core_, stream);
+      return run_quantize_cuda(quantize_core_, stream, pdl);
     case LayerStage::kOutProjection:
       return w.gemm_o_->run(gemm_o_, stream);
     case LayerStage::kCount:

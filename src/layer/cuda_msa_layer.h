@@ -188,6 +188,13 @@ class CudaMsaLayer {
   // The planned input quantization (rows Tp of `hidden` -> the workspace's E4M3 rows and scales
   // the projection reads; rows 0 when the plan has no tokens).
   const QuantizeParams& input_quantize() const { return quantize_in_; }
+  // Programmatic dependent launch (core/pdl.cuh) of every stage kernel that supports it (the
+  // quantize stages, the producers, the indexer, the attention): each may start while the kernel
+  // before it finishes and waits for it before touching its outputs (griddepcontrol.wait), so the
+  // outputs are identical either way; the cuBLASLt GEMMs launch normally. Off by default; takes
+  // effect at the next run (and is baked into a graph captured from it).
+  void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
+  bool programmatic_launch() const { return programmatic_launch_; }
   int64_t max_position() const { return max_position_; }
   const std::shared_ptr<CudaLayerWorkspace>& workspace() const { return workspace_; }
 
@@ -233,6 +240,7 @@ class CudaMsaLayer {
   bool sparse_ = true;
   MsaLayerOptions options_;
   bool external_input_quantize_ = false;
+  bool programmatic_launch_ = false;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;
   // Device weights: e4m3 matrices and f32 scales (scales rows padded to

@@ -23,6 +23,7 @@
 //    (outputs and the whole pool), and the pool changes only in the rows of the new step's tokens
 //    (stale slots of the larger captured step are never written).
 // 3. fused == unfused: q, index_q, K, V, index-K within one E4M3 step, outputs close.
+// 4. programmatic dependent launch on == off byte for byte (eager and graph, fused and unfused).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -651,6 +652,100 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   EXPECT_TRUE(finite);
   EXPECT_LE(e, 5e-2) << "attn_out unfused vs fused";
   std::printf("  [layer] fused vs unfused attn_out relative L2 %.2e\n", e);
+}
+
+// Programmatic dependent launch (set_programmatic_launch) must not change a byte: every kernel
+// that may start early waits for its predecessor before touching memory. Fused and unfused, on a
+// mixed step (prefill kernels) and a decode-only step (the decode kernels the graphs run), eager
+// and as a graph replayed three times back to back (each replay rewrites the same cache rows, so
+// the results stay comparable), against plain launches from the same pool state.
+TEST_F(CudaLayerTest, ProgrammaticLaunchBitIdenticalToPlainLaunch) {
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const MsaGeometry g = mt::small_geometry(512, 8, 2);
+  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
+  ASSERT_TRUE(w.ok());
+  const Tensor rope = mt::make_rope(4096, g.rope_theta);
+  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+  ASSERT_TRUE(packed.ok());
+  Scenario decode;
+  decode.gen = 40;
+  for (int i = 0; i < decode.gen; ++i) decode.gen_cached.push_back(rng.integer(1, 3500));
+  decode.gen_cached[0] = 2049;
+  const Scenario scenarios[2] = {mixed_scenario(rng, 1), decode};
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (const Scenario& s : scenarios) {
+    int64_t pages = 1;
+    for (const auto& c : s.context) pages += CacheManager::pages_for(c.first + c.second);
+    for (int64_t c : s.gen_cached) pages += CacheManager::pages_for(c + 1 + s.draft);
+    CacheManager cache(pages);
+    const int width = 40;
+    const StepPlan step = plan_scenario(cache, s, width);
+    const int64_t T = step.num_tokens();
+    PagePool host_pool = mt::make_random_pool(g.n_kv, pages, true, rng);
+    DevicePool dev_pool = make_device_pool(host_pool);
+    const Tensor hidden = mt::random_hidden(T, g.hidden, rng);
+    CudaLayerCapacity cap{T, step.num_requests(), width};
+    Result<std::unique_ptr<CudaMsaLayer>> layer =
+        CudaMsaLayer::create(packed.value(), rope.view(), cap);
+    ASSERT_TRUE(layer.ok()) << layer.status().to_string();
+    CudaMsaLayer& L = *layer.value();
+    Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
+    ASSERT_TRUE(meta.ok());
+    ASSERT_TRUE(meta.value()->upload(step, pages, 4096, {}, stream).ok());
+    mt::DeviceBuffer hid = device_hidden(hidden, T);
+    ASSERT_TRUE(L.plan(*meta.value(), hidden_view(hid, T, g.hidden), dev_pool.caches(true)).ok());
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    for (int fused = 0; fused < 2; ++fused) {
+      SCOPED_TRACE(fused ? "fused" : "unfused");
+      L.set_fused(fused != 0);
+      // Reference: plain launches.
+      dev_pool.upload(host_pool);
+      poison_outputs(L, T, g);
+      L.set_programmatic_launch(false);
+      ASSERT_TRUE(L.run(stream).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const Outputs plain = grab(L, dev_pool, T, g);
+      // Programmatic, eager: two runs back to back (the second overlaps the first's tail).
+      L.set_programmatic_launch(true);
+      EXPECT_TRUE(L.programmatic_launch());
+      dev_pool.upload(host_pool);
+      poison_outputs(L, T, g);
+      ASSERT_TRUE(L.run(stream).ok());
+      ASSERT_TRUE(L.run(stream).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const Outputs eager = grab(L, dev_pool, T, g);
+      // Programmatic, captured and replayed three times back to back.
+      dev_pool.upload(host_pool);
+      poison_outputs(L, T, g);
+      cudaGraph_t graph;
+      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status cs = L.run(stream);
+      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(cs.ok()) << cs.to_string();
+      cudaGraphExec_t exec;
+      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const Outputs replay = grab(L, dev_pool, T, g);
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      L.set_programmatic_launch(false);
+      for (const Outputs* o : {&eager, &replay}) {
+        const char* what = o == &eager ? "eager" : "graph";
+        EXPECT_TRUE(o->q == plain.q) << what << ": q differs with PDL";
+        EXPECT_TRUE(o->iq == plain.iq) << what << ": index_q differs with PDL";
+        EXPECT_TRUE(o->ids == plain.ids) << what << ": block ids differ with PDL";
+        EXPECT_TRUE(o->core == plain.core) << what << ": attn_core differs with PDL";
+        EXPECT_TRUE(o->out == plain.out) << what << ": attn_out differs with PDL";
+        EXPECT_TRUE(o->pool == plain.pool) << what << ": pool differs with PDL";
+      }
+      EXPECT_TRUE(dev_pool.guards_intact());
+    }
+  }
+  cudaStreamDestroy(stream);
 }
 
 TEST_F(CudaLayerTest, RejectedUploadAndPlanTouchNothing) {

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/producer/producer.h"
 #include "stages/producer/producer_kernel.cuh"
@@ -24,7 +25,8 @@ template <ProducerMode kMode, int kU>
 Status launch(const pk::KernelArgs& args, int64_t tasks, cudaStream_t stream) {
   constexpr int64_t per_block = pk::tasks_per_block(kU);
   const auto blocks = static_cast<uint32_t>((tasks + per_block - 1) / per_block);
-  pk::producer_kernel<kMode, kU><<<blocks, pk::kThreads, 0, stream>>>(args);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(pk::producer_kernel<kMode, kU>, dim3(blocks),
+                                     dim3(pk::kThreads), 0, stream, args.programmatic, args));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -34,8 +36,9 @@ Status launch_persistent(const pk::KernelArgs& args, int64_t tasks, int blocks,
                          cudaStream_t stream) {
   const int64_t batches = pk::num_batches(tasks, pk::kPersistentTasks);
   const auto grid = static_cast<uint32_t>(std::min<int64_t>(batches, blocks));
-  pk::producer_persistent_kernel<kMode>
-      <<<grid, pk::kThreads, 0, stream>>>(args, static_cast<uint32_t>(batches));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(pk::producer_persistent_kernel<kMode>, dim3(grid),
+                                     dim3(pk::kThreads), 0, stream, args.programmatic, args,
+                                     static_cast<uint32_t>(batches)));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -67,7 +70,8 @@ Status launch_tma(const pk::KernelArgs& args, int64_t tasks, const ProducerCudaO
       o.tma_tail > 0 ? pk::set_tma_tail(g, tasks, static_cast<uint32_t>(blocks), o.tma_tail_rounds,
                                         o.tma_tail_tiles, o.tma_tail_tile_tasks)
                      : static_cast<uint32_t>(std::min<int64_t>(g.num_tiles, blocks));
-  kernel<<<grid, pk::kTmaThreads, smem, stream>>>(args, g);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(grid), dim3(pk::kTmaThreads), smem, stream,
+                                     args.programmatic, args, g));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -241,7 +245,8 @@ Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,
   M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, current));
   sms = std::max(sms, 1);
 
-  const pk::KernelArgs a = pk::make_kernel_args(p, heads);
+  pk::KernelArgs a = pk::make_kernel_args(p, heads);
+  a.programmatic = options.programmatic_launch;
   return dispatch(p.mode, a, tasks, options, sms, stream);
 }
 

@@ -102,6 +102,11 @@ struct ProducerCudaOptions {
   // at 56; needs task plans and tma_stages 2 or 3, and 64-task tiles to fit 4 blocks in shared
   // memory, else fewer run). Same bytes.
   int tma_blocks_per_sm = 0;
+  // Programmatic dependent launch (core/pdl.cuh) of whichever kernel runs: it may start while the
+  // preceding kernel of the stream finishes and waits for it (griddepcontrol.wait) before reading
+  // `packed` or writing anything; the per-batch kernel stages the norm weights, positions, slots
+  // and RoPE rows before that wait. Same bytes either way.
+  bool programmatic_launch = false;
 };
 // The same launch with an explicit kernel choice (benchmarks, tests).
 Status run_producer_cuda(const ProducerParams& p, cudaStream_t stream,

@@ -14,6 +14,7 @@
 //              of packed reads are in flight only during the first latency.
 #pragma once
 
+#include "core/pdl.cuh"
 #include "stages/producer/producer_kernel_common.cuh"
 
 namespace m3attn::producer_kernel {
@@ -66,27 +67,41 @@ __global__ void __launch_bounds__(kThreads, 4) producer_kernel(const KernelArgs 
   const uint32_t t_first = a.heads.div(block_first);
   const uint32_t t_last = a.heads.div(block_last);
 
-  // ---- phase 1: issue the packed loads ----
-  LaneRaw raw[kU];
-  load_batch<kU>(a, block_first, group, lane, raw);
-
-  // ---- phase 2: norm weights, positions, slots and RoPE rows into shared memory ----
-  stage_norms(a, s_norm);
-  const int n_tok = static_cast<int>(t_last - t_first) + 1;
-  for (int e = threadIdx.x; e < n_tok * 16; e += kThreads) {
-    const int k = e / 16;
-    const int part = e % 16;
-    const uint32_t t = t_first + k;
-    const int32_t pos = __ldg(a.positions + t);
-    if (part == 0) {
-      s_pos[k] = pos;
-      s_slot[k] = __ldg(a.slots + t);
+  // Phase 2: norm weights, positions, slots and RoPE rows into shared memory (nothing a preceding
+  // kernel of the step writes: the metadata is uploaded by copies before the step).
+  const auto stage_block_meta = [&] {
+    stage_norms(a, s_norm);
+    const int n_tok = static_cast<int>(t_last - t_first) + 1;
+    for (int e = threadIdx.x; e < n_tok * 16; e += kThreads) {
+      const int k = e / 16;
+      const int part = e % 16;
+      const uint32_t t = t_first + k;
+      const int32_t pos = __ldg(a.positions + t);
+      if (part == 0) {
+        s_pos[k] = pos;
+        s_slot[k] = __ldg(a.slots + t);
+      }
+      float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (static_cast<uint32_t>(pos) < a.max_pos)
+        r = __ldg(
+            reinterpret_cast<const float4*>(a.rope + static_cast<int64_t>(pos) * kRopeFloats) +
+            part);
+      s_rope[k][part] = r;
     }
-    float4 r = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (static_cast<uint32_t>(pos) < a.max_pos)
-      r = __ldg(reinterpret_cast<const float4*>(a.rope + static_cast<int64_t>(pos) * kRopeFloats) +
-                part);
-    s_rope[k][part] = r;
+  };
+
+  // Phase 1: issue the packed loads (the preceding GEMM's output). Under a programmatic launch
+  // phase 2 runs first, overlapping the preceding kernel's tail, and the packed loads wait for
+  // it (pdl_wait: before any read of its output and before any global store of this kernel).
+  pdl_launch_dependents();
+  LaneRaw raw[kU];
+  if (a.programmatic) {
+    stage_block_meta();
+    pdl_wait();
+    load_batch<kU>(a, block_first, group, lane, raw);
+  } else {
+    load_batch<kU>(a, block_first, group, lane, raw);
+    stage_block_meta();
   }
   __syncthreads();
 

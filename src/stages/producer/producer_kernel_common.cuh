@@ -113,6 +113,11 @@ struct KernelArgs {
   int n_kv = 0;
   uint32_t num_tasks = 0;  // T * H
   FastDivmod heads;        // H
+  // Launched with programmatic dependent launch (ProducerCudaOptions::programmatic_launch): the
+  // per-batch kernel then stages what no preceding kernel writes (norm weights, positions, slots,
+  // RoPE rows) before its griddepcontrol.wait and issues the packed loads after it; launched
+  // normally it issues the packed loads first (they overlap the staging). Same bytes either way.
+  bool programmatic = false;
 };
 
 // Host side, used by the launcher: the kernel's arguments from validated params (T > 0).

@@ -97,6 +97,9 @@ __global__ void __launch_bounds__(kThreads, kPersistentBlocksPerSm)
   __shared__ int32_t s_pos[3][kMaxTok];
   __shared__ int32_t s_slot[3][kMaxTok];
 
+  // Programmatic dependent launch: no global access before the preceding grid completes.
+  pdl_launch_dependents();
+  pdl_wait();
   const uint32_t stride = gridDim.x;
   uint32_t b = blockIdx.x;
   if (b >= num_batches) return;  // the launcher never makes such blocks; uniform per block

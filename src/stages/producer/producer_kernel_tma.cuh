@@ -79,6 +79,7 @@
 #include <cstddef>
 
 #include "core/mbarrier.cuh"
+#include "core/pdl.cuh"
 #include "stages/producer/producer_kernel_common.cuh"
 #include "stages/producer/producer_kernel_tma_plan.cuh"
 
@@ -427,6 +428,9 @@ __global__ void __launch_bounds__(kTmaThreads, kMinBlocks)
   __shared__ __align__(8) uint64_t full[kTmaStages];
   __shared__ __align__(8) uint64_t empty[kTmaStages];
 
+  // Programmatic dependent launch: no global access before the preceding grid completes.
+  pdl_launch_dependents();
+  pdl_wait();
   const int warp = threadIdx.x / 32;
   const int lane32 = threadIdx.x % 32;
   const bool copy_warp = warp == kTmaComputeWarps;

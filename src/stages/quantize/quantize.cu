@@ -3,12 +3,13 @@
 #include <cstdint>
 
 #include "core/cuda_check.h"
+#include "core/pdl.cuh"
 #include "stages/quantize/quantize.h"
 #include "stages/quantize/quantize_kernel.cuh"
 
 namespace m3attn {
 
-Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream) {
+Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream, bool programmatic) {
   M3_RETURN_IF_ERROR(validate_quantize(p));
   M3_CHECK_ARG(p.in.device.type == DeviceType::kCUDA && p.out.device.type == DeviceType::kCUDA &&
                    p.scales.device.type == DeviceType::kCUDA,
@@ -36,7 +37,8 @@ Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream) {
   // (16 M groups) is far past the point where every SM is busy.
   const int64_t blocks =
       std::min<int64_t>((groups + kGroupsPerBlock - 1) / kGroupsPerBlock, int64_t{1} << 20);
-  quantize_rows_kernel<<<static_cast<unsigned>(blocks), kBlockThreads, 0, stream>>>(a);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(quantize_rows_kernel, dim3(static_cast<unsigned>(blocks)),
+                                     dim3(kBlockThreads), 0, stream, programmatic, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

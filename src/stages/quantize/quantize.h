@@ -23,7 +23,9 @@ struct QuantizeParams {
 Status validate_quantize(const QuantizeParams& p);
 Status run_quantize_cpu(const QuantizeParams& p);
 #if defined(M3ATTN_WITH_CUDA)
-Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream);
+// programmatic: launch with programmatic dependent launch (core/pdl.cuh; the kernel waits for the
+// preceding grid before touching memory, so the result is the same either way).
+Status run_quantize_cuda(const QuantizeParams& p, cudaStream_t stream, bool programmatic = false);
 #endif
 
 }  // namespace m3attn

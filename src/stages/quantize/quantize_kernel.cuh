@@ -16,9 +16,12 @@
 //   produces canonical NaNs, x86 keeps the sign of the NaN it divides (and makes inf/inf
 //   negative), so NaN inputs give NaN codes on both sides whose sign may differ.
 //
-// Session 13 tried a programmatic dependent launch of this kernel in the layer (griddepcontrol.wait
-// and launch_dependents at its start): rounds A-C measured it within the ~1 us run-to-run noise of
-// the decode step (its neighbours do not launch programmatically), so it was removed.
+// Programmatic dependent launch (core/pdl.cuh): every thread waits for the preceding grid
+// (pdl_wait) before its first load of `in` and its first store, and lets the next grid launch at
+// once (pdl_launch_dependents: it waits for this grid in turn). Both are no-ops under a normal
+// launch; run_quantize_cuda's `programmatic` picks the launch. Session 13 measured a PDL launch of
+// this kernel alone as noise (its neighbours launched normally); session 14 launches the whole
+// decode chain that way.
 //
 // Bytes moved: 2 M K (read) + M_pad K (write) + 4 M_pad K / 128 (scales). Memory bound: at M = 4,
 // K = 6144 the whole call moves ~75 KB and costs a launch (~3 us); at M = 16384 it moves ~300 MB
@@ -28,6 +31,7 @@
 #include <cstdint>
 
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 #include "stages/quantize/quantize_group.cuh"
 
 namespace m3attn::quantize_detail {
@@ -48,6 +52,8 @@ struct QuantizeKernelArgs {
 };
 
 __global__ void __launch_bounds__(kBlockThreads) quantize_rows_kernel(QuantizeKernelArgs a) {
+  pdl_launch_dependents();
+  pdl_wait();
   const int64_t groups = a.m_pad * a.kblocks;
   const int sub = static_cast<int>(threadIdx.x) % kThreadsPerGroup;  // lane within the group
   // The two groups of a warp may leave the loop on different iterations: shuffles name only the

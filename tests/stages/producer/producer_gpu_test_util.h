@@ -87,9 +87,19 @@ inline ProducerCudaOptions tail_options(int rounds = 0, int tiles = 0, int tile_
   o.tma_tail_tile_tasks = tile_tasks;
   return o;
 }
-inline const ProducerCudaOptions kKernelChoices[] = {
-    ProducerCudaOptions{}, tma_options(3, 0), tma_options(4, 0, true, true, 64),
-    tma_options(2, 0, true, false, 128), tail_options(1, 2, 32, 0)};
+// The same choice launched with programmatic dependent launch (same bytes: the kernels wait for
+// the preceding grid before touching memory).
+inline ProducerCudaOptions programmatic(ProducerCudaOptions o) {
+  o.programmatic_launch = true;
+  return o;
+}
+inline const ProducerCudaOptions kKernelChoices[] = {ProducerCudaOptions{},
+                                                     tma_options(3, 0),
+                                                     tma_options(4, 0, true, true, 64),
+                                                     tma_options(2, 0, true, false, 128),
+                                                     tail_options(1, 2, 32, 0),
+                                                     programmatic(ProducerCudaOptions{}),
+                                                     programmatic(tma_options(3, 0))};
 inline std::string choice_name(const ProducerCudaOptions& o) {
   std::ostringstream os;
   os << producer_cuda_kernel_name(o.kernel);
@@ -100,6 +110,7 @@ inline std::string choice_name(const ProducerCudaOptions& o) {
     os << " tail rounds " << o.tma_tail_rounds << " tiles " << o.tma_tail_tiles << " of "
        << o.tma_tail_tile_tasks;
   if (o.persistent_blocks) os << " blocks " << o.persistent_blocks;
+  if (o.programmatic_launch) os << " programmatic";
   return os.str();
 }
 

@@ -1,6 +1,7 @@
 // GPU activation quantization (run_quantize_cuda) against the CPU twin: E4M3 codes and fp32 scales
 // byte-identical (NaN codes: both NaN, sign free), padding rows q = 0 / scale = 1, every scale
-// layout, guard bytes untouched, rejected calls write nothing, CUDA-graph replay equals eager.
+// layout, guard bytes untouched, rejected calls write nothing, CUDA-graph replay equals eager, a
+// programmatic launch waits for the kernel before it.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 #include "stages/quantize/quantize.h"
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
@@ -365,6 +367,73 @@ TEST(QuantizeGpuSpecial, GraphReplayWithNewInputEqualsEager) {
 
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Writes `in` into `out` after spinning ~spin_cycles, having let its programmatic dependents
+// launch at once: a dependent that read before its griddepcontrol.wait would see stale input.
+__global__ void delayed_copy_kernel(const uint8_t* in, uint8_t* out, int64_t n,
+                                    long long spin_cycles) {
+  pdl_launch_dependents();
+  const long long t0 = clock64();
+  while (clock64() - t0 < spin_cycles) {
+  }
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = in[i];
+}
+
+// A programmatic launch behind a kernel that writes the input late: still the twin's bytes.
+TEST(QuantizeGpuSpecial, ProgrammaticLaunchWaitsForThePrecedingKernel) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  Problem pb(130, 132, 6144, 8, ScaleLayout::kTokenMajor);
+  fill_input(pb, rng);
+  DeviceBuffer staging(pb.d_in.bytes());
+  staging.upload(pb.in.data(), pb.in.size() * 2);
+  pb.d_in.poison(0x7f);  // bf16 0x7f7f: large finite values, wrong codes if read early
+  std::vector<uint8_t> out;
+  std::vector<float> scales;
+  ASSERT_TRUE(run_quantize_cpu(pb.host_params(out, scales)).ok());
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());  // uploads / poisons (legacy stream) first
+  for (int graph = 0; graph < 2; ++graph) {
+    SCOPED_TRACE(graph ? "graph replay" : "eager");
+    pb.d_in.poison(0x7f);
+    pb.d_out.poison(kPoison);
+    pb.d_scales.poison(kPoison);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    auto launch = [&](cudaStream_t s) {
+      delayed_copy_kernel<<<64, 256, 0, s>>>(static_cast<const uint8_t*>(staging.data()),
+                                             static_cast<uint8_t*>(pb.d_in.data()),
+                                             static_cast<int64_t>(pb.in.size() * 2), 2000000);
+      return run_quantize_cuda(pb.device_params(), s, /*programmatic=*/true);
+    };
+    if (graph) {
+      cudaGraph_t g;
+      cudaGraphExec_t exec;
+      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status st = launch(stream);
+      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &g));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, g, 0));
+      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(g);
+    } else {
+      const Status st = launch(stream);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    }
+    const Mismatch mm = compare(pb, out, scales);
+    EXPECT_EQ(mm.codes, 0) << mm.report;
+    EXPECT_EQ(mm.scales, 0) << mm.report;
+    EXPECT_EQ(mm.guards, 0);
+  }
   cudaStreamDestroy(stream);
 }
 

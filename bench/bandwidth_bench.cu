@@ -12,7 +12,21 @@
 // Each is timed isolated (one replay after a flush) and back-to-back (calls in one graph over
 // rotating source copies; bench_util.h); an empty kernel shows the fixed cost of each timing.
 //
-// usage: bandwidth_bench [--json] [--quick]
+// --tiles: how the decode GEMM's weight stream could be read (no compute; issue #4's open
+// question), for the fused projection's weights (9856 x 6144) and o_proj's (6144 x 8192):
+//   tma2d  as gemm_wgmma_kernel.cuh reads them: units of one 128 x 128 TMA box (16 KB, 128B
+//          swizzle), tile-major, cut into one contiguous stream-K range per CTA, a ring of
+//          `stages` stages (the kernel's depth for its CTAs per SM and activation rows), the
+//          producer lane issuing `burst` units back to back; optionally each unit also loads an
+//          activation box of `act` rows x 128 bytes (L2-resident, as the kernel's B operand);
+//          one consumer warp releases every stage as soon as it is full;
+//   bulk1d the same ring, order and bursts, each unit one 16 KB 1D cp.async.bulk of contiguous
+//          bytes (what a weight layout pre-tiled at load time would allow);
+//   read   the plain vector-load read of the same bytes (the first table's kernel).
+//
+// usage: bandwidth_bench [--json] [--quick] [--tiles]
+#include <cuda.h>  // CUtensorMap
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "core/mbarrier.cuh"
 #include "support/bench_util.h"
 
 namespace m3attn {
@@ -60,6 +75,227 @@ __global__ void copy_kernel(const int4* __restrict__ src, int4* __restrict__ dst
 
 __global__ void empty_kernel() {}
 
+// ---- --tiles: the decode GEMM's weight stream without compute ----------------------------------
+
+constexpr int kUnitBytes = 128 * 128;
+
+struct TileArgs {
+  const uint8_t* w;  // bulk1d: unit u at w + u * kUnitBytes
+  int units, kblocks, stages, burst, act_rows, min_units;
+};
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// One producer warp (lane 0 issues) and one consumer warp (lane 0 waits and releases).
+template <bool kBulk1d>
+__global__ void __launch_bounds__(64)
+    tile_read_kernel(const __grid_constant__ CUtensorMap wmap,
+                     const __grid_constant__ CUtensorMap xmap, const TileArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[16];
+  __shared__ __align__(8) uint64_t empty_bar[16];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const int stage_bytes = kUnitBytes + a.act_rows * 128;
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int u_begin = static_cast<int>(int64_t{cta} * a.units / grid);
+  const int u_end = static_cast<int>(int64_t{cta + 1} * a.units / grid);
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < a.stages; ++s) {
+      sm90::mbar_init(smem_u32(&full_bar[s]), 1);
+      sm90::mbar_init(smem_u32(&empty_bar[s]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int i = 0;
+    for (int u = u_begin; u < u_end;) {
+      const int nb = u_end - u < a.burst ? u_end - u : a.burst;
+      for (int j = 0; j < nb; ++j) {
+        const int ij = i + j;
+        if (ij >= a.stages)
+          sm90::mbar_wait(smem_u32(&empty_bar[ij % a.stages]), ((ij / a.stages) - 1) & 1);
+      }
+      for (int j = 0; j < nb; ++j, ++u, ++i) {
+        const int s = i % a.stages;
+        const uint32_t full = smem_u32(&full_bar[s]);
+        const uint32_t dst = base + static_cast<uint32_t>(s * stage_bytes);
+        const int tile = u / a.kblocks, kb = u - tile * a.kblocks;
+        sm90::mbar_arrive_expect_tx(full, static_cast<uint32_t>(stage_bytes));
+        if constexpr (kBulk1d) {
+          asm volatile(
+              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+              "[%3];\n" ::"r"(dst),
+              "l"(a.w + int64_t{u} * kUnitBytes), "r"(kUnitBytes), "r"(full)
+              : "memory");
+        } else {
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+              "[%1, {%2, %3}], [%4];\n" ::"r"(dst),
+              "l"(reinterpret_cast<uint64_t>(&wmap)), "r"(kb * 128), "r"(tile * 128), "r"(full)
+              : "memory");
+        }
+        if (a.act_rows > 0)
+          asm volatile(
+              "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+              "[%1, {%2, %3}], [%4];\n" ::"r"(dst + kUnitBytes),
+              "l"(reinterpret_cast<uint64_t>(&xmap)), "r"(kb * 128), "r"(0), "r"(full)
+              : "memory");
+      }
+    }
+  } else if (threadIdx.x == 32) {
+    for (int u = u_begin, i = 0; u < u_end; ++u, ++i) {
+      const int s = i % a.stages;
+      sm90::mbar_wait(smem_u32(&full_bar[s]), (i / a.stages) & 1);
+      sm90::mbar_arrive(smem_u32(&empty_bar[s]));
+    }
+  }
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  bench::check_cuda(
+      cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
+      "cuTensorMapEncodeTiled entry point");
+  if (q != cudaDriverEntryPointSuccess || p == nullptr) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
+    std::exit(1);
+  }
+  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+}
+
+// uint8 rows x cols (row stride cols), box box_rows x 128, 128B swizzle (as gemm_wgmma.cu).
+CUtensorMap encode_2d(const void* data, int64_t rows, int64_t cols, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
+  const cuuint32_t box[2] = {128, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = tensor_map_encoder()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(data), dims, strides, box,
+      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+    std::exit(1);
+  }
+  return map;
+}
+
+struct TileCase {
+  const char* mode;                  // "tma2d" or "bulk1d"
+  int ctas_per_sm, act_rows, burst;  // burst 0: the kernel's automatic (2, or half the ring)
+};
+
+// The --tiles table: every case over both weight shapes, isolated and back to back.
+void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
+               cudaStream_t stream, bool json) {
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+  };
+  const Shape shapes[] = {{"fused 9856x6144", 9856, 6144}, {"o_proj 6144x8192", 6144, 8192}};
+  const TileCase cases[] = {{"tma2d", 2, 8, 0},  {"tma2d", 2, 0, 0},  {"tma2d", 1, 0, 0},
+                            {"tma2d", 1, 64, 0}, {"tma2d", 1, 64, 2}, {"tma2d", 2, 64, 0},
+                            {"bulk1d", 2, 0, 0}, {"bulk1d", 1, 0, 0}, {"bulk1d", 1, 64, 0},
+                            {"bulk1d", 2, 0, 4}};
+  std::vector<bench::Row> rows;
+  for (const Shape& sh : shapes) {
+    const size_t bytes = static_cast<size_t>(sh.n * sh.k);
+    const int copies =
+        std::min<int>(bench::back_to_back_copies(bytes), static_cast<int>(src_bytes / bytes));
+    const auto w_copy = [&](int c) { return static_cast<const uint8_t*>(src) + c * bytes; };
+    std::vector<CUtensorMap> wmaps;
+    for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(w_copy(c), sh.n, sh.k, 128));
+    const CUtensorMap xmap8 = encode_2d(act, 64, sh.k, 8);
+    const CUtensorMap xmap64 = encode_2d(act, 64, sh.k, 64);
+    const int units = static_cast<int>(sh.n / 128 * (sh.k / 128));
+    for (const TileCase& tc : cases) {
+      const bool bulk = std::strcmp(tc.mode, "bulk1d") == 0;
+      TileArgs a;
+      a.kblocks = static_cast<int>(sh.k / 128);
+      a.units = units;
+      a.act_rows = tc.act_rows;
+      a.min_units = 16;
+      const int stage_bytes = kUnitBytes + tc.act_rows * 128;
+      const int budget = tc.ctas_per_sm == 1 ? 220 * 1024 : 110 * 1024;
+      a.stages = std::min(12, budget / stage_bytes);
+      a.burst = tc.burst > 0          ? std::min(tc.burst, a.stages)
+                : tc.ctas_per_sm == 2 ? 2
+                                      : std::max(1, a.stages / 2);
+      const int smem = a.stages * stage_bytes + 1024;
+      const int grid = std::min(tc.ctas_per_sm * sms, (units + a.min_units - 1) / a.min_units);
+      auto* kernel = bulk ? &tile_read_kernel<true> : &tile_read_kernel<false>;
+      bench::check_cuda(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+          "smem opt-in");
+      const CUtensorMap& xmap = tc.act_rows > 8 ? xmap64 : xmap8;
+      const auto launch = [&](cudaStream_t st, int c) {
+        TileArgs ac = a;
+        ac.w = w_copy(c);
+        kernel<<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap, ac);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      bench::check_cuda(cudaStreamSynchronize(stream), "tiles");
+      bench::Row r;
+      r.add("weights", sh.name);
+      r.add("mode", tc.mode);
+      r.add("ctas/SM", std::to_string(tc.ctas_per_sm));
+      r.add("act_rows", std::to_string(tc.act_rows));
+      r.add("stages", std::to_string(a.stages));
+      r.add("burst", std::to_string(a.burst));
+      r.add("grid", std::to_string(grid));
+      r.add("us", ti.median_us, 2);
+      r.add("GB/s", bytes / ti.median_us / 1e3, 0);
+      r.add("b2b_us", tb.median_us, 2);
+      r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
+      rows.push_back(r);
+    }
+    // The plain vector-load read of the same bytes, best of the first table's shapes.
+    double best = 1e30;
+    int best_grid = 0;
+    const size_t n16 = bytes / sizeof(int4);
+    for (int k : {2, 4, 8, 16}) {
+      const bench::Timing t = bench::time_graph_cold(
+          [&](cudaStream_t st) {
+            read_kernel<<<k * sms, 512, 0, st>>>(reinterpret_cast<const int4*>(w_copy(0)), n16,
+                                                 sink);
+          },
+          stream);
+      if (t.median_us < best) best = t.median_us, best_grid = k * sms;
+    }
+    const bench::Timing tb = bench::time_graph_back_to_back(
+        [&](cudaStream_t st, int c) {
+          read_kernel<<<best_grid, 512, 0, st>>>(reinterpret_cast<const int4*>(w_copy(c)), n16,
+                                                 sink);
+        },
+        copies, stream);
+    bench::Row r;
+    r.add("weights", sh.name);
+    r.add("mode", "read");
+    r.add("ctas/SM", "n/a");
+    r.add("act_rows", "0");
+    r.add("stages", "n/a");
+    r.add("burst", "n/a");
+    r.add("grid", std::to_string(best_grid));
+    r.add("us", best, 2);
+    r.add("GB/s", bytes / best / 1e3, 0);
+    r.add("b2b_us", tb.median_us, 2);
+    r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
+    rows.push_back(r);
+  }
+  bench::check_cuda(cudaGetLastError(), "tiles launches");
+  bench::print_rows(
+      "decode GEMM weight streams without compute (cold L2; isolated graph replay and "
+      "back-to-back; GB/s of weight bytes)",
+      rows, json);
+}
+
 struct Size {
   const char* name;
   size_t bytes;
@@ -70,14 +306,16 @@ struct Size {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false;
+  bool json = false, quick = false, tiles = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
     } else if (!std::strcmp(argv[i], "--quick")) {
       quick = true;
+    } else if (!std::strcmp(argv[i], "--tiles")) {
+      tiles = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles]\n", argv[0]);
       return 2;
     }
   }
@@ -104,6 +342,19 @@ int main(int argc, char** argv) {
   bench::check_cuda(cudaMemset(src, 0x3c, max_src_bytes), "cudaMemset(src)");
   cudaStream_t stream;
   bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
+  if (tiles) {
+    // Activations: 64 rows x 8192 bytes (zeros), L2-resident after the first unit reads them.
+    void* act = nullptr;
+    bench::check_cuda(cudaMalloc(&act, 64 * 8192), "cudaMalloc(act)");
+    bench::check_cuda(cudaMemset(act, 0, 64 * 8192), "cudaMemset(act)");
+    run_tiles(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
+    cudaFree(act);
+    cudaFree(src);
+    cudaFree(dst);
+    cudaFree(sink);
+    cudaStreamDestroy(stream);
+    return 0;
+  }
 
   // Launch shapes tried per size: CTAs per SM x threads per CTA.
   const int per_sm[] = {2, 4, 8, 16};

@@ -43,7 +43,10 @@
 // Flags: --json (one JSON array per table), --quick (M = 1, 64, 4096; fewer iterations),
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
-// --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions).
+// --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions), --shape N,K (only
+// one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, overlap_units) on an N x K
+// weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
+// times only wgmma variant V (for profiling: its check launch comes first)).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -334,9 +337,178 @@ double gemm_bytes(int64_t m_pad, int64_t n) {
                              m_pad * n * 2);
 }
 
+// ---- --shape N,K: cuBLASLt vs the wgmma kernel's variants on one GEMM shape
+// ---------------------- Integer-valued operands (E4M3 integers in [-4, 4], scales 1 / 0.5 and 1 /
+// 2) make every path exact, so each wgmma variant's output must equal cuBLASLt's byte for byte
+// ("check").
+
+__global__ void fill_e4m3_int(uint8_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = float_to_e4m3(
+        static_cast<float>(static_cast<int>(hash32(static_cast<uint64_t>(i), seed) % 9) - 4));
+}
+
+__global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = hash32(static_cast<uint64_t>(i), seed) % 2 ? lo : 1.0f;
+}
+
+struct ShapeVariant {
+  int ctas;      // GemmWgmmaOptions::ctas_per_sm (0: automatic)
+  bool overlap;  // GemmWgmmaOptions::overlap_units
+  bool pairs;    // GemmWgmmaOptions::tile_pairs
+};
+
+int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool json) {
+  const ShapeVariant variants[] = {{0, false, false}, {0, true, false},  {2, false, false},
+                                   {2, true, false},  {1, false, false}, {0, false, true},
+                                   {0, true, true}};
+  const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
+  const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
+  const int64_t sw_stride = gemm_weight_scales_row_stride(k);
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  const size_t w_bytes = static_cast<size_t>(n * k);
+  const size_t sw_count = static_cast<size_t>(n / 128 * sw_stride);
+  const int copies = bench::back_to_back_copies(w_bytes);
+  std::vector<uint8_t*> w(static_cast<size_t>(copies));
+  std::vector<float*> sw(static_cast<size_t>(copies));
+  for (int c = 0; c < copies; ++c) {
+    w[c] = device_alloc<uint8_t>(w_bytes);
+    sw[c] = device_alloc<float>(sw_count);
+    fill_e4m3_int<<<1024, 256, 0, stream>>>(w[c], n * k, 2);
+    fill_pow2<<<64, 256, 0, stream>>>(sw[c], static_cast<int64_t>(sw_count), 3, 0.5f);
+  }
+  uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
+  float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
+  uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
+  uint16_t* ref = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
+  check_cuda(cudaGetLastError(), "fill");
+  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
+  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
+  void* ws = nullptr;
+  check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
+  check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.wgmma_max_m = 0;
+  lt_opt.wgmma_auto_max_m = 0;
+  auto t0 = std::chrono::steady_clock::now();
+  auto r = Fp8BlockGemm::create(ms.back(), n, k, lt_opt);
+  must(r.status(), "Fp8BlockGemm::create");
+  std::unique_ptr<Fp8BlockGemm> lt = std::move(r).value();
+  std::printf(
+      "shape N %lld K %lld: cuBLASLt object created in %.0f ms; %d weight copies\n",
+      static_cast<long long>(n), static_cast<long long>(k),
+      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+      copies);
+  bool pass = true;
+  std::vector<bench::Row> rows;
+  for (int64_t rows_m : ms) {
+    const int64_t m = gemm_padded_rows(rows_m);
+    fill_e4m3_int<<<1024, 256, 0, stream>>>(a, m * k, static_cast<uint32_t>(7 + rows_m));
+    fill_pow2<<<64, 256, 0, stream>>>(sa, m * kb, static_cast<uint32_t>(11 + rows_m), 2.0f);
+    const Device dev = Device::cuda(0);
+    auto params = [&](int c, uint16_t* o) {
+      GemmParams p;
+      p.a = TensorView::contiguous(a, DType::kE4M3, {m, k}, dev);
+      p.a_scales = gemm_activation_scales_view(sa, m, k, dev);
+      p.b = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, dev);
+      p.b_scales = TensorView::strided(sw[c], DType::kF32, {n / 128, kb}, {sw_stride, 1}, dev);
+      p.out = TensorView::contiguous(o, DType::kBF16, {m, n}, dev);
+      return p;
+    };
+    const size_t out_bytes = static_cast<size_t>(m * n * 2);
+    check_cuda(cudaMemsetAsync(ref, 0xA5, out_bytes, stream), "poison");
+    must(lt->run(params(0, ref), stream), "cuBLASLt");
+    std::vector<uint8_t> want(out_bytes), got(out_bytes);
+    check_cuda(cudaStreamSynchronize(stream), "cuBLASLt");
+    check_cuda(cudaMemcpy(want.data(), ref, out_bytes, cudaMemcpyDeviceToHost), "download");
+    const double bytes = static_cast<double>(n * k + m * k + m * n * 2);
+    auto add = [&](const std::string& path, const std::function<void(cudaStream_t, int)>& call,
+                   const char* check) {
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { call(st, 0); }, stream, 3, 30);
+      const bench::Timing tb = bench::time_graph_back_to_back(call, copies, stream);
+      bench::Row row;
+      row.add("M", std::to_string(rows_m));
+      row.add("path", path);
+      row.add("us", ti.median_us);
+      row.add("b2b_us", tb.median_us);
+      row.add("%copy", pct_copy(bytes, ti.median_us), 1);
+      row.add("b2b_%copy", pct_copy(bytes, tb.median_us), 1);
+      row.add("check", check);
+      rows.push_back(row);
+    };
+    if (only_variant < 0)
+      add(
+          "cublaslt " + lt->algorithm_for(m),
+          [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); }, "ref");
+    if (m > kGemmWgmmaMaxM) continue;
+    for (int v = 0; v < nv; ++v) {
+      if (only_variant >= 0 && v != only_variant) continue;
+      GemmWgmmaOptions o;
+      o.ctas_per_sm = variants[v].ctas;
+      o.overlap_units = variants[v].overlap;
+      o.tile_pairs = variants[v].pairs;
+      if (o.tile_pairs && m <= 16) continue;  // (ignored there: the same kernel as variant 0)
+      const std::string name = std::string("wgmma ctas ") +
+                               (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
+                               (o.overlap_units ? " overlap" : "") + (o.tile_pairs ? " pairs" : "");
+      check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+      const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
+      if (!st.ok()) {
+        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    st.to_string().c_str());
+        continue;
+      }
+      check_cuda(cudaStreamSynchronize(stream), "wgmma");
+      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+      const bool same = got == want;
+      if (!same) pass = false;
+      add(
+          name,
+          [&](cudaStream_t stc, int c) {
+            must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, o), "wgmma");
+          },
+          same ? "identical" : "DIFFERENT");
+    }
+  }
+  bench::print_rows("GEMM N " + std::to_string(n) + " K " + std::to_string(k) +
+                        " (integer-valued operands; us: isolated, b2b_us: back-to-back; %copy of "
+                        "4300 GB/s on weights + activations + output; check: wgmma output vs "
+                        "cuBLASLt's)",
+                    rows, json);
+  for (int c = 0; c < copies; ++c) {
+    cudaFree(w[c]);
+    cudaFree(sw[c]);
+  }
+  cudaFree(a);
+  cudaFree(sa);
+  cudaFree(out);
+  cudaFree(ref);
+  cudaFree(ws);
+  cudaStreamDestroy(stream);
+  std::printf("shape checks %s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
+std::vector<int64_t> parse_list(const char* s) {
+  std::vector<int64_t> v;
+  for (const char* p = s; *p;) {
+    v.push_back(std::atoll(p));
+    while (*p && *p != ',') ++p;
+    if (*p == ',') ++p;
+  }
+  return v;
+}
+
 int run(int argc, char** argv) {
   bool json = false, quick = false, verbose = false, wgmma_only = false;
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
+  std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
+  int only_variant = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -364,13 +536,29 @@ int run(int argc, char** argv) {
       verbose = true;
     } else if (f == "--wgmma-only") {
       wgmma_only = true;
+    } else if (f == "--shape" && i + 1 < argc) {
+      shape = parse_list(argv[++i]);
+    } else if (f == "--ms" && i + 1 < argc) {
+      shape_ms = parse_list(argv[++i]);
+    } else if (f == "--variant") {
+      int_arg(&only_variant);
     } else {
       std::fprintf(stderr,
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain)\n",
+                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
+                   "--shape N,K [--ms M1,M2,...] [--variant V])\n",
                    argv[i]);
       return 2;
     }
+  }
+  if (!shape.empty()) {
+    if (shape.size() != 2 || shape[0] <= 0 || shape[0] % 128 != 0 || shape[1] <= 0 ||
+        shape[1] % 128 != 0 || shape_ms.empty()) {
+      std::fprintf(stderr, "--shape N,K needs positive multiples of 128 and a non-empty --ms\n");
+      return 2;
+    }
+    std::sort(shape_ms.begin(), shape_ms.end());
+    return run_shape(shape[0], shape[1], shape_ms, only_variant, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

@@ -300,8 +300,9 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   impl->wgmma_max_m = std::min(wgmma_max_m, gemm_padded_rows(max_m));
   impl->wgmma_auto_max_m = std::min(wgmma_auto, gemm_padded_rows(max_m));
   if (impl->wgmma_max_m > 0 || impl->wgmma_auto_max_m > 0) {
-    Result<size_t> bytes = gemm_wgmma_workspace_bytes(
-        n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m), options.wgmma.max_waves);
+    Result<size_t> bytes =
+        gemm_wgmma_workspace_bytes(n, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m),
+                                   options.wgmma.max_waves, options.wgmma.ctas_per_sm);
     M3_RETURN_IF_ERROR(bytes.status());
     impl->wgmma_workspace_bytes = bytes.value();
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));

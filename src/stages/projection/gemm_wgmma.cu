@@ -23,7 +23,7 @@ using gemm_wgmma_detail::kTileN;
 using gemm_wgmma_detail::WgmmaArgs;
 
 constexpr size_t kCounterAlign = 256;
-constexpr int64_t kTwoCtaMaxM = 16;  // larger M (n = 32, 64) runs one CTA per SM (registers)
+constexpr int64_t kTwoCtaMaxM = 16;  // automatic: larger M (n = 32, 64) runs one CTA per SM
 constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
@@ -83,12 +83,12 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm>
+template <int kNw, int kCtasPerSm, bool kOverlap, int kRB = 1>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int waves, const DeviceInfo& info, cudaStream_t stream) {
-  constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
-  constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
+  constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm, kRB>();
+  constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm, kRB>();
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kOverlap, kRB>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
   // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
@@ -125,16 +125,29 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   return Status::Ok();
 }
 
-// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
-template <int kCtasPerSm>
-Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
-                     int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  // n = 32 and 64 need more registers than two CTAs per SM leave: one CTA per SM.
-  if (m <= 32) return launch<32, 1>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 64) return launch<64, 1>(wmap, xmap, args, grid, waves, info, stream);
-  return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x overlap x tile pairs
+// (one CTA per SM and M > 16 only). n = 64 has no overlap variant with two CTAs per SM or with
+// tile pairs (registers). run_gemm_wgmma_cuda refuses those combinations before dispatching.
+template <int kCtasPerSm, bool kOverlap>
+Status dispatch_rows(int m, bool pairs, const CUtensorMap& wmap, const CUtensorMap& xmap,
+                     const WgmmaArgs& args, int grid, int waves, const DeviceInfo& info,
+                     cudaStream_t stream) {
+  if (m <= 8) return launch<8, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
+  if constexpr (kCtasPerSm == 1) {
+    if (pairs && m <= 32)
+      return launch<32, 1, kOverlap, 2>(wmap, xmap, args, grid, waves, info, stream);
+    if constexpr (!kOverlap) {
+      if (pairs && m <= 64)
+        return launch<64, 1, false, 2>(wmap, xmap, args, grid, waves, info, stream);
+    }
+  }
+  if (m <= 32) return launch<32, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
+  if constexpr (!(kCtasPerSm == 2 && kOverlap)) {
+    if (m <= 64)
+      return launch<64, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
+  }
+  return unsupported("run_gemm_wgmma_cuda: no kernel for M = ", m, " with these options");
 }
 
 int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
@@ -146,7 +159,8 @@ size_t gemm_wgmma_counter_bytes(int64_t n) {
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
 }
 
-Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves) {
+Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves,
+                                          int ctas_per_sm) {
   M3_CHECK_ARG(n > 0 && n % kTileN == 0, "gemm_wgmma_workspace_bytes: N = ", n,
                " must be a positive multiple of ", kTileN);
   M3_CHECK_ARG(max_m >= 0 && max_m <= kMaxM, "gemm_wgmma_workspace_bytes: max_m = ", max_m,
@@ -154,13 +168,19 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
   M3_CHECK_ARG(max_waves >= 1 && max_waves <= kMaxWaves,
                "gemm_wgmma_workspace_bytes: max_waves = ", max_waves, " must be in [1, ", kMaxWaves,
                "]");
+  M3_CHECK_ARG(ctas_per_sm >= 0 && ctas_per_sm <= kMaxCtasPerSm,
+               "gemm_wgmma_workspace_bytes: ctas_per_sm = ", ctas_per_sm, " must be in [0, ",
+               kMaxCtasPerSm, "]");
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   // Two partial slots of [M][128] fp32 per CTA; the grid is at most ctas_per_sm(M) x SMs with
-  // ctas_per_sm(M) = 1 for M > 16 (see run_gemm_wgmma_cuda): take the largest M of each regime.
+  // ctas_per_sm(M) = 1 for M > 16 in the automatic choice (see run_gemm_wgmma_cuda): take the
+  // largest M of each regime.
+  const size_t per_sm_above = ctas_per_sm == 0 ? 1 : static_cast<size_t>(ctas_per_sm);
+  const size_t per_sm_below = ctas_per_sm == 0 ? kMaxCtasPerSm : static_cast<size_t>(ctas_per_sm);
   const size_t slot_rows = std::max<size_t>(
-      size_t{2} * kMaxCtasPerSm * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
-      size_t{2} * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
+      size_t{2} * per_sm_below * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
+      size_t{2} * per_sm_above * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
   return gemm_wgmma_counter_bytes(n) + slot_rows * static_cast<size_t>(max_waves) *
                                            static_cast<size_t>(info.sms) * kTileN * sizeof(float);
 }
@@ -208,20 +228,34 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
 
-  // M > 16 (n = 32, 64) always runs one CTA per SM (registers); otherwise as asked (default 2).
-  const int ctas_per_sm = m > kTwoCtaMaxM            ? 1
-                          : options.ctas_per_sm == 0 ? kMaxCtasPerSm
-                                                     : options.ctas_per_sm;
-  const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
+  // Automatic: two CTAs per SM up to M = 16, one above (n = 32, 64: registers).
+  const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm
+                          : m > kTwoCtaMaxM        ? 1
+                                                   : kMaxCtasPerSm;
+  if (ctas_per_sm == 2 && options.overlap_units && m > 32)
+    return unsupported("run_gemm_wgmma_cuda: overlap_units with two CTAs per SM serves M <= 32, ",
+                       "got M = ", m);
+  // Tile pairs (256-row units) apply above M = 16, with one CTA per SM.
+  const bool pairs = options.tile_pairs && m > kTwoCtaMaxM;
+  if (pairs && ctas_per_sm == 2)
+    return unsupported("run_gemm_wgmma_cuda: tile_pairs runs one CTA per SM, got ctas_per_sm 2");
+  if (pairs && options.overlap_units && m > 32)
+    return unsupported(
+        "run_gemm_wgmma_cuda: tile_pairs with overlap_units serves M <= 32, got M = ", m);
+  const int rb = pairs ? 2 : 1;
+  const int64_t group_units = (tiles + rb - 1) / rb * kblocks;  // units of 128 rb weight rows
+  // (min_units_per_cta counts 128-row tiles x K blocks, so a unit of a pair counts twice.)
+  const int64_t by_units =
+      (group_units * rb + options.min_units_per_cta - 1) / options.min_units_per_cta;
   const int grid = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
   const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * static_cast<size_t>(m) *
-                                     kTileN * sizeof(float);
+                                     kTileN * static_cast<size_t>(rb) * sizeof(float);
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
-               " are needed (N = ", n, ", M = ", m, ", ", grid,
-               " CTAs): size it with gemm_wgmma_workspace_bytes");
+               " are needed (N = ", n, ", M = ", m, ", ", grid, " CTAs",
+               pairs ? ", tile pairs" : "", "): size it with gemm_wgmma_workspace_bytes");
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
                "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
 
@@ -233,7 +267,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       : options.weight_l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                            : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   M3_RETURN_IF_ERROR(
-      encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, promotion, "weights"));
+      encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN * rb, promotion, "weights"));
   M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
 
@@ -249,15 +283,22 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.counters = static_cast<unsigned*>(workspace);
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
+  args.n = static_cast<int>(n);
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
-  args.units = static_cast<int>(units);
+  args.units = static_cast<int>(group_units);
+  const int w = options.max_waves;
+  if (options.overlap_units) {
+    if (ctas_per_sm == 1)
+      return dispatch_rows<1, true>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
+    return dispatch_rows<2, true>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
+  }
   if (ctas_per_sm == 1)
-    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
-  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
+    return dispatch_rows<1, false>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
+  return dispatch_rows<2, false>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
 }
 
 }  // namespace m3attn

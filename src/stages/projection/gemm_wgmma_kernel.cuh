@@ -64,9 +64,15 @@
 // slower (87.7 us). Whether long runs help DRAM at all stayed unanswered: the consumer side
 // never let the copies run at full rate.)
 // Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, fold with the staged
-// scales, release the stage. Grid: (1 or 2 for n <= 16; 1 for n = 32, 64: registers) x SMs CTAs,
-// at least `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one;
-// the stream-K fixup never waits for another CTA, so later waves are safe).
+// scales, release the stage. Session 14 variants (opt-in, measured in projection_bench --shape):
+// kOverlap keeps two units in flight per warpgroup (unit i + 1's wgmmas issued before unit i is
+// folded, wgmma.wait_group 1); kRB = 2 ("tile pairs", M > 16) makes a unit two 128-row tiles x one
+// K block (a 256-row TMA box, 32 KB), warpgroup wg computing tile wg of the pair as before, so one
+// activation box from L2 serves 32 KB of weights instead of 16 (the second tile of the last pair
+// may lie past N: TMA zero-fills it and its columns are not stored). Grid: (1 or 2 for n <= 16; 1
+// for n = 32, 64: registers) x SMs CTAs, at least `min_units_per_cta` units each, at most
+// `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another CTA,
+// so later waves are safe).
 //
 // Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
 // ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
@@ -90,21 +96,23 @@ constexpr int kWeightTileBytes = kTileN * kBlockK;
 constexpr int kMaxCtasPerSm = 2;
 constexpr int kAlignSlack = 1024;  // the dynamic shared memory base is rounded up to 1024 bytes
 
-template <int kNw>
+// kRB: 64-row blocks per consumer warpgroup, i.e. a unit of 128 kRB weight rows (kRB = 2: two
+// 128-row tiles whose K block shares one activation box).
+template <int kNw, int kRB = 1>
 constexpr int stage_bytes() {
-  return kWeightTileBytes + kNw * kBlockK;
+  return kRB * kWeightTileBytes + kNw * kBlockK;
 }
 
 // Ring depth: fits two CTAs per SM (110 KB each) or one (220 KB), at most 12 stages.
-template <int kNw, int kCtasPerSm>
+template <int kNw, int kCtasPerSm, int kRB = 1>
 constexpr int stages() {
   constexpr int budget = kCtasPerSm == 1 ? 220 * 1024 : 110 * 1024;
-  return budget / stage_bytes<kNw>() < 12 ? budget / stage_bytes<kNw>() : 12;
+  return budget / stage_bytes<kNw, kRB>() < 12 ? budget / stage_bytes<kNw, kRB>() : 12;
 }
 
-template <int kNw, int kCtasPerSm>
+template <int kNw, int kCtasPerSm, int kRB = 1>
 constexpr int smem_bytes() {
-  return stages<kNw, kCtasPerSm>() * stage_bytes<kNw>() + kAlignSlack;
+  return stages<kNw, kCtasPerSm, kRB>() * stage_bytes<kNw, kRB>() + kAlignSlack;
 }
 
 struct WgmmaArgs {
@@ -114,14 +122,15 @@ struct WgmmaArgs {
   int64_t sb_s0, sb_s1;
   uint16_t* out;  // bf16 [m, N], row stride ldo
   int64_t ldo;
-  float* partials;         // 2 * grid slots of [m][128] fp32
-  unsigned* counters;      // [tiles], zero before and after every launch
+  float* partials;         // 2 * grid slots of [m][128 kRB] fp32
+  unsigned* counters;      // [tiles / kRB rounded up], zero before and after every launch
   int m;                   // 1 .. 64
+  int n;                   // output columns (N)
   int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
   int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
-  int units;               // tiles * kblocks (< 2^31: checked on the host)
+  int units;               // ceil(tiles / kRB) * kblocks (< 2^31: checked on the host)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
 
@@ -189,8 +198,9 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 __device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -268,18 +278,22 @@ __device__ __forceinline__ int unit_owner(int u, int grid, int units) {
 }
 
 // Scale slot of one ring stage: the activation scales of the unit's K block for rows 0 .. kNw - 1
-// (rows >= M stay zero) and the unit's weight scale at index kNw.
+// (rows >= M stay zero) and the unit's kRB weight scales at index kNw, kNw + 1.
 template <int kNw>
 constexpr int scale_slot_floats() {
   return kNw + 4;
 }
 
-template <int kNw, int kStages, int kCtasPerSm>
+template <int kNw, int kStages, int kCtasPerSm, bool kOverlap, int kRB>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
-  constexpr int kStageBytes = stage_bytes<kNw>();
-  constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread: 64 x kNw over 128 threads
+  static_assert(kRB == 1 || kRB == 2, "a unit is one or two 128-row tiles");
+  constexpr int kStageBytes = stage_bytes<kNw, kRB>();
+  constexpr int kUnitRows = kTileN * kRB;  // weight rows (output columns) per unit
+  constexpr int kWeightBytes = kWeightTileBytes * kRB;
+  constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread and row block: 64 x kNw / 128
+  constexpr int kAll = kAcc * kRB;
   constexpr int kSlot = scale_slot_floats<kNw>();
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte swizzle alignment");
 
@@ -298,6 +312,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int u_begin = unit_begin(cta, grid, units);
   const int u_end = unit_begin(cta + 1, grid, units);
   const int m_count = p.m;
+  const int tiles128 = p.n / kTileN;
 
   // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
   for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
@@ -328,11 +343,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const uint32_t full = smem_addr(&full_bar[s]);
       const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
       const int tile = u / kb_count, kb = u - tile * kb_count;
-      mbar_arrive_expect_tx(full, kStageBytes);  // weights + activations of the unit
+      // Weights + activations of the unit (rows past N are zero-filled and still counted).
+      mbar_arrive_expect_tx(full, kStageBytes);
       if (p.weight_evict_first) {
-        tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
+        tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kUnitRows, full, policy);
       } else {
-        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
+        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kUnitRows, full);
       }
     };
     // Programmatic launch: the weights (which no preceding kernel writes) of the first ring of
@@ -359,13 +375,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (lane == 0) {
           if (i >= early) load_weights(s, u);
           const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-          tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
+          tma_load_2d(dst + kWeightBytes, &xmap, kb * kBlockK, 0, full);
         }
         float* slot = s_scales + s * kSlot;
 #pragma unroll
         for (int r = lane; r < kNw; r += 32)
           if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+        // Weight scales of the unit's tiles (a second tile past N repeats the last one: its rows
+        // are zeros and its columns are never stored).
+        if (lane < kRB) {
+          const int t128 = tile * kRB + lane < tiles128 ? tile * kRB + lane : tiles128 - 1;
+          cp_async_4(smem_addr(slot + kNw + lane), p.sb + t128 * p.sb_s0 + kb * p.sb_s1);
+        }
         cp_async_mbar_arrive_noinc(full);
       }
     }
@@ -375,22 +396,64 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
   // Consumers: their global writes (output, partials, counters) follow the preceding grid.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // Warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
+  // Warpgroup wg owns weight rows [64 kRB wg, 64 kRB (wg + 1)) of each unit (kRB = 2: tile wg
+  // of the pair), as kRB blocks of 64 rows.
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
   const int q = lane % 4;
-  const int row0 = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int row0 = 64 * kRB * wg + 16 * warp + lane / 4;  // rows row0 (+ 8) (+ 64 rb)
   const int first_tile = u_begin / kb_count;
 
-  // Fragment element j = 4 g + 2 h + e is (weight row row0 + 8 h, activation row 8 g + 2 q + e).
-  auto frag_m = [&](int j) { return 8 * (j / 4) + 2 * q + j % 2; };
-  auto frag_row = [&](int j) { return row0 + 8 * ((j / 2) % 2); };
-  auto store_bf16 = [&](int j, float v, int tile) {
-    if (frag_m(j) < m_count)
-      p.out[frag_m(j) * p.ldo + tile * kTileN + frag_row(j)] = float_to_bf16(v);
+  // Accumulator element jj = kAcc rb + j, j = 4 g + 2 h + e: (weight row row0 + 64 rb + 8 h,
+  // activation row 8 g + 2 q + e).
+  auto frag_m = [&](int jj) { return 8 * ((jj % kAcc) / 4) + 2 * q + jj % 2; };
+  auto frag_row = [&](int jj) { return row0 + 64 * (jj / kAcc) + 8 * ((jj / 2) % 2); };
+  auto store_bf16 = [&](int jj, float v, int tile) {
+    const int col = tile * kUnitRows + frag_row(jj);
+    if (frag_m(jj) < m_count && (kRB == 1 || col < p.n))
+      p.out[frag_m(jj) * p.ldo + col] = float_to_bf16(v);
   };
 
-  float acc[kAcc];
+  // Issue unit i's wgmmas (4 per row block) into t, after its stage is full / fold the finished t
+  // into acc with the stage's scales and release the stage.
+  auto issue = [&](float(&t)[kRB][kAcc], int i_unit) {
+    const int s = i_unit % kStages;
+    mbar_wait(smem_addr(&full_bar[s]), (i_unit / kStages) & 1);
+    const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
+    // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep t dead between units, so its
+    // registers are free in the epilogue.
+#pragma unroll
+    for (int rb = 0; rb < kRB; ++rb)
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) t[rb][j] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int rb = 0; rb < kRB; ++rb) {
+      const uint32_t a_addr =
+          base + static_cast<uint32_t>(s * kStageBytes + (kRB * wg + rb) * 64 * kBlockK);
+#pragma unroll
+      for (int k = 0; k < kBlockK / 32; ++k)
+        Wgmma<kNw>::mma(t[rb], smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+    }
+    wgmma_commit();
+  };
+  auto fold = [&](float(&t)[kRB][kAcc], float(&a)[kAll], int i_unit) {
+    const int s = i_unit % kStages;
+#pragma unroll
+    for (int rb = 0; rb < kRB; ++rb)
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) keep_register(t[rb][j]);
+    // Promotion with the staged scales (read before the stage is released).
+    const float* slot = s_scales + s * kSlot;
+    const float w_scale = slot[kNw + (kRB == 2 ? wg : 0)];
+#pragma unroll
+    for (int jj = 0; jj < kAll; ++jj)
+      a[jj] = fmaf(t[jj / kAcc][jj % kAcc], w_scale * slot[frag_m(jj)], a[jj]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
+  };
+
+  float acc[kAll];
   int i = 0;
   int u = u_begin;
   while (u < u_end) {
@@ -398,48 +461,56 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int seg_begin = u;
     const int seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+    for (int jj = 0; jj < kAll; ++jj) acc[jj] = 0.0f;
 
-    for (; u < seg_end; ++u, ++i) {
-      float tmp[kAcc];
-      const int s = i % kStages;
-      mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
-      const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
-      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
-      // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
-      // its registers are free in the epilogue.
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockK / 32; ++k)
-        Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-      wgmma_commit();
-      wgmma_wait_all();
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
-      // Promotion with the staged scales (read before the stage is released).
-      const float* slot = s_scales + s * kSlot;
-      const float w_scale = slot[kNw];
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
+    if constexpr (kOverlap) {
+      // Two units in flight: unit i + 1's wgmmas run while unit i is folded (wait_group 1).
+      float t0[kRB][kAcc], t1[kRB][kAcc];
+      const int i_end = i + (seg_end - seg_begin);
+      issue(t0, i);
+      while (true) {
+        if (i + 1 < i_end) {
+          issue(t1, i + 1);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+          fold(t0, acc, i++);
+          break;
+        }
+        fold(t0, acc, i++);
+        if (i + 1 < i_end) {
+          issue(t0, i + 1);
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+          fold(t1, acc, i++);
+          break;
+        }
+        fold(t1, acc, i++);
+      }
+      u = seg_end;
+    } else {
+      for (; u < seg_end; ++u, ++i) {
+        float tmp[kRB][kAcc];
+        issue(tmp, i);
+        wgmma_wait<0>();
+        fold(tmp, acc, i);
+      }
     }
 
     const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
     if (whole) {
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) store_bf16(j, acc[j], tile);
+      for (int jj = 0; jj < kAll; ++jj) store_bf16(jj, acc[jj], tile);
       continue;
     }
 
     // Partial segment: publish it, count the arrival; the last arriving CTA finishes the tile.
     const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
-    float* part = p.partials + int64_t{slot} * m_count * kTileN;
+    float* part = p.partials + int64_t{slot} * m_count * kUnitRows;
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j)
-      if (frag_m(j) < m_count) __stcg(part + frag_m(j) * kTileN + frag_row(j), acc[j]);
+    for (int jj = 0; jj < kAll; ++jj)
+      if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kUnitRows + frag_row(jj), acc[jj]);
     // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
     // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is
     // cumulative, then the arrival; the last arriving CTA's thread 0 fences again after its
@@ -463,9 +534,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       // except for c_lo when it started in an earlier tile (its last segment: 2 c_lo + 1).
       const bool lo_second = unit_begin(c_lo, grid, units) < tile * kb_count;
       // (In chunks of at most 16 fragment elements: registers.)
-      constexpr int kChunk = kAcc < 16 ? kAcc : 16;
+      constexpr int kChunk = kAll < 16 ? kAll : 16;
 #pragma unroll
-      for (int j0 = 0; j0 < kAcc; j0 += kChunk) {
+      for (int j0 = 0; j0 < kAll; j0 += kChunk) {
         float sum[kChunk];
 #pragma unroll
         for (int jj = 0; jj < kChunk; ++jj) sum[jj] = 0.0f;
@@ -475,12 +546,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             for (int jj = 0; jj < kChunk; ++jj) sum[jj] += acc[j0 + jj];
           } else {
             const int c_slot = c == c_lo && lo_second ? 2 * c + 1 : 2 * c;
-            const float* q_part = p.partials + int64_t{c_slot} * m_count * kTileN;
+            const float* q_part = p.partials + int64_t{c_slot} * m_count * kUnitRows;
 #pragma unroll
             for (int jj = 0; jj < kChunk; ++jj) {
               const int j = j0 + jj;
               sum[jj] +=
-                  frag_m(j) < m_count ? __ldcg(q_part + frag_m(j) * kTileN + frag_row(j)) : 0.0f;
+                  frag_m(j) < m_count ? __ldcg(q_part + frag_m(j) * kUnitRows + frag_row(j)) : 0.0f;
             }
           }
         }

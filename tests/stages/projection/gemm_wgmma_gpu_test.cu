@@ -186,7 +186,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 4},
                       Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 4},
                       // Two CTAs per SM at n = 64 (4-stage rings).
-                      Case{64, 6144, 8192, 0, 0, false, 2, 16},
+                      Case{64, 1536, 8192, 0, 0, false, 2, 4},
                       Case{41, 640, 1152, 8, 16, true, 2, 1, 0, true, 0},
                       // overlap_units (two units in flight per warpgroup): every n, one and two
                       // CTAs per SM, segments of one unit (K 128), odd and even segment lengths,
@@ -198,14 +198,14 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{32, 1280, 2048, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
                       Case{24, 384, 6144, 16, 0, true, 0, 5, 3, true, 0, false, 1, true},
                       Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true},
-                      Case{64, 6144, 8192, 0, 0, false, 0, 16, 0, true, 0, false, 1, true},
+                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
                       Case{64, 9856, 256, 0, 0, false, 1, 4, 0, true, 0, true, 1, true},
                       Case{57, 640, 1152, 0, 16, true, 1, 1, 2, true, 0, false, 4, true},
                       // tile_pairs (256-row units): an odd number of tiles (the last pair's
                       // second tile past N), one tile only, one K block, the fixup with many
                       // contributors, overlap at n = 32, PDL, several waves; M <= 16 ignores it.
                       Case{33, 640, 1152, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, true},
-                      Case{64, 6144, 8192, 0, 0, false, 0, 16, 0, true, 0, false, 1, false, true},
+                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, true},
                       Case{24, 9856, 256, 8, 0, false, 1, 4, 0, true, 0, false, 1, true, true},
                       Case{17, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true, true},
                       Case{64, 384, 128, 24, 16, true, 0, 4, 0, true, 0, false, 1, false, true},

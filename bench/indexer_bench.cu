@@ -34,7 +34,13 @@
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
 //   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3),
 //   --single-ctas N
-//   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas).
+//   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
+//   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
+//   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
+//   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
+//   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
+//   --no-guess (the decode units do not guess their request bounds: the A/B of the early
+//   query-row and position loads, IndexerCudaOptions::guess_request_bounds).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -42,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <string>
@@ -49,6 +56,7 @@
 
 #include "cache/cache_view.h"
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "support/bench_util.h"
@@ -71,6 +79,19 @@ __global__ void fill_integers(uint8_t* p, int64_t n, uint64_t seed, uint64_t cod
     x ^= x >> 29;
     p[i] = static_cast<uint8_t>(codes >> (8 * ((x >> 20) % 7)));
   }
+}
+
+// --pdl: a stand-in for the producer before the indexer in the layer's decode step. Every CTA
+// lets the next kernel start (pdl_launch_dependents), spins `cycles` clock cycles, then the grid
+// copies `bytes` bytes src -> dst (index_q, rewritten with the same content).
+__global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes, int64_t cycles) {
+  pdl_launch_dependents();
+  const int64_t t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * 16; i < bytes;
+       i += int64_t{gridDim.x} * blockDim.x * 16)
+    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
 }
 
 uint64_t integer_codes() {
@@ -287,8 +308,10 @@ struct Times {
 // ids the sequence's last call wrote.
 Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& slices,
                      const IndexerCudaOptions& o, cudaStream_t stream, bool graph,
-                     const std::string& what, bool* pass) {
+                     const std::string& what, bool* pass,
+                     const std::function<void(cudaStream_t)>& before = {}) {
   const auto launch_copy = [&](cudaStream_t s, int copy) {
+    if (before) before(s);
     IndexerParams p = c.p;
     p.batch.page_table.data = c.d_tables[copy];
     const Status st = run_indexer_cuda(p, c.ws, s, o);
@@ -360,7 +383,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false;
+       clusters = false, pdl = false, no_guess = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -374,6 +397,10 @@ int main(int argc, char** argv) {
       sweep = true;
     else if (a == "--clusters")
       clusters = true;
+    else if (a == "--pdl")
+      pdl = true;
+    else if (a == "--no-guess")
+      no_guess = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--contiguous")
@@ -384,12 +411,15 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
-                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N]\n",
+                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
+                   "[--no-guess]\n",
                    argv[0]);
       return 2;
     }
   }
   IndexerCudaOptions default_o, fused_o, two_o, single_o;
+  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o})
+    o->guess_request_bounds = !no_guess;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -417,6 +447,68 @@ int main(int argc, char** argv) {
   bool all_pass = true;
 
   std::vector<bench::Row> rows;
+  if (pdl) {
+    // The indexer behind the producer stand-in (~3 us of spinning, then index_q rewritten), with a
+    // normal and a programmatic launch, beside the stand-in alone; default plan.
+    int dev = 0, khz = 0;
+    check_cuda(cudaGetDevice(&dev), "device");
+    check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock rate");
+    const int64_t cycles = int64_t{khz} * 3;  // ~3 us at the nominal clock
+    for (int draft : {0, 3}) {
+      for (int ctx : {8192, 32768}) {
+        for (int batch : {1, 64, 256}) {
+          if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
+          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+          std::vector<Slice> slices = {{0, 0, 1 + draft}};
+          if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+          const int64_t iq_bytes = c.T * kNkv * kHeadDim;
+          void* src = device_alloc(static_cast<size_t>(iq_bytes));
+          check_cuda(
+              cudaMemcpy(src, c.d_iq, static_cast<size_t>(iq_bytes), cudaMemcpyDeviceToDevice),
+              "iq copy");
+          const auto standin = [&](cudaStream_t s) {
+            producer_standin<<<64, 256, 0, s>>>(static_cast<uint8_t*>(c.d_iq),
+                                                static_cast<const uint8_t*>(src), iq_bytes, cycles);
+            check_cuda(cudaGetLastError(), "stand-in");
+          };
+          const bench::Timing alone = bench::time_graph_cold(standin, stream);
+          const std::string what = "pdl b" + std::to_string(batch) + " ctx " + std::to_string(ctx) +
+                                   " draft " + std::to_string(draft);
+          bool pass = true;
+          IndexerCudaOptions po = default_o;
+          const Times seq = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
+          po.programmatic_launch = true;
+          const Times pro = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
+          all_pass = all_pass && pass;
+          bench::Row row;
+          row.add("batch", std::to_string(batch));
+          row.add("context", kilo(ctx));
+          row.add("draft", std::to_string(draft));
+          row.add("plan", plan_str(c, default_o));
+          row.add("check", pass ? "PASS" : "FAIL");
+          row.add("standin_us", alone.median_us, 1);
+          row.add("pair_us", seq.iso.median_us, 1);
+          row.add("pdl_pair_us", pro.iso.median_us, 1);
+          row.add("saved_us", seq.iso.median_us - pro.iso.median_us, 1);
+          row.add("pair_b2b_us", seq.b2b.median_us, 1);
+          row.add("pdl_b2b_us", pro.b2b.median_us, 1);
+          row.add("saved_b2b_us", seq.b2b.median_us - pro.b2b.median_us, 1);
+          rows.push_back(row);
+          cudaFree(src);
+          free_case(c);
+        }
+      }
+    }
+    bench::print_rows(
+        "indexer behind a producer stand-in (graph replay, cold L2; pair = stand-in + indexer, "
+        "normal vs programmatic launch of the indexer; isolated and back to back)",
+        rows, json);
+    cudaStreamDestroy(stream);
+    cudaFree(pool.data);
+    std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
+                                 : "indexer_bench: some spot checks FAIL");
+    return all_pass ? 0 : 1;
+  }
   if (clusters) {
     // The single pass with 1, 2, 3, 4 and 8 CTAs per request (thread-block clusters) beside the
     // default plan and the two-kernel path, at 8K (<= 64 blocks, where the single pass applies).

@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
@@ -322,6 +323,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                        scores_bytes_aligned(T, p.n_kv, max_pages));
   a.merge_wpr = pl.merge_wpr;
   a.block_ids = p.block_ids.ptr<int32_t>();
+  a.pdl = options.programmatic_launch ? 1 : 0;
+  a.guess = options.guess_request_bounds ? 1 : 0;
+  const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks =
       pl.fused ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
@@ -342,13 +346,15 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       ccfg.blockDim = dim3(ik::kMmaThreads);
       ccfg.dynamicSmemBytes = ik::kFusedSmemBytes;
       ccfg.stream = stream;
-      cudaLaunchAttribute cattr[1];
+      cudaLaunchAttribute cattr[2];
       cattr[0].id = cudaLaunchAttributeClusterDimension;
       cattr[0].val.clusterDim.x = 1;
       cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
       cattr[0].val.clusterDim.z = 1;
+      cattr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      cattr[1].val.programmaticStreamSerializationAllowed = 1;
       ccfg.attrs = cattr;
-      ccfg.numAttrs = 1;
+      ccfg.numAttrs = pdl ? 2 : 1;
       M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ckernel, a));
       M3_CUDA_CHECK_LAUNCH();
       return Status::Ok();
@@ -359,39 +365,36 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
-      kernel<<<grid, ik::kMmaThreads, ik::kFusedSmemBytes, stream>>>(a);
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(kernel, grid, dim3(ik::kMmaThreads), ik::kFusedSmemBytes, stream, pdl, a));
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
-      ik::score_mma_kernel<<<grid, ik::kMmaThreads, ik::kMmaSmemBytes, stream>>>(a);
+      M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads),
+                                         ik::kMmaSmemBytes, stream, pdl, a));
     } else {
-      ik::score_simple_kernel<<<grid, ik::kSimpleThreads, 0, stream>>>(a);
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));
     }
     M3_CUDA_CHECK_LAUNCH();
     if (pl.single) return Status::Ok();  // the scorer wrote every row
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
-  // CTAs run (saving the launch gap); it executes griddepcontrol.wait before touching the
-  // scorer's outputs, which waits for the scorer to complete and flush. Graph-capturable (the
-  // capture records a programmatic edge).
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(select_blocks));
-  cfg.blockDim = dim3(pl.fused ? ik::kMergeThreads : ik::kSelectThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  // Only behind our own scorer: the selection kernels load the positions before the dependency
-  // wait, which is safe only when the preceding grid does not write them.
-  cfg.numAttrs = max_pages > kTopK ? 1 : 0;
+  // CTAs run (saving the launch gap); it executes pdl_wait before touching the scorer's outputs,
+  // which waits for the scorer to complete and flush. Graph-capturable (the capture records a
+  // programmatic edge). Without a scorer only with programmatic_launch: the selection kernels
+  // load the positions before the dependency wait, which is safe only when the preceding grid
+  // does not write them.
+  const bool select_pdl = max_pages > kTopK || pdl;
+  const dim3 select_grid(static_cast<unsigned>(select_blocks));
   if (pl.fused)
-    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::merge_kernel, a));
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::merge_kernel, select_grid, dim3(ik::kMergeThreads), 0,
+                                       stream, select_pdl, a));
   else
-    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, ik::select_kernel, a));
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_kernel, select_grid, dim3(ik::kSelectThreads), 0,
+                                       stream, select_pdl, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -122,6 +122,23 @@ struct IndexerCudaOptions {
   // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
   // row. Any value gives the same result (tests set it).
   int merge_warps = 0;
+  // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
+  // or the selection kernel when nothing is scored): it may start while the previous kernel in
+  // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or
+  // this step's index-K rows and before any global write. Before the wait it reads the batch
+  // metadata and, for decode units, the first index-K tiles of blocks that end before the
+  // request's first new position (seq_lens[r] minus the request's tokens in this step). So the
+  // kernels it may overlap must not write query_start, positions, seq_lens, the page table or
+  // index-K rows other than this step's tokens' (true of the layer's decode chain: the metadata
+  // is copied before the step's first kernel, the producer writes the step's rows only). Same
+  // ids as a normal launch. Every indexer kernel triggers its dependents at its start
+  // (pdl_launch_dependents), whatever this flag.
+  bool programmatic_launch = false;
+  // Decode units guess their request's token range as [r T / R, (r + 1) T / R) (right for batches
+  // of equal-length requests) and load its positions and query rows before query_start arrives,
+  // reloading when the guess was wrong (same ids either way). false: the A/B of session 14
+  // (loads after query_start); to be removed once measured.
+  bool guess_request_bounds = true;
 };
 
 // True when run_indexer_cuda with these params and options scores on tensor cores (E4M3

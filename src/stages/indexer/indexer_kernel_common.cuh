@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 
 namespace m3attn::indexer_kernel {
@@ -73,6 +74,12 @@ struct KernelArgs {
   // decode rows never reach global memory. Overflow tiles still write scores.
   uint64_t* cand = nullptr;
   int merge_wpr = 1;  // merge kernel: warps per row (1, 2, 4 or 8)
+  // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
+  // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K
+  // blocks that lie entirely before their request's first new position (seq_lens[r] minus the
+  // request's tokens: rows no kernel of this step writes), and load index_q after it.
+  int pdl = 0;
+  int guess = 1;  // IndexerCudaOptions::guess_request_bounds (decode units)
 };
 
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made
@@ -88,13 +95,6 @@ __device__ __forceinline__ uint64_t candidate_key(float score, int id) {
 }
 __device__ __forceinline__ int candidate_id(uint64_t key) {
   return static_cast<int>(0xffffffffu - static_cast<uint32_t>(key));
-}
-
-// Lets the dependent grid (the select kernel, launched with programmatic stream serialization)
-// be scheduled once every CTA of this grid has started; it still waits for this grid's completion
-// (griddepcontrol.wait) before reading anything. A no-op without a dependent launch.
-__device__ __forceinline__ void allow_dependent_launch() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 // Thread-block cluster pieces of the clustered single pass (score_fused_cluster_kernel). Every

@@ -94,6 +94,7 @@ __device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int
 
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a) {
   __shared__ uint64_t part_keys[kMergeWarps][kTopK];
+  pdl_launch_dependents();  // the next stage (attention) waits for this grid before reading
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int wpr = a.merge_wpr;
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const KernelArgs a
   const int gqa = load_query_start(a, guess);
   const int gqe = load_query_start(a, guess + 1);
   const int pos = in_range ? __ldg(a.positions + t) : -1;
-  wait_for_prerequisite_grids();  // before any access to the scorer's outputs (PDL launch)
+  pdl_wait();  // before any access to the scorer's outputs (PDL launch)
   const int lg = list_slots_log2(a.dec_chunk);
   const uint64_t* lists = a.cand + row * a.k_splits * kTopK;
   auto key_at = [&](int e) { return lists[((e >> lg) << 4) + (e & ((1 << lg) - 1))]; };

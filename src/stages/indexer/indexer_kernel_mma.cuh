@@ -163,16 +163,19 @@ __device__ __forceinline__ uint32_t word_of(const uint4& lo, const uint4& hi, in
   }
 }
 
-// A row slice of lane tig (see the permutation above) as 16 f16x2 words: [2 s] = bytes 0-1 of
+// A row slice of lane tig (see the permutation above), loaded as two 16-byte vectors (bytes
+// [16 tig, 16 tig + 16) and [64 + 16 tig, 80 + 16 tig)), as 16 f16x2 words: [2 s] = bytes 0-1 of
 // word s, [2 s + 1] = bytes 2-3.
-__device__ __forceinline__ void row_slice_f16(const uint8_t* row, int tig, uint32_t (&out)[16]) {
-  const uint4 lo = ld_query16(row + tig * 16);
-  const uint4 hi = ld_query16(row + 64 + tig * 16);
+__device__ __forceinline__ void slice_to_f16(const uint4& lo, const uint4& hi,
+                                             uint32_t (&out)[16]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
     const uint32_t w = word_of(lo, hi, s);
     f16x2_pair(w, out[2 * s], out[2 * s + 1]);
   }
+}
+__device__ __forceinline__ void row_slice_f16(const uint8_t* row, int tig, uint32_t (&out)[16]) {
+  slice_to_f16(ld_query16(row + tig * 16), ld_query16(row + 64 + tig * 16), out);
 }
 
 // Byte offset of 16-byte chunk `chunk` of row `row` in a swizzled tile or page.
@@ -354,14 +357,37 @@ __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ri
   }
 }
 
+// A decode unit's query rows as loaded (E4M3, before the f16 conversion): lane (g, tig) holds the
+// slices (see row_slice_f16) of rows nt * 8 + g, zero for rows >= the unit's rows. Loaded by
+// decode_path before the unit's positions are reduced (one round trip less before the first MMA).
+struct QueryRaw {
+  uint4 lo[kDecRows / 8], hi[kDecRows / 8];
+};
+
+__device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int rows, QueryRaw& q) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
+#pragma unroll
+  for (int nt = 0; nt < kDecRows / 8; ++nt) {
+    const int row = nt * 8 + g;
+    q.lo[nt] = q.hi[nt] = make_uint4(0u, 0u, 0u, 0u);
+    if (row < rows) {
+      q.lo[nt] = ld_query16(iq0 + row * kRowBytes + tig * 16);
+      q.hi[nt] = ld_query16(iq0 + row * kRowBytes + 64 + tig * 16);
+    }
+  }
+}
+
 // The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-// pre_issued: the caller already ran stream_prologue (same ring and pg_first).
+// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
+// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
-                                            int64_t pg_second, float* sblk, int b0,
-                                            bool pre_issued) {
+                                            int64_t pg_second, const QueryRaw& qraw, int lane_pos,
+                                            float* sblk, int b0, bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -389,22 +415,16 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
 
   DecodeState<NT> s;
-  const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
   int min_pos = INT_MAX;
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
-    const int row = nt * 8 + g;
-    if (row < rows) {
-      row_slice_f16(iq0 + row * kRowBytes, tig, s.q[nt]);
-    } else {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) s.q[nt][i] = 0u;
-    }
+    slice_to_f16(qraw.lo[nt], qraw.hi[nt], s.q[nt]);  // zero slices (rows >= rows) give zeros
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const int j = nt * 8 + tig * 2 + e;
-      s.rpos[nt][e] = j < rows ? __ldg(a.positions + t0 + j / a.n_kv) : -1;
-      if (j < rows) min_pos = min(min_pos, s.rpos[nt][e]);
+      const int j = nt * 8 + tig * 2 + e;  // < kDecRows, so j / n_kv < 32
+      const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
+      s.rpos[nt][e] = j < rows ? pos : -1;
+      if (j < rows) min_pos = min(min_pos, pos);
       s.run[nt][e] = neg_inf();
     }
   }
@@ -478,31 +498,52 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second =
       first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
-  // query_start (and seq_lens) are loaded before the early start below: its copies are asm
-  // volatile with a memory clobber, so loads after them would wait for the page-table entry.
+  // Everything the start needs is loaded at once, before the early start below (its copies are
+  // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
+  // query_start and seq_lens, and, at the guessed bounds of an equal-length batch (request r's
+  // tokens [r T / R, (r + 1) T / R)), the positions and (without programmatic launch) the query
+  // rows, checked against query_start when it arrives and reloaded when the guess was wrong. So
+  // the query rows and positions arrive with the page-table entries, one round trip before the
+  // first tiles, instead of one (positions) and two (query rows) round trips after them, behind
+  // every CTA's prologue copies (session 13 ncu at 64 x 8K: ~14 % of the warp stall samples
+  // waited for the positions; the ring then drained while the query rows were loaded).
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
+  const int seq_len = __ldg(a.seq_lens + r);
+  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+  const int gn = a.guess
+                     ? min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga,
+                           a.dec_tokens)
+                     : 0;                                   // no guess: nothing loaded early
+  int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;  // lane l < n: position of token qa + l
+  QueryRaw q;
+  if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
+  const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
+  const bool guessed = a.guess && qa == ga && n == gn;
   bool pre = false;
   {
     // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
     // the page table) bounds the unit's visible blocks, so the first tiles of the warp's first
-    // block go out before the query_start -> positions round trips. The exact bound from the
-    // positions decides what is scored; tiles issued for a block that turns out invisible are
-    // waited for and ignored (bounded waste, only when seq_lens disagrees with positions).
-    const int spec_b1 = min(blocks_to_score(a, __ldg(a.seq_lens + r) - 1), bend);
+    // block go out before the positions are reduced. The exact bound from the positions decides
+    // what is scored; tiles issued for a block that turns out invisible are waited for and
+    // ignored (bounded waste, only when seq_lens disagrees with positions). Programmatic launch:
+    // only blocks that end before the request's first new position (seq_lens[r] - its tokens in
+    // this step; positions are consecutive inside a request), whose rows no kernel of the step
+    // writes, are read before pdl_wait.
+    int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
+    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
       stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
     }
   }
-  const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
-  int nvis = 0;                              // the unit's blocks to score (all splits)
-  int p = -1;                                // lane l < n: position of token qa + l
-  if (n > 0) {
-    p = lane < n ? __ldg(a.positions + qa + lane) : -1;
-    const int max_pos = __reduce_max_sync(0xffffffffu, p);
-    nvis = blocks_to_score(a, max_pos);  // <= max_pages
-  }
+  if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+  // Programmatic launch: index_q, the step's index-K rows and every global write come after this
+  // (a no-op after a normal launch).
+  pdl_wait();
+  if (a.pdl || !guessed) load_query_raw(a, qa, n * a.n_kv, q);
+  int nvis = 0;  // the unit's blocks to score (all splits)
+  if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));  // <= max_pages
   const int b1 = min(nvis, bend);
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   const int rows = n * a.n_kv;                 // <= kDecRows
@@ -511,20 +552,20 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
-                               pre);
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
-                               pre);
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
-                               pre);
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, table, tb0,
-                               pre);
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
     }
   };
@@ -703,11 +744,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
 template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
-  allow_dependent_launch();
+  // The dependent grid (the select / merge kernel, or the next stage after a single pass) may be
+  // scheduled once every CTA has started; it waits for this grid's completion before reading.
+  pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
     decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
+  pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
   if constexpr (kSingle) {

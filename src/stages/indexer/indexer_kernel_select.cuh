@@ -20,11 +20,14 @@
 // order); a merge round is 2 dependent redux.sync. At 128K context (1023 candidates) about
 // 3-4 us per warp instead of ~7-20 us; at 8K about 1 us.
 //
-// The kernel is launched with programmatic stream serialization (PDL) after the scorer (a normal
-// launch without PDL when no scorer runs): it waits (griddepcontrol.wait) for the scorer to
+// The kernel is launched with programmatic stream serialization (PDL) after the scorer (when no
+// scorer runs: a normal launch, or a programmatic one behind the previous stage with
+// IndexerCudaOptions::programmatic_launch): it waits (pdl_wait) for the prerequisite grid to
 // complete and flush before reading scores or writing ids, so it may become resident while the
-// scorer's last CTAs still run; the position (an input the scorer does not write) is loaded before
-// the wait. The wait is a no-op when the kernel was launched without the attribute.
+// scorer's last CTAs still run; the position (batch metadata, which no kernel of the step writes)
+// is loaded before the wait. The wait is a no-op when the kernel was launched without the
+// attribute. It lets its own dependent (the attention) be scheduled at once
+// (pdl_launch_dependents).
 #pragma once
 
 #include "stages/indexer/indexer_kernel_common.cuh"
@@ -33,12 +36,6 @@ namespace m3attn::indexer_kernel {
 
 constexpr int kSelectWarps = 8;
 constexpr int kSelectThreads = kSelectWarps * 32;
-
-// Waits until the grids this one depends on (programmatic dependent launch) have completed and
-// their writes are visible; returns at once for a normal launch.
-__device__ __forceinline__ void wait_for_prerequisite_grids() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
 
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
 // smallest entry. Distinct keys: entry i becomes top[i - 1] (shifted down), key, or stays.
@@ -122,13 +119,14 @@ __device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best)
 }
 
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
+  pdl_launch_dependents();
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
   // The position is an input written before the scorer was launched: loaded before the dependency
   // wait (see merge_kernel); the scores and block_ids only after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  wait_for_prerequisite_grids();
+  pdl_wait();
   if (!in_range) return;
   int32_t* out = a.block_ids + row * kTopK;
   const int local = trivial_row(a, out, pos, true);

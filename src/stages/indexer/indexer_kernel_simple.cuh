@@ -101,7 +101,8 @@ __device__ __forceinline__ void simple_segment(const KernelArgs& a, float (*q_sm
 
 __global__ void __launch_bounds__(kSimpleThreads, 1) score_simple_kernel(const KernelArgs a) {
   __shared__ float q_smem[kSimpleWarps][kMaxKv][kHeadDim];
-  allow_dependent_launch();
+  pdl_launch_dependents();
+  pdl_wait();  // programmatic_launch: index_q and index-K may still be written before it
   float(*mine)[kHeadDim] = q_smem[threadIdx.x >> 5];
   for_each_segment(a, [&](int r, int ta, int te) { simple_segment(a, mine, r, ta, te); });
 }

@@ -23,13 +23,16 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N: override the launch
-//   plan (AttentionCudaConfig) for tuning;
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N
+//   (1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel), --pdl (programmatic
+//   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
+//   override the launch plan (AttentionCudaConfig) for tuning;
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync kernel, the wgmma verify kernel's variants "v8" (cp.async loads)
-//   and "v9" (TMA loads; the automatic verify choice), and for draft 7 the wgmma prefill kernel).
+//   and "v9" (TMA loads; the automatic verify choice), for draft 0 the 8-warp decode kernel and
+//   for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -433,12 +436,17 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
+    } else if (std::strncmp(argv[i], "--decode-kernel=", 16) == 0) {
+      cfg.decode_kernel = std::atoi(argv[i] + 16);
+    } else if (std::strcmp(argv[i], "--pdl") == 0) {
+      cfg.programmatic_launch = true;
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--no-prefill] [--compare-kernels] "
+                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--no-prefill] "
+                   "[--compare-kernels] "
                    "[--persistent-ctas=N] "
                    "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");
       return 2;
@@ -488,6 +496,12 @@ int main(int argc, char** argv) {
         x.verify_variant = variant;
         const std::string k = kernel == 0 ? "auto" : kernel == 1 ? "mma.sync" : "wgmma verify";
         v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()), x);
+      }
+      if (draft == 0) {
+        AttentionCudaConfig x = cfg;
+        x.kernel = 1;
+        x.decode_kernel = 2;
+        v.emplace_back(" mma.sync 8-warp", x);
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;

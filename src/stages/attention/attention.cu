@@ -23,8 +23,10 @@
 #include <limits>
 
 #include "core/cuda_check.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
+#include "stages/attention/attention_decode_kernel.cuh"
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_merge.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
@@ -36,6 +38,7 @@ namespace m3attn {
 namespace {
 
 namespace ak = attention_kernel;
+namespace ad = attention_decode;
 namespace ap = attention_prefill;
 namespace av = attention_verify;
 
@@ -52,9 +55,10 @@ constexpr bool kAutoWgmma = true;
 // slower; round C: 15 519-523 / 522-527 TFLOP/s sparse, dense within the spread of 11). Kernels
 // 2, 3, 6-10 (never faster), 12-14, 16-18 (session 13: slower) were removed.
 constexpr bool kAutoWs = true;
-// Which of its variants (AttentionCudaConfig::kernel 11, 15), for sparse and dense attention.
+// Which of its variants (AttentionCudaConfig::kernel 11, 15), for sparse and dense attention
+// (session 14: 15 for dense too; session 13 rounds C / D measured it 2-4 % faster than 11 there).
 constexpr int kAutoWsKernelSparse = 15;
-constexpr int kAutoWsKernelDense = 11;
+constexpr int kAutoWsKernelDense = 15;
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
@@ -66,21 +70,27 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
 constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
+// The kernel of 1-token mma.sync tiles (AttentionCudaConfig::decode_kernel): 1 the 4-warp tile
+// kernel, 2 the 8-warp decode kernel (attention_decode_kernel.cuh; session 14, opt-in until
+// measured).
+constexpr int kAutoDecodeKernel = 1;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
 constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
-  bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
-  bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
-  bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
-  int ctas = 0;         // its persistent CTAs
-  bool ws_wide = false;        // its 64 / 216 register split (kernel 15; else 40 / 232)
-  int qt = 1;                    // tokens per tile
-  int splits = 1;                // CTAs per (tile, KV head)
-  int verify_variant = 9;        // variant of the verify kernel (AttentionCudaConfig)
-  int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  bool wgmma = false;    // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
+  bool verify = false;   // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
+  bool ws = false;       // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
+  int ctas = 0;          // its persistent CTAs
+  bool ws_wide = false;  // its 64 / 216 register split (kernel 15; else 40 / 232)
+  int qt = 1;            // tokens per tile
+  int splits = 1;        // CTAs per (tile, KV head)
+  int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
+  int decode_kernel = 1;   // 1-token mma.sync tiles: 1 tile kernel, 2 8-warp decode kernel
+  bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
+  int64_t tiles = 0;       // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -173,6 +183,17 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   } else {
     pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
   }
+  if (cfg.decode_kernel < 0 || cfg.decode_kernel > 2)
+    return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
+                       " is not 0, 1 or 2");
+  if (!pl.wgmma && !pl.verify && pl.qt == 1)
+    pl.decode_kernel = cfg.decode_kernel != 0 ? cfg.decode_kernel : kAutoDecodeKernel;
+  else if (cfg.decode_kernel == 2)
+    return unsupported(
+        "run_attention_cuda: decode_kernel 2 runs 1-token mma.sync tiles only, the "
+        "plan has ",
+        pl.qt, "-token tiles", pl.wgmma || pl.verify ? " (wgmma)" : "");
+  pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // The mma.sync kernel converts V in registers (v_convert 1); its shared f16 V tile (v_convert 2,
   // prefill-like 4-token tiles) was removed in session 13 (the wgmma kernels run every prefill).
   if (!pl.wgmma && !pl.verify && cfg.v_convert != 0 && cfg.v_convert != 1)
@@ -242,20 +263,30 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  kernel<<<grid, av::kThreads, av::kSmemBytes, stream>>>(args, kmap, vmap);
-  M3_CUDA_CHECK_LAUNCH();
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads), av::kSmemBytes, stream,
+                                     pl.pdl, args, kmap, vmap));
   return Status::Ok();
 }
 
 template <int QT, bool kVec16>
 Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(pl.splits));
+  if constexpr (QT == 1) {
+    if (pl.decode_kernel == 2) {
+      auto kernel = ad::attention_decode_kernel<kVec16>;
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytes, stream, pl.pdl, args));
+      return Status::Ok();
+    }
+  }
   auto kernel = ak::attention_tile_kernel<QT, kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
-  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
-                  static_cast<unsigned>(pl.splits));
-  kernel<<<grid, ak::kThreads, ak::kSmemBytes, stream>>>(args);
-  M3_CUDA_CHECK_LAUNCH();
+  M3_CUDA_RETURN_IF_ERROR(
+      launch_pdl(kernel, grid, dim3(ak::kThreads), ak::kSmemBytes, stream, pl.pdl, args));
   return Status::Ok();
 }
 
@@ -348,7 +379,11 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
     M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % 16 == 0,
                  "run_attention_cuda: workspace is not 16-byte aligned");
   }
-  if (pl.tiles == 0) return Status::Ok();  // no tokens, or no request owns any
+  if (pl.tiles == 0) {  // no tokens, or no request owns any: only out_q's padding rows
+    return attention_quantizes_out(p) ? run_quantize_cuda(attention_out_quantize_params(p), stream,
+                                                          cfg.programmatic_launch)
+                                      : Status::Ok();
+  }
 
   ak::AttnArgs a{};
   a.q = static_cast<const uint8_t*>(p.q.data);
@@ -380,15 +415,32 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
     a.ws_ml = a.ws_o + ws_o_floats(p, pl);
   }
 
+  // o_proj's E4M3 input: written by the epilogues of the verify kernel, the 8-warp decode kernel
+  // and the merge; after the other kernels, by the quantize stage on `out`.
+  const bool quantize = attention_quantizes_out(p);
+  const bool fused_quantize =
+      quantize && (pl.verify || (!pl.wgmma && pl.qt == 1 && pl.decode_kernel == 2));
+  if (fused_quantize) {
+    M3_CHECK_ARG(p.out_scales.shape[0] <= std::numeric_limits<int32_t>::max(),
+                 "run_attention_cuda: out_scales has too many rows");
+    a.out_q = static_cast<uint8_t*>(p.out_q.data);
+    a.out_scales = static_cast<float*>(p.out_scales.data);
+    a.sc_stride_t = p.out_scales.stride[0];
+    a.sc_stride_h = p.out_scales.stride[1];
+    a.q_rows = static_cast<int>(p.out_q.shape[0]);
+  }
+
   const bool vec16 = reinterpret_cast<uintptr_t>(p.kv_cache.data) % 16 == 0 &&
                      p.kv_cache.stride[0] % 16 == 0 && p.kv_cache.stride[1] % 16 == 0;
   M3_RETURN_IF_ERROR(dispatch(a, pl, p.n_kv, vec16, stream));
   if (pl.splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.batch.num_tokens), static_cast<unsigned>(p.n_kv),
                     static_cast<unsigned>(group));
-    ak::attention_merge_kernel<<<grid, ak::kMergeThreads, 0, stream>>>(a);
-    M3_CUDA_CHECK_LAUNCH();
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ak::attention_merge_kernel, grid, dim3(ak::kMergeThreads), 0,
+                                       stream, pl.pdl, a));
   }
+  if (quantize && !fused_quantize)
+    return run_quantize_cuda(attention_out_quantize_params(p), stream, pl.pdl);
   return Status::Ok();
 }
 

@@ -8,6 +8,7 @@
 
 #include "cache/batch.h"
 #include "m3attn/tensor.h"
+#include "stages/quantize/quantize.h"
 
 #if defined(M3ATTN_WITH_CUDA)
 #include <cuda_runtime_api.h>
@@ -25,14 +26,28 @@ struct AttentionParams {
   TensorView block_ids;        // i32 [T, n_kv, 16] (sparse)
   BatchView batch;
   TensorView out;  // bf16 [T, n_q * 128], last stride 1
+  // Optional (both null: off): o_proj's E4M3 input written by the attention itself, byte-identical
+  // to run_quantize_cpu / run_quantize_cuda(QuantizeParams{T, out, out_q, out_scales}) on `out`
+  // (stages/quantize/quantize.h: one (token, head) output row = one 1x128 block): out_q e4m3
+  // [M_pad, n_q * 128] contiguous with M_pad >= T, out_scales f32 [M_pad, n_q] (any strides); rows
+  // [T, M_pad) get q = 0 and scale 1 on every call. `out` is written as well. Rows of tokens that
+  // no request owns (out untouched) are unspecified.
+  TensorView out_q;
+  TensorView out_scales;
 };
 
 // Every SPEC section 8 rule that applies: n_q, n_kv > 0 and n_q % n_kv == 0; softmax_scale finite
 // and >= 0; dtypes and shapes; q contiguous and 16-byte aligned; the KV cache layout; block_ids
 // (sparse only) i32 [T, n_kv, 16] contiguous, 16-byte aligned; out bf16 [T, n_q * 128] with last
 // stride 1, row stride >= n_q * 128 and a multiple of 8, base 16-byte aligned (16-byte stores);
-// the batch views; one device. Reads no tensor data, touches nothing.
+// out_q / out_scales both or neither, then validate_quantize's rules for {T, out, out_q,
+// out_scales}; the batch views; one device. Reads no tensor data, touches nothing.
 Status validate_attention(const AttentionParams& p);
+
+// Whether p asks for the quantized output (out_q set), and the quantize stage's view of it:
+// QuantizeParams{T, out, out_q, out_scales}.
+inline bool attention_quantizes_out(const AttentionParams& p) { return p.out_q.data != nullptr; }
+QuantizeParams attention_out_quantize_params(const AttentionParams& p);
 
 // CPU twin (the oracle); requires CPU views and also checks the batch contents (positions, page ids
 // inside the pool). Exact semantics, which the CUDA kernels must match up to fp32 rounding:
@@ -78,6 +93,14 @@ struct AttentionCudaConfig {
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
                             // loads of K and V, 9 TMA loads (where TMA can address the pool;
                             // else 8 runs)
+  int decode_kernel = 0;    // the mma.sync kernel with 1-token tiles (decode): 0 automatic, 1 the
+                            // 4-warp tile kernel (attention_kernel.cuh), 2 the 8-warp decode
+                            // kernel (attention_decode_kernel.cuh); 2 needs 1-token tiles
+  bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
+                                     // launched as programmatic dependents (PDL,
+                                     // src/core/pdl.cuh): each waits (griddepcontrol.wait) before
+                                     // reading ids, Q, the cache or the workspace; off: plain
+                                     // stream-ordered launches (same kernels, same bytes)
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

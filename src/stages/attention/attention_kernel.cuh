@@ -49,6 +49,7 @@
 
 #include "core/mbarrier.cuh"
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 
 namespace m3attn {
 namespace attention_kernel {
@@ -95,6 +96,13 @@ struct AttnArgs {
   int64_t out_stride;
   float* ws_o;   // [T, n_kv, splits, 16, 128] (splits > 1)
   float* ws_ml;  // [T, n_kv, splits, 16, 2]
+  // o_proj's input written by the kernel's epilogue (or the merge): null when off or when the
+  // launcher quantizes `out` with the quantize stage instead (kernels without this epilogue).
+  uint8_t* out_q;     // e4m3 [q_rows, n_q * 128] contiguous
+  float* out_scales;  // f32 [q_rows, n_q], strides (sc_stride_t, sc_stride_h)
+  int64_t sc_stride_t;
+  int64_t sc_stride_h;
+  int q_rows;  // M_pad >= T
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -168,6 +176,39 @@ __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   return static_cast<uint32_t>(float_to_bf16(lo)) |
          (static_cast<uint32_t>(float_to_bf16(hi)) << 16);
+}
+
+// The 1x128 block quantization of the quantize stage (stages/quantize/quantize_group.cuh, the CPU
+// twin's numerics) for epilogues that hold a row their own way: x = the BF16-rounded output values,
+// amax = fmaxf over |x| (a NaN never becomes amax), scale = amax > 0 ? amax / 448 : 1 (IEEE
+// division), code = e4m3(x / scale) (satfinite, NaN stays NaN).
+__device__ __forceinline__ float bf16_lo_f(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi_f(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+__device__ __forceinline__ float quant_scale(float amax) {
+  return amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
+}
+__device__ __forceinline__ uint32_t quant_code(float x, float scale) {
+  return float_to_e4m3(__fdiv_rn(x, scale));
+}
+// Codes of the two BF16 values of w (low half first), as two bytes.
+__device__ __forceinline__ uint32_t quant_pair(uint32_t w, float scale) {
+  return quant_code(bf16_lo_f(w), scale) | (quant_code(bf16_hi_f(w), scale) << 8);
+}
+__device__ __forceinline__ float amax_pair(uint32_t w) {
+  return fmaxf(fabsf(bf16_lo_f(w)), fabsf(bf16_hi_f(w)));
+}
+
+// The quantized rows [T, q_rows) that no token owns: q = 0, scale = 1 (every call: a larger
+// earlier step may have left data there). One CTA of `Threads` threads.
+template <int Threads>
+__device__ __forceinline__ void write_quant_padding(const AttnArgs& a) {
+  const int heads = a.n_kv * a.group;
+  const int64_t row_words = int64_t{heads} * kDim / 16;
+  const int64_t words = (a.q_rows - a.T) * row_words;
+  uint4* q = reinterpret_cast<uint4*>(a.out_q + int64_t{a.T} * heads * kDim);
+  for (int64_t i = threadIdx.x; i < words; i += Threads) q[i] = make_uint4(0u, 0u, 0u, 0u);
+  for (int64_t i = threadIdx.x; i < (a.q_rows - a.T) * heads; i += Threads)
+    a.out_scales[(a.T + i / heads) * a.sc_stride_t + (i % heads) * a.sc_stride_h] = 1.0f;
 }
 
 // 2^x on the MUFU pipe (ex2.approx.ftz: results below 2^-126 flush to 0, a weight that small cannot
@@ -261,35 +302,43 @@ struct TileInputs {
   int pos, cand_b, cand_pos;
 };
 
-template <int QT>
+// The positions (batch metadata, written before the step's first kernel), then, after
+// pdl_wait when kWait (the block ids may come from the previous kernel), the ids.
+template <int QT, bool kWait>
 __device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t0, int nt,
                                                  TileInputs& in) {
   const int tid = threadIdx.x;
+  const bool cand = a.sparse && tid < kTopKIds * QT && tid / kTopKIds < nt;
   in.pos = tid < QT && tid < nt ? a.positions[t0 + tid] : -1;
-  in.cand_b = in.cand_pos = -1;
-  if (a.sparse && tid < kTopKIds * QT && tid / kTopKIds < nt) {
-    const int w = tid / kTopKIds;
-    in.cand_pos = a.positions[t0 + w];
-    in.cand_b = a.block_ids[static_cast<int64_t>(t0 + w) * a.bid_stride_t +
-                            static_cast<int64_t>(g) * a.bid_stride_h + tid % kTopKIds];
-  }
+  in.cand_pos = cand ? a.positions[t0 + tid / kTopKIds] : -1;
+  if constexpr (kWait) pdl_wait();
+  in.cand_b = cand ? a.block_ids[static_cast<int64_t>(t0 + tid / kTopKIds) * a.bid_stride_t +
+                                 static_cast<int64_t>(g) * a.bid_stride_h + tid % kTopKIds]
+                   : -1;
 }
 
 // find_tile, then the tile's inputs (load_tile_inputs). The inputs of the guessed tile [QT tile,
 // QT tile + QT) are loaded before the scan of query_start confirms it, and again only when the
 // guess was wrong: it holds for single-token tiles of a batch that starts at token 0 (decode) and
 // for requests of QT tokens each (verify), which takes one dependent round trip off the chain
-// query_start -> ids -> page table -> K/V before the first block arrives.
+// query_start -> ids -> page table -> K/V before the first block arrives. Programmatic launch
+// (PDL): every thread passes pdl_wait after loading the guessed positions and before anything a
+// previous kernel may have written (ids; then Q and the cache in the caller); no global writes
+// before it.
 template <int QT, int Threads = kThreads>
 __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g, int* s_warp,
                                                    int* s_tile, TileInputs& in) {
   const int64_t tg = int64_t{QT} * tile;
   const int t_guess = tg < a.T ? static_cast<int>(tg) : -1;
   const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;
-  if (nt_guess > 0) load_tile_inputs<QT>(a, g, t_guess, nt_guess, in);
+  if (nt_guess > 0) {
+    load_tile_inputs<QT, true>(a, g, t_guess, nt_guess, in);
+  } else {
+    pdl_wait();
+  }
   if (!find_tile<QT, Threads>(a, tile, s_warp, s_tile)) return false;
   if (s_tile[1] != t_guess || s_tile[2] != nt_guess)  // CTA-uniform
-    load_tile_inputs<QT>(a, g, s_tile[1], s_tile[2], in);
+    load_tile_inputs<QT, false>(a, g, s_tile[1], s_tile[2], in);
   return true;
 }
 
@@ -380,16 +429,17 @@ __device__ __forceinline__ void dense_entries(const AttnArgs& a, int64_t pt_row,
 
 // Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
 // [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
-// ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups.
-template <bool kVec16>
+// ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups. All `Threads` threads call it.
+template <bool kVec16, int Threads = kThreads>
 __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage) {
+  static_assert(kTileBytes / 16 % Threads == 0, "whole 16-byte chunks per thread");
   const uint8_t* kt =
       a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
   const uint8_t* vt = kt + a.plane_stride;
   const uint32_t ks = smem_u32(stage);
 #pragma unroll
-  for (int it = 0; it < kTileBytes / 16 / kThreads; ++it) {
-    const int i = it * kThreads + static_cast<int>(threadIdx.x);
+  for (int it = 0; it < kTileBytes / 16 / Threads; ++it) {
+    const int i = it * Threads + static_cast<int>(threadIdx.x);
     const int key = i >> 3, c = i & 7;
     const uint32_t kdst = ks + key * kDim + ((c ^ (key & 7)) << 4);
     const uint32_t vdst = kdst + kTileBytes;
@@ -616,6 +666,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnA
   }
   __syncthreads();
 
+  pdl_launch_dependents();  // the next kernel may launch (it waits for this grid to complete)
   // This CTA's share of the entries.
   const int per = (n_total + a.splits - 1) / a.splits;
   const int lo = min(n_total, split * per);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "core/pdl.cuh"
 #include "stages/attention/attention_kernel.cuh"
 
 namespace m3attn {
@@ -23,6 +24,8 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
   const int g = blockIdx.y, h = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int64_t slot0 = (t * a.n_kv + g) * a.splits;
+  pdl_wait();  // the partials of the attention kernel (launched programmatically or not)
+  pdl_launch_dependents();
   // Only tokens that a request owns got partials (for monotone query_start: [qs[0], qs[R])); the
   // outputs of other rows stay untouched, as without a split.
   if (a.R <= 0 || t < a.query_start[0] || t >= a.query_start[a.R]) return;
@@ -60,8 +63,24 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
     ox += w * v.x;
     oy += w * v.y;
   }
-  *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + (g * a.group + h) * kDim + 2 * tid) =
-      pack_bf16x2(ox * inv, oy * inv);
+  const uint32_t w = pack_bf16x2(ox * inv, oy * inv);
+  const int64_t col = static_cast<int64_t>(g * a.group + h) * kDim;
+  *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + col + 2 * tid) = w;
+  if (a.out_q == nullptr) return;  // CTA-uniform
+  // o_proj's E4M3 input: the row's 1x128 block over the CTA (s_red reused after the barrier).
+  float am = amax_pair(w);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+  __syncthreads();  // every thread read s_red (L) above
+  if (lane == 0) s_red[warp] = am;
+  __syncthreads();
+  am = s_red[0];
+#pragma unroll
+  for (int k = 1; k < kMergeThreads / 32; ++k) am = fmaxf(am, s_red[k]);
+  const float sc = quant_scale(am);
+  *reinterpret_cast<uint16_t*>(a.out_q + t * (int64_t{a.n_kv} * a.group * kDim) + col + 2 * tid) =
+      static_cast<uint16_t>(quant_pair(w, sc));
+  if (tid == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
 }
 
 }  // namespace attention_kernel

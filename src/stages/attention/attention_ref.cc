@@ -46,6 +46,10 @@ Status check_host_views(const AttentionParams& p) {
     M3_CHECK_ARG(t->device.type == DeviceType::kCPU,
                  "attention: the CPU twin needs host views, got a tensor on ",
                  t->device.to_string());
+  if (attention_quantizes_out(p))
+    M3_CHECK_ARG(p.out_q.device.type == DeviceType::kCPU,
+                 "attention: the CPU twin needs host views, got out_q on ",
+                 p.out_q.device.to_string());
   if (p.sparse)
     M3_CHECK_ARG(p.block_ids.device.type == DeviceType::kCPU,
                  "attention: the CPU twin needs host views, got block_ids on ",
@@ -158,6 +162,8 @@ Status run_attention_cpu(const AttentionParams& p) {
       }
     }
   }
+  // o_proj's input, by definition the quantize stage on `out`.
+  if (attention_quantizes_out(p)) return run_quantize_cpu(attention_out_quantize_params(p));
   return Status::Ok();
 }
 

@@ -8,8 +8,18 @@
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
 #include "stages/indexer/indexer.h"
+#include "stages/quantize/quantize.h"
 
 namespace m3attn {
+
+QuantizeParams attention_out_quantize_params(const AttentionParams& p) {
+  QuantizeParams q;
+  q.rows = p.batch.num_tokens;
+  q.in = p.out;
+  q.out = p.out_q;
+  q.scales = p.out_scales;
+  return q;
+}
 
 Status validate_attention(const AttentionParams& p) {
   M3_CHECK_ARG(p.n_q > 0, "attention: n_q (query heads) must be > 0, got ", p.n_q);
@@ -42,10 +52,18 @@ Status validate_attention(const AttentionParams& p) {
                " is not a multiple of 8 elements (16-byte rows)");
   M3_RETURN_IF_ERROR(check_alignment(p.out, 16, "attention out"));
 
+  const bool quantized = attention_quantizes_out(p);
+  M3_CHECK_ARG(quantized == (p.out_scales.data != nullptr),
+               "attention out_q / out_scales: give both or neither (out_q ",
+               p.out_q.data != nullptr ? "set" : "null", ", out_scales ",
+               p.out_scales.data != nullptr ? "set" : "null", ")");
+  if (quantized) M3_RETURN_IF_ERROR(validate_quantize(attention_out_quantize_params(p)));
+
   const TensorView none;
   M3_RETURN_IF_ERROR(check_same_device(
       {&p.q, &p.kv_cache, p.sparse ? &p.block_ids : &none, &p.out, &p.batch.query_start,
-       &p.batch.positions, &p.batch.seq_lens, &p.batch.page_table},
+       &p.batch.positions, &p.batch.seq_lens, &p.batch.page_table, quantized ? &p.out_q : &none,
+       quantized ? &p.out_scales : &none},
       "attention"));
   return Status::Ok();
 }

@@ -288,14 +288,33 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
         v[2 * j + x] = is_nan ? __int_as_float(0x7fffffff) : st.o[4 * j + 2 * e + x] * inv;
       }
     const int h = grp + 8 * e;
-    if (tok >= nt || h >= a.group) continue;
     if (a.splits == 1) {
-      uint16_t* orow = a.out + t * a.out_stride + static_cast<int64_t>(g * a.group + h) * ak::kDim;
+      uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
+      float amax = 0.0f;
 #pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * tig) =
-            ak::pack_bf16x2(v[2 * j], v[2 * j + 1]);
+      for (int j = 0; j < 16; ++j) {
+        wv[j] = ak::pack_bf16x2(v[2 * j], v[2 * j + 1]);
+        amax = fmaxf(amax, ak::amax_pair(wv[j]));
+      }
+      // o_proj's E4M3 input (CTA-uniform branch): the row's 128 dims are this lane quad's.
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      if (tok >= nt || h >= a.group) continue;
+      const int64_t col = static_cast<int64_t>(g * a.group + h) * ak::kDim;
+      uint16_t* orow = a.out + t * a.out_stride + col;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * tig) = wv[j];
+      if (a.out_q != nullptr) {
+        const float sc = ak::quant_scale(amax);
+        uint8_t* qrow = a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+          *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) =
+              static_cast<uint16_t>(ak::quant_pair(wv[j], sc));
+        if (tig == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
+      }
     } else {
+      if (tok >= nt || h >= a.group) continue;
       const int64_t slot = (t * a.n_kv + g) * a.splits + split;
       float* orow = a.ws_o + (slot * ak::kRows + h) * ak::kDim;
 #pragma unroll
@@ -350,8 +369,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* smem = smem_raw + (base - raw_u32);
 
   ak::TileInputs in;
-  if (!ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in))
-    return;  // CTA-uniform
+  const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
+  if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
+  if (!has_tile) return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
@@ -387,6 +407,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
   }
   __syncthreads();
+  pdl_launch_dependents();  // the next kernel may launch (it waits for this grid to complete)
 
   const int per = (n_total + a.splits - 1) / a.splits;
   const int lo = min(n_total, split * per);

@@ -27,8 +27,10 @@
 #include "attention_gpu_test_util.h"
 #include "cache/cache_view.h"
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
+#include "stages/quantize/quantize.h"
 #include "support/batch_builder.h"
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
@@ -59,16 +61,19 @@ std::string cfg_name(const AttentionCudaConfig& c) {
      << c.v_convert << " kernel " << c.kernel;
   if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
   if (c.verify_variant != 0) os << " verify_variant " << c.verify_variant;
+  if (c.decode_kernel != 0) os << " decode_kernel " << c.decode_kernel;
+  if (c.programmatic_launch) os << " programmatic";
   return os.str();
 }
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
-// persistent_ctas, verify_variant}; 0 = the plan's choice): kAuto the automatic plan; kMma the
-// mma.sync kernel with 1, 2, 4 tokens per tile; kPrefill the wgmma prefill kernel(s)
-// kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan runs, have
-// their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async) and 9
-// (TMA; 8 where TMA cannot address the pool). Every launch config of a family is also run with
-// `splits` CTAs per (tile, KV head) when splits > 1.
+// persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
+// plan; kMma the mma.sync kernel with 1 (the 4-warp tile kernel and the 8-warp decode kernel,
+// which runs 1-token tiles of every batch), 2, 4 tokens per tile; kPrefill the wgmma prefill
+// kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
+// runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
+// (cp.async) and 9 (TMA; 8 where TMA cannot address the pool). Every launch config of a family is
+// also run with `splits` CTAs per (tile, KV head) when splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
 const std::vector<int> kPrefillKernels = {4};
 std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
@@ -80,7 +85,8 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 0});
+    add({1, 1, 0, 1, 0, 0, 0, 1});
+    add({1, 1, 0, 1, 0, 0, 0, 2});
     add({2, 1, 0});
     add({4, 1, 1});
   }
@@ -492,6 +498,164 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   }
 }
 
+// A slow byte copy (one CTA) that lets its dependents launch at once: a programmatically launched
+// kernel behind it runs concurrently and sees the copied bytes only through its
+// griddepcontrol.wait. Its own wait (after its copy: it writes nothing the kernel before it reads)
+// keeps the chain: its completion implies that of the kernel before it.
+__global__ void early_trigger_copy(const uint8_t* src, uint8_t* dst, size_t n) {
+  pdl_launch_dependents();
+  for (size_t i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  pdl_wait();
+}
+
+// Programmatic launches (AttentionCudaConfig::programmatic_launch) write the same bytes as plain
+// ones: eager, and captured in a graph behind kernels that write the inputs (copies of the block
+// ids and Q into the buffers the attention reads), so the wait before those reads matters.
+TEST(AttentionGpu, ProgrammaticLaunchEqualsPlain) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const std::vector<RequestSpec> decode = {{0, 1}, {1500, 1}, {4000, 1}, {129, 1}, {700, 1}};
+  const std::vector<RequestSpec> verify = {{0, 4}, {1500, 4}, {4000, 4}, {90, 4}};
+  for (const std::vector<RequestSpec>* reqs : {&decode, &verify}) {
+    for (AttentionCudaConfig cfg : configs(kAuto | kMma | kVerify, 3)) {
+      if (cfg.tokens_per_tile > 1 && reqs == &decode) continue;
+      SCOPED_TRACE(::testing::Message()
+                   << testing::describe_requests(*reqs) << " " << cfg_name(cfg));
+      Problem pr = make_problem(*reqs, 64, 4, Pick::kRandom, rng);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      DeviceProblem d;
+      upload(pr, d);
+      AttentionParams p = device_params(pr, d, true);
+      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
+      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      cudaStream_t stream;
+      M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
+      cfg.programmatic_launch = false;
+      d.out.poison(kPoison);
+      ASSERT_TRUE(run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      const std::vector<uint8_t> plain = d.out.download_all();
+      cfg.programmatic_launch = true;
+      d.out.poison(kPoison);
+      d.ws.poison(0xFF);
+      ASSERT_TRUE(run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(d.out.download_all() == plain) << "programmatic eager differs from plain";
+      // Graph: copies that (re)write the ids and Q from staging copies, then the attention.
+      DeviceBuffer ids_src(static_cast<size_t>(pr.ids.nbytes()), 0);
+      DeviceBuffer q_src(static_cast<size_t>(pr.q.nbytes()), 0);
+      ids_src.upload(pr.ids.data(), static_cast<size_t>(pr.ids.nbytes()));
+      q_src.upload(pr.q.data(), static_cast<size_t>(pr.q.nbytes()));
+      d.ids.poison(0xFF);  // ids -1 and Q NaN until the copies in the graph run
+      d.q.poison(0x7F);
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      M3_CUDA_TEST_CHECK(launch_pdl(early_trigger_copy, dim3(1), dim3(128), 0, stream, true,
+                                    static_cast<const uint8_t*>(q_src.data()),
+                                    static_cast<uint8_t*>(d.q.data()), q_src.bytes()));
+      M3_CUDA_TEST_CHECK(launch_pdl(early_trigger_copy, dim3(1), dim3(128), 0, stream, true,
+                                    static_cast<const uint8_t*>(ids_src.data()),
+                                    static_cast<uint8_t*>(d.ids.data()), ids_src.bytes()));
+      const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
+      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      d.out.poison(kPoison);
+      d.ws.poison(0xFF);
+      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_TRUE(d.out.download_all() == plain) << "programmatic graph replay differs from plain";
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    }
+  }
+}
+
+// o_proj's E4M3 input written by the attention (AttentionParams::out_q / out_scales) equals the
+// quantize stage run on the attention's own BF16 output, byte for byte, for every kernel (fused
+// epilogues: the 8-warp decode kernel, the wgmma verify kernel, the split merge; the others run
+// the quantize stage behind them), with T % 4 != 0 and spare rows past M_pad's round-up (padding
+// rows must become q = 0, scale 1 even when they held data), scales with strides (1, M_pad), and
+// NaN outputs (a NaN V) kept as NaN codes. The BF16 output is the same with and without out_q.
+TEST(AttentionGpu, QuantizedOutputEqualsQuantizeStage) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<RequestSpec> decode;  // 61 tokens
+  for (int i = 0; i < 61; ++i) decode.push_back({static_cast<int>(rng.integer(0, 5000)), 1});
+  const std::vector<RequestSpec> verify = {{0, 4}, {1500, 4}, {4000, 4}, {90, 4}, {77, 1}};
+  const std::vector<RequestSpec> mixed = {{0, 37}, {1500, 4}};
+  struct Scenario {
+    const std::vector<RequestSpec>* reqs;
+    std::vector<AttentionCudaConfig> cfgs;
+    bool nan;
+  };
+  const std::vector<Scenario> scenarios = {
+      {&decode, configs(kAuto | kMma, 3), false},           {&decode, configs(kMma, 2), true},
+      {&verify, configs(kAuto | kVerify | kMma, 2), false}, {&verify, configs(kVerify, 3), true},
+      {&mixed, configs(kAuto | kPrefill, 2), false},
+  };
+  const Device dev = Device::cuda(0);
+  for (const Scenario& sc : scenarios) {
+    Problem pr = make_problem(*sc.reqs, 64, 4, Pick::kShared, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    if (sc.nan) {  // a NaN in a V row the first token sees (its own position: the local block)
+      pr.hb.kv_row(0, pr.hb.positions.ptr<int32_t>()[0], 1, 2)[5] = 0x7F;  // V, KV head 2
+    }
+    DeviceProblem d;
+    upload(pr, d);
+    const int64_t T = pr.T(), heads = pr.n_q, m_pad = (T + 3) / 4 * 4 + 4;
+    const int64_t width = heads * kHeadDim;
+    for (const AttentionCudaConfig& cfg : sc.cfgs) {
+      SCOPED_TRACE(::testing::Message() << testing::describe_requests(*sc.reqs) << " "
+                                        << cfg_name(cfg) << (sc.nan ? " NaN" : ""));
+      const std::vector<uint8_t> plain = run_gpu(pr, d, true, cfg);
+      AttentionParams p = device_params(pr, d, true);
+      DeviceBuffer q8(static_cast<size_t>(m_pad * width), 0x5A);
+      DeviceBuffer scales(static_cast<size_t>(m_pad * heads * 4), 0x5A);
+      p.out_q = TensorView::contiguous(q8.data(), DType::kE4M3, {m_pad, width}, dev);
+      p.out_scales =
+          TensorView::strided(scales.data(), DType::kF32, {m_pad, heads}, {1, m_pad}, dev);
+      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
+      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      d.out.poison(kPoison);
+      const Status st = run_attention_cuda(p, d.ws.data(), ws_bytes, nullptr, cfg);
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(d.out.download_all() == plain) << "BF16 output changed by out_q";
+      // The quantize stage on the same BF16 output.
+      DeviceBuffer rq(static_cast<size_t>(m_pad * width), 0x33);
+      DeviceBuffer rs(static_cast<size_t>(m_pad * heads * 4), 0x33);
+      QuantizeParams qp;
+      qp.rows = T;
+      qp.in = p.out;
+      qp.out = TensorView::contiguous(rq.data(), DType::kE4M3, {m_pad, width}, dev);
+      qp.scales = TensorView::strided(rs.data(), DType::kF32, {m_pad, heads}, {1, m_pad}, dev);
+      ASSERT_TRUE(run_quantize_cuda(qp, nullptr).ok());
+      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+      const std::vector<uint8_t> got_q = q8.download_all(), ref_q = rq.download_all();
+      const std::vector<uint8_t> got_s = scales.download_all(), ref_s = rs.download_all();
+      int64_t bad = 0, first = -1;
+      for (size_t i = 0; i < got_q.size(); ++i)
+        if (got_q[i] != ref_q[i] && bad++ == 0) first = static_cast<int64_t>(i);
+      EXPECT_EQ(bad, 0) << "out_q bytes differ, first at row " << first / width << " column "
+                        << first % width;
+      EXPECT_TRUE(got_s == ref_s) << "out_scales differ";
+      if (sc.nan) {
+        bool any_nan = false;
+        for (size_t i = 0; i < static_cast<size_t>(width); ++i)
+          any_nan |= (got_q[i] & 0x7F) == 0x7F;
+        EXPECT_TRUE(any_nan) << "the NaN output of token 0 is not a NaN code";
+      }
+    }
+  }
+}
+
 TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {
   M3_REQUIRE_GPU();
   const size_t bound = attention_workspace_bound();
@@ -596,6 +760,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 10 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
+                  "decode_kernel 3");
+  expect_rejected(good, ws.data(), ws.bytes(), {2, 1, 0, 1, 0, 0, 0, 2}, StatusCode::kUnsupported,
+                  "decode_kernel 2 with 2 tokens per tile");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 0, 2}, StatusCode::kUnsupported,
+                  "decode_kernel 2 on the wgmma verify kernel");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -1,0 +1,374 @@
+// The 8-warp decode kernel of the paged FP8 attention (SPEC section 6; AttentionCudaConfig::
+// decode_kernel 2): one query token per tile on mma.sync, like attention_tile_kernel<1> in
+// attention_kernel.cuh (same grid, block list, ring, split workspace and numerics), with the work
+// of each block spread over 8 warps instead of 4 and no work done twice.
+//
+// Why (session 13 ncu, B64 8K): the 4-warp kernel is issue-latency bound: ~1015 instructions per
+// warp
+//   and block at ~4.1 cycles each with 2 warps per scheduler, and at batch 64 (one wave of 256
+//   CTAs) the time is 16 blocks x that per-block latency. Each of its warps owns 32 keys and all
+//   128 dims of O (64 fp32 accumulators per lane, 198 registers), so more warps per SM did not fit.
+//
+// Work decomposition (CTA = 8 warps, 256 threads, 2 CTAs per SM: 16 warps per SM, <= 128 registers)
+//   Per block (128 keys), warp w:
+//   - S = Q K^T for keys 16 w .. 16 w + 15 (2 n-tiles of 8 keys) on f16 m16n8k16 MMAs: Q is
+//     converted to f16 once (32 registers) and each raw K fragment (ldmatrix of the swizzled raw
+//     tile) by cvt.rn.f16x2.e4m3x2 (exact). The k order inside a 16-dim chunk is permuted the same
+//     way on both sides (k 2 tig, 2 tig + 1 <- dims 4 tig, 4 tig + 1; k 8 + 2 tig, .. <- dims
+//     4 tig + 2, 4 tig + 3), so the 4 raw bytes a lane holds feed one MMA without shuffles; the
+//     products of E4M3 values are exact in f16 x f16 -> fp32 (sm_90 runs FP8 mma.sync as exactly
+//     this conversion plus f16 MMAs into zero accumulators plus fp32 adds; here the adds are gone).
+//   - Online softmax shared by the CTA: the warp's row maxima go to shared memory, every warp
+//     reads the 8 maxima of its rows (barrier), so all warps hold the same running max m and the
+//     same rescale factors; P = 2^(s * scale log2 e - m) rounded to f16: the accumulators of the
+//     two n-tiles are one f16 A fragment of k-step w (keys 16 w ..), stored as one 16-byte word per
+//     lane (s_p[w][lane]).
+//   - O += P V for dims 16 w .. 16 w + 15 (2 n-tiles: even and odd dims) over all 128 keys (8
+//     k-steps; P fragments by 16-byte shared loads, barrier before): V by ldmatrix.trans of the raw
+//     tile (keys 2 tig, 2 tig + 1 of 2 dims per register), one prmt + two cvt per register; keys
+//     past the token's position are cleared first (unwritten slots may hold NaN, 0 * NaN = NaN).
+//   O is 16 rows x 16 dims per warp (2 accumulator sets, even / odd k-steps: 16 registers).
+//   Three CTA barriers per block (block landed; maxima; P), each across 8 warps doing equal work.
+//   Per warp and block ~280 instructions (4-warp kernel: ~900-1000 for twice the keys): ~40 % fewer
+//   instructions per block and CTA, and twice the warps per scheduler to hide their latency.
+// Epilogue: the partial row sums l of the 8 warps (each over its 16 keys) are added in shared
+//   memory; BF16 out (8 bytes per lane and row) or the unnormalised partial (o, m, l) of a split
+//   for attention_merge_kernel, in the layout of attention_tile_kernel.
+// Bytes moved: as attention_tile_kernel (32 KB per selected block and KV head, read once).
+#pragma once
+
+#include <cstdint>
+
+#include "core/pdl.cuh"
+#include "stages/attention/attention_kernel.cuh"
+
+namespace m3attn {
+namespace attention_decode {
+
+namespace ak = attention_kernel;
+using ak::AttnArgs;
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kStages = 3;
+constexpr int kSmemBytes = kStages * ak::kStageBytes;  // 96 KB of dynamic shared memory
+static_assert(kWarps * 16 == ak::kBlockKeys && kWarps * 16 == ak::kDim, "16 keys / dims a warp");
+
+// f16 A fragments of the token's 16 query heads of KV head g (zero for heads >= group and an absent
+// token): qh[c] is 16-dim chunk c with the k order of the K fragments (see the design comment).
+__device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool present,
+                                           uint32_t (&qh)[8][4]) {
+  uint32_t qa[4][4];
+  ak::load_q_fragments(a, g, t, present, qa);  // qa[kk][0 / 2]: row grp, chunk 2 kk / 2 kk + 1
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint32_t r0 = qa[c >> 1][2 * (c & 1)], r1 = qa[c >> 1][2 * (c & 1) + 1];
+    qh[c][0] = ak::e4m3x2_to_f16x2(r0);        // row grp, dims 16 c + 4 tig, + 1
+    qh[c][1] = ak::e4m3x2_to_f16x2(r1);        // row grp + 8
+    qh[c][2] = ak::e4m3x2_to_f16x2(r0 >> 16);  // row grp, dims 16 c + 4 tig + 2, + 3
+    qh[c][3] = ak::e4m3x2_to_f16x2(r1 >> 16);
+  }
+}
+
+// Bytes of the raw V register (key k0: 2 dims, key k0 + 1: the same 2 dims) regrouped as
+// (k0, k0 + 1) of the first dim, then of the second: the B fragments of the even / odd n-tile.
+__device__ __forceinline__ void v_pairs(uint32_t r, uint32_t& even, uint32_t& odd) {
+  const uint32_t x = __byte_perm(r, 0u, 0x3120u);
+  even = ak::e4m3x2_to_f16x2(x);
+  odd = ak::e4m3x2_to_f16x2(x >> 16);
+}
+
+// Keep-mask of a raw V register holding keys k0 (low half) and k0 + 1 (high half).
+__device__ __forceinline__ uint32_t keep_bits(int k0, int lim) {
+  return (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
+}
+
+// O += P V over the 128 keys of the block for this warp's dims 16 w .. 16 w + 15. kMask: keys past
+// lim are cleared in V (the local block).
+template <bool kMask>
+__device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, uint32_t v_smem,
+                                         int lim) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tig = lane & 3;
+  // ldmatrix.trans lane L addresses key 32 kq + L (matrix L / 8 = keys 8 (L / 8) ..), chunk w.
+  const uint32_t vaddr = v_smem + lane * ak::kDim + ((warp ^ (lane & 7)) << 4);
+#pragma unroll
+  for (int kq = 0; kq < 4; ++kq) {
+    uint32_t r[4];
+    ak::ldsm_x4_trans(vaddr + kq * 32 * ak::kDim, r[0], r[1], r[2], r[3]);
+    if constexpr (kMask) {
+#pragma unroll
+      for (int m = 0; m < 4; ++m) r[m] &= keep_bits(32 * kq + 8 * m + 2 * tig, lim);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // k-step 2 kq + h: registers 2 h (keys < 8), 2 h + 1
+      const int kk = 2 * kq + h;
+      const uint4 pv = s_p[kk * 32 + lane];
+      const uint32_t pa[4] = {pv.x, pv.y, pv.z, pv.w};
+      uint32_t e0, o0, e1, o1;
+      v_pairs(r[2 * h], e0, o0);
+      v_pairs(r[2 * h + 1], e1, o1);
+      ak::mma_f16(o[h][0], pa, e0, e1);
+      ak::mma_f16(o[h][1], pa, o0, o1);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_warp[kWarps];
+  __shared__ int s_tile[3];
+  __shared__ int s_pos[1];
+  __shared__ int s_cand_b[ak::kTopKIds];
+  __shared__ int s_cand_page[ak::kTopKIds];
+  __shared__ int s_list_b[ak::kMaxList];
+  __shared__ int s_list_page[ak::kMaxList];
+  __shared__ int s_list_mask[ak::kMaxList];
+  __shared__ __align__(16) float s_max[ak::kRows][kWarps];  // raw row maxima of each warp's keys
+  __shared__ __align__(16) uint4 s_p[kWarps * 32];          // P fragments, k-step w = warp w
+  __shared__ float s_l[kWarps][ak::kRows];
+  __shared__ float s_amax[kWarps][ak::kRows];  // out_q: |max| of each warp's 16 dims per row
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+  const int g = blockIdx.y, split = blockIdx.z;
+
+  ak::TileInputs in;  // (pdl_wait inside, before the ids, Q and the cache are read)
+  const bool has_tile =
+      ak::find_tile_and_load<1, kThreads>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in);
+  if (a.out_q != nullptr && blockIdx.x == 0 && g == 0 && split == 0)
+    ak::write_quant_padding<kThreads>(a);
+  if (!has_tile) return;  // CTA-uniform
+  const int r = s_tile[0], t0 = s_tile[1];
+  if (tid == 0) s_pos[0] = in.pos;
+  uint32_t qh[8][4];
+  load_q_f16(a, g, t0, true, qh);
+  __syncthreads();  // s_pos
+
+  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
+  const int my_pos = s_pos[0];
+  int n_total = 0;
+  if (a.sparse) {
+    n_total = ak::sparse_union<1, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
+                                            s_cand_page, s_warp, s_list_b, s_list_page, s_list_mask,
+                                            nullptr);
+  } else {
+    n_total = my_pos >= 0 ? min((my_pos >> 7) + 1, a.max_pages) : 0;
+  }
+  __syncthreads();
+
+  pdl_launch_dependents();  // the next kernel may launch (it waits for this grid to complete)
+  const int per = (n_total + a.splits - 1) / a.splits;
+  const int lo = min(n_total, split * per);
+  const int hi = min(n_total, lo + per);
+
+  float o[2][2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int n = 0; n < 2; ++n) o[h][n][0] = o[h][n][1] = o[h][n][2] = o[h][n][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY;  // running row maxima (log2 domain), rows grp, grp + 8
+  float l0 = 0.0f, l1 = 0.0f;            // this lane's share of the row sums
+
+  // ldmatrix lane L of the K fragments: key 16 w + 8 j + (L & 7), chunk 4 kp + (L >> 3).
+  const uint32_t kaddr0 = (16 * warp + (lane & 7)) * ak::kDim + (((lane >> 3) ^ (lane & 7)) << 4);
+  const uint32_t kaddr1 =
+      (16 * warp + (lane & 7)) * ak::kDim + (((4 + (lane >> 3)) ^ (lane & 7)) << 4);
+
+  for (int c0 = lo; c0 < hi; c0 += ak::kMaxList) {
+    const int count = min(hi - c0, ak::kMaxList);
+    int off = c0;
+    if (!a.sparse) {
+      __syncthreads();  // the previous chunk's entries and stages are no longer read
+      ak::dense_entries<1, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
+                                     s_list_mask, nullptr);
+      __syncthreads();
+      off = 0;
+    }
+    auto load = [&](int j, int st) {
+      if (j < count && s_list_mask[off + j])
+        ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
+      ak::cp_async_commit();
+    };
+#pragma unroll
+    for (int j = 0; j < kStages - 1; ++j) load(j, j);
+    int stage = 0;
+    for (int i = 0; i < count; ++i) {
+      ak::cp_async_wait<kStages - 2>();
+      __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
+      load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+      const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+      if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
+      const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
+
+      // S = Q K^T for keys 16 w .. 16 w + 15; two accumulator chains per n-tile.
+      float s[2][4], s2[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+        s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.0f;
+#pragma unroll
+        for (int kp = 0; kp < 2; ++kp) {
+          uint32_t b[4];
+          ak::ldsm_x4(k_smem + (kp ? kaddr1 : kaddr0) + j * 8 * ak::kDim, b[0], b[1], b[2], b[3]);
+#pragma unroll
+          for (int mm = 0; mm < 4; ++mm)
+            ak::mma_f16(mm & 1 ? s2[j] : s[j], qh[4 * kp + mm], ak::e4m3x2_to_f16x2(b[mm]),
+                        ak::e4m3x2_to_f16x2(b[mm] >> 16));
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+      }
+      const bool need_mask = lim < ak::kBlockKeys - 1;  // CTA-uniform
+      float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (need_mask && 16 * warp + 8 * j + 2 * tig + (e & 1) > lim) s[j][e] = -INFINITY;
+        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
+        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+      }
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+      if (tig == 0) {
+        s_max[grp][warp] = mx0;
+        s_max[grp + 8][warp] = mx1;
+      }
+      __syncthreads();  // every warp's maxima
+      {
+        const float4* r0 = reinterpret_cast<const float4*>(s_max[grp]);
+        const float4* r1 = reinterpret_cast<const float4*>(s_max[grp + 8]);
+        const float4 a0 = r0[0], a1 = r0[1], b0 = r1[0], b1 = r1[1];
+        mx0 = fmaxf(fmaxf(fmaxf(a0.x, a0.y), fmaxf(a0.z, a0.w)),
+                    fmaxf(fmaxf(a1.x, a1.y), fmaxf(a1.z, a1.w)));
+        mx1 = fmaxf(fmaxf(fmaxf(b0.x, b0.y), fmaxf(b0.z, b0.w)),
+                    fmaxf(fmaxf(b1.x, b1.y), fmaxf(b1.z, b1.w)));
+      }
+      // The same m, alpha in every warp (same inputs, same operations).
+      const float n0 = fmaxf(m0, mx0 * a.scale_log2), n1 = fmaxf(m1, mx1 * a.scale_log2);
+      // A row that has seen only masked keys keeps m = -inf; subtract 0 then (exp2 gives 0).
+      const float mu0 = n0 == -INFINITY ? 0.0f : n0, mu1 = n1 == -INFINITY ? 0.0f : n1;
+      const float alpha0 = ak::fast_exp2(m0 - mu0), alpha1 = ak::fast_exp2(m1 - mu1);
+      m0 = n0;
+      m1 = n1;
+      float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s[j][0] = ak::fast_exp2(fmaf(s[j][0], a.scale_log2, -mu0));
+        s[j][1] = ak::fast_exp2(fmaf(s[j][1], a.scale_log2, -mu0));
+        s[j][2] = ak::fast_exp2(fmaf(s[j][2], a.scale_log2, -mu1));
+        s[j][3] = ak::fast_exp2(fmaf(s[j][3], a.scale_log2, -mu1));
+        sum0 += s[j][0] + s[j][1];
+        sum1 += s[j][2] + s[j][3];
+      }
+      l0 = l0 * alpha0 + sum0;
+      l1 = l1 * alpha1 + sum1;
+      s_p[warp * 32 + lane] =
+          make_uint4(ak::pack_f16x2(s[0][0], s[0][1]), ak::pack_f16x2(s[0][2], s[0][3]),
+                     ak::pack_f16x2(s[1][0], s[1][1]), ak::pack_f16x2(s[1][2], s[1][3]));
+      if (!__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int n = 0; n < 2; ++n) {
+            o[h][n][0] *= alpha0;
+            o[h][n][1] *= alpha0;
+            o[h][n][2] *= alpha1;
+            o[h][n][3] *= alpha1;
+          }
+      }
+      __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
+      if (need_mask)
+        pv_block<true>(o, s_p, k_smem + ak::kTileBytes, lim);
+      else
+        pv_block<false>(o, s_p, k_smem + ak::kTileBytes, lim);
+    }
+  }
+  ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+
+  // Epilogue: total row sums over the 8 warps; lane (grp, tig) of warp w holds rows grp, grp + 8,
+  // dims 16 w + 4 tig .. + 3 (even n-tile: + 0, + 2; odd: + 1, + 3).
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  if (tig == 0) {
+    s_l[warp][grp] = l0;
+    s_l[warp][grp + 8] = l1;
+  }
+  __syncthreads();
+  float L[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    L[0] += s_l[w][grp];
+    L[1] += s_l[w][grp + 8];
+  }
+  const float M[2] = {m0, m1};
+  const int64_t t = t0;
+  const int dim = 16 * warp + 4 * tig;
+  const int64_t head0 = static_cast<int64_t>(g) * a.group;
+  if (a.splits == 1) {
+    uint2 w[2];  // BF16 outputs of rows grp, grp + 8 (dims dim .. dim + 3)
+    float amax[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float inv = L[e] > 0.0f ? 1.0f / L[e] : 0.0f;
+      const float v0 = o[0][0][2 * e] + o[1][0][2 * e], v1 = o[0][1][2 * e] + o[1][1][2 * e];
+      const float v2 = o[0][0][2 * e + 1] + o[1][0][2 * e + 1];
+      const float v3 = o[0][1][2 * e + 1] + o[1][1][2 * e + 1];
+      w[e] = make_uint2(ak::pack_bf16x2(v0 * inv, v1 * inv), ak::pack_bf16x2(v2 * inv, v3 * inv));
+      const int h = grp + 8 * e;
+      if (h < a.group)
+        *reinterpret_cast<uint2*>(a.out + t * a.out_stride + (head0 + h) * ak::kDim + dim) = w[e];
+      amax[e] = fmaxf(ak::amax_pair(w[e].x), ak::amax_pair(w[e].y));
+    }
+    if (a.out_q != nullptr) {  // CTA-uniform: o_proj's E4M3 input, one 1x128 block per row
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 1));
+        amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 2));
+        if (tig == 0) s_amax[warp][grp + 8 * e] = amax[e];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int h = grp + 8 * e;
+        if (h >= a.group) continue;
+        float am = 0.0f;
+#pragma unroll
+        for (int k = 0; k < kWarps; ++k) am = fmaxf(am, s_amax[k][h]);
+        const float sc = ak::quant_scale(am);
+        const int64_t col = (head0 + h) * ak::kDim + dim;
+        *reinterpret_cast<uint32_t*>(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col) =
+            ak::quant_pair(w[e].x, sc) | (ak::quant_pair(w[e].y, sc) << 16);
+        if (warp == 0 && tig == 0)
+          a.out_scales[t * a.sc_stride_t + (head0 + h) * a.sc_stride_h] = sc;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int h = grp + 8 * e;
+      if (h >= a.group) continue;
+      const float v0 = o[0][0][2 * e] + o[1][0][2 * e], v1 = o[0][1][2 * e] + o[1][1][2 * e];
+      const float v2 = o[0][0][2 * e + 1] + o[1][0][2 * e + 1];
+      const float v3 = o[0][1][2 * e + 1] + o[1][1][2 * e + 1];
+      const int64_t slot = (t * a.n_kv + g) * a.splits + split;
+      *reinterpret_cast<float4*>(a.ws_o + (slot * ak::kRows + h) * ak::kDim + dim) =
+          make_float4(v0, v1, v2, v3);
+      if (warp == 0 && tig == 0) {
+        a.ws_ml[(slot * ak::kRows + h) * 2] = M[e];
+        a.ws_ml[(slot * ak::kRows + h) * 2 + 1] = L[e];
+      }
+    }
+  }
+}
+
+}  // namespace attention_decode
+}  // namespace m3attn

@@ -356,6 +356,25 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
     return true;
   };
   Status error = Status::Ok();
+  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO,  CUBLASLT_CLUSTER_SHAPE_1x1x1,
+                               CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
+                               CUBLASLT_CLUSTER_SHAPE_2x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1,
+                               CUBLASLT_CLUSTER_SHAPE_1x4x1};
+
+  // (0) The heuristic's own algorithm (its tile and stages) under other cluster shapes, with and
+  // without CTA swizzling. (Session 13: the heuristic offers one candidate, the enumeration below
+  // stops at its check limit before finding a shape that passes, and split-K needs more workspace
+  // than there is at M >= 512, so nothing at all was timed there.)
+  for (uint16_t cluster : clusters) {
+    for (uint32_t swizzle : {0u, 1u}) {
+      cublasLtMatmulAlgo_t algo = ref.algo;
+      if (!set_config(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cluster) ||
+          !set_config(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle))
+        continue;
+      if (!consider(algo, phase_a_end, &error)) break;
+    }
+    M3_RETURN_IF_ERROR(error);
+  }
 
   // (1) The heuristic's other candidates.
   {
@@ -382,10 +401,6 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
   // (2) Explicit shapes: every tile of every id, with the first stages id that passes, under a
   // few cluster shapes; ordered by how well they fill the last wave, then timed.
   std::vector<Candidate> shapes;
-  const uint16_t clusters[] = {CUBLASLT_CLUSTER_SHAPE_AUTO,  CUBLASLT_CLUSTER_SHAPE_1x1x1,
-                               CUBLASLT_CLUSTER_SHAPE_2x1x1, CUBLASLT_CLUSTER_SHAPE_1x2x1,
-                               CUBLASLT_CLUSTER_SHAPE_2x2x1, CUBLASLT_CLUSTER_SHAPE_4x1x1,
-                               CUBLASLT_CLUSTER_SHAPE_1x4x1};
   const int64_t ref_stages = config_value(ref.algo, CUBLASLT_ALGO_CONFIG_STAGES_ID);
   bool out_of_time = false;
   for (const AlgoCaps& c : caps) {

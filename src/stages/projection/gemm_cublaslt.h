@@ -31,6 +31,8 @@
 // Autotuning (Fp8BlockGemmOptions::autotune, on by default): after the heuristic's choice, the
 // 256-byte algorithm of every bucket with m_hi <= autotune_max_m is timed against alternatives on
 // the bucket's largest M over scratch buffers allocated (and freed) inside create():
+//   - the heuristic's algorithm under the other cluster shapes, with and without CTA swizzling
+//     (the only alternatives that pass at M >= 512, where split-K needs too much workspace);
 //   - the heuristic's other candidates (up to 32 asked);
 //   - configurations enumerated explicitly (cublasLtMatmulAlgoGetIds / AlgoInit and the
 //     capabilities: every tile, a few cluster shapes, the first stages id that passes), then

@@ -403,6 +403,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       static_cast<long long>(n), static_cast<long long>(k),
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
       copies);
+  std::printf("%s", lt->describe().c_str());
   bool pass = true;
   std::vector<bench::Row> rows;
   for (int64_t rows_m : ms) {
@@ -438,6 +439,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       row.add("b2b_us", tb.median_us);
       row.add("%copy", pct_copy(bytes, ti.median_us), 1);
       row.add("b2b_%copy", pct_copy(bytes, tb.median_us), 1);
+      row.add("TFLOP/s", 2.0 * static_cast<double>(rows_m) * n * k / ti.median_us / 1e6, 1);
       row.add("check", check);
       rows.push_back(row);
     };

@@ -40,7 +40,11 @@
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
-//   query-row and position loads, IndexerCudaOptions::guess_request_bounds).
+//   query-row and position loads, IndexerCudaOptions::guess_request_bounds),
+//   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
+//   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
+//   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
+//   the first warp's entry, and the median / max clock64 duration of each phase).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -383,7 +387,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false, pdl = false, no_guess = false;
+       clusters = false, pdl = false, no_guess = false, timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -401,6 +405,9 @@ int main(int argc, char** argv) {
       pdl = true;
     else if (a == "--no-guess")
       no_guess = true;
+    else if (a == "--timeline" && i + 1 < argc &&
+             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
+      timeline = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--contiguous")
@@ -412,7 +419,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess]\n",
+                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT]\n",
                    argv[0]);
       return 2;
     }
@@ -447,6 +454,62 @@ int main(int argc, char** argv) {
   bool all_pass = true;
 
   std::vector<bench::Row> rows;
+  if (timeline) {
+    Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
+    IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
+    const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
+    const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
+    const int64_t warps = units * pl.k_splits * 4;
+    const size_t bytes = static_cast<size_t>(warps) * 16 * 8;
+    uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
+    o.timeline = d_tl;
+    const auto launch = [&](cudaStream_t s) {
+      check_cuda(cudaMemsetAsync(d_tl, 0, bytes, s), "timeline clear");
+      const Status st = run_indexer_cuda(c.p, c.ws, s, o);
+      if (!st.ok()) std::exit(1);
+    };
+    const bench::Timing t = bench::time_cold(launch, stream, 1, 5);
+    std::vector<uint64_t> tl(static_cast<size_t>(warps) * 16);
+    check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
+    int dev = 0, khz = 0;
+    check_cuda(cudaGetDevice(&dev), "device");
+    check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock rate");
+    uint64_t g0 = ~uint64_t{0};
+    for (int64_t w = 0; w < warps; ++w)
+      if (tl[w * 16]) g0 = std::min(g0, tl[w * 16]);
+    const auto pct = [](std::vector<double> v, double q) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
+    };
+    std::printf(
+        "timeline b%d ctx %d draft %d, plan %s, %lld warps, eager cold call %.1f us "
+        "(median of 5 incl. memset)\n",
+        only_batch, only_ctx, only_draft, plan_str(c, o).c_str(), static_cast<long long>(warps),
+        t.median_us);
+    const char* names[] = {"entry", "ready", "scored", "barrier", "done"};
+    for (int sl = 0; sl < 5; ++sl) {
+      std::vector<double> at, dur;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * 16;
+        if (!e[0] || !e[sl]) continue;
+        at.push_back((e[sl] - g0) * 1e-3);
+        if (sl > 0 && e[sl - 1]) dur.push_back((e[8 + sl] - e[8 + sl - 1]) / (khz * 1e-3));
+      }
+      std::printf("  %-8s warps %5zu  at us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f",
+                  names[sl], at.size(), pct(at, 0), pct(at, 0.1), pct(at, 0.5), pct(at, 0.9),
+                  pct(at, 1));
+      if (sl > 0)
+        std::printf("   phase us (clock64 at %d MHz): p50 %6.2f p90 %6.2f max %6.2f", khz / 1000,
+                    pct(dur, 0.5), pct(dur, 0.9), pct(dur, 1));
+      std::printf("\n");
+    }
+    cudaFree(d_tl);
+    free_case(c);
+    cudaStreamDestroy(stream);
+    cudaFree(pool.data);
+    return 0;
+  }
   if (pdl) {
     // The indexer behind the producer stand-in (~3 us of spinning, then index_q rewritten), with a
     // normal and a programmatic launch, beside the stand-in alone; default plan.

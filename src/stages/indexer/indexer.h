@@ -139,6 +139,10 @@ struct IndexerCudaOptions {
   // reloading when the guess was wrong (same ids either way). false: the A/B of session 14
   // (loads after query_start); to be removed once measured.
   bool guess_request_bounds = true;
+  // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
+  // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
+  // their phases (indexer_kernel_common.cuh, timeline_mark). Not validated; to be removed.
+  uint64_t* timeline = nullptr;
 };
 
 // True when run_indexer_cuda with these params and options scores on tensor cores (E4M3

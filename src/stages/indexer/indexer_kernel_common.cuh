@@ -80,7 +80,28 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;  // IndexerCudaOptions::guess_request_bounds (decode units)
+  // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
+  // timeline_mark.
+  uint64_t* timeline = nullptr;
 };
+
+// Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
+// warp of a decode unit records %globaltimer (ns) in word `slot` and clock64 in word 8 + slot of
+// its kTimelineStride words at (CTA x * gridDim.y + y) * 4 + warp. Slots: 0 entry, 1 ready to
+// score (query rows and positions in, after pdl_wait), 2 its blocks scored, 3 the CTA's (or
+// cluster's) barrier passed, 4 done (rows written). Written even before pdl_wait (the buffer is
+// the caller's own).
+constexpr int kTimelineSlots = 5;
+constexpr int kTimelineStride = 16;
+__device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  uint64_t g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  a.timeline[w * kTimelineStride + slot] = g;
+  a.timeline[w * kTimelineStride + 8 + slot] = static_cast<uint64_t>(clock64());
+}
 
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made
 // monotone (0 is reserved for NaN, never chosen; -0 ties with +0), the low word ~id so that an

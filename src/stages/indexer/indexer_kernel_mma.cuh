@@ -486,6 +486,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
+  timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -569,12 +570,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
         break;
     }
   };
+  timeline_mark(a, 1);
   if constexpr (kCluster) {
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
+    timeline_mark(a, 2);
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
+    timeline_mark(a, 3);
     if (blockIdx.y == 0) fused_local_select<true>(a, sblk, qa, rows, 0, nvis, p);
+    timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
@@ -587,10 +592,13 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
   if (first < b1) score(sblk, b0);
+  timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
+    timeline_mark(a, 3);
     fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
   }
+  timeline_mark(a, 4);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -231,6 +232,53 @@ TEST_F(AttentionValidation, BatchContents) {
   hb_.seq_lens.ptr<int32_t>()[1] = 1;  // 2 query tokens but seq_len 1
   expect_rejected([](AttentionParams&) {}, StatusCode::kInvalidArgument, "seq_len 1",
                   /*host_only=*/true);
+}
+
+// o_proj's E4M3 input (out_q / out_scales): both or neither, then the quantize stage's rules; the
+// twin's out_q / out_scales are run_quantize_cpu of its own out (padding rows q = 0, scale 1).
+TEST_F(AttentionValidation, QuantizedOutput) {
+  const int64_t m_pad = (T_ + 3) / 4 * 4 + 4;
+  Tensor q8(DType::kE4M3, {m_pad, 8 * kHeadDim});
+  Tensor sc(DType::kF32, {m_pad * 8});
+  auto with_q = [&](AttentionParams& p) {
+    p.out_q = q8.view();
+    p.out_scales = TensorView::strided(sc.data(), DType::kF32, {m_pad, 8}, {1, m_pad});
+  };
+  expect_rejected([&](AttentionParams& p) { p.out_q = q8.view(); }, StatusCode::kInvalidArgument,
+                  "both or neither");
+  expect_rejected(
+      [&](AttentionParams& p) {
+        with_q(p);
+        p.out_q = TensorView::contiguous(q8.data(), DType::kE4M3, {T_ - 1, 8 * kHeadDim});
+      },
+      StatusCode::kInvalidArgument, "quantize output");
+  expect_rejected(
+      [&](AttentionParams& p) {
+        with_q(p);
+        p.out_q.dtype = DType::kBF16;
+      },
+      StatusCode::kInvalidArgument, "quantize output");
+
+  M3_SEED_TRACE(seed_);
+  AttentionParams p = good_;
+  with_q(p);
+  std::fill(q8.ptr<uint8_t>(), q8.ptr<uint8_t>() + q8.numel(), uint8_t{0x5A});
+  std::fill(sc.ptr<float>(), sc.ptr<float>() + sc.numel(), -3.0f);
+  ASSERT_TRUE(run_attention_cpu(p).ok()) << run_attention_cpu(p).to_string();
+  Tensor rq(DType::kE4M3, {m_pad, 8 * kHeadDim});
+  Tensor rs(DType::kF32, {m_pad * 8});
+  QuantizeParams qp;
+  qp.rows = T_;
+  qp.in = p.out;
+  qp.out = rq.view();
+  qp.scales = TensorView::strided(rs.data(), DType::kF32, {m_pad, 8}, {1, m_pad});
+  ASSERT_TRUE(run_quantize_cpu(qp).ok());
+  EXPECT_EQ(std::memcmp(q8.data(), rq.data(), static_cast<size_t>(q8.nbytes())), 0);
+  EXPECT_EQ(std::memcmp(sc.data(), rs.data(), static_cast<size_t>(sc.nbytes())), 0);
+  for (int64_t r = T_; r < m_pad; ++r) {
+    EXPECT_EQ(q8.ptr<uint8_t>()[r * 8 * kHeadDim], 0) << "padding row " << r;
+    EXPECT_EQ(sc.ptr<float>()[r], 1.0f) << "padding row " << r;
+  }
 }
 
 }  // namespace

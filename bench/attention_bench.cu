@@ -26,7 +26,8 @@
 //   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N
 //   (1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel), --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
-//   override the launch plan (AttentionCudaConfig) for tuning;
+//   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
+//   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
@@ -64,6 +65,7 @@ constexpr int kNkv = 4;
 constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // bytes of one K or V tile
 constexpr int64_t kPageBytes = 2 * kNkv * kTile;          // one page of this layer
 constexpr double kSpotTol = 1e-2;                         // row relative L2 (see the GPU test)
+bool g_out_q = false;  // --out-q: every call also writes o_proj's E4M3 input (out_q / out_scales)
 
 // Finite E4M3 values of moderate size: sign, exponent 4..8 (2^-3 .. 2^1), any mantissa.
 __global__ void fill_pool(uint8_t* p, int64_t n, uint64_t seed) {
@@ -93,7 +95,7 @@ struct Case {
   std::vector<int32_t> qs, pos, lens, table, ids;
   std::vector<uint8_t> q;
   void *d_qs = nullptr, *d_pos = nullptr, *d_lens = nullptr, *d_table = nullptr, *d_ids = nullptr,
-       *d_q = nullptr, *d_out = nullptr, *d_ws = nullptr;
+       *d_q = nullptr, *d_out = nullptr, *d_ws = nullptr, *d_outq = nullptr, *d_scales = nullptr;
   size_t ws_bytes = 0;
   AttentionParams p;
   AttentionCudaConfig cfg;
@@ -115,7 +117,8 @@ void* upload(const void* h, size_t n) {
 }
 
 void free_case(Case& c) {
-  for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_table, c.d_ids, c.d_q, c.d_out, c.d_ws})
+  for (void* d : {c.d_qs, c.d_pos, c.d_lens, c.d_table, c.d_ids, c.d_q, c.d_out, c.d_ws, c.d_outq,
+                  c.d_scales})
     if (d) cudaFree(d);
   for (size_t k = 1; k < c.d_tables.size(); ++k) cudaFree(c.d_tables[k]);
 }
@@ -242,6 +245,13 @@ Case make_case(const std::string& name, bool sparse, int R, int ctx, int new_tok
   p.batch.page_table =
       TensorView::contiguous(c.d_table, DType::kI32, {R, int64_t{c.max_pages}}, dev);
   p.out = TensorView::contiguous(c.d_out, DType::kBF16, {c.T, width}, dev);
+  if (g_out_q) {  // the layer's layout: M_pad = T rounded up to 4, scales with strides (1, M_pad)
+    const int64_t m_pad = (c.T + 3) / 4 * 4;
+    c.d_outq = upload(nullptr, static_cast<size_t>(m_pad * width));
+    c.d_scales = upload(nullptr, static_cast<size_t>(m_pad * kNq * 4));
+    p.out_q = TensorView::contiguous(c.d_outq, DType::kE4M3, {m_pad, width}, dev);
+    p.out_scales = TensorView::strided(c.d_scales, DType::kF32, {m_pad, kNq}, {1, m_pad}, dev);
+  }
   c.ws_bytes = attention_workspace_bytes(p, cfg);
   c.d_ws = upload(nullptr, c.ws_bytes);
   return c;
@@ -440,12 +450,14 @@ int main(int argc, char** argv) {
       cfg.decode_kernel = std::atoi(argv[i] + 16);
     } else if (std::strcmp(argv[i], "--pdl") == 0) {
       cfg.programmatic_launch = true;
+    } else if (std::strcmp(argv[i], "--out-q") == 0) {
+      g_out_q = true;
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--no-prefill] "
+                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "
                    "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");

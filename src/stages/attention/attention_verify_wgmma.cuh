@@ -62,8 +62,8 @@
 //   then stalls the CTA's own warps instead of a new CTA's, with the same 2 blocks in flight. It
 //   was deleted; hiding the chain needs a builder that runs beside the consumers (a producer
 //   warp), not one that interrupts them. Round C ncu of variant 9 (B256 x 4 @ 8K, 177 us): ~955
-//   instructions per warp and block, issue slots 41 % busy, stall samples: fixed-latency waits 27 %,
-//   issuing 22 %, short scoreboard (shared memory, MUFU) 12 %, long scoreboard (the stage's TMA
+//   instructions per warp and block, issue slots 41 % busy, stall samples: fixed-latency waits 27
+//   %, issuing 22 %, short scoreboard (shared memory, MUFU) 12 %, long scoreboard (the stage's TMA
 //   mbarrier, global) 12 %, barriers 9 %: the warps are issue-latency bound rather than waiting
 //   for HBM, so the next lever is fewer instructions per block (V conversion and its NaN test,
 //   softmax) or more warps per SM, not more bytes in flight.
@@ -132,8 +132,10 @@ __device__ __forceinline__ int early_key(int j, bool high) {
 }
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
-// keeps the raw dims 0-63 chunks in `lo`. Returns nonzero when a raw byte read is NaN.
-__device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4]) {
+// keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
+// NaN (0 otherwise).
+__device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
+                                                   bool check) {
   const int cl = threadIdx.x & 3;
   const uint8_t* vraw = stage + kTileBytes;
   uint4 hi[4];
@@ -147,9 +149,10 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
       hi[j] = *reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
     if (kl <= vlim)
       lo[j] = *reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
-    nan |= e4m3x4_nan_bits(hi[j].x) | e4m3x4_nan_bits(hi[j].y) | e4m3x4_nan_bits(hi[j].z) |
-           e4m3x4_nan_bits(hi[j].w) | e4m3x4_nan_bits(lo[j].x) | e4m3x4_nan_bits(lo[j].y) |
-           e4m3x4_nan_bits(lo[j].z) | e4m3x4_nan_bits(lo[j].w);
+    if (check)
+      nan |= e4m3x4_nan_bits(hi[j].x) | e4m3x4_nan_bits(hi[j].y) | e4m3x4_nan_bits(hi[j].z) |
+             e4m3x4_nan_bits(hi[j].w) | e4m3x4_nan_bits(lo[j].x) | e4m3x4_nan_bits(lo[j].y) |
+             e4m3x4_nan_bits(lo[j].z) | e4m3x4_nan_bits(lo[j].w);
   }
   __syncwarp();  // every lane read the warp's rows before any lane overwrites them
 #pragma unroll
@@ -219,13 +222,13 @@ struct Rows {
 // caller's next block or wgmma_wait<0> waits for it). after_s() runs once every warp's S and the
 // previous block's P V are complete (after a CTA barrier): the caller refills the previous stage
 // there. mask: tokens that see the block; vlim: V rows past it are zeroed; lim: this warp's last
-// visible key (< 0: none).
+// visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 template <typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
                                              const int* s_pos, uint32_t (*s_nan)[4],
-                                             float scale_log2, AfterS after_s) {
+                                             float scale_log2, bool check, AfterS after_s) {
   // S = Q K^T.
   ap::reg_fence(s);
   ap::wgmma_fence();
@@ -235,7 +238,7 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high(sbuf, vlim, vlo);
+  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
@@ -337,9 +340,10 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 9). Grid: (tiles bound x n_kv, 1, splits); block:
-// kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async.
-template <bool kVec16, bool kTma>
+// The decode / verify kernel (variants 8, 9, 10). Grid: (tiles bound x n_kv, 1, splits); block:
+// kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
+// kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
+template <bool kVec16, bool kTma, bool kTwoPass = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -414,59 +418,75 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int hi = min(n_total, lo + per);
 
   Rows st;
-  st.reset();
   float s[64];
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  for (int c0 = lo; c0 < hi; c0 += kMaxList) {
-    const int count = min(hi - c0, kMaxList);
-    int off = c0;
-    if (!a.sparse) {
-      __syncthreads();  // the previous chunk's entries are no longer read
-      ak::dense_entries<kQT, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
-                                       s_list_mask, s_list_vlim);
-      __syncthreads();
-      off = 0;
-    }
-    const int* lmask = s_list_mask + off;
-    const int* lb = s_list_b + off;
-    const int* lpage = s_list_page + off;
-    const int* lvlim = s_list_vlim + off;
-
-    // Ring: blocks 0 .. kStages-2 in flight before the loop; iteration i waits for block i (one
-    // commit group per block, empty ones included; kTma: the stage's mbarrier, loaded entries
-    // only), then, after the barrier in attend_block (every warp's P V(i - 1) complete, its
-    // generic f16 stores fenced), refills the stage of block i - 1 with block i + kStages - 1. An
-    // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys and
-    // its V rows are zeroed (vlim -1).
-#pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
-    int stage = 0;
-    for (int i = 0; i < count; ++i) {
-      if constexpr (kTma) {
-        if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-          sm90::mbar_wait(ak::smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
-          full_parity ^= 1u << stage;
-        }
-      } else {
-        ak::cp_async_wait<kStages - 2>();
+  // kTwoPass (variant 10): two passes at most. Pass 0 skips the per-block test for NaN in V (~100 instructions per warp
+  // and block): a NaN V element in a row some token sees (rows past every token's position are
+  // zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN in the shared MMA), so a
+  // NaN-free O after pass 0 proves that no such element existed and pass 0's result is exact.
+  // Otherwise (a V NaN, or a NaN from K / Q, which makes whole rows NaN) the tile runs again with
+  // the test and the exact per-token NaN bookkeeping (pass 1, the session-13 path).
+#pragma unroll 1
+  for (int pass = kTwoPass ? 0 : 1;; ++pass) {
+    const bool check = pass > 0;
+    st.reset();
+    for (int c0 = lo; c0 < hi; c0 += kMaxList) {
+      const int count = min(hi - c0, kMaxList);
+      int off = c0;
+      if (!a.sparse) {
+        __syncthreads();  // the previous chunk's entries are no longer read
+        ak::dense_entries<kQT, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
+                                         s_list_mask, s_list_vlim);
+        __syncthreads();
+        off = 0;
       }
-      __syncthreads();  // block i landed for every thread
-      const int cur = stage;
-      const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
-      stage = stage + 1 == kStages ? 0 : stage + 1;
-      const int mask = lmask[i];
-      const int b = lb[i];
-      attend_block(st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
-                   mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1,
-                   s_pos, s_nan, a.scale_log2,
-                   [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+      const int* lmask = s_list_mask + off;
+      const int* lb = s_list_b + off;
+      const int* lpage = s_list_page + off;
+      const int* lvlim = s_list_vlim + off;
+
+      // Ring: blocks 0 .. kStages-2 in flight before the loop; iteration i waits for block i (one
+      // commit group per block, empty ones included; kTma: the stage's mbarrier, loaded entries
+      // only), then, after the barrier in attend_block (every warp's P V(i - 1) complete, its
+      // generic f16 stores fenced), refills the stage of block i - 1 with block i + kStages - 1. An
+      // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
+      // and its V rows are zeroed (vlim -1).
+#pragma unroll
+      for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
+      int stage = 0;
+      for (int i = 0; i < count; ++i) {
+        if constexpr (kTma) {
+          if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
+            sm90::mbar_wait(ak::smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
+            full_parity ^= 1u << stage;
+          }
+        } else {
+          ak::cp_async_wait<kStages - 2>();
+        }
+        __syncthreads();  // block i landed for every thread
+        const int cur = stage;
+        const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+        const int mask = lmask[i];
+        const int b = lb[i];
+        attend_block(st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
+                     mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1,
+                     s_pos, s_nan, a.scale_log2, check,
+                     [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+      }
+      ap::wgmma_wait<0>();  // the last P V
+      ap::reg_fence(st.o);
+      ak::cp_async_wait<0>();
+      __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
     }
-    ap::wgmma_wait<0>();  // the last P V
-    ap::reg_fence(st.o);
-    ak::cp_async_wait<0>();
-    __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
+    if (check) break;
+    float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
+#pragma unroll
+    for (int k = 0; k < 64; ++k) probe += st.o[k];
+    // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
+    if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
   write_rows(a, st, s_nan[tok], t0, nt, g, split);
 }

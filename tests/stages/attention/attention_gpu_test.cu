@@ -6,8 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync kernel, the Hopper
 // wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token tiles x
-// 16 heads on one warpgroup: verify_variant 8 and 9), with and without splits; all must meet the
-// same tolerance.
+// 16 heads on one warpgroup: verify_variant 8, 9 and 10), with and without splits; all must meet
+// the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -72,8 +72,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // which runs 1-token tiles of every batch), 2, 4 tokens per tile; kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
 // runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
-// (cp.async) and 9 (TMA; 8 where TMA cannot address the pool). Every launch config of a family is
-// also run with `splits` CTAs per (tile, KV head) when splits > 1.
+// (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (9 with the two-pass V NaN
+// test). Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when
+// splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
 const std::vector<int> kPrefillKernels = {4};
 std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
@@ -93,7 +94,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 9}) add({4, 1, 0, 5, 0, 0, variant});
+    for (int variant : {8, 9, 10}) add({4, 1, 0, 5, 0, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -756,8 +757,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
-                  "verify_variant 10 (deleted)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 11}, StatusCode::kUnsupported,
+                  "verify_variant 11");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,

@@ -24,7 +24,7 @@
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
 //   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N
-//   (1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel), --pdl (programmatic
+//   (1-token tiles: 1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel), --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);

@@ -186,13 +186,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   if (cfg.decode_kernel < 0 || cfg.decode_kernel > 2)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
                        " is not 0, 1 or 2");
+  // decode_kernel picks the kernel of 1-token mma.sync tiles; other plans ignore it.
   if (!pl.wgmma && !pl.verify && pl.qt == 1)
     pl.decode_kernel = cfg.decode_kernel != 0 ? cfg.decode_kernel : kAutoDecodeKernel;
-  else if (cfg.decode_kernel == 2)
-    return unsupported(
-        "run_attention_cuda: decode_kernel 2 runs 1-token mma.sync tiles only, the "
-        "plan has ",
-        pl.qt, "-token tiles", pl.wgmma || pl.verify ? " (wgmma)" : "");
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // The mma.sync kernel converts V in registers (v_convert 1); its shared f16 V tile (v_convert 2,
   // prefill-like 4-token tiles) was removed in session 13 (the wgmma kernels run every prefill).

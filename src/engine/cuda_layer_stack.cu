@@ -222,6 +222,8 @@ class CudaLayerStack final : public LayerStack {
             CudaMsaLayer::create(packed.value(), rope.value().view(), cap, options, ws.value());
         M3_RETURN_IF_ERROR(layer.status());
         layer.value()->set_external_input_quantize(config.fuse_input_quantize);
+        layer.value()->set_programmatic_launch(config.programmatic_launch);
+        layer.value()->set_attention_quantize(config.attention_quantize);
         s->layers_.push_back(std::move(layer.value()));
       }
     }
@@ -327,15 +329,16 @@ class CudaLayerStack final : public LayerStack {
                                                 meta_->positions().ptr<int32_t>(), tokens, hidden,
                                                 h, stream_));
     const uint16_t* a = nullptr;
+    const bool pdl = config_.programmatic_launch;
     for (size_t l = 0; l < layers_.size(); ++l) {
       CudaMsaLayer* layer = layers_[l].get();
       if (config_.fuse_input_quantize) {
         // Writes the layer's quantized input directly (the layer skips its quantize stage).
         if (tokens > 0)
           M3_RETURN_IF_ERROR(
-              run_residual_rmsnorm_quantize_cuda(h, a, layer->input_quantize(), eps, stream_));
+              run_residual_rmsnorm_quantize_cuda(h, a, layer->input_quantize(), eps, stream_, pdl));
       } else {
-        M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_));
+        M3_RETURN_IF_ERROR(run_residual_rmsnorm_cuda(h, a, x, tokens, hidden, eps, stream_, pdl));
       }
       if (front_graphs && tokens > 0) {
         M3_RETURN_IF_ERROR(run_front_graph(l, tokens));
@@ -348,7 +351,7 @@ class CudaLayerStack final : public LayerStack {
             config_.tp_comm->all_reduce_bf16_sum(layer->attn_out().data, tokens * hidden, stream_));
       a = layer->attn_out().ptr<const uint16_t>();
     }
-    return run_residual_rmsnorm_cuda(h, a, nullptr, tokens, hidden, eps, stream_);
+    return run_residual_rmsnorm_cuda(h, a, nullptr, tokens, hidden, eps, stream_, pdl);
   }
 
   LayerStackConfig config_;

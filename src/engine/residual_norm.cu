@@ -7,6 +7,7 @@
 
 #include "core/cuda_check.h"
 #include "core/numeric.h"
+#include "core/pdl.cuh"
 #include "engine/residual_norm.h"
 #include "engine/synthetic_input.h"
 #include "stages/quantize/quantize_group.cuh"
@@ -59,6 +60,8 @@ __device__ __forceinline__ float cta_inv_rms(float ss, float* s_part, int hidden
 
 __global__ void residual_rmsnorm_kernel(uint16_t* __restrict__ h, const uint16_t* __restrict__ a,
                                         uint16_t* __restrict__ x, int hidden, float eps) {
+  pdl_launch_dependents();  // programmatic dependent launch: no global access before the wait
+  pdl_wait();
   __shared__ float s_part[kThreads / 32];
   const int64_t t = blockIdx.x;
   uint16_t* hrow = h + t * hidden;
@@ -78,6 +81,8 @@ __global__ void __launch_bounds__(kThreads)
                                      int hidden, int64_t rows, float eps, uint8_t* __restrict__ q,
                                      float* __restrict__ scales, int64_t s0, int64_t s1) {
   using namespace quantize_detail;
+  pdl_launch_dependents();  // programmatic dependent launch: no global access before the wait
+  pdl_wait();
   __shared__ float s_part[kThreads / 32];
   const int64_t t = blockIdx.x;
   const int groups = hidden / 128;
@@ -131,19 +136,20 @@ Status run_synthetic_embed_cuda(uint64_t seed, const int64_t* token_request,
 }
 
 Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, int64_t rows,
-                                 int hidden, float eps, cudaStream_t stream) {
+                                 int hidden, float eps, cudaStream_t stream, bool programmatic) {
   M3_RETURN_IF_ERROR(check_rows(rows, hidden, "residual rmsnorm"));
   M3_CHECK_ARG(std::isfinite(eps) && eps > 0, "residual rmsnorm: eps ", eps, " must be > 0");
   if (rows == 0) return Status::Ok();
   M3_CHECK_ARG(h != nullptr, "residual rmsnorm: null h");
-  residual_rmsnorm_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(h, a, x, hidden,
-                                                                                eps);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(residual_rmsnorm_kernel, dim3(static_cast<unsigned>(rows)),
+                                     dim3(kThreads), 0, stream, programmatic, h, a, x, hidden,
+                                     eps));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 Status run_residual_rmsnorm_quantize_cuda(uint16_t* h, const uint16_t* a, const QuantizeParams& q,
-                                          float eps, cudaStream_t stream) {
+                                          float eps, cudaStream_t stream, bool programmatic) {
   M3_RETURN_IF_ERROR(validate_quantize(q));
   M3_CHECK_ARG(std::isfinite(eps) && eps > 0, "residual rmsnorm quantize: eps ", eps,
                " must be > 0");
@@ -157,9 +163,10 @@ Status run_residual_rmsnorm_quantize_cuda(uint16_t* h, const uint16_t* a, const 
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(h) % 16 == 0,
                "residual rmsnorm quantize: h must be 16-byte aligned (16-byte loads)");
   const int64_t m_pad = q.out.shape[0];
-  residual_rmsnorm_quantize_kernel<<<static_cast<unsigned>(m_pad), kThreads, 0, stream>>>(
-      h, a, static_cast<int>(hidden), q.rows, eps, q.out.ptr<uint8_t>(), q.scales.ptr<float>(),
-      q.scales.stride[0], q.scales.stride[1]);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(
+      residual_rmsnorm_quantize_kernel, dim3(static_cast<unsigned>(m_pad)), dim3(kThreads), 0,
+      stream, programmatic, h, a, static_cast<int>(hidden), q.rows, eps, q.out.ptr<uint8_t>(),
+      q.scales.ptr<float>(), q.scales.stride[0], q.scales.stride[1]));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

@@ -16,6 +16,8 @@
 //                              scale = 1): byte-identical to run_residual_rmsnorm_cuda followed by
 //                              run_quantize_cuda, one kernel and one bf16 round trip less.
 // All: rows x hidden bf16 row-major (row stride = hidden), no sync, no allocation, capturable.
+// `programmatic`: launched with programmatic dependent launch (core/pdl.cuh): the kernel may start
+// while the preceding kernel finishes and waits for it before touching memory (same bytes).
 #pragma once
 
 #if defined(M3ATTN_WITH_CUDA)
@@ -33,13 +35,15 @@ Status run_synthetic_embed_cuda(uint64_t seed, const int64_t* token_request,
                                 cudaStream_t stream);
 
 Status run_residual_rmsnorm_cuda(uint16_t* h, const uint16_t* a, uint16_t* x, int64_t rows,
-                                 int hidden, float eps, cudaStream_t stream);
+                                 int hidden, float eps, cudaStream_t stream,
+                                 bool programmatic = false);
 
 // h (and a, when not null) bf16 [q.rows, hidden] with hidden = q.in.shape[1]; writes q.out and
 // q.scales as run_quantize_cuda(q) would for x = rmsnorm(h) (q.in is validated but not read: it
 // names the x the layer would have read). q.rows == 0 launches nothing.
 Status run_residual_rmsnorm_quantize_cuda(uint16_t* h, const uint16_t* a, const QuantizeParams& q,
-                                          float eps, cudaStream_t stream);
+                                          float eps, cudaStream_t stream,
+                                          bool programmatic = false);
 
 }  // namespace m3attn
 

@@ -545,6 +545,14 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
 
   quantize_core_ = {Tp, core, core_q, core_s};
   M3_RETURN_IF_ERROR(validate_quantize(quantize_core_));
+  attention_quantized_ = attention_;
+  attention_quantized_.out_q = core_q;
+  attention_quantized_.out_scales = core_s;
+  M3_RETURN_IF_ERROR(validate_attention(attention_quantized_));
+  M3_CHECK_ARG(attention_workspace_bytes(attention_quantized_) <= w.attention_ws_bytes_,
+               "layer: attention (quantized output) needs ",
+               attention_workspace_bytes(attention_quantized_),
+               " workspace bytes, the workspace holds ", w.attention_ws_bytes_);
   gemm_o_ = {core_q, core_s, wv_o_, sv_o_, out_pad};
   M3_RETURN_IF_ERROR(w.gemm_o_->check(gemm_o_));
   planned_ = true;
@@ -568,12 +576,20 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
       if (fuse) return run_producer_cuda(producer_fused_, stream, producer_options);
       M3_RETURN_IF_ERROR(run_producer_cuda(producer_main_, stream, producer_options));
       return sparse_ ? run_producer_cuda(producer_index_, stream, producer_options) : Status::Ok();
-    case LayerStage::kIndexer:
-      return sparse_ ? run_indexer_cuda(indexer_, indexer_ws_, stream) : Status::Ok();
-    case LayerStage::kAttention:
-      return run_attention_cuda(attention_, w.attention_ws_.data(), w.attention_ws_bytes_, stream);
+    case LayerStage::kIndexer: {
+      if (!sparse_) return Status::Ok();
+      IndexerCudaOptions options;
+      options.programmatic_launch = pdl;
+      return run_indexer_cuda(indexer_, indexer_ws_, stream, options);
+    }
+    case LayerStage::kAttention: {
+      AttentionCudaConfig config = attention_config_;
+      config.programmatic_launch = pdl;
+      return run_attention_cuda(attention_quantize_ ? attention_quantized_ : attention_,
+                                w.attention_ws_.data(), w.attention_ws_bytes_, stream, config);
+    }
     case LayerStage::kOutQuantize:
-      return run_quantize_cuda(quantize_core_, stream, pdl);
+      return attention_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_core_, stream, pdl);
     case LayerStage::kOutProjection:
       return w.gemm_o_->run(gemm_o_, stream);
     case LayerStage::kCount:

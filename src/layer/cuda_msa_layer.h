@@ -195,6 +195,17 @@ class CudaMsaLayer {
   // effect at the next run (and is baked into a graph captured from it).
   void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
   bool programmatic_launch() const { return programmatic_launch_; }
+  // The attention writes o_proj's E4M3 input and 1x128 scales itself (AttentionParams::out_q /
+  // out_scales: byte-identical to the output quantize stage on its bf16 output, which it still
+  // writes) and the output quantize stage launches nothing. Off by default; takes effect at the
+  // next run (plans hold both forms).
+  void set_attention_quantize(bool on) { attention_quantize_ = on; }
+  bool attention_quantize() const { return attention_quantize_; }
+  // Launch configuration of the attention stage (default: automatic); its programmatic_launch is
+  // replaced by set_programmatic_launch's value. Takes effect at the next run (run_attention_cuda
+  // checks the workspace against it).
+  void set_attention_config(const AttentionCudaConfig& config) { attention_config_ = config; }
+  const AttentionCudaConfig& attention_config() const { return attention_config_; }
   int64_t max_position() const { return max_position_; }
   const std::shared_ptr<CudaLayerWorkspace>& workspace() const { return workspace_; }
 
@@ -241,6 +252,8 @@ class CudaMsaLayer {
   MsaLayerOptions options_;
   bool external_input_quantize_ = false;
   bool programmatic_launch_ = false;
+  bool attention_quantize_ = false;
+  AttentionCudaConfig attention_config_;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;
   // Device weights: e4m3 matrices and f32 scales (scales rows padded to
@@ -263,6 +276,7 @@ class CudaMsaLayer {
   IndexerParams indexer_;
   TensorView indexer_ws_;
   AttentionParams attention_;
+  AttentionParams attention_quantized_;  // attention_ plus out_q / out_scales (o_proj's input)
   TensorView out_view_;
 };
 

@@ -335,39 +335,28 @@ TEST(CudaLayerStack, MixedFrontGraphsEqualEagerAcrossRepeatsAndEviction) {
   run_step(9, 91, 100);
 }
 
-// fuse_input_quantize against separate RMSNorm and quantize kernels: the same bytes.
-TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
-  LayerStackConfig cfg = small_stack_config(seed);
-  cfg.num_pages = 96;
-  cfg.max_tokens_per_step = 640;
-  cfg.max_requests_per_step = 8;
-  cfg.max_pages_per_request = 8;
-  cfg.max_position = 1024;
-  LayerStackConfig sep_cfg = cfg;
-  cfg.fuse_input_quantize = true;
-  sep_cfg.fuse_input_quantize = false;
-  Result<std::unique_ptr<LayerStack>> fused = create_cuda_layer_stack(cfg);
-  Result<std::unique_ptr<LayerStack>> sep = create_cuda_layer_stack(sep_cfg);
-  ASSERT_TRUE(fused.ok()) << fused.status().to_string();
-  ASSERT_TRUE(sep.ok()) << sep.status().to_string();
-  CacheManager cache(cfg.num_pages);
+// Two stacks of the same small model (configs a and b differ only in launch choices that must
+// not change a byte) through prefill, mixed, decode capture and replay, and an unfused draft-1
+// decode capture: the last hidden states are the same bytes after every step.
+void expect_stacks_identical(const LayerStackConfig& a_cfg, const LayerStackConfig& b_cfg,
+                             const char* what) {
+  Result<std::unique_ptr<LayerStack>> a = create_cuda_layer_stack(a_cfg);
+  Result<std::unique_ptr<LayerStack>> b = create_cuda_layer_stack(b_cfg);
+  ASSERT_TRUE(a.ok()) << a.status().to_string();
+  ASSERT_TRUE(b.ok()) << b.status().to_string();
+  CacheManager cache(a_cfg.num_pages);
   PlanOptions po;
-  po.page_table_width = cfg.max_pages_per_request;
-  auto run_step = [&](const StepDescription& d, bool expect_replay, const char* what) {
-    SCOPED_TRACE(what);
+  po.page_table_width = a_cfg.max_pages_per_request;
+  auto run_step = [&](const StepDescription& d, bool expect_replay, const char* step) {
+    SCOPED_TRACE(step);
     Result<StepPlan> p = plan_step(cache, d, po);
     ASSERT_TRUE(p.ok()) << p.status().to_string();
-    StackStepStats sf, ss;
-    const Status st = fused.value()->step(p.value(), &sf);
+    StackStepStats sa, sb;
+    const Status st = a.value()->step(p.value(), &sa);
     ASSERT_TRUE(st.ok()) << st.to_string();
-    ASSERT_TRUE(sep.value()->step(p.value(), &ss).ok());
-    EXPECT_EQ(sf.graph_replay, expect_replay);
-    expect_same_last_hidden(
-        *fused.value(), *sep.value(),
-        "the fused residual + RMSNorm + quantize stack differs from the separate kernels");
+    ASSERT_TRUE(b.value()->step(p.value(), &sb).ok());
+    EXPECT_EQ(sa.graph_replay, expect_replay);
+    expect_same_last_hidden(*a.value(), *b.value(), what);
   };
   StepDescription s1;
   s1.context = {{0, 0, 600}, {1, 0, 3}};
@@ -382,12 +371,56 @@ TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
   StepDescription s4;
   s4.generation = {{0, 602}, {1, 5}, {2, 91}};
   run_step(s4, true, "decode x3 (replay)");
-  fused.value()->set_fused(false);
-  sep.value()->set_fused(false);
+  a.value()->set_fused(false);
+  b.value()->set_fused(false);
   StepDescription s5;
   s5.generation = {{0, 603}, {1, 6}, {2, 92}};
   s5.draft_len = 1;
   run_step(s5, false, "decode x3 draft 1 unfused (capture)");
+}
+
+LayerStackConfig identity_test_config(uint64_t seed) {
+  LayerStackConfig cfg = small_stack_config(seed);
+  cfg.num_pages = 96;
+  cfg.max_tokens_per_step = 640;
+  cfg.max_requests_per_step = 8;
+  cfg.max_pages_per_request = 8;
+  cfg.max_position = 1024;
+  return cfg;
+}
+
+// fuse_input_quantize against separate RMSNorm and quantize kernels: the same bytes.
+TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  LayerStackConfig cfg = identity_test_config(seed);
+  LayerStackConfig sep_cfg = cfg;
+  cfg.fuse_input_quantize = true;
+  sep_cfg.fuse_input_quantize = false;
+  expect_stacks_identical(
+      cfg, sep_cfg,
+      "the fused residual + RMSNorm + quantize stack differs from the separate kernels");
+}
+
+// Programmatic dependent launch and the attention's own quantized output (both on, with the fused
+// and the separate input quantize) against the default launches: the same bytes.
+TEST(CudaLayerStack, ProgrammaticLaunchAndAttentionQuantizeBitIdentical) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  for (const bool fuse_input : {true, false}) {
+    SCOPED_TRACE(fuse_input ? "fused input quantize" : "separate input quantize");
+    LayerStackConfig base = identity_test_config(seed);
+    base.fuse_input_quantize = fuse_input;
+    base.programmatic_launch = false;
+    base.attention_quantize = false;
+    LayerStackConfig on = base;
+    on.programmatic_launch = true;
+    on.attention_quantize = true;
+    expect_stacks_identical(on, base,
+                            "PDL + attention-quantized stack differs from the default launches");
+  }
 }
 
 }  // namespace

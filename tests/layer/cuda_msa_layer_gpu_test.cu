@@ -23,7 +23,8 @@
 //    (outputs and the whole pool), and the pool changes only in the rows of the new step's tokens
 //    (stale slots of the larger captured step are never written).
 // 3. fused == unfused: q, index_q, K, V, index-K within one E4M3 step, outputs close.
-// 4. programmatic dependent launch on == off byte for byte (eager and graph, fused and unfused).
+// 4. launch settings (programmatic dependent launch, the attention's own quantized output) ==
+//    the default launches byte for byte (eager and graph, fused and unfused).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -654,12 +655,15 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   std::printf("  [layer] fused vs unfused attn_out relative L2 %.2e\n", e);
 }
 
-// Programmatic dependent launch (set_programmatic_launch) must not change a byte: every kernel
-// that may start early waits for its predecessor before touching memory. Fused and unfused, on a
-// mixed step (prefill kernels) and a decode-only step (the decode kernels the graphs run), eager
-// and as a graph replayed three times back to back (each replay rewrites the same cache rows, so
-// the results stay comparable), against plain launches from the same pool state.
-TEST_F(CudaLayerTest, ProgrammaticLaunchBitIdenticalToPlainLaunch) {
+// The layer's launch settings must not change a byte: programmatic dependent launch
+// (set_programmatic_launch: every kernel that may start early waits for its predecessor before
+// touching memory) and the attention's own quantized output (set_attention_quantize: the output
+// quantize stage's bytes), alone and together.
+// Fused and unfused, on a mixed step (prefill kernels) and a decode-only step (the decode kernels
+// the graphs run), eager (two runs back to back) and as a graph replayed three times back to back
+// (each run rewrites the same cache rows, so the results stay comparable), against the default
+// launches from the same pool state.
+TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToDefault) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   mt::Rng rng(seed);
@@ -674,6 +678,11 @@ TEST_F(CudaLayerTest, ProgrammaticLaunchBitIdenticalToPlainLaunch) {
   for (int i = 0; i < decode.gen; ++i) decode.gen_cached.push_back(rng.integer(1, 3500));
   decode.gen_cached[0] = 2049;
   const Scenario scenarios[2] = {mixed_scenario(rng, 1), decode};
+  struct Setting {
+    const char* name;
+    bool pdl, aq;
+  };
+  const Setting settings[] = {{"pdl", true, false}, {"aq", false, true}, {"pdl+aq", true, true}};
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const Scenario& s : scenarios) {
@@ -701,48 +710,55 @@ TEST_F(CudaLayerTest, ProgrammaticLaunchBitIdenticalToPlainLaunch) {
     for (int fused = 0; fused < 2; ++fused) {
       SCOPED_TRACE(fused ? "fused" : "unfused");
       L.set_fused(fused != 0);
-      // Reference: plain launches.
+      // Reference: the default launches.
+      L.set_programmatic_launch(false);
+      L.set_attention_quantize(false);
       dev_pool.upload(host_pool);
       poison_outputs(L, T, g);
-      L.set_programmatic_launch(false);
       ASSERT_TRUE(L.run(stream).ok());
       M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
       const Outputs plain = grab(L, dev_pool, T, g);
-      // Programmatic, eager: two runs back to back (the second overlaps the first's tail).
-      L.set_programmatic_launch(true);
-      EXPECT_TRUE(L.programmatic_launch());
-      dev_pool.upload(host_pool);
-      poison_outputs(L, T, g);
-      ASSERT_TRUE(L.run(stream).ok());
-      ASSERT_TRUE(L.run(stream).ok());
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const Outputs eager = grab(L, dev_pool, T, g);
-      // Programmatic, captured and replayed three times back to back.
-      dev_pool.upload(host_pool);
-      poison_outputs(L, T, g);
-      cudaGraph_t graph;
-      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      const Status cs = L.run(stream);
-      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(cs.ok()) << cs.to_string();
-      cudaGraphExec_t exec;
-      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const Outputs replay = grab(L, dev_pool, T, g);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      L.set_programmatic_launch(false);
-      for (const Outputs* o : {&eager, &replay}) {
-        const char* what = o == &eager ? "eager" : "graph";
-        EXPECT_TRUE(o->q == plain.q) << what << ": q differs with PDL";
-        EXPECT_TRUE(o->iq == plain.iq) << what << ": index_q differs with PDL";
-        EXPECT_TRUE(o->ids == plain.ids) << what << ": block ids differ with PDL";
-        EXPECT_TRUE(o->core == plain.core) << what << ": attn_core differs with PDL";
-        EXPECT_TRUE(o->out == plain.out) << what << ": attn_out differs with PDL";
-        EXPECT_TRUE(o->pool == plain.pool) << what << ": pool differs with PDL";
+      for (const Setting& st : settings) {
+        SCOPED_TRACE(st.name);
+        L.set_programmatic_launch(st.pdl);
+        L.set_attention_quantize(st.aq);
+        EXPECT_EQ(L.programmatic_launch(), st.pdl);
+        EXPECT_EQ(L.attention_quantize(), st.aq);
+        // Eager: two runs back to back (the second may overlap the first's tail).
+        dev_pool.upload(host_pool);
+        poison_outputs(L, T, g);
+        ASSERT_TRUE(L.run(stream).ok());
+        ASSERT_TRUE(L.run(stream).ok());
+        M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+        const Outputs eager = grab(L, dev_pool, T, g);
+        // Captured and replayed three times back to back.
+        dev_pool.upload(host_pool);
+        poison_outputs(L, T, g);
+        cudaGraph_t graph;
+        M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        const Status cs = L.run(stream);
+        M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+        ASSERT_TRUE(cs.ok()) << cs.to_string();
+        cudaGraphExec_t exec;
+        M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+        M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+        const Outputs replay = grab(L, dev_pool, T, g);
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+        for (const Outputs* o : {&eager, &replay}) {
+          const char* what = o == &eager ? "eager" : "graph";
+          EXPECT_TRUE(o->q == plain.q) << what << ": q differs";
+          EXPECT_TRUE(o->iq == plain.iq) << what << ": index_q differs";
+          EXPECT_TRUE(o->ids == plain.ids) << what << ": block ids differ";
+          EXPECT_TRUE(o->core == plain.core) << what << ": attn_core differs";
+          EXPECT_TRUE(o->out == plain.out) << what << ": attn_out differs";
+          EXPECT_TRUE(o->pool == plain.pool) << what << ": pool differs";
+        }
+        EXPECT_TRUE(dev_pool.guards_intact());
       }
-      EXPECT_TRUE(dev_pool.guards_intact());
+      L.set_programmatic_launch(false);
+      L.set_attention_quantize(false);
     }
   }
   cudaStreamDestroy(stream);

@@ -166,6 +166,8 @@ Result<BenchReport> run_bench(const BenchOptions& options, const BenchProgressFn
   cfg.max_position = static_cast<int>(w.max_position());
   cfg.fuse_qkv_index_projection = options.run_fused;
   cfg.capture_mixed_front = options.capture_mixed_front;
+  cfg.programmatic_launch = options.programmatic_launch;
+  cfg.attention_quantize = options.attention_quantize;
   cfg.seed = w.seed;
   PagePoolConfig pc;
   pc.num_pages = cfg.num_pages;

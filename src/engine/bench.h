@@ -42,6 +42,9 @@ struct BenchOptions {
   bool digest_every_step = false;
   // CUDA: prefill / mixed steps replay each layer's front half as a graph (LayerStackConfig).
   bool capture_mixed_front = true;
+  // CUDA: LayerStackConfig::programmatic_launch / attention_quantize (same bytes, launch choices).
+  bool programmatic_launch = false;
+  bool attention_quantize = false;
 };
 
 struct BenchProgress {

@@ -23,6 +23,9 @@
 // unfused, all of them interleaved in the same rounds, one result row per setting). A setting is
 // "plain" or a '+'-joined set of:
 //   pdl     programmatic dependent launch of the stage kernels (set_programmatic_launch);
+//   pdl:LETTERS  the same for some stages only (set_programmatic_stages): q input quantize,
+//           p producer(s), i indexer, a attention, o output quantize (e.g. pdl:iao, the stages
+//           both projection paths share);
 //   aq      the attention writes o_proj's E4M3 input itself (set_attention_quantize);
 //   dk2     the attention's 8-warp decode kernel (AttentionCudaConfig::decode_kernel 2).
 // e.g. --settings plain,pdl,pdl+aq+dk2. Every setting must give the first setting's outputs
@@ -121,7 +124,8 @@ int main(int argc, char** argv) {
   std::string only;
   struct Setting {
     std::string name;
-    bool pdl = false, aq = false, dk2 = false;
+    uint32_t pdl = 0;  // CudaMsaLayer::set_programmatic_stages mask
+    bool aq = false, dk2 = false;
   };
   std::vector<Setting> settings = {{"plain"}};
   for (int i = 1; i < argc; ++i) {
@@ -153,7 +157,20 @@ int main(int argc, char** argv) {
             const std::string tok = name.substr(p, plus - p);
             p = plus + 1;
             if (tok == "pdl") {
-              st.pdl = true;
+              st.pdl = CudaMsaLayer::kAllStages;
+            } else if (tok.rfind("pdl:", 0) == 0 && tok.size() > 4) {
+              for (size_t c = 4; c < tok.size(); ++c) {
+                const char* letters = "qpiao";
+                const LayerStage stages[] = {LayerStage::kQuantize, LayerStage::kProducer,
+                                             LayerStage::kIndexer, LayerStage::kAttention,
+                                             LayerStage::kOutQuantize};
+                const char* at = std::strchr(letters, tok[c]);
+                if (at == nullptr || *at == '\0') {
+                  known = false;
+                } else {
+                  st.pdl |= CudaMsaLayer::stage_bit(stages[at - letters]);
+                }
+              }
             } else if (tok == "aq") {
               st.aq = true;
             } else if (tok == "dk2") {
@@ -278,7 +295,7 @@ int main(int argc, char** argv) {
     auto set_variant = [&](int k) {
       const Setting& st = settings[static_cast<size_t>(k / 2)];
       layer.set_fused(k % 2 == 0);
-      layer.set_programmatic_launch(st.pdl);
+      layer.set_programmatic_stages(st.pdl);
       layer.set_attention_quantize(st.aq);
       AttentionCudaConfig ac;
       ac.decode_kernel = st.dk2 ? 2 : 0;

@@ -562,7 +562,7 @@ Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden
 Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
   CudaLayerWorkspace& w = *workspace_;
   const bool fuse = fused();
-  const bool pdl = programmatic_launch_;
+  const bool pdl = (programmatic_stages_ & stage_bit(stage)) != 0;
   ProducerCudaOptions producer_options;
   producer_options.programmatic_launch = pdl;
   switch (stage) {

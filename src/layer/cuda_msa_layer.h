@@ -189,12 +189,19 @@ class CudaMsaLayer {
   // the projection reads; rows 0 when the plan has no tokens).
   const QuantizeParams& input_quantize() const { return quantize_in_; }
   // Programmatic dependent launch (core/pdl.cuh) of every stage kernel that supports it (the
-  // quantize stages, the producers, the indexer, the attention): each may start while the kernel
-  // before it finishes and waits for it before touching its outputs (griddepcontrol.wait), so the
-  // outputs are identical either way; the cuBLASLt GEMMs launch normally. Off by default; takes
-  // effect at the next run (and is baked into a graph captured from it).
-  void set_programmatic_launch(bool on) { programmatic_launch_ = on; }
-  bool programmatic_launch() const { return programmatic_launch_; }
+  // quantize stages, the producers, the indexer, the attention; the cuBLASLt GEMMs launch
+  // normally): each may start while the kernel before it finishes and waits for it before touching
+  // its outputs (griddepcontrol.wait), so the outputs are identical either way. Off by default;
+  // takes effect at the next run (and is baked into a graph captured from it).
+  void set_programmatic_launch(bool on) { programmatic_stages_ = on ? kAllStages : 0u; }
+  bool programmatic_launch() const { return programmatic_stages_ != 0; }
+  // The same per stage: bit (1 << LayerStage) set = that stage's kernels launch programmatically
+  // (stages without such kernels ignore their bit). E.g. only the stages both projection paths
+  // share (indexer, attention, output quantize) for an A/B of what PDL does to each path.
+  void set_programmatic_stages(uint32_t mask) { programmatic_stages_ = mask & kAllStages; }
+  uint32_t programmatic_stages() const { return programmatic_stages_; }
+  static constexpr uint32_t stage_bit(LayerStage s) { return 1u << static_cast<int>(s); }
+  static constexpr uint32_t kAllStages = (1u << kNumLayerStages) - 1;
   // The attention writes o_proj's E4M3 input and 1x128 scales itself (AttentionParams::out_q /
   // out_scales: byte-identical to the output quantize stage on its bf16 output, which it still
   // writes) and the output quantize stage launches nothing. Off by default; takes effect at the
@@ -251,7 +258,7 @@ class CudaMsaLayer {
   bool sparse_ = true;
   MsaLayerOptions options_;
   bool external_input_quantize_ = false;
-  bool programmatic_launch_ = false;
+  uint32_t programmatic_stages_ = 0;
   bool attention_quantize_ = false;
   AttentionCudaConfig attention_config_;
   int64_t max_position_ = 0;

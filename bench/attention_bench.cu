@@ -9,8 +9,8 @@
 //     hidden as inside a captured decode step). The last back-to-back call's output is checked
 //     against the twin on its own pages too.
 //   prefill: one 8K-token chunk at context 8K and at 64K, sparse and dense, on the cp.async wgmma
-//     kernel (kernel 4, "wgmma v2") and the warp-specialised persistent wgmma kernel (kernel 11,
-//     variant 15; the automatic plan runs 15 sparse, 11 dense; kernel 1 on request): us and
+//     kernel (kernel 4, "wgmma v2") and the warp-specialised persistent wgmma kernel (kernel 15,
+//     "wgmma ws", the automatic choice; kernel 1 on request): us and
 //     TFLOP/s counted on the selected work only (4 * 128 FLOP per (query head, visible selected
 //     key)); tile_union = blocks walked per 8-token tile and KV head, mma_work/flop = the MMA work
 //     of those blocks over the counted work.
@@ -628,7 +628,7 @@ int main(int argc, char** argv) {
   // tile 8 or automatic, no v_convert).
   const std::vector<int> kernels = !prefill_kernels.empty() ? prefill_kernels
                                    : cfg.kernel != 0        ? std::vector<int>{cfg.kernel}
-                                                     : std::vector<int>{4, 11, 15};
+                                                     : std::vector<int>{4, 15};
   for (bool sparse : {true, false}) {
     if (sweep || no_prefill) break;
     // Contexts 8K and 64K; sparse also "lowoverlap" at 8K: a fresh ranking per token instead of
@@ -661,8 +661,7 @@ int main(int argc, char** argv) {
         c.name = base + (kernel == 0    ? std::string("auto")
                          : kernel == 1  ? std::string("mma.sync")
                          : kernel == 5  ? std::string("wgmma verify")
-                         : kernel == 11 ? std::string("wgmma ws minunion 4-stage")
-                         : kernel == 15 ? std::string("wgmma ws 64/216 regs")
+                         : kernel == 15 ? std::string("wgmma ws")
                                         : "wgmma v" + std::to_string(kernel - 2));
         const size_t ws = attention_workspace_bytes(c.p, kcfg);
         if (ws > c.ws_bytes) {

@@ -55,10 +55,9 @@ constexpr bool kAutoWgmma = true;
 // slower; round C: 15 519-523 / 522-527 TFLOP/s sparse, dense within the spread of 11). Kernels
 // 2, 3, 6-10 (never faster), 12-14, 16-18 (session 13: slower) were removed.
 constexpr bool kAutoWs = true;
-// Which of its variants (AttentionCudaConfig::kernel 11, 15), for sparse and dense attention
-// (session 14: 15 for dense too; session 13 rounds C / D measured it 2-4 % faster than 11 there).
-constexpr int kAutoWsKernelSparse = 15;
-constexpr int kAutoWsKernelDense = 15;
+// It is kernel 15 (64 / 216 registers) for sparse and dense attention; kernel 11 (40 / 232) was
+// removed in session 14 (round A, dense 8K chunk at 8K / 64K: 15 572.8 / 590.4 TFLOP/s vs 517.3 /
+// 541.2 for 11; session 13 rounds C / D: 15 2-4 % faster on dense, faster on sparse everywhere).
 constexpr int64_t kWgmmaMinAvgTokens = 16;
 // The automatic plan picks the wgmma decode / verify kernel (4-token tiles, one warpgroup) for
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
@@ -69,24 +68,27 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8 188.7 / 179.9; B64 x 4 v9 47.7 / 46.3, v8
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
-constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
+// Session 14 round A (sparse draft 3, isolated us at 8K / 32K / 128K): variant 10 B64 47.6 / 47.6 /
+// 47.7 vs 48.5 / 48.4 / 48.9 for 9, B256 172.1 / 173.6 / 173.7 vs 175.4 / 176.7 / 176.6.
+constexpr int kAutoVerifyVariant = 10;  // sparse and dense (layers 0-2) alike
 // The kernel of 1-token mma.sync tiles (AttentionCudaConfig::decode_kernel): 1 the 4-warp tile
-// kernel, 2 the 8-warp decode kernel (attention_decode_kernel.cuh; session 14, opt-in until
-// measured).
-constexpr int kAutoDecodeKernel = 1;
+// kernel, 2 the 8-warp decode kernel (attention_decode_kernel.cuh). Session 14 round A (H200,
+// sparse, isolated us at 8K / 32K / 128K): 2: B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of copy), B256
+// 144.3-145.0 (86.1-86.6 %), B1 12.1-12.9; 1: B64 44.9 / 43.6 / 44.6 (69.6-71.6 %), B256
+// 153.2-154.0 (81 %), B1 13.8-14.8; dense B1 2 faster, dense B64 / B256 equal.
+constexpr int kAutoDecodeKernel = 2;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
 constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
-  bool wgmma = false;    // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
-  bool verify = false;   // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
-  bool ws = false;       // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
-  int ctas = 0;          // its persistent CTAs
-  bool ws_wide = false;  // its 64 / 216 register split (kernel 15; else 40 / 232)
-  int qt = 1;            // tokens per tile
-  int splits = 1;        // CTAs per (tile, KV head)
+  bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
+  bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
+  bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
+  int ctas = 0;         // its persistent CTAs
+  int qt = 1;           // tokens per tile
+  int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
   int decode_kernel = 1;   // 1-token mma.sync tiles: 1 tile kernel, 2 8-warp decode kernel
   bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
@@ -125,7 +127,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
       pl.ws = pl.wgmma && kAutoWs;
-      pl.ws_wide = (p.sparse ? kAutoWsKernelSparse : kAutoWsKernelDense) == 15;
       pl.verify = !pl.wgmma && kAutoVerifyWgmma && avg >= kVerifyMinAvgTokens &&
                   cfg.tokens_per_tile == 0 && cfg.v_convert == 0;
       break;
@@ -138,16 +139,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     case 5:
       pl.verify = true;
       break;
-    case 11:
     case 15:
       pl.wgmma = true;
       pl.ws = true;
-      pl.ws_wide = cfg.kernel == 15;
       break;  // kernel 4 where TMA cannot address the pool
     default:
       return unsupported("run_attention_cuda: kernel ", cfg.kernel,
-                         " is not one of 0, 1, 4, 5, 11, 15 (2, 3, 6 .. 10, 12 .. 14, "
-                         "16 .. 18 were removed)");
+                         " is not one of 0, 1, 4, 5, 15 (2, 3, 6 .. 14, 16 .. 18 were "
+                         "removed)");
   }
   if (pl.ws) {
     if (cfg.persistent_ctas < 0)
@@ -306,8 +305,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     // tensor map the driver accepts); otherwise the cp.async wgmma kernel (kernel 4) runs.
     if (pl.ws && vec16) {
       bool launched = false;
-      M3_RETURN_IF_ERROR(
-          attention_prefill_ws::launch(args, pl.tiles, pl.ctas, pl.ws_wide, stream, &launched));
+      M3_RETURN_IF_ERROR(attention_prefill_ws::launch(args, pl.tiles, pl.ctas, stream, &launched));
       if (launched) return Status::Ok();
     }
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)

@@ -79,23 +79,22 @@ struct AttentionCudaConfig {
                             // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
                             // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
                             // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
-                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 11 the
+                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 15 the
                             // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
-                            // TMA, 2 consumer warpgroups; kernel 4 runs instead where TMA cannot
-                            // address the pool: base or strides not multiples of 16 bytes); 15
-                            // its variant with a 64 / 216 register split (automatic for sparse
-                            // prefill; 11 for dense). 2, 3, 6-10, 12-18 were removed in
-                            // session 13 (unsupported)
+                            // TMA, 2 consumer warpgroups, 64 / 216 registers; automatic for
+                            // prefill; kernel 4 runs instead where TMA cannot address the pool:
+                            // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
+                            // were removed in session 13, 11 in session 14 (unsupported)
   int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
                             // never faster and was removed); still validated: -1 .. 8
-  int persistent_ctas = 0;  // kernels 11, 15: CTAs of the persistent grid (0: one per SM;
+  int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (10), 8 cp.async
                             // loads of K and V, 9 TMA loads (where TMA can address the pool;
                             // else 8 runs), 10 = 9 with the V NaN test moved to a second pass
                             // that runs only when the first one's output holds a NaN (session
-                            // 14, opt-in until measured; 10 in session 13 was another, deleted)
-  int decode_kernel = 0;    // the mma.sync kernel with 1-token tiles (decode): 0 automatic, 1 the
+                            // 14; 10 in session 13 was another variant, deleted)
+  int decode_kernel = 0;    // the mma.sync kernel with 1-token tiles (decode): 0 automatic (2), 1 the
                             // 4-warp tile kernel (attention_kernel.cuh), 2 the 8-warp decode
                             // kernel (attention_decode_kernel.cuh); plans without 1-token mma.sync
                             // tiles (verify, prefill, 2- or 4-token tiles) ignore it

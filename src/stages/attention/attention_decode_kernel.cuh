@@ -63,10 +63,10 @@ __device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const uint32_t r0 = qa[c >> 1][2 * (c & 1)], r1 = qa[c >> 1][2 * (c & 1) + 1];
-    qh[c][0] = ak::e4m3x2_to_f16x2(r0);        // row grp, dims 16 c + 4 tig, + 1
-    qh[c][1] = ak::e4m3x2_to_f16x2(r1);        // row grp + 8
-    qh[c][2] = ak::e4m3x2_to_f16x2(r0 >> 16);  // row grp, dims 16 c + 4 tig + 2, + 3
-    qh[c][3] = ak::e4m3x2_to_f16x2(r1 >> 16);
+    qh[c][0] = ak::e4m3x2_to_f16x2(r0);     // row grp, dims 16 c + 4 tig, + 1
+    qh[c][1] = ak::e4m3x2_to_f16x2(r1);     // row grp + 8
+    qh[c][2] = ak::e4m3x2_hi_to_f16x2(r0);  // row grp, dims 16 c + 4 tig + 2, + 3
+    qh[c][3] = ak::e4m3x2_hi_to_f16x2(r1);
   }
 }
 
@@ -75,7 +75,7 @@ __device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool
 __device__ __forceinline__ void v_pairs(uint32_t r, uint32_t& even, uint32_t& odd) {
   const uint32_t x = __byte_perm(r, 0u, 0x3120u);
   even = ak::e4m3x2_to_f16x2(x);
-  odd = ak::e4m3x2_to_f16x2(x >> 16);
+  odd = ak::e4m3x2_hi_to_f16x2(x);
 }
 
 // Keep-mask of a raw V register holding keys k0 (low half) and k0 + 1 (high half).
@@ -217,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
 #pragma unroll
           for (int mm = 0; mm < 4; ++mm)
             ak::mma_f16(mm & 1 ? s2[j] : s[j], qh[4 * kp + mm], ak::e4m3x2_to_f16x2(b[mm]),
-                        ak::e4m3x2_to_f16x2(b[mm] >> 16));
+                        ak::e4m3x2_hi_to_f16x2(b[mm]));
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];

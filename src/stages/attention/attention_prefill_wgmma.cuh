@@ -219,9 +219,9 @@ __device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, i
       const uint2 raw = *reinterpret_cast<const uint2*>(
           vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
       h.x = ak::e4m3x2_to_f16x2(raw.x);
-      h.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+      h.y = ak::e4m3x2_hi_to_f16x2(raw.x);
       h.z = ak::e4m3x2_to_f16x2(raw.y);
-      h.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+      h.w = ak::e4m3x2_hi_to_f16x2(raw.y);
     }
     *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
                               (((c8 & 7) ^ (key & 7)) << 4)) = h;
@@ -264,9 +264,9 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
     if (any) {
       uint4 h;
       h.x = ak::e4m3x2_to_f16x2(w[0]);
-      h.y = ak::e4m3x2_to_f16x2(w[0] >> 16);
+      h.y = ak::e4m3x2_hi_to_f16x2(w[0]);
       h.z = ak::e4m3x2_to_f16x2(w[1]);
-      h.w = ak::e4m3x2_to_f16x2(w[1] >> 16);
+      h.w = ak::e4m3x2_hi_to_f16x2(w[1]);
       *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
                                 (((c8 & 7) ^ (key & 7)) << 4)) = h;
     }

@@ -1,5 +1,5 @@
 // Warp-specialised, persistent Hopper prefill kernel of the paged FP8 attention (SPEC section 6),
-// AttentionCudaConfig::kernel = 11, 15, 16, 17 (see Variants; 11 is the automatic choice). Same
+// AttentionCudaConfig::kernel = 15 (the automatic choice for prefill; see Variants). Same
 // math, tiles, masks, numerics and split workspace as the wgmma kernel of
 // attention_prefill_wgmma.cuh (whose device helpers it reuses); what changes is who waits for what.
 //
@@ -10,7 +10,7 @@
 //
 // Roles (384 threads, 1 CTA per SM, persistent over work items (tile, KV head, split), heaviest
 // tiles first):
-//   - warp 0 (scheduler, setmaxnreg 40; kWide 64): for each work item finds the tile (warp scan of
+//   - warp 0 (scheduler, setmaxnreg 64): for each work item finds the tile (warp scan of
 //     query_start), builds the union of the 8 tokens' selected blocks with per-token masks
 //     (sparse) or walks blocks 0 .. max_pos / 128 (dense), and for every entry of its split range
 //     writes a 64-byte header (per-token key limits, V row limit, tile) into the entry's ring
@@ -19,11 +19,10 @@
 //     entry, the Q tile (3D map: 8 tokens x 16 heads x 128 bytes, zero past T) into the Q
 //     buffer; all on the stage's full mbarrier (complete_tx). Items without a single entry get
 //     their zero output (or empty split partial) written by this warp directly.
-//   - warps 1-3 (converters, setmaxnreg 40; kWide 64): raw E4M3 V of each entry -> the f16 MN-major
-//   tile of
+//   - warps 1-3 (converters, setmaxnreg 64): raw E4M3 V of each entry -> the f16 MN-major tile of
 //     attention_prefill_wgmma.cuh (2 f16 buffers), rows past the entry's V limit zeroed;
 //     fence.proxy.async, then the f16 buffer's full mbarrier.
-//   - warpgroups 1, 2 (consumers, setmaxnreg 232; kWide 216): 64 rows each (4 tokens x 16 heads).
+//   - warpgroups 1, 2 (consumers, setmaxnreg 216): 64 rows each (4 tokens x 16 heads).
 //     Per entry: S(i+1) = Q K(i+1)^T and O += P(i) V(i) are issued back to back (FP8 wgmma with Q
 //     from registers, f16 wgmma with P from registers), softmax of i+1 runs while P(i) V(i) is on
 //     the tensor cores, and the two warpgroups take turns issuing (named barriers 1, 2:
@@ -42,22 +41,23 @@
 // dependent instructions per item, longer than the ring lasted) and the ring has 4 stages and one
 // Q buffer, released when every consumer warp has its Q fragments (TMA latency was not covered by
 // 3 stages). Session 13 removed those steps' kernels 6-10 (never faster than 11).
-// Variants (template flag; AttentionCudaConfig::kernel 11 none, 15 kWide; the automatic plan runs
-// 15 for sparse and 11 for dense attention): kWide: 64 registers for the scheduler and converter
-// warps, 216 for the consumers (instead of 40 / 232; ptxas: no spills instead of ~200 bytes in the
-// 40-register warps). Session 13, H200, sparse 8K chunk at 8K / 64K: round B 900.3 / 906.0 and
+// Variants: kernel 15 (the only one since session 14) gives 64 registers to the scheduler and
+// converter warps, 216 to the consumers; kernel 11 (40 / 232; ptxas: ~200 bytes of spills in the
+// 40-register warps) was removed in session 14 after round A (H200, dense 8K chunk at 8K / 64K:
+// 15 572.8 / 590.4 TFLOP/s vs 517.3 / 541.2 for 11; sparse 520.7 / 527.2 vs 474.0 / 473.6).
+// Session 13, H200, sparse 8K chunk at 8K / 64K: round B 900.3 / 906.0 and
 // 1016.9 / 1028.3 us vs 922.2 / 929.3 and 1046.9 / 1058.4 for 11, lowoverlap 2096 / 2121 vs
 // 2168 / 2182 us, dense 1-3 % slower; round C 896-902 / 1011-1020 us = 519-523 / 522-527 TFLOP/s
 // vs 933-934 / 1062-1064 us for 11, lowoverlap 2093-2104 vs 2180-2182 us, dense 572-574 / 580-582
 // vs 559 / 568-586 TFLOP/s (dense: within the run-to-run spread both ways). Session 13 measured
 // and removed: 12 (headers broadcast by a warp OR reduction, meant to make the ring stage uniform
 // for the compiler: it did not, and the redux latency made it 3 % slower than 11), 13 (12 without
-// the ping-pong turns: no faster), 14 (12 + kWide, superseded), 16 / 17 (15 with the wgmma issue in
-// one code copy per ring stage and f16 buffer, so that every descriptor is a uniform base +
-// constant: ptxas then serialised every wgmma (gsb0 on each, a dummy HGMMA.64x8x16 inserted), 16 %
-// slower; 17 with conflict-free f16 V stores on top, no different), 18 (15 with a quarter of the
-// softmax exponentials by a degree-3 polynomial on the FMA pipe, meant to unload the MUFU pipe
-// that paces the exp phase: 5 % slower in round C, 948-950 vs 898-901 us: the ~10 extra
+// the ping-pong turns: no faster), 14 (12 with 64 / 216 registers, superseded), 16 / 17 (15 with
+// the wgmma issue in one code copy per ring stage and f16 buffer, so that every descriptor is a
+// uniform base + constant: ptxas then serialised every wgmma (gsb0 on each, a dummy HGMMA.64x8x16
+// inserted), 16 % slower; 17 with conflict-free f16 V stores on top, no different), 18 (15 with a
+// quarter of the softmax exponentials by a degree-3 polynomial on the FMA pipe, meant to unload the
+// MUFU pipe that paces the exp phase: 5 % slower in round C, 948-950 vs 898-901 us: the ~10 extra
 // instructions per exponential cost more issue than the MUFU saved).
 // Barriers: full[s] (1 arrival + TMA bytes), empty[s] (8 consumer warps after S(i)
 // completes + 3 converter warps after the conversion), vfull[2] (96 converter threads), vempty[2]
@@ -69,10 +69,9 @@
 // orders them).
 //
 // Shared memory: 4 raw stages x 32 KB + 2 f16 V x 32 KB + 1 Q x 16 KB + 1 KB alignment = 209 KB
-// dynamic, ~5 KB static. Registers: 168 at launch (384 threads), consumers 232 after setmaxnreg
-// (no spills), scheduler + converters 40 (ptxas reports ~180-200 bytes of spills, which compile
-// experiments place in the scheduler warp's item preparation); kWide: 216 / 64, no spills at all.
-// Needs 16-byte
+// dynamic, ~5 KB static. Registers: 168 at launch (384 threads), consumers 216 after setmaxnreg
+// (no spills), scheduler + converters 64 (no spills; at 40, kernel 11, ptxas reported ~180-200
+// bytes of spills in the scheduler warp's item preparation). Needs 16-byte
 // aligned pool base and strides (TMA); otherwise, or when the driver refuses a tensor map, the
 // launcher runs the cp.async wgmma kernel (kernel 4).
 //
@@ -122,13 +121,13 @@ namespace attention_prefill_ws {
 __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {
   uint4 lo, hi;
   lo.x = ak::e4m3x2_to_f16x2(raw.x);
-  lo.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+  lo.y = ak::e4m3x2_hi_to_f16x2(raw.x);
   lo.z = ak::e4m3x2_to_f16x2(raw.y);
-  lo.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+  lo.w = ak::e4m3x2_hi_to_f16x2(raw.y);
   hi.x = ak::e4m3x2_to_f16x2(raw.z);
-  hi.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
+  hi.y = ak::e4m3x2_hi_to_f16x2(raw.z);
   hi.z = ak::e4m3x2_to_f16x2(raw.w);
-  hi.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
+  hi.w = ak::e4m3x2_hi_to_f16x2(raw.w);
   // 8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8).
   uint8_t* row = vh + (c16 >> 2) * kTileBytes + key * 128;
   const int c8 = 2 * c16;
@@ -527,7 +526,6 @@ __device__ __forceinline__ void consumer_warpgroups(const AttnArgs& a, Shared& s
 
 // ---------------------------------------------------------------------------------------------
 // The kernel. Grid: min(work items, SMs) persistent CTAs; block kThreads; dynamic smem kSmemBytes.
-template <bool kWide>
 __global__ void __launch_bounds__(kThreads, 1)
     attention_prefill_ws_kernel(const __grid_constant__ AttnArgs a,
                                 const __grid_constant__ CUtensorMap kmap,
@@ -557,13 +555,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warp < 4) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kWide ? kLowRegsWide : kLowRegs));
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kLowRegs));
     if (warp == 0)
       scheduler_warp(a, &kmap, &vmap, &qmap, tiles, sh, base);
     else
       converter_warps(sh, smem);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kWide ? kHighRegsWide : kHighRegs));
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kHighRegs));
     consumer_warpgroups(a, sh, base, smem);
   }
 }
@@ -619,16 +617,15 @@ inline bool encode_maps(const AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap,
 
 // Launches the kernel on min(work items, max_ctas) CTAs. *launched = false (nothing launched, OK
 // status) when the tensor maps cannot be built: the caller then runs another kernel.
-inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, bool wide_regs,
-                     cudaStream_t stream, bool* launched) {
+inline Status launch(const AttnArgs& a, int64_t tiles, int max_ctas, cudaStream_t stream,
+                     bool* launched) {
   *launched = false;
   if (tiles <= 0) return Status::Ok();
   const int64_t work = tiles * a.n_kv * a.splits;
   if (work > (int64_t{1} << 30)) return Status::Ok();
   CUtensorMap kmap, vmap, qmap;
   if (!encode_maps(a, &kmap, &vmap, &qmap)) return Status::Ok();
-  // Kernels 11 (40 / 232 registers), 15 (64 / 216).
-  auto kernel = wide_regs ? attention_prefill_ws_kernel<true> : attention_prefill_ws_kernel<false>;
+  auto kernel = attention_prefill_ws_kernel;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   const int grid = static_cast<int>(std::min<int64_t>(work, std::max(1, max_ctas)));

@@ -35,17 +35,13 @@ constexpr int kSmemBytes = kQOff + kQBytes + 1024;  // + slack to align the base
 // setmaxnreg moves registers within the CTA's launch allocation (168 per thread: 65536 / 384
 // rounded down to a multiple of 8), so 128 x low + 256 x high must not exceed 168 x 384.
 constexpr int kLaunchRegs = 168;
-constexpr int kLowRegs = 40;
-constexpr int kHighRegs = 232;
-// kWide (kernels 15-17): 64 / 216 instead (ptxas: 182 bytes of spills in the scheduler / converter
-// warps at 40, none at 64; the consumers fit in 216 without spills).
-constexpr int kLowRegsWide = 64;
-constexpr int kHighRegsWide = 216;
+// 64 / 216 (kernel 15; ptxas: 182 bytes of spills in the scheduler / converter warps at 40, none at
+// 64; the consumers fit in 216 without spills).
+constexpr int kLowRegs = 64;
+constexpr int kHighRegs = 216;
 constexpr int kCand = kQT * ak::kTopKIds;  // 128 candidate ids per tile
 static_assert(kSmemBytes + 8192 <= 227 * 1024, "dynamic + static shared memory");
 static_assert(kLowRegs * 128 + kHighRegs * 256 <= kLaunchRegs * kThreads, "register budget");
-static_assert(kLowRegsWide * 128 + kHighRegsWide * 256 <= kLaunchRegs * kThreads,
-              "register budget");
 static_assert(kLaunchRegs * kThreads <= 65536, "register file");
 static_assert(ap::kQT == kQT, "same tile as the wgmma kernel (shared helpers)");
 

@@ -103,13 +103,13 @@ __device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
 // One 16-byte raw chunk (16 dims) -> two f16 chunks (8 dims each).
 __device__ __forceinline__ void e4m3x16_to_f16(const uint4& raw, uint4& h0, uint4& h1) {
   h0.x = ak::e4m3x2_to_f16x2(raw.x);
-  h0.y = ak::e4m3x2_to_f16x2(raw.x >> 16);
+  h0.y = ak::e4m3x2_hi_to_f16x2(raw.x);
   h0.z = ak::e4m3x2_to_f16x2(raw.y);
-  h0.w = ak::e4m3x2_to_f16x2(raw.y >> 16);
+  h0.w = ak::e4m3x2_hi_to_f16x2(raw.y);
   h1.x = ak::e4m3x2_to_f16x2(raw.z);
-  h1.y = ak::e4m3x2_to_f16x2(raw.z >> 16);
+  h1.y = ak::e4m3x2_hi_to_f16x2(raw.z);
   h1.z = ak::e4m3x2_to_f16x2(raw.w);
-  h1.w = ak::e4m3x2_to_f16x2(raw.w >> 16);
+  h1.w = ak::e4m3x2_hi_to_f16x2(raw.w);
 }
 
 // Address of the f16 chunk u (dims 64 half + 8 u .. + 7) of key `key` in the converted tile of a

@@ -751,6 +751,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "v_convert on the wgmma verify kernel");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 99}, StatusCode::kUnsupported,
                   "kernel 99");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 11}, StatusCode::kUnsupported,
+                  "kernel 11 (removed in session 14)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 9}, StatusCode::kUnsupported,
                   "l2_prefetch 9");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, -2}, StatusCode::kUnsupported,

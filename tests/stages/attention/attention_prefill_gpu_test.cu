@@ -1,6 +1,7 @@
 // GPU tests of the warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
-// AttentionCudaConfig::kernel = 11, a 4-stage ring with one Q buffer; 15 = 11 with 64 / 216
-// registers per scheduler-converter / consumer thread, the automatic choice for sparse prefill)
+// AttentionCudaConfig::kernel = 15: a 4-stage ring with one Q buffer, 64 / 216 registers per
+// scheduler-converter / consumer thread, the automatic choice for prefill; kernel 11, its 40 / 232
+// register split, was removed in session 14)
 // and of its fallback, the cp.async wgmma kernel 4, against the CPU twin on identical E4M3 inputs:
 // chunked prefills from position 0 and after cached prefixes (contexts and chunk lengths off the
 // 8-token tile and the 128-token block), mixed batches with several chunks and decode / verify
@@ -50,11 +51,10 @@ using testing::attn::run_gpu;
 using testing::attn::run_reference;
 using testing::attn::upload;
 
-constexpr int kWsDeep = 11;  // AttentionCudaConfig::kernel of the warp-specialised kernel
-constexpr int kWsWide = 15;  // 11 with 64 / 216 registers (scheduler, converters / consumers)
-constexpr int kAuto = 0;     // the automatic plan (kernel 15 sparse, 11 dense on these batches)
+constexpr int kWs = 15;   // AttentionCudaConfig::kernel of the warp-specialised kernel
+constexpr int kAuto = 0;  // the automatic plan (kernel 15 on these batches)
 
-AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWsDeep) {
+AttentionCudaConfig ws_config(int splits, int ctas, int kernel = kWs) {
   AttentionCudaConfig c;
   c.splits = splits;
   c.kernel = kernel;
@@ -102,10 +102,6 @@ std::vector<AttentionCudaConfig> standard_configs() {
           ws_config(1, 3),
           ws_config(0, 7),
           ws_config(2, 6),
-          ws_config(0, 0, kWsWide),
-          ws_config(3, 0, kWsWide),
-          ws_config(1, 1, kWsWide),
-          ws_config(2, 6, kWsWide),
           ws_config(0, 0, kAuto)};
 }
 
@@ -142,12 +138,10 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   SCOPED_TRACE(testing::describe_requests(reqs));
   Problem c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  check_configs(c, true, "M3",
-                {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4),
-                 ws_config(0, 0, kWsWide), ws_config(1, 4, kWsWide), ws_config(0, 0, kAuto)});
   check_configs(
-      c, false, "M3",
-      {ws_config(0, 0), ws_config(1, 2), ws_config(1, 2, kWsWide), ws_config(0, 0, kAuto)});
+      c, true, "M3",
+      {ws_config(0, 0), ws_config(1, 0), ws_config(1, 5), ws_config(1, 4), ws_config(0, 0, kAuto)});
+  check_configs(c, false, "M3", {ws_config(0, 0), ws_config(1, 2), ws_config(0, 0, kAuto)});
 }
 
 TEST(AttentionPrefillWsGpu, StridedPools) {
@@ -167,8 +161,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
     o.spare_pages = 5;
     Problem c = make_case(reqs, 48, 3, true, rng, o);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_configs(c, true, "3 KV heads",
-                  {ws_config(0, 0), ws_config(2, 3), ws_config(0, 0, kWsWide)});
+    check_configs(c, true, "3 KV heads", {ws_config(0, 0), ws_config(2, 3)});
     check_configs(c, false, "3 KV heads", {ws_config(1, 0)});
   }
   // Group 8 on 2 KV heads, gapped 16-byte strides.
@@ -178,7 +171,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   Problem c = make_case(reqs, 16, 2, false, rng, o);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(c, true, "group 8", {ws_config(0, 0), ws_config(1, 2)});
-  check_configs(c, false, "group 8", {ws_config(0, 0), ws_config(0, 0, kWsWide)});
+  check_configs(c, false, "group 8", {ws_config(0, 0), ws_config(2, 3)});
 }
 
 TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
@@ -236,8 +229,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   DeviceProblem d;
   upload(c, d);
-  for (const AttentionCudaConfig& cfg : {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4),
-                                         ws_config(2, 5), ws_config(2, 5, kWsWide)}) {
+  for (const AttentionCudaConfig& cfg :
+       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5)}) {
     const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
     const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
     EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
@@ -272,7 +265,7 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
                             Device::cuda(0));
   for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kWsWide)}) {
+       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kAuto)}) {
     const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
     expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
   }
@@ -288,7 +281,7 @@ TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
   Problem c = make_case(reqs, 16, 1, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   c.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
-  check_configs(c, true, "NaN value", {ws_config(0, 0), ws_config(2, 1), ws_config(2, 1, kWsWide)});
+  check_configs(c, true, "NaN value", {ws_config(0, 0), ws_config(2, 1), ws_config(1, 3)});
 }
 
 // A NaN V element that some tokens of a tile see and others do not (a key of the local block that
@@ -313,8 +306,8 @@ TEST(AttentionPrefillWsGpu, NaNStaysInTheRowsThatSeeIt) {
   for (int k = 0; k < 6; ++k)
     c.hb.kv_row(2, static_cast<int>(rng.integer(0, 3999)), 1, k & 1)[rng.integer(0, 127)] = 0xFF;
   c.hb.kv_row(0, 153, 0, 0)[40] = 0x7F;  // K: rows of positions 153 .. 155 NaN
-  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0), ws_config(2, 1),
-                                           ws_config(2, 1, kWsWide), ws_config(0, 0, kAuto)};
+  std::vector<AttentionCudaConfig> cfgs = {ws_config(0, 0), ws_config(2, 1), ws_config(1, 3),
+                                           ws_config(0, 0, kAuto)};
   for (int kernel : {4}) {  // the cp.async wgmma kernel (the fallback where TMA cannot run)
     AttentionCudaConfig k;
     k.kernel = kernel;
@@ -333,8 +326,8 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 37}, {1500, 40}, {4000, 4}, {90, 4}};
   for (bool sparse : {true, false}) {
-    for (const AttentionCudaConfig& cfg : {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3),
-                                           ws_config(0, 0, kWsWide), ws_config(0, 0, kAuto)}) {
+    for (const AttentionCudaConfig& cfg :
+         {ws_config(0, 0), ws_config(3, 0), ws_config(1, 3), ws_config(0, 0, kAuto)}) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << describe(cfg));
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents

@@ -325,6 +325,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   a.guess = options.guess_request_bounds ? 1 : 0;
+  a.pdl_copies = options.pdl_early_copies ? 1 : 0;
+  a.late_trigger = options.late_trigger && pl.single ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;

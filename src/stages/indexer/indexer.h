@@ -134,6 +134,14 @@ struct IndexerCudaOptions {
   // ids as a normal launch. Every indexer kernel triggers its dependents at its start
   // (pdl_launch_dependents), whatever this flag.
   bool programmatic_launch = false;
+  // A/B knobs for the layer (session 14; the loser goes). pdl_early_copies (programmatic_launch
+  // only): false issues no index-K copy before pdl_wait (metadata loads only), in case the early
+  // copies slow the kernel the indexer overlaps. late_trigger: the single pass (the indexer's last
+  // kernel when its plan is single) lets its dependents (the next stage, if launched
+  // programmatically) be scheduled only once each CTA has scored its blocks, instead of at its
+  // start, so that an early-resident next grid does not take SM space while the indexer runs.
+  bool pdl_early_copies = true;
+  bool late_trigger = false;
   // Decode units guess their request's token range as [r T / R, (r + 1) T / R) (right for batches
   // of equal-length requests) and load its positions and query rows before query_start arrives,
   // reloading when the guess was wrong (same ids either way). false: the A/B of session 14

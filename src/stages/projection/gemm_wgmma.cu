@@ -83,12 +83,13 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm, bool kOverlap, int kRB = 1>
+template <int kNw, int kCtasPerSm, int kWG = 2>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int waves, const DeviceInfo& info, cudaStream_t stream) {
-  constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm, kRB>();
-  constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm, kRB>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kOverlap, kRB>;
+  constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
+  constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
+  constexpr int kThreads = gemm_wgmma_detail::threads<kWG>();
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kWG>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
   // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
@@ -97,8 +98,8 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   if (resident == 0) {
     M3_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernel, gemm_wgmma_detail::kThreads, kSmem));
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda: no CTA of the n = ", kNw,
                          " kernel fits on an SM (", kSmem, " B of dynamic shared memory)");
@@ -112,7 +113,7 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
                               : std::max(1, kStages / 2);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);
+  cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -125,29 +126,21 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   return Status::Ok();
 }
 
-// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x overlap x tile pairs
-// (one CTA per SM and M > 16 only). n = 64 has no overlap variant with two CTAs per SM or with
-// tile pairs (registers). run_gemm_wgmma_cuda refuses those combinations before dispatching.
-template <int kCtasPerSm, bool kOverlap>
-Status dispatch_rows(int m, bool pairs, const CUtensorMap& wmap, const CUtensorMap& xmap,
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x consumer warpgroups
+// (4 only at n = 32, 64 with one CTA per SM: run_gemm_wgmma_cuda refuses other combinations).
+template <int kCtasPerSm>
+Status dispatch_rows(int m, int wgs, const CUtensorMap& wmap, const CUtensorMap& xmap,
                      const WgmmaArgs& args, int grid, int waves, const DeviceInfo& info,
                      cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 16) return launch<16, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   if constexpr (kCtasPerSm == 1) {
-    if (pairs && m <= 32)
-      return launch<32, 1, kOverlap, 2>(wmap, xmap, args, grid, waves, info, stream);
-    if constexpr (!kOverlap) {
-      if (pairs && m <= 64)
-        return launch<64, 1, false, 2>(wmap, xmap, args, grid, waves, info, stream);
-    }
+    if (wgs == 4 && m <= 32) return launch<32, 1, 4>(wmap, xmap, args, grid, waves, info, stream);
+    if (wgs == 4 && m <= 64) return launch<64, 1, 4>(wmap, xmap, args, grid, waves, info, stream);
   }
-  if (m <= 32) return launch<32, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
-  if constexpr (!(kCtasPerSm == 2 && kOverlap)) {
-    if (m <= 64)
-      return launch<64, kCtasPerSm, kOverlap>(wmap, xmap, args, grid, waves, info, stream);
-  }
-  return unsupported("run_gemm_wgmma_cuda: no kernel for M = ", m, " with these options");
+  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 64) return launch<64, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
 }
 
 int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
@@ -200,6 +193,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                "GemmWgmmaOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [0, ",
                kMaxCtasPerSm, "]");
   M3_CHECK_ARG(options.burst >= 0, "GemmWgmmaOptions::burst = ", options.burst, " must be >= 0");
+  M3_CHECK_ARG(options.consumer_warpgroups == 0 || options.consumer_warpgroups == 2 ||
+                   options.consumer_warpgroups == 4,
+               "GemmWgmmaOptions::consumer_warpgroups = ", options.consumer_warpgroups,
+               " must be 0, 2 or 4");
   M3_CHECK_ARG(options.weight_l2_promotion == 0 || options.weight_l2_promotion == 64 ||
                    options.weight_l2_promotion == 128 || options.weight_l2_promotion == 256,
                "GemmWgmmaOptions::weight_l2_promotion = ", options.weight_l2_promotion,
@@ -232,30 +229,21 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm
                           : m > kTwoCtaMaxM        ? 1
                                                    : kMaxCtasPerSm;
-  if (ctas_per_sm == 2 && options.overlap_units && m > 32)
-    return unsupported("run_gemm_wgmma_cuda: overlap_units with two CTAs per SM serves M <= 32, ",
-                       "got M = ", m);
-  // Tile pairs (256-row units) apply above M = 16, with one CTA per SM.
-  const bool pairs = options.tile_pairs && m > kTwoCtaMaxM;
-  if (pairs && ctas_per_sm == 2)
-    return unsupported("run_gemm_wgmma_cuda: tile_pairs runs one CTA per SM, got ctas_per_sm 2");
-  if (pairs && options.overlap_units && m > 32)
+  // Four consumer warpgroups apply above M = 16, with one CTA per SM.
+  const int wgs = m > kTwoCtaMaxM && options.consumer_warpgroups == 4 ? 4 : 2;
+  if (wgs == 4 && ctas_per_sm == 2)
     return unsupported(
-        "run_gemm_wgmma_cuda: tile_pairs with overlap_units serves M <= 32, got M = ", m);
-  const int rb = pairs ? 2 : 1;
-  const int64_t group_units = (tiles + rb - 1) / rb * kblocks;  // units of 128 rb weight rows
-  // (min_units_per_cta counts 128-row tiles x K blocks, so a unit of a pair counts twice.)
-  const int64_t by_units =
-      (group_units * rb + options.min_units_per_cta - 1) / options.min_units_per_cta;
+        "run_gemm_wgmma_cuda: consumer_warpgroups 4 runs one CTA per SM, got ctas_per_sm 2");
+  const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
   const int grid = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
   const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * static_cast<size_t>(m) *
-                                     kTileN * static_cast<size_t>(rb) * sizeof(float);
+                                     kTileN * sizeof(float);
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
-               " are needed (N = ", n, ", M = ", m, ", ", grid, " CTAs",
-               pairs ? ", tile pairs" : "", "): size it with gemm_wgmma_workspace_bytes");
+               " are needed (N = ", n, ", M = ", m, ", ", grid,
+               " CTAs): size it with gemm_wgmma_workspace_bytes");
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
                "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
 
@@ -267,7 +255,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       : options.weight_l2_promotion == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
                                            : CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
   M3_RETURN_IF_ERROR(
-      encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN * rb, promotion, "weights"));
+      encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, promotion, "weights"));
   M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
 
@@ -283,22 +271,15 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.counters = static_cast<unsigned*>(workspace);
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);
-  args.n = static_cast<int>(n);
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
-  args.units = static_cast<int>(group_units);
-  const int w = options.max_waves;
-  if (options.overlap_units) {
-    if (ctas_per_sm == 1)
-      return dispatch_rows<1, true>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
-    return dispatch_rows<2, true>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
-  }
+  args.units = static_cast<int>(units);
   if (ctas_per_sm == 1)
-    return dispatch_rows<1, false>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
-  return dispatch_rows<2, false>(args.m, pairs, wmap, xmap, args, grid, w, info, stream);
+    return dispatch_rows<1>(args.m, wgs, wmap, xmap, args, grid, options.max_waves, info, stream);
+  return dispatch_rows<2>(args.m, wgs, wmap, xmap, args, grid, options.max_waves, info, stream);
 }
 
 }  // namespace m3attn

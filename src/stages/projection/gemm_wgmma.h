@@ -25,19 +25,13 @@ namespace m3attn {
 
 struct GemmWgmmaOptions {
   // CTAs per SM: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic (2 for M <= 16, 1
-  // above). Two CTAs per SM at M > 16 (rings of 4 / 5 stages, 112 registers per thread) need a
-  // workspace sized with ctas_per_sm = 2 (gemm_wgmma_workspace_bytes) and, at M > 32, no
-  // overlap_units (registers).
+  // above). Two CTAs per SM at M > 16 (rings of 4 / 5 stages, 96 registers per thread) need a
+  // workspace sized with ctas_per_sm = 2 (gemm_wgmma_workspace_bytes).
   int ctas_per_sm = 0;
-  // Variant: each consumer warpgroup keeps two units' wgmmas in flight (unit i + 1's run while
-  // unit i is folded with its scales; wgmma.wait_group 1), instead of waiting for every unit.
-  bool overlap_units = false;
-  // Variant for M > 16 (ignored below): units of two 128-row weight tiles (256 rows x one K block,
-  // 32 KB), so each activation box read from L2 serves twice the weights; each consumer
-  // warpgroup computes one tile of the pair. One CTA per SM (ctas_per_sm 2 is refused), with
-  // overlap_units only up to M = 32; the workspace must be sized with ctas_per_sm = 2 (twice the
-  // partial rows). min_units_per_cta still counts 128-row tiles x K blocks.
-  bool tile_pairs = false;
+  // Consumer warpgroups: 2 (0 = automatic: 2), or 4 for M > 16 (variant, ignored below; one
+  // CTA per SM only): each computes 64 weight rows against half the activation rows, so twice as
+  // many warps share each unit's fold.
+  int consumer_warpgroups = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -63,16 +63,23 @@
 // first version (round D), and weights by 16-byte cp.async from one producer warp were 2.4x
 // slower (87.7 us). Whether long runs help DRAM at all stayed unanswered: the consumer side
 // never let the copies run at full rate.)
-// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment, wait, fold with the staged
-// scales, release the stage. Session 14 variants (opt-in, measured in projection_bench --shape):
-// kOverlap keeps two units in flight per warpgroup (unit i + 1's wgmmas issued before unit i is
-// folded, wgmma.wait_group 1); kRB = 2 ("tile pairs", M > 16) makes a unit two 128-row tiles x one
-// K block (a 256-row TMA box, 32 KB), warpgroup wg computing tile wg of the pair as before, so one
-// activation box from L2 serves 32 KB of weights instead of 16 (the second tile of the last pair
-// may lie past N: TMA zero-fills it and its columns are not stored). Grid: (1 or 2 for n <= 16; 1
-// for n = 32, 64: registers) x SMs CTAs, at least `min_units_per_cta` units each, at most
-// `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another CTA,
-// so later waves are safe).
+// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment; while the tensor cores work,
+// the unit's scale products (weight scale x activation scale of each of the thread's activation
+// rows) are read from the stage's slot; wait, fold, release the stage. kWG = 4 consumer
+// warpgroups (n = 32, 64; variant): warpgroup wg computes weight rows 64 (wg % 2) .. + 64 against
+// activation rows (n / 2) (wg / 2) .. + n / 2, so each thread folds half as many values and twice
+// as many warps share the per-unit work.
+// Session 14, round A (projection_bench --shape, bandwidth_bench --tiles): at M 64 the kernel
+// takes 30.6 us for o_proj (N 6144, K 8192) while its weight stream alone, read the same way
+// without compute (TMA 2D boxes, stream-K order, the same ring, the activation boxes included),
+// takes 16.4-16.8 us, and 1D bulk copies of pre-tiled 16 KB units are no faster (within 2 %): the
+// consumers, not the copies, set the pace at n = 64 (ncu: the SMs active 72 % of the time). Two
+// units in flight per warpgroup (wgmma.wait_group 1) changed nothing (+-0.2 us at every M) and
+// units of two tiles sharing one activation box (256-row boxes, 5-stage ring) were much slower
+// (42 vs 30.6 us at M 64, 29.8 vs 24.7 at M 32): both removed.
+// Grid: (1 or 2 for n <= 16; 1 for n = 32, 64 unless asked: registers) x SMs CTAs, at least
+// `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one; the
+// stream-K fixup never waits for another CTA, so later waves are safe).
 //
 // Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
 // ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
@@ -89,30 +96,31 @@ namespace m3attn::gemm_wgmma_detail {
 
 constexpr int kTileN = 128;   // weight rows per unit (= one 128-row weight-scale block)
 constexpr int kBlockK = 128;  // K per unit (= one quantization block = one swizzle row)
-constexpr int kConsumerThreads = 256;
-constexpr int kThreads = kConsumerThreads + 32;
+// Threads of a CTA with kWG consumer warpgroups: the consumers and one producer warp.
+template <int kWG>
+constexpr int threads() {
+  return 128 * kWG + 32;
+}
 constexpr int kMaxM = 64;
 constexpr int kWeightTileBytes = kTileN * kBlockK;
 constexpr int kMaxCtasPerSm = 2;
 constexpr int kAlignSlack = 1024;  // the dynamic shared memory base is rounded up to 1024 bytes
 
-// kRB: 64-row blocks per consumer warpgroup, i.e. a unit of 128 kRB weight rows (kRB = 2: two
-// 128-row tiles whose K block shares one activation box).
-template <int kNw, int kRB = 1>
+template <int kNw>
 constexpr int stage_bytes() {
-  return kRB * kWeightTileBytes + kNw * kBlockK;
+  return kWeightTileBytes + kNw * kBlockK;
 }
 
 // Ring depth: fits two CTAs per SM (110 KB each) or one (220 KB), at most 12 stages.
-template <int kNw, int kCtasPerSm, int kRB = 1>
+template <int kNw, int kCtasPerSm>
 constexpr int stages() {
   constexpr int budget = kCtasPerSm == 1 ? 220 * 1024 : 110 * 1024;
-  return budget / stage_bytes<kNw, kRB>() < 12 ? budget / stage_bytes<kNw, kRB>() : 12;
+  return budget / stage_bytes<kNw>() < 12 ? budget / stage_bytes<kNw>() : 12;
 }
 
-template <int kNw, int kCtasPerSm, int kRB = 1>
+template <int kNw, int kCtasPerSm>
 constexpr int smem_bytes() {
-  return stages<kNw, kCtasPerSm, kRB>() * stage_bytes<kNw, kRB>() + kAlignSlack;
+  return stages<kNw, kCtasPerSm>() * stage_bytes<kNw>() + kAlignSlack;
 }
 
 struct WgmmaArgs {
@@ -122,15 +130,14 @@ struct WgmmaArgs {
   int64_t sb_s0, sb_s1;
   uint16_t* out;  // bf16 [m, N], row stride ldo
   int64_t ldo;
-  float* partials;         // 2 * grid slots of [m][128 kRB] fp32
-  unsigned* counters;      // [tiles / kRB rounded up], zero before and after every launch
+  float* partials;         // 2 * grid slots of [m][128] fp32
+  unsigned* counters;      // [tiles], zero before and after every launch
   int m;                   // 1 .. 64
-  int n;                   // output columns (N)
   int weight_evict_first;  // weights loaded with an L2 evict-first policy (read once)
   int early_weights;       // programmatic launch: first ring of weights before griddepcontrol.wait
   int burst;               // units whose loads the producer issues back to back (1 .. stages)
   int kblocks;             // K / 128
-  int units;               // ceil(tiles / kRB) * kblocks (< 2^31: checked on the host)
+  int units;               // tiles * kblocks (< 2^31: checked on the host)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
 
@@ -204,8 +211,10 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
+// Named barrier 1 over the kThreads consumer threads (the producer warp never joins it).
+template <int kThreads>
 __device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
 }
 
 // wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
@@ -278,22 +287,22 @@ __device__ __forceinline__ int unit_owner(int u, int grid, int units) {
 }
 
 // Scale slot of one ring stage: the activation scales of the unit's K block for rows 0 .. kNw - 1
-// (rows >= M stay zero) and the unit's kRB weight scales at index kNw, kNw + 1.
+// (rows >= M stay zero) and the unit's weight scale at index kNw.
 template <int kNw>
 constexpr int scale_slot_floats() {
   return kNw + 4;
 }
 
-template <int kNw, int kStages, int kCtasPerSm, bool kOverlap, int kRB>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+template <int kNw, int kStages, int kCtasPerSm, int kWG>
+__global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
-  static_assert(kRB == 1 || kRB == 2, "a unit is one or two 128-row tiles");
-  constexpr int kStageBytes = stage_bytes<kNw, kRB>();
-  constexpr int kUnitRows = kTileN * kRB;  // weight rows (output columns) per unit
-  constexpr int kWeightBytes = kWeightTileBytes * kRB;
-  constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread and row block: 64 x kNw / 128
-  constexpr int kAll = kAcc * kRB;
+  static_assert(kWG == 2 || (kWG == 4 && kNw >= 32), "2 consumer warpgroups, or 4 at n >= 32");
+  constexpr int kConsumerThreads = 128 * kWG;
+  constexpr int kThreads = threads<kWG>();
+  constexpr int kStageBytes = stage_bytes<kNw>();
+  constexpr int kNwg = kNw * 2 / kWG;  // activation rows (wgmma n) per warpgroup
+  constexpr int kAcc = kNwg / 2;       // fp32 accumulators per thread: 64 x kNwg / 128
   constexpr int kSlot = scale_slot_floats<kNw>();
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte swizzle alignment");
 
@@ -312,7 +321,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int u_begin = unit_begin(cta, grid, units);
   const int u_end = unit_begin(cta + 1, grid, units);
   const int m_count = p.m;
-  const int tiles128 = p.n / kTileN;
 
   // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
   for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
@@ -343,12 +351,11 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const uint32_t full = smem_addr(&full_bar[s]);
       const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
       const int tile = u / kb_count, kb = u - tile * kb_count;
-      // Weights + activations of the unit (rows past N are zero-filled and still counted).
-      mbar_arrive_expect_tx(full, kStageBytes);
+      mbar_arrive_expect_tx(full, kStageBytes);  // weights + activations of the unit
       if (p.weight_evict_first) {
-        tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kUnitRows, full, policy);
+        tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
       } else {
-        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kUnitRows, full);
+        tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
       }
     };
     // Programmatic launch: the weights (which no preceding kernel writes) of the first ring of
@@ -375,85 +382,41 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         if (lane == 0) {
           if (i >= early) load_weights(s, u);
           const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-          tma_load_2d(dst + kWeightBytes, &xmap, kb * kBlockK, 0, full);
+          tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
         }
         float* slot = s_scales + s * kSlot;
 #pragma unroll
         for (int r = lane; r < kNw; r += 32)
           if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-        // Weight scales of the unit's tiles (a second tile past N repeats the last one: its rows
-        // are zeros and its columns are never stored).
-        if (lane < kRB) {
-          const int t128 = tile * kRB + lane < tiles128 ? tile * kRB + lane : tiles128 - 1;
-          cp_async_4(smem_addr(slot + kNw + lane), p.sb + t128 * p.sb_s0 + kb * p.sb_s1);
-        }
+        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
         cp_async_mbar_arrive_noinc(full);
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
-    return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1, 256)
+    return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
   // Consumers: their global writes (output, partials, counters) follow the preceding grid.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // Warpgroup wg owns weight rows [64 kRB wg, 64 kRB (wg + 1)) of each unit (kRB = 2: tile wg
-  // of the pair), as kRB blocks of 64 rows.
+  // Warpgroup wg computes weight rows [64 (wg % 2), + 64) of each tile against activation rows
+  // [kNwg (wg / 2), + kNwg).
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
   const int q = lane % 4;
-  const int row0 = 64 * kRB * wg + 16 * warp + lane / 4;  // rows row0 (+ 8) (+ 64 rb)
+  const int row0 = 64 * (wg % 2) + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int m0 = kNwg * (wg / 2) + 2 * q;
   const int first_tile = u_begin / kb_count;
 
-  // Accumulator element jj = kAcc rb + j, j = 4 g + 2 h + e: (weight row row0 + 64 rb + 8 h,
-  // activation row 8 g + 2 q + e).
-  auto frag_m = [&](int jj) { return 8 * ((jj % kAcc) / 4) + 2 * q + jj % 2; };
-  auto frag_row = [&](int jj) { return row0 + 64 * (jj / kAcc) + 8 * ((jj / 2) % 2); };
-  auto store_bf16 = [&](int jj, float v, int tile) {
-    const int col = tile * kUnitRows + frag_row(jj);
-    if (frag_m(jj) < m_count && (kRB == 1 || col < p.n))
-      p.out[frag_m(jj) * p.ldo + col] = float_to_bf16(v);
+  // Fragment element j = 4 g + 2 h + e is (weight row row0 + 8 h, activation row m0 + 8 g + e);
+  // its scale product is prod[2 g + e].
+  auto frag_m = [&](int j) { return m0 + 8 * (j / 4) + j % 2; };
+  auto frag_row = [&](int j) { return row0 + 8 * ((j / 2) % 2); };
+  auto store_bf16 = [&](int j, float v, int tile) {
+    if (frag_m(j) < m_count)
+      p.out[frag_m(j) * p.ldo + tile * kTileN + frag_row(j)] = float_to_bf16(v);
   };
 
-  // Issue unit i's wgmmas (4 per row block) into t, after its stage is full / fold the finished t
-  // into acc with the stage's scales and release the stage.
-  auto issue = [&](float(&t)[kRB][kAcc], int i_unit) {
-    const int s = i_unit % kStages;
-    mbar_wait(smem_addr(&full_bar[s]), (i_unit / kStages) & 1);
-    const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
-    // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep t dead between units, so its
-    // registers are free in the epilogue.
-#pragma unroll
-    for (int rb = 0; rb < kRB; ++rb)
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) t[rb][j] = 0.0f;
-    wgmma_fence();
-#pragma unroll
-    for (int rb = 0; rb < kRB; ++rb) {
-      const uint32_t a_addr =
-          base + static_cast<uint32_t>(s * kStageBytes + (kRB * wg + rb) * 64 * kBlockK);
-#pragma unroll
-      for (int k = 0; k < kBlockK / 32; ++k)
-        Wgmma<kNw>::mma(t[rb], smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-    }
-    wgmma_commit();
-  };
-  auto fold = [&](float(&t)[kRB][kAcc], float(&a)[kAll], int i_unit) {
-    const int s = i_unit % kStages;
-#pragma unroll
-    for (int rb = 0; rb < kRB; ++rb)
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) keep_register(t[rb][j]);
-    // Promotion with the staged scales (read before the stage is released).
-    const float* slot = s_scales + s * kSlot;
-    const float w_scale = slot[kNw + (kRB == 2 ? wg : 0)];
-#pragma unroll
-    for (int jj = 0; jj < kAll; ++jj)
-      a[jj] = fmaf(t[jj / kAcc][jj % kAcc], w_scale * slot[frag_m(jj)], a[jj]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
-  };
-
-  float acc[kAll];
+  float acc[kAcc];
   int i = 0;
   int u = u_begin;
   while (u < u_end) {
@@ -461,62 +424,71 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const int seg_begin = u;
     const int seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
 #pragma unroll
-    for (int jj = 0; jj < kAll; ++jj) acc[jj] = 0.0f;
+    for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
 
-    if constexpr (kOverlap) {
-      // Two units in flight: unit i + 1's wgmmas run while unit i is folded (wait_group 1).
-      float t0[kRB][kAcc], t1[kRB][kAcc];
-      const int i_end = i + (seg_end - seg_begin);
-      issue(t0, i);
-      while (true) {
-        if (i + 1 < i_end) {
-          issue(t1, i + 1);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-          fold(t0, acc, i++);
-          break;
-        }
-        fold(t0, acc, i++);
-        if (i + 1 < i_end) {
-          issue(t0, i + 1);
-          wgmma_wait<1>();
-        } else {
-          wgmma_wait<0>();
-          fold(t1, acc, i++);
-          break;
-        }
-        fold(t1, acc, i++);
-      }
-      u = seg_end;
-    } else {
-      for (; u < seg_end; ++u, ++i) {
-        float tmp[kRB][kAcc];
-        issue(tmp, i);
+    for (; u < seg_end; ++u, ++i) {
+      float tmp[kAcc];
+      const int s = i % kStages;
+      mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
+      const uint32_t a_addr =
+          base + static_cast<uint32_t>(s * kStageBytes + (wg % 2) * 64 * kBlockK);
+      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes +
+                                                           (wg / 2) * kNwg * kBlockK);
+      // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
+      // its registers are free in the epilogue.
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBlockK / 32; ++k)
+        Wgmma<kNwg>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+      wgmma_commit();
+      // Scale products of the unit while the tensor cores work (the stage's scales landed with
+      // its data), except where the registers are short (n = 64 with two CTAs per SM: 96 per
+      // thread), which multiplies them in the fold as before; same products either way.
+      const float* slot = s_scales + s * kSlot;
+      const float w_scale = slot[kNw];
+      if constexpr (!(kCtasPerSm == 2 && kAcc >= 32)) {
+        float prod[kAcc / 2];
+#pragma unroll
+        for (int g = 0; g < kAcc / 4; ++g)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) prod[2 * g + e] = w_scale * slot[m0 + 8 * g + e];
         wgmma_wait<0>();
-        fold(tmp, acc, i);
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], prod[2 * (j / 4) + j % 2], acc[j]);
+      } else {
+        wgmma_wait<0>();
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
       }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
     }
 
     const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
     if (whole) {
 #pragma unroll
-      for (int jj = 0; jj < kAll; ++jj) store_bf16(jj, acc[jj], tile);
+      for (int jj = 0; jj < kAcc; ++jj) store_bf16(jj, acc[jj], tile);
       continue;
     }
 
     // Partial segment: publish it, count the arrival; the last arriving CTA finishes the tile.
     const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
-    float* part = p.partials + int64_t{slot} * m_count * kUnitRows;
+    float* part = p.partials + int64_t{slot} * m_count * kTileN;
 #pragma unroll
-    for (int jj = 0; jj < kAll; ++jj)
-      if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kUnitRows + frag_row(jj), acc[jj]);
+    for (int jj = 0; jj < kAcc; ++jj)
+      if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kTileN + frag_row(jj), acc[jj]);
     // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
     // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is
     // cumulative, then the arrival; the last arriving CTA's thread 0 fences again after its
     // atomic (acquire) and the barrier orders the other threads' partial loads after it. (A fence
     // in every thread made each one wait for its own stores: 5-7 % of the stall samples.)
-    consumer_barrier();
+    consumer_barrier<kConsumerThreads>();
     const int c_lo = unit_owner(tile * kb_count, grid, units);
     const int c_hi = unit_owner((tile + 1) * kb_count - 1, grid, units);
     if (tid == 0) {
@@ -526,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (last) __threadfence();
       s_is_last = last;
     }
-    consumer_barrier();
+    consumer_barrier<kConsumerThreads>();
     if (s_is_last) {
       // Sum the tile's partials in CTA order, each thread at its own fragment positions: the other
       // CTAs' partials from the workspace (all loads of one contributor in flight at once), its
@@ -534,9 +506,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       // except for c_lo when it started in an earlier tile (its last segment: 2 c_lo + 1).
       const bool lo_second = unit_begin(c_lo, grid, units) < tile * kb_count;
       // (In chunks of at most 16 fragment elements: registers.)
-      constexpr int kChunk = kAll < 16 ? kAll : 16;
+      constexpr int kChunk = kAcc < 16 ? kAcc : 16;
 #pragma unroll
-      for (int j0 = 0; j0 < kAll; j0 += kChunk) {
+      for (int j0 = 0; j0 < kAcc; j0 += kChunk) {
         float sum[kChunk];
 #pragma unroll
         for (int jj = 0; jj < kChunk; ++jj) sum[jj] = 0.0f;
@@ -546,12 +518,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             for (int jj = 0; jj < kChunk; ++jj) sum[jj] += acc[j0 + jj];
           } else {
             const int c_slot = c == c_lo && lo_second ? 2 * c + 1 : 2 * c;
-            const float* q_part = p.partials + int64_t{c_slot} * m_count * kUnitRows;
+            const float* q_part = p.partials + int64_t{c_slot} * m_count * kTileN;
 #pragma unroll
             for (int jj = 0; jj < kChunk; ++jj) {
               const int j = j0 + jj;
               sum[jj] +=
-                  frag_m(j) < m_count ? __ldcg(q_part + frag_m(j) * kUnitRows + frag_row(j)) : 0.0f;
+                  frag_m(j) < m_count ? __ldcg(q_part + frag_m(j) * kTileN + frag_row(j)) : 0.0f;
             }
           }
         }

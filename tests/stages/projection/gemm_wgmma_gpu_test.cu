@@ -74,8 +74,7 @@ struct Case {
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
   int waves = 1;            // GemmWgmmaOptions::max_waves
-  bool overlap = false;     // GemmWgmmaOptions::overlap_units
-  bool pairs = false;       // GemmWgmmaOptions::tile_pairs
+  int wgs = 0;              // GemmWgmmaOptions::consumer_warpgroups
 };
 
 std::string describe(const Case& c) {
@@ -85,8 +84,7 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " waves " + std::to_string(c.waves) + " overlap " + std::to_string(c.overlap) +
-         " tile pairs " + std::to_string(c.pairs);
+         " waves " + std::to_string(c.waves) + " consumer warpgroups " + std::to_string(c.wgs);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -100,16 +98,14 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.weight_l2_promotion = c.promotion;
   o.programmatic_launch = c.pdl;
   o.max_waves = c.waves;
-  o.overlap_units = c.overlap;
-  o.tile_pairs = c.pairs;
+  o.consumer_warpgroups = c.wgs;
   return o;
 }
 
 // Runs the kernel twice on the same workspace (output re-poisoned in between): both results must
 // be identical, nothing outside [M, N] written, the counters zero afterwards.
 std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
-  // (tile_pairs needs the partial rows of two CTAs per SM.)
-  DeviceBuffer ws = make_workspace(c.n, c.m, c.waves, c.pairs ? 2 : c.ctas_per_sm);
+  DeviceBuffer ws = make_workspace(c.n, c.m, c.waves, c.ctas_per_sm);
   const GemmWgmmaOptions o = options_of(c);
   const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -188,30 +184,17 @@ INSTANTIATE_TEST_SUITE_P(
                       // Two CTAs per SM at n = 64 (4-stage rings).
                       Case{64, 1536, 8192, 0, 0, false, 2, 4},
                       Case{41, 640, 1152, 8, 16, true, 2, 1, 0, true, 0},
-                      // overlap_units (two units in flight per warpgroup): every n, one and two
-                      // CTAs per SM, segments of one unit (K 128), odd and even segment lengths,
-                      // the fixup with many contributors, bursts, PDL and several waves.
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, true},
-                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
-                      Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, true},
-                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
-                      Case{32, 1280, 2048, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
-                      Case{24, 384, 6144, 16, 0, true, 0, 5, 3, true, 0, false, 1, true},
-                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true},
-                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
-                      Case{64, 9856, 256, 0, 0, false, 1, 4, 0, true, 0, true, 1, true},
-                      Case{57, 640, 1152, 0, 16, true, 1, 1, 2, true, 0, false, 4, true},
-                      // tile_pairs (256-row units): an odd number of tiles (the last pair's
-                      // second tile past N), one tile only, one K block, the fixup with many
-                      // contributors, overlap at n = 32, PDL, several waves; M <= 16 ignores it.
-                      Case{33, 640, 1152, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, true},
-                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, true},
-                      Case{24, 9856, 256, 8, 0, false, 1, 4, 0, true, 0, false, 1, true, true},
-                      Case{17, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true, true},
-                      Case{64, 384, 128, 24, 16, true, 0, 4, 0, true, 0, false, 1, false, true},
-                      Case{40, 1280, 2048, 0, 0, true, 1, 2, 3, true, 0, true, 1, false, true},
-                      Case{48, 640, 6144, 0, 0, false, 0, 1, 0, true, 256, false, 4, false, true},
-                      Case{9, 640, 1152, 0, 0, false, 2, 1, 0, true, 0, false, 1, true, true}));
+                      // Four consumer warpgroups (n = 32, 64): many contributors per tile, one
+                      // tile, one K block, bursts, PDL, several waves; M <= 16 ignores it.
+                      Case{17, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, 4},
+                      Case{32, 1280, 2048, 0, 0, false, 0, 1, 0, true, 0, false, 1, 4},
+                      Case{24, 384, 6144, 16, 0, true, 0, 5, 3, true, 0, false, 1, 4},
+                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, 4},
+                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, 4},
+                      Case{64, 9856, 256, 0, 0, false, 1, 4, 0, true, 0, true, 1, 4},
+                      Case{57, 640, 1152, 0, 16, true, 1, 1, 2, true, 0, false, 4, 4},
+                      Case{41, 384, 128, 24, 16, true, 0, 4, 0, true, 0, false, 1, 4},
+                      Case{9, 640, 1152, 0, 0, false, 2, 1, 0, true, 0, false, 1, 4}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -465,30 +448,18 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   }
 
   bad = {};
-  bad.ctas_per_sm = 2;
-  bad.overlap_units = true;  // n = 64 has no two-CTA overlap kernel (registers)
-  {
-    DeviceGemm big(make_integer_data(40, 256, 256, rng), 256);
-    DeviceBuffer ws2 = make_workspace(256, 40, 1, 2);
-    EXPECT_EQ(run_gemm_wgmma_cuda(big.params(), ws2.data(), ws2.bytes(), nullptr, bad).code(),
-              StatusCode::kUnsupported);
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t big_touched = 0;
-    for (uint16_t v : big.result(&big_touched)) ASSERT_EQ(v, 0xA5A5);
-  }
+  bad.consumer_warpgroups = 3;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
   EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, 1, 3).status().code(), StatusCode::kInvalidArgument);
   {
-    // tile_pairs refuses two CTAs per SM, and overlap_units above M = 32.
+    // Four consumer warpgroups run one CTA per SM: with ctas_per_sm 2 (M > 16) the call is refused.
     DeviceGemm big(make_integer_data(40, 256, 256, rng), 256);
     DeviceBuffer ws2 = make_workspace(256, 40, 1, 2);
-    GemmWgmmaOptions pb;
-    pb.tile_pairs = true;
-    pb.ctas_per_sm = 2;
-    EXPECT_EQ(run_gemm_wgmma_cuda(big.params(), ws2.data(), ws2.bytes(), nullptr, pb).code(),
-              StatusCode::kUnsupported);
-    pb.ctas_per_sm = 0;
-    pb.overlap_units = true;
-    EXPECT_EQ(run_gemm_wgmma_cuda(big.params(), ws2.data(), ws2.bytes(), nullptr, pb).code(),
+    GemmWgmmaOptions wg4;
+    wg4.consumer_warpgroups = 4;
+    wg4.ctas_per_sm = 2;
+    EXPECT_EQ(run_gemm_wgmma_cuda(big.params(), ws2.data(), ws2.bytes(), nullptr, wg4).code(),
               StatusCode::kUnsupported);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
     int64_t big_touched = 0;

@@ -24,7 +24,8 @@
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
 //   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N
-//   (1-token tiles: 1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel), --pdl (programmatic
+//   (1-token tiles: 1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel, 3 the same
+//   with two barriers per block), --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
@@ -510,10 +511,15 @@ int main(int argc, char** argv) {
         v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()), x);
       }
       if (draft == 0) {
-        AttentionCudaConfig x = cfg;
-        x.kernel = 1;
-        x.decode_kernel = 2;
-        v.emplace_back(" mma.sync 8-warp", x);
+        for (int dk : {1, 2, 3}) {
+          AttentionCudaConfig x = cfg;
+          x.kernel = 1;
+          x.decode_kernel = dk;
+          v.emplace_back(dk == 1   ? " mma.sync 4-warp"
+                         : dk == 2 ? " mma.sync 8-warp"
+                                   : " mma.sync 8-warp 2-bar",
+                         x);
+        }
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;

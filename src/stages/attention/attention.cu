@@ -90,7 +90,7 @@ struct Plan {
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
-  int decode_kernel = 1;   // 1-token mma.sync tiles: 1 tile kernel, 2 8-warp decode kernel
+  int decode_kernel = 1;   // 1-token mma.sync tiles: 1 tile kernel, 2 / 3 8-warp decode kernel
   bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;       // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -182,9 +182,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   } else {
     pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
   }
-  if (cfg.decode_kernel < 0 || cfg.decode_kernel > 2)
+  if (cfg.decode_kernel < 0 || cfg.decode_kernel > 3)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 1 or 2");
+                       " is not 0, 1, 2 or 3");
   // decode_kernel picks the kernel of 1-token mma.sync tiles; other plans ignore it.
   if (!pl.wgmma && !pl.verify && pl.qt == 1)
     pl.decode_kernel = cfg.decode_kernel != 0 ? cfg.decode_kernel : kAutoDecodeKernel;
@@ -268,8 +268,9 @@ Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStre
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(pl.splits));
   if constexpr (QT == 1) {
-    if (pl.decode_kernel == 2) {
-      auto kernel = ad::attention_decode_kernel<kVec16>;
+    if (pl.decode_kernel >= 2) {
+      auto kernel = pl.decode_kernel == 3 ? ad::attention_decode_kernel<kVec16, true>
+                                          : ad::attention_decode_kernel<kVec16, false>;
       M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
       M3_CUDA_RETURN_IF_ERROR(
@@ -419,7 +420,7 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   // and the merge; after the other kernels, by the quantize stage on `out`.
   const bool quantize = attention_quantizes_out(p);
   const bool fused_quantize =
-      quantize && (pl.verify || (!pl.wgmma && pl.qt == 1 && pl.decode_kernel == 2));
+      quantize && (pl.verify || (!pl.wgmma && pl.qt == 1 && pl.decode_kernel >= 2));
   if (fused_quantize) {
     M3_CHECK_ARG(p.out_scales.shape[0] <= std::numeric_limits<int32_t>::max(),
                  "run_attention_cuda: out_scales has too many rows");

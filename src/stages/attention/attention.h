@@ -96,7 +96,8 @@ struct AttentionCudaConfig {
                             // 14; 10 in session 13 was another variant, deleted)
   int decode_kernel = 0;    // the mma.sync kernel with 1-token tiles (decode): 0 automatic (2), 1 the
                             // 4-warp tile kernel (attention_kernel.cuh), 2 the 8-warp decode
-                            // kernel (attention_decode_kernel.cuh); plans without 1-token mma.sync
+                            // kernel (attention_decode_kernel.cuh), 3 the same with two CTA
+                            // barriers per block instead of three; plans without 1-token mma.sync
                             // tiles (verify, prefill, 2- or 4-token tiles) ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,

@@ -115,7 +115,9 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 
 // ---------------------------------------------------------------------------------------------
 // Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-template <bool kVec16>
+// kTwoBarriers: two CTA barriers per block instead of three (the refill then follows the block's
+// QK instead of preceding it).
+template <bool kVec16, bool kTwoBarriers>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -177,6 +179,99 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const uint32_t kaddr1 =
       (16 * warp + (lane & 7)) * ak::kDim + (((4 + (lane >> 3)) ^ (lane & 7)) << 4);
 
+  // One block in the stage at k_smem (CTA-uniform lim: keys > lim are in the token's future).
+  // QK: S of this warp's 16 keys, masked, its row maxima into s_max (barrier before `softmax`).
+  float s[2][4];
+  auto qk = [&](uint32_t k_smem, int lim) {
+    float s2[2][4];  // second accumulator chain per n-tile
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+      s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.0f;
+#pragma unroll
+      for (int kp = 0; kp < 2; ++kp) {
+        uint32_t b[4];
+        ak::ldsm_x4(k_smem + (kp ? kaddr1 : kaddr0) + j * 8 * ak::kDim, b[0], b[1], b[2], b[3]);
+#pragma unroll
+        for (int mm = 0; mm < 4; ++mm)
+          ak::mma_f16(mm & 1 ? s2[j] : s[j], qh[4 * kp + mm], ak::e4m3x2_to_f16x2(b[mm]),
+                      ak::e4m3x2_hi_to_f16x2(b[mm]));
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+    }
+    if (lim < ak::kBlockKeys - 1) {  // CTA-uniform: the local block
+#pragma unroll
+      for (int j = 0; j < 2; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (16 * warp + 8 * j + 2 * tig + (e & 1) > lim) s[j][e] = -INFINITY;
+    }
+    float mx0 = fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]));
+    float mx1 = fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    if (tig == 0) {
+      s_max[grp][warp] = mx0;
+      s_max[grp + 8][warp] = mx1;
+    }
+  };
+  // Softmax: every warp's maxima (after a barrier) -> the CTA's running max, P of this warp's keys
+  // into s_p (barrier before `pv`), O rescaled.
+  auto softmax = [&]() {
+    float mx0, mx1;
+    {
+      const float4* r0 = reinterpret_cast<const float4*>(s_max[grp]);
+      const float4* r1 = reinterpret_cast<const float4*>(s_max[grp + 8]);
+      const float4 a0 = r0[0], a1 = r0[1], b0 = r1[0], b1 = r1[1];
+      mx0 = fmaxf(fmaxf(fmaxf(a0.x, a0.y), fmaxf(a0.z, a0.w)),
+                  fmaxf(fmaxf(a1.x, a1.y), fmaxf(a1.z, a1.w)));
+      mx1 = fmaxf(fmaxf(fmaxf(b0.x, b0.y), fmaxf(b0.z, b0.w)),
+                  fmaxf(fmaxf(b1.x, b1.y), fmaxf(b1.z, b1.w)));
+    }
+    // The same m, alpha in every warp (same inputs, same operations).
+    const float n0 = fmaxf(m0, mx0 * a.scale_log2), n1 = fmaxf(m1, mx1 * a.scale_log2);
+    // A row that has seen only masked keys keeps m = -inf; subtract 0 then (exp2 gives 0).
+    const float mu0 = n0 == -INFINITY ? 0.0f : n0, mu1 = n1 == -INFINITY ? 0.0f : n1;
+    const float alpha0 = ak::fast_exp2(m0 - mu0), alpha1 = ak::fast_exp2(m1 - mu1);
+    m0 = n0;
+    m1 = n1;
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      s[j][0] = ak::fast_exp2(fmaf(s[j][0], a.scale_log2, -mu0));
+      s[j][1] = ak::fast_exp2(fmaf(s[j][1], a.scale_log2, -mu0));
+      s[j][2] = ak::fast_exp2(fmaf(s[j][2], a.scale_log2, -mu1));
+      s[j][3] = ak::fast_exp2(fmaf(s[j][3], a.scale_log2, -mu1));
+      sum0 += s[j][0] + s[j][1];
+      sum1 += s[j][2] + s[j][3];
+    }
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+    s_p[warp * 32 + lane] =
+        make_uint4(ak::pack_f16x2(s[0][0], s[0][1]), ak::pack_f16x2(s[0][2], s[0][3]),
+                   ak::pack_f16x2(s[1][0], s[1][1]), ak::pack_f16x2(s[1][2], s[1][3]));
+    if (!__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          o[h][n][0] *= alpha0;
+          o[h][n][1] *= alpha0;
+          o[h][n][2] *= alpha1;
+          o[h][n][3] *= alpha1;
+        }
+    }
+  };
+  auto pv = [&](uint32_t k_smem, int lim) {
+    if (lim < ak::kBlockKeys - 1)
+      pv_block<true>(o, s_p, k_smem + ak::kTileBytes, lim);
+    else
+      pv_block<false>(o, s_p, k_smem + ak::kTileBytes, lim);
+  };
+
   for (int c0 = lo; c0 < hi; c0 += ak::kMaxList) {
     const int count = min(hi - c0, ak::kMaxList);
     int off = c0;
@@ -192,102 +287,48 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
         ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
       ak::cp_async_commit();
     };
+    // kSt-stage ring, blocks 0 .. kSt - 2 in flight before the loop, one commit group per block
+    // (empty ones included). An entry with mask 0 (a dense page outside the pool: CTA-uniform) is
+    // neither loaded nor attended; its barriers still run.
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) load(j, j);
     int stage = 0;
-    for (int i = 0; i < count; ++i) {
+    if constexpr (kTwoBarriers) {
+      // Two barriers per block: B1 after QK(i) (maxima complete; every warp is past P V(i - 1),
+      // so the stage of block i - 1 is refilled with block i + 2 there) and B2 after the softmax
+      // (P(i) complete; block i + 1 landed: each thread waits for its copies just before).
       ak::cp_async_wait<kStages - 2>();
-      __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
-      load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
-      const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
-      stage = stage + 1 == kStages ? 0 : stage + 1;
-      if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
-      const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
-
-      // S = Q K^T for keys 16 w .. 16 w + 15; two accumulator chains per n-tile.
-      float s[2][4], s2[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-        s2[j][0] = s2[j][1] = s2[j][2] = s2[j][3] = 0.0f;
-#pragma unroll
-        for (int kp = 0; kp < 2; ++kp) {
-          uint32_t b[4];
-          ak::ldsm_x4(k_smem + (kp ? kaddr1 : kaddr0) + j * 8 * ak::kDim, b[0], b[1], b[2], b[3]);
-#pragma unroll
-          for (int mm = 0; mm < 4; ++mm)
-            ak::mma_f16(mm & 1 ? s2[j] : s[j], qh[4 * kp + mm], ak::e4m3x2_to_f16x2(b[mm]),
-                        ak::e4m3x2_hi_to_f16x2(b[mm]));
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] += s2[j][e];
+      __syncthreads();  // block 0 landed
+      for (int i = 0; i < count; ++i) {
+        const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
+        const int prev = stage == 0 ? kStages - 1 : stage - 1;
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+        const bool seen = s_list_mask[off + i] != 0;
+        const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
+        if (seen) qk(k_smem, lim);
+        __syncthreads();  // B1
+        load(i + kStages - 1, prev);
+        if (seen) softmax();
+        ak::cp_async_wait<kStages - 2>();
+        __syncthreads();  // B2
+        if (seen) pv(k_smem, lim);
       }
-      const bool need_mask = lim < ak::kBlockKeys - 1;  // CTA-uniform
-      float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (need_mask && 16 * warp + 8 * j + 2 * tig + (e & 1) > lim) s[j][e] = -INFINITY;
-        mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-        mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
+    } else {
+      // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
+      for (int i = 0; i < count; ++i) {
+        ak::cp_async_wait<kStages - 2>();
+        __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
+        load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+        const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+        if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
+        const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
+        qk(k_smem, lim);
+        __syncthreads();  // every warp's maxima
+        softmax();
+        __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
+        pv(k_smem, lim);
       }
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-      if (tig == 0) {
-        s_max[grp][warp] = mx0;
-        s_max[grp + 8][warp] = mx1;
-      }
-      __syncthreads();  // every warp's maxima
-      {
-        const float4* r0 = reinterpret_cast<const float4*>(s_max[grp]);
-        const float4* r1 = reinterpret_cast<const float4*>(s_max[grp + 8]);
-        const float4 a0 = r0[0], a1 = r0[1], b0 = r1[0], b1 = r1[1];
-        mx0 = fmaxf(fmaxf(fmaxf(a0.x, a0.y), fmaxf(a0.z, a0.w)),
-                    fmaxf(fmaxf(a1.x, a1.y), fmaxf(a1.z, a1.w)));
-        mx1 = fmaxf(fmaxf(fmaxf(b0.x, b0.y), fmaxf(b0.z, b0.w)),
-                    fmaxf(fmaxf(b1.x, b1.y), fmaxf(b1.z, b1.w)));
-      }
-      // The same m, alpha in every warp (same inputs, same operations).
-      const float n0 = fmaxf(m0, mx0 * a.scale_log2), n1 = fmaxf(m1, mx1 * a.scale_log2);
-      // A row that has seen only masked keys keeps m = -inf; subtract 0 then (exp2 gives 0).
-      const float mu0 = n0 == -INFINITY ? 0.0f : n0, mu1 = n1 == -INFINITY ? 0.0f : n1;
-      const float alpha0 = ak::fast_exp2(m0 - mu0), alpha1 = ak::fast_exp2(m1 - mu1);
-      m0 = n0;
-      m1 = n1;
-      float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s[j][0] = ak::fast_exp2(fmaf(s[j][0], a.scale_log2, -mu0));
-        s[j][1] = ak::fast_exp2(fmaf(s[j][1], a.scale_log2, -mu0));
-        s[j][2] = ak::fast_exp2(fmaf(s[j][2], a.scale_log2, -mu1));
-        s[j][3] = ak::fast_exp2(fmaf(s[j][3], a.scale_log2, -mu1));
-        sum0 += s[j][0] + s[j][1];
-        sum1 += s[j][2] + s[j][3];
-      }
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-      s_p[warp * 32 + lane] =
-          make_uint4(ak::pack_f16x2(s[0][0], s[0][1]), ak::pack_f16x2(s[0][2], s[0][3]),
-                     ak::pack_f16x2(s[1][0], s[1][1]), ak::pack_f16x2(s[1][2], s[1][3]));
-      if (!__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int n = 0; n < 2; ++n) {
-            o[h][n][0] *= alpha0;
-            o[h][n][1] *= alpha0;
-            o[h][n][2] *= alpha1;
-            o[h][n][3] *= alpha1;
-          }
-      }
-      __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
-      if (need_mask)
-        pv_block<true>(o, s_p, k_smem + ak::kTileBytes, lim);
-      else
-        pv_block<false>(o, s_p, k_smem + ak::kTileBytes, lim);
     }
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits

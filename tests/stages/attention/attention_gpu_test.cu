@@ -68,8 +68,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync kernel with 1 (the 4-warp tile kernel and the 8-warp decode kernel,
-// which runs 1-token tiles of every batch), 2, 4 tokens per tile; kPrefill the wgmma prefill
+// plan; kMma the mma.sync kernel with 1 (the 4-warp tile kernel and the 8-warp decode kernel with
+// three and two barriers per block, which run 1-token tiles of every batch), 2, 4 tokens per tile;
+// kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
 // runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
 // (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (9 with the two-pass V NaN
@@ -88,6 +89,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kMma) {
     add({1, 1, 0, 1, 0, 0, 0, 1});
     add({1, 1, 0, 1, 0, 0, 0, 2});
+    add({1, 1, 0, 1, 0, 0, 0, 3});
     add({2, 1, 0});
     add({4, 1, 1});
   }
@@ -763,8 +765,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 11");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
-                  "decode_kernel 3");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 4}, StatusCode::kUnsupported,
+                  "decode_kernel 4");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

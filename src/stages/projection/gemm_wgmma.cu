@@ -274,6 +274,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.weight_evict_first = options.weight_evict_first ? 1 : 0;
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
+  // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
+  args.owner_fixup = options.owner_fixup && options.max_waves == 1 ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);

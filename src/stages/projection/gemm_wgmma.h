@@ -32,6 +32,11 @@ struct GemmWgmmaOptions {
   // CTA per SM only): each computes 64 weight rows against half the activation rows, so twice as
   // many warps share each unit's fold.
   int consumer_warpgroups = 0;
+  // Variant: the stream-K fixup of a split tile is done by the tile's first CTA (whose last
+  // segment it is) after waiting for the other contributors' arrivals, instead of by whichever
+  // CTA arrives last: contributors publish and go on, the owner stores no partial and pays no
+  // atomic. Same bits. Only with max_waves = 1 (ignored otherwise): it waits for other CTAs.
+  bool owner_fixup = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -139,6 +139,7 @@ struct WgmmaArgs {
   int kblocks;             // K / 128
   int units;               // tiles * kblocks (< 2^31: checked on the host)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
+  int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -186,6 +187,13 @@ __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
 // cp.async this thread issued before has landed (.noinc: the barrier's count includes it).
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Acquire load of a counter another CTA releases.
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
@@ -477,24 +485,53 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
       continue;
     }
 
-    // Partial segment: publish it, count the arrival; the last arriving CTA finishes the tile.
-    const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
-    float* part = p.partials + int64_t{slot} * m_count * kTileN;
-#pragma unroll
-    for (int jj = 0; jj < kAcc; ++jj)
-      if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kTileN + frag_row(jj), acc[jj]);
-    // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
-    // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is
-    // cumulative, then the arrival; the last arriving CTA's thread 0 fences again after its
-    // atomic (acquire) and the barrier orders the other threads' partial loads after it. (A fence
-    // in every thread made each one wait for its own stores: 5-7 % of the stall samples.)
-    consumer_barrier<kConsumerThreads>();
     const int c_lo = unit_owner(tile * kb_count, grid, units);
     const int c_hi = unit_owner((tile + 1) * kb_count - 1, grid, units);
+    // Owner fixup (variant, one wave of resident CTAs only): the tile's first CTA c_lo, for
+    // which this head segment is its last one, sums the tile; the others (the tail segment is a
+    // CTA's first one, a middle segment its only one) publish their partial in slot 2c, count it
+    // and go on at once (only thread 0 waits for its fence). The owner waits for c_hi - c_lo
+    // arrivals, so it stores no partial of its own and pays no atomic round trip. Waits only go
+    // to higher CTAs, which never wait for lower ones: no cycle; every CTA is resident (one
+    // wave), so the wait ends. The sum below is the same in both schemes: same bits.
+    const bool owner_mode = p.owner_fixup != 0;
+    const bool owner = owner_mode && seg_begin == tile * kb_count;
+    if (!owner) {
+      // Publish the partial (a contributor's is always its first segment: slot 2c).
+      const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
+      float* part = p.partials + int64_t{slot} * m_count * kTileN;
+#pragma unroll
+      for (int jj = 0; jj < kAcc; ++jj)
+        if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kTileN + frag_row(jj), acc[jj]);
+    }
+    // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
+    // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is
+    // cumulative, then the arrival; the last arriving CTA's (the owner's) thread 0 fences again
+    // after its atomic (its wait) and the barrier orders the other threads' partial loads after
+    // it. (A fence in every thread made each one wait for its own stores: 5-7 % of the stall
+    // samples.)
+    consumer_barrier<kConsumerThreads>();
+    if (owner_mode && !owner) {
+      if (tid == 0) {
+        __threadfence();
+        atomicAdd(p.counters + tile, 1u);
+      }
+      continue;
+    }
     if (tid == 0) {
-      __threadfence();
-      const unsigned arrived = atomicAdd(p.counters + tile, 1u);
-      const bool last = arrived == static_cast<unsigned>(c_hi - c_lo);
+      const unsigned others = static_cast<unsigned>(c_hi - c_lo);
+      bool last;
+      if (owner) {
+        if (ld_acquire_gpu(p.counters + tile) != others) {
+          const long long start = clock64();
+          while (ld_acquire_gpu(p.counters + tile) != others)
+            if (clock64() - start > (1ll << 34)) __trap();  // a lost arrival: fail, not hang
+        }
+        last = true;
+      } else {
+        __threadfence();
+        last = atomicAdd(p.counters + tile, 1u) == others;
+      }
       if (last) __threadfence();
       s_is_last = last;
     }

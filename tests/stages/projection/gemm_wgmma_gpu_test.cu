@@ -75,6 +75,7 @@ struct Case {
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
   int waves = 1;            // GemmWgmmaOptions::max_waves
   int wgs = 0;              // GemmWgmmaOptions::consumer_warpgroups
+  bool owner = false;       // GemmWgmmaOptions::owner_fixup
 };
 
 std::string describe(const Case& c) {
@@ -84,7 +85,8 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " waves " + std::to_string(c.waves) + " consumer warpgroups " + std::to_string(c.wgs);
+         " waves " + std::to_string(c.waves) + " consumer warpgroups " + std::to_string(c.wgs) +
+         " owner fixup " + std::to_string(c.owner);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -99,6 +101,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.programmatic_launch = c.pdl;
   o.max_waves = c.waves;
   o.consumer_warpgroups = c.wgs;
+  o.owner_fixup = c.owner;
   return o;
 }
 
@@ -194,7 +197,17 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{64, 9856, 256, 0, 0, false, 1, 4, 0, true, 0, true, 1, 4},
                       Case{57, 640, 1152, 0, 16, true, 1, 1, 2, true, 0, false, 4, 4},
                       Case{41, 384, 128, 24, 16, true, 0, 4, 0, true, 0, false, 1, 4},
-                      Case{9, 640, 1152, 0, 0, false, 2, 1, 0, true, 0, false, 1, 4}));
+                      Case{9, 640, 1152, 0, 0, false, 2, 1, 0, true, 0, false, 1, 4},
+                      // owner_fixup: ~50 CTAs per tile (middle CTAs), one tile, every n, one and
+                      // two CTAs per SM, four warpgroups, PDL; with several waves it is ignored.
+                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, 0, true},
+                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, 0, true},
+                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, 0, true},
+                      Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, 0, true},
+                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, 0, true},
+                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, 0, true},
+                      Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, 4, true},
+                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, 0, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an

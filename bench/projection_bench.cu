@@ -356,16 +356,6 @@ __global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
     p[i] = hash32(static_cast<uint64_t>(i), seed) % 2 ? lo : 1.0f;
 }
 
-// E4M3 codes over the whole range (NaN codes replaced), for --random.
-__global__ void fill_e4m3_any(uint8_t* p, int64_t n, uint32_t seed) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t c = hash32(static_cast<uint64_t>(i), seed) & 0xffu;
-    if ((c & 0x7fu) == 0x7fu) c &= 0xfeu;
-    p[i] = static_cast<uint8_t>(c);
-  }
-}
-
 struct ShapeVariant {
   int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
   int wgs;        // GemmWgmmaOptions::consumer_warpgroups (0: automatic)
@@ -392,7 +382,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
     w[c] = device_alloc<uint8_t>(w_bytes);
     sw[c] = device_alloc<float>(sw_count);
     if (random) {
-      fill_e4m3_any<<<1024, 256, 0, stream>>>(w[c], n * k, 2);
+      fill_e4m3<<<1024, 256, 0, stream>>>(w[c], n * k, 2);
     } else {
       fill_e4m3_int<<<1024, 256, 0, stream>>>(w[c], n * k, 2);
     }
@@ -426,7 +416,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   for (int64_t rows_m : ms) {
     const int64_t m = gemm_padded_rows(rows_m);
     if (random) {
-      fill_e4m3_any<<<1024, 256, 0, stream>>>(a, m * k, static_cast<uint32_t>(7 + rows_m));
+      fill_e4m3<<<1024, 256, 0, stream>>>(a, m * k, static_cast<uint32_t>(7 + rows_m));
     } else {
       fill_e4m3_int<<<1024, 256, 0, stream>>>(a, m * k, static_cast<uint32_t>(7 + rows_m));
     }

@@ -24,17 +24,16 @@
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
 //   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N
-//   (1-token tiles: 1 the 4-warp mma.sync tile kernel, 2 the 8-warp decode kernel, 3 the same
-//   with two barriers per block), --pdl (programmatic
+//   (the mma.sync decode kernel's variant: 2 three barriers per block, 3 two), --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
-//   automatic plan, the mma.sync kernel, the wgmma verify kernel's variants "v8" (cp.async loads)
-//   and "v9" (TMA loads; the automatic verify choice), for draft 0 the 8-warp decode kernel and
-//   for draft 7 the wgmma prefill kernel).
+//   automatic plan, the mma.sync kernel, the wgmma verify kernel's variants "v8" (cp.async loads),
+//   "v9" (TMA loads) and "v10" (the automatic verify choice), for draft 0 the decode kernel with
+//   two barriers per block and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -511,15 +510,10 @@ int main(int argc, char** argv) {
         v.emplace_back(" " + k + (variant ? " v" + std::to_string(variant) : std::string()), x);
       }
       if (draft == 0) {
-        for (int dk : {1, 2, 3}) {
-          AttentionCudaConfig x = cfg;
-          x.kernel = 1;
-          x.decode_kernel = dk;
-          v.emplace_back(dk == 1   ? " mma.sync 4-warp"
-                         : dk == 2 ? " mma.sync 8-warp"
-                                   : " mma.sync 8-warp 2-bar",
-                         x);
-        }
+        AttentionCudaConfig x = cfg;
+        x.kernel = 1;
+        x.decode_kernel = 3;
+        v.emplace_back(" mma.sync 2-bar", x);
       }
       if (draft >= 7) {
         AttentionCudaConfig x = cfg;

@@ -1,23 +1,17 @@
 // CUDA launcher of the paged FP8 attention: the CPU twin's validation, the CUDA-only rules, a
-// launch plan derived from host-known shapes only, then attention_tile_kernel (and
-// attention_merge_kernel when the blocks of a tile are split over several CTAs). No sync, no
-// allocation, no copy: the launch is CUDA-graph capturable. Design and work decomposition:
-// attention_kernel.cuh.
-//
-// Expectations (H200, not yet measured on the device):
-//   - Decode / verify are bound by HBM reads of the selected K/V tiles (32 KB per block and
-//     KV head, each distinct block of a tile read once). 2 CTAs per SM (96 KB smem, 128 threads)
-//     with a 3-stage ring keep ~128 KB in flight per SM, above the ~40 KB that Little's law asks at
-//     4.3 TB/s and ~1.2 us loaded latency; each CTA also pays ~3 dependent global round trips
-//     (query_start scan; positions / ids / Q; page table) before its first tile, which dominates
-//     small batches (B = 1 is launch- and latency-bound whatever the kernel). Goal >= 75 % of
-//     4300 GB/s at B = 256.
-//   - Prefill on the mma.sync kernel is bound by mma.sync issue and shared-memory traffic (measured
-//     173-178 TFLOP/s on an 8K chunk); the wgmma kernel (attention_prefill_wgmma.cuh: 8-token x
-//     16-head tiles on warpgroup MMAs) is the automatic choice for batches averaging >= 16 query
-//     tokens per request, or forced with AttentionCudaConfig::kernel = 4; it runs as the
-//     warp-specialised persistent kernel (attention_prefill_ws.cuh; kernels 11, 15) where TMA
-//     can address the pool.
+// launch plan derived from host-known shapes only, then one kernel (plus attention_merge_kernel
+// when the blocks of a tile are split over several CTAs, and the quantize stage when out_q is set
+// and the kernel has no quantizing epilogue). No sync, no allocation, no copy: the launch is
+// CUDA-graph capturable. Shared device code: attention_kernel.cuh; the kernels:
+//   - decode (batches averaging < 2 query tokens per request): the 8-warp mma.sync decode kernel
+//     (attention_decode_kernel.cuh, 1-token tiles), bound by HBM reads of the selected K/V tiles
+//     (32 KB per block and KV head) and, at one wave (B64), by its per-block latency; B1 is launch-
+//     and latency-bound whatever the kernel (splits + merge);
+//   - verify (2 .. 15 tokens per request): the wgmma verify kernel (attention_verify_wgmma.cuh,
+//     4-token tiles x 16 heads = 64 rows, each distinct block of a tile read once);
+//   - prefill and mixed chunks (>= 16 tokens per request): the warp-specialised persistent wgmma
+//     kernel (attention_prefill_ws.cuh, kernel 15) where TMA can address the pool, else the
+//     cp.async wgmma kernel (attention_prefill_wgmma.cuh, kernel 4).
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -71,11 +65,11 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Session 14 round A (sparse draft 3, isolated us at 8K / 32K / 128K): variant 10 B64 47.6 / 47.6 /
 // 47.7 vs 48.5 / 48.4 / 48.9 for 9, B256 172.1 / 173.6 / 173.7 vs 175.4 / 176.7 / 176.6.
 constexpr int kAutoVerifyVariant = 10;  // sparse and dense (layers 0-2) alike
-// The kernel of 1-token mma.sync tiles (AttentionCudaConfig::decode_kernel): 1 the 4-warp tile
-// kernel, 2 the 8-warp decode kernel (attention_decode_kernel.cuh). Session 14 round A (H200,
-// sparse, isolated us at 8K / 32K / 128K): 2: B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of copy), B256
-// 144.3-145.0 (86.1-86.6 %), B1 12.1-12.9; 1: B64 44.9 / 43.6 / 44.6 (69.6-71.6 %), B256
-// 153.2-154.0 (81 %), B1 13.8-14.8; dense B1 2 faster, dense B64 / B256 equal.
+// The variant of the mma.sync decode kernel (AttentionCudaConfig::decode_kernel: 2 three CTA
+// barriers per block, 3 two). Session 14 round A (H200, sparse, isolated us at 8K / 32K / 128K):
+// the 8-warp kernel B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of copy), B256 144.3-145.0 (86.1-86.6 %),
+// B1 12.1-12.9; the 4-warp tile kernel (removed after it) B64 44.9 / 43.6 / 44.6 (69.6-71.6 %),
+// B256 153.2-154.0 (81 %), B1 13.8-14.8; dense B1 faster, dense B64 / B256 equal.
 constexpr int kAutoDecodeKernel = 2;
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
@@ -83,14 +77,14 @@ constexpr int kAutoDecodeKernel = 2;
 constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
-  bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the mma.sync one
+  bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the decode one
   bool verify = false;  // the Hopper decode / verify kernel (4-token tiles, one warpgroup)
   bool ws = false;      // the warp-specialised prefill kernel (wgmma tiles; kernel 4 its fallback)
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
-  int decode_kernel = 1;   // 1-token mma.sync tiles: 1 tile kernel, 2 / 3 8-warp decode kernel
+  int decode_kernel = 2;   // variant of the mma.sync decode kernel (AttentionCudaConfig)
   bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;       // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -122,8 +116,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   const int64_t avg = R > 0 ? (T + R - 1) / R : 1;  // query tokens per request
   switch (cfg.kernel) {
     case 0:
-      // Tokens per tile 1, 2, 4 or a V conversion choice only exist on the mma.sync kernel: asking
-      // for them selects it.
+      // One token per tile or a V conversion choice only exist on the mma.sync kernel: asking for
+      // them selects it.
       pl.wgmma = kAutoWgmma && avg >= kWgmmaMinAvgTokens &&
                  (cfg.tokens_per_tile == 0 || cfg.tokens_per_tile == ap::kQT) && cfg.v_convert == 0;
       pl.ws = pl.wgmma && kAutoWs;
@@ -174,26 +168,26 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
                          " does not apply to the wgmma kernel (its V is always an f16 tile)");
     pl.qt = ap::kQT;
-  } else if (cfg.tokens_per_tile != 0) {
-    if (cfg.tokens_per_tile != 1 && cfg.tokens_per_tile != 2 && cfg.tokens_per_tile != 4)
-      return unsupported("run_attention_cuda: tokens_per_tile ", cfg.tokens_per_tile,
-                         " is not one of 1, 2, 4");
-    pl.qt = cfg.tokens_per_tile;
   } else {
-    pl.qt = avg >= 4 ? 4 : (avg >= 2 ? 2 : 1);
+    // The mma.sync decode kernel: one token per tile (its 2- and 4-token tiles went with the
+    // 4-warp tile kernel in session 14); V converted in registers (v_convert 1; the shared f16 V
+    // tile, 2, was removed in session 13).
+    if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != 1)
+      return unsupported(
+          "run_attention_cuda: the mma.sync decode kernel has 1 token per tile, got ",
+          cfg.tokens_per_tile, " (2 and 4 were removed in session 14)");
+    if (cfg.v_convert != 0 && cfg.v_convert != 1)
+      return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
+                         " is not 0 or 1 (the f16 V tile, 2, was removed)");
+    pl.qt = 1;
   }
-  if (cfg.decode_kernel < 0 || cfg.decode_kernel > 3)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 3)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 1, 2 or 3");
-  // decode_kernel picks the kernel of 1-token mma.sync tiles; other plans ignore it.
-  if (!pl.wgmma && !pl.verify && pl.qt == 1)
+                       " is not 0, 2 or 3 (1, the 4-warp tile kernel, was removed in session 14)");
+  // decode_kernel picks the variant of the mma.sync decode kernel; other plans ignore it.
+  if (!pl.wgmma && !pl.verify)
     pl.decode_kernel = cfg.decode_kernel != 0 ? cfg.decode_kernel : kAutoDecodeKernel;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
-  // The mma.sync kernel converts V in registers (v_convert 1); its shared f16 V tile (v_convert 2,
-  // prefill-like 4-token tiles) was removed in session 13 (the wgmma kernels run every prefill).
-  if (!pl.wgmma && !pl.verify && cfg.v_convert != 0 && cfg.v_convert != 1)
-    return unsupported("run_attention_cuda: v_convert ", cfg.v_convert,
-                       " is not 0 or 1 (the f16 V tile, 2, was removed)");
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
   if (cfg.splits != 0) {
@@ -263,31 +257,20 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <int QT, bool kVec16>
-Status launch_tiles(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+template <bool kVec16>
+Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  auto kernel = pl.decode_kernel == 3 ? ad::attention_decode_kernel<kVec16, true>
+                                      : ad::attention_decode_kernel<kVec16, false>;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(pl.splits));
-  if constexpr (QT == 1) {
-    if (pl.decode_kernel >= 2) {
-      auto kernel = pl.decode_kernel == 3 ? ad::attention_decode_kernel<kVec16, true>
-                                          : ad::attention_decode_kernel<kVec16, false>;
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
-      M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytes, stream, pl.pdl, args));
-      return Status::Ok();
-    }
-  }
-  auto kernel = ak::attention_tile_kernel<QT, kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ak::kSmemBytes));
-  M3_CUDA_RETURN_IF_ERROR(
-      launch_pdl(kernel, grid, dim3(ak::kThreads), ak::kSmemBytes, stream, pl.pdl, args));
+      launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytes, stream, pl.pdl, args));
   return Status::Ok();
 }
 
-// The one dispatch point from run-time (tokens per tile, V path, 16-byte cache alignment) to a
-// template.
+// The one dispatch point from run-time (kernel, variant, 16-byte cache alignment) to a template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
@@ -312,22 +295,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  switch (pl.qt * 2 + (vec16 ? 1 : 0)) {
-    case 1 * 2 + 1:
-      return launch_tiles<1, true>(args, pl, n_kv, stream);
-    case 1 * 2 + 0:
-      return launch_tiles<1, false>(args, pl, n_kv, stream);
-    case 2 * 2 + 1:
-      return launch_tiles<2, true>(args, pl, n_kv, stream);
-    case 2 * 2 + 0:
-      return launch_tiles<2, false>(args, pl, n_kv, stream);
-    case 4 * 2 + 1:
-      return launch_tiles<4, true>(args, pl, n_kv, stream);
-    case 4 * 2 + 0:
-      return launch_tiles<4, false>(args, pl, n_kv, stream);
-    default:
-      return unsupported("run_attention_cuda: no kernel for ", pl.qt, " tokens per tile");
-  }
+  return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
+               : launch_decode<false>(args, pl, n_kv, stream);
 }
 
 }  // namespace
@@ -416,11 +385,10 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
     a.ws_ml = a.ws_o + ws_o_floats(p, pl);
   }
 
-  // o_proj's E4M3 input: written by the epilogues of the verify kernel, the 8-warp decode kernel
-  // and the merge; after the other kernels, by the quantize stage on `out`.
+  // o_proj's E4M3 input: written by the epilogues of the decode and verify kernels and the merge;
+  // after the prefill kernels, by the quantize stage on `out`.
   const bool quantize = attention_quantizes_out(p);
-  const bool fused_quantize =
-      quantize && (pl.verify || (!pl.wgmma && pl.qt == 1 && pl.decode_kernel >= 2));
+  const bool fused_quantize = quantize && !pl.wgmma;
   if (fused_quantize) {
     M3_CHECK_ARG(p.out_scales.shape[0] <= std::numeric_limits<int32_t>::max(),
                  "run_attention_cuda: out_scales has too many rows");

@@ -70,23 +70,26 @@ Status run_attention_cpu(const AttentionParams& p);
 // CUDA launch shape. A zero field is chosen from host-known shapes (T, R, n_kv, max_pages and the
 // SM count), never from device data, so the same params always give the same launch.
 struct AttentionCudaConfig {
-  int tokens_per_tile = 0;  // 1, 2 or 4 query tokens of one request sharing each loaded block
-                            // (mma.sync kernel); 8 with the wgmma kernel (its only tile size)
+  int tokens_per_tile = 0;  // query tokens of one request sharing each loaded block: 1 on the
+                            // mma.sync decode kernel, 4 on the wgmma verify kernel, 8 on the
+                            // wgmma prefill kernels (each kernel's only tile size; 2 and 4 on
+                            // mma.sync were removed in session 14)
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
-  int v_convert = 0;        // V E4M3 -> f16 on the mma.sync kernel: 1 in registers (the only
-                            // path since session 13; 2, the shared f16 tile, was removed)
-  int kernel = 0;           // 0 automatic, 1 the mma.sync tile kernel (decode / verify, fallback),
-                            // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
-                            // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
-                            // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
-                            // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 15 the
-                            // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
-                            // TMA, 2 consumer warpgroups, 64 / 216 registers; automatic for
-                            // prefill; kernel 4 runs instead where TMA cannot address the pool:
-                            // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
-                            // were removed in session 13, 11 in session 14 (unsupported)
-  int l2_prefetch = 0;      // no effect since session 13 (the L2 prefetch ahead of the ring was
-                            // never faster and was removed); still validated: -1 .. 8
+  int v_convert = 0;        // V E4M3 -> f16 on the mma.sync decode kernel: 1 in registers (the
+                            // only path since session 13; 2, the shared f16 tile, was removed)
+  int kernel = 0;       // 0 automatic, 1 the mma.sync decode kernel (attention_decode_kernel.cuh:
+                        // 1-token tiles, 8 warps; any batch; automatic for decode),
+                        // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
+                        // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
+                        // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
+                        // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 15 the
+                        // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
+                        // TMA, 2 consumer warpgroups, 64 / 216 registers; automatic for
+                        // prefill; kernel 4 runs instead where TMA cannot address the pool:
+                        // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
+                        // were removed in session 13, 11 in session 14 (unsupported)
+  int l2_prefetch = 0;  // no effect since session 13 (the L2 prefetch ahead of the ring was
+                        // never faster and was removed); still validated: -1 .. 8
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (10), 8 cp.async
@@ -94,11 +97,9 @@ struct AttentionCudaConfig {
                             // else 8 runs), 10 = 9 with the V NaN test moved to a second pass
                             // that runs only when the first one's output holds a NaN (session
                             // 14; 10 in session 13 was another variant, deleted)
-  int decode_kernel = 0;    // the mma.sync kernel with 1-token tiles (decode): 0 automatic (2), 1 the
-                            // 4-warp tile kernel (attention_kernel.cuh), 2 the 8-warp decode
-                            // kernel (attention_decode_kernel.cuh), 3 the same with two CTA
-                            // barriers per block instead of three; plans without 1-token mma.sync
-                            // tiles (verify, prefill, 2- or 4-token tiles) ignore it
+  int decode_kernel = 0;    // variant of the mma.sync decode kernel: 0 automatic (2), 2 three CTA
+                            // barriers per block, 3 two; other plans (verify, prefill) ignore
+                            // it. 1, the 4-warp tile kernel, was removed in session 14
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

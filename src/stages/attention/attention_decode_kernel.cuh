@@ -1,13 +1,13 @@
-// The 8-warp decode kernel of the paged FP8 attention (SPEC section 6; AttentionCudaConfig::
-// decode_kernel 2): one query token per tile on mma.sync, like attention_tile_kernel<1> in
-// attention_kernel.cuh (same grid, block list, ring, split workspace and numerics), with the work
-// of each block spread over 8 warps instead of 4 and no work done twice.
+// The decode kernel of the paged FP8 attention (SPEC section 6; AttentionCudaConfig::kernel 1, the
+// automatic choice for decode since session 14): one query token per tile on mma.sync, 8 warps
+// sharing each block's work with none done twice. It replaced the 4-warp tile kernel (same grid,
+// block list, ring, split workspace and numerics; each warp a 32-key slice of every block and all
+// 128 dims of O), removed after round A of session 14.
 //
-// Why (session 13 ncu, B64 8K): the 4-warp kernel is issue-latency bound: ~1015 instructions per
-// warp
-//   and block at ~4.1 cycles each with 2 warps per scheduler, and at batch 64 (one wave of 256
-//   CTAs) the time is 16 blocks x that per-block latency. Each of its warps owns 32 keys and all
-//   128 dims of O (64 fp32 accumulators per lane, 198 registers), so more warps per SM did not fit.
+// Why (session 13 ncu, B64 8K): the 4-warp kernel was issue-latency bound: ~1015 instructions per
+//   warp and block at ~4.1 cycles each with 2 warps per scheduler, and at batch 64 (one wave of
+//   256 CTAs) the time is 16 blocks x that per-block latency. Each of its warps owned 32 keys and
+//   all 128 dims of O (64 fp32 accumulators per lane, 198 registers), so more warps did not fit.
 //
 // Work decomposition (CTA = 8 warps, 256 threads, 2 CTAs per SM: 16 warps per SM, <= 128 registers)
 //   Per block (128 keys), warp w:
@@ -28,13 +28,18 @@
 //     tile (keys 2 tig, 2 tig + 1 of 2 dims per register), one prmt + two cvt per register; keys
 //     past the token's position are cleared first (unwritten slots may hold NaN, 0 * NaN = NaN).
 //   O is 16 rows x 16 dims per warp (2 accumulator sets, even / odd k-steps: 16 registers).
-//   Three CTA barriers per block (block landed; maxima; P), each across 8 warps doing equal work.
-//   Per warp and block ~280 instructions (4-warp kernel: ~900-1000 for twice the keys): ~40 % fewer
-//   instructions per block and CTA, and twice the warps per scheduler to hide their latency.
+//   Three CTA barriers per block (block landed; maxima; P), each across 8 warps doing equal work
+//   (decode_kernel 3: two, the refill moved after QK).
 // Epilogue: the partial row sums l of the 8 warps (each over its 16 keys) are added in shared
 //   memory; BF16 out (8 bytes per lane and row) or the unnormalised partial (o, m, l) of a split
-//   for attention_merge_kernel, in the layout of attention_tile_kernel.
-// Bytes moved: as attention_tile_kernel (32 KB per selected block and KV head, read once).
+//   for attention_merge_kernel; with out_q, o_proj's E4M3 input too (one 1x128 block per row, the
+//   quantize stage's numerics; the row's amax over the 8 warps through shared memory).
+// Bytes moved: 32 KB per selected block and KV head, read once. Session 14 round A (H200, sparse,
+//   isolated us at 8K / 32K / 128K): B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of 4300 GB/s), B256
+//   144.3-145.0 (86.1-86.6 %), B1 12.1-12.9 (latency-bound: 16 splits + merge); the 4-warp kernel
+//   44.9 / 43.6 / 44.6, 153.2-154.0, 13.8-14.8. ncu (B64 8K): 429 instructions per warp and block
+//   (incl. one SHF per converted register, removed since), 16 warps per SM, stall samples: waiting
+//   for the block's data at the loop top ~24 %, barriers 16 %, short scoreboard 15 %.
 #pragma once
 
 #include <cstdint>

@@ -1,44 +1,24 @@
-// Device code of the paged FP8 attention (SPEC section 6): block-sparse (MSA layers) and dense
-// causal (layers 0-2), decode/verify, prefill and mixed batches, one kernel template.
-//
-// Work decomposition
-//   A CTA (4 warps) owns one (query tile, KV head g, split s). A query tile is QT in {1, 2, 4}
-//   consecutive tokens of ONE request (tiles never straddle requests; the CTA finds its tile with a
-//   block-wide scan of query_start, so the grid depends only on host-known T and R). The 16 query
-//   heads of group g are the M = 16 rows of the MMAs; warp w serves token w / KS of the tile and
-//   the key slice w % KS of every block (KS = 4 / QT: 32, 64 or 128 keys of each 128-key block).
-//   All tokens of the tile share every loaded block: the CTA builds the union of the tokens'
-//   selected blocks (sparse) or blocks 0 .. max_pos / 128 (dense), each entry with a bitmask of
-//   the tokens that see it; a warp skips blocks its token did not select, key slices past its
-//   position, and masks keys p > pos inside the local block. With splits > 1 (flash-decoding) the
-//   union is cut into `splits` contiguous ranges, one per CTA, and the CTA writes an unnormalised
-//   partial (o, m, l) that attention_merge_kernel combines with log-sum-exp weights.
-//
-// Per block (128 keys of one KV head): K and V tiles (16 KB each, contiguous in the cache) are
-//   copied raw with cp.async (16-byte when base and strides allow, else 4-byte) into a ring of
-//   stages with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free; the layout of the 128-byte
-//   TMA swizzle, which the verify kernel uses). Session 13: TMA loads here were slower (B64 8K
-//   45.5 vs 43.6 us, B256 equal) and were removed.
-//   S = Q K^T: mma.sync m16n8k32 e4m3, Q fragments in registers for the whole kernel, K fragments
-//   by ldmatrix. Online softmax in fp32: row maxima of the raw scores, the log2e-prescale fused
-//   into the exponent's fmaf, ex2.approx, and the O rescale skipped when no row maximum of the warp
-//   moved (session 13: the warps are issue-latency bound, ~1015 instructions per warp and block
-//   at 4.1 cycles each against ~4.5 K cycles between a CTA's blocks, round-A ncu at B64 8K; this
-//   softmax is ~10 % fewer instructions: round C, B256 153.2 / 154.2 / 154.3 us at 8K / 32K / 128K
-//   vs 155.6 / 156.5 / 156.8 for the session-12 one, B64 equal within noise). O += P V: P rounded
-//   to f16 (2^-11 relative; E4M3 P would cost 2^-4), mma.sync m16n8k16 f16 with fp32 accumulation,
-//   V converted E4M3 -> f16 in registers by cvt.rn.f16x2.e4m3x2 (exact): ldmatrix.trans of the raw
-//   tile yields byte pairs (key k, dims 2i, 2i+1), (key k+1, same dims); prmt splits them into the
-//   B fragments of an even-dim and an odd-dim n-tile (o_dim gives the resulting dim order); no f16
-//   tile, so 3 stages fit. A warp clears the V keys past its own token's position before the MMA
-//   (unwritten slots may hold NaN, and 0 * NaN = NaN), so a NaN in a key that another token of the
-//   tile sees never reaches this token's rows. (The f16-tile V path for prefill-like 4-token tiles,
-//   v_convert 2, was removed in session 13: the wgmma kernels run every prefill.)
-//
-// Bytes moved (decode): 32 KB of K/V per (selected block, KV head, tile), read once from HBM;
-//   bandwidth-bound; 2 CTAs per SM (96 KB smem each), 2 blocks in flight per CTA. Session 12 (H200,
-//   8K, isolated us): B256 155.6 (80 % of copy), B64 44.2 (71 %): one wave of 256 CTAs pays the
-//   start chain and the tail once, unhidden.
+// Device code shared by the kernels of the paged FP8 attention (SPEC section 6): the launch
+// arguments, PTX wrappers, E4M3 / BF16 conversions, the block quantization of o_proj's input, and
+// the per-CTA front end every decode / verify / prefill kernel runs:
+//   - find_tile / find_tile_and_load: a CTA owns one (query tile, KV head g, split s); a tile is QT
+//     consecutive tokens of ONE request, found by a block-wide scan of query_start (so the grid
+//     depends only on host-known T and R), its inputs loaded before the scan confirms the guess;
+//   - sparse_union / dense_entries: the union of the tile's selected blocks (sparse) or blocks
+//     0 .. max_pos / 128 (dense), each entry with the mask of the tokens that see it; with splits
+//     > 1 (flash-decoding) every split CTA derives the same list and takes one contiguous range,
+//     writing an unnormalised partial (o, m, l) that attention_merge_kernel combines;
+//   - load_block / tma_load_block: raw K and V tiles (16 KB each, contiguous in the cache) into a
+//     ring stage with a 16-byte-chunk XOR swizzle (ldmatrix conflict-free; the layout of the
+//     128-byte TMA swizzle).
+// The kernels: attention_decode_kernel.cuh (1-token tiles on mma.sync, the decode path),
+// attention_verify_wgmma.cuh (4-token tiles on wgmma, speculative verify),
+// attention_prefill_wgmma.cuh / attention_prefill_ws*.cuh (8-token tiles on wgmma, prefill).
+// The 4-warp mma.sync tile kernel (1, 2 or 4 tokens per tile, FP8 mma.sync, each warp a 32-key
+// slice of every block and all 128 dims of O) that lived here until session 14 was removed after
+// round A: the 8-warp decode kernel was faster at every decode batch (B64 41.2-41.5 vs 43.6-44.9
+// us, B256 144-145 vs 153-154, B1 12.1 vs 13.8), and its 2- and 4-token tiles were never the
+// automatic choice (the verify kernel runs 2-15 tokens per request).
 #pragma once
 
 #include <cuda.h>
@@ -58,17 +38,11 @@ constexpr int kBlockKeys = 128;  // keys per block (= KV page)
 constexpr int kDim = 128;        // head dim
 constexpr int kRows = 16;        // MMA rows: the query heads of one group (padded to 16)
 constexpr int kTopKIds = 16;     // selected ids per (token, KV head)
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kMaxList = 128;                  // block entries held in shared memory at once
-constexpr int kMaxSplits = 128;                // CTAs per (tile, KV head)
+constexpr int kThreads = 128;    // default CTA size of the helpers below (the verify kernel's)
+constexpr int kMaxList = 128;    // block entries held in shared memory at once
+constexpr int kMaxSplits = 128;  // CTAs per (tile, KV head)
 constexpr int kTileBytes = kBlockKeys * kDim;  // one raw E4M3 K or V tile
 constexpr int kStageBytes = 2 * kTileBytes;
-constexpr int kStages = 3;  // ring of raw K/V tiles: 96 KB of dynamic shared memory
-constexpr int kSmemBytes = kStages * kStageBytes;
-constexpr int kOStride = kDim + 8;  // floats per row of the epilogue buffer (bank spread)
-static_assert(kWarps * kRows * kOStride * 4 + 2 * kWarps * kRows * 4 <= kSmemBytes,
-              "epilogue buffer must fit in the pipeline's shared memory");
 
 struct AttnArgs {
   const uint8_t* q;  // [T, n_q, 128]
@@ -141,15 +115,6 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t& d0, uint3
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(d0), "=r"(d1), "=r"(d2), "=r"(d3)
                : "r"(addr));
-}
-
-// D = A(16x32 e4m3, row) * B(32x8 e4m3, col) + D, fp32 accumulators.
-__device__ __forceinline__ void mma_e4m3(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // D = A(16x16 f16, row) * B(16x8 f16, col) + D, fp32 accumulators.
@@ -484,322 +449,6 @@ __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CU
   sm90::mbar_arrive_expect_tx(bar, kStageBytes);
   tma_load_4d(dst, kmap, 0, 0, g, page, bar);
   tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
-}
-
-// Per-warp state of the online softmax: rows grp and grp + 8 of the 16-row tile. The dims held by
-// o[n][e] (e: 0, 1 row grp; 2, 3 row grp + 8): see o_dim.
-struct WarpState {
-  float o[kDim / 8][4];
-  float m[2];  // running max (log2 domain)
-  float l[2];  // running sum (this thread's columns only; quad-reduced at the end)
-};
-
-// Output dim of accumulator o[n][e] for lane group tig: n-tile n = 2 j + parity covers dims
-// 16 j + 2 c + parity, c = 2 tig + (e & 1), so o[2j][e], o[2j + 1][e] (e = 0, 1) are the 4
-// consecutive dims 16 j + 4 tig .. + 3.
-__device__ __forceinline__ int o_dim(int n, int e, int tig) {
-  return 16 * (n >> 1) + 4 * tig + 2 * (e & 1) + (n & 1);
-}
-
-// One chunk of NK keys [key0, key0 + NK) (key0 a multiple of 8, so the swizzle of key k is lane & 7
-// wherever a lane addresses key k with k & 7 = lane & 7) of the block in shared memory: S = Q K^T,
-// online softmax, O += P V. Keys with index > lim are masked when need_mask (and their V bytes are
-// zeroed: the slots may be unwritten). v_smem is the raw V tile.
-template <int NK>
-__device__ __forceinline__ void attend_chunk(WarpState& st, const uint32_t (&qa)[4][4],
-                                             uint32_t k_smem, uint32_t v_smem, int key0,
-                                             bool need_mask, int lim, float scale_log2) {
-  const int lane = threadIdx.x & 31;
-  const int tig = lane & 3;
-  float s[NK / 8][4];
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-
-    // S = Q K^T. ldmatrix lane L addresses key (n0 + (L & 7)), 16-byte chunk (4 kp + (L >> 3)):
-    // register m is the B fragment (bytes 4 tig .. 4 tig + 3 of chunk 4 kp + m) of key n0 + grp.
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) {
-    const int key = key0 + 8 * j + (lane & 7);
-#pragma unroll
-    for (int kp = 0; kp < 2; ++kp) {
-      const int chunk = 4 * kp + (lane >> 3);
-      uint32_t b0, b1, b2, b3;
-      ldsm_x4(k_smem + key * kDim + ((chunk ^ (lane & 7)) << 4), b0, b1, b2, b3);  // key & 7
-      mma_e4m3(s[j], qa[2 * kp], b0, b1);
-      mma_e4m3(s[j], qa[2 * kp + 1], b2, b3);
-    }
-  }
-
-  // Mask, row max (rows grp: elements 0, 1; grp + 8: elements 2, 3) of the raw scores; the scale to
-  // the log2 domain follows on the maxima and inside the exponent's fmaf.
-  float mx0 = -INFINITY, mx1 = -INFINITY;
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (need_mask && key0 + 8 * j + 2 * tig + (e & 1) > lim) s[j][e] = -INFINITY;
-    }
-    mx0 = fmaxf(mx0, fmaxf(s[j][0], s[j][1]));
-    mx1 = fmaxf(mx1, fmaxf(s[j][2], s[j][3]));
-  }
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  mx0 *= scale_log2;
-  mx1 *= scale_log2;
-  const float m0 = fmaxf(st.m[0], mx0), m1 = fmaxf(st.m[1], mx1);
-  // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
-  const float mu0 = m0 == -INFINITY ? 0.0f : m0;
-  const float mu1 = m1 == -INFINITY ? 0.0f : m1;
-  const float alpha0 = fast_exp2(st.m[0] - mu0), alpha1 = fast_exp2(st.m[1] - mu1);
-  st.m[0] = m0;
-  st.m[1] = m1;
-  float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-  for (int j = 0; j < NK / 8; ++j) {
-    s[j][0] = fast_exp2(fmaf(s[j][0], scale_log2, -mu0));
-    s[j][1] = fast_exp2(fmaf(s[j][1], scale_log2, -mu0));
-    s[j][2] = fast_exp2(fmaf(s[j][2], scale_log2, -mu1));
-    s[j][3] = fast_exp2(fmaf(s[j][3], scale_log2, -mu1));
-    sum0 += s[j][0] + s[j][1];
-    sum1 += s[j][2] + s[j][3];
-  }
-  st.l[0] = st.l[0] * alpha0 + sum0;
-  st.l[1] = st.l[1] * alpha1 + sum1;
-  // No rescale when no row maximum of the warp moved (every alpha is exactly 1).
-  if (!__all_sync(0xffffffffu, alpha0 == 1.0f && alpha1 == 1.0f)) {
-#pragma unroll
-    for (int n = 0; n < kDim / 8; ++n) {
-      st.o[n][0] *= alpha0;
-      st.o[n][1] *= alpha0;
-      st.o[n][2] *= alpha1;
-      st.o[n][3] *= alpha1;
-    }
-  }
-
-  // O += P V. The S accumulators of n-tiles 2 kk, 2 kk + 1 are the f16 A fragment of keys
-  // [16 kk, 16 kk + 16). ldmatrix.trans lane L addresses key 16 kk + 8 ((L >> 3) & 1) + (L & 7)
-  // and 16-byte chunk 2 q + (L >> 4), so registers 0, 1 hold keys (2 tig, 2 tig + 1) and
-  // (2 tig + 8, 2 tig + 9) of chunk 2 q, registers 2, 3 the same keys of chunk 2 q + 1.
-#pragma unroll
-  for (int kk = 0; kk < NK / 16; ++kk) {
-    uint32_t pa[4];
-    pa[0] = pack_f16x2(s[2 * kk][0], s[2 * kk][1]);
-    pa[1] = pack_f16x2(s[2 * kk][2], s[2 * kk][3]);
-    pa[2] = pack_f16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-    pa[3] = pack_f16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-    const int kb = key0 + 16 * kk;
-    const int key = kb + (((lane >> 3) & 1) << 3) + (lane & 7);
-    // The V fragments give this thread keys (k0, k0 + 1) in its registers 0 and 2 and keys
-    // (k0 + 8, k0 + 9) in registers 1 and 3 (k0 = kb + 2 tig; low 16 bits the first key). Keys
-    // past lim are cleared before the MMA: P is 0 there, and 0 * NaN would leak a NaN of another
-    // token's visible key (or of an unwritten slot) into this token's rows.
-    uint32_t keep_lo = 0xffffffffu, keep_hi = 0xffffffffu;  // keys < 8 / >= 8 of the k-step
-    if (need_mask) {
-      const int k0 = kb + 2 * tig;
-      keep_lo = (k0 <= lim ? 0x0000ffffu : 0u) | (k0 + 1 <= lim ? 0xffff0000u : 0u);
-      keep_hi = (k0 + 8 <= lim ? 0x0000ffffu : 0u) | (k0 + 9 <= lim ? 0xffff0000u : 0u);
-    }
-    // Raw E4M3 chunks of 16 dims: a register holds the byte pairs (key k, dims 2 grp, 2 grp + 1)
-    // and (key k + 1, same dims), k = kb + 2 tig (+ 8). Bytes 0, 2 are the B fragment of dim
-    // 2 grp, bytes 1, 3 that of dim 2 grp + 1: two n-tiles of even / odd dims per register pair.
-#pragma unroll
-    for (int q = 0; q < kDim / 32; ++q) {
-      const int chunk = 2 * q + (lane >> 4);
-      uint32_t r0, r1, r2, r3;
-      ldsm_x4_trans(v_smem + key * kDim + ((chunk ^ (lane & 7)) << 4), r0, r1, r2, r3);
-      r0 &= keep_lo;
-      r1 &= keep_hi;
-      r2 &= keep_lo;
-      r3 &= keep_hi;
-      mma_f16(st.o[4 * q + 0], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0020u)),
-              e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0020u)));
-      mma_f16(st.o[4 * q + 1], pa, e4m3x2_to_f16x2(__byte_perm(r0, 0u, 0x0031u)),
-              e4m3x2_to_f16x2(__byte_perm(r1, 0u, 0x0031u)));
-      mma_f16(st.o[4 * q + 2], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0020u)),
-              e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0020u)));
-      mma_f16(st.o[4 * q + 3], pa, e4m3x2_to_f16x2(__byte_perm(r2, 0u, 0x0031u)),
-              e4m3x2_to_f16x2(__byte_perm(r3, 0u, 0x0031u)));
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The attention kernel. Grid: (tiles bound, n_kv, splits); block: kThreads; dynamic smem
-// kSmemBytes.
-template <int QT, bool kVec16>
-__global__ void __launch_bounds__(kThreads, 2) attention_tile_kernel(const AttnArgs a) {
-  constexpr int KS = kWarps / QT;          // warps per token (key slices)
-  constexpr int kSlice = kBlockKeys / KS;  // keys of a block per warp
-  constexpr int kChunk = kSlice < 64 ? kSlice : 64;
-  constexpr int kCand = kTopKIds * QT;  // candidate ids of a tile
-  constexpr int kSt = kStages;
-  static_assert(kWarps % QT == 0 && kCand <= kThreads && kCand <= kMaxList, "tile shape");
-
-  extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int s_warp[kWarps];
-  __shared__ int s_tile[3];
-  __shared__ int s_pos[QT];
-  __shared__ int s_cand_b[kCand];
-  __shared__ int s_cand_page[kCand];
-  __shared__ int s_list_b[kMaxList];
-  __shared__ int s_list_page[kMaxList];
-  __shared__ int s_list_mask[kMaxList];
-
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int grp = lane >> 2, tig = lane & 3;
-  const int g = blockIdx.y, split = blockIdx.z;
-
-  TileInputs in;
-  if (!find_tile_and_load<QT>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in))
-    return;  // CTA-uniform
-  const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
-  const int cand_b = in.cand_b, cand_pos = in.cand_pos;
-  if (tid < QT) s_pos[tid] = in.pos;
-  // Q fragments of this warp's token (off the critical path: first used by the first block).
-  const int tw = warp / KS, ksl = warp % KS;
-  uint32_t qa[4][4];
-  load_q_fragments(a, g, t0 + tw, tw < nt, qa);
-  __syncthreads();  // s_pos
-
-  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
-  int n_total = 0;
-  if (a.sparse) {
-    n_total = sparse_union<QT>(a, pt_row, cand_b, cand_pos, s_pos, s_cand_b, s_cand_page, s_warp,
-                               s_list_b, s_list_page, s_list_mask, nullptr);
-  } else {
-    int maxpos = -1;
-#pragma unroll
-    for (int w = 0; w < QT; ++w) maxpos = max(maxpos, s_pos[w]);
-    n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
-  }
-  __syncthreads();
-
-  pdl_launch_dependents();  // the next kernel may launch (it waits for this grid to complete)
-  // This CTA's share of the entries.
-  const int per = (n_total + a.splits - 1) / a.splits;
-  const int lo = min(n_total, split * per);
-  const int hi = min(n_total, lo + per);
-
-  WarpState st;
-#pragma unroll
-  for (int n = 0; n < kDim / 8; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.0f;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.0f;
-
-  const int my_pos = tw < nt ? s_pos[tw] : -1;
-
-  for (int c0 = lo; c0 < hi; c0 += kMaxList) {
-    const int count = min(hi - c0, kMaxList);
-    int off = c0;
-    if (!a.sparse) {
-      // Dense entries [c0, c0 + count): block b = c0 + i, seen by every token with pos / 128 >= b.
-      __syncthreads();  // the previous chunk's entries and stages are no longer read
-      dense_entries<QT>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page, s_list_mask, nullptr);
-      __syncthreads();
-      off = 0;
-    }
-
-    // kSt-stage ring: blocks 0 .. kSt-2 in flight before the loop; iteration i waits for block i
-    // (one commit group per block, empty groups included, so the counting is uniform), then
-    // refills the stage that block i - 1 used with block i + kSt - 1. Entries no token sees are
-    // not loaded.
-    auto load = [&](int j, int st) {
-      if (j < count && s_list_mask[off + j])
-        load_block<kVec16>(a, s_list_page[off + j], g, smem + st * kStageBytes);
-      cp_async_commit();
-    };
-#pragma unroll
-    for (int j = 0; j < kSt - 1; ++j) load(j, j);
-    int stage = 0;
-    for (int i = 0; i < count; ++i) {
-      cp_async_wait<kSt - 2>();
-      __syncthreads();  // block i landed for every thread; block i - 1 fully consumed
-      load(i + kSt - 1, stage == 0 ? kSt - 1 : stage - 1);  // (i + kSt - 1) mod kSt
-      const int mask = s_list_mask[off + i];
-      const int b = s_list_b[off + i];
-      uint8_t* sbuf = smem + stage * kStageBytes;
-      stage = stage + 1 == kSt ? 0 : stage + 1;
-      if (mask & (1 << tw)) {
-        const int lim = my_pos - b * kBlockKeys;  // keys > lim are in this token's future
-        const uint32_t k_smem = smem_u32(sbuf);
-        const uint32_t v_smem = k_smem + kTileBytes;
-#pragma unroll
-        for (int c = 0; c < kSlice / kChunk; ++c) {
-          const int key0 = ksl * kSlice + c * kChunk;
-          if (key0 <= lim)
-            attend_chunk<kChunk>(st, qa, k_smem, v_smem, key0, key0 + kChunk - 1 > lim, lim,
-                                 a.scale_log2);
-        }
-      }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // all warps are done with the pipeline buffers
-
-  // Epilogue: each warp parks (o, m, l) of its 16 rows; the KS warps of a token are combined.
-  float* s_o = reinterpret_cast<float*>(smem);
-  float* s_m = s_o + kWarps * kRows * kOStride;
-  float* s_l = s_m + kWarps * kRows;
-  {
-    float l0 = st.l[0], l1 = st.l[1];
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-    float* ow = s_o + warp * kRows * kOStride;
-#pragma unroll
-    for (int n = 0; n < kDim / 8; ++n) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        ow[(grp + (e >> 1) * 8) * kOStride + o_dim(n, e, tig)] = st.o[n][e];
-    }
-    if (tig == 0) {
-      s_m[warp * kRows + grp] = st.m[0];
-      s_m[warp * kRows + grp + 8] = st.m[1];
-      s_l[warp * kRows + grp] = l0;
-      s_l[warp * kRows + grp + 8] = l1;
-    }
-  }
-  __syncthreads();
-
-  const int items = QT * a.group * (kDim / 2);
-  for (int item = tid; item < items; item += kThreads) {
-    const int w = item / (a.group * (kDim / 2));
-    const int rem = item - w * (a.group * (kDim / 2));
-    const int h = rem / (kDim / 2), dp = rem % (kDim / 2);
-    if (w >= nt) continue;
-    float M = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < KS; ++k) M = fmaxf(M, s_m[(w * KS + k) * kRows + h]);
-    float L = 0.0f, ox = 0.0f, oy = 0.0f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int k = 0; k < KS; ++k) {
-        const int wk = w * KS + k;
-        const float wgt = exp2f(s_m[wk * kRows + h] - M);
-        const float2 v =
-            *reinterpret_cast<const float2*>(s_o + (wk * kRows + h) * kOStride + 2 * dp);
-        L += wgt * s_l[wk * kRows + h];
-        ox += wgt * v.x;
-        oy += wgt * v.y;
-      }
-    }
-    const int64_t t = t0 + w;
-    if (a.splits == 1) {
-      const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-      *reinterpret_cast<uint32_t*>(a.out + t * a.out_stride + (g * a.group + h) * kDim + 2 * dp) =
-          pack_bf16x2(ox * inv, oy * inv);
-    } else {
-      const int64_t slot = (t * a.n_kv + g) * a.splits + split;
-      *reinterpret_cast<float2*>(a.ws_o + (slot * kRows + h) * kDim + 2 * dp) = make_float2(ox, oy);
-      if (dp == 0) {
-        a.ws_ml[(slot * kRows + h) * 2] = M;
-        a.ws_ml[(slot * kRows + h) * 2 + 1] = L;
-      }
-    }
-  }
 }
 
 }  // namespace attention_kernel

@@ -1,7 +1,7 @@
 // Hopper prefill path of the paged FP8 attention (SPEC section 6): warpgroup MMAs (wgmma) for
-// tiles with many query rows (prefill and mixed chunks). attention_kernel.cuh keeps the mma.sync
-// kernel for decode / verify and as the fallback; both write the same outputs and the same split
-// workspace (attention_merge_kernel combines either).
+// tiles with many query rows (prefill and mixed chunks). attention_decode_kernel.cuh has the
+// mma.sync decode kernel, attention_verify_wgmma.cuh the verify kernel; all write the same outputs
+// and the same split workspace (attention_merge_kernel combines either).
 //
 // Work decomposition
 //   A CTA (2 warpgroups, 256 threads, 1 per SM) owns one (tile of 8 consecutive query tokens of ONE

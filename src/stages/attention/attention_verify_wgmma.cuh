@@ -1,7 +1,7 @@
 // Hopper decode / verify path of the paged FP8 attention (SPEC section 6): one warpgroup per CTA,
 // the 4 query tokens of a speculative-verify tile (1 + draft_len tokens of ONE request) x the 16
-// query heads of one KV head = the 64 rows of one wgmma tile. attention_kernel.cuh keeps the
-// mma.sync kernel (single-token decode, fallback); attention_prefill_wgmma.cuh the 8-token prefill
+// query heads of one KV head = the 64 rows of one wgmma tile. attention_decode_kernel.cuh has the
+// mma.sync decode kernel (1-token tiles); attention_prefill_wgmma.cuh the 8-token prefill
 // kernel. All three write the same outputs and the same split workspace (attention_merge_kernel).
 //
 // Work decomposition
@@ -422,12 +422,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variant 10): two passes at most. Pass 0 skips the per-block test for NaN in V (~100 instructions per warp
-  // and block): a NaN V element in a row some token sees (rows past every token's position are
-  // zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN in the shared MMA), so a
-  // NaN-free O after pass 0 proves that no such element existed and pass 0's result is exact.
-  // Otherwise (a V NaN, or a NaN from K / Q, which makes whole rows NaN) the tile runs again with
-  // the test and the exact per-token NaN bookkeeping (pass 1, the session-13 path).
+  // kTwoPass (variant 10): two passes at most. Pass 0 skips the per-block test for NaN in V (~100
+  // instructions per warp and block): a NaN V element in a row some token sees (rows past every
+  // token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN in the
+  // shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass 0's
+  // result is exact. Otherwise (a V NaN, or a NaN from K / Q, which makes whole rows NaN) the tile
+  // runs again with the test and the exact per-token NaN bookkeeping (pass 1, the session-13 path).
 #pragma unroll 1
   for (int pass = kTwoPass ? 0 : 1;; ++pass) {
     const bool check = pass > 0;

@@ -1,13 +1,13 @@
 // GPU attention (run_attention_cuda) against the CPU twin (run_attention_cpu) on identical E4M3
 // inputs: decode, verify (draft 1/3/7), chunked prefill and mixed batches, sparse and dense, every
-// launch shape (tokens per tile 1/2/4, with and without splits), 16- and 4-byte-aligned strided
+// launch shape (tokens per tile 1 / 4 / 8, with and without splits), 16- and 4-byte-aligned strided
 // pools, page ids past 2^31 bytes, junk block ids, device-side page guards, NaN propagation,
 // sparse == dense (GPU vs GPU, bit for bit) with <= 16 visible blocks, CUDA-graph replay with new
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
-// launch-config families of `configs` (below): the automatic plan, the mma.sync kernel, the Hopper
-// wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token tiles x
-// 16 heads on one warpgroup: verify_variant 8, 9 and 10), with and without splits; all must meet
-// the same tolerance.
+// launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
+// Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
+// tiles x 16 heads on one warpgroup: verify_variant 8, 9 and 10), with and without splits; all must
+// meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -68,14 +68,12 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync kernel with 1 (the 4-warp tile kernel and the 8-warp decode kernel with
-// three and two barriers per block, which run 1-token tiles of every batch), 2, 4 tokens per tile;
-// kPrefill the wgmma prefill
-// kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernels, which the automatic plan
-// runs, have their own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8
-// (cp.async), 9 (TMA; 8 where TMA cannot address the pool) and 10 (9 with the two-pass V NaN
-// test). Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when
-// splits > 1.
+// plan; kMma the mma.sync decode kernel (1-token tiles of any batch; variants 2 and 3: three and
+// two barriers per block); kPrefill the wgmma prefill kernel(s) kPrefillKernels (8-token tiles;
+// the warp-specialised kernel, which the automatic plan runs, has its own tests); kVerify the wgmma
+// verify kernel (4-token tiles), variants 8 (cp.async), 9 (TMA; 8 where TMA cannot address the
+// pool) and 10 (9 with the two-pass V NaN test). Every launch config of a family is also run with
+// `splits` CTAs per (tile, KV head) when splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
 const std::vector<int> kPrefillKernels = {4};
 std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
@@ -87,11 +85,9 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 0, 1, 0, 0, 0, 1});
-    add({1, 1, 0, 1, 0, 0, 0, 2});
-    add({1, 1, 0, 1, 0, 0, 0, 3});
-    add({2, 1, 0});
-    add({4, 1, 1});
+    add({1, 1, 1, 1});              // v_convert 1 (the only V path), automatic variant
+    add({1, 1, 0, 1, 0, 0, 0, 2});  // three barriers per block
+    add({1, 1, 0, 1, 0, 0, 0, 3});  // two barriers per block
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
@@ -436,7 +432,7 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
 }
 
 // A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
-// without splits, its NaN path, and the mma.sync kernel's shared f16 V tile.
+// without splits, its NaN path, and the mma.sync decode kernel (both variants).
 TEST(AttentionGpu, SanitizerSmallVerify) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
@@ -767,6 +763,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 3 (deleted)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 4}, StatusCode::kUnsupported,
                   "decode_kernel 4");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 1}, StatusCode::kUnsupported,
+                  "decode_kernel 1 (the 4-warp tile kernel, removed in session 14)");
+  expect_rejected(good, ws.data(), ws.bytes(), {2, 1, 0, 1}, StatusCode::kUnsupported,
+                  "2 tokens per tile on the mma.sync kernel (removed in session 14)");
+  expect_rejected(good, ws.data(), ws.bytes(), {4, 1, 1, 1}, StatusCode::kUnsupported,
+                  "4 tokens per tile on the mma.sync kernel (removed in session 14)");
 
   p = good;  // group 32 (n_q 64 on 2 KV heads): more rows than one MMA tile
   p.n_kv = 2;

@@ -338,76 +338,69 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
 
-  // Epilogue: total row sums over the 8 warps; lane (grp, tig) of warp w holds rows grp, grp + 8,
-  // dims 16 w + 4 tig .. + 3 (even n-tile: + 0, + 2; odd: + 1, + 3).
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  if (tig == 0) {
-    s_l[warp][grp] = l0;
-    s_l[warp][grp + 8] = l1;
+  // Epilogue: lane (grp, tig) of warp w holds rows grp, grp + 8, dims 16 w + 4 tig .. + 3 (even
+  // n-tile: + 0, + 2; odd: + 1, + 3). One barrier exchanges the warps' row sums l and, for out_q,
+  // their row maxima of |o|: the BF16 output is bf16(o * inv) with inv = 1 / L > 0 (or 0), and
+  // x -> bf16(fl(x * inv)) is monotone and odd, so the row's amax of the BF16 outputs (what the
+  // quantize stage takes) is bf16(fl(max |o| * inv)) exactly; NaNs are skipped by fmaxf in both.
+  float v[2][4];
+  float vmax[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    v[e][0] = o[0][0][2 * e] + o[1][0][2 * e];
+    v[e][1] = o[0][1][2 * e] + o[1][1][2 * e];
+    v[e][2] = o[0][0][2 * e + 1] + o[1][0][2 * e + 1];
+    v[e][3] = o[0][1][2 * e + 1] + o[1][1][2 * e + 1];
+    vmax[e] = fmaxf(fmaxf(fabsf(v[e][0]), fabsf(v[e][1])), fmaxf(fabsf(v[e][2]), fabsf(v[e][3])));
+  }
+  float lsum[2] = {l0, l1};
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      lsum[e] += __shfl_xor_sync(0xffffffffu, lsum[e], x);
+      vmax[e] = fmaxf(vmax[e], __shfl_xor_sync(0xffffffffu, vmax[e], x));
+    }
+    if (tig == 0) {
+      s_l[warp][grp + 8 * e] = lsum[e];
+      s_amax[warp][grp + 8 * e] = vmax[e];
+    }
   }
   __syncthreads();
-  float L[2] = {0.0f, 0.0f};
+  float L[2] = {0.0f, 0.0f}, A[2] = {0.0f, 0.0f};
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
-    L[0] += s_l[w][grp];
-    L[1] += s_l[w][grp + 8];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      L[e] += s_l[w][grp + 8 * e];
+      A[e] = fmaxf(A[e], s_amax[w][grp + 8 * e]);
+    }
   }
   const float M[2] = {m0, m1};
   const int64_t t = t0;
   const int dim = 16 * warp + 4 * tig;
   const int64_t head0 = static_cast<int64_t>(g) * a.group;
-  if (a.splits == 1) {
-    uint2 w[2];  // BF16 outputs of rows grp, grp + 8 (dims dim .. dim + 3)
-    float amax[2];
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
+  for (int e = 0; e < 2; ++e) {
+    const int h = grp + 8 * e;
+    if (h >= a.group) continue;
+    const int64_t col = (head0 + h) * ak::kDim + dim;
+    if (a.splits == 1) {
       const float inv = L[e] > 0.0f ? 1.0f / L[e] : 0.0f;
-      const float v0 = o[0][0][2 * e] + o[1][0][2 * e], v1 = o[0][1][2 * e] + o[1][1][2 * e];
-      const float v2 = o[0][0][2 * e + 1] + o[1][0][2 * e + 1];
-      const float v3 = o[0][1][2 * e + 1] + o[1][1][2 * e + 1];
-      w[e] = make_uint2(ak::pack_bf16x2(v0 * inv, v1 * inv), ak::pack_bf16x2(v2 * inv, v3 * inv));
-      const int h = grp + 8 * e;
-      if (h < a.group)
-        *reinterpret_cast<uint2*>(a.out + t * a.out_stride + (head0 + h) * ak::kDim + dim) = w[e];
-      amax[e] = fmaxf(ak::amax_pair(w[e].x), ak::amax_pair(w[e].y));
-    }
-    if (a.out_q != nullptr) {  // CTA-uniform: o_proj's E4M3 input, one 1x128 block per row
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 1));
-        amax[e] = fmaxf(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], 2));
-        if (tig == 0) s_amax[warp][grp + 8 * e] = amax[e];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int h = grp + 8 * e;
-        if (h >= a.group) continue;
-        float am = 0.0f;
-#pragma unroll
-        for (int k = 0; k < kWarps; ++k) am = fmaxf(am, s_amax[k][h]);
-        const float sc = ak::quant_scale(am);
-        const int64_t col = (head0 + h) * ak::kDim + dim;
+      const uint2 w = make_uint2(ak::pack_bf16x2(v[e][0] * inv, v[e][1] * inv),
+                                 ak::pack_bf16x2(v[e][2] * inv, v[e][3] * inv));
+      *reinterpret_cast<uint2*>(a.out + t * a.out_stride + col) = w;
+      if (a.out_q != nullptr) {  // o_proj's E4M3 input: one 1x128 block per row
+        const float sc = ak::quant_scale(ak::bf16_lo_f(float_to_bf16(A[e] * inv)));
         *reinterpret_cast<uint32_t*>(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col) =
-            ak::quant_pair(w[e].x, sc) | (ak::quant_pair(w[e].y, sc) << 16);
+            ak::quant_pair(w.x, sc) | (ak::quant_pair(w.y, sc) << 16);
         if (warp == 0 && tig == 0)
           a.out_scales[t * a.sc_stride_t + (head0 + h) * a.sc_stride_h] = sc;
       }
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int h = grp + 8 * e;
-      if (h >= a.group) continue;
-      const float v0 = o[0][0][2 * e] + o[1][0][2 * e], v1 = o[0][1][2 * e] + o[1][1][2 * e];
-      const float v2 = o[0][0][2 * e + 1] + o[1][0][2 * e + 1];
-      const float v3 = o[0][1][2 * e + 1] + o[1][1][2 * e + 1];
+    } else {
       const int64_t slot = (t * a.n_kv + g) * a.splits + split;
       *reinterpret_cast<float4*>(a.ws_o + (slot * ak::kRows + h) * ak::kDim + dim) =
-          make_float4(v0, v1, v2, v3);
+          make_float4(v[e][0], v[e][1], v[e][2], v[e][3]);
       if (warp == 0 && tig == 0) {
         a.ws_ml[(slot * ak::kRows + h) * 2] = M[e];
         a.ws_ml[(slot * ak::kRows + h) * 2 + 1] = L[e];

@@ -375,6 +375,7 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.n_kv = p.n_kv;
   a.group = group;
   a.splits = pl.splits;
+  a.pdl = pl.pdl ? 1 : 0;
   a.sparse = p.sparse ? 1 : 0;
   const float scale = p.softmax_scale > 0.0f ? p.softmax_scale : 0.08838834764831845f;
   a.scale_log2 = scale * 1.4426950408889634f;

@@ -77,6 +77,7 @@ struct AttnArgs {
   int64_t sc_stride_t;
   int64_t sc_stride_h;
   int q_rows;  // M_pad >= T
+  int pdl;     // launched programmatically (PDL): the front end orders its loads for the overlap
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -296,13 +297,22 @@ __device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t
 // QT tile + QT) are loaded before the scan of query_start confirms it, and again only when the
 // guess was wrong: it holds for single-token tiles of a batch that starts at token 0 (decode) and
 // for requests of QT tokens each (verify), which takes one dependent round trip off the chain
-// query_start -> ids -> page table -> K/V before the first block arrives. Programmatic launch
-// (PDL): every thread passes pdl_wait after loading the guessed positions and before anything a
-// previous kernel may have written (ids; then Q and the cache in the caller); no global writes
-// before it.
+// query_start -> ids -> page table -> K/V before the first block arrives. Every thread passes
+// pdl_wait before anything a previous kernel may have written (ids; then Q and the cache in the
+// caller) and before any global write: after the guessed positions in a plain launch (the wait is
+// a no-op there), and after the whole scan of query_start and the tile's positions (batch
+// metadata) in a programmatic one (a.pdl), where that part overlaps the previous kernel's tail.
 template <int QT, int Threads = kThreads>
 __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g, int* s_warp,
                                                    int* s_tile, TileInputs& in) {
+  if (a.pdl) {
+    const bool found = find_tile<QT, Threads>(a, tile, s_warp, s_tile);  // CTA-uniform
+    if (found)
+      load_tile_inputs<QT, true>(a, g, s_tile[1], s_tile[2], in);
+    else
+      pdl_wait();
+    return found;
+  }
   const int64_t tg = int64_t{QT} * tile;
   const int t_guess = tg < a.T ? static_cast<int>(tg) : -1;
   const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;

@@ -292,8 +292,11 @@ __device__ __forceinline__ void store_item(const AttnArgs& a, const float (&o)[6
     const int h = grp + 8 * e;
     if (h >= a.group) continue;
     if (a.splits == 1) {
-      // A row without keys is +0 exactly (its O may be -0: the first P V of an item overwrites O).
-      const bool keys = lsum[e] > 0.0f;
+      // A row without keys is +0 exactly (its O may be -0: the first P V of an item overwrites O);
+      // l is 0 only there. A NaN l (a NaN K or Q element the row sees) keeps the row NaN, as in
+      // the twin (session 14: `l > 0` wrote +0 for it at splits 1; round B's test with one split
+      // and 3 persistent CTAs found it).
+      const bool keys = lsum[e] != 0.0f;
       const float inv = keys ? 1.0f / lsum[e] : 0.0f;
       uint16_t* orow = a.out + t * a.out_stride + static_cast<int64_t>(g * a.group + h) * ak::kDim;
 #pragma unroll

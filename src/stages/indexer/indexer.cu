@@ -220,6 +220,30 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   return pl;
 }
 
+// Dynamic shared memory to request for a scorer grid of `ctas` CTAs that each need `smem` bytes,
+// launched programmatically: at most ceil(ctas / sms) of them fit on one SM. A programmatic grid
+// is placed while the previous kernel's CTAs still occupy SMs, and the CTA scheduler then stacks
+// CTAs on the SMs it finds emptiest (session 14 round B, indexer_bench --pdl behind a 64-CTA
+// stand-in: 64 x 8K 31.1 us programmatic vs 27.7 normal, 256 x 8K 78.1 vs 73.4: the clusters
+// sharing SMs while others idle); the extra bytes are never touched. Unchanged when the natural
+// occupancy (kFusedCtasPerSm) is the bound anyway.
+Status pdl_smem_bytes(size_t smem, int64_t ctas, int sms, int dev, size_t* out) {
+  *out = smem;
+  const int64_t per_sm = ceil_div(ctas, std::max(sms, 1));
+  if (per_sm >= kFusedCtasPerSm) return Status::Ok();
+  int sm_bytes = 0, reserved = 0, optin = 0;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sm_bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  // per_sm + 1 CTAs of `want` (+ the per-CTA reserve) exceed the SM's shared memory.
+  const int64_t want = ceil_div(int64_t{sm_bytes} / (per_sm + 1) - reserved + 16, 16) * 16;
+  *out = static_cast<size_t>(std::clamp<int64_t>(want, static_cast<int64_t>(smem), optin));
+  return Status::Ok();
+}
+
 int sm_count() {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -324,7 +348,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.merge_wpr = pl.merge_wpr;
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
-  a.guess = options.guess_request_bounds ? 1 : 0;
+  // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
+  // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
+  // vs 76.8 / 76.5 us without).
+  a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.pdl_copies = options.pdl_early_copies ? 1 : 0;
   a.late_trigger = options.late_trigger && pl.single ? 1 : 0;
   a.timeline = options.timeline;
@@ -339,15 +366,29 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
     const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
+    const int64_t ctas = pl.units * pl.k_splits;
+    // Dynamic shared memory of a tensor-core scorer launch (programmatic: see pdl_smem_bytes).
+    // The kernel's opt-in limit (a function attribute, not a stream operation: fine under graph
+    // capture) is always the one-CTA-per-SM size, the largest any call requests, so that a graph
+    // captured by an earlier call stays launchable whatever a later call sets.
+    const auto prepare = [&](auto kernel, size_t need, size_t* launch_bytes) -> Status {
+      size_t cap = 0;
+      M3_RETURN_IF_ERROR(pdl_smem_bytes(need, 1, sms, current, &cap));
+      *launch_bytes = need;
+      if (pdl) M3_RETURN_IF_ERROR(pdl_smem_bytes(need, ctas, sms, current, launch_bytes));
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
+      return Status::Ok();
+    };
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          ckernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
+      size_t csmem = 0;
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);
-      ccfg.dynamicSmemBytes = ik::kFusedSmemBytes;
+      ccfg.dynamicSmemBytes = csmem;
       ccfg.stream = stream;
       cudaLaunchAttribute cattr[2];
       cattr[0].id = cudaLaunchAttributeClusterDimension;
@@ -363,20 +404,19 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     }
     if (pl.fused) {
-      // 72 KB of dynamic shared memory: opt in (a function attribute, not a stream operation:
-      // fine under graph capture).
+      // 72 KB of dynamic shared memory: opt in.
       const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kFusedSmemBytes));
+      size_t fsmem = 0;
+      M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(kernel, grid, dim3(ik::kMmaThreads), ik::kFusedSmemBytes, stream, pdl, a));
+          launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
-      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          ik::score_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ik::kMmaSmemBytes));
-      M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads),
-                                         ik::kMmaSmemBytes, stream, pdl, a));
+      size_t msmem = 0;
+      M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel, ik::kMmaSmemBytes, &msmem));
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
     } else {
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));

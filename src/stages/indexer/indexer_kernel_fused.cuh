@@ -64,18 +64,22 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
 }
 
 // One row per warp: the ranks r0 / r1 of the lane's candidates lane and lane + 32 (scores s0 / s1,
-// NaN = none) among the row's candidates row[0 .. nb) (shared memory, NaN = none): the number of
-// candidates that beat each, i.e. have a larger score or an equal one and a smaller index (the
-// order of candidate_key: -0 ties with +0, NaN never beats and is never ranked usefully), so the
-// ranks are distinct and equal rank_by_rounds' wherever that one reports them (< 15). The row is
-// read as broadcast 16-byte loads and each lane runs ~9 independent instructions per candidate
-// (~600 per row) instead of 15 rounds of two dependent redux.sync: session 14 round A timeline,
-// 64 x 8K draft 0 (one row per warp): 1.54 us from the cluster barrier to the written rows, about
-// 3000 cycles of redux latency.
-__device__ __forceinline__ void rank_by_counting(const float* row, int nb, float s0, float s1,
-                                                 int& r0, int& r1) {
+// NaN = none) among the row's candidates row[0 .. nb) (the row's shared block-max table entries):
+// the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
+// index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
+// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
+// NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
+// loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
+// chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
+// (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
+// us with one accumulator per candidate (round B: a 64-long dependent add chain per lane).
+__device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
+                                                 int& r1) {
   const int lane = threadIdx.x & 31;
-  int c0 = 0, c1 = 0;
+  if (lane >= nb) row[lane] = quiet_nan();
+  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
+  __syncwarp();
+  int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int q = 0; q < kFusedMaxChunk / 4; ++q) {
     const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
@@ -83,18 +87,18 @@ __device__ __forceinline__ void rank_by_counting(const float* row, int nb, float
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int j = 4 * q + e;
-      const float v = j < nb ? vv[e] : quiet_nan();
+      const float v = vv[e];
       if (j < 32) {  // index j beats lane on a tie iff j < lane; always beats lane + 32 on a tie
-        c0 += (v > s0 || (v == s0 && j < lane)) ? 1 : 0;
-        c1 += v >= s1 ? 1 : 0;
+        c0[e] += (v > s0 || (v == s0 && j < lane)) ? 1 : 0;
+        c1[e] += v >= s1 ? 1 : 0;
       } else {  // never beats lane on a tie; beats lane + 32 iff j - 32 < lane
-        c0 += v > s0 ? 1 : 0;
-        c1 += (v > s1 || (v == s1 && j - 32 < lane)) ? 1 : 0;
+        c0[e] += v > s0 ? 1 : 0;
+        c1[e] += (v > s1 || (v == s1 && j - 32 < lane)) ? 1 : 0;
       }
     }
   }
-  r0 = c0;
-  r1 = c1;
+  r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
+  r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
 }
 
 // Fused decode, after the split's blocks are scored: the local selection of split y. Row j of the
@@ -110,8 +114,8 @@ __device__ __forceinline__ void rank_by_counting(const float* row, int nb, float
 // (ballot prefix), the local block follows them, -1 fills the rest. lane_pos: lane l < n holds the
 // position of token t0 + l (no reload at the CTA's end).
 template <bool kDirect, int kG>
-__device__ __forceinline__ void select_rows(const KernelArgs& a, const float* sblk, int t0,
-                                            int rows, int b0, int b1, int lane_pos) {
+__device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
+                                            int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
@@ -191,7 +195,7 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, const float* sb
 // The local selection of every row of the unit (see select_rows): one row per warp at a time for
 // <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
 template <bool kDirect>
-__device__ __forceinline__ void fused_local_select(const KernelArgs& a, const float* sblk, int t0,
+__device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
   if (rows <= kMmaWarps)
     select_rows<kDirect, 1>(a, sblk, t0, rows, b0, b1, lane_pos);

@@ -358,16 +358,14 @@ __global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
 
 struct ShapeVariant {
   int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
-  int wgs;        // GemmWgmmaOptions::consumer_warpgroups (0: automatic)
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   bool owner;     // GemmWgmmaOptions::owner_fixup
 };
 
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
               bool json) {
-  const ShapeVariant variants[] = {{0, 0, 16, false}, {2, 0, 16, false}, {2, 0, 8, false},
-                                   {0, 4, 16, false}, {1, 0, 16, false}, {0, 0, 8, false},
-                                   {0, 0, 16, true},  {2, 0, 8, true},   {0, 4, 16, true}};
+  const ShapeVariant variants[] = {
+      {0, 16, false}, {2, 16, false}, {1, 16, false}, {0, 16, true}, {2, 16, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -463,15 +461,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       if (only_variant >= 0 && v != only_variant) continue;
       GemmWgmmaOptions o;
       o.ctas_per_sm = variants[v].ctas;
-      o.consumer_warpgroups = variants[v].wgs;
       o.min_units_per_cta = variants[v].min_units;
       o.owner_fixup = variants[v].owner;
-      if (o.consumer_warpgroups == 4 && m <= 16) continue;  // (ignored there)
-      const std::string name =
-          std::string("wgmma ctas ") +
-          (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) + " wgs " +
-          (o.consumer_warpgroups == 0 ? "auto" : std::to_string(o.consumer_warpgroups)) +
-          " min_units " + std::to_string(o.min_units_per_cta) + (o.owner_fixup ? " owner" : "");
+      const std::string name = std::string("wgmma ctas ") +
+                               (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
+                               " min_units " + std::to_string(o.min_units_per_cta) +
+                               (o.owner_fixup ? " owner" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {

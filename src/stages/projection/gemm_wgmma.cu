@@ -83,13 +83,13 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm, int kWG = 2>
+template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int waves, const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  constexpr int kThreads = gemm_wgmma_detail::threads<kWG>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kWG>;
+  constexpr int kThreads = gemm_wgmma_detail::kThreads;
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
   // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
@@ -126,18 +126,12 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   return Status::Ok();
 }
 
-// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x consumer warpgroups
-// (4 only at n = 32, 64 with one CTA per SM: run_gemm_wgmma_cuda refuses other combinations).
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
 template <int kCtasPerSm>
-Status dispatch_rows(int m, int wgs, const CUtensorMap& wmap, const CUtensorMap& xmap,
-                     const WgmmaArgs& args, int grid, int waves, const DeviceInfo& info,
-                     cudaStream_t stream) {
+Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
+                     int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
   if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  if constexpr (kCtasPerSm == 1) {
-    if (wgs == 4 && m <= 32) return launch<32, 1, 4>(wmap, xmap, args, grid, waves, info, stream);
-    if (wgs == 4 && m <= 64) return launch<64, 1, 4>(wmap, xmap, args, grid, waves, info, stream);
-  }
   if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   if (m <= 64) return launch<64, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
@@ -193,10 +187,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                "GemmWgmmaOptions::ctas_per_sm = ", options.ctas_per_sm, " must be in [0, ",
                kMaxCtasPerSm, "]");
   M3_CHECK_ARG(options.burst >= 0, "GemmWgmmaOptions::burst = ", options.burst, " must be >= 0");
-  M3_CHECK_ARG(options.consumer_warpgroups == 0 || options.consumer_warpgroups == 2 ||
-                   options.consumer_warpgroups == 4,
-               "GemmWgmmaOptions::consumer_warpgroups = ", options.consumer_warpgroups,
-               " must be 0, 2 or 4");
   M3_CHECK_ARG(options.weight_l2_promotion == 0 || options.weight_l2_promotion == 64 ||
                    options.weight_l2_promotion == 128 || options.weight_l2_promotion == 256,
                "GemmWgmmaOptions::weight_l2_promotion = ", options.weight_l2_promotion,
@@ -229,11 +219,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm
                           : m > kTwoCtaMaxM        ? 1
                                                    : kMaxCtasPerSm;
-  // Four consumer warpgroups apply above M = 16, with one CTA per SM.
-  const int wgs = m > kTwoCtaMaxM && options.consumer_warpgroups == 4 ? 4 : 2;
-  if (wgs == 4 && ctas_per_sm == 2)
-    return unsupported(
-        "run_gemm_wgmma_cuda: consumer_warpgroups 4 runs one CTA per SM, got ctas_per_sm 2");
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
   const int grid = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
@@ -280,8 +265,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
   if (ctas_per_sm == 1)
-    return dispatch_rows<1>(args.m, wgs, wmap, xmap, args, grid, options.max_waves, info, stream);
-  return dispatch_rows<2>(args.m, wgs, wmap, xmap, args, grid, options.max_waves, info, stream);
+    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
 }
 
 }  // namespace m3attn

@@ -63,12 +63,9 @@
 // first version (round D), and weights by 16-byte cp.async from one producer warp were 2.4x
 // slower (87.7 us). Whether long runs help DRAM at all stayed unanswered: the consumer side
 // never let the copies run at full rate.)
-// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment; while the tensor cores work,
-// the unit's scale products (weight scale x activation scale of each of the thread's activation
-// rows) are read from the stage's slot; wait, fold, release the stage. kWG = 4 consumer
-// warpgroups (n = 32, 64; variant): warpgroup wg computes weight rows 64 (wg % 2) .. + 64 against
-// activation rows (n / 2) (wg / 2) .. + n / 2, so each thread folds half as many values and twice
-// as many warps share the per-unit work.
+// Consumers per unit: 4 wgmma m64nNk32 into a temporary fragment; at n >= 32, while the tensor
+// cores work, the unit's scale products (weight scale x activation scale of each of the thread's
+// activation rows) are read from the stage's slot; wait, fold, release the stage.
 // Session 14, round A (projection_bench --shape, bandwidth_bench --tiles): at M 64 the kernel
 // takes 30.6 us for o_proj (N 6144, K 8192) while its weight stream alone, read the same way
 // without compute (TMA 2D boxes, stream-K order, the same ring, the activation boxes included),
@@ -76,7 +73,13 @@
 // consumers, not the copies, set the pace at n = 64 (ncu: the SMs active 72 % of the time). Two
 // units in flight per warpgroup (wgmma.wait_group 1) changed nothing (+-0.2 us at every M) and
 // units of two tiles sharing one activation box (256-row boxes, 5-stage ring) were much slower
-// (42 vs 30.6 us at M 64, 29.8 vs 24.7 at M 32): both removed.
+// (42 vs 30.6 us at M 64, 29.8 vs 24.7 at M 32): both removed. Round B: reading the scale
+// products under the wgmmas took o_proj M 64 from 30.6 to 28.1 us (fused 32.4 -> 29.7; at n <= 16
+// the fold stays as it was: +0.3-0.5 us there in round B); the owner fixup (below) 28.1 -> 26.8
+// (fused 29.7 -> 28.7, M 32 24.1 -> 23.1; +0.2-0.4 us at M <= 16); four consumer warpgroups, each
+// on half the activation rows (more warps per unit), were slower (29.9 vs 28.1 us): removed.
+// cuBLASLt: 22.5-23.3 us at M 64; ncu with the owner fixup: SMs active 74 % of the time, 21 % of
+// the warp samples waiting for full stages, 26 % in the epilogue and the producer.
 // Grid: (1 or 2 for n <= 16; 1 for n = 32, 64 unless asked: registers) x SMs CTAs, at least
 // `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one; the
 // stream-K fixup never waits for another CTA, so later waves are safe).
@@ -94,13 +97,10 @@
 
 namespace m3attn::gemm_wgmma_detail {
 
-constexpr int kTileN = 128;   // weight rows per unit (= one 128-row weight-scale block)
-constexpr int kBlockK = 128;  // K per unit (= one quantization block = one swizzle row)
-// Threads of a CTA with kWG consumer warpgroups: the consumers and one producer warp.
-template <int kWG>
-constexpr int threads() {
-  return 128 * kWG + 32;
-}
+constexpr int kTileN = 128;            // weight rows per unit (= one 128-row weight-scale block)
+constexpr int kBlockK = 128;           // K per unit (= one quantization block = one swizzle row)
+constexpr int kConsumerThreads = 256;  // two consumer warpgroups
+constexpr int kThreads = kConsumerThreads + 32;
 constexpr int kMaxM = 64;
 constexpr int kWeightTileBytes = kTileN * kBlockK;
 constexpr int kMaxCtasPerSm = 2;
@@ -219,10 +219,9 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 __device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
-// Named barrier 1 over the kThreads consumer threads (the producer warp never joins it).
-template <int kThreads>
+// Named barrier 1 over the consumer threads (the producer warp never joins it).
 __device__ __forceinline__ void consumer_barrier() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
 
 // wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory. d = (scale_d ? d : 0) +
@@ -301,16 +300,12 @@ constexpr int scale_slot_floats() {
   return kNw + 4;
 }
 
-template <int kNw, int kStages, int kCtasPerSm, int kWG>
-__global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
+template <int kNw, int kStages, int kCtasPerSm>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
-  static_assert(kWG == 2 || (kWG == 4 && kNw >= 32), "2 consumer warpgroups, or 4 at n >= 32");
-  constexpr int kConsumerThreads = 128 * kWG;
-  constexpr int kThreads = threads<kWG>();
   constexpr int kStageBytes = stage_bytes<kNw>();
-  constexpr int kNwg = kNw * 2 / kWG;  // activation rows (wgmma n) per warpgroup
-  constexpr int kAcc = kNwg / 2;       // fp32 accumulators per thread: 64 x kNwg / 128
+  constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread: 64 x kNw over 128 threads
   constexpr int kSlot = scale_slot_floats<kNw>();
   static_assert(kStageBytes % 1024 == 0, "stages must keep the 1024-byte swizzle alignment");
 
@@ -406,14 +401,14 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
 
   // Consumers: their global writes (output, partials, counters) follow the preceding grid.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  // Warpgroup wg computes weight rows [64 (wg % 2), + 64) of each tile against activation rows
-  // [kNwg (wg / 2), + kNwg).
+  // Warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
   const int q = lane % 4;
-  const int row0 = 64 * (wg % 2) + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
-  const int m0 = kNwg * (wg / 2) + 2 * q;
+  const int row0 = 64 * wg + 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int m0 = 2 * q;
   const int first_tile = u_begin / kb_count;
+  const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
 
   // Fragment element j = 4 g + 2 h + e is (weight row row0 + 8 h, activation row m0 + 8 g + e);
   // its scale product is prod[2 g + e].
@@ -437,11 +432,9 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
     for (; u < seg_end; ++u, ++i) {
       float tmp[kAcc];
       const int s = i % kStages;
-      mbar_wait(smem_addr(&full_bar[s]), (i / kStages) & 1);
-      const uint32_t a_addr =
-          base + static_cast<uint32_t>(s * kStageBytes + (wg % 2) * 64 * kBlockK);
-      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes +
-                                                           (wg / 2) * kNwg * kBlockK);
+      mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+      const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
+      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
       // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
       // its registers are free in the epilogue.
 #pragma unroll
@@ -449,14 +442,15 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBlockK / 32; ++k)
-        Wgmma<kNwg>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+        Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
       wgmma_commit();
-      // Scale products of the unit while the tensor cores work (the stage's scales landed with
-      // its data), except where the registers are short (n = 64 with two CTAs per SM: 96 per
-      // thread), which multiplies them in the fold as before; same products either way.
+      // At n >= 32 the unit's scale products are read while the tensor cores work (the stage's
+      // scales landed with its data), except where the registers are short (n = 64 with two CTAs
+      // per SM: 96 per thread); elsewhere (and at n <= 16, where round B measured it 0.3-0.5 us
+      // slower) the fold multiplies them as before. Same products either way.
       const float* slot = s_scales + s * kSlot;
       const float w_scale = slot[kNw];
-      if constexpr (!(kCtasPerSm == 2 && kAcc >= 32)) {
+      if constexpr (kAcc >= 16 && !(kCtasPerSm == 2 && kAcc >= 32)) {
         float prod[kAcc / 2];
 #pragma unroll
         for (int g = 0; g < kAcc / 4; ++g)
@@ -475,7 +469,7 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
         for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
       }
       __syncwarp();
-      if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
+      if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
 
     const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
@@ -510,7 +504,7 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
     // after its atomic (its wait) and the barrier orders the other threads' partial loads after
     // it. (A fence in every thread made each one wait for its own stores: 5-7 % of the stall
     // samples.)
-    consumer_barrier<kConsumerThreads>();
+    consumer_barrier();
     if (owner_mode && !owner) {
       if (tid == 0) {
         __threadfence();
@@ -535,7 +529,7 @@ __global__ void __launch_bounds__(threads<kWG>(), kCtasPerSm)
       if (last) __threadfence();
       s_is_last = last;
     }
-    consumer_barrier<kConsumerThreads>();
+    consumer_barrier();
     if (s_is_last) {
       // Sum the tile's partials in CTA order, each thread at its own fragment positions: the other
       // CTAs' partials from the workspace (all loads of one contributor in flight at once), its

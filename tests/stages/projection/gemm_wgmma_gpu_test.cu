@@ -74,7 +74,6 @@ struct Case {
   int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
   int waves = 1;            // GemmWgmmaOptions::max_waves
-  int wgs = 0;              // GemmWgmmaOptions::consumer_warpgroups
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
 };
 
@@ -85,8 +84,7 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " waves " + std::to_string(c.waves) + " consumer warpgroups " + std::to_string(c.wgs) +
-         " owner fixup " + std::to_string(c.owner);
+         " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -100,7 +98,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.weight_l2_promotion = c.promotion;
   o.programmatic_launch = c.pdl;
   o.max_waves = c.waves;
-  o.consumer_warpgroups = c.wgs;
   o.owner_fixup = c.owner;
   return o;
 }
@@ -187,27 +184,16 @@ INSTANTIATE_TEST_SUITE_P(
                       // Two CTAs per SM at n = 64 (4-stage rings).
                       Case{64, 1536, 8192, 0, 0, false, 2, 4},
                       Case{41, 640, 1152, 8, 16, true, 2, 1, 0, true, 0},
-                      // Four consumer warpgroups (n = 32, 64): many contributors per tile, one
-                      // tile, one K block, bursts, PDL, several waves; M <= 16 ignores it.
-                      Case{17, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, 4},
-                      Case{32, 1280, 2048, 0, 0, false, 0, 1, 0, true, 0, false, 1, 4},
-                      Case{24, 384, 6144, 16, 0, true, 0, 5, 3, true, 0, false, 1, 4},
-                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, 4},
-                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, 4},
-                      Case{64, 9856, 256, 0, 0, false, 1, 4, 0, true, 0, true, 1, 4},
-                      Case{57, 640, 1152, 0, 16, true, 1, 1, 2, true, 0, false, 4, 4},
-                      Case{41, 384, 128, 24, 16, true, 0, 4, 0, true, 0, false, 1, 4},
-                      Case{9, 640, 1152, 0, 0, false, 2, 1, 0, true, 0, false, 1, 4},
                       // owner_fixup: ~50 CTAs per tile (middle CTAs), one tile, every n, one and
-                      // two CTAs per SM, four warpgroups, PDL; with several waves it is ignored.
-                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, 0, true},
-                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, 0, true},
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, 0, true},
-                      Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, 0, true},
-                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, 0, true},
-                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, 0, true},
-                      Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, 4, true},
-                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, 0, true}));
+                      // two CTAs per SM, PDL; with several waves it is ignored.
+                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
+                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true},
+                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, true},
+                      Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, true},
+                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
+                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, true},
+                      Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, true},
+                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -460,24 +446,7 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
               StatusCode::kInvalidArgument);
   }
 
-  bad = {};
-  bad.consumer_warpgroups = 3;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
   EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, 1, 3).status().code(), StatusCode::kInvalidArgument);
-  {
-    // Four consumer warpgroups run one CTA per SM: with ctas_per_sm 2 (M > 16) the call is refused.
-    DeviceGemm big(make_integer_data(40, 256, 256, rng), 256);
-    DeviceBuffer ws2 = make_workspace(256, 40, 1, 2);
-    GemmWgmmaOptions wg4;
-    wg4.consumer_warpgroups = 4;
-    wg4.ctas_per_sm = 2;
-    EXPECT_EQ(run_gemm_wgmma_cuda(big.params(), ws2.data(), ws2.bytes(), nullptr, wg4).code(),
-              StatusCode::kUnsupported);
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t big_touched = 0;
-    for (uint16_t v : big.result(&big_touched)) ASSERT_EQ(v, 0xA5A5);
-  }
   bad = {};
   bad.min_units_per_cta = 0;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),

@@ -57,20 +57,18 @@ constexpr int64_t kWgmmaMinAvgTokens = 16;
 // batches averaging 2 .. kWgmmaMinAvgTokens - 1 query tokens per request (speculative verify).
 constexpr bool kAutoVerifyWgmma = true;  // H200: verify B256 x 4 tokens 192 vs 404 us
 constexpr int64_t kVerifyMinAvgTokens = 2;
-// Its variant (attention_verify_wgmma.cuh: 8 cp.async loads, 9 TMA loads; 9 runs as 8 where TMA
-// cannot address the pool). H200, session 12, round C (8K, isolated / back-to-back us): verify
+// Its variant (attention_verify_wgmma.cuh: 8 cp.async loads, 9 TMA loads and the two-pass V NaN
+// test; 9 runs as 8 where TMA cannot address the pool). H200, session 12, round C (8K, isolated /
+// back-to-back us), before the two-pass test: verify
 // B256 x 4 v9 175.0 / 169.8 (71.4 / 73.5 % of copy), v8 188.7 / 179.9; B64 x 4 v9 47.7 / 46.3, v8
 // 49.6 / 48.0; dense B64 x 4 v9 157.0, v8 166.1. Variants 1 .. 7 (never faster) were deleted in
 // session 13.
-// Session 14 round A (sparse draft 3, isolated us at 8K / 32K / 128K): variant 10 B64 47.6 / 47.6 /
-// 47.7 vs 48.5 / 48.4 / 48.9 for 9, B256 172.1 / 173.6 / 173.7 vs 175.4 / 176.7 / 176.6.
-constexpr int kAutoVerifyVariant = 10;  // sparse and dense (layers 0-2) alike
-// The variant of the mma.sync decode kernel (AttentionCudaConfig::decode_kernel: 2 three CTA
-// barriers per block, 3 two). Session 14 round A (H200, sparse, isolated us at 8K / 32K / 128K):
-// the 8-warp kernel B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of copy), B256 144.3-145.0 (86.1-86.6 %),
-// B1 12.1-12.9; the 4-warp tile kernel (removed after it) B64 44.9 / 43.6 / 44.6 (69.6-71.6 %),
-// B256 153.2-154.0 (81 %), B1 13.8-14.8; dense B1 faster, dense B64 / B256 equal.
-constexpr int kAutoDecodeKernel = 2;
+// Session 14: the two-pass NaN test (opt-in variant 10 in rounds A / B, since then part of 9):
+// round A (sparse draft 3, isolated us at 8K / 32K / 128K) B64 47.6 / 47.6 / 47.7 vs 48.5 / 48.4 /
+// 48.9 without, B256 172.1 / 173.6 / 173.7 vs 175.4 / 176.7 / 176.6; round B (one run, 8K) draft
+// 0 / 1 / 3: B64 48.0 / 48.0 / 48.3 vs 48.4 / 48.8 / 47.7, B256 171.0 / 174.3 / 178.9 vs 172.8 /
+// 175.1 / 179.6 (~1 % on average).
+constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
@@ -84,7 +82,6 @@ struct Plan {
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
-  int decode_kernel = 2;   // variant of the mma.sync decode kernel (AttentionCudaConfig)
   bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;       // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -148,9 +145,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && (cfg.verify_variant < 8 || cfg.verify_variant > 10))
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 9 or 10");
+                       " is not 0, 8 or 9 (10, the two-pass NaN test, is part of 9 since session "
+                       "14)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -181,12 +179,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 3)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2 or 3 (1, the 4-warp tile kernel, was removed in session 14)");
-  // decode_kernel picks the variant of the mma.sync decode kernel; other plans ignore it.
-  if (!pl.wgmma && !pl.verify)
-    pl.decode_kernel = cfg.decode_kernel != 0 ? cfg.decode_kernel : kAutoDecodeKernel;
+                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+                       "were removed in session 14)");
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -236,8 +232,8 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variant 9 (kTma: TMA loads) runs as 8 where the pool is not 16-byte aligned or the driver refuses
-// the tensor maps.
+// Variant 9 (kTma: TMA loads, kTwoPass: the two-pass V NaN test) runs as 8 (cp.async, the NaN
+// test in every block) where the pool is not 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
@@ -259,8 +255,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
 
 template <bool kVec16>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = pl.decode_kernel == 3 ? ad::attention_decode_kernel<kVec16, true>
-                                      : ad::attention_decode_kernel<kVec16, false>;
+  auto kernel = ad::attention_decode_kernel<kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -275,14 +270,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    switch (pl.verify_variant) {
-      case 9:
-        return launch_verify<true, true>(args, pl, n_kv, stream);
-      case 10:
-        return launch_verify<true, true, true>(args, pl, n_kv, stream);
-      default:
-        return launch_verify<true, false>(args, pl, n_kv, stream);
-    }
+    return pl.verify_variant == 9 ? launch_verify<true, true, true>(args, pl, n_kv, stream)
+                                  : launch_verify<true, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a

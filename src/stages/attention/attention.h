@@ -92,14 +92,13 @@ struct AttentionCudaConfig {
                         // never faster and was removed); still validated: -1 .. 8
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (10), 8 cp.async
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
                             // loads of K and V, 9 TMA loads (where TMA can address the pool;
-                            // else 8 runs), 10 = 9 with the V NaN test moved to a second pass
-                            // that runs only when the first one's output holds a NaN (session
-                            // 14; 10 in session 13 was another variant, deleted)
-  int decode_kernel = 0;    // variant of the mma.sync decode kernel: 0 automatic (2), 2 three CTA
-                            // barriers per block, 3 two; other plans (verify, prefill) ignore
-                            // it. 1, the 4-warp tile kernel, was removed in session 14
+                            // else 8 runs) with the V NaN test in a second pass that runs only
+                            // when the first one's output holds a NaN (session 14)
+  int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
+                            // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
+                            // block, were removed); other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

@@ -28,8 +28,7 @@
 //     tile (keys 2 tig, 2 tig + 1 of 2 dims per register), one prmt + two cvt per register; keys
 //     past the token's position are cleared first (unwritten slots may hold NaN, 0 * NaN = NaN).
 //   O is 16 rows x 16 dims per warp (2 accumulator sets, even / odd k-steps: 16 registers).
-//   Three CTA barriers per block (block landed; maxima; P), each across 8 warps doing equal work
-//   (decode_kernel 3: two, the refill moved after QK).
+//   Three CTA barriers per block (block landed; maxima; P), each across 8 warps doing equal work.
 // Epilogue: the partial row sums l of the 8 warps (each over its 16 keys) are added in shared
 //   memory; BF16 out (8 bytes per lane and row) or the unnormalised partial (o, m, l) of a split
 //   for attention_merge_kernel; with out_q, o_proj's E4M3 input too (one 1x128 block per row, the
@@ -37,9 +36,12 @@
 // Bytes moved: 32 KB per selected block and KV head, read once. Session 14 round A (H200, sparse,
 //   isolated us at 8K / 32K / 128K): B64 41.2 / 41.2 / 41.5 (75.1-75.8 % of 4300 GB/s), B256
 //   144.3-145.0 (86.1-86.6 %), B1 12.1-12.9 (latency-bound: 16 splits + merge); the 4-warp kernel
-//   44.9 / 43.6 / 44.6, 153.2-154.0, 13.8-14.8. ncu (B64 8K): 429 instructions per warp and block
-//   (incl. one SHF per converted register, removed since), 16 warps per SM, stall samples: waiting
-//   for the block's data at the loop top ~24 %, barriers 16 %, short scoreboard 15 %.
+//   44.9 / 43.6 / 44.6, 153.2-154.0, 13.8-14.8. ncu (B64 8K, round A): 429 instructions per warp
+//   and block, 16 warps per SM, stall samples: waiting for the block's data at the loop top ~24 %,
+//   barriers 16 %, short scoreboard 15 %. Round B: the high-byte cvt without a shift and the local
+//   mask only in the local block took it to 383 instructions (issue slots 31.6 % busy) at the same
+//   time (B64 41.6 / 42.0 / 42.4 us, B256 144.9-145.5): bound by the data (HBM at ~82 % of copy
+//   once streaming, plus the per-CTA start chain), not by issue.
 #pragma once
 
 #include <cstdint>
@@ -120,9 +122,7 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 
 // ---------------------------------------------------------------------------------------------
 // Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-// kTwoBarriers: two CTA barriers per block instead of three (the refill then follows the block's
-// QK instead of preceding it).
-template <bool kVec16, bool kTwoBarriers>
+template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -292,48 +292,28 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
         ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
       ak::cp_async_commit();
     };
-    // kSt-stage ring, blocks 0 .. kSt - 2 in flight before the loop, one commit group per block
-    // (empty ones included). An entry with mask 0 (a dense page outside the pool: CTA-uniform) is
-    // neither loaded nor attended; its barriers still run.
+    // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
+    // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
+    // CTA-uniform) is neither loaded nor attended.
 #pragma unroll
     for (int j = 0; j < kStages - 1; ++j) load(j, j);
     int stage = 0;
-    if constexpr (kTwoBarriers) {
-      // Two barriers per block: B1 after QK(i) (maxima complete; every warp is past P V(i - 1),
-      // so the stage of block i - 1 is refilled with block i + 2 there) and B2 after the softmax
-      // (P(i) complete; block i + 1 landed: each thread waits for its copies just before).
+    // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
+    // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
+    // vs 41.6 / 42.0 / 42.4 us, B256 147.3-147.9 vs 144.9-145.5, B1 12.8 vs 12.0.)
+    for (int i = 0; i < count; ++i) {
       ak::cp_async_wait<kStages - 2>();
-      __syncthreads();  // block 0 landed
-      for (int i = 0; i < count; ++i) {
-        const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
-        const int prev = stage == 0 ? kStages - 1 : stage - 1;
-        stage = stage + 1 == kStages ? 0 : stage + 1;
-        const bool seen = s_list_mask[off + i] != 0;
-        const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
-        if (seen) qk(k_smem, lim);
-        __syncthreads();  // B1
-        load(i + kStages - 1, prev);
-        if (seen) softmax();
-        ak::cp_async_wait<kStages - 2>();
-        __syncthreads();  // B2
-        if (seen) pv(k_smem, lim);
-      }
-    } else {
-      // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
-      for (int i = 0; i < count; ++i) {
-        ak::cp_async_wait<kStages - 2>();
-        __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
-        load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
-        const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
-        stage = stage + 1 == kStages ? 0 : stage + 1;
-        if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
-        const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
-        qk(k_smem, lim);
-        __syncthreads();  // every warp's maxima
-        softmax();
-        __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
-        pv(k_smem, lim);
-      }
+      __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
+      load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+      const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
+      stage = stage + 1 == kStages ? 0 : stage + 1;
+      if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
+      const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
+      qk(k_smem, lim);
+      __syncthreads();  // every warp's maxima
+      softmax();
+      __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
+      pv(k_smem, lim);
     }
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits

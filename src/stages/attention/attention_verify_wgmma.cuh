@@ -41,7 +41,9 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin.
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 9 (session 14) runs
+//   the tile without the flagging first and repeats it with the flagging only when that first
+//   pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every block.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
@@ -340,7 +342,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 9, 10). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 9). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 template <bool kVec16, bool kTma, bool kTwoPass = false>
@@ -422,7 +424,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variant 10): two passes at most. Pass 0 skips the per-block test for NaN in V (~100
+  // kTwoPass (variant 9): two passes at most. Pass 0 skips the per-block test for NaN in V (~100
   // instructions per warp and block): a NaN V element in a row some token sees (rows past every
   // token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN in the
   // shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass 0's

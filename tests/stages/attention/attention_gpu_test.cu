@@ -68,12 +68,11 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync decode kernel (1-token tiles of any batch; variants 2 and 3: three and
-// two barriers per block); kPrefill the wgmma prefill kernel(s) kPrefillKernels (8-token tiles;
-// the warp-specialised kernel, which the automatic plan runs, has its own tests); kVerify the wgmma
-// verify kernel (4-token tiles), variants 8 (cp.async), 9 (TMA; 8 where TMA cannot address the
-// pool) and 10 (9 with the two-pass V NaN test). Every launch config of a family is also run with
-// `splits` CTAs per (tile, KV head) when splits > 1.
+// plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
+// kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
+// runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
+// and 9 (TMA and the two-pass V NaN test; 8 where TMA cannot address the pool). Every launch
+// config of a family is also run with `splits` CTAs per (tile, KV head) when splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
 const std::vector<int> kPrefillKernels = {4};
 std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
@@ -85,14 +84,13 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 1, 1});              // v_convert 1 (the only V path), automatic variant
-    add({1, 1, 0, 1, 0, 0, 0, 2});  // three barriers per block
-    add({1, 1, 0, 1, 0, 0, 0, 3});  // two barriers per block
+    add({1, 1, 1, 1});              // v_convert 1 (the only V path)
+    add({1, 1, 0, 1, 0, 0, 0, 2});  // decode_kernel 2 (the same kernel)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 9, 10}) add({4, 1, 0, 5, 0, 0, variant});
+    for (int variant : {8, 9}) add({4, 1, 0, 5, 0, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -757,12 +755,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 11}, StatusCode::kUnsupported,
-                  "verify_variant 11");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
+                  "verify_variant 10 (part of 9 since session 14)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 4}, StatusCode::kUnsupported,
-                  "decode_kernel 4");
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
+                  "decode_kernel 3 (two barriers per block, removed in session 14)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 1}, StatusCode::kUnsupported,
                   "decode_kernel 1 (the 4-warp tile kernel, removed in session 14)");
   expect_rejected(good, ws.data(), ws.bytes(), {2, 1, 0, 1}, StatusCode::kUnsupported,

@@ -38,8 +38,7 @@
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
 //   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
-//   and without the early index-K copies (pdl_early_copies false: pdl_nocopy), beside the
-//   stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
+//   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
 //   query-row and position loads, IndexerCudaOptions::guess_request_bounds),
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
@@ -543,8 +542,6 @@ int main(int argc, char** argv) {
           const Times seq = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
           po.programmatic_launch = true;
           const Times pro = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
-          po.pdl_early_copies = false;
-          const Times pnc = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
           all_pass = all_pass && pass;
           bench::Row row;
           row.add("batch", std::to_string(batch));
@@ -556,11 +553,9 @@ int main(int argc, char** argv) {
           row.add("pair_us", seq.iso.median_us, 1);
           row.add("pdl_pair_us", pro.iso.median_us, 1);
           row.add("saved_us", seq.iso.median_us - pro.iso.median_us, 1);
-          row.add("pdl_nocopy_us", pnc.iso.median_us, 1);
           row.add("pair_b2b_us", seq.b2b.median_us, 1);
           row.add("pdl_b2b_us", pro.b2b.median_us, 1);
           row.add("saved_b2b_us", seq.b2b.median_us - pro.b2b.median_us, 1);
-          row.add("nocopy_b2b_us", pnc.b2b.median_us, 1);
           rows.push_back(row);
           cudaFree(src);
           free_case(c);

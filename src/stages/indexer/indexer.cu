@@ -352,8 +352,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
-  a.pdl_copies = options.pdl_early_copies ? 1 : 0;
-  a.late_trigger = options.late_trigger && pl.single ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;

@@ -79,9 +79,7 @@ struct KernelArgs {
   // blocks that lie entirely before their request's first new position (seq_lens[r] minus the
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
-  int guess = 1;         // IndexerCudaOptions::guess_request_bounds (decode units)
-  int pdl_copies = 1;    // IndexerCudaOptions::pdl_early_copies
-  int late_trigger = 0;  // IndexerCudaOptions::late_trigger (single pass only)
+  int guess = 1;  // guess_request_bounds and one token per request (decode units)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

@@ -532,8 +532,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // this step; positions are consecutive inside a request), whose rows no kernel of the step
     // writes, are read before pdl_wait.
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
-    if (a.pdl)
-      spec_b1 = a.pdl_copies ? min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize) : 0;
+    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
       stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
@@ -576,7 +575,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
     timeline_mark(a, 2);
-    if (a.late_trigger) pdl_launch_dependents();
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
@@ -595,7 +593,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   }
   if (first < b1) score(sblk, b0);
   timeline_mark(a, 2);
-  if (a.late_trigger) pdl_launch_dependents();
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
@@ -756,9 +753,8 @@ template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select / merge kernel, or the next stage after a single pass) may be
-  // scheduled once every CTA has started (late_trigger: decode units once scored, overflow tiles
-  // at their exit); it waits for this grid's completion before reading.
-  if (!a.late_trigger) pdl_launch_dependents();
+  // scheduled once every CTA has started; it waits for this grid's completion before reading.
+  pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
     decode_path<kFused, kSingle, kCluster>(a, smem);
     return;

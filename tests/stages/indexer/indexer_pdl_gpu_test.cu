@@ -188,12 +188,6 @@ std::vector<Variant> all_variants(bool short_context) {
       o.single_pass_ctas = ctas;
       v.push_back({ctas == 1 ? "single pass" : ctas == 2 ? "cluster 2" : "cluster 8", o});
     }
-    o.single_pass_ctas = 2;
-    o.late_trigger = true;
-    v.push_back({"cluster 2, late trigger", o});
-    o.late_trigger = false;
-    o.pdl_early_copies = false;
-    v.push_back({"cluster 2, no early copies", o});
   }
   return v;
 }

@@ -52,9 +52,10 @@ struct LayerStackConfig {
   bool fuse_input_quantize = true;
   // CUDA: programmatic dependent launch of the layers' stage kernels and of the residual-norm
   // kernels (CudaMsaLayer::set_programmatic_launch; same bytes), and the attention writing
-  // o_proj's quantized input itself (CudaMsaLayer::set_attention_quantize; same bytes).
-  bool programmatic_launch = false;
-  bool attention_quantize = false;
+  // o_proj's quantized input itself (CudaMsaLayer::set_attention_quantize; same bytes). Both on
+  // by default since session 14 (the layer's defaults); false gives the session-13 launches.
+  bool programmatic_launch = true;
+  bool attention_quantize = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.
   // `geometry` stays the TP1 (model) geometry; each layer holds pack_rank(weights, tp_size,

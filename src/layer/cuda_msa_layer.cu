@@ -583,7 +583,7 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
       return run_indexer_cuda(indexer_, indexer_ws_, stream, options);
     }
     case LayerStage::kAttention: {
-      AttentionCudaConfig config = attention_config_;
+      AttentionCudaConfig config;
       config.programmatic_launch = pdl;
       return run_attention_cuda(attention_quantize_ ? attention_quantized_ : attention_,
                                 w.attention_ws_.data(), w.attention_ws_bytes_, stream, config);

@@ -88,7 +88,6 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
               int waves, const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  constexpr int kThreads = gemm_wgmma_detail::kThreads;
   auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
@@ -98,8 +97,8 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   if (resident == 0) {
     M3_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
-    M3_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kSmem));
+    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, gemm_wgmma_detail::kThreads, kSmem));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda: no CTA of the n = ", kNw,
                          " kernel fits on an SM (", kSmem, " B of dynamic shared memory)");
@@ -113,7 +112,7 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
                               : std::max(1, kStages / 2);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);
   cfg.dynamicSmemBytes = kSmem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];

@@ -213,9 +213,8 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+__device__ __forceinline__ void wgmma_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 __device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 
@@ -456,13 +455,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         for (int g = 0; g < kAcc / 4; ++g)
 #pragma unroll
           for (int e = 0; e < 2; ++e) prod[2 * g + e] = w_scale * slot[m0 + 8 * g + e];
-        wgmma_wait<0>();
+        wgmma_wait_all();
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], prod[2 * (j / 4) + j % 2], acc[j]);
       } else {
-        wgmma_wait<0>();
+        wgmma_wait_all();
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
 #pragma unroll
@@ -475,7 +474,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
     if (whole) {
 #pragma unroll
-      for (int jj = 0; jj < kAcc; ++jj) store_bf16(jj, acc[jj], tile);
+      for (int j = 0; j < kAcc; ++j) store_bf16(j, acc[j], tile);
       continue;
     }
 
@@ -495,8 +494,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const int slot = tile == first_tile ? 2 * cta : 2 * cta + 1;
       float* part = p.partials + int64_t{slot} * m_count * kTileN;
 #pragma unroll
-      for (int jj = 0; jj < kAcc; ++jj)
-        if (frag_m(jj) < m_count) __stcg(part + frag_m(jj) * kTileN + frag_row(jj), acc[jj]);
+      for (int j = 0; j < kAcc; ++j)
+        if (frag_m(j) < m_count) __stcg(part + frag_m(j) * kTileN + frag_row(j), acc[j]);
     }
     // Release / acquire through one thread (the stream-K pattern of CUTLASS's GenericBarrier):
     // the barrier orders every consumer's stores before thread 0's gpu-scope fence, which is

@@ -116,6 +116,14 @@ struct Scenario {
   std::vector<int64_t> gen_cached;
 };
 
+// Pool pages the scenario needs: its prefixes and new tokens, plus one.
+int64_t scenario_pages(const Scenario& s) {
+  int64_t pages = 1;
+  for (const auto& c : s.context) pages += CacheManager::pages_for(c.first + c.second);
+  for (int64_t c : s.gen_cached) pages += CacheManager::pages_for(c + 1 + s.draft);
+  return pages;
+}
+
 // Plans the scenario on a fresh CacheManager of `pages` pages (prefixes reserved first).
 StepPlan plan_scenario(CacheManager& cache, const Scenario& s, int page_table_width) {
   StepDescription d;
@@ -208,9 +216,7 @@ void compare_with_cpu(const MsaGeometry& g, bool sparse, bool fused, const Scena
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   const MsaLayer cpu_layer = mt::make_layer(w.value(), rope, fused);
 
-  int64_t pages = 1;
-  for (const auto& c : s.context) pages += CacheManager::pages_for(c.first + c.second);
-  for (int64_t c : s.gen_cached) pages += CacheManager::pages_for(c + 1 + s.draft);
+  const int64_t pages = scenario_pages(s);
   CacheManager cache(pages);
   const int width = 40;
   const StepPlan step = plan_scenario(cache, s, width);
@@ -606,9 +612,7 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   ASSERT_TRUE(w.ok());
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   const Scenario s = mixed_scenario(rng, 1);
-  int64_t pages = 1;
-  for (const auto& c : s.context) pages += CacheManager::pages_for(c.first + c.second);
-  for (int64_t c : s.gen_cached) pages += CacheManager::pages_for(c + 1 + s.draft);
+  const int64_t pages = scenario_pages(s);
   CacheManager cache(pages);
   const int width = 40;
   const StepPlan step = plan_scenario(cache, s, width);
@@ -686,9 +690,7 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const Scenario& s : scenarios) {
-    int64_t pages = 1;
-    for (const auto& c : s.context) pages += CacheManager::pages_for(c.first + c.second);
-    for (int64_t c : s.gen_cached) pages += CacheManager::pages_for(c + 1 + s.draft);
+    const int64_t pages = scenario_pages(s);
     CacheManager cache(pages);
     const int width = 40;
     const StepPlan step = plan_scenario(cache, s, width);

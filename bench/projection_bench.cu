@@ -44,7 +44,7 @@
 // --verbose (also print the algorithms of the unfused pair), --wgmma-only (one spot check and the
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
 // --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions), --shape N,K (only
-// one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, overlap_units) on an N x K
+// one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
 // times only wgmma variant V (for profiling: its check launch comes first); --random).
 #include <cuda_runtime_api.h>
@@ -357,15 +357,13 @@ __global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
 }
 
 struct ShapeVariant {
-  int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
-  int min_units;  // GemmWgmmaOptions::min_units_per_cta
-  bool owner;     // GemmWgmmaOptions::owner_fixup
+  int ctas;    // GemmWgmmaOptions::ctas_per_sm (0: automatic)
+  bool owner;  // GemmWgmmaOptions::owner_fixup
 };
 
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
               bool json) {
-  const ShapeVariant variants[] = {
-      {0, 16, false}, {2, 16, false}, {1, 16, false}, {0, 16, true}, {2, 16, true}};
+  const ShapeVariant variants[] = {{0, false}, {2, false}, {1, false}, {0, true}, {2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -461,12 +459,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       if (only_variant >= 0 && v != only_variant) continue;
       GemmWgmmaOptions o;
       o.ctas_per_sm = variants[v].ctas;
-      o.min_units_per_cta = variants[v].min_units;
       o.owner_fixup = variants[v].owner;
       const std::string name = std::string("wgmma ctas ") +
                                (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
-                               " min_units " + std::to_string(o.min_units_per_cta) +
-                               (o.owner_fixup ? " owner" : "");
+                               (o.owner_fixup ? " owner fixup" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {

@@ -17,6 +17,7 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 // block-max table holds [kDecRows][kFusedMaxChunk] f32 (8 KB).
 constexpr int kFusedMaxChunk = 64;
 static_assert(kFusedMaxChunk % 32 == 0 && kFusedMaxChunk % kMmaWarps == 0, "chunk shape");
+static_assert(kFusedMaxChunk == kCountRow, "rank_by_counting ranks a table row");
 
 // Ranks among a warp's 64 candidates, for N rows at once (row i: lane l holds scores s0[i] of id0
 // and s1[i] of id1; NaN = none) by 15 rounds of a warp-wide maximum of the lanes' larger remaining
@@ -61,44 +62,6 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
     }
     if (any == 0) break;  // no candidate left in any row (uniform)
   }
-}
-
-// One row per warp: the ranks r0 / r1 of the lane's candidates lane and lane + 32 (scores s0 / s1,
-// NaN = none) among the row's candidates row[0 .. nb) (the row's shared block-max table entries):
-// the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
-// index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
-// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
-// NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
-// loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
-// chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
-// (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
-// us with one accumulator per candidate (round B: a 64-long dependent add chain per lane).
-__device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
-                                                 int& r1) {
-  const int lane = threadIdx.x & 31;
-  if (lane >= nb) row[lane] = quiet_nan();
-  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
-  __syncwarp();
-  int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
-#pragma unroll
-  for (int q = 0; q < kFusedMaxChunk / 4; ++q) {
-    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
-    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int j = 4 * q + e;
-      const float v = vv[e];
-      if (j < 32) {  // index j beats lane on a tie iff j < lane; always beats lane + 32 on a tie
-        c0[e] += (v > s0 || (v == s0 && j < lane)) ? 1 : 0;
-        c1[e] += v >= s1 ? 1 : 0;
-      } else {  // never beats lane on a tie; beats lane + 32 iff j - 32 < lane
-        c0[e] += v > s0 ? 1 : 0;
-        c1[e] += (v > s1 || (v == s1 && j - 32 < lane)) ? 1 : 0;
-      }
-    }
-  }
-  r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
-  r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
 }
 
 // Fused decode, after the split's blocks are scored: the local selection of split y. Row j of the
@@ -162,19 +125,8 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       if (!live[g]) continue;
       const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
       if constexpr (kDirect) {
-        int32_t* out = a.block_ids + row_index * kTopK;
-        const uint32_t below = (1u << lane) - 1u;
-        int count = 0;
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          const bool take = s[c][g] == s[c][g] && rank[c][g] < kTopK - 1;
-          const uint32_t taken = __ballot_sync(0xffffffffu, take);
-          if (take) out[count + __popc(taken & below)] = b0 + lane + 32 * c;
-          count += __popc(taken);
-        }
-        // count <= 15 (distinct ranks); the local block exceeds every candidate id.
-        if (lane == count) out[lane] = local[g];
-        if (lane > count && lane < kTopK) out[lane] = -1;
+        emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
+                        local[g]);  // b0 == 0
       } else {
         uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
         int count = 0;

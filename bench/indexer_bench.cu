@@ -453,6 +453,14 @@ int main(int argc, char** argv) {
   std::mt19937_64 rng(20250706);
   bool all_pass = true;
 
+  // Frees the pool and the stream, prints the verdict of the spot checks; main's exit code.
+  const auto finish = [&]() {
+    cudaStreamDestroy(stream);
+    cudaFree(pool.data);
+    std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
+                                 : "indexer_bench: some spot checks FAIL");
+    return all_pass ? 0 : 1;
+  };
   std::vector<bench::Row> rows;
   if (timeline) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
@@ -506,9 +514,7 @@ int main(int argc, char** argv) {
     }
     cudaFree(d_tl);
     free_case(c);
-    cudaStreamDestroy(stream);
-    cudaFree(pool.data);
-    return 0;
+    return finish();
   }
   if (pdl) {
     // The indexer behind the producer stand-in (~3 us of spinning, then index_q rewritten), with a
@@ -566,11 +572,7 @@ int main(int argc, char** argv) {
         "indexer behind a producer stand-in (graph replay, cold L2; pair = stand-in + indexer, "
         "normal vs programmatic launch of the indexer; isolated and back to back)",
         rows, json);
-    cudaStreamDestroy(stream);
-    cudaFree(pool.data);
-    std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
-                                 : "indexer_bench: some spot checks FAIL");
-    return all_pass ? 0 : 1;
+    return finish();
   }
   if (clusters) {
     // The single pass with 1, 2, 3, 4 and 8 CTAs per request (thread-block clusters) beside the
@@ -614,11 +616,7 @@ int main(int argc, char** argv) {
         "indexer decode 8K: single pass in clusters of 1-8 CTAs per request (graph replay, cold "
         "L2; isolated and back to back)",
         rows, json);
-    cudaStreamDestroy(stream);
-    cudaFree(pool.data);
-    std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
-                                 : "indexer_bench: some spot checks FAIL");
-    return all_pass ? 0 : 1;
+    return finish();
   }
   for (int draft : {0, 3}) {
     for (int ctx : contexts) {
@@ -754,9 +752,5 @@ int main(int argc, char** argv) {
     free_case(c);
   }
   bench::print_rows("indexer prefill (eager, cold L2, n_kv 4)", rows, json);
-  cudaStreamDestroy(stream);
-  cudaFree(pool.data);
-  std::printf("%s\n", all_pass ? "indexer_bench: all spot checks PASS"
-                               : "indexer_bench: some spot checks FAIL");
-  return all_pass ? 0 : 1;
+  return finish();
 }

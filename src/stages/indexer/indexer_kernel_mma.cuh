@@ -501,9 +501,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
-  // query_start and seq_lens, and, at the guessed bounds of an equal-length batch (request r's
-  // tokens [r T / R, (r + 1) T / R)), the positions and (without programmatic launch) the query
-  // rows, checked against query_start when it arrives and reloaded when the guess was wrong. So
+  // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
+  // equal-length batch (request r's tokens [r T / R, (r + 1) T / R)) the positions and (without
+  // programmatic launch) the query rows, checked against query_start when it arrives and reloaded
+  // when the guess was wrong. So
   // the query rows and positions arrive with the page-table entries, one round trip before the
   // first tiles, instead of one (positions) and two (query rows) round trips after them, behind
   // every CTA's prologue copies (session 13 ncu at 64 x 8K: ~14 % of the warp stall samples

@@ -3,7 +3,8 @@
 // (pdl_launch_dependents) and only later writes index_q and the step's new index-K rows (what the
 // layer's producer does) must select exactly the ids of a normal launch on the final data. The
 // writer starts from poisoned copies (NaN), so an indexer that read index_q or a new row before
-// its pdl_wait would see NaN scores; a control run shows that the poison changes the ids.
+// its pdl_wait would see NaN scores; a control run shows that the poison changes the ids (by
+// construction: plant_visible_row).
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -85,6 +86,30 @@ void launch_writer(const Inputs& in, DeviceSet& d, const WriterSet& w, cudaStrea
       static_cast<const int64_t*>(w.row_off.data()), static_cast<const uint8_t*>(w.rows_src.data()),
       w.n_rows, uint64_t{40000});
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+}
+
+// Makes the control's "new rows" case deterministic: request r's first token of the step (position
+// p, block b = p / 128) gets an index-K row of +-448 with the signs of the head-0 query of the
+// request's first token past block b (t2), so block b is t2's best non-local block by far (scored:
+// t2's local block is >= 16); NaN in that row (the step's row, which the writer restores) then
+// drops block b from t2's ids whatever the rest of the data. Same data for the twin and every run.
+void plant_visible_row(Inputs& in, int r) {
+  HostBatch& hb = in.hb;
+  int64_t t0 = -1, t2 = -1;
+  for (int64_t t = 0; t < in.T(); ++t) {
+    if (hb.request_of(t) != r) continue;
+    if (t0 < 0) t0 = t;
+    if (t2 < 0 && hb.position_of(t) / kPageSize > hb.position_of(t0) / kPageSize) t2 = t;
+  }
+  ASSERT_GE(t0, 0);
+  ASSERT_GE(t2, 0) << "request " << r << " does not straddle a block boundary";
+  ASSERT_GE(hb.position_of(t2) / kPageSize, kTopK) << "t2's row must be scored";
+  uint8_t* row = hb.index_row(r, hb.position_of(t0));
+  const uint8_t* q = in.iq.ptr<uint8_t>() + t2 * in.n_kv * kHeadDim;  // head 0
+  for (int d = 0; d < kHeadDim; ++d) {
+    const float v = e4m3_to_float(q[d]);
+    row[d] = float_to_e4m3(v > 0 ? 448.0f : (v < 0 ? -448.0f : 0.0f));
+  }
 }
 
 // Poisoned inputs, the delayed writer, then the indexer launched programmatically (eagerly, or
@@ -203,16 +228,20 @@ TEST(IndexerGpuPdl, ProgrammaticLaunchBehindAWriterEqualsNormalLaunch) {
     // 4094..4097), a draft-0 request and one at the full 64 blocks.
     const std::vector<RequestSpec> reqs = {{2000, 150}, {5118, 4}, {2558, 4},
                                            {7000, 1},   {4094, 4}, {8188, 4}};
-    const Inputs in = make_inputs(reqs, 4, rng, integer, 0, 0);
+    Inputs in = make_inputs(reqs, 4, rng, integer, 0, 0);
     ASSERT_FALSE(::testing::Test::HasFailure());
     ASSERT_EQ(in.max_pages(), 64);
+    plant_visible_row(in, 1);  // 5118..5121: block 39 is a candidate of 5120 / 5121
+    ASSERT_FALSE(::testing::Test::HasFailure());
     check_programmatic(in, all_variants(true),
                        std::string("pdl 8K ") + (integer ? "integer" : "normal"), true);
   }
   {
     // Above 128 blocks: the automatic fused path with its merge kernel.
     const std::vector<RequestSpec> reqs = {{140 * 128 - 2, 4}, {9000, 1}, {100 * 128 - 1, 2}};
-    const Inputs in = make_inputs(reqs, 4, rng, true);
+    Inputs in = make_inputs(reqs, 4, rng, true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    plant_visible_row(in, 0);  // 17918..17921: block 139 is a candidate of 17920 / 17921
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_programmatic(in, all_variants(false), "pdl 18K", true);
   }

@@ -21,8 +21,8 @@
 // block-id row well formed (ascending ids, local block present).
 // Layer settings (--settings LIST, comma-separated, default "default"; each is timed fused and
 // unfused, all of them interleaved in the same rounds, one result row per setting):
-//   default  the layer's defaults (programmatic launch of every stage, attention-quantized o_proj
-//            input: CudaMsaLayer's defaults since session 14);
+//   default  the layer's defaults (session 14: the attention-quantized o_proj input, plain
+//            launches);
 //   plain    neither (plain stream-ordered launches, the separate output quantize stage);
 //   otherwise a '+'-joined set of
 //   pdl      programmatic dependent launch of every stage kernel (set_programmatic_launch);

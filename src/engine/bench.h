@@ -43,7 +43,7 @@ struct BenchOptions {
   // CUDA: prefill / mixed steps replay each layer's front half as a graph (LayerStackConfig).
   bool capture_mixed_front = true;
   // CUDA: LayerStackConfig::programmatic_launch / attention_quantize (same bytes, launch choices).
-  bool programmatic_launch = true;
+  bool programmatic_launch = false;
   bool attention_quantize = true;
 };
 

@@ -52,9 +52,10 @@ struct LayerStackConfig {
   bool fuse_input_quantize = true;
   // CUDA: programmatic dependent launch of the layers' stage kernels and of the residual-norm
   // kernels (CudaMsaLayer::set_programmatic_launch; same bytes), and the attention writing
-  // o_proj's quantized input itself (CudaMsaLayer::set_attention_quantize; same bytes). Both on
-  // by default since session 14 (the layer's defaults); false gives the session-13 launches.
-  bool programmatic_launch = true;
+  // o_proj's quantized input itself (CudaMsaLayer::set_attention_quantize; same bytes). The
+  // layer's defaults: attention_quantize on, programmatic launch off (session 14: it helped only
+  // the unfused path).
+  bool programmatic_launch = false;
   bool attention_quantize = true;
   uint64_t seed = 0;  // weights and synthetic inputs
   // Attention tensor parallelism (CUDA backend only): this process is rank tp_rank of tp_size.

@@ -8,9 +8,9 @@
 //     -> run_indexer_cuda (sparse) -> run_attention_cuda -> run_quantize_cuda -> o_proj GEMM
 //     -> attn_out bf16 [Tp, hidden] (a layer-owned buffer; rows >= T are padding)
 // By default the attention writes o_proj's E4M3 input itself (the output quantize stage then
-// launches nothing: set_attention_quantize) and every stage kernel but the cuBLASLt GEMMs is
-// launched with programmatic dependent launch (set_programmatic_launch); both give the same bytes
-// as plain launches and the separate quantize stage.
+// launches nothing: set_attention_quantize). Optionally every stage kernel but the cuBLASLt GEMMs
+// is launched with programmatic dependent launch (set_programmatic_launch, off by default). Both
+// give the same bytes as plain launches and the separate quantize stage.
 //
 // Three objects:
 //   CudaStepMetadata   persistent device copies of one step's metadata (positions, slots,
@@ -195,10 +195,12 @@ class CudaMsaLayer {
   // Programmatic dependent launch (core/pdl.cuh) of every stage kernel that supports it (the
   // quantize stages, the producers, the indexer, the attention; the cuBLASLt GEMMs launch
   // normally): each may start while the kernel before it finishes and waits for it before touching
-  // its outputs (griddepcontrol.wait), so the outputs are identical either way. On by default
-  // since session 14 (round B, decode 8K: the fused step 0-4 us faster at batch 64-256, the
-  // unfused one 2-6 us: its index producer overlaps its main producer); takes effect at the next
-  // run (and is baked into a graph captured from it).
+  // its outputs (griddepcontrol.wait), so the outputs are identical either way. Off by default:
+  // session 14 measured it (decode 8K, with the attention-quantized o_proj input) slower for the
+  // fused step at batch 64 / 128 (117.9-118.1 vs 115.1-115.4 us, 174.8 vs 172.5; equal at 256)
+  // and faster only for the unfused one (its index producer overlaps its main producer; 126.0
+  // vs 127.0-127.5 us at 64); an early-resident indexer grid runs ~3 us slower at <= 8K. Takes
+  // effect at the next run (and is baked into a graph captured from it).
   void set_programmatic_launch(bool on) { programmatic_stages_ = on ? kAllStages : 0u; }
   bool programmatic_launch() const { return programmatic_stages_ != 0; }
   // The same per stage: bit (1 << LayerStage) set = that stage's kernels launch programmatically
@@ -260,7 +262,7 @@ class CudaMsaLayer {
   bool sparse_ = true;
   MsaLayerOptions options_;
   bool external_input_quantize_ = false;
-  uint32_t programmatic_stages_ = kAllStages;
+  uint32_t programmatic_stages_ = 0;
   bool attention_quantize_ = true;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;

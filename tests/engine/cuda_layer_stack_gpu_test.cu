@@ -404,7 +404,8 @@ TEST(CudaLayerStack, FusedInputQuantizeBitIdenticalToSeparateKernels) {
 }
 
 // Programmatic dependent launch and the attention's own quantized output (both on, with the fused
-// and the separate input quantize) against the default launches: the same bytes.
+// and the separate input quantize) against plain launches with the separate output quantize: the
+// same bytes.
 TEST(CudaLayerStack, ProgrammaticLaunchAndAttentionQuantizeBitIdentical) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -419,7 +420,7 @@ TEST(CudaLayerStack, ProgrammaticLaunchAndAttentionQuantizeBitIdentical) {
     on.programmatic_launch = true;
     on.attention_quantize = true;
     expect_stacks_identical(on, base,
-                            "PDL + attention-quantized stack differs from the default launches");
+                            "PDL + attention-quantized stack differs from plain launches");
   }
 }
 

@@ -23,8 +23,8 @@
 //    (outputs and the whole pool), and the pool changes only in the rows of the new step's tokens
 //    (stale slots of the larger captured step are never written).
 // 3. fused == unfused: q, index_q, K, V, index-K within one E4M3 step, outputs close.
-// 4. launch settings (programmatic dependent launch, the attention's own quantized output; both
-//    are the defaults) == plain launches byte for byte (eager and graph, fused and unfused).
+// 4. launch settings (programmatic dependent launch, the attention's own quantized output: the
+//    default) == plain launches byte for byte (eager and graph, fused and unfused).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -663,10 +663,10 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
 // output quantize stage: programmatic dependent launch (set_programmatic_launch: every kernel that
 // may start early waits for its predecessor before touching memory) and the attention's own
 // quantized output (set_attention_quantize: the output quantize stage's bytes), alone and
-// together (the defaults). Fused and unfused, on a mixed step (prefill kernels) and a decode-only
-// step (the decode kernels the graphs run), eager (two runs back to back) and as a graph replayed
-// three times back to back (each run rewrites the same cache rows, so the results stay
-// comparable), against plain launches from the same pool state.
+// together (the quantized output is the default). Fused and unfused, on a mixed step (prefill
+// kernels) and a decode-only step (the decode kernels the graphs run), eager (two runs back to
+// back) and as a graph replayed three times back to back (each run rewrites the same cache rows, so
+// the results stay comparable), against plain launches from the same pool state.
 TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);

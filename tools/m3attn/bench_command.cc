@@ -24,7 +24,7 @@ struct BenchFlags {
   uint64_t seed = 1;
   std::string backend, geometry;
   bool json = false, fused_only = false, unfused_only = false, no_warmup = false, verify = false,
-       eager_mixed = false, no_pdl = false, no_attention_quantize = false;
+       eager_mixed = false, pdl = false, no_attention_quantize = false;
 };
 
 int exit_code_for(const Status& s) {
@@ -133,9 +133,8 @@ void add_bench_command(CLI::App& app, int& exit_code) {
   cmd->add_flag("--eager-mixed", f->eager_mixed,
                 "cuda: run prefill / mixed steps fully eagerly (default: each layer's projection + "
                 "producer replayed as a graph captured at the step's token count)");
-  cmd->add_flag("--no-pdl", f->no_pdl,
-                "cuda: plain launches instead of programmatic dependent launch of the layers' "
-                "stage kernels (same results)");
+  cmd->add_flag("--pdl", f->pdl,
+                "cuda: programmatic dependent launch of the layers' stage kernels (same results)");
   cmd->add_flag("--no-attention-quantize", f->no_attention_quantize,
                 "cuda: a separate kernel quantizes o_proj's input instead of the attention "
                 "(same results)");
@@ -162,7 +161,7 @@ void add_bench_command(CLI::App& app, int& exit_code) {
     o.run_unfused = !f->fused_only;
     o.warmup = cuda && !f->no_warmup;
     o.capture_mixed_front = !f->eager_mixed;
-    o.programmatic_launch = !f->no_pdl;
+    o.programmatic_launch = f->pdl;
     o.attention_quantize = !f->no_attention_quantize;
     o.digest_every_step = f->verify || !cuda;
 

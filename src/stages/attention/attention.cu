@@ -375,11 +375,10 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
     a.ws_ml = a.ws_o + ws_o_floats(p, pl);
   }
 
-  // o_proj's E4M3 input: written by the decode kernel's epilogue and the merge; after the verify
-  // and prefill kernels, by the quantize stage on `out` (session 14, round C: the verify
-  // epilogue's quantization cost +3 us at B64 x 4 tokens, more than the 1.6 us stage).
+  // o_proj's E4M3 input: written by the epilogues of the decode and verify kernels and the merge;
+  // after the prefill kernels, by the quantize stage on `out`.
   const bool quantize = attention_quantizes_out(p);
-  const bool fused_quantize = quantize && !pl.wgmma && !pl.verify;
+  const bool fused_quantize = quantize && !pl.wgmma;
   if (fused_quantize) {
     M3_CHECK_ARG(p.out_scales.shape[0] <= std::numeric_limits<int32_t>::max(),
                  "run_attention_cuda: out_scales has too many rows");

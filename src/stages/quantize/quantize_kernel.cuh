@@ -20,8 +20,9 @@
 // (pdl_wait) before its first load of `in` and its first store, and lets the next grid launch at
 // once (pdl_launch_dependents: it waits for this grid in turn). Both are no-ops under a normal
 // launch; run_quantize_cuda's `programmatic` picks the launch. Session 13 measured a PDL launch of
-// this kernel alone as noise (its neighbours launched normally); session 14 launches the whole
-// decode chain that way.
+// this kernel alone as noise (its neighbours launched normally); session 14 built the whole
+// decode chain that way (CudaMsaLayer::set_programmatic_stages), measured it faster only for the
+// unfused layer step, and left it off by default (docs/PERF.md).
 //
 // Bytes moved: 2 M K (read) + M_pad K (write) + 4 M_pad K / 128 (scales). Memory bound: at M = 4,
 // K = 6144 the whole call moves ~75 KB and costs a launch (~3 us); at M = 16384 it moves ~300 MB

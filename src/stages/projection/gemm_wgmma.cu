@@ -8,6 +8,7 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
+#include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
@@ -110,17 +111,9 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   a.burst = a.burst > 0       ? std::min(a.burst, kStages)
             : kCtasPerSm == 2 ? std::min(2, kStages)
                               : std::max(1, kStages / 2);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);
-  cfg.dynamicSmemBytes = kSmem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = a.early_weights ? 1 : 0;
-  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, wmap, xmap, a));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                     dim3(gemm_wgmma_detail::kThreads), kSmem, stream,
+                                     a.early_weights != 0, wmap, xmap, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

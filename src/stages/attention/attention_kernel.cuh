@@ -144,6 +144,18 @@ __device__ __forceinline__ uint32_t e4m3x2_hi_to_f16x2(uint32_t w) {
   return d;
 }
 
+// Eight E4M3 bytes (w0 then w1, low byte first) -> one 16-byte chunk of eight f16 values.
+__device__ __forceinline__ uint4 e4m3x8_to_f16(uint32_t w0, uint32_t w1) {
+  return make_uint4(e4m3x2_to_f16x2(w0), e4m3x2_hi_to_f16x2(w0), e4m3x2_to_f16x2(w1),
+                    e4m3x2_hi_to_f16x2(w1));
+}
+
+// One 16-byte raw chunk (16 dims) -> two f16 chunks (8 dims each).
+__device__ __forceinline__ void e4m3x16_to_f16(const uint4& raw, uint4& h0, uint4& h1) {
+  h0 = e4m3x8_to_f16(raw.x, raw.y);
+  h1 = e4m3x8_to_f16(raw.z, raw.w);
+}
+
 __device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);  // .x (low half) = lo
   return *reinterpret_cast<const uint32_t*>(&h);

@@ -218,10 +218,7 @@ __device__ __forceinline__ void convert_v_by(const uint8_t* vraw, uint8_t* vh, i
     if (key <= vlim) {
       const uint2 raw = *reinterpret_cast<const uint2*>(
           vraw + key * ak::kDim + (((c8 >> 1) ^ (key & 7)) << 4) + (c8 & 1) * 8);
-      h.x = ak::e4m3x2_to_f16x2(raw.x);
-      h.y = ak::e4m3x2_hi_to_f16x2(raw.x);
-      h.z = ak::e4m3x2_to_f16x2(raw.y);
-      h.w = ak::e4m3x2_hi_to_f16x2(raw.y);
+      h = ak::e4m3x8_to_f16(raw.x, raw.y);
     }
     *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
                               (((c8 & 7) ^ (key & 7)) << 4)) = h;
@@ -262,13 +259,8 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
       }
     }
     if (any) {
-      uint4 h;
-      h.x = ak::e4m3x2_to_f16x2(w[0]);
-      h.y = ak::e4m3x2_hi_to_f16x2(w[0]);
-      h.z = ak::e4m3x2_to_f16x2(w[1]);
-      h.w = ak::e4m3x2_hi_to_f16x2(w[1]);
       *reinterpret_cast<uint4*>(vh + (c8 >> 3) * (kTileBytes) + key * 128 +
-                                (((c8 & 7) ^ (key & 7)) << 4)) = h;
+                                (((c8 & 7) ^ (key & 7)) << 4)) = ak::e4m3x8_to_f16(w[0], w[1]);
     }
   }
 }
@@ -477,23 +469,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
     int off = c0;
     if (!a.sparse) {
       __syncthreads();  // the previous chunk's entries are no longer read
-      for (int i = tid; i < count; i += kThreads) {
-        const int b = c0 + i;
-        const int page = a.page_table[pt_row + b];
-        int mask = 0, vmax = 0;
-        if (page >= 0 && page < a.num_pages) {
-#pragma unroll
-          for (int w = 0; w < kQT; ++w)
-            if (s_pos[w] >= 0 && (s_pos[w] >> 7) >= b) {
-              mask |= 1 << w;
-              vmax = max(vmax, s_pos[w]);
-            }
-        }
-        s_list_b[i] = b;
-        s_list_page[i] = page;
-        s_list_mask[i] = mask;
-        s_list_vlim[i] = mask ? vmax - b * ak::kBlockKeys : -1;
-      }
+      ak::dense_entries<kQT, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
+                                       s_list_mask, s_list_vlim);
       __syncthreads();
       off = 0;
     }

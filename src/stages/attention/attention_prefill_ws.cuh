@@ -120,14 +120,7 @@ namespace attention_prefill_ws {
 // One 16-byte raw chunk c16 (dims 16 c16 .. + 15) of `key` -> two swizzled 16-byte f16 chunks.
 __device__ __forceinline__ void store_f16_chunk(uint8_t* vh, int key, int c16, const uint4& raw) {
   uint4 lo, hi;
-  lo.x = ak::e4m3x2_to_f16x2(raw.x);
-  lo.y = ak::e4m3x2_hi_to_f16x2(raw.x);
-  lo.z = ak::e4m3x2_to_f16x2(raw.y);
-  lo.w = ak::e4m3x2_hi_to_f16x2(raw.y);
-  hi.x = ak::e4m3x2_to_f16x2(raw.z);
-  hi.y = ak::e4m3x2_hi_to_f16x2(raw.z);
-  hi.z = ak::e4m3x2_to_f16x2(raw.w);
-  hi.w = ak::e4m3x2_hi_to_f16x2(raw.w);
+  ak::e4m3x16_to_f16(raw, lo, hi);
   // 8-dim chunks c8 = 2 c16, 2 c16 + 1: dims half c16 / 4, chunk (c8 % 8) ^ (key % 8).
   uint8_t* row = vh + (c16 >> 2) * kTileBytes + key * 128;
   const int c8 = 2 * c16;

@@ -102,18 +102,6 @@ __device__ __forceinline__ uint32_t e4m3x4_nan_bits(uint32_t w) {
   return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
 }
 
-// One 16-byte raw chunk (16 dims) -> two f16 chunks (8 dims each).
-__device__ __forceinline__ void e4m3x16_to_f16(const uint4& raw, uint4& h0, uint4& h1) {
-  h0.x = ak::e4m3x2_to_f16x2(raw.x);
-  h0.y = ak::e4m3x2_hi_to_f16x2(raw.x);
-  h0.z = ak::e4m3x2_to_f16x2(raw.y);
-  h0.w = ak::e4m3x2_hi_to_f16x2(raw.y);
-  h1.x = ak::e4m3x2_to_f16x2(raw.z);
-  h1.y = ak::e4m3x2_hi_to_f16x2(raw.z);
-  h1.z = ak::e4m3x2_to_f16x2(raw.w);
-  h1.w = ak::e4m3x2_hi_to_f16x2(raw.w);
-}
-
 // Address of the f16 chunk u (dims 64 half + 8 u .. + 7) of key `key` in the converted tile of a
 // stage: half 0 over the K tile, half 1 over the V tile.
 __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key, int u) {
@@ -161,7 +149,7 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
   for (int j = 0; j < 4; ++j) {
     const int kh = early_key(j, true);
     uint4 h0, h1;
-    e4m3x16_to_f16(hi[j], h0, h1);
+    ak::e4m3x16_to_f16(hi[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl)) = h0;
     *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl + 1)) = h1;
   }
@@ -175,7 +163,7 @@ __device__ __forceinline__ void convert_v_low(uint8_t* stage, const uint4 (&lo)[
   for (int j = 0; j < 4; ++j) {
     const int kl = early_key(j, false);
     uint4 h0, h1;
-    e4m3x16_to_f16(lo[j], h0, h1);
+    ak::e4m3x16_to_f16(lo[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl)) = h0;
     *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl + 1)) = h1;
   }

@@ -49,6 +49,7 @@ using testing::attn::expect_matches;
 using testing::attn::kGuard;
 using testing::attn::kPoison;
 using testing::attn::make_problem;
+using testing::attn::make_workspace;
 using testing::attn::Pick;
 using testing::attn::Problem;
 using testing::attn::run_gpu;
@@ -459,8 +460,7 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
       DeviceProblem d;
       upload(a, d);
       AttentionParams p = device_params(a, d, sparse);
-      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
-      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      const size_t ws_bytes = make_workspace(d, p, cfg);
       cudaStream_t stream;
       M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
       cudaGraph_t graph;
@@ -525,8 +525,7 @@ TEST(AttentionGpu, ProgrammaticLaunchEqualsPlain) {
       DeviceProblem d;
       upload(pr, d);
       AttentionParams p = device_params(pr, d, true);
-      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
-      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      const size_t ws_bytes = make_workspace(d, p, cfg);
       cudaStream_t stream;
       M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
       cfg.programmatic_launch = false;
@@ -618,8 +617,7 @@ TEST(AttentionGpu, QuantizedOutputEqualsQuantizeStage) {
       p.out_q = TensorView::contiguous(q8.data(), DType::kE4M3, {m_pad, width}, dev);
       p.out_scales =
           TensorView::strided(scales.data(), DType::kF32, {m_pad, heads}, {1, m_pad}, dev);
-      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
-      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      const size_t ws_bytes = make_workspace(d, p, cfg);
       d.out.poison(kPoison);
       const Status st = run_attention_cuda(p, d.ws.data(), ws_bytes, nullptr, cfg);
       ASSERT_TRUE(st.ok()) << st.to_string();

@@ -202,14 +202,22 @@ inline AttentionParams device_params(const Problem& pr, const DeviceProblem& d, 
   return p;
 }
 
+// Allocates d.ws for (p, cfg), poisoned with 0xFF (NaN floats); returns the workspace bytes that
+// run_attention_cuda takes.
+inline size_t make_workspace(DeviceProblem& d, const AttentionParams& p,
+                             const AttentionCudaConfig& cfg) {
+  const size_t ws_bytes = attention_workspace_bytes(p, cfg);
+  d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+  return ws_bytes;
+}
+
 // Runs the GPU with `cfg` (output poisoned, workspace poisoned with 0xFF: NaN floats) and returns
 // the output bytes (guards included). With `status`, a rejected call is reported there instead of
 // failing the test.
 inline std::vector<uint8_t> run_gpu(const Problem& pr, DeviceProblem& d, bool sparse,
                                     const AttentionCudaConfig& cfg, Status* status = nullptr) {
   const AttentionParams p = device_params(pr, d, sparse);
-  const size_t ws_bytes = attention_workspace_bytes(p, cfg);
-  d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+  const size_t ws_bytes = make_workspace(d, p, cfg);
   d.out.poison(kPoison);
   const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, nullptr, cfg);
   if (status) *status = s;

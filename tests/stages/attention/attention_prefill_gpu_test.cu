@@ -336,8 +336,7 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
       DeviceProblem d;
       upload(a, d);
       const AttentionParams p = testing::attn::device_params(a, d, sparse);
-      const size_t ws_bytes = attention_workspace_bytes(p, cfg);
-      d.ws = DeviceBuffer(std::max<size_t>(ws_bytes, 16), 0xFF);
+      const size_t ws_bytes = testing::attn::make_workspace(d, p, cfg);
       cudaStream_t stream;
       M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
       cudaGraph_t graph;

@@ -165,6 +165,53 @@ TensorView hidden_view(const mt::DeviceBuffer& b, int64_t Tp, int hidden) {
   return TensorView::contiguous(b.data(), DType::kBF16, {Tp, int64_t{hidden}}, Device::cuda(0));
 }
 
+// A scenario planned on a fresh CacheManager (page-table width 40) with everything a run needs:
+// the host pool (the state every run starts from), its device copy, the hidden rows and a CUDA
+// layer planned for the step: at the exact shape and capacity, or `padded`: the launch shape padded
+// by 3 tokens and 2 requests (padding must not matter) inside a capacity of 8 and 4 more.
+struct PlannedStep {
+  StepPlan step;
+  int64_t T = 0, pages = 0;
+  PagePool host_pool;
+  DevicePool dev_pool;
+  Tensor hidden;
+  mt::DeviceBuffer hid;
+  std::unique_ptr<CudaStepMetadata> meta;
+  std::unique_ptr<CudaMsaLayer> layer;
+};
+
+constexpr int kPlanWidth = 40;
+
+void plan_layer_step(const MsaGeometry& g, const PackedRankWeights& packed, const Tensor& rope,
+                     const Scenario& s, bool sparse, mt::Rng& rng, PlannedStep* p,
+                     cudaStream_t stream = nullptr, const MsaLayerOptions& lo = {},
+                     bool padded = false) {
+  p->pages = scenario_pages(s);
+  CacheManager cache(p->pages);
+  p->step = plan_scenario(cache, s, kPlanWidth);
+  p->T = p->step.num_tokens();
+  const int R = p->step.num_requests();
+  p->host_pool = mt::make_random_pool(g.n_kv, p->pages, sparse, rng);
+  p->dev_pool = make_device_pool(p->host_pool);
+  p->hidden = mt::random_hidden(p->T, g.hidden, rng);
+  const CudaLayerCapacity cap{p->T + (padded ? 8 : 0), R + (padded ? 4 : 0), kPlanWidth};
+  Result<std::unique_ptr<CudaMsaLayer>> layer = CudaMsaLayer::create(packed, rope.view(), cap, lo);
+  ASSERT_TRUE(layer.ok()) << layer.status().to_string();
+  p->layer = std::move(layer.value());
+  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
+  ASSERT_TRUE(meta.ok()) << meta.status().to_string();
+  p->meta = std::move(meta.value());
+  const CudaStepShape shape = padded ? CudaStepShape{p->T + 3, R + 2} : CudaStepShape{};
+  const Status us = p->meta->upload(p->step, p->pages, 4096, shape, stream);
+  ASSERT_TRUE(us.ok()) << us.to_string();
+  const int64_t Tp = padded ? shape.tokens : p->T;
+  p->hid = device_hidden(p->hidden, Tp);
+  const Status ps =
+      p->layer->plan(*p->meta, hidden_view(p->hid, Tp, g.hidden), p->dev_pool.caches(sparse));
+  ASSERT_TRUE(ps.ok()) << ps.to_string();
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+}
+
 void expect_e4m3_close(const Tensor& gpu, const Tensor& cpu, const char* what) {
   ASSERT_EQ(gpu.shape(), cpu.shape()) << what;
   std::string report;
@@ -215,42 +262,29 @@ void compare_with_cpu(const MsaGeometry& g, bool sparse, bool fused, const Scena
   ASSERT_TRUE(w.ok()) << w.status().to_string();
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   const MsaLayer cpu_layer = mt::make_layer(w.value(), rope, fused);
-
-  const int64_t pages = scenario_pages(s);
-  CacheManager cache(pages);
-  const int width = 40;
-  const StepPlan step = plan_scenario(cache, s, width);
-  const int64_t T = step.num_tokens();
-  PagePool host_pool = mt::make_random_pool(g.n_kv, pages, sparse, rng);
-  DevicePool dev_pool = make_device_pool(host_pool);
-  const Tensor hidden = mt::random_hidden(T, g.hidden, rng);
-
-  // ---- CPU layer ----
-  Tensor cpu_out(DType::kBF16, {T, g.hidden});
-  LayerTrace cpu_trace;
-  ASSERT_TRUE(
-      cpu_layer
-          .step(step, mt::layer_io(host_pool, hidden.view(), cpu_out.view(), sparse), &cpu_trace)
-          .ok());
-
-  // ---- CUDA layer (padded by 3 tokens and 2 requests: padding must not matter) ----
-  CudaLayerCapacity cap{T + 8, step.num_requests() + 4, width};
   Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
   ASSERT_TRUE(packed.ok());
   MsaLayerOptions lo;
   lo.fuse_qkv_index_projection = fused;
-  Result<std::unique_ptr<CudaMsaLayer>> layer =
-      CudaMsaLayer::create(packed.value(), rope.view(), cap, lo);
-  ASSERT_TRUE(layer.ok()) << layer.status().to_string();
-  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
-  ASSERT_TRUE(meta.ok()) << meta.status().to_string();
-  const CudaStepShape shape{T + 3, step.num_requests() + 2};
-  ASSERT_TRUE(meta.value()->upload(step, pages, 4096, shape, nullptr).ok());
-  mt::DeviceBuffer hid = device_hidden(hidden, shape.tokens);
-  CudaMsaLayer& L = *layer.value();
-  const Status ps =
-      L.plan(*meta.value(), hidden_view(hid, shape.tokens, g.hidden), dev_pool.caches(sparse));
-  ASSERT_TRUE(ps.ok()) << ps.to_string();
+  PlannedStep ps;
+  ASSERT_NO_FATAL_FAILURE(
+      plan_layer_step(g, packed.value(), rope, s, sparse, rng, &ps, nullptr, lo, /*padded=*/true));
+  const StepPlan& step = ps.step;
+  const int64_t T = ps.T, pages = ps.pages;
+  const int width = kPlanWidth;
+  PagePool& host_pool = ps.host_pool;
+  DevicePool& dev_pool = ps.dev_pool;
+
+  // ---- CPU layer (from the same pool state: the device copy was taken before this step) ----
+  Tensor cpu_out(DType::kBF16, {T, g.hidden});
+  LayerTrace cpu_trace;
+  ASSERT_TRUE(
+      cpu_layer
+          .step(step, mt::layer_io(host_pool, ps.hidden.view(), cpu_out.view(), sparse), &cpu_trace)
+          .ok());
+
+  // ---- CUDA layer (padded by 3 tokens and 2 requests: padding must not matter) ----
+  CudaMsaLayer& L = *ps.layer;
   const Status rs = L.run(nullptr);
   ASSERT_TRUE(rs.ok()) << rs.to_string();
   GpuRun gpu;
@@ -611,33 +645,18 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   Result<AttentionWeights> w = random_attention_weights(g, seed, true);
   ASSERT_TRUE(w.ok());
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
-  const Scenario s = mixed_scenario(rng, 1);
-  const int64_t pages = scenario_pages(s);
-  CacheManager cache(pages);
-  const int width = 40;
-  const StepPlan step = plan_scenario(cache, s, width);
-  const int64_t T = step.num_tokens();
-  PagePool host_pool = mt::make_random_pool(g.n_kv, pages, true, rng);
-  DevicePool dev_pool = make_device_pool(host_pool);
-  const Tensor hidden = mt::random_hidden(T, g.hidden, rng);
-
-  CudaLayerCapacity cap{T, step.num_requests(), width};
   Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
   ASSERT_TRUE(packed.ok());
-  Result<std::unique_ptr<CudaMsaLayer>> layer =
-      CudaMsaLayer::create(packed.value(), rope.view(), cap);
-  ASSERT_TRUE(layer.ok());
-  CudaMsaLayer& L = *layer.value();
-  Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
-  ASSERT_TRUE(meta.ok());
-  ASSERT_TRUE(meta.value()->upload(step, pages, 4096, {}, nullptr).ok());
-  mt::DeviceBuffer hid = device_hidden(hidden, T);
-  ASSERT_TRUE(L.plan(*meta.value(), hidden_view(hid, T, g.hidden), dev_pool.caches(true)).ok());
+  PlannedStep ps;
+  ASSERT_NO_FATAL_FAILURE(
+      plan_layer_step(g, packed.value(), rope, mixed_scenario(rng, 1), true, rng, &ps));
+  CudaMsaLayer& L = *ps.layer;
+  const int64_t T = ps.T;
 
   LayerTrace tr[2];
   Tensor out[2];
   for (int v = 0; v < 2; ++v) {
-    dev_pool.upload(host_pool);
+    ps.dev_pool.upload(ps.host_pool);
     L.set_fused(v == 0);
     ASSERT_EQ(L.fused(), v == 0);
     LayerTimes times;
@@ -690,25 +709,12 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const Scenario& s : scenarios) {
-    const int64_t pages = scenario_pages(s);
-    CacheManager cache(pages);
-    const int width = 40;
-    const StepPlan step = plan_scenario(cache, s, width);
-    const int64_t T = step.num_tokens();
-    PagePool host_pool = mt::make_random_pool(g.n_kv, pages, true, rng);
-    DevicePool dev_pool = make_device_pool(host_pool);
-    const Tensor hidden = mt::random_hidden(T, g.hidden, rng);
-    CudaLayerCapacity cap{T, step.num_requests(), width};
-    Result<std::unique_ptr<CudaMsaLayer>> layer =
-        CudaMsaLayer::create(packed.value(), rope.view(), cap);
-    ASSERT_TRUE(layer.ok()) << layer.status().to_string();
-    CudaMsaLayer& L = *layer.value();
-    Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(cap);
-    ASSERT_TRUE(meta.ok());
-    ASSERT_TRUE(meta.value()->upload(step, pages, 4096, {}, stream).ok());
-    mt::DeviceBuffer hid = device_hidden(hidden, T);
-    ASSERT_TRUE(L.plan(*meta.value(), hidden_view(hid, T, g.hidden), dev_pool.caches(true)).ok());
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    PlannedStep ps;
+    ASSERT_NO_FATAL_FAILURE(plan_layer_step(g, packed.value(), rope, s, true, rng, &ps, stream));
+    CudaMsaLayer& L = *ps.layer;
+    const int64_t T = ps.T;
+    const PagePool& host_pool = ps.host_pool;
+    DevicePool& dev_pool = ps.dev_pool;
     for (int fused = 0; fused < 2; ++fused) {
       SCOPED_TRACE(fused ? "fused" : "unfused");
       L.set_fused(fused != 0);

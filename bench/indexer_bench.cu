@@ -44,7 +44,11 @@
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
-//   the first warp's entry, and the median / max clock64 duration of each phase).
+//   the first warp's entry, and the median / max clock64 duration of each phase; then where the
+//   spread of the scored phase lives: within a CTA, between a cluster's CTAs, per SM id),
+//   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
+//   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
+//   --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -96,6 +100,58 @@ __global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * 16; i < bytes;
        i += int64_t{gridDim.x} * blockDim.x * 16)
     *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+}
+
+// --ceiling: the index-K bytes of a case read without any compute, timed like the indexer.
+// read_flat: n16 contiguous 16-byte words, each loaded once (non-caching, 4 per lane in flight),
+// the same kernel as bandwidth_bench's plain read.
+__global__ void read_flat(const int4* __restrict__ p, size_t n, int* sink) {
+  int acc = 0;
+  const size_t stride = size_t{gridDim.x} * blockDim.x;
+  size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                   : "l"(p + i + u * stride));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < n; i += stride) acc ^= p[i].x ^ p[i].w;
+  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;  // practically never: keeps the loads alive
+}
+
+// read_paged: the case's pages through its page table (the indexer's access pattern without the
+// metadata, the compute and the selection): warp w of the grid reads entries w, w + warps, ... of
+// the flattened [R, max_pages] table, 16 KB per page, 16 loads of 16 bytes per lane in flight.
+__global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
+                           int64_t entries, int* sink) {
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x >> 5);
+  int acc = 0;
+  int64_t e = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
+  int32_t pg = e < entries ? __ldg(table + e) : 0;
+  for (; e < entries; e += warps) {
+    const int32_t next = e + warps < entries ? __ldg(table + e + warps) : 0;
+    const int4* src = reinterpret_cast<const int4*>(pool + int64_t{pg} * kPageBytes) + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int4 v[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                     : "l"(src + (h * 16 + u) * 32));
+      }
+#pragma unroll
+      for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    pg = next;
+  }
+  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
 }
 
 uint64_t integer_codes() {
@@ -387,7 +443,7 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false, pdl = false, no_guess = false, timeline = false;
+       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -405,6 +461,8 @@ int main(int argc, char** argv) {
       pdl = true;
     else if (a == "--no-guess")
       no_guess = true;
+    else if (a == "--ceiling")
+      ceiling = true;
     else if (a == "--timeline" && i + 1 < argc &&
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       timeline = true;
@@ -419,7 +477,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT]\n",
+                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling]\n",
                    argv[0]);
       return 2;
     }
@@ -512,6 +570,45 @@ int main(int argc, char** argv) {
                     pct(dur, 0.5), pct(dur, 0.9), pct(dur, 1));
       std::printf("\n");
     }
+    // Where the spread of "scored" lives: between the warps of a CTA, between the CTAs of a
+    // cluster (grid.y), or between SMs (word 7: the warp's SM id).
+    std::vector<double> within_cta, cta_last, within_cluster;
+    std::vector<std::pair<int, double>> by_sm;  // (SM id, the CTA's last warp scored)
+    for (int64_t x = 0; x < units; ++x) {
+      double cl_lo = 1e30, cl_hi = -1.0;
+      for (int64_t y = 0; y < pl.k_splits; ++y) {
+        double lo = 1e30, hi = -1.0;
+        int sm = -1;
+        for (int w = 0; w < 4; ++w) {
+          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * 16;
+          if (!e[0] || !e[2]) continue;
+          const double at = (e[2] - g0) * 1e-3;
+          lo = std::min(lo, at);
+          hi = std::max(hi, at);
+          sm = static_cast<int>(e[7]);
+        }
+        if (hi < 0) continue;
+        within_cta.push_back(hi - lo);
+        cta_last.push_back(hi);
+        by_sm.emplace_back(sm, hi);
+        cl_lo = std::min(cl_lo, hi);
+        cl_hi = std::max(cl_hi, hi);
+      }
+      if (cl_hi >= 0 && pl.k_splits > 1) within_cluster.push_back(cl_hi - cl_lo);
+    }
+    std::printf(
+        "  scored spread within a CTA (last - first warp) us: p50 %.2f p90 %.2f max %.2f; "
+        "between the CTAs of a cluster: p50 %.2f p90 %.2f max %.2f\n",
+        pct(within_cta, 0.5), pct(within_cta, 0.9), pct(within_cta, 1), pct(within_cluster, 0.5),
+        pct(within_cluster, 0.9), pct(within_cluster, 1));
+    std::printf("  CTA last scored us: min %.2f p10 %.2f p50 %.2f p90 %.2f max %.2f (%zu CTAs)\n",
+                pct(cta_last, 0), pct(cta_last, 0.1), pct(cta_last, 0.5), pct(cta_last, 0.9),
+                pct(cta_last, 1), cta_last.size());
+    std::sort(by_sm.begin(), by_sm.end());
+    std::printf("  by SM (smid:last scored us, a CTA per entry):");
+    for (size_t i = 0; i < by_sm.size(); ++i)
+      std::printf("%s%d:%.1f", i % 12 == 0 ? "\n    " : " ", by_sm[i].first, by_sm[i].second);
+    std::printf("\n");
     cudaFree(d_tl);
     free_case(c);
     return finish();
@@ -571,6 +668,97 @@ int main(int argc, char** argv) {
     bench::print_rows(
         "indexer behind a producer stand-in (graph replay, cold L2; pair = stand-in + indexer, "
         "normal vs programmatic launch of the indexer; isolated and back to back)",
+        rows, json);
+    return finish();
+  }
+  if (ceiling) {
+    // The default plan beside plain reads of the same index-K bytes, timed the same way
+    // (isolated: one graph replay after an L2 flush; back to back over the case's copies): a
+    // contiguous read (read_flat; copy i = the i-th run of pool pages) and the case's own pages
+    // through its page tables (read_paged; copy i = page table i), each at its fastest grid.
+    int dev = 0, sms = 0;
+    check_cuda(cudaGetDevice(&dev), "device");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sm count");
+    int* sink = static_cast<int*>(device_alloc(size_t{64} * 1024 * 4));
+    for (int draft : {0, 3}) {
+      for (int ctx : contexts) {
+        for (int batch : batches) {
+          if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
+          if (!only && batch == 1) continue;  // latency-bound: see the main table
+          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+          std::vector<Slice> slices = {{0, 0, 1 + draft}};
+          if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+          const std::string what = "ceiling b" + std::to_string(batch) + " ctx " +
+                                   std::to_string(ctx) + " draft " + std::to_string(draft);
+          bool pass = true;
+          const Times tm = check_and_time(c, pool, slices, default_o, stream, true, what, &pass);
+          all_pass = all_pass && pass;
+          const int64_t entries = int64_t{c.R} * c.max_pages;
+          const size_t n16 = static_cast<size_t>(entries * kPageBytes / 16);
+          const auto flat_src = [&](int copy) {
+            return reinterpret_cast<const int4*>(pool.data + int64_t{copy} * entries * kPageBytes);
+          };
+          double flat_best = 1e30, paged_best = 1e30;
+          int flat_grid = 0, paged_grid = 0;
+          for (int k : {1, 2, 4, 8, 16}) {
+            const bench::Timing tf = bench::time_graph_cold(
+                [&](cudaStream_t st) {
+                  read_flat<<<k * sms, 512, 0, st>>>(flat_src(0), n16, sink);
+                },
+                stream);
+            if (tf.median_us < flat_best) flat_best = tf.median_us, flat_grid = k * sms;
+            const bench::Timing tp = bench::time_graph_cold(
+                [&](cudaStream_t st) {
+                  read_paged<<<k * sms, 256, 0, st>>>(
+                      pool.data, static_cast<const int32_t*>(c.d_tables[0]), entries, sink);
+                },
+                stream);
+            if (tp.median_us < paged_best) paged_best = tp.median_us, paged_grid = k * sms;
+          }
+          const int calls = std::max(8, 2 * c.copies);
+          const bench::Timing fb = bench::time_graph_back_to_back(
+              [&](cudaStream_t st, int copy) {
+                read_flat<<<flat_grid, 512, 0, st>>>(flat_src(copy), n16, sink);
+              },
+              c.copies, stream, calls);
+          const bench::Timing pb = bench::time_graph_back_to_back(
+              [&](cudaStream_t st, int copy) {
+                read_paged<<<paged_grid, 256, 0, st>>>(
+                    pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries, sink);
+              },
+              c.copies, stream, calls);
+          check_cuda(cudaStreamSynchronize(stream), "ceiling");
+          bench::Row row;
+          row.add("batch", std::to_string(batch));
+          row.add("context", kilo(ctx));
+          row.add("draft", std::to_string(draft));
+          row.add("plan", plan_str(c, default_o));
+          row.add("check", pass ? "PASS" : "FAIL");
+          row.add("index_MB", c.index_bytes / 1e6, 1);
+          row.add("idx_us", tm.iso.median_us, 1);
+          row.add("idx_b2b", tm.b2b.median_us, 1);
+          row.add("read_us", flat_best, 1);
+          row.add("read_b2b", fb.median_us, 1);
+          row.add("paged_us", paged_best, 1);
+          row.add("paged_b2b", pb.median_us, 1);
+          row.add("read_%copy", pct_copy(c, flat_best), 1);
+          row.add("read_b2b_%", pct_copy(c, fb.median_us), 1);
+          row.add("paged_%copy", pct_copy(c, paged_best), 1);
+          row.add("paged_b2b_%", pct_copy(c, pb.median_us), 1);
+          row.add("idx/read", 100.0 * flat_best / tm.iso.median_us, 1);
+          row.add("idx/read_b2b", 100.0 * fb.median_us / tm.b2b.median_us, 1);
+          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid));
+          row.add("copies", std::to_string(c.copies));
+          rows.push_back(row);
+          free_case(c);
+        }
+      }
+    }
+    cudaFree(sink);
+    bench::print_rows(
+        "indexer vs plain reads of the same index-K bytes (graph replay, cold L2; isolated and "
+        "back to back; read = contiguous, paged = the case's pages via its page table; idx/read "
+        "= read time / indexer time, %)",
         rows, json);
     return finish();
   }

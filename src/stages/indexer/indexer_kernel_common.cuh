@@ -89,8 +89,8 @@ struct KernelArgs {
 // warp of a decode unit records %globaltimer (ns) in word `slot` and clock64 in word 8 + slot of
 // its kTimelineStride words at (CTA x * gridDim.y + y) * 4 + warp. Slots: 0 entry, 1 ready to
 // score (query rows and positions in, after pdl_wait), 2 its blocks scored, 3 the CTA's (or
-// cluster's) barrier passed, 4 done (rows written). Written even before pdl_wait (the buffer is
-// the caller's own).
+// cluster's) barrier passed, 4 done (rows written); word 7 holds the SM id (%smid) of the warp.
+// Written even before pdl_wait (the buffer is the caller's own).
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 16;
 __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
@@ -101,6 +101,11 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
       (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   a.timeline[w * kTimelineStride + slot] = g;
   a.timeline[w * kTimelineStride + 8 + slot] = static_cast<uint64_t>(clock64());
+  if (slot == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    a.timeline[w * kTimelineStride + 7] = sm;
+  }
 }
 
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made

@@ -46,7 +46,9 @@
 // --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions), --shape N,K (only
 // one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
-// times only wgmma variant V (for profiling: its check launch comes first); --random).
+// times only wgmma variant V (for profiling: its check launch comes first); --random; --trace:
+// a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --ablate: variants
+// 0 and 3 also without MMAs and / or without the stream-K fixup (debug_ablate; wrong outputs)).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -357,13 +359,67 @@ __global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
 }
 
 struct ShapeVariant {
-  int ctas;    // GemmWgmmaOptions::ctas_per_sm (0: automatic)
-  bool owner;  // GemmWgmmaOptions::owner_fixup
+  int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
+  bool owner;     // GemmWgmmaOptions::owner_fixup
+  int min_units;  // GemmWgmmaOptions::min_units_per_cta
 };
 
+// --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
+// the CTAs, when they started, got their first and last unit and ended (us after the first CTA's
+// start), the epilogue time per CTA, and the SMs' idle share between the first start and the last
+// end (1 - mean CTA lifetime / kernel span).
+struct TraceBuffer {
+  unsigned long long* dev = nullptr;
+  int ctas = 0;
+  double clock_ghz = 1.0;
+};
+
+std::string trace_summary(const TraceBuffer& tb) {
+  const int words = gemm_wgmma_trace_words();
+  std::vector<unsigned long long> t(static_cast<size_t>(tb.ctas * words));
+  check_cuda(cudaMemcpy(t.data(), tb.dev, t.size() * 8, cudaMemcpyDeviceToHost), "trace");
+  std::vector<double> start, first, last, end, epi, life;
+  unsigned long long t0 = ~0ull;
+  for (int c = 0; c < tb.ctas; ++c)
+    if (t[static_cast<size_t>(c * words)] != 0)
+      t0 = std::min(t0, t[static_cast<size_t>(c * words)]);
+  for (int c = 0; c < tb.ctas; ++c) {
+    const unsigned long long* w = &t[static_cast<size_t>(c * words)];
+    if (w[0] == 0) continue;  // a CTA the grid did not have
+    start.push_back((w[0] - t0) / 1e3);
+    first.push_back((w[1] - t0) / 1e3);
+    last.push_back((w[2] - t0) / 1e3);
+    end.push_back((w[3] - t0) / 1e3);
+    life.push_back((w[3] - w[0]) / 1e3);
+    epi.push_back(static_cast<double>(w[7]) / tb.clock_ghz / 1e3);
+  }
+  if (start.empty()) return "no trace";
+  auto stat = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.2f/%.2f/%.2f", v.front(), v[v.size() / 2], v.back());
+    return std::string(buf);
+  };
+  double mean_life = 0;
+  for (double x : life) mean_life += x / static_cast<double>(life.size());
+  const double span = *std::max_element(end.begin(), end.end());
+  char buf[512];
+  std::snprintf(buf, sizeof(buf),
+                "%zu CTAs, us min/median/max: start %s first %s last %s end %s epilogue %s; "
+                "idle %.1f %%",
+                start.size(), stat(start).c_str(), stat(first).c_str(), stat(last).c_str(),
+                stat(end).c_str(), stat(epi).c_str(), 100.0 * (1.0 - mean_life / span));
+  return buf;
+}
+
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
-              bool json) {
-  const ShapeVariant variants[] = {{0, false}, {2, false}, {1, false}, {0, true}, {2, true}};
+              bool trace, bool ablate, bool json) {
+  // Variants 5-8: other units per CTA; for the fused N 9856 x K 6144 (3696 units): 14 gives 264
+  // CTAs (two per SM at M <= 16), 24 gives 154 (one per SM above M 16: clamped to 132), 28 gives
+  // 132, 48 gives 77: one whole tile per CTA, no split-K fixup at all.
+  const ShapeVariant variants[] = {{0, false, 16}, {2, false, 16}, {1, false, 16},
+                                   {0, true, 16},  {2, true, 16},  {0, false, 14},
+                                   {0, false, 24}, {0, false, 28}, {0, false, 48}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -394,6 +450,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   void* ws = nullptr;
   check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
   check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+  TraceBuffer tbuf;
+  if (trace) {
+    int dev = 0, sms = 0, khz = 0;
+    check_cuda(cudaGetDevice(&dev), "device");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs");
+    check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock");
+    tbuf.ctas = 2 * sms;
+    tbuf.clock_ghz = khz / 1e6;
+    tbuf.dev =
+        device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());
+  }
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
@@ -460,9 +527,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       GemmWgmmaOptions o;
       o.ctas_per_sm = variants[v].ctas;
       o.owner_fixup = variants[v].owner;
-      const std::string name = std::string("wgmma ctas ") +
-                               (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
-                               (o.owner_fixup ? " owner fixup" : "");
+      o.min_units_per_cta = variants[v].min_units;
+      const std::string name =
+          std::string("wgmma ctas ") +
+          (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
+          (o.owner_fixup ? " owner fixup" : "") +
+          (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {
@@ -482,6 +552,38 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           random ? "n/a"
           : same ? "identical"
                  : "DIFFERENT");
+      if (trace) {
+        GemmWgmmaOptions ot = o;
+        ot.debug_trace = tbuf.dev;
+        check_cuda(
+            cudaMemsetAsync(tbuf.dev, 0,
+                            static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words() * 8, stream),
+            "trace clear");
+        bench::time_graph_cold(
+            [&](cudaStream_t stc) {
+              must(run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stc, ot), "traced");
+            },
+            stream, 0, 1);
+        check_cuda(cudaStreamSynchronize(stream), "traced");
+        std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    trace_summary(tbuf).c_str());
+      }
+      // --ablate (variants 0 and 3): the same launch without MMAs (1), without the stream-K
+      // fixup (2), or both (3): where the time goes. The outputs are wrong by design.
+      if (ablate && (v == 0 || v == 3)) {
+        for (int ab = 1; ab <= 3; ++ab) {
+          GemmWgmmaOptions oa = o;
+          oa.debug_ablate = ab;
+          add(
+              name + (ab == 1   ? " ablate no-mma"
+                      : ab == 2 ? " ablate no-fixup"
+                                : " ablate none"),
+              [&](cudaStream_t stc, int c) {
+                must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, oa), "ablated");
+              },
+              "ablated");
+        }
+      }
     }
   }
   bench::print_rows("GEMM N " + std::to_string(n) + " K " + std::to_string(k) +
@@ -499,6 +601,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   cudaFree(out);
   cudaFree(ref);
   cudaFree(ws);
+  if (tbuf.dev) cudaFree(tbuf.dev);
   cudaStreamDestroy(stream);
   std::printf("shape checks %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
@@ -519,7 +622,7 @@ int run(int argc, char** argv) {
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   int only_variant = -1;
-  bool random = false;
+  bool random = false, trace = false, ablate = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -555,6 +658,10 @@ int run(int argc, char** argv) {
       int_arg(&only_variant);
     } else if (f == "--random") {
       random = true;
+    } else if (f == "--trace") {
+      trace = true;
+    } else if (f == "--ablate") {
+      ablate = true;
     } else {
       std::fprintf(stderr,
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
@@ -571,7 +678,7 @@ int run(int argc, char** argv) {
       return 2;
     }
     std::sort(shape_ms.begin(), shape_ms.end());
-    return run_shape(shape[0], shape[1], shape_ms, only_variant, random, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variant, random, trace, ablate, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

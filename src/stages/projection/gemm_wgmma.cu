@@ -164,6 +164,8 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
                                            static_cast<size_t>(info.sms) * kTileN * sizeof(float);
 }
 
+int gemm_wgmma_trace_words() { return gemm_wgmma_detail::kTraceWords; }
+
 bool gemm_wgmma_device_supported() {
   DeviceInfo info;
   return device_info(&info).ok() && info.major == 9;
@@ -186,6 +188,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.debug_ablate >= 0 && options.debug_ablate <= 3,
+               "GemmWgmmaOptions::debug_ablate = ", options.debug_ablate, " must be in [0, 3]");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
@@ -254,6 +258,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
   args.owner_fixup = options.owner_fixup && options.max_waves == 1 ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
+  args.trace = options.debug_trace;
+  args.ablate = options.debug_ablate;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
   if (ctas_per_sm == 1)

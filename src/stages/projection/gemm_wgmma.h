@@ -74,7 +74,18 @@ struct GemmWgmmaOptions {
   // Kept for source compatibility; ignored: the producer warp now always stages every unit's
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;
+  // Benchmark diagnostics only (projection_bench --trace / --ablate); never set them elsewhere.
+  // debug_trace: a device buffer of gemm_wgmma_trace_words() x (grid <= ctas_per_sm x SMs x
+  // max_waves) uint64 where every CTA records when it started, got its first and last unit, and
+  // ended (%globaltimer ns and clock64 cycles) and its cycles in segment epilogues (results are
+  // unchanged). debug_ablate: 1 = the consumers release every stage without MMAs, 2 = no
+  // stream-K fixup (every segment stores its own sum), 3 = both: the OUTPUT IS WRONG; for timing.
+  unsigned long long* debug_trace = nullptr;
+  int debug_ablate = 0;
 };
+
+// uint64 words per CTA in GemmWgmmaOptions::debug_trace.
+int gemm_wgmma_trace_words();
 
 constexpr int64_t kGemmWgmmaMaxM = 64;
 

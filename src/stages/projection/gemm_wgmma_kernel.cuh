@@ -140,7 +140,21 @@ struct WgmmaArgs {
   int units;               // tiles * kblocks (< 2^31: checked on the host)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
+  // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
+  unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
+  int ablate;                 // 1: no MMAs / fold, 2: no stream-K fixup (outputs undefined)
 };
+
+// Trace words per CTA, written by consumer thread 0: %globaltimer (ns) at the CTA's start, when
+// its first unit was full, when its last unit was full, at its end; clock64 cycles from the start
+// to the same three points; cycles spent in segment epilogues (partials, fixup, bf16 stores).
+constexpr int kTraceWords = 8;
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 // ---- PTX helpers ------------------------------------------------------------------------------
 
@@ -323,6 +337,15 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int u_begin = unit_begin(cta, grid, units);
   const int u_end = unit_begin(cta + 1, grid, units);
   const int m_count = p.m;
+  // Diagnostics (bench only): consumer thread 0 keeps the trace's timestamps in shared memory
+  // (kTraceWords, then the clock at the start and at the last segment's end), not in registers.
+  __shared__ long long s_trace[kTraceWords + 2];
+  const bool tracing = p.trace != nullptr && tid == 0;
+  if (tracing) {
+    for (int w = 0; w < kTraceWords + 2; ++w) s_trace[w] = 0;
+    s_trace[0] = static_cast<long long>(global_ns());
+    s_trace[kTraceWords] = clock64();
+  }
 
   // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
   for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
@@ -422,6 +445,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   int i = 0;
   int u = u_begin;
   while (u < u_end) {
+    if (tracing && s_trace[kTraceWords + 1] != 0)
+      s_trace[7] += clock64() - s_trace[kTraceWords + 1];
     const int tile = u / kb_count;
     const int seg_begin = u;
     const int seg_end = u_end < (tile + 1) * kb_count ? u_end : (tile + 1) * kb_count;
@@ -432,6 +457,21 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       float tmp[kAcc];
       const int s = i % kStages;
       mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+      if (tracing) {
+        if (u == u_begin) {
+          s_trace[1] = static_cast<long long>(global_ns());
+          s_trace[4] = clock64() - s_trace[kTraceWords];
+        }
+        if (u == u_end - 1) {
+          s_trace[2] = static_cast<long long>(global_ns());
+          s_trace[5] = clock64() - s_trace[kTraceWords];
+        }
+      }
+      if (p.ablate & 1) {  // diagnostics: the stage is released unused
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        continue;
+      }
       const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
       const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
       // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
@@ -471,7 +511,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (lane == 0) mbar_arrive(empty0 + 8 * s);
     }
 
-    const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
+    if (tracing) s_trace[kTraceWords + 1] = clock64();
+    // (ablate 2, diagnostics: every segment stores its own sum as if it were the whole tile.)
+    const bool whole =
+        (seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count) || (p.ablate & 2) != 0;
     if (whole) {
 #pragma unroll
       for (int j = 0; j < kAcc; ++j) store_bf16(j, acc[j], tile);
@@ -562,6 +605,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
       if (tid == 0) atomicExch(p.counters + tile, 0u);
     }
+  }
+  if (tracing) {
+    const long long c_end = clock64();
+    if (s_trace[kTraceWords + 1] != 0) s_trace[7] += c_end - s_trace[kTraceWords + 1];
+    s_trace[3] = static_cast<long long>(global_ns());
+    s_trace[6] = c_end - s_trace[kTraceWords];
+    unsigned long long* t = p.trace + int64_t{cta} * kTraceWords;
+    for (int w = 0; w < kTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
   }
 }
 

@@ -388,6 +388,51 @@ TEST(GemmWgmmaGraph, TriggeredChainWritesTheLastGemm) {
   }
 }
 
+// The benchmark's timeline (GemmWgmmaOptions::debug_trace) changes no output bit, and every CTA
+// of the grid records an ordered timeline (start <= first unit <= last unit <= end).
+TEST(GemmWgmmaDiagnostics, TraceKeepsTheOutput) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {3, 40}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    const Case c{m, 1280, 2048, 0, 0, false, 0, 4};
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    const std::vector<uint16_t> ref = cpu_gemm(d);
+    DeviceGemm dev(d, c.n);
+    DeviceBuffer ws = make_workspace(c.n, c.m);
+    int device = 0, sms = 0;
+    M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
+    M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int words = gemm_wgmma_trace_words();
+    DeviceBuffer trace(static_cast<size_t>(2 * sms * words) * 8, 0);
+    GemmWgmmaOptions o = options_of(c);
+    o.debug_trace = static_cast<unsigned long long*>(trace.data());
+    ASSERT_TRUE(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).ok());
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(dev.result(&touched), ref, c.n, &report), 0) << report;
+    EXPECT_EQ(touched, 0);
+    EXPECT_EQ(nonzero_counters(ws, c.n), 0);
+    // 10 x 16 units of 4 per CTA: 40 CTAs.
+    std::vector<unsigned long long> t(static_cast<size_t>(2 * sms * words));
+    trace.download(t.data(), t.size() * 8);
+    for (int cta = 0; cta < 40; ++cta) {
+      const unsigned long long* w = &t[static_cast<size_t>(cta * words)];
+      EXPECT_NE(w[0], 0u) << "CTA " << cta;
+      EXPECT_LE(w[0], w[1]) << "CTA " << cta;
+      EXPECT_LE(w[1], w[2]) << "CTA " << cta;
+      EXPECT_LE(w[2], w[3]) << "CTA " << cta;
+      EXPECT_LE(w[4], w[5]) << "CTA " << cta;
+      EXPECT_LE(w[5], w[6]) << "CTA " << cta;
+      EXPECT_LE(w[7], w[6]) << "CTA " << cta;
+    }
+    EXPECT_EQ(t[static_cast<size_t>(40 * words)], 0u) << "a CTA beyond the grid wrote a trace";
+  }
+}
+
 TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -447,6 +492,10 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   }
 
   EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, 1, 3).status().code(), StatusCode::kInvalidArgument);
+  bad = {};
+  bad.debug_ablate = 4;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
   bad = {};
   bad.min_units_per_cta = 0;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),

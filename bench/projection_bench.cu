@@ -48,7 +48,7 @@
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
 // times only wgmma variant V (for profiling: its check launch comes first); --random; --trace:
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --ablate: variants
-// 0 and 3 also without MMAs and / or without the stream-K fixup (debug_ablate; wrong outputs)).
+// 0, 3 and 11 also without MMAs and / or without the reduction (debug_ablate; wrong outputs)).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -362,6 +362,7 @@ struct ShapeVariant {
   int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
   bool owner;     // GemmWgmmaOptions::owner_fixup
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
+  int cluster;    // GemmWgmmaOptions::cluster_split
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -417,9 +418,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // Variants 5-8: other units per CTA; for the fused N 9856 x K 6144 (3696 units): 14 gives 264
   // CTAs (two per SM at M <= 16), 24 gives 154 (one per SM above M 16: clamped to 132), 28 gives
   // 132, 48 gives 77: one whole tile per CTA, no split-K fixup at all.
-  const ShapeVariant variants[] = {{0, false, 16}, {2, false, 16}, {1, false, 16},
-                                   {0, true, 16},  {2, true, 16},  {0, false, 14},
-                                   {0, false, 24}, {0, false, 28}, {0, false, 48}};
+  // Variants 9-12: the cluster split (one cluster of C CTAs per tile, DSMEM reduction) with C = 1
+  // (whole tiles), 2, 3, and 2 with two CTAs per SM.
+  const ShapeVariant variants[] = {
+      {0, false, 16, 0}, {2, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0},  {2, true, 16, 0},
+      {0, false, 14, 0}, {0, false, 24, 0}, {0, false, 28, 0}, {0, false, 48, 0}, {0, false, 16, 1},
+      {0, false, 16, 2}, {0, false, 16, 3}, {2, false, 16, 2}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -456,7 +460,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs");
     check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock");
-    tbuf.ctas = 2 * sms;
+    tbuf.ctas = static_cast<int>(std::max<int64_t>(2 * sms, n / 128 * 8));
     tbuf.clock_ghz = khz / 1e6;
     tbuf.dev =
         device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());
@@ -528,11 +532,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.ctas_per_sm = variants[v].ctas;
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
+      o.cluster_split = variants[v].cluster;
       const std::string name =
           std::string("wgmma ctas ") +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
-          (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "");
+          (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
+          (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {
@@ -568,9 +574,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
         std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     trace_summary(tbuf).c_str());
       }
-      // --ablate (variants 0 and 3): the same launch without MMAs (1), without the stream-K
+      // --ablate (variants 0, 3 and 11): the same launch without MMAs (1), without the stream-K
       // fixup (2), or both (3): where the time goes. The outputs are wrong by design.
-      if (ablate && (v == 0 || v == 3)) {
+      if (ablate && (v == 0 || v == 3 || v == 11)) {
         for (int ab = 1; ab <= 3; ++ab) {
           GemmWgmmaOptions oa = o;
           oa.debug_ablate = ab;

@@ -26,6 +26,7 @@ using gemm_wgmma_detail::WgmmaArgs;
 constexpr size_t kCounterAlign = 256;
 constexpr int64_t kTwoCtaMaxM = 16;  // automatic: larger M (n = 32, 64) runs one CTA per SM
 constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
+constexpr int kMaxClusterSplit = 8;  // GemmWgmmaOptions::cluster_split limit (portable clusters)
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -105,15 +106,34 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
                          " kernel fits on an SM (", kSmem, " B of dynamic shared memory)");
     if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
   }
-  grid = std::min(grid, waves * std::min(resident, kCtasPerSm) * info.sms);
+  // (The cluster split's grid is one CTA per tile and rank: its CTAs never wait across clusters.)
+  if (args.cluster == 0) grid = std::min(grid, waves * std::min(resident, kCtasPerSm) * info.sms);
   WgmmaArgs a = args;
   // Automatic burst: 2 units with two CTAs per SM (6-stage rings), half the ring with one.
   a.burst = a.burst > 0       ? std::min(a.burst, kStages)
             : kCtasPerSm == 2 ? std::min(2, kStages)
                               : std::max(1, kStages / 2);
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
-                                     dim3(gemm_wgmma_detail::kThreads), kSmem, stream,
-                                     a.early_weights != 0, wmap, xmap, a));
+  if (a.cluster > 1) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(grid));
+    cfg.blockDim = dim3(gemm_wgmma_detail::kThreads);
+    cfg.dynamicSmemBytes = kSmem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[2];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = static_cast<unsigned>(a.cluster);
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[1].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = a.early_weights != 0 ? 2 : 1;
+    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, wmap, xmap, a));
+  } else {
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                       dim3(gemm_wgmma_detail::kThreads), kSmem, stream,
+                                       a.early_weights != 0, wmap, xmap, a));
+  }
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -188,6 +208,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
+               "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
+               kMaxClusterSplit, "]");
   M3_CHECK_ARG(options.debug_ablate >= 0 && options.debug_ablate <= 3,
                "GemmWgmmaOptions::debug_ablate = ", options.debug_ablate, " must be in [0, 3]");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
@@ -215,12 +238,26 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm
                           : m > kTwoCtaMaxM        ? 1
                                                    : kMaxCtasPerSm;
+  M3_CHECK_ARG(options.cluster_split <= kblocks,
+               "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
+               " must not exceed K / 128 = ", kblocks);
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
-  const int grid = static_cast<int>(std::max<int64_t>(
-      1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
+  const int64_t grid_cluster = tiles * options.cluster_split;
+  M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
+               "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
+               " CTAs must be below 2^31");
+  const int grid =
+      options.cluster_split > 0
+          ? static_cast<int>(grid_cluster)
+          : static_cast<int>(std::max<int64_t>(
+                1,
+                std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
-  const size_t need = counters + size_t{2} * static_cast<size_t>(grid) * static_cast<size_t>(m) *
-                                     kTileN * sizeof(float);
+  // (The cluster split uses no partial slots.)
+  const size_t need =
+      counters + (options.cluster_split > 0 ? 0
+                                            : size_t{2} * static_cast<size_t>(grid) *
+                                                  static_cast<size_t>(m) * kTileN * sizeof(float));
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
                " are needed (N = ", n, ", M = ", m, ", ", grid,
@@ -256,7 +293,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
-  args.owner_fixup = options.owner_fixup && options.max_waves == 1 ? 1 : 0;
+  args.owner_fixup =
+      options.owner_fixup && options.max_waves == 1 && options.cluster_split == 0 ? 1 : 0;
+  args.cluster = options.cluster_split;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.trace = options.debug_trace;
   args.ablate = options.debug_ablate;

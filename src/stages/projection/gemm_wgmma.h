@@ -35,6 +35,13 @@ struct GemmWgmmaOptions {
   // Session 14, round B: o_proj M 64 26.8 vs 28.1 us, M 32 23.1 vs 24.1; at M <= 16 0.2-0.4 us
   // slower. (cuBLASLt stays the default above M 16: 22.5-23.3 us at M 32 / 64.)
   bool owner_fixup = false;
+  // Variant: 0 = stream-K (the default). C in [1, 8]: one thread-block cluster of C CTAs per
+  // 128-column tile (grid = N / 128 x C; min_units_per_cta, max_waves and owner_fixup are
+  // ignored), rank r computing K blocks [r KB / C, (r + 1) KB / C) of the tile; ranks >= 1 hand
+  // their fp32 partial to rank 0 through distributed shared memory, which sums them in rank order
+  // and writes bf16 (C = 1: whole tiles, no reduction). No workspace traffic and no atomics; the
+  // workspace is still required (untouched). Deterministic; not the stream-K split's bits.
+  int cluster_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -75,11 +82,12 @@ struct GemmWgmmaOptions {
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;
   // Benchmark diagnostics only (projection_bench --trace / --ablate); never set them elsewhere.
-  // debug_trace: a device buffer of gemm_wgmma_trace_words() x (grid <= ctas_per_sm x SMs x
-  // max_waves) uint64 where every CTA records when it started, got its first and last unit, and
-  // ended (%globaltimer ns and clock64 cycles) and its cycles in segment epilogues (results are
-  // unchanged). debug_ablate: 1 = the consumers release every stage without MMAs, 2 = no
-  // stream-K fixup (every segment stores its own sum), 3 = both: the OUTPUT IS WRONG; for timing.
+  // debug_trace: a device buffer of gemm_wgmma_trace_words() x grid uint64 (grid <= ctas_per_sm
+  // x SMs x max_waves, or N / 128 x cluster_split) where every CTA records when it started, got its
+  // first and last unit, and ended (%globaltimer ns and clock64 cycles) and its cycles in segment
+  // epilogues (results are unchanged). debug_ablate: 1 = the consumers release every stage without
+  // MMAs, 2 = no stream-K fixup (every segment stores its own sum), 3 = both: the OUTPUT IS WRONG;
+  // for timing.
   unsigned long long* debug_trace = nullptr;
   int debug_ablate = 0;
 };

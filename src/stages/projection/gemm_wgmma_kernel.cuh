@@ -140,6 +140,7 @@ struct WgmmaArgs {
   int units;               // tiles * kblocks (< 2^31: checked on the host)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
+  int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
   // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
   unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
   int ablate;                 // 1: no MMAs / fold, 2: no stream-K fixup (outputs undefined)
@@ -231,6 +232,56 @@ __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
 __device__ __forceinline__ void keep_register(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// ---- Thread-block clusters (the cluster split variant) ----------------------------------------
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+// The address of the same shared-memory location in CTA `rank` of the cluster.
+__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+// Arrival with cluster-scope release on an mbarrier of another CTA (a mapa address).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
+               : "memory");
+}
+// Waits for the phase of `parity` with cluster-scope acquire (arrivals from other CTAs); traps
+// after 2^34 clocks like mbar_wait.
+__device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
+  uint32_t d = 0;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(d)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return d != 0;
+}
+__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait_cluster(bar, parity)) return;
+  const long long start = clock64();
+  while (!mbar_try_wait_cluster(bar, parity))
+    if (clock64() - start > (1ll << 34)) __trap();
+}
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
+  asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c),
+               "f"(d)
+               : "memory");
+}
+__device__ __forceinline__ float4 ld_shared_cluster_v4(uint32_t cluster_addr) {
+  float4 v;
+  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(cluster_addr)
+               : "memory");
+  return v;
+}
 
 // Named barrier 1 over the consumer threads (the producer warp never joins it).
 __device__ __forceinline__ void consumer_barrier() {
@@ -327,6 +378,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   __shared__ __align__(16) float s_scales[kStages * kSlot];
   __shared__ int s_is_last;
+  // Cluster split: rank 0's barrier for the other ranks' "partial ready" arrivals; each other
+  // rank's barrier for rank 0's "partial read" arrival.
+  __shared__ __align__(8) uint64_t xred_bar, xdone_bar;
 
   const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
   const int tid = static_cast<int>(threadIdx.x);
@@ -334,8 +388,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
   const int units = p.units;
   const int kb_count = p.kblocks;
-  const int u_begin = unit_begin(cta, grid, units);
-  const int u_end = unit_begin(cta + 1, grid, units);
+  // Stream-K: contiguous ranges of the tile-major units; cluster split: CTA c is rank c % C of
+  // the cluster of tile c / C (1D grid and cluster) and takes the rank's share of the tile's K.
+  const int csplit = p.cluster;
+  const int c_tile = csplit > 0 ? cta / csplit : 0, c_rank = csplit > 0 ? cta - c_tile * csplit : 0;
+  const int u_begin =
+      csplit > 0 ? c_tile * kb_count + c_rank * kb_count / csplit : unit_begin(cta, grid, units);
+  const int u_end = csplit > 0 ? c_tile * kb_count + (c_rank + 1) * kb_count / csplit
+                               : unit_begin(cta + 1, grid, units);
   const int m_count = p.m;
   // Diagnostics (bench only): consumer thread 0 keeps the trace's timestamps in shared memory
   // (kTraceWords, then the clock at the start and at the last segment's end), not in registers.
@@ -357,10 +417,17 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       mbar_init(smem_addr(&full_bar[s]), 1 + 32);
       mbar_init(smem_addr(&empty_bar[s]), kConsumerThreads / 32);  // one arrival per warp
     }
+    if (csplit > 1) {
+      mbar_init(smem_addr(&xred_bar), static_cast<uint32_t>(csplit - 1));
+      mbar_init(smem_addr(&xdone_bar), 1);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
   __syncthreads();
+  // Cluster split: no CTA touches another's barriers before every CTA of the cluster has
+  // initialized its own (arrive here, wait before the first remote access).
+  if (csplit > 1) cluster_arrive();
   // A kernel launched after this one with programmatic dependent launch may start once every CTA
   // of this grid has started (it must griddepcontrol.wait before touching what this grid writes),
   // so its CTAs take the SMs this grid's early finishers leave and overlap this grid's tail.
@@ -418,11 +485,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+    if (csplit > 1) cluster_wait();                     // (every thread that arrived waits once)
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
   // Consumers: their global writes (output, partials, counters) follow the preceding grid.
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  if (csplit > 1) cluster_wait();  // the cluster's barriers are initialized (see above)
   // Warpgroup wg owns weight rows [64 wg, 64 wg + 64) of each tile.
   const int wg = tid / 128;
   const int warp = (tid / 32) % 4;
@@ -513,6 +582,46 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 
     if (tracing) s_trace[kTraceWords + 1] = clock64();
     // (ablate 2, diagnostics: every segment stores its own sum as if it were the whole tile.)
+    // Cluster split (variant): the cluster's ranks cover the tile's K blocks in rank order; ranks
+    // >= 1 leave their partial in their own shared memory (the ring's first bytes: every unit is
+    // consumed), rank 0 reads them through distributed shared memory, sums in rank order (the
+    // order of the stream-K fixup) and writes bf16: no workspace, no atomics, and a CTA waits only
+    // for CTAs of its own cluster, which are co-scheduled.
+    if (csplit > 1 && (p.ablate & 2) == 0) {
+      const uint32_t mine = base + static_cast<uint32_t>(tid * kAcc * 4);
+      if (c_rank != 0) {
+        consumer_barrier();  // both warpgroups are done with the ring
+#pragma unroll
+        for (int j = 0; j < kAcc; j += 4)
+          st_shared_v4(mine + 4 * j, acc[j], acc[j + 1], acc[j + 2], acc[j + 3]);
+        consumer_barrier();
+        if (tid == 0) {
+          asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
+          mbar_arrive_remote(map_to_rank(smem_addr(&xred_bar), 0));
+        }
+        mbar_wait_cluster(smem_addr(&xdone_bar), 0);  // rank 0 has read it: the CTA may exit
+      } else {
+        mbar_wait_cluster(smem_addr(&xred_bar), 0);
+        for (int r = 1; r < csplit; ++r) {
+          const uint32_t remote = map_to_rank(mine, static_cast<uint32_t>(r));
+#pragma unroll
+          for (int j = 0; j < kAcc; j += 4) {
+            const float4 v = ld_shared_cluster_v4(remote + 4 * j);
+            acc[j] += v.x;
+            acc[j + 1] += v.y;
+            acc[j + 2] += v.z;
+            acc[j + 3] += v.w;
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) store_bf16(j, acc[j], tile);
+        consumer_barrier();  // every thread has read the other ranks' partials
+        if (tid == 0)
+          for (int r = 1; r < csplit; ++r)
+            mbar_arrive_remote(map_to_rank(smem_addr(&xdone_bar), static_cast<uint32_t>(r)));
+      }
+      continue;
+    }
     const bool whole =
         (seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count) || (p.ablate & 2) != 0;
     if (whole) {

@@ -75,6 +75,7 @@ struct Case {
   bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
   int waves = 1;            // GemmWgmmaOptions::max_waves
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
+  int cluster = 0;          // GemmWgmmaOptions::cluster_split
 };
 
 std::string describe(const Case& c) {
@@ -84,7 +85,8 @@ std::string describe(const Case& c) {
          std::to_string(c.ctas_per_sm) + " min units " + std::to_string(c.min_units) + " burst " +
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
-         " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner);
+         " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
+         " cluster split " + std::to_string(c.cluster);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -99,6 +101,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.programmatic_launch = c.pdl;
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
+  o.cluster_split = c.cluster;
   return o;
 }
 
@@ -193,7 +196,19 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
                       Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, true},
                       Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, true},
-                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, true}));
+                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, true},
+                      // cluster_split: C CTAs per tile reduce through distributed shared memory;
+                      // every n, uneven K shares (9 blocks over 4 ranks, 5 over 5), whole tiles
+                      // (C = 1), C = 8 on one tile, two CTAs per SM, PDL, owner_fixup ignored.
+                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 3},
+                      Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 2},
+                      Case{16, 9856, 1152, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 4},
+                      Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 1},
+                      Case{64, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 2},
+                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, false, 3},
+                      Case{8, 256, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 5},
+                      Case{24, 128, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 8},
+                      Case{16, 640, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, true, 3}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -492,6 +507,13 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   }
 
   EXPECT_EQ(gemm_wgmma_workspace_bytes(256, 8, 1, 3).status().code(), StatusCode::kInvalidArgument);
+  for (int split : {-1, 9, 5}) {  // K = 512: 4 K blocks, so at most 4
+    bad = {};
+    bad.cluster_split = split;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument)
+        << split;
+  }
   bad = {};
   bad.debug_ablate = 4;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),

@@ -31,7 +31,8 @@
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
-//   loads) and "v9" (TMA loads, two-pass NaN test: the automatic verify choice), and for draft 7
+//   loads), "v9" (TMA loads, two-pass NaN test: the automatic verify choice) and "v11" (two
+//   warpgroups, each half of every block's keys; opt-in since session 15), and for draft 7
 //   the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
@@ -498,7 +499,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}, {5, 11}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

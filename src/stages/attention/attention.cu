@@ -145,10 +145,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9 &&
+      cfg.verify_variant != 11)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8 or 9 (10, the two-pass NaN test, is part of 9 since session "
-                       "14)");
+                       " is not 0, 8, 9 or 11 (10, the two-pass NaN test, is part of 9 since "
+                       "session 14)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -253,6 +254,24 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
+// Variant 11 (two warpgroups, each half of every block's keys; TMA loads): variant 8 where TMA
+// cannot address the pool.
+Status launch_verify2(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
+               "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
+               " KV heads exceed the grid's x limit");
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+    return launch_verify<true, false>(args, pl, n_kv, stream);
+  auto kernel = av::attention_verify2_kernel;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes2));
+  const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads2), av::kSmemBytes2, stream,
+                                     pl.pdl, args, kmap, vmap));
+  return Status::Ok();
+}
+
 template <bool kVec16>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   auto kernel = ad::attention_decode_kernel<kVec16>;
@@ -270,6 +289,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
+    if (pl.verify_variant == 11) return launch_verify2(args, pl, n_kv, stream);
     return pl.verify_variant == 9 ? launch_verify<true, true, true>(args, pl, n_kv, stream)
                                   : launch_verify<true, false>(args, pl, n_kv, stream);
   }

@@ -372,8 +372,9 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
       *reinterpret_cast<uint2*>(a.out + t * a.out_stride + col) = w;
       if (a.out_q != nullptr) {  // o_proj's E4M3 input: one 1x128 block per row
         const float sc = ak::quant_scale(ak::bf16_lo_f(float_to_bf16(A[e] * inv)));
+        const float rcp = ak::quant_rcp(sc);
         *reinterpret_cast<uint32_t*>(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col) =
-            ak::quant_pair(w.x, sc) | (ak::quant_pair(w.y, sc) << 16);
+            ak::quant_pair(w.x, sc, rcp) | (ak::quant_pair(w.y, sc, rcp) << 16);
         if (warp == 0 && tig == 0)
           a.out_scales[t * a.sc_stride_t + (head0 + h) * a.sc_stride_h] = sc;
       }

@@ -170,17 +170,30 @@ __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
 // twin's numerics) for epilogues that hold a row their own way: x = the BF16-rounded output values,
 // amax = fmaxf over |x| (a NaN never becomes amax), scale = amax > 0 ? amax / 448 : 1 (IEEE
 // division), code = e4m3(x / scale) (satfinite, NaN stays NaN).
+// quant_code gets the same code without an IEEE division in nearly every case (session 15; the
+// verify epilogue had 64 divisions per lane): with rcp = fl(1 / scale), q = fl(x rcp) is within
+// 2.5 units in the last place of fl(x / scale) (two roundings of 2^-24 relative each, and the
+// division's half unit), so both round to the same E4M3 code unless an E4M3 rounding midpoint lies
+// that close: in E4M3's normal range (|q| >= 2^-6) the midpoints are exactly the fp32 values whose
+// 20 low mantissa bits are 0x80000 (3 mantissa bits kept; the midpoint below a power of two has
+// the same pattern). Values within 8 units of such a pattern, below 2^-6 (E4M3 subnormals, zero)
+// or not finite take the IEEE division: the codes are those of the quantize stage bit for bit.
 __device__ __forceinline__ float bf16_lo_f(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi_f(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 __device__ __forceinline__ float quant_scale(float amax) {
   return amax > 0.0f ? __fdiv_rn(amax, kE4M3Max) : 1.0f;
 }
-__device__ __forceinline__ uint32_t quant_code(float x, float scale) {
-  return float_to_e4m3(__fdiv_rn(x, scale));
+__device__ __forceinline__ float quant_rcp(float scale) { return __frcp_rn(scale); }
+__device__ __forceinline__ uint32_t quant_code(float x, float scale, float rcp) {
+  const float q = __fmul_rn(x, rcp);
+  const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
+  if (u < 0x3c800000u || u >= 0x7f800000u || (u & 0xfffffu) - 0x7fff8u <= 16u)
+    return float_to_e4m3(__fdiv_rn(x, scale));
+  return float_to_e4m3(q);
 }
-// Codes of the two BF16 values of w (low half first), as two bytes.
-__device__ __forceinline__ uint32_t quant_pair(uint32_t w, float scale) {
-  return quant_code(bf16_lo_f(w), scale) | (quant_code(bf16_hi_f(w), scale) << 8);
+// Codes of the two BF16 values of w (low half first), as two bytes; rcp = quant_rcp(scale).
+__device__ __forceinline__ uint32_t quant_pair(uint32_t w, float scale, float rcp) {
+  return quant_code(bf16_lo_f(w), scale, rcp) | (quant_code(bf16_hi_f(w), scale, rcp) << 8);
 }
 __device__ __forceinline__ float amax_pair(uint32_t w) {
   return fmaxf(fabsf(bf16_lo_f(w)), fabsf(bf16_hi_f(w)));

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(kMergeThreads) attention_merge_kernel(const At
   for (int k = 1; k < kMergeThreads / 32; ++k) am = fmaxf(am, s_red[k]);
   const float sc = quant_scale(am);
   *reinterpret_cast<uint16_t*>(a.out_q + t * (int64_t{a.n_kv} * a.group * kDim) + col + 2 * tid) =
-      static_cast<uint16_t>(quant_pair(w, sc));
+      static_cast<uint16_t>(quant_pair(w, sc, quant_rcp(sc)));
   if (tid == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
 }
 

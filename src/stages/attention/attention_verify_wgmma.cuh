@@ -308,12 +308,12 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
 #pragma unroll
       for (int j = 0; j < 16; ++j) *reinterpret_cast<uint32_t*>(orow + 8 * j + 2 * tig) = wv[j];
       if (a.out_q != nullptr) {
-        const float sc = ak::quant_scale(amax);
+        const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
         uint8_t* qrow = a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
           *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) =
-              static_cast<uint16_t>(ak::quant_pair(wv[j], sc));
+              static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
         if (tig == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
       }
     } else {

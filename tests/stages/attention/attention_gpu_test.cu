@@ -30,6 +30,7 @@
 #include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
+#include "stages/attention/attention_kernel.cuh"
 #include "stages/quantize/quantize.h"
 #include "support/batch_builder.h"
 #include "support/cuda_test_util.h"
@@ -650,6 +651,71 @@ TEST(AttentionGpu, QuantizedOutputEqualsQuantizeStage) {
       }
     }
   }
+}
+
+// ak::quant_code (x * fl(1 / scale), the IEEE division only near an E4M3 rounding midpoint, below
+// 2^-6 or for non-finite values) against the quantize stage's e4m3(x / scale): every BF16 x (the
+// epilogues quantize BF16 outputs) under the scales of every 16th positive finite BF16 amax, of
+// amax values right at those, and of random fp32 scales; counts of the disagreements (must be 0)
+// and, among the values of E4M3's normal range (2^-6 <= |x / scale| <= 448: an attention output
+// row away from its tiny entries), of those that took the division (must be rare).
+__global__ void quant_code_vs_division(const float* scales, int n_scales, unsigned long long* cnt) {
+  const int si = blockIdx.y;
+  if (si >= n_scales) return;
+  const float sc = scales[si], rcp = attention_kernel::quant_rcp(sc);
+  unsigned long long nb = 0, nn = 0, ns = 0;
+  for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < 65536; b += gridDim.x * blockDim.x) {
+    const float x = __uint_as_float(static_cast<uint32_t>(b) << 16);
+    const uint32_t want = float_to_e4m3(__fdiv_rn(x, sc));
+    const uint32_t got = attention_kernel::quant_code(x, sc, rcp);
+    const bool x_nan = x != x;  // NaN codes may differ in sign only (canonical NaN both ways)
+    nb += (got != want && !(x_nan && (got & 0x7f) == 0x7f && (want & 0x7f) == 0x7f)) ? 1 : 0;
+    const float r = fabsf(__fdiv_rn(x, sc));
+    if (r >= 0.015625f && r <= 448.0f) {
+      const uint32_t u = __float_as_uint(__fmul_rn(x, rcp)) & 0x7fffffffu;
+      ++nn;
+      ns += (u < 0x3c800000u || (u & 0xfffffu) - 0x7fff8u <= 16u) ? 1 : 0;
+    }
+  }
+  atomicAdd(&cnt[0], nb);
+  atomicAdd(&cnt[1], nn);
+  atomicAdd(&cnt[2], ns);
+}
+
+TEST(AttentionGpu, QuantCodeWithoutDivisionEqualsDivision) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<float> sc;
+  for (uint32_t b = 1; b < 0x7f80u; b += 16) {  // positive finite BF16 amax, scale = amax / 448
+    const float amax = bf16_to_float(static_cast<uint16_t>(b));
+    sc.push_back(amax / 448.0f);
+    sc.push_back(std::nextafter(amax / 448.0f, 1.0f));
+  }
+  for (int i = 0; i < 512; ++i)
+    sc.push_back(std::ldexp(rng.uniform(1.0f, 2.0f), static_cast<int>(rng.integer(0, 80)) - 40));
+  sc.push_back(1.0f);
+  DeviceBuffer d_sc(sc.size() * sizeof(float), 0);
+  M3_CUDA_TEST_CHECK(
+      cudaMemcpy(d_sc.data(), sc.data(), sc.size() * sizeof(float), cudaMemcpyHostToDevice));
+  DeviceBuffer d_cnt(3 * sizeof(unsigned long long), 0);
+  auto* cnt = static_cast<unsigned long long*>(d_cnt.data());
+  quant_code_vs_division<<<dim3(64, static_cast<unsigned>(sc.size())), 256>>>(
+      static_cast<const float*>(d_sc.data()), static_cast<int>(sc.size()), cnt);
+  M3_CUDA_TEST_CHECK(cudaGetLastError());
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  unsigned long long h[3] = {0, 0, 0};
+  M3_CUDA_TEST_CHECK(cudaMemcpy(h, cnt, sizeof(h), cudaMemcpyDeviceToHost));
+  std::printf(
+      "  quant_code: %zu scales x 65536 BF16 values: %llu disagreements; %llu of %llu values of "
+      "E4M3's normal range took the division\n",
+      sc.size(), h[0], h[2], h[1]);
+  EXPECT_EQ(h[0], 0ull);
+  EXPECT_GT(h[1], 0ull);
+  // (exact E4M3 midpoints are common among quotients of BF16 values: 0.44 % over every BF16 amax on
+  // the host; the division decides those ties)
+  EXPECT_LT(static_cast<double>(h[2]), 0.02 * static_cast<double>(h[1]));
 }
 
 TEST(AttentionGpu, WorkspaceBoundCoversEveryAutomaticPlan) {

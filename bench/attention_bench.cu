@@ -31,9 +31,9 @@
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
-//   loads), "v9" (TMA loads, two-pass NaN test: the automatic verify choice) and "v11" (two
-//   warpgroups, each half of every block's keys; opt-in since session 15), and for draft 7
-//   the wgmma prefill kernel).
+//   loads), "v9" (TMA loads, two-pass NaN test: the automatic verify choice), "v12" / "v13" (9 with
+//   a plain mbarrier poll / and a lazy running max; opt-in since session 15), and for draft 7 the
+//   wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -499,7 +499,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}, {5, 11}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}, {5, 12}, {5, 13}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
@@ -620,7 +620,7 @@ int main(int argc, char** argv) {
   // tile 8 or automatic, no v_convert).
   const std::vector<int> kernels = !prefill_kernels.empty() ? prefill_kernels
                                    : cfg.kernel != 0        ? std::vector<int>{cfg.kernel}
-                                                     : std::vector<int>{4, 15};
+                                                            : std::vector<int>{4, 15};
   for (bool sparse : {true, false}) {
     if (sweep || no_prefill) break;
     // Contexts 8K and 64K; sparse also "lowoverlap" at 8K: a fresh ranking per token instead of

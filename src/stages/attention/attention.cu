@@ -146,10 +146,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9 &&
-      cfg.verify_variant != 11)
+      cfg.verify_variant != 12 && cfg.verify_variant != 13)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 9 or 11 (10, the two-pass NaN test, is part of 9 since "
-                       "session 14)");
+                       " is not 0, 8, 9, 12 or 13 (10, the two-pass NaN test, is part of 9 since "
+                       "session 14; 11 was removed in session 15)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -235,7 +235,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 
 // Variant 9 (kTma: TMA loads, kTwoPass: the two-pass V NaN test) runs as 8 (cp.async, the NaN
 // test in every block) where the pool is not 16-byte aligned or the driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false>
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kSpin = false, bool kLazy = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -245,29 +245,11 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kSpin, kLazy>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
   M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads), av::kSmemBytes, stream,
-                                     pl.pdl, args, kmap, vmap));
-  return Status::Ok();
-}
-
-// Variant 11 (two warpgroups, each half of every block's keys; TMA loads): variant 8 where TMA
-// cannot address the pool.
-Status launch_verify2(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
-               "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
-               " KV heads exceed the grid's x limit");
-  CUtensorMap kmap{}, vmap{}, qmap{};
-  if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-    return launch_verify<true, false>(args, pl, n_kv, stream);
-  auto kernel = av::attention_verify2_kernel;
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes2));
-  const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads2), av::kSmemBytes2, stream,
                                      pl.pdl, args, kmap, vmap));
   return Status::Ok();
 }
@@ -289,9 +271,16 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    if (pl.verify_variant == 11) return launch_verify2(args, pl, n_kv, stream);
-    return pl.verify_variant == 9 ? launch_verify<true, true, true>(args, pl, n_kv, stream)
-                                  : launch_verify<true, false>(args, pl, n_kv, stream);
+    switch (pl.verify_variant) {
+      case 9:
+        return launch_verify<true, true, true>(args, pl, n_kv, stream);
+      case 12:
+        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
+      case 13:
+        return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
+      default:
+        return launch_verify<true, false>(args, pl, n_kv, stream);
+    }
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a

@@ -95,9 +95,9 @@ struct AttentionCudaConfig {
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
                             // loads of K and V, 9 TMA loads (where TMA can address the pool;
                             // else 8 runs) with the V NaN test in a second pass that runs only
-                            // when the first one's output holds a NaN (session 14); 11 (opt-in,
-                            // session 15) two warpgroups per CTA, each half of every block's
-                            // keys (TMA loads; 8 runs where TMA cannot address the pool)
+                            // when the first one's output holds a NaN (session 14); opt-in
+                            // (session 15): 12 = 9 with a plain mbarrier poll, 13 = 12 with a
+                            // lazy running max (ap::softmax_block)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed); other plans ignore it

@@ -128,15 +128,13 @@ __device__ __forceinline__ void wgmma_wait() {
 }
 
 // Keeps the compiler from moving accesses of accumulator registers across wgmma boundaries.
-template <int kN>
-__device__ __forceinline__ void reg_fence(float (&d)[kN]) {
+__device__ __forceinline__ void reg_fence(float (&d)[64]) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-template <int kN>
-__device__ __forceinline__ void reg_fence(uint32_t (&p)[kN][4]) {
+__device__ __forceinline__ void reg_fence(uint32_t (&p)[8][4]) {
 #pragma unroll
-  for (int i = 0; i < kN; ++i)
+  for (int i = 0; i < 8; ++i)
 #pragma unroll
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(p[i][j])::"memory");
 }
@@ -267,27 +265,28 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
   }
 }
 
-// Per-row online softmax of one block's raw scores s (accumulator fragment of kS / 4 columns of 8
-// keys: s[4 j + e] is row grp (e < 2) or grp + 8 (e >= 2), key 8 j + 2 tig + (e & 1); kS 64 = a
-// whole block, 32 = half of one). Keys > lim are masked. Scores
+// Per-row online softmax of one block's raw scores s (accumulator fragment: s[4 j + e] is row
+// grp (e < 2) or grp + 8 (e >= 2), key 8 j + 2 tig + (e & 1)). Keys > lim are masked. Scores
 // become p = 2^(s * scale_log2 - new max) (one FFMA + EX2 each; the max is taken on raw scores,
 // the scale being > 0); m (log2 domain) and l are updated; alpha = 2^(old max - new max) must
-// still be applied to O.
-template <int kS>
-__device__ __forceinline__ void softmax_block(float (&s)[kS], float (&m)[2], float (&l)[2],
+// still be applied to O. kLazy (the verify kernel's variant 13): the running max moves only when a
+// block's max exceeds it by more than kLazyMax (log2 domain), so p <= 2^kLazyMax (exact in f16's
+// range; the final O / l does not depend on m) and O is rescaled far less often.
+constexpr float kLazyMax = 8.0f;
+template <bool kLazy = false>
+__device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], int lim, float scale_log2) {
-  constexpr int kJ = kS / 4;
   const int tig = threadIdx.x & 3;
-  if (lim < 8 * kJ - 1) {
+  if (lim < ak::kBlockKeys - 1) {
 #pragma unroll
-    for (int j = 0; j < kJ; ++j)
+    for (int j = 0; j < 16; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
   }
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
+  for (int j = 0; j < 16; ++j) {
     mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
     mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
   }
@@ -295,7 +294,9 @@ __device__ __forceinline__ void softmax_block(float (&s)[kS], float (&m)[2], flo
   mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
   mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-  const float m0 = fmaxf(m[0], mx0 * scale_log2), m1 = fmaxf(m[1], mx1 * scale_log2);
+  const float c0 = mx0 * scale_log2, c1 = mx1 * scale_log2;
+  const float m0 = kLazy ? (c0 > m[0] + kLazyMax ? c0 : m[0]) : fmaxf(m[0], c0);
+  const float m1 = kLazy ? (c1 > m[1] + kLazyMax ? c1 : m[1]) : fmaxf(m[1], c1);
   // A row that has seen only masked keys keeps m = -inf; subtract 0 then so exp2 gives 0, not NaN.
   const float mu0 = m0 == -INFINITY ? 0.0f : m0;
   const float mu1 = m1 == -INFINITY ? 0.0f : m1;
@@ -305,7 +306,7 @@ __device__ __forceinline__ void softmax_block(float (&s)[kS], float (&m)[2], flo
   m[1] = m1;
   float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
+  for (int j = 0; j < 16; ++j) {
     s[4 * j] = fast_exp2(fmaf(s[4 * j], scale_log2, -mu0));
     s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
     s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
@@ -317,13 +318,12 @@ __device__ __forceinline__ void softmax_block(float (&s)[kS], float (&m)[2], flo
   l[1] = l[1] * alpha[1] + sum1;
 }
 
-// O *= alpha (rows grp, grp + 8), then P = f16(s) as the A fragments of the kS / 8 k-steps of 16
-// keys. kSkipUnit: the rescale is skipped when every alpha of the warp is 1 (the running maxima
-// did not move, the common case after the first blocks).
-template <bool kSkipUnit = false, int kS = 64>
-__device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s)[kS],
-                                                 const float (&alpha)[2],
-                                                 uint32_t (&p)[kS / 8][4]) {
+// O *= alpha (rows grp, grp + 8), then P = f16(s) as the A fragments of the 8 k-steps of 16 keys.
+// kSkipUnit: the rescale is skipped when every alpha of the warp is 1 (the running maxima did not
+// move, the common case after the first blocks).
+template <bool kSkipUnit = false>
+__device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s)[64],
+                                                 const float (&alpha)[2], uint32_t (&p)[8][4]) {
   const bool unit = kSkipUnit && __all_sync(0xffffffffu, alpha[0] == 1.0f && alpha[1] == 1.0f);
   if (!unit) {
 #pragma unroll
@@ -335,7 +335,7 @@ __device__ __forceinline__ void rescale_and_pack(float (&o)[64], const float (&s
     }
   }
 #pragma unroll
-  for (int kk = 0; kk < kS / 8; ++kk) {
+  for (int kk = 0; kk < 8; ++kk) {
     p[kk][0] = ak::pack_f16x2(s[8 * kk], s[8 * kk + 1]);
     p[kk][1] = ak::pack_f16x2(s[8 * kk + 2], s[8 * kk + 3]);
     p[kk][2] = ak::pack_f16x2(s[8 * kk + 4], s[8 * kk + 5]);

@@ -110,32 +110,29 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 
 // Early V conversion, run while the S wgmma is in flight: the K half is still
 // being read, so only dims 64-127 can be written (over the V tile's own raw rows) before S is done.
-// A warp owns the 8 kJ keys key0 .. key0 + 8 kJ - 1 (kJ 4: the one-warpgroup kernel, 2: the
-// two-warpgroup one). Lane (q = lane / 8, hl = bit 2 of the lane, cl = lane % 4) owns, for
-// j < kJ, the chunk 4 + cl (dims 64 + 16 cl ..) of key kh = key0 + 4 (2 j + 1 - hl) + q and the
-// chunk cl (dims 16 cl ..) of key kl = key0 + 4 (2 j + hl) + q: every lane holds kJ high and kJ
-// low chunks (the low ones stay raw in registers until S is done), and each 8-lane phase of a load
-// touches 8 distinct 16-byte bank groups (keys kh of the two lane halves differ by 4 in their
-// swizzle).
-__device__ __forceinline__ int early_key(int key0, int j, bool high) {
-  const int lane = threadIdx.x & 31;
+// Lane (q = lane / 8, hl = bit 2 of the lane, cl = lane % 4) owns, for j = 0 .. 3, the chunk
+// 4 + cl (dims 64 + 16 cl ..) of key kh = 32 warp + 4 (2 j + 1 - hl) + q and the chunk cl (dims
+// 16 cl ..) of key kl = 32 warp + 4 (2 j + hl) + q: every lane holds 4 high and 4 low chunks (the
+// low ones stay raw in registers until S is done), and each 8-lane phase of a load touches 8
+// distinct 16-byte bank groups (keys kh of the two lane halves differ by 4 in their swizzle).
+__device__ __forceinline__ int early_key(int j, bool high) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hl = (lane >> 2) & 1;
-  return key0 + 4 * (2 * j + (high ? 1 - hl : hl)) + (lane >> 3);
+  return kKeysPerWarp * warp + 4 * (2 * j + (high ? 1 - hl : hl)) + (lane >> 3);
 }
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
 // keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
 // NaN (0 otherwise).
-template <int kJ>
-__device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int key0, int vlim,
-                                                   uint4 (&lo)[kJ], bool check) {
+__device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
+                                                   bool check) {
   const int cl = threadIdx.x & 3;
   const uint8_t* vraw = stage + kTileBytes;
-  uint4 hi[kJ];
+  uint4 hi[4];
   uint32_t nan = 0;
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    const int kh = early_key(key0, j, true), kl = early_key(key0, j, false);
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true), kl = early_key(j, false);
     hi[j] = make_uint4(0u, 0u, 0u, 0u);
     lo[j] = make_uint4(0u, 0u, 0u, 0u);
     if (kh <= vlim)
@@ -149,8 +146,8 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int key0, int
   }
   __syncwarp();  // every lane read the warp's rows before any lane overwrites them
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    const int kh = early_key(key0, j, true);
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(hi[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl)) = h0;
@@ -159,14 +156,12 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int key0, int
   return nan;
 }
 
-// The dims 0-63 chunks kept by convert_v_high -> f16 into the K half (free: S done by every warp
-// that reads these keys).
-template <int kJ>
-__device__ __forceinline__ void convert_v_low(uint8_t* stage, int key0, const uint4 (&lo)[kJ]) {
+// The dims 0-63 chunks kept by convert_v_high -> f16 into the K half (free: S done by every warp).
+__device__ __forceinline__ void convert_v_low(uint8_t* stage, const uint4 (&lo)[4]) {
   const int cl = threadIdx.x & 3;
 #pragma unroll
-  for (int j = 0; j < kJ; ++j) {
-    const int kl = early_key(key0, j, false);
+  for (int j = 0; j < 4; ++j) {
+    const int kl = early_key(j, false);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(lo[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl)) = h0;
@@ -174,15 +169,14 @@ __device__ __forceinline__ void convert_v_low(uint8_t* stage, int key0, const ui
   }
 }
 
-// The rare path of a block with a NaN V byte: this warp's `keys` keys from key0 of the f16 tile,
-// NaN -> 0, and for each token w of `mask` that sees the key (key <= pos_w - 128 b) the bit of
-// (w, dim) in s_nan.
-__device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int key0, int keys, int vlim, int mask,
-                                            int b, const int* s_pos, uint32_t (*s_nan)[4]) {
-  const int lane = threadIdx.x & 31;
-  for (int it = 0; it < keys / 4; ++it) {
+// The rare path of a block with a NaN V byte: this warp's keys of the f16 tile, NaN -> 0, and for
+// each token w of `mask` that sees the key (key <= pos_w - 128 b) the bit of (w, dim) in s_nan.
+__device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, int b,
+                                            const int* s_pos, uint32_t (*s_nan)[4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int it = 0; it < 8; ++it) {
     const int i = it * 32 + lane;
-    const int key = key0 + (i >> 3), c = i & 7;
+    const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
     if (key > vlim) continue;
     for (int e = 0; e < 2; ++e) {
       uint16_t* h = reinterpret_cast<uint16_t*>(f16_chunk(stage, c >> 2, key, 2 * (c & 3) + e));
@@ -219,7 +213,7 @@ struct Rows {
 // previous block's P V are complete (after a CTA barrier): the caller refills the previous stage
 // there. mask: tokens that see the block; vlim: V rows past it are zeroed; lim: this warp's last
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
-template <typename AfterS>
+template <bool kLazy, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -233,20 +227,19 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
     ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
-  const int key0 = kKeysPerWarp * (threadIdx.x >> 5);
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high(sbuf, key0, vlim, vlo, check);
+  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
-  convert_v_low(sbuf, key0, vlo);
+  convert_v_low(sbuf, vlo);
   ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
-  ap::softmax_block(s, st.m, st.l, st.alpha, lim, scale_log2);
+  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
   ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
   if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
-    scrub_nan_rows(sbuf, key0, kKeysPerWarp, vlim, mask, b, s_pos, s_nan);
+    scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
     ap::fence_proxy_async();
     __syncthreads();
   }
@@ -260,15 +253,13 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
 }
 
-// Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp % 4 (nothing when
-// the token is absent; only rows grp + 8 kOnlyE when kOnlyE >= 0), NaN in the dims of nan_dims
-// (V NaNs the token sees), normalised BF16 out (splits == 1) or the unnormalised partial and
-// (m, l) in the workspace. P V must be complete.
-template <int kOnlyE = -1>
+// Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
+// token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
+// (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
-  const int lane = threadIdx.x & 31, tok = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   uint32_t nd[4];
 #pragma unroll
@@ -276,7 +267,6 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    if (kOnlyE >= 0 && e != kOnlyE) continue;
     float lsum = st.l[e];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
@@ -343,7 +333,12 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // The decode / verify kernel (variants 8, 9). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
-template <bool kVec16, bool kTma, bool kTwoPass = false>
+// kSpin (variants 12, 13; session 15): the stage's mbarrier is polled without sm90::mbar_wait's
+// clock64 timeout and trap: with the trap in the loop, ptxas injects a wait for the previous
+// block's P V wgmma there (C7517), which serialises P V(i) with S(i + 1) and the early V
+// conversion that the deferred wait was meant to overlap. kLazy (13): the lazy running max of
+// ap::softmax_block.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kSpin = false, bool kLazy = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -459,7 +454,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int i = 0; i < count; ++i) {
         if constexpr (kTma) {
           if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-            sm90::mbar_wait(ak::smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
+            const uint32_t bar = ak::smem_u32(&s_full[stage]), par = (full_parity >> stage) & 1u;
+            if constexpr (kSpin) {
+              while (!sm90::mbar_try_wait(bar, par)) {
+              }
+            } else {
+              sm90::mbar_wait(bar, par);
+            }
             full_parity ^= 1u << stage;
           }
         } else {
@@ -471,10 +472,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block(st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
-                     mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1,
-                     s_pos, s_nan, a.scale_log2, check,
-                     [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+        attend_block<kLazy>(
+            st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
+            mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
+            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);
@@ -489,269 +490,6 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
   write_rows(a, st, s_nan[tok], t0, nt, g, split);
-}
-
-// ---------------------------------------------------------------------------------------------
-// Variant 11 (session 15): two warpgroups per CTA, each owning one half of every block's keys.
-//   Why: variant 9 is issue-latency bound (session 13 ncu: ~955 instructions per warp and block,
-//   41 % issue slots, fixed-latency waits 27 %) with one warpgroup per CTA and 246 registers, i.e.
-//   8 warps per SM (2 per scheduler). Here warpgroup h (threads 128 h ..) owns keys 64 h .. 64 h +
-//   63 of every block: S = Q K_h^T (4 x wgmma m64n64k32 e4m3, A = the Q tile in shared memory,
-//   B = K rows 64 h ..), its own online softmax over those keys (32 scores per lane), V -> f16 of
-//   its keys only (each warp 16 keys: the layout and the in-place trick of variant 9 restricted to
-//   the warpgroup's rows, which no other warpgroup reads), O += P V_h (4 x wgmma m64n128k16, O all
-//   128 dims: 64 registers). The two warpgroups are two independent online softmaxes over
-//   disjoint keys of the same blocks, combined once in the epilogue (as the split merge does);
-//   each then finalises one row of every lane pair (rows grp: warpgroup 0, grp + 8: 1), which
-//   halves the epilogue per lane (out_q: 32 quantisations instead of 64). <= 128 registers: 16
-//   warps per SM (2 CTAs of 256 threads), each with about half the instructions per block.
-//   Shared memory: the 3-stage TMA ring (96 KB) + the Q tile (8 KB, K-major, 128-byte swizzle).
-//   Per block: the stage's mbarrier (each thread waits), S, early V conversion, one CTA barrier
-//   (every S and the previous P V done: thread 0 refills the previous stage), late V conversion,
-//   softmax, one warpgroup barrier (its f16 rows complete; with the NaN test a bar.red.or), P V.
-//   P V(i) is waited for before S(i + 1) is issued (P dead: registers).
-//   NaN in V: the test and scrub of variant 9's second pass, in every block, per warpgroup.
-constexpr int kThreads2 = 256;
-constexpr int kQBytes = kQT * ak::kRows * ak::kDim;  // the Q tile: 64 rows x 128 bytes
-constexpr int kSmemBytes2 = kStages * kStageBytes + kQBytes + 1024;
-constexpr int kHalf = ak::kBlockKeys / 2;  // keys per warpgroup and block
-
-// d (64 x 64 f32) (+)= A (64 x 32 e4m3, smem, K-major) x B (32 x 64 e4m3, K-major, smem).
-__device__ __forceinline__ void wgmma_qk_ss_n64(float (&d)[32], uint64_t da, uint64_t db,
-                                                int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// Named barrier of warpgroup h (ids 1, 2; 0 is __syncthreads), and its OR-reduction.
-__device__ __forceinline__ void wg_sync(int h) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");
-}
-__device__ __forceinline__ bool wg_sync_or(int h, bool v) {
-  uint32_t r;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, 128, p;\n"
-      "selp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(r)
-      : "r"(v ? 1u : 0u), "r"(1 + h)
-      : "memory");
-  return r != 0u;
-}
-
-// The 64 Q rows (row 16 w + h: head h of token t0 + w; zero for absent tokens and h >= group) into
-// the Q tile, chunk c of row r at chunk c ^ (r & 7) (the layout of a K tile), by all threads.
-__device__ __forceinline__ void load_q_tile(const AttnArgs& a, int g, int t0, int nt, uint8_t* qs) {
-  const int r = threadIdx.x >> 2, part = threadIdx.x & 3;  // 32 bytes: chunks 2 part, + 1
-  const int w = r >> 4, h = r & 15;
-  uint32_t v[8];
-  const bool present = w < nt && h < a.group;
-  const uint8_t* src = a.q + static_cast<int64_t>(present ? t0 + w : 0) * a.q_stride_t +
-                       static_cast<int64_t>(g * a.group + h) * ak::kDim + 32 * part;
-#pragma unroll
-  for (int k = 0; k < 8; ++k) v[k] = present ? reinterpret_cast<const uint32_t*>(src)[k] : 0u;
-#pragma unroll
-  for (int c = 0; c < 2; ++c)
-    *reinterpret_cast<uint4*>(qs + r * ak::kDim + (((2 * part + c) ^ (r & 7)) << 4)) =
-        make_uint4(v[4 * c], v[4 * c + 1], v[4 * c + 2], v[4 * c + 3]);
-}
-
-// Combines this lane's state with the other warpgroup's (same lane, same rows and dims, disjoint
-// keys) for rows grp + 8 kE, kE = this warpgroup: the other's O of those rows and its (m, l) come
-// through shared memory (xo: [2][8][128] float4, xml: [2][128] float2), ours go the other way.
-template <int kE>
-__device__ __forceinline__ void merge_halves(Rows& st, float4* xo, float2* xml) {
-  constexpr int e = kE, f = 1 - kE;
-  const int wt = threadIdx.x & 127;
-#pragma unroll
-  for (int j = 0; j < 8; ++j)  // rows grp + 8 f: o[8 j + 2 f], + 1 (dims 16 j + 2 tig ..), o[8 j +
-                               // 4 + 2 f], + 1 (dims 16 j + 8 + 2 tig ..)
-    xo[(e * 8 + j) * 128 + wt] = make_float4(st.o[8 * j + 2 * f], st.o[8 * j + 2 * f + 1],
-                                             st.o[8 * j + 4 + 2 * f], st.o[8 * j + 5 + 2 * f]);
-  xml[e * 128 + wt] = make_float2(st.m[f], st.l[f]);
-  __syncthreads();
-  const float2 ml = xml[f * 128 + wt];
-  const float mx = fmaxf(st.m[e], ml.x);
-  const float mu = mx == -INFINITY ? 0.0f : mx;
-  const float fa = ak::fast_exp2(st.m[e] - mu), fb = ak::fast_exp2(ml.x - mu);
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float4 x = xo[(f * 8 + j) * 128 + wt];
-    st.o[8 * j + 2 * e] = st.o[8 * j + 2 * e] * fa + x.x * fb;
-    st.o[8 * j + 2 * e + 1] = st.o[8 * j + 2 * e + 1] * fa + x.y * fb;
-    st.o[8 * j + 4 + 2 * e] = st.o[8 * j + 4 + 2 * e] * fa + x.z * fb;
-    st.o[8 * j + 5 + 2 * e] = st.o[8 * j + 5 + 2 * e] * fa + x.w * fb;
-  }
-  st.m[e] = mx;
-  st.l[e] = st.l[e] * fa + ml.y * fb;
-}
-
-// Grid: (tiles bound x n_kv, 1, splits); block: kThreads2; dynamic smem kSmemBytes2. TMA loads
-// only (the launcher runs variant 8 where TMA cannot address the pool).
-__global__ void __launch_bounds__(kThreads2, 2)
-    attention_verify2_kernel(const __grid_constant__ AttnArgs a,
-                             const __grid_constant__ CUtensorMap kmap,
-                             const __grid_constant__ CUtensorMap vmap) {
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ int s_warp[kThreads2 / 32];
-  __shared__ int s_tile[3];
-  __shared__ int s_pos[kQT];
-  __shared__ int s_cand_b[kCand];
-  __shared__ int s_cand_page[kCand];
-  __shared__ int s_list_b[kMaxList];
-  __shared__ int s_list_page[kMaxList];
-  __shared__ int s_list_mask[kMaxList];
-  __shared__ int s_list_vlim[kMaxList];
-  __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
-  __shared__ __align__(8) uint64_t s_full[kStages];
-
-  const int tid = threadIdx.x, h = tid >> 7, tok = (tid >> 5) & 3;
-  const int tile = static_cast<int>(blockIdx.x) / a.n_kv;
-  const int g = static_cast<int>(blockIdx.x) % a.n_kv, split = blockIdx.z;
-  const int key0 = kHalf * h + 16 * tok;  // this warp's 16 keys of the V conversion
-
-  const uint32_t raw_u32 = ak::smem_u32(smem_raw);
-  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
-  uint8_t* smem = smem_raw + (base - raw_u32);
-  const uint32_t qbase = base + kStages * kStageBytes;
-
-  ak::TileInputs in;
-  const bool has_tile = ak::find_tile_and_load<kQT, kThreads2>(a, tile, g, s_warp, s_tile, in);
-  if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads2>(a);
-  if (!has_tile) return;  // CTA-uniform
-  const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
-  load_q_tile(a, g, t0, nt, smem + kStages * kStageBytes);
-  ap::fence_proxy_async();  // Q tile stores -> wgmma reads (after the barriers below)
-  if (tid < kQT) s_pos[tid] = in.pos;
-  if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  init_full_barriers(s_full);
-  __syncthreads();  // s_pos, s_nan, s_full, the Q tile
-  uint32_t full_parity = 0;
-  auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
-    if (tid == 0 && j < count && lmask[j])
-      ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
-                         ak::smem_u32(&s_full[st]));
-  };
-
-  const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
-  int n_total = 0;
-  if (a.sparse) {
-    n_total = ak::sparse_union<kQT, kThreads2>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
-                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                               s_list_mask, s_list_vlim);
-  } else {
-    int maxpos = -1;
-#pragma unroll
-    for (int w = 0; w < kQT; ++w) maxpos = max(maxpos, s_pos[w]);
-    n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
-  }
-  __syncthreads();
-  pdl_launch_dependents();
-
-  const int per = (n_total + a.splits - 1) / a.splits;
-  const int lo = min(n_total, split * per);
-  const int hi = min(n_total, lo + per);
-
-  Rows st;
-  float s[32];
-  uint32_t p[4][4];
-  const int my_pos = s_pos[tok];
-
-  // One pass with the V NaN test in every block (~30 instructions per warp and block here). The
-  // two passes of variant 9 (the test only in a second pass when the first left a NaN) spill at
-  // 128 registers: 36-116 bytes with the pass loop or two instantiations of it; none with one.
-  {
-    st.reset();
-    for (int c0 = lo; c0 < hi; c0 += kMaxList) {
-      const int count = min(hi - c0, kMaxList);
-      int off = c0;
-      if (!a.sparse) {
-        __syncthreads();  // the previous chunk's entries are no longer read
-        ak::dense_entries<kQT, kThreads2>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
-                                          s_list_mask, s_list_vlim);
-        __syncthreads();
-        off = 0;
-      }
-      const int* lmask = s_list_mask + off;
-      const int* lb = s_list_b + off;
-      const int* lpage = s_list_page + off;
-      const int* lvlim = s_list_vlim + off;
-#pragma unroll
-      for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
-      int stage = 0;
-      for (int i = 0; i < count; ++i) {
-        const int mask = lmask[i];
-        if (mask) {  // loaded (CTA-uniform): wait for its TMA bytes
-          sm90::mbar_wait(ak::smem_u32(&s_full[stage]), (full_parity >> stage) & 1u);
-          full_parity ^= 1u << stage;
-        }
-        const int cur = stage;
-        const int prev = stage == 0 ? kStages - 1 : stage - 1;
-        stage = stage + 1 == kStages ? 0 : stage + 1;
-        uint8_t* sbuf = smem + cur * kStageBytes;
-        const uint32_t saddr = base + cur * kStageBytes;
-        const int b = lb[i];
-        const int vlim = mask ? lvlim[i] : -1;
-        // This warp's last visible key of the block, relative to the warpgroup's first key.
-        const int lim = ((mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1) - kHalf * h;
-        // Dims 64-127 of V (in place, the warp's own rows), then S = Q K_h^T (P V of the previous
-        // block complete: waited for below); dims 0-63 go into the K rows once S is done.
-        uint4 vlo[2];
-        const uint32_t nan = convert_v_high(sbuf, key0, vlim, vlo, true);
-        ap::reg_fence(s);
-        ap::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          wgmma_qk_ss_n64(s, ap::smem_desc(qbase + 32 * kk, 16, 1024),
-                          ap::smem_desc(saddr + kHalf * h * ak::kDim + 32 * kk, 16, 1024),
-                          kk > 0 ? 1 : 0);
-        ap::wgmma_commit();
-        ap::wgmma_wait<0>();
-        ap::reg_fence(s);
-        __syncthreads();  // every S(i) and P V(i - 1) done: the previous stage is free
-        load(i + kStages - 1, count, lmask, lpage, prev);
-        convert_v_low(sbuf, key0, vlo);
-        ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
-        ap::softmax_block(s, st.m, st.l, st.alpha, lim, a.scale_log2);
-        ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-        if (wg_sync_or(h, nan != 0u)) {  // the warpgroup's f16 rows complete (a NaN: rare)
-          scrub_nan_rows(sbuf, key0, 16, vlim, mask, b, s_pos, s_nan);
-          ap::fence_proxy_async();
-          wg_sync(h);
-        }
-        // O += P V_h.
-        ap::reg_fence(st.o);
-        ap::reg_fence(p);
-        ap::wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-          ap::wgmma_pv(st.o, p[kk],
-                       ap::smem_desc(saddr + (kHalf * h + 16 * kk) * ak::kDim, kTileBytes, 1024));
-        ap::wgmma_commit();
-        ap::wgmma_wait<0>();
-        ap::reg_fence(st.o);
-      }
-      __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
-    }
-  }
-  // The stages are free (every TMA copy waited for, every wgmma complete, barrier above).
-  float4* xo = reinterpret_cast<float4*>(smem);
-  float2* xml = reinterpret_cast<float2*>(smem + 2 * 8 * 128 * sizeof(float4));
-  if (h == 0) {
-    merge_halves<0>(st, xo, xml);
-    write_rows<0>(a, st, s_nan[tok], t0, nt, g, split);
-  } else {
-    merge_halves<1>(st, xo, xml);
-    write_rows<1>(a, st, s_nan[tok], t0, nt, g, split);
-  }
 }
 
 }  // namespace attention_verify

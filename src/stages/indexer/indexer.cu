@@ -381,7 +381,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   if (pl.balanced) {
     const int64_t items = R * max_pages;
-    M3_CHECK_ARG(items + 2 * ik::kMmaWarps * pl.units <= std::numeric_limits<int32_t>::max(),
+    M3_CHECK_ARG(items + 4 * ik::kMmaWarps * pl.units <= std::numeric_limits<int32_t>::max(),
                  "run_indexer_cuda: ", items, " balanced work items exceed the kernel's limit");
     a.items = static_cast<int>(items);
     a.counter = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace.data) +

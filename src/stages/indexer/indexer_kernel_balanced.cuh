@@ -4,9 +4,9 @@
 // CTAs doing equal work finished 2-4 us apart, about a quarter of the call).
 //
 // Work items: item i = block i % max_pages of request i / max_pages (R * max_pages items, host
-// known). Warp w of the decode grid (W warps: grid.x - num_overflow CTAs of 4 warps) takes items w
-// and w + W, then grabs one more item per finished item from a counter in the workspace
-// (atomicAdd; the value v stands for item 2 W + v) until the items run out. Each item is one 16 KB
+// known). Warp w of the decode grid (W warps: grid.x - num_overflow CTAs of 4 warps) takes items w,
+// w + W and w + 2 W, then grabs one more item per finished item from a counter in the workspace
+// (atomicAdd; the value v stands for item 3 W + v) until the items run out. Each item is one 16 KB
 // page streamed as 8 tiles through the warp's 8-stage cp.async ring exactly as decode_unit does,
 // with the query rows of the item's request (rows = tokens x heads <= 8 NT, NT = 1 or 2 n-tiles
 // chosen by the host from T / R; a request's later tokens are left to the overflow tiles through
@@ -15,12 +15,15 @@
 // are those of the two-kernel path by construction (a block max does not depend on who computed
 // it).
 //
-// Pipeline per warp (items C = computed now, N = its tiles issued during C, F = fetched): at the
-// start of C the warp takes a ticket (lane 0 atomicAdd) for F; at C's tile 4 it reads the ticket
-// and loads F's page-table entry, seq_lens, query_start and, at the guessed bounds of an
-// equal-length batch (r T / R), its positions and query rows; when C ends, N becomes current (its
-// query rows converted, its exact visible blocks from its positions) and F becomes N (page
-// guarded; positions and query rows reloaded when the guess was wrong). An item whose block is
+// Pipeline per warp (items C = computed now, N = its tiles issued during C, F = fetched, T = the
+// ticket): when C ends, N becomes current (its query rows converted, its exact visible blocks
+// from its positions), F becomes N (page guarded; positions and query rows reloaded when the guess
+// was wrong), the ticket taken one item earlier becomes F (its page-table entry, seq_lens,
+// query_start and, at the guessed bounds of an equal-length batch (r T / R), its positions and
+// query rows loaded), and a new ticket is taken (lane 0 atomicAdd). Every load thus has one item's
+// time (about one loaded memory latency) to land. Session 15 round A had the ticket read and F
+// loaded in the middle of C, a stall on every item: 64 x 8K draft 0 26.0-30.8 us vs 23.6 for the
+// cluster single pass. An item whose block is
 // not visible by seq_lens, or whose page is outside the pool, reads nothing (zero-fill copies) and
 // computes nothing; its block scores NaN when the exact positions make it visible (contract
 // broken), else nothing is written. Items past the end (id >= items) are empty.
@@ -172,25 +175,25 @@ __device__ __forceinline__ void balanced_decode(const KernelArgs& a, uint8_t* sm
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
 
-  // The first two items are static (w, w + W): no counter round trip before the first bytes.
+  // The first three items are static (w, w + W, w + 2 W): no counter round trip before the first
+  // bytes; ticket v of the counter stands for item 3 W + v.
   FetchedItem<NT> f;
   ReadyItem<NT> cur, nxt;
   {
-    FetchedItem<NT> f0;
+    FetchedItem<NT> f0, f1;
     fetch_item<NT>(a, w, f0);
-    fetch_item<NT>(a, w + warps, f);
+    fetch_item<NT>(a, w + warps, f1);
+    fetch_item<NT>(a, w + 2 * warps, f);
     resolve_item<NT>(a, f0, cur);
-  }
-  {
     const uint8_t* src = (cur.page >= 0 ? page_base(a, cur.page) : a.cache) + lane * 16;
     const uint32_t bytes = cur.page >= 0 ? 16u : 0u;
     static_for<0, kDecStages - 1>([&](auto tc) {
       issue_tile_at<decltype(tc)::value>(ring_dst, src, bytes);
       cp_async_commit();
     });
+    resolve_item<NT>(a, f1, nxt);
   }
-  resolve_item<NT>(a, f, nxt);
-  bool more = nxt.r >= 0;  // ids grow: once one is past the end, so are all later ones
+  bool more = f.r >= 0;  // ids grow: once one is past the end, so are all later ones
   uint32_t ticket = 0;
   if (more && lane == 0) ticket = atomicAdd(a.counter, 1u);
 
@@ -200,6 +203,9 @@ __device__ __forceinline__ void balanced_decode(const KernelArgs& a, uint8_t* sm
   make_current<NT>(a, cur, s, min_pos, rows, visible);
   timeline_mark(a, 1);
 
+  // Each step of the pipeline has a whole item's time (about one loaded memory latency) to land:
+  // the ticket taken when C became current is read when C ends, F's loads issued then are used
+  // when F becomes N one item later, N's exact rows (a wrong guess) when N becomes C.
   while (cur.r >= 0) {
     const int b = cur.b;
     const bool compute = cur.page >= 0;
@@ -216,12 +222,6 @@ __device__ __forceinline__ void balanced_decode(const KernelArgs& a, uint8_t* sm
       else
         issue_tile_at<kT - 1>(ring_dst, src_n, bytes_n);
       cp_async_commit();
-      if constexpr (kT == 4) {
-        // The ticket taken when this item became current: the item after nxt.
-        const int id =
-            more ? 2 * warps + static_cast<int>(__shfl_sync(0xffffffffu, ticket, 0)) : a.items;
-        fetch_item<NT>(a, id, f);
-      }
       if (compute)
         decode_compute_tile<NT>(s, ring + kT * kTileBytes, b * kPageSize + kT * 16, mask, g, tig);
     });
@@ -233,7 +233,10 @@ __device__ __forceinline__ void balanced_decode(const KernelArgs& a, uint8_t* sm
     }
     cur = nxt;
     resolve_item<NT>(a, f, nxt);
-    more = more && nxt.r >= 0;
+    const int id =
+        more ? 3 * warps + static_cast<int>(__shfl_sync(0xffffffffu, ticket, 0)) : a.items;
+    fetch_item<NT>(a, id, f);
+    more = more && f.r >= 0;
     if (more && lane == 0) ticket = atomicAdd(a.counter, 1u);
     make_current<NT>(a, cur, s, min_pos, rows, visible);
   }

@@ -81,9 +81,10 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 9;  // variant of the verify kernel (AttentionCudaConfig)
-  bool pdl = false;        // programmatic launches of the decode / verify kernels, merge
-  int64_t tiles = 0;       // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int verify_variant = 9;   // variant of the verify kernel (AttentionCudaConfig)
+  bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
+  bool decode_tma = false;  // the decode kernel with TMA loads (decode_kernel 4)
+  int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -180,10 +181,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 4)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
-                       "were removed in session 14)");
+                       " is not 0, 2 or 4 (1, the 4-warp tile kernel, and 3, two barriers per "
+                       "block, were removed in session 14)");
+  pl.decode_tma = cfg.decode_kernel == 4;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -266,6 +268,22 @@ Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
+// The decode kernel with TMA loads (decode_kernel 4); the cp.async one where the driver refuses
+// the tensor maps.
+Status launch_decode_tma(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+    return launch_decode<true>(args, pl, n_kv, stream);
+  auto kernel = ad::attention_decode_tma_kernel;
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytesTma));
+  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(pl.splits));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytesTma, stream,
+                                     pl.pdl, args, kmap, vmap));
+  return Status::Ok();
+}
+
 // The one dispatch point from run-time (kernel, variant, 16-byte cache alignment) to a template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
@@ -293,6 +311,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
+  if (vec16 && pl.decode_tma) return launch_decode_tma(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

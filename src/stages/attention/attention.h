@@ -100,7 +100,9 @@ struct AttentionCudaConfig {
                             // lazy running max (ap::softmax_block)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
-                            // block, were removed); other plans ignore it
+                            // block, were removed); 4 (opt-in, session 15): the same kernel
+                            // with TMA loads (cp.async where TMA cannot address the pool);
+                            // other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

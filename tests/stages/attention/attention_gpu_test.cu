@@ -70,7 +70,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 
 // Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
 // persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
-// plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
+// plan; kMma the mma.sync decode kernel (1-token tiles of any batch; decode_kernel 4: its TMA
+// loads); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async),
 // 9 (TMA and the two-pass V NaN test; 8 where TMA cannot address the pool), 12 (9 with a plain
@@ -89,6 +90,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kMma) {
     add({1, 1, 1, 1});              // v_convert 1 (the only V path)
     add({1, 1, 0, 1, 0, 0, 0, 2});  // decode_kernel 2 (the same kernel)
+    add({1, 1, 0, 1, 0, 0, 0, 4});  // decode_kernel 4 (TMA loads)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});

@@ -28,6 +28,9 @@
 //   the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
+//   --read-ceiling (after each sparse decode/verify case a row "... read ceiling": the same
+//   selected K/V bytes read by a plain kernel with the same CTA decomposition,
+//   read_selected_tiles);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
@@ -85,6 +88,46 @@ struct Pool {
   uint8_t* data = nullptr;
   int64_t pages = 0;
 };
+
+// --read-ceiling: the K and V tiles a sparse decode / verify call selects, read by a plain kernel
+// with the attention's CTA decomposition (one CTA of 256 threads per (request, KV head), the
+// request's distinct blocks from a host-built list, so without the ids -> page table chain) and
+// its ring (3 stages of 32 KB, 2 blocks in flight, cp.async 16-byte copies, 2 CTAs per SM): the
+// bytes-only floor of the same call, timed the same way.
+constexpr int kReadStages = 3;
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+__global__ void __launch_bounds__(256, 2)
+    read_selected_tiles(const uint8_t* kv, int64_t page_stride, int64_t plane_stride,
+                        const int32_t* list, const int32_t* start, uint32_t* sink) {
+  extern __shared__ __align__(128) uint8_t ring[];
+  const int c = blockIdx.x, e0 = start[c], n = start[c + 1] - e0;
+  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
+  auto issue = [&](int j) {
+    if (j < n) {
+      const int page = list[2 * (e0 + j)], g = list[2 * (e0 + j) + 1];
+      const uint8_t* k = kv + page * page_stride + g * kTile;
+      const uint32_t dst = base + (j % kReadStages) * 2 * kTile;
+#pragma unroll
+      for (int it = 0; it < 4; ++it) {
+        const int off = (it * 256 + static_cast<int>(threadIdx.x)) * 16;
+        cp16(dst + off, k + off);
+        cp16(dst + kTile + off, k + plane_stride + off);
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  for (int j = 0; j < kReadStages - 1; ++j) issue(j);
+  for (int j = 0; j < n; ++j) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kReadStages - 2) : "memory");
+    __syncthreads();  // block j landed; block j - 1's stage free
+    issue(j + kReadStages - 1);
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0 && n > 0 && ring[0] == 0x5Au && ring[1] == 0xA5u) sink[c] = 1u;
+}
 
 // One benchmark problem: host copies of the small tensors, device copies, params.
 struct Case {
@@ -287,6 +330,67 @@ void tile_unions(const Case& c, double* avg_union, double* work_ratio) {
   *work_ratio = c.flops > 0 ? unions * per_block / c.flops : 0;
 }
 
+// The --read-ceiling row of a sparse case (read_selected_tiles on the blocks of every copy).
+bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int calls,
+                            cudaStream_t stream) {
+  std::vector<void*> d_lists;
+  std::vector<int32_t> start;
+  for (int k = 0; k < copies; ++k) {
+    const std::vector<int32_t>& table = c.tables[static_cast<size_t>(k)];
+    std::vector<int32_t> list;
+    start.clear();
+    for (int r = 0; r < c.R; ++r) {
+      for (int g = 0; g < kNkv; ++g) {
+        start.push_back(static_cast<int32_t>(list.size() / 2));
+        std::set<int> u;
+        for (int64_t t = c.qs[r]; t < c.qs[r + 1]; ++t)
+          for (int j = 0; j < kTopK; ++j) {
+            const int b = c.ids[(t * kNkv + g) * kTopK + j];
+            if (b >= 0 && b <= c.pos[t] / kPageSize) u.insert(b);
+          }
+        for (int b : u) {
+          list.push_back(table[static_cast<size_t>(r) * c.max_pages + b]);
+          list.push_back(g);
+        }
+      }
+    }
+    start.push_back(static_cast<int32_t>(list.size() / 2));
+    d_lists.push_back(upload(list.data(), list.size() * 4));
+  }
+  void* d_start = upload(start.data(), start.size() * 4);  // the same for every copy
+  void* d_sink = upload(nullptr, start.size() * 4);
+  const int ctas = c.R * kNkv;
+  check_cuda(cudaFuncSetAttribute(read_selected_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kReadStages * 2 * kTile),
+             "read ceiling smem");
+  auto launch = [&](cudaStream_t s, int copy) {
+    read_selected_tiles<<<ctas, 256, kReadStages * 2 * kTile, s>>>(
+        pool.data, kPageBytes, kNkv * kTile, static_cast<const int32_t*>(d_lists[copy]),
+        static_cast<const int32_t*>(d_start), static_cast<uint32_t*>(d_sink));
+  };
+  const bench::Timing tm = bench::time_graph_cold([&](cudaStream_t s) { launch(s, 0); }, stream);
+  const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream, calls);
+  check_cuda(cudaStreamSynchronize(stream), "read ceiling");
+  for (void* d : d_lists) cudaFree(d);
+  cudaFree(d_start);
+  cudaFree(d_sink);
+  bench::Row row;
+  row.add("case", c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling");
+  row.add("check", "n/a");
+  row.add("max_rel", 0.0, 4);
+  row.add("us", tm.median_us, 1);
+  row.add("min_us", tm.min_us, 1);
+  row.add("b2b_us", tb.median_us, 1);
+  row.add("copies", std::to_string(copies));
+  row.add("MB_kv", c.bytes / 1e6, 1);
+  const double gbs = c.bytes / (tm.median_us * 1e3);
+  row.add("GB/s", gbs, 0);
+  row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+  row.add("b2b_pct_bw", 100.0 * c.bytes / (tb.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
+  row.add("TFLOP/s", 0.0, 1);
+  return row;
+}
+
 // One call on input copy `copy` (its page table; everything else is shared).
 void run_once(const Case& c, cudaStream_t s, int copy = 0) {
   AttentionParams p = c.p;
@@ -407,7 +511,7 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they finish, also in a log file
   bool json = false, quick = false, prefill_only = false, sweep = false, no_prefill = false,
-       compare = false;
+       compare = false, read_ceiling = false;
   std::string only;  // --case=SUBSTR: only cases whose name contains it
   AttentionCudaConfig cfg;
   std::vector<int> prefill_kernels;  // --kernels=A,B,...: these prefill kernels on the same cases
@@ -453,12 +557,15 @@ int main(int argc, char** argv) {
       cfg.programmatic_launch = true;
     } else if (std::strcmp(argv[i], "--out-q") == 0) {
       g_out_q = true;
+    } else if (std::strcmp(argv[i], "--read-ceiling") == 0) {
+      read_ceiling = true;
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--no-prefill] "
+                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
+                   "[--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "
                    "[--case=SUBSTR] [--kernels=A,B,... (prefill)]\n");
@@ -605,6 +712,8 @@ int main(int argc, char** argv) {
             row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
             rows.push_back(row);
           }
+          if (read_ceiling && sparse)
+            rows.push_back(read_ceiling_row(c, pool, copies, calls, stream));
           free_case(c);
         }
       }

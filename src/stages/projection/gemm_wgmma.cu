@@ -150,6 +150,8 @@ Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, co
 }
 
 int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
+// The kernel's n (rows of a partial slot) for M rows; 0 for none.
+int64_t padded_rows(int64_t m) { return m <= 0 ? 0 : box_rows_for(m); }
 
 }  // namespace
 
@@ -172,14 +174,14 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
                kMaxCtasPerSm, "]");
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
-  // Two partial slots of [M][128] fp32 per CTA; the grid is at most ctas_per_sm(M) x SMs with
-  // ctas_per_sm(M) = 1 for M > 16 in the automatic choice (see run_gemm_wgmma_cuda): take the
-  // largest M of each regime.
+  // Two partial slots of [n][128] fp32 per CTA (n = M rounded up to 8, 16, 32 or 64: the slots are
+  // fragment-major); the grid is at most ctas_per_sm(M) x SMs with ctas_per_sm(M) = 1 for M > 16
+  // in the automatic choice (see run_gemm_wgmma_cuda): take the largest M of each regime.
   const size_t per_sm_above = ctas_per_sm == 0 ? 1 : static_cast<size_t>(ctas_per_sm);
   const size_t per_sm_below = ctas_per_sm == 0 ? kMaxCtasPerSm : static_cast<size_t>(ctas_per_sm);
   const size_t slot_rows = std::max<size_t>(
-      size_t{2} * per_sm_below * static_cast<size_t>(std::min<int64_t>(max_m, kTwoCtaMaxM)),
-      size_t{2} * per_sm_above * static_cast<size_t>(max_m > kTwoCtaMaxM ? max_m : 0));
+      size_t{2} * per_sm_below * static_cast<size_t>(padded_rows(std::min(max_m, kTwoCtaMaxM))),
+      size_t{2} * per_sm_above * static_cast<size_t>(max_m > kTwoCtaMaxM ? padded_rows(max_m) : 0));
   return gemm_wgmma_counter_bytes(n) + slot_rows * static_cast<size_t>(max_waves) *
                                            static_cast<size_t>(info.sms) * kTileN * sizeof(float);
 }
@@ -255,9 +257,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const size_t counters = gemm_wgmma_counter_bytes(n);
   // (The cluster split uses no partial slots.)
   const size_t need =
-      counters + (options.cluster_split > 0 ? 0
-                                            : size_t{2} * static_cast<size_t>(grid) *
-                                                  static_cast<size_t>(m) * kTileN * sizeof(float));
+      counters + (options.cluster_split > 0
+                      ? 0
+                      : size_t{2} * static_cast<size_t>(grid) *
+                            static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float));
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
                " are needed (N = ", n, ", M = ", m, ", ", grid,

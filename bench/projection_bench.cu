@@ -574,15 +574,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
         std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     trace_summary(tbuf).c_str());
       }
-      // --ablate (variants 0, 3 and 11): the same launch without MMAs (1), without the stream-K
-      // fixup (2), or both (3): where the time goes. The outputs are wrong by design.
+      // --ablate (variants 0, 3 and 11): the same launch without MMAs (1), without the split-K
+      // reduction (2), both (3), without scale loads (4), or none of the three (7): where the time
+      // goes. The outputs are wrong by design.
       if (ablate && (v == 0 || v == 3 || v == 11)) {
-        for (int ab = 1; ab <= 3; ++ab) {
+        for (int ab : {1, 2, 3, 4, 7}) {
           GemmWgmmaOptions oa = o;
           oa.debug_ablate = ab;
           add(
               name + (ab == 1   ? " ablate no-mma"
                       : ab == 2 ? " ablate no-fixup"
+                      : ab == 3 ? " ablate no-mma no-fixup"
+                      : ab == 4 ? " ablate no-scales"
                                 : " ablate none"),
               [&](cudaStream_t stc, int c) {
                 must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, oa), "ablated");

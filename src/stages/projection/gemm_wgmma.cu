@@ -213,8 +213,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
                kMaxClusterSplit, "]");
-  M3_CHECK_ARG(options.debug_ablate >= 0 && options.debug_ablate <= 3,
-               "GemmWgmmaOptions::debug_ablate = ", options.debug_ablate, " must be in [0, 3]");
+  M3_CHECK_ARG(options.debug_ablate >= 0 && options.debug_ablate <= 7,
+               "GemmWgmmaOptions::debug_ablate = ", options.debug_ablate, " must be in [0, 7]");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");

@@ -85,9 +85,9 @@ struct GemmWgmmaOptions {
   // debug_trace: a device buffer of gemm_wgmma_trace_words() x grid uint64 (grid <= ctas_per_sm
   // x SMs x max_waves, or N / 128 x cluster_split) where every CTA records when it started, got its
   // first and last unit, and ended (%globaltimer ns and clock64 cycles) and its cycles in segment
-  // epilogues (results are unchanged). debug_ablate: 1 = the consumers release every stage without
-  // MMAs, 2 = no stream-K fixup (every segment stores its own sum), 3 = both: the OUTPUT IS WRONG;
-  // for timing.
+  // epilogues (results are unchanged). debug_ablate, a bit set: 1 = the consumers release every
+  // stage without MMAs, 2 = no split-K reduction (every segment stores its own sum), 4 = no scale
+  // loads: the OUTPUT IS WRONG; for timing.
   unsigned long long* debug_trace = nullptr;
   int debug_ablate = 0;
 };

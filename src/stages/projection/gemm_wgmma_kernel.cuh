@@ -143,7 +143,7 @@ struct WgmmaArgs {
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
   // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
   unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
-  int ablate;                 // 1: no MMAs / fold, 2: no stream-K fixup (outputs undefined)
+  int ablate;  // 1: no MMAs / fold, 2: no stream-K fixup, 4: no scale loads (outputs undefined)
 };
 
 // Trace words per CTA, written by consumer thread 0: %globaltimer (ns) at the CTA's start, when
@@ -477,10 +477,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
         }
         float* slot = s_scales + s * kSlot;
+        if ((p.ablate & 4) == 0) {  // (ablate 4, diagnostics: no scales; the arrivals only)
 #pragma unroll
-        for (int r = lane; r < kNw; r += 32)
-          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+          for (int r = lane; r < kNw; r += 32)
+            if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
+          if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+        }
         cp_async_mbar_arrive_noinc(full);
       }
     }

@@ -515,7 +515,7 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
         << split;
   }
   bad = {};
-  bad.debug_ablate = 4;
+  bad.debug_ablate = 8;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};

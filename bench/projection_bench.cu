@@ -418,12 +418,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // Variants 5-8: other units per CTA; for the fused N 9856 x K 6144 (3696 units): 14 gives 264
   // CTAs (two per SM at M <= 16), 24 gives 154 (one per SM above M 16: clamped to 132), 28 gives
   // 132, 48 gives 77: one whole tile per CTA, no split-K fixup at all.
-  // Variants 9-12: the cluster split (one cluster of C CTAs per tile, DSMEM reduction) with C = 1
-  // (whole tiles), 2, 3, and 2 with two CTAs per SM.
+  // Variants 9-13: the cluster split (one cluster of C CTAs per tile, DSMEM reduction) with C = 1
+  // (whole tiles), 2, 3, 2 with two CTAs per SM, and automatic (-1).
   const ShapeVariant variants[] = {
       {0, false, 16, 0}, {2, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0},  {2, true, 16, 0},
       {0, false, 14, 0}, {0, false, 24, 0}, {0, false, 28, 0}, {0, false, 48, 0}, {0, false, 16, 1},
-      {0, false, 16, 2}, {0, false, 16, 3}, {2, false, 16, 2}};
+      {0, false, 16, 2}, {0, false, 16, 3}, {2, false, 16, 2}, {0, false, 16, -1}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -538,7 +538,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
-          (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : "");
+          (o.cluster_split > 0   ? " cluster " + std::to_string(o.cluster_split)
+           : o.cluster_split < 0 ? std::string(" cluster auto")
+                                 : std::string());
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {

@@ -433,7 +433,8 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
            std::to_string(bucket->wgmma_options.weight_l2_promotion) + ", waves " +
-           std::to_string(bucket->wgmma_options.max_waves) + ")";
+           std::to_string(bucket->wgmma_options.max_waves) + ", cluster split " +
+           std::to_string(bucket->wgmma_options.cluster_split) + ")";
   return short_label(bucket->algo[kAligned]) +
          (bucket->chosen[kAligned] == -2 ? " (autotuned)" : " (heuristic)");
 }

@@ -210,8 +210,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
-  M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
-               "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
+  M3_CHECK_ARG(options.cluster_split >= -1 && options.cluster_split <= kMaxClusterSplit,
+               "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [-1, ",
                kMaxClusterSplit, "]");
   M3_CHECK_ARG(options.debug_ablate >= 0 && options.debug_ablate <= 7,
                "GemmWgmmaOptions::debug_ablate = ", options.debug_ablate, " must be in [0, 7]");
@@ -243,24 +243,30 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split <= kblocks,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
                " must not exceed K / 128 = ", kblocks);
+  // Automatic cluster split: as many ranks per tile as one wave of resident CTAs allows.
+  int cluster_split = options.cluster_split;
+  if (cluster_split < 0) {
+    const int64_t fit = std::min<int64_t>(
+        {int64_t{kMaxClusterSplit}, kblocks, int64_t{ctas_per_sm} * info.sms / tiles});
+    cluster_split = fit >= 2 ? static_cast<int>(fit) : 0;
+  }
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
-  const int64_t grid_cluster = tiles * options.cluster_split;
+  const int64_t grid_cluster = tiles * cluster_split;
   M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
                "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
                " CTAs must be below 2^31");
   const int grid =
-      options.cluster_split > 0
+      cluster_split > 0
           ? static_cast<int>(grid_cluster)
           : static_cast<int>(std::max<int64_t>(
                 1,
                 std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
   // (The cluster split uses no partial slots.)
-  const size_t need =
-      counters + (options.cluster_split > 0
-                      ? 0
-                      : size_t{2} * static_cast<size_t>(grid) *
-                            static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float));
+  const size_t need = counters + (cluster_split > 0 ? 0
+                                                    : size_t{2} * static_cast<size_t>(grid) *
+                                                          static_cast<size_t>(padded_rows(m)) *
+                                                          kTileN * sizeof(float));
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
                " are needed (N = ", n, ", M = ", m, ", ", grid,
@@ -296,9 +302,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.early_weights = options.programmatic_launch ? 1 : 0;
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
-  args.owner_fixup =
-      options.owner_fixup && options.max_waves == 1 && options.cluster_split == 0 ? 1 : 0;
-  args.cluster = options.cluster_split;
+  args.owner_fixup = options.owner_fixup && options.max_waves == 1 && cluster_split == 0 ? 1 : 0;
+  args.cluster = cluster_split;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.trace = options.debug_trace;
   args.ablate = options.debug_ablate;

@@ -41,6 +41,8 @@ struct GemmWgmmaOptions {
   // their fp32 partial to rank 0 through distributed shared memory, which sums them in rank order
   // and writes bf16 (C = 1: whole tiles, no reduction). No workspace traffic and no atomics; the
   // workspace is still required (untouched). Deterministic; not the stream-K split's bits.
+  // -1 = automatic: the largest C <= 8 (and <= K / 128) whose grid fits one wave of resident
+  // CTAs (ctas_per_sm x SMs), if that is at least 2, else stream-K.
   int cluster_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

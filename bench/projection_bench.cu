@@ -47,8 +47,7 @@
 // one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
 // times only wgmma variant V (for profiling: its check launch comes first); --random; --trace:
-// a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --ablate: variants
-// 0, 3 and 11 also without MMAs and / or without the reduction (debug_ablate; wrong outputs)).
+// a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace)).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -414,16 +413,13 @@ std::string trace_summary(const TraceBuffer& tb) {
 }
 
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
-              bool trace, bool ablate, bool json) {
-  // Variants 5-8: other units per CTA; for the fused N 9856 x K 6144 (3696 units): 14 gives 264
-  // CTAs (two per SM at M <= 16), 24 gives 154 (one per SM above M 16: clamped to 132), 28 gives
-  // 132, 48 gives 77: one whole tile per CTA, no split-K fixup at all.
-  // Variants 9-13: the cluster split (one cluster of C CTAs per tile, DSMEM reduction) with C = 1
-  // (whole tiles), 2, 3, 2 with two CTAs per SM, and automatic (-1).
-  const ShapeVariant variants[] = {
-      {0, false, 16, 0}, {2, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0},  {2, true, 16, 0},
-      {0, false, 14, 0}, {0, false, 24, 0}, {0, false, 28, 0}, {0, false, 48, 0}, {0, false, 16, 1},
-      {0, false, 16, 2}, {0, false, 16, 3}, {2, false, 16, 2}, {0, false, 16, -1}};
+              bool trace, bool json) {
+  // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
+  // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 / 5 the cluster split with
+  // C = 3 and automatic (C = 3 for the fused width at M <= 8). (Round A also timed 14, 24, 28 and
+  // 48 units per CTA and C = 1 / 2: slower at every M, removed.)
+  const ShapeVariant variants[] = {{0, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0},
+                                   {1, true, 16, 0},  {0, false, 16, 3}, {0, false, 16, -1}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -576,25 +572,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
         std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     trace_summary(tbuf).c_str());
       }
-      // --ablate (variants 0, 3 and 11): the same launch without MMAs (1), without the split-K
-      // reduction (2), both (3), without scale loads (4), or none of the three (7): where the time
-      // goes. The outputs are wrong by design.
-      if (ablate && (v == 0 || v == 3 || v == 11)) {
-        for (int ab : {1, 2, 3, 4, 7}) {
-          GemmWgmmaOptions oa = o;
-          oa.debug_ablate = ab;
-          add(
-              name + (ab == 1   ? " ablate no-mma"
-                      : ab == 2 ? " ablate no-fixup"
-                      : ab == 3 ? " ablate no-mma no-fixup"
-                      : ab == 4 ? " ablate no-scales"
-                                : " ablate none"),
-              [&](cudaStream_t stc, int c) {
-                must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, oa), "ablated");
-              },
-              "ablated");
-        }
-      }
     }
   }
   bench::print_rows("GEMM N " + std::to_string(n) + " K " + std::to_string(k) +
@@ -633,7 +610,7 @@ int run(int argc, char** argv) {
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   int only_variant = -1;
-  bool random = false, trace = false, ablate = false;
+  bool random = false, trace = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -671,13 +648,11 @@ int run(int argc, char** argv) {
       random = true;
     } else if (f == "--trace") {
       trace = true;
-    } else if (f == "--ablate") {
-      ablate = true;
     } else {
       std::fprintf(stderr,
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
                    "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-                   "--shape N,K [--ms M1,M2,...] [--variant V] [--random])\n",
+                   "--shape N,K [--ms M1,M2,...] [--variant V] [--random] [--trace])\n",
                    argv[i]);
       return 2;
     }
@@ -689,7 +664,7 @@ int run(int argc, char** argv) {
       return 2;
     }
     std::sort(shape_ms.begin(), shape_ms.end());
-    return run_shape(shape[0], shape[1], shape_ms, only_variant, random, trace, ablate, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variant, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

@@ -605,13 +605,6 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
       o.weight_l2_promotion = sh.promotion;
       candidates.push_back(o);
     }
-    // The automatic cluster split (session 15, round A: fused N 9856 at M 1 / 4 / 16 20.3 /
-    // 20.3 / 21.6 us back to back against 21.0 / 21.0 / 22.2 with the stream-K split).
-    if (options.wgmma.cluster_split == dflt.cluster_split) {
-      GemmWgmmaOptions o = options.wgmma;
-      o.cluster_split = -1;
-      candidates.push_back(o);
-    }
   }
   double best_us = -1;
   std::string timed;

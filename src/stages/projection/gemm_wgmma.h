@@ -24,9 +24,9 @@
 namespace m3attn {
 
 struct GemmWgmmaOptions {
-  // CTAs per SM: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic (2 for M <= 16, 1
-  // above). Two CTAs per SM at M > 16 (rings of 4 / 5 stages, 96 registers per thread) need a
-  // workspace sized with ctas_per_sm = 2 (gemm_wgmma_workspace_bytes).
+  // CTAs per SM: 1 (deeper ring, fewer split-K partials) or 2; 0 = automatic = 2 at every M (rings
+  // of 4 / 5 stages and 96 registers per thread at M > 16; session 15 round B: 3.4-3.5 us faster
+  // than one CTA per SM at M 32 / 64; until then the automatic choice was 1 above M 16).
   int ctas_per_sm = 0;
   // Variant: the stream-K fixup of a split tile is done by the tile's first CTA (whose last
   // segment it is) after waiting for the other contributors' arrivals, instead of by whichever
@@ -41,8 +41,12 @@ struct GemmWgmmaOptions {
   // their fp32 partial to rank 0 through distributed shared memory, which sums them in rank order
   // and writes bf16 (C = 1: whole tiles, no reduction). No workspace traffic and no atomics; the
   // workspace is still required (untouched). Deterministic; not the stream-K split's bits.
-  // -1 = automatic: the largest C <= 8 (and <= K / 128) whose grid fits one wave of resident
-  // CTAs (ctas_per_sm x SMs), if that is at least 2, else stream-K.
+  // -1 = automatic: at M <= 8, the largest C <= 8 (and <= K / 128) whose grid fits one wave of
+  // resident CTAs (ctas_per_sm x SMs), if that is at least 2; else (and above M 8) stream-K.
+  // Session 15 (fused N 9856 x K 6144, C = 3): M 1 22.08 / 20.04 us (isolated / back to back) vs
+  // 22.53 / 20.60 with stream-K in round B (22.43 / 20.29 vs 23.04 / 20.96 in round A), M 4 the
+  // same, M 16 0.6 us slower. Opt-in: compute-sanitizer's racecheck cannot run it (the launch
+  // fails under the tool; memcheck is clean and every test passes).
   int cluster_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
@@ -83,15 +87,11 @@ struct GemmWgmmaOptions {
   // Kept for source compatibility; ignored: the producer warp now always stages every unit's
   // scales into shared memory with the unit's data (the former register prefetch is gone).
   bool prefetch_scales = false;
-  // Benchmark diagnostics only (projection_bench --trace / --ablate); never set them elsewhere.
-  // debug_trace: a device buffer of gemm_wgmma_trace_words() x grid uint64 (grid <= ctas_per_sm
-  // x SMs x max_waves, or N / 128 x cluster_split) where every CTA records when it started, got its
-  // first and last unit, and ended (%globaltimer ns and clock64 cycles) and its cycles in segment
-  // epilogues (results are unchanged). debug_ablate, a bit set: 1 = the consumers release every
-  // stage without MMAs, 2 = no split-K reduction (every segment stores its own sum), 4 = no scale
-  // loads: the OUTPUT IS WRONG; for timing.
+  // Benchmark diagnostics (projection_bench --trace): a device buffer of gemm_wgmma_trace_words()
+  // x grid uint64 (grid <= ctas_per_sm x SMs x max_waves, or N / 128 x cluster_split) where every
+  // CTA records when it started, got its first and last unit, and ended (%globaltimer ns and
+  // clock64 cycles) and its cycles in segment epilogues. Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  int debug_ablate = 0;
 };
 
 // uint64 words per CTA in GemmWgmmaOptions::debug_trace.

@@ -80,12 +80,27 @@
 // on half the activation rows (more warps per unit), were slower (29.9 vs 28.1 us): removed.
 // cuBLASLt: 22.5-23.3 us at M 64; ncu with the owner fixup: SMs active 74 % of the time, 21 % of
 // the warp samples waiting for full stages, 26 % in the epilogue and the producer.
-// Grid: (1 or 2 for n <= 16; 1 for n = 32, 64 unless asked: registers) x SMs CTAs, at least
-// `min_units_per_cta` units each, at most `max_waves` waves of resident CTAs (default one; the
-// stream-K fixup never waits for another CTA, so later waves are safe).
+// Session 15 (fused N 9856 x K 6144; projection_bench --shape --trace, with ablations since
+// removed): each CTA's timeline (globaltimer) shows the CTAs' weight streams ending 12-17 us after
+// the first start at M 1 (a 4 us spread from DRAM service alone: every CTA has the same units) and
+// the split-K reduction after the last unit: removing the MMAs saved 0.9-1.1 us at M 1, removing
+// the fixup 2.2 us, both 3.3 us (M 1 back to back 20.6 -> 17.3 us, against 16.96 us for the same
+// TMA stream without compute and 15.56 for a plain read in round A); at M 64 the fixup cost 7 us,
+// the scattered bf16 tile stores 1.4 us. So: the partials are fragment-major (coalesced 16-byte
+// stores and loads, a contributor's whole partial in flight at once), the CTA's last tile goes out
+// through shared memory in whole rows, and two CTAs per SM are automatic at every M (M 64 26.9 vs
+// 30.4 us with one). The cluster split (opt-in, below) replaces the global fixup with a
+// distributed-shared-memory exchange inside a cluster of the tile's CTAs: 0.4-0.6 us faster at
+// M <= 8, slower at M >= 16 and with one CTA per SM (77 x C CTAs do not fit one wave for C >= 2).
+// Whole tiles per CTA (77 CTAs, no reduction) took 34-37 us: a single CTA's ring (6-9 stages)
+// cannot pull more than ~27 GB/s. Scale loads cost nothing measurable (ablated: equal).
+// Grid: (1 or 2, automatic 2) x SMs CTAs, at least `min_units_per_cta` units each, at most
+// `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another
+// CTA, so later waves are safe); cluster split: N / 128 x C CTAs in clusters of C.
 //
 // Bytes: weights N K once from HBM; activations M_pad K per tile from L2; partials
-// ~(tiles + 2 grid) x 128 x M x 4 B to and from L2. Bound: HBM bandwidth (~14 us at N = 9856).
+// ~(tiles + 2 grid) x 128 x n x 4 B to and from L2 (n = M rounded up to 8, 16, 32, 64). Bound:
+// HBM bandwidth (~14 us at N = 9856).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (type only: the map is encoded on the host)
@@ -143,7 +158,6 @@ struct WgmmaArgs {
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
   // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
   unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
-  int ablate;  // 1: no MMAs / fold, 2: no stream-K fixup, 4: no scale loads (outputs undefined)
 };
 
 // Trace words per CTA, written by consumer thread 0: %globaltimer (ns) at the CTA's start, when
@@ -477,12 +491,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
         }
         float* slot = s_scales + s * kSlot;
-        if ((p.ablate & 4) == 0) {  // (ablate 4, diagnostics: no scales; the arrivals only)
 #pragma unroll
-          for (int r = lane; r < kNw; r += 32)
-            if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-          if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
-        }
+        for (int r = lane; r < kNw; r += 32)
+          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
+        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
         cp_async_mbar_arrive_noinc(full);
       }
     }
@@ -582,11 +594,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           s_trace[5] = clock64() - s_trace[kTraceWords];
         }
       }
-      if (p.ablate & 1) {  // diagnostics: the stage is released unused
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
-        continue;
-      }
       const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
       const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
       // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
@@ -627,13 +634,12 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
 
     if (tracing) s_trace[kTraceWords + 1] = clock64();
-    // (ablate 2, diagnostics: every segment stores its own sum as if it were the whole tile.)
     // Cluster split (variant): the cluster's ranks cover the tile's K blocks in rank order; ranks
     // >= 1 leave their partial in their own shared memory (the ring's first bytes: every unit is
     // consumed), rank 0 reads them through distributed shared memory, sums in rank order (the
     // order of the stream-K fixup) and writes bf16: no workspace, no atomics, and a CTA waits only
     // for CTAs of its own cluster, which are co-scheduled.
-    if (csplit > 1 && (p.ablate & 2) == 0) {
+    if (csplit > 1) {
       const uint32_t mine = base + static_cast<uint32_t>(tid * kAcc * 4);
       if (c_rank != 0) {
         consumer_barrier();  // both warpgroups are done with the ring
@@ -666,8 +672,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
       continue;
     }
-    const bool whole =
-        (seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count) || (p.ablate & 2) != 0;
+    const bool whole = seg_begin == tile * kb_count && seg_end == (tile + 1) * kb_count;
     if (whole) {
       write_tile(acc, tile, seg_end == u_end);
       continue;

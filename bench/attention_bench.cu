@@ -23,9 +23,8 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N,
-//   --pdl (programmatic launches; the back-to-back graph then overlaps each call's prologue with
-//   the previous call):
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --pdl (programmatic
+//   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
 //   --read-ceiling (after each sparse decode/verify case a row "... read ceiling": the same
@@ -35,9 +34,9 @@
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
-//   loads), "v9" (TMA loads, two-pass NaN test: the automatic verify choice), "v12" / "v13" (9 with
-//   a plain mbarrier poll / and a lazy running max; opt-in since session 15), and for draft 7 the
-//   wgmma prefill kernel).
+//   loads), "v13" (TMA loads, two-pass NaN test, lazy running max: the automatic verify choice)
+//   and "v14" (13 with the stage refilled before S; opt-in), and for draft 7 the wgmma prefill
+//   kernel).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -551,8 +550,6 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
-    } else if (std::strncmp(argv[i], "--decode-kernel=", 16) == 0) {
-      cfg.decode_kernel = std::atoi(argv[i] + 16);
     } else if (std::strcmp(argv[i], "--pdl") == 0) {
       cfg.programmatic_launch = true;
     } else if (std::strcmp(argv[i], "--out-q") == 0) {
@@ -564,7 +561,7 @@ int main(int argc, char** argv) {
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
+                   "[--verify-variant=N] [--pdl] [--out-q] [--read-ceiling] "
                    "[--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "
@@ -609,7 +606,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 9}, {5, 12}, {5, 13}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 13}, {5, 14}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

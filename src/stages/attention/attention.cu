@@ -68,7 +68,11 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 48.9 without, B256 172.1 / 173.6 / 173.7 vs 175.4 / 176.7 / 176.6; round B (one run, 8K) draft
 // 0 / 1 / 3: B64 48.0 / 48.0 / 48.3 vs 48.4 / 48.8 / 47.7, B256 171.0 / 174.3 / 178.9 vs 172.8 /
 // 175.1 / 179.6 (~1 % on average).
-constexpr int kAutoVerifyVariant = 9;  // sparse and dense (layers 0-2) alike
+// Session 15 (round B, sparse draft 3, isolated us at 8K / 32K / 128K, one run each): 13 (9 with
+// the lazy running max and a plain mbarrier poll) B64 47.7 / 47.6 / 47.6 vs 48.2 / 48.2 / 48.4 for
+// 9, B256 172.8 / 173.3 / 173.4 vs 175.2 / 177.5 / 176.0; 12 (9 with the plain poll alone) 48.8 /
+// 48.4 / 48.7 and 176.0 / 176.4 / 177.1 (no gain): 9 and 12 were removed, 13 is automatic.
+constexpr int kAutoVerifyVariant = 13;  // sparse and dense (layers 0-2) alike
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
 // line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
@@ -81,9 +85,8 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 9;   // variant of the verify kernel (AttentionCudaConfig)
+  int verify_variant = 13;  // variant of the verify kernel (AttentionCudaConfig)
   bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
-  bool decode_tma = false;  // the decode kernel with TMA loads (decode_kernel 4)
   int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -146,11 +149,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 9 &&
-      cfg.verify_variant != 12 && cfg.verify_variant != 13)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
+      cfg.verify_variant != 14)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 9, 12 or 13 (10, the two-pass NaN test, is part of 9 since "
-                       "session 14; 11 was removed in session 15)");
+                       " is not 0, 8, 13 or 14 (9, 11 and 12 were removed in session 15: 13 is 9 "
+                       "with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -181,11 +184,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 4)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2 or 4 (1, the 4-warp tile kernel, and 3, two barriers per "
-                       "block, were removed in session 14)");
-  pl.decode_tma = cfg.decode_kernel == 4;
+                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+                       "were removed in session 14; 4, TMA loads, in session 15)");
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -235,9 +237,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variant 9 (kTma: TMA loads, kTwoPass: the two-pass V NaN test) runs as 8 (cp.async, the NaN
-// test in every block) where the pool is not 16-byte aligned or the driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kSpin = false, bool kLazy = false>
+// Variants 13 and 14 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
+// max, kEarly: the early refill) run as 8 (cp.async, the NaN test in every block) where the pool is
+// not 16-byte aligned or the driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -247,7 +250,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kSpin, kLazy>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -268,33 +271,15 @@ Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-// The decode kernel with TMA loads (decode_kernel 4); the cp.async one where the driver refuses
-// the tensor maps.
-Status launch_decode_tma(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  CUtensorMap kmap{}, vmap{}, qmap{};
-  if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
-    return launch_decode<true>(args, pl, n_kv, stream);
-  auto kernel = ad::attention_decode_tma_kernel;
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytesTma));
-  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
-                  static_cast<unsigned>(pl.splits));
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytesTma, stream,
-                                     pl.pdl, args, kmap, vmap));
-  return Status::Ok();
-}
-
 // The one dispatch point from run-time (kernel, variant, 16-byte cache alignment) to a template.
 Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
     switch (pl.verify_variant) {
-      case 9:
-        return launch_verify<true, true, true>(args, pl, n_kv, stream);
-      case 12:
-        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
       case 13:
+        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
+      case 14:
         return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
@@ -311,7 +296,6 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  if (vec16 && pl.decode_tma) return launch_decode_tma(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

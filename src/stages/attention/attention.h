@@ -92,17 +92,16 @@ struct AttentionCudaConfig {
                         // never faster and was removed); still validated: -1 .. 8
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (9), 8 cp.async
-                            // loads of K and V, 9 TMA loads (where TMA can address the pool;
-                            // else 8 runs) with the V NaN test in a second pass that runs only
-                            // when the first one's output holds a NaN (session 14); opt-in
-                            // (session 15): 12 = 9 with a plain mbarrier poll, 13 = 12 with a
-                            // lazy running max (ap::softmax_block)
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (13), 8
+                            // cp.async loads of K and V, 13 TMA loads (where TMA can address the
+                            // pool; else 8 runs), the V NaN test in a second pass that runs only
+                            // when the first one's output holds a NaN, a lazy running max
+                            // (session 15; 9 = 13 without it, removed); 14 (opt-in) = 13 with the
+                            // stage refilled before S instead of after it
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
-                            // block, were removed); 4 (opt-in, session 15): the same kernel
-                            // with TMA loads (cp.async where TMA cannot address the pool);
-                            // other plans ignore it
+                            // block, were removed; 4, TMA loads, in session 15: slower); other
+                            // plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

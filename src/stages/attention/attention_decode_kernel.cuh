@@ -59,7 +59,6 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kStages = 3;
 constexpr int kSmemBytes = kStages * ak::kStageBytes;  // 96 KB of dynamic shared memory
-constexpr int kSmemBytesTma = kSmemBytes + 1024;       // kTma: + slack to align the ring to 1 KB
 static_assert(kWarps * 16 == ak::kBlockKeys && kWarps * 16 == ak::kDim, "16 keys / dims a warp");
 
 // f16 A fragments of the token's 16 query heads of KV head g (zero for heads >= group and an absent
@@ -122,20 +121,10 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// The kernel body. kTma (AttentionCudaConfig::decode_kernel 4, opt-in since session 15): K and V
-// tiles by two TMA copies issued by thread 0 onto the stage's mbarrier (kmap, vmap: the tensor maps
-// of the warp-specialised prefill kernel; the ring 1024-aligned in kSmemBytesTma) instead of
-// cp.async by all threads (8 x 16 bytes each per block plus the commit and wait).
-template <bool kVec16, bool kTma>
-__device__ __forceinline__ void decode_body(const AttnArgs& a, const CUtensorMap* kmap,
-                                            const CUtensorMap* vmap) {
-  extern __shared__ __align__(128) uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
-  uint8_t* smem = smem_raw;
-  if constexpr (kTma) {
-    const uint32_t raw = ak::smem_u32(smem_raw);
-    smem = smem_raw + (((raw + 1023u) & ~1023u) - raw);
-  }
+// Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
   __shared__ int s_tile[3];
   __shared__ int s_pos[1];
@@ -161,14 +150,6 @@ __device__ __forceinline__ void decode_body(const AttnArgs& a, const CUtensorMap
   if (!has_tile) return;  // CTA-uniform
   const int r = s_tile[0], t0 = s_tile[1];
   if (tid == 0) s_pos[0] = in.pos;
-  if constexpr (kTma) {
-    if (tid == 0) {
-#pragma unroll
-      for (int st = 0; st < kStages; ++st) sm90::mbar_init(ak::smem_u32(&s_full[st]), 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
-  uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   uint32_t qh[8][4];
   load_q_f16(a, g, t0, true, qh);
   __syncthreads();  // s_pos
@@ -307,15 +288,9 @@ __device__ __forceinline__ void decode_body(const AttnArgs& a, const CUtensorMap
       off = 0;
     }
     auto load = [&](int j, int st) {
-      if constexpr (kTma) {
-        if (tid == 0 && j < count && s_list_mask[off + j])
-          ak::tma_load_block(kmap, vmap, s_list_page[off + j], g,
-                             ak::smem_u32(smem + st * ak::kStageBytes), ak::smem_u32(&s_full[st]));
-      } else {
-        if (j < count && s_list_mask[off + j])
-          ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
-        ak::cp_async_commit();
-      }
+      if (j < count && s_list_mask[off + j])
+        ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
+      ak::cp_async_commit();
     };
     // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
     // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
@@ -327,16 +302,7 @@ __device__ __forceinline__ void decode_body(const AttnArgs& a, const CUtensorMap
     // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
     // vs 41.6 / 42.0 / 42.4 us, B256 147.3-147.9 vs 144.9-145.5, B1 12.8 vs 12.0.)
     for (int i = 0; i < count; ++i) {
-      if constexpr (kTma) {
-        if (s_list_mask[off + i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-          const uint32_t bar = ak::smem_u32(&s_full[stage]), par = (full_parity >> stage) & 1u;
-          while (!sm90::mbar_try_wait(bar, par)) {
-          }
-          full_parity ^= 1u << stage;
-        }
-      } else {
-        ak::cp_async_wait<kStages - 2>();
-      }
+      ak::cp_async_wait<kStages - 2>();
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
       load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
@@ -422,20 +388,6 @@ __device__ __forceinline__ void decode_body(const AttnArgs& a, const CUtensorMap
       }
     }
   }
-}
-
-// Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-template <bool kVec16>
-__global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
-  decode_body<kVec16, false>(a, nullptr, nullptr);
-}
-
-// The same with TMA loads (decode_kernel 4); dynamic smem kSmemBytesTma.
-__global__ void __launch_bounds__(kThreads, 2)
-    attention_decode_tma_kernel(const __grid_constant__ AttnArgs a,
-                                const __grid_constant__ CUtensorMap kmap,
-                                const __grid_constant__ CUtensorMap vmap) {
-  decode_body<true, true>(a, &kmap, &vmap);
 }
 
 }  // namespace attention_decode

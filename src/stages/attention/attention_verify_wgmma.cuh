@@ -41,9 +41,10 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 9 (session 14) runs
-//   the tile without the flagging first and repeats it with the flagging only when that first
-//   pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every block.
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variants 13, 14 (9 in
+//   session 14) run the tile without the flagging first and repeats it with the flagging only when
+//   that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every
+//   block.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
@@ -69,6 +70,14 @@
 //   mbarrier, global) 12 %, barriers 9 %: the warps are issue-latency bound rather than waiting
 //   for HBM, so the next lever is fewer instructions per block (V conversion and its NaN test,
 //   softmax) or more warps per SM, not more bytes in flight.
+//   Session 15: a two-warpgroup variant (11: each warpgroup half of every block's keys, its own
+//   online softmax, 128 registers, 16 warps per SM) was slower (B64 x 4 54.8 vs 48.8 us, B256 x 4
+//   196.3 vs 177.9; ncu: 636 instructions per warp and block over 8 warps, 33 % more per block, at
+//   the same 42 % issue rate) and was deleted. The lazy running max (13: O is rescaled only when a
+//   row max grows by more than 2^8) took B64 x 4 to 47.6-47.7 us and B256 x 4 to 172.8-173.4 (9:
+//   48.2-48.4, 175.2-177.5). ncu (round B, B64 x 4): ~790 instructions per warp and block, issue
+//   slots 28.5 %, the top stall the wait for the stage's TMA data: at one wave the kernel waits for
+//   bytes (the same tiles read by a plain kernel with this ring: 34.0-34.4 us, 91 % of copy).
 #pragma once
 
 #include <cstdint>
@@ -330,15 +339,17 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 9). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 13, 14). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
-// kSpin (variants 12, 13; session 15): the stage's mbarrier is polled without sm90::mbar_wait's
-// clock64 timeout and trap: with the trap in the loop, ptxas injects a wait for the previous
-// block's P V wgmma there (C7517), which serialises P V(i) with S(i + 1) and the early V
-// conversion that the deferred wait was meant to overlap. kLazy (13): the lazy running max of
-// ap::softmax_block.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kSpin = false, bool kLazy = false>
+// kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
+// 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
+// C7517; without it the time was the same, round B: variant 12). kLazy (variant 13, automatic
+// since session 15): the lazy running max of ap::softmax_block. kEarly (variant 14, opt-in): the
+// previous block's P V is waited for at the top of the iteration and its stage refilled right
+// after the first barrier, before S (ncu of 12 at B64 x 4: the warps' top stall is the wait for
+// the stage's data; the refill after S left ~1.5 blocks in flight per CTA instead of 2).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -417,12 +428,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variant 9): two passes at most. Pass 0 skips the per-block test for NaN in V (~100
-  // instructions per warp and block): a NaN V element in a row some token sees (rows past every
-  // token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN in the
-  // shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass 0's
-  // result is exact. Otherwise (a V NaN, or a NaN from K / Q, which makes whole rows NaN) the tile
-  // runs again with the test and the exact per-token NaN bookkeeping (pass 1, the session-13 path).
+  // kTwoPass (variants 13, 14): two passes at most. Pass 0 skips the per-block test for NaN in V
+  // (~100 instructions per warp and block): a NaN V element in a row some token sees (rows past
+  // every token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN
+  // in the shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass
+  // 0's result is exact. Otherwise (a V NaN, or a NaN from K / Q, which makes whole rows NaN) the
+  // tile runs again with the test and the exact per-token NaN bookkeeping (pass 1, the session-13
+  // path).
 #pragma unroll 1
   for (int pass = kTwoPass ? 0 : 1;; ++pass) {
     const bool check = pass > 0;
@@ -455,27 +467,31 @@ __global__ void __launch_bounds__(kThreads, 2)
         if constexpr (kTma) {
           if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
             const uint32_t bar = ak::smem_u32(&s_full[stage]), par = (full_parity >> stage) & 1u;
-            if constexpr (kSpin) {
-              while (!sm90::mbar_try_wait(bar, par)) {
-              }
-            } else {
-              sm90::mbar_wait(bar, par);
+            while (!sm90::mbar_try_wait(bar, par)) {
             }
             full_parity ^= 1u << stage;
           }
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
-        __syncthreads();  // block i landed for every thread
+        if constexpr (kEarly) {
+          ap::wgmma_wait<0>();  // P V(i - 1)
+          ap::reg_fence(st.o);
+        }
+        __syncthreads();  // block i landed for every thread (kEarly: every P V(i - 1) done)
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy>(
-            st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
-            mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+        if constexpr (kEarly) load(i + kStages - 1, count, lmask, lpage, prev);
+        attend_block<kLazy>(st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask,
+                            b, mask ? lvlim[i] : -1,
+                            (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos, s_nan,
+                            a.scale_log2, check, [&] {
+                              if constexpr (!kEarly)
+                                load(i + kStages - 1, count, lmask, lpage, prev);
+                            });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);

@@ -27,7 +27,8 @@
 //   --unfused (time the two-kernel path only), --sweep (also time the fused and the
 //   two-kernel paths (or the flag's path) over k_splits, and the single pass, at batch 64 / 256,
 //   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
-//   192, 8K), --contiguous (each request's pages consecutive
+//   192, 8K; with --case that case alone; --k K,K,... replaces the k_splits list, 0 = auto),
+//   --contiguous (each request's pages consecutive
 //   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
@@ -46,10 +47,6 @@
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
 //   the first warp's entry, and the median / max clock64 duration of each phase; then where the
 //   spread of the scored phase lives: within a CTA, between a cluster's CTAs, per SM id),
-//   --balanced-sweep (only a table of IndexerCudaOptions::balanced with 1-3 CTAs per SM, its
-//   counter cleared by a memset node or kept (counters_preserved), beside the default plan and the
-//   two-kernel path; batch 64 / 256, or --case), --balanced CPS [--balanced-preserved] (the
-//   --timeline call uses the balanced decode with CPS CTAs per SM, 0 = its default),
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case).
@@ -422,7 +419,6 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.balanced) return "b g" + std::to_string(pl.grid_x) + " r" + std::to_string(pl.dec_chunk);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
@@ -448,9 +444,9 @@ std::string kilo(int v) {
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       bal_sweep = false, bal_preserved = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, balanced_cps = -1;
+       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
+  std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -469,14 +465,18 @@ int main(int argc, char** argv) {
       no_guess = true;
     else if (a == "--ceiling")
       ceiling = true;
-    else if (a == "--balanced" && i + 1 < argc)
-      balanced_cps = std::atoi(argv[++i]);
-    else if (a == "--balanced-preserved")
-      bal_preserved = true;
-    else if (a == "--balanced-sweep")
-      bal_sweep = true;
-    else if (a == "--timeline" && i + 1 < argc &&
-             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
+    else if (a == "--k" && i + 1 < argc) {
+      sweep_k.clear();
+      const char* q = argv[++i];
+      while (*q) {
+        char* end = nullptr;
+        const long v = std::strtol(q, &end, 10);
+        if (end == q) break;
+        sweep_k.push_back(static_cast<int>(v));
+        q = *end == ',' ? end + 1 : end;
+      }
+    } else if (a == "--timeline" && i + 1 < argc &&
+               std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       timeline = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
@@ -489,8 +489,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] [--balanced CPS] "
-                   "[--balanced-preserved] [--balanced-sweep]\n",
+                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -502,10 +501,6 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
-  IndexerCudaOptions bal_o = default_o;
-  bal_o.balanced = true;
-  bal_o.balanced_ctas_per_sm = std::max(balanced_cps, 0);
-  bal_o.counters_preserved = bal_preserved;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -539,9 +534,9 @@ int main(int argc, char** argv) {
   std::vector<bench::Row> rows;
   if (timeline) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
-    IndexerCudaOptions o = balanced_cps >= 0 ? bal_o : (single_ctas > 0 ? single_o : default_o);
+    IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-    const int64_t units = pl.grid_x;  // overflow tiles + decode units (or balanced CTAs)
+    const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
     const int64_t warps = units * pl.k_splits * 4;
     const size_t bytes = static_cast<size_t>(warps) * 16 * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
@@ -779,57 +774,6 @@ int main(int argc, char** argv) {
         rows, json);
     return finish();
   }
-  if (bal_sweep) {
-    // The balanced decode (1-3 CTAs per SM; counter cleared by a memset node, or preserved) beside
-    // the default plan and the two-kernel path.
-    for (int draft : {0, 3}) {
-      for (int ctx : contexts) {
-        for (int batch : batches) {
-          if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
-          if (!only && batch == 1) continue;
-          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-          std::vector<Slice> slices = {{0, 0, 1 + draft}};
-          if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
-          // -2: default plan, -1: two-kernel, 0..5: balanced with cps = v / 2 + 1, preserved = v
-          // % 2.
-          for (int v = -2; v < 6; ++v) {
-            IndexerCudaOptions o = v == -2 ? default_o : (v == -1 ? two_o : bal_o);
-            std::string label = v == -2 ? "default" : "two-kernel";
-            if (v >= 0) {
-              o.balanced_ctas_per_sm = v / 2 + 1;
-              o.counters_preserved = v % 2 == 1;
-              label = "balanced " + std::to_string(v / 2 + 1) + (v % 2 ? " kept" : " memset");
-            }
-            const std::string what = "balanced b" + std::to_string(batch) + " ctx " +
-                                     std::to_string(ctx) + " draft " + std::to_string(draft) + " " +
-                                     label;
-            bool pass = true;
-            const Times tm = check_and_time(c, pool, slices, o, stream, true, what, &pass);
-            all_pass = all_pass && pass;
-            bench::Row row;
-            row.add("batch", std::to_string(batch));
-            row.add("context", kilo(ctx));
-            row.add("draft", std::to_string(draft));
-            row.add("path", label);
-            row.add("plan", plan_str(c, o));
-            row.add("check", pass ? "PASS" : "FAIL");
-            row.add("us", tm.iso.median_us, 1);
-            row.add("min_us", tm.iso.min_us, 1);
-            row.add("%copy", pct_copy(c, tm.iso.median_us), 1);
-            row.add("b2b_us", tm.b2b.median_us, 1);
-            row.add("b2b_%copy", pct_copy(c, tm.b2b.median_us), 1);
-            rows.push_back(row);
-          }
-          free_case(c);
-        }
-      }
-    }
-    bench::print_rows(
-        "indexer decode: balanced (CTAs per SM, counter memset / kept) vs default and two-kernel "
-        "(graph replay, cold L2; isolated and back to back)",
-        rows, json);
-    return finish();
-  }
   if (clusters) {
     // The single pass with 1, 2, 3, 4 and 8 CTAs per request (thread-block clusters) beside the
     // default plan and the two-kernel path, at 8K (<= 64 blocks, where the single pass applies).
@@ -938,21 +882,27 @@ int main(int argc, char** argv) {
                      "unfused_decode, single = single_pass where it applies)",
       rows, json);
 
-  if (sweep && !only) {
-    // Draft 0 and 3 at 8K, draft 0 at 32K; the single pass once per 8K case.
+  if (sweep) {
+    // Draft 0 and 3 at 8K, draft 0 at 32K (or the --case alone); the single pass once per 8K case.
     rows.clear();
-    for (int ctx : {8192, 32768}) {
-      for (int draft : {0, 3}) {
-        if (ctx > 8192 && draft > 0) continue;
-        for (int batch : {64, 128, 192, 256}) {
+    const std::vector<int> sweep_ctx =
+        only ? std::vector<int>{only_ctx} : std::vector<int>{8192, 32768};
+    const std::vector<int> sweep_draft =
+        only ? std::vector<int>{only_draft} : std::vector<int>{0, 3};
+    const std::vector<int> sweep_batch =
+        only ? std::vector<int>{only_batch} : std::vector<int>{64, 128, 192, 256};
+    for (int ctx : sweep_ctx) {
+      for (int draft : sweep_draft) {
+        if (!only && ctx > 8192 && draft > 0) continue;
+        for (int batch : sweep_batch) {
           // Batches 128 and 192 (8K only): the automatic plan of each path alone, for the batch
           // threshold of the single pass.
-          const bool auto_only = batch == 128 || batch == 192;
+          const bool auto_only = !only && (batch == 128 || batch == 192);
           if (auto_only && ctx > 8192) continue;
           Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
           const std::vector<Slice> slices = {{0, 0, 1 + draft}, {batch - 1, 0, 1 + draft}};
           for (int path = 0; path < (compare_paths ? 3 : 1); ++path)
-            for (int k : {0, 2, 3, 4, 6, 8, 12, 16, 32}) {
+            for (int k : sweep_k) {
               IndexerCudaOptions o = path == 0 ? sweep_o : (path == 1 ? two_o : single_o);
               o.k_splits = k;
               if (k > 0 && (auto_only || int64_t{k} * 4 > c.max_pages)) continue;

@@ -12,7 +12,6 @@
 #include "core/pdl.cuh"
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
-#include "stages/indexer/indexer_kernel_balanced.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_merge.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
@@ -105,20 +104,11 @@ int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
   return ceil_div(num_tokens * n_kv * max_pages * int64_t{sizeof(float)}, 16) * 16;
 }
 
-// The balanced decode's counter word (16 bytes reserved) after the candidate lists.
-constexpr int64_t kCounterBytes = 16;
-int64_t counter_offset(int64_t num_tokens, int n_kv, int max_pages) {
-  return scores_bytes_aligned(num_tokens, n_kv, max_pages) +
-         cand_lists(num_tokens, n_kv, max_pages) * kCandListBytes;
-}
-
 // The launch plan, from host-known values only (shapes, options, the SM count).
 struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
-  bool balanced = false;
-  int balanced_nt = 1;  // n-tiles (8 rows each) of a balanced decode unit
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -219,18 +209,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  if (pl.mma && o.balanced && T > 0) {
-    // Balanced decode: overflow tiles unsplit, then the persistent CTAs (at most one per 4 items).
-    pl.balanced = true;
-    pl.fused = pl.single = false;
-    pl.balanced_nt = T * p.n_kv <= 8 * R ? 1 : 2;
-    const int64_t cps = o.balanced_ctas_per_sm > 0 ? o.balanced_ctas_per_sm : 2;
-    const int64_t items = R * max_pages;
-    pl.units = pl.overflow +
-               std::max<int64_t>(1, std::min<int64_t>(cps * sms, ceil_div(items, ik::kMmaWarps)));
-    k = 1;
-    chunk = pl.balanced_nt * 8;
-  }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -278,7 +256,8 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(counter_offset(num_tokens, n_kv, max_pages) + kCounterBytes);
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages) +
+                             cand_lists(num_tokens, n_kv, max_pages) * kCandListBytes);
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -295,8 +274,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
   info.single = pl.single;
-  info.balanced = pl.balanced;
-  info.grid_x = static_cast<int>(pl.units);
   return info;
 }
 
@@ -326,9 +303,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.balanced_ctas_per_sm >= 0 && options.balanced_ctas_per_sm <= 3,
-               "run_indexer_cuda: balanced_ctas_per_sm ", options.balanced_ctas_per_sm,
-               " is outside [0, 3] (64 KB of shared memory per CTA)");
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -379,17 +353,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.timeline = options.timeline;
-  if (pl.balanced) {
-    const int64_t items = R * max_pages;
-    M3_CHECK_ARG(items + 4 * ik::kMmaWarps * pl.units <= std::numeric_limits<int32_t>::max(),
-                 "run_indexer_cuda: ", items, " balanced work items exceed the kernel's limit");
-    a.items = static_cast<int>(items);
-    a.counter = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace.data) +
-                                            counter_offset(T, p.n_kv, max_pages));
-    a.dec_tokens = pl.balanced_nt * 8 / p.n_kv;  // >= 1: n_kv <= 8
-  }
-  // A memset node before the balanced scorer (the counter at 0) breaks the programmatic edge.
-  const bool pdl = options.programmatic_launch && (!pl.balanced || options.counters_preserved);
+  const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks =
       pl.fused ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
@@ -437,17 +401,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_CUDA_CHECK_LAUNCH();
       return Status::Ok();
     }
-    if (pl.balanced) {
-      // 64 KB of dynamic shared memory (the tile rings) plus static bytes: opt in.
-      const auto bkernel =
-          pl.balanced_nt == 1 ? ik::score_balanced_kernel<1> : ik::score_balanced_kernel<2>;
-      size_t bsmem = 0;
-      M3_RETURN_IF_ERROR(prepare(bkernel, ik::kMmaSmemBytes, &bsmem));
-      if (!options.counters_preserved)
-        M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(a.counter, 0, sizeof(uint32_t), stream));
-      M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(bkernel, grid, dim3(ik::kMmaThreads), bsmem, stream, pdl, a));
-    } else if (pl.fused) {
+    if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in.
       const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
       size_t fsmem = 0;

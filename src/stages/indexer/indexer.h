@@ -75,10 +75,8 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
 // decode units when the fused decode path runs (indexer_cuda_uses_fused_decode): their block
 // scores stay on chip. After the scores (16-byte aligned) come the fused path's candidate lists
-// (128 bytes per (row, split), at most max(T * n_kv, 65536) lists), then 16 bytes whose first
-// word is the balanced decode's work counter (IndexerCudaOptions::balanced,
-// counters_preserved). Contents need no initialization and are not preserved between runs
-// (except that counter word under counters_preserved).
+// (128 bytes per (row, split), at most max(T * n_kv, 65536) lists). Contents need no
+// initialization and are not preserved between runs.
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
 struct IndexerCudaOptions {
@@ -146,20 +144,6 @@ struct IndexerCudaOptions {
   // 256 x 8K draft 3 (4 tokens per request) 79.0 vs 76.65 us without, hence one token only.
   // false: never (the A/B switch, bench --no-guess).
   bool guess_request_bounds = true;
-  // Balanced decode (opt-in, session 15): the decode units' blocks are handed out one page at a
-  // time to every warp of a persistent grid (balanced_ctas_per_sm CTAs of 4 warps per SM; 0 = 2)
-  // from a counter in the workspace, the block maxima go to the workspace scores and the selection
-  // kernel picks the ids (those of the two-kernel path by construction). Decode units hold at most
-  // 8 rows (T * n_kv <= 8 R) or 16 rows (tokens x heads) here; a request's later tokens are
-  // scored by the overflow tiles. Tensor cores only (else ignored). See
-  // indexer_kernel_balanced.cuh.
-  bool balanced = false;
-  int balanced_ctas_per_sm = 0;
-  // Balanced decode only: the caller kept the workspace as the previous balanced call left it (its
-  // counter word at 0), so no memset node clears it before the scorer. false (default): a
-  // cudaMemsetAsync of 4 bytes precedes the scorer (and the scorer is then launched without the
-  // programmatic attribute).
-  bool counters_preserved = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
@@ -183,13 +167,11 @@ bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOpt
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;       // grid.y of the scorer
-  int dec_chunk = 0;      // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;      // warps per row of the fused path's final kernel
-  bool single = false;    // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
-                          // one thread-block cluster of k_splits CTAs per unit
-  bool balanced = false;  // IndexerCudaOptions::balanced applies (then dec_chunk = rows per unit)
-  int grid_x = 0;         // grid.x of the scorer (overflow tiles + decode units or balanced CTAs)
+  int k_splits = 0;     // grid.y of the scorer
+  int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;    // warps per row of the fused path's final kernel
+  bool single = false;  // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
+                        // one thread-block cluster of k_splits CTAs per unit
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -80,11 +80,6 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;  // guess_request_bounds and one token per request (decode units)
-  // Balanced decode (score_balanced_kernel, indexer_kernel_balanced.cuh): R * max_pages work
-  // items and the workspace word counting the items handed out (0 when the scorer starts;
-  // select_kernel sets it back to 0 when non-null).
-  int items = 0;
-  uint32_t* counter = nullptr;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

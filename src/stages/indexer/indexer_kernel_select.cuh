@@ -198,8 +198,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   // wait (see merge_kernel); the scores and block_ids only after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
   pdl_wait();
-  // The balanced scorer's work counter back to 0 for the next call (the scorer has completed).
-  if (a.counter != nullptr && blockIdx.x == 0 && threadIdx.x == 0) *a.counter = 0u;
   if (!in_range) return;
   int32_t* out = a.block_ids + row * kTopK;
   const int local = trivial_row(a, out, pos, true);

@@ -421,22 +421,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
                           (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
                           " vs two-kernel]");
     }
-    // The balanced decode (IndexerCudaOptions::balanced, 1 and 3 CTAs per SM): block scores in
-    // the workspace like the two-kernel path, checked against the twin (its decode units hold
-    // fewer tokens, so a request's later tokens take the overflow tiles' scorer: same ids as the
-    // two-kernel path only where scores are exact).
-    if (tc && v.o.k_splits == 0) {
-      for (int cps : {1, 3}) {
-        IndexerCudaOptions bo = v.o;
-        bo.balanced = true;
-        bo.balanced_ctas_per_sm = cps;
-        if (!indexer_cuda_plan(d.params, bo).balanced) continue;  // nothing scored
-        const GpuResult b = run_gpu(d, bo);
-        const std::string bname = name + ", balanced " + std::to_string(cps) + " CTAs/SM";
-        compare(in, ref, b, in.integer, bname + "]");
-        if (in.integer) expect_same_ids(in, b, g, bname + " vs two-kernel]");
-      }
-    }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";
 }
@@ -514,7 +498,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 balanced decode.
+// clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -563,14 +547,8 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    o.balanced = path == 5;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[cuda cores] ",
-                           "[single pass] ",
-                           "[single pass cluster 4] ",
-                           "[balanced] "};
-    if (path == 5) EXPECT_TRUE(indexer_cuda_plan(d.params, o).balanced);
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {

@@ -9,77 +9,7 @@ namespace {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 2, 3, 4, 5});
-}
-
-// The balanced decode's work counter: a graph captured with its memset node replays with new
-// inputs like an eager call; with counters_preserved (no memset) repeated calls, eager and as a
-// graph, keep giving the same ids on a workspace whose counter only the previous call touched
-// (select_kernel sets it back to 0). Integer inputs: ids equal to the two-kernel path's.
-TEST(IndexerGpu, BalancedGraphReplayAndKeptCounters) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  const std::vector<RequestSpec> reqs = {{9000, 4}, {2100, 4}, {100, 1}, {17000, 4}, {2600, 300}};
-  const Inputs first = make_inputs(reqs, 4, rng, /*integer=*/true);
-  const Inputs second = make_inputs(reqs, 4, rng, /*integer=*/true);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  DeviceSet d;
-  upload(first, d);
-  IndexerCudaOptions bo;
-  bo.balanced = true;
-  ASSERT_TRUE(indexer_cuda_plan(d.params, bo).balanced);
-  IndexerCudaOptions kept = bo;
-  kept.counters_preserved = true;
-  IndexerCudaOptions two;
-  two.unfused_decode = true;
-  const auto capture = [&](const IndexerCudaOptions& o, cudaGraphExec_t* exec) {
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-    const Status st = run_indexer_cuda(d.params, d.workspace, stream, o);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    ASSERT_EQ(cudaGraphInstantiate(exec, graph, 0), cudaSuccess);
-    cudaGraphDestroy(graph);
-  };
-  // block_ids poisoned, the workspace left as the previous call left it.
-  const auto poison_ids = [&]() {
-    std::vector<uint8_t> ids(d.ids_bytes + 2 * kGuard, kGuardByte);
-    std::fill(ids.begin() + kGuard, ids.begin() + kGuard + static_cast<long>(d.ids_bytes),
-              kIdsPoison);
-    d.ids.upload(ids.data(), ids.size());
-  };
-  cudaGraphExec_t with_memset, without;
-  capture(bo, &with_memset);
-  capture(kept, &without);
-  for (const Inputs* in : {&first, &second}) {
-    reupload(*in, d);
-    const GpuResult ref2 = run_gpu(d, two);
-    compare(*in, reference(*in), ref2, true, "two-kernel (balanced graph test)");
-    poison_outputs(d);  // the counter word too: the memset node clears it
-    ASSERT_EQ(cudaGraphLaunch(with_memset, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    expect_same_ids(*in, download(d), ref2, "balanced graph replay (memset) vs two-kernel");
-    for (int i = 0; i < 3; ++i) {
-      poison_ids();
-      const Status st = run_indexer_cuda(d.params, d.workspace, stream, kept);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      expect_same_ids(*in, download(d), ref2,
-                      "balanced eager, counters kept, call " + std::to_string(i));
-      poison_ids();
-      ASSERT_EQ(cudaGraphLaunch(without, stream), cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      expect_same_ids(*in, download(d), ref2,
-                      "balanced graph replay, counters kept, " + std::to_string(i));
-    }
-  }
-  cudaGraphExecDestroy(with_memset);
-  cudaGraphExecDestroy(without);
-  cudaStreamDestroy(stream);
+  check_guards({0, 1, 2, 3, 4});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {

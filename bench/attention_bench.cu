@@ -329,6 +329,27 @@ void tile_unions(const Case& c, double* avg_union, double* work_ratio) {
   *work_ratio = c.flops > 0 ? unions * per_block / c.flops : 0;
 }
 
+// One row of the decode/verify table: isolated and back-to-back times of `bytes` K/V bytes.
+bench::Row timing_row(const std::string& name, const std::string& verdict, double worst,
+                      const bench::Timing& tm, const bench::Timing& tb, int copies, double bytes,
+                      double flops) {
+  bench::Row row;
+  row.add("case", name);
+  row.add("check", verdict);
+  row.add("max_rel", worst, 4);
+  row.add("us", tm.median_us, 1);
+  row.add("min_us", tm.min_us, 1);
+  row.add("b2b_us", tb.median_us, 1);
+  row.add("copies", std::to_string(copies));
+  row.add("MB_kv", bytes / 1e6, 1);
+  const double gbs = bytes / (tm.median_us * 1e3);
+  row.add("GB/s", gbs, 0);
+  row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
+  row.add("b2b_pct_bw", 100.0 * bytes / (tb.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
+  row.add("TFLOP/s", flops / (tm.median_us * 1e6), 1);
+  return row;
+}
+
 // The --read-ceiling row of a sparse case (read_selected_tiles on the blocks of every copy).
 bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int calls,
                             cudaStream_t stream) {
@@ -373,21 +394,8 @@ bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int cal
   for (void* d : d_lists) cudaFree(d);
   cudaFree(d_start);
   cudaFree(d_sink);
-  bench::Row row;
-  row.add("case", c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling");
-  row.add("check", "n/a");
-  row.add("max_rel", 0.0, 4);
-  row.add("us", tm.median_us, 1);
-  row.add("min_us", tm.min_us, 1);
-  row.add("b2b_us", tb.median_us, 1);
-  row.add("copies", std::to_string(copies));
-  row.add("MB_kv", c.bytes / 1e6, 1);
-  const double gbs = c.bytes / (tm.median_us * 1e3);
-  row.add("GB/s", gbs, 0);
-  row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-  row.add("b2b_pct_bw", 100.0 * c.bytes / (tb.median_us * 1e3) / bench::kCopyBandwidthGBs, 1);
-  row.add("TFLOP/s", 0.0, 1);
-  return row;
+  return timing_row(c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling", "n/a", 0.0, tm,
+                    tb, copies, c.bytes, 0.0);
 }
 
 // One call on input copy `copy` (its page table; everything else is shared).
@@ -692,22 +700,7 @@ int main(int argc, char** argv) {
               all_pass &= ok;
               worst = std::max(worst, worst_b2b);
             }
-            bench::Row row;
-            row.add("case", c.name);
-            row.add("check", verdict);
-            row.add("max_rel", worst, 4);
-            row.add("us", tm.median_us, 1);
-            row.add("min_us", tm.min_us, 1);
-            row.add("b2b_us", tb.median_us, 1);
-            row.add("copies", std::to_string(copies));
-            row.add("MB_kv", c.bytes / 1e6, 1);
-            const double gbs = c.bytes / (tm.median_us * 1e3);
-            row.add("GB/s", gbs, 0);
-            row.add("pct_bw", 100.0 * gbs / bench::kCopyBandwidthGBs, 1);
-            row.add("b2b_pct_bw", 100.0 * c.bytes / (tb.median_us * 1e3) / bench::kCopyBandwidthGBs,
-                    1);
-            row.add("TFLOP/s", c.flops / (tm.median_us * 1e6), 1);
-            rows.push_back(row);
+            rows.push_back(timing_row(c.name, verdict, worst, tm, tb, copies, c.bytes, c.flops));
           }
           if (read_ceiling && sparse)
             rows.push_back(read_ceiling_row(c, pool, copies, calls, stream));

@@ -358,6 +358,13 @@ bool spot_check(const Case& c, const Pool& pool, const std::vector<Slice>& slice
   return true;
 }
 
+// The spot-checked slices of a decode case: every token of the first and of the last request.
+std::vector<Slice> decode_slices(int batch, int draft) {
+  std::vector<Slice> s = {{0, 0, 1 + draft}};
+  if (batch > 1) s.push_back({batch - 1, 0, 1 + draft});
+  return s;
+}
+
 struct Times {
   bench::Timing iso;  // isolated: one graph replay (or eager call) after an L2 flush
   bench::Timing b2b;  // back-to-back over the case's page-table copies (graph timing only)
@@ -436,6 +443,17 @@ std::string fixed1(double v) {
 
 std::string kilo(int v) {
   return v % 1024 == 0 ? std::to_string(v / 1024) + "K" : std::to_string(v);
+}
+
+// The first columns of a decode case's row: batch, context, draft, plan, spot check.
+bench::Row case_row(const Case& c, int draft, const std::string& plan, bool pass) {
+  bench::Row row;
+  row.add("batch", std::to_string(c.R));
+  row.add("context", kilo(c.ctx));
+  row.add("draft", std::to_string(draft));
+  row.add("plan", plan);
+  row.add("check", pass ? "PASS" : "FAIL");
+  return row;
 }
 
 }  // namespace
@@ -637,8 +655,7 @@ int main(int argc, char** argv) {
         for (int batch : {1, 64, 256}) {
           if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
           Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-          std::vector<Slice> slices = {{0, 0, 1 + draft}};
-          if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+          const std::vector<Slice> slices = decode_slices(batch, draft);
           const int64_t iq_bytes = c.T * kNkv * kHeadDim;
           void* src = device_alloc(static_cast<size_t>(iq_bytes));
           check_cuda(
@@ -658,12 +675,7 @@ int main(int argc, char** argv) {
           po.programmatic_launch = true;
           const Times pro = check_and_time(c, pool, slices, po, stream, true, what, &pass, standin);
           all_pass = all_pass && pass;
-          bench::Row row;
-          row.add("batch", std::to_string(batch));
-          row.add("context", kilo(ctx));
-          row.add("draft", std::to_string(draft));
-          row.add("plan", plan_str(c, default_o));
-          row.add("check", pass ? "PASS" : "FAIL");
+          bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
           row.add("standin_us", alone.median_us, 1);
           row.add("pair_us", seq.iso.median_us, 1);
           row.add("pdl_pair_us", pro.iso.median_us, 1);
@@ -698,8 +710,7 @@ int main(int argc, char** argv) {
           if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
           if (!only && batch == 1) continue;  // latency-bound: see the main table
           Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-          std::vector<Slice> slices = {{0, 0, 1 + draft}};
-          if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+          const std::vector<Slice> slices = decode_slices(batch, draft);
           const std::string what = "ceiling b" + std::to_string(batch) + " ctx " +
                                    std::to_string(ctx) + " draft " + std::to_string(draft);
           bool pass = true;
@@ -740,12 +751,7 @@ int main(int argc, char** argv) {
               },
               c.copies, stream, calls);
           check_cuda(cudaStreamSynchronize(stream), "ceiling");
-          bench::Row row;
-          row.add("batch", std::to_string(batch));
-          row.add("context", kilo(ctx));
-          row.add("draft", std::to_string(draft));
-          row.add("plan", plan_str(c, default_o));
-          row.add("check", pass ? "PASS" : "FAIL");
+          bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
           row.add("index_MB", c.index_bytes / 1e6, 1);
           row.add("idx_us", tm.iso.median_us, 1);
           row.add("idx_b2b", tm.b2b.median_us, 1);
@@ -780,8 +786,7 @@ int main(int argc, char** argv) {
     for (int draft : {0, 3}) {
       for (int batch : {1, 32, 64, 96, 128, 192, 256}) {
         Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
-        std::vector<Slice> slices = {{0, 0, 1 + draft}};
-        if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+        const std::vector<Slice> slices = decode_slices(batch, draft);
         // -1: default plan, 0: two-kernel, 1..8: single pass with that many CTAs per request.
         for (int ctas : {-1, 0, 1, 2, 3, 4, 8}) {
           IndexerCudaOptions o;
@@ -823,8 +828,7 @@ int main(int argc, char** argv) {
       for (int batch : batches) {
         if (only && (batch != only_batch || ctx != only_ctx || draft != only_draft)) continue;
         Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-        std::vector<Slice> slices = {{0, 0, 1 + draft}};
-        if (batch > 1) slices.push_back({batch - 1, 0, 1 + draft});
+        const std::vector<Slice> slices = decode_slices(batch, draft);
         const std::string what = "decode b" + std::to_string(batch) + " ctx " +
                                  std::to_string(ctx) + " draft " + std::to_string(draft);
         bool pass = true;

@@ -164,7 +164,21 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       // splits of 64 blocks vs 80.6 us with 16 of 16).
       fchunk = round4(std::clamp<int64_t>(ceil_div(max_pages, 16), 16, ik::kFusedMaxChunk));
       const int64_t ctas64 = R * ceil_div(max_pages, ik::kFusedMaxChunk);
-      if (ctas64 >= sms && ctas64 <= kFusedCtasPerSm * sms) fchunk = ik::kFusedMaxChunk;
+      if (ctas64 >= sms && ctas64 <= kFusedCtasPerSm * sms) {
+        fchunk = ik::kFusedMaxChunk;
+        // Verify batches (2-4 tokens per request: twice to four times the MMA work per index-K
+        // byte): the smallest chunk of >= 32 blocks that still runs in one wave of at most
+        // kFusedCtasPerSm CTAs per SM, i.e. more warps per SM to hide the longer per-tile chains
+        // (session 15 round C, 64 x 32K draft 3, fused: 6 splits of 44 blocks 81.0 / 79.1 us
+        // isolated / back to back vs 84.7 / 83.3 with 4 of 64, 5 of 52: 83.1 / 81.0, 8 of 32 (two
+        // waves): 91.2 / 89.0).
+        if (T > R && T <= R * kSingleMaxTokensPerRequest) {
+          const int64_t slots = kFusedCtasPerSm * sms;
+          int64_t c = std::max<int64_t>(32, round4(ceil_div(int64_t{max_pages} * R, slots)));
+          while (c < ik::kFusedMaxChunk && R * ceil_div(max_pages, c) > slots) c += ik::kMmaWarps;
+          fchunk = std::min<int64_t>(c, ik::kFusedMaxChunk);
+        }
+      }
       if (R * ceil_div(max_pages, fchunk) < sms)
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
                                      fchunk);

@@ -150,10 +150,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      cfg.verify_variant != 14)
-    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 13 or 14 (9, 11 and 12 were removed in session 15: 13 is 9 "
-                       "with a lazy running max)");
+      cfg.verify_variant != 15)
+    return unsupported(
+        "run_attention_cuda: verify_variant ", cfg.verify_variant,
+        " is not 0, 8, 13 or 15 (9, 11, 12 and 14 were removed in session 15: 13 is 9 "
+        "with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -237,10 +238,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 13 and 14 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kEarly: the early refill) run as 8 (cp.async, the NaN test in every block) where the pool is
-// not 16-byte aligned or the driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false>
+// Variants 13 and 15 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
+// max, kStaged: the staged epilogue) run as 8 (cp.async, the NaN test in every block) where the
+// pool is not 16-byte aligned or the driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kStaged = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -250,7 +251,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kStaged>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -279,7 +280,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     switch (pl.verify_variant) {
       case 13:
         return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
-      case 14:
+      case 15:
         return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);

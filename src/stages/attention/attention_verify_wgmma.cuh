@@ -41,8 +41,8 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin. Variants 13, 14 (9 in
-//   session 14) run the tile without the flagging first and repeats it with the flagging only when
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variants 13, 15 (9 in
+//   session 14) run the tile without the flagging first and repeat it with the flagging only when
 //   that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every
 //   block.
 //
@@ -265,7 +265,7 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
-// kStaged (variant 14): the BF16 rows and o_proj's E4M3 rows of the warp go through its own part
+// kStaged (variant 15): the BF16 rows and o_proj's E4M3 rows of the warp go through its own part
 // of `stage` (free shared memory: the ring after the last block) and leave as 16-byte stores, 16
 // (8) lanes per 256-byte (128-byte) row, instead of 4- and 2-byte stores that touch 8 rows each
 // (round B: out_q cost +3.7-3.9 us at B64 x 4 in the tail of a one-wave kernel). Rows of BF16 out
@@ -391,18 +391,17 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 13, 14). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 13, 15). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
 // 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
 // C7517; without it the time was the same, round B: variant 12). kLazy (variant 13, automatic
-// since session 15): the lazy running max of ap::softmax_block. kEarly (variant 14, opt-in): the
-// previous block's P V is waited for at the top of the iteration and its stage refilled right
-// after the first barrier, before S (ncu of 12 at B64 x 4: the warps' top stall is the wait for
-// the stage's data; the refill after S left ~1.5 blocks in flight per CTA instead of 2); and the
-// staged epilogue of write_rows (16-byte stores).
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false>
+// since session 15): the lazy running max of ap::softmax_block. kStaged (variant 15, opt-in): the
+// staged epilogue of write_rows (16-byte stores). (Variant 14, round C: 13 with the previous
+// stage refilled right after the first barrier, P V(i - 1) waited for at the top, plus kStaged, was
+// slower: B64 x 4 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2; removed.)
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kStaged = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -481,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variants 13, 14): two passes at most. Pass 0 skips the per-block test for NaN in V
+  // kTwoPass (variants 13, 15): two passes at most. Pass 0 skips the per-block test for NaN in V
   // (~100 instructions per warp and block): a NaN V element in a row some token sees (rows past
   // every token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN
   // in the shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass
@@ -527,24 +526,16 @@ __global__ void __launch_bounds__(kThreads, 2)
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
-        if constexpr (kEarly) {
-          ap::wgmma_wait<0>();  // P V(i - 1)
-          ap::reg_fence(st.o);
-        }
-        __syncthreads();  // block i landed for every thread (kEarly: every P V(i - 1) done)
+        __syncthreads();  // block i landed for every thread
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        if constexpr (kEarly) load(i + kStages - 1, count, lmask, lpage, prev);
-        attend_block<kLazy>(st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask,
-                            b, mask ? lvlim[i] : -1,
-                            (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos, s_nan,
-                            a.scale_log2, check, [&] {
-                              if constexpr (!kEarly)
-                                load(i + kStages - 1, count, lmask, lpage, prev);
-                            });
+        attend_block<kLazy>(
+            st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
+            mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
+            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);
@@ -558,7 +549,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
-  write_rows<kEarly>(a, st, s_nan[tok], t0, nt, g, split, smem);
+  write_rows<kStaged>(a, st, s_nan[tok], t0, nt, g, split, smem);
 }
 
 }  // namespace attention_verify

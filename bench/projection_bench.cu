@@ -415,11 +415,11 @@ std::string trace_summary(const TraceBuffer& tb) {
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
               bool trace, bool json) {
   // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
-  // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 / 5 the cluster split with
-  // C = 3 and automatic (C = 3 for the fused width at M <= 8). (Round A also timed 14, 24, 28 and
-  // 48 units per CTA and C = 1 / 2: slower at every M, removed.)
-  const ShapeVariant variants[] = {{0, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0},
-                                   {1, true, 16, 0},  {0, false, 16, 3}, {0, false, 16, -1}};
+  // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
+  // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
+  // removed.)
+  const ShapeVariant variants[] = {
+      {0, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0}, {1, true, 16, 0}, {0, false, 16, 3}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -474,6 +474,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
       copies);
   std::printf("%s", lt->describe().c_str());
+  // The default-options object (autotuned: cuBLASLt or, inside the auto range, the wgmma kernel
+  // per M bucket, whichever the tuner timed faster): what the layer gets.
+  auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
+  must(rd.status(), "Fp8BlockGemm::create (default options)");
+  std::unique_ptr<Fp8BlockGemm> dflt = std::move(rd).value();
+  std::printf("default-options object:\n%s", dflt->describe().c_str());
   bool pass = true;
   std::vector<bench::Row> rows;
   for (int64_t rows_m : ms) {
@@ -521,6 +527,20 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       add(
           "cublaslt " + lt->algorithm_for(m),
           [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); }, "ref");
+    if (only_variant < 0) {
+      check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+      must(dflt->run(params(0, out), stream), "default object");
+      check_cuda(cudaStreamSynchronize(stream), "default object");
+      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+      const bool same = got == want;
+      if (!same && !random) pass = false;
+      add(
+          "default object: " + dflt->algorithm_for(m),
+          [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
+          random ? "n/a"
+          : same ? "identical"
+                 : "DIFFERENT");
+    }
     if (m > kGemmWgmmaMaxM) continue;
     for (int v = 0; v < nv; ++v) {
       if (only_variant >= 0 && v != only_variant) continue;
@@ -534,9 +554,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
-          (o.cluster_split > 0   ? " cluster " + std::to_string(o.cluster_split)
-           : o.cluster_split < 0 ? std::string(" cluster auto")
-                                 : std::string());
+          (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string());
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {

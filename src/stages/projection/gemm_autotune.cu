@@ -614,9 +614,7 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
         (o.weight_l2_promotion == 0 ? std::string()
                                     : " promo " + std::to_string(o.weight_l2_promotion)) +
         (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves)) +
-        (o.cluster_split == 0  ? std::string()
-         : o.cluster_split < 0 ? std::string(" cluster auto")
-                               : " cluster " + std::to_string(o.cluster_split));
+        (o.cluster_split == 0 ? std::string() : " cluster " + std::to_string(o.cluster_split));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
     const Status first =

@@ -116,8 +116,12 @@ Status run_gemm_small_m_cuda(const GemmParams& p, cudaStream_t stream);
 // the tuner chose the wgmma kernel at M 4 and 8, which the bench measured at 22.43 / 20.01 us
 // (isolated / back-to-back) at M 1 against cuBLASLt's 23.71 / 21.55, and cuBLASLt at M 16 (tie
 // within 2 %) and 64 (wgmma 35 % slower). The auto range covers the buckets measured competitive.
+// Session 15, round C (projection_bench --shape, two CTAs per SM now automatic at every M): o_proj
+// (N 6144, K 8192) at M 32 wgmma 21.47 / 19.40 us against cuBLASLt's 23.07 / 21.49, so the range
+// grew from 16 to 32 (the fused N 9856 at M 32: wgmma 24.03 against 22.69, where the tuner keeps
+// cuBLASLt); at M 64 cuBLASLt wins both shapes (22.8-22.9 against 25.1-27.1).
 constexpr int kGemmWgmmaDefaultMaxM = 0;
-constexpr int kGemmWgmmaAutoMaxM = 16;
+constexpr int kGemmWgmmaAutoMaxM = 32;
 
 // The autotuner's choice for one M bucket (pure; both times are the tuner's cold-L2 replays of
 // the bucket's largest M, with outputs already checked identical): the wgmma kernel runs when the

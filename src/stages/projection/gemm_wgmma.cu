@@ -24,8 +24,7 @@ using gemm_wgmma_detail::kTileN;
 using gemm_wgmma_detail::WgmmaArgs;
 
 constexpr size_t kCounterAlign = 256;
-constexpr int64_t kClusterAutoMaxM = 8;  // cluster_split = -1 splits only at n = 8
-constexpr int kMaxWaves = 64;            // GemmWgmmaOptions::max_waves limit
+constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
 constexpr int kMaxClusterSplit = 8;  // GemmWgmmaOptions::cluster_split limit (portable clusters)
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
@@ -206,8 +205,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.min_units_per_cta >= 1,
                "GemmWgmmaOptions::min_units_per_cta = ", options.min_units_per_cta,
                " must be >= 1");
-  M3_CHECK_ARG(options.cluster_split >= -1 && options.cluster_split <= kMaxClusterSplit,
-               "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [-1, ",
+  M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
+               "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
                kMaxClusterSplit, "]");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
@@ -237,14 +236,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split <= kblocks,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
                " must not exceed K / 128 = ", kblocks);
-  // Automatic cluster split (M <= 8 only: rounds A-B measured it 0.4-0.6 us faster than stream-K
-  // there and 0.6 us slower at M 16): as many ranks per tile as one wave of resident CTAs allows.
-  int cluster_split = options.cluster_split;
-  if (cluster_split < 0) {
-    const int64_t fit = std::min<int64_t>(
-        {int64_t{kMaxClusterSplit}, kblocks, int64_t{ctas_per_sm} * info.sms / tiles});
-    cluster_split = fit >= 2 && m <= kClusterAutoMaxM ? static_cast<int>(fit) : 0;
-  }
+  const int cluster_split = options.cluster_split;
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
   const int64_t grid_cluster = tiles * cluster_split;
   M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),

@@ -33,7 +33,9 @@ struct GemmWgmmaOptions {
   // CTA arrives last: contributors publish and go on, the owner stores no partial and pays no
   // atomic. Same bits. Only with max_waves = 1 (ignored otherwise): it waits for other CTAs.
   // Session 14, round B: o_proj M 64 26.8 vs 28.1 us, M 32 23.1 vs 24.1; at M <= 16 0.2-0.4 us
-  // slower. (cuBLASLt stays the default above M 16: 22.5-23.3 us at M 32 / 64.)
+  // slower. Session 15, round C (two CTAs per SM automatic): within 0.2 us of the default at every
+  // M for both shapes; with one CTA per SM the fastest wgmma at o_proj M 64 (25.06 us; cuBLASLt
+  // 22.78).
   bool owner_fixup = false;
   // Variant: 0 = stream-K (the default). C in [1, 8]: one thread-block cluster of C CTAs per
   // 128-column tile (grid = N / 128 x C; min_units_per_cta, max_waves and owner_fixup are
@@ -41,12 +43,12 @@ struct GemmWgmmaOptions {
   // their fp32 partial to rank 0 through distributed shared memory, which sums them in rank order
   // and writes bf16 (C = 1: whole tiles, no reduction). No workspace traffic and no atomics; the
   // workspace is still required (untouched). Deterministic; not the stream-K split's bits.
-  // -1 = automatic: at M <= 8, the largest C <= 8 (and <= K / 128) whose grid fits one wave of
-  // resident CTAs (ctas_per_sm x SMs), if that is at least 2; else (and above M 8) stream-K.
-  // Session 15 (fused N 9856 x K 6144, C = 3): M 1 22.08 / 20.04 us (isolated / back to back) vs
-  // 22.53 / 20.60 with stream-K in round B (22.43 / 20.29 vs 23.04 / 20.96 in round A), M 4 the
-  // same, M 16 0.6 us slower. Opt-in: compute-sanitizer's racecheck cannot run it (the launch
-  // fails under the tool; memcheck is clean and every test passes).
+  // Session 15 (C = 3, two CTAs per SM): fused N 9856 x K 6144 at M 1 22.08 / 20.04 us (isolated /
+  // back to back) against 22.53 / 20.60 with stream-K in round B (round A 22.43 / 20.29 against
+  // 23.04 / 20.96; round C 22.30 / 20.05 against 22.59 / 20.53), M 4 the same; slower at M >= 16
+  // and for o_proj (N 6144 x K 8192 at M 1: 22.53 against 19.65; C = 5 29.5 us). Opt-in:
+  // compute-sanitizer's racecheck cannot run it (the launch fails under the tool; memcheck is
+  // clean and every test passes).
   int cluster_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

@@ -41,8 +41,7 @@
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
-//   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --guess-all (the
-//   guess also at several tokens per request: IndexerCudaOptions::guess_multi_token),
+//   query-row and position loads, IndexerCudaOptions::guess_request_bounds),
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -463,8 +462,7 @@ bench::Row case_row(const Case& c, int draft, const std::string& plan, bool pass
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       guess_all = false;
+       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -485,8 +483,6 @@ int main(int argc, char** argv) {
       no_guess = true;
     else if (a == "--ceiling")
       ceiling = true;
-    else if (a == "--guess-all")
-      guess_all = true;
     else if (a == "--k" && i + 1 < argc) {
       sweep_k.clear();
       const char* q = argv[++i];
@@ -511,17 +507,14 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] [--k K,K,...] "
-                   "[--guess-all]\n",
+                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
   }
   IndexerCudaOptions default_o, fused_o, two_o, single_o;
-  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o}) {
+  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o})
     o->guess_request_bounds = !no_guess;
-    o->guess_multi_token = guess_all;
-  }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;

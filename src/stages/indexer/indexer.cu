@@ -167,16 +167,18 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       if (ctas64 >= sms && ctas64 <= kFusedCtasPerSm * sms) {
         fchunk = ik::kFusedMaxChunk;
         // Verify batches (2-4 tokens per request: twice to four times the MMA work per index-K
-        // byte): the smallest chunk of >= 32 blocks that still runs in one wave of at most
-        // kFusedCtasPerSm CTAs per SM, i.e. more warps per SM to hide the longer per-tile chains
-        // (session 15 round C, 64 x 32K draft 3, fused: 6 splits of 44 blocks 81.0 / 79.1 us
-        // isolated / back to back vs 84.7 / 83.3 with 4 of 64, 5 of 52: 83.1 / 81.0, 8 of 32 (two
-        // waves): 91.2 / 89.0).
+        // byte): the smallest chunk that still runs in one wave of at most kFusedCtasPerSm CTAs
+        // per SM, i.e. more warps per SM to hide the longer per-tile chains, where that chunk is
+        // >= 40 blocks. Session 15, 64 x 32K draft 3 (rounds C / D, three same-run A/Bs): 6 splits
+        // of 44 blocks 80.9-81.2 / 79.0-79.2 us isolated / back to back vs 84.6-84.7 / 82.6-83.3
+        // with 4 of 64 (5 of 52: 83.1 / 81.0; 8 of 32, two waves: 91.2 / 89.0); 40 x 32K draft 3
+        // (round D): 8 splits of 32 blocks 59.2-59.4 / 57.0-57.1 vs 58.3 / 55.0 with 4 of 64,
+        // hence the 40-block floor.
         if (T > R && T <= R * kSingleMaxTokensPerRequest) {
           const int64_t slots = kFusedCtasPerSm * sms;
-          int64_t c = std::max<int64_t>(32, round4(ceil_div(int64_t{max_pages} * R, slots)));
+          int64_t c = round4(ceil_div(int64_t{max_pages} * R, slots));
           while (c < ik::kFusedMaxChunk && R * ceil_div(max_pages, c) > slots) c += ik::kMmaWarps;
-          fchunk = std::min<int64_t>(c, ik::kFusedMaxChunk);
+          if (c >= 40) fchunk = std::min<int64_t>(c, ik::kFusedMaxChunk);
         }
       }
       if (R * ceil_div(max_pages, fchunk) < sms)
@@ -365,7 +367,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
-  a.guess = options.guess_request_bounds && (T <= R || options.guess_multi_token) ? 1 : 0;
+  a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;

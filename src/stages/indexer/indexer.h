@@ -144,12 +144,6 @@ struct IndexerCudaOptions {
   // 256 x 8K draft 3 (4 tokens per request) 79.0 vs 76.65 us without, hence one token only.
   // false: never (the A/B switch, bench --no-guess).
   bool guess_request_bounds = true;
-  // guess_request_bounds also at more than one token per request (opt-in A/B switch, session
-  // 15): without it, decode units of verify batches load their positions and query rows after
-  // query_start, behind their own and every other CTA's first index-K tiles (timeline, 64 x 8K
-  // draft 3, two-kernel path: the first warp ready to score 3.7-5.6 us after entry, vs 1.4-1.5
-  // us at one token per request).
-  bool guess_multi_token = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:

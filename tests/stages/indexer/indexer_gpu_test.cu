@@ -63,9 +63,10 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
 }
 
 // The automatic fused plan of verify batches (4 tokens per request) whose 64-block splits would
-// fill the SMs in one wave: splits of >= 32 blocks, still one wave of <= 3 CTAs per SM (session
-// 15); ids against the two-kernel path (same block maxima) and the twin. 136 blocks (one request
-// at 17K, the others 2-6K tokens) and R = sms / 2 requests keep the batch small.
+// fill the SMs in one wave: the smallest chunk that still runs in one wave of <= 3 CTAs per SM
+// where that is >= 40 blocks (session 15), else 64; ids against the two-kernel path (same block
+// maxima) and the twin. 256 blocks (one request at 32K, the others 2-6K tokens) and R = sms / 2
+// requests: 6 splits of 44 blocks on 132 SMs.
 TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -74,27 +75,31 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   int dev = 0, sms = 0;
   ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  constexpr int kBlocks = 256;
   const int R = std::max(1, sms / 2);
   std::vector<RequestSpec> reqs;
   for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2100, 6000)), 4});
-  reqs[0] = {136 * 128 - 4, 4};  // 136 blocks
+  reqs[0] = {kBlocks * 128 - 4, 4};
   const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  ASSERT_EQ(in.max_pages(), 136);
+  ASSERT_EQ(in.max_pages(), kBlocks);
   DeviceSet d;
   upload(in, d);
   const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
   std::printf(
-      "[ indexer  ] %d SMs, %d requests x 4 tokens, 136 blocks: plan fused %d k_splits %d c %d\n",
-      sms, R, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
-  if (R * 3 >= sms) {  // 64-block splits (3 per request) would fill the SMs: the verify rule
+      "[ indexer  ] %d SMs, %d requests x 4 tokens, %d blocks: plan fused %d k_splits %d "
+      "c %d\n",
+      sms, R, kBlocks, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  const int ctas64 = R * (kBlocks / 64);
+  if (ctas64 >= sms && ctas64 <= 3 * sms) {  // the rule's domain
     const int slots = 3 * sms;
-    int c = std::max(32, ((136 * R + slots - 1) / slots + 3) / 4 * 4);
-    while (c < 64 && R * ((136 + c - 1) / c) > slots) c += 4;
+    int c = ((kBlocks * R + slots - 1) / slots + 3) / 4 * 4;
+    while (c < 64 && R * ((kBlocks + c - 1) / c) > slots) c += 4;
+    if (c < 40) c = 64;
     EXPECT_TRUE(pl.fused);
     EXPECT_FALSE(pl.single);
     EXPECT_EQ(pl.dec_chunk, c);
-    EXPECT_EQ(pl.k_splits, (136 + c - 1) / c);
+    EXPECT_EQ(pl.k_splits, (kBlocks + c - 1) / c);
     EXPECT_LE(R * pl.k_splits, slots);
   }
   IndexerCudaOptions two;

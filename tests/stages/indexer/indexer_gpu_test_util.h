@@ -386,9 +386,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.k_splits = 1000;
     variants.push_back({"k_splits 1000", o});
     o = IndexerCudaOptions{};
-    o.guess_multi_token = true;  // the request-bounds guess at any tokens per request
-    variants.push_back({"guess multi-token", o});
-    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

@@ -149,12 +149,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      cfg.verify_variant != 15)
-    return unsupported(
-        "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 13 or 15 (9, 11, 12 and 14 were removed in session 15: 13 is 9 "
-        "with a lazy running max)");
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13)
+    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
+                       " is not 0, 8 or 13 (9, 11, 12, 14 and 15 were removed in session 15: 13 is "
+                       "9 with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -238,10 +236,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 13 and 15 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kStaged: the staged epilogue) run as 8 (cp.async, the NaN test in every block) where the
-// pool is not 16-byte aligned or the driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kStaged = false>
+// Variant 13 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running max)
+// runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
+// driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -251,7 +249,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kStaged>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -277,14 +275,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    switch (pl.verify_variant) {
-      case 13:
-        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
-      case 15:
-        return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
-      default:
-        return launch_verify<true, false>(args, pl, n_kv, stream);
-    }
+    return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
+                                   : launch_verify<true, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a

@@ -96,8 +96,7 @@ struct AttentionCudaConfig {
                             // cp.async loads of K and V, 13 TMA loads (where TMA can address the
                             // pool; else 8 runs), the V NaN test in a second pass that runs only
                             // when the first one's output holds a NaN, a lazy running max
-                            // (session 15; 9 = 13 without it, removed); 15 (opt-in) = 13 with
-                            // the output rows staged in shared memory (16-byte stores)
+                            // (session 15; 9 = 13 without it, removed)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15: slower); other

@@ -41,8 +41,8 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin. Variants 13, 15 (9 in
-//   session 14) run the tile without the flagging first and repeat it with the flagging only when
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 13 (9 in
+//   session 14) runs the tile without the flagging first and repeats it with the flagging only when
 //   that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every
 //   block.
 //
@@ -265,25 +265,11 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
-// kStaged (variant 15): the BF16 rows and o_proj's E4M3 rows of the warp go through its own part
-// of `stage` (free shared memory: the ring after the last block) and leave as 16-byte stores, 16
-// (8) lanes per 256-byte (128-byte) row, instead of 4- and 2-byte stores that touch 8 rows each
-// (round B: out_q cost +3.7-3.9 us at B64 x 4 in the tail of a one-wave kernel). Rows of BF16 out
-// must then start 16-byte aligned (else the direct stores run).
-constexpr int kStagedBf16Row = 2 * ak::kDim + 16;  // padded: the quad-row writes hit 32 banks
-constexpr int kStagedQRow = ak::kDim + 16;
-constexpr int kStagedWarpBytes = ak::kRows * (kStagedBf16Row + kStagedQRow);
-static_assert(kThreads / 32 * kStagedWarpBytes <= kStages * kStageBytes, "staging fits the ring");
-template <bool kStaged = false>
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
-                                           int split, uint8_t* stage = nullptr) {
+                                           int split) {
   const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
-  const bool staged = kStaged && a.splits == 1 && reinterpret_cast<uintptr_t>(a.out) % 16 == 0 &&
-                      a.out_stride % 8 == 0;     // CTA-uniform
-  uint8_t* sb = stage + tok * kStagedWarpBytes;  // kStaged: this warp's BF16 rows, then E4M3 rows
-  uint8_t* sq = sb + ak::kRows * kStagedBf16Row;
   uint32_t nd[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
@@ -315,21 +301,6 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
       // o_proj's E4M3 input (CTA-uniform branch): the row's 128 dims are this lane quad's.
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      if (staged) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint32_t*>(sb + h * kStagedBf16Row + 2 * (8 * j + 2 * tig)) = wv[j];
-        if (a.out_q != nullptr) {
-          const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
-#pragma unroll
-          for (int j = 0; j < 16; ++j)
-            *reinterpret_cast<uint16_t*>(sq + h * kStagedQRow + 8 * j + 2 * tig) =
-                static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
-          if (tig == 0 && tok < nt && h < a.group)
-            a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
-        }
-        continue;
-      }
       if (tok >= nt || h >= a.group) continue;
       const int64_t col = static_cast<int64_t>(g * a.group + h) * ak::kDim;
       uint16_t* orow = a.out + t * a.out_stride + col;
@@ -357,29 +328,6 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
       }
     }
   }
-  if (staged) {  // the warp's rows out of shared memory, 16 bytes per lane and store
-    __syncwarp();
-    if (tok < nt) {
-      const int64_t col0 = static_cast<int64_t>(g) * a.group * ak::kDim;
-#pragma unroll
-      for (int it = 0; it < 8; ++it) {
-        const int i = it * 32 + lane, r = i >> 4, c = i & 15;  // row r, 16-byte chunk c
-        if (r < a.group)
-          *reinterpret_cast<uint4*>(a.out + t * a.out_stride + col0 + r * ak::kDim + 8 * c) =
-              *reinterpret_cast<const uint4*>(sb + r * kStagedBf16Row + 16 * c);
-      }
-      if (a.out_q != nullptr) {
-        uint8_t* qrow = a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col0;
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {
-          const int i = it * 32 + lane, r = i >> 3, c = i & 7;
-          if (r < a.group)
-            *reinterpret_cast<uint4*>(qrow + r * ak::kDim + 16 * c) =
-                *reinterpret_cast<const uint4*>(sq + r * kStagedQRow + 16 * c);
-        }
-      }
-    }
-  }
 }
 
 __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
@@ -391,17 +339,18 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 13, 15). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 13). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
 // 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
 // C7517; without it the time was the same, round B: variant 12). kLazy (variant 13, automatic
-// since session 15): the lazy running max of ap::softmax_block. kStaged (variant 15, opt-in): the
-// staged epilogue of write_rows (16-byte stores). (Variant 14, round C: 13 with the previous
-// stage refilled right after the first barrier, P V(i - 1) waited for at the top, plus kStaged, was
-// slower: B64 x 4 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2; removed.)
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kStaged = false>
+// since session 15): the lazy running max of ap::softmax_block. Removed in session 15: variant 14
+// (round C: 13 with the previous stage refilled right after the first barrier, P V(i - 1) waited
+// for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
+// 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
+// the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -480,7 +429,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variants 13, 15): two passes at most. Pass 0 skips the per-block test for NaN in V
+  // kTwoPass (variant 13): two passes at most. Pass 0 skips the per-block test for NaN in V
   // (~100 instructions per warp and block): a NaN V element in a row some token sees (rows past
   // every token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN
   // in the shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass
@@ -549,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
-  write_rows<kStaged>(a, st, s_nan[tok], t0, nt, g, split, smem);
+  write_rows(a, st, s_nan[tok], t0, nt, g, split);
 }
 
 }  // namespace attention_verify

@@ -45,14 +45,22 @@ DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& o) noexcept {
   return *this;
 }
 
+// poison and upload are complete when they return. cudaMemset and a pageable cudaMemcpy H2D run
+// on the legacy default stream, which does not order work on the non-blocking streams the tests
+// launch on, and a pageable H2D copy may return before its DMA has landed: without the device
+// synchronisation a kernel launched right after could read the old input or have its output
+// overwritten by a late poison.
 void DeviceBuffer::poison(uint8_t value) {
-  if (bytes_) die_on(cudaMemset(ptr_, value, bytes_), "cudaMemset");
+  if (!bytes_) return;
+  die_on(cudaMemset(ptr_, value, bytes_), "cudaMemset");
+  die_on(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemset");
 }
 
 void DeviceBuffer::upload(const void* host, size_t bytes, size_t offset) {
-  if (bytes)
-    die_on(cudaMemcpy(static_cast<char*>(ptr_) + offset, host, bytes, cudaMemcpyHostToDevice),
-           "cudaMemcpy H2D");
+  if (!bytes) return;
+  die_on(cudaMemcpy(static_cast<char*>(ptr_) + offset, host, bytes, cudaMemcpyHostToDevice),
+         "cudaMemcpy H2D");
+  die_on(cudaDeviceSynchronize(), "cudaDeviceSynchronize after cudaMemcpy H2D");
 }
 
 void DeviceBuffer::download(void* host, size_t bytes, size_t offset) const {

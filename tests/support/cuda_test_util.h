@@ -29,7 +29,7 @@ class DeviceBuffer {
 
   void* data() const { return ptr_; }
   size_t bytes() const { return bytes_; }
-  void poison(uint8_t value);
+  void poison(uint8_t value);  // poison / upload: complete on the device when they return
   void upload(const void* host, size_t bytes, size_t offset = 0);
   void download(void* host, size_t bytes, size_t offset = 0) const;
   std::vector<uint8_t> download_all() const;

@@ -103,31 +103,11 @@ __global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes
     *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
 }
 
-// --ceiling: the index-K bytes of a case read without any compute, timed like the indexer.
-// read_flat: n16 contiguous 16-byte words, each loaded once (non-caching, 4 per lane in flight),
-// the same kernel as bandwidth_bench's plain read.
-__global__ void read_flat(const int4* __restrict__ p, size_t n, int* sink) {
-  int acc = 0;
-  const size_t stride = size_t{gridDim.x} * blockDim.x;
-  size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    int4 v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                   : "l"(p + i + u * stride));
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-  }
-  for (; i < n; i += stride) acc ^= p[i].x ^ p[i].w;
-  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;  // practically never: keeps the loads alive
-}
-
-// read_paged: the case's pages through its page table (the indexer's access pattern without the
-// metadata, the compute and the selection): warp w of the grid reads entries w, w + warps, ... of
-// the flattened [R, max_pages] table, 16 KB per page, 16 loads of 16 bytes per lane in flight.
+// --ceiling: the index-K bytes of a case read without any compute, timed like the indexer: as
+// contiguous words (bench::launch_plain_read, bandwidth_bench's plain read) and by read_paged: the
+// case's pages through its page table (the indexer's access pattern without the metadata, the
+// compute and the selection): warp w of the grid reads entries w, w + warps, ... of the flattened
+// [R, max_pages] table, 16 KB per page, 16 loads of 16 bytes per lane in flight.
 __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
                            int64_t entries, int* sink) {
   const int lane = threadIdx.x & 31;
@@ -698,8 +678,9 @@ int main(int argc, char** argv) {
   if (ceiling) {
     // The default plan beside plain reads of the same index-K bytes, timed the same way
     // (isolated: one graph replay after an L2 flush; back to back over the case's copies): a
-    // contiguous read (read_flat; copy i = the i-th run of pool pages) and the case's own pages
-    // through its page tables (read_paged; copy i = page table i), each at its fastest grid.
+    // contiguous read (bench::launch_plain_read; copy i = the i-th run of pool pages) and the
+    // case's own pages through its page tables (read_paged; copy i = page table i), each at its
+    // fastest grid.
     int dev = 0, sms = 0;
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sm count");
@@ -726,7 +707,7 @@ int main(int argc, char** argv) {
           for (int k : {1, 2, 4, 8, 16}) {
             const bench::Timing tf = bench::time_graph_cold(
                 [&](cudaStream_t st) {
-                  read_flat<<<k * sms, 512, 0, st>>>(flat_src(0), n16, sink);
+                  bench::launch_plain_read(flat_src(0), n16, k * sms, 512, sink, st);
                 },
                 stream);
             if (tf.median_us < flat_best) flat_best = tf.median_us, flat_grid = k * sms;
@@ -741,7 +722,7 @@ int main(int argc, char** argv) {
           const int calls = std::max(8, 2 * c.copies);
           const bench::Timing fb = bench::time_graph_back_to_back(
               [&](cudaStream_t st, int copy) {
-                read_flat<<<flat_grid, 512, 0, st>>>(flat_src(copy), n16, sink);
+                bench::launch_plain_read(flat_src(copy), n16, flat_grid, 512, sink, st);
               },
               c.copies, stream, calls);
           const bench::Timing pb = bench::time_graph_back_to_back(

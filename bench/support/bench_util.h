@@ -60,4 +60,11 @@ struct Row {
 // Prints rows as an aligned text table (stdout); with json=true, one JSON array instead.
 void print_rows(const std::string& title, const std::vector<Row>& rows, bool json);
 
+// The plain read the copy-bandwidth ceilings are measured with: `n16` contiguous 16-byte words
+// from `p`, each loaded once (non-caching, 4 per lane in flight), by `grid` x `threads` threads on
+// `stream`; the XOR of the words goes to sink[block] only if it equals 0x7fffffff (practically
+// never: it keeps the loads alive), so `sink` needs one int per block.
+void launch_plain_read(const void* p, size_t n16, int grid, int threads, int* sink,
+                       cudaStream_t stream);
+
 }  // namespace m3attn::bench

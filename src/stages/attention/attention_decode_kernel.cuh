@@ -279,17 +279,12 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
 
   for (int c0 = lo; c0 < hi; c0 += ak::kMaxList) {
     const int count = min(hi - c0, ak::kMaxList);
-    int off = c0;
-    if (!a.sparse) {
-      __syncthreads();  // the previous chunk's entries and stages are no longer read
-      ak::dense_entries<1, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
-                                     s_list_mask, nullptr);
-      __syncthreads();
-      off = 0;
-    }
+    // Dense: the barriers around the chunk's entries also order the previous chunk's stages.
+    const ak::ChunkEntries ce = ak::chunk_entries<1, kThreads>(
+        a, pt_row, c0, count, s_pos, s_list_b, s_list_page, s_list_mask, nullptr);
     auto load = [&](int j, int st) {
-      if (j < count && s_list_mask[off + j])
-        ak::load_block<kVec16, kThreads>(a, s_list_page[off + j], g, smem + st * ak::kStageBytes);
+      if (j < count && ce.mask[j])
+        ak::load_block<kVec16, kThreads>(a, ce.page[j], g, smem + st * ak::kStageBytes);
       ak::cp_async_commit();
     };
     // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
@@ -307,8 +302,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
       load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
       stage = stage + 1 == kStages ? 0 : stage + 1;
-      if (!s_list_mask[off + i]) continue;  // CTA-uniform: a dense page outside the pool
-      const int lim = my_pos - s_list_b[off + i] * ak::kBlockKeys;  // keys > lim: future
+      if (!ce.mask[i]) continue;  // CTA-uniform: a dense page outside the pool
+      const int lim = my_pos - ce.b[i] * ak::kBlockKeys;  // keys > lim: future
       qk(k_smem, lim);
       __syncthreads();  // every warp's maxima
       softmax();

@@ -437,6 +437,30 @@ __device__ __forceinline__ void dense_entries(const AttnArgs& a, int64_t pt_row,
   }
 }
 
+// The entries of chunk [c0, c0 + count) of a tile's list: sparse lists are complete in shared
+// memory (the chunk starts at c0); dense chunks are built here (dense_entries, at offset 0),
+// between two CTA barriers (the previous chunk's entries are no longer read); s_list_vlim may be
+// null. All `Threads` threads call it.
+struct ChunkEntries {
+  const int *mask, *b, *page, *vlim;
+};
+template <int QT, int Threads = kThreads>
+__device__ __forceinline__ ChunkEntries chunk_entries(const AttnArgs& a, int64_t pt_row, int c0,
+                                                      int count, const int* s_pos, int* s_list_b,
+                                                      int* s_list_page, int* s_list_mask,
+                                                      int* s_list_vlim) {
+  int off = c0;
+  if (!a.sparse) {
+    __syncthreads();
+    dense_entries<QT, Threads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page, s_list_mask,
+                               s_list_vlim);
+    __syncthreads();
+    off = 0;
+  }
+  return {s_list_mask + off, s_list_b + off, s_list_page + off,
+          s_list_vlim != nullptr ? s_list_vlim + off : nullptr};
+}
+
 // Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
 // [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
 // ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups. All `Threads` threads call it.

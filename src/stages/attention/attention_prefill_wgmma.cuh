@@ -472,18 +472,12 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
 
   for (int c0 = lo; c0 < hi; c0 += kMaxList) {
     const int count = min(hi - c0, kMaxList);
-    int off = c0;
-    if (!a.sparse) {
-      __syncthreads();  // the previous chunk's entries are no longer read
-      ak::dense_entries<kQT, kThreads>(a, pt_row, c0, count, s_pos, s_list_b, s_list_page,
-                                       s_list_mask, s_list_vlim);
-      __syncthreads();
-      off = 0;
-    }
-    const int* lmask = s_list_mask + off;
-    const int* lb = s_list_b + off;
-    const int* lpage = s_list_page + off;
-    const int* lvlim = s_list_vlim + off;
+    const ak::ChunkEntries ce = ak::chunk_entries<kQT, kThreads>(
+        a, pt_row, c0, count, s_pos, s_list_b, s_list_page, s_list_mask, s_list_vlim);
+    const int* lmask = ce.mask;
+    const int* lb = ce.b;
+    const int* lpage = ce.page;
+    const int* lvlim = ce.vlim;
 
     // Keys of entry i this thread's token sees: [0, lim] (lim < 0: none).
     auto lim_of = [&](int i) {

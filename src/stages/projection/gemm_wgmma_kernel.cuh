@@ -265,24 +265,6 @@ __device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
                : "memory");
 }
-// Waits for the phase of `parity` with cluster-scope acquire (arrivals from other CTAs); traps
-// after 2^34 clocks like mbar_wait.
-__device__ __forceinline__ bool mbar_try_wait_cluster(uint32_t bar, uint32_t parity) {
-  uint32_t d = 0;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;\n"
-      "selp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(d)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return d != 0;
-}
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait_cluster(bar, parity)) return;
-  const long long start = clock64();
-  while (!mbar_try_wait_cluster(bar, parity))
-    if (clock64() - start > (1ll << 34)) __trap();
-}
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, float a, float b, float c, float d) {
   asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c),
                "f"(d)
@@ -651,9 +633,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           asm volatile("fence.acq_rel.cluster;\n" ::: "memory");
           mbar_arrive_remote(map_to_rank(smem_addr(&xred_bar), 0));
         }
-        mbar_wait_cluster(smem_addr(&xdone_bar), 0);  // rank 0 has read it: the CTA may exit
+        mbar_wait<true>(smem_addr(&xdone_bar), 0);  // rank 0 has read it: the CTA may exit
       } else {
-        mbar_wait_cluster(smem_addr(&xred_bar), 0);
+        mbar_wait<true>(smem_addr(&xred_bar), 0);
         for (int r = 1; r < csplit; ++r) {
           const uint32_t remote = map_to_rank(mine, static_cast<uint32_t>(r));
 #pragma unroll

@@ -479,6 +479,15 @@ void poison_outputs(const CudaMsaLayer& L, int64_t Tp, const MsaGeometry& g) {
   cudaDeviceSynchronize();  // the memsets are ordered before work on any other stream
 }
 
+// L.run(stream) captured (thread-local mode) and instantiated; the run's status checked.
+void capture_run(CudaMsaLayer& L, cudaStream_t stream, cudaGraph_t* graph, cudaGraphExec_t* exec) {
+  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status cs = L.run(stream);
+  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, graph));
+  ASSERT_TRUE(cs.ok()) << cs.to_string();
+  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(exec, *graph, 0));
+}
+
 TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlots) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -530,12 +539,8 @@ TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlo
   ASSERT_TRUE(L.plan(meta, hidden_view(hid, bucket_tokens, g.hidden), dev_pool.caches(true)).ok());
 
   cudaGraph_t graph;
-  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status cs = L.run(stream);
-  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-  ASSERT_TRUE(cs.ok()) << cs.to_string();
   cudaGraphExec_t exec;
-  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
   M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));  // step A
   M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
 
@@ -743,12 +748,8 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
         dev_pool.upload(host_pool);
         poison_outputs(L, T, g);
         cudaGraph_t graph;
-        M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        const Status cs = L.run(stream);
-        M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-        ASSERT_TRUE(cs.ok()) << cs.to_string();
         cudaGraphExec_t exec;
-        M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
         for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
         M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
         const Outputs replay = grab(L, dev_pool, T, g);

@@ -41,7 +41,8 @@
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
-//   query-row and position loads, IndexerCudaOptions::guess_request_bounds),
+//   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --early
+//   (early_query_loads), --guess-all (guess_multi_token): every path and table,
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -49,7 +50,10 @@
 //   spread of the scored phase lives: within a CTA, between a cluster's CTAs, per SM id),
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
-//   --case).
+//   --case),
+//   --variants (only a table of the default options beside opt-in variants, each isolated and
+//   back to back in the same run: early = IndexerCudaOptions::early_query_loads, guess =
+//   guess_multi_token; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -442,7 +446,8 @@ bench::Row case_row(const Case& c, int draft, const std::string& plan, bool pass
 int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
-       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false;
+       clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
+       variants = false, early = false, guess_all = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -463,6 +468,12 @@ int main(int argc, char** argv) {
       no_guess = true;
     else if (a == "--ceiling")
       ceiling = true;
+    else if (a == "--variants")
+      variants = true;
+    else if (a == "--early")
+      early = true;
+    else if (a == "--guess-all")
+      guess_all = true;
     else if (a == "--k" && i + 1 < argc) {
       sweep_k.clear();
       const char* q = argv[++i];
@@ -484,17 +495,22 @@ int main(int argc, char** argv) {
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       only = true;
     else {
-      std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
-                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] [--k K,K,...]\n",
-                   argv[0]);
+      std::fprintf(
+          stderr,
+          "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
+          "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
+          "[--no-guess] [--early] [--guess-all] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] "
+          "[--variants] [--k K,K,...]\n",
+          argv[0]);
       return 2;
     }
   }
   IndexerCudaOptions default_o, fused_o, two_o, single_o;
-  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o})
+  for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o}) {
     o->guess_request_bounds = !no_guess;
+    o->early_query_loads = early;
+    o->guess_multi_token = guess_all;
+  }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -758,6 +774,46 @@ int main(int argc, char** argv) {
         "indexer vs plain reads of the same index-K bytes (graph replay, cold L2; isolated and "
         "back to back; read = contiguous, paged = the case's pages via its page table; idx/read "
         "= read time / indexer time, %)",
+        rows, json);
+    return finish();
+  }
+  if (variants) {
+    // The default options beside opt-in variants of the same plan, same run, same case.
+    struct Variant {
+      const char* name;
+      IndexerCudaOptions o;
+    };
+    std::vector<Variant> vs = {{"base", default_o}, {"early", default_o}, {"guess", default_o}};
+    vs[1].o.early_query_loads = true;
+    vs[2].o.guess_multi_token = true;
+    for (int ctx : contexts) {
+      for (int batch : batches) {
+        const int draft = only ? only_draft : 3;
+        if (only && (batch != only_batch || ctx != only_ctx)) continue;
+        if (!only && batch == 1) continue;
+        Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+        const std::vector<Slice> slices = decode_slices(batch, draft);
+        bool pass = true;
+        std::vector<Times> tms;
+        for (const Variant& v : vs) {
+          const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
+                                   " ctx " + std::to_string(ctx) + " draft " +
+                                   std::to_string(draft);
+          tms.push_back(check_and_time(c, pool, slices, v.o, stream, true, what, &pass));
+        }
+        all_pass = all_pass && pass;
+        bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
+        for (size_t i = 0; i < vs.size(); ++i) {
+          row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
+          row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
+        }
+        rows.push_back(row);
+        free_case(c);
+      }
+    }
+    bench::print_rows(
+        "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
+        "isolated and back to back, us; early = early_query_loads, guess = guess_multi_token)",
         rows, json);
     return finish();
   }

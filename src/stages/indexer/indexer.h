@@ -144,6 +144,14 @@ struct IndexerCudaOptions {
   // 256 x 8K draft 3 (4 tokens per request) 79.0 vs 76.65 us without, hence one token only.
   // false: never (the A/B switch, bench --no-guess).
   bool guess_request_bounds = true;
+  // guess_request_bounds also at 2-8 tokens per request (session 16 A/B switch; session 15
+  // timeline, 64 x 8K draft 3, two-kernel path: without a guess the first warps are ready to score
+  // 3.7-5.6 us after entry, vs 1.4-1.5 us with it at one token per request).
+  bool guess_multi_token = false;
+  // Where no guess applies: load the positions and query rows at the request's real bounds as
+  // soon as query_start arrives, before the warp's first index-K copies, instead of after them
+  // (session 16 A/B switch; same ids either way).
+  bool early_query_loads = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:

@@ -80,6 +80,7 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;  // guess_request_bounds and one token per request (decode units)
+  int early = 0;  // early_query_loads (decode units without the guess)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

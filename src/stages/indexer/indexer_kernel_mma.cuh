@@ -521,7 +521,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   QueryRaw q;
   if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
-  const bool guessed = a.guess && qa == ga && n == gn;
+  bool guessed = a.guess && qa == ga && n == gn;
+  if (a.early && !a.guess) {
+    // No guess, early loads (IndexerCudaOptions::early_query_loads): the positions and (without
+    // programmatic launch) the query rows at the request's real bounds go out as soon as
+    // query_start arrives, before this warp's prologue copies, instead of after them (behind
+    // every CTA's first tiles: ready to score 3.7-5.6 us after entry at 64 x 8K draft 3).
+    p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+    if (!a.pdl) load_query_raw(a, qa, n * a.n_kv, q);
+    guessed = true;  // loaded at the right bounds
+  }
   bool pre = false;
   {
     // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and

@@ -386,6 +386,13 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.k_splits = 1000;
     variants.push_back({"k_splits 1000", o});
     o = IndexerCudaOptions{};
+    o.guess_multi_token = true;  // the request-bounds guess at any tokens per request
+    variants.push_back({"guess multi-token", o});
+    o = IndexerCudaOptions{};
+    o.early_query_loads = true;  // no guess: positions and query rows before the first tiles
+    o.guess_request_bounds = false;
+    variants.push_back({"early loads, no guess", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

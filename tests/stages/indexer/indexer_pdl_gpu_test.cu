@@ -206,6 +206,11 @@ std::vector<Variant> all_variants(bool short_context) {
   o = {};
   o.force_cuda_cores = true;
   v.push_back({"cuda cores", o});
+  o = {};
+  o.early_query_loads = true;  // positions before the wait, query rows after it
+  v.push_back({"early loads", o});
+  o.guess_multi_token = true;
+  v.push_back({"guess multi-token", o});
   if (short_context) {
     for (int ctas : {1, 2, 8}) {
       o = {};

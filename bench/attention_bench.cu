@@ -30,6 +30,8 @@
 //   --read-ceiling (after each sparse decode/verify case a row "... read ceiling": the same
 //   selected K/V bytes read by a plain kernel with the same CTA decomposition,
 //   read_selected_tiles);
+//   --timeline (after each decode/verify case: one cold call with AttentionCudaConfig::timeline,
+//   per-CTA phase times and the CTAs' ends by SM, CTAs without a tile counted apart);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
@@ -45,6 +47,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <numeric>
 #include <random>
 #include <set>
@@ -68,6 +71,7 @@ constexpr int64_t kTile = int64_t{kPageSize} * kHeadDim;  // bytes of one K or V
 constexpr int64_t kPageBytes = 2 * kNkv * kTile;          // one page of this layer
 constexpr double kSpotTol = 1e-2;                         // row relative L2 (see the GPU test)
 bool g_out_q = false;  // --out-q: every call also writes o_proj's E4M3 input (out_q / out_scales)
+bool g_timeline = false;  // --timeline: per-CTA timeline of one cold call after each case
 
 // Finite E4M3 values of moderate size: sign, exponent 4..8 (2^-3 .. 2^1), any mantissa.
 __global__ void fill_pool(uint8_t* p, int64_t n, uint64_t seed) {
@@ -410,6 +414,103 @@ void run_once(const Case& c, cudaStream_t s, int copy = 0) {
   }
 }
 
+// --timeline: one cold call (L2 flushed) with AttentionCudaConfig::timeline, then per phase the
+// times of the CTAs that own a tile (us after the first CTA's entry), their phase lengths, the CTAs
+// without a tile (the grid is sized for the worst token distribution), and the CTAs' ends by SM.
+void print_timeline(Case& c, cudaStream_t stream) {
+  constexpr int kWords = 8;
+  const int64_t max_ctas = c.T * kNkv * 128;  // T x n_kv x splits (<= 128)
+  const size_t bytes = static_cast<size_t>(max_ctas) * kWords * 8;
+  uint64_t* d_tl = static_cast<uint64_t*>(upload(nullptr, bytes));
+  const AttentionCudaConfig saved = c.cfg;
+  c.cfg.timeline = d_tl;
+  const bench::Timing t = bench::time_cold(
+      [&](cudaStream_t s) {
+        check_cuda(cudaMemsetAsync(d_tl, 0, bytes, s), "timeline clear");
+        run_once(c, s);
+      },
+      stream, 1, 3);
+  c.cfg = saved;
+  std::vector<uint64_t> tl(static_cast<size_t>(max_ctas) * kWords);
+  check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
+  cudaFree(d_tl);
+  uint64_t g0 = ~uint64_t{0};
+  for (int64_t x = 0; x < max_ctas; ++x)
+    if (tl[x * kWords]) g0 = std::min(g0, tl[x * kWords]);
+  const auto pct = [](std::vector<double> v, double q) {
+    if (v.empty()) return 0.0;
+    std::sort(v.begin(), v.end());
+    return v[static_cast<size_t>(q * static_cast<double>(v.size() - 1) + 0.5)];
+  };
+  const auto us = [&](uint64_t ns) { return static_cast<double>(ns - g0) * 1e-3; };
+  std::vector<double> at[6], len[5], per_block, ph_entry, ph_exit, blocks;
+  std::vector<std::pair<int, double>> by_sm;  // (SM, a real CTA's exit)
+  for (int64_t x = 0; x < max_ctas; ++x) {
+    const uint64_t* w = tl.data() + x * kWords;
+    if (!w[0]) continue;
+    if (!w[1]) {  // no tile
+      ph_entry.push_back(us(w[0]));
+      if (w[5]) ph_exit.push_back(us(w[5]));
+      continue;
+    }
+    for (int sl = 0; sl < 6; ++sl)
+      if (w[sl]) at[sl].push_back(us(w[sl]));
+    for (int sl = 0; sl < 5; ++sl)
+      if (w[sl] && w[sl + 1]) len[sl].push_back(static_cast<double>(w[sl + 1] - w[sl]) * 1e-3);
+    blocks.push_back(static_cast<double>(w[6]));
+    if (w[6] > 1 && w[3] && w[4])
+      per_block.push_back(static_cast<double>(w[4] - w[3]) * 1e-3 / static_cast<double>(w[6] - 1));
+    if (w[5]) by_sm.emplace_back(static_cast<int>(w[7]) - 1, us(w[5]));
+  }
+  std::printf(
+      "timeline %s: cold call %.1f us (median of 3, incl. a memset), %zu CTAs with a tile "
+      "(blocks p50 %.0f max %.0f), %zu without\n",
+      c.name.c_str(), t.median_us, at[0].size(), pct(blocks, 0.5), pct(blocks, 1), ph_entry.size());
+  const char* names[] = {"entry", "inputs", "list", "first", "attended", "exit"};
+  for (int sl = 0; sl < 6; ++sl) {
+    std::printf("  %-8s at us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f", names[sl],
+                pct(at[sl], 0), pct(at[sl], 0.1), pct(at[sl], 0.5), pct(at[sl], 0.9),
+                pct(at[sl], 1));
+    if (sl > 0)
+      std::printf("   phase us: p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f", pct(len[sl - 1], 0.1),
+                  pct(len[sl - 1], 0.5), pct(len[sl - 1], 0.9), pct(len[sl - 1], 1));
+    std::printf("\n");
+  }
+  std::printf(
+      "  per block (first landed .. last attended) us: p10 %.3f p50 %.3f p90 %.3f max %.3f\n",
+      pct(per_block, 0.1), pct(per_block, 0.5), pct(per_block, 0.9), pct(per_block, 1));
+  if (!ph_entry.empty())
+    std::printf(
+        "  without a tile: entry us p10 %.2f p50 %.2f max %.2f, exit us p50 %.2f max %.2f\n",
+        pct(ph_entry, 0.1), pct(ph_entry, 0.5), pct(ph_entry, 1), pct(ph_exit, 0.5),
+        pct(ph_exit, 1));
+  // The last exit per SM, and how many CTAs with a tile each SM ran.
+  std::map<int, std::pair<int, double>> sm;  // SM -> (CTAs, last exit)
+  for (const auto& [id, e] : by_sm) {
+    auto& v = sm[id];
+    v.first += 1;
+    v.second = std::max(v.second, e);
+  }
+  std::vector<std::pair<double, int>> ends;
+  std::map<int, int> ctas_hist;
+  for (const auto& [id, v] : sm) {
+    ends.emplace_back(v.second, id);
+    ctas_hist[v.first] += 1;
+  }
+  std::sort(ends.begin(), ends.end());
+  std::vector<double> e_only;
+  for (const auto& e : ends) e_only.push_back(e.first);
+  std::printf("  SMs %zu, CTAs per SM:", ends.size());
+  for (const auto& [n, k] : ctas_hist) std::printf(" %d x %d", k, n);
+  std::printf("; last exit per SM us: min %.2f p10 %.2f p50 %.2f p90 %.2f max %.2f\n",
+              pct(e_only, 0), pct(e_only, 0.1), pct(e_only, 0.5), pct(e_only, 0.9), pct(e_only, 1));
+  std::printf("  SMs by last exit (smid:us), first 12 and last 12:");
+  for (size_t i = 0; i < ends.size(); ++i)
+    if (i < 12 || i + 12 >= ends.size())
+      std::printf("%s%d:%.1f", i == 0 || i == 12 ? "\n    " : " ", ends[i].second, ends[i].first);
+  std::printf("\n");
+}
+
 // Twin rows of tokens `toks` ([toks.size(), n_q * 128] bf16), each rebuilt as a one-token request
 // over host copies of the pages it reads (unread visible blocks map to one shared page that no
 // selection touches). Empty on failure.
@@ -563,12 +664,14 @@ int main(int argc, char** argv) {
       g_out_q = true;
     } else if (std::strcmp(argv[i], "--read-ceiling") == 0) {
       read_ceiling = true;
+    } else if (std::strcmp(argv[i], "--timeline") == 0) {
+      g_timeline = true;
     } else {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--pdl] [--out-q] [--read-ceiling] "
+                   "[--verify-variant=N] [--pdl] [--out-q] [--read-ceiling] [--timeline] "
                    "[--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "
@@ -613,7 +716,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 13}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 13}, {5, 16}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;
@@ -700,6 +803,7 @@ int main(int argc, char** argv) {
               worst = std::max(worst, worst_b2b);
             }
             rows.push_back(timing_row(c.name, verdict, worst, tm, tb, copies, c.bytes, c.flops));
+            if (g_timeline) print_timeline(c, stream);
           }
           if (read_ceiling && sparse)
             rows.push_back(read_ceiling_row(c, pool, copies, calls, stream));

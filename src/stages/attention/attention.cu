@@ -149,10 +149,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
+      cfg.verify_variant != 16)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8 or 13 (9, 11, 12, 14 and 15 were removed in session 15: 13 is "
-                       "9 with a lazy running max)");
+                       " is not 0, 8, 13 or 16 (9, 11, 12, 14 and 15 were removed in session 15: "
+                       "13 is 9 with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -236,10 +237,11 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variant 13 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running max)
-// runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
-// driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+// Variants 13 / 16 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
+// max, kNoConflict: 16) run as 8 (cp.async, the NaN test in every block) where the pool is not
+// 16-byte aligned or the driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
+          bool kNoConflict = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -249,7 +251,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -275,6 +277,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
+    if (pl.verify_variant == 16)
+      return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
     return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
                                    : launch_verify<true, false>(args, pl, n_kv, stream);
   }
@@ -371,6 +375,7 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.splits = pl.splits;
   a.pdl = pl.pdl ? 1 : 0;
   a.sparse = p.sparse ? 1 : 0;
+  a.timeline = cfg.timeline;
   const float scale = p.softmax_scale > 0.0f ? p.softmax_scale : 0.08838834764831845f;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.out = static_cast<uint16_t*>(p.out.data);

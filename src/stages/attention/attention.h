@@ -96,7 +96,8 @@ struct AttentionCudaConfig {
                             // cp.async loads of K and V, 13 TMA loads (where TMA can address the
                             // pool; else 8 runs), the V NaN test in a second pass that runs only
                             // when the first one's output holds a NaN, a lazy running max
-                            // (session 15; 9 = 13 without it, removed)
+                            // (session 15; 9 = 13 without it, removed); 16 (opt-in, session 16):
+                            // 13 with conflict-free f16 V stores and a later proxy fence
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15: slower); other
@@ -106,6 +107,12 @@ struct AttentionCudaConfig {
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before
                                      // reading ids, Q, the cache or the workspace; off: plain
                                      // stream-ordered launches (same kernels, same bytes)
+  // Diagnostics for benchmarks (null: off; not validated): the decode and verify kernels write 8
+  // uint64 words per CTA of their grid (CTA x + X (y + Y z)): %globaltimer ns at entry, tile found,
+  // block list built, first block landed, last block attended, exit (words 0-5; a CTA without a
+  // tile writes only 0 and 5), its block count (6) and SM id + 1 (7). Size it for the grid (at
+  // most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels ignore it.
+  uint64_t* timeline = nullptr;
 };
 
 // Device workspace bytes that run_attention_cuda needs for these params and config (0 when the

@@ -142,12 +142,17 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int grp = lane >> 2, tig = lane & 3;
   const int g = blockIdx.y, split = blockIdx.z;
 
+  ak::timeline_mark(a, 0);
   ak::TileInputs in;  // (pdl_wait inside, before the ids, Q and the cache are read)
   const bool has_tile =
       ak::find_tile_and_load<1, kThreads>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && g == 0 && split == 0)
     ak::write_quant_padding<kThreads>(a);
-  if (!has_tile) return;  // CTA-uniform
+  if (!has_tile) {  // CTA-uniform
+    ak::timeline_mark(a, 5);
+    return;
+  }
+  ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1];
   if (tid == 0) s_pos[0] = in.pos;
   uint32_t qh[8][4];
@@ -170,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int per = (n_total + a.splits - 1) / a.splits;
   const int lo = min(n_total, split * per);
   const int hi = min(n_total, lo + per);
+  ak::timeline_mark(a, 2, hi - lo);
 
   float o[2][2][4];
 #pragma unroll
@@ -298,6 +304,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     // vs 41.6 / 42.0 / 42.4 us, B256 147.3-147.9 vs 144.9-145.5, B1 12.8 vs 12.0.)
     for (int i = 0; i < count; ++i) {
       ak::cp_async_wait<kStages - 2>();
+      if (i == 0) ak::timeline_mark(a, 3);
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
       load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
@@ -312,6 +319,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     }
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
+  ak::timeline_mark(a, 4);
 
   // Epilogue: lane (grp, tig) of warp w holds rows grp, grp + 8, dims 16 w + 4 tig .. + 3 (even
   // n-tile: + 0, + 2; odd: + 1, + 3). One barrier exchanges the warps' row sums l and, for out_q,
@@ -383,6 +391,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
       }
     }
   }
+  ak::timeline_mark(a, 5);
 }
 
 }  // namespace attention_decode

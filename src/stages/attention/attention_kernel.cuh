@@ -78,7 +78,44 @@ struct AttnArgs {
   int64_t sc_stride_h;
   int q_rows;  // M_pad >= T
   int pdl;     // launched programmatically (PDL): the front end orders its loads for the overlap
+  // AttentionCudaConfig::timeline (benchmarks; null otherwise): kTimelineWords words per CTA of the
+  // decode / verify kernel, see timeline_mark.
+  uint64_t* timeline;
 };
+
+// Diagnostics (AttentionCudaConfig::timeline; benchmarks only): thread 0 of a CTA (linear index
+// x + X (y + Y z) of its grid) records %globaltimer (ns) in word `slot` of its kTimelineWords
+// words: 0 entry, 1 tile found and its inputs loaded, 2 block list built, 3 first block landed, 4
+// last block attended (before the epilogue), 5 exit (also for a CTA without a tile: then words 1-4
+// stay 0); word 6 = the blocks the CTA walks, word 7 = its SM id + 1 (written at entry).
+constexpr int kTimelineWords = 8;
+__device__ __forceinline__ void timeline_mark(const AttnArgs& a, int slot, int value = 0) {
+  if (a.timeline == nullptr || threadIdx.x != 0) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  const int64_t cta =
+      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+  uint64_t* w = a.timeline + cta * kTimelineWords;
+  w[slot] = t;
+  if (slot == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    w[7] = uint64_t{sm} + 1;
+  }
+  if (slot == 2) w[6] = static_cast<uint64_t>(value);
+}
+// %globaltimer when the timeline is on (0 otherwise), for a mark recorded later (timeline_put).
+__device__ __forceinline__ uint64_t timeline_now(const AttnArgs& a) {
+  uint64_t t = 0;
+  if (a.timeline != nullptr) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ void timeline_put(const AttnArgs& a, int slot, uint64_t t) {
+  if (a.timeline == nullptr || threadIdx.x != 0) return;
+  const int64_t cta =
+      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+  a.timeline[cta * kTimelineWords + slot] = t;
+}
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.

@@ -124,15 +124,24 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 // 16 cl ..) of key kl = 32 warp + 4 (2 j + hl) + q: every lane holds 4 high and 4 low chunks (the
 // low ones stay raw in registers until S is done), and each 8-lane phase of a load touches 8
 // distinct 16-byte bank groups (keys kh of the two lane halves differ by 4 in their swizzle).
+// The f16 stores (chunks 2 cl, 2 cl + 1 of a row) of those two keys hit the same 4 even or odd bank
+// groups, though: 2-way conflicts (session 15 ncu: 8 wavefronts per STS.128 instead of 4).
+// kNoConflict (variant 16): the lane half hl = 1 takes keys 8 j + (q ^ 1) where hl = 0 takes
+// 8 j + 4 + q (high chunks; the low ones the other way round): the two swizzles then differ by 5
+// (bit 2 keeps the loads apart, bit 0 the stores).
+template <bool kNoConflict>
 __device__ __forceinline__ int early_key(int j, bool high) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int hl = (lane >> 2) & 1;
-  return kKeysPerWarp * warp + 4 * (2 * j + (high ? 1 - hl : hl)) + (lane >> 3);
+  const int hl = (lane >> 2) & 1, q = lane >> 3;
+  if constexpr (kNoConflict)
+    return kKeysPerWarp * warp + 8 * j + (high == (hl == 0) ? 4 + q : (q ^ 1));
+  return kKeysPerWarp * warp + 4 * (2 * j + (high ? 1 - hl : hl)) + q;
 }
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
 // keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
 // NaN (0 otherwise).
+template <bool kNoConflict>
 __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
                                                    bool check) {
   const int cl = threadIdx.x & 3;
@@ -141,7 +150,7 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
   uint32_t nan = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kh = early_key(j, true), kl = early_key(j, false);
+    const int kh = early_key<kNoConflict>(j, true), kl = early_key<kNoConflict>(j, false);
     hi[j] = make_uint4(0u, 0u, 0u, 0u);
     lo[j] = make_uint4(0u, 0u, 0u, 0u);
     if (kh <= vlim)
@@ -156,7 +165,7 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
   __syncwarp();  // every lane read the warp's rows before any lane overwrites them
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kh = early_key(j, true);
+    const int kh = early_key<kNoConflict>(j, true);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(hi[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl)) = h0;
@@ -166,11 +175,12 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
 }
 
 // The dims 0-63 chunks kept by convert_v_high -> f16 into the K half (free: S done by every warp).
+template <bool kNoConflict>
 __device__ __forceinline__ void convert_v_low(uint8_t* stage, const uint4 (&lo)[4]) {
   const int cl = threadIdx.x & 3;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kl = early_key(j, false);
+    const int kl = early_key<kNoConflict>(j, false);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(lo[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl)) = h0;
@@ -222,7 +232,10 @@ struct Rows {
 // previous block's P V are complete (after a CTA barrier): the caller refills the previous stage
 // there. mask: tokens that see the block; vlim: V rows past it are zeroed; lim: this warp's last
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
-template <bool kLazy, typename AfterS>
+// kNoConflict (variant 16): conflict-free f16 stores (early_key) and the proxy fence of the f16
+// stores after the softmax instead of right after them (session 15 ncu: the warps waited there,
+// MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples, for stores just issued).
+template <bool kLazy, bool kNoConflict, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -237,16 +250,18 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
+  const uint32_t nan = convert_v_high<kNoConflict>(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
-  convert_v_low(sbuf, vlo);
-  ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
+  convert_v_low<kNoConflict>(sbuf, vlo);
+  // f16 stores -> wgmma reads (after the barrier below).
+  if constexpr (!kNoConflict) ap::fence_proxy_async();
   ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
   ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  if constexpr (kNoConflict) ap::fence_proxy_async();
   if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
     scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
     ap::fence_proxy_async();
@@ -339,7 +354,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 13). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 13, 16). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
@@ -350,7 +365,10 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+// kNoConflict (variant 16, session 16, opt-in): 13 with conflict-free f16 V stores and the proxy
+// fence after the softmax (see attend_block).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
+          bool kNoConflict = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -368,6 +386,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ int s_list_vlim[kMaxList];
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
+  __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -379,10 +398,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
   uint8_t* smem = smem_raw + (base - raw_u32);
 
+  ak::timeline_mark(a, 0);
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
-  if (!has_tile) return;  // CTA-uniform
+  if (!has_tile) {  // CTA-uniform
+    ak::timeline_mark(a, 5);
+    return;
+  }
+  ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
@@ -423,6 +447,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int per = (n_total + a.splits - 1) / a.splits;
   const int lo = min(n_total, split * per);
   const int hi = min(n_total, lo + per);
+  ak::timeline_mark(a, 2, hi - lo);
 
   Rows st;
   float s[64];
@@ -469,13 +494,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
+        if (i == 0 && tid == 0) s_first = ak::timeline_now(a);  // (timeline only: else 0)
         __syncthreads();  // block i landed for every thread
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy>(
+        attend_block<kLazy, kNoConflict>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
             s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
@@ -492,7 +518,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
+  ak::timeline_mark(a, 4);
+  ak::timeline_put(a, 3, s_first);
   write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  ak::timeline_mark(a, 5);
 }
 
 }  // namespace attention_verify

@@ -6,8 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8 and 13), with and without splits; all must
-// meet the same tolerance.
+// tiles x 16 heads on one warpgroup: verify_variant 8, 13 and 16), with and without splits; all
+// must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -72,8 +72,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
 // plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
-// runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
-// and 13 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool).
+// runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async),
+// 13 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool) and 16
+// (13 with conflict-free f16 V stores and a later proxy fence).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when
 // splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -93,7 +94,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 13}) add({4, 1, 0, 5, 0, 0, variant});
+    for (int variant : {8, 13, 16}) add({4, 1, 0, 5, 0, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

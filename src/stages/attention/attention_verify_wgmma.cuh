@@ -494,7 +494,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
-        if (i == 0 && tid == 0) s_first = ak::timeline_now(a);  // (timeline only: else 0)
+        // (the timeline's first-block mark; 0 when the timeline is off)
+        if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
         __syncthreads();  // block i landed for every thread
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1

@@ -362,6 +362,7 @@ struct ShapeVariant {
   bool owner;     // GemmWgmmaOptions::owner_fixup
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   int cluster;    // GemmWgmmaOptions::cluster_split
+  int dyn;        // GemmWgmmaOptions::dynamic_chunk
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -418,8 +419,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  const ShapeVariant variants[] = {
-      {0, false, 16, 0}, {1, false, 16, 0}, {0, true, 16, 0}, {1, true, 16, 0}, {0, false, 16, 3}};
+  // 5-9: dynamic chunks of 2, 3, 4, 6 and 8 K blocks (session 16).
+  const ShapeVariant variants[] = {{0, false, 16, 0, 0}, {1, false, 16, 0, 0}, {0, true, 16, 0, 0},
+                                   {1, true, 16, 0, 0},  {0, false, 16, 3, 0}, {0, false, 16, 0, 2},
+                                   {0, false, 16, 0, 3}, {0, false, 16, 0, 4}, {0, false, 16, 0, 6},
+                                   {0, false, 16, 0, 8}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -445,8 +449,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   uint16_t* ref = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   check_cuda(cudaGetLastError(), "fill");
-  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
-  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
+  Result<size_t> ws_static = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
+  must(ws_static.status(), "gemm_wgmma_workspace_bytes");
+  Result<size_t> ws_dyn = gemm_wgmma_dynamic_workspace_bytes(n, k, 64, 2);  // (the smallest chunk)
+  must(ws_dyn.status(), "gemm_wgmma_dynamic_workspace_bytes");
+  const Result<size_t> ws_bytes(std::max(ws_static.value(), ws_dyn.value()));
   void* ws = nullptr;
   check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
   check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
@@ -549,12 +556,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
+      o.dynamic_chunk = variants[v].dyn;
       const std::string name =
           std::string("wgmma ctas ") +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
-          (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string());
+          (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
+          (o.dynamic_chunk > 0 ? " dynamic " + std::to_string(o.dynamic_chunk) : std::string());
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
       if (!st.ok()) {

@@ -84,16 +84,16 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm>
+template <int kNw, int kCtasPerSm, bool kDynamic>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int waves, const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kDynamic>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
   // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
-  static std::atomic<int> resident_of[64] = {};
+  static std::atomic<int> resident_of[64] = {};  // (one table per instantiation)
   int resident = info.device < 64 ? resident_of[info.device].load(std::memory_order_acquire) : 0;
   if (resident == 0) {
     M3_CUDA_RETURN_IF_ERROR(
@@ -137,25 +137,41 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   return Status::Ok();
 }
 
-// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
-template <int kCtasPerSm>
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x dynamic chunks.
+template <int kCtasPerSm, bool kDynamic>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
                      int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 64) return launch<64, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 8) return launch<8, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 32) return launch<32, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 64) return launch<64, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
+}
+
+template <bool kDynamic>
+Status dispatch(int ctas_per_sm, int m, const CUtensorMap& wmap, const CUtensorMap& xmap,
+                const WgmmaArgs& args, int grid, int waves, const DeviceInfo& info,
+                cudaStream_t stream) {
+  if (ctas_per_sm == 1)
+    return dispatch_rows<1, kDynamic>(m, wmap, xmap, args, grid, waves, info, stream);
+  return dispatch_rows<2, kDynamic>(m, wmap, xmap, args, grid, waves, info, stream);
 }
 
 int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
 // The kernel's n (rows of a partial slot) for M rows; 0 for none.
 int64_t padded_rows(int64_t m) { return m <= 0 ? 0 : box_rows_for(m); }
 
+// Chunks of `chunk` K blocks over the whole weight (GemmWgmmaOptions::dynamic_chunk).
+int64_t dynamic_items(int64_t n, int64_t kblocks, int64_t chunk) {
+  return tiles_of(n) * ((kblocks + chunk - 1) / chunk);
+}
+
 }  // namespace
 
+// One arrival counter per tile, then the dynamic chunks' ticket counter.
 size_t gemm_wgmma_counter_bytes(int64_t n) {
-  const size_t bytes = static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1)) * sizeof(unsigned);
+  const size_t bytes =
+      static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1) + 1) * sizeof(unsigned);
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
 }
 
@@ -179,6 +195,19 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
   const size_t slot_rows = size_t{2} * per_sm * static_cast<size_t>(padded_rows(max_m));
   return gemm_wgmma_counter_bytes(n) + slot_rows * static_cast<size_t>(max_waves) *
                                            static_cast<size_t>(info.sms) * kTileN * sizeof(float);
+}
+
+Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t max_m, int chunk) {
+  M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
+               "gemm_wgmma_dynamic_workspace_bytes: N = ", n, " and K = ", k,
+               " must be positive multiples of ", kTileN);
+  M3_CHECK_ARG(max_m >= 0 && max_m <= kMaxM, "gemm_wgmma_dynamic_workspace_bytes: max_m = ", max_m,
+               " must be in [0, ", kMaxM, "]");
+  M3_CHECK_ARG(chunk >= 1, "gemm_wgmma_dynamic_workspace_bytes: chunk = ", chunk, " must be >= 1");
+  const int64_t items = dynamic_items(n, k / kBlockK, std::min<int64_t>(chunk, k / kBlockK));
+  return gemm_wgmma_counter_bytes(n) + static_cast<size_t>(items) *
+                                           static_cast<size_t>(padded_rows(max_m)) * kTileN *
+                                           sizeof(float);
 }
 
 int gemm_wgmma_trace_words() { return gemm_wgmma_detail::kTraceWords; }
@@ -208,6 +237,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
                kMaxClusterSplit, "]");
+  M3_CHECK_ARG(options.dynamic_chunk >= 0,
+               "GemmWgmmaOptions::dynamic_chunk = ", options.dynamic_chunk, " must be >= 0");
+  M3_CHECK_ARG(options.dynamic_chunk == 0 || options.cluster_split == 0,
+               "GemmWgmmaOptions: dynamic_chunk = ", options.dynamic_chunk,
+               " and cluster_split = ", options.cluster_split, " exclude each other");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
@@ -236,24 +270,32 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split <= kblocks,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
                " must not exceed K / 128 = ", kblocks);
+  M3_CHECK_ARG(options.dynamic_chunk <= kblocks,
+               "GemmWgmmaOptions::dynamic_chunk = ", options.dynamic_chunk,
+               " must not exceed K / 128 = ", kblocks);
   const int cluster_split = options.cluster_split;
+  const int chunk = options.dynamic_chunk;
+  const int64_t items = chunk > 0 ? dynamic_items(n, kblocks, chunk) : 0;
+  M3_CHECK_ARG(items < (int64_t{1} << 30), "run_gemm_wgmma_cuda: ", items,
+               " dynamic chunks must be below 2^30");
   const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
   const int64_t grid_cluster = tiles * cluster_split;
   M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
                "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
                " CTAs must be below 2^31");
   const int grid =
-      cluster_split > 0
-          ? static_cast<int>(grid_cluster)
-          : static_cast<int>(std::max<int64_t>(
-                1,
-                std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms, by_units)));
+      cluster_split > 0 ? static_cast<int>(grid_cluster)
+      : chunk > 0 ? static_cast<int>(std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, items))
+                  : static_cast<int>(std::max<int64_t>(
+                        1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms,
+                                             by_units)));
   const size_t counters = gemm_wgmma_counter_bytes(n);
-  // (The cluster split uses no partial slots.)
-  const size_t need = counters + (cluster_split > 0 ? 0
-                                                    : size_t{2} * static_cast<size_t>(grid) *
-                                                          static_cast<size_t>(padded_rows(m)) *
-                                                          kTileN * sizeof(float));
+  // Partial slots: two per CTA (stream-K), one per chunk (dynamic), none (cluster split).
+  const size_t slots = cluster_split > 0 ? 0
+                       : chunk > 0       ? static_cast<size_t>(items)
+                                         : size_t{2} * static_cast<size_t>(grid);
+  const size_t need =
+      counters + slots * static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float);
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
                "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
                " are needed (N = ", n, ", M = ", m, ", ", grid,
@@ -295,9 +337,15 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.trace = options.debug_trace;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
-  if (ctas_per_sm == 1)
-    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
-  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
+  args.chunk = chunk;
+  args.chunks_per_tile = chunk > 0 ? static_cast<int>((kblocks + chunk - 1) / chunk) : 0;
+  args.items = static_cast<int>(items);
+  args.next_item = args.counters + std::max<int64_t>(tiles, 1);
+  if (chunk > 0)
+    return dispatch<true>(ctas_per_sm, args.m, wmap, xmap, args, grid, options.max_waves, info,
+                          stream);
+  return dispatch<false>(ctas_per_sm, args.m, wmap, xmap, args, grid, options.max_waves, info,
+                         stream);
 }
 
 }  // namespace m3attn

@@ -50,6 +50,15 @@ struct GemmWgmmaOptions {
   // compute-sanitizer's racecheck cannot run it (the launch fails under the tool; memcheck is
   // clean and every test passes).
   int cluster_split = 0;
+  // Variant: 0 = static stream-K (the default). C >= 1 (at most K / 128): dynamic chunks. Each
+  // tile's K is cut into chunks of C K blocks (the last one shorter), and the grid's CTAs (at most
+  // ctas_per_sm x SMs; min_units_per_cta, max_waves, owner_fixup ignored) take chunks from a
+  // ticket counter in tile-major order as their rings drain, so SMs whose streams run faster take
+  // more chunks. Each chunk's fp32 partial goes to its own workspace slot; the CTA that completes a
+  // tile sums the tile's chunk partials in chunk order and writes bf16: deterministic (the sums
+  // depend on C only), not the stream-K split's bits. Needs a workspace of
+  // gemm_wgmma_dynamic_workspace_bytes(N, K, M, C).
+  int dynamic_chunk = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -107,6 +116,11 @@ size_t gemm_wgmma_counter_bytes(int64_t n);
 // max_waves <= the given value and the given ctas_per_sm; 0 = the automatic choice).
 Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves = 1,
                                           int ctas_per_sm = 0);
+
+// Workspace bytes for GemmWgmmaOptions::dynamic_chunk = chunk (>= 1) on an N x K weight and up to
+// max_m rows: the counters (gemm_wgmma_counter_bytes(N), zero between calls) and one fp32 partial
+// slot per chunk. Also serves every call with dynamic_chunk >= chunk.
+Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t max_m, int chunk);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

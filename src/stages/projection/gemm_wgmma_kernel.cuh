@@ -156,6 +156,10 @@ struct WgmmaArgs {
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
+  // Dynamic chunks (kDynamic kernels, see below): K blocks per chunk, chunks per tile, chunks in
+  // all, the ticket counter (zero before and after every launch).
+  int chunk, chunks_per_tile, items;
+  unsigned* next_item;
   // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
   unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
 };
@@ -360,7 +364,7 @@ constexpr int scale_slot_floats() {
   return kNw + 4;
 }
 
-template <int kNw, int kStages, int kCtasPerSm>
+template <int kNw, int kStages, int kCtasPerSm, bool kDynamic>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
@@ -446,6 +450,81 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
         tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
       }
     };
+    // Stages the unit's scales (all lanes) and counts their arrival on the full barrier.
+    auto load_scales = [&](int s, int u) {
+      const int tile = u / kb_count, kb = u - tile * kb_count;
+      float* slot = s_scales + s * kSlot;
+#pragma unroll
+      for (int r = lane; r < kNw; r += 32)
+        if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
+      if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
+      cp_async_mbar_arrive_noinc(smem_addr(&full_bar[s]));
+    };
+    if constexpr (kDynamic) {
+      // Dynamic chunks: the CTA's first two chunks are cta and cta + grid; every further one comes
+      // from the ticket counter (chunk 2 grid + ticket), the ticket for the chunk after next
+      // requested when a chunk's loads start, so its latency hides under them. Every chunk taken
+      // costs one ticket, so the counter ends at `items`: the taker of ticket items - 1 (the last
+      // ticket handed out) resets it to zero for the next launch. Lane 0 writes each stage's unit
+      // index (-1: no more units) into the stage's scale slot before its arrival on the full
+      // barrier, which releases it to the consumers.
+      const int chunk = p.chunk, cpt = p.chunks_per_tile, items = p.items;
+      int* slot_unit = reinterpret_cast<int*>(s_scales) + kNw + 1;  // + s * kSlot
+      auto chunk_units = [&](int item, int* u0, int* u1) {
+        const int tile = item / cpt, kb0 = (item - tile * cpt) * chunk;
+        *u0 = tile * kb_count + kb0;
+        *u1 = tile * kb_count + (kb0 + chunk < kb_count ? kb0 + chunk : kb_count);
+      };
+      int cur = cta, nxt = cta + grid, u = 0, u_stop = 0;
+      if (cur < items) chunk_units(cur, &u, &u_stop);
+      const int early = p.early_weights && cur < items ? min(u_stop - u, kStages) : 0;
+      if (lane == 0)
+        for (int j = 0; j < early; ++j) {
+          slot_unit[j * kSlot] = u + j;
+          load_weights(j, u + j);
+        }
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      int i = 0;
+      while (cur < items) {
+        unsigned ticket = 0;
+        if (lane == 0) ticket = atomicAdd(p.next_item, 1u);
+        while (u < u_stop) {
+          const int nb = u_stop - u < burst ? u_stop - u : burst;
+          for (int j = 0; j < nb; ++j) {
+            const int ij = i + j;
+            if (ij >= kStages)
+              mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);
+          }
+          for (int j = 0; j < nb; ++j, ++u, ++i) {
+            const int s = i % kStages;
+            if (lane == 0) {
+              if (i >= early) {
+                slot_unit[s * kSlot] = u;
+                load_weights(s, u);
+              }
+              const int kb = u % kb_count;
+              tma_load_2d(base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes), &xmap,
+                          kb * kBlockK, 0, smem_addr(&full_bar[s]));
+            }
+            load_scales(s, u);
+          }
+        }
+        ticket = __shfl_sync(0xffffffffu, ticket, 0);
+        if (lane == 0 && ticket == static_cast<unsigned>(items - 1)) atomicExch(p.next_item, 0u);
+        cur = nxt;
+        nxt = ticket < static_cast<unsigned>(items) ? 2 * grid + static_cast<int>(ticket) : items;
+        if (cur < items) chunk_units(cur, &u, &u_stop);
+      }
+      const int s = i % kStages;  // the end marker
+      if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
+      if (lane == 0) {
+        slot_unit[s * kSlot] = -1;
+        mbar_arrive(smem_addr(&full_bar[s]));
+      }
+      cp_async_mbar_arrive_noinc(smem_addr(&full_bar[s]));
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      return;
+    }
     // Programmatic launch: the weights (which no preceding kernel writes) of the first ring of
     // units are requested before waiting for the preceding grid, whose outputs (activations and
     // their scales) are read only after griddepcontrol.wait. Without PDL the wait is a no-op.
@@ -464,20 +543,14 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       }
       for (int j = 0; j < nb; ++j, ++u, ++i) {
         const int s = i % kStages;
-        const int tile = u / kb_count;
-        const int kb = u - tile * kb_count;
+        const int kb = u - (u / kb_count) * kb_count;
         const uint32_t full = smem_addr(&full_bar[s]);
         if (lane == 0) {
           if (i >= early) load_weights(s, u);
           const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
           tma_load_2d(dst + kWeightTileBytes, &xmap, kb * kBlockK, 0, full);
         }
-        float* slot = s_scales + s * kSlot;
-#pragma unroll
-        for (int r = lane; r < kNw; r += 32)
-          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-        if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
-        cp_async_mbar_arrive_noinc(full);
+        load_scales(s, u);
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
@@ -551,6 +624,162 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   };
 
   float acc[kAcc];
+  // One full stage s: the unit's wgmmas into a temporary fragment, folded into acc with the
+  // scale products; then the stage is released to the producer.
+  auto consume_unit = [&](int s) {
+    float tmp[kAcc];
+    const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
+    const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
+    // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
+    // its registers are free in the epilogue.
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 32; ++k)
+      Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+    wgmma_commit();
+    // At n >= 32 the unit's scale products are read while the tensor cores work (the stage's
+    // scales landed with its data), except where the registers are short (n = 64 with two CTAs
+    // per SM: 96 per thread); elsewhere (and at n <= 16, where round B measured it 0.3-0.5 us
+    // slower) the fold multiplies them as before. Same products either way.
+    const float* slot = s_scales + s * kSlot;
+    const float w_scale = slot[kNw];
+    if constexpr (kAcc >= 16 && !(kCtasPerSm == 2 && kAcc >= 32)) {
+      float prod[kAcc / 2];
+#pragma unroll
+      for (int g = 0; g < kAcc / 4; ++g)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) prod[2 * g + e] = w_scale * slot[m0 + 8 * g + e];
+      wgmma_wait_all();
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], prod[2 * (j / 4) + j % 2], acc[j]);
+    } else {
+      wgmma_wait_all();
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+#pragma unroll
+      for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);
+  };
+
+  // Trace (thread 0): the CTA's end and its epilogue cycles, then the words to global memory.
+  auto write_trace = [&]() {
+    if (!tracing) return;
+    const long long c_end = clock64();
+    if (s_trace[kTraceWords + 1] != 0) s_trace[7] += c_end - s_trace[kTraceWords + 1];
+    s_trace[3] = static_cast<long long>(global_ns());
+    s_trace[6] = c_end - s_trace[kTraceWords];
+    unsigned long long* t = p.trace + int64_t{cta} * kTraceWords;
+    for (int w = 0; w < kTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
+  };
+
+  if constexpr (kDynamic) {
+    // Dynamic chunks: the units arrive chunk by chunk in the order the producer took them (each
+    // stage names its unit; -1 ends the stream). A chunk (K blocks [j C, (j + 1) C) of one tile)
+    // is accumulated from zero; its fp32 partial goes to workspace slot `item` (fragment-major),
+    // and the CTA completing the tile's arrival counter sums the tile's chunk partials in chunk
+    // order (its own from registers: the same values) and writes bf16: the sum depends only on C,
+    // not on which CTA took which chunk, so results are deterministic. (A tile of one chunk is
+    // written at once.) The bf16 stores go straight from the fragments: the ring is still
+    // streaming the next chunks.
+    const int chunk = p.chunk, cpt = p.chunks_per_tile;
+    const int* slot_unit = reinterpret_cast<const int*>(s_scales) + kNw + 1;  // + s * kSlot
+    // Partial loads in flight per thread while summing: (16-byte loads) 16 at n = 8, else 8.
+    constexpr int kSlice = kCtasPerSm == 2 && kAcc > 16 ? 16 : kAcc;
+    constexpr int kQ = kSlice / 4;
+    constexpr int kInFlight = kAcc <= 4 ? 16 : 8;
+    constexpr int kPerBatch = kInFlight / kQ;  // contributors per batch (>= 1: kQ <= 8)
+    for (int i = 0;; ++i) {
+      const int s = i % kStages;
+      mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+      const int u = slot_unit[s * kSlot];
+      if (u < 0) break;
+      if (tracing) {
+        if (i == 0) {
+          s_trace[1] = static_cast<long long>(global_ns());
+          s_trace[4] = clock64() - s_trace[kTraceWords];
+        }
+        s_trace[2] = static_cast<long long>(global_ns());
+        s_trace[5] = clock64() - s_trace[kTraceWords];
+      }
+      const int tile = u / kb_count, kb = u - tile * kb_count;
+      if (kb % chunk == 0) {
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+      }
+      consume_unit(s);
+      if ((kb + 1) % chunk != 0 && kb + 1 != kb_count) continue;
+      // The chunk is complete.
+      const long long epi_start = tracing ? clock64() : 0;
+      if (cpt == 1) {
+        write_tile(acc, tile, false);
+      } else {
+        const int jc = kb / chunk;
+        float4* part = partial_v4(tile * cpt + jc);
+#pragma unroll
+        for (int q4 = 0; q4 < kAcc / 4; ++q4)
+          __stcg(part + q4 * kConsumerThreads,
+                 make_float4(acc[4 * q4], acc[4 * q4 + 1], acc[4 * q4 + 2], acc[4 * q4 + 3]));
+        consumer_barrier();  // (the release pattern of the stream-K fixup below)
+        if (tid == 0) {
+          __threadfence();
+          const bool last = atomicAdd(p.counters + tile, 1u) == static_cast<unsigned>(cpt - 1);
+          if (last) __threadfence();
+          s_is_last = last;
+        }
+        consumer_barrier();
+        if (s_is_last) {
+          // (In slices of 16 fragment elements with two CTAs per SM at n = 64: registers.)
+#pragma unroll
+          for (int j0 = 0; j0 < kAcc; j0 += kSlice) {
+            float sum[kSlice];
+#pragma unroll
+            for (int j = 0; j < kSlice; ++j) sum[j] = 0.0f;
+            for (int c0 = 0; c0 < cpt; c0 += kPerBatch) {
+              float4 v[kPerBatch][kQ];
+#pragma unroll
+              for (int cb = 0; cb < kPerBatch; ++cb) {
+                const int c = c0 + cb;
+                if (c < cpt && c != jc) {
+                  const float4* q_part = partial_v4(tile * cpt + c) + j0 / 4 * kConsumerThreads;
+#pragma unroll
+                  for (int q4 = 0; q4 < kQ; ++q4)
+                    v[cb][q4] = __ldcg(q_part + q4 * kConsumerThreads);
+                }
+              }
+#pragma unroll
+              for (int cb = 0; cb < kPerBatch; ++cb) {
+                const int c = c0 + cb;
+                if (c >= cpt) break;
+#pragma unroll
+                for (int q4 = 0; q4 < kQ; ++q4) {
+                  const int e = j0 + 4 * q4;
+                  const float4 w =
+                      c == jc ? make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]) : v[cb][q4];
+                  sum[4 * q4] += w.x;
+                  sum[4 * q4 + 1] += w.y;
+                  sum[4 * q4 + 2] += w.z;
+                  sum[4 * q4 + 3] += w.w;
+                }
+              }
+            }
+#pragma unroll
+            for (int j = 0; j < kSlice; ++j) store_bf16(j0 + j, sum[j], tile);
+          }
+          if (tid == 0) atomicExch(p.counters + tile, 0u);
+        }
+      }
+      if (tracing) s_trace[7] += clock64() - epi_start;
+    }
+    write_trace();
+    return;
+  }
+
   int i = 0;
   int u = u_begin;
   while (u < u_end) {
@@ -563,7 +792,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
 
     for (; u < seg_end; ++u, ++i) {
-      float tmp[kAcc];
       const int s = i % kStages;
       mbar_wait(full0 + 8 * s, (i / kStages) & 1);
       if (tracing) {
@@ -576,43 +804,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
           s_trace[5] = clock64() - s_trace[kTraceWords];
         }
       }
-      const uint32_t a_addr = base + static_cast<uint32_t>(s * kStageBytes + wg * 64 * kBlockK);
-      const uint32_t b_addr = base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes);
-      // Fresh zeros (the first wgmma ignores them: scale-d = 0) keep tmp dead between units, so
-      // its registers are free in the epilogue.
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
-      wgmma_fence();
-#pragma unroll
-      for (int k = 0; k < kBlockK / 32; ++k)
-        Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-      wgmma_commit();
-      // At n >= 32 the unit's scale products are read while the tensor cores work (the stage's
-      // scales landed with its data), except where the registers are short (n = 64 with two CTAs
-      // per SM: 96 per thread); elsewhere (and at n <= 16, where round B measured it 0.3-0.5 us
-      // slower) the fold multiplies them as before. Same products either way.
-      const float* slot = s_scales + s * kSlot;
-      const float w_scale = slot[kNw];
-      if constexpr (kAcc >= 16 && !(kCtasPerSm == 2 && kAcc >= 32)) {
-        float prod[kAcc / 2];
-#pragma unroll
-        for (int g = 0; g < kAcc / 4; ++g)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) prod[2 * g + e] = w_scale * slot[m0 + 8 * g + e];
-        wgmma_wait_all();
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], prod[2 * (j / 4) + j % 2], acc[j]);
-      } else {
-        wgmma_wait_all();
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[j] = fmaf(tmp[j], w_scale * slot[frag_m(j)], acc[j]);
-      }
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty0 + 8 * s);
+      consume_unit(s);
     }
 
     if (tracing) s_trace[kTraceWords + 1] = clock64();
@@ -759,14 +951,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (tid == 0) atomicExch(p.counters + tile, 0u);
     }
   }
-  if (tracing) {
-    const long long c_end = clock64();
-    if (s_trace[kTraceWords + 1] != 0) s_trace[7] += c_end - s_trace[kTraceWords + 1];
-    s_trace[3] = static_cast<long long>(global_ns());
-    s_trace[6] = c_end - s_trace[kTraceWords];
-    unsigned long long* t = p.trace + int64_t{cta} * kTraceWords;
-    for (int w = 0; w < kTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
-  }
+  write_trace();
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

@@ -73,10 +73,12 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 9, B256 172.8 / 173.3 / 173.4 vs 175.2 / 177.5 / 176.0; 12 (9 with the plain poll alone) 48.8 /
 // 48.4 / 48.7 and 176.0 / 176.4 / 177.1 (no gain): 9 and 12 were removed, 13 is automatic.
 constexpr int kAutoVerifyVariant = 13;  // sparse and dense (layers 0-2) alike
-// AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
-// L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
-// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
+// AttentionCudaConfig::l2_prefetch (-1 .. kMaxL2Prefetch): since session 16, the first N blocks of
+// each decode / verify CTA prefetched into L2 in the front end (ak::sparse_union, sparse only),
+// while a one-wave grid's HBM is idle; 0 (automatic) is kAutoL2First. The L2 prefetch AHEAD of the
+// ring (sessions 11-12: 4-33 % slower) was removed in session 13.
 constexpr int kMaxL2Prefetch = 8;
+constexpr int kAutoL2First = 0;
 
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the decode one
@@ -376,6 +378,10 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.pdl = pl.pdl ? 1 : 0;
   a.sparse = p.sparse ? 1 : 0;
   a.timeline = cfg.timeline;
+  a.l2_first = pl.wgmma ? 0
+                        : (cfg.l2_prefetch > 0    ? cfg.l2_prefetch
+                           : cfg.l2_prefetch == 0 ? kAutoL2First
+                                                  : 0);
   const float scale = p.softmax_scale > 0.0f ? p.softmax_scale : 0.08838834764831845f;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.out = static_cast<uint16_t*>(p.out.data);

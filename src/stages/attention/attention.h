@@ -88,8 +88,10 @@ struct AttentionCudaConfig {
                         // prefill; kernel 4 runs instead where TMA cannot address the pool:
                         // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
                         // were removed in session 13, 11 in session 14 (unsupported)
-  int l2_prefetch = 0;  // no effect since session 13 (the L2 prefetch ahead of the ring was
-                        // never faster and was removed); still validated: -1 .. 8
+  int l2_prefetch = 0;  // -1 .. 8: decode / verify kernels, sparse: the first N blocks of each
+                        // CTA's walk prefetched into L2 as soon as their pages are known (session
+                        // 16); 0 automatic (off for now), -1 off. (Sessions 11-12 prefetched
+                        // ahead of the ring: slower, removed in session 13.)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (13), 8

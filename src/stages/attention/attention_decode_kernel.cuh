@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   if (a.sparse) {
     n_total = ak::sparse_union<1, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                             s_cand_page, s_warp, s_list_b, s_list_page, s_list_mask,
-                                            nullptr);
+                                            nullptr, g);
   } else {
     n_total = my_pos >= 0 ? min((my_pos >> 7) + 1, a.max_pages) : 0;
   }

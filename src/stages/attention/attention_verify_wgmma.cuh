@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (a.sparse) {
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim);
+                                              s_list_mask, s_list_vlim, g);
   } else {
     int maxpos = -1;
 #pragma unroll

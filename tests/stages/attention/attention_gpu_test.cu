@@ -74,7 +74,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async),
 // 13 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool) and 16
-// (13 with conflict-free f16 V stores and a later proxy fence).
+// (13 with conflict-free f16 V stores and a later proxy fence); the mma.sync and 13 also with
+// l2_prefetch 2 (the first blocks of each CTA prefetched into L2).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when
 // splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -90,11 +91,13 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kMma) {
     add({1, 1, 1, 1});              // v_convert 1 (the only V path)
     add({1, 1, 0, 1, 0, 0, 0, 2});  // decode_kernel 2 (the same kernel)
+    add({1, 1, 0, 1, 2});           // the first 2 blocks prefetched into L2 (a hint)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
     for (int variant : {8, 13, 16}) add({4, 1, 0, 5, 0, 0, variant});
+  add({4, 1, 0, 5, 2, 0, 13});  // the first 2 blocks prefetched into L2 (a hint)
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

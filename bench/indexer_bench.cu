@@ -42,7 +42,8 @@
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
 //   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --early
-//   (early_query_loads), --guess-all (guess_multi_token): every path and table,
+//   (early_query_loads), --guess-all (guess_multi_token), --cmerge (cluster_merge): every path
+//   and table,
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -53,7 +54,8 @@
 //   --case),
 //   --variants (only a table of the default options beside opt-in variants, each isolated and
 //   back to back in the same run: early = IndexerCudaOptions::early_query_loads, guess =
-//   guess_multi_token; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
+//   guess_multi_token, cmerge = cluster_merge (plan letter m); batch 64 / 256 x 8K / 32K / 128K at
+//   draft 3, or --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -410,7 +412,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
+  return std::string(pl.cluster_merge ? "m" : (pl.single ? "s" : (pl.fused ? "f" : "2"))) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
 }
@@ -447,7 +449,7 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       variants = false, early = false, guess_all = false;
+       variants = false, early = false, guess_all = false, cmerge = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -474,6 +476,8 @@ int main(int argc, char** argv) {
       early = true;
     else if (a == "--guess-all")
       guess_all = true;
+    else if (a == "--cmerge")
+      cmerge = true;
     else if (a == "--k" && i + 1 < argc) {
       sweep_k.clear();
       const char* q = argv[++i];
@@ -499,7 +503,8 @@ int main(int argc, char** argv) {
           stderr,
           "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
           "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-          "[--no-guess] [--early] [--guess-all] [--timeline BATCH,CONTEXT,DRAFT] [--ceiling] "
+          "[--no-guess] [--early] [--guess-all] [--cmerge] [--timeline BATCH,CONTEXT,DRAFT] "
+          "[--ceiling] "
           "[--variants] [--k K,K,...]\n",
           argv[0]);
       return 2;
@@ -510,6 +515,7 @@ int main(int argc, char** argv) {
     o->guess_request_bounds = !no_guess;
     o->early_query_loads = early;
     o->guess_multi_token = guess_all;
+    o->cluster_merge = cmerge;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -783,9 +789,16 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    std::vector<Variant> vs = {{"base", default_o}, {"early", default_o}, {"guess", default_o}};
+    std::vector<Variant> vs = {{"base", default_o},
+                               {"early", default_o},
+                               {"guess", default_o},
+                               {"cmerge", default_o},
+                               {"cm+guess", default_o}};
     vs[1].o.early_query_loads = true;
     vs[2].o.guess_multi_token = true;
+    vs[3].o.cluster_merge = true;
+    vs[4].o.cluster_merge = true;
+    vs[4].o.guess_multi_token = true;
     for (int ctx : contexts) {
       for (int batch : batches) {
         const int draft = only ? only_draft : 3;
@@ -803,6 +816,7 @@ int main(int argc, char** argv) {
         }
         all_pass = all_pass && pass;
         bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
+        row.add("cm_plan", plan_str(c, vs[3].o));
         for (size_t i = 0; i < vs.size(); ++i) {
           row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
           row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
@@ -813,7 +827,8 @@ int main(int argc, char** argv) {
     }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
-        "isolated and back to back, us; early = early_query_loads, guess = guess_multi_token)",
+        "isolated and back to back, us; early = early_query_loads, guess = guess_multi_token, "
+        "cmerge = cluster_merge)",
         rows, json);
     return finish();
   }

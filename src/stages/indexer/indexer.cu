@@ -109,6 +109,7 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
+  bool lists = false;  // single by the cluster merge (score_fused_cmerge_kernel)
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -225,6 +226,12 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
+  // Cluster merge (opt-in): the fused path's 2-8 splits of a unit as one cluster that finishes the
+  // rows (no merge kernel).
+  if (o.cluster_merge && pl.fused && !pl.single && k >= 2 && k <= kMaxClusterCtas) {
+    pl.single = true;
+    pl.lists = true;
+  }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -290,6 +297,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
   info.single = pl.single;
+  info.cluster_merge = pl.lists;
   return info;
 }
 
@@ -396,8 +404,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     };
     if (pl.single && pl.k_splits > 1) {
-      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = ik::score_fused_cluster_kernel;
+      // Clustered single pass or cluster merge: clusters of the k_splits (<= 8) CTAs of one
+      // grid.x index.
+      const auto ckernel =
+          pl.lists ? ik::score_fused_cmerge_kernel : ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};

@@ -152,6 +152,11 @@ struct IndexerCudaOptions {
   // soon as query_start arrives, before the warp's first index-K copies, instead of after them
   // (session 16 A/B switch; same ids either way).
   bool early_query_loads = false;
+  // Fused path with 2-8 splits per decode unit (contexts above 8K, opt-in, session 16): the
+  // unit's splits run as one thread-block cluster; each CTA keeps its split's candidate lists in
+  // its shared memory and the cluster's warps merge them into block_ids (distributed shared
+  // memory): no merge kernel, no candidate lists in the workspace. Same ids.
+  bool cluster_merge = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
@@ -180,6 +185,7 @@ struct IndexerCudaPlan {
   int merge_wpr = 0;    // warps per row of the fused path's final kernel
   bool single = false;  // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
+  bool cluster_merge = false;  // single, by the cluster merge (IndexerCudaOptions::cluster_merge)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

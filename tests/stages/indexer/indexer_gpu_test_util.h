@@ -393,6 +393,11 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;
     variants.push_back({"early loads, no guess", o});
     o = IndexerCudaOptions{};
+    o.cluster_merge = true;  // fused splits as a cluster that merges the lists itself
+    variants.push_back({"cluster merge", o});
+    o.k_splits = 3;
+    variants.push_back({"cluster merge, k_splits 3", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

@@ -211,6 +211,10 @@ std::vector<Variant> all_variants(bool short_context) {
   v.push_back({"early loads", o});
   o.guess_multi_token = true;
   v.push_back({"guess multi-token", o});
+  o = {};
+  o.fused_decode_always = true;
+  o.cluster_merge = true;
+  v.push_back({"cluster merge", o});
   if (short_context) {
     for (int ctas : {1, 2, 8}) {
       o = {};

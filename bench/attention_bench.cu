@@ -23,7 +23,8 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --pdl (programmatic
+//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N,
+//   --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
@@ -658,6 +659,8 @@ int main(int argc, char** argv) {
       cfg.v_convert = std::atoi(argv[i] + 12);
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
+    } else if (std::strncmp(argv[i], "--decode-kernel=", 16) == 0) {
+      cfg.decode_kernel = std::atoi(argv[i] + 16);
     } else if (std::strcmp(argv[i], "--pdl") == 0) {
       cfg.programmatic_launch = true;
     } else if (std::strcmp(argv[i], "--out-q") == 0) {
@@ -671,7 +674,8 @@ int main(int argc, char** argv) {
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
-                   "[--verify-variant=N] [--pdl] [--out-q] [--read-ceiling] [--timeline] "
+                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
+                   "[--timeline] "
                    "[--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "

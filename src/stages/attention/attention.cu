@@ -88,6 +88,7 @@ struct Plan {
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 13;  // variant of the verify kernel (AttentionCudaConfig)
+  int decode_kernel = 0;    // AttentionCudaConfig::decode_kernel (6: Q converted after the list)
   bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -152,10 +153,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      cfg.verify_variant != 16)
+      (cfg.verify_variant < 16 || cfg.verify_variant > 18))
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 13 or 16 (9, 11, 12, 14 and 15 were removed in session 15: "
-                       "13 is 9 with a lazy running max)");
+                       " is not 0, 8, 13, 16, 17 or 18 (9, 11, 12, 14 and 15 were removed in "
+                       "session 15: 13 is 9 with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -186,10 +187,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 6)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
-                       "were removed in session 14; 4, TMA loads, in session 15)");
+                       " is not 0, 2 or 6 (1, the 4-warp tile kernel, and 3, two barriers per "
+                       "block, were removed in session 14; 4, TMA loads, in session 15)");
+  pl.decode_kernel = cfg.decode_kernel;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -240,10 +242,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 }
 
 // Variants 13 / 16 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kNoConflict: 16) run as 8 (cp.async, the NaN test in every block) where the pool is not
-// 16-byte aligned or the driver refuses the tensor maps.
+// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18) run as 8 (cp.async, the NaN test in every block)
+// where the pool is not 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -253,7 +255,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict, kFastEpi, kSpec>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -262,9 +265,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16>
+template <bool kVec16, bool kQLate = false>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16>;
+  auto kernel = ad::attention_decode_kernel<kVec16, kQLate>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -281,6 +284,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
     if (pl.verify_variant == 16)
       return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
+    if (pl.verify_variant == 17)
+      return launch_verify<true, true, true, true, true, true>(args, pl, n_kv, stream);
+    if (pl.verify_variant == 18)
+      return launch_verify<true, true, true, true, true, true, true>(args, pl, n_kv, stream);
     return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
                                    : launch_verify<true, false>(args, pl, n_kv, stream);
   }
@@ -295,6 +302,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
+  if (pl.decode_kernel == 6)
+    return vec16 ? launch_decode<true, true>(args, pl, n_kv, stream)
+                 : launch_decode<false, true>(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

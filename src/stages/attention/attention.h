@@ -98,9 +98,13 @@ struct AttentionCudaConfig {
                             // cp.async loads of K and V, 13 TMA loads (where TMA can address the
                             // pool; else 8 runs), the V NaN test in a second pass that runs only
                             // when the first one's output holds a NaN, a lazy running max
-                            // (session 15; 9 = 13 without it, removed); 16 (opt-in, session 16):
-                            // 13 with conflict-free f16 V stores and a later proxy fence
-  int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
+                            // (session 15; 9 = 13 without it, removed); opt-in (session 16): 16
+                            // = 13 with conflict-free f16 V stores and a later proxy fence, 17 =
+                            // 16 with a shorter epilogue (same bytes), 18 = 17 with the row max
+                            // taken only when a block's sums outgrow the running one
+  int decode_kernel = 0;    // 6 (opt-in, session 16): the decode kernel with Q converted after
+                            // the block list (its load overlaps the union's page-table loads).
+                            // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15: slower); other
                             // plans ignore it

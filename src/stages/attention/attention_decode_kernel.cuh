@@ -63,10 +63,9 @@ static_assert(kWarps * 16 == ak::kBlockKeys && kWarps * 16 == ak::kDim, "16 keys
 
 // f16 A fragments of the token's 16 query heads of KV head g (zero for heads >= group and an absent
 // token): qh[c] is 16-dim chunk c with the k order of the K fragments (see the design comment).
-__device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool present,
-                                           uint32_t (&qh)[8][4]) {
-  uint32_t qa[4][4];
-  ak::load_q_fragments(a, g, t, present, qa);  // qa[kk][0 / 2]: row grp, chunk 2 kk / 2 kk + 1
+// (q_to_f16: the conversion of the raw fragments of ak::load_q_fragments alone.)
+__device__ __forceinline__ void q_to_f16(const uint32_t (&qa)[4][4], uint32_t (&qh)[8][4]) {
+  // qa[kk][0 / 2]: row grp, chunk 2 kk / 2 kk + 1
 #pragma unroll
   for (int c = 0; c < 8; ++c) {
     const uint32_t r0 = qa[c >> 1][2 * (c & 1)], r1 = qa[c >> 1][2 * (c & 1) + 1];
@@ -75,6 +74,12 @@ __device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool
     qh[c][2] = ak::e4m3x2_hi_to_f16x2(r0);  // row grp, dims 16 c + 4 tig + 2, + 3
     qh[c][3] = ak::e4m3x2_hi_to_f16x2(r1);
   }
+}
+__device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool present,
+                                           uint32_t (&qh)[8][4]) {
+  uint32_t qa[4][4];
+  ak::load_q_fragments(a, g, t, present, qa);
+  q_to_f16(qa, qh);
 }
 
 // Bytes of the raw V register (key k0: 2 dims, key k0 + 1: the same 2 dims) regrouped as
@@ -122,7 +127,11 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 
 // ---------------------------------------------------------------------------------------------
 // Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-template <bool kVec16>
+// kQLate (decode_kernel 6, session 16, opt-in): Q's f16 conversion after the block list instead of
+// before it, so that the load of Q and the page-table loads of the union overlap (round A timeline,
+// B64: the conversion waited for Q before the union issued its page-table loads: two dependent
+// global round trips; list built 3.7 us after entry).
+template <bool kVec16, bool kQLate = false>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -155,8 +164,11 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1];
   if (tid == 0) s_pos[0] = in.pos;
-  uint32_t qh[8][4];
-  load_q_f16(a, g, t0, true, qh);
+  uint32_t qh[8][4], qa[4][4];
+  if constexpr (kQLate)
+    ak::load_q_fragments(a, g, t0, true, qa);
+  else
+    load_q_f16(a, g, t0, true, qh);
   __syncthreads();  // s_pos
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
@@ -176,6 +188,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int lo = min(n_total, split * per);
   const int hi = min(n_total, lo + per);
   ak::timeline_mark(a, 2, hi - lo);
+  if constexpr (kQLate) q_to_f16(qa, qh);
 
   float o[2][2][4];
 #pragma unroll

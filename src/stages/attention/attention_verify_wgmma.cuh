@@ -226,6 +226,50 @@ struct Rows {
   }
 };
 
+// kSpec (variant 18): the online softmax of one block without its row maxima in the common case.
+// Once every row of the warp has a running max m (> -inf; the first block of a row takes the full
+// path), p = 2^(s * scale_log2 - m) is taken with the stale m and packed straight away; the block
+// is accepted when every lane's partial row sums (its 32 keys of rows grp, grp + 8) are <=
+// kSpecSum, so that every p <= 2^15 fits f16 (and fp32 O / l have room), with alpha = 1 (no
+// rescale: the result does not depend on m). Otherwise (a score more than ~10 above m, or a NaN)
+// the warp redoes the block from s with ap::softmax_block<true> (the lazy max, which then moves m)
+// and rescale_and_pack, as variant 13 does for every block. This takes the max reduction (FMNMX
+// chains, 2 dependent shuffles, 2 EX2 of alpha) off the chain S -> P of nearly every block.
+constexpr float kSpecSum = 32768.0f;
+__device__ __forceinline__ void softmax_spec(Rows& st, float (&s)[64], uint32_t (&p)[8][4], int lim,
+                                             float scale_log2) {
+  const int tig = threadIdx.x & 3;
+  if (lim < ak::kBlockKeys - 1) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
+  }
+  if (!__any_sync(0xffffffffu, st.m[0] == -INFINITY || st.m[1] == -INFINITY)) {
+    const float mu0 = st.m[0], mu1 = st.m[1];
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      float e[8];
+#pragma unroll
+      for (int x = 0; x < 8; ++x)
+        e[x] = ak::fast_exp2(fmaf(s[8 * kk + x], scale_log2, (x & 2) ? -mu1 : -mu0));
+      sum0 += (e[0] + e[1]) + (e[4] + e[5]);
+      sum1 += (e[2] + e[3]) + (e[6] + e[7]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) p[kk][r] = ak::pack_f16x2(e[2 * r], e[2 * r + 1]);
+    }
+    if (__all_sync(0xffffffffu, sum0 <= kSpecSum && sum1 <= kSpecSum)) {
+      st.l[0] += sum0;
+      st.l[1] += sum1;
+      return;
+    }
+  }
+  ap::softmax_block<true>(s, st.m, st.l, st.alpha, ak::kBlockKeys - 1, scale_log2);
+  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+}
+
 // One block in the stage at sbuf (shared address saddr), by the whole warpgroup: S = Q K^T, V ->
 // f16 in place (dims 64-127 under the S wgmma), online softmax, O += P V (left in flight: the
 // caller's next block or wgmma_wait<0> waits for it). after_s() runs once every warp's S and the
@@ -235,7 +279,7 @@ struct Rows {
 // kNoConflict (variant 16): conflict-free f16 stores (early_key) and the proxy fence of the f16
 // stores after the softmax instead of right after them (session 15 ncu: the warps waited there,
 // MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples, for stores just issued).
-template <bool kLazy, bool kNoConflict, typename AfterS>
+template <bool kLazy, bool kNoConflict, bool kSpec, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -259,8 +303,12 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   convert_v_low<kNoConflict>(sbuf, vlo);
   // f16 stores -> wgmma reads (after the barrier below).
   if constexpr (!kNoConflict) ap::fence_proxy_async();
-  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
-  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  if constexpr (kSpec) {
+    softmax_spec(st, s, p, lim, scale_log2);
+  } else {
+    ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
+    ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  }
   if constexpr (kNoConflict) ap::fence_proxy_async();
   if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
     scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
@@ -280,6 +328,12 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
+// kFast (variants 17, 18): the same bytes with fewer instructions (round A of session 16: the
+// epilogue took 1.9 us per CTA, ~1100 instructions per warp, vs 0.8 us in the decode kernel): the
+// NaN-dim selects only in a warp that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to
+// nearest even like float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic,
+// which both turn into 0x7fff), the row amax only with out_q.
+template <bool kFast = false>
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -288,6 +342,8 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   uint32_t nd[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
+  const bool any_nan =
+      !kFast || __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);  // warp-uniform
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -296,26 +352,44 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = a.splits == 1 && lsum > 0.0f ? 1.0f / lsum : 1.0f;
     float v[32];
+    if (any_nan) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+      for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int dim = 8 * j + 2 * tig + x;
-        const bool is_nan = (nd[dim >> 5] >> (dim & 31)) & 1u;
-        v[2 * j + x] = is_nan ? __int_as_float(0x7fffffff) : st.o[4 * j + 2 * e + x] * inv;
-      }
+        for (int x = 0; x < 2; ++x) {
+          const int dim = 8 * j + 2 * tig + x;
+          const bool is_nan = (nd[dim >> 5] >> (dim & 31)) & 1u;
+          v[2 * j + x] = is_nan ? __int_as_float(0x7fffffff) : st.o[4 * j + 2 * e + x] * inv;
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+#pragma unroll
+        for (int x = 0; x < 2; ++x) v[2 * j + x] = st.o[4 * j + 2 * e + x] * inv;
+    }
     const int h = grp + 8 * e;
     if (a.splits == 1) {
       uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        wv[j] = ak::pack_bf16x2(v[2 * j], v[2 * j + 1]);
-        amax = fmaxf(amax, ak::amax_pair(wv[j]));
+        if constexpr (kFast) {
+          const __nv_bfloat162 b2 = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+          wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+        } else {
+          wv[j] = ak::pack_bf16x2(v[2 * j], v[2 * j + 1]);
+          amax = fmaxf(amax, ak::amax_pair(wv[j]));
+        }
       }
       // o_proj's E4M3 input (CTA-uniform branch): the row's 128 dims are this lane quad's.
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      if (!kFast || a.out_q != nullptr) {
+        if constexpr (kFast) {
+#pragma unroll
+          for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
+        }
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      }
       if (tok >= nt || h >= a.group) continue;
       const int64_t col = static_cast<int64_t>(g * a.group + h) * ak::kDim;
       uint16_t* orow = a.out + t * a.out_stride + col;
@@ -366,9 +440,10 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
 // kNoConflict (variant 16, session 16, opt-in): 13 with conflict-free f16 V stores and the proxy
-// fence after the softmax (see attend_block).
+// fence after the softmax (see attend_block). kFastEpi (variant 17 = 16 + it, opt-in): the shorter
+// epilogue of write_rows<true>. kSpec (variant 18 = 17 + it, opt-in): softmax_spec.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -502,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy, kNoConflict>(
+        attend_block<kLazy, kNoConflict, kSpec>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
             s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
@@ -521,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows<kFastEpi>(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

@@ -505,6 +505,37 @@ void print_timeline(Case& c, cudaStream_t stream) {
   for (const auto& [n, k] : ctas_hist) std::printf(" %d x %d", k, n);
   std::printf("; last exit per SM us: min %.2f p10 %.2f p50 %.2f p90 %.2f max %.2f\n",
               pct(e_only, 0), pct(e_only, 0.1), pct(e_only, 0.5), pct(e_only, 0.9), pct(e_only, 1));
+  // Do the late CTAs start late? Correlation of "first block landed" with "exit", and the last 8.
+  {
+    std::vector<std::array<double, 4>> cta;  // first, attended, exit, SM
+    for (int64_t x = 0; x < max_ctas; ++x) {
+      const uint64_t* w = tl.data() + x * kWords;
+      if (w[0] && w[1] && w[3] && w[4] && w[5])
+        cta.push_back({us(w[3]), us(w[4]), us(w[5]), static_cast<double>(w[7]) - 1});
+    }
+    double mf = 0, me = 0, sff = 0, see = 0, sfe = 0;
+    for (const auto& c : cta) {
+      mf += c[0];
+      me += c[2];
+    }
+    const double n = static_cast<double>(std::max<size_t>(cta.size(), 1));
+    mf /= n;
+    me /= n;
+    for (const auto& c : cta) {
+      sff += (c[0] - mf) * (c[0] - mf);
+      see += (c[2] - me) * (c[2] - me);
+      sfe += (c[0] - mf) * (c[2] - me);
+    }
+    std::sort(
+        cta.begin(), cta.end(),
+        [](const std::array<double, 4>& x, const std::array<double, 4>& y) { return x[2] < y[2]; });
+    std::printf("  corr(first landed, exit) %.2f; the last 8 CTAs (SM first attended exit):",
+                sff > 0 && see > 0 ? sfe / std::sqrt(sff * see) : 0.0);
+    for (size_t i = cta.size() >= 8 ? cta.size() - 8 : 0; i < cta.size(); ++i)
+      std::printf("%s%.0f %.1f %.1f %.1f", i % 4 == 0 ? "\n    " : " | ", cta[i][3], cta[i][0],
+                  cta[i][1], cta[i][2]);
+    std::printf("\n");
+  }
   std::printf("  SMs by last exit (smid:us), first 12 and last 12:");
   for (size_t i = 0; i < ends.size(); ++i)
     if (i < 12 || i + 12 >= ends.size())

@@ -42,8 +42,8 @@
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
 //   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --early
-//   (early_query_loads), --guess-all (guess_multi_token), --cmerge (cluster_merge): every path
-//   and table,
+//   (early_query_loads), --guess-all (guess_multi_token), --cmerge (cluster_merge), --table-out
+//   (fused_table_out), --fast-select (fast_select): every path and table,
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -53,9 +53,10 @@
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case),
 //   --variants (only a table of the default options beside opt-in variants, each isolated and
-//   back to back in the same run: early = IndexerCudaOptions::early_query_loads, guess =
-//   guess_multi_token, cmerge = cluster_merge (plan letter m); batch 64 / 256 x 8K / 32K / 128K at
-//   draft 3, or --case).
+//   back to back in the same run: early = IndexerCudaOptions::early_query_loads, and with it:
+//   cmerge = cluster_merge (plan letter m), tab+fs = fused_table_out + fast_select (plan letter t),
+//   2k+fs = the two-kernel path at the default plan's k_splits + fast_select, f+fs = the default
+//   plan + fast_select; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -412,8 +413,10 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.cluster_merge ? "m" : (pl.single ? "s" : (pl.fused ? "f" : "2"))) + " k" +
-         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+  return std::string(pl.cluster_merge
+                         ? "m"
+                         : (pl.single ? "s" : (pl.table_out ? "t" : (pl.fused ? "f" : "2")))) +
+         " k" + std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
 }
 
@@ -449,7 +452,8 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       variants = false, early = false, guess_all = false, cmerge = false;
+       variants = false, early = false, guess_all = false, cmerge = false, table_out = false,
+       fast_select = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -478,6 +482,10 @@ int main(int argc, char** argv) {
       guess_all = true;
     else if (a == "--cmerge")
       cmerge = true;
+    else if (a == "--table-out")
+      table_out = true;
+    else if (a == "--fast-select")
+      fast_select = true;
     else if (a == "--k" && i + 1 < argc) {
       sweep_k.clear();
       const char* q = argv[++i];
@@ -499,14 +507,14 @@ int main(int argc, char** argv) {
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       only = true;
     else {
-      std::fprintf(
-          stderr,
-          "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
-          "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-          "[--no-guess] [--early] [--guess-all] [--cmerge] [--timeline BATCH,CONTEXT,DRAFT] "
-          "[--ceiling] "
-          "[--variants] [--k K,K,...]\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
+                   "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
+                   "[--no-guess] [--early] [--guess-all] [--cmerge] [--table-out] [--fast-select] "
+                   "[--timeline BATCH,CONTEXT,DRAFT] "
+                   "[--ceiling] "
+                   "[--variants] [--k K,K,...]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -516,6 +524,8 @@ int main(int argc, char** argv) {
     o->early_query_loads = early;
     o->guess_multi_token = guess_all;
     o->cluster_merge = cmerge;
+    o->fused_table_out = table_out;
+    o->fast_select = fast_select;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -789,16 +799,16 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    std::vector<Variant> vs = {{"base", default_o},
-                               {"early", default_o},
-                               {"guess", default_o},
-                               {"cmerge", default_o},
-                               {"cm+guess", default_o}};
+    std::vector<Variant> vs = {{"base", default_o},   {"early", default_o}, {"cmerge", default_o},
+                               {"tab+fs", default_o}, {"2k+fs", default_o}, {"f+fs", default_o}};
     vs[1].o.early_query_loads = true;
-    vs[2].o.guess_multi_token = true;
-    vs[3].o.cluster_merge = true;
-    vs[4].o.cluster_merge = true;
-    vs[4].o.guess_multi_token = true;
+    for (size_t v = 2; v < vs.size(); ++v) vs[v].o.early_query_loads = true;
+    vs[2].o.cluster_merge = true;
+    vs[3].o.fused_table_out = true;
+    vs[3].o.fast_select = true;
+    vs[4].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
+    vs[4].o.fast_select = true;
+    vs[5].o.fast_select = true;  // the default plan's final kernel only (overflow rows)
     for (int ctx : contexts) {
       for (int batch : batches) {
         const int draft = only ? only_draft : 3;
@@ -808,6 +818,7 @@ int main(int argc, char** argv) {
         const std::vector<Slice> slices = decode_slices(batch, draft);
         bool pass = true;
         std::vector<Times> tms;
+        vs[4].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
                                    " ctx " + std::to_string(ctx) + " draft " +
@@ -816,8 +827,8 @@ int main(int argc, char** argv) {
         }
         all_pass = all_pass && pass;
         bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
-        row.add("cm_plan", plan_str(c, vs[3].o));
         for (size_t i = 0; i < vs.size(); ++i) {
+          if (i > 0) row.add(std::string(vs[i].name) + "_plan", plan_str(c, vs[i].o));
           row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
           row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
         }
@@ -827,8 +838,9 @@ int main(int argc, char** argv) {
     }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
-        "isolated and back to back, us; early = early_query_loads, guess = guess_multi_token, "
-        "cmerge = cluster_merge)",
+        "isolated and back to back, us; early = early_query_loads; with early: cmerge = "
+        "cluster_merge, tab+fs = fused_table_out + fast_select, 2k+fs = two-kernel + fast_select, "
+        "f+fs = fast_select)",
         rows, json);
     return finish();
   }

@@ -109,7 +109,8 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
-  bool lists = false;  // single by the cluster merge (score_fused_cmerge_kernel)
+  bool lists = false;      // single by the cluster merge (score_fused_cmerge_kernel)
+  bool table_out = false;  // fused scorer writing its tables, select_kernel finishing
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -232,6 +233,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     pl.single = true;
     pl.lists = true;
   }
+  pl.table_out = o.fused_table_out && pl.fused && !pl.single;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -298,6 +300,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.merge_wpr = pl.merge_wpr;
   info.single = pl.single;
   info.cluster_merge = pl.lists;
+  info.table_out = pl.table_out;
   return info;
 }
 
@@ -377,11 +380,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && (T <= R || options.guess_multi_token) ? 1 : 0;
   a.early = options.early_query_loads ? 1 : 0;
+  a.fast_select = options.fast_select ? 1 : 0;
+  a.table_out = pl.table_out ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
+  const bool merge = pl.fused && !pl.table_out;  // final kernel: merge_kernel, else select_kernel
   const int64_t select_blocks =
-      pl.fused ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
+      merge ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
   M3_CHECK_ARG(select_blocks <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", rows,
                " selection rows exceed the grid limit");
 
@@ -457,7 +463,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
   const dim3 select_grid(static_cast<unsigned>(select_blocks));
-  if (pl.fused)
+  if (merge)
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::merge_kernel, select_grid, dim3(ik::kMergeThreads), 0,
                                        stream, select_pdl, a));
   else

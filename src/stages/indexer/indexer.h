@@ -157,6 +157,14 @@ struct IndexerCudaOptions {
   // its shared memory and the cluster's warps merge them into block_ids (distributed shared
   // memory): no merge kernel, no candidate lists in the workspace. Same ids.
   bool cluster_merge = false;
+  // The selection kernel ranks rows of more than 64 candidates by a threshold (the survivors of
+  // the 15th largest of the lanes' largest keys, ranked by counting; the per-lane sorted lists
+  // where more than 64 survive) instead of per-lane sorted lists (opt-in, session 16). Same ids.
+  bool fast_select = false;
+  // Fused path (not the single pass / cluster merge): the scorer's CTAs write their block-max
+  // tables to the workspace scores at their end (one coalesced burst) instead of selecting
+  // candidate lists, and the selection kernel finishes every row (opt-in, session 16). Same ids.
+  bool fused_table_out = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
@@ -186,6 +194,7 @@ struct IndexerCudaPlan {
   bool single = false;  // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
   bool cluster_merge = false;  // single, by the cluster merge (IndexerCudaOptions::cluster_merge)
+  bool table_out = false;  // fused, tables to the workspace (IndexerCudaOptions::fused_table_out)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -628,7 +628,17 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
-    fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
+    if (!kSingle && a.table_out) {
+      // IndexerCudaOptions::fused_table_out: the table's rows go to the workspace scores in one
+      // coalesced burst (row j: blocks [b0, b1) contiguous); select_kernel finishes the rows.
+      const int ncol = b1 - b0;
+      for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kMmaThreads) {
+        const int j = i / ncol, c = i - j * ncol;
+        a.scores[(int64_t{qa} * a.n_kv + j) * a.max_pages + b0 + c] = sblk[j * kFusedMaxChunk + c];
+      }
+    } else {
+      fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
+    }
   }
   timeline_mark(a, 4);
 }

@@ -398,6 +398,11 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.k_splits = 3;
     variants.push_back({"cluster merge, k_splits 3", o});
     o = IndexerCudaOptions{};
+    o.fast_select = true;  // long rows of the selection kernel by a threshold
+    variants.push_back({"fast select", o});
+    o.fused_table_out = true;  // fused tables to the workspace, the selection kernel finishes
+    variants.push_back({"table out, fast select", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

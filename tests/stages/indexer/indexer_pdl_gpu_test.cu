@@ -215,6 +215,10 @@ std::vector<Variant> all_variants(bool short_context) {
   o.fused_decode_always = true;
   o.cluster_merge = true;
   v.push_back({"cluster merge", o});
+  o.cluster_merge = false;
+  o.fused_table_out = true;
+  o.fast_select = true;
+  v.push_back({"table out, fast select", o});
   if (short_context) {
     for (int ctas : {1, 2, 8}) {
       o = {};

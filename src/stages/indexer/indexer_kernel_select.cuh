@@ -191,7 +191,7 @@ __device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best)
 // Rows of more than kCountRow candidates by a threshold (IndexerCudaOptions::fast_select): the
 // row's 15 best keys are among the keys >= L, L = the 15th largest of the 32 lanes' largest keys
 // (15 distinct lanes each hold a key >= L, so the row's 15th best is >= L). Pass 1 finds the
-// lanes' largest keys (loads 4 per lane in flight), L comes from counting the lanes that beat each
+// lanes' largest keys (loads 8 per lane in flight), L comes from counting the lanes that beat each
 // lane's (32 shuffles) and two redux; pass 2 (the row again, now in L1) compacts the survivors into
 // `buf` in id order (ballot prefix per slot), which are ranked by counting (no ties: keys are
 // distinct) and the 15 best written in id order, then the local block, then -1. ~300-500
@@ -201,12 +201,12 @@ __device__ __forceinline__ bool select_by_threshold(const float* scores, int loc
                                                     uint64_t* buf) {
   const int lane = threadIdx.x & 31;
   uint64_t m = 0;
-  for (int b = lane; b < local; b += 4 * 32) {
-    float v[4];
+  for (int b = lane; b < local; b += 8 * 32) {
+    float v[8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) v[i] = b + 32 * i < local ? scores[b + 32 * i] : 0.0f;
+    for (int i = 0; i < 8; ++i) v[i] = b + 32 * i < local ? scores[b + 32 * i] : 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < 8; ++i) {
       const uint64_t k = b + 32 * i < local ? candidate_key(v[i], b + 32 * i) : 0;
       m = k > m ? k : m;
     }

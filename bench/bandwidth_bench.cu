@@ -68,7 +68,29 @@ struct TileArgs {
   // (zero before and after every launch) as GemmWgmmaOptions::dynamic_chunk does.
   int chunk;
   unsigned* next;
+  int round_robin;  // static units cta, cta + grid, ... instead of one contiguous range
 };
+
+// The plain read with one contiguous range per CTA (its threads stride inside it) instead of the
+// grid-stride loop: every CTA streams its own part, as a decode GEMM's CTAs do.
+__global__ void blocked_read_kernel(const int4* __restrict__ p, size_t n, int* sink) {
+  const size_t begin = n * blockIdx.x / gridDim.x, end = n * (blockIdx.x + 1) / gridDim.x;
+  int acc = 0;
+  size_t i = begin + threadIdx.x;
+  for (; i + 3 * blockDim.x < end; i += 4 * blockDim.x) {
+    int4 v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                   : "l"(p + i + u * blockDim.x));
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  }
+  for (; i < end; i += blockDim.x) acc ^= p[i].x ^ p[i].w;
+  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -164,19 +186,24 @@ __global__ void __launch_bounds__(64)
     }
     return;
   }
+  // Static: the CTA's v-th unit is u_begin + v (a contiguous range), or, round-robin,
+  // cta + v grid (the grid's CTAs read neighbouring units at the same time: a front moving through
+  // memory, as the plain read's grid-stride loop).
+  const int count = a.round_robin ? (a.units - cta + grid - 1) / grid : u_end - u_begin;
+  auto unit_at = [&](int v) { return a.round_robin ? cta + v * grid : u_begin + v; };
   if (threadIdx.x == 0) {
     int i = 0;
-    for (int u = u_begin; u < u_end;) {
-      const int nb = u_end - u < a.burst ? u_end - u : a.burst;
+    for (int v = 0; v < count;) {
+      const int nb = count - v < a.burst ? count - v : a.burst;
       for (int j = 0; j < nb; ++j) {
         const int ij = i + j;
         if (ij >= a.stages)
           sm90::mbar_wait(smem_u32(&empty_bar[ij % a.stages]), ((ij / a.stages) - 1) & 1);
       }
-      for (int j = 0; j < nb; ++j, ++u, ++i) issue(i % a.stages, u);
+      for (int j = 0; j < nb; ++j, ++v, ++i) issue(i % a.stages, unit_at(v));
     }
   } else if (threadIdx.x == 32) {
-    for (int u = u_begin, i = 0; u < u_end; ++u, ++i) {
+    for (int i = 0; i < count; ++i) {
       const int s = i % a.stages;
       sm90::mbar_wait(smem_u32(&full_bar[s]), (i / a.stages) & 1);
       sm90::mbar_arrive(smem_u32(&empty_bar[s]));
@@ -219,6 +246,7 @@ struct TileCase {
   const char* mode;                  // "tma2d" or "bulk1d"
   int ctas_per_sm, act_rows, burst;  // burst 0: the kernel's automatic (2, or half the ring)
   int chunk;                         // > 0: dynamic chunks of this many K blocks
+  bool round_robin = false;          // static: CTA c takes units c, c + grid, ...
 };
 
 // The --tiles table: every case over both weight shapes, isolated and back to back.
@@ -234,12 +262,12 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
                           {"o_proj 6144x8192", 6144, 8192, true},
                           {"pair N 9216x6144", 9216, 6144, false},
                           {"pair N 640x6144", 640, 6144, false}};
-  // (Session 16: the first two rows are the wgmma kernel's stream at M <= 8, static and with
-  // dynamic chunks of 2, 4, 8 K blocks.)
-  const TileCase cases[] = {{"tma2d", 2, 8, 0, 0},  {"tma2d", 2, 8, 0, 2},  {"tma2d", 2, 8, 0, 4},
-                            {"tma2d", 2, 8, 0, 8},  {"tma2d", 2, 0, 0, 0},  {"tma2d", 2, 0, 0, 4},
-                            {"tma2d", 1, 0, 0, 0},  {"tma2d", 1, 64, 0, 0}, {"tma2d", 2, 64, 0, 0},
-                            {"bulk1d", 2, 0, 0, 0}, {"bulk1d", 2, 0, 0, 4}, {"bulk1d", 1, 0, 0, 0}};
+  // (Session 16: static ranges, dynamic chunks of 2 K blocks, and round-robin units.)
+  const TileCase cases[] = {
+      {"tma2d", 2, 8, 0, 0},        {"tma2d", 2, 8, 0, 2},       {"tma2d", 2, 0, 0, 0},
+      {"tma2d", 1, 0, 0, 0},        {"bulk1d", 2, 0, 0, 0},      {"bulk1d", 1, 0, 0, 0},
+      {"tma2d", 2, 8, 0, 0, true},  {"tma2d", 2, 0, 0, 0, true}, {"bulk1d", 2, 0, 0, 0, true},
+      {"bulk1d", 1, 0, 0, 0, true}, {"bulk1d", 2, 0, 4, 0, true}};
   std::vector<bench::Row> rows;
   unsigned* next = nullptr;  // the dynamic rows' ticket counter (each launch leaves it zero)
   bench::check_cuda(cudaMalloc(&next, sizeof(unsigned)), "cudaMalloc(next)");
@@ -264,6 +292,7 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
       a.min_units = 16;
       a.chunk = tc.chunk;
       a.next = next;
+      a.round_robin = tc.round_robin ? 1 : 0;
       const int stage_bytes = kUnitBytes + tc.act_rows * 128;
       const int budget = tc.ctas_per_sm == 1 ? 220 * 1024 : 110 * 1024;
       a.stages = std::min(12, budget / stage_bytes);
@@ -296,7 +325,9 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
       r.add("act_rows", std::to_string(tc.act_rows));
       r.add("stages", std::to_string(a.stages));
       r.add("burst", std::to_string(a.burst));
-      r.add("chunk", tc.chunk > 0 ? std::to_string(tc.chunk) : "static");
+      r.add("chunk", tc.chunk > 0     ? std::to_string(tc.chunk)
+                     : tc.round_robin ? "round-robin"
+                                      : "static");
       r.add("grid", std::to_string(grid));
       r.add("us", ti.median_us, 2);
       r.add("GB/s", bytes / ti.median_us / 1e3, 0);
@@ -304,37 +335,45 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
       r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
       rows.push_back(r);
     }
-    // The plain vector-load read of the same bytes, best of the first table's shapes.
-    double best = 1e30;
-    int best_grid = 0;
+    // The plain vector-load read of the same bytes, best of the first table's shapes; and the
+    // same read with one contiguous range per CTA ("read-blocked", the decode GEMM's pattern).
     const size_t n16 = bytes / sizeof(int4);
-    for (int k : {2, 4, 8, 16}) {
-      const bench::Timing t = bench::time_graph_cold(
-          [&](cudaStream_t st) {
-            bench::launch_plain_read(w_copy(0), n16, k * sms, 512, sink, st);
-          },
-          stream);
-      if (t.median_us < best) best = t.median_us, best_grid = k * sms;
+    for (int blocked = 0; blocked < 2; ++blocked) {
+      if (blocked && !sh.streams) break;
+      const auto read = [&](cudaStream_t st, int c, int g) {
+        if (blocked) {
+          blocked_read_kernel<<<g, 512, 0, st>>>(reinterpret_cast<const int4*>(w_copy(c)), n16,
+                                                 sink);
+        } else {
+          bench::launch_plain_read(w_copy(c), n16, g, 512, sink, st);
+        }
+      };
+      double best = 1e30;
+      int best_grid = 0;
+      // (Blocked: one wave of resident CTAs, one or two per SM, so each CTA is one stream.)
+      for (int k : {1, 2, 4, 8, 16}) {
+        if (blocked ? k > 2 : k < 2) continue;
+        const bench::Timing t =
+            bench::time_graph_cold([&](cudaStream_t st) { read(st, 0, k * sms); }, stream);
+        if (t.median_us < best) best = t.median_us, best_grid = k * sms;
+      }
+      const bench::Timing tb = bench::time_graph_back_to_back(
+          [&](cudaStream_t st, int c) { read(st, c, best_grid); }, copies, stream);
+      bench::Row r;
+      r.add("weights", sh.name);
+      r.add("mode", blocked ? "read-blocked" : "read");
+      r.add("ctas/SM", "n/a");
+      r.add("act_rows", "0");
+      r.add("stages", "n/a");
+      r.add("burst", "n/a");
+      r.add("chunk", "n/a");
+      r.add("grid", std::to_string(best_grid));
+      r.add("us", best, 2);
+      r.add("GB/s", bytes / best / 1e3, 0);
+      r.add("b2b_us", tb.median_us, 2);
+      r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
+      rows.push_back(r);
     }
-    const bench::Timing tb = bench::time_graph_back_to_back(
-        [&](cudaStream_t st, int c) {
-          bench::launch_plain_read(w_copy(c), n16, best_grid, 512, sink, st);
-        },
-        copies, stream);
-    bench::Row r;
-    r.add("weights", sh.name);
-    r.add("mode", "read");
-    r.add("ctas/SM", "n/a");
-    r.add("act_rows", "0");
-    r.add("stages", "n/a");
-    r.add("burst", "n/a");
-    r.add("chunk", "n/a");
-    r.add("grid", std::to_string(best_grid));
-    r.add("us", best, 2);
-    r.add("GB/s", bytes / best / 1e3, 0);
-    r.add("b2b_us", tb.median_us, 2);
-    r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
-    rows.push_back(r);
   }
   bench::check_cuda(cudaGetLastError(), "tiles launches");
   unsigned left = 1;

@@ -363,6 +363,7 @@ struct ShapeVariant {
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   int cluster;    // GemmWgmmaOptions::cluster_split
   int dyn;        // GemmWgmmaOptions::dynamic_chunk
+  bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -419,11 +420,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  // 5-9: dynamic chunks of 2, 3, 4, 6 and 8 K blocks (session 16).
-  const ShapeVariant variants[] = {{0, false, 16, 0, 0}, {1, false, 16, 0, 0}, {0, true, 16, 0, 0},
-                                   {1, true, 16, 0, 0},  {0, false, 16, 3, 0}, {0, false, 16, 0, 2},
-                                   {0, false, 16, 0, 3}, {0, false, 16, 0, 4}, {0, false, 16, 0, 6},
-                                   {0, false, 16, 0, 8}};
+  // 5: dynamic chunks of 8 K blocks; 6 / 7: packed weights, two / one CTAs per SM (session 16;
+  // round A also timed dynamic chunks of 2, 3, 4 and 6 blocks: 33-54 us at M 1-16, removed).
+  const ShapeVariant variants[] = {{0, false, 16, 0, 0, false}, {1, false, 16, 0, 0, false},
+                                   {0, true, 16, 0, 0, false},  {1, true, 16, 0, 0, false},
+                                   {0, false, 16, 3, 0, false}, {0, false, 16, 0, 8, false},
+                                   {0, false, 16, 0, 0, true},  {1, false, 16, 0, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -443,6 +445,21 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       fill_e4m3_int<<<1024, 256, 0, stream>>>(w[c], n * k, 2);
     }
     fill_pow2<<<64, 256, 0, stream>>>(sw[c], static_cast<int64_t>(sw_count), 3, 0.5f);
+  }
+  // Packed images of every weight copy for the packed variants' grid options (two and one CTA
+  // per SM): packed[ctas - 1][copy].
+  std::vector<void*> packed[2];
+  for (int ctas = 1; ctas <= 2; ++ctas) {
+    GemmWgmmaOptions po;
+    po.ctas_per_sm = ctas;
+    Result<size_t> pb = gemm_wgmma_packed_bytes(n, k, po);
+    must(pb.status(), "gemm_wgmma_packed_bytes");
+    for (int c = 0; c < copies; ++c) {
+      void* buf = device_alloc<uint8_t>(pb.value());
+      const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+      must(gemm_wgmma_pack_weights(wv, buf, pb.value(), po, stream), "gemm_wgmma_pack_weights");
+      packed[ctas - 1].push_back(buf);
+    }
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
@@ -557,15 +574,24 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
       o.dynamic_chunk = variants[v].dyn;
+      // (Per weight copy c: the packed variants read the copy's packed image.)
+      const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
+      auto with_copy = [&](int c) {
+        GemmWgmmaOptions oc = o;
+        if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
+        return oc;
+      };
       const std::string name =
           std::string("wgmma ctas ") +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (o.dynamic_chunk > 0 ? " dynamic " + std::to_string(o.dynamic_chunk) : std::string());
+          (o.dynamic_chunk > 0 ? " dynamic " + std::to_string(o.dynamic_chunk) : std::string()) +
+          (variants[v].packed ? " packed" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
-      const Status st = run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, o);
+      const Status st =
+          run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));
       if (!st.ok()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     st.to_string().c_str());
@@ -578,13 +604,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       add(
           name,
           [&](cudaStream_t stc, int c) {
-            must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, o), "wgmma");
+            must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, with_copy(c)),
+                 "wgmma");
           },
           random ? "n/a"
           : same ? "identical"
                  : "DIFFERENT");
       if (trace) {
-        GemmWgmmaOptions ot = o;
+        GemmWgmmaOptions ot = with_copy(0);
         ot.debug_trace = tbuf.dev;
         check_cuda(
             cudaMemsetAsync(tbuf.dev, 0,
@@ -611,6 +638,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
     cudaFree(w[c]);
     cudaFree(sw[c]);
   }
+  for (const auto& bufs : packed)
+    for (void* buf : bufs) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);

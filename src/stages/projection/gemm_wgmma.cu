@@ -106,7 +106,11 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
     if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
   }
   // (The cluster split's grid is one CTA per tile and rank: its CTAs never wait across clusters.)
+  const int planned = grid;
   if (args.cluster == 0) grid = std::min(grid, waves * std::min(resident, kCtasPerSm) * info.sms);
+  if (args.packed != nullptr && grid != planned)
+    return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda: packed weights for ", planned,
+                       " CTAs, but only ", grid, " fit the device");
   WgmmaArgs a = args;
   // Automatic burst: 2 units with two CTAs per SM (6-stage rings), half the ring with one.
   a.burst = a.burst > 0       ? std::min(a.burst, kStages)
@@ -161,6 +165,14 @@ int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 
 // The kernel's n (rows of a partial slot) for M rows; 0 for none.
 int64_t padded_rows(int64_t m) { return m <= 0 ? 0 : box_rows_for(m); }
 
+// The stream-K grid: at most max_waves x CTAs per SM x SMs, at least min_units_per_cta units each.
+int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
+  const int64_t ctas = o.ctas_per_sm != 0 ? o.ctas_per_sm : kMaxCtasPerSm;
+  const int64_t by_units = (units + o.min_units_per_cta - 1) / o.min_units_per_cta;
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(int64_t{o.max_waves} * ctas * sms, by_units)));
+}
+
 // Chunks of `chunk` K blocks over the whole weight (GemmWgmmaOptions::dynamic_chunk).
 int64_t dynamic_items(int64_t n, int64_t kblocks, int64_t chunk) {
   return tiles_of(n) * ((kblocks + chunk - 1) / chunk);
@@ -208,6 +220,48 @@ Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t 
   return gemm_wgmma_counter_bytes(n) + static_cast<size_t>(items) *
                                            static_cast<size_t>(padded_rows(max_m)) * kTileN *
                                            sizeof(float);
+}
+
+Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOptions& options) {
+  M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
+               "gemm_wgmma_packed_bytes: N = ", n, " and K = ", k,
+               " must be positive multiples of ", kTileN);
+  M3_CHECK_ARG(options.min_units_per_cta >= 1 && options.max_waves >= 1 &&
+                   options.ctas_per_sm >= 0 && options.ctas_per_sm <= kMaxCtasPerSm,
+               "gemm_wgmma_packed_bytes: bad grid options");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  const int64_t units = tiles_of(n) * (k / kBlockK);
+  const int64_t grid = stream_k_grid(units, options, info.sms);
+  // Positions v grid + c for v below the largest per-CTA count (CTAs with fewer units leave holes).
+  return static_cast<size_t>((units + grid - 1) / grid * grid) * kTileN * kBlockK;
+}
+
+Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_bytes,
+                               const GemmWgmmaOptions& options, cudaStream_t stream) {
+  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.device.type == DeviceType::kCUDA,
+               "gemm_wgmma_pack_weights: b must be a 2D E4M3 tensor on a CUDA device");
+  const int64_t n = b.shape[0], k = b.shape[1];
+  Result<size_t> need = gemm_wgmma_packed_bytes(n, k, options);
+  M3_RETURN_IF_ERROR(need.status());
+  M3_CHECK_ARG(packed != nullptr && packed_bytes >= need.value() &&
+                   reinterpret_cast<uintptr_t>(packed) % 16 == 0,
+               "gemm_wgmma_pack_weights: the packed buffer holds ", packed_bytes, " bytes, ",
+               need.value(), " (16-byte aligned) are needed");
+  M3_CHECK_ARG(
+      b.stride[1] == 1 && b.stride[0] % 16 == 0 && reinterpret_cast<uintptr_t>(b.data) % 16 == 0,
+      "gemm_wgmma_pack_weights: b must be K-contiguous, 16-byte aligned, rows a multiple "
+      "of 16 bytes apart (row stride ",
+      b.stride[0], ")");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  const int64_t units = tiles_of(n) * (k / kBlockK);
+  const int grid = stream_k_grid(units, options, info.sms);
+  gemm_wgmma_detail::pack_weights_kernel<<<1024, 256, 0, stream>>>(
+      static_cast<const uint8_t*>(b.data), b.stride[0], static_cast<int>(k / kBlockK),
+      static_cast<int>(units), grid, static_cast<uint8_t*>(packed));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
 }
 
 int gemm_wgmma_trace_words() { return gemm_wgmma_detail::kTraceWords; }
@@ -278,17 +332,19 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const int64_t items = chunk > 0 ? dynamic_items(n, kblocks, chunk) : 0;
   M3_CHECK_ARG(items < (int64_t{1} << 30), "run_gemm_wgmma_cuda: ", items,
                " dynamic chunks must be below 2^30");
-  const int64_t by_units = (units + options.min_units_per_cta - 1) / options.min_units_per_cta;
+  M3_CHECK_ARG(options.packed_weights == nullptr || (cluster_split == 0 && chunk == 0),
+               "GemmWgmmaOptions::packed_weights serves the stream-K split only (cluster_split = ",
+               cluster_split, ", dynamic_chunk = ", chunk, ")");
+  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.packed_weights) % 16 == 0,
+               "GemmWgmmaOptions::packed_weights must be 16-byte aligned");
   const int64_t grid_cluster = tiles * cluster_split;
   M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
                "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
                " CTAs must be below 2^31");
-  const int grid =
-      cluster_split > 0 ? static_cast<int>(grid_cluster)
-      : chunk > 0 ? static_cast<int>(std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, items))
-                  : static_cast<int>(std::max<int64_t>(
-                        1, std::min<int64_t>(int64_t{options.max_waves} * ctas_per_sm * info.sms,
-                                             by_units)));
+  const int grid = cluster_split > 0 ? static_cast<int>(grid_cluster)
+                   : chunk > 0
+                       ? static_cast<int>(std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, items))
+                       : stream_k_grid(units, options, info.sms);
   const size_t counters = gemm_wgmma_counter_bytes(n);
   // Partial slots: two per CTA (stream-K), one per chunk (dynamic), none (cluster split).
   const size_t slots = cluster_split > 0 ? 0
@@ -341,6 +397,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.chunks_per_tile = chunk > 0 ? static_cast<int>((kblocks + chunk - 1) / chunk) : 0;
   args.items = static_cast<int>(items);
   args.next_item = args.counters + std::max<int64_t>(tiles, 1);
+  args.packed = static_cast<const uint8_t*>(options.packed_weights);
   if (chunk > 0)
     return dispatch<true>(ctas_per_sm, args.m, wmap, xmap, args, grid, options.max_waves, info,
                           stream);

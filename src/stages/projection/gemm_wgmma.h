@@ -59,6 +59,13 @@ struct GemmWgmmaOptions {
   // depend on C only), not the stream-K split's bits. Needs a workspace of
   // gemm_wgmma_dynamic_workspace_bytes(N, K, M, C).
   int dynamic_chunk = 0;
+  // Variant: the weights as gemm_wgmma_pack_weights packed them for these options (nullptr: b read
+  // with TMA 2D boxes, the default). Each 16 KB unit (128 rows x 128 K blocks) is stored as the
+  // swizzled shared-memory tile, unit v of CTA c at position v x grid + c, so at every step the
+  // grid's CTAs read neighbouring 16 KB blocks (one 1D bulk copy each) instead of 128-byte row
+  // pieces spread over the whole weight. b's scales and shape still come from the call; its data
+  // is not read. Stream-K only (not with cluster_split or dynamic_chunk).
+  const void* packed_weights = nullptr;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -121,6 +128,15 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
 // max_m rows: the counters (gemm_wgmma_counter_bytes(N), zero between calls) and one fp32 partial
 // slot per chunk. Also serves every call with dynamic_chunk >= chunk.
 Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t max_m, int chunk);
+
+// Bytes of the packed weight image (GemmWgmmaOptions::packed_weights) of an N x K weight for the
+// grid these options give on the current device.
+Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOptions& options);
+// Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) packed for `options` into `packed`
+// (gemm_wgmma_packed_bytes bytes, 16-byte aligned), on `stream`. The image serves calls with the
+// same grid options (ctas_per_sm, min_units_per_cta, max_waves) on a device with as many SMs.
+Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_bytes,
+                               const GemmWgmmaOptions& options, cudaStream_t stream);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

@@ -25,6 +25,11 @@
 // is done in the accumulator layout (each thread loads the other CTAs' values at its own
 // fragment positions, its own from registers), so a fixup costs one L2 round trip per
 // contributing CTA, which the ring absorbs.
+// Variant (kDynamic, GemmWgmmaOptions::dynamic_chunk = C; session 16): the units are grouped into
+// fixed chunks of C K blocks of one tile ("items", tile-major), and CTAs take items from a ticket
+// counter as their rings drain instead of owning equal static ranges (session 15: CTAs with equal
+// work end 4-5 us apart, by SM). Each item's fp32 partial has its own workspace slot and the
+// tile's last arriving CTA sums the tile's items in item order: the bits depend on C only.
 //
 // CTA: warps 0-7 are two consumer warpgroups (64 weight rows each), warp 8 the producer. The
 // producer's lane 0 streams each unit with two TMA loads (weights box 128 x 128, activations box
@@ -160,6 +165,9 @@ struct WgmmaArgs {
   // all, the ticket counter (zero before and after every launch).
   int chunk, chunks_per_tile, items;
   unsigned* next_item;
+  // Packed weights (GemmWgmmaOptions::packed_weights): unit u of CTA c (its v-th) is the 16 KB
+  // smem image at packed + (v grid + c) 16 KB, loaded with one 1D bulk copy; nullptr: TMA 2D.
+  const uint8_t* packed;
   // Bench diagnostics (GemmWgmmaOptions::debug_*; off in every production call):
   unsigned long long* trace;  // kTraceWords per CTA (see below), or nullptr
 };
@@ -203,6 +211,16 @@ __device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const CUtensorMap
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
       "[%0], [%1, {%2, %3}], [%4], %5;\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+// 1D bulk copy of `bytes` contiguous bytes (16-byte multiple) global -> shared, L2 cache policy.
+__device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, uint32_t bytes,
+                                               uint32_t bar, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1], %2, [%3], %4;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
 
@@ -444,7 +462,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
       const int tile = u / kb_count, kb = u - tile * kb_count;
       mbar_arrive_expect_tx(full, kStageBytes);  // weights + activations of the unit
-      if (p.weight_evict_first) {
+      if (p.packed != nullptr) {  // (the unit's 16 KB smem image, at position v G + c)
+        const int64_t pos = int64_t{u - u_begin} * grid + cta;
+        bulk_load_hint(dst, p.packed + pos * kWeightTileBytes, kWeightTileBytes, full, policy);
+      } else if (p.weight_evict_first) {
         tma_load_2d_hint(dst, &wmap, kb * kBlockK, tile * kTileN, full, policy);
       } else {
         tma_load_2d(dst, &wmap, kb * kBlockK, tile * kTileN, full);
@@ -952,6 +973,28 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
   }
   write_trace();
+}
+
+// Packs the weights b [N, K] (row stride ldb bytes) into the image the kernel's CTAs read with
+// packed weights: unit u = (tile, kb) of CTA c = unit_owner(u), its v-th, goes to position
+// v grid + c as the 128 x 128 tile TMA would have written into shared memory (128B swizzle: row r
+// at r 128 bytes, its 16-byte chunk j at chunk j ^ (r % 8)), so at every step of the stream the
+// grid's CTAs read neighbouring 16 KB blocks. One thread per 16-byte chunk.
+__global__ void pack_weights_kernel(const uint8_t* __restrict__ b, int64_t ldb, int kblocks,
+                                    int units, int grid, uint8_t* __restrict__ packed) {
+  const int64_t chunks = int64_t{units} * (kWeightTileBytes / 16);
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < chunks;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int u = static_cast<int>(i / (kWeightTileBytes / 16));
+    const int in_unit = static_cast<int>(i % (kWeightTileBytes / 16));
+    const int r = in_unit / 8, j = in_unit % 8;
+    const int tile = u / kblocks, kb = u - tile * kblocks;
+    const int c = unit_owner(u, grid, units);
+    const int64_t pos = int64_t{u - unit_begin(c, grid, units)} * grid + c;
+    const uint4 v = *reinterpret_cast<const uint4*>(b + (int64_t{tile} * kTileN + r) * ldb +
+                                                    int64_t{kb} * kBlockK + j * 16);
+    *reinterpret_cast<uint4*>(packed + pos * kWeightTileBytes + r * 128 + ((j ^ (r % 8)) * 16)) = v;
+  }
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

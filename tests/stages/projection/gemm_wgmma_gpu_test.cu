@@ -81,6 +81,7 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   int dyn = 0;              // GemmWgmmaOptions::dynamic_chunk
+  bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
 };
 
 std::string describe(const Case& c) {
@@ -91,7 +92,8 @@ std::string describe(const Case& c) {
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
-         " cluster split " + std::to_string(c.cluster) + " dynamic chunk " + std::to_string(c.dyn);
+         " cluster split " + std::to_string(c.cluster) + " dynamic chunk " + std::to_string(c.dyn) +
+         " packed " + std::to_string(c.packed);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -115,7 +117,20 @@ GemmWgmmaOptions options_of(const Case& c) {
 // be identical, nothing outside [M, N] written, the counters zero afterwards.
 std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
   DeviceBuffer ws = make_workspace(c.n, c.m, c.waves, c.ctas_per_sm, c.k, c.dyn);
-  const GemmWgmmaOptions o = options_of(c);
+  GemmWgmmaOptions o = options_of(c);
+  // Packed weights: packed from the device weights, which are then poisoned (the kernel must read
+  // only the packed image).
+  Result<size_t> packed_bytes = gemm_wgmma_packed_bytes(c.n, c.k, o);
+  DeviceBuffer packed(c.packed && packed_bytes.ok() ? packed_bytes.value() : 16, 0);
+  if (c.packed) {
+    EXPECT_TRUE(packed_bytes.ok()) << packed_bytes.status().to_string();
+    const Status st =
+        gemm_wgmma_pack_weights(dev.params().b, packed.data(), packed.bytes(), o, nullptr);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
+    o.packed_weights = packed.data();
+  }
   const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
   EXPECT_TRUE(st.ok()) << st.to_string();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -152,83 +167,93 @@ TEST_P(GemmWgmmaExact, IntegerInputsBitIdenticalToTwin) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmWgmmaExact,
-    ::testing::Values(Case{1, 9856, 6144, 0, 0, false, 0, 4},      // decode, fused width
-                      Case{3, 640, 6144, 8, 16, true, 0, 4},       // odd M, unaligned, row-major sa
-                      Case{4, 9856, 256, 0, 0, false, 0, 4},       // two K blocks: whole tiles
-                      Case{16, 640, 256, 0, 16, false, 1, 4},      // n = 16, one CTA per SM
-                      Case{33, 384, 6144, 24, 0, true, 0, 4},      // n = 64, padded output rows
-                      Case{64, 640, 6144, 0, 0, false, 0, 4},      // largest M
-                      Case{64, 9856, 256, 0, 0, false, 0, 4},      // largest M, fused width
-                      Case{16, 9856, 6144, 0, 0, false, 2, 4},     // n = 16, two CTAs per SM
-                      Case{8, 640, 6144, 0, 0, false, 2, 1},       // ~50 CTAs per tile: fixup
-                      Case{33, 128, 6144, 0, 0, false, 0, 1},      // one tile, every CTA on it
-                      Case{5, 256, 128, 0, 0, false, 0, 4},        // one K block, one CTA
-                      Case{32, 640, 1024, 0, 16, false, 2, 1},     // n = 32, two CTAs per SM
-                      Case{24, 1280, 2048, 16, 0, true, 1, 3},     // n = 32, one CTA per SM
-                      Case{2, 9856, 1024, 0, 0, false, 2, 4, 1},   // bursts of one unit
-                      Case{12, 640, 6144, 0, 0, false, 1, 4, 5},   // odd burst, 12-stage ring
-                      Case{40, 384, 2048, 8, 0, false, 0, 2, 99},  // burst clamped to the ring
-                      Case{7, 256, 1152, 0, 16, true, 2, 1, 6},    // burst = ring (6 stages)
-                      // Weights loaded without the evict-first policy.
-                      Case{1, 9856, 6144, 0, 0, false, 2, 16, 0, false},
-                      Case{16, 640, 6144, 8, 16, true, 1, 4, 0, false},
-                      Case{33, 384, 2048, 0, 0, false, 0, 1, 0, false},
-                      Case{64, 256, 640, 0, 0, true, 0, 4, 3, false},
-                      // Every M from 57 to 64 shares the n = 64 kernel: the last rows' scales.
-                      Case{57, 640, 1152, 0, 0, false, 0, 4},
-                      Case{63, 384, 6144, 8, 0, true, 0, 2, 4},
-                      // Other L2 promotions of the weight loads.
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0},
-                      Case{16, 640, 2048, 0, 16, true, 0, 4, 0, true, 128},
-                      // Programmatic launch (weights of the first ring before the wait).
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, true},
-                      Case{64, 640, 1024, 0, 16, true, 0, 1, 0, true, 256, true},
-                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true},
-                      // Grids over several waves of resident CTAs (max_waves).
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 16},
-                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 16},
-                      Case{33, 1280, 2048, 8, 16, true, 0, 2, 0, true, 0, false, 8},
-                      Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 4},
-                      Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 4},
-                      // Two CTAs per SM at n = 64 (4-stage rings).
-                      Case{64, 1536, 8192, 0, 0, false, 2, 4},
-                      Case{41, 640, 1152, 8, 16, true, 2, 1, 0, true, 0},
-                      // owner_fixup: ~50 CTAs per tile (middle CTAs), one tile, every n, one and
-                      // two CTAs per SM, PDL; with several waves it is ignored.
-                      Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
-                      Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true},
-                      Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, true},
-                      Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, true},
-                      Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
-                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, true},
-                      Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, true},
-                      Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, true},
-                      // cluster_split: C CTAs per tile reduce through distributed shared memory;
-                      // every n, uneven K shares (9 blocks over 4 ranks, 5 over 5), whole tiles
-                      // (C = 1), C = 8 on one tile, two CTAs per SM, PDL, owner_fixup ignored.
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 3},
-                      Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 2},
-                      Case{16, 9856, 1152, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 4},
-                      Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 1},
-                      Case{64, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 2},
-                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, false, 3},
-                      Case{8, 256, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 5},
-                      Case{24, 128, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 8},
-                      Case{16, 640, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, true, 3},
-                      // dynamic_chunk: chunks from the ticket counter, every n, uneven last chunks
-                      // (9 blocks in chunks of 2, 48 in chunks of 5), one chunk per tile (no
-                      // reduction), 48 one-block chunks on one tile (several load batches), fewer
-                      // chunks than CTAs, one and two CTAs per SM, PDL, odd bursts, unaligned.
-                      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, 4},
-                      Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, 3},
-                      Case{16, 9856, 1152, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 0, 2},
-                      Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, 5},
-                      Case{64, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, 16},
-                      Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, false, 0, 4},
-                      Case{8, 128, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, 1},
-                      Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, 1},
-                      Case{24, 128, 8192, 0, 0, false, 1, 4, 5, true, 0, false, 1, false, 0, 3},
-                      Case{64, 1536, 8192, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 0, 4}));
+    ::testing::Values(
+        Case{1, 9856, 6144, 0, 0, false, 0, 4},      // decode, fused width
+        Case{3, 640, 6144, 8, 16, true, 0, 4},       // odd M, unaligned, row-major sa
+        Case{4, 9856, 256, 0, 0, false, 0, 4},       // two K blocks: whole tiles
+        Case{16, 640, 256, 0, 16, false, 1, 4},      // n = 16, one CTA per SM
+        Case{33, 384, 6144, 24, 0, true, 0, 4},      // n = 64, padded output rows
+        Case{64, 640, 6144, 0, 0, false, 0, 4},      // largest M
+        Case{64, 9856, 256, 0, 0, false, 0, 4},      // largest M, fused width
+        Case{16, 9856, 6144, 0, 0, false, 2, 4},     // n = 16, two CTAs per SM
+        Case{8, 640, 6144, 0, 0, false, 2, 1},       // ~50 CTAs per tile: fixup
+        Case{33, 128, 6144, 0, 0, false, 0, 1},      // one tile, every CTA on it
+        Case{5, 256, 128, 0, 0, false, 0, 4},        // one K block, one CTA
+        Case{32, 640, 1024, 0, 16, false, 2, 1},     // n = 32, two CTAs per SM
+        Case{24, 1280, 2048, 16, 0, true, 1, 3},     // n = 32, one CTA per SM
+        Case{2, 9856, 1024, 0, 0, false, 2, 4, 1},   // bursts of one unit
+        Case{12, 640, 6144, 0, 0, false, 1, 4, 5},   // odd burst, 12-stage ring
+        Case{40, 384, 2048, 8, 0, false, 0, 2, 99},  // burst clamped to the ring
+        Case{7, 256, 1152, 0, 16, true, 2, 1, 6},    // burst = ring (6 stages)
+        // Weights loaded without the evict-first policy.
+        Case{1, 9856, 6144, 0, 0, false, 2, 16, 0, false},
+        Case{16, 640, 6144, 8, 16, true, 1, 4, 0, false},
+        Case{33, 384, 2048, 0, 0, false, 0, 1, 0, false},
+        Case{64, 256, 640, 0, 0, true, 0, 4, 3, false},
+        // Every M from 57 to 64 shares the n = 64 kernel: the last rows' scales.
+        Case{57, 640, 1152, 0, 0, false, 0, 4}, Case{63, 384, 6144, 8, 0, true, 0, 2, 4},
+        // Other L2 promotions of the weight loads.
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0},
+        Case{16, 640, 2048, 0, 16, true, 0, 4, 0, true, 128},
+        // Programmatic launch (weights of the first ring before the wait).
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, true},
+        Case{64, 640, 1024, 0, 16, true, 0, 1, 0, true, 256, true},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true},
+        // Grids over several waves of resident CTAs (max_waves).
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 16},
+        Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 16},
+        Case{33, 1280, 2048, 8, 16, true, 0, 2, 0, true, 0, false, 8},
+        Case{16, 9856, 1152, 0, 0, false, 1, 3, 0, true, 256, true, 4},
+        Case{64, 640, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 4},
+        // Two CTAs per SM at n = 64 (4-stage rings).
+        Case{64, 1536, 8192, 0, 0, false, 2, 4}, Case{41, 640, 1152, 8, 16, true, 2, 1, 0, true, 0},
+        // owner_fixup: ~50 CTAs per tile (middle CTAs), one tile, every n, one and
+        // two CTAs per SM, PDL; with several waves it is ignored.
+        Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 0, false, 1, true},
+        Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, true},
+        Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, true},
+        Case{16, 640, 1152, 8, 16, true, 1, 3, 0, true, 0, false, 1, true},
+        Case{64, 1536, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, true},
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, true},
+        Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, true},
+        Case{24, 384, 6144, 16, 0, true, 0, 1, 0, true, 0, false, 4, true},
+        // cluster_split: C CTAs per tile reduce through distributed shared memory;
+        // every n, uneven K shares (9 blocks over 4 ranks, 5 over 5), whole tiles
+        // (C = 1), C = 8 on one tile, two CTAs per SM, PDL, owner_fixup ignored.
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 3},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 2},
+        Case{16, 9856, 1152, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 4},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 1},
+        Case{64, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 2},
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, false, 3},
+        Case{8, 256, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 5},
+        Case{24, 128, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 8},
+        Case{16, 640, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, true, 3},
+        // dynamic_chunk: chunks from the ticket counter, every n, uneven last chunks
+        // (9 blocks in chunks of 2, 48 in chunks of 5), one chunk per tile (no
+        // reduction), 48 one-block chunks on one tile (several load batches), fewer
+        // chunks than CTAs, one and two CTAs per SM, PDL, odd bursts, unaligned.
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, 4},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, 3},
+        Case{16, 9856, 1152, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 0, 2},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, 5},
+        Case{64, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, 16},
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 3, true, 0, true, 1, false, 0, 4},
+        Case{8, 128, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, 1},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, 1},
+        Case{24, 128, 8192, 0, 0, false, 1, 4, 5, true, 0, false, 1, false, 0, 3},
+        Case{64, 1536, 8192, 0, 0, false, 2, 4, 0, true, 0, false, 1, false, 0, 4},
+        // packed_weights: fused width, every n, uneven CTA counts (holes in the image),
+        // one K block, one tile, one and two CTAs per SM, PDL, bursts, several waves,
+        // padded and 16-byte aligned operands.
+        Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, false, 0, 0, true},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, 0, true},
+        Case{16, 9856, 1152, 0, 0, false, 2, 4, 1, true, 0, false, 1, false, 0, 0, true},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, 0, true},
+        Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, 0, true},
+        Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, 0, true},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, 0, true},
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, 0, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -599,6 +624,23 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   bad.dynamic_chunk = 2;
   bad.cluster_split = 2;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.packed_weights = ws.data();  // (any 16-byte aligned pointer: rejected before any read)
+  bad.cluster_split = 2;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad.cluster_split = 0;
+  bad.dynamic_chunk = 2;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.packed_weights = static_cast<uint8_t*>(ws.data()) + 8;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(gemm_wgmma_pack_weights(p.b, ws.data(), 64, GemmWgmmaOptions{}, nullptr).code(),
+            StatusCode::kInvalidArgument);  // too small
+  EXPECT_EQ(gemm_wgmma_packed_bytes(200, 512, GemmWgmmaOptions{}).status().code(),
             StatusCode::kInvalidArgument);
   bad = {};
   bad.dynamic_chunk = 1;  // 8 chunks of [8][128] fp32 do not fit in 256 bytes

@@ -320,20 +320,25 @@ Status make_setup(const TpCheckOptions& o, int tp_size, CheckSetup* s) {
   return Status::Ok();
 }
 
-// One rank's (or TP1's) layer with its private workspace and pool.
+// One rank's (or TP1's) layer with its pool; its workspace (activations and GEMM objects) is
+// *workspace when set, otherwise a new one stored there for the next layer of the same geometry.
+// Sharing is what makes P = 1 bit-identical to TP1 by construction: each Fp8BlockGemm object
+// autotunes on measured times, so two objects of one shape may pick different kernels (equal only
+// up to fp32 summation order); the layers of one geometry share them, as the layers of a stack do.
 struct RankLayer {
   std::unique_ptr<CudaMsaLayer> layer;
   DevicePool pool;
 };
 
 Status make_rank_layer(const CheckSetup& s, bool sparse, int tp_size, int rank, Device dev,
-                       RankLayer* out) {
+                       std::shared_ptr<CudaLayerWorkspace>* workspace, RankLayer* out) {
   Result<PackedRankWeights> w = pack_rank(s.weights, tp_size, rank);
   M3_RETURN_IF_ERROR(w.status());
   Result<std::unique_ptr<CudaMsaLayer>> l =
-      CudaMsaLayer::create(w.value(), s.rope.view(), s.cap, s.layer_options);
+      CudaMsaLayer::create(w.value(), s.rope.view(), s.cap, s.layer_options, *workspace);
   M3_RETURN_IF_ERROR(l.status());
   out->layer = std::move(l.value());
+  *workspace = out->layer->workspace();
   return make_pool(s.num_pages, w.value().geometry.n_kv, sparse, dev, &out->pool);
 }
 
@@ -413,17 +418,19 @@ Status run_tp_check_simulated(const TpCheckOptions& o, const std::vector<int>& t
   };
 
   std::vector<std::vector<Tensor>> ref_out, ref_core;
+  std::shared_ptr<CudaLayerWorkspace> tp1_workspace;
   {
     std::vector<RankLayer> ref(1);
-    M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &ref[0]));
+    M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &tp1_workspace, &ref[0]));
     M3_RETURN_IF_ERROR(run_steps(ref, &ref_out, &ref_core));
   }
   if (reports) reports->clear();
   for (int P : tp_sizes) {
     std::vector<RankLayer> ranks(static_cast<size_t>(P));
+    std::shared_ptr<CudaLayerWorkspace> workspace = P == 1 ? tp1_workspace : nullptr;
     for (int r = 0; r < P; ++r)
       M3_RETURN_IF_ERROR(
-          make_rank_layer(setup, o.sparse, P, r, dev, &ranks[static_cast<size_t>(r)]));
+          make_rank_layer(setup, o.sparse, P, r, dev, &workspace, &ranks[static_cast<size_t>(r)]));
     std::vector<std::vector<Tensor>> partials, cores;
     M3_RETURN_IF_ERROR(run_steps(ranks, &partials, &cores));
     TpCheckReport rep;
@@ -453,8 +460,10 @@ Status run_tp_check_rank(Communicator& comm, const TpCheckOptions& o, TpCheckRep
   CheckSetup setup;
   M3_RETURN_IF_ERROR(make_setup(o, P, &setup));
   RankLayer mine, ref;
-  M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, P, rank, dev, &mine));
-  if (rank == 0) M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &ref));
+  std::shared_ptr<CudaLayerWorkspace> rank_workspace, tp1_workspace;
+  M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, P, rank, dev, &rank_workspace, &mine));
+  if (rank == 0)
+    M3_RETURN_IF_ERROR(make_rank_layer(setup, o.sparse, 1, 0, dev, &tp1_workspace, &ref));
   Result<std::unique_ptr<CudaStepMetadata>> meta = CudaStepMetadata::create(setup.cap);
   M3_RETURN_IF_ERROR(meta.status());
   const std::vector<StepPlan>& plans = setup.plans;

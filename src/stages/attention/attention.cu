@@ -72,13 +72,17 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // the lazy running max and a plain mbarrier poll) B64 47.7 / 47.6 / 47.6 vs 48.2 / 48.2 / 48.4 for
 // 9, B256 172.8 / 173.3 / 173.4 vs 175.2 / 177.5 / 176.0; 12 (9 with the plain poll alone) 48.8 /
 // 48.4 / 48.7 and 176.0 / 176.4 / 177.1 (no gain): 9 and 12 were removed, 13 is automatic.
-constexpr int kAutoVerifyVariant = 13;  // sparse and dense (layers 0-2) alike
-// AttentionCudaConfig::l2_prefetch (-1 .. kMaxL2Prefetch): since session 16, the first N blocks of
-// each decode / verify CTA prefetched into L2 in the front end (ak::sparse_union, sparse only),
-// while a one-wave grid's HBM is idle; 0 (automatic) is kAutoL2First. The L2 prefetch AHEAD of the
-// ring (sessions 11-12: 4-33 % slower) was removed in session 13.
+// Session 16 (round B, sparse draft 3, isolated us at 8K / 32K / 128K, two runs each): 17 (13 with
+// conflict-free f16 V stores, the proxy fence after the softmax and a shorter epilogue, the same
+// bytes) B256 164.7 / 165.7 / 166.2 and 164.6 / 165.4 / 166.1 vs 173.1 / 175.2 / 175.1 and
+// 173.0 / 173.6 / 174.5 for 13 (75.7 % of copy), B64 47.4 / 46.4 / 46.6 and 47.9 / 47.2 / 46.6 vs
+// 48.0 / 47.9 / 48.1 and 47.8 / 47.9 / 48.2; 16 (without the epilogue) B256 168.2-169.9 (round A
+// too: 169.4-171.1 vs 174.0-176.1), B64 unchanged. 17 is automatic.
+constexpr int kAutoVerifyVariant = 17;  // sparse and dense (layers 0-2) alike
+// AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
+// L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
+// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
 constexpr int kMaxL2Prefetch = 8;
-constexpr int kAutoL2First = 0;
 
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the decode one
@@ -88,7 +92,7 @@ struct Plan {
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 13;  // variant of the verify kernel (AttentionCudaConfig)
-  int decode_kernel = 0;    // AttentionCudaConfig::decode_kernel (6: Q converted after the list)
+  int decode_kernel = 0;    // AttentionCudaConfig::decode_kernel (5: Q before the list, 7: prime 1)
   bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -153,9 +157,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      (cfg.verify_variant < 16 || cfg.verify_variant > 18))
+      (cfg.verify_variant < 16 || cfg.verify_variant > 19))
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 13, 16, 17 or 18 (9, 11, 12, 14 and 15 were removed in "
+                       " is not 0, 8, 13, 16, 17, 18 or 19 (9, 11, 12, 14 and 15 were removed in "
                        "session 15: 13 is 9 with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
@@ -187,10 +191,12 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 6)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 5 &&
+      cfg.decode_kernel != 7)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2 or 6 (1, the 4-warp tile kernel, and 3, two barriers per "
-                       "block, were removed in session 14; 4, TMA loads, in session 15)");
+                       " is not 0, 2, 5 or 7 (1, the 4-warp tile kernel, and 3, two barriers per "
+                       "block, were removed in session 14; 4, TMA loads, in session 15; 6 is the "
+                       "automatic kernel since session 16)");
   pl.decode_kernel = cfg.decode_kernel;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
@@ -242,10 +248,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 }
 
 // Variants 13 / 16 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18) run as 8 (cp.async, the NaN test in every block)
-// where the pool is not 16-byte aligned or the driver refuses the tensor maps.
+// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18, kPrime1: 19) run as 8 (cp.async, the NaN test in
+// every block) where the pool is not 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -255,8 +261,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel =
-      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict, kFastEpi, kSpec>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict, kFastEpi,
+                                            kSpec, kPrime1>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -265,9 +271,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16, bool kQLate = false>
+template <bool kVec16, bool kQLate = true, bool kPrime1 = false>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16, kQLate>;
+  auto kernel = ad::attention_decode_kernel<kVec16, kQLate, kPrime1>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -288,6 +294,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       return launch_verify<true, true, true, true, true, true>(args, pl, n_kv, stream);
     if (pl.verify_variant == 18)
       return launch_verify<true, true, true, true, true, true, true>(args, pl, n_kv, stream);
+    if (pl.verify_variant == 19)
+      return launch_verify<true, true, true, true, true, true, false, true>(args, pl, n_kv, stream);
     return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
                                    : launch_verify<true, false>(args, pl, n_kv, stream);
   }
@@ -302,9 +310,12 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  if (pl.decode_kernel == 6)
-    return vec16 ? launch_decode<true, true>(args, pl, n_kv, stream)
-                 : launch_decode<false, true>(args, pl, n_kv, stream);
+  if (pl.decode_kernel == 5)
+    return vec16 ? launch_decode<true, false>(args, pl, n_kv, stream)
+                 : launch_decode<false, false>(args, pl, n_kv, stream);
+  if (pl.decode_kernel == 7)
+    return vec16 ? launch_decode<true, true, true>(args, pl, n_kv, stream)
+                 : launch_decode<false, true, true>(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }
@@ -388,10 +399,6 @@ Status run_attention_cuda(const AttentionParams& p, void* workspace, size_t work
   a.pdl = pl.pdl ? 1 : 0;
   a.sparse = p.sparse ? 1 : 0;
   a.timeline = cfg.timeline;
-  a.l2_first = pl.wgmma ? 0
-                        : (cfg.l2_prefetch > 0    ? cfg.l2_prefetch
-                           : cfg.l2_prefetch == 0 ? kAutoL2First
-                                                  : 0);
   const float scale = p.softmax_scale > 0.0f ? p.softmax_scale : 0.08838834764831845f;
   a.scale_log2 = scale * 1.4426950408889634f;
   a.out = static_cast<uint16_t*>(p.out.data);

@@ -88,26 +88,25 @@ struct AttentionCudaConfig {
                         // prefill; kernel 4 runs instead where TMA cannot address the pool:
                         // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
                         // were removed in session 13, 11 in session 14 (unsupported)
-  int l2_prefetch = 0;  // -1 .. 8: decode / verify kernels, sparse: the first N blocks of each
-                        // CTA's walk prefetched into L2 as soon as their pages are known (session
-                        // 16); 0 automatic (off for now), -1 off. (Sessions 11-12 prefetched
-                        // ahead of the ring: slower, removed in session 13.)
+  int l2_prefetch = 0;  // no effect since session 13 (the L2 prefetch ahead of the ring was
+                        // never faster and was removed); still validated: -1 .. 8
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (13), 8
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (17), 8
                             // cp.async loads of K and V, 13 TMA loads (where TMA can address the
                             // pool; else 8 runs), the V NaN test in a second pass that runs only
                             // when the first one's output holds a NaN, a lazy running max
-                            // (session 15; 9 = 13 without it, removed); opt-in (session 16): 16
-                            // = 13 with conflict-free f16 V stores and a later proxy fence, 17 =
-                            // 16 with a shorter epilogue (same bytes), 18 = 17 with the row max
-                            // taken only when a block's sums outgrow the running one
-  int decode_kernel = 0;    // 6 (opt-in, session 16): the decode kernel with Q converted after
-                            // the block list (its load overlaps the union's page-table loads).
-                            // 0 or 2 (the same): the 8-warp decode kernel, the only one since
+                            // (session 15; 9 = 13 without it, removed); session 16: 16 = 13 with
+                            // conflict-free f16 V stores and a later proxy fence, 17 = 16 with a
+                            // shorter epilogue (same bytes; automatic), opt-in 18 = 17 with the
+                            // row max taken only when a block's sums outgrow the running one, 19
+                            // = 17 with the ring started on one block
+  int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
-                            // block, were removed; 4, TMA loads, in session 15: slower); other
-                            // plans ignore it
+                            // block, were removed; 4, TMA loads, in session 15: slower), with Q
+                            // converted after the block list since session 16; opt-in 5: Q
+                            // converted before it (the session-15 order), 7: the ring started on
+                            // one block; other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

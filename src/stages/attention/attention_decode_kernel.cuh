@@ -127,11 +127,16 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 
 // ---------------------------------------------------------------------------------------------
 // Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-// kQLate (decode_kernel 6, session 16, opt-in): Q's f16 conversion after the block list instead of
-// before it, so that the load of Q and the page-table loads of the union overlap (round A timeline,
-// B64: the conversion waited for Q before the union issued its page-table loads: two dependent
-// global round trips; list built 3.7 us after entry).
-template <bool kVec16, bool kQLate = false>
+// kQLate (automatic since session 16; false: decode_kernel 5, the session-15 order): Q's f16
+// conversion after the block list instead of before it, so that the load of Q and the page-table
+// loads of the union overlap (round A timeline, B64: the conversion waited for Q before the union
+// issued its page-table loads, two dependent global round trips; round B: B64 41.1-41.9 vs
+// 41.9-42.4 us, B256 142.9-143.7 vs 144.7-145.8; the same bytes).
+// kPrime1 (decode_kernel 7, opt-in): the ring starts with block 0 alone and loads blocks 1 and 2
+// once it landed: in a one-wave grid every CTA asks for its first blocks at the same moment, and
+// the CTAs served last also end last (round B timeline, B64: first block landed 4.1-12.2 us after
+// entry, correlation with the exit 0.79); asking for one block each halves that burst.
+template <bool kVec16, bool kQLate = true, bool kPrime1 = false>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -177,7 +182,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   if (a.sparse) {
     n_total = ak::sparse_union<1, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                             s_cand_page, s_warp, s_list_b, s_list_page, s_list_mask,
-                                            nullptr, g);
+                                            nullptr);
   } else {
     n_total = my_pos >= 0 ? min((my_pos >> 7) + 1, a.max_pages) : 0;
   }
@@ -309,8 +314,13 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
     // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
     // CTA-uniform) is neither loaded nor attended.
+    if constexpr (kPrime1) {
+      load(0, 0);
+      ak::cp_async_commit();  // (empty: iteration 0 waits for block 0's group)
+    } else {
 #pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) load(j, j);
+      for (int j = 0; j < kStages - 1; ++j) load(j, j);
+    }
     int stage = 0;
     // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
     // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
@@ -319,6 +329,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
       ak::cp_async_wait<kStages - 2>();
       if (i == 0) ak::timeline_mark(a, 3);
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
+      if (kPrime1 && i == 0) load(1, 1);  // (kPrime1: iteration 1 waits for this group)
       load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
       stage = stage + 1 == kStages ? 0 : stage + 1;

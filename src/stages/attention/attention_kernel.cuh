@@ -81,9 +81,6 @@ struct AttnArgs {
   // AttentionCudaConfig::timeline (benchmarks; null otherwise): kTimelineWords words per CTA of the
   // decode / verify kernel, see timeline_mark.
   uint64_t* timeline;
-  // AttentionCudaConfig::l2_prefetch (decode / verify kernels; 0 otherwise): the first blocks of a
-  // CTA's walk prefetched into L2 as soon as their pages are known (sparse_union).
-  int l2_first;
 };
 
 // Diagnostics (AttentionCudaConfig::timeline; benchmarks only): thread 0 of a CTA (linear index
@@ -392,11 +389,6 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
   return true;
 }
 
-// Bulk prefetch of `bytes` (a multiple of 16) at a 16-byte aligned global address into L2.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-}
-
 // The union of a tile's sparse selections (all threads of the CTA of `Threads` threads call it).
 // Candidate c = tid < QT * 16 is slot c % 16 of token c / 16 (cand_b its id, cand_pos the token's
 // position, -1 for absent tokens); it counts when it selects a visible block (0 <= b <= pos / 128,
@@ -404,18 +396,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
 // {b, page, mask of the tokens that selected it} (and, when s_list_vlim is not null, the V row
 // limit: the largest position of those tokens minus 128 b); entries keep candidate order, so every
 // split CTA derives the same list. Returns the entry count; the lists are complete after the next
-// barrier (the caller's). With a.l2_first = N > 0 and g >= 0 (the CTA's KV head), the candidates c
-// with 0 <= c - s ceil(QT 16 / splits) < N (s = blockIdx.z, the split), i.e. the first blocks split
-// s will walk when the candidates are distinct, have their K and V tiles prefetched into L2
-// (cp.async.bulk.prefetch) right after their page is read: the first ring loads of a one-wave grid
-// then find their bytes on chip instead of waiting for the union's barriers and a cold HBM trip
-// (16-byte aligned pools only; a hint, no result depends on it).
+// barrier (the caller's).
 template <int QT, int Threads = kThreads>
 __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, int cand_b,
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
-                                            int* s_list_page, int* s_list_mask, int* s_list_vlim,
-                                            int g = -1) {
+                                            int* s_list_page, int* s_list_mask, int* s_list_vlim) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
@@ -423,19 +409,7 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = cand_b, page = -1;
     if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
       page = a.page_table[pt_row + b];
-      if (page < 0 || page >= a.num_pages) {
-        b = -1;
-      } else if (a.l2_first > 0 && g >= 0) {
-        const int per = (kCand + a.splits - 1) / a.splits;
-        const int k = tid - static_cast<int>(blockIdx.z) * per;
-        const uint8_t* kt = a.kv + static_cast<int64_t>(page) * a.page_stride +
-                            static_cast<int64_t>(g) * kTileBytes;
-        if (k >= 0 && k < a.l2_first && (reinterpret_cast<uintptr_t>(kt) & 15) == 0 &&
-            (a.plane_stride & 15) == 0) {
-          prefetch_l2(kt, kTileBytes);
-          prefetch_l2(kt + a.plane_stride, kTileBytes);
-        }
-      }
+      if (page < 0 || page >= a.num_pages) b = -1;
     } else {
       b = -1;
     }

@@ -441,9 +441,12 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
 // kNoConflict (variant 16, session 16, opt-in): 13 with conflict-free f16 V stores and the proxy
 // fence after the softmax (see attend_block). kFastEpi (variant 17 = 16 + it, opt-in): the shorter
-// epilogue of write_rows<true>. kSpec (variant 18 = 17 + it, opt-in): softmax_spec.
+// epilogue of write_rows<true> (automatic since session 16, round B). kSpec (variant 18 = 17 + it,
+// opt-in): softmax_spec. kPrime1 (variant 19 = 17 + it, opt-in): the ring starts with block 0 alone
+// and loads blocks 1 and 2 once it landed (halves the one-wave grid's initial burst of requests;
+// see attention_decode_kernel.cuh).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -509,7 +512,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (a.sparse) {
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim, g);
+                                              s_list_mask, s_list_vlim);
   } else {
     int maxpos = -1;
 #pragma unroll
@@ -555,8 +558,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       // generic f16 stores fenced), refills the stage of block i - 1 with block i + kStages - 1. An
       // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
       // and its V rows are zeroed (vlim -1).
+      if constexpr (kPrime1) {
+        load(0, count, lmask, lpage, 0);
+        if constexpr (!kTma) ak::cp_async_commit();  // (empty: iteration 0 waits for block 0)
+      } else {
 #pragma unroll
-      for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
+        for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
+      }
       int stage = 0;
       for (int i = 0; i < count; ++i) {
         if constexpr (kTma) {
@@ -580,7 +588,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         attend_block<kLazy, kNoConflict, kSpec>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+            s_nan, a.scale_log2, check, [&] {
+              if (kPrime1 && i == 0) load(1, count, lmask, lpage, 1);
+              load(i + kStages - 1, count, lmask, lpage, prev);
+            });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);

@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 13, 16, 17, 18), with and without splits;
+// tiles x 16 heads on one warpgroup: verify_variant 8, 13, 16-19), with and without splits;
 // all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -74,9 +74,10 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async),
 // 13 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool), 16
-// (13 with conflict-free f16 V stores and a later proxy fence), 17 (16 with a shorter epilogue) and
-// 18 (17 with the speculative row max); the mma.sync (also decode_kernel 6) and 13 also with
-// l2_prefetch 2 (the first blocks of each CTA prefetched into L2).
+// (13 with conflict-free f16 V stores and a later proxy fence), 17 (16 with a shorter epilogue; the
+// automatic one), 18 (17 with the speculative row max) and 19 (17 with the ring started on one
+// block); the mma.sync kernel also as decode_kernel 5 (Q converted before the block list) and 7
+// (the ring started on one block).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when
 // splits > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -92,14 +93,13 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kMma) {
     add({1, 1, 1, 1});              // v_convert 1 (the only V path)
     add({1, 1, 0, 1, 0, 0, 0, 2});  // decode_kernel 2 (the same kernel)
-    add({1, 1, 0, 1, 2});           // the first 2 blocks prefetched into L2 (a hint)
-    add({1, 1, 0, 1, 0, 0, 0, 6});  // decode_kernel 6 (Q converted after the block list)
+    add({1, 1, 0, 1, 0, 0, 0, 5});  // decode_kernel 5 (Q converted before the block list)
+    add({1, 1, 0, 1, 0, 0, 0, 7});  // decode_kernel 7 (the ring started on one block)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 13, 16, 17, 18}) add({4, 1, 0, 5, 0, 0, variant});
-  add({4, 1, 0, 5, 2, 0, 13});  // the first 2 blocks prefetched into L2 (a hint)
+    for (int variant : {8, 13, 16, 17, 18, 19}) add({4, 1, 0, 5, 0, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

@@ -41,9 +41,8 @@
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
-//   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --early
-//   (early_query_loads), --guess-all (guess_multi_token), --cmerge (cluster_merge), --table-out
-//   (fused_table_out), --fast-select (fast_select): every path and table,
+//   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --late
+//   (!early_query_loads), --lists (fused_lists), --sorted (!fast_select): every path and table,
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -52,11 +51,10 @@
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case),
-//   --variants (only a table of the default options beside opt-in variants, each isolated and
-//   back to back in the same run: early = IndexerCudaOptions::early_query_loads, and with it:
-//   cmerge = cluster_merge (plan letter m), tab+fs = fused_table_out + fast_select (plan letter t),
-//   2k+fs = the two-kernel path at the default plan's k_splits + fast_select, f+fs = the default
-//   plan + fast_select; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
+//   --variants (only a table of the default options beside A/B variants, each isolated and
+//   back to back in the same run: lists = IndexerCudaOptions::fused_lists, 2k = unfused_decode at
+//   the default plan's k_splits, late = !early_query_loads, sorted = !fast_select, former = all
+//   three (the session 15 default); batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -413,10 +411,8 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.cluster_merge
-                         ? "m"
-                         : (pl.single ? "s" : (pl.table_out ? "t" : (pl.fused ? "f" : "2")))) +
-         " k" + std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
+  return std::string(pl.single ? "s" : (pl.table_out ? "t" : (pl.fused ? "f" : "2"))) + " k" +
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
          std::to_string(pl.merge_wpr);
 }
 
@@ -452,8 +448,7 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       variants = false, early = false, guess_all = false, cmerge = false, table_out = false,
-       fast_select = false;
+       variants = false, late = false, lists = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -476,16 +471,12 @@ int main(int argc, char** argv) {
       ceiling = true;
     else if (a == "--variants")
       variants = true;
-    else if (a == "--early")
-      early = true;
-    else if (a == "--guess-all")
-      guess_all = true;
-    else if (a == "--cmerge")
-      cmerge = true;
-    else if (a == "--table-out")
-      table_out = true;
-    else if (a == "--fast-select")
-      fast_select = true;
+    else if (a == "--late")
+      late = true;
+    else if (a == "--lists")
+      lists = true;
+    else if (a == "--sorted")
+      sorted = true;
     else if (a == "--k" && i + 1 < argc) {
       sweep_k.clear();
       const char* q = argv[++i];
@@ -510,8 +501,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--early] [--guess-all] [--cmerge] [--table-out] [--fast-select] "
-                   "[--timeline BATCH,CONTEXT,DRAFT] "
+                   "[--no-guess] [--late] [--lists] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
                    "[--variants] [--k K,K,...]\n",
                    argv[0]);
@@ -521,11 +511,9 @@ int main(int argc, char** argv) {
   IndexerCudaOptions default_o, fused_o, two_o, single_o;
   for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o}) {
     o->guess_request_bounds = !no_guess;
-    o->early_query_loads = early;
-    o->guess_multi_token = guess_all;
-    o->cluster_merge = cmerge;
-    o->fused_table_out = table_out;
-    o->fast_select = fast_select;
+    o->early_query_loads = !late;
+    o->fused_lists = lists;
+    o->fast_select = !sorted;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -799,16 +787,15 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    std::vector<Variant> vs = {{"base", default_o},   {"early", default_o}, {"cmerge", default_o},
-                               {"tab+fs", default_o}, {"2k+fs", default_o}, {"f+fs", default_o}};
-    vs[1].o.early_query_loads = true;
-    for (size_t v = 2; v < vs.size(); ++v) vs[v].o.early_query_loads = true;
-    vs[2].o.cluster_merge = true;
-    vs[3].o.fused_table_out = true;
-    vs[3].o.fast_select = true;
-    vs[4].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
-    vs[4].o.fast_select = true;
-    vs[5].o.fast_select = true;  // the default plan's final kernel only (overflow rows)
+    std::vector<Variant> vs = {{"base", default_o}, {"lists", default_o},  {"2k", default_o},
+                               {"late", default_o}, {"sorted", default_o}, {"former", default_o}};
+    vs[1].o.fused_lists = true;     // the fused path's candidate lists + merge kernel
+    vs[2].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
+    vs[3].o.early_query_loads = false;
+    vs[4].o.fast_select = false;
+    vs[5].o.fused_lists = true;  // the session 15 default
+    vs[5].o.early_query_loads = false;
+    vs[5].o.fast_select = false;
     for (int ctx : contexts) {
       for (int batch : batches) {
         const int draft = only ? only_draft : 3;
@@ -818,7 +805,7 @@ int main(int argc, char** argv) {
         const std::vector<Slice> slices = decode_slices(batch, draft);
         bool pass = true;
         std::vector<Times> tms;
-        vs[4].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
+        vs[2].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
                                    " ctx " + std::to_string(ctx) + " draft " +
@@ -838,9 +825,9 @@ int main(int argc, char** argv) {
     }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
-        "isolated and back to back, us; early = early_query_loads; with early: cmerge = "
-        "cluster_merge, tab+fs = fused_table_out + fast_select, 2k+fs = two-kernel + fast_select, "
-        "f+fs = fast_select)",
+        "isolated and back to back, us; lists = fused_lists, 2k = unfused_decode at the default "
+        "k_splits, late = !early_query_loads, sorted = !fast_select, former = all three (the "
+        "session 15 default))",
         rows, json);
     return finish();
   }

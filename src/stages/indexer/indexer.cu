@@ -109,7 +109,6 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
-  bool lists = false;      // single by the cluster merge (score_fused_cmerge_kernel)
   bool table_out = false;  // fused scorer writing its tables, select_kernel finishing
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
@@ -227,13 +226,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  // Cluster merge (opt-in): the fused path's 2-8 splits of a unit as one cluster that finishes the
-  // rows (no merge kernel).
-  if (o.cluster_merge && pl.fused && !pl.single && k >= 2 && k <= kMaxClusterCtas) {
-    pl.single = true;
-    pl.lists = true;
-  }
-  pl.table_out = o.fused_table_out && pl.fused && !pl.single;
+  pl.table_out = pl.fused && !pl.single && !o.fused_lists;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
@@ -299,7 +292,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.merge_wpr = pl.merge_wpr;
   info.single = pl.single;
-  info.cluster_merge = pl.lists;
   info.table_out = pl.table_out;
   return info;
 }
@@ -378,8 +370,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
-  a.guess = options.guess_request_bounds && (T <= R || options.guess_multi_token) ? 1 : 0;
-  a.early = options.early_query_loads ? 1 : 0;
+  a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
+  a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.table_out = pl.table_out ? 1 : 0;
   a.timeline = options.timeline;
@@ -410,10 +402,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     };
     if (pl.single && pl.k_splits > 1) {
-      // Clustered single pass or cluster merge: clusters of the k_splits (<= 8) CTAs of one
-      // grid.x index.
-      const auto ckernel =
-          pl.lists ? ik::score_fused_cmerge_kernel : ik::score_fused_cluster_kernel;
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
+      const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};

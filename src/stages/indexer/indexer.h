@@ -144,27 +144,26 @@ struct IndexerCudaOptions {
   // 256 x 8K draft 3 (4 tokens per request) 79.0 vs 76.65 us without, hence one token only.
   // false: never (the A/B switch, bench --no-guess).
   bool guess_request_bounds = true;
-  // guess_request_bounds also at 2-8 tokens per request (session 16 A/B switch; session 15
-  // timeline, 64 x 8K draft 3, two-kernel path: without a guess the first warps are ready to score
-  // 3.7-5.6 us after entry, vs 1.4-1.5 us with it at one token per request).
-  bool guess_multi_token = false;
-  // Where no guess applies: load the positions and query rows at the request's real bounds as
-  // soon as query_start arrives, before the warp's first index-K copies, instead of after them
-  // (session 16 A/B switch; same ids either way).
-  bool early_query_loads = false;
-  // Fused path with 2-8 splits per decode unit (contexts above 8K, opt-in, session 16): the
-  // unit's splits run as one thread-block cluster; each CTA keeps its split's candidate lists in
-  // its shared memory and the cluster's warps merge them into block_ids (distributed shared
-  // memory): no merge kernel, no candidate lists in the workspace. Same ids.
-  bool cluster_merge = false;
-  // The selection kernel ranks rows of more than 64 candidates by a threshold (the survivors of
-  // the 15th largest of the lanes' largest keys, ranked by counting; the per-lane sorted lists
-  // where more than 64 survive) instead of per-lane sorted lists (opt-in, session 16). Same ids.
-  bool fast_select = false;
-  // Fused path (not the single pass / cluster merge): the scorer's CTAs write their block-max
-  // tables to the workspace scores at their end (one coalesced burst) instead of selecting
-  // candidate lists, and the selection kernel finishes every row (opt-in, session 16). Same ids.
-  bool fused_table_out = false;
+  // Where no guess applies (several tokens per request), except in the single pass: load the
+  // positions and query rows at the request's real bounds as soon as query_start arrives, before
+  // the warp's first index-K copies, instead of after them (behind every CTA's first tiles: ready
+  // to score 6.3 us after entry vs 2.0 us, 64 x 32K draft 3 timeline). Session 16 rounds A / B,
+  // same-run A/Bs: 64 x 8K draft 3 25.2-25.5 vs 25.9-26.4 us, 256 x 32K draft 3 282.6-286.2 vs
+  // 286.0-289.5; the single pass at 256 x 8K draft 3 lost (77.9-79.4 vs 75.1-76.4), hence not
+  // there. Same ids. false: the former order (the A/B switch).
+  bool early_query_loads = true;
+  // The selection kernel ranks rows of more than 64 candidates by a threshold: the survivors of
+  // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
+  // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
+  bool fast_select = true;
+  // The fused path's former end (A/B switch, session 16): each CTA selects its split's 15 best
+  // blocks per row into candidate lists and the merge kernel merges them. By default (false) the
+  // CTAs write their block-max tables to the workspace scores in one coalesced burst and the
+  // selection kernel finishes the rows (session 16 round B, same run: 64 x 32K draft 3 77.4 vs
+  // 80.7 us, draft 0 70.8 vs 74.3, 256 x 32K draft 3 263.6 vs 286.0, 64 x 128K draft 3 275.4 vs
+  // 283.0, 256 x 128K draft 3 985.1 vs 1013.5; round A: the lists' selection took 4.8 us p50
+  // after a CTA's last tile at 64 x 32K draft 3, the merge kernel 6.1 us). Same ids.
+  bool fused_lists = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
@@ -180,21 +179,22 @@ bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOpt
 
 // True when run_indexer_cuda with these params and options runs the fused decode path (tensor
 // cores, !unfused_decode, max_pages > 128 or fused_decode_always (and > 16), and a split plan
-// within the workspace's candidate lists and the kernel's 64 blocks per split): then the workspace
-// holds no block scores for rows of decode units.
+// within the workspace's candidate lists and the kernel's 64 blocks per split): the decode units'
+// block maxima are kept in shared memory to the CTA's end (written to the workspace scores then,
+// or with fused_lists / the single pass not at all).
 bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // The launch plan run_indexer_cuda picks on the current device (benchmarks print it).
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;     // grid.y of the scorer
-  int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;    // warps per row of the fused path's final kernel
-  bool single = false;  // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
-                        // one thread-block cluster of k_splits CTAs per unit
-  bool cluster_merge = false;  // single, by the cluster merge (IndexerCudaOptions::cluster_merge)
-  bool table_out = false;  // fused, tables to the workspace (IndexerCudaOptions::fused_table_out)
+  int k_splits = 0;        // grid.y of the scorer
+  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
+  int merge_wpr = 0;       // warps per row of the fused path's final kernel
+  bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
+                           // one thread-block cluster of k_splits CTAs per unit
+  bool table_out = false;  // fused, not single, !fused_lists: tables to the workspace scores,
+                           // select_kernel finishes
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -80,9 +80,9 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
-  int early = 0;        // early_query_loads (decode units without the guess)
+  int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  int table_out = 0;    // fused decode units write their block-max table to scores (table_out)
+  int table_out = 0;    // fused decode units write their block-max tables to scores (!fused_lists)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

@@ -78,7 +78,7 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
 // position of token t0 + l (no reload at the CTA's end).
 template <bool kDirect, int kG>
 __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
-                                            int b0, int b1, int lane_pos, uint64_t* slists) {
+                                            int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
@@ -134,9 +134,7 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
         emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
                         local[g]);  // b0 == 0
       } else {
-        uint64_t* list = slists != nullptr
-                             ? slists + (j0 + g * kMmaWarps) * kTopK
-                             : a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
+        uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
         int count = 0;
 #pragma unroll
         for (int c = 0; c < kPer; ++c) {
@@ -153,55 +151,14 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
 }
 
 // The local selection of every row of the unit (see select_rows): one row per warp at a time for
-// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together. slists (not kDirect): the lists
-// go to this CTA's shared memory, row j's at slists[j * 16 ..] (the cluster merge), instead of the
-// workspace.
+// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
 template <bool kDirect>
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
-                                                   int rows, int b0, int b1, int lane_pos,
-                                                   uint64_t* slists = nullptr) {
+                                                   int rows, int b0, int b1, int lane_pos) {
   if (rows <= kMmaWarps)
-    select_rows<kDirect, 1>(a, sblk, t0, rows, b0, b1, lane_pos, slists);
+    select_rows<kDirect, 1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
-    select_rows<kDirect, 4>(a, sblk, t0, rows, b0, b1, lane_pos, slists);
-}
-
-// Cluster merge (score_fused_cmerge_kernel), after the cluster barrier that follows every split's
-// local selection: the unit's k_splits CTAs (cluster ranks = blockIdx.y) hold, in their own shared
-// memory, the candidate lists of their splits (slists: row j's 16 keys at slists[j * 16], written
-// by fused_local_select). Row j of the unit is finished by warp j % (4 k_splits) of the cluster
-// (CTA (j / 4) % k_splits): it reads lists y < ceil(local / dec_chunk) of the row from rank y
-// (distributed shared memory), keeps the lane's 15 best keys (insert_key; take_list_key drops keys
-// outside the list's blocks), reduces them to the row's 15 best (warp_top15) and writes the row of
-// block_ids (emit_row): the merge kernel's rule, without the second kernel. Trivial rows (a local
-// block < 16, outside the page table, a negative position) are written by trivial_row.
-__device__ __forceinline__ void cluster_merge_rows(const KernelArgs& a, uint64_t* slists, int t0,
-                                                   int rows, int lane_pos) {
-  const int lane = threadIdx.x & 31;
-  const int gw = static_cast<int>(blockIdx.y) * kMmaWarps + (threadIdx.x >> 5);
-  const int nw = a.k_splits * kMmaWarps;
-  for (int j = gw; j < rows; j += nw) {  // warp-uniform
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-    int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
-    const int local = trivial_row(a, out, pos, true);
-    if (local < 0) continue;
-    const int n = ((local + a.dec_chunk - 1) / a.dec_chunk) * kTopK;  // keys of lists 0 .. ceil - 1
-    uint64_t top[kTopK - 1];
-#pragma unroll
-    for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
-    uint64_t key[4];  // n <= 8 lists x 16 keys: every lane's keys are loaded at once
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int e = lane + 32 * i;
-      key[i] = e < n ? *map_to_cluster_rank(slists + j * kTopK + (e & (kTopK - 1)),
-                                            static_cast<uint32_t>(e >> 4))
-                     : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      if (lane + 32 * i < n) take_list_key(a, top, key[i], lane + 32 * i, 4, local);
-    emit_row(out, local, warp_top15(top));
-  }
+    select_rows<kDirect, 4>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
 // Single pass, overflow tile (after a CTA barrier, or a cluster barrier when its grid.y splits are

@@ -99,7 +99,6 @@ constexpr int kMaxI(int x, int y) { return x > y ? x : y; }
 constexpr int kMmaSmemBytes = kMaxI(kPreStages * kPageBytes, kMmaWarps* kDecStages* kTileBytes);
 constexpr int kPreRowsPerWarp = 32;  // 2 m-tiles of query rows
 static_assert(kMmaWarps * kDecStages * kTileBytes <= kMmaSmemBytes, "decode ring fits");
-static_assert(kDecRows * kTopK * 8 <= kMmaSmemBytes, "cluster merge: the lists fit in the ring");
 static_assert(kPreStages * kPageBytes <= kMmaSmemBytes, "overflow ring fits");
 // The issue side runs kDecStages - 1 tiles ahead of the compute side; with at most 8 (one block
 // of 16-key tiles) it is never two blocks ahead, which the page bookkeeping relies on.
@@ -484,17 +483,11 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// kLists (with kCluster; IndexerCudaOptions::cluster_merge, any max_pages <= 8 x 64): each CTA
-// scores its split into its own table (column b - b0) and writes its rows' candidate lists into
-// its own shared memory (the drained ring); after a cluster barrier the cluster's warps finish the
-// rows from every rank's lists (cluster_merge_rows, distributed shared memory), then a last
-// cluster barrier keeps every CTA (its lists) alive until all reads are done. No merge kernel.
-template <bool kFused, bool kSingle, bool kCluster = false, bool kLists = false>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
-  static_assert(!kLists || kCluster, "lists: the cluster merge only");
   timeline_mark(a, 0);
-  if constexpr (kCluster && !kLists) cluster_arrive_relaxed();
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -588,21 +581,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     }
   };
   timeline_mark(a, 1);
-  if constexpr (kLists) {
-    if (first < b1) score(sblk, b0);
-    timeline_mark(a, 2);
-    __syncthreads();  // every block max of [b0, b1) is in sblk; every warp's ring is drained
-    uint64_t* slists = reinterpret_cast<uint64_t*>(smem);  // rows x 16 keys <= 4 KB of the ring
-    if (b0 < b1) fused_local_select<false>(a, sblk, qa, rows, b0, b1, p, slists);
-    cluster_arrive_release();
-    cluster_wait_acquire();  // every split's lists are in its CTA's shared memory
-    timeline_mark(a, 3);
-    cluster_merge_rows(a, slists, qa, rows, p);
-    cluster_arrive_release();
-    cluster_wait_acquire();  // no CTA exits while another may still read its lists
-    timeline_mark(a, 4);
-    return;
-  }
   if constexpr (kCluster) {
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
@@ -629,8 +607,9 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
     if (!kSingle && a.table_out) {
-      // IndexerCudaOptions::fused_table_out: the table's rows go to the workspace scores in one
-      // coalesced burst (row j: blocks [b0, b1) contiguous); select_kernel finishes the rows.
+      // The default (!IndexerCudaOptions::fused_lists): the table's rows go to the workspace
+      // scores in one coalesced burst (row j: blocks [b0, b1) contiguous); select_kernel
+      // finishes the rows.
       const int ncol = b1 - b0;
       for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kMmaThreads) {
         const int j = i / ncol, c = i - j * ncol;
@@ -791,14 +770,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, bool kLists = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select / merge kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kLists>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -850,16 +829,6 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const 
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, true, true>(a, smem, sh);
-}
-
-// Cluster merge (IndexerCudaOptions::cluster_merge): the fused path's splits of a decode unit as
-// one thread-block cluster of (1, k_splits, 1) CTAs (k_splits <= 8) that finishes the rows itself
-// from the splits' candidate lists in distributed shared memory (decode_path, kLists); overflow
-// tiles as in score_fused_cluster_kernel. No merge kernel.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_cmerge_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  score_mma_body<true, true, true, true>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -255,6 +255,10 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
         compare(in, ref, g, integer, name + " [two-kernel]");
         const GpuResult f = run_gpu(d, o);
         expect_same_ids(in, f, g, name + " [fused vs two-kernel]");
+        IndexerCudaOptions lists = o;  // candidate lists and the merge kernel
+        lists.fused_lists = true;
+        const GpuResult fl = run_gpu(d, lists);
+        expect_same_ids(in, fl, g, name + " [fused lists vs two-kernel]");
         o.single_pass = true;
         if (indexer_cuda_plan(d.params, o).single) {
           const GpuResult c = run_gpu(d, o);

@@ -386,22 +386,13 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.k_splits = 1000;
     variants.push_back({"k_splits 1000", o});
     o = IndexerCudaOptions{};
-    o.guess_multi_token = true;  // the request-bounds guess at any tokens per request
-    variants.push_back({"guess multi-token", o});
+    o.early_query_loads = false;  // the former order: positions and query rows after the tiles
+    o.fast_select = false;        // long rows by the per-lane sorted lists
+    o.fused_lists = true;         // the fused path's candidate lists and merge kernel
+    variants.push_back({"former: late loads, sorted lists, fused lists", o});
     o = IndexerCudaOptions{};
-    o.early_query_loads = true;  // no guess: positions and query rows before the first tiles
-    o.guess_request_bounds = false;
-    variants.push_back({"early loads, no guess", o});
-    o = IndexerCudaOptions{};
-    o.cluster_merge = true;  // fused splits as a cluster that merges the lists itself
-    variants.push_back({"cluster merge", o});
-    o.k_splits = 3;
-    variants.push_back({"cluster merge, k_splits 3", o});
-    o = IndexerCudaOptions{};
-    o.fast_select = true;  // long rows of the selection kernel by a threshold
-    variants.push_back({"fast select", o});
-    o.fused_table_out = true;  // fused tables to the workspace, the selection kernel finishes
-    variants.push_back({"table out, fast select", o});
+    o.guess_request_bounds = false;  // the early loads also at one token per request
+    variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

@@ -207,18 +207,12 @@ std::vector<Variant> all_variants(bool short_context) {
   o.force_cuda_cores = true;
   v.push_back({"cuda cores", o});
   o = {};
-  o.early_query_loads = true;  // positions before the wait, query rows after it
-  v.push_back({"early loads", o});
-  o.guess_multi_token = true;
-  v.push_back({"guess multi-token", o});
+  o.early_query_loads = false;
+  o.fused_lists = true;
+  v.push_back({"former: late loads, fused lists", o});
   o = {};
-  o.fused_decode_always = true;
-  o.cluster_merge = true;
-  v.push_back({"cluster merge", o});
-  o.cluster_merge = false;
-  o.fused_table_out = true;
-  o.fast_select = true;
-  v.push_back({"table out, fast select", o});
+  o.guess_request_bounds = false;
+  v.push_back({"no guess: early loads", o});
   if (short_context) {
     for (int ctas : {1, 2, 8}) {
       o = {};

@@ -157,9 +157,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      (cfg.verify_variant < 16 || cfg.verify_variant > 19))
+      (cfg.verify_variant < 16 || cfg.verify_variant > 20))
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 13, 16, 17, 18 or 19 (9, 11, 12, 14 and 15 were removed in "
+                       " is not 0, 8, 13 or 16-20 (9, 11, 12, 14 and 15 were removed in "
                        "session 15: 13 is 9 with a lazy running max)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
@@ -248,10 +248,12 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 }
 
 // Variants 13 / 16 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18, kPrime1: 19) run as 8 (cp.async, the NaN test in
-// every block) where the pool is not 16-byte aligned or the driver refuses the tensor maps.
+// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18, kPrime1: 19, kFastQuant: 20) run as 8 (cp.async,
+// the NaN test in every block) where the pool is not 16-byte aligned or the driver refuses the
+// tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false,
+          bool kFastQuant = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -262,7 +264,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
   auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict, kFastEpi,
-                                            kSpec, kPrime1>;
+                                            kSpec, kPrime1, kFastQuant>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -296,6 +298,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       return launch_verify<true, true, true, true, true, true, true>(args, pl, n_kv, stream);
     if (pl.verify_variant == 19)
       return launch_verify<true, true, true, true, true, true, false, true>(args, pl, n_kv, stream);
+    if (pl.verify_variant == 20)
+      return launch_verify<true, true, true, true, true, true, false, false, true>(args, pl, n_kv,
+                                                                                   stream);
     return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
                                    : launch_verify<true, false>(args, pl, n_kv, stream);
   }

@@ -100,7 +100,8 @@ struct AttentionCudaConfig {
                             // conflict-free f16 V stores and a later proxy fence, 17 = 16 with a
                             // shorter epilogue (same bytes; automatic), opt-in 18 = 17 with the
                             // row max taken only when a block's sums outgrow the running one, 19
-                            // = 17 with the ring started on one block
+                            // = 17 with the ring started on one block, 20 = 17 with o_proj's codes
+                            // converted in pairs (same bytes)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15: slower), with Q

@@ -333,7 +333,8 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // NaN-dim selects only in a warp that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to
 // nearest even like float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic,
 // which both turn into 0x7fff), the row amax only with out_q.
-template <bool kFast = false>
+// kFastQuant (variant 20): o_proj's codes by ak::quant_pair2 (the same bytes).
+template <bool kFast = false, bool kFastQuant = false>
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -400,8 +401,8 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
         uint8_t* qrow = a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) =
-              static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
+          *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) = static_cast<uint16_t>(
+              kFastQuant ? ak::quant_pair2(wv[j], sc, rcp) : ak::quant_pair(wv[j], sc, rcp));
         if (tig == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
       }
     } else {
@@ -444,9 +445,11 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // epilogue of write_rows<true> (automatic since session 16, round B). kSpec (variant 18 = 17 + it,
 // opt-in): softmax_spec. kPrime1 (variant 19 = 17 + it, opt-in): the ring starts with block 0 alone
 // and loads blocks 1 and 2 once it landed (halves the one-wave grid's initial burst of requests;
-// see attention_decode_kernel.cuh).
+// see attention_decode_kernel.cuh). kFastQuant (variant 20 = 17 + it, opt-in): write_rows'
+// o_proj codes by ak::quant_pair2.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false>
+          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false,
+          bool kFastQuant = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -607,7 +610,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows<kFastEpi>(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows<kFastEpi, kFastQuant>(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

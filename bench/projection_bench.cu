@@ -362,8 +362,8 @@ struct ShapeVariant {
   bool owner;     // GemmWgmmaOptions::owner_fixup
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   int cluster;    // GemmWgmmaOptions::cluster_split
-  int dyn;        // GemmWgmmaOptions::dynamic_chunk
   bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
+  bool rows;      // GemmWgmmaOptions::row_split
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -420,12 +420,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  // 5: dynamic chunks of 8 K blocks; 6 / 7: packed weights, two / one CTAs per SM (session 16;
-  // round A also timed dynamic chunks of 2, 3, 4 and 6 blocks: 33-54 us at M 1-16, removed).
-  const ShapeVariant variants[] = {{0, false, 16, 0, 0, false}, {1, false, 16, 0, 0, false},
-                                   {0, true, 16, 0, 0, false},  {1, true, 16, 0, 0, false},
-                                   {0, false, 16, 3, 0, false}, {0, false, 16, 0, 8, false},
-                                   {0, false, 16, 0, 0, true},  {1, false, 16, 0, 0, true}};
+  // 5: packed weights; 6: row split (session 16; round A also timed dynamic chunks of 2-8 K blocks:
+  // 28-54 us at M 1-16, removed; round B packed weights with one CTA per SM: 24-28 us).
+  const ShapeVariant variants[] = {{0, false, 16, 0, false, false}, {1, false, 16, 0, false, false},
+                                   {0, true, 16, 0, false, false},  {1, true, 16, 0, false, false},
+                                   {0, false, 16, 3, false, false}, {0, false, 16, 0, true, false},
+                                   {0, false, 16, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -449,7 +449,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // Packed images of every weight copy for the packed variants' grid options (two and one CTA
   // per SM): packed[ctas - 1][copy].
   std::vector<void*> packed[2];
-  for (int ctas = 1; ctas <= 2; ++ctas) {
+  for (int ctas = 2; ctas <= 2; ++ctas) {
     GemmWgmmaOptions po;
     po.ctas_per_sm = ctas;
     Result<size_t> pb = gemm_wgmma_packed_bytes(n, k, po);
@@ -466,11 +466,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   uint16_t* ref = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   check_cuda(cudaGetLastError(), "fill");
-  Result<size_t> ws_static = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
-  must(ws_static.status(), "gemm_wgmma_workspace_bytes");
-  Result<size_t> ws_dyn = gemm_wgmma_dynamic_workspace_bytes(n, k, 64, 2);  // (the smallest chunk)
-  must(ws_dyn.status(), "gemm_wgmma_dynamic_workspace_bytes");
-  const Result<size_t> ws_bytes(std::max(ws_static.value(), ws_dyn.value()));
+  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
+  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
   void* ws = nullptr;
   check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
   check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
@@ -573,7 +570,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
-      o.dynamic_chunk = variants[v].dyn;
+      o.row_split = variants[v].rows;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -587,8 +584,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (o.dynamic_chunk > 0 ? " dynamic " + std::to_string(o.dynamic_chunk) : std::string()) +
-          (variants[v].packed ? " packed" : "");
+          (variants[v].packed ? " packed" : "") + (o.row_split ? " row split" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));

@@ -305,13 +305,6 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                                    options.wgmma.max_waves, options.wgmma.ctas_per_sm);
     M3_RETURN_IF_ERROR(bytes.status());
     impl->wgmma_workspace_bytes = bytes.value();
-    if (options.wgmma.dynamic_chunk > 0) {  // (one partial slot per chunk)
-      Result<size_t> dyn = gemm_wgmma_dynamic_workspace_bytes(
-          n, k, std::max(impl->wgmma_max_m, impl->wgmma_auto_max_m),
-          std::min<int>(options.wgmma.dynamic_chunk, static_cast<int>(k / 128)));
-      M3_RETURN_IF_ERROR(dyn.status());
-      impl->wgmma_workspace_bytes = std::max(impl->wgmma_workspace_bytes, dyn.value());
-    }
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&impl->wgmma_workspace, impl->wgmma_workspace_bytes));
     M3_CUDA_RETURN_IF_ERROR(cudaMemset(impl->wgmma_workspace, 0, impl->wgmma_workspace_bytes));
   }

@@ -26,6 +26,7 @@ using gemm_wgmma_detail::WgmmaArgs;
 constexpr size_t kCounterAlign = 256;
 constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
 constexpr int kMaxClusterSplit = 8;  // GemmWgmmaOptions::cluster_split limit (portable clusters)
+constexpr int kAlignSlackBytes = gemm_wgmma_detail::kAlignSlack;
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -84,12 +85,12 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kNw, int kCtasPerSm, bool kDynamic>
+template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
               int waves, const DeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
-  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm, kDynamic>;
+  auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
   // The shared-memory opt-in is per function and device (each device has its own module): set it
   // once per device, then ask how many CTAs fit on one SM (cached per device below 64; devices
   // >= 64 ask at every call). The grid never exceeds one wave of resident CTAs.
@@ -141,24 +142,15 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
   return Status::Ok();
 }
 
-// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM x dynamic chunks.
-template <int kCtasPerSm, bool kDynamic>
+// Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
+template <int kCtasPerSm>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
                      int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
-  if (m <= 8) return launch<8, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 16) return launch<16, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 32) return launch<32, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
-  if (m <= 64) return launch<64, kCtasPerSm, kDynamic>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
+  if (m <= 64) return launch<64, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   return unsupported("the wgmma GEMM serves M <= ", kMaxM, ", got M = ", m);
-}
-
-template <bool kDynamic>
-Status dispatch(int ctas_per_sm, int m, const CUtensorMap& wmap, const CUtensorMap& xmap,
-                const WgmmaArgs& args, int grid, int waves, const DeviceInfo& info,
-                cudaStream_t stream) {
-  if (ctas_per_sm == 1)
-    return dispatch_rows<1, kDynamic>(m, wmap, xmap, args, grid, waves, info, stream);
-  return dispatch_rows<2, kDynamic>(m, wmap, xmap, args, grid, waves, info, stream);
 }
 
 int box_rows_for(int64_t m) { return m <= 8 ? 8 : m <= 16 ? 16 : m <= 32 ? 32 : 64; }
@@ -173,17 +165,38 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
       std::max<int64_t>(1, std::min<int64_t>(int64_t{o.max_waves} * ctas * sms, by_units)));
 }
 
-// Chunks of `chunk` K blocks over the whole weight (GemmWgmmaOptions::dynamic_chunk).
-int64_t dynamic_items(int64_t n, int64_t kblocks, int64_t chunk) {
-  return tiles_of(n) * ((kblocks + chunk - 1) / chunk);
-}
-
 }  // namespace
 
-// One arrival counter per tile, then the dynamic chunks' ticket counter.
+// Row split (GemmWgmmaOptions::row_split): G = CTAs per SM x SMs CTAs (at most N), CTA c owning
+// N / G or N / G + 1 consecutive weight rows over the whole K.
+constexpr int kRowSmemBudget = 110 * 1024;  // two CTAs per SM
+constexpr int kRowOverrun = 64 * kBlockK;   // the last stage's m64 A tile may read past its rows
+
+template <int kNw>
+Status launch_rows(const CUtensorMap& wmap_lo, const CUtensorMap& wmap_hi, const CUtensorMap& xmap,
+                   gemm_wgmma_detail::RowArgs args, int grid, int burst, const DeviceInfo& info,
+                   cudaStream_t stream) {
+  const int stage_bytes = args.a_bytes + kNw * kBlockK;
+  args.stages = std::min(gemm_wgmma_detail::kRowMaxStages,
+                         (kRowSmemBudget - kAlignSlackBytes - kRowOverrun) / stage_bytes);
+  args.burst = burst > 0 ? std::min(burst, args.stages) : std::min(4, args.stages);
+  const int smem = args.stages * stage_bytes + kAlignSlackBytes + kRowOverrun;
+  auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw>;
+  static std::atomic<bool> configured[64] = {};
+  if (info.device >= 64 || !configured[info.device].load(std::memory_order_acquire)) {
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRowSmemBudget));
+    if (info.device < 64) configured[info.device].store(true, std::memory_order_release);
+  }
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                     dim3(gemm_wgmma_detail::kRowThreads), smem, stream,
+                                     args.early_weights != 0, wmap_lo, wmap_hi, xmap, args));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 size_t gemm_wgmma_counter_bytes(int64_t n) {
-  const size_t bytes =
-      static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1) + 1) * sizeof(unsigned);
+  const size_t bytes = static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1)) * sizeof(unsigned);
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
 }
 
@@ -207,19 +220,6 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
   const size_t slot_rows = size_t{2} * per_sm * static_cast<size_t>(padded_rows(max_m));
   return gemm_wgmma_counter_bytes(n) + slot_rows * static_cast<size_t>(max_waves) *
                                            static_cast<size_t>(info.sms) * kTileN * sizeof(float);
-}
-
-Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t max_m, int chunk) {
-  M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
-               "gemm_wgmma_dynamic_workspace_bytes: N = ", n, " and K = ", k,
-               " must be positive multiples of ", kTileN);
-  M3_CHECK_ARG(max_m >= 0 && max_m <= kMaxM, "gemm_wgmma_dynamic_workspace_bytes: max_m = ", max_m,
-               " must be in [0, ", kMaxM, "]");
-  M3_CHECK_ARG(chunk >= 1, "gemm_wgmma_dynamic_workspace_bytes: chunk = ", chunk, " must be >= 1");
-  const int64_t items = dynamic_items(n, k / kBlockK, std::min<int64_t>(chunk, k / kBlockK));
-  return gemm_wgmma_counter_bytes(n) + static_cast<size_t>(items) *
-                                           static_cast<size_t>(padded_rows(max_m)) * kTileN *
-                                           sizeof(float);
 }
 
 Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOptions& options) {
@@ -291,11 +291,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split >= 0 && options.cluster_split <= kMaxClusterSplit,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split, " must be in [0, ",
                kMaxClusterSplit, "]");
-  M3_CHECK_ARG(options.dynamic_chunk >= 0,
-               "GemmWgmmaOptions::dynamic_chunk = ", options.dynamic_chunk, " must be >= 0");
-  M3_CHECK_ARG(options.dynamic_chunk == 0 || options.cluster_split == 0,
-               "GemmWgmmaOptions: dynamic_chunk = ", options.dynamic_chunk,
-               " and cluster_split = ", options.cluster_split, " exclude each other");
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
@@ -324,32 +319,22 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.cluster_split <= kblocks,
                "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
                " must not exceed K / 128 = ", kblocks);
-  M3_CHECK_ARG(options.dynamic_chunk <= kblocks,
-               "GemmWgmmaOptions::dynamic_chunk = ", options.dynamic_chunk,
-               " must not exceed K / 128 = ", kblocks);
   const int cluster_split = options.cluster_split;
-  const int chunk = options.dynamic_chunk;
-  const int64_t items = chunk > 0 ? dynamic_items(n, kblocks, chunk) : 0;
-  M3_CHECK_ARG(items < (int64_t{1} << 30), "run_gemm_wgmma_cuda: ", items,
-               " dynamic chunks must be below 2^30");
-  M3_CHECK_ARG(options.packed_weights == nullptr || (cluster_split == 0 && chunk == 0),
+  M3_CHECK_ARG(options.packed_weights == nullptr || cluster_split == 0,
                "GemmWgmmaOptions::packed_weights serves the stream-K split only (cluster_split = ",
-               cluster_split, ", dynamic_chunk = ", chunk, ")");
+               cluster_split, ")");
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.packed_weights) % 16 == 0,
                "GemmWgmmaOptions::packed_weights must be 16-byte aligned");
   const int64_t grid_cluster = tiles * cluster_split;
   M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
                "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
                " CTAs must be below 2^31");
-  const int grid = cluster_split > 0 ? static_cast<int>(grid_cluster)
-                   : chunk > 0
-                       ? static_cast<int>(std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, items))
-                       : stream_k_grid(units, options, info.sms);
+  const int grid =
+      cluster_split > 0 ? static_cast<int>(grid_cluster) : stream_k_grid(units, options, info.sms);
   const size_t counters = gemm_wgmma_counter_bytes(n);
-  // Partial slots: two per CTA (stream-K), one per chunk (dynamic), none (cluster split).
-  const size_t slots = cluster_split > 0 ? 0
-                       : chunk > 0       ? static_cast<size_t>(items)
-                                         : size_t{2} * static_cast<size_t>(grid);
+  // Partial slots: two per CTA (stream-K), none (cluster split, row split).
+  const size_t slots =
+      cluster_split > 0 || options.row_split ? 0 : size_t{2} * static_cast<size_t>(grid);
   const size_t need =
       counters + slots * static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float);
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
@@ -370,6 +355,44 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, promotion, "weights"));
   M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
+
+  if (options.row_split) {
+    M3_CHECK_ARG(cluster_split == 0 && options.packed_weights == nullptr,
+                 "GemmWgmmaOptions::row_split excludes cluster_split and packed_weights");
+    const int64_t row_grid = std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, n);
+    const int64_t rows_lo = n / row_grid;
+    if (rows_lo + (n % row_grid != 0) > gemm_wgmma_detail::kRowMaxRows)
+      return unsupported("GemmWgmmaOptions::row_split: N = ", n, " over ", row_grid,
+                         " CTAs needs more than ", gemm_wgmma_detail::kRowMaxRows, " rows per CTA");
+    CUtensorMap wmap_lo, wmap_hi;
+    M3_RETURN_IF_ERROR(encode_map(&wmap_lo, p.b.data, n, k, p.b.stride[0],
+                                  static_cast<int>(rows_lo), promotion, "weights (row split)"));
+    M3_RETURN_IF_ERROR(encode_map(&wmap_hi, p.b.data, n, k, p.b.stride[0],
+                                  static_cast<int>(std::min<int64_t>(rows_lo + 1, n)), promotion,
+                                  "weights (row split)"));
+    gemm_wgmma_detail::RowArgs ra;
+    ra.sa = p.a_scales.ptr<const float>();
+    ra.sa_s0 = p.a_scales.stride[0];
+    ra.sa_s1 = p.a_scales.stride[1];
+    ra.sb = p.b_scales.ptr<const float>();
+    ra.sb_s0 = p.b_scales.stride[0];
+    ra.sb_s1 = p.b_scales.stride[1];
+    ra.out = p.out.ptr<uint16_t>();
+    ra.ldo = p.out.stride[0];
+    ra.m = static_cast<int>(m);
+    ra.kblocks = static_cast<int>(kblocks);
+    ra.rows_lo = static_cast<int>(rows_lo);
+    ra.extra = static_cast<int>(n - rows_lo * row_grid);
+    ra.a_bytes = static_cast<int>((rows_lo + 1) * kBlockK + 1023) / 1024 * 1024;
+    ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
+    ra.early_weights = options.programmatic_launch ? 1 : 0;
+    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    const int g = static_cast<int>(row_grid);
+    if (m <= 8) return launch_rows<8>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
+    if (m <= 16) return launch_rows<16>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
+    if (m <= 32) return launch_rows<32>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
+    return launch_rows<64>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
+  }
 
   WgmmaArgs args;
   args.sa = p.a_scales.ptr<const float>();
@@ -393,16 +416,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   args.trace = options.debug_trace;
   args.kblocks = static_cast<int>(kblocks);
   args.units = static_cast<int>(units);
-  args.chunk = chunk;
-  args.chunks_per_tile = chunk > 0 ? static_cast<int>((kblocks + chunk - 1) / chunk) : 0;
-  args.items = static_cast<int>(items);
-  args.next_item = args.counters + std::max<int64_t>(tiles, 1);
   args.packed = static_cast<const uint8_t*>(options.packed_weights);
-  if (chunk > 0)
-    return dispatch<true>(ctas_per_sm, args.m, wmap, xmap, args, grid, options.max_waves, info,
-                          stream);
-  return dispatch<false>(ctas_per_sm, args.m, wmap, xmap, args, grid, options.max_waves, info,
-                         stream);
+  if (ctas_per_sm == 1)
+    return dispatch_rows<1>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
+  return dispatch_rows<2>(args.m, wmap, xmap, args, grid, options.max_waves, info, stream);
 }
 
 }  // namespace m3attn

@@ -50,22 +50,19 @@ struct GemmWgmmaOptions {
   // compute-sanitizer's racecheck cannot run it (the launch fails under the tool; memcheck is
   // clean and every test passes).
   int cluster_split = 0;
-  // Variant: 0 = static stream-K (the default). C >= 1 (at most K / 128): dynamic chunks. Each
-  // tile's K is cut into chunks of C K blocks (the last one shorter), and the grid's CTAs (at most
-  // ctas_per_sm x SMs; min_units_per_cta, max_waves, owner_fixup ignored) take chunks from a
-  // ticket counter in tile-major order as their rings drain, so SMs whose streams run faster take
-  // more chunks. Each chunk's fp32 partial goes to its own workspace slot; the CTA that completes a
-  // tile sums the tile's chunk partials in chunk order and writes bf16: deterministic (the sums
-  // depend on C only), not the stream-K split's bits. Needs a workspace of
-  // gemm_wgmma_dynamic_workspace_bytes(N, K, M, C).
-  int dynamic_chunk = 0;
   // Variant: the weights as gemm_wgmma_pack_weights packed them for these options (nullptr: b read
   // with TMA 2D boxes, the default). Each 16 KB unit (128 rows x 128 K blocks) is stored as the
   // swizzled shared-memory tile, unit v of CTA c at position v x grid + c, so at every step the
   // grid's CTAs read neighbouring 16 KB blocks (one 1D bulk copy each) instead of 128-byte row
   // pieces spread over the whole weight. b's scales and shape still come from the call; its data
-  // is not read. Stream-K only (not with cluster_split or dynamic_chunk).
+  // is not read. Stream-K only (not with cluster_split).
   const void* packed_weights = nullptr;
+  // Variant: no split-K. The grid's ctas_per_sm x SMs CTAs (at most N) each own N / G or N / G + 1
+  // consecutive weight rows (at most 64) over the whole K: one m64 wgmma tile per K block, the
+  // activations as the N operand, no partials, no counters, no cross-CTA reduction (the workspace
+  // is required but untouched). min_units_per_cta, max_waves, owner_fixup are ignored; not with
+  // cluster_split or packed_weights. Deterministic; not the stream-K split's bits.
+  bool row_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -123,11 +120,6 @@ size_t gemm_wgmma_counter_bytes(int64_t n);
 // max_waves <= the given value and the given ctas_per_sm; 0 = the automatic choice).
 Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_waves = 1,
                                           int ctas_per_sm = 0);
-
-// Workspace bytes for GemmWgmmaOptions::dynamic_chunk = chunk (>= 1) on an N x K weight and up to
-// max_m rows: the counters (gemm_wgmma_counter_bytes(N), zero between calls) and one fp32 partial
-// slot per chunk. Also serves every call with dynamic_chunk >= chunk.
-Result<size_t> gemm_wgmma_dynamic_workspace_bytes(int64_t n, int64_t k, int64_t max_m, int chunk);
 
 // Bytes of the packed weight image (GemmWgmmaOptions::packed_weights) of an N x K weight for the
 // grid these options give on the current device.

@@ -25,11 +25,6 @@
 // is done in the accumulator layout (each thread loads the other CTAs' values at its own
 // fragment positions, its own from registers), so a fixup costs one L2 round trip per
 // contributing CTA, which the ring absorbs.
-// Variant (kDynamic, GemmWgmmaOptions::dynamic_chunk = C; session 16): the units are grouped into
-// fixed chunks of C K blocks of one tile ("items", tile-major), and CTAs take items from a ticket
-// counter as their rings drain instead of owning equal static ranges (session 15: CTAs with equal
-// work end 4-5 us apart, by SM). Each item's fp32 partial has its own workspace slot and the
-// tile's last arriving CTA sums the tile's items in item order: the bits depend on C only.
 //
 // CTA: warps 0-7 are two consumer warpgroups (64 weight rows each), warp 8 the producer. The
 // producer's lane 0 streams each unit with two TMA loads (weights box 128 x 128, activations box
@@ -161,10 +156,6 @@ struct WgmmaArgs {
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
-  // Dynamic chunks (kDynamic kernels, see below): K blocks per chunk, chunks per tile, chunks in
-  // all, the ticket counter (zero before and after every launch).
-  int chunk, chunks_per_tile, items;
-  unsigned* next_item;
   // Packed weights (GemmWgmmaOptions::packed_weights): unit u of CTA c (its v-th) is the 16 KB
   // smem image at packed + (v grid + c) 16 KB, loaded with one 1D bulk copy; nullptr: TMA 2D.
   const uint8_t* packed;
@@ -382,7 +373,7 @@ constexpr int scale_slot_floats() {
   return kNw + 4;
 }
 
-template <int kNw, int kStages, int kCtasPerSm, bool kDynamic>
+template <int kNw, int kStages, int kCtasPerSm>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     gemm_wgmma_kernel(const __grid_constant__ CUtensorMap wmap,
                       const __grid_constant__ CUtensorMap xmap, const WgmmaArgs p) {
@@ -481,71 +472,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       if (lane == 0) cp_async_4(smem_addr(slot + kNw), p.sb + tile * p.sb_s0 + kb * p.sb_s1);
       cp_async_mbar_arrive_noinc(smem_addr(&full_bar[s]));
     };
-    if constexpr (kDynamic) {
-      // Dynamic chunks: the CTA's first two chunks are cta and cta + grid; every further one comes
-      // from the ticket counter (chunk 2 grid + ticket), the ticket for the chunk after next
-      // requested when a chunk's loads start, so its latency hides under them. Every chunk taken
-      // costs one ticket, so the counter ends at `items`: the taker of ticket items - 1 (the last
-      // ticket handed out) resets it to zero for the next launch. Lane 0 writes each stage's unit
-      // index (-1: no more units) into the stage's scale slot before its arrival on the full
-      // barrier, which releases it to the consumers.
-      const int chunk = p.chunk, cpt = p.chunks_per_tile, items = p.items;
-      int* slot_unit = reinterpret_cast<int*>(s_scales) + kNw + 1;  // + s * kSlot
-      auto chunk_units = [&](int item, int* u0, int* u1) {
-        const int tile = item / cpt, kb0 = (item - tile * cpt) * chunk;
-        *u0 = tile * kb_count + kb0;
-        *u1 = tile * kb_count + (kb0 + chunk < kb_count ? kb0 + chunk : kb_count);
-      };
-      int cur = cta, nxt = cta + grid, u = 0, u_stop = 0;
-      if (cur < items) chunk_units(cur, &u, &u_stop);
-      const int early = p.early_weights && cur < items ? min(u_stop - u, kStages) : 0;
-      if (lane == 0)
-        for (int j = 0; j < early; ++j) {
-          slot_unit[j * kSlot] = u + j;
-          load_weights(j, u + j);
-        }
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      int i = 0;
-      while (cur < items) {
-        unsigned ticket = 0;
-        if (lane == 0) ticket = atomicAdd(p.next_item, 1u);
-        while (u < u_stop) {
-          const int nb = u_stop - u < burst ? u_stop - u : burst;
-          for (int j = 0; j < nb; ++j) {
-            const int ij = i + j;
-            if (ij >= kStages)
-              mbar_wait(smem_addr(&empty_bar[ij % kStages]), ((ij / kStages) - 1) & 1);
-          }
-          for (int j = 0; j < nb; ++j, ++u, ++i) {
-            const int s = i % kStages;
-            if (lane == 0) {
-              if (i >= early) {
-                slot_unit[s * kSlot] = u;
-                load_weights(s, u);
-              }
-              const int kb = u % kb_count;
-              tma_load_2d(base + static_cast<uint32_t>(s * kStageBytes + kWeightTileBytes), &xmap,
-                          kb * kBlockK, 0, smem_addr(&full_bar[s]));
-            }
-            load_scales(s, u);
-          }
-        }
-        ticket = __shfl_sync(0xffffffffu, ticket, 0);
-        if (lane == 0 && ticket == static_cast<unsigned>(items - 1)) atomicExch(p.next_item, 0u);
-        cur = nxt;
-        nxt = ticket < static_cast<unsigned>(items) ? 2 * grid + static_cast<int>(ticket) : items;
-        if (cur < items) chunk_units(cur, &u, &u_stop);
-      }
-      const int s = i % kStages;  // the end marker
-      if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
-      if (lane == 0) {
-        slot_unit[s * kSlot] = -1;
-        mbar_arrive(smem_addr(&full_bar[s]));
-      }
-      cp_async_mbar_arrive_noinc(smem_addr(&full_bar[s]));
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      return;
-    }
     // Programmatic launch: the weights (which no preceding kernel writes) of the first ring of
     // units are requested before waiting for the preceding grid, whose outputs (activations and
     // their scales) are read only after griddepcontrol.wait. Without PDL the wait is a no-op.
@@ -698,108 +624,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     unsigned long long* t = p.trace + int64_t{cta} * kTraceWords;
     for (int w = 0; w < kTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
   };
-
-  if constexpr (kDynamic) {
-    // Dynamic chunks: the units arrive chunk by chunk in the order the producer took them (each
-    // stage names its unit; -1 ends the stream). A chunk (K blocks [j C, (j + 1) C) of one tile)
-    // is accumulated from zero; its fp32 partial goes to workspace slot `item` (fragment-major),
-    // and the CTA completing the tile's arrival counter sums the tile's chunk partials in chunk
-    // order (its own from registers: the same values) and writes bf16: the sum depends only on C,
-    // not on which CTA took which chunk, so results are deterministic. (A tile of one chunk is
-    // written at once.) The bf16 stores go straight from the fragments: the ring is still
-    // streaming the next chunks.
-    const int chunk = p.chunk, cpt = p.chunks_per_tile;
-    const int* slot_unit = reinterpret_cast<const int*>(s_scales) + kNw + 1;  // + s * kSlot
-    // Partial loads in flight per thread while summing: (16-byte loads) 16 at n = 8, else 8.
-    constexpr int kSlice = kCtasPerSm == 2 && kAcc > 16 ? 16 : kAcc;
-    constexpr int kQ = kSlice / 4;
-    constexpr int kInFlight = kAcc <= 4 ? 16 : 8;
-    constexpr int kPerBatch = kInFlight / kQ;  // contributors per batch (>= 1: kQ <= 8)
-    for (int i = 0;; ++i) {
-      const int s = i % kStages;
-      mbar_wait(full0 + 8 * s, (i / kStages) & 1);
-      const int u = slot_unit[s * kSlot];
-      if (u < 0) break;
-      if (tracing) {
-        if (i == 0) {
-          s_trace[1] = static_cast<long long>(global_ns());
-          s_trace[4] = clock64() - s_trace[kTraceWords];
-        }
-        s_trace[2] = static_cast<long long>(global_ns());
-        s_trace[5] = clock64() - s_trace[kTraceWords];
-      }
-      const int tile = u / kb_count, kb = u - tile * kb_count;
-      if (kb % chunk == 0) {
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-      }
-      consume_unit(s);
-      if ((kb + 1) % chunk != 0 && kb + 1 != kb_count) continue;
-      // The chunk is complete.
-      const long long epi_start = tracing ? clock64() : 0;
-      if (cpt == 1) {
-        write_tile(acc, tile, false);
-      } else {
-        const int jc = kb / chunk;
-        float4* part = partial_v4(tile * cpt + jc);
-#pragma unroll
-        for (int q4 = 0; q4 < kAcc / 4; ++q4)
-          __stcg(part + q4 * kConsumerThreads,
-                 make_float4(acc[4 * q4], acc[4 * q4 + 1], acc[4 * q4 + 2], acc[4 * q4 + 3]));
-        consumer_barrier();  // (the release pattern of the stream-K fixup below)
-        if (tid == 0) {
-          __threadfence();
-          const bool last = atomicAdd(p.counters + tile, 1u) == static_cast<unsigned>(cpt - 1);
-          if (last) __threadfence();
-          s_is_last = last;
-        }
-        consumer_barrier();
-        if (s_is_last) {
-          // (In slices of 16 fragment elements with two CTAs per SM at n = 64: registers.)
-#pragma unroll
-          for (int j0 = 0; j0 < kAcc; j0 += kSlice) {
-            float sum[kSlice];
-#pragma unroll
-            for (int j = 0; j < kSlice; ++j) sum[j] = 0.0f;
-            for (int c0 = 0; c0 < cpt; c0 += kPerBatch) {
-              float4 v[kPerBatch][kQ];
-#pragma unroll
-              for (int cb = 0; cb < kPerBatch; ++cb) {
-                const int c = c0 + cb;
-                if (c < cpt && c != jc) {
-                  const float4* q_part = partial_v4(tile * cpt + c) + j0 / 4 * kConsumerThreads;
-#pragma unroll
-                  for (int q4 = 0; q4 < kQ; ++q4)
-                    v[cb][q4] = __ldcg(q_part + q4 * kConsumerThreads);
-                }
-              }
-#pragma unroll
-              for (int cb = 0; cb < kPerBatch; ++cb) {
-                const int c = c0 + cb;
-                if (c >= cpt) break;
-#pragma unroll
-                for (int q4 = 0; q4 < kQ; ++q4) {
-                  const int e = j0 + 4 * q4;
-                  const float4 w =
-                      c == jc ? make_float4(acc[e], acc[e + 1], acc[e + 2], acc[e + 3]) : v[cb][q4];
-                  sum[4 * q4] += w.x;
-                  sum[4 * q4 + 1] += w.y;
-                  sum[4 * q4 + 2] += w.z;
-                  sum[4 * q4 + 3] += w.w;
-                }
-              }
-            }
-#pragma unroll
-            for (int j = 0; j < kSlice; ++j) store_bf16(j0 + j, sum[j], tile);
-          }
-          if (tid == 0) atomicExch(p.counters + tile, 0u);
-        }
-      }
-      if (tracing) s_trace[7] += clock64() - epi_start;
-    }
-    write_trace();
-    return;
-  }
 
   int i = 0;
   int u = u_begin;
@@ -973,6 +797,159 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
   }
   write_trace();
+}
+
+// ---- Row split (GemmWgmmaOptions::row_split; session 16) ----------------------------------------
+// No split-K: CTA c of G owns the contiguous weight rows [first_c, first_c + R_c) (R_c = N / G or
+// N / G + 1) over the whole K, so nothing is reduced across CTAs: no partials, no counters, no
+// fences; the epilogue is the CTA's own bf16 stores. One consumer warpgroup computes m64nNk32
+// wgmmas whose A tile holds the CTA's R_c rows (a TMA box of R_c rows: one map per box height; the
+// tile's rows >= R_c are stale shared memory, their outputs are discarded), the activations are B
+// as in the stream-K kernel. Stage = one K block: the rows' 128-byte pieces (R_c x 128 bytes,
+// padded to 1024) + the activation box; the ring is as deep as 110 KB allows. The fold multiplies
+// by the row's own 128-row weight scale (a CTA's rows span at most two scale blocks).
+constexpr int kRowThreads = 128 + 32;  // one consumer warpgroup + the producer warp
+constexpr int kRowMaxStages = 32;
+constexpr int kRowMaxRows = 64;  // R_c <= 64: one m64 tile
+
+struct RowArgs {
+  const float* sa;  // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
+  int64_t sa_s0, sa_s1;
+  const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
+  int64_t sb_s0, sb_s1;
+  uint16_t* out;  // bf16 [m, N], row stride ldo
+  int64_t ldo;
+  int m, kblocks;
+  int rows_lo,
+      extra;    // CTA c has rows_lo + (c < extra) rows, starting at c rows_lo + min(c, extra)
+  int a_bytes;  // shared bytes of a stage's weight rows (rows_lo + 1 rows x 128, to 1024)
+  int stages, burst;
+  int weight_evict_first, early_weights, trigger_dependents;
+};
+
+template <int kNw>
+__global__ void __launch_bounds__(kRowThreads)
+    gemm_rows_kernel(const __grid_constant__ CUtensorMap wmap_lo,
+                     const __grid_constant__ CUtensorMap wmap_hi,
+                     const __grid_constant__ CUtensorMap xmap, const RowArgs p) {
+  constexpr int kAcc = kNw / 2;
+  constexpr int kSlot = kNw + 4;  // activation scales, then the two weight-scale blocks
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kRowMaxStages];
+  __shared__ __align__(8) uint64_t empty_bar[kRowMaxStages];
+  __shared__ __align__(16) float s_scales[kRowMaxStages * kSlot];
+
+  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const int cta = static_cast<int>(blockIdx.x);
+  const int rows = p.rows_lo + (cta < p.extra ? 1 : 0);
+  const int first = cta * p.rows_lo + (cta < p.extra ? cta : p.extra);
+  const int sb0 = first / kTileN;  // the first of the (at most two) weight-scale blocks
+  const int kb_count = p.kblocks, m_count = p.m, n_stages = p.stages;
+  const int stage_bytes = p.a_bytes + kNw * kBlockK;
+
+  for (int i = tid; i < n_stages * kSlot; i += kRowThreads) s_scales[i] = 0.0f;
+  if (tid == 128) {
+    prefetch_tensor_map(rows > p.rows_lo ? &wmap_hi : &wmap_lo);
+    prefetch_tensor_map(&xmap);
+    for (int s = 0; s < n_stages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1 + 32);  // lane 0's expect_tx + 32 cp.async arrivals
+      mbar_init(smem_addr(&empty_bar[s]), 4);      // one arrival per consumer warp
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  if (tid >= 128) {
+    // Producer warp: lane 0 issues each K block's weight box (the CTA's rows) and activation box;
+    // every lane copies its activation rows' scales, lane 0 also the two weight scales.
+    const uint64_t policy = evict_first_policy();
+    const CUtensorMap* wmap = rows > p.rows_lo ? &wmap_hi : &wmap_lo;
+    const uint32_t tx = static_cast<uint32_t>(rows * kBlockK + kNw * kBlockK);
+    auto load_weights = [&](int s, int kb) {
+      const uint32_t full = smem_addr(&full_bar[s]);
+      const uint32_t dst = base + static_cast<uint32_t>(s * stage_bytes);
+      mbar_arrive_expect_tx(full, tx);
+      if (p.weight_evict_first) {
+        tma_load_2d_hint(dst, wmap, kb * kBlockK, first, full, policy);
+      } else {
+        tma_load_2d(dst, wmap, kb * kBlockK, first, full);
+      }
+    };
+    const int early = p.early_weights ? (kb_count < n_stages ? kb_count : n_stages) : 0;
+    if (lane == 0)
+      for (int j = 0; j < early; ++j) load_weights(j, j);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    const int burst = p.burst;
+    for (int kb = 0, i = 0; kb < kb_count;) {
+      const int nb = kb_count - kb < burst ? kb_count - kb : burst;
+      for (int j = 0; j < nb; ++j) {
+        const int ij = i + j;
+        if (ij >= n_stages)
+          mbar_wait(smem_addr(&empty_bar[ij % n_stages]), ((ij / n_stages) - 1) & 1);
+      }
+      for (int j = 0; j < nb; ++j, ++kb, ++i) {
+        const int s = i % n_stages;
+        const uint32_t full = smem_addr(&full_bar[s]);
+        if (lane == 0) {
+          if (i >= early) load_weights(s, kb);
+          tma_load_2d(base + static_cast<uint32_t>(s * stage_bytes + p.a_bytes), &xmap,
+                      kb * kBlockK, 0, full);
+        }
+        float* slot = s_scales + s * kSlot;
+#pragma unroll
+        for (int r = lane; r < kNw; r += 32)
+          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
+        if (lane < 2 && (sb0 + lane) * kTileN < first + rows)
+          cp_async_4(smem_addr(slot + kNw + lane), p.sb + (sb0 + lane) * p.sb_s0 + kb * p.sb_s1);
+        cp_async_mbar_arrive_noinc(full);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    return;
+  }
+
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int warp = tid / 32, q = lane % 4;
+  const int row0 = 16 * warp + lane / 4;  // this thread's rows of the tile: row0 and row0 + 8
+  const int m0 = 2 * q;
+  auto frag_m = [&](int j) { return m0 + 8 * (j / 4) + j % 2; };
+  auto frag_row = [&](int j) { return row0 + 8 * ((j / 2) % 2); };
+  // Each of the thread's two rows has its own weight-scale block (0 or 1 after sb0).
+  const int blk0 = (first + row0) / kTileN - sb0, blk1 = (first + row0 + 8) / kTileN - sb0;
+  float acc[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+  for (int kb = 0; kb < kb_count; ++kb) {
+    const int s = kb % n_stages;
+    mbar_wait(smem_addr(&full_bar[s]), (kb / n_stages) & 1);
+    const uint32_t a_addr = base + static_cast<uint32_t>(s * stage_bytes);
+    const uint32_t b_addr = a_addr + static_cast<uint32_t>(p.a_bytes);
+    float tmp[kAcc];
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int k = 0; k < kBlockK / 32; ++k)
+      Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+    wgmma_commit();
+    const float* slot = s_scales + s * kSlot;
+    const float w0 = slot[kNw + blk0], w1 = slot[kNw + blk1];
+    wgmma_wait_all();
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j)
+      acc[j] = fmaf(tmp[j], ((j / 2) % 2 ? w1 : w0) * slot[frag_m(j)], acc[j]);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
+  }
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j)
+    if (frag_m(j) < m_count && frag_row(j) < rows)
+      p.out[frag_m(j) * p.ldo + first + frag_row(j)] = float_to_bf16(acc[j]);
 }
 
 // Packs the weights b [N, K] (row stride ldb bytes) into the image the kernel's CTAs read with

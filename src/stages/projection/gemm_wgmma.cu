@@ -26,7 +26,6 @@ using gemm_wgmma_detail::WgmmaArgs;
 constexpr size_t kCounterAlign = 256;
 constexpr int kMaxWaves = 64;        // GemmWgmmaOptions::max_waves limit
 constexpr int kMaxClusterSplit = 8;  // GemmWgmmaOptions::cluster_split limit (portable clusters)
-constexpr int kAlignSlackBytes = gemm_wgmma_detail::kAlignSlack;
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
@@ -167,34 +166,6 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
 
 }  // namespace
 
-// Row split (GemmWgmmaOptions::row_split): G = CTAs per SM x SMs CTAs (at most N), CTA c owning
-// N / G or N / G + 1 consecutive weight rows over the whole K.
-constexpr int kRowSmemBudget = 110 * 1024;  // two CTAs per SM
-constexpr int kRowOverrun = 64 * kBlockK;   // the last stage's m64 A tile may read past its rows
-
-template <int kNw>
-Status launch_rows(const CUtensorMap& wmap_lo, const CUtensorMap& wmap_hi, const CUtensorMap& xmap,
-                   gemm_wgmma_detail::RowArgs args, int grid, int burst, const DeviceInfo& info,
-                   cudaStream_t stream) {
-  const int stage_bytes = args.a_bytes + kNw * kBlockK;
-  args.stages = std::min(gemm_wgmma_detail::kRowMaxStages,
-                         (kRowSmemBudget - kAlignSlackBytes - kRowOverrun) / stage_bytes);
-  args.burst = burst > 0 ? std::min(burst, args.stages) : std::min(4, args.stages);
-  const int smem = args.stages * stage_bytes + kAlignSlackBytes + kRowOverrun;
-  auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw>;
-  static std::atomic<bool> configured[64] = {};
-  if (info.device >= 64 || !configured[info.device].load(std::memory_order_acquire)) {
-    M3_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kRowSmemBudget));
-    if (info.device < 64) configured[info.device].store(true, std::memory_order_release);
-  }
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
-                                     dim3(gemm_wgmma_detail::kRowThreads), smem, stream,
-                                     args.early_weights != 0, wmap_lo, wmap_hi, xmap, args));
-  M3_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
-}
-
 size_t gemm_wgmma_counter_bytes(int64_t n) {
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1)) * sizeof(unsigned);
   return (bytes + kCounterAlign - 1) / kCounterAlign * kCounterAlign;
@@ -332,9 +303,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   const int grid =
       cluster_split > 0 ? static_cast<int>(grid_cluster) : stream_k_grid(units, options, info.sms);
   const size_t counters = gemm_wgmma_counter_bytes(n);
-  // Partial slots: two per CTA (stream-K), none (cluster split, row split).
-  const size_t slots =
-      cluster_split > 0 || options.row_split ? 0 : size_t{2} * static_cast<size_t>(grid);
+  // Partial slots: two per CTA (stream-K), none (cluster split).
+  const size_t slots = cluster_split > 0 ? 0 : size_t{2} * static_cast<size_t>(grid);
   const size_t need =
       counters + slots * static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float);
   M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
@@ -355,44 +325,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       encode_map(&wmap, p.b.data, n, k, p.b.stride[0], kTileN, promotion, "weights"));
   M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows_for(m),
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
-
-  if (options.row_split) {
-    M3_CHECK_ARG(cluster_split == 0 && options.packed_weights == nullptr,
-                 "GemmWgmmaOptions::row_split excludes cluster_split and packed_weights");
-    const int64_t row_grid = std::min<int64_t>(int64_t{ctas_per_sm} * info.sms, n);
-    const int64_t rows_lo = n / row_grid;
-    if (rows_lo + (n % row_grid != 0) > gemm_wgmma_detail::kRowMaxRows)
-      return unsupported("GemmWgmmaOptions::row_split: N = ", n, " over ", row_grid,
-                         " CTAs needs more than ", gemm_wgmma_detail::kRowMaxRows, " rows per CTA");
-    CUtensorMap wmap_lo, wmap_hi;
-    M3_RETURN_IF_ERROR(encode_map(&wmap_lo, p.b.data, n, k, p.b.stride[0],
-                                  static_cast<int>(rows_lo), promotion, "weights (row split)"));
-    M3_RETURN_IF_ERROR(encode_map(&wmap_hi, p.b.data, n, k, p.b.stride[0],
-                                  static_cast<int>(std::min<int64_t>(rows_lo + 1, n)), promotion,
-                                  "weights (row split)"));
-    gemm_wgmma_detail::RowArgs ra;
-    ra.sa = p.a_scales.ptr<const float>();
-    ra.sa_s0 = p.a_scales.stride[0];
-    ra.sa_s1 = p.a_scales.stride[1];
-    ra.sb = p.b_scales.ptr<const float>();
-    ra.sb_s0 = p.b_scales.stride[0];
-    ra.sb_s1 = p.b_scales.stride[1];
-    ra.out = p.out.ptr<uint16_t>();
-    ra.ldo = p.out.stride[0];
-    ra.m = static_cast<int>(m);
-    ra.kblocks = static_cast<int>(kblocks);
-    ra.rows_lo = static_cast<int>(rows_lo);
-    ra.extra = static_cast<int>(n - rows_lo * row_grid);
-    ra.a_bytes = static_cast<int>((rows_lo + 1) * kBlockK + 1023) / 1024 * 1024;
-    ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
-    ra.early_weights = options.programmatic_launch ? 1 : 0;
-    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    const int g = static_cast<int>(row_grid);
-    if (m <= 8) return launch_rows<8>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
-    if (m <= 16) return launch_rows<16>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
-    if (m <= 32) return launch_rows<32>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
-    return launch_rows<64>(wmap_lo, wmap_hi, xmap, ra, g, options.burst, info, stream);
-  }
 
   WgmmaArgs args;
   args.sa = p.a_scales.ptr<const float>();

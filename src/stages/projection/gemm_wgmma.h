@@ -55,14 +55,12 @@ struct GemmWgmmaOptions {
   // swizzled shared-memory tile, unit v of CTA c at position v x grid + c, so at every step the
   // grid's CTAs read neighbouring 16 KB blocks (one 1D bulk copy each) instead of 128-byte row
   // pieces spread over the whole weight. b's scales and shape still come from the call; its data
-  // is not read. Stream-K only (not with cluster_split).
+  // is not read. Stream-K only (not with cluster_split). Session 16 (same-round A/Bs, us isolated
+  // / back to back): o_proj N 6144 K 8192 M 1 / 16 / 32 19.90 / 17.80, 20.80 / 18.60, 22.50 /
+  // 20.21 vs 20.96 / 18.77, 21.95 / 19.62, 23.52 / 21.11 (round B; round C the same within 0.1);
+  // fused N 9856 M 1 / 16 / 64 21.86 / 19.89, 22.02 / 20.19, 28.35 / 25.74 vs 22.27 / 20.38,
+  // 22.78 / 20.75, 29.63 / 27.12 (round C). Opt-in: the caller keeps the packed image (N K bytes).
   const void* packed_weights = nullptr;
-  // Variant: no split-K. The grid's ctas_per_sm x SMs CTAs (at most N) each own N / G or N / G + 1
-  // consecutive weight rows (at most 64) over the whole K: one m64 wgmma tile per K block, the
-  // activations as the N operand, no partials, no counters, no cross-CTA reduction (the workspace
-  // is required but untouched). min_units_per_cta, max_waves, owner_fixup are ignored; not with
-  // cluster_split or packed_weights. Deterministic; not the stream-K split's bits.
-  bool row_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -94,6 +94,21 @@
 // M <= 8, slower at M >= 16 and with one CTA per SM (77 x C CTAs do not fit one wave for C >= 2).
 // Whole tiles per CTA (77 CTAs, no reduction) took 34-37 us: a single CTA's ring (6-9 stages)
 // cannot pull more than ~27 GB/s. Scale loads cost nothing measurable (ablated: equal).
+// Session 16 (fused N 9856 x K 6144 unless noted; us isolated / back to back): (1) dynamic chunks
+// (fixed K chunks of C blocks per tile, handed to CTAs from a ticket counter prefetched one chunk
+// ahead, one fp32 partial slot per chunk summed in chunk order by the tile's last arriver:
+// deterministic) lost everywhere: M 1 28.0-48.2 vs 22.6 (C = 8 ... 2, round A): every chunk pays a
+// partial store, a gpu-scope fence and an atomic under full HBM load (1-2 us each with the CTA's
+// consumers waiting), and chunks big enough to amortize that leave 1-2 chunks per CTA; the
+// weight stream alone read as dynamic chunks was no faster than static ranges either
+// (bandwidth_bench --tiles: 18.6-19.5 / 16.5-17.6 vs 18.1-18.6 / 16.2-16.8), so the CTAs' spread
+// is not what separates the stream from a plain read. (2) A row split without split-K (CTA c owns
+// ~37 whole weight rows, one m64 tile per K block from a TMA box of its rows, no reduction) was
+// exact but took 32 us at M 1 (o_proj 40 us): each CTA walks 48 K blocks through one warpgroup,
+// one wgmma group + wait + fold at a time. Both removed. (3) Packed weights (below) stay opt-in.
+// The plain read with one contiguous range per CTA is as fast as the grid-stride read (17.25 /
+// 15.21 vs 17.18 / 15.29, round B), while TMA or bulk-copy streams of the same bytes take 17.8-18.1
+// / 15.9-16.2 in any order: the copy engine path, not the access pattern, costs ~0.7 us.
 // Grid: (1 or 2, automatic 2) x SMs CTAs, at least `min_units_per_cta` units each, at most
 // `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another
 // CTA, so later waves are safe); cluster split: N / 128 x C CTAs in clusters of C.
@@ -797,159 +812,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
   }
   write_trace();
-}
-
-// ---- Row split (GemmWgmmaOptions::row_split; session 16) ----------------------------------------
-// No split-K: CTA c of G owns the contiguous weight rows [first_c, first_c + R_c) (R_c = N / G or
-// N / G + 1) over the whole K, so nothing is reduced across CTAs: no partials, no counters, no
-// fences; the epilogue is the CTA's own bf16 stores. One consumer warpgroup computes m64nNk32
-// wgmmas whose A tile holds the CTA's R_c rows (a TMA box of R_c rows: one map per box height; the
-// tile's rows >= R_c are stale shared memory, their outputs are discarded), the activations are B
-// as in the stream-K kernel. Stage = one K block: the rows' 128-byte pieces (R_c x 128 bytes,
-// padded to 1024) + the activation box; the ring is as deep as 110 KB allows. The fold multiplies
-// by the row's own 128-row weight scale (a CTA's rows span at most two scale blocks).
-constexpr int kRowThreads = 128 + 32;  // one consumer warpgroup + the producer warp
-constexpr int kRowMaxStages = 32;
-constexpr int kRowMaxRows = 64;  // R_c <= 64: one m64 tile
-
-struct RowArgs {
-  const float* sa;  // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
-  int64_t sa_s0, sa_s1;
-  const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
-  int64_t sb_s0, sb_s1;
-  uint16_t* out;  // bf16 [m, N], row stride ldo
-  int64_t ldo;
-  int m, kblocks;
-  int rows_lo,
-      extra;    // CTA c has rows_lo + (c < extra) rows, starting at c rows_lo + min(c, extra)
-  int a_bytes;  // shared bytes of a stage's weight rows (rows_lo + 1 rows x 128, to 1024)
-  int stages, burst;
-  int weight_evict_first, early_weights, trigger_dependents;
-};
-
-template <int kNw>
-__global__ void __launch_bounds__(kRowThreads)
-    gemm_rows_kernel(const __grid_constant__ CUtensorMap wmap_lo,
-                     const __grid_constant__ CUtensorMap wmap_hi,
-                     const __grid_constant__ CUtensorMap xmap, const RowArgs p) {
-  constexpr int kAcc = kNw / 2;
-  constexpr int kSlot = kNw + 4;  // activation scales, then the two weight-scale blocks
-  extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[kRowMaxStages];
-  __shared__ __align__(8) uint64_t empty_bar[kRowMaxStages];
-  __shared__ __align__(16) float s_scales[kRowMaxStages * kSlot];
-
-  const uint32_t base = (smem_addr(smem_raw) + 1023u) & ~1023u;
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
-  const int cta = static_cast<int>(blockIdx.x);
-  const int rows = p.rows_lo + (cta < p.extra ? 1 : 0);
-  const int first = cta * p.rows_lo + (cta < p.extra ? cta : p.extra);
-  const int sb0 = first / kTileN;  // the first of the (at most two) weight-scale blocks
-  const int kb_count = p.kblocks, m_count = p.m, n_stages = p.stages;
-  const int stage_bytes = p.a_bytes + kNw * kBlockK;
-
-  for (int i = tid; i < n_stages * kSlot; i += kRowThreads) s_scales[i] = 0.0f;
-  if (tid == 128) {
-    prefetch_tensor_map(rows > p.rows_lo ? &wmap_hi : &wmap_lo);
-    prefetch_tensor_map(&xmap);
-    for (int s = 0; s < n_stages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1 + 32);  // lane 0's expect_tx + 32 cp.async arrivals
-      mbar_init(smem_addr(&empty_bar[s]), 4);      // one arrival per consumer warp
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-  }
-  __syncthreads();
-  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-
-  if (tid >= 128) {
-    // Producer warp: lane 0 issues each K block's weight box (the CTA's rows) and activation box;
-    // every lane copies its activation rows' scales, lane 0 also the two weight scales.
-    const uint64_t policy = evict_first_policy();
-    const CUtensorMap* wmap = rows > p.rows_lo ? &wmap_hi : &wmap_lo;
-    const uint32_t tx = static_cast<uint32_t>(rows * kBlockK + kNw * kBlockK);
-    auto load_weights = [&](int s, int kb) {
-      const uint32_t full = smem_addr(&full_bar[s]);
-      const uint32_t dst = base + static_cast<uint32_t>(s * stage_bytes);
-      mbar_arrive_expect_tx(full, tx);
-      if (p.weight_evict_first) {
-        tma_load_2d_hint(dst, wmap, kb * kBlockK, first, full, policy);
-      } else {
-        tma_load_2d(dst, wmap, kb * kBlockK, first, full);
-      }
-    };
-    const int early = p.early_weights ? (kb_count < n_stages ? kb_count : n_stages) : 0;
-    if (lane == 0)
-      for (int j = 0; j < early; ++j) load_weights(j, j);
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    const int burst = p.burst;
-    for (int kb = 0, i = 0; kb < kb_count;) {
-      const int nb = kb_count - kb < burst ? kb_count - kb : burst;
-      for (int j = 0; j < nb; ++j) {
-        const int ij = i + j;
-        if (ij >= n_stages)
-          mbar_wait(smem_addr(&empty_bar[ij % n_stages]), ((ij / n_stages) - 1) & 1);
-      }
-      for (int j = 0; j < nb; ++j, ++kb, ++i) {
-        const int s = i % n_stages;
-        const uint32_t full = smem_addr(&full_bar[s]);
-        if (lane == 0) {
-          if (i >= early) load_weights(s, kb);
-          tma_load_2d(base + static_cast<uint32_t>(s * stage_bytes + p.a_bytes), &xmap,
-                      kb * kBlockK, 0, full);
-        }
-        float* slot = s_scales + s * kSlot;
-#pragma unroll
-        for (int r = lane; r < kNw; r += 32)
-          if (r < m_count) cp_async_4(smem_addr(slot + r), p.sa + r * p.sa_s0 + kb * p.sa_s1);
-        if (lane < 2 && (sb0 + lane) * kTileN < first + rows)
-          cp_async_4(smem_addr(slot + kNw + lane), p.sb + (sb0 + lane) * p.sb_s0 + kb * p.sb_s1);
-        cp_async_mbar_arrive_noinc(full);
-      }
-    }
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    return;
-  }
-
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  const int warp = tid / 32, q = lane % 4;
-  const int row0 = 16 * warp + lane / 4;  // this thread's rows of the tile: row0 and row0 + 8
-  const int m0 = 2 * q;
-  auto frag_m = [&](int j) { return m0 + 8 * (j / 4) + j % 2; };
-  auto frag_row = [&](int j) { return row0 + 8 * ((j / 2) % 2); };
-  // Each of the thread's two rows has its own weight-scale block (0 or 1 after sb0).
-  const int blk0 = (first + row0) / kTileN - sb0, blk1 = (first + row0 + 8) / kTileN - sb0;
-  float acc[kAcc];
-#pragma unroll
-  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  for (int kb = 0; kb < kb_count; ++kb) {
-    const int s = kb % n_stages;
-    mbar_wait(smem_addr(&full_bar[s]), (kb / n_stages) & 1);
-    const uint32_t a_addr = base + static_cast<uint32_t>(s * stage_bytes);
-    const uint32_t b_addr = a_addr + static_cast<uint32_t>(p.a_bytes);
-    float tmp[kAcc];
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) tmp[j] = 0.0f;
-    wgmma_fence();
-#pragma unroll
-    for (int k = 0; k < kBlockK / 32; ++k)
-      Wgmma<kNw>::mma(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-    wgmma_commit();
-    const float* slot = s_scales + s * kSlot;
-    const float w0 = slot[kNw + blk0], w1 = slot[kNw + blk1];
-    wgmma_wait_all();
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) keep_register(tmp[j]);
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j)
-      acc[j] = fmaf(tmp[j], ((j / 2) % 2 ? w1 : w0) * slot[frag_m(j)], acc[j]);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&empty_bar[s]));
-  }
-#pragma unroll
-  for (int j = 0; j < kAcc; ++j)
-    if (frag_m(j) < m_count && frag_row(j) < rows)
-      p.out[frag_m(j) * p.ldo + first + frag_row(j)] = float_to_bf16(acc[j]);
 }
 
 // Packs the weights b [N, K] (row stride ldb bytes) into the image the kernel's CTAs read with

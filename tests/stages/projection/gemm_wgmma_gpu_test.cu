@@ -77,7 +77,6 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
-  bool rows = false;        // GemmWgmmaOptions::row_split
 };
 
 std::string describe(const Case& c) {
@@ -88,8 +87,7 @@ std::string describe(const Case& c) {
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
-         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows);
+         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -105,7 +103,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_split = c.rows;
   return o;
 }
 
@@ -235,18 +232,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, true},
         Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, true},
-        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true},
-        // row_split: 37-38 rows per CTA crossing scale blocks (fused width, every n), 1-2 rows per
-        // CTA (N 384), one row (N 128), o_proj's 23-24 rows, one K block, PDL, bursts, unaligned.
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
-        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, true},
-        Case{16, 9856, 1152, 0, 0, false, 2, 4, 1, true, 0, false, 1, false, 0, false, true},
-        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
-        Case{64, 9856, 1024, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
-        Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, false, true},
-        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
-        Case{24, 6144, 8192, 0, 0, false, 2, 4, 7, false, 0, false, 1, false, 0, false, true},
-        Case{40, 1280, 2048, 0, 0, true, 0, 1, 0, true, 0, false, 1, false, 0, false, true}));
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -317,57 +303,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
                          ::testing::Values(RandomCase{1, 9856, 6144}, RandomCase{8, 640, 6144},
                                            RandomCase{33, 256, 6144}, RandomCase{64, 640, 6144},
                                            RandomCase{16, 128, 8192}));
-
-// Row split (GemmWgmmaOptions::row_split) on random operands: within the stream-K bound of the
-// twin (each output is one CTA's fp32 sum over K blocks in K order, the twin's order), bit
-// identical on a second launch (run_twice); with one CTA per SM the fused width needs 75 rows per
-// CTA: refused as unsupported, nothing written.
-TEST(GemmWgmmaRowSplit, RandomWithinBoundOfTwin) {
-  M3_REQUIRE_WGMMA();
-  const Case cases[] = {
-      Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
-      Case{16, 640, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
-      Case{64, 6144, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true}};
-  for (const Case& c : cases) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(describe(c));
-    Rng rng(seed);
-    GemmData d = make_random_data(c.m, c.n, c.k, rng);
-    const std::vector<uint16_t> ref = cpu_gemm(d);
-    const std::vector<double> s = abs_sums(d);
-    DeviceGemm dev(d, c.n);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    expect_within_bound("row split vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
-  }
-  Rng rng(fresh_seed());
-  GemmData d = make_integer_data(1, 9856, 256, rng);
-  DeviceGemm dev(d, 9856);
-  DeviceBuffer ws = make_workspace(9856, 1);
-  GemmWgmmaOptions o;
-  o.row_split = true;
-  o.ctas_per_sm = 1;
-  EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).code(),
-            StatusCode::kUnsupported);
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
-}
-
-// Quantize + the row-split GEMM through Fp8BlockGemm, captured once and replayed with new inputs:
-// equals eager runs byte for byte.
-TEST(GemmWgmmaRowSplit, ReplayWithNewInputEqualsEager) {
-  M3_REQUIRE_WGMMA();
-  for (int64_t rows : {1, 16, 33}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "rows " << rows);
-    Rng rng(seed);
-    Fp8BlockGemmOptions o = wgmma_options();
-    o.wgmma.row_split = true;
-    expect_graph_replay_equals_eager(rows, 64, o, rng);
-  }
-}
 
 // Through Fp8BlockGemm (wgmma_max_m = 64): the fused projection equals the unfused pair bit for
 // bit on integer inputs although the three GEMMs split K differently.
@@ -604,17 +539,8 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
         << split;
   }
   bad = {};
-  bad.row_split = true;
-  bad.cluster_split = 2;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
-  bad = {};
   bad.packed_weights = ws.data();  // (any 16-byte aligned pointer: rejected before any read)
   bad.cluster_split = 2;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
-  bad.cluster_split = 0;
-  bad.row_split = true;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};

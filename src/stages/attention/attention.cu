@@ -77,11 +77,18 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // bytes) B256 164.7 / 165.7 / 166.2 and 164.6 / 165.4 / 166.1 vs 173.1 / 175.2 / 175.1 and
 // 173.0 / 173.6 / 174.5 for 13 (75.7 % of copy), B64 47.4 / 46.4 / 46.6 and 47.9 / 47.2 / 46.6 vs
 // 48.0 / 47.9 / 48.1 and 47.8 / 47.9 / 48.2; 16 (without the epilogue) B256 168.2-169.9 (round A
-// too: 169.4-171.1 vs 174.0-176.1), B64 unchanged. 17 is automatic.
+// too: 169.4-171.1 vs 174.0-176.1), B64 unchanged; round C: 17 B256 165.8-167.5, B64 46.2-47.4 vs
+// 173.9-175.6, 47.8-48.2 for 13. 17 is automatic; 13 and 16 were removed, and so were the opt-in
+// 18 (speculative row max: a wash), 19 (ring started on one block: slower at B256) and 20 (o_proj's
+// codes converted in pairs: slower).
 constexpr int kAutoVerifyVariant = 17;  // sparse and dense (layers 0-2) alike
 // AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
 // L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
-// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13.
+// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13;
+// session 16's prefetch of each decode / verify CTA's first 2 / 4 blocks into L2 as soon as the
+// union read their pages was slower too (round B: the first blocks landed later, 10.8 vs 6.7 us
+// after entry at B64 x 4 with 4; verify B64 x 4 47.2-48.5 vs 46.6-47.6 us, decode B64 42.1-43.7 vs
+// 41.1-42.0) and was removed.
 constexpr int kMaxL2Prefetch = 8;
 
 struct Plan {
@@ -91,8 +98,7 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 13;  // variant of the verify kernel (AttentionCudaConfig)
-  int decode_kernel = 0;    // AttentionCudaConfig::decode_kernel (5: Q before the list, 7: prime 1)
+  int verify_variant = 17;  // variant of the verify kernel (AttentionCudaConfig)
   bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
   int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -156,11 +162,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 13 &&
-      (cfg.verify_variant < 16 || cfg.verify_variant > 20))
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 13 or 16-20 (9, 11, 12, 14 and 15 were removed in "
-                       "session 15: 13 is 9 with a lazy running max)");
+                       " is not 0, 8 or 17 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+                       "16 and 18-20 in session 16: 17 is 13 with conflict-free f16 V stores and "
+                       "a shorter epilogue)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -191,13 +197,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 5 &&
-      cfg.decode_kernel != 7)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2, 5 or 7 (1, the 4-warp tile kernel, and 3, two barriers per "
-                       "block, were removed in session 14; 4, TMA loads, in session 15; 6 is the "
-                       "automatic kernel since session 16)");
-  pl.decode_kernel = cfg.decode_kernel;
+                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+                       "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
+                       "16)");
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -247,13 +251,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 13 / 16 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running
-// max, kNoConflict: 16, kFastEpi: 17, kSpec: 18, kPrime1: 19, kFastQuant: 20) run as 8 (cp.async,
-// the NaN test in every block) where the pool is not 16-byte aligned or the driver refuses the
-// tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false,
-          bool kFastQuant = false>
+// Variant 17 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running max)
+// runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
+// driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -263,8 +264,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kNoConflict, kFastEpi,
-                                            kSpec, kPrime1, kFastQuant>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -273,9 +273,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16, bool kQLate = true, bool kPrime1 = false>
+template <bool kVec16>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16, kQLate, kPrime1>;
+  auto kernel = ad::attention_decode_kernel<kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -290,18 +290,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    if (pl.verify_variant == 16)
-      return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
-    if (pl.verify_variant == 17)
-      return launch_verify<true, true, true, true, true, true>(args, pl, n_kv, stream);
-    if (pl.verify_variant == 18)
-      return launch_verify<true, true, true, true, true, true, true>(args, pl, n_kv, stream);
-    if (pl.verify_variant == 19)
-      return launch_verify<true, true, true, true, true, true, false, true>(args, pl, n_kv, stream);
-    if (pl.verify_variant == 20)
-      return launch_verify<true, true, true, true, true, true, false, false, true>(args, pl, n_kv,
-                                                                                   stream);
-    return pl.verify_variant == 13 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
+    return pl.verify_variant == 17 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
                                    : launch_verify<true, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
@@ -315,12 +304,6 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  if (pl.decode_kernel == 5)
-    return vec16 ? launch_decode<true, false>(args, pl, n_kv, stream)
-                 : launch_decode<false, false>(args, pl, n_kv, stream);
-  if (pl.decode_kernel == 7)
-    return vec16 ? launch_decode<true, true, true>(args, pl, n_kv, stream)
-                 : launch_decode<false, true, true>(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

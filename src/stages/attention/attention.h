@@ -93,21 +93,16 @@ struct AttentionCudaConfig {
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (17), 8
-                            // cp.async loads of K and V, 13 TMA loads (where TMA can address the
-                            // pool; else 8 runs), the V NaN test in a second pass that runs only
-                            // when the first one's output holds a NaN, a lazy running max
-                            // (session 15; 9 = 13 without it, removed); session 16: 16 = 13 with
-                            // conflict-free f16 V stores and a later proxy fence, 17 = 16 with a
-                            // shorter epilogue (same bytes; automatic), opt-in 18 = 17 with the
-                            // row max taken only when a block's sums outgrow the running one, 19
-                            // = 17 with the ring started on one block, 20 = 17 with o_proj's codes
-                            // converted in pairs (same bytes)
+                            // cp.async loads of K and V (the NaN test in every block), 17 TMA
+                            // loads (where TMA can address the pool; else 8 runs), the V NaN
+                            // test in a second pass that runs only when the first one's output
+                            // holds a NaN, a lazy running max (13 in session 15), conflict-free
+                            // f16 V stores and a shorter epilogue (session 16; 9, 11-16 and 18-20
+                            // were removed)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
-                            // block, were removed; 4, TMA loads, in session 15: slower), with Q
-                            // converted after the block list since session 16; opt-in 5: Q
-                            // converted before it (the session-15 order), 7: the ring started on
-                            // one block; other plans ignore it
+                            // block, were removed; 4, TMA loads, in session 15; 5-7 in session
+                            // 16); other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

@@ -62,8 +62,8 @@ constexpr int kSmemBytes = kStages * ak::kStageBytes;  // 96 KB of dynamic share
 static_assert(kWarps * 16 == ak::kBlockKeys && kWarps * 16 == ak::kDim, "16 keys / dims a warp");
 
 // f16 A fragments of the token's 16 query heads of KV head g (zero for heads >= group and an absent
-// token): qh[c] is 16-dim chunk c with the k order of the K fragments (see the design comment).
-// (q_to_f16: the conversion of the raw fragments of ak::load_q_fragments alone.)
+// token) from the raw ones of ak::load_q_fragments: qh[c] is 16-dim chunk c with the k order of the
+// K fragments (see the design comment).
 __device__ __forceinline__ void q_to_f16(const uint32_t (&qa)[4][4], uint32_t (&qh)[8][4]) {
   // qa[kk][0 / 2]: row grp, chunk 2 kk / 2 kk + 1
 #pragma unroll
@@ -74,12 +74,6 @@ __device__ __forceinline__ void q_to_f16(const uint32_t (&qa)[4][4], uint32_t (&
     qh[c][2] = ak::e4m3x2_hi_to_f16x2(r0);  // row grp, dims 16 c + 4 tig + 2, + 3
     qh[c][3] = ak::e4m3x2_hi_to_f16x2(r1);
   }
-}
-__device__ __forceinline__ void load_q_f16(const AttnArgs& a, int g, int t, bool present,
-                                           uint32_t (&qh)[8][4]) {
-  uint32_t qa[4][4];
-  ak::load_q_fragments(a, g, t, present, qa);
-  q_to_f16(qa, qh);
 }
 
 // Bytes of the raw V register (key k0: 2 dims, key k0 + 1: the same 2 dims) regrouped as
@@ -127,16 +121,13 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 
 // ---------------------------------------------------------------------------------------------
 // Grid: (tiles bound = tokens, n_kv, splits); block: kThreads; dynamic smem kSmemBytes.
-// kQLate (automatic since session 16; false: decode_kernel 5, the session-15 order): Q's f16
-// conversion after the block list instead of before it, so that the load of Q and the page-table
-// loads of the union overlap (round A timeline, B64: the conversion waited for Q before the union
-// issued its page-table loads, two dependent global round trips; round B: B64 41.1-41.9 vs
-// 41.9-42.4 us, B256 142.9-143.7 vs 144.7-145.8; the same bytes).
-// kPrime1 (decode_kernel 7, opt-in): the ring starts with block 0 alone and loads blocks 1 and 2
-// once it landed: in a one-wave grid every CTA asks for its first blocks at the same moment, and
-// the CTAs served last also end last (round B timeline, B64: first block landed 4.1-12.2 us after
-// entry, correlation with the exit 0.79); asking for one block each halves that burst.
-template <bool kVec16, bool kQLate = true, bool kPrime1 = false>
+// Session 16: Q's f16 conversion comes after the block list instead of before it, so that the load
+// of Q and the page-table loads of the union overlap (round A timeline, B64: the conversion waited
+// for Q before the union issued its page-table loads, two dependent global round trips; rounds B /
+// C: B64 41.1-42.1 vs 41.9-42.9 us, B256 142.9-145.5 vs 144.7-147.9; the same bytes). Lost and
+// removed (round C): starting the ring on one block to halve the one-wave grid's initial burst
+// (B64 the same, B256 146.4-147.3 vs 145.1-145.5).
+template <bool kVec16>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -169,11 +160,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1];
   if (tid == 0) s_pos[0] = in.pos;
-  uint32_t qh[8][4], qa[4][4];
-  if constexpr (kQLate)
-    ak::load_q_fragments(a, g, t0, true, qa);
-  else
-    load_q_f16(a, g, t0, true, qh);
+  uint32_t qa[4][4];  // raw Q fragments; f16 (qh) once the block list is built
+  ak::load_q_fragments(a, g, t0, true, qa);
   __syncthreads();  // s_pos
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
@@ -193,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int lo = min(n_total, split * per);
   const int hi = min(n_total, lo + per);
   ak::timeline_mark(a, 2, hi - lo);
-  if constexpr (kQLate) q_to_f16(qa, qh);
+  uint32_t qh[8][4];
+  q_to_f16(qa, qh);
 
   float o[2][2][4];
 #pragma unroll
@@ -314,13 +303,8 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
     // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
     // CTA-uniform) is neither loaded nor attended.
-    if constexpr (kPrime1) {
-      load(0, 0);
-      ak::cp_async_commit();  // (empty: iteration 0 waits for block 0's group)
-    } else {
 #pragma unroll
-      for (int j = 0; j < kStages - 1; ++j) load(j, j);
-    }
+    for (int j = 0; j < kStages - 1; ++j) load(j, j);
     int stage = 0;
     // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
     // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
@@ -329,7 +313,6 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
       ak::cp_async_wait<kStages - 2>();
       if (i == 0) ak::timeline_mark(a, 3);
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
-      if (kPrime1 && i == 0) load(1, 1);  // (kPrime1: iteration 1 waits for this group)
       load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
       stage = stage + 1 == kStages ? 0 : stage + 1;

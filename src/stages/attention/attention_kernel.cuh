@@ -232,18 +232,6 @@ __device__ __forceinline__ uint32_t quant_code(float x, float scale, float rcp) 
 __device__ __forceinline__ uint32_t quant_pair(uint32_t w, float scale, float rcp) {
   return quant_code(bf16_lo_f(w), scale, rcp) | (quant_code(bf16_hi_f(w), scale, rcp) << 8);
 }
-// quant_pair with one paired conversion and one test for the pair: both products are taken first;
-// when neither needs quant_code's exact path the codes come from one cvt.rn.satfinite.e4m3x2.f32
-// (the same rounding per value), otherwise the pair goes through quant_pair. The same bytes.
-__device__ __forceinline__ bool quant_exact(float q) {
-  const uint32_t u = __float_as_uint(q) & 0x7fffffffu;
-  return u - 0x3c800000u >= 0x7f800000u - 0x3c800000u || (u & 0xfffffu) - 0x7fff8u <= 16u;
-}
-__device__ __forceinline__ uint32_t quant_pair2(uint32_t w, float scale, float rcp) {
-  const float q0 = __fmul_rn(bf16_lo_f(w), rcp), q1 = __fmul_rn(bf16_hi_f(w), rcp);
-  if (quant_exact(q0) || quant_exact(q1)) return quant_pair(w, scale, rcp);
-  return __nv_cvt_float2_to_fp8x2(make_float2(q0, q1), __NV_SATFINITE, __NV_E4M3);
-}
 __device__ __forceinline__ float amax_pair(uint32_t w) {
   return fmaxf(fabsf(bf16_lo_f(w)), fabsf(bf16_hi_f(w)));
 }

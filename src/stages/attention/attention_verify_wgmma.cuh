@@ -41,10 +41,10 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 13 (9 in
-//   session 14) runs the tile without the flagging first and repeats it with the flagging only when
-//   that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in every
-//   block.
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 17 (13 in session
+//   15, 9 in session 14) runs the tile without the flagging first and repeats it with the flagging
+//   only when that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in
+//   every block.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
@@ -120,28 +120,21 @@ __device__ __forceinline__ uint8_t* f16_chunk(uint8_t* stage, int half, int key,
 // Early V conversion, run while the S wgmma is in flight: the K half is still
 // being read, so only dims 64-127 can be written (over the V tile's own raw rows) before S is done.
 // Lane (q = lane / 8, hl = bit 2 of the lane, cl = lane % 4) owns, for j = 0 .. 3, the chunk
-// 4 + cl (dims 64 + 16 cl ..) of key kh = 32 warp + 4 (2 j + 1 - hl) + q and the chunk cl (dims
-// 16 cl ..) of key kl = 32 warp + 4 (2 j + hl) + q: every lane holds 4 high and 4 low chunks (the
-// low ones stay raw in registers until S is done), and each 8-lane phase of a load touches 8
-// distinct 16-byte bank groups (keys kh of the two lane halves differ by 4 in their swizzle).
-// The f16 stores (chunks 2 cl, 2 cl + 1 of a row) of those two keys hit the same 4 even or odd bank
-// groups, though: 2-way conflicts (session 15 ncu: 8 wavefronts per STS.128 instead of 4).
-// kNoConflict (variant 16): the lane half hl = 1 takes keys 8 j + (q ^ 1) where hl = 0 takes
-// 8 j + 4 + q (high chunks; the low ones the other way round): the two swizzles then differ by 5
-// (bit 2 keeps the loads apart, bit 0 the stores).
-template <bool kNoConflict>
+// 4 + cl (dims 64 + 16 cl ..) of key kh and the chunk cl (dims 16 cl ..) of key kl, where
+// kh = 32 warp + 8 j + 4 + q, kl = 32 warp + 8 j + (q ^ 1) for hl = 0 and the other way round for
+// hl = 1: every lane holds 4 high and 4 low chunks (the low ones stay raw in registers until S is
+// done). In each 8-lane phase the swizzles (key & 7) of the two lane halves differ by 5: bit 2
+// keeps the 16-byte loads on 8 distinct bank groups, bit 0 the f16 stores (chunks 2 cl, 2 cl + 1;
+// session 15 had keys 4 apart: 2-way store conflicts, 8 wavefronts per STS.128 instead of 4).
 __device__ __forceinline__ int early_key(int j, bool high) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int hl = (lane >> 2) & 1, q = lane >> 3;
-  if constexpr (kNoConflict)
-    return kKeysPerWarp * warp + 8 * j + (high == (hl == 0) ? 4 + q : (q ^ 1));
-  return kKeysPerWarp * warp + 4 * (2 * j + (high ? 1 - hl : hl)) + q;
+  return kKeysPerWarp * warp + 8 * j + (high == (hl == 0) ? 4 + q : (q ^ 1));
 }
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
 // keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
 // NaN (0 otherwise).
-template <bool kNoConflict>
 __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
                                                    bool check) {
   const int cl = threadIdx.x & 3;
@@ -150,7 +143,7 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
   uint32_t nan = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kh = early_key<kNoConflict>(j, true), kl = early_key<kNoConflict>(j, false);
+    const int kh = early_key(j, true), kl = early_key(j, false);
     hi[j] = make_uint4(0u, 0u, 0u, 0u);
     lo[j] = make_uint4(0u, 0u, 0u, 0u);
     if (kh <= vlim)
@@ -165,7 +158,7 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
   __syncwarp();  // every lane read the warp's rows before any lane overwrites them
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kh = early_key<kNoConflict>(j, true);
+    const int kh = early_key(j, true);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(hi[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 1, kh, 2 * cl)) = h0;
@@ -175,12 +168,11 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
 }
 
 // The dims 0-63 chunks kept by convert_v_high -> f16 into the K half (free: S done by every warp).
-template <bool kNoConflict>
 __device__ __forceinline__ void convert_v_low(uint8_t* stage, const uint4 (&lo)[4]) {
   const int cl = threadIdx.x & 3;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const int kl = early_key<kNoConflict>(j, false);
+    const int kl = early_key(j, false);
     uint4 h0, h1;
     ak::e4m3x16_to_f16(lo[j], h0, h1);
     *reinterpret_cast<uint4*>(f16_chunk(stage, 0, kl, 2 * cl)) = h0;
@@ -226,60 +218,15 @@ struct Rows {
   }
 };
 
-// kSpec (variant 18): the online softmax of one block without its row maxima in the common case.
-// Once every row of the warp has a running max m (> -inf; the first block of a row takes the full
-// path), p = 2^(s * scale_log2 - m) is taken with the stale m and packed straight away; the block
-// is accepted when every lane's partial row sums (its 32 keys of rows grp, grp + 8) are <=
-// kSpecSum, so that every p <= 2^15 fits f16 (and fp32 O / l have room), with alpha = 1 (no
-// rescale: the result does not depend on m). Otherwise (a score more than ~10 above m, or a NaN)
-// the warp redoes the block from s with ap::softmax_block<true> (the lazy max, which then moves m)
-// and rescale_and_pack, as variant 13 does for every block. This takes the max reduction (FMNMX
-// chains, 2 dependent shuffles, 2 EX2 of alpha) off the chain S -> P of nearly every block.
-constexpr float kSpecSum = 32768.0f;
-__device__ __forceinline__ void softmax_spec(Rows& st, float (&s)[64], uint32_t (&p)[8][4], int lim,
-                                             float scale_log2) {
-  const int tig = threadIdx.x & 3;
-  if (lim < ak::kBlockKeys - 1) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (8 * j + 2 * tig + (e & 1) > lim) s[4 * j + e] = -INFINITY;
-  }
-  if (!__any_sync(0xffffffffu, st.m[0] == -INFINITY || st.m[1] == -INFINITY)) {
-    const float mu0 = st.m[0], mu1 = st.m[1];
-    float sum0 = 0.0f, sum1 = 0.0f;
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) {
-      float e[8];
-#pragma unroll
-      for (int x = 0; x < 8; ++x)
-        e[x] = ak::fast_exp2(fmaf(s[8 * kk + x], scale_log2, (x & 2) ? -mu1 : -mu0));
-      sum0 += (e[0] + e[1]) + (e[4] + e[5]);
-      sum1 += (e[2] + e[3]) + (e[6] + e[7]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) p[kk][r] = ak::pack_f16x2(e[2 * r], e[2 * r + 1]);
-    }
-    if (__all_sync(0xffffffffu, sum0 <= kSpecSum && sum1 <= kSpecSum)) {
-      st.l[0] += sum0;
-      st.l[1] += sum1;
-      return;
-    }
-  }
-  ap::softmax_block<true>(s, st.m, st.l, st.alpha, ak::kBlockKeys - 1, scale_log2);
-  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-}
-
 // One block in the stage at sbuf (shared address saddr), by the whole warpgroup: S = Q K^T, V ->
 // f16 in place (dims 64-127 under the S wgmma), online softmax, O += P V (left in flight: the
 // caller's next block or wgmma_wait<0> waits for it). after_s() runs once every warp's S and the
 // previous block's P V are complete (after a CTA barrier): the caller refills the previous stage
 // there. mask: tokens that see the block; vlim: V rows past it are zeroed; lim: this warp's last
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
-// kNoConflict (variant 16): conflict-free f16 stores (early_key) and the proxy fence of the f16
-// stores after the softmax instead of right after them (session 15 ncu: the warps waited there,
-// MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples, for stores just issued).
-template <bool kLazy, bool kNoConflict, bool kSpec, typename AfterS>
+// The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
+// 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
+template <bool kLazy, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -294,22 +241,16 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high<kNoConflict>(sbuf, vlim, vlo, check);
+  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
-  convert_v_low<kNoConflict>(sbuf, vlo);
-  // f16 stores -> wgmma reads (after the barrier below).
-  if constexpr (!kNoConflict) ap::fence_proxy_async();
-  if constexpr (kSpec) {
-    softmax_spec(st, s, p, lim, scale_log2);
-  } else {
-    ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
-    ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-  }
-  if constexpr (kNoConflict) ap::fence_proxy_async();
+  convert_v_low(sbuf, vlo);
+  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
+  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  ap::fence_proxy_async();            // f16 stores -> wgmma reads (after the barrier below)
   if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
     scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
     ap::fence_proxy_async();
@@ -328,13 +269,11 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
-// kFast (variants 17, 18): the same bytes with fewer instructions (round A of session 16: the
-// epilogue took 1.9 us per CTA, ~1100 instructions per warp, vs 0.8 us in the decode kernel): the
-// NaN-dim selects only in a warp that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to
-// nearest even like float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic,
-// which both turn into 0x7fff), the row amax only with out_q.
-// kFastQuant (variant 20): o_proj's codes by ak::quant_pair2 (the same bytes).
-template <bool kFast = false, bool kFastQuant = false>
+// Session 16: the same bytes with fewer instructions (round A: the epilogue took 1.9 us per CTA,
+// ~1100 instructions per warp, vs 0.8 us in the decode kernel): the NaN-dim selects only in a warp
+// that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to nearest even like
+// float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic, which both turn
+// into 0x7fff), the row amax only with out_q.
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -343,8 +282,7 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   uint32_t nd[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
-  const bool any_nan =
-      !kFast || __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);  // warp-uniform
+  const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -374,20 +312,13 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
-        if constexpr (kFast) {
-          const __nv_bfloat162 b2 = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
-          wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
-        } else {
-          wv[j] = ak::pack_bf16x2(v[2 * j], v[2 * j + 1]);
-          amax = fmaxf(amax, ak::amax_pair(wv[j]));
-        }
+        const __nv_bfloat162 b2 = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
+        wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
       }
       // o_proj's E4M3 input (CTA-uniform branch): the row's 128 dims are this lane quad's.
-      if (!kFast || a.out_q != nullptr) {
-        if constexpr (kFast) {
+      if (a.out_q != nullptr) {
 #pragma unroll
-          for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
-        }
+        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
         amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
       }
@@ -401,8 +332,8 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
         uint8_t* qrow = a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-          *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) = static_cast<uint16_t>(
-              kFastQuant ? ak::quant_pair2(wv[j], sc, rcp) : ak::quant_pair(wv[j], sc, rcp));
+          *reinterpret_cast<uint16_t*>(qrow + 8 * j + 2 * tig) =
+              static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
         if (tig == 0) a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
       }
     } else {
@@ -429,27 +360,26 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 13, 16). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 17). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
 // 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
-// C7517; without it the time was the same, round B: variant 12). kLazy (variant 13, automatic
+// C7517; without it the time was the same, round B: variant 12). kLazy (variants 13 / 17, automatic
 // since session 15): the lazy running max of ap::softmax_block. Removed in session 15: variant 14
 // (round C: 13 with the previous stage refilled right after the first barrier, P V(i - 1) waited
 // for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
-// kNoConflict (variant 16, session 16, opt-in): 13 with conflict-free f16 V stores and the proxy
-// fence after the softmax (see attend_block). kFastEpi (variant 17 = 16 + it, opt-in): the shorter
-// epilogue of write_rows<true> (automatic since session 16, round B). kSpec (variant 18 = 17 + it,
-// opt-in): softmax_spec. kPrime1 (variant 19 = 17 + it, opt-in): the ring starts with block 0 alone
-// and loads blocks 1 and 2 once it landed (halves the one-wave grid's initial burst of requests;
-// see attention_decode_kernel.cuh). kFastQuant (variant 20 = 17 + it, opt-in): write_rows'
-// o_proj codes by ak::quant_pair2.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false,
-          bool kNoConflict = false, bool kFastEpi = false, bool kSpec = false, bool kPrime1 = false,
-          bool kFastQuant = false>
+// Session 16: variant 17 (automatic) is 13 with conflict-free f16 V stores, the proxy fence after
+// the softmax and a shorter epilogue (write_rows), the same bytes; 8 has them too. Round B / C:
+// B256 x 4 164.6-167.5 vs 173.0-175.6 us for 13, B64 x 4 46.2-47.9 vs 47.8-48.2. Lost and removed
+// (rounds B / C, same-round A/Bs against 17): a speculative row max (18: the block's max only when
+// the partial sums outgrow the stale one; B256 -0.3 %, B64 +0.3 %, a wash), the ring started on
+// one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs (20: with
+// out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2 (slower
+// everywhere).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -535,7 +465,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variant 13): two passes at most. Pass 0 skips the per-block test for NaN in V
+  // kTwoPass (variant 17): two passes at most. Pass 0 skips the per-block test for NaN in V
   // (~100 instructions per warp and block): a NaN V element in a row some token sees (rows past
   // every token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN
   // in the shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass
@@ -561,13 +491,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       // generic f16 stores fenced), refills the stage of block i - 1 with block i + kStages - 1. An
       // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
       // and its V rows are zeroed (vlim -1).
-      if constexpr (kPrime1) {
-        load(0, count, lmask, lpage, 0);
-        if constexpr (!kTma) ak::cp_async_commit();  // (empty: iteration 0 waits for block 0)
-      } else {
 #pragma unroll
-        for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
-      }
+      for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
       int stage = 0;
       for (int i = 0; i < count; ++i) {
         if constexpr (kTma) {
@@ -588,13 +513,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy, kNoConflict, kSpec>(
+        attend_block<kLazy>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] {
-              if (kPrime1 && i == 0) load(1, count, lmask, lpage, 1);
-              load(i + kStages - 1, count, lmask, lpage, prev);
-            });
+            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);
@@ -610,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows<kFastEpi, kFastQuant>(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

@@ -191,8 +191,9 @@ __device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best)
 // Rows of more than kCountRow candidates by a threshold (IndexerCudaOptions::fast_select): the
 // row's 15 best keys are among the keys >= L, L = the 15th largest of the 32 lanes' largest keys
 // (15 distinct lanes each hold a key >= L, so the row's 15th best is >= L). Pass 1 finds the
-// lanes' largest keys (loads 8 per lane in flight), L comes from counting the lanes that beat each
-// lane's (32 shuffles) and two redux; pass 2 (the row again, now in L1) compacts the survivors into
+// lanes' largest keys (32 loads per lane in flight), L comes from counting the lanes that beat
+// each lane's (32 shuffles) and two redux; pass 2 (the same registers up to 1024 candidates, else
+// the row again in chunks) compacts the survivors into
 // `buf` in id order (ballot prefix per slot), which are ranked by counting (no ties: keys are
 // distinct) and the 15 best written in id order, then the local block, then -1. ~300-500
 // instructions per row instead of ~1300 for the per-lane sorted lists and 15 redux rounds.
@@ -200,14 +201,25 @@ __device__ __forceinline__ void emit_row(int32_t* out, int local, uint64_t best)
 __device__ __forceinline__ bool select_by_threshold(const float* scores, int local, int32_t* out,
                                                     uint64_t* buf) {
   const int lane = threadIdx.x & 31;
+  // Chunks of 1024 candidates, 32 per lane, loaded at once (one L2 round trip up to 128K); a row
+  // of one chunk stays in registers for pass 2.
+  constexpr int kPer = 32;
+  constexpr int kChunk = 32 * kPer;
+  float v[kPer];
+  const auto load_chunk = [&](int c0) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int b = c0 + lane + 32 * i;
+      v[i] = b < local ? scores[b] : 0.0f;
+    }
+  };
   uint64_t m = 0;
-  for (int b = lane; b < local; b += 8 * 32) {
-    float v[8];
+  for (int c0 = 0; c0 < local; c0 += kChunk) {
+    load_chunk(c0);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = b + 32 * i < local ? scores[b + 32 * i] : 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const uint64_t k = b + 32 * i < local ? candidate_key(v[i], b + 32 * i) : 0;
+    for (int i = 0; i < kPer; ++i) {
+      const int b = c0 + lane + 32 * i;
+      const uint64_t k = b < local ? candidate_key(v[i], b) : 0;
       m = k > m ? k : m;
     }
   }
@@ -224,14 +236,19 @@ __device__ __forceinline__ bool select_by_threshold(const float* scores, int loc
   const uint64_t L = (static_cast<uint64_t>(lh) << 32) | ll;
   const uint32_t below = (1u << lane) - 1u;
   int n = 0;  // survivors so far (uniform)
-  for (int b0 = 0; b0 < local; b0 += 32) {
-    const int b = b0 + lane;
-    const uint64_t k = b < local ? candidate_key(scores[b], b) : 0;
-    const bool sv = k != 0 && k >= L;
-    const uint32_t bal = __ballot_sync(0xffffffffu, sv);
-    if (n + __popc(bal) > 64) return false;  // uniform; nothing written yet
-    if (sv) buf[n + __popc(bal & below)] = k;
-    n += __popc(bal);
+  for (int c0 = 0; c0 < local; c0 += kChunk) {
+    if (local > kChunk) load_chunk(c0);  // uniform; one chunk is still in v
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (c0 + 32 * i >= local) break;  // uniform
+      const int b = c0 + lane + 32 * i;
+      const uint64_t k = b < local ? candidate_key(v[i], b) : 0;
+      const bool sv = k != 0 && k >= L;
+      const uint32_t bal = __ballot_sync(0xffffffffu, sv);
+      if (n + __popc(bal) > 64) return false;  // uniform; nothing written yet
+      if (sv) buf[n + __popc(bal & below)] = k;
+      n += __popc(bal);
+    }
   }
   __syncwarp();
   const uint64_t k0 = lane < n ? buf[lane] : 0, k1 = lane + 32 < n ? buf[lane + 32] : 0;

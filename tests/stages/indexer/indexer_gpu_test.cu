@@ -221,6 +221,35 @@ TEST(IndexerGpu, NaNScoresAreNeverChosenButTheLocalBlockIs) {
   check_nan();
 }
 
+// The default fused path (block-max tables to the workspace) and the selection kernel's threshold
+// selection on rows of 65-156 candidate blocks (contexts 9K-20K, more than 128 blocks: fused by
+// default), against the twin and against the two-kernel path with the per-lane sorted lists.
+// Small on purpose: the sanitizers run it.
+TEST(IndexerGpu, ThresholdSelectionOfLongRows) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (bool integer : {true, false}) {
+    const std::vector<RequestSpec> reqs = {{20000 - 4, 4}, {17000, 1}, {9000 - 2, 2}};
+    const Inputs in = make_inputs(reqs, 4, rng, integer);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_GT(in.max_pages(), 128);
+    const Reference ref = reference(in);
+    DeviceSet d;
+    upload(in, d);
+    const std::string name = std::string("long rows ") + (integer ? "integer" : "normal");
+    ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, IndexerCudaOptions{}));
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    compare(in, ref, g, integer, name + " [default]");
+    IndexerCudaOptions sorted;
+    sorted.unfused_decode = true;
+    sorted.fast_select = false;
+    const GpuResult s = run_gpu(d, sorted);
+    expect_same_ids(in, g, s, name + " [default vs two-kernel, sorted lists]");
+  }
+}
+
 // The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000), 16 (auto) and
 // 48 (k_splits 7), so the merge reads up to 79 lists per row, with 1 to 8 warps per row (auto and
 // forced), beside a prefill chunk whose

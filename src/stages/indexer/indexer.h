@@ -73,9 +73,9 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
 // entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
 // every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
-// decode units when the fused decode path runs (indexer_cuda_uses_fused_decode): their block
-// scores stay on chip. After the scores (16-byte aligned) come the fused path's candidate lists
-// (128 bytes per (row, split), at most max(T * n_kv, 65536) lists). Contents need no
+// decode units when the single pass runs or the fused path with fused_lists: their block scores
+// stay on chip. After the scores (16-byte aligned) come the candidate lists of the fused path with
+// fused_lists (128 bytes per (row, split), at most max(T * n_kv, 65536) lists). Contents need no
 // initialization and are not preserved between runs.
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
@@ -88,10 +88,11 @@ struct IndexerCudaOptions {
   // split edges everywhere; any value >= 1 gives the same result.
   int k_splits = 0;
   // Decode units (the first 32 / n_kv tokens of each request) of the tensor-core scorer use the
-  // fused path by default: each CTA keeps its split's block maxima in shared memory and writes
-  // only its 15 best candidates per (token, head), and the final kernel merges the splits' lists
-  // (ids identical to the two-kernel path). true: the two-kernel path (every block score to the
-  // workspace, then the selection kernel), kept for comparison.
+  // fused path by default (see fused_decode_always): each CTA keeps its split's block maxima in
+  // shared memory and writes them to the workspace in one burst at its end (with fused_lists:
+  // only its 15 best candidates per (token, head), merged by the merge kernel), then the
+  // selection kernel finishes (ids identical to the two-kernel path). true: the two-kernel path
+  // (each block's scores to the workspace when the block is done, then the selection kernel).
   bool unfused_decode = false;
   // The fused path is the automatic choice when max_pages > 128 (contexts above 16K): at 8K the
   // H200 measured the two-kernel path as fast or faster (session 11 round 2, batch 256: 78.7 vs

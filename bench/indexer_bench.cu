@@ -11,19 +11,20 @@
 // and the spot check can demand identical ids. Pages of a request are scattered over the pool.
 // Before timing, every configuration is checked against the CPU twin on a few requests/tokens
 // (rebuilt as small host batches over copies of only their pages): PASS / FAIL.
-// Paths: the default (fused decode above 128 pages of context: scoring + per-split top-15 in one
-// kernel, then the merge; below, the two-kernel path), the two-kernel path
-// (IndexerCudaOptions::unfused_decode: every block score to the workspace, then the selection
-// kernel) and, at contexts of <= 64 blocks, the single pass (IndexerCudaOptions::single_pass: one
-// split, rows finished by the scorer, no second kernel) are all timed and spot-checked (fused_us,
-// 2kernel_us, single_us; us = the one the default plan picks); the plan column shows the
-// default's launch plan (f = fused, s = single pass, 2 = two-kernel; k = splits per request (with
-// s: CTAs per request, one thread-block cluster), c = blocks per split, w = merge warps per row).
-// Two timings per path (bench_util.h): isolated (us: one graph replay after an L2 flush, launch
-// cost included) and back to back (b2b_us: calls captured in one graph, call i over page-table
-// copy i % copies, each copy mapping the requests onto its own pages of the pool, so every call's
-// index-K is cold; `copies` column). One call of the back-to-back sequence is spot-checked too.
-// Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K, 128K}),
+// Paths: the default (fused decode above 128 pages of context: each CTA keeps its block maxima in
+// shared memory and writes them at its end, then the selection kernel; below, the two-kernel
+// path), the two-kernel path (IndexerCudaOptions::unfused_decode: every block's scores to the
+// workspace when the block is done, then the selection kernel) and, at contexts of <= 64 blocks,
+// the single pass (IndexerCudaOptions::single_pass: one split, rows finished by the scorer, no
+// second kernel) are all timed and spot-checked (fused_us, 2kernel_us, single_us; us = the one the
+// default plan picks); the plan column shows the default's launch plan (f = fused, s = single pass,
+// 2 = two-kernel; k = splits per request (with s: CTAs per request, one thread-block cluster), c =
+// blocks per split). Two timings per path (bench_util.h): isolated (us: one graph replay after an
+// L2 flush, launch cost included) and back to back (b2b_us: calls captured in one graph, call i
+// over page-table copy i % copies, each copy mapping the requests onto its own pages of the pool,
+// so every call's index-K is cold; `copies` column). One call of the back-to-back sequence is
+// spot-checked too. Flags: --json (one JSON array per table), --quick (batch {1, 256}, context {8K,
+// 128K}),
 //   --unfused (time the two-kernel path only), --sweep (also time the fused and the
 //   two-kernel paths (or the flag's path) over k_splits, and the single pass, at batch 64 / 256,
 //   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
@@ -42,7 +43,7 @@
 //   beside the stand-in alone, at batch {1, 64, 256} x {8K, 32K}, draft 0 and 3),
 //   --no-guess (the decode units do not guess their request bounds: the A/B of the early
 //   query-row and position loads, IndexerCudaOptions::guess_request_bounds), --late
-//   (!early_query_loads), --lists (fused_lists), --sorted (!fast_select): every path and table,
+//   (!early_query_loads), --sorted (!fast_select): every path and table,
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
@@ -52,9 +53,9 @@
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
-//   back to back in the same run: lists = IndexerCudaOptions::fused_lists, 2k = unfused_decode at
-//   the default plan's k_splits, late = !early_query_loads, sorted = !fast_select, former = all
-//   three (the session 15 default); batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case).
+//   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
+//   k_splits, late = !early_query_loads, sorted = !fast_select; batch 64 / 256 x 8K / 32K / 128K
+//   at draft 3, or --case).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -411,9 +412,8 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.single ? "s" : (pl.table_out ? "t" : (pl.fused ? "f" : "2"))) + " k" +
-         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) + " w" +
-         std::to_string(pl.merge_wpr);
+  return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
 
 double pct_copy(const Case& c, double us) {
@@ -448,7 +448,7 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       variants = false, late = false, lists = false, sorted = false;
+       variants = false, late = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -473,8 +473,6 @@ int main(int argc, char** argv) {
       variants = true;
     else if (a == "--late")
       late = true;
-    else if (a == "--lists")
-      lists = true;
     else if (a == "--sorted")
       sorted = true;
     else if (a == "--k" && i + 1 < argc) {
@@ -501,7 +499,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
-                   "[--no-guess] [--late] [--lists] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
+                   "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
                    "[--variants] [--k K,K,...]\n",
                    argv[0]);
@@ -512,7 +510,6 @@ int main(int argc, char** argv) {
   for (IndexerCudaOptions* o : {&default_o, &fused_o, &two_o, &single_o}) {
     o->guess_request_bounds = !no_guess;
     o->early_query_loads = !late;
-    o->fused_lists = lists;
     o->fast_select = !sorted;
   }
   fused_o.fused_decode_always = true;
@@ -787,15 +784,11 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    std::vector<Variant> vs = {{"base", default_o}, {"lists", default_o},  {"2k", default_o},
-                               {"late", default_o}, {"sorted", default_o}, {"former", default_o}};
-    vs[1].o.fused_lists = true;     // the fused path's candidate lists + merge kernel
-    vs[2].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
-    vs[3].o.early_query_loads = false;
-    vs[4].o.fast_select = false;
-    vs[5].o.fused_lists = true;  // the session 15 default
-    vs[5].o.early_query_loads = false;
-    vs[5].o.fast_select = false;
+    std::vector<Variant> vs = {
+        {"base", default_o}, {"2k", default_o}, {"late", default_o}, {"sorted", default_o}};
+    vs[1].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
+    vs[2].o.early_query_loads = false;
+    vs[3].o.fast_select = false;
     for (int ctx : contexts) {
       for (int batch : batches) {
         const int draft = only ? only_draft : 3;
@@ -805,7 +798,7 @@ int main(int argc, char** argv) {
         const std::vector<Slice> slices = decode_slices(batch, draft);
         bool pass = true;
         std::vector<Times> tms;
-        vs[2].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
+        vs[1].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
                                    " ctx " + std::to_string(ctx) + " draft " +
@@ -825,9 +818,8 @@ int main(int argc, char** argv) {
     }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
-        "isolated and back to back, us; lists = fused_lists, 2k = unfused_decode at the default "
-        "k_splits, late = !early_query_loads, sorted = !fast_select, former = all three (the "
-        "session 15 default))",
+        "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
+        "!early_query_loads, sorted = !fast_select)",
         rows, json);
     return finish();
   }

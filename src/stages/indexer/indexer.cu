@@ -1,9 +1,9 @@
 // CUDA launcher of the indexer: validate_indexer + the CUDA-only rules, then a scoring kernel
-// (tensor cores, or CUDA cores for caches that are not 16-byte aligned) writing block scores (or
-// the fused path's candidate lists) into the caller's workspace, and the top-16 selection (or
-// merge) kernel; or the single pass alone (one CTA or one thread-block cluster per request, rows
-// finished by the scorer). No sync, no allocation, no copy: the grid depends only on T, R,
-// max_pages and the SM count, so the launch is CUDA-graph capturable.
+// (tensor cores, or CUDA cores for caches that are not 16-byte aligned) writing block scores into
+// the caller's workspace, and the top-16 selection kernel; or the single pass alone (one CTA or one
+// thread-block cluster per request, rows finished by the scorer). No sync, no allocation, no copy:
+// the grid depends only on T, R, max_pages and the SM count, so the launch is CUDA-graph
+// capturable.
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -13,7 +13,6 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
-#include "stages/indexer/indexer_kernel_merge.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -88,18 +87,6 @@ int64_t pick_k_splits(int64_t units, int max_pages, int min_chunk, int sms) {
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Candidate lists (16 keys, 128 bytes each) the workspace holds after the scores: one per (row,
-// split) for splits of >= 4 blocks, capped at max(rows, 65536) lists (8 MB), which bounds the
-// fused path's splits per row at 8K and more rows.
-constexpr int64_t kCandListBudget = 65536;
-constexpr int64_t kCandListBytes = int64_t{kTopK} * 8;
-
-int64_t cand_lists(int64_t num_tokens, int n_kv, int max_pages) {
-  const int64_t rows = num_tokens * n_kv;
-  const int64_t natural = rows * ceil_div(max_pages, ik::kMmaWarps);
-  return std::min(natural, std::max(rows, kCandListBudget));
-}
-
 int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
   return ceil_div(num_tokens * n_kv * max_pages * int64_t{sizeof(float)}, 16) * 16;
 }
@@ -109,11 +96,9 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
-  bool table_out = false;  // fused scorer writing its tables, select_kernel finishing
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
-  int merge_wpr = 1;
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -150,12 +135,10 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   }
   if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0 &&
       (max_pages > kFusedAutoMinPages || o.fused_decode_always)) {
-    // Fused: at most 64 blocks per split (the shared block-max table) and k lists per row within
-    // the workspace's candidate lists; otherwise the two-kernel path.
-    const int64_t kmax = cand_lists(T, p.n_kv, max_pages) / (T * p.n_kv);
+    // Fused: at most 64 blocks per split (the shared block-max table).
     int64_t fchunk = 0;
     if (o.k_splits > 0) {
-      fchunk = round4(ceil_div(max_pages, std::min(k, kmax)));
+      fchunk = round4(ceil_div(max_pages, k));
     } else {
       // Automatic: chunks of clamp(max_pages / 16, 16, 64) blocks, i.e. 256 KB to 1 MB of index-K
       // per CTA (round 2 on the H200: 16-block chunks were the best or within 1 % at 8K and 32K,
@@ -185,11 +168,10 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       if (R * ceil_div(max_pages, fchunk) < sms)
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
                                      fchunk);
-      fchunk = std::max(fchunk, round4(ceil_div(max_pages, kmax)));  // list capacity
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
-    if (need <= kmax && need <= 65535) {
+    if (need <= 65535) {
       pl.fused = true;
       k = need;
       chunk = fchunk;
@@ -226,15 +208,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  pl.table_out = pl.fused && !pl.single && !o.fused_lists;
   pl.k_splits = k;
   pl.dec_chunk = chunk;
-  // Keys a row's final selection scans: block scores (max_pages) or k lists of 4, 8 or 16 slots
-  // (merge_kernel reads min(16, power of 2 >= dec_chunk) slots per list).
-  const int lg = chunk <= 4 ? 2 : (chunk <= 8 ? 3 : 4);
-  const int64_t keys = pl.fused ? std::max<int64_t>(k << lg, max_pages) : max_pages;
-  while (pl.merge_wpr < ik::kMergeWarps && keys > 256 * pl.merge_wpr) pl.merge_wpr *= 2;
-  if (pl.fused && o.merge_warps > 0) pl.merge_wpr = o.merge_warps;
   return pl;
 }
 
@@ -274,8 +249,7 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages) +
-                             cand_lists(num_tokens, n_kv, max_pages) * kCandListBytes);
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -290,9 +264,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.fused = pl.fused;
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
-  info.merge_wpr = pl.merge_wpr;
   info.single = pl.single;
-  info.table_out = pl.table_out;
   return info;
 }
 
@@ -314,9 +286,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   if (p.n_kv > ik::kMaxKv)
     return unsupported("run_indexer_cuda: n_kv ", p.n_kv, " exceeds the kernels' limit of ",
                        ik::kMaxKv, " index heads");
-  M3_CHECK_ARG(options.merge_warps == 0 || options.merge_warps == 1 || options.merge_warps == 2 ||
-                   options.merge_warps == 4 || options.merge_warps == 8,
-               "run_indexer_cuda: merge_warps ", options.merge_warps, " is not 0, 1, 2, 4 or 8");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
@@ -362,9 +331,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
   a.scores = static_cast<float*>(workspace.data);
-  a.cand = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(workspace.data) +
-                                       scores_bytes_aligned(T, p.n_kv, max_pages));
-  a.merge_wpr = pl.merge_wpr;
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
@@ -373,13 +339,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
-  a.table_out = pl.table_out ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
-  const bool merge = pl.fused && !pl.table_out;  // final kernel: merge_kernel, else select_kernel
-  const int64_t select_blocks =
-      merge ? ceil_div(rows, ik::kMergeWarps / pl.merge_wpr) : ceil_div(rows, ik::kSelectWarps);
+  const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
   M3_CHECK_ARG(select_blocks <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", rows,
                " selection rows exceed the grid limit");
 
@@ -453,12 +416,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
   const dim3 select_grid(static_cast<unsigned>(select_blocks));
-  if (merge)
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::merge_kernel, select_grid, dim3(ik::kMergeThreads), 0,
-                                       stream, select_pdl, a));
-  else
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_kernel, select_grid, dim3(ik::kSelectThreads), 0,
-                                       stream, select_pdl, a));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_kernel, select_grid, dim3(ik::kSelectThreads), 0,
+                                     stream, select_pdl, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }

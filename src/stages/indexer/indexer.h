@@ -73,10 +73,9 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
 // entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
 // every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
-// decode units when the single pass runs or the fused path with fused_lists: their block scores
-// stay on chip. After the scores (16-byte aligned) come the candidate lists of the fused path with
-// fused_lists (128 bytes per (row, split), at most max(T * n_kv, 65536) lists). Contents need no
-// initialization and are not preserved between runs.
+// decode units when the single pass runs (IndexerCudaPlan::single): their block scores stay on
+// chip. Contents need no initialization and are not preserved between runs. (Until session 16 the
+// fused path's candidate lists followed the scores.)
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
 struct IndexerCudaOptions {
@@ -89,10 +88,9 @@ struct IndexerCudaOptions {
   int k_splits = 0;
   // Decode units (the first 32 / n_kv tokens of each request) of the tensor-core scorer use the
   // fused path by default (see fused_decode_always): each CTA keeps its split's block maxima in
-  // shared memory and writes them to the workspace in one burst at its end (with fused_lists:
-  // only its 15 best candidates per (token, head), merged by the merge kernel), then the
-  // selection kernel finishes (ids identical to the two-kernel path). true: the two-kernel path
-  // (each block's scores to the workspace when the block is done, then the selection kernel).
+  // shared memory and writes them to the workspace in one burst at its end, then the selection
+  // kernel finishes (ids identical to the two-kernel path). true: the two-kernel path (every
+  // block's scores written to the workspace when the block is done, then the selection kernel).
   bool unfused_decode = false;
   // The fused path is the automatic choice when max_pages > 128 (contexts above 16K): at 8K the
   // H200 measured the two-kernel path as fast or faster (session 11 round 2, batch 256: 78.7 vs
@@ -103,7 +101,8 @@ struct IndexerCudaOptions {
   // Single pass: where max_pages <= 64 (contexts up to 8K) and the tensor-core fused path can
   // run (!unfused_decode), the fused scorer with one split per unit (k_splits
   // is ignored) writes block_ids itself: a decode unit's CTA selects from all its block maxima at
-  // once, an overflow tile from the block scores it wrote; no merge kernel follows (same ids).
+  // once, an overflow tile from the block scores it wrote; no selection kernel follows (same
+  // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
   // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 and from 1.9
   // requests per SM (see single_pass_ctas); true forces it.
@@ -120,9 +119,6 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Fused path only: warps per row of the final merge (1, 2, 4 or 8); 0 picks from the keys per
-  // row. Any value gives the same result (tests set it).
-  int merge_warps = 0;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or
@@ -157,14 +153,6 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
-  // The fused path's former end (A/B switch, session 16): each CTA selects its split's 15 best
-  // blocks per row into candidate lists and the merge kernel merges them. By default (false) the
-  // CTAs write their block-max tables to the workspace scores in one coalesced burst and the
-  // selection kernel finishes the rows (session 16 round B, same run: 64 x 32K draft 3 77.4 vs
-  // 80.7 us, draft 0 70.8 vs 74.3, 256 x 32K draft 3 263.6 vs 286.0, 64 x 128K draft 3 275.4 vs
-  // 283.0, 256 x 128K draft 3 985.1 vs 1013.5; round A: the lists' selection took 4.8 us p50
-  // after a CTA's last tile at 64 x 32K draft 3, the merge kernel 6.1 us). Same ids.
-  bool fused_lists = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
   // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
@@ -179,30 +167,26 @@ struct IndexerCudaOptions {
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // True when run_indexer_cuda with these params and options runs the fused decode path (tensor
-// cores, !unfused_decode, max_pages > 128 or fused_decode_always (and > 16), and a split plan
-// within the workspace's candidate lists and the kernel's 64 blocks per split): the decode units'
-// block maxima are kept in shared memory to the CTA's end (written to the workspace scores then,
-// or with fused_lists / the single pass not at all).
+// cores, !unfused_decode, max_pages > 128 or fused_decode_always (and > 16), at most 64 blocks per
+// split): the decode units' block maxima are kept in shared memory to the CTA's end (written to
+// the workspace scores then, or in the single pass not at all).
 bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // The launch plan run_indexer_cuda picks on the current device (benchmarks print it).
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;        // grid.y of the scorer
-  int dec_chunk = 0;       // blocks per split of a decode unit (tensor cores)
-  int merge_wpr = 0;       // warps per row of the fused path's final kernel
-  bool single = false;     // fused, rows finished by the scorer (no merge kernel); k_splits > 1:
-                           // one thread-block cluster of k_splits CTAs per unit
-  bool table_out = false;  // fused, not single, !fused_lists: tables to the workspace scores,
-                           // select_kernel finishes
+  int k_splits = 0;     // grid.y of the scorer
+  int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
+  bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
+                        // one thread-block cluster of k_splits CTAs per unit
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 
 // The CUDA indexer: validate_indexer + CUDA-only rules (every view on the current CUDA device,
 // n_kv <= 8, R > 0 when T > 0, workspace size / alignment / device, no overlap of the workspace
-// with the other tensors, grid limits), then two kernels (scores or fused scoring + local
-// selection, then the selection or the merge of the splits' candidates) on `stream`. No sync,
+// with the other tensors, grid limits), then two kernels (block scores, then the selection) or
+// the single pass alone on `stream`. No sync,
 // no allocation, grid derived from T, R and max_pages only: CUDA-graph capturable. Device data
 // that breaks the contract is guarded, never trusted: page ids outside the pool score NaN (never
 // chosen unless forced), a negative position or a local block beyond the page table gives a row

@@ -17,9 +17,9 @@
 //            max_pages), clipped to nvis.
 // Every (token, head, visible block) score is written by exactly one CTA into the workspace
 // scores[t * n_kv + h][b] (f32, row stride max_pages); the select kernel reads them. The fused
-// kernel (score_fused_kernel) does so for overflow tiles only: a decode unit's CTA keeps its
-// split's block maxima in shared memory and writes the split's 15 best candidates per row
-// (KernelArgs::cand); merge_kernel (indexer_kernel_merge.cuh) merges them.
+// kernel (score_fused_kernel) keeps a decode unit's split's block maxima in shared memory and
+// writes them at the CTA's end; the single pass (score_fused_single_kernel, the cluster kernel)
+// selects a decode unit's rows itself and writes no decode scores.
 //
 // Device-side guards (the host cannot check device data without a sync):
 //   - query_start values are clamped to [0, T]; an empty or inverted request does nothing.
@@ -68,12 +68,6 @@ struct KernelArgs {
   int dec_chunk = 1;             // blocks per split of a decode unit (mma path; see decode_path)
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
-  // Fused decode (score_fused_kernel + merge_kernel): decode units keep their block maxima in
-  // shared memory and write, per (row, split), the split's 15 best candidate keys (see
-  // candidate_key) plus a zero pad into cand[(row * k_splits + split) * 16 ..]; the scores of
-  // decode rows never reach global memory. Overflow tiles still write scores.
-  uint64_t* cand = nullptr;
-  int merge_wpr = 1;  // merge kernel: warps per row (1, 2, 4 or 8)
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K
   // blocks that lie entirely before their request's first new position (seq_lens[r] minus the
@@ -82,7 +76,6 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  int table_out = 0;    // fused decode units write their block-max tables to scores (!fused_lists)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

@@ -1,12 +1,11 @@
-// The fused decode path's selection inside the scorer (see indexer_kernel_mma.cuh): after a
-// decode unit's CTA scored its split, the block maxima of its rows sit in a shared table
-// [kDecRows][kFusedMaxChunk]; fused_local_select turns each row's candidates into the split's 15
-// best (candidate lists for merge_kernel) or, in the single pass, into the row's final block_ids;
-// finish_overflow_rows completes a single-pass overflow tile's rows from its block scores.
+// The single pass's selection inside the scorer (see indexer_kernel_mma.cuh): after a decode
+// unit's CTA (or cluster) scored every block, the block maxima of its rows sit in a shared table
+// [kDecRows][kFusedMaxChunk]; fused_local_select turns each row's candidates into the row's final
+// block_ids; finish_overflow_rows completes a single-pass overflow tile's rows from its block
+// scores.
 #pragma once
 
 #include "stages/indexer/indexer_kernel_common.cuh"
-#include "stages/indexer/indexer_kernel_merge.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 
 namespace m3attn::indexer_kernel {
@@ -64,19 +63,17 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
   }
 }
 
-// Fused decode, after the split's blocks are scored: the local selection of split y. Row j of the
-// unit (warp j % 4) has the candidates [b0, min(b1, local)): its local block is forced by the
-// merge (no candidate), blocks past it are invisible to the row. Each lane holds the scores of
-// blocks b0 + lane and b0 + lane + 32; rank_by_rounds ranks them (ranks are distinct: keys are;
-// NaN is never a candidate), kG rows of the warp at a time (one row: rank_by_counting). Ranks < 15
-// are stored as keys at their rank, the rest of the 16 slots are zero. Rows whose merge reads no
-// list of this split (a local block < 16, outside the page table, <= b0, or a negative position)
-// write nothing. kDirect (single pass, b0 == 0, one split): the ranks < 15 are the row's final
-// choice; the row of block_ids is written at once (trivial rows included): candidate ids are <
-// local and ascend with the lane, so a selected id's slot is the count of selected ids before it
-// (ballot prefix), the local block follows them, -1 fills the rest. lane_pos: lane l < n holds the
-// position of token t0 + l (no reload at the CTA's end).
-template <bool kDirect, int kG>
+// Single pass, after every block is scored (b0 == 0, one split or the cluster's table): the rows'
+// final selection. Row j of the unit (warp j % 4) has the candidates [0, min(b1, local)): its
+// local block is forced (no candidate), blocks past it are invisible to the row. Each lane holds
+// the scores of blocks lane and lane + 32; rank_by_rounds ranks them (ranks are distinct: keys
+// are; NaN is never a candidate), kG rows of the warp at a time (one row of more than 16
+// candidates: rank_by_counting). The ranks < 15 are the row's choice; the row of block_ids is
+// written at once (trivial rows included): candidate ids are < local and ascend with the lane, so a
+// selected id's slot is the count of selected ids before it (ballot prefix), the local block
+// follows them, -1 fills the rest. lane_pos: lane l < n holds the position of token t0 + l (no
+// reload at the CTA's end).
+template <int kG>
 __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
                                             int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
@@ -95,13 +92,8 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       local[g] = -1;
       if (j < rows) {
         const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
-        if constexpr (kDirect) {
-          local[g] = trivial_row(a, a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK, pos, true);
-          live[g] = local[g] >= 0;
-        } else {
-          local[g] = pos >= 0 ? pos / kPageSize : -1;
-          live[g] = local[g] >= kTopK && local[g] < a.max_pages && min(b1, local[g]) > b0;
-        }
+        local[g] = trivial_row(a, a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK, pos, true);
+        live[g] = local[g] >= 0;
       }
       const int nb = live[g] ? min(b1, local[g]) - b0 : 0;  // <= kFusedMaxChunk
       nbs[g] = nb;
@@ -130,35 +122,62 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
     for (int g = 0; g < kG; ++g) {
       if (!live[g]) continue;
       const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
-      if constexpr (kDirect) {
-        emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
-                        local[g]);  // b0 == 0
-      } else {
-        uint64_t* list = a.cand + (row_index * a.k_splits + blockIdx.y) * int64_t{kTopK};
-        int count = 0;
-#pragma unroll
-        for (int c = 0; c < kPer; ++c) {
-          const bool valid = s[c][g] == s[c][g];
-          count += __popc(__ballot_sync(0xffffffffu, valid));
-          if (valid && rank[c][g] < kTopK - 1)
-            list[rank[c][g]] = candidate_key(s[c][g], b0 + lane + 32 * c);
-        }
-        count = min(count, kTopK - 1);
-        if (lane >= count && lane < kTopK) list[lane] = 0;
-      }
+      emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
+                      local[g]);  // b0 == 0
     }
   }
 }
 
-// The local selection of every row of the unit (see select_rows): one row per warp at a time for
+// The final selection of every row of the unit (see select_rows): one row per warp at a time for
 // <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
-template <bool kDirect>
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
   if (rows <= kMmaWarps)
-    select_rows<kDirect, 1>(a, sblk, t0, rows, b0, b1, lane_pos);
+    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
-    select_rows<kDirect, 4>(a, sblk, t0, rows, b0, b1, lane_pos);
+    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
+}
+
+// True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
+// caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
+// equal-length requests: no further round trip); otherwise a binary search finds the last r with
+// query_start[r] <= t.
+__device__ __forceinline__ bool is_decode_token(const KernelArgs& a, int t, int gqa, int gqe) {
+  if (t >= gqa && t < gqe) return t - gqa < a.dec_tokens;
+  int lo = 0, hi = a.num_requests - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (load_query_start(a, mid) <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int qa = load_query_start(a, lo);
+  const int qe = load_query_start(a, lo + 1);
+  return t >= qa && t < qe && t - qa < a.dec_tokens;
+}
+
+// Single pass (score_fused_single_kernel, after a CTA barrier): one warp selects row `row`
+// (position pos) from the block scores its own CTA wrote this run (overflow rows), the rule of
+// select_kernel. Loads go out 4 per lane at a time (one L2 round trip per 128 blocks).
+__device__ __forceinline__ void finish_row(const KernelArgs& a, int64_t row, int pos) {
+  const int lane = threadIdx.x & 31;
+  int32_t* out = a.block_ids + row * kTopK;
+  const int local = trivial_row(a, out, pos, true);
+  if (local < 0) return;
+  uint64_t top[kTopK - 1];
+#pragma unroll
+  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+  const float* scores = a.scores + row * a.max_pages;
+  for (int b = lane; b < local; b += 4 * 32) {
+    float v[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) v[i] = b + 32 * i < local ? __ldcg(scores + b + 32 * i) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (b + 32 * i < local) insert_key(top, candidate_key(v[i], b + 32 * i));
+  }
+  emit_row(out, local, warp_top15(top));
 }
 
 // Single pass, overflow tile (after a CTA barrier, or a cluster barrier when its grid.y splits are

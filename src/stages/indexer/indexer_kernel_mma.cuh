@@ -21,13 +21,15 @@
 // them, converted once and kept in registers), C = scores [key][row]; the block max stays in
 // registers and 3 xor-shuffles finish it at the end of a block. No CTA barrier on this path.
 //
-// Fused decode (score_fused_kernel, the default): the flush of a block writes the row maxima into a
-// shared table [32 rows][64 blocks] instead of global memory; after one CTA barrier each warp
-// ranks its rows' candidates (blocks of the split before the row's local block) against the
-// table and writes the 15 best as 64-bit keys (score order, then smaller id) to the workspace:
-// 128 bytes per (row, split) instead of 4 bytes per (row, block), and merge_kernel reads at most
-// 16 keys per split instead of every block score. Splits hold at most 64 blocks (1 MB of
-// index-K), so the table costs 8 KB and 3 CTAs still fit per SM (72 KB each).
+// Fused decode (score_fused_kernel, the default above 16K): the flush of a block writes the row
+// maxima into a shared table [32 rows][64 blocks] instead of global memory; after one CTA barrier
+// the CTA writes the table's rows to the workspace scores in one coalesced burst (row j: the
+// split's blocks contiguous) and select_kernel finishes the rows. Splits hold at most 64 blocks
+// (1 MB of index-K), so the table costs 8 KB and 3 CTAs still fit per SM (72 KB each). (Until
+// session 16 each CTA selected its split's 15 best blocks per row into candidate lists that a
+// merge kernel merged: round B, same run, 64 x 32K draft 3 80.7 vs 77.4 us with the tables out,
+// 256 x 128K draft 3 1013.5 vs 985.1; round A timeline / ncu: that selection took 4.8 us p50
+// after a CTA's last tile, the merge kernel 6.1 us.)
 // (A bulk-copy variant, lane 0 issuing one 2 KB cp.async.bulk per tile on a stage mbarrier, never
 // beat the cp.async ring in sessions 11-12 and was removed in session 13.)
 // Instructions per 16-key tile and warp (cp.async path): session 12 round A measured (ncu, single
@@ -46,7 +48,7 @@
 // max of its rows, so its local selection is the final one and it writes block_ids directly
 // (ascending ids from the ranks by ballot prefix counts, then the local block, then -1); an
 // overflow tile, after a CTA barrier, selects its non-decode rows from the block scores it wrote
-// (finish_row). No candidate lists, no merge kernel, no second launch or dependency wait.
+// (finish_row). No second kernel, no second launch or dependency wait.
 // Clustered single pass (score_fused_cluster_kernel, IndexerCudaOptions::single_pass_ctas): the
 // unit's blocks are cut over a thread-block cluster of 2-8 CTAs (grid.y = cluster.y), each CTA
 // writes its block maxima straight into the shared table of the cluster's first CTA (distributed
@@ -87,7 +89,6 @@
 
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
-#include "stages/indexer/indexer_kernel_merge.cuh"
 
 namespace m3attn::indexer_kernel {
 
@@ -588,14 +589,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select<true>(a, sblk, qa, rows, 0, nvis, p);
+    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select<true>(a, nullptr, qa, rows, b0, b1, p);
+      if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
   } else {
@@ -606,17 +607,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
-    if (!kSingle && a.table_out) {
-      // The default (!IndexerCudaOptions::fused_lists): the table's rows go to the workspace
-      // scores in one coalesced burst (row j: blocks [b0, b1) contiguous); select_kernel
-      // finishes the rows.
+    if constexpr (kSingle) {
+      fused_local_select(a, sblk, qa, rows, b0, b1, p);
+    } else {
+      // The table's rows go to the workspace scores in one coalesced burst (row j: blocks
+      // [b0, b1) contiguous); select_kernel finishes the rows.
       const int ncol = b1 - b0;
       for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kMmaThreads) {
         const int j = i / ncol, c = i - j * ncol;
         a.scores[(int64_t{qa} * a.n_kv + j) * a.max_pages + b0 + c] = sblk[j * kFusedMaxChunk + c];
       }
-    } else {
-      fused_local_select<kSingle>(a, sblk, qa, rows, b0, b1, p);
     }
   }
   timeline_mark(a, 4);
@@ -773,7 +773,7 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
 template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
-  // The dependent grid (the select / merge kernel, or the next stage after a single pass) may be
+  // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
@@ -804,8 +804,9 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   score_mma_body<false>(a, smem, sh);
 }
 
-// Fused decode: decode units write candidate lists (a.cand), overflow tiles block scores;
-// merge_kernel finishes. Dynamic shared memory: kFusedSmemBytes.
+// Fused decode: decode units keep their block maxima in shared memory and write them to the
+// workspace scores at the CTA's end, overflow tiles write block scores; select_kernel finishes.
+// Dynamic shared memory: kFusedSmemBytes.
 __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
@@ -813,7 +814,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelAr
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
-// block_ids, overflow tiles select their rows from their own block scores; no merge kernel.
+// block_ids, overflow tiles select their rows from their own block scores; no selection kernel.
 __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
@@ -824,7 +825,7 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const K
 // (1, k_splits, 1) CTAs, k_splits <= 8; each decode unit's splits write their block maxima into
 // the table of the cluster's first CTA (distributed shared memory), which finishes the rows; an
 // overflow tile's splits write block scores, then finish its rows together after a cluster
-// barrier. No merge kernel.
+// barrier. No selection kernel.
 __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;

@@ -281,8 +281,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   const int lane = threadIdx.x & 31;
   const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  // The position is an input written before the scorer was launched: loaded before the dependency
-  // wait (see merge_kernel); the scores and block_ids only after it.
+  // The position is an input written before the scorer was launched (a normal launch, after
+  // every earlier operation of the stream completed, so it is visible already): loaded before the
+  // dependency wait; the scores and block_ids only after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
   pdl_wait();
   if (!in_range) return;

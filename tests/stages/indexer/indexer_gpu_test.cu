@@ -1,6 +1,6 @@
 // GPU tests of the CUDA indexer against the CPU twin (see indexer_gpu_test_util.h for what every
 // run checks): generation contexts and draft lengths, mixed batches, strided pools, 64-bit page
-// offsets, short contexts, NaN scores, the fused merge over many splits.
+// offsets, short contexts, NaN scores, the fused path over many splits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -251,11 +251,10 @@ TEST(IndexerGpu, ThresholdSelectionOfLongRows) {
 }
 
 // The fused path with many splits per row: chunks of 4 or 8 blocks (k_splits 1000), 16 (auto) and
-// 48 (k_splits 7), so the merge reads up to 79 lists per row, with 1 to 8 warps per row (auto and
-// forced), beside a prefill chunk whose
-// overflow rows take the block-score route of the same merge kernel; integer inputs (many exact
-// ties, also across split edges) and normal ones, n_kv 4 and 1.
-TEST(IndexerGpu, FusedMergeOverManySplits) {
+// 48 (k_splits 7), each CTA writing its block-max table at its end, beside a prefill chunk whose
+// overflow rows write their block scores as they go; the selection kernel finishes every row.
+// Integer inputs (many exact ties, also across split edges) and normal ones, n_kv 4 and 1.
+TEST(IndexerGpu, FusedPathOverManySplits) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -269,25 +268,20 @@ TEST(IndexerGpu, FusedMergeOverManySplits) {
       const Reference ref = reference(in);
       DeviceSet d;
       upload(in, d);
-      for (int k : {0, 1000, 7, -1, -8}) {  // -w: automatic splits, w merge warps per row
+      for (int k : {0, 1000, 7}) {
         IndexerCudaOptions o;
-        o.k_splits = std::max(k, 0);
-        o.merge_warps = k < 0 ? -k : 0;
+        o.k_splits = k;
         o.fused_decode_always = true;
         ASSERT_TRUE(indexer_cuda_uses_fused_decode(d.params, o)) << "k_splits " << k;
         IndexerCudaOptions two = o;
         two.unfused_decode = true;
-        const std::string name =
-            "fused merge n_kv " + std::to_string(n_kv) + (integer ? " integer" : " normal") +
-            (k >= 0 ? " k_splits " + std::to_string(k) : " merge warps " + std::to_string(-k));
+        const std::string name = "fused n_kv " + std::to_string(n_kv) +
+                                 (integer ? " integer" : " normal") + " k_splits " +
+                                 std::to_string(k);
         const GpuResult g = run_gpu(d, two);
         compare(in, ref, g, integer, name + " [two-kernel]");
         const GpuResult f = run_gpu(d, o);
         expect_same_ids(in, f, g, name + " [fused vs two-kernel]");
-        IndexerCudaOptions lists = o;  // candidate lists and the merge kernel
-        lists.fused_lists = true;
-        const GpuResult fl = run_gpu(d, lists);
-        expect_same_ids(in, fl, g, name + " [fused lists vs two-kernel]");
         o.single_pass = true;
         if (indexer_cuda_plan(d.params, o).single) {
           const GpuResult c = run_gpu(d, o);

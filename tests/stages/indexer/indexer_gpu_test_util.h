@@ -346,7 +346,7 @@ inline CompareStats compare(const Inputs& in, const Reference& ref, const GpuRes
 }
 
 // The fused decode path against the two-kernel path: identical ids (the block maxima are computed
-// by the same code; the merge applies the same exact rule).
+// by the same code; the selection applies the same exact rule).
 inline void expect_same_ids(const Inputs& in, const GpuResult& fused, const GpuResult& two,
                             const std::string& label) {
   SCOPED_TRACE(label);
@@ -388,8 +388,7 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.early_query_loads = false;  // the former order: positions and query rows after the tiles
     o.fast_select = false;        // long rows by the per-lane sorted lists
-    o.fused_lists = true;         // the fused path's candidate lists and merge kernel
-    variants.push_back({"former: late loads, sorted lists, fused lists", o});
+    variants.push_back({"late loads, sorted lists", o});
     o = IndexerCudaOptions{};
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
@@ -415,8 +414,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       const GpuResult f = run_gpu(d, fo);
       expect_same_ids(in, f, g, name + ", fused vs two-kernel]");
     }
-    // The single-pass variant (one split, no merge kernel) where its plan applies (<= 64 blocks),
-    // with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
+    // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
+    // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
     for (int ctas : {1, 2, 3, 8}) {
       IndexerCudaOptions so = v.o;
       so.single_pass = true;

@@ -24,7 +24,7 @@ TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   IndexerCudaOptions cluster = single;
   cluster.single_pass_ctas = 3;
   for (const IndexerCudaOptions& go : {IndexerCudaOptions{}, single, cluster}) {
-    // The default plan at 17K (fused + merge kernel); the single pass at <= 64 blocks.
+    // The default plan at 17K (fused + selection kernel); the single pass at <= 64 blocks.
     const std::vector<RequestSpec> reqs =
         go.single_pass
             ? std::vector<RequestSpec>{{8000, 4}, {2100, 4}, {100, 4}, {2600, 300}}
@@ -135,11 +135,6 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     IndexerCudaOptions o;
     o.k_splits = -1;
     expect_rejected(d.params, d.workspace, o, "k_splits -1");
-  }
-  {
-    IndexerCudaOptions o;
-    o.merge_warps = 3;
-    expect_rejected(d.params, d.workspace, o, "merge_warps 3");
   }
   {
     IndexerCudaOptions o;

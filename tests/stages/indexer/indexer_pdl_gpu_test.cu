@@ -208,8 +208,8 @@ std::vector<Variant> all_variants(bool short_context) {
   v.push_back({"cuda cores", o});
   o = {};
   o.early_query_loads = false;
-  o.fused_lists = true;
-  v.push_back({"former: late loads, fused lists", o});
+  o.fast_select = false;
+  v.push_back({"late loads, sorted lists", o});
   o = {};
   o.guess_request_bounds = false;
   v.push_back({"no guess: early loads", o});
@@ -244,7 +244,7 @@ TEST(IndexerGpuPdl, ProgrammaticLaunchBehindAWriterEqualsNormalLaunch) {
                        std::string("pdl 8K ") + (integer ? "integer" : "normal"), true);
   }
   {
-    // Above 128 blocks: the automatic fused path with its merge kernel.
+    // Above 128 blocks: the automatic fused path with its selection kernel.
     const std::vector<RequestSpec> reqs = {{140 * 128 - 2, 4}, {9000, 1}, {100 * 128 - 1, 2}};
     Inputs in = make_inputs(reqs, 4, rng, true);
     ASSERT_FALSE(::testing::Test::HasFailure());

@@ -23,7 +23,7 @@
 //   under splits auto, 1, 2, 3, 4, 6, 8: tuning of the split plan; no prefill), --kernel=N (0
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
-//   --v-convert=N, --l2-prefetch=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N,
+//   --v-convert=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N,
 //   --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
@@ -670,8 +670,6 @@ int main(int argc, char** argv) {
       no_prefill = true;
     } else if (std::strncmp(argv[i], "--persistent-ctas=", 18) == 0) {
       cfg.persistent_ctas = std::atoi(argv[i] + 18);
-    } else if (std::strncmp(argv[i], "--l2-prefetch=", 14) == 0) {
-      cfg.l2_prefetch = std::atoi(argv[i] + 14);
     } else if (std::strcmp(argv[i], "--splits-sweep") == 0) {
       sweep = true;
     } else if (std::strncmp(argv[i], "--kernels=", 10) == 0) {
@@ -704,7 +702,7 @@ int main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
-                   "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] [--l2-prefetch=N] "
+                   "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] "
                    "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
                    "[--timeline] "
                    "[--no-prefill] "

@@ -82,14 +82,13 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 18 (speculative row max: a wash), 19 (ring started on one block: slower at B256) and 20 (o_proj's
 // codes converted in pairs: slower).
 constexpr int kAutoVerifyVariant = 17;  // sparse and dense (layers 0-2) alike
-// AttentionCudaConfig::l2_prefetch is still validated (-1 .. kMaxL2Prefetch) but has no effect: the
-// L2 prefetch ahead of the shared-memory ring was never faster (session 11: 4-15 % slower per
-// line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in session 13;
-// session 16's prefetch of each decode / verify CTA's first 2 / 4 blocks into L2 as soon as the
-// union read their pages was slower too (round B: the first blocks landed later, 10.8 vs 6.7 us
-// after entry at B64 x 4 with 4; verify B64 x 4 47.2-48.5 vs 46.6-47.6 us, decode B64 42.1-43.7 vs
-// 41.1-42.0) and was removed.
-constexpr int kMaxL2Prefetch = 8;
+// No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
+// effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
+// slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
+// session 13; session 16's prefetch of each decode / verify CTA's first 2 / 4 blocks into L2 as
+// soon as the union read their pages was slower too (round B: the first blocks landed later, 10.8
+// vs 6.7 us after entry at B64 x 4 with 4; verify B64 x 4 47.2-48.5 vs 46.6-47.6 us, decode
+// B64 42.1-43.7 vs 41.1-42.0) and was removed.
 
 struct Plan {
   bool wgmma = false;   // the Hopper prefill kernel (8-token tiles) instead of the decode one
@@ -220,9 +219,6 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     const int64_t s = std::max<int64_t>(1, split_wave() / ctas);
     pl.splits = static_cast<int>(std::min<int64_t>({s, blocks, ak::kMaxSplits}));
   }
-  if (cfg.l2_prefetch < -1 || cfg.l2_prefetch > kMaxL2Prefetch)
-    return unsupported("run_attention_cuda: l2_prefetch ", cfg.l2_prefetch, " is outside [-1, ",
-                       kMaxL2Prefetch, "]");
   *out = pl;
   return Status::Ok();
 }

@@ -77,19 +77,17 @@ struct AttentionCudaConfig {
   int splits = 0;           // 1 .. 128 CTAs sharing one (tile, KV head)'s blocks (> 1: workspace)
   int v_convert = 0;        // V E4M3 -> f16 on the mma.sync decode kernel: 1 in registers (the
                             // only path since session 13; 2, the shared f16 tile, was removed)
-  int kernel = 0;       // 0 automatic, 1 the mma.sync decode kernel (attention_decode_kernel.cuh:
-                        // 1-token tiles, 8 warps; any batch; automatic for decode),
-                        // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
-                        // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
-                        // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
-                        // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 15 the
-                        // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
-                        // TMA, 2 consumer warpgroups, 64 / 216 registers; automatic for
-                        // prefill; kernel 4 runs instead where TMA cannot address the pool:
-                        // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
-                        // were removed in session 13, 11 in session 14 (unsupported)
-  int l2_prefetch = 0;  // no effect since session 13 (the L2 prefetch ahead of the ring was
-                        // never faster and was removed); still validated: -1 .. 8
+  int kernel = 0;  // 0 automatic, 1 the mma.sync decode kernel (attention_decode_kernel.cuh:
+                   // 1-token tiles, 8 warps; any batch; automatic for decode),
+                   // 4 the Hopper wgmma prefill kernel (attention_prefill_wgmma.cuh:
+                   // 8-token tiles, 2 warpgroups, cp.async loads); 5 the Hopper wgmma
+                   // decode / verify kernel (attention_verify_wgmma.cuh: 4-token
+                   // tiles x 16 heads = 64 rows, one warpgroup, 2 CTAs per SM); 15 the
+                   // warp-specialised persistent prefill kernel (attention_prefill_ws.cuh:
+                   // TMA, 2 consumer warpgroups, 64 / 216 registers; automatic for
+                   // prefill; kernel 4 runs instead where TMA cannot address the pool:
+                   // base or strides not multiples of 16 bytes). 2, 3, 6-10, 12-18
+                   // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (17), 8

@@ -61,15 +61,14 @@ std::string cfg_name(const AttentionCudaConfig& c) {
   std::ostringstream os;
   os << "tokens_per_tile " << c.tokens_per_tile << " splits " << c.splits << " v_convert "
      << c.v_convert << " kernel " << c.kernel;
-  if (c.l2_prefetch != 0) os << " l2_prefetch " << c.l2_prefetch;
   if (c.verify_variant != 0) os << " verify_variant " << c.verify_variant;
   if (c.decode_kernel != 0) os << " decode_kernel " << c.decode_kernel;
   if (c.programmatic_launch) os << " programmatic";
   return os.str();
 }
 
-// Launch-config families ({tokens_per_tile, splits, v_convert, kernel, l2_prefetch,
-// persistent_ctas, verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
+// Launch-config families ({tokens_per_tile, splits, v_convert, kernel, persistent_ctas,
+// verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
 // plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
@@ -87,13 +86,13 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 1, 1});              // v_convert 1 (the only V path)
-    add({1, 1, 0, 1, 0, 0, 0, 2});  // decode_kernel 2 (the same kernel)
+    add({1, 1, 1, 1});           // v_convert 1 (the only V path)
+    add({1, 1, 0, 1, 0, 0, 2});  // decode_kernel 2 (the same kernel)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 17}) add({4, 1, 0, 5, 0, 0, variant});
+    for (int variant : {8, 17}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -814,35 +813,31 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "kernel 99");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 11}, StatusCode::kUnsupported,
                   "kernel 11 (removed in session 14)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 9}, StatusCode::kUnsupported,
-                  "l2_prefetch 9");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, -2}, StatusCode::kUnsupported,
-                  "l2_prefetch -2");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, -1}, StatusCode::kUnsupported,
                   "kernel -1");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 10}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 10}, StatusCode::kUnsupported,
                   "verify_variant 10 (part of 9 since session 14)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 3}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 3}, StatusCode::kUnsupported,
                   "verify_variant 3 (deleted)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 11}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 11}, StatusCode::kUnsupported,
                   "verify_variant 11 (two warpgroups, removed in session 15)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 9}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 9}, StatusCode::kUnsupported,
                   "verify_variant 9 (13 without the lazy max, removed in session 15)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 14}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 14}, StatusCode::kUnsupported,
                   "verify_variant 14 (the early refill, removed in session 15)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 15}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 15}, StatusCode::kUnsupported,
                   "verify_variant 15 (the staged epilogue, removed in session 15)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 13}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 13}, StatusCode::kUnsupported,
                   "verify_variant 13 (17 without the session-16 changes, removed in session 16)");
-  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 0, 18}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 18}, StatusCode::kUnsupported,
                   "verify_variant 18 (the speculative row max, removed in session 16)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 5}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 5}, StatusCode::kUnsupported,
                   "decode_kernel 5 (Q converted before the block list, removed in session 16)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 4}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 4}, StatusCode::kUnsupported,
                   "decode_kernel 4 (TMA loads, removed in session 15)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 3}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 3}, StatusCode::kUnsupported,
                   "decode_kernel 3 (two barriers per block, removed in session 14)");
-  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 0, 1}, StatusCode::kUnsupported,
+  expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 1}, StatusCode::kUnsupported,
                   "decode_kernel 1 (the 4-warp tile kernel, removed in session 14)");
   expect_rejected(good, ws.data(), ws.bytes(), {2, 1, 0, 1}, StatusCode::kUnsupported,
                   "2 tokens per tile on the mma.sync kernel (removed in session 14)");

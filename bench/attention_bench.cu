@@ -30,7 +30,9 @@
 //   o_proj's E4M3 input, AttentionParams::out_q / out_scales, in the layer's layout);
 //   --read-ceiling (after each sparse decode/verify case a row "... read ceiling": the same
 //   selected K/V bytes read by a plain kernel with the same CTA decomposition,
-//   read_selected_tiles);
+//   read_selected_tiles); --read-delay=NS,... (also a read-ceiling row per NS: the plain kernel
+//   waits NS ns after each block landed before it refills the ring, a stand-in for the attention
+//   loop's work before its refill: how much the bytes in flight lose to that delay);
 //   --timeline (after each decode/verify case: one cold call with AttentionCudaConfig::timeline,
 //   per-CTA phase times and the CTAs' ends by SM, CTAs without a tile counted apart);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
@@ -103,7 +105,7 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
 }
 __global__ void __launch_bounds__(256, 2)
     read_selected_tiles(const uint8_t* kv, int64_t page_stride, int64_t plane_stride,
-                        const int32_t* list, const int32_t* start, uint32_t* sink) {
+                        const int32_t* list, const int32_t* start, uint32_t* sink, int delay_ns) {
   extern __shared__ __align__(128) uint8_t ring[];
   const int c = blockIdx.x, e0 = start[c], n = start[c + 1] - e0;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
@@ -124,7 +126,14 @@ __global__ void __launch_bounds__(256, 2)
   for (int j = 0; j < kReadStages - 1; ++j) issue(j);
   for (int j = 0; j < n; ++j) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kReadStages - 2) : "memory");
-    __syncthreads();  // block j landed; block j - 1's stage free
+    __syncthreads();     // block j landed; block j - 1's stage free
+    if (delay_ns > 0) {  // --read-delay: a stand-in for the compute before the refill
+      uint64_t t0, t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+      do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      } while (t - t0 < static_cast<uint64_t>(delay_ns));
+    }
     issue(j + kReadStages - 1);
   }
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -356,7 +365,7 @@ bench::Row timing_row(const std::string& name, const std::string& verdict, doubl
 
 // The --read-ceiling row of a sparse case (read_selected_tiles on the blocks of every copy).
 bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int calls,
-                            cudaStream_t stream) {
+                            cudaStream_t stream, int delay_ns) {
   std::vector<void*> d_lists;
   std::vector<int32_t> start;
   for (int k = 0; k < copies; ++k) {
@@ -390,7 +399,7 @@ bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int cal
   auto launch = [&](cudaStream_t s, int copy) {
     read_selected_tiles<<<ctas, 256, kReadStages * 2 * kTile, s>>>(
         pool.data, kPageBytes, kNkv * kTile, static_cast<const int32_t*>(d_lists[copy]),
-        static_cast<const int32_t*>(d_start), static_cast<uint32_t*>(d_sink));
+        static_cast<const int32_t*>(d_start), static_cast<uint32_t*>(d_sink), delay_ns);
   };
   const bench::Timing tm = bench::time_graph_cold([&](cudaStream_t s) { launch(s, 0); }, stream);
   const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream, calls);
@@ -398,8 +407,9 @@ bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int cal
   for (void* d : d_lists) cudaFree(d);
   cudaFree(d_start);
   cudaFree(d_sink);
-  return timing_row(c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling", "n/a", 0.0, tm,
-                    tb, copies, c.bytes, 0.0);
+  std::string name = c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling";
+  if (delay_ns > 0) name += " delay" + std::to_string(delay_ns);
+  return timing_row(name, "n/a", 0.0, tm, tb, copies, c.bytes, 0.0);
 }
 
 // One call on input copy `copy` (its page table; everything else is shared).
@@ -654,6 +664,7 @@ int main(int argc, char** argv) {
   std::string only;  // --case=SUBSTR: only cases whose name contains it
   AttentionCudaConfig cfg;
   std::vector<int> prefill_kernels;  // --kernels=A,B,...: these prefill kernels on the same cases
+  std::vector<int> read_delays;      // --read-delay=NS,...: extra read-ceiling rows
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
@@ -696,6 +707,13 @@ int main(int argc, char** argv) {
       g_out_q = true;
     } else if (std::strcmp(argv[i], "--read-ceiling") == 0) {
       read_ceiling = true;
+    } else if (std::strncmp(argv[i], "--read-delay=", 13) == 0) {
+      read_ceiling = true;
+      for (const char* k = argv[i] + 13; *k != '\0';) {
+        read_delays.push_back(std::atoi(k));
+        while (*k != '\0' && *k != ',') ++k;
+        if (*k == ',') ++k;
+      }
     } else if (std::strcmp(argv[i], "--timeline") == 0) {
       g_timeline = true;
     } else {
@@ -704,7 +722,7 @@ int main(int argc, char** argv) {
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] "
                    "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
-                   "[--timeline] "
+                   "[--read-delay=NS,...] [--timeline] "
                    "[--no-prefill] "
                    "[--compare-kernels] "
                    "[--persistent-ctas=N] "
@@ -838,8 +856,11 @@ int main(int argc, char** argv) {
             rows.push_back(timing_row(c.name, verdict, worst, tm, tb, copies, c.bytes, c.flops));
             if (g_timeline) print_timeline(c, stream);
           }
-          if (read_ceiling && sparse)
-            rows.push_back(read_ceiling_row(c, pool, copies, calls, stream));
+          if (read_ceiling && sparse) {
+            rows.push_back(read_ceiling_row(c, pool, copies, calls, stream, 0));
+            for (int d : read_delays)
+              rows.push_back(read_ceiling_row(c, pool, copies, calls, stream, d));
+          }
           free_case(c);
         }
       }

@@ -25,7 +25,11 @@
 //   read   the plain vector-load read of the same bytes (the first table's kernel).
 //
 // The plain read also runs on the unfused pair's two weights (9216 x 6144 and 640 x 6144).
-// usage: bandwidth_bench [--json] [--quick] [--tiles]
+// --lsu (session 17): the same units read by every thread with 16-byte loads into registers
+//   (frag: each thread its wgmma A-fragment rows, the memory side of a GEMM with its A operand in
+//   registers) or with cp.async into a shared-memory ring, beside the kernel's TMA stream and the
+//   plain read.
+// usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu]
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -161,6 +165,120 @@ __global__ void __launch_bounds__(64)
       sm90::mbar_arrive(smem_u32(&empty_bar[s]));
     }
   }
+}
+
+// ---- --lsu: the weight stream read by every thread with plain loads (session 17) --------------
+// The decode GEMM's units (128 weight rows x 128 bytes, stream-K ranges, tile-major) read by all
+// 256 threads of a CTA with 16-byte ld.global.nc.L1::no_allocate loads into registers, each
+// thread its wgmma A-fragment rows of the unit (row 64 wg + 16 warp + lane / 4 and 8 rows below,
+// bytes 16 (lane % 4) + 64 h, h = 0, 1: every warp load covers 8 rows x 64 contiguous bytes): the
+// memory side of a GEMM whose A operand comes from registers instead of a TMA ring. kGroups
+// register buffers of kBurst units each: a group's loads are issued back to back (a row's kBurst
+// K blocks together), kGroups - 1 groups ahead of the one consumed (consumption = an xor).
+template <int kGroups, int kBurst, bool kEvictFirst>
+__global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restrict__ w, int64_t ldw,
+                                                        int units, int kblocks, int* sink) {
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int u_begin = static_cast<int>(int64_t{cta} * units / grid);
+  const int u_end = static_cast<int>(int64_t{cta + 1} * units / grid);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const int row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
+  const int col0 = 16 * (lane % 4);
+  uint64_t policy = 0;
+  if (kEvictFirst)
+    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  uint4 buf[kGroups][kBurst][4];
+  auto load_unit = [&](uint4(&d)[4], int u) {
+    const int tile = u / kblocks, kb = u - tile * kblocks;
+    const uint8_t* p0 = w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint8_t* p = p0 + (j / 2) * 8 * ldw + (j % 2) * 64;
+      if (kEvictFirst) {
+        asm volatile("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0,%1,%2,%3}, [%4], %5;"
+                     : "=r"(d[j].x), "=r"(d[j].y), "=r"(d[j].z), "=r"(d[j].w)
+                     : "l"(p), "l"(policy));
+      } else {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(d[j].x), "=r"(d[j].y), "=r"(d[j].z), "=r"(d[j].w)
+                     : "l"(p));
+      }
+    }
+  };
+  const int count = u_end - u_begin;
+  const int groups = (count + kBurst - 1) / kBurst;
+  auto load_group = [&](uint4(&d)[kBurst][4], int g) {
+#pragma unroll
+    for (int b = 0; b < kBurst; ++b)
+      if (g * kBurst + b < count) load_unit(d[b], u_begin + g * kBurst + b);
+  };
+#pragma unroll
+  for (int s = 0; s < kGroups; ++s) load_group(buf[s], s);
+  uint32_t acc = 0;
+  for (int g0 = 0; g0 < groups; g0 += kGroups) {
+#pragma unroll
+    for (int s = 0; s < kGroups; ++s) {
+      const int g = g0 + s;
+      if (g >= groups) break;
+#pragma unroll
+      for (int b = 0; b < kBurst; ++b)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (g * kBurst + b < count)
+            acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
+      load_group(buf[s], g + kGroups);
+    }
+  }
+  if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
+}
+
+// The same loads as cp.async.cg 16-byte copies into a shared-memory ring of kStages units (each
+// thread copies its own fragment bytes; the ring is what a wgmma A operand from shared memory would
+// need), a commit group per burst of kBurst units, kStages / kBurst - 1 groups in flight ahead.
+template <int kStages, int kBurst>
+__global__ void __launch_bounds__(256)
+    cpasync_read_kernel(const uint8_t* __restrict__ w, int64_t ldw, int units, int kblocks,
+                        int* sink) {
+  extern __shared__ uint8_t smem_raw[];
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int u_begin = static_cast<int>(int64_t{cta} * units / grid);
+  const int u_end = static_cast<int>(int64_t{cta + 1} * units / grid);
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+  const int row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
+  const int col0 = 16 * (lane % 4);
+  const uint32_t base = smem_u32(smem_raw);
+  const int count = u_end - u_begin;
+  constexpr int kGroups = kStages / kBurst;
+  const int groups = (count + kBurst - 1) / kBurst;
+  auto issue_group = [&](int g) {
+    for (int b = 0; b < kBurst; ++b) {
+      const int v = g * kBurst + b;
+      if (v >= count) break;
+      const int u = u_begin + v, tile = u / kblocks, kb = u - tile * kblocks;
+      const uint8_t* p0 = w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
+      const uint32_t dst = base + static_cast<uint32_t>((v % kStages) * 16384 + row0 * 128 + col0);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                         dst + static_cast<uint32_t>((j / 2) * 8 * 128 + (j % 2) * 64)),
+                     "l"(p0 + (j / 2) * 8 * ldw + (j % 2) * 64)
+                     : "memory");
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  };
+  for (int g = 0; g < kGroups - 1; ++g) issue_group(g);
+  uint32_t acc = 0;
+  for (int g = 0; g < groups; ++g) {
+    issue_group(g + kGroups - 1);
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kGroups - 1) : "memory");
+    const uint32_t a =
+        base + static_cast<uint32_t>(((g * kBurst) % kStages) * 16384 + row0 * 128 + col0);
+    uint32_t v;
+    asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(a));
+    acc ^= v;
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -325,6 +443,122 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
       rows, json);
 }
 
+// The --lsu table: the register-fragment and cp.async streams beside the kernel's TMA stream and
+// the plain read, fused and o_proj weights, isolated and back to back.
+void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, cudaStream_t stream,
+             bool json) {
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+  };
+  const Shape shapes[] = {{"fused 9856x6144", 9856, 6144}, {"o_proj 6144x8192", 6144, 8192}};
+  using Kernel = void (*)(const uint8_t*, int64_t, int, int, int*);
+  struct LsuCase {
+    const char* mode;
+    Kernel kernel;
+    int groups, burst;  // frag: register groups x units; cpasync: stages, burst
+    int ctas_per_sm, min_units;
+    int smem;
+  };
+  const LsuCase cases[] = {
+      {"frag", &frag_read_kernel<2, 1, false>, 2, 1, 2, 16, 0},
+      {"frag", &frag_read_kernel<4, 1, false>, 4, 1, 2, 16, 0},
+      {"frag", &frag_read_kernel<2, 2, false>, 2, 2, 2, 16, 0},
+      {"frag", &frag_read_kernel<3, 2, false>, 3, 2, 2, 16, 0},
+      {"frag-ef", &frag_read_kernel<2, 2, true>, 2, 2, 2, 16, 0},
+      {"frag", &frag_read_kernel<2, 2, false>, 2, 2, 2, 1, 0},
+      {"frag", &frag_read_kernel<2, 2, false>, 2, 2, 3, 1, 0},
+      {"cpasync", &cpasync_read_kernel<4, 2>, 4, 2, 2, 16, 4 * 16384},
+      {"cpasync", &cpasync_read_kernel<6, 2>, 6, 2, 2, 16, 6 * 16384},
+  };
+  std::vector<bench::Row> rows;
+  for (const Shape& sh : shapes) {
+    const size_t bytes = static_cast<size_t>(sh.n * sh.k);
+    const int copies =
+        std::min<int>(bench::back_to_back_copies(bytes), static_cast<int>(src_bytes / bytes));
+    const auto w_copy = [&](int c) { return static_cast<const uint8_t*>(src) + c * bytes; };
+    const int units = static_cast<int>(sh.n / 128 * (sh.k / 128));
+    const int kblocks = static_cast<int>(sh.k / 128);
+    auto add_row = [&](const std::string& mode, const std::string& shape, int grid,
+                       const bench::Timing& ti, const bench::Timing& tb) {
+      bench::Row r;
+      r.add("weights", sh.name);
+      r.add("mode", mode);
+      r.add("shape", shape);
+      r.add("grid", std::to_string(grid));
+      r.add("us", ti.median_us, 2);
+      r.add("GB/s", bytes / ti.median_us / 1e3, 0);
+      r.add("b2b_us", tb.median_us, 2);
+      r.add("b2b_GB/s", bytes / tb.median_us / 1e3, 0);
+      r.add("b2b_%copy", 100.0 * bytes / tb.median_us / 1e3 / 4300.0, 1);
+      rows.push_back(r);
+    };
+    for (const LsuCase& lc : cases) {
+      const int grid = std::min(lc.ctas_per_sm * sms, (units + lc.min_units - 1) / lc.min_units);
+      if (lc.smem > 0)
+        bench::check_cuda(
+            cudaFuncSetAttribute(lc.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, lc.smem),
+            "smem opt-in");
+      const auto launch = [&](cudaStream_t st, int c) {
+        lc.kernel<<<grid, 256, lc.smem, st>>>(w_copy(c), sh.k, units, kblocks, sink);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      bench::check_cuda(cudaStreamSynchronize(stream), lc.mode);
+      add_row(lc.mode,
+              std::to_string(lc.groups) + "x" + std::to_string(lc.burst) + " " +
+                  std::to_string(lc.ctas_per_sm) + "/SM",
+              grid, ti, tb);
+    }
+    // The kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's stream).
+    {
+      std::vector<CUtensorMap> wmaps;
+      for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(w_copy(c), sh.n, sh.k, 128));
+      const CUtensorMap xmap8 = encode_2d(act, 64, sh.k, 8);
+      TileArgs a;
+      a.kblocks = kblocks;
+      a.units = units;
+      a.act_rows = 8;
+      a.min_units = 16;
+      a.round_robin = 0;
+      const int stage_bytes = kUnitBytes + 8 * 128;
+      a.stages = std::min(12, 110 * 1024 / stage_bytes);
+      a.burst = 2;
+      const int smem = a.stages * stage_bytes + 1024;
+      const int grid = std::min(2 * sms, (units + a.min_units - 1) / a.min_units);
+      bench::check_cuda(cudaFuncSetAttribute(&tile_read_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "smem opt-in");
+      const auto launch = [&](cudaStream_t st, int c) {
+        TileArgs ac = a;
+        ac.w = w_copy(c);
+        tile_read_kernel<false><<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap8, ac);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      add_row("tma2d", "6 stages 2/SM act 8", grid, ti, tb);
+    }
+    // The plain read (grid 2 x SMs and its best of 2-16 CTAs per SM).
+    const size_t n16 = bytes / sizeof(int4);
+    for (int k : {2, 4}) {
+      const auto read = [&](cudaStream_t st, int c) {
+        bench::launch_plain_read(w_copy(c), n16, k * sms, 512, sink, st);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { read(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(read, copies, stream);
+      add_row("read", "grid-stride 512 thr", k * sms, ti, tb);
+    }
+  }
+  bench::check_cuda(cudaGetLastError(), "lsu launches");
+  bench::print_rows(
+      "decode GEMM weight streams by plain loads (cold L2; isolated graph replay and "
+      "back-to-back; GB/s of weight bytes)",
+      rows, json);
+}
+
 struct Size {
   const char* name;
   size_t bytes;
@@ -335,7 +569,7 @@ struct Size {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, tiles = false;
+  bool json = false, quick = false, tiles = false, lsu = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
@@ -343,8 +577,10 @@ int main(int argc, char** argv) {
       quick = true;
     } else if (!std::strcmp(argv[i], "--tiles")) {
       tiles = true;
+    } else if (!std::strcmp(argv[i], "--lsu")) {
+      lsu = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu]\n", argv[0]);
       return 2;
     }
   }
@@ -371,12 +607,13 @@ int main(int argc, char** argv) {
   bench::check_cuda(cudaMemset(src, 0x3c, max_src_bytes), "cudaMemset(src)");
   cudaStream_t stream;
   bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
-  if (tiles) {
+  if (tiles || lsu) {
     // Activations: 64 rows x 8192 bytes (zeros), L2-resident after the first unit reads them.
     void* act = nullptr;
     bench::check_cuda(cudaMalloc(&act, 64 * 8192), "cudaMalloc(act)");
     bench::check_cuda(cudaMemset(act, 0, 64 * 8192), "cudaMemset(act)");
-    run_tiles(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
+    if (tiles) run_tiles(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
+    if (lsu) run_lsu(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
     cudaFree(act);
     cudaFree(src);
     cudaFree(dst);

@@ -553,7 +553,9 @@ int main(int argc, char** argv) {
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
     const int64_t warps = units * pl.k_splits * 4;
-    const size_t bytes = static_cast<size_t>(warps) * 16 * 8;
+    // + 16 words of the selection kernel's marks (indexer_kernel_common.cuh,
+    // select_timeline_mark).
+    const size_t bytes = static_cast<size_t>(warps + 1) * 16 * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
     o.timeline = d_tl;
     const auto launch = [&](cudaStream_t s) {
@@ -562,7 +564,7 @@ int main(int argc, char** argv) {
       if (!st.ok()) std::exit(1);
     };
     const bench::Timing t = bench::time_cold(launch, stream, 1, 5);
-    std::vector<uint64_t> tl(static_cast<size_t>(warps) * 16);
+    std::vector<uint64_t> tl(static_cast<size_t>(warps + 1) * 16);
     check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
     int dev = 0, khz = 0;
     check_cuda(cudaGetDevice(&dev), "device");
@@ -596,6 +598,27 @@ int main(int argc, char** argv) {
         std::printf("   phase us (clock64 at %d MHz): p50 %6.2f p90 %6.2f max %6.2f", khz / 1000,
                     pct(dur, 0.5), pct(dur, 0.9), pct(dur, 1));
       std::printf("\n");
+    }
+    {
+      // The selection kernel (when one runs): first entry, first / last release from its
+      // dependency wait, last row written, relative to the scorer's first entry; and the
+      // scorer's last warp done, for the gap.
+      const uint64_t* s = tl.data() + warps * 16;
+      double last_done = 0.0;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * 16;
+        if (e[0] && e[4]) last_done = std::max(last_done, (e[4] - g0) * 1e-3);
+      }
+      if (s[3] != 0)
+        std::printf(
+            "  select kernel at us: first entry %6.2f, released from its wait first %6.2f last "
+            "%6.2f, last row written %6.2f (scorer's last warp done %6.2f)\n",
+            (static_cast<double>(~s[0]) - static_cast<double>(g0)) * 1e-3,
+            (static_cast<double>(~s[1]) - static_cast<double>(g0)) * 1e-3,
+            (static_cast<double>(s[2]) - static_cast<double>(g0)) * 1e-3,
+            (static_cast<double>(s[3]) - static_cast<double>(g0)) * 1e-3, last_done);
+      else
+        std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }
     // Where the spread of "scored" lives: between the warps of a CTA, between the CTAs of a
     // cluster (grid.y), or between SMs (word 7: the warp's SM id).

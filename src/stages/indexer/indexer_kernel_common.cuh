@@ -104,6 +104,24 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
   }
 }
 
+// The selection kernel's marks (same buffer, after the scorer's warps: word kTimelineStride *
+// (grid.x * grid.y * 4) of the scorer's grid, i.e. (num_overflow + num_requests) * k_splits * 4
+// warps): atomics over the selection warps, on a buffer the caller cleared to zero. Word 0: ~(first
+// entry), 1: ~(first release from pdl_wait), 2: last release, 3: last row written; ~t so that an
+// atomicMax keeps the minimum.
+constexpr int kSelectTimelineWords = 4;
+__device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  uint64_t g;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  const int64_t base =
+      (int64_t{a.num_overflow} + a.num_requests) * a.k_splits * 4 * kTimelineStride;
+  unsigned long long* w = reinterpret_cast<unsigned long long*>(a.timeline + base);
+  if (slot == 0 || slot == 1) atomicMax(w + slot, static_cast<unsigned long long>(~g));
+  if (slot == 1) atomicMax(w + 2, static_cast<unsigned long long>(g));
+  if (slot == 3) atomicMax(w + 3, static_cast<unsigned long long>(g));
+}
+
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made
 // monotone (0 is reserved for NaN, never chosen; -0 ties with +0), the low word ~id so that an
 // exact tie prefers the smaller id. Keys of distinct ids are distinct.

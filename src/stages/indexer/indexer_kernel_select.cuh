@@ -274,19 +274,11 @@ __device__ __forceinline__ bool select_by_threshold(const float* scores, int loc
   return true;
 }
 
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
-  __shared__ __align__(16) float row_copy[kSelectWarps][kCountRow];
-  __shared__ uint64_t survivors[kSelectWarps][64];
-  pdl_launch_dependents();
+// One row of the selection kernel (one warp), after the dependency wait: the row's ids from its
+// workspace block scores. srow: the warp's 64-float shared row, buf: its 64 survivor keys.
+__device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int pos, float* srow,
+                                           uint64_t* buf) {
   const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
-  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  // The position is an input written before the scorer was launched (a normal launch, after
-  // every earlier operation of the stream completed, so it is visible already): loaded before the
-  // dependency wait; the scores and block_ids only after it.
-  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  pdl_wait();
-  if (!in_range) return;
   int32_t* out = a.block_ids + row * kTopK;
   const int local = trivial_row(a, out, pos, true);
   if (local < 0) return;
@@ -296,7 +288,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
     // Candidates 0 .. local - 1 (contexts up to 8K): one copy of the row in shared memory, ranked
     // by counting (session 14: the insertion lists and 15 redux rounds below took ~3000+ cycles
     // per row).
-    float* srow = row_copy[threadIdx.x >> 5];
     const float s0 = lane < local ? scores[lane] : quiet_nan();
     const float s1 = lane + 32 < local ? scores[lane + 32] : quiet_nan();
     srow[lane] = s0;
@@ -307,7 +298,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
     emit_ranked_row(out, s0, s1, r0, r1, local);
     return;
   }
-  if (a.fast_select && select_by_threshold(scores, local, out, survivors[threadIdx.x >> 5])) return;
+  if (a.fast_select && select_by_threshold(scores, local, out, buf)) return;
   uint64_t top[kTopK - 1];
 #pragma unroll
   for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
@@ -322,6 +313,24 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
 
   emit_row(out, local, warp_top15(top));
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
+  __shared__ __align__(16) float row_copy[kSelectWarps][kCountRow];
+  __shared__ uint64_t survivors[kSelectWarps][64];
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  // The position is an input written before the scorer was launched (a normal launch, after
+  // every earlier operation of the stream completed, so it is visible already): loaded before the
+  // dependency wait; the scores and block_ids only after it.
+  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
+  pdl_wait();
+  select_timeline_mark(a, 1);
+  if (!in_range) return;
+  select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
+  select_timeline_mark(a, 3);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -28,7 +28,8 @@
 // --lsu (session 17): the same units read by every thread with 16-byte loads into registers
 //   (frag: each thread its wgmma A-fragment rows, the memory side of a GEMM with its A operand in
 //   registers) or with cp.async into a shared-memory ring, beside the kernel's TMA stream and the
-//   plain read.
+//   plain read; frag-rows: a row split without split-K read the same way (each CTA 37-38 whole
+//   weight rows, K walked in bursts of K blocks).
 // usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu]
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
@@ -225,6 +226,65 @@ __global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restric
 #pragma unroll
         for (int j = 0; j < 4; ++j)
           if (g * kBurst + b < count)
+            acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
+      load_group(buf[s], g + kGroups);
+    }
+  }
+  if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
+}
+
+// A row split without split-K, read the same way: CTA c of `grid` owns weight rows
+// [c N / grid, (c + 1) N / grid) (37-38 rows at 264 CTAs for N 9856) over the whole K; one
+// warpgroup per CTA; fragment row f = 16 w + i (w the warp, i = lane / 4 or lane / 4 + 8) holds
+// local row 4 i + w (valid rows spread over the four warps); each thread loads its valid rows'
+// 2 x 16 bytes per K block (as frag), kBurst K blocks per group, kGroups groups in registers.
+template <int kGroups, int kBurst>
+__global__ void __launch_bounds__(128)
+    frag_rows_read_kernel(const uint8_t* __restrict__ w, int64_t ldw, int n_rows, int kblocks,
+                          int* sink) {
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int r_begin = static_cast<int>(int64_t{cta} * n_rows / grid);
+  const int rows = static_cast<int>(int64_t{cta + 1} * n_rows / grid) - r_begin;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int l0 = 4 * (lane / 4) + warp, l1 = l0 + 32;
+  const bool v0 = l0 < rows, v1 = l1 < rows;
+  const uint8_t* p0 = w + int64_t{r_begin + l0} * ldw + 16 * (lane % 4);
+  const uint8_t* p1 = w + int64_t{r_begin + l1} * ldw + 16 * (lane % 4);
+  uint4 buf[kGroups][kBurst][4];
+  const int groups = (kblocks + kBurst - 1) / kBurst;
+  auto ld = [](uint4& d, const uint8_t* p) {
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(d.x), "=r"(d.y), "=r"(d.z), "=r"(d.w)
+                 : "l"(p));
+  };
+  auto load_group = [&](uint4(&d)[kBurst][4], int g) {
+#pragma unroll
+    for (int b = 0; b < kBurst; ++b) {
+      const int kb = g * kBurst + b;
+      if (kb >= kblocks) break;
+      if (v0) {
+        ld(d[b][0], p0 + kb * 128);
+        ld(d[b][1], p0 + kb * 128 + 64);
+      }
+      if (v1) {
+        ld(d[b][2], p1 + kb * 128);
+        ld(d[b][3], p1 + kb * 128 + 64);
+      }
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kGroups; ++s) load_group(buf[s], s);
+  uint32_t acc = 0;
+  for (int g0 = 0; g0 < groups; g0 += kGroups) {
+#pragma unroll
+    for (int s = 0; s < kGroups; ++s) {
+      const int g = g0 + s;
+      if (g >= groups) break;
+#pragma unroll
+      for (int b = 0; b < kBurst; ++b)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (g * kBurst + b < kblocks && (j < 2 ? v0 : v1))
             acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
       load_group(buf[s], g + kGroups);
     }
@@ -509,6 +569,29 @@ void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, c
       add_row(lc.mode,
               std::to_string(lc.groups) + "x" + std::to_string(lc.burst) + " " +
                   std::to_string(lc.ctas_per_sm) + "/SM",
+              grid, ti, tb);
+    }
+    // The row split (one warpgroup per CTA, whole K): groups x burst K blocks, CTAs per SM.
+    struct RowCase {
+      Kernel kernel;
+      int groups, burst, ctas_per_sm;
+    };
+    const RowCase row_cases[] = {
+        {&frag_rows_read_kernel<4, 2>, 4, 2, 2}, {&frag_rows_read_kernel<2, 4>, 2, 4, 2},
+        {&frag_rows_read_kernel<3, 4>, 3, 4, 2}, {&frag_rows_read_kernel<6, 1>, 6, 1, 2},
+        {&frag_rows_read_kernel<4, 2>, 4, 2, 3}, {&frag_rows_read_kernel<2, 2>, 2, 2, 4}};
+    for (const RowCase& rc : row_cases) {
+      const int grid = rc.ctas_per_sm * sms;
+      const auto launch = [&](cudaStream_t st, int c) {
+        rc.kernel<<<grid, 128, 0, st>>>(w_copy(c), sh.k, static_cast<int>(sh.n), kblocks, sink);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      bench::check_cuda(cudaStreamSynchronize(stream), "rows");
+      add_row("frag-rows",
+              std::to_string(rc.groups) + "x" + std::to_string(rc.burst) + " " +
+                  std::to_string(rc.ctas_per_sm) + "/SM",
               grid, ti, tb);
     }
     // The kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's stream).

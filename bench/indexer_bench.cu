@@ -54,8 +54,11 @@
 //   --case),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
-//   k_splits, late = !early_query_loads, sorted = !fast_select; batch 64 / 256 x 8K / 32K / 128K
-//   at draft 3, or --case).
+//   k_splits, late = !early_query_loads, sorted = !fast_select, w8 / w8k2 / w8s2 = wide decode
+//   CTAs (IndexerCudaOptions::decode_warps 8) at the automatic plan / the two-kernel path in 2
+//   splits / the single pass in clusters of 2; --vlist NAME,... keeps base and the named ones;
+//   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
+//   path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -413,7 +416,8 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
-         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) +
+         (pl.warps != 4 ? " w" + std::to_string(pl.warps) : std::string());
 }
 
 double pct_copy(const Case& c, double us) {
@@ -449,7 +453,8 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, decode_warps = 0;
+  std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -490,7 +495,17 @@ int main(int argc, char** argv) {
       timeline = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
-    else if (a == "--contiguous")
+    else if (a == "--warps" && i + 1 < argc)
+      decode_warps = std::atoi(argv[++i]);
+    else if (a == "--vlist" && i + 1 < argc) {
+      std::string l = argv[++i];
+      size_t at = 0;
+      while (at <= l.size()) {
+        const size_t e = std::min(l.find(',', at), l.size());
+        if (e > at) vlist.push_back(l.substr(at, e - at));
+        at = e + 1;
+      }
+    } else if (a == "--contiguous")
       g_contiguous = true;
     else if (a == "--case" && i + 1 < argc &&
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
@@ -501,7 +516,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--k K,K,...]\n",
+                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -511,6 +526,7 @@ int main(int argc, char** argv) {
     o->guess_request_bounds = !no_guess;
     o->early_query_loads = !late;
     o->fast_select = !sorted;
+    o->decode_warps = decode_warps;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -552,7 +568,7 @@ int main(int argc, char** argv) {
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
-    const int64_t warps = units * pl.k_splits * 4;
+    const int64_t warps = units * pl.k_splits * pl.warps;
     // + 16 words of the selection kernel's marks (indexer_kernel_common.cuh,
     // select_timeline_mark).
     const size_t bytes = static_cast<size_t>(warps + 1) * 16 * 8;
@@ -629,8 +645,8 @@ int main(int argc, char** argv) {
       for (int64_t y = 0; y < pl.k_splits; ++y) {
         double lo = 1e30, hi = -1.0;
         int sm = -1;
-        for (int w = 0; w < 4; ++w) {
-          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * 16;
+        for (int w = 0; w < pl.warps; ++w) {
+          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * pl.warps + w) * 16;
           if (!e[0] || !e[2]) continue;
           const double at = (e[2] - g0) * 1e-3;
           lo = std::min(lo, at);
@@ -807,11 +823,25 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    std::vector<Variant> vs = {
-        {"base", default_o}, {"2k", default_o}, {"late", default_o}, {"sorted", default_o}};
-    vs[1].o.unfused_decode = true;  // k_splits: the default plan's, set per case below
-    vs[2].o.early_query_loads = false;
-    vs[3].o.fast_select = false;
+    // 2k: the two-kernel path at the default plan's k_splits (set per case below); w8: wide CTAs
+    // (decode_warps 8) at the automatic plan; w8k2: wide, two-kernel path with 2 splits; w8s2:
+    // wide, single pass in clusters of 2.
+    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o}, {"late", default_o},
+                                {"sorted", default_o}, {"w8", default_o}, {"w8k2", default_o},
+                                {"w8s2", default_o}};
+    all[1].o.unfused_decode = true;
+    all[2].o.early_query_loads = false;
+    all[3].o.fast_select = false;
+    for (size_t i = 4; i < all.size(); ++i) all[i].o.decode_warps = 8;
+    all[5].o.unfused_decode = true;
+    all[5].o.k_splits = 2;
+    all[6].o.single_pass = true;
+    all[6].o.single_pass_ctas = 2;
+    std::vector<Variant> vs;
+    for (const Variant& v : all)
+      if (vlist.empty() || v.name == std::string("base") ||
+          std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
+        vs.push_back(v);
     for (int ctx : contexts) {
       for (int batch : batches) {
         const int draft = only ? only_draft : 3;
@@ -821,7 +851,9 @@ int main(int argc, char** argv) {
         const std::vector<Slice> slices = decode_slices(batch, draft);
         bool pass = true;
         std::vector<Times> tms;
-        vs[1].o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
+        for (Variant& v : vs)
+          if (v.name == std::string("2k"))
+            v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
                                    " ctx " + std::to_string(ctx) + " draft " +
@@ -842,7 +874,8 @@ int main(int argc, char** argv) {
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select)",
+        "!early_query_loads, sorted = !fast_select, w8 = decode_warps 8 (automatic plan), w8k2 = "
+        "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2)",
         rows, json);
     return finish();
   }

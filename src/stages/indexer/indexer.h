@@ -153,10 +153,16 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
+  // Warps per CTA of the tensor-core scorer: 0 or 4 (the default CTA of 4 warps, up to 3 per
+  // SM), or 8 (opt-in wide CTA, one per SM: 128 KB of tile rings; a decode unit's split spreads
+  // its blocks over 8 warps, so half the blocks per warp at the same split; overflow tiles run on
+  // warps 0-3 of it). Same ids.
+  int decode_warps = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
-  // grid (grid.x * grid.y * 4 warps) where the decode warps record %globaltimer and clock64 at
-  // their phases (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated:
-  // the caller guarantees the size.
+  // grid (grid.x * grid.y * IndexerCudaPlan::warps warps, then 16 more for the selection kernel)
+  // where the decode warps record %globaltimer and clock64 at their phases
+  // (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated: the caller
+  // guarantees the size.
   uint64_t* timeline = nullptr;
 };
 
@@ -180,6 +186,7 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
   bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
+  int warps = 4;        // warps per scorer CTA (decode_warps)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -79,6 +79,7 @@ struct KernelArgs {
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
+  int dec_warps = 4;  // warps per scorer CTA (the timeline's layout; the kernels' template kW)
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
@@ -105,17 +106,16 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
 }
 
 // The selection kernel's marks (same buffer, after the scorer's warps: word kTimelineStride *
-// (grid.x * grid.y * 4) of the scorer's grid, i.e. (num_overflow + num_requests) * k_splits * 4
-// warps): atomics over the selection warps, on a buffer the caller cleared to zero. Word 0: ~(first
-// entry), 1: ~(first release from pdl_wait), 2: last release, 3: last row written; ~t so that an
-// atomicMax keeps the minimum.
+// (grid.x * grid.y * dec_warps) of the scorer's grid): atomics over the selection warps, on a
+// buffer the caller cleared to zero. Word 0: ~(first entry), 1: ~(first release from pdl_wait), 2:
+// last release, 3: last row written; ~t so that an atomicMax keeps the minimum.
 constexpr int kSelectTimelineWords = 4;
 __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
   uint64_t g;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
   const int64_t base =
-      (int64_t{a.num_overflow} + a.num_requests) * a.k_splits * 4 * kTimelineStride;
+      (int64_t{a.num_overflow} + a.num_requests) * a.k_splits * a.dec_warps * kTimelineStride;
   unsigned long long* w = reinterpret_cast<unsigned long long*>(a.timeline + base);
   if (slot == 0 || slot == 1) atomicMax(w + slot, static_cast<unsigned long long>(~g));
   if (slot == 1) atomicMax(w + 2, static_cast<unsigned long long>(g));

@@ -10,8 +10,12 @@
 
 namespace m3attn::indexer_kernel {
 
-constexpr int kMmaWarps = 4;  // warps of a tensor-core scorer CTA
+constexpr int kMmaWarps = 4;  // warps of a tensor-core scorer CTA (the default)
 constexpr int kMmaThreads = kMmaWarps * 32;
+// Warps of the opt-in wide decode CTA (IndexerCudaOptions::decode_warps 8): decode units spread
+// their blocks over 8 warps (one CTA per SM: 128 KB of tile rings); overflow tiles still run on
+// warps 0-3 (the others leave at once).
+constexpr int kWideWarps = 8;
 // Fused decode: blocks per split at most (the host sizes dec_chunk accordingly): the shared
 // block-max table holds [kDecRows][kFusedMaxChunk] f32 (8 KB).
 constexpr int kFusedMaxChunk = 64;
@@ -73,21 +77,21 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
 // selected id's slot is the count of selected ids before it (ballot prefix), the local block
 // follows them, -1 fills the rest. lane_pos: lane l < n holds the position of token t0 + l (no
 // reload at the CTA's end).
-template <int kG>
+template <int kG, int kW>
 __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
                                             int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
   static_assert(kPer == 2, "rank_by_rounds takes two candidates per lane");
-  for (int j0 = warp; j0 < rows; j0 += kG * kMmaWarps) {  // warp-uniform conditions from here on
+  for (int j0 = warp; j0 < rows; j0 += kG * kW) {  // warp-uniform conditions from here on
     float s[kPer][kG];
     int rank[kPer][kG];
     bool live[kG];
     int local[kG], nbs[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
-      const int j = j0 + g * kMmaWarps;
+      const int j = j0 + g * kW;
       live[g] = false;
       local[g] = -1;
       if (j < rows) {
@@ -121,21 +125,25 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       if (!live[g]) continue;
-      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
+      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kW;
       emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
                       local[g]);  // b0 == 0
     }
   }
 }
 
-// The final selection of every row of the unit (see select_rows): one row per warp at a time for
-// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
+// The final selection of every row of the unit (see select_rows) by the CTA's kW warps: one row
+// per warp at a time for <= kW rows (draft 0 at n_kv 4), else 4 rows of a warp together (kW 8:
+// 2 rows for <= 16).
+template <int kW = kMmaWarps>
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
-  if (rows <= kMmaWarps)
-    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
+  if (rows <= kW)
+    select_rows<1, kW>(a, sblk, t0, rows, b0, b1, lane_pos);
+  else if (kW > kMmaWarps && rows <= 2 * kW)
+    select_rows<2, kW>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
-    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
+    select_rows<4, kW>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The

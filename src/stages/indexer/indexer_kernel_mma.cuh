@@ -118,6 +118,27 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
+// The same for a CTA of kW warps (kMmaWarps or kWideWarps): the tile rings (or the overflow page
+// ring), and the fused path's table after them.
+constexpr int ring_smem_bytes(int kW) {
+  return kMaxI(kPreStages * kPageBytes, kW * kDecStages * kTileBytes);
+}
+constexpr int fused_smem_bytes(int kW) {
+  return ring_smem_bytes(kW) + kDecRows * kFusedMaxChunk * 4;
+}
+static_assert(ring_smem_bytes(kMmaWarps) == kMmaSmemBytes, "default ring");
+static_assert(fused_smem_bytes(kMmaWarps) == kFusedSmemBytes, "default fused");
+
+// The overflow tiles' CTA barrier: all threads of a default CTA; in a wide CTA (kW 8) the first
+// 4 warps, which alone run the overflow path (named barrier 1, 128 threads).
+template <int kW>
+__device__ __forceinline__ void overflow_sync() {
+  if constexpr (kW == kMmaWarps) {
+    __syncthreads();
+  } else {
+    asm volatile("bar.sync 1, %0;" ::"n"(kMmaThreads) : "memory");
+  }
+}
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -380,11 +401,11 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
-// The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
+// The warp's share of a decode unit: blocks first, first + kW, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused>
+template <int NT, bool kFused, int kW>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
@@ -392,7 +413,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
+  const int nblk = (b1 - first + kW - 1) / kW;
 
   // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
   // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
@@ -405,7 +426,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kMmaWarps) : -1;
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kW) : -1;
   };
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
@@ -432,7 +453,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
   for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * kMmaWarps;
+    const int b = first + k * kW;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
@@ -484,7 +505,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false>
+template <bool kFused, bool kSingle, bool kCluster, int kW>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
@@ -498,8 +519,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int first = b0 + warp;
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
-  const int64_t pg_second =
-      first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
+  const int64_t pg_second = first + kW < bend ? guarded_page(a, r, first + kW) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -559,25 +579,25 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int b1 = min(nvis, bend);
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   const int rows = n * a.n_kv;                 // <= kDecRows
-  float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
+  float* sblk = kFused ? reinterpret_cast<float*>(smem + ring_smem_bytes(kW)) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<1, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
+                                   table, tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<2, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
+                                   table, tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<3, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
+                                   table, tb0, pre);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<4, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
+                                   table, tb0, pre);
         break;
     }
   };
@@ -589,14 +609,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
+    if (blockIdx.y == 0) fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
+      if constexpr (kSingle) fused_local_select<kW>(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
   } else {
@@ -608,12 +628,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
     if constexpr (kSingle) {
-      fused_local_select(a, sblk, qa, rows, b0, b1, p);
+      fused_local_select<kW>(a, sblk, qa, rows, b0, b1, p);
     } else {
       // The table's rows go to the workspace scores in one coalesced burst (row j: blocks
       // [b0, b1) contiguous); select_kernel finishes the rows.
       const int ncol = b1 - b0;
-      for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kMmaThreads) {
+      for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kW * 32) {
         const int j = i / ncol, c = i - j * ncol;
         a.scores[(int64_t{qa} * a.n_kv + j) * a.max_pages + b0 + c] = sblk[j * kFusedMaxChunk + c];
       }
@@ -689,6 +709,7 @@ __device__ __forceinline__ void prefill_compute_page(const PrefillState& s, cons
   }
 }
 
+template <int kW>
 __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* ring,
                                                  OverflowShared& sh, int r, int sa, int se) {
   const int tid = threadIdx.x;
@@ -708,13 +729,13 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
     sh.max_pos[warp] = mx;
     sh.min_pos[warp] = mn;
   }
-  __syncthreads();
+  overflow_sync<kW>();
 #pragma unroll
   for (int w = 0; w < kMmaWarps; ++w) {
     mx = max(mx, sh.max_pos[w]);
     mn = min(mn, sh.min_pos[w]);
   }
-  __syncthreads();  // sh is reused by the next segment
+  overflow_sync<kW>();  // sh is reused by the next segment
   const int nvis = blocks_to_score(a, mx);
   int b0 = 0, b1 = 0;
   if (nvis == 0 || !split_range(a, nvis, b0, b1)) return;
@@ -760,29 +781,40 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   for (int i = 0; i < kPreStages - 1; ++i) issue(i);
   for (int i = 0; i < npages; ++i) {
     cp_async_wait<kPreStages - 2>();
-    __syncthreads();  // page i landed for every thread; stage (i - 1) % kPreStages is free
+    overflow_sync<kW>();  // page i landed for every thread; stage (i - 1) % kPreStages is free
     issue(i + kPreStages - 1);
     if (active)
       prefill_compute_page(s, a, ring + (i % kPreStages) * kPageBytes, b0 + i,
                            sh.page_ok[i % kPreStages] != 0, mn, row0, rows, sa, g, tig);
   }
   cp_async_wait<0>();
-  __syncthreads();  // the ring and page_ok are reused by the next segment
+  overflow_sync<kW>();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle, bool kCluster, int kW>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kW>(a, smem);
     return;
+  }
+  if constexpr (kW > kMmaWarps) {
+    // Wide CTA: the overflow path runs on warps 0-3 (named barrier); the others leave, in a
+    // cluster after passing its one barrier.
+    if (static_cast<int>(threadIdx.x) >= kMmaThreads) {
+      if constexpr (kCluster) {
+        cluster_arrive_release();
+        cluster_wait_acquire();
+      }
+      return;
+    }
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
-  for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
+  for_each_segment(a, [&](int r, int sa, int se) { overflow_segment<kW>(a, smem, sh, r, sa, se); });
   if constexpr (kSingle) {
     // The tile's block scores (global memory; with a cluster, every split's) are written and
     // visible.
@@ -791,34 +823,38 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
       cluster_arrive_release();
       cluster_wait_acquire();
     } else {
-      __syncthreads();
+      overflow_sync<kW>();
     }
     finish_overflow_rows(a);
   }
 }
 
-// Two-kernel path: every block score goes to the workspace; select_kernel picks.
-__global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
+// Two-kernel path: every block score goes to the workspace; select_kernel picks. kW: warps per
+// CTA (kMmaWarps, or kWideWarps for the opt-in wide decode CTAs).
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false>(a, smem, sh);
+  score_mma_body<false, false, false, kW>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the
 // workspace scores at the CTA's end, overflow tiles write block scores; select_kernel finishes.
-// Dynamic shared memory: kFusedSmemBytes.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
+// Dynamic shared memory: fused_smem_bytes(kW).
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true>(a, smem, sh);
+  score_mma_body<true, false, false, kW>(a, smem, sh);
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
 // block_ids, overflow tiles select their rows from their own block scores; no selection kernel.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, true>(a, smem, sh);
+  score_mma_body<true, true, false, kW>(a, smem, sh);
 }
 
 // Clustered single pass (IndexerCudaOptions::single_pass_ctas > 1): launched in clusters of
@@ -826,10 +862,11 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const K
 // the table of the cluster's first CTA (distributed shared memory), which finishes the rows; an
 // overflow tile's splits write block scores, then finish its rows together after a cluster
 // barrier. No selection kernel.
-__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) score_fused_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, true, true>(a, smem, sh);
+  score_mma_body<true, true, true, kW>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

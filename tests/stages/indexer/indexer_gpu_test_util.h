@@ -393,6 +393,11 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
+    o.decode_warps = 8;  // wide scorer CTAs (8 warps; overflow tiles on warps 0-3)
+    variants.push_back({"wide", o});
+    o.k_splits = 3;
+    variants.push_back({"wide, k_splits 3", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

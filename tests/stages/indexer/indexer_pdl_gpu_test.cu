@@ -213,7 +213,17 @@ std::vector<Variant> all_variants(bool short_context) {
   o = {};
   o.guess_request_bounds = false;
   v.push_back({"no guess: early loads", o});
+  o = {};
+  o.decode_warps = 8;
+  v.push_back({"wide", o});
+  o.unfused_decode = true;
+  v.push_back({"wide two-kernel", o});
   if (short_context) {
+    o = {};
+    o.decode_warps = 8;
+    o.single_pass = true;
+    o.single_pass_ctas = 2;
+    v.push_back({"wide cluster 2", o});
     for (int ctas : {1, 2, 8}) {
       o = {};
       o.single_pass = true;

@@ -97,9 +97,10 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 17;  // variant of the verify kernel (AttentionCudaConfig)
-  bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
-  int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int verify_variant = 17;       // variant of the verify kernel (AttentionCudaConfig)
+  bool pdl = false;              // programmatic launches of the decode / verify kernels, merge
+  bool decode_prefetch = false;  // decode_kernel 8: the page-table row prefetched at entry
+  int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -161,11 +162,12 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17 &&
+      cfg.verify_variant != 21 && cfg.verify_variant != 22)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8 or 17 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
-                       "16 and 18-20 in session 16: 17 is 13 with conflict-free f16 V stores and "
-                       "a shorter epilogue)");
+                       " is not 0, 8, 17, 21 or 22 (9, 11, 12, 14 and 15 were removed in session "
+                       "15; 13, 16 and 18-20 in session 16: 17 is 13 with conflict-free f16 V "
+                       "stores and a shorter epilogue)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -196,11 +198,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 8)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0 or 2 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+                       " is not 0, 2 or 8 (1, the 4-warp tile kernel, and 3, two barriers per "
+                       "block, "
                        "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
                        "16)");
+  pl.decode_prefetch = cfg.decode_kernel == 8;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -250,7 +254,8 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // Variant 17 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running max)
 // runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
 // driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
+          bool kEarlyRefill = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -260,7 +265,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kEarlyRefill>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -269,9 +274,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16>
+template <bool kVec16, bool kPrefetch = false>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16>;
+  auto kernel = ad::attention_decode_kernel<kVec16, kPrefetch>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -286,8 +291,16 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    return pl.verify_variant == 17 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
-                                   : launch_verify<true, false>(args, pl, n_kv, stream);
+    switch (pl.verify_variant) {
+      case 17:
+        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
+      case 21:
+        return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
+      case 22:
+        return launch_verify<true, true, true, true, true, true>(args, pl, n_kv, stream);
+      default:
+        return launch_verify<true, false>(args, pl, n_kv, stream);
+    }
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a
@@ -300,6 +313,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
+  if (pl.decode_prefetch)
+    return vec16 ? launch_decode<true, true>(args, pl, n_kv, stream)
+                 : launch_decode<false, true>(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

@@ -96,11 +96,15 @@ struct AttentionCudaConfig {
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max (13 in session 15), conflict-free
                             // f16 V stores and a shorter epilogue (session 16; 9, 11-16 and 18-20
-                            // were removed)
+                            // were removed); opt-in (session 17): 21 = 17 with the page-table row
+                            // prefetched into L2 at entry and the first two blocks requested as
+                            // soon as their pages are known, 22 = 21 with S waited for at once and
+                            // each refill issued before the V conversion (2 barriers per block)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15; 5-7 in session
-                            // 16); other plans ignore it
+                            // 16); other plans ignore it; opt-in 8 (session 17): the same
+                            // kernel with the page-table row prefetched into L2 at entry
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

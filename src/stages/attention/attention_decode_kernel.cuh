@@ -127,7 +127,9 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 // C: B64 41.1-42.1 vs 41.9-42.9 us, B256 142.9-145.5 vs 144.7-147.9; the same bytes). Lost and
 // removed (round C): starting the ring on one block to halve the one-wave grid's initial burst
 // (B64 the same, B256 146.4-147.3 vs 145.1-145.5).
-template <bool kVec16>
+// kPrefetch (opt-in decode_kernel 8, session 17): the page-table row of the guessed request (=
+// tile: one token per request) into L2 at entry, so that the union's page reads hit L2.
+template <bool kVec16, bool kPrefetch = false>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -148,6 +150,7 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int g = blockIdx.y, split = blockIdx.z;
 
   ak::timeline_mark(a, 0);
+  if (kPrefetch && a.sparse) ak::prefetch_page_row<kThreads>(a, static_cast<int>(blockIdx.x));
   ak::TileInputs in;  // (pdl_wait inside, before the ids, Q and the cache are read)
   const bool has_tile =
       ak::find_tile_and_load<1, kThreads>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in);

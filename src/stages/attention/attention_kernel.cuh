@@ -123,6 +123,21 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p));
+}
+
+// The page-table row of request r into L2 (one 128-byte line per thread, the first Threads * 32
+// pages; nothing when r is not a request): issued at a CTA's entry for the request its tile most
+// likely belongs to, so that the page reads of sparse_union, which wait for the ids and the tile,
+// hit L2 instead of HBM. Batch metadata: safe before pdl_wait.
+template <int Threads = kThreads>
+__device__ __forceinline__ void prefetch_page_row(const AttnArgs& a, int r) {
+  const int64_t i = int64_t{32} * threadIdx.x;
+  if (r >= 0 && r < a.R && i < a.max_pages)
+    prefetch_l2(a.page_table + static_cast<int64_t>(r) * a.pt_stride + i);
+}
+
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
 }
@@ -396,25 +411,36 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
 // {b, page, mask of the tokens that selected it} (and, when s_list_vlim is not null, the V row
 // limit: the largest position of those tokens minus 128 b); entries keep candidate order, so every
 // split CTA derives the same list. Returns the entry count; the lists are complete after the next
-// barrier (the caller's).
-template <int QT, int Threads = kThreads>
+// barrier (the caller's). `early(b, page)` runs in every thread as soon as its candidate's page is
+// known, before any barrier (b = -1 for a candidate that does not count and for threads without
+// one): the verify kernel issues its first copies there (entry k of the list is the k-th
+// candidate, in candidate order, whose id occurs first).
+struct NoEarly {
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+template <int QT, int Threads = kThreads, typename Early = NoEarly>
 __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, int cand_b,
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
-                                            int* s_list_page, int* s_list_mask, int* s_list_vlim) {
+                                            int* s_list_page, int* s_list_mask, int* s_list_vlim,
+                                            Early early = {}) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
-  if (tid < kCand) {
-    int b = cand_b, page = -1;
-    if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
-      page = a.page_table[pt_row + b];
-      if (page < 0 || page >= a.num_pages) b = -1;
-    } else {
-      b = -1;
+  {
+    int b = -1, page = -1;
+    if (tid < kCand) {
+      b = cand_b;
+      if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
+        page = a.page_table[pt_row + b];
+        if (page < 0 || page >= a.num_pages) b = -1;
+      } else {
+        b = -1;
+      }
+      s_cand_b[tid] = b;
+      s_cand_page[tid] = page;
     }
-    s_cand_b[tid] = b;
-    s_cand_page[tid] = page;
+    early(b, page);
   }
   __syncthreads();
   bool first = false;

@@ -226,7 +226,12 @@ struct Rows {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-template <bool kLazy, typename AfterS>
+// kEarlyRefill (variant 22, TMA only): S is waited for at once (no V conversion under it) and one
+// CTA barrier (it replaces the caller's barrier after the stage's mbarrier) frees the previous
+// stage; after_s() runs there, before the V conversion: the next block is requested earlier and
+// the loop has 2 CTA barriers per block instead of 3. (A wgmma_wait<1> for the previous P V alone,
+// with S still running, makes ptxas serialize the wgmmas, C7514.)
+template <bool kLazy, bool kEarlyRefill = false, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -239,14 +244,24 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   for (int kk = 0; kk < 4; ++kk)
     ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
   ap::wgmma_commit();
-  // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
-  ap::wgmma_wait<0>();  // S and the previous block's P V
-  ap::reg_fence(s);
-  ap::reg_fence(st.o);
-  __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
-  after_s();
+  uint32_t nan;
+  if constexpr (kEarlyRefill) {
+    ap::wgmma_wait<0>();  // S and the previous block's P V
+    ap::reg_fence(s);
+    ap::reg_fence(st.o);
+    __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
+    after_s();
+    nan = convert_v_high(sbuf, vlim, vlo, check);
+  } else {
+    // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
+    nan = convert_v_high(sbuf, vlim, vlo, check);
+    ap::wgmma_wait<0>();  // S and the previous block's P V
+    ap::reg_fence(s);
+    ap::reg_fence(st.o);
+    __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
+    after_s();
+  }
   convert_v_low(sbuf, vlo);
   ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
   ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
@@ -379,12 +394,18 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs (20: with
 // out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2 (slower
 // everywhere).
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+// Opt-in (session 17): kEarly (variants 21, 22; TMA, one split, sparse): the page-table row of
+// the guessed request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which
+// hold the list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages
+// are known, before the union is complete; kEarlyRefill (22): see attend_block.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
+          bool kEarlyRefill = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
+  static_assert(kTma || (!kEarly && !kEarlyRefill), "the early copies are TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
@@ -398,6 +419,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ int s_early;       // kEarly: list entries 0 .. s_early - 1 already requested
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -410,6 +432,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* smem = smem_raw + (base - raw_u32);
 
   ak::timeline_mark(a, 0);
+  if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
@@ -424,6 +447,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
+  if (tid == 0) s_early = 0;
   if (kTma) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
@@ -443,9 +467,27 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
   if (a.sparse) {
+    // kEarly: entry k of the list is the k-th first occurrence in candidate order; candidates
+    // 0-31 (warp 0) come first, so the first occurrences among them are the list's first entries.
+    // Warp 0 copies entries 0 .. kStages - 2 into their stages as soon as their pages are known
+    // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
+    auto early = [&](int cb, int cpage) {
+      if constexpr (kEarly) {
+        if (tok != 0 || a.splits != 1) return;  // warp-uniform
+        const int lane = tid & 31;
+        const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
+        const bool first = cb >= 0 && __ffs(same) - 1 == lane;
+        const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+        const int rank = __popc(firsts & ((1u << lane) - 1u));
+        if (first && rank < kStages - 1)
+          ak::tma_load_block(&kmap, &vmap, cpage, g, base + rank * kStageBytes,
+                             ak::smem_u32(&s_full[rank]));
+        if (lane == 0) s_early = min(__popc(firsts), kStages - 1);
+      }
+    };
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim);
+                                              s_list_mask, s_list_vlim, early);
   } else {
     int maxpos = -1;
 #pragma unroll
@@ -491,8 +533,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       // generic f16 stores fenced), refills the stage of block i - 1 with block i + kStages - 1. An
       // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
       // and its V rows are zeroed (vlim -1).
+      // (kEarly: the first pass's first entries were requested by the union)
+      const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_early : 0;
 #pragma unroll
-      for (int j = 0; j < kStages - 1; ++j) load(j, count, lmask, lpage, j);
+      for (int j = 0; j < kStages - 1; ++j)
+        if (j >= skip) load(j, count, lmask, lpage, j);
       int stage = 0;
       for (int i = 0; i < count; ++i) {
         if constexpr (kTma) {
@@ -507,13 +552,13 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-        __syncthreads();  // block i landed for every thread
+        if constexpr (!kEarlyRefill) __syncthreads();  // block i landed for every thread
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy>(
+        attend_block<kLazy, kEarlyRefill>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
             s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });

@@ -72,7 +72,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
-// and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool).
+// and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
+// opt-in 21 (17 with the first copies issued before the union is complete) and 22 (21 with the
+// early refill).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -88,11 +90,12 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kMma) {
     add({1, 1, 1, 1});           // v_convert 1 (the only V path)
     add({1, 1, 0, 1, 0, 0, 2});  // decode_kernel 2 (the same kernel)
+    add({1, 1, 0, 1, 0, 0, 8});  // decode_kernel 8 (+ the page-table prefetch)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 17}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 17, 21, 22}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

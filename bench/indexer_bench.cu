@@ -56,7 +56,8 @@
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, w8 / w8k2 / w8s2 = wide decode
 //   CTAs (IndexerCudaOptions::decode_warps 8) at the automatic plan / the two-kernel path in 2
-//   splits / the single pass in clusters of 2; --vlist NAME,... keeps base and the named ones;
+//   splits / the single pass in clusters of 2, w8s2x / s2x = the wide / default-width single
+//   pass in clusters of 2 with split_selection; --vlist NAME,... keeps base and the named ones;
 //   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
 //   path and table).
 #include <cuda_runtime_api.h>
@@ -826,17 +827,22 @@ int main(int argc, char** argv) {
     // 2k: the two-kernel path at the default plan's k_splits (set per case below); w8: wide CTAs
     // (decode_warps 8) at the automatic plan; w8k2: wide, two-kernel path with 2 splits; w8s2:
     // wide, single pass in clusters of 2.
-    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o}, {"late", default_o},
-                                {"sorted", default_o}, {"w8", default_o}, {"w8k2", default_o},
-                                {"w8s2", default_o}};
+    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
+                                {"sorted", default_o}, {"w8", default_o},    {"w8k2", default_o},
+                                {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
-    for (size_t i = 4; i < all.size(); ++i) all[i].o.decode_warps = 8;
+    for (size_t i = 4; i < 8; ++i) all[i].o.decode_warps = 8;
     all[5].o.unfused_decode = true;
     all[5].o.k_splits = 2;
     all[6].o.single_pass = true;
     all[6].o.single_pass_ctas = 2;
+    all[7].o = all[6].o;
+    all[7].o.split_selection = true;
+    all[8].o.single_pass = true;
+    all[8].o.single_pass_ctas = 2;
+    all[8].o.split_selection = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -875,7 +881,8 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, w8 = decode_warps 8 (automatic plan), w8k2 = "
-        "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2)",
+        "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2, x = with "
+        "split_selection, s2x = default-width clusters of 2 with split_selection)",
         rows, json);
     return finish();
   }

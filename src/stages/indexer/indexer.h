@@ -158,6 +158,11 @@ struct IndexerCudaOptions {
   // its blocks over 8 warps, so half the blocks per warp at the same split; overflow tiles run on
   // warps 0-3 of it). Same ids.
   int decode_warps = 0;
+  // Clustered single pass with clusters of 2, 4 or 8 CTAs: the unit's rows are shared out over
+  // the cluster's CTAs (row j: rank j % k), each CTA's warps write a block max into the table of
+  // the row's rank and every rank selects its own rows after the cluster barrier, instead of rank
+  // 0 selecting every row. Same ids.
+  bool split_selection = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * IndexerCudaPlan::warps warps, then 16 more for the selection kernel)
   // where the decode warps record %globaltimer and clock64 at their phases

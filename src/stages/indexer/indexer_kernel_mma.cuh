@@ -290,11 +290,12 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 }
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
-// fused, to the CTA's shared block-max table sblk[row][b - b0].
+// fused, to the CTA's shared block-max table sblk[row][b - b0] (rows of odd C column, e == 1:
+// sblk1's; the same table except in a cluster whose CTAs share the rows out).
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
                                              int rows, int b, bool page_ok, int g, int tig,
-                                             float* sblk, int b0) {
+                                             float* sblk, float* sblk1, int b0) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -306,7 +307,7 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
       const int j = nt * 8 + tig * 2 + e;
       if (g == 0 && j < rows) {
         if constexpr (kFused)
-          sblk[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
+          (e == 0 ? sblk : sblk1)[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
         else
           a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
       }
@@ -409,7 +410,7 @@ template <int NT, bool kFused, int kW>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued) {
+                                            float* sblk, float* sblk1, int b0, bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -483,7 +484,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, sblk1, b0);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -581,35 +582,45 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + ring_smem_bytes(kW)) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, int tb0) {
+  const auto score = [&](float* table, float* table1, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, tb0, pre);
+                                   table, table1, tb0, pre);
         break;
       case 2:
         decode_unit<2, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, tb0, pre);
+                                   table, table1, tb0, pre);
         break;
       case 3:
         decode_unit<3, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, tb0, pre);
+                                   table, table1, tb0, pre);
         break;
       default:
         decode_unit<4, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, tb0, pre);
+                                   table, table1, tb0, pre);
         break;
     }
   };
   timeline_mark(a, 1);
   if constexpr (kCluster) {
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
+    // Rows go to rank 0's table, or (split_selection, clusters of 2, 4 or 8) row j to rank
+    // j % k's, which selects it: a lane's rows nt * 8 + 2 tig + e have the rank (2 tig + e) % k.
+    const int k = static_cast<int>(gridDim.y);
+    const bool split = a.split_select && (k == 2 || k == 4 || k == 8);
+    const int tig = lane & 3;
+    const uint32_t own0 = split ? static_cast<uint32_t>((2 * tig) % k) : 0u;
+    const uint32_t own1 = split ? static_cast<uint32_t>((2 * tig + 1) % k) : 0u;
+    if (first < b1) score(map_to_cluster_rank(sblk, own0), map_to_cluster_rank(sblk, own1), 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p);
+    if (split)
+      fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p, static_cast<int>(blockIdx.y), k);
+    else if (blockIdx.y == 0)
+      fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
@@ -622,7 +633,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, b0);
+  if (first < b1) score(sblk, sblk, b0);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

@@ -421,16 +421,20 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
-    for (int ctas : {1, 2, 3, 8}) {
+    // Clusters of 2 and 8 also with split_selection (every rank selects its share of the rows).
+    for (int ctas : {1, 2, 3, 8, -2, -8}) {
       IndexerCudaOptions so = v.o;
       so.single_pass = true;
-      so.single_pass_ctas = ctas;
+      so.single_pass_ctas = ctas < 0 ? -ctas : ctas;
+      so.split_selection = ctas < 0;
       if (!indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
-      expect_same_ids(in, c, g,
-                      name + ", single pass" +
-                          (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
-                          " vs two-kernel]");
+      expect_same_ids(
+          in, c, g,
+          name + ", single pass" +
+              (so.single_pass_ctas > 1 ? " cluster " + std::to_string(so.single_pass_ctas)
+                                       : std::string()) +
+              (so.split_selection ? " split" : "") + " vs two-kernel]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

@@ -224,6 +224,11 @@ std::vector<Variant> all_variants(bool short_context) {
     o.single_pass = true;
     o.single_pass_ctas = 2;
     v.push_back({"wide cluster 2", o});
+    o.split_selection = true;
+    v.push_back({"wide cluster 2, split selection", o});
+    o.decode_warps = 0;
+    o.single_pass_ctas = 4;
+    v.push_back({"cluster 4, split selection", o});
     for (int ctas : {1, 2, 8}) {
       o = {};
       o.single_pass = true;

@@ -77,6 +77,7 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
+  int rows = 0;             // GemmWgmmaOptions::register_rows (variant; 0 = off)
 };
 
 std::string describe(const Case& c) {
@@ -87,7 +88,8 @@ std::string describe(const Case& c) {
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
-         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed);
+         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
+         " register rows " + std::to_string(c.rows);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -103,6 +105,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
+  o.register_rows = c.rows;
   return o;
 }
 
@@ -232,7 +235,23 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, true},
         Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, true},
-        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true}));
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true},
+        // register_rows (row split, weights as register A operands): fused and o_proj
+        // decode shapes in every variant, n = 8 and 16, odd M, 16-byte aligned and padded
+        // operands, row-major scales, K block counts off the group size (9, 1, 3), fewer
+        // weight rows than warpgroups (N 128 / 256: empty warpgroups), warpgroups
+        // straddling a 128-row scale block, PDL; grid options that do not apply.
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 3},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
+        Case{8, 9856, 1152, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
+        Case{16, 6144, 8192, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
+        Case{9, 6144, 8192, 16, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 3},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 1},
+        Case{16, 128, 384, 0, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
+        Case{7, 1280, 6144, 0, 0, false, 2, 1, 3, false, 0, true, 4, true, 0, false, 3},
+        Case{12, 9856, 2048, 8, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 2}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -303,6 +322,84 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
                          ::testing::Values(RandomCase{1, 9856, 6144}, RandomCase{8, 640, 6144},
                                            RandomCase{33, 256, 6144}, RandomCase{64, 640, 6144},
                                            RandomCase{16, 128, 8192}));
+
+// register_rows on random operands: one fp32 FMA per K block in K order (the twin's order), each
+// block's dot product from the tensor core.
+TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
+  M3_REQUIRE_WGMMA();
+  for (const RandomCase rc :
+       {RandomCase{1, 9856, 6144}, RandomCase{16, 6144, 8192}, RandomCase{5, 640, 1152}}) {
+    for (int variant : {1, 2, 3}) {
+      Case c{rc.m, rc.n, rc.k, 0, 0, false, 0, 4};
+      c.rows = variant;
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(describe(c));
+      Rng rng(seed);
+      GemmData d = make_random_data(c.m, c.n, c.k, rng);
+      const std::vector<uint16_t> ref = cpu_gemm(d);
+      const std::vector<double> s = abs_sums(d);
+      DeviceGemm dev(d, c.n);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      expect_within_bound("register_rows vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
+    }
+  }
+}
+
+// register_rows through Fp8BlockGemm (wgmma_max_m = 16): quantizer + GEMM captured once and
+// replayed with new inputs equals eager runs byte for byte, plain and with programmatic launch.
+TEST(GemmWgmmaRows, GraphReplayEqualsEager) {
+  M3_REQUIRE_WGMMA();
+  for (bool pdl : {false, true}) {
+    for (int64_t rows : {1, 16}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "rows " << rows << " PDL " << pdl);
+      Rng rng(seed);
+      Fp8BlockGemmOptions o = wgmma_options();
+      o.wgmma_max_m = 16;
+      o.wgmma.register_rows = 1;
+      o.wgmma.programmatic_launch = pdl;
+      expect_graph_replay_equals_eager(rows, 16, o, rng);
+    }
+  }
+}
+
+// register_rows outside its rules: unsupported (M 17, K too long for shared memory at n = 16,
+// more than 64 rows per warpgroup) or invalid (variant 4, with cluster_split / packed_weights);
+// nothing written.
+TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
+  M3_REQUIRE_WGMMA();
+  Rng rng(fresh_seed());
+  struct Reject {
+    int64_t m, n, k;
+    int variant, cluster;
+    StatusCode code;
+  };
+  int device = 0, sms = 0;
+  M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
+  M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int64_t too_wide = (int64_t{2} * sms * 64 / 128 + 1) * 128;
+  for (const Reject& r : {Reject{17, 256, 512, 1, 0, StatusCode::kUnsupported},
+                          Reject{16, 256, 16384, 2, 0, StatusCode::kUnsupported},
+                          Reject{1, too_wide, 256, 3, 0, StatusCode::kUnsupported},
+                          Reject{8, 256, 512, 4, 0, StatusCode::kInvalidArgument},
+                          Reject{8, 256, 512, 1, 2, StatusCode::kInvalidArgument}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "M " << r.m << " N " << r.n << " K " << r.k << " variant " << r.variant);
+    GemmData d = make_integer_data(r.m, r.n, r.k, rng);
+    DeviceGemm dev(d, r.n);
+    DeviceBuffer ws = make_workspace(r.n, 16);
+    GemmWgmmaOptions o;
+    o.register_rows = r.variant;
+    o.cluster_split = r.cluster;
+    EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).code(), r.code);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+    EXPECT_EQ(touched, 0);
+  }
+}
 
 // Through Fp8BlockGemm (wgmma_max_m = 64): the fused projection equals the unfused pair bit for
 // bit on integer inputs although the three GEMMs split K differently.

@@ -1,0 +1,104 @@
+// The row-split register-A decode GEMM (gemm_rows_kernel.cuh; GemmWgmmaOptions::register_rows):
+// validation of its extra rules and the launch. Called by run_gemm_wgmma_cuda after the common
+// checks (validate_gemm, devices, M <= 64, sm_90).
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/pdl.cuh"
+#include "stages/projection/gemm_rows.h"
+#include "stages/projection/gemm_rows_kernel.cuh"
+
+namespace m3attn {
+
+namespace {
+
+using gemm_rows_detail::RowsArgs;
+
+constexpr int kMaxSmem = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
+
+template <int kNw, int kWg, int kGroups, int kBurst>
+Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device,
+                   cudaStream_t stream) {
+  auto* kernel = &gemm_rows_detail::gemm_rows_kernel<kNw, kWg, kGroups, kBurst>;
+  const int smem = gemm_rows_detail::smem_bytes<kNw>(args.kblocks);
+  // The opt-in is per function and device; the largest size set so far is remembered.
+  static std::atomic<int> opted[64] = {};
+  if (device >= 64 || opted[device].load(std::memory_order_acquire) < smem) {
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    if (device < 64) opted[device].store(smem, std::memory_order_release);
+  }
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(128 * kWg),
+                                     static_cast<size_t>(smem), stream, programmatic, args));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
+template <int kNw>
+Status dispatch_variant(int variant, const RowsArgs& args, int grid, bool programmatic, int device,
+                        cudaStream_t stream) {
+  switch (variant) {
+    case 1:
+      return launch_rows<kNw, 2, 4, 2>(args, grid, programmatic, device, stream);
+    case 2:
+      return launch_rows<kNw, 2, 2, 4>(args, grid, programmatic, device, stream);
+    case 3:
+      return launch_rows<kNw, 2, 6, 1>(args, grid, programmatic, device, stream);
+    default:
+      return unsupported("GemmWgmmaOptions::register_rows = ", variant, " is not a variant (1-3)");
+  }
+}
+
+}  // namespace
+
+Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t stream,
+                          const GemmWgmmaOptions& options) {
+  const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
+  constexpr int kWg = 2;  // warpgroups per CTA in every variant
+  const int64_t kblocks = k / gemm_rows_detail::kBlockK;
+  if (m > 16) return unsupported("GemmWgmmaOptions::register_rows serves M <= 16, got M = ", m);
+  const int grid = sms;
+  const int64_t warpgroups = int64_t{grid} * kWg;
+  if ((n + warpgroups - 1) / warpgroups > 64)
+    return unsupported("GemmWgmmaOptions::register_rows: N = ", n, " over ", warpgroups,
+                       " warpgroups exceeds 64 rows each");
+  const int nw = m <= 8 ? 8 : 16;
+  const int smem = nw == 8 ? gemm_rows_detail::smem_bytes<8>(static_cast<int>(kblocks))
+                           : gemm_rows_detail::smem_bytes<16>(static_cast<int>(kblocks));
+  if (kblocks > 4096 || smem > kMaxSmem)
+    return unsupported("GemmWgmmaOptions::register_rows: K = ", k, " at M = ", m, " needs ", smem,
+                       " bytes of shared memory (at most ", kMaxSmem, ")");
+  const auto addr = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data); };
+  if (addr(p.b) % 16 != 0 || p.b.stride[0] % 16 != 0 || addr(p.a) % 4 != 0 ||
+      (m > 1 && p.a.stride[0] % 4 != 0))
+    return unsupported(
+        "GemmWgmmaOptions::register_rows needs 16-byte aligned weight rows and 4-byte aligned "
+        "activation rows (weight row stride ",
+        p.b.stride[0], ", activation row stride ", p.a.stride[0], ")");
+  if (m == 0) return Status::Ok();
+  RowsArgs args;
+  args.b = p.b.ptr<const uint8_t>();
+  args.ldb = p.b.stride[0];
+  args.a = p.a.ptr<const uint8_t>();
+  args.lda = m <= 1 ? k : p.a.stride[0];
+  args.sa = p.a_scales.ptr<const float>();
+  args.sa_s0 = p.a_scales.stride[0];
+  args.sa_s1 = p.a_scales.stride[1];
+  args.sb = p.b_scales.ptr<const float>();
+  args.sb_s0 = p.b_scales.stride[0];
+  args.sb_s1 = p.b_scales.stride[1];
+  args.out = p.out.ptr<uint16_t>();
+  args.ldo = p.out.stride[0];
+  args.m = static_cast<int>(m);
+  args.n = static_cast<int>(n);
+  args.kblocks = static_cast<int>(kblocks);
+  args.trigger_dependents = options.trigger_dependents ? 1 : 0;
+  const bool programmatic = options.programmatic_launch;
+  if (nw == 8)
+    return dispatch_variant<8>(options.register_rows, args, grid, programmatic, device, stream);
+  return dispatch_variant<16>(options.register_rows, args, grid, programmatic, device, stream);
+}
+
+}  // namespace m3attn

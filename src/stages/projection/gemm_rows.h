@@ -1,0 +1,22 @@
+// Internal: the row-split register-A decode GEMM behind GemmWgmmaOptions::register_rows
+// (gemm_rows_kernel.cuh). run_gemm_wgmma_cuda calls it after the common checks.
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "m3attn/status.h"
+#include "stages/projection/gemm_wgmma.h"
+#include "stages/projection/projection.h"
+
+namespace m3attn {
+
+// M <= 16; N / (2 x sms) <= 64 rows per warpgroup; the activations' K (M rounded up to 8 or 16
+// rows) resident in shared memory; 16-byte aligned weight rows, 4-byte aligned activation rows.
+// No workspace. Returns unsupported(...) outside those rules (nothing launched).
+Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t stream,
+                          const GemmWgmmaOptions& options);
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

@@ -163,9 +163,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17 &&
-      cfg.verify_variant != 21 && cfg.verify_variant != 22)
+      cfg.verify_variant != 21 && cfg.verify_variant != 22 && cfg.verify_variant != 23)
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 17, 21 or 22 (9, 11, 12, 14 and 15 were removed in session "
+                       " is not 0, 8, 17 or 21-23 (9, 11, 12, 14 and 15 were removed in session "
                        "15; 13, 16 and 18-20 in session 16: 17 is 13 with conflict-free f16 V "
                        "stores and a shorter epilogue)");
   if (pl.verify) {
@@ -255,7 +255,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
 // driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          bool kEarlyRefill = false>
+          int kRefill = 0>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -265,7 +265,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kEarlyRefill>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kRefill>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -297,7 +297,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 21:
         return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
       case 22:
-        return launch_verify<true, true, true, true, true, true>(args, pl, n_kv, stream);
+        return launch_verify<true, true, true, true, true, 1>(args, pl, n_kv, stream);
+      case 23:
+        return launch_verify<true, true, true, true, true, 2>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -99,7 +99,9 @@ struct AttentionCudaConfig {
                             // were removed); opt-in (session 17): 21 = 17 with the page-table row
                             // prefetched into L2 at entry and the first two blocks requested as
                             // soon as their pages are known, 22 = 21 with S waited for at once and
-                            // each refill issued before the V conversion (2 barriers per block)
+                            // each refill issued before the V conversion (2 barriers per block),
+                            // 23 = 21 with each refill at the top of the iteration, once the
+                            // previous P V is done, before the block is waited for
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15; 5-7 in session

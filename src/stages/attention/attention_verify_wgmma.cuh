@@ -226,12 +226,12 @@ struct Rows {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-// kEarlyRefill (variant 22, TMA only): S is waited for at once (no V conversion under it) and one
+// kSWaitFirst (variant 22, TMA only): S is waited for at once (no V conversion under it) and one
 // CTA barrier (it replaces the caller's barrier after the stage's mbarrier) frees the previous
 // stage; after_s() runs there, before the V conversion: the next block is requested earlier and
 // the loop has 2 CTA barriers per block instead of 3. (A wgmma_wait<1> for the previous P V alone,
 // with S still running, makes ptxas serialize the wgmmas, C7514.)
-template <bool kLazy, bool kEarlyRefill = false, typename AfterS>
+template <bool kLazy, bool kSWaitFirst = false, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -246,7 +246,7 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
   uint4 vlo[4];
   uint32_t nan;
-  if constexpr (kEarlyRefill) {
+  if constexpr (kSWaitFirst) {
     ap::wgmma_wait<0>();  // S and the previous block's P V
     ap::reg_fence(s);
     ap::reg_fence(st.o);
@@ -397,15 +397,21 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // Opt-in (session 17): kEarly (variants 21, 22; TMA, one split, sparse): the page-table row of
 // the guessed request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which
 // hold the list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages
-// are known, before the union is complete; kEarlyRefill (22): see attend_block.
+// are known, before the union is complete. kRefill: when the stage of block i - 1 is refilled
+// (with block i + 2): 0 (17, 21) after S(i) and the V conversion of dims 64-127 (attend_block's
+// first barrier); 1 (22) after S(i), the V conversion moved after the barrier (attend_block's
+// kSWaitFirst); 2 (23, TMA only) at the top of iteration i, as soon as every warp's P V(i - 1) is
+// done and BEFORE block i is waited for: while a CTA waits for data all 3 stages are in flight
+// (the decode kernel and a plain read refill only after block i landed: 2), at the price of S(i)
+// no longer overlapping the tail of P V(i - 1).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          bool kEarlyRefill = false>
+          int kRefill = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
-  static_assert(kTma || (!kEarly && !kEarlyRefill), "the early copies are TMA copies");
+  static_assert(kTma || (!kEarly && kRefill == 0), "the early copies are TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[3];
@@ -540,28 +546,37 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (j >= skip) load(j, count, lmask, lpage, j);
       int stage = 0;
       for (int i = 0; i < count; ++i) {
+        const int cur = stage;
+        const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
+        stage = stage + 1 == kStages ? 0 : stage + 1;
+        if constexpr (kRefill == 2) {
+          ap::wgmma_wait<0>();  // P V(i - 1)
+          ap::reg_fence(st.o);
+          __syncthreads();  // every warp's P V(i - 1) is done: the stage of block i - 1 is free
+          load(i + kStages - 1, count, lmask, lpage, prev);
+        }
         if constexpr (kTma) {
           if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-            const uint32_t bar = ak::smem_u32(&s_full[stage]), par = (full_parity >> stage) & 1u;
+            const uint32_t bar = ak::smem_u32(&s_full[cur]), par = (full_parity >> cur) & 1u;
             while (!sm90::mbar_try_wait(bar, par)) {
             }
-            full_parity ^= 1u << stage;
+            full_parity ^= 1u << cur;
           }
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-        if constexpr (!kEarlyRefill) __syncthreads();  // block i landed for every thread
-        const int cur = stage;
-        const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
-        stage = stage + 1 == kStages ? 0 : stage + 1;
+        if constexpr (kRefill == 0) __syncthreads();  // block i landed for every thread
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy, kEarlyRefill>(
-            st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
-            mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+        attend_block<kLazy, kRefill == 1>(st, s, p, qa, smem + cur * kStageBytes,
+                                          base + cur * kStageBytes, mask, b, mask ? lvlim[i] : -1,
+                                          (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1,
+                                          s_pos, s_nan, a.scale_log2, check, [&] {
+                                            if constexpr (kRefill != 2)
+                                              load(i + kStages - 1, count, lmask, lpage, prev);
+                                          });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);

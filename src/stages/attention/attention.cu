@@ -97,10 +97,10 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 17;       // variant of the verify kernel (AttentionCudaConfig)
-  bool pdl = false;              // programmatic launches of the decode / verify kernels, merge
-  bool decode_prefetch = false;  // decode_kernel 8: the page-table row prefetched at entry
-  int64_t tiles = 0;             // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int verify_variant = 17;  // variant of the verify kernel (AttentionCudaConfig)
+  bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
+  int decode_kernel = 0;    // 8: the page-table row prefetched at entry; 9: + the refill at the end
+  int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -198,13 +198,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 8)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 8 &&
+      cfg.decode_kernel != 9)
     return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2 or 8 (1, the 4-warp tile kernel, and 3, two barriers per "
+                       " is not 0, 2, 8 or 9 (1, the 4-warp tile kernel, and 3, two barriers per "
                        "block, "
                        "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
                        "16)");
-  pl.decode_prefetch = cfg.decode_kernel == 8;
+  pl.decode_kernel = cfg.decode_kernel;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -274,9 +275,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16, bool kPrefetch = false>
+template <bool kVec16, bool kPrefetch = false, bool kRefillEnd = false>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16, kPrefetch>;
+  auto kernel = ad::attention_decode_kernel<kVec16, kPrefetch, kRefillEnd>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
@@ -315,7 +316,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  if (pl.decode_prefetch)
+  if (pl.decode_kernel == 9)
+    return vec16 ? launch_decode<true, true, true>(args, pl, n_kv, stream)
+                 : launch_decode<false, true, true>(args, pl, n_kv, stream);
+  if (pl.decode_kernel == 8)
     return vec16 ? launch_decode<true, true>(args, pl, n_kv, stream)
                  : launch_decode<false, true>(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)

@@ -106,7 +106,8 @@ struct AttentionCudaConfig {
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15; 5-7 in session
                             // 16); other plans ignore it; opt-in 8 (session 17): the same
-                            // kernel with the page-table row prefetched into L2 at entry
+                            // kernel with the page-table row prefetched into L2 at entry; 9: 8
+                            // with each stage refilled at the end of its iteration
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

@@ -129,7 +129,11 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 // (B64 the same, B256 146.4-147.3 vs 145.1-145.5).
 // kPrefetch (opt-in decode_kernel 8, session 17): the page-table row of the guessed request (=
 // tile: one token per request) into L2 at entry, so that the union's page reads hit L2.
-template <bool kVec16, bool kPrefetch = false>
+// kRefillEnd (with kPrefetch: decode_kernel 9): the stage of block i is refilled (with block i + 3)
+// at the end of iteration i, after a fourth barrier (every warp's P V(i) read it), instead of at
+// the top of iteration i + 1 once block i + 1 landed: while a CTA waits for data all 3 stages are
+// in flight (the ring starts with 3 blocks).
+template <bool kVec16, bool kPrefetch = false, bool kRefillEnd = false>
 __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_warp[kWarps];
@@ -307,25 +311,34 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
     // CTA-uniform) is neither loaded nor attended.
 #pragma unroll
-    for (int j = 0; j < kStages - 1; ++j) load(j, j);
+    for (int j = 0; j < (kRefillEnd ? kStages : kStages - 1); ++j) load(j, j);
     int stage = 0;
     // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
     // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
     // vs 41.6 / 42.0 / 42.4 us, B256 147.3-147.9 vs 144.9-145.5, B1 12.8 vs 12.0.)
     for (int i = 0; i < count; ++i) {
-      ak::cp_async_wait<kStages - 2>();
+      if constexpr (kRefillEnd)
+        ak::cp_async_wait<kStages - 1>();
+      else
+        ak::cp_async_wait<kStages - 2>();
       if (i == 0) ak::timeline_mark(a, 3);
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
-      load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+      if constexpr (!kRefillEnd) load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
+      const int cur = stage;
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
       stage = stage + 1 == kStages ? 0 : stage + 1;
-      if (!ce.mask[i]) continue;  // CTA-uniform: a dense page outside the pool
-      const int lim = my_pos - ce.b[i] * ak::kBlockKeys;  // keys > lim: future
-      qk(k_smem, lim);
-      __syncthreads();  // every warp's maxima
-      softmax();
-      __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
-      pv(k_smem, lim);
+      if (ce.mask[i]) {  // CTA-uniform: 0 for a dense page outside the pool
+        const int lim = my_pos - ce.b[i] * ak::kBlockKeys;  // keys > lim: future
+        qk(k_smem, lim);
+        __syncthreads();  // every warp's maxima
+        softmax();
+        __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
+        pv(k_smem, lim);
+      }
+      if constexpr (kRefillEnd) {
+        __syncthreads();  // every warp's P V(i) read the stage of block i
+        load(i + kStages, cur);
+      }
     }
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits

@@ -91,6 +91,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
     add({1, 1, 1, 1});           // v_convert 1 (the only V path)
     add({1, 1, 0, 1, 0, 0, 2});  // decode_kernel 2 (the same kernel)
     add({1, 1, 0, 1, 0, 0, 8});  // decode_kernel 8 (+ the page-table prefetch)
+    add({1, 1, 0, 1, 0, 0, 9});  // decode_kernel 9 (8 + the refill at the end of the iteration)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});

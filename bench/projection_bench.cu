@@ -420,7 +420,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  // 6-8: the row split with register A operands (session 17; register_rows 1-3, M <= 16).
+  // 6-8: the row split with register A operands (session 17; register_rows 1-3).
   // 5: packed weights (session 16). Session 16 also timed, and removed: dynamic chunks of 2-8 K
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).

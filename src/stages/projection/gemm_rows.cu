@@ -22,7 +22,9 @@ template <int kNw, int kWg, int kGroups, int kBurst>
 Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device,
                    cudaStream_t stream) {
   auto* kernel = &gemm_rows_detail::gemm_rows_kernel<kNw, kWg, kGroups, kBurst>;
-  const int smem = gemm_rows_detail::smem_bytes<kNw>(args.kblocks);
+  RowsArgs a = args;
+  a.slots = gemm_rows_detail::ring_slots(args.kblocks, kGroups, kBurst);
+  const int smem = gemm_rows_detail::smem_bytes<kNw>(a.slots);
   // The opt-in is per function and device; the largest size set so far is remembered.
   static std::atomic<int> opted[64] = {};
   if (device >= 64 || opted[device].load(std::memory_order_acquire) < smem) {
@@ -31,19 +33,22 @@ Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device
     if (device < 64) opted[device].store(smem, std::memory_order_release);
   }
   M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(128 * kWg),
-                                     static_cast<size_t>(smem), stream, programmatic, args));
+                                     static_cast<size_t>(smem), stream, programmatic, a));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
+// Variants (K groups in registers x K blocks per group): 4 x 2, 2 x 4, 6 x 1; at n = 64 (32
+// accumulators per K block) 4 x 1, 2 x 2, 6 x 1.
 template <int kNw>
 Status dispatch_variant(int variant, const RowsArgs& args, int grid, bool programmatic, int device,
                         cudaStream_t stream) {
+  constexpr bool kWide = kNw == 64;
   switch (variant) {
     case 1:
-      return launch_rows<kNw, 2, 4, 2>(args, grid, programmatic, device, stream);
+      return launch_rows < kNw, 2, 4, kWide ? 1 : 2 > (args, grid, programmatic, device, stream);
     case 2:
-      return launch_rows<kNw, 2, 2, 4>(args, grid, programmatic, device, stream);
+      return launch_rows < kNw, 2, 2, kWide ? 2 : 4 > (args, grid, programmatic, device, stream);
     case 3:
       return launch_rows<kNw, 2, 6, 1>(args, grid, programmatic, device, stream);
     default:
@@ -58,18 +63,15 @@ Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
   constexpr int kWg = 2;  // warpgroups per CTA in every variant
   const int64_t kblocks = k / gemm_rows_detail::kBlockK;
-  if (m > 16) return unsupported("GemmWgmmaOptions::register_rows serves M <= 16, got M = ", m);
   const int grid = sms;
   const int64_t warpgroups = int64_t{grid} * kWg;
   if ((n + warpgroups - 1) / warpgroups > 64)
     return unsupported("GemmWgmmaOptions::register_rows: N = ", n, " over ", warpgroups,
                        " warpgroups exceeds 64 rows each");
-  const int nw = m <= 8 ? 8 : 16;
-  const int smem = nw == 8 ? gemm_rows_detail::smem_bytes<8>(static_cast<int>(kblocks))
-                           : gemm_rows_detail::smem_bytes<16>(static_cast<int>(kblocks));
-  if (kblocks > 4096 || smem > kMaxSmem)
-    return unsupported("GemmWgmmaOptions::register_rows: K = ", k, " at M = ", m, " needs ", smem,
-                       " bytes of shared memory (at most ", kMaxSmem, ")");
+  // (The ring holds at most 7 x 2 K blocks of n x 128 bytes: 112 KB at n = 64.)
+  static_assert(gemm_rows_detail::smem_bytes<64>(14) <= kMaxSmem, "the ring fits shared memory");
+  if (kblocks >= (int64_t{1} << 24))
+    return unsupported("GemmWgmmaOptions::register_rows: K = ", k, " is too long");
   const auto addr = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data); };
   if (addr(p.b) % 16 != 0 || p.b.stride[0] % 16 != 0 || addr(p.a) % 4 != 0 ||
       (m > 1 && p.a.stride[0] % 4 != 0))
@@ -96,9 +98,11 @@ Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t
   args.kblocks = static_cast<int>(kblocks);
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
   const bool programmatic = options.programmatic_launch;
-  if (nw == 8)
-    return dispatch_variant<8>(options.register_rows, args, grid, programmatic, device, stream);
-  return dispatch_variant<16>(options.register_rows, args, grid, programmatic, device, stream);
+  const int r = options.register_rows;
+  if (m <= 8) return dispatch_variant<8>(r, args, grid, programmatic, device, stream);
+  if (m <= 16) return dispatch_variant<16>(r, args, grid, programmatic, device, stream);
+  if (m <= 32) return dispatch_variant<32>(r, args, grid, programmatic, device, stream);
+  return dispatch_variant<64>(r, args, grid, programmatic, device, stream);
 }
 
 }  // namespace m3attn

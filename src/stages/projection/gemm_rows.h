@@ -11,8 +11,8 @@
 
 namespace m3attn {
 
-// M <= 16; N / (2 x sms) <= 64 rows per warpgroup; the activations' K (M rounded up to 8 or 16
-// rows) resident in shared memory; 16-byte aligned weight rows, 4-byte aligned activation rows.
+// M <= 64; N / (2 x sms) <= 64 rows per warpgroup; 16-byte aligned weight rows, 4-byte aligned
+// activation rows.
 // No workspace. Returns unsupported(...) outside those rules (nothing launched).
 Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t stream,
                           const GemmWgmmaOptions& options);

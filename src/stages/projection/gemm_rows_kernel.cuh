@@ -1,6 +1,6 @@
 // Decode-size block-scaled FP8 GEMM without split-K (GemmWgmmaOptions::register_rows, opt-in,
 // session 17): out bf16 [M, N] = A e4m3 [M, K] (1x128 scales) x B e4m3 [N, K] (128x128 scales)^T,
-// the math of run_gemm_cpu for M <= 16 (n = 8 or 16 activation rows in the MMA).
+// the math of run_gemm_cpu for M <= 64 (n = 8, 16, 32 or 64 activation rows in the MMA).
 //
 // Why: the stream-K wgmma kernel (gemm_wgmma_kernel.cuh) spends ~2.7 us after its last weight
 // lands on the split-K reduction (a partial store, a gpu-scope fence, an atomic, the partial loads)
@@ -25,12 +25,11 @@
 // Pipeline per CTA (kWg warpgroups, one CTA per SM): the K blocks in groups of kBurst, kGroups
 // groups of weights in registers (each group's loads issued back to back: a row's kBurst x 128
 // contiguous bytes); each group's activation K blocks (permuted 4-byte cp.async, every thread a
-// word) and their scales go to their own shared-memory slot (the whole K is resident: no slot is
-// reused, so no write-after-read hazard), one cp.async group per K group, waited kGroups - 1
-// behind. Per K group: cp.async.wait_group, fence.proxy.async, CTA barrier, the group's wgmmas
-// (one temporary fragment per K block), wait, fold each K block's fp32 dot products with
-// sa[m, kb] x sb[n / 128, kb] into the accumulators in K order, then the loads of group + kGroups.
-// Epilogue: bf16 stores of the valid rows.
+// word) and their scales go to a ring of shared-memory slots (see smem_bytes), one cp.async
+// group per K group, waited kGroups - 1 behind. Per K group: cp.async.wait_group,
+// fence.proxy.async, CTA barrier, the group's wgmmas (one temporary fragment per K block), wait,
+// fold each K block's fp32 dot products with sa[m, kb] x sb[n / 128, kb] into the accumulators in K
+// order, then the loads of group + kGroups. Epilogue: bf16 stores of the valid rows.
 //
 // Bytes: weights N K once from HBM (the whole call's traffic); activations M K per CTA from L2.
 // Bound: HBM bandwidth.
@@ -57,17 +56,25 @@ struct RowsArgs {
   uint16_t* out;  // bf16 [M, N], row stride ldo
   int64_t ldo;
   int m, n, kblocks;
+  int slots;               // activation K-block slots in shared memory (a ring; see smem_bytes)
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
 
-// Dynamic shared memory: activation slots, then activation and weight scales.
+// Dynamic shared memory: `slots` activation K-block slots (K block kb in slot kb % slots), then
+// their activation and weight scales. slots >= (kGroups + 1) kBurst (or the whole K): group g +
+// kGroups is staged after the barrier of group g, which every thread passes only after its
+// wgmmas of group g - 1 completed, so the slots it overwrites (K blocks of group g + kGroups -
+// slots / kBurst <= g - 1) are no longer read.
 template <int kNw>
 constexpr int act_slot_bytes() {
   return kNw * kBlockK;
 }
 template <int kNw>
-__host__ __device__ constexpr int smem_bytes(int kblocks) {
-  return kAlignSlack + kblocks * (act_slot_bytes<kNw>() + kNw * 4 + 2 * 4);
+__host__ __device__ constexpr int smem_bytes(int slots) {
+  return kAlignSlack + slots * (act_slot_bytes<kNw>() + kNw * 4 + 2 * 4);
+}
+__host__ __device__ constexpr int ring_slots(int kblocks, int groups, int burst) {
+  return kblocks < (groups + 1) * burst ? kblocks : (groups + 1) * burst;
 }
 
 // Logical 4-byte word of the activation row's K block that holds physical word pw (see above).
@@ -153,6 +160,64 @@ struct WgmmaRs<16> {
   }
 };
 
+template <>
+struct WgmmaRs<32> {
+  template <bool kFirst>
+  __device__ __forceinline__ static void mma(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t b) {
+    if constexpr (kFirst) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+          "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+            "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+            "=f"(d[14]), "=f"(d[15])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+    } else {
+      asm volatile(
+          "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+          "%8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, 1, 1, 1;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+    }
+  }
+};
+
+template <>
+struct WgmmaRs<64> {
+  template <bool kFirst>
+  __device__ __forceinline__ static void mma(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
+                                             uint32_t a3, uint64_t b) {
+    if constexpr (kFirst) {
+      asm volatile(
+          "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+          "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+          "%8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "
+          "%26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+          : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]),
+            "=f"(d[7]), "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]),
+            "=f"(d[14]), "=f"(d[15]), "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]),
+            "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]), "=f"(d[24]), "=f"(d[25]),
+            "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+    } else {
+      asm volatile(
+          "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, "
+          "%8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, "
+          "%26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1;\n"
+          : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+            "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+            "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]),
+            "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]),
+            "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+          : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(b));
+    }
+  }
+};
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -166,13 +231,13 @@ __global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs 
   constexpr int kSlot = act_slot_bytes<kNw>();
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const int kblocks = p.kblocks, m_count = p.m;
-  // Scales after the activation slots: sa_s[kb][kNw], then sb_s[kb][2].
-  const uint32_t sa_base = base + static_cast<uint32_t>(kblocks * kSlot);
-  const uint32_t sb_base = sa_base + static_cast<uint32_t>(kblocks * kNw * 4);
+  const int kblocks = p.kblocks, m_count = p.m, slots = p.slots;
+  // Scales after the activation slots: sa_s[slot][kNw], then sb_s[slot][2].
+  const uint32_t sa_base = base + static_cast<uint32_t>(slots * kSlot);
+  const uint32_t sb_base = sa_base + static_cast<uint32_t>(slots * kNw * 4);
   uint8_t* const smem = smem_raw + (base - smem_u32(smem_raw));
-  const float* sa_s = reinterpret_cast<const float*>(smem + kblocks * kSlot);
-  const float* sb_s = sa_s + kblocks * kNw;
+  const float* sa_s = reinterpret_cast<const float*>(smem + slots * kSlot);
+  const float* sb_s = sa_s + slots * kNw;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, q = lane % 4;
@@ -226,16 +291,16 @@ __global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs 
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   // Activation rows m_count .. kNw - 1 and their scales are zero in every slot.
-  for (int i = tid; i < kblocks * (kNw - m_count) * 8; i += kThreads) {
+  for (int i = tid; i < slots * (kNw - m_count) * 8; i += kThreads) {
     const int kb = i / ((kNw - m_count) * 8), rem = i % ((kNw - m_count) * 8);
     const uint32_t a =
         base + static_cast<uint32_t>(kb * kSlot + (m_count + rem / 8) * 128 + (rem % 8) * 16);
     asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(a), "r"(0) : "memory");
   }
-  for (int i = tid; i < kblocks * kNw; i += kThreads)
+  for (int i = tid; i < slots * kNw; i += kThreads)
     if (i % kNw >= m_count)
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sa_base + 4 * i), "f"(0.0f) : "memory");
-  for (int i = tid; i < kblocks * 2; i += kThreads)
+  for (int i = tid; i < slots * 2; i += kThreads)
     if (i % 2 >= rb_count)
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sb_base + 4 * i), "f"(0.0f) : "memory");
   // Activations, activation scales and weight scales of K group g (one cp.async group).
@@ -246,18 +311,18 @@ __global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs 
     for (int i = tid; i < words; i += kThreads) {
       const int kb = kb0 + i / (m_count * 32), m = (i / 32) % m_count, pw = i % 32;
       const int kw = logical_word(pw);
-      const uint32_t dst = base + static_cast<uint32_t>(kb * kSlot + m * 128 +
+      const uint32_t dst = base + static_cast<uint32_t>((kb % slots) * kSlot + m * 128 +
                                                         (((kw / 4) ^ (m % 8)) * 16) + (kw % 4) * 4);
       cp_async_4(dst, p.a + m * p.lda + kb * kBlockK + 4 * pw);
     }
     for (int i = tid; i < nkb * m_count; i += kThreads) {
       const int kb = kb0 + i / m_count, m = i % m_count;
-      cp_async_4(sa_base + static_cast<uint32_t>(4 * (kb * kNw + m)),
+      cp_async_4(sa_base + static_cast<uint32_t>(4 * ((kb % slots) * kNw + m)),
                  p.sa + m * p.sa_s0 + kb * p.sa_s1);
     }
     for (int i = tid; i < nkb * rb_count; i += kThreads) {
       const int kb = kb0 + i / rb_count, r = i % rb_count;
-      cp_async_4(sb_base + static_cast<uint32_t>(4 * (kb * 2 + r)),
+      cp_async_4(sb_base + static_cast<uint32_t>(4 * ((kb % slots) * 2 + r)),
                  p.sb + (rb0 + r) * p.sb_s0 + kb * p.sb_s1);
     }
     cp_async_commit();
@@ -287,7 +352,7 @@ __global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs 
       for (int b = 0; b < kBurst; ++b) {
         const int kb = g * kBurst + b;
         if (kb < kblocks) {
-          const uint32_t b_addr = base + static_cast<uint32_t>(kb * kSlot);
+          const uint32_t b_addr = base + static_cast<uint32_t>((kb % slots) * kSlot);
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
             // k32 step k: registers rho = 2 k (rows f, f + 8) and 2 k + 1 (the same rows).
@@ -315,10 +380,11 @@ __global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs 
       for (int b = 0; b < kBurst; ++b) {
         const int kb = g * kBurst + b;
         if (kb < kblocks) {
-          const float sb0 = sb_s[kb * 2 + rbi0], sb1 = sb_s[kb * 2 + rbi1];
+          const int slot = kb % slots;
+          const float sb0 = sb_s[slot * 2 + rbi0], sb1 = sb_s[slot * 2 + rbi1];
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
-            const float sa = sa_s[kb * kNw + m0 + 8 * (j / 4) + j % 2];
+            const float sa = sa_s[slot * kNw + m0 + 8 * (j / 4) + j % 2];
             acc[j] = fmaf(tmp[b][j], ((j / 2) % 2 ? sb1 : sb0) * sa, acc[j]);
           }
         }

@@ -66,9 +66,10 @@ struct GemmWgmmaOptions {
   // whole weight rows (<= 64) over the whole K, loaded with 16-byte loads straight into wgmma's
   // register A fragments; no split-K (no partials, counters or fences), no TMA, no workspace
   // (may be null). Variants: K groups in registers x K blocks per group 4 x 2 (1), 2 x 4 (2),
-  // 6 x 1 (3). M <= 16 and the activations' K resident in shared memory (K <= ~20K at M <= 8,
-  // ~10K at M <= 16); unsupported(...) otherwise. Not with cluster_split or packed_weights.
-  // min_units_per_cta, max_waves, ctas_per_sm, burst, owner_fixup and weight_* do not apply.
+  // 6 x 1 (3) (at M > 32: 4 x 1, 2 x 2, 6 x 1); the activations' K blocks go through a ring of
+  // shared-memory slots. M <= 64; unsupported(...) when a warpgroup would own more than 64 rows.
+  // Not with cluster_split or packed_weights. min_units_per_cta, max_waves, ctas_per_sm, burst,
+  // owner_fixup and weight_* do not apply.
   int register_rows = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

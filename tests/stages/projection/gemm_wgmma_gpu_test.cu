@@ -251,7 +251,13 @@ INSTANTIATE_TEST_SUITE_P(
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 1},
         Case{16, 128, 384, 0, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
         Case{7, 1280, 6144, 0, 0, false, 2, 1, 3, false, 0, true, 4, true, 0, false, 3},
-        Case{12, 9856, 2048, 8, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 2}));
+        Case{12, 9856, 2048, 8, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 2},
+        // n = 32 and 64 (ring of activation slots reused over K).
+        Case{33, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
+        Case{64, 6144, 8192, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
+        Case{24, 640, 1152, 8, 16, true, 0, 4, 0, true, 256, true, 1, false, 0, false, 3},
+        Case{57, 1280, 2048, 0, 0, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
+        Case{64, 256, 640, 0, 16, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 3}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -327,8 +333,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
 // block's dot product from the tensor core.
 TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
   M3_REQUIRE_WGMMA();
-  for (const RandomCase rc :
-       {RandomCase{1, 9856, 6144}, RandomCase{16, 6144, 8192}, RandomCase{5, 640, 1152}}) {
+  for (const RandomCase rc : {RandomCase{1, 9856, 6144}, RandomCase{16, 6144, 8192},
+                              RandomCase{5, 640, 1152}, RandomCase{40, 1280, 6144}}) {
     for (int variant : {1, 2, 3}) {
       Case c{rc.m, rc.n, rc.k, 0, 0, false, 0, 4};
       c.rows = variant;
@@ -346,28 +352,26 @@ TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
   }
 }
 
-// register_rows through Fp8BlockGemm (wgmma_max_m = 16): quantizer + GEMM captured once and
+// register_rows through Fp8BlockGemm (wgmma_max_m = 64): quantizer + GEMM captured once and
 // replayed with new inputs equals eager runs byte for byte, plain and with programmatic launch.
 TEST(GemmWgmmaRows, GraphReplayEqualsEager) {
   M3_REQUIRE_WGMMA();
   for (bool pdl : {false, true}) {
-    for (int64_t rows : {1, 16}) {
+    for (int64_t rows : {1, 16, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "rows " << rows << " PDL " << pdl);
       Rng rng(seed);
       Fp8BlockGemmOptions o = wgmma_options();
-      o.wgmma_max_m = 16;
       o.wgmma.register_rows = 1;
       o.wgmma.programmatic_launch = pdl;
-      expect_graph_replay_equals_eager(rows, 16, o, rng);
+      expect_graph_replay_equals_eager(rows, 64, o, rng);
     }
   }
 }
 
-// register_rows outside its rules: unsupported (M 17, K too long for shared memory at n = 16,
-// more than 64 rows per warpgroup) or invalid (variant 4, with cluster_split / packed_weights);
-// nothing written.
+// register_rows outside its rules: unsupported (M 65, more than 64 rows per warpgroup) or invalid
+// (variant 4, with cluster_split); nothing written.
 TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -380,8 +384,7 @@ TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
   M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
   M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t too_wide = (int64_t{2} * sms * 64 / 128 + 1) * 128;
-  for (const Reject& r : {Reject{17, 256, 512, 1, 0, StatusCode::kUnsupported},
-                          Reject{16, 256, 16384, 2, 0, StatusCode::kUnsupported},
+  for (const Reject& r : {Reject{65, 256, 512, 1, 0, StatusCode::kUnsupported},
                           Reject{1, too_wide, 256, 3, 0, StatusCode::kUnsupported},
                           Reject{8, 256, 512, 4, 0, StatusCode::kInvalidArgument},
                           Reject{8, 256, 512, 1, 2, StatusCode::kInvalidArgument}}) {
@@ -389,7 +392,7 @@ TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
                  << "M " << r.m << " N " << r.n << " K " << r.k << " variant " << r.variant);
     GemmData d = make_integer_data(r.m, r.n, r.k, rng);
     DeviceGemm dev(d, r.n);
-    DeviceBuffer ws = make_workspace(r.n, 16);
+    DeviceBuffer ws = make_workspace(r.n, 64);
     GemmWgmmaOptions o;
     o.register_rows = r.variant;
     o.cluster_split = r.cluster;

@@ -34,7 +34,8 @@
 //   waits NS ns after each block landed before it refills the ring, a stand-in for the attention
 //   loop's work before its refill: how much the bytes in flight lose to that delay);
 //   --timeline (after each decode/verify case: one cold call with AttentionCudaConfig::timeline,
-//   per-CTA phase times and the CTAs' ends by SM, CTAs without a tile counted apart);
+//   per-CTA phase times and the CTAs' ends by SM, CTAs without a tile counted apart; with
+//   --read-ceiling also the plain read's timeline in the same form);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
@@ -105,8 +106,23 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
 }
 __global__ void __launch_bounds__(256, 2)
     read_selected_tiles(const uint8_t* kv, int64_t page_stride, int64_t plane_stride,
-                        const int32_t* list, const int32_t* start, uint32_t* sink, int delay_ns) {
+                        const int32_t* list, const int32_t* start, uint32_t* sink, int delay_ns,
+                        uint64_t* tl) {
   extern __shared__ __align__(128) uint8_t ring[];
+  // tl (--timeline): 8 words per CTA as the attention kernels write them: entry, list read, first
+  // copies issued, first block landed, last block landed, exit, blocks, SM id + 1.
+  const auto mark = [&](int slot) {
+    if (tl == nullptr || threadIdx.x != 0) return;
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    tl[blockIdx.x * 8 + slot] = t;
+  };
+  mark(0);
+  if (tl != nullptr && threadIdx.x == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    tl[blockIdx.x * 8 + 7] = uint64_t{sm} + 1;
+  }
   const int c = blockIdx.x, e0 = start[c], n = start[c + 1] - e0;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(ring));
   auto issue = [&](int j) {
@@ -123,10 +139,15 @@ __global__ void __launch_bounds__(256, 2)
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   };
+  if (n > 0) mark(1);  // (it waits for e0 and n)
   for (int j = 0; j < kReadStages - 1; ++j) issue(j);
+  mark(2);
+  if (tl != nullptr && threadIdx.x == 0) tl[blockIdx.x * 8 + 6] = static_cast<uint64_t>(n);
   for (int j = 0; j < n; ++j) {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(kReadStages - 2) : "memory");
-    __syncthreads();     // block j landed; block j - 1's stage free
+    __syncthreads();  // block j landed; block j - 1's stage free
+    if (j == 0) mark(3);
+    if (j == n - 1) mark(4);
     if (delay_ns > 0) {  // --read-delay: a stand-in for the compute before the refill
       uint64_t t0, t;
       asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
@@ -139,6 +160,7 @@ __global__ void __launch_bounds__(256, 2)
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0 && n > 0 && ring[0] == 0x5Au && ring[1] == 0xA5u) sink[c] = 1u;
+  mark(5);
 }
 
 // One benchmark problem: host copies of the small tensors, device copies, params.
@@ -363,88 +385,13 @@ bench::Row timing_row(const std::string& name, const std::string& verdict, doubl
   return row;
 }
 
-// The --read-ceiling row of a sparse case (read_selected_tiles on the blocks of every copy).
-bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int calls,
-                            cudaStream_t stream, int delay_ns) {
-  std::vector<void*> d_lists;
-  std::vector<int32_t> start;
-  for (int k = 0; k < copies; ++k) {
-    const std::vector<int32_t>& table = c.tables[static_cast<size_t>(k)];
-    std::vector<int32_t> list;
-    start.clear();
-    for (int r = 0; r < c.R; ++r) {
-      for (int g = 0; g < kNkv; ++g) {
-        start.push_back(static_cast<int32_t>(list.size() / 2));
-        std::set<int> u;
-        for (int64_t t = c.qs[r]; t < c.qs[r + 1]; ++t)
-          for (int j = 0; j < kTopK; ++j) {
-            const int b = c.ids[(t * kNkv + g) * kTopK + j];
-            if (b >= 0 && b <= c.pos[t] / kPageSize) u.insert(b);
-          }
-        for (int b : u) {
-          list.push_back(table[static_cast<size_t>(r) * c.max_pages + b]);
-          list.push_back(g);
-        }
-      }
-    }
-    start.push_back(static_cast<int32_t>(list.size() / 2));
-    d_lists.push_back(upload(list.data(), list.size() * 4));
-  }
-  void* d_start = upload(start.data(), start.size() * 4);  // the same for every copy
-  void* d_sink = upload(nullptr, start.size() * 4);
-  const int ctas = c.R * kNkv;
-  check_cuda(cudaFuncSetAttribute(read_selected_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  kReadStages * 2 * kTile),
-             "read ceiling smem");
-  auto launch = [&](cudaStream_t s, int copy) {
-    read_selected_tiles<<<ctas, 256, kReadStages * 2 * kTile, s>>>(
-        pool.data, kPageBytes, kNkv * kTile, static_cast<const int32_t*>(d_lists[copy]),
-        static_cast<const int32_t*>(d_start), static_cast<uint32_t*>(d_sink), delay_ns);
-  };
-  const bench::Timing tm = bench::time_graph_cold([&](cudaStream_t s) { launch(s, 0); }, stream);
-  const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream, calls);
-  check_cuda(cudaStreamSynchronize(stream), "read ceiling");
-  for (void* d : d_lists) cudaFree(d);
-  cudaFree(d_start);
-  cudaFree(d_sink);
-  std::string name = c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling";
-  if (delay_ns > 0) name += " delay" + std::to_string(delay_ns);
-  return timing_row(name, "n/a", 0.0, tm, tb, copies, c.bytes, 0.0);
-}
-
-// One call on input copy `copy` (its page table; everything else is shared).
-void run_once(const Case& c, cudaStream_t s, int copy = 0) {
-  AttentionParams p = c.p;
-  if (copy > 0)
-    p.batch.page_table = TensorView::contiguous(c.d_tables[copy], DType::kI32,
-                                                {c.R, int64_t{c.max_pages}}, Device::cuda(0));
-  const Status st = run_attention_cuda(p, c.d_ws, c.ws_bytes, s, c.cfg);
-  if (!st.ok()) {
-    std::fprintf(stderr, "%s: %s\n", c.name.c_str(), st.to_string().c_str());
-    std::exit(1);
-  }
-}
-
-// --timeline: one cold call (L2 flushed) with AttentionCudaConfig::timeline, then per phase the
-// times of the CTAs that own a tile (us after the first CTA's entry), their phase lengths, the CTAs
-// without a tile (the grid is sized for the worst token distribution), and the CTAs' ends by SM.
-void print_timeline(Case& c, cudaStream_t stream) {
+// The per-CTA timeline words (8 per CTA, see AttentionCudaConfig::timeline) of one cold call:
+// per phase the times of the CTAs that own a tile (us after the first CTA's entry), their phase
+// lengths, the CTAs without a tile (the grid is sized for the worst token distribution), and the
+// CTAs' ends by SM.
+void analyze_timeline(const std::string& name, double cold_us, const std::vector<uint64_t>& tl) {
   constexpr int kWords = 8;
-  const int64_t max_ctas = c.T * kNkv * 128;  // T x n_kv x splits (<= 128)
-  const size_t bytes = static_cast<size_t>(max_ctas) * kWords * 8;
-  uint64_t* d_tl = static_cast<uint64_t*>(upload(nullptr, bytes));
-  const AttentionCudaConfig saved = c.cfg;
-  c.cfg.timeline = d_tl;
-  const bench::Timing t = bench::time_cold(
-      [&](cudaStream_t s) {
-        check_cuda(cudaMemsetAsync(d_tl, 0, bytes, s), "timeline clear");
-        run_once(c, s);
-      },
-      stream, 1, 3);
-  c.cfg = saved;
-  std::vector<uint64_t> tl(static_cast<size_t>(max_ctas) * kWords);
-  check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
-  cudaFree(d_tl);
+  const int64_t max_ctas = static_cast<int64_t>(tl.size()) / kWords;
   uint64_t g0 = ~uint64_t{0};
   for (int64_t x = 0; x < max_ctas; ++x)
     if (tl[x * kWords]) g0 = std::min(g0, tl[x * kWords]);
@@ -476,7 +423,7 @@ void print_timeline(Case& c, cudaStream_t stream) {
   std::printf(
       "timeline %s: cold call %.1f us (median of 3, incl. a memset), %zu CTAs with a tile "
       "(blocks p50 %.0f max %.0f), %zu without\n",
-      c.name.c_str(), t.median_us, at[0].size(), pct(blocks, 0.5), pct(blocks, 1), ph_entry.size());
+      name.c_str(), cold_us, at[0].size(), pct(blocks, 0.5), pct(blocks, 1), ph_entry.size());
   const char* names[] = {"entry", "inputs", "list", "first", "attended", "exit"};
   for (int sl = 0; sl < 6; ++sl) {
     std::printf("  %-8s at us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f", names[sl],
@@ -551,6 +498,107 @@ void print_timeline(Case& c, cudaStream_t stream) {
     if (i < 12 || i + 12 >= ends.size())
       std::printf("%s%d:%.1f", i == 0 || i == 12 ? "\n    " : " ", ends[i].second, ends[i].first);
   std::printf("\n");
+}
+
+// The --read-ceiling row of a sparse case (read_selected_tiles on the blocks of every copy).
+bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int calls,
+                            cudaStream_t stream, int delay_ns) {
+  std::vector<void*> d_lists;
+  std::vector<int32_t> start;
+  for (int k = 0; k < copies; ++k) {
+    const std::vector<int32_t>& table = c.tables[static_cast<size_t>(k)];
+    std::vector<int32_t> list;
+    start.clear();
+    for (int r = 0; r < c.R; ++r) {
+      for (int g = 0; g < kNkv; ++g) {
+        start.push_back(static_cast<int32_t>(list.size() / 2));
+        std::set<int> u;
+        for (int64_t t = c.qs[r]; t < c.qs[r + 1]; ++t)
+          for (int j = 0; j < kTopK; ++j) {
+            const int b = c.ids[(t * kNkv + g) * kTopK + j];
+            if (b >= 0 && b <= c.pos[t] / kPageSize) u.insert(b);
+          }
+        for (int b : u) {
+          list.push_back(table[static_cast<size_t>(r) * c.max_pages + b]);
+          list.push_back(g);
+        }
+      }
+    }
+    start.push_back(static_cast<int32_t>(list.size() / 2));
+    d_lists.push_back(upload(list.data(), list.size() * 4));
+  }
+  void* d_start = upload(start.data(), start.size() * 4);  // the same for every copy
+  void* d_sink = upload(nullptr, start.size() * 4);
+  const int ctas = c.R * kNkv;
+  check_cuda(cudaFuncSetAttribute(read_selected_tiles, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  kReadStages * 2 * kTile),
+             "read ceiling smem");
+  auto launch = [&](cudaStream_t s, int copy, uint64_t* tl = nullptr) {
+    read_selected_tiles<<<ctas, 256, kReadStages * 2 * kTile, s>>>(
+        pool.data, kPageBytes, kNkv * kTile, static_cast<const int32_t*>(d_lists[copy]),
+        static_cast<const int32_t*>(d_start), static_cast<uint32_t*>(d_sink), delay_ns, tl);
+  };
+  const bench::Timing tm = bench::time_graph_cold([&](cudaStream_t s) { launch(s, 0); }, stream);
+  const bench::Timing tb = bench::time_graph_back_to_back(
+      [&](cudaStream_t s, int copy) { launch(s, copy); }, copies, stream, calls);
+  check_cuda(cudaStreamSynchronize(stream), "read ceiling");
+  std::string name = c.name.substr(0, c.name.find(" draft") + 7) + " read ceiling";
+  if (delay_ns > 0) name += " delay" + std::to_string(delay_ns);
+  if (g_timeline && delay_ns == 0) {  // the plain read's own timeline, as print_timeline's
+    const size_t tl_bytes = static_cast<size_t>(ctas) * 8 * sizeof(uint64_t);
+    uint64_t* d_tl = static_cast<uint64_t*>(upload(nullptr, tl_bytes));
+    const bench::Timing tt = bench::time_cold(
+        [&](cudaStream_t s) {
+          check_cuda(cudaMemsetAsync(d_tl, 0, tl_bytes, s), "timeline clear");
+          launch(s, 0, d_tl);
+        },
+        stream, 1, 3);
+    std::vector<uint64_t> tl(static_cast<size_t>(ctas) * 8);
+    check_cuda(cudaMemcpy(tl.data(), d_tl, tl_bytes, cudaMemcpyDeviceToHost), "timeline");
+    cudaFree(d_tl);
+    analyze_timeline(name + " (phases: list read, copies issued, first landed, last landed)",
+                     tt.median_us, tl);
+  }
+  for (void* d : d_lists) cudaFree(d);
+  cudaFree(d_start);
+  cudaFree(d_sink);
+  return timing_row(name, "n/a", 0.0, tm, tb, copies, c.bytes, 0.0);
+}
+
+// One call on input copy `copy` (its page table; everything else is shared).
+void run_once(const Case& c, cudaStream_t s, int copy = 0) {
+  AttentionParams p = c.p;
+  if (copy > 0)
+    p.batch.page_table = TensorView::contiguous(c.d_tables[copy], DType::kI32,
+                                                {c.R, int64_t{c.max_pages}}, Device::cuda(0));
+  const Status st = run_attention_cuda(p, c.d_ws, c.ws_bytes, s, c.cfg);
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", c.name.c_str(), st.to_string().c_str());
+    std::exit(1);
+  }
+}
+
+// --timeline: one cold call (L2 flushed) with AttentionCudaConfig::timeline, then per phase the
+// times of the CTAs that own a tile (us after the first CTA's entry), their phase lengths, the CTAs
+// without a tile (the grid is sized for the worst token distribution), and the CTAs' ends by SM.
+void print_timeline(Case& c, cudaStream_t stream) {
+  constexpr int kWords = 8;
+  const int64_t max_ctas = c.T * kNkv * 128;  // T x n_kv x splits (<= 128)
+  const size_t bytes = static_cast<size_t>(max_ctas) * kWords * 8;
+  uint64_t* d_tl = static_cast<uint64_t*>(upload(nullptr, bytes));
+  const AttentionCudaConfig saved = c.cfg;
+  c.cfg.timeline = d_tl;
+  const bench::Timing t = bench::time_cold(
+      [&](cudaStream_t s) {
+        check_cuda(cudaMemsetAsync(d_tl, 0, bytes, s), "timeline clear");
+        run_once(c, s);
+      },
+      stream, 1, 3);
+  c.cfg = saved;
+  std::vector<uint64_t> tl(static_cast<size_t>(max_ctas) * kWords);
+  check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
+  cudaFree(d_tl);
+  analyze_timeline(c.name, t.median_us, tl);
 }
 
 // Twin rows of tokens `toks` ([toks.size(), n_q * 128] bf16), each rebuilt as a one-token request

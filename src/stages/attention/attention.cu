@@ -81,7 +81,16 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 173.9-175.6, 47.8-48.2 for 13. 17 is automatic; 13 and 16 were removed, and so were the opt-in
 // 18 (speculative row max: a wash), 19 (ring started on one block: slower at B256) and 20 (o_proj's
 // codes converted in pairs: slower).
-constexpr int kAutoVerifyVariant = 17;  // sparse and dense (layers 0-2) alike
+// Session 17 (round A, sparse draft 3 at 32K unless noted, isolated us, two runs each): 21 (17 with
+// the page-table row prefetched at entry and the first two blocks requested as soon as their pages
+// are known, before the union is complete; the same bytes in the same order) B64 x 4 45.6-46.3 vs
+// 46.4-47.5 for 17 (8K / 32K / 128K), B256 x 4 160.4 / 160.6 vs 164.9 / 164.4. Lost in round A
+// (removed): 22 (21 with S waited for at once and the refill before the V conversion: B64 x 4
+// 45.9-46.9, B256 x 4 162.3 / 162.5), 23 (21 with each refill at the top of the iteration, before
+// the block is waited for: 3 blocks in flight while waiting, but S no longer under the previous P
+// V: 46.1-47.2, 164.4 / 164.4), and for the decode kernel the page-table prefetch (decode_kernel 8,
+// B64 40.9-42.4 vs 40.7-41.8) and the refill at the end of the iteration (9, 41.5-42.1).
+constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -97,10 +106,10 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 17;  // variant of the verify kernel (AttentionCudaConfig)
-  bool pdl = false;         // programmatic launches of the decode / verify kernels, merge
-  int decode_kernel = 0;    // 8: the page-table row prefetched at entry; 9: + the refill at the end
-  int64_t tiles = 0;        // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int verify_variant = 21;    // variant of the verify kernel (AttentionCudaConfig)
+  bool pdl = false;           // programmatic launches of the decode / verify kernels, merge
+  bool decode_early = false;  // decode_kernel 10: attention_decode_early_kernel
+  int64_t tiles = 0;          // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -163,11 +172,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17 &&
-      cfg.verify_variant != 21 && cfg.verify_variant != 22 && cfg.verify_variant != 23)
-    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 17 or 21-23 (9, 11, 12, 14 and 15 were removed in session "
-                       "15; 13, 16 and 18-20 in session 16: 17 is 13 with conflict-free f16 V "
-                       "stores and a shorter epilogue)");
+      cfg.verify_variant != 21 && cfg.verify_variant != 24 && cfg.verify_variant != 25)
+    return unsupported(
+        "run_attention_cuda: verify_variant ", cfg.verify_variant,
+        " is not 0, 8, 17, 21, 24 or 25 (9, 11, 12, 14 and 15 were removed in session 15; "
+        "13, 16 and 18-20 in session 16; 22 and 23 in session 17)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -198,14 +207,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 8 &&
-      cfg.decode_kernel != 9)
-    return unsupported("run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-                       " is not 0, 2, 8 or 9 (1, the 4-warp tile kernel, and 3, two barriers per "
-                       "block, "
-                       "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
-                       "16)");
-  pl.decode_kernel = cfg.decode_kernel;
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 10)
+    return unsupported(
+        "run_attention_cuda: decode_kernel ", cfg.decode_kernel,
+        " is not 0, 2 or 10 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+        "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
+        "16; 8, 9 in session 17)");
+  pl.decode_early = cfg.decode_kernel == 10;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -256,7 +264,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
 // driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          int kRefill = 0>
+          int kTailPrefetch = 0>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -266,7 +274,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kRefill>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kTailPrefetch>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -275,15 +283,33 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-template <bool kVec16, bool kPrefetch = false, bool kRefillEnd = false>
+template <bool kVec16>
 Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
-  auto kernel = ad::attention_decode_kernel<kVec16, kPrefetch, kRefillEnd>;
+  auto kernel = ad::attention_decode_kernel<kVec16>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, ad::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
                   static_cast<unsigned>(pl.splits));
   M3_CUDA_RETURN_IF_ERROR(
       launch_pdl(kernel, grid, dim3(ad::kThreads), ad::kSmemBytes, stream, pl.pdl, args));
+  return Status::Ok();
+}
+
+// decode_kernel 10: the decode kernel with the early TMA copies of its first two blocks (the
+// plain decode kernel where TMA cannot address the pool).
+Status launch_decode_early(const ak::AttnArgs& args, const Plan& pl, int n_kv,
+                           cudaStream_t stream) {
+  CUtensorMap kmap{}, vmap{}, qmap{};
+  if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
+    return launch_decode<true>(args, pl, n_kv, stream);
+  auto kernel = ad::attention_decode_early_kernel;
+  constexpr int kBytes = ad::kSmemBytes + 1024;  // + slack to align the base to 1 KB
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  const dim3 grid(static_cast<unsigned>(pl.tiles), static_cast<unsigned>(n_kv),
+                  static_cast<unsigned>(pl.splits));
+  M3_CUDA_RETURN_IF_ERROR(
+      launch_pdl(kernel, grid, dim3(ad::kThreads), kBytes, stream, pl.pdl, args, kmap, vmap));
   return Status::Ok();
 }
 
@@ -297,10 +323,10 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
       case 21:
         return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
-      case 22:
-        return launch_verify<true, true, true, true, true, 1>(args, pl, n_kv, stream);
-      case 23:
-        return launch_verify<true, true, true, true, true, 2>(args, pl, n_kv, stream);
+      case 24:
+        return launch_verify<true, true, true, true, true, 4>(args, pl, n_kv, stream);
+      case 25:
+        return launch_verify<true, true, true, true, true, 1 << 20>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }
@@ -316,12 +342,7 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     return vec16 ? launch_prefill<true>(args, pl, n_kv, stream)
                  : launch_prefill<false>(args, pl, n_kv, stream);
   }
-  if (pl.decode_kernel == 9)
-    return vec16 ? launch_decode<true, true, true>(args, pl, n_kv, stream)
-                 : launch_decode<false, true, true>(args, pl, n_kv, stream);
-  if (pl.decode_kernel == 8)
-    return vec16 ? launch_decode<true, true>(args, pl, n_kv, stream)
-                 : launch_decode<false, true>(args, pl, n_kv, stream);
+  if (pl.decode_early && vec16) return launch_decode_early(args, pl, n_kv, stream);
   return vec16 ? launch_decode<true>(args, pl, n_kv, stream)
                : launch_decode<false>(args, pl, n_kv, stream);
 }

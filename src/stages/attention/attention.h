@@ -90,24 +90,23 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (17), 8
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (21), 8
                             // cp.async loads of K and V (the NaN test in every block), 17 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max (13 in session 15), conflict-free
-                            // f16 V stores and a shorter epilogue (session 16; 9, 11-16 and 18-20
-                            // were removed); opt-in (session 17): 21 = 17 with the page-table row
-                            // prefetched into L2 at entry and the first two blocks requested as
-                            // soon as their pages are known, 22 = 21 with S waited for at once and
-                            // each refill issued before the V conversion (2 barriers per block),
-                            // 23 = 21 with each refill at the top of the iteration, once the
-                            // previous P V is done, before the block is waited for
+                            // f16 V stores and a shorter epilogue (session 16); 21 (session 17) 17
+                            // with the page-table row prefetched into L2 at entry and the first
+                            // two blocks requested as soon as their pages are known (one split,
+                            // sparse); opt-in 24 / 25: 21 with the next block prefetched into L2
+                            // over the last 4 / all blocks (9, 11-16, 18-20, 22, 23 were removed)
   int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
                             // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
                             // block, were removed; 4, TMA loads, in session 15; 5-7 in session
-                            // 16); other plans ignore it; opt-in 8 (session 17): the same
-                            // kernel with the page-table row prefetched into L2 at entry; 9: 8
-                            // with each stage refilled at the end of its iteration
+                            // 16; 8, 9 in session 17); opt-in 10 (session 17): the same kernel
+                            // with its first two blocks requested by TMA as soon as their pages
+                            // are known (attention_decode_early_kernel; 16-byte aligned pools, one
+                            // split, sparse); other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

@@ -127,17 +127,17 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 // C: B64 41.1-42.1 vs 41.9-42.9 us, B256 142.9-145.5 vs 144.7-147.9; the same bytes). Lost and
 // removed (round C): starting the ring on one block to halve the one-wave grid's initial burst
 // (B64 the same, B256 146.4-147.3 vs 145.1-145.5).
-// kPrefetch (opt-in decode_kernel 8, session 17): the page-table row of the guessed request (=
-// tile: one token per request) into L2 at entry, so that the union's page reads hit L2.
-// kRefillEnd (with kPrefetch: decode_kernel 9): the stage of block i is refilled (with block i + 3)
-// at the end of iteration i, after a fourth barrier (every warp's P V(i) read it), instead of at
-// the top of iteration i + 1 once block i + 1 landed: while a CTA waits for data all 3 stages are
-// in flight (the ring starts with 3 blocks).
-template <bool kVec16, bool kPrefetch = false, bool kRefillEnd = false>
-__global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
-  extern __shared__ __align__(128) uint8_t smem[];
+// Session 17: kEarly (attention_decode_early_kernel, opt-in decode_kernel 10): the verify kernel's
+// early copies (ak::early_copies): warp 0 requests the list's first two blocks by TMA (through the
+// prefill kernel's tensor maps; the same swizzled layout as ak::load_block, so the stage base is
+// 1024-byte aligned) as soon as their pages are known, before the union is complete; the ring
+// waits for them on an mbarrier each and loads the rest by cp.async as before.
+template <bool kVec16, bool kEarly>
+__device__ __forceinline__ void decode_cta(const AttnArgs& a, const CUtensorMap* kmap,
+                                           const CUtensorMap* vmap, uint8_t* smem) {
   __shared__ int s_warp[kWarps];
-  __shared__ int s_tile[3];
+  __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
+  __shared__ __align__(8) uint64_t s_full[kStages - 1];  // kEarly: entries 0, 1 landed
   __shared__ int s_pos[1];
   __shared__ int s_cand_b[ak::kTopKIds];
   __shared__ int s_cand_page[ak::kTopKIds];
@@ -154,7 +154,6 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   const int g = blockIdx.y, split = blockIdx.z;
 
   ak::timeline_mark(a, 0);
-  if (kPrefetch && a.sparse) ak::prefetch_page_row<kThreads>(a, static_cast<int>(blockIdx.x));
   ak::TileInputs in;  // (pdl_wait inside, before the ids, Q and the cache are read)
   const bool has_tile =
       ak::find_tile_and_load<1, kThreads>(a, static_cast<int>(blockIdx.x), g, s_warp, s_tile, in);
@@ -167,17 +166,30 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
   ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1];
   if (tid == 0) s_pos[0] = in.pos;
+  if (kEarly && tid == 0) {
+    s_tile[3] = 0;
+#pragma unroll
+    for (int st = 0; st < kStages - 1; ++st) sm90::mbar_init(ak::smem_u32(&s_full[st]), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
   uint32_t qa[4][4];  // raw Q fragments; f16 (qh) once the block list is built
   ak::load_q_fragments(a, g, t0, true, qa);
-  __syncthreads();  // s_pos
+  __syncthreads();  // s_pos (kEarly: s_tile[3], s_full)
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   const int my_pos = s_pos[0];
   int n_total = 0;
   if (a.sparse) {
+    auto early = [&](int cb, int cpage) {
+      if constexpr (kEarly) {
+        if (a.splits == 1)
+          ak::early_copies<kStages - 1>(cb, cpage, kmap, vmap, g, ak::smem_u32(smem), s_full,
+                                        &s_tile[3]);
+      }
+    };
     n_total = ak::sparse_union<1, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                             s_cand_page, s_warp, s_list_b, s_list_page, s_list_mask,
-                                            nullptr);
+                                            nullptr, early);
   } else {
     n_total = my_pos >= 0 ? min((my_pos >> 7) + 1, a.max_pages) : 0;
   }
@@ -310,35 +322,36 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     // kStages-stage ring, blocks 0 .. kStages - 2 in flight before the loop, one commit group per
     // block (empty ones included). An entry with mask 0 (a dense page outside the pool:
     // CTA-uniform) is neither loaded nor attended.
+    const int skip = kEarly && c0 == lo ? s_tile[3] : 0;  // entries the union copied by TMA
 #pragma unroll
-    for (int j = 0; j < (kRefillEnd ? kStages : kStages - 1); ++j) load(j, j);
+    for (int j = 0; j < kStages - 1; ++j) {
+      if (j < skip)
+        ak::cp_async_commit();  // (an empty group keeps the count)
+      else
+        load(j, j);
+    }
     int stage = 0;
     // Three barriers per block: block i landed (and block i - 1 consumed: refill), maxima, P.
     // (Session 14 round B: two barriers, the refill after QK, was no faster: B64 41.3 / 41.4 / 41.4
     // vs 41.6 / 42.0 / 42.4 us, B256 147.3-147.9 vs 144.9-145.5, B1 12.8 vs 12.0.)
     for (int i = 0; i < count; ++i) {
-      if constexpr (kRefillEnd)
-        ak::cp_async_wait<kStages - 1>();
-      else
-        ak::cp_async_wait<kStages - 2>();
+      ak::cp_async_wait<kStages - 2>();
+      if (kEarly && i < skip) {  // its TMA bytes (one phase per kernel)
+        while (!sm90::mbar_try_wait(ak::smem_u32(&s_full[i]), 0u)) {
+        }
+      }
       if (i == 0) ak::timeline_mark(a, 3);
       __syncthreads();  // block i landed for every thread; block i - 1 (V, s_p) fully consumed
-      if constexpr (!kRefillEnd) load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
-      const int cur = stage;
+      load(i + kStages - 1, stage == 0 ? kStages - 1 : stage - 1);
       const uint32_t k_smem = ak::smem_u32(smem + stage * ak::kStageBytes);
       stage = stage + 1 == kStages ? 0 : stage + 1;
-      if (ce.mask[i]) {  // CTA-uniform: 0 for a dense page outside the pool
-        const int lim = my_pos - ce.b[i] * ak::kBlockKeys;  // keys > lim: future
-        qk(k_smem, lim);
-        __syncthreads();  // every warp's maxima
-        softmax();
-        __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
-        pv(k_smem, lim);
-      }
-      if constexpr (kRefillEnd) {
-        __syncthreads();  // every warp's P V(i) read the stage of block i
-        load(i + kStages, cur);
-      }
+      if (!ce.mask[i]) continue;  // CTA-uniform: a dense page outside the pool
+      const int lim = my_pos - ce.b[i] * ak::kBlockKeys;  // keys > lim: future
+      qk(k_smem, lim);
+      __syncthreads();  // every warp's maxima
+      softmax();
+      __syncthreads();  // every warp's P (s_max may be rewritten after the next block's barrier)
+      pv(k_smem, lim);
     }
   }
   ak::cp_async_wait<0>();  // no copy may still target shared memory when the CTA exits
@@ -415,6 +428,22 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
     }
   }
   ak::timeline_mark(a, 5);
+}
+
+template <bool kVec16>
+__global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const AttnArgs a) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  decode_cta<kVec16, false>(a, nullptr, nullptr, smem);
+}
+
+// kEarly (needs 16-byte aligned pools for TMA); dynamic smem kSmemBytes + 1024 (1 KB alignment).
+__global__ void __launch_bounds__(kThreads, 2)
+    attention_decode_early_kernel(const __grid_constant__ AttnArgs a,
+                                  const __grid_constant__ CUtensorMap kmap,
+                                  const __grid_constant__ CUtensorMap vmap) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  const uint32_t raw = ak::smem_u32(smem_raw);
+  decode_cta<true, true>(a, &kmap, &vmap, smem_raw + (((raw + 1023u) & ~1023u) - raw));
 }
 
 }  // namespace attention_decode

@@ -573,5 +573,39 @@ __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CU
   tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
 }
 
+// The early copies of the verify and decode kernels (kEarly), run by every thread inside
+// sparse_union's early hook (cb = its candidate's block id or -1, cpage its page): candidates 0-31
+// (warp 0) come first in candidate order, so the k-th first occurrence among them is entry k of the
+// list. Warp 0 copies entries 0 .. Max - 1 by TMA into the stages at base + k * kStageBytes
+// (mbarrier s_full[k]) and lane 0 writes how many it copied to *s_count; the other warps return.
+template <int Max>
+__device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMap* kmap,
+                                             const CUtensorMap* vmap, int g, uint32_t base,
+                                             uint64_t* s_full, int* s_count) {
+  if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
+  const bool first = cb >= 0 && __ffs(same) - 1 == lane;
+  const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+  const int rank = __popc(firsts & ((1u << lane) - 1u));
+  if (first && rank < Max)
+    tma_load_block(kmap, vmap, cpage, g, base + rank * kStageBytes, smem_u32(&s_full[rank]));
+  if (lane == 0) *s_count = min(__popc(firsts), Max);
+}
+
+// L2 prefetch of the K and V tiles of one (page, KV head) through the same tensor maps (no shared
+// memory, no mbarrier; one thread).
+__device__ __forceinline__ void tma_prefetch_block(const CUtensorMap* kmap, const CUtensorMap* vmap,
+                                                   int page, int g) {
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(kmap)),
+               "r"(0), "r"(0), "r"(g), "r"(page)
+               : "memory");
+  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(vmap)),
+               "r"(0), "r"(0), "r"(g), "r"(page)
+               : "memory");
+}
+
 }  // namespace attention_kernel
 }  // namespace m3attn

@@ -226,12 +226,7 @@ struct Rows {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-// kSWaitFirst (variant 22, TMA only): S is waited for at once (no V conversion under it) and one
-// CTA barrier (it replaces the caller's barrier after the stage's mbarrier) frees the previous
-// stage; after_s() runs there, before the V conversion: the next block is requested earlier and
-// the loop has 2 CTA barriers per block instead of 3. (A wgmma_wait<1> for the previous P V alone,
-// with S still running, makes ptxas serialize the wgmmas, C7514.)
-template <bool kLazy, bool kSWaitFirst = false, typename AfterS>
+template <bool kLazy, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -244,24 +239,14 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   for (int kk = 0; kk < 4; ++kk)
     ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
   ap::wgmma_commit();
+  // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  uint32_t nan;
-  if constexpr (kSWaitFirst) {
-    ap::wgmma_wait<0>();  // S and the previous block's P V
-    ap::reg_fence(s);
-    ap::reg_fence(st.o);
-    __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
-    after_s();
-    nan = convert_v_high(sbuf, vlim, vlo, check);
-  } else {
-    // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
-    nan = convert_v_high(sbuf, vlim, vlo, check);
-    ap::wgmma_wait<0>();  // S and the previous block's P V
-    ap::reg_fence(s);
-    ap::reg_fence(st.o);
-    __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
-    after_s();
-  }
+  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
+  ap::wgmma_wait<0>();  // S and the previous block's P V
+  ap::reg_fence(s);
+  ap::reg_fence(st.o);
+  __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
+  after_s();
   convert_v_low(sbuf, vlo);
   ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
   ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
@@ -394,27 +379,24 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs (20: with
 // out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2 (slower
 // everywhere).
-// Opt-in (session 17): kEarly (variants 21, 22; TMA, one split, sparse): the page-table row of
-// the guessed request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which
-// hold the list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages
-// are known, before the union is complete. kRefill: when the stage of block i - 1 is refilled
-// (with block i + 2): 0 (17, 21) after S(i) and the V conversion of dims 64-127 (attend_block's
-// first barrier); 1 (22) after S(i), the V conversion moved after the barrier (attend_block's
-// kSWaitFirst); 2 (23, TMA only) at the top of iteration i, as soon as every warp's P V(i - 1) is
-// done and BEFORE block i is waited for: while a CTA waits for data all 3 stages are in flight
-// (the decode kernel and a plain read refill only after block i landed: 2), at the price of S(i)
-// no longer overlapping the tail of P V(i - 1).
+// Session 17: kEarly (variant 21; TMA, one split, sparse): the page-table row of the guessed
+// request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which hold the
+// list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages are known,
+// before the union is complete. Opt-in kTailPrefetch (24: 4, 25: every block): when block j of
+// the last kTailPrefetch + 1 is copied into the ring, block j + 1 is prefetched into L2, so that
+// the CTA has 3 blocks in flight at its end, where fewer CTAs are left than it takes to keep HBM
+// busy.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          int kRefill = 0>
+          int kTailPrefetch = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
-  static_assert(kTma || (!kEarly && kRefill == 0), "the early copies are TMA copies");
+  static_assert(kTma || (!kEarly && kTailPrefetch == 0), "the early copies are TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
-  __shared__ int s_tile[3];
+  __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
   __shared__ int s_pos[kQT];
   __shared__ int s_cand_b[kCand];
   __shared__ int s_cand_page[kCand];
@@ -425,7 +407,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
-  __shared__ int s_early;       // kEarly: list entries 0 .. s_early - 1 already requested
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -453,7 +434,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  if (tid == 0) s_early = 0;
+  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
+  // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
+  if (tid == 0) s_tile[3] = 0;
   if (kTma) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
@@ -461,9 +444,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
     if constexpr (kTma) {
-      if (tid == 0 && j < count && lmask[j])
+      if (tid == 0 && j < count && lmask[j]) {
         ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
                            ak::smem_u32(&s_full[st]));
+        if (kTailPrefetch > 0 && j + 1 < count && j + 1 >= count - kTailPrefetch && lmask[j + 1])
+          ak::tma_prefetch_block(&kmap, &vmap, lpage[j + 1], g);
+      }
     } else {
       if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
       ak::cp_async_commit();
@@ -479,16 +465,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
-        if (tok != 0 || a.splits != 1) return;  // warp-uniform
-        const int lane = tid & 31;
-        const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
-        const bool first = cb >= 0 && __ffs(same) - 1 == lane;
-        const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-        const int rank = __popc(firsts & ((1u << lane) - 1u));
-        if (first && rank < kStages - 1)
-          ak::tma_load_block(&kmap, &vmap, cpage, g, base + rank * kStageBytes,
-                             ak::smem_u32(&s_full[rank]));
-        if (lane == 0) s_early = min(__popc(firsts), kStages - 1);
+        if (a.splits == 1)
+          ak::early_copies<kStages - 1>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
     };
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
@@ -540,43 +518,34 @@ __global__ void __launch_bounds__(kThreads, 2)
       // entry no token sees is not loaded: its stage holds stale bytes, every row masks its keys
       // and its V rows are zeroed (vlim -1).
       // (kEarly: the first pass's first entries were requested by the union)
-      const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_early : 0;
+      const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
 #pragma unroll
       for (int j = 0; j < kStages - 1; ++j)
         if (j >= skip) load(j, count, lmask, lpage, j);
       int stage = 0;
       for (int i = 0; i < count; ++i) {
-        const int cur = stage;
-        const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
-        stage = stage + 1 == kStages ? 0 : stage + 1;
-        if constexpr (kRefill == 2) {
-          ap::wgmma_wait<0>();  // P V(i - 1)
-          ap::reg_fence(st.o);
-          __syncthreads();  // every warp's P V(i - 1) is done: the stage of block i - 1 is free
-          load(i + kStages - 1, count, lmask, lpage, prev);
-        }
         if constexpr (kTma) {
           if (lmask[i]) {  // loaded (CTA-uniform): wait for its TMA bytes
-            const uint32_t bar = ak::smem_u32(&s_full[cur]), par = (full_parity >> cur) & 1u;
+            const uint32_t bar = ak::smem_u32(&s_full[stage]), par = (full_parity >> stage) & 1u;
             while (!sm90::mbar_try_wait(bar, par)) {
             }
-            full_parity ^= 1u << cur;
+            full_parity ^= 1u << stage;
           }
         } else {
           ak::cp_async_wait<kStages - 2>();
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-        if constexpr (kRefill == 0) __syncthreads();  // block i landed for every thread
+        __syncthreads();  // block i landed for every thread
+        const int cur = stage;
+        const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
+        stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy, kRefill == 1>(st, s, p, qa, smem + cur * kStageBytes,
-                                          base + cur * kStageBytes, mask, b, mask ? lvlim[i] : -1,
-                                          (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1,
-                                          s_pos, s_nan, a.scale_log2, check, [&] {
-                                            if constexpr (kRefill != 2)
-                                              load(i + kStages - 1, count, lmask, lpage, prev);
-                                          });
+        attend_block<kLazy>(
+            st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
+            mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
+            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);

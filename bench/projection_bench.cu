@@ -363,7 +363,7 @@ struct ShapeVariant {
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   int cluster;    // GemmWgmmaOptions::cluster_split
   bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
-  int rows = 0;   // GemmWgmmaOptions::register_rows (session 17: row split, register A)
+  int rows = 0;   // GemmWgmmaOptions::row_split (session 17: row split without split-K)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -420,7 +420,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  // 6-8: the row split with register A operands (session 17; register_rows 1-3).
+  // 6-8: the row split without split-K through a cp.async ring (session 17; row_split 1-3).
   // 5: packed weights (session 16). Session 16 also timed, and removed: dynamic chunks of 2-8 K
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
@@ -572,7 +572,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
-      o.register_rows = variants[v].rows;
+      o.row_split = variants[v].rows;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -587,7 +587,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (o.register_rows > 0 ? " register rows " + std::to_string(o.register_rows) : "");
+          (o.row_split > 0 ? " row split " + std::to_string(o.row_split) : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));

@@ -1,4 +1,4 @@
-// The row-split register-A decode GEMM (gemm_rows_kernel.cuh; GemmWgmmaOptions::register_rows):
+// The row-split decode GEMM without split-K (gemm_rows_kernel.cuh; GemmWgmmaOptions::row_split):
 // validation of its extra rules and the launch. Called by run_gemm_wgmma_cuda after the common
 // checks (validate_gemm, devices, M <= 64, sm_90).
 #include <algorithm>
@@ -24,7 +24,7 @@ Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device
   auto* kernel = &gemm_rows_detail::gemm_rows_kernel<kNw, kWg, kGroups, kBurst>;
   RowsArgs a = args;
   a.slots = gemm_rows_detail::ring_slots(args.kblocks, kGroups, kBurst);
-  const int smem = gemm_rows_detail::smem_bytes<kNw>(a.slots);
+  const int smem = gemm_rows_detail::smem_bytes<kNw, kWg>(a.slots);
   // The opt-in is per function and device; the largest size set so far is remembered.
   static std::atomic<int> opted[64] = {};
   if (device >= 64 || opted[device].load(std::memory_order_acquire) < smem) {
@@ -38,21 +38,22 @@ Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device
   return Status::Ok();
 }
 
-// Variants (K groups in registers x K blocks per group): 4 x 2, 2 x 4, 6 x 1; at n = 64 (32
-// accumulators per K block) 4 x 1, 2 x 2, 6 x 1.
+// Variants (K groups in flight x K blocks per group): 4 x 2, 3 x 2, 8 x 1; at n = 64 (24 KB
+// slots) 3 x 2, 2 x 2, 6 x 1.
 template <int kNw>
 Status dispatch_variant(int variant, const RowsArgs& args, int grid, bool programmatic, int device,
                         cudaStream_t stream) {
   constexpr bool kWide = kNw == 64;
+  constexpr int kG1 = kWide ? 3 : 4, kG2 = kWide ? 2 : 3, kG3 = kWide ? 6 : 8;
   switch (variant) {
     case 1:
-      return launch_rows < kNw, 2, 4, kWide ? 1 : 2 > (args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, kG1, 2>(args, grid, programmatic, device, stream);
     case 2:
-      return launch_rows < kNw, 2, 2, kWide ? 2 : 4 > (args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, kG2, 2>(args, grid, programmatic, device, stream);
     case 3:
-      return launch_rows<kNw, 2, 6, 1>(args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, kG3, 1>(args, grid, programmatic, device, stream);
     default:
-      return unsupported("GemmWgmmaOptions::register_rows = ", variant, " is not a variant (1-3)");
+      return unsupported("GemmWgmmaOptions::row_split = ", variant, " is not a variant (1-3)");
   }
 }
 
@@ -66,18 +67,20 @@ Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t
   const int grid = sms;
   const int64_t warpgroups = int64_t{grid} * kWg;
   if ((n + warpgroups - 1) / warpgroups > 64)
-    return unsupported("GemmWgmmaOptions::register_rows: N = ", n, " over ", warpgroups,
+    return unsupported("GemmWgmmaOptions::row_split: N = ", n, " over ", warpgroups,
                        " warpgroups exceeds 64 rows each");
-  // (The ring holds at most 7 x 2 K blocks of n x 128 bytes: 112 KB at n = 64.)
-  static_assert(gemm_rows_detail::smem_bytes<64>(14) <= kMaxSmem, "the ring fits shared memory");
+  // (The largest rings: 10 slots of 2 x 8 KB + 4 KB at n = 32, 8 of 2 x 8 KB + 8 KB at n = 64.)
+  static_assert(gemm_rows_detail::smem_bytes<32, kWg>(10) <= kMaxSmem &&
+                    gemm_rows_detail::smem_bytes<64, kWg>(8) <= kMaxSmem,
+                "the ring fits shared memory");
   if (kblocks >= (int64_t{1} << 24))
-    return unsupported("GemmWgmmaOptions::register_rows: K = ", k, " is too long");
+    return unsupported("GemmWgmmaOptions::row_split: K = ", k, " is too long");
   const auto addr = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data); };
-  if (addr(p.b) % 16 != 0 || p.b.stride[0] % 16 != 0 || addr(p.a) % 4 != 0 ||
-      (m > 1 && p.a.stride[0] % 4 != 0))
+  if (addr(p.b) % 16 != 0 || p.b.stride[0] % 16 != 0 || addr(p.a) % 16 != 0 ||
+      (m > 1 && p.a.stride[0] % 16 != 0))
     return unsupported(
-        "GemmWgmmaOptions::register_rows needs 16-byte aligned weight rows and 4-byte aligned "
-        "activation rows (weight row stride ",
+        "GemmWgmmaOptions::row_split needs 16-byte aligned weight and activation rows (weight "
+        "row stride ",
         p.b.stride[0], ", activation row stride ", p.a.stride[0], ")");
   if (m == 0) return Status::Ok();
   RowsArgs args;
@@ -97,8 +100,9 @@ Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t
   args.n = static_cast<int>(n);
   args.kblocks = static_cast<int>(kblocks);
   args.trigger_dependents = options.trigger_dependents ? 1 : 0;
+  args.early_weights = options.programmatic_launch ? 1 : 0;
   const bool programmatic = options.programmatic_launch;
-  const int r = options.register_rows;
+  const int r = options.row_split;
   if (m <= 8) return dispatch_variant<8>(r, args, grid, programmatic, device, stream);
   if (m <= 16) return dispatch_variant<16>(r, args, grid, programmatic, device, stream);
   if (m <= 32) return dispatch_variant<32>(r, args, grid, programmatic, device, stream);

@@ -1,4 +1,4 @@
-// Internal: the row-split register-A decode GEMM behind GemmWgmmaOptions::register_rows
+// Internal: the row-split decode GEMM behind GemmWgmmaOptions::row_split
 // (gemm_rows_kernel.cuh). run_gemm_wgmma_cuda calls it after the common checks.
 #pragma once
 
@@ -11,8 +11,7 @@
 
 namespace m3attn {
 
-// M <= 64; N / (2 x sms) <= 64 rows per warpgroup; 16-byte aligned weight rows, 4-byte aligned
-// activation rows.
+// M <= 64; N / (2 x sms) <= 64 rows per warpgroup; 16-byte aligned weight and activation rows.
 // No workspace. Returns unsupported(...) outside those rules (nothing launched).
 Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t stream,
                           const GemmWgmmaOptions& options);

@@ -266,12 +266,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
-  M3_CHECK_ARG(options.register_rows >= 0 && options.register_rows <= 3,
-               "GemmWgmmaOptions::register_rows = ", options.register_rows, " must be in [0, 3]");
-  M3_CHECK_ARG(options.register_rows == 0 ||
-                   (options.cluster_split == 0 && options.packed_weights == nullptr),
-               "GemmWgmmaOptions::register_rows is not combined with cluster_split or "
-               "packed_weights");
+  M3_CHECK_ARG(options.row_split >= 0 && options.row_split <= 3,
+               "GemmWgmmaOptions::row_split = ", options.row_split, " must be in [0, 3]");
+  M3_CHECK_ARG(
+      options.row_split == 0 || (options.cluster_split == 0 && options.packed_weights == nullptr),
+      "GemmWgmmaOptions::row_split is not combined with cluster_split or "
+      "packed_weights");
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
   if (m > kMaxM)
     return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
@@ -289,8 +289,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                "run_gemm_wgmma_cuda: N = ", n, ", K = ", k, " and N / 128 x K / 128 = ", units,
                " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
-  if (options.register_rows != 0)
-    return run_gemm_rows_cuda(p, info.sms, info.device, stream, options);
+  if (options.row_split != 0) return run_gemm_rows_cuda(p, info.sms, info.device, stream, options);
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07
   // us with one, M 64 26.88 vs 30.37, once the split-K partials became fragment-major; before,

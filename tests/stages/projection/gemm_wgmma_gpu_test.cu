@@ -77,7 +77,7 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
-  int rows = 0;             // GemmWgmmaOptions::register_rows (variant; 0 = off)
+  int rows = 0;             // GemmWgmmaOptions::row_split (variant; 0 = off)
 };
 
 std::string describe(const Case& c) {
@@ -89,7 +89,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " register rows " + std::to_string(c.rows);
+         " row split " + std::to_string(c.rows);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -105,7 +105,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.register_rows = c.rows;
+  o.row_split = c.rows;
   return o;
 }
 
@@ -236,7 +236,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, true},
         Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true},
-        // register_rows (row split, weights as register A operands): fused and o_proj
+        // row_split (whole weight rows per warpgroup, no split-K): fused and o_proj
         // decode shapes in every variant, n = 8 and 16, odd M, 16-byte aligned and padded
         // operands, row-major scales, K block counts off the group size (9, 1, 3), fewer
         // weight rows than warpgroups (N 128 / 256: empty warpgroups), warpgroups
@@ -329,7 +329,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
                                            RandomCase{33, 256, 6144}, RandomCase{64, 640, 6144},
                                            RandomCase{16, 128, 8192}));
 
-// register_rows on random operands: one fp32 FMA per K block in K order (the twin's order), each
+// row_split on random operands: one fp32 FMA per K block in K order (the twin's order), each
 // block's dot product from the tensor core.
 TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
   M3_REQUIRE_WGMMA();
@@ -347,12 +347,12 @@ TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
       const std::vector<double> s = abs_sums(d);
       DeviceGemm dev(d, c.n);
       const std::vector<uint16_t> got = run_twice(dev, c);
-      expect_within_bound("register_rows vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
+      expect_within_bound("row_split vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
     }
   }
 }
 
-// register_rows through Fp8BlockGemm (wgmma_max_m = 64): quantizer + GEMM captured once and
+// row_split through Fp8BlockGemm (wgmma_max_m = 64): quantizer + GEMM captured once and
 // replayed with new inputs equals eager runs byte for byte, plain and with programmatic launch.
 TEST(GemmWgmmaRows, GraphReplayEqualsEager) {
   M3_REQUIRE_WGMMA();
@@ -363,14 +363,14 @@ TEST(GemmWgmmaRows, GraphReplayEqualsEager) {
       SCOPED_TRACE(::testing::Message() << "rows " << rows << " PDL " << pdl);
       Rng rng(seed);
       Fp8BlockGemmOptions o = wgmma_options();
-      o.wgmma.register_rows = 1;
+      o.wgmma.row_split = 1;
       o.wgmma.programmatic_launch = pdl;
       expect_graph_replay_equals_eager(rows, 64, o, rng);
     }
   }
 }
 
-// register_rows outside its rules: unsupported (M 65, more than 64 rows per warpgroup) or invalid
+// row_split outside its rules: unsupported (M 65, more than 64 rows per warpgroup) or invalid
 // (variant 4, with cluster_split); nothing written.
 TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
@@ -394,7 +394,7 @@ TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
     DeviceGemm dev(d, r.n);
     DeviceBuffer ws = make_workspace(r.n, 64);
     GemmWgmmaOptions o;
-    o.register_rows = r.variant;
+    o.row_split = r.variant;
     o.cluster_split = r.cluster;
     EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).code(), r.code);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());

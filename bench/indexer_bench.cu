@@ -57,7 +57,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, w8 / w8k2 / w8s2 = wide decode
 //   CTAs (IndexerCudaOptions::decode_warps 8) at the automatic plan / the two-kernel path in 2
 //   splits / the single pass in clusters of 2, w8s2x / s2x = the wide / default-width single
-//   pass in clusters of 2 with split_selection; --vlist NAME,... keeps base and the named ones;
+//   pass in clusters of 2 with split_selection, q4 / 2kq4 = IndexerCudaOptions::short_select
+//   with the default plan / the 2k path; --vlist NAME,... keeps base and the named ones;
 //   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
 //   path and table).
 #include <cuda_runtime_api.h>
@@ -68,6 +69,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -570,9 +572,11 @@ int main(int argc, char** argv) {
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
     const int64_t warps = units * pl.k_splits * pl.warps;
-    // + 16 words of the selection kernel's marks (indexer_kernel_common.cuh,
-    // select_timeline_mark).
-    const size_t bytes = static_cast<size_t>(warps + 1) * 16 * 8;
+    // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
+    // select_timeline_mark; at most 4 warps per row).
+    const int64_t sel_warps = c.T * kNkv * 4 + 64;
+    const size_t words = static_cast<size_t>((warps + 1) * 16 + sel_warps * 4);
+    const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
     o.timeline = d_tl;
     const auto launch = [&](cudaStream_t s) {
@@ -581,59 +585,108 @@ int main(int argc, char** argv) {
       if (!st.ok()) std::exit(1);
     };
     const bench::Timing t = bench::time_cold(launch, stream, 1, 5);
-    std::vector<uint64_t> tl(static_cast<size_t>(warps + 1) * 16);
+    std::vector<uint64_t> tl(words);
     check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
     int dev = 0, khz = 0;
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock rate");
-    uint64_t g0 = ~uint64_t{0};
-    for (int64_t w = 0; w < warps; ++w)
-      if (tl[w * 16]) g0 = std::min(g0, tl[w * 16]);
     const auto pct = [](std::vector<double> v, double q) {
       if (v.empty()) return 0.0;
       std::sort(v.begin(), v.end());
       return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
     };
+    // One time base: per SM the (globaltimer, clock64) pairs of its warps (warp 0's at entry,
+    // every warp's at its end); the clock rate from the median over SMs of the slope between an
+    // SM's entry pair and its latest end pair (nominal where no SM spans 5 us), and per SM the
+    // offset of its latest-read pair (ns = offset + clock / GHz).
+    std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pairs;  // SM -> (ns, clock)
+    for (int64_t w = 0; w < warps; ++w) {
+      const uint64_t* e = tl.data() + w * 16;
+      if (!e[0]) continue;
+      const int sm = static_cast<int>(e[7]);
+      if (e[13]) pairs[sm].emplace_back(e[13], e[14]);
+      if (e[5]) pairs[sm].emplace_back(e[5], e[6]);
+    }
+    std::vector<double> slopes;
+    for (auto& kv : pairs) {
+      auto& v = kv.second;
+      std::sort(v.begin(), v.end());
+      if (v.size() >= 2 && v.back().first - v.front().first > 5000)
+        slopes.push_back(static_cast<double>(v.back().second - v.front().second) /
+                         static_cast<double>(v.back().first - v.front().first));
+    }
+    const double ghz = slopes.empty() ? khz * 1e-6 : pct(slopes, 0.5);
+    std::map<int, double> offset;  // SM -> ns at clock 0
+    for (auto& kv : pairs) {
+      const auto& p = kv.second.back();
+      offset[kv.first] = static_cast<double>(p.first) - static_cast<double>(p.second) / ghz;
+    }
+    const auto ns_of = [&](int sm, uint64_t clk, double* out) {
+      const auto it = offset.find(sm);
+      if (it == offset.end()) return false;
+      *out = it->second + static_cast<double>(clk) / ghz;
+      return true;
+    };
+    double g0 = 1e300;
+    for (int64_t w = 0; w < warps; ++w) {
+      const uint64_t* e = tl.data() + w * 16;
+      double ns = 0;
+      if (e[0] && ns_of(static_cast<int>(e[7]), e[8], &ns)) g0 = std::min(g0, ns);
+    }
+    // at(w, slot): us after the first warp's entry, or kNone when not recorded.
+    constexpr double kNone = -1e30;
+    const auto at = [&](int64_t w, int slot) {
+      const uint64_t* e = tl.data() + w * 16;
+      double ns = 0;
+      if (!e[0] || !e[slot] || !ns_of(static_cast<int>(e[7]), e[8 + slot], &ns)) return kNone;
+      return (ns - g0) * 1e-3;
+    };
     std::printf(
         "timeline b%d ctx %d draft %d, plan %s, %lld warps, eager cold call %.1f us "
-        "(median of 5 incl. memset)\n",
+        "(median of 5 incl. memset); clock64 at %.3f GHz (measured; nominal %.3f)\n",
         only_batch, only_ctx, only_draft, plan_str(c, o).c_str(), static_cast<long long>(warps),
-        t.median_us);
+        t.median_us, ghz, khz * 1e-6);
     const char* names[] = {"entry", "ready", "scored", "barrier", "done"};
     for (int sl = 0; sl < 5; ++sl) {
-      std::vector<double> at, dur;
+      std::vector<double> ts, dur;
       for (int64_t w = 0; w < warps; ++w) {
-        const uint64_t* e = tl.data() + w * 16;
-        if (!e[0] || !e[sl]) continue;
-        at.push_back((e[sl] - g0) * 1e-3);
-        if (sl > 0 && e[sl - 1]) dur.push_back((e[8 + sl] - e[8 + sl - 1]) / (khz * 1e-3));
+        const double x = at(w, sl);
+        if (x == kNone) continue;
+        ts.push_back(x);
+        const double y = sl > 0 ? at(w, sl - 1) : kNone;
+        if (y != kNone) dur.push_back(x - y);
       }
       std::printf("  %-8s warps %5zu  at us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f",
-                  names[sl], at.size(), pct(at, 0), pct(at, 0.1), pct(at, 0.5), pct(at, 0.9),
-                  pct(at, 1));
+                  names[sl], ts.size(), pct(ts, 0), pct(ts, 0.1), pct(ts, 0.5), pct(ts, 0.9),
+                  pct(ts, 1));
       if (sl > 0)
-        std::printf("   phase us (clock64 at %d MHz): p50 %6.2f p90 %6.2f max %6.2f", khz / 1000,
-                    pct(dur, 0.5), pct(dur, 0.9), pct(dur, 1));
+        std::printf("   phase us: p50 %6.2f p90 %6.2f max %6.2f", pct(dur, 0.5), pct(dur, 0.9),
+                    pct(dur, 1));
       std::printf("\n");
     }
     {
-      // The selection kernel (when one runs): first entry, first / last release from its
-      // dependency wait, last row written, relative to the scorer's first entry; and the
-      // scorer's last warp done, for the gap.
-      const uint64_t* s = tl.data() + warps * 16;
-      double last_done = 0.0;
-      for (int64_t w = 0; w < warps; ++w) {
-        const uint64_t* e = tl.data() + w * 16;
-        if (e[0] && e[4]) last_done = std::max(last_done, (e[4] - g0) * 1e-3);
+      // The selection kernel (when one runs): its warps' entry, release from the dependency
+      // wait and row written, beside the scorer's last warp done.
+      double last_done = kNone;
+      for (int64_t w = 0; w < warps; ++w) last_done = std::max(last_done, at(w, 4));
+      std::vector<double> ent, rel, don;
+      const uint64_t* sel = tl.data() + (warps + 1) * 16;
+      for (int64_t w = 0; w < sel_warps; ++w) {
+        const uint64_t* e = sel + w * 4;
+        if (!e[0]) continue;
+        const int sm = static_cast<int>(e[0] - 1);
+        double ns = 0;
+        if (e[1] && ns_of(sm, e[1], &ns)) ent.push_back((ns - g0) * 1e-3);
+        if (e[2] && ns_of(sm, e[2], &ns)) rel.push_back((ns - g0) * 1e-3);
+        if (e[3] && ns_of(sm, e[3], &ns)) don.push_back((ns - g0) * 1e-3);
       }
-      if (s[3] != 0)
+      if (!rel.empty())
         std::printf(
-            "  select kernel at us: first entry %6.2f, released from its wait first %6.2f last "
-            "%6.2f, last row written %6.2f (scorer's last warp done %6.2f)\n",
-            (static_cast<double>(~s[0]) - static_cast<double>(g0)) * 1e-3,
-            (static_cast<double>(~s[1]) - static_cast<double>(g0)) * 1e-3,
-            (static_cast<double>(s[2]) - static_cast<double>(g0)) * 1e-3,
-            (static_cast<double>(s[3]) - static_cast<double>(g0)) * 1e-3, last_done);
+            "  select kernel (%zu warps) at us: entry min %6.2f p50 %6.2f; released min %6.2f "
+            "p50 %6.2f max %6.2f; row written (%zu) p50 %6.2f p90 %6.2f max %6.2f; scorer's "
+            "last warp done %6.2f\n",
+            ent.size(), pct(ent, 0), pct(ent, 0.5), pct(rel, 0), pct(rel, 0.5), pct(rel, 1),
+            don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
       else
         std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }
@@ -642,26 +695,26 @@ int main(int argc, char** argv) {
     std::vector<double> within_cta, cta_last, within_cluster;
     std::vector<std::pair<int, double>> by_sm;  // (SM id, the CTA's last warp scored)
     for (int64_t x = 0; x < units; ++x) {
-      double cl_lo = 1e30, cl_hi = -1.0;
+      double cl_lo = 1e30, cl_hi = kNone;
       for (int64_t y = 0; y < pl.k_splits; ++y) {
-        double lo = 1e30, hi = -1.0;
+        double lo = 1e30, hi = kNone;
         int sm = -1;
         for (int w = 0; w < pl.warps; ++w) {
           const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * pl.warps + w) * 16;
-          if (!e[0] || !e[2]) continue;
-          const double at = (e[2] - g0) * 1e-3;
-          lo = std::min(lo, at);
-          hi = std::max(hi, at);
+          const double t2 = at((x * pl.k_splits + y) * pl.warps + w, 2);
+          if (t2 == kNone) continue;
+          lo = std::min(lo, t2);
+          hi = std::max(hi, t2);
           sm = static_cast<int>(e[7]);
         }
-        if (hi < 0) continue;
+        if (sm < 0) continue;
         within_cta.push_back(hi - lo);
         cta_last.push_back(hi);
         by_sm.emplace_back(sm, hi);
         cl_lo = std::min(cl_lo, hi);
         cl_hi = std::max(cl_hi, hi);
       }
-      if (cl_hi >= 0 && pl.k_splits > 1) within_cluster.push_back(cl_hi - cl_lo);
+      if (cl_hi != kNone && pl.k_splits > 1) within_cluster.push_back(cl_hi - cl_lo);
     }
     std::printf(
         "  scored spread within a CTA (last - first warp) us: p50 %.2f p90 %.2f max %.2f; "
@@ -829,7 +882,8 @@ int main(int argc, char** argv) {
     // wide, single pass in clusters of 2.
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"w8", default_o},    {"w8k2", default_o},
-                                {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o}};
+                                {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o},
+                                {"q4", default_o},     {"2kq4", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -843,6 +897,9 @@ int main(int argc, char** argv) {
     all[8].o.single_pass = true;
     all[8].o.single_pass_ctas = 2;
     all[8].o.split_selection = true;
+    all[9].o.short_select = true;
+    all[10].o.unfused_decode = true;
+    all[10].o.short_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -858,7 +915,7 @@ int main(int argc, char** argv) {
         bool pass = true;
         std::vector<Times> tms;
         for (Variant& v : vs)
-          if (v.name == std::string("2k"))
+          if (v.name == std::string("2k") || v.name == std::string("2kq4"))
             v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
@@ -882,7 +939,8 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, w8 = decode_warps 8 (automatic plan), w8k2 = "
         "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2, x = with "
-        "split_selection, s2x = default-width clusters of 2 with split_selection)",
+        "split_selection, s2x = default-width clusters of 2 with split_selection, q4 / 2kq4 = "
+        "short_select (4 warps per row) with the default plan / the 2k path)",
         rows, json);
     return finish();
   }

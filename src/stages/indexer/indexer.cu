@@ -434,6 +434,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // load the positions before the dependency wait, which is safe only when the preceding grid
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
+  if (options.short_select && max_pages <= ik::kCountRow) {
+    // Rows of at most 63 candidates, kShortRowWarps warps per row.
+    const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kShortRows)));
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_short_kernel, short_grid,
+                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
+    M3_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
   const dim3 select_grid(static_cast<unsigned>(select_blocks));
   M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_kernel, select_grid, dim3(ik::kSelectThreads), 0,
                                      stream, select_pdl, a));

@@ -163,6 +163,10 @@ struct IndexerCudaOptions {
   // the row's rank and every rank selects its own rows after the cluster barrier, instead of rank
   // 0 selecting every row. Same ids.
   bool split_selection = false;
+  // Where the selection kernel runs and max_pages <= 64 (contexts up to 8K: every row has at most
+  // 63 candidates), rank each row with 4 warps (each counts the beats against a quarter of the
+  // row's candidates) instead of one. Same ids.
+  bool short_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * IndexerCudaPlan::warps warps, then 16 more for the selection kernel)
   // where the decode warps record %globaltimer and clock64 at their phases

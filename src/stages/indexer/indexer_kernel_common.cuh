@@ -84,43 +84,64 @@ struct KernelArgs {
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
-// warp of a decode unit records %globaltimer (ns) in word `slot` and clock64 in word 8 + slot of
-// its kTimelineStride words at (CTA x * gridDim.y + y) * 4 + warp. Slots: 0 entry, 1 ready to
+// warp of a decode unit records clock64 in word 8 + slot (and 1 in word slot) of its
+// kTimelineStride words at (CTA x * gridDim.y + y) * dec_warps + warp. Slots: 0 entry, 1 ready to
 // score (query rows and positions in, after pdl_wait), 2 its blocks scored, 3 the CTA's (or
 // cluster's) barrier passed, 4 done (rows written); word 7 holds the SM id (%smid) of the warp.
+// %globaltimer is read only twice per CTA (warp 0 at entry, words 13 / 14 = globaltimer / clock64)
+// and once per warp at its end (words 5 / 6), which the benchmark uses to put every SM's clock64
+// on one time base: a globaltimer read takes ~0.3 us and the reads of an SM's warps serialize
+// (session 17 round A: 1.2 us between two marks with 4 warps per SM, 2.4 us with 8, whatever the
+// warps did between them), so marking every phase with it distorted the phases it measured.
 // Written even before pdl_wait (the buffer is the caller's own).
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 16;
-__device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
-  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+__device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t g;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  return g;
+}
+__device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const uint64_t c = static_cast<uint64_t>(clock64());
   const int64_t w =
       (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  a.timeline[w * kTimelineStride + slot] = g;
-  a.timeline[w * kTimelineStride + 8 + slot] = static_cast<uint64_t>(clock64());
+  uint64_t* e = a.timeline + w * kTimelineStride;
+  e[8 + slot] = c;
+  e[slot] = 1;
   if (slot == 0) {
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    a.timeline[w * kTimelineStride + 7] = sm;
+    e[7] = sm;
+    if (threadIdx.x == 0) {
+      e[13] = globaltimer_ns();
+      e[14] = static_cast<uint64_t>(clock64());
+    }
+  }
+  if (slot == kTimelineSlots - 1) {
+    e[5] = globaltimer_ns();
+    e[6] = static_cast<uint64_t>(clock64());
   }
 }
 
-// The selection kernel's marks (same buffer, after the scorer's warps: word kTimelineStride *
-// (grid.x * grid.y * dec_warps) of the scorer's grid): atomics over the selection warps, on a
-// buffer the caller cleared to zero. Word 0: ~(first entry), 1: ~(first release from pdl_wait), 2:
-// last release, 3: last row written; ~t so that an atomicMax keeps the minimum.
-constexpr int kSelectTimelineWords = 4;
+// The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
+// word kTimelineStride * (grid.x * grid.y * dec_warps + 1) of the scorer's grid), 4 words per
+// selection warp (global warp index): the SM id + 1, clock64 at entry, at the release from
+// pdl_wait, and when its row is written (the benchmark converts them with the scorer warps'
+// globaltimer pairs of the same SM).
 __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
-  uint64_t g;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+  const uint64_t c = static_cast<uint64_t>(clock64());
   const int64_t base =
-      (int64_t{a.num_overflow} + a.num_requests) * a.k_splits * a.dec_warps * kTimelineStride;
-  unsigned long long* w = reinterpret_cast<unsigned long long*>(a.timeline + base);
-  if (slot == 0 || slot == 1) atomicMax(w + slot, static_cast<unsigned long long>(~g));
-  if (slot == 1) atomicMax(w + 2, static_cast<unsigned long long>(g));
-  if (slot == 3) atomicMax(w + 3, static_cast<unsigned long long>(g));
+      ((int64_t{a.num_overflow} + a.num_requests) * a.k_splits * a.dec_warps + 1) * kTimelineStride;
+  const int64_t w = int64_t{blockIdx.x} * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  uint64_t* e = a.timeline + base + w * 4;
+  if (slot == 0) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    e[0] = sm + 1;
+  }
+  e[1 + slot] = c;
 }
 
 // Ordering key of a candidate block, larger = better: the high word is the score's bits made

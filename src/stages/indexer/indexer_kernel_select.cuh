@@ -56,15 +56,17 @@ constexpr int kCountRow = 64;
 // chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
 // (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
 // us with one accumulator per candidate (round B: a 64-long dependent add chain per lane).
-__device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
-                                                 int& r1) {
+// The counts of rank_by_counting over the candidates kJ0 .. kJ0 + kN - 1 of the row only (row:
+// 64 entries, NaN past the row's candidates; kJ0, kN multiples of 4): r0 / r1 = how many of them
+// beat the lane's candidates lane / lane + 32.
+template <int kJ0, int kN>
+__device__ __forceinline__ void count_beats(const float* row, float s0, float s1, int& r0,
+                                            int& r1) {
+  static_assert(kJ0 % 4 == 0 && kN % 4 == 0 && kJ0 + kN <= kCountRow, "whole float4s");
   const int lane = threadIdx.x & 31;
-  if (lane >= nb) row[lane] = quiet_nan();
-  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
-  __syncwarp();
   int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
 #pragma unroll
-  for (int q = 0; q < kCountRow / 4; ++q) {
+  for (int q = kJ0 / 4; q < (kJ0 + kN) / 4; ++q) {
     const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
     const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
 #pragma unroll
@@ -82,6 +84,15 @@ __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, f
   }
   r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
   r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
+}
+
+__device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
+                                                 int& r1) {
+  const int lane = threadIdx.x & 31;
+  if (lane >= nb) row[lane] = quiet_nan();
+  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
+  __syncwarp();
+  count_beats<0, kCountRow>(row, s0, s1, r0, r1);
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
@@ -330,7 +341,85 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   select_timeline_mark(a, 1);
   if (!in_range) return;
   select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
-  select_timeline_mark(a, 3);
+  select_timeline_mark(a, 2);
+}
+
+// Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
+// row has at most 63 candidates): kShortRowWarps warps per row instead of one. Each loads the
+// row's scores (the first also copies them to shared memory), counts the beats against a quarter
+// of the row's candidates (count_beats), and after a CTA barrier the first sums the partial
+// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
+// rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
+// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each).
+constexpr int kShortRowWarps = 4;
+constexpr int kShortRows = kSelectWarps / kShortRowWarps;  // rows per CTA
+
+template <int kQ>
+__device__ __forceinline__ void count_quarter(const float* row, float s0, float s1, int& r0,
+                                              int& r1) {
+  count_beats<kQ*(kCountRow / kShortRowWarps), kCountRow / kShortRowWarps>(row, s0, s1, r0, r1);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
+  __shared__ __align__(16) float srow[kShortRows][kCountRow];
+  __shared__ int part[kShortRows][kShortRowWarps][kCountRow];
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int rg = warp / kShortRowWarps, q = warp % kShortRowWarps;
+  const int64_t row = int64_t{blockIdx.x} * kShortRows + rg;
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  // As in select_kernel: the position before the dependency wait, scores and ids after it.
+  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
+  pdl_wait();
+  select_timeline_mark(a, 1);
+  int32_t* out = a.block_ids + row * kTopK;
+  int local = -1;  // uniform over the row's warps
+  float s0 = quiet_nan(), s1 = quiet_nan();
+  if (in_range) {
+    local = trivial_row(a, out, pos, q == 0);
+    if (local >= 0) {
+      const float* scores = a.scores + row * a.max_pages;
+      if (lane < local) s0 = __ldcg(scores + lane);
+      if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
+      if (q == 0) {
+        srow[rg][lane] = s0;
+        srow[rg][lane + 32] = s1;
+      }
+    }
+  }
+  __syncthreads();  // the rows' copies are in srow
+  if (local >= 0) {
+    int r0 = 0, r1 = 0;
+    switch (q) {
+      case 0:
+        count_quarter<0>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 1:
+        count_quarter<1>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 2:
+        count_quarter<2>(srow[rg], s0, s1, r0, r1);
+        break;
+      default:
+        count_quarter<3>(srow[rg], s0, s1, r0, r1);
+        break;
+    }
+    part[rg][q][lane] = r0;
+    part[rg][q][lane + 32] = r1;
+  }
+  __syncthreads();  // every quarter's counts are in part
+  if (local >= 0 && q == 0) {
+    int r0 = 0, r1 = 0;
+#pragma unroll
+    for (int i = 0; i < kShortRowWarps; ++i) {
+      r0 += part[rg][i][lane];
+      r1 += part[rg][i][lane + 32];
+    }
+    emit_ranked_row(out, s0, s1, r0, r1, local);
+  }
+  select_timeline_mark(a, 2);
 }
 
 }  // namespace m3attn::indexer_kernel

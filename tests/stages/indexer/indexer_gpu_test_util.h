@@ -393,6 +393,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
+    o.short_select = true;  // rows of <= 63 candidates (max_pages <= 64) by 4 warps each
+    variants.push_back({"short select", o});
+    o = IndexerCudaOptions{};
     o.decode_warps = 8;  // wide scorer CTAs (8 warps; overflow tiles on warps 0-3)
     variants.push_back({"wide", o});
     o.k_splits = 3;

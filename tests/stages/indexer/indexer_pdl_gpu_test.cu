@@ -214,6 +214,10 @@ std::vector<Variant> all_variants(bool short_context) {
   o.guess_request_bounds = false;
   v.push_back({"no guess: early loads", o});
   o = {};
+  o.unfused_decode = true;
+  o.short_select = true;
+  v.push_back({"two-kernel, short select", o});
+  o = {};
   o.decode_warps = 8;
   v.push_back({"wide", o});
   o.unfused_decode = true;

@@ -60,7 +60,7 @@
 //   pass in clusters of 2 with split_selection, q4 / 2kq4 = IndexerCudaOptions::short_select
 //   with the default plan / the 2k path; --vlist NAME,... keeps base and the named ones;
 //   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
-//   path and table).
+//   path and table), --short-select (IndexerCudaOptions::short_select for every path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -457,6 +457,7 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, decode_warps = 0;
+  bool short_select = false;       // --short-select: IndexerCudaOptions::short_select everywhere
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -498,6 +499,8 @@ int main(int argc, char** argv) {
       timeline = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
+    else if (a == "--short-select")
+      short_select = true;
     else if (a == "--warps" && i + 1 < argc)
       decode_warps = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
@@ -519,7 +522,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--k K,K,...]\n",
+                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--short-select] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -530,6 +533,7 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->decode_warps = decode_warps;
+    o->short_select = short_select;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -883,7 +887,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"w8", default_o},    {"w8k2", default_o},
                                 {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o},
-                                {"q4", default_o},     {"2kq4", default_o}};
+                                {"q4", default_o},     {"2kq4", default_o},  {"s4x", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -900,6 +904,9 @@ int main(int argc, char** argv) {
     all[9].o.short_select = true;
     all[10].o.unfused_decode = true;
     all[10].o.short_select = true;
+    all[11].o.single_pass = true;
+    all[11].o.single_pass_ctas = 4;
+    all[11].o.split_selection = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -940,7 +947,8 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, w8 = decode_warps 8 (automatic plan), w8k2 = "
         "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2, x = with "
         "split_selection, s2x = default-width clusters of 2 with split_selection, q4 / 2kq4 = "
-        "short_select (4 warps per row) with the default plan / the 2k path)",
+        "short_select (4 warps per row) with the default plan / the 2k path, s4x = clusters of 4 "
+        "with split_selection)",
         rows, json);
     return finish();
   }

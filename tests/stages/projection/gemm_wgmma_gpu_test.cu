@@ -352,6 +352,30 @@ TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
   }
 }
 
+// Small row_split cases for compute-sanitizer (memcheck, racecheck): every n, ring slots reused
+// (K blocks > slots), warpgroups with no rows, integer inputs bit-identical to the twin.
+TEST(GemmWgmmaRows, SanitizerSmall) {
+  M3_REQUIRE_WGMMA();
+  for (const Case& base :
+       {Case{5, 256, 1664, 0, 0, false, 0, 4}, Case{16, 384, 1408, 0, 16, true, 0, 4},
+        Case{33, 128, 1280, 8, 0, false, 0, 4}, Case{64, 256, 896, 0, 0, true, 0, 4}}) {
+    for (int variant : {1, 3}) {
+      Case c = base;
+      c.rows = variant;
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(describe(c));
+      Rng rng(seed);
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      const std::vector<uint16_t> ref = cpu_gemm(d);
+      DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
+    }
+  }
+}
+
 // row_split through Fp8BlockGemm (wgmma_max_m = 64): quantizer + GEMM captured once and
 // replayed with new inputs equals eager runs byte for byte, plain and with programmatic launch.
 TEST(GemmWgmmaRows, GraphReplayEqualsEager) {

@@ -358,7 +358,7 @@ TEST(GemmWgmmaRows, SanitizerSmall) {
   M3_REQUIRE_WGMMA();
   for (const Case& base :
        {Case{5, 256, 1664, 0, 0, false, 0, 4}, Case{16, 384, 1408, 0, 16, true, 0, 4},
-        Case{33, 128, 1280, 8, 0, false, 0, 4}, Case{64, 256, 896, 0, 0, true, 0, 4}}) {
+        Case{33, 128, 1280, 8, 0, false, 0, 4}, Case{64, 256, 1152, 0, 0, true, 0, 4}}) {
     for (int variant : {1, 3}) {
       Case c = base;
       c.rows = variant;

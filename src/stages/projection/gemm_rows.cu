@@ -18,40 +18,39 @@ using gemm_rows_detail::RowsArgs;
 
 constexpr int kMaxSmem = 227 * 1024;  // opt-in dynamic shared memory per CTA on sm_90
 
-template <int kNw, int kWg, int kGroups, int kBurst>
+template <int kNw, int kWg, int kSlots, int kBurst>
 Status launch_rows(const RowsArgs& args, int grid, bool programmatic, int device,
                    cudaStream_t stream) {
-  auto* kernel = &gemm_rows_detail::gemm_rows_kernel<kNw, kWg, kGroups, kBurst>;
-  RowsArgs a = args;
-  a.slots = gemm_rows_detail::ring_slots(args.kblocks, kGroups, kBurst);
-  const int smem = gemm_rows_detail::smem_bytes<kNw, kWg>(a.slots);
-  // The opt-in is per function and device; the largest size set so far is remembered.
-  static std::atomic<int> opted[64] = {};
-  if (device >= 64 || opted[device].load(std::memory_order_acquire) < smem) {
+  auto* kernel = &gemm_rows_detail::gemm_rows_kernel<kNw, kWg, kSlots, kBurst>;
+  constexpr int kSmem = gemm_rows_detail::smem_bytes<kNw, kWg>(kSlots);
+  static_assert(kSmem + 2 * 8 * kSlots <= kMaxSmem, "the ring fits shared memory");
+  // The opt-in is per function and device.
+  static std::atomic<bool> opted[64] = {};
+  if (device >= 64 || !opted[device].load(std::memory_order_acquire)) {
     M3_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    if (device < 64) opted[device].store(smem, std::memory_order_release);
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    if (device < 64) opted[device].store(true, std::memory_order_release);
   }
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)), dim3(128 * kWg),
-                                     static_cast<size_t>(smem), stream, programmatic, a));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                     dim3(128 * kWg + 32 * gemm_rows_detail::kProducerWarps),
+                                     static_cast<size_t>(kSmem), stream, programmatic, args));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
-// Variants (K groups in flight x K blocks per group): 4 x 2, 3 x 2, 8 x 1; at n = 64 (24 KB
-// slots) 3 x 2, 2 x 2, 6 x 1.
+// Variants (ring slots x K blocks per producer burst): 8 x 2, 12 x 2, 8 x 4; at n = 32 the
+// second has 10 slots, at n = 64 (24 KB slots) 8 x 2, 6 x 2, 8 x 4.
 template <int kNw>
 Status dispatch_variant(int variant, const RowsArgs& args, int grid, bool programmatic, int device,
                         cudaStream_t stream) {
-  constexpr bool kWide = kNw == 64;
-  constexpr int kG1 = kWide ? 3 : 4, kG2 = kWide ? 2 : 3, kG3 = kWide ? 6 : 8;
+  constexpr int kSecond = kNw <= 16 ? 12 : kNw == 32 ? 10 : 6;
   switch (variant) {
     case 1:
-      return launch_rows<kNw, 2, kG1, 2>(args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, 8, 2>(args, grid, programmatic, device, stream);
     case 2:
-      return launch_rows<kNw, 2, kG2, 2>(args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, kSecond, 2>(args, grid, programmatic, device, stream);
     case 3:
-      return launch_rows<kNw, 2, kG3, 1>(args, grid, programmatic, device, stream);
+      return launch_rows<kNw, 2, 8, 4>(args, grid, programmatic, device, stream);
     default:
       return unsupported("GemmWgmmaOptions::row_split = ", variant, " is not a variant (1-3)");
   }
@@ -69,10 +68,6 @@ Status run_gemm_rows_cuda(const GemmParams& p, int sms, int device, cudaStream_t
   if ((n + warpgroups - 1) / warpgroups > 64)
     return unsupported("GemmWgmmaOptions::row_split: N = ", n, " over ", warpgroups,
                        " warpgroups exceeds 64 rows each");
-  // (The largest rings: 10 slots of 2 x 8 KB + 4 KB at n = 32, 8 of 2 x 8 KB + 8 KB at n = 64.)
-  static_assert(gemm_rows_detail::smem_bytes<32, kWg>(10) <= kMaxSmem &&
-                    gemm_rows_detail::smem_bytes<64, kWg>(8) <= kMaxSmem,
-                "the ring fits shared memory");
   if (kblocks >= (int64_t{1} << 24))
     return unsupported("GemmWgmmaOptions::row_split: K = ", k, " is too long");
   const auto addr = [](const TensorView& t) { return reinterpret_cast<uintptr_t>(t.data); };

@@ -14,16 +14,21 @@
 // compiler puts before each register-A wgmma waits for every load in flight, so the register
 // prefetch never overlapped: one memory latency per K group.)
 //
-// Pipeline per CTA (kWg warpgroups, one CTA per SM): the K blocks in groups of kBurst; each
-// group's weights (every thread its rows' 16-byte chunks, a row's kBurst x 128 contiguous bytes
-// back to back), activations and scales are copied with cp.async (16 bytes; 4 for scales) into a
-// ring of shared-memory slots, one cp.async group per K group, kGroups groups in flight. Per K
-// group: cp.async.wait_group, fence.proxy.async, CTA barrier, the group's wgmmas (one temporary
-// fragment per K block), wait, fold each K block's fp32 dot products with sa[m, kb] x
-// sb[n / 128, kb] into the accumulators in K order (the twin's order), then the copies of group +
-// kGroups. A slot is restaged only after the barrier that every thread passes once its wgmmas of
-// the slot's previous group completed (slots >= (kGroups + 1) kBurst). Epilogue: bf16 stores of
-// the valid rows.
+// Pipeline per CTA (one CTA per SM): kWg consumer warpgroups and kProducerWarps producer warps.
+// The producers copy each K block's weights (every valid row's eight 16-byte chunks; kBurst K
+// blocks of a row back to back), activations and scales with cp.async into a ring of
+// shared-memory slots; each producer thread then arrives on the slot's full barrier with
+// cp.async.mbarrier.arrive.noinc (the arrival fires when its copies have landed), and waits on
+// a slot's empty barrier before refilling it. Consumers per K block: wait for the full barrier,
+// fence.proxy.async (the copies are generic-proxy writes, wgmma reads through the async proxy;
+// the consumers have no copies of their own in flight, so the fence costs nothing), four
+// wgmmas, wait, fold the block's fp32 dot products with sa[m, kb] x sb[n / 128, kb] into the
+// accumulators in K order (the twin's order), release the slot. Epilogue: bf16 stores of the
+// valid rows.
+// (Round B of session 17: the same loop with every thread copying and waiting on its own
+// cp.async groups, then fence.proxy.async and a CTA barrier per K group, also took 58-73 us: a
+// proxy fence in a thread with copies in flight waits for all of them, so the ring drained at
+// every group.)
 //
 // Bytes: weights N K once from HBM; activations M K per CTA from L2. Bound: HBM bandwidth; the
 // row split's access pattern (37 rows x kBurst x 128 bytes per visit) streams at 17.4 us back to
@@ -33,6 +38,7 @@
 
 #include <cstdint>
 
+#include "core/mbarrier.cuh"
 #include "core/numeric.h"
 
 namespace m3attn::gemm_rows_detail {
@@ -53,7 +59,6 @@ struct RowsArgs {
   uint16_t* out;  // bf16 [M, N], row stride ldo
   int64_t ldo;
   int m, n, kblocks;
-  int slots;               // K-block slots of the shared-memory ring (see ring_slots)
   int early_weights;       // programmatic launch: L2 prefetch of the first weights before the wait
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
 };
@@ -67,9 +72,6 @@ __host__ __device__ constexpr int slot_bytes() {
 template <int kNw, int kWg>
 __host__ __device__ constexpr int smem_bytes(int slots) {
   return kAlignSlack + slots * (slot_bytes<kNw, kWg>() + kNw * 4 + 2 * 4);
-}
-__host__ __device__ constexpr int ring_slots(int kblocks, int groups, int burst) {
-  return kblocks < (groups + 1) * burst ? kblocks : (groups + 1) * burst;
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -91,13 +93,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
 }
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 // wgmma m64nNk32, e4m3 x e4m3 -> f32, both operands from shared memory: d = A B (kFirst: d is
@@ -205,180 +200,186 @@ struct WgmmaSs<64> {
   }
 };
 
-// Grid: one CTA per SM (kWg warpgroups), warpgroup gw of G = grid x kWg owns weight rows
-// [gw N / G, (gw + 1) N / G) (at most 64: checked on the host).
-template <int kNw, int kWg, int kGroups, int kBurst>
-__global__ void __launch_bounds__(128 * kWg, 1) gemm_rows_kernel(const RowsArgs p) {
-  constexpr int kThreads = 128 * kWg;
+constexpr int kProducerWarps = 4;
+
+// Grid: one CTA per SM (kWg consumer warpgroups + kProducerWarps producer warps), warpgroup gw of
+// G = grid x kWg owns weight rows [gw N / G, (gw + 1) N / G) (at most 64: checked on the host).
+template <int kNw, int kWg, int kSlots, int kBurst>
+__global__ void __launch_bounds__(128 * kWg + 32 * kProducerWarps, 1)
+    gemm_rows_kernel(const RowsArgs p) {
+  constexpr int kConsumers = 128 * kWg;
+  constexpr int kProducers = 32 * kProducerWarps;
+  constexpr int kThreads = kConsumers + kProducers;
   constexpr int kAcc = kNw / 2;  // fp32 accumulators per thread: 64 x kNw over 128 threads
   constexpr int kSlot = slot_bytes<kNw, kWg>();
   constexpr int kActOffset = kWg * kWeightTile;
   static_assert(kSlot % 1024 == 0, "slots keep the 1024-byte swizzle alignment");
+  static_assert(kSlots % kBurst == 0, "bursts fill whole slots");
   extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kSlots];
+  __shared__ __align__(8) uint64_t empty_bar[kSlots];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const int kblocks = p.kblocks, m_count = p.m, slots = p.slots;
+  const int kblocks = p.kblocks, m_count = p.m;
   // Scales after the slots: sa_s[slot][kNw], then sb_s[slot][2].
-  const uint32_t sa_base = base + static_cast<uint32_t>(slots * kSlot);
-  const uint32_t sb_base = sa_base + static_cast<uint32_t>(slots * kNw * 4);
+  const uint32_t sa_base = base + static_cast<uint32_t>(kSlots * kSlot);
+  const uint32_t sb_base = sa_base + static_cast<uint32_t>(kSlots * kNw * 4);
   uint8_t* const smem = smem_raw + (base - smem_u32(smem_raw));
-  const float* sa_s = reinterpret_cast<const float*>(smem + slots * kSlot);
-  const float* sb_s = sa_s + slots * kNw;
+  const float* sa_s = reinterpret_cast<const float*>(smem + kSlots * kSlot);
+  const float* sb_s = sa_s + kSlots * kNw;
 
   const int tid = static_cast<int>(threadIdx.x);
-  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, q = lane % 4;
   const int groups_total = static_cast<int>(gridDim.x) * kWg;
-  const int gw = static_cast<int>(blockIdx.x) * kWg + wg;
-  const int r_begin = static_cast<int>(int64_t{gw} * p.n / groups_total);
-  const int rows = static_cast<int>(int64_t{gw + 1} * p.n / groups_total) - r_begin;
+  const int cta_gw = static_cast<int>(blockIdx.x) * kWg;
+  auto rows_begin = [&](int gw) { return static_cast<int>(int64_t{gw} * p.n / groups_total); };
   // The CTA's first weight-scale block (its rows span at most two).
-  const int cta_row0 = static_cast<int>(int64_t{blockIdx.x} * kWg * p.n / groups_total);
-  const int rb0 = cta_row0 / 128;
+  const int rb0 = rows_begin(cta_gw) / 128;
   const int rb_count = p.n / 128 - rb0 < 2 ? p.n / 128 - rb0 : 2;
-  const int f0 = 16 * warp + lane / 4, f1 = f0 + 8;    // this thread's fragment rows
-  const int l0 = 4 * (lane / 4) + warp, l1 = l0 + 32;  // their local weight rows
-  const bool v0 = l0 < rows, v1 = l1 < rows;
-  const int rbi0 = v0 ? (r_begin + l0) / 128 - rb0 : 0;
-  const int rbi1 = v1 ? (r_begin + l1) / 128 - rb0 : 0;
-  const uint8_t* const p0 = p.b + int64_t{r_begin + (v0 ? l0 : 0)} * p.ldb + 16 * q;
-  const uint8_t* const p1 = p.b + int64_t{r_begin + (v1 ? l1 : 0)} * p.ldb + 16 * q;
-  const uint32_t a_tile = static_cast<uint32_t>(wg * kWeightTile);
-  const int groups = (kblocks + kBurst - 1) / kBurst;
 
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-
-  // Weights of K group g (the thread's valid rows, chunks q and 4 + q of each K block); then the
-  // group's activations and scales, closing its cp.async group (empty past the end).
-  auto copy_weights = [&](int g) {
-#pragma unroll
-    for (int b = 0; b < kBurst; ++b) {
-      const int kb = g * kBurst + b;
-      if (kb < kblocks) {
-        const uint32_t slot = base + static_cast<uint32_t>((kb % slots) * kSlot) + a_tile;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (v0) cp_async_16(slot + swizzled(f0, q + 4 * h), p0 + kb * kBlockK + 64 * h);
-          if (v1) cp_async_16(slot + swizzled(f1, q + 4 * h), p1 + kb * kBlockK + 64 * h);
-        }
-      }
+  if (tid == 0) {
+    for (int s = 0; s < kSlots; ++s) {
+      sm90::mbar_init(smem_u32(&full_bar[s]), kProducers);  // one noinc arrival per producer
+      sm90::mbar_init(smem_u32(&empty_bar[s]), kConsumers);
     }
-  };
-  auto copy_rest = [&](int g) {
-    const int kb0 = g * kBurst;
-    const int nkb = kb0 >= kblocks ? 0 : (kblocks - kb0 < kBurst ? kblocks - kb0 : kBurst);
-    for (int i = tid; i < nkb * m_count * 8; i += kThreads) {
-      const int kb = kb0 + i / (m_count * 8), m = (i / 8) % m_count, c = i % 8;
-      cp_async_16(base + static_cast<uint32_t>((kb % slots) * kSlot + kActOffset) + swizzled(m, c),
-                  p.a + m * p.lda + kb * kBlockK + 16 * c);
-    }
-    for (int i = tid; i < nkb * m_count; i += kThreads) {
-      const int kb = kb0 + i / m_count, m = i % m_count;
-      cp_async_4(sa_base + static_cast<uint32_t>(4 * ((kb % slots) * kNw + m)),
-                 p.sa + m * p.sa_s0 + kb * p.sa_s1);
-    }
-    for (int i = tid; i < nkb * rb_count; i += kThreads) {
-      const int kb = kb0 + i / rb_count, r = i % rb_count;
-      cp_async_4(sb_base + static_cast<uint32_t>(4 * ((kb % slots) * 2 + r)),
-                 p.sb + (rb0 + r) * p.sb_s0 + kb * p.sb_s1);
-    }
-    cp_async_commit();
-  };
-
-  // Rows no thread copies stay zero in every slot: weight rows past the warpgroup's count,
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  static_assert(kWg == 2, "the row bookkeeping assumes two warpgroups");
+  const int rows_wg0 = rows_begin(cta_gw + 1) - rows_begin(cta_gw);
+  const int rows_wg1 = rows_begin(cta_gw + 2) - rows_begin(cta_gw + 1);
+  // Rows no producer copies stay zero in every slot: fragment rows past a warpgroup's row count,
   // activation rows m_count .. kNw - 1 and their scales, a missing second weight-scale block.
-  for (int i = tid; i < slots * (kSlot / 16); i += kThreads) {
+  for (int i = tid; i < kSlots * (kSlot / 16); i += kThreads) {
     const int sl = i / (kSlot / 16), off = (i % (kSlot / 16)) * 16;
-    const bool weight_row = off < kActOffset;
-    const int row = weight_row ? (off % kWeightTile) / 128 : (off - kActOffset) / 128;
-    const int w_rows =
-        static_cast<int>(int64_t{blockIdx.x * kWg + off / kWeightTile + 1} * p.n / groups_total) -
-        static_cast<int>(int64_t{blockIdx.x * kWg + off / kWeightTile} * p.n / groups_total);
-    const bool copied =
-        weight_row ? 4 * (row % 16) + row / 16 < w_rows : row < m_count;  // (local row of f)
+    bool copied;
+    if (off < kActOffset) {
+      const int w = off / kWeightTile, f = (off % kWeightTile) / 128;
+      copied = 4 * (f % 16) + f / 16 < (w == 0 ? rows_wg0 : rows_wg1);
+    } else {
+      copied = (off - kActOffset) / 128 < m_count;
+    }
     if (!copied)
       asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(
                        base + static_cast<uint32_t>(sl * kSlot + off)),
                    "r"(0)
                    : "memory");
   }
-  for (int i = tid; i < slots * kNw; i += kThreads)
+  for (int i = tid; i < kSlots * kNw; i += kThreads)
     if (i % kNw >= m_count)
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sa_base + 4 * i), "f"(0.0f) : "memory");
-  for (int i = tid; i < slots * 2; i += kThreads)
+  for (int i = tid; i < kSlots * 2; i += kThreads)
     if (i % 2 >= rb_count)
       asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(sb_base + 4 * i), "f"(0.0f) : "memory");
+  __syncthreads();
 
-  // The weights are never written by a preceding kernel: with programmatic launch the first
-  // groups' weight lines are prefetched into L2 before the wait (a no-op without PDL); every
-  // copy into shared memory (one cp.async group per K group), activation and scale read and
-  // global write comes after it.
-  if (p.early_weights) {
-#pragma unroll 1
-    for (int kb = 0; kb < kGroups * kBurst && kb < kblocks; ++kb) {
-      if (q == 0 && v0) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p0 + kb * kBlockK));
-      if (q == 0 && v1) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p1 + kb * kBlockK));
+  if (tid >= kConsumers) {
+    // Producers: thread t copies items t, t + kProducers, ... of each burst: weight chunks
+    // (warpgroup, local row, K block of the burst, chunk; the chunk fastest, so 8 threads copy a
+    // row's 128 bytes and a row's burst is contiguous), then activation chunks, then scales.
+    const int pt = tid - kConsumers;
+    // (The two warpgroups' rows are contiguous: [b0, b0 + n0) and [b0 + n0, b0 + wg_total).)
+    const int b0 = rows_begin(cta_gw), n0 = rows_wg0, wg_total = rows_wg0 + rows_wg1;
+    // The weights are never written by a preceding kernel: with programmatic launch the first
+    // ring of weight lines is prefetched into L2 before the wait (a no-op without PDL).
+    if (p.early_weights) {
+      for (int i = pt; i < wg_total * kSlots; i += kProducers) {
+        const int kb = i % kSlots;
+        if (kb < kblocks)
+          asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p.b + int64_t{b0 + i / kSlots} * p.ldb +
+                                                          kb * kBlockK));
+      }
     }
-  }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#pragma unroll 1
-  for (int s = 0; s < kGroups; ++s) {
-    copy_weights(s);
-    copy_rest(s);
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    for (int kb0 = 0, i = 0; kb0 < kblocks; kb0 += kBurst) {
+      const int nkb = kblocks - kb0 < kBurst ? kblocks - kb0 : kBurst;
+      for (int b = 0; b < nkb; ++b) {
+        const int ib = i + b;
+        if (ib >= kSlots)
+          sm90::mbar_wait(smem_u32(&empty_bar[ib % kSlots]), ((ib / kSlots) - 1) & 1);
+      }
+      // (Valid rows only: row index v over the CTA's warpgroups, warpgroup-major.)
+      const int weight_items = wg_total * nkb * 8;
+      for (int it = pt; it < weight_items; it += kProducers) {
+        const int c = it % 8, b = (it / 8) % nkb, v = it / (8 * nkb);
+        const int w = v >= n0 ? 1 : 0, l = v - w * n0;  // warpgroup, local row
+        const int f = 16 * (l % 4) + l / 4;             // the fragment row of local row l
+        const uint32_t dst = base +
+                             static_cast<uint32_t>(((i + b) % kSlots) * kSlot + w * kWeightTile) +
+                             swizzled(f, c);
+        cp_async_16(dst, p.b + int64_t{b0 + v} * p.ldb + (kb0 + b) * kBlockK + 16 * c);
+      }
+      for (int it = pt; it < nkb * m_count * 8; it += kProducers) {
+        const int b = it / (m_count * 8), m = (it / 8) % m_count, c = it % 8;
+        cp_async_16(
+            base + static_cast<uint32_t>(((i + b) % kSlots) * kSlot + kActOffset) + swizzled(m, c),
+            p.a + m * p.lda + (kb0 + b) * kBlockK + 16 * c);
+      }
+      for (int it = pt; it < nkb * m_count; it += kProducers) {
+        const int b = it / m_count, m = it % m_count;
+        cp_async_4(sa_base + static_cast<uint32_t>(4 * (((i + b) % kSlots) * kNw + m)),
+                   p.sa + m * p.sa_s0 + (kb0 + b) * p.sa_s1);
+      }
+      for (int it = pt; it < nkb * rb_count; it += kProducers) {
+        const int b = it / rb_count, r = it % rb_count;
+        cp_async_4(sb_base + static_cast<uint32_t>(4 * (((i + b) % kSlots) * 2 + r)),
+                   p.sb + (rb0 + r) * p.sb_s0 + (kb0 + b) * p.sb_s1);
+      }
+      // One arrival per slot of the burst, when all of this thread's copies so far have landed.
+      for (int b = 0; b < nkb; ++b)
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(
+                         smem_u32(&full_bar[(i + b) % kSlots]))
+                     : "memory");
+      i += nkb;
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
+    return;
   }
 
+  // Consumers: their global writes follow the preceding grid.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32, q = lane % 4;
+  const int r_begin = rows_begin(cta_gw + wg);
+  const int rows = rows_begin(cta_gw + wg + 1) - r_begin;
+  const int l0 = 4 * (lane / 4) + warp, l1 = l0 + 32;  // local rows of fragment rows f, f + 8
+  const bool v0 = l0 < rows, v1 = l1 < rows;
+  const int rbi0 = v0 ? (r_begin + l0) / 128 - rb0 : 0;
+  const int rbi1 = v1 ? (r_begin + l1) / 128 - rb0 : 0;
+  const uint32_t a_tile = static_cast<uint32_t>(wg * kWeightTile);
   const int m0 = 2 * q;
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-    // Fragment element j = 4 g + 2 h + e: fragment row f0 + 8 h (local row h ? l1 : l0),
+    // Fragment element j = 4 g + 2 h + e: fragment row f + 8 h (local row h ? l1 : l0),
     // activation row m0 + 8 g + e.
 #pragma unroll 1
-  for (int g = 0; g < groups; ++g) {
-    // Group g's copies have landed (every thread's: the barrier), visible to the async proxy.
-    cp_async_wait<kGroups - 1>();
+  for (int kb = 0; kb < kblocks; ++kb) {
+    const int s = kb % kSlots;
+    sm90::mbar_wait(smem_u32(&full_bar[s]), (kb / kSlots) & 1);
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    __syncthreads();
-    float tmp[kBurst][kAcc];  // (written by each K block's first wgmma)
+    const uint32_t slot = base + static_cast<uint32_t>(s * kSlot);
+    float tmp[kAcc];  // (written by the block's first wgmma)
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #pragma unroll
-    for (int b = 0; b < kBurst; ++b) {
-      const int kb = g * kBurst + b;
-      if (kb < kblocks) {
-        const uint32_t slot = base + static_cast<uint32_t>((kb % slots) * kSlot);
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint64_t a = smem_desc_sw128(slot + a_tile + 32 * k);
-          const uint64_t bd = smem_desc_sw128(slot + kActOffset + 32 * k);
-          if (k == 0) {
-            WgmmaSs<kNw>::template mma<true>(tmp[b], a, bd);
-          } else {
-            WgmmaSs<kNw>::template mma<false>(tmp[b], a, bd);
-          }
-        }
+    for (int k = 0; k < 4; ++k) {
+      const uint64_t a = smem_desc_sw128(slot + a_tile + 32 * k);
+      const uint64_t bd = smem_desc_sw128(slot + kActOffset + 32 * k);
+      if (k == 0) {
+        WgmmaSs<kNw>::template mma<true>(tmp, a, bd);
+      } else {
+        WgmmaSs<kNw>::template mma<false>(tmp, a, bd);
       }
     }
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 #pragma unroll
-    for (int b = 0; b < kBurst; ++b)
+    for (int j = 0; j < kAcc; ++j) asm volatile("" : "+f"(tmp[j])::"memory");
+    const float sb0 = sb_s[s * 2 + rbi0], sb1 = sb_s[s * 2 + rbi1];
 #pragma unroll
-      for (int j = 0; j < kAcc; ++j) asm volatile("" : "+f"(tmp[b][j])::"memory");
-#pragma unroll
-    for (int b = 0; b < kBurst; ++b) {
-      const int kb = g * kBurst + b;
-      if (kb < kblocks) {
-        const int slot = kb % slots;
-        const float sb0 = sb_s[slot * 2 + rbi0], sb1 = sb_s[slot * 2 + rbi1];
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) {
-          const float sa = sa_s[slot * kNw + m0 + 8 * (j / 4) + j % 2];
-          acc[j] = fmaf(tmp[b][j], ((j / 2) % 2 ? sb1 : sb0) * sa, acc[j]);
-        }
-      }
+    for (int j = 0; j < kAcc; ++j) {
+      const float sa = sa_s[s * kNw + m0 + 8 * (j / 4) + j % 2];
+      acc[j] = fmaf(tmp[j], ((j / 2) % 2 ? sb1 : sb0) * sa, acc[j]);
     }
-    copy_weights(g + kGroups);
-    copy_rest(g + kGroups);
+    sm90::mbar_arrive(smem_u32(&empty_bar[s]));  // each thread releases its own reads
   }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // (empty groups only: no copy outlives)
 
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) {

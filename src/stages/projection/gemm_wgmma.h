@@ -62,14 +62,15 @@ struct GemmWgmmaOptions {
   // 22.78 / 20.75, 29.63 / 27.12 (round C). Opt-in: the caller keeps the packed image (N K bytes).
   const void* packed_weights = nullptr;
   // Variant (session 17): 0 = off; 1-3 = the row split without split-K (gemm_rows_kernel.cuh):
-  // one CTA of two warpgroups per SM, each warpgroup owning N / (2 x SMs) whole weight rows
-  // (<= 64) over the whole K as the A tile of its wgmmas, copied with 16-byte cp.async (weights,
-  // activations) through a ring of shared-memory slots; no partials, counters, fences or TMA, no
-  // workspace (may be null). Variants: K groups in flight x K blocks per group 4 x 2 (1), 3 x 2
-  // (2), 8 x 1 (3) (at M > 32: 3 x 2, 2 x 2, 6 x 1). M <= 64; unsupported(...) when a warpgroup
-  // would own more than 64 rows or the weight / activation rows are not 16-byte aligned. Not
-  // with cluster_split or packed_weights; min_units_per_cta, max_waves, ctas_per_sm, burst,
-  // owner_fixup and weight_* do not apply.
+  // one CTA per SM of two consumer warpgroups and four producer warps; each warpgroup owns
+  // N / (2 x SMs) whole weight rows (<= 64) over the whole K as the A tile of its wgmmas; the
+  // producers copy weights and activations with 16-byte cp.async into a ring of shared-memory
+  // slots (mbarriers); no partials, counters, fences or TMA, no workspace (may be null).
+  // Variants: ring slots x K blocks per producer burst 8 x 2 (1), 12 x 2 (2; 10 at M 17-32, 6 at
+  // M > 32), 8 x 4 (3). M <= 64; unsupported(...) when a warpgroup would own more than 64 rows
+  // or the weight / activation rows are not 16-byte aligned. Not with cluster_split or
+  // packed_weights; min_units_per_cta, max_waves, ctas_per_sm, burst, owner_fixup and weight_*
+  // do not apply.
   int row_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

@@ -81,15 +81,14 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 173.9-175.6, 47.8-48.2 for 13. 17 is automatic; 13 and 16 were removed, and so were the opt-in
 // 18 (speculative row max: a wash), 19 (ring started on one block: slower at B256) and 20 (o_proj's
 // codes converted in pairs: slower).
-// Session 17 (round A, sparse draft 3 at 32K unless noted, isolated us, two runs each): 21 (17 with
-// the page-table row prefetched at entry and the first two blocks requested as soon as their pages
-// are known, before the union is complete; the same bytes in the same order) B64 x 4 45.6-46.3 vs
-// 46.4-47.5 for 17 (8K / 32K / 128K), B256 x 4 160.4 / 160.6 vs 164.9 / 164.4. Lost in round A
-// (removed): 22 (21 with S waited for at once and the refill before the V conversion: B64 x 4
-// 45.9-46.9, B256 x 4 162.3 / 162.5), 23 (21 with each refill at the top of the iteration, before
-// the block is waited for: 3 blocks in flight while waiting, but S no longer under the previous P
-// V: 46.1-47.2, 164.4 / 164.4), and for the decode kernel the page-table prefetch (decode_kernel 8,
-// B64 40.9-42.4 vs 40.7-41.8) and the refill at the end of the iteration (9, 41.5-42.1).
+// Session 17 (sparse draft 3, isolated us, two runs per round): 21 (17 with the page-table row
+// prefetched at entry and the first two blocks requested as soon as their pages are known, before
+// the union is complete; the same bytes in the same order) B64 x 4 45.6-46.3 (round A) and
+// 45.3-46.6 (round B) vs 46.4-47.5 and 46.6-47.2 for 17 (8K / 32K / 128K), B256 x 4 @ 32K 160.4 /
+// 160.6 and 161.1 / 161.3 vs 164.9 / 164.4 and 165.1 / 165.3. 17 was removed after round B, and so
+// were 22-25 (see attention_verify_kernel) and, for the decode kernel, the page-table prefetch
+// alone (decode_kernel 8: B64 40.9-42.4 vs 40.7-41.8) and the refill at the end of the iteration
+// (9: 41.5-42.1).
 constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
@@ -106,10 +105,10 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 21;    // variant of the verify kernel (AttentionCudaConfig)
-  bool pdl = false;           // programmatic launches of the decode / verify kernels, merge
-  bool decode_early = false;  // decode_kernel 10: attention_decode_early_kernel
-  int64_t tiles = 0;          // grid.x: an upper bound of sum_r ceil(n_r / qt)
+  int verify_variant = 21;   // variant of the verify kernel (AttentionCudaConfig)
+  bool pdl = false;          // programmatic launches of the decode / verify kernels, merge
+  bool decode_early = true;  // decode_kernel 0 / 10: attention_decode_early_kernel
+  int64_t tiles = 0;         // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
 int sm_count() {
@@ -171,12 +170,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 17 &&
-      cfg.verify_variant != 21 && cfg.verify_variant != 24 && cfg.verify_variant != 25)
-    return unsupported(
-        "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 17, 21, 24 or 25 (9, 11, 12, 14 and 15 were removed in session 15; "
-        "13, 16 and 18-20 in session 16; 22 and 23 in session 17)");
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21)
+    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
+                       " is not 0, 8 or 21 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+                       "16 and 18-20 in session 16; 17, 22-25 in session 17: 21 is 17 with the "
+                       "early copies)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -213,7 +211,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
         " is not 0, 2 or 10 (1, the 4-warp tile kernel, and 3, two barriers per block, "
         "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
         "16; 8, 9 in session 17)");
-  pl.decode_early = cfg.decode_kernel == 10;
+  pl.decode_early = cfg.decode_kernel != 2;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -260,11 +258,10 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variant 17 (kTma: TMA loads, kTwoPass: the two-pass V NaN test, kLazy: the lazy running max)
-// runs as 8 (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the
-// driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          int kTailPrefetch = 0>
+// Variant 21 (kTma: TMA loads and the early copies, kTwoPass: the two-pass V NaN test, kLazy: the
+// lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
+// 16-byte aligned or the driver refuses the tensor maps.
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -274,7 +271,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kTailPrefetch>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -295,8 +292,10 @@ Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-// decode_kernel 10: the decode kernel with the early TMA copies of its first two blocks (the
-// plain decode kernel where TMA cannot address the pool).
+// decode_kernel 0 / 10 (automatic since session 17): the decode kernel with the early TMA copies of
+// its first two blocks (the plain decode kernel, decode_kernel 2, where TMA cannot address the
+// pool). Round B (sparse, isolated us): B64 41.1-42.1 vs 41.2-42.9 (8K / 32K / 128K), B256 @ 32K
+// 142.6 / 142.7 vs 144.3-145.1.
 Status launch_decode_early(const ak::AttnArgs& args, const Plan& pl, int n_kv,
                            cudaStream_t stream) {
   CUtensorMap kmap{}, vmap{}, qmap{};
@@ -318,18 +317,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    switch (pl.verify_variant) {
-      case 17:
-        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
-      case 21:
-        return launch_verify<true, true, true, true, true>(args, pl, n_kv, stream);
-      case 24:
-        return launch_verify<true, true, true, true, true, 4>(args, pl, n_kv, stream);
-      case 25:
-        return launch_verify<true, true, true, true, true, 1 << 20>(args, pl, n_kv, stream);
-      default:
-        return launch_verify<true, false>(args, pl, n_kv, stream);
-    }
+    return pl.verify_variant == 21 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
+                                   : launch_verify<true, false>(args, pl, n_kv, stream);
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a

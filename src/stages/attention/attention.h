@@ -100,13 +100,13 @@ struct AttentionCudaConfig {
                             // two blocks requested as soon as their pages are known (one split,
                             // sparse); opt-in 24 / 25: 21 with the next block prefetched into L2
                             // over the last 4 / all blocks (9, 11-16, 18-20, 22, 23 were removed)
-  int decode_kernel = 0;    // 0 or 2 (the same): the 8-warp decode kernel, the only one since
-                            // session 14 (1, the 4-warp tile kernel, and 3, two barriers per
-                            // block, were removed; 4, TMA loads, in session 15; 5-7 in session
-                            // 16; 8, 9 in session 17); opt-in 10 (session 17): the same kernel
-                            // with its first two blocks requested by TMA as soon as their pages
-                            // are known (attention_decode_early_kernel; 16-byte aligned pools, one
-                            // split, sparse); other plans ignore it
+  int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (= 10), 10 (session 17) with
+                            // its first two blocks requested by TMA as soon as their pages are
+                            // known (attention_decode_early_kernel; where TMA can address the
+                            // pool, else 2 runs), 2 without them (session 16's kernel); 1, the
+                            // 4-warp tile kernel, and 3, two barriers per block, were removed in
+                            // session 14; 4, TMA loads, in session 15; 5-7 in session 16; 8, 9 in
+                            // session 17; other plans ignore it
   bool programmatic_launch = false;  // decode / verify kernels (mma.sync, 5) and the split merge
                                      // launched as programmatic dependents (PDL,
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before

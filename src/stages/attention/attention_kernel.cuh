@@ -593,19 +593,5 @@ __device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMa
   if (lane == 0) *s_count = min(__popc(firsts), Max);
 }
 
-// L2 prefetch of the K and V tiles of one (page, KV head) through the same tensor maps (no shared
-// memory, no mbarrier; one thread).
-__device__ __forceinline__ void tma_prefetch_block(const CUtensorMap* kmap, const CUtensorMap* vmap,
-                                                   int page, int g) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(kmap)),
-               "r"(0), "r"(0), "r"(g), "r"(page)
-               : "memory");
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(vmap)),
-               "r"(0), "r"(0), "r"(g), "r"(page)
-               : "memory");
-}
-
 }  // namespace attention_kernel
 }  // namespace m3attn

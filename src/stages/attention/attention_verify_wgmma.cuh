@@ -379,21 +379,23 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs (20: with
 // out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2 (slower
 // everywhere).
-// Session 17: kEarly (variant 21; TMA, one split, sparse): the page-table row of the guessed
-// request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which hold the
-// list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages are known,
-// before the union is complete. Opt-in kTailPrefetch (24: 4, 25: every block): when block j of
-// the last kTailPrefetch + 1 is copied into the ring, block j + 1 is prefetched into L2, so that
-// the CTA has 3 blocks in flight at its end, where fewer CTAs are left than it takes to keep HBM
-// busy.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = false,
-          int kTailPrefetch = 0>
+// Session 17: variant 21 (automatic) is 17 with the early copies (kEarly = kTma; one split,
+// sparse): the page-table row of the guessed request (= tile) is prefetched into L2 at entry, and
+// warp 0 (candidates 0-31, which hold the list's first entries) issues the TMA copies of entries 0
+// and 1 as soon as their pages are known, before the union is complete (ak::early_copies); the
+// same bytes in the same order. Rounds A / B (sparse draft 3, isolated us): B64 x 4 45.3-46.6 vs
+// 46.4-47.5 for 17, B256 x 4 @ 32K 160.4-161.3 vs 164.4-165.3. Lost and removed: 22 (S waited for
+// at once, the refill before the V conversion: B64 x 4 45.9-46.9), 23 (each refill at the top of
+// the iteration, before the block wait: 3 blocks in flight while waiting, S no longer under the
+// previous P V; 46.1-47.2), 24 / 25 (an L2 prefetch of the next block over the last 4 / all blocks:
+// round B 47.0-47.4 / 53.2-53.9, B256 x 4 168.2 / 184.0).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
-  static_assert(kTma || (!kEarly && kTailPrefetch == 0), "the early copies are TMA copies");
+  constexpr bool kEarly = kTma;  // the early copies are TMA copies
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -444,12 +446,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
     if constexpr (kTma) {
-      if (tid == 0 && j < count && lmask[j]) {
+      if (tid == 0 && j < count && lmask[j])
         ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
                            ak::smem_u32(&s_full[st]));
-        if (kTailPrefetch > 0 && j + 1 < count && j + 1 >= count - kTailPrefetch && lmask[j + 1])
-          ak::tma_prefetch_block(&kmap, &vmap, lpage[j + 1], g);
-      }
     } else {
       if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
       ak::cp_async_commit();

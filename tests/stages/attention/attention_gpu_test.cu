@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 17, 21, 24, 25), with and without splits;
+// tiles x 16 heads on one warpgroup: verify_variant 8 and 21), with and without splits;
 // all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -73,8 +73,7 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
-// 21 (17 with the first copies issued before the union is complete; automatic since session 17)
-// and the opt-in 24 / 25 (21 with L2 prefetches of the next block near the end / everywhere).
+// 21 (session 16's 17 with the first copies issued before the union is complete).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -88,14 +87,13 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 1, 1});            // v_convert 1 (the only V path)
-    add({1, 1, 0, 1, 0, 0, 2});   // decode_kernel 2 (the same kernel)
-    add({1, 1, 0, 1, 0, 0, 10});  // decode_kernel 10 (the early TMA copies)
+    add({1, 1, 1, 1});           // v_convert 1 (the only V path); the early TMA copies
+    add({1, 1, 0, 1, 0, 0, 2});  // decode_kernel 2 (without the early copies)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 17, 21, 24, 25}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -834,6 +832,10 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 13 (17 without the session-16 changes, removed in session 16)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 18}, StatusCode::kUnsupported,
                   "verify_variant 18 (the speculative row max, removed in session 16)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 17}, StatusCode::kUnsupported,
+                  "verify_variant 17 (21 without the early copies, removed in session 17)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 24}, StatusCode::kUnsupported,
+                  "verify_variant 24 (the tail's L2 prefetch, removed in session 17)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 22}, StatusCode::kUnsupported,
                   "verify_variant 22 (S waited for at once, removed in session 17)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 23}, StatusCode::kUnsupported,

@@ -60,7 +60,8 @@
 //   pass in clusters of 2 with split_selection, q4 / 2kq4 = IndexerCudaOptions::short_select
 //   with the default plan / the 2k path; --vlist NAME,... keeps base and the named ones;
 //   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
-//   path and table), --short-select (IndexerCudaOptions::short_select for every path and table).
+//   path and table), --short-select / --compact-select (IndexerCudaOptions::short_select /
+//   compact_select for every path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -457,7 +458,8 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, decode_warps = 0;
-  bool short_select = false;       // --short-select: IndexerCudaOptions::short_select everywhere
+  bool short_select = false;    // --short-select: IndexerCudaOptions::short_select everywhere
+  bool compact_select = false;  // --compact-select: IndexerCudaOptions::compact_select everywhere
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -501,6 +503,8 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--short-select")
       short_select = true;
+    else if (a == "--compact-select")
+      compact_select = true;
     else if (a == "--warps" && i + 1 < argc)
       decode_warps = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
@@ -522,7 +526,8 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--short-select] [--k K,K,...]\n",
+                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--short-select] "
+                   "[--compact-select] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -534,6 +539,7 @@ int main(int argc, char** argv) {
     o->fast_select = !sorted;
     o->decode_warps = decode_warps;
     o->short_select = short_select;
+    o->compact_select = compact_select;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -620,15 +626,26 @@ int main(int argc, char** argv) {
                          static_cast<double>(v.back().first - v.front().first));
     }
     const double ghz = slopes.empty() ? khz * 1e-6 : pct(slopes, 0.5);
-    std::map<int, double> offset;  // SM -> ns at clock 0
+    // Times relative to one pair (gbase, cbase), as doubles of small magnitude (a raw globaltimer
+    // value in a double keeps only 256 ns).
+    uint64_t gbase = 0, cbase = 0;
+    if (!pairs.empty()) {
+      gbase = pairs.begin()->second.front().first;
+      cbase = pairs.begin()->second.front().second;
+    }
+    const auto rel_clk = [&](uint64_t c) {
+      return static_cast<double>(static_cast<int64_t>(c - cbase)) / ghz;
+    };
+    std::map<int, double> offset;  // SM -> ns (after gbase) at clock cbase
     for (auto& kv : pairs) {
       const auto& p = kv.second.back();
-      offset[kv.first] = static_cast<double>(p.first) - static_cast<double>(p.second) / ghz;
+      offset[kv.first] =
+          static_cast<double>(static_cast<int64_t>(p.first - gbase)) - rel_clk(p.second);
     }
     const auto ns_of = [&](int sm, uint64_t clk, double* out) {
       const auto it = offset.find(sm);
       if (it == offset.end()) return false;
-      *out = it->second + static_cast<double>(clk) / ghz;
+      *out = it->second + rel_clk(clk);
       return true;
     };
     double g0 = 1e300;
@@ -887,7 +904,8 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"w8", default_o},    {"w8k2", default_o},
                                 {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o},
-                                {"q4", default_o},     {"2kq4", default_o},  {"s4x", default_o}};
+                                {"q4", default_o},     {"2kq4", default_o},  {"s4x", default_o},
+                                {"cs", default_o},     {"q4cs", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -907,6 +925,9 @@ int main(int argc, char** argv) {
     all[11].o.single_pass = true;
     all[11].o.single_pass_ctas = 4;
     all[11].o.split_selection = true;
+    all[12].o.compact_select = true;
+    all[13].o.compact_select = true;
+    all[13].o.short_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -948,7 +969,7 @@ int main(int argc, char** argv) {
         "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2, x = with "
         "split_selection, s2x = default-width clusters of 2 with split_selection, q4 / 2kq4 = "
         "short_select (4 warps per row) with the default plan / the 2k path, s4x = clusters of 4 "
-        "with split_selection)",
+        "with split_selection, cs = compact_select, q4cs = short_select + compact_select)",
         rows, json);
     return finish();
   }

@@ -412,6 +412,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   a.dec_warps = pl.warps;
   a.split_select = options.split_selection ? 1 : 0;
+  a.compact_select = options.compact_select ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

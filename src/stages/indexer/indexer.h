@@ -167,6 +167,10 @@ struct IndexerCudaOptions {
   // 63 candidates), rank each row with 4 warps (each counts the beats against a quarter of the
   // row's candidates) instead of one. Same ids.
   bool short_select = false;
+  // Rows of <= 64 candidates (the selection kernel, the single pass's final selection) counted in
+  // a loop of ~40 instructions instead of ~450 unrolled ones: that code runs once per warp at a
+  // kernel's end, where instruction fetch, not the arithmetic, bounded it. Same ids.
+  bool compact_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * IndexerCudaPlan::warps warps, then 16 more for the selection kernel)
   // where the decode warps record %globaltimer and clock64 at their phases

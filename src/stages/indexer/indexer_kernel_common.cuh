@@ -79,8 +79,9 @@ struct KernelArgs {
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
-  int dec_warps = 4;     // warps per scorer CTA (the timeline's layout; the kernels' template kW)
-  int split_select = 0;  // IndexerCudaOptions::split_selection (clustered single pass)
+  int dec_warps = 4;       // warps per scorer CTA (the timeline's layout; the kernels' template kW)
+  int split_select = 0;    // IndexerCudaOptions::split_selection (clustered single pass)
+  int compact_select = 0;  // IndexerCudaOptions::compact_select (counting as a loop)
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -119,7 +119,7 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       // counting vs 11.6 in round A with the rounds; 1 x 128K 20.5 vs 18.9).
       if (live[0] && nbs[0] > kTopK) {
         rank_by_counting(sblk + (first + step * i0) * kFusedMaxChunk, nbs[0], s[0][0], s[1][0],
-                         rank[0][0], rank[1][0]);
+                         rank[0][0], rank[1][0], a.compact_select != 0);
       } else {
         rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
       }

@@ -395,6 +395,10 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.short_select = true;  // rows of <= 63 candidates (max_pages <= 64) by 4 warps each
     variants.push_back({"short select", o});
+    o.compact_select = true;  // counting in a loop (selection kernels and the single pass)
+    variants.push_back({"short select, compact", o});
+    o.short_select = false;
+    variants.push_back({"compact select", o});
     o = IndexerCudaOptions{};
     o.decode_warps = 8;  // wide scorer CTAs (8 warps; overflow tiles on warps 0-3)
     variants.push_back({"wide", o});

@@ -217,6 +217,11 @@ std::vector<Variant> all_variants(bool short_context) {
   o.unfused_decode = true;
   o.short_select = true;
   v.push_back({"two-kernel, short select", o});
+  o.compact_select = true;
+  v.push_back({"two-kernel, short select, compact", o});
+  o = {};
+  o.compact_select = true;
+  v.push_back({"compact select", o});
   o = {};
   o.decode_warps = 8;
   v.push_back({"wide", o});

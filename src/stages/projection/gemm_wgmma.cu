@@ -352,6 +352,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
   args.owner_fixup = options.owner_fixup && options.max_waves == 1 && cluster_split == 0 ? 1 : 0;
   args.cluster = cluster_split;
+  args.early_last = options.early_last && !args.owner_fixup && cluster_split == 0 ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.trace = options.debug_trace;
   args.kblocks = static_cast<int>(kblocks);

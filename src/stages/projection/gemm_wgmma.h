@@ -72,6 +72,12 @@ struct GemmWgmmaOptions {
   // packed_weights; min_units_per_cta, max_waves, ctas_per_sm, burst, owner_fixup and weight_*
   // do not apply.
   int row_split = 0;
+  // Variant (session 17): the producer warp, once it has issued the CTA's last loads, polls the
+  // arrival counter of the CTA's last split tile; if every other contributor has arrived before
+  // the consumers finish, the CTA is that tile's last arriver and sums it without storing its
+  // own partial, fencing or counting (the ~1 us of the split-K tail on the critical path).
+  // Same bits. Stream-K only (ignored with owner_fixup or cluster_split).
+  bool early_last = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

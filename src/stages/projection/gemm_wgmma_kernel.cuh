@@ -171,6 +171,7 @@ struct WgmmaArgs {
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
+  int early_last;          // the producer finds out early that the CTA's last tile is its to sum
   // Packed weights (GemmWgmmaOptions::packed_weights): unit u of CTA c (its v-th) is the 16 KB
   // smem image at packed + (v grid + c) 16 KB, loaded with one 1D bulk copy; nullptr: TMA 2D.
   const uint8_t* packed;
@@ -402,6 +403,9 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   __shared__ __align__(16) float s_scales[kStages * kSlot];
   __shared__ int s_is_last;
+  // Early last (variant): 0 undecided, 1 the producer saw every other contributor of the CTA's
+  // last tile arrive first, 2 the consumers reached that tile's epilogue first (see below).
+  __shared__ int s_early_state, s_early;
   // Cluster split: rank 0's barrier for the other ranks' "partial ready" arrivals; each other
   // rank's barrier for rank 0's "partial read" arrival.
   __shared__ __align__(8) uint64_t xred_bar, xdone_bar;
@@ -431,6 +435,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     s_trace[kTraceWords] = clock64();
   }
 
+  if (tid == 0) s_early_state = 0;
   // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
   for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
   if (tid == kConsumerThreads) {
@@ -520,6 +525,35 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
     if (csplit > 1) cluster_wait();                     // (every thread that arrived waits once)
+    // Early last (variant): the producer has issued everything, ~a ring of units before the
+    // consumers finish. If the CTA's last segment is a split tile, lane 0 polls the tile's
+    // arrival counter until every other contributor has arrived (then the CTA is the tile's last
+    // arriver whatever happens: it claims the fixup with state 1, so its consumers skip the
+    // partial store, the fence and the atomic) or until the consumers reach the epilogue first
+    // (state 2: the usual path). The compare-and-swap decides; the sum is the same either way.
+    if (p.early_last && lane == 0 && csplit == 0 && p.owner_fixup == 0 && u_end > u_begin) {
+      const int tile = (u_end - 1) / kb_count;
+      const bool whole = u_begin <= tile * kb_count && u_end == (tile + 1) * kb_count;
+      if (!whole) {
+        const unsigned others =
+            static_cast<unsigned>(unit_owner((tile + 1) * kb_count - 1, grid, units) -
+                                  unit_owner(tile * kb_count, grid, units));
+        volatile int* state = &s_early_state;
+        while (*state == 0) {
+          unsigned v;
+          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n"
+                       : "=r"(v)
+                       : "l"(p.counters + tile)
+                       : "memory");
+          if (v == others) {
+            __threadfence();  // (acquire: the other contributors' partials)
+            atomicCAS(&s_early_state, 0, 1);
+            break;
+          }
+          __nanosleep(100);
+        }
+      }
+    }
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
@@ -725,7 +759,18 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // wave), so the wait ends. The sum below is the same in both schemes: same bits.
     const bool owner_mode = p.owner_fixup != 0;
     const bool owner = owner_mode && seg_begin == tile * kb_count;
-    if (!owner) {
+    // Early last (variant, the CTA's last segment): settle the race with the producer's poll.
+    bool early = false;
+    if (p.early_last && !owner_mode && seg_end == u_end) {
+      if (tid == 0) {
+        const bool won = atomicCAS(&s_early_state, 0, 2) == 1;
+        if (won) __threadfence();  // (acquire, as the usual last arriver's fence)
+        s_early = won;
+      }
+      consumer_barrier();
+      early = s_early != 0;
+    }
+    if (!owner && !early) {
       // Publish the partial (a contributor's is always its first segment: slot 2c).
       float4* part = partial_v4(tile == first_tile ? 2 * cta : 2 * cta + 1);
 #pragma unroll
@@ -757,6 +802,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             if (clock64() - start > (1ll << 34)) __trap();  // a lost arrival: fail, not hang
         }
         last = true;
+      } else if (early) {
+        last = true;  // every other contributor has arrived; nothing to publish
       } else {
         __threadfence();
         last = atomicAdd(p.counters + tile, 1u) == others;

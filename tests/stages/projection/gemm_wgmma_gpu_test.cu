@@ -78,6 +78,7 @@ struct Case {
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   int rows = 0;             // GemmWgmmaOptions::row_split (variant; 0 = off)
+  bool early = false;       // GemmWgmmaOptions::early_last
 };
 
 std::string describe(const Case& c) {
@@ -89,7 +90,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows);
+         " row split " + std::to_string(c.rows) + " early last " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -106,6 +107,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
   o.row_split = c.rows;
+  o.early_last = c.early;
   return o;
 }
 
@@ -257,7 +259,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 6144, 8192, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
         Case{24, 640, 1152, 8, 16, true, 0, 4, 0, true, 256, true, 1, false, 0, false, 3},
         Case{57, 1280, 2048, 0, 0, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{64, 256, 640, 0, 16, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 3}));
+        Case{64, 256, 640, 0, 16, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 3},
+        // early_last: fused decode (three CTAs per tile), ~50 CTAs per tile, one tile, every
+        // n, one CTA per SM, several waves, PDL; ignored with owner_fixup / cluster_split.
+        Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, false, 0, false, 0, true},
+        Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 1, false, 0, false, 0, true},
+        Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, 0, false, 0, true},
+        Case{16, 9856, 6144, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, 0, true},
+        Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, 0, true},
+        Case{24, 1280, 2048, 16, 0, true, 2, 1, 3, true, 0, false, 4, false, 0, false, 0, true},
+        Case{5, 256, 1152, 0, 0, false, 0, 1, 0, true, 0, false, 1, true, 0, false, 0, true},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 2, false, 0, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an

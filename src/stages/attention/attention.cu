@@ -170,11 +170,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21)
-    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8 or 21 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
-                       "16 and 18-20 in session 16; 17, 22-25 in session 17: 21 is 17 with the "
-                       "early copies)");
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
+      cfg.verify_variant != 26 && cfg.verify_variant != 27)
+    return unsupported(
+        "run_attention_cuda: verify_variant ", cfg.verify_variant,
+        " is not 0, 8, 21, 26 or 27 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        "16 and 18-20 in session 16; 17, 22-25 in session 17: 21 is 17 with the "
+        "early copies)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -261,17 +263,17 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // Variant 21 (kTma: TMA loads and the early copies, kTwoPass: the two-pass V NaN test, kLazy: the
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
   CUtensorMap kmap{}, vmap{}, qmap{};
-  if constexpr (kTma) {
+  if constexpr (kTma || kEarly) {
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -317,8 +319,16 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
                 cudaStream_t stream) {
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
-    return pl.verify_variant == 21 ? launch_verify<true, true, true, true>(args, pl, n_kv, stream)
-                                   : launch_verify<true, false>(args, pl, n_kv, stream);
+    switch (pl.verify_variant) {
+      case 21:
+        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
+      case 26:
+        return launch_verify<true, false, true, true, false>(args, pl, n_kv, stream);
+      case 27:
+        return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
+      default:
+        return launch_verify<true, false>(args, pl, n_kv, stream);
+    }
   }
   if (pl.wgmma) {
     // The warp-specialised kernel needs TMA-addressable tensors (16-byte pool base and strides, a

@@ -389,13 +389,16 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // the iteration, before the block wait: 3 blocks in flight while waiting, S no longer under the
 // previous P V; 46.1-47.2), 24 / 25 (an L2 prefetch of the next block over the last 4 / all blocks:
 // round B 47.0-47.4 / 53.2-53.9, B256 x 4 168.2 / 184.0).
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false>
+// Opt-in (session 17 round D): 26 = 21's loop with cp.async loads (no early copies), 27 = 26 with
+// the early copies by TMA (kEarly without kTma: entries 0, 1 wait on their mbarrier, the rest on
+// cp.async groups, as in the decode kernel).
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
-  constexpr bool kEarly = kTma;  // the early copies are TMA copies
+  static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -439,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
   // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
   if (tid == 0) s_tile[3] = 0;
-  if (kTma) init_full_barriers(s_full);
+  if (kTma || kEarly) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
@@ -519,8 +522,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
 #pragma unroll
-      for (int j = 0; j < kStages - 1; ++j)
-        if (j >= skip) load(j, count, lmask, lpage, j);
+      for (int j = 0; j < kStages - 1; ++j) {
+        if (j >= skip)
+          load(j, count, lmask, lpage, j);
+        else if (!kTma)
+          ak::cp_async_commit();  // (an empty group keeps the count)
+      }
       int stage = 0;
       for (int i = 0; i < count; ++i) {
         if constexpr (kTma) {
@@ -532,6 +539,10 @@ __global__ void __launch_bounds__(kThreads, 2)
           }
         } else {
           ak::cp_async_wait<kStages - 2>();
+          if (kEarly && i < skip) {  // an early TMA copy (one phase per kernel)
+            while (!sm90::mbar_try_wait(ak::smem_u32(&s_full[i]), 0u)) {
+            }
+          }
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);

@@ -73,7 +73,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
-// 21 (session 16's 17 with the first copies issued before the union is complete).
+// 21 (session 16's 17 with the first copies issued before the union is complete), opt-in 26 / 27
+// (21's loop on cp.async loads, without / with the early copies).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -93,7 +94,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 26, 27}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

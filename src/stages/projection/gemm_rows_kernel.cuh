@@ -289,6 +289,31 @@ __global__ void __launch_bounds__(128 * kWg + 32 * kProducerWarps, 1)
       }
     }
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
+    // Each producer thread copies the same pieces of every K block: weight pieces pt + 128 j
+    // ((valid row v, 16-byte chunk c), c fastest: 8 threads copy a row's 128 bytes), activation
+    // pieces likewise, the activation scale of row pt, and (the last threads) the weight scales.
+    // Sources and destinations are set up once (session 17 round C: decoding them per copy made
+    // the producers instruction-bound, ~100 instructions per 16-byte copy).
+    constexpr int kWPieces = kWg * 64 * 8 / kProducers, kAPieces = kNw * 8 / kProducers + 1;
+    const uint8_t* wsrc[kWPieces];
+    uint32_t wdst[kWPieces];
+#pragma unroll
+    for (int j = 0; j < kWPieces; ++j) {
+      const int it = pt + kProducers * j, v = it / 8, c = it % 8;
+      const int w = v >= n0 ? 1 : 0, l = v - w * n0;  // warpgroup, local row
+      const int f = 16 * (l % 4) + l / 4;             // the fragment row of local row l
+      wsrc[j] = it < wg_total * 8 ? p.b + int64_t{b0 + v} * p.ldb + 16 * c : nullptr;
+      wdst[j] = static_cast<uint32_t>(w * kWeightTile) + swizzled(f, c);
+    }
+    const uint8_t* asrc[kAPieces];
+    uint32_t adst[kAPieces];
+#pragma unroll
+    for (int j = 0; j < kAPieces; ++j) {
+      const int it = pt + kProducers * j, m = it / 8, c = it % 8;
+      asrc[j] = it < m_count * 8 ? p.a + m * p.lda + 16 * c : nullptr;
+      adst[j] = static_cast<uint32_t>(kActOffset) + swizzled(m, c);
+    }
+    const int sb_row = kProducers - 1 - pt;  // weight-scale block of the last threads
     for (int kb0 = 0, i = 0; kb0 < kblocks; kb0 += kBurst) {
       const int nkb = kblocks - kb0 < kBurst ? kblocks - kb0 : kBurst;
       for (int b = 0; b < nkb; ++b) {
@@ -296,32 +321,34 @@ __global__ void __launch_bounds__(128 * kWg + 32 * kProducerWarps, 1)
         if (ib >= kSlots)
           sm90::mbar_wait(smem_u32(&empty_bar[ib % kSlots]), ((ib / kSlots) - 1) & 1);
       }
-      // (Valid rows only: row index v over the CTA's warpgroups, warpgroup-major.)
-      const int weight_items = wg_total * nkb * 8;
-      for (int it = pt; it < weight_items; it += kProducers) {
-        const int c = it % 8, b = (it / 8) % nkb, v = it / (8 * nkb);
-        const int w = v >= n0 ? 1 : 0, l = v - w * n0;  // warpgroup, local row
-        const int f = 16 * (l % 4) + l / 4;             // the fragment row of local row l
-        const uint32_t dst = base +
-                             static_cast<uint32_t>(((i + b) % kSlots) * kSlot + w * kWeightTile) +
-                             swizzled(f, c);
-        cp_async_16(dst, p.b + int64_t{b0 + v} * p.ldb + (kb0 + b) * kBlockK + 16 * c);
-      }
-      for (int it = pt; it < nkb * m_count * 8; it += kProducers) {
-        const int b = it / (m_count * 8), m = (it / 8) % m_count, c = it % 8;
-        cp_async_16(
-            base + static_cast<uint32_t>(((i + b) % kSlots) * kSlot + kActOffset) + swizzled(m, c),
-            p.a + m * p.lda + (kb0 + b) * kBlockK + 16 * c);
-      }
-      for (int it = pt; it < nkb * m_count; it += kProducers) {
-        const int b = it / m_count, m = it % m_count;
-        cp_async_4(sa_base + static_cast<uint32_t>(4 * (((i + b) % kSlots) * kNw + m)),
-                   p.sa + m * p.sa_s0 + (kb0 + b) * p.sa_s1);
-      }
-      for (int it = pt; it < nkb * rb_count; it += kProducers) {
-        const int b = it / rb_count, r = it % rb_count;
-        cp_async_4(sb_base + static_cast<uint32_t>(4 * (((i + b) % kSlots) * 2 + r)),
-                   p.sb + (rb0 + r) * p.sb_s0 + (kb0 + b) * p.sb_s1);
+      uint32_t slot[kBurst];
+#pragma unroll
+      for (int b = 0; b < kBurst; ++b)
+        slot[b] = base + static_cast<uint32_t>(((i + b) % kSlots) * kSlot);
+        // A row's burst of K blocks back to back.
+#pragma unroll
+      for (int j = 0; j < kWPieces; ++j)
+        if (wsrc[j] != nullptr)
+#pragma unroll
+          for (int b = 0; b < kBurst; ++b)
+            if (b < nkb) cp_async_16(slot[b] + wdst[j], wsrc[j] + (kb0 + b) * kBlockK);
+#pragma unroll
+      for (int j = 0; j < kAPieces; ++j)
+        if (asrc[j] != nullptr)
+#pragma unroll
+          for (int b = 0; b < kBurst; ++b)
+            if (b < nkb) cp_async_16(slot[b] + adst[j], asrc[j] + (kb0 + b) * kBlockK);
+#pragma unroll
+      for (int b = 0; b < kBurst; ++b) {
+        if (b < nkb) {
+          const int sl = (i + b) % kSlots;
+          if (pt < m_count)
+            cp_async_4(sa_base + static_cast<uint32_t>(4 * (sl * kNw + pt)),
+                       p.sa + pt * p.sa_s0 + (kb0 + b) * p.sa_s1);
+          if (sb_row < rb_count)
+            cp_async_4(sb_base + static_cast<uint32_t>(4 * (sl * 2 + sb_row)),
+                       p.sb + (rb0 + sb_row) * p.sb_s0 + (kb0 + b) * p.sb_s1);
+        }
       }
       // One arrival per slot of the burst, when all of this thread's copies so far have landed.
       for (int b = 0; b < nkb; ++b)

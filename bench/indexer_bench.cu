@@ -54,14 +54,10 @@
 //   --case),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
-//   k_splits, late = !early_query_loads, sorted = !fast_select, w8 / w8k2 / w8s2 = wide decode
-//   CTAs (IndexerCudaOptions::decode_warps 8) at the automatic plan / the two-kernel path in 2
-//   splits / the single pass in clusters of 2, w8s2x / s2x = the wide / default-width single
-//   pass in clusters of 2 with split_selection, q4 / 2kq4 = IndexerCudaOptions::short_select
-//   with the default plan / the 2k path; --vlist NAME,... keeps base and the named ones;
-//   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --warps N (decode_warps for every
-//   path and table), --short-select / --compact-select (IndexerCudaOptions::short_select /
-//   compact_select for every path and table).
+//   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
+//   row of <= 63 candidates); --vlist NAME,... keeps base and the named ones; batch 64 / 256 x
+//   8K / 32K / 128K at draft 3, or --case), --no-short-select (IndexerCudaOptions::short_select
+//   false for every path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -420,8 +416,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
-         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk) +
-         (pl.warps != 4 ? " w" + std::to_string(pl.warps) : std::string());
+         std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
 
 double pct_copy(const Case& c, double us) {
@@ -457,9 +452,8 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, decode_warps = 0;
-  bool short_select = false;    // --short-select: IndexerCudaOptions::short_select everywhere
-  bool compact_select = false;  // --compact-select: IndexerCudaOptions::compact_select everywhere
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
+  bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -501,12 +495,8 @@ int main(int argc, char** argv) {
       timeline = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
-    else if (a == "--short-select")
-      short_select = true;
-    else if (a == "--compact-select")
-      compact_select = true;
-    else if (a == "--warps" && i + 1 < argc)
-      decode_warps = std::atoi(argv[++i]);
+    else if (a == "--no-short-select")
+      no_short_select = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -526,8 +516,8 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--warps 4|8] [--short-select] "
-                   "[--compact-select] [--k K,K,...]\n",
+                   "[--variants] [--vlist NAME,...] [--no-short-select] "
+                   "[--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -537,9 +527,7 @@ int main(int argc, char** argv) {
     o->guess_request_bounds = !no_guess;
     o->early_query_loads = !late;
     o->fast_select = !sorted;
-    o->decode_warps = decode_warps;
-    o->short_select = short_select;
-    o->compact_select = compact_select;
+    o->short_select = !no_short_select;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -581,7 +569,7 @@ int main(int argc, char** argv) {
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
-    const int64_t warps = units * pl.k_splits * pl.warps;
+    const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
     const int64_t sel_warps = c.T * kNkv * 4 + 64;
@@ -720,9 +708,9 @@ int main(int argc, char** argv) {
       for (int64_t y = 0; y < pl.k_splits; ++y) {
         double lo = 1e30, hi = kNone;
         int sm = -1;
-        for (int w = 0; w < pl.warps; ++w) {
-          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * pl.warps + w) * 16;
-          const double t2 = at((x * pl.k_splits + y) * pl.warps + w, 2);
+        for (int w = 0; w < 4; ++w) {
+          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * 16;
+          const double t2 = at((x * pl.k_splits + y) * 4 + w, 2);
           if (t2 == kNone) continue;
           lo = std::min(lo, t2);
           hi = std::max(hi, t2);
@@ -898,36 +886,16 @@ int main(int argc, char** argv) {
       const char* name;
       IndexerCudaOptions o;
     };
-    // 2k: the two-kernel path at the default plan's k_splits (set per case below); w8: wide CTAs
-    // (decode_warps 8) at the automatic plan; w8k2: wide, two-kernel path with 2 splits; w8s2:
-    // wide, single pass in clusters of 2.
-    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
-                                {"sorted", default_o}, {"w8", default_o},    {"w8k2", default_o},
-                                {"w8s2", default_o},   {"w8s2x", default_o}, {"s2x", default_o},
-                                {"q4", default_o},     {"2kq4", default_o},  {"s4x", default_o},
-                                {"cs", default_o},     {"q4cs", default_o}};
+    // 2k: the two-kernel path at the default plan's k_splits (set per case below).
+    std::vector<Variant> all = {{"base", default_o},
+                                {"2k", default_o},
+                                {"late", default_o},
+                                {"sorted", default_o},
+                                {"q1", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
-    for (size_t i = 4; i < 8; ++i) all[i].o.decode_warps = 8;
-    all[5].o.unfused_decode = true;
-    all[5].o.k_splits = 2;
-    all[6].o.single_pass = true;
-    all[6].o.single_pass_ctas = 2;
-    all[7].o = all[6].o;
-    all[7].o.split_selection = true;
-    all[8].o.single_pass = true;
-    all[8].o.single_pass_ctas = 2;
-    all[8].o.split_selection = true;
-    all[9].o.short_select = true;
-    all[10].o.unfused_decode = true;
-    all[10].o.short_select = true;
-    all[11].o.single_pass = true;
-    all[11].o.single_pass_ctas = 4;
-    all[11].o.split_selection = true;
-    all[12].o.compact_select = true;
-    all[13].o.compact_select = true;
-    all[13].o.short_select = true;
+    all[4].o.short_select = false;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -943,7 +911,7 @@ int main(int argc, char** argv) {
         bool pass = true;
         std::vector<Times> tms;
         for (Variant& v : vs)
-          if (v.name == std::string("2k") || v.name == std::string("2kq4"))
+          if (v.name == std::string("2k"))
             v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
         for (const Variant& v : vs) {
           const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
@@ -965,11 +933,7 @@ int main(int argc, char** argv) {
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select, w8 = decode_warps 8 (automatic plan), w8k2 = "
-        "wide two-kernel path in 2 splits, w8s2 = wide single pass in clusters of 2, x = with "
-        "split_selection, s2x = default-width clusters of 2 with split_selection, q4 / 2kq4 = "
-        "short_select (4 warps per row) with the default plan / the 2k path, s4x = clusters of 4 "
-        "with split_selection, cs = compact_select, q4cs = short_select + compact_select)",
+        "!early_query_loads, sorted = !fast_select, q1 = !short_select)",
         rows, json);
     return finish();
   }

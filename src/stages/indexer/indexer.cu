@@ -99,8 +99,6 @@ struct Plan {
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
-  int warps =
-      ik::kMmaWarps;  // warps per scorer CTA (tensor cores: IndexerCudaOptions::decode_warps)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -212,7 +210,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
-  if (pl.mma && o.decode_warps == ik::kWideWarps) pl.warps = ik::kWideWarps;
   return pl;
 }
 
@@ -237,68 +234,6 @@ Status pdl_smem_bytes(size_t smem, int64_t ctas, int sms, int dev, size_t* out) 
   // per_sm + 1 CTAs of `want` (+ the per-CTA reserve) exceed the SM's shared memory.
   const int64_t want = ceil_div(int64_t{sm_bytes} / (per_sm + 1) - reserved + 16, 16) * 16;
   *out = static_cast<size_t>(std::clamp<int64_t>(want, static_cast<int64_t>(smem), optin));
-  return Status::Ok();
-}
-
-// The scoring kernel of plan `pl` (kW warps per CTA) on `stream`: the clustered single pass, the
-// fused or single-pass kernel, the two-kernel path's scorer, or the CUDA-core scorer.
-template <int kW>
-Status launch_scorer(const Plan& pl, const ik::KernelArgs& a, int sms, int current, bool pdl,
-                     cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
-  const int64_t ctas = pl.units * pl.k_splits;
-  // Dynamic shared memory of a tensor-core scorer launch (programmatic: see pdl_smem_bytes).
-  // The kernel's opt-in limit (a function attribute, not a stream operation: fine under graph
-  // capture) is always the one-CTA-per-SM size, the largest any call requests, so that a graph
-  // captured by an earlier call stays launchable whatever a later call sets.
-  const auto prepare = [&](auto kernel, size_t need, size_t* launch_bytes) -> Status {
-    size_t cap = 0;
-    M3_RETURN_IF_ERROR(pdl_smem_bytes(need, 1, sms, current, &cap));
-    *launch_bytes = need;
-    if (pdl) M3_RETURN_IF_ERROR(pdl_smem_bytes(need, ctas, sms, current, launch_bytes));
-    M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
-    return Status::Ok();
-  };
-  const dim3 block(kW * 32);
-  if (pl.single && pl.k_splits > 1) {
-    // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-    const auto ckernel = ik::score_fused_cluster_kernel<kW>;
-    size_t csmem = 0;
-    M3_RETURN_IF_ERROR(prepare(ckernel, ik::fused_smem_bytes(kW), &csmem));
-    cudaLaunchConfig_t ccfg = {};
-    ccfg.gridDim = grid;
-    ccfg.blockDim = block;
-    ccfg.dynamicSmemBytes = csmem;
-    ccfg.stream = stream;
-    cudaLaunchAttribute cattr[2];
-    cattr[0].id = cudaLaunchAttributeClusterDimension;
-    cattr[0].val.clusterDim.x = 1;
-    cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
-    cattr[0].val.clusterDim.z = 1;
-    cattr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    cattr[1].val.programmaticStreamSerializationAllowed = 1;
-    ccfg.attrs = cattr;
-    ccfg.numAttrs = pdl ? 2 : 1;
-    M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ckernel, a));
-  } else if (pl.fused) {
-    // 72 KB (136 KB wide) of dynamic shared memory: opt in.
-    const auto kernel = pl.single ? ik::score_fused_single_kernel<kW> : ik::score_fused_kernel<kW>;
-    size_t fsmem = 0;
-    M3_RETURN_IF_ERROR(prepare(kernel, ik::fused_smem_bytes(kW), &fsmem));
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, block, fsmem, stream, pdl, a));
-  } else if (pl.mma) {
-    // 64 KB (128 KB wide) of dynamic shared memory plus the kernel's static bytes pass the
-    // default 48 KB limit: opt in.
-    size_t msmem = 0;
-    M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel<kW>, ik::ring_smem_bytes(kW), &msmem));
-    M3_CUDA_RETURN_IF_ERROR(
-        launch_pdl(ik::score_mma_kernel<kW>, grid, block, msmem, stream, pdl, a));
-  } else {
-    M3_CUDA_RETURN_IF_ERROR(
-        launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));
-  }
-  M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
@@ -330,7 +265,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
-  info.warps = pl.warps;
   return info;
 }
 
@@ -357,10 +291,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.decode_warps == 0 || options.decode_warps == ik::kMmaWarps ||
-                   options.decode_warps == ik::kWideWarps,
-               "run_indexer_cuda: decode_warps ", options.decode_warps, " is not 0, ",
-               ik::kMmaWarps, " or ", ik::kWideWarps);
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -410,9 +340,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
-  a.dec_warps = pl.warps;
-  a.split_select = options.split_selection ? 1 : 0;
-  a.compact_select = options.compact_select ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -422,10 +349,63 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // Tokens see at most max_pages blocks; with <= 16 every visible block is selected and no score
   // is read, so the scoring kernel is skipped.
   if (max_pages > kTopK) {
-    const Status st = pl.warps == ik::kWideWarps
-                          ? launch_scorer<ik::kWideWarps>(pl, a, sms, current, pdl, stream)
-                          : launch_scorer<ik::kMmaWarps>(pl, a, sms, current, pdl, stream);
-    M3_RETURN_IF_ERROR(st);
+    const dim3 grid(static_cast<unsigned>(pl.units), static_cast<unsigned>(pl.k_splits));
+    const int64_t ctas = pl.units * pl.k_splits;
+    // Dynamic shared memory of a tensor-core scorer launch (programmatic: see pdl_smem_bytes).
+    // The kernel's opt-in limit (a function attribute, not a stream operation: fine under graph
+    // capture) is always the one-CTA-per-SM size, the largest any call requests, so that a graph
+    // captured by an earlier call stays launchable whatever a later call sets.
+    const auto prepare = [&](auto kernel, size_t need, size_t* launch_bytes) -> Status {
+      size_t cap = 0;
+      M3_RETURN_IF_ERROR(pdl_smem_bytes(need, 1, sms, current, &cap));
+      *launch_bytes = need;
+      if (pdl) M3_RETURN_IF_ERROR(pdl_smem_bytes(need, ctas, sms, current, launch_bytes));
+      M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
+      return Status::Ok();
+    };
+    if (pl.single && pl.k_splits > 1) {
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
+      const auto ckernel = ik::score_fused_cluster_kernel;
+      size_t csmem = 0;
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      cudaLaunchConfig_t ccfg = {};
+      ccfg.gridDim = grid;
+      ccfg.blockDim = dim3(ik::kMmaThreads);
+      ccfg.dynamicSmemBytes = csmem;
+      ccfg.stream = stream;
+      cudaLaunchAttribute cattr[2];
+      cattr[0].id = cudaLaunchAttributeClusterDimension;
+      cattr[0].val.clusterDim.x = 1;
+      cattr[0].val.clusterDim.y = static_cast<unsigned>(pl.k_splits);
+      cattr[0].val.clusterDim.z = 1;
+      cattr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      cattr[1].val.programmaticStreamSerializationAllowed = 1;
+      ccfg.attrs = cattr;
+      ccfg.numAttrs = pdl ? 2 : 1;
+      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&ccfg, ckernel, a));
+      M3_CUDA_CHECK_LAUNCH();
+      return Status::Ok();
+    }
+    if (pl.fused) {
+      // 72 KB of dynamic shared memory: opt in.
+      const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
+      size_t fsmem = 0;
+      M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
+    } else if (pl.mma) {
+      // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
+      // limit: opt in.
+      size_t msmem = 0;
+      M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel, ik::kMmaSmemBytes, &msmem));
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
+    } else {
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));
+    }
+    M3_CUDA_CHECK_LAUNCH();
     if (pl.single) return Status::Ok();  // the scorer wrote every row
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last

@@ -153,29 +153,18 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
-  // Warps per CTA of the tensor-core scorer: 0 or 4 (the default CTA of 4 warps, up to 3 per
-  // SM), or 8 (opt-in wide CTA, one per SM: 128 KB of tile rings; a decode unit's split spreads
-  // its blocks over 8 warps, so half the blocks per warp at the same split; overflow tiles run on
-  // warps 0-3 of it). Same ids.
-  int decode_warps = 0;
-  // Clustered single pass with clusters of 2, 4 or 8 CTAs: the unit's rows are shared out over
-  // the cluster's CTAs (row j: rank j % k), each CTA's warps write a block max into the table of
-  // the row's rank and every rank selects its own rows after the cluster barrier, instead of rank
-  // 0 selecting every row. Same ids.
-  bool split_selection = false;
   // Where the selection kernel runs and max_pages <= 64 (contexts up to 8K: every row has at most
-  // 63 candidates), rank each row with 4 warps (each counts the beats against a quarter of the
-  // row's candidates) instead of one. Same ids.
-  bool short_select = false;
-  // Rows of <= 64 candidates (the selection kernel, the single pass's final selection) counted in
-  // a loop of ~40 instructions instead of ~450 unrolled ones: that code runs once per warp at a
-  // kernel's end, where instruction fetch, not the arithmetic, bounded it. Same ids.
-  bool compact_select = false;
+  // 63 candidates), each row is ranked by 4 warps (select_short_kernel: each counts the beats
+  // against a quarter of the row's candidates) instead of one. Session 17, same-run A/Bs, 64 x 8K
+  // draft 3 (two-kernel path): round B 25.7 / 23.5 us (isolated / back to back) vs 28.0 / 25.2,
+  // round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one warp per row (the
+  // A/B switch).
+  bool short_select = true;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
-  // grid (grid.x * grid.y * IndexerCudaPlan::warps warps, then 16 more for the selection kernel)
-  // where the decode warps record %globaltimer and clock64 at their phases
-  // (indexer_kernel_common.cuh, timeline_mark; bench --timeline). Not validated: the caller
-  // guarantees the size.
+  // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
+  // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
+  // (indexer_kernel_common.cuh, timeline_mark / select_timeline_mark; bench --timeline). Not
+  // validated: the caller guarantees the size.
   uint64_t* timeline = nullptr;
 };
 
@@ -199,7 +188,6 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
   bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
-  int warps = 4;        // warps per scorer CTA (decode_warps)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

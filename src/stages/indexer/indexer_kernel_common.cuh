@@ -79,14 +79,11 @@ struct KernelArgs {
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
-  int dec_warps = 4;       // warps per scorer CTA (the timeline's layout; the kernels' template kW)
-  int split_select = 0;    // IndexerCudaOptions::split_selection (clustered single pass)
-  int compact_select = 0;  // IndexerCudaOptions::compact_select (counting as a loop)
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
 // warp of a decode unit records clock64 in word 8 + slot (and 1 in word slot) of its
-// kTimelineStride words at (CTA x * gridDim.y + y) * dec_warps + warp. Slots: 0 entry, 1 ready to
+// kTimelineStride words at (CTA x * gridDim.y + y) * 4 + warp. Slots: 0 entry, 1 ready to
 // score (query rows and positions in, after pdl_wait), 2 its blocks scored, 3 the CTA's (or
 // cluster's) barrier passed, 4 done (rows written); word 7 holds the SM id (%smid) of the warp.
 // %globaltimer is read only twice per CTA (warp 0 at entry, words 13 / 14 = globaltimer / clock64)
@@ -126,7 +123,7 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
 }
 
 // The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
-// word kTimelineStride * (grid.x * grid.y * dec_warps + 1) of the scorer's grid), 4 words per
+// word kTimelineStride * (grid.x * grid.y * 4 + 1) of the scorer's grid), 4 words per
 // selection warp (global warp index): the SM id + 1, clock64 at entry, at the release from
 // pdl_wait, and when its row is written (the benchmark converts them with the scorer warps'
 // globaltimer pairs of the same SM).
@@ -134,7 +131,7 @@ __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int sl
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
   const uint64_t c = static_cast<uint64_t>(clock64());
   const int64_t base =
-      ((int64_t{a.num_overflow} + a.num_requests) * a.k_splits * a.dec_warps + 1) * kTimelineStride;
+      ((int64_t{a.num_overflow} + a.num_requests) * a.k_splits * 4 + 1) * kTimelineStride;
   const int64_t w = int64_t{blockIdx.x} * (blockDim.x >> 5) + (threadIdx.x >> 5);
   uint64_t* e = a.timeline + base + w * 4;
   if (slot == 0) {

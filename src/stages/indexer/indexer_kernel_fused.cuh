@@ -10,12 +10,8 @@
 
 namespace m3attn::indexer_kernel {
 
-constexpr int kMmaWarps = 4;  // warps of a tensor-core scorer CTA (the default)
+constexpr int kMmaWarps = 4;  // warps of a tensor-core scorer CTA
 constexpr int kMmaThreads = kMmaWarps * 32;
-// Warps of the opt-in wide decode CTA (IndexerCudaOptions::decode_warps 8): decode units spread
-// their blocks over 8 warps (one CTA per SM: 128 KB of tile rings); overflow tiles still run on
-// warps 0-3 (the others leave at once).
-constexpr int kWideWarps = 8;
 // Fused decode: blocks per split at most (the host sizes dec_chunk accordingly): the shared
 // block-max table holds [kDecRows][kFusedMaxChunk] f32 (8 KB).
 constexpr int kFusedMaxChunk = 64;
@@ -76,29 +72,25 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
 // written at once (trivial rows included): candidate ids are < local and ascend with the lane, so a
 // selected id's slot is the count of selected ids before it (ballot prefix), the local block
 // follows them, -1 fills the rest. lane_pos: lane l < n holds the position of token t0 + l (no
-// reload at the CTA's end). The rows selected are first, first + step, ... < rows (a cluster's
-// CTAs share them out with IndexerCudaOptions::split_selection; else 0, 1, ...), the i-th of them
-// by warp i % kW.
-template <int kG, int kW>
+// reload at the CTA's end).
+template <int kG>
 __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
-                                            int b0, int b1, int lane_pos, int first, int step) {
+                                            int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
   static_assert(kPer == 2, "rank_by_rounds takes two candidates per lane");
-  const int mine = rows > first ? (rows - first + step - 1) / step : 0;
-  for (int i0 = warp; i0 < mine; i0 += kG * kW) {  // warp-uniform conditions from here on
+  for (int j0 = warp; j0 < rows; j0 += kG * kMmaWarps) {  // warp-uniform conditions from here on
     float s[kPer][kG];
     int rank[kPer][kG];
     bool live[kG];
     int local[kG], nbs[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
-      const int i = i0 + g * kW;
-      const int j = first + step * i;
+      const int j = j0 + g * kMmaWarps;
       live[g] = false;
       local[g] = -1;
-      if (i < mine) {
+      if (j < rows) {
         const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
         local[g] = trivial_row(a, a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK, pos, true);
         live[g] = local[g] >= 0;
@@ -118,8 +110,8 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       // (session 14 round B / C, batch 1 at 32K, fused path, 4-block splits: 14.9 / 15.1 us with
       // counting vs 11.6 in round A with the rounds; 1 x 128K 20.5 vs 18.9).
       if (live[0] && nbs[0] > kTopK) {
-        rank_by_counting(sblk + (first + step * i0) * kFusedMaxChunk, nbs[0], s[0][0], s[1][0],
-                         rank[0][0], rank[1][0], a.compact_select != 0);
+        rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
+                         rank[1][0]);
       } else {
         rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
       }
@@ -129,27 +121,21 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       if (!live[g]) continue;
-      const int64_t row_index = int64_t{t0} * a.n_kv + first + step * (i0 + g * kW);
+      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
       emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
                       local[g]);  // b0 == 0
     }
   }
 }
 
-// The final selection of every row of the unit (see select_rows) by the CTA's kW warps: one row
-// per warp at a time for <= kW rows (draft 0 at n_kv 4), else 4 rows of a warp together (kW 8:
-// 2 rows for <= 16).
-template <int kW = kMmaWarps>
+// The final selection of every row of the unit (see select_rows): one row per warp at a time for
+// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
-                                                   int rows, int b0, int b1, int lane_pos,
-                                                   int first = 0, int step = 1) {
-  const int mine = rows > first ? (rows - first + step - 1) / step : 0;
-  if (mine <= kW)
-    select_rows<1, kW>(a, sblk, t0, rows, b0, b1, lane_pos, first, step);
-  else if (kW > kMmaWarps && mine <= 2 * kW)
-    select_rows<2, kW>(a, sblk, t0, rows, b0, b1, lane_pos, first, step);
+                                                   int rows, int b0, int b1, int lane_pos) {
+  if (rows <= kMmaWarps)
+    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
-    select_rows<4, kW>(a, sblk, t0, rows, b0, b1, lane_pos, first, step);
+    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The

@@ -118,27 +118,6 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
-// The same for a CTA of kW warps (kMmaWarps or kWideWarps): the tile rings (or the overflow page
-// ring), and the fused path's table after them.
-constexpr int ring_smem_bytes(int kW) {
-  return kMaxI(kPreStages * kPageBytes, kW * kDecStages * kTileBytes);
-}
-constexpr int fused_smem_bytes(int kW) {
-  return ring_smem_bytes(kW) + kDecRows * kFusedMaxChunk * 4;
-}
-static_assert(ring_smem_bytes(kMmaWarps) == kMmaSmemBytes, "default ring");
-static_assert(fused_smem_bytes(kMmaWarps) == kFusedSmemBytes, "default fused");
-
-// The overflow tiles' CTA barrier: all threads of a default CTA; in a wide CTA (kW 8) the first
-// 4 warps, which alone run the overflow path (named barrier 1, 128 threads).
-template <int kW>
-__device__ __forceinline__ void overflow_sync() {
-  if constexpr (kW == kMmaWarps) {
-    __syncthreads();
-  } else {
-    asm volatile("bar.sync 1, %0;" ::"n"(kMmaThreads) : "memory");
-  }
-}
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -290,12 +269,11 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 }
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
-// fused, to the CTA's shared block-max table sblk[row][b - b0] (rows of odd C column, e == 1:
-// sblk1's; the same table except in a cluster whose CTAs share the rows out).
+// fused, to the CTA's shared block-max table sblk[row][b - b0].
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
                                              int rows, int b, bool page_ok, int g, int tig,
-                                             float* sblk, float* sblk1, int b0) {
+                                             float* sblk, int b0) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -307,7 +285,7 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
       const int j = nt * 8 + tig * 2 + e;
       if (g == 0 && j < rows) {
         if constexpr (kFused)
-          (e == 0 ? sblk : sblk1)[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
+          sblk[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
         else
           a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
       }
@@ -402,19 +380,19 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
-// The warp's share of a decode unit: blocks first, first + kW, ... < b1 (pg_first / pg_second: the
+// The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused, int kW>
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, float* sblk1, int b0, bool pre_issued) {
+                                            float* sblk, int b0, bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int nblk = (b1 - first + kW - 1) / kW;
+  const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
 
   // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
   // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
@@ -427,7 +405,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kW) : -1;
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kMmaWarps) : -1;
   };
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
@@ -454,7 +432,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
   for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * kW;
+    const int b = first + k * kMmaWarps;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
@@ -484,7 +462,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, sblk1, b0);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -506,7 +484,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster, int kW>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
@@ -520,7 +498,8 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int first = b0 + warp;
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
-  const int64_t pg_second = first + kW < bend ? guarded_page(a, r, first + kW) : int64_t{-1};
+  const int64_t pg_second =
+      first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -580,71 +559,61 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int b1 = min(nvis, bend);
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   const int rows = n * a.n_kv;                 // <= kDecRows
-  float* sblk = kFused ? reinterpret_cast<float*>(smem + ring_smem_bytes(kW)) : nullptr;
+  float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, float* table1, int tb0) {
+  const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, table1, tb0, pre);
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, table1, tb0, pre);
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, table1, tb0, pre);
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
       default:
-        decode_unit<4, kFused, kW>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p,
-                                   table, table1, tb0, pre);
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
+                               tb0, pre);
         break;
     }
   };
   timeline_mark(a, 1);
   if constexpr (kCluster) {
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    // Rows go to rank 0's table, or (split_selection, clusters of 2, 4 or 8) row j to rank
-    // j % k's, which selects it: a lane's rows nt * 8 + 2 tig + e have the rank (2 tig + e) % k.
-    const int k = static_cast<int>(gridDim.y);
-    const bool split = a.split_select && (k == 2 || k == 4 || k == 8);
-    const int tig = lane & 3;
-    const uint32_t own0 = split ? static_cast<uint32_t>((2 * tig) % k) : 0u;
-    const uint32_t own1 = split ? static_cast<uint32_t>((2 * tig + 1) % k) : 0u;
-    if (first < b1) score(map_to_cluster_rank(sblk, own0), map_to_cluster_rank(sblk, own1), 0);
+    if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (split)
-      fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p, static_cast<int>(blockIdx.y), k);
-    else if (blockIdx.y == 0)
-      fused_local_select<kW>(a, sblk, qa, rows, 0, nvis, p);
+    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select<kW>(a, nullptr, qa, rows, b0, b1, p);
+      if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, sblk, b0);
+  if (first < b1) score(sblk, b0);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
     if constexpr (kSingle) {
-      fused_local_select<kW>(a, sblk, qa, rows, b0, b1, p);
+      fused_local_select(a, sblk, qa, rows, b0, b1, p);
     } else {
       // The table's rows go to the workspace scores in one coalesced burst (row j: blocks
       // [b0, b1) contiguous); select_kernel finishes the rows.
       const int ncol = b1 - b0;
-      for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kW * 32) {
+      for (int i = static_cast<int>(threadIdx.x); i < rows * ncol; i += kMmaThreads) {
         const int j = i / ncol, c = i - j * ncol;
         a.scores[(int64_t{qa} * a.n_kv + j) * a.max_pages + b0 + c] = sblk[j * kFusedMaxChunk + c];
       }
@@ -720,7 +689,6 @@ __device__ __forceinline__ void prefill_compute_page(const PrefillState& s, cons
   }
 }
 
-template <int kW>
 __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* ring,
                                                  OverflowShared& sh, int r, int sa, int se) {
   const int tid = threadIdx.x;
@@ -740,13 +708,13 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
     sh.max_pos[warp] = mx;
     sh.min_pos[warp] = mn;
   }
-  overflow_sync<kW>();
+  __syncthreads();
 #pragma unroll
   for (int w = 0; w < kMmaWarps; ++w) {
     mx = max(mx, sh.max_pos[w]);
     mn = min(mn, sh.min_pos[w]);
   }
-  overflow_sync<kW>();  // sh is reused by the next segment
+  __syncthreads();  // sh is reused by the next segment
   const int nvis = blocks_to_score(a, mx);
   int b0 = 0, b1 = 0;
   if (nvis == 0 || !split_range(a, nvis, b0, b1)) return;
@@ -792,40 +760,29 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   for (int i = 0; i < kPreStages - 1; ++i) issue(i);
   for (int i = 0; i < npages; ++i) {
     cp_async_wait<kPreStages - 2>();
-    overflow_sync<kW>();  // page i landed for every thread; stage (i - 1) % kPreStages is free
+    __syncthreads();  // page i landed for every thread; stage (i - 1) % kPreStages is free
     issue(i + kPreStages - 1);
     if (active)
       prefill_compute_page(s, a, ring + (i % kPreStages) * kPageBytes, b0 + i,
                            sh.page_ok[i % kPreStages] != 0, mn, row0, rows, sa, g, tig);
   }
   cp_async_wait<0>();
-  overflow_sync<kW>();  // the ring and page_ok are reused by the next segment
+  __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle, bool kCluster, int kW>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kW>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
-  }
-  if constexpr (kW > kMmaWarps) {
-    // Wide CTA: the overflow path runs on warps 0-3 (named barrier); the others leave, in a
-    // cluster after passing its one barrier.
-    if (static_cast<int>(threadIdx.x) >= kMmaThreads) {
-      if constexpr (kCluster) {
-        cluster_arrive_release();
-        cluster_wait_acquire();
-      }
-      return;
-    }
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
-  for_each_segment(a, [&](int r, int sa, int se) { overflow_segment<kW>(a, smem, sh, r, sa, se); });
+  for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
   if constexpr (kSingle) {
     // The tile's block scores (global memory; with a cluster, every split's) are written and
     // visible.
@@ -834,38 +791,34 @@ __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* sme
       cluster_arrive_release();
       cluster_wait_acquire();
     } else {
-      overflow_sync<kW>();
+      __syncthreads();
     }
     finish_overflow_rows(a);
   }
 }
 
-// Two-kernel path: every block score goes to the workspace; select_kernel picks. kW: warps per
-// CTA (kMmaWarps, or kWideWarps for the opt-in wide decode CTAs).
-template <int kW>
-__global__ void __launch_bounds__(kW * 32) score_mma_kernel(const KernelArgs a) {
+// Two-kernel path: every block score goes to the workspace; select_kernel picks.
+__global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, kW>(a, smem, sh);
+  score_mma_body<false>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the
 // workspace scores at the CTA's end, overflow tiles write block scores; select_kernel finishes.
-// Dynamic shared memory: fused_smem_bytes(kW).
-template <int kW>
-__global__ void __launch_bounds__(kW * 32) score_fused_kernel(const KernelArgs a) {
+// Dynamic shared memory: kFusedSmemBytes.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, false, false, kW>(a, smem, sh);
+  score_mma_body<true>(a, smem, sh);
 }
 
 // Single pass (IndexerCudaOptions::single_pass, grid.y == 1): decode units write their rows of
 // block_ids, overflow tiles select their rows from their own block scores; no selection kernel.
-template <int kW>
-__global__ void __launch_bounds__(kW * 32) score_fused_single_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kMmaThreads) score_fused_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, true, false, kW>(a, smem, sh);
+  score_mma_body<true, true>(a, smem, sh);
 }
 
 // Clustered single pass (IndexerCudaOptions::single_pass_ctas > 1): launched in clusters of
@@ -873,11 +826,10 @@ __global__ void __launch_bounds__(kW * 32) score_fused_single_kernel(const Kerne
 // the table of the cluster's first CTA (distributed shared memory), which finishes the rows; an
 // overflow tile's splits write block scores, then finish its rows together after a cluster
 // barrier. No selection kernel.
-template <int kW>
-__global__ void __launch_bounds__(kW * 32) score_fused_cluster_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<true, true, true, kW>(a, smem, sh);
+  score_mma_body<true, true, true>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

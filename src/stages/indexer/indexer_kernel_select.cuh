@@ -86,51 +86,13 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
   r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
 }
 
-// count_beats over candidates [j0, j1) (multiples of 4) as a loop (IndexerCudaOptions::
-// compact_select): ~40 instructions of code instead of ~450. The selection runs once per warp at
-// the end of a kernel (or in the short selection kernel), where its code is not in the
-// instruction cache: session 17 round B ncu, 64 x 8K draft 0 single pass, the selecting warps'
-// stall samples were 71 % stall_no_inst (instruction fetch), and the selection took ~1.3 us after
-// the cluster barrier.
-__device__ __forceinline__ void count_beats_loop(const float* row, int j0, int j1, float s0,
-                                                 float s1, int& r0, int& r1) {
-  const int lane = threadIdx.x & 31;
-  int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
-  const int mid = min(max(j0, 32), j1);
-#pragma unroll 1
-  for (int j = j0; j < mid; j += 4) {  // index j beats lane on a tie iff j < lane
-    const float4 v4 = *reinterpret_cast<const float4*>(row + j);
-    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c0[e] += (vv[e] > s0 || (vv[e] == s0 && j + e < lane)) ? 1 : 0;
-      c1[e] += vv[e] >= s1 ? 1 : 0;
-    }
-  }
-#pragma unroll 1
-  for (int j = mid; j < j1; j += 4) {  // beats lane + 32 on a tie iff j - 32 < lane
-    const float4 v4 = *reinterpret_cast<const float4*>(row + j);
-    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c0[e] += vv[e] > s0 ? 1 : 0;
-      c1[e] += (vv[e] > s1 || (vv[e] == s1 && j + e - 32 < lane)) ? 1 : 0;
-    }
-  }
-  r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
-  r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
-}
-
 __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
-                                                 int& r1, bool compact = false) {
+                                                 int& r1) {
   const int lane = threadIdx.x & 31;
   if (lane >= nb) row[lane] = quiet_nan();
   if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
   __syncwarp();
-  if (compact)
-    count_beats_loop(row, 0, kCountRow, s0, s1, r0, r1);
-  else
-    count_beats<0, kCountRow>(row, s0, s1, r0, r1);
+  count_beats<0, kCountRow>(row, s0, s1, r0, r1);
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
@@ -343,7 +305,7 @@ __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int
     srow[lane + 32] = s1;
     __syncwarp();
     int r0 = 0, r1 = 0;
-    rank_by_counting(srow, local, s0, s1, r0, r1, a.compact_select != 0);
+    rank_by_counting(srow, local, s0, s1, r0, r1);
     emit_ranked_row(out, s0, s1, r0, r1, local);
     return;
   }
@@ -430,24 +392,19 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
     int r0 = 0, r1 = 0;
-    if (a.compact_select) {
-      constexpr int kQuarter = kCountRow / kShortRowWarps;
-      count_beats_loop(srow[rg], q * kQuarter, (q + 1) * kQuarter, s0, s1, r0, r1);
-    } else {
-      switch (q) {
-        case 0:
-          count_quarter<0>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 1:
-          count_quarter<1>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 2:
-          count_quarter<2>(srow[rg], s0, s1, r0, r1);
-          break;
-        default:
-          count_quarter<3>(srow[rg], s0, s1, r0, r1);
-          break;
-      }
+    switch (q) {
+      case 0:
+        count_quarter<0>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 1:
+        count_quarter<1>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 2:
+        count_quarter<2>(srow[rg], s0, s1, r0, r1);
+        break;
+      default:
+        count_quarter<3>(srow[rg], s0, s1, r0, r1);
+        break;
     }
     part[rg][q][lane] = r0;
     part[rg][q][lane + 32] = r1;

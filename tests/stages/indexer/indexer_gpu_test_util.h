@@ -393,17 +393,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
-    o.short_select = true;  // rows of <= 63 candidates (max_pages <= 64) by 4 warps each
-    variants.push_back({"short select", o});
-    o.compact_select = true;  // counting in a loop (selection kernels and the single pass)
-    variants.push_back({"short select, compact", o});
-    o.short_select = false;
-    variants.push_back({"compact select", o});
-    o = IndexerCudaOptions{};
-    o.decode_warps = 8;  // wide scorer CTAs (8 warps; overflow tiles on warps 0-3)
-    variants.push_back({"wide", o});
-    o.k_splits = 3;
-    variants.push_back({"wide, k_splits 3", o});
+    o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
+    variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
@@ -428,20 +419,16 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
-    // Clusters of 2 and 8 also with split_selection (every rank selects its share of the rows).
-    for (int ctas : {1, 2, 3, 8, -2, -8}) {
+    for (int ctas : {1, 2, 3, 8}) {
       IndexerCudaOptions so = v.o;
       so.single_pass = true;
-      so.single_pass_ctas = ctas < 0 ? -ctas : ctas;
-      so.split_selection = ctas < 0;
+      so.single_pass_ctas = ctas;
       if (!indexer_cuda_plan(d.params, so).single) continue;
       const GpuResult c = run_gpu(d, so);
-      expect_same_ids(
-          in, c, g,
-          name + ", single pass" +
-              (so.single_pass_ctas > 1 ? " cluster " + std::to_string(so.single_pass_ctas)
-                                       : std::string()) +
-              (so.split_selection ? " split" : "") + " vs two-kernel]");
+      expect_same_ids(in, c, g,
+                      name + ", single pass" +
+                          (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
+                          " vs two-kernel]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

@@ -142,11 +142,6 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     expect_rejected(d.params, d.workspace, o, "single_pass_ctas 9");
   }
   {
-    IndexerCudaOptions o;
-    o.decode_warps = 6;
-    expect_rejected(d.params, d.workspace, o, "decode_warps 6");
-  }
-  {
     IndexerParams p = d.params;
     p.batch.num_requests = 0;
     p.batch.query_start.shape[0] = 1;

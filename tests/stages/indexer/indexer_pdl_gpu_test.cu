@@ -215,29 +215,9 @@ std::vector<Variant> all_variants(bool short_context) {
   v.push_back({"no guess: early loads", o});
   o = {};
   o.unfused_decode = true;
-  o.short_select = true;
-  v.push_back({"two-kernel, short select", o});
-  o.compact_select = true;
-  v.push_back({"two-kernel, short select, compact", o});
-  o = {};
-  o.compact_select = true;
-  v.push_back({"compact select", o});
-  o = {};
-  o.decode_warps = 8;
-  v.push_back({"wide", o});
-  o.unfused_decode = true;
-  v.push_back({"wide two-kernel", o});
+  o.short_select = false;
+  v.push_back({"two-kernel, one warp per short row", o});
   if (short_context) {
-    o = {};
-    o.decode_warps = 8;
-    o.single_pass = true;
-    o.single_pass_ctas = 2;
-    v.push_back({"wide cluster 2", o});
-    o.split_selection = true;
-    v.push_back({"wide cluster 2, split selection", o});
-    o.decode_warps = 0;
-    o.single_pass_ctas = 4;
-    v.push_back({"cluster 4, split selection", o});
     for (int ctas : {1, 2, 8}) {
       o = {};
       o.single_pass = true;

@@ -358,13 +358,11 @@ __global__ void fill_pow2(float* p, int64_t n, uint32_t seed, float lo) {
 }
 
 struct ShapeVariant {
-  int ctas;            // GemmWgmmaOptions::ctas_per_sm (0: automatic)
-  bool owner;          // GemmWgmmaOptions::owner_fixup
-  int min_units;       // GemmWgmmaOptions::min_units_per_cta
-  int cluster;         // GemmWgmmaOptions::cluster_split
-  bool packed;         // GemmWgmmaOptions::packed_weights (weights packed once per copy)
-  int rows = 0;        // GemmWgmmaOptions::row_split (session 17: row split without split-K)
-  bool early = false;  // GemmWgmmaOptions::early_last (session 17)
+  int ctas;       // GemmWgmmaOptions::ctas_per_sm (0: automatic)
+  bool owner;     // GemmWgmmaOptions::owner_fixup
+  int min_units;  // GemmWgmmaOptions::min_units_per_cta
+  int cluster;    // GemmWgmmaOptions::cluster_split
+  bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -421,16 +419,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
   // removed.)
-  // 6-8: the row split without split-K through a cp.async ring (session 17; row_split 1-3);
-  // 9: early_last (session 17).
   // 5: packed weights (session 16). Session 16 also timed, and removed: dynamic chunks of 2-8 K
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
-  const ShapeVariant variants[] = {{0, false, 16, 0, false},    {1, false, 16, 0, false},
-                                   {0, true, 16, 0, false},     {1, true, 16, 0, false},
-                                   {0, false, 16, 3, false},    {0, false, 16, 0, true},
-                                   {0, false, 16, 0, false, 1}, {0, false, 16, 0, false, 2},
-                                   {0, false, 16, 0, false, 3}, {0, false, 16, 0, false, 0, true}};
+  const ShapeVariant variants[] = {{0, false, 16, 0, false}, {1, false, 16, 0, false},
+                                   {0, true, 16, 0, false},  {1, true, 16, 0, false},
+                                   {0, false, 16, 3, false}, {0, false, 16, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -575,8 +569,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
-      o.row_split = variants[v].rows;
-      o.early_last = variants[v].early;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -590,9 +582,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (variants[v].packed ? " packed" : "") +
-          (o.row_split > 0 ? " row split " + std::to_string(o.row_split) : "") +
-          (o.early_last ? " early last" : "");
+          (variants[v].packed ? " packed" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));

@@ -10,7 +10,6 @@
 #include "core/cuda_check.h"
 #include "core/pdl.cuh"
 #include "m3attn/config.h"
-#include "stages/projection/gemm_rows.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 
@@ -266,12 +265,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   M3_CHECK_ARG(options.max_waves >= 1 && options.max_waves <= kMaxWaves,
                "GemmWgmmaOptions::max_waves = ", options.max_waves, " must be in [1, ", kMaxWaves,
                "]");
-  M3_CHECK_ARG(options.row_split >= 0 && options.row_split <= 3,
-               "GemmWgmmaOptions::row_split = ", options.row_split, " must be in [0, 3]");
-  M3_CHECK_ARG(
-      options.row_split == 0 || (options.cluster_split == 0 && options.packed_weights == nullptr),
-      "GemmWgmmaOptions::row_split is not combined with cluster_split or "
-      "packed_weights");
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
   if (m > kMaxM)
     return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
@@ -289,7 +282,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                "run_gemm_wgmma_cuda: N = ", n, ", K = ", k, " and N / 128 x K / 128 = ", units,
                " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
-  if (options.row_split != 0) return run_gemm_rows_cuda(p, info.sms, info.device, stream, options);
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07
   // us with one, M 64 26.88 vs 30.37, once the split-K partials became fragment-major; before,
@@ -352,7 +344,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   // (The owner fixup waits for other CTAs of the grid: only with every CTA resident at once.)
   args.owner_fixup = options.owner_fixup && options.max_waves == 1 && cluster_split == 0 ? 1 : 0;
   args.cluster = cluster_split;
-  args.early_last = options.early_last && !args.owner_fixup && cluster_split == 0 ? 1 : 0;
   args.burst = options.burst;  // resolved per ring depth in launch()
   args.trace = options.debug_trace;
   args.kblocks = static_cast<int>(kblocks);

@@ -61,23 +61,6 @@ struct GemmWgmmaOptions {
   // fused N 9856 M 1 / 16 / 64 21.86 / 19.89, 22.02 / 20.19, 28.35 / 25.74 vs 22.27 / 20.38,
   // 22.78 / 20.75, 29.63 / 27.12 (round C). Opt-in: the caller keeps the packed image (N K bytes).
   const void* packed_weights = nullptr;
-  // Variant (session 17): 0 = off; 1-3 = the row split without split-K (gemm_rows_kernel.cuh):
-  // one CTA per SM of two consumer warpgroups and four producer warps; each warpgroup owns
-  // N / (2 x SMs) whole weight rows (<= 64) over the whole K as the A tile of its wgmmas; the
-  // producers copy weights and activations with 16-byte cp.async into a ring of shared-memory
-  // slots (mbarriers); no partials, counters, fences or TMA, no workspace (may be null).
-  // Variants: ring slots x K blocks per producer burst 8 x 2 (1), 12 x 2 (2; 10 at M 17-32, 6 at
-  // M > 32), 8 x 4 (3). M <= 64; unsupported(...) when a warpgroup would own more than 64 rows
-  // or the weight / activation rows are not 16-byte aligned. Not with cluster_split or
-  // packed_weights; min_units_per_cta, max_waves, ctas_per_sm, burst, owner_fixup and weight_*
-  // do not apply.
-  int row_split = 0;
-  // Variant (session 17): the producer warp, once it has issued the CTA's last loads, polls the
-  // arrival counter of the CTA's last split tile; if every other contributor has arrived before
-  // the consumers finish, the CTA is that tile's last arriver and sums it without storing its
-  // own partial, fencing or counting (the ~1 us of the split-K tail on the critical path).
-  // Same bits. Stream-K only (ignored with owner_fixup or cluster_split).
-  bool early_last = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -109,6 +109,23 @@
 // The plain read with one contiguous range per CTA is as fast as the grid-stride read (17.25 /
 // 15.21 vs 17.18 / 15.29, round B), while TMA or bulk-copy streams of the same bytes take 17.8-18.1
 // / 15.9-16.2 in any order: the copy engine path, not the access pattern, costs ~0.7 us.
+// Session 17 (same-round A/Bs; fused M 1 this kernel 21.8 / 19.9): (1) the weight stream read
+// without compute by every thread with 16-byte loads (bandwidth_bench --lsu, round A): in this
+// kernel's unit order 18.9 / 16.9 into registers and 18.8 / 16.8 by cp.async, against 18.2 / 16.2
+// for its TMA stream and 17.1 / 14.9 for a plain read, so the gap to the plain read is the unit
+// order (128-byte row pieces of 128-row tiles), not the copy engine; a row split's order (37-38
+// whole rows per warpgroup, 2-4 K blocks per row per visit) 19.4 / 17.4 at best. (2) A row split
+// without split-K (each warpgroup owning 37-38 whole weight rows, no partials): with the weights
+// loaded straight into wgmma's register A fragments 58-82 us (the compiler's wgmma fence before a
+// register-A wgmma waits for every load in flight: one memory latency per K group); through a
+// cp.async ring with a proxy fence in the copying threads 58-73 us (the fence waits for the
+// thread's copies in flight); warp-specialized (producer warps with cp.async and mbarriers)
+// 27-31 us at M 1-16, 35-36 at M 64 (round C2; the producers were first instruction-bound at
+// ~100 instructions per 16-byte copy: 45-60 us). Exact and sanitizer-clean, but slower than this
+// kernel at every M: removed. (3) Early last (the idle producer polls the counter of its CTA's
+// last split tile and, when every other contributor has arrived, the CTA sums the tile without
+// publishing its own partial): 22.0-22.1 / 20.1 vs 21.8 / 19.9 at M 1, equal at M 16 / 64 (rounds
+// C, C2): removed.
 // Grid: (1 or 2, automatic 2) x SMs CTAs, at least `min_units_per_cta` units each, at most
 // `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another
 // CTA, so later waves are safe); cluster split: N / 128 x C CTAs in clusters of C.
@@ -171,7 +188,6 @@ struct WgmmaArgs {
   int trigger_dependents;  // griddepcontrol.launch_dependents at the start of every CTA
   int owner_fixup;         // the tile's first CTA sums its partials (one wave only; see below)
   int cluster;             // > 0: clusters of this many CTAs split each tile's K (see below)
-  int early_last;          // the producer finds out early that the CTA's last tile is its to sum
   // Packed weights (GemmWgmmaOptions::packed_weights): unit u of CTA c (its v-th) is the 16 KB
   // smem image at packed + (v grid + c) 16 KB, loaded with one 1D bulk copy; nullptr: TMA 2D.
   const uint8_t* packed;
@@ -403,9 +419,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   __shared__ __align__(16) float s_scales[kStages * kSlot];
   __shared__ int s_is_last;
-  // Early last (variant): 0 undecided, 1 the producer saw every other contributor of the CTA's
-  // last tile arrive first, 2 the consumers reached that tile's epilogue first (see below).
-  __shared__ int s_early_state, s_early;
   // Cluster split: rank 0's barrier for the other ranks' "partial ready" arrivals; each other
   // rank's barrier for rank 0's "partial read" arrival.
   __shared__ __align__(8) uint64_t xred_bar, xdone_bar;
@@ -435,7 +448,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     s_trace[kTraceWords] = clock64();
   }
 
-  if (tid == 0) s_early_state = 0;
   // Scale slots start at zero: rows >= M are never written, so the fold reads zeros there.
   for (int i = tid; i < kStages * kSlot; i += kThreads) s_scales[i] = 0.0f;
   if (tid == kConsumerThreads) {
@@ -525,35 +537,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // no copy outlives its thread
     if (csplit > 1) cluster_wait();                     // (every thread that arrived waits once)
-    // Early last (variant): the producer has issued everything, ~a ring of units before the
-    // consumers finish. If the CTA's last segment is a split tile, lane 0 polls the tile's
-    // arrival counter until every other contributor has arrived (then the CTA is the tile's last
-    // arriver whatever happens: it claims the fixup with state 1, so its consumers skip the
-    // partial store, the fence and the atomic) or until the consumers reach the epilogue first
-    // (state 2: the usual path). The compare-and-swap decides; the sum is the same either way.
-    if (p.early_last && lane == 0 && csplit == 0 && p.owner_fixup == 0 && u_end > u_begin) {
-      const int tile = (u_end - 1) / kb_count;
-      const bool whole = u_begin <= tile * kb_count && u_end == (tile + 1) * kb_count;
-      if (!whole) {
-        const unsigned others =
-            static_cast<unsigned>(unit_owner((tile + 1) * kb_count - 1, grid, units) -
-                                  unit_owner(tile * kb_count, grid, units));
-        volatile int* state = &s_early_state;
-        while (*state == 0) {
-          unsigned v;
-          asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];\n"
-                       : "=r"(v)
-                       : "l"(p.counters + tile)
-                       : "memory");
-          if (v == others) {
-            __threadfence();  // (acquire: the other contributors' partials)
-            atomicCAS(&s_early_state, 0, 1);
-            break;
-          }
-          __nanosleep(100);
-        }
-      }
-    }
     return;  // (no block-wide barrier follows: consumers synchronize with bar.sync 1)
   }
 
@@ -759,18 +742,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     // wave), so the wait ends. The sum below is the same in both schemes: same bits.
     const bool owner_mode = p.owner_fixup != 0;
     const bool owner = owner_mode && seg_begin == tile * kb_count;
-    // Early last (variant, the CTA's last segment): settle the race with the producer's poll.
-    bool early = false;
-    if (p.early_last && !owner_mode && seg_end == u_end) {
-      if (tid == 0) {
-        const bool won = atomicCAS(&s_early_state, 0, 2) == 1;
-        if (won) __threadfence();  // (acquire, as the usual last arriver's fence)
-        s_early = won;
-      }
-      consumer_barrier();
-      early = s_early != 0;
-    }
-    if (!owner && !early) {
+    if (!owner) {
       // Publish the partial (a contributor's is always its first segment: slot 2c).
       float4* part = partial_v4(tile == first_tile ? 2 * cta : 2 * cta + 1);
 #pragma unroll
@@ -802,8 +774,6 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
             if (clock64() - start > (1ll << 34)) __trap();  // a lost arrival: fail, not hang
         }
         last = true;
-      } else if (early) {
-        last = true;  // every other contributor has arrived; nothing to publish
       } else {
         __threadfence();
         last = atomicAdd(p.counters + tile, 1u) == others;

@@ -77,8 +77,6 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
-  int rows = 0;             // GemmWgmmaOptions::row_split (variant; 0 = off)
-  bool early = false;       // GemmWgmmaOptions::early_last
 };
 
 std::string describe(const Case& c) {
@@ -89,8 +87,7 @@ std::string describe(const Case& c) {
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
-         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " early last " + std::to_string(c.early);
+         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -106,8 +103,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_split = c.rows;
-  o.early_last = c.early;
   return o;
 }
 
@@ -237,39 +232,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, true},
         Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, true},
-        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true},
-        // row_split (whole weight rows per warpgroup, no split-K): fused and o_proj
-        // decode shapes in every variant, n = 8 and 16, odd M, 16-byte aligned and padded
-        // operands, row-major scales, K block counts off the group size (9, 1, 3), fewer
-        // weight rows than warpgroups (N 128 / 256: empty warpgroups), warpgroups
-        // straddling a 128-row scale block, PDL; grid options that do not apply.
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 3},
-        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{8, 9856, 1152, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
-        Case{16, 6144, 8192, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{9, 6144, 8192, 16, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 3},
-        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 1},
-        Case{16, 128, 384, 0, 16, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
-        Case{7, 1280, 6144, 0, 0, false, 2, 1, 3, false, 0, true, 4, true, 0, false, 3},
-        Case{12, 9856, 2048, 8, 0, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 2},
-        // n = 32 and 64 (ring of activation slots reused over K).
-        Case{33, 9856, 6144, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{64, 6144, 8192, 0, 0, false, 0, 4, 0, true, 256, false, 1, false, 0, false, 2},
-        Case{24, 640, 1152, 8, 16, true, 0, 4, 0, true, 256, true, 1, false, 0, false, 3},
-        Case{57, 1280, 2048, 0, 0, true, 0, 4, 0, true, 256, false, 1, false, 0, false, 1},
-        Case{64, 256, 640, 0, 16, false, 0, 4, 0, true, 256, true, 1, false, 0, false, 3},
-        // early_last: fused decode (three CTAs per tile), ~50 CTAs per tile, one tile, every
-        // n, one CTA per SM, several waves, PDL; ignored with owner_fixup / cluster_split.
-        Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, false, 0, false, 0, true},
-        Case{8, 640, 6144, 0, 0, false, 2, 1, 0, true, 256, false, 1, false, 0, false, 0, true},
-        Case{33, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, 0, false, 0, true},
-        Case{16, 9856, 6144, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, 0, true},
-        Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, 0, true},
-        Case{24, 1280, 2048, 16, 0, true, 2, 1, 3, true, 0, false, 4, false, 0, false, 0, true},
-        Case{5, 256, 1152, 0, 0, false, 0, 1, 0, true, 0, false, 1, true, 0, false, 0, true},
-        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 256, false, 1, false, 2, false, 0, true}));
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -340,105 +303,6 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaRandom,
                          ::testing::Values(RandomCase{1, 9856, 6144}, RandomCase{8, 640, 6144},
                                            RandomCase{33, 256, 6144}, RandomCase{64, 640, 6144},
                                            RandomCase{16, 128, 8192}));
-
-// row_split on random operands: one fp32 FMA per K block in K order (the twin's order), each
-// block's dot product from the tensor core.
-TEST(GemmWgmmaRows, RandomWithinAccumulationBoundOfTwin) {
-  M3_REQUIRE_WGMMA();
-  for (const RandomCase rc : {RandomCase{1, 9856, 6144}, RandomCase{16, 6144, 8192},
-                              RandomCase{5, 640, 1152}, RandomCase{40, 1280, 6144}}) {
-    for (int variant : {1, 2, 3}) {
-      Case c{rc.m, rc.n, rc.k, 0, 0, false, 0, 4};
-      c.rows = variant;
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(describe(c));
-      Rng rng(seed);
-      GemmData d = make_random_data(c.m, c.n, c.k, rng);
-      const std::vector<uint16_t> ref = cpu_gemm(d);
-      const std::vector<double> s = abs_sums(d);
-      DeviceGemm dev(d, c.n);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      expect_within_bound("row_split vs twin", got, ref, s, d, std::ldexp(1.0, -10), 0);
-    }
-  }
-}
-
-// Small row_split cases for compute-sanitizer (memcheck, racecheck): every n, ring slots reused
-// (K blocks > slots), warpgroups with no rows, integer inputs bit-identical to the twin.
-TEST(GemmWgmmaRows, SanitizerSmall) {
-  M3_REQUIRE_WGMMA();
-  for (const Case& base :
-       {Case{5, 256, 1664, 0, 0, false, 0, 4}, Case{16, 384, 1408, 0, 16, true, 0, 4},
-        Case{33, 128, 1280, 8, 0, false, 0, 4}, Case{64, 256, 1152, 0, 0, true, 0, 4}}) {
-    for (int variant : {1, 3}) {
-      Case c = base;
-      c.rows = variant;
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(describe(c));
-      Rng rng(seed);
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      const std::vector<uint16_t> ref = cpu_gemm(d);
-      DeviceGemm dev(d, c.n + c.ld_pad, c.shift, c.sa_row_major);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
-    }
-  }
-}
-
-// row_split through Fp8BlockGemm (wgmma_max_m = 64): quantizer + GEMM captured once and
-// replayed with new inputs equals eager runs byte for byte, plain and with programmatic launch.
-TEST(GemmWgmmaRows, GraphReplayEqualsEager) {
-  M3_REQUIRE_WGMMA();
-  for (bool pdl : {false, true}) {
-    for (int64_t rows : {1, 16, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "rows " << rows << " PDL " << pdl);
-      Rng rng(seed);
-      Fp8BlockGemmOptions o = wgmma_options();
-      o.wgmma.row_split = 1;
-      o.wgmma.programmatic_launch = pdl;
-      expect_graph_replay_equals_eager(rows, 64, o, rng);
-    }
-  }
-}
-
-// row_split outside its rules: unsupported (M 65, more than 64 rows per warpgroup) or invalid
-// (variant 4, with cluster_split); nothing written.
-TEST(GemmWgmmaRows, RejectedCallsWriteNothing) {
-  M3_REQUIRE_WGMMA();
-  Rng rng(fresh_seed());
-  struct Reject {
-    int64_t m, n, k;
-    int variant, cluster;
-    StatusCode code;
-  };
-  int device = 0, sms = 0;
-  M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
-  M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int64_t too_wide = (int64_t{2} * sms * 64 / 128 + 1) * 128;
-  for (const Reject& r : {Reject{65, 256, 512, 1, 0, StatusCode::kUnsupported},
-                          Reject{1, too_wide, 256, 3, 0, StatusCode::kUnsupported},
-                          Reject{8, 256, 512, 4, 0, StatusCode::kInvalidArgument},
-                          Reject{8, 256, 512, 1, 2, StatusCode::kInvalidArgument}}) {
-    SCOPED_TRACE(::testing::Message()
-                 << "M " << r.m << " N " << r.n << " K " << r.k << " variant " << r.variant);
-    GemmData d = make_integer_data(r.m, r.n, r.k, rng);
-    DeviceGemm dev(d, r.n);
-    DeviceBuffer ws = make_workspace(r.n, 64);
-    GemmWgmmaOptions o;
-    o.row_split = r.variant;
-    o.cluster_split = r.cluster;
-    EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).code(), r.code);
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t touched = 0;
-    for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
-    EXPECT_EQ(touched, 0);
-  }
-}
 
 // Through Fp8BlockGemm (wgmma_max_m = 64): the fused projection equals the unfused pair bit for
 // bit on integer inputs although the three GEMMs split K differently.

@@ -12,7 +12,9 @@
 // Rows of <= 64 candidates (local <= 64: contexts up to 8K): the row is copied to shared memory
 // and each lane ranks its two candidates by counting the candidates that beat them
 // (rank_by_counting, ~600 independent instructions), then the selected ids are written in order
-// by ballot prefix counts (emit_ranked_row). Longer rows:
+// by ballot prefix counts (emit_ranked_row). Where max_pages <= 64 (every row that short),
+// select_short_kernel does the same with 4 warps per row, each counting a quarter
+// (IndexerCudaOptions::short_select, the default). Longer rows:
 // one pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
 // row's 15 best keys are among the union of the lanes' lists, so 15 merge rounds pop the largest
@@ -45,17 +47,6 @@ constexpr int kSelectThreads = kSelectWarps * 32;
 // emit_ranked_row; longer ones take the per-lane sorted lists and warp_top15.
 constexpr int kCountRow = 64;
 
-// One row per warp: the ranks r0 / r1 of the lane's candidates lane and lane + 32 (scores s0 / s1,
-// NaN = none) among the row's candidates row[0 .. nb) (shared memory: a block-max table row, or the
-// select kernel's copy of a row's block scores):
-// the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
-// index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
-// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
-// NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
-// loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
-// chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
-// (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
-// us with one accumulator per candidate (round B: a 64-long dependent add chain per lane).
 // The counts of rank_by_counting over the candidates kJ0 .. kJ0 + kN - 1 of the row only (row:
 // 64 entries, NaN past the row's candidates; kJ0, kN multiples of 4): r0 / r1 = how many of them
 // beat the lane's candidates lane / lane + 32.
@@ -86,6 +77,19 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
   r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
 }
 
+// One row per warp: the ranks r0 / r1 of the lane's candidates lane and lane + 32 (scores s0 / s1,
+// NaN = none) among the row's candidates row[0 .. nb) (shared memory: a block-max table row, or the
+// select kernel's copy of a row's block scores):
+// the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
+// index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
+// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
+// NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
+// loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
+// chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
+// (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
+// us with one accumulator per candidate (round B: a 64-long dependent add chain per lane). (Those
+// phases held ~1 us of %globaltimer reads; session 17's clock64 timeline: the selecting warps take
+// ~1.3 us from the cluster barrier to their row written, their stalls mostly instruction fetch.)
 __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
                                                  int& r1) {
   const int lane = threadIdx.x & 31;
@@ -350,7 +354,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // of the row's candidates (count_beats), and after a CTA barrier the first sums the partial
 // ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
 // rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
-// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each).
+// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the
+// selection kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to
+// back: 23.5 vs 25.2-25.9 us (rounds B, C), 23.3 vs 25.5 (C2).
 constexpr int kShortRowWarps = 4;
 constexpr int kShortRows = kSelectWarps / kShortRowWarps;  // rows per CTA
 

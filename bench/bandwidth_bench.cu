@@ -172,6 +172,32 @@ __global__ void __launch_bounds__(64)
 }
 
 // ---- --lsu: the weight stream read by every thread with plain loads (session 17) --------------
+// Streams `groups` groups of kBurst units through kGroups register buffers: load(buf, g) fills a
+// buffer with group g's loads (nothing past the end), and the group is consumed (an xor of every
+// word valid(g, b, j) says was loaded) just before its buffer is refilled, kGroups groups ahead.
+template <int kGroups, int kBurst, typename Load, typename Valid>
+__device__ __forceinline__ uint32_t register_ring_xor(int groups, Load load, Valid valid) {
+  uint4 buf[kGroups][kBurst][4];
+#pragma unroll
+  for (int s = 0; s < kGroups; ++s) load(buf[s], s);
+  uint32_t acc = 0;
+  for (int g0 = 0; g0 < groups; g0 += kGroups) {
+#pragma unroll
+    for (int s = 0; s < kGroups; ++s) {
+      const int g = g0 + s;
+      if (g >= groups) break;
+#pragma unroll
+      for (int b = 0; b < kBurst; ++b)
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          if (valid(g, b, j))
+            acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
+      load(buf[s], g + kGroups);
+    }
+  }
+  return acc;
+}
+
 // The decode GEMM's units (128 weight rows x 128 bytes, stream-K ranges, tile-major) read by all
 // 256 threads of a CTA with 16-byte ld.global.nc.L1::no_allocate loads into registers, each
 // thread its wgmma A-fragment rows of the unit (row 64 wg + 16 warp + lane / 4 and 8 rows below,
@@ -188,7 +214,6 @@ __global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restric
   const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
   const int row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
   const int col0 = 16 * (lane % 4);
-  uint4 buf[kGroups][kBurst][4];
   auto load_unit = [&](uint4(&d)[4], int u) {
     const int tile = u / kblocks, kb = u - tile * kblocks;
     const uint8_t* p0 = w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
@@ -207,23 +232,8 @@ __global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restric
     for (int b = 0; b < kBurst; ++b)
       if (g * kBurst + b < count) load_unit(d[b], u_begin + g * kBurst + b);
   };
-#pragma unroll
-  for (int s = 0; s < kGroups; ++s) load_group(buf[s], s);
-  uint32_t acc = 0;
-  for (int g0 = 0; g0 < groups; g0 += kGroups) {
-#pragma unroll
-    for (int s = 0; s < kGroups; ++s) {
-      const int g = g0 + s;
-      if (g >= groups) break;
-#pragma unroll
-      for (int b = 0; b < kBurst; ++b)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (g * kBurst + b < count)
-            acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
-      load_group(buf[s], g + kGroups);
-    }
-  }
+  const uint32_t acc = register_ring_xor<kGroups, kBurst>(
+      groups, load_group, [&](int g, int b, int) { return g * kBurst + b < count; });
   if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
 }
 
@@ -244,7 +254,6 @@ __global__ void __launch_bounds__(128)
   const bool v0 = l0 < rows, v1 = l1 < rows;
   const uint8_t* p0 = w + int64_t{r_begin + l0} * ldw + 16 * (lane % 4);
   const uint8_t* p1 = w + int64_t{r_begin + l1} * ldw + 16 * (lane % 4);
-  uint4 buf[kGroups][kBurst][4];
   const int groups = (kblocks + kBurst - 1) / kBurst;
   auto ld = [](uint4& d, const uint8_t* p) {
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -266,23 +275,9 @@ __global__ void __launch_bounds__(128)
       }
     }
   };
-#pragma unroll
-  for (int s = 0; s < kGroups; ++s) load_group(buf[s], s);
-  uint32_t acc = 0;
-  for (int g0 = 0; g0 < groups; g0 += kGroups) {
-#pragma unroll
-    for (int s = 0; s < kGroups; ++s) {
-      const int g = g0 + s;
-      if (g >= groups) break;
-#pragma unroll
-      for (int b = 0; b < kBurst; ++b)
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          if (g * kBurst + b < kblocks && (j < 2 ? v0 : v1))
-            acc ^= buf[s][b][j].x ^ buf[s][b][j].y ^ buf[s][b][j].z ^ buf[s][b][j].w;
-      load_group(buf[s], g + kGroups);
-    }
-  }
+  const uint32_t acc = register_ring_xor<kGroups, kBurst>(
+      groups, load_group,
+      [&](int g, int b, int j) { return g * kBurst + b < kblocks && (j < 2 ? v0 : v1); });
   if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
 }
 

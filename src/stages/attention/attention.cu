@@ -90,6 +90,13 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // alone (decode_kernel 8: B64 40.9-42.4 vs 40.7-41.8) and the refill at the end of the iteration
 // (9: 41.5-42.1).
 constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
+// ... except for one-wave grids (make_plan), where 27 (21's loop on cp.async loads, the early
+// copies by TMA, as in the decode kernel) runs. Round C2 (two runs, sparse draft 3, isolated us at
+// 8K / 32K / 128K): B64 x 4 44.7 / 44.4 / 44.7 and 44.8 / 44.6 / 44.3 vs 45.5 / 46.3 / 46.0
+// and 45.4 / 46.2 / 45.7 for 21 (back to back 43.2-43.7 vs 44.0-44.3), but B256 x 4 @ 32K 162.3 /
+// 162.2 vs 160.3 / 160.8. 26 (27 without the early copies: B64 x 4 44.6-46.0, B256 x 4 165.6 /
+// 165.7) was removed.
+constexpr int kAutoVerifyOneWave = 27;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -171,11 +178,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 26 && cfg.verify_variant != 27)
+      cfg.verify_variant != 27)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 26 or 27 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
-        "16 and 18-20 in session 16; 17, 22-25 in session 17: 21 is 17 with the "
+        " is not 0, 8, 21 or 27 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
@@ -231,6 +238,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
         1, p.sparse ? std::min<int64_t>(kTopK, p.batch.max_pages) : p.batch.max_pages);
     const int64_t s = std::max<int64_t>(1, split_wave() / ctas);
     pl.splits = static_cast<int>(std::min<int64_t>({s, blocks, ak::kMaxSplits}));
+  }
+  if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
+    // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
+    // 27, the loop on cp.async loads; more waves: 21 (kAutoVerifyVariant).
+    const int64_t per_request = (T + R - 1) / R;
+    const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
+    if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;
   }
   *out = pl;
   return Status::Ok();
@@ -322,8 +336,6 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     switch (pl.verify_variant) {
       case 21:
         return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
-      case 26:
-        return launch_verify<true, false, true, true, false>(args, pl, n_kv, stream);
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
       default:

@@ -90,15 +90,16 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (21), 8
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (27 when the
+                            // likely grid is one wave of 2 CTAs per SM without splits, else 21), 8
                             // cp.async loads of K and V (the NaN test in every block), 21 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max, conflict-free f16 V stores, a
                             // shorter epilogue (session 16's 17) and the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
-                            // sparse); opt-in 26 / 27: 21's loop on cp.async loads without / with
-                            // those early copies (9, 11-20, 22-25 were removed)
+                            // sparse); 27: 21's loop on cp.async loads, the early copies by TMA
+                            // (9, 11-20, 22-26 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (= 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are
                             // known (attention_decode_early_kernel; where TMA can address the

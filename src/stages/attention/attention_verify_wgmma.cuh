@@ -389,9 +389,11 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // the iteration, before the block wait: 3 blocks in flight while waiting, S no longer under the
 // previous P V; 46.1-47.2), 24 / 25 (an L2 prefetch of the next block over the last 4 / all blocks:
 // round B 47.0-47.4 / 53.2-53.9, B256 x 4 168.2 / 184.0).
-// Opt-in (session 17 round D): 26 = 21's loop with cp.async loads (no early copies), 27 = 26 with
+// 27 (session 17; automatic for one-wave grids, see make_plan): 21's loop on cp.async loads with
 // the early copies by TMA (kEarly without kTma: entries 0, 1 wait on their mbarrier, the rest on
-// cp.async groups, as in the decode kernel).
+// cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
+// B256 x 4 162.2 / 162.3 vs 160.3 / 160.8; without the early copies (26, removed) 44.6-46.0 and
+// 165.6 / 165.7.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,

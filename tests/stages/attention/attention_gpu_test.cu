@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8 and 21), with and without splits;
+// tiles x 16 heads on one warpgroup: verify_variant 8, 21 and 27), with and without splits;
 // all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -73,8 +73,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
-// 21 (session 16's 17 with the first copies issued before the union is complete), opt-in 26 / 27
-// (21's loop on cp.async loads, without / with the early copies).
+// 21 (session 16's 17 with the first copies issued before the union is complete) and 27 (21's
+// loop on cp.async loads; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -94,7 +94,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 26, 27}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -835,6 +835,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 18 (the speculative row max, removed in session 16)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 17}, StatusCode::kUnsupported,
                   "verify_variant 17 (21 without the early copies, removed in session 17)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 26}, StatusCode::kUnsupported,
+                  "verify_variant 26 (27 without the early copies, removed in session 17)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 24}, StatusCode::kUnsupported,
                   "verify_variant 24 (the tail's L2 prefetch, removed in session 17)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 22}, StatusCode::kUnsupported,

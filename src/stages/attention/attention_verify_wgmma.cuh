@@ -41,10 +41,10 @@
 //   (__syncthreads_or, free: the barrier is needed anyway), the rare path replaces the NaN by 0 in
 //   the f16 tile and records (token, dim) for each token that sees the key; the epilogue writes NaN
 //   there. NaN in K or Q: the score is NaN only in rows that see the key (masking replaces the
-//   score with -inf), so their whole row becomes NaN, as in the twin. Variant 17 (13 in session
-//   15, 9 in session 14) runs the tile without the flagging first and repeats it with the flagging
-//   only when that first pass's O or l holds a NaN (see kTwoPass in the kernel); variant 8 flags in
-//   every block.
+//   score with -inf), so their whole row becomes NaN, as in the twin. Variants 21 and 27 (17 in
+//   session 16, 13 in session 15, 9 in session 14) run the tile without the flagging first and
+//   repeat it with the flagging only when that first pass's O or l holds a NaN (see kTwoPass in
+//   the kernel); variant 8 flags in every block.
 //
 // Bytes and bound (verify B256 x 4 tokens, 16 shared blocks): 32 KB per (block, CTA) from HBM;
 //   per block 64 x 128 x 128 x 2 x 2 = 4.2 MFLOP (~256 cycles FP8 QK + ~512 cycles f16 PV of the
@@ -360,7 +360,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 17). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 21, 27). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
@@ -371,27 +371,26 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
-// Session 16: variant 17 (automatic) is 13 with conflict-free f16 V stores, the proxy fence after
-// the softmax and a shorter epilogue (write_rows), the same bytes; 8 has them too. Round B / C:
-// B256 x 4 164.6-167.5 vs 173.0-175.6 us for 13, B64 x 4 46.2-47.9 vs 47.8-48.2. Lost and removed
-// (rounds B / C, same-round A/Bs against 17): a speculative row max (18: the block's max only when
-// the partial sums outgrow the stale one; B256 -0.3 %, B64 +0.3 %, a wash), the ring started on
-// one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs (20: with
-// out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2 (slower
-// everywhere).
-// Session 17: variant 21 (automatic) is 17 with the early copies (kEarly = kTma; one split,
-// sparse): the page-table row of the guessed request (= tile) is prefetched into L2 at entry, and
-// warp 0 (candidates 0-31, which hold the list's first entries) issues the TMA copies of entries 0
-// and 1 as soon as their pages are known, before the union is complete (ak::early_copies); the
-// same bytes in the same order. Rounds A / B (sparse draft 3, isolated us): B64 x 4 45.3-46.6 vs
-// 46.4-47.5 for 17, B256 x 4 @ 32K 160.4-161.3 vs 164.4-165.3. Lost and removed: 22 (S waited for
-// at once, the refill before the V conversion: B64 x 4 45.9-46.9), 23 (each refill at the top of
-// the iteration, before the block wait: 3 blocks in flight while waiting, S no longer under the
-// previous P V; 46.1-47.2), 24 / 25 (an L2 prefetch of the next block over the last 4 / all blocks:
-// round B 47.0-47.4 / 53.2-53.9, B256 x 4 168.2 / 184.0).
-// 27 (session 17; automatic for one-wave grids, see make_plan): 21's loop on cp.async loads with
-// the early copies by TMA (kEarly without kTma: entries 0, 1 wait on their mbarrier, the rest on
-// cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
+// Session 16: variant 17 (automatic then) is 13 with conflict-free f16 V stores, the proxy fence
+// after the softmax and a shorter epilogue (write_rows), the same bytes; 8 has them too. Round B /
+// C: B256 x 4 164.6-167.5 vs 173.0-175.6 us for 13, B64 x 4 46.2-47.9 vs 47.8-48.2. Lost and
+// removed (rounds B / C, same-round A/Bs against 17): a speculative row max (18: the block's max
+// only when the partial sums outgrow the stale one; B256 -0.3 %, B64 +0.3 %, a wash), the ring
+// started on one block (19: B256 167.8-169.8 vs 165.8-167.5), o_proj's codes converted in pairs
+// (20: with out_q B64 x 4 51.1-51.7 vs 49.9-50.2), each CTA's first blocks prefetched into L2
+// (slower everywhere). Session 17: variant 21 (automatic for grids of more than one wave) is 17
+// with the early copies (kEarly = kTma; one split, sparse): the page-table row of the guessed
+// request (= tile) is prefetched into L2 at entry, and warp 0 (candidates 0-31, which hold the
+// list's first entries) issues the TMA copies of entries 0 and 1 as soon as their pages are known,
+// before the union is complete (ak::early_copies); the same bytes in the same order. Rounds A / B
+// (sparse draft 3, isolated us): B64 x 4 45.3-46.6 vs 46.4-47.5 for 17, B256 x 4 @ 32K 160.4-161.3
+// vs 164.4-165.3. Lost and removed: 22 (S waited for at once, the refill before the V conversion:
+// B64 x 4 45.9-46.9), 23 (each refill at the top of the iteration, before the block wait: 3 blocks
+// in flight while waiting, S no longer under the previous P V; 46.1-47.2), 24 / 25 (an L2 prefetch
+// of the next block over the last 4 / all blocks: round B 47.0-47.4 / 53.2-53.9, B256 x 4 168.2 /
+// 184.0). 27 (session 17; automatic for one-wave grids, see make_plan): 21's loop on cp.async loads
+// with the early copies by TMA (kEarly without kTma: entries 0, 1 wait on their mbarrier, the rest
+// on cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
 // B256 x 4 162.2 / 162.3 vs 160.3 / 160.8; without the early copies (26, removed) 44.6-46.0 and
 // 165.6 / 165.7.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma>
@@ -495,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint32_t p[8][4];
   const int my_pos = s_pos[tok];
 
-  // kTwoPass (variant 17): two passes at most. Pass 0 skips the per-block test for NaN in V
+  // kTwoPass (variants 21, 27): two passes at most. Pass 0 skips the per-block test for NaN in V
   // (~100 instructions per warp and block): a NaN V element in a row some token sees (rows past
   // every token's position are zeroed) makes O NaN in that dim for EVERY row of the tile (0 * NaN
   // in the shared MMA), so a NaN-free O after pass 0 proves that no such element existed and pass

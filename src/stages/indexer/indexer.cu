@@ -41,6 +41,13 @@ constexpr int64_t kSingleMaxTokensPerRequest = 4;
 constexpr int64_t kMaxClusterCtas = 8;
 // Resident CTAs per SM of the fused scorer (72 KB of shared memory, 148 registers x 128 threads).
 constexpr int64_t kFusedCtasPerSm = 3;
+// short_select applies up to this many selection rows per SM (4224 on an H200): the decode and
+// verify batches where four warps per row shorten the selection (session 17: 64 x 8K draft 3,
+// 1024 rows, 23.5 vs 25.2-25.9 us back to back; the two-kernel path at 256 x 8K draft 3, 4096
+// rows, 74.1-74.3 vs 75.6 us), not the prefill chunks, where one warp per row is the faster
+// (lead's same-run A/B, three alternating runs: 8K chunk at 8K context, 32768 rows, 170.1-172.0
+// us with four warps per row vs 159.4-162.5 with one).
+constexpr int64_t kShortSelectMaxRowsPerSm = 32;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -415,7 +422,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // load the positions before the dependency wait, which is safe only when the preceding grid
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
-  if (options.short_select && max_pages <= ik::kCountRow) {
+  if (options.short_select && max_pages <= ik::kCountRow &&
+      rows <= kShortSelectMaxRowsPerSm * sms) {
     // Rows of at most 63 candidates, kShortRowWarps warps per row.
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kShortRows)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_short_kernel, short_grid,

@@ -153,12 +153,13 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
-  // Where the selection kernel runs and max_pages <= 64 (contexts up to 8K: every row has at most
-  // 63 candidates), each row is ranked by 4 warps (select_short_kernel: each counts the beats
-  // against a quarter of the row's candidates) instead of one. Session 17, same-run A/Bs, 64 x 8K
-  // draft 3 (two-kernel path): round B 25.7 / 23.5 us (isolated / back to back) vs 28.0 / 25.2,
-  // round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one warp per row (the
-  // A/B switch).
+  // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
+  // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
+  // batches, not prefill chunks: indexer.cu), each row is ranked by 4 warps (select_short_kernel:
+  // each counts the beats against a quarter of the row's candidates) instead of one. Session 17,
+  // same-run A/Bs, 64 x 8K draft 3 (two-kernel path): round B 25.7 / 23.5 us (isolated / back to
+  // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
+  // warp per row (the A/B switch).
   bool short_select = true;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a

@@ -404,6 +404,20 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
   return true;
 }
 
+// The page of candidate block b of a token at position pos, or -1, with b set to -1, when the
+// candidate does not count: no token (pos < 0), an id outside 0 <= b <= pos / 128, b >= max_pages,
+// or a page-table entry outside the pool.
+__device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row, int pos, int& b) {
+  int page = -1;
+  if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
+    page = a.page_table[pt_row + b];
+    if (page < 0 || page >= a.num_pages) b = -1;
+  } else {
+    b = -1;
+  }
+  return page;
+}
+
 // The union of a tile's sparse selections (all threads of the CTA of `Threads` threads call it).
 // Candidate c = tid < QT * 16 is slot c % 16 of token c / 16 (cand_b its id, cand_pos the token's
 // position, -1 for absent tokens); it counts when it selects a visible block (0 <= b <= pos / 128,
@@ -431,12 +445,7 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = -1, page = -1;
     if (tid < kCand) {
       b = cand_b;
-      if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
-        page = a.page_table[pt_row + b];
-        if (page < 0 || page >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
+      page = candidate_page(a, pt_row, cand_pos, b);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }

@@ -409,13 +409,8 @@ __global__ void __launch_bounds__(kThreads, 1) attention_prefill_kernel(const At
   int n_total = 0;
   if (a.sparse) {
     if (tid < kCand) {
-      int b = cand_b, page = -1;
-      if (cand_pos >= 0 && b >= 0 && b <= (cand_pos >> 7) && b < a.max_pages) {
-        page = a.page_table[pt_row + b];
-        if (page < 0 || page >= a.num_pages) b = -1;
-      } else {
-        b = -1;
-      }
+      int b = cand_b;
+      const int page = ak::candidate_page(a, pt_row, cand_pos, b);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }

@@ -198,6 +198,26 @@ __device__ __forceinline__ uint32_t register_ring_xor(int groups, Load load, Val
   return acc;
 }
 
+// A CTA's stream-K range of the decode GEMM's units (128 weight rows x 128 bytes, tile-major,
+// units / gridDim.x per CTA) and this thread's wgmma A-fragment place in a unit (256 threads): row
+// row0 and 8 rows below, bytes col0 + 64 h, h = 0, 1.
+struct FragUnits {
+  int u_begin, count, row0, col0;
+  __device__ explicit FragUnits(int units) {
+    const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+    u_begin = static_cast<int>(int64_t{cta} * units / grid);
+    count = static_cast<int>(int64_t{cta + 1} * units / grid) - u_begin;
+    const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
+    row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
+    col0 = 16 * (lane % 4);
+  }
+  // This thread's first 16 bytes of unit u_begin + v.
+  __device__ const uint8_t* at(const uint8_t* w, int64_t ldw, int kblocks, int v) const {
+    const int u = u_begin + v, tile = u / kblocks, kb = u - tile * kblocks;
+    return w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
+  }
+};
+
 // The decode GEMM's units (128 weight rows x 128 bytes, stream-K ranges, tile-major) read by all
 // 256 threads of a CTA with 16-byte ld.global.nc.L1::no_allocate loads into registers, each
 // thread its wgmma A-fragment rows of the unit (row 64 wg + 16 warp + lane / 4 and 8 rows below,
@@ -208,15 +228,9 @@ __device__ __forceinline__ uint32_t register_ring_xor(int groups, Load load, Val
 template <int kGroups, int kBurst>
 __global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restrict__ w, int64_t ldw,
                                                         int units, int kblocks, int* sink) {
-  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
-  const int u_begin = static_cast<int>(int64_t{cta} * units / grid);
-  const int u_end = static_cast<int>(int64_t{cta + 1} * units / grid);
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
-  const int row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
-  const int col0 = 16 * (lane % 4);
-  auto load_unit = [&](uint4(&d)[4], int u) {
-    const int tile = u / kblocks, kb = u - tile * kblocks;
-    const uint8_t* p0 = w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
+  const FragUnits r(units);
+  auto load_unit = [&](uint4(&d)[4], int v) {
+    const uint8_t* p0 = r.at(w, ldw, kblocks, v);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint8_t* p = p0 + (j / 2) * 8 * ldw + (j % 2) * 64;
@@ -225,16 +239,16 @@ __global__ void __launch_bounds__(256) frag_read_kernel(const uint8_t* __restric
                    : "l"(p));
     }
   };
-  const int count = u_end - u_begin;
+  const int count = r.count;
   const int groups = (count + kBurst - 1) / kBurst;
   auto load_group = [&](uint4(&d)[kBurst][4], int g) {
 #pragma unroll
     for (int b = 0; b < kBurst; ++b)
-      if (g * kBurst + b < count) load_unit(d[b], u_begin + g * kBurst + b);
+      if (g * kBurst + b < count) load_unit(d[b], g * kBurst + b);
   };
   const uint32_t acc = register_ring_xor<kGroups, kBurst>(
       groups, load_group, [&](int g, int b, int) { return g * kBurst + b < count; });
-  if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
+  if (acc == 0x7fffffffu) sink[blockIdx.x] = static_cast<int>(acc);
 }
 
 // A row split without split-K, read the same way: CTA c of `grid` owns weight rows
@@ -289,22 +303,16 @@ __global__ void __launch_bounds__(256)
     cpasync_read_kernel(const uint8_t* __restrict__ w, int64_t ldw, int units, int kblocks,
                         int* sink) {
   extern __shared__ uint8_t smem_raw[];
-  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
-  const int u_begin = static_cast<int>(int64_t{cta} * units / grid);
-  const int u_end = static_cast<int>(int64_t{cta + 1} * units / grid);
-  const int tid = static_cast<int>(threadIdx.x), lane = tid % 32;
-  const int row0 = 64 * (tid / 128) + 16 * ((tid / 32) % 4) + lane / 4;
-  const int col0 = 16 * (lane % 4);
+  const FragUnits r(units);
+  const int row0 = r.row0, col0 = r.col0, count = r.count;
   const uint32_t base = smem_u32(smem_raw);
-  const int count = u_end - u_begin;
   constexpr int kGroups = kStages / kBurst;
   const int groups = (count + kBurst - 1) / kBurst;
   auto issue_group = [&](int g) {
     for (int b = 0; b < kBurst; ++b) {
       const int v = g * kBurst + b;
       if (v >= count) break;
-      const int u = u_begin + v, tile = u / kblocks, kb = u - tile * kblocks;
-      const uint8_t* p0 = w + (int64_t{tile} * 128 + row0) * ldw + int64_t{kb} * 128 + col0;
+      const uint8_t* p0 = r.at(w, ldw, kblocks, v);
       const uint32_t dst = base + static_cast<uint32_t>((v % kStages) * 16384 + row0 * 128 + col0);
 #pragma unroll
       for (int j = 0; j < 4; ++j)
@@ -327,7 +335,7 @@ __global__ void __launch_bounds__(256)
     acc ^= v;
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
-  if (acc == 0x7fffffffu) sink[cta] = static_cast<int>(acc);
+  if (acc == 0x7fffffffu) sink[blockIdx.x] = static_cast<int>(acc);
 }
 
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {

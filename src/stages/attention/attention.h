@@ -98,7 +98,10 @@ struct AttentionCudaConfig {
                             // holds a NaN, a lazy running max, conflict-free f16 V stores, a
                             // shorter epilogue (session 16's 17) and the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
-                            // sparse); 27: 21's loop on cp.async loads, the early copies by TMA
+                            // sparse); 27: 21's loop on cp.async loads, the early copies by TMA;
+                            // 28 / 29 (session 18): 27 / 21 with the lean block (l summed on the
+                            // tensor core, fewer instructions per block; same bytes); 30: 28
+                            // with P from packed f16 exponentials
                             // (9, 11-20, 22-26 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (= 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

@@ -134,7 +134,9 @@ __device__ __forceinline__ int early_key(int j, bool high) {
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
 // keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
-// NaN (0 otherwise).
+// NaN (0 otherwise). kFull (variant 28): the caller knows vlim >= 127 (every row is read; no
+// zeroing, no per-row predicates).
+template <bool kFull = false>
 __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
                                                    bool check) {
   const int cl = threadIdx.x & 3;
@@ -144,12 +146,18 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int kh = early_key(j, true), kl = early_key(j, false);
-    hi[j] = make_uint4(0u, 0u, 0u, 0u);
-    lo[j] = make_uint4(0u, 0u, 0u, 0u);
-    if (kh <= vlim)
-      hi[j] = *reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
-    if (kl <= vlim)
-      lo[j] = *reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
+    const uint4* ph =
+        reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
+    const uint4* pl = reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
+    if constexpr (kFull) {
+      hi[j] = *ph;
+      lo[j] = *pl;
+    } else {
+      hi[j] = make_uint4(0u, 0u, 0u, 0u);
+      lo[j] = make_uint4(0u, 0u, 0u, 0u);
+      if (kh <= vlim) hi[j] = *ph;
+      if (kl <= vlim) lo[j] = *pl;
+    }
     if (check)
       nan |= e4m3x4_nan_bits(hi[j].x) | e4m3x4_nan_bits(hi[j].y) | e4m3x4_nan_bits(hi[j].z) |
              e4m3x4_nan_bits(hi[j].w) | e4m3x4_nan_bits(lo[j].x) | e4m3x4_nan_bits(lo[j].y) |
@@ -206,17 +214,35 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 // ---------------------------------------------------------------------------------------------
 // Per-warp state of the online softmax: rows grp and grp + 8 of this warp's 16 (the heads grp,
 // grp + 8 of token `warp`); dims 8 j + 2 tig (+1) in o[4 j + 2 e] (+1), e = 0 (row grp), 1.
+// kLean (variant 28): l stays 0 during the loop; lc is the mma.sync accumulator of P x ones (lc[0],
+// lc[1]: row grp; lc[2], lc[3]: row grp + 8, each the whole row's sum, already over the quad).
 struct Rows {
   float o[64];
   float m[2], l[2], alpha[2];
+  float lc[4];
   __device__ __forceinline__ void reset() {
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
     alpha[0] = alpha[1] = 1.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) lc[i] = 0.0f;
   }
 };
+
+// A wgmma shared-memory descriptor from its two 32-bit halves (ap::smem_desc's fields): the
+// start-address field is the low 14 bits of `lo`, so an offset of d bytes inside the ring is
+// `lo + d / 16` (no carry out of the field below 256 KB), one uniform add instead of
+// ap::smem_desc's mask / shift / or per wgmma.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
+  return ((addr & 0x3FFFFu) >> 4) | (((lbo & 0x3FFFFu) >> 4) << 16);
+}
+__device__ __forceinline__ uint64_t desc_of(uint32_t lo, uint32_t sbo) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(((sbo & 0x3FFFFu) >> 4) | (1u << 30)));
+  return d;
+}
 
 // One block in the stage at sbuf (shared address saddr), by the whole warpgroup: S = Q K^T, V ->
 // f16 in place (dims 64-127 under the S wgmma), online softmax, O += P V (left in flight: the
@@ -226,7 +252,42 @@ struct Rows {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-template <bool kLazy, typename AfterS>
+// kLean 2 (variant 30): O *= alpha as in ap::rescale_and_pack, then P = ex2.approx.f16x2 of the
+// f16-rounded exponents s * scale_log2 - m, in pairs: one MUFU op per two weights where the
+// hardware has a packed f16 EX2 (the exponent's f16 rounding: at most 2^-9 absolute for |x| < 8,
+// i.e. 0.14 % relative on a weight; the packed EX2's own error is 2^-9.9 relative; the test's row
+// bound 1e-2 assumes <= 2^-8 relative per weight).
+__device__ __forceinline__ void exp_pack_f16x2(Rows& st, const float (&s)[64], float scale_log2,
+                                               uint32_t (&p)[8][4]) {
+  const bool unit = __all_sync(0xffffffffu, st.alpha[0] == 1.0f && st.alpha[1] == 1.0f);
+  if (!unit) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      st.o[4 * j] *= st.alpha[0];
+      st.o[4 * j + 1] *= st.alpha[0];
+      st.o[4 * j + 2] *= st.alpha[1];
+      st.o[4 * j + 3] *= st.alpha[1];
+    }
+  }
+  const float mu0 = st.m[0] == -INFINITY ? 0.0f : st.m[0];
+  const float mu1 = st.m[1] == -INFINITY ? 0.0f : st.m[1];
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float mu = (r & 1) ? mu1 : mu0;
+      const uint32_t x = ak::pack_f16x2(fmaf(s[8 * kk + 2 * r], scale_log2, -mu),
+                                        fmaf(s[8 * kk + 2 * r + 1], scale_log2, -mu));
+      asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(p[kk][r]) : "r"(x));
+    }
+}
+
+// kLean 1 (variant 28): fewer instructions per block, the same bytes: the row sums l by 8 mma.sync
+// m16n8k16 of P (the register A fragment of P V is the mma.sync A fragment) times a ones B fragment
+// (instead of 64 FADDs per lane and the quad shuffles; l then sums exactly the f16 weights that P V
+// uses), descriptors from precomputed halves (desc_of), the V conversion without per-row predicates
+// when every row is visible (vlim >= 127), and a plain barrier in the first pass (no NaN flag).
+template <bool kLazy, int kLean, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -235,23 +296,46 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   // S = Q K^T.
   ap::reg_fence(s);
   ap::wgmma_fence();
+  const uint32_t klo = desc_lo(saddr, 16);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk)
-    ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
+  for (int kk = 0; kk < 4; ++kk) {
+    const uint64_t dk =
+        kLean != 0 ? desc_of(klo + 2 * kk, 1024) : ap::smem_desc(saddr + 32 * kk, 16, 1024);
+    ap::wgmma_qk_rs(s, qa[kk], dk, kk > 0 ? 1 : 0);
+  }
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
+  uint32_t nan;
+  if (kLean != 0 && vlim >= ak::kBlockKeys - 1)  // CTA-uniform
+    nan = convert_v_high<true>(sbuf, vlim, vlo, check);
+  else
+    nan = convert_v_high<false>(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
   convert_v_low(sbuf, vlo);
-  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
-  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-  ap::fence_proxy_async();            // f16 stores -> wgmma reads (after the barrier below)
-  if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
+  ap::softmax_block<kLazy, !kLean, kLean != 2>(s, st.m, st.l, st.alpha, lim, scale_log2);
+  if constexpr (kLean == 2)
+    exp_pack_f16x2(st, s, scale_log2, p);
+  else
+    ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  if constexpr (kLean != 0) {
+    st.lc[0] *= st.alpha[0];
+    st.lc[1] *= st.alpha[0];
+    st.lc[2] *= st.alpha[1];
+    st.lc[3] *= st.alpha[1];
+    constexpr uint32_t kOnes = 0x3C003C00u;  // two f16 1.0
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) ak::mma_f16(st.lc, p[kk], kOnes, kOnes);
+  }
+  ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
+  // f16 tile complete (and a NaN in it: rare; never in kLean's first pass, which does not look)
+  const bool any_nan =
+      kLean != 0 && !check ? (__syncthreads(), false) : __syncthreads_or(nan != 0u);
+  if (any_nan) {
     scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
     ap::fence_proxy_async();
     __syncthreads();
@@ -260,9 +344,13 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::reg_fence(st.o);
   ap::reg_fence(p);
   ap::wgmma_fence();
+  const uint32_t vlo_d = desc_lo(saddr, kTileBytes);
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    ap::wgmma_pv(st.o, p[kk], ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024));
+  for (int kk = 0; kk < 8; ++kk) {
+    const uint64_t dv = kLean != 0 ? desc_of(vlo_d + 128 * kk, 1024)
+                                   : ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024);
+    ap::wgmma_pv(st.o, p[kk], dv);
+  }
   ap::wgmma_commit();
 }
 
@@ -274,6 +362,8 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to nearest even like
 // float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic, which both turn
 // into 0x7fff), the row amax only with out_q.
+// kLean: st.l already holds the whole row's sum in every lane of the quad (no shuffles).
+template <bool kLean = false>
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -287,8 +377,10 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    if constexpr (!kLean) {
+      lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+      lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    }
     const float inv = a.splits == 1 && lsum > 0.0f ? 1.0f / lsum : 1.0f;
     float v[32];
     if (any_nan) {
@@ -393,7 +485,8 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // on cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
 // B256 x 4 162.2 / 162.3 vs 160.3 / 160.8; without the early copies (26, removed) 44.6-46.0 and
 // 165.6 / 165.7.
-template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma>
+template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
+          int kLean = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -547,13 +640,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-        __syncthreads();  // block i landed for every thread
+        // block i landed for every thread (kTma: each thread waited for the stage's mbarrier, which
+        // makes the TMA bytes visible to it; kLean skips the CTA barrier there)
+        if (!(kLean != 0 && kTma)) __syncthreads();
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        attend_block<kLazy>(
+        attend_block<kLazy, kLean>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
             s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
@@ -563,16 +658,30 @@ __global__ void __launch_bounds__(kThreads, 2)
       ak::cp_async_wait<0>();
       __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
     }
+    if constexpr (kLean != 0) {  // the row sums of the mma.sync (already over the quad)
+      st.l[0] = st.lc[0];
+      st.l[1] = st.lc[2];
+    }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
+    if constexpr (kLean != 0) {       // 8 independent chains instead of one of 64 dependent adds
+      float part[8];
 #pragma unroll
-    for (int k = 0; k < 64; ++k) probe += st.o[k];
+      for (int k = 0; k < 8; ++k) part[k] = st.o[k];
+#pragma unroll
+      for (int k = 8; k < 64; ++k) part[k & 7] += st.o[k];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) probe += part[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < 64; ++k) probe += st.o[k];
+    }
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows<kLean != 0>(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

@@ -55,9 +55,10 @@
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
-//   row of <= 63 candidates); --vlist NAME,... keeps base and the named ones; batch 64 / 256 x
-//   8K / 32K / 128K at draft 3, or --case), --no-short-select (IndexerCudaOptions::short_select
-//   false for every path and table).
+//   row of <= 63 candidates), w = warm_select; --vlist NAME,... keeps base and the named ones;
+//   batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
+//   (IndexerCudaOptions::short_select false for every path and table), --warm-select
+//   (IndexerCudaOptions::warm_select for every path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -454,6 +455,7 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
+  bool warm_select = false;        // --warm-select: IndexerCudaOptions::warm_select
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -497,6 +499,8 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
+    else if (a == "--warm-select")
+      warm_select = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -516,7 +520,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--no-short-select] "
+                   "[--variants] [--vlist NAME,...] [--no-short-select] [--warm-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -528,6 +532,7 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
+    o->warm_select = warm_select;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -887,15 +892,13 @@ int main(int argc, char** argv) {
       IndexerCudaOptions o;
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
-    std::vector<Variant> all = {{"base", default_o},
-                                {"2k", default_o},
-                                {"late", default_o},
-                                {"sorted", default_o},
-                                {"q1", default_o}};
+    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o}, {"late", default_o},
+                                {"sorted", default_o}, {"q1", default_o}, {"w", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
     all[4].o.short_select = false;
+    all[5].o.warm_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -933,7 +936,7 @@ int main(int argc, char** argv) {
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select, q1 = !short_select)",
+        "!early_query_loads, sorted = !fast_select, q1 = !short_select, w = warm_select)",
         rows, json);
     return finish();
   }

@@ -33,7 +33,8 @@
 //   back to back: frag 18.9 / 16.9, cp.async 18.9 / 16.8, frag-rows 19.4 / 17.4, the kernel's TMA
 //   stream 18.2 / 16.2, plain read 17.1 / 14.9: the unit order, not the copy engine, is what
 //   separates the GEMM's stream from the plain read.
-// usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu]
+// --rows (session 18): a row split's stream over a packed linear image (rows_bulk_kernel).
+// usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu] [--rows]
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -164,6 +165,87 @@ __global__ void __launch_bounds__(64)
     }
   } else if (threadIdx.x == 32) {
     for (int i = 0; i < count; ++i) {
+      const int s = i % a.stages;
+      sm90::mbar_wait(smem_u32(&full_bar[s]), (i / a.stages) & 1);
+      sm90::mbar_arrive(smem_u32(&empty_bar[s]));
+    }
+  }
+}
+
+// ---- --rows: a row split's weight stream over a packed linear image (session 18) --------------
+// CTA c of `grid` owns weight rows [c N / grid, (c + 1) N / grid) over the whole K (37-38 rows at
+// two CTAs per SM for N 9856), cut into `subtiles` sub-tiles of at most 40 rows. K goes in steps
+// of `kpb` K blocks; the image stores step s's rows of every CTA one after the other (CTA order),
+// each CTA's chunk as [K block][sub-tile][row][128 bytes], so at step s the grid reads one
+// contiguous region (a linear sweep of the image, as a plain read). A stage holds one step: per K
+// block and sub-tile one 1D bulk copy of its rows to a 1024-byte aligned 5 KB slot (the layout a
+// 128B-swizzled wgmma A tile needs), or (whole_step) one copy of the CTA's whole chunk; plus the
+// activations of the step's K blocks (TMA boxes of act_rows x 128 bytes, L2-resident).
+struct RowArgs {
+  const uint8_t* image;
+  int n_rows, kblocks, kpb, stages, act_rows, subtiles, whole_step;
+};
+
+constexpr int kRowSlotBytes = 40 * 128;  // one sub-tile of <= 40 rows x one K block
+
+__global__ void __launch_bounds__(64)
+    rows_bulk_kernel(const __grid_constant__ CUtensorMap xmap, const RowArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[16];
+  __shared__ __align__(8) uint64_t empty_bar[16];
+  const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const int w_bytes = a.kpb * a.subtiles * kRowSlotBytes;
+  const int stage_bytes = w_bytes + a.kpb * a.act_rows * 128;
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int r_begin = static_cast<int>(int64_t{cta} * a.n_rows / grid);
+  const int rows = static_cast<int>(int64_t{cta + 1} * a.n_rows / grid) - r_begin;
+  const int steps = (a.kblocks + a.kpb - 1) / a.kpb;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < a.stages; ++s) {
+      sm90::mbar_init(smem_u32(&full_bar[s]), 1);
+      sm90::mbar_init(smem_u32(&empty_bar[s]), 1);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  auto bulk = [](uint32_t dst, const uint8_t* src, int bytes, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+  };
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < steps; ++i) {
+      const int s = i % a.stages;
+      if (i >= a.stages) sm90::mbar_wait(smem_u32(&empty_bar[s]), ((i / a.stages) - 1) & 1);
+      const int kb0 = i * a.kpb;
+      const int nk = a.kblocks - kb0 < a.kpb ? a.kblocks - kb0 : a.kpb;
+      const uint32_t full = smem_u32(&full_bar[s]);
+      const uint32_t dst = base + static_cast<uint32_t>(s * stage_bytes);
+      const uint8_t* chunk = a.image + int64_t{kb0} * a.n_rows * 128 + int64_t{r_begin} * nk * 128;
+      sm90::mbar_arrive_expect_tx(full,
+                                  static_cast<uint32_t>(rows * nk * 128 + nk * a.act_rows * 128));
+      if (a.whole_step) {
+        bulk(dst, chunk, rows * nk * 128, full);
+      } else {
+        for (int q = 0; q < nk; ++q)
+          for (int t = 0; t < a.subtiles; ++t) {
+            const int t0 = t * rows / a.subtiles, t1 = (t + 1) * rows / a.subtiles;
+            bulk(dst + static_cast<uint32_t>((q * a.subtiles + t) * kRowSlotBytes),
+                 chunk + int64_t{q * rows + t0} * 128, (t1 - t0) * 128, full);
+          }
+      }
+      for (int q = 0; q < nk && a.act_rows > 0; ++q)
+        asm volatile(
+            "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], "
+            "[%1, {%2, %3}], [%4];\n" ::"r"(dst +
+                                            static_cast<uint32_t>(w_bytes + q * a.act_rows * 128)),
+            "l"(reinterpret_cast<uint64_t>(&xmap)), "r"((kb0 + q) * 128), "r"(0), "r"(full)
+            : "memory");
+    }
+  } else if (threadIdx.x == 32) {
+    for (int i = 0; i < steps; ++i) {
       const int s = i % a.stages;
       sm90::mbar_wait(smem_u32(&full_bar[s]), (i / a.stages) & 1);
       sm90::mbar_arrive(smem_u32(&empty_bar[s]));
@@ -635,6 +717,117 @@ void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, c
       rows, json);
 }
 
+// The --rows table: the row split's packed linear stream (rows_bulk_kernel) in a few shapes, beside
+// the decode kernel's TMA stream and the plain read, fused and o_proj weights.
+void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, cudaStream_t stream,
+              bool json) {
+  struct Shape {
+    const char* name;
+    int64_t n, k;
+  };
+  const Shape shapes[] = {{"fused 9856x6144", 9856, 6144}, {"o_proj 6144x8192", 6144, 8192}};
+  struct RowCase {
+    int ctas_per_sm, kpb, act_rows, whole_step;
+  };
+  const RowCase cases[] = {{2, 4, 8, 0}, {2, 4, 8, 1},  {2, 2, 8, 0}, {2, 8, 8, 0},
+                           {2, 4, 0, 0}, {2, 2, 64, 0}, {1, 2, 8, 0}, {1, 4, 8, 0}};
+  std::vector<bench::Row> rows;
+  for (const Shape& sh : shapes) {
+    const size_t bytes = static_cast<size_t>(sh.n * sh.k);
+    const int copies =
+        std::min<int>(bench::back_to_back_copies(bytes), static_cast<int>(src_bytes / bytes));
+    const auto w_copy = [&](int c) { return static_cast<const uint8_t*>(src) + c * bytes; };
+    const int kblocks = static_cast<int>(sh.k / 128);
+    auto add_row = [&](const std::string& mode, const std::string& shape, int grid,
+                       const bench::Timing& ti, const bench::Timing& tb) {
+      bench::Row r;
+      r.add("weights", sh.name);
+      r.add("mode", mode);
+      r.add("shape", shape);
+      r.add("grid", std::to_string(grid));
+      r.add("us", ti.median_us, 2);
+      r.add("b2b_us", tb.median_us, 2);
+      r.add("%copy", 100.0 * bytes / ti.median_us / 1e3 / 4300.0, 1);
+      r.add("b2b_%copy", 100.0 * bytes / tb.median_us / 1e3 / 4300.0, 1);
+      rows.push_back(r);
+    };
+    for (const RowCase& rc : cases) {
+      const int grid = rc.ctas_per_sm * sms;
+      RowArgs a;
+      a.n_rows = static_cast<int>(sh.n);
+      a.kblocks = kblocks;
+      a.kpb = rc.kpb;
+      a.act_rows = rc.act_rows;
+      a.whole_step = rc.whole_step;
+      const int max_rows = static_cast<int>((sh.n + grid - 1) / grid);
+      a.subtiles = (max_rows + 39) / 40;
+      const int stage_bytes = rc.kpb * (a.subtiles * kRowSlotBytes + rc.act_rows * 128);
+      const int budget = rc.ctas_per_sm == 1 ? 220 * 1024 : 110 * 1024;
+      a.stages = std::min(16, budget / stage_bytes);
+      const int smem = a.stages * stage_bytes + 1024;
+      bench::check_cuda(cudaFuncSetAttribute(&rows_bulk_kernel,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "smem opt-in");
+      const CUtensorMap xmap = encode_2d(act, 64, sh.k, rc.act_rows > 0 ? rc.act_rows : 8);
+      const auto launch = [&](cudaStream_t st, int c) {
+        RowArgs ac = a;
+        ac.image = w_copy(c);
+        rows_bulk_kernel<<<grid, 64, smem, st>>>(xmap, ac);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      bench::check_cuda(cudaStreamSynchronize(stream), "rows");
+      add_row(rc.whole_step ? "rows-bulk-step" : "rows-bulk",
+              std::to_string(rc.ctas_per_sm) + "/SM kpb " + std::to_string(rc.kpb) + " act " +
+                  std::to_string(rc.act_rows) + " " + std::to_string(a.stages) + " stages x" +
+                  std::to_string(a.subtiles),
+              grid, ti, tb);
+    }
+    // The decode kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's).
+    {
+      std::vector<CUtensorMap> wmaps;
+      for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(w_copy(c), sh.n, sh.k, 128));
+      const CUtensorMap xmap8 = encode_2d(act, 64, sh.k, 8);
+      TileArgs a;
+      a.kblocks = kblocks;
+      a.units = static_cast<int>(sh.n / 128 * kblocks);
+      a.act_rows = 8;
+      a.min_units = 16;
+      a.round_robin = 0;
+      const int stage_bytes = kUnitBytes + 8 * 128;
+      a.stages = std::min(12, 110 * 1024 / stage_bytes);
+      a.burst = 2;
+      const int smem = a.stages * stage_bytes + 1024;
+      const int grid = std::min(2 * sms, (a.units + a.min_units - 1) / a.min_units);
+      bench::check_cuda(cudaFuncSetAttribute(&tile_read_kernel<false>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                        "smem opt-in");
+      const auto launch = [&](cudaStream_t st, int c) {
+        TileArgs ac = a;
+        ac.w = w_copy(c);
+        tile_read_kernel<false><<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap8, ac);
+      };
+      const bench::Timing ti =
+          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+      add_row("tma2d", "6 stages 2/SM act 8", grid, ti, tb);
+    }
+    const size_t n16 = bytes / sizeof(int4);
+    const auto read = [&](cudaStream_t st, int c) {
+      bench::launch_plain_read(w_copy(c), n16, 2 * sms, 512, sink, st);
+    };
+    const bench::Timing ti = bench::time_graph_cold([&](cudaStream_t st) { read(st, 0); }, stream);
+    const bench::Timing tb = bench::time_graph_back_to_back(read, copies, stream);
+    add_row("read", "grid-stride 512 thr", 2 * sms, ti, tb);
+  }
+  bench::check_cuda(cudaGetLastError(), "rows launches");
+  bench::print_rows(
+      "row split weight streams over a packed linear image (cold L2; isolated graph replay and "
+      "back-to-back; % of 4300 GB/s on weight bytes)",
+      rows, json);
+}
+
 struct Size {
   const char* name;
   size_t bytes;
@@ -645,7 +838,7 @@ struct Size {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, tiles = false, lsu = false;
+  bool json = false, quick = false, tiles = false, lsu = false, rows_mode = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
@@ -655,8 +848,10 @@ int main(int argc, char** argv) {
       tiles = true;
     } else if (!std::strcmp(argv[i], "--lsu")) {
       lsu = true;
+    } else if (!std::strcmp(argv[i], "--rows")) {
+      rows_mode = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu] [--rows]\n", argv[0]);
       return 2;
     }
   }
@@ -683,13 +878,14 @@ int main(int argc, char** argv) {
   bench::check_cuda(cudaMemset(src, 0x3c, max_src_bytes), "cudaMemset(src)");
   cudaStream_t stream;
   bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
-  if (tiles || lsu) {
+  if (tiles || lsu || rows_mode) {
     // Activations: 64 rows x 8192 bytes (zeros), L2-resident after the first unit reads them.
     void* act = nullptr;
     bench::check_cuda(cudaMalloc(&act, 64 * 8192), "cudaMalloc(act)");
     bench::check_cuda(cudaMemset(act, 0, 64 * 8192), "cudaMemset(act)");
     if (tiles) run_tiles(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
     if (lsu) run_lsu(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
+    if (rows_mode) run_rows(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
     cudaFree(act);
     cudaFree(src);
     cudaFree(dst);

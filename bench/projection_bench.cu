@@ -47,7 +47,8 @@
 // one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
 // times only wgmma variant V (for profiling: its check launch comes first); --random; --trace:
-// a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace)).
+// a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
+// autotuner's replay timing against the benchmark's, see run_tuner_probe).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -363,6 +364,7 @@ struct ShapeVariant {
   int min_units;  // GemmWgmmaOptions::min_units_per_cta
   int cluster;    // GemmWgmmaOptions::cluster_split
   bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
+  bool rows;      // GemmWgmmaOptions::row_packed_weights (the row split's image per copy)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -422,9 +424,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // 5: packed weights (session 16). Session 16 also timed, and removed: dynamic chunks of 2-8 K
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
-  const ShapeVariant variants[] = {{0, false, 16, 0, false}, {1, false, 16, 0, false},
-                                   {0, true, 16, 0, false},  {1, true, 16, 0, false},
-                                   {0, false, 16, 3, false}, {0, false, 16, 0, true}};
+  // 6: the row split over its packed linear image (session 18).
+  const ShapeVariant variants[] = {{0, false, 16, 0, false, false}, {1, false, 16, 0, false, false},
+                                   {0, true, 16, 0, false, false},  {1, true, 16, 0, false, false},
+                                   {0, false, 16, 3, false, false}, {0, false, 16, 0, true, false},
+                                   {0, false, 16, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -459,6 +463,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       must(gemm_wgmma_pack_weights(wv, buf, pb.value(), po, stream), "gemm_wgmma_pack_weights");
       packed[ctas - 1].push_back(buf);
     }
+  }
+  // The row split's image of every weight copy.
+  std::vector<void*> row_images;
+  for (int c = 0; c < copies; ++c) {
+    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
+    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
+    void* buf = device_alloc<uint8_t>(rb.value());
+    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+    must(gemm_wgmma_pack_weights_rows(wv, buf, rb.value(), stream), "gemm_wgmma_pack_weights_rows");
+    row_images.push_back(buf);
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
@@ -574,6 +588,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       auto with_copy = [&](int c) {
         GemmWgmmaOptions oc = o;
         if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
+        if (variants[v].rows) oc.row_packed_weights = row_images[static_cast<size_t>(c)];
         return oc;
       };
       const std::string name =
@@ -582,7 +597,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (variants[v].packed ? " packed" : "");
+          (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));
@@ -634,6 +649,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   }
   for (const auto& bufs : packed)
     for (void* buf : bufs) cudaFree(buf);
+  for (void* buf : row_images) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);
@@ -643,6 +659,135 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   cudaStreamDestroy(stream);
   std::printf("shape checks %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
+}
+
+// ---- --tuner-probe N,K: why the autotuner's replays and the benchmark disagree (session 18) -----
+// Times cuBLASLt (the tuned cuBLASLt-only object) and the wgmma kernel (default options) at
+// M 4 and 16 the benchmark's way (bench::time_graph_cold) on the benchmark's operands and on
+// operands filled like the tuner's scratch (E4M3 codes of -2 .. 2, scales 1/32 and 1/64), then
+// creates default-options objects (max_m 16) under several GemmTuneReplay settings and prints
+// each one's tuning lines, its path per M and its time on the benchmark's operands.
+__global__ void fill_tuner_like(uint8_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t v = hash32(static_cast<uint64_t>(i), seed) % 5u;
+    p[i] = static_cast<uint8_t>(v == 0   ? 0xC0u
+                                : v == 1 ? 0xB8u
+                                : v == 2 ? 0x00u
+                                : v == 3 ? 0x38u
+                                         : 0x40u);
+  }
+}
+
+__global__ void fill_const(float* p, int64_t n, float v) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = v;
+}
+
+int run_tuner_probe(int64_t n, int64_t k, bool json) {
+  const int64_t kb = k / 128, sw_stride = gemm_weight_scales_row_stride(k), max_m = 16;
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
+  uint8_t* w = device_alloc<uint8_t>(static_cast<size_t>(n * k));
+  float* sw = device_alloc<float>(static_cast<size_t>(n / 128 * sw_stride));
+  uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_m * k));
+  float* sa = device_alloc<float>(static_cast<size_t>(max_m * kb));
+  uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_m * n));
+  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
+  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
+  void* ws = nullptr;
+  check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
+  check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.wgmma_max_m = 0;
+  lt_opt.wgmma_auto_max_m = 0;
+  auto r = Fp8BlockGemm::create(max_m, n, k, lt_opt);
+  must(r.status(), "Fp8BlockGemm::create");
+  std::unique_ptr<Fp8BlockGemm> lt = std::move(r).value();
+  const Device dev = Device::cuda(0);
+  auto params = [&](int64_t m) {
+    GemmParams p;
+    p.a = TensorView::contiguous(a, DType::kE4M3, {m, k}, dev);
+    p.a_scales = gemm_activation_scales_view(sa, m, k, dev);
+    p.b = TensorView::contiguous(w, DType::kE4M3, {n, k}, dev);
+    p.b_scales = TensorView::strided(sw, DType::kF32, {n / 128, kb}, {sw_stride, 1}, dev);
+    p.out = TensorView::contiguous(out, DType::kBF16, {m, n}, dev);
+    return p;
+  };
+  auto fill = [&](bool tuner_like) {
+    if (tuner_like) {
+      fill_tuner_like<<<1024, 256, 0, stream>>>(w, n * k, 2);
+      fill_tuner_like<<<1024, 256, 0, stream>>>(a, max_m * k, 1);
+      fill_const<<<64, 256, 0, stream>>>(sw, n / 128 * sw_stride, 1.0f / 32);
+      fill_const<<<64, 256, 0, stream>>>(sa, max_m * kb, 1.0f / 64);
+    } else {
+      fill_e4m3_int<<<1024, 256, 0, stream>>>(w, n * k, 2);
+      fill_e4m3_int<<<1024, 256, 0, stream>>>(a, max_m * k, 7);
+      fill_pow2<<<64, 256, 0, stream>>>(sw, n / 128 * sw_stride, 3, 0.5f);
+      fill_pow2<<<64, 256, 0, stream>>>(sa, max_m * kb, 11, 2.0f);
+    }
+    check_cuda(cudaStreamSynchronize(stream), "fill");
+  };
+  std::vector<bench::Row> rows;
+  auto add = [&](const std::string& what, int64_t m,
+                 const std::function<void(cudaStream_t)>& call) {
+    const bench::Timing t = bench::time_graph_cold(call, stream, 3, 30);
+    bench::Row row;
+    row.add("M", std::to_string(m));
+    row.add("path", what);
+    row.add("us", t.median_us);
+    row.add("min_us", t.min_us);
+    row.add("p90_us", t.p90_us);
+    rows.push_back(row);
+  };
+  for (int tuner_like = 0; tuner_like < 2; ++tuner_like) {
+    fill(tuner_like != 0);
+    const std::string ops = tuner_like ? " (tuner-like operands)" : " (bench operands)";
+    for (int64_t m : {int64_t{4}, int64_t{16}}) {
+      add("cublaslt" + ops, m, [&](cudaStream_t st) { must(lt->run(params(m), st), "lt"); });
+      add("wgmma" + ops, m, [&](cudaStream_t st) {
+        must(run_gemm_wgmma_cuda(params(m), ws, ws_bytes.value(), st), "wgmma");
+      });
+    }
+  }
+  fill(false);
+  struct Setting {
+    const char* name;
+    GemmTuneReplay replay;
+  };
+  const Setting settings[] = {
+      {"tuner (2 x L2, 1 warm-up, 5, async)", {0, 1, 5, false}},
+      {"256 MB flush", {size_t{256} << 20, 1, 5, false}},
+      {"sync each", {0, 1, 5, true}},
+      {"3 warm-ups, 15", {0, 3, 15, false}},
+      {"bench-like (256 MB, 3, 30, sync)", {size_t{256} << 20, 3, 30, true}},
+  };
+  for (const Setting& st : settings) {
+    Fp8BlockGemmOptions o;
+    o.tune_replay = st.replay;
+    auto rd = Fp8BlockGemm::create(max_m, n, k, o);
+    must(rd.status(), "Fp8BlockGemm::create (probe)");
+    std::unique_ptr<Fp8BlockGemm> obj = std::move(rd).value();
+    std::printf("probe object, replay %s:\n%s", st.name, obj->describe().c_str());
+    for (int64_t m : {int64_t{4}, int64_t{16}}) {
+      std::printf("  M %lld: %s\n", static_cast<long long>(m), obj->algorithm_for(m).c_str());
+      add(std::string("object, replay ") + st.name, m,
+          [&](cudaStream_t s2) { must(obj->run(params(m), s2), "probe object"); });
+    }
+  }
+  bench::print_rows(
+      "tuner probe N " + std::to_string(n) + " K " + std::to_string(k) +
+          " (bench timing: isolated graph replay after a 256 MB flush, 30 iterations)",
+      rows, json);
+  cudaFree(w);
+  cudaFree(sw);
+  cudaFree(a);
+  cudaFree(sa);
+  cudaFree(out);
+  cudaFree(ws);
+  cudaStreamDestroy(stream);
+  return 0;
 }
 
 std::vector<int64_t> parse_list(const char* s) {
@@ -660,7 +805,7 @@ int run(int argc, char** argv) {
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   int only_variant = -1;
-  bool random = false, trace = false;
+  bool random = false, trace = false, tuner_probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -690,6 +835,8 @@ int run(int argc, char** argv) {
       wgmma_only = true;
     } else if (f == "--shape" && i + 1 < argc) {
       shape = parse_list(argv[++i]);
+    } else if (f == "--tuner-probe") {
+      tuner_probe = true;
     } else if (f == "--ms" && i + 1 < argc) {
       shape_ms = parse_list(argv[++i]);
     } else if (f == "--variant") {
@@ -699,11 +846,12 @@ int run(int argc, char** argv) {
     } else if (f == "--trace") {
       trace = true;
     } else {
-      std::fprintf(stderr,
-                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-                   "--shape N,K [--ms M1,M2,...] [--variant V] [--random] [--trace])\n",
-                   argv[i]);
+      std::fprintf(
+          stderr,
+          "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
+          "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
+          "--shape N,K [--ms M1,M2,...] [--variant V] [--random] [--trace] [--tuner-probe])\n",
+          argv[i]);
       return 2;
     }
   }
@@ -714,6 +862,7 @@ int run(int argc, char** argv) {
       return 2;
     }
     std::sort(shape_ms.begin(), shape_ms.end());
+    if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
     return run_shape(shape[0], shape[1], shape_ms, only_variant, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}

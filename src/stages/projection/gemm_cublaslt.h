@@ -131,6 +131,18 @@ inline bool gemm_prefer_wgmma(double lt_us, double wgmma_us, int64_t m_hi, int64
   return m_hi <= auto_max_m && lt_us > 0 && wgmma_us > 0 && wgmma_us < 0.98 * lt_us;
 }
 
+// How the autotuner times the CUDA-graph replays that choose between the kept cuBLASLt algorithm
+// and the wgmma kernel (tune_wgmma): each median is of `iters` replays of a freshly instantiated
+// graph after `warmup` untimed ones, L2 flushed before each (memset of `flush_bytes`, then a read
+// sweep of them; 0 = twice the L2), the host waiting for each timed replay before enqueuing the
+// next flush when `sync_each` (as bench_util's timing loop does) or enqueuing all at once.
+struct GemmTuneReplay {
+  size_t flush_bytes = 0;
+  int warmup = 1;
+  int iters = 5;  // 1 .. 31
+  bool sync_each = false;
+};
+
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
   int heuristic_candidates = 16;              // how many heuristic results to try per bucket
@@ -152,6 +164,7 @@ struct Fp8BlockGemmOptions {
   double autotune_budget_ms = 2000;  // wall-clock bound of the whole tuning of one object
   int64_t autotune_max_m = 16384;    // buckets above keep the heuristic's choice (scratch memory)
   int autotune_max_timed = 48;       // timed candidates per bucket at most
+  GemmTuneReplay tune_replay;        // the wgmma-vs-cuBLASLt replay timing (above)
 };
 
 class Fp8BlockGemm {

@@ -12,6 +12,7 @@
 #include "m3attn/config.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
+#include "stages/projection/gemm_wgmma_rows_kernel.cuh"
 
 namespace m3attn {
 
@@ -164,7 +165,73 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
       std::max<int64_t>(1, std::min<int64_t>(int64_t{o.max_waves} * ctas * sms, by_units)));
 }
 
+// The row split's grid: two CTAs per SM, at most one per weight row.
+int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
+
+template <int kNw>
+Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
+                   const DeviceInfo& info, cudaStream_t stream) {
+  auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw>;
+  constexpr int kMaxSmem =
+      gemm_wgmma_detail::rows_smem_bytes<kNw>(gemm_wgmma_detail::kRowsMaxKblocks);
+  // The shared-memory opt-in once per device (each device has its own module); two CTAs must fit
+  // on an SM (the grid is one wave of them).
+  static std::atomic<int> ready[64] = {};  // (one table per instantiation)
+  if (info.device >= 64 || ready[info.device].load(std::memory_order_acquire) == 0) {
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+    int resident = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &resident, kernel, gemm_wgmma_detail::kRowsThreads, kMaxSmem));
+    if (resident < 2)
+      return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row split): only ", resident,
+                         " CTAs of the n = ", kNw, " kernel fit on an SM (", kMaxSmem,
+                         " B of dynamic shared memory); two are needed");
+    if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
+  }
+  const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw>(args.kblocks);
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                     dim3(gemm_wgmma_detail::kRowsThreads), smem, stream,
+                                     args.early_weights != 0, xmap, args));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
+
 }  // namespace
+
+Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
+  M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
+               "gemm_wgmma_rows_packed_bytes: N = ", n, " and K = ", k,
+               " must be positive multiples of ", kTileN);
+  return static_cast<size_t>(n * k);
+}
+
+Status gemm_wgmma_pack_weights_rows(const TensorView& b, void* packed, size_t packed_bytes,
+                                    cudaStream_t stream) {
+  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.device.type == DeviceType::kCUDA,
+               "gemm_wgmma_pack_weights_rows: b must be a 2D E4M3 tensor on a CUDA device");
+  const int64_t n = b.shape[0], k = b.shape[1];
+  Result<size_t> need = gemm_wgmma_rows_packed_bytes(n, k);
+  M3_RETURN_IF_ERROR(need.status());
+  M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31),
+               "gemm_wgmma_pack_weights_rows: N = ", n, " and K = ", k, " must be below 2^31");
+  M3_CHECK_ARG(packed != nullptr && packed_bytes >= need.value() &&
+                   reinterpret_cast<uintptr_t>(packed) % 16 == 0,
+               "gemm_wgmma_pack_weights_rows: the packed buffer holds ", packed_bytes, " bytes, ",
+               need.value(), " (16-byte aligned) are needed");
+  M3_CHECK_ARG(
+      b.stride[1] == 1 && b.stride[0] % 16 == 0 && reinterpret_cast<uintptr_t>(b.data) % 16 == 0,
+      "gemm_wgmma_pack_weights_rows: b must be K-contiguous, 16-byte aligned, rows a multiple "
+      "of 16 bytes apart (row stride ",
+      b.stride[0], ")");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  gemm_wgmma_detail::pack_weights_rows_kernel<<<1024, 256, 0, stream>>>(
+      static_cast<const uint8_t*>(b.data), b.stride[0], static_cast<int>(n),
+      static_cast<int>(k / kBlockK), rows_grid(n, info.sms), static_cast<uint8_t*>(packed));
+  M3_CUDA_CHECK_LAUNCH();
+  return Status::Ok();
+}
 
 size_t gemm_wgmma_counter_bytes(int64_t n) {
   const size_t bytes = static_cast<size_t>(std::max<int64_t>(tiles_of(n), 1)) * sizeof(unsigned);
@@ -313,6 +380,46 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " CTAs): size it with gemm_wgmma_workspace_bytes");
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
                "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
+
+  // The row split (variant): its own kernel, no workspace traffic.
+  if (options.row_packed_weights != nullptr) {
+    M3_CHECK_ARG(cluster_split == 0 && options.packed_weights == nullptr,
+                 "GemmWgmmaOptions::row_packed_weights excludes cluster_split (", cluster_split,
+                 ") and packed_weights");
+    M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
+                 "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
+    const int rgrid = rows_grid(n, info.sms);
+    if ((n + rgrid - 1) / rgrid > gemm_wgmma_detail::kRowsMax)
+      return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", rgrid,
+                         " on this device, got N = ", n);
+    if (kblocks > gemm_wgmma_detail::kRowsMaxKblocks)
+      return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
+                         ", got K = ", k);
+    CUtensorMap xmap;
+    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
+                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  "activations"));
+    gemm_wgmma_detail::RowsArgs ra;
+    ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
+    ra.sa = p.a_scales.ptr<const float>();
+    ra.sa_s0 = p.a_scales.stride[0];
+    ra.sa_s1 = p.a_scales.stride[1];
+    ra.sb = p.b_scales.ptr<const float>();
+    ra.sb_s0 = p.b_scales.stride[0];
+    ra.sb_s1 = p.b_scales.stride[1];
+    ra.out = p.out.ptr<uint16_t>();
+    ra.ldo = p.out.stride[0];
+    ra.n = static_cast<int>(n);
+    ra.m = static_cast<int>(m);
+    ra.kblocks = static_cast<int>(kblocks);
+    ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
+    ra.early_weights = options.programmatic_launch ? 1 : 0;
+    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    if (m <= 8) return launch_rows<8>(xmap, ra, rgrid, info, stream);
+    if (m <= 16) return launch_rows<16>(xmap, ra, rgrid, info, stream);
+    if (m <= 32) return launch_rows<32>(xmap, ra, rgrid, info, stream);
+    return launch_rows<64>(xmap, ra, rgrid, info, stream);
+  }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.
   CUtensorMap wmap, xmap;

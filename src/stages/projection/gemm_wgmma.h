@@ -61,6 +61,15 @@ struct GemmWgmmaOptions {
   // fused N 9856 M 1 / 16 / 64 21.86 / 19.89, 22.02 / 20.19, 28.35 / 25.74 vs 22.27 / 20.38,
   // 22.78 / 20.75, 29.63 / 27.12 (round C). Opt-in: the caller keeps the packed image (N K bytes).
   const void* packed_weights = nullptr;
+  // Variant (session 18): the row split over a packed linear image (gemm_wgmma_rows_kernel.cuh):
+  // the image gemm_wgmma_pack_weights_rows wrote for this device (nullptr: off). Each of
+  // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
+  // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
+  // grid reads the image front to back. b's scales and shape still come from the call; its data
+  // is not read. Not with cluster_split or packed_weights; min_units_per_cta, max_waves, burst,
+  // owner_fixup, ctas_per_sm and weight_l2_promotion do not apply. Opt-in: the caller keeps the
+  // image (N K bytes, as much again as the weight) and must pack it on a device with as many SMs.
+  const void* row_packed_weights = nullptr;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -127,6 +136,13 @@ Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOpti
 // same grid options (ctas_per_sm, min_units_per_cta, max_waves) on a device with as many SMs.
 Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_bytes,
                                const GemmWgmmaOptions& options, cudaStream_t stream);
+
+// Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
+Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
+// Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for the
+// current device into `packed` (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`.
+Status gemm_wgmma_pack_weights_rows(const TensorView& b, void* packed, size_t packed_bytes,
+                                    cudaStream_t stream);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

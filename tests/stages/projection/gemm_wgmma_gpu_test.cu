@@ -77,6 +77,7 @@ struct Case {
   bool owner = false;       // GemmWgmmaOptions::owner_fixup
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
+  bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
 };
 
 std::string describe(const Case& c) {
@@ -87,7 +88,8 @@ std::string describe(const Case& c) {
          std::to_string(c.burst) + " evict-first " + std::to_string(c.evict_first) +
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
-         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed);
+         " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
+         " row split " + std::to_string(c.rows);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -123,6 +125,18 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
     o.packed_weights = packed.data();
+  }
+  // Row split: its image, likewise packed from the device weights, which are then poisoned.
+  Result<size_t> rows_bytes = gemm_wgmma_rows_packed_bytes(c.n, c.k);
+  DeviceBuffer rows_image(c.rows && rows_bytes.ok() ? rows_bytes.value() : 16, 0);
+  if (c.rows) {
+    EXPECT_TRUE(rows_bytes.ok()) << rows_bytes.status().to_string();
+    const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, rows_image.data(),
+                                                   rows_image.bytes(), nullptr);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.b.poison(0x7F);
+    o.row_packed_weights = rows_image.data();
   }
   const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o);
   EXPECT_TRUE(st.ok()) << st.to_string();
@@ -232,7 +246,23 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 1536, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, true},
         Case{8, 128, 6144, 0, 0, false, 0, 1, 3, true, 0, false, 1, false, 0, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, true},
-        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true}));
+        Case{40, 1280, 2048, 0, 0, true, 2, 1, 0, true, 0, false, 4, false, 0, true},
+        // row_packed_weights (session 18): fused width (37-38 rows per CTA, CTAs straddling a
+        // weight-scale block), every n, partial image steps and ring stages (K blocks 9, 5, 1),
+        // K 8192, fewer rows than two CTAs per SM (one row per CTA), padded / 16-byte aligned
+        // operands, row-major activation scales, PDL, no evict-first hint.
+        Case{1, 9856, 6144, 0, 0, false, 0, 16, 0, true, 0, false, 1, false, 0, false, true},
+        Case{3, 640, 6144, 8, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{16, 9856, 1152, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
+        Case{13, 9856, 6144, 0, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true},
+        Case{32, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{64, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{8, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, 0, false, true},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
+        Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, false, 0, false, true},
+        Case{24, 1280, 2048, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -568,6 +598,147 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   EXPECT_TRUE(run_gemm_wgmma_cuda(empty.params(), ws.data(), ws.bytes(), nullptr).ok());
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));
+}
+
+// Row split (row_packed_weights): captured once in a CUDA graph, replayed with new activations and
+// activation scales written into the same buffers (the weights and their image unchanged): equals
+// the twin exactly and an eager run byte for byte; a plain and a programmatic launch agree.
+TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {1, 16, 40}) {
+    for (bool pdl : {false, true}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " PDL " << pdl);
+      Rng rng(seed);
+      const int64_t n = 9856, k = 2048;
+      const GemmData d1 = make_integer_data(m, n, k, rng);
+      GemmData d2 = make_integer_data(m, n, k, rng);
+      d2.b = d1.b;
+      d2.sb = d1.sb;
+      DeviceGemm dev(d1, n);
+      DeviceBuffer ws = make_workspace(n, m);
+      Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
+      ASSERT_TRUE(bytes.ok()) << bytes.status().to_string();
+      DeviceBuffer image(bytes.value(), 0);
+      ASSERT_TRUE(
+          gemm_wgmma_pack_weights_rows(dev.params().b, image.data(), image.bytes(), nullptr).ok());
+      GemmWgmmaOptions o;
+      o.row_packed_weights = image.data();
+      o.programmatic_launch = pdl;
+      cudaStream_t stream;
+      M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      cudaGraph_t graph;
+      cudaGraphExec_t exec;
+      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const Status st = run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), stream, o);
+      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+      ASSERT_TRUE(st.ok()) << st.to_string();
+      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      // New inputs into the same buffers, then the replay.
+      dev.a.upload(d2.a.data(), d2.a.size(), dev.shift);
+      dev.sa.upload(d2.sa.data(), d2.sa.size() * 4);
+      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      int64_t touched = 0;
+      const std::vector<uint16_t> replayed = dev.result(&touched);
+      EXPECT_EQ(touched, 0);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(replayed, cpu_gemm(d2), n, &report), 0) << report;
+      dev.out.poison(kPoison);
+      ASSERT_TRUE(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), stream, o).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(dev.result(&touched), replayed) << "eager run differs from the replay";
+      M3_CUDA_TEST_CHECK(cudaGraphExecDestroy(exec));
+      M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
+      M3_CUDA_TEST_CHECK(cudaStreamDestroy(stream));
+    }
+  }
+}
+
+// Row split: small shapes for compute-sanitizer (memcheck / racecheck), every n, ring stages
+// reused (K 2048: 16 K blocks through 4-7 stages), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmall) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {1, 9, 17, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    const Case c{m, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    DeviceGemm dev(d, c.n);
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+  }
+}
+
+// Row split rejections: with cluster_split or packed_weights, a misaligned image, N beyond 40 rows
+// per CTA, K beyond 8192, bad pack calls; nothing written.
+TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
+  M3_REQUIRE_WGMMA();
+  Rng rng(fresh_seed());
+  GemmData d = make_integer_data(8, 256, 512, rng);
+  DeviceGemm dev(d, 256);
+  DeviceBuffer ws = make_workspace(256, 8);
+  DeviceBuffer image(256 * 512, 0);
+  const GemmParams p = dev.params();
+  GemmWgmmaOptions bad;
+  bad.row_packed_weights = image.data();
+  bad.cluster_split = 2;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.row_packed_weights = image.data();
+  bad.packed_weights = image.data();
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad = {};
+  bad.row_packed_weights = static_cast<uint8_t*>(image.data()) + 8;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, image.data(), 64, nullptr).code(),
+            StatusCode::kInvalidArgument);  // too small
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, static_cast<uint8_t*>(image.data()) + 8,
+                                         image.bytes() - 8, nullptr)
+                .code(),
+            StatusCode::kInvalidArgument);  // misaligned
+  EXPECT_EQ(gemm_wgmma_rows_packed_bytes(200, 512).status().code(), StatusCode::kInvalidArgument);
+  int device = 0, sms = 0;
+  M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
+  M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  {
+    // N = 41 rows per CTA (rounded up to 128): unsupported, nothing written.
+    const int64_t n = (41 * 2 * sms + 127) / 128 * 128;
+    GemmData big = make_integer_data(1, n, 128, rng);
+    DeviceGemm dbig(big, n);
+    DeviceBuffer wbig = make_workspace(n, 1);
+    DeviceBuffer ibig(static_cast<size_t>(n * 128), 0);
+    GemmWgmmaOptions o;
+    o.row_packed_weights = ibig.data();
+    EXPECT_EQ(run_gemm_wgmma_cuda(dbig.params(), wbig.data(), wbig.bytes(), nullptr, o).code(),
+              StatusCode::kUnsupported);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dbig.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
+  {
+    GemmData wide = make_integer_data(1, 256, 8320, rng);  // K 8320: 65 K blocks
+    DeviceGemm dwide(wide, 256);
+    DeviceBuffer iwide(static_cast<size_t>(256 * 8320), 0);
+    GemmWgmmaOptions o;
+    o.row_packed_weights = iwide.data();
+    EXPECT_EQ(run_gemm_wgmma_cuda(dwide.params(), ws.data(), ws.bytes(), nullptr, o).code(),
+              StatusCode::kUnsupported);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  EXPECT_EQ(touched, 0);
 }
 
 // The autotuner's per-bucket rule (pure host code: runs without a GPU).

@@ -1,0 +1,324 @@
+// Row split of the decode GEMM over a packed linear weight image (GemmWgmmaOptions::
+// row_packed_weights; session 18, opt-in): the math of gemm_wgmma_kernel.cuh (swap-AB wgmma, per
+// 128-wide K block an fp32 dot product from the tensor cores folded into fp32 registers with
+// sa[m, kb] x sb[n / 128, kb]) without split-K: no partials, counters, fences or fixup.
+//
+// Work decomposition: CTA c of G = min(2 x SMs, N) owns weight rows [c N / G, (c + 1) N / G)
+// (37-38 rows for N 9856 on 132 SMs; at most kRowsMax) over the whole K. Two CTAs per SM, each one
+// consumer warpgroup (an m64 wgmma A tile: rows past the CTA's count read other bytes of the same
+// stage and their outputs are never stored) and one producer warp.
+//
+// Weights: gemm_wgmma_pack_weights_rows stores them once as an image that the grid reads linearly:
+// K in steps of kImageStep K blocks; step s holds every CTA's rows in CTA order, CTA c's chunk as
+// [K block q][row r][128 bytes], each 128-byte row pre-swizzled (16-byte chunk j at j ^ (r % 8))
+// as TMA's 128B swizzle would have written it into a 1024-byte aligned tile. So at every step the
+// grid's CTAs read neighbouring bytes (a front through memory, as a plain read's grid-stride loop)
+// and each (K block, CTA) piece is one contiguous 1D bulk copy of rows x 128 bytes into a 5 KB
+// slot. The producer's lane 0 streams kKpb K blocks per ring stage (their weight pieces and the
+// activation boxes of n rows x 128 bytes by TMA, L2-resident); a full / empty mbarrier pair per
+// stage.
+//
+// Consumers, pipelined across K blocks: each K block's 4 wgmma m64nNk32 go into their own
+// temporary fragment (kNw / 2 fp32 registers) and their own commit group; after issuing stage
+// i + 1 the warpgroup waits until only those groups are pending (wgmma.wait_group kKpb), folds
+// stage i's fragments into the accumulators (scale products from shared memory, staged once per
+// CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks, a
+// CTA's rows straddling at most one 128-row boundary) and releases stage i. So the tensor cores
+// and the ring never wait for a fold, and a K block costs no full-barrier round trip of its own.
+// Epilogue: each thread writes its fragment's bf16 outputs (rows < the CTA's count, m < M).
+//
+// Bytes: weights N K once from HBM in image order; activations M_pad K per CTA from L2 (G x the
+// stream-K kernel's per-unit share: 264 x 48 KB = 13 MB at n = 8, 101 MB at n = 64); no workspace
+// traffic. Tensor work: G x K / 32 wgmma m64nNk32 (64 / 37 of the useful rows' work).
+#pragma once
+
+#include "stages/projection/gemm_wgmma_kernel.cuh"
+
+namespace m3attn::gemm_wgmma_detail {
+
+constexpr int kRowsMax = 40;                   // weight rows per CTA at most
+constexpr int kRowSlotBytes = kRowsMax * 128;  // one K block of a CTA's rows (1024-aligned)
+constexpr int kRowsConsumers = 128;            // one consumer warpgroup
+constexpr int kRowsThreads = kRowsConsumers + 32;
+constexpr int kImageStep = 4;            // K blocks per step of the packed image
+constexpr int kRowsMaxKblocks = 64;      // K <= 8192 (scales staged in shared memory)
+constexpr int kRowsSmemPerCta = 115712;  // two CTAs per SM (228 KB less 1 KB each)
+
+// K blocks per ring stage (fragments in flight: 2 x kKpb x kNw / 2 registers per thread).
+template <int kNw>
+constexpr int rows_kpb() {
+  return kNw <= 8 ? 4 : kNw <= 32 ? 2 : 1;
+}
+template <int kNw>
+constexpr int rows_stage_bytes() {
+  return rows_kpb<kNw>() * (kRowSlotBytes + kNw * 128);
+}
+template <int kNw>
+constexpr int rows_scale_bytes(int kblocks) {
+  return (kNw + 2) * kblocks * 4;
+}
+// Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
+// shared memory, at most 12 stages.
+template <int kNw>
+constexpr int rows_stages() {
+  constexpr int fit = (kRowsSmemPerCta - 1024 - 1024 - rows_scale_bytes<kNw>(kRowsMaxKblocks)) /
+                      rows_stage_bytes<kNw>();
+  return fit < 12 ? fit : 12;
+}
+template <int kNw>
+constexpr int rows_smem_bytes(int kblocks) {
+  return 1024 + rows_stages<kNw>() * rows_stage_bytes<kNw>() + rows_scale_bytes<kNw>(kblocks);
+}
+
+struct RowsArgs {
+  const uint8_t* image;  // gemm_wgmma_pack_weights_rows for this grid
+  const float* sa;       // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
+  int64_t sa_s0, sa_s1;
+  const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
+  int64_t sb_s0, sb_s1;
+  uint16_t* out;  // bf16 [m, N], row stride ldo
+  int64_t ldo;
+  int n, m, kblocks;
+  int weight_evict_first;
+  int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
+  int trigger_dependents;
+};
+
+// CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
+__host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n) {
+  return static_cast<int>(int64_t{c} * n / grid);
+}
+__host__ __device__ __forceinline__ int rows_owner(int r, int grid, int n) {
+  return static_cast<int>((int64_t{r + 1} * grid - 1) / n);
+}
+// Byte offset in the image of CTA chunk (step of K block kb) row 0 of K block kb, for a CTA with
+// rows [r_begin, r_begin + rows).
+__host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begin, int rows, int n,
+                                                              int kblocks) {
+  const int st = kb / kImageStep, q = kb - st * kImageStep;
+  const int snk = kblocks - st * kImageStep < kImageStep ? kblocks - st * kImageStep : kImageStep;
+  return int64_t{st} * kImageStep * n * 128 + int64_t{r_begin} * snk * 128 +
+         int64_t{q} * rows * 128;
+}
+
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+__device__ __forceinline__ void rows_consumer_barrier() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kRowsConsumers) : "memory");
+}
+
+template <int kNw>
+__global__ void __launch_bounds__(kRowsThreads, 2)
+    gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  constexpr int kKpb = rows_kpb<kNw>();
+  constexpr int kStages = rows_stages<kNw>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw>();
+  constexpr int kActBytes = kNw * 128;
+  constexpr int kAcc = kNw / 2;
+  static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
+  // The m64 A tile of a slot reads 64 x 128 bytes: the rows past kRowsMax must stay inside the
+  // stage (the next slot or the stage's activation boxes, all landed with it).
+  static_assert(64 * 128 - kRowSlotBytes <= kKpb * kActBytes, "A tile overruns its stage");
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kStages];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then s_sb[kb * 2 + h] (weight-scale block
+  // r_begin / 128 + h, clamped to the last block).
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
+                                         static_cast<uint32_t>(kStages * kStageBytes));
+  float* s_sb = s_sa + p.kblocks * kNw;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
+  const int r_begin = rows_begin(cta, grid, p.n);
+  const int rows = rows_begin(cta + 1, grid, p.n) - r_begin;
+  const int kb_count = p.kblocks;
+  const int steps = (kb_count + kKpb - 1) / kKpb;
+
+  if (tid == kRowsConsumers) {
+    prefetch_tensor_map(&xmap);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1);
+      mbar_init(smem_addr(&empty_bar[s]), kRowsConsumers);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  if (tid >= kRowsConsumers) {
+    // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
+    // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
+    if (lane == 0) {
+      const uint64_t policy = evict_first_policy();
+      const uint32_t piece = static_cast<uint32_t>(rows * 128);
+      auto stage_kblocks = [&](int i) {
+        const int left = kb_count - i * kKpb;
+        return left < kKpb ? left : kKpb;
+      };
+      auto load_weights = [&](int i) {
+        const int s = i % kStages;
+        const uint32_t full = smem_addr(&full_bar[s]);
+        const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
+        const int nk = stage_kblocks(i);
+        mbar_arrive_expect_tx(full, static_cast<uint32_t>(nk) * (piece + kActBytes));
+        for (int q = 0; q < nk; ++q) {
+          const uint8_t* src =
+              p.image + rows_image_offset(i * kKpb + q, r_begin, rows, p.n, kb_count);
+          const uint32_t d = dst + static_cast<uint32_t>(q * kRowSlotBytes);
+          if (p.weight_evict_first) {
+            bulk_load_hint(d, src, piece, full, policy);
+          } else {
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                "%2, [%3];\n" ::"r"(d),
+                "l"(src), "r"(piece), "r"(full)
+                : "memory");
+          }
+        }
+      };
+      // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
+      // before waiting for the preceding grid, whose outputs (activations, scales) come after.
+      const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
+      for (int i = 0; i < early; ++i) load_weights(i);
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
+        if (i >= early) load_weights(i);
+        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kKpb * kRowSlotBytes);
+        const int nk = stage_kblocks(i);
+        for (int q = 0; q < nk; ++q)
+          tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
+                      0, smem_addr(&full_bar[s]));
+      }
+    }
+    return;  // (consumers synchronize with bar.sync 1 only)
+  }
+
+  // Consumers. Scales after the preceding grid (they are its outputs).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
+  for (int i = tid; i < kb_count * kNw; i += kRowsConsumers) {
+    const int kb = i / kNw, m = i - kb * kNw;
+    s_sa[i] = m < p.m ? p.sa[m * p.sa_s0 + kb * p.sa_s1] : 0.0f;
+  }
+  for (int i = tid; i < kb_count * 2; i += kRowsConsumers) {
+    const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
+    s_sb[i] = p.sb[blk * p.sb_s0 + kb * p.sb_s1];
+  }
+  rows_consumer_barrier();
+
+  const int warp = tid / 32;
+  const int row0 = 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  const int m0 = 2 * (lane % 4);
+  // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
+  // count compute garbage that is never stored; their index stays in range).
+  const int h0 = (r_begin + row0) / 128 - blk0;
+  const int h1 = (r_begin + row0 + 8) / 128 - blk0;
+  const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
+
+  float acc[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+  float frag[2][kKpb][kAcc];
+
+  // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
+  // group count per stage constant).
+  auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
+    const int s = i % kStages;
+    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    const int left = kb_count - i * kKpb;
+    const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
+    // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
+    // write of an accumulator register while other groups are in flight makes ptxas serialize
+    // every wgmma, C7515.)
+    wgmma_fence();
+#pragma unroll
+    for (int q = 0; q < kKpb; ++q) {
+      if (q < left) {
+        const uint32_t a_addr = stage + static_cast<uint32_t>(q * kRowSlotBytes);
+        const uint32_t b_addr = stage + static_cast<uint32_t>(kKpb * kRowSlotBytes + q * kActBytes);
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Wgmma<kNw>::mma(f[q], smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+      }
+      wgmma_commit();
+    }
+  };
+  // Stage i's fragments (its groups complete: at most kPending newer groups left) folded into
+  // acc in K-block order, then the stage released.
+  auto fold = [&](int i, float(&f)[kKpb][kAcc], bool newer_pending) {
+    if (newer_pending) {
+      wgmma_wait<kKpb>();
+    } else {
+      wgmma_wait<0>();
+    }
+    const int left = kb_count - i * kKpb;
+#pragma unroll
+    for (int q = 0; q < kKpb; ++q) {
+      if (q < left) {
+        const int kb = i * kKpb + q;
+        const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
+        const float* sa = s_sa + kb * kNw;
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) {
+          const int m = m0 + 8 * (j / 4) + j % 2;
+          acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+        }
+      }
+    }
+    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
+  };
+
+  issue(0, frag[0]);
+  for (int i = 0; i < steps; i += 2) {
+    if (i + 1 >= steps) {
+      fold(i, frag[0], false);
+      break;
+    }
+    issue(i + 1, frag[1]);
+    fold(i, frag[0], true);
+    if (i + 2 >= steps) {
+      fold(i + 1, frag[1], false);
+      break;
+    }
+    issue(i + 2, frag[0]);
+    fold(i + 1, frag[1], true);
+  }
+
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) {
+    const int m = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+    if (m < p.m && row < rows) p.out[m * p.ldo + r_begin + row] = float_to_bf16(acc[j]);
+  }
+}
+
+// Packs b [N, K] (row stride ldb bytes) into the row split's image for `grid` CTAs (see the top of
+// this file). One thread per 16-byte chunk of b.
+__global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb, int n,
+                                         int kblocks, int grid, uint8_t* __restrict__ image) {
+  const int64_t row_chunks = int64_t{kblocks} * (kBlockK / 16);
+  const int64_t chunks = int64_t{n} * row_chunks;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < chunks;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int row = static_cast<int>(i / row_chunks);
+    const int cj = static_cast<int>(i - int64_t{row} * row_chunks);
+    const int kb = cj / 8, j = cj % 8;
+    const int c = rows_owner(row, grid, n);
+    const int r_begin = rows_begin(c, grid, n), rows = rows_begin(c + 1, grid, n) - r_begin;
+    const int r = row - r_begin;
+    const uint4 v = *reinterpret_cast<const uint4*>(b + int64_t{row} * ldb + int64_t{cj} * 16);
+    *reinterpret_cast<uint4*>(image + rows_image_offset(kb, r_begin, rows, n, kblocks) +
+                              int64_t{r} * 128 + (j ^ (r % 8)) * 16) = v;
+  }
+}
+
+}  // namespace m3attn::gemm_wgmma_detail

@@ -37,7 +37,7 @@
 //   per-CTA phase times and the CTAs' ends by SM, CTAs without a tile counted apart; with
 //   --read-ceiling also the plain read's timeline in the same form);
 //   --no-prefill (decode/verify table only); --case=SUBSTR (only the decode/verify cases whose
-//   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"); --compare-kernels
+//   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"; "A|B": either); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
 //   loads) and "v21" (TMA loads, two-pass NaN test, lazy running max, conflict-free f16 V stores,
@@ -705,6 +705,19 @@ bool compare_rows(const Case& c, const std::vector<int64_t>& toks,
 }  // namespace
 }  // namespace m3attn
 
+// --case=SUBSTR: true when `name` contains one of the '|'-separated alternatives of `only`.
+bool name_matches(const std::string& name, const std::string& only) {
+  size_t from = 0;
+  while (true) {
+    const size_t bar = only.find('|', from);
+    if (name.find(only.substr(from, bar == std::string::npos ? std::string::npos : bar - from)) !=
+        std::string::npos)
+      return true;
+    if (bar == std::string::npos) return false;
+    from = bar + 1;
+  }
+}
+
 int main(int argc, char** argv) {
   using namespace m3attn;
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // tables appear as they finish, also in a log file
@@ -846,7 +859,7 @@ int main(int argc, char** argv) {
           const std::string base = std::string(sparse ? "sparse" : "dense") + " decode B" +
                                    std::to_string(B) + " ctx" + std::to_string(ctx / 1024) +
                                    "K draft" + std::to_string(draft);
-          if (base.find(only) == std::string::npos) continue;
+          if (!name_matches(base, only)) continue;
           Case c = make_case(base, sparse, B, ctx, 1 + draft, 0, max_ctx_pages, 1 + draft, pool,
                              variants[0].second, rng);
           // Spot check: the first and the last token (dense: the last token of batch 1 only,

@@ -16,6 +16,7 @@
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
+#include "stages/indexer/indexer_kernel_wgmma.cuh"
 
 namespace m3attn {
 
@@ -103,6 +104,7 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
+  bool wgmma = false;  // fused / single with the decode units by wgmma
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -215,6 +217,12 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
+  // wgmma decode units (opt-in): the plan's splits, run as the fused path where it was the
+  // two-kernel one (the block-max table holds at most kFusedMaxChunk blocks per split).
+  if (o.wgmma_decode && pl.mma && !o.unfused_decode && T > 0 && chunk <= ik::kFusedMaxChunk) {
+    pl.fused = true;
+    pl.wgmma = true;
+  }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   return pl;
@@ -272,6 +280,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
+  info.wgmma = pl.wgmma;
   return info;
 }
 
@@ -372,11 +381,15 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
       return Status::Ok();
     };
+    // The decode units' scorer's dynamic shared memory (wgmma: the A tile, a deeper ring, the
+    // table and the alignment slack).
+    const size_t fused_bytes = pl.wgmma ? ik::kWgSmemBytes : ik::kFusedSmemBytes;
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = ik::score_fused_cluster_kernel;
+      const auto ckernel =
+          pl.wgmma ? ik::score_wgmma_cluster_kernel : ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, fused_bytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);
@@ -397,9 +410,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     }
     if (pl.fused) {
       // 72 KB of dynamic shared memory: opt in.
-      const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
+      const auto kernel =
+          pl.wgmma ? (pl.single ? ik::score_wgmma_single_kernel : ik::score_wgmma_fused_kernel)
+                   : (pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel);
       size_t fsmem = 0;
-      M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
+      M3_RETURN_IF_ERROR(prepare(kernel, fused_bytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {

@@ -365,6 +365,7 @@ struct ShapeVariant {
   int cluster;    // GemmWgmmaOptions::cluster_split
   bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
   bool rows;      // GemmWgmmaOptions::row_packed_weights (the row split's image per copy)
+  int burst = 0;  // GemmWgmmaOptions::burst (the row split: K blocks per ring stage)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -424,11 +425,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // 5: packed weights (session 16). Session 16 also timed, and removed: dynamic chunks of 2-8 K
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
-  // 6: the row split over its packed linear image (session 18).
-  const ShapeVariant variants[] = {{0, false, 16, 0, false, false}, {1, false, 16, 0, false, false},
-                                   {0, true, 16, 0, false, false},  {1, true, 16, 0, false, false},
-                                   {0, false, 16, 3, false, false}, {0, false, 16, 0, true, false},
-                                   {0, false, 16, 0, false, true}};
+  // 6-9: the row split over its packed linear image (session 18), K blocks per stage automatic,
+  // 1, 2, 4.
+  const ShapeVariant variants[] = {
+      {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
+      {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
+      {0, false, 16, 3, false, false},   {0, false, 16, 0, true, false},
+      {0, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 1},
+      {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -583,6 +587,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
+      o.burst = variants[v].burst;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -597,7 +602,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "");
+          (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
+          (o.burst != 0 ? " burst " + std::to_string(o.burst) : "");
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));
@@ -752,6 +758,31 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
     }
   }
   fill(false);
+  // Placement: the same kernels on fresh copies of the weights and fresh wgmma workspaces (sized
+  // as a default object's for max_m 16), each behind a dummy allocation of another size.
+  std::vector<void*> keep;
+  for (int t = 0; t < 3; ++t) {
+    void* dummy = nullptr;
+    check_cuda(cudaMalloc(&dummy, static_cast<size_t>(t + 1) * (7 << 20)), "dummy");
+    Result<size_t> wsb = gemm_wgmma_workspace_bytes(n, max_m);
+    must(wsb.status(), "gemm_wgmma_workspace_bytes");
+    void* ws_t = nullptr;
+    check_cuda(cudaMalloc(&ws_t, wsb.value()), "workspace copy");
+    check_cuda(cudaMemset(ws_t, 0, wsb.value()), "workspace copy");
+    uint8_t* w_t = device_alloc<uint8_t>(static_cast<size_t>(n * k));
+    check_cuda(cudaMemcpy(w_t, w, static_cast<size_t>(n * k), cudaMemcpyDeviceToDevice), "copy");
+    keep.insert(keep.end(), {dummy, ws_t, w_t});
+    auto params_t = [&](int64_t m) {
+      GemmParams p = params(m);
+      p.b.data = w_t;
+      return p;
+    };
+    const std::string where = " (placement " + std::to_string(t) + ")";
+    add("cublaslt" + where, 4, [&](cudaStream_t st) { must(lt->run(params_t(4), st), "lt"); });
+    add("wgmma" + where, 4, [&](cudaStream_t st) {
+      must(run_gemm_wgmma_cuda(params_t(4), ws_t, wsb.value(), st), "wgmma");
+    });
+  }
   struct Setting {
     const char* name;
     GemmTuneReplay replay;
@@ -786,6 +817,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   cudaFree(sa);
   cudaFree(out);
   cudaFree(ws);
+  for (void* ptr : keep) cudaFree(ptr);
   cudaStreamDestroy(stream);
   return 0;
 }

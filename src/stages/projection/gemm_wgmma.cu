@@ -168,33 +168,48 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
 // The row split's grid: two CTAs per SM, at most one per weight row.
 int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
-template <int kNw>
+template <int kNw, int kKpb>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
-  auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw>;
-  constexpr int kMaxSmem =
-      gemm_wgmma_detail::rows_smem_bytes<kNw>(gemm_wgmma_detail::kRowsMaxKblocks);
-  // The shared-memory opt-in once per device (each device has its own module); two CTAs must fit
-  // on an SM (the grid is one wave of them).
-  static std::atomic<int> ready[64] = {};  // (one table per instantiation)
-  if (info.device >= 64 || ready[info.device].load(std::memory_order_acquire) == 0) {
-    M3_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
-    int resident = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &resident, kernel, gemm_wgmma_detail::kRowsThreads, kMaxSmem));
-    if (resident < 2)
-      return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row split): only ", resident,
-                         " CTAs of the n = ", kNw, " kernel fit on an SM (", kMaxSmem,
-                         " B of dynamic shared memory); two are needed");
-    if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
+  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb>() < 2) {
+    return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
+                       " (GemmWgmmaOptions::burst)");
+  } else {
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb>;
+    constexpr int kMaxSmem =
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb>(gemm_wgmma_detail::kRowsMaxKblocks);
+    // The shared-memory opt-in once per device (each device has its own module); two CTAs must
+    // fit on an SM (the grid is one wave of them).
+    static std::atomic<int> ready[64] = {};  // (one table per instantiation)
+    if (info.device >= 64 || ready[info.device].load(std::memory_order_acquire) == 0) {
+      M3_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
+      int resident = 0;
+      M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &resident, kernel, gemm_wgmma_detail::kRowsThreads, kMaxSmem));
+      if (resident < 2)
+        return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row split): only ",
+                           resident, " CTAs of the n = ", kNw, " kernel fit on an SM (", kMaxSmem,
+                           " B of dynamic shared memory); two are needed");
+      if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
+    }
+    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb>(args.kblocks);
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
+                                       dim3(gemm_wgmma_detail::kRowsThreads), smem, stream,
+                                       args.early_weights != 0, xmap, args));
+    M3_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
   }
-  const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw>(args.kblocks);
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
-                                     dim3(gemm_wgmma_detail::kRowsThreads), smem, stream,
-                                     args.early_weights != 0, xmap, args));
-  M3_CUDA_CHECK_LAUNCH();
-  return Status::Ok();
+}
+
+// K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n).
+template <int kNw>
+Status dispatch_rows_kpb(int kpb, const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args,
+                         int grid, const DeviceInfo& info, cudaStream_t stream) {
+  if (kpb == 0) kpb = gemm_wgmma_detail::rows_default_kpb<kNw>();
+  if (kpb == 1) return launch_rows<kNw, 1>(xmap, args, grid, info, stream);
+  if (kpb == 2) return launch_rows<kNw, 2>(xmap, args, grid, info, stream);
+  return launch_rows<kNw, 4>(xmap, args, grid, info, stream);
 }
 
 }  // namespace
@@ -415,10 +430,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    if (m <= 8) return launch_rows<8>(xmap, ra, rgrid, info, stream);
-    if (m <= 16) return launch_rows<16>(xmap, ra, rgrid, info, stream);
-    if (m <= 32) return launch_rows<32>(xmap, ra, rgrid, info, stream);
-    return launch_rows<64>(xmap, ra, rgrid, info, stream);
+    const int kpb = options.burst;
+    M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
+                 " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, xmap, ra, rgrid, info, stream);
   }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.

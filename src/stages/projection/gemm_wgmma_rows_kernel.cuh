@@ -10,13 +10,16 @@
 //
 // Weights: gemm_wgmma_pack_weights_rows stores them once as an image that the grid reads linearly:
 // K in steps of kImageStep K blocks; step s holds every CTA's rows in CTA order, CTA c's chunk as
-// [K block q][row r][128 bytes], each 128-byte row pre-swizzled (16-byte chunk j at j ^ (r % 8))
-// as TMA's 128B swizzle would have written it into a 1024-byte aligned tile. So at every step the
-// grid's CTAs read neighbouring bytes (a front through memory, as a plain read's grid-stride loop)
-// and each (K block, CTA) piece is one contiguous 1D bulk copy of rows x 128 bytes into a 5 KB
-// slot. The producer's lane 0 streams kKpb K blocks per ring stage (their weight pieces and the
-// activation boxes of n rows x 128 bytes by TMA, L2-resident); a full / empty mbarrier pair per
-// stage.
+// [16-byte K column j][row r][16 bytes] (R rows: column j at j R 16 bytes), which is exactly
+// wgmma's K-major layout without swizzle (core matrices of 8 rows x 16 bytes; 8-row groups 128
+// bytes apart (SBO), K-adjacent core matrices R 16 bytes apart (LBO)) for any R and any 16-byte
+// aligned start. So at every step the grid's CTAs read neighbouring bytes (a front through memory,
+// as a plain read's grid-stride loop) and a ring stage of kKpb K blocks (kKpb divides kImageStep)
+// is ONE contiguous 1D bulk copy of R x kKpb x 128 bytes (session 18 round A, bandwidth_bench
+// --rows: a copy per step 15.47 us back to back against 16.16 for a 4.8 KB copy per K block into
+// 1024-byte aligned swizzled slots, and 13.23 against 20.18 for o_proj's 23-row pieces). The
+// producer's lane 0 also loads each K block's activation box (n rows x 128 bytes, 128B swizzle, by
+// TMA, L2-resident); a full / empty mbarrier pair per stage.
 //
 // Consumers, pipelined across K blocks: each K block's 4 wgmma m64nNk32 go into their own
 // temporary fragment (kNw / 2 fp32 registers) and their own commit group; after issuing stage
@@ -25,7 +28,10 @@
 // CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks, a
 // CTA's rows straddling at most one 128-row boundary) and releases stage i. So the tensor cores
 // and the ring never wait for a fold, and a K block costs no full-barrier round trip of its own.
-// Epilogue: each thread writes its fragment's bf16 outputs (rows < the CTA's count, m < M).
+// (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0), and a
+// non-wgmma write of an accumulator register while other groups are in flight makes ptxas
+// serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
+// the CTA's count, m < M).
 //
 // Bytes: weights N K once from HBM in image order; activations M_pad K per CTA from L2 (G x the
 // stream-K kernel's per-unit share: 264 x 48 KB = 13 MB at n = 8, 101 MB at n = 64); no workspace
@@ -36,38 +42,40 @@
 
 namespace m3attn::gemm_wgmma_detail {
 
-constexpr int kRowsMax = 40;                   // weight rows per CTA at most
-constexpr int kRowSlotBytes = kRowsMax * 128;  // one K block of a CTA's rows (1024-aligned)
-constexpr int kRowsConsumers = 128;            // one consumer warpgroup
+constexpr int kRowsMax = 40;                    // weight rows per CTA at most
+constexpr int kRowBlockBytes = kRowsMax * 128;  // one K block of a CTA's rows, at most
+constexpr int kRowsConsumers = 128;             // one consumer warpgroup
 constexpr int kRowsThreads = kRowsConsumers + 32;
 constexpr int kImageStep = 4;            // K blocks per step of the packed image
 constexpr int kRowsMaxKblocks = 64;      // K <= 8192 (scales staged in shared memory)
 constexpr int kRowsSmemPerCta = 115712;  // two CTAs per SM (228 KB less 1 KB each)
 
-// K blocks per ring stage (fragments in flight: 2 x kKpb x kNw / 2 registers per thread).
+// K blocks per ring stage by default (fragments in flight: 2 x kKpb x kNw / 2 registers per
+// thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
 template <int kNw>
-constexpr int rows_kpb() {
-  return kNw <= 8 ? 4 : kNw <= 32 ? 2 : 1;
+constexpr int rows_default_kpb() {
+  return kNw <= 16 ? 4 : 2;
 }
-template <int kNw>
+template <int kNw, int kKpb>
 constexpr int rows_stage_bytes() {
-  return rows_kpb<kNw>() * (kRowSlotBytes + kNw * 128);
+  return kKpb * (kRowBlockBytes + kNw * 128);
 }
 template <int kNw>
 constexpr int rows_scale_bytes(int kblocks) {
   return (kNw + 2) * kblocks * 4;
 }
 // Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
-// shared memory, at most 12 stages.
-template <int kNw>
+// shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
+template <int kNw, int kKpb>
 constexpr int rows_stages() {
   constexpr int fit = (kRowsSmemPerCta - 1024 - 1024 - rows_scale_bytes<kNw>(kRowsMaxKblocks)) /
-                      rows_stage_bytes<kNw>();
+                      rows_stage_bytes<kNw, kKpb>();
   return fit < 12 ? fit : 12;
 }
-template <int kNw>
+template <int kNw, int kKpb>
 constexpr int rows_smem_bytes(int kblocks) {
-  return 1024 + rows_stages<kNw>() * rows_stage_bytes<kNw>() + rows_scale_bytes<kNw>(kblocks);
+  return 1024 + rows_stages<kNw, kKpb>() * rows_stage_bytes<kNw, kKpb>() +
+         rows_scale_bytes<kNw>(kblocks);
 }
 
 struct RowsArgs {
@@ -91,8 +99,8 @@ __host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n) {
 __host__ __device__ __forceinline__ int rows_owner(int r, int grid, int n) {
   return static_cast<int>((int64_t{r + 1} * grid - 1) / n);
 }
-// Byte offset in the image of CTA chunk (step of K block kb) row 0 of K block kb, for a CTA with
-// rows [r_begin, r_begin + rows).
+// Byte offset in the image of K block kb of the CTA with rows [r_begin, r_begin + rows) (its
+// columns 8 (kb % kImageStep) ... inside the CTA's chunk of kb's step).
 __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begin, int rows, int n,
                                                               int kblocks) {
   const int st = kb / kImageStep, q = kb - st * kImageStep;
@@ -110,18 +118,28 @@ __device__ __forceinline__ void rows_consumer_barrier() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kRowsConsumers) : "memory");
 }
 
-template <int kNw>
+// Shared-memory matrix descriptor, K-major without swizzle: 8-row core-matrix groups 128 bytes
+// apart (SBO), K-adjacent core matrices `lbo` bytes apart (LBO).
+__device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t lbo) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) |
+         (static_cast<uint64_t>((lbo & 0x3FFFFu) >> 4) << 16) |
+         (static_cast<uint64_t>(128 >> 4) << 32);
+}
+
+template <int kNw, int kKpb>
 __global__ void __launch_bounds__(kRowsThreads, 2)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr int kKpb = rows_kpb<kNw>();
-  constexpr int kStages = rows_stages<kNw>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw>();
+  constexpr int kStages = rows_stages<kNw, kKpb>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb>();
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kNw / 2;
+  static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
+  static_assert(kStages >= 2, "the consumers hold two stages at a time");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
-  // The m64 A tile of a slot reads 64 x 128 bytes: the rows past kRowsMax must stay inside the
-  // stage (the next slot or the stage's activation boxes, all landed with it).
-  static_assert(64 * 128 - kRowSlotBytes <= kKpb * kActBytes, "A tile overruns its stage");
+  // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
+  // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
+  // it).
+  static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
@@ -167,21 +185,17 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-        const int nk = stage_kblocks(i);
-        mbar_arrive_expect_tx(full, static_cast<uint32_t>(nk) * (piece + kActBytes));
-        for (int q = 0; q < nk; ++q) {
-          const uint8_t* src =
-              p.image + rows_image_offset(i * kKpb + q, r_begin, rows, p.n, kb_count);
-          const uint32_t d = dst + static_cast<uint32_t>(q * kRowSlotBytes);
-          if (p.weight_evict_first) {
-            bulk_load_hint(d, src, piece, full, policy);
-          } else {
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                "%2, [%3];\n" ::"r"(d),
-                "l"(src), "r"(piece), "r"(full)
-                : "memory");
-          }
+        const uint32_t bytes = static_cast<uint32_t>(stage_kblocks(i)) * piece;
+        const uint8_t* src = p.image + rows_image_offset(i * kKpb, r_begin, rows, p.n, kb_count);
+        mbar_arrive_expect_tx(full, bytes + static_cast<uint32_t>(stage_kblocks(i) * kActBytes));
+        if (p.weight_evict_first) {
+          bulk_load_hint(dst, src, bytes, full, policy);
+        } else {
+          asm volatile(
+              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+              "[%3];\n" ::"r"(dst),
+              "l"(src), "r"(bytes), "r"(full)
+              : "memory");
         }
       };
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
@@ -193,7 +207,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
-        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kKpb * kRowSlotBytes);
+        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kKpb * kRowBlockBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
@@ -224,6 +238,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   const int h0 = (r_begin + row0) / 128 - blk0;
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
+  const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
 #pragma unroll
@@ -244,11 +259,14 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       if (q < left) {
-        const uint32_t a_addr = stage + static_cast<uint32_t>(q * kRowSlotBytes);
-        const uint32_t b_addr = stage + static_cast<uint32_t>(kKpb * kRowSlotBytes + q * kActBytes);
+        // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
+        const uint32_t a_addr = stage + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t b_addr =
+            stage + static_cast<uint32_t>(kKpb * kRowBlockBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k)
-          Wgmma<kNw>::mma(f[q], smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+          Wgmma<kNw>::mma(f[q], smem_desc_interleave(a_addr + 2 * k * lbo, lbo),
+                          smem_desc(b_addr + 32 * k), k);
       }
       wgmma_commit();
     }
@@ -302,7 +320,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 }
 
 // Packs b [N, K] (row stride ldb bytes) into the row split's image for `grid` CTAs (see the top of
-// this file). One thread per 16-byte chunk of b.
+// this file): 16-byte chunk j of row r (of its CTA) of K block kb at column 8 (kb % kImageStep) + j
+// of the CTA's chunk of kb's step. One thread per 16-byte chunk of b.
 __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb, int n,
                                          int kblocks, int grid, uint8_t* __restrict__ image) {
   const int64_t row_chunks = int64_t{kblocks} * (kBlockK / 16);
@@ -317,7 +336,7 @@ __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t 
     const int r = row - r_begin;
     const uint4 v = *reinterpret_cast<const uint4*>(b + int64_t{row} * ldb + int64_t{cj} * 16);
     *reinterpret_cast<uint4*>(image + rows_image_offset(kb, r_begin, rows, n, kblocks) +
-                              int64_t{r} * 128 + (j ^ (r % 8)) * 16) = v;
+                              (int64_t{j} * rows + r) * 16) = v;
   }
 }
 

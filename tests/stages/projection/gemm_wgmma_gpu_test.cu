@@ -262,7 +262,13 @@ INSTANTIATE_TEST_SUITE_P(
         Case{8, 128, 6144, 0, 0, false, 0, 1, 0, true, 0, false, 1, false, 0, false, true},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true},
         Case{57, 640, 1152, 0, 16, true, 0, 1, 0, true, 0, false, 1, false, 0, false, true},
-        Case{24, 1280, 2048, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true}));
+        Case{24, 1280, 2048, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        // Row split with 1, 2, 4 K blocks per ring stage (burst).
+        Case{1, 9856, 2048, 0, 0, false, 0, 4, 2, true, 0, false, 1, false, 0, false, true},
+        Case{5, 640, 1152, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true},
+        Case{16, 9856, 640, 0, 0, false, 0, 4, 2, true, 0, true, 1, false, 0, false, true},
+        Case{24, 9856, 2048, 0, 0, true, 0, 4, 4, true, 0, false, 1, false, 0, false, true},
+        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -657,7 +663,7 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
 }
 
 // Row split: small shapes for compute-sanitizer (memcheck / racecheck), every n, ring stages
-// reused (K 2048: 16 K blocks through 4-7 stages), exact against the twin.
+// reused (K 4096: 32 K blocks, 8-16 stages' worth through rings of 3-5), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmall) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {1, 9, 17, 64}) {
@@ -665,7 +671,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmall) {
     M3_SEED_TRACE(seed);
     SCOPED_TRACE(::testing::Message() << "M " << m);
     Rng rng(seed);
-    const Case c{m, 640, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+    const Case c{m, 640, 4096, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
     GemmData d = make_integer_data(c.m, c.n, c.k, rng);
     DeviceGemm dev(d, c.n);
     const std::vector<uint16_t> got = run_twice(dev, c);
@@ -705,6 +711,25 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
                 .code(),
             StatusCode::kInvalidArgument);  // misaligned
   EXPECT_EQ(gemm_wgmma_rows_packed_bytes(200, 512).status().code(), StatusCode::kInvalidArgument);
+  bad = {};
+  bad.row_packed_weights = image.data();
+  bad.burst = 3;  // K blocks per stage: 1, 2 or 4
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  {
+    // Four K blocks per stage at n = 64: two stages do not fit.
+    GemmData d64 = make_integer_data(64, 256, 512, rng);
+    DeviceGemm dev64(d64, 256);
+    DeviceBuffer ws64 = make_workspace(256, 64);
+    GemmWgmmaOptions o;
+    o.row_packed_weights = image.data();
+    o.burst = 4;
+    EXPECT_EQ(run_gemm_wgmma_cuda(dev64.params(), ws64.data(), ws64.bytes(), nullptr, o).code(),
+              StatusCode::kUnsupported);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dev64.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
   int device = 0, sms = 0;
   M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
   M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
@@ -747,16 +772,29 @@ TEST(GemmWgmmaAutoRule, PrefersWgmmaOnlyInRangeAndTwoPercentFaster) {
   EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.0, 64, 64));
   EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 128, 64));  // bucket above the auto range
   EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 8, 4));
-  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 4, 0));   // auto off
-  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.6, 4, 64));  // 1.7 % faster: below the margin
-  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.5, 4, 64));   // 2.1 % faster
-  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 24.0, 4, 64));
-  EXPECT_FALSE(gemm_prefer_wgmma(23.0, 24.0, 4, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.0, 4, 0));    // auto off
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 23.6, 32, 64));  // 1.7 % faster: below the margin
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.5, 32, 64));   // 2.1 % faster
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 24.0, 32, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(23.0, 24.0, 32, 64));
   EXPECT_FALSE(gemm_prefer_wgmma(24.0, -1.0, 4, 64));  // wgmma not measured
   EXPECT_FALSE(gemm_prefer_wgmma(-1.0, 10.0, 4, 64));  // cuBLASLt not measured
   EXPECT_FALSE(gemm_prefer_wgmma(24.0, 0.0, 4, 64));
+  EXPECT_FALSE(gemm_prefer_wgmma(-1.0, 10.0, 16, 64));
   EXPECT_GE(kGemmWgmmaAutoMaxM, 0);
   EXPECT_LE(kGemmWgmmaAutoMaxM, kGemmWgmmaMaxM);
+}
+
+// Up to kGemmWgmmaTieMaxM the rule is reversed: the wgmma kernel unless cuBLASLt is at least
+// kGemmWgmmaTieMargin (5 %) faster.
+TEST(GemmWgmmaAutoRule, SmallBucketsPreferWgmmaUnlessCublasLtFivePercentFaster) {
+  EXPECT_EQ(kGemmWgmmaTieMaxM, 16);
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 24.0, 4, 64));    // tie
+  EXPECT_TRUE(gemm_prefer_wgmma(24.0, 23.6, 16, 64));   // wgmma faster
+  EXPECT_TRUE(gemm_prefer_wgmma(23.0, 24.0, 4, 64));    // cuBLASLt 4.2 % faster: within the margin
+  EXPECT_FALSE(gemm_prefer_wgmma(22.7, 24.0, 8, 64));   // cuBLASLt 5.4 % faster
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 24.0, 16, 8));   // outside the auto range
+  EXPECT_FALSE(gemm_prefer_wgmma(24.0, 24.0, 32, 64));  // above the tie range: 2 % rule
 }
 
 // Auto mode (wgmma_auto_max_m = 64, M3ATTN_GEMM_PATH unset): the autotuner times the wgmma kernel

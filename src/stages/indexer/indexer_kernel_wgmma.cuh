@@ -5,37 +5,44 @@
 // 16 query rows (draft 3) its per-warp chain, not DRAM, sets the pace (session 17: the scorer alone
 // ends at 20.6 us at 64 x 8K draft 3 vs 18.3 us for a paged read of the same bytes). Here the
 // tensor cores read the E4M3 bytes themselves: one warpgroup (the CTA's 4 warps) computes, per
-// index-K page (one block: 128 keys x 128 dims, 16 KB), D[query row][key] = Q K^T with
-// wgmma.m64n64k32.f32.e4m3.e4m3: A = the unit's query rows (M = 64; rows >= the unit's rows are
-// zero), B = 64 keys of the page (N = 64, K-major: a key row is 128 contiguous bytes), 4 k32 steps
-// per page half, 8 instructions per page. The block max of a query row is a max over the N
-// dimension: inside the thread (16 columns per half) and over the 4 lanes of a quad (2
-// shuffles); only warps holding real rows (warp 0 up to 16 rows, warps 0-1 up to 32) do it. No
-// conversions, no per-tile address math: per page and thread 8 cp.async of 16 bytes, one CTA
-// barrier, 8 wgmma, ~80 max / select instructions in warp 0.
+// index-K page (one block: 128 keys x 128 dims, 16 KB), D[key][query row] = K Q^T with
+// wgmma.m64nNk32.f32.e4m3.e4m3: A = 64 keys of the page (K-major: a key row is 128 contiguous
+// bytes), B = the unit's query rows (N = 8 / 16 / 32: the unit's rows rounded up), 4 k32 steps
+// per page half, 8 instructions per page. Warp w holds keys 16 w + g and 16 w + g + 8 of each half
+// for every query row: the block max of a row is a max over the thread's 4 keys, then over the 8
+// lanes with the same column (3 xor-shuffles), then over the 4 warps (a small shared buffer
+// combined by warp 0 after the next page's barrier). No conversions, no per-tile address math:
+// per page and thread 8 cp.async of 16 bytes, one CTA barrier, 8 wgmma, ~10 instructions per
+// column held.
+// (Round A, a first version with the roles swapped, A = 64 query rows (zero past the unit's), B
+// = 64 keys: every score in warp 0, whose 64 values per thread per page were folded by one
+// dependent max chain, while warps 1-3 waited: 64 x 8K draft 3 29.2 us back to back at the
+// default splits vs 23.3 for the mma.sync scorer, the single pass in 1-4 CTAs per request 38.5-56.3
+// us; and its query rows were loaded behind the prologue's copies, ready to score only at 5.3 us.)
 //
 // Shared memory (dynamic, rounded up to a 1024-byte boundary at run time: the 128-byte swizzle is
-// an address-bit pattern): [A: 64 rows x 128 B = 8 KB][ring: kWgStages pages x 16 KB][table:
-// kDecRows x kFusedMaxChunk f32 = 8 KB]. Both operands use the canonical K-major layout with the
-// 128-byte swizzle: row r at r * 128, its 16-byte chunk c at chunk c ^ (r & 7), 8-row groups 1024
-// bytes apart (SBO); the k32 step s starts 32 s bytes into the rows (the hardware applies the XOR
-// to the address). The copies write that layout directly (cp.async, chunk c of row r to
-// c ^ (r & 7)); a page outside the pool zero-fills and scores NaN.
+// an address-bit pattern): [Q: 32 rows x 128 B = 4 KB][ring: kWgStages pages x 16 KB][table:
+// kDecRows x kFusedMaxChunk f32 = 8 KB][warp maxima: 2 x 4 warps x 32 rows f32 = 1 KB]. Both
+// operands use the canonical K-major layout with the 128-byte swizzle: row r at r * 128, its
+// 16-byte chunk c at chunk c ^ (r & 7), 8-row groups 1024 bytes apart (SBO); the k32 step s
+// starts 32 s bytes into the rows (the hardware applies the XOR to the address). The copies write
+// that layout directly (cp.async, chunk c of row r to c ^ (r & 7)); a page outside the pool
+// zero-fills and scores NaN.
 //
 // Ring: page i of the CTA's chunk in stage i % kWgStages; kWgStages - 1 pages in flight. Per page:
 // wait for its copies (own cp.async groups), fence.proxy.async (the generic-proxy writes become
 // visible to the tensor cores' async proxy), CTA barrier (every thread's copies; every warp is done
-// with the stage refilled next, whose wgmma it waited for), issue page i + kWgStages - 1 into the
-// stage of page i - 1, then the 8 wgmma in two commit groups (page halves), wait for the first,
-// fold it while the second runs, wait, fold, write the row maxima to the block-max table.
+// with the stage refilled next, whose wgmma it waited for; the previous page's warp maxima are
+// written), warp 0 combines the previous page's warp maxima into the block-max table, the page
+// i + kWgStages - 1 is issued into the stage of page i - 1, then the 8 wgmma, wait, fold.
 //
 // Numerics: products of E4M3 values are exact; the FP8 tensor cores add each k32 step's 32
 // products to the accumulator with reduced precision (about 13-14 bits kept after aligning to the
 // largest addend), so a score differs from the exact dot product by more than fp32 rounding: at
 // most 4 steps x 2^-12 x L1 = 2^-10 x L1 (L1 = sum_d |q_d| max_p |k_p,d|), the bound the GPU
-// tests use for this path (they print the largest observed error / L1). Integer-valued inputs of
-// the benchmark and tests (|v| <= 3 or small integers: every partial sum < 2^13) are exact. NaN
-// inputs propagate to NaN scores.
+// tests use for this path (they print the largest observed error / L1: 3.2e-5 - 5.3e-5, about
+// 2^-14.2, in round A). Integer-valued inputs of the benchmark and tests (every partial sum below
+// 2^11) are exact. NaN inputs propagate to NaN scores.
 //
 // The rest is the fused decode path's (indexer_kernel_mma.cuh): the block-max table, the single
 // pass and its clusters (fused_local_select), the workspace burst of the fused two-kernel path.
@@ -49,16 +56,18 @@
 
 namespace m3attn::indexer_kernel {
 
-constexpr int kWgStages = 5;               // page ring: 4 pages (64 KB) in flight per CTA
-constexpr int kWgAOff = 0;                 // A tile: 64 query rows x 128 bytes
-constexpr int kWgABytes = 64 * kRowBytes;  // 8 KB
-constexpr int kWgRingOff = kWgAOff + kWgABytes;
+constexpr int kWgStages = 5;                     // page ring: 4 pages (64 KB) in flight per CTA
+constexpr int kWgQOff = 0;                       // B tile: kDecRows query rows x 128 bytes
+constexpr int kWgQBytes = kDecRows * kRowBytes;  // 4 KB
+constexpr int kWgRingOff = kWgQOff + kWgQBytes;
 constexpr int kWgTableOff = kWgRingOff + kWgStages * kPageBytes;
+constexpr int kWgPartOff = kWgTableOff + kDecRows * kFusedMaxChunk * 4;
+constexpr int kWgPartBytes = 2 * kMmaWarps * kDecRows * 4;  // [page parity][warp][row] f32
 constexpr int kWgAlign = 1024;  // the 128-byte swizzle pattern repeats every 1024 bytes
-// Dynamic shared memory of the wgmma scorers: the layout above plus the alignment slack (97 KB:
+// Dynamic shared memory of the wgmma scorers: the layout above plus the alignment slack (94 KB:
 // two CTAs per SM).
-constexpr int kWgSmemBytes = kWgTableOff + kDecRows * kFusedMaxChunk * 4 + kWgAlign;
-static_assert(kDecRows <= 64, "the A tile holds every query row of a unit");
+constexpr int kWgSmemBytes = kWgPartOff + kWgPartBytes + kWgAlign;
+static_assert(kDecRows % 8 == 0 && kDecRows <= 32, "B tile: whole 8-row groups, N <= 32");
 static_assert(kWgStages * kPageBytes >= kPreStages * kPageBytes, "overflow ring fits");
 
 // Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle: start address
@@ -75,9 +84,8 @@ __device__ __forceinline__ void wg_fence() {
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
-template <int N>
-__device__ __forceinline__ void wg_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+__device__ __forceinline__ void wg_wait_all() {
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
 }
 // Makes this thread's completed generic-proxy writes to shared memory (st.shared, cp.async)
 // visible to the async proxy (wgmma operand reads) after the following barrier.
@@ -85,39 +93,58 @@ __device__ __forceinline__ void fence_proxy_async_smem() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
-// d = (acc ? d : 0) + A B, m64n64k32, E4M3 x E4M3 -> f32, both operands from shared memory.
-__device__ __forceinline__ void wg_mma_n64(float (&d)[32], uint64_t a, uint64_t b, int acc) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
-      "%27, %28, %29, %30, %31}, %32, %33, p, 1, 1;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(a), "l"(b), "r"(acc));
-}
+// d = (acc ? d : 0) + A B, m64nNk32 (N = 8 / 16 / 32), E4M3 x E4M3 -> f32, both operands from
+// shared memory.
+template <int N>
+struct WgMma;
+template <>
+struct WgMma<8> {
+  __device__ __forceinline__ static void mma(float (&d)[4], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %6, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0, %1, %2, %3}, %4, %5, p, 1, "
+        "1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct WgMma<16> {
+  __device__ __forceinline__ static void mma(float (&d)[8], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "%8, %9, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
+template <>
+struct WgMma<32> {
+  __device__ __forceinline__ static void mma(float (&d)[16], uint64_t a, uint64_t b, int acc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+        "%9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15])
+        : "l"(a), "l"(b), "r"(acc));
+  }
+};
 
-// The 4 k32 steps of one page half (64 keys) into d: A rows from a_addr, keys from b_addr.
-__device__ __forceinline__ void wg_half(float (&d)[32], uint32_t a_addr, uint32_t b_addr) {
+// Keeps the accumulators live across the asynchronous wgmma (their reads stay after the wait).
+template <int R>
+__device__ __forceinline__ void wg_keep(float (&d)[R]) {
 #pragma unroll
-  for (int k = 0; k < kRowBytes / 32; ++k)
-    wg_mma_n64(d, wg_desc(a_addr + 32 * k), wg_desc(b_addr + 32 * k), k);
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// Keeps the accumulators live across the asynchronous wgmma (the compiler must not move their
-// reads before the wait).
-__device__ __forceinline__ void wg_keep(float (&d)[32]) {
-#pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Page i of the chunk (block b) into stage `stage` (shared address): the 1024 16-byte chunks of
-// the page, 8 per thread (chunk tid + 128 j = row (tid >> 3) + 16 j, column tid & 7, whose
-// swizzled place is the same for every j but for the 2048 j offset), zero-fill where the page is
-// outside the pool. Committed by the caller.
+// Page i of the chunk into stage `stage` (shared address): the 1024 16-byte chunks of the page, 8
+// per thread (chunk tid + 128 j = row (tid >> 3) + 16 j, column tid & 7, whose swizzled place is
+// the same for every j but for the 2048 j offset), zero-fill where the page is outside the pool.
+// Committed by the caller.
 __device__ __forceinline__ void wg_issue_page(const KernelArgs& a, uint32_t stage, int64_t page) {
   const int tid = static_cast<int>(threadIdx.x);
   const int row = tid >> 3, col = tid & 7;
@@ -137,45 +164,137 @@ __device__ __forceinline__ void wg_issue_page(const KernelArgs& a, uint32_t stag
       : "memory");
 }
 
-// Folds one page half's accumulators into the running maxima of the thread's two rows (g and
-// g + 8 of its warp's 16): d[4 j + e] = D[g][8 j + 2 tig + e], d[4 j + 2 + e] = D[g + 8][...].
-// Keys past a row's position become -inf first (mask: the block reaches past the unit's smallest
-// position).
-__device__ __forceinline__ void wg_fold(const float (&d)[32], float& run0, float& run1, int key0,
-                                        int pos0, int pos1, bool mask, int tig) {
+// The unit's query rows (kDecRows x 128 bytes, zero past `rows`) as loaded: thread tid holds
+// 16-byte chunks tid and tid + 128 (row c >> 3, column c & 7).
+struct WgQuery {
+  uint4 v[kDecRows * 8 / kMmaThreads];
+};
+__device__ __forceinline__ void wg_load_query(const KernelArgs& a, int t0, int rows, WgQuery& q) {
+  const uint8_t* iq0 = a.iq + int64_t{t0} * a.n_kv * kRowBytes;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < kDecRows * 8 / kMmaThreads; ++j) {
+    const int c = static_cast<int>(threadIdx.x) + kMmaThreads * j;
+    q.v[j] = (c >> 3) < rows ? ld_query16(iq0 + (c >> 3) * kRowBytes + (c & 7) * 16)
+                             : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__device__ __forceinline__ void wg_store_query(uint8_t* qtile, const WgQuery& q) {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      float v0 = d[4 * j + e], v1 = d[4 * j + 2 + e];
-      if (mask) {
-        const int key = key0 + 8 * j + 2 * tig + e;
-        v0 = key <= pos0 ? v0 : neg_inf();
-        v1 = key <= pos1 ? v1 : neg_inf();
-      }
-      run0 = block_max(run0, v0);
-      run1 = block_max(run1, v1);
-    }
+  for (int j = 0; j < kDecRows * 8 / kMmaThreads; ++j) {
+    const int c = static_cast<int>(threadIdx.x) + kMmaThreads * j;
+    const int m = c >> 3, col = c & 7;
+    *reinterpret_cast<uint4*>(qtile + m * kRowBytes + ((col ^ (m & 7)) << 4)) = q.v[j];
   }
 }
 
+// The page loop of a decode unit (split) at N query columns (rows <= N): pages [0, npages) of
+// blocks b0 + i; the block maxima go to table[row][b - tb0] (shared memory of this CTA or, in a
+// cluster, of rank 0). The first min(npages, kWgStages - 1) pages were issued (one commit group
+// per stage). Every thread runs every iteration (barriers).
+template <int N>
+__device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int npages, int rows,
+                                         int lane_pos, uint32_t s_q, uint32_t s_ring, float* part,
+                                         float* table, int tb0) {
+  constexpr int kR = N / 2;  // accumulators per half page: N / 8 column groups x 4
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  // Positions of the thread's columns 8 j + 2 tig + e (-1 past the rows), the unit's smallest.
+  int cpos[N / 8][2];
+  int min_pos = INT_MAX;
+#pragma unroll
+  for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int c = 8 * j + 2 * tig + e;
+      const int pos = __shfl_sync(0xffffffffu, lane_pos, c / a.n_kv);  // c / n_kv < 32
+      cpos[j][e] = c < rows ? pos : -1;
+      if (c < rows) min_pos = min(min_pos, pos);
+    }
+  }
+  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+  const int key_w = 16 * warp + g;  // the thread's first key in a page half
+  // Warp 0, lanes < rows: the previous page's warp maxima into the table.
+  const auto combine = [&](int i) {
+    if (tid < rows) {
+      const float* pp = part + (i & 1) * kMmaWarps * kDecRows;
+      float v = pp[tid];
+#pragma unroll
+      for (int w = 1; w < kMmaWarps; ++w) v = block_max(v, pp[w * kDecRows + tid]);
+      table[tid * kFusedMaxChunk + (b0 + i - tb0)] =
+          guarded_page(a, r, b0 + i) >= 0 ? v : quiet_nan();
+    }
+  };
+  for (int i = 0; i < npages; ++i) {
+    cp_async_wait<kWgStages - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();  // page i in place; stage (i - 1) % S free; page i - 1's warp maxima written
+    if (i > 0) combine(i - 1);
+    {
+      const int in = i + kWgStages - 1;
+      if (in < npages)
+        wg_issue_page(a, s_ring + (in % kWgStages) * kPageBytes, guarded_page(a, r, b0 + in));
+      cp_async_commit();
+    }
+    const int b = b0 + i;
+    const uint32_t s_page = s_ring + (i % kWgStages) * kPageBytes;
+    float d0[kR], d1[kR];
+    wg_fence();
+#pragma unroll
+    for (int k = 0; k < kRowBytes / 32; ++k)
+      WgMma<N>::mma(d0, wg_desc(s_page + 32 * k), wg_desc(s_q + 32 * k), k);
+#pragma unroll
+    for (int k = 0; k < kRowBytes / 32; ++k)
+      WgMma<N>::mma(d1, wg_desc(s_page + 64 * kRowBytes + 32 * k), wg_desc(s_q + 32 * k), k);
+    wg_commit();
+    wg_wait_all();
+    wg_keep(d0);
+    wg_keep(d1);
+    // d[4 j + e] = D[key g][col 8 j + 2 tig + e], d[4 j + 2 + e] = D[key g + 8][...] (warp's keys).
+    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;  // uniform
+    const int key0 = b * kPageSize + key_w;
+    float* pw = part + (i & 1) * kMmaWarps * kDecRows + warp * kDecRows;
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v00 = d0[4 * j + e], v01 = d0[4 * j + 2 + e];
+        float v10 = d1[4 * j + e], v11 = d1[4 * j + 2 + e];
+        if (mask) {
+          const int pos = cpos[j][e];
+          v00 = key0 <= pos ? v00 : neg_inf();
+          v01 = key0 + 8 <= pos ? v01 : neg_inf();
+          v10 = key0 + 64 <= pos ? v10 : neg_inf();
+          v11 = key0 + 72 <= pos ? v11 : neg_inf();
+        }
+        float v = block_max(block_max(v00, v01), block_max(v10, v11));
+        v = warp_block_max_xor(v, 4);
+        v = warp_block_max_xor(v, 8);
+        v = warp_block_max_xor(v, 16);
+        if (g == 0) pw[8 * j + 2 * tig + e] = v;
+      }
+    }
+  }
+  __syncthreads();  // the last page's warp maxima
+  if (npages > 0) combine(npages - 1);
+}
+
 // A decode unit (or a split of one) by wgmma: blocks [b0, min(b1, bend)) of request r, the whole
-// CTA. Barriers: every thread runs the same loop (everything that decides it is uniform).
+// CTA. Barriers: every thread runs the same code (everything that decides it is uniform).
 template <bool kSingle, bool kCluster>
 __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* smem_raw) {
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31;
-  const int warp = tid >> 5;
-  const int g = lane >> 2, tig = lane & 3;
   // The 1024-byte aligned layout (the same offset in every CTA: the table's cluster address too).
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + kWgAlign - 1) & ~uint32_t{kWgAlign - 1}) - raw;
   uint8_t* smem = smem_raw + pad;
-  const uint32_t s_a = raw + pad + kWgAOff;
+  const uint32_t s_q = raw + pad + kWgQOff;
   const uint32_t s_ring = raw + pad + kWgRingOff;
   float* sblk = reinterpret_cast<float*>(smem + kWgTableOff);
+  float* part = reinterpret_cast<float*>(smem + kWgPartOff);
 
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
   const int b0 =
@@ -185,10 +304,15 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
   const int n = max(min(qe - qa, a.dec_tokens), 0);  // <= 32 tokens
+  const int rows = n * a.n_kv;                       // <= kDecRows
+  // The positions and (without programmatic launch) the query rows go out before the prologue's
+  // copies, so that they do not queue behind them (round A: ready to score at 5.3 us otherwise).
   const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+  WgQuery q;
+  if (!a.pdl) wg_load_query(a, qa, rows, q);
   // Early start (as decode_path): seq_lens bounds the blocks whose copies go out before the
-  // positions arrive; with programmatic launch only blocks that end before the request's first
-  // new position, whose rows no kernel of the step writes.
+  // positions are reduced; with programmatic launch only blocks that end before the request's
+  // first new position, whose rows no kernel of the step writes.
   int spec = min(blocks_to_score(a, seq_len - 1), bend);
   if (a.pdl) spec = min(spec, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
   const int nspec = max(spec - b0, 0);
@@ -198,20 +322,9 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
     cp_async_commit();  // possibly empty: uniform group counts
   }
   pdl_wait();  // programmatic launch: index_q, this step's index-K rows and writes after this
-  const int rows = n * a.n_kv;  // <= kDecRows
-  {
-    // The A tile: query row m (token qa + m / n_kv, head m % n_kv) swizzled, zero rows >= rows.
-    const uint8_t* iq0 = a.iq + int64_t{qa} * a.n_kv * kRowBytes;
-#pragma unroll
-    for (int j = 0; j < 64 * 8 / kMmaThreads; ++j) {
-      const int c = tid + kMmaThreads * j;
-      const int m = c >> 3, col = c & 7;
-      const uint4 v =
-          m < rows ? ld_query16(iq0 + m * kRowBytes + col * 16) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(smem + kWgAOff + m * kRowBytes + ((col ^ (m & 7)) << 4)) = v;
-    }
-  }
-  int nvis = 0;  // the unit's blocks to score (all splits)
+  if (a.pdl) wg_load_query(a, qa, rows, q);
+  wg_store_query(smem + kWgQOff, q);  // made visible to the wgmma by the loop's fence + barrier
+  int nvis = 0;                       // the unit's blocks to score (all splits)
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));
   const int b1 = min(nvis, bend);
   const int npages = max(b1 - b0, 0);
@@ -223,14 +336,6 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
     cp_async_commit();
     cp_async_wait<0>();
   }
-  // Row positions of the thread's rows (warp w: rows 16 w + g, 16 w + g + 8) and the unit's
-  // smallest position (the mask bound).
-  const int m0 = 16 * warp + g, m1 = m0 + 8;
-  const int q0 = __shfl_sync(0xffffffffu, p, min(m0 / a.n_kv, 31));
-  const int q1 = __shfl_sync(0xffffffffu, p, min(m1 / a.n_kv, 31));
-  const int pos0 = m0 < rows ? q0 : -1, pos1 = m1 < rows ? q1 : -1;
-  const int min_pos = __reduce_min_sync(0xffffffffu, lane < n ? p : INT_MAX);
-  const bool has_rows = 16 * warp < rows;  // warp-uniform
   timeline_mark(a, 1);
 
   float* table = sblk;
@@ -240,48 +345,12 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
     table = map_to_cluster_rank(sblk, 0);
     tb0 = 0;
   }
-  for (int i = 0; i < npages; ++i) {
-    cp_async_wait<kWgStages - 2>();
-    fence_proxy_async_smem();
-    __syncthreads();  // page i in place (every thread's copies); stage (i - 1) % S is free
-    {
-      const int in = i + kWgStages - 1;
-      if (in < npages)
-        wg_issue_page(a, s_ring + (in % kWgStages) * kPageBytes, guarded_page(a, r, b0 + in));
-      cp_async_commit();
-    }
-    const int b = b0 + i;
-    const uint32_t s_page = s_ring + (i % kWgStages) * kPageBytes;
-    float d0[32], d1[32];
-    wg_fence();
-    wg_half(d0, s_a, s_page);
-    wg_commit();
-    wg_half(d1, s_a, s_page + 64 * kRowBytes);
-    wg_commit();
-    if (has_rows) {
-      const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-      float run0 = neg_inf(), run1 = neg_inf();
-      wg_wait<1>();
-      wg_keep(d0);
-      wg_fold(d0, run0, run1, b * kPageSize, pos0, pos1, mask, tig);
-      wg_wait<0>();
-      wg_keep(d1);
-      wg_fold(d1, run0, run1, b * kPageSize + 64, pos0, pos1, mask, tig);
-      run0 = warp_block_max_xor(run0, 1);
-      run0 = warp_block_max_xor(run0, 2);
-      run1 = warp_block_max_xor(run1, 1);
-      run1 = warp_block_max_xor(run1, 2);
-      const bool page_ok = guarded_page(a, r, b) >= 0;
-      if (tig == 0 && m0 < rows)
-        table[m0 * kFusedMaxChunk + (b - tb0)] = page_ok ? run0 : quiet_nan();
-      if (tig == 0 && m1 < rows)
-        table[m1 * kFusedMaxChunk + (b - tb0)] = page_ok ? run1 : quiet_nan();
-    } else {
-      wg_wait<0>();
-      wg_keep(d0);
-      wg_keep(d1);
-    }
-  }
+  if (rows <= 8)
+    wg_pages<8>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
+  else if (rows <= 16)
+    wg_pages<16>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
+  else
+    wg_pages<32>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
   cp_async_wait<0>();  // copies past b1 (a prologue the positions did not need)
   timeline_mark(a, 2);
   if constexpr (kCluster) {
@@ -295,14 +364,10 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   __syncthreads();  // every block max of [b0, b1) is in sblk
   timeline_mark(a, 3);
   if constexpr (kSingle) {
-    if (npages > 0)
-      fused_local_select(a, sblk, qa, rows, b0, b1, p);
-    else
-      fused_local_select(a, nullptr, qa, rows, b0, b1, p);  // every row trivial
+    fused_local_select(a, npages > 0 ? sblk : nullptr, qa, rows, b0, b1, p);
   } else {
-    const int ncol = npages;
-    for (int i = tid; i < rows * ncol; i += kMmaThreads) {
-      const int j = i / ncol, c = i - j * ncol;
+    for (int i = tid; i < rows * npages; i += kMmaThreads) {
+      const int j = i / npages, c = i - j * npages;
       a.scores[(int64_t{qa} * a.n_kv + j) * a.max_pages + b0 + c] = sblk[j * kFusedMaxChunk + c];
     }
   }

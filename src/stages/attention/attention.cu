@@ -178,10 +178,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && (cfg.verify_variant < 28 || cfg.verify_variant > 30))
+      cfg.verify_variant != 27 && cfg.verify_variant != 28 && cfg.verify_variant != 29 &&
+      cfg.verify_variant != 31 && cfg.verify_variant != 91 && cfg.verify_variant != 92)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21 or 27-30 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27-29 or 31 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies)");
   if (pl.verify) {
@@ -278,7 +279,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0>
+          int kLean = 0, int kDiag = 0, int kFirst = av::kStages - 1>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -288,7 +289,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kLean>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kLean, kDiag, kFirst>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -343,8 +345,13 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
       case 29:  // 21 with the lean block
         return launch_verify<true, true, true, true, true, 1>(args, pl, n_kv, stream);
-      case 30:  // 28 with the packed f16 exponentials (kLean 2)
-        return launch_verify<true, false, true, true, true, 2>(args, pl, n_kv, stream);
+      case 31:  // 28 with the early copies of the first three blocks (every stage)
+        return launch_verify<true, false, true, true, true, 1, 0, av::kStages>(args, pl, n_kv,
+                                                                               stream);
+      case 91:  // diagnostics (wrong outputs): 28's ring and front without the work
+        return launch_verify<true, false, true, true, true, 1, 1>(args, pl, n_kv, stream);
+      case 92:  // diagnostics (wrong outputs): 28's work without the loads
+        return launch_verify<true, false, true, true, false, 1, 2>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -272,11 +272,10 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
 // still be applied to O. kLazy (the verify kernel's variant 13): the running max moves only when a
 // block's max exceeds it by more than kLazyMax (log2 domain), so p <= 2^kLazyMax (exact in f16's
 // range; the final O / l does not depend on m) and O is rescaled far less often.
-// kSum = false (the verify kernel's variants 28-30): l is left alone (the caller sums the f16 P on
-// the tensor core); kExp = false (variant 30): s keeps the masked raw scores, only m and alpha are
-// updated (the caller takes the exponentials).
+// kSum = false (the verify kernel's lean variants): l is left alone (the caller sums the f16 P on
+// the tensor core).
 constexpr float kLazyMax = 8.0f;
-template <bool kLazy = false, bool kSum = true, bool kExp = true>
+template <bool kLazy = false, bool kSum = true>
 __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], int lim, float scale_log2) {
   const int tig = threadIdx.x & 3;
@@ -307,7 +306,6 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], flo
   alpha[1] = fast_exp2(m[1] - mu1);
   m[0] = m0;
   m[1] = m1;
-  if constexpr (!kExp) return;
   float sum0 = 0.0f, sum1 = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {

@@ -252,37 +252,7 @@ __device__ __forceinline__ uint64_t desc_of(uint32_t lo, uint32_t sbo) {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-// kLean 2 (variant 30): O *= alpha as in ap::rescale_and_pack, then P = ex2.approx.f16x2 of the
-// f16-rounded exponents s * scale_log2 - m, in pairs: one MUFU op per two weights where the
-// hardware has a packed f16 EX2 (the exponent's f16 rounding: at most 2^-9 absolute for |x| < 8,
-// i.e. 0.14 % relative on a weight; the packed EX2's own error is 2^-9.9 relative; the test's row
-// bound 1e-2 assumes <= 2^-8 relative per weight).
-__device__ __forceinline__ void exp_pack_f16x2(Rows& st, const float (&s)[64], float scale_log2,
-                                               uint32_t (&p)[8][4]) {
-  const bool unit = __all_sync(0xffffffffu, st.alpha[0] == 1.0f && st.alpha[1] == 1.0f);
-  if (!unit) {
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      st.o[4 * j] *= st.alpha[0];
-      st.o[4 * j + 1] *= st.alpha[0];
-      st.o[4 * j + 2] *= st.alpha[1];
-      st.o[4 * j + 3] *= st.alpha[1];
-    }
-  }
-  const float mu0 = st.m[0] == -INFINITY ? 0.0f : st.m[0];
-  const float mu1 = st.m[1] == -INFINITY ? 0.0f : st.m[1];
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float mu = (r & 1) ? mu1 : mu0;
-      const uint32_t x = ak::pack_f16x2(fmaf(s[8 * kk + 2 * r], scale_log2, -mu),
-                                        fmaf(s[8 * kk + 2 * r + 1], scale_log2, -mu));
-      asm("ex2.approx.f16x2 %0, %1;\n" : "=r"(p[kk][r]) : "r"(x));
-    }
-}
-
-// kLean 1 (variant 28): fewer instructions per block, the same bytes: the row sums l by 8 mma.sync
+// kLean (variant 28): fewer instructions per block, the same bytes: the row sums l by 8 mma.sync
 // m16n8k16 of P (the register A fragment of P V is the mma.sync A fragment) times a ones B fragment
 // (instead of 64 FADDs per lane and the quad shuffles; l then sums exactly the f16 weights that P V
 // uses), descriptors from precomputed halves (desc_of), the V conversion without per-row predicates
@@ -317,11 +287,8 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
   convert_v_low(sbuf, vlo);
-  ap::softmax_block<kLazy, !kLean, kLean != 2>(s, st.m, st.l, st.alpha, lim, scale_log2);
-  if constexpr (kLean == 2)
-    exp_pack_f16x2(st, s, scale_log2, p);
-  else
-    ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  ap::softmax_block<kLazy, !kLean>(s, st.m, st.l, st.alpha, lim, scale_log2);
+  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
   if constexpr (kLean != 0) {
     st.lc[0] *= st.alpha[0];
     st.lc[1] *= st.alpha[0];
@@ -485,8 +452,13 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // on cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
 // B256 x 4 162.2 / 162.3 vs 160.3 / 160.8; without the early copies (26, removed) 44.6-46.0 and
 // 165.6 / 165.7.
+// kDiag (diagnostics, session 18; wrong outputs): 1 = the ring and the front without the block's
+// work (each landed block's stage is refilled at once, as in the bench's read ceiling), 2 = the
+// work without loads (the stages hold whatever they hold; one pass).
+// kFirst (kEarly): the blocks the early copies request before the loop (kStages - 1; variant 31:
+// kStages, every stage; the loop's first refill then has nothing to load).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0>
+          int kLean = 0, int kDiag = 0, int kFirst = kStages - 1>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -547,7 +519,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
                            ak::smem_u32(&s_full[st]));
     } else {
-      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
+      if (kDiag != 2 && j < count && lmask[j])
+        ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
       ak::cp_async_commit();
     }
   };
@@ -562,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
         if (a.splits == 1)
-          ak::early_copies<kStages - 1>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
+          ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
     };
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
@@ -615,6 +588,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       // and its V rows are zeroed (vlim -1).
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
+      // The loop's refill of entry j into stage st (an entry below skip is already there).
+      auto refill = [&](int j, int st) {
+        if (j >= skip)
+          load(j, count, lmask, lpage, st);
+        else if (!kTma)
+          ak::cp_async_commit();  // (an empty group keeps the count)
+      };
 #pragma unroll
       for (int j = 0; j < kStages - 1; ++j) {
         if (j >= skip)
@@ -648,10 +628,15 @@ __global__ void __launch_bounds__(kThreads, 2)
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
+        if constexpr (kDiag == 1) {
+          __syncthreads();  // (block i - 1's stage is free: as the read ceiling refills)
+          refill(i + kStages - 1, prev);
+          continue;
+        }
         attend_block<kLazy, kLean>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
+            s_nan, a.scale_log2, check, [&] { refill(i + kStages - 1, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);
@@ -662,7 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       st.l[0] = st.lc[0];
       st.l[1] = st.lc[2];
     }
-    if (check) break;
+    if (check || kDiag != 0) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
     if constexpr (kLean != 0) {       // 8 independent chains instead of one of 64 dependent adds
       float part[8];

@@ -161,13 +161,6 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Single pass (plain or clustered), rows of at most 4 query rows per unit (draft 0 at n_kv 4):
-  // the final selection of a row of more than 16 candidates runs one out-of-line copy of its code
-  // (rank_emit_counted), which the selecting CTA's warps also run once at their start on a scratch
-  // row (no effect) while their first tiles are in flight, so that the code is in the instruction
-  // caches at the end (session 17: the final selection ~1.3 us after the cluster barrier, 71 % of
-  // its stall samples instruction fetch). Same ids. Session 18: opt-in (A/B).
-  bool warm_select = false;
   // Decode units of the tensor-core scorer scored by native FP8 wgmma (indexer_kernel_wgmma.cuh:
   // the E4M3 bytes go to the tensor cores unconverted, one warpgroup per CTA, 8 wgmma
   // m64n64k32 per index-K page) instead of f16 mma.sync after converting every key pair. Applies

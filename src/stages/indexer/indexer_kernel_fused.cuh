@@ -63,38 +63,6 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
   }
 }
 
-// IndexerCudaOptions::warm_select: one out-of-line copy of the counting path of a row (the
-// lane's candidates from the table row, rank_by_counting, emit_ranked_row), run by select_rows<1>
-// for rows of more than 16 candidates, and once at the decode unit's start by warm_selection on a
-// scratch row with no effect, so that its instructions are in the SM's instruction caches when the
-// rows are finished (session 17 round B ncu, 64 x 8K draft 0: 71 % of the selecting warps' stall
-// samples were instruction fetch, ~1.3 us from the cluster barrier to the written rows; the code
-// runs once per CTA, at its end, cold). row / out: generic pointers (the table row in shared
-// memory and the block_ids row in global memory, or the scratch in shared memory).
-__device__ __noinline__ void rank_emit_counted(float* row, int nb, int32_t* out, int local) {
-  const int lane = threadIdx.x & 31;
-  const float s0 = lane < nb ? row[lane] : quiet_nan();
-  const float s1 = lane + 32 < nb ? row[lane + 32] : quiet_nan();
-  int r0 = 0, r1 = 0;
-  rank_by_counting(row, nb, s0, s1, r0, r1);
-  emit_ranked_row(out, s0, s1, r0, r1, local);
-}
-
-// The dry run of warm_select (one warp, uniform): a row of 63 zero candidates through
-// rank_emit_counted into `scratch` (>= 320 bytes of shared memory that nothing else uses meanwhile:
-// 64 floats, then the 16 ids), bracketed by __syncwarp (the scratch is a ring stage the warp's
-// copies fill next).
-__device__ __forceinline__ void warm_selection(uint8_t* scratch) {
-  const int lane = threadIdx.x & 31;
-  float* row = reinterpret_cast<float*>(scratch);
-  row[lane] = 0.0f;
-  row[lane + 32] = 0.0f;
-  __syncwarp();
-  rank_emit_counted(row, kFusedMaxChunk - 1, reinterpret_cast<int32_t*>(scratch + 256),
-                    kFusedMaxChunk - 1);
-  __syncwarp();
-}
-
 // Single pass, after every block is scored (b0 == 0, one split or the cluster's table): the rows'
 // final selection. Row j of the unit (warp j % 4) has the candidates [0, min(b1, local)): its
 // local block is forced (no candidate), blocks past it are invisible to the row. Each lane holds
@@ -137,11 +105,6 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       }
     }
     if constexpr (kG == 1) {
-      if (a.warm && live[0] && nbs[0] > kTopK) {  // the out-of-line copy (warm_select)
-        rank_emit_counted(sblk + j0 * kFusedMaxChunk, nbs[0],
-                          a.block_ids + (int64_t{t0} * a.n_kv + j0) * kTopK, local[0]);
-        continue;
-      }
       // Counting only for rows of more than 16 candidates (warp-uniform; sblk may be null when no
       // row is live): its cost is fixed, while the rounds stop once the candidates run out
       // (session 14 round B / C, batch 1 at 32K, fused path, 4-block splits: 14.9 / 15.1 us with

@@ -554,13 +554,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // (a no-op after a normal launch).
   pdl_wait();
   if (a.pdl || !guessed) load_query_raw(a, qa, n * a.n_kv, q);
-  if constexpr (kSingle) {
-    // warm_select: the selecting CTA's warps run the out-of-line row selection once on scratch
-    // while their first tiles, positions and query rows are in flight (the scratch is ring stage
-    // 7, which the stream fills only from its first tile step on). Rows <= 4: select_rows<1>.
-    if (a.warm && blockIdx.y == 0 && n * a.n_kv <= kMmaWarps)
-      warm_selection(smem + warp * (kDecStages * kTileBytes) + (kDecStages - 1) * kTileBytes);
-  }
   int nvis = 0;  // the unit's blocks to score (all splits)
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));  // <= max_pages
   const int b1 = min(nvis, bend);

@@ -63,10 +63,12 @@ constexpr int kWgRingOff = kWgQOff + kWgQBytes;
 constexpr int kWgTableOff = kWgRingOff + kWgStages * kPageBytes;
 constexpr int kWgPartOff = kWgTableOff + kDecRows * kFusedMaxChunk * 4;
 constexpr int kWgPartBytes = 2 * kMmaWarps * kDecRows * 4;  // [page parity][warp][row] f32
+constexpr int kWgPgOff = kWgPartOff + kWgPartBytes;         // the chunk's guarded pages, int32 [64]
+constexpr int kWgPgBytes = kFusedMaxChunk * 4;
 constexpr int kWgAlign = 1024;  // the 128-byte swizzle pattern repeats every 1024 bytes
 // Dynamic shared memory of the wgmma scorers: the layout above plus the alignment slack (94 KB:
 // two CTAs per SM).
-constexpr int kWgSmemBytes = kWgPartOff + kWgPartBytes + kWgAlign;
+constexpr int kWgSmemBytes = kWgPgOff + kWgPgBytes + kWgAlign;
 static_assert(kDecRows % 8 == 0 && kDecRows <= 32, "B tile: whole 8-row groups, N <= 32");
 static_assert(kWgStages * kPageBytes >= kPreStages * kPageBytes, "overflow ring fits");
 
@@ -194,7 +196,7 @@ __device__ __forceinline__ void wg_store_query(uint8_t* qtile, const WgQuery& q)
 template <int N>
 __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int npages, int rows,
                                          int lane_pos, uint32_t s_q, uint32_t s_ring, float* part,
-                                         float* table, int tb0) {
+                                         const int* spg, float* table, int tb0) {
   constexpr int kR = N / 2;  // accumulators per half page: N / 8 column groups x 4
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid & 31, warp = tid >> 5;
@@ -221,8 +223,7 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
       float v = pp[tid];
 #pragma unroll
       for (int w = 1; w < kMmaWarps; ++w) v = block_max(v, pp[w * kDecRows + tid]);
-      table[tid * kFusedMaxChunk + (b0 + i - tb0)] =
-          guarded_page(a, r, b0 + i) >= 0 ? v : quiet_nan();
+      table[tid * kFusedMaxChunk + (b0 + i - tb0)] = spg[i] >= 0 ? v : quiet_nan();
     }
   };
   for (int i = 0; i < npages; ++i) {
@@ -232,8 +233,7 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
     if (i > 0) combine(i - 1);
     {
       const int in = i + kWgStages - 1;
-      if (in < npages)
-        wg_issue_page(a, s_ring + (in % kWgStages) * kPageBytes, guarded_page(a, r, b0 + in));
+      if (in < npages) wg_issue_page(a, s_ring + (in % kWgStages) * kPageBytes, spg[in]);
       cp_async_commit();
     }
     const int b = b0 + i;
@@ -300,16 +300,32 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   const int b0 =
       static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
   const int bend = static_cast<int>(min(int64_t{b0} + a.dec_chunk, int64_t{a.max_pages}));
+  // The positions and (without programmatic launch) the query rows go out first, at the guessed
+  // bounds of an equal-length batch (request r's tokens [r T / R, (r + 1) T / R), as decode_path's
+  // guess), beside query_start, the page-table entries and seq_lens, so that they neither wait
+  // for query_start nor queue behind the prologue's copies (round A: ready to score at 5.3 us
+  // after the copies; round B, loaded once query_start arrived: 3.7-4.8 us, ncu's largest stall
+  // the positions); reloaded at the real bounds when the guess was wrong (same result).
+  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+  const int gn =
+      min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga, a.dec_tokens);
+  int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;
+  WgQuery q;
+  if (!a.pdl) wg_load_query(a, ga, gn * a.n_kv, q);
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
+  // The chunk's pages (bend - b0 <= kFusedMaxChunk: the plan's chunks) for the ring's copies and
+  // the NaN of pages outside the pool (ncu, round B: ~6 % of the stall samples on the entry
+  // loaded right before its page's copies); read after the page loop's first barrier.
+  int* spg = reinterpret_cast<int*>(smem + kWgPgOff);
+  if (tid < bend - b0) spg[tid] = static_cast<int>(guarded_page(a, r, b0 + tid));
   const int n = max(min(qe - qa, a.dec_tokens), 0);  // <= 32 tokens
   const int rows = n * a.n_kv;                       // <= kDecRows
-  // The positions and (without programmatic launch) the query rows go out before the prologue's
-  // copies, so that they do not queue behind them (round A: ready to score at 5.3 us otherwise).
-  const int p = lane < n ? __ldg(a.positions + qa + lane) : -1;
-  WgQuery q;
-  if (!a.pdl) wg_load_query(a, qa, rows, q);
+  if (qa != ga || n != gn) {                         // uniform: the guess was wrong
+    p = lane < n ? __ldg(a.positions + qa + lane) : -1;
+    if (!a.pdl) wg_load_query(a, qa, rows, q);
+  }
   // Early start (as decode_path): seq_lens bounds the blocks whose copies go out before the
   // positions are reduced; with programmatic launch only blocks that end before the request's
   // first new position, whose rows no kernel of the step writes.
@@ -346,11 +362,11 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
     tb0 = 0;
   }
   if (rows <= 8)
-    wg_pages<8>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
+    wg_pages<8>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   else if (rows <= 16)
-    wg_pages<16>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
+    wg_pages<16>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   else
-    wg_pages<32>(a, r, b0, npages, rows, p, s_q, s_ring, part, table, tb0);
+    wg_pages<32>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   cp_async_wait<0>();  // copies past b1 (a prologue the positions did not need)
   timeline_mark(a, 2);
   if constexpr (kCluster) {

@@ -401,9 +401,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
-    o.warm_select = true;  // the single pass's out-of-line row selection, run once at the start
-    variants.push_back({"warm selection", o});
-    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

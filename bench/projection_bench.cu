@@ -518,6 +518,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   must(rd.status(), "Fp8BlockGemm::create (default options)");
   std::unique_ptr<Fp8BlockGemm> dflt = std::move(rd).value();
   std::printf("default-options object:\n%s", dflt->describe().c_str());
+  // The layer's decode path with the row split: per weight copy an object (default options, no
+  // autotuning) given that copy's image by Fp8BlockGemm::pack_weights_rows.
+  std::vector<std::unique_ptr<Fp8BlockGemm>> packed_objs;
+  for (int c = 0; c < copies; ++c) {
+    Fp8BlockGemmOptions po;
+    po.autotune = false;
+    auto rp = Fp8BlockGemm::create(ms.back(), n, k, po);
+    must(rp.status(), "Fp8BlockGemm::create (row split)");
+    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+    must(rp.value()->pack_weights_rows(wv, stream), "Fp8BlockGemm::pack_weights_rows");
+    packed_objs.push_back(std::move(rp).value());
+  }
+  const int64_t row_split_max_m = Fp8BlockGemmOptions{}.row_split_max_m;
   bool pass = true;
   std::vector<bench::Row> rows;
   for (int64_t rows_m : ms) {
@@ -578,6 +591,21 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           random ? "n/a"
           : same ? "identical"
                  : "DIFFERENT");
+      check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+      must(packed_objs[0]->run(params(0, out), stream), "packed object");
+      check_cuda(cudaStreamSynchronize(stream), "packed object");
+      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+      const bool same_packed = got == want;
+      if (!same_packed && !random) pass = false;
+      add(
+          std::string("object + pack_weights_rows: ") +
+              (m <= row_split_max_m ? "row split" : packed_objs[0]->algorithm_for(m)),
+          [&](cudaStream_t st, int c) {
+            must(packed_objs[static_cast<size_t>(c)]->run(params(c, out), st), "packed object");
+          },
+          random        ? "n/a"
+          : same_packed ? "identical"
+                        : "DIFFERENT");
     }
     if (m > kGemmWgmmaMaxM) continue;
     for (int v = 0; v < nv; ++v) {

@@ -223,7 +223,39 @@ int64_t Fp8BlockGemm::max_m() const { return impl_->max_m; }
 int64_t Fp8BlockGemm::n() const { return impl_->n; }
 int64_t Fp8BlockGemm::k() const { return impl_->k; }
 size_t Fp8BlockGemm::workspace_bytes() const {
-  return impl_->options.workspace_bytes + impl_->wgmma_workspace_bytes;
+  return impl_->options.workspace_bytes + impl_->wgmma_workspace_bytes + impl_->row_image_bytes;
+}
+
+Status Fp8BlockGemm::pack_weights_rows(const TensorView& b, cudaStream_t stream) {
+  Impl& s = *impl_;
+  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.shape[0] == s.n && b.shape[1] == s.k,
+               "Fp8BlockGemm::pack_weights_rows: b must be E4M3 [", s.n, ", ", s.k, "]");
+  M3_CHECK_ARG(b.device.type == DeviceType::kCUDA && b.device.index == s.device,
+               "Fp8BlockGemm::pack_weights_rows: b must be on CUDA device ", s.device, ", got ",
+               b.device.to_string());
+  if (s.options.row_split_max_m <= 0)
+    return unsupported("Fp8BlockGemm::pack_weights_rows: row_split_max_m is 0");
+  M3_RETURN_IF_ERROR(gemm_wgmma_rows_supported(s.n, s.k));
+  Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(s.n, s.k);
+  M3_RETURN_IF_ERROR(bytes.status());
+  if (s.row_image == nullptr) {
+    M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.row_image, bytes.value()));
+    s.row_image_bytes = bytes.value();
+  }
+  if (s.wgmma_workspace == nullptr) {  // run_gemm_wgmma_cuda's contract (the row split leaves it)
+    Result<size_t> ws = gemm_wgmma_workspace_bytes(
+        s.n, std::min<int64_t>(s.options.row_split_max_m, kGemmWgmmaMaxM), 1,
+        s.options.wgmma.ctas_per_sm);
+    M3_RETURN_IF_ERROR(ws.status());
+    M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.wgmma_workspace, ws.value()));
+    M3_CUDA_RETURN_IF_ERROR(cudaMemset(s.wgmma_workspace, 0, ws.value()));
+    s.wgmma_workspace_bytes = ws.value();
+  }
+  s.row_weight = nullptr;  // (unused until the image is written)
+  M3_RETURN_IF_ERROR(gemm_wgmma_pack_weights_rows(b, s.row_image, s.row_image_bytes, stream));
+  s.row_weight = b.data;
+  s.row_weight_stride = b.stride[0];
+  return Status::Ok();
 }
 
 Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_t n, int64_t k,
@@ -245,6 +277,9 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.wgmma.min_units_per_cta >= 1,
                "Fp8BlockGemm wgmma.min_units_per_cta = ", options.wgmma.min_units_per_cta,
                " must be >= 1");
+  M3_CHECK_ARG(options.row_split_max_m >= 0 && options.row_split_max_m <= kGemmWgmmaMaxM,
+               "Fp8BlockGemm row_split_max_m = ", options.row_split_max_m, " must be in [0, ",
+               kGemmWgmmaMaxM, "]");
   M3_CHECK_ARG(options.tune_replay.iters >= 1 && options.tune_replay.iters <= 31 &&
                    options.tune_replay.warmup >= 0,
                "Fp8BlockGemm tune_replay.iters = ", options.tune_replay.iters,
@@ -382,6 +417,15 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   Impl& s = *impl_;
   const int64_t m = p.a.shape[0];
   if (m == 0) return Status::Ok();
+  if (s.row_weight != nullptr && p.b.data == s.row_weight && p.b.stride[0] == s.row_weight_stride &&
+      m <= s.options.row_split_max_m && m <= kGemmWgmmaMaxM) {
+    GemmWgmmaOptions o = s.options.wgmma;
+    o.row_packed_weights = s.row_image;
+    o.burst = 0;
+    o.cluster_split = 0;
+    o.packed_weights = nullptr;
+    return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream, o);
+  }
   if (m <= s.wgmma_max_m)
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                s.options.wgmma);
@@ -453,7 +497,12 @@ std::string Fp8BlockGemm::describe() const {
      << ", small-M kernel for M <= " << s.options.small_m_max
      << ", wgmma kernel for M <= " << s.wgmma_max_m
      << " (autotuned candidate for M <= " << s.wgmma_auto_max_m << ")"
-     << (s.options.autotune ? ", autotuned" : ", heuristic only") << "\n";
+     << (s.options.autotune ? ", autotuned" : ", heuristic only")
+     << (s.row_weight != nullptr
+             ? ", row split for M <= " + std::to_string(s.options.row_split_max_m) +
+                   " on the packed weight"
+             : std::string())
+     << "\n";
   for (const Bucket& b : s.buckets) {
     os << "  M in [" << b.m_lo << ", " << b.m_hi << "]: aligned " << algo_summary(b.algo[kAligned])
        << " ws " << b.workspace[kAligned] << " ("

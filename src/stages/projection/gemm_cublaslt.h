@@ -182,6 +182,13 @@ struct Fp8BlockGemmOptions {
   int64_t autotune_max_m = 16384;    // buckets above keep the heuristic's choice (scratch memory)
   int autotune_max_timed = 48;       // timed candidates per bucket at most
   GemmTuneReplay tune_replay;        // the wgmma-vs-cuBLASLt replay timing (above)
+  // Calls with M <= this run the row split (GemmWgmmaOptions::row_packed_weights) once
+  // pack_weights_rows() gave the object an image of the weight they use (0: never; at most 64).
+  // Session 18 round B (fused N 9856 x K 6144, us isolated / back to back): the row split 19.5 /
+  // 17.5 at M 1-8, 20.2 / 17.8 at M 16, 21.2 / 18.7 at M 32 against cuBLASLt's 22.6-22.9 /
+  // 20.8-21.1 and the stream-K wgmma kernel's 21.7-23.3 / 19.8-21.2; at M 64 28.7 / 25.5 against
+  // cuBLASLt's 22.9 / 21.3.
+  int row_split_max_m = 32;
 };
 
 class Fp8BlockGemm {
@@ -198,10 +205,21 @@ class Fp8BlockGemm {
   // out = A x B^T on `stream`. M == 0 launches nothing.
   Status run(const GemmParams& p, cudaStream_t stream);
 
+  // The decode row split (gemm_wgmma.h, GemmWgmmaOptions::row_packed_weights): packs `b` (E4M3
+  // [N, K] of this object, on its device, 16-byte aligned rows) into an image the object keeps
+  // (N K more device bytes; allocated on the first call, which synchronizes the device once) on
+  // `stream`. From then on run() with that weight (same data pointer and row stride) and M <=
+  // Fp8BlockGemmOptions::row_split_max_m runs the row split kernel; other calls are unchanged.
+  // The weight must not change afterwards (pack it again after a change). Returns unsupported
+  // where the row split cannot serve the shape or device (N above 40 rows per CTA, K > 8192, no
+  // sm_90): nothing changes then.
+  Status pack_weights_rows(const TensorView& b, cudaStream_t stream);
+
   int64_t max_m() const;
   int64_t n() const;
   int64_t k() const;
-  // Device bytes the object holds: cuBLASLt's workspace plus the wgmma kernel's (when enabled).
+  // Device bytes the object holds: cuBLASLt's workspace plus the wgmma kernel's (when enabled)
+  // plus the row split's image (after pack_weights_rows).
   size_t workspace_bytes() const;
   // One line per M bucket: the chosen algorithm ids, tiles, stages, split-K and workspace, and
   // with autotuning what was timed and chosen (µs of the heuristic's and of the chosen one).

@@ -161,6 +161,10 @@ struct Fp8BlockGemm::Impl {
   int64_t wgmma_auto_max_m = 0;     // auto mode: buckets up to this M may choose wgmma
   void* wgmma_workspace = nullptr;  // run_gemm_wgmma_cuda's, counters zeroed at creation
   size_t wgmma_workspace_bytes = 0;
+  void* row_image = nullptr;  // pack_weights_rows: the row split's image of row_weight
+  size_t row_image_bytes = 0;
+  const void* row_weight = nullptr;
+  int64_t row_weight_stride = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.
   cublasLtMatmulDescOpaque_t desc_storage = {};
   cublasLtMatrixLayoutOpaque_t w_storage = {};  // cuBLAS A: weights, K x N column-major, op T
@@ -176,6 +180,7 @@ struct Fp8BlockGemm::Impl {
   ~Impl() {
     if (workspace) cudaFree(workspace);
     if (wgmma_workspace) cudaFree(wgmma_workspace);
+    if (row_image) cudaFree(row_image);
     if (handle) cublasLtDestroy(handle);
   }
 

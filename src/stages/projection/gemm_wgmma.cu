@@ -168,6 +168,17 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
 // The row split's grid: two CTAs per SM, at most one per weight row.
 int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
+Status rows_shape_supported(int64_t n, int64_t k, int sms) {
+  const int64_t grid = rows_grid(n, sms);
+  if ((n + grid - 1) / grid > gemm_wgmma_detail::kRowsMax)
+    return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", grid,
+                       " on this device, got N = ", n);
+  if (k / kBlockK > gemm_wgmma_detail::kRowsMaxKblocks)
+    return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
+                       ", got K = ", k);
+  return Status::Ok();
+}
+
 template <int kNw, int kKpb>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
@@ -213,6 +224,18 @@ Status dispatch_rows_kpb(int kpb, const CUtensorMap& xmap, const gemm_wgmma_deta
 }
 
 }  // namespace
+
+Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
+  M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
+               "gemm_wgmma_rows_supported: N = ", n, " and K = ", k,
+               " must be positive multiples of ", kTileN);
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  if (info.major != 9)
+    return unsupported("the row split needs an sm_90 device (wgmma, TMA); device ", info.device,
+                       " has compute capability ", info.major, ".x");
+  return rows_shape_supported(n, k, info.sms);
+}
 
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
   M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
@@ -404,12 +427,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
                  "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
     const int rgrid = rows_grid(n, info.sms);
-    if ((n + rgrid - 1) / rgrid > gemm_wgmma_detail::kRowsMax)
-      return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", rgrid,
-                         " on this device, got N = ", n);
-    if (kblocks > gemm_wgmma_detail::kRowsMaxKblocks)
-      return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
-                         ", got K = ", k);
+    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, info.sms));
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -66,7 +66,7 @@ struct GemmWgmmaOptions {
   // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
   // grid reads the image front to back. b's scales and shape still come from the call; its data
-  // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, else 2; 1, 2, 4;
+  // is not read. `burst` is the K blocks per ring stage there (0: 2 at M <= 32, else 1; 1, 2, 4;
   // 4 is unsupported at M > 32). Not with cluster_split or packed_weights; min_units_per_cta,
   // max_waves, owner_fixup, ctas_per_sm and weight_l2_promotion do not apply. Opt-in: the caller
   // keeps the image (N K bytes, as much again as the weight) and must pack it on a device with as
@@ -139,6 +139,9 @@ Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOpti
 Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_bytes,
                                const GemmWgmmaOptions& options, cudaStream_t stream);
 
+// Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
+// OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
+Status gemm_wgmma_rows_supported(int64_t n, int64_t k);
 // Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for the

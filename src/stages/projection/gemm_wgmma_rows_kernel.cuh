@@ -54,7 +54,7 @@ constexpr int kRowsSmemPerCta = 115712;  // two CTAs per SM (228 KB less 1 KB ea
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
 template <int kNw>
 constexpr int rows_default_kpb() {
-  return kNw <= 16 ? 4 : 2;
+  return kNw <= 32 ? 2 : 1;  // (round B, fused and o_proj: 2 fastest at M 1-32, 1 at M 64)
 }
 template <int kNw, int kKpb>
 constexpr int rows_stage_bytes() {
@@ -217,18 +217,25 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     return;  // (consumers synchronize with bar.sync 1 only)
   }
 
-  // Consumers. Scales after the preceding grid (they are its outputs).
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // Consumers. The scales go to shared memory by cp.async, every copy in flight at once, and are
+  // waited for only after the first stage's wgmmas are issued (round B ncu, M 1: with one plain
+  // load and store at a time, the consumers spent 24 % of all stall samples on these loads at the
+  // start while the ring filled up). The weight scales are constant; the activation scales come
+  // after the preceding grid (they are its outputs).
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
-  for (int i = tid; i < kb_count * kNw; i += kRowsConsumers) {
-    const int kb = i / kNw, m = i - kb * kNw;
-    s_sa[i] = m < p.m ? p.sa[m * p.sa_s0 + kb * p.sa_s1] : 0.0f;
-  }
   for (int i = tid; i < kb_count * 2; i += kRowsConsumers) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
-    s_sb[i] = p.sb[blk * p.sb_s0 + kb * p.sb_s1];
+    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
-  rows_consumer_barrier();
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  for (int i = tid; i < kb_count * kNw; i += kRowsConsumers) {
+    const int kb = i / kNw, m = i - kb * kNw;
+    if (m < p.m) {
+      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
+    } else {
+      s_sa[i] = 0.0f;
+    }
+  }
 
   const int warp = tid / 32;
   const int row0 = 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
@@ -297,6 +304,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   };
 
   issue(0, frag[0]);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
+  rows_consumer_barrier();                            // everyone's
   for (int i = 0; i < steps; i += 2) {
     if (i + 1 >= steps) {
       fold(i, frag[0], false);

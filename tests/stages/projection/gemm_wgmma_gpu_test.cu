@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -660,6 +661,51 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
       M3_CUDA_TEST_CHECK(cudaStreamDestroy(stream));
     }
   }
+}
+
+// Fp8BlockGemm::pack_weights_rows: calls with the packed weight and M <= row_split_max_m run the
+// row split (the weight is poisoned after packing, so only the image can give the twin's bits);
+// a larger M takes the usual path (weight intact), exact too; describe() names the row split.
+TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {4, 16, 32, 36}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    const int64_t n = 9856, k = 2048;
+    GemmData d = make_integer_data(m, n, k, rng);
+    DeviceGemm dev(d, n);
+    Fp8BlockGemmOptions o;
+    o.autotune = false;
+    auto r = Fp8BlockGemm::create(64, n, k, o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
+    const Status packed = gemm->pack_weights_rows(dev.params().b, nullptr);
+    ASSERT_TRUE(packed.ok()) << packed.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    EXPECT_NE(gemm->describe().find("row split"), std::string::npos) << gemm->describe();
+    const bool row_split = m <= o.row_split_max_m;
+    if (row_split) dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
+    const Status st = gemm->run(dev.params(), nullptr);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    const std::vector<uint16_t> got = dev.result(&touched);
+    EXPECT_EQ(touched, 0);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0) << report;
+  }
+  // Shapes the row split cannot serve are refused and change nothing.
+  Fp8BlockGemmOptions o;
+  o.autotune = false;
+  auto r = Fp8BlockGemm::create(16, 256, 8320, o);  // K 8320 > 8192
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  DeviceBuffer wide(256 * 8320, 0);
+  const TensorView b =
+      TensorView::contiguous(wide.data(), DType::kE4M3, {256, 8320}, Device::cuda(0));
+  EXPECT_EQ(r.value()->pack_weights_rows(b, nullptr).code(), StatusCode::kUnsupported);
+  EXPECT_EQ(r.value()->describe().find("row split"), std::string::npos);
 }
 
 // Row split: small shapes for compute-sanitizer (memcheck / racecheck), every n, ring stages

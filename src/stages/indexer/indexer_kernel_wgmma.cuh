@@ -21,7 +21,7 @@
 // us; and its query rows were loaded behind the prologue's copies, ready to score only at 5.3 us.)
 //
 // Shared memory (dynamic, rounded up to a 1024-byte boundary at run time: the 128-byte swizzle is
-// an address-bit pattern): [Q: 32 rows x 128 B = 4 KB][ring: kWgStages pages x 16 KB][table:
+// an address-bit pattern): [Q: 32 rows x 128 B = 4 KB][ring: S pages x 16 KB][table:
 // kDecRows x kFusedMaxChunk f32 = 8 KB][warp maxima: 2 x 4 warps x 32 rows f32 = 1 KB]. Both
 // operands use the canonical K-major layout with the 128-byte swizzle: row r at r * 128, its
 // 16-byte chunk c at chunk c ^ (r & 7), 8-row groups 1024 bytes apart (SBO); the k32 step s
@@ -29,12 +29,12 @@
 // that layout directly (cp.async, chunk c of row r to c ^ (r & 7)); a page outside the pool
 // zero-fills and scores NaN.
 //
-// Ring: page i of the CTA's chunk in stage i % kWgStages; kWgStages - 1 pages in flight. Per page:
+// Ring: page i of the CTA's chunk in stage i % S; S - 1 pages in flight (S: WgLayout). Per page:
 // wait for its copies (own cp.async groups), fence.proxy.async (the generic-proxy writes become
 // visible to the tensor cores' async proxy), CTA barrier (every thread's copies; every warp is done
 // with the stage refilled next, whose wgmma it waited for; the previous page's warp maxima are
 // written), warp 0 combines the previous page's warp maxima into the block-max table, the page
-// i + kWgStages - 1 is issued into the stage of page i - 1, then the 8 wgmma, wait, fold.
+// i + S - 1 is issued into the stage of page i - 1, then the 8 wgmma, wait, fold.
 //
 // Numerics: products of E4M3 values are exact; the FP8 tensor cores add each k32 step's 32
 // products to the accumulator with reduced precision (about 13-14 bits kept after aligning to the
@@ -56,21 +56,33 @@
 
 namespace m3attn::indexer_kernel {
 
-constexpr int kWgStages = 5;                     // page ring: 4 pages (64 KB) in flight per CTA
-constexpr int kWgQOff = 0;                       // B tile: kDecRows query rows x 128 bytes
-constexpr int kWgQBytes = kDecRows * kRowBytes;  // 4 KB
-constexpr int kWgRingOff = kWgQOff + kWgQBytes;
-constexpr int kWgTableOff = kWgRingOff + kWgStages * kPageBytes;
-constexpr int kWgPartOff = kWgTableOff + kDecRows * kFusedMaxChunk * 4;
-constexpr int kWgPartBytes = 2 * kMmaWarps * kDecRows * 4;  // [page parity][warp][row] f32
-constexpr int kWgPgOff = kWgPartOff + kWgPartBytes;         // the chunk's guarded pages, int32 [64]
-constexpr int kWgPgBytes = kFusedMaxChunk * 4;
+// Page ring depths: kWgStages (4 pages, 64 KB, in flight per CTA; 94 KB of shared memory: two
+// CTAs per SM) where the grid has more CTAs than SMs, kWgDeepStages (9 pages, 144 KB in flight;
+// 174 KB: one CTA per SM) where it has at most one per SM: round C timeline, 64 x 8K draft 0 as
+// 2-CTA clusters with 4 pages in flight: the stream alone took 16.9 us (p50) vs 14.6 for the
+// mma.sync scorer's 4 warps x 7 tiles, which refill 2 KB at a time.
+constexpr int kWgStages = 5;
+constexpr int kWgDeepStages = 10;
 constexpr int kWgAlign = 1024;  // the 128-byte swizzle pattern repeats every 1024 bytes
-// Dynamic shared memory of the wgmma scorers: the layout above plus the alignment slack (94 KB:
-// two CTAs per SM).
-constexpr int kWgSmemBytes = kWgPgOff + kWgPgBytes + kWgAlign;
+// Dynamic shared memory layout of a wgmma scorer with S ring stages (offsets from the 1024-byte
+// aligned base).
+template <int S>
+struct WgLayout {
+  static constexpr int kQOff = 0;  // B tile: kDecRows query rows x 128 bytes (4 KB)
+  static constexpr int kRingOff = kQOff + kDecRows * kRowBytes;
+  static constexpr int kTableOff = kRingOff + S * kPageBytes;
+  static constexpr int kPartOff = kTableOff + kDecRows * kFusedMaxChunk * 4;
+  // [page parity][warp][row] f32 warp maxima
+  static constexpr int kPgOff = kPartOff + 2 * kMmaWarps * kDecRows * 4;
+  // the chunk's guarded pages, int32 [kFusedMaxChunk]; then the alignment slack
+  static constexpr int kSmemBytes = kPgOff + kFusedMaxChunk * 4 + kWgAlign;
+  static_assert(S * kPageBytes >= kPreStages * kPageBytes, "overflow ring fits");
+};
 static_assert(kDecRows % 8 == 0 && kDecRows <= 32, "B tile: whole 8-row groups, N <= 32");
-static_assert(kWgStages * kPageBytes >= kPreStages * kPageBytes, "overflow ring fits");
+// Dynamic shared memory of the wgmma scorer with `deep` (kWgDeepStages) or kWgStages stages.
+constexpr int wg_smem_bytes(bool deep) {
+  return deep ? WgLayout<kWgDeepStages>::kSmemBytes : WgLayout<kWgStages>::kSmemBytes;
+}
 
 // Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle: start address
 // (16-byte units), LBO 1 (unused for swizzled K-major), SBO 1024 bytes (8-row groups), layout
@@ -191,9 +203,9 @@ __device__ __forceinline__ void wg_store_query(uint8_t* qtile, const WgQuery& q)
 
 // The page loop of a decode unit (split) at N query columns (rows <= N): pages [0, npages) of
 // blocks b0 + i; the block maxima go to table[row][b - tb0] (shared memory of this CTA or, in a
-// cluster, of rank 0). The first min(npages, kWgStages - 1) pages were issued (one commit group
+// cluster, of rank 0). The first min(npages, S - 1) pages were issued (one commit group
 // per stage). Every thread runs every iteration (barriers).
-template <int N>
+template <int N, int S>
 __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int npages, int rows,
                                          int lane_pos, uint32_t s_q, uint32_t s_ring, float* part,
                                          const int* spg, float* table, int tb0) {
@@ -227,17 +239,17 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
     }
   };
   for (int i = 0; i < npages; ++i) {
-    cp_async_wait<kWgStages - 2>();
+    cp_async_wait<S - 2>();
     fence_proxy_async_smem();
     __syncthreads();  // page i in place; stage (i - 1) % S free; page i - 1's warp maxima written
     if (i > 0) combine(i - 1);
     {
-      const int in = i + kWgStages - 1;
-      if (in < npages) wg_issue_page(a, s_ring + (in % kWgStages) * kPageBytes, spg[in]);
+      const int in = i + S - 1;
+      if (in < npages) wg_issue_page(a, s_ring + (in % S) * kPageBytes, spg[in]);
       cp_async_commit();
     }
     const int b = b0 + i;
-    const uint32_t s_page = s_ring + (i % kWgStages) * kPageBytes;
+    const uint32_t s_page = s_ring + (i % S) * kPageBytes;
     float d0[kR], d1[kR];
     wg_fence();
 #pragma unroll
@@ -281,7 +293,7 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
 
 // A decode unit (or a split of one) by wgmma: blocks [b0, min(b1, bend)) of request r, the whole
 // CTA. Barriers: every thread runs the same code (everything that decides it is uniform).
-template <bool kSingle, bool kCluster>
+template <bool kSingle, bool kCluster, int S>
 __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* smem_raw) {
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
@@ -291,10 +303,11 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t pad = ((raw + kWgAlign - 1) & ~uint32_t{kWgAlign - 1}) - raw;
   uint8_t* smem = smem_raw + pad;
-  const uint32_t s_q = raw + pad + kWgQOff;
-  const uint32_t s_ring = raw + pad + kWgRingOff;
-  float* sblk = reinterpret_cast<float*>(smem + kWgTableOff);
-  float* part = reinterpret_cast<float*>(smem + kWgPartOff);
+  using L = WgLayout<S>;
+  const uint32_t s_q = raw + pad + L::kQOff;
+  const uint32_t s_ring = raw + pad + L::kRingOff;
+  float* sblk = reinterpret_cast<float*>(smem + L::kTableOff);
+  float* part = reinterpret_cast<float*>(smem + L::kPartOff);
 
   const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
   const int b0 =
@@ -318,7 +331,7 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   // The chunk's pages (bend - b0 <= kFusedMaxChunk: the plan's chunks) for the ring's copies and
   // the NaN of pages outside the pool (ncu, round B: ~6 % of the stall samples on the entry
   // loaded right before its page's copies); read after the page loop's first barrier.
-  int* spg = reinterpret_cast<int*>(smem + kWgPgOff);
+  int* spg = reinterpret_cast<int*>(smem + L::kPgOff);
   if (tid < bend - b0) spg[tid] = static_cast<int>(guarded_page(a, r, b0 + tid));
   const int n = max(min(qe - qa, a.dec_tokens), 0);  // <= 32 tokens
   const int rows = n * a.n_kv;                       // <= kDecRows
@@ -333,21 +346,21 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   if (a.pdl) spec = min(spec, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
   const int nspec = max(spec - b0, 0);
 #pragma unroll
-  for (int i = 0; i < kWgStages - 1; ++i) {
+  for (int i = 0; i < S - 1; ++i) {
     if (i < nspec) wg_issue_page(a, s_ring + i * kPageBytes, guarded_page(a, r, b0 + i));
     cp_async_commit();  // possibly empty: uniform group counts
   }
   pdl_wait();  // programmatic launch: index_q, this step's index-K rows and writes after this
   if (a.pdl) wg_load_query(a, qa, rows, q);
-  wg_store_query(smem + kWgQOff, q);  // made visible to the wgmma by the loop's fence + barrier
-  int nvis = 0;                       // the unit's blocks to score (all splits)
+  wg_store_query(smem + L::kQOff, q);  // made visible to the wgmma by the loop's fence + barrier
+  int nvis = 0;                        // the unit's blocks to score (all splits)
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));
   const int b1 = min(nvis, bend);
   const int npages = max(b1 - b0, 0);
-  if (npages > nspec && nspec < kWgStages - 1) {
+  if (npages > nspec && nspec < S - 1) {
     // Pages the prologue did not issue (seq_lens below the positions, or programmatic launch):
     // issued now, and every copy waited for, so that the ring's group counting holds.
-    for (int i = nspec; i < min(npages, kWgStages - 1); ++i)
+    for (int i = nspec; i < min(npages, S - 1); ++i)
       wg_issue_page(a, s_ring + i * kPageBytes, guarded_page(a, r, b0 + i));
     cp_async_commit();
     cp_async_wait<0>();
@@ -362,11 +375,11 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
     tb0 = 0;
   }
   if (rows <= 8)
-    wg_pages<8>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
+    wg_pages<8, S>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   else if (rows <= 16)
-    wg_pages<16>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
+    wg_pages<16, S>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   else
-    wg_pages<32>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
+    wg_pages<32, S>(a, r, b0, npages, rows, p, s_q, s_ring, part, spg, table, tb0);
   cp_async_wait<0>();  // copies past b1 (a prologue the positions did not need)
   timeline_mark(a, 2);
   if constexpr (kCluster) {
@@ -390,12 +403,12 @@ __device__ __forceinline__ void decode_path_wgmma(const KernelArgs& a, uint8_t* 
   timeline_mark(a, 4);
 }
 
-template <bool kSingle, bool kCluster>
+template <bool kSingle, bool kCluster, int S>
 __device__ __forceinline__ void score_wgmma_body(const KernelArgs& a, uint8_t* smem,
                                                  OverflowShared& sh) {
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path_wgmma<kSingle, kCluster>(a, smem);
+    decode_path_wgmma<kSingle, kCluster, S>(a, smem);
     return;
   }
   pdl_wait();
@@ -413,25 +426,28 @@ __device__ __forceinline__ void score_wgmma_body(const KernelArgs& a, uint8_t* s
 }
 
 // Fused decode by wgmma: block maxima to the workspace at the CTA's end, then the selection kernel.
-// Dynamic shared memory: kWgSmemBytes.
+// Dynamic shared memory: wg_smem_bytes(S == kWgDeepStages).
+template <int S>
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<false, false>(a, smem, sh);
+  score_wgmma_body<false, false, S>(a, smem, sh);
 }
 
 // Single pass by wgmma (grid.y == 1): decode units write their rows of block_ids.
+template <int S>
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<true, false>(a, smem, sh);
+  score_wgmma_body<true, false, S>(a, smem, sh);
 }
 
 // Clustered single pass by wgmma: clusters of (1, k_splits, 1) CTAs, rank 0 selects.
+template <int S>
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<true, true>(a, smem, sh);
+  score_wgmma_body<true, true, S>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

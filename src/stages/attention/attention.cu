@@ -179,10 +179,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 28 && cfg.verify_variant != 29 &&
-      cfg.verify_variant != 31 && cfg.verify_variant != 91 && cfg.verify_variant != 92)
+      (cfg.verify_variant < 33 || cfg.verify_variant > 35) && cfg.verify_variant != 91 &&
+      cfg.verify_variant != 92)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27-29 or 31 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27-29 or 33-35 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies)");
   if (pl.verify) {
@@ -279,7 +280,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0, int kDiag = 0, int kFirst = av::kStages - 1>
+          int kLean = 0, int kDiag = 0, int kFirst = av::kStages - 1, bool kMapPf = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -289,8 +290,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel =
-      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kLean, kDiag, kFirst>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kLean, kDiag,
+                                            kFirst, kMapPf>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -345,9 +346,13 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
       case 29:  // 21 with the lean block
         return launch_verify<true, true, true, true, true, 1>(args, pl, n_kv, stream);
-      case 31:  // 28 with the early copies of the first three blocks (every stage)
-        return launch_verify<true, false, true, true, true, 1, 0, av::kStages>(args, pl, n_kv,
-                                                                               stream);
+      case 33:  // 27 with the tensor maps prefetched at entry
+        return launch_verify<true, false, true, true, true, 0, 0, av::kStages - 1, true>(
+            args, pl, n_kv, stream);
+      case 34:  // 27 with one early copy (the list's first block)
+        return launch_verify<true, false, true, true, true, 0, 0, 1>(args, pl, n_kv, stream);
+      case 35:  // 34 with the tensor maps prefetched at entry
+        return launch_verify<true, false, true, true, true, 0, 0, 1, true>(args, pl, n_kv, stream);
       case 91:  // diagnostics (wrong outputs): 28's ring and front without the work
         return launch_verify<true, false, true, true, true, 1, 1>(args, pl, n_kv, stream);
       case 92:  // diagnostics (wrong outputs): 28's work without the loads

@@ -100,9 +100,10 @@ struct AttentionCudaConfig {
                             // requested as soon as their pages are known (session 17; one split,
                             // sparse); 27: 21's loop on cp.async loads, the early copies by TMA;
                             // 28 / 29 (session 18): 27 / 21 with the lean block (l summed on the
-                            // tensor core, fewer instructions per block; same bytes); 31: 28
-                            // with the first three blocks requested early (30, packed f16
-                            // exponentials, was removed: sm_90 has no packed EX2)
+                            // tensor core, fewer instructions per block; same bytes); 33: 27
+                            // with the tensor maps prefetched at entry, 34: 27 with one early
+                            // copy, 35: both (30, packed f16 exponentials, and 31, three early
+                            // copies, were removed)
                             // (9, 11-20, 22-26 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (= 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

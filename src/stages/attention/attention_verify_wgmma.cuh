@@ -457,8 +457,10 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // work without loads (the stages hold whatever they hold; one pass).
 // kFirst (kEarly): the blocks the early copies request before the loop (kStages - 1; variant 31:
 // kStages, every stage; the loop's first refill then has nothing to load).
+// kMapPf (variant 33): thread 0 prefetches the K / V tensor maps at entry (prefetch.tensormap),
+// so that the early copies do not wait for the descriptors.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0, int kDiag = 0, int kFirst = kStages - 1>
+          int kLean = 0, int kDiag = 0, int kFirst = kStages - 1, bool kMapPf = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -490,6 +492,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* smem = smem_raw + (base - raw_u32);
 
   ak::timeline_mark(a, 0);
+  if constexpr (kMapPf) {
+    if (tid == 0) {
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&kmap))
+                   : "memory");
+      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&vmap))
+                   : "memory");
+    }
+  }
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);

@@ -66,12 +66,15 @@ struct GemmWgmmaOptions {
   // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
   // grid reads the image front to back. b's scales and shape still come from the call; its data
-  // is not read. `burst` is the K blocks per ring stage there (0: 2 at M <= 32, else 1; 1, 2, 4;
-  // 4 is unsupported at M > 32). Not with cluster_split or packed_weights; min_units_per_cta,
-  // max_waves, owner_fixup, ctas_per_sm and weight_l2_promotion do not apply. Opt-in: the caller
-  // keeps the image (N K bytes, as much again as the weight) and must pack it on a device with as
-  // many SMs.
+  // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, 2 at M <= 32,
+  // else 1; 1, 2, 4; 4 is unsupported at M > 32). Not with cluster_split or packed_weights;
+  // min_units_per_cta, max_waves, owner_fixup, ctas_per_sm and weight_l2_promotion do not apply.
+  // Opt-in: the caller keeps the image (N K bytes, as much again as the weight) and must pack it on
+  // a device with as many SMs.
   const void* row_packed_weights = nullptr;
+  // Row split variant (session 18, A/B): each stage's wgmmas are waited for and folded before the
+  // next stage is issued (the stage is released sooner; the tensor-core latency is not hidden).
+  bool row_split_serial = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -54,7 +54,10 @@ constexpr int kRowsSmemPerCta = 115712;  // two CTAs per SM (228 KB less 1 KB ea
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
 template <int kNw>
 constexpr int rows_default_kpb() {
-  return kNw <= 32 ? 2 : 1;  // (round B, fused and o_proj: 2 fastest at M 1-32, 1 at M 64)
+  // (Round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2 17.61 / 16.83,
+  // at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31 us); at n 64
+  // 1 (2 spills and leaves three stages: 32 vs 23.8).)
+  return kNw <= 16 ? 4 : kNw <= 32 ? 2 : 1;
 }
 template <int kNw, int kKpb>
 constexpr int rows_stage_bytes() {
@@ -90,6 +93,7 @@ struct RowsArgs {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  int serial;  // GemmWgmmaOptions::row_split_serial
 };
 
 // CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
@@ -286,6 +290,9 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     } else {
       wgmma_wait<0>();
     }
+    // The stage's bytes are read (its groups are complete): release it before the fold's math,
+    // which reads registers and the scales only. Each thread releases its own reads.
+    mbar_arrive(empty0 + 8 * (i % kStages));
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -300,13 +307,19 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag[0]);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier();                            // everyone's
-  for (int i = 0; i < steps; i += 2) {
+  if (p.serial) {  // (variant: each stage's wgmmas waited for before the next stage is issued)
+    fold(0, frag[0], false);
+    for (int i = 1; i < steps; ++i) {
+      issue(i, frag[0]);
+      fold(i, frag[0], false);
+    }
+  }
+  for (int i = 0; i < steps && !p.serial; i += 2) {
     if (i + 1 >= steps) {
       fold(i, frag[0], false);
       break;

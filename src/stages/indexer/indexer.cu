@@ -382,15 +382,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     };
     // The decode units' scorer's dynamic shared memory (wgmma: the A tile, a deeper ring, the
     // table and the alignment slack).
-    // wgmma: the deep ring where the decode units' CTAs are at most one per SM (overflow tiles
-    // of a decode batch exit at once).
-    const bool deep = R * pl.k_splits <= sms;
-    const size_t fused_bytes = pl.wgmma ? ik::wg_smem_bytes(deep) : ik::kFusedSmemBytes;
+    const size_t fused_bytes = pl.wgmma ? ik::kWgSmemBytes : ik::kFusedSmemBytes;
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = pl.wgmma ? (deep ? ik::score_wgmma_cluster_kernel<ik::kWgDeepStages>
-                                            : ik::score_wgmma_cluster_kernel<ik::kWgStages>)
-                                    : ik::score_fused_cluster_kernel;
+      const auto ckernel =
+          pl.wgmma ? ik::score_wgmma_cluster_kernel : ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, fused_bytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
@@ -412,15 +408,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     }
     if (pl.fused) {
-      // 72 KB (wgmma: 94 or 174 KB) of dynamic shared memory: opt in.
-      using Kernel = void (*)(ik::KernelArgs);
-      Kernel kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
-      if (pl.wgmma && deep)
-        kernel = pl.single ? ik::score_wgmma_single_kernel<ik::kWgDeepStages>
-                           : ik::score_wgmma_fused_kernel<ik::kWgDeepStages>;
-      else if (pl.wgmma)
-        kernel = pl.single ? ik::score_wgmma_single_kernel<ik::kWgStages>
-                           : ik::score_wgmma_fused_kernel<ik::kWgStages>;
+      // 72 KB (wgmma: 94 KB) of dynamic shared memory: opt in.
+      const auto kernel =
+          pl.wgmma ? (pl.single ? ik::score_wgmma_single_kernel : ik::score_wgmma_fused_kernel)
+                   : (pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel);
       size_t fsmem = 0;
       M3_RETURN_IF_ERROR(prepare(kernel, fused_bytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(

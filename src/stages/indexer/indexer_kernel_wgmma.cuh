@@ -56,13 +56,11 @@
 
 namespace m3attn::indexer_kernel {
 
-// Page ring depths: kWgStages (4 pages, 64 KB, in flight per CTA; 94 KB of shared memory: two
-// CTAs per SM) where the grid has more CTAs than SMs, kWgDeepStages (9 pages, 144 KB in flight;
-// 174 KB: one CTA per SM) where it has at most one per SM: round C timeline, 64 x 8K draft 0 as
-// 2-CTA clusters with 4 pages in flight: the stream alone took 16.9 us (p50) vs 14.6 for the
-// mma.sync scorer's 4 warps x 7 tiles, which refill 2 KB at a time.
+// Page ring: 4 pages (64 KB) in flight per CTA; 94 KB of shared memory, two CTAs per SM. (Round
+// D: 9 pages in flight with one CTA per SM did not speed the stream: 64 x 8K draft 0 as 2-CTA
+// clusters 24.7-25.1 us back to back vs 21.8-21.9 with 4; the per-page chain, not the bytes in
+// flight, set the pace.)
 constexpr int kWgStages = 5;
-constexpr int kWgDeepStages = 10;
 constexpr int kWgAlign = 1024;  // the 128-byte swizzle pattern repeats every 1024 bytes
 // Dynamic shared memory layout of a wgmma scorer with S ring stages (offsets from the 1024-byte
 // aligned base).
@@ -79,10 +77,8 @@ struct WgLayout {
   static_assert(S * kPageBytes >= kPreStages * kPageBytes, "overflow ring fits");
 };
 static_assert(kDecRows % 8 == 0 && kDecRows <= 32, "B tile: whole 8-row groups, N <= 32");
-// Dynamic shared memory of the wgmma scorer with `deep` (kWgDeepStages) or kWgStages stages.
-constexpr int wg_smem_bytes(bool deep) {
-  return deep ? WgLayout<kWgDeepStages>::kSmemBytes : WgLayout<kWgStages>::kSmemBytes;
-}
+// Dynamic shared memory of the wgmma scorers.
+constexpr int kWgSmemBytes = WgLayout<kWgStages>::kSmemBytes;
 
 // Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle: start address
 // (16-byte units), LBO 1 (unused for swizzled K-major), SBO 1024 bytes (8-row groups), layout
@@ -98,8 +94,9 @@ __device__ __forceinline__ void wg_fence() {
 __device__ __forceinline__ void wg_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 }
-__device__ __forceinline__ void wg_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
 }
 // Makes this thread's completed generic-proxy writes to shared memory (st.shared, cp.async)
 // visible to the async proxy (wgmma operand reads) after the following barrier.
@@ -238,31 +235,29 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
       table[tid * kFusedMaxChunk + (b0 + i - tb0)] = spg[i] >= 0 ? v : quiet_nan();
     }
   };
-  for (int i = 0; i < npages; ++i) {
-    cp_async_wait<S - 2>();
-    fence_proxy_async_smem();
-    __syncthreads();  // page i in place; stage (i - 1) % S free; page i - 1's warp maxima written
-    if (i > 0) combine(i - 1);
-    {
-      const int in = i + S - 1;
-      if (in < npages) wg_issue_page(a, s_ring + (in % S) * kPageBytes, spg[in]);
-      cp_async_commit();
-    }
-    const int b = b0 + i;
+  // The 8 wgmma of page i into acc (asynchronous: one commit group).
+  struct Acc {
+    float d0[kR], d1[kR];  // page halves: keys 0-63, 64-127
+  };
+  const auto mma_page = [&](Acc& acc, int i) {
     const uint32_t s_page = s_ring + (i % S) * kPageBytes;
-    float d0[kR], d1[kR];
     wg_fence();
 #pragma unroll
     for (int k = 0; k < kRowBytes / 32; ++k)
-      WgMma<N>::mma(d0, wg_desc(s_page + 32 * k), wg_desc(s_q + 32 * k), k);
+      WgMma<N>::mma(acc.d0, wg_desc(s_page + 32 * k), wg_desc(s_q + 32 * k), k);
 #pragma unroll
     for (int k = 0; k < kRowBytes / 32; ++k)
-      WgMma<N>::mma(d1, wg_desc(s_page + 64 * kRowBytes + 32 * k), wg_desc(s_q + 32 * k), k);
+      WgMma<N>::mma(acc.d1, wg_desc(s_page + 64 * kRowBytes + 32 * k), wg_desc(s_q + 32 * k), k);
     wg_commit();
-    wg_wait_all();
-    wg_keep(d0);
-    wg_keep(d1);
-    // d[4 j + e] = D[key g][col 8 j + 2 tig + e], d[4 j + 2 + e] = D[key g + 8][...] (warp's keys).
+    wg_keep(acc.d0);
+    wg_keep(acc.d1);
+  };
+  // Page i's block maxima per column (waited for) into this warp's slot of part[i & 1]:
+  // d[4 j + e] = D[key g][col 8 j + 2 tig + e], d[4 j + 2 + e] = D[key g + 8][...].
+  const auto fold = [&](Acc& acc, int i) {
+    wg_keep(acc.d0);
+    wg_keep(acc.d1);
+    const int b = b0 + i;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;  // uniform
     const int key0 = b * kPageSize + key_w;
     float* pw = part + (i & 1) * kMmaWarps * kDecRows + warp * kDecRows;
@@ -270,8 +265,8 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
     for (int j = 0; j < N / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        float v00 = d0[4 * j + e], v01 = d0[4 * j + 2 + e];
-        float v10 = d1[4 * j + e], v11 = d1[4 * j + 2 + e];
+        float v00 = acc.d0[4 * j + e], v01 = acc.d0[4 * j + 2 + e];
+        float v10 = acc.d1[4 * j + e], v11 = acc.d1[4 * j + 2 + e];
         if (mask) {
           const int pos = cpos[j][e];
           v00 = key0 <= pos ? v00 : neg_inf();
@@ -286,6 +281,43 @@ __device__ __forceinline__ void wg_pages(const KernelArgs& a, int r, int b0, int
         if (g == 0) pw[8 * j + 2 * tig + e] = v;
       }
     }
+  };
+  // Software pipelined by one page: step i issues page i + 1's wgmma (into the other accumulator
+  // set) before it folds page i, so the tensor cores' latency hides under the fold, the combine
+  // and the copies (round C: per page ~0.5 us of one CTA's chain when every step waited for its
+  // own wgmma). Copy groups: the prologue committed S - 1 (pages 0 .. S - 2), step i commits page
+  // i + S - 1, so page p is group p and "page i + 1 landed" is at most S - 3 groups pending.
+  const auto step = [&](int i, Acc& cur, Acc& nxt) {
+    const bool more = i + 1 < npages;  // uniform
+    if (more) cp_async_wait<S - 3>();  // page i + 1 (this thread's copies)
+    fence_proxy_async_smem();
+    // Page i + 1 in place (every thread's copies); page i - 1's warp maxima written; the stage of
+    // page i - 1 free (its wgmma was waited for before its fold).
+    __syncthreads();
+    if (i > 0) combine(i - 1);
+    {
+      const int in = i + S - 1;
+      if (in < npages) wg_issue_page(a, s_ring + (in % S) * kPageBytes, spg[in]);
+      cp_async_commit();
+    }
+    if (more) {
+      mma_page(nxt, i + 1);
+      wg_wait<1>();  // page i's group
+    } else {
+      wg_wait<0>();
+    }
+    fold(cur, i);
+  };
+  Acc acc_a, acc_b;
+  if (npages > 0) {
+    cp_async_wait<S - 2>();  // page 0
+    fence_proxy_async_smem();
+    __syncthreads();  // page 0, the query tile and spg in place
+    mma_page(acc_a, 0);
+  }
+  for (int i = 0; i < npages; i += 2) {  // unrolled by 2: the accumulator sets stay in registers
+    step(i, acc_a, acc_b);
+    if (i + 1 < npages) step(i + 1, acc_b, acc_a);
   }
   __syncthreads();  // the last page's warp maxima
   if (npages > 0) combine(npages - 1);
@@ -426,28 +458,25 @@ __device__ __forceinline__ void score_wgmma_body(const KernelArgs& a, uint8_t* s
 }
 
 // Fused decode by wgmma: block maxima to the workspace at the CTA's end, then the selection kernel.
-// Dynamic shared memory: wg_smem_bytes(S == kWgDeepStages).
-template <int S>
+// Dynamic shared memory: kWgSmemBytes.
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_fused_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<false, false, S>(a, smem, sh);
+  score_wgmma_body<false, false, kWgStages>(a, smem, sh);
 }
 
 // Single pass by wgmma (grid.y == 1): decode units write their rows of block_ids.
-template <int S>
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_single_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<true, false, S>(a, smem, sh);
+  score_wgmma_body<true, false, kWgStages>(a, smem, sh);
 }
 
 // Clustered single pass by wgmma: clusters of (1, k_splits, 1) CTAs, rank 0 selects.
-template <int S>
 __global__ void __launch_bounds__(kMmaThreads) score_wgmma_cluster_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_wgmma_body<true, true, S>(a, smem, sh);
+  score_wgmma_body<true, true, kWgStages>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

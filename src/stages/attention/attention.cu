@@ -115,6 +115,7 @@ struct Plan {
   int verify_variant = 21;   // variant of the verify kernel (AttentionCudaConfig)
   bool pdl = false;          // programmatic launches of the decode / verify kernels, merge
   bool decode_early = true;  // decode_kernel 0 / 10: attention_decode_early_kernel
+  int decode_first = 2;      // its early copies (decode_kernel 11: 1)
   int64_t tiles = 0;         // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
 
@@ -179,11 +180,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 28 && cfg.verify_variant != 29 &&
-      (cfg.verify_variant < 33 || cfg.verify_variant > 35) && cfg.verify_variant != 91 &&
+      (cfg.verify_variant < 33 || cfg.verify_variant > 36) && cfg.verify_variant != 91 &&
       cfg.verify_variant != 92)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27-29 or 33-35 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27-29 or 33-36 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies)");
   if (pl.verify) {
@@ -216,13 +217,15 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is not 0 or 1 (the f16 V tile, 2, was removed)");
     pl.qt = 1;
   }
-  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 10)
+  if (cfg.decode_kernel != 0 && cfg.decode_kernel != 2 && cfg.decode_kernel != 10 &&
+      cfg.decode_kernel != 11)
     return unsupported(
         "run_attention_cuda: decode_kernel ", cfg.decode_kernel,
         " is not 0, 2 or 10 (1, the 4-warp tile kernel, and 3, two barriers per block, "
         "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
         "16; 8, 9 in session 17)");
   pl.decode_early = cfg.decode_kernel != 2;
+  pl.decode_first = cfg.decode_kernel == 11 ? 1 : 2;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -321,7 +324,8 @@ Status launch_decode_early(const ak::AttnArgs& args, const Plan& pl, int n_kv,
   CUtensorMap kmap{}, vmap{}, qmap{};
   if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
     return launch_decode<true>(args, pl, n_kv, stream);
-  auto kernel = ad::attention_decode_early_kernel;
+  auto kernel = pl.decode_first == 1 ? ad::attention_decode_early_kernel<1>
+                                     : ad::attention_decode_early_kernel<ad::kStages - 1>;
   constexpr int kBytes = ad::kSmemBytes + 1024;  // + slack to align the base to 1 KB
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
@@ -349,6 +353,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 33:  // 27 with the tensor maps prefetched at entry
         return launch_verify<true, false, true, true, true, 0, 0, av::kStages - 1, true>(
             args, pl, n_kv, stream);
+      case 36:  // 21 with one early copy
+        return launch_verify<true, true, true, true, true, 0, 0, 1>(args, pl, n_kv, stream);
       case 34:  // 27 with one early copy (the list's first block)
         return launch_verify<true, false, true, true, true, 0, 0, 1>(args, pl, n_kv, stream);
       case 35:  // 34 with the tensor maps prefetched at entry

@@ -102,13 +102,14 @@ struct AttentionCudaConfig {
                             // 28 / 29 (session 18): 27 / 21 with the lean block (l summed on the
                             // tensor core, fewer instructions per block; same bytes); 33: 27
                             // with the tensor maps prefetched at entry, 34: 27 with one early
-                            // copy, 35: both (30, packed f16 exponentials, and 31, three early
-                            // copies, were removed)
+                            // copy, 35: both, 36: 21 with one early copy (30, packed f16
+                            // exponentials, and 31, three early copies, were removed)
                             // (9, 11-20, 22-26 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (= 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are
                             // known (attention_decode_early_kernel; where TMA can address the
-                            // pool, else 2 runs), 2 without them (session 16's kernel); 1, the
+                            // pool, else 2 runs), 11 (session 18) the same with only the first
+                            // block requested early, 2 without them (session 16's kernel); 1, the
                             // 4-warp tile kernel, and 3, two barriers per block, were removed in
                             // session 14; 4, TMA loads, in session 15; 5-7 in session 16; 8, 9 in
                             // session 17; other plans ignore it

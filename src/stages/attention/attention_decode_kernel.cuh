@@ -135,7 +135,8 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 // (one split, sparse; the same bytes in the same order). Round B (isolated us): B64 41.1-42.1 vs
 // 41.2-42.9 without (8K / 32K / 128K), B256 @ 32K 142.6 / 142.7 vs 144.3-145.1; timeline (B64 @
 // 32K): exit p50 / max 35.1 / 38.8 vs 36.5 / 39.9 us after the first entry.
-template <bool kVec16, bool kEarly>
+// kFirst (kEarly): the blocks requested early (kStages - 1; decode_kernel 11, session 18: 1).
+template <bool kVec16, bool kEarly, int kFirst = kStages - 1>
 __device__ __forceinline__ void decode_cta(const AttnArgs& a, const CUtensorMap* kmap,
                                            const CUtensorMap* vmap, uint8_t* smem) {
   __shared__ int s_warp[kWarps];
@@ -186,8 +187,8 @@ __device__ __forceinline__ void decode_cta(const AttnArgs& a, const CUtensorMap*
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
         if (a.splits == 1)
-          ak::early_copies<kStages - 1>(cb, cpage, kmap, vmap, g, ak::smem_u32(smem), s_full,
-                                        &s_tile[3]);
+          ak::early_copies<kFirst>(cb, cpage, kmap, vmap, g, ak::smem_u32(smem), s_full,
+                                   &s_tile[3]);
       }
     };
     n_total = ak::sparse_union<1, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
@@ -440,13 +441,14 @@ __global__ void __launch_bounds__(kThreads, 2) attention_decode_kernel(const Att
 }
 
 // kEarly (needs 16-byte aligned pools for TMA); dynamic smem kSmemBytes + 1024 (1 KB alignment).
+template <int kFirst = kStages - 1>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_decode_early_kernel(const __grid_constant__ AttnArgs a,
                                   const __grid_constant__ CUtensorMap kmap,
                                   const __grid_constant__ CUtensorMap vmap) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   const uint32_t raw = ak::smem_u32(smem_raw);
-  decode_cta<true, true>(a, &kmap, &vmap, smem_raw + (((raw + 1023u) & ~1023u) - raw));
+  decode_cta<true, true, kFirst>(a, &kmap, &vmap, smem_raw + (((raw + 1023u) & ~1023u) - raw));
 }
 
 }  // namespace attention_decode

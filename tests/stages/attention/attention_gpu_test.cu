@@ -88,13 +88,14 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   };
   if (families & kAuto) v.push_back({});
   if (families & kMma) {
-    add({1, 1, 1, 1});           // v_convert 1 (the only V path); the early TMA copies
-    add({1, 1, 0, 1, 0, 0, 2});  // decode_kernel 2 (without the early copies)
+    add({1, 1, 1, 1});            // v_convert 1 (the only V path); the early TMA copies
+    add({1, 1, 0, 1, 0, 0, 2});   // decode_kernel 2 (without the early copies)
+    add({1, 1, 0, 1, 0, 0, 11});  // decode_kernel 11 (one early copy)
   }
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 28, 29, 33, 34, 35}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 28, 29, 33, 34, 35, 36}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

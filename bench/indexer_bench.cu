@@ -55,11 +55,9 @@
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
-//   row of <= 63 candidates), g = wgmma_decode (gs1 .. gs4: with the single pass in 1 .. 4 CTAs
-//   per request, gk2 / gk4 / gk6: 2 / 4 / 6 splits), s2 = the mma.sync single pass in 2 CTAs;
-//   --vlist NAME,... keeps base and the named ones; batch 64 / 256 x 8K / 32K / 128K at draft 3,
-//   or --case), --no-short-select (IndexerCudaOptions::short_select false for every path and
-//   table), --wgmma (IndexerCudaOptions::wgmma_decode for every path and table).
+//   row of <= 63 candidates); --vlist NAME,... keeps base and the named ones; batch 64 / 256 x
+//   8K / 32K / 128K at draft 3, or --case), --no-short-select (IndexerCudaOptions::short_select
+//   false for every path and table).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -417,7 +415,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  return std::string(pl.wgmma ? "g" : "") + (pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
+  return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
 
@@ -456,7 +454,6 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
-  bool wgmma = false;              // --wgmma: IndexerCudaOptions::wgmma_decode
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -500,8 +497,6 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
-    else if (a == "--wgmma")
-      wgmma = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -521,7 +516,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--no-short-select] [--wgmma] "
+                   "[--variants] [--vlist NAME,...] [--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -533,7 +528,6 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
-    o->wgmma_decode = wgmma;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -893,36 +887,15 @@ int main(int argc, char** argv) {
       IndexerCudaOptions o;
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
-    std::vector<Variant> all;
-    const auto add = [&](const char* name, const std::function<void(IndexerCudaOptions&)>& f) {
-      IndexerCudaOptions o = default_o;
-      f(o);
-      all.push_back({name, o});
-    };
-    add("base", [](IndexerCudaOptions&) {});
-    add("2k", [](IndexerCudaOptions& o) { o.unfused_decode = true; });
-    add("late", [](IndexerCudaOptions& o) { o.early_query_loads = false; });
-    add("sorted", [](IndexerCudaOptions& o) { o.fast_select = false; });
-    add("q1", [](IndexerCudaOptions& o) { o.short_select = false; });
-    add("g", [](IndexerCudaOptions& o) { o.wgmma_decode = true; });
-    for (int k : {1, 2, 3, 4}) {
-      static const char* const kSingleNames[] = {"gs1", "gs2", "gs3", "gs4"};
-      add(kSingleNames[k - 1], [k](IndexerCudaOptions& o) {
-        o.wgmma_decode = o.single_pass = true;
-        o.single_pass_ctas = k;
-      });
-    }
-    for (int k : {2, 4, 6}) {
-      static const char* const kSplitNames[] = {"", "", "gk2", "", "gk4", "", "gk6"};
-      add(kSplitNames[k], [k](IndexerCudaOptions& o) {
-        o.wgmma_decode = true;
-        o.k_splits = k;
-      });
-    }
-    add("s2", [](IndexerCudaOptions& o) {
-      o.single_pass = true;
-      o.single_pass_ctas = 2;
-    });
+    std::vector<Variant> all = {{"base", default_o},
+                                {"2k", default_o},
+                                {"late", default_o},
+                                {"sorted", default_o},
+                                {"q1", default_o}};
+    all[1].o.unfused_decode = true;
+    all[2].o.early_query_loads = false;
+    all[3].o.fast_select = false;
+    all[4].o.short_select = false;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -960,8 +933,7 @@ int main(int argc, char** argv) {
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select, q1 = !short_select, g = wgmma_decode "
-        "(gsN: single pass, N CTAs; gkN: N splits), s2 = mma.sync single pass, 2 CTAs)",
+        "!early_query_loads, sorted = !fast_select, q1 = !short_select)",
         rows, json);
     return finish();
   }

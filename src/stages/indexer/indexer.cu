@@ -16,7 +16,6 @@
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
-#include "stages/indexer/indexer_kernel_wgmma.cuh"
 
 namespace m3attn {
 
@@ -36,6 +35,12 @@ constexpr int64_t kDecodeChunk = 16;
 // blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
+// ... halved to 12 where 24-block chunks give at least one CTA per SM and 12-block ones still fit
+// one wave (kFusedCtasPerSm per SM; at 132 SMs: 44-66 requests): session 18 round F, three
+// same-run sweeps at 64 x 8K draft 3: k6 c12 25.2-25.4 / 23.0 us (isolated / back to back) vs
+// k3 c24 25.7-26.0 / 23.4-23.5 (k4 c16 24.4-24.6, k8 c8 24.3-24.4 back to back); session 17's
+// sweep 23.0 vs 23.4. Measured at 64 requests only.
+constexpr int64_t kDecodeChunkShortHalf = 12;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 4;
 // Largest portable thread-block cluster: CTAs per decode unit of the clustered single pass.
@@ -104,7 +109,6 @@ struct Plan {
   bool mma = false;
   bool fused = false;
   bool single = false;
-  bool wgmma = false;  // fused / single with the decode units by wgmma
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
@@ -139,6 +143,9 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     if (R * ceil_div(max_pages, dchunk) < sms)
       dchunk =
           std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps, dchunk);
+    else if (dchunk == kDecodeChunkShort &&
+             R * ceil_div(max_pages, kDecodeChunkShortHalf) <= kFusedCtasPerSm * sms)
+      dchunk = kDecodeChunkShortHalf;
     chunk = std::max(chunk, dchunk);
     k = ceil_div(max_pages, chunk);
   }
@@ -217,12 +224,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     chunk = round4(ceil_div(max_pages, ctas));
     k = ceil_div(max_pages, chunk);
   }
-  // wgmma decode units (opt-in): the plan's splits, run as the fused path where it was the
-  // two-kernel one (the block-max table holds at most kFusedMaxChunk blocks per split).
-  if (o.wgmma_decode && pl.mma && !o.unfused_decode && T > 0 && chunk <= ik::kFusedMaxChunk) {
-    pl.fused = true;
-    pl.wgmma = true;
-  }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   return pl;
@@ -280,7 +281,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
-  info.wgmma = pl.wgmma;
   return info;
 }
 
@@ -380,15 +380,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
       return Status::Ok();
     };
-    // The decode units' scorer's dynamic shared memory (wgmma: the A tile, a deeper ring, the
-    // table and the alignment slack).
-    const size_t fused_bytes = pl.wgmma ? ik::kWgSmemBytes : ik::kFusedSmemBytes;
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel =
-          pl.wgmma ? ik::score_wgmma_cluster_kernel : ik::score_fused_cluster_kernel;
+      const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, fused_bytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);
@@ -408,12 +404,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     }
     if (pl.fused) {
-      // 72 KB (wgmma: 94 KB) of dynamic shared memory: opt in.
-      const auto kernel =
-          pl.wgmma ? (pl.single ? ik::score_wgmma_single_kernel : ik::score_wgmma_fused_kernel)
-                   : (pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel);
+      // 72 KB of dynamic shared memory: opt in.
+      const auto kernel = pl.single ? ik::score_fused_single_kernel : ik::score_fused_kernel;
       size_t fsmem = 0;
-      M3_RETURN_IF_ERROR(prepare(kernel, fused_bytes, &fsmem));
+      M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {

@@ -161,15 +161,6 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Decode units of the tensor-core scorer scored by native FP8 wgmma (indexer_kernel_wgmma.cuh:
-  // the E4M3 bytes go to the tensor cores unconverted, one warpgroup per CTA, 8 wgmma
-  // m64n64k32 per index-K page) instead of f16 mma.sync after converting every key pair. Applies
-  // where the plan is the fused path, the single pass or its clusters, or the two-kernel path with
-  // chunks of <= 64 blocks (then run as the fused path at the same splits); unfused_decode turns it
-  // off. Scores differ from the twin by up to 2^-10 x sum_d |q_d| max_p |k_p,d| (the FP8 tensor
-  // cores' reduced-precision accumulation), exact for small integers. 97 KB of shared memory per
-  // CTA (two per SM). Session 18: opt-in (A/B).
-  bool wgmma_decode = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
@@ -198,7 +189,6 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
   bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
-  bool wgmma = false;   // fused / single, decode units by wgmma (wgmma_decode)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

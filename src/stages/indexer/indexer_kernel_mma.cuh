@@ -6,8 +6,25 @@
 // does the conversion itself, where it is cheapest: cvt.rn.f16x2.e4m3x2 turns two E4M3 bytes into
 // two exact f16 values, then mma.sync.m16n8k16 (f16 x f16, fp32 accumulate). Products are exact;
 // only the fp32 accumulation rounds, so scores sit within a few fp32 ulps (relative to
-// sum |q_d k_d|) of the exact twin. Native FP8 on Hopper would need wgmma (smem operands,
-// ~13-14-bit accumulation); it would mainly help prefill, which is compute bound.
+// sum |q_d k_d|) of the exact twin. Native FP8 on Hopper needs wgmma (smem operands, ~13-14-bit
+// accumulation). Session 18 built and measured a wgmma decode scorer (commits 5bfd6af-e4a8210,
+// indexer_kernel_wgmma.cuh, deleted: never faster). One warpgroup per CTA; per 16 KB page 8
+// wgmma.m64nNk32 e4m3: A = 64 keys of the page, B = the unit's query rows (N = 8 / 16 / 32),
+// both K-major with the 128-byte swizzle written by cp.async; a 5-page ring, one CTA barrier per
+// page, each warp folds its 16 keys per column (3 xor-shuffles), and warp 0 combines the 4 warps.
+// - Scores: max |gpu - twin| / L1 3.2e-5 - 5.3e-5 on random inputs (about 2^-14.2; the f16 path's
+//   bound is 2^-15), exact on integer inputs, NaN propagated; every test passed, racecheck clean.
+// - Time, 64 x 8K, back to back, round C (this scorer in the same runs: 23.3 us at draft 3, 21.3
+//   at draft 0): draft 3 at the default splits (k3 c24) 24.6-24.7 us, k4 c16 24.4-24.6, k2 c32
+//   27.6, single pass in 2-CTA clusters 30.8; draft 0 in 2-CTA clusters 21.8-21.9, k2 c32 21.6.
+// - Timeline (64 x 8K draft 3, k3 c24): CTA last scored p50 18.1, max 20.8 us, as this scorer's
+//   17.9 / 20.2-20.6: with ~8 instructions per page instead of ~1600, the split's stream ended no
+//   earlier. ncu: the largest stalls were the ring's cp.async wait and the page barrier.
+// - Not the fix (same-run base in brackets): a 9-page ring (one CTA per SM) 24.7-25.1 us at draft
+//   0 (21.5); issuing page i + 1's wgmma before folding page i 25.6 at draft 0 (21.5) and 26.1 at
+//   draft 3 (23.5); the first version (A = 64 query rows, warp 0 folding every score) 29.2 at
+//   draft 3 (23.3).
+// So at 64 x 8K the instruction count is not what sets this scorer's end.
 //
 // Decode units (a generation request: <= 32 query rows = tokens x heads, e.g. 8 tokens x 4 heads)
 // are the hot path: 128 bytes of index-K per context token, read once for all of the request's

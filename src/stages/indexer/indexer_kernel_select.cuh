@@ -89,7 +89,11 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
 // (one row per warp), cluster barrier to the written rows: 1.54 us with the rounds (round A), 1.02
 // us with one accumulator per candidate (round B: a 64-long dependent add chain per lane). (Those
 // phases held ~1 us of %globaltimer reads; session 17's clock64 timeline: the selecting warps take
-// ~1.3 us from the cluster barrier to their row written, their stalls mostly instruction fetch.)
+// ~1.3 us from the cluster barrier to their row written, their stalls mostly instruction fetch.
+// Session 18 round A: one out-of-line copy of this path, run once on scratch at the kernel's
+// start to warm the instruction caches, lost: 64 x 8K draft 0 21.1-21.2 us back to back vs
+// 20.8-20.9. ncu still put 68 % of the function's stall samples on instruction fetch. The dry run
+// delayed its warps' start by ~1.1 us, and the final selection took 1.7 us (p50) vs 1.3.)
 __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
                                                  int& r1) {
   const int lane = threadIdx.x & 31;

@@ -62,6 +62,41 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
+// The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
+// requests per SM: 64 on an H200) halves its 24-block splits to 12 where they still fit one wave
+// (session 18); ids against the twin.
+TEST(IndexerGpu, AutomaticTwelveBlockSplitsForVerifyBatchesAt8K) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int R = std::max(1, sms * 16 / 33);  // in [sms / 3, sms / 2]
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 8188)), 4});
+  reqs[0] = {8188, 4};  // one request at the full 64 blocks
+  const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  ASSERT_EQ(in.max_pages(), 64);
+  DeviceSet d;
+  upload(in, d);
+  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+  std::printf(
+      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d k_splits %d c %d\n",
+      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  if (R * 3 >= sms && R * 6 <= 3 * sms) {
+    EXPECT_FALSE(pl.single);
+    EXPECT_FALSE(pl.fused);
+    EXPECT_EQ(pl.dec_chunk, 12);
+    EXPECT_EQ(pl.k_splits, 6);
+  }
+  const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+  compare(in, reference(in), g, false,
+          "automatic 12-block splits, " + std::to_string(R) + " requests x 4");
+}
+
 // The automatic fused plan of verify batches (4 tokens per request) whose 64-block splits would
 // fill the SMs in one wave: the smallest chunk that still runs in one wave of <= 3 CTAs per SM
 // where that is >= 40 blocks (session 15), else 64; ids against the two-kernel path (same block

@@ -56,10 +56,6 @@ constexpr uint8_t kWsPoison = 0xc3;
 constexpr uint8_t kGuardByte = 0x3c;
 inline const float kScoreBoundFactor =
     std::ldexp(1.0f, -15);  // per-score error bound / L1 (f16 MMA)
-// The wgmma decode units (IndexerCudaOptions::wgmma_decode): the FP8 tensor cores add each k32
-// step's exact products to the accumulator keeping about 13-14 bits after aligning to the largest
-// addend, i.e. an error below 2^-12 x L1 per step, 4 steps per score.
-inline const float kWgmmaBoundFactor = std::ldexp(1.0f, -10);
 
 // ---------------------------------------------------------------------------------------------
 // Inputs and the twin's reference.
@@ -274,8 +270,7 @@ struct CompareStats {
 
 // exact_scores: the GPU scores must equal the twin's bit for bit (CUDA cores, integer inputs).
 inline CompareStats compare(const Inputs& in, const Reference& ref, const GpuResult& gpu,
-                            bool exact_scores, const std::string& label,
-                            float bound_factor = kScoreBoundFactor) {
+                            bool exact_scores, const std::string& label) {
   SCOPED_TRACE(label);
   CompareStats st;
   const int mp = in.max_pages();
@@ -302,7 +297,7 @@ inline CompareStats compare(const Inputs& in, const Reference& ref, const GpuRes
     const float* gs = gpu.scores.data() + row * mp;
     const float* ts = ref.scores.data() + row * mp;
     // 1. scores
-    const float bound = bound_factor * ref.l1[static_cast<size_t>(row)];
+    const float bound = kScoreBoundFactor * ref.l1[static_cast<size_t>(row)];
     for (int b = 0; b < n_valid; ++b) {
       if (std::isnan(ts[b]) || std::isnan(gs[b])) {
         if (std::isnan(ts[b]) != std::isnan(gs[b]))
@@ -434,31 +429,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
                       name + ", single pass" +
                           (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
                           " vs two-kernel]");
-    }
-  }
-  // wgmma decode units (wgmma_decode) where they apply: the fused path (block maxima in the
-  // workspace) against the twin with the FP8 bound, at the automatic splits and at split edges
-  // everywhere; the single pass (one CTA, clusters of 2, 3, 8) byte for byte against the fused
-  // run (the same block maxima, the same exact selection).
-  for (int k : {0, 3, 1000}) {
-    IndexerCudaOptions w;
-    w.wgmma_decode = true;
-    w.fused_decode_always = true;  // the decode rows' block maxima go to the workspace
-    w.k_splits = k;
-    if (!indexer_cuda_plan(d.params, w).wgmma) continue;
-    const GpuResult g = run_gpu(d, w);
-    const std::string name = label + " [wgmma, k_splits " + std::to_string(k);
-    compare(in, ref, g, /*exact_scores=*/in.integer, name + "]", kWgmmaBoundFactor);
-    if (k != 0) continue;
-    for (int ctas : {1, 2, 3, 8}) {
-      IndexerCudaOptions so = w;
-      so.single_pass = true;
-      so.single_pass_ctas = ctas;
-      if (!indexer_cuda_plan(d.params, so).single) continue;
-      expect_same_ids(in, run_gpu(d, so), g,
-                      name + ", single pass" +
-                          (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
-                          " vs fused]");
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

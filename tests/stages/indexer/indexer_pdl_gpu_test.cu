@@ -217,19 +217,7 @@ std::vector<Variant> all_variants(bool short_context) {
   o.unfused_decode = true;
   o.short_select = false;
   v.push_back({"two-kernel, one warp per short row", o});
-  o = {};
-  o.wgmma_decode = true;
-  v.push_back({"wgmma", o});
-  o.k_splits = 1000;  // 4-block splits: the early copies of every split
-  v.push_back({"wgmma, k_splits 1000", o});
   if (short_context) {
-    for (int ctas : {1, 2}) {
-      o = {};
-      o.wgmma_decode = true;
-      o.single_pass = true;
-      o.single_pass_ctas = ctas;
-      v.push_back({ctas == 1 ? "wgmma single pass" : "wgmma cluster 2", o});
-    }
     for (int ctas : {1, 2, 8}) {
       o = {};
       o.single_pass = true;

@@ -96,7 +96,10 @@ constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // and 45.4 / 46.2 / 45.7 for 21 (back to back 43.2-43.7 vs 44.0-44.3), but B256 x 4 @ 32K 162.3 /
 // 162.2 vs 160.3 / 160.8. 26 (27 without the early copies: B64 x 4 44.6-46.0, B256 x 4 165.6 /
 // 165.7) was removed.
-constexpr int kAutoVerifyOneWave = 27;
+// Session 18: 34 (27 with one early copy instead of two) replaces 27 there. Rounds D / F (three and
+// two alternating runs, B64 x 4 at 8K / 32K / 128K, isolated us): 42.2-43.1 and 41.8-42.5 vs
+// 42.9-44.8 and 43.3-44.7 for 27; see attention_verify_kernel for what lost (28-33, 35, 36).
+constexpr int kAutoVerifyOneWave = 34;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -114,7 +117,7 @@ struct Plan {
   int splits = 1;       // CTAs per (tile, KV head)
   int verify_variant = 21;   // variant of the verify kernel (AttentionCudaConfig)
   bool pdl = false;          // programmatic launches of the decode / verify kernels, merge
-  bool decode_early = true;  // decode_kernel 0 / 10: attention_decode_early_kernel
+  bool decode_early = true;  // decode_kernel 0 / 10 / 11: attention_decode_early_kernel
   int decode_first = 2;      // its early copies (decode_kernel 11: 1)
   int64_t tiles = 0;         // grid.x: an upper bound of sum_r ceil(n_r / qt)
 };
@@ -179,14 +182,12 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 28 && cfg.verify_variant != 29 &&
-      (cfg.verify_variant < 33 || cfg.verify_variant > 36) && cfg.verify_variant != 91 &&
-      cfg.verify_variant != 92)
+      cfg.verify_variant != 27 && cfg.verify_variant != 34)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27-29 or 33-36 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27 or 34 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
-        "early copies)");
+        "early copies; 28-33, 35 and 36 in session 18)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -221,11 +222,17 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
       cfg.decode_kernel != 11)
     return unsupported(
         "run_attention_cuda: decode_kernel ", cfg.decode_kernel,
-        " is not 0, 2 or 10 (1, the 4-warp tile kernel, and 3, two barriers per block, "
+        " is not 0, 2, 10 or 11 (1, the 4-warp tile kernel, and 3, two barriers per block, "
         "were removed in session 14; 4, TMA loads, in session 15; 5-7 in session "
         "16; 8, 9 in session 17)");
   pl.decode_early = cfg.decode_kernel != 2;
   pl.decode_first = cfg.decode_kernel == 11 ? 1 : 2;
+  // decode_kernel 0: 11 (one early copy) for one-wave grids (the likely CTA count T x n_kv fits 2
+  // CTAs per SM), 10 otherwise. Session 18 round F (three alternating runs, sparse draft 0,
+  // isolated us): B64 at 8K / 32K / 128K 40.4-41.0 vs 40.5-41.3 for 10, B256 @ 32K 141.9-142.3 vs
+  // 141.2-141.9 (as in the verify kernel's one-wave rule: fewer early blocks per CTA let the first
+  // one land sooner in the grid's initial burst).
+  if (cfg.decode_kernel == 0 && T * p.n_kv <= split_wave()) pl.decode_first = 1;
   pl.pdl = cfg.programmatic_launch && !pl.wgmma;
   // sum_r ceil(n_r / qt) <= (T + R (qt - 1)) / qt, and never more than T tiles.
   pl.tiles = (T == 0 || R == 0) ? 0 : std::min<int64_t>(T, (T + R * (pl.qt - 1)) / pl.qt);
@@ -246,7 +253,7 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
     // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
-    // 27, the loop on cp.async loads; more waves: 21 (kAutoVerifyVariant).
+    // 34, the loop on cp.async loads with one early copy; more waves: 21 (kAutoVerifyVariant).
     const int64_t per_request = (T + R - 1) / R;
     const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
     if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;
@@ -283,7 +290,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0, int kDiag = 0, int kFirst = av::kStages - 1, bool kMapPf = false>
+          int kFirst = av::kStages - 1>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -293,8 +300,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kLean, kDiag,
-                                            kFirst, kMapPf>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -315,10 +321,11 @@ Status launch_decode(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   return Status::Ok();
 }
 
-// decode_kernel 0 / 10 (automatic since session 17): the decode kernel with the early TMA copies of
-// its first two blocks (the plain decode kernel, decode_kernel 2, where TMA cannot address the
-// pool). Round B (sparse, isolated us): B64 41.1-42.1 vs 41.2-42.9 (8K / 32K / 128K), B256 @ 32K
-// 142.6 / 142.7 vs 144.3-145.1.
+// decode_kernel 0 / 10 (automatic since session 17; 11 for one-wave grids, see make_plan): the
+// decode kernel with the early TMA copies of its first two blocks, 11 of the first one only; the
+// plain decode kernel (decode_kernel 2) where TMA cannot address the pool. Session 17 round B
+// (sparse, isolated us): B64 41.1-42.1 vs 41.2-42.9 (8K / 32K / 128K), B256 @ 32K 142.6 / 142.7
+// vs 144.3-145.1 without the early copies.
 Status launch_decode_early(const ak::AttnArgs& args, const Plan& pl, int n_kv,
                            cudaStream_t stream) {
   CUtensorMap kmap{}, vmap{}, qmap{};
@@ -346,23 +353,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
-      case 28:  // 27 with the lean block (kLean 1)
+      case 34:  // 27 with one early copy
         return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
-      case 29:  // 21 with the lean block
-        return launch_verify<true, true, true, true, true, 1>(args, pl, n_kv, stream);
-      case 33:  // 27 with the tensor maps prefetched at entry
-        return launch_verify<true, false, true, true, true, 0, 0, av::kStages - 1, true>(
-            args, pl, n_kv, stream);
-      case 36:  // 21 with one early copy
-        return launch_verify<true, true, true, true, true, 0, 0, 1>(args, pl, n_kv, stream);
-      case 34:  // 27 with one early copy (the list's first block)
-        return launch_verify<true, false, true, true, true, 0, 0, 1>(args, pl, n_kv, stream);
-      case 35:  // 34 with the tensor maps prefetched at entry
-        return launch_verify<true, false, true, true, true, 0, 0, 1, true>(args, pl, n_kv, stream);
-      case 91:  // diagnostics (wrong outputs): 28's ring and front without the work
-        return launch_verify<true, false, true, true, true, 1, 1>(args, pl, n_kv, stream);
-      case 92:  // diagnostics (wrong outputs): 28's work without the loads
-        return launch_verify<true, false, true, true, false, 1, 2>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

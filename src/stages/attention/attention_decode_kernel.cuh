@@ -135,7 +135,11 @@ __device__ __forceinline__ void pv_block(float (&o)[2][2][4], const uint4* s_p, 
 // (one split, sparse; the same bytes in the same order). Round B (isolated us): B64 41.1-42.1 vs
 // 41.2-42.9 without (8K / 32K / 128K), B256 @ 32K 142.6 / 142.7 vs 144.3-145.1; timeline (B64 @
 // 32K): exit p50 / max 35.1 / 38.8 vs 36.5 / 39.9 us after the first entry.
-// kFirst (kEarly): the blocks requested early (kStages - 1; decode_kernel 11, session 18: 1).
+// kFirst (kEarly): the blocks requested early (kStages - 1; decode_kernel 11, session 18: 1, the
+// automatic choice for one-wave grids). Round F (three alternating runs, isolated us): B64 at 8K /
+// 32K / 128K 40.4-41.0 vs 40.5-41.3 with two, B256 @ 32K 141.9-142.3 vs 141.2-141.9 (B256 keeps
+// two). As in the verify kernel (its variant 34), a one-wave grid's initial burst of early copies
+// queues each CTA's first block behind its second; with one per CTA the first lands sooner.
 template <bool kVec16, bool kEarly, int kFirst = kStages - 1>
 __device__ __forceinline__ void decode_cta(const AttnArgs& a, const CUtensorMap* kmap,
                                            const CUtensorMap* vmap, uint8_t* smem) {

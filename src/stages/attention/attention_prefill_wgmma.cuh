@@ -272,10 +272,8 @@ __device__ __forceinline__ void fix_v_nan(const uint8_t* vraw, uint8_t* vh, int 
 // still be applied to O. kLazy (the verify kernel's variant 13): the running max moves only when a
 // block's max exceeds it by more than kLazyMax (log2 domain), so p <= 2^kLazyMax (exact in f16's
 // range; the final O / l does not depend on m) and O is rescaled far less often.
-// kSum = false (the verify kernel's lean variants): l is left alone (the caller sums the f16 P on
-// the tensor core).
 constexpr float kLazyMax = 8.0f;
-template <bool kLazy = false, bool kSum = true>
+template <bool kLazy = false>
 __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], float (&l)[2],
                                               float (&alpha)[2], int lim, float scale_log2) {
   const int tig = threadIdx.x & 3;
@@ -313,15 +311,11 @@ __device__ __forceinline__ void softmax_block(float (&s)[64], float (&m)[2], flo
     s[4 * j + 1] = fast_exp2(fmaf(s[4 * j + 1], scale_log2, -mu0));
     s[4 * j + 2] = fast_exp2(fmaf(s[4 * j + 2], scale_log2, -mu1));
     s[4 * j + 3] = fast_exp2(fmaf(s[4 * j + 3], scale_log2, -mu1));
-    if constexpr (kSum) {
-      sum0 += s[4 * j] + s[4 * j + 1];
-      sum1 += s[4 * j + 2] + s[4 * j + 3];
-    }
+    sum0 += s[4 * j] + s[4 * j + 1];
+    sum1 += s[4 * j + 2] + s[4 * j + 3];
   }
-  if constexpr (kSum) {
-    l[0] = l[0] * alpha[0] + sum0;
-    l[1] = l[1] * alpha[1] + sum1;
-  }
+  l[0] = l[0] * alpha[0] + sum0;
+  l[1] = l[1] * alpha[1] + sum1;
 }
 
 // O *= alpha (rows grp, grp + 8), then P = f16(s) as the A fragments of the 8 k-steps of 16 keys.

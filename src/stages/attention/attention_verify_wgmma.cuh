@@ -134,9 +134,7 @@ __device__ __forceinline__ int early_key(int j, bool high) {
 
 // Reads this warp's raw V rows (keys > vlim read as 0), writes the f16 of dims 64-127 in place,
 // keeps the raw dims 0-63 chunks in `lo`. With `check`, returns nonzero when a raw byte read is
-// NaN (0 otherwise). kFull (variant 28): the caller knows vlim >= 127 (every row is read; no
-// zeroing, no per-row predicates).
-template <bool kFull = false>
+// NaN (0 otherwise).
 __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uint4 (&lo)[4],
                                                    bool check) {
   const int cl = threadIdx.x & 3;
@@ -146,18 +144,12 @@ __device__ __forceinline__ uint32_t convert_v_high(uint8_t* stage, int vlim, uin
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const int kh = early_key(j, true), kl = early_key(j, false);
-    const uint4* ph =
-        reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
-    const uint4* pl = reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
-    if constexpr (kFull) {
-      hi[j] = *ph;
-      lo[j] = *pl;
-    } else {
-      hi[j] = make_uint4(0u, 0u, 0u, 0u);
-      lo[j] = make_uint4(0u, 0u, 0u, 0u);
-      if (kh <= vlim) hi[j] = *ph;
-      if (kl <= vlim) lo[j] = *pl;
-    }
+    hi[j] = make_uint4(0u, 0u, 0u, 0u);
+    lo[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (kh <= vlim)
+      hi[j] = *reinterpret_cast<const uint4*>(vraw + kh * ak::kDim + (((4 + cl) ^ (kh & 7)) << 4));
+    if (kl <= vlim)
+      lo[j] = *reinterpret_cast<const uint4*>(vraw + kl * ak::kDim + ((cl ^ (kl & 7)) << 4));
     if (check)
       nan |= e4m3x4_nan_bits(hi[j].x) | e4m3x4_nan_bits(hi[j].y) | e4m3x4_nan_bits(hi[j].z) |
              e4m3x4_nan_bits(hi[j].w) | e4m3x4_nan_bits(lo[j].x) | e4m3x4_nan_bits(lo[j].y) |
@@ -214,35 +206,17 @@ __device__ __noinline__ void scrub_nan_rows(uint8_t* stage, int vlim, int mask, 
 // ---------------------------------------------------------------------------------------------
 // Per-warp state of the online softmax: rows grp and grp + 8 of this warp's 16 (the heads grp,
 // grp + 8 of token `warp`); dims 8 j + 2 tig (+1) in o[4 j + 2 e] (+1), e = 0 (row grp), 1.
-// kLean (variant 28): l stays 0 during the loop; lc is the mma.sync accumulator of P x ones (lc[0],
-// lc[1]: row grp; lc[2], lc[3]: row grp + 8, each the whole row's sum, already over the quad).
 struct Rows {
   float o[64];
   float m[2], l[2], alpha[2];
-  float lc[4];
   __device__ __forceinline__ void reset() {
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
     m[0] = m[1] = -INFINITY;
     l[0] = l[1] = 0.0f;
     alpha[0] = alpha[1] = 1.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) lc[i] = 0.0f;
   }
 };
-
-// A wgmma shared-memory descriptor from its two 32-bit halves (ap::smem_desc's fields): the
-// start-address field is the low 14 bits of `lo`, so an offset of d bytes inside the ring is
-// `lo + d / 16` (no carry out of the field below 256 KB), one uniform add instead of
-// ap::smem_desc's mask / shift / or per wgmma.
-__device__ __forceinline__ uint32_t desc_lo(uint32_t addr, uint32_t lbo) {
-  return ((addr & 0x3FFFFu) >> 4) | (((lbo & 0x3FFFFu) >> 4) << 16);
-}
-__device__ __forceinline__ uint64_t desc_of(uint32_t lo, uint32_t sbo) {
-  uint64_t d;
-  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo), "r"(((sbo & 0x3FFFFu) >> 4) | (1u << 30)));
-  return d;
-}
 
 // One block in the stage at sbuf (shared address saddr), by the whole warpgroup: S = Q K^T, V ->
 // f16 in place (dims 64-127 under the S wgmma), online softmax, O += P V (left in flight: the
@@ -252,12 +226,7 @@ __device__ __forceinline__ uint64_t desc_of(uint32_t lo, uint32_t sbo) {
 // visible key (< 0: none); check: look for NaN in V (the kernel's second pass, see there).
 // The proxy fence of the f16 stores comes after the softmax, not right after the stores (session
 // 15 ncu: the warps waited there, MEMBAR + FENCE.VIEW.ASYNC, ~8 % of the loop's stall samples).
-// kLean (variant 28): fewer instructions per block, the same bytes: the row sums l by 8 mma.sync
-// m16n8k16 of P (the register A fragment of P V is the mma.sync A fragment) times a ones B fragment
-// (instead of 64 FADDs per lane and the quad shuffles; l then sums exactly the f16 weights that P V
-// uses), descriptors from precomputed halves (desc_of), the V conversion without per-row predicates
-// when every row is visible (vlim >= 127), and a plain barrier in the first pass (no NaN flag).
-template <bool kLazy, int kLean, typename AfterS>
+template <bool kLazy, typename AfterS>
 __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
                                              const uint32_t (&qa)[4][4], uint8_t* sbuf,
                                              uint32_t saddr, int mask, int b, int vlim, int lim,
@@ -266,43 +235,23 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   // S = Q K^T.
   ap::reg_fence(s);
   ap::wgmma_fence();
-  const uint32_t klo = desc_lo(saddr, 16);
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    const uint64_t dk =
-        kLean != 0 ? desc_of(klo + 2 * kk, 1024) : ap::smem_desc(saddr + 32 * kk, 16, 1024);
-    ap::wgmma_qk_rs(s, qa[kk], dk, kk > 0 ? 1 : 0);
-  }
+  for (int kk = 0; kk < 4; ++kk)
+    ap::wgmma_qk_rs(s, qa[kk], ap::smem_desc(saddr + 32 * kk, 16, 1024), kk > 0 ? 1 : 0);
   ap::wgmma_commit();
   // Dims 64-127 of V while S runs (it reads only the K half), dims 0-63 after.
   uint4 vlo[4];
-  uint32_t nan;
-  if (kLean != 0 && vlim >= ak::kBlockKeys - 1)  // CTA-uniform
-    nan = convert_v_high<true>(sbuf, vlim, vlo, check);
-  else
-    nan = convert_v_high<false>(sbuf, vlim, vlo, check);
+  const uint32_t nan = convert_v_high(sbuf, vlim, vlo, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);
   __syncthreads();  // every warp's S and previous P V are done: K half and previous stage free
   after_s();
   convert_v_low(sbuf, vlo);
-  ap::softmax_block<kLazy, !kLean>(s, st.m, st.l, st.alpha, lim, scale_log2);
+  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
   ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-  if constexpr (kLean != 0) {
-    st.lc[0] *= st.alpha[0];
-    st.lc[1] *= st.alpha[0];
-    st.lc[2] *= st.alpha[1];
-    st.lc[3] *= st.alpha[1];
-    constexpr uint32_t kOnes = 0x3C003C00u;  // two f16 1.0
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk) ak::mma_f16(st.lc, p[kk], kOnes, kOnes);
-  }
-  ap::fence_proxy_async();  // f16 stores -> wgmma reads (after the barrier below)
-  // f16 tile complete (and a NaN in it: rare; never in kLean's first pass, which does not look)
-  const bool any_nan =
-      kLean != 0 && !check ? (__syncthreads(), false) : __syncthreads_or(nan != 0u);
-  if (any_nan) {
+  ap::fence_proxy_async();            // f16 stores -> wgmma reads (after the barrier below)
+  if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
     scrub_nan_rows(sbuf, vlim, mask, b, s_pos, s_nan);
     ap::fence_proxy_async();
     __syncthreads();
@@ -311,13 +260,9 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::reg_fence(st.o);
   ap::reg_fence(p);
   ap::wgmma_fence();
-  const uint32_t vlo_d = desc_lo(saddr, kTileBytes);
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const uint64_t dv = kLean != 0 ? desc_of(vlo_d + 128 * kk, 1024)
-                                   : ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024);
-    ap::wgmma_pv(st.o, p[kk], dv);
-  }
+  for (int kk = 0; kk < 8; ++kk)
+    ap::wgmma_pv(st.o, p[kk], ap::smem_desc(saddr + kk * 2048, kTileBytes, 1024));
   ap::wgmma_commit();
 }
 
@@ -329,8 +274,6 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to nearest even like
 // float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic, which both turn
 // into 0x7fff), the row amax only with out_q.
-// kLean: st.l already holds the whole row's sum in every lane of the quad (no shuffles).
-template <bool kLean = false>
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
@@ -344,10 +287,8 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
-    if constexpr (!kLean) {
-      lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-      lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
-    }
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = a.splits == 1 && lsum > 0.0f ? 1.0f / lsum : 1.0f;
     float v[32];
     if (any_nan) {
@@ -452,20 +393,35 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // on cp.async groups, as in the decode kernel). Round C2: B64 x 4 44.3-44.8 vs 45.4-46.3 us for 21,
 // B256 x 4 162.2 / 162.3 vs 160.3 / 160.8; without the early copies (26, removed) 44.6-46.0 and
 // 165.6 / 165.7.
-// kDiag (diagnostics, session 18; wrong outputs): 1 = the ring and the front without the block's
-// work (each landed block's stage is refilled at once, as in the bench's read ceiling), 2 = the
-// work without loads (the stages hold whatever they hold; one pass).
-// kFirst (kEarly): the blocks the early copies request before the loop (kStages - 1; variant 31:
-// kStages, every stage; the loop's first refill then has nothing to load).
-// kMapPf (variant 33): thread 0 prefetches the K / V tensor maps at entry (prefetch.tensormap),
-// so that the early copies do not wait for the descriptors.
+// Session 18: kFirst, the blocks the early copies request (kStages - 1 = 2 until then). 34
+// (automatic for one-wave grids) is 27 with kFirst = 1: the list's first block alone is requested
+// as soon as its page is known, the second by cp.async with the ring after the union. Round D
+// (sparse B64 x 4, isolated us at 8K / 32K / 128K, three alternating runs): 42.2-43.1 vs 42.9-44.8
+// for 27 (round F: 41.8-42.5 vs 43.3-44.7); timeline @ 32K: the first block landed p50 / max 4.9 /
+// 6.3 vs 6.6 / 9.5 us after the first entry (the one-wave grid's initial burst of 2 x 256 early
+// blocks queued each CTA's first block behind its second), exit max 41.6 vs 42.8 us. Lost and
+// removed in session 18 (same-round A/Bs against 27 or 21): three early copies (31: the first block
+// landed 1.4 us later, B64 x 4 45.4-46.8 vs 43.4-44.0 us); 21 with one early copy (36: B256 x 4
+// 161.6-162.5 vs 160.2-160.8); the K / V tensor maps prefetched at entry (33: no difference); a
+// "lean" block (28 / 29: the row sums l by 8 mma.sync of P x ones instead of 64 FADDs per lane,
+// wgmma descriptors from precomputed halves, the V conversion without row predicates: ~15 % fewer
+// instructions per warp and block, the same time; ncu: the mma.sync waited for the tensor pipe,
+// which the other CTA's wgmmas held, about as long as the FADDs had taken); P from
+// ex2.approx.f16x2 (30: sm_90 has no packed EX2, ptxas emits two MUFU.EX2.F16 and a PRMT); the
+// warp-specialised prefill kernel on verify batches (kernel 15: 80 us, its 8-token tiles run a
+// second, empty consumer warpgroup). Diagnostics (round C, B64 x 4 @ 32K, isolated): this kernel's
+// front and ring without the block's work 38.3 us (the plain read of the same tiles 34.0), the work
+// without loads 36.8 us (1.70 us per block), both 43.4 us (2.1 us per block): per block, neither
+// the bytes (1.87 us) nor the work (1.70) alone sets the pace, their chain does; the front costs
+// ~4 us more than the read's.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kLean = 0, int kDiag = 0, int kFirst = kStages - 1, bool kMapPf = false>
+          int kFirst = kStages - 1>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
                             const __grid_constant__ CUtensorMap vmap) {
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
+  static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
@@ -492,14 +448,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   uint8_t* smem = smem_raw + (base - raw_u32);
 
   ak::timeline_mark(a, 0);
-  if constexpr (kMapPf) {
-    if (tid == 0) {
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&kmap))
-                   : "memory");
-      asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(&vmap))
-                   : "memory");
-    }
-  }
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
@@ -529,8 +477,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
                            ak::smem_u32(&s_full[st]));
     } else {
-      if (kDiag != 2 && j < count && lmask[j])
-        ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
+      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
       ak::cp_async_commit();
     }
   };
@@ -540,7 +487,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (a.sparse) {
     // kEarly: entry k of the list is the k-th first occurrence in candidate order; candidates
     // 0-31 (warp 0) come first, so the first occurrences among them are the list's first entries.
-    // Warp 0 copies entries 0 .. kStages - 2 into their stages as soon as their pages are known
+    // Warp 0 copies entries 0 .. kFirst - 1 into their stages as soon as their pages are known
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
@@ -598,13 +545,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       // and its V rows are zeroed (vlim -1).
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
-      // The loop's refill of entry j into stage st (an entry below skip is already there).
-      auto refill = [&](int j, int st) {
-        if (j >= skip)
-          load(j, count, lmask, lpage, st);
-        else if (!kTma)
-          ak::cp_async_commit();  // (an empty group keeps the count)
-      };
 #pragma unroll
       for (int j = 0; j < kStages - 1; ++j) {
         if (j >= skip)
@@ -630,53 +570,32 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         // (the timeline's first-block mark; 0 when the timeline is off)
         if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-        // block i landed for every thread (kTma: each thread waited for the stage's mbarrier, which
-        // makes the TMA bytes visible to it; kLean skips the CTA barrier there)
-        if (!(kLean != 0 && kTma)) __syncthreads();
+        __syncthreads();  // block i landed for every thread
         const int cur = stage;
         const int prev = stage == 0 ? kStages - 1 : stage - 1;  // the stage of block i - 1
         stage = stage + 1 == kStages ? 0 : stage + 1;
         const int mask = lmask[i];
         const int b = lb[i];
-        if constexpr (kDiag == 1) {
-          __syncthreads();  // (block i - 1's stage is free: as the read ceiling refills)
-          refill(i + kStages - 1, prev);
-          continue;
-        }
-        attend_block<kLazy, kLean>(
+        attend_block<kLazy>(
             st, s, p, qa, smem + cur * kStageBytes, base + cur * kStageBytes, mask, b,
             mask ? lvlim[i] : -1, (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos,
-            s_nan, a.scale_log2, check, [&] { refill(i + kStages - 1, prev); });
+            s_nan, a.scale_log2, check, [&] { load(i + kStages - 1, count, lmask, lpage, prev); });
       }
       ap::wgmma_wait<0>();  // the last P V
       ap::reg_fence(st.o);
       ak::cp_async_wait<0>();
       __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
     }
-    if constexpr (kLean != 0) {  // the row sums of the mma.sync (already over the quad)
-      st.l[0] = st.lc[0];
-      st.l[1] = st.lc[2];
-    }
-    if (check || kDiag != 0) break;
+    if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
-    if constexpr (kLean != 0) {       // 8 independent chains instead of one of 64 dependent adds
-      float part[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) part[k] = st.o[k];
-#pragma unroll
-      for (int k = 8; k < 64; ++k) part[k & 7] += st.o[k];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) probe += part[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < 64; ++k) probe += st.o[k];
-    }
+    for (int k = 0; k < 64; ++k) probe += st.o[k];
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows<kLean != 0>(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

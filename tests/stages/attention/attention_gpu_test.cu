@@ -73,8 +73,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
-// 21 (session 16's 17 with the first copies issued before the union is complete) and 27 (21's
-// loop on cp.async loads; automatic for one-wave grids).
+// 21 (session 16's 17 with the first copies issued before the union is complete), 27 (21's
+// loop on cp.async loads) and 34 (27 with one early copy; automatic for one-wave grids); kMma also
+// runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -95,7 +96,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 28, 29, 33, 34, 35, 36}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 34}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -844,6 +845,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 22 (S waited for at once, removed in session 17)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 23}, StatusCode::kUnsupported,
                   "verify_variant 23 (the refill before the block wait, removed in session 17)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 28}, StatusCode::kUnsupported,
+                  "verify_variant 28 (the lean block, removed in session 18)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 31}, StatusCode::kUnsupported,
+                  "verify_variant 31 (three early copies, removed in session 18)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 36}, StatusCode::kUnsupported,
+                  "verify_variant 36 (21 with one early copy, removed in session 18)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 8}, StatusCode::kUnsupported,
                   "decode_kernel 8 (the page-table prefetch, removed in session 17)");
   expect_rejected(

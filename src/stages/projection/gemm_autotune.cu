@@ -124,14 +124,12 @@ std::string fmt_us(double us) {
 // Cold L2 before a timed launch, as bench_util flushes: the flush buffer (twice the L2) is
 // overwritten, then read back, so no weight line stays cached and no dirty line is left to be
 // written back inside the timed region. Enqueued on t.stream; nothing when no buffer was allocated.
-// `bytes` (0: the whole buffer) of the buffer are flushed.
-cudaError_t flush_l2(const TuneScratch& t, int iteration, size_t bytes = 0) {
+cudaError_t flush_l2(const TuneScratch& t, int iteration) {
   if (t.flush_bytes == 0) return cudaSuccess;
-  bytes = bytes == 0 ? t.flush_bytes : std::min(bytes, t.flush_bytes) / 16 * 16;
-  cudaError_t e = cudaMemsetAsync(t.flush, iteration & 1 ? 0x5A : 0xA5, bytes, t.stream);
+  cudaError_t e = cudaMemsetAsync(t.flush, iteration & 1 ? 0x5A : 0xA5, t.flush_bytes, t.stream);
   if (e != cudaSuccess) return e;
   tune_read_sweep<<<528, 256, 0, t.stream>>>(static_cast<const int4*>(t.flush),
-                                             static_cast<int64_t>(bytes / sizeof(int4)),
+                                             static_cast<int64_t>(t.flush_bytes / sizeof(int4)),
                                              static_cast<int*>(t.flush));
   return cudaGetLastError();
 }
@@ -167,9 +165,7 @@ Status Fp8BlockGemm::Impl::make_scratch(int64_t m, TuneScratch* t) {
   M3_RETURN_IF_ERROR(alloc(reinterpret_cast<void**>(&t->hash), 8, "fingerprint"));
   int l2 = 0;
   if (cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device) == cudaSuccess && l2 > 0) {
-    t->flush_bytes = std::max(2 * static_cast<size_t>(l2), options.tune_replay.flush_bytes);
-    t->replay_flush_bytes = options.tune_replay.flush_bytes;
-    t->measure_flush_bytes = 2 * static_cast<size_t>(l2);
+    t->flush_bytes = 2 * static_cast<size_t>(l2);
     if (!alloc(&t->flush, t->flush_bytes, "L2 flush").ok()) t->flush_bytes = 0;  // no flush
   }
   M3_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&t->stream, cudaStreamNonBlocking));
@@ -242,7 +238,7 @@ Status Fp8BlockGemm::Impl::measure(const cublasLtMatmulAlgo_t& algo, const TuneS
   *fingerprint = h;
   iters = std::max(1, std::min(iters, kTuneMaxIters));
   for (int i = 0; i < iters; ++i) {
-    M3_CUDA_RETURN_IF_ERROR(flush_l2(t, i, t.measure_flush_bytes));
+    M3_CUDA_RETURN_IF_ERROR(flush_l2(t, i));
     M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(t.ev[2 * i], t.stream));
     if (launch_scratch(algo, t) != CUBLAS_STATUS_SUCCESS) {
       cudaGetLastError();
@@ -519,8 +515,7 @@ namespace {
 // `iters` times, L2 flushed before each replay (outside the timed region), as the benchmarks time
 // decode GEMMs. *us < 0 when the launch failed during the capture.
 template <typename Launch>
-Status graph_median_us(const TuneScratch& t, const GemmTuneReplay& replay, Launch launch,
-                       double* us) {
+Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* us) {
   *us = -1;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -535,17 +530,13 @@ Status graph_median_us(const TuneScratch& t, const GemmTuneReplay& replay, Launc
   const cudaError_t inst = cudaGraphInstantiate(&exec, graph, 0);
   cudaGraphDestroy(graph);
   M3_CUDA_RETURN_IF_ERROR(inst);
-  const int iters = std::max(1, std::min(replay.iters, kTuneMaxIters));
-  cudaError_t e = cudaSuccess;
-  for (int i = 0; i < std::max(replay.warmup, 0) && e == cudaSuccess; ++i)
-    e = cudaGraphLaunch(exec, t.stream);
-  if (e == cudaSuccess && replay.sync_each) e = cudaStreamSynchronize(t.stream);
+  iters = std::max(1, std::min(iters, kTuneMaxIters));
+  cudaError_t e = cudaGraphLaunch(exec, t.stream);  // warm-up
   for (int i = 0; i < iters && e == cudaSuccess; ++i) {
-    e = flush_l2(t, i, t.replay_flush_bytes);
+    e = flush_l2(t, i);
     if (e == cudaSuccess) e = cudaEventRecord(t.ev[2 * i], t.stream);
     if (e == cudaSuccess) e = cudaGraphLaunch(exec, t.stream);
     if (e == cudaSuccess) e = cudaEventRecord(t.ev[2 * i + 1], t.stream);
-    if (e == cudaSuccess && replay.sync_each) e = cudaEventSynchronize(t.ev[2 * i + 1]);
   }
   if (e == cudaSuccess) e = cudaStreamSynchronize(t.stream);
   std::vector<double> v;
@@ -581,13 +572,13 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
       TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
   p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
   const size_t elems = static_cast<size_t>(rows * t.ld_d);
-  const GemmTuneReplay& replay = options.tune_replay;
+  constexpr int kIters = 5;
 
   // cuBLASLt's kept algorithm, replayed (layouts and scale pointers still at m_hi from
   // tune_bucket).
   double lt_us = -1;
   M3_RETURN_IF_ERROR(graph_median_us(
-      t, replay, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
+      t, kIters, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
       &lt_us));
   if (lt_us < 0) {
     b.tuning += "; cuBLASLt replay failed: wgmma not timed";
@@ -645,7 +636,7 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
     }
     double us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, replay,
+        t, kIters,
         [&] {
           return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o).ok();
         },
@@ -666,12 +657,12 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   for (int round = 0; round < 2 && best_us > 0; ++round) {
     double us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, replay, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
+        t, kIters, [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; },
         &us));
     if (us > 0) lt_us = std::min(lt_us, us);
     us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, replay,
+        t, kIters,
         [&] {
           return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream,
                                      b.wgmma_options)

@@ -280,11 +280,6 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.row_split_max_m >= 0 && options.row_split_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm row_split_max_m = ", options.row_split_max_m, " must be in [0, ",
                kGemmWgmmaMaxM, "]");
-  M3_CHECK_ARG(options.tune_replay.iters >= 1 && options.tune_replay.iters <= 31 &&
-                   options.tune_replay.warmup >= 0,
-               "Fp8BlockGemm tune_replay.iters = ", options.tune_replay.iters,
-               " must be in [1, 31] and tune_replay.warmup = ", options.tune_replay.warmup,
-               " >= 0");
   M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");

@@ -129,11 +129,16 @@ constexpr int kGemmWgmmaAutoMaxM = 32;
 // 16-18 (isolated by 0.2-1.5 us, back to back by 0.5-1.5 us) and at o_proj M 1-32 by 2-3 us, but
 // the tuner's replays time it 0.8-1.5 us (up to 6 %) slower than the benchmark does while cuBLASLt
 // comes out within 0.5 us, so the 2 % rule kept cuBLASLt at fused M 4-16 in most objects
-// (session 17: rounds A-D). Session 18 round A (projection_bench --tuner-probe) ruled out the
-// replay procedure (flush size 2 x L2 or 256 MB, 1 or 3 warm-ups, 5 to 30 replays, host sync per
-// replay or not: the tuner's wgmma medians stayed 22.2-23.7 us against the benchmark's 21.4-21.8
-// for the same kernel and M) and the operand values (the benchmark timing the tuner's values:
-// 21.44 us, the same as its own).
+// (session 17: rounds A-D). Session 18 (projection_bench --tuner-probe): not the replay
+// procedure (round A: flush of 2 x L2 or 256 MB, 1 or 3 warm-ups, 5 to 30 replays, a host sync
+// per replay or not: the tuner's wgmma medians stayed 22.2-23.7 us against the benchmark's
+// 21.4-21.8 for the same kernel and M), not the operand values (the benchmark timing the tuner's
+// values: the same 21.44 us); where the weights and workspace are allocated moves both paths
+// (round B: three other copies 0.2-0.7 us slower than the first, medians of 30), so the tuner,
+// timing its own scratch copy, cannot resolve a few percent. With the rule, the default object
+// ran the wgmma kernel at fused M 1-16 in rounds B-E (e.g. round C: 21.86 / 19.99 us at M 1,
+// 22.08 / 20.22 at M 16 against cuBLASLt's 23.07 / 21.41 and 23.04 / 21.10) and kept cuBLASLt at
+// M 32 and 64.
 constexpr int kGemmWgmmaTieMaxM = 16;
 constexpr double kGemmWgmmaTieMargin = 0.05;
 
@@ -147,18 +152,6 @@ inline bool gemm_prefer_wgmma(double lt_us, double wgmma_us, int64_t m_hi, int64
   if (m_hi <= kGemmWgmmaTieMaxM) return lt_us >= (1.0 - kGemmWgmmaTieMargin) * wgmma_us;
   return wgmma_us < 0.98 * lt_us;
 }
-
-// How the autotuner times the CUDA-graph replays that choose between the kept cuBLASLt algorithm
-// and the wgmma kernel (tune_wgmma): each median is of `iters` replays of a freshly instantiated
-// graph after `warmup` untimed ones, L2 flushed before each (memset of `flush_bytes`, then a read
-// sweep of them; 0 = twice the L2), the host waiting for each timed replay before enqueuing the
-// next flush when `sync_each` (as bench_util's timing loop does) or enqueuing all at once.
-struct GemmTuneReplay {
-  size_t flush_bytes = 0;
-  int warmup = 1;
-  int iters = 5;  // 1 .. 31
-  bool sync_each = false;
-};
 
 struct Fp8BlockGemmOptions {
   size_t workspace_bytes = size_t{32} << 20;  // cuBLASLt's recommendation for Hopper
@@ -181,7 +174,6 @@ struct Fp8BlockGemmOptions {
   double autotune_budget_ms = 2000;  // wall-clock bound of the whole tuning of one object
   int64_t autotune_max_m = 16384;    // buckets above keep the heuristic's choice (scratch memory)
   int autotune_max_timed = 48;       // timed candidates per bucket at most
-  GemmTuneReplay tune_replay;        // the wgmma-vs-cuBLASLt replay timing (above)
   // Calls with M <= this run the row split (GemmWgmmaOptions::row_packed_weights) once
   // pack_weights_rows() gave the object an image of the weight they use (0: never; at most 64).
   // Session 18 round B (fused N 9856 x K 6144, us isolated / back to back): the row split 19.5 /

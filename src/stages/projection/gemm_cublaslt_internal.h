@@ -63,7 +63,7 @@ struct Bucket {
   GemmWgmmaOptions wgmma_options;  // with wgmma: the options it was timed fastest with
 };
 
-constexpr int kTuneMaxIters = 31;
+constexpr int kTuneMaxIters = 7;
 
 // Device memory and events of one tuning session (freed by the destructor).
 struct TuneScratch {
@@ -75,9 +75,7 @@ struct TuneScratch {
   uint16_t* d = nullptr;
   unsigned long long* hash = nullptr;
   void* flush = nullptr;
-  size_t flush_bytes = 0;          // allocated
-  size_t measure_flush_bytes = 0;  // flushed before each timed cuBLASLt launch (twice the L2)
-  size_t replay_flush_bytes = 0;   // flushed before each timed graph replay (0: all)
+  size_t flush_bytes = 0;
   cudaStream_t stream = nullptr;
   cudaEvent_t ev[2 * kTuneMaxIters] = {};
   int events = 0;

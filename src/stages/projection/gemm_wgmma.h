@@ -72,9 +72,6 @@ struct GemmWgmmaOptions {
   // Opt-in: the caller keeps the image (N K bytes, as much again as the weight) and must pack it on
   // a device with as many SMs.
   const void* row_packed_weights = nullptr;
-  // Row split variant (session 18, A/B): each stage's wgmmas are waited for and folded before the
-  // next stage is issued (the stage is released sooner; the tensor-core latency is not hidden).
-  bool row_split_serial = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

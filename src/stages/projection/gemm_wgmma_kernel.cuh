@@ -126,6 +126,16 @@
 // last split tile and, when every other contributor has arrived, the CTA sums the tile without
 // publishing its own partial): 22.0-22.1 / 20.1 vs 21.8 / 19.9 at M 1, equal at M 16 / 64 (rounds
 // C, C2): removed.
+// Session 18: a row split over a packed linear image (gemm_wgmma_rows_kernel.cuh, opt-in
+// GemmWgmmaOptions::row_packed_weights, Fp8BlockGemm::pack_weights_rows): no split-K, each of
+// 2 x 132 CTAs owns 37-38 whole rows, the image stores every step of 4 K blocks of all CTAs'
+// rows in CTA order in wgmma's unswizzled K-major layout, so a ring stage is one 1D bulk copy and
+// the grid sweeps the image front to back; one consumer warpgroup per CTA keeps each K block's
+// wgmmas in their own fragment and commit group and folds stage i after issuing stage i + 1.
+// Fused M 1 19.3-19.6 / 17.2-17.5 us (isolated / back to back; this kernel 21.8-22.2 / 19.8-20.3
+// in the same rounds), M 16 19.4 / 17.2-17.5, M 32 19.6 / 17.5 (2 K blocks per stage); M 64
+// 26.4 / 23.8 (cuBLASLt 23.0 / 21.3). Its stream alone (bandwidth_bench --rows) 17.4-17.6 /
+// 15.5-15.6.
 // Grid: (1 or 2, automatic 2) x SMs CTAs, at least `min_units_per_cta` units each, at most
 // `max_waves` waves of resident CTAs (default one; the stream-K fixup never waits for another
 // CTA, so later waves are safe); cluster split: N / 128 x C CTAs in clusters of C.

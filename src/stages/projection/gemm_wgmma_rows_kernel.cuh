@@ -93,7 +93,6 @@ struct RowsArgs {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int serial;  // GemmWgmmaOptions::row_split_serial
 };
 
 // CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
@@ -290,9 +289,6 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     } else {
       wgmma_wait<0>();
     }
-    // The stage's bytes are read (its groups are complete): release it before the fold's math,
-    // which reads registers and the scales only. Each thread releases its own reads.
-    mbar_arrive(empty0 + 8 * (i % kStages));
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -307,19 +303,13 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
         }
       }
     }
+    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag[0]);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier();                            // everyone's
-  if (p.serial) {  // (variant: each stage's wgmmas waited for before the next stage is issued)
-    fold(0, frag[0], false);
-    for (int i = 1; i < steps; ++i) {
-      issue(i, frag[0]);
-      fold(i, frag[0], false);
-    }
-  }
-  for (int i = 0; i < steps && !p.serial; i += 2) {
+  for (int i = 0; i < steps; i += 2) {
     if (i + 1 >= steps) {
       fold(i, frag[0], false);
       break;

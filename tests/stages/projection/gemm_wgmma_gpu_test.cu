@@ -79,7 +79,6 @@ struct Case {
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
-  bool serial = false;      // GemmWgmmaOptions::row_split_serial
 };
 
 std::string describe(const Case& c) {
@@ -91,7 +90,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " serial " + std::to_string(c.serial);
+         " row split " + std::to_string(c.rows);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -107,7 +106,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_split_serial = c.serial;
   return o;
 }
 
@@ -271,12 +269,7 @@ INSTANTIATE_TEST_SUITE_P(
         Case{5, 640, 1152, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true},
         Case{16, 9856, 640, 0, 0, false, 0, 4, 2, true, 0, true, 1, false, 0, false, true},
         Case{24, 9856, 2048, 0, 0, true, 0, 4, 4, true, 0, false, 1, false, 0, false, true},
-        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true},
-        // Row split, serial variant (each stage folded before the next is issued).
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, true},
-        Case{33, 640, 2048, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, true},
-        Case{16, 9856, 1152, 0, 0, false, 0, 4, 2, true, 0, false, 1, false, 0, false, true,
-             true}));
+        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an

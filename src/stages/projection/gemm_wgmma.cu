@@ -165,6 +165,26 @@ int stream_k_grid(int64_t units, const GemmWgmmaOptions& o, int sms) {
       std::max<int64_t>(1, std::min<int64_t>(int64_t{o.max_waves} * ctas * sms, by_units)));
 }
 
+// The packing calls' rules: b a 2D E4M3 CUDA tensor, K-contiguous, 16-byte aligned rows a
+// multiple of 16 bytes apart; the packed buffer 16-byte aligned and at least `need` bytes.
+Status check_pack_weight(const TensorView& b, const char* who) {
+  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.device.type == DeviceType::kCUDA, who,
+               ": b must be a 2D E4M3 tensor on a CUDA device");
+  M3_CHECK_ARG(
+      b.stride[1] == 1 && b.stride[0] % 16 == 0 && reinterpret_cast<uintptr_t>(b.data) % 16 == 0,
+      who,
+      ": b must be K-contiguous, 16-byte aligned, rows a multiple of 16 bytes apart (row stride ",
+      b.stride[0], ")");
+  return Status::Ok();
+}
+Status check_pack_buffer(const void* packed, size_t packed_bytes, size_t need, const char* who) {
+  M3_CHECK_ARG(
+      packed != nullptr && packed_bytes >= need && reinterpret_cast<uintptr_t>(packed) % 16 == 0,
+      who, ": the packed buffer holds ", packed_bytes, " bytes, ", need,
+      " (16-byte aligned) are needed");
+  return Status::Ok();
+}
+
 // The row split's grid: two CTAs per SM, at most one per weight row.
 int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
@@ -246,22 +266,14 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
 
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, void* packed, size_t packed_bytes,
                                     cudaStream_t stream) {
-  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.device.type == DeviceType::kCUDA,
-               "gemm_wgmma_pack_weights_rows: b must be a 2D E4M3 tensor on a CUDA device");
+  M3_RETURN_IF_ERROR(check_pack_weight(b, "gemm_wgmma_pack_weights_rows"));
   const int64_t n = b.shape[0], k = b.shape[1];
   Result<size_t> need = gemm_wgmma_rows_packed_bytes(n, k);
   M3_RETURN_IF_ERROR(need.status());
   M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31),
                "gemm_wgmma_pack_weights_rows: N = ", n, " and K = ", k, " must be below 2^31");
-  M3_CHECK_ARG(packed != nullptr && packed_bytes >= need.value() &&
-                   reinterpret_cast<uintptr_t>(packed) % 16 == 0,
-               "gemm_wgmma_pack_weights_rows: the packed buffer holds ", packed_bytes, " bytes, ",
-               need.value(), " (16-byte aligned) are needed");
-  M3_CHECK_ARG(
-      b.stride[1] == 1 && b.stride[0] % 16 == 0 && reinterpret_cast<uintptr_t>(b.data) % 16 == 0,
-      "gemm_wgmma_pack_weights_rows: b must be K-contiguous, 16-byte aligned, rows a multiple "
-      "of 16 bytes apart (row stride ",
-      b.stride[0], ")");
+  M3_RETURN_IF_ERROR(
+      check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights_rows"));
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   gemm_wgmma_detail::pack_weights_rows_kernel<<<1024, 256, 0, stream>>>(
@@ -315,20 +327,12 @@ Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOpti
 
 Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_bytes,
                                const GemmWgmmaOptions& options, cudaStream_t stream) {
-  M3_CHECK_ARG(b.dtype == DType::kE4M3 && b.ndim == 2 && b.device.type == DeviceType::kCUDA,
-               "gemm_wgmma_pack_weights: b must be a 2D E4M3 tensor on a CUDA device");
+  M3_RETURN_IF_ERROR(check_pack_weight(b, "gemm_wgmma_pack_weights"));
   const int64_t n = b.shape[0], k = b.shape[1];
   Result<size_t> need = gemm_wgmma_packed_bytes(n, k, options);
   M3_RETURN_IF_ERROR(need.status());
-  M3_CHECK_ARG(packed != nullptr && packed_bytes >= need.value() &&
-                   reinterpret_cast<uintptr_t>(packed) % 16 == 0,
-               "gemm_wgmma_pack_weights: the packed buffer holds ", packed_bytes, " bytes, ",
-               need.value(), " (16-byte aligned) are needed");
-  M3_CHECK_ARG(
-      b.stride[1] == 1 && b.stride[0] % 16 == 0 && reinterpret_cast<uintptr_t>(b.data) % 16 == 0,
-      "gemm_wgmma_pack_weights: b must be K-contiguous, 16-byte aligned, rows a multiple "
-      "of 16 bytes apart (row stride ",
-      b.stride[0], ")");
+  M3_RETURN_IF_ERROR(
+      check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights"));
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
   const int64_t units = tiles_of(n) * (k / kBlockK);

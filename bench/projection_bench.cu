@@ -426,13 +426,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
   // 6-9: the row split over its packed linear image (session 18), K blocks per stage automatic,
-  // 1, 2, 4.
+  // 1, 2, 4; 10: the row split with two consumer warpgroups per CTA, one CTA per SM.
   const ShapeVariant variants[] = {
       {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
       {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
       {0, false, 16, 3, false, false},   {0, false, 16, 0, true, false},
       {0, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 1},
-      {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4}};
+      {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4},
+      {1, false, 16, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

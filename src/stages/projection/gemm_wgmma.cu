@@ -199,16 +199,18 @@ Status rows_shape_supported(int64_t n, int64_t k, int sms) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb>
+template <int kNw, int kKpb, int kWg>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
-  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb>() < 2) {
+  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg>;
+    constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
+    constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
-        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb>(gemm_wgmma_detail::kRowsMaxKblocks);
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(gemm_wgmma_detail::kRowsMaxKblocks);
     // The shared-memory opt-in once per device (each device has its own module); two CTAs must
     // fit on an SM (the grid is one wave of them).
     static std::atomic<int> ready[64] = {};  // (one table per instantiation)
@@ -216,31 +218,35 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
       M3_CUDA_RETURN_IF_ERROR(
           cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
       int resident = 0;
-      M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-          &resident, kernel, gemm_wgmma_detail::kRowsThreads, kMaxSmem));
-      if (resident < 2)
+      M3_CUDA_RETURN_IF_ERROR(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, kMaxSmem));
+      if (resident < kPerSm)
         return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row split): only ",
                            resident, " CTAs of the n = ", kNw, " kernel fit on an SM (", kMaxSmem,
-                           " B of dynamic shared memory); two are needed");
+                           " B of dynamic shared memory); ", kPerSm, " are needed");
       if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
     }
-    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb>(args.kblocks);
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid)),
-                                       dim3(gemm_wgmma_detail::kRowsThreads), smem, stream,
-                                       args.early_weights != 0, xmap, args));
+    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(args.kblocks);
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
+                                       dim3(kThreads), smem, stream, args.early_weights != 0, xmap,
+                                       args));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }
 }
 
-// K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n).
+// K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args,
-                         int grid, const DeviceInfo& info, cudaStream_t stream) {
-  if (kpb == 0) kpb = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if (kpb == 1) return launch_rows<kNw, 1>(xmap, args, grid, info, stream);
-  if (kpb == 2) return launch_rows<kNw, 2>(xmap, args, grid, info, stream);
-  return launch_rows<kNw, 4>(xmap, args, grid, info, stream);
+Status dispatch_rows_kpb(int kpb, bool two_wg, const CUtensorMap& xmap,
+                         const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
+                         cudaStream_t stream) {
+  constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
+  if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
+  if (kpb == 0) kpb = kDefault;
+  if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
+  if (kpb == 2) return launch_rows<kNw, 2, 1>(xmap, args, grid, info, stream);
+  return launch_rows<kNw, 4, 1>(xmap, args, grid, info, stream);
 }
 
 }  // namespace
@@ -455,10 +461,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, xmap, ra, rgrid, info, stream);
+    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
+    // set of activation boxes per SM).
+    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, xmap, ra, rgrid, info, stream);
   }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.

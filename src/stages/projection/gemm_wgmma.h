@@ -67,8 +67,10 @@ struct GemmWgmmaOptions {
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
   // grid reads the image front to back. b's scales and shape still come from the call; its data
   // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, 2 at M <= 32,
-  // else 1; 1, 2, 4; 4 is unsupported at M > 32). Not with cluster_split or packed_weights;
-  // min_units_per_cta, max_waves, owner_fixup, ctas_per_sm and weight_l2_promotion do not apply.
+  // else 1; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
+  // warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
+  // activation boxes per SM; the default K blocks per stage). Not with cluster_split or
+  // packed_weights; min_units_per_cta, max_waves, owner_fixup and weight_l2_promotion do not apply.
   // Opt-in: the caller keeps the image (N K bytes, as much again as the weight) and must pack it on
   // a device with as many SMs.
   const void* row_packed_weights = nullptr;

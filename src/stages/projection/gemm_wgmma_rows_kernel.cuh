@@ -42,13 +42,22 @@
 
 namespace m3attn::gemm_wgmma_detail {
 
-constexpr int kRowsMax = 40;                    // weight rows per CTA at most
+constexpr int kRowsMax = 40;                    // weight rows per (virtual) CTA at most
 constexpr int kRowBlockBytes = kRowsMax * 128;  // one K block of a CTA's rows, at most
-constexpr int kRowsConsumers = 128;             // one consumer warpgroup
-constexpr int kRowsThreads = kRowsConsumers + 32;
-constexpr int kImageStep = 4;            // K blocks per step of the packed image
-constexpr int kRowsMaxKblocks = 64;      // K <= 8192 (scales staged in shared memory)
-constexpr int kRowsSmemPerCta = 115712;  // two CTAs per SM (228 KB less 1 KB each)
+constexpr int kImageStep = 4;                   // K blocks per step of the packed image
+constexpr int kRowsMaxKblocks = 64;             // K <= 8192 (scales staged in shared memory)
+// kWg consumer warpgroups per CTA (GemmWgmmaOptions::ctas_per_sm = 1 gives 2: one CTA per SM,
+// each warpgroup the virtual CTA 2c + wg of the image's grid, one ring and one set of activation
+// boxes for both); the producer warp after them.
+template <int kWg>
+constexpr int rows_threads() {
+  return 128 * kWg + 32;
+}
+// Shared memory per CTA: two CTAs per SM (228 KB less 1 KB each) or one (227 KB less 1 KB).
+template <int kWg>
+constexpr int rows_smem_per_cta() {
+  return kWg == 1 ? 115712 : 231424;
+}
 
 // K blocks per ring stage by default (fragments in flight: 2 x kKpb x kNw / 2 registers per
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
@@ -59,26 +68,27 @@ constexpr int rows_default_kpb() {
   // 1 (2 spills and leaves three stages: 32 vs 23.8).)
   return kNw <= 16 ? 4 : kNw <= 32 ? 2 : 1;
 }
-template <int kNw, int kKpb>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
-  return kKpb * (kRowBlockBytes + kNw * 128);
+  return kKpb * (kWg * kRowBlockBytes + kNw * 128);
 }
-template <int kNw>
+template <int kNw, int kWg>
 constexpr int rows_scale_bytes(int kblocks) {
-  return (kNw + 2) * kblocks * 4;
+  return (kNw + 2 * kWg) * kblocks * 4;
 }
 // Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
 // shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
-template <int kNw, int kKpb>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_stages() {
-  constexpr int fit = (kRowsSmemPerCta - 1024 - 1024 - rows_scale_bytes<kNw>(kRowsMaxKblocks)) /
-                      rows_stage_bytes<kNw, kKpb>();
+  constexpr int fit =
+      (rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg>(kRowsMaxKblocks)) /
+      rows_stage_bytes<kNw, kKpb, kWg>();
   return fit < 12 ? fit : 12;
 }
-template <int kNw, int kKpb>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_smem_bytes(int kblocks) {
-  return 1024 + rows_stages<kNw, kKpb>() * rows_stage_bytes<kNw, kKpb>() +
-         rows_scale_bytes<kNw>(kblocks);
+  return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
+         rows_scale_bytes<kNw, kWg>(kblocks);
 }
 
 struct RowsArgs {
@@ -117,8 +127,9 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
+template <int kThreads>
 __device__ __forceinline__ void rows_consumer_barrier() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kRowsConsumers) : "memory");
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kThreads) : "memory");
 }
 
 // Shared-memory matrix descriptor, K-major without swizzle: 8-row core-matrix groups 128 bytes
@@ -129,11 +140,13 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
-template <int kNw, int kKpb>
-__global__ void __launch_bounds__(kRowsThreads, 2)
+template <int kNw, int kKpb, int kWg>
+__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr int kStages = rows_stages<kNw, kKpb>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb>();
+  constexpr int kConsumers = 128 * kWg;
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
+  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kNw / 2;
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
@@ -149,37 +162,37 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then s_sb[kb * 2 + h] (weight-scale block
-  // r_begin / 128 + h, clamped to the last block).
+  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
+  // scale block r_begin / 128 + h of its rows, clamped to the last block).
   float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
                                          static_cast<uint32_t>(kStages * kStageBytes));
-  float* s_sb = s_sa + p.kblocks * kNw;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
-  const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
-  const int r_begin = rows_begin(cta, grid, p.n);
-  const int rows = rows_begin(cta + 1, grid, p.n) - r_begin;
+  // Warpgroup wg of CTA c is the image's CTA c kWg + wg of kWg x gridDim.x (the producer warp:
+  // wg = kWg).
+  const int vgrid = static_cast<int>(gridDim.x) * kWg, vcta0 = static_cast<int>(blockIdx.x) * kWg;
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
 
-  if (tid == kRowsConsumers) {
+  if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);
-      mbar_init(smem_addr(&empty_bar[s]), kRowsConsumers);
+      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
-  if (tid >= kRowsConsumers) {
+  if (tid >= kConsumers) {
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
     // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
     if (lane == 0) {
       const uint64_t policy = evict_first_policy();
-      const uint32_t piece = static_cast<uint32_t>(rows * 128);
+      const int r_cta = rows_begin(vcta0, vgrid, p.n);
+      const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
       auto stage_kblocks = [&](int i) {
         const int left = kb_count - i * kKpb;
         return left < kKpb ? left : kKpb;
@@ -187,18 +200,25 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
       auto load_weights = [&](int i) {
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
-        const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes);
-        const uint32_t bytes = static_cast<uint32_t>(stage_kblocks(i)) * piece;
-        const uint8_t* src = p.image + rows_image_offset(i * kKpb, r_begin, rows, p.n, kb_count);
-        mbar_arrive_expect_tx(full, bytes + static_cast<uint32_t>(stage_kblocks(i) * kActBytes));
-        if (p.weight_evict_first) {
-          bulk_load_hint(dst, src, bytes, full, policy);
-        } else {
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-              "[%3];\n" ::"r"(dst),
-              "l"(src), "r"(bytes), "r"(full)
-              : "memory");
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
+        // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
+        for (int w = 0; w < kWg; ++w) {
+          const int rb = rows_begin(vcta0 + w, vgrid, p.n);
+          const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
+          const uint32_t dst =
+              base + static_cast<uint32_t>(s * kStageBytes + w * kKpb * kRowBlockBytes);
+          const uint32_t bytes = nk * static_cast<uint32_t>(rw * 128);
+          const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
+          if (p.weight_evict_first) {
+            bulk_load_hint(dst, src, bytes, full, policy);
+          } else {
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                "%2, [%3];\n" ::"r"(dst),
+                "l"(src), "r"(bytes), "r"(full)
+                : "memory");
+          }
         }
       };
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
@@ -210,7 +230,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
-        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kKpb * kRowBlockBytes);
+        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
@@ -225,13 +245,17 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
   // load and store at a time, the consumers spent 24 % of all stall samples on these loads at the
   // start while the ring filled up). The weight scales are constant; the activation scales come
   // after the preceding grid (they are its outputs).
+  const int wg = tid / 128;
+  const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
+  const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
+  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
-  for (int i = tid; i < kb_count * 2; i += kRowsConsumers) {
+  for (int i = tid % 128; i < kb_count * 2; i += 128) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  for (int i = tid; i < kb_count * kNw; i += kRowsConsumers) {
+  for (int i = tid; i < kb_count * kNw; i += kConsumers) {
     const int kb = i / kNw, m = i - kb * kNw;
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
@@ -240,7 +264,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     }
   }
 
-  const int warp = tid / 32;
+  const int warp = (tid / 32) % 4;
   const int row0 = 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
   const int m0 = 2 * (lane % 4);
   // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
@@ -262,6 +286,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
+    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
@@ -270,9 +295,8 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
     for (int q = 0; q < kKpb; ++q) {
       if (q < left) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
-        const uint32_t a_addr = stage + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t b_addr =
-            stage + static_cast<uint32_t>(kKpb * kRowBlockBytes + q * kActBytes);
+        const uint32_t a_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t b_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k)
           Wgmma<kNw>::mma(f[q], smem_desc_interleave(a_addr + 2 * k * lbo, lbo),
@@ -308,7 +332,7 @@ __global__ void __launch_bounds__(kRowsThreads, 2)
 
   issue(0, frag[0]);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
-  rows_consumer_barrier();                            // everyone's
+  rows_consumer_barrier<kConsumers>();                // everyone's
   for (int i = 0; i < steps; i += 2) {
     if (i + 1 >= steps) {
       fold(i, frag[0], false);

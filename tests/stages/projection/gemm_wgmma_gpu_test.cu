@@ -269,7 +269,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{5, 640, 1152, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true},
         Case{16, 9856, 640, 0, 0, false, 0, 4, 2, true, 0, true, 1, false, 0, false, true},
         Case{24, 9856, 2048, 0, 0, true, 0, 4, 4, true, 0, false, 1, false, 0, false, true},
-        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true}));
+        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true},
+        // Row split with two consumer warpgroups per CTA, one CTA per SM (ctas_per_sm 1): every n,
+        // K 8192, partial stages, PDL, one row per warpgroup.
+        Case{1, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{16, 9856, 1152, 0, 16, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
+        Case{33, 640, 2048, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{64, 6144, 8192, 0, 0, false, 1, 4, 0, false, 0, false, 1, false, 0, false, true},
+        Case{8, 128, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an

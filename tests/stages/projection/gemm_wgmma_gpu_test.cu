@@ -715,21 +715,24 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
   EXPECT_EQ(r.value()->describe().find("row split"), std::string::npos);
 }
 
-// Row split: small shapes for compute-sanitizer (memcheck / racecheck), every n, ring stages
-// reused (K 4096: 32 K blocks, 8-16 stages' worth through rings of 3-5), exact against the twin.
+// Row split: small shapes for compute-sanitizer (memcheck / racecheck), both CTA shapes, every n,
+// ring stages reused (K 4096: 32 K blocks, 8-32 stages' worth through rings of 3-11), exact
+// against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmall) {
   M3_REQUIRE_WGMMA();
-  for (int64_t m : {1, 9, 17, 64}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "M " << m);
-    Rng rng(seed);
-    const Case c{m, 640, 4096, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+  for (int ctas : {0, 1}) {  // two CTAs of one consumer warpgroup per SM, one CTA of two
+    for (int64_t m : {1, 9, 17, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
+      Rng rng(seed);
+      const Case c{m, 640, 4096, 0, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    }
   }
 }
 

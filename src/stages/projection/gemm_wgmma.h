@@ -69,10 +69,17 @@ struct GemmWgmmaOptions {
   // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, 2 at M <= 32,
   // else 1; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
   // warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
-  // activation boxes per SM; the default K blocks per stage). Not with cluster_split or
-  // packed_weights; min_units_per_cta, max_waves, owner_fixup and weight_l2_promotion do not apply.
-  // Opt-in: the caller keeps the image (N K bytes, as much again as the weight) and must pack it on
-  // a device with as many SMs.
+  // activation boxes per SM; the default K blocks per stage): session 18 round I, us isolated /
+  // back to back, o_proj (N 6144, K 8192) M 1 17.79 / 15.40 and M 16 18.91 / 16.62 against 17.89 /
+  // 16.13 and 21.31 / 17.33 with two CTAs, but the fused N 9856 x K 6144 M 1 / 16 / 32 19.62 /
+  // 17.55, 19.42 / 17.48, 22.53 / 20.29 against 19.26 / 17.24, 19.33 / 17.30, 19.62 / 17.73.
+  // Session 18 measurements of the row split (fused, rounds C-I): M 1 19.2-19.5 / 17.2-17.3 us, M
+  // 16 19.2- 19.4 / 17.2-17.3, M 32 19.5-19.7 / 17.5-17.7 against the stream-K kernel's 21.7-22.2
+  // / 19.8-20.3 and cuBLASLt's 22.7-23.1 / 21.1-21.4; M 64 26.4-27.3 / 23.8-24.9 against
+  // cuBLASLt's 23.0-23.2 / 21.4-21.5; o_proj M 1 17.9-18.1 / 16.1, M 16 21.1-21.3 / 17.1-17.3. Not
+  // with cluster_split or packed_weights; min_units_per_cta, max_waves, owner_fixup and
+  // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
+  // as the weight) and must pack it on a device with as many SMs.
   const void* row_packed_weights = nullptr;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

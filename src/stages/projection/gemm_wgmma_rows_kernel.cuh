@@ -6,7 +6,8 @@
 // Work decomposition: CTA c of G = min(2 x SMs, N) owns weight rows [c N / G, (c + 1) N / G)
 // (37-38 rows for N 9856 on 132 SMs; at most kRowsMax) over the whole K. Two CTAs per SM, each one
 // consumer warpgroup (an m64 wgmma A tile: rows past the CTA's count read other bytes of the same
-// stage and their outputs are never stored) and one producer warp.
+// stage and their outputs are never stored) and one producer warp (or one CTA per SM with two
+// consumer warpgroups: see kWg below).
 //
 // Weights: gemm_wgmma_pack_weights_rows stores them once as an image that the grid reads linearly:
 // K in steps of kImageStep K blocks; step s holds every CTA's rows in CTA order, CTA c's chunk as
@@ -32,6 +33,18 @@
 // non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
 // the CTA's count, m < M).
+//
+// Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
+// warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
+// one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
+// faster for o_proj (M 1 15.40 vs 16.13 us back to back, M 16 16.62 vs 17.33), slower for the
+// fused weights (M 1 17.55 vs 17.24, M 16 17.48 vs 17.30, M 32 20.29 vs 17.73): opt-in.
+//
+// Measured (session 18, rounds C-I, fused N 9856 x K 6144, us isolated / back to back): M 1
+// 19.2-19.5 / 17.2-17.3, M 16 19.2-19.4 / 17.2-17.3, M 32 19.5-19.7 / 17.5-17.7, M 64 26.4-27.3 /
+// 23.8-24.9; its stream without compute (bandwidth_bench --rows: the same copies, 4 K blocks per
+// stage, 8 activation rows) 17.4-17.6 / 15.5-15.6, with a stage held until the next one is full
+// (as the consumers do) 17.7 / 15.7; a plain read of the bytes 17.0-17.1 / 14.9-15.2.
 //
 // Bytes: weights N K once from HBM in image order; activations M_pad K per CTA from L2 (G x the
 // stream-K kernel's per-unit share: 264 x 48 KB = 13 MB at n = 8, 101 MB at n = 64); no workspace

@@ -469,14 +469,20 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       packed[ctas - 1].push_back(buf);
     }
   }
-  // The row split's image of every weight copy.
+  // The row split's image of every weight copy (none where the row split cannot serve the shape:
+  // its variants then print why).
   std::vector<void*> row_images;
-  for (int c = 0; c < copies; ++c) {
+  const Status rows_ok = gemm_wgmma_rows_supported(n, k);
+  Result<int> row_ctas_r = gemm_wgmma_rows_ctas(n);
+  must(row_ctas_r.status(), "gemm_wgmma_rows_ctas");
+  const int row_ctas = row_ctas_r.value();
+  for (int c = 0; c < copies && rows_ok.ok(); ++c) {
     Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
     must(rb.status(), "gemm_wgmma_rows_packed_bytes");
     void* buf = device_alloc<uint8_t>(rb.value());
     const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-    must(gemm_wgmma_pack_weights_rows(wv, buf, rb.value(), stream), "gemm_wgmma_pack_weights_rows");
+    must(gemm_wgmma_pack_weights_rows(wv, row_ctas, buf, rb.value(), stream),
+         "gemm_wgmma_pack_weights_rows");
     row_images.push_back(buf);
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
@@ -622,7 +628,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       auto with_copy = [&](int c) {
         GemmWgmmaOptions oc = o;
         if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
-        if (variants[v].rows) oc.row_packed_weights = row_images[static_cast<size_t>(c)];
+        if (variants[v].rows) {
+          oc.row_packed_weights = row_images[static_cast<size_t>(c)];
+          oc.row_packed_ctas = row_ctas;
+        }
         return oc;
       };
       const std::string name =
@@ -633,6 +642,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "");
+      if (variants[v].rows && row_images.empty()) {
+        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    rows_ok.to_string().c_str());
+        continue;
+      }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
           run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));

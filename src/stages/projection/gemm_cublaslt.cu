@@ -251,8 +251,12 @@ Status Fp8BlockGemm::pack_weights_rows(const TensorView& b, cudaStream_t stream)
     M3_CUDA_RETURN_IF_ERROR(cudaMemset(s.wgmma_workspace, 0, ws.value()));
     s.wgmma_workspace_bytes = ws.value();
   }
+  Result<int> ctas = gemm_wgmma_rows_ctas(s.n);
+  M3_RETURN_IF_ERROR(ctas.status());
   s.row_weight = nullptr;  // (unused until the image is written)
-  M3_RETURN_IF_ERROR(gemm_wgmma_pack_weights_rows(b, s.row_image, s.row_image_bytes, stream));
+  M3_RETURN_IF_ERROR(
+      gemm_wgmma_pack_weights_rows(b, ctas.value(), s.row_image, s.row_image_bytes, stream));
+  s.row_ctas = ctas.value();
   s.row_weight = b.data;
   s.row_weight_stride = b.stride[0];
   return Status::Ok();
@@ -416,6 +420,7 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
       m <= s.options.row_split_max_m && m <= kGemmWgmmaMaxM) {
     GemmWgmmaOptions o = s.options.wgmma;
     o.row_packed_weights = s.row_image;
+    o.row_packed_ctas = s.row_ctas;
     o.burst = 0;
     o.cluster_split = 0;
     o.packed_weights = nullptr;

@@ -161,6 +161,7 @@ struct Fp8BlockGemm::Impl {
   size_t wgmma_workspace_bytes = 0;
   void* row_image = nullptr;  // pack_weights_rows: the row split's image of row_weight
   size_t row_image_bytes = 0;
+  int row_ctas = 0;  // the CTA count row_image was packed for
   const void* row_weight = nullptr;
   int64_t row_weight_stride = 0;
   // Descriptors live inside the object (initialized in place): run() allocates nothing.

@@ -188,11 +188,10 @@ Status check_pack_buffer(const void* packed, size_t packed_bytes, size_t need, c
 // The row split's grid: two CTAs per SM, at most one per weight row.
 int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
-Status rows_shape_supported(int64_t n, int64_t k, int sms) {
-  const int64_t grid = rows_grid(n, sms);
+Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   if ((n + grid - 1) / grid > gemm_wgmma_detail::kRowsMax)
     return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", grid,
-                       " on this device, got N = ", n);
+                       " (its CTAs), got N = ", n);
   if (k / kBlockK > gemm_wgmma_detail::kRowsMaxKblocks)
     return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
                        ", got K = ", k);
@@ -260,7 +259,14 @@ Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
   if (info.major != 9)
     return unsupported("the row split needs an sm_90 device (wgmma, TMA); device ", info.device,
                        " has compute capability ", info.major, ".x");
-  return rows_shape_supported(n, k, info.sms);
+  return rows_shape_supported(n, k, rows_grid(n, info.sms));
+}
+
+Result<int> gemm_wgmma_rows_ctas(int64_t n) {
+  M3_CHECK_ARG(n > 0, "gemm_wgmma_rows_ctas: N = ", n, " must be positive");
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  return rows_grid(n, info.sms);
 }
 
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
@@ -270,21 +276,22 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
   return static_cast<size_t>(n * k);
 }
 
-Status gemm_wgmma_pack_weights_rows(const TensorView& b, void* packed, size_t packed_bytes,
-                                    cudaStream_t stream) {
+Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
+                                    size_t packed_bytes, cudaStream_t stream) {
   M3_RETURN_IF_ERROR(check_pack_weight(b, "gemm_wgmma_pack_weights_rows"));
   const int64_t n = b.shape[0], k = b.shape[1];
   Result<size_t> need = gemm_wgmma_rows_packed_bytes(n, k);
   M3_RETURN_IF_ERROR(need.status());
   M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31),
                "gemm_wgmma_pack_weights_rows: N = ", n, " and K = ", k, " must be below 2^31");
+  M3_CHECK_ARG(ctas >= 1 && ctas <= n, "gemm_wgmma_pack_weights_rows: ctas = ", ctas,
+               " must be in [1, N = ", n, "]");
+  M3_RETURN_IF_ERROR(rows_shape_supported(n, k, ctas));
   M3_RETURN_IF_ERROR(
       check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights_rows"));
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
   gemm_wgmma_detail::pack_weights_rows_kernel<<<1024, 256, 0, stream>>>(
       static_cast<const uint8_t*>(b.data), b.stride[0], static_cast<int>(n),
-      static_cast<int>(k / kBlockK), rows_grid(n, info.sms), static_cast<uint8_t*>(packed));
+      static_cast<int>(k / kBlockK), ctas, static_cast<uint8_t*>(packed));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -436,8 +443,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                  ") and packed_weights");
     M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
                  "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
-    const int rgrid = rows_grid(n, info.sms);
-    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, info.sms));
+    const int rgrid = options.row_packed_ctas;
+    M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
+                 " must be the image's CTA count, in [1, N = ", n, "]");
+    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, rgrid));
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

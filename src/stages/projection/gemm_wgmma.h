@@ -79,8 +79,13 @@ struct GemmWgmmaOptions {
   // cuBLASLt's 23.0-23.2 / 21.4-21.5; o_proj M 1 17.9-18.1 / 16.1, M 16 21.1-21.3 / 17.1-17.3. Not
   // with cluster_split or packed_weights; min_units_per_cta, max_waves, owner_fixup and
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
-  // as the weight) and must pack it on a device with as many SMs.
+  // as the weight).
   const void* row_packed_weights = nullptr;
+  // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
+  // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
+  // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
+  // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
+  int row_packed_ctas = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -151,12 +156,16 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
 // Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
 // OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
 Status gemm_wgmma_rows_supported(int64_t n, int64_t k);
+// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave.
+Result<int> gemm_wgmma_rows_ctas(int64_t n);
 // Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
-// Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for the
-// current device into `packed` (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`.
-Status gemm_wgmma_pack_weights_rows(const TensorView& b, void* packed, size_t packed_bytes,
-                                    cudaStream_t stream);
+// Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for `ctas`
+// CTAs (1 <= ctas <= N, at most 40 rows each; gemm_wgmma_rows_ctas for this device) into `packed`
+// (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
+// count as GemmWgmmaOptions::row_packed_ctas.
+Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
+                                    size_t packed_bytes, cudaStream_t stream);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

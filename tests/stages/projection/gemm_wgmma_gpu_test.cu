@@ -79,6 +79,7 @@ struct Case {
   int cluster = 0;          // GemmWgmmaOptions::cluster_split
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
+  int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
 };
 
 std::string describe(const Case& c) {
@@ -90,7 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -132,8 +133,11 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
   DeviceBuffer rows_image(c.rows && rows_bytes.ok() ? rows_bytes.value() : 16, 0);
   if (c.rows) {
     EXPECT_TRUE(rows_bytes.ok()) << rows_bytes.status().to_string();
-    const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, rows_image.data(),
-                                                   rows_image.bytes(), nullptr);
+    Result<int> ctas = gemm_wgmma_rows_ctas(c.n);
+    EXPECT_TRUE(ctas.ok()) << ctas.status().to_string();
+    o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
+    const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
+                                                   rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     dev.b.poison(0x7F);
@@ -276,7 +280,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{16, 9856, 1152, 0, 16, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
         Case{33, 640, 2048, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
         Case{64, 6144, 8192, 0, 0, false, 1, 4, 0, false, 0, false, 1, false, 0, false, true},
-        Case{8, 128, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true}));
+        Case{8, 128, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
+        // An image packed for another CTA count than this device's one wave (an odd count below
+        // it; 400 CTAs, more than two per SM on an H200: a second wave) stays exact; one and two
+        // warpgroups per CTA (an odd count keeps one).
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
+        Case{16, 9856, 1152, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 251},
+        Case{8, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400},
+        Case{40, 9856, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 400}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -635,10 +646,14 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
       Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
       ASSERT_TRUE(bytes.ok()) << bytes.status().to_string();
       DeviceBuffer image(bytes.value(), 0);
-      ASSERT_TRUE(
-          gemm_wgmma_pack_weights_rows(dev.params().b, image.data(), image.bytes(), nullptr).ok());
+      Result<int> ctas = gemm_wgmma_rows_ctas(n);
+      ASSERT_TRUE(ctas.ok()) << ctas.status().to_string();
+      ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
+                                               image.bytes(), nullptr)
+                      .ok());
       GemmWgmmaOptions o;
       o.row_packed_weights = image.data();
+      o.row_packed_ctas = ctas.value();
       o.programmatic_launch = pdl;
       cudaStream_t stream;
       M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -736,8 +751,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmall) {
   }
 }
 
-// Row split rejections: with cluster_split or packed_weights, a misaligned image, N beyond 40 rows
-// per CTA, K beyond 8192, bad pack calls; nothing written.
+// Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
+// missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
+// pack calls; nothing written.
 TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -746,29 +762,57 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   DeviceBuffer ws = make_workspace(256, 8);
   DeviceBuffer image(256 * 512, 0);
   const GemmParams p = dev.params();
+  Result<int> rc = gemm_wgmma_rows_ctas(256);
+  ASSERT_TRUE(rc.ok()) << rc.status().to_string();
+  const int ctas = rc.value();
   GemmWgmmaOptions bad;
   bad.row_packed_weights = image.data();
+  bad.row_packed_ctas = ctas;
   bad.cluster_split = 2;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};
   bad.row_packed_weights = image.data();
+  bad.row_packed_ctas = ctas;
   bad.packed_weights = image.data();
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad = {};
   bad.row_packed_weights = static_cast<uint8_t*>(image.data()) + 8;
+  bad.row_packed_ctas = ctas;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, image.data(), 64, nullptr).code(),
+  // The CTA count: required, at most N, at most 40 rows per CTA (6 CTAs: 43 rows).
+  for (int n_ctas : {0, -1, 257}) {
+    bad = {};
+    bad.row_packed_weights = image.data();
+    bad.row_packed_ctas = n_ctas;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument)
+        << n_ctas;
+    EXPECT_EQ(
+        gemm_wgmma_pack_weights_rows(p.b, n_ctas, image.data(), image.bytes(), nullptr).code(),
+        StatusCode::kInvalidArgument)
+        << n_ctas;
+  }
+  bad = {};
+  bad.row_packed_weights = image.data();
+  bad.row_packed_ctas = 6;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kUnsupported);
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 6, image.data(), image.bytes(), nullptr).code(),
+            StatusCode::kUnsupported);
+  EXPECT_EQ(gemm_wgmma_rows_ctas(0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr).code(),
             StatusCode::kInvalidArgument);  // too small
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, static_cast<uint8_t*>(image.data()) + 8,
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, static_cast<uint8_t*>(image.data()) + 8,
                                          image.bytes() - 8, nullptr)
                 .code(),
             StatusCode::kInvalidArgument);  // misaligned
   EXPECT_EQ(gemm_wgmma_rows_packed_bytes(200, 512).status().code(), StatusCode::kInvalidArgument);
   bad = {};
   bad.row_packed_weights = image.data();
+  bad.row_packed_ctas = ctas;
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
@@ -779,6 +823,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     DeviceBuffer ws64 = make_workspace(256, 64);
     GemmWgmmaOptions o;
     o.row_packed_weights = image.data();
+    o.row_packed_ctas = ctas;
     o.burst = 4;
     EXPECT_EQ(run_gemm_wgmma_cuda(dev64.params(), ws64.data(), ws64.bytes(), nullptr, o).code(),
               StatusCode::kUnsupported);
@@ -798,6 +843,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     DeviceBuffer ibig(static_cast<size_t>(n * 128), 0);
     GemmWgmmaOptions o;
     o.row_packed_weights = ibig.data();
+    o.row_packed_ctas = 2 * sms;
     EXPECT_EQ(run_gemm_wgmma_cuda(dbig.params(), wbig.data(), wbig.bytes(), nullptr, o).code(),
               StatusCode::kUnsupported);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
@@ -810,6 +856,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     DeviceBuffer iwide(static_cast<size_t>(256 * 8320), 0);
     GemmWgmmaOptions o;
     o.row_packed_weights = iwide.data();
+    o.row_packed_ctas = ctas;
     EXPECT_EQ(run_gemm_wgmma_cuda(dwide.params(), ws.data(), ws.bytes(), nullptr, o).code(),
               StatusCode::kUnsupported);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());

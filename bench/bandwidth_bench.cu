@@ -589,6 +589,42 @@ void run_tiles(void* src, size_t src_bytes, const void* act, int* sink, int sms,
 
 // The --lsu table: the register-fragment and cp.async streams beside the kernel's TMA stream and
 // the plain read, fused and o_proj weights, isolated and back to back.
+// The decode kernel's TMA stream over an N x K weight (two CTAs per SM, 8 activation rows: the M 1
+// kernel's), read by tile_read_kernel without compute: its grid and times (isolated; back to back
+// over `copies` weight copies `bytes` apart from `src`).
+struct TmaStream {
+  int grid;
+  bench::Timing ti, tb;
+};
+TmaStream time_decode_tma_stream(const uint8_t* src, size_t bytes, int64_t n, int64_t k,
+                                 const void* act, int copies, int sms, cudaStream_t stream) {
+  std::vector<CUtensorMap> wmaps;
+  for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(src + c * bytes, n, k, 128));
+  const CUtensorMap xmap8 = encode_2d(act, 64, k, 8);
+  TileArgs a;
+  a.kblocks = static_cast<int>(k / 128);
+  a.units = static_cast<int>(n / 128 * a.kblocks);
+  a.act_rows = 8;
+  a.min_units = 16;
+  a.round_robin = 0;
+  const int stage_bytes = kUnitBytes + 8 * 128;
+  a.stages = std::min(12, 110 * 1024 / stage_bytes);
+  a.burst = 2;
+  const int smem = a.stages * stage_bytes + 1024;
+  const int grid = std::min(2 * sms, (a.units + a.min_units - 1) / a.min_units);
+  bench::check_cuda(cudaFuncSetAttribute(&tile_read_kernel<false>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
+                    "smem opt-in");
+  const auto launch = [&](cudaStream_t st, int c) {
+    TileArgs ac = a;
+    ac.w = src + c * bytes;
+    tile_read_kernel<false><<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap8, ac);
+  };
+  const bench::Timing ti = bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
+  const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
+  return {grid, ti, tb};
+}
+
 void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, cudaStream_t stream,
              bool json) {
   struct Shape {
@@ -674,34 +710,11 @@ void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, c
                   std::to_string(rc.ctas_per_sm) + "/SM",
               grid, ti, tb);
     }
-    // The kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's stream).
+    // The decode kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's).
     {
-      std::vector<CUtensorMap> wmaps;
-      for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(w_copy(c), sh.n, sh.k, 128));
-      const CUtensorMap xmap8 = encode_2d(act, 64, sh.k, 8);
-      TileArgs a;
-      a.kblocks = kblocks;
-      a.units = units;
-      a.act_rows = 8;
-      a.min_units = 16;
-      a.round_robin = 0;
-      const int stage_bytes = kUnitBytes + 8 * 128;
-      a.stages = std::min(12, 110 * 1024 / stage_bytes);
-      a.burst = 2;
-      const int smem = a.stages * stage_bytes + 1024;
-      const int grid = std::min(2 * sms, (units + a.min_units - 1) / a.min_units);
-      bench::check_cuda(cudaFuncSetAttribute(&tile_read_kernel<false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "smem opt-in");
-      const auto launch = [&](cudaStream_t st, int c) {
-        TileArgs ac = a;
-        ac.w = w_copy(c);
-        tile_read_kernel<false><<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap8, ac);
-      };
-      const bench::Timing ti =
-          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
-      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
-      add_row("tma2d", "6 stages 2/SM act 8", grid, ti, tb);
+      const TmaStream t = time_decode_tma_stream(static_cast<const uint8_t*>(src), bytes, sh.n,
+                                                 sh.k, act, copies, sms, stream);
+      add_row("tma2d", "6 stages 2/SM act 8", t.grid, t.ti, t.tb);
     }
     // The plain read (grid 2 x SMs and its best of 2-16 CTAs per SM).
     const size_t n16 = bytes / sizeof(int4);
@@ -796,32 +809,9 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
     }
     // The decode kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's).
     {
-      std::vector<CUtensorMap> wmaps;
-      for (int c = 0; c < copies; ++c) wmaps.push_back(encode_2d(w_copy(c), sh.n, sh.k, 128));
-      const CUtensorMap xmap8 = encode_2d(act, 64, sh.k, 8);
-      TileArgs a;
-      a.kblocks = kblocks;
-      a.units = static_cast<int>(sh.n / 128 * kblocks);
-      a.act_rows = 8;
-      a.min_units = 16;
-      a.round_robin = 0;
-      const int stage_bytes = kUnitBytes + 8 * 128;
-      a.stages = std::min(12, 110 * 1024 / stage_bytes);
-      a.burst = 2;
-      const int smem = a.stages * stage_bytes + 1024;
-      const int grid = std::min(2 * sms, (a.units + a.min_units - 1) / a.min_units);
-      bench::check_cuda(cudaFuncSetAttribute(&tile_read_kernel<false>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, smem),
-                        "smem opt-in");
-      const auto launch = [&](cudaStream_t st, int c) {
-        TileArgs ac = a;
-        ac.w = w_copy(c);
-        tile_read_kernel<false><<<grid, 64, smem, st>>>(wmaps[static_cast<size_t>(c)], xmap8, ac);
-      };
-      const bench::Timing ti =
-          bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
-      const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
-      add_row("tma2d", "6 stages 2/SM act 8", grid, ti, tb);
+      const TmaStream t = time_decode_tma_stream(static_cast<const uint8_t*>(src), bytes, sh.n,
+                                                 sh.k, act, copies, sms, stream);
+      add_row("tma2d", "6 stages 2/SM act 8", t.grid, t.ti, t.tb);
     }
     const size_t n16 = bytes / sizeof(int4);
     const auto read = [&](cudaStream_t st, int c) {

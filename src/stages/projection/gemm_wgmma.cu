@@ -185,6 +185,18 @@ Status check_pack_buffer(const void* packed, size_t packed_bytes, size_t need, c
   return Status::Ok();
 }
 
+// The call's scales and output in the kernels' argument layout.
+void set_scales_out(gemm_wgmma_detail::ScalesOut* s, const GemmParams& p) {
+  s->sa = p.a_scales.ptr<const float>();
+  s->sa_s0 = p.a_scales.stride[0];
+  s->sa_s1 = p.a_scales.stride[1];
+  s->sb = p.b_scales.ptr<const float>();
+  s->sb_s0 = p.b_scales.stride[0];
+  s->sb_s1 = p.b_scales.stride[1];
+  s->out = p.out.ptr<uint16_t>();
+  s->ldo = p.out.stride[0];
+}
+
 // The row split's grid: two CTAs per SM, at most one per weight row.
 int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
@@ -453,14 +465,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                   "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
-    ra.sa = p.a_scales.ptr<const float>();
-    ra.sa_s0 = p.a_scales.stride[0];
-    ra.sa_s1 = p.a_scales.stride[1];
-    ra.sb = p.b_scales.ptr<const float>();
-    ra.sb_s0 = p.b_scales.stride[0];
-    ra.sb_s1 = p.b_scales.stride[1];
-    ra.out = p.out.ptr<uint16_t>();
-    ra.ldo = p.out.stride[0];
+    set_scales_out(&ra, p);
     ra.n = static_cast<int>(n);
     ra.m = static_cast<int>(m);
     ra.kblocks = static_cast<int>(kblocks);
@@ -492,14 +497,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
 
   WgmmaArgs args;
-  args.sa = p.a_scales.ptr<const float>();
-  args.sa_s0 = p.a_scales.stride[0];
-  args.sa_s1 = p.a_scales.stride[1];
-  args.sb = p.b_scales.ptr<const float>();
-  args.sb_s0 = p.b_scales.stride[0];
-  args.sb_s1 = p.b_scales.stride[1];
-  args.out = p.out.ptr<uint16_t>();
-  args.ldo = p.out.stride[0];
+  set_scales_out(&args, p);
   args.counters = static_cast<unsigned*>(workspace);
   args.partials = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + counters);
   args.m = static_cast<int>(m);

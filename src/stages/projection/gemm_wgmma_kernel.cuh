@@ -180,13 +180,17 @@ constexpr int smem_bytes() {
   return stages<kNw, kCtasPerSm>() * stage_bytes<kNw>() + kAlignSlack;
 }
 
-struct WgmmaArgs {
+// The scales and the output of a call, as every decode kernel here reads them.
+struct ScalesOut {
   const float* sa;  // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
   int64_t sa_s0, sa_s1;
   const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
   int64_t sb_s0, sb_s1;
   uint16_t* out;  // bf16 [m, N], row stride ldo
   int64_t ldo;
+};
+
+struct WgmmaArgs : ScalesOut {
   float* partials;         // 2 * grid slots of [m][128] fp32
   unsigned* counters;      // [tiles], zero before and after every launch
   int m;                   // 1 .. 64

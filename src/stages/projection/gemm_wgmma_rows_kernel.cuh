@@ -104,14 +104,8 @@ constexpr int rows_smem_bytes(int kblocks) {
          rows_scale_bytes<kNw, kWg>(kblocks);
 }
 
-struct RowsArgs {
+struct RowsArgs : ScalesOut {
   const uint8_t* image;  // gemm_wgmma_pack_weights_rows for this grid
-  const float* sa;       // f32 (m, kb) at sa[m * sa_s0 + kb * sa_s1]
-  int64_t sa_s0, sa_s1;
-  const float* sb;  // f32 (n / 128, kb) at sb[nb * sb_s0 + kb * sb_s1]
-  int64_t sb_s0, sb_s1;
-  uint16_t* out;  // bf16 [m, N], row stride ldo
-  int64_t ldo;
   int n, m, kblocks;
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait

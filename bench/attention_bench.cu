@@ -24,6 +24,8 @@
 //   automatic, 1 mma.sync, 4 wgmma, 5 wgmma verify: decode uses it; prefill then runs only that
 //   kernel instead of its list), --tokens-per-tile=N, --splits=N,
 //   --v-convert=N, --persistent-ctas=N, --verify-variant=N, --decode-kernel=N,
+//   --verify-variants=A,B,... (each verify variant on the same case, kernel 5; with --repeat=N
+//   the list N times: same-run alternating A/Bs), --repeat=N (also without a variant list),
 //   --pdl (programmatic
 //   launches; the back-to-back graph then overlaps each call's prologue with the previous call):
 //   override the launch plan (AttentionCudaConfig) for tuning; --out-q (every call also writes
@@ -727,6 +729,8 @@ int main(int argc, char** argv) {
   AttentionCudaConfig cfg;
   std::vector<int> prefill_kernels;  // --kernels=A,B,...: these prefill kernels on the same cases
   std::vector<int> read_delays;      // --read-delay=NS,...: extra read-ceiling rows
+  std::vector<int> verify_variants;  // --verify-variants=A,B,...: each on the same case
+  int repeat = 1;                    // --repeat=N: the variant list N times (alternating runs)
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--json") == 0) {
       json = true;
@@ -759,6 +763,14 @@ int main(int argc, char** argv) {
       cfg.splits = std::atoi(argv[i] + 9);
     } else if (std::strncmp(argv[i], "--v-convert=", 12) == 0) {
       cfg.v_convert = std::atoi(argv[i] + 12);
+    } else if (std::strncmp(argv[i], "--verify-variants=", 18) == 0) {
+      for (const char* k = argv[i] + 18; *k != '\0';) {
+        verify_variants.push_back(std::atoi(k));
+        while (*k != '\0' && *k != ',') ++k;
+        if (*k == ',') ++k;
+      }
+    } else if (std::strncmp(argv[i], "--repeat=", 9) == 0) {
+      repeat = std::max(1, std::atoi(argv[i] + 9));
     } else if (std::strncmp(argv[i], "--verify-variant=", 17) == 0) {
       cfg.verify_variant = std::atoi(argv[i] + 17);
     } else if (std::strncmp(argv[i], "--decode-kernel=", 16) == 0) {
@@ -783,7 +795,8 @@ int main(int argc, char** argv) {
                    "usage: attention_bench [--json] [--quick] [--prefill] [--splits-sweep] "
                    "[--kernel=N] "
                    "[--tokens-per-tile=N] [--splits=N] [--v-convert=N] "
-                   "[--verify-variant=N] [--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
+                   "[--verify-variant=N] [--verify-variants=A,B,...] [--repeat=N] "
+                   "[--decode-kernel=N] [--pdl] [--out-q] [--read-ceiling] "
                    "[--read-delay=NS,...] [--timeline] "
                    "[--no-prefill] "
                    "[--compare-kernels] "
@@ -842,8 +855,16 @@ int main(int argc, char** argv) {
         x.kernel = 4;
         v.emplace_back(" wgmma prefill", x);
       }
+    } else if (!verify_variants.empty()) {
+      for (int rep = 0; rep < repeat; ++rep)
+        for (int variant : verify_variants) {
+          AttentionCudaConfig x = cfg;
+          x.kernel = 5;
+          x.verify_variant = variant;
+          v.emplace_back(" v" + std::to_string(variant), x);
+        }
     } else {
-      v.emplace_back("", cfg);
+      for (int rep = 0; rep < repeat; ++rep) v.emplace_back("", cfg);
     }
     return v;
   };

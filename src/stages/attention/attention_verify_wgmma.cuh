@@ -414,8 +414,13 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // without loads 36.8 us (1.70 us per block), both 43.4 us (2.1 us per block): per block, neither
 // the bytes (1.87 us) nor the work (1.70) alone sets the pace, their chain does; the front costs
 // ~4 us more than the read's.
+// Session 19: kQuick (37 = 34 with kQuick): thread 0 requests the list's first entry right after
+// the tile is found, when candidate 0 (token 0, id slot 0: entry 0 whenever it counts) has a
+// page, instead of inside the union after the Q loads, a CTA barrier and warp 0's first-occurrence
+// vote; the barriers are initialised at entry. Otherwise (candidate 0 does not count) warp 0's
+// early copy runs as in 34.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1>
+          int kFirst = kStages - 1, bool kQuick = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -423,6 +428,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
+  static_assert(!kQuick || (kEarly && kFirst == 1), "kQuick is the first of one early copy");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -449,6 +455,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
+  if (kQuick) init_full_barriers(s_full);  // (visible after find_tile's barriers)
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
@@ -456,8 +463,23 @@ __global__ void __launch_bounds__(kThreads, 2)
     ak::timeline_mark(a, 5);
     return;
   }
-  ak::timeline_mark(a, 1);
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
+  // kQuick: thread 0 holds candidate 0 (in.cand_b, in.cand_pos of the confirmed tile); its copy
+  // is entry 0 of the list. quick: 1 in warp 0 when it was issued.
+  int quick = 0;
+  if constexpr (kQuick) {
+    if (tid == 0 && a.sparse && a.splits == 1) {
+      int b0 = in.cand_b;
+      const int64_t row = static_cast<int64_t>(r) * a.pt_stride;
+      const int page0 = ak::candidate_page(a, row, in.cand_pos, b0);
+      if (b0 >= 0) {
+        ak::tma_load_block(&kmap, &vmap, page0, g, base, ak::smem_u32(&s_full[0]));
+        quick = 1;
+      }
+    }
+    quick = __shfl_sync(0xffffffffu, quick, 0);
+  }
+  ak::timeline_mark(a, 1);
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
   ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
@@ -465,8 +487,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
   // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
-  if (tid == 0) s_tile[3] = 0;
-  if (kTma || kEarly) init_full_barriers(s_full);
+  if (tid == 0) s_tile[3] = quick;
+  if ((kTma || kEarly) && !kQuick) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
@@ -491,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
-        if (a.splits == 1)
+        if (a.splits == 1 && !quick)  // (quick: entry 0 is on its way; warp-uniform)
           ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
     };

@@ -406,11 +406,13 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
 
 // The page of candidate block b of a token at position pos, or -1, with b set to -1, when the
 // candidate does not count: no token (pos < 0), an id outside 0 <= b <= pos / 128, b >= max_pages,
-// or a page-table entry outside the pool.
-__device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row, int pos, int& b) {
+// or a page-table entry outside the pool. Entries b < n_row are read from s_row (a shared-memory
+// copy of the row's first n_row entries), the others from the page table.
+__device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row, int pos, int& b,
+                                              const int* s_row = nullptr, int n_row = 0) {
   int page = -1;
   if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
-    page = a.page_table[pt_row + b];
+    page = b < n_row ? s_row[b] : a.page_table[pt_row + b];
     if (page < 0 || page >= a.num_pages) b = -1;
   } else {
     b = -1;
@@ -428,7 +430,7 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
 // barrier (the caller's). `early(b, page)` runs in every thread as soon as its candidate's page is
 // known, before any barrier (b = -1 for a candidate that does not count and for threads without
 // one): the verify kernel issues its first copies there (entry k of the list is the k-th
-// candidate, in candidate order, whose id occurs first).
+// candidate, in candidate order, whose id occurs first). s_row, n_row: see candidate_page.
 struct NoEarly {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -437,7 +439,8 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
                                             int* s_list_page, int* s_list_mask, int* s_list_vlim,
-                                            Early early = {}) {
+                                            Early early = {}, const int* s_row = nullptr,
+                                            int n_row = 0) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
@@ -445,7 +448,7 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = -1, page = -1;
     if (tid < kCand) {
       b = cand_b;
-      page = candidate_page(a, pt_row, cand_pos, b);
+      page = candidate_page(a, pt_row, cand_pos, b, s_row, n_row);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }

@@ -418,9 +418,14 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // the tile is found, when candidate 0 (token 0, id slot 0: entry 0 whenever it counts) has a
 // page, instead of inside the union after the Q loads, a CTA barrier and warp 0's first-occurrence
 // vote; the barriers are initialised at entry. Otherwise (candidate 0 does not count) warp 0's
-// early copy runs as in 34.
+// early copy runs as in 34. kRow (38 = 37 with kRow): the guessed request's page-table row (the
+// tile's request when the batch's requests have 4 tokens each; its first kRowCache entries) is
+// copied into shared memory at entry, beside the ids, so that the pages of the first copy and of
+// the union are shared-memory reads instead of a dependent round trip to L2 (global reads when the
+// guess was wrong or past kRowCache).
+constexpr int kRowCache = 1024;
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQuick = false>
+          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -429,6 +434,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kQuick || (kEarly && kFirst == 1), "kQuick is the first of one early copy");
+  static_assert(!kRow || kQuick, "kRow extends kQuick");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -442,6 +448,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ int s_row[kRow ? kRowCache : 1];  // kRow: the guessed request's page-table row
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -456,14 +463,30 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
   if (kQuick) init_full_barriers(s_full);  // (visible after find_tile's barriers)
+  if constexpr (kRow) {  // batch metadata: safe before pdl_wait
+    if (a.sparse && tile < a.R) {
+      const int32_t* row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
+      for (int i = tid; i < min(a.max_pages, kRowCache); i += kThreads)
+        ak::cp_async_4(ak::smem_u32(&s_row[i]), row + i);
+    }
+    ak::cp_async_commit();
+  }
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
   if (!has_tile) {  // CTA-uniform
+    if (kRow) ak::cp_async_wait<0>();
     ak::timeline_mark(a, 5);
     return;
   }
   const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
+  // kRow: entries [0, n_row) of request r's page-table row are in s_row (0 when the guess missed).
+  int n_row = 0;
+  if constexpr (kRow) {
+    ak::cp_async_wait<0>();
+    __syncthreads();
+    n_row = a.sparse && r == tile ? min(a.max_pages, kRowCache) : 0;  // CTA-uniform
+  }
   // kQuick: thread 0 holds candidate 0 (in.cand_b, in.cand_pos of the confirmed tile); its copy
   // is entry 0 of the list. quick: 1 in warp 0 when it was issued.
   int quick = 0;
@@ -471,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (tid == 0 && a.sparse && a.splits == 1) {
       int b0 = in.cand_b;
       const int64_t row = static_cast<int64_t>(r) * a.pt_stride;
-      const int page0 = ak::candidate_page(a, row, in.cand_pos, b0);
+      const int page0 = ak::candidate_page(a, row, in.cand_pos, b0, s_row, n_row);
       if (b0 >= 0) {
         ak::tma_load_block(&kmap, &vmap, page0, g, base, ak::smem_u32(&s_full[0]));
         quick = 1;
@@ -519,7 +542,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     };
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim, early);
+                                              s_list_mask, s_list_vlim, early, s_row, n_row);
   } else {
     int maxpos = -1;
 #pragma unroll

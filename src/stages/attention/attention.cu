@@ -301,8 +301,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQuick,
-                                             kRow>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQuick, kRow>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));

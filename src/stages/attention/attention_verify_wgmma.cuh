@@ -463,7 +463,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
   if (kQuick) init_full_barriers(s_full);  // (visible after find_tile's barriers)
-  if constexpr (kRow) {  // batch metadata: safe before pdl_wait
+  // kRow: the row is batch metadata, safe before pdl_wait.
+  if constexpr (kRow) {
     if (a.sparse && tile < a.R) {
       const int32_t* row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
       for (int i = tid; i < min(a.max_pages, kRowCache); i += kThreads)

@@ -351,57 +351,6 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
-// kStaged (session 19, variants 39 / 40): write_rows for one split without out_q through shared
-// memory: warp w writes its token's 16 BF16 rows (4 KB) into the free stage at `rows` (16-byte
-// chunk c of row h at chunk c ^ (h & 7): conflict-free 4-byte stores), then stores them as 16-byte
-// words, 512 contiguous bytes per warp instruction, instead of 32 4-byte stores per lane (each
-// warp instruction 8 rows x 16 bytes). Round A (session 19, B64 x 4 @ 32K): write_rows took 1.3 us
-// p50 per CTA (attended -> exit), the plain read's exit 0.16. Needs 16-byte aligned rows
-// (out and out_stride).
-__device__ __forceinline__ void write_rows_staged(const AttnArgs& a, const Rows& st,
-                                                  const uint32_t* nan_dims, int t0, int nt, int g,
-                                                  uint8_t* stage) {
-  const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
-  const int grp = lane >> 2, tig = lane & 3;
-  uint32_t nd[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
-  const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
-  uint8_t* rows = stage + tok * (ak::kRows * ak::kDim * 2);  // this warp's 16 rows x 256 bytes
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    float lsum = st.l[e];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
-    const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
-    const int h = grp + 8 * e;
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      float v[2];
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int dim = 8 * j + 2 * tig + x;
-        const bool is_nan = any_nan && ((nd[dim >> 5] >> (dim & 31)) & 1u);
-        v[x] = is_nan ? __int_as_float(0x7fffffff) : st.o[4 * j + 2 * e + x] * inv;
-      }
-      const __nv_bfloat162 b2 = __floats2bfloat162_rn(v[0], v[1]);
-      *reinterpret_cast<uint32_t*>(rows + h * 256 + ((j ^ (h & 7)) << 4) + 4 * tig) =
-          *reinterpret_cast<const uint32_t*>(&b2);
-    }
-  }
-  __syncwarp();  // the warp's rows are staged
-  if (tok >= nt) return;
-  uint16_t* orow = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
-                   static_cast<int64_t>(g * a.group) * ak::kDim;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = i * 32 + lane, h = c >> 4, ch = c & 15;
-    if (h < a.group)
-      *reinterpret_cast<uint4*>(orow + h * ak::kDim + ch * 8) =
-          *reinterpret_cast<const uint4*>(rows + h * 256 + ((ch ^ (h & 7)) << 4));
-  }
-}
-
 __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -473,10 +422,14 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // tile's request when the batch's requests have 4 tokens each; its first kRowCache entries) is
 // copied into shared memory at entry, beside the ids, so that the pages of the first copy and of
 // the union are shared-memory reads instead of a dependent round trip to L2 (global reads when the
-// guess was wrong or past kRowCache).
+// guess was wrong or past kRowCache). kQEarly (41 = 38, 42 = 34 with kQEarly): the Q fragments
+// are loaded at entry for the guessed tile (as find_tile_and_load's inputs; plain launches), ahead
+// of the tile scan, instead of after it: round C's timelines put the union 2.8-3.1 us after the
+// inputs with or without its page-table round trip, and the 64 uncoalesced Q loads per warp sat
+// in front of it (behind the first copies' burst in 37 / 38).
 constexpr int kRowCache = 1024;
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false, bool kStaged = false>
+          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false, bool kQEarly = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -523,6 +476,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     ak::cp_async_commit();
   }
+  // kQEarly: this warp's Q fragments of the guessed tile [4 tile, 4 tile + 4) (plain launches:
+  // Q is complete), reloaded below when the guess was wrong.
+  uint32_t qe[4][4];
+  int q_t0 = -1, q_nt = 0;
+  if constexpr (kQEarly) {
+    const int64_t tg = int64_t{kQT} * tile;
+    if (!a.pdl && tg < a.T) {
+      q_t0 = static_cast<int>(tg);
+      q_nt = min(kQT, a.T - q_t0);
+      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+    }
+  }
   ak::TileInputs in;
   const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
@@ -557,7 +522,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 1);
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
-  ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  if (kQEarly && q_t0 == t0 && q_nt == nt) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int x = 0; x < 4; ++x) qa[kk][x] = qe[kk][x];
+  } else {
+    ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
+  }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
@@ -692,12 +664,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  // kStaged: one split, no out_q, 16-byte aligned rows (CTA-uniform); the stages are free.
-  if (kStaged && a.splits == 1 && a.out_q == nullptr &&
-      (reinterpret_cast<uintptr_t>(a.out) & 15u) == 0 && (a.out_stride & 7) == 0)
-    write_rows_staged(a, st, s_nan[tok], t0, nt, g, smem);
-  else
-    write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

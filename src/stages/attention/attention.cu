@@ -183,9 +183,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 37 &&
-      cfg.verify_variant != 38 && cfg.verify_variant != 41 && cfg.verify_variant != 42)
+      cfg.verify_variant != 38 && (cfg.verify_variant < 41 || cfg.verify_variant > 45))
     return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 21, 27, 34, 37, 38, 41 or 42 (9, 11, 12, 14 and 15 were "
+                       " is not 0, 8, 21, 27, 34, 37, 38 or 41-45 (9, 11, 12, 14 and 15 were "
                        "removed in session 15; 13, "
                        "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
                        "early copies; 28-33, 35 and 36 in session 18)");
@@ -291,8 +291,8 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQuick = false, bool kRow = false,
-          bool kQEarly = false>
+          int kFirst = av::kStages - 1, bool kQuick = false, bool kRow = false, int kQEarly = 0,
+          bool kTreeProbe = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -303,7 +303,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
   auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQuick,
-                                            kRow, kQEarly>;
+                                            kRow, kQEarly, kTreeProbe>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -363,11 +363,20 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 38:  // 37 with the guessed request's page-table row in shared memory
         return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
       case 41:  // 38 with Q loaded at entry (kQEarly)
-        return launch_verify<true, false, true, true, true, 1, true, true, true>(args, pl, n_kv,
-                                                                                 stream);
+        return launch_verify<true, false, true, true, true, 1, true, true, 1>(args, pl, n_kv,
+                                                                              stream);
       case 42:  // 34 with Q loaded at entry
-        return launch_verify<true, false, true, true, true, 1, false, false, true>(args, pl, n_kv,
-                                                                                   stream);
+        return launch_verify<true, false, true, true, true, 1, false, false, 1>(args, pl, n_kv,
+                                                                                stream);
+      case 43:  // 41 with Q loaded after the guessed ids
+        return launch_verify<true, false, true, true, true, 1, true, true, 2>(args, pl, n_kv,
+                                                                              stream);
+      case 44:  // 42 with Q loaded after the guessed ids
+        return launch_verify<true, false, true, true, true, 1, false, false, 2>(args, pl, n_kv,
+                                                                                stream);
+      case 45:  // 43 with the tree probe
+        return launch_verify<true, false, true, true, true, 1, true, true, 2, true>(args, pl, n_kv,
+                                                                                    stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -379,9 +379,15 @@ __device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t
 // caller) and before any global write: after the guessed positions in a plain launch (the wait is
 // a no-op there), and after the whole scan of query_start and the tile's positions (batch
 // metadata) in a programmatic one (a.pdl), where that part overlaps the previous kernel's tail.
-template <int QT, int Threads = kThreads>
+// `guessed(t_guess, nt_guess)` runs in a plain launch right after the guessed inputs' loads are
+// issued, before the scan (the verify kernel issues its Q loads there).
+struct NoGuessed {
+  __device__ __forceinline__ void operator()(int, int) const {}
+};
+template <int QT, int Threads = kThreads, typename Guessed = NoGuessed>
 __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g, int* s_warp,
-                                                   int* s_tile, TileInputs& in) {
+                                                   int* s_tile, TileInputs& in,
+                                                   Guessed guessed = {}) {
   if (a.pdl) {
     const bool found = find_tile<QT, Threads>(a, tile, s_warp, s_tile);  // CTA-uniform
     if (found)
@@ -395,6 +401,7 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
   const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;
   if (nt_guess > 0) {
     load_tile_inputs<QT, true>(a, g, t_guess, nt_guess, in);
+    guessed(t_guess, nt_guess);
   } else {
     pdl_wait();
   }

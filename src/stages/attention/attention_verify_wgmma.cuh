@@ -426,10 +426,14 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // are loaded at entry for the guessed tile (as find_tile_and_load's inputs; plain launches), ahead
 // of the tile scan, instead of after it: round C's timelines put the union 2.8-3.1 us after the
 // inputs with or without its page-table round trip, and the 64 uncoalesced Q loads per warp sat
-// in front of it (behind the first copies' burst in 37 / 38).
+// in front of it (behind the first copies' burst in 37 / 38). kQEarly == 2 (43 = 41, 44 = 42 with
+// it): the Q loads right after the guessed ids' and positions' (find_tile_and_load's `guessed`
+// hook), so the ids are not queued behind 16 Q loads per thread. kTreeProbe (45 = 43 with it): the
+// pass-0 NaN probe sums O in 8 independent partial sums.
 constexpr int kRowCache = 1024;
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false, bool kQEarly = false>
+          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false, int kQEarly = 0,
+          bool kTreeProbe = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -480,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // Q is complete), reloaded below when the guess was wrong.
   uint32_t qe[4][4];
   int q_t0 = -1, q_nt = 0;
-  if constexpr (kQEarly) {
+  if constexpr (kQEarly == 1) {
     const int64_t tg = int64_t{kQT} * tile;
     if (!a.pdl && tg < a.T) {
       q_t0 = static_cast<int>(tg);
@@ -488,8 +492,17 @@ __global__ void __launch_bounds__(kThreads, 2)
       ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
     }
   }
+  // kQEarly == 2: the same loads right after the guessed inputs' (ids first, then Q).
+  auto guessed = [&](int t_guess, int nt_guess) {
+    if constexpr (kQEarly == 2) {
+      q_t0 = t_guess;
+      q_nt = nt_guess;
+      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+    }
+  };
   ak::TileInputs in;
-  const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
+  const bool has_tile =
+      ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in, guessed);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
   if (!has_tile) {  // CTA-uniform
     if (kRow) ak::cp_async_wait<0>();
@@ -522,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 1);
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
-  if (kQEarly && q_t0 == t0 && q_nt == nt) {
+  if (kQEarly != 0 && q_t0 == t0 && q_nt == nt) {
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -657,8 +670,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
+    if constexpr (kTreeProbe) {       // 8 independent sums (a chain of 10 adds instead of 64)
+      float part[8];
 #pragma unroll
-    for (int k = 0; k < 64; ++k) probe += st.o[k];
+      for (int k = 0; k < 8; ++k) part[k] = st.o[k];
+#pragma unroll
+      for (int k = 8; k < 64; ++k) part[k & 7] += st.o[k];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) probe += part[k];
+    } else {
+#pragma unroll
+      for (int k = 0; k < 64; ++k) probe += st.o[k];
+    }
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }

@@ -76,7 +76,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // 21 (session 16's 17 with the first copies issued before the union is complete), 27 (21's
 // loop on cp.async loads), 34 (27 with one early copy; automatic for one-wave grids) and 37 (34
 // with that copy issued by thread 0 as soon as the tile is found) and 38 (37 with the request's
-// page-table row in shared memory), 41 / 42 (38 / 34 with Q loaded at entry for the guessed tile);
+// page-table row in shared memory), 41 / 42 (38 / 34 with Q loaded at entry for the guessed tile),
+// 43 / 44 (41 / 42 with Q loaded after the guessed ids), 45 (43 with the tree NaN probe);
 // kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
@@ -99,7 +100,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 34, 37, 38, 41, 42}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 34, 37, 38, 41, 42, 43, 44, 45}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

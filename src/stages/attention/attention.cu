@@ -99,7 +99,11 @@ constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // Session 18: 34 (27 with one early copy instead of two) replaces 27 there. Rounds D / F (three and
 // two alternating runs, B64 x 4 at 8K / 32K / 128K, isolated us): 42.2-43.1 and 41.8-42.5 vs
 // 42.9-44.8 and 43.3-44.7 for 27; see attention_verify_kernel for what lost (28-33, 35, 36).
-constexpr int kAutoVerifyOneWave = 34;
+// Session 19: 42 (34 with the Q fragments loaded at entry for the guessed tile) replaces 34 there.
+// Rounds E / G (three alternating runs, B64 x 4 at 8K / 32K / 128K, isolated us): 42.2-43.6 and
+// 42.3-42.9 vs 43.2-44.4 and 43.9-44.4 for 34; see attention_verify_kernel for what lost (37-41,
+// 43-45).
+constexpr int kAutoVerifyOneWave = 42;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -182,13 +186,12 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 37 &&
-      cfg.verify_variant != 38 && (cfg.verify_variant < 41 || cfg.verify_variant > 45))
-    return unsupported("run_attention_cuda: verify_variant ", cfg.verify_variant,
-                       " is not 0, 8, 21, 27, 34, 37, 38 or 41-45 (9, 11, 12, 14 and 15 were "
-                       "removed in session 15; 13, "
-                       "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
-                       "early copies; 28-33, 35 and 36 in session 18)");
+      cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 42)
+    return unsupported(
+        "run_attention_cuda: verify_variant ", cfg.verify_variant,
+        " is not 0, 8, 21, 27, 34 or 42 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
+        "early copies; 28-33, 35 and 36 in session 18; 37-41 and 43-45 in session 19)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -254,7 +257,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
     // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
-    // 34, the loop on cp.async loads with one early copy; more waves: 21 (kAutoVerifyVariant).
+    // 42, the loop on cp.async loads with one early copy and Q loaded at entry; more waves: 21
+    // (kAutoVerifyVariant).
     const int64_t per_request = (T + R - 1) / R;
     const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
     if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;
@@ -291,8 +295,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQuick = false, bool kRow = false, int kQEarly = 0,
-          bool kTreeProbe = false>
+          int kFirst = av::kStages - 1, bool kQEarly = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -302,8 +305,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQuick,
-                                            kRow, kQEarly, kTreeProbe>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -358,25 +360,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
       case 34:  // 27 with one early copy
         return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
-      case 37:  // 34 with the first copy by thread 0 right after the tile is found
+      case 42:  // 34 with Q loaded at entry for the guessed tile
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
-      case 38:  // 37 with the guessed request's page-table row in shared memory
-        return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
-      case 41:  // 38 with Q loaded at entry (kQEarly)
-        return launch_verify<true, false, true, true, true, 1, true, true, 1>(args, pl, n_kv,
-                                                                              stream);
-      case 42:  // 34 with Q loaded at entry
-        return launch_verify<true, false, true, true, true, 1, false, false, 1>(args, pl, n_kv,
-                                                                                stream);
-      case 43:  // 41 with Q loaded after the guessed ids
-        return launch_verify<true, false, true, true, true, 1, true, true, 2>(args, pl, n_kv,
-                                                                              stream);
-      case 44:  // 42 with Q loaded after the guessed ids
-        return launch_verify<true, false, true, true, true, 1, false, false, 2>(args, pl, n_kv,
-                                                                                stream);
-      case 45:  // 43 with the tree probe
-        return launch_verify<true, false, true, true, true, 1, true, true, 2, true>(args, pl, n_kv,
-                                                                                    stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

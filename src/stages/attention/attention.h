@@ -90,7 +90,7 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (34 when the
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (42 when the
                             // likely grid is one wave of 2 CTAs per SM without splits, else 21), 8
                             // cp.async loads of K and V (the NaN test in every block), 21 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
@@ -99,8 +99,9 @@ struct AttentionCudaConfig {
                             // shorter epilogue (session 16's 17) and the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
                             // sparse); 27: 21's loop on cp.async loads, the early copies by TMA;
-                            // 34 (session 18): 27 with only the first block requested early
-                            // (9, 11-20, 22-26, 28-33, 35, 36 were removed)
+                            // 34 (session 18): 27 with only the first block requested early;
+                            // 42 (session 19): 34 with Q loaded at entry for the guessed tile
+                            // (9, 11-20, 22-26, 28-33, 35-41, 43-45 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

@@ -379,15 +379,9 @@ __device__ __forceinline__ void load_tile_inputs(const AttnArgs& a, int g, int t
 // caller) and before any global write: after the guessed positions in a plain launch (the wait is
 // a no-op there), and after the whole scan of query_start and the tile's positions (batch
 // metadata) in a programmatic one (a.pdl), where that part overlaps the previous kernel's tail.
-// `guessed(t_guess, nt_guess)` runs in a plain launch right after the guessed inputs' loads are
-// issued, before the scan (the verify kernel issues its Q loads there).
-struct NoGuessed {
-  __device__ __forceinline__ void operator()(int, int) const {}
-};
-template <int QT, int Threads = kThreads, typename Guessed = NoGuessed>
+template <int QT, int Threads = kThreads>
 __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, int g, int* s_warp,
-                                                   int* s_tile, TileInputs& in,
-                                                   Guessed guessed = {}) {
+                                                   int* s_tile, TileInputs& in) {
   if (a.pdl) {
     const bool found = find_tile<QT, Threads>(a, tile, s_warp, s_tile);  // CTA-uniform
     if (found)
@@ -401,7 +395,6 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
   const int nt_guess = t_guess >= 0 ? min(QT, a.T - t_guess) : 0;
   if (nt_guess > 0) {
     load_tile_inputs<QT, true>(a, g, t_guess, nt_guess, in);
-    guessed(t_guess, nt_guess);
   } else {
     pdl_wait();
   }
@@ -413,13 +406,11 @@ __device__ __forceinline__ bool find_tile_and_load(const AttnArgs& a, int tile, 
 
 // The page of candidate block b of a token at position pos, or -1, with b set to -1, when the
 // candidate does not count: no token (pos < 0), an id outside 0 <= b <= pos / 128, b >= max_pages,
-// or a page-table entry outside the pool. Entries b < n_row are read from s_row (a shared-memory
-// copy of the row's first n_row entries), the others from the page table.
-__device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row, int pos, int& b,
-                                              const int* s_row = nullptr, int n_row = 0) {
+// or a page-table entry outside the pool.
+__device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row, int pos, int& b) {
   int page = -1;
   if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
-    page = b < n_row ? s_row[b] : a.page_table[pt_row + b];
+    page = a.page_table[pt_row + b];
     if (page < 0 || page >= a.num_pages) b = -1;
   } else {
     b = -1;
@@ -437,7 +428,7 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
 // barrier (the caller's). `early(b, page)` runs in every thread as soon as its candidate's page is
 // known, before any barrier (b = -1 for a candidate that does not count and for threads without
 // one): the verify kernel issues its first copies there (entry k of the list is the k-th
-// candidate, in candidate order, whose id occurs first). s_row, n_row: see candidate_page.
+// candidate, in candidate order, whose id occurs first).
 struct NoEarly {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -446,8 +437,7 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
                                             int* s_list_page, int* s_list_mask, int* s_list_vlim,
-                                            Early early = {}, const int* s_row = nullptr,
-                                            int n_row = 0) {
+                                            Early early = {}) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
@@ -455,7 +445,7 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = -1, page = -1;
     if (tid < kCand) {
       b = cand_b;
-      page = candidate_page(a, pt_row, cand_pos, b, s_row, n_row);
+      page = candidate_page(a, pt_row, cand_pos, b);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }

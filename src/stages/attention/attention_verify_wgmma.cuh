@@ -414,26 +414,27 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // without loads 36.8 us (1.70 us per block), both 43.4 us (2.1 us per block): per block, neither
 // the bytes (1.87 us) nor the work (1.70) alone sets the pace, their chain does; the front costs
 // ~4 us more than the read's.
-// Session 19: kQuick (37 = 34 with kQuick): thread 0 requests the list's first entry right after
-// the tile is found, when candidate 0 (token 0, id slot 0: entry 0 whenever it counts) has a
-// page, instead of inside the union after the Q loads, a CTA barrier and warp 0's first-occurrence
-// vote; the barriers are initialised at entry. Otherwise (candidate 0 does not count) warp 0's
-// early copy runs as in 34. kRow (38 = 37 with kRow): the guessed request's page-table row (the
-// tile's request when the batch's requests have 4 tokens each; its first kRowCache entries) is
-// copied into shared memory at entry, beside the ids, so that the pages of the first copy and of
-// the union are shared-memory reads instead of a dependent round trip to L2 (global reads when the
-// guess was wrong or past kRowCache). kQEarly (41 = 38, 42 = 34 with kQEarly): the Q fragments
-// are loaded at entry for the guessed tile (as find_tile_and_load's inputs; plain launches), ahead
-// of the tile scan, instead of after it: round C's timelines put the union 2.8-3.1 us after the
-// inputs with or without its page-table round trip, and the 64 uncoalesced Q loads per warp sat
-// in front of it (behind the first copies' burst in 37 / 38). kQEarly == 2 (43 = 41, 44 = 42 with
-// it): the Q loads right after the guessed ids' and positions' (find_tile_and_load's `guessed`
-// hook), so the ids are not queued behind 16 Q loads per thread. kTreeProbe (45 = 43 with it): the
-// pass-0 NaN probe sums O in 8 independent partial sums.
-constexpr int kRowCache = 1024;
+// Session 19: kQEarly (42, automatic for one-wave grids since session 19): 34 with this warp's Q
+// fragments loaded at entry for the guessed tile [4 tile, 4 tile + 4) (the guess of
+// find_tile_and_load's inputs; plain launches, where Q is complete), before the tile scan, and
+// loaded again after it only when the guess was wrong; 34 loaded them after the scan, where its
+// 16 uncoalesced 4-byte loads per thread queued ahead of the union's page-table reads and the
+// first copy. Same bytes, same order. Same-round A/Bs (sparse B64 x 4, isolated us, three
+// alternating runs at 8K / 32K / 128K): round E 42.2-43.6 vs 43.2-44.4 for 34, round G
+// 42.3-42.9 (mean 42.57) vs 43.9-44.4 (mean 44.14); timeline @ 32K (42 round G, 34 round E): list
+// at 3.58 vs 4.26 us, first block landed p50 4.67 vs 5.28, last exit 41.7 vs 43.7; per block
+// unchanged (2.18-2.23 us). Lost in session 19 (same-round A/Bs; built for rounds A-G and removed):
+// 37 (34 with the first copy issued by thread 0 right after the tile scan: its page-table read then
+// sat in front of the union, list built 1.4 us later; B64 x 4 43.7-44.6 vs 43.4-44.8, b2b +0.7 us),
+// 38 (37 with the request's page-table row copied into shared memory at entry: 43.8-44.3 vs
+// 43.6-44.4), 39 / 40 (34 / 38 with the epilogue staged in shared memory for 16-byte stores: the
+// epilogue took 2.2-2.4 us per CTA instead of 1.25; 44.0-45.1 / 43.6-44.3), 41 (38 + kQEarly:
+// mean 42.84 vs 42.57 for 42, round G), 43 / 44 (41 / 42 with the Q loads after the guessed ids:
+// 42.96 / 42.72), 45 (43 with the pass-0 NaN probe as 8 partial sums: 42.86). A refill issued
+// before S is complete (wgmma_wait<1> for the previous P V, then <0>) was not built: ptxas
+// serialises the wgmma pipeline with any wait_group 1 in this loop (C7514).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQuick = false, bool kRow = false, int kQEarly = 0,
-          bool kTreeProbe = false>
+          int kFirst = kStages - 1, bool kQEarly = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -441,8 +442,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
-  static_assert(!kQuick || (kEarly && kFirst == 1), "kQuick is the first of one early copy");
-  static_assert(!kRow || kQuick, "kRow extends kQuick");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -456,7 +455,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
-  __shared__ int s_row[kRow ? kRowCache : 1];  // kRow: the guessed request's page-table row
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -470,21 +468,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
-  if (kQuick) init_full_barriers(s_full);  // (visible after find_tile's barriers)
-  // kRow: the row is batch metadata, safe before pdl_wait.
-  if constexpr (kRow) {
-    if (a.sparse && tile < a.R) {
-      const int32_t* row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
-      for (int i = tid; i < min(a.max_pages, kRowCache); i += kThreads)
-        ak::cp_async_4(ak::smem_u32(&s_row[i]), row + i);
-    }
-    ak::cp_async_commit();
-  }
-  // kQEarly: this warp's Q fragments of the guessed tile [4 tile, 4 tile + 4) (plain launches:
-  // Q is complete), reloaded below when the guess was wrong.
+  // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
-  int q_t0 = -1, q_nt = 0;
-  if constexpr (kQEarly == 1) {
+  int q_t0 = -1, q_nt = 0;  // the guessed tile whose Q is in qe
+  if constexpr (kQEarly) {
     const int64_t tg = int64_t{kQT} * tile;
     if (!a.pdl && tg < a.T) {
       q_t0 = static_cast<int>(tg);
@@ -492,50 +479,18 @@ __global__ void __launch_bounds__(kThreads, 2)
       ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
     }
   }
-  // kQEarly == 2: the same loads right after the guessed inputs' (ids first, then Q).
-  auto guessed = [&](int t_guess, int nt_guess) {
-    if constexpr (kQEarly == 2) {
-      q_t0 = t_guess;
-      q_nt = nt_guess;
-      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
-    }
-  };
   ak::TileInputs in;
-  const bool has_tile =
-      ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in, guessed);
+  const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
   if (!has_tile) {  // CTA-uniform
-    if (kRow) ak::cp_async_wait<0>();
     ak::timeline_mark(a, 5);
     return;
   }
-  const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
-  // kRow: entries [0, n_row) of request r's page-table row are in s_row (0 when the guess missed).
-  int n_row = 0;
-  if constexpr (kRow) {
-    ak::cp_async_wait<0>();
-    __syncthreads();
-    n_row = a.sparse && r == tile ? min(a.max_pages, kRowCache) : 0;  // CTA-uniform
-  }
-  // kQuick: thread 0 holds candidate 0 (in.cand_b, in.cand_pos of the confirmed tile); its copy
-  // is entry 0 of the list. quick: 1 in warp 0 when it was issued.
-  int quick = 0;
-  if constexpr (kQuick) {
-    if (tid == 0 && a.sparse && a.splits == 1) {
-      int b0 = in.cand_b;
-      const int64_t row = static_cast<int64_t>(r) * a.pt_stride;
-      const int page0 = ak::candidate_page(a, row, in.cand_pos, b0, s_row, n_row);
-      if (b0 >= 0) {
-        ak::tma_load_block(&kmap, &vmap, page0, g, base, ak::smem_u32(&s_full[0]));
-        quick = 1;
-      }
-    }
-    quick = __shfl_sync(0xffffffffu, quick, 0);
-  }
   ak::timeline_mark(a, 1);
+  const int r = s_tile[0], t0 = s_tile[1], nt = s_tile[2];
   // Q: the A fragments of this warp's token (register-A QK wgmma: warp w = rows 16 w ..).
   uint32_t qa[4][4];
-  if (kQEarly != 0 && q_t0 == t0 && q_nt == nt) {
+  if (kQEarly && q_t0 == t0 && q_nt == nt) {  // CTA-uniform: the guess held
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -547,8 +502,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
   // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
-  if (tid == 0) s_tile[3] = quick;
-  if ((kTma || kEarly) && !kQuick) init_full_barriers(s_full);
+  if (tid == 0) s_tile[3] = 0;
+  if (kTma || kEarly) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
@@ -573,13 +528,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
-        if (a.splits == 1 && !quick)  // (quick: entry 0 is on its way; warp-uniform)
+        if (a.splits == 1)
           ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
     };
     n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
                                               s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim, early, s_row, n_row);
+                                              s_list_mask, s_list_vlim, early);
   } else {
     int maxpos = -1;
 #pragma unroll
@@ -670,18 +625,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
-    if constexpr (kTreeProbe) {       // 8 independent sums (a chain of 10 adds instead of 64)
-      float part[8];
 #pragma unroll
-      for (int k = 0; k < 8; ++k) part[k] = st.o[k];
-#pragma unroll
-      for (int k = 8; k < 64; ++k) part[k & 7] += st.o[k];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) probe += part[k];
-    } else {
-#pragma unroll
-      for (int k = 0; k < 64; ++k) probe += st.o[k];
-    }
+    for (int k = 0; k < 64; ++k) probe += st.o[k];
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }

@@ -186,10 +186,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 42)
+      cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 42 &&
+      cfg.verify_variant != 46)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 34 or 42 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 34, 42 or 46 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 37-41 and 43-45 in session 19)");
   if (pl.verify) {
@@ -362,6 +363,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
       case 42:  // 34 with Q loaded at entry for the guessed tile
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
+      case 46:  // 21 with Q loaded at entry for the guessed tile
+        return launch_verify<true, true, true, true, true, av::kStages - 1, true>(args, pl, n_kv,
+                                                                                  stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -75,7 +75,7 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
 // 21 (session 16's 17 with the first copies issued before the union is complete), 27 (21's
 // loop on cp.async loads), 34 (27 with one early copy) and 42 (34 with Q loaded at entry for the
-// guessed tile; automatic for one-wave grids); kMma also
+// guessed tile; automatic for one-wave grids), 46 (21 with Q loaded at entry); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -97,7 +97,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 34, 42}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 34, 42, 46}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

@@ -101,8 +101,9 @@ constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // 42.9-44.8 and 43.3-44.7 for 27; see attention_verify_kernel for what lost (28-33, 35, 36).
 // Session 19: 42 (34 with the Q fragments loaded at entry for the guessed tile) replaces 34 there.
 // Rounds E / G (three alternating runs, B64 x 4 at 8K / 32K / 128K, isolated us): 42.2-43.6 and
-// 42.3-42.9 vs 43.2-44.4 and 43.9-44.4 for 34; see attention_verify_kernel for what lost (37-41,
-// 43-45).
+// 42.3-42.9 vs 43.2-44.4 and 43.9-44.4 for 34 (then removed); see attention_verify_kernel for
+// what lost (37-41, 43-45). 46 (21 with the early Q, for B256 x 4) was built but never ran (no
+// device time left) and was removed.
 constexpr int kAutoVerifyOneWave = 42;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
@@ -186,13 +187,13 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 34 && cfg.verify_variant != 42 &&
-      cfg.verify_variant != 46)
+      cfg.verify_variant != 27 && cfg.verify_variant != 42)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 34, 42 or 46 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27 or 42 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
-        "early copies; 28-33, 35 and 36 in session 18; 37-41 and 43-45 in session 19)");
+        "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
+        "43-46 in session 19)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -359,13 +360,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
-      case 34:  // 27 with one early copy
-        return launch_verify<true, false, true, true, true, 1>(args, pl, n_kv, stream);
-      case 42:  // 34 with Q loaded at entry for the guessed tile
+      case 42:  // 27 with one early copy and Q loaded at entry for the guessed tile
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
-      case 46:  // 21 with Q loaded at entry for the guessed tile
-        return launch_verify<true, true, true, true, true, av::kStages - 1, true>(args, pl, n_kv,
-                                                                                  stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

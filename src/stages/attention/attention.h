@@ -99,9 +99,9 @@ struct AttentionCudaConfig {
                             // shorter epilogue (session 16's 17) and the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
                             // sparse); 27: 21's loop on cp.async loads, the early copies by TMA;
-                            // 34 (session 18): 27 with only the first block requested early;
-                            // 42 (session 19): 34 with Q loaded at entry for the guessed tile
-                            // (9, 11-20, 22-26, 28-33, 35-41, 43-45 were removed)
+                            // 42 (session 19): 27 with only the first block requested early
+                            // (session 18's 34) and Q loaded at entry for the guessed tile
+                            // (9, 11-20, 22-26, 28-41, 43-46 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

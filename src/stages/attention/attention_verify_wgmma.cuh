@@ -414,7 +414,8 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // without loads 36.8 us (1.70 us per block), both 43.4 us (2.1 us per block): per block, neither
 // the bytes (1.87 us) nor the work (1.70) alone sets the pace, their chain does; the front costs
 // ~4 us more than the read's.
-// Session 19: kQEarly (42, automatic for one-wave grids since session 19): 34 with this warp's Q
+// Session 19: kQEarly (42, automatic for one-wave grids since session 19; 34, removed after the
+// A/Bs below, is 42 without it): 34 with this warp's Q
 // fragments loaded at entry for the guessed tile [4 tile, 4 tile + 4) (the guess of
 // find_tile_and_load's inputs; plain launches, where Q is complete), before the tile scan, and
 // loaded again after it only when the guess was wrong; 34 loaded them after the scan, where its

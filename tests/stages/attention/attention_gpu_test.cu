@@ -74,8 +74,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
 // and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
 // 21 (session 16's 17 with the first copies issued before the union is complete), 27 (21's
-// loop on cp.async loads), 34 (27 with one early copy) and 42 (34 with Q loaded at entry for the
-// guessed tile; automatic for one-wave grids), 46 (21 with Q loaded at entry); kMma also
+// loop on cp.async loads) and 42 (27 with one early copy and Q loaded at entry for the guessed
+// tile; automatic for one-wave grids); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -97,7 +97,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 34, 42, 46}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 42}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -854,6 +854,8 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 31 (three early copies, removed in session 18)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 36}, StatusCode::kUnsupported,
                   "verify_variant 36 (21 with one early copy, removed in session 18)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 34}, StatusCode::kUnsupported,
+                  "verify_variant 34 (42 without the early Q, removed in session 19)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 8}, StatusCode::kUnsupported,
                   "decode_kernel 8 (the page-table prefetch, removed in session 17)");
   expect_rejected(

@@ -59,9 +59,11 @@
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
-//   row of <= 63 candidates); --vlist NAME,... keeps base and the named ones; batch 64 / 256 x
-//   8K / 32K / 128K at draft 3, or --case), --no-short-select (IndexerCudaOptions::short_select
-//   false for every path and table).
+//   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3;
+//   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
+//   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
+//   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -126,9 +128,8 @@ __global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes
 // of the CTA is done (word 3): 4 words per CTA in `tl` (three timer reads per CTA, so the marks do
 // not serialise an SM's warps the way per-warp reads would).
 template <bool kMark>
-__global__ void read_paged(const uint8_t* __restrict__ pool,
-                                  const int32_t* __restrict__ table, int64_t entries, int* sink,
-                                  uint64_t* tl) {
+__global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
+                           int64_t entries, int* sink, uint64_t* tl) {
   const int lane = threadIdx.x & 31;
   if (kMark && threadIdx.x == 0) {
     uint64_t g;
@@ -451,6 +452,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
+  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -488,7 +490,7 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -532,6 +534,10 @@ int main(int argc, char** argv) {
     else if (a == "--read-timeline" && i + 1 < argc &&
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       read_timeline = true;
+    else if (a == "--repeat" && i + 1 < argc)
+      repeat = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--flat" && i + 1 < argc)
+      flat = std::atoi(argv[++i]);
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -555,7 +561,8 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--no-short-select] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -568,6 +575,7 @@ int main(int argc, char** argv) {
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
   }
+  default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -607,7 +615,8 @@ int main(int argc, char** argv) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-    const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
+    // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
+    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
@@ -993,53 +1002,57 @@ int main(int argc, char** argv) {
       IndexerCudaOptions o;
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
-    std::vector<Variant> all = {{"base", default_o},
-                                {"2k", default_o},
-                                {"late", default_o},
-                                {"sorted", default_o},
-                                {"q1", default_o}};
+    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},   {"late", default_o},
+                                {"sorted", default_o}, {"q1", default_o},   {"flat1", default_o},
+                                {"flat2", default_o},  {"flat3", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
     all[4].o.short_select = false;
+    all[5].o.flat_decode = 1;
+    all[6].o.flat_decode = 2;
+    all[7].o.flat_decode = 3;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
-    for (int ctx : contexts) {
-      for (int batch : batches) {
-        const int draft = only ? only_draft : 3;
-        if (only && (batch != only_batch || ctx != only_ctx)) continue;
-        if (!only && batch == 1) continue;
-        Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-        const std::vector<Slice> slices = decode_slices(batch, draft);
-        bool pass = true;
-        std::vector<Times> tms;
-        for (Variant& v : vs)
-          if (v.name == std::string("2k"))
-            v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
-        for (const Variant& v : vs) {
-          const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
-                                   " ctx " + std::to_string(ctx) + " draft " +
-                                   std::to_string(draft);
-          tms.push_back(check_and_time(c, pool, slices, v.o, stream, true, what, &pass));
+    for (int run = 0; run < repeat; ++run)
+      for (int ctx : contexts) {
+        for (int batch : batches) {
+          const int draft = only ? only_draft : 3;
+          if (only && (batch != only_batch || ctx != only_ctx)) continue;
+          if (!only && batch == 1) continue;
+          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+          const std::vector<Slice> slices = decode_slices(batch, draft);
+          bool pass = true;
+          std::vector<Times> tms;
+          for (Variant& v : vs)
+            if (v.name == std::string("2k"))
+              v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
+          for (const Variant& v : vs) {
+            const std::string what = std::string("variant ") + v.name + " b" +
+                                     std::to_string(batch) + " ctx " + std::to_string(ctx) +
+                                     " draft " + std::to_string(draft);
+            tms.push_back(check_and_time(c, pool, slices, v.o, stream, true, what, &pass));
+          }
+          all_pass = all_pass && pass;
+          bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
+          row.add("run", std::to_string(run + 1));
+          for (size_t i = 0; i < vs.size(); ++i) {
+            if (i > 0) row.add(std::string(vs[i].name) + "_plan", plan_str(c, vs[i].o));
+            row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
+            row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
+          }
+          rows.push_back(row);
+          free_case(c);
         }
-        all_pass = all_pass && pass;
-        bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
-        for (size_t i = 0; i < vs.size(); ++i) {
-          if (i > 0) row.add(std::string(vs[i].name) + "_plan", plan_str(c, vs[i].o));
-          row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
-          row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
-        }
-        rows.push_back(row);
-        free_case(c);
       }
-    }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select, q1 = !short_select)",
+        "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N; "
+        "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }

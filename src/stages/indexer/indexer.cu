@@ -112,6 +112,7 @@ struct Plan {
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
+  int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -226,6 +227,18 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
+  // Flat decode (IndexerCudaOptions::flat_decode): the two-kernel path over flat_decode x SMs
+  // CTAs of balanced block ranges, where every request gets at least one warp.
+  if (pl.mma && o.flat_decode > 0 && T > 0) {
+    const int64_t ctas = int64_t{o.flat_decode} * sms;
+    if (ctas * ik::kMmaWarps >= R) {
+      pl.fused = pl.single = false;
+      pl.flat_ctas = ctas;
+      pl.units = pl.overflow + ctas;
+      pl.k_splits = 1;
+      pl.dec_chunk = max_pages;
+    }
+  }
   return pl;
 }
 
@@ -281,6 +294,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
+  info.flat_ctas = static_cast<int>(pl.flat_ctas);
   return info;
 }
 
@@ -304,6 +318,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                        ik::kMaxKv, " index heads");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
+  M3_CHECK_ARG(options.flat_decode >= 0 && options.flat_decode <= kFusedCtasPerSm,
+               "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [0, ",
+               kFusedCtasPerSm, "]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -343,6 +360,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(pl.units <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", pl.units,
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
+  a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);

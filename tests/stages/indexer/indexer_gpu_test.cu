@@ -144,6 +144,44 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g, "automatic fused plan for verify");
 }
 
+// Flat decode (IndexerCudaOptions::flat_decode) where a request owns one or two warps: R just
+// below the flat grid's warp count (1 CTA per SM) and about half of it, contexts of 17-40 blocks,
+// draft 0 and 3; ids and block scores against the twin and ids against the two-kernel path.
+TEST(IndexerGpu, FlatDecodeWithFewWarpsPerRequest) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int warps = 4 * sms;
+  for (const int R : {warps - 3, warps / 2 + 1}) {
+    for (int draft : {0, 3}) {
+      std::vector<RequestSpec> reqs;
+      for (int i = 0; i < R; ++i)
+        reqs.push_back({static_cast<int>(rng.integer(2100, 5100 - 1 - draft)), 1 + draft});
+      const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      DeviceSet d;
+      upload(in, d);
+      IndexerCudaOptions fl;
+      fl.flat_decode = 1;
+      const IndexerCudaPlan pl = indexer_cuda_plan(d.params, fl);
+      EXPECT_EQ(pl.flat_ctas, sms);
+      EXPECT_FALSE(pl.fused);
+      EXPECT_FALSE(pl.single);
+      const std::string what =
+          "flat 1, " + std::to_string(R) + " requests x " + std::to_string(1 + draft);
+      const GpuResult f = run_gpu(d, fl);
+      compare(in, reference(in), f, /*exact_scores=*/true, what);
+      IndexerCudaOptions two;
+      two.unfused_decode = true;
+      expect_same_ids(in, f, run_gpu(d, two), what + " vs two-kernel");
+    }
+  }
+}
+
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.
 TEST(IndexerGpu, GenerationContext65537Large) {
   M3_REQUIRE_GPU();

@@ -70,6 +70,9 @@ struct KernelArgs {
   // after the overflow tiles (grid.y 1), each serving a contiguous block range of one request
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
+  // IndexerCudaOptions::seq_cluster: clusters of the sequence kernel (indexer_kernel_seq.cuh)
+  // after the overflow tiles; 0: off.
+  int seq_clusters = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage

@@ -428,6 +428,15 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
+    // The sequence kernel (clusters of 2 and 4 CTAs over consecutive requests, each request's
+    // rows selected while the next streams) where its plan applies (17-64 blocks).
+    for (int k : {2, 4}) {
+      IndexerCudaOptions so = v.o;
+      so.seq_cluster = k;
+      if (indexer_cuda_plan(d.params, so).seq_clusters == 0) continue;
+      const GpuResult q = run_gpu(d, so);
+      expect_same_ids(in, q, g, name + ", seq " + std::to_string(k) + " vs two-kernel]");
+    }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
     for (int ctas : {1, 2, 3, 8}) {

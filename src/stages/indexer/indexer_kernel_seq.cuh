@@ -41,12 +41,16 @@ constexpr int kSeqMaxRequests = 8;  // requests per cluster at most (the plan's 
 constexpr int kSeqTableFloats = kDecRows * kFusedMaxChunk;  // one request's block-max table
 // Dynamic shared memory: the warps' tile rings | block-max tables [kSeqMaxRequests] | query rows
 // (E4M3) [kSeqMaxRequests][kDecRows][128] | positions [kSeqMaxRequests][kDecRows] | per-warp
-// selection scratch rows [kMmaWarps][kCountRow].
+// selection rows [kMmaWarps][kCountRow] f32 | partial ranks [kMmaWarps rows][kMmaWarps quarters]
+// [kCountRow] i32 | the rows' local blocks [kMmaWarps].
 constexpr int kSeqTablesOff = kMmaSmemBytes;
 constexpr int kSeqQueryOff = kSeqTablesOff + kSeqMaxRequests * kSeqTableFloats * 4;
 constexpr int kSeqPosOff = kSeqQueryOff + kSeqMaxRequests * kDecRows * kRowBytes;
-constexpr int kSeqScratchOff = kSeqPosOff + kSeqMaxRequests * kDecRows * 4;
-constexpr int kSeqSmemBytes = kSeqScratchOff + kMmaWarps * kCountRow * 4;
+constexpr int kSeqRowsOff = kSeqPosOff + kSeqMaxRequests * kDecRows * 4;
+constexpr int kSeqPartOff = kSeqRowsOff + kMmaWarps * kCountRow * 4;
+constexpr int kSeqLocalOff = kSeqPartOff + kMmaWarps * kMmaWarps * kCountRow * 4;
+constexpr int kSeqSmemBytes = kSeqLocalOff + kMmaWarps * 4;
+static_assert(kShortRowWarps == kMmaWarps, "a row's quarters are the CTA's warps");
 static_assert(kSeqQueryOff % 16 == 0 && kSeqPosOff % 16 == 0, "16-byte copies");
 
 __device__ __forceinline__ void cp_async4(void* smem_dst, const void* gmem_src) {
@@ -73,23 +77,74 @@ __device__ __forceinline__ void seq_copy_meta(const KernelArgs& a, uint8_t* smem
   }
 }
 
-// One row's selection (one warp): the row's candidates are blocks [0, local) of table row
-// `trow` (this or another CTA's shared memory), copied into the warp's scratch row and ranked by
-// counting; trivial rows (no score needed, or no valid position) are written by trivial_row.
-__device__ __forceinline__ void seq_select_row(const KernelArgs& a, const float* trow,
-                                               float* scratch, int32_t* out, int pos) {
+// The selection of request s's rows [0, rows) (after the cluster barrier that completes its
+// table `table`, in CTA s % K's shared memory): CTA `rank` of the K takes rows rank, rank + K, ...
+// in batches of 4; warp w copies batch row w's candidates (blocks [0, local)) into the CTA's
+// shared rows (trivial rows are written by trivial_row), then each warp counts the beats against
+// a quarter of every batch row's candidates (count_quarter, as select_short_kernel), and warp w
+// sums row w's partial ranks and writes it (emit_ranked_row). So every warp of the cluster does
+// about the same share of every request's selection (4 rows at draft 0: one row per CTA of a
+// 4-CTA cluster, a quarter per warp). CTA-uniform: every thread passes the barriers.
+__device__ __forceinline__ void seq_select_rows(const KernelArgs& a, uint8_t* smem,
+                                                const float* table, const int* spos, int qa,
+                                                int rows, int K, int rank) {
   const int lane = threadIdx.x & 31;
-  const int local = trivial_row(a, out, pos, true);
-  if (local < 0) return;  // warp-uniform
-  const float s0 = lane < local ? trow[lane] : quiet_nan();
-  const float s1 = lane + 32 < local ? trow[lane + 32] : quiet_nan();
-  scratch[lane] = s0;
-  scratch[lane + 32] = s1;
-  __syncwarp();
-  int r0 = 0, r1 = 0;
-  rank_by_counting(scratch, local, s0, s1, r0, r1);
-  emit_ranked_row(out, s0, s1, r0, r1, local);
-  __syncwarp();  // the scratch row is reused by the warp's next row
+  const int warp = threadIdx.x >> 5;
+  float* srow = reinterpret_cast<float*>(smem + kSeqRowsOff);
+  int* part = reinterpret_cast<int*>(smem + kSeqPartOff);
+  int* slocal = reinterpret_cast<int*>(smem + kSeqLocalOff);
+  for (int i0 = rank; i0 < rows; i0 += kMmaWarps * K) {
+    const int i = i0 + warp * K;  // this warp's batch row
+    int32_t* out = a.block_ids + (int64_t{qa} * a.n_kv + i) * kTopK;
+    int local = -1;
+    float s0 = quiet_nan(), s1 = quiet_nan();
+    if (i < rows) {
+      local = trivial_row(a, out, spos[i / a.n_kv], true);
+      if (local >= 0) {
+        const float* trow = table + i * kFusedMaxChunk;
+        if (lane < local) s0 = trow[lane];
+        if (lane + 32 < local) s1 = trow[lane + 32];
+      }
+    }
+    srow[warp * kCountRow + lane] = s0;
+    srow[warp * kCountRow + lane + 32] = s1;
+    if (lane == 0) slocal[warp] = local;
+    __syncthreads();  // the batch's rows and local blocks are in shared memory
+#pragma unroll 1
+    for (int b = 0; b < kMmaWarps; ++b) {
+      if (slocal[b] < 0) continue;  // uniform
+      const float* row = srow + b * kCountRow;
+      const float c0 = row[lane], c1 = row[lane + 32];
+      int r0 = 0, r1 = 0;
+      switch (warp) {
+        case 0:
+          count_quarter<0>(row, c0, c1, r0, r1);
+          break;
+        case 1:
+          count_quarter<1>(row, c0, c1, r0, r1);
+          break;
+        case 2:
+          count_quarter<2>(row, c0, c1, r0, r1);
+          break;
+        default:
+          count_quarter<3>(row, c0, c1, r0, r1);
+          break;
+      }
+      part[(b * kMmaWarps + warp) * kCountRow + lane] = r0;
+      part[(b * kMmaWarps + warp) * kCountRow + lane + 32] = r1;
+    }
+    __syncthreads();  // every quarter's counts are in part
+    if (local >= 0) {
+      int r0 = 0, r1 = 0;
+#pragma unroll
+      for (int q = 0; q < kMmaWarps; ++q) {
+        r0 += part[(warp * kMmaWarps + q) * kCountRow + lane];
+        r1 += part[(warp * kMmaWarps + q) * kCountRow + lane + 32];
+      }
+      emit_ranked_row(out, s0, s1, r0, r1, local);
+    }
+    __syncthreads();  // srow, part and slocal are reused by the next batch
+  }
 }
 
 __device__ __forceinline__ void seq_path(const KernelArgs& a, uint8_t* smem) {
@@ -110,7 +165,6 @@ __device__ __forceinline__ void seq_path(const KernelArgs& a, uint8_t* smem) {
   float* tables = reinterpret_cast<float*>(smem + kSeqTablesOff);
   const int* spos = reinterpret_cast<const int*>(smem + kSeqPosOff);
   const uint8_t* sq = smem + kSeqQueryOff;
-  float* scratch = reinterpret_cast<float*>(smem + kSeqScratchOff) + warp * kCountRow;
 
   // The guessed bounds (an equal-length batch) of request ra + s.
   const auto gqa = [&](int s) { return static_cast<int>(int64_t{ra + s} * a.num_tokens / R); };
@@ -225,11 +279,7 @@ __device__ __forceinline__ void seq_path(const KernelArgs& a, uint8_t* smem) {
     cluster_arrive_release();
     cluster_wait_acquire();
     if (last) timeline_mark(a, 3);
-    for (int i = u; i < rows; i += U) {
-      const int pos = __shfl_sync(0xffffffffu, lane_pos, i / a.n_kv);
-      seq_select_row(a, table + i * kFusedMaxChunk, scratch,
-                     a.block_ids + (int64_t{qa} * a.n_kv + i) * kTopK, pos);
-    }
+    seq_select_rows(a, smem, table, spos + s * kDecRows, qa, rows, K, rank);
   }
   // No CTA leaves while another may still read its tables.
   cluster_arrive_release();

@@ -60,11 +60,11 @@
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
-//   seq2 / seq4 / seq8 = IndexerCudaOptions::seq_cluster 2 / 4 / 8;
+//   th = IndexerCudaOptions::threshold_select, flat1th = flat_decode 1 with threshold_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
-//   (IndexerCudaOptions::short_select false for every path and table), --flat N / --seq K (the
-//   default options with flat_decode N / seq_cluster K, e.g. for --timeline).
+//   (IndexerCudaOptions::short_select false for every path and table), --flat N / --th (the
+//   default options with flat_decode N / threshold_select, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -454,8 +454,6 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
-  if (pl.seq_clusters > 0)
-    return "q " + std::to_string(pl.seq_clusters) + "x" + std::to_string(pl.k_splits);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -493,8 +491,9 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0, seq = 0;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
+  bool th = false;                 // --th: the default options with threshold_select
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -541,8 +540,8 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--seq" && i + 1 < argc)
-      seq = std::atoi(argv[++i]);
+    else if (a == "--th")
+      th = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -566,7 +565,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--seq K] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--th] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -581,7 +580,7 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.seq_cluster = seq;
+  default_o.threshold_select = th;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -622,9 +621,7 @@ int main(int argc, char** argv) {
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
-    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas      ? pl.flat_ctas
-                                             : pl.seq_clusters ? pl.seq_clusters
-                                                               : c.R);
+    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
@@ -1012,8 +1009,8 @@ int main(int argc, char** argv) {
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat1", default_o},
-                                {"flat2", default_o},  {"flat3", default_o}, {"seq2", default_o},
-                                {"seq4", default_o},   {"seq8", default_o}};
+                                {"flat2", default_o},  {"flat3", default_o}, {"th", default_o},
+                                {"flat1th", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1021,9 +1018,9 @@ int main(int argc, char** argv) {
     all[5].o.flat_decode = 1;
     all[6].o.flat_decode = 2;
     all[7].o.flat_decode = 3;
-    all[8].o.seq_cluster = 2;
-    all[9].o.seq_cluster = 4;
-    all[10].o.seq_cluster = 8;
+    all[8].o.threshold_select = true;
+    all[9].o.threshold_select = true;
+    all[9].o.flat_decode = 1;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1064,7 +1061,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "seqK = seq_cluster K (plan q CLUSTERSxK); "
+        "th = threshold_select, flat1th = both; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

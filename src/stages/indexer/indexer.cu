@@ -15,7 +15,6 @@
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
-#include "stages/indexer/indexer_kernel_seq.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
 
 namespace m3attn {
@@ -113,8 +112,7 @@ struct Plan {
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
-  int64_t flat_ctas = 0;     // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
-  int64_t seq_clusters = 0;  // sequence kernel: clusters (grid.x = overflow + seq_clusters)
+  int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -241,22 +239,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.dec_chunk = max_pages;
     }
   }
-  // Sequence kernel (IndexerCudaOptions::seq_cluster): clusters of K CTAs, one per SM, each over
-  // m = ceil(R / (sms / K)) consecutive requests.
-  if (pl.mma && o.seq_cluster > 0 && !o.programmatic_launch && T > 0 && max_pages > kTopK &&
-      max_pages <= ik::kFusedMaxChunk) {
-    const int64_t K = o.seq_cluster;
-    const int64_t per = std::max<int64_t>(1, sms / K);
-    const int64_t m = ceil_div(R, per);
-    if (m <= ik::kSeqMaxRequests) {
-      pl.fused = pl.single = true;
-      pl.flat_ctas = 0;
-      pl.seq_clusters = ceil_div(R, m);
-      pl.units = pl.overflow + pl.seq_clusters;
-      pl.k_splits = K;
-      pl.dec_chunk = max_pages;
-    }
-  }
   return pl;
 }
 
@@ -313,7 +295,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
-  info.seq_clusters = static_cast<int>(pl.seq_clusters);
   return info;
 }
 
@@ -340,9 +321,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= 0 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [0, ",
                kFusedCtasPerSm, "]");
-  M3_CHECK_ARG(options.seq_cluster >= 0 && options.seq_cluster <= kMaxClusterCtas,
-               "run_indexer_cuda: seq_cluster ", options.seq_cluster, " is outside [0, ",
-               kMaxClusterCtas, "]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -383,7 +361,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
   a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
-  a.seq_clusters = static_cast<int>(pl.seq_clusters);
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
@@ -396,6 +373,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
+  a.thresh = options.threshold_select && max_pages <= ik::kCountRow ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
@@ -421,13 +399,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
       return Status::Ok();
     };
-    if (pl.single && (pl.k_splits > 1 || pl.seq_clusters > 0)) {
-      // Clustered single pass or sequence kernel: clusters of the k_splits (<= 8) CTAs of one
-      // grid.x index.
-      const bool seq = pl.seq_clusters > 0;
-      const auto ckernel = seq ? ik::score_seq_kernel : ik::score_fused_cluster_kernel;
+    if (pl.single && pl.k_splits > 1) {
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
+      const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, seq ? ik::kSeqSmemBytes : ik::kFusedSmemBytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);
@@ -474,6 +450,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // load the positions before the dependency wait, which is safe only when the preceding grid
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
+  if (a.thresh) {
+    // Rows of at most 63 candidates, one warp each, by a threshold (threshold_select).
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_thresh_kernel,
+                                       dim3(static_cast<unsigned>(select_blocks)),
+                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
+    M3_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
     // Rows of at most 63 candidates, kShortRowWarps warps per row.

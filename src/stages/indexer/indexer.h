@@ -169,13 +169,11 @@ struct IndexerCudaOptions {
   // scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill tokens) then
   // run one split each. Same ids.
   int flat_decode = 0;
-  // Sequence kernel (0: off; 1-8: CTAs per cluster, K): a single pass over contexts of 17-64
-  // blocks where one thread-block cluster of K CTAs (one per SM) serves m consecutive requests
-  // one after the other (m = ceil(R / (SMs / K)) <= 8; R / m clusters), every warp of the cluster
-  // streaming the same share of each request's blocks, and each request's rows are selected
-  // while the next request's first tiles are in flight (indexer_kernel_seq.cuh). Not with
-  // programmatic_launch (ignored then). Same ids.
-  int seq_cluster = 0;
+  // Rows of at most 64 candidates (max_pages <= 64) are selected by one warp each without ranking
+  // (emit_by_threshold: the 15th largest score found bit by bit with ballots, then ties to the
+  // smaller ids), in the single pass's final selection and in a selection kernel of one warp per
+  // row (select_thresh_kernel, instead of short_select's four). Same ids.
+  bool threshold_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
@@ -200,14 +198,12 @@ bool indexer_cuda_uses_fused_decode(const IndexerParams& p, const IndexerCudaOpt
 struct IndexerCudaPlan {
   bool tensor_cores = false;
   bool fused = false;
-  int k_splits = 0;      // grid.y of the scorer
-  int dec_chunk = 0;     // blocks per split of a decode unit (tensor cores)
-  bool single = false;   // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
-                         // one thread-block cluster of k_splits CTAs per unit
-  int seq_clusters = 0;  // sequence kernel (IndexerCudaOptions::seq_cluster): clusters of
-                         // k_splits CTAs after the overflow tiles; 0: off
-  int flat_ctas = 0;     // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
-                         // scorer (k_splits 1); 0: R units of k_splits splits
+  int k_splits = 0;     // grid.y of the scorer
+  int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
+  bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
+                        // one thread-block cluster of k_splits CTAs per unit
+  int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
+                        // scorer (k_splits 1); 0: R units of k_splits splits
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -70,9 +70,6 @@ struct KernelArgs {
   // after the overflow tiles (grid.y 1), each serving a contiguous block range of one request
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
-  // IndexerCudaOptions::seq_cluster: clusters of the sequence kernel (indexer_kernel_seq.cuh)
-  // after the overflow tiles; 0: off.
-  int seq_clusters = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
@@ -83,6 +80,9 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
+  // IndexerCudaOptions::threshold_select: rows of <= 64 candidates by emit_by_threshold (the
+  // selection kernel and the single pass's final selection).
+  int thresh = 0;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

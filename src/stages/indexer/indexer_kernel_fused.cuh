@@ -104,6 +104,14 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
         s[c][g] = i < nb ? row[i] : quiet_nan();
       }
     }
+    if (a.thresh) {  // IndexerCudaOptions::threshold_select: no ranks (uniform)
+#pragma unroll
+      for (int g = 0; g < kG; ++g)
+        if (live[g])
+          emit_by_threshold(a.block_ids + (int64_t{t0} * a.n_kv + j0 + g * kMmaWarps) * kTopK,
+                            s[0][g], s[1][g], local[g]);
+      continue;
+    }
     if constexpr (kG == 1) {
       // Counting only for rows of more than 16 candidates (warp-uniform; sblk may be null when no
       // row is live): its cost is fixed, while the rounds stop once the candidates run out

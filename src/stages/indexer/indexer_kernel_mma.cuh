@@ -400,18 +400,13 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
 // blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-// pre_issued: the caller already ran stream_prologue (same ring and pg_first), or an earlier
-// call chained into this one. qraw: the unit's query rows (load_query_raw); lane_pos: lane
-// l < rows / n_kv holds the position of token t0 + l. chain (the sequence kernel): the tiles the
-// last block issues ahead are tiles 0-6 of page pg_next (the warp's next segment's first block,
-// -1: zero-fill) instead of nothing, and they stay in flight at return (the next call passes
-// pre_issued); otherwise every copy has landed at return.
+// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
+// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued,
-                                            int64_t pg_next = -1, bool chain = false) {
+                                            float* sblk, int b0, bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -434,8 +429,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
   };
   int32_t pg_k = static_cast<int32_t>(pg_first);
-  const int32_t pg_after = chain ? static_cast<int32_t>(pg_next) : -1;  // block nblk's page
-  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : pg_after;
+  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
   int32_t raw_k2 = raw_page_at(2);
   if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
 
@@ -488,10 +482,10 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     }
     decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
     pg_k = pg_k1;
-    pg_k1 = k + 2 == nblk ? pg_after : guard(raw_k2);
+    pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
   }
-  if (!chain) cp_async_wait<0>();
+  cp_async_wait<0>();
 }
 
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y

@@ -182,56 +182,6 @@ TEST(IndexerGpu, FlatDecodeWithFewWarpsPerRequest) {
   }
 }
 
-// The sequence kernel (IndexerCudaOptions::seq_cluster) where clusters serve several requests
-// one after the other: 2 * (SMs / 4) + 3 requests (3 per cluster of 4 CTAs) and 8 * (SMs / 8) in
-// clusters of 8 (8 per cluster), contexts of 1-64 blocks (trivial rows, short and full tables),
-// draft 0 and 3, and equal-length requests where the early copies' guess is right; ids against
-// the twin and the two-kernel path.
-TEST(IndexerGpu, SequenceKernelOverConsecutiveRequests) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  int dev = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
-  struct Case {
-    int k, R;
-  };
-  for (const Case& c : {Case{4, 2 * (sms / 4) + 3}, Case{8, 8 * (sms / 8)}}) {
-    for (int draft : {0, 3}) {
-      for (bool equal : {false, true}) {
-        std::vector<RequestSpec> reqs;
-        for (int i = 0; i < c.R; ++i) {
-          const int len = equal ? 8192 : static_cast<int>(rng.integer(1 + draft, 8192));
-          reqs.push_back({len - 1 - draft, 1 + draft});
-        }
-        reqs[0] = {8192 - 1 - draft, 1 + draft};  // max_pages 64
-        const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
-        ASSERT_FALSE(::testing::Test::HasFailure());
-        DeviceSet d;
-        upload(in, d);
-        IndexerCudaOptions so;
-        so.seq_cluster = c.k;
-        const IndexerCudaPlan pl = indexer_cuda_plan(d.params, so);
-        const int m = (c.R + sms / c.k - 1) / (sms / c.k);
-        EXPECT_EQ(pl.seq_clusters, (c.R + m - 1) / m);
-        EXPECT_EQ(pl.k_splits, c.k);
-        EXPECT_TRUE(pl.single);
-        const std::string what = "seq " + std::to_string(c.k) + ", " + std::to_string(c.R) +
-                                 " requests x " + std::to_string(1 + draft) +
-                                 (equal ? " (equal)" : "");
-        const GpuResult q = run_gpu(d, so);
-        IndexerCudaOptions two;
-        two.unfused_decode = true;
-        const GpuResult g = run_gpu(d, two);
-        compare(in, reference(in), g, /*exact_scores=*/true, what + ", two-kernel");
-        expect_same_ids(in, q, g, what);
-      }
-    }
-  }
-}
-
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.
 TEST(IndexerGpu, GenerationContext65537Large) {
   M3_REQUIRE_GPU();

@@ -396,6 +396,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
+    o.threshold_select = true;  // rows of <= 63 candidates by emit_by_threshold
+    variants.push_back({"threshold select", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;
@@ -427,15 +430,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       const std::string fname = name + ", flat " + std::to_string(flat);
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
-    }
-    // The sequence kernel (clusters of 2 and 4 CTAs over consecutive requests, each request's
-    // rows selected while the next streams) where its plan applies (17-64 blocks).
-    for (int k : {2, 4}) {
-      IndexerCudaOptions so = v.o;
-      so.seq_cluster = k;
-      if (indexer_cuda_plan(d.params, so).seq_clusters == 0) continue;
-      const GpuResult q = run_gpu(d, so);
-      expect_same_ids(in, q, g, name + ", seq " + std::to_string(k) + " vs two-kernel]");
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
@@ -527,7 +521,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs.
+// clusters of 4 CTAs, 5 / 6 two-kernel / single pass with threshold_select.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -572,14 +566,20 @@ inline void check_guards(const std::vector<int>& paths) {
   for (int path : paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 2;
-    o.unfused_decode = path == 1;
-    o.single_pass = path == 3 || path == 4;
+    o.unfused_decode = path == 1 || path == 5;
+    o.single_pass = path == 3 || path == 4 || path == 6;
     o.single_pass_ctas = path == 4 ? 4 : 0;
-    o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
-                           "[single pass cluster 4] "};
+    o.fused_decode_always = path == 0 || path == 3 || path == 4 || path == 6;
+    o.threshold_select = path == 5 || path == 6;
+    const char* names[] = {"[fused] ",
+                           "[two-kernel] ",
+                           "[cuda cores] ",
+                           "[single pass] ",
+                           "[single pass cluster 4] ",
+                           "[two-kernel, threshold select] ",
+                           "[single pass, threshold select] "};
     const char* name = names[path];
-    if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
+    if (path == 3 || path == 6) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
       EXPECT_EQ(indexer_cuda_plan(d.params, o).k_splits, 4);

@@ -393,6 +393,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
+    o.guess_multi_token = true;  // the guess also at several tokens per request
+    variants.push_back({"guess multi-token", o});
+    o = IndexerCudaOptions{};
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};

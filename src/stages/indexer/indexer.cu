@@ -373,7 +373,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.guess = options.guess_request_bounds && (T <= R || options.guess_multi_token) ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
-  a.thresh = options.threshold_select && max_pages <= ik::kCountRow ? 1 : 0;
+  a.split_select = options.split_final_select ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
@@ -450,14 +450,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // load the positions before the dependency wait, which is safe only when the preceding grid
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
-  if (a.thresh) {
-    // Rows of at most 63 candidates, one warp each, by a threshold (threshold_select).
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_thresh_kernel,
-                                       dim3(static_cast<unsigned>(select_blocks)),
-                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
-    M3_CUDA_CHECK_LAUNCH();
-    return Status::Ok();
-  }
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
     // Rows of at most 63 candidates, kShortRowWarps warps per row.

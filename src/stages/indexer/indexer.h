@@ -174,11 +174,12 @@ struct IndexerCudaOptions {
   // scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill tokens) then
   // run one split each. Same ids.
   int flat_decode = 0;
-  // Rows of at most 64 candidates (max_pages <= 64) are selected by one warp each without ranking
-  // (emit_by_threshold: the 15th largest score found bit by bit with ballots, then ties to the
-  // smaller ids), in the single pass's final selection and in a selection kernel of one warp per
-  // row (select_thresh_kernel, instead of short_select's four). Same ids.
-  bool threshold_select = false;
+  // The single pass's final selection (and the clustered single pass's) counts each row's ranks
+  // with all 4 warps of the CTA, a quarter of the candidates each, in batches of 4 rows
+  // (select_rows_split, as select_short_kernel) instead of one warp per row: at draft 0 (4 rows
+  // per request) each warp runs a quarter of the counting code 4 times instead of all of it once
+  // (session 17: those warps were ~70 % stalled on instruction fetch). Same ids.
+  bool split_final_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel

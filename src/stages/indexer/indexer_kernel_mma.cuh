@@ -625,14 +625,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
+    if (blockIdx.y == 0) fused_local_select(a, sblk, smem, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
+      if constexpr (kSingle) fused_local_select(a, nullptr, smem, qa, rows, b0, b1, p);
       return;
     }
   } else {
@@ -644,7 +644,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
     if constexpr (kSingle) {
-      fused_local_select(a, sblk, qa, rows, b0, b1, p);
+      fused_local_select(a, sblk, smem, qa, rows, b0, b1, p);
     } else {
       // The table's rows go to the workspace scores in one coalesced burst (row j: blocks
       // [b0, b1) contiguous); select_kernel finishes the rows.

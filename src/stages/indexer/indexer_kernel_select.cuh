@@ -126,45 +126,6 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
   if (lane > count && lane < kTopK) out[lane] = -1;
 }
 
-// A row of at most 64 candidates written by one warp without ranking them
-// (IndexerCudaOptions::threshold_select): lane l holds the scores s0 / s1 of candidates l and
-// l + 32 (NaN: none or NaN, never chosen), all below the local block. h = the high word of
-// candidate_key (the score's bits made monotone, 0 for NaN); x = the largest value with at least
-// 15 candidates h >= x, found bit by bit from the top (32 steps of two ballots), i.e. the 15th
-// largest h (0 when fewer than 15 candidates exist: then every candidate is taken). Taken: every
-// h > x, and of the h == x ties the 15 - (h > x count) smallest ids (candidate_key's order: score,
-// then smaller id). Ids are written ascending by ballot prefix counts, then the local block, then
-// -1: the row emit_ranked_row writes from the ranks. ~10 instructions per step and no shared
-// memory, instead of rank_by_counting's ~600 per row (or four warps' quarters).
-__device__ __forceinline__ void emit_by_threshold(int32_t* out, float s0, float s1, int local) {
-  const int lane = threadIdx.x & 31;
-  const uint32_t h0 = static_cast<uint32_t>(candidate_key(s0, 0) >> 32);
-  const uint32_t h1 = static_cast<uint32_t>(candidate_key(s1, 0) >> 32);
-  uint32_t x = 0;
-#pragma unroll 4
-  for (int bit = 31; bit >= 0; --bit) {
-    const uint32_t c = x | (1u << bit);
-    const int n =
-        __popc(__ballot_sync(0xffffffffu, h0 >= c)) + __popc(__ballot_sync(0xffffffffu, h1 >= c));
-    if (n >= kTopK - 1) x = c;
-  }
-  const uint32_t below = (1u << lane) - 1u;
-  const int above =
-      __popc(__ballot_sync(0xffffffffu, h0 > x)) + __popc(__ballot_sync(0xffffffffu, h1 > x));
-  const int need = x == 0 ? 0 : kTopK - 1 - above;  // ties to take, smallest ids first
-  const uint32_t tie0 = __ballot_sync(0xffffffffu, x != 0 && h0 == x);
-  const uint32_t tie1 = __ballot_sync(0xffffffffu, x != 0 && h1 == x);
-  const bool t0 = h0 > x || ((tie0 >> lane) & 1u && __popc(tie0 & below) < need);
-  const bool t1 = h1 > x || ((tie1 >> lane) & 1u && __popc(tie0) + __popc(tie1 & below) < need);
-  const uint32_t take0 = __ballot_sync(0xffffffffu, t0);
-  const uint32_t take1 = __ballot_sync(0xffffffffu, t1);
-  if (t0) out[__popc(take0 & below)] = lane;
-  if (t1) out[__popc(take0) + __popc(take1 & below)] = lane + 32;
-  const int count = __popc(take0) + __popc(take1);  // <= 15
-  if (lane == count) out[lane] = local;             // local exceeds every candidate id
-  if (lane > count && lane < kTopK) out[lane] = -1;
-}
-
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
 // smallest entry. Distinct keys: entry i becomes top[i - 1] (shifted down), key, or stays.
 __device__ __forceinline__ void insert_key(uint64_t (&top)[kTopK - 1], uint64_t key) {
@@ -388,31 +349,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   select_timeline_mark(a, 1);
   if (!in_range) return;
   select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
-  select_timeline_mark(a, 2);
-}
-
-// Selection of short rows by a threshold (IndexerCudaOptions::threshold_select; max_pages <=
-// kCountRow): one warp per row, emit_by_threshold on the row's two scores per lane, no shared
-// memory or CTA barrier. As select_kernel: the position before the dependency wait, the scores
-// (L2: the scorer wrote them in this stream) and ids after it.
-__global__ void __launch_bounds__(kSelectThreads) select_thresh_kernel(const KernelArgs a) {
-  pdl_launch_dependents();
-  select_timeline_mark(a, 0);
-  const int lane = threadIdx.x & 31;
-  const int64_t row = int64_t{blockIdx.x} * kSelectWarps + (threadIdx.x >> 5);
-  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  pdl_wait();
-  select_timeline_mark(a, 1);
-  if (!in_range) return;
-  int32_t* out = a.block_ids + row * kTopK;
-  const int local = trivial_row(a, out, pos, true);
-  if (local >= 0) {
-    const float* scores = a.scores + row * a.max_pages;
-    const float s0 = lane < local ? __ldcg(scores + lane) : quiet_nan();
-    const float s1 = lane + 32 < local ? __ldcg(scores + lane + 32) : quiet_nan();
-    emit_by_threshold(out, s0, s1, local);
-  }
   select_timeline_mark(a, 2);
 }
 

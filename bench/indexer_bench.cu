@@ -60,13 +60,12 @@
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
-//   sq = IndexerCudaOptions::split_final_select, g = guess_multi_token, flat1g = flat_decode 1
-//   with guess_multi_token;
+//   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
+//   !short_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
-//   (IndexerCudaOptions::short_select false for every path and table), --flat N /
-//   --split-select / --guess-multi (the default options with flat_decode N / split_final_select
-//   / guess_multi_token, e.g. for --timeline).
+//   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -495,8 +494,6 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
-  bool split_select = false;       // --split-select: the default options with split_final_select
-  bool guess_multi = false;        // --guess-multi: the default options with guess_multi_token
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -543,10 +540,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--split-select")
-      split_select = true;
-    else if (a == "--guess-multi")
-      guess_multi = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -570,8 +563,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--split-select] "
-                   "[--guess-multi] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -586,8 +578,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.split_final_select = split_select;
-  default_o.guess_multi_token = guess_multi;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1015,20 +1005,19 @@ int main(int argc, char** argv) {
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
-                                {"sorted", default_o}, {"q1", default_o},    {"flat1", default_o},
-                                {"flat2", default_o},  {"flat3", default_o}, {"sq", default_o},
-                                {"g", default_o},      {"flat1g", default_o}};
+                                {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
+                                {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
+                                {"flat1q1", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
     all[4].o.short_select = false;
-    all[5].o.flat_decode = 1;
-    all[6].o.flat_decode = 2;
-    all[7].o.flat_decode = 3;
-    all[8].o.split_final_select = true;
-    all[9].o.guess_multi_token = true;
-    all[10].o.flat_decode = 1;
-    all[10].o.guess_multi_token = true;
+    all[5].o.flat_decode = -1;
+    all[6].o.flat_decode = 1;
+    all[7].o.flat_decode = 2;
+    all[8].o.flat_decode = 3;
+    all[9].o.flat_decode = 1;
+    all[9].o.short_select = false;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1069,7 +1058,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "sq = split_final_select, g = guess_multi_token, flat1g = flat1 and g; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

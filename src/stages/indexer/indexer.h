@@ -141,11 +141,6 @@ struct IndexerCudaOptions {
   // 256 x 8K draft 3 (4 tokens per request) 79.0 vs 76.65 us without, hence one token only.
   // false: never (the A/B switch, bench --no-guess).
   bool guess_request_bounds = true;
-  // The guess above also for batches of several tokens per request (with guess_request_bounds),
-  // so that their positions and query rows are loaded before the first tiles instead of after
-  // query_start (behind every CTA's first tiles: ready to score 4.6 us p50 after entry at 64 x 8K
-  // draft 3, session 19 round A, vs 1.7 at draft 0 with the guess). Same ids.
-  bool guess_multi_token = false;
   // Where no guess applies (several tokens per request), except in the single pass: load the
   // positions and query rows at the request's real bounds as soon as query_start arrives, before
   // the warp's first index-K copies, instead of after them (behind every CTA's first tiles: ready
@@ -166,20 +161,18 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Flat decode (0: off; 1-3: CTAs per SM): the two-kernel tensor-core path with the decode
-  // units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead of k_splits
-  // splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W decode warps,
-  // and each of its warps a contiguous range of its max_pages blocks, so every SM gets the same
-  // number of blocks within a few; then the selection kernel. Applies where the tensor-core
-  // scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill tokens) then
-  // run one split each. Same ids.
+  // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
+  // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
+  // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
+  // decode warps, and each of its warps a contiguous range of its max_pages blocks, so every SM
+  // gets the same number of blocks within a few; then the selection kernel. Applies where the
+  // tensor-core scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill
+  // tokens) then run one split each. Automatic (k_splits 0, !unfused_decode): one CTA per SM
+  // where the plan is the two-kernel path at <= 64 blocks and 24-block splits would give one to
+  // about three CTAs per SM (at 132 SMs and 8K: 44-66 requests of 2-8 tokens; indexer.cu,
+  // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
+  // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // The single pass's final selection (and the clustered single pass's) counts each row's ranks
-  // with all 4 warps of the CTA, a quarter of the candidates each, in batches of 4 rows
-  // (select_rows_split, as select_short_kernel) instead of one warp per row: at draft 0 (4 rows
-  // per request) each warp runs a quarter of the counting code 4 times instead of all of it once
-  // (session 17: those warps were ~70 % stalled on instruction fetch). Same ids.
-  bool split_final_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel

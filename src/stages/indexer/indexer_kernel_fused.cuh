@@ -128,87 +128,11 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
   }
 }
 
-// The final selection with each row's counting split over the CTA's 4 warps
-// (IndexerCudaOptions::split_final_select; b0 == 0, CTA-uniform: every thread of the CTA calls it
-// and passes its barriers). Rows in batches of 4: warp w takes batch row w (trivial rows are
-// written by trivial_row), NaN-fills its table row past the row's candidates [0, min(b1, local)),
-// then every warp counts the beats against its quarter of every batch row's candidates
-// (count_quarter, as select_short_kernel) into `scratch` (shared memory: the tile ring, idle once
-// every block is scored), and warp w sums row w's four partial ranks and writes it
-// (emit_ranked_row). At 4 rows (draft 0) each warp runs one quarter of the counting code four
-// times (three of them from a warm instruction cache) instead of the whole code once.
-__device__ __forceinline__ void select_rows_split(const KernelArgs& a, float* sblk,
-                                                  uint8_t* scratch, int t0, int rows, int b1,
-                                                  int lane_pos) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  int* part = reinterpret_cast<int*>(scratch);  // [batch row][quarter][kCountRow]
-  int* slocal = part + kMmaWarps * kMmaWarps * kCountRow;
-  static_assert(kShortRowWarps == kMmaWarps, "a row's quarters are the CTA's warps");
-  for (int i0 = 0; i0 < rows; i0 += kMmaWarps) {  // CTA-uniform
-    const int i = i0 + warp;                      // this warp's batch row
-    int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + i) * kTopK;
-    int local = -1;
-    float s0 = quiet_nan(), s1 = quiet_nan();
-    if (i < rows) {  // warp-uniform
-      local = trivial_row(a, out, __shfl_sync(0xffffffffu, lane_pos, i / a.n_kv), true);
-      if (local >= 0) {
-        float* row = sblk + i * kFusedMaxChunk;
-        const int nb = min(b1, local);
-        if (lane < nb) s0 = row[lane];
-        if (lane + 32 < nb) s1 = row[lane + 32];
-        row[lane] = s0;  // NaN past the candidates: never beats
-        row[lane + 32] = s1;
-      }
-    }
-    if (lane == 0) slocal[warp] = local;
-    __syncthreads();  // the batch's rows are NaN-filled, their local blocks in slocal
-#pragma unroll 1
-    for (int b = 0; b < kMmaWarps; ++b) {
-      if (slocal[b] < 0) continue;  // uniform
-      const float* row = sblk + (i0 + b) * kFusedMaxChunk;
-      const float c0 = row[lane], c1 = row[lane + 32];
-      int r0 = 0, r1 = 0;
-      switch (warp) {
-        case 0:
-          count_quarter<0>(row, c0, c1, r0, r1);
-          break;
-        case 1:
-          count_quarter<1>(row, c0, c1, r0, r1);
-          break;
-        case 2:
-          count_quarter<2>(row, c0, c1, r0, r1);
-          break;
-        default:
-          count_quarter<3>(row, c0, c1, r0, r1);
-          break;
-      }
-      part[(b * kMmaWarps + warp) * kCountRow + lane] = r0;
-      part[(b * kMmaWarps + warp) * kCountRow + lane + 32] = r1;
-    }
-    __syncthreads();  // every quarter's counts are in part
-    if (local >= 0) {
-      int r0 = 0, r1 = 0;
-#pragma unroll
-      for (int q = 0; q < kMmaWarps; ++q) {
-        r0 += part[(warp * kMmaWarps + q) * kCountRow + lane];
-        r1 += part[(warp * kMmaWarps + q) * kCountRow + lane + 32];
-      }
-      emit_ranked_row(out, s0, s1, r0, r1, local);
-    }
-    __syncthreads();  // part and slocal are reused by the next batch
-  }
-}
-
-// The final selection of every row of the unit (see select_rows): with split_select by
-// select_rows_split (CTA-uniform), else one row per warp at a time for <= 4 rows (draft 0 at n_kv
-// 4), else 4 rows of a warp together. scratch: the CTA's idle tile ring.
-__device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk,
-                                                   uint8_t* scratch, int t0, int rows, int b0,
-                                                   int b1, int lane_pos) {
-  if (a.split_select)
-    select_rows_split(a, sblk, scratch, t0, rows, b1, lane_pos);  // b0 == 0
-  else if (rows <= kMmaWarps)
+// The final selection of every row of the unit (see select_rows): one row per warp at a time for
+// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
+__device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
+                                                   int rows, int b0, int b1, int lane_pos) {
+  if (rows <= kMmaWarps)
     select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
     select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);

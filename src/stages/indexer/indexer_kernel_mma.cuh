@@ -521,8 +521,8 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // (W = flat_warps >= R: 1 or 2 counts apart), and of its max_pages blocks (host-known, as the
     // splits) the contiguous range [i max_pages / n, (i + 1) max_pages / n) of its n warps (i:
     // the warp's index among them). Every SM then gets the same number of blocks within a few
-    // (with 3 CTAs per SM: 30-34 at 64 x 8K, vs 24-36 for 6 splits of 12 blocks) and no warp
-    // serves two requests.
+    // (one CTA per SM, the automatic choice: 28-32 at 64 x 8K, 7-8 per warp, vs 24-36 for 6
+    // splits of 12 blocks) and no warp serves two requests.
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
     r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
@@ -625,14 +625,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select(a, sblk, smem, qa, rows, 0, nvis, p);
+    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }
   if constexpr (kFused) {
     if (b0 >= b1) {  // CTA-uniform: the fused path has a CTA barrier below
       // Single pass: every row is trivial (nothing to score); sblk is not read.
-      if constexpr (kSingle) fused_local_select(a, nullptr, smem, qa, rows, b0, b1, p);
+      if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
   } else {
@@ -644,7 +644,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     __syncthreads();  // every block max of [b0, b1) is in sblk
     timeline_mark(a, 3);
     if constexpr (kSingle) {
-      fused_local_select(a, sblk, smem, qa, rows, b0, b1, p);
+      fused_local_select(a, sblk, qa, rows, b0, b1, p);
     } else {
       // The table's rows go to the workspace scores in one coalesced burst (row j: blocks
       // [b0, b1) contiguous); select_kernel finishes the rows.

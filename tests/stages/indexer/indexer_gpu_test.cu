@@ -63,9 +63,10 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
 }
 
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
-// requests per SM: 64 on an H200) halves its 24-block splits to 12 where they still fit one wave
-// (session 18); ids against the twin.
-TEST(IndexerGpu, AutomaticTwelveBlockSplitsForVerifyBatchesAt8K) {
+// requests per SM: 64 on an H200) runs flat decode with one CTA per SM where 12-block splits
+// would still fit one wave (session 19; session 18 used those splits); ids and block scores
+// against the twin, ids against the split plan (flat_decode -1).
+TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -84,17 +85,22 @@ TEST(IndexerGpu, AutomaticTwelveBlockSplitsForVerifyBatchesAt8K) {
   upload(in, d);
   const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
   std::printf(
-      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d k_splits %d c %d\n",
-      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
+      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d flat %d k_splits %d "
+      "c %d\n",
+      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.flat_ctas, pl.k_splits, pl.dec_chunk);
   if (R * 3 >= sms && R * 6 <= 3 * sms) {
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
-    EXPECT_EQ(pl.dec_chunk, 12);
-    EXPECT_EQ(pl.k_splits, 6);
+    EXPECT_EQ(pl.flat_ctas, sms);
+    EXPECT_EQ(pl.k_splits, 1);
   }
   const GpuResult g = run_gpu(d, IndexerCudaOptions{});
-  compare(in, reference(in), g, false,
-          "automatic 12-block splits, " + std::to_string(R) + " requests x 4");
+  const std::string what = std::to_string(R) + " requests x 4";
+  compare(in, reference(in), g, false, "automatic flat decode, " + what);
+  IndexerCudaOptions split;
+  split.flat_decode = -1;
+  EXPECT_EQ(indexer_cuda_plan(d.params, split).flat_ctas, 0);
+  expect_same_ids(in, g, run_gpu(d, split), "automatic flat decode vs splits, " + what);
 }
 
 // The automatic fused plan of verify batches (4 tokens per request) whose 64-block splits would

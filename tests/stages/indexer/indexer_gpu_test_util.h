@@ -393,14 +393,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.guess_request_bounds = false;  // the early loads also at one token per request
     variants.push_back({"no guess", o});
     o = IndexerCudaOptions{};
-    o.guess_multi_token = true;  // the guess also at several tokens per request
-    variants.push_back({"guess multi-token", o});
-    o = IndexerCudaOptions{};
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
-    o = IndexerCudaOptions{};
-    o.split_final_select = true;  // the single pass's rows counted by the CTA's 4 warps
-    variants.push_back({"split final select", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
@@ -524,7 +518,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 / 6 single pass in clusters of 4 / single pass with split_final_select.
+// clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -570,20 +564,14 @@ inline void check_guards(const std::vector<int>& paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 2;
     o.unfused_decode = path == 1;
-    o.single_pass = path == 3 || path == 4 || path == 5 || path == 6;
-    o.single_pass_ctas = path == 4 || path == 5 ? 4 : 0;
-    o.fused_decode_always = path == 0 || path >= 3;
-    o.split_final_select = path == 5 || path == 6;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[cuda cores] ",
-                           "[single pass] ",
-                           "[single pass cluster 4] ",
-                           "[single pass cluster 4, split final select] ",
-                           "[single pass, split final select] "};
+    o.single_pass = path == 3 || path == 4;
+    o.single_pass_ctas = path == 4 ? 4 : 0;
+    o.fused_decode_always = path == 0 || path == 3 || path == 4;
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
-    if (path == 3 || path == 6) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
-    if (path == 4 || path == 5) {
+    if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
+    if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
       EXPECT_EQ(indexer_cuda_plan(d.params, o).k_splits, 4);
     }

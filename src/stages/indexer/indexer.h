@@ -173,6 +173,12 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
+  // Clustered single pass (single_pass_ctas > 1) with more rows than warps per CTA (several tokens
+  // per request): the final selection is shared by every CTA of the cluster (CTA y takes rows
+  // 4 y + w, 4 y + w + 4 K, ..., reading rank 0's block-max table through distributed shared
+  // memory), then one more cluster barrier; instead of rank 0's 4 warps taking every row. Same
+  // ids.
+  bool split_cluster_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel

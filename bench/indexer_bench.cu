@@ -61,13 +61,11 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, s2 = the single pass in 2-CTA clusters, s2sp / s4sp = in 2 / 4-CTA clusters
-//   with split_cluster_select;
+//   !short_select, q8 = IndexerCudaOptions::short_select_warps 8;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --split-cluster (the default and single-pass
-//   options with split_cluster_select).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -496,7 +494,6 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
-  bool split_cluster = false;      // --split-cluster: split_cluster_select (default, single pass)
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -543,8 +540,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--split-cluster")
-      split_cluster = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -568,7 +563,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--split-cluster] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -583,7 +578,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.split_cluster_select = single_o.split_cluster_select = split_cluster;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1013,8 +1007,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},    {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"s2", default_o},    {"s2sp", default_o},
-                                {"s4sp", default_o}};
+                                {"flat1q1", default_o}, {"q8", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1025,11 +1018,7 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
-    for (int i : {10, 11, 12}) {
-      all[i].o.single_pass = true;
-      all[i].o.single_pass_ctas = i == 12 ? 4 : 2;
-      all[i].o.split_cluster_select = i > 10;
-    }
+    all[10].o.short_select_warps = 8;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1070,8 +1059,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, s2 = single pass in 2-CTA "
-        "clusters, s2sp / s4sp = 2 / 4-CTA clusters with split_cluster_select; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, q8 = short_select_warps 8; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -161,6 +161,9 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // Warps per row of short_select: 4 or 8 (each counts the beats against 1 / 4 or 1 / 8 of the
+  // row's candidates; 8: one row per CTA). Same ids.
+  int short_select_warps = 4;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -173,12 +176,6 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Clustered single pass (single_pass_ctas > 1) with more rows than warps per CTA (several tokens
-  // per request): the final selection is shared by every CTA of the cluster (CTA y takes rows
-  // 4 y + w, 4 y + w + 4 K, ..., reading rank 0's block-max table through distributed shared
-  // memory), then one more cluster barrier; instead of rank 0's 4 warps taking every row. Same
-  // ids.
-  bool split_cluster_select = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel

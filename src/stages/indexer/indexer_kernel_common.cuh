@@ -77,10 +77,9 @@ struct KernelArgs {
   // blocks that lie entirely before their request's first new position (seq_lens[r] minus the
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
-  int guess = 1;         // guess_request_bounds and one token per request (decode units)
-  int early = 0;         // early_query_loads (decode units without the guess, not the single pass)
-  int fast_select = 0;   // select_kernel: long rows by select_by_threshold (fast_select)
-  int split_select = 0;  // IndexerCudaOptions::split_cluster_select
+  int guess = 1;        // guess_request_bounds and one token per request (decode units)
+  int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
+  int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

@@ -73,23 +73,21 @@ __device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float
 // selected id's slot is the count of selected ids before it (ballot prefix), the local block
 // follows them, -1 fills the rest. lane_pos: lane l < n holds the position of token t0 + l (no
 // reload at the CTA's end).
-// base / stride: this CTA's warp w takes rows base + w, + stride, ... (base 0, stride 4: all rows;
-// the clustered split selection: CTA y of K takes base 4 y, stride 4 K).
 template <int kG>
 __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
-                                            int b0, int b1, int lane_pos, int base, int stride) {
+                                            int b0, int b1, int lane_pos) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int kPer = kFusedMaxChunk / 32;
   static_assert(kPer == 2, "rank_by_rounds takes two candidates per lane");
-  for (int j0 = base + warp; j0 < rows; j0 += kG * stride) {  // warp-uniform from here on
+  for (int j0 = warp; j0 < rows; j0 += kG * kMmaWarps) {  // warp-uniform conditions from here on
     float s[kPer][kG];
     int rank[kPer][kG];
     bool live[kG];
     int local[kG], nbs[kG];
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
-      const int j = j0 + g * stride;
+      const int j = j0 + g * kMmaWarps;
       live[g] = false;
       local[g] = -1;
       if (j < rows) {
@@ -123,27 +121,21 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
 #pragma unroll
     for (int g = 0; g < kG; ++g) {
       if (!live[g]) continue;
-      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * stride;
+      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
       emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
                       local[g]);  // b0 == 0
     }
   }
 }
 
-// The final selection of the unit's rows base + w, + stride, ... by this CTA's warps w (see
-// select_rows). Every row (base 0, stride 4): one row per warp at a time for <= 4 rows (draft 0
-// at n_kv 4), else 4 rows of a warp together; a share of the rows (split_cluster_select): one,
-// two or four rows of a warp together, as many as its share holds.
+// The final selection of every row of the unit (see select_rows): one row per warp at a time for
+// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
-                                                   int rows, int b0, int b1, int lane_pos,
-                                                   int base = 0, int stride = kMmaWarps) {
-  const int per_warp = (rows - base + stride - 1) / stride;  // rows of warp 0, the most
-  if (per_warp <= 1)
-    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos, base, stride);
-  else if (per_warp == 2 && stride > kMmaWarps)
-    select_rows<2>(a, sblk, t0, rows, b0, b1, lane_pos, base, stride);
+                                                   int rows, int b0, int b1, int lane_pos) {
+  if (rows <= kMmaWarps)
+    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
-    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos, base, stride);
+    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The

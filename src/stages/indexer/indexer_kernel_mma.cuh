@@ -625,18 +625,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     cluster_arrive_release();
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
-    if (a.split_select && rows > kMmaWarps) {  // cluster-uniform
-      // IndexerCudaOptions::split_cluster_select: CTA y selects rows 4 y + w, + 4 K, ... from
-      // rank 0's table (distributed shared memory), then a cluster barrier keeps rank 0's shared
-      // memory alive until every CTA has read it.
-      const int K = static_cast<int>(gridDim.y);
-      fused_local_select(a, map_to_cluster_rank(sblk, 0), qa, rows, 0, nvis, p,
-                         static_cast<int>(blockIdx.y) * kMmaWarps, K * kMmaWarps);
-      cluster_arrive_release();
-      cluster_wait_acquire();
-    } else if (blockIdx.y == 0) {
-      fused_local_select(a, sblk, qa, rows, 0, nvis, p);
-    }
+    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }

@@ -396,8 +396,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
-    o.split_cluster_select = true;  // the clustered single pass's rows over the cluster's CTAs
-    variants.push_back({"split cluster select", o});
+    o.short_select_warps = 8;  // rows of <= 63 candidates by eight warps each
+    variants.push_back({"eight warps per short row", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
@@ -521,7 +521,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 the same with split_cluster_select.
+// clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -567,19 +567,14 @@ inline void check_guards(const std::vector<int>& paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 2;
     o.unfused_decode = path == 1;
-    o.single_pass = path == 3 || path == 4 || path == 5;
-    o.single_pass_ctas = path == 4 || path == 5 ? 4 : 0;
-    o.fused_decode_always = path == 0 || path >= 3;
-    o.split_cluster_select = path == 5;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[cuda cores] ",
-                           "[single pass] ",
-                           "[single pass cluster 4] ",
-                           "[single pass cluster 4, split select] "};
+    o.single_pass = path == 3 || path == 4;
+    o.single_pass_ctas = path == 4 ? 4 : 0;
+    o.fused_decode_always = path == 0 || path == 3 || path == 4;
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
-    if (path == 4 || path == 5) {
+    if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
       EXPECT_EQ(indexer_cuda_plan(d.params, o).k_splits, 4);
     }

@@ -328,9 +328,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                        ik::kMaxKv, " index heads");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
-  M3_CHECK_ARG(options.short_select_warps == 4 || options.short_select_warps == 8,
-               "run_indexer_cuda: short_select_warps ", options.short_select_warps,
-               " is neither 4 nor 8");
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
@@ -464,13 +461,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   const bool select_pdl = max_pages > kTopK || pdl;
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
-    // Rows of at most 63 candidates, short_select_warps (4 or 8) warps per row.
-    const bool eight = options.short_select_warps == 8;
-    const int64_t per_cta = ik::kSelectWarps / (eight ? 8 : 4);
-    const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, per_cta)));
-    M3_CUDA_RETURN_IF_ERROR(
-        launch_pdl(eight ? ik::select_short_kernel<8> : ik::select_short_kernel<4>, short_grid,
-                   dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
+    // Rows of at most 63 candidates, kShortRowWarps warps per row.
+    const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kShortRows)));
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_short_kernel, short_grid,
+                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }

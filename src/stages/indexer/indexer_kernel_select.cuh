@@ -353,40 +353,32 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 }
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
-// row has at most 63 candidates): kW warps per row instead of one (kW = 4, or 8 with
-// IndexerCudaOptions::short_select_warps). Each loads the row's scores (the first also copies them
-// to shared memory), counts the beats against its 1 / kW of the row's candidates (count_beats),
-// and after a CTA barrier the first sums the partial ranks and writes the row (emit_ranked_row;
-// trivial rows by trivial_row). A quarter of rank_by_counting's dependent work per warp and four
-// times the warps to hide it (session 17 round A ncu, 64 x 8K draft 3: select_kernel ~730
-// instructions per warp at ~16 cycles each; the selection kernel then ended ~3 us after the
-// scorer). Same-run A/Bs at 64 x 8K draft 3, back to back: 23.5 vs 25.2-25.9 us (rounds B, C),
-// 23.3 vs 25.5 (C2); session 19 round E, behind flat decode: 23.7 vs 25.7-25.8 with one warp.
-// Warp q's part of the counts: count_beats over candidates [q kCountRow / kW, (q + 1) kCountRow /
-// kW) (q < kW; the range an immediate).
-template <int kQ, int kW>
-__device__ __forceinline__ void count_part(int q, const float* row, float s0, float s1, int& r0,
-                                           int& r1) {
-  if constexpr (kQ < kW) {
-    if (q == kQ)
-      count_beats<kQ*(kCountRow / kW), kCountRow / kW>(row, s0, s1, r0, r1);
-    else
-      count_part<kQ + 1, kW>(q, row, s0, s1, r0, r1);
-  }
+// row has at most 63 candidates): kShortRowWarps warps per row instead of one. Each loads the
+// row's scores (the first also copies them to shared memory), counts the beats against a quarter
+// of the row's candidates (count_beats), and after a CTA barrier the first sums the partial
+// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
+// rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
+// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the
+// selection kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to
+// back: 23.5 vs 25.2-25.9 us (rounds B, C), 23.3 vs 25.5 (C2).
+constexpr int kShortRowWarps = 4;
+constexpr int kShortRows = kSelectWarps / kShortRowWarps;  // rows per CTA
+
+template <int kQ>
+__device__ __forceinline__ void count_quarter(const float* row, float s0, float s1, int& r0,
+                                              int& r1) {
+  count_beats<kQ*(kCountRow / kShortRowWarps), kCountRow / kShortRowWarps>(row, s0, s1, r0, r1);
 }
 
-template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  static_assert(kSelectWarps % kW == 0 && kCountRow % (4 * kW) == 0, "whole float4s per warp");
-  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
-  __shared__ __align__(16) float srow[kRows][kCountRow];
-  __shared__ int part[kRows][kW][kCountRow];
+  __shared__ __align__(16) float srow[kShortRows][kCountRow];
+  __shared__ int part[kShortRows][kShortRowWarps][kCountRow];
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int rg = warp / kW, q = warp % kW;
-  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
+  const int rg = warp / kShortRowWarps, q = warp % kShortRowWarps;
+  const int64_t row = int64_t{blockIdx.x} * kShortRows + rg;
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
   // As in select_kernel: the position before the dependency wait, scores and ids after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
@@ -410,15 +402,28 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
     int r0 = 0, r1 = 0;
-    count_part<0, kW>(q, srow[rg], s0, s1, r0, r1);
+    switch (q) {
+      case 0:
+        count_quarter<0>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 1:
+        count_quarter<1>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 2:
+        count_quarter<2>(srow[rg], s0, s1, r0, r1);
+        break;
+      default:
+        count_quarter<3>(srow[rg], s0, s1, r0, r1);
+        break;
+    }
     part[rg][q][lane] = r0;
     part[rg][q][lane + 32] = r1;
   }
-  __syncthreads();  // every part's counts are in part
+  __syncthreads();  // every quarter's counts are in part
   if (local >= 0 && q == 0) {
     int r0 = 0, r1 = 0;
 #pragma unroll
-    for (int i = 0; i < kW; ++i) {
+    for (int i = 0; i < kShortRowWarps; ++i) {
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }

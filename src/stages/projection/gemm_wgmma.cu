@@ -472,6 +472,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    ra.trace = options.debug_trace;
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");

@@ -128,7 +128,9 @@ struct GemmWgmmaOptions {
   // Benchmark diagnostics (projection_bench --trace): a device buffer of gemm_wgmma_trace_words()
   // x grid uint64 (grid <= ctas_per_sm x SMs x max_waves, or N / 128 x cluster_split) where every
   // CTA records when it started, got its first and last unit, and ended (%globaltimer ns and
-  // clock64 cycles) and its cycles in segment epilogues. Results are unchanged.
+  // clock64 cycles) and its cycles in segment epilogues; the row split (grid = its CTAs) records
+  // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
+  // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
 };
 

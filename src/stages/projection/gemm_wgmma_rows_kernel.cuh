@@ -110,7 +110,19 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
+  // kRowsTraceWords per CTA, written by consumer thread 0 (below).
+  unsigned long long* trace;
 };
+
+// Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same
+// words for its stream without compute): %globaltimer ns at entry, clock64 at entry, clock64 when
+// the first, the middle (steps / 2) and the last ring stage was full, when the last stage was
+// folded, after the epilogue's stores, and %globaltimer ns at the end. Only two globaltimer reads
+// per CTA (a read costs ~0.3 us); the host puts each CTA's clock64 marks on the globaltimer base
+// with the CTA's own clock rate (cycles between the two reads over their ns).
+constexpr int kRowsTraceWords = 8;
+static_assert(kRowsTraceWords == kTraceWords, "gemm_wgmma_trace_words() serves both kernels");
 
 // CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
 __host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n) {
@@ -167,6 +179,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
+  // Diagnostics (bench only): consumer thread 0 keeps the trace's words in shared memory.
+  __shared__ long long s_trace[kRowsTraceWords];
+  const bool tracing = p.trace != nullptr && threadIdx.x == 0;
+  if (tracing) {
+    s_trace[0] = static_cast<long long>(global_ns());
+    s_trace[1] = clock64();
+  }
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
@@ -291,6 +310,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    if (tracing) {
+      if (i == 0) s_trace[2] = clock64();
+      if (i == steps / 2) s_trace[3] = clock64();
+      if (i == steps - 1) s_trace[4] = clock64();
+    }
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
@@ -354,11 +378,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     issue(i + 2, frag[0]);
     fold(i + 1, frag[1], true);
   }
+  if (tracing) s_trace[5] = clock64();
 
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) {
     const int m = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
     if (m < p.m && row < rows) p.out[m * p.ldo + r_begin + row] = float_to_bf16(acc[j]);
+  }
+  if (tracing) {
+    s_trace[6] = clock64();
+    s_trace[7] = static_cast<long long>(global_ns());
+    unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+    for (int w = 0; w < kRowsTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
   }
 }
 

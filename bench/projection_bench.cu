@@ -371,6 +371,7 @@ struct ShapeVariant {
   // ring of weights is requested while the preceding call's last CTAs finish.
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
+  int multicast = 0;            // GemmWgmmaOptions::row_multicast
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -435,7 +436,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 1, 2, 4; 10: the row split with two consumer warpgroups per CTA, one CTA per SM; 11: the row
   // split chained by programmatic dependent launch (session 19); 12: the row split's weights
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
-  // default chained.
+  // default chained; 14 / 15: the row split with its activations multicast across clusters of 2 /
+  // 4 CTAs; 16 / 17: the same with two warpgroups per CTA.
   const ShapeVariant variants[] = {
       {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
       {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
@@ -443,7 +445,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 1},
       {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4},
       {1, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 0, false, true}, {0, false, 16, 0, false, false, 0, true}};
+      {0, false, 16, 0, false, true, 0, false, true}, {0, false, 16, 0, false, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 2},
+      {0, false, 16, 0, false, true, 0, false, false, 4},
+      {1, false, 16, 0, false, true, 0, false, false, 2},
+      {1, false, 16, 0, false, true, 0, false, false, 4}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -643,6 +649,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
+      o.row_multicast = variants[v].multicast;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -663,7 +670,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
-          (variants[v].no_evict_first ? " no evict-first" : "");
+          (variants[v].no_evict_first ? " no evict-first" : "") +
+          (variants[v].multicast > 0 ? " multicast " + std::to_string(variants[v].multicast) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());

@@ -159,9 +159,21 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
-template <int kNw, int kKpb, int kWg>
+// kCluster (GemmWgmmaOptions::row_multicast): 1, or clusters of kCluster consecutive CTAs whose
+// producers each load 1 / kCluster of every K block's activation box (rows rank n / kCluster ...,
+// the map's box) and multicast it to the whole cluster, so the activations leave L2 once per
+// cluster instead of once per CTA. A stage slot is then written by every producer of the cluster:
+// its empty barrier counts one arrival per consumer warpgroup of the cluster (thread r of each
+// warpgroup arrives on rank r's barrier), and a producer refills it only when every CTA of the
+// cluster has released it. Cluster barriers after the barriers' initialization (peers signal
+// them) and at the consumers' end (a CTA stays until its peers have consumed every slice it
+// multicast and made their last arrivals on its barriers; the producer warp may exit: exited
+// threads do not count).
+template <int kNw, int kKpb, int kWg, int kCluster = 1>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 1, 2 or 4 CTAs");
+  static_assert(kNw / kCluster >= 8, "activation slices of whole 8-row swizzle groups");
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
@@ -205,11 +217,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);
-      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
+      mbar_init(smem_addr(&empty_bar[s]), kCluster == 1 ? kConsumers : kCluster * kWg);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  __syncthreads();
+  [[maybe_unused]] uint32_t rank = 0;  // in the cluster (kCluster > 1)
+  if constexpr (kCluster > 1) {
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    cluster_arrive();  // (every thread: the peers' barriers are initialized after the wait)
+    cluster_wait();
+  } else {
+    __syncthreads();
+  }
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
@@ -254,13 +273,24 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
-        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
+        if (i >= kStages)
+          mbar_wait<(kCluster > 1)>(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q)
-          tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
-                      0, smem_addr(&full_bar[s]));
+        for (int q = 0; q < nk; ++q) {
+          if constexpr (kCluster == 1) {
+            tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap,
+                        (i * kKpb + q) * kBlockK, 0, smem_addr(&full_bar[s]));
+          } else {
+            // This rank's slice of the box, to the same offsets in every CTA of the cluster.
+            constexpr int kSlice = kNw / kCluster;
+            tma_load_2d_multicast(
+                act + static_cast<uint32_t>(q * kActBytes) + rank * (kSlice * kBlockK), &xmap,
+                (i * kKpb + q) * kBlockK, static_cast<int>(rank) * kSlice,
+                smem_addr(&full_bar[s]), static_cast<uint16_t>((1u << kCluster) - 1));
+          }
+        }
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -358,7 +388,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
+    if constexpr (kCluster == 1) {
+      mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
+    } else if (tid % 128 < kCluster) {
+      // The warpgroup's wgmmas of the stage are complete (waited above): thread r releases the
+      // slot for rank r's producer (its multicast writes here).
+      mbar_arrive_remote(map_to_rank(empty0 + 8 * (i % kStages), static_cast<uint32_t>(tid % 128)));
+    }
   };
 
   issue(0, frag[0]);
@@ -390,6 +426,10 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     s_trace[7] = static_cast<long long>(global_ns());
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
     for (int w = 0; w < kRowsTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
+  }
+  if constexpr (kCluster > 1) {
+    cluster_arrive();
+    cluster_wait();
   }
 }
 

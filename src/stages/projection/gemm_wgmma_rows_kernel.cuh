@@ -118,9 +118,14 @@ struct RowsArgs : ScalesOut {
 // Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same
 // words for its stream without compute): %globaltimer ns at entry, clock64 at entry, clock64 when
 // the first, the middle (steps / 2) and the last ring stage was full, when the last stage was
-// folded, after the epilogue's stores, and %globaltimer ns at the end. Only two globaltimer reads
-// per CTA (a read costs ~0.3 us); the host puts each CTA's clock64 marks on the globaltimer base
-// with the CTA's own clock rate (cycles between the two reads over their ns).
+// released by every consumer (folded), after the epilogue's stores, and %globaltimer ns at the
+// end. Only two globaltimer reads per CTA (a read costs ~0.3 us); the host puts each CTA's
+// clock64 marks on the globaltimer base with the CTA's own clock rate (cycles between the two
+// reads over their ns). Words 0-5 come from the producer warp's idle lane 1, which follows the
+// full barriers of every stage and the last stage's empty barrier; words 6-7 from consumer
+// thread 0 after its last wgmma wait. (A trace branch in the consumers between wgmmas in flight
+// made ptxas serialize every wgmma of the kernel (C7518 / C7520): session 19 round A measured
+// that build 1 us slower back to back.)
 constexpr int kRowsTraceWords = 8;
 static_assert(kRowsTraceWords == kTraceWords, "gemm_wgmma_trace_words() serves both kernels");
 
@@ -139,6 +144,16 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
   const int snk = kblocks - st * kImageStep < kImageStep ? kblocks - st * kImageStep : kImageStep;
   return int64_t{st} * kImageStep * n * 128 + int64_t{r_begin} * snk * 128 +
          int64_t{q} * rows * 128;
+}
+
+// mbar_arrive_remote where `pred` holds, as one predicated instruction (no branch).
+__device__ __forceinline__ void mbar_arrive_remote_if(bool pred, uint32_t cluster_addr) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\n"
+      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%1];\n}\n" ::"r"(
+          static_cast<uint32_t>(pred)),
+      "r"(cluster_addr)
+      : "memory");
 }
 
 template <int kPending>
@@ -191,13 +206,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
-  // Diagnostics (bench only): consumer thread 0 keeps the trace's words in shared memory.
-  __shared__ long long s_trace[kRowsTraceWords];
-  const bool tracing = p.trace != nullptr && threadIdx.x == 0;
-  if (tracing) {
-    s_trace[0] = static_cast<long long>(global_ns());
-    s_trace[1] = clock64();
-  }
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
@@ -232,6 +240,22 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
+    if (lane == 1 && p.trace != nullptr) {
+      // Diagnostics (bench only): the trace's words 0-5 (see kRowsTraceWords).
+      unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+      t[0] = global_ns();
+      t[1] = static_cast<unsigned long long>(clock64());
+      for (int i = 0; i < steps; ++i) {
+        mbar_wait(smem_addr(&full_bar[i % kStages]), (i / kStages) & 1);
+        const unsigned long long c = static_cast<unsigned long long>(clock64());
+        if (i == 0) t[2] = c;
+        if (i == steps / 2) t[3] = c;
+        if (i == steps - 1) t[4] = c;
+      }
+      mbar_wait<(kCluster > 1)>(smem_addr(&empty_bar[(steps - 1) % kStages]),
+                                ((steps - 1) / kStages) & 1);
+      t[5] = static_cast<unsigned long long>(clock64());
+    }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
     // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
     if (lane == 0) {
@@ -340,11 +364,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
-    if (tracing) {
-      if (i == 0) s_trace[2] = clock64();
-      if (i == steps / 2) s_trace[3] = clock64();
-      if (i == steps - 1) s_trace[4] = clock64();
-    }
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
@@ -390,10 +409,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
     if constexpr (kCluster == 1) {
       mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
-    } else if (tid % 128 < kCluster) {
-      // The warpgroup's wgmmas of the stage are complete (waited above): thread r releases the
-      // slot for rank r's producer (its multicast writes here).
-      mbar_arrive_remote(map_to_rank(empty0 + 8 * (i % kStages), static_cast<uint32_t>(tid % 128)));
+    } else {
+      // The warpgroup's wgmmas of the stage are complete (waited above): thread r < kCluster
+      // releases the slot for rank r's producer (its multicast writes here). Predicated, not
+      // branched: a divergent branch while the next stage's wgmmas are in flight makes ptxas
+      // serialize every wgmma (C7520).
+      const uint32_t r = static_cast<uint32_t>(tid % 128);
+      mbar_arrive_remote_if(r < kCluster, map_to_rank(empty0 + 8 * (i % kStages), r % kCluster));
     }
   };
 
@@ -414,18 +436,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     issue(i + 2, frag[0]);
     fold(i + 1, frag[1], true);
   }
-  if (tracing) s_trace[5] = clock64();
 
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) {
     const int m = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
     if (m < p.m && row < rows) p.out[m * p.ldo + r_begin + row] = float_to_bf16(acc[j]);
   }
-  if (tracing) {
-    s_trace[6] = clock64();
-    s_trace[7] = static_cast<long long>(global_ns());
+  if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
-    for (int w = 0; w < kRowsTraceWords; ++w) t[w] = static_cast<unsigned long long>(s_trace[w]);
+    t[6] = static_cast<unsigned long long>(clock64());
+    t[7] = global_ns();
   }
   if constexpr (kCluster > 1) {
     cluster_arrive();

@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kCluster = 1>
+template <int kNw, int kKpb, int kWg, bool kTok = false, int kAblate = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kCluster>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kTok, kAblate>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -238,50 +238,33 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
       if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
     }
     const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(args.kblocks);
-    if constexpr (kCluster == 1) {
-      M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
-                                         dim3(kThreads), smem, stream, args.early_weights != 0,
-                                         xmap, args));
-    } else {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = dim3(static_cast<unsigned>(grid / kWg));
-      cfg.blockDim = dim3(kThreads);
-      cfg.dynamicSmemBytes = static_cast<size_t>(smem);
-      cfg.stream = stream;
-      cudaLaunchAttribute attr[2];
-      attr[0].id = cudaLaunchAttributeClusterDimension;
-      attr[0].val.clusterDim.x = kCluster;
-      attr[0].val.clusterDim.y = 1;
-      attr[0].val.clusterDim.z = 1;
-      attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[1].val.programmaticStreamSerializationAllowed = 1;
-      cfg.attrs = attr;
-      cfg.numAttrs = args.early_weights != 0 ? 2 : 1;
-      M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, xmap, args));
-    }
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
+                                       dim3(kThreads), smem, stream, args.early_weights != 0, xmap,
+                                       args));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); clusters of
-// `cluster` CTAs multicasting the activations (1, 2 or 4, at most n / 8; the default K blocks
-// per stage; the map's box is n / cluster rows).
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); n = 64: `tok`, the
+// token-major form (1 or 2 K blocks per stage); n = 8: `ablate` (bench diagnostics, one
+// warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int cluster, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, bool tok, int ablate, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if constexpr (kNw >= 16) {
-    if (cluster == 2)
-      return two_wg ? launch_rows<kNw, kDefault, 2, 2>(xmap, args, grid, info, stream)
-                    : launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
+  if constexpr (kNw == 64) {
+    if (tok) {
+      if (two_wg) return launch_rows<64, kDefault, 2, true>(xmap, args, grid, info, stream);
+      if (kpb == 2) return launch_rows<64, 2, 1, true>(xmap, args, grid, info, stream);
+      return launch_rows<64, 1, 1, true>(xmap, args, grid, info, stream);
+    }
   }
-  if constexpr (kNw >= 32) {
-    if (cluster == 4)
-      return two_wg ? launch_rows<kNw, kDefault, 2, 4>(xmap, args, grid, info, stream)
-                    : launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
+  if constexpr (kNw == 8) {
+    if (ablate == 1) return launch_rows<8, kDefault, 1, false, 1>(xmap, args, grid, info, stream);
+    if (ablate == 2) return launch_rows<8, kDefault, 1, false, 2>(xmap, args, grid, info, stream);
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
@@ -495,20 +478,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    // Activation multicast: clusters of `cluster` CTAs, each loading box rows / cluster rows of
-    // every K block (slices of at least 8 rows: none at M <= 8, at most 2 at M <= 16).
-    const int mc = options.row_multicast;
-    M3_CHECK_ARG(mc == 0 || mc == 1 || mc == 2 || mc == 4, "GemmWgmmaOptions::row_multicast = ", mc,
-                 " must be 0, 1, 2 or 4");
-    const int cluster = std::max(1, std::min(mc, box_rows_for(m) / 8));
-    M3_CHECK_ARG(cluster == 1 || kpb == 0, "GemmWgmmaOptions::row_multicast (", mc,
-                 ") runs the default K blocks per stage: burst must be 0, got ", kpb);
-    M3_CHECK_ARG((rgrid / (two_wg ? 2 : 1)) % cluster == 0, "GemmWgmmaOptions::row_multicast = ",
-                 mc, ": the row split's ", rgrid / (two_wg ? 2 : 1),
-                 " CTAs are not a multiple of the cluster size ", cluster);
+    // Token-major form at n = 64 (M > 32): 1 or 2 K blocks per stage.
+    const bool tok = options.row_token_major && m > 32;
+    M3_CHECK_ARG(!tok || kpb <= 2, "GemmWgmmaOptions::row_token_major runs 1 or 2 K blocks per "
+                 "stage: burst must be 0, 1 or 2, got ", kpb);
+    const int ablate = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_ablate : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
-                                  box_rows_for(m) / cluster, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                                   "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
@@ -520,12 +497,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, 1, xmap, ra, rgrid, info, stream);
-    if (m <= 16)
-      return dispatch_rows_kpb<16>(kpb, two_wg, cluster, xmap, ra, rgrid, info, stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, cluster, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, cluster, xmap, ra, rgrid, info, stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, false, ablate, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, false, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, false, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, tok, 0, xmap, ra, rgrid, info, stream);
   }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.

@@ -86,13 +86,13 @@ struct GemmWgmmaOptions {
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
-  // Variant (session 19): the row split's activation boxes multicast across clusters of this many
-  // consecutive CTAs (0 / 1: off; 2 or 4): each CTA's producer loads 1 / C of every K block's box
-  // and TMA multicasts it to the cluster, so the activations leave L2 once per cluster instead of
-  // once per CTA (at M 64: 264 x 393 KB = 104 MB of L2 reads per call). Slices keep whole 8-row
-  // groups: no multicast at M <= 8, at most 2 at M <= 16. Needs burst 0 and a CTA count (of the
-  // image; halved with ctas_per_sm = 1) that is a multiple of C.
-  int row_multicast = 0;
+  // Variant (session 19): the row split at M > 32 in its token-major form
+  // (gemm_wgmma_rows_kernel.cuh, kTok): the 64 activation rows as the wgmma A operand and the
+  // CTA's weight rows as B (m64n40k32), instead of swap-AB's 64 weight rows (37-38 of them the
+  // CTA's) x 64 tokens: 40 % fewer tensor products and a K block's fold with 4 scale products per
+  // thread instead of 32. burst 0 / 1 or 2 K blocks per stage; with ctas_per_sm = 1 two
+  // warpgroups per CTA.
+  bool row_token_major = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -139,6 +139,10 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
+  // Benchmark diagnostics (projection_bench variants; results WRONG): the row split at M <= 8
+  // (one warpgroup per CTA, burst 0) without its wgmmas and folds (1: its own ring, waits and
+  // releases, i.e. its stream) or without its folds (2). 0: off.
+  int debug_rows_ablate = 0;
 };
 
 // uint64 words per CTA in GemmWgmmaOptions::debug_trace.

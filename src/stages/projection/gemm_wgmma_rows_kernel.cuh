@@ -146,16 +146,6 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
          int64_t{q} * rows * 128;
 }
 
-// mbar_arrive_remote where `pred` holds, as one predicated instruction (no branch).
-__device__ __forceinline__ void mbar_arrive_remote_if(bool pred, uint32_t cluster_addr) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.u32 p, %0, 0;\n"
-      "@p mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%1];\n}\n" ::"r"(
-          static_cast<uint32_t>(pred)),
-      "r"(cluster_addr)
-      : "memory");
-}
-
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
@@ -174,27 +164,25 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
-// kCluster (GemmWgmmaOptions::row_multicast): 1, or clusters of kCluster consecutive CTAs whose
-// producers each load 1 / kCluster of every K block's activation box (rows rank n / kCluster ...,
-// the map's box) and multicast it to the whole cluster, so the activations leave L2 once per
-// cluster instead of once per CTA. A stage slot is then written by every producer of the cluster:
-// its empty barrier counts one arrival per consumer warpgroup of the cluster (thread r of each
-// warpgroup arrives on rank r's barrier), and a producer refills it only when every CTA of the
-// cluster has released it. Cluster barriers after the barriers' initialization (peers signal
-// them) and at the consumers' end (a CTA stays until its peers have consumed every slice it
-// multicast and made their last arrivals on its barriers; the producer warp may exit: exited
-// threads do not count).
-template <int kNw, int kKpb, int kWg, int kCluster = 1>
+// kTok (GemmWgmmaOptions::row_token_major, n = 64 only): the activations are the wgmma A operand
+// (m64 = the 64 token rows, K-major 128B-swizzled boxes) and the CTA's weight rows the B operand
+// (n40: rows past the CTA's 37-38 read neighbouring bytes of the stage and are never stored)
+// instead of swap-AB (A = 64 weight rows of which 37-38 are the CTA's, B = n tokens): 64 x 40
+// instead of 64 x 64 products per k step, 20 accumulators per thread instead of 32, and each
+// thread's 20 values belong to two tokens and at most two weight-scale blocks, so a K block's
+// fold needs 4 scale products instead of 32. kAblate (GemmWgmmaOptions::debug_rows_ablate; bench
+// diagnostics, n = 8 only, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
+// and releases: its stream), 2 = wgmma without the fold.
+template <int kNw, int kKpb, int kWg, bool kTok = false, int kAblate = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4, "clusters of 1, 2 or 4 CTAs");
-  static_assert(kNw / kCluster >= 8, "activation slices of whole 8-row swizzle groups");
+  static_assert(!kTok || kNw == 64, "the token-major form needs the 64-row activation box");
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
   constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
-  constexpr int kAcc = kNw / 2;
+  constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
   static_assert(kStages >= 2, "the consumers hold two stages at a time");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
@@ -225,18 +213,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);
-      mbar_init(smem_addr(&empty_bar[s]), kCluster == 1 ? kConsumers : kCluster * kWg);
+      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  [[maybe_unused]] uint32_t rank = 0;  // in the cluster (kCluster > 1)
-  if constexpr (kCluster > 1) {
-    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-    cluster_arrive();  // (every thread: the peers' barriers are initialized after the wait)
-    cluster_wait();
-  } else {
-    __syncthreads();
-  }
+  __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
@@ -252,8 +233,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         if (i == steps / 2) t[3] = c;
         if (i == steps - 1) t[4] = c;
       }
-      mbar_wait<(kCluster > 1)>(smem_addr(&empty_bar[(steps - 1) % kStages]),
-                                ((steps - 1) / kStages) & 1);
+      mbar_wait(smem_addr(&empty_bar[(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
       t[5] = static_cast<unsigned long long>(clock64());
     }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
@@ -297,24 +277,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
-        if (i >= kStages)
-          mbar_wait<(kCluster > 1)>(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
+        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q) {
-          if constexpr (kCluster == 1) {
-            tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap,
-                        (i * kKpb + q) * kBlockK, 0, smem_addr(&full_bar[s]));
-          } else {
-            // This rank's slice of the box, to the same offsets in every CTA of the cluster.
-            constexpr int kSlice = kNw / kCluster;
-            tma_load_2d_multicast(
-                act + static_cast<uint32_t>(q * kActBytes) + rank * (kSlice * kBlockK), &xmap,
-                (i * kKpb + q) * kBlockK, static_cast<int>(rank) * kSlice,
-                smem_addr(&full_bar[s]), static_cast<uint16_t>((1u << kCluster) - 1));
-          }
-        }
+        for (int q = 0; q < nk; ++q)
+          tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
+                      0, smem_addr(&full_bar[s]));
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -345,12 +314,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   }
 
   const int warp = (tid / 32) % 4;
-  const int row0 = 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  // The thread's accumulator rows row0, row0 + 8 (swap-AB: weight rows; kTok: tokens) and its
+  // columns m0 + 8 c + {0, 1} (swap-AB: tokens; kTok: weight rows).
+  const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
   // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
-  // count compute garbage that is never stored; their index stays in range).
+  // count compute garbage that is never stored; their index stays in range); kTok: bit j of
+  // hmask is the block of accumulator j's weight row.
   const int h0 = (r_begin + row0) / 128 - blk0;
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
+  [[maybe_unused]] uint32_t hmask = 0;
+  if constexpr (kTok) {
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j)
+      hmask |= static_cast<uint32_t>((r_begin + m0 + 8 * (j / 4) + j % 2) / 128 - blk0 > 0) << j;
+  }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
@@ -373,14 +351,20 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left) {
+      if (q < left && kAblate != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
-        const uint32_t a_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t b_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k)
-          Wgmma<kNw>::mma(f[q], smem_desc_interleave(a_addr + 2 * k * lbo, lbo),
-                          smem_desc(b_addr + 32 * k), k);
+        for (int k = 0; k < kBlockK / 32; ++k) {
+          if constexpr (kTok) {
+            Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
+                           smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+          } else {
+            Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                            smem_desc(x_addr + 32 * k), k);
+          }
+        }
       }
       wgmma_commit();
     }
@@ -396,27 +380,31 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left) {
+      if (q < left && kAblate == 0) {
         const int kb = i * kKpb + q;
-        const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
         const float* sa = s_sa + kb * kNw;
+        if constexpr (kTok) {
+          // Two tokens x two weight-scale blocks: four products per K block.
+          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
+          const float t0 = sa[row0], t1 = sa[row0 + 8];
+          const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) {
-          const int m = m0 + 8 * (j / 4) + j % 2;
-          acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+          for (int j = 0; j < kAcc; ++j) {
+            const bool hi = (hmask >> j) & 1u;
+            const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
+            acc[j] = fmaf(f[q][j], prod, acc[j]);
+          }
+        } else {
+          const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) {
+            const int m = m0 + 8 * (j / 4) + j % 2;
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+          }
         }
       }
     }
-    if constexpr (kCluster == 1) {
-      mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
-    } else {
-      // The warpgroup's wgmmas of the stage are complete (waited above): thread r < kCluster
-      // releases the slot for rank r's producer (its multicast writes here). Predicated, not
-      // branched: a divergent branch while the next stage's wgmmas are in flight makes ptxas
-      // serialize every wgmma (C7520).
-      const uint32_t r = static_cast<uint32_t>(tid % 128);
-      mbar_arrive_remote_if(r < kCluster, map_to_rank(empty0 + 8 * (i % kStages), r % kCluster));
-    }
+    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag[0]);
@@ -439,17 +427,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) {
-    const int m = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-    if (m < p.m && row < rows) p.out[m * p.ldo + r_begin + row] = float_to_bf16(acc[j]);
+    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
     t[6] = static_cast<unsigned long long>(clock64());
     t[7] = global_ns();
-  }
-  if constexpr (kCluster > 1) {
-    cluster_arrive();
-    cluster_wait();
   }
 }
 

@@ -139,10 +139,11 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Benchmark diagnostics (projection_bench variants; results WRONG): the row split at M <= 8
-  // (one warpgroup per CTA, burst 0) without its wgmmas and folds (1: its own ring, waits and
-  // releases, i.e. its stream) or without its folds (2). 0: off.
-  int debug_rows_ablate = 0;
+  // Benchmark diagnostics (projection_bench variants): the row split (one warpgroup per CTA, burst
+  // 0, swap-AB) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases, i.e.
+  // its stream; results WRONG) or without its folds (2; results WRONG), or at any M releasing each
+  // stage after its fold (3: session 18's order; exact). 0: off.
+  int debug_rows_diag = 0;
 };
 
 // uint64 words per CTA in GemmWgmmaOptions::debug_trace.

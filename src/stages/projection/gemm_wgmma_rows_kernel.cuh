@@ -170,10 +170,11 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // instead of swap-AB (A = 64 weight rows of which 37-38 are the CTA's, B = n tokens): 64 x 40
 // instead of 64 x 64 products per k step, 20 accumulators per thread instead of 32, and each
 // thread's 20 values belong to two tokens and at most two weight-scale blocks, so a K block's
-// fold needs 4 scale products instead of 32. kAblate (GemmWgmmaOptions::debug_rows_ablate; bench
-// diagnostics, n = 8 only, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
-// and releases: its stream), 2 = wgmma without the fold.
-template <int kNw, int kKpb, int kWg, bool kTok = false, int kAblate = 0>
+// fold needs 4 scale products instead of 32. kDiag (GemmWgmmaOptions::debug_rows_diag; bench
+// diagnostics): 1 = no wgmma and no fold (the kernel's own ring, waits and releases: its stream;
+// results wrong), 2 = wgmma without the fold (results wrong), 3 = a stage released after its fold
+// (session 18's order) instead of as soon as its wgmmas are complete.
+template <int kNw, int kKpb, int kWg, bool kTok = false, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   static_assert(!kTok || kNw == 64, "the token-major form needs the 64-row activation box");
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left && kAblate != 1) {
+      if (q < left && kDiag != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
@@ -369,18 +370,23 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's fragments (its groups complete: at most kPending newer groups left) folded into
-  // acc in K-block order, then the stage released.
+  // Stage i's groups complete (at most kPending newer groups left): the stage is released (its
+  // wgmmas have read it; the fold reads registers and the staged scales only), then its fragments
+  // are folded into acc in K-block order. (Session 19 round D: releasing after the fold, as until
+  // then, held every slot ~0.1 us longer per stage; the kernel without its folds was 1.4-1.5 us
+  // faster back to back at M 1, as fast as without its wgmmas: the fold's time on the release
+  // path shrank the bytes in flight.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc], bool newer_pending) {
     if (newer_pending) {
       wgmma_wait<kKpb>();
     } else {
       wgmma_wait<0>();
     }
+    if constexpr (kDiag != 3) mbar_arrive(empty0 + 8 * (i % kStages));  // each thread its reads
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left && kAblate == 0) {
+      if (q < left && kDiag != 1 && kDiag != 2) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
@@ -404,7 +410,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
+    if constexpr (kDiag == 3) mbar_arrive(empty0 + 8 * (i % kStages));
   };
 
   issue(0, frag[0]);

@@ -371,8 +371,7 @@ struct ShapeVariant {
   // ring of weights is requested while the preceding call's last CTAs finish.
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
-  bool tok = false;             // GemmWgmmaOptions::row_token_major
-  int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (1, 2: check n/a)
+  int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -437,14 +436,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 1, 2, 4; 10: the row split with two consumer warpgroups per CTA, one CTA per SM; 11: the row
   // split chained by programmatic dependent launch (session 19); 12: the row split's weights
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
-  // default chained; 14: the row split's token-major form at M > 32 (session 19), 15: the same
-  // with 2 K blocks per stage, 16: with two warpgroups per CTA, 17: 14 chained; 18 / 19: the
-  // row split (M <= 8) without its wgmmas and folds / without its folds (diagnostics: wrong
-  // results); 20: the row split with two warpgroups per CTA, chained; 21: the row split with 2 K
-  // blocks per stage, chained; 22: the row split releasing each stage after its fold (session 18's
-  // order), 23: the same chained. (Session 19 round B also timed the activations multicast across
-  // clusters of 2 / 4 CTAs, one or two warpgroups per CTA: 2-4x slower at M 32 / 64, the
-  // clusters spilling into a second wave: removed.)
+  // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
+  // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
+  // 17: the row split with 2 K blocks per stage, chained. (Session 19 also timed and removed: the
+  // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
+  // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
+  // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F.)
   const ShapeVariant variants[] = {
       {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
       {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
@@ -453,16 +450,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4},
       {1, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 0, true},
       {0, false, 16, 0, false, true, 0, false, true}, {0, false, 16, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, false, false, true},
-      {0, false, 16, 0, false, true, 2, false, false, true},
-      {1, false, 16, 0, false, true, 0, false, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, false, 1},
-      {0, false, 16, 0, false, true, 0, false, false, false, 2},
+      {0, false, 16, 0, false, true, 0, false, false, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 2},
       {1, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 2, true},
-      {0, false, 16, 0, false, true, 0, false, false, false, 3},
-      {0, false, 16, 0, false, true, 0, true, false, false, 3}};
+      {0, false, 16, 0, false, true, 2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -662,7 +653,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
-      o.row_token_major = variants[v].tok;
       o.debug_rows_diag = variants[v].diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -685,11 +675,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
-          (variants[v].tok ? " token-major" : "") +
-          (variants[v].diag == 1 || variants[v].diag == 2
-               ? " ABLATE " + std::to_string(variants[v].diag)
-               : "") +
-          (variants[v].diag == 3 ? " late release" : "");
+          (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
@@ -706,8 +692,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       check_cuda(cudaStreamSynchronize(stream), "wgmma");
       check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
       const bool same = got == want;  // (random operands: not compared, summation orders differ)
-      // (Diagnostics 1 / 2 at M <= 8: results wrong.)
-      const bool ablated = (variants[v].diag == 1 || variants[v].diag == 2) && m <= 8;
+      const bool ablated = variants[v].diag > 0 && m <= 8;  // (diagnostics: results wrong)
       if (!same && !random && !ablated) pass = false;
       add(
           name,

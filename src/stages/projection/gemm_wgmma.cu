@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, bool kTok = false, int kDiag = 0>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kTok, kDiag>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -247,26 +247,17 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); n = 64: `tok`, the
-// token-major form (1 or 2 K blocks per stage); `diag` (bench diagnostics, one warpgroup, the
-// default K blocks per stage, swap-AB): 1 / 2 at n = 8, 3 at any n.
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
+// diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, bool tok, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if constexpr (kNw == 64) {
-    if (tok) {
-      if (two_wg) return launch_rows<64, kDefault, 2, true>(xmap, args, grid, info, stream);
-      if (kpb == 2) return launch_rows<64, 2, 1, true>(xmap, args, grid, info, stream);
-      return launch_rows<64, 1, 1, true>(xmap, args, grid, info, stream);
-    }
-  }
   if constexpr (kNw == 8) {
-    if (diag == 1) return launch_rows<8, kDefault, 1, false, 1>(xmap, args, grid, info, stream);
-    if (diag == 2) return launch_rows<8, kDefault, 1, false, 2>(xmap, args, grid, info, stream);
+    if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
+    if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
   }
-  if (diag == 3) return launch_rows<kNw, kDefault, 1, false, 3>(xmap, args, grid, info, stream);
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
   if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
@@ -479,13 +470,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    // Token-major form at n = 64 (M > 32): 1 or 2 K blocks per stage.
-    const bool tok = options.row_token_major && m > 32;
-    M3_CHECK_ARG(!tok || kpb <= 2, "GemmWgmmaOptions::row_token_major runs 1 or 2 K blocks per "
-                 "stage: burst must be 0, 1 or 2, got ", kpb);
-    const int diag = !two_wg && !tok && kpb == 0 && (m <= 8 || options.debug_rows_diag == 3)
-                         ? options.debug_rows_diag
-                         : 0;
+    const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -500,10 +485,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, false, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, false, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, false, diag, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, tok, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
   }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.

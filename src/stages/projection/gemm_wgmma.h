@@ -66,8 +66,9 @@ struct GemmWgmmaOptions {
   // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
   // grid reads the image front to back. b's scales and shape still come from the call; its data
-  // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, 2 at M <= 32,
-  // else 1; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
+  // is not read. At M > 32 it runs its token-major form (activations as the wgmma A operand, the
+  // CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4 at M
+  // <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
   // warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
   // activation boxes per SM; the default K blocks per stage): session 18 round I, us isolated /
   // back to back, o_proj (N 6144, K 8192) M 1 17.79 / 15.40 and M 16 18.91 / 16.62 against 17.89 /
@@ -86,13 +87,6 @@ struct GemmWgmmaOptions {
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
-  // Variant (session 19): the row split at M > 32 in its token-major form
-  // (gemm_wgmma_rows_kernel.cuh, kTok): the 64 activation rows as the wgmma A operand and the
-  // CTA's weight rows as B (m64n40k32), instead of swap-AB's 64 weight rows (37-38 of them the
-  // CTA's) x 64 tokens: 40 % fewer tensor products and a K block's fold with 4 scale products per
-  // thread instead of 32. burst 0 / 1 or 2 K blocks per stage; with ctas_per_sm = 1 two
-  // warpgroups per CTA.
-  bool row_token_major = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -139,10 +133,10 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Benchmark diagnostics (projection_bench variants): the row split (one warpgroup per CTA, burst
-  // 0, swap-AB) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases, i.e.
-  // its stream; results WRONG) or without its folds (2; results WRONG), or at any M releasing each
-  // stage after its fold (3: session 18's order; exact). 0: off.
+  // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
+  // per CTA, burst 0) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases,
+  // i.e.
+  // its stream) or without its folds (2). 0: off.
   int debug_rows_diag = 0;
 };
 

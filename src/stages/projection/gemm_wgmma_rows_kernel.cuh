@@ -76,10 +76,12 @@ constexpr int rows_smem_per_cta() {
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
 template <int kNw>
 constexpr int rows_default_kpb() {
-  // (Round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2 17.61 / 16.83,
-  // at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31 us); at n 64
-  // 1 (2 spills and leaves three stages: 32 vs 23.8).)
-  return kNw <= 16 ? 4 : kNw <= 32 ? 2 : 1;
+  // (Session 18 round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2
+  // 17.61 / 16.83, at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31
+  // us). At n 64 the token-major form: 2 (session 19 round F: 23.0-23.1 vs 26.1-26.2 with 1).
+  // Session 19 rounds D / F at n 16 fused: 2 K blocks 16.82 (plain), 16.12-16.44 (chained) vs 4
+  // 17.40-17.48, 16.60-16.79; o_proj chained 19.25-19.29 vs 16.64-16.67: kept at 4.)
+  return kNw <= 16 ? 4 : 2;
 }
 template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
@@ -164,20 +166,21 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
-// kTok (GemmWgmmaOptions::row_token_major, n = 64 only): the activations are the wgmma A operand
-// (m64 = the 64 token rows, K-major 128B-swizzled boxes) and the CTA's weight rows the B operand
-// (n40: rows past the CTA's 37-38 read neighbouring bytes of the stage and are never stored)
-// instead of swap-AB (A = 64 weight rows of which 37-38 are the CTA's, B = n tokens): 64 x 40
-// instead of 64 x 64 products per k step, 20 accumulators per thread instead of 32, and each
+// n = 64 (M > 32) runs the token-major form (kTok, session 19): the activations are the wgmma A
+// operand (m64 = the 64 token rows, K-major 128B-swizzled boxes) and the CTA's weight rows the B
+// operand (n40: rows past the CTA's 37-38 read neighbouring bytes of the stage and are never
+// stored) instead of swap-AB (A = 64 weight rows of which 37-38 are the CTA's, B = n tokens): 64 x
+// 40 instead of 64 x 64 products per k step, 20 accumulators per thread instead of 32, and each
 // thread's 20 values belong to two tokens and at most two weight-scale blocks, so a K block's
-// fold needs 4 scale products instead of 32. kDiag (GemmWgmmaOptions::debug_rows_diag; bench
-// diagnostics): 1 = no wgmma and no fold (the kernel's own ring, waits and releases: its stream;
-// results wrong), 2 = wgmma without the fold (results wrong), 3 = a stage released after its fold
-// (session 18's order) instead of as soon as its wgmmas are complete.
-template <int kNw, int kKpb, int kWg, bool kTok = false, int kDiag = 0>
+// fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
+// with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
+// 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
+// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
+// and releases: its stream), 2 = wgmma without the fold.
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  static_assert(!kTok || kNw == 64, "the token-major form needs the 64-row activation box");
+  constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
@@ -370,19 +373,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's groups complete (at most kPending newer groups left): the stage is released (its
-  // wgmmas have read it; the fold reads registers and the staged scales only), then its fragments
-  // are folded into acc in K-block order. (Session 19 round D: releasing after the fold, as until
-  // then, held every slot ~0.1 us longer per stage; the kernel without its folds was 1.4-1.5 us
-  // faster back to back at M 1, as fast as without its wgmmas: the fold's time on the release
-  // path shrank the bytes in flight.)
+  // Stage i's fragments (its groups complete: at most kPending newer groups left) folded into
+  // acc in K-block order, then the stage released. (Session 19 round F: releasing it before the
+  // fold, as soon as its wgmmas are complete, was no faster: M 1 17.25-17.32 vs 17.14-17.15 us
+  // back to back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc], bool newer_pending) {
     if (newer_pending) {
       wgmma_wait<kKpb>();
     } else {
       wgmma_wait<0>();
     }
-    if constexpr (kDiag != 3) mbar_arrive(empty0 + 8 * (i % kStages));  // each thread its reads
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    if constexpr (kDiag == 3) mbar_arrive(empty0 + 8 * (i % kStages));
+    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag[0]);

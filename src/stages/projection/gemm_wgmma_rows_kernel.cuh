@@ -175,8 +175,9 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
 // with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
 // 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
-// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
-// and releases: its stream), 2 = wgmma without the fold.
+// bench diagnostics): 1 = no wgmma and no fold (the kernel's own ring, waits and releases: its
+// stream; n = 8, results wrong), 2 = wgmma without the fold (n = 8, results wrong), 3 = serial
+// stages: stage i's wgmmas waited for and folded before stage i + 1's are issued (exact; any n).
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -416,7 +417,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   issue(0, frag[0]);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  for (int i = 0; i < steps; i += 2) {
+  if constexpr (kDiag == 3) {
+    // Serial stages (diagnostics): stage i's wgmmas complete and folded before stage i + 1's are
+    // issued (one stage held at a time; no fold while wgmmas are in flight).
+    fold(0, frag[0], false);
+    for (int i = 1; i < steps; ++i) {
+      issue(i, frag[0]);
+      fold(i, frag[0], false);
+    }
+  }
+  for (int i = 0; i < steps && kDiag != 3; i += 2) {
     if (i + 1 >= steps) {
       fold(i, frag[0], false);
       break;

@@ -133,10 +133,9 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Benchmark diagnostics (projection_bench variants): the row split (one warpgroup per CTA, burst
-  // 0) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases, i.e. its
-  // stream; results WRONG) or without its folds (2; results WRONG), or at any M with serial stages
-  // (3: stage i's wgmmas waited for and folded before stage i + 1's are issued; exact). 0: off.
+  // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
+  // per CTA, burst 0) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases,
+  // i.e. its stream) or without its folds (2). 0: off.
   int debug_rows_diag = 0;
 };
 

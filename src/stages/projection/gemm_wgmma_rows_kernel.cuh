@@ -22,15 +22,21 @@
 // producer's lane 0 also loads each K block's activation box (n rows x 128 bytes, 128B swizzle, by
 // TMA, L2-resident); a full / empty mbarrier pair per stage.
 //
-// Consumers, pipelined across K blocks: each K block's 4 wgmma m64nNk32 go into their own
-// temporary fragment (kNw / 2 fp32 registers) and their own commit group; after issuing stage
-// i + 1 the warpgroup waits until only those groups are pending (wgmma.wait_group kKpb), folds
-// stage i's fragments into the accumulators (scale products from shared memory, staged once per
-// CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks, a
-// CTA's rows straddling at most one 128-row boundary) and releases stage i. So the tensor cores
-// and the ring never wait for a fold, and a K block costs no full-barrier round trip of its own.
-// (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0), and a
-// non-wgmma write of an accumulator register while other groups are in flight makes ptxas
+// Consumers, one stage at a time: each K block's 4 wgmma m64nNk32 go into their own temporary
+// fragment (kNw / 2 fp32 registers; 20 in the token-major form) and their own commit group; the
+// warpgroup waits for the stage's groups (wgmma.wait_group 0), folds its fragments into the
+// accumulators (scale products from shared memory, staged once per CTA: the activation scales of
+// every K block and the CTA's two possible weight-scale blocks, a CTA's rows straddling at most
+// one 128-row boundary) and releases the stage before waiting for the next one. (Session 18
+// issued stage i + 1's wgmmas before folding stage i, so that the tensor cores never waited for a
+// fold; session 19 round G, same round, back to back: serial stages 17.20-17.24 vs 17.61-17.75 us
+// at M 32, 21.76-21.78 vs 23.91-23.95 at M 64, 17.26-17.34 vs 17.56-17.58 at M 16, equal at M 1
+// (17.41-17.46 vs 17.32-17.41); chained by PDL 15.40-15.42 vs 15.77-15.80 at M 1, 16.09-16.15 vs
+// 16.87-16.88 at M 16; o_proj M 16 15.84 vs 17.50. A fold while the next stage's wgmmas are in
+// flight costs more than the overlap gains: round D's ablations at M 1 had the kernel without its
+// folds as fast as its stream (15.8 us) and the fold's arithmetic is ~20 instructions per K
+// block.) (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0),
+// and a non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
 // the CTA's count, m < M).
 //
@@ -175,9 +181,8 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
 // with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
 // 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
-// bench diagnostics): 1 = no wgmma and no fold (the kernel's own ring, waits and releases: its
-// stream; n = 8, results wrong), 2 = wgmma without the fold (n = 8, results wrong), 3 = serial
-// stages: stage i's wgmmas waited for and folded before stage i + 1's are issued (exact; any n).
+// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
+// and releases: its stream), 2 = wgmma without the fold.
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -189,7 +194,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
-  static_assert(kStages >= 2, "the consumers hold two stages at a time");
+  static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
   // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
   // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
@@ -340,7 +345,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  float frag[2][kKpb][kAcc];
+  float frag[kKpb][kAcc];
 
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
@@ -374,16 +379,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's fragments (its groups complete: at most kPending newer groups left) folded into
-  // acc in K-block order, then the stage released. (Session 19 round F: releasing it before the
-  // fold, as soon as its wgmmas are complete, was no faster: M 1 17.25-17.32 vs 17.14-17.15 us
-  // back to back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  auto fold = [&](int i, float(&f)[kKpb][kAcc], bool newer_pending) {
-    if (newer_pending) {
-      wgmma_wait<kKpb>();
-    } else {
-      wgmma_wait<0>();
-    }
+  // Stage i's fragments (its groups complete) folded into acc in K-block order, then the stage
+  // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
+  // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
+  // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
+  auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
+    wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -414,31 +415,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
-  issue(0, frag[0]);
+  issue(0, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  if constexpr (kDiag == 3) {
-    // Serial stages (diagnostics): stage i's wgmmas complete and folded before stage i + 1's are
-    // issued (one stage held at a time; no fold while wgmmas are in flight).
-    fold(0, frag[0], false);
-    for (int i = 1; i < steps; ++i) {
-      issue(i, frag[0]);
-      fold(i, frag[0], false);
-    }
-  }
-  for (int i = 0; i < steps && kDiag != 3; i += 2) {
-    if (i + 1 >= steps) {
-      fold(i, frag[0], false);
-      break;
-    }
-    issue(i + 1, frag[1]);
-    fold(i, frag[0], true);
-    if (i + 2 >= steps) {
-      fold(i + 1, frag[1], false);
-      break;
-    }
-    issue(i + 2, frag[0]);
-    fold(i + 1, frag[1], true);
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
+    issue(i, frag);
+    fold(i, frag);
   }
 
 #pragma unroll

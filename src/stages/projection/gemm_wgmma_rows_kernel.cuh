@@ -182,7 +182,10 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
 // 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
 // bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
-// and releases: its stream), 2 = wgmma without the fold.
+// and releases: its stream), 2 = wgmma without the scaled fold (each fragment value only added to
+// its accumulator, so that the wgmmas stay live: session 19's first version of 2 had no use of the
+// fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
+// D-G's "without folds" rows the same as 1).
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -388,7 +391,10 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left && kDiag != 1 && kDiag != 2) {
+      if (q < left && kDiag == 2) {
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
+      } else if (q < left && kDiag != 1) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {

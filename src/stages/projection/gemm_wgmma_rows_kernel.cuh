@@ -51,6 +51,14 @@
 // 23.8-24.9; its stream without compute (bandwidth_bench --rows: the same copies, 4 K blocks per
 // stage, 8 activation rows) 17.4-17.6 / 15.5-15.6, with a stage held until the next one is full
 // (as the consumers do) 17.7 / 15.7; a plain read of the bytes 17.0-17.1 / 14.9-15.2.
+// Session 19 (round G, same round, b2b; serial stages, token-major at M > 32): fused M 1 / 16 /
+// 32 / 64 17.41-17.46 / 17.26-17.34 / 17.20-17.24 / 21.76-21.78 us, chained by programmatic
+// dependent launch (programmatic_launch + trigger_dependents, as in a captured decode chain)
+// 15.40-15.42 / 16.09-16.15 / 17.30-17.31 / 20.66-20.71 (cuBLASLt 21.4-21.6 at every M); o_proj M
+// 1 / 16 16.11 / 15.84, chained 14.87 / 15.68. Where M 1 loses to its stream (15.8 b2b, round
+// F): per-CTA traces (projection_bench --trace) show the stages landing at the stream's pace
+// (first -> last full 11.0-11.2 us in both) and the kernel ending ~1.0 us after its last stage
+// landed (the stream 0.1): the last stage's wgmmas, fold and epilogue; chaining hides most of it.
 //
 // Bytes: weights N K once from HBM in image order; activations M_pad K per CTA from L2 (G x the
 // stream-K kernel's per-unit share: 264 x 48 KB = 13 MB at n = 8, 101 MB at n = 64); no workspace

@@ -33,8 +33,10 @@
 //   back to back: frag 18.9 / 16.9, cp.async 18.9 / 16.8, frag-rows 19.4 / 17.4, the kernel's TMA
 //   stream 18.2 / 16.2, plain read 17.1 / 14.9: the unit order, not the copy engine, is what
 //   separates the GEMM's stream from the plain read.
-// --rows (session 18): a row split's stream over a packed linear image (rows_bulk_kernel).
-// usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu] [--rows]
+// --rows (session 18): a row split's stream over a packed linear image (rows_bulk_kernel); with
+// --trace (session 19) also each case's per-CTA timeline (the row split GEMM's trace words, as
+// projection_bench --trace prints them for the kernel).
+// usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu] [--rows [--trace]]
 #include <cuda.h>  // CUtensorMap
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -185,6 +187,9 @@ struct RowArgs {
   const uint8_t* image;
   int n_rows, kblocks, kpb, stages, act_rows, subtiles, whole_step;
   int hold;  // the consumer releases stage i only once stage i + 1 is full (the GEMM's pipelining)
+  // --trace: the row split's trace words per CTA (bench::rows_trace_summary), written by the
+  // consumer thread (its "folded" and "done" marks: after its last release); nullptr: off.
+  unsigned long long* trace;
 };
 
 constexpr int kRowSlotBytes = 40 * 128;  // one sub-tile of <= 40 rows x one K block
@@ -246,14 +251,30 @@ __global__ void __launch_bounds__(64)
             : "memory");
     }
   } else if (threadIdx.x == 32) {
+    const bool tracing = a.trace != nullptr;
+    unsigned long long tr[8] = {};
+    if (tracing) {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tr[0]));
+      tr[1] = clock64();
+    }
     for (int i = 0; i < steps; ++i) {
       const int s = i % a.stages;
       sm90::mbar_wait(smem_u32(&full_bar[s]), (i / a.stages) & 1);
+      if (tracing) {
+        if (i == 0) tr[2] = clock64();
+        if (i == steps / 2) tr[3] = clock64();
+        if (i == steps - 1) tr[4] = clock64();
+      }
       if (!a.hold) {
         sm90::mbar_arrive(smem_u32(&empty_bar[s]));
       } else if (i > 0) {
         sm90::mbar_arrive(smem_u32(&empty_bar[(i - 1) % a.stages]));
       }
+    }
+    if (tracing) {
+      tr[5] = tr[6] = clock64();
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(tr[7]));
+      for (int w = 0; w < 8; ++w) a.trace[blockIdx.x * 8 + w] = tr[w];
     }
   }
 }
@@ -737,8 +758,9 @@ void run_lsu(void* src, size_t src_bytes, const void* act, int* sink, int sms, c
 
 // The --rows table: the row split's packed linear stream (rows_bulk_kernel) in a few shapes, beside
 // the decode kernel's TMA stream and the plain read, fused and o_proj weights.
+// trace: after each case, one cold launch with RowArgs::trace and its bench::rows_trace_summary.
 void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, cudaStream_t stream,
-              bool json) {
+              bool json, bool trace) {
   struct Shape {
     const char* name;
     int64_t n, k;
@@ -781,6 +803,7 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
       a.act_rows = rc.act_rows;
       a.whole_step = rc.whole_step;
       a.hold = rc.hold;
+      a.trace = nullptr;
       const int max_rows = static_cast<int>((sh.n + grid - 1) / grid);
       a.subtiles = (max_rows + 39) / 40;
       const int stage_bytes = rc.kpb * (a.subtiles * kRowSlotBytes + rc.act_rows * 128);
@@ -800,12 +823,33 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
           bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
       const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
       bench::check_cuda(cudaStreamSynchronize(stream), "rows");
-      add_row(
-          std::string(rc.whole_step ? "rows-bulk-step" : "rows-bulk") + (rc.hold ? " hold" : ""),
-          std::to_string(rc.ctas_per_sm) + "/SM kpb " + std::to_string(rc.kpb) + " act " +
-              std::to_string(rc.act_rows) + " " + std::to_string(a.stages) + " stages x" +
-              std::to_string(a.subtiles),
-          grid, ti, tb);
+      const std::string mode =
+          std::string(rc.whole_step ? "rows-bulk-step" : "rows-bulk") + (rc.hold ? " hold" : "");
+      const std::string shape = std::to_string(rc.ctas_per_sm) + "/SM kpb " +
+                                std::to_string(rc.kpb) + " act " + std::to_string(rc.act_rows) +
+                                " " + std::to_string(a.stages) + " stages x" +
+                                std::to_string(a.subtiles);
+      add_row(mode, shape, grid, ti, tb);
+      if (trace) {
+        const size_t words = static_cast<size_t>(grid) * 8;
+        unsigned long long* d_trace = nullptr;
+        bench::check_cuda(cudaMalloc(&d_trace, words * 8), "cudaMalloc(trace)");
+        bench::check_cuda(cudaMemsetAsync(d_trace, 0, words * 8, stream), "trace clear");
+        bench::time_graph_cold(
+            [&](cudaStream_t st) {
+              RowArgs ac = a;
+              ac.image = w_copy(0);
+              ac.trace = d_trace;
+              rows_bulk_kernel<<<grid, 64, smem, st>>>(xmap, ac);
+            },
+            stream, 0, 1);
+        std::vector<unsigned long long> h(words);
+        bench::check_cuda(cudaMemcpy(h.data(), d_trace, words * 8, cudaMemcpyDeviceToHost),
+                          "trace");
+        cudaFree(d_trace);
+        std::printf("trace %s %s %s: %s\n", sh.name, mode.c_str(), shape.c_str(),
+                    bench::rows_trace_summary(h, grid).c_str());
+      }
     }
     // The decode kernel's TMA stream (two CTAs per SM, 8 activation rows: the M 1 kernel's).
     {
@@ -838,7 +882,7 @@ struct Size {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, tiles = false, lsu = false, rows_mode = false;
+  bool json = false, quick = false, tiles = false, lsu = false, rows_mode = false, trace = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
@@ -850,8 +894,11 @@ int main(int argc, char** argv) {
       lsu = true;
     } else if (!std::strcmp(argv[i], "--rows")) {
       rows_mode = true;
+    } else if (!std::strcmp(argv[i], "--trace")) {
+      trace = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu] [--rows]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu] [--rows [--trace]]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -885,7 +932,8 @@ int main(int argc, char** argv) {
     bench::check_cuda(cudaMemset(act, 0, 64 * 8192), "cudaMemset(act)");
     if (tiles) run_tiles(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
     if (lsu) run_lsu(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
-    if (rows_mode) run_rows(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json);
+    if (rows_mode)
+      run_rows(src, max_src_bytes, act, static_cast<int*>(sink), sms, stream, json, trace);
     cudaFree(act);
     cudaFree(src);
     cudaFree(dst);

@@ -34,7 +34,8 @@
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
-//   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3),
+//   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3; with
+//   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -52,12 +53,19 @@
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case),
+//   --read-timeline BATCH,CONTEXT,DRAFT (diagnostics: the ceiling's paged read of that case at 1-4
+//   CTAs per SM, one cold call each with per-CTA %globaltimer marks: entry, first page landed,
+//   end, and each SM's last end),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
-//   row of <= 63 candidates); --vlist NAME,... keeps base and the named ones; batch 64 / 256 x
-//   8K / 32K / 128K at draft 3, or --case), --no-short-select (IndexerCudaOptions::short_select
-//   false for every path and table).
+//   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
+//   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
+//   !short_select;
+//   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
+//   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
+//   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -117,11 +125,25 @@ __global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes
 // case's pages through its page table (the indexer's access pattern without the metadata, the
 // compute and the selection): warp w of the grid reads entries w, w + warps, ... of the flattened
 // [R, max_pages] table, 16 KB per page, 16 loads of 16 bytes per lane in flight.
+// kMark (--read-timeline): thread 0 of each CTA records %globaltimer at entry (word 0), its SM
+// (word 1), when warp 0's first page has landed (word 2) and, after a CTA barrier, when every warp
+// of the CTA is done (word 3): 4 words per CTA in `tl` (three timer reads per CTA, so the marks do
+// not serialise an SM's warps the way per-warp reads would).
+template <bool kMark>
 __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
-                           int64_t entries, int* sink) {
+                           int64_t entries, int* sink, uint64_t* tl) {
   const int lane = threadIdx.x & 31;
+  if (kMark && threadIdx.x == 0) {
+    uint64_t g;
+    uint32_t sm;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    tl[blockIdx.x * 4 + 0] = g;
+    tl[blockIdx.x * 4 + 1] = sm;
+  }
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x >> 5);
   int acc = 0;
+  bool first = true;
   int64_t e = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
   int32_t pg = e < entries ? __ldg(table + e) : 0;
   for (; e < entries; e += warps) {
@@ -139,9 +161,26 @@ __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __re
 #pragma unroll
       for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
     }
+    if (kMark && first && threadIdx.x == 0) {
+      uint64_t g;
+      // The timer read depends on acc: it waits for the first page's data.
+      asm volatile("{\n .reg .b32 t;\n mov.b32 t, %1;\n mov.u64 %0, %%globaltimer;\n}"
+                   : "=l"(g)
+                   : "r"(acc));
+      tl[blockIdx.x * 4 + 2] = g;
+    }
+    first = false;
     pg = next;
   }
   if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
+  if (kMark) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint64_t g;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
+      tl[blockIdx.x * 4 + 3] = g;
+    }
+  }
 }
 
 uint64_t integer_codes() {
@@ -415,6 +454,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
+  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -451,8 +491,8 @@ int main(int argc, char** argv) {
   using namespace m3attn;
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
-       variants = false, late = false, sorted = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0;
+       variants = false, late = false, sorted = false, read_timeline = false;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -493,6 +533,13 @@ int main(int argc, char** argv) {
     } else if (a == "--timeline" && i + 1 < argc &&
                std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       timeline = true;
+    else if (a == "--read-timeline" && i + 1 < argc &&
+             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
+      read_timeline = true;
+    else if (a == "--repeat" && i + 1 < argc)
+      repeat = std::max(1, std::atoi(argv[++i]));
+    else if (a == "--flat" && i + 1 < argc)
+      flat = std::atoi(argv[++i]);
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -515,8 +562,9 @@ int main(int argc, char** argv) {
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
-                   "[--ceiling] "
-                   "[--variants] [--vlist NAME,...] [--no-short-select] "
+                   "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -529,6 +577,7 @@ int main(int argc, char** argv) {
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
   }
+  default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -568,7 +617,8 @@ int main(int argc, char** argv) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-    const int64_t units = (c.T + 31) / 32 + c.R;  // overflow tiles (32 tokens at n_kv 4) + units
+    // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
+    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
@@ -742,6 +792,71 @@ int main(int argc, char** argv) {
     free_case(c);
     return finish();
   }
+  if (read_timeline) {
+    // The ceiling's paged read of the case's pages (read_paged, 8-warp CTAs) at grids of 1-4 CTAs
+    // per SM, one cold call each with per-CTA %globaltimer marks: when CTAs start, when their
+    // first page lands, when they end, and when each SM's last CTA ends (the read's front and
+    // tail, to set beside the indexer's --timeline).
+    int dev = 0, sms = 0;
+    check_cuda(cudaGetDevice(&dev), "device");
+    check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sm count");
+    Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
+    const int64_t entries = int64_t{c.R} * c.max_pages;
+    int* sink = static_cast<int*>(device_alloc(size_t{64} * 1024 * 4));
+    const auto pct = [](std::vector<double> v, double q) {
+      if (v.empty()) return 0.0;
+      std::sort(v.begin(), v.end());
+      return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
+    };
+    for (int k : {1, 2, 3, 4}) {
+      const int grid = k * sms;
+      const size_t bytes = size_t{4} * grid * 8;
+      uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
+      const bench::Timing t = bench::time_cold(
+          [&](cudaStream_t st) {
+            check_cuda(cudaMemsetAsync(d_tl, 0, bytes, st), "timeline clear");
+            read_paged<true><<<grid, 256, 0, st>>>(
+                pool.data, static_cast<const int32_t*>(c.d_tables[0]), entries, sink, d_tl);
+          },
+          stream, 1, 5);
+      std::vector<uint64_t> tl(bytes / 8);
+      check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
+      uint64_t g0 = ~uint64_t{0};
+      for (int b = 0; b < grid; ++b)
+        if (tl[b * 4]) g0 = std::min(g0, tl[b * 4]);
+      std::vector<double> entry, land, end;
+      std::map<int, double> sm_end;
+      for (int b = 0; b < grid; ++b) {
+        const uint64_t* e = tl.data() + b * 4;
+        if (!e[0]) continue;
+        entry.push_back((e[0] - g0) * 1e-3);
+        if (e[2]) land.push_back((e[2] - g0) * 1e-3);
+        if (e[3]) {
+          const double x = (e[3] - g0) * 1e-3;
+          end.push_back(x);
+          double& m = sm_end[static_cast<int>(e[1])];
+          m = std::max(m, x);
+        }
+      }
+      std::vector<double> sme;
+      for (const auto& kv : sm_end) sme.push_back(kv.second);
+      std::printf(
+          "read timeline b%d ctx %d draft %d, %d CTAs (%d per SM) x 8 warps, cold call %.1f us "
+          "(median of 5 incl. memset)\n"
+          "  entry  us: p50 %6.2f max %6.2f\n"
+          "  landed us: min %6.2f p50 %6.2f p90 %6.2f max %6.2f (warp 0's first page)\n"
+          "  end    us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n"
+          "  SM end us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f (%zu SMs)\n",
+          only_batch, only_ctx, only_draft, grid, k, t.median_us, pct(entry, 0.5), pct(entry, 1),
+          pct(land, 0), pct(land, 0.5), pct(land, 0.9), pct(land, 1), pct(end, 0), pct(end, 0.1),
+          pct(end, 0.5), pct(end, 0.9), pct(end, 1), pct(sme, 0), pct(sme, 0.1), pct(sme, 0.5),
+          pct(sme, 0.9), pct(sme, 1), sme.size());
+      cudaFree(d_tl);
+    }
+    cudaFree(sink);
+    free_case(c);
+    return finish();
+  }
   if (pdl) {
     // The indexer behind the producer stand-in (~3 us of spinning, then index_q rewritten), with a
     // normal and a programmatic launch, beside the stand-in alone; default plan.
@@ -832,8 +947,9 @@ int main(int argc, char** argv) {
             if (tf.median_us < flat_best) flat_best = tf.median_us, flat_grid = k * sms;
             const bench::Timing tp = bench::time_graph_cold(
                 [&](cudaStream_t st) {
-                  read_paged<<<k * sms, 256, 0, st>>>(
-                      pool.data, static_cast<const int32_t*>(c.d_tables[0]), entries, sink);
+                  read_paged<false><<<k * sms, 256, 0, st>>>(
+                      pool.data, static_cast<const int32_t*>(c.d_tables[0]), entries, sink,
+                      nullptr);
                 },
                 stream);
             if (tp.median_us < paged_best) paged_best = tp.median_us, paged_grid = k * sms;
@@ -846,8 +962,9 @@ int main(int argc, char** argv) {
               c.copies, stream, calls);
           const bench::Timing pb = bench::time_graph_back_to_back(
               [&](cudaStream_t st, int copy) {
-                read_paged<<<paged_grid, 256, 0, st>>>(
-                    pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries, sink);
+                read_paged<false><<<paged_grid, 256, 0, st>>>(
+                    pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries, sink,
+                    nullptr);
               },
               c.copies, stream, calls);
           check_cuda(cudaStreamSynchronize(stream), "ceiling");
@@ -887,53 +1004,62 @@ int main(int argc, char** argv) {
       IndexerCudaOptions o;
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
-    std::vector<Variant> all = {{"base", default_o},
-                                {"2k", default_o},
-                                {"late", default_o},
-                                {"sorted", default_o},
-                                {"q1", default_o}};
+    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
+                                {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
+                                {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
+                                {"flat1q1", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
     all[4].o.short_select = false;
+    all[5].o.flat_decode = -1;
+    all[6].o.flat_decode = 1;
+    all[7].o.flat_decode = 2;
+    all[8].o.flat_decode = 3;
+    all[9].o.flat_decode = 1;
+    all[9].o.short_select = false;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
-    for (int ctx : contexts) {
-      for (int batch : batches) {
-        const int draft = only ? only_draft : 3;
-        if (only && (batch != only_batch || ctx != only_ctx)) continue;
-        if (!only && batch == 1) continue;
-        Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
-        const std::vector<Slice> slices = decode_slices(batch, draft);
-        bool pass = true;
-        std::vector<Times> tms;
-        for (Variant& v : vs)
-          if (v.name == std::string("2k"))
-            v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
-        for (const Variant& v : vs) {
-          const std::string what = std::string("variant ") + v.name + " b" + std::to_string(batch) +
-                                   " ctx " + std::to_string(ctx) + " draft " +
-                                   std::to_string(draft);
-          tms.push_back(check_and_time(c, pool, slices, v.o, stream, true, what, &pass));
+    for (int run = 0; run < repeat; ++run)
+      for (int ctx : contexts) {
+        for (int batch : batches) {
+          const int draft = only ? only_draft : 3;
+          if (only && (batch != only_batch || ctx != only_ctx)) continue;
+          if (!only && batch == 1) continue;
+          Case c = make_case(batch, ctx, 1 + draft, pool, rng, rng());
+          const std::vector<Slice> slices = decode_slices(batch, draft);
+          bool pass = true;
+          std::vector<Times> tms;
+          for (Variant& v : vs)
+            if (v.name == std::string("2k"))
+              v.o.k_splits = indexer_cuda_plan(c.p, default_o).k_splits;
+          for (const Variant& v : vs) {
+            const std::string what = std::string("variant ") + v.name + " b" +
+                                     std::to_string(batch) + " ctx " + std::to_string(ctx) +
+                                     " draft " + std::to_string(draft);
+            tms.push_back(check_and_time(c, pool, slices, v.o, stream, true, what, &pass));
+          }
+          all_pass = all_pass && pass;
+          bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
+          row.add("run", std::to_string(run + 1));
+          for (size_t i = 0; i < vs.size(); ++i) {
+            if (i > 0) row.add(std::string(vs[i].name) + "_plan", plan_str(c, vs[i].o));
+            row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
+            row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
+          }
+          rows.push_back(row);
+          free_case(c);
         }
-        all_pass = all_pass && pass;
-        bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
-        for (size_t i = 0; i < vs.size(); ++i) {
-          if (i > 0) row.add(std::string(vs[i].name) + "_plan", plan_str(c, vs[i].o));
-          row.add(std::string(vs[i].name) + "_us", tms[i].iso.median_us, 1);
-          row.add(std::string(vs[i].name) + "_b2b", tms[i].b2b.median_us, 1);
-        }
-        rows.push_back(row);
-        free_case(c);
       }
-    }
     bench::print_rows(
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
-        "!early_query_loads, sorted = !fast_select, q1 = !short_select)",
+        "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
+        "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }
@@ -942,6 +1068,7 @@ int main(int argc, char** argv) {
     // default plan and the two-kernel path, at 8K (<= 64 blocks, where the single pass applies).
     for (int draft : {0, 3}) {
       for (int batch : {1, 32, 64, 96, 128, 192, 256}) {
+        if (only && (batch != only_batch || draft != only_draft)) continue;  // --case
         Case c = make_case(batch, 8192, 1 + draft, pool, rng, rng());
         const std::vector<Slice> slices = decode_slices(batch, draft);
         // -1: default plan, 0: two-kernel, 1..8: single pass with that many CTAs per request.

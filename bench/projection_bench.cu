@@ -45,8 +45,9 @@
 // fused wgmma GEMM at M = 1, 16, 64, isolated timing only: for profiling; with --min-units U,
 // --promotion P, --burst B, --waves W, --pdl-chain setting GemmWgmmaOptions), --shape N,K (only
 // one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
-// weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant V
-// times only wgmma variant V (for profiling: its check launch comes first); --random; --trace:
+// weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant
+// V1,V2,... times only those wgmma variants, in that order, repeats allowed (alternating runs for
+// same-round A/Bs; for profiling: each one's check launch comes first); --random; --trace:
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
 // autotuner's replay timing against the benchmark's, see run_tuner_probe).
 #include <cuda_runtime_api.h>
@@ -366,6 +367,11 @@ struct ShapeVariant {
   bool packed;    // GemmWgmmaOptions::packed_weights (weights packed once per copy)
   bool rows;      // GemmWgmmaOptions::row_packed_weights (the row split's image per copy)
   int burst = 0;  // GemmWgmmaOptions::burst (the row split: K blocks per ring stage)
+  // GemmWgmmaOptions::programmatic_launch + trigger_dependents: back to back, each call's first
+  // ring of weights is requested while the preceding call's last CTAs finish.
+  bool chain = false;
+  bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
+  int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -416,7 +422,8 @@ std::string trace_summary(const TraceBuffer& tb) {
   return buf;
 }
 
-int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_variant, bool random,
+int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
+              const std::vector<int64_t>& only_variants, bool random,
               bool trace, bool json) {
   // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
@@ -426,14 +433,29 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
   // blocks from a ticket counter (round A: 28-48 us at M 1 vs 22.6; round B chunk 8: 26.9 vs 21.6)
   // and a row split without split-K (round C: 32.1 us at M 1, 37.1 at M 64; o_proj 40-77 us).
   // 6-9: the row split over its packed linear image (session 18), K blocks per stage automatic,
-  // 1, 2, 4; 10: the row split with two consumer warpgroups per CTA, one CTA per SM.
+  // 1, 2, 4; 10: the row split with two consumer warpgroups per CTA, one CTA per SM; 11: the row
+  // split chained by programmatic dependent launch (session 19); 12: the row split's weights
+  // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
+  // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
+  // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
+  // 17: the row split with 2 K blocks per stage, chained. (Session 19 also timed and removed: the
+  // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
+  // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
+  // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F and
+  // serial stages (no fold while the next stage's wgmmas are in flight) its only order since
+  // round G.)
   const ShapeVariant variants[] = {
       {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
       {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
       {0, false, 16, 3, false, false},   {0, false, 16, 0, true, false},
       {0, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 1},
       {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4},
-      {1, false, 16, 0, false, true}};
+      {1, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 0, true},
+      {0, false, 16, 0, false, true, 0, false, true}, {0, false, 16, 0, false, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 2},
+      {1, false, 16, 0, false, true, 0, true},
+      {0, false, 16, 0, false, true, 2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -581,11 +603,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       row.add("check", check);
       rows.push_back(row);
     };
-    if (only_variant < 0)
+    if (only_variants.empty())
       add(
           "cublaslt " + lt->algorithm_for(m),
           [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); }, "ref");
-    if (only_variant < 0) {
+    if (only_variants.empty()) {
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       must(dflt->run(params(0, out), stream), "default object");
       check_cuda(cudaStreamSynchronize(stream), "default object");
@@ -615,14 +637,25 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
                         : "DIFFERENT");
     }
     if (m > kGemmWgmmaMaxM) continue;
-    for (int v = 0; v < nv; ++v) {
-      if (only_variant >= 0 && v != only_variant) continue;
+    // Every variant in order, or the --variant list in its order (repeats allowed: alternating
+    // runs of a same-round A/B).
+    std::vector<int> order;
+    for (int v = 0; v < nv; ++v) order.push_back(v);
+    if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
+    for (const int v : order) {
+      if (v < 0 || v >= nv) {
+        std::fprintf(stderr, "--variant %d: variants are 0 ... %d\n", v, nv - 1);
+        return 2;
+      }
       GemmWgmmaOptions o;
       o.ctas_per_sm = variants[v].ctas;
       o.owner_fixup = variants[v].owner;
       o.min_units_per_cta = variants[v].min_units;
       o.cluster_split = variants[v].cluster;
       o.burst = variants[v].burst;
+      o.programmatic_launch = o.trigger_dependents = variants[v].chain;
+      o.weight_evict_first = !variants[v].no_evict_first;
+      o.debug_rows_diag = variants[v].diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -641,7 +674,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (o.burst != 0 ? " burst " + std::to_string(o.burst) : "");
+          (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
+          (variants[v].chain ? " pdl chain" : "") +
+          (variants[v].no_evict_first ? " no evict-first" : "") +
+          (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
@@ -658,16 +694,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
       check_cuda(cudaStreamSynchronize(stream), "wgmma");
       check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
       const bool same = got == want;  // (random operands: not compared, summation orders differ)
-      if (!same && !random) pass = false;
+      const bool ablated = variants[v].diag > 0 && m <= 8;  // (diagnostics: results wrong)
+      if (!same && !random && !ablated) pass = false;
       add(
           name,
           [&](cudaStream_t stc, int c) {
             must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, with_copy(c)),
                  "wgmma");
           },
-          random ? "n/a"
-          : same ? "identical"
-                 : "DIFFERENT");
+          random || ablated ? "n/a"
+          : same            ? "identical"
+                            : "DIFFERENT");
       if (trace) {
         GemmWgmmaOptions ot = with_copy(0);
         ot.debug_trace = tbuf.dev;
@@ -681,8 +718,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms, int only_var
             },
             stream, 0, 1);
         check_cuda(cudaStreamSynchronize(stream), "traced");
+        std::string summary;
+        if (variants[v].rows) {
+          std::vector<unsigned long long> words(static_cast<size_t>(tbuf.ctas) *
+                                                gemm_wgmma_trace_words());
+          check_cuda(cudaMemcpy(words.data(), tbuf.dev, words.size() * 8, cudaMemcpyDeviceToHost),
+                     "trace");
+          summary = bench::rows_trace_summary(words, tbuf.ctas);
+        } else {
+          summary = trace_summary(tbuf);
+        }
         std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
-                    trace_summary(tbuf).c_str());
+                    summary.c_str());
       }
     }
   }
@@ -872,7 +919,7 @@ int run(int argc, char** argv) {
   bool json = false, quick = false, verbose = false, wgmma_only = false;
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
-  int only_variant = -1;
+  std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
   bool random = false, trace = false, tuner_probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -907,8 +954,8 @@ int run(int argc, char** argv) {
       tuner_probe = true;
     } else if (f == "--ms" && i + 1 < argc) {
       shape_ms = parse_list(argv[++i]);
-    } else if (f == "--variant") {
-      int_arg(&only_variant);
+    } else if (f == "--variant" && i + 1 < argc) {
+      only_variants = parse_list(argv[++i]);
     } else if (f == "--random") {
       random = true;
     } else if (f == "--trace") {
@@ -918,7 +965,7 @@ int run(int argc, char** argv) {
           stderr,
           "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
           "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-          "--shape N,K [--ms M1,M2,...] [--variant V] [--random] [--trace] [--tuner-probe])\n",
+          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--random] [--trace] [--tuner-probe])\n",
           argv[i]);
       return 2;
     }
@@ -931,7 +978,7 @@ int run(int argc, char** argv) {
     }
     std::sort(shape_ms.begin(), shape_ms.end());
     if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
-    return run_shape(shape[0], shape[1], shape_ms, only_variant, random, trace, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variants, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

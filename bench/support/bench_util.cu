@@ -190,4 +190,59 @@ void print_rows(const std::string& title, const std::vector<Row>& rows, bool jso
   }
 }
 
+std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas) {
+  constexpr int kWords = 8;
+  const size_t n = std::min(static_cast<size_t>(ctas), words.size() / kWords);
+  double t0 = 0;
+  bool any = false;
+  for (size_t c = 0; c < n; ++c) {
+    const double e = static_cast<double>(words[c * kWords]);
+    if (e == 0) continue;
+    t0 = any ? std::min(t0, e) : e;
+    any = true;
+  }
+  if (!any) return "no trace";
+  // Marks: entry, first full, middle full, last full, folded, epilogue done (us after t0).
+  constexpr int kMarks = 6;
+  std::vector<double> mark[kMarks], ghz, to_first, stream, tail;
+  for (size_t c = 0; c < n; ++c) {
+    const unsigned long long* w = &words[c * kWords];
+    if (w[0] == 0 || w[7] <= w[0] || w[6] <= w[1]) continue;
+    const double cyc_per_ns = static_cast<double>(w[6] - w[1]) / static_cast<double>(w[7] - w[0]);
+    auto at = [&](int word) {
+      return (static_cast<double>(w[0]) - t0 +
+              static_cast<double>(static_cast<long long>(w[word] - w[1])) / cyc_per_ns) /
+             1e3;
+    };
+    mark[0].push_back((static_cast<double>(w[0]) - t0) / 1e3);
+    for (int k = 1; k < kMarks; ++k) mark[k].push_back(at(k + 1));
+    ghz.push_back(cyc_per_ns);
+    to_first.push_back(at(2) - mark[0].back());
+    stream.push_back(at(4) - at(2));
+    tail.push_back(at(6) - at(4));
+  }
+  if (ghz.empty()) return "no complete trace";
+  auto stat = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.2f/%.2f/%.2f", v.front(), v[v.size() / 2], v.back());
+    return std::string(buf);
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const char* names[kMarks] = {"entry", "first full", "mid full", "last full", "folded", "done"};
+  std::string out = std::to_string(ghz.size()) + " CTAs, us min/median/max after the first entry:";
+  for (int k = 0; k < kMarks; ++k) out += std::string(" ") + names[k] + " " + stat(mark[k]) + ";";
+  char buf[256];
+  std::snprintf(buf, sizeof(buf),
+                " per CTA (median): entry -> first full %.2f, first -> last full %.2f, last full "
+                "-> done %.2f (max %.2f); span %.2f us; SM clock %.3f GHz",
+                median(to_first), median(stream), median(tail),
+                *std::max_element(tail.begin(), tail.end()),
+                *std::max_element(mark[5].begin(), mark[5].end()), median(ghz));
+  return out + buf;
+}
+
 }  // namespace m3attn::bench

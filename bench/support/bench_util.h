@@ -67,4 +67,13 @@ void print_rows(const std::string& title, const std::vector<Row>& rows, bool jso
 void launch_plain_read(const void* p, size_t n16, int grid, int threads, int* sink,
                        cudaStream_t stream);
 
+// The row split's per-CTA trace (8 words per CTA, gemm_wgmma_rows_kernel.cuh kRowsTraceWords:
+// globaltimer ns and clock64 at entry, clock64 when the first / middle / last stage was full, at
+// the last fold and after the epilogue, globaltimer ns at the end; CTAs with word 0 == 0 absent)
+// summarized: each CTA's clock64 marks put on the globaltimer base at the CTA's own clock rate,
+// then over the CTAs min / median / max of every mark in us after the first CTA's entry, the
+// median per-CTA phases (entry -> first full, first -> last full, last full -> end), the kernel's
+// span and the SMs' clock.
+std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas);
+
 }  // namespace m3attn::bench

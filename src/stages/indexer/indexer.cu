@@ -35,12 +35,17 @@ constexpr int64_t kDecodeChunk = 16;
 // blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
-// ... halved to 12 where 24-block chunks give at least one CTA per SM and 12-block ones still fit
-// one wave (kFusedCtasPerSm per SM; at 132 SMs: 44-66 requests): session 18 round F, three
-// same-run sweeps at 64 x 8K draft 3: k6 c12 25.2-25.4 / 23.0 us (isolated / back to back) vs
-// k3 c24 25.7-26.0 / 23.4-23.5 (k4 c16 24.4-24.6, k8 c8 24.3-24.4 back to back); session 17's
-// sweep 23.0 vs 23.4. Measured at 64 requests only.
-constexpr int64_t kDecodeChunkShortHalf = 12;
+// Where 24-block chunks give at least one CTA per SM and 12-block ones would still fit one wave
+// (kFusedCtasPerSm per SM; at 132 SMs and 64 blocks: 44-66 requests), the two-kernel path runs
+// flat decode with one CTA per SM instead (IndexerCudaOptions::flat_decode): every warp a
+// contiguous range of one request's blocks, 7-8 blocks per warp at 64 x 8K, every SM within 4
+// blocks of the mean. Session 19, same-run A/Bs at 64 x 8K draft 3, two alternating runs each:
+// 23.5-23.7 / 23.6-23.7 / 23.5-23.6 / 23.3-23.5 us back to back (rounds A-D) vs 24.1-24.2 /
+// 24.1-24.2 / 24.1 / 23.9 for 6 splits of 12 blocks (session 18's rule for this range: k6 c12
+// 23.0 vs k3 c24 23.4-23.5), isolated 25.8-26.0 vs 26.2-26.4; flat with 2 / 3 CTAs per SM
+// 24.2-24.5 / 25.1 (round A: 7-8 blocks per warp beat 3-4 with three times the warps). Measured
+// at 64 requests only.
+constexpr int64_t kFlatRuleChunk = 12;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 4;
 // Largest portable thread-block cluster: CTAs per decode unit of the clustered single pass.
@@ -112,6 +117,7 @@ struct Plan {
   int64_t overflow = 0, units = 0;
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
+  int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -131,6 +137,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // round) covering max_pages in k pieces. The automatic choice then drops the splits that would
   // start at or past max_pages.
   int64_t chunk = round4(ceil_div(max_pages, k));
+  bool flat_rule = false;  // the automatic flat decode's range (see kFlatRuleChunk)
   if (pl.mma && o.k_splits == 0) {
     // Decode units want chunks of 16 blocks (256 KB of index-K per CTA), fewer when that leaves
     // SMs idle (small batches are latency bound); never more splits than the CTA target above
@@ -144,8 +151,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       dchunk =
           std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps, dchunk);
     else if (dchunk == kDecodeChunkShort &&
-             R * ceil_div(max_pages, kDecodeChunkShortHalf) <= kFusedCtasPerSm * sms)
-      dchunk = kDecodeChunkShortHalf;
+             R * ceil_div(max_pages, kFlatRuleChunk) <= kFusedCtasPerSm * sms)
+      flat_rule = true;
     chunk = std::max(chunk, dchunk);
     k = ceil_div(max_pages, chunk);
   }
@@ -226,6 +233,22 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   }
   pl.k_splits = k;
   pl.dec_chunk = chunk;
+  // Flat decode (IndexerCudaOptions::flat_decode): the two-kernel path over flat_decode x SMs
+  // CTAs of balanced block ranges, where every request gets at least one warp; automatic (one CTA
+  // per SM) in the range of kFlatRuleChunk where the plan is still the two-kernel path.
+  const bool flat_auto =
+      o.flat_decode == 0 && flat_rule && !o.unfused_decode && !pl.fused && !pl.single;
+  const int64_t flat_per_sm = o.flat_decode > 0 ? o.flat_decode : (flat_auto ? 1 : 0);
+  if (pl.mma && flat_per_sm > 0 && T > 0) {
+    const int64_t ctas = flat_per_sm * sms;
+    if (ctas * ik::kMmaWarps >= R) {
+      pl.fused = pl.single = false;
+      pl.flat_ctas = ctas;
+      pl.units = pl.overflow + ctas;
+      pl.k_splits = 1;
+      pl.dec_chunk = max_pages;
+    }
+  }
   return pl;
 }
 
@@ -281,6 +304,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.k_splits = static_cast<int>(pl.k_splits);
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
+  info.flat_ctas = static_cast<int>(pl.flat_ctas);
   return info;
 }
 
@@ -304,6 +328,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                        ik::kMaxKv, " index heads");
   M3_CHECK_ARG(options.k_splits >= 0 && options.k_splits <= 65535, "run_indexer_cuda: k_splits ",
                options.k_splits, " is outside [0, 65535]");
+  M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
+               "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
+               kFusedCtasPerSm, "]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -343,6 +370,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(pl.units <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", pl.units,
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
+  a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);

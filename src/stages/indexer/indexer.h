@@ -161,6 +161,18 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
+  // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
+  // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
+  // decode warps, and each of its warps a contiguous range of its max_pages blocks, so every SM
+  // gets the same number of blocks within a few; then the selection kernel. Applies where the
+  // tensor-core scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill
+  // tokens) then run one split each. Automatic (k_splits 0, !unfused_decode): one CTA per SM
+  // where the plan is the two-kernel path at <= 64 blocks and 24-block splits would give one to
+  // about three CTAs per SM (at 132 SMs and 8K: 44-66 requests of 2-8 tokens; indexer.cu,
+  // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
+  // former 6 splits of 12 blocks). Same ids.
+  int flat_decode = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
@@ -189,6 +201,8 @@ struct IndexerCudaPlan {
   int dec_chunk = 0;    // blocks per split of a decode unit (tensor cores)
   bool single = false;  // fused, rows finished by the scorer (no selection kernel); k_splits > 1:
                         // one thread-block cluster of k_splits CTAs per unit
+  int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
+                        // scorer (k_splits 1); 0: R units of k_splits splits
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -60,12 +60,16 @@ struct KernelArgs {
   int num_requests = 0;                  // R
   int n_kv = 0;
   int max_pages = 0;
-  int dec_tokens = 0;            // tokens of a decode unit: kDecRows / n_kv
-  int pre_tokens = 0;            // tokens of an overflow tile: kPreRows / n_kv
-  int num_overflow = 0;          // overflow tiles (grid.x offset of the decode units)
-  int k_splits = 1;              // grid.y
-  int min_chunk = 1;             // smallest block chunk of one split
-  int dec_chunk = 1;             // blocks per split of a decode unit (mma path; see decode_path)
+  int dec_tokens = 0;    // tokens of a decode unit: kDecRows / n_kv
+  int pre_tokens = 0;    // tokens of an overflow tile: kPreRows / n_kv
+  int num_overflow = 0;  // overflow tiles (grid.x offset of the decode units)
+  int k_splits = 1;      // grid.y
+  int min_chunk = 1;     // smallest block chunk of one split
+  int dec_chunk = 1;     // blocks per split of a decode unit (mma path; see decode_path)
+  // IndexerCudaOptions::flat_decode (two-kernel tensor-core path): the decode warps, 4 per CTA
+  // after the overflow tiles (grid.y 1), each serving a contiguous block range of one request
+  // (decode_path); 0: decode units of k_splits splits.
+  int flat_warps = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
@@ -130,8 +134,10 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
 __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
   const uint64_t c = static_cast<uint64_t>(clock64());
-  const int64_t base =
-      ((int64_t{a.num_overflow} + a.num_requests) * a.k_splits * 4 + 1) * kTimelineStride;
+  const int64_t score_ctas = a.flat_warps > 0
+                                 ? int64_t{a.num_overflow} + a.flat_warps / 4
+                                 : (int64_t{a.num_overflow} + a.num_requests) * a.k_splits;
+  const int64_t base = (score_ctas * 4 + 1) * kTimelineStride;
   const int64_t w = int64_t{blockIdx.x} * (blockDim.x >> 5) + (threadIdx.x >> 5);
   uint64_t* e = a.timeline + base + w * 4;
   if (slot == 0) {

@@ -397,19 +397,20 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
-// The warp's share of a decode unit: blocks first, first + 4, ... < b1 (pg_first / pg_second: the
+// The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
+// blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
-                                            int rows, int first, int b1, int64_t pg_first,
+                                            int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int nblk = (b1 - first + kMmaWarps - 1) / kMmaWarps;
+  const int nblk = (b1 - first + step - 1) / step;
 
   // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
   // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
@@ -422,7 +423,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kMmaWarps) : -1;
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
   };
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
@@ -449,7 +450,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
   for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * kMmaWarps;
+    const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
@@ -508,15 +509,33 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int r = static_cast<int>(blockIdx.x) - a.num_overflow;
-  const int b0 =
+  int r = static_cast<int>(blockIdx.x) - a.num_overflow;
+  int b0 =
       static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
-  const int bend = static_cast<int>(min(int64_t{b0} + a.dec_chunk, int64_t{a.max_pages}));
-  const int first = b0 + warp;
+  int bend = static_cast<int>(min(int64_t{b0} + a.dec_chunk, int64_t{a.max_pages}));
+  int first = b0 + warp, step = kMmaWarps;
+  if (!kFused && a.flat_warps > 0) {
+    // Flat decode (two-kernel path, IndexerCudaOptions::flat_decode): warp v of the flat_warps
+    // decode warps (the CTAs after the overflow tiles, 4 warps each, grid.y 1) serves request r
+    // = floor(((v + 1) R - 1) / flat_warps), i.e. request r owns warps [r W / R, (r + 1) W / R)
+    // (W = flat_warps >= R: 1 or 2 counts apart), and of its max_pages blocks (host-known, as the
+    // splits) the contiguous range [i max_pages / n, (i + 1) max_pages / n) of its n warps (i:
+    // the warp's index among them). Every SM then gets the same number of blocks within a few
+    // (one CTA per SM, the automatic choice: 28-32 at 64 x 8K, 7-8 per warp, vs 24-36 for 6
+    // splits of 12 blocks) and no warp serves two requests.
+    const int v = r * kMmaWarps + warp;
+    const int R = a.num_requests, W = a.flat_warps;
+    r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
+    const int lo = static_cast<int>(int64_t{r} * W / R);
+    const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
+    b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
+    bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
+    first = b0;
+    step = 1;
+  }
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
-  const int64_t pg_second =
-      first + kMmaWarps < bend ? guarded_page(a, r, first + kMmaWarps) : int64_t{-1};
+  const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -581,20 +600,20 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, pg_first, pg_second, q, p, table,
-                               tb0, pre);
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre);
         break;
     }
   };

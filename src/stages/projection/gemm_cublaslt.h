@@ -179,7 +179,9 @@ struct Fp8BlockGemmOptions {
   // Session 18 round B (fused N 9856 x K 6144, us isolated / back to back): the row split 19.5 /
   // 17.5 at M 1-8, 20.2 / 17.8 at M 16, 21.2 / 18.7 at M 32 against cuBLASLt's 22.6-22.9 /
   // 20.8-21.1 and the stream-K wgmma kernel's 21.7-23.3 / 19.8-21.2; at M 64 28.7 / 25.5 against
-  // cuBLASLt's 22.9 / 21.3.
+  // cuBLASLt's 22.9 / 21.3. Session 19 round G (serial stages, token-major at M > 32; back to
+  // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
+  // (20.7 when chained by programmatic dependent launch): 32 stays.
   int row_split_max_m = 32;
 };
 

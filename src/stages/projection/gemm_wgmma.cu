@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -247,12 +247,17 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM).
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
+// diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
+  if constexpr (kNw == 8) {
+    if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
+    if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
+  }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
   if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
@@ -459,6 +464,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
                  " must be the image's CTA count, in [1, N = ", n, "]");
     M3_RETURN_IF_ERROR(rows_shape_supported(n, k, rgrid));
+    const int kpb = options.burst;
+    M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
+                 " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
+    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
+    // set of activation boxes per SM).
+    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
+    const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -472,16 +484,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    const int kpb = options.burst;
-    M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
-                 " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
-    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
-    // set of activation boxes per SM).
-    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, xmap, ra, rgrid, info, stream);
+    ra.trace = options.debug_trace;
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
   }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.

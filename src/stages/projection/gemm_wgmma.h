@@ -66,8 +66,9 @@ struct GemmWgmmaOptions {
   // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
   // grid reads the image front to back. b's scales and shape still come from the call; its data
-  // is not read. `burst` is the K blocks per ring stage there (0: 4 at M <= 16, 2 at M <= 32,
-  // else 1; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
+  // is not read. At M > 32 it runs its token-major form (activations as the wgmma A operand, the
+  // CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4 at M
+  // <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
   // warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
   // activation boxes per SM; the default K blocks per stage): session 18 round I, us isolated /
   // back to back, o_proj (N 6144, K 8192) M 1 17.79 / 15.40 and M 16 18.91 / 16.62 against 17.89 /
@@ -128,8 +129,14 @@ struct GemmWgmmaOptions {
   // Benchmark diagnostics (projection_bench --trace): a device buffer of gemm_wgmma_trace_words()
   // x grid uint64 (grid <= ctas_per_sm x SMs x max_waves, or N / 128 x cluster_split) where every
   // CTA records when it started, got its first and last unit, and ended (%globaltimer ns and
-  // clock64 cycles) and its cycles in segment epilogues. Results are unchanged.
+  // clock64 cycles) and its cycles in segment epilogues; the row split (grid = its CTAs) records
+  // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
+  // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
+  // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
+  // per CTA, burst 0) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases,
+  // i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.
+  int debug_rows_diag = 0;
 };
 
 // uint64 words per CTA in GemmWgmmaOptions::debug_trace.

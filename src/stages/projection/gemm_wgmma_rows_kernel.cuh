@@ -22,15 +22,21 @@
 // producer's lane 0 also loads each K block's activation box (n rows x 128 bytes, 128B swizzle, by
 // TMA, L2-resident); a full / empty mbarrier pair per stage.
 //
-// Consumers, pipelined across K blocks: each K block's 4 wgmma m64nNk32 go into their own
-// temporary fragment (kNw / 2 fp32 registers) and their own commit group; after issuing stage
-// i + 1 the warpgroup waits until only those groups are pending (wgmma.wait_group kKpb), folds
-// stage i's fragments into the accumulators (scale products from shared memory, staged once per
-// CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks, a
-// CTA's rows straddling at most one 128-row boundary) and releases stage i. So the tensor cores
-// and the ring never wait for a fold, and a K block costs no full-barrier round trip of its own.
-// (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0), and a
-// non-wgmma write of an accumulator register while other groups are in flight makes ptxas
+// Consumers, one stage at a time: each K block's 4 wgmma m64nNk32 go into their own temporary
+// fragment (kNw / 2 fp32 registers; 20 in the token-major form) and their own commit group; the
+// warpgroup waits for the stage's groups (wgmma.wait_group 0), folds its fragments into the
+// accumulators (scale products from shared memory, staged once per CTA: the activation scales of
+// every K block and the CTA's two possible weight-scale blocks, a CTA's rows straddling at most
+// one 128-row boundary) and releases the stage before waiting for the next one. (Session 18
+// issued stage i + 1's wgmmas before folding stage i, so that the tensor cores never waited for a
+// fold; session 19 round G, same round, back to back: serial stages 17.20-17.24 vs 17.61-17.75 us
+// at M 32, 21.76-21.78 vs 23.91-23.95 at M 64, 17.26-17.34 vs 17.56-17.58 at M 16, equal at M 1
+// (17.41-17.46 vs 17.32-17.41); chained by PDL 15.40-15.42 vs 15.77-15.80 at M 1, 16.09-16.15 vs
+// 16.87-16.88 at M 16; o_proj M 16 15.84 vs 17.50. A fold while the next stage's wgmmas are in
+// flight costs more than the overlap gains: round D's ablations at M 1 had the kernel without its
+// folds as fast as its stream (15.8 us) and the fold's arithmetic is ~20 instructions per K
+// block.) (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0),
+// and a non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
 // the CTA's count, m < M).
 //
@@ -45,6 +51,14 @@
 // 23.8-24.9; its stream without compute (bandwidth_bench --rows: the same copies, 4 K blocks per
 // stage, 8 activation rows) 17.4-17.6 / 15.5-15.6, with a stage held until the next one is full
 // (as the consumers do) 17.7 / 15.7; a plain read of the bytes 17.0-17.1 / 14.9-15.2.
+// Session 19 (round G, same round, b2b; serial stages, token-major at M > 32): fused M 1 / 16 /
+// 32 / 64 17.41-17.46 / 17.26-17.34 / 17.20-17.24 / 21.76-21.78 us, chained by programmatic
+// dependent launch (programmatic_launch + trigger_dependents, as in a captured decode chain)
+// 15.40-15.42 / 16.09-16.15 / 17.30-17.31 / 20.66-20.71 (cuBLASLt 21.4-21.6 at every M); o_proj M
+// 1 / 16 16.11 / 15.84, chained 14.87 / 15.68. Where M 1 loses to its stream (15.8 b2b, round
+// F): per-CTA traces (projection_bench --trace) show the stages landing at the stream's pace
+// (first -> last full 11.0-11.2 us in both) and the kernel ending ~1.0 us after its last stage
+// landed (the stream 0.1): the last stage's wgmmas, fold and epilogue; chaining hides most of it.
 //
 // Bytes: weights N K once from HBM in image order; activations M_pad K per CTA from L2 (G x the
 // stream-K kernel's per-unit share: 264 x 48 KB = 13 MB at n = 8, 101 MB at n = 64); no workspace
@@ -76,10 +90,12 @@ constexpr int rows_smem_per_cta() {
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
 template <int kNw>
 constexpr int rows_default_kpb() {
-  // (Round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2 17.61 / 16.83,
-  // at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31 us); at n 64
-  // 1 (2 spills and leaves three stages: 32 vs 23.8).)
-  return kNw <= 16 ? 4 : kNw <= 32 ? 2 : 1;
+  // (Session 18 round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2
+  // 17.61 / 16.83, at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31
+  // us). At n 64 the token-major form: 2 (session 19 round F: 23.0-23.1 vs 26.1-26.2 with 1).
+  // Session 19 rounds D / F at n 16 fused: 2 K blocks 16.82 (plain), 16.12-16.44 (chained) vs 4
+  // 17.40-17.48, 16.60-16.79; o_proj chained 19.25-19.29 vs 16.64-16.67: kept at 4.)
+  return kNw <= 16 ? 4 : 2;
 }
 template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
@@ -110,7 +126,24 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
+  // kRowsTraceWords per CTA, written by consumer thread 0 (below).
+  unsigned long long* trace;
 };
+
+// Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same
+// words for its stream without compute): %globaltimer ns at entry, clock64 at entry, clock64 when
+// the first, the middle (steps / 2) and the last ring stage was full, when the last stage was
+// released by every consumer (folded), after the epilogue's stores, and %globaltimer ns at the
+// end. Only two globaltimer reads per CTA (a read costs ~0.3 us); the host puts each CTA's
+// clock64 marks on the globaltimer base with the CTA's own clock rate (cycles between the two
+// reads over their ns). Words 0-5 come from the producer warp's idle lane 1, which follows the
+// full barriers of every stage and the last stage's empty barrier; words 6-7 from consumer
+// thread 0 after its last wgmma wait. (A trace branch in the consumers between wgmmas in flight
+// made ptxas serialize every wgmma of the kernel (C7518 / C7520): session 19 round A measured
+// that build 1 us slower back to back.)
+constexpr int kRowsTraceWords = 8;
+static_assert(kRowsTraceWords == kTraceWords, "gemm_wgmma_trace_words() serves both kernels");
 
 // CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
 __host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n) {
@@ -147,17 +180,32 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
-template <int kNw, int kKpb, int kWg>
+// n = 64 (M > 32) runs the token-major form (kTok, session 19): the activations are the wgmma A
+// operand (m64 = the 64 token rows, K-major 128B-swizzled boxes) and the CTA's weight rows the B
+// operand (n40: rows past the CTA's 37-38 read neighbouring bytes of the stage and are never
+// stored) instead of swap-AB (A = 64 weight rows of which 37-38 are the CTA's, B = n tokens): 64 x
+// 40 instead of 64 x 64 products per k step, 20 accumulators per thread instead of 32, and each
+// thread's 20 values belong to two tokens and at most two weight-scale blocks, so a K block's
+// fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
+// with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
+// 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
+// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
+// and releases: its stream), 2 = wgmma without the scaled fold (each fragment value only added to
+// its accumulator, so that the wgmmas stay live: session 19's first version of 2 had no use of the
+// fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
+// D-G's "without folds" rows the same as 1).
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
   constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
-  constexpr int kAcc = kNw / 2;
+  constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
-  static_assert(kStages >= 2, "the consumers hold two stages at a time");
+  static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
   // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
   // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
@@ -194,6 +242,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
+    if (lane == 1 && p.trace != nullptr) {
+      // Diagnostics (bench only): the trace's words 0-5 (see kRowsTraceWords).
+      unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+      t[0] = global_ns();
+      t[1] = static_cast<unsigned long long>(clock64());
+      for (int i = 0; i < steps; ++i) {
+        mbar_wait(smem_addr(&full_bar[i % kStages]), (i / kStages) & 1);
+        const unsigned long long c = static_cast<unsigned long long>(clock64());
+        if (i == 0) t[2] = c;
+        if (i == steps / 2) t[3] = c;
+        if (i == steps - 1) t[4] = c;
+      }
+      mbar_wait(smem_addr(&empty_bar[(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
+      t[5] = static_cast<unsigned long long>(clock64());
+    }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
     // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
     if (lane == 0) {
@@ -272,19 +335,28 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   }
 
   const int warp = (tid / 32) % 4;
-  const int row0 = 16 * warp + lane / 4;  // this thread's rows: row0 and row0 + 8
+  // The thread's accumulator rows row0, row0 + 8 (swap-AB: weight rows; kTok: tokens) and its
+  // columns m0 + 8 c + {0, 1} (swap-AB: tokens; kTok: weight rows).
+  const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
   // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
-  // count compute garbage that is never stored; their index stays in range).
+  // count compute garbage that is never stored; their index stays in range); kTok: bit j of
+  // hmask is the block of accumulator j's weight row.
   const int h0 = (r_begin + row0) / 128 - blk0;
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
+  [[maybe_unused]] uint32_t hmask = 0;
+  if constexpr (kTok) {
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j)
+      hmask |= static_cast<uint32_t>((r_begin + m0 + 8 * (j / 4) + j % 2) / 128 - blk0 > 0) << j;
+  }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  float frag[2][kKpb][kAcc];
+  float frag[kKpb][kAcc];
 
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
@@ -300,65 +372,82 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left) {
+      if (q < left && kDiag != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
-        const uint32_t a_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t b_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k)
-          Wgmma<kNw>::mma(f[q], smem_desc_interleave(a_addr + 2 * k * lbo, lbo),
-                          smem_desc(b_addr + 32 * k), k);
+        for (int k = 0; k < kBlockK / 32; ++k) {
+          if constexpr (kTok) {
+            Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
+                           smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+          } else {
+            Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                            smem_desc(x_addr + 32 * k), k);
+          }
+        }
       }
       wgmma_commit();
     }
   };
-  // Stage i's fragments (its groups complete: at most kPending newer groups left) folded into
-  // acc in K-block order, then the stage released.
-  auto fold = [&](int i, float(&f)[kKpb][kAcc], bool newer_pending) {
-    if (newer_pending) {
-      wgmma_wait<kKpb>();
-    } else {
-      wgmma_wait<0>();
-    }
+  // Stage i's fragments (its groups complete) folded into acc in K-block order, then the stage
+  // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
+  // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
+  // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
+  auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
+    wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left) {
-        const int kb = i * kKpb + q;
-        const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
-        const float* sa = s_sa + kb * kNw;
+      if (q < left && kDiag == 2) {
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) {
-          const int m = m0 + 8 * (j / 4) + j % 2;
-          acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+        for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
+      } else if (q < left && kDiag != 1) {
+        const int kb = i * kKpb + q;
+        const float* sa = s_sa + kb * kNw;
+        if constexpr (kTok) {
+          // Two tokens x two weight-scale blocks: four products per K block.
+          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
+          const float t0 = sa[row0], t1 = sa[row0 + 8];
+          const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) {
+            const bool hi = (hmask >> j) & 1u;
+            const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
+            acc[j] = fmaf(f[q][j], prod, acc[j]);
+          }
+        } else {
+          const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) {
+            const int m = m0 + 8 * (j / 4) + j % 2;
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+          }
         }
       }
     }
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
-  issue(0, frag[0]);
+  issue(0, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  for (int i = 0; i < steps; i += 2) {
-    if (i + 1 >= steps) {
-      fold(i, frag[0], false);
-      break;
-    }
-    issue(i + 1, frag[1]);
-    fold(i, frag[0], true);
-    if (i + 2 >= steps) {
-      fold(i + 1, frag[1], false);
-      break;
-    }
-    issue(i + 2, frag[0]);
-    fold(i + 1, frag[1], true);
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
+    issue(i, frag);
+    fold(i, frag);
   }
 
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) {
-    const int m = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-    if (m < p.m && row < rows) p.out[m * p.ldo + r_begin + row] = float_to_bf16(acc[j]);
+    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+  }
+  if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
+    unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+    t[6] = static_cast<unsigned long long>(clock64());
+    t[7] = global_ns();
   }
 }
 

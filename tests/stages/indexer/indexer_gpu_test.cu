@@ -63,9 +63,10 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
 }
 
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
-// requests per SM: 64 on an H200) halves its 24-block splits to 12 where they still fit one wave
-// (session 18); ids against the twin.
-TEST(IndexerGpu, AutomaticTwelveBlockSplitsForVerifyBatchesAt8K) {
+// requests per SM: 64 on an H200) runs flat decode with one CTA per SM where 12-block splits
+// would still fit one wave (session 19; session 18 used those splits); ids and block scores
+// against the twin, ids against the split plan (flat_decode -1).
+TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -84,17 +85,22 @@ TEST(IndexerGpu, AutomaticTwelveBlockSplitsForVerifyBatchesAt8K) {
   upload(in, d);
   const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
   std::printf(
-      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d k_splits %d c %d\n",
-      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
+      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d flat %d k_splits %d "
+      "c %d\n",
+      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.flat_ctas, pl.k_splits, pl.dec_chunk);
   if (R * 3 >= sms && R * 6 <= 3 * sms) {
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
-    EXPECT_EQ(pl.dec_chunk, 12);
-    EXPECT_EQ(pl.k_splits, 6);
+    EXPECT_EQ(pl.flat_ctas, sms);
+    EXPECT_EQ(pl.k_splits, 1);
   }
   const GpuResult g = run_gpu(d, IndexerCudaOptions{});
-  compare(in, reference(in), g, false,
-          "automatic 12-block splits, " + std::to_string(R) + " requests x 4");
+  const std::string what = std::to_string(R) + " requests x 4";
+  compare(in, reference(in), g, false, "automatic flat decode, " + what);
+  IndexerCudaOptions split;
+  split.flat_decode = -1;
+  EXPECT_EQ(indexer_cuda_plan(d.params, split).flat_ctas, 0);
+  expect_same_ids(in, g, run_gpu(d, split), "automatic flat decode vs splits, " + what);
 }
 
 // The automatic fused plan of verify batches (4 tokens per request) whose 64-block splits would
@@ -142,6 +148,49 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   const GpuResult g = run_gpu(d, two);
   compare(in, reference(in), g, false, "verify plan, two-kernel");
   expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g, "automatic fused plan for verify");
+}
+
+// Flat decode (IndexerCudaOptions::flat_decode) where a request owns one or two warps: R just
+// below the flat grid's warp count (1 CTA per SM) at draft 0 and about half of it at draft 1,
+// contexts of 17-20 blocks (short, so the twin stays quick at ~500 requests); ids and block
+// scores against the twin and ids against the two-kernel path.
+TEST(IndexerGpu, FlatDecodeWithFewWarpsPerRequest) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  int dev = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int warps = 4 * sms;
+  struct Case {
+    int R, draft;
+  };
+  for (const Case& c : {Case{warps - 3, 0}, Case{warps / 2 + 1, 1}}) {
+    const int R = c.R, draft = c.draft;
+    {
+      std::vector<RequestSpec> reqs;
+      for (int i = 0; i < R; ++i)
+        reqs.push_back({static_cast<int>(rng.integer(2100, 2600 - 1 - draft)), 1 + draft});
+      const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true);
+      ASSERT_FALSE(::testing::Test::HasFailure());
+      DeviceSet d;
+      upload(in, d);
+      IndexerCudaOptions fl;
+      fl.flat_decode = 1;
+      const IndexerCudaPlan pl = indexer_cuda_plan(d.params, fl);
+      EXPECT_EQ(pl.flat_ctas, sms);
+      EXPECT_FALSE(pl.fused);
+      EXPECT_FALSE(pl.single);
+      const std::string what =
+          "flat 1, " + std::to_string(R) + " requests x " + std::to_string(1 + draft);
+      const GpuResult f = run_gpu(d, fl);
+      compare(in, reference(in), f, /*exact_scores=*/true, what);
+      IndexerCudaOptions two;
+      two.unfused_decode = true;
+      expect_same_ids(in, f, run_gpu(d, two), what + " vs two-kernel");
+    }
+  }
 }
 
 // The 128K-class context (513 blocks); named Large so the quick sanitizer pass skips it.

@@ -417,6 +417,17 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       const GpuResult f = run_gpu(d, fo);
       expect_same_ids(in, f, g, name + ", fused vs two-kernel]");
     }
+    // Flat decode (the two-kernel scorer over balanced warp ranges, flat_decode CTAs per SM):
+    // the same block scores, checked against the twin like the two-kernel path.
+    for (int flat : {1, 3}) {
+      IndexerCudaOptions fl = v.o;
+      fl.flat_decode = flat;
+      if (indexer_cuda_plan(d.params, fl).flat_ctas == 0) continue;
+      const GpuResult f = run_gpu(d, fl);
+      const std::string fname = name + ", flat " + std::to_string(flat);
+      compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
+      expect_same_ids(in, f, g, fname + " vs two-kernel]");
+    }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
     for (int ctas : {1, 2, 3, 8}) {

@@ -287,7 +287,17 @@ INSTANTIATE_TEST_SUITE_P(
         Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
         Case{16, 9856, 1152, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 251},
         Case{8, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400},
-        Case{40, 9856, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 400}));
+        Case{40, 9856, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 400},
+        // Row split at M > 32 (its token-major form since session 19): fused width (37-38 rows
+        // per CTA, straddling weight-scale blocks), padded tokens (M 33, 57), one or two rows per
+        // CTA, K 8192, 1 K block per stage, a partial stage (K blocks 9), no evict-first, PDL, two
+        // warpgroups per CTA, an image for 251 CTAs.
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true},
+        Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true},
+        Case{48, 640, 2048, 8, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
+        Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
+        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -747,6 +757,32 @@ TEST(GemmWgmmaRowSplit, SanitizerSmall) {
       const std::vector<uint16_t> got = run_twice(dev, c);
       std::string report;
       EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    }
+  }
+}
+
+// Row split at M > 32 (token-major form): small shapes for compute-sanitizer (memcheck /
+// racecheck), both CTA shapes, 1 and 2 K blocks per stage, rings reused (K 4096), exact against
+// the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
+  M3_REQUIRE_WGMMA();
+  for (int ctas : {0, 1}) {
+    for (int burst : {0, 1}) {
+      if (ctas == 1 && burst != 0) continue;  // (two warpgroups: the default only)
+      for (int64_t m : {33, 64}) {
+        const uint64_t seed = fresh_seed();
+        M3_SEED_TRACE(seed);
+        SCOPED_TRACE(::testing::Message()
+                     << "M " << m << " ctas/SM " << ctas << " burst " << burst);
+        Rng rng(seed);
+        const Case c{m,     640, 4096,  0,     0, false, ctas, 4, burst,
+                     true,  0,   false, 1,     false, 0,   false, true};
+        GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+        DeviceGemm dev(d, c.n);
+        const std::vector<uint16_t> got = run_twice(dev, c);
+        std::string report;
+        EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+      }
     }
   }
 }

@@ -23,6 +23,14 @@ bool cuda_device_available() {
   return available;
 }
 
+int current_device_sms() {
+  int device = 0, sms = 0;
+  die_on(cudaGetDevice(&device), "cudaGetDevice");
+  die_on(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+         "cudaDeviceGetAttribute(MultiProcessorCount)");
+  return sms;
+}
+
 DeviceBuffer::DeviceBuffer(size_t bytes, uint8_t poison_value) : bytes_(bytes) {
   if (bytes == 0) return;
   die_on(cudaMalloc(&ptr_, bytes), "cudaMalloc");

@@ -15,6 +15,8 @@
 namespace m3attn::testing {
 
 bool cuda_device_available();
+// Multiprocessors of the current device (aborts with a message if the query fails).
+int current_device_sms();
 
 // Owning device allocation; poisoned with `poison` bytes on creation.
 class DeviceBuffer {

@@ -30,9 +30,7 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  int dev = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int sms = mt::current_device_sms();
   for (int tokens : {1, 4}) {
     const int R = tokens == 1 ? std::max(1, sms / 3) : std::max(1, sms * 4 / 5);
     std::vector<RequestSpec> reqs;
@@ -71,9 +69,7 @@ TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  int dev = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int sms = mt::current_device_sms();
   const int R = std::max(1, sms * 16 / 33);  // in [sms / 3, sms / 2]
   std::vector<RequestSpec> reqs;
   for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 8188)), 4});
@@ -113,9 +109,7 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  int dev = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int sms = mt::current_device_sms();
   constexpr int kBlocks = 256;
   const int R = std::max(1, sms / 2);
   std::vector<RequestSpec> reqs;
@@ -159,9 +153,7 @@ TEST(IndexerGpu, FlatDecodeWithFewWarpsPerRequest) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  int dev = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&dev), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), cudaSuccess);
+  const int sms = mt::current_device_sms();
   const int warps = 4 * sms;
   struct Case {
     int R, draft;

@@ -506,9 +506,7 @@ TEST(GemmWgmmaDiagnostics, TraceKeepsTheOutput) {
     const std::vector<uint16_t> ref = cpu_gemm(d);
     DeviceGemm dev(d, c.n);
     DeviceBuffer ws = make_workspace(c.n, c.m);
-    int device = 0, sms = 0;
-    M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
-    M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    const int sms = testing::current_device_sms();
     const int words = gemm_wgmma_trace_words();
     DeviceBuffer trace(static_cast<size_t>(2 * sms * words) * 8, 0);
     GemmWgmmaOptions o = options_of(c);
@@ -867,9 +865,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     int64_t touched = 0;
     for (uint16_t v : dev64.result(&touched)) ASSERT_EQ(v, 0xA5A5);
   }
-  int device = 0, sms = 0;
-  M3_CUDA_TEST_CHECK(cudaGetDevice(&device));
-  M3_CUDA_TEST_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int sms = testing::current_device_sms();
   {
     // N = 41 rows per CTA (rounded up to 128): unsupported, nothing written.
     const int64_t n = (41 * 2 * sms + 127) / 128 * 128;

@@ -12,6 +12,7 @@
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
 #include "support/batch_builder.h"
+#include "support/rejection.h"
 #include "support/test_util.h"
 
 namespace m3attn {
@@ -59,18 +60,8 @@ class AttentionValidation : public ::testing::Test {
     SCOPED_TRACE(needle);
     AttentionParams p = good_;
     mutate(p);
-    if (!host_only) {
-      const Status v = validate_attention(p);
-      EXPECT_EQ(v.code(), code) << v.to_string();
-      EXPECT_NE(v.message().find(needle), std::string::npos) << v.to_string();
-    }
-    std::fill(out_.ptr<uint16_t>(), out_.ptr<uint16_t>() + out_.numel(), kPoison);
-    const Status st = run_attention_cpu(p);
-    EXPECT_EQ(st.code(), code) << st.to_string();
-    EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
-    EXPECT_TRUE(std::all_of(out_.ptr<uint16_t>(), out_.ptr<uint16_t>() + out_.numel(),
-                            [](uint16_t v) { return v == kPoison; }))
-        << "a rejected call wrote its output";
+    testing::expect_rejected_untouched(p, validate_attention, run_attention_cpu, out_, kPoison,
+                                       code, needle, host_only);
   }
 
   uint64_t seed_ = 0;

@@ -2,7 +2,6 @@
 // the output buffer untouched.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -11,6 +10,7 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "support/batch_builder.h"
+#include "support/rejection.h"
 #include "support/test_util.h"
 
 namespace m3attn {
@@ -52,18 +52,8 @@ class IndexerValidation : public ::testing::Test {
     SCOPED_TRACE(needle);
     IndexerParams p = good_;
     mutate(p);
-    if (!host_only) {
-      const Status v = validate_indexer(p);
-      EXPECT_EQ(v.code(), code) << v.to_string();
-      EXPECT_NE(v.message().find(needle), std::string::npos) << v.to_string();
-    }
-    std::fill(ids_.ptr<int32_t>(), ids_.ptr<int32_t>() + ids_.numel(), kPoison);
-    const Status st = run_indexer_cpu(p);
-    EXPECT_EQ(st.code(), code) << st.to_string();
-    EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
-    EXPECT_TRUE(std::all_of(ids_.ptr<int32_t>(), ids_.ptr<int32_t>() + ids_.numel(), [](int32_t v) {
-      return v == kPoison;
-    })) << "a rejected call wrote its output";
+    testing::expect_rejected_untouched(p, validate_indexer, run_indexer_cpu, ids_, kPoison, code,
+                                       needle, host_only);
   }
 
   uint64_t seed_ = 0;

@@ -1,0 +1,36 @@
+// Checks shared by the validation tests: a call built from bad params is rejected with the
+// expected code and a message naming the rule, and leaves its output untouched.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+
+#include "m3attn/status.h"
+#include "m3attn/tensor.h"
+
+namespace m3attn::testing {
+
+// Expects `validate(p)` (unless `host_only`: a rule only the CPU twin can see) and `run(p)` to
+// fail with `code` and a message holding `needle`; `out` is filled with `poison` (of its element
+// type Elem) before `run` and must hold nothing else after it.
+template <typename Elem, typename Params, typename Validate, typename Run>
+void expect_rejected_untouched(const Params& p, Validate validate, Run run, Tensor& out,
+                               Elem poison, StatusCode code, const std::string& needle,
+                               bool host_only) {
+  if (!host_only) {
+    const Status v = validate(p);
+    EXPECT_EQ(v.code(), code) << v.to_string();
+    EXPECT_NE(v.message().find(needle), std::string::npos) << v.to_string();
+  }
+  std::fill(out.ptr<Elem>(), out.ptr<Elem>() + out.numel(), poison);
+  const Status st = run(p);
+  EXPECT_EQ(st.code(), code) << st.to_string();
+  EXPECT_NE(st.message().find(needle), std::string::npos) << st.to_string();
+  EXPECT_TRUE(std::all_of(out.ptr<Elem>(), out.ptr<Elem>() + out.numel(), [poison](Elem v) {
+    return v == poison;
+  })) << "a rejected call wrote its output";
+}
+
+}  // namespace m3attn::testing

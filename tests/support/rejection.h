@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <string>
+#include <vector>
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
@@ -31,6 +32,16 @@ void expect_rejected_untouched(const Params& p, Validate validate, Run run, Tens
   EXPECT_TRUE(std::all_of(out.ptr<Elem>(), out.ptr<Elem>() + out.numel(), [poison](Elem v) {
     return v == poison;
   })) << "a rejected call wrote its output";
+}
+
+// Fails fatally unless `st` is an error (callers wrap it in ASSERT_NO_FATAL_FAILURE); then
+// expects kInvalidArgument and every word of `keywords` in the message.
+inline void expect_invalid_naming(const Status& st, const std::vector<std::string>& keywords) {
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+  for (const std::string& word : keywords)
+    EXPECT_NE(st.message().find(word), std::string::npos)
+        << "message \"" << st.message() << "\" lacks \"" << word << "\"";
 }
 
 }  // namespace m3attn::testing

@@ -5,6 +5,7 @@
 
 #include "cache/batch.h"
 #include "m3attn/config.h"
+#include "support/rejection.h"
 
 namespace m3attn {
 namespace {
@@ -48,14 +49,7 @@ struct Batch {
 // generation requests of 1 + draft_len = 3 tokens.
 Batch mixed_batch() { return Batch({{0, 129}, {300, 200}, {1000, 3}, {127, 3}}, 12, 64); }
 
-::testing::AssertionResult rejects(const Status& s, const std::string& needle) {
-  if (s.ok()) return ::testing::AssertionFailure() << "accepted; expected: " << needle;
-  if (s.code() != StatusCode::kInvalidArgument)
-    return ::testing::AssertionFailure() << "wrong code: " << s.to_string();
-  if (s.message().find(needle) == std::string::npos)
-    return ::testing::AssertionFailure() << "\"" << s.message() << "\" lacks \"" << needle << "\"";
-  return ::testing::AssertionSuccess();
-}
+using testing::rejects;
 
 TEST(BatchView, ValidMixedBatch) {
   Batch b = mixed_batch();

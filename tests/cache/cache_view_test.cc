@@ -5,6 +5,7 @@
 #include <string>
 
 #include "m3attn/config.h"
+#include "support/rejection.h"
 
 namespace m3attn {
 namespace {
@@ -14,14 +15,7 @@ void* base_at(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
 constexpr uintptr_t kBase = 0x100000;
 constexpr int64_t kTile = 128 * 128;
 
-::testing::AssertionResult rejects(const Status& s, const std::string& needle) {
-  if (s.ok()) return ::testing::AssertionFailure() << "accepted; expected: " << needle;
-  if (s.code() != StatusCode::kInvalidArgument)
-    return ::testing::AssertionFailure() << "wrong code: " << s.to_string();
-  if (s.message().find(needle) == std::string::npos)
-    return ::testing::AssertionFailure() << "\"" << s.message() << "\" lacks \"" << needle << "\"";
-  return ::testing::AssertionSuccess();
-}
+using testing::rejects;
 
 TEST(KvCacheView, LayoutOfACompactPool) {
   const int n_kv = 4;

@@ -6,18 +6,12 @@
 #include <string>
 #include <utility>
 
+#include "support/rejection.h"
+
 namespace m3attn {
 namespace {
 
-::testing::AssertionResult fails_with(const Status& s, const std::string& needle) {
-  if (s.ok()) return ::testing::AssertionFailure() << "expected an error containing: " << needle;
-  if (s.code() != StatusCode::kInvalidArgument)
-    return ::testing::AssertionFailure() << "wrong code: " << s.to_string();
-  if (s.message().find(needle) == std::string::npos)
-    return ::testing::AssertionFailure()
-           << "message \"" << s.message() << "\" lacks \"" << needle << "\"";
-  return ::testing::AssertionSuccess();
-}
+using testing::rejects;
 
 void* fake_ptr(uintptr_t addr) { return reinterpret_cast<void*>(addr); }
 
@@ -105,18 +99,17 @@ TEST(TensorView, OffsetOfIs64BitAndInBytes) {
 TEST(CheckHelpers, Dtype) {
   const TensorView v = TensorView::contiguous(fake_ptr(0x1000), DType::kF32, {2});
   EXPECT_TRUE(check_dtype(v, DType::kF32, "x").ok());
-  EXPECT_TRUE(fails_with(check_dtype(v, DType::kBF16, "packed"), "packed must be bf16, got f32"));
+  EXPECT_TRUE(rejects(check_dtype(v, DType::kBF16, "packed"), "packed must be bf16, got f32"));
 }
 
 TEST(CheckHelpers, NdimAndShape) {
   const TensorView v = TensorView::contiguous(fake_ptr(0x1000), DType::kF32, {2, 3});
   EXPECT_TRUE(check_ndim(v, 2, "x").ok());
-  EXPECT_TRUE(fails_with(check_ndim(v, 3, "slots"), "slots must have 3 dimensions, got 2 [2, 3]"));
+  EXPECT_TRUE(rejects(check_ndim(v, 3, "slots"), "slots must have 3 dimensions, got 2 [2, 3]"));
   EXPECT_TRUE(check_shape(v, {2, 3}, "x").ok());
-  EXPECT_TRUE(fails_with(check_shape(v, {2, 4}, "q"), "q must have shape [2, 4], got [2, 3]"));
-  EXPECT_TRUE(
-      fails_with(check_shape(v, {2, 3, 1}, "q"), "q must have shape [2, 3, 1], got [2, 3]"));
-  EXPECT_TRUE(fails_with(check_shape(v, {2}, "q"), "q must have shape [2], got [2, 3]"));
+  EXPECT_TRUE(rejects(check_shape(v, {2, 4}, "q"), "q must have shape [2, 4], got [2, 3]"));
+  EXPECT_TRUE(rejects(check_shape(v, {2, 3, 1}, "q"), "q must have shape [2, 3, 1], got [2, 3]"));
+  EXPECT_TRUE(rejects(check_shape(v, {2}, "q"), "q must have shape [2], got [2, 3]"));
   const TensorView e = TensorView::contiguous(fake_ptr(0x1000), DType::kF32, {0});
   EXPECT_TRUE(check_shape(e, {0}, "empty").ok());
 }
@@ -124,7 +117,7 @@ TEST(CheckHelpers, NdimAndShape) {
 TEST(CheckHelpers, Contiguous) {
   EXPECT_TRUE(
       check_contiguous(TensorView::contiguous(fake_ptr(0x1000), DType::kF32, {2, 3}), "x").ok());
-  EXPECT_TRUE(fails_with(
+  EXPECT_TRUE(rejects(
       check_contiguous(TensorView::strided(fake_ptr(0x1000), DType::kF32, {2, 3}, {1, 2}), "pos"),
       "pos must be contiguous (shape [2, 3])"));
 }
@@ -132,10 +125,10 @@ TEST(CheckHelpers, Contiguous) {
 TEST(CheckHelpers, Alignment) {
   EXPECT_TRUE(
       check_alignment(TensorView::contiguous(fake_ptr(0x1010), DType::kE4M3, {4}), 16, "a").ok());
-  EXPECT_TRUE(fails_with(
+  EXPECT_TRUE(rejects(
       check_alignment(TensorView::contiguous(fake_ptr(0x1012), DType::kE4M3, {4}), 16, "packed"),
       "packed base address must be 16-byte aligned (it is off by 2 bytes)"));
-  EXPECT_TRUE(fails_with(
+  EXPECT_TRUE(rejects(
       check_alignment(TensorView::contiguous(fake_ptr(0x1001), DType::kE4M3, {4}), 4, "cache"),
       "off by 1 bytes"));
 }
@@ -152,10 +145,10 @@ TEST(CheckHelpers, SameDevice) {
   TensorView undefined_gpu;
   undefined_gpu.device = Device::cuda(0);
   EXPECT_TRUE(check_same_device({&a, &undefined, &undefined_gpu, &b}, "stage").ok());
-  EXPECT_TRUE(fails_with(check_same_device({&a, &g0}, "producer"),
-                         "producer: all tensors must be on one device, found cpu and cuda:0"));
-  EXPECT_TRUE(fails_with(check_same_device({&g0, &g1}, "indexer"), "found cuda:0 and cuda:1"));
-  EXPECT_TRUE(fails_with(check_same_device({&undefined, &g0, &a}, "x"), "found cuda:0 and cpu"));
+  EXPECT_TRUE(rejects(check_same_device({&a, &g0}, "producer"),
+                      "producer: all tensors must be on one device, found cpu and cuda:0"));
+  EXPECT_TRUE(rejects(check_same_device({&g0, &g1}, "indexer"), "found cuda:0 and cuda:1"));
+  EXPECT_TRUE(rejects(check_same_device({&undefined, &g0, &a}, "x"), "found cuda:0 and cpu"));
 }
 
 TEST(Tensor, OwningBuffer) {

@@ -34,6 +34,16 @@ void expect_rejected_untouched(const Params& p, Validate validate, Run run, Tens
   })) << "a rejected call wrote its output";
 }
 
+// For EXPECT_TRUE: whether `s` is a kInvalidArgument error whose message holds `needle`.
+inline ::testing::AssertionResult rejects(const Status& s, const std::string& needle) {
+  if (s.ok()) return ::testing::AssertionFailure() << "accepted; expected: " << needle;
+  if (s.code() != StatusCode::kInvalidArgument)
+    return ::testing::AssertionFailure() << "wrong code: " << s.to_string();
+  if (s.message().find(needle) == std::string::npos)
+    return ::testing::AssertionFailure() << "\"" << s.message() << "\" lacks \"" << needle << "\"";
+  return ::testing::AssertionSuccess();
+}
+
 // Fails fatally unless `st` is an error (callers wrap it in ASSERT_NO_FATAL_FAILURE); then
 // expects kInvalidArgument and every word of `keywords` in the message.
 inline void expect_invalid_naming(const Status& st, const std::vector<std::string>& keywords) {

@@ -27,17 +27,6 @@ struct BenchFlags {
        eager_mixed = false, pdl = false, no_attention_quantize = false;
 };
 
-int exit_code_for(const Status& s) {
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kUnsupported:
-    case StatusCode::kOutOfRange:
-      return 2;
-    default:
-      return 1;
-  }
-}
-
 // Renders progress on stderr: a redrawn bar on a terminal, sparse lines otherwise.
 class Progress {
  public:

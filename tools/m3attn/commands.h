@@ -5,11 +5,26 @@
 
 #include <CLI/CLI.hpp>
 
+#include "m3attn/status.h"
+
 namespace m3attn::cli {
 
 void add_info_command(CLI::App& app, int& exit_code);
 void add_layer_command(CLI::App& app, int& exit_code);
 void add_bench_command(CLI::App& app, int& exit_code);
 void add_tp_command(CLI::App& app, int& exit_code);
+
+// A failed run's exit code: 2 for bad flags (invalid, unsupported, out-of-range values), else 1.
+// Commands that read files map their errors (kIoError, kDataLoss) to 2 before asking this.
+inline int exit_code_for(const Status& s) {
+  switch (s.code()) {
+    case StatusCode::kInvalidArgument:
+    case StatusCode::kUnsupported:
+    case StatusCode::kOutOfRange:
+      return 2;
+    default:
+      return 1;
+  }
+}
 
 }  // namespace m3attn::cli

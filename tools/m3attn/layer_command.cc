@@ -27,17 +27,9 @@ struct LayerFlags {
 };
 
 // Bad flags and bad files exit 2; a run that fails exits 1.
-int exit_code_for(const Status& s) {
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kUnsupported:
-    case StatusCode::kOutOfRange:
-    case StatusCode::kIoError:
-    case StatusCode::kDataLoss:
-      return 2;
-    default:
-      return 1;
-  }
+int layer_exit_code_for(const Status& s) {
+  if (s.code() == StatusCode::kIoError || s.code() == StatusCode::kDataLoss) return 2;
+  return exit_code_for(s);
 }
 
 }  // namespace
@@ -145,7 +137,7 @@ void add_layer_command(CLI::App& app, int& exit_code) {
     Result<LayerRunReport> rep = run_layer(o);
     if (!rep.ok()) {
       std::cerr << "m3attn layer: " << rep.status().to_string() << "\n";
-      exit_code = exit_code_for(rep.status());
+      exit_code = layer_exit_code_for(rep.status());
       return;
     }
     if (f->json) {

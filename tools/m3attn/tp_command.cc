@@ -52,17 +52,6 @@ struct TpFlags {
   bool no_warmup = false;
 };
 
-int exit_code_for(const Status& s) {
-  switch (s.code()) {
-    case StatusCode::kInvalidArgument:
-    case StatusCode::kUnsupported:
-    case StatusCode::kOutOfRange:
-      return 2;
-    default:
-      return 1;
-  }
-}
-
 MsaGeometry geometry_of(const std::string& name) {
   return name == "m3" ? MsaGeometry::m3() : default_layer_geometry();
 }

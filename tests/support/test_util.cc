@@ -13,6 +13,15 @@ uint64_t fresh_seed() {
   return static_cast<uint64_t>(now) * 6364136223846793005ull + (++counter);
 }
 
+const std::vector<double>& e4m3_values() {
+  static const std::vector<double> v = [] {
+    std::vector<double> t(256);
+    for (int c = 0; c < 256; ++c) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
+    return t;
+  }();
+  return v;
+}
+
 void fill_bf16_normal(Tensor& t, Rng& rng, float stddev) {
   uint16_t* p = t.ptr<uint16_t>();
   for (int64_t i = 0; i < t.numel(); ++i) p[i] = float_to_bf16(rng.normal(0.0f, stddev));

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "core/numeric.h"
 #include "m3attn/tensor.h"
@@ -37,6 +38,9 @@ void fill_bf16_normal(Tensor& t, Rng& rng, float stddev = 1.0f);
 void fill_bf16_integers(Tensor& t, Rng& rng, int lo, int hi);
 void fill_e4m3_normal(Tensor& t, Rng& rng, float stddev = 1.0f);
 void fill_e4m3_integers(Tensor& t, Rng& rng, int lo, int hi);
+
+// The 256 E4M3 codes decoded to double (reference dot products index it by the code).
+const std::vector<double>& e4m3_values();
 
 // Counts E4M3 elements of a and b that are not within one step (NaN counts as a mismatch); the
 // first few offenders are described in `report`.

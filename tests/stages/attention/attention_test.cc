@@ -39,15 +39,6 @@ constexpr uint16_t kPoison = 0xffff;  // a BF16 NaN
 constexpr int64_t kGuard = 256;       // BF16 guard elements after the last row
 constexpr int64_t kRowPad = 24;       // extra BF16 elements per output row (stride stays 8-aligned)
 
-const std::vector<double>& e4m3_values() {
-  static const std::vector<double> v = [] {
-    std::vector<double> t(256);
-    for (int c = 0; c < 256; ++c) t[c] = e4m3_to_float(static_cast<uint8_t>(c));
-    return t;
-  }();
-  return v;
-}
-
 struct AttnRun {
   int n_q = 0;
   Tensor q;    // e4m3 [T, n_q, 128]
@@ -130,7 +121,7 @@ void select_randomly(const HostBatch& hb, AttnRun& run, Rng& rng) {
 // Independent fp64 reference: [T][n_q][128]. Keys are taken straight from the definition: every
 // p <= pos whose block appears among the token's ids (any order, ids >= n_valid select nothing).
 std::vector<double> reference(const HostBatch& hb, const AttnRun& run, double scale) {
-  const std::vector<double>& val = e4m3_values();
+  const std::vector<double>& val = testing::e4m3_values();
   const int64_t T = hb.num_tokens();
   const int n_q = run.n_q, group = n_q / hb.n_kv();
   std::vector<double> out(static_cast<size_t>(T * n_q * kHeadDim), 0.0);

@@ -72,11 +72,7 @@ std::vector<float> brute_block_scores(const HostBatch& hb, const Tensor& iq, int
   std::vector<float> best(static_cast<size_t>(pos / kPageSize + 1),
                           -std::numeric_limits<float>::infinity());
   std::vector<bool> nan(best.size(), false);
-  static const std::vector<double> value = [] {
-    std::vector<double> v(256);
-    for (int c = 0; c < 256; ++c) v[c] = e4m3_to_float(static_cast<uint8_t>(c));
-    return v;
-  }();
+  const std::vector<double>& value = testing::e4m3_values();
   for (int p = 0; p <= pos; ++p) {
     const uint8_t* k = hb.index_row(r, p);
     double s = 0.0;

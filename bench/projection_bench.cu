@@ -126,6 +126,22 @@ T* device_alloc(size_t count) {
   return static_cast<T*>(p);
 }
 
+// A zeroed workspace for the wgmma kernel (gemm_wgmma_workspace_bytes' arguments).
+struct WgmmaWorkspace {
+  void* data = nullptr;
+  size_t bytes = 0;
+};
+WgmmaWorkspace zeroed_wgmma_workspace(int64_t n, int64_t max_m, int max_waves = 1,
+                                      int ctas_per_sm = 0) {
+  Result<size_t> bytes = gemm_wgmma_workspace_bytes(n, max_m, max_waves, ctas_per_sm);
+  must(bytes.status(), "gemm_wgmma_workspace_bytes");
+  WgmmaWorkspace ws;
+  ws.bytes = bytes.value();
+  check_cuda(cudaMalloc(&ws.data, ws.bytes), "cudaMalloc wgmma workspace");
+  check_cuda(cudaMemset(ws.data, 0, ws.bytes), "cudaMemset wgmma workspace");
+  return ws;
+}
+
 struct Buffers {
   int64_t max_rows = 0, max_pad = 0;
   // Weight (+ scale) copies for the back-to-back timing: copy 0 is w / sw, the others are
@@ -512,11 +528,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   uint16_t* ref = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
   check_cuda(cudaGetLastError(), "fill");
-  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
-  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
-  void* ws = nullptr;
-  check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
-  check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+  const WgmmaWorkspace wsp = zeroed_wgmma_workspace(n, 64, 1, 2);
+  void* ws = wsp.data;
   TraceBuffer tbuf;
   if (trace) {
     int dev = 0, sms = 0, khz = 0;
@@ -685,7 +698,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       const Status st =
-          run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stream, with_copy(0));
+          run_gemm_wgmma_cuda(params(0, out), ws, wsp.bytes, stream, with_copy(0));
       if (!st.ok()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     st.to_string().c_str());
@@ -699,7 +712,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       add(
           name,
           [&](cudaStream_t stc, int c) {
-            must(run_gemm_wgmma_cuda(params(c, out), ws, ws_bytes.value(), stc, with_copy(c)),
+            must(run_gemm_wgmma_cuda(params(c, out), ws, wsp.bytes, stc, with_copy(c)),
                  "wgmma");
           },
           random || ablated ? "n/a"
@@ -714,7 +727,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
             "trace clear");
         bench::time_graph_cold(
             [&](cudaStream_t stc) {
-              must(run_gemm_wgmma_cuda(params(0, out), ws, ws_bytes.value(), stc, ot), "traced");
+              must(run_gemm_wgmma_cuda(params(0, out), ws, wsp.bytes, stc, ot), "traced");
             },
             stream, 0, 1);
         check_cuda(cudaStreamSynchronize(stream), "traced");
@@ -795,11 +808,8 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_m * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_m * kb));
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_m * n));
-  Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(n, 64, 1, 2);
-  must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
-  void* ws = nullptr;
-  check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
-  check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+  const WgmmaWorkspace wsp = zeroed_wgmma_workspace(n, 64, 1, 2);
+  void* ws = wsp.data;
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
@@ -848,7 +858,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
     for (int64_t m : {int64_t{4}, int64_t{16}}) {
       add("cublaslt" + ops, m, [&](cudaStream_t st) { must(lt->run(params(m), st), "lt"); });
       add("wgmma" + ops, m, [&](cudaStream_t st) {
-        must(run_gemm_wgmma_cuda(params(m), ws, ws_bytes.value(), st), "wgmma");
+        must(run_gemm_wgmma_cuda(params(m), ws, wsp.bytes, st), "wgmma");
       });
     }
   }
@@ -859,11 +869,8 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   for (int t = 0; t < 3; ++t) {
     void* dummy = nullptr;
     check_cuda(cudaMalloc(&dummy, static_cast<size_t>(t + 1) * (7 << 20)), "dummy");
-    Result<size_t> wsb = gemm_wgmma_workspace_bytes(n, max_m);
-    must(wsb.status(), "gemm_wgmma_workspace_bytes");
-    void* ws_t = nullptr;
-    check_cuda(cudaMalloc(&ws_t, wsb.value()), "workspace copy");
-    check_cuda(cudaMemset(ws_t, 0, wsb.value()), "workspace copy");
+    const WgmmaWorkspace wsp_t = zeroed_wgmma_workspace(n, max_m);
+    void* ws_t = wsp_t.data;
     uint8_t* w_t = device_alloc<uint8_t>(static_cast<size_t>(n * k));
     check_cuda(cudaMemcpy(w_t, w, static_cast<size_t>(n * k), cudaMemcpyDeviceToDevice), "copy");
     keep.insert(keep.end(), {dummy, ws_t, w_t});
@@ -875,7 +882,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
     const std::string where = " (placement " + std::to_string(t) + ")";
     add("cublaslt" + where, 4, [&](cudaStream_t st) { must(lt->run(params_t(4), st), "lt"); });
     add("wgmma" + where, 4, [&](cudaStream_t st) {
-      must(run_gemm_wgmma_cuda(params_t(4), ws_t, wsb.value(), st), "wgmma");
+      must(run_gemm_wgmma_cuda(params_t(4), ws_t, wsp_t.bytes, st), "wgmma");
     });
   }
   {
@@ -1313,11 +1320,8 @@ int run(int argc, char** argv) {
   // at M = 1.
   {
     constexpr int kVariantWaves = 16;  // the most waves a variant below asks for
-    Result<size_t> ws_bytes = gemm_wgmma_workspace_bytes(kNF, 64, kVariantWaves);
-    must(ws_bytes.status(), "gemm_wgmma_workspace_bytes");
-    void* ws = nullptr;
-    check_cuda(cudaMalloc(&ws, ws_bytes.value()), "cudaMalloc wgmma workspace");
-    check_cuda(cudaMemset(ws, 0, ws_bytes.value()), "cudaMemset wgmma workspace");
+    const WgmmaWorkspace wsp = zeroed_wgmma_workspace(kNF, 64, kVariantWaves);
+    void* ws = wsp.data;
     struct Variant {
       int ctas, min_units, burst;
       bool evict_first;
@@ -1340,7 +1344,7 @@ int run(int argc, char** argv) {
           b, rows_m,
           [&](const Calls& x, cudaStream_t s) {
             const GemmParams& gp = n == kNF ? x.fused : n == kN1 ? x.first : x.second;
-            must(run_gemm_wgmma_cuda(gp, ws, ws_bytes.value(), s, o), "wgmma variant");
+            must(run_gemm_wgmma_cuda(gp, ws, wsp.bytes, s, o), "wgmma variant");
           },
           stream, iters, &pass, "wgmma variant");
       const double bytes = gemm_bytes(m, n);

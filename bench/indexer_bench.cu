@@ -61,7 +61,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select;
+//   !short_select, tick = flat_decode 1 with ticket_select, ring2 = flat_decode 1 with
+//   flat_ring_pages 2, tick2 = flat_decode 1 with both;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -293,6 +294,11 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       TensorView::contiguous(c.d_tables[0], DType::kI32, {R, int64_t{c.max_pages}}, dev);
   c.p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
   c.ws = TensorView::contiguous(c.d_ws, DType::kF32, {static_cast<int64_t>(c.ws_bytes / 4)}, dev);
+  const Status init = indexer_workspace_init(c.ws, nullptr);
+  if (!init.ok()) {
+    std::fprintf(stderr, "indexer_workspace_init: %s\n", init.to_string().c_str());
+    std::exit(1);
+  }
   return c;
 }
 
@@ -428,6 +434,17 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
     }
     check_cuda(cudaStreamSynchronize(stream), "check run");
     std::string why;
+    // Every call leaves the workspace's control area (the ticket selection's tickets) zero.
+    std::vector<int32_t> tickets(kIndexerTicketSlots);
+    check_cuda(cudaMemcpy(tickets.data(), c.d_ws, kIndexerControlBytes, cudaMemcpyDeviceToHost),
+               "tickets");
+    const auto nonzero =
+        std::find_if(tickets.begin(), tickets.end(), [](int32_t v) { return v != 0; });
+    if (nonzero != tickets.end()) {
+      *pass = false;
+      std::fprintf(stderr, "FAIL %s (%s): ticket %d is %d after the call\n", what.c_str(), how,
+                   static_cast<int>(nonzero - tickets.begin()), *nonzero);
+    }
     if (!spot_check(c, pool, slices, copy, &why)) {
       *pass = false;
       std::fprintf(stderr, "FAIL %s (%s, %s): %s\n", what.c_str(),
@@ -454,7 +471,9 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
+  if (pl.flat_ctas > 0)
+    return std::string(pl.ticket ? "t" : "2") + " flat " + std::to_string(pl.flat_ctas) +
+           (pl.ring_pages > 1 ? " r" + std::to_string(pl.ring_pages) : std::string());
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -1007,7 +1026,8 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}};
+                                {"flat1q1", default_o}, {"tick", default_o},
+                                {"ring2", default_o},   {"tick2", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1018,6 +1038,13 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
+    all[10].o.flat_decode = 1;
+    all[10].o.ticket_select = true;
+    all[11].o.flat_decode = 1;
+    all[11].o.flat_ring_pages = 2;
+    all[12].o.flat_decode = 1;
+    all[12].o.ticket_select = true;
+    all[12].o.flat_ring_pages = 2;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1058,7 +1085,8 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, tick = flat1 and ticket_select, "
+        "ring2 = flat1 and flat_ring_pages 2, tick2 = both; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -118,6 +118,8 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
+  bool ticket = false;    // flat decode, rows finished by the scorer (ticket_select)
+  int ring_pages = 1;     // flat decode: pages per warp ring
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -247,6 +249,11 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
+      pl.ring_pages = o.flat_ring_pages;
+      // The ticket selection's table holds rows of <= kFusedMaxChunk blocks; one ticket slot per
+      // request.
+      pl.ticket = o.ticket_select && max_pages <= ik::kFusedMaxChunk &&
+                  p.batch.num_requests <= kIndexerTicketSlots;
     }
   }
   return pl;
@@ -288,7 +295,21 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
+  return kIndexerControlBytes +
+         static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
+}
+
+Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream) {
+  M3_CHECK_ARG(workspace.device.type == DeviceType::kCUDA,
+               "indexer_workspace_init needs a CUDA view, got ", workspace.device.to_string());
+  M3_RETURN_IF_ERROR(check_contiguous(workspace, "indexer workspace"));
+  const int64_t have = workspace.numel() * dtype_size(workspace.dtype);
+  M3_CHECK_ARG(have >= static_cast<int64_t>(kIndexerControlBytes), "indexer workspace holds ",
+               have, " bytes, less than its control area (", kIndexerControlBytes, ")");
+  M3_CHECK_ARG(workspace.data != nullptr && aligned16(workspace.data),
+               "indexer workspace must be 16-byte aligned, got address ", workspace.data);
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(workspace.data, 0, kIndexerControlBytes, stream));
+  return Status::Ok();
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -305,6 +326,8 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.ticket = pl.ticket;
+  info.ring_pages = pl.ring_pages;
   return info;
 }
 
@@ -331,6 +354,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
+  M3_CHECK_ARG(options.flat_ring_pages == 1 || options.flat_ring_pages == 2,
+               "run_indexer_cuda: flat_ring_pages ", options.flat_ring_pages, " is not 1 or 2");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -374,7 +399,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
-  a.scores = static_cast<float*>(workspace.data);
+  a.tickets = static_cast<int*>(workspace.data);
+  a.scores = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace.data) + kIndexerControlBytes);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
@@ -438,6 +464,21 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
+    } else if (pl.mma && pl.flat_ctas > 0 && (pl.ticket || pl.ring_pages > 1)) {
+      // Flat decode with the ticket selection or a 2-page ring (kFlatSmemBytes: up to 128 KB).
+      const auto launch_flat = [&](auto kernel, size_t bytes) -> Status {
+        size_t s = 0;
+        M3_RETURN_IF_ERROR(prepare(kernel, bytes, &s));
+        M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(ik::kMmaThreads), s, stream, pdl, a));
+        return Status::Ok();
+      };
+      if (pl.ring_pages > 1) {
+        M3_RETURN_IF_ERROR(
+            pl.ticket ? launch_flat(ik::score_flat_kernel<2, true>, ik::kFlatSmemBytes<2>)
+                      : launch_flat(ik::score_flat_kernel<2, false>, ik::kFlatSmemBytes<2>));
+      } else {
+        M3_RETURN_IF_ERROR(launch_flat(ik::score_flat_kernel<1, true>, ik::kFlatSmemBytes<1>));
+      }
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
@@ -450,7 +491,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));
     }
     M3_CUDA_CHECK_LAUNCH();
-    if (pl.single) return Status::Ok();  // the scorer wrote every row
+    if (pl.single || pl.ticket) return Status::Ok();  // the scorer wrote every row
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
   // CTAs run (saving the launch gap); it executes pdl_wait before touching the scorer's outputs,

@@ -71,6 +71,9 @@ struct KernelArgs {
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
+  // The workspace's control area (IndexerCudaOptions::ticket_select): one ticket per request,
+  // zero before and after every call (ticket_select_rows).
+  int* tickets = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K

@@ -138,6 +138,72 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* s
     select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
 }
 
+// Flat decode with ticket selection (IndexerCudaOptions::ticket_select; score_flat_kernel): each
+// warp has scored its blocks of request r (block scores in the workspace, rows [qa, qa + rows),
+// blocks [0, nvis) over all of r's warps; lane_pos as for select_rows). The CTA's warps serve
+// consecutive requests; per request the CTA adds its warp count to the request's ticket
+// (a.tickets[r], a zeroed control area of the workspace), and the CTA whose addition completes
+// the request's warp count (r owns warps [r W / R, (r + 1) W / R), a count fixed by the grid, so
+// exactly one CTA completes it whatever the device data) resets the ticket to zero and selects
+// the request's rows: the rows' block scores are loaded into a shared table (the ring's memory,
+// free now) and finished as the single pass does (fused_local_select). So each request's
+// selection runs as soon as its last block is scored, beside the other requests' streams, instead
+// of in a kernel after the whole grid. Publication: every thread fences its global writes before
+// the CTA barrier that precedes the ticket, the ticket's thread fences after it (the pattern of
+// the last-block reductions), and the table is read through L2 (__ldcg). Every thread of the CTA
+// calls this once.
+struct TicketShared {
+  int req[kMmaWarps], qa[kMmaWarps], rows[kMmaWarps], nvis[kMmaWarps], last[kMmaWarps];
+  int pos[kMmaWarps][32];
+};
+
+__device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t* smem, int r,
+                                                   int qa, int rows, int nvis, int lane_pos) {
+  __shared__ TicketShared ts;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    ts.req[warp] = r;
+    ts.qa[warp] = qa;
+    ts.rows[warp] = rows;
+    ts.nvis[warp] = nvis;
+  }
+  ts.pos[warp][lane] = lane_pos;
+  __threadfence();  // this thread's block scores, before the CTA's ticket
+  __syncthreads();
+  if (threadIdx.x < kMmaWarps) {
+    const int w = static_cast<int>(threadIdx.x), rr = ts.req[w];
+    int last = 0;
+    if (w == 0 || ts.req[w - 1] != rr) {  // the CTA's first warp of request rr takes its ticket
+      int cnt = 1;
+      while (w + cnt < kMmaWarps && ts.req[w + cnt] == rr) ++cnt;
+      const int total = static_cast<int>(int64_t{rr + 1} * a.flat_warps / a.num_requests -
+                                         int64_t{rr} * a.flat_warps / a.num_requests);
+      const int old = atomicAdd(a.tickets + rr, cnt);
+      if (old + cnt == total) {
+        last = 1;
+        atomicExch(a.tickets + rr, 0);  // every other CTA of rr has added: the next call's zero
+        __threadfence();                // the other CTAs' block scores, before the loads below
+      }
+    }
+    ts.last[w] = last;
+  }
+  __syncthreads();
+  float* table = reinterpret_cast<float*>(smem);  // [kDecRows][kFusedMaxChunk]
+#pragma unroll 1
+  for (int w = 0; w < kMmaWarps; ++w) {
+    if (!ts.last[w]) continue;  // CTA-uniform
+    const int n_rows = ts.rows[w], nv = ts.nvis[w], t0 = ts.qa[w];
+    const float* src = a.scores + int64_t{t0} * a.n_kv * a.max_pages;
+    for (int i = static_cast<int>(threadIdx.x); i < n_rows * nv; i += kMmaThreads) {
+      const int j = i / nv, c = i - j * nv;
+      table[j * kFusedMaxChunk + c] = __ldcg(src + int64_t{j} * a.max_pages + c);
+    }
+    __syncthreads();  // the table is complete
+    fused_local_select(a, table, t0, n_rows, 0, nv, ts.pos[w][lane]);
+    __syncthreads();  // the table is reused by the next request
+  }
+}
+
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
 // caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
 // equal-length requests: no further round trip); otherwise a binary search finds the last r with

@@ -135,6 +135,10 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
+// Flat decode with a ring of kRing pages per warp (the ticket selection's table reuses the ring).
+template <int kRing>
+constexpr int kFlatSmemBytes = kMaxI(kMmaSmemBytes, kMmaWarps* kRing* kPageBytes);
+static_assert(kDecRows * kFusedMaxChunk * 4 <= kMmaSmemBytes, "ticket table fits in the ring");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -402,25 +406,30 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused>
+// kRing: pages (of 8 tiles) in the warp's ring (1, or 2 for flat decode: IndexerCudaOptions::
+// flat_ring_pages); the ring is smem + warp * kRing * kPageBytes.
+template <int NT, bool kFused, int kRing = 1>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued) {
+  static_assert(kRing == 1 || kRing == 2, "ring of one or two pages");
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + step - 1) / step;
 
-  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
-  // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
-  // k it issues tile 7 of block k (t == 0) or tile t - 1 of block k + 1. Pages: pg_k (block k),
-  // pg_k1 (block k + 1, -1 past the end: zero-fill copies that are never computed) and the raw
-  // page-table entry of block k + 2, loaded a block ahead and checked only when it rotates in
-  // (its load latency stays off the tile loop). The first tiles are issued before the query rows
-  // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
-  // block are unrolled: stages, keys and the flush are compile-time placed.
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  // Tile stream: tile i = tile (i % 8) of block first + step (i / 8), in ring stage i % (8 kRing)
+  // (half (i / 8) % kRing of the ring, stage i % 8 of that half: the stage within a half is the
+  // tile's index in its page, so every offset inside a half is an immediate). The issue side runs
+  // 8 kRing - 1 tiles ahead: while the compute side is at tile t of block k it issues tile 7 of
+  // block k + kRing - 1 (t == 0) or tile t - 1 of block k + kRing. Pages: pg[i] = block k + i
+  // (i <= kRing; -1 past the end: zero-fill copies that are never computed) and the raw
+  // page-table entry of block k + kRing + 1, loaded a block ahead and checked only when it
+  // rotates in (its load latency stays off the tile loop). The first tiles are issued before the
+  // query rows are loaded and converted, so that work hides under the index-K latency. The 8 tiles
+  // of a block are unrolled: stages, keys and the flush are compile-time placed.
+  uint8_t* ring = smem + warp * (kRing * kPageBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
     return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
@@ -428,10 +437,27 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
   };
-  int32_t pg_k = static_cast<int32_t>(pg_first);
-  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-  int32_t raw_k2 = raw_page_at(2);
+  int32_t pg[kRing + 1];
+  pg[0] = static_cast<int32_t>(pg_first);
+  pg[1] = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
+  if constexpr (kRing == 2) pg[2] = guard(raw_page_at(2));
+  int32_t raw_next = raw_page_at(kRing + 1);
   if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
+  const auto lane_src = [&](int32_t page) {
+    return (page >= 0 ? page_base(a, page) : a.cache) + lane * 16;
+  };
+  if constexpr (kRing == 2) {
+    // The rest of the prologue: tile 7 of block 0, tiles 0-6 of block 1 (the second half).
+    const uint8_t* s0 = lane_src(pg[0]);
+    const uint8_t* s1 = lane_src(pg[1]);
+    const uint32_t n0 = pg[0] >= 0 ? 16u : 0u, n1 = pg[1] >= 0 ? 16u : 0u;
+    issue_tile_at<7>(ring_dst, s0, n0);
+    cp_async_commit();
+    static_for<0, 7>([&](auto tc) {
+      issue_tile_at<decltype(tc)::value>(ring_dst + kPageBytes, s1, n1);
+      cp_async_commit();
+    });
+  }
 
   DecodeState<NT> s;
   int min_pos = INT_MAX;
@@ -452,27 +478,36 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
-    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
-    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
-    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
+    // Ring halves: of block k (computed now; tiles t - 1 of block k + kRing go there) and of
+    // block k + kRing - 1 (its tile 7 goes out at t == 0).
+    const int half_k = kRing == 1 ? 0 : (k & 1);
+    const int half_a = kRing == 1 ? 0 : ((k + 1) & 1);
+    const uint8_t* ring_k = ring + half_k * kPageBytes;
+    // Lane source addresses (zero-fill from the pool base where -1): tile 7 of block
+    // k + kRing - 1 (t == 0), tiles 0-6 of block k + kRing (t > 0).
+    const int32_t pg_a = pg[kRing - 1], pg_b = pg[kRing];
+    const uint8_t* src_a = lane_src(pg_a);
+    const uint8_t* src_b = lane_src(pg_b);
+    const uint32_t bytes_a = pg_a >= 0 ? 16u : 0u, bytes_b = pg_b >= 0 ? 16u : 0u;
+    const uint32_t dst_a = ring_dst + half_a * kPageBytes, dst_b = ring_dst + half_k * kPageBytes;
     // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      cp_async_wait<kDecStages - 2>();
+      cp_async_wait<kRing * kDecStages - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
         if constexpr (kT == 0)
-          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+          issue_tile_at<7>(dst_a, src_a, bytes_a);
         else
-          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+          issue_tile_at<kT - 1>(dst_b, src_b, bytes_b);
       } else {
-        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
+        issue_tile(a, ring + (t == 0 ? half_a : half_k) * kPageBytes, t == 0 ? pg_a : pg_b,
+                   t == 0 ? 7 : t - 1, lane);
       }
       cp_async_commit();
-      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
+      decode_compute_tile<NT>(s, ring_k + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -480,10 +515,11 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
-    pg_k = pg_k1;
-    pg_k1 = guard(raw_k2);
-    raw_k2 = raw_page_at(k + 3);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg[0] >= 0, g, tig, sblk, b0);
+#pragma unroll
+    for (int i = 0; i < kRing; ++i) pg[i] = pg[i + 1];
+    pg[kRing] = guard(raw_next);
+    raw_next = raw_page_at(k + kRing + 2);
   }
   cp_async_wait<0>();
 }
@@ -502,9 +538,13 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false>
+// kRing, kTicket (flat decode only): the warps' ring depth in pages (decode_unit) and the rows
+// finished in the scorer by each request's last CTA (ticket_select_rows) instead of the selection
+// kernel.
+template <bool kFused, bool kSingle, bool kCluster = false, int kRing = 1, bool kTicket = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
+  static_assert((kRing == 1 && !kTicket) || (!kFused && !kSingle), "flat decode only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
@@ -581,7 +621,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
     if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
-      stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
+      stream_prologue(a, smem + warp * (kRing * kPageBytes), pg_first, lane);
       pre = true;
     }
   }
@@ -600,19 +640,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<1, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<2, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<3, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<4, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
     }
@@ -635,6 +675,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
+  } else if constexpr (kTicket) {
+    if (first < b1) score(nullptr, b0);
+    timeline_mark(a, 2);
+    ticket_select_rows(a, smem, r, qa, rows, nvis, p);  // every warp: CTA barriers inside
+    timeline_mark(a, 4);
+    return;
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
@@ -806,20 +852,21 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false, int kRing = 1,
+          bool kTicket = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kRing, kTicket>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
-  if constexpr (kSingle) {
+  if constexpr (kSingle || kTicket) {
     // The tile's block scores (global memory; with a cluster, every split's) are written and
     // visible.
     if constexpr (kCluster) {
@@ -838,6 +885,18 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false>(a, smem, sh);
+}
+
+// Flat decode (IndexerCudaOptions::flat_decode) with a ring of kRing pages per warp
+// (flat_ring_pages) and, kTicket (ticket_select), the rows finished in this kernel: a decode
+// request's rows by the last of its CTAs to finish (ticket_select_rows), an overflow tile's by the
+// tile (as in the single pass); no selection kernel. <1, false> is score_mma_kernel's flat path.
+// Dynamic shared memory: kFlatSmemBytes<kRing>.
+template <int kRing, bool kTicket>
+__global__ void __launch_bounds__(kMmaThreads, 1) score_flat_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<false, false, false, kRing, kTicket>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

@@ -195,6 +195,11 @@ inline void upload(const Inputs& in, DeviceSet& d, int64_t pool_offset = 0) {
                                        {in.T(), int64_t{in.n_kv}, int64_t{kTopK}}, cuda);
   d.workspace = TensorView::contiguous(static_cast<uint8_t*>(d.ws.data()) + kGuard, DType::kF32,
                                        {static_cast<int64_t>(d.ws_bytes / 4)}, cuda);
+  if (d.ws_bytes >= kIndexerControlBytes) {
+    const Status st = indexer_workspace_init(d.workspace, nullptr);
+    EXPECT_TRUE(st.ok()) << st.to_string();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  }
 }
 
 // Overwrites the inputs of `d` in place with those of `in` (same shapes: CUDA-graph replays).
@@ -215,8 +220,11 @@ inline void poison_outputs(DeviceSet& d) {
   std::fill(ids.begin() + kGuard, ids.begin() + kGuard + static_cast<long>(d.ids_bytes),
             kIdsPoison);
   d.ids.upload(ids.data(), ids.size());
+  // The block scores are poisoned; the control area (tickets) stays zero, as
+  // indexer_workspace_init leaves it (download checks that every call leaves it zero).
   std::vector<uint8_t> ws(d.ws_bytes + 2 * kGuard, kGuardByte);
-  std::fill(ws.begin() + kGuard, ws.begin() + kGuard + static_cast<long>(d.ws_bytes), kWsPoison);
+  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
+  for (size_t i = 0; i < d.ws_bytes; ++i) ws[kGuard + i] = i < control ? uint8_t{0} : kWsPoison;
   d.ws.upload(ws.data(), ws.size());
 }
 
@@ -239,8 +247,13 @@ inline GpuResult download(const DeviceSet& d) {
   std::memcpy(g.ids.data(), ids.data() + kGuard, d.ids_bytes);
   const std::vector<uint8_t> ws = d.ws.download_all();
   EXPECT_TRUE(guards_intact(ws, d.ws_bytes)) << "workspace guard bytes changed";
-  g.scores.resize(d.ws_bytes / 4);
-  std::memcpy(g.scores.data(), ws.data() + kGuard, d.ws_bytes);
+  // The control area, then the block scores.
+  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
+  const auto ctl = ws.begin() + kGuard;
+  EXPECT_TRUE(std::all_of(ctl, ctl + static_cast<long>(control), [](uint8_t b) { return b == 0; }))
+      << "the workspace's control area (tickets) is not zero after the call";
+  g.scores.resize((d.ws_bytes - control) / 4);
+  std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);
   return g;
 }
 
@@ -428,6 +441,29 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
+    // Flat decode with the rows finished by each request's last CTA (ticket_select) and / or
+    // two-page rings (flat_ring_pages): the same block scores (every one still goes to the
+    // workspace), the same ids; flat 3 puts more requests in one CTA.
+    struct Flat {
+      int ctas_per_sm;
+      bool ticket;
+      int ring;
+    };
+    for (const Flat& ff : {Flat{1, true, 1}, Flat{1, false, 2}, Flat{1, true, 2}, Flat{3, true, 1}}) {
+      IndexerCudaOptions fl = v.o;
+      fl.flat_decode = ff.ctas_per_sm;
+      fl.ticket_select = ff.ticket;
+      fl.flat_ring_pages = ff.ring;
+      const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
+      if (fp.flat_ctas == 0) continue;
+      EXPECT_EQ(fp.ticket, ff.ticket && in.max_pages() <= 64);
+      EXPECT_EQ(fp.ring_pages, ff.ring);
+      const GpuResult f = run_gpu(d, fl);
+      const std::string fname = name + ", flat " + std::to_string(ff.ctas_per_sm) +
+                                (fp.ticket ? " ticket" : "") + " ring " + std::to_string(ff.ring);
+      compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
+      expect_same_ids(in, f, g, fname + " vs two-kernel]");
+    }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
     for (int ctas : {1, 2, 3, 8}) {
@@ -518,7 +554,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs.
+// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 the same with two-page rings.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -567,9 +603,18 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
-                           "[single pass cluster 4] "};
+    o.flat_decode = path >= 5 ? 1 : 0;
+    o.ticket_select = path >= 5;
+    o.flat_ring_pages = path == 6 ? 2 : 1;
+    const char* names[] = {"[fused] ",
+                           "[two-kernel] ",
+                           "[cuda cores] ",
+                           "[single pass] ",
+                           "[single pass cluster 4] ",
+                           "[flat ticket] ",
+                           "[flat ticket ring 2] "};
     const char* name = names[path];
+    if (path >= 5) EXPECT_TRUE(indexer_cuda_plan(d.params, o).ticket);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

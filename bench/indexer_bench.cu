@@ -66,7 +66,9 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline), --ticket / --ring N (the default options
+//   with ticket_select / flat_ring_pages N; flat decode only; the timeline's "barrier" phase is
+//   then the ticket taken).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -511,7 +513,9 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0,
+      ring = 1;
+  bool ticket = false;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -559,6 +563,10 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
+    else if (a == "--ticket")
+      ticket = true;
+    else if (a == "--ring" && i + 1 < argc)
+      ring = std::atoi(argv[++i]);
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -582,7 +590,8 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--ticket] "
+                   "[--ring N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -597,6 +606,8 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
+  default_o.ticket_select = ticket;
+  default_o.flat_ring_pages = ring;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;

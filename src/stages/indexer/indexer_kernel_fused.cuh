@@ -188,6 +188,7 @@ __device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t*
     ts.last[w] = last;
   }
   __syncthreads();
+  timeline_mark(a, 3);
   float* table = reinterpret_cast<float*>(smem);  // [kDecRows][kFusedMaxChunk]
 #pragma unroll 1
   for (int w = 0; w < kMmaWarps; ++w) {

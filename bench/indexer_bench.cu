@@ -61,13 +61,13 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, tick = flat_decode 1 with ticket_select, ring2 = flat_decode 1 with
-//   flat_ring_pages 2, tick2 = flat_decode 1 with both;
+//   !short_select, tick = flat_decode 1 with ticket_select, r16 / r4 = flat_decode 1 with
+//   flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat_decode 2 / 3 with flat_ring_tiles 4;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --ticket / --ring N (the default options
-//   with ticket_select / flat_ring_pages N; flat decode only; the timeline's "barrier" phase is
+//   with ticket_select / flat_ring_tiles N; flat decode only; the timeline's "barrier" phase is
 //   then the ticket taken).
 #include <cuda_runtime_api.h>
 
@@ -475,7 +475,7 @@ std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   if (pl.flat_ctas > 0)
     return std::string(pl.ticket ? "t" : "2") + " flat " + std::to_string(pl.flat_ctas) +
-           (pl.ring_pages > 1 ? " r" + std::to_string(pl.ring_pages) : std::string());
+           (pl.ring_tiles != 8 ? " r" + std::to_string(pl.ring_tiles) : std::string());
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -514,7 +514,7 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0,
-      ring = 1;
+      ring = 8;
   bool ticket = false;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
@@ -607,7 +607,7 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.ticket_select = ticket;
-  default_o.flat_ring_pages = ring;
+  default_o.flat_ring_tiles = ring;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1038,7 +1038,8 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"tick", default_o},
-                                {"ring2", default_o},   {"tick2", default_o}};
+                                {"r16", default_o},     {"r4", default_o},
+                                {"f2r4", default_o},    {"f3r4", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1052,10 +1053,13 @@ int main(int argc, char** argv) {
     all[10].o.flat_decode = 1;
     all[10].o.ticket_select = true;
     all[11].o.flat_decode = 1;
-    all[11].o.flat_ring_pages = 2;
+    all[11].o.flat_ring_tiles = 16;
     all[12].o.flat_decode = 1;
-    all[12].o.ticket_select = true;
-    all[12].o.flat_ring_pages = 2;
+    all[12].o.flat_ring_tiles = 4;
+    all[13].o.flat_decode = 2;
+    all[13].o.flat_ring_tiles = 4;
+    all[14].o.flat_decode = 3;
+    all[14].o.flat_ring_tiles = 4;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1097,7 +1101,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, tick = flat1 and ticket_select, "
-        "ring2 = flat1 and flat_ring_pages 2, tick2 = both; "
+        "r16 / r4 = flat1 with flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat2 / flat3 with 4; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

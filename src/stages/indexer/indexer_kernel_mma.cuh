@@ -137,7 +137,7 @@ constexpr int kSmemAlign = 128;
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
 // Flat decode with a ring of kRing pages per warp (the ticket selection's table reuses the ring).
 template <int kRing>
-constexpr int kFlatSmemBytes = kMaxI(kMmaSmemBytes, kMmaWarps* kRing* kPageBytes);
+constexpr int kFlatSmemBytes = kMaxI(kMmaSmemBytes, kMmaWarps* kRing* kTileBytes);
 static_assert(kDecRows * kFusedMaxChunk * 4 <= kMmaSmemBytes, "ticket table fits in the ring");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
@@ -315,23 +315,18 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
   }
 }
 
-// One 2 KB tile (tile t of `page`, t < 8) into ring stage t (kDecStages == tiles per page, so a
-// tile's stage is its index in the page and every stage index in the unrolled decode loop is a
-// constant): 4 x 32 swizzled 16-byte cp.async (committed by the caller). A page outside the pool
-// (-1) reads nothing: the cp.async zero-fill the stage (source size 0, the source address the pool
-// base); the block scores NaN and its data is never used.
+// One 2 KB tile (tile t of `page`, t < 8) into ring stage t (the stream's first tiles): 4 x 32
+// swizzled 16-byte cp.async (committed by the caller). A page outside the pool (-1) reads nothing:
+// the cp.async zero-fill the stage (source size 0, the source address the pool base); the block
+// scores NaN and its data is never used.
 // cp.async chunk lane + 32 c of the tile = row (lane >> 3) + 4 c, 16-byte column lane & 7: its
 // swizzled destination is lane_dst + 512 c (rows 4 c apart share the swizzle parity), its source
 // lane * 16 + 512 c, so one address pair per lane serves the 4 copies.
-static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the page");
 __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
   return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
 }
-__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
-                                           int lane) {
-  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
-  const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
-  const uint32_t bytes = page >= 0 ? 16u : 0u;
+// The 4 copies of a lane: shared address dst, global address src (both with the lane's offset).
+__device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, uint32_t bytes) {
   asm volatile(
       "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
       "cp.async.cg.shared.global [%0+512], [%1+512], 16, %2;\n"
@@ -340,20 +335,27 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, i
       "l"(src), "r"(bytes)
       : "memory");
 }
+__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
+                                           int lane) {
+  issue_tile_to(smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane),
+                (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16,
+                page >= 0 ? 16u : 0u);
+}
 
 // The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
 // compile-time placed): tile kT of the page whose lane source address is `src` (page base +
-// lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
+// lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kS of the ring
 // whose lane destination is `dst` (shared address of the ring + lane_dst_offset).
-template <int kT>
+template <int kS, int kT>
 __device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, uint32_t bytes) {
   asm volatile(
-      "cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%4], [%1+%4], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%5], [%1+%5], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%6], [%1+%6], 16, %2;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "n"(kT * kTileBytes), "n"(kT * kTileBytes + 512),
-      "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      "cp.async.cg.shared.global [%0+%3], [%1+%7], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%4], [%1+%8], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%5], [%1+%9], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%6], [%1+%10], 16, %2;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512),
+      "n"(kS * kTileBytes + 1024), "n"(kS * kTileBytes + 1536), "n"(kT * kTileBytes),
+      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
       : "memory");
 }
 
@@ -366,14 +368,19 @@ __device__ __forceinline__ void static_for(F&& f) {
   }
 }
 
-// The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
-// (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
-// and positions arrive. A prologue whose tiles turn out not to be needed is waited for
-// (cp_async_wait<0>: no copy may outlive the CTA).
+// Tiles of the first block a ring of kRing tiles issues before the first wait.
+template <int kRing>
+constexpr int kPrologueTiles = kRing - 1 < 7 ? kRing - 1 : 7;
+
+// The start of a warp's tile stream: tiles 0 .. kPrologueTiles - 1 of the warp's first block
+// (page pg_first) into stages 0 .. . Needs only the page-table entry, so decode_path issues it
+// before query_start and positions arrive. A prologue whose tiles turn out not to be needed is
+// waited for (cp_async_wait<0>: no copy may outlive the CTA).
+template <int kRing = kDecStages>
 __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring,
                                                 int64_t pg_first, int lane) {
 #pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) {
+  for (int i = 0; i < kPrologueTiles<kRing>; ++i) {
     issue_tile(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
@@ -404,32 +411,34 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
 // blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
-// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-// kRing: pages (of 8 tiles) in the warp's ring (1, or 2 for flat decode: IndexerCudaOptions::
-// flat_ring_pages); the ring is smem + warp * kRing * kPageBytes.
-template <int NT, bool kFused, int kRing = 1>
+// pre_issued: the caller already ran stream_prologue<kRing> (same ring and pg_first). qraw: the
+// unit's query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token
+// t0 + l. kRing: tiles in the warp's ring (kDecStages = 8; flat decode also 4 or 16:
+// IndexerCudaOptions::flat_ring_tiles); the ring is smem + warp * kRing * kTileBytes.
+template <int NT, bool kFused, int kRing = kDecStages>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued) {
-  static_assert(kRing == 1 || kRing == 2, "ring of one or two pages");
+  static_assert(kRing == 4 || kRing == 8 || kRing == 16, "rings of 4, 8 or 16 tiles");
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + step - 1) / step;
 
-  // Tile stream: tile i = tile (i % 8) of block first + step (i / 8), in ring stage i % (8 kRing)
-  // (half (i / 8) % kRing of the ring, stage i % 8 of that half: the stage within a half is the
-  // tile's index in its page, so every offset inside a half is an immediate). The issue side runs
-  // 8 kRing - 1 tiles ahead: while the compute side is at tile t of block k it issues tile 7 of
-  // block k + kRing - 1 (t == 0) or tile t - 1 of block k + kRing. Pages: pg[i] = block k + i
-  // (i <= kRing; -1 past the end: zero-fill copies that are never computed) and the raw
-  // page-table entry of block k + kRing + 1, loaded a block ahead and checked only when it
-  // rotates in (its load latency stays off the tile loop). The first tiles are issued before the
-  // query rows are loaded and converted, so that work hides under the index-K latency. The 8 tiles
-  // of a block are unrolled: stages, keys and the flush are compile-time placed.
-  uint8_t* ring = smem + warp * (kRing * kPageBytes);
+  // Tile stream: tile i = tile (i % 8) of block first + step (i / 8), in ring stage i % kRing.
+  // The issue side runs kAhead = kRing - 1 tiles ahead: while the compute side is at tile t of
+  // block k it issues tile (t + kAhead) % 8 of block k + (t + kAhead) / 8. Rings of <= 8 tiles
+  // divide the page, so every stage is a compile-time function of t; the 16-tile ring holds two
+  // pages, the half (block parity) is the one run-time term. Pages: pg[i] = block k + i (-1 past
+  // the end: zero-fill copies that are never computed) and the raw page-table entry of the next
+  // block, loaded a block ahead and checked only when it rotates in (its load latency stays off
+  // the tile loop). The first tiles are issued before the query rows are loaded and converted, so
+  // that work hides under the index-K latency. The 8 tiles of a block are unrolled: stages, keys
+  // and the flush are compile-time placed.
+  constexpr int kAhead = kRing - 1;
+  constexpr int kPages = (7 + kAhead) / 8 + 1;  // blocks k .. k + kPages - 1 are issued from
+  uint8_t* ring = smem + warp * (kRing * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
     return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
@@ -437,24 +446,26 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
   };
-  int32_t pg[kRing + 1];
+  int32_t pg[kPages];
   pg[0] = static_cast<int32_t>(pg_first);
   pg[1] = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-  if constexpr (kRing == 2) pg[2] = guard(raw_page_at(2));
-  int32_t raw_next = raw_page_at(kRing + 1);
-  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
+#pragma unroll
+  for (int i = 2; i < kPages; ++i) pg[i] = guard(raw_page_at(i));
+  int32_t raw_next = raw_page_at(kPages);
+  if (!pre_issued) stream_prologue<kRing>(a, ring, pg_first, lane);
   const auto lane_src = [&](int32_t page) {
     return (page >= 0 ? page_base(a, page) : a.cache) + lane * 16;
   };
-  if constexpr (kRing == 2) {
+  if constexpr (kRing == 16) {
     // The rest of the prologue: tile 7 of block 0, tiles 0-6 of block 1 (the second half).
     const uint8_t* s0 = lane_src(pg[0]);
     const uint8_t* s1 = lane_src(pg[1]);
     const uint32_t n0 = pg[0] >= 0 ? 16u : 0u, n1 = pg[1] >= 0 ? 16u : 0u;
-    issue_tile_at<7>(ring_dst, s0, n0);
+    issue_tile_at<7, 7>(ring_dst, s0, n0);
     cp_async_commit();
     static_for<0, 7>([&](auto tc) {
-      issue_tile_at<decltype(tc)::value>(ring_dst + kPageBytes, s1, n1);
+      constexpr int kT = decltype(tc)::value;
+      issue_tile_at<8 + kT, kT>(ring_dst, s1, n1);
       cp_async_commit();
     });
   }
@@ -478,36 +489,46 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    // Ring halves: of block k (computed now; tiles t - 1 of block k + kRing go there) and of
-    // block k + kRing - 1 (its tile 7 goes out at t == 0).
-    const int half_k = kRing == 1 ? 0 : (k & 1);
-    const int half_a = kRing == 1 ? 0 : ((k + 1) & 1);
-    const uint8_t* ring_k = ring + half_k * kPageBytes;
-    // Lane source addresses (zero-fill from the pool base where -1): tile 7 of block
-    // k + kRing - 1 (t == 0), tiles 0-6 of block k + kRing (t > 0).
-    const int32_t pg_a = pg[kRing - 1], pg_b = pg[kRing];
-    const uint8_t* src_a = lane_src(pg_a);
-    const uint8_t* src_b = lane_src(pg_b);
-    const uint32_t bytes_a = pg_a >= 0 ? 16u : 0u, bytes_b = pg_b >= 0 ? 16u : 0u;
-    const uint32_t dst_a = ring_dst + half_a * kPageBytes, dst_b = ring_dst + half_k * kPageBytes;
+    // The 16-tile ring: the half of block k (k & 1) and of block k + 1.
+    const uint32_t half_k = kRing == 16 ? static_cast<uint32_t>(k & 1) * kPageBytes : 0u;
+    const uint32_t half_k1 = kRing == 16 ? static_cast<uint32_t>(kPageBytes) - half_k : 0u;
+    const uint8_t* ring_k = ring + half_k;
+    // Lane source addresses of the pages issued from (zero-fill from the pool base where -1).
+    const uint8_t* src[kPages];
+    uint32_t bytes[kPages];
+#pragma unroll
+    for (int i = 0; i < kPages; ++i) {
+      src[i] = lane_src(pg[i]);
+      bytes[i] = pg[i] >= 0 ? 16u : 0u;
+    }
     // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      cp_async_wait<kRing * kDecStages - 2>();
+      cp_async_wait<kRing - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
-        if constexpr (kT == 0)
-          issue_tile_at<7>(dst_a, src_a, bytes_a);
-        else
-          issue_tile_at<kT - 1>(dst_b, src_b, bytes_b);
+        constexpr int kDb = (kT + kAhead) / 8, kTt = (kT + kAhead) % 8;  // block k + kDb, tile kTt
+        if constexpr (kRing <= 8) {
+          issue_tile_at<(kT + kAhead) % kRing, kTt>(ring_dst, src[kDb], bytes[kDb]);
+        } else {  // block k + kDb's half: block k's for even kDb
+          issue_tile_at<kTt, kTt>(ring_dst + ((kDb & 1) ? half_k1 : half_k), src[kDb],
+                                  bytes[kDb]);
+        }
       } else {
-        issue_tile(a, ring + (t == 0 ? half_a : half_k) * kPageBytes, t == 0 ? pg_a : pg_b,
-                   t == 0 ? 7 : t - 1, lane);
+        const int db = (t + kAhead) / 8, tt = (t + kAhead) % 8;
+        const uint32_t stage_off =
+            kRing <= 8 ? static_cast<uint32_t>((t + kAhead) % kRing) * kTileBytes
+                       : ((db & 1) ? half_k1 : half_k) + static_cast<uint32_t>(tt) * kTileBytes;
+        const int32_t page = db == 0 ? pg[0] : (db == 1 ? pg[1] : pg[kPages - 1]);
+        issue_tile_to(ring_dst + stage_off, lane_src(page) + tt * kTileBytes,
+                      page >= 0 ? 16u : 0u);
       }
       cp_async_commit();
-      decode_compute_tile<NT>(s, ring_k + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
+      const int stage = kRing <= 8 ? t % kRing : t;  // within block k's half for 16
+      decode_compute_tile<NT>(s, ring_k + stage * kTileBytes, b * kPageSize + t * 16, mask, g,
+                              tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -517,9 +538,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     }
     decode_flush<NT, kFused>(s, a, t0, rows, b, pg[0] >= 0, g, tig, sblk, b0);
 #pragma unroll
-    for (int i = 0; i < kRing; ++i) pg[i] = pg[i + 1];
-    pg[kRing] = guard(raw_next);
-    raw_next = raw_page_at(k + kRing + 2);
+    for (int i = 0; i + 1 < kPages; ++i) pg[i] = pg[i + 1];
+    pg[kPages - 1] = guard(raw_next);
+    raw_next = raw_page_at(k + kPages + 1);
   }
   cp_async_wait<0>();
 }
@@ -541,10 +562,11 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // kRing, kTicket (flat decode only): the warps' ring depth in pages (decode_unit) and the rows
 // finished in the scorer by each request's last CTA (ticket_select_rows) instead of the selection
 // kernel.
-template <bool kFused, bool kSingle, bool kCluster = false, int kRing = 1, bool kTicket = false>
+template <bool kFused, bool kSingle, bool kCluster = false, int kRing = kDecStages,
+          bool kTicket = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
-  static_assert((kRing == 1 && !kTicket) || (!kFused && !kSingle), "flat decode only");
+  static_assert((kRing == kDecStages && !kTicket) || (!kFused && !kSingle), "flat decode only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
@@ -621,7 +643,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
     if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
-      stream_prologue(a, smem + warp * (kRing * kPageBytes), pg_first, lane);
+      stream_prologue<kRing>(a, smem + warp * (kRing * kTileBytes), pg_first, lane);
       pre = true;
     }
   }
@@ -852,7 +874,7 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, int kRing = 1,
+template <bool kFused, bool kSingle = false, bool kCluster = false, int kRing = kDecStages,
           bool kTicket = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
@@ -887,13 +909,13 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   score_mma_body<false>(a, smem, sh);
 }
 
-// Flat decode (IndexerCudaOptions::flat_decode) with a ring of kRing pages per warp
-// (flat_ring_pages) and, kTicket (ticket_select), the rows finished in this kernel: a decode
+// Flat decode (IndexerCudaOptions::flat_decode) with a ring of kRing tiles per warp
+// (flat_ring_tiles) and, kTicket (ticket_select), the rows finished in this kernel: a decode
 // request's rows by the last of its CTAs to finish (ticket_select_rows), an overflow tile's by the
-// tile (as in the single pass); no selection kernel. <1, false> is score_mma_kernel's flat path.
-// Dynamic shared memory: kFlatSmemBytes<kRing>.
+// tile (as in the single pass); no selection kernel. <kDecStages, false> is score_mma_kernel's
+// flat path. Dynamic shared memory: kFlatSmemBytes<kRing>.
 template <int kRing, bool kTicket>
-__global__ void __launch_bounds__(kMmaThreads, 1) score_flat_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kMmaThreads) score_flat_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false, false, false, kRing, kTicket>(a, smem, sh);

@@ -442,22 +442,23 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
     // Flat decode with the rows finished by each request's last CTA (ticket_select) and / or
-    // two-page rings (flat_ring_pages): the same block scores (every one still goes to the
+    // rings of 4 / 16 tiles (flat_ring_tiles): the same block scores (every one still goes to the
     // workspace), the same ids; flat 3 puts more requests in one CTA.
     struct Flat {
       int ctas_per_sm;
       bool ticket;
       int ring;
     };
-    for (const Flat& ff : {Flat{1, true, 1}, Flat{1, false, 2}, Flat{1, true, 2}, Flat{3, true, 1}}) {
+    for (const Flat& ff : {Flat{1, true, 8}, Flat{1, false, 16}, Flat{1, true, 16},
+                           Flat{3, true, 8}, Flat{2, false, 4}, Flat{2, true, 4}}) {
       IndexerCudaOptions fl = v.o;
       fl.flat_decode = ff.ctas_per_sm;
       fl.ticket_select = ff.ticket;
-      fl.flat_ring_pages = ff.ring;
+      fl.flat_ring_tiles = ff.ring;
       const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
       if (fp.flat_ctas == 0) continue;
       EXPECT_EQ(fp.ticket, ff.ticket && in.max_pages() <= 64);
-      EXPECT_EQ(fp.ring_pages, ff.ring);
+      EXPECT_EQ(fp.ring_tiles, ff.ring);
       const GpuResult f = run_gpu(d, fl);
       const std::string fname = name + ", flat " + std::to_string(ff.ctas_per_sm) +
                                 (fp.ticket ? " ticket" : "") + " ring " + std::to_string(ff.ring);
@@ -554,7 +555,8 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 the same with two-page rings.
+// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 / 7 the same with rings of 16 /
+// 4 tiles.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -605,14 +607,15 @@ inline void check_guards(const std::vector<int>& paths) {
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
     o.flat_decode = path >= 5 ? 1 : 0;
     o.ticket_select = path >= 5;
-    o.flat_ring_pages = path == 6 ? 2 : 1;
+    o.flat_ring_tiles = path == 6 ? 16 : (path == 7 ? 4 : 8);
     const char* names[] = {"[fused] ",
                            "[two-kernel] ",
                            "[cuda cores] ",
                            "[single pass] ",
                            "[single pass cluster 4] ",
                            "[flat ticket] ",
-                           "[flat ticket ring 2] "};
+                           "[flat ticket ring 16] ",
+                           "[flat ticket ring 4] "};
     const char* name = names[path];
     if (path >= 5) EXPECT_TRUE(indexer_cuda_plan(d.params, o).ticket);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

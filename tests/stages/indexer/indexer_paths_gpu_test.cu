@@ -9,7 +9,7 @@ namespace {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 2, 3, 4, 5, 6});
+  check_guards({0, 1, 2, 3, 4, 5, 6, 7});
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {

@@ -62,7 +62,8 @@
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, tick = flat_decode 1 with ticket_select, r16 / r4 = flat_decode 1 with
-//   flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat_decode 2 / 3 with flat_ring_tiles 4;
+//   flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat_decode 2 / 3 with flat_ring_tiles 4, cfs =
+//   compact_final_select, tickc = tick with compact_final_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -1039,7 +1040,8 @@ int main(int argc, char** argv) {
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"tick", default_o},
                                 {"r16", default_o},     {"r4", default_o},
-                                {"f2r4", default_o},    {"f3r4", default_o}};
+                                {"f2r4", default_o},    {"f3r4", default_o},
+                                {"cfs", default_o},     {"tickc", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1060,6 +1062,10 @@ int main(int argc, char** argv) {
     all[13].o.flat_ring_tiles = 4;
     all[14].o.flat_decode = 3;
     all[14].o.flat_ring_tiles = 4;
+    all[15].o.compact_final_select = true;
+    all[16].o.flat_decode = 1;
+    all[16].o.ticket_select = true;
+    all[16].o.compact_final_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1101,7 +1107,8 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, tick = flat1 and ticket_select, "
-        "r16 / r4 = flat1 with flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat2 / flat3 with 4; "
+        "r16 / r4 = flat1 with flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat2 / flat3 with 4, "
+        "cfs = compact_final_select, tickc = tick and cfs; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

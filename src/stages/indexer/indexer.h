@@ -171,6 +171,11 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // The single pass's (and the ticket selection's) final selection of rows of more than 16
+  // candidates at <= 4 rows per unit (one row per warp: draft 0 at n_kv 4) ranks by counting in
+  // two short loops instead of one unrolled sequence (rank_by_counting_rolled: ~60 distinct
+  // instructions instead of ~600, for code run once per warp at the kernel's end). Same ids.
+  bool compact_final_select = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

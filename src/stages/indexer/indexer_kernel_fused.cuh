@@ -110,8 +110,12 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       // (session 14 round B / C, batch 1 at 32K, fused path, 4-block splits: 14.9 / 15.1 us with
       // counting vs 11.6 in round A with the rounds; 1 x 128K 20.5 vs 18.9).
       if (live[0] && nbs[0] > kTopK) {
-        rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
-                         rank[1][0]);
+        if (a.compact_select)
+          rank_by_counting_rolled(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0],
+                                  rank[0][0], rank[1][0]);
+        else
+          rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
+                           rank[1][0]);
       } else {
         rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
       }

@@ -103,6 +103,43 @@ __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, f
   count_beats<0, kCountRow>(row, s0, s1, r0, r1);
 }
 
+// rank_by_counting as two short loops (IndexerCudaOptions::compact_final_select): the same counts
+// from ~60 distinct instructions instead of ~600 unrolled ones, for code that runs once per warp
+// at a kernel's end, cold in the instruction cache (the single pass's and the ticket selection's
+// final rows: session 17-18 ncu put most of their stall samples on instruction fetch).
+__device__ __forceinline__ void rank_by_counting_rolled(float* row, int nb, float s0, float s1,
+                                                        int& r0, int& r1) {
+  const int lane = threadIdx.x & 31;
+  if (lane >= nb) row[lane] = quiet_nan();
+  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
+  __syncwarp();
+  int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
+  // Index j < 32 beats lane on a tie iff j < lane, and always beats lane + 32 on a tie.
+#pragma unroll 1
+  for (int q = 0; q < 8; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
+    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c0[e] += (vv[e] > s0 || (vv[e] == s0 && 4 * q + e < lane)) ? 1 : 0;
+      c1[e] += vv[e] >= s1 ? 1 : 0;
+    }
+  }
+  // Index j >= 32 never beats lane on a tie; beats lane + 32 on a tie iff j - 32 < lane.
+#pragma unroll 1
+  for (int q = 0; q < 8; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 32 + 4 * q);
+    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      c0[e] += vv[e] > s0 ? 1 : 0;
+      c1[e] += (vv[e] > s1 || (vv[e] == s1 && 4 * q + e < lane)) ? 1 : 0;
+    }
+  }
+  r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
+  r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
+}
+
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
 // lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_by_rounds,
 // distinct) and are all below the local block; the ranks < 15 are selected. Candidate ids ascend

@@ -61,14 +61,14 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, tick = flat_decode 1 with ticket_select, r16 / r4 = flat_decode 1 with
-//   flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat_decode 2 / 3 with flat_ring_tiles 4, cfs =
+//   !short_select, tick = flat_decode 1 with ticket_select, fg = flat_guess, f1g = flat_decode 1
+//   with flat_guess, tickg = tick with flat_guess and compact_final_select, cfs =
 //   compact_final_select, tickc = tick with compact_final_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --ticket / --ring N (the default options
-//   with ticket_select / flat_ring_tiles N; flat decode only; the timeline's "barrier" phase is
+//   options with flat_decode N, e.g. for --timeline), --ticket / --flat-guess (the default options
+//   with ticket_select / flat_guess; flat decode only; the timeline's "barrier" phase is
 //   then the ticket taken).
 #include <cuda_runtime_api.h>
 
@@ -476,7 +476,7 @@ std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   if (pl.flat_ctas > 0)
     return std::string(pl.ticket ? "t" : "2") + " flat " + std::to_string(pl.flat_ctas) +
-           (pl.ring_tiles != 8 ? " r" + std::to_string(pl.ring_tiles) : std::string());
+           std::string(o.flat_guess ? " g" : "");
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -514,9 +514,8 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0,
-      ring = 8;
-  bool ticket = false;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
+  bool ticket = false, guess = false;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -566,8 +565,8 @@ int main(int argc, char** argv) {
       flat = std::atoi(argv[++i]);
     else if (a == "--ticket")
       ticket = true;
-    else if (a == "--ring" && i + 1 < argc)
-      ring = std::atoi(argv[++i]);
+    else if (a == "--flat-guess")
+      guess = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -592,7 +591,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--ticket] "
-                   "[--ring N] "
+                   "[--flat-guess] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -608,7 +607,7 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.ticket_select = ticket;
-  default_o.flat_ring_tiles = ring;
+  default_o.flat_guess = guess;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1039,9 +1038,9 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"tick", default_o},
-                                {"r16", default_o},     {"r4", default_o},
-                                {"f2r4", default_o},    {"f3r4", default_o},
-                                {"cfs", default_o},     {"tickc", default_o}};
+                                {"fg", default_o},      {"f1g", default_o},
+                                {"tickg", default_o},   {"cfs", default_o},
+                                {"tickc", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1055,17 +1054,17 @@ int main(int argc, char** argv) {
     all[10].o.flat_decode = 1;
     all[10].o.ticket_select = true;
     all[11].o.flat_decode = 1;
-    all[11].o.flat_ring_tiles = 16;
+    all[11].o.flat_guess = true;
     all[12].o.flat_decode = 1;
-    all[12].o.flat_ring_tiles = 4;
-    all[13].o.flat_decode = 2;
-    all[13].o.flat_ring_tiles = 4;
-    all[14].o.flat_decode = 3;
-    all[14].o.flat_ring_tiles = 4;
+    all[12].o.flat_guess = true;
+    all[13].o.flat_decode = 1;
+    all[13].o.ticket_select = true;
+    all[13].o.flat_guess = true;
+    all[13].o.compact_final_select = true;
+    all[14].o.compact_final_select = true;
+    all[15].o.flat_decode = 1;
+    all[15].o.ticket_select = true;
     all[15].o.compact_final_select = true;
-    all[16].o.flat_decode = 1;
-    all[16].o.ticket_select = true;
-    all[16].o.compact_final_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1107,7 +1106,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, tick = flat1 and ticket_select, "
-        "r16 / r4 = flat1 with flat_ring_tiles 16 / 4, f2r4 / f3r4 = flat2 / flat3 with 4, "
+        "fg = flat_guess, f1g = flat1 and fg, tickg = tick, fg and cfs, "
         "cfs = compact_final_select, tickc = tick and cfs; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);

@@ -119,7 +119,6 @@ struct Plan {
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
   bool ticket = false;    // flat decode, rows finished by the scorer (ticket_select)
-  int ring_tiles = 8;     // flat decode: tiles per warp ring
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -249,7 +248,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
-      pl.ring_tiles = o.flat_ring_tiles;
       // The ticket selection's table holds rows of <= kFusedMaxChunk blocks; one ticket slot per
       // request.
       pl.ticket = o.ticket_select && max_pages <= ik::kFusedMaxChunk &&
@@ -327,7 +325,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
   info.ticket = pl.ticket;
-  info.ring_tiles = pl.ring_tiles;
   return info;
 }
 
@@ -354,10 +351,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
-  M3_CHECK_ARG(options.flat_ring_tiles == 4 || options.flat_ring_tiles == 8 ||
-                   options.flat_ring_tiles == 16,
-               "run_indexer_cuda: flat_ring_tiles ", options.flat_ring_tiles,
-               " is not 4, 8 or 16");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -408,7 +401,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
-  a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
+  // Flat decode also at several tokens per request with flat_guess.
+  a.guess =
+      options.guess_request_bounds && (T <= R || (pl.flat_ctas > 0 && options.flat_guess)) ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.compact_select = options.compact_final_select ? 1 : 0;
@@ -467,26 +462,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
-    } else if (pl.mma && pl.flat_ctas > 0 && (pl.ticket || pl.ring_tiles != ik::kDecStages)) {
-      // Flat decode with the ticket selection or a ring of 4 or 16 tiles (kFlatSmemBytes: up to
-      // 128 KB).
-      const auto launch_flat = [&](auto kernel, size_t bytes) -> Status {
-        size_t s = 0;
-        M3_RETURN_IF_ERROR(prepare(kernel, bytes, &s));
-        M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(ik::kMmaThreads), s, stream, pdl, a));
-        return Status::Ok();
-      };
-      if (pl.ring_tiles == 16) {
-        M3_RETURN_IF_ERROR(
-            pl.ticket ? launch_flat(ik::score_flat_kernel<16, true>, ik::kFlatSmemBytes<16>)
-                      : launch_flat(ik::score_flat_kernel<16, false>, ik::kFlatSmemBytes<16>));
-      } else if (pl.ring_tiles == 4) {
-        M3_RETURN_IF_ERROR(
-            pl.ticket ? launch_flat(ik::score_flat_kernel<4, true>, ik::kFlatSmemBytes<4>)
-                      : launch_flat(ik::score_flat_kernel<4, false>, ik::kFlatSmemBytes<4>));
-      } else {
-        M3_RETURN_IF_ERROR(launch_flat(ik::score_flat_kernel<8, true>, ik::kFlatSmemBytes<8>));
-      }
+    } else if (pl.mma && pl.ticket) {
+      // Flat decode with the ticket selection: score_mma_kernel's shared memory.
+      size_t tsmem = 0;
+      M3_RETURN_IF_ERROR(prepare(ik::score_flat_ticket_kernel, ik::kMmaSmemBytes, &tsmem));
+      M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::score_flat_ticket_kernel, grid, dim3(ik::kMmaThreads),
+                                         tsmem, stream, pdl, a));
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.

@@ -194,10 +194,11 @@ struct IndexerCudaOptions {
   // other CTAs still stream; overflow tiles finish their rows as in the single pass. Applies where
   // flat decode runs, max_pages <= 64 and R <= kIndexerTicketSlots (elsewhere ignored). Same ids.
   bool ticket_select = false;
-  // Flat decode only: 2 KB tiles in each warp's cp.async ring, one fewer in flight: 8 (14 KB in
-  // flight per warp, 56 KB per SM at one CTA per SM), 4 (6 KB) or 16 (30 KB; 128 KB of shared
-  // memory per CTA: one CTA per SM). Same ids.
-  int flat_ring_tiles = 8;
+  // Flat decode only: the decode warps guess their request's token range (guess_request_bounds)
+  // also at several tokens per request, so the positions and query rows go out with the
+  // page-table entries instead of one round trip later (behind the warps' first copies). Same
+  // ids.
+  bool flat_guess = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
@@ -229,7 +230,6 @@ struct IndexerCudaPlan {
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
   bool ticket = false;  // flat decode with the rows finished by the scorer (ticket_select)
-  int ring_tiles = 8;   // flat decode: tiles per warp ring (flat_ring_tiles)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

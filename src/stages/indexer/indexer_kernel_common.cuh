@@ -193,6 +193,16 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   return reinterpret_cast<T*>(out);
 }
 
+// floor((x * y - sub) / d) for x, y, d >= 0, x * y >= sub: in 32 bits where x * y fits (a
+// 64-bit division is a ~70-instruction routine; the decode warps' fronts use these).
+__device__ __forceinline__ int mul_div(int x, int y, int d, int sub = 0) {
+  const uint64_t p =
+      static_cast<uint64_t>(x) * static_cast<uint32_t>(y) - static_cast<uint32_t>(sub);
+  if (p <= 0xffffffffull)
+    return static_cast<int>(static_cast<uint32_t>(p) / static_cast<uint32_t>(d));
+  return static_cast<int>(p / static_cast<uint64_t>(d));
+}
+
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
 

@@ -152,14 +152,23 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* s
 // the request's rows: the rows' block scores are loaded into a shared table (the ring's memory,
 // free now) and finished as the single pass does (fused_local_select). So each request's
 // selection runs as soon as its last block is scored, beside the other requests' streams, instead
-// of in a kernel after the whole grid. Publication: every thread fences its global writes before
-// the CTA barrier that precedes the ticket, the ticket's thread fences after it (the pattern of
-// the last-block reductions), and the table is read through L2 (__ldcg). Every thread of the CTA
-// calls this once.
+// of in a kernel after the whole grid. Publication: a CTA barrier after the block scores, then one
+// thread's acquire-release ticket (it releases what the CTA wrote and acquires what the CTAs
+// before it released), then a CTA barrier before the table is read through L2 (__ldcg). Every
+// thread of the CTA calls this once.
 struct TicketShared {
   int req[kMmaWarps], qa[kMmaWarps], rows[kMmaWarps], nvis[kMmaWarps], last[kMmaWarps];
   int pos[kMmaWarps][32];
 };
+
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
 
 __device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t* smem, int r,
                                                    int qa, int rows, int nvis, int lane_pos) {
@@ -172,21 +181,19 @@ __device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t*
     ts.nvis[warp] = nvis;
   }
   ts.pos[warp][lane] = lane_pos;
-  __threadfence();  // this thread's block scores, before the CTA's ticket
-  __syncthreads();
+  __syncthreads();  // the CTA's block scores are written (and ts)
   if (threadIdx.x < kMmaWarps) {
     const int w = static_cast<int>(threadIdx.x), rr = ts.req[w];
     int last = 0;
     if (w == 0 || ts.req[w - 1] != rr) {  // the CTA's first warp of request rr takes its ticket
       int cnt = 1;
       while (w + cnt < kMmaWarps && ts.req[w + cnt] == rr) ++cnt;
-      const int total = static_cast<int>(int64_t{rr + 1} * a.flat_warps / a.num_requests -
-                                         int64_t{rr} * a.flat_warps / a.num_requests);
-      const int old = atomicAdd(a.tickets + rr, cnt);
+      const int total = mul_div(rr + 1, a.flat_warps, a.num_requests) -
+                        mul_div(rr, a.flat_warps, a.num_requests);
+      const int old = atomic_add_acq_rel_gpu(a.tickets + rr, cnt);
       if (old + cnt == total) {
         last = 1;
         atomicExch(a.tickets + rr, 0);  // every other CTA of rr has added: the next call's zero
-        __threadfence();                // the other CTAs' block scores, before the loads below
       }
     }
     ts.last[w] = last;
@@ -194,15 +201,22 @@ __device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t*
   __syncthreads();
   timeline_mark(a, 3);
   float* table = reinterpret_cast<float*>(smem);  // [kDecRows][kFusedMaxChunk]
+  constexpr int kPerThread = kDecRows * kFusedMaxChunk / kMmaThreads;
 #pragma unroll 1
   for (int w = 0; w < kMmaWarps; ++w) {
     if (!ts.last[w]) continue;  // CTA-uniform
     const int n_rows = ts.rows[w], nv = ts.nvis[w], t0 = ts.qa[w];
     const float* src = a.scores + int64_t{t0} * a.n_kv * a.max_pages;
-    for (int i = static_cast<int>(threadIdx.x); i < n_rows * nv; i += kMmaThreads) {
-      const int j = i / nv, c = i - j * nv;
-      table[j * kFusedMaxChunk + c] = __ldcg(src + int64_t{j} * a.max_pages + c);
+    // Entry i of the table: row i / 64, block i % 64; every load in flight at once.
+    float v[kPerThread];
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) {
+      const int i = static_cast<int>(threadIdx.x) + k * kMmaThreads;
+      const int j = i / kFusedMaxChunk, c = i % kFusedMaxChunk;
+      v[k] = j < n_rows && c < nv ? __ldcg(src + int64_t{j} * a.max_pages + c) : 0.0f;
     }
+#pragma unroll
+    for (int k = 0; k < kPerThread; ++k) table[threadIdx.x + k * kMmaThreads] = v[k];
     __syncthreads();  // the table is complete
     fused_local_select(a, table, t0, n_rows, 0, nv, ts.pos[w][lane]);
     __syncthreads();  // the table is reused by the next request

@@ -135,9 +135,6 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
-// Flat decode with a ring of kRing pages per warp (the ticket selection's table reuses the ring).
-template <int kRing>
-constexpr int kFlatSmemBytes = kMaxI(kMmaSmemBytes, kMmaWarps* kRing* kTileBytes);
 static_assert(kDecRows * kFusedMaxChunk * 4 <= kMmaSmemBytes, "ticket table fits in the ring");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
@@ -315,18 +312,23 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
   }
 }
 
-// One 2 KB tile (tile t of `page`, t < 8) into ring stage t (the stream's first tiles): 4 x 32
-// swizzled 16-byte cp.async (committed by the caller). A page outside the pool (-1) reads nothing:
-// the cp.async zero-fill the stage (source size 0, the source address the pool base); the block
-// scores NaN and its data is never used.
+// One 2 KB tile (tile t of `page`, t < 8) into ring stage t (kDecStages == tiles per page, so a
+// tile's stage is its index in the page and every stage index in the unrolled decode loop is a
+// constant): 4 x 32 swizzled 16-byte cp.async (committed by the caller). A page outside the pool
+// (-1) reads nothing: the cp.async zero-fill the stage (source size 0, the source address the pool
+// base); the block scores NaN and its data is never used.
 // cp.async chunk lane + 32 c of the tile = row (lane >> 3) + 4 c, 16-byte column lane & 7: its
 // swizzled destination is lane_dst + 512 c (rows 4 c apart share the swizzle parity), its source
 // lane * 16 + 512 c, so one address pair per lane serves the 4 copies.
+static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the page");
 __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
   return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
 }
-// The 4 copies of a lane: shared address dst, global address src (both with the lane's offset).
-__device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, uint32_t bytes) {
+__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
+                                           int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+  const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
+  const uint32_t bytes = page >= 0 ? 16u : 0u;
   asm volatile(
       "cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
       "cp.async.cg.shared.global [%0+512], [%1+512], 16, %2;\n"
@@ -335,27 +337,20 @@ __device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, 
       "l"(src), "r"(bytes)
       : "memory");
 }
-__device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
-                                           int lane) {
-  issue_tile_to(smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane),
-                (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16,
-                page >= 0 ? 16u : 0u);
-}
 
 // The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
 // compile-time placed): tile kT of the page whose lane source address is `src` (page base +
-// lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kS of the ring
+// lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
 // whose lane destination is `dst` (shared address of the ring + lane_dst_offset).
-template <int kS, int kT>
+template <int kT>
 __device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, uint32_t bytes) {
   asm volatile(
-      "cp.async.cg.shared.global [%0+%3], [%1+%7], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%4], [%1+%8], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%5], [%1+%9], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%6], [%1+%10], 16, %2;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512),
-      "n"(kS * kTileBytes + 1024), "n"(kS * kTileBytes + 1536), "n"(kT * kTileBytes),
-      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      "cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%4], [%1+%4], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%5], [%1+%5], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%6], [%1+%6], 16, %2;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "n"(kT * kTileBytes), "n"(kT * kTileBytes + 512),
+      "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
       : "memory");
 }
 
@@ -368,19 +363,14 @@ __device__ __forceinline__ void static_for(F&& f) {
   }
 }
 
-// Tiles of the first block a ring of kRing tiles issues before the first wait.
-template <int kRing>
-constexpr int kPrologueTiles = kRing - 1 < 7 ? kRing - 1 : 7;
-
-// The start of a warp's tile stream: tiles 0 .. kPrologueTiles - 1 of the warp's first block
-// (page pg_first) into stages 0 .. . Needs only the page-table entry, so decode_path issues it
-// before query_start and positions arrive. A prologue whose tiles turn out not to be needed is
-// waited for (cp_async_wait<0>: no copy may outlive the CTA).
-template <int kRing = kDecStages>
+// The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
+// (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
+// and positions arrive. A prologue whose tiles turn out not to be needed is waited for
+// (cp_async_wait<0>: no copy may outlive the CTA).
 __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring,
                                                 int64_t pg_first, int lane) {
 #pragma unroll
-  for (int i = 0; i < kPrologueTiles<kRing>; ++i) {
+  for (int i = 0; i < kDecStages - 1; ++i) {
     issue_tile(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
@@ -411,34 +401,27 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
 // blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
-// pre_issued: the caller already ran stream_prologue<kRing> (same ring and pg_first). qraw: the
-// unit's query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token
-// t0 + l. kRing: tiles in the warp's ring (kDecStages = 8; flat decode also 4 or 16:
-// IndexerCudaOptions::flat_ring_tiles); the ring is smem + warp * kRing * kTileBytes.
-template <int NT, bool kFused, int kRing = kDecStages>
+// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
+// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued) {
-  static_assert(kRing == 4 || kRing == 8 || kRing == 16, "rings of 4, 8 or 16 tiles");
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + step - 1) / step;
 
-  // Tile stream: tile i = tile (i % 8) of block first + step (i / 8), in ring stage i % kRing.
-  // The issue side runs kAhead = kRing - 1 tiles ahead: while the compute side is at tile t of
-  // block k it issues tile (t + kAhead) % 8 of block k + (t + kAhead) / 8. Rings of <= 8 tiles
-  // divide the page, so every stage is a compile-time function of t; the 16-tile ring holds two
-  // pages, the half (block parity) is the one run-time term. Pages: pg[i] = block k + i (-1 past
-  // the end: zero-fill copies that are never computed) and the raw page-table entry of the next
-  // block, loaded a block ahead and checked only when it rotates in (its load latency stays off
-  // the tile loop). The first tiles are issued before the query rows are loaded and converted, so
-  // that work hides under the index-K latency. The 8 tiles of a block are unrolled: stages, keys
-  // and the flush are compile-time placed.
-  constexpr int kAhead = kRing - 1;
-  constexpr int kPages = (7 + kAhead) / 8 + 1;  // blocks k .. k + kPages - 1 are issued from
-  uint8_t* ring = smem + warp * (kRing * kTileBytes);
+  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
+  // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
+  // k it issues tile 7 of block k (t == 0) or tile t - 1 of block k + 1. Pages: pg_k (block k),
+  // pg_k1 (block k + 1, -1 past the end: zero-fill copies that are never computed) and the raw
+  // page-table entry of block k + 2, loaded a block ahead and checked only when it rotates in
+  // (its load latency stays off the tile loop). The first tiles are issued before the query rows
+  // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
+  // block are unrolled: stages, keys and the flush are compile-time placed.
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
     return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
@@ -446,29 +429,10 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   const auto guard = [&](int32_t pg) {
     return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
   };
-  int32_t pg[kPages];
-  pg[0] = static_cast<int32_t>(pg_first);
-  pg[1] = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-#pragma unroll
-  for (int i = 2; i < kPages; ++i) pg[i] = guard(raw_page_at(i));
-  int32_t raw_next = raw_page_at(kPages);
-  if (!pre_issued) stream_prologue<kRing>(a, ring, pg_first, lane);
-  const auto lane_src = [&](int32_t page) {
-    return (page >= 0 ? page_base(a, page) : a.cache) + lane * 16;
-  };
-  if constexpr (kRing == 16) {
-    // The rest of the prologue: tile 7 of block 0, tiles 0-6 of block 1 (the second half).
-    const uint8_t* s0 = lane_src(pg[0]);
-    const uint8_t* s1 = lane_src(pg[1]);
-    const uint32_t n0 = pg[0] >= 0 ? 16u : 0u, n1 = pg[1] >= 0 ? 16u : 0u;
-    issue_tile_at<7, 7>(ring_dst, s0, n0);
-    cp_async_commit();
-    static_for<0, 7>([&](auto tc) {
-      constexpr int kT = decltype(tc)::value;
-      issue_tile_at<8 + kT, kT>(ring_dst, s1, n1);
-      cp_async_commit();
-    });
-  }
+  int32_t pg_k = static_cast<int32_t>(pg_first);
+  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
+  int32_t raw_k2 = raw_page_at(2);
+  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
 
   DecodeState<NT> s;
   int min_pos = INT_MAX;
@@ -489,46 +453,27 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    // The 16-tile ring: the half of block k (k & 1) and of block k + 1.
-    const uint32_t half_k = kRing == 16 ? static_cast<uint32_t>(k & 1) * kPageBytes : 0u;
-    const uint32_t half_k1 = kRing == 16 ? static_cast<uint32_t>(kPageBytes) - half_k : 0u;
-    const uint8_t* ring_k = ring + half_k;
-    // Lane source addresses of the pages issued from (zero-fill from the pool base where -1).
-    const uint8_t* src[kPages];
-    uint32_t bytes[kPages];
-#pragma unroll
-    for (int i = 0; i < kPages; ++i) {
-      src[i] = lane_src(pg[i]);
-      bytes[i] = pg[i] >= 0 ? 16u : 0u;
-    }
+    // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
+    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
+    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
+    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
     // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      cp_async_wait<kRing - 2>();
+      cp_async_wait<kDecStages - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
-        constexpr int kDb = (kT + kAhead) / 8, kTt = (kT + kAhead) % 8;  // block k + kDb, tile kTt
-        if constexpr (kRing <= 8) {
-          issue_tile_at<(kT + kAhead) % kRing, kTt>(ring_dst, src[kDb], bytes[kDb]);
-        } else {  // block k + kDb's half: block k's for even kDb
-          issue_tile_at<kTt, kTt>(ring_dst + ((kDb & 1) ? half_k1 : half_k), src[kDb],
-                                  bytes[kDb]);
-        }
+        if constexpr (kT == 0)
+          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+        else
+          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
       } else {
-        const int db = (t + kAhead) / 8, tt = (t + kAhead) % 8;
-        const uint32_t stage_off =
-            kRing <= 8 ? static_cast<uint32_t>((t + kAhead) % kRing) * kTileBytes
-                       : ((db & 1) ? half_k1 : half_k) + static_cast<uint32_t>(tt) * kTileBytes;
-        const int32_t page = db == 0 ? pg[0] : (db == 1 ? pg[1] : pg[kPages - 1]);
-        issue_tile_to(ring_dst + stage_off, lane_src(page) + tt * kTileBytes,
-                      page >= 0 ? 16u : 0u);
+        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
       }
       cp_async_commit();
-      const int stage = kRing <= 8 ? t % kRing : t;  // within block k's half for 16
-      decode_compute_tile<NT>(s, ring_k + stage * kTileBytes, b * kPageSize + t * 16, mask, g,
-                              tig);
+      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -536,11 +481,10 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg[0] >= 0, g, tig, sblk, b0);
-#pragma unroll
-    for (int i = 0; i + 1 < kPages; ++i) pg[i] = pg[i + 1];
-    pg[kPages - 1] = guard(raw_next);
-    raw_next = raw_page_at(k + kPages + 1);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
+    pg_k = pg_k1;
+    pg_k1 = guard(raw_k2);
+    raw_k2 = raw_page_at(k + 3);
   }
   cp_async_wait<0>();
 }
@@ -559,14 +503,12 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// kRing, kTicket (flat decode only): the warps' ring depth in pages (decode_unit) and the rows
-// finished in the scorer by each request's last CTA (ticket_select_rows) instead of the selection
-// kernel.
-template <bool kFused, bool kSingle, bool kCluster = false, int kRing = kDecStages,
-          bool kTicket = false>
+// kTicket (flat decode only): the rows finished in the scorer by each request's last CTA
+// (ticket_select_rows) instead of the selection kernel.
+template <bool kFused, bool kSingle, bool kCluster = false, bool kTicket = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
-  static_assert((kRing == kDecStages && !kTicket) || (!kFused && !kSingle), "flat decode only");
+  static_assert(!kTicket || (!kFused && !kSingle), "flat decode only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
@@ -585,13 +527,15 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // the warp's index among them). Every SM then gets the same number of blocks within a few
     // (one CTA per SM, the automatic choice: 28-32 at 64 x 8K, 7-8 per warp, vs 24-36 for 6
     // splits of 12 blocks) and no warp serves two requests.
+    // (32-bit divisions where the products fit: the 64-bit ones are ~70-instruction routines on
+    // the path to the warp's first copies.)
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
-    r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
-    const int lo = static_cast<int>(int64_t{r} * W / R);
-    const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
-    b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
-    bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
+    r = mul_div(v + 1, R, W, 1);
+    const int lo = mul_div(r, W, R);
+    const int n = mul_div(r + 1, W, R) - lo;
+    b0 = mul_div(v - lo, a.max_pages, n);
+    bend = mul_div(v - lo + 1, a.max_pages, n);
     first = b0;
     step = 1;
   }
@@ -600,22 +544,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
-  // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
-  // equal-length batch (request r's tokens [r T / R, (r + 1) T / R)) the positions and (without
-  // programmatic launch) the query rows, checked against query_start when it arrives and reloaded
-  // when the guess was wrong. So
-  // the query rows and positions arrive with the page-table entries, one round trip before the
+  // query_start and seq_lens, and (a.guess: one token per request, or flat_guess) at the guessed
+  // bounds of an equal-length batch (request r's tokens [r T / R, (r + 1) T / R)) the positions
+  // and (without programmatic launch) the query rows, checked against query_start when it arrives
+  // and reloaded when the guess was wrong. So the query rows and positions arrive with the page-table entries, one round trip before the
   // first tiles, instead of one (positions) and two (query rows) round trips after them, behind
   // every CTA's prologue copies (session 13 ncu at 64 x 8K: ~14 % of the warp stall samples
   // waited for the positions; the ring then drained while the query rows were loaded).
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
-  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
-  const int gn = a.guess
-                     ? min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga,
-                           a.dec_tokens)
-                     : 0;                                   // no guess: nothing loaded early
+  const int ga = mul_div(r, a.num_tokens, a.num_requests);
+  const int gn = a.guess ? min(mul_div(r + 1, a.num_tokens, a.num_requests) - ga, a.dec_tokens)
+                         : 0;  // no guess: nothing loaded early
   int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;  // lane l < n: position of token qa + l
   QueryRaw q;
   if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
@@ -643,7 +584,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
     if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
-      stream_prologue<kRing>(a, smem + warp * (kRing * kTileBytes), pg_first, lane);
+      stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
     }
   }
@@ -662,19 +603,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       case 2:
-        decode_unit<2, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       case 3:
-        decode_unit<3, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
       default:
-        decode_unit<4, kFused, kRing>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre);
         break;
     }
@@ -874,15 +815,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, int kRing = kDecStages,
-          bool kTicket = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false, bool kTicket = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kRing, kTicket>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kTicket>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -909,16 +849,14 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   score_mma_body<false>(a, smem, sh);
 }
 
-// Flat decode (IndexerCudaOptions::flat_decode) with a ring of kRing tiles per warp
-// (flat_ring_tiles) and, kTicket (ticket_select), the rows finished in this kernel: a decode
-// request's rows by the last of its CTAs to finish (ticket_select_rows), an overflow tile's by the
-// tile (as in the single pass); no selection kernel. <kDecStages, false> is score_mma_kernel's
-// flat path. Dynamic shared memory: kFlatSmemBytes<kRing>.
-template <int kRing, bool kTicket>
-__global__ void __launch_bounds__(kMmaThreads) score_flat_kernel(const KernelArgs a) {
+// Flat decode (IndexerCudaOptions::flat_decode) with the rows finished in this kernel
+// (ticket_select): a decode request's rows by the last of its CTAs to finish
+// (ticket_select_rows), an overflow tile's by the tile (as in the single pass); no selection
+// kernel. Dynamic shared memory: kMmaSmemBytes (the table reuses the ring).
+__global__ void __launch_bounds__(kMmaThreads) score_flat_ticket_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, kRing, kTicket>(a, smem, sh);
+  score_mma_body<false, false, false, true>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

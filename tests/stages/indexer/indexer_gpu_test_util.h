@@ -444,27 +444,26 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
-    // Flat decode with the rows finished by each request's last CTA (ticket_select) and / or
-    // rings of 4 / 16 tiles (flat_ring_tiles): the same block scores (every one still goes to the
-    // workspace), the same ids; flat 3 puts more requests in one CTA.
+    // Flat decode with the rows finished by each request's last CTA (ticket_select) and / or the
+    // request bounds guessed at several tokens per request (flat_guess): the same block scores
+    // (every one still goes to the workspace), the same ids; flat 3 puts more requests in one
+    // CTA.
     struct Flat {
       int ctas_per_sm;
-      bool ticket;
-      int ring;
+      bool ticket, guess;
     };
-    for (const Flat& ff : {Flat{1, true, 8}, Flat{1, false, 16}, Flat{1, true, 16},
-                           Flat{3, true, 8}, Flat{2, false, 4}, Flat{2, true, 4}}) {
+    for (const Flat& ff : {Flat{1, true, false}, Flat{1, false, true}, Flat{1, true, true},
+                           Flat{3, true, false}}) {
       IndexerCudaOptions fl = v.o;
       fl.flat_decode = ff.ctas_per_sm;
       fl.ticket_select = ff.ticket;
-      fl.flat_ring_tiles = ff.ring;
+      fl.flat_guess = ff.guess;
       const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
       if (fp.flat_ctas == 0) continue;
       EXPECT_EQ(fp.ticket, ff.ticket && in.max_pages() <= 64);
-      EXPECT_EQ(fp.ring_tiles, ff.ring);
       const GpuResult f = run_gpu(d, fl);
       const std::string fname = name + ", flat " + std::to_string(ff.ctas_per_sm) +
-                                (fp.ticket ? " ticket" : "") + " ring " + std::to_string(ff.ring);
+                                (fp.ticket ? " ticket" : "") + (ff.guess ? " guess" : "");
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
@@ -558,8 +557,8 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 / 7 the same with rings of 16 /
-// 4 tiles.
+// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 flat decode with flat_guess, 7
+// flat decode with the ticket selection, flat_guess and compact_final_select.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -609,18 +608,19 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
     o.flat_decode = path >= 5 ? 1 : 0;
-    o.ticket_select = path >= 5;
-    o.flat_ring_tiles = path == 6 ? 16 : (path == 7 ? 4 : 8);
+    o.ticket_select = path == 5 || path == 7;
+    o.flat_guess = path >= 6;
+    o.compact_final_select = path == 7;
     const char* names[] = {"[fused] ",
                            "[two-kernel] ",
                            "[cuda cores] ",
                            "[single pass] ",
                            "[single pass cluster 4] ",
                            "[flat ticket] ",
-                           "[flat ticket ring 16] ",
-                           "[flat ticket ring 4] "};
+                           "[flat guess] ",
+                           "[flat ticket guess compact] "};
     const char* name = names[path];
-    if (path >= 5) EXPECT_TRUE(indexer_cuda_plan(d.params, o).ticket);
+    if (path >= 5) EXPECT_EQ(indexer_cuda_plan(d.params, o).ticket, o.ticket_select);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

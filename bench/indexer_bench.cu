@@ -61,15 +61,11 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, tick = flat_decode 1 with ticket_select, fg = flat_guess, f1g = flat_decode 1
-//   with flat_guess, tickg = tick with flat_guess and compact_final_select, cfs =
-//   compact_final_select, tickc = tick with compact_final_select;
+//   !short_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --ticket / --flat-guess (the default options
-//   with ticket_select / flat_guess; flat decode only; the timeline's "barrier" phase is
-//   then the ticket taken).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -297,11 +293,6 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       TensorView::contiguous(c.d_tables[0], DType::kI32, {R, int64_t{c.max_pages}}, dev);
   c.p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
   c.ws = TensorView::contiguous(c.d_ws, DType::kF32, {static_cast<int64_t>(c.ws_bytes / 4)}, dev);
-  const Status init = indexer_workspace_init(c.ws, nullptr);
-  if (!init.ok()) {
-    std::fprintf(stderr, "indexer_workspace_init: %s\n", init.to_string().c_str());
-    std::exit(1);
-  }
   return c;
 }
 
@@ -437,17 +428,6 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
     }
     check_cuda(cudaStreamSynchronize(stream), "check run");
     std::string why;
-    // Every call leaves the workspace's control area (the ticket selection's tickets) zero.
-    std::vector<int32_t> tickets(kIndexerTicketSlots);
-    check_cuda(cudaMemcpy(tickets.data(), c.d_ws, kIndexerControlBytes, cudaMemcpyDeviceToHost),
-               "tickets");
-    const auto nonzero =
-        std::find_if(tickets.begin(), tickets.end(), [](int32_t v) { return v != 0; });
-    if (nonzero != tickets.end()) {
-      *pass = false;
-      std::fprintf(stderr, "FAIL %s (%s): ticket %d is %d after the call\n", what.c_str(), how,
-                   static_cast<int>(nonzero - tickets.begin()), *nonzero);
-    }
     if (!spot_check(c, pool, slices, copy, &why)) {
       *pass = false;
       std::fprintf(stderr, "FAIL %s (%s, %s): %s\n", what.c_str(),
@@ -474,9 +454,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0)
-    return std::string(pl.ticket ? "t" : "2") + " flat " + std::to_string(pl.flat_ctas) +
-           std::string(o.flat_guess ? " g" : "");
+  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -515,7 +493,6 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
-  bool ticket = false, guess = false;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -563,10 +540,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--ticket")
-      ticket = true;
-    else if (a == "--flat-guess")
-      guess = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -590,8 +563,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--ticket] "
-                   "[--flat-guess] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -606,8 +578,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.ticket_select = ticket;
-  default_o.flat_guess = guess;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1037,10 +1007,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"tick", default_o},
-                                {"fg", default_o},      {"f1g", default_o},
-                                {"tickg", default_o},   {"cfs", default_o},
-                                {"tickc", default_o}};
+                                {"flat1q1", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1051,20 +1018,6 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
-    all[10].o.flat_decode = 1;
-    all[10].o.ticket_select = true;
-    all[11].o.flat_decode = 1;
-    all[11].o.flat_guess = true;
-    all[12].o.flat_decode = 1;
-    all[12].o.flat_guess = true;
-    all[13].o.flat_decode = 1;
-    all[13].o.ticket_select = true;
-    all[13].o.flat_guess = true;
-    all[13].o.compact_final_select = true;
-    all[14].o.compact_final_select = true;
-    all[15].o.flat_decode = 1;
-    all[15].o.ticket_select = true;
-    all[15].o.compact_final_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1105,9 +1058,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, tick = flat1 and ticket_select, "
-        "fg = flat_guess, f1g = flat1 and fg, tickg = tick, fg and cfs, "
-        "cfs = compact_final_select, tickc = tick and cfs; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -268,19 +268,8 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
                         &w->block_ids_, &w->core_, &w->core_q_, &w->core_s_, &w->out_})
     M3_CUDA_RETURN_IF_ERROR(cudaMemset(b->data(), 0, b->bytes()));
   w->indexer_ws_bytes_ =
-      std::max<size_t>(kIndexerControlBytes,
-                       indexer_workspace_bytes(static_cast<int64_t>(M), g.n_kv, cap.max_pages));
+      std::max<size_t>(16, indexer_workspace_bytes(static_cast<int64_t>(M), g.n_kv, cap.max_pages));
   M3_RETURN_IF_ERROR(alloc(w->indexer_ws_bytes_, &w->indexer_ws_));
-  {
-    // The indexer's control area starts zeroed (indexer_workspace_init); every call leaves it so.
-    int dev = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev));
-    M3_RETURN_IF_ERROR(indexer_workspace_init(
-        TensorView::contiguous(w->indexer_ws_.data(), DType::kF32,
-                               {static_cast<int64_t>(w->indexer_ws_bytes_ / 4)}, Device::cuda(dev)),
-        nullptr));
-    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(nullptr));
-  }
   w->attention_ws_bytes_ = std::max<size_t>(16, attention_workspace_bound());
   M3_RETURN_IF_ERROR(alloc(w->attention_ws_bytes_, &w->attention_ws_));
 

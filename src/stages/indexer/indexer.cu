@@ -45,6 +45,24 @@ constexpr int64_t kDecodeChunkShort = 24;
 // 23.0 vs k3 c24 23.4-23.5), isolated 25.8-26.0 vs 26.2-26.4; flat with 2 / 3 CTAs per SM
 // 24.2-24.5 / 25.1 (round A: 7-8 blocks per warp beat 3-4 with three times the warps). Measured
 // at 64 requests only.
+// Session 20 (64 x 8K, same-round A/Bs, back-to-back us, draft 0 / draft 3 vs the defaults
+// 20.8-21.4 (single pass) / 23.2-23.9 (flat)), all lost and deleted:
+//  - the rows finished inside the flat scorer, no selection kernel: per-request tickets in a
+//    zeroed control area of the workspace, the CTA completing a request's ticket resets it,
+//    loads the request's block scores and selects (as the single pass): 24.4-25.9 / 31.3-31.9.
+//    Timelines: the ticket was taken ~1.2-1.3 us (p50) after the CTA's last block (a CTA barrier
+//    and an L2 atomic), and one CTA's 4 warps then needed up to 2.3-4.3 us (draft 0, 4 rows) and
+//    5-11 us (draft 3, 16 rows, one or two requests per CTA) to select, where the selection
+//    kernel's 4096 warps finish 2.1 us after their release (0.75 us after the scorer's last
+//    warp);
+//  - flat decode guessing the request bounds at several tokens per request (positions and query
+//    rows loaded with the page-table entries): 23.7-23.9 vs 23.7-23.9 at draft 3 (its warps were
+//    ready no earlier: p50 3.6 us); flat at draft 0 with it 22.1 vs the single pass's 21.3-21.4.
+//  Where 64 x 8K stands (timelines): every SM streams 32 blocks in both plans (flat: 88 of the
+//  132 CTAs hold 32 blocks, the rest 28-31), the single pass's last block lands ~18 us after
+//  entry, the cluster barrier and final selection add ~1.8 us; flat's stream ends later (its
+//  warps are ready ~1 us later and the SMs end 4-5 us apart, the single pass's 1.7 us), and
+//  its selection kernel ends ~2.9 us after the scorer's last warp.
 constexpr int64_t kFlatRuleChunk = 12;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 4;
@@ -118,7 +136,6 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
-  bool ticket = false;    // flat decode, rows finished by the scorer (ticket_select)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -248,10 +265,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
-      // The ticket selection's table holds rows of <= kFusedMaxChunk blocks; one ticket slot per
-      // request.
-      pl.ticket = o.ticket_select && max_pages <= ik::kFusedMaxChunk &&
-                  p.batch.num_requests <= kIndexerTicketSlots;
     }
   }
   return pl;
@@ -293,21 +306,7 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return kIndexerControlBytes +
-         static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
-}
-
-Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream) {
-  M3_CHECK_ARG(workspace.device.type == DeviceType::kCUDA,
-               "indexer_workspace_init needs a CUDA view, got ", workspace.device.to_string());
-  M3_RETURN_IF_ERROR(check_contiguous(workspace, "indexer workspace"));
-  const int64_t have = workspace.numel() * dtype_size(workspace.dtype);
-  M3_CHECK_ARG(have >= static_cast<int64_t>(kIndexerControlBytes), "indexer workspace holds ",
-               have, " bytes, less than its control area (", kIndexerControlBytes, ")");
-  M3_CHECK_ARG(workspace.data != nullptr && aligned16(workspace.data),
-               "indexer workspace must be 16-byte aligned, got address ", workspace.data);
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(workspace.data, 0, kIndexerControlBytes, stream));
-  return Status::Ok();
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -324,7 +323,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
-  info.ticket = pl.ticket;
   return info;
 }
 
@@ -394,19 +392,15 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
-  a.tickets = static_cast<int*>(workspace.data);
-  a.scores = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace.data) + kIndexerControlBytes);
+  a.scores = static_cast<float*>(workspace.data);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
-  // Flat decode also at several tokens per request with flat_guess.
-  a.guess =
-      options.guess_request_bounds && (T <= R || (pl.flat_ctas > 0 && options.flat_guess)) ? 1 : 0;
+  a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
-  a.compact_select = options.compact_final_select ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
@@ -462,12 +456,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_RETURN_IF_ERROR(prepare(kernel, ik::kFusedSmemBytes, &fsmem));
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
-    } else if (pl.mma && pl.ticket) {
-      // Flat decode with the ticket selection: score_mma_kernel's shared memory.
-      size_t tsmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ik::score_flat_ticket_kernel, ik::kMmaSmemBytes, &tsmem));
-      M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::score_flat_ticket_kernel, grid, dim3(ik::kMmaThreads),
-                                         tsmem, stream, pdl, a));
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
@@ -480,7 +468,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));
     }
     M3_CUDA_CHECK_LAUNCH();
-    if (pl.single || pl.ticket) return Status::Ok();  // the scorer wrote every row
+    if (pl.single) return Status::Ok();  // the scorer wrote every row
   }
   // Programmatic dependent launch: the selection grid may be scheduled while the scorer's last
   // CTAs run (saving the launch gap); it executes pdl_wait before touching the scorer's outputs,

@@ -3,7 +3,6 @@
 // then -1, exact ties to the smaller id, NaN scores never chosen (the forced local block still is).
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 #include "cache/batch.h"
@@ -71,21 +70,12 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // ---- CUDA indexer (indexer.cu) ----
 //
 // Workspace: device memory the caller owns (no allocation inside the run). Its first
-// kIndexerControlBytes are the control area: per-request tickets (int32, request r at byte 4 r)
-// of the ticket selection (IndexerCudaOptions::ticket_select, at most kIndexerTicketSlots
-// requests). The control area must be zero before the first call: run indexer_workspace_init
-// once after allocating the workspace. Every call leaves it zero (the CTA that completes a
-// request's ticket resets it; a call without the ticket selection does not touch it), so
-// back-to-back calls, calls of other shapes and CUDA-graph replays need nothing more. The block
-// scores follow it, f32 [T, n_kv, max_pages]: after a run, entry (t, h, b) is the GPU's
-// B(t, h, b) for every token with more than 16 visible blocks and every b < n_valid(t) (tests
-// read them; other entries are unspecified), except the rows of decode units when the single
-// pass runs (IndexerCudaPlan::single) or the ticket selection's requests are finished: those
-// stay on chip or are read by the scorer itself. Score contents need no initialization and are
-// not preserved between runs. (Until session 16 the fused path's candidate lists followed the
-// scores.)
-constexpr int kIndexerTicketSlots = 2048;
-constexpr size_t kIndexerControlBytes = kIndexerTicketSlots * 4;
+// T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
+// entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
+// every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
+// decode units when the single pass runs (IndexerCudaPlan::single): their block scores stay on
+// chip. Contents need no initialization and are not preserved between runs. (Until session 16 the
+// fused path's candidate lists followed the scores.)
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
 struct IndexerCudaOptions {
@@ -171,11 +161,6 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // The single pass's (and the ticket selection's) final selection of rows of more than 16
-  // candidates at <= 4 rows per unit (one row per warp: draft 0 at n_kv 4) ranks by counting in
-  // two short loops instead of one unrolled sequence (rank_by_counting_rolled: ~60 distinct
-  // instructions instead of ~600, for code run once per warp at the kernel's end). Same ids.
-  bool compact_final_select = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -188,17 +173,6 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Flat decode only: the rows are finished in the scorer, without the selection kernel: the last
-  // CTA to finish a request's blocks (per-request tickets in the workspace's control area, see
-  // indexer_workspace_bytes) loads the request's block scores and selects its rows while the
-  // other CTAs still stream; overflow tiles finish their rows as in the single pass. Applies where
-  // flat decode runs, max_pages <= 64 and R <= kIndexerTicketSlots (elsewhere ignored). Same ids.
-  bool ticket_select = false;
-  // Flat decode only: the decode warps guess their request's token range (guess_request_bounds)
-  // also at several tokens per request, so the positions and query rows go out with the
-  // page-table entries instead of one round trip later (behind the warps' first copies). Same
-  // ids.
-  bool flat_guess = false;
   // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
@@ -229,7 +203,6 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
-  bool ticket = false;  // flat decode with the rows finished by the scorer (ticket_select)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 
@@ -244,11 +217,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
 // max_pages) bytes, 16-byte aligned.
 Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cudaStream_t stream,
                         const IndexerCudaOptions& options = {});
-
-// Zeroes the control area of a freshly allocated workspace (a contiguous CUDA view of at least
-// kIndexerControlBytes, 16-byte aligned) on `stream`: run once after allocation, before the first
-// run_indexer_cuda that uses it.
-Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream);
 #endif
 
 }  // namespace m3attn

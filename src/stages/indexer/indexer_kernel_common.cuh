@@ -71,9 +71,6 @@ struct KernelArgs {
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
-  // The workspace's control area (IndexerCudaOptions::ticket_select): one ticket per request,
-  // zero before and after every call (ticket_select_rows).
-  int* tickets = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K
@@ -83,7 +80,6 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  int compact_select = 0;  // compact_final_select: the final selection's rolled counting loops
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
@@ -191,16 +187,6 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
-}
-
-// floor((x * y - sub) / d) for x, y, d >= 0, x * y >= sub: in 32 bits where x * y fits (a
-// 64-bit division is a ~70-instruction routine; the decode warps' fronts use these).
-__device__ __forceinline__ int mul_div(int x, int y, int d, int sub = 0) {
-  const uint64_t p =
-      static_cast<uint64_t>(x) * static_cast<uint32_t>(y) - static_cast<uint32_t>(sub);
-  if (p <= 0xffffffffull)
-    return static_cast<int>(static_cast<uint32_t>(p) / static_cast<uint32_t>(d));
-  return static_cast<int>(p / static_cast<uint64_t>(d));
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

@@ -110,12 +110,8 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
       // (session 14 round B / C, batch 1 at 32K, fused path, 4-block splits: 14.9 / 15.1 us with
       // counting vs 11.6 in round A with the rounds; 1 x 128K 20.5 vs 18.9).
       if (live[0] && nbs[0] > kTopK) {
-        if (a.compact_select)
-          rank_by_counting_rolled(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0],
-                                  rank[0][0], rank[1][0]);
-        else
-          rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
-                           rank[1][0]);
+        rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
+                         rank[1][0]);
       } else {
         rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
       }
@@ -140,87 +136,6 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* s
     select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
   else
     select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
-}
-
-// Flat decode with ticket selection (IndexerCudaOptions::ticket_select; score_flat_kernel): each
-// warp has scored its blocks of request r (block scores in the workspace, rows [qa, qa + rows),
-// blocks [0, nvis) over all of r's warps; lane_pos as for select_rows). The CTA's warps serve
-// consecutive requests; per request the CTA adds its warp count to the request's ticket
-// (a.tickets[r], a zeroed control area of the workspace), and the CTA whose addition completes
-// the request's warp count (r owns warps [r W / R, (r + 1) W / R), a count fixed by the grid, so
-// exactly one CTA completes it whatever the device data) resets the ticket to zero and selects
-// the request's rows: the rows' block scores are loaded into a shared table (the ring's memory,
-// free now) and finished as the single pass does (fused_local_select). So each request's
-// selection runs as soon as its last block is scored, beside the other requests' streams, instead
-// of in a kernel after the whole grid. Publication: a CTA barrier after the block scores, then one
-// thread's acquire-release ticket (it releases what the CTA wrote and acquires what the CTAs
-// before it released), then a CTA barrier before the table is read through L2 (__ldcg). Every
-// thread of the CTA calls this once.
-struct TicketShared {
-  int req[kMmaWarps], qa[kMmaWarps], rows[kMmaWarps], nvis[kMmaWarps], last[kMmaWarps];
-  int pos[kMmaWarps][32];
-};
-
-__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
-  int old;
-  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
-               : "=r"(old)
-               : "l"(p), "r"(v)
-               : "memory");
-  return old;
-}
-
-__device__ __forceinline__ void ticket_select_rows(const KernelArgs& a, uint8_t* smem, int r,
-                                                   int qa, int rows, int nvis, int lane_pos) {
-  __shared__ TicketShared ts;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    ts.req[warp] = r;
-    ts.qa[warp] = qa;
-    ts.rows[warp] = rows;
-    ts.nvis[warp] = nvis;
-  }
-  ts.pos[warp][lane] = lane_pos;
-  __syncthreads();  // the CTA's block scores are written (and ts)
-  if (threadIdx.x < kMmaWarps) {
-    const int w = static_cast<int>(threadIdx.x), rr = ts.req[w];
-    int last = 0;
-    if (w == 0 || ts.req[w - 1] != rr) {  // the CTA's first warp of request rr takes its ticket
-      int cnt = 1;
-      while (w + cnt < kMmaWarps && ts.req[w + cnt] == rr) ++cnt;
-      const int total = mul_div(rr + 1, a.flat_warps, a.num_requests) -
-                        mul_div(rr, a.flat_warps, a.num_requests);
-      const int old = atomic_add_acq_rel_gpu(a.tickets + rr, cnt);
-      if (old + cnt == total) {
-        last = 1;
-        atomicExch(a.tickets + rr, 0);  // every other CTA of rr has added: the next call's zero
-      }
-    }
-    ts.last[w] = last;
-  }
-  __syncthreads();
-  timeline_mark(a, 3);
-  float* table = reinterpret_cast<float*>(smem);  // [kDecRows][kFusedMaxChunk]
-  constexpr int kPerThread = kDecRows * kFusedMaxChunk / kMmaThreads;
-#pragma unroll 1
-  for (int w = 0; w < kMmaWarps; ++w) {
-    if (!ts.last[w]) continue;  // CTA-uniform
-    const int n_rows = ts.rows[w], nv = ts.nvis[w], t0 = ts.qa[w];
-    const float* src = a.scores + int64_t{t0} * a.n_kv * a.max_pages;
-    // Entry i of the table: row i / 64, block i % 64; every load in flight at once.
-    float v[kPerThread];
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) {
-      const int i = static_cast<int>(threadIdx.x) + k * kMmaThreads;
-      const int j = i / kFusedMaxChunk, c = i % kFusedMaxChunk;
-      v[k] = j < n_rows && c < nv ? __ldcg(src + int64_t{j} * a.max_pages + c) : 0.0f;
-    }
-#pragma unroll
-    for (int k = 0; k < kPerThread; ++k) table[threadIdx.x + k * kMmaThreads] = v[k];
-    __syncthreads();  // the table is complete
-    fused_local_select(a, table, t0, n_rows, 0, nv, ts.pos[w][lane]);
-    __syncthreads();  // the table is reused by the next request
-  }
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The

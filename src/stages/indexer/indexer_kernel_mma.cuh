@@ -34,6 +34,13 @@
 // 3 CTAs x 4 warps keep ~168 KB per SM in flight: Little's law at 4.3 TB/s / 132 SMs covers a
 // loaded latency of ~5 us; the former 4-stage ring kept 72 KB, ~2 us, about the loaded DRAM
 // latency near saturation).
+// Ring depth at one CTA per SM (flat decode, 64 x 8K; session 20 rounds B / D, same-round A/Bs,
+// back-to-back us, draft 0 / draft 3, the 8-stage ring 21.6-21.7 / 23.2-23.3): rings of 16 tiles
+// per warp (30 KB in flight, 120 KB per SM) 24.6-24.9 / 27.2-27.8; of 4 tiles (6 KB) 22.7 /
+// 23.9-24.0; 8 warps per SM with 4-tile rings (the bytes in flight of 4 warps with 8) 21.2-21.4
+// / 23.2-23.4. Neither more nor fewer bytes in flight per SM, nor more warps at equal bytes, is
+// faster (timeline, draft 3: with 16 tiles the warps' last blocks landed 1.1 us later at the
+// median, 2.6 us at the last).
 // A = 16 keys (converted per tile), B = the request's query rows (n-tiles of 8 rows, 1..4 of
 // them, converted once and kept in registers), C = scores [key][row]; the block max stays in
 // registers and 3 xor-shuffles finish it at the end of a block. No CTA barrier on this path.
@@ -135,7 +142,6 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
-static_assert(kDecRows * kFusedMaxChunk * 4 <= kMmaSmemBytes, "ticket table fits in the ring");
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -503,12 +509,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// kTicket (flat decode only): the rows finished in the scorer by each request's last CTA
-// (ticket_select_rows) instead of the selection kernel.
-template <bool kFused, bool kSingle, bool kCluster = false, bool kTicket = false>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
-  static_assert(!kTicket || (!kFused && !kSingle), "flat decode only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
@@ -527,15 +530,13 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // the warp's index among them). Every SM then gets the same number of blocks within a few
     // (one CTA per SM, the automatic choice: 28-32 at 64 x 8K, 7-8 per warp, vs 24-36 for 6
     // splits of 12 blocks) and no warp serves two requests.
-    // (32-bit divisions where the products fit: the 64-bit ones are ~70-instruction routines on
-    // the path to the warp's first copies.)
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
-    r = mul_div(v + 1, R, W, 1);
-    const int lo = mul_div(r, W, R);
-    const int n = mul_div(r + 1, W, R) - lo;
-    b0 = mul_div(v - lo, a.max_pages, n);
-    bend = mul_div(v - lo + 1, a.max_pages, n);
+    r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
+    const int lo = static_cast<int>(int64_t{r} * W / R);
+    const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
+    b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
+    bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
     first = b0;
     step = 1;
   }
@@ -544,19 +545,22 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
-  // query_start and seq_lens, and (a.guess: one token per request, or flat_guess) at the guessed
-  // bounds of an equal-length batch (request r's tokens [r T / R, (r + 1) T / R)) the positions
-  // and (without programmatic launch) the query rows, checked against query_start when it arrives
-  // and reloaded when the guess was wrong. So the query rows and positions arrive with the page-table entries, one round trip before the
+  // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
+  // equal-length batch (request r's tokens [r T / R, (r + 1) T / R)) the positions and (without
+  // programmatic launch) the query rows, checked against query_start when it arrives and reloaded
+  // when the guess was wrong. So
+  // the query rows and positions arrive with the page-table entries, one round trip before the
   // first tiles, instead of one (positions) and two (query rows) round trips after them, behind
   // every CTA's prologue copies (session 13 ncu at 64 x 8K: ~14 % of the warp stall samples
   // waited for the positions; the ring then drained while the query rows were loaded).
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
-  const int ga = mul_div(r, a.num_tokens, a.num_requests);
-  const int gn = a.guess ? min(mul_div(r + 1, a.num_tokens, a.num_requests) - ga, a.dec_tokens)
-                         : 0;  // no guess: nothing loaded early
+  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+  const int gn = a.guess
+                     ? min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga,
+                           a.dec_tokens)
+                     : 0;                                   // no guess: nothing loaded early
   int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;  // lane l < n: position of token qa + l
   QueryRaw q;
   if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
@@ -638,12 +642,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       if constexpr (kSingle) fused_local_select(a, nullptr, qa, rows, b0, b1, p);
       return;
     }
-  } else if constexpr (kTicket) {
-    if (first < b1) score(nullptr, b0);
-    timeline_mark(a, 2);
-    ticket_select_rows(a, smem, r, qa, rows, nvis, p);  // every warp: CTA barriers inside
-    timeline_mark(a, 4);
-    return;
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
@@ -815,20 +813,20 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, bool kTicket = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kTicket>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
   // A cluster holds the k_splits CTAs of one grid.x index: all overflow tiles or all decode units.
   for_each_segment(a, [&](int r, int sa, int se) { overflow_segment(a, smem, sh, r, sa, se); });
-  if constexpr (kSingle || kTicket) {
+  if constexpr (kSingle) {
     // The tile's block scores (global memory; with a cluster, every split's) are written and
     // visible.
     if constexpr (kCluster) {
@@ -847,16 +845,6 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false>(a, smem, sh);
-}
-
-// Flat decode (IndexerCudaOptions::flat_decode) with the rows finished in this kernel
-// (ticket_select): a decode request's rows by the last of its CTAs to finish
-// (ticket_select_rows), an overflow tile's by the tile (as in the single pass); no selection
-// kernel. Dynamic shared memory: kMmaSmemBytes (the table reuses the ring).
-__global__ void __launch_bounds__(kMmaThreads) score_flat_ticket_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, true>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

@@ -93,7 +93,10 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
 // Session 18 round A: one out-of-line copy of this path, run once on scratch at the kernel's
 // start to warm the instruction caches, lost: 64 x 8K draft 0 21.1-21.2 us back to back vs
 // 20.8-20.9. ncu still put 68 % of the function's stall samples on instruction fetch. The dry run
-// delayed its warps' start by ~1.1 us, and the final selection took 1.7 us (p50) vs 1.3.)
+// delayed its warps' start by ~1.1 us, and the final selection took 1.7 us (p50) vs 1.3.
+// Session 20 round E: the same counts as two rolled loops of 8 float4 (~60 distinct instructions
+// instead of ~600) in the single pass's final selection: 64 x 8K draft 0 21.4-21.5 vs 21.3-21.4
+// us back to back: the unrolled code's instruction fetch is not what sets those ~1.3 us.)
 __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, float s1, int& r0,
                                                  int& r1) {
   const int lane = threadIdx.x & 31;
@@ -101,43 +104,6 @@ __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, f
   if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
   __syncwarp();
   count_beats<0, kCountRow>(row, s0, s1, r0, r1);
-}
-
-// rank_by_counting as two short loops (IndexerCudaOptions::compact_final_select): the same counts
-// from ~60 distinct instructions instead of ~600 unrolled ones, for code that runs once per warp
-// at a kernel's end, cold in the instruction cache (the single pass's and the ticket selection's
-// final rows: session 17-18 ncu put most of their stall samples on instruction fetch).
-__device__ __forceinline__ void rank_by_counting_rolled(float* row, int nb, float s0, float s1,
-                                                        int& r0, int& r1) {
-  const int lane = threadIdx.x & 31;
-  if (lane >= nb) row[lane] = quiet_nan();
-  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
-  __syncwarp();
-  int c0[4] = {0, 0, 0, 0}, c1[4] = {0, 0, 0, 0};
-  // Index j < 32 beats lane on a tie iff j < lane, and always beats lane + 32 on a tie.
-#pragma unroll 1
-  for (int q = 0; q < 8; ++q) {
-    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
-    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c0[e] += (vv[e] > s0 || (vv[e] == s0 && 4 * q + e < lane)) ? 1 : 0;
-      c1[e] += vv[e] >= s1 ? 1 : 0;
-    }
-  }
-  // Index j >= 32 never beats lane on a tie; beats lane + 32 on a tie iff j - 32 < lane.
-#pragma unroll 1
-  for (int q = 0; q < 8; ++q) {
-    const float4 v4 = *reinterpret_cast<const float4*>(row + 32 + 4 * q);
-    const float vv[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      c0[e] += vv[e] > s0 ? 1 : 0;
-      c1[e] += (vv[e] > s1 || (vv[e] == s1 && 4 * q + e < lane)) ? 1 : 0;
-    }
-  }
-  r0 = (c0[0] + c0[1]) + (c0[2] + c0[3]);
-  r1 = (c1[0] + c1[1]) + (c1[2] + c1[3]);
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and

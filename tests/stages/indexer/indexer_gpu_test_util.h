@@ -195,11 +195,6 @@ inline void upload(const Inputs& in, DeviceSet& d, int64_t pool_offset = 0) {
                                        {in.T(), int64_t{in.n_kv}, int64_t{kTopK}}, cuda);
   d.workspace = TensorView::contiguous(static_cast<uint8_t*>(d.ws.data()) + kGuard, DType::kF32,
                                        {static_cast<int64_t>(d.ws_bytes / 4)}, cuda);
-  if (d.ws_bytes >= kIndexerControlBytes) {
-    const Status st = indexer_workspace_init(d.workspace, nullptr);
-    EXPECT_TRUE(st.ok()) << st.to_string();
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  }
 }
 
 // Overwrites the inputs of `d` in place with those of `in` (same shapes: CUDA-graph replays).
@@ -220,11 +215,8 @@ inline void poison_outputs(DeviceSet& d) {
   std::fill(ids.begin() + kGuard, ids.begin() + kGuard + static_cast<long>(d.ids_bytes),
             kIdsPoison);
   d.ids.upload(ids.data(), ids.size());
-  // The block scores are poisoned; the control area (tickets) stays zero, as
-  // indexer_workspace_init leaves it (download checks that every call leaves it zero).
   std::vector<uint8_t> ws(d.ws_bytes + 2 * kGuard, kGuardByte);
-  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  for (size_t i = 0; i < d.ws_bytes; ++i) ws[kGuard + i] = i < control ? uint8_t{0} : kWsPoison;
+  std::fill(ws.begin() + kGuard, ws.begin() + kGuard + static_cast<long>(d.ws_bytes), kWsPoison);
   d.ws.upload(ws.data(), ws.size());
 }
 
@@ -247,13 +239,8 @@ inline GpuResult download(const DeviceSet& d) {
   std::memcpy(g.ids.data(), ids.data() + kGuard, d.ids_bytes);
   const std::vector<uint8_t> ws = d.ws.download_all();
   EXPECT_TRUE(guards_intact(ws, d.ws_bytes)) << "workspace guard bytes changed";
-  // The control area, then the block scores.
-  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  const auto ctl = ws.begin() + kGuard;
-  EXPECT_TRUE(std::all_of(ctl, ctl + static_cast<long>(control), [](uint8_t b) { return b == 0; }))
-      << "the workspace's control area (tickets) is not zero after the call";
-  g.scores.resize((d.ws_bytes - control) / 4);
-  std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);
+  g.scores.resize(d.ws_bytes / 4);
+  std::memcpy(g.scores.data(), ws.data() + kGuard, d.ws_bytes);
   return g;
 }
 
@@ -409,9 +396,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
-    o.compact_final_select = true;  // the single pass's final counting in rolled loops
-    variants.push_back({"compact final select", o});
-    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;
@@ -441,29 +425,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       if (indexer_cuda_plan(d.params, fl).flat_ctas == 0) continue;
       const GpuResult f = run_gpu(d, fl);
       const std::string fname = name + ", flat " + std::to_string(flat);
-      compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
-      expect_same_ids(in, f, g, fname + " vs two-kernel]");
-    }
-    // Flat decode with the rows finished by each request's last CTA (ticket_select) and / or the
-    // request bounds guessed at several tokens per request (flat_guess): the same block scores
-    // (every one still goes to the workspace), the same ids; flat 3 puts more requests in one
-    // CTA.
-    struct Flat {
-      int ctas_per_sm;
-      bool ticket, guess;
-    };
-    for (const Flat& ff : {Flat{1, true, false}, Flat{1, false, true}, Flat{1, true, true},
-                           Flat{3, true, false}}) {
-      IndexerCudaOptions fl = v.o;
-      fl.flat_decode = ff.ctas_per_sm;
-      fl.ticket_select = ff.ticket;
-      fl.flat_guess = ff.guess;
-      const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
-      if (fp.flat_ctas == 0) continue;
-      EXPECT_EQ(fp.ticket, ff.ticket && in.max_pages() <= 64);
-      const GpuResult f = run_gpu(d, fl);
-      const std::string fname = name + ", flat " + std::to_string(ff.ctas_per_sm) +
-                                (fp.ticket ? " ticket" : "") + (ff.guess ? " guess" : "");
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
@@ -557,8 +518,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs, 5 flat decode with the ticket selection, 6 flat decode with flat_guess, 7
-// flat decode with the ticket selection, flat_guess and compact_final_select.
+// clusters of 4 CTAs.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -607,20 +567,9 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    o.flat_decode = path >= 5 ? 1 : 0;
-    o.ticket_select = path == 5 || path == 7;
-    o.flat_guess = path >= 6;
-    o.compact_final_select = path == 7;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[cuda cores] ",
-                           "[single pass] ",
-                           "[single pass cluster 4] ",
-                           "[flat ticket] ",
-                           "[flat guess] ",
-                           "[flat ticket guess compact] "};
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
-    if (path >= 5) EXPECT_EQ(indexer_cuda_plan(d.params, o).ticket, o.ticket_select);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

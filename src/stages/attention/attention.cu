@@ -187,10 +187,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 42)
+      cfg.verify_variant != 27 && cfg.verify_variant != 42 && cfg.verify_variant != 50)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27 or 42 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 50 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -297,7 +297,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQEarly = false>
+          int kFirst = av::kStages - 1, bool kQEarly = false, bool kQuarter = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -307,12 +307,14 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kQuarter>;
+  constexpr int kBytes = kQuarter ? av::kQSmemBytes : av::kSmemBytes;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads), av::kSmemBytes, stream,
-                                     pl.pdl, args, kmap, vmap));
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, grid, dim3(av::kThreads), kBytes, stream, pl.pdl,
+                                     args, kmap, vmap));
   return Status::Ok();
 }
 
@@ -362,6 +364,8 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
       case 42:  // 27 with one early copy and Q loaded at entry for the guessed tile
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
+      case 50:  // 42 on a ring of 13 8-KB quarters instead of 3 32-KB stages
+        return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

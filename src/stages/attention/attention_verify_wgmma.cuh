@@ -266,6 +266,221 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Variant 50 (kQuarter): the ring in 8 KB quarters instead of 32 KB stages. Why: with 2 CTAs per
+// SM the work per block is about as long as the bytes' interval, and a 32 KB stage is held from
+// its refill until the P V that reads its f16 V completes, so 3 stages keep only ~1.7 blocks in
+// flight on average (session 18: the same ring without the work ran 1.87 us per block, with it
+// 2.10-2.15). 13 quarters (104 KB; 3 x 32 KB + 1 KB slack before) fit 2 CTAs per SM: block j is
+// the tiles 4 j .. 4 j + 3 of the chunk's stream (K keys 0-63, K keys 64-127, V keys 0-63, V keys
+// 64-127), tile t in slot t % 13; iteration i frees block i - 1's 4 slots (when every warp's P V(i
+// - 1) is complete, as before) and refills them with tiles 4 i + 9 .. 4 i + 12: the last 3
+// quarters of block i + 2 and the first of block i + 3, one quarter (8 KB) more in flight at every
+// point of the iteration than the 3-stage ring. Same bytes, same order of blocks, same numerics.
+// Layout of a block after the conversion (the f16 V of key half h, dims 0-63 and 64-127, over its
+// K and V quarters; an MN-major 128-byte-swizzled f16 tile per half, the descriptor's leading
+// offset = hi - lo, which must be positive): the early conversion (under S) writes over the V
+// quarter, so the V quarter holds dims 64-127 when it lies above the K quarter (as in the stage
+// layout) and dims 0-63 when the ring wrapped between them.
+constexpr int kQuarterBytes = kTileBytes / 2;  // 64 keys x 128 bytes of K or V
+constexpr int kQSlots = 13;
+constexpr int kQSmemBytes = kQSlots * kQuarterBytes + 1024;  // + slack to align the base to 1 KB
+static_assert(2 * (kQSmemBytes + 3 * 1024 + 1024) <= 228 * 1024, "2 CTAs per SM");
+
+// Slots of block i (t0 = 4 i mod kQSlots, the slot of its first tile): q_slot(t0, q) holds its
+// quarter q (0, 1: K keys 0-63, 64-127; 2, 3: V keys 0-63, 64-127). Recomputed where used (a
+// few integer operations) rather than kept live across the block: the kernel is at 255 registers.
+__device__ __forceinline__ int q_slot(int t0, int q) {
+  return t0 + q < kQSlots ? t0 + q : t0 + q - kQSlots;
+}
+// After the conversion, key half h's f16 dims 0-63 are in slot q_lo, dims 64-127 in q_hi: the V
+// quarter holds dims 64-127 when it lies above the K quarter (q_vhi), else dims 0-63.
+__device__ __forceinline__ bool q_vhi(int t0, int h) { return q_slot(t0, 2 + h) > q_slot(t0, h); }
+__device__ __forceinline__ int q_lo(int t0, int h) {
+  return q_vhi(t0, h) ? q_slot(t0, h) : q_slot(t0, 2 + h);
+}
+__device__ __forceinline__ int q_hi(int t0, int h) {
+  return q_vhi(t0, h) ? q_slot(t0, 2 + h) : q_slot(t0, h);
+}
+
+// d[kOff .. kOff + 31] (64 x 64 f32) (+)= A (64 x 32 e4m3, registers) x B (32 x 64 e4m3, K-major
+// smem): S of one key half (its accumulator registers are those of keys 64 h .. of the m64n128
+// layout, kOff = 32 h).
+template <int kOff>
+__device__ __forceinline__ void wgmma_qk_n64(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
+                                             int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
+      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, "
+      "1, 1;\n}\n"
+      : "+f"(d[kOff + 0]), "+f"(d[kOff + 1]), "+f"(d[kOff + 2]), "+f"(d[kOff + 3]),
+        "+f"(d[kOff + 4]), "+f"(d[kOff + 5]), "+f"(d[kOff + 6]), "+f"(d[kOff + 7]),
+        "+f"(d[kOff + 8]), "+f"(d[kOff + 9]), "+f"(d[kOff + 10]), "+f"(d[kOff + 11]),
+        "+f"(d[kOff + 12]), "+f"(d[kOff + 13]), "+f"(d[kOff + 14]), "+f"(d[kOff + 15]),
+        "+f"(d[kOff + 16]), "+f"(d[kOff + 17]), "+f"(d[kOff + 18]), "+f"(d[kOff + 19]),
+        "+f"(d[kOff + 20]), "+f"(d[kOff + 21]), "+f"(d[kOff + 22]), "+f"(d[kOff + 23]),
+        "+f"(d[kOff + 24]), "+f"(d[kOff + 25]), "+f"(d[kOff + 26]), "+f"(d[kOff + 27]),
+        "+f"(d[kOff + 28]), "+f"(d[kOff + 29]), "+f"(d[kOff + 30]), "+f"(d[kOff + 31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+// Quarters [kQ0, kQ1) (0, 1: K keys 0-63, 64-127; 2, 3: V keys 0-63, 64-127) of entry j into the
+// slots slot(q) of the ring at shared address `ring`, by cp.async (4 16-byte copies per thread and
+// quarter); nothing for an entry past count or one no token sees (its slots keep stale bytes,
+// masked as in the stage ring).
+template <int kQ0, int kQ1, typename Slot>
+__device__ __forceinline__ void load_quarters(const AttnArgs& a, int g, uint32_t ring, int j,
+                                              int count, const int* lmask, const int* lpage,
+                                              Slot slot) {
+  if (j >= count || !lmask[j]) return;
+  const int tid = threadIdx.x, key = tid >> 3;  // (key + 16 per copy: the same swizzle)
+  const uint8_t* src = a.kv + static_cast<int64_t>(lpage[j]) * a.page_stride +
+                       static_cast<int64_t>(g) * kTileBytes + tid * 16;
+  const uint32_t dst = ring + key * ak::kDim + (((tid & 7) ^ (key & 7)) << 4);
+#pragma unroll
+  for (int q = kQ0; q < kQ1; ++q) {
+    const uint8_t* qsrc = src + (q >= 2 ? a.plane_stride : 0) + (q & 1) * kQuarterBytes;
+    const uint32_t qdst = dst + slot(q) * kQuarterBytes;
+#pragma unroll
+    for (int it = 0; it < kQuarterBytes / 16 / kThreads; ++it)
+      ak::cp_async_16(qdst + it * 16 * ak::kDim, qsrc + it * kThreads * 16);
+  }
+}
+
+// convert_v_high for the quarter layout: this warp's keys (key half h = warp / 2) are read from the
+// V quarter `vq`; the early dims (64-127 when vhi, else 0-63) go to f16 in place, the other dims'
+// raw chunks stay in `late`. Returns the NaN bits as convert_v_high does.
+__device__ __forceinline__ uint32_t convert_v_early_q(uint8_t* vq, bool vhi, int vlim,
+                                                      uint4 (&late)[4], bool check) {
+  const int cl = threadIdx.x & 3;
+  const int eb = vhi ? 4 : 0;  // first raw 16-dim chunk of the early dims
+  uint4 ear[4];
+  uint32_t nan = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true), kl = early_key(j, false);
+    ear[j] = make_uint4(0u, 0u, 0u, 0u);
+    late[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (kh <= vlim)
+      ear[j] = *reinterpret_cast<const uint4*>(vq + (kh & 63) * ak::kDim +
+                                               (((eb + cl) ^ (kh & 7)) << 4));
+    if (kl <= vlim)
+      late[j] = *reinterpret_cast<const uint4*>(vq + (kl & 63) * ak::kDim +
+                                                (((4 - eb + cl) ^ (kl & 7)) << 4));
+    if (check)
+      nan |= e4m3x4_nan_bits(ear[j].x) | e4m3x4_nan_bits(ear[j].y) | e4m3x4_nan_bits(ear[j].z) |
+             e4m3x4_nan_bits(ear[j].w) | e4m3x4_nan_bits(late[j].x) | e4m3x4_nan_bits(late[j].y) |
+             e4m3x4_nan_bits(late[j].z) | e4m3x4_nan_bits(late[j].w);
+  }
+  __syncwarp();  // every lane read the warp's rows before any lane overwrites them
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kh = early_key(j, true);
+    uint4 h0, h1;
+    ak::e4m3x16_to_f16(ear[j], h0, h1);
+    uint8_t* row = vq + (kh & 63) * ak::kDim;
+    *reinterpret_cast<uint4*>(row + (((2 * cl) ^ (kh & 7)) << 4)) = h0;
+    *reinterpret_cast<uint4*>(row + (((2 * cl + 1) ^ (kh & 7)) << 4)) = h1;
+  }
+  return nan;
+}
+
+// The late dims' chunks kept by convert_v_early_q -> f16 into the K quarter kq (free: S done).
+__device__ __forceinline__ void convert_v_late_q(uint8_t* kq, const uint4 (&late)[4]) {
+  const int cl = threadIdx.x & 3;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int kl = early_key(j, false);
+    uint4 h0, h1;
+    ak::e4m3x16_to_f16(late[j], h0, h1);
+    uint8_t* row = kq + (kl & 63) * ak::kDim;
+    *reinterpret_cast<uint4*>(row + (((2 * cl) ^ (kl & 7)) << 4)) = h0;
+    *reinterpret_cast<uint4*>(row + (((2 * cl + 1) ^ (kl & 7)) << 4)) = h1;
+  }
+}
+
+// scrub_nan_rows for the quarter layout: lo / hi = this warp's key half's f16 quarters of dims
+// 0-63 / 64-127.
+__device__ __noinline__ void scrub_nan_rows_q(uint8_t* lo, uint8_t* hi, int vlim, int mask, int b,
+                                              const int* s_pos, uint32_t (*s_nan)[4]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int it = 0; it < 8; ++it) {
+    const int i = it * 32 + lane;
+    const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
+    if (key > vlim) continue;
+    for (int e = 0; e < 2; ++e) {
+      uint8_t* row = ((c >> 2) ? hi : lo) + (key & 63) * ak::kDim;
+      uint16_t* h = reinterpret_cast<uint16_t*>(row + (((2 * (c & 3) + e) ^ (key & 7)) << 4));
+      for (int j = 0; j < 8; ++j) {
+        if ((h[j] & 0x7fffu) <= 0x7c00u) continue;  // not NaN
+        h[j] = 0;
+        const int dim = 16 * c + 8 * e + j;
+        for (int w = 0; w < kQT; ++w)
+          if (((mask >> w) & 1) && key <= s_pos[w] - b * ak::kBlockKeys)
+            atomicOr(&s_nan[w][dim >> 5], 1u << (dim & 31));
+      }
+    }
+  }
+}
+
+// attend_block on the quarter layout (qb: the block's slots; smem / base: the ring's generic and
+// shared addresses). The same steps, barriers and numerics; S is two m64n64k32 wgmmas per k-step
+// (one per key half, each from its own K quarter) and each P V k-step's descriptor points into its
+// key half's quarters.
+template <bool kLazy, typename AfterS>
+__device__ __forceinline__ void attend_block_q(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
+                                               const uint32_t (&qa)[4][4], uint8_t* smem,
+                                               uint32_t base, int t0, int mask, int b,
+                                               int vlim, int lim, const int* s_pos,
+                                               uint32_t (*s_nan)[4], float scale_log2, bool check,
+                                               AfterS after_s) {
+  // S = Q K^T.
+  ap::reg_fence(s);
+  ap::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    wgmma_qk_n64<0>(s, qa[kk], ap::smem_desc(base + q_slot(t0, 0) * kQuarterBytes + 32 * kk, 16, 1024),
+                    kk > 0 ? 1 : 0);
+    wgmma_qk_n64<32>(s, qa[kk], ap::smem_desc(base + q_slot(t0, 1) * kQuarterBytes + 32 * kk, 16, 1024),
+                     kk > 0 ? 1 : 0);
+  }
+  ap::wgmma_commit();
+  // This warp's V quarter: the early dims while S runs, the others into the K quarter after.
+  const int h = threadIdx.x >> 6;  // key half of this warp's 32 keys
+  uint4 vlate[4];
+  const uint32_t nan = convert_v_early_q(smem + q_slot(t0, 2 + h) * kQuarterBytes, q_vhi(t0, h),
+                                         vlim, vlate, check);
+  ap::wgmma_wait<0>();  // S and the previous block's P V
+  ap::reg_fence(s);
+  ap::reg_fence(st.o);
+  __syncthreads();  // every warp's S and previous P V are done: K quarters and previous slots free
+  after_s();
+  convert_v_late_q(smem + q_slot(t0, h) * kQuarterBytes, vlate);
+  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
+  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
+  ap::fence_proxy_async();            // f16 stores -> wgmma reads (after the barrier below)
+  if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
+    scrub_nan_rows_q(smem + q_lo(t0, h) * kQuarterBytes, smem + q_hi(t0, h) * kQuarterBytes, vlim,
+                     mask, b, s_pos, s_nan);
+    ap::fence_proxy_async();
+    __syncthreads();
+  }
+  // O += P V.
+  ap::reg_fence(st.o);
+  ap::reg_fence(p);
+  ap::wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int lo = q_lo(t0, kk >> 2), hi = q_hi(t0, kk >> 2);
+    ap::wgmma_pv(st.o, p[kk],
+                 ap::smem_desc(base + lo * kQuarterBytes + (kk & 3) * 2048,
+                               (hi - lo) * kQuarterBytes, 1024));
+  }
+  ap::wgmma_commit();
+}
+
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
@@ -435,7 +650,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // before S is complete (wgmma_wait<1> for the previous P V, then <0>) was not built: ptxas
 // serialises the wgmma pipeline with any wait_group 1 in this loop (C7514).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQEarly = false>
+          int kFirst = kStages - 1, bool kQEarly = false, bool kQuarter = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -443,6 +658,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
+  static_assert(!kQuarter || (kVec16 && !kTma && kFirst == 1),
+                "the quarter ring is a cp.async ring whose first block may come by one early copy");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -583,6 +800,55 @@ __global__ void __launch_bounds__(kThreads, 2)
       // and its V rows are zeroed (vlim -1).
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
+      if constexpr (kQuarter) {
+        // The quarter ring (variant 50): tiles 0-3 (block 0, unless the early copy brought it),
+        // 4-7 and 8-12 in three commit groups; iteration i >= 1 commits tiles 4 i + 9 .. 4 i + 12
+        // (into block i - 1's slots), so block i is complete when at most 2 (i = 0) or 1 (i >= 1)
+        // groups are pending.
+        if (skip == 0)
+          load_quarters<0, 4>(a, g, base, 0, count, lmask, lpage, [](int q) { return q; });
+        ak::cp_async_commit();
+        load_quarters<0, 4>(a, g, base, 1, count, lmask, lpage, [](int q) { return 4 + q; });
+        ak::cp_async_commit();
+        load_quarters<0, 4>(a, g, base, 2, count, lmask, lpage, [](int q) { return 8 + q; });
+        load_quarters<0, 1>(a, g, base, 3, count, lmask, lpage, [](int) { return 12; });
+        ak::cp_async_commit();
+        int t0 = 0;  // slot of block i's first tile (4 i mod kQSlots)
+        for (int i = 0; i < count; ++i) {
+          if (i == 0) {
+            ak::cp_async_wait<2>();
+            if (kEarly && skip > 0) {  // the early TMA copy (one phase per kernel)
+              while (!sm90::mbar_try_wait(ak::smem_u32(&s_full[0]), 0u)) {
+              }
+            }
+          } else {
+            ak::cp_async_wait<1>();
+          }
+          if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
+          __syncthreads();  // block i landed for every thread
+          const int cur = t0;
+          t0 = q_slot(t0, 4);
+          const int mask = lmask[i];
+          const int b = lb[i];
+          attend_block_q<kLazy>(
+              st, s, p, qa, smem, base, cur, mask, b, mask ? lvlim[i] : -1,
+              (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos, s_nan, a.scale_log2,
+              check, [&] {
+                if (i > 0) {  // block i - 1's slots: quarters 1-3 of block i + 2, 0 of i + 3
+                  const int prev = cur >= 4 ? cur - 4 : cur + kQSlots - 4;
+                  load_quarters<1, 4>(a, g, base, i + 2, count, lmask, lpage,
+                                      [&](int q) { return q_slot(prev, q - 1); });
+                  load_quarters<0, 1>(a, g, base, i + 3, count, lmask, lpage,
+                                      [&](int) { return q_slot(prev, 3); });
+                  ak::cp_async_commit();
+                }
+              });
+        }
+        ap::wgmma_wait<0>();  // the last P V
+        ap::reg_fence(st.o);
+        ak::cp_async_wait<0>();
+        __syncthreads();  // slots and entries are free for the next chunk; s_nan complete
+      } else {
 #pragma unroll
       for (int j = 0; j < kStages - 1; ++j) {
         if (j >= skip)
@@ -623,6 +889,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       ap::reg_fence(st.o);
       ak::cp_async_wait<0>();
       __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
+      }
     }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
@@ -633,7 +900,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  if constexpr (kQuarter) {
+    // (the tile re-read from shared memory: not kept live across the loop, where the quarter
+    // ring's kernel is at the register limit)
+    write_rows(a, st, s_nan[tok], s_tile[1], s_tile[2], g, split);
+  } else {
+    write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  }
   ak::timeline_mark(a, 5);
 }
 

@@ -187,10 +187,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 42 && cfg.verify_variant != 50)
+      cfg.verify_variant != 27 && cfg.verify_variant != 42 && cfg.verify_variant != 50 &&
+      cfg.verify_variant != 51 && cfg.verify_variant != 52)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 42 or 50 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 50-52 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -297,7 +298,8 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQEarly = false, bool kQuarter = false>
+          int kFirst = av::kStages - 1, bool kQEarly = false, bool kQuarter = false,
+          bool kBulkOut = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -308,7 +310,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
   auto kernel =
-      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kQuarter>;
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kQuarter,
+                                  kBulkOut>;
   constexpr int kBytes = kQuarter ? av::kQSmemBytes : av::kSmemBytes;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
@@ -366,6 +369,12 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
       case 50:  // 42 on a ring of 13 8-KB quarters instead of 3 32-KB stages
         return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
+      case 51:  // 50 with the BF16 rows out by bulk copies
+        return launch_verify<true, false, true, true, true, 1, true, true, true>(args, pl, n_kv,
+                                                                                 stream);
+      case 52:  // 42 with the BF16 rows out by bulk copies
+        return launch_verify<true, false, true, true, true, 1, true, false, true>(args, pl, n_kv,
+                                                                                  stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

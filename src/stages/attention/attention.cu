@@ -188,10 +188,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 42 && cfg.verify_variant != 50 &&
-      cfg.verify_variant != 51 && cfg.verify_variant != 52)
+      cfg.verify_variant != 51 && cfg.verify_variant != 52 && cfg.verify_variant != 53)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 42 or 50-52 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 50-53 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -375,6 +375,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 52:  // 42 with the BF16 rows out by bulk copies
         return launch_verify<true, false, true, true, true, 1, true, false, true>(args, pl, n_kv,
                                                                                   stream);
+      case 53:  // 21 with the BF16 rows out by bulk copies
+        return launch_verify<true, true, true, true, true, av::kStages - 1, false, false, true>(
+            args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

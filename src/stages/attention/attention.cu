@@ -187,11 +187,11 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 42 && cfg.verify_variant != 50 &&
-      cfg.verify_variant != 51 && cfg.verify_variant != 52 && cfg.verify_variant != 53)
+      cfg.verify_variant != 27 && cfg.verify_variant != 42 &&
+      (cfg.verify_variant < 50 || cfg.verify_variant > 55))
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 42 or 50-53 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 50-55 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -294,6 +294,25 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
+// The K and V maps of the quarter ring by TMA (variant 54): encode_maps' K / V layout with 64-row
+// boxes (one quarter: 64 keys x 128 bytes, 128-byte swizzle).
+bool encode_quarter_maps(const ak::AttnArgs& a, CUtensorMap* kmap, CUtensorMap* vmap) {
+  PFN_cuTensorMapEncodeTiled_v12000 enc = attention_prefill_ws::tensor_map_encoder();
+  if (!enc) return false;
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  const cuuint64_t dims[4] = {128, 128, static_cast<cuuint64_t>(a.n_kv),
+                              static_cast<cuuint64_t>(a.num_pages)};
+  const cuuint64_t strides[3] = {128, static_cast<cuuint64_t>(ak::kTileBytes),
+                                 static_cast<cuuint64_t>(a.page_stride)};
+  const cuuint32_t box[4] = {128, 64, 1, 1};
+  auto map = [&](CUtensorMap* m, const void* ptr) {
+    return enc(m, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(ptr), dims, strides, box,
+               ones, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  };
+  return map(kmap, a.kv) && map(vmap, a.kv + a.plane_stride);
+}
+
 // Variant 21 (kTma: TMA loads and the early copies, kTwoPass: the two-pass V NaN test, kLazy: the
 // lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
 // 16-byte aligned or the driver refuses the tensor maps.
@@ -305,7 +324,10 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
                " KV heads exceed the grid's x limit");
   CUtensorMap kmap{}, vmap{}, qmap{};
-  if constexpr (kTma || kEarly) {
+  if constexpr (kQuarter && kTma) {
+    if (!encode_quarter_maps(args, &kmap, &vmap))
+      return launch_verify<kVec16, false>(args, pl, n_kv, stream);
+  } else if constexpr (kTma || kEarly) {
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
@@ -378,6 +400,11 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 53:  // 21 with the BF16 rows out by bulk copies
         return launch_verify<true, true, true, true, true, av::kStages - 1, false, false, true>(
             args, pl, n_kv, stream);
+      case 54:  // 50 with the quarters by TMA (thread 0, an mbarrier per slot)
+        return launch_verify<true, true, true, true, true, 1, true, true>(args, pl, n_kv, stream);
+      case 55:  // 54 with the BF16 rows out by bulk copies
+        return launch_verify<true, true, true, true, true, 1, true, true, true>(args, pl, n_kv,
+                                                                                stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -349,6 +349,60 @@ __device__ __forceinline__ void load_quarters(const AttnArgs& a, int g, uint32_t
   }
 }
 
+// The quarter ring by TMA (variant 54, kQuarter with kTma): thread 0 copies quarter q of entry j
+// (tensor maps with 64-row boxes: coordinates (0, 64 (q & 1), g, page) in the K or V plane) into
+// its slot; every slot has its own mbarrier (one arrival + 8 KB), and the k-th fill of a slot
+// completes its phase k. Fills happen for exactly the tiles that are waited for (entries < count
+// that some token sees), in the same order per slot, so one parity bit per slot (qpar) tracks them.
+template <int kQ0, int kQ1, typename Slot>
+__device__ __forceinline__ void tma_quarters(const CUtensorMap* kmap, const CUtensorMap* vmap,
+                                             int g, uint32_t ring, int j, int count,
+                                             const int* lmask, const int* lpage, uint64_t* s_qfull,
+                                             Slot slot) {
+  if (threadIdx.x != 0 || j >= count || !lmask[j]) return;
+  const int page = lpage[j];
+#pragma unroll
+  for (int q = kQ0; q < kQ1; ++q) {
+    const int sl = slot(q);
+    const uint32_t bar = ak::smem_u32(&s_qfull[sl]);
+    sm90::mbar_arrive_expect_tx(bar, kQuarterBytes);
+    ak::tma_load_4d(ring + sl * kQuarterBytes, q >= 2 ? vmap : kmap, 0, 64 * (q & 1), g, page,
+                    bar);
+  }
+}
+// Every thread: waits for block i's four quarters (slots t0 .. t0 + 3) when it was loaded.
+__device__ __forceinline__ void wait_quarters(uint64_t* s_qfull, int t0, uint32_t& qpar) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int sl = q_slot(t0, q);
+    const uint32_t bar = ak::smem_u32(&s_qfull[sl]);
+    while (!sm90::mbar_try_wait(bar, (qpar >> sl) & 1u)) {
+    }
+    qpar ^= 1u << sl;
+  }
+}
+// The early copy of the quarter ring by TMA (kEarly): ak::early_copies<1> with the list's first
+// entry as four quarter copies into slots 0-3.
+__device__ __forceinline__ void early_quarters(int cb, int cpage, const CUtensorMap* kmap,
+                                               const CUtensorMap* vmap, int g, uint32_t ring,
+                                               uint64_t* s_qfull, int* s_count) {
+  if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
+  const bool first = cb >= 0 && __ffs(same) - 1 == lane;
+  const uint32_t firsts = __ballot_sync(0xffffffffu, first);
+  if (first && __popc(firsts & ((1u << lane) - 1u)) == 0) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const uint32_t bar = ak::smem_u32(&s_qfull[q]);
+      sm90::mbar_arrive_expect_tx(bar, kQuarterBytes);
+      ak::tma_load_4d(ring + q * kQuarterBytes, q >= 2 ? vmap : kmap, 0, 64 * (q & 1), g, cpage,
+                      bar);
+    }
+  }
+  if (lane == 0) *s_count = firsts != 0u ? 1 : 0;
+}
+
 // convert_v_high for the quarter layout: this warp's keys (key half h = warp / 2) are read from the
 // V quarter `vq`; the early dims (64-127 when vhi, else 0-63) go to f16 in place, the other dims'
 // raw chunks stay in `late`. Returns the NaN bits as convert_v_high does.
@@ -717,8 +771,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
-  static_assert(!kQuarter || (kVec16 && !kTma && kFirst == 1),
-                "the quarter ring is a cp.async ring whose first block may come by one early copy");
+  static_assert(!kQuarter || (kVec16 && kFirst == 1),
+                "the quarter ring's first block may come by one early copy");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -732,6 +786,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ __align__(8) uint64_t s_qfull[kQuarter && kTma ? kQSlots : 1];  // variant 54
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -780,9 +835,18 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
   // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
   if (tid == 0) s_tile[3] = 0;
-  if (kTma || kEarly) init_full_barriers(s_full);
+  if constexpr (kQuarter && kTma) {
+    if (tid == 0) {
+#pragma unroll
+      for (int sl = 0; sl < kQSlots; ++sl) sm90::mbar_init(ak::smem_u32(&s_qfull[sl]), 1);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  } else if (kTma || kEarly) {
+    init_full_barriers(s_full);
+  }
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
+  uint32_t qpar = 0;         // variant 54: bit sl = parity of slot sl's next fill
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
   // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
@@ -804,7 +868,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Warp 0 copies entries 0 .. kFirst - 1 into their stages as soon as their pages are known
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
-      if constexpr (kEarly) {
+      if constexpr (kQuarter && kTma) {
+        if (a.splits == 1) early_quarters(cb, cpage, &kmap, &vmap, g, base, s_qfull, &s_tile[3]);
+      } else if constexpr (kEarly) {
         if (a.splits == 1)
           ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
@@ -864,17 +930,31 @@ __global__ void __launch_bounds__(kThreads, 2)
         // 4-7 and 8-12 in three commit groups; iteration i >= 1 commits tiles 4 i + 9 .. 4 i + 12
         // (into block i - 1's slots), so block i is complete when at most 2 (i = 0) or 1 (i >= 1)
         // groups are pending.
-        if (skip == 0)
-          load_quarters<0, 4>(a, g, base, 0, count, lmask, lpage, [](int q) { return q; });
-        ak::cp_async_commit();
-        load_quarters<0, 4>(a, g, base, 1, count, lmask, lpage, [](int q) { return 4 + q; });
-        ak::cp_async_commit();
-        load_quarters<0, 4>(a, g, base, 2, count, lmask, lpage, [](int q) { return 8 + q; });
-        load_quarters<0, 1>(a, g, base, 3, count, lmask, lpage, [](int) { return 12; });
-        ak::cp_async_commit();
+        if constexpr (kTma) {  // (variant 54: thread 0, per-slot mbarriers)
+          if (skip == 0)
+            tma_quarters<0, 4>(&kmap, &vmap, g, base, 0, count, lmask, lpage, s_qfull,
+                               [](int q) { return q; });
+          tma_quarters<0, 4>(&kmap, &vmap, g, base, 1, count, lmask, lpage, s_qfull,
+                             [](int q) { return 4 + q; });
+          tma_quarters<0, 4>(&kmap, &vmap, g, base, 2, count, lmask, lpage, s_qfull,
+                             [](int q) { return 8 + q; });
+          tma_quarters<0, 1>(&kmap, &vmap, g, base, 3, count, lmask, lpage, s_qfull,
+                             [](int) { return 12; });
+        } else {
+          if (skip == 0)
+            load_quarters<0, 4>(a, g, base, 0, count, lmask, lpage, [](int q) { return q; });
+          ak::cp_async_commit();
+          load_quarters<0, 4>(a, g, base, 1, count, lmask, lpage, [](int q) { return 4 + q; });
+          ak::cp_async_commit();
+          load_quarters<0, 4>(a, g, base, 2, count, lmask, lpage, [](int q) { return 8 + q; });
+          load_quarters<0, 1>(a, g, base, 3, count, lmask, lpage, [](int) { return 12; });
+          ak::cp_async_commit();
+        }
         int t0 = 0;  // slot of block i's first tile (4 i mod kQSlots)
         for (int i = 0; i < count; ++i) {
-          if (i == 0) {
+          if constexpr (kTma) {
+            if (lmask[i]) wait_quarters(s_qfull, t0, qpar);  // (CTA-uniform)
+          } else if (i == 0) {
             ak::cp_async_wait<2>();
             if (kEarly && skip > 0) {  // the early TMA copy (one phase per kernel)
               while (!sm90::mbar_try_wait(ak::smem_u32(&s_full[0]), 0u)) {
@@ -895,11 +975,18 @@ __global__ void __launch_bounds__(kThreads, 2)
               check, [&] {
                 if (i > 0) {  // block i - 1's slots: quarters 1-3 of block i + 2, 0 of i + 3
                   const int prev = cur >= 4 ? cur - 4 : cur + kQSlots - 4;
-                  load_quarters<1, 4>(a, g, base, i + 2, count, lmask, lpage,
-                                      [&](int q) { return q_slot(prev, q - 1); });
-                  load_quarters<0, 1>(a, g, base, i + 3, count, lmask, lpage,
-                                      [&](int) { return q_slot(prev, 3); });
-                  ak::cp_async_commit();
+                  if constexpr (kTma) {
+                    tma_quarters<1, 4>(&kmap, &vmap, g, base, i + 2, count, lmask, lpage, s_qfull,
+                                       [&](int q) { return q_slot(prev, q - 1); });
+                    tma_quarters<0, 1>(&kmap, &vmap, g, base, i + 3, count, lmask, lpage, s_qfull,
+                                       [&](int) { return q_slot(prev, 3); });
+                  } else {
+                    load_quarters<1, 4>(a, g, base, i + 2, count, lmask, lpage,
+                                        [&](int q) { return q_slot(prev, q - 1); });
+                    load_quarters<0, 1>(a, g, base, i + 3, count, lmask, lpage,
+                                        [&](int) { return q_slot(prev, 3); });
+                    ak::cp_async_commit();
+                  }
                 }
               });
         }

@@ -406,10 +406,11 @@ __device__ __forceinline__ void early_quarters(int cb, int cpage, const CUtensor
 // convert_v_high for the quarter layout: this warp's keys (key half h = warp / 2) are read from the
 // V quarter `vq`; the early dims (64-127 when vhi, else 0-63) go to f16 in place, the other dims'
 // raw chunks stay in `late`. Returns the NaN bits as convert_v_high does.
-__device__ __forceinline__ uint32_t convert_v_early_q(uint8_t* vq, bool vhi, int vlim,
-                                                      uint4 (&late)[4], bool check) {
+template <bool kVhi>
+__device__ __forceinline__ uint32_t convert_v_early_q(uint8_t* vq, int vlim, uint4 (&late)[4],
+                                                      bool check) {
   const int cl = threadIdx.x & 3;
-  const int eb = vhi ? 4 : 0;  // first raw 16-dim chunk of the early dims
+  constexpr int eb = kVhi ? 4 : 0;  // first raw 16-dim chunk of the early dims
   uint4 ear[4];
   uint32_t nan = 0;
 #pragma unroll
@@ -504,8 +505,10 @@ __device__ __forceinline__ void attend_block_q(Rows& st, float (&s)[64], uint32_
   // This warp's V quarter: the early dims while S runs, the others into the K quarter after.
   const int h = threadIdx.x >> 6;  // key half of this warp's 32 keys
   uint4 vlate[4];
-  const uint32_t nan = convert_v_early_q(smem + q_slot(t0, 2 + h) * kQuarterBytes, q_vhi(t0, h),
-                                         vlim, vlate, check);
+  // (one code path per direction: a run-time chunk offset cost registers and spills)
+  uint8_t* vq = smem + q_slot(t0, 2 + h) * kQuarterBytes;
+  const uint32_t nan = q_vhi(t0, h) ? convert_v_early_q<true>(vq, vlim, vlate, check)
+                                    : convert_v_early_q<false>(vq, vlim, vlate, check);
   ap::wgmma_wait<0>();  // S and the previous block's P V
   ap::reg_fence(s);
   ap::reg_fence(st.o);

@@ -188,10 +188,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 42 &&
-      (cfg.verify_variant < 50 || cfg.verify_variant > 55))
+      (cfg.verify_variant < 52 || cfg.verify_variant > 56))
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 42 or 50-55 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 52-56 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -389,22 +389,20 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
       case 42:  // 27 with one early copy and Q loaded at entry for the guessed tile
         return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
-      case 50:  // 42 on a ring of 13 8-KB quarters instead of 3 32-KB stages
-        return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
-      case 51:  // 50 with the BF16 rows out by bulk copies
-        return launch_verify<true, false, true, true, true, 1, true, true, true>(args, pl, n_kv,
-                                                                                 stream);
       case 52:  // 42 with the BF16 rows out by bulk copies
         return launch_verify<true, false, true, true, true, 1, true, false, true>(args, pl, n_kv,
                                                                                   stream);
       case 53:  // 21 with the BF16 rows out by bulk copies
         return launch_verify<true, true, true, true, true, av::kStages - 1, false, false, true>(
             args, pl, n_kv, stream);
-      case 54:  // 50 with the quarters by TMA (thread 0, an mbarrier per slot)
+      case 54:  // 42 on a ring of 13 8-KB quarters by TMA (thread 0, an mbarrier per slot)
         return launch_verify<true, true, true, true, true, 1, true, true>(args, pl, n_kv, stream);
       case 55:  // 54 with the BF16 rows out by bulk copies
         return launch_verify<true, true, true, true, true, 1, true, true, true>(args, pl, n_kv,
                                                                                 stream);
+      case 56:  // 52 with the stage ring by TMA (21's loop with one early copy, Q at entry)
+        return launch_verify<true, true, true, true, true, 1, true, false, true>(args, pl, n_kv,
+                                                                                 stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -267,7 +267,7 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Variant 50 (kQuarter): the ring in 8 KB quarters instead of 32 KB stages. Why: with 2 CTAs per
+// Variant 54 (kQuarter): the ring in 8 KB quarters instead of 32 KB stages. Why: with 2 CTAs per
 // SM the work per block is about as long as the bytes' interval, and a 32 KB stage is held from
 // its refill until the P V that reads its f16 V completes, so 3 stages keep only ~1.7 blocks in
 // flight on average (session 18: the same ring without the work ran 1.87 us per block, with it
@@ -282,6 +282,8 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // offset = hi - lo, which must be positive): the early conversion (under S) writes over the V
 // quarter, so the V quarter holds dims 64-127 when it lies above the K quarter (as in the stage
 // layout) and dims 0-63 when the ring wrapped between them.
+// Session 20 round D: the same ring on cp.async loads by every thread (variant 50, removed; 20-24
+// bytes of spills) lost badly: B64 x 4 45.3-47.2 us vs 42.2-42.8 for 42, 2.26 us per block vs 2.14.
 constexpr int kQuarterBytes = kTileBytes / 2;  // 64 keys x 128 bytes of K or V
 constexpr int kQSlots = 13;
 constexpr int kQSmemBytes = kQSlots * kQuarterBytes + 1024;  // + slack to align the base to 1 KB
@@ -324,29 +326,6 @@ __device__ __forceinline__ void wgmma_qk_n64(float (&d)[64], const uint32_t (&a)
         "+f"(d[kOff + 24]), "+f"(d[kOff + 25]), "+f"(d[kOff + 26]), "+f"(d[kOff + 27]),
         "+f"(d[kOff + 28]), "+f"(d[kOff + 29]), "+f"(d[kOff + 30]), "+f"(d[kOff + 31])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
-// Quarters [kQ0, kQ1) (0, 1: K keys 0-63, 64-127; 2, 3: V keys 0-63, 64-127) of entry j into the
-// slots slot(q) of the ring at shared address `ring`, by cp.async (4 16-byte copies per thread and
-// quarter); nothing for an entry past count or one no token sees (its slots keep stale bytes,
-// masked as in the stage ring).
-template <int kQ0, int kQ1, typename Slot>
-__device__ __forceinline__ void load_quarters(const AttnArgs& a, int g, uint32_t ring, int j,
-                                              int count, const int* lmask, const int* lpage,
-                                              Slot slot) {
-  if (j >= count || !lmask[j]) return;
-  const int tid = threadIdx.x, key = tid >> 3;  // (key + 16 per copy: the same swizzle)
-  const uint8_t* src = a.kv + static_cast<int64_t>(lpage[j]) * a.page_stride +
-                       static_cast<int64_t>(g) * kTileBytes + tid * 16;
-  const uint32_t dst = ring + key * ak::kDim + (((tid & 7) ^ (key & 7)) << 4);
-#pragma unroll
-  for (int q = kQ0; q < kQ1; ++q) {
-    const uint8_t* qsrc = src + (q >= 2 ? a.plane_stride : 0) + (q & 1) * kQuarterBytes;
-    const uint32_t qdst = dst + slot(q) * kQuarterBytes;
-#pragma unroll
-    for (int it = 0; it < kQuarterBytes / 16 / kThreads; ++it)
-      ak::cp_async_16(qdst + it * 16 * ak::kDim, qsrc + it * kThreads * 16);
-  }
 }
 
 // The quarter ring by TMA (variant 54, kQuarter with kTma): thread 0 copies quarter q of entry j
@@ -774,8 +753,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
-  static_assert(!kQuarter || (kVec16 && kFirst == 1),
-                "the quarter ring's first block may come by one early copy");
+  static_assert(!kQuarter || (kTma && kFirst == 1),
+                "the quarter ring is a TMA ring whose first block may come by one early copy");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -929,43 +908,21 @@ __global__ void __launch_bounds__(kThreads, 2)
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
       if constexpr (kQuarter) {
-        // The quarter ring (variant 50): tiles 0-3 (block 0, unless the early copy brought it),
-        // 4-7 and 8-12 in three commit groups; iteration i >= 1 commits tiles 4 i + 9 .. 4 i + 12
-        // (into block i - 1's slots), so block i is complete when at most 2 (i = 0) or 1 (i >= 1)
-        // groups are pending.
-        if constexpr (kTma) {  // (variant 54: thread 0, per-slot mbarriers)
-          if (skip == 0)
-            tma_quarters<0, 4>(&kmap, &vmap, g, base, 0, count, lmask, lpage, s_qfull,
-                               [](int q) { return q; });
-          tma_quarters<0, 4>(&kmap, &vmap, g, base, 1, count, lmask, lpage, s_qfull,
-                             [](int q) { return 4 + q; });
-          tma_quarters<0, 4>(&kmap, &vmap, g, base, 2, count, lmask, lpage, s_qfull,
-                             [](int q) { return 8 + q; });
-          tma_quarters<0, 1>(&kmap, &vmap, g, base, 3, count, lmask, lpage, s_qfull,
-                             [](int) { return 12; });
-        } else {
-          if (skip == 0)
-            load_quarters<0, 4>(a, g, base, 0, count, lmask, lpage, [](int q) { return q; });
-          ak::cp_async_commit();
-          load_quarters<0, 4>(a, g, base, 1, count, lmask, lpage, [](int q) { return 4 + q; });
-          ak::cp_async_commit();
-          load_quarters<0, 4>(a, g, base, 2, count, lmask, lpage, [](int q) { return 8 + q; });
-          load_quarters<0, 1>(a, g, base, 3, count, lmask, lpage, [](int) { return 12; });
-          ak::cp_async_commit();
-        }
+        // The quarter ring (variant 54): tiles 0-12 before the loop (0-3, block 0, unless the
+        // early copy brought them); iteration i >= 1 copies tiles 4 i + 9 .. 4 i + 12 into block
+        // i - 1's slots; block i waits for its 4 slots' mbarriers.
+        if (skip == 0)
+          tma_quarters<0, 4>(&kmap, &vmap, g, base, 0, count, lmask, lpage, s_qfull,
+                             [](int q) { return q; });
+        tma_quarters<0, 4>(&kmap, &vmap, g, base, 1, count, lmask, lpage, s_qfull,
+                           [](int q) { return 4 + q; });
+        tma_quarters<0, 4>(&kmap, &vmap, g, base, 2, count, lmask, lpage, s_qfull,
+                           [](int q) { return 8 + q; });
+        tma_quarters<0, 1>(&kmap, &vmap, g, base, 3, count, lmask, lpage, s_qfull,
+                           [](int) { return 12; });
         int t0 = 0;  // slot of block i's first tile (4 i mod kQSlots)
         for (int i = 0; i < count; ++i) {
-          if constexpr (kTma) {
-            if (lmask[i]) wait_quarters(s_qfull, t0, qpar);  // (CTA-uniform)
-          } else if (i == 0) {
-            ak::cp_async_wait<2>();
-            if (kEarly && skip > 0) {  // the early TMA copy (one phase per kernel)
-              while (!sm90::mbar_try_wait(ak::smem_u32(&s_full[0]), 0u)) {
-              }
-            }
-          } else {
-            ak::cp_async_wait<1>();
-          }
+          if (lmask[i]) wait_quarters(s_qfull, t0, qpar);  // (CTA-uniform)
           if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
           __syncthreads();  // block i landed for every thread
           const int cur = t0;
@@ -978,24 +935,15 @@ __global__ void __launch_bounds__(kThreads, 2)
               check, [&] {
                 if (i > 0) {  // block i - 1's slots: quarters 1-3 of block i + 2, 0 of i + 3
                   const int prev = cur >= 4 ? cur - 4 : cur + kQSlots - 4;
-                  if constexpr (kTma) {
-                    tma_quarters<1, 4>(&kmap, &vmap, g, base, i + 2, count, lmask, lpage, s_qfull,
-                                       [&](int q) { return q_slot(prev, q - 1); });
-                    tma_quarters<0, 1>(&kmap, &vmap, g, base, i + 3, count, lmask, lpage, s_qfull,
-                                       [&](int) { return q_slot(prev, 3); });
-                  } else {
-                    load_quarters<1, 4>(a, g, base, i + 2, count, lmask, lpage,
-                                        [&](int q) { return q_slot(prev, q - 1); });
-                    load_quarters<0, 1>(a, g, base, i + 3, count, lmask, lpage,
-                                        [&](int) { return q_slot(prev, 3); });
-                    ak::cp_async_commit();
-                  }
+                  tma_quarters<1, 4>(&kmap, &vmap, g, base, i + 2, count, lmask, lpage, s_qfull,
+                                     [&](int q) { return q_slot(prev, q - 1); });
+                  tma_quarters<0, 1>(&kmap, &vmap, g, base, i + 3, count, lmask, lpage, s_qfull,
+                                     [&](int) { return q_slot(prev, 3); });
                 }
               });
         }
         ap::wgmma_wait<0>();  // the last P V
         ap::reg_fence(st.o);
-        ak::cp_async_wait<0>();
         __syncthreads();  // slots and entries are free for the next chunk; s_nan complete
       } else {
 #pragma unroll

@@ -188,10 +188,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
       cfg.verify_variant != 27 && cfg.verify_variant != 42 &&
-      (cfg.verify_variant < 52 || cfg.verify_variant > 56))
+      (cfg.verify_variant < 52 || cfg.verify_variant > 57))
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27, 42 or 52-56 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        " is not 0, 8, 21, 27, 42 or 52-57 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
         "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
         "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
         "43-46 in session 19)");
@@ -318,7 +318,7 @@ bool encode_quarter_maps(const ak::AttnArgs& a, CUtensorMap* kmap, CUtensorMap* 
 // 16-byte aligned or the driver refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = av::kStages - 1, bool kQEarly = false, bool kQuarter = false,
-          bool kBulkOut = false>
+          bool kBulkOut = false, bool kTreeProbe = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -333,7 +333,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
   }
   auto kernel =
       av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kQuarter,
-                                  kBulkOut>;
+                                  kBulkOut, kTreeProbe>;
   constexpr int kBytes = kQuarter ? av::kQSmemBytes : av::kSmemBytes;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
@@ -403,6 +403,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 56:  // 52 with the stage ring by TMA (21's loop with one early copy, Q at entry)
         return launch_verify<true, true, true, true, true, 1, true, false, true>(args, pl, n_kv,
                                                                                  stream);
+      case 57:  // 52 with the pass-0 NaN probe summed as a tree
+        return launch_verify<true, false, true, true, true, 1, true, false, true, true>(
+            args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

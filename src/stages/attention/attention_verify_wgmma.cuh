@@ -745,7 +745,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // serialises the wgmma pipeline with any wait_group 1 in this loop (C7514).
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kQuarter = false,
-          bool kBulkOut = false>
+          bool kBulkOut = false, bool kTreeProbe = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -990,8 +990,26 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
+    if constexpr (kTreeProbe) {
+      // (variant 57: the 64 values summed as a tree, 6 dependent adds instead of 64; the probe
+      // runs on every CTA's path to its epilogue)
+      float t[32];
 #pragma unroll
-    for (int k = 0; k < 64; ++k) probe += st.o[k];
+      for (int k = 0; k < 32; ++k) t[k] = st.o[k] + st.o[k + 32];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) t[k] += t[k + 16];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) t[k] += t[k + 8];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) t[k] += t[k + 4];
+      t[0] += t[2];
+      t[1] += t[3];
+      t[0] += t[1];
+      probe += t[0];
+    } else {
+#pragma unroll
+      for (int k = 0; k < 64; ++k) probe += st.o[k];
+    }
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }

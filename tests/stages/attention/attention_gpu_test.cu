@@ -97,7 +97,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 42, 52, 53, 54, 55, 56}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 21, 27, 42, 52, 53, 54, 55, 56, 57}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

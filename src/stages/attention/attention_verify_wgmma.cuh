@@ -602,38 +602,51 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
-// kBulkOut (variants 51, 52): write_rows' BF16 rows through shared memory and out by the TMA
-// engine (one 256-byte bulk copy per row) instead of 32 4-byte global stores per lane. Why (ncu of
-// 42, session 20 round B, B64 x 4 @ 32K): the epilogue's samples were the exit's drain (49 of 257)
-// and a long-scoreboard wait on the first instruction that reuses a store's data register (34):
-// the stores queue in the SM's load / store path behind the neighbour CTA's cp.async refills,
-// and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Rows are staged
-// kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
-// banks) in the ring (free after the loop); each warp (token) fences its stores for the async
-// proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
-// out_q, 16-byte aligned out rows; elsewhere write_rows.
+// kBulkOut (variants 52, 53, 55-57): write_rows' BF16 rows (and o_proj's E4M3 rows with out_q)
+// through shared memory and out by the TMA engine (one bulk copy per row) instead of 4-byte (and
+// 2-byte) global stores per lane. Why (ncu of 42, session 20 round B, B64 x 4 @ 32K): the
+// epilogue's samples were the exit's drain (49 of 257) and a long-scoreboard wait on the first
+// instruction that reuses a store's data register (34): the stores queue in the SM's load /
+// store path behind the neighbour CTA's cp.async refills. Round D: 52 (42 + this) B64 x 4
+// 41.4-42.1 us vs 42.2-42.8 for 42, 53 (21 + this) B256 x 4 157.5-158.1 vs 160.7-160.8.
+// Rows are staged kRowPitch (kQPitch) bytes apart (256 (128) + 16: the 8 rows x 4 lanes of each
+// store hit distinct banks) in the ring (free after the loop); each warp (token) fences its
+// stores for the async proxy and its lanes h < group copy row h. The scales stay plain stores.
+// Only where it applies (CTA-uniform): one split, 16-byte aligned rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
+constexpr int kQPitch = ak::kDim + 16;
+constexpr int kQRowsOff = kQT * ak::kRows * kRowPitch;  // the E4M3 rows after the BF16 rows
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
-  return a.splits == 1 && a.out_q == nullptr &&
-         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
+  return a.splits == 1 &&
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2 |
+           reinterpret_cast<uintptr_t>(a.out_q)) &
+          15) == 0;
+}
+__device__ __forceinline__ void bulk_store(const void* dst, const uint8_t* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(ak::smem_u32(src)), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
                                                 uint8_t* stage) {
   const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
+  const int64_t t = t0 + tok;
   uint32_t nd[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
+  uint8_t* qrows = stage + kQRowsOff + tok * ak::kRows * kQPitch;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
-    uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
+    const int h = grp + 8 * e;
+    uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
@@ -643,20 +656,36 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
         if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
       }
       const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+      wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+      *reinterpret_cast<uint32_t*>(rows + h * kRowPitch + 4 * tig + 16 * j) = wv[j];
+    }
+    if (a.out_q != nullptr) {  // (CTA-uniform) o_proj's input: the row's 128 dims are this quad's
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint16_t*>(qrows + h * kQPitch + 2 * tig + 8 * j) =
+            static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
+      if (tig == 0 && tok < nt && h < a.group)
+        a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
     }
   }
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
   if (tok < nt && lane < a.group) {
-    const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
-                          static_cast<int64_t>(g * a.group + lane) * ak::kDim;
+    const int64_t col = static_cast<int64_t>(g * a.group + lane) * ak::kDim;
+    bulk_store(a.out + t * a.out_stride + col, rows + lane * kRowPitch, 2 * ak::kDim);
+    if (a.out_q != nullptr)
+      bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col,
+                 qrows + lane * kQPitch, ak::kDim);
     asm volatile(
-        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
         "cp.async.bulk.commit_group;\n"
-        "cp.async.bulk.wait_group.read 0;\n" ::"l"(dst),
-        "r"(ak::smem_u32(rows + lane * kRowPitch)), "n"(2 * ak::kDim)
-        : "memory");
+        "cp.async.bulk.wait_group.read 0;\n" ::
+            : "memory");
   }
 }
 

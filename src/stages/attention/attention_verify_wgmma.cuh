@@ -266,257 +266,6 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
   ap::wgmma_commit();
 }
 
-// ---------------------------------------------------------------------------------------------
-// Variant 54 (kQuarter): the ring in 8 KB quarters instead of 32 KB stages. Why: with 2 CTAs per
-// SM the work per block is about as long as the bytes' interval, and a 32 KB stage is held from
-// its refill until the P V that reads its f16 V completes, so 3 stages keep only ~1.7 blocks in
-// flight on average (session 18: the same ring without the work ran 1.87 us per block, with it
-// 2.10-2.15). 13 quarters (104 KB; 3 x 32 KB + 1 KB slack before) fit 2 CTAs per SM: block j is
-// the tiles 4 j .. 4 j + 3 of the chunk's stream (K keys 0-63, K keys 64-127, V keys 0-63, V keys
-// 64-127), tile t in slot t % 13; iteration i frees block i - 1's 4 slots (when every warp's P V(i
-// - 1) is complete, as before) and refills them with tiles 4 i + 9 .. 4 i + 12: the last 3
-// quarters of block i + 2 and the first of block i + 3, one quarter (8 KB) more in flight at every
-// point of the iteration than the 3-stage ring. Same bytes, same order of blocks, same numerics.
-// Layout of a block after the conversion (the f16 V of key half h, dims 0-63 and 64-127, over its
-// K and V quarters; an MN-major 128-byte-swizzled f16 tile per half, the descriptor's leading
-// offset = hi - lo, which must be positive): the early conversion (under S) writes over the V
-// quarter, so the V quarter holds dims 64-127 when it lies above the K quarter (as in the stage
-// layout) and dims 0-63 when the ring wrapped between them.
-// Session 20 round D: the same ring on cp.async loads by every thread (variant 50, removed; 20-24
-// bytes of spills) lost badly: B64 x 4 45.3-47.2 us vs 42.2-42.8 for 42, 2.26 us per block vs 2.14.
-constexpr int kQuarterBytes = kTileBytes / 2;  // 64 keys x 128 bytes of K or V
-constexpr int kQSlots = 13;
-constexpr int kQSmemBytes = kQSlots * kQuarterBytes + 1024;  // + slack to align the base to 1 KB
-static_assert(2 * (kQSmemBytes + 3 * 1024 + 1024) <= 228 * 1024, "2 CTAs per SM");
-
-// Slots of block i (t0 = 4 i mod kQSlots, the slot of its first tile): q_slot(t0, q) holds its
-// quarter q (0, 1: K keys 0-63, 64-127; 2, 3: V keys 0-63, 64-127). Recomputed where used (a
-// few integer operations) rather than kept live across the block: the kernel is at 255 registers.
-__device__ __forceinline__ int q_slot(int t0, int q) {
-  return t0 + q < kQSlots ? t0 + q : t0 + q - kQSlots;
-}
-// After the conversion, key half h's f16 dims 0-63 are in slot q_lo, dims 64-127 in q_hi: the V
-// quarter holds dims 64-127 when it lies above the K quarter (q_vhi), else dims 0-63.
-__device__ __forceinline__ bool q_vhi(int t0, int h) { return q_slot(t0, 2 + h) > q_slot(t0, h); }
-__device__ __forceinline__ int q_lo(int t0, int h) {
-  return q_vhi(t0, h) ? q_slot(t0, h) : q_slot(t0, 2 + h);
-}
-__device__ __forceinline__ int q_hi(int t0, int h) {
-  return q_vhi(t0, h) ? q_slot(t0, 2 + h) : q_slot(t0, h);
-}
-
-// d[kOff .. kOff + 31] (64 x 64 f32) (+)= A (64 x 32 e4m3, registers) x B (32 x 64 e4m3, K-major
-// smem): S of one key half (its accumulator registers are those of keys 64 h .. of the m64n128
-// layout, kOff = 32 h).
-template <int kOff>
-__device__ __forceinline__ void wgmma_qk_n64(float (&d)[64], const uint32_t (&a)[4], uint64_t db,
-                                             int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, "
-      "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, "
-      "1, 1;\n}\n"
-      : "+f"(d[kOff + 0]), "+f"(d[kOff + 1]), "+f"(d[kOff + 2]), "+f"(d[kOff + 3]),
-        "+f"(d[kOff + 4]), "+f"(d[kOff + 5]), "+f"(d[kOff + 6]), "+f"(d[kOff + 7]),
-        "+f"(d[kOff + 8]), "+f"(d[kOff + 9]), "+f"(d[kOff + 10]), "+f"(d[kOff + 11]),
-        "+f"(d[kOff + 12]), "+f"(d[kOff + 13]), "+f"(d[kOff + 14]), "+f"(d[kOff + 15]),
-        "+f"(d[kOff + 16]), "+f"(d[kOff + 17]), "+f"(d[kOff + 18]), "+f"(d[kOff + 19]),
-        "+f"(d[kOff + 20]), "+f"(d[kOff + 21]), "+f"(d[kOff + 22]), "+f"(d[kOff + 23]),
-        "+f"(d[kOff + 24]), "+f"(d[kOff + 25]), "+f"(d[kOff + 26]), "+f"(d[kOff + 27]),
-        "+f"(d[kOff + 28]), "+f"(d[kOff + 29]), "+f"(d[kOff + 30]), "+f"(d[kOff + 31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
-// The quarter ring by TMA (variant 54, kQuarter with kTma): thread 0 copies quarter q of entry j
-// (tensor maps with 64-row boxes: coordinates (0, 64 (q & 1), g, page) in the K or V plane) into
-// its slot; every slot has its own mbarrier (one arrival + 8 KB), and the k-th fill of a slot
-// completes its phase k. Fills happen for exactly the tiles that are waited for (entries < count
-// that some token sees), in the same order per slot, so one parity bit per slot (qpar) tracks them.
-template <int kQ0, int kQ1, typename Slot>
-__device__ __forceinline__ void tma_quarters(const CUtensorMap* kmap, const CUtensorMap* vmap,
-                                             int g, uint32_t ring, int j, int count,
-                                             const int* lmask, const int* lpage, uint64_t* s_qfull,
-                                             Slot slot) {
-  if (threadIdx.x != 0 || j >= count || !lmask[j]) return;
-  const int page = lpage[j];
-#pragma unroll
-  for (int q = kQ0; q < kQ1; ++q) {
-    const int sl = slot(q);
-    const uint32_t bar = ak::smem_u32(&s_qfull[sl]);
-    sm90::mbar_arrive_expect_tx(bar, kQuarterBytes);
-    ak::tma_load_4d(ring + sl * kQuarterBytes, q >= 2 ? vmap : kmap, 0, 64 * (q & 1), g, page,
-                    bar);
-  }
-}
-// Every thread: waits for block i's four quarters (slots t0 .. t0 + 3) when it was loaded.
-__device__ __forceinline__ void wait_quarters(uint64_t* s_qfull, int t0, uint32_t& qpar) {
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int sl = q_slot(t0, q);
-    const uint32_t bar = ak::smem_u32(&s_qfull[sl]);
-    while (!sm90::mbar_try_wait(bar, (qpar >> sl) & 1u)) {
-    }
-    qpar ^= 1u << sl;
-  }
-}
-// The early copy of the quarter ring by TMA (kEarly): ak::early_copies<1> with the list's first
-// entry as four quarter copies into slots 0-3.
-__device__ __forceinline__ void early_quarters(int cb, int cpage, const CUtensorMap* kmap,
-                                               const CUtensorMap* vmap, int g, uint32_t ring,
-                                               uint64_t* s_qfull, int* s_count) {
-  if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
-  const int lane = threadIdx.x & 31;
-  const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
-  const bool first = cb >= 0 && __ffs(same) - 1 == lane;
-  const uint32_t firsts = __ballot_sync(0xffffffffu, first);
-  if (first && __popc(firsts & ((1u << lane) - 1u)) == 0) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const uint32_t bar = ak::smem_u32(&s_qfull[q]);
-      sm90::mbar_arrive_expect_tx(bar, kQuarterBytes);
-      ak::tma_load_4d(ring + q * kQuarterBytes, q >= 2 ? vmap : kmap, 0, 64 * (q & 1), g, cpage,
-                      bar);
-    }
-  }
-  if (lane == 0) *s_count = firsts != 0u ? 1 : 0;
-}
-
-// convert_v_high for the quarter layout: this warp's keys (key half h = warp / 2) are read from the
-// V quarter `vq`; the early dims (64-127 when vhi, else 0-63) go to f16 in place, the other dims'
-// raw chunks stay in `late`. Returns the NaN bits as convert_v_high does.
-template <bool kVhi>
-__device__ __forceinline__ uint32_t convert_v_early_q(uint8_t* vq, int vlim, uint4 (&late)[4],
-                                                      bool check) {
-  const int cl = threadIdx.x & 3;
-  constexpr int eb = kVhi ? 4 : 0;  // first raw 16-dim chunk of the early dims
-  uint4 ear[4];
-  uint32_t nan = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int kh = early_key(j, true), kl = early_key(j, false);
-    ear[j] = make_uint4(0u, 0u, 0u, 0u);
-    late[j] = make_uint4(0u, 0u, 0u, 0u);
-    if (kh <= vlim)
-      ear[j] = *reinterpret_cast<const uint4*>(vq + (kh & 63) * ak::kDim +
-                                               (((eb + cl) ^ (kh & 7)) << 4));
-    if (kl <= vlim)
-      late[j] = *reinterpret_cast<const uint4*>(vq + (kl & 63) * ak::kDim +
-                                                (((4 - eb + cl) ^ (kl & 7)) << 4));
-    if (check)
-      nan |= e4m3x4_nan_bits(ear[j].x) | e4m3x4_nan_bits(ear[j].y) | e4m3x4_nan_bits(ear[j].z) |
-             e4m3x4_nan_bits(ear[j].w) | e4m3x4_nan_bits(late[j].x) | e4m3x4_nan_bits(late[j].y) |
-             e4m3x4_nan_bits(late[j].z) | e4m3x4_nan_bits(late[j].w);
-  }
-  __syncwarp();  // every lane read the warp's rows before any lane overwrites them
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int kh = early_key(j, true);
-    uint4 h0, h1;
-    ak::e4m3x16_to_f16(ear[j], h0, h1);
-    uint8_t* row = vq + (kh & 63) * ak::kDim;
-    *reinterpret_cast<uint4*>(row + (((2 * cl) ^ (kh & 7)) << 4)) = h0;
-    *reinterpret_cast<uint4*>(row + (((2 * cl + 1) ^ (kh & 7)) << 4)) = h1;
-  }
-  return nan;
-}
-
-// The late dims' chunks kept by convert_v_early_q -> f16 into the K quarter kq (free: S done).
-__device__ __forceinline__ void convert_v_late_q(uint8_t* kq, const uint4 (&late)[4]) {
-  const int cl = threadIdx.x & 3;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int kl = early_key(j, false);
-    uint4 h0, h1;
-    ak::e4m3x16_to_f16(late[j], h0, h1);
-    uint8_t* row = kq + (kl & 63) * ak::kDim;
-    *reinterpret_cast<uint4*>(row + (((2 * cl) ^ (kl & 7)) << 4)) = h0;
-    *reinterpret_cast<uint4*>(row + (((2 * cl + 1) ^ (kl & 7)) << 4)) = h1;
-  }
-}
-
-// scrub_nan_rows for the quarter layout: lo / hi = this warp's key half's f16 quarters of dims
-// 0-63 / 64-127.
-__device__ __noinline__ void scrub_nan_rows_q(uint8_t* lo, uint8_t* hi, int vlim, int mask, int b,
-                                              const int* s_pos, uint32_t (*s_nan)[4]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int it = 0; it < 8; ++it) {
-    const int i = it * 32 + lane;
-    const int key = kKeysPerWarp * warp + (i >> 3), c = i & 7;
-    if (key > vlim) continue;
-    for (int e = 0; e < 2; ++e) {
-      uint8_t* row = ((c >> 2) ? hi : lo) + (key & 63) * ak::kDim;
-      uint16_t* h = reinterpret_cast<uint16_t*>(row + (((2 * (c & 3) + e) ^ (key & 7)) << 4));
-      for (int j = 0; j < 8; ++j) {
-        if ((h[j] & 0x7fffu) <= 0x7c00u) continue;  // not NaN
-        h[j] = 0;
-        const int dim = 16 * c + 8 * e + j;
-        for (int w = 0; w < kQT; ++w)
-          if (((mask >> w) & 1) && key <= s_pos[w] - b * ak::kBlockKeys)
-            atomicOr(&s_nan[w][dim >> 5], 1u << (dim & 31));
-      }
-    }
-  }
-}
-
-// attend_block on the quarter layout (qb: the block's slots; smem / base: the ring's generic and
-// shared addresses). The same steps, barriers and numerics; S is two m64n64k32 wgmmas per k-step
-// (one per key half, each from its own K quarter) and each P V k-step's descriptor points into its
-// key half's quarters.
-template <bool kLazy, typename AfterS>
-__device__ __forceinline__ void attend_block_q(Rows& st, float (&s)[64], uint32_t (&p)[8][4],
-                                               const uint32_t (&qa)[4][4], uint8_t* smem,
-                                               uint32_t base, int t0, int mask, int b,
-                                               int vlim, int lim, const int* s_pos,
-                                               uint32_t (*s_nan)[4], float scale_log2, bool check,
-                                               AfterS after_s) {
-  // S = Q K^T.
-  ap::reg_fence(s);
-  ap::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    wgmma_qk_n64<0>(s, qa[kk], ap::smem_desc(base + q_slot(t0, 0) * kQuarterBytes + 32 * kk, 16, 1024),
-                    kk > 0 ? 1 : 0);
-    wgmma_qk_n64<32>(s, qa[kk], ap::smem_desc(base + q_slot(t0, 1) * kQuarterBytes + 32 * kk, 16, 1024),
-                     kk > 0 ? 1 : 0);
-  }
-  ap::wgmma_commit();
-  // This warp's V quarter: the early dims while S runs, the others into the K quarter after.
-  const int h = threadIdx.x >> 6;  // key half of this warp's 32 keys
-  uint4 vlate[4];
-  // (one code path per direction: a run-time chunk offset cost registers and spills)
-  uint8_t* vq = smem + q_slot(t0, 2 + h) * kQuarterBytes;
-  const uint32_t nan = q_vhi(t0, h) ? convert_v_early_q<true>(vq, vlim, vlate, check)
-                                    : convert_v_early_q<false>(vq, vlim, vlate, check);
-  ap::wgmma_wait<0>();  // S and the previous block's P V
-  ap::reg_fence(s);
-  ap::reg_fence(st.o);
-  __syncthreads();  // every warp's S and previous P V are done: K quarters and previous slots free
-  after_s();
-  convert_v_late_q(smem + q_slot(t0, h) * kQuarterBytes, vlate);
-  ap::softmax_block<kLazy>(s, st.m, st.l, st.alpha, lim, scale_log2);
-  ap::rescale_and_pack<true>(st.o, s, st.alpha, p);
-  ap::fence_proxy_async();            // f16 stores -> wgmma reads (after the barrier below)
-  if (__syncthreads_or(nan != 0u)) {  // f16 tile complete (and a NaN in it: rare)
-    scrub_nan_rows_q(smem + q_lo(t0, h) * kQuarterBytes, smem + q_hi(t0, h) * kQuarterBytes, vlim,
-                     mask, b, s_pos, s_nan);
-    ap::fence_proxy_async();
-    __syncthreads();
-  }
-  // O += P V.
-  ap::reg_fence(st.o);
-  ap::reg_fence(p);
-  ap::wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    const int lo = q_lo(t0, kk >> 2), hi = q_hi(t0, kk >> 2);
-    ap::wgmma_pv(st.o, p[kk],
-                 ap::smem_desc(base + lo * kQuarterBytes + (kk & 3) * 2048,
-                               (hi - lo) * kQuarterBytes, 1024));
-  }
-  ap::wgmma_commit();
-}
-
 // Epilogue of one (tile, KV head g, split): this warp's rows of token t0 + warp (nothing when the
 // token is absent), NaN in the dims of nan_dims (V NaNs the token sees), normalised BF16 out
 // (splits == 1) or the unnormalised partial and (m, l) in the workspace. P V must be complete.
@@ -602,51 +351,41 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
-// kBulkOut (variants 52, 53, 55-57): write_rows' BF16 rows (and o_proj's E4M3 rows with out_q)
-// through shared memory and out by the TMA engine (one bulk copy per row) instead of 4-byte (and
-// 2-byte) global stores per lane. Why (ncu of 42, session 20 round B, B64 x 4 @ 32K): the
-// epilogue's samples were the exit's drain (49 of 257) and a long-scoreboard wait on the first
-// instruction that reuses a store's data register (34): the stores queue in the SM's load /
-// store path behind the neighbour CTA's cp.async refills. Round D: 52 (42 + this) B64 x 4
-// 41.4-42.1 us vs 42.2-42.8 for 42, 53 (21 + this) B256 x 4 157.5-158.1 vs 160.7-160.8.
-// Rows are staged kRowPitch (kQPitch) bytes apart (256 (128) + 16: the 8 rows x 4 lanes of each
-// store hit distinct banks) in the ring (free after the loop); each warp (token) fences its
-// stores for the async proxy and its lanes h < group copy row h. The scales stay plain stores.
-// Only where it applies (CTA-uniform): one split, 16-byte aligned rows; elsewhere write_rows.
+// kBulkOut (variants 52, 53; session 20): write_rows' BF16 rows through shared memory and out by
+// the TMA engine (one 256-byte bulk copy per row) instead of 32 4-byte global stores per lane. Why
+// (ncu of 42, session 20 round B, B64 x 4 @ 32K): the epilogue's samples were the exit's drain (49
+// of 257) and a long-scoreboard wait on the first instruction that reuses a store's data register
+// (34): the stores queue in the SM's load / store path behind the neighbour CTA's cp.async
+// refills, and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Same-run
+// A/Bs (isolated us, 3 alternating runs at 8K / 32K / 128K): 52 = 42 + this, B64 x 4 41.4-42.1 vs
+// 42.2-42.8 for 42 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (mean 42.24) (round E); 53 = 21
+// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are staged
+// kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
+// banks) in the ring (free after the loop); each warp (token) fences its stores for the async
+// proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
+// out_q, 16-byte aligned out rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
-constexpr int kQPitch = ak::kDim + 16;
-constexpr int kQRowsOff = kQT * ak::kRows * kRowPitch;  // the E4M3 rows after the BF16 rows
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
-  return a.splits == 1 &&
-         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2 |
-           reinterpret_cast<uintptr_t>(a.out_q)) &
-          15) == 0;
-}
-__device__ __forceinline__ void bulk_store(const void* dst, const uint8_t* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(ak::smem_u32(src)), "r"(bytes)
-               : "memory");
+  return a.splits == 1 && a.out_q == nullptr &&
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
 }
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
                                                 uint8_t* stage) {
   const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
-  const int64_t t = t0 + tok;
   uint32_t nd[4];
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
-  uint8_t* qrows = stage + kQRowsOff + tok * ak::kRows * kQPitch;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
-    const int h = grp + 8 * e;
-    uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
+    uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
@@ -656,36 +395,20 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
         if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
       }
       const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
-      *reinterpret_cast<uint32_t*>(rows + h * kRowPitch + 4 * tig + 16 * j) = wv[j];
-    }
-    if (a.out_q != nullptr) {  // (CTA-uniform) o_proj's input: the row's 128 dims are this quad's
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
-#pragma unroll
-      for (int j = 0; j < 16; ++j)
-        *reinterpret_cast<uint16_t*>(qrows + h * kQPitch + 2 * tig + 8 * j) =
-            static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
-      if (tig == 0 && tok < nt && h < a.group)
-        a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
+      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
     }
   }
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
   if (tok < nt && lane < a.group) {
-    const int64_t col = static_cast<int64_t>(g * a.group + lane) * ak::kDim;
-    bulk_store(a.out + t * a.out_stride + col, rows + lane * kRowPitch, 2 * ak::kDim);
-    if (a.out_q != nullptr)
-      bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col,
-                 qrows + lane * kQPitch, ak::kDim);
+    const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
+                          static_cast<int64_t>(g * a.group + lane) * ak::kDim;
     asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
         "cp.async.bulk.commit_group;\n"
-        "cp.async.bulk.wait_group.read 0;\n" ::
-            : "memory");
+        "cp.async.bulk.wait_group.read 0;\n" ::"l"(dst),
+        "r"(ak::smem_u32(rows + lane * kRowPitch)), "n"(2 * ak::kDim)
+        : "memory");
   }
 }
 
@@ -698,7 +421,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 21, 27). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 27, 52, 53). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
@@ -772,9 +495,17 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // 42.96 / 42.72), 45 (43 with the pass-0 NaN probe as 8 partial sums: 42.86). A refill issued
 // before S is complete (wgmma_wait<1> for the previous P V, then <0>) was not built: ptxas
 // serialises the wgmma pipeline with any wait_group 1 in this loop (C7514).
+// Session 20: kBulkOut (write_rows_bulk). 52 (42 + kBulkOut) is automatic for one-wave grids and 53
+// (21 + kBulkOut) for more waves; 42 and 21 were removed after rounds D / E (numbers at
+// write_rows_bulk). Lost and removed (same-round A/Bs, B64 x 4 isolated us at 8K / 32K / 128K): a
+// ring of 13 8-KB quarters (one K or V key half each; 104 KB, one quarter more in flight than the
+// 3 stages; S as two m64n64k32 per k-step, per-half P V descriptors): on cp.async loads (50, 51
+// with kBulkOut) 45.3-47.2 vs 42.2-42.8 for 42 (round D; 2.26 us per block vs 2.14), on TMA loads
+// with an mbarrier per slot (54, 55) 46.4-47.7 vs 41.6-42.0 for 52 (round E): the deeper ring
+// made every block slower; 56 (52 with the stage ring by TMA, 21's loop with one early copy)
+// 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQEarly = false, bool kQuarter = false,
-          bool kBulkOut = false, bool kTreeProbe = false>
+          int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -782,8 +513,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
-  static_assert(!kQuarter || (kTma && kFirst == 1),
-                "the quarter ring is a TMA ring whose first block may come by one early copy");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -797,7 +526,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
-  __shared__ __align__(8) uint64_t s_qfull[kQuarter && kTma ? kQSlots : 1];  // variant 54
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -846,18 +574,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
   // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
   if (tid == 0) s_tile[3] = 0;
-  if constexpr (kQuarter && kTma) {
-    if (tid == 0) {
-#pragma unroll
-      for (int sl = 0; sl < kQSlots; ++sl) sm90::mbar_init(ak::smem_u32(&s_qfull[sl]), 1);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  } else if (kTma || kEarly) {
-    init_full_barriers(s_full);
-  }
+  if (kTma || kEarly) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
-  uint32_t qpar = 0;         // variant 54: bit sl = parity of slot sl's next fill
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
   // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
@@ -879,9 +598,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     // Warp 0 copies entries 0 .. kFirst - 1 into their stages as soon as their pages are known
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
-      if constexpr (kQuarter && kTma) {
-        if (a.splits == 1) early_quarters(cb, cpage, &kmap, &vmap, g, base, s_qfull, &s_tile[3]);
-      } else if constexpr (kEarly) {
+      if constexpr (kEarly) {
         if (a.splits == 1)
           ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
       }
@@ -936,45 +653,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       // and its V rows are zeroed (vlim -1).
       // (kEarly: the first pass's first entries were requested by the union)
       const int skip = pass == (kTwoPass ? 0 : 1) && c0 == lo ? s_tile[3] : 0;
-      if constexpr (kQuarter) {
-        // The quarter ring (variant 54): tiles 0-12 before the loop (0-3, block 0, unless the
-        // early copy brought them); iteration i >= 1 copies tiles 4 i + 9 .. 4 i + 12 into block
-        // i - 1's slots; block i waits for its 4 slots' mbarriers.
-        if (skip == 0)
-          tma_quarters<0, 4>(&kmap, &vmap, g, base, 0, count, lmask, lpage, s_qfull,
-                             [](int q) { return q; });
-        tma_quarters<0, 4>(&kmap, &vmap, g, base, 1, count, lmask, lpage, s_qfull,
-                           [](int q) { return 4 + q; });
-        tma_quarters<0, 4>(&kmap, &vmap, g, base, 2, count, lmask, lpage, s_qfull,
-                           [](int q) { return 8 + q; });
-        tma_quarters<0, 1>(&kmap, &vmap, g, base, 3, count, lmask, lpage, s_qfull,
-                           [](int) { return 12; });
-        int t0 = 0;  // slot of block i's first tile (4 i mod kQSlots)
-        for (int i = 0; i < count; ++i) {
-          if (lmask[i]) wait_quarters(s_qfull, t0, qpar);  // (CTA-uniform)
-          if (i == 0 && tid == 0) s_first = ak::timeline_now(a);
-          __syncthreads();  // block i landed for every thread
-          const int cur = t0;
-          t0 = q_slot(t0, 4);
-          const int mask = lmask[i];
-          const int b = lb[i];
-          attend_block_q<kLazy>(
-              st, s, p, qa, smem, base, cur, mask, b, mask ? lvlim[i] : -1,
-              (mask >> tok) & 1 ? my_pos - b * ak::kBlockKeys : -1, s_pos, s_nan, a.scale_log2,
-              check, [&] {
-                if (i > 0) {  // block i - 1's slots: quarters 1-3 of block i + 2, 0 of i + 3
-                  const int prev = cur >= 4 ? cur - 4 : cur + kQSlots - 4;
-                  tma_quarters<1, 4>(&kmap, &vmap, g, base, i + 2, count, lmask, lpage, s_qfull,
-                                     [&](int q) { return q_slot(prev, q - 1); });
-                  tma_quarters<0, 1>(&kmap, &vmap, g, base, i + 3, count, lmask, lpage, s_qfull,
-                                     [&](int) { return q_slot(prev, 3); });
-                }
-              });
-        }
-        ap::wgmma_wait<0>();  // the last P V
-        ap::reg_fence(st.o);
-        __syncthreads();  // slots and entries are free for the next chunk; s_nan complete
-      } else {
 #pragma unroll
       for (int j = 0; j < kStages - 1; ++j) {
         if (j >= skip)
@@ -1015,48 +693,20 @@ __global__ void __launch_bounds__(kThreads, 2)
       ap::reg_fence(st.o);
       ak::cp_async_wait<0>();
       __syncthreads();  // stages and entries are free for the next chunk; s_nan complete
-      }
     }
     if (check) break;
     float probe = st.l[0] + st.l[1];  // O and l are finite unless a NaN took part
-    if constexpr (kTreeProbe) {
-      // (variant 57: the 64 values summed as a tree, 6 dependent adds instead of 64; the probe
-      // runs on every CTA's path to its epilogue)
-      float t[32];
 #pragma unroll
-      for (int k = 0; k < 32; ++k) t[k] = st.o[k] + st.o[k + 32];
-#pragma unroll
-      for (int k = 0; k < 16; ++k) t[k] += t[k + 16];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) t[k] += t[k + 8];
-#pragma unroll
-      for (int k = 0; k < 4; ++k) t[k] += t[k + 4];
-      t[0] += t[2];
-      t[1] += t[3];
-      t[0] += t[1];
-      probe += t[0];
-    } else {
-#pragma unroll
-      for (int k = 0; k < 64; ++k) probe += st.o[k];
-    }
+    for (int k = 0; k < 64; ++k) probe += st.o[k];
     // (the lane-0 broadcast tells ptxas the exit is warp-uniform: no wgmma serialisation)
     if (!__shfl_sync(0xffffffffu, __syncthreads_or(probe != probe), 0)) break;
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  if constexpr (kQuarter) {
-    // (the tile re-read from shared memory: not kept live across the loop, where the quarter
-    // ring's kernel is at the register limit)
-    if (kBulkOut && bulk_out_ok(a))
-      write_rows_bulk(a, st, s_nan[tok], s_tile[1], s_tile[2], g, smem);
-    else
-      write_rows(a, st, s_nan[tok], s_tile[1], s_tile[2], g, split);
-  } else {
-    if (kBulkOut && bulk_out_ok(a))
-      write_rows_bulk(a, st, s_nan[tok], t0, nt, g, smem);
-    else
-      write_rows(a, st, s_nan[tok], t0, nt, g, split);
-  }
+  if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
+    write_rows_bulk(a, st, s_nan[tok], t0, nt, g, smem);
+  else
+    write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

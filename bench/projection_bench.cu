@@ -49,7 +49,9 @@
 // V1,V2,... times only those wgmma variants, in that order, repeats allowed (alternating runs for
 // same-round A/Bs; for profiling: each one's check launch comes first); --random; --trace:
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
-// autotuner's replay timing against the benchmark's, see run_tuner_probe).
+// autotuner's replay timing against the benchmark's, see run_tuner_probe); --prefill P1,P2,...
+// (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
+// cuBLASLt object, 1.. the prefill kernel's variants (gemm_prefill.h; table kPrefillVariants).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -66,6 +68,7 @@
 
 #include "core/numeric.h"
 #include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/gemm_prefill.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 #include "stages/quantize/quantize.h"
@@ -438,9 +441,12 @@ std::string trace_summary(const TraceBuffer& tb) {
   return buf;
 }
 
+// --prefill variants 1, 2, ...: GemmPrefillOptions {cluster, group_m}.
+constexpr GemmPrefillOptions kPrefillVariants[] = {{1, 16}, {2, 16}, {2, 8}, {2, 32}};
+
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
-              const std::vector<int64_t>& only_variants, bool random,
-              bool trace, bool json) {
+              const std::vector<int64_t>& only_variants, const std::vector<int64_t>& prefill,
+              bool random, bool trace, bool json) {
   // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
@@ -555,15 +561,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       copies);
   std::printf("%s", lt->describe().c_str());
   // The default-options object (autotuned: cuBLASLt or, inside the auto range, the wgmma kernel
-  // per M bucket, whichever the tuner timed faster): what the layer gets.
-  auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
-  must(rd.status(), "Fp8BlockGemm::create (default options)");
-  std::unique_ptr<Fp8BlockGemm> dflt = std::move(rd).value();
-  std::printf("default-options object:\n%s", dflt->describe().c_str());
+  // per M bucket, whichever the tuner timed faster): what the layer gets. (Not with --prefill.)
+  std::unique_ptr<Fp8BlockGemm> dflt;
+  if (prefill.empty()) {
+    auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
+    must(rd.status(), "Fp8BlockGemm::create (default options)");
+    dflt = std::move(rd).value();
+    std::printf("default-options object:\n%s", dflt->describe().c_str());
+  }
   // The layer's decode path with the row split: per weight copy an object (default options, no
   // autotuning) given that copy's image by Fp8BlockGemm::pack_weights_rows.
   std::vector<std::unique_ptr<Fp8BlockGemm>> packed_objs;
-  for (int c = 0; c < copies; ++c) {
+  for (int c = 0; c < copies && prefill.empty(); ++c) {
     Fp8BlockGemmOptions po;
     po.autotune = false;
     auto rp = Fp8BlockGemm::create(ms.back(), n, k, po);
@@ -616,6 +625,48 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       row.add("check", check);
       rows.push_back(row);
     };
+    if (!prefill.empty()) {
+      // Alternating paths of a same-round A/B: each checked against cuBLASLt first.
+      const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
+      for (const int64_t v : prefill) {
+        if (v < 0 || v > np) {
+          std::fprintf(stderr, "--prefill %lld: paths are 0 (cuBLASLt) ... %d\n",
+                       static_cast<long long>(v), np);
+          return 2;
+        }
+        if (v == 0) {
+          add(
+              "cublaslt " + lt->algorithm_for(m),
+              [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); },
+              "ref");
+          continue;
+        }
+        const GemmPrefillOptions po = kPrefillVariants[v - 1];
+        const std::string name = "prefill cluster " + std::to_string(po.cluster) + " group " +
+                                 std::to_string(po.group_m);
+        check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+        const Status st = run_gemm_prefill_cuda(params(0, out), stream, po);
+        if (!st.ok()) {
+          std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                      st.to_string().c_str());
+          pass = false;
+          continue;
+        }
+        check_cuda(cudaStreamSynchronize(stream), "prefill");
+        check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+        const bool same = got == want;
+        if (!same && !random) pass = false;
+        add(
+            name,
+            [&](cudaStream_t stc, int c) {
+              must(run_gemm_prefill_cuda(params(c, out), stc, po), "prefill");
+            },
+            random ? "n/a"
+            : same ? "identical"
+                   : "DIFFERENT");
+      }
+      continue;
+    }
     if (only_variants.empty())
       add(
           "cublaslt " + lt->algorithm_for(m),
@@ -927,6 +978,7 @@ int run(int argc, char** argv) {
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
+  std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
   bool random = false, trace = false, tuner_probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -963,6 +1015,8 @@ int run(int argc, char** argv) {
       shape_ms = parse_list(argv[++i]);
     } else if (f == "--variant" && i + 1 < argc) {
       only_variants = parse_list(argv[++i]);
+    } else if (f == "--prefill" && i + 1 < argc) {
+      prefill = parse_list(argv[++i]);
     } else if (f == "--random") {
       random = true;
     } else if (f == "--trace") {
@@ -972,7 +1026,7 @@ int run(int argc, char** argv) {
           stderr,
           "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
           "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--random] [--trace] [--tuner-probe])\n",
+          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] [--random] [--trace] [--tuner-probe])\n",
           argv[i]);
       return 2;
     }
@@ -985,7 +1039,7 @@ int run(int argc, char** argv) {
     }
     std::sort(shape_ms.begin(), shape_ms.end());
     if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
-    return run_shape(shape[0], shape[1], shape_ms, only_variants, random, trace, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

@@ -550,6 +550,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
+  lt_opt.prefill_min_m = 0;  // cuBLASLt only (the prefill kernel has its own rows)
   auto t0 = std::chrono::steady_clock::now();
   auto r = Fp8BlockGemm::create(ms.back(), n, k, lt_opt);
   must(r.status(), "Fp8BlockGemm::create");
@@ -864,6 +865,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
+  lt_opt.prefill_min_m = 0;  // cuBLASLt only (the prefill kernel has its own rows)
   auto r = Fp8BlockGemm::create(max_m, n, k, lt_opt);
   must(r.status(), "Fp8BlockGemm::create");
   std::unique_ptr<Fp8BlockGemm> lt = std::move(r).value();
@@ -1118,6 +1120,7 @@ int run(int argc, char** argv) {
   // Every object names its path explicitly (wgmma_max_m), so M3ATTN_GEMM_PATH changes nothing here.
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
+  lt_opt.prefill_min_m = 0;
   Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt), make(b.max_pad, kN2, lt_opt)};
   const double tune_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tune_start)

@@ -287,6 +287,12 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");
+  M3_CHECK_ARG(options.prefill_min_m >= 0, "Fp8BlockGemm prefill_min_m = ", options.prefill_min_m,
+               " must be >= 0");
+  M3_CHECK_ARG(options.prefill.cluster == 1 || options.prefill.cluster == 2,
+               "Fp8BlockGemm prefill.cluster = ", options.prefill.cluster, " must be 1 or 2");
+  M3_CHECK_ARG(options.prefill.group_m >= 1, "Fp8BlockGemm prefill.group_m = ",
+               options.prefill.group_m, " must be >= 1");
   int64_t wgmma_max_m = options.wgmma_max_m;
   int64_t wgmma_auto = 0;  // buckets with m_hi <= this: the autotuner may choose the wgmma kernel
   if (wgmma_max_m < 0) {
@@ -441,6 +447,10 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   if (bucket->wgmma)  // the autotuner's choice (auto mode); m <= wgmma_auto_max_m
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                bucket->wgmma_options);
+  if (s.options.prefill_min_m > 0 && m >= s.options.prefill_min_m && s.options.force_prefill)
+    return run_gemm_prefill_cuda(p, stream, s.options.prefill);
+  if (bucket->prefill)  // the autotuner's choice; m_hi >= prefill_min_m
+    return run_gemm_prefill_cuda(p, stream, bucket->prefill_options);
   const bool aligned = aligned_to(p.a.data, kStrictAlignment) &&
                        aligned_to(p.b.data, kStrictAlignment) &&
                        aligned_to(p.out.data, kStrictAlignment) &&
@@ -478,6 +488,12 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
       break;
     }
   }
+  if (s.options.prefill_min_m > 0 && m >= s.options.prefill_min_m && s.options.force_prefill)
+    return "prefill kernel (run_gemm_prefill_cuda, forced: cluster " +
+           std::to_string(s.options.prefill.cluster) + ")";
+  if (bucket->prefill)
+    return "prefill kernel (run_gemm_prefill_cuda, autotuned: cluster " +
+           std::to_string(bucket->prefill_options.cluster) + ")";
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
@@ -516,6 +532,8 @@ std::string Fp8BlockGemm::describe() const {
     }
     os << "\n";
     if (b.wgmma) os << "    -> wgmma kernel (autotuned)\n";
+    if (b.prefill)
+      os << "    -> prefill kernel, cluster " << b.prefill_options.cluster << " (autotuned)\n";
     if (!b.tuning.empty()) os << "    " << b.tuning << "\n";
   }
   return os.str();

@@ -69,6 +69,13 @@
 // sweep, as the benchmarks), and runs it for that bucket when its output is identical to the kept
 // cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).
 //
+// Prefill (gemm_prefill.h): for every M bucket with m_hi >= Fp8BlockGemmOptions::prefill_min_m
+// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (clusters of 2 and 1)
+// on its scratch operands, as CUDA-graph replays with a cold L2 against the kept cuBLASLt
+// algorithm, and runs it for that bucket when its output is identical to cuBLASLt's and it is
+// at least 2 % faster; Fp8BlockGemmOptions::force_prefill runs it for every M >= prefill_min_m
+// instead (tests, benchmarks).
+//
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
 // (two GEMMs in flight on different streams need two objects). Any cuBLASLt failure becomes a
@@ -85,6 +92,7 @@
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
+#include "stages/projection/gemm_prefill.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 
@@ -183,6 +191,13 @@ struct Fp8BlockGemmOptions {
   // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
   // (20.7 when chained by programmatic dependent launch): 32 stays.
   int row_split_max_m = 32;
+  // Buckets with m_hi >= this may run the prefill kernel (run_gemm_prefill_cuda) when the
+  // autotuner times it faster than cuBLASLt (0: never).
+  int64_t prefill_min_m = 1024;
+  // Every call with M >= prefill_min_m (> 0) runs the prefill kernel with `prefill`, whatever the
+  // autotuner found.
+  bool force_prefill = false;
+  GemmPrefillOptions prefill;  // the forced path's options (the autotuner picks its own)
 };
 
 class Fp8BlockGemm {

@@ -154,6 +154,42 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillVsCublasLt,
                                            LtCase{2052, 9216, 6144, 2}, LtCase{2052, 640, 6144, 2},
                                            LtCase{1100, 6144, 8192, 2}));
 
+// Fp8BlockGemm with force_prefill runs the kernel from prefill_min_m on (algorithm_for says so):
+// byte-identical to a cuBLASLt-only object on integer inputs, below it cuBLASLt as before.
+TEST(GemmPrefill, ForcedThroughFp8BlockGemm) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int64_t m = 1028, n = 640, k = 6144;
+  GemmData d = make_integer_data(m, n, k, rng);
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.autotune = false;
+  lt_opt.wgmma_max_m = 0;
+  lt_opt.prefill_min_m = 0;
+  Fp8BlockGemmOptions forced = lt_opt;
+  forced.prefill_min_m = 1024;
+  forced.force_prefill = true;
+  auto lt = make_gemm(m, n, k, lt_opt);
+  auto pf = make_gemm(m, n, k, forced);
+  ASSERT_NE(lt, nullptr);
+  ASSERT_NE(pf, nullptr);
+  EXPECT_NE(pf->algorithm_for(1028).find("prefill kernel"), std::string::npos);
+  EXPECT_EQ(pf->algorithm_for(1020).find("prefill kernel"), std::string::npos);
+  EXPECT_EQ(lt->algorithm_for(1028).find("prefill kernel"), std::string::npos);
+  DeviceGemm x(d, n), y(d, n);
+  const Status s1 = lt->run(x.params(), nullptr);
+  const Status s2 = pf->run(y.params(), nullptr);
+  ASSERT_TRUE(s1.ok()) << s1.to_string();
+  ASSERT_TRUE(s2.ok()) << s2.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t t1 = 0, t2 = 0;
+  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, want, n, &report), 0) << report;
+  EXPECT_EQ(t1 + t2, 0);
+}
+
 // Row-major activation scales are not the kernel's layout: unsupported, nothing launched.
 TEST(GemmPrefill, RejectsRowMajorActivationScales) {
   M3_REQUIRE_GPU();

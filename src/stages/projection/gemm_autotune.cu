@@ -678,7 +678,7 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   return Status::Ok();
 }
 
-// The prefill kernel on the scratch operands at b.m_hi (clusters of 2 and 1): same poisoning and
+// The prefill kernel on the scratch operands at b.m_hi (clusters 2x2, 2x1, 1x1): same poisoning and
 // fingerprint as measure(), bit-identical to the kept cuBLASLt algorithm or not chosen; both timed
 // as CUDA-graph replays with a cold L2, best of three alternating medians each.
 Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
@@ -704,10 +704,11 @@ Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
   }
   double best_us = -1;
   std::string timed;
-  for (const int cluster : {2, 1}) {
+  for (const int cluster : {22, 21, 11}) {
     GemmPrefillOptions o;
-    o.cluster = cluster;
-    const std::string label = "cluster " + std::to_string(cluster);
+    o.cluster_m = cluster / 10;
+    o.cluster_n = cluster % 10;
+    const std::string label = prefill_label(o);
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
     const Status first = run_gemm_prefill_cuda(p, t.stream, o);

@@ -289,10 +289,13 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                kGemmWgmmaMaxM, "]");
   M3_CHECK_ARG(options.prefill_min_m >= 0, "Fp8BlockGemm prefill_min_m = ", options.prefill_min_m,
                " must be >= 0");
-  M3_CHECK_ARG(options.prefill.cluster == 1 || options.prefill.cluster == 2,
-               "Fp8BlockGemm prefill.cluster = ", options.prefill.cluster, " must be 1 or 2");
-  M3_CHECK_ARG(options.prefill.group_m >= 1, "Fp8BlockGemm prefill.group_m = ",
-               options.prefill.group_m, " must be >= 1");
+  {
+    const GemmPrefillOptions& o = options.prefill;
+    M3_CHECK_ARG((o.cluster_m == 1 || o.cluster_m == 2) && (o.cluster_n == 1 || o.cluster_n == 2),
+                 "Fp8BlockGemm prefill cluster ", o.cluster_m, " x ", o.cluster_n,
+                 ": each side must be 1 or 2");
+    M3_CHECK_ARG(o.group_m >= 1, "Fp8BlockGemm prefill.group_m = ", o.group_m, " must be >= 1");
+  }
   int64_t wgmma_max_m = options.wgmma_max_m;
   int64_t wgmma_auto = 0;  // buckets with m_hi <= this: the autotuner may choose the wgmma kernel
   if (wgmma_max_m < 0) {
@@ -489,11 +492,11 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
     }
   }
   if (s.options.prefill_min_m > 0 && m >= s.options.prefill_min_m && s.options.force_prefill)
-    return "prefill kernel (run_gemm_prefill_cuda, forced: cluster " +
-           std::to_string(s.options.prefill.cluster) + ")";
+    return "prefill kernel (run_gemm_prefill_cuda, forced: " +
+           prefill_label(s.options.prefill) + ")";
   if (bucket->prefill)
-    return "prefill kernel (run_gemm_prefill_cuda, autotuned: cluster " +
-           std::to_string(bucket->prefill_options.cluster) + ")";
+    return "prefill kernel (run_gemm_prefill_cuda, autotuned: " +
+           prefill_label(bucket->prefill_options) + ")";
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
@@ -533,7 +536,7 @@ std::string Fp8BlockGemm::describe() const {
     os << "\n";
     if (b.wgmma) os << "    -> wgmma kernel (autotuned)\n";
     if (b.prefill)
-      os << "    -> prefill kernel, cluster " << b.prefill_options.cluster << " (autotuned)\n";
+      os << "    -> prefill kernel, " << prefill_label(b.prefill_options) << " (autotuned)\n";
     if (!b.tuning.empty()) os << "    " << b.tuning << "\n";
   }
   return os.str();

@@ -70,7 +70,7 @@
 // cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).
 //
 // Prefill (gemm_prefill.h): for every M bucket with m_hi >= Fp8BlockGemmOptions::prefill_min_m
-// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (clusters of 2 and 1)
+// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (clusters 2x2, 2x1, 1x1)
 // on its scratch operands, as CUDA-graph replays with a cold L2 against the kept cuBLASLt
 // algorithm, and runs it for that bucket when its output is identical to cuBLASLt's and it is
 // at least 2 % faster; Fp8BlockGemmOptions::force_prefill runs it for every M >= prefill_min_m

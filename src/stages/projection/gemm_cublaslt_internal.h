@@ -147,6 +147,11 @@ inline std::string short_label(const cublasLtMatmulAlgo_t& algo) {
 
 using TuneClock = std::chrono::steady_clock;
 
+inline std::string prefill_label(const GemmPrefillOptions& o) {
+  return "cluster " + std::to_string(o.cluster_m) + "x" + std::to_string(o.cluster_n) + " group " +
+         std::to_string(o.group_m);
+}
+
 }  // namespace gemm_lt
 
 struct Fp8BlockGemm::Impl {
@@ -230,7 +235,7 @@ struct Fp8BlockGemm::Impl {
   // equals the cuBLASLt algorithm's and it is at least 2% faster.
   Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
-  // Buckets with m_hi >= prefill_min_m: times the prefill kernel (clusters of 2 and 1) at b.m_hi
+  // Buckets with m_hi >= prefill_min_m: times the prefill kernel (clusters 2x2, 2x1, 1x1) at b.m_hi
   // against the kept cuBLASLt algorithm and chooses it when its output is identical and it is at
   // least 2 % faster.
   Status tune_prefill(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);

@@ -72,12 +72,47 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kCluster>
+template <int kClM, int kClN>
+Status resident_clusters(const DeviceInfo& info, int* resident_out) {
+  constexpr int kCluster = kClM * kClN;
+  auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN>;
+  // Clusters resident at once (one CTA per SM; a GPC may leave SMs unused): the persistent grid
+  // never exceeds one wave. Asked once per device (the shared-memory opt-in is per device too).
+  static std::atomic<int> resident_of[64] = {};  // (one table per instantiation)
+  int resident = info.device < 64 ? resident_of[info.device].load(std::memory_order_acquire) : 0;
+  if (resident == 0) {
+    M3_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gp::kSmemBytes));
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>(info.sms / kCluster * kCluster));
+    cfg.blockDim = dim3(gp::kThreads);
+    cfg.dynamicSmemBytes = gp::kSmemBytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
+    if (resident < 1)
+      return make_status(StatusCode::kCudaError, "run_gemm_prefill_cuda: no cluster of ", kCluster,
+                         " CTAs fits (", gp::kSmemBytes, " B of dynamic shared memory)");
+    if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
+  }
+  *resident_out = resident;
+  return Status::Ok();
+}
+
+template <int kClM, int kClN>
 Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMap& samap,
               const CUtensorMap& omap, const gp::PrefillArgs& args, const DeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gp::gemm_prefill_kernel<kCluster>;
+  constexpr int kCluster = kClM * kClN;
+  int resident = 0;
+  M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN>(info, &resident)));
   cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(std::min(resident, args.units) * kCluster));
   cfg.blockDim = dim3(gp::kThreads);
   cfg.dynamicSmemBytes = gp::kSmemBytes;
   cfg.stream = stream;
@@ -88,27 +123,35 @@ Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMa
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  // Clusters resident at once (one CTA per SM; a GPC may leave SMs unpaired): the persistent grid
-  // never exceeds one wave. Asked once per device (the shared-memory opt-in is per device too).
-  static std::atomic<int> resident_of[64] = {};  // (one table per instantiation)
-  int resident = info.device < 64 ? resident_of[info.device].load(std::memory_order_acquire) : 0;
-  if (resident == 0) {
-    M3_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gp::kSmemBytes));
-    cfg.gridDim = dim3(static_cast<unsigned>(info.sms / kCluster * kCluster));
-    M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
-    if (resident < 1)
-      return make_status(StatusCode::kCudaError, "run_gemm_prefill_cuda: no cluster of ", kCluster,
-                         " CTAs fits (", gp::kSmemBytes, " B of dynamic shared memory)");
-    if (info.device < 64) resident_of[info.device].store(resident, std::memory_order_release);
-  }
-  const int clusters = std::min(resident, args.units);
-  cfg.gridDim = dim3(static_cast<unsigned>(clusters * kCluster));
-  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, amap, bmap, samap, omap, args));
+  M3_CUDA_RETURN_IF_ERROR(
+      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN>, amap, bmap, samap, omap, args));
+  return Status::Ok();
+}
+
+Status check_options(const GemmPrefillOptions& o) {
+  M3_CHECK_ARG((o.cluster_m == 1 || o.cluster_m == 2) && (o.cluster_n == 1 || o.cluster_n == 2),
+               "GemmPrefillOptions cluster ", o.cluster_m, " x ", o.cluster_n,
+               ": each side must be 1 or 2");
+  M3_CHECK_ARG(o.group_m >= 1, "GemmPrefillOptions::group_m = ", o.group_m, " must be >= 1");
   return Status::Ok();
 }
 
 }  // namespace
+
+Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options) {
+  M3_RETURN_IF_ERROR(check_options(options));
+  DeviceInfo info;
+  M3_RETURN_IF_ERROR(device_info(&info));
+  if (info.major != 9)
+    return unsupported("run_gemm_prefill_cuda needs an sm_90 device (wgmma, TMA)");
+  int resident = 0;
+  const int cm = options.cluster_m, cn = options.cluster_n;
+  if (cm == 1 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<1, 1>(info, &resident)));
+  if (cm == 2 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<2, 1>(info, &resident)));
+  if (cm == 1 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<1, 2>(info, &resident)));
+  if (cm == 2 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<2, 2>(info, &resident)));
+  return resident * cm * cn;
+}
 
 Status gemm_prefill_supported(const GemmParams& p) {
   const TensorView& s = p.a_scales;
@@ -132,10 +175,7 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
   for (const TensorView* t : {&p.a, &p.a_scales, &p.b, &p.b_scales, &p.out})
     M3_CHECK_ARG(t->device.type == DeviceType::kCUDA,
                  "run_gemm_prefill_cuda needs CUDA tensors, got one on ", t->device.to_string());
-  M3_CHECK_ARG(options.cluster == 1 || options.cluster == 2,
-               "GemmPrefillOptions::cluster = ", options.cluster, " must be 1 or 2");
-  M3_CHECK_ARG(options.group_m >= 1, "GemmPrefillOptions::group_m = ", options.group_m,
-               " must be >= 1");
+  M3_RETURN_IF_ERROR(check_options(options));
   M3_RETURN_IF_ERROR(gemm_prefill_supported(p));
   DeviceInfo info;
   M3_RETURN_IF_ERROR(device_info(&info));
@@ -146,18 +186,19 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
                "run_gemm_prefill_cuda: N = ", n, " and K = ", k,
                " must be below 2^31 (TMA coordinates are 32-bit)");
   if (m == 0) return Status::Ok();
-  const int cluster = options.cluster;
+  const int cm = options.cluster_m, cn = options.cluster_n;
   const int64_t m_tiles = (m + gp::kTileM - 1) / gp::kTileM;
-  const int64_t m_groups = (m_tiles + cluster - 1) / cluster;
+  const int64_t m_groups = (m_tiles + cm - 1) / cm;
   const int64_t n_tiles = n / gp::kTileN;
-  M3_CHECK_ARG(m_groups * n_tiles < (int64_t{1} << 31), "run_gemm_prefill_cuda: ",
-               m_groups * n_tiles, " tiles must be below 2^31");
+  const int64_t n_groups = (n_tiles + cn - 1) / cn;
+  M3_CHECK_ARG(m_groups * n_groups < (int64_t{1} << 31), "run_gemm_prefill_cuda: ",
+               m_groups * n_groups, " cluster tiles must be below 2^31");
 
   CUtensorMap amap, bmap, samap, omap;
   M3_RETURN_IF_ERROR(encode_map(&amap, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a.data, m, k, p.a.stride[0],
-                                gp::kTileM, gp::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B, "A"));
+                                gp::kTileM / cn, gp::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B, "A"));
   M3_RETURN_IF_ERROR(encode_map(&bmap, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.b.data, n, k, p.b.stride[0],
-                                gp::kTileN / cluster, gp::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B, "B"));
+                                gp::kTileN / cm, gp::kBlockK, CU_TENSOR_MAP_SWIZZLE_128B, "B"));
   // Activation scales as a [K / 128, M] f32 matrix (rows s1 floats apart); box 1 x 128.
   const int64_t kb = k / gp::kBlockK;
   const int64_t sa_row = kb > 1 ? p.a_scales.stride[1] * 4 : 16 * ((m * 4 + 15) / 16);
@@ -174,10 +215,13 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
   args.kblocks = static_cast<int>(kb);
   args.n_tiles = static_cast<int>(n_tiles);
   args.m_groups = static_cast<int>(m_groups);
-  args.group = std::max(1, (options.group_m + cluster - 1) / cluster);
-  args.units = static_cast<int>(m_groups * n_tiles);
-  return cluster == 2 ? launch<2>(amap, bmap, samap, omap, args, info, stream)
-                      : launch<1>(amap, bmap, samap, omap, args, info, stream);
+  args.n_groups = static_cast<int>(n_groups);
+  args.group = std::max(1, (options.group_m + cm - 1) / cm);
+  args.units = static_cast<int>(m_groups * n_groups);
+  if (cm == 2 && cn == 2) return launch<2, 2>(amap, bmap, samap, omap, args, info, stream);
+  if (cm == 2) return launch<2, 1>(amap, bmap, samap, omap, args, info, stream);
+  if (cn == 2) return launch<1, 2>(amap, bmap, samap, omap, args, info, stream);
+  return launch<1, 1>(amap, bmap, samap, omap, args, info, stream);
 }
 
 }  // namespace m3attn

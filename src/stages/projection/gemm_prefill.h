@@ -20,13 +20,20 @@
 namespace m3attn {
 
 struct GemmPrefillOptions {
-  // CTAs per thread-block cluster: 1, or 2 (the pair computes vertically adjacent tiles and
-  // multicasts the shared weight tile, each CTA loading half of it).
-  int cluster = 2;
+  // Thread-block cluster of cluster_m x cluster_n CTAs (each 1 or 2): the CTAs of a cluster compute
+  // a cluster_m x cluster_n block of output tiles; those sharing weight rows (a cluster column)
+  // load 1 / cluster_m of the weight tile each and multicast it, those sharing activation rows
+  // (a cluster row) 1 / cluster_n of the activation tile.
+  int cluster_m = 2;
+  int cluster_n = 1;
   // Raster group: tiles are visited in groups of `group_m` m tiles (rounded up to whole clusters)
   // by every n tile, m fastest.
   int group_m = 16;
 };
+
+// The CTAs run_gemm_prefill_cuda launches at most on the current device with these options (one
+// wave of resident clusters).
+Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options = {});
 
 // OK when run_gemm_prefill_cuda can serve `p` on the current device (sm_90, token-major
 // activation scales with s1 % 4 == 0); unsupported naming the reason otherwise.

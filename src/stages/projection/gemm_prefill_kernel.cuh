@@ -9,9 +9,10 @@
 // operands at M 4096-16384 (N 9856, K 6144); the goal is >= 1300.
 //
 // Shape of the kernel:
-//   - persistent: one CTA per SM (or kCluster-CTA clusters), each walking output tiles u = c,
-//     c + clusters, ... of a grouped raster order (kGroup m tiles by all n tiles, m fastest), so
-//     a group's A panel stays in L2 while B streams through it once per group;
+//   - persistent: one CTA per SM in clusters of kClM x kClN CTAs, each cluster walking cluster
+//     tiles (kClM x kClN output tiles) u = c, c + clusters, ... of a grouped raster order (groups
+//     of `group` cluster rows by all cluster columns, row fastest), so a group's A panel stays in
+//     L2 while B streams through it once per group;
 //   - tile 128 x 128 (N 9856 = 77 x 128; 2464 tiles at M 4096 = 18.7 waves of 132), K block 128;
 //   - warp specialisation: warpgroup 0 is the producer (setmaxnreg 40; warp 0 lane 0 issues the
 //     TMA copies of A [128 x 128], B [128 x 128] and the 128 activation scales of each K block into
@@ -23,11 +24,13 @@
 //     stage's weight scale while they run, waits, releases the stage and folds the fragment into
 //     its fp32 accumulator with one FMA per element (the two warpgroups interleave: one folds while
 //     the other's wgmmas run);
-//   - kCluster 2 (variant): the two CTAs of a cluster compute vertically adjacent tiles (same
-//     weight rows); each loads half of the B tile and multicasts it to both, so the L2 -> shared
-//     memory traffic per CTA and K block is 24 KB instead of 32. A stage is free again only when
-//     the consumers of both CTAs released it (every consumer warp arrives on the empty barrier of
-//     both CTAs);
+//   - clusters (variants): CTA (rm, rn) of a kClM x kClN cluster computes output tile (kClM mg +
+//     rm, kClN ng + rn); CTAs of one cluster column (same rn) share the B tile, CTAs of one row
+//     (same rm) share the A tile: each loads 128 / kClM rows of B and 128 / kClN rows of A and
+//     multicasts them to the CTAs sharing them, so the L2 -> shared memory traffic per CTA and K
+//     block is 16 / kClN + 16 / kClM KB instead of 32. A stage is free again only when the
+//     consumers of every CTA of the cluster released it (every consumer warp arrives on the empty
+//     barrier of every CTA of the cluster);
 //   - epilogue per warpgroup: bf16 pairs into a 128B-swizzled 64 x 128 shared buffer, one TMA store
 //     (clipped at M by the tensor map), which runs while the warpgroup starts its next tile; the
 //     buffer is reused only once that store has read it.
@@ -70,9 +73,10 @@ struct PrefillArgs {
   int64_t sb_s0, sb_s1;
   int kblocks;      // K / 128
   int n_tiles;      // N / 128
-  int m_groups;     // ceil(M / 128 / kCluster): cluster rows of tiles
+  int m_groups;     // ceil(M / 128 / kClM): cluster rows
+  int n_groups;     // ceil(N / 128 / kClN): cluster columns
   int group;        // raster group, in cluster rows
-  int units;        // m_groups * n_tiles
+  int units;        // m_groups * n_groups
 };
 
 // ---- PTX helpers ------------------------------------------------------------------------------
@@ -184,18 +188,18 @@ __device__ __forceinline__ void wgmma_m64n128k32(float (&d)[64], uint64_t a, uin
 }
 #undef M3_P8
 
-// Output tile (m tile, n tile) of unit u in the grouped raster order: groups of `group` cluster
-// rows by all n tiles, cluster row fastest inside a group.
-__device__ __forceinline__ void unit_tile(int u, const PrefillArgs& p, int* mg, int* nt) {
-  const int per_group = p.group * p.n_tiles;
+// Cluster tile (cluster row, cluster column) of unit u in the grouped raster order: groups of
+// `group` cluster rows by all cluster columns, row fastest inside a group.
+__device__ __forceinline__ void unit_tile(int u, const PrefillArgs& p, int* mg, int* ng) {
+  const int per_group = p.group * p.n_groups;
   const int g = u / per_group;
   const int rem = u - g * per_group;
   const int rows = min(p.group, p.m_groups - g * p.group);
   *mg = g * p.group + rem % rows;
-  *nt = rem / rows;
+  *ng = rem / rows;
 }
 
-template <int kCluster>
+template <int kClM, int kClN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_prefill_kernel(const __grid_constant__ CUtensorMap amap,
                         const __grid_constant__ CUtensorMap bmap,
@@ -209,7 +213,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t empty0 = full0 + 8 * kStages;
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
+  constexpr int kCluster = kClM * kClN;
   const uint32_t rank = kCluster > 1 ? cluster_rank() : 0;
+  const int rm = static_cast<int>(rank) % kClM;  // this CTA's place in the cluster
+  const int rn = static_cast<int>(rank) / kClM;
 
   if (threadIdx.x == 0) {
     prefetch_tensor_map(&amap);
@@ -239,11 +246,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       constexpr uint32_t kStageTx = 2 * kTileBytes + kTileM * 4;
       int stage = 0;
       uint32_t phase = 0;
+      // Multicast masks: the CTAs of this CTA's cluster row (A) and cluster column (B).
+      uint16_t a_mask = 0, b_mask = 0;
+      for (int j = 0; j < kClN; ++j) a_mask |= static_cast<uint16_t>(1u << (rm + kClM * j));
+      for (int i = 0; i < kClM; ++i) b_mask |= static_cast<uint16_t>(1u << (i + kClM * rn));
+      constexpr int kARows = kTileM / kClN;  // rows of the A tile this CTA loads
+      constexpr int kBRows = kTileN / kClM;  // rows of the B tile this CTA loads
       for (int u = cid; u < p.units; u += clusters) {
-        int mg = 0, nt = 0;
-        unit_tile(u, p, &mg, &nt);
-        const int mt = mg * kCluster + static_cast<int>(rank);
-        const float* sbrow = p.sb + nt * p.sb_s0;
+        int mg = 0, ng = 0;
+        unit_tile(u, p, &mg, &ng);
+        const int mt = mg * kClM + rm;
+        const int nt = ng * kClN + rn;  // (past N / 128 in the last odd cluster column: no scales)
+        const float* sbrow = p.sb + static_cast<int64_t>(min(nt, p.n_tiles - 1)) * p.sb_s0;
         float sb_reg = 0.0f;
         for (int kb = 0; kb < p.kblocks; ++kb) {
           if ((kb & 31) == 0) {
@@ -256,15 +270,19 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint32_t full = full0 + 8 * stage;
             reinterpret_cast<float*>(smem + kSbOff)[4 * stage] = sbv;
             sm90::mbar_arrive_expect_tx(full, kStageTx);
-            tma_load_2d(base + kAOff + stage * kTileBytes, &amap, kb * kBlockK, mt * kTileM, full);
-            if constexpr (kCluster == 1) {
+            if constexpr (kClN == 1) {
+              tma_load_2d(base + kAOff + stage * kTileBytes, &amap, kb * kBlockK, mt * kTileM,
+                          full);
+            } else {
+              tma_load_2d_multicast(base + kAOff + stage * kTileBytes + rn * kARows * kBlockK,
+                                    &amap, kb * kBlockK, mt * kTileM + rn * kARows, full, a_mask);
+            }
+            if constexpr (kClM == 1) {
               tma_load_2d(base + kBOff + stage * kTileBytes, &bmap, kb * kBlockK, nt * kTileN,
                           full);
             } else {
-              constexpr int kRows = kTileN / kCluster;
-              tma_load_2d_multicast(base + kBOff + stage * kTileBytes + rank * kRows * kBlockK,
-                                    &bmap, kb * kBlockK, nt * kTileN + static_cast<int>(rank) * kRows,
-                                    full, static_cast<uint16_t>((1u << kCluster) - 1u));
+              tma_load_2d_multicast(base + kBOff + stage * kTileBytes + rm * kBRows * kBlockK,
+                                    &bmap, kb * kBlockK, nt * kTileN + rm * kBRows, full, b_mask);
             }
             tma_load_2d(base + kSaOff + stage * kTileM * 4, &samap, mt * kTileM, kb, full);
           }
@@ -294,9 +312,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     int stage = 0;
     uint32_t phase = 0;
     for (int u = cid; u < p.units; u += clusters) {
-      int mg = 0, nt = 0;
-      unit_tile(u, p, &mg, &nt);
-      const int mt = mg * kCluster + static_cast<int>(rank);
+      int mg = 0, ng = 0;
+      unit_tile(u, p, &mg, &ng);
+      const int mt = mg * kClM + rm;
+      const int nt = ng * kClN + rn;
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
       for (int kb = 0; kb < p.kblocks; ++kb) {

@@ -24,9 +24,11 @@ using namespace gemm_test;  // NOLINT(build/namespaces)
 using testing::fresh_seed;
 using testing::Rng;
 
+// cluster: 11, 21, 12 or 22 (cluster_m, cluster_n).
 GemmPrefillOptions prefill_options(int cluster, int group_m = 16) {
   GemmPrefillOptions o;
-  o.cluster = cluster;
+  o.cluster_m = cluster / 10;
+  o.cluster_n = cluster % 10;
   o.group_m = group_m;
   return o;
 }
@@ -34,14 +36,14 @@ GemmPrefillOptions prefill_options(int cluster, int group_m = 16) {
 struct PrefillCase {
   int64_t m, n, k, ld_pad;
   size_t shift;  // 16: operands only 16-byte aligned
-  int cluster;
+  int cluster;  // 11, 21, 12, 22: cluster_m x cluster_n
   int group_m;
 };
 
 std::string case_name(const PrefillCase& c) {
   return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
-         " cluster " + std::to_string(c.cluster) + " group " + std::to_string(c.group_m);
+         " cluster " + std::to_string(c.cluster) + " (m x n) group " + std::to_string(c.group_m);
 }
 
 class GemmPrefillExact : public ::testing::TestWithParam<PrefillCase> {};
@@ -70,16 +72,21 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmPrefillExact,
-    ::testing::Values(PrefillCase{4, 128, 128, 0, 0, 1, 16},    // one K block, one partial tile
-                      PrefillCase{4, 128, 128, 0, 0, 2, 16},    // the pair's second tile empty
-                      PrefillCase{132, 256, 1024, 8, 16, 1, 16},  // two m tiles, misaligned
-                      PrefillCase{132, 256, 1024, 8, 16, 2, 16},
-                      PrefillCase{260, 640, 384, 0, 0, 2, 1},   // odd m tiles, group of 1
-                      PrefillCase{260, 640, 384, 0, 0, 1, 2},
-                      PrefillCase{384, 384, 640, 24, 0, 2, 16},  // whole tiles, 5 K blocks
-                      PrefillCase{512, 1280, 256, 0, 0, 2, 4},   // groups of 4 m tiles
-                      PrefillCase{1028, 256, 256, 0, 0, 2, 16}, // many m tiles, one row past
-                      PrefillCase{1028, 256, 256, 0, 0, 1, 3}));
+    ::testing::Values(PrefillCase{4, 128, 128, 0, 0, 11, 16},   // one K block, one partial tile
+                      PrefillCase{4, 128, 128, 0, 0, 22, 16},   // three of four tiles empty
+                      PrefillCase{132, 256, 1024, 8, 16, 11, 16},  // two m tiles, misaligned
+                      PrefillCase{132, 256, 1024, 8, 16, 21, 16},
+                      PrefillCase{132, 384, 1024, 8, 16, 12, 16},  // odd n tiles in pairs
+                      PrefillCase{132, 384, 1024, 8, 16, 22, 16},
+                      PrefillCase{260, 640, 384, 0, 0, 21, 1},   // odd m tiles, group of 1
+                      PrefillCase{260, 640, 384, 0, 0, 22, 1},
+                      PrefillCase{260, 640, 384, 0, 0, 11, 2},
+                      PrefillCase{384, 384, 640, 24, 0, 22, 16},  // 5 K blocks, odd n tiles
+                      PrefillCase{512, 1280, 256, 0, 0, 21, 4},   // groups of 4 m tiles
+                      PrefillCase{512, 1280, 256, 0, 0, 12, 4},
+                      PrefillCase{1028, 256, 256, 0, 0, 21, 16},  // many m tiles, one row past
+                      PrefillCase{1028, 256, 256, 0, 0, 22, 3},
+                      PrefillCase{1028, 256, 256, 0, 0, 11, 3}));
 
 struct RandomCase {
   int64_t m, n, k;
@@ -109,9 +116,9 @@ TEST_P(GemmPrefillRandom, WithinBoundOfTwin) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillRandom,
-                         ::testing::Values(RandomCase{136, 256, 6144, 1},
-                                           RandomCase{136, 256, 6144, 2},
-                                           RandomCase{200, 640, 8192, 2}));
+                         ::testing::Values(RandomCase{136, 256, 6144, 11},
+                                           RandomCase{136, 256, 6144, 21},
+                                           RandomCase{200, 640, 8192, 22}));
 
 struct LtCase {
   int64_t m, n, k;
@@ -128,7 +135,7 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   SCOPED_TRACE(::testing::Message() << "M " << c.m << " N " << c.n << " K " << c.k << " cluster "
-                                    << c.cluster);
+                                    << c.cluster / 10 << "x" << c.cluster % 10);
   Rng rng(seed);
   GemmData d = make_integer_data(c.m, c.n, c.k, rng);
   Fp8BlockGemmOptions lt_opt;
@@ -150,9 +157,10 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillVsCublasLt,
-                         ::testing::Values(LtCase{1000, 9856, 6144, 2}, LtCase{1000, 9856, 6144, 1},
-                                           LtCase{2052, 9216, 6144, 2}, LtCase{2052, 640, 6144, 2},
-                                           LtCase{1100, 6144, 8192, 2}));
+                         ::testing::Values(LtCase{1000, 9856, 6144, 22}, LtCase{1000, 9856, 6144, 21},
+                                           LtCase{1000, 9856, 6144, 11}, LtCase{2052, 9216, 6144, 22},
+                                           LtCase{2052, 640, 6144, 22}, LtCase{1100, 6144, 8192, 22},
+                                           LtCase{1100, 6144, 8192, 12}));
 
 // Fp8BlockGemm with force_prefill runs the kernel from prefill_min_m on (algorithm_for says so):
 // byte-identical to a cuBLASLt-only object on integer inputs, below it cuBLASLt as before.
@@ -223,14 +231,19 @@ void sanitizer_case(int cluster) {
   EXPECT_EQ(touched, 0);
 }
 
-TEST(GemmPrefill, SanitizerSmallCluster1) {
+TEST(GemmPrefill, SanitizerSmallCluster1x1) {
   M3_REQUIRE_GPU();
-  sanitizer_case(1);
+  sanitizer_case(11);
 }
 
-TEST(GemmPrefill, SanitizerSmallCluster2) {
+TEST(GemmPrefill, SanitizerSmallCluster2x1) {
   M3_REQUIRE_GPU();
-  sanitizer_case(2);
+  sanitizer_case(21);
+}
+
+TEST(GemmPrefill, SanitizerSmallCluster2x2) {
+  M3_REQUIRE_GPU();
+  sanitizer_case(22);
 }
 
 }  // namespace

@@ -14,11 +14,11 @@
 //     of `group` cluster rows by all cluster columns, row fastest), so a group's A panel stays in
 //     L2 while B streams through it once per group;
 //   - tile 128 x 128 (N 9856 = 77 x 128; 2464 tiles at M 4096 = 18.7 waves of 132), K block 128;
-//   - warp specialisation: warpgroup 0 is the producer (setmaxnreg 40; warp 0 lane 0 issues the
+//   - warp specialisation: warpgroup 0 is the producer (setmaxnreg 56; warp 0 lane 0 issues the
 //     TMA copies of A [128 x 128], B [128 x 128] and the 128 activation scales of each K block into
 //     a kStages-deep ring with full / empty mbarriers; the warp's lanes prefetch the tile's weight
 //     scales, one per K block, and the issuing lane writes the stage's scale into shared memory
-//     before the full arrival); warpgroups 1 and 2 are consumers (setmaxnreg 232), 64 rows each;
+//     before the full arrival); warpgroups 1 and 2 are consumers (setmaxnreg 224), 64 rows each;
 //   - per K block a consumer issues 4 wgmma m64n128k32 (both operands raw E4M3 from shared memory,
 //     128B swizzle) into a temporary fragment, reads its two rows' activation scales and the
 //     stage's weight scale while they run, waits, releases the stage and folds the fragment into
@@ -64,8 +64,8 @@ constexpr int kBarOff = kSbOff + kStages * 16;     // full[kStages], empty[kStag
 constexpr int kSmemBytes = kBarOff + 2 * kStages * 8 + 1024;  // + slack to align to 1024 bytes
 static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 // setmaxnreg moves registers within the CTA's launch allocation (168 per thread at 384 threads).
-constexpr int kLowRegs = 40;
-constexpr int kHighRegs = 232;
+constexpr int kLowRegs = 56;
+constexpr int kHighRegs = 224;
 static_assert(kLowRegs * 128 + kHighRegs * 256 <= 168 * kThreads, "register budget");
 
 struct PrefillArgs {
@@ -252,18 +252,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = 0; i < kClM; ++i) b_mask |= static_cast<uint16_t>(1u << (i + kClM * rn));
       constexpr int kARows = kTileM / kClN;  // rows of the A tile this CTA loads
       constexpr int kBRows = kTileN / kClM;  // rows of the B tile this CTA loads
+      // The weight scales of a tile's first 64 K blocks (lane l holds blocks l and 32 + l) are
+      // requested one tile ahead, so their latency never stalls the ring at a tile boundary.
+      auto tile_scales = [&](int u, int chunk) {
+        int mg = 0, ng = 0;
+        unit_tile(u, p, &mg, &ng);
+        const int nt = min(ng * kClN + rn, p.n_tiles - 1);  // (the last odd column: any valid)
+        const int kb = 32 * chunk + lane;
+        return kb < p.kblocks ? __ldg(p.sb + nt * p.sb_s0 + kb * p.sb_s1) : 0.0f;
+      };
+      float next0 = 0.0f, next1 = 0.0f;
+      if (cid < p.units) {
+        next0 = tile_scales(cid, 0);
+        next1 = tile_scales(cid, 1);
+      }
       for (int u = cid; u < p.units; u += clusters) {
         int mg = 0, ng = 0;
         unit_tile(u, p, &mg, &ng);
         const int mt = mg * kClM + rm;
         const int nt = ng * kClN + rn;  // (past N / 128 in the last odd cluster column: no scales)
-        const float* sbrow = p.sb + static_cast<int64_t>(min(nt, p.n_tiles - 1)) * p.sb_s0;
-        float sb_reg = 0.0f;
+        float sb_reg = next0;
+        const float sb_reg1 = next1;
+        if (u + clusters < p.units) {
+          next0 = tile_scales(u + clusters, 0);
+          next1 = tile_scales(u + clusters, 1);
+        }
         for (int kb = 0; kb < p.kblocks; ++kb) {
-          if ((kb & 31) == 0) {
-            const int k2 = kb + lane;
-            sb_reg = k2 < p.kblocks ? __ldg(sbrow + k2 * p.sb_s1) : 0.0f;
-          }
+          if ((kb & 31) == 0 && kb > 0) sb_reg = kb == 32 ? sb_reg1 : tile_scales(u, kb / 32);
           const float sbv = __shfl_sync(0xffffffffu, sb_reg, kb & 31);
           sm90::mbar_wait(empty0 + 8 * stage, phase ^ 1u);
           if (lane == 0) {

@@ -72,10 +72,10 @@ Status device_info(DeviceInfo* info) {
   return Status::Ok();
 }
 
-template <int kClM, int kClN>
+template <int kClM, int kClN, bool kOrdered>
 Status resident_clusters(const DeviceInfo& info, int* resident_out) {
   constexpr int kCluster = kClM * kClN;
-  auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN>;
+  auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>;
   // Clusters resident at once (one CTA per SM; a GPC may leave SMs unused): the persistent grid
   // never exceeds one wave. Asked once per device (the shared-memory opt-in is per device too).
   static std::atomic<int> resident_of[64] = {};  // (one table per instantiation)
@@ -104,13 +104,13 @@ Status resident_clusters(const DeviceInfo& info, int* resident_out) {
   return Status::Ok();
 }
 
-template <int kClM, int kClN>
+template <int kClM, int kClN, bool kOrdered>
 Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMap& samap,
               const CUtensorMap& omap, const gp::PrefillArgs& args, const DeviceInfo& info,
               cudaStream_t stream) {
   constexpr int kCluster = kClM * kClN;
   int resident = 0;
-  M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN>(info, &resident)));
+  M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN, kOrdered>(info, &resident)));
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(std::min(resident, args.units) * kCluster));
   cfg.blockDim = dim3(gp::kThreads);
@@ -124,7 +124,8 @@ Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMa
   cfg.attrs = attr;
   cfg.numAttrs = 1;
   M3_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN>, amap, bmap, samap, omap, args));
+      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>, amap, bmap, samap,
+                         omap, args));
   return Status::Ok();
 }
 
@@ -146,10 +147,11 @@ Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options) {
     return unsupported("run_gemm_prefill_cuda needs an sm_90 device (wgmma, TMA)");
   int resident = 0;
   const int cm = options.cluster_m, cn = options.cluster_n;
-  if (cm == 1 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<1, 1>(info, &resident)));
-  if (cm == 2 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<2, 1>(info, &resident)));
-  if (cm == 1 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<1, 2>(info, &resident)));
-  if (cm == 2 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<2, 2>(info, &resident)));
+  // (Every variant has the same shared memory and threads: the ordered ones stand for all.)
+  if (cm == 1 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<1, 1, true>(info, &resident)));
+  if (cm == 2 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<2, 1, true>(info, &resident)));
+  if (cm == 1 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<1, 2, true>(info, &resident)));
+  if (cm == 2 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<2, 2, true>(info, &resident)));
   return resident * cm * cn;
 }
 
@@ -218,10 +220,16 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
   args.n_groups = static_cast<int>(n_groups);
   args.group = std::max(1, (options.group_m + cm - 1) / cm);
   args.units = static_cast<int>(m_groups * n_groups);
-  if (cm == 2 && cn == 2) return launch<2, 2>(amap, bmap, samap, omap, args, info, stream);
-  if (cm == 2) return launch<2, 1>(amap, bmap, samap, omap, args, info, stream);
-  if (cn == 2) return launch<1, 2>(amap, bmap, samap, omap, args, info, stream);
-  return launch<1, 1>(amap, bmap, samap, omap, args, info, stream);
+  if (options.ordered) {
+    if (cm == 2 && cn == 2) return launch<2, 2, true>(amap, bmap, samap, omap, args, info, stream);
+    if (cm == 2) return launch<2, 1, true>(amap, bmap, samap, omap, args, info, stream);
+    if (cn == 2) return launch<1, 2, true>(amap, bmap, samap, omap, args, info, stream);
+    return launch<1, 1, true>(amap, bmap, samap, omap, args, info, stream);
+  }
+  if (cm == 2 && cn == 2) return launch<2, 2, false>(amap, bmap, samap, omap, args, info, stream);
+  if (cm == 2) return launch<2, 1, false>(amap, bmap, samap, omap, args, info, stream);
+  if (cn == 2) return launch<1, 2, false>(amap, bmap, samap, omap, args, info, stream);
+  return launch<1, 1, false>(amap, bmap, samap, omap, args, info, stream);
 }
 
 }  // namespace m3attn

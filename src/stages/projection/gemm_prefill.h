@@ -29,6 +29,9 @@ struct GemmPrefillOptions {
   // Raster group: tiles are visited in groups of `group_m` m tiles (rounded up to whole clusters)
   // by every n tile, m fastest.
   int group_m = 16;
+  // The two consumer warpgroups issue their wgmma groups in turns (each after the other's
+  // previous one), so one folds its K block while the other's wgmmas run.
+  bool ordered = true;
 };
 
 // The CTAs run_gemm_prefill_cuda launches at most on the current device with these options (one

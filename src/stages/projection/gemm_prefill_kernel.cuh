@@ -22,8 +22,8 @@
 //   - per K block a consumer issues 4 wgmma m64n128k32 (both operands raw E4M3 from shared memory,
 //     128B swizzle) into a temporary fragment, reads its two rows' activation scales and the
 //     stage's weight scale while they run, waits, releases the stage and folds the fragment into
-//     its fp32 accumulator with one FMA per element (the two warpgroups interleave: one folds while
-//     the other's wgmmas run);
+//     its fp32 accumulator with one FMA per element; kOrdered (variant): the two warpgroups issue
+//     their groups in turns, so one folds while the other's wgmmas run;
 //   - clusters (variants): CTA (rm, rn) of a kClM x kClN cluster computes output tile (kClM mg +
 //     rm, kClN ng + rn); CTAs of one cluster column (same rn) share the B tile, CTAs of one row
 //     (same rm) share the A tile: each loads 128 / kClM rows of B and 128 / kClN rows of A and
@@ -142,9 +142,10 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
   return r;
 }
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
-               : "memory");
+// Arrival (default semantics: release at CTA scope) on an mbarrier of any CTA of the cluster
+// (a mapa address).
+__device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr) : "memory");
 }
 
 // Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups 1024
@@ -160,13 +161,22 @@ __device__ __forceinline__ void wgmma_fence() {
 __device__ __forceinline__ void wgmma_commit() {
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
-__device__ __forceinline__ void wgmma_wait_all() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+// Waits until at most kPending of this warpgroup's committed wgmma groups are still running.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
 
 // Named barrier 1 + wg over the 128 threads of consumer warpgroup wg.
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+// Named barrier `id` shared by the two consumer warpgroups: one arrives, the other waits.
+__device__ __forceinline__ void named_barrier_sync(int id) {
+  asm volatile("bar.sync %0, 256;\n" ::"r"(id) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id) {
+  asm volatile("bar.arrive %0, 256;\n" ::"r"(id) : "memory");
 }
 
 // wgmma m64n128k32, e4m3 x e4m3 -> f32, both operands from shared memory: d = (scale_d ? d : 0)
@@ -199,7 +209,7 @@ __device__ __forceinline__ void unit_tile(int u, const PrefillArgs& p, int* mg, 
   *ng = rem / rows;
 }
 
-template <int kClM, int kClN>
+template <int kClM, int kClN, bool kOrdered>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_prefill_kernel(const __grid_constant__ CUtensorMap amap,
                         const __grid_constant__ CUtensorMap bmap,
@@ -322,10 +332,70 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int r = 0; r < kCluster; ++r) empty_remote[r] = kCluster > 1 ? map_to_rank(empty0, r) : 0;
     const float* sa_smem = reinterpret_cast<const float*>(smem + kSaOff);
     const float* sb_smem = reinterpret_cast<const float*>(smem + kSbOff);
-    float acc[64];
-    float tmp[64];
-    int stage = 0;
+    int stage = 0;  // ring position of the next stage to issue
     uint32_t phase = 0;
+    int rel = 0;  // ring position of the next stage to release
+    // Waits for the next stage, issues its 4 wgmmas into t (one commit group) and reads the two
+    // rows' scale products of its K block into s0 / s1 while they run.
+    // kOrdered: the warpgroups take turns, each group issued only after the other warpgroup's
+    // previous one (named barriers 3: "warpgroup 0 issued", 4: "warpgroup 1 issued"), so the
+    // tensor cores run one warpgroup's group while the other folds. Without the order both
+    // issue as soon as the stage lands, their wgmmas interleave and finish together, and both
+    // fold with the tensor pipe idle (round C, ncu: tensor pipe 56 % busy, 41 % of the warp
+    // samples waiting for wgmma completion).
+    auto issue = [&](float (&t)[64], float& s0, float& s1, bool first) {
+      sm90::mbar_wait(full0 + 8 * stage, phase);
+      const uint32_t a_addr = base + kAOff + stage * kTileBytes + wg * 64 * kBlockK;
+      const uint32_t b_addr = base + kBOff + stage * kTileBytes;
+      if constexpr (kOrdered) {
+        if (wg == 1) {
+          named_barrier_sync(3);
+        } else if (!first) {
+          named_barrier_sync(4);
+        }
+      }
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+        wgmma_m64n128k32(t, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
+      wgmma_commit();
+      if constexpr (kOrdered) named_barrier_arrive(wg == 0 ? 3 : 4);
+      const float sbv = sb_smem[4 * stage];
+      s0 = sa_smem[stage * kTileM + wg * 64 + row] * sbv;
+      s1 = sa_smem[stage * kTileM + wg * 64 + row + 8] * sbv;
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1u;
+      }
+    };
+    // Releases the oldest issued stage (its wgmmas done, its scales read) to every producer that
+    // writes into this CTA. Plain release.cta arrivals, also on the other CTAs' barriers: they
+    // publish no data, they only say the stage's reads are over (round B: release.cluster
+    // arrivals, one per warp and CTA of the cluster, made every stage 2-3x longer).
+    auto release = [&]() {
+      __syncwarp();
+      if (lane == 0) {
+        if constexpr (kCluster == 1) {
+          sm90::mbar_arrive(empty0 + 8 * rel);
+        } else {
+#pragma unroll
+          for (int r = 0; r < kCluster; ++r) mbar_arrive_remote(empty_remote[r] + 8 * rel);
+        }
+      }
+      if (++rel == kStages) rel = 0;
+    };
+    auto fold = [&](float (&acc)[64], const float (&t)[64], float s0, float s1) {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        acc[4 * j + 0] = fmaf(t[4 * j + 0], s0, acc[4 * j + 0]);
+        acc[4 * j + 1] = fmaf(t[4 * j + 1], s0, acc[4 * j + 1]);
+        acc[4 * j + 2] = fmaf(t[4 * j + 2], s1, acc[4 * j + 2]);
+        acc[4 * j + 3] = fmaf(t[4 * j + 3], s1, acc[4 * j + 3]);
+      }
+    };
+    float acc[64];
+    float t[64];
+    bool first = true;  // (kOrdered) warpgroup 0's first wgmma group waits for nobody
     for (int u = cid; u < p.units; u += clusters) {
       int mg = 0, ng = 0;
       unit_tile(u, p, &mg, &ng);
@@ -334,38 +404,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc[i] = 0.0f;
       for (int kb = 0; kb < p.kblocks; ++kb) {
-        sm90::mbar_wait(full0 + 8 * stage, phase);
-        const uint32_t a_addr = base + kAOff + stage * kTileBytes + wg * 64 * kBlockK;
-        const uint32_t b_addr = base + kBOff + stage * kTileBytes;
-        wgmma_fence();
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          wgmma_m64n128k32(tmp, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
-        wgmma_commit();
-        const float sbv = sb_smem[4 * stage];
-        const float s0 = sa_smem[stage * kTileM + wg * 64 + row] * sbv;
-        const float s1 = sa_smem[stage * kTileM + wg * 64 + row + 8] * sbv;
-        wgmma_wait_all();
-        __syncwarp();
-        if (lane == 0) {
-          if constexpr (kCluster == 1) {
-            sm90::mbar_arrive(empty0 + 8 * stage);
-          } else {
-#pragma unroll
-            for (int r = 0; r < kCluster; ++r) mbar_arrive_cluster(empty_remote[r] + 8 * stage);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          acc[4 * j + 0] = fmaf(tmp[4 * j + 0], s0, acc[4 * j + 0]);
-          acc[4 * j + 1] = fmaf(tmp[4 * j + 1], s0, acc[4 * j + 1]);
-          acc[4 * j + 2] = fmaf(tmp[4 * j + 2], s1, acc[4 * j + 2]);
-          acc[4 * j + 3] = fmaf(tmp[4 * j + 3], s1, acc[4 * j + 3]);
-        }
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1u;
-        }
+        float s0, s1;
+        issue(t, s0, s1, first);
+        first = false;
+        wgmma_wait<0>();
+        release();
+        fold(acc, t, s0, s1);
       }
       // Epilogue: the previous tile's store must have read the buffer before it is rewritten.
       if (tid == 0) bulk_wait_read();
@@ -375,12 +419,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // of 64 rows x 128 bytes whose 16-byte chunks are permuted by the row's r % 8 = lane / 4.
         // (The base goes through an opaque move so that the 16 chunk addresses are formed here,
         // not hoisted out of the tile loop, where they would hold registers across the K loop.)
-        uint32_t tb;
-        asm volatile("mov.u32 %0, %1;\n" : "=r"(tb) : "r"(epi + row * 128 + 4 * (lane % 4)));
+        uint32_t tbase;
+        asm volatile("mov.u32 %0, %1;\n" : "=r"(tbase) : "r"(epi + row * 128 + 4 * (lane % 4)));
         const int q = lane / 4;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
-          const uint32_t addr = tb + (j / 8) * (64 * 128) + (((j & 7) ^ q) << 4);
+          const uint32_t addr = tbase + (j / 8) * (64 * 128) + (((j & 7) ^ q) << 4);
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const __nv_bfloat162 v =
@@ -399,6 +443,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         tma_store_2d(&omap, epi + 64 * 128, nt * kTileN + 64, y);
         bulk_commit();
       }
+    }
+    // (kOrdered) warpgroup 1's last "issued" arrival is matched here, so no barrier is left
+    // half-complete at exit.
+    if constexpr (kOrdered) {
+      if (wg == 0 && !first) named_barrier_sync(4);
     }
     if (tid == 0) bulk_wait_all();
   }

@@ -25,11 +25,12 @@ using testing::fresh_seed;
 using testing::Rng;
 
 // cluster: 11, 21, 12 or 22 (cluster_m, cluster_n).
-GemmPrefillOptions prefill_options(int cluster, int group_m = 16) {
+GemmPrefillOptions prefill_options(int cluster, int group_m = 16, bool ordered = true) {
   GemmPrefillOptions o;
   o.cluster_m = cluster / 10;
   o.cluster_n = cluster % 10;
   o.group_m = group_m;
+  o.ordered = ordered;
   return o;
 }
 
@@ -38,12 +39,14 @@ struct PrefillCase {
   size_t shift;  // 16: operands only 16-byte aligned
   int cluster;  // 11, 21, 12, 22: cluster_m x cluster_n
   int group_m;
+  bool ordered = true;  // GemmPrefillOptions::ordered
 };
 
 std::string case_name(const PrefillCase& c) {
   return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
-         " cluster " + std::to_string(c.cluster) + " (m x n) group " + std::to_string(c.group_m);
+         " cluster " + std::to_string(c.cluster) + " (m x n) group " + std::to_string(c.group_m) +
+         (c.ordered ? " ordered" : " unordered");
 }
 
 class GemmPrefillExact : public ::testing::TestWithParam<PrefillCase> {};
@@ -60,7 +63,8 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
   GemmData d = make_integer_data(c.m, c.n, c.k, rng);
   const std::vector<uint16_t> ref = cpu_gemm(d);
   DeviceGemm dev(d, c.n + c.ld_pad, c.shift);
-  const Status st = run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster, c.group_m));
+  const Status st =
+      run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster, c.group_m, c.ordered));
   ASSERT_TRUE(st.ok()) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
@@ -86,7 +90,9 @@ INSTANTIATE_TEST_SUITE_P(
                       PrefillCase{512, 1280, 256, 0, 0, 12, 4},
                       PrefillCase{1028, 256, 256, 0, 0, 21, 16},  // many m tiles, one row past
                       PrefillCase{1028, 256, 256, 0, 0, 22, 3},
-                      PrefillCase{1028, 256, 256, 0, 0, 11, 3}));
+                      PrefillCase{1028, 256, 256, 0, 0, 11, 3},
+                      PrefillCase{132, 384, 1024, 8, 16, 22, 16, false},  // warpgroups unordered
+                      PrefillCase{1028, 256, 256, 0, 0, 11, 3, false}));
 
 struct RandomCase {
   int64_t m, n, k;
@@ -216,12 +222,13 @@ TEST(GemmPrefill, RejectsRowMajorActivationScales) {
 // Small cases for compute-sanitizer (memcheck / racecheck), one per cluster size: more tiles than
 // CTAs (some CTAs take two: the ring wraps across tiles, the epilogue buffer is reused), a partial
 // last m tile.
-void sanitizer_case(int cluster) {
+void sanitizer_case(int cluster, bool ordered = true) {
   Rng rng(7);
   GemmData d = make_integer_data(1028, 2048, 256, rng);
   const std::vector<uint16_t> ref = cpu_gemm(d);
   DeviceGemm dev(d, d.n);
-  const Status st = run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(cluster, 2));
+  const Status st =
+      run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(cluster, 2, ordered));
   ASSERT_TRUE(st.ok()) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
@@ -244,6 +251,11 @@ TEST(GemmPrefill, SanitizerSmallCluster2x1) {
 TEST(GemmPrefill, SanitizerSmallCluster2x2) {
   M3_REQUIRE_GPU();
   sanitizer_case(22);
+}
+
+TEST(GemmPrefill, SanitizerSmallUnordered) {
+  M3_REQUIRE_GPU();
+  sanitizer_case(11, false);
 }
 
 }  // namespace

@@ -51,7 +51,9 @@
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
 // autotuner's replay timing against the benchmark's, see run_tuner_probe); --prefill P1,P2,...
 // (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
-// cuBLASLt object, 1.. the prefill kernel's variants (gemm_prefill.h; table kPrefillVariants).
+// cuBLASLt object, -1 the default-options object (what the layer gets: its autotuner may choose
+// the prefill kernel; its describe() is printed), 1.. the prefill kernel's variants
+// (gemm_prefill.h; table kPrefillVariants).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -564,9 +566,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       copies);
   std::printf("%s", lt->describe().c_str());
   // The default-options object (autotuned: cuBLASLt or, inside the auto range, the wgmma kernel
-  // per M bucket, whichever the tuner timed faster): what the layer gets. (Not with --prefill.)
+  // per M bucket, whichever the tuner timed faster; from M 1024 on the prefill kernel likewise):
+  // what the layer gets. (With --prefill only when path -1 is asked for.)
   std::unique_ptr<Fp8BlockGemm> dflt;
-  if (prefill.empty()) {
+  if (prefill.empty() || std::find(prefill.begin(), prefill.end(), -1) != prefill.end()) {
     auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
     must(rd.status(), "Fp8BlockGemm::create (default options)");
     dflt = std::move(rd).value();
@@ -632,10 +635,25 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // Alternating paths of a same-round A/B: each checked against cuBLASLt first.
       const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
       for (const int64_t v : prefill) {
-        if (v < 0 || v > np) {
-          std::fprintf(stderr, "--prefill %lld: paths are 0 (cuBLASLt) ... %d\n",
+        if (v < -1 || v > np) {
+          std::fprintf(stderr, "--prefill %lld: paths are -1 (default object), 0 (cuBLASLt) ... %d\n",
                        static_cast<long long>(v), np);
           return 2;
+        }
+        if (v == -1) {
+          check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+          must(dflt->run(params(0, out), stream), "default object");
+          check_cuda(cudaStreamSynchronize(stream), "default object");
+          check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+          const bool same = got == want;
+          if (!same && !random) pass = false;
+          add(
+              "default object: " + dflt->algorithm_for(m),
+              [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
+              random ? "n/a"
+              : same ? "identical"
+                     : "DIFFERENT");
+          continue;
         }
         if (v == 0) {
           add(

@@ -678,9 +678,10 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   return Status::Ok();
 }
 
-// The prefill kernel on the scratch operands at b.m_hi (clusters 2x2, 2x1, 1x1): same poisoning and
-// fingerprint as measure(), bit-identical to the kept cuBLASLt algorithm or not chosen; both timed
-// as CUDA-graph replays with a cold L2, best of three alternating medians each.
+// The prefill kernel on the scratch operands at b.m_hi (every cluster shape, warpgroups ordered or
+// not): same poisoning and fingerprint as measure(), bit-identical to the kept cuBLASLt algorithm
+// or not chosen; both timed as CUDA-graph replays with a cold L2, the fastest shape and cuBLASLt
+// then replayed twice more, alternating, each keeping its lowest median.
 Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
   const int64_t rows = std::min(b.m_hi, t.m);
   const Device dev = Device::cuda(device);
@@ -704,10 +705,13 @@ Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
   }
   double best_us = -1;
   std::string timed;
-  for (const int cluster : {22, 21, 11}) {
+  // Every cluster shape, warpgroups ordered or not (session 20 could not time them against each
+  // other on the device before the final round: the tuner decides per object).
+  for (const int shape : {211, 111, 121, 221, 210, 110, 120, 220}) {
     GemmPrefillOptions o;
-    o.cluster_m = cluster / 10;
-    o.cluster_n = cluster % 10;
+    o.cluster_m = shape / 100;
+    o.cluster_n = shape / 10 % 10;
+    o.ordered = shape % 10 != 0;
     const std::string label = prefill_label(o);
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
     M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));

@@ -74,25 +74,29 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
   EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Shapes, GemmPrefillExact,
-    ::testing::Values(PrefillCase{4, 128, 128, 0, 0, 11, 16},   // one K block, one partial tile
-                      PrefillCase{4, 128, 128, 0, 0, 22, 16},   // three of four tiles empty
-                      PrefillCase{132, 256, 1024, 8, 16, 11, 16},  // two m tiles, misaligned
-                      PrefillCase{132, 256, 1024, 8, 16, 21, 16},
-                      PrefillCase{132, 384, 1024, 8, 16, 12, 16},  // odd n tiles in pairs
-                      PrefillCase{132, 384, 1024, 8, 16, 22, 16},
-                      PrefillCase{260, 640, 384, 0, 0, 21, 1},   // odd m tiles, group of 1
-                      PrefillCase{260, 640, 384, 0, 0, 22, 1},
-                      PrefillCase{260, 640, 384, 0, 0, 11, 2},
-                      PrefillCase{384, 384, 640, 24, 0, 22, 16},  // 5 K blocks, odd n tiles
-                      PrefillCase{512, 1280, 256, 0, 0, 21, 4},   // groups of 4 m tiles
-                      PrefillCase{512, 1280, 256, 0, 0, 12, 4},
-                      PrefillCase{1028, 256, 256, 0, 0, 21, 16},  // many m tiles, one row past
-                      PrefillCase{1028, 256, 256, 0, 0, 22, 3},
-                      PrefillCase{1028, 256, 256, 0, 0, 11, 3},
-                      PrefillCase{132, 384, 1024, 8, 16, 22, 16, false},  // warpgroups unordered
-                      PrefillCase{1028, 256, 256, 0, 0, 11, 3, false}));
+// (ValuesIn over a vector: a long Values(...) list instantiates a huge variadic template.)
+std::vector<PrefillCase> exact_cases() {
+  return {
+      PrefillCase{4, 128, 128, 0, 0, 11, 16},   // one K block, one partial tile
+      PrefillCase{4, 128, 128, 0, 0, 22, 16},   // three of four tiles empty
+      PrefillCase{132, 256, 1024, 8, 16, 11, 16},  // two m tiles, misaligned
+      PrefillCase{132, 256, 1024, 8, 16, 21, 16},
+      PrefillCase{132, 384, 1024, 8, 16, 12, 16},  // odd n tiles in pairs
+      PrefillCase{132, 384, 1024, 8, 16, 22, 16},
+      PrefillCase{260, 640, 384, 0, 0, 21, 1},   // odd m tiles, group of 1
+      PrefillCase{260, 640, 384, 0, 0, 22, 1},
+      PrefillCase{260, 640, 384, 0, 0, 11, 2},
+      PrefillCase{384, 384, 640, 24, 0, 22, 16},  // 5 K blocks, odd n tiles
+      PrefillCase{512, 1280, 256, 0, 0, 21, 4},   // groups of 4 m tiles
+      PrefillCase{512, 1280, 256, 0, 0, 12, 4},
+      PrefillCase{1028, 256, 256, 0, 0, 21, 16},  // many m tiles, one row past
+      PrefillCase{1028, 256, 256, 0, 0, 22, 3},
+      PrefillCase{1028, 256, 256, 0, 0, 11, 3},
+      PrefillCase{132, 384, 1024, 8, 16, 22, 16, false},  // warpgroups unordered
+      PrefillCase{1028, 256, 256, 0, 0, 11, 3, false}};
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillExact, ::testing::ValuesIn(exact_cases()));
 
 struct RandomCase {
   int64_t m, n, k;
@@ -129,6 +133,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillRandom,
 struct LtCase {
   int64_t m, n, k;
   int cluster;
+  bool ordered = true;
 };
 
 class GemmPrefillVsCublasLt : public ::testing::TestWithParam<LtCase> {};
@@ -141,7 +146,8 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   SCOPED_TRACE(::testing::Message() << "M " << c.m << " N " << c.n << " K " << c.k << " cluster "
-                                    << c.cluster / 10 << "x" << c.cluster % 10);
+                                    << c.cluster / 10 << "x" << c.cluster % 10
+                                    << (c.ordered ? " ordered" : " unordered"));
   Rng rng(seed);
   GemmData d = make_integer_data(c.m, c.n, c.k, rng);
   Fp8BlockGemmOptions lt_opt;
@@ -151,7 +157,8 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   ASSERT_NE(lt, nullptr);
   DeviceGemm x(d, c.n), y(d, c.n);
   const Status s1 = lt->run(x.params(), nullptr);
-  const Status s2 = run_gemm_prefill_cuda(y.params(), nullptr, prefill_options(c.cluster));
+  const Status s2 =
+      run_gemm_prefill_cuda(y.params(), nullptr, prefill_options(c.cluster, 16, c.ordered));
   ASSERT_TRUE(s1.ok()) << s1.to_string();
   ASSERT_TRUE(s2.ok()) << s2.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
@@ -162,11 +169,14 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   EXPECT_EQ(t1 + t2, 0) << "bytes outside the [M, N] output were written";
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillVsCublasLt,
-                         ::testing::Values(LtCase{1000, 9856, 6144, 22}, LtCase{1000, 9856, 6144, 21},
-                                           LtCase{1000, 9856, 6144, 11}, LtCase{2052, 9216, 6144, 22},
-                                           LtCase{2052, 640, 6144, 22}, LtCase{1100, 6144, 8192, 22},
-                                           LtCase{1100, 6144, 8192, 12}));
+std::vector<LtCase> lt_cases() {
+  return {LtCase{1000, 9856, 6144, 22},        LtCase{1000, 9856, 6144, 21},
+          LtCase{1000, 9856, 6144, 11},        LtCase{1000, 9856, 6144, 21, false},
+          LtCase{2052, 9216, 6144, 22},        LtCase{2052, 640, 6144, 22},
+          LtCase{1100, 6144, 8192, 22},        LtCase{1100, 6144, 8192, 12}};
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillVsCublasLt, ::testing::ValuesIn(lt_cases()));
 
 // Fp8BlockGemm with force_prefill runs the kernel from prefill_min_m on (algorithm_for says so):
 // byte-identical to a cuBLASLt-only object on integer inputs, below it cuBLASLt as before.
@@ -194,6 +204,39 @@ TEST(GemmPrefill, ForcedThroughFp8BlockGemm) {
   DeviceGemm x(d, n), y(d, n);
   const Status s1 = lt->run(x.params(), nullptr);
   const Status s2 = pf->run(y.params(), nullptr);
+  ASSERT_TRUE(s1.ok()) << s1.to_string();
+  ASSERT_TRUE(s2.ok()) << s2.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t t1 = 0, t2 = 0;
+  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, want, n, &report), 0) << report;
+  EXPECT_EQ(t1 + t2, 0);
+}
+
+// An autotuned object (default options: from M 1024 on the tuner also times the prefill kernel
+// and may choose it) equals a cuBLASLt-only object on integer inputs, whatever it chose; its
+// describe() says what that was.
+TEST(GemmPrefill, TunedObjectMatchesCublasLt) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int64_t m = 2048, n = 640, k = 6144;
+  GemmData d = make_integer_data(m, n, k, rng);
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.autotune = false;
+  lt_opt.wgmma_max_m = 0;
+  lt_opt.prefill_min_m = 0;
+  auto lt = make_gemm(m, n, k, lt_opt);
+  auto tuned = make_gemm(m, n, k, Fp8BlockGemmOptions{});
+  ASSERT_NE(lt, nullptr);
+  ASSERT_NE(tuned, nullptr);
+  std::printf("[ INFO     ] %s", tuned->describe().c_str());
+  std::printf("[ INFO     ] M 2048: %s\n", tuned->algorithm_for(2048).c_str());
+  DeviceGemm x(d, n), y(d, n);
+  const Status s1 = lt->run(x.params(), nullptr);
+  const Status s2 = tuned->run(y.params(), nullptr);
   ASSERT_TRUE(s1.ok()) << s1.to_string();
   ASSERT_TRUE(s2.ok()) << s2.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());

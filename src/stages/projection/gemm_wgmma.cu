@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSplit>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -471,10 +471,16 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    // The K split: one CTA per image CTA pair, token-major at every M (64-row activation boxes).
+    const bool k_split = options.row_k_split;
+    M3_CHECK_ARG(!k_split || (rgrid % 2 == 0 && kpb != 4 && kblocks > (kpb == 1 ? 1 : 2)),
+                 "GemmWgmmaOptions::row_k_split needs an even row_packed_ctas (", rgrid,
+                 "), burst 0, 1 or 2 (", kpb, ") and two stages of K (K / 128 = ", kblocks,
+                 ")");
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
-                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                  "activations"));
+                                  k_split ? 64 : box_rows_for(m),
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
     set_scales_out(&ra, p);
@@ -485,6 +491,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
+    if (k_split) {
+      if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);
+      return launch_rows<64, 2, 2, 0, true>(xmap, ra, rgrid, info, stream);
+    }
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);

@@ -82,6 +82,14 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
+  // Variant of the row split (session 20): one CTA per pair of the image's CTAs (2c, 2c + 1; the
+  // same image, an even row_packed_ctas), two consumer warpgroups that share each stage's weights
+  // and activations and split K between them (warpgroup w the stages i with i % 2 == w), each
+  // computing both image CTAs' rows in the token-major form at every M (64-row activation boxes);
+  // the two fp32 partials are summed in shared memory at the end. Each SM reads the activations
+  // once (half the L2 -> SM activation traffic of two CTAs per SM). `burst`: K blocks per stage,
+  // 0 (2) / 1 / 2. ctas_per_sm is ignored.
+  bool row_k_split = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -80,6 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
+  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -91,7 +92,8 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
+         " K split " + std::to_string(c.k_split);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -107,6 +109,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
+  o.row_k_split = c.k_split;
   return o;
 }
 
@@ -297,7 +300,29 @@ INSTANTIATE_TEST_SUITE_P(
         Case{64, 9856, 1152, 0, 0, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true},
         Case{48, 640, 2048, 8, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
         Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}));
+        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
+        // The row split's K split (session 20: one CTA per image CTA pair, two warpgroups taking
+        // alternate stages, token-major at every M): fused width, every n (M 1, 9, 17, 33 and 57
+        // padded tokens, 64), K 8192, 1 and 2 K blocks per stage, an odd stage count (K blocks 9:
+        // 5 stages of 2), exactly two stages (K blocks 3 at 2 per stage, 2 at 1), one row per image
+        // CTA (N 128), padded / 16-byte aligned operands, row-major activation scales, PDL, no
+        // evict-first, an image for 400 CTAs (a second wave).
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             true},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
+             true},
+        Case{9, 640, 1152, 0, 16, true, 0, 4, 2, true, 0, false, 1, false, 0, false, true, 0,
+             true},
+        Case{17, 9856, 2048, 8, 0, false, 0, 4, 1, false, 0, false, 1, false, 0, false, true, 0,
+             true},
+        Case{33, 384, 384, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             true},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0,
+             true},
+        Case{64, 128, 256, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0,
+             true},
+        Case{48, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400,
+             true}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -785,6 +810,27 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
+// The K split (row_k_split): small shapes for compute-sanitizer (memcheck / racecheck), 1 and 2
+// K blocks per stage, rings reused (K 4096), the partials' exchange, exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
+  M3_REQUIRE_WGMMA();
+  for (int burst : {0, 1}) {
+    for (int64_t m : {1, 33, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
+      Rng rng(seed);
+      const Case c{m,    640,   4096, 0,     0, false, 0,    4,   burst, true,
+                   0,    false, 1,    false, 0, false, true, 0,   true};
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    }
+  }
+}
+
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
 // missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
 // pack calls; nothing written.
@@ -850,6 +896,34 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
+  // The K split: an even CTA count, burst 0, 1 or 2, and two stages (K 512 is two stages of 2 K
+  // blocks; 4 K blocks per stage and an odd count are rejected).
+  bad.burst = 4;
+  bad.row_k_split = true;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  if (ctas % 2 == 1) {
+    bad.burst = 0;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument);
+  }
+  {
+    GemmData d1 = make_integer_data(8, 256, 256, rng);  // K blocks 2: one stage of 2
+    DeviceGemm dev1(d1, 256);
+    GemmWgmmaOptions o;
+    o.row_packed_weights = image.data();
+    o.row_packed_ctas = ctas % 2 == 0 ? ctas : ctas - 1;
+    o.row_k_split = true;
+    EXPECT_EQ(run_gemm_wgmma_cuda(dev1.params(), ws.data(), ws.bytes(), nullptr, o).code(),
+              StatusCode::kInvalidArgument);
+    o.row_packed_ctas = 251;  // odd
+    o.burst = 1;
+    EXPECT_EQ(run_gemm_wgmma_cuda(dev1.params(), ws.data(), ws.bytes(), nullptr, o).code(),
+              StatusCode::kInvalidArgument);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dev1.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
   {
     // Four K blocks per stage at n = 64: two stages do not fit.
     GemmData d64 = make_integer_data(64, 256, 512, rng);

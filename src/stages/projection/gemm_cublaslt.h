@@ -183,6 +183,17 @@ struct Fp8BlockGemmOptions {
   // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
   // (20.7 when chained by programmatic dependent launch): 32 stays.
   int row_split_max_m = 32;
+  // Calls of the row split with M >= this run its K split (GemmWgmmaOptions::row_k_split: one CTA
+  // per image CTA pair, the activations read once per SM; 0: never).
+  int row_k_split_min_m = 0;
+};
+
+// A row-split image of one weight that the caller owns: gemm_wgmma_pack_weights_rows of that
+// weight for `ctas` CTAs (gemm_wgmma_rows_ctas on this device), gemm_wgmma_rows_packed_bytes
+// bytes. See Fp8BlockGemm::run_row_split.
+struct GemmRowImage {
+  const void* data = nullptr;
+  int ctas = 0;
 };
 
 class Fp8BlockGemm {
@@ -208,6 +219,13 @@ class Fp8BlockGemm {
   // where the row split cannot serve the shape or device (N above 40 rows per CTA, K > 8192, no
   // sm_90): nothing changes then.
   Status pack_weights_rows(const TensorView& b, cudaStream_t stream);
+  // run() with a caller-owned row-split image of p.b (one object serving many weights, e.g. one
+  // image per layer): calls with M <= row_split_max_m run the row split over `image`; with
+  // `programmatic` it is launched with programmatic dependent launch and lets the next kernel
+  // launch early (GemmWgmmaOptions::programmatic_launch + trigger_dependents: the preceding kernel
+  // must not write the weight or the image). Other calls (and image.data null) run as run().
+  Status run_row_split(const GemmParams& p, const GemmRowImage& image, bool programmatic,
+                       cudaStream_t stream);
 
   int64_t max_m() const;
   int64_t n() const;

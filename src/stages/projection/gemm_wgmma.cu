@@ -422,6 +422,53 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
 
+  // The row split (variant): its own kernel, no workspace (it may be null).
+  if (options.row_packed_weights != nullptr) {
+    M3_CHECK_ARG(options.cluster_split == 0 && options.packed_weights == nullptr,
+                 "GemmWgmmaOptions::row_packed_weights excludes cluster_split (",
+                 options.cluster_split, ") and packed_weights");
+    M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
+                 "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
+    const int rgrid = options.row_packed_ctas;
+    M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
+                 " must be the image's CTA count, in [1, N = ", n, "]");
+    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, rgrid));
+    const int kpb = options.burst;
+    M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
+                 " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
+    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
+    // set of activation boxes per SM).
+    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
+    const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    // The K split: one CTA per image CTA pair, token-major at every M (64-row activation boxes).
+    const bool k_split = options.row_k_split;
+    M3_CHECK_ARG(!k_split || (rgrid % 2 == 0 && kpb != 4 && kblocks > (kpb == 1 ? 1 : 2)),
+                 "GemmWgmmaOptions::row_k_split needs an even row_packed_ctas (", rgrid,
+                 "), burst 0, 1 or 2 (", kpb, ") and two stages of K (K / 128 = ", kblocks, ")");
+    CUtensorMap xmap;
+    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
+                                  k_split ? 64 : box_rows_for(m),
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
+    gemm_wgmma_detail::RowsArgs ra;
+    ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
+    set_scales_out(&ra, p);
+    ra.n = static_cast<int>(n);
+    ra.m = static_cast<int>(m);
+    ra.kblocks = static_cast<int>(kblocks);
+    ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
+    ra.early_weights = options.programmatic_launch ? 1 : 0;
+    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    ra.trace = options.debug_trace;
+    if (k_split) {
+      if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);
+      return launch_rows<64, 2, 2, 0, true>(xmap, ra, rgrid, info, stream);
+    }
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+  }
+
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07
   // us with one, M 64 26.88 vs 30.37, once the split-K partials became fragment-major; before,
   // one CTA per SM was chosen above M 16).
@@ -452,54 +499,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " CTAs): size it with gemm_wgmma_workspace_bytes");
   M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
                "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
-
-  // The row split (variant): its own kernel, no workspace traffic.
-  if (options.row_packed_weights != nullptr) {
-    M3_CHECK_ARG(cluster_split == 0 && options.packed_weights == nullptr,
-                 "GemmWgmmaOptions::row_packed_weights excludes cluster_split (", cluster_split,
-                 ") and packed_weights");
-    M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
-                 "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
-    const int rgrid = options.row_packed_ctas;
-    M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
-                 " must be the image's CTA count, in [1, N = ", n, "]");
-    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, rgrid));
-    const int kpb = options.burst;
-    M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
-                 " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
-    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
-    // set of activation boxes per SM).
-    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
-    // The K split: one CTA per image CTA pair, token-major at every M (64-row activation boxes).
-    const bool k_split = options.row_k_split;
-    M3_CHECK_ARG(!k_split || (rgrid % 2 == 0 && kpb != 4 && kblocks > (kpb == 1 ? 1 : 2)),
-                 "GemmWgmmaOptions::row_k_split needs an even row_packed_ctas (", rgrid,
-                 "), burst 0, 1 or 2 (", kpb, ") and two stages of K (K / 128 = ", kblocks,
-                 ")");
-    CUtensorMap xmap;
-    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
-                                  k_split ? 64 : box_rows_for(m),
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
-    gemm_wgmma_detail::RowsArgs ra;
-    ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
-    set_scales_out(&ra, p);
-    ra.n = static_cast<int>(n);
-    ra.m = static_cast<int>(m);
-    ra.kblocks = static_cast<int>(kblocks);
-    ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
-    ra.early_weights = options.programmatic_launch ? 1 : 0;
-    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    ra.trace = options.debug_trace;
-    if (k_split) {
-      if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);
-      return launch_rows<64, 2, 2, 0, true>(xmap, ra, rgrid, info, stream);
-    }
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-  }
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.
   CUtensorMap wmap, xmap;

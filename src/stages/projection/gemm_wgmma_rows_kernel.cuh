@@ -380,10 +380,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     for (int v = 0; v < kVirt; ++v)
 #pragma unroll
       for (int j = 0; j < kAcc; ++j)
-        hmask[v] |= static_cast<uint32_t>((r_begin[v] + m0 + 8 * (j / 4) + j % 2) / 128 -
-                                              blk0[v] >
-                                          0)
-                    << j;
+        hmask[v] |=
+            static_cast<uint32_t>((r_begin[v] + m0 + 8 * (j / 4) + j % 2) / 128 - blk0[v] > 0) << j;
   }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   uint32_t lbo[kVirt];  // one 16-byte K column of the image CTA's chunk
@@ -417,9 +415,9 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
           for (int v = 0; v < kVirt; ++v) {
             // K block q: columns 8 q ... of the image CTA's chunk; a k32 step spans two columns.
-            const uint32_t w_addr =
-                stage + static_cast<uint32_t>((v0 + v) * kKpb * kRowBlockBytes) +
-                static_cast<uint32_t>(q) * 8 * lbo[v];
+            const uint32_t w_addr = stage +
+                                    static_cast<uint32_t>((v0 + v) * kKpb * kRowBlockBytes) +
+                                    static_cast<uint32_t>(q) * 8 * lbo[v];
             if constexpr (kTok) {
               Wgmma<40>::mma(f[q][v], smem_desc(x_addr + 32 * k),
                              smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]), k);

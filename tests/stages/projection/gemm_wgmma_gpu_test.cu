@@ -309,18 +309,14 @@ INSTANTIATE_TEST_SUITE_P(
         // evict-first, an image for 400 CTAs (a second wave).
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
              true},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
-             true},
-        Case{9, 640, 1152, 0, 16, true, 0, 4, 2, true, 0, false, 1, false, 0, false, true, 0,
-             true},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{9, 640, 1152, 0, 16, true, 0, 4, 2, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{17, 9856, 2048, 8, 0, false, 0, 4, 1, false, 0, false, 1, false, 0, false, true, 0,
              true},
-        Case{33, 384, 384, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true},
+        Case{33, 384, 384, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0,
              true},
-        Case{64, 128, 256, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0,
-             true},
+        Case{64, 128, 256, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{48, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400,
              true}));
 
@@ -798,8 +794,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
         SCOPED_TRACE(::testing::Message()
                      << "M " << m << " ctas/SM " << ctas << " burst " << burst);
         Rng rng(seed);
-        const Case c{m,     640, 4096,  0,     0, false, ctas, 4, burst,
-                     true,  0,   false, 1,     false, 0,   false, true};
+        const Case c{m,    640, 4096,  0, 0,     false, ctas,  4,   burst,
+                     true, 0,   false, 1, false, 0,     false, true};
         GemmData d = make_integer_data(c.m, c.n, c.k, rng);
         DeviceGemm dev(d, c.n);
         const std::vector<uint16_t> got = run_twice(dev, c);
@@ -820,8 +816,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
       Rng rng(seed);
-      const Case c{m,    640,   4096, 0,     0, false, 0,    4,   burst, true,
-                   0,    false, 1,    false, 0, false, true, 0,   true};
+      const Case c{m, 640,   4096, 0,     0, false, 0,    4, burst, true,
+                   0, false, 1,    false, 0, false, true, 0, true};
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n);
       const std::vector<uint16_t> got = run_twice(dev, c);

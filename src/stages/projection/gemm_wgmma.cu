@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false, int kChains = 1>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSplit>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSplit, kChains>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -250,10 +250,20 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, int chains, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
+  // Independent chains per K block (one CTA of one warpgroup, the default K blocks per stage; 4
+  // at n 64 would spill: 168 registers).
+  if (chains == 2)
+    return launch_rows<kNw, kDefault, 1, 0, false, 2>(xmap, args, grid, info, stream);
+  if constexpr (kNw < 64) {
+    if (chains == 4)
+      return launch_rows<kNw, kDefault, 1, 0, false, 4>(xmap, args, grid, info, stream);
+  } else {
+    if (chains == 4) return unsupported("GemmWgmmaOptions::row_chains = 4 at M > 32");
+  }
   if constexpr (kNw == 8) {
     if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
@@ -463,10 +473,18 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);
       return launch_rows<64, 2, 2, 0, true>(xmap, ra, rgrid, info, stream);
     }
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    const int chains = options.row_chains;
+    M3_CHECK_ARG(chains == 0 || chains == 1 ||
+                     ((chains == 2 || chains == 4) && kpb == 0 && !two_wg && diag == 0),
+                 "GemmWgmmaOptions::row_chains = ", chains,
+                 " must be 0, 1, or 2 / 4 with burst 0 and one warpgroup per CTA");
+    if (m <= 8)
+      return dispatch_rows_kpb<8>(kpb, two_wg, diag, chains, xmap, ra, rgrid, info, stream);
+    if (m <= 16)
+      return dispatch_rows_kpb<16>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
+    if (m <= 32)
+      return dispatch_rows_kpb<32>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

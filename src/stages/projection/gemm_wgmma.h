@@ -92,6 +92,11 @@ struct GemmWgmmaOptions {
   // once (half the L2 -> SM activation traffic of two CTAs per SM). `burst`: K blocks per stage,
   // 0 (2) / 1 / 2. ctas_per_sm is ignored.
   bool row_k_split = false;
+  // Variant of the row split (session 20): each K block's 4 k32 wgmma steps go into this many
+  // independent fragments (chains), summed before the scale product, instead of one dependent
+  // chain: 0 / 1 (one chain), 2 or 4 (with burst 0, one warpgroup per CTA). Same bits on
+  // integer-valued data; otherwise fp32 summation order differs.
+  int row_chains = 0;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -208,10 +208,17 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // (the ring, idle then): warpgroup w adds the other's partial of image CTA w to its own (a + b:
 // the same bits in either order) and stores image CTA w's outputs. Token-major at any M (64-row
 // activation boxes; rows past M are the tensor map's zero fill and never stored).
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false>
+//
+// Chains (kChains, GemmWgmmaOptions::row_chains; session 20): the 4 k32 steps of a K block go into
+// kChains independent fragments (step k into fragment k % kChains), summed in the fold before the
+// scale product (((f0 + f1) + f2) + f3, fixed order). A chain of dependent wgmmas waits for each
+// step's result, and these wgmmas are small (m64n8-n40): more independent chains per stage keep
+// more of them in flight.
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false, int kChains = 1>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
+  static_assert((kBlockK / 32) % kChains == 0, "k32 steps spread evenly over the chains");
   static_assert(!kSplit || (kTok && kWg == 2 && kDiag == 0), "the K split: token-major, 2 wg");
   constexpr int kVirt = kSplit ? 2 : 1;  // image CTAs per consumer warpgroup
   constexpr int kConsumers = 128 * kWg;
@@ -393,11 +400,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   for (int v = 0; v < kVirt; ++v)
 #pragma unroll
     for (int j = 0; j < kAcc; ++j) acc[v][j] = 0.0f;
-  float frag[kKpb][kVirt][kAcc];
+  float frag[kKpb][kVirt][kChains][kAcc];
 
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
-  auto issue = [&](int i, float(&f)[kKpb][kVirt][kAcc]) {
+  auto issue = [&](int i, float(&f)[kKpb][kVirt][kChains][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
@@ -418,12 +425,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             const uint32_t w_addr = stage +
                                     static_cast<uint32_t>((v0 + v) * kKpb * kRowBlockBytes) +
                                     static_cast<uint32_t>(q) * 8 * lbo[v];
+            // (The first step of each chain ignores the fragment: scale-d = 0.)
             if constexpr (kTok) {
-              Wgmma<40>::mma(f[q][v], smem_desc(x_addr + 32 * k),
-                             smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]), k);
+              Wgmma<40>::mma(f[q][v][k % kChains], smem_desc(x_addr + 32 * k),
+                             smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]), k / kChains);
             } else {
-              Wgmma<kNw>::mma(f[q][v], smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]),
-                              smem_desc(x_addr + 32 * k), k);
+              Wgmma<kNw>::mma(f[q][v][k % kChains],
+                              smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]),
+                              smem_desc(x_addr + 32 * k), k / kChains);
             }
           }
         }
@@ -435,14 +444,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  auto fold = [&](int i, float(&f)[kKpb][kVirt][kAcc]) {
+  auto fold = [&](int i, float(&f)[kKpb][kVirt][kChains][kAcc]) {
     wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
+    // K block q's dot product for image CTA v, element j: its chains summed in a fixed order.
+    auto dot = [&](int q, int v, int j) {
+      float x = f[q][v][0][j];
+#pragma unroll
+      for (int c = 1; c < kChains; ++c) x += f[q][v][c][j];
+      return x;
+    };
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       if (q < left && kDiag == 2) {
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[0][j] += f[q][0][j];
+        for (int j = 0; j < kAcc; ++j) acc[0][j] += dot(q, 0, j);
       } else if (q < left && kDiag != 1) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
@@ -457,7 +473,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             for (int j = 0; j < kAcc; ++j) {
               const bool hi = (hmask[v] >> j) & 1u;
               const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
-              acc[v][j] = fmaf(f[q][v][j], prod, acc[v][j]);
+              acc[v][j] = fmaf(dot(q, v, j), prod, acc[v][j]);
             }
           }
         } else {
@@ -465,7 +481,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[0][j] = fmaf(f[q][0][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[0][j]);
+            acc[0][j] = fmaf(dot(q, 0, j), ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[0][j]);
           }
         }
       }

@@ -16,6 +16,7 @@
 #include <memory>
 #include <ostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/numeric.h"
@@ -81,6 +82,7 @@ struct Case {
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
+  int chains = 0;           // GemmWgmmaOptions::row_chains (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -93,7 +95,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " K split " + std::to_string(c.k_split);
+         " K split " + std::to_string(c.k_split) + " chains " + std::to_string(c.chains);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,6 +112,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
   o.row_k_split = c.k_split;
+  o.row_chains = c.chains;
   return o;
 }
 
@@ -318,7 +321,30 @@ INSTANTIATE_TEST_SUITE_P(
              true},
         Case{64, 128, 256, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{48, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400,
-             true}));
+             true},
+        // The row split with 2 / 4 independent wgmma chains per K block (session 20): every n (4
+        // not at n 64), fused width, K 8192, partial stages (K blocks 9, 5, 1), padded / 16-byte
+        // aligned operands, row-major activation scales, PDL, an image for 251 CTAs.
+        Case{1, 9856,  6144, 0,     0, false, 0,    4, 0,     true,
+             0, false, 1,    false, 0, false, true, 0, false, 4},
+        Case{3, 640,  1152, 8,     16, true,  0,    4, 0,     true,
+             0, true, 1,    false, 0,  false, true, 0, false, 2},
+        Case{16, 9856,  640, 0,     0, false, 0,    4, 0,     true,
+             0,  false, 1,   false, 0, false, true, 0, false, 4},
+        Case{13, 6144, 8192, 0,     0, false, 0,    4, 0,     false,
+             0,  true, 1,    false, 0, false, true, 0, false, 2},
+        Case{32, 9856,  1152, 0,     16, false, 0,    4, 0,     true,
+             0,  false, 1,    false, 0,  false, true, 0, false, 2},
+        Case{24, 9856,  6144, 8,     0, true,  0,    4, 0,     true,
+             0,  false, 1,    false, 0, false, true, 0, false, 4},
+        Case{64, 9856,  6144, 0,     0, false, 0,    4, 0,     true,
+             0,  false, 1,    false, 0, false, true, 0, false, 2},
+        Case{57, 6144, 8192, 0,     16, false, 0,    4, 0,     true,
+             0,  true, 1,    false, 0,  false, true, 0, false, 2},
+        Case{5, 256,   128, 0,     0, false, 0,    4, 0,     true,
+             0, false, 1,   false, 0, false, true, 0, false, 4},
+        Case{40, 9856,  2048, 0,     0, false, 0,    4,   0,     true,
+             0,  false, 1,    false, 0, false, true, 251, false, 2}));
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -827,6 +853,28 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
+// The row split's wgmma chains (row_chains 2 / 4): small shapes for compute-sanitizer, every n,
+// rings reused (K 4096), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallChains) {
+  M3_REQUIRE_WGMMA();
+  for (int chains : {2, 4}) {
+    for (int64_t m : {1, 17, 33, 64}) {
+      if (chains == 4 && m > 32) continue;  // (4 chains: M <= 32)
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " chains " << chains);
+      Rng rng(seed);
+      const Case c{m, 640,   4096, 0,     0, false, 0,    4, 0,     true,
+                   0, false, 1,    false, 0, false, true, 0, false, chains};
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    }
+  }
+}
+
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
 // missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
 // pack calls; nothing written.
@@ -892,6 +940,19 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
+  // Chains: 0, 1, 2 or 4, and 2 / 4 only with burst 0 and one warpgroup per CTA.
+  for (const auto& [chains, burst, ctas_per_sm] :
+       {std::tuple{3, 0, 0}, std::tuple{2, 2, 0}, std::tuple{4, 0, 1}, std::tuple{-1, 0, 0}}) {
+    GemmWgmmaOptions o;
+    o.row_packed_weights = image.data();
+    o.row_packed_ctas = ctas;
+    o.row_chains = chains;
+    o.burst = burst;
+    o.ctas_per_sm = ctas_per_sm;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
+              StatusCode::kInvalidArgument)
+        << chains << " " << burst << " " << ctas_per_sm;
+  }
   // The K split: an even CTA count, burst 0, 1 or 2, and two stages (K 512 is two stages of 2 K
   // blocks; 4 K blocks per stage and an odd count are rejected).
   bad.burst = 4;

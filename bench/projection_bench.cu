@@ -390,6 +390,7 @@ struct ShapeVariant {
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
   bool k_split = false;         // GemmWgmmaOptions::row_k_split (with rows)
   int chains = 0;               // GemmWgmmaOptions::row_chains (with rows)
+  bool mask_fold = false;       // GemmWgmmaOptions::row_mask_fold (with rows)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -459,7 +460,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18-21: the row split's K split
   // (session 20: one CTA per image CTA pair, two warpgroups alternating stages), 2 K blocks per
   // stage plain / chained, 1 K block plain / chained; 22-25: the row split with 2 / 4
-  // independent wgmma chains per K block, plain / chained. (Session 19 also timed and removed: the
+  // independent wgmma chains per K block, plain / chained; 26-29: the token-major fold by bit
+  // masks (M > 32), 1 / 2 chains, plain / chained. (Session 19 also timed and removed: the
   // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
   // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
   // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F and
@@ -484,7 +486,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 2},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 2},
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 4},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 4}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 4},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 2, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -684,6 +690,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_k_split = variants[v].k_split;
       o.row_chains = variants[v].chains;
+      o.row_mask_fold = variants[v].mask_fold;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -704,6 +711,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
           (variants[v].k_split ? " k split" : "") +
           (variants[v].chains > 1 ? " chains " + std::to_string(variants[v].chains) : "") +
+          (variants[v].mask_fold ? " mask fold" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

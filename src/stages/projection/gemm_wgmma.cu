@@ -468,6 +468,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    ra.mask_fold = options.row_mask_fold ? 1 : 0;
     ra.trace = options.debug_trace;
     if (k_split) {
       if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);

@@ -97,6 +97,10 @@ struct GemmWgmmaOptions {
   // chain: 0 / 1 (one chain), 2 or 4 (with burst 0, one warpgroup per CTA). Same bits on
   // integer-valued data; otherwise fp32 summation order differs.
   int row_chains = 0;
+  // Variant of the row split's token-major fold (M > 32; session 20): each accumulator's scale
+  // product picked by a precomputed bit mask (one bitwise select) instead of a bit test, a compare
+  // and two selects. The same products: the same bits.
+  bool row_mask_fold = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

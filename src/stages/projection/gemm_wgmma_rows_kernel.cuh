@@ -128,6 +128,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  int mask_fold;  // GemmWgmmaOptions::row_mask_fold (token-major fold by bit masks)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -390,6 +391,19 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         hmask[v] |=
             static_cast<uint32_t>((r_begin[v] + m0 + 8 * (j / 4) + j % 2) / 128 - blk0[v] > 0) << j;
   }
+  // kTok with RowsArgs::mask_fold: the same choice as all-ones / all-zero bit masks, one per
+  // weight column pair (m0 + 8 c + e: accumulators 4 c + e and 4 c + 2 + e), so that the fold
+  // picks each product with one bitwise select instead of extracting bit j of hmask, a compare
+  // and two selects per accumulator.
+  [[maybe_unused]] uint32_t hsel[kVirt][kAcc / 4][2] = {};
+  if constexpr (kTok) {
+#pragma unroll
+    for (int v = 0; v < kVirt; ++v)
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) hsel[v][c][e] = (hmask[v] >> (4 * c + e)) & 1u ? ~0u : 0u;
+  }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   uint32_t lbo[kVirt];  // one 16-byte K column of the image CTA's chunk
 #pragma unroll
@@ -469,11 +483,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
           for (int v = 0; v < kVirt; ++v) {
             const float sb0 = s_sb[v][2 * kb], sb1 = s_sb[v][2 * kb + 1];
             const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+            if (p.mask_fold) {
 #pragma unroll
-            for (int j = 0; j < kAcc; ++j) {
-              const bool hi = (hmask[v] >> j) & 1u;
-              const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
-              acc[v][j] = fmaf(dot(q, v, j), prod, acc[v][j]);
+              for (int j = 0; j < kAcc; ++j) {
+                const uint32_t m = hsel[v][j / 4][j % 2];
+                const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+                const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+                acc[v][j] = fmaf(dot(q, v, j), __uint_as_float((lo & ~m) | (hi & m)), acc[v][j]);
+              }
+            } else {
+#pragma unroll
+              for (int j = 0; j < kAcc; ++j) {
+                const bool hi = (hmask[v] >> j) & 1u;
+                const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
+                acc[v][j] = fmaf(dot(q, v, j), prod, acc[v][j]);
+              }
             }
           }
         } else {

@@ -83,6 +83,7 @@ struct Case {
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int chains = 0;           // GemmWgmmaOptions::row_chains (with rows)
+  bool mask_fold = false;   // GemmWgmmaOptions::row_mask_fold (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -95,7 +96,8 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " K split " + std::to_string(c.k_split) + " chains " + std::to_string(c.chains);
+         " K split " + std::to_string(c.k_split) + " chains " + std::to_string(c.chains) +
+         " mask fold " + std::to_string(c.mask_fold);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -113,6 +115,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.cluster_split = c.cluster;
   o.row_k_split = c.k_split;
   o.row_chains = c.chains;
+  o.row_mask_fold = c.mask_fold;
   return o;
 }
 
@@ -325,26 +328,26 @@ INSTANTIATE_TEST_SUITE_P(
         // The row split with 2 / 4 independent wgmma chains per K block (session 20): every n (4
         // not at n 64), fused width, K 8192, partial stages (K blocks 9, 5, 1), padded / 16-byte
         // aligned operands, row-major activation scales, PDL, an image for 251 CTAs.
-        Case{1, 9856,  6144, 0,     0, false, 0,    4, 0,     true,
-             0, false, 1,    false, 0, false, true, 0, false, 4},
-        Case{3, 640,  1152, 8,     16, true,  0,    4, 0,     true,
-             0, true, 1,    false, 0,  false, true, 0, false, 2},
-        Case{16, 9856,  640, 0,     0, false, 0,    4, 0,     true,
-             0,  false, 1,   false, 0, false, true, 0, false, 4},
-        Case{13, 6144, 8192, 0,     0, false, 0,    4, 0,     false,
-             0,  true, 1,    false, 0, false, true, 0, false, 2},
-        Case{32, 9856,  1152, 0,     16, false, 0,    4, 0,     true,
-             0,  false, 1,    false, 0,  false, true, 0, false, 2},
-        Case{24, 9856,  6144, 8,     0, true,  0,    4, 0,     true,
-             0,  false, 1,    false, 0, false, true, 0, false, 4},
-        Case{64, 9856,  6144, 0,     0, false, 0,    4, 0,     true,
-             0,  false, 1,    false, 0, false, true, 0, false, 2},
-        Case{57, 6144, 8192, 0,     16, false, 0,    4, 0,     true,
-             0,  true, 1,    false, 0,  false, true, 0, false, 2},
-        Case{5, 256,   128, 0,     0, false, 0,    4, 0,     true,
-             0, false, 1,   false, 0, false, true, 0, false, 4},
-        Case{40, 9856,  2048, 0,     0, false, 0,    4,   0,     true,
-             0,  false, 1,    false, 0, false, true, 251, false, 2}));
+        // clang-format off
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
+        Case{3, 640, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
+        Case{16, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
+        Case{13, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, false, 2},
+        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
+        Case{24, 9856, 6144, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
+        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 2},
+        // The token-major fold by bit masks (row_mask_fold, M > 32): fused width (CTAs straddling
+        // weight-scale blocks), padded tokens, K 8192, 1 K block per stage, 2 chains, PDL, an
+        // image for 251 CTAs.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 0, true},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 0, true},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, false, 0, true},
+        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2, true},
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 0, true}));
+// clang-format on
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
 // k = k0 + m, so out[m, n] = B[n, k0 + m] with unit scales; B[n, k] = (n + 3 k) % 17 - 8 is an
@@ -853,8 +856,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
-// The row split's wgmma chains (row_chains 2 / 4): small shapes for compute-sanitizer, every n,
-// rings reused (K 4096), exact against the twin.
+// The row split's wgmma chains (row_chains 2 / 4; at M > 32 with the mask fold): small shapes for
+// compute-sanitizer, every n, rings reused (K 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallChains) {
   M3_REQUIRE_WGMMA();
   for (int chains : {2, 4}) {
@@ -864,8 +867,10 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallChains) {
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " chains " << chains);
       Rng rng(seed);
-      const Case c{m, 640,   4096, 0,     0, false, 0,    4, 0,     true,
-                   0, false, 1,    false, 0, false, true, 0, false, chains};
+      // (M > 32: with the mask fold too.)
+      Case c{m, 640, 4096, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+      c.chains = chains;
+      c.mask_fold = m > 32;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n);
       const std::vector<uint16_t> got = run_twice(dev, c);

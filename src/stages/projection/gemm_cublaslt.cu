@@ -275,8 +275,6 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.row_split_max_m >= 0 && options.row_split_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm row_split_max_m = ", options.row_split_max_m, " must be in [0, ",
                kGemmWgmmaMaxM, "]");
-  M3_CHECK_ARG(options.row_k_split_min_m >= 0,
-               "Fp8BlockGemm row_k_split_min_m = ", options.row_k_split_min_m, " must be >= 0");
   M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");
@@ -415,7 +413,6 @@ Status run_rows(const Fp8BlockGemmOptions& options, const GemmParams& p, const v
   o.burst = 0;
   o.cluster_split = 0;
   o.packed_weights = nullptr;
-  o.row_k_split = options.row_k_split_min_m > 0 && p.a.shape[0] >= options.row_k_split_min_m;
   o.programmatic_launch = o.programmatic_launch || programmatic;
   o.trigger_dependents = o.trigger_dependents || programmatic;
   return run_gemm_wgmma_cuda(p, nullptr, 0, stream, o);  // (the row split needs no workspace)

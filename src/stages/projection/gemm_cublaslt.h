@@ -183,9 +183,6 @@ struct Fp8BlockGemmOptions {
   // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
   // (20.7 when chained by programmatic dependent launch): 32 stays.
   int row_split_max_m = 32;
-  // Calls of the row split with M >= this run its K split (GemmWgmmaOptions::row_k_split: one CTA
-  // per image CTA pair, the activations read once per SM; 0: never).
-  int row_k_split_min_m = 0;
 };
 
 // A row-split image of one weight that the caller owns: gemm_wgmma_pack_weights_rows of that

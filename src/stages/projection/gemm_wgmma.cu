@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false, int kChains = 1>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, int kChains = 1>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSplit, kChains>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kChains>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -256,11 +256,9 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, int chains, const CUten
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
   // Independent chains per K block (one CTA of one warpgroup, the default K blocks per stage; 4
   // at n 64 would spill: 168 registers).
-  if (chains == 2)
-    return launch_rows<kNw, kDefault, 1, 0, false, 2>(xmap, args, grid, info, stream);
+  if (chains == 2) return launch_rows<kNw, kDefault, 1, 0, 2>(xmap, args, grid, info, stream);
   if constexpr (kNw < 64) {
-    if (chains == 4)
-      return launch_rows<kNw, kDefault, 1, 0, false, 4>(xmap, args, grid, info, stream);
+    if (chains == 4) return launch_rows<kNw, kDefault, 1, 0, 4>(xmap, args, grid, info, stream);
   } else {
     if (chains == 4) return unsupported("GemmWgmmaOptions::row_chains = 4 at M > 32");
   }
@@ -450,15 +448,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
-    // The K split: one CTA per image CTA pair, token-major at every M (64-row activation boxes).
-    const bool k_split = options.row_k_split;
-    M3_CHECK_ARG(!k_split || (rgrid % 2 == 0 && kpb != 4 && kblocks > (kpb == 1 ? 1 : 2)),
-                 "GemmWgmmaOptions::row_k_split needs an even row_packed_ctas (", rgrid,
-                 "), burst 0, 1 or 2 (", kpb, ") and two stages of K (K / 128 = ", kblocks, ")");
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
-                                  k_split ? 64 : box_rows_for(m),
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
+                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
     set_scales_out(&ra, p);
@@ -470,10 +463,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.mask_fold = options.row_mask_fold ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (k_split) {
-      if (kpb == 1) return launch_rows<64, 1, 2, 0, true>(xmap, ra, rgrid, info, stream);
-      return launch_rows<64, 2, 2, 0, true>(xmap, ra, rgrid, info, stream);
-    }
     const int chains = options.row_chains;
     M3_CHECK_ARG(chains == 0 || chains == 1 ||
                      ((chains == 2 || chains == 4) && kpb == 0 && !two_wg && diag == 0),

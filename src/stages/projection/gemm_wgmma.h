@@ -84,14 +84,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant of the row split (session 20): one CTA per pair of the image's CTAs (2c, 2c + 1; the
-  // same image, an even row_packed_ctas), two consumer warpgroups that share each stage's weights
-  // and activations and split K between them (warpgroup w the stages i with i % 2 == w), each
-  // computing both image CTAs' rows in the token-major form at every M (64-row activation boxes);
-  // the two fp32 partials are summed in shared memory at the end. Each SM reads the activations
-  // once (half the L2 -> SM activation traffic of two CTAs per SM). `burst`: K blocks per stage,
-  // 0 (2) / 1 / 2. ctas_per_sm is ignored.
-  bool row_k_split = false;
   // Variant of the row split (session 20): each K block's 4 k32 wgmma steps go into this many
   // independent fragments (chains), summed before the scale product, instead of one dependent
   // chain: 0 / 1 (one chain), 2 or 4 (with burst 0, one warpgroup per CTA). Same bits on

@@ -65,8 +65,6 @@
 // traffic. Tensor work: G x K / 32 wgmma m64nNk32 (64 / 37 of the useful rows' work).
 #pragma once
 
-#include <type_traits>
-
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 
 namespace m3attn::gemm_wgmma_detail {
@@ -198,33 +196,17 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
 // D-G's "without folds" rows the same as 1).
 //
-// K split (kSplit, GemmWgmmaOptions::row_k_split; session 20): one CTA per SM of two consumer
-// warpgroups that share every stage's weights AND activations: the CTA is the image's CTAs 2c and
-// 2c + 1 (the same 264-CTA image: their chunks are one bulk copy each, as with kWg = 2), and
-// warpgroup w takes the stages i with i % 2 == w, issuing per k32 step two token-major wgmma
-// m64n40k32 (one per image CTA, the same activation A tile) into two accumulator sets. So each SM
-// reads every activation K block once (the grid 64 x K x 132 bytes from L2: 52 MB at M 64
-// instead of 104), while one warpgroup's round trip (stage wait, wgmma wait, fold, release)
-// overlaps the other's wgmmas. At the end the two warpgroups' fp32 partials meet in shared memory
-// (the ring, idle then): warpgroup w adds the other's partial of image CTA w to its own (a + b:
-// the same bits in either order) and stores image CTA w's outputs. Token-major at any M (64-row
-// activation boxes; rows past M are the tensor map's zero fill and never stored).
-//
 // Chains (kChains, GemmWgmmaOptions::row_chains; session 20): the 4 k32 steps of a K block go into
 // kChains independent fragments (step k into fragment k % kChains), summed in the fold before the
 // scale product (((f0 + f1) + f2) + f3, fixed order). A chain of dependent wgmmas waits for each
 // step's result, and these wgmmas are small (m64n8-n40): more independent chains per stage keep
 // more of them in flight.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false, int kChains = 1>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, int kChains = 1>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
   static_assert((kBlockK / 32) % kChains == 0, "k32 steps spread evenly over the chains");
-  static_assert(!kSplit || (kTok && kWg == 2 && kDiag == 0), "the K split: token-major, 2 wg");
-  constexpr int kVirt = kSplit ? 2 : 1;  // image CTAs per consumer warpgroup
   constexpr int kConsumers = 128 * kWg;
-  // Threads that read (and release) each stage: every consumer, or one warpgroup (K split).
-  constexpr int kStageReaders = kSplit ? 128 : kConsumers;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
   constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
@@ -237,7 +219,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
   // it).
   static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
-  static_assert(!kSplit || kStages * kStageBytes >= kVirt * kAcc * 128 * 4, "exchange fits");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
@@ -261,7 +242,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);
-      mbar_init(smem_addr(&empty_bar[s]), kStageReaders);
+      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -343,24 +324,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // start while the ring filled up). The weight scales are constant; the activation scales come
   // after the preceding grid (they are its outputs).
   const int wg = tid / 128;
-  // The image CTAs this warpgroup computes: vcta0 + wg (one), or vcta0 and vcta0 + 1 (K split).
-  const int v0 = kSplit ? 0 : wg;
-  int r_begin[kVirt], rows[kVirt], blk0[kVirt];
-  const float* s_sb[kVirt];
-#pragma unroll
-  for (int v = 0; v < kVirt; ++v) {
-    r_begin[v] = rows_begin(vcta0 + v0 + v, vgrid, p.n);
-    rows[v] = rows_begin(vcta0 + v0 + v + 1, vgrid, p.n) - r_begin[v];
-    blk0[v] = r_begin[v] / 128;
-    s_sb[v] = s_sa + kb_count * kNw + (v0 + v) * kb_count * 2;
-  }
-  {  // warpgroup wg stages image CTA vcta0 + wg's weight scales (both are read after the barrier)
-    const int b0 = rows_begin(vcta0 + wg, vgrid, p.n) / 128, last_blk = p.n / 128 - 1;
-    float* sb_dst = s_sa + kb_count * kNw + wg * kb_count * 2;
-    for (int i = tid % 128; i < kb_count * 2; i += 128) {
-      const int kb = i / 2, blk = b0 + (i % 2) < last_blk ? b0 + (i % 2) : last_blk;
-      cp_async_4(smem_addr(sb_dst + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
-    }
+  const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
+  const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
+  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
+  const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
+  for (int i = tid % 128; i < kb_count * 2; i += 128) {
+    const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
+    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = tid; i < kb_count * kNw; i += kConsumers) {
@@ -380,74 +350,59 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
   // count compute garbage that is never stored; their index stays in range); kTok: bit j of
   // hmask is the block of accumulator j's weight row.
-  const int h0 = (r_begin[0] + row0) / 128 - blk0[0];
-  const int h1 = (r_begin[0] + row0 + 8) / 128 - blk0[0];
-  [[maybe_unused]] uint32_t hmask[kVirt] = {};
+  const int h0 = (r_begin + row0) / 128 - blk0;
+  const int h1 = (r_begin + row0 + 8) / 128 - blk0;
+  [[maybe_unused]] uint32_t hmask = 0;
   if constexpr (kTok) {
 #pragma unroll
-    for (int v = 0; v < kVirt; ++v)
-#pragma unroll
-      for (int j = 0; j < kAcc; ++j)
-        hmask[v] |=
-            static_cast<uint32_t>((r_begin[v] + m0 + 8 * (j / 4) + j % 2) / 128 - blk0[v] > 0) << j;
+    for (int j = 0; j < kAcc; ++j)
+      hmask |= static_cast<uint32_t>((r_begin + m0 + 8 * (j / 4) + j % 2) / 128 - blk0 > 0) << j;
   }
   // kTok with RowsArgs::mask_fold: the same choice as all-ones / all-zero bit masks, one per
   // weight column pair (m0 + 8 c + e: accumulators 4 c + e and 4 c + 2 + e), so that the fold
   // picks each product with one bitwise select instead of extracting bit j of hmask, a compare
   // and two selects per accumulator.
-  [[maybe_unused]] uint32_t hsel[kVirt][kAcc / 4][2] = {};
+  [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   if constexpr (kTok) {
 #pragma unroll
-    for (int v = 0; v < kVirt; ++v)
+    for (int c = 0; c < kAcc / 4; ++c)
 #pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) hsel[v][c][e] = (hmask[v] >> (4 * c + e)) & 1u ? ~0u : 0u;
+      for (int e = 0; e < 2; ++e) hsel[c][e] = (hmask >> (4 * c + e)) & 1u ? ~0u : 0u;
   }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
-  uint32_t lbo[kVirt];  // one 16-byte K column of the image CTA's chunk
-#pragma unroll
-  for (int v = 0; v < kVirt; ++v) lbo[v] = static_cast<uint32_t>(rows[v] * 16);
+  const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
-  float acc[kVirt][kAcc];
+  float acc[kAcc];
 #pragma unroll
-  for (int v = 0; v < kVirt; ++v)
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) acc[v][j] = 0.0f;
-  float frag[kKpb][kVirt][kChains][kAcc];
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+  float frag[kKpb][kChains][kAcc];
 
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
-  auto issue = [&](int i, float(&f)[kKpb][kVirt][kChains][kAcc]) {
+  auto issue = [&](int i, float(&f)[kKpb][kChains][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
-    // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
+    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
+    // (No zeroing of f: the first wgmma of each chain ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       if (q < left && kDiag != 1) {
+        // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k) {
-#pragma unroll
-          for (int v = 0; v < kVirt; ++v) {
-            // K block q: columns 8 q ... of the image CTA's chunk; a k32 step spans two columns.
-            const uint32_t w_addr = stage +
-                                    static_cast<uint32_t>((v0 + v) * kKpb * kRowBlockBytes) +
-                                    static_cast<uint32_t>(q) * 8 * lbo[v];
-            // (The first step of each chain ignores the fragment: scale-d = 0.)
-            if constexpr (kTok) {
-              Wgmma<40>::mma(f[q][v][k % kChains], smem_desc(x_addr + 32 * k),
-                             smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]), k / kChains);
-            } else {
-              Wgmma<kNw>::mma(f[q][v][k % kChains],
-                              smem_desc_interleave(w_addr + 2 * k * lbo[v], lbo[v]),
-                              smem_desc(x_addr + 32 * k), k / kChains);
-            }
+          if constexpr (kTok) {
+            Wgmma<40>::mma(f[q][k % kChains], smem_desc(x_addr + 32 * k),
+                           smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k / kChains);
+          } else {
+            Wgmma<kNw>::mma(f[q][k % kChains], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                            smem_desc(x_addr + 32 * k), k / kChains);
           }
         }
       }
@@ -458,54 +413,51 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  auto fold = [&](int i, float(&f)[kKpb][kVirt][kChains][kAcc]) {
+  auto fold = [&](int i, float(&f)[kKpb][kChains][kAcc]) {
     wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
-    // K block q's dot product for image CTA v, element j: its chains summed in a fixed order.
-    auto dot = [&](int q, int v, int j) {
-      float x = f[q][v][0][j];
+    // K block q's dot product, element j: its chains summed in a fixed order.
+    auto dot = [&](int q, int j) {
+      float x = f[q][0][j];
 #pragma unroll
-      for (int c = 1; c < kChains; ++c) x += f[q][v][c][j];
+      for (int c = 1; c < kChains; ++c) x += f[q][c][j];
       return x;
     };
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       if (q < left && kDiag == 2) {
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[0][j] += dot(q, 0, j);
+        for (int j = 0; j < kAcc; ++j) acc[j] += dot(q, j);
       } else if (q < left && kDiag != 1) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
-          // Two tokens x two weight-scale blocks: four products per K block and image CTA.
+          // Two tokens x two weight-scale blocks: four products per K block.
+          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
           const float t0 = sa[row0], t1 = sa[row0 + 8];
+          const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+          if (p.mask_fold) {
 #pragma unroll
-          for (int v = 0; v < kVirt; ++v) {
-            const float sb0 = s_sb[v][2 * kb], sb1 = s_sb[v][2 * kb + 1];
-            const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
-            if (p.mask_fold) {
+            for (int j = 0; j < kAcc; ++j) {
+              const uint32_t m = hsel[j / 4][j % 2];
+              const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+              const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+              acc[j] = fmaf(dot(q, j), __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
+            }
+          } else {
 #pragma unroll
-              for (int j = 0; j < kAcc; ++j) {
-                const uint32_t m = hsel[v][j / 4][j % 2];
-                const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
-                const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
-                acc[v][j] = fmaf(dot(q, v, j), __uint_as_float((lo & ~m) | (hi & m)), acc[v][j]);
-              }
-            } else {
-#pragma unroll
-              for (int j = 0; j < kAcc; ++j) {
-                const bool hi = (hmask[v] >> j) & 1u;
-                const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
-                acc[v][j] = fmaf(dot(q, v, j), prod, acc[v][j]);
-              }
+            for (int j = 0; j < kAcc; ++j) {
+              const bool hi = (hmask >> j) & 1u;
+              const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
+              acc[j] = fmaf(dot(q, j), prod, acc[j]);
             }
           }
         } else {
-          const float sb0 = s_sb[0][2 * kb + h0], sb1 = s_sb[0][2 * kb + h1];
+          const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[0][j] = fmaf(dot(q, 0, j), ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[0][j]);
+            acc[j] = fmaf(dot(q, j), ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
           }
         }
       }
@@ -513,59 +465,20 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
-  // Stages i0, i0 + di, ...: every stage, or (K split) those of warpgroup i0's parity (the host
-  // asks for at least two stages there, so that each warpgroup has one). i0 is a compile-time
-  // constant: a loop whose trip count depends on the thread index puts the wgmmas on a divergent
-  // path for ptxas, which then serializes every wgmma of the kernel (C7518).
-  auto stages_from = [&](auto first) {
-    constexpr int i0 = decltype(first)::value, di = kSplit ? 2 : 1;
-    issue(i0, frag);
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
-    rows_consumer_barrier<kConsumers>();                // everyone's
-    fold(i0, frag);
-    for (int i = i0 + di; i < steps; i += di) {
-      issue(i, frag);
-      fold(i, frag);
-    }
-  };
-  if (!kSplit || wg == 0) {
-    stages_from(std::integral_constant<int, 0>{});
-  } else {
-    stages_from(std::integral_constant<int, 1>{});
+  issue(0, frag);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
+  rows_consumer_barrier<kConsumers>();                // everyone's
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
+    issue(i, frag);
+    fold(i, frag);
   }
 
-  if constexpr (kSplit) {
-    // The partials meet in the ring (every stage landed and was read: both warpgroups waited for
-    // their last stage's wgmmas before the barrier): warpgroup w leaves its partial of the other
-    // image CTA at xch[1 - w][j][thread], then adds the other warpgroup's partial of image CTA w.
-    float* xch = reinterpret_cast<float*>(smem_raw + (base - raw));
-    const int t = tid % 128;
-    // (Accumulator sets are picked by unrolled compile-time index and a warp-uniform predicate:
-    // acc[wg] would put them in local memory.)
-    rows_consumer_barrier<kConsumers>();
 #pragma unroll
-    for (int v = 0; v < kVirt; ++v)
-      if (v != wg)
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) xch[(v * kAcc + j) * 128 + t] = acc[v][j];
-    rows_consumer_barrier<kConsumers>();
-#pragma unroll
-    for (int v = 0; v < kVirt; ++v)
-      if (v == wg)
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[v][j] += xch[(v * kAcc + j) * 128 + t];
-  }
-  // This warpgroup's outputs: its image CTA's (K split: image CTA wg's, the partials summed).
-  const int vo = kSplit ? wg : 0;
-#pragma unroll
-  for (int v = 0; v < kVirt; ++v) {
-    if (v != vo) continue;
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) {
-      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-      if (m < p.m && r < rows[v]) p.out[m * p.ldo + r_begin[v] + r] = float_to_bf16(acc[v][j]);
-    }
+  for (int j = 0; j < kAcc; ++j) {
+    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;

@@ -81,7 +81,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int chains = 0;           // GemmWgmmaOptions::row_chains (with rows)
   bool mask_fold = false;   // GemmWgmmaOptions::row_mask_fold (with rows)
 };
@@ -96,8 +95,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " K split " + std::to_string(c.k_split) + " chains " + std::to_string(c.chains) +
-         " mask fold " + std::to_string(c.mask_fold);
+         " chains " + std::to_string(c.chains) + " mask fold " + std::to_string(c.mask_fold);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -113,7 +111,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_k_split = c.k_split;
   o.row_chains = c.chains;
   o.row_mask_fold = c.mask_fold;
   return o;
@@ -307,46 +304,28 @@ INSTANTIATE_TEST_SUITE_P(
         Case{48, 640, 2048, 8, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
         Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
         Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // The row split's K split (session 20: one CTA per image CTA pair, two warpgroups taking
-        // alternate stages, token-major at every M): fused width, every n (M 1, 9, 17, 33 and 57
-        // padded tokens, 64), K 8192, 1 and 2 K blocks per stage, an odd stage count (K blocks 9:
-        // 5 stages of 2), exactly two stages (K blocks 3 at 2 per stage, 2 at 1), one row per image
-        // CTA (N 128), padded / 16-byte aligned operands, row-major activation scales, PDL, no
-        // evict-first, an image for 400 CTAs (a second wave).
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{9, 640, 1152, 0, 16, true, 0, 4, 2, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{17, 9856, 2048, 8, 0, false, 0, 4, 1, false, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{33, 384, 384, 24, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0,
-             true},
-        Case{64, 128, 256, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{48, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 400,
-             true},
         // The row split with 2 / 4 independent wgmma chains per K block (session 20): every n (4
         // not at n 64), fused width, K 8192, partial stages (K blocks 9, 5, 1), padded / 16-byte
         // aligned operands, row-major activation scales, PDL, an image for 251 CTAs.
         // clang-format off
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
-        Case{3, 640, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
-        Case{16, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
-        Case{13, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, false, 2},
-        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{24, 9856, 6144, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
-        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 4},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 2},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
+        Case{3, 640, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
+        Case{16, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
+        Case{13, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, 2},
+        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{24, 9856, 6144, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
+        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
+        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 2},
         // The token-major fold by bit masks (row_mask_fold, M > 32): fused width (CTAs straddling
         // weight-scale blocks), padded tokens, K 8192, 1 K block per stage, 2 chains, PDL, an
         // image for 251 CTAs.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 0, true},
-        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 0, true},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, false, 0, true},
-        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2, true},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 0, true}));
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, true},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, true},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, 0, true},
+        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2, true},
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 0, true}));
 // clang-format on
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
@@ -835,27 +814,6 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// The K split (row_k_split): small shapes for compute-sanitizer (memcheck / racecheck), 1 and 2
-// K blocks per stage, rings reused (K 4096), the partials' exchange, exact against the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
-  M3_REQUIRE_WGMMA();
-  for (int burst : {0, 1}) {
-    for (int64_t m : {1, 33, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
-      Rng rng(seed);
-      const Case c{m, 640,   4096, 0,     0, false, 0,    4, burst, true,
-                   0, false, 1,    false, 0, false, true, 0, true};
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-    }
-  }
-}
-
 // The row split's wgmma chains (row_chains 2 / 4; at M > 32 with the mask fold): small shapes for
 // compute-sanitizer, every n, rings reused (K 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallChains) {
@@ -957,34 +915,6 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
               StatusCode::kInvalidArgument)
         << chains << " " << burst << " " << ctas_per_sm;
-  }
-  // The K split: an even CTA count, burst 0, 1 or 2, and two stages (K 512 is two stages of 2 K
-  // blocks; 4 K blocks per stage and an odd count are rejected).
-  bad.burst = 4;
-  bad.row_k_split = true;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
-  if (ctas % 2 == 1) {
-    bad.burst = 0;
-    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-              StatusCode::kInvalidArgument);
-  }
-  {
-    GemmData d1 = make_integer_data(8, 256, 256, rng);  // K blocks 2: one stage of 2
-    DeviceGemm dev1(d1, 256);
-    GemmWgmmaOptions o;
-    o.row_packed_weights = image.data();
-    o.row_packed_ctas = ctas % 2 == 0 ? ctas : ctas - 1;
-    o.row_k_split = true;
-    EXPECT_EQ(run_gemm_wgmma_cuda(dev1.params(), ws.data(), ws.bytes(), nullptr, o).code(),
-              StatusCode::kInvalidArgument);
-    o.row_packed_ctas = 251;  // odd
-    o.burst = 1;
-    EXPECT_EQ(run_gemm_wgmma_cuda(dev1.params(), ws.data(), ws.bytes(), nullptr, o).code(),
-              StatusCode::kInvalidArgument);
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t touched = 0;
-    for (uint16_t v : dev1.result(&touched)) ASSERT_EQ(v, 0xA5A5);
   }
   {
     // Four K blocks per stage at n = 64: two stages do not fit.

@@ -458,7 +458,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18-21: the row split with 2 / 4
   // independent wgmma chains per K block, plain / chained; 22-25: the token-major fold by bit
-  // masks (M > 32), 1 / 2 chains, plain / chained. (Session 20 also timed and removed: a K split
+  // masks (M > 32), 1 / 2 chains, plain / chained; 26 / 27: two warpgroups per CTA, chained, 2 /
+  // 4 chains. (Session 20 also timed and removed: a K split
   // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
   // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
   // 32.3 / 33.8, vs 17.3-17.4 / 21.7.) (Session 19 also timed and removed: the
@@ -486,7 +487,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, 2, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, 2, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, 2, true},
+      {1, false, 16, 0, false, true, 0, true, false, 0, 2},
+      {1, false, 16, 0, false, true, 0, true, false, 0, 4}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -254,8 +254,14 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, int chains, const CUten
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  // Independent chains per K block (one CTA of one warpgroup, the default K blocks per stage; 4
-  // at n 64 would spill: 168 registers).
+  // Independent chains per K block (the default K blocks per stage; 4 not at n 64: 168 registers
+  // would spill; with two warpgroups per CTA at n <= 16 only).
+  if constexpr (kNw <= 16) {
+    if (two_wg && chains == 2)
+      return launch_rows<kNw, kDefault, 2, 0, 2>(xmap, args, grid, info, stream);
+    if (two_wg && chains == 4)
+      return launch_rows<kNw, kDefault, 2, 0, 4>(xmap, args, grid, info, stream);
+  }
   if (chains == 2) return launch_rows<kNw, kDefault, 1, 0, 2>(xmap, args, grid, info, stream);
   if constexpr (kNw < 64) {
     if (chains == 4) return launch_rows<kNw, kDefault, 1, 0, 4>(xmap, args, grid, info, stream);
@@ -464,10 +470,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.mask_fold = options.row_mask_fold ? 1 : 0;
     ra.trace = options.debug_trace;
     const int chains = options.row_chains;
-    M3_CHECK_ARG(chains == 0 || chains == 1 ||
-                     ((chains == 2 || chains == 4) && kpb == 0 && !two_wg && diag == 0),
-                 "GemmWgmmaOptions::row_chains = ", chains,
-                 " must be 0, 1, or 2 / 4 with burst 0 and one warpgroup per CTA");
+    M3_CHECK_ARG(
+        chains == 0 || chains == 1 ||
+            ((chains == 2 || chains == 4) && kpb == 0 && diag == 0 && (!two_wg || m <= 16)),
+        "GemmWgmmaOptions::row_chains = ", chains,
+        " must be 0, 1, or 2 / 4 with burst 0 (two warpgroups per CTA: M <= 16)");
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, diag, chains, xmap, ra, rgrid, info, stream);
     if (m <= 16)

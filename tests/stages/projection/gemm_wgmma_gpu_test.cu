@@ -306,7 +306,8 @@ INSTANTIATE_TEST_SUITE_P(
         Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
         // The row split with 2 / 4 independent wgmma chains per K block (session 20): every n (4
         // not at n 64), fused width, K 8192, partial stages (K blocks 9, 5, 1), padded / 16-byte
-        // aligned operands, row-major activation scales, PDL, an image for 251 CTAs.
+        // aligned operands, row-major activation scales, PDL, an image for 251 CTAs, two
+        // warpgroups per CTA (M <= 16).
         // clang-format off
         Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
         Case{3, 640, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
@@ -318,6 +319,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
         Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
         Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 2},
+        Case{1, 6144, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 4},
+        Case{16, 9856, 1152, 0, 16, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{9, 640, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
         // The token-major fold by bit masks (row_mask_fold, M > 32): fused width (CTAs straddling
         // weight-scale blocks), padded tokens, K 8192, 1 K block per stage, 2 chains, PDL, an
         // image for 251 CTAs.
@@ -903,9 +907,9 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  // Chains: 0, 1, 2 or 4, and 2 / 4 only with burst 0 and one warpgroup per CTA.
+  // Chains: 0, 1, 2 or 4, and 2 / 4 only with burst 0.
   for (const auto& [chains, burst, ctas_per_sm] :
-       {std::tuple{3, 0, 0}, std::tuple{2, 2, 0}, std::tuple{4, 0, 1}, std::tuple{-1, 0, 0}}) {
+       {std::tuple{3, 0, 0}, std::tuple{2, 2, 0}, std::tuple{-1, 0, 0}}) {
     GemmWgmmaOptions o;
     o.row_packed_weights = image.data();
     o.row_packed_ctas = ctas;

@@ -210,14 +210,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, int kChains = 1>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kChains>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -250,24 +250,10 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, int chains, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  // Independent chains per K block (the default K blocks per stage; 4 not at n 64: 168 registers
-  // would spill; with two warpgroups per CTA at n <= 16 only).
-  if constexpr (kNw <= 16) {
-    if (two_wg && chains == 2)
-      return launch_rows<kNw, kDefault, 2, 0, 2>(xmap, args, grid, info, stream);
-    if (two_wg && chains == 4)
-      return launch_rows<kNw, kDefault, 2, 0, 4>(xmap, args, grid, info, stream);
-  }
-  if (chains == 2) return launch_rows<kNw, kDefault, 1, 0, 2>(xmap, args, grid, info, stream);
-  if constexpr (kNw < 64) {
-    if (chains == 4) return launch_rows<kNw, kDefault, 1, 0, 4>(xmap, args, grid, info, stream);
-  } else {
-    if (chains == 4) return unsupported("GemmWgmmaOptions::row_chains = 4 at M > 32");
-  }
   if constexpr (kNw == 8) {
     if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
@@ -469,19 +455,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.mask_fold = options.row_mask_fold ? 1 : 0;
     ra.trace = options.debug_trace;
-    const int chains = options.row_chains;
-    M3_CHECK_ARG(
-        chains == 0 || chains == 1 ||
-            ((chains == 2 || chains == 4) && kpb == 0 && diag == 0 && (!two_wg || m <= 16)),
-        "GemmWgmmaOptions::row_chains = ", chains,
-        " must be 0, 1, or 2 / 4 with burst 0 (two warpgroups per CTA: M <= 16)");
-    if (m <= 8)
-      return dispatch_rows_kpb<8>(kpb, two_wg, diag, chains, xmap, ra, rgrid, info, stream);
-    if (m <= 16)
-      return dispatch_rows_kpb<16>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, 0, chains, xmap, ra, rgrid, info, stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

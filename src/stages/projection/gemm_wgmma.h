@@ -84,12 +84,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant of the row split (session 20): each K block's 4 k32 wgmma steps go into this many
-  // independent fragments (chains), summed before the scale product, instead of one dependent
-  // chain: 0 / 1 (one chain), 2 or 4 (with burst 0; 4 at M <= 32; with two warpgroups per CTA
-  // (ctas_per_sm = 1) at M <= 16). Same bits on
-  // integer-valued data; otherwise fp32 summation order differs.
-  int row_chains = 0;
   // Variant of the row split's token-major fold (M > 32; session 20): each accumulator's scale
   // product picked by a precomputed bit mask (one bitwise select) instead of a bit test, a compare
   // and two selects. The same products: the same bits.

@@ -196,16 +196,10 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
 // D-G's "without folds" rows the same as 1).
 //
-// Chains (kChains, GemmWgmmaOptions::row_chains; session 20): the 4 k32 steps of a K block go into
-// kChains independent fragments (step k into fragment k % kChains), summed in the fold before the
-// scale product (((f0 + f1) + f2) + f3, fixed order). A chain of dependent wgmmas waits for each
-// step's result, and these wgmmas are small (m64n8-n40): more independent chains per stage keep
-// more of them in flight.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, int kChains = 1>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
-  static_assert((kBlockK / 32) % kChains == 0, "k32 steps spread evenly over the chains");
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
@@ -375,17 +369,17 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  float frag[kKpb][kChains][kAcc];
+  float frag[kKpb][kAcc];
 
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
-  auto issue = [&](int i, float(&f)[kKpb][kChains][kAcc]) {
+  auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
-    // (No zeroing of f: the first wgmma of each chain ignores it (scale-d = 0), and a non-wgmma
+    // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
     wgmma_fence();
@@ -398,11 +392,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k) {
           if constexpr (kTok) {
-            Wgmma<40>::mma(f[q][k % kChains], smem_desc(x_addr + 32 * k),
-                           smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k / kChains);
+            Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
+                           smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
           } else {
-            Wgmma<kNw>::mma(f[q][k % kChains], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
-                            smem_desc(x_addr + 32 * k), k / kChains);
+            Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                            smem_desc(x_addr + 32 * k), k);
           }
         }
       }
@@ -413,21 +407,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  auto fold = [&](int i, float(&f)[kKpb][kChains][kAcc]) {
+  auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
-    // K block q's dot product, element j: its chains summed in a fixed order.
-    auto dot = [&](int q, int j) {
-      float x = f[q][0][j];
-#pragma unroll
-      for (int c = 1; c < kChains; ++c) x += f[q][c][j];
-      return x;
-    };
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       if (q < left && kDiag == 2) {
 #pragma unroll
-        for (int j = 0; j < kAcc; ++j) acc[j] += dot(q, j);
+        for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
       } else if (q < left && kDiag != 1) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
@@ -442,14 +429,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
               const uint32_t m = hsel[j / 4][j % 2];
               const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
               const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
-              acc[j] = fmaf(dot(q, j), __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
+              acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
             }
           } else {
 #pragma unroll
             for (int j = 0; j < kAcc; ++j) {
               const bool hi = (hmask >> j) & 1u;
               const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
-              acc[j] = fmaf(dot(q, j), prod, acc[j]);
+              acc[j] = fmaf(f[q][j], prod, acc[j]);
             }
           }
         } else {
@@ -457,7 +444,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[j] = fmaf(dot(q, j), ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
           }
         }
       }

@@ -16,7 +16,6 @@
 #include <memory>
 #include <ostream>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "core/numeric.h"
@@ -81,7 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  int chains = 0;           // GemmWgmmaOptions::row_chains (with rows)
   bool mask_fold = false;   // GemmWgmmaOptions::row_mask_fold (with rows)
 };
 
@@ -95,7 +93,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " chains " + std::to_string(c.chains) + " mask fold " + std::to_string(c.mask_fold);
+         " mask fold " + std::to_string(c.mask_fold);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -111,7 +109,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_chains = c.chains;
   o.row_mask_fold = c.mask_fold;
   return o;
 }
@@ -304,32 +301,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{48, 640, 2048, 8, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true},
         Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
         Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // The row split with 2 / 4 independent wgmma chains per K block (session 20): every n (4
-        // not at n 64), fused width, K 8192, partial stages (K blocks 9, 5, 1), padded / 16-byte
-        // aligned operands, row-major activation scales, PDL, an image for 251 CTAs, two
-        // warpgroups per CTA (M <= 16).
         // clang-format off
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
-        Case{3, 640, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
-        Case{16, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
-        Case{13, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, 2},
-        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{24, 9856, 6144, 8, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 2},
-        Case{5, 256, 128, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 2},
-        Case{1, 6144, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 4},
-        Case{16, 9856, 1152, 0, 16, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{9, 640, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 4},
-        // The token-major fold by bit masks (row_mask_fold, M > 32): fused width (CTAs straddling
-        // weight-scale blocks), padded tokens, K 8192, 1 K block per stage, 2 chains, PDL, an
-        // image for 251 CTAs.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, true},
-        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, true},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, 0, true},
-        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2, true},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 0, true}));
+        // The token-major fold by bit masks (row_mask_fold, M > 32; session 20): fused width (CTAs
+        // straddling weight-scale blocks), padded tokens, K 2048 / 8192, 1 K block per stage, PDL,
+        // an image for 251 CTAs.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, true}));
 // clang-format on
 
 // Layout probe (diagnostics for the operand descriptors and the swizzle): A has one 1 per row, at
@@ -818,21 +798,18 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// The row split's wgmma chains (row_chains 2 / 4; at M > 32 with the mask fold): small shapes for
-// compute-sanitizer, every n, rings reused (K 4096), exact against the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallChains) {
+// The token-major mask fold (row_mask_fold, M > 32): small shapes for compute-sanitizer, 1 and 2
+// K blocks per stage, rings reused (K 4096), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallMaskFold) {
   M3_REQUIRE_WGMMA();
-  for (int chains : {2, 4}) {
-    for (int64_t m : {1, 17, 33, 64}) {
-      if (chains == 4 && m > 32) continue;  // (4 chains: M <= 32)
+  for (int burst : {0, 1}) {
+    for (int64_t m : {33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " chains " << chains);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
       Rng rng(seed);
-      // (M > 32: with the mask fold too.)
-      Case c{m, 640, 4096, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
-      c.chains = chains;
-      c.mask_fold = m > 32;
+      Case c{m, 640, 4096, 0, 0, false, 0, 4, burst, true, 0, false, 1, false, 0, false, true};
+      c.mask_fold = true;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n);
       const std::vector<uint16_t> got = run_twice(dev, c);
@@ -907,19 +884,6 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  // Chains: 0, 1, 2 or 4, and 2 / 4 only with burst 0.
-  for (const auto& [chains, burst, ctas_per_sm] :
-       {std::tuple{3, 0, 0}, std::tuple{2, 2, 0}, std::tuple{-1, 0, 0}}) {
-    GemmWgmmaOptions o;
-    o.row_packed_weights = image.data();
-    o.row_packed_ctas = ctas;
-    o.row_chains = chains;
-    o.burst = burst;
-    o.ctas_per_sm = ctas_per_sm;
-    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, o).code(),
-              StatusCode::kInvalidArgument)
-        << chains << " " << burst << " " << ctas_per_sm;
-  }
   {
     // Four K blocks per stage at n = 64: two stages do not fit.
     GemmData d64 = make_integer_data(64, 256, 512, rng);

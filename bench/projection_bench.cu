@@ -389,6 +389,7 @@ struct ShapeVariant {
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
   bool mask_fold = false;       // GemmWgmmaOptions::row_mask_fold (with rows)
+  bool tight = false;           // GemmWgmmaOptions::row_tight_slots (with rows)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -456,7 +457,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: the token-major fold by bit
-  // masks (M > 32), plain / chained. (Session 20 also timed and removed: a K split
+  // masks (M > 32), plain / chained; 20 / 21: the row split's ring with tight row slots, plain /
+  // chained; 22: the same with two warpgroups per CTA, chained. (Session 20 also timed and removed: a K split
   // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
   // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
   // 32.3 / 33.8, vs 17.3-17.4 / 21.7), and 2 / 4 independent wgmma chains per K block (round
@@ -480,7 +482,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {1, false, 16, 0, false, true, 0, true},
       {0, false, 16, 0, false, true, 2, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, true},
+      {1, false, 16, 0, false, true, 0, true, false, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -679,6 +684,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
       o.row_mask_fold = variants[v].mask_fold;
+      o.row_tight_slots = variants[v].tight;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -697,7 +703,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (variants[v].mask_fold ? " mask fold" : "") +
+          (variants[v].mask_fold ? " mask fold" : "") + (variants[v].tight ? " tight" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

@@ -458,7 +458,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: the token-major fold by bit
   // masks (M > 32), plain / chained; 20 / 21: the row split's ring with tight row slots, plain /
-  // chained; 22: the same with two warpgroups per CTA, chained. (Session 20 also timed and removed: a K split
+  // chained; 22: the same with two warpgroups per CTA, chained; 23 / 24: tight, 2 / 1 K blocks per
+  // stage, chained (a shorter last stage). (Session 20 also timed and removed: a K split
   // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
   // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
   // 32.3 / 33.8, vs 17.3-17.4 / 21.7), and 2 / 4 independent wgmma chains per K block (round
@@ -485,7 +486,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, true},
-      {1, false, 16, 0, false, true, 0, true, false, 0, false, true}};
+      {1, false, 16, 0, false, true, 0, true, false, 0, false, true},
+      {0, false, 16, 0, false, true, 2, true, false, 0, false, true},
+      {0, false, 16, 0, false, true, 1, true, false, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -388,8 +388,6 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
-  bool mask_fold = false;       // GemmWgmmaOptions::row_mask_fold (with rows)
-  bool tight = false;           // GemmWgmmaOptions::row_tight_slots (with rows)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -456,15 +454,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
-  // 17: the row split with 2 K blocks per stage, chained; 18 / 19: the token-major fold by bit
-  // masks (M > 32), plain / chained; 20 / 21: the row split's ring with tight row slots, plain /
-  // chained; 22: the same with two warpgroups per CTA, chained; 23 / 24: tight, 2 / 1 K blocks per
-  // stage, chained (a shorter last stage). (Session 20 also timed and removed: a K split
+  // 17: the row split with 2 K blocks per stage, chained. (Session 20 also timed and removed: a K split
   // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
   // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
   // 32.3 / 33.8, vs 17.3-17.4 / 21.7), and 2 / 4 independent wgmma chains per K block (round
   // D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj M 1
-  // chained 15.3 / 15.4 vs 14.8).) (Session 19 also timed and removed: the
+  // chained 15.3 / 15.4 vs 14.8), and a ring of slots sized by the CTAs' rows (round E: o_proj M 1
+  // 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3); the
+  // token-major mask fold became the fold (round E).) (Session 19 also timed and removed: the
   // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
   // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
   // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F and
@@ -481,14 +478,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 1},
       {0, false, 16, 0, false, true, 0, false, false, 2},
       {1, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 2, true},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, true},
-      {1, false, 16, 0, false, true, 0, true, false, 0, false, true},
-      {0, false, 16, 0, false, true, 2, true, false, 0, false, true},
-      {0, false, 16, 0, false, true, 1, true, false, 0, false, true}};
+      {0, false, 16, 0, false, true, 2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -686,8 +676,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.row_mask_fold = variants[v].mask_fold;
-      o.row_tight_slots = variants[v].tight;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -706,7 +694,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (variants[v].mask_fold ? " mask fold" : "") + (variants[v].tight ? " tight" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

@@ -212,7 +212,7 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
 
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
-                   bool tight, const DeviceInfo& info, cudaStream_t stream) {
+                   const DeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
@@ -220,9 +220,8 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
     auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
-    // Every ring shape shares the per-CTA budget (two CTAs per SM or one; 1 KB of static shared
-    // memory and the driver's reserve outside it).
-    constexpr int kMaxSmem = gemm_wgmma_detail::rows_smem_per_cta<kWg>() - 1024;
+    constexpr int kMaxSmem =
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(gemm_wgmma_detail::kRowsMaxKblocks);
     // The shared-memory opt-in once per device (each device has its own module); two CTAs must
     // fit on an SM (the grid is one wave of them).
     static std::atomic<int> ready[64] = {};  // (one table per instantiation)
@@ -238,28 +237,10 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
                            " B of dynamic shared memory); ", kPerSm, " are needed");
       if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
     }
-    // The ring: 40-row slots (kRowBlockBytes), or (tight) the CTAs' rows rounded so that a
-    // stage's weights end on a 1024-byte boundary (the activation boxes after them are 128-byte
-    // swizzled); as many stages as fit next to the alignment slack and K 8192's scales.
-    using gemm_wgmma_detail::kRowBlockBytes;
-    gemm_wgmma_detail::RowsArgs a = args;
-    a.slot = kRowBlockBytes;
-    if (tight) {
-      const int rows_max = static_cast<int>((int64_t{args.n} + grid - 1) / grid);
-      a.slot = (kWg * kKpb * rows_max * 128 + 1023) / 1024 * 1024 / (kWg * kKpb);
-    }
-    a.stage_bytes = kKpb * (kWg * a.slot + kNw * 128);
-    a.stages = std::min(
-        gemm_wgmma_detail::kRowsMaxStages,
-        (kMaxSmem - 1024 -
-         gemm_wgmma_detail::rows_scale_bytes<kNw, kWg>(gemm_wgmma_detail::kRowsMaxKblocks)) /
-            a.stage_bytes);
-    if (!tight) a.stages = std::min(a.stages, 12);  // (the untight ring: as in session 19)
-    const int smem =
-        1024 + a.stages * a.stage_bytes + gemm_wgmma_detail::rows_scale_bytes<kNw, kWg>(a.kblocks);
+    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(args.kblocks);
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
-                                       dim3(kThreads), smem, stream, a.early_weights != 0, xmap,
-                                       a));
+                                       dim3(kThreads), smem, stream, args.early_weights != 0, xmap,
+                                       args));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }
@@ -269,19 +250,19 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool tight, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
                          cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
   if constexpr (kNw == 8) {
-    if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, tight, info, stream);
-    if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, tight, info, stream);
+    if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
+    if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
   }
-  if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, tight, info, stream);
+  if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
-  if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, tight, info, stream);
-  if (kpb == 2) return launch_rows<kNw, 2, 1>(xmap, args, grid, tight, info, stream);
-  return launch_rows<kNw, 4, 1>(xmap, args, grid, tight, info, stream);
+  if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
+  if (kpb == 2) return launch_rows<kNw, 2, 1>(xmap, args, grid, info, stream);
+  return launch_rows<kNw, 4, 1>(xmap, args, grid, info, stream);
 }
 
 }  // namespace
@@ -472,19 +453,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    ra.mask_fold = options.row_mask_fold ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (m <= 8)
-      return dispatch_rows_kpb<8>(kpb, two_wg, diag, options.row_tight_slots, xmap, ra, rgrid, info,
-                                  stream);
-    if (m <= 16)
-      return dispatch_rows_kpb<16>(kpb, two_wg, 0, options.row_tight_slots, xmap, ra, rgrid, info,
-                                   stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, 0, options.row_tight_slots, xmap, ra, rgrid, info,
-                                   stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, 0, options.row_tight_slots, xmap, ra, rgrid, info,
-                                 stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

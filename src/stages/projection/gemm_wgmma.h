@@ -84,14 +84,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant of the row split's token-major fold (M > 32; session 20): each accumulator's scale
-  // product picked by a precomputed bit mask (one bitwise select) instead of a bit test, a compare
-  // and two selects. The same products: the same bits.
-  bool row_mask_fold = false;
-  // Variant of the row split's ring (session 20): slots sized by the CTAs' rows (rounded so that a
-  // stage's weights end on a 1024-byte boundary) instead of 40 rows, and as many stages as then
-  // fit (at most 16): o_proj's 23-24 rows per CTA get 6 stages of 4 K blocks instead of 4.
-  bool row_tight_slots = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -114,12 +114,11 @@ constexpr int rows_stages() {
       rows_stage_bytes<kNw, kKpb, kWg>();
   return fit < 12 ? fit : 12;
 }
-// The ring as launched (RowsArgs): `slot` bytes per K block and warpgroup (kRowBlockBytes, or
-// with GemmWgmmaOptions::row_tight_slots the CTA's rows rounded so that a stage's weights end on
-// a 1024-byte boundary), `stage_bytes` = kKpb (kWg slot + n 128), `stages` of them: what fits
-// next to the alignment slack and the scales of K 8192 in the dynamic shared memory (at most
-// kRowsMaxStages).
-constexpr int kRowsMaxStages = 16;
+template <int kNw, int kKpb, int kWg>
+constexpr int rows_smem_bytes(int kblocks) {
+  return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
+         rows_scale_bytes<kNw, kWg>(kblocks);
+}
 
 struct RowsArgs : ScalesOut {
   const uint8_t* image;  // gemm_wgmma_pack_weights_rows for this grid
@@ -127,8 +126,6 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int mask_fold;                  // GemmWgmmaOptions::row_mask_fold (token-major fold by bit masks)
-  int slot, stage_bytes, stages;  // the ring (above)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -203,26 +200,28 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
-  const int n_stages = p.stages, stage_bytes = p.stage_bytes;  // the ring (RowsArgs)
-  const int weight_bytes = kWg * kKpb * p.slot;                // per stage; activations after
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
+  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
-  static_assert(kActBytes % 1024 == 0, "1024-byte swizzle alignment");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
   // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
   // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
   // it).
   static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[kRowsMaxStages];
-  __shared__ __align__(8) uint64_t empty_bar[kRowsMaxStages];
+  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
   // scale block r_begin / 128 + h of its rows, clamped to the last block).
   float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
-                                         static_cast<uint32_t>(n_stages * stage_bytes));
+                                         static_cast<uint32_t>(kStages * kStageBytes));
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
@@ -234,7 +233,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
-    for (int s = 0; s < n_stages; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_addr(&full_bar[s]), 1);
       mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
@@ -250,13 +249,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       t[0] = global_ns();
       t[1] = static_cast<unsigned long long>(clock64());
       for (int i = 0; i < steps; ++i) {
-        mbar_wait(smem_addr(&full_bar[i % n_stages]), (i / n_stages) & 1);
+        mbar_wait(smem_addr(&full_bar[i % kStages]), (i / kStages) & 1);
         const unsigned long long c = static_cast<unsigned long long>(clock64());
         if (i == 0) t[2] = c;
         if (i == steps / 2) t[3] = c;
         if (i == steps - 1) t[4] = c;
       }
-      mbar_wait(smem_addr(&empty_bar[(steps - 1) % n_stages]), ((steps - 1) / n_stages) & 1);
+      mbar_wait(smem_addr(&empty_bar[(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
       t[5] = static_cast<unsigned long long>(clock64());
     }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
@@ -270,7 +269,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         return left < kKpb ? left : kKpb;
       };
       auto load_weights = [&](int i) {
-        const int s = i % n_stages;
+        const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
@@ -278,7 +277,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         for (int w = 0; w < kWg; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
           const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
-          const uint32_t dst = base + static_cast<uint32_t>(s * stage_bytes + w * kKpb * p.slot);
+          const uint32_t dst =
+              base + static_cast<uint32_t>(s * kStageBytes + w * kKpb * kRowBlockBytes);
           const uint32_t bytes = nk * static_cast<uint32_t>(rw * 128);
           const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
           if (p.weight_evict_first) {
@@ -294,14 +294,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       };
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
       // before waiting for the preceding grid, whose outputs (activations, scales) come after.
-      const int early = p.early_weights ? (steps < n_stages ? steps : n_stages) : 0;
+      const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
-        const int s = i % n_stages;
-        if (i >= n_stages) mbar_wait(smem_addr(&empty_bar[s]), ((i / n_stages) - 1) & 1);
+        const int s = i % kStages;
+        if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
-        const uint32_t act = base + static_cast<uint32_t>(s * stage_bytes + weight_bytes);
+        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
@@ -341,26 +341,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
   // Weight-scale block (0 or 1 past blk0) of each of the thread's two rows (rows past the CTA's
-  // count compute garbage that is never stored; their index stays in range); kTok: bit j of
-  // hmask is the block of accumulator j's weight row.
+  // count compute garbage that is never stored; their index stays in range); kTok: the block of
+  // each of the thread's weight columns m0 + 8 c + e (accumulators 4 c + e and 4 c + 2 + e) as an
+  // all-ones (the next block) or all-zero mask, so that the fold picks each accumulator's scale
+  // product with one bitwise select (session 20 round E, same round, b2b, fused M 64: 22.86-22.98
+  // us plain / 21.53 chained against 23.84-23.96 / 22.44 for a bit test, a compare and two
+  // selects per accumulator; same products, same bits).
   const int h0 = (r_begin + row0) / 128 - blk0;
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
-  [[maybe_unused]] uint32_t hmask = 0;
-  if constexpr (kTok) {
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j)
-      hmask |= static_cast<uint32_t>((r_begin + m0 + 8 * (j / 4) + j % 2) / 128 - blk0 > 0) << j;
-  }
-  // kTok with RowsArgs::mask_fold: the same choice as all-ones / all-zero bit masks, one per
-  // weight column pair (m0 + 8 c + e: accumulators 4 c + e and 4 c + 2 + e), so that the fold
-  // picks each product with one bitwise select instead of extracting bit j of hmask, a compare
-  // and two selects per accumulator.
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   if constexpr (kTok) {
 #pragma unroll
     for (int c = 0; c < kAcc / 4; ++c)
 #pragma unroll
-      for (int e = 0; e < 2; ++e) hsel[c][e] = (hmask >> (4 * c + e)) & 1u ? ~0u : 0u;
+      for (int e = 0; e < 2; ++e)
+        hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
   }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
@@ -373,11 +368,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
   // group count per stage constant).
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
-    const int s = i % n_stages;
-    mbar_wait(full0 + 8 * s, (i / n_stages) & 1);
+    const int s = i % kStages;
+    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
-    const uint32_t stage = base + static_cast<uint32_t>(s * stage_bytes);
-    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * p.slot);
+    const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
+    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
@@ -387,7 +382,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       if (q < left && kDiag != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t x_addr = stage + static_cast<uint32_t>(weight_bytes + q * kActBytes);
+        const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k) {
           if constexpr (kTok) {
@@ -422,21 +417,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
           const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
           const float t0 = sa[row0], t1 = sa[row0 + 8];
           const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
-          if (p.mask_fold) {
 #pragma unroll
-            for (int j = 0; j < kAcc; ++j) {
-              const uint32_t m = hsel[j / 4][j % 2];
-              const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
-              const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
-              acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
-            }
-          } else {
-#pragma unroll
-            for (int j = 0; j < kAcc; ++j) {
-              const bool hi = (hmask >> j) & 1u;
-              const float prod = (j / 2) % 2 ? (hi ? p11 : p10) : (hi ? p01 : p00);
-              acc[j] = fmaf(f[q][j], prod, acc[j]);
-            }
+          for (int j = 0; j < kAcc; ++j) {
+            const uint32_t m = hsel[j / 4][j % 2];
+            const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+            const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+            acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
           }
         } else {
           const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
@@ -448,7 +434,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % n_stages));  // each thread releases its own reads
+    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag);

@@ -80,8 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool mask_fold = false;   // GemmWgmmaOptions::row_mask_fold (with rows)
-  bool tight = false;       // GemmWgmmaOptions::row_tight_slots (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -93,8 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " mask fold " + std::to_string(c.mask_fold) + " tight " + std::to_string(c.tight);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,8 +107,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_mask_fold = c.mask_fold;
-  o.row_tight_slots = c.tight;
   return o;
 }
 
@@ -305,25 +300,14 @@ std::vector<Case> exact_cases() {
       Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true},
       Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
       // clang-format off
-        // The token-major fold by bit masks (row_mask_fold, M > 32; session 20): fused width (CTAs
-        // straddling weight-scale blocks), padded tokens, K 2048 / 8192, 1 K block per stage, PDL,
-        // an image for 251 CTAs.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, true},
-        // Tight row slots (row_tight_slots): o_proj and fused widths, every n, 1 / 2 / 4 K blocks
-        // per stage, two warpgroups per CTA, PDL, partial stages, few rows per CTA (N 128 / 640),
-        // an image for 251 CTAs.
-        Case{1, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, true},
-        Case{16, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, true},
-        Case{32, 9856, 1152, 0, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, true},
-        Case{64, 6144, 2048, 8, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true, true},
-        Case{5, 640, 640, 0, 0, false, 0, 4, 2, true, 0, true, 1, false, 0, false, true, 0, false, true},
-        Case{8, 128, 1152, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, true},
-        Case{1, 6144, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, true},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, true}};
+        // More token-major cases (M > 32; session 20, for its fold by bit masks): fused width
+        // (CTAs straddling weight-scale blocks), padded tokens, K 2048 / 8192, 1 K block per
+        // stage, PDL, an image for 251 CTAs.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
+        Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}};
   // clang-format on
 }
 
@@ -812,29 +796,6 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
         std::string report;
         EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
       }
-    }
-  }
-}
-
-// The token-major mask fold (row_mask_fold, M > 32; with 1 K block per stage also the tight ring,
-// row_tight_slots): small shapes for compute-sanitizer, rings reused (K 4096), exact against the
-// twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallMaskFold) {
-  M3_REQUIRE_WGMMA();
-  for (int burst : {0, 1}) {
-    for (int64_t m : {33, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
-      Rng rng(seed);
-      Case c{m, 640, 4096, 0, 0, false, 0, 4, burst, true, 0, false, 1, false, 0, false, true};
-      c.mask_fold = true;
-      c.tight = burst == 1;  // (and the tight ring)
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
     }
   }
 }

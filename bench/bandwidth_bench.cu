@@ -187,6 +187,10 @@ struct RowArgs {
   const uint8_t* image;
   int n_rows, kblocks, kpb, stages, act_rows, subtiles, whole_step;
   int hold;  // the consumer releases stage i only once stage i + 1 is full (the GEMM's pipelining)
+  // Bytes of one sub-tile's slot per K block: kRowSlotBytes (40 rows, the kernel's), or the CTA's
+  // rows rounded so that a stage's weights stay 1024-byte aligned ("tight": deeper rings for
+  // fewer rows per CTA).
+  int slot_bytes;
   // --trace: the row split's trace words per CTA (bench::rows_trace_summary), written by the
   // consumer thread (its "folded" and "done" marks: after its last release); nullptr: off.
   unsigned long long* trace;
@@ -200,7 +204,7 @@ __global__ void __launch_bounds__(64)
   __shared__ __align__(8) uint64_t full_bar[16];
   __shared__ __align__(8) uint64_t empty_bar[16];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const int w_bytes = a.kpb * a.subtiles * kRowSlotBytes;
+  const int w_bytes = a.kpb * a.subtiles * a.slot_bytes;
   const int stage_bytes = w_bytes + a.kpb * a.act_rows * 128;
   const int grid = static_cast<int>(gridDim.x), cta = static_cast<int>(blockIdx.x);
   const int r_begin = static_cast<int>(int64_t{cta} * a.n_rows / grid);
@@ -238,7 +242,7 @@ __global__ void __launch_bounds__(64)
         for (int q = 0; q < nk; ++q)
           for (int t = 0; t < a.subtiles; ++t) {
             const int t0 = t * rows / a.subtiles, t1 = (t + 1) * rows / a.subtiles;
-            bulk(dst + static_cast<uint32_t>((q * a.subtiles + t) * kRowSlotBytes),
+            bulk(dst + static_cast<uint32_t>((q * a.subtiles + t) * a.slot_bytes),
                  chunk + int64_t{q * rows + t0} * 128, (t1 - t0) * 128, full);
           }
       }
@@ -768,12 +772,14 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
   const Shape shapes[] = {{"fused 9856x6144", 9856, 6144}, {"o_proj 6144x8192", 6144, 8192}};
   struct RowCase {
     int ctas_per_sm, kpb, act_rows, whole_step, hold;
+    bool tight = false;  // RowArgs::slot_bytes from the CTA's rows (session 20)
   };
   // (Round A also timed a 4.8 KB copy per K block and sub-tile into 1024-byte aligned slots, 2 or
   // 4 K blocks per stage, 1 or 2 CTAs per SM, 0 / 8 / 64 activation rows: 16.2-22.1 us back to back
   // for the fused weights against 15.47 for one copy per stage; o_proj 17.3-24.2 against 13.23.)
-  const RowCase cases[] = {{2, 4, 8, 1, 0}, {2, 4, 8, 1, 1},  {2, 2, 8, 1, 0},
-                           {2, 2, 8, 1, 1}, {2, 2, 64, 1, 1}, {2, 1, 64, 1, 1}};
+  const RowCase cases[] = {{2, 4, 8, 1, 0},       {2, 4, 8, 1, 1},       {2, 2, 8, 1, 0},
+                           {2, 2, 8, 1, 1},       {2, 2, 64, 1, 1},      {2, 1, 64, 1, 1},
+                           {2, 4, 8, 1, 1, true}, {2, 2, 64, 1, 1, true}};
   std::vector<bench::Row> rows;
   for (const Shape& sh : shapes) {
     const size_t bytes = static_cast<size_t>(sh.n * sh.k);
@@ -806,7 +812,12 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
       a.trace = nullptr;
       const int max_rows = static_cast<int>((sh.n + grid - 1) / grid);
       a.subtiles = (max_rows + 39) / 40;
-      const int stage_bytes = rc.kpb * (a.subtiles * kRowSlotBytes + rc.act_rows * 128);
+      a.slot_bytes = kRowSlotBytes;
+      if (rc.tight)  // a stage's weights rounded up to 1024 bytes
+        a.slot_bytes =
+            (rc.kpb * a.subtiles * ((max_rows + a.subtiles - 1) / a.subtiles) * 128 + 1023) / 1024 *
+            1024 / (rc.kpb * a.subtiles);
+      const int stage_bytes = rc.kpb * (a.subtiles * a.slot_bytes + rc.act_rows * 128);
       const int budget = rc.ctas_per_sm == 1 ? 220 * 1024 : 110 * 1024;
       a.stages = std::min(16, budget / stage_bytes);
       const int smem = a.stages * stage_bytes + 1024;
@@ -823,8 +834,8 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
           bench::time_graph_cold([&](cudaStream_t st) { launch(st, 0); }, stream);
       const bench::Timing tb = bench::time_graph_back_to_back(launch, copies, stream);
       bench::check_cuda(cudaStreamSynchronize(stream), "rows");
-      const std::string mode =
-          std::string(rc.whole_step ? "rows-bulk-step" : "rows-bulk") + (rc.hold ? " hold" : "");
+      const std::string mode = std::string(rc.whole_step ? "rows-bulk-step" : "rows-bulk") +
+                               (rc.hold ? " hold" : "") + (rc.tight ? " tight" : "");
       const std::string shape = std::to_string(rc.ctas_per_sm) + "/SM kpb " +
                                 std::to_string(rc.kpb) + " act " + std::to_string(rc.act_rows) +
                                 " " + std::to_string(a.stages) + " stages x" +

@@ -2,7 +2,7 @@
 // projection + fused producer against the unfused baseline (two GEMMs + two producers), for
 //   prefill  one 8K-token chunk from position 0                      (eager)
 //   mixed    one 2K-token chunk + 64 decode requests at 8K context   (eager)
-//   decode   64 / 128 / 256 requests at 8K context, draft 0          (CUDA-graph replay)
+//   decode   64 / 128 / 256 (and 16 / 32) requests at 8K context, draft 0 (CUDA-graph replay)
 // Cold L2 (bench_util's 256 MB flush before each timed iteration). Every step writes the same
 // K / V / index-K rows each iteration (idempotent), cached prefixes hold random E4M3 values.
 // Reports for each variant the step time (isolated: one call after a flush, the headline; decode
@@ -27,11 +27,15 @@
 //   otherwise a '+'-joined set of
 //   pdl      programmatic dependent launch of every stage kernel (set_programmatic_launch);
 //   pdl:LETTERS  the same for some stages only (set_programmatic_stages): q input quantize,
-//            p producer(s), i indexer, a attention, o output quantize (e.g. pdl:qpao);
+//            p producer(s), i indexer, a attention, o output quantize, g the projection GEMM,
+//            x o_proj (g / x: only where the row split runs them) (e.g. pdl:qpao);
 //   aq       the attention writes o_proj's E4M3 input itself (set_attention_quantize);
-//   (a setting without pdl / aq has it off). E.g. --settings plain,aq,pdl+aq,pdl:qpao+aq.
+//   rs       the decode row split (set_row_split: per-layer images of the fused and o_proj
+//            weights; M <= 32 by default, so decode 64 only);
+//   (a setting without pdl / aq / rs has it off). E.g. --settings plain,aq,pdl+aq,pdl:qpao+aq.
 // Every setting must give the first setting's outputs (attn_out, block_ids) byte for byte
-// (checked).
+// (checked), except that a setting whose row split differs from the first's is held to the
+// fused / unfused rule (attn_out rel L2 <= 5e-2: the row split sums in another order).
 //   layer_bench [--json] [--quick] [--case SUBSTRING] [--no-split] [--profile] [--settings LIST]
 //     --quick: decode 64 only, fewer iterations; --case: scenarios whose name contains SUBSTRING;
 //     --profile: for Nsight Compute (ncu --profile-from-start off): per graph scenario one warm
@@ -128,6 +132,7 @@ int main(int argc, char** argv) {
     uint32_t pdl = 0;  // CudaMsaLayer::set_programmatic_stages mask
     bool aq = false;
     bool is_default = false;  // the layer's defaults (read from the layer once it exists)
+    bool rs = false;
   };
   std::vector<Setting> settings = {{"default", 0, false, true}};
   for (int i = 1; i < argc; ++i) {
@@ -166,10 +171,11 @@ int main(int argc, char** argv) {
               st.pdl = CudaMsaLayer::kAllStages;
             } else if (tok.rfind("pdl:", 0) == 0 && tok.size() > 4) {
               for (size_t c = 4; c < tok.size(); ++c) {
-                const char* letters = "qpiao";
-                const LayerStage stages[] = {LayerStage::kQuantize, LayerStage::kProducer,
-                                             LayerStage::kIndexer, LayerStage::kAttention,
-                                             LayerStage::kOutQuantize};
+                const char* letters = "qpiaogx";
+                const LayerStage stages[] = {LayerStage::kQuantize,     LayerStage::kProducer,
+                                             LayerStage::kIndexer,      LayerStage::kAttention,
+                                             LayerStage::kOutQuantize,  LayerStage::kProjection,
+                                             LayerStage::kOutProjection};
                 const char* at = std::strchr(letters, tok[c]);
                 if (at == nullptr || *at == '\0') {
                   known = false;
@@ -179,6 +185,8 @@ int main(int argc, char** argv) {
               }
             } else if (tok == "aq") {
               st.aq = true;
+            } else if (tok == "rs") {
+              st.rs = true;
             } else {
               known = false;
             }
@@ -187,8 +195,7 @@ int main(int argc, char** argv) {
         if (!known) {
           std::fprintf(stderr,
                        "layer_bench: unknown setting '%s' (default, plain, or pdl / pdl:LETTERS / "
-                       "aq joined by "
-                       "'+')\n",
+                       "aq / rs joined by '+')\n",
                        name.c_str());
           return 2;
         }
@@ -209,6 +216,8 @@ int main(int argc, char** argv) {
       {"prefill 8K", {{8192, 0}}, 0, 0, false}, {"mixed 2K+64x8K", {{2048, 0}}, 64, ctx, false},
       {"decode 64x8K", {}, 64, ctx, true},      {"decode 128x8K", {}, 128, ctx, true},
       {"decode 256x8K", {}, 256, ctx, true},
+      // (Session 20: smaller decode batches, where the row split (setting rs) serves M <= 32.)
+      {"decode 16x8K", {}, 16, ctx, true},      {"decode 32x8K", {}, 32, ctx, true},
   };
   if (quick) scenarios = {scenarios[2]};
   if (!only.empty()) {
@@ -258,6 +267,7 @@ int main(int argc, char** argv) {
   CudaMsaLayer& layer = *layer_r.value();
   const uint32_t default_pdl = layer.programmatic_stages();
   const bool default_aq = layer.attention_quantize();
+  const bool default_rs = layer.row_split();
   Result<std::unique_ptr<CudaStepMetadata>> meta_r = CudaStepMetadata::create(cap);
   ok_or_die(meta_r.status(), "metadata");
   CudaStepMetadata& meta = *meta_r.value();
@@ -304,6 +314,7 @@ int main(int argc, char** argv) {
       layer.set_fused(k % 2 == 0);
       layer.set_programmatic_stages(st.is_default ? default_pdl : st.pdl);
       layer.set_attention_quantize(st.is_default ? default_aq : st.aq);
+      ok_or_die(layer.set_row_split(st.is_default ? default_rs : st.rs), "row split");
     };
     auto variant_name = [&](int k) {
       return std::string(k % 2 == 0 ? "fused " : "unfused ") +
@@ -373,11 +384,24 @@ int main(int argc, char** argv) {
     }
     bool finite = true;
     const double e = rel_l2(out[1], out[0], &finite);
-    // No setting may change a byte (each variant against the same variant in the first setting).
+    // No setting may change a byte (each variant against the same variant in the first setting),
+    // except the row split's summation order (then: rel L2 <= 5e-2 against it).
     bool same = true;
-    for (int k = 2; k < nvar; ++k)
+    auto rs_of = [&](int k) {
+      const Setting& st = settings[static_cast<size_t>(k / 2)];
+      return st.is_default ? default_rs : st.rs;
+    };
+    for (int k = 2; k < nvar; ++k) {
+      if (rs_of(k) != rs_of(k % 2)) {
+        bool fin = true;
+        same &=
+            rel_l2(out[static_cast<size_t>(k)], out[static_cast<size_t>(k % 2)], &fin) <= 5e-2 &&
+            fin;
+        continue;
+      }
       same &= out[static_cast<size_t>(k)] == out[static_cast<size_t>(k % 2)] &&
               ids[static_cast<size_t>(k)] == ids[static_cast<size_t>(k % 2)];
+    }
     const bool pass = finite && e <= 5e-2 && ids_ok && same;
     all_pass &= pass;
     std::fprintf(log, "  check %-16s fused vs unfused attn_out rel L2 %.2e, %s, ids %s%s: %s\n",
@@ -420,7 +444,7 @@ int main(int argc, char** argv) {
     for (size_t pi = 0; pi < settings.size(); ++pi) {
       const bench::Timing &tf = t[2 * pi], &tu = t[2 * pi + 1];
       const double ratio = tu.median_us / tf.median_us;
-      if (sc.graph) goal &= ratio >= 1.10;
+      if (sc.graph && sc.gen >= 64) goal &= ratio >= 1.10;  // (the judged batches)
       never_slower &= ratio >= 1.0;
       bench::Row row;
       row.add("scenario", sc.name);

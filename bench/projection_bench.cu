@@ -49,7 +49,11 @@
 // V1,V2,... times only those wgmma variants, in that order, repeats allowed (alternating runs for
 // same-round A/Bs; for profiling: each one's check launch comes first); --random; --trace:
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
-// autotuner's replay timing against the benchmark's, see run_tuner_probe).
+// autotuner's replay timing against the benchmark's, see run_tuner_probe); --prefill P1,P2,...
+// (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
+// cuBLASLt object, -1 the default-options object (what the layer gets: its autotuner may choose
+// the prefill kernel; its describe() is printed), 1.. the prefill kernel's variants
+// (gemm_prefill.h; table kPrefillVariants).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -66,6 +70,7 @@
 
 #include "core/numeric.h"
 #include "stages/projection/gemm_cublaslt.h"
+#include "stages/projection/gemm_prefill.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 #include "stages/quantize/quantize.h"
@@ -438,9 +443,14 @@ std::string trace_summary(const TraceBuffer& tb) {
   return buf;
 }
 
+// --prefill variants 1, 2, ...: GemmPrefillOptions {cluster_m, cluster_n, group_m, ordered}.
+constexpr GemmPrefillOptions kPrefillVariants[] = {
+    {1, 1, 16, true},  {2, 1, 16, true},  {1, 2, 16, true}, {2, 2, 16, true}, {1, 1, 16, false},
+    {2, 1, 16, false}, {2, 2, 16, false}, {2, 1, 8, true},  {2, 1, 32, true}};
+
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
-              const std::vector<int64_t>& only_variants, bool random,
-              bool trace, bool json) {
+              const std::vector<int64_t>& only_variants, const std::vector<int64_t>& prefill,
+              bool random, bool trace, bool json) {
   // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
@@ -454,7 +464,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
-  // 17: the row split with 2 K blocks per stage, chained. (Session 19 also timed and removed: the
+  // 17: the row split with 2 K blocks per stage, chained. (Session 20 also timed and removed: a K split
+  // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
+  // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
+  // 32.3 / 33.8, vs 17.3-17.4 / 21.7), and 2 / 4 independent wgmma chains per K block (round
+  // D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj M 1
+  // chained 15.3 / 15.4 vs 14.8), and a ring of slots sized by the CTAs' rows (round E: o_proj M 1
+  // 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3); the
+  // token-major mask fold became the fold (round E).) (Session 19 also timed and removed: the
   // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
   // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
   // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F and
@@ -544,6 +561,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
+  lt_opt.prefill_min_m = 0;  // cuBLASLt only (the prefill kernel has its own rows)
   auto t0 = std::chrono::steady_clock::now();
   auto r = Fp8BlockGemm::create(ms.back(), n, k, lt_opt);
   must(r.status(), "Fp8BlockGemm::create");
@@ -555,15 +573,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       copies);
   std::printf("%s", lt->describe().c_str());
   // The default-options object (autotuned: cuBLASLt or, inside the auto range, the wgmma kernel
-  // per M bucket, whichever the tuner timed faster): what the layer gets.
-  auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
-  must(rd.status(), "Fp8BlockGemm::create (default options)");
-  std::unique_ptr<Fp8BlockGemm> dflt = std::move(rd).value();
-  std::printf("default-options object:\n%s", dflt->describe().c_str());
+  // per M bucket, whichever the tuner timed faster; from M 1024 on the prefill kernel likewise):
+  // what the layer gets. (With --prefill only when path -1 is asked for.)
+  std::unique_ptr<Fp8BlockGemm> dflt;
+  if (prefill.empty() || std::find(prefill.begin(), prefill.end(), -1) != prefill.end()) {
+    auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
+    must(rd.status(), "Fp8BlockGemm::create (default options)");
+    dflt = std::move(rd).value();
+    std::printf("default-options object:\n%s", dflt->describe().c_str());
+  }
   // The layer's decode path with the row split: per weight copy an object (default options, no
   // autotuning) given that copy's image by Fp8BlockGemm::pack_weights_rows.
   std::vector<std::unique_ptr<Fp8BlockGemm>> packed_objs;
-  for (int c = 0; c < copies; ++c) {
+  for (int c = 0; c < copies && prefill.empty(); ++c) {
     Fp8BlockGemmOptions po;
     po.autotune = false;
     auto rp = Fp8BlockGemm::create(ms.back(), n, k, po);
@@ -616,6 +638,68 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       row.add("check", check);
       rows.push_back(row);
     };
+    if (!prefill.empty()) {
+      // Alternating paths of a same-round A/B: each checked against cuBLASLt first.
+      const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
+      for (const int64_t v : prefill) {
+        if (v < -1 || v > np) {
+          std::fprintf(stderr, "--prefill %lld: paths are -1 (default object), 0 (cuBLASLt) ... %d\n",
+                       static_cast<long long>(v), np);
+          return 2;
+        }
+        if (v == -1) {
+          check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+          must(dflt->run(params(0, out), stream), "default object");
+          check_cuda(cudaStreamSynchronize(stream), "default object");
+          check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+          const bool same = got == want;
+          if (!same && !random) pass = false;
+          add(
+              "default object: " + dflt->algorithm_for(m),
+              [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
+              random ? "n/a"
+              : same ? "identical"
+                     : "DIFFERENT");
+          continue;
+        }
+        if (v == 0) {
+          add(
+              "cublaslt " + lt->algorithm_for(m),
+              [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); },
+              "ref");
+          continue;
+        }
+        const GemmPrefillOptions po = kPrefillVariants[v - 1];
+        Result<int> ctas = gemm_prefill_max_ctas(po);
+        const std::string name = "prefill " + std::to_string(v) + ": cluster " +
+                                 std::to_string(po.cluster_m) + "x" +
+                                 std::to_string(po.cluster_n) + " group " +
+                                 std::to_string(po.group_m) +
+                                 (po.ordered ? " ordered" : " unordered") + ", max CTAs " +
+                                 (ctas.ok() ? std::to_string(ctas.value()) : "?");
+        check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+        const Status st = run_gemm_prefill_cuda(params(0, out), stream, po);
+        if (!st.ok()) {
+          std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                      st.to_string().c_str());
+          pass = false;
+          continue;
+        }
+        check_cuda(cudaStreamSynchronize(stream), "prefill");
+        check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+        const bool same = got == want;
+        if (!same && !random) pass = false;
+        add(
+            name,
+            [&](cudaStream_t stc, int c) {
+              must(run_gemm_prefill_cuda(params(c, out), stc, po), "prefill");
+            },
+            random ? "n/a"
+            : same ? "identical"
+                   : "DIFFERENT");
+      }
+      continue;
+    }
     if (only_variants.empty())
       add(
           "cublaslt " + lt->algorithm_for(m),
@@ -813,6 +897,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.wgmma_auto_max_m = 0;
+  lt_opt.prefill_min_m = 0;  // cuBLASLt only (the prefill kernel has its own rows)
   auto r = Fp8BlockGemm::create(max_m, n, k, lt_opt);
   must(r.status(), "Fp8BlockGemm::create");
   std::unique_ptr<Fp8BlockGemm> lt = std::move(r).value();
@@ -927,6 +1012,7 @@ int run(int argc, char** argv) {
   GemmWgmmaOptions only;  // --wgmma-only: the kernel's options (flags below)
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
+  std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
   bool random = false, trace = false, tuner_probe = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -963,6 +1049,8 @@ int run(int argc, char** argv) {
       shape_ms = parse_list(argv[++i]);
     } else if (f == "--variant" && i + 1 < argc) {
       only_variants = parse_list(argv[++i]);
+    } else if (f == "--prefill" && i + 1 < argc) {
+      prefill = parse_list(argv[++i]);
     } else if (f == "--random") {
       random = true;
     } else if (f == "--trace") {
@@ -972,7 +1060,7 @@ int run(int argc, char** argv) {
           stderr,
           "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
           "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--random] [--trace] [--tuner-probe])\n",
+          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] [--random] [--trace] [--tuner-probe])\n",
           argv[i]);
       return 2;
     }
@@ -985,7 +1073,7 @@ int run(int argc, char** argv) {
     }
     std::sort(shape_ms.begin(), shape_ms.end());
     if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
-    return run_shape(shape[0], shape[1], shape_ms, only_variants, random, trace, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick
@@ -1064,6 +1152,7 @@ int run(int argc, char** argv) {
   // Every object names its path explicitly (wgmma_max_m), so M3ATTN_GEMM_PATH changes nothing here.
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
+  lt_opt.prefill_min_m = 0;
   Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt), make(b.max_pad, kN2, lt_opt)};
   const double tune_ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - tune_start)

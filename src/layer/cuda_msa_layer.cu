@@ -395,6 +395,36 @@ Result<std::unique_ptr<CudaMsaLayer>> CudaMsaLayer::create(
 
 CudaMsaLayer::~CudaMsaLayer() = default;
 
+Status CudaMsaLayer::set_row_split(bool on) {
+  if (on && row_o_.data() == nullptr) {
+    // Pack both images (or neither): the weights' row-split images for this device's grid.
+    auto pack = [](const TensorView& wv, CudaBuffer* image, int* ctas) -> Status {
+      const int64_t n = wv.shape[0], k = wv.shape[1];
+      M3_RETURN_IF_ERROR(gemm_wgmma_rows_supported(n, k));
+      Result<int> c = gemm_wgmma_rows_ctas(n);
+      M3_RETURN_IF_ERROR(c.status());
+      Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
+      M3_RETURN_IF_ERROR(bytes.status());
+      M3_RETURN_IF_ERROR(alloc(bytes.value(), image));
+      M3_RETURN_IF_ERROR(
+          gemm_wgmma_pack_weights_rows(wv, c.value(), image->data(), image->bytes(), nullptr));
+      *ctas = c.value();
+      return Status::Ok();
+    };
+    CudaBuffer fused, o;
+    int ctas_fused = 0, ctas_o = 0;
+    if (sparse_) M3_RETURN_IF_ERROR(pack(wv_fused_, &fused, &ctas_fused));
+    M3_RETURN_IF_ERROR(pack(wv_o_, &o, &ctas_o));
+    M3_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    row_fused_ = std::move(fused);
+    row_o_ = std::move(o);
+    row_ctas_fused_ = ctas_fused;
+    row_ctas_o_ = ctas_o;
+  }
+  row_split_ = on;
+  return Status::Ok();
+}
+
 Status CudaMsaLayer::plan(const CudaStepMetadata& meta, const TensorView& hidden,
                           const CudaLayerCaches& caches) {
   planned_ = false;
@@ -569,6 +599,9 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
     case LayerStage::kQuantize:
       return external_input_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_in_, stream, pdl);
     case LayerStage::kProjection:
+      if (fuse && row_split_)
+        return w.gemm_fused_->run_row_split(gemm_fused_, {row_fused_.data(), row_ctas_fused_}, pdl,
+                                            stream);
       if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
       M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
       return sparse_ ? w.gemm_index_->run(gemm_index_, stream) : Status::Ok();
@@ -591,6 +624,8 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
     case LayerStage::kOutQuantize:
       return attention_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_core_, stream, pdl);
     case LayerStage::kOutProjection:
+      if (row_split_)
+        return w.gemm_o_->run_row_split(gemm_o_, {row_o_.data(), row_ctas_o_}, pdl, stream);
       return w.gemm_o_->run(gemm_o_, stream);
     case LayerStage::kCount:
       break;

@@ -192,15 +192,31 @@ class CudaMsaLayer {
   // The planned input quantization (rows Tp of `hidden` -> the workspace's E4M3 rows and scales
   // the projection reads; rows 0 when the plan has no tokens).
   const QuantizeParams& input_quantize() const { return quantize_in_; }
+  // The decode row split (session 20, opt-in): this layer's own row-split images of its fused
+  // projection weight (sparse layers) and of o_proj (gemm_wgmma_pack_weights_rows), through which
+  // the workspace's shared GEMM objects run every step with M <= their row_split_max_m
+  // (Fp8BlockGemm::run_row_split; the unfused path is unchanged). The cost: the images hold the
+  // weights' bytes again, N K per weight (M3 TP1: 60.55 MB fused + 50.33 MB o_proj = 110.9 MB per
+  // layer; row_split_bytes()). With the projection's / o_proj's bit in programmatic_stages those
+  // GEMMs launch with programmatic dependent launch (each requests its first weights while the
+  // kernel before it finishes) and let the next kernel launch early. The first enable allocates
+  // and packs the images (on the legacy stream, then a device sync); later calls only switch;
+  // unsupported (nothing changes) where the row split cannot serve a weight. Takes effect at the
+  // next run (and is baked into a graph captured from it). Results equal the cuBLASLt path's up to
+  // fp32 summation order.
+  Status set_row_split(bool on);
+  bool row_split() const { return row_split_; }
+  size_t row_split_bytes() const { return row_fused_.bytes() + row_o_.bytes(); }
   // Programmatic dependent launch (core/pdl.cuh) of every stage kernel that supports it (the
-  // quantize stages, the producers, the indexer, the attention; the cuBLASLt GEMMs launch
-  // normally): each may start while the kernel before it finishes and waits for it before touching
-  // its outputs (griddepcontrol.wait), so the outputs are identical either way. Off by default:
-  // session 14 measured it (decode 8K, with the attention-quantized o_proj input) slower for the
-  // fused step at batch 64 / 128 (117.9-118.1 vs 115.1-115.4 us, 174.8 vs 172.5; equal at 256)
-  // and faster only for the unfused one (its index producer overlaps its main producer; 126.0
-  // vs 127.0-127.5 us at 64); an early-resident indexer grid runs ~3 us slower at <= 8K. Takes
-  // effect at the next run (and is baked into a graph captured from it).
+  // quantize stages, the producers, the indexer, the attention, and the projection GEMMs when the
+  // row split runs them; cuBLASLt launches normally): each may start while the kernel before it
+  // finishes and waits for it before touching its outputs (griddepcontrol.wait), so the outputs are
+  // identical either way. Off by default: session 14 measured it (decode 8K, with the
+  // attention-quantized o_proj input) slower for the fused step at batch 64 / 128 (117.9-118.1 vs
+  // 115.1-115.4 us, 174.8 vs 172.5; equal at 256) and faster only for the unfused one (its index
+  // producer overlaps its main producer; 126.0 vs 127.0-127.5 us at 64); an early-resident indexer
+  // grid runs ~3 us slower at <= 8K. Takes effect at the next run (and is baked into a graph
+  // captured from it).
   void set_programmatic_launch(bool on) { programmatic_stages_ = on ? kAllStages : 0u; }
   bool programmatic_launch() const { return programmatic_stages_ != 0; }
   // The same per stage: bit (1 << LayerStage) set = that stage's kernels launch programmatically
@@ -270,6 +286,11 @@ class CudaMsaLayer {
   // gemm_weight_scales_row_stride), bf16 norms, f32 RoPE.
   CudaBuffer w_fused_, s_fused_, w_qkv_, s_qkv_, w_index_, s_index_, w_o_, s_o_;
   CudaBuffer norms_;  // q, k, iq, ik: bf16 [4, 128]
+  // set_row_split: the images of w_fused_ (sparse) and w_o_ and the CTA counts they were packed
+  // for.
+  bool row_split_ = false;
+  CudaBuffer row_fused_, row_o_;
+  int row_ctas_fused_ = 0, row_ctas_o_ = 0;
   CudaBuffer rope_;
   TensorView wv_fused_, sv_fused_, wv_qkv_, sv_qkv_, wv_index_, sv_index_, wv_o_, sv_o_;
   TensorView rope_view_;

@@ -773,6 +773,97 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   cudaStreamDestroy(stream);
 }
 
+// The decode row split (set_row_split: the layer's own row-split images of its fused and o_proj
+// weights, session 20). A decode step of 20 tokens (M <= row_split_max_m: both GEMMs run the row
+// split) stays within one E4M3 step of the cuBLASLt path at every intermediate and close at
+// attn_out (the GEMMs sum in another order); eager runs and a graph with the GEMMs launched
+// programmatically (PDL) give the row split's bits exactly; a mixed step (M above the limit) is
+// bit-identical to the plain path (the GEMM objects fall back); switching back off restores the
+// plain path's bits. row_split_bytes() is the two weights' bytes.
+TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const MsaGeometry g = mt::small_geometry(512, 8, 2);
+  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
+  ASSERT_TRUE(w.ok());
+  const Tensor rope = mt::make_rope(4096, g.rope_theta);
+  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+  ASSERT_TRUE(packed.ok());
+  Scenario decode;
+  decode.gen = 20;
+  for (int i = 0; i < decode.gen; ++i) decode.gen_cached.push_back(rng.integer(1, 3500));
+  decode.gen_cached[0] = 2049;
+  const Scenario scenarios[2] = {decode, mixed_scenario(rng, 1)};
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int si = 0; si < 2; ++si) {
+    SCOPED_TRACE(si == 0 ? "decode" : "mixed");
+    PlannedStep ps;
+    ASSERT_NO_FATAL_FAILURE(
+        plan_layer_step(g, packed.value(), rope, scenarios[si], true, rng, &ps, stream));
+    CudaMsaLayer& L = *ps.layer;
+    const int64_t T = ps.T;
+    ASSERT_TRUE(L.fused());
+    auto run_eager = [&](LayerTrace* tr, Outputs* o) {
+      ps.dev_pool.upload(ps.host_pool);
+      poison_outputs(L, T, g);
+      ASSERT_TRUE(L.run(stream).ok());
+      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+      *o = grab(L, ps.dev_pool, T, g);
+      if (tr != nullptr) ASSERT_TRUE(L.download_trace(tr, nullptr, stream).ok());
+    };
+    LayerTrace tr_plain, tr_rs;
+    Outputs plain, rs, rs_pdl, back;
+    EXPECT_FALSE(L.row_split());
+    ASSERT_NO_FATAL_FAILURE(run_eager(&tr_plain, &plain));
+    const Status on = L.set_row_split(true);
+    ASSERT_TRUE(on.ok()) << on.to_string();
+    EXPECT_TRUE(L.row_split());
+    EXPECT_EQ(L.row_split_bytes(),
+              static_cast<size_t>(g.packed_width() * g.hidden + g.hidden * g.n_q * kHeadDim));
+    ASSERT_NO_FATAL_FAILURE(run_eager(&tr_rs, &rs));
+    if (si == 0) {
+      expect_e4m3_close(tr_rs.q, tr_plain.q, "q row split vs plain");
+      expect_e4m3_close(tr_rs.k, tr_plain.k, "k row split vs plain");
+      expect_e4m3_close(tr_rs.v, tr_plain.v, "v row split vs plain");
+      expect_e4m3_close(tr_rs.index_q, tr_plain.index_q, "index_q row split vs plain");
+      bool finite = true;
+      const double e = rel_l2_bf16(reinterpret_cast<const uint16_t*>(rs.out.data()),
+                                   reinterpret_cast<const uint16_t*>(plain.out.data()),
+                                   T * g.hidden, &finite);
+      EXPECT_TRUE(finite);
+      EXPECT_LE(e, 5e-2) << "attn_out row split vs plain";
+    } else {
+      EXPECT_TRUE(rs.out == plain.out && rs.q == plain.q) << "mixed step: not the plain path";
+    }
+    // PDL on every stage, the GEMMs included: the row split's bits, eager and as a graph.
+    L.set_programmatic_launch(true);
+    ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &rs_pdl));
+    EXPECT_TRUE(rs_pdl.out == rs.out && rs_pdl.ids == rs.ids && rs_pdl.pool == rs.pool)
+        << "eager, PDL: differs from the row split's plain launches";
+    ps.dev_pool.upload(ps.host_pool);
+    poison_outputs(L, T, g);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
+    for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    const Outputs replay = grab(L, ps.dev_pool, T, g);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    EXPECT_TRUE(replay.out == rs.out && replay.q == rs.q && replay.ids == rs.ids &&
+                replay.pool == rs.pool)
+        << "graph, PDL: differs from the row split's plain launches";
+    L.set_programmatic_launch(false);
+    ASSERT_TRUE(L.set_row_split(false).ok());
+    ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &back));
+    EXPECT_TRUE(back.out == plain.out && back.pool == plain.pool) << "row split off: not plain";
+    EXPECT_TRUE(ps.dev_pool.guards_intact());
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(CudaLayerTest, RejectedUploadAndPlanTouchNothing) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);

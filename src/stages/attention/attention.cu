@@ -89,7 +89,10 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // were 22-25 (see attention_verify_kernel) and, for the decode kernel, the page-table prefetch
 // alone (decode_kernel 8: B64 40.9-42.4 vs 40.7-41.8) and the refill at the end of the iteration
 // (9: 41.5-42.1).
-constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
+// Session 20: 53 (21 with the rows out by bulk copies, attention_verify_wgmma.cuh write_rows_bulk)
+// replaces 21: B256 x 4 @ 32K 157.5-158.1 and 158.7-159.9 vs 160.7-160.8 and 160.5-161.6 us (rounds
+// D / E, same-run alternating runs); 21 was removed.
+constexpr int kAutoVerifyVariant = 53;  // sparse and dense (layers 0-2) alike
 // ... except for one-wave grids (make_plan), where 27 (21's loop on cp.async loads, the early
 // copies by TMA, as in the decode kernel) runs. Round C2 (two runs, sparse draft 3, isolated us at
 // 8K / 32K / 128K): B64 x 4 44.7 / 44.4 / 44.7 and 44.8 / 44.6 / 44.3 vs 45.5 / 46.3 / 46.0
@@ -104,7 +107,10 @@ constexpr int kAutoVerifyVariant = 21;  // sparse and dense (layers 0-2) alike
 // 42.3-42.9 vs 43.2-44.4 and 43.9-44.4 for 34 (then removed); see attention_verify_kernel for
 // what lost (37-41, 43-45). 46 (21 with the early Q, for B256 x 4) was built but never ran (no
 // device time left) and was removed.
-constexpr int kAutoVerifyOneWave = 42;
+// Session 20: 52 (42 with the rows out by bulk copies) replaces 42: B64 x 4 at 8K / 32K / 128K
+// 41.4-42.1 vs 42.2-42.8 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (42.24) (round E); 42 was
+// removed, and so were 50, 51, 54-57 (see attention_verify_kernel).
+constexpr int kAutoVerifyOneWave = 52;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -120,7 +126,7 @@ struct Plan {
   int ctas = 0;         // its persistent CTAs
   int qt = 1;           // tokens per tile
   int splits = 1;       // CTAs per (tile, KV head)
-  int verify_variant = 21;   // variant of the verify kernel (AttentionCudaConfig)
+  int verify_variant = 53;   // variant of the verify kernel (AttentionCudaConfig)
   bool pdl = false;          // programmatic launches of the decode / verify kernels, merge
   bool decode_early = true;  // decode_kernel 0 / 10 / 11: attention_decode_early_kernel
   int decode_first = 2;      // its early copies (decode_kernel 11: 1)
@@ -186,14 +192,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
                          " is negative");
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
-  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 21 &&
-      cfg.verify_variant != 27 && cfg.verify_variant != 42)
+  if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 27 &&
+      cfg.verify_variant != 52 && cfg.verify_variant != 53)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 21, 27 or 42 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
-        "16 and 18-20 in session 16; 17, 22-26 in session 17: 21 is 17 with the "
-        "early copies; 28-33, 35 and 36 in session 18; 34 (42 without the early Q), 37-41 and "
-        "43-46 in session 19)");
+        " is not 0, 8, 27, 52 or 53 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
+        "16 and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session 18; "
+        "34, 37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 "
+        "without them), 50, 51 and 54-57 in session 20)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -259,8 +265,8 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
     // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
-    // 42, the loop on cp.async loads with one early copy and Q loaded at entry; more waves: 21
-    // (kAutoVerifyVariant).
+    // 52, the loop on cp.async loads with one early copy and Q loaded at entry; more waves: 53
+    // (kAutoVerifyVariant); both write their rows by bulk copies.
     const int64_t per_request = (T + R - 1) / R;
     const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
     if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;
@@ -293,11 +299,12 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variant 21 (kTma: TMA loads and the early copies, kTwoPass: the two-pass V NaN test, kLazy: the
-// lazy running max) runs as 8 (cp.async, the NaN test in every block) where the pool is not
-// 16-byte aligned or the driver refuses the tensor maps.
+// Variants 27, 52, 53 (kTma: TMA loads, kEarly: the early copies, kTwoPass: the two-pass V NaN
+// test, kLazy: the lazy running max, kBulkOut: the rows out by bulk copies) run as 8 (cp.async, the
+// NaN test in every block) where the pool is not 16-byte aligned or the driver refuses the tensor
+// maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQEarly = false>
+          int kFirst = av::kStages - 1, bool kQEarly = false, bool kBulkOut = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -307,7 +314,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kBulkOut>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -356,12 +364,13 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
   if (pl.verify) {
     if (!vec16) return launch_verify<false, false>(args, pl, n_kv, stream);  // TMA needs 16 B
     switch (pl.verify_variant) {
-      case 21:
-        return launch_verify<true, true, true, true>(args, pl, n_kv, stream);
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
-      case 42:  // 27 with one early copy and Q loaded at entry for the guessed tile
-        return launch_verify<true, false, true, true, true, 1, true>(args, pl, n_kv, stream);
+      case 52:  // 27 with one early copy, Q loaded at entry for the guessed tile, bulk-copied rows
+        return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
+      case 53:  // the TMA ring with two early copies, bulk-copied rows
+        return launch_verify<true, true, true, true, true, av::kStages - 1, false, true>(
+            args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

@@ -351,6 +351,67 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
+// kBulkOut (variants 52, 53; session 20): write_rows' BF16 rows through shared memory and out by
+// the TMA engine (one 256-byte bulk copy per row) instead of 32 4-byte global stores per lane. Why
+// (ncu of 42, session 20 round B, B64 x 4 @ 32K): the epilogue's samples were the exit's drain (49
+// of 257) and a long-scoreboard wait on the first instruction that reuses a store's data register
+// (34): the stores queue in the SM's load / store path behind the neighbour CTA's cp.async
+// refills, and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Same-run
+// A/Bs (isolated us, 3 alternating runs at 8K / 32K / 128K): 52 = 42 + this, B64 x 4 41.4-42.1 vs
+// 42.2-42.8 for 42 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (mean 42.24) (round E); 53 = 21
+// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are staged
+// kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
+// banks) in the ring (free after the loop); each warp (token) fences its stores for the async
+// proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
+// out_q, 16-byte aligned out rows; elsewhere write_rows.
+constexpr int kRowPitch = 2 * ak::kDim + 16;
+__device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
+  return a.splits == 1 && a.out_q == nullptr &&
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
+}
+__device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
+                                                const uint32_t* nan_dims, int t0, int nt, int g,
+                                                uint8_t* stage) {
+  const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
+  const int grp = lane >> 2, tig = lane & 3;
+  uint32_t nd[4];
+#pragma unroll
+  for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
+  const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+  uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    float lsum = st.l[e];
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
+    uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
+      if (any_nan) {
+        const int dim = 8 * j + 2 * tig;
+        if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
+        if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
+      }
+      const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
+      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+    }
+  }
+  ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
+  __syncwarp();
+  if (tok < nt && lane < a.group) {
+    const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
+                          static_cast<int64_t>(g * a.group + lane) * ak::kDim;
+    asm volatile(
+        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+        "cp.async.bulk.commit_group;\n"
+        "cp.async.bulk.wait_group.read 0;\n" ::"l"(dst),
+        "r"(ak::smem_u32(rows + lane * kRowPitch)), "n"(2 * ak::kDim)
+        : "memory");
+  }
+}
+
 __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
   if (threadIdx.x == 0) {
 #pragma unroll
@@ -360,7 +421,7 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 21, 27). Grid: (tiles bound x n_kv, 1, splits); block:
+// The decode / verify kernel (variants 8, 27, 52, 53). Grid: (tiles bound x n_kv, 1, splits); block:
 // kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
@@ -434,8 +495,17 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // 42.96 / 42.72), 45 (43 with the pass-0 NaN probe as 8 partial sums: 42.86). A refill issued
 // before S is complete (wgmma_wait<1> for the previous P V, then <0>) was not built: ptxas
 // serialises the wgmma pipeline with any wait_group 1 in this loop (C7514).
+// Session 20: kBulkOut (write_rows_bulk). 52 (42 + kBulkOut) is automatic for one-wave grids and 53
+// (21 + kBulkOut) for more waves; 42 and 21 were removed after rounds D / E (numbers at
+// write_rows_bulk). Lost and removed (same-round A/Bs, B64 x 4 isolated us at 8K / 32K / 128K): a
+// ring of 13 8-KB quarters (one K or V key half each; 104 KB, one quarter more in flight than the
+// 3 stages; S as two m64n64k32 per k-step, per-half P V descriptors): on cp.async loads (50, 51
+// with kBulkOut) 45.3-47.2 vs 42.2-42.8 for 42 (round D; 2.26 us per block vs 2.14), on TMA loads
+// with an mbarrier per slot (54, 55) 46.4-47.7 vs 41.6-42.0 for 52 (round E): the deeper ring
+// made every block slower; 56 (52 with the stage ring by TMA, 21's loop with one early copy)
+// 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQEarly = false>
+          int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -633,7 +703,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  write_rows(a, st, s_nan[tok], t0, nt, g, split);
+  if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
+    write_rows_bulk(a, st, s_nan[tok], t0, nt, g, smem);
+  else
+    write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);
 }
 

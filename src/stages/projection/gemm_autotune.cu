@@ -678,6 +678,87 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   return Status::Ok();
 }
 
+// The prefill kernel on the scratch operands at b.m_hi (every cluster shape, warpgroups ordered or
+// not): same poisoning and fingerprint as measure(), bit-identical to the kept cuBLASLt algorithm
+// or not chosen; both timed as CUDA-graph replays with a cold L2, the fastest shape and cuBLASLt
+// then replayed twice more, alternating, each keeping its lowest median.
+Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
+  const int64_t rows = std::min(b.m_hi, t.m);
+  const Device dev = Device::cuda(device);
+  const int64_t kb_row = gemm_weight_scales_row_stride(k);
+  GemmParams p;
+  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
+  p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
+  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
+  p.b_scales =
+      TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
+  p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
+  const size_t elems = static_cast<size_t>(rows * t.ld_d);
+  constexpr int kIters = 5;
+  auto lt_launch = [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; };
+  // (Layouts and scale pointers of the cuBLASLt launch are still at m_hi from tune_bucket.)
+  double lt_us = -1;
+  M3_RETURN_IF_ERROR(graph_median_us(t, kIters, lt_launch, &lt_us));
+  if (lt_us < 0) {
+    b.tuning += "; cuBLASLt replay failed: prefill not timed";
+    return Status::Ok();
+  }
+  double best_us = -1;
+  std::string timed;
+  // Every cluster shape, warpgroups ordered or not (session 20 could not time them against each
+  // other on the device before the final round: the tuner decides per object).
+  for (const int shape : {211, 111, 121, 221, 210, 110, 120, 220}) {
+    GemmPrefillOptions o;
+    o.cluster_m = shape / 100;
+    o.cluster_n = shape / 10 % 10;
+    o.ordered = shape % 10 != 0;
+    const std::string label = prefill_label(o);
+    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+    const Status first = run_gemm_prefill_cuda(p, t.stream, o);
+    if (!first.ok()) {
+      cudaGetLastError();
+      M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+      timed += (timed.empty() ? "" : ", ") + label + " refused (" + first.to_string() + ")";
+      continue;
+    }
+    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
+    M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    unsigned long long print = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+    if (print != b.tuned_print) {
+      timed += (timed.empty() ? "" : ", ") + label + " output differs from cuBLASLt's";
+      continue;
+    }
+    double us = -1;
+    M3_RETURN_IF_ERROR(graph_median_us(
+        t, kIters, [&] { return run_gemm_prefill_cuda(p, t.stream, o).ok(); }, &us));
+    if (us < 0) continue;
+    timed += (timed.empty() ? "" : ", ") + label + " " + fmt_us(us);
+    if (best_us < 0 || us < best_us) {
+      best_us = us;
+      b.prefill_options = o;
+    }
+  }
+  const double first_lt_us = lt_us;
+  for (int round = 0; round < 2 && best_us > 0; ++round) {
+    double us = -1;
+    M3_RETURN_IF_ERROR(graph_median_us(t, kIters, lt_launch, &us));
+    if (us > 0) lt_us = std::min(lt_us, us);
+    us = -1;
+    M3_RETURN_IF_ERROR(graph_median_us(
+        t, kIters, [&] { return run_gemm_prefill_cuda(p, t.stream, b.prefill_options).ok(); },
+        &us));
+    if (us > 0) best_us = std::min(best_us, us);
+  }
+  b.prefill = best_us > 0 && best_us < 0.98 * lt_us;
+  b.tuning += "; replayed: cuBLASLt " + fmt_us(first_lt_us) + " us, prefill [" + timed +
+              "] us; best of three: cuBLASLt " + fmt_us(lt_us) + ", prefill " + fmt_us(best_us) +
+              " us: " + (b.prefill ? "prefill chosen" : "prefill not faster");
+  return Status::Ok();
+}
+
 // Tunes every bucket with m_hi <= autotune_max_m within the time budget. Never fails: what
 // cannot be tuned keeps the heuristic's choice, with the reason in Bucket::tuning.
 void Fp8BlockGemm::Impl::autotune() {
@@ -714,6 +795,10 @@ void Fp8BlockGemm::Impl::autotune() {
         if (!st.ok()) break;
         if (b.m_hi <= wgmma_auto_max_m && b.tuned_us > 0) {
           (void)(st = tune_wgmma(b, t));
+          if (!st.ok()) break;
+        }
+        if (options.prefill_min_m > 0 && b.m_hi >= options.prefill_min_m && b.tuned_us > 0) {
+          (void)(st = tune_prefill(b, t));
           if (!st.ok()) break;
         }
       }

@@ -242,15 +242,6 @@ Status Fp8BlockGemm::pack_weights_rows(const TensorView& b, cudaStream_t stream)
     M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.row_image, bytes.value()));
     s.row_image_bytes = bytes.value();
   }
-  if (s.wgmma_workspace == nullptr) {  // run_gemm_wgmma_cuda's contract (the row split leaves it)
-    Result<size_t> ws = gemm_wgmma_workspace_bytes(
-        s.n, std::min<int64_t>(s.options.row_split_max_m, kGemmWgmmaMaxM), 1,
-        s.options.wgmma.ctas_per_sm);
-    M3_RETURN_IF_ERROR(ws.status());
-    M3_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.wgmma_workspace, ws.value()));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemset(s.wgmma_workspace, 0, ws.value()));
-    s.wgmma_workspace_bytes = ws.value();
-  }
   Result<int> ctas = gemm_wgmma_rows_ctas(s.n);
   M3_RETURN_IF_ERROR(ctas.status());
   s.row_weight = nullptr;  // (unused until the image is written)
@@ -287,6 +278,15 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
   M3_CHECK_ARG(options.wgmma_auto_max_m >= -1 && options.wgmma_auto_max_m <= kGemmWgmmaMaxM,
                "Fp8BlockGemm wgmma_auto_max_m = ", options.wgmma_auto_max_m, " must be in [-1, ",
                kGemmWgmmaMaxM, "]");
+  M3_CHECK_ARG(options.prefill_min_m >= 0, "Fp8BlockGemm prefill_min_m = ", options.prefill_min_m,
+               " must be >= 0");
+  {
+    const GemmPrefillOptions& o = options.prefill;
+    M3_CHECK_ARG((o.cluster_m == 1 || o.cluster_m == 2) && (o.cluster_n == 1 || o.cluster_n == 2),
+                 "Fp8BlockGemm prefill cluster ", o.cluster_m, " x ", o.cluster_n,
+                 ": each side must be 1 or 2");
+    M3_CHECK_ARG(o.group_m >= 1, "Fp8BlockGemm prefill.group_m = ", o.group_m, " must be >= 1");
+  }
   int64_t wgmma_max_m = options.wgmma_max_m;
   int64_t wgmma_auto = 0;  // buckets with m_hi <= this: the autotuner may choose the wgmma kernel
   if (wgmma_max_m < 0) {
@@ -411,21 +411,43 @@ Status Fp8BlockGemm::check(const GemmParams& p) const {
   return Status::Ok();
 }
 
+namespace {
+
+// The row split over `image` (packed for `ctas` CTAs) with the object's wgmma options otherwise.
+Status run_rows(const Fp8BlockGemmOptions& options, const GemmParams& p, const void* image,
+                int ctas, bool programmatic, cudaStream_t stream) {
+  GemmWgmmaOptions o = options.wgmma;
+  o.row_packed_weights = image;
+  o.row_packed_ctas = ctas;
+  o.burst = 0;
+  o.cluster_split = 0;
+  o.packed_weights = nullptr;
+  o.programmatic_launch = o.programmatic_launch || programmatic;
+  o.trigger_dependents = o.trigger_dependents || programmatic;
+  return run_gemm_wgmma_cuda(p, nullptr, 0, stream, o);  // (the row split needs no workspace)
+}
+
+}  // namespace
+
+Status Fp8BlockGemm::run_row_split(const GemmParams& p, const GemmRowImage& image,
+                                   bool programmatic, cudaStream_t stream) {
+  const Impl& s = *impl_;
+  const int64_t m = p.a.shape[0];
+  if (image.data == nullptr || m > s.options.row_split_max_m || m > kGemmWgmmaMaxM)
+    return run(p, stream);
+  M3_RETURN_IF_ERROR(check(p));
+  if (m == 0) return Status::Ok();
+  return run_rows(s.options, p, image.data, image.ctas, programmatic, stream);
+}
+
 Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   M3_RETURN_IF_ERROR(check(p));
   Impl& s = *impl_;
   const int64_t m = p.a.shape[0];
   if (m == 0) return Status::Ok();
   if (s.row_weight != nullptr && p.b.data == s.row_weight && p.b.stride[0] == s.row_weight_stride &&
-      m <= s.options.row_split_max_m && m <= kGemmWgmmaMaxM) {
-    GemmWgmmaOptions o = s.options.wgmma;
-    o.row_packed_weights = s.row_image;
-    o.row_packed_ctas = s.row_ctas;
-    o.burst = 0;
-    o.cluster_split = 0;
-    o.packed_weights = nullptr;
-    return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream, o);
-  }
+      m <= s.options.row_split_max_m && m <= kGemmWgmmaMaxM)
+    return run_rows(s.options, p, s.row_image, s.row_ctas, false, stream);
   if (m <= s.wgmma_max_m)
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                s.options.wgmma);
@@ -441,6 +463,10 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   if (bucket->wgmma)  // the autotuner's choice (auto mode); m <= wgmma_auto_max_m
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                bucket->wgmma_options);
+  if (s.options.prefill_min_m > 0 && m >= s.options.prefill_min_m && s.options.force_prefill)
+    return run_gemm_prefill_cuda(p, stream, s.options.prefill);
+  if (bucket->prefill)  // the autotuner's choice; m_hi >= prefill_min_m
+    return run_gemm_prefill_cuda(p, stream, bucket->prefill_options);
   const bool aligned = aligned_to(p.a.data, kStrictAlignment) &&
                        aligned_to(p.b.data, kStrictAlignment) &&
                        aligned_to(p.out.data, kStrictAlignment) &&
@@ -478,6 +504,12 @@ std::string Fp8BlockGemm::algorithm_for(int64_t m) const {
       break;
     }
   }
+  if (s.options.prefill_min_m > 0 && m >= s.options.prefill_min_m && s.options.force_prefill)
+    return "prefill kernel (run_gemm_prefill_cuda, forced: " +
+           prefill_label(s.options.prefill) + ")";
+  if (bucket->prefill)
+    return "prefill kernel (run_gemm_prefill_cuda, autotuned: " +
+           prefill_label(bucket->prefill_options) + ")";
   if (bucket->wgmma)
     return "wgmma kernel (run_gemm_wgmma_cuda, autotuned: min units per CTA " +
            std::to_string(bucket->wgmma_options.min_units_per_cta) + ", L2 promotion " +
@@ -516,6 +548,8 @@ std::string Fp8BlockGemm::describe() const {
     }
     os << "\n";
     if (b.wgmma) os << "    -> wgmma kernel (autotuned)\n";
+    if (b.prefill)
+      os << "    -> prefill kernel, " << prefill_label(b.prefill_options) << " (autotuned)\n";
     if (!b.tuning.empty()) os << "    " << b.tuning << "\n";
   }
   return os.str();

@@ -69,6 +69,13 @@
 // sweep, as the benchmarks), and runs it for that bucket when its output is identical to the kept
 // cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).
 //
+// Prefill (gemm_prefill.h): for every M bucket with m_hi >= Fp8BlockGemmOptions::prefill_min_m
+// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (every cluster shape,
+// warpgroups ordered or not) on its scratch operands, as CUDA-graph replays with a cold L2
+// against the kept cuBLASLt algorithm, and runs the fastest shape for that bucket when its output
+// is identical to cuBLASLt's and it is at least 2 % faster; Fp8BlockGemmOptions::force_prefill
+// runs it for every M >= prefill_min_m instead (tests, benchmarks).
+//
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time
 // (two GEMMs in flight on different streams need two objects). Any cuBLASLt failure becomes a
@@ -85,6 +92,7 @@
 
 #include "m3attn/status.h"
 #include "m3attn/tensor.h"
+#include "stages/projection/gemm_prefill.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/projection.h"
 
@@ -183,6 +191,21 @@ struct Fp8BlockGemmOptions {
   // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
   // (20.7 when chained by programmatic dependent launch): 32 stays.
   int row_split_max_m = 32;
+  // Buckets with m_hi >= this may run the prefill kernel (run_gemm_prefill_cuda) when the
+  // autotuner times it faster than cuBLASLt (0: never).
+  int64_t prefill_min_m = 1024;
+  // Every call with M >= prefill_min_m (> 0) runs the prefill kernel with `prefill`, whatever the
+  // autotuner found.
+  bool force_prefill = false;
+  GemmPrefillOptions prefill;  // the forced path's options (the autotuner picks its own)
+};
+
+// A row-split image of one weight that the caller owns: gemm_wgmma_pack_weights_rows of that
+// weight for `ctas` CTAs (gemm_wgmma_rows_ctas on this device), gemm_wgmma_rows_packed_bytes
+// bytes. See Fp8BlockGemm::run_row_split.
+struct GemmRowImage {
+  const void* data = nullptr;
+  int ctas = 0;
 };
 
 class Fp8BlockGemm {
@@ -208,6 +231,13 @@ class Fp8BlockGemm {
   // where the row split cannot serve the shape or device (N above 40 rows per CTA, K > 8192, no
   // sm_90): nothing changes then.
   Status pack_weights_rows(const TensorView& b, cudaStream_t stream);
+  // run() with a caller-owned row-split image of p.b (one object serving many weights, e.g. one
+  // image per layer): calls with M <= row_split_max_m run the row split over `image`; with
+  // `programmatic` it is launched with programmatic dependent launch and lets the next kernel
+  // launch early (GemmWgmmaOptions::programmatic_launch + trigger_dependents: the preceding kernel
+  // must not write the weight or the image). Other calls (and image.data null) run as run().
+  Status run_row_split(const GemmParams& p, const GemmRowImage& image, bool programmatic,
+                       cudaStream_t stream);
 
   int64_t max_m() const;
   int64_t n() const;

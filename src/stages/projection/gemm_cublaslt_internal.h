@@ -61,6 +61,8 @@ struct Bucket {
   unsigned long long tuned_print = 0;  // its output fingerprint on the scratch operands
   bool wgmma = false;  // the autotuner chose the wgmma kernel for this bucket (auto mode)
   GemmWgmmaOptions wgmma_options;  // with wgmma: the options it was timed fastest with
+  bool prefill = false;  // the autotuner chose the prefill kernel for this bucket
+  GemmPrefillOptions prefill_options;  // with prefill: the options it was timed fastest with
 };
 
 constexpr int kTuneMaxIters = 7;
@@ -145,6 +147,11 @@ inline std::string short_label(const cublasLtMatmulAlgo_t& algo) {
 
 using TuneClock = std::chrono::steady_clock;
 
+inline std::string prefill_label(const GemmPrefillOptions& o) {
+  return "cluster " + std::to_string(o.cluster_m) + "x" + std::to_string(o.cluster_n) + " group " +
+         std::to_string(o.group_m) + (o.ordered ? " ordered" : " unordered");
+}
+
 }  // namespace gemm_lt
 
 struct Fp8BlockGemm::Impl {
@@ -227,6 +234,11 @@ struct Fp8BlockGemm::Impl {
   // grid / burst shapes when those are the defaults) and chooses it for the bucket when its output
   // equals the cuBLASLt algorithm's and it is at least 2% faster.
   Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
+
+  // Buckets with m_hi >= prefill_min_m: times the prefill kernel (every cluster shape, warpgroups
+  // ordered or not) at b.m_hi against the kept cuBLASLt algorithm and chooses the fastest shape
+  // when its output is identical and it is at least 2 % faster.
+  Status tune_prefill(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
   // Tunes every bucket with m_hi <= autotune_max_m within the time budget. Never fails: what
   // cannot be tuned keeps the heuristic's choice, with the reason in Bucket::tuning.

@@ -422,42 +422,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                " must be below 2^31 (TMA coordinates and unit indices are 32-bit)");
   if (m == 0) return Status::Ok();
 
-  // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07
-  // us with one, M 64 26.88 vs 30.37, once the split-K partials became fragment-major; before,
-  // one CTA per SM was chosen above M 16).
-  const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm : kMaxCtasPerSm;
-  M3_CHECK_ARG(options.cluster_split <= kblocks,
-               "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
-               " must not exceed K / 128 = ", kblocks);
-  const int cluster_split = options.cluster_split;
-  M3_CHECK_ARG(options.packed_weights == nullptr || cluster_split == 0,
-               "GemmWgmmaOptions::packed_weights serves the stream-K split only (cluster_split = ",
-               cluster_split, ")");
-  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.packed_weights) % 16 == 0,
-               "GemmWgmmaOptions::packed_weights must be 16-byte aligned");
-  const int64_t grid_cluster = tiles * cluster_split;
-  M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
-               "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
-               " CTAs must be below 2^31");
-  const int grid =
-      cluster_split > 0 ? static_cast<int>(grid_cluster) : stream_k_grid(units, options, info.sms);
-  const size_t counters = gemm_wgmma_counter_bytes(n);
-  // Partial slots: two per CTA (stream-K), none (cluster split).
-  const size_t slots = cluster_split > 0 ? 0 : size_t{2} * static_cast<size_t>(grid);
-  const size_t need =
-      counters + slots * static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float);
-  M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
-               "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
-               " are needed (N = ", n, ", M = ", m, ", ", grid,
-               " CTAs): size it with gemm_wgmma_workspace_bytes");
-  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
-               "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
-
-  // The row split (variant): its own kernel, no workspace traffic.
+  // The row split (variant): its own kernel, no workspace (it may be null).
   if (options.row_packed_weights != nullptr) {
-    M3_CHECK_ARG(cluster_split == 0 && options.packed_weights == nullptr,
-                 "GemmWgmmaOptions::row_packed_weights excludes cluster_split (", cluster_split,
-                 ") and packed_weights");
+    M3_CHECK_ARG(options.cluster_split == 0 && options.packed_weights == nullptr,
+                 "GemmWgmmaOptions::row_packed_weights excludes cluster_split (",
+                 options.cluster_split, ") and packed_weights");
     M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.row_packed_weights) % 16 == 0,
                  "GemmWgmmaOptions::row_packed_weights must be 16-byte aligned");
     const int rgrid = options.row_packed_ctas;
@@ -490,6 +459,37 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
   }
+
+  // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07
+  // us with one, M 64 26.88 vs 30.37, once the split-K partials became fragment-major; before,
+  // one CTA per SM was chosen above M 16).
+  const int ctas_per_sm = options.ctas_per_sm != 0 ? options.ctas_per_sm : kMaxCtasPerSm;
+  M3_CHECK_ARG(options.cluster_split <= kblocks,
+               "GemmWgmmaOptions::cluster_split = ", options.cluster_split,
+               " must not exceed K / 128 = ", kblocks);
+  const int cluster_split = options.cluster_split;
+  M3_CHECK_ARG(options.packed_weights == nullptr || cluster_split == 0,
+               "GemmWgmmaOptions::packed_weights serves the stream-K split only (cluster_split = ",
+               cluster_split, ")");
+  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(options.packed_weights) % 16 == 0,
+               "GemmWgmmaOptions::packed_weights must be 16-byte aligned");
+  const int64_t grid_cluster = tiles * cluster_split;
+  M3_CHECK_ARG(grid_cluster < (int64_t{1} << 31),
+               "run_gemm_wgmma_cuda: N / 128 x cluster_split = ", grid_cluster,
+               " CTAs must be below 2^31");
+  const int grid =
+      cluster_split > 0 ? static_cast<int>(grid_cluster) : stream_k_grid(units, options, info.sms);
+  const size_t counters = gemm_wgmma_counter_bytes(n);
+  // Partial slots: two per CTA (stream-K), none (cluster split).
+  const size_t slots = cluster_split > 0 ? 0 : size_t{2} * static_cast<size_t>(grid);
+  const size_t need =
+      counters + slots * static_cast<size_t>(padded_rows(m)) * kTileN * sizeof(float);
+  M3_CHECK_ARG(workspace != nullptr && workspace_bytes >= need,
+               "run_gemm_wgmma_cuda: the workspace holds ", workspace_bytes, " bytes, ", need,
+               " are needed (N = ", n, ", M = ", m, ", ", grid,
+               " CTAs): size it with gemm_wgmma_workspace_bytes");
+  M3_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % kCounterAlign == 0,
+               "run_gemm_wgmma_cuda: the workspace must be ", kCounterAlign, "-byte aligned");
 
   // TMA: rows of one-row operands have no stride; any multiple of 16 bytes does.
   CUtensorMap wmap, xmap;

@@ -7,6 +7,7 @@
 //   - a workspace of at least gemm_wgmma_workspace_bytes(N, M) bytes, 256-byte aligned, whose
 //     first gemm_wgmma_counter_bytes(N) bytes are zero before the first call (cudaMemset once at
 //     allocation): every launch leaves them zero again. One workspace serves one stream at a time.
+//     The row split (GemmWgmmaOptions::row_packed_weights) uses none: it may be null there.
 // Deterministic: for a given device and options, results do not depend on timing (split-K
 // partials are summed in a fixed order). Allocates nothing, never synchronizes, CUDA-graph
 // capturable (the TMA descriptors are encoded on the host at every call and passed by value).
@@ -64,12 +65,13 @@ struct GemmWgmmaOptions {
   // Variant (session 18): the row split over a packed linear image (gemm_wgmma_rows_kernel.cuh):
   // the image gemm_wgmma_pack_weights_rows wrote for this device (nullptr: off). Each of
   // min(2 x SMs, N) CTAs owns ceil-or-floor(N / CTAs) whole weight rows (at most 40: N <= 40 x
-  // that) over the whole K (K <= 8192), so there is no split-K and no workspace traffic, and the
-  // grid reads the image front to back. b's scales and shape still come from the call; its data
-  // is not read. At M > 32 it runs its token-major form (activations as the wgmma A operand, the
-  // CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4 at M
-  // <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two consumer
-  // warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
+  // that) over the whole K (K <= 8192), so there is no split-K and no workspace (null allowed),
+  // and the grid reads the image front to back. b's scales and shape still come from the call; its
+  // data is not read. At M > 32 it runs its token-major form (activations as the wgmma A operand,
+  // the CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4 at
+  // M
+  // <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two
+  // consumer warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
   // activation boxes per SM; the default K blocks per stage): session 18 round I, us isolated /
   // back to back, o_proj (N 6144, K 8192) M 1 17.79 / 15.40 and M 16 18.91 / 16.62 against 17.89 /
   // 16.13 and 21.31 / 17.33 with two CTAs, but the fused N 9856 x K 6144 M 1 / 16 / 32 19.62 /

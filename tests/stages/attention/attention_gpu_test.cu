@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 21 and 27), with and without splits;
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52 and 53), with and without splits;
 // all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -71,11 +71,12 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // verify_variant, decode_kernel}; 0 = the plan's choice): kAuto the automatic
 // plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
-// runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async)
-// and 17 (TMA, the two-pass V NaN test, a lazy running max; 8 where TMA cannot address the pool),
-// 21 (session 16's 17 with the first copies issued before the union is complete), 27 (21's
-// loop on cp.async loads) and 42 (27 with one early copy and Q loaded at entry for the guessed
-// tile; automatic for one-wave grids); kMma also
+// runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async
+// loads, the NaN test in every block), 53 (TMA, the two-pass V NaN test, a lazy running max, the
+// first copies issued before the union is complete, the rows out by bulk copies; 8 where TMA
+// cannot address the pool; automatic beyond one wave), 27 (53's loop on cp.async loads, plain
+// row stores) and 52 (27 with one early copy, Q loaded at entry for the guessed tile and the rows
+// out by bulk copies; automatic for one-wave grids); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -97,7 +98,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 21, 27, 42}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 52, 53}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -438,7 +439,7 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
 
 // A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
 // without splits, its NaN path, and the mma.sync decode kernel (both variants). The 7-token
-// request makes verify 42's guessed tile [4 tile, 4 tile + 4) (Q loaded at entry) right for tiles
+// request makes verify 52's guessed tile [4 tile, 4 tile + 4) (Q loaded at entry) right for tiles
 // 0 and 1, wrong for tiles 2 and 3 (Q loaded again) and absent for tile 4.
 TEST(AttentionGpu, SanitizerSmallVerify) {
   M3_REQUIRE_GPU();
@@ -856,6 +857,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 36 (21 with one early copy, removed in session 18)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 34}, StatusCode::kUnsupported,
                   "verify_variant 34 (42 without the early Q, removed in session 19)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 42}, StatusCode::kUnsupported,
+                  "verify_variant 42 (52 without the bulk-copied rows, removed in session 20)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 21}, StatusCode::kUnsupported,
+                  "verify_variant 21 (53 without the bulk-copied rows, removed in session 20)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 54}, StatusCode::kUnsupported,
+                  "verify_variant 54 (the quarter ring, removed in session 20)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 8}, StatusCode::kUnsupported,
                   "decode_kernel 8 (the page-table prefetch, removed in session 17)");
   expect_rejected(

@@ -1,0 +1,50 @@
+// The prefill-size block-scaled FP8 GEMM on Hopper (gemm_prefill_kernel.cuh): the math of
+// run_gemm_cpu (SPEC section 2) for large M, a persistent warp-specialised wgmma kernel with
+// 128 x 128 output tiles.
+// Contract (besides validate_gemm):
+//   - every tensor on the current CUDA device, an sm_90 device;
+//   - any M >= 0 (rows past M are neither read from A beyond its extent nor written; M == 0
+//     launches nothing), N % 128 == 0, K % 128 == 0, M, N, K < 2^31;
+//   - activation scales token-major: strides (1, s1) with s1 % 4 == 0 and a 16-byte aligned base
+//     (the layout of gemm_activation_scales_view for a padded M); any weight-scale strides.
+// Deterministic (each output is summed by one thread in K order). Allocates nothing, never
+// synchronizes, CUDA-graph capturable (the TMA descriptors are encoded on the host at every call).
+#pragma once
+
+#if defined(M3ATTN_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "m3attn/status.h"
+#include "stages/projection/projection.h"
+
+namespace m3attn {
+
+struct GemmPrefillOptions {
+  // Thread-block cluster of cluster_m x cluster_n CTAs (each 1 or 2): the CTAs of a cluster compute
+  // a cluster_m x cluster_n block of output tiles; those sharing weight rows (a cluster column)
+  // load 1 / cluster_m of the weight tile each and multicast it, those sharing activation rows
+  // (a cluster row) 1 / cluster_n of the activation tile.
+  int cluster_m = 2;
+  int cluster_n = 1;
+  // Raster group: tiles are visited in groups of `group_m` m tiles (rounded up to whole clusters)
+  // by every n tile, m fastest.
+  int group_m = 16;
+  // The two consumer warpgroups issue their wgmma groups in turns (each after the other's
+  // previous one), so one folds its K block while the other's wgmmas run.
+  bool ordered = true;
+};
+
+// The CTAs run_gemm_prefill_cuda launches at most on the current device with these options (one
+// wave of resident clusters).
+Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options = {});
+
+// OK when run_gemm_prefill_cuda can serve `p` on the current device (sm_90, token-major
+// activation scales with s1 % 4 == 0); unsupported naming the reason otherwise.
+Status gemm_prefill_supported(const GemmParams& p);
+
+Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
+                             const GemmPrefillOptions& options = {});
+
+}  // namespace m3attn
+
+#endif  // M3ATTN_WITH_CUDA

@@ -464,18 +464,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
-  // 17: the row split with 2 K blocks per stage, chained. (Session 20 also timed and removed: a K split
-  // of the row split, one CTA per image CTA pair whose two warpgroups took alternate stages and
-  // shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage
-  // 32.3 / 33.8, vs 17.3-17.4 / 21.7), and 2 / 4 independent wgmma chains per K block (round
-  // D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj M 1
-  // chained 15.3 / 15.4 vs 14.8), and a ring of slots sized by the CTAs' rows (round E: o_proj M 1
-  // 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3); the
-  // token-major mask fold became the fold (round E).) (Session 19 also timed and removed: the
-  // activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64, the
-  // clusters spilling into a second wave), a stage released before its fold (round F: no faster;
-  // M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round F and
-  // serial stages (no fold while the next stage's wgmmas are in flight) its only order since
+  // 17: the row split with 2 K blocks per stage, chained. (Session 20 also timed and removed: a
+  // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
+  // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
+  // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
+  // (round D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj
+  // M 1 chained 15.3 / 15.4 vs 14.8); a ring of slots sized by the CTAs' rows (round E: o_proj M
+  // 1 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3). The
+  // token-major fold by bit masks became the fold (round E).) (Session 19 also timed and removed:
+  // the activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64,
+  // the clusters spilling into a second wave), a stage released before its fold (round F: no
+  // faster; M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round
+  // F and serial stages (no fold while the next stage's wgmmas are in flight) its only order since
   // round G.)
   const ShapeVariant variants[] = {
       {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},

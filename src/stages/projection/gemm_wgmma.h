@@ -68,9 +68,8 @@ struct GemmWgmmaOptions {
   // that) over the whole K (K <= 8192), so there is no split-K and no workspace (null allowed),
   // and the grid reads the image front to back. b's scales and shape still come from the call; its
   // data is not read. At M > 32 it runs its token-major form (activations as the wgmma A operand,
-  // the CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4 at
-  // M
-  // <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two
+  // the CTA's weight rows as B; session 19). `burst` is the K blocks per ring stage there (0: 4
+  // at M <= 16, else 2; 1, 2, 4; 4 is unsupported at M > 32). ctas_per_sm = 1 runs one CTA of two
   // consumer warpgroups per SM instead of two CTAs of one (the same image; one ring and one set of
   // activation boxes per SM; the default K blocks per stage): session 18 round I, us isolated /
   // back to back, o_proj (N 6144, K 8192) M 1 17.79 / 15.40 and M 16 18.91 / 16.62 against 17.89 /

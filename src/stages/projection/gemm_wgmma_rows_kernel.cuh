@@ -194,7 +194,6 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // its accumulator, so that the wgmmas stay live: session 19's first version of 2 had no use of the
 // fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
 // D-G's "without folds" rows the same as 1).
-//
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {

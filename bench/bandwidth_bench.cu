@@ -38,7 +38,6 @@
 // projection_bench --trace prints them for the kernel).
 // usage: bandwidth_bench [--json] [--quick] [--tiles] [--lsu] [--rows [--trace]]
 #include <cuda.h>  // CUtensorMap
-#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -48,6 +47,7 @@
 #include <vector>
 
 #include "core/mbarrier.cuh"
+#include "core/tensor_map.h"
 #include "support/bench_util.h"
 
 namespace m3attn {
@@ -450,32 +450,14 @@ __global__ void __launch_bounds__(256)
   if (acc == 0x7fffffffu) sink[blockIdx.x] = static_cast<int>(acc);
 }
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult q;
-  bench::check_cuda(
-      cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q),
-      "cuTensorMapEncodeTiled entry point");
-  if (q != cudaDriverEntryPointSuccess || p == nullptr) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled not found\n");
-    std::exit(1);
-  }
-  return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-}
-
 // uint8 rows x cols (row stride cols), box box_rows x 128, 128B swizzle (as gemm_wgmma.cu).
 CUtensorMap encode_2d(const void* data, int64_t rows, int64_t cols, int box_rows) {
   CUtensorMap map;
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols)};
-  const cuuint32_t box[2] = {128, static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = tensor_map_encoder()(
-      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(data), dims, strides, box,
-      elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::fprintf(stderr, "cuTensorMapEncodeTiled failed: %d\n", static_cast<int>(r));
+  const m3attn::Status st = m3attn::encode_tensor_map_2d(
+      &map, CU_TENSOR_MAP_DATA_TYPE_UINT8, data, rows, cols, cols, box_rows, 128,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE, "bandwidth_bench");
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s\n", st.to_string().c_str());
     std::exit(1);
   }
   return map;

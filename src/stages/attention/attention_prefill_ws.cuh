@@ -100,10 +100,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <mutex>
 #include <type_traits>
 
 #include "core/cuda_check.h"
+#include "core/tensor_map.h"
 #include "m3attn/status.h"
 #include "stages/attention/attention_prefill_ws_common.cuh"
 #include "stages/attention/attention_prefill_ws_scheduler.cuh"
@@ -565,21 +565,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// cuTensorMapEncodeTiled from the driver (no libcuda link), looked up once; nullptr if missing.
+// cuTensorMapEncodeTiled from the driver (core/tensor_map.h); nullptr if missing.
 inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                         &q) == cudaSuccess &&
-        q == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-    else
-      (void)cudaGetLastError();
-  });
-  return fn;
+  Result<PFN_cuTensorMapEncodeTiled_v12000> fn = tensor_map_encode_fn();
+  if (fn.ok()) return fn.value();
+  (void)cudaGetLastError();
+  return nullptr;
 }
 
 // K, V maps: [pages][n_kv][128 tokens][128 bytes] at the K / V plane (box: one 128 x 128 tile);

@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 
 #include "core/cuda_check.h"
+#include "core/tensor_map.h"
 #include "stages/projection/gemm_prefill.h"
 #include "stages/projection/gemm_prefill_kernel.cuh"
 
@@ -17,63 +17,17 @@ namespace {
 
 namespace gp = gemm_prefill_detail;
 
-// cuTensorMapEncodeTiled from the driver, looked up once (no libcuda link needed).
-Result<PFN_cuTensorMapEncodeTiled_v12000> encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static cudaError_t error = cudaSuccess;
-  static cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSuccess;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* q = nullptr;
-    error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &q, 12000, cudaEnableDefault,
-                                             &query);
-    if (error == cudaSuccess && query == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(q);
-  });
-  if (fn) return fn;
-  return make_status(StatusCode::kCudaError,
-                     "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled) failed: ",
-                     cudaGetErrorString(error), " (query result ", static_cast<int>(query), ")");
-}
-
 // 2D map over rows x cols (cols contiguous, rows `row_bytes` apart), box box_rows x box_cols;
 // out-of-bounds elements read as zero and are not written by stores.
 Status encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* data, int64_t rows,
                   int64_t cols, int64_t row_bytes, int box_rows, int box_cols,
                   CUtensorMapSwizzle swizzle, const char* what) {
-  Result<PFN_cuTensorMapEncodeTiled_v12000> fn = encode_fn();
-  M3_RETURN_IF_ERROR(fn.status());
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_cols), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r = fn.value()(map, type, 2, const_cast<void*>(data), dims, strides, box,
-                                elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return make_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled(", what,
-                       ") failed: CUresult ", static_cast<int>(r), " (rows ", rows, ", cols ", cols,
-                       ", row bytes ", row_bytes, ", box ", box_rows, " x ", box_cols, ")");
-  return Status::Ok();
-}
-
-struct DeviceInfo {
-  int device = -1;
-  int sms = 0;
-  int major = 0;
-};
-
-Status device_info(DeviceInfo* info) {
-  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info->device));
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, info->device));
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, info->device));
-  return Status::Ok();
+  return encode_tensor_map_2d(map, type, data, rows, cols, row_bytes, box_rows, box_cols, swizzle,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, what);
 }
 
 template <int kClM, int kClN, bool kOrdered>
-Status resident_clusters(const DeviceInfo& info, int* resident_out) {
+Status resident_clusters(const CudaDeviceInfo& info, int* resident_out) {
   constexpr int kCluster = kClM * kClN;
   auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>;
   // Clusters resident at once (one CTA per SM; a GPC may leave SMs unused): the persistent grid
@@ -106,7 +60,7 @@ Status resident_clusters(const DeviceInfo& info, int* resident_out) {
 
 template <int kClM, int kClN, bool kOrdered>
 Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMap& samap,
-              const CUtensorMap& omap, const gp::PrefillArgs& args, const DeviceInfo& info,
+              const CUtensorMap& omap, const gp::PrefillArgs& args, const CudaDeviceInfo& info,
               cudaStream_t stream) {
   constexpr int kCluster = kClM * kClN;
   int resident = 0;
@@ -141,8 +95,8 @@ Status check_options(const GemmPrefillOptions& o) {
 
 Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options) {
   M3_RETURN_IF_ERROR(check_options(options));
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   if (info.major != 9)
     return unsupported("run_gemm_prefill_cuda needs an sm_90 device (wgmma, TMA)");
   int resident = 0;
@@ -163,8 +117,8 @@ Status gemm_prefill_supported(const GemmParams& p) {
                        " with s1 % 4 == 0), got strides (", s.stride[0], ", ", s.stride[1], ")");
   if (reinterpret_cast<uintptr_t>(s.data) % 16 != 0)
     return unsupported("run_gemm_prefill_cuda needs 16-byte aligned activation scales");
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   if (info.major != 9)
     return unsupported("run_gemm_prefill_cuda needs an sm_90 device (wgmma, TMA); device ",
                        info.device, " has compute capability ", info.major, ".x");
@@ -179,8 +133,8 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
                  "run_gemm_prefill_cuda needs CUDA tensors, got one on ", t->device.to_string());
   M3_RETURN_IF_ERROR(check_options(options));
   M3_RETURN_IF_ERROR(gemm_prefill_supported(p));
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   M3_CHECK_ARG(p.a.device.index == info.device, "run_gemm_prefill_cuda: tensors are on ",
                p.a.device.to_string(), " but the current device is ", info.device);
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
-#include <mutex>
 
 #include "core/cuda_check.h"
 #include "core/pdl.cuh"
+#include "core/tensor_map.h"
 #include "m3attn/config.h"
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
@@ -30,64 +30,17 @@ constexpr int kMaxClusterSplit = 8;  // GemmWgmmaOptions::cluster_split limit (p
 
 int64_t tiles_of(int64_t n) { return n / kTileN; }
 
-// cuTensorMapEncodeTiled from the driver, looked up once (no libcuda link needed).
-Result<PFN_cuTensorMapEncodeTiled_v12000> encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static cudaError_t error = cudaSuccess;
-  static cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSuccess;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* p = nullptr;
-    error = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault,
-                                             &query);
-    if (error == cudaSuccess && query == cudaDriverEntryPointSuccess)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
-  });
-  if (fn) return fn;
-  return make_status(StatusCode::kCudaError,
-                     "cudaGetDriverEntryPointByVersion(cuTensorMapEncodeTiled) failed: ",
-                     cudaGetErrorString(error), " (query result ", static_cast<int>(query), ")");
-}
-
 // 2D uint8 map over rows x cols (cols K-contiguous, rows `row_bytes` apart), box box_rows x 128,
 // 128B swizzle, out-of-bounds rows read as zero.
 Status encode_map(CUtensorMap* map, const void* data, int64_t rows, int64_t cols, int64_t row_bytes,
                   int box_rows, CUtensorMapL2promotion promotion, const char* what) {
-  Result<PFN_cuTensorMapEncodeTiled_v12000> fn = encode_fn();
-  M3_RETURN_IF_ERROR(fn.status());
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
-  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_bytes)};
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kBlockK), static_cast<cuuint32_t>(box_rows)};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult r =
-      fn.value()(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(data), dims, strides, box,
-                 elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
-                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS)
-    return make_status(StatusCode::kCudaError, "cuTensorMapEncodeTiled(", what,
-                       ") failed: CUresult ", static_cast<int>(r), " (rows ", rows, ", cols ", cols,
-                       ", row bytes ", row_bytes, ", box ", box_rows, " x ", kBlockK, ")");
-  return Status::Ok();
-}
-
-struct DeviceInfo {
-  int device = -1;
-  int sms = 0;
-  int major = 0;
-};
-
-Status device_info(DeviceInfo* info) {
-  M3_CUDA_RETURN_IF_ERROR(cudaGetDevice(&info->device));
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&info->sms, cudaDevAttrMultiProcessorCount, info->device));
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&info->major, cudaDevAttrComputeCapabilityMajor, info->device));
-  return Status::Ok();
+  return encode_tensor_map_2d(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, data, rows, cols, row_bytes,
+                              box_rows, kBlockK, CU_TENSOR_MAP_SWIZZLE_128B, promotion, what);
 }
 
 template <int kNw, int kCtasPerSm>
 Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args, int grid,
-              int waves, const DeviceInfo& info, cudaStream_t stream) {
+              int waves, const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kStages = gemm_wgmma_detail::stages<kNw, kCtasPerSm>();
   constexpr int kSmem = gemm_wgmma_detail::smem_bytes<kNw, kCtasPerSm>();
   auto* kernel = &gemm_wgmma_detail::gemm_wgmma_kernel<kNw, kStages, kCtasPerSm>;
@@ -145,7 +98,7 @@ Status launch(const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs&
 // Closed dispatch over (n = M rounded up to 8, 16, 32, 64) x CTAs per SM.
 template <int kCtasPerSm>
 Status dispatch_rows(int m, const CUtensorMap& wmap, const CUtensorMap& xmap, const WgmmaArgs& args,
-                     int grid, int waves, const DeviceInfo& info, cudaStream_t stream) {
+                     int grid, int waves, const CudaDeviceInfo& info, cudaStream_t stream) {
   if (m <= 8) return launch<8, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   if (m <= 16) return launch<16, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
   if (m <= 32) return launch<32, kCtasPerSm>(wmap, xmap, args, grid, waves, info, stream);
@@ -212,7 +165,7 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
 
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
-                   const DeviceInfo& info, cudaStream_t stream) {
+                   const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
@@ -251,8 +204,8 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // diagnostics at n = 8: one warpgroup, the default K blocks per stage).
 template <int kNw>
 Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
-                         const gemm_wgmma_detail::RowsArgs& args, int grid, const DeviceInfo& info,
-                         cudaStream_t stream) {
+                         const gemm_wgmma_detail::RowsArgs& args, int grid,
+                         const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
   if constexpr (kNw == 8) {
     if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
@@ -271,8 +224,8 @@ Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
   M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
                "gemm_wgmma_rows_supported: N = ", n, " and K = ", k,
                " must be positive multiples of ", kTileN);
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   if (info.major != 9)
     return unsupported("the row split needs an sm_90 device (wgmma, TMA); device ", info.device,
                        " has compute capability ", info.major, ".x");
@@ -281,8 +234,8 @@ Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
 
 Result<int> gemm_wgmma_rows_ctas(int64_t n) {
   M3_CHECK_ARG(n > 0, "gemm_wgmma_rows_ctas: N = ", n, " must be positive");
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   return rows_grid(n, info.sms);
 }
 
@@ -330,8 +283,8 @@ Result<size_t> gemm_wgmma_workspace_bytes(int64_t n, int64_t max_m, int max_wave
   M3_CHECK_ARG(ctas_per_sm >= 0 && ctas_per_sm <= kMaxCtasPerSm,
                "gemm_wgmma_workspace_bytes: ctas_per_sm = ", ctas_per_sm, " must be in [0, ",
                kMaxCtasPerSm, "]");
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   // Two partial slots of [n][128] fp32 per CTA (n = M rounded up to 8, 16, 32 or 64: the slots are
   // fragment-major); the grid is at most ctas_per_sm x SMs (automatic: two).
   const size_t per_sm = ctas_per_sm == 0 ? kMaxCtasPerSm : static_cast<size_t>(ctas_per_sm);
@@ -347,8 +300,8 @@ Result<size_t> gemm_wgmma_packed_bytes(int64_t n, int64_t k, const GemmWgmmaOpti
   M3_CHECK_ARG(options.min_units_per_cta >= 1 && options.max_waves >= 1 &&
                    options.ctas_per_sm >= 0 && options.ctas_per_sm <= kMaxCtasPerSm,
                "gemm_wgmma_packed_bytes: bad grid options");
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   const int64_t units = tiles_of(n) * (k / kBlockK);
   const int64_t grid = stream_k_grid(units, options, info.sms);
   // Positions v grid + c for v below the largest per-CTA count (CTAs with fewer units leave holes).
@@ -363,8 +316,8 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
   M3_RETURN_IF_ERROR(need.status());
   M3_RETURN_IF_ERROR(
       check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights"));
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   const int64_t units = tiles_of(n) * (k / kBlockK);
   const int grid = stream_k_grid(units, options, info.sms);
   gemm_wgmma_detail::pack_weights_kernel<<<1024, 256, 0, stream>>>(
@@ -377,8 +330,8 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
 int gemm_wgmma_trace_words() { return gemm_wgmma_detail::kTraceWords; }
 
 bool gemm_wgmma_device_supported() {
-  DeviceInfo info;
-  return device_info(&info).ok() && info.major == 9;
+  CudaDeviceInfo info;
+  return current_device_info(&info).ok() && info.major == 9;
 }
 
 Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspace_bytes,
@@ -408,8 +361,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
   if (m > kMaxM)
     return unsupported("run_gemm_wgmma_cuda serves M <= ", kMaxM, ", got M = ", m,
                        " (use Fp8BlockGemm)");
-  DeviceInfo info;
-  M3_RETURN_IF_ERROR(device_info(&info));
+  CudaDeviceInfo info;
+  M3_RETURN_IF_ERROR(current_device_info(&info));
   M3_CHECK_ARG(p.a.device.index == info.device, "run_gemm_wgmma_cuda: tensors are on ",
                p.a.device.to_string(), " but the current device is ", info.device);
   if (info.major != 9)

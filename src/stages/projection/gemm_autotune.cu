@@ -552,6 +552,41 @@ Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* u
   return Status::Ok();
 }
 
+
+// One candidate kernel of tune_wgmma / tune_prefill: `run` (enqueues on t.stream, returns a
+// Status) once on poisoned output, its fingerprint compared with the kept cuBLASLt algorithm's
+// (`want`), then timed as graph replays (graph_median_us). Appends "<label> <us>" to `timed`, or
+// why it was not timed; *us < 0 unless it was timed.
+template <typename Run>
+Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long want, int iters,
+                      const std::string& label, Run run, std::string* timed, double* us) {
+  *us = -1;
+  auto note = [&](const std::string& what) {
+    *timed += (timed->empty() ? "" : ", ") + label + what;
+  };
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+  const Status first = run();
+  if (!first.ok()) {
+    cudaGetLastError();
+    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+    note(" refused (" + first.to_string() + ")");
+    return Status::Ok();
+  }
+  tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
+  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  unsigned long long print = 0;
+  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  if (print != want) {
+    note(" output differs from cuBLASLt's");
+    return Status::Ok();
+  }
+  M3_RETURN_IF_ERROR(graph_median_us(t, iters, [&] { return run().ok(); }, us));
+  if (*us >= 0) note(" " + fmt_us(*us));
+  return Status::Ok();
+}
+
 }  // namespace
 
 // The wgmma kernel on the scratch operands at b.m_hi: same poisoning and fingerprint as
@@ -615,34 +650,12 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
                                     : " promo " + std::to_string(o.weight_l2_promotion)) +
         (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves)) +
         (o.cluster_split == 0 ? std::string() : " cluster " + std::to_string(o.cluster_split));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
-    const Status first =
-        run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o);
-    if (!first.ok()) {
-      cudaGetLastError();
-      M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-      timed += (timed.empty() ? "" : ", ") + label + " refused (" + first.to_string() + ")";
-      continue;
-    }
-    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
-    M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    unsigned long long print = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-    if (print != b.tuned_print) {
-      timed += (timed.empty() ? "" : ", ") + label + " output differs from cuBLASLt's";
-      continue;
-    }
     double us = -1;
-    M3_RETURN_IF_ERROR(graph_median_us(
-        t, kIters,
-        [&] {
-          return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o).ok();
-        },
-        &us));
+    M3_RETURN_IF_ERROR(time_candidate(
+        t, elems, b.tuned_print, kIters, label,
+        [&] { return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o); },
+        &timed, &us));
     if (us < 0) continue;
-    timed += (timed.empty() ? "" : ", ") + label + " " + fmt_us(us);
     if (best_us < 0 || us < best_us) {
       best_us = us;
       b.wgmma_options = o;
@@ -713,29 +726,11 @@ Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
     o.cluster_n = shape / 10 % 10;
     o.ordered = shape % 10 != 0;
     const std::string label = prefill_label(o);
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
-    const Status first = run_gemm_prefill_cuda(p, t.stream, o);
-    if (!first.ok()) {
-      cudaGetLastError();
-      M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-      timed += (timed.empty() ? "" : ", ") + label + " refused (" + first.to_string() + ")";
-      continue;
-    }
-    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
-    M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    unsigned long long print = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
-    if (print != b.tuned_print) {
-      timed += (timed.empty() ? "" : ", ") + label + " output differs from cuBLASLt's";
-      continue;
-    }
     double us = -1;
-    M3_RETURN_IF_ERROR(graph_median_us(
-        t, kIters, [&] { return run_gemm_prefill_cuda(p, t.stream, o).ok(); }, &us));
+    M3_RETURN_IF_ERROR(time_candidate(t, elems, b.tuned_print, kIters, label,
+                                      [&] { return run_gemm_prefill_cuda(p, t.stream, o); },
+                                      &timed, &us));
     if (us < 0) continue;
-    timed += (timed.empty() ? "" : ", ") + label + " " + fmt_us(us);
     if (best_us < 0 || us < best_us) {
       best_us = us;
       b.prefill_options = o;

@@ -553,6 +553,20 @@ Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* u
 }
 
 
+// The scratch operands as our own kernels' parameters: `rows` tokens of A, the n x k weights.
+GemmParams scratch_params(const TuneScratch& t, int64_t rows, int64_t n, int64_t k, int device) {
+  const Device dev = Device::cuda(device);
+  const int64_t kb_row = gemm_weight_scales_row_stride(k);
+  GemmParams p;
+  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
+  p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
+  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
+  p.b_scales =
+      TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
+  p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
+  return p;
+}
+
 // One candidate kernel of tune_wgmma / tune_prefill: `run` (enqueues on t.stream, returns a
 // Status) once on poisoned output, its fingerprint compared with the kept cuBLASLt algorithm's
 // (`want`), then timed as graph replays (graph_median_us). Appends "<label> <us>" to `timed`, or
@@ -597,15 +611,7 @@ Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long wan
 // The fastest shape runs for the bucket when at least 2 % faster than cuBLASLt.
 Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
   const int64_t rows = std::min(b.m_hi, t.m);
-  const Device dev = Device::cuda(device);
-  const int64_t kb_row = gemm_weight_scales_row_stride(k);
-  GemmParams p;
-  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
-  p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
-  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
-  p.b_scales =
-      TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
-  p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
+  const GemmParams p = scratch_params(t, rows, n, k, device);
   const size_t elems = static_cast<size_t>(rows * t.ld_d);
   constexpr int kIters = 5;
 
@@ -697,15 +703,7 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
 // then replayed twice more, alternating, each keeping its lowest median.
 Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
   const int64_t rows = std::min(b.m_hi, t.m);
-  const Device dev = Device::cuda(device);
-  const int64_t kb_row = gemm_weight_scales_row_stride(k);
-  GemmParams p;
-  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
-  p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
-  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
-  p.b_scales =
-      TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
-  p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
+  const GemmParams p = scratch_params(t, rows, n, k, device);
   const size_t elems = static_cast<size_t>(rows * t.ld_d);
   constexpr int kIters = 5;
   auto lt_launch = [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; };

@@ -552,7 +552,6 @@ Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* u
   return Status::Ok();
 }
 
-
 // The scratch operands as our own kernels' parameters: `rows` tokens of A, the n x k weights.
 GemmParams scratch_params(const TuneScratch& t, int64_t rows, int64_t n, int64_t k, int device) {
   const Device dev = Device::cuda(device);

@@ -62,6 +62,7 @@
 
 #include <cstdint>
 
+#include "core/ptx.cuh"
 #include "stages/attention/attention_kernel.cuh"
 
 namespace m3attn {
@@ -113,19 +114,9 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-
-// Waits until at most N of the warpgroup's committed wgmma groups are pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
+using sm90::wgmma_commit;
+using sm90::wgmma_fence;
+using sm90::wgmma_wait;
 
 // Keeps the compiler from moving accesses of accumulator registers across wgmma boundaries.
 __device__ __forceinline__ void reg_fence(float (&d)[64]) {

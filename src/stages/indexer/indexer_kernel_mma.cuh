@@ -111,6 +111,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "core/ptx.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
 
@@ -220,9 +221,7 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm90::smem_addr;
 
 // ---------------------------------------------------------------------------------------------
 // Decode units.

@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "core/numeric.h"
+#include "core/ptx.cuh"
 #include "stages/producer/producer.h"
 
 namespace m3attn::producer_kernel {
@@ -440,8 +441,6 @@ __device__ __forceinline__ void process_task(const KernelArgs& a, const LaneRaw&
 }
 
 // Shared-memory address of a generic pointer (cp.async, mbarrier and bulk-copy operands).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+using sm90::smem_addr;
 
 }  // namespace m3attn::producer_kernel

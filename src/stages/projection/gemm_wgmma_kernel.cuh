@@ -150,6 +150,7 @@
 #include <cstdint>
 
 #include "core/mbarrier.cuh"
+#include "core/ptx.cuh"
 #include "core/numeric.h"
 
 namespace m3attn::gemm_wgmma_detail {
@@ -222,24 +223,19 @@ __device__ __forceinline__ unsigned long long global_ns() {
 
 // ---- PTX helpers ------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 using sm90::mbar_arrive;
 using sm90::mbar_arrive_expect_tx;
 using sm90::mbar_init;
 using sm90::mbar_try_wait;
 using sm90::mbar_wait;
+using sm90::map_to_rank;
+using sm90::prefetch_tensor_map;
+using sm90::smem_addr;
+using sm90::smem_desc;
+using sm90::tma_load_2d;
+using sm90::wgmma_commit;
+using sm90::wgmma_fence;
 
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, int x, int y,
-                                            uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(x), "r"(y), "r"(bar)
-      : "memory");
-}
 
 // The same with an L2 cache policy (createpolicy), e.g. evict-first for data read once.
 __device__ __forceinline__ void tma_load_2d_hint(uint32_t dst, const CUtensorMap* map, int x, int y,
@@ -267,9 +263,6 @@ __device__ __forceinline__ uint64_t evict_first_policy() {
   return policy;
 }
 
-__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
 
 // 4-byte asynchronous global -> shared copy (cp.async), and an arrival on `bar` once every
 // cp.async this thread issued before has landed (.noinc: the barrier's count includes it).
@@ -288,19 +281,7 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
-// Shared-memory matrix descriptor, K-major, 128B swizzle: rows 128 bytes apart, 8-row groups
-// 1024 bytes apart (SBO); LBO unused for swizzled K-major operands (set to 1 by convention).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (uint64_t{1} << 62);
-}
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
 __device__ __forceinline__ void wgmma_wait_all() {
   asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
 }
@@ -312,12 +293,6 @@ __device__ __forceinline__ void cluster_arrive() {
 }
 __device__ __forceinline__ void cluster_wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-// The address of the same shared-memory location in CTA `rank` of the cluster.
-__device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
-  uint32_t r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
-  return r;
 }
 // Arrival with cluster-scope release on an mbarrier of another CTA (a mapa address).
 __device__ __forceinline__ void mbar_arrive_remote(uint32_t cluster_addr) {

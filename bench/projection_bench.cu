@@ -622,6 +622,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     check_cuda(cudaStreamSynchronize(stream), "cuBLASLt");
     check_cuda(cudaMemcpy(want.data(), ref, out_bytes, cudaMemcpyDeviceToHost), "download");
     const double bytes = static_cast<double>(n * k + m * k + m * n * 2);
+    // After a path's first call on copy 0 into the poisoned `out`: its output against cuBLASLt's,
+    // byte for byte (random operands and `uncompared` paths: not compared, summation orders or
+    // ablations differ). Returns the row's check text; a difference fails the run.
+    auto check_out = [&](const char* what, bool uncompared = false) -> const char* {
+      check_cuda(cudaStreamSynchronize(stream), what);
+      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
+      const bool same = got == want;
+      if (!same && !random && !uncompared) pass = false;
+      return random || uncompared ? "n/a" : same ? "identical" : "DIFFERENT";
+    };
     auto add = [&](const std::string& path, const std::function<void(cudaStream_t, int)>& call,
                    const char* check) {
       const bench::Timing ti =
@@ -650,16 +660,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         if (v == -1) {
           check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
           must(dflt->run(params(0, out), stream), "default object");
-          check_cuda(cudaStreamSynchronize(stream), "default object");
-          check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-          const bool same = got == want;
-          if (!same && !random) pass = false;
           add(
               "default object: " + dflt->algorithm_for(m),
               [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
-              random ? "n/a"
-              : same ? "identical"
-                     : "DIFFERENT");
+              check_out("default object"));
           continue;
         }
         if (v == 0) {
@@ -685,18 +689,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           pass = false;
           continue;
         }
-        check_cuda(cudaStreamSynchronize(stream), "prefill");
-        check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-        const bool same = got == want;
-        if (!same && !random) pass = false;
         add(
             name,
             [&](cudaStream_t stc, int c) {
               must(run_gemm_prefill_cuda(params(c, out), stc, po), "prefill");
             },
-            random ? "n/a"
-            : same ? "identical"
-                   : "DIFFERENT");
+            check_out("prefill"));
       }
       continue;
     }
@@ -707,31 +705,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     if (only_variants.empty()) {
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       must(dflt->run(params(0, out), stream), "default object");
-      check_cuda(cudaStreamSynchronize(stream), "default object");
-      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-      const bool same = got == want;
-      if (!same && !random) pass = false;
       add(
           "default object: " + dflt->algorithm_for(m),
           [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
-          random ? "n/a"
-          : same ? "identical"
-                 : "DIFFERENT");
+          check_out("default object"));
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       must(packed_objs[0]->run(params(0, out), stream), "packed object");
-      check_cuda(cudaStreamSynchronize(stream), "packed object");
-      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-      const bool same_packed = got == want;
-      if (!same_packed && !random) pass = false;
       add(
           std::string("object + pack_weights_rows: ") +
               (m <= row_split_max_m ? "row split" : packed_objs[0]->algorithm_for(m)),
           [&](cudaStream_t st, int c) {
             must(packed_objs[static_cast<size_t>(c)]->run(params(c, out), st), "packed object");
           },
-          random        ? "n/a"
-          : same_packed ? "identical"
-                        : "DIFFERENT");
+          check_out("packed object"));
     }
     if (m > kGemmWgmmaMaxM) continue;
     // Every variant in order, or the --variant list in its order (repeats allowed: alternating
@@ -788,20 +774,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     st.to_string().c_str());
         continue;
       }
-      check_cuda(cudaStreamSynchronize(stream), "wgmma");
-      check_cuda(cudaMemcpy(got.data(), out, out_bytes, cudaMemcpyDeviceToHost), "download");
-      const bool same = got == want;  // (random operands: not compared, summation orders differ)
       const bool ablated = variants[v].diag > 0 && m <= 8;  // (diagnostics: results wrong)
-      if (!same && !random && !ablated) pass = false;
       add(
           name,
           [&](cudaStream_t stc, int c) {
             must(run_gemm_wgmma_cuda(params(c, out), ws, wsp.bytes, stc, with_copy(c)),
                  "wgmma");
           },
-          random || ablated ? "n/a"
-          : same            ? "identical"
-                            : "DIFFERENT");
+          check_out("wgmma", ablated));
       if (trace) {
         GemmWgmmaOptions ot = with_copy(0);
         ot.debug_trace = tbuf.dev;

@@ -26,6 +26,24 @@ Status encode_map(CUtensorMap* map, CUtensorMapDataType type, const void* data, 
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, what);
 }
 
+// The kernel's launch configuration: `grid` CTAs in clusters of `cluster` along x, the kernel's
+// block and dynamic shared memory, on `stream`; `attr` holds the cluster attribute it points to.
+cudaLaunchConfig_t cluster_config(int grid, int cluster, cudaStream_t stream,
+                                  cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr->val.clusterDim.y = 1;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(grid));
+  cfg.blockDim = dim3(gp::kThreads);
+  cfg.dynamicSmemBytes = gp::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 template <int kClM, int kClN, bool kOrdered>
 Status resident_clusters(const CudaDeviceInfo& info, int* resident_out) {
   constexpr int kCluster = kClM * kClN;
@@ -37,17 +55,9 @@ Status resident_clusters(const CudaDeviceInfo& info, int* resident_out) {
   if (resident == 0) {
     M3_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, gp::kSmemBytes));
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(static_cast<unsigned>(info.sms / kCluster * kCluster));
-    cfg.blockDim = dim3(gp::kThreads);
-    cfg.dynamicSmemBytes = gp::kSmemBytes;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg =
+        cluster_config(info.sms / kCluster * kCluster, kCluster, nullptr, &attr);
     M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&resident, kernel, &cfg));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_prefill_cuda: no cluster of ", kCluster,
@@ -65,18 +75,9 @@ Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMa
   constexpr int kCluster = kClM * kClN;
   int resident = 0;
   M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN, kOrdered>(info, &resident)));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(std::min(resident, args.units) * kCluster));
-  cfg.blockDim = dim3(gp::kThreads);
-  cfg.dynamicSmemBytes = gp::kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg =
+      cluster_config(std::min(resident, args.units) * kCluster, kCluster, stream, &attr);
   M3_CUDA_RETURN_IF_ERROR(
       cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>, amap, bmap, samap,
                          omap, args));

@@ -274,6 +274,16 @@ inline void expect_within_bound(const std::string& label, const std::vector<uint
   EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
 }
 
+// The reference object: cuBLASLt's heuristic algorithm only (no tuning, so neither the wgmma nor
+// the prefill kernel is ever chosen).
+inline Fp8BlockGemmOptions cublaslt_only() {
+  Fp8BlockGemmOptions o;
+  o.autotune = false;
+  o.wgmma_max_m = 0;
+  o.prefill_min_m = 0;
+  return o;
+}
+
 // cuBLASLt (no autotuning) and an object with `opt` on the same random [m, 640, 6144] operands:
 // within the accumulation bound of each other (two device accumulations: 2^-9 S).
 inline void expect_agrees_with_cublaslt(const std::string& label, int64_t m, int64_t max_m,
@@ -281,10 +291,7 @@ inline void expect_agrees_with_cublaslt(const std::string& label, int64_t m, int
   const int64_t n = 640, k = 6144;
   GemmData d = make_random_data(m, n, k, rng);
   const std::vector<double> s = abs_sums(d);
-  Fp8BlockGemmOptions lt_opt;
-  lt_opt.autotune = false;
-  lt_opt.wgmma_max_m = 0;
-  auto lt = make_gemm(max_m, n, k, lt_opt);
+  auto lt = make_gemm(max_m, n, k, cublaslt_only());
   auto other = make_gemm(max_m, n, k, opt);
   ASSERT_NE(lt, nullptr);
   ASSERT_NE(other, nullptr);

@@ -138,6 +138,24 @@ struct LtCase {
 
 class GemmPrefillVsCublasLt : public ::testing::TestWithParam<LtCase> {};
 
+// Runs `ref` and `other` (each enqueues one GEMM on the default stream) on the same inputs into
+// two poisoned outputs: both succeed, the outputs are bit-identical, and neither wrote outside its
+// [M, N] output.
+template <typename Ref, typename Other>
+void expect_identical_runs(const GemmData& d, int64_t n, Ref ref, Other other) {
+  DeviceGemm x(d, n), y(d, n);
+  const Status s1 = ref(x.params());
+  const Status s2 = other(y.params());
+  ASSERT_TRUE(s1.ok()) << s1.to_string();
+  ASSERT_TRUE(s2.ok()) << s2.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t t1 = 0, t2 = 0;
+  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, want, n, &report), 0) << report;
+  EXPECT_EQ(t1 + t2, 0) << "bytes outside the [M, N] output were written";
+}
+
 // The projection's shapes at prefill sizes (fused N 9856, the unfused pair 9216 / 640, o_proj N
 // 6144 K 8192), M not a multiple of the tile: on integer-valued inputs byte-identical to cuBLASLt.
 TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
@@ -150,23 +168,13 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
                                     << (c.ordered ? " ordered" : " unordered"));
   Rng rng(seed);
   GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-  Fp8BlockGemmOptions lt_opt;
-  lt_opt.autotune = false;
-  lt_opt.wgmma_max_m = 0;
-  auto lt = make_gemm(c.m, c.n, c.k, lt_opt);
+  auto lt = make_gemm(c.m, c.n, c.k, cublaslt_only());
   ASSERT_NE(lt, nullptr);
-  DeviceGemm x(d, c.n), y(d, c.n);
-  const Status s1 = lt->run(x.params(), nullptr);
-  const Status s2 =
-      run_gemm_prefill_cuda(y.params(), nullptr, prefill_options(c.cluster, 16, c.ordered));
-  ASSERT_TRUE(s1.ok()) << s1.to_string();
-  ASSERT_TRUE(s2.ok()) << s2.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t t1 = 0, t2 = 0;
-  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, want, c.n, &report), 0) << report;
-  EXPECT_EQ(t1 + t2, 0) << "bytes outside the [M, N] output were written";
+  expect_identical_runs(
+      d, c.n, [&](const GemmParams& p) { return lt->run(p, nullptr); },
+      [&](const GemmParams& p) {
+        return run_gemm_prefill_cuda(p, nullptr, prefill_options(c.cluster, 16, c.ordered));
+      });
 }
 
 std::vector<LtCase> lt_cases() {
@@ -187,10 +195,7 @@ TEST(GemmPrefill, ForcedThroughFp8BlockGemm) {
   Rng rng(seed);
   const int64_t m = 1028, n = 640, k = 6144;
   GemmData d = make_integer_data(m, n, k, rng);
-  Fp8BlockGemmOptions lt_opt;
-  lt_opt.autotune = false;
-  lt_opt.wgmma_max_m = 0;
-  lt_opt.prefill_min_m = 0;
+  const Fp8BlockGemmOptions lt_opt = cublaslt_only();
   Fp8BlockGemmOptions forced = lt_opt;
   forced.prefill_min_m = 1024;
   forced.force_prefill = true;
@@ -201,17 +206,9 @@ TEST(GemmPrefill, ForcedThroughFp8BlockGemm) {
   EXPECT_NE(pf->algorithm_for(1028).find("prefill kernel"), std::string::npos);
   EXPECT_EQ(pf->algorithm_for(1020).find("prefill kernel"), std::string::npos);
   EXPECT_EQ(lt->algorithm_for(1028).find("prefill kernel"), std::string::npos);
-  DeviceGemm x(d, n), y(d, n);
-  const Status s1 = lt->run(x.params(), nullptr);
-  const Status s2 = pf->run(y.params(), nullptr);
-  ASSERT_TRUE(s1.ok()) << s1.to_string();
-  ASSERT_TRUE(s2.ok()) << s2.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t t1 = 0, t2 = 0;
-  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, want, n, &report), 0) << report;
-  EXPECT_EQ(t1 + t2, 0);
+  expect_identical_runs(
+      d, n, [&](const GemmParams& p) { return lt->run(p, nullptr); },
+      [&](const GemmParams& p) { return pf->run(p, nullptr); });
 }
 
 // An autotuned object (default options: from M 1024 on the tuner also times the prefill kernel
@@ -224,27 +221,15 @@ TEST(GemmPrefill, TunedObjectMatchesCublasLt) {
   Rng rng(seed);
   const int64_t m = 2048, n = 640, k = 6144;
   GemmData d = make_integer_data(m, n, k, rng);
-  Fp8BlockGemmOptions lt_opt;
-  lt_opt.autotune = false;
-  lt_opt.wgmma_max_m = 0;
-  lt_opt.prefill_min_m = 0;
-  auto lt = make_gemm(m, n, k, lt_opt);
+  auto lt = make_gemm(m, n, k, cublaslt_only());
   auto tuned = make_gemm(m, n, k, Fp8BlockGemmOptions{});
   ASSERT_NE(lt, nullptr);
   ASSERT_NE(tuned, nullptr);
   std::printf("[ INFO     ] %s", tuned->describe().c_str());
   std::printf("[ INFO     ] M 2048: %s\n", tuned->algorithm_for(2048).c_str());
-  DeviceGemm x(d, n), y(d, n);
-  const Status s1 = lt->run(x.params(), nullptr);
-  const Status s2 = tuned->run(y.params(), nullptr);
-  ASSERT_TRUE(s1.ok()) << s1.to_string();
-  ASSERT_TRUE(s2.ok()) << s2.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t t1 = 0, t2 = 0;
-  const std::vector<uint16_t> want = x.result(&t1), got = y.result(&t2);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, want, n, &report), 0) << report;
-  EXPECT_EQ(t1 + t2, 0);
+  expect_identical_runs(
+      d, n, [&](const GemmParams& p) { return lt->run(p, nullptr); },
+      [&](const GemmParams& p) { return tuned->run(p, nullptr); });
 }
 
 // Row-major activation scales are not the kernel's layout: unsupported, nothing launched.

@@ -420,6 +420,16 @@ Scenario mixed_scenario(mt::Rng& rng, int draft) {
   return s;
 }
 
+// A decode-only step: `gen` requests of one token with random cached lengths, the first one right
+// past 16 visible blocks.
+Scenario decode_scenario(mt::Rng& rng, int gen) {
+  Scenario s;
+  s.gen = gen;
+  for (int i = 0; i < s.gen; ++i) s.gen_cached.push_back(rng.integer(1, 3500));
+  s.gen_cached[0] = 2049;
+  return s;
+}
+
 TEST_F(CudaLayerTest, SparseFusedMatchesCpuLayer) {
   const uint64_t seed = mt::fresh_seed();
   mt::Rng rng(seed);
@@ -486,6 +496,23 @@ void capture_run(CudaMsaLayer& L, cudaStream_t stream, cudaGraph_t* graph, cudaG
   M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, graph));
   ASSERT_TRUE(cs.ok()) << cs.to_string();
   M3_CUDA_TEST_CHECK(cudaGraphInstantiate(exec, *graph, 0));
+}
+
+// From `host_pool`'s state and poisoned outputs: L.run captured once and replayed three times back
+// to back (each replay rewrites the same cache rows, so the results stay comparable); `out` holds
+// the outputs after the last replay.
+void replay_three_times(CudaMsaLayer& L, const PagePool& host_pool, DevicePool& dev_pool,
+                        int64_t T, const MsaGeometry& g, cudaStream_t stream, Outputs* out) {
+  dev_pool.upload(host_pool);
+  poison_outputs(L, T, g);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
+  for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  *out = grab(L, dev_pool, T, g);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
 }
 
 TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlots) {
@@ -701,10 +728,7 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
   ASSERT_TRUE(packed.ok());
-  Scenario decode;
-  decode.gen = 40;
-  for (int i = 0; i < decode.gen; ++i) decode.gen_cached.push_back(rng.integer(1, 3500));
-  decode.gen_cached[0] = 2049;
+  const Scenario decode = decode_scenario(rng, 40);
   const Scenario scenarios[2] = {mixed_scenario(rng, 1), decode};
   struct Setting {
     const char* name;
@@ -745,17 +769,10 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
         M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
         const Outputs eager = grab(L, dev_pool, T, g);
         // Captured and replayed three times back to back.
-        dev_pool.upload(host_pool);
-        poison_outputs(L, T, g);
-        cudaGraph_t graph;
-        cudaGraphExec_t exec;
-        ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
-        for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-        M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-        const Outputs replay = grab(L, dev_pool, T, g);
-        cudaGraphExecDestroy(exec);
-        cudaGraphDestroy(graph);
-        for (const Outputs* o : {&eager, &replay}) {
+        Outputs replay;
+        ASSERT_NO_FATAL_FAILURE(replay_three_times(L, host_pool, dev_pool, T, g, stream, &replay));
+        const Outputs* const runs[] = {&eager, &replay};
+        for (const Outputs* o : runs) {
           const char* what = o == &eager ? "eager" : "graph";
           EXPECT_TRUE(o->q == plain.q) << what << ": q differs";
           EXPECT_TRUE(o->iq == plain.iq) << what << ": index_q differs";
@@ -790,10 +807,7 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
   ASSERT_TRUE(packed.ok());
-  Scenario decode;
-  decode.gen = 20;
-  for (int i = 0; i < decode.gen; ++i) decode.gen_cached.push_back(rng.integer(1, 3500));
-  decode.gen_cached[0] = 2049;
+  const Scenario decode = decode_scenario(rng, 20);
   const Scenario scenarios[2] = {decode, mixed_scenario(rng, 1)};
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -842,16 +856,9 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
     ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &rs_pdl));
     EXPECT_TRUE(rs_pdl.out == rs.out && rs_pdl.ids == rs.ids && rs_pdl.pool == rs.pool)
         << "eager, PDL: differs from the row split's plain launches";
-    ps.dev_pool.upload(ps.host_pool);
-    poison_outputs(L, T, g);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASSERT_NO_FATAL_FAILURE(capture_run(L, stream, &graph, &exec));
-    for (int r = 0; r < 3; ++r) M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-    const Outputs replay = grab(L, ps.dev_pool, T, g);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    Outputs replay;
+    ASSERT_NO_FATAL_FAILURE(
+        replay_three_times(L, ps.host_pool, ps.dev_pool, T, g, stream, &replay));
     EXPECT_TRUE(replay.out == rs.out && replay.q == rs.q && replay.ids == rs.ids &&
                 replay.pool == rs.pool)
         << "graph, PDL: differs from the row split's plain launches";

@@ -648,6 +648,20 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       row.add("check", check);
       rows.push_back(row);
     };
+    // The reference row (cuBLASLt) and the default-options object's row.
+    auto add_cublaslt = [&] {
+      add(
+          "cublaslt " + lt->algorithm_for(m),
+          [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); }, "ref");
+    };
+    auto add_default = [&] {
+      check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+      must(dflt->run(params(0, out), stream), "default object");
+      add(
+          "default object: " + dflt->algorithm_for(m),
+          [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
+          check_out("default object"));
+    };
     if (!prefill.empty()) {
       // Alternating paths of a same-round A/B: each checked against cuBLASLt first.
       const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
@@ -658,19 +672,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           return 2;
         }
         if (v == -1) {
-          check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
-          must(dflt->run(params(0, out), stream), "default object");
-          add(
-              "default object: " + dflt->algorithm_for(m),
-              [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
-              check_out("default object"));
+          add_default();
           continue;
         }
         if (v == 0) {
-          add(
-              "cublaslt " + lt->algorithm_for(m),
-              [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); },
-              "ref");
+          add_cublaslt();
           continue;
         }
         const GemmPrefillOptions po = kPrefillVariants[v - 1];
@@ -698,17 +704,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       }
       continue;
     }
-    if (only_variants.empty())
-      add(
-          "cublaslt " + lt->algorithm_for(m),
-          [&](cudaStream_t st, int c) { must(lt->run(params(c, out), st), "cuBLASLt"); }, "ref");
+    if (only_variants.empty()) add_cublaslt();
     if (only_variants.empty()) {
-      check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
-      must(dflt->run(params(0, out), stream), "default object");
-      add(
-          "default object: " + dflt->algorithm_for(m),
-          [&](cudaStream_t st, int c) { must(dflt->run(params(c, out), st), "default object"); },
-          check_out("default object"));
+      add_default();
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
       must(packed_objs[0]->run(params(0, out), stream), "packed object");
       add(

@@ -282,9 +282,9 @@ Result<std::unique_ptr<Fp8BlockGemm>> Fp8BlockGemm::create(int64_t max_m, int64_
                " must be >= 0");
   {
     const GemmPrefillOptions& o = options.prefill;
-    M3_CHECK_ARG((o.cluster_m == 1 || o.cluster_m == 2) && (o.cluster_n == 1 || o.cluster_n == 2),
-                 "Fp8BlockGemm prefill cluster ", o.cluster_m, " x ", o.cluster_n,
-                 ": each side must be 1 or 2");
+    const int shape = 10 * o.cluster_m + o.cluster_n;
+    M3_CHECK_ARG(shape == 11 || shape == 21 || shape == 12, "Fp8BlockGemm prefill cluster ",
+                 o.cluster_m, " x ", o.cluster_n, ": must be 1 x 1, 2 x 1 or 1 x 2");
     M3_CHECK_ARG(o.group_m >= 1, "Fp8BlockGemm prefill.group_m = ", o.group_m, " must be >= 1");
   }
   int64_t wgmma_max_m = options.wgmma_max_m;

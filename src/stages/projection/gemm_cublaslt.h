@@ -70,11 +70,13 @@
 // cuBLASLt algorithm's and gemm_prefer_wgmma says so (describe() and algorithm_for() show it).
 //
 // Prefill (gemm_prefill.h): for every M bucket with m_hi >= Fp8BlockGemmOptions::prefill_min_m
-// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (every cluster shape,
-// warpgroups ordered or not) on its scratch operands, as CUDA-graph replays with a cold L2
-// against the kept cuBLASLt algorithm, and runs the fastest shape for that bucket when its output
-// is identical to cuBLASLt's and it is at least 2 % faster; Fp8BlockGemmOptions::force_prefill
-// runs it for every M >= prefill_min_m instead (tests, benchmarks).
+// (and m_hi <= autotune_max_m) the autotuner also times the prefill kernel (clusters 1x2 and 2x1)
+// on its scratch operands, as CUDA-graph replays with a cold L2 against the kept cuBLASLt
+// algorithm, and runs the faster shape for that bucket when its output is identical to
+// cuBLASLt's and it is at least 2 % faster; Fp8BlockGemmOptions::force_prefill runs it for every
+// M >= prefill_min_m instead (tests, benchmarks). Session 20 (round E, fused N 9856, K 6144): the
+// kernel is 14-22 % slower than cuBLASLt at M 4096 and 4-12 % at M 16384, so the tuner keeps
+// cuBLASLt there today.
 //
 // run() allocates nothing, never synchronizes and may be captured in a CUDA graph. It updates the
 // object's cuBLASLt descriptors and uses its one workspace: an object serves one stream at a time

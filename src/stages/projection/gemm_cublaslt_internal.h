@@ -149,7 +149,7 @@ using TuneClock = std::chrono::steady_clock;
 
 inline std::string prefill_label(const GemmPrefillOptions& o) {
   return "cluster " + std::to_string(o.cluster_m) + "x" + std::to_string(o.cluster_n) + " group " +
-         std::to_string(o.group_m) + (o.ordered ? " ordered" : " unordered");
+         std::to_string(o.group_m);
 }
 
 }  // namespace gemm_lt
@@ -235,9 +235,9 @@ struct Fp8BlockGemm::Impl {
   // equals the cuBLASLt algorithm's and it is at least 2% faster.
   Status tune_wgmma(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
-  // Buckets with m_hi >= prefill_min_m: times the prefill kernel (every cluster shape, warpgroups
-  // ordered or not) at b.m_hi against the kept cuBLASLt algorithm and chooses the fastest shape
-  // when its output is identical and it is at least 2 % faster.
+  // Buckets with m_hi >= prefill_min_m: times the prefill kernel (clusters 1x2 and 2x1) at b.m_hi
+  // against the kept cuBLASLt algorithm and chooses the faster shape when its output is identical
+  // and it is at least 2 % faster.
   Status tune_prefill(gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t);
 
   // Tunes every bucket with m_hi <= autotune_max_m within the time budget. Never fails: what

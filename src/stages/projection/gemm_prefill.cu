@@ -44,10 +44,10 @@ cudaLaunchConfig_t cluster_config(int grid, int cluster, cudaStream_t stream,
   return cfg;
 }
 
-template <int kClM, int kClN, bool kOrdered>
+template <int kClM, int kClN>
 Status resident_clusters(const CudaDeviceInfo& info, int* resident_out) {
   constexpr int kCluster = kClM * kClN;
-  auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>;
+  auto* kernel = &gp::gemm_prefill_kernel<kClM, kClN>;
   // Clusters resident at once (one CTA per SM; a GPC may leave SMs unused): the persistent grid
   // never exceeds one wave. Asked once per device (the shared-memory opt-in is per device too).
   static std::atomic<int> resident_of[64] = {};  // (one table per instantiation)
@@ -68,26 +68,25 @@ Status resident_clusters(const CudaDeviceInfo& info, int* resident_out) {
   return Status::Ok();
 }
 
-template <int kClM, int kClN, bool kOrdered>
+template <int kClM, int kClN>
 Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMap& samap,
               const CUtensorMap& omap, const gp::PrefillArgs& args, const CudaDeviceInfo& info,
               cudaStream_t stream) {
   constexpr int kCluster = kClM * kClN;
   int resident = 0;
-  M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN, kOrdered>(info, &resident)));
+  M3_RETURN_IF_ERROR((resident_clusters<kClM, kClN>(info, &resident)));
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg =
       cluster_config(std::min(resident, args.units) * kCluster, kCluster, stream, &attr);
   M3_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN, kOrdered>, amap, bmap, samap,
-                         omap, args));
+      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN>, amap, bmap, samap, omap, args));
   return Status::Ok();
 }
 
 Status check_options(const GemmPrefillOptions& o) {
-  M3_CHECK_ARG((o.cluster_m == 1 || o.cluster_m == 2) && (o.cluster_n == 1 || o.cluster_n == 2),
-               "GemmPrefillOptions cluster ", o.cluster_m, " x ", o.cluster_n,
-               ": each side must be 1 or 2");
+  const int shape = 10 * o.cluster_m + o.cluster_n;
+  M3_CHECK_ARG(shape == 11 || shape == 21 || shape == 12, "GemmPrefillOptions cluster ",
+               o.cluster_m, " x ", o.cluster_n, ": must be 1 x 1, 2 x 1 or 1 x 2");
   M3_CHECK_ARG(o.group_m >= 1, "GemmPrefillOptions::group_m = ", o.group_m, " must be >= 1");
   return Status::Ok();
 }
@@ -102,11 +101,9 @@ Result<int> gemm_prefill_max_ctas(const GemmPrefillOptions& options) {
     return unsupported("run_gemm_prefill_cuda needs an sm_90 device (wgmma, TMA)");
   int resident = 0;
   const int cm = options.cluster_m, cn = options.cluster_n;
-  // (Every variant has the same shared memory and threads: the ordered ones stand for all.)
-  if (cm == 1 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<1, 1, true>(info, &resident)));
-  if (cm == 2 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<2, 1, true>(info, &resident)));
-  if (cm == 1 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<1, 2, true>(info, &resident)));
-  if (cm == 2 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<2, 2, true>(info, &resident)));
+  if (cm == 1 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<1, 1>(info, &resident)));
+  if (cm == 2 && cn == 1) M3_RETURN_IF_ERROR((resident_clusters<2, 1>(info, &resident)));
+  if (cm == 1 && cn == 2) M3_RETURN_IF_ERROR((resident_clusters<1, 2>(info, &resident)));
   return resident * cm * cn;
 }
 
@@ -175,16 +172,9 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
   args.n_groups = static_cast<int>(n_groups);
   args.group = std::max(1, (options.group_m + cm - 1) / cm);
   args.units = static_cast<int>(m_groups * n_groups);
-  if (options.ordered) {
-    if (cm == 2 && cn == 2) return launch<2, 2, true>(amap, bmap, samap, omap, args, info, stream);
-    if (cm == 2) return launch<2, 1, true>(amap, bmap, samap, omap, args, info, stream);
-    if (cn == 2) return launch<1, 2, true>(amap, bmap, samap, omap, args, info, stream);
-    return launch<1, 1, true>(amap, bmap, samap, omap, args, info, stream);
-  }
-  if (cm == 2 && cn == 2) return launch<2, 2, false>(amap, bmap, samap, omap, args, info, stream);
-  if (cm == 2) return launch<2, 1, false>(amap, bmap, samap, omap, args, info, stream);
-  if (cn == 2) return launch<1, 2, false>(amap, bmap, samap, omap, args, info, stream);
-  return launch<1, 1, false>(amap, bmap, samap, omap, args, info, stream);
+  if (cm == 2) return launch<2, 1>(amap, bmap, samap, omap, args, info, stream);
+  if (cn == 2) return launch<1, 2>(amap, bmap, samap, omap, args, info, stream);
+  return launch<1, 1>(amap, bmap, samap, omap, args, info, stream);
 }
 
 }  // namespace m3attn

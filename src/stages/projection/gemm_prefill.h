@@ -20,18 +20,17 @@
 namespace m3attn {
 
 struct GemmPrefillOptions {
-  // Thread-block cluster of cluster_m x cluster_n CTAs (each 1 or 2): the CTAs of a cluster compute
-  // a cluster_m x cluster_n block of output tiles; those sharing weight rows (a cluster column)
-  // load 1 / cluster_m of the weight tile each and multicast it, those sharing activation rows
-  // (a cluster row) 1 / cluster_n of the activation tile.
-  int cluster_m = 2;
-  int cluster_n = 1;
+  // Thread-block cluster of cluster_m x cluster_n CTAs: 1 x 2 (default), 2 x 1 or 1 x 1. The CTAs
+  // of a cluster compute a cluster_m x cluster_n block of output tiles; those sharing weight rows
+  // (a cluster column) load 1 / cluster_m of the weight tile each and multicast it, those sharing
+  // activation rows (a cluster row) 1 / cluster_n of the activation tile. Session 20 round E
+  // (fused N 9856, K 6144, M 4096, integer operands): 1x2 1218 TFLOP/s, 2x1 1170, 1x1 991
+  // (cuBLASLt 1421); 2x2 (1052, 120 CTAs resident) was deleted.
+  int cluster_m = 1;
+  int cluster_n = 2;
   // Raster group: tiles are visited in groups of `group_m` m tiles (rounded up to whole clusters)
   // by every n tile, m fastest.
   int group_m = 16;
-  // The two consumer warpgroups issue their wgmma groups in turns (each after the other's
-  // previous one), so one folds its K block while the other's wgmmas run.
-  bool ordered = true;
 };
 
 // The CTAs run_gemm_prefill_cuda launches at most on the current device with these options (one

@@ -22,8 +22,8 @@
 //   - per K block a consumer issues 4 wgmma m64n128k32 (both operands raw E4M3 from shared memory,
 //     128B swizzle) into a temporary fragment, reads its two rows' activation scales and the
 //     stage's weight scale while they run, waits, releases the stage and folds the fragment into
-//     its fp32 accumulator with one FMA per element; kOrdered (variant): the two warpgroups issue
-//     their groups in turns, so one folds while the other's wgmmas run;
+//     its fp32 accumulator with one FMA per element; the two warpgroups issue their groups in turns
+//     (named barriers), so one folds while the other's wgmmas run;
 //   - clusters (variants): CTA (rm, rn) of a kClM x kClN cluster computes output tile (kClM mg +
 //     rm, kClN ng + rn); CTAs of one cluster column (same rn) share the B tile, CTAs of one row
 //     (same rm) share the A tile: each loads 128 / kClM rows of B and 128 / kClN rows of A and
@@ -34,14 +34,20 @@
 //   - epilogue per warpgroup: bf16 pairs into a 128B-swizzled 64 x 128 shared buffer, one TMA store
 //     (clipped at M by the tensor map), which runs while the warpgroup starts its next tile; the
 //     buffer is reused only once that store has read it.
-// Measured (session 20, projection_bench --shape 9856,6144 --prefill, M 4096, integer operands,
-// every output byte-identical to cuBLASLt's): round A 1x1 979 TFLOP/s against cuBLASLt's 1401;
-// round C 1x1 1024 against 1432, the clusters (then with release.cluster empty arrivals, one per
-// consumer warp and CTA) 2x1 510, 1x2 482, 2x2 312 (120 CTAs resident); random operands (M 4096
-// / 16384) 1x1 792-906 / 953-962 against 1268-1299 / 1230-1291 (round A). ncu of 1x1 (round C):
-// L2 78 % busy, tensor pipe 56 %, 41 % of the warp samples in wgmma.wait_group. The ordered issue
-// and the release.cta arrivals came after the last working round (not measured before the final
-// round; the autotuner times every shape against cuBLASLt per object).
+// Measured (session 20, projection_bench --shape 9856,6144 --prefill, TFLOP/s from the isolated
+// median; integer operands at M 4096 are byte-identical to cuBLASLt's):
+//   round A (1x1, both warpgroups issuing freely): 979 against cuBLASLt's 1401;
+//   round C: 1x1 1024 against 1432; clusters with release.cluster empty arrivals (one per consumer
+//     warp and CTA) 2x1 510, 1x2 482, 2x2 312 (the stage time grew with the remote arrivals);
+//     ncu of 1x1: L2 78 % busy, tensor pipe 56 %, 41 % of the warp samples in wgmma.wait_group
+//     (the two warpgroups' wgmmas interleaved, finished together, and both folded with the tensor
+//     pipe idle);
+//   round E (release.cta arrivals; issue in turns or not, same round): 1x2 in turns 1217.6, 2x1 in
+//     turns 1169.5 / freely 1009.8, 2x2 (120 CTAs) 1052.2 / 1062.8, 1x1 991.2 / 1042.5, cuBLASLt
+//     1421.4; random operands M 4096: 2x1 1093.4 / 966.8, 1x1 870.1 / 993.7 against cuBLASLt's
+//     1298.7 / 1243.4; M 16384: 2x1 1137.9 / 1100.9 against 1295.6 / 1140.9 (clocks 1410-1980
+//     MHz, power-capped). Free issue and 2x2 were deleted after round E; 1x1 stays (the shape
+//     compute-sanitizer's racecheck can launch).
 // Requirements (checked by the host): A, B and out 16-byte aligned with 16-byte row strides
 // (validate_gemm), activation scales token-major (stride (1, s1), s1 % 4 == 0, 16-byte aligned
 // base), any weight-scale strides.
@@ -189,7 +195,7 @@ __device__ __forceinline__ void unit_tile(int u, const PrefillArgs& p, int* mg, 
   *ng = rem / rows;
 }
 
-template <int kClM, int kClN, bool kOrdered>
+template <int kClM, int kClN>
 __global__ void __launch_bounds__(kThreads, 1)
     gemm_prefill_kernel(const __grid_constant__ CUtensorMap amap,
                         const __grid_constant__ CUtensorMap bmap,
@@ -317,7 +323,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     int rel = 0;  // ring position of the next stage to release
     // Waits for the next stage, issues its 4 wgmmas into t (one commit group) and reads the two
     // rows' scale products of its K block into s0 / s1 while they run.
-    // kOrdered: the warpgroups take turns, each group issued only after the other warpgroup's
+    // The warpgroups take turns, each group issued only after the other warpgroup's
     // previous one (named barriers 3: "warpgroup 0 issued", 4: "warpgroup 1 issued"), so the
     // tensor cores run one warpgroup's group while the other folds. Without the order both
     // issue as soon as the stage lands, their wgmmas interleave and finish together, and both
@@ -327,19 +333,17 @@ __global__ void __launch_bounds__(kThreads, 1)
       sm90::mbar_wait(full0 + 8 * stage, phase);
       const uint32_t a_addr = base + kAOff + stage * kTileBytes + wg * 64 * kBlockK;
       const uint32_t b_addr = base + kBOff + stage * kTileBytes;
-      if constexpr (kOrdered) {
-        if (wg == 1) {
-          named_barrier_sync(3);
-        } else if (!first) {
-          named_barrier_sync(4);
-        }
+      if (wg == 1) {
+        named_barrier_sync(3);
+      } else if (!first) {
+        named_barrier_sync(4);
       }
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < 4; ++k)
         wgmma_m64n128k32(t, smem_desc(a_addr + 32 * k), smem_desc(b_addr + 32 * k), k);
       wgmma_commit();
-      if constexpr (kOrdered) named_barrier_arrive(wg == 0 ? 3 : 4);
+      named_barrier_arrive(wg == 0 ? 3 : 4);
       const float sbv = sb_smem[4 * stage];
       s0 = sa_smem[stage * kTileM + wg * 64 + row] * sbv;
       s1 = sa_smem[stage * kTileM + wg * 64 + row + 8] * sbv;
@@ -375,7 +379,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     float acc[64];
     float t[64];
-    bool first = true;  // (kOrdered) warpgroup 0's first wgmma group waits for nobody
+    bool first = true;  // warpgroup 0's first wgmma group waits for nobody
     for (int u = cid; u < p.units; u += clusters) {
       int mg = 0, ng = 0;
       unit_tile(u, p, &mg, &ng);
@@ -424,11 +428,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         bulk_commit();
       }
     }
-    // (kOrdered) warpgroup 1's last "issued" arrival is matched here, so no barrier is left
-    // half-complete at exit.
-    if constexpr (kOrdered) {
-      if (wg == 0 && !first) named_barrier_sync(4);
-    }
+    // Warpgroup 1's last "issued" arrival is matched here, so no barrier is left half-complete
+    // at exit.
+    if (wg == 0 && !first) named_barrier_sync(4);
     if (tid == 0) bulk_wait_all();
   }
   // No CTA of a cluster may exit while another can still write its shared memory or arrive on

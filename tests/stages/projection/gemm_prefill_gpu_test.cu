@@ -24,29 +24,26 @@ using namespace gemm_test;  // NOLINT(build/namespaces)
 using testing::fresh_seed;
 using testing::Rng;
 
-// cluster: 11, 21, 12 or 22 (cluster_m, cluster_n).
-GemmPrefillOptions prefill_options(int cluster, int group_m = 16, bool ordered = true) {
+// cluster: 11, 21 or 12 (cluster_m, cluster_n).
+GemmPrefillOptions prefill_options(int cluster, int group_m = 16) {
   GemmPrefillOptions o;
   o.cluster_m = cluster / 10;
   o.cluster_n = cluster % 10;
   o.group_m = group_m;
-  o.ordered = ordered;
   return o;
 }
 
 struct PrefillCase {
   int64_t m, n, k, ld_pad;
   size_t shift;  // 16: operands only 16-byte aligned
-  int cluster;  // 11, 21, 12, 22: cluster_m x cluster_n
+  int cluster;  // 11, 21, 12: cluster_m x cluster_n
   int group_m;
-  bool ordered = true;  // GemmPrefillOptions::ordered
 };
 
 std::string case_name(const PrefillCase& c) {
   return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
-         " cluster " + std::to_string(c.cluster) + " (m x n) group " + std::to_string(c.group_m) +
-         (c.ordered ? " ordered" : " unordered");
+         " cluster " + std::to_string(c.cluster) + " (m x n) group " + std::to_string(c.group_m);
 }
 
 class GemmPrefillExact : public ::testing::TestWithParam<PrefillCase> {};
@@ -64,7 +61,7 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
   const std::vector<uint16_t> ref = cpu_gemm(d);
   DeviceGemm dev(d, c.n + c.ld_pad, c.shift);
   const Status st =
-      run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster, c.group_m, c.ordered));
+      run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster, c.group_m));
   ASSERT_TRUE(st.ok()) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
@@ -77,23 +74,21 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
 // (ValuesIn over a vector: a long Values(...) list instantiates a huge variadic template.)
 std::vector<PrefillCase> exact_cases() {
   return {
-      PrefillCase{4, 128, 128, 0, 0, 11, 16},   // one K block, one partial tile
-      PrefillCase{4, 128, 128, 0, 0, 22, 16},   // three of four tiles empty
+      PrefillCase{4, 128, 128, 0, 0, 11, 16},      // one K block, one partial tile
+      PrefillCase{4, 128, 128, 0, 0, 12, 16},      // the pair's second tile past N
+      PrefillCase{4, 256, 128, 0, 0, 21, 16},      // the pair's second tile past M
       PrefillCase{132, 256, 1024, 8, 16, 11, 16},  // two m tiles, misaligned
       PrefillCase{132, 256, 1024, 8, 16, 21, 16},
       PrefillCase{132, 384, 1024, 8, 16, 12, 16},  // odd n tiles in pairs
-      PrefillCase{132, 384, 1024, 8, 16, 22, 16},
-      PrefillCase{260, 640, 384, 0, 0, 21, 1},   // odd m tiles, group of 1
-      PrefillCase{260, 640, 384, 0, 0, 22, 1},
+      PrefillCase{260, 640, 384, 0, 0, 21, 1},     // odd m tiles, group of 1
+      PrefillCase{260, 640, 384, 0, 0, 12, 1},
       PrefillCase{260, 640, 384, 0, 0, 11, 2},
-      PrefillCase{384, 384, 640, 24, 0, 22, 16},  // 5 K blocks, odd n tiles
-      PrefillCase{512, 1280, 256, 0, 0, 21, 4},   // groups of 4 m tiles
+      PrefillCase{384, 384, 640, 24, 0, 12, 16},   // 5 K blocks, odd n tiles
+      PrefillCase{512, 1280, 256, 0, 0, 21, 4},    // groups of 4 m tiles
       PrefillCase{512, 1280, 256, 0, 0, 12, 4},
-      PrefillCase{1028, 256, 256, 0, 0, 21, 16},  // many m tiles, one row past
-      PrefillCase{1028, 256, 256, 0, 0, 22, 3},
-      PrefillCase{1028, 256, 256, 0, 0, 11, 3},
-      PrefillCase{132, 384, 1024, 8, 16, 22, 16, false},  // warpgroups unordered
-      PrefillCase{1028, 256, 256, 0, 0, 11, 3, false}};
+      PrefillCase{1028, 256, 256, 0, 0, 21, 16},   // many m tiles, one row past
+      PrefillCase{1028, 256, 256, 0, 0, 12, 3},
+      PrefillCase{1028, 256, 256, 0, 0, 11, 3}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillExact, ::testing::ValuesIn(exact_cases()));
@@ -128,12 +123,11 @@ TEST_P(GemmPrefillRandom, WithinBoundOfTwin) {
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillRandom,
                          ::testing::Values(RandomCase{136, 256, 6144, 11},
                                            RandomCase{136, 256, 6144, 21},
-                                           RandomCase{200, 640, 8192, 22}));
+                                           RandomCase{200, 640, 8192, 12}));
 
 struct LtCase {
   int64_t m, n, k;
   int cluster;
-  bool ordered = true;
 };
 
 class GemmPrefillVsCublasLt : public ::testing::TestWithParam<LtCase> {};
@@ -164,8 +158,7 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   SCOPED_TRACE(::testing::Message() << "M " << c.m << " N " << c.n << " K " << c.k << " cluster "
-                                    << c.cluster / 10 << "x" << c.cluster % 10
-                                    << (c.ordered ? " ordered" : " unordered"));
+                                    << c.cluster / 10 << "x" << c.cluster % 10);
   Rng rng(seed);
   GemmData d = make_integer_data(c.m, c.n, c.k, rng);
   auto lt = make_gemm(c.m, c.n, c.k, cublaslt_only());
@@ -173,15 +166,14 @@ TEST_P(GemmPrefillVsCublasLt, IntegerInputsIdentical) {
   expect_identical_runs(
       d, c.n, [&](const GemmParams& p) { return lt->run(p, nullptr); },
       [&](const GemmParams& p) {
-        return run_gemm_prefill_cuda(p, nullptr, prefill_options(c.cluster, 16, c.ordered));
+        return run_gemm_prefill_cuda(p, nullptr, prefill_options(c.cluster));
       });
 }
 
 std::vector<LtCase> lt_cases() {
-  return {LtCase{1000, 9856, 6144, 22},        LtCase{1000, 9856, 6144, 21},
-          LtCase{1000, 9856, 6144, 11},        LtCase{1000, 9856, 6144, 21, false},
-          LtCase{2052, 9216, 6144, 22},        LtCase{2052, 640, 6144, 22},
-          LtCase{1100, 6144, 8192, 22},        LtCase{1100, 6144, 8192, 12}};
+  return {LtCase{1000, 9856, 6144, 12}, LtCase{1000, 9856, 6144, 21}, LtCase{1000, 9856, 6144, 11},
+          LtCase{2052, 9216, 6144, 12}, LtCase{2052, 640, 6144, 21},  LtCase{1100, 6144, 8192, 12},
+          LtCase{1100, 6144, 8192, 21}};
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillVsCublasLt, ::testing::ValuesIn(lt_cases()));
@@ -250,13 +242,12 @@ TEST(GemmPrefill, RejectsRowMajorActivationScales) {
 // Small cases for compute-sanitizer (memcheck / racecheck), one per cluster size: more tiles than
 // CTAs (some CTAs take two: the ring wraps across tiles, the epilogue buffer is reused), a partial
 // last m tile.
-void sanitizer_case(int cluster, bool ordered = true) {
+void sanitizer_case(int cluster) {
   Rng rng(7);
   GemmData d = make_integer_data(1028, 2048, 256, rng);
   const std::vector<uint16_t> ref = cpu_gemm(d);
   DeviceGemm dev(d, d.n);
-  const Status st =
-      run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(cluster, 2, ordered));
+  const Status st = run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(cluster, 2));
   ASSERT_TRUE(st.ok()) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
@@ -276,14 +267,9 @@ TEST(GemmPrefill, SanitizerSmallCluster2x1) {
   sanitizer_case(21);
 }
 
-TEST(GemmPrefill, SanitizerSmallCluster2x2) {
+TEST(GemmPrefill, SanitizerSmallCluster1x2) {
   M3_REQUIRE_GPU();
-  sanitizer_case(22);
-}
-
-TEST(GemmPrefill, SanitizerSmallUnordered) {
-  M3_REQUIRE_GPU();
-  sanitizer_case(11, false);
+  sanitizer_case(12);
 }
 
 }  // namespace

@@ -102,7 +102,9 @@ struct AttentionCudaConfig {
                             // one split); 27: 53's loop on cp.async loads, the early copies by
                             // TMA, the rows by plain stores; 52: 27 with only the first block
                             // requested early (session 18), Q loaded at entry for the guessed
-                            // tile (session 19) and the rows by bulk copies (session 20)
+                            // tile (session 19) and the rows by bulk copies (session 20);
+                            // 58 (session 21): 52 with the sparse union built by one warp
+                            // where the guessed tile holds
                             // (9, 11-26, 28-51, 54-57 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
@@ -118,11 +120,14 @@ struct AttentionCudaConfig {
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before
                                      // reading ids, Q, the cache or the workspace; off: plain
                                      // stream-ordered launches (same kernels, same bytes)
-  // Diagnostics for benchmarks (null: off; not validated): the decode and verify kernels write 8
+  // Diagnostics for benchmarks (null: off; not validated): the decode and verify kernels write 16
   // uint64 words per CTA of their grid (CTA x + X (y + Y z)): %globaltimer ns at entry, tile found,
   // block list built, first block landed, last block attended, exit (words 0-5; a CTA without a
-  // tile writes only 0 and 5), its block count (6) and SM id + 1 (7). Size it for the grid (at
-  // most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels ignore it.
+  // tile writes only 0 and 5), its block count (6) and SM id + 1 (7); the sparse verify kernel
+  // also stamps its front in words 8-11 (ids arrived, union ranked, first page known, first copy
+  // issued) and its bulk epilogue in 12-13 (attention_kernel.cuh timeline_mark). Size it for the
+  // grid (at most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels
+  // ignore it.
   uint64_t* timeline = nullptr;
 };
 

@@ -87,15 +87,23 @@ struct AttnArgs {
 // x + X (y + Y z) of its grid) records %globaltimer (ns) in word `slot` of its kTimelineWords
 // words: 0 entry, 1 tile found and its inputs loaded, 2 block list built, 3 first block landed, 4
 // last block attended (before the epilogue), 5 exit (also for a CTA without a tile: then words 1-4
-// stay 0); word 6 = the blocks the CTA walks, word 7 = its SM id + 1 (written at entry).
-constexpr int kTimelineWords = 8;
+// stay 0); word 6 = the blocks the CTA walks, word 7 = its SM id + 1 (written at entry). Words
+// 8-11 stamp the sparse verify front (session 21; 0 where a kernel does not record them): 8 the
+// tile's block ids arrived (thread 0's), 9 the union's ranks known (the warp front), 10 the page of
+// the list's first entry known, 11 its early copy issued (timeline_mark_dep / timeline_mark_any);
+// 12 / 13 the epilogue of the bulk-copied rows: rows staged in shared memory, thread 0's copy
+// issued.
+constexpr int kTimelineWords = 16;
+__device__ __forceinline__ uint64_t* timeline_words(const AttnArgs& a) {
+  const int64_t cta =
+      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+  return a.timeline + cta * kTimelineWords;
+}
 __device__ __forceinline__ void timeline_mark(const AttnArgs& a, int slot, int value = 0) {
   if (a.timeline == nullptr || threadIdx.x != 0) return;
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  const int64_t cta =
-      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-  uint64_t* w = a.timeline + cta * kTimelineWords;
+  uint64_t* w = timeline_words(a);
   w[slot] = t;
   if (slot == 0) {
     uint32_t sm;
@@ -103,6 +111,21 @@ __device__ __forceinline__ void timeline_mark(const AttnArgs& a, int slot, int v
     w[7] = uint64_t{sm} + 1;
   }
   if (slot == 2) w[6] = static_cast<uint64_t>(value);
+}
+// Thread 0 records `slot` once `dep` is in its registers (the asm reads it: a pending load of dep
+// is waited for first).
+__device__ __forceinline__ void timeline_mark_dep(const AttnArgs& a, int slot, int dep) {
+  if (a.timeline == nullptr || threadIdx.x != 0) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+  timeline_words(a)[slot] = t;
+}
+// The calling thread (any) records `slot`, after `dep` is in its registers.
+__device__ __forceinline__ void timeline_mark_any(const AttnArgs& a, int slot, int dep) {
+  if (a.timeline == nullptr) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+  timeline_words(a)[slot] = t;
 }
 // %globaltimer when the timeline is on (0 otherwise), for a mark recorded later (timeline_put).
 __device__ __forceinline__ uint64_t timeline_now(const AttnArgs& a) {
@@ -112,9 +135,7 @@ __device__ __forceinline__ uint64_t timeline_now(const AttnArgs& a) {
 }
 __device__ __forceinline__ void timeline_put(const AttnArgs& a, int slot, uint64_t t) {
   if (a.timeline == nullptr || threadIdx.x != 0) return;
-  const int64_t cta =
-      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-  a.timeline[cta * kTimelineWords + slot] = t;
+  timeline_words(a)[slot] = t;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -299,19 +320,26 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& tot
 // Tile `tile` of the batch: requests are cut into ceil(n_r / QT) tiles of QT tokens, in request
 // order. Writes {request, first token, tokens} to s_tile; false when the tile does not exist
 // (the grid is sized for the worst case). A CTA of `Threads` threads.
+// first (optional): request_bounds(a, threadIdx.x), loaded by the caller ahead of time (the first
+// Threads requests' bounds; the rest are loaded here).
+struct TileBounds {
+  int lo, hi;
+};
+__device__ __forceinline__ TileBounds request_bounds(const AttnArgs& a, int r) {
+  if (r >= a.R) return {0, 0};
+  return {min(max(a.query_start[r], 0), a.T), min(max(a.query_start[r + 1], 0), a.T)};
+}
 template <int QT, int Threads = kThreads>
-__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile) {
+__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile,
+                          const TileBounds* first = nullptr) {
   if (threadIdx.x == 0) s_tile[0] = -1;
   __syncthreads();
   int carry = 0;
   for (int base = 0; base < a.R; base += Threads) {
     const int r = base + static_cast<int>(threadIdx.x);
-    int lo = 0, hi = 0, cnt = 0;
-    if (r < a.R) {
-      lo = min(max(a.query_start[r], 0), a.T);
-      hi = min(max(a.query_start[r + 1], 0), a.T);
-      cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
-    }
+    const TileBounds tb = base == 0 && first != nullptr ? *first : request_bounds(a, r);
+    const int lo = tb.lo, hi = tb.hi;
+    const int cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
     int total = 0;
     const int incl = block_inclusive_scan<Threads>(cnt, s_warp, total);
     const int excl = incl - cnt;

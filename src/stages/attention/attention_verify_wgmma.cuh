@@ -445,9 +445,15 @@ struct WarpFront {
   bool firstA, firstB;  // first occurrence in candidate order
   int maskA, maskB;     // tokens that selected the id
   int rankA, rankB, n;  // list positions, list length
+  int row_held;         // kRowPages: entries of request r's page-table row in s_row (0: none)
 
-  // At entry (warp 0): the guessed tile's positions and ids.
-  __device__ __forceinline__ void load(const AttnArgs& a, int g, int t0, int nt) {
+  // At entry (warp 0): the guessed tile's positions and ids; with kRowPages > 0, the first
+  // min(max_pages, kRowPages) entries of request r's page-table row into s_row by cp.async (one
+  // commit group; 16-byte copies, the row's tail by 4-byte ones; none unless the row is 16-byte
+  // aligned).
+  template <int kRowPages>
+  __device__ __forceinline__ void load(const AttnArgs& a, int g, int t0, int nt, int r,
+                                       int* s_row) {
     const int lane = threadIdx.x & 31, h = lane >> 4;
     const int64_t col = int64_t{g} * a.bid_stride_h + (lane & 15);
     const bool prA = h < nt, prB = 2 + h < nt;
@@ -455,6 +461,18 @@ struct WarpFront {
     pB = prB ? a.positions[t0 + 2 + h] : -1;
     bA = prA ? a.block_ids[static_cast<int64_t>(t0 + h) * a.bid_stride_t + col] : -1;
     bB = prB ? a.block_ids[static_cast<int64_t>(t0 + 2 + h) * a.bid_stride_t + col] : -1;
+    row_held = 0;
+    if constexpr (kRowPages > 0) {
+      const int32_t* row = a.page_table + static_cast<int64_t>(r) * a.pt_stride;
+      if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {  // (warp-uniform)
+        row_held = min(a.max_pages, kRowPages);
+        const uint32_t dst = ak::smem_u32(s_row);
+        for (int c = lane; c < row_held / 4; c += 32) ak::cp_async_16(dst + 16 * c, row + 4 * c);
+        for (int e = (row_held & ~3) + lane; e < row_held; e += 32)
+          ak::cp_async_4(dst + 4 * e, row + e);
+        ak::cp_async_commit();
+      }
+    }
   }
 
   // Token masks, first occurrences, ranks and the length from vA / vB (whole warp).
@@ -493,13 +511,20 @@ struct WarpFront {
 
   // Once the ids arrived (warp 0): which candidates count, their page-table reads (row of request
   // r, issued here, waited for in finish), the ranks.
-  __device__ __forceinline__ void pages_and_ranks(const AttnArgs& a, int r) {
+  __device__ __forceinline__ void pages_and_ranks(const AttnArgs& a, int r, const int* s_row) {
     vA = pA >= 0 && bA >= 0 && bA <= (pA >> 7) && bA < a.max_pages;
     vB = pB >= 0 && bB >= 0 && bB <= (pB >> 7) && bB < a.max_pages;
     ak::timeline_mark_dep(a, 8, bA);
     const int32_t* row = a.page_table + static_cast<int64_t>(r) * a.pt_stride;
-    pageA = vA ? row[bA] : -1;
-    pageB = vB ? row[bB] : -1;
+    if (row_held > 0) {  // (warp-uniform) the row copy of load
+      ak::cp_async_wait<0>();
+      __syncwarp();
+      pageA = !vA ? -1 : bA < row_held ? s_row[bA] : row[bA];
+      pageB = !vB ? -1 : bB < row_held ? s_row[bB] : row[bB];
+    } else {
+      pageA = vA ? row[bA] : -1;
+      pageB = vB ? row[bB] : -1;
+    }
     rank();
     ak::timeline_mark_dep(a, 9, rankA);
   }
@@ -641,7 +666,7 @@ struct WarpFront {
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kWarpFront = false>
+          bool kWarpFront = false, int kRowPages = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -651,6 +676,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kWarpFront || (kEarly && !kTma && kFirst == 1),
                 "the warp front issues one early TMA copy before a cp.async ring");
+  static_assert(kWarpFront || kRowPages == 0, "the page-table row is the warp front's");
+  static_assert(kRowPages % 4 == 0, "whole 16-byte chunks of the row");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -665,6 +692,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
   __shared__ int s_n;           // kWarpFront: the list's length
+  __shared__ __align__(16) int s_row[kRowPages > 0 ? kRowPages : 1];  // (WarpFront::load)
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -690,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (warp_front) {
     pdl_wait();  // (a plain launch: no-op)
     init_full_barriers(s_full);
-    if (tok == 0) wf.load(a, g, wf_t0, wf_nt);
+    if (tok == 0) wf.load<kRowPages>(a, g, wf_t0, wf_nt, tile, s_row);
     wf_bounds = ak::request_bounds(a, tid);
   }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
@@ -707,7 +735,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::TileInputs in;
   bool has_tile = false, listed = false;  // listed: the warp front built the list
   if (warp_front) {
-    if (tok == 0) wf.pages_and_ranks(a, tile);
+    if (tok == 0) wf.pages_and_ranks(a, tile, s_row);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &wf_bounds);
     listed = has_tile && s_tile[0] == tile && s_tile[1] == wf_t0 && s_tile[2] == wf_nt;
     if (has_tile && !listed) ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);

@@ -6,8 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53 and 58), with and without splits;
-// all must meet the same tolerance.
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 58 and 59), with and without
+// splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -76,8 +76,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // first copies issued before the union is complete, the rows out by bulk copies; 8 where TMA
 // cannot address the pool; automatic beyond one wave), 27 (53's loop on cp.async loads, plain
 // row stores), 52 (27 with one early copy, Q loaded at entry for the guessed tile and the rows
-// out by bulk copies; automatic for one-wave grids) and 58 (52 with the union built by warp 0
-// where the guessed tile [4 tile, 4 tile + 4) of request `tile` holds); kMma also
+// out by bulk copies; automatic for one-wave grids), 58 (52 with the union built by warp 0
+// where the guessed tile [4 tile, 4 tile + 4) of request `tile` holds) and 59 (58 with the
+// request's page-table row read into shared memory at entry); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -99,7 +100,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 52, 53, 58}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 52, 53, 58, 59}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

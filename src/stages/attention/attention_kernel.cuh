@@ -445,6 +445,24 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
   }
   return page;
 }
+// The same with the page-table entry already read (`page`, from guessed_page's read of the right
+// row; -1 when that read was skipped, which happens exactly when b does not count here either).
+__device__ __forceinline__ int candidate_page_known(const AttnArgs& a, int pos, int& b, int page) {
+  if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
+    if (page < 0 || page >= a.num_pages) b = -1;
+    return page;
+  }
+  b = -1;
+  return -1;
+}
+// candidate_page's read of the page-table entry of block b in request r's row, issued before the
+// tile scan confirms r (the verify kernel's guessed request), not waited for here: -1 without a
+// read where b cannot count.
+__device__ __forceinline__ int guessed_page(const AttnArgs& a, int r, int pos, int b) {
+  if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)
+    return a.page_table[static_cast<int64_t>(r) * a.pt_stride + b];
+  return -1;
+}
 
 // The union of a tile's sparse selections (all threads of the CTA of `Threads` threads call it).
 // Candidate c = tid < QT * 16 is slot c % 16 of token c / 16 (cand_b its id, cand_pos the token's
@@ -456,7 +474,8 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
 // barrier (the caller's). `early(b, page)` runs in every thread as soon as its candidate's page is
 // known, before any barrier (b = -1 for a candidate that does not count and for threads without
 // one): the verify kernel issues its first copies there (entry k of the list is the k-th
-// candidate, in candidate order, whose id occurs first).
+// candidate, in candidate order, whose id occurs first). page_known: known_page is this thread's
+// page-table entry, already read (candidate_page_known; the caller has confirmed the row).
 struct NoEarly {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -465,7 +484,8 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
                                             int* s_list_page, int* s_list_mask, int* s_list_vlim,
-                                            Early early = {}) {
+                                            Early early = {}, bool page_known = false,
+                                            int known_page = -1) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
@@ -473,7 +493,8 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = -1, page = -1;
     if (tid < kCand) {
       b = cand_b;
-      page = candidate_page(a, pt_row, cand_pos, b);
+      page = page_known ? candidate_page_known(a, cand_pos, b, known_page)
+                        : candidate_page(a, pt_row, cand_pos, b);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }

@@ -369,6 +369,12 @@ __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
   return a.splits == 1 && a.out_q == nullptr &&
          ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
 }
+// kStsm (variant 62, session 21): the BF16 pairs staged by 8 stmatrix.x4 per warp (the wgmma
+// accumulator layout is stmatrix's 8x8 fragment layout: rows grp / grp + 8, dims 8 j + 2 tig)
+// instead of 32 4-byte st.shared per lane; the same bytes at the same addresses. Why (session 21
+// round B timeline, 52 at B64 x 4 @ 32K): the epilogue took 1.57 us p50 per CTA (last block
+// attended -> exit; the plain read's 0.16), 0.9 of it before the rows were staged.
+template <bool kStsm>
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
                                                 uint8_t* stage) {
@@ -379,6 +385,7 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
+  uint32_t w[2][16];  // kStsm: BF16 pairs of rows grp + 8 e, dims 8 j + 2 tig, + 1
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
@@ -395,7 +402,23 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
         if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
       }
       const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+      w[e][j] = *reinterpret_cast<const uint32_t*>(&b2);
+      if constexpr (!kStsm) *reinterpret_cast<uint32_t*>(r + 16 * j) = w[e][j];
+    }
+  }
+  if constexpr (kStsm) {
+    // stmatrix.x4 number jj: matrices (j, e) = (2 jj, 0), (2 jj, 1), (2 jj + 1, 0), (2 jj + 1, 1);
+    // lane l gives row l % 8 of matrix l / 8: row l % 8 + 8 e, bytes 16 j .. 16 j + 15.
+    const int m = lane >> 3;
+    const uint32_t row_addr =
+        ak::smem_u32(rows + ((lane & 7) + 8 * (m & 1)) * kRowPitch + 16 * (m >> 1));
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const uint32_t addr = row_addr + 32 * jj;
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+                   "r"(w[0][2 * jj]), "r"(w[1][2 * jj]), "r"(w[0][2 * jj + 1]),
+                   "r"(w[1][2 * jj + 1])
+                   : "memory");
     }
   }
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
@@ -423,166 +446,42 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// kWarpFront (variant 58, session 21): the sparse union of a tile built by warp 0 alone, off the
-// CTA's barriers, for the guessed tile (tokens [4 tile, 4 tile + 4) of request `tile`, the shape
-// of a batch of 4-token requests). Why (session 20 timeline, 52 at B64 x 4 @ 32K): the list was
-// built 3.55 us after the first entry vs the plain read's 1.25, and the first block landed at
-// 4.64 vs 2.94: 52's chain is ids (with query_start's scan) -> CTA barrier -> page-table reads ->
-// early copy -> barrier -> a 64-step shared-memory search per candidate -> a CTA scan -> barrier.
-// Here warp 0 holds the 64 candidates two per lane (A = candidate lane: tokens 0 / 1 in lanes
-// 0-15 / 16-31; B = candidate 32 + lane: tokens 2 / 3), issues their page-table reads (the guessed
-// request's row) as soon as the ids arrive, and finds each id's token mask and first occurrence by
-// six __match_any_sync over the six token pairs (lanes 0-15 one token, 16-31 the other) while those
-// reads are in flight; ranks are ballot counts. The tile scan of query_start (bounds loaded at
-// entry) runs after that and confirms the guess; only then (no speculative copy to undo) the lane
-// of entry 0 issues its TMA copy and the lanes write the list. When the guess fails (requests of
-// another size) the kernel takes 52's front. Same list, same order, same bytes as sparse_union.
-struct WarpFront {
-  int bA, bB;           // candidate ids (-1: absent token)
-  int pA, pB;           // their tokens' positions (-1: absent)
-  int pageA, pageB;     // page-table entries (-1 when the candidate does not count)
-  bool vA, vB;          // the candidate counts (visible id; after finish, a page inside the pool)
-  bool firstA, firstB;  // first occurrence in candidate order
-  int maskA, maskB;     // tokens that selected the id
-  int rankA, rankB, n;  // list positions, list length
-  int row_held;         // kRowPages: entries of request r's page-table row in s_row (0: none)
+// kPageEarly (variant 60, session 21): the guessed tile's page-table reads issued as soon as its
+// ids land, before the tile scan, and the first block's copy right after the scan. Why (session 21
+// round B timeline, 52 at B64 x 4 @ 32K, p50 us after the first entry): the scan was done at
+// 1.76, the ids were read after it and a barrier, the first page landed at 2.24 and the early copy
+// went out at 2.59 (early_copies' __match_any_sync and ballot after the page), the plain read's
+// copies at 1.22. Here every thread loads the guessed tile's ids and positions and request tid's
+// query_start bounds at entry; each candidate reads its entry of request `tile`'s page-table row
+// (guessed_page; the guess of a batch of 4-token requests) as soon as its id lands; then the scan
+// (bounds already loaded); when it confirms request, first token and count, warp 0's lowest lane
+// whose candidate counts copies list entry 0 (early_copy_first) and sparse_union uses the pages
+// read (candidate_page_known); otherwise 52's front. Same list, same bytes, same order.
+// Lost in round B (same-run A/B, B64 x 4 isolated us at 8K / 32K / 128K, three runs): 58, the
+// union built by warp 0 alone (the 64 candidates two per lane, token masks by six
+// __match_any_sync over the token pairs, ranks by ballots, the scan after it, then the early
+// copy): 42.1-43.7 vs 41.8-42.9 for 52; timeline @ 32K: ids 1.60, ranked 1.98 (six match_any:
+// ~0.4 us), scan done 2.46, copy 2.91 (52: 2.59), list 3.30 (52: 3.78), first block landed 5.31
+// (5.44), per block 2.30 (2.32). 59 (58 with the request's page-table row copied into shared
+// memory at entry) was built and removed unmeasured.
 
-  // At entry (warp 0): the guessed tile's positions and ids; with kRowPages > 0, the first
-  // min(max_pages, kRowPages) entries of request r's page-table row into s_row by cp.async (one
-  // commit group; 16-byte copies, the row's tail by 4-byte ones; none unless the row is 16-byte
-  // aligned).
-  template <int kRowPages>
-  __device__ __forceinline__ void load(const AttnArgs& a, int g, int t0, int nt, int r,
-                                       int* s_row) {
-    const int lane = threadIdx.x & 31, h = lane >> 4;
-    const int64_t col = int64_t{g} * a.bid_stride_h + (lane & 15);
-    const bool prA = h < nt, prB = 2 + h < nt;
-    pA = prA ? a.positions[t0 + h] : -1;
-    pB = prB ? a.positions[t0 + 2 + h] : -1;
-    bA = prA ? a.block_ids[static_cast<int64_t>(t0 + h) * a.bid_stride_t + col] : -1;
-    bB = prB ? a.block_ids[static_cast<int64_t>(t0 + 2 + h) * a.bid_stride_t + col] : -1;
-    row_held = 0;
-    if constexpr (kRowPages > 0) {
-      const int32_t* row = a.page_table + static_cast<int64_t>(r) * a.pt_stride;
-      if ((reinterpret_cast<uintptr_t>(row) & 15) == 0) {  // (warp-uniform)
-        row_held = min(a.max_pages, kRowPages);
-        const uint32_t dst = ak::smem_u32(s_row);
-        for (int c = lane; c < row_held / 4; c += 32) ak::cp_async_16(dst + 16 * c, row + 4 * c);
-        for (int e = (row_held & ~3) + lane; e < row_held; e += 32)
-          ak::cp_async_4(dst + 4 * e, row + e);
-        ak::cp_async_commit();
-      }
-    }
-  }
-
-  // Token masks, first occurrences, ranks and the length from vA / vB (whole warp).
-  __device__ __forceinline__ void rank() {
-    const int lane = threadIdx.x & 31, h = lane >> 4;
-    constexpr uint32_t kLo = 0x0000ffffu, kHi = 0xffff0000u;
-    // Keys: the id, or a value no other candidate has (a candidate that does not count matches
-    // nothing, as its -1 in sparse_union).
-    const int kA = vA ? bA : -1 - lane, kB = vB ? bB : -33 - lane;
-    // Token Tw's 16 keys sit in one lane half per match (lanes 0-15 | 16-31); kBs: T3 | T2.
-    const int kBs = __shfl_xor_sync(0xffffffffu, kB, 16);
-    const uint32_t m01 = __match_any_sync(0xffffffffu, kA);            // T0 | T1
-    const uint32_t m23 = __match_any_sync(0xffffffffu, kB);            // T2 | T3
-    const uint32_t m03 = __match_any_sync(0xffffffffu, h ? kB : kA);   // T0 | T3
-    const uint32_t m21 = __match_any_sync(0xffffffffu, h ? kA : kB);   // T2 | T1
-    const uint32_t m02 = __match_any_sync(0xffffffffu, h ? kBs : kA);  // T0 | T2
-    const uint32_t m31 = __match_any_sync(0xffffffffu, h ? kA : kBs);  // T3 | T1
-    // (this lane's B value sits in the other half there: lane ^ 16's masks)
-    const uint32_t m02x = __shfl_xor_sync(0xffffffffu, m02, 16);
-    const uint32_t m31x = __shfl_xor_sync(0xffffffffu, m31, 16);
-    if (h == 0) {  // A = T0[lane], B = T2[lane]
-      maskA = 1 | (m01 & kHi ? 2 : 0) | (m02 & kHi ? 4 : 0) | (m03 & kHi ? 8 : 0);
-      maskB = 4 | (m02x & kLo ? 1 : 0) | (m21 & kHi ? 2 : 0) | (m23 & kHi ? 8 : 0);
-    } else {  // A = T1[lane - 16], B = T3[lane - 16]
-      maskA = 2 | (m01 & kLo ? 1 : 0) | (m21 & kLo ? 4 : 0) | (m31 & kLo ? 8 : 0);
-      maskB = 8 | (m03 & kLo ? 1 : 0) | (m31x & kHi ? 2 : 0) | (m23 & kLo ? 4 : 0);
-    }
-    const uint32_t below = (1u << lane) - 1u, half = h ? kHi : kLo;
-    firstA = vA && (maskA & ((1 << h) - 1)) == 0 && (m01 & half & below) == 0;
-    firstB = vB && (maskB & ((4 << h) - 1)) == 0 && (m23 & half & below) == 0;
-    const uint32_t fa = __ballot_sync(0xffffffffu, firstA), fb = __ballot_sync(0xffffffffu, firstB);
-    rankA = __popc(fa & below);
-    rankB = __popc(fa) + __popc(fb & below);
-    n = __popc(fa) + __popc(fb);
-  }
-
-  // Once the ids arrived (warp 0): which candidates count, their page-table reads (row of request
-  // r, issued here, waited for in finish), the ranks.
-  __device__ __forceinline__ void pages_and_ranks(const AttnArgs& a, int r, const int* s_row) {
-    vA = pA >= 0 && bA >= 0 && bA <= (pA >> 7) && bA < a.max_pages;
-    vB = pB >= 0 && bB >= 0 && bB <= (pB >> 7) && bB < a.max_pages;
-    ak::timeline_mark_dep(a, 8, bA);
-    const int32_t* row = a.page_table + static_cast<int64_t>(r) * a.pt_stride;
-    if (row_held > 0) {  // (warp-uniform) the row copy of load
-      ak::cp_async_wait<0>();
-      __syncwarp();
-      pageA = !vA ? -1 : bA < row_held ? s_row[bA] : row[bA];
-      pageB = !vB ? -1 : bB < row_held ? s_row[bB] : row[bB];
-    } else {
-      pageA = vA ? row[bA] : -1;
-      pageB = vB ? row[bB] : -1;
-    }
-    rank();
-    ak::timeline_mark_dep(a, 9, rankA);
-  }
-
-  // After the tile scan confirmed the guess (warp 0): a page outside the pool drops its id (every
-  // candidate of an id reads the same entry; rare: the ranks again), the early copy of entry 0
-  // into stage 0, the list, the tokens' positions, the early-copy count and the length.
-  __device__ __forceinline__ void finish(const AttnArgs& a, int g, const CUtensorMap* kmap,
-                                         const CUtensorMap* vmap, uint32_t base, uint64_t* s_full,
-                                         int* s_list_b, int* s_list_page, int* s_list_mask,
-                                         int* s_list_vlim, int* s_pos, int* s_early, int* s_n) {
-    const int lane = threadIdx.x & 31;
-    const bool badA = vA && (pageA < 0 || pageA >= a.num_pages);
-    const bool badB = vB && (pageB < 0 || pageB >= a.num_pages);
-    if (__any_sync(0xffffffffu, badA || badB)) {
-      vA = vA && !badA;
-      vB = vB && !badB;
-      rank();
-    }
-    if ((firstA && rankA == 0) || (firstB && rankB == 0)) {
-      const int page = firstA && rankA == 0 ? pageA : pageB;
-      ak::timeline_mark_any(a, 10, page);
-      ak::tma_load_block(kmap, vmap, page, g, base, ak::smem_u32(&s_full[0]));
-      ak::timeline_mark_any(a, 11, page);
-    }
-    const int p0 = __shfl_sync(0xffffffffu, pA, 0), p1 = __shfl_sync(0xffffffffu, pA, 16);
-    const int p2 = __shfl_sync(0xffffffffu, pB, 0), p3 = __shfl_sync(0xffffffffu, pB, 16);
-    const auto vmax = [&](int mask) {
-      int v = 0;
-      if (mask & 1) v = max(v, p0);
-      if (mask & 2) v = max(v, p1);
-      if (mask & 4) v = max(v, p2);
-      if (mask & 8) v = max(v, p3);
-      return v;
-    };
-    if (firstA) {
-      s_list_b[rankA] = bA;
-      s_list_page[rankA] = pageA;
-      s_list_mask[rankA] = maskA;
-      s_list_vlim[rankA] = vmax(maskA) - bA * ak::kBlockKeys;
-    }
-    if (firstB) {
-      s_list_b[rankB] = bB;
-      s_list_page[rankB] = pageB;
-      s_list_mask[rankB] = maskB;
-      s_list_vlim[rankB] = vmax(maskB) - bB * ak::kBlockKeys;
-    }
-    if (lane < kQT) s_pos[lane] = lane == 0 ? p0 : lane == 1 ? p1 : lane == 2 ? p2 : p3;
-    if (lane == 0) {
-      *s_early = n > 0 ? 1 : 0;
-      *s_n = n;
-    }
-  }
-};
+// List entry 0 (the lowest lane of warp 0 whose candidate counts: always a first occurrence) by
+// TMA into stage 0, as early_copies<1> without its __match_any_sync; lane 0 writes the count
+// (0 or 1) to *s_count. cb: this thread's candidate id, -1 when it does not count.
+__device__ __forceinline__ void early_copy_first(int cb, int cpage, const CUtensorMap* kmap,
+                                                 const CUtensorMap* vmap, int g, uint32_t base,
+                                                 uint64_t* s_full, int* s_count) {
+  if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  const uint32_t ok = __ballot_sync(0xffffffffu, cb >= 0);
+  if (ok != 0u && lane == __ffs(ok) - 1)
+    ak::tma_load_block(kmap, vmap, cpage, g, base, ak::smem_u32(&s_full[0]));
+  if (lane == 0) *s_count = ok != 0u ? 1 : 0;
+}
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53). Grid: (tiles bound x n_kv, 1, splits); block:
-// kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
+// The decode / verify kernel (variants 8, 27, 52, 53, 60, 62). Grid: (tiles bound x n_kv, 1,
+// splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
 // kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
 // kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
 // 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
@@ -666,7 +565,7 @@ struct WarpFront {
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kWarpFront = false, int kRowPages = 0>
+          bool kPageEarly = false, bool kStsm = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -674,10 +573,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
-  static_assert(!kWarpFront || (kEarly && !kTma && kFirst == 1),
-                "the warp front issues one early TMA copy before a cp.async ring");
-  static_assert(kWarpFront || kRowPages == 0, "the page-table row is the warp front's");
-  static_assert(kRowPages % 4 == 0, "whole 16-byte chunks of the row");
+  static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
+  static_assert(!kStsm || kBulkOut, "kStsm stages the bulk-copied rows");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -691,8 +588,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
-  __shared__ int s_n;           // kWarpFront: the list's length
-  __shared__ __align__(16) int s_row[kRowPages > 0 ? kRowPages : 1];  // (WarpFront::load)
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -706,20 +601,19 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
-  // kWarpFront (CTA-uniform): warp 0 loads the guessed tile's ids and positions first, every
-  // thread the bounds of request tid for the tile scan (see WarpFront).
+  // kPageEarly (CTA-uniform; see early_copy_first): the guessed tile's inputs and request tid's
+  // bounds at entry.
   const int64_t t_guess = int64_t{kQT} * tile;
-  const bool warp_front =
-      kWarpFront && a.sparse && !a.pdl && a.splits == 1 && tile < a.R && t_guess < a.T;
-  const int wf_t0 = warp_front ? static_cast<int>(t_guess) : -1;
-  const int wf_nt = warp_front ? min(kQT, a.T - wf_t0) : 0;
-  WarpFront wf;
-  ak::TileBounds wf_bounds{0, 0};
-  if (warp_front) {
-    pdl_wait();  // (a plain launch: no-op)
+  const bool page_early =
+      kPageEarly && a.sparse && !a.pdl && a.splits == 1 && tile < a.R && t_guess < a.T;
+  const int pe_t0 = page_early ? static_cast<int>(t_guess) : -1;
+  const int pe_nt = page_early ? min(kQT, a.T - pe_t0) : 0;
+  ak::TileInputs in;
+  ak::TileBounds pe_bounds{0, 0};
+  if (page_early) {
     init_full_barriers(s_full);
-    if (tok == 0) wf.load<kRowPages>(a, g, wf_t0, wf_nt, tile, s_row);
-    wf_bounds = ak::request_bounds(a, tid);
+    ak::load_tile_inputs<kQT, true>(a, g, pe_t0, pe_nt, in);  // (pdl_wait: a no-op here)
+    pe_bounds = ak::request_bounds(a, tid);
   }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
@@ -732,13 +626,23 @@ __global__ void __launch_bounds__(kThreads, 2)
       ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
     }
   }
-  ak::TileInputs in;
-  bool has_tile = false, listed = false;  // listed: the warp front built the list
-  if (warp_front) {
-    if (tok == 0) wf.pages_and_ranks(a, tile, s_row);
-    has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &wf_bounds);
-    listed = has_tile && s_tile[0] == tile && s_tile[1] == wf_t0 && s_tile[2] == wf_nt;
-    if (has_tile && !listed) ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);
+  bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
+  int spec_page = -1;
+  if (page_early) {
+    spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    ak::timeline_mark_dep(a, 8, in.cand_b);
+    has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
+    const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;
+    pages_known = inputs_held && s_tile[0] == tile;  // (CTA-uniform)
+    if (pages_known) {
+      int cb = in.cand_b;
+      const int cpage = ak::candidate_page_known(a, in.cand_pos, cb, spec_page);
+      ak::timeline_mark_dep(a, 10, cpage);
+      early_copy_first(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
+      ak::timeline_mark(a, 11);
+    } else if (has_tile && !inputs_held) {
+      ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);
+    }
   } else {
     has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   }
@@ -759,20 +663,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   } else {
     ak::load_q_fragments(a, g, t0 + tok, tok < nt, qa);
   }
-  if (listed) {  // (CTA-uniform) the list, s_pos, s_tile[3] by warp 0
-    if (tok == 0)
-      wf.finish(a, g, &kmap, &vmap, base, s_full, s_list_b, s_list_page, s_list_mask, s_list_vlim,
-                s_pos, &s_tile[3], &s_n);
-  } else {
-    if (tid < kQT) s_pos[tid] = in.pos;
-    // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a
-    // separate __shared__ int written here raced, per racecheck, with the reads of s_tile just
-    // above.)
-    if (tid == 0) s_tile[3] = 0;
-  }
+  if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  if ((kTma || kEarly) && !warp_front) init_full_barriers(s_full);
-  __syncthreads();           // s_pos, s_nan, s_full (listed: the list)
+  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested (pages_known: set above).
+  // (Session 17 round A: a separate __shared__ int written here raced, per racecheck, with the
+  // reads of s_tile just above.)
+  if (tid == 0 && !pages_known) s_tile[3] = 0;
+  if ((kTma || kEarly) && !page_early) init_full_barriers(s_full);
+  __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
   // block, empty ones included), or two TMA copies issued by thread 0 (kTma).
@@ -789,34 +687,31 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int64_t pt_row = static_cast<int64_t>(r) * a.pt_stride;
   int n_total = 0;
-  if (listed) {
-    n_total = s_n;
-  } else if (a.sparse) {
+  if (a.sparse) {
     // kEarly: entry k of the list is the k-th first occurrence in candidate order; candidates
     // 0-31 (warp 0) come first, so the first occurrences among them are the list's first entries.
     // Warp 0 copies entries 0 .. kFirst - 1 into their stages as soon as their pages are known
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
-        if (a.splits == 1) {
+        if (a.splits == 1 && !pages_known) {  // (pages_known: early_copy_first above)
           ak::timeline_mark_dep(a, 10, cpage);
           ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
           ak::timeline_mark(a, 11);
         }
       }
     };
-    ak::timeline_mark_dep(a, 8, in.cand_b);
-    n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
-                                              s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim, early);
+    if (!page_early) ak::timeline_mark_dep(a, 8, in.cand_b);
+    n_total = ak::sparse_union<kQT, kThreads>(
+        a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b, s_cand_page, s_warp, s_list_b,
+        s_list_page, s_list_mask, s_list_vlim, early, pages_known, spec_page);
   } else {
     int maxpos = -1;
 #pragma unroll
     for (int w = 0; w < kQT; ++w) maxpos = max(maxpos, s_pos[w]);
     n_total = maxpos >= 0 ? min((maxpos >> 7) + 1, a.max_pages) : 0;
   }
-  // (CTA-uniform; listed: the list was complete at the barrier above)
-  if (!listed) __syncthreads();
+  __syncthreads();
   pdl_launch_dependents();  // the next kernel may launch (it waits for this grid to complete)
 
   const int per = (n_total + a.splits - 1) / a.splits;
@@ -908,7 +803,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
   if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
-    write_rows_bulk(a, st, s_nan[tok], t0, nt, g, smem);
+    write_rows_bulk<kStsm>(a, st, s_nan[tok], t0, nt, g, smem);
   else
     write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);

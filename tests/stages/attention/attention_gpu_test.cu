@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 58 and 59), with and without
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 60 and 62), with and without
 // splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -76,9 +76,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // first copies issued before the union is complete, the rows out by bulk copies; 8 where TMA
 // cannot address the pool; automatic beyond one wave), 27 (53's loop on cp.async loads, plain
 // row stores), 52 (27 with one early copy, Q loaded at entry for the guessed tile and the rows
-// out by bulk copies; automatic for one-wave grids), 58 (52 with the union built by warp 0
-// where the guessed tile [4 tile, 4 tile + 4) of request `tile` holds) and 59 (58 with the
-// request's page-table row read into shared memory at entry); kMma also
+// out by bulk copies; automatic for one-wave grids), 60 (52 with the page-table reads of the
+// guessed tile [4 tile, 4 tile + 4) of request `tile` issued before the tile scan, used where it
+// holds) and 62 (60 with the output rows staged by stmatrix); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -100,7 +100,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 52, 53, 58, 59}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 52, 53, 60, 62}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -367,8 +367,8 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  // Second set: 4-token requests, where verify 58's warp front builds request 1's list (its
-  // guessed tile holds) and drops the corrupt entries after the page reads.
+  // Second set: 4-token requests, where verify 60 reads request 1's page-table entries before the
+  // tile scan (its guessed tile holds) and drops the corrupt entries after it.
   for (const std::vector<RequestSpec>& reqs : {std::vector<RequestSpec>{{2600, 1}, {3100, 4}},
                                                std::vector<RequestSpec>{{2600, 4}, {3100, 4}}}) {
     Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
@@ -445,10 +445,10 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
 
 // A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
 // without splits, its NaN path, and the mma.sync decode kernel (both variants). The guessed tile
-// [4 tile, 4 tile + 4) (verify 52 / 58: Q loaded at entry; 58: the list by warp 0 when the tile is
-// also request `tile`'s first) is right for tiles 0-3 and wrong for tiles 4-6 (Q loaded again,
-// 52's front); tiles 1-3 are not request `tile`'s (58 takes 52's front there), tile 0 is (58's
-// warp front); tiles 7 and 8 are absent.
+// [4 tile, 4 tile + 4) (verify 52 / 60 / 62: Q loaded at entry; 60 / 62: the page-table reads of
+// request `tile`'s row before the tile scan) is right for tiles 0-3 and wrong for tiles 4-6 (Q and
+// ids loaded again); tiles 1-3 are not request `tile`'s (60 reads the pages again), tile 0 is;
+// tiles 7 and 8 are absent.
 TEST(AttentionGpu, SanitizerSmallVerify) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();

@@ -392,7 +392,7 @@ bench::Row timing_row(const std::string& name, const std::string& verdict, doubl
 // per phase the times of the CTAs that own a tile (us after the first CTA's entry), their phase
 // lengths, the CTAs without a tile (the grid is sized for the worst token distribution), and the
 // CTAs' ends by SM.
-// kWords: words per CTA (the attention kernels' 16, the plain read's 8); words 8-13 (the sparse
+// kWords: words per CTA (the attention kernels' 16, the plain read's 8); words 8-15 (the sparse
 // verify front's and epilogue's stamps) are printed where a CTA recorded them.
 void analyze_timeline(const std::string& name, double cold_us, const std::vector<uint64_t>& tl,
                       int kWords) {
@@ -439,10 +439,10 @@ void analyze_timeline(const std::string& name, double cold_us, const std::vector
                   pct(len[sl - 1], 0.5), pct(len[sl - 1], 0.9), pct(len[sl - 1], 1));
     std::printf("\n");
   }
-  // The front's and the bulk epilogue's stamps (words 8-13 where recorded): at us after the
+  // The front's and the bulk epilogue's stamps (words 8-15 where recorded): at us after the
   // first entry.
-  const char* front[] = {"ids", "ranked", "page0", "copy0", "staged", "bulk"};
-  for (int sl = 8; sl < std::min(kWords, 14); ++sl) {
+  const char* front[] = {"ids", "ranked", "page0", "copy0", "staged", "bulk", "ep_in", "ep_st"};
+  for (int sl = 8; sl < std::min(kWords, 16); ++sl) {
     std::vector<double> v;
     for (int64_t x = 0; x < max_ctas; ++x) {
       const uint64_t* w = tl.data() + x * kWords;

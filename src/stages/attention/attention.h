@@ -125,7 +125,7 @@ struct AttentionCudaConfig {
   // block list built, first block landed, last block attended, exit (words 0-5; a CTA without a
   // tile writes only 0 and 5), its block count (6) and SM id + 1 (7); the sparse verify kernel
   // also stamps its front in words 8-11 (ids arrived, union ranked, first page known, first copy
-  // issued) and its bulk epilogue in 12-13 (attention_kernel.cuh timeline_mark). Size it for the
+  // issued) and its bulk epilogue in 12-15 (attention_kernel.cuh timeline_mark). Size it for the
   // grid (at most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels
   // ignore it.
   uint64_t* timeline = nullptr;

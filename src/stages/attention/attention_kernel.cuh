@@ -91,8 +91,8 @@ struct AttnArgs {
 // 8-11 stamp the sparse verify front (session 21; 0 where a kernel does not record them): 8 the
 // tile's block ids arrived (thread 0's), 9 the union's ranks known (the warp front), 10 the page of
 // the list's first entry known, 11 its early copy issued (timeline_mark_dep / timeline_mark_any);
-// 12 / 13 the epilogue of the bulk-copied rows: rows staged in shared memory, thread 0's copy
-// issued.
+// 12 / 13 the epilogue of the bulk-copied rows: rows staged in shared memory and fenced, thread
+// 0's copy issued; 14 / 15 that epilogue's entry (NaN dims read) and its staging stores issued.
 constexpr int kTimelineWords = 16;
 __device__ __forceinline__ uint64_t* timeline_words(const AttnArgs& a) {
   const int64_t cta =

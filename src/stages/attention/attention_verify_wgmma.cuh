@@ -359,15 +359,16 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
 // refills, and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Same-run
 // A/Bs (isolated us, 3 alternating runs at 8K / 32K / 128K): 52 = 42 + this, B64 x 4 41.4-42.1 vs
 // 42.2-42.8 for 42 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (mean 42.24) (round E); 53 = 21
-// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are staged
-// kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
+// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are
+// staged kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
 // banks) in the ring (free after the loop); each warp (token) fences its stores for the async
 // proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
 // out_q, 16-byte aligned out rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
   return a.splits == 1 && a.out_q == nullptr &&
-         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) ==
+             0;
 }
 // kStsm (variant 62, session 21): the BF16 pairs staged by 8 stmatrix.x4 per warp (the wgmma
 // accumulator layout is stmatrix's 8x8 fragment layout: rows grp / grp + 8, dims 8 j + 2 tig)
@@ -384,6 +385,7 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+  ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
   uint32_t w[2][16];  // kStsm: BF16 pairs of rows grp + 8 e, dims 8 j + 2 tig, + 1
 #pragma unroll
@@ -421,6 +423,7 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
                    : "memory");
     }
   }
+  ak::timeline_mark(a, 15);
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
   ak::timeline_mark(a, 12);
@@ -481,14 +484,14 @@ __device__ __forceinline__ void early_copy_first(int cb, int cpage, const CUtens
 
 // ---------------------------------------------------------------------------------------------
 // The decode / verify kernel (variants 8, 27, 52, 53, 60, 62). Grid: (tiles bound x n_kv, 1,
-// splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
-// kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
-// kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
-// 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
-// C7517; without it the time was the same, round B: variant 12). kLazy (variants 13 / 17, automatic
-// since session 15): the lazy running max of ap::softmax_block. Removed in session 15: variant 14
-// (round C: 13 with the previous stage refilled right after the first barrier, P V(i - 1) waited
-// for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
+// splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
+// cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
+// (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
+// (session 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma
+// there, C7517; without it the time was the same, round B: variant 12). kLazy (variants 13 / 17,
+// automatic since session 15): the lazy running max of ap::softmax_block. Removed in session 15:
+// variant 14 (round C: 13 with the previous stage refilled right after the first barrier, P V(i -
+// 1) waited for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
 // Session 16: variant 17 (automatic then) is 13 with conflict-free f16 V stores, the proxy fence
@@ -565,7 +568,7 @@ __device__ __forceinline__ void early_copy_first(int cb, int cpage, const CUtens
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kStsm = false>
+          bool kPageEarly = false, bool kStsm = false, int kRowPages = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -575,6 +578,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
   static_assert(!kStsm || kBulkOut, "kStsm stages the bulk-copied rows");
+  static_assert(kRowPages == 0 || kPageEarly, "kRowPages serves kPageEarly's page reads");
+  static_assert(kRowPages % 4 == 0 && kCand == 64, "16-byte row chunks; bar.sync 1, 64");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -588,6 +593,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ __align__(16) int s_row[kRowPages > 0 ? kRowPages : 1];  // kRowPages (61)
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -610,10 +616,25 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int pe_nt = page_early ? min(kQT, a.T - pe_t0) : 0;
   ak::TileInputs in;
   ak::TileBounds pe_bounds{0, 0};
+  // kRowPages (61): the candidate threads copy the first row_held entries of request `tile`'s
+  // page-table row into s_row (cp.async; where the row is 16-byte aligned), so the page reads
+  // below are shared-memory reads once the ids land.
+  const int32_t* pe_row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
+  const int row_held =
+      kRowPages > 0 && page_early && (reinterpret_cast<uintptr_t>(pe_row) & 15) == 0
+          ? min(a.max_pages, kRowPages)
+          : 0;  // (CTA-uniform)
   if (page_early) {
     init_full_barriers(s_full);
     ak::load_tile_inputs<kQT, true>(a, g, pe_t0, pe_nt, in);  // (pdl_wait: a no-op here)
     pe_bounds = ak::request_bounds(a, tid);
+    if (row_held > 0 && tid < kCand) {
+      const uint32_t dst = ak::smem_u32(s_row);
+      for (int c = tid; c < row_held / 4; c += kCand) ak::cp_async_16(dst + 16 * c, pe_row + 4 * c);
+      for (int e = (row_held & ~3) + tid; e < row_held; e += kCand)
+        ak::cp_async_4(dst + 4 * e, pe_row + e);
+      ak::cp_async_commit();
+    }
   }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
@@ -629,7 +650,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
   int spec_page = -1;
   if (page_early) {
-    spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    if (row_held > 0) {  // (CTA-uniform)
+      if (tid < kCand) {
+        ak::cp_async_wait<0>();
+        asm volatile("bar.sync 1, %0;\n" ::"n"(kCand) : "memory");  // the candidates' row copies
+        const int b = in.cand_b, pos = in.cand_pos;
+        if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)  // (as guessed_page)
+          spec_page = b < row_held ? s_row[b] : pe_row[b];
+      }
+    } else {
+      spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    }
     ak::timeline_mark_dep(a, 8, in.cand_b);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
     const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;

@@ -370,12 +370,21 @@ __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
          ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) ==
              0;
 }
-// kStsm (variant 62, session 21): the BF16 pairs staged by 8 stmatrix.x4 per warp (the wgmma
-// accumulator layout is stmatrix's 8x8 fragment layout: rows grp / grp + 8, dims 8 j + 2 tig)
-// instead of 32 4-byte st.shared per lane; the same bytes at the same addresses. Why (session 21
-// round B timeline, 52 at B64 x 4 @ 32K): the epilogue took 1.57 us p50 per CTA (last block
-// attended -> exit; the plain read's 0.16), 0.9 of it before the rows were staged.
-template <bool kStsm>
+// kOneCopy (variant 63, session 21): the warp's rows repacked to a contiguous buffer in shared
+// memory after the staging (8 16-byte loads and stores per lane, conflict-free) and written by ONE
+// bulk copy of group x 256 bytes (the group's heads of a token are contiguous in `out`) instead of
+// one copy per row. Why (session 21 round D, 60 at B64 x 4 @ 32K, stamps and a source-level ncu):
+// the epilogue took 1.70 us p50 per CTA (the plain read's 0.16); the 16 row copies of a warp take
+// ptxas' loop over the lanes' distinct addresses (R2UR, UBLKCP, BRA.U.ANY: 16 serial rounds,
+// 0.67 us from the rows fenced to thread 0's copy issued), and the staging 0.64 us, its samples
+// mostly "no instruction" (the epilogue's code is fetched cold): the NaN dims' selects are now a
+// separate loop, so the common path is one straight run of code. Round D: 62 (60 with the rows
+// staged by 8 stmatrix.x4 per warp instead of 32 st.shared.b32 per lane) was no faster (41.3-42.7
+// vs 41.3-43.0 us for 60; the staging's time is not its store count) and was removed.
+constexpr int kPackOffset = ak::kRows * kRowPitch * kQT;  // the packed rows, after the staged
+static_assert(kPackOffset + kQT * ak::kRows * 2 * ak::kDim <= kStages * kStageBytes,
+              "both row buffers fit the ring");
+template <bool kOneCopy>
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
                                                 uint8_t* stage) {
@@ -387,7 +396,6 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
-  uint32_t w[2][16];  // kStsm: BF16 pairs of rows grp + 8 e, dims 8 j + 2 tig, + 1
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
@@ -395,6 +403,15 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
     uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
+    if (kOneCopy && !any_nan) {  // (warp-uniform) the common path without the NaN selects
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const __nv_bfloat162 b2 =
+            __floats2bfloat162_rn(st.o[4 * j + 2 * e] * inv, st.o[4 * j + 2 * e + 1] * inv);
+        *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+      }
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
@@ -404,26 +421,35 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
         if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
       }
       const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      w[e][j] = *reinterpret_cast<const uint32_t*>(&b2);
-      if constexpr (!kStsm) *reinterpret_cast<uint32_t*>(r + 16 * j) = w[e][j];
-    }
-  }
-  if constexpr (kStsm) {
-    // stmatrix.x4 number jj: matrices (j, e) = (2 jj, 0), (2 jj, 1), (2 jj + 1, 0), (2 jj + 1, 1);
-    // lane l gives row l % 8 of matrix l / 8: row l % 8 + 8 e, bytes 16 j .. 16 j + 15.
-    const int m = lane >> 3;
-    const uint32_t row_addr =
-        ak::smem_u32(rows + ((lane & 7) + 8 * (m & 1)) * kRowPitch + 16 * (m >> 1));
-#pragma unroll
-    for (int jj = 0; jj < 8; ++jj) {
-      const uint32_t addr = row_addr + 32 * jj;
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
-                   "r"(w[0][2 * jj]), "r"(w[1][2 * jj]), "r"(w[0][2 * jj + 1]),
-                   "r"(w[1][2 * jj + 1])
-                   : "memory");
+      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
     }
   }
   ak::timeline_mark(a, 15);
+  if constexpr (kOneCopy) {
+    __syncwarp();  // the warp's rows are staged
+    uint8_t* packed = stage + kPackOffset + tok * ak::kRows * 2 * ak::kDim;
+#pragma unroll
+    for (int k = 0; k < ak::kRows * 16 / 32; ++k) {  // chunk c of row rr (16 chunks per row)
+      const int i = 32 * k + lane, rr = i >> 4, c = i & 15;
+      *reinterpret_cast<uint4*>(packed + rr * 2 * ak::kDim + 16 * c) =
+          *reinterpret_cast<const uint4*>(rows + rr * kRowPitch + 16 * c);
+    }
+    ap::fence_proxy_async();  // this thread's st.shared -> the bulk copy's reads
+    __syncwarp();
+    ak::timeline_mark(a, 12);
+    if (tok < nt && lane == 0) {
+      const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
+                            static_cast<int64_t>(g * a.group) * ak::kDim;
+      asm volatile(
+          "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
+          "cp.async.bulk.commit_group;\n" ::"l"(dst),
+          "r"(ak::smem_u32(packed)), "r"(a.group * 2 * ak::kDim)
+          : "memory");
+      ak::timeline_mark(a, 13);
+      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    }
+    return;
+  }
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
   ak::timeline_mark(a, 12);
@@ -466,24 +492,29 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // copy): 42.1-43.7 vs 41.8-42.9 for 52; timeline @ 32K: ids 1.60, ranked 1.98 (six match_any:
 // ~0.4 us), scan done 2.46, copy 2.91 (52: 2.59), list 3.30 (52: 3.78), first block landed 5.31
 // (5.44), per block 2.30 (2.32). 59 (58 with the request's page-table row copied into shared
-// memory at entry) was built and removed unmeasured.
+// memory at entry) was built and removed unmeasured. Round C: 60 41.5-42.2 us (mean 41.66) vs 52
+// 41.6-43.5 (42.24); timeline @ 32K: ids 1.60, first page 1.95, copy 2.21 (52: 2.59), first block
+// landed 4.51 (4.77). Lost in round D: 61 (60 with request `tile`'s page-table row copied into
+// shared memory by the candidate threads at entry, so the page reads are shared-memory reads):
+// its row copies went out ahead of the ids (ids 1.92 vs 1.63, copy 2.59 vs 2.27); 41.3-42.8 vs
+// 41.3-43.0 for 60.
 
 // List entry 0 (the lowest lane of warp 0 whose candidate counts: always a first occurrence) by
-// TMA into stage 0, as early_copies<1> without its __match_any_sync; lane 0 writes the count
-// (0 or 1) to *s_count. cb: this thread's candidate id, -1 when it does not count.
-__device__ __forceinline__ void early_copy_first(int cb, int cpage, const CUtensorMap* kmap,
-                                                 const CUtensorMap* vmap, int g, uint32_t base,
-                                                 uint64_t* s_full, int* s_count) {
-  if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
+// TMA into stage 0, as early_copies<1> without its __match_any_sync; returns the count (0 or 1;
+// warp 0, 0 elsewhere). cb: this thread's candidate id, -1 when it does not count.
+__device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtensorMap* kmap,
+                                                const CUtensorMap* vmap, int g, uint32_t base,
+                                                uint64_t* s_full) {
+  if ((threadIdx.x >> 5) != 0) return 0;  // warp-uniform
   const int lane = threadIdx.x & 31;
   const uint32_t ok = __ballot_sync(0xffffffffu, cb >= 0);
   if (ok != 0u && lane == __ffs(ok) - 1)
     ak::tma_load_block(kmap, vmap, cpage, g, base, ak::smem_u32(&s_full[0]));
-  if (lane == 0) *s_count = ok != 0u ? 1 : 0;
+  return ok != 0u ? 1 : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53, 60, 62). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
@@ -568,7 +599,7 @@ __device__ __forceinline__ void early_copy_first(int cb, int cpage, const CUtens
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kStsm = false, int kRowPages = 0>
+          bool kPageEarly = false, bool kOneCopy = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -577,9 +608,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
-  static_assert(!kStsm || kBulkOut, "kStsm stages the bulk-copied rows");
-  static_assert(kRowPages == 0 || kPageEarly, "kRowPages serves kPageEarly's page reads");
-  static_assert(kRowPages % 4 == 0 && kCand == 64, "16-byte row chunks; bar.sync 1, 64");
+  static_assert(!kOneCopy || kBulkOut, "kOneCopy writes the bulk-copied rows");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -593,7 +622,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
-  __shared__ __align__(16) int s_row[kRowPages > 0 ? kRowPages : 1];  // kRowPages (61)
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -616,25 +644,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int pe_nt = page_early ? min(kQT, a.T - pe_t0) : 0;
   ak::TileInputs in;
   ak::TileBounds pe_bounds{0, 0};
-  // kRowPages (61): the candidate threads copy the first row_held entries of request `tile`'s
-  // page-table row into s_row (cp.async; where the row is 16-byte aligned), so the page reads
-  // below are shared-memory reads once the ids land.
-  const int32_t* pe_row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
-  const int row_held =
-      kRowPages > 0 && page_early && (reinterpret_cast<uintptr_t>(pe_row) & 15) == 0
-          ? min(a.max_pages, kRowPages)
-          : 0;  // (CTA-uniform)
   if (page_early) {
     init_full_barriers(s_full);
     ak::load_tile_inputs<kQT, true>(a, g, pe_t0, pe_nt, in);  // (pdl_wait: a no-op here)
     pe_bounds = ak::request_bounds(a, tid);
-    if (row_held > 0 && tid < kCand) {
-      const uint32_t dst = ak::smem_u32(s_row);
-      for (int c = tid; c < row_held / 4; c += kCand) ak::cp_async_16(dst + 16 * c, pe_row + 4 * c);
-      for (int e = (row_held & ~3) + tid; e < row_held; e += kCand)
-        ak::cp_async_4(dst + 4 * e, pe_row + e);
-      ak::cp_async_commit();
-    }
   }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
@@ -649,18 +662,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
   int spec_page = -1;
+  int early_count = 0;  // pages_known: list entries early_copy_first requested (warp 0)
   if (page_early) {
-    if (row_held > 0) {  // (CTA-uniform)
-      if (tid < kCand) {
-        ak::cp_async_wait<0>();
-        asm volatile("bar.sync 1, %0;\n" ::"n"(kCand) : "memory");  // the candidates' row copies
-        const int b = in.cand_b, pos = in.cand_pos;
-        if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)  // (as guessed_page)
-          spec_page = b < row_held ? s_row[b] : pe_row[b];
-      }
-    } else {
-      spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
-    }
+    spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
     ak::timeline_mark_dep(a, 8, in.cand_b);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
     const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;
@@ -669,7 +673,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       int cb = in.cand_b;
       const int cpage = ak::candidate_page_known(a, in.cand_pos, cb, spec_page);
       ak::timeline_mark_dep(a, 10, cpage);
-      early_copy_first(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
+      early_count = early_copy_first(cb, cpage, &kmap, &vmap, g, base, s_full);
       ak::timeline_mark(a, 11);
     } else if (has_tile && !inputs_held) {
       ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);
@@ -696,10 +700,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested (pages_known: set above).
-  // (Session 17 round A: a separate __shared__ int written here raced, per racecheck, with the
-  // reads of s_tile just above.)
-  if (tid == 0 && !pages_known) s_tile[3] = 0;
+  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a
+  // separate __shared__ int written here raced, per racecheck, with the reads of s_tile just
+  // above; session 21 round D: s_tile[3] written by warp 0 right after the scan raced with the
+  // other warps' reads of s_tile there.)
+  if (tid == 0) s_tile[3] = early_count;
   if ((kTma || kEarly) && !page_early) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
@@ -834,7 +839,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
   if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
-    write_rows_bulk<kStsm>(a, st, s_nan[tok], t0, nt, g, smem);
+    write_rows_bulk<kOneCopy>(a, st, s_nan[tok], t0, nt, g, smem);
   else
     write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);

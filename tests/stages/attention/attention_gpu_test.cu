@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53 and 60-62), with and without
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 60 and 63), with and without
 // splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -78,8 +78,7 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // row stores), 52 (27 with one early copy, Q loaded at entry for the guessed tile and the rows
 // out by bulk copies; automatic for one-wave grids), 60 (52 with the page-table reads of the
 // guessed tile [4 tile, 4 tile + 4) of request `tile` issued before the tile scan, used where it
-// holds), 61 (60 with that row copied into shared memory at entry) and 62 (60 with the output
-// rows staged by stmatrix); kMma also
+// holds) and 63 (60 with one bulk copy of a token's output rows); kMma also
 // runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -101,7 +100,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 52, 53, 60, 61, 62}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 52, 53, 60, 63}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -446,7 +445,7 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
 
 // A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
 // without splits, its NaN path, and the mma.sync decode kernel (both variants). The guessed tile
-// [4 tile, 4 tile + 4) (verify 52 / 60 / 62: Q loaded at entry; 60 / 62: the page-table reads of
+// [4 tile, 4 tile + 4) (verify 52 / 60 / 63: Q loaded at entry; 60 / 63: the page-table reads of
 // request `tile`'s row before the tile scan) is right for tiles 0-3 and wrong for tiles 4-6 (Q and
 // ids loaded again); tiles 1-3 are not request `tile`'s (60 reads the pages again), tile 0 is;
 // tiles 7 and 8 are absent.

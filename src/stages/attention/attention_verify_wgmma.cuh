@@ -365,10 +365,13 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
 // proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
 // out_q, 16-byte aligned out rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
+// kOneCopy also takes out_q (16-byte aligned; its rows are n_q x 128 bytes).
+template <bool kOneCopy>
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
-  return a.splits == 1 && a.out_q == nullptr &&
-         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) ==
-             0;
+  return a.splits == 1 && (a.out_q == nullptr || kOneCopy) &&
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2 |
+           reinterpret_cast<uintptr_t>(a.out_q)) &
+          15) == 0;
 }
 // kOneCopy (variant 63, session 21): the warp's rows repacked to a contiguous buffer in shared
 // memory after the staging (8 16-byte loads and stores per lane, conflict-free) and written by ONE
@@ -381,9 +384,32 @@ __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
 // separate loop, so the common path is one straight run of code. Round D: 62 (60 with the rows
 // staged by 8 stmatrix.x4 per warp instead of 32 st.shared.b32 per lane) was no faster (41.3-42.7
 // vs 41.3-43.0 us for 60; the staging's time is not its store count) and was removed.
+// With out_q (the layer's o_proj input), the E4M3 rows go the same way (staged at kQPitch,
+// repacked, one group x 128-byte copy per warp; session 20's per-row form, 19db3dd on s20-att, was
+// never run); the scales stay plain stores.
+constexpr int kQPitch = ak::kDim + 16;  // (8 rows x 4 lanes of 2-byte stores: distinct banks)
 constexpr int kPackOffset = ak::kRows * kRowPitch * kQT;  // the packed rows, after the staged
-static_assert(kPackOffset + kQT * ak::kRows * 2 * ak::kDim <= kStages * kStageBytes,
-              "both row buffers fit the ring");
+constexpr int kQStageOffset = kPackOffset + kQT * ak::kRows * 2 * ak::kDim;
+constexpr int kQPackOffset = kQStageOffset + kQT * ak::kRows * kQPitch;
+static_assert(kQPackOffset + kQT * ak::kRows * ak::kDim <= kStages * kStageBytes,
+              "the row buffers fit the ring");
+__device__ __forceinline__ void bulk_store(const void* dst, const uint8_t* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(ak::smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+// Rows [0, 16) of `bytes` bytes each, staged `pitch` apart at src -> contiguous at dst (the warp).
+template <int kBytes, int kPitch>
+__device__ __forceinline__ void pack_rows(uint8_t* dst, const uint8_t* src) {
+  constexpr int kChunks = kBytes / 16;  // per row
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < ak::kRows * kChunks / 32; ++k) {
+    const int i = 32 * k + lane, rr = i / kChunks, c = i % kChunks;
+    *reinterpret_cast<uint4*>(dst + rr * kBytes + 16 * c) =
+        *reinterpret_cast<const uint4*>(src + rr * kPitch + 16 * c);
+  }
+}
 template <bool kOneCopy>
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
@@ -396,55 +422,71 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
+  uint8_t* qrows = stage + kQStageOffset + tok * ak::kRows * kQPitch;  // kOneCopy with out_q
+  const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
-    uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
+    const int h = grp + 8 * e;
+    uint8_t* r = rows + h * kRowPitch + 4 * tig;
+    uint32_t wv[16];             // BF16 pairs of dims 8 j + 2 tig, + 1
     if (kOneCopy && !any_nan) {  // (warp-uniform) the common path without the NaN selects
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const __nv_bfloat162 b2 =
             __floats2bfloat162_rn(st.o[4 * j + 2 * e] * inv, st.o[4 * j + 2 * e + 1] * inv);
-        *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+        wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+        *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
       }
-      continue;
-    }
+    } else {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
-      if (any_nan) {
-        const int dim = 8 * j + 2 * tig;
-        if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
-        if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
+      for (int j = 0; j < 16; ++j) {
+        float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
+        if (any_nan) {
+          const int dim = 8 * j + 2 * tig;
+          if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
+          if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
+        }
+        const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
+        wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+        *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
       }
-      const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+    }
+    if (kOneCopy && a.out_q != nullptr) {  // (CTA-uniform) the row's 128 dims are this quad's
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint16_t*>(qrows + h * kQPitch + 8 * j + 2 * tig) =
+            static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
+      if (tig == 0 && tok < nt && h < a.group)
+        a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
     }
   }
   ak::timeline_mark(a, 15);
   if constexpr (kOneCopy) {
     __syncwarp();  // the warp's rows are staged
     uint8_t* packed = stage + kPackOffset + tok * ak::kRows * 2 * ak::kDim;
-#pragma unroll
-    for (int k = 0; k < ak::kRows * 16 / 32; ++k) {  // chunk c of row rr (16 chunks per row)
-      const int i = 32 * k + lane, rr = i >> 4, c = i & 15;
-      *reinterpret_cast<uint4*>(packed + rr * 2 * ak::kDim + 16 * c) =
-          *reinterpret_cast<const uint4*>(rows + rr * kRowPitch + 16 * c);
-    }
-    ap::fence_proxy_async();  // this thread's st.shared -> the bulk copy's reads
+    uint8_t* qpacked = stage + kQPackOffset + tok * ak::kRows * ak::kDim;
+    pack_rows<2 * ak::kDim, kRowPitch>(packed, rows);
+    if (a.out_q != nullptr) pack_rows<ak::kDim, kQPitch>(qpacked, qrows);
+    ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
     __syncwarp();
     ak::timeline_mark(a, 12);
     if (tok < nt && lane == 0) {
-      const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
-                            static_cast<int64_t>(g * a.group) * ak::kDim;
-      asm volatile(
-          "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-          "cp.async.bulk.commit_group;\n" ::"l"(dst),
-          "r"(ak::smem_u32(packed)), "r"(a.group * 2 * ak::kDim)
-          : "memory");
+      const int64_t col = static_cast<int64_t>(g * a.group) * ak::kDim;
+      bulk_store(a.out + t * a.out_stride + col, packed, a.group * 2 * ak::kDim);
+      if (a.out_q != nullptr)
+        bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col, qpacked,
+                   a.group * ak::kDim);
+      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
       ak::timeline_mark(a, 13);
       asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
     }
@@ -838,7 +880,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
+  if (kBulkOut && bulk_out_ok<kOneCopy>(a))  // (CTA-uniform)
     write_rows_bulk<kOneCopy>(a, st, s_nan[tok], t0, nt, g, smem);
   else
     write_rows(a, st, s_nan[tok], t0, nt, g, split);

@@ -556,7 +556,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63, 64). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-65). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap

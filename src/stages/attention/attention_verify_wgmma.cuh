@@ -556,7 +556,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-65). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-66). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
@@ -641,7 +641,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kOneCopy = false>
+          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -651,6 +651,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
   static_assert(!kOneCopy || kBulkOut, "kOneCopy writes the bulk-copied rows");
+  static_assert(!kQAfterIds || (kPageEarly && kQEarly && kCand == 2 * 32),
+                "kQAfterIds orders kPageEarly's ids before kQEarly's Q (candidates: warps 0, 1)");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -694,19 +696,33 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
   int q_t0 = -1, q_nt = 0;  // the guessed tile whose Q is in qe
-  if constexpr (kQEarly) {
-    const int64_t tg = int64_t{kQT} * tile;
-    if (!a.pdl && tg < a.T) {
-      q_t0 = static_cast<int>(tg);
-      q_nt = min(kQT, a.T - q_t0);
-      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+  const auto load_q_early = [&] {
+    if constexpr (kQEarly) {
+      const int64_t tg = int64_t{kQT} * tile;
+      if (!a.pdl && tg < a.T) {
+        q_t0 = static_cast<int>(tg);
+        q_nt = min(kQT, a.T - q_t0);
+        ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+      }
     }
-  }
+  };
+  // kQAfterIds (66): with page_early, after the ids (below).
+  if (!(kQAfterIds && page_early)) load_q_early();
   bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
   int spec_page = -1;
   int early_count = 0;  // pages_known: list entries early_copy_first requested (warp 0)
   if (page_early) {
     spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    if constexpr (kQAfterIds) {
+      // The candidate warps (0, 1) have their ids (guessed_page's branch read them): they load Q
+      // now and let warps 2, 3 go (named barrier 2), so the 2 MB of a B64 x 4 grid's Q no longer
+      // queue in DRAM ahead of the ids.
+      if (tid < kCand)
+        asm volatile("bar.arrive 2, %0;\n" ::"n"(kThreads) : "memory");
+      else
+        asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");
+      load_q_early();
+    }
     ak::timeline_mark_dep(a, 8, in.cand_b);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
     const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;

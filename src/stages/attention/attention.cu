@@ -194,11 +194,10 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 27 &&
       cfg.verify_variant != 52 && cfg.verify_variant != 53 && cfg.verify_variant != 60 &&
-      cfg.verify_variant != 63 && cfg.verify_variant != 64 && cfg.verify_variant != 65 &&
-      cfg.verify_variant != 66)
+      (cfg.verify_variant < 63 || cfg.verify_variant > 68))
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 27, 52, 53, 60 or 63-66 (9, 11, 12, 14 and 15 were removed in session "
+        " is not 0, 8, 27, 52, 53, 60 or 63-68 (9, 11, 12, 14 and 15 were removed in session "
         "15; 13, 16 and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in "
         "session 18; 34, 37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 "
         "(52 without them), 50, 51 and 54-57 in session 20; 58, 59, 61 and 62 in session 21)");
@@ -307,7 +306,8 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = av::kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false>
+          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false,
+          bool kEvictFirst = false>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -317,8 +317,9 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly,
-                                            kBulkOut, kPageEarly, kOneCopy, kQAfterIds>;
+  auto kernel =
+      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kBulkOut,
+                                  kPageEarly, kOneCopy, kQAfterIds, kEvictFirst>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -382,6 +383,12 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
             args, pl, n_kv, stream);
       case 66:  // 63 with Q loaded once the ids landed (kQAfterIds)
         return launch_verify<true, false, true, true, true, 1, true, true, true, true, true>(
+            args, pl, n_kv, stream);
+      case 67:  // 63 with the K / V copies marked L2 evict-first (kEvictFirst)
+        return launch_verify<true, false, true, true, true, 1, true, true, true, true, false, true>(
+            args, pl, n_kv, stream);
+      case 68:  // 66 with the K / V copies marked L2 evict-first (kEvictFirst)
+        return launch_verify<true, false, true, true, true, 1, true, true, true, true, true, true>(
             args, pl, n_kv, stream);
       case 64:  // 53 with one bulk copy of the output rows per warp (kOneCopy)
         return launch_verify<true, true, true, true, true, av::kStages - 1, false, true, false,

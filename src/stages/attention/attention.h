@@ -106,7 +106,8 @@ struct AttentionCudaConfig {
                             // 60 (session 21): 52 with the guessed tile's page-table reads
                             // before the tile scan; 63 / 64: 60 / 53 with one bulk copy of a
                             // token's rows; 65 / 66: 63 with Q loaded after the scan / once
-                            // the ids landed
+                            // the ids landed; 67 / 68: 63 / 66 with the K / V copies L2
+                            // evict-first
                             // (9, 11-26, 28-51, 54-59, 61, 62 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with

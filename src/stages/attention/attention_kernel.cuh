@@ -582,11 +582,29 @@ __device__ __forceinline__ ChunkEntries chunk_entries(const AttnArgs& a, int64_t
           s_list_vlim != nullptr ? s_list_vlim + off : nullptr};
 }
 
+// An L2 policy for data read once (the selected K / V tiles of a decode / verify call: each
+// (page, KV head) tile is read by one CTA once): evict first, so the call's stream of ~134 MB (B64
+// x 4) does not push the kernel's code, page table, ids and Q out of L2 ahead of their next use
+// (the verify kernel's epilogue runs code no warp has fetched since the grid started).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+
 // Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
 // [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
 // ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups. All `Threads` threads call it.
-template <bool kVec16, int Threads = kThreads>
-__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage) {
+// kHint (16-byte copies only): with the L2 cache policy `policy` (evict_first_policy).
+template <bool kVec16, int Threads = kThreads, bool kHint = false>
+__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage,
+                                           uint64_t policy = 0) {
+  static_assert(!kHint || kVec16, "cache hints on the 16-byte copies");
   static_assert(kTileBytes / 16 % Threads == 0, "whole 16-byte chunks per thread");
   const uint8_t* kt =
       a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
@@ -598,7 +616,10 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
     const int key = i >> 3, c = i & 7;
     const uint32_t kdst = ks + key * kDim + ((c ^ (key & 7)) << 4);
     const uint32_t vdst = kdst + kTileBytes;
-    if constexpr (kVec16) {
+    if constexpr (kHint) {
+      cp_async_16_hint(kdst, kt + i * 16, policy);
+      cp_async_16_hint(vdst, vt + i * 16, policy);
+    } else if constexpr (kVec16) {
       cp_async_16(kdst, kt + i * 16);
       cp_async_16(vdst, vt + i * 16);
     } else {
@@ -621,14 +642,34 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// tma_load_4d with an L2 cache policy (evict_first_policy).
+__device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const CUtensorMap* map, int c0,
+                                                 int c1, int c2, int c3, uint32_t bar,
+                                                 uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "l"(policy)
+      : "memory");
+}
+
 // The layout of load_block by two TMA copies (K, V maps of [pages][n_kv][128][128] bytes with the
 // 128-byte swizzle: chunk c of row k lands at c ^ (k & 7) when `dst` is 1024-byte aligned), issued
-// by ONE thread onto mbarrier `bar`, which completes when both tiles landed.
+// by ONE thread onto mbarrier `bar`, which completes when both tiles landed. kHint: with the L2
+// cache policy `policy`.
+template <bool kHint = false>
 __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CUtensorMap* vmap,
-                                               int page, int g, uint32_t dst, uint32_t bar) {
+                                               int page, int g, uint32_t dst, uint32_t bar,
+                                               uint64_t policy = 0) {
   sm90::mbar_arrive_expect_tx(bar, kStageBytes);
-  tma_load_4d(dst, kmap, 0, 0, g, page, bar);
-  tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
+  if constexpr (kHint) {
+    tma_load_4d_hint(dst, kmap, 0, 0, g, page, bar, policy);
+    tma_load_4d_hint(dst + kTileBytes, vmap, 0, 0, g, page, bar, policy);
+  } else {
+    tma_load_4d(dst, kmap, 0, 0, g, page, bar);
+    tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
+  }
 }
 
 // The early copies of the verify and decode kernels (kEarly), run by every thread inside

@@ -543,20 +543,22 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 
 // List entry 0 (the lowest lane of warp 0 whose candidate counts: always a first occurrence) by
 // TMA into stage 0, as early_copies<1> without its __match_any_sync; returns the count (0 or 1;
-// warp 0, 0 elsewhere). cb: this thread's candidate id, -1 when it does not count.
+// warp 0, 0 elsewhere). cb: this thread's candidate id, -1 when it does not count. kHint: with the
+// L2 cache policy `policy` (kEvictFirst).
+template <bool kHint>
 __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtensorMap* kmap,
                                                 const CUtensorMap* vmap, int g, uint32_t base,
-                                                uint64_t* s_full) {
+                                                uint64_t* s_full, uint64_t policy) {
   if ((threadIdx.x >> 5) != 0) return 0;  // warp-uniform
   const int lane = threadIdx.x & 31;
   const uint32_t ok = __ballot_sync(0xffffffffu, cb >= 0);
   if (ok != 0u && lane == __ffs(ok) - 1)
-    ak::tma_load_block(kmap, vmap, cpage, g, base, ak::smem_u32(&s_full[0]));
+    ak::tma_load_block<kHint>(kmap, vmap, cpage, g, base, ak::smem_u32(&s_full[0]), policy);
   return ok != 0u ? 1 : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-66). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-68). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
@@ -641,7 +643,8 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false>
+          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false,
+          bool kEvictFirst = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -653,6 +656,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kOneCopy || kBulkOut, "kOneCopy writes the bulk-copied rows");
   static_assert(!kQAfterIds || (kPageEarly && kQEarly && kCand == 2 * 32),
                 "kQAfterIds orders kPageEarly's ids before kQEarly's Q (candidates: warps 0, 1)");
+  static_assert(!kEvictFirst || (kPageEarly && !kTma), "kEvictFirst: the cp.async ring's copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -679,6 +683,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
+  // kEvictFirst (67, 68): the K / V copies with the L2 evict-first policy (evict_first_policy).
+  const uint64_t policy = kEvictFirst ? ak::evict_first_policy() : 0;
   // kPageEarly (CTA-uniform; see early_copy_first): the guessed tile's inputs and request tid's
   // bounds at entry.
   const int64_t t_guess = int64_t{kQT} * tile;
@@ -731,7 +737,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       int cb = in.cand_b;
       const int cpage = ak::candidate_page_known(a, in.cand_pos, cb, spec_page);
       ak::timeline_mark_dep(a, 10, cpage);
-      early_count = early_copy_first(cb, cpage, &kmap, &vmap, g, base, s_full);
+      early_count = early_copy_first<kEvictFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, policy);
       ak::timeline_mark(a, 11);
     } else if (has_tile && !inputs_held) {
       ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);
@@ -774,7 +780,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
                            ak::smem_u32(&s_full[st]));
     } else {
-      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
+      if (j < count && lmask[j])
+        ak::load_block<kVec16, kThreads, kEvictFirst>(a, lpage[j], g, smem + st * kStageBytes,
+                                                      policy);
       ak::cp_async_commit();
     }
   };

@@ -6,7 +6,7 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 60 and 63-66), with and without
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52, 53, 60 and 63-68), with and without
 // splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
@@ -79,7 +79,8 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // out by bulk copies; automatic for one-wave grids), 60 (52 with the page-table reads of the
 // guessed tile [4 tile, 4 tile + 4) of request `tile` issued before the tile scan, used where it
 // holds), 63 (60 with one bulk copy of a token's output rows), 64 (53 with that copy), 65 (63 with
-// Q loaded after the tile scan) and 66 (63 with Q loaded once the ids landed); kMma also runs
+// Q loaded after the tile scan), 66 (63 with Q loaded once the ids landed) and 67 / 68 (63 / 66
+// with the K / V copies marked L2 evict-first); kMma also runs
 // decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -101,7 +102,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 52, 53, 60, 63, 64, 65, 66}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 52, 53, 60, 63, 64, 65, 66, 67, 68}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

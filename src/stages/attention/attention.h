@@ -90,25 +90,23 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (52 when the
-                            // likely grid is one wave of 2 CTAs per SM without splits, else 53), 8
-                            // cp.async loads of K and V (the NaN test in every block), 53 TMA
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (67 when the
+                            // likely grid is one wave of 2 CTAs per SM without splits, else 64), 8
+                            // cp.async loads of K and V (the NaN test in every block), 64 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max, conflict-free f16 V stores, a
                             // shorter epilogue (session 16's 17), the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
-                            // sparse) and the output rows written by bulk copies (session 20;
-                            // one split); 27: 53's loop on cp.async loads, the early copies by
-                            // TMA, the rows by plain stores; 52: 27 with only the first block
-                            // requested early (session 18), Q loaded at entry for the guessed
-                            // tile (session 19) and the rows by bulk copies (session 20);
-                            // 60 (session 21): 52 with the guessed tile's page-table reads
-                            // before the tile scan; 63 / 64: 60 / 53 with one bulk copy of a
-                            // token's rows; 65 / 66: 63 with Q loaded after the scan / once
-                            // the ids landed; 67 / 68: 63 / 66 with the K / V copies L2
-                            // evict-first
-                            // (9, 11-26, 28-51, 54-59, 61, 62 were removed)
+                            // sparse) and a token's output rows (and out_q's) written by one bulk
+                            // copy per warp (sessions 20 / 21; one split); 27: 64's loop on
+                            // cp.async loads, the early copies by TMA, the rows by plain stores;
+                            // 67: 27 with only the first block requested early (session 18), Q
+                            // loaded at entry for the guessed tile (session 19), the guessed
+                            // tile's page-table reads before the tile scan (session 21), 64's
+                            // bulk rows and the K / V copies L2 evict-first (session 21); 69: 64
+                            // with the K / V copies L2 evict-first (9, 11-26, 28-63, 65, 66 and
+                            // 68 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

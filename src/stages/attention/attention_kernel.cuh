@@ -677,10 +677,11 @@ __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CU
 // (warp 0) come first in candidate order, so the k-th first occurrence among them is entry k of the
 // list. Warp 0 copies entries 0 .. Max - 1 by TMA into the stages at base + k * kStageBytes
 // (mbarrier s_full[k]) and lane 0 writes how many it copied to *s_count; the other warps return.
-template <int Max>
+// kHint: the copies with the L2 cache policy `policy` (evict_first_policy).
+template <int Max, bool kHint = false>
 __device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMap* kmap,
                                              const CUtensorMap* vmap, int g, uint32_t base,
-                                             uint64_t* s_full, int* s_count) {
+                                             uint64_t* s_full, int* s_count, uint64_t policy = 0) {
   if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
   const int lane = threadIdx.x & 31;
   const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
@@ -688,7 +689,8 @@ __device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMa
   const uint32_t firsts = __ballot_sync(0xffffffffu, first);
   const int rank = __popc(firsts & ((1u << lane) - 1u));
   if (first && rank < Max)
-    tma_load_block(kmap, vmap, cpage, g, base + rank * kStageBytes, smem_u32(&s_full[rank]));
+    tma_load_block<kHint>(kmap, vmap, cpage, g, base + rank * kStageBytes, smem_u32(&s_full[rank]),
+                          policy);
   if (lane == 0) *s_count = min(__popc(firsts), Max);
 }
 

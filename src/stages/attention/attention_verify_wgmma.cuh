@@ -351,42 +351,39 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
-// kBulkOut (variants 52, 53; session 20): write_rows' BF16 rows through shared memory and out by
-// the TMA engine (one 256-byte bulk copy per row) instead of 32 4-byte global stores per lane. Why
-// (ncu of 42, session 20 round B, B64 x 4 @ 32K): the epilogue's samples were the exit's drain (49
-// of 257) and a long-scoreboard wait on the first instruction that reuses a store's data register
-// (34): the stores queue in the SM's load / store path behind the neighbour CTA's cp.async
-// refills, and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Same-run
-// A/Bs (isolated us, 3 alternating runs at 8K / 32K / 128K): 52 = 42 + this, B64 x 4 41.4-42.1 vs
-// 42.2-42.8 for 42 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (mean 42.24) (round E); 53 = 21
-// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are
-// staged kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
-// banks) in the ring (free after the loop); each warp (token) fences its stores for the async
-// proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
-// out_q, 16-byte aligned out rows; elsewhere write_rows.
+// kBulkOut (session 20: per-row copies; session 21: one copy per warp): write_rows' BF16 rows (and,
+// with out_q, o_proj's E4M3 rows) through shared memory and out by the TMA engine instead of 4-byte
+// (2-byte) global stores per lane. Why (ncu of 42, session 20 round B, B64 x 4 @ 32K): the
+// epilogue's samples were the exit's drain (49 of 257) and a long-scoreboard wait on the first
+// instruction that reuses a store's data register (34): the stores queue in the SM's load / store
+// path behind the neighbour CTA's cp.async refills. Session 20 (one 256-byte copy per row, lanes
+// h < group, variants 52 / 53, removed in session 21): B64 x 4 41.4-42.1 vs 42.2-42.8 us for 42
+// (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (42.24) (round E); B256 x 4 @ 32K 157.5-158.1 vs
+// 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Session 21: each warp (token) stages its 16 rows
+// kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
+// banks) in the ring (free after the loop), repacks them contiguously (8 16-byte loads and stores
+// per lane, conflict-free), fences them for the async proxy, and lane 0 writes them with ONE bulk
+// copy of group x 256 bytes (the group's heads of a token are contiguous in `out`). Why (round D,
+// 60 at B64 x 4 @ 32K, stamps and a source-level ncu): the epilogue took 1.70 us p50 per CTA (the
+// plain read's 0.16); a warp's 16 per-row copies become ptxas' loop over the lanes' distinct
+// addresses (R2UR, UBLKCP, BRA.U.ANY: 16 serial rounds, 0.67 us from the rows fenced to thread 0's
+// copy issued), and the staging took 0.64 us, its samples mostly "no instruction" (code fetched
+// cold), so the NaN dims' selects are a separate loop and the common path one straight run of
+// code. Round F: the epilogue 1.34 us p50 (63) vs 1.70 (60); B64 x 4 tie (41.0-41.7 vs 41.1-41.5
+// us), with out_q 44.5-45.8 vs 45.7-46.7 (60: per-lane stores); B256 x 4 (64 vs 53) tie in rounds
+// F / G (157.6-162.0 vs 157.7-163.0). Lost in round D: 62 (60 with the rows staged by 8
+// stmatrix.x4 per warp instead of 32 st.shared.b32 per lane: the staging's time is not its store
+// count). With out_q the E4M3 rows go the same way (staged at kQPitch, repacked, one group x
+// 128-byte copy per warp; session 20's per-row form, 19db3dd on s20-att, was never run); the
+// scales stay plain stores. Only where it applies (CTA-uniform): one split, 16-byte aligned
+// out / out_q rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
-// kOneCopy also takes out_q (16-byte aligned; its rows are n_q x 128 bytes).
-template <bool kOneCopy>
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
-  return a.splits == 1 && (a.out_q == nullptr || kOneCopy) &&
+  return a.splits == 1 &&
          ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2 |
            reinterpret_cast<uintptr_t>(a.out_q)) &
           15) == 0;
 }
-// kOneCopy (variant 63, session 21): the warp's rows repacked to a contiguous buffer in shared
-// memory after the staging (8 16-byte loads and stores per lane, conflict-free) and written by ONE
-// bulk copy of group x 256 bytes (the group's heads of a token are contiguous in `out`) instead of
-// one copy per row. Why (session 21 round D, 60 at B64 x 4 @ 32K, stamps and a source-level ncu):
-// the epilogue took 1.70 us p50 per CTA (the plain read's 0.16); the 16 row copies of a warp take
-// ptxas' loop over the lanes' distinct addresses (R2UR, UBLKCP, BRA.U.ANY: 16 serial rounds,
-// 0.67 us from the rows fenced to thread 0's copy issued), and the staging 0.64 us, its samples
-// mostly "no instruction" (the epilogue's code is fetched cold): the NaN dims' selects are now a
-// separate loop, so the common path is one straight run of code. Round D: 62 (60 with the rows
-// staged by 8 stmatrix.x4 per warp instead of 32 st.shared.b32 per lane) was no faster (41.3-42.7
-// vs 41.3-43.0 us for 60; the staging's time is not its store count) and was removed.
-// With out_q (the layer's o_proj input), the E4M3 rows go the same way (staged at kQPitch,
-// repacked, one group x 128-byte copy per warp; session 20's per-row form, 19db3dd on s20-att, was
-// never run); the scales stay plain stores.
 constexpr int kQPitch = ak::kDim + 16;  // (8 rows x 4 lanes of 2-byte stores: distinct banks)
 constexpr int kPackOffset = ak::kRows * kRowPitch * kQT;  // the packed rows, after the staged
 constexpr int kQStageOffset = kPackOffset + kQT * ak::kRows * 2 * ak::kDim;
@@ -410,7 +407,6 @@ __device__ __forceinline__ void pack_rows(uint8_t* dst, const uint8_t* src) {
         *reinterpret_cast<const uint4*>(src + rr * kPitch + 16 * c);
   }
 }
-template <bool kOneCopy>
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
                                                 uint8_t* stage) {
@@ -422,7 +418,7 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
   ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
-  uint8_t* qrows = stage + kQStageOffset + tok * ak::kRows * kQPitch;  // kOneCopy with out_q
+  uint8_t* qrows = stage + kQStageOffset + tok * ak::kRows * kQPitch;  // (with out_q)
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
@@ -432,8 +428,8 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
     const int h = grp + 8 * e;
     uint8_t* r = rows + h * kRowPitch + 4 * tig;
-    uint32_t wv[16];             // BF16 pairs of dims 8 j + 2 tig, + 1
-    if (kOneCopy && !any_nan) {  // (warp-uniform) the common path without the NaN selects
+    uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
+    if (!any_nan) {   // (warp-uniform) the common path without the NaN selects
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const __nv_bfloat162 b2 =
@@ -455,7 +451,7 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
         *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
       }
     }
-    if (kOneCopy && a.out_q != nullptr) {  // (CTA-uniform) the row's 128 dims are this quad's
+    if (a.out_q != nullptr) {  // (CTA-uniform) the row's 128 dims are this quad's
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
@@ -471,38 +467,21 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
     }
   }
   ak::timeline_mark(a, 15);
-  if constexpr (kOneCopy) {
-    __syncwarp();  // the warp's rows are staged
-    uint8_t* packed = stage + kPackOffset + tok * ak::kRows * 2 * ak::kDim;
-    uint8_t* qpacked = stage + kQPackOffset + tok * ak::kRows * ak::kDim;
-    pack_rows<2 * ak::kDim, kRowPitch>(packed, rows);
-    if (a.out_q != nullptr) pack_rows<ak::kDim, kQPitch>(qpacked, qrows);
-    ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
-    __syncwarp();
-    ak::timeline_mark(a, 12);
-    if (tok < nt && lane == 0) {
-      const int64_t col = static_cast<int64_t>(g * a.group) * ak::kDim;
-      bulk_store(a.out + t * a.out_stride + col, packed, a.group * 2 * ak::kDim);
-      if (a.out_q != nullptr)
-        bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col, qpacked,
-                   a.group * ak::kDim);
-      asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-      ak::timeline_mark(a, 13);
-      asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-    }
-    return;
-  }
+  __syncwarp();  // the warp's rows are staged
+  uint8_t* packed = stage + kPackOffset + tok * ak::kRows * 2 * ak::kDim;
+  uint8_t* qpacked = stage + kQPackOffset + tok * ak::kRows * ak::kDim;
+  pack_rows<2 * ak::kDim, kRowPitch>(packed, rows);
+  if (a.out_q != nullptr) pack_rows<ak::kDim, kQPitch>(qpacked, qrows);
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
   ak::timeline_mark(a, 12);
-  if (tok < nt && lane < a.group) {
-    const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
-                          static_cast<int64_t>(g * a.group + lane) * ak::kDim;
-    asm volatile(
-        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-        "cp.async.bulk.commit_group;\n" ::"l"(dst),
-        "r"(ak::smem_u32(rows + lane * kRowPitch)), "n"(2 * ak::kDim)
-        : "memory");
+  if (tok < nt && lane == 0) {
+    const int64_t col = static_cast<int64_t>(g * a.group) * ak::kDim;
+    bulk_store(a.out + t * a.out_stride + col, packed, a.group * 2 * ak::kDim);
+    if (a.out_q != nullptr)
+      bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col, qpacked,
+                 a.group * ak::kDim);
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
     ak::timeline_mark(a, 13);
     asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
   }
@@ -558,7 +537,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53, 60, 63-68). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 64, 67, 69). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
@@ -643,8 +622,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kOneCopy = false, bool kQAfterIds = false,
-          bool kEvictFirst = false>
+          bool kPageEarly = false, bool kEvictFirst = false>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -653,10 +631,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
-  static_assert(!kOneCopy || kBulkOut, "kOneCopy writes the bulk-copied rows");
-  static_assert(!kQAfterIds || (kPageEarly && kQEarly && kCand == 2 * 32),
-                "kQAfterIds orders kPageEarly's ids before kQEarly's Q (candidates: warps 0, 1)");
-  static_assert(!kEvictFirst || (kPageEarly && !kTma), "kEvictFirst: the cp.async ring's copies");
+  static_assert(!kEvictFirst || kVec16, "kEvictFirst: 16-byte cp.async or TMA copies");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -683,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
-  // kEvictFirst (67, 68): the K / V copies with the L2 evict-first policy (evict_first_policy).
+  // kEvictFirst (67, 69): the K / V copies with the L2 evict-first policy (evict_first_policy).
   const uint64_t policy = kEvictFirst ? ak::evict_first_policy() : 0;
   // kPageEarly (CTA-uniform; see early_copy_first): the guessed tile's inputs and request tid's
   // bounds at entry.
@@ -702,33 +677,19 @@ __global__ void __launch_bounds__(kThreads, 2)
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
   int q_t0 = -1, q_nt = 0;  // the guessed tile whose Q is in qe
-  const auto load_q_early = [&] {
-    if constexpr (kQEarly) {
-      const int64_t tg = int64_t{kQT} * tile;
-      if (!a.pdl && tg < a.T) {
-        q_t0 = static_cast<int>(tg);
-        q_nt = min(kQT, a.T - q_t0);
-        ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
-      }
+  if constexpr (kQEarly) {
+    const int64_t tg = int64_t{kQT} * tile;
+    if (!a.pdl && tg < a.T) {
+      q_t0 = static_cast<int>(tg);
+      q_nt = min(kQT, a.T - q_t0);
+      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
     }
-  };
-  // kQAfterIds (66): with page_early, after the ids (below).
-  if (!(kQAfterIds && page_early)) load_q_early();
+  }
   bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
   int spec_page = -1;
   int early_count = 0;  // pages_known: list entries early_copy_first requested (warp 0)
   if (page_early) {
     spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
-    if constexpr (kQAfterIds) {
-      // The candidate warps (0, 1) have their ids (guessed_page's branch read them): they load Q
-      // now and let warps 2, 3 go (named barrier 2), so the 2 MB of a B64 x 4 grid's Q no longer
-      // queue in DRAM ahead of the ids.
-      if (tid < kCand)
-        asm volatile("bar.arrive 2, %0;\n" ::"n"(kThreads) : "memory");
-      else
-        asm volatile("bar.sync 2, %0;\n" ::"n"(kThreads) : "memory");
-      load_q_early();
-    }
     ak::timeline_mark_dep(a, 8, in.cand_b);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
     const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;
@@ -777,8 +738,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
     if constexpr (kTma) {
       if (tid == 0 && j < count && lmask[j])
-        ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
-                           ak::smem_u32(&s_full[st]));
+        ak::tma_load_block<kEvictFirst>(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
+                                        ak::smem_u32(&s_full[st]), policy);
     } else {
       if (j < count && lmask[j])
         ak::load_block<kVec16, kThreads, kEvictFirst>(a, lpage[j], g, smem + st * kStageBytes,
@@ -798,7 +759,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       if constexpr (kEarly) {
         if (a.splits == 1 && !pages_known) {  // (pages_known: early_copy_first above)
           ak::timeline_mark_dep(a, 10, cpage);
-          ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
+          ak::early_copies<kFirst, kEvictFirst>(cb, cpage, &kmap, &vmap, g, base, s_full,
+                                                &s_tile[3], policy);
           ak::timeline_mark(a, 11);
         }
       }
@@ -904,8 +866,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   ak::timeline_mark(a, 4);
   ak::timeline_put(a, 3, s_first);
-  if (kBulkOut && bulk_out_ok<kOneCopy>(a))  // (CTA-uniform)
-    write_rows_bulk<kOneCopy>(a, st, s_nan[tok], t0, nt, g, smem);
+  if (kBulkOut && bulk_out_ok(a))  // (CTA-uniform)
+    write_rows_bulk(a, st, s_nan[tok], t0, nt, g, smem);
   else
     write_rows(a, st, s_nan[tok], t0, nt, g, split);
   ak::timeline_mark(a, 5);

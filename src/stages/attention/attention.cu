@@ -205,15 +205,16 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 27 &&
-      cfg.verify_variant != 64 && cfg.verify_variant != 67 && cfg.verify_variant != 69)
+      cfg.verify_variant != 64 && cfg.verify_variant != 67 && cfg.verify_variant != 69 &&
+      cfg.verify_variant != 70)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 27, 64, 67 or 69 (9, 11, 12, 14 and 15 were removed in session 15; 13, 16 "
-        "and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session 18; 34, "
-        "37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 without "
-        "them), 50, 51 and 54-57 in session 20; 52 and 53 (67 and 64 with one bulk copy per row, "
-        "without the early page reads and evict-first copies), 58-63, 65, 66 and 68 in session "
-        "21)");
+        " is not 0, 8, 27, 64, 67, 69 or 70 (9, 11, 12, 14 and 15 were removed in session 15; "
+        "13, 16 and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session "
+        "18; 34, 37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 "
+        "without them), 50, 51 and 54-57 in session 20; 52 and 53 (67 and 64 with one bulk copy "
+        "per row, without the early page reads and evict-first copies), 58-63, 65, 66 and 68 in "
+        "session 21)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -321,7 +322,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
 // refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = av::kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kEvictFirst = false>
+          bool kPageEarly = false, bool kEvictFirst = false, int kRowPages = 0>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -332,7 +333,7 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
   auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly,
-                                            kBulkOut, kPageEarly, kEvictFirst>;
+                                            kBulkOut, kPageEarly, kEvictFirst, kRowPages>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -386,6 +387,9 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
       case 67:  // one early copy, Q at entry for the guessed tile, the guessed tile's page reads
                 // before the scan, bulk rows, K / V copies L2 evict-first
         return launch_verify<true, false, true, true, true, 1, true, true, true, true>(
+            args, pl, n_kv, stream);
+      case 70:  // 67 with the page-table row in shared memory and Q after the ids (kRowPages)
+        return launch_verify<true, false, true, true, true, 1, true, true, true, true, 1024>(
             args, pl, n_kv, stream);
       case 64:  // the TMA ring with two early copies, bulk rows
         return launch_verify<true, true, true, true, true, av::kStages - 1, false, true>(

@@ -622,7 +622,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
           int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
-          bool kPageEarly = false, bool kEvictFirst = false>
+          bool kPageEarly = false, bool kEvictFirst = false, int kRowPages = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -632,6 +632,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
   static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
   static_assert(!kEvictFirst || kVec16, "kEvictFirst: 16-byte cp.async or TMA copies");
+  static_assert(kRowPages == 0 || (kPageEarly && kQEarly && kCand == 64 && kRowPages % 4 == 0),
+                "kRowPages: kPageEarly's page reads from shared memory, warps 0-1 the candidates");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -645,6 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ __align__(16) int s_row[kRowPages > 0 ? 2 * kRowPages : 1];  // kRowPages: 2 copies
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -669,27 +672,66 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int pe_nt = page_early ? min(kQT, a.T - pe_t0) : 0;
   ak::TileInputs in;
   ak::TileBounds pe_bounds{0, 0};
+  // kRowPages (70): each candidate warp (0, 1) copies the first row_held entries of request
+  // `tile`'s page-table row into its own half of s_row (cp.async; where the row is 16-byte
+  // aligned), so its page reads are shared-memory reads once its ids land, with no cross-warp
+  // barrier; and Q is loaded only after that (warps 2-3: once a position they load landed), so the
+  // grid's 2 MB of Q no longer queue in DRAM ahead of the ids and rows.
+  const int32_t* pe_row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
+  const int row_held =
+      kRowPages > 0 && page_early && (reinterpret_cast<uintptr_t>(pe_row) & 15) == 0
+          ? min(a.max_pages, kRowPages)
+          : 0;  // (CTA-uniform)
+  int* my_row = s_row + (tok & 1) * kRowPages;
+  int q_dep = 0;  // kRowPages, warps 2-3: a position of the tile, read before Q
   if (page_early) {
     init_full_barriers(s_full);
     ak::load_tile_inputs<kQT, true>(a, g, pe_t0, pe_nt, in);  // (pdl_wait: a no-op here)
     pe_bounds = ak::request_bounds(a, tid);
+    if (row_held > 0 && tid < kCand) {
+      const uint32_t dst = ak::smem_u32(my_row);
+      const int lane = tid & 31;
+      for (int c = lane; c < row_held / 4; c += 32) ak::cp_async_16(dst + 16 * c, pe_row + 4 * c);
+      for (int e = (row_held & ~3) + lane; e < row_held; e += 32)
+        ak::cp_async_4(dst + 4 * e, pe_row + e);
+      ak::cp_async_commit();
+    } else if (row_held > 0) {
+      q_dep = a.positions[pe_t0];
+    }
   }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
   int q_t0 = -1, q_nt = 0;  // the guessed tile whose Q is in qe
-  if constexpr (kQEarly) {
-    const int64_t tg = int64_t{kQT} * tile;
-    if (!a.pdl && tg < a.T) {
-      q_t0 = static_cast<int>(tg);
-      q_nt = min(kQT, a.T - q_t0);
-      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+  const auto load_q_early = [&] {
+    if constexpr (kQEarly) {
+      const int64_t tg = int64_t{kQT} * tile;
+      if (!a.pdl && tg < a.T) {
+        q_t0 = static_cast<int>(tg);
+        q_nt = min(kQT, a.T - q_t0);
+        ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+      }
     }
-  }
+  };
+  // (with row_held, below: after the ids and rows)
+  if (row_held == 0) load_q_early();
   bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
   int spec_page = -1;
   int early_count = 0;  // pages_known: list entries early_copy_first requested (warp 0)
   if (page_early) {
-    spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    if (row_held > 0) {  // (CTA-uniform)
+      if (tid < kCand) {
+        ak::cp_async_wait<0>();  // this warp's row copy
+        __syncwarp();
+        const int b = in.cand_b, pos = in.cand_pos;
+        if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)  // (as guessed_page)
+          spec_page = b < row_held ? my_row[b] : pe_row[b];
+        load_q_early();               // (after the ids, which the branch above read)
+      } else if (q_dep != INT_MIN) {  // (waits for q_dep; never false for a valid position)
+        load_q_early();
+      }
+    } else {
+      spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    }
     ak::timeline_mark_dep(a, 8, in.cand_b);
     has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
     const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;

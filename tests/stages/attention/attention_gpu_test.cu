@@ -6,8 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 64, 67 and 69), with and without splits;
-// all must meet the same tolerance.
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 64, 67, 69 and 70), with and without
+// splits; all must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -78,7 +78,9 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // cp.async loads, plain row stores), 67 (27 with one early copy, Q loaded at entry for the guessed
 // tile [4 tile, 4 tile + 4), that tile's page-table entries in request `tile`'s row read before
 // the tile scan and used where it holds, 64's bulk rows and the K / V copies L2 evict-first;
-// automatic for one-wave grids) and 69 (64 with the K / V copies L2 evict-first); kMma also runs
+// automatic for one-wave grids), 69 (64 with the K / V copies L2 evict-first) and 70 (67 with
+// request `tile`'s page-table row copied into shared memory at entry and Q loaded after the ids);
+// kMma also runs
 // decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
@@ -100,7 +102,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 64, 67, 69}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 64, 67, 69, 70}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);

@@ -95,8 +95,10 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Session 21: 64 (53 with one bulk copy of a token's rows per warp, which also takes out_q)
 // replaces 53: B256 x 4 isolated us, same-run alternating runs, tie: 157.6-158.4 vs 157.7-160.3 @
 // 32K (round F), 158.9-162.0 vs 158.8-161.8 @ 8K and 161.2-161.5 vs 159.1-163.0 @ 32K (round G); 53
-// removed.
-constexpr int kAutoVerifyVariant = 64;  // sparse and dense (layers 0-2) alike
+// removed. 69 (64 with the K / V copies L2 evict-first, as 67) replaces 64: round H, B256 x 4 at
+// 8K / 32K, three alternating runs each, isolated 158.0-161.4 (mean 159.8) vs 158.6-164.6
+// (161.5) us, b2b 154.2-157.4 (155.9) vs 156.4-158.9 (158.1).
+constexpr int kAutoVerifyVariant = 69;  // sparse and dense (layers 0-2) alike
 // ... except for one-wave grids (make_plan), where 27 (21's loop on cp.async loads, the early
 // copies by TMA, as in the decode kernel) runs. Round C2 (two runs, sparse draft 3, isolated us at
 // 8K / 32K / 128K): B64 x 4 44.7 / 44.4 / 44.7 and 44.8 / 44.6 / 44.3 vs 45.5 / 46.3 / 46.0
@@ -121,8 +123,11 @@ constexpr int kAutoVerifyVariant = 64;  // sparse and dense (layers 0-2) alike
 // 67 41.3-41.6 (mean 41.49, b2b 39.5-39.7) vs 52 41.9-42.5 (42.19, b2b 41.8-42.4); 63 (67 without
 // evict-first) 41.0-42.2 (41.48, b2b 41.3-41.9). Rounds C / D / F: 60 41.66 / 41.91 / 41.3 vs 52
 // 42.24 / 42.31 / 41.9 (means); see attention_verify_kernel for what lost (58, 59, 61, 62, 65,
-// 66, 68).
-constexpr int kAutoVerifyOneWave = 67;
+// 66, 68). 70 (67 with request `tile`'s page-table row in shared memory, one copy per candidate
+// warp, and Q loaded after the ids) replaces 67: round H 40.8-41.4 (mean 41.21) vs 41.1-41.8
+// (41.44), b2b 39.2-39.8 (39.62) vs 39.3-39.8 (39.63); timeline @ 32K: ids 1.38 vs 1.60 us,
+// first block landed 4.42 vs 4.54.
+constexpr int kAutoVerifyOneWave = 70;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -280,9 +285,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
     // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
-    // 67, the loop on cp.async loads with one early copy, Q and the guessed tile's page-table
-    // entries read early; more waves: 64 (kAutoVerifyVariant), the TMA ring; both write their rows
-    // by bulk copies.
+    // 70, the loop on cp.async loads with one early copy, the guessed tile's page-table entries
+    // (from a shared-memory copy of its row) and Q read early; more waves: 69 (kAutoVerifyVariant),
+    // the TMA ring; both write their rows by bulk copies and copy K / V L2 evict-first.
     const int64_t per_request = (T + R - 1) / R;
     const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
     if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;

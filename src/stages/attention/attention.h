@@ -90,8 +90,8 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (67 when the
-                            // likely grid is one wave of 2 CTAs per SM without splits, else 64), 8
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (70 when the
+                            // likely grid is one wave of 2 CTAs per SM without splits, else 69), 8
                             // cp.async loads of K and V (the NaN test in every block), 64 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
@@ -105,8 +105,9 @@ struct AttentionCudaConfig {
                             // loaded at entry for the guessed tile (session 19), the guessed
                             // tile's page-table reads before the tile scan (session 21), 64's
                             // bulk rows and the K / V copies L2 evict-first (session 21); 69: 64
-                            // with the K / V copies L2 evict-first (9, 11-26, 28-63, 65, 66 and
-                            // 68 were removed)
+                            // with the K / V copies L2 evict-first; 70: 67 with the guessed
+                            // request's page-table row in shared memory and Q loaded after the
+                            // ids (9, 11-26, 28-63, 65, 66 and 68 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

@@ -676,7 +676,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   // `tile`'s page-table row into its own half of s_row (cp.async; where the row is 16-byte
   // aligned), so its page reads are shared-memory reads once its ids land, with no cross-warp
   // barrier; and Q is loaded only after that (warps 2-3: once a position they load landed), so the
-  // grid's 2 MB of Q no longer queue in DRAM ahead of the ids and rows.
+  // grid's 2 MB of Q no longer queue in DRAM ahead of the ids and rows. Round H (B64 x 4, same-run,
+  // 3 runs x 8K / 32K / 128K): 40.8-41.4 us (mean 41.21) vs 67 41.1-41.8 (41.44); ids 1.38 vs 1.60
+  // us, first block landed 4.42 vs 4.54 (@ 32K). (61, the rows without the late Q, and 66, the late
+  // Q without the rows, did not pay; 66's named barrier also drew racecheck hazards.)
   const int32_t* pe_row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
   const int row_held =
       kRowPages > 0 && page_early && (reinterpret_cast<uintptr_t>(pe_row) & 15) == 0

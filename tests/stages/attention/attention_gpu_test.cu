@@ -74,14 +74,14 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async
 // loads, the NaN test in every block), 64 (TMA, the two-pass V NaN test, a lazy running max, the
 // first copies issued before the union is complete, a token's rows out by one bulk copy per warp,
-// out_q too; 8 where TMA cannot address the pool; automatic beyond one wave), 27 (64's loop on
+// out_q too; 8 where TMA cannot address the pool), 27 (64's loop on
 // cp.async loads, plain row stores), 67 (27 with one early copy, Q loaded at entry for the guessed
 // tile [4 tile, 4 tile + 4), that tile's page-table entries in request `tile`'s row read before
-// the tile scan and used where it holds, 64's bulk rows and the K / V copies L2 evict-first;
-// automatic for one-wave grids), 69 (64 with the K / V copies L2 evict-first) and 70 (67 with
-// request `tile`'s page-table row copied into shared memory at entry and Q loaded after the ids);
-// kMma also runs
-// decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
+// the tile scan and used where it holds, 64's bulk rows and the K / V copies L2 evict-first), 69
+// (64 with the K / V copies L2 evict-first; automatic beyond one wave) and 70 (67 with request
+// `tile`'s page-table row copied into shared memory at entry and Q loaded after the ids;
+// automatic for one-wave grids); kMma also runs decode_kernel 2 (no early copies) and 11 (one
+// early copy; automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };

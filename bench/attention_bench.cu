@@ -42,8 +42,9 @@
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"; "A|B": either); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
-//   loads) and "v64" (TMA loads, two-pass NaN test, lazy running max, conflict-free f16 V stores,
-//   the early copies, the rows out by bulk copies: the automatic verify choice beyond one wave),
+//   loads) and "v69" (TMA loads, two-pass NaN test, lazy running max, conflict-free f16 V stores,
+//   the early copies, the rows out by bulk copies, K / V copies L2 evict-first: the automatic
+//   verify choice beyond one wave),
 //   and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
@@ -858,7 +859,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 64}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 69}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

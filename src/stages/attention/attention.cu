@@ -97,7 +97,8 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // 32K (round F), 158.9-162.0 vs 158.8-161.8 @ 8K and 161.2-161.5 vs 159.1-163.0 @ 32K (round G); 53
 // removed. 69 (64 with the K / V copies L2 evict-first, as 67) replaces 64: round H, B256 x 4 at
 // 8K / 32K, three alternating runs each, isolated 158.0-161.4 (mean 159.8) vs 158.6-164.6
-// (161.5) us, b2b 154.2-157.4 (155.9) vs 156.4-158.9 (158.1).
+// (161.5) us, b2b 154.2-157.4 (155.9) vs 156.4-158.9 (158.1); round I 156.2-158.9 (157.4) vs
+// 157.4-159.3 (158.1), b2b 153.3 vs 155.4; 64 removed.
 constexpr int kAutoVerifyVariant = 69;  // sparse and dense (layers 0-2) alike
 // ... except for one-wave grids (make_plan), where 27 (21's loop on cp.async loads, the early
 // copies by TMA, as in the decode kernel) runs. Round C2 (two runs, sparse draft 3, isolated us at
@@ -126,7 +127,8 @@ constexpr int kAutoVerifyVariant = 69;  // sparse and dense (layers 0-2) alike
 // 66, 68). 70 (67 with request `tile`'s page-table row in shared memory, one copy per candidate
 // warp, and Q loaded after the ids) replaces 67: round H 40.8-41.4 (mean 41.21) vs 41.1-41.8
 // (41.44), b2b 39.2-39.8 (39.62) vs 39.3-39.8 (39.63); timeline @ 32K: ids 1.38 vs 1.60 us,
-// first block landed 4.42 vs 4.54.
+// first block landed 4.42 vs 4.54; round I 40.4-41.2 (mean 40.81) vs 40.6-41.3 (41.03), b2b 39.04
+// vs 38.98; 67 removed.
 constexpr int kAutoVerifyOneWave = 70;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
@@ -210,16 +212,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 27 &&
-      cfg.verify_variant != 64 && cfg.verify_variant != 67 && cfg.verify_variant != 69 &&
-      cfg.verify_variant != 70)
+      cfg.verify_variant != 69 && cfg.verify_variant != 70)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 27, 64, 67, 69 or 70 (9, 11, 12, 14 and 15 were removed in session 15; "
-        "13, 16 and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session "
-        "18; 34, 37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 "
-        "without them), 50, 51 and 54-57 in session 20; 52 and 53 (67 and 64 with one bulk copy "
-        "per row, without the early page reads and evict-first copies), 58-63, 65, 66 and 68 in "
-        "session 21)");
+        " is not 0, 8, 27, 69 or 70 (9, 11, 12, 14 and 15 were removed in session 15; 13, 16 and "
+        "18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session 18; 34, 37-41 "
+        "and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 without them), 50, "
+        "51 and 54-57 in session 20; 52 and 53 (the defaults before session 21), 58-68 in session "
+        "21)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -320,7 +320,7 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 27, 64, 67, 69 (kTma: TMA loads, kEarly: the early copies, kTwoPass: the two-pass V NaN
+// Variants 27, 69, 70 (kTma: TMA loads, kEarly: the early copies, kTwoPass: the two-pass V NaN
 // test, kLazy: the lazy running max, kBulkOut: the rows out by bulk copies, kPageEarly: the guessed
 // tile's page-table reads before the scan, kEvictFirst: the K / V copies L2 evict-first) run as 8
 // (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the driver
@@ -389,17 +389,12 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     switch (pl.verify_variant) {
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
-      case 67:  // one early copy, Q at entry for the guessed tile, the guessed tile's page reads
-                // before the scan, bulk rows, K / V copies L2 evict-first
-        return launch_verify<true, false, true, true, true, 1, true, true, true, true>(
-            args, pl, n_kv, stream);
-      case 70:  // 67 with the page-table row in shared memory and Q after the ids (kRowPages)
+      case 70:  // one early copy, Q after the ids, the guessed tile's page reads from a
+                // shared-memory copy of its row before the scan, bulk rows, K / V copies L2
+                // evict-first
         return launch_verify<true, false, true, true, true, 1, true, true, true, true, 1024>(
             args, pl, n_kv, stream);
-      case 64:  // the TMA ring with two early copies, bulk rows
-        return launch_verify<true, true, true, true, true, av::kStages - 1, false, true>(
-            args, pl, n_kv, stream);
-      case 69:  // 64 with the K / V copies L2 evict-first
+      case 69:  // the TMA ring with two early copies, bulk rows, K / V copies L2 evict-first
         return launch_verify<true, true, true, true, true, av::kStages - 1, false, true, false,
                              true>(args, pl, n_kv, stream);
       default:

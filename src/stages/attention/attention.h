@@ -92,22 +92,21 @@ struct AttentionCudaConfig {
                             // fewer make each CTA walk more work items, e.g. in tests)
   int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (70 when the
                             // likely grid is one wave of 2 CTAs per SM without splits, else 69), 8
-                            // cp.async loads of K and V (the NaN test in every block), 64 TMA
+                            // cp.async loads of K and V (the NaN test in every block), 69 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max, conflict-free f16 V stores, a
                             // shorter epilogue (session 16's 17), the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
-                            // sparse) and a token's output rows (and out_q's) written by one bulk
-                            // copy per warp (sessions 20 / 21; one split); 27: 64's loop on
-                            // cp.async loads, the early copies by TMA, the rows by plain stores;
-                            // 67: 27 with only the first block requested early (session 18), Q
-                            // loaded at entry for the guessed tile (session 19), the guessed
-                            // tile's page-table reads before the tile scan (session 21), 64's
-                            // bulk rows and the K / V copies L2 evict-first (session 21); 69: 64
-                            // with the K / V copies L2 evict-first; 70: 67 with the guessed
-                            // request's page-table row in shared memory and Q loaded after the
-                            // ids (9, 11-26, 28-63, 65, 66 and 68 were removed)
+                            // sparse), a token's output rows (and out_q's) written by one bulk
+                            // copy per warp (sessions 20 / 21; one split) and the K / V copies L2
+                            // evict-first (session 21); 27: 69's loop on cp.async loads, the early
+                            // copies by TMA, the rows by plain stores, no cache hint; 70: 27 with
+                            // only the first block requested early (session 18), Q loaded for the
+                            // guessed tile (session 19) once its ids landed, that tile's
+                            // page-table entries read from a shared-memory copy of the request's
+                            // row before the tile scan, 69's bulk rows and evict-first copies
+                            // (session 21) (9, 11-26, 28-68 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are

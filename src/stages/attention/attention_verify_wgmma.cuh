@@ -537,7 +537,7 @@ __device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtenso
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 64, 67, 69). Grid: (tiles bound x n_kv, 1,
+// The decode / verify kernel (variants 8, 27, 69, 70). Grid: (tiles bound x n_kv, 1,
 // splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
 // cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
 // (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
@@ -661,7 +661,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
-  // kEvictFirst (67, 69): the K / V copies with the L2 evict-first policy (evict_first_policy).
+  // kEvictFirst (69, 70): the K / V copies with the L2 evict-first policy (evict_first_policy).
   const uint64_t policy = kEvictFirst ? ak::evict_first_policy() : 0;
   // kPageEarly (CTA-uniform; see early_copy_first): the guessed tile's inputs and request tid's
   // bounds at entry.

@@ -93,6 +93,10 @@ namespace {
 using bench::check_cuda;
 
 constexpr int kNkv = 4;
+// IndexerCudaOptions::timeline layout (indexer_kernel_common.cuh): words per scorer warp and per
+// selection-kernel warp.
+constexpr int64_t kStride = 24;
+constexpr int64_t kSelWords = 8;
 constexpr int64_t kPageBytes = int64_t{kPageSize} * kHeadDim;  // one index-K page (dense stride)
 
 // Bytes drawn from the E4M3 codes of -3 .. 3 (passed packed in `codes`).
@@ -494,6 +498,9 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
+  bool lean = false;               // --lean: IndexerCudaOptions::lean_select
+  bool single_early = false;       // --single-early: IndexerCudaOptions::single_pass_early_loads
+  bool warm = false;               // --warm: IndexerCudaOptions::warm_select
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -544,6 +551,12 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
+    else if (a == "--lean")
+      lean = true;
+    else if (a == "--single-early")
+      single_early = true;
+    else if (a == "--warm")
+      warm = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -564,7 +577,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--no-short-select] "
+                   "[--no-short-select] [--lean] [--single-early] [--warm] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -576,6 +589,9 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
+    o->lean_select = lean;
+    o->single_pass_early_loads = single_early;
+    o->warm_select = warm;
   }
   default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
@@ -623,7 +639,7 @@ int main(int argc, char** argv) {
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
     const int64_t sel_warps = c.T * kNkv * 4 + 64;
-    const size_t words = static_cast<size_t>((warps + 1) * 16 + sel_warps * 4);
+    const size_t words = static_cast<size_t>(warps * kStride + 16 + sel_warps * kSelWords);
     const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
     o.timeline = d_tl;
@@ -649,7 +665,7 @@ int main(int argc, char** argv) {
     // offset of its latest-read pair (ns = offset + clock / GHz).
     std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pairs;  // SM -> (ns, clock)
     for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       if (!e[0]) continue;
       const int sm = static_cast<int>(e[7]);
       if (e[13]) pairs[sm].emplace_back(e[13], e[14]);
@@ -688,14 +704,14 @@ int main(int argc, char** argv) {
     };
     double g0 = 1e300;
     for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       double ns = 0;
       if (e[0] && ns_of(static_cast<int>(e[7]), e[8], &ns)) g0 = std::min(g0, ns);
     }
     // at(w, slot): us after the first warp's entry, or kNone when not recorded.
     constexpr double kNone = -1e30;
     const auto at = [&](int64_t w, int slot) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       double ns = 0;
       if (!e[0] || !e[slot] || !ns_of(static_cast<int>(e[7]), e[8 + slot], &ns)) return kNone;
       return (ns - g0) * 1e-3;
@@ -724,20 +740,40 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     {
+      // The single pass's final selection (lean_select): per selecting warp, its first row in
+      // registers (word 16) and ranked (17), after the barrier (slot 3).
+      std::vector<double> ld, rk;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * kStride;
+        double ns = 0, b = at(w, 3);
+        if (!e[0] || !e[16] || b == kNone) continue;
+        if (ns_of(static_cast<int>(e[7]), e[16], &ns)) ld.push_back((ns - g0) * 1e-3 - b);
+        if (e[17] && ns_of(static_cast<int>(e[7]), e[17], &ns)) rk.push_back((ns - g0) * 1e-3 - b);
+      }
+      if (!ld.empty())
+        std::printf(
+            "  final selection (%zu warps), us after the barrier: first row loaded p50 %6.2f "
+            "p90 %6.2f max %6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
+            pct(rk, 1));
+    }
+    {
       // The selection kernel (when one runs): its warps' entry, release from the dependency
       // wait and row written, beside the scorer's last warp done.
       double last_done = kNone;
       for (int64_t w = 0; w < warps; ++w) last_done = std::max(last_done, at(w, 4));
-      std::vector<double> ent, rel, don;
-      const uint64_t* sel = tl.data() + (warps + 1) * 16;
+      std::vector<double> ent, rel, don, ld, rk;
+      const uint64_t* sel = tl.data() + warps * kStride + 16;
       for (int64_t w = 0; w < sel_warps; ++w) {
-        const uint64_t* e = sel + w * 4;
+        const uint64_t* e = sel + w * kSelWords;
         if (!e[0]) continue;
         const int sm = static_cast<int>(e[0] - 1);
         double ns = 0;
         if (e[1] && ns_of(sm, e[1], &ns)) ent.push_back((ns - g0) * 1e-3);
         if (e[2] && ns_of(sm, e[2], &ns)) rel.push_back((ns - g0) * 1e-3);
         if (e[3] && ns_of(sm, e[3], &ns)) don.push_back((ns - g0) * 1e-3);
+        if (e[4] && ns_of(sm, e[4], &ns)) ld.push_back((ns - g0) * 1e-3);
+        if (e[5] && ns_of(sm, e[5], &ns)) rk.push_back((ns - g0) * 1e-3);
       }
       if (!rel.empty())
         std::printf(
@@ -746,7 +782,13 @@ int main(int argc, char** argv) {
             "last warp done %6.2f\n",
             ent.size(), pct(ent, 0), pct(ent, 0.5), pct(rel, 0), pct(rel, 0.5), pct(rel, 1),
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
-      else
+      if (!ld.empty())
+        std::printf(
+            "  select kernel (lean) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
+            "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
+            pct(rk, 1));
+      if (rel.empty())
         std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }
     // Where the spread of "scored" lives: between the warps of a CTA, between the CTAs of a
@@ -759,7 +801,7 @@ int main(int argc, char** argv) {
         double lo = 1e30, hi = kNone;
         int sm = -1;
         for (int w = 0; w < 4; ++w) {
-          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * 16;
+          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * kStride;
           const double t2 = at((x * pl.k_splits + y) * 4 + w, 2);
           if (t2 == kNone) continue;
           lo = std::min(lo, t2);
@@ -1007,7 +1049,9 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}};
+                                {"flat1q1", default_o}, {"ls", default_o},
+                                {"s2", default_o},     {"s2e", default_o},   {"s2el", default_o},
+                                {"s4el", default_o},   {"lw", default_o},    {"s2elw", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1018,6 +1062,16 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
+    all[10].o.lean_select = true;
+    for (int i = 11; i <= 14; ++i) {
+      all[i].o.single_pass = true;
+      all[i].o.single_pass_ctas = i == 14 ? 4 : 2;
+      all[i].o.single_pass_early_loads = i >= 12;
+      all[i].o.lean_select = i >= 13;
+    }
+    all[15].o.lean_select = all[15].o.warm_select = true;
+    all[16].o = all[13].o;
+    all[16].o.warm_select = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1058,7 +1112,9 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, ls = lean_select, s2 = single "
+        "pass in 2-CTA clusters, s2e = s2 and single_pass_early_loads, s2el = s2e and ls, s4el "
+        "= s2el in 4-CTA clusters, lw = ls and warm_select, s2elw = s2el and warm_select; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -161,6 +161,22 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // Rows of at most 64 candidates (max_pages <= 64: contexts up to 8K) ranked by rank_lean
+  // (indexer_kernel_select.cuh: two set.u32.f32 masks per candidate and lane, ties inside a half
+  // by __match_any_sync, about a third of rank_by_counting's instructions): the selection kernel
+  // is select_lean_kernel (one warp per row, no CTA barrier) instead of select_short_kernel /
+  // select_kernel's short rows, and the single pass selects with it (select_rows_lean); in the
+  // clustered single pass with more rows than 4 (several tokens per request) every CTA of the
+  // cluster receives every block max and the cluster's warps share the rows. Same ids.
+  bool lean_select = false;
+  // With lean_select: dry runs of the selection code before it is needed, so that it runs from
+  // the instruction cache (select_lean_kernel: before its dependency wait, while the scorer
+  // streams; the clustered single pass: a selecting warp that is not its CTA's last at the final
+  // barrier, between its arrive and its wait). Same ids.
+  bool warm_select = false;
+  // The single pass also loads the positions and query rows early where early_query_loads applies
+  // (several tokens per request: at the request's real bounds as soon as query_start arrives).
+  bool single_pass_early_loads = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -173,9 +189,9 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
+  // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
-  // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
+  // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel
   // (indexer_kernel_common.cuh, timeline_mark / select_timeline_mark; bench --timeline). Not
   // validated: the caller guarantees the size.
   uint64_t* timeline = nullptr;

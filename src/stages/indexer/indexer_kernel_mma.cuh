@@ -293,10 +293,13 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
 // fused, to the CTA's shared block-max table sblk[row][b - b0].
+// share > 0 (the clustered single pass with lean_select and more rows than a CTA has warps):
+// sblk is this CTA's own table and every value goes to the tables of cluster ranks 0 .. share - 1
+// (distributed shared memory), so that every CTA of the cluster can select rows.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
                                              int rows, int b, bool page_ok, int g, int tig,
-                                             float* sblk, int b0) {
+                                             float* sblk, int b0, int share) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -307,9 +310,16 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
       v = warp_block_max_xor(v, 16);
       const int j = nt * 8 + tig * 2 + e;
       if (g == 0 && j < rows) {
-        if constexpr (kFused)
-          sblk[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
-        else
+        if constexpr (kFused) {
+          float* dst = sblk + j * kFusedMaxChunk + (b - b0);
+          const float val = page_ok ? v : quiet_nan();
+          if (share == 0) {
+            *dst = val;
+          } else {
+#pragma unroll 1
+            for (int rk = 0; rk < share; ++rk) *map_to_cluster_rank(dst, rk) = val;
+          }
+        } else
           a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
       }
       s.run[nt][e] = neg_inf();
@@ -412,7 +422,7 @@ template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued) {
+                                            float* sblk, int b0, bool pre_issued, int share) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -486,7 +496,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -508,11 +518,26 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
+// The clustered single pass's count of warps at the final barrier (warm_select).
+__device__ __forceinline__ int& cluster_arrivals() {
+  __shared__ int n;
+  return n;
+}
+
 template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) cluster_arrive_relaxed();
+  if constexpr (kCluster) {
+    if (a.lean && a.warm) {
+      // warm_select counts the warps reaching the final barrier; the arrive publishes the zero
+      // to the wait before the first table write.
+      if (threadIdx.x == 0) cluster_arrivals() = 0;
+      cluster_arrive_release();
+    } else {
+      cluster_arrive_relaxed();
+    }
+  }
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -603,32 +628,67 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, int tb0) {
+  const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       case 2:
         decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       case 3:
         decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       default:
         decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
     }
   };
   timeline_mark(a, 1);
   if constexpr (kCluster) {
+    // lean_select with more rows than a CTA has warps (several tokens per request): every CTA's
+    // table receives every block max and the cluster's warps share the rows; otherwise rank 0's
+    // table alone and its warps select (cluster-uniform: rows comes from query_start).
+    const bool shared = a.lean && rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
+    // One call site (each is a full copy of the unrolled decode loops).
+    if (first < b1)
+      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
+    if (a.lean) {
+      const bool selects = shared || blockIdx.y == 0;
+      // warm_select: a selecting warp that is not the last of its CTA to get here runs the
+      // selection once dry (on its idle ring stage, no store) while the barrier completes, so
+      // that its real run after the wait executes from the instruction cache (one copy of the
+      // code: the loop is not unrolled). The CTA's last warp goes straight to the wait.
+      bool dry_first = false;
+      if (a.warm && selects) {
+        int n = 0;
+        if (lane == 0) n = atomicAdd(&cluster_arrivals(), 1);
+        dry_first = __shfl_sync(0xffffffffu, n, 0) < kMmaWarps - 1;
+      }
+      float* scratch = reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes));
+#pragma unroll 1
+      for (int pass = dry_first ? 0 : 1; pass < 2; ++pass) {
+        const bool dry = pass == 0;
+        if (!dry) {
+          cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+          timeline_mark(a, 3);
+          if (!selects) break;
+        }
+        const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
+        const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
+        select_rows_lean(a, dry ? scratch : sblk, qa, rows, 0, nvis, p, first_row, row_step, dry);
+      }
+      timeline_mark(a, 4);
+      return;
+    }
     cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
     timeline_mark(a, 3);
     if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
@@ -644,7 +704,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, b0);
+  if (first < b1) score(sblk, b0, 0);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

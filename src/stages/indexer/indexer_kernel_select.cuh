@@ -106,13 +106,56 @@ __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, f
   count_beats<0, kCountRow>(row, s0, s1, r0, r1);
 }
 
+// 1.0f when a > b (ordered: false with a NaN), else 0.0f: one FSET.BF.
+__device__ __forceinline__ float set_gt(float a, float b) {
+  float m;
+  asm("set.gt.f32.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+__device__ __forceinline__ float set_ge(float a, float b) {
+  float m;
+  asm("set.ge.f32.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+
+// rank_by_counting's ranks with about half of its instructions (IndexerCudaOptions::
+// lean_select): row[0 .. 64) holds the row's candidates in shared memory with NaN at every
+// non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32 (NaN =
+// none). A candidate j beats lane's on a larger score, or an equal one (-0 == +0) with a smaller
+// id. Across the halves the id order is fixed (every j < 32 is below lane + 32, every j >= 32
+// above lane), so there the tie rule is the comparison itself (>= or >); inside a half the equal
+// scores with a smaller id are the lanes below in __match_any_sync of the score's bits (-0 made
+// +0; a NaN's bits match no candidate's). Per candidate and lane: a set.{gt,ge}.f32.f32 (1.0 /
+// 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no per-lane tie
+// predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
+__device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t below = (1u << lane) - 1u;
+  const uint32_t t0 = __match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0));
+  const uint32_t t1 = __match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1));
+  float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < kCountRow / 4; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // id 4 q + e: the first half (q < 8) is below lane + 32, the second above lane.
+      c0[e] += set_gt(v[e], s0);
+      c1[e] += q < 8 ? set_ge(v[e], s1) : set_gt(v[e], s1);
+    }
+  }
+  r0 = static_cast<int>((c0[0] + c0[1]) + (c0[2] + c0[3])) + __popc(t0 & below);
+  r1 = static_cast<int>((c1[0] + c1[1]) + (c1[2] + c1[3])) + __popc(t1 & below);
+}
+
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
 // lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_by_rounds,
 // distinct) and are all below the local block; the ranks < 15 are selected. Candidate ids ascend
 // with (half, lane), so a selected id's slot is the count of selected ids before it (ballot
 // prefix); the local block follows them, -1 fills the rest.
 __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1, int r0, int r1,
-                                                int local) {
+                                                int local, bool write = true) {
   const int lane = threadIdx.x & 31;
   const uint32_t below = (1u << lane) - 1u;
   int count = 0;
@@ -121,12 +164,12 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
     const float sc = c == 0 ? s0 : s1;
     const bool take = sc == sc && (c == 0 ? r0 : r1) < kTopK - 1;
     const uint32_t taken = __ballot_sync(0xffffffffu, take);
-    if (take) out[count + __popc(taken & below)] = lane + 32 * c;
+    if (take && write) out[count + __popc(taken & below)] = lane + 32 * c;
     count += __popc(taken);
   }
   // count <= 15 (distinct ranks); the local block exceeds every candidate id.
-  if (lane == count) out[lane] = local;
-  if (lane > count && lane < kTopK) out[lane] = -1;
+  if (write && lane == count) out[lane] = local;
+  if (write && lane > count && lane < kTopK) out[lane] = -1;
 }
 
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
@@ -431,6 +474,52 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       r1 += part[rg][i][lane + 32];
     }
     emit_ranked_row(out, s0, s1, r0, r1, local);
+  }
+  select_timeline_mark(a, 2);
+}
+
+// Selection of short rows with rank_lean (IndexerCudaOptions::lean_select; max_pages <=
+// kCountRow): one warp per row, kSelectWarps rows per CTA. The warp loads its row's scores (two
+// per lane), copies them to its shared row with NaN past the candidates, ranks them (rank_lean)
+// and writes the row (emit_ranked_row); no CTA barrier. warm_select: the warp first runs the
+// ranking and the row's emission once on made-up scores with no store, before the dependency
+// wait (it is idle there while the scorer streams), so that the code after the wait runs from the
+// instruction cache: both passes are one copy of the code (a loop that is not unrolled).
+__global__ void __launch_bounds__(kSelectThreads) select_lean_kernel(const KernelArgs a) {
+  __shared__ __align__(16) float srow[kSelectWarps][kCountRow];
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t row = int64_t{blockIdx.x} * kSelectWarps + warp;
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  // As in select_kernel: the position before the dependency wait, scores and ids after it.
+  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
+  int32_t* out = a.block_ids + row * kTopK;
+#pragma unroll 1
+  for (int pass = a.warm ? 0 : 1; pass < 2; ++pass) {
+    const bool dry = pass == 0;
+    int local = kCountRow - 1;
+    float s0 = static_cast<float>(lane), s1 = static_cast<float>(lane + 32);
+    if (!dry) {
+      pdl_wait();
+      select_timeline_mark(a, 1);
+      if (!in_range) return;
+      local = trivial_row(a, out, pos, true);
+      if (local < 0) return;
+      const float* scores = a.scores + row * a.max_pages;
+      s0 = lane < local ? __ldcg(scores + lane) : quiet_nan();
+      s1 = lane + 32 < local ? __ldcg(scores + lane + 32) : quiet_nan();
+      select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
+    }
+    srow[warp][lane] = s0;
+    srow[warp][lane + 32] = s1;
+    __syncwarp();
+    int r0 = 0, r1 = 0;
+    rank_lean(srow[warp], s0, s1, r0, r1);
+    if (!dry) select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
+    emit_ranked_row(out, s0, s1, r0, r1, local, !dry);
+    __syncwarp();  // the dry pass's reads of srow before the real pass writes it
   }
   select_timeline_mark(a, 2);
 }

@@ -9,7 +9,43 @@ namespace {
 
 TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   M3_REQUIRE_GPU();
-  check_guards({0, 1, 2, 3, 4});
+  check_guards({0, 1, 2, 3, 4, 5, 6, 7});
+}
+
+// lean_select on a small batch (the sanitizers run it): integer inputs (many exact ties among the
+// block maxima), one and several tokens per request, a NaN key; the lean selection kernel against
+// the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster sharing the rows
+// at 4 and 8 tokens per request) against the two-kernel path.
+TEST(IndexerGpu, LeanSelectionSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int tokens : {1, 4, 8}) {
+    Inputs in = make_inputs({{5000, tokens}, {3000, tokens}, {7990 - tokens, tokens}}, 4, rng,
+                            /*integer=*/true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    in.hb.index_row(0, 7 * 128 + 9)[5] = 0x7f;  // request 0's block 7 scores NaN
+    const Reference ref = reference(in);
+    DeviceSet d;
+    upload(in, d);
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    two.lean_select = true;
+    const std::string label = "lean, " + std::to_string(tokens) + " tokens per request";
+    const GpuResult g = run_gpu(d, two);
+    compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
+    for (int ctas : {1, 2, 4}) {
+      IndexerCudaOptions so;
+      so.lean_select = true;
+      so.single_pass = true;
+      so.single_pass_ctas = ctas;
+      so.single_pass_early_loads = ctas == 2;
+      ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
+      const GpuResult c = run_gpu(d, so);
+      expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");
+    }
+  }
 }
 
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {

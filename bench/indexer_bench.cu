@@ -501,6 +501,7 @@ int main(int argc, char** argv) {
   bool lean = false;               // --lean: IndexerCudaOptions::lean_select
   bool single_early = false;       // --single-early: IndexerCudaOptions::single_pass_early_loads
   bool warm = false;               // --warm: IndexerCudaOptions::warm_select
+  bool mbar = false;               // --mbar: IndexerCudaOptions::mbarrier_final
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -557,6 +558,8 @@ int main(int argc, char** argv) {
       single_early = true;
     else if (a == "--warm")
       warm = true;
+    else if (a == "--mbar")
+      mbar = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -577,7 +580,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--no-short-select] [--lean] [--single-early] [--warm] "
+                   "[--no-short-select] [--lean] [--single-early] [--warm] [--mbar] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -592,6 +595,7 @@ int main(int argc, char** argv) {
     o->lean_select = lean;
     o->single_pass_early_loads = single_early;
     o->warm_select = warm;
+    o->mbarrier_final = mbar;
   }
   default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
@@ -1051,7 +1055,8 @@ int main(int argc, char** argv) {
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"ls", default_o},
                                 {"s2", default_o},     {"s2e", default_o},   {"s2el", default_o},
-                                {"s4el", default_o},   {"lw", default_o},    {"s2elw", default_o}};
+                                {"s4el", default_o},   {"lw", default_o},    {"s2elw", default_o},
+                                {"lm", default_o},     {"lwm", default_o},   {"s2elm", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1072,6 +1077,12 @@ int main(int argc, char** argv) {
     all[15].o.lean_select = all[15].o.warm_select = true;
     all[16].o = all[13].o;
     all[16].o.warm_select = true;
+    all[17].o = all[10].o;
+    all[17].o.mbarrier_final = true;
+    all[18].o = all[15].o;
+    all[18].o.mbarrier_final = true;
+    all[19].o = all[13].o;
+    all[19].o.mbarrier_final = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1114,7 +1125,8 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, ls = lean_select, s2 = single "
         "pass in 2-CTA clusters, s2e = s2 and single_pass_early_loads, s2el = s2e and ls, s4el "
-        "= s2el in 4-CTA clusters, lw = ls and warm_select, s2elw = s2el and warm_select; "
+        "= s2el in 4-CTA clusters, lw = ls and warm_select, s2elw = s2el and warm_select, lm / lwm / s2elm = ls / lw / s2el "
+        "and mbarrier_final; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

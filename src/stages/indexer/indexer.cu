@@ -403,6 +403,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.lean = options.lean_select ? 1 : 0;
   a.warm = options.lean_select && options.warm_select ? 1 : 0;
+  a.mbar = options.lean_select && options.mbarrier_final ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;

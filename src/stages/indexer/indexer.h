@@ -174,6 +174,11 @@ struct IndexerCudaOptions {
   // streams; the clustered single pass: a selecting warp that is not its CTA's last at the final
   // barrier, between its arrive and its wait). Same ids.
   bool warm_select = false;
+  // With lean_select, clustered single pass: the final cluster barrier (arrive.release / wait
+  // .acquire by every thread of the cluster) replaced by one shared-memory mbarrier per table:
+  // each warp arrives remotely (release, cluster scope) on the table(s) it wrote once its blocks
+  // are scored, and a table's selecting warps wait on their own CTA's mbarrier. Same ids.
+  bool mbarrier_final = false;
   // The single pass also loads the positions and query rows early where early_query_loads applies
   // (several tokens per request: at the request's real bounds as soon as query_start arrives).
   bool single_pass_early_loads = false;

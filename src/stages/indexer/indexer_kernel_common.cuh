@@ -87,6 +87,9 @@ struct KernelArgs {
   // needed (select_lean_kernel before pdl_wait; the clustered single pass between its arrive and
   // wait at the final barrier).
   int warm = 0;
+  // IndexerCudaOptions::mbarrier_final (with lean, clustered single pass): the final cluster
+  // barrier replaced by an mbarrier per table that the cluster's warps arrive on remotely.
+  int mbar = 0;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

@@ -111,6 +111,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "core/mbarrier.cuh"
 #include "core/ptx.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
@@ -523,16 +524,33 @@ __device__ __forceinline__ int& cluster_arrivals() {
   __shared__ int n;
   return n;
 }
+// The clustered single pass's table mbarrier (mbarrier_final): one phase, completed when every
+// warp of the cluster has written its block maxima into this CTA's table and arrived.
+__device__ __forceinline__ uint64_t& table_mbarrier() {
+  __shared__ uint64_t bar;
+  return bar;
+}
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
+               : "memory");
+}
 
 template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
   if constexpr (kCluster) {
-    if (a.lean && a.warm) {
-      // warm_select counts the warps reaching the final barrier; the arrive publishes the zero
-      // to the wait before the first table write.
-      if (threadIdx.x == 0) cluster_arrivals() = 0;
+    if (a.lean && (a.warm || a.mbar)) {
+      // warm_select counts the warps reaching the final barrier, mbarrier_final initializes the
+      // table's mbarrier (arrivals: every warp of the cluster); the arrive publishes both to the
+      // wait before the first table write.
+      if (threadIdx.x == 0) {
+        cluster_arrivals() = 0;
+        if (a.mbar) {
+          sm90::mbar_init(smem_addr(&table_mbarrier()), kMmaWarps * gridDim.y);
+          asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+      }
       cluster_arrive_release();
     } else {
       cluster_arrive_relaxed();
@@ -660,7 +678,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
-    cluster_arrive_release();
+    if (a.lean && a.mbar) {
+      // mbarrier_final: this warp's table writes are released to the tables it wrote (rank 0's,
+      // or every rank's when shared) by one remote arrival each, instead of the cluster barrier:
+      // a table's selecting warps wait for their own CTA's mbarrier only.
+      __syncwarp();  // every lane's table writes before lane 0's release
+      if (lane == 0) {
+        const uint32_t bar = smem_addr(&table_mbarrier());
+        for (int rk = 0; rk < (shared ? static_cast<int>(gridDim.y) : 1); ++rk)
+          mbar_arrive_cluster(sm90::map_to_rank(bar, static_cast<uint32_t>(rk)));
+      }
+    } else {
+      cluster_arrive_release();
+    }
     if (a.lean) {
       const bool selects = shared || blockIdx.y == 0;
       // warm_select: a selecting warp that is not the last of its CTA to get here runs the
@@ -678,7 +708,11 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       for (int pass = dry_first ? 0 : 1; pass < 2; ++pass) {
         const bool dry = pass == 0;
         if (!dry) {
-          cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+          if (!a.mbar) {
+            cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+          } else if (selects) {
+            sm90::mbar_wait<true>(smem_addr(&table_mbarrier()), 0);  // the same, for this table
+          }
           timeline_mark(a, 3);
           if (!selects) break;
         }

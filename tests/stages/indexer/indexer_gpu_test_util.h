@@ -400,6 +400,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     variants.push_back({"lean select", o});
     o.single_pass_early_loads = true;
     variants.push_back({"lean select, single pass early loads", o});
+    o.warm_select = true;     // dry runs before the selection
+    o.mbarrier_final = true;  // the clustered single pass's final mbarriers
+    variants.push_back({"lean select, early loads, warm, mbarrier", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

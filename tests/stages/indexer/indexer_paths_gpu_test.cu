@@ -41,6 +41,8 @@ TEST(IndexerGpu, LeanSelectionSmall) {
       so.single_pass = true;
       so.single_pass_ctas = ctas;
       so.single_pass_early_loads = ctas == 2;
+      so.warm_select = ctas == 4;
+      so.mbarrier_final = ctas >= 2 && tokens != 4;
       ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
       const GpuResult c = run_gpu(d, so);
       expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");

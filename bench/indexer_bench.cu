@@ -61,11 +61,16 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select;
+//   !short_select, ls = lean_select, lw = ls + warm_select, lm = ls + mbarrier_final, lwm = lw +
+//   mbarrier_final, s2 = the single pass in 2-CTA clusters, s2e = s2 + single_pass_early_loads,
+//   s2el = s2e + ls, s2elw / s2elm = s2el + warm_select / mbarrier_final, s4el = s2el in 4-CTA
+//   clusters;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline), --lean / --warm / --mbar / --single-early
+//   (lean_select / warm_select / mbarrier_final / single_pass_early_loads for every path and
+//   table; the timeline then also prints the lean selection's stamps).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>

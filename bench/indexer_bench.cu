@@ -61,16 +61,12 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, ls = lean_select, lw = ls + warm_select, lm = ls + mbarrier_final, lwm = lw +
-//   mbarrier_final, s2 = the single pass in 2-CTA clusters, s2e = s2 + single_pass_early_loads,
-//   s2el = s2e + ls, s2elw / s2elm = s2el + warm_select / mbarrier_final, s4el = s2el in 4-CTA
-//   clusters;
+//   !short_select, ls = lean_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --lean / --warm / --mbar / --single-early
-//   (lean_select / warm_select / mbarrier_final / single_pass_early_loads for every path and
-//   table; the timeline then also prints the lean selection's stamps).
+//   options with flat_decode N, e.g. for --timeline), --lean (lean_select for every path and table;
+//   the timeline then also prints the single pass's lean selection stamps).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -504,9 +500,6 @@ int main(int argc, char** argv) {
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   bool lean = false;               // --lean: IndexerCudaOptions::lean_select
-  bool single_early = false;       // --single-early: IndexerCudaOptions::single_pass_early_loads
-  bool warm = false;               // --warm: IndexerCudaOptions::warm_select
-  bool mbar = false;               // --mbar: IndexerCudaOptions::mbarrier_final
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -559,12 +552,6 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--lean")
       lean = true;
-    else if (a == "--single-early")
-      single_early = true;
-    else if (a == "--warm")
-      warm = true;
-    else if (a == "--mbar")
-      mbar = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -585,7 +572,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--no-short-select] [--lean] [--single-early] [--warm] [--mbar] "
+                   "[--no-short-select] [--lean] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -598,9 +585,6 @@ int main(int argc, char** argv) {
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
     o->lean_select = lean;
-    o->single_pass_early_loads = single_early;
-    o->warm_select = warm;
-    o->mbarrier_final = mbar;
   }
   default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
@@ -751,20 +735,22 @@ int main(int argc, char** argv) {
     {
       // The single pass's final selection (lean_select): per selecting warp, its first row in
       // registers (word 16) and ranked (17), after the barrier (slot 3).
-      std::vector<double> ld, rk;
+      std::vector<double> lc, ld, rk;
       for (int64_t w = 0; w < warps; ++w) {
         const uint64_t* e = tl.data() + w * kStride;
         double ns = 0, b = at(w, 3);
         if (!e[0] || !e[16] || b == kNone) continue;
+        if (e[18] && ns_of(static_cast<int>(e[7]), e[18], &ns)) lc.push_back((ns - g0) * 1e-3 - b);
         if (ns_of(static_cast<int>(e[7]), e[16], &ns)) ld.push_back((ns - g0) * 1e-3 - b);
         if (e[17] && ns_of(static_cast<int>(e[7]), e[17], &ns)) rk.push_back((ns - g0) * 1e-3 - b);
       }
       if (!ld.empty())
         std::printf(
-            "  final selection (%zu warps), us after the barrier: first row loaded p50 %6.2f "
-            "p90 %6.2f max %6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
-            ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
-            pct(rk, 1));
+            "  final selection (%zu warps), us after the barrier: local block known p50 %6.2f "
+            "max %6.2f; first row loaded p50 %6.2f p90 %6.2f max %6.2f; ranked p50 %6.2f p90 "
+            "%6.2f max %6.2f\n",
+            ld.size(), pct(lc, 0.5), pct(lc, 1), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1),
+            pct(rk, 0.5), pct(rk, 0.9), pct(rk, 1));
     }
     {
       // The selection kernel (when one runs): its warps' entry, release from the dependency
@@ -793,7 +779,7 @@ int main(int argc, char** argv) {
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
       if (!ld.empty())
         std::printf(
-            "  select kernel (lean) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
+            "  select kernel (short) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
             "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
@@ -1058,10 +1044,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"ls", default_o},
-                                {"s2", default_o},     {"s2e", default_o},   {"s2el", default_o},
-                                {"s4el", default_o},   {"lw", default_o},    {"s2elw", default_o},
-                                {"lm", default_o},     {"lwm", default_o},   {"s2elm", default_o}};
+                                {"flat1q1", default_o}, {"ls", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1073,21 +1056,6 @@ int main(int argc, char** argv) {
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
     all[10].o.lean_select = true;
-    for (int i = 11; i <= 14; ++i) {
-      all[i].o.single_pass = true;
-      all[i].o.single_pass_ctas = i == 14 ? 4 : 2;
-      all[i].o.single_pass_early_loads = i >= 12;
-      all[i].o.lean_select = i >= 13;
-    }
-    all[15].o.lean_select = all[15].o.warm_select = true;
-    all[16].o = all[13].o;
-    all[16].o.warm_select = true;
-    all[17].o = all[10].o;
-    all[17].o.mbarrier_final = true;
-    all[18].o = all[15].o;
-    all[18].o.mbarrier_final = true;
-    all[19].o = all[13].o;
-    all[19].o.mbarrier_final = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1128,10 +1096,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, ls = lean_select, s2 = single "
-        "pass in 2-CTA clusters, s2e = s2 and single_pass_early_loads, s2el = s2e and ls, s4el "
-        "= s2el in 4-CTA clusters, lw = ls and warm_select, s2elw = s2el and warm_select, lm / lwm / s2elm = ls / lw / s2el "
-        "and mbarrier_final; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, ls = lean_select; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -399,11 +399,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
-  a.early = options.early_query_loads && (!pl.single || options.single_pass_early_loads) ? 1 : 0;
+  a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.lean = options.lean_select ? 1 : 0;
-  a.warm = options.lean_select && options.warm_select ? 1 : 0;
-  a.mbar = options.lean_select && options.mbarrier_final ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
@@ -480,13 +478,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // load the positions before the dependency wait, which is safe only when the preceding grid
   // does not write them.
   const bool select_pdl = max_pages > kTopK || pdl;
-  if (options.lean_select && max_pages <= ik::kCountRow) {
-    // Rows of at most 63 candidates, one warp each, ranked by rank_lean.
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_lean_kernel, dim3(static_cast<unsigned>(select_blocks)),
-                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
-    M3_CUDA_CHECK_LAUNCH();
-    return Status::Ok();
-  }
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
     // Rows of at most 63 candidates, kShortRowWarps warps per row.

@@ -161,27 +161,16 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Rows of at most 64 candidates (max_pages <= 64: contexts up to 8K) ranked by rank_lean
-  // (indexer_kernel_select.cuh: two set.u32.f32 masks per candidate and lane, ties inside a half
-  // by __match_any_sync, about a third of rank_by_counting's instructions): the selection kernel
-  // is select_lean_kernel (one warp per row, no CTA barrier) instead of select_short_kernel /
-  // select_kernel's short rows, and the single pass selects with it (select_rows_lean); in the
-  // clustered single pass with more rows than 4 (several tokens per request) every CTA of the
-  // cluster receives every block max and the cluster's warps share the rows. Same ids.
+  // Rows of at most 64 candidates (max_pages <= 64: contexts up to 8K) ranked by rank_lean /
+  // lean_beats (indexer_kernel_select.cuh: per candidate and lane one set.f32.f32 and one FADD,
+  // ties inside a half by __match_any_sync; about half of rank_by_counting's instructions):
+  // the single pass selects with select_rows_lean, and in the clustered single pass with more
+  // rows than 4 (several tokens per request) every CTA of the cluster receives every block max
+  // and the cluster's warps share the rows; select_short_kernel counts its quarters with
+  // lean_beats. Same ids. Session 21 round C, 64 x 8K back to back: a selection kernel of one
+  // warp per row with rank_lean lost at draft 3 (24.1 / 23.9 vs 23.7 / 23.5 us; its rows were
+  // written 1.16 us after its release (p50) vs 1.53 for select_short_kernel in the timelines).
   bool lean_select = false;
-  // With lean_select: dry runs of the selection code before it is needed, so that it runs from
-  // the instruction cache (select_lean_kernel: before its dependency wait, while the scorer
-  // streams; the clustered single pass: a selecting warp that is not its CTA's last at the final
-  // barrier, between its arrive and its wait). Same ids.
-  bool warm_select = false;
-  // With lean_select, clustered single pass: the final cluster barrier (arrive.release / wait
-  // .acquire by every thread of the cluster) replaced by one shared-memory mbarrier per table:
-  // each warp arrives remotely (release, cluster scope) on the table(s) it wrote once its blocks
-  // are scored, and a table's selecting warps wait on their own CTA's mbarrier. Same ids.
-  bool mbarrier_final = false;
-  // The single pass also loads the positions and query rows early where early_query_loads applies
-  // (several tokens per request: at the request's real bounds as soon as query_start arrives).
-  bool single_pass_early_loads = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

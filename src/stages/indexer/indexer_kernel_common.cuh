@@ -80,16 +80,10 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  // IndexerCudaOptions::lean_select: rows of <= 64 candidates ranked by rank_lean (the selection
-  // kernel: select_lean_kernel; the single pass: select_rows_lean, rows dealt over the cluster).
+  // IndexerCudaOptions::lean_select: rows of <= 64 candidates ranked by rank_lean / lean_beats
+  // (the single pass: select_rows_lean, rows dealt over the cluster; select_short_kernel's
+  // quarters).
   int lean = 0;
-  // IndexerCudaOptions::warm_select (with lean): dry runs of the lean selection code before it is
-  // needed (select_lean_kernel before pdl_wait; the clustered single pass between its arrive and
-  // wait at the final barrier).
-  int warm = 0;
-  // IndexerCudaOptions::mbarrier_final (with lean, clustered single pass): the final cluster
-  // barrier replaced by an mbarrier per table that the cluster's warps arrive on remotely.
-  int mbar = 0;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
@@ -106,8 +100,9 @@ struct KernelArgs {
 // (session 17 round A: 1.2 us between two marks with 4 warps per SM, 2.4 us with 8, whatever the
 // warps did between them), so marking every phase with it distorted the phases it measured.
 // Written even before pdl_wait (the buffer is the caller's own).
-// Words 16 / 17 (timeline_stamp): the single pass's final selection, clock64 once the warp's
-// first row is in registers and once it is ranked (each read waits for that value).
+// Words 18 / 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
+// warp's first row's local block is known, once its scores are in registers and once it is
+// ranked (each read waits for that value).
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {

@@ -111,7 +111,6 @@
 #include <climits>
 #include <type_traits>
 
-#include "core/mbarrier.cuh"
 #include "core/ptx.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
@@ -519,43 +518,11 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// The clustered single pass's count of warps at the final barrier (warm_select).
-__device__ __forceinline__ int& cluster_arrivals() {
-  __shared__ int n;
-  return n;
-}
-// The clustered single pass's table mbarrier (mbarrier_final): one phase, completed when every
-// warp of the cluster has written its block maxima into this CTA's table and arrived.
-__device__ __forceinline__ uint64_t& table_mbarrier() {
-  __shared__ uint64_t bar;
-  return bar;
-}
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t cluster_addr) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(cluster_addr)
-               : "memory");
-}
-
 template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) {
-    if (a.lean && (a.warm || a.mbar)) {
-      // warm_select counts the warps reaching the final barrier, mbarrier_final initializes the
-      // table's mbarrier (arrivals: every warp of the cluster); the arrive publishes both to the
-      // wait before the first table write.
-      if (threadIdx.x == 0) {
-        cluster_arrivals() = 0;
-        if (a.mbar) {
-          sm90::mbar_init(smem_addr(&table_mbarrier()), kMmaWarps * gridDim.y);
-          asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        }
-      }
-      cluster_arrive_release();
-    } else {
-      cluster_arrive_relaxed();
-    }
-  }
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -678,48 +645,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
-    if (a.lean && a.mbar) {
-      // mbarrier_final: this warp's table writes are released to the tables it wrote (rank 0's,
-      // or every rank's when shared) by one remote arrival each, instead of the cluster barrier:
-      // a table's selecting warps wait for their own CTA's mbarrier only.
-      __syncwarp();  // every lane's table writes before lane 0's release
-      if (lane == 0) {
-        const uint32_t bar = smem_addr(&table_mbarrier());
-        for (int rk = 0; rk < (shared ? static_cast<int>(gridDim.y) : 1); ++rk)
-          mbar_arrive_cluster(sm90::map_to_rank(bar, static_cast<uint32_t>(rk)));
-      }
-    } else {
-      cluster_arrive_release();
-    }
+    cluster_arrive_release();
     if (a.lean) {
-      const bool selects = shared || blockIdx.y == 0;
-      // warm_select: a selecting warp that is not the last of its CTA to get here runs the
-      // selection once dry (on its idle ring stage, no store) while the barrier completes, so
-      // that its real run after the wait executes from the instruction cache (one copy of the
-      // code: the loop is not unrolled). The CTA's last warp goes straight to the wait.
-      bool dry_first = false;
-      if (a.warm && selects) {
-        int n = 0;
-        if (lane == 0) n = atomicAdd(&cluster_arrivals(), 1);
-        dry_first = __shfl_sync(0xffffffffu, n, 0) < kMmaWarps - 1;
-      }
-      float* scratch = reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes));
-#pragma unroll 1
-      for (int pass = dry_first ? 0 : 1; pass < 2; ++pass) {
-        const bool dry = pass == 0;
-        if (!dry) {
-          if (!a.mbar) {
-            cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
-          } else if (selects) {
-            sm90::mbar_wait<true>(smem_addr(&table_mbarrier()), 0);  // the same, for this table
-          }
-          timeline_mark(a, 3);
-          if (!selects) break;
-        }
-        const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
-        const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
-        select_rows_lean(a, dry ? scratch : sblk, qa, rows, 0, nvis, p, first_row, row_step, dry);
-      }
+      cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+      timeline_mark(a, 3);
+      if (shared)
+        select_rows_lean(a, sblk, qa, rows, 0, nvis, p,
+                         static_cast<int>(blockIdx.y) * kMmaWarps + warp,
+                         static_cast<int>(gridDim.y) * kMmaWarps);
+      else if (blockIdx.y == 0)
+        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps);
       timeline_mark(a, 4);
       return;
     }

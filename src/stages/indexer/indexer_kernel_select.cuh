@@ -118,6 +118,38 @@ __device__ __forceinline__ float set_ge(float a, float b) {
   return m;
 }
 
+// The beats of rank_lean over the candidates kJ0 .. kJ0 + kN - 1 of the row only (kJ0, kN
+// multiples of 4; row: 64 entries, NaN at non-candidates), without the ties inside a half: c0 /
+// c1 = how many of them beat the lane's candidates lane / lane + 32 on score alone (>, and >= for
+// ids below 32 against lane + 32).
+template <int kJ0, int kN>
+__device__ __forceinline__ void lean_beats(const float* row, float s0, float s1, float& c0,
+                                           float& c1) {
+  static_assert(kJ0 % 4 == 0 && kN % 4 == 0 && kJ0 + kN <= kCountRow, "whole float4s");
+  float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = kJ0 / 4; q < (kJ0 + kN) / 4; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // id 4 q + e: the first half (q < 8) is below lane + 32, the second above lane.
+      a0[e] += set_gt(v[e], s0);
+      a1[e] += q < 8 ? set_ge(v[e], s1) : set_gt(v[e], s1);
+    }
+  }
+  c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+  c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
+}
+
+// The ties of rank_lean inside the halves: the lanes below with the same score bits (-0 as +0)
+// in the lane's half, for candidates lane / lane + 32. Every lane of the warp calls it.
+__device__ __forceinline__ void lean_ties(float s0, float s1, int& t0, int& t1) {
+  const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
+  t0 = __popc(__match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0)) & below);
+  t1 = __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
+}
+
 // rank_by_counting's ranks with about half of its instructions (IndexerCudaOptions::
 // lean_select): row[0 .. 64) holds the row's candidates in shared memory with NaN at every
 // non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32 (NaN =
@@ -129,24 +161,12 @@ __device__ __forceinline__ float set_ge(float a, float b) {
 // 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no per-lane tie
 // predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
 __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
-  const int lane = threadIdx.x & 31;
-  const uint32_t below = (1u << lane) - 1u;
-  const uint32_t t0 = __match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0));
-  const uint32_t t1 = __match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1));
-  float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int q = 0; q < kCountRow / 4; ++q) {
-    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
-    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // id 4 q + e: the first half (q < 8) is below lane + 32, the second above lane.
-      c0[e] += set_gt(v[e], s0);
-      c1[e] += q < 8 ? set_ge(v[e], s1) : set_gt(v[e], s1);
-    }
-  }
-  r0 = static_cast<int>((c0[0] + c0[1]) + (c0[2] + c0[3])) + __popc(t0 & below);
-  r1 = static_cast<int>((c1[0] + c1[1]) + (c1[2] + c1[3])) + __popc(t1 & below);
+  int t0 = 0, t1 = 0;
+  lean_ties(s0, s1, t0, t1);
+  float c0 = 0.0f, c1 = 0.0f;
+  lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
+  r0 = static_cast<int>(c0) + t0;
+  r1 = static_cast<int>(c1) + t1;
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
@@ -155,7 +175,7 @@ __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, 
 // with (half, lane), so a selected id's slot is the count of selected ids before it (ballot
 // prefix); the local block follows them, -1 fills the rest.
 __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1, int r0, int r1,
-                                                int local, bool write = true) {
+                                                int local) {
   const int lane = threadIdx.x & 31;
   const uint32_t below = (1u << lane) - 1u;
   int count = 0;
@@ -164,12 +184,12 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
     const float sc = c == 0 ? s0 : s1;
     const bool take = sc == sc && (c == 0 ? r0 : r1) < kTopK - 1;
     const uint32_t taken = __ballot_sync(0xffffffffu, take);
-    if (take && write) out[count + __popc(taken & below)] = lane + 32 * c;
+    if (take) out[count + __popc(taken & below)] = lane + 32 * c;
     count += __popc(taken);
   }
   // count <= 15 (distinct ranks); the local block exceeds every candidate id.
-  if (write && lane == count) out[lane] = local;
-  if (write && lane > count && lane < kTopK) out[lane] = -1;
+  if (lane == count) out[lane] = local;
+  if (lane > count && lane < kTopK) out[lane] = -1;
 }
 
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
@@ -439,6 +459,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       const float* scores = a.scores + row * a.max_pages;
       if (lane < local) s0 = __ldcg(scores + lane);
       if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
+      select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
       if (q == 0) {
         srow[rg][lane] = s0;
         srow[rg][lane + 32] = s1;
@@ -446,7 +467,30 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     }
   }
   __syncthreads();  // the rows' copies are in srow
-  if (local >= 0) {
+  if (local >= 0 && a.lean) {
+    // lean_select: the quarter's beats by lean_beats, the ties inside the halves (lean_ties)
+    // added by the row's first warp.
+    float c0 = 0.0f, c1 = 0.0f;
+    int t0 = 0, t1 = 0;
+    switch (q) {
+      case 0:
+        lean_beats<0, 16>(srow[rg], s0, s1, c0, c1);
+        lean_ties(s0, s1, t0, t1);
+        break;
+      case 1:
+        lean_beats<16, 16>(srow[rg], s0, s1, c0, c1);
+        break;
+      case 2:
+        lean_beats<32, 16>(srow[rg], s0, s1, c0, c1);
+        break;
+      default:
+        lean_beats<48, 16>(srow[rg], s0, s1, c0, c1);
+        break;
+    }
+    part[rg][q][lane] = static_cast<int>(c0) + t0;
+    part[rg][q][lane + 32] = static_cast<int>(c1) + t1;
+    select_timeline_stamp(a, 1, static_cast<uint32_t>(c0 + c1));
+  } else if (local >= 0) {
     int r0 = 0, r1 = 0;
     switch (q) {
       case 0:
@@ -474,52 +518,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       r1 += part[rg][i][lane + 32];
     }
     emit_ranked_row(out, s0, s1, r0, r1, local);
-  }
-  select_timeline_mark(a, 2);
-}
-
-// Selection of short rows with rank_lean (IndexerCudaOptions::lean_select; max_pages <=
-// kCountRow): one warp per row, kSelectWarps rows per CTA. The warp loads its row's scores (two
-// per lane), copies them to its shared row with NaN past the candidates, ranks them (rank_lean)
-// and writes the row (emit_ranked_row); no CTA barrier. warm_select: the warp first runs the
-// ranking and the row's emission once on made-up scores with no store, before the dependency
-// wait (it is idle there while the scorer streams), so that the code after the wait runs from the
-// instruction cache: both passes are one copy of the code (a loop that is not unrolled).
-__global__ void __launch_bounds__(kSelectThreads) select_lean_kernel(const KernelArgs a) {
-  __shared__ __align__(16) float srow[kSelectWarps][kCountRow];
-  pdl_launch_dependents();
-  select_timeline_mark(a, 0);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t row = int64_t{blockIdx.x} * kSelectWarps + warp;
-  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  // As in select_kernel: the position before the dependency wait, scores and ids after it.
-  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  int32_t* out = a.block_ids + row * kTopK;
-#pragma unroll 1
-  for (int pass = a.warm ? 0 : 1; pass < 2; ++pass) {
-    const bool dry = pass == 0;
-    int local = kCountRow - 1;
-    float s0 = static_cast<float>(lane), s1 = static_cast<float>(lane + 32);
-    if (!dry) {
-      pdl_wait();
-      select_timeline_mark(a, 1);
-      if (!in_range) return;
-      local = trivial_row(a, out, pos, true);
-      if (local < 0) return;
-      const float* scores = a.scores + row * a.max_pages;
-      s0 = lane < local ? __ldcg(scores + lane) : quiet_nan();
-      s1 = lane + 32 < local ? __ldcg(scores + lane + 32) : quiet_nan();
-      select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
-    }
-    srow[warp][lane] = s0;
-    srow[warp][lane + 32] = s1;
-    __syncwarp();
-    int r0 = 0, r1 = 0;
-    rank_lean(srow[warp], s0, s1, r0, r1);
-    if (!dry) select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
-    emit_ranked_row(out, s0, s1, r0, r1, local, !dry);
-    __syncwarp();  // the dry pass's reads of srow before the real pass writes it
   }
   select_timeline_mark(a, 2);
 }

@@ -396,13 +396,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
-    o.lean_select = true;  // rank_lean: select_lean_kernel, select_rows_lean, shared cluster rows
+    o.lean_select = true;  // rank_lean / lean_beats: single pass, shared cluster rows, quarters
     variants.push_back({"lean select", o});
-    o.single_pass_early_loads = true;
-    variants.push_back({"lean select, single pass early loads", o});
-    o.warm_select = true;     // dry runs before the selection
-    o.mbarrier_final = true;  // the clustered single pass's final mbarriers
-    variants.push_back({"lean select, early loads, warm, mbarrier", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

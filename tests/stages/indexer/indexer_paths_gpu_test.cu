@@ -13,9 +13,10 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
 }
 
 // lean_select on a small batch (the sanitizers run it): integer inputs (many exact ties among the
-// block maxima), one and several tokens per request, a NaN key; the lean selection kernel against
-// the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster sharing the rows
-// at 4 and 8 tokens per request) against the two-kernel path.
+// block maxima), one and several tokens per request, a NaN key; the selection kernel (the lean
+// quarters of select_short_kernel) against the twin, the single pass with one CTA and in clusters
+// of 2 and 4 (the cluster sharing the rows at 4 and 8 tokens per request) against the two-kernel
+// path.
 TEST(IndexerGpu, LeanSelectionSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -29,10 +30,10 @@ TEST(IndexerGpu, LeanSelectionSmall) {
     const Reference ref = reference(in);
     DeviceSet d;
     upload(in, d);
+    const std::string label = "lean, " + std::to_string(tokens) + " tokens per request";
     IndexerCudaOptions two;
     two.unfused_decode = true;
     two.lean_select = true;
-    const std::string label = "lean, " + std::to_string(tokens) + " tokens per request";
     const GpuResult g = run_gpu(d, two);
     compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
     for (int ctas : {1, 2, 4}) {
@@ -40,9 +41,6 @@ TEST(IndexerGpu, LeanSelectionSmall) {
       so.lean_select = true;
       so.single_pass = true;
       so.single_pass_ctas = ctas;
-      so.single_pass_early_loads = ctas == 2;
-      so.warm_select = ctas == 4;
-      so.mbarrier_final = ctas >= 2 && tokens != 4;
       ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
       const GpuResult c = run_gpu(d, so);
       expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");

@@ -142,12 +142,22 @@ __device__ __forceinline__ void lean_beats(const float* row, float s0, float s1,
   c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
 }
 
-// The ties of rank_lean inside the halves: the lanes below with the same score bits (-0 as +0)
-// in the lane's half, for candidates lane / lane + 32. Every lane of the warp calls it.
-__device__ __forceinline__ void lean_ties(float s0, float s1, int& t0, int& t1) {
+// Adds the ties inside the halves to ranks counted by lean_beats (r0 / r1 for the lane's
+// candidates lane / lane + 32; NaN scores = none), every lane of the warp calling: a candidate
+// beats an equal one of the same half with a larger id. Such ties are rare on real scores, and
+// lean_beats' ranks of the non-NaN candidates are a permutation of 0 .. n - 1 exactly when there
+// is none (a tie group of m candidates in a half has m ranks equal instead of m consecutive ones:
+// a sum short by m (m - 1) / 2), so one sum (redux.sync) decides; only then the lanes below with
+// the same score bits (-0 as +0) in the lane's half are counted (__match_any_sync).
+__device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& r1) {
+  const bool c0 = s0 == s0, c1 = s1 == s1;
+  const int n = __popc(__ballot_sync(0xffffffffu, c0)) + __popc(__ballot_sync(0xffffffffu, c1));
+  const int sum = static_cast<int>(__reduce_add_sync(
+      0xffffffffu, static_cast<uint32_t>((c0 ? r0 : 0) + (c1 ? r1 : 0))));
+  if (sum == n * (n - 1) / 2) return;  // warp-uniform: no tie inside a half
   const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
-  t0 = __popc(__match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0)) & below);
-  t1 = __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
+  r0 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0)) & below);
+  r1 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
 }
 
 // rank_by_counting's ranks with about half of its instructions (IndexerCudaOptions::
@@ -155,18 +165,16 @@ __device__ __forceinline__ void lean_ties(float s0, float s1, int& t0, int& t1) 
 // non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32 (NaN =
 // none). A candidate j beats lane's on a larger score, or an equal one (-0 == +0) with a smaller
 // id. Across the halves the id order is fixed (every j < 32 is below lane + 32, every j >= 32
-// above lane), so there the tie rule is the comparison itself (>= or >); inside a half the equal
-// scores with a smaller id are the lanes below in __match_any_sync of the score's bits (-0 made
-// +0; a NaN's bits match no candidate's). Per candidate and lane: a set.{gt,ge}.f32.f32 (1.0 /
+// above lane), so there the tie rule is the comparison itself (>= or >: lean_beats); the ties
+// inside a half are added by lean_add_ties. Per candidate and lane: a set.{gt,ge}.f32.f32 (1.0 /
 // 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no per-lane tie
 // predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
 __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
-  int t0 = 0, t1 = 0;
-  lean_ties(s0, s1, t0, t1);
   float c0 = 0.0f, c1 = 0.0f;
   lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
-  r0 = static_cast<int>(c0) + t0;
-  r1 = static_cast<int>(c1) + t1;
+  r0 = static_cast<int>(c0);
+  r1 = static_cast<int>(c1);
+  lean_add_ties(s0, s1, r0, r1);
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
@@ -468,14 +476,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   }
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0 && a.lean) {
-    // lean_select: the quarter's beats by lean_beats, the ties inside the halves (lean_ties)
-    // added by the row's first warp.
+    // lean_select: the quarter's beats by lean_beats (the ties inside the halves are added by the
+    // row's first warp after the sum: lean_add_ties).
     float c0 = 0.0f, c1 = 0.0f;
-    int t0 = 0, t1 = 0;
     switch (q) {
       case 0:
         lean_beats<0, 16>(srow[rg], s0, s1, c0, c1);
-        lean_ties(s0, s1, t0, t1);
         break;
       case 1:
         lean_beats<16, 16>(srow[rg], s0, s1, c0, c1);
@@ -487,8 +493,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
         lean_beats<48, 16>(srow[rg], s0, s1, c0, c1);
         break;
     }
-    part[rg][q][lane] = static_cast<int>(c0) + t0;
-    part[rg][q][lane + 32] = static_cast<int>(c1) + t1;
+    part[rg][q][lane] = static_cast<int>(c0);
+    part[rg][q][lane + 32] = static_cast<int>(c1);
     select_timeline_stamp(a, 1, static_cast<uint32_t>(c0 + c1));
   } else if (local >= 0) {
     int r0 = 0, r1 = 0;
@@ -517,6 +523,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }
+    if (a.lean) lean_add_ties(s0, s1, r0, r1);
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
   select_timeline_mark(a, 2);

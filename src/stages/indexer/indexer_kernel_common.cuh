@@ -80,9 +80,8 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  // IndexerCudaOptions::lean_select: rows of <= 64 candidates ranked by rank_lean / lean_beats
-  // (the single pass: select_rows_lean, rows dealt over the cluster; select_short_kernel's
-  // quarters).
+  // IndexerCudaOptions::lean_select: the single pass ranks rows by rank_lean (select_rows_lean,
+  // rows dealt over the cluster); 2: lean_rolled (rank_lean's rolled loops).
   int lean = 0;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
@@ -100,9 +99,9 @@ struct KernelArgs {
 // (session 17 round A: 1.2 us between two marks with 4 warps per SM, 2.4 us with 8, whatever the
 // warps did between them), so marking every phase with it distorted the phases it measured.
 // Written even before pdl_wait (the buffer is the caller's own).
-// Words 18 / 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
-// warp's first row's local block is known, once its scores are in registers and once it is
-// ranked (each read waits for that value).
+// Words 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
+// warp's first row's scores are in registers and once it is ranked (each read waits for that
+// value).
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {

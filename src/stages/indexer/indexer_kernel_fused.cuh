@@ -132,20 +132,27 @@ __device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, in
 // first_row, first_row + row_step, ... < rows of the unit, one at a time per warp, from the
 // table sblk (b0 == 0; columns [0, min(b1, local)) are the row's candidates, the rest of the row
 // is set to NaN here: the warp owns the row). Up to 15 candidates are all chosen (ranks 0, no
-// counting). lane_pos as in select_rows. Timeline words 18 / 16 / 17: the warp's first row's
-// local block known (trivial_row done) / scores loaded / ranked.
+// counting). lane_pos as in select_rows. wait(): called once by every lane, before the first
+// read of the table (the barrier that completes it): the first row's position, trivial-row
+// output and bounds are worked out before it, while the barrier completes. Timeline words 16 /
+// 17: the warp's first row's scores loaded / ranked.
+template <typename Wait>
 __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
                                                  int rows, int b0, int b1, int lane_pos,
-                                                 int first_row, int row_step) {
+                                                 int first_row, int row_step, Wait&& wait) {
   const int lane = threadIdx.x & 31;
+  bool waited = false;
   for (int j = first_row; j < rows; j += row_step) {  // warp-uniform
     const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
     int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
     const int local = trivial_row(a, out, pos, true);
-    if (j == first_row) timeline_stamp(a, 18, static_cast<uint32_t>(local));
     if (local < 0) continue;
     const int nb = min(b1, local) - b0;  // <= kFusedMaxChunk
     float* row = sblk + j * kFusedMaxChunk;
+    if (!waited) {
+      wait();
+      waited = true;
+    }
     const float s0 = lane < nb ? row[lane] : quiet_nan();
     const float s1 = lane + 32 < nb ? row[lane + 32] : quiet_nan();
     if (j == first_row) timeline_stamp(a, 16, __float_as_uint(s0) ^ __float_as_uint(s1));
@@ -154,11 +161,15 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
       if (lane >= nb) row[lane] = quiet_nan();
       if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
       __syncwarp();
-      rank_lean(row, s0, s1, r0, r1);
+      if (a.lean == 2)
+        rank_lean<true>(row, s0, s1, r0, r1);
+      else
+        rank_lean<false>(row, s0, s1, r0, r1);
     }
     if (j == first_row) timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
+  if (!waited) wait();
 }
 
 // The final selection of every row of the unit (see select_rows): one row per warp at a time for
@@ -166,7 +177,7 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
   if (a.lean) {
-    select_rows_lean(a, sblk, t0, rows, b0, b1, lane_pos, threadIdx.x >> 5, kMmaWarps);
+    select_rows_lean(a, sblk, t0, rows, b0, b1, lane_pos, threadIdx.x >> 5, kMmaWarps, [] {});
     return;
   }
   if (rows <= kMmaWarps)

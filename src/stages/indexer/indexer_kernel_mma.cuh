@@ -647,14 +647,18 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     timeline_mark(a, 2);
     cluster_arrive_release();
     if (a.lean) {
-      cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
-      timeline_mark(a, 3);
-      if (shared)
-        select_rows_lean(a, sblk, qa, rows, 0, nvis, p,
-                         static_cast<int>(blockIdx.y) * kMmaWarps + warp,
-                         static_cast<int>(gridDim.y) * kMmaWarps);
-      else if (blockIdx.y == 0)
-        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps);
+      const auto wait = [&] {
+        cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+        timeline_mark(a, 3);
+      };
+      if (shared || blockIdx.y == 0) {
+        // The rows' metadata (and trivial rows) before the wait, the counting after it.
+        const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
+        const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
+        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
+      } else {
+        wait();
+      }
       timeline_mark(a, 4);
       return;
     }

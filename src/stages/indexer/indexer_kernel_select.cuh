@@ -160,6 +160,32 @@ __device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& 
   r1 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
 }
 
+// lean_beats over a whole row of kCountRow candidates as two rolled loops (the first half, where
+// lane + 32 is beaten on >=, then the second), 8 candidates (two float4) per iteration, the next
+// two loaded before the current ones are counted: ~80 instructions of code instead of ~280. At
+// the end of the single pass the code is cold and the unrolled count runs at the instruction
+// fetch's pace (session 21 round E, ncu source view of the clustered single pass at 64 x 8K
+// draft 0: 86 of its ~92 stall samples "no instruction"; the timeline: ~0.6 us for ~280
+// instructions).
+template <bool kFirstHalf>
+__device__ __forceinline__ void lean_beats_half_rolled(const float* half, float s0, float s1,
+                                                       float (&a0)[4], float (&a1)[4]) {
+  const float4* r4 = reinterpret_cast<const float4*>(half);
+  float4 x = r4[0], y = r4[1];
+#pragma unroll 1
+  for (int q = 2; q <= 8; q += 2) {
+    const float4 nx = r4[q & 7], ny = r4[(q + 1) & 7];  // q == 8: a harmless reload of 0 / 1
+    const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      a0[e & 3] += set_gt(v[e], s0);
+      a1[e & 3] += kFirstHalf ? set_ge(v[e], s1) : set_gt(v[e], s1);
+    }
+    x = nx;
+    y = ny;
+  }
+}
+
 // rank_by_counting's ranks with about half of its instructions (IndexerCudaOptions::
 // lean_select): row[0 .. 64) holds the row's candidates in shared memory with NaN at every
 // non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32 (NaN =
@@ -168,10 +194,20 @@ __device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& 
 // above lane), so there the tie rule is the comparison itself (>= or >: lean_beats); the ties
 // inside a half are added by lean_add_ties. Per candidate and lane: a set.{gt,ge}.f32.f32 (1.0 /
 // 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no per-lane tie
-// predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
+// predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes). kRolled:
+// lean_beats_half_rolled (the single pass's cold end).
+template <bool kRolled = false>
 __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
   float c0 = 0.0f, c1 = 0.0f;
-  lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
+  if constexpr (kRolled) {
+    float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    lean_beats_half_rolled<true>(row, s0, s1, a0, a1);
+    lean_beats_half_rolled<false>(row + 32, s0, s1, a0, a1);
+    c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+    c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
+  } else {
+    lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
+  }
   r0 = static_cast<int>(c0);
   r1 = static_cast<int>(c1);
   lean_add_ties(s0, s1, r0, r1);
@@ -475,28 +511,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     }
   }
   __syncthreads();  // the rows' copies are in srow
-  if (local >= 0 && a.lean) {
-    // lean_select: the quarter's beats by lean_beats (the ties inside the halves are added by the
-    // row's first warp after the sum: lean_add_ties).
-    float c0 = 0.0f, c1 = 0.0f;
-    switch (q) {
-      case 0:
-        lean_beats<0, 16>(srow[rg], s0, s1, c0, c1);
-        break;
-      case 1:
-        lean_beats<16, 16>(srow[rg], s0, s1, c0, c1);
-        break;
-      case 2:
-        lean_beats<32, 16>(srow[rg], s0, s1, c0, c1);
-        break;
-      default:
-        lean_beats<48, 16>(srow[rg], s0, s1, c0, c1);
-        break;
-    }
-    part[rg][q][lane] = static_cast<int>(c0);
-    part[rg][q][lane + 32] = static_cast<int>(c1);
-    select_timeline_stamp(a, 1, static_cast<uint32_t>(c0 + c1));
-  } else if (local >= 0) {
+  if (local >= 0) {
     int r0 = 0, r1 = 0;
     switch (q) {
       case 0:
@@ -514,6 +529,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     }
     part[rg][q][lane] = r0;
     part[rg][q][lane + 32] = r1;
+    select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
   __syncthreads();  // every quarter's counts are in part
   if (local >= 0 && q == 0) {
@@ -523,7 +539,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }
-    if (a.lean) lean_add_ties(s0, s1, r0, r1);
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
   select_timeline_mark(a, 2);

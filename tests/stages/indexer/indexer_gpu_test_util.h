@@ -398,6 +398,8 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.lean_select = true;  // rank_lean / lean_beats: single pass, shared cluster rows, quarters
     variants.push_back({"lean select", o});
+    o.lean_rolled = true;
+    variants.push_back({"lean select, rolled", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

@@ -39,6 +39,7 @@ TEST(IndexerGpu, LeanSelectionSmall) {
     for (int ctas : {1, 2, 4}) {
       IndexerCudaOptions so;
       so.lean_select = true;
+      so.lean_rolled = ctas != 2;
       so.single_pass = true;
       so.single_pass_ctas = ctas;
       ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);

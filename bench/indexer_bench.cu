@@ -61,13 +61,11 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, ls = lean_select, lr = ls + lean_rolled;
+//   !short_select;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --lean / --rolled (lean_select /
-//   lean_rolled for every path and table; the timeline then also prints the single pass's lean
-//   selection stamps).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -500,8 +498,6 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
-  bool lean = false;               // --lean: IndexerCudaOptions::lean_select
-  bool rolled = false;             // --rolled: IndexerCudaOptions::lean_rolled
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   for (int i = 1; i < argc; ++i) {
@@ -552,10 +548,6 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
-    else if (a == "--lean")
-      lean = true;
-    else if (a == "--rolled")
-      rolled = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -576,7 +568,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--no-short-select] [--lean] [--rolled] "
+                   "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -588,8 +580,6 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
-    o->lean_select = lean;
-    o->lean_rolled = rolled;
   }
   default_o.flat_decode = flat;
   fused_o.fused_decode_always = true;
@@ -738,7 +728,7 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     {
-      // The single pass's final selection (lean_select): per selecting warp, its first row in
+      // The single pass's final selection: per selecting warp, its first row in
       // registers (word 16) and ranked (17), after the barrier (slot 3).
       std::vector<double> ld, rk;
       for (int64_t w = 0; w < warps; ++w) {
@@ -1047,7 +1037,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"ls", default_o},    {"lr", default_o}};
+                                {"flat1q1", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1058,8 +1048,6 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
-    all[10].o.lean_select = true;
-    all[11].o.lean_select = all[11].o.lean_rolled = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1100,7 +1088,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, ls = lean_select, lr = ls and lean_rolled; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -161,19 +161,6 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Rows of at most 64 candidates (max_pages <= 64: contexts up to 8K) ranked by rank_lean /
-  // lean_beats (indexer_kernel_select.cuh: per candidate and lane one set.f32.f32 and one FADD,
-  // ties inside a half by __match_any_sync; about half of rank_by_counting's instructions):
-  // the single pass selects with select_rows_lean, and in the clustered single pass with more
-  // rows than 4 (several tokens per request) every CTA of the cluster receives every block max
-  // and the cluster's warps share the rows. Same ids. The selection kernels keep their counting:
-  // session 21, 64 x 8K draft 3 back to back, one warp per row with rank_lean lost (round C:
-  // 24.1 / 23.9 vs 23.7 / 23.5 us), select_short_kernel's quarters counted by lean_beats too
-  // (round E: 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3).
-  bool lean_select = false;
-  // With lean_select: the single pass's final count as two rolled loops (rank_lean<true>,
-  // ~80 instructions of code instead of ~280: the code is cold at the kernel's end). Same ids.
-  bool lean_rolled = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

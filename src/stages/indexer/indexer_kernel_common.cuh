@@ -80,9 +80,6 @@ struct KernelArgs {
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
-  // IndexerCudaOptions::lean_select: the single pass ranks rows by rank_lean (select_rows_lean,
-  // rows dealt over the cluster); 2: lean_rolled (rank_lean's rolled loops).
-  int lean = 0;
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;

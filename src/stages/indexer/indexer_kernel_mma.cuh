@@ -293,7 +293,7 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
 // fused, to the CTA's shared block-max table sblk[row][b - b0].
-// share > 0 (the clustered single pass with lean_select and more rows than a CTA has warps):
+// share > 0 (the clustered single pass with more rows than a CTA has warps):
 // sblk is this CTA's own table and every value goes to the tables of cluster ranks 0 .. share - 1
 // (distributed shared memory), so that every CTA of the cluster can select rows.
 template <int NT, bool kFused>
@@ -635,10 +635,13 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   };
   timeline_mark(a, 1);
   if constexpr (kCluster) {
-    // lean_select with more rows than a CTA has warps (several tokens per request): every CTA's
-    // table receives every block max and the cluster's warps share the rows; otherwise rank 0's
-    // table alone and its warps select (cluster-uniform: rows comes from query_start).
-    const bool shared = a.lean && rows > kMmaWarps;
+    // More rows than a CTA has warps (several tokens per request): every CTA's table receives
+    // every block max and the cluster's warps share the rows; otherwise rank 0's table alone and
+    // its warps select (cluster-uniform: rows comes from query_start). Session 21, 256 x 8K
+    // draft 3 (4-CTA clusters) back to back, with rank_lean, against rank 0's warps selecting
+    // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
+    // (round F).
+    const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
@@ -646,25 +649,18 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
-    if (a.lean) {
-      const auto wait = [&] {
-        cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
-        timeline_mark(a, 3);
-      };
-      if (shared || blockIdx.y == 0) {
-        // The rows' metadata (and trivial rows) before the wait, the counting after it.
-        const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
-        const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
-        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
-      } else {
-        wait();
-      }
-      timeline_mark(a, 4);
-      return;
+    const auto wait = [&] {
+      cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+      timeline_mark(a, 3);
+    };
+    if (shared || blockIdx.y == 0) {
+      // The rows' metadata (and trivial rows) before the wait, the counting after it.
+      const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
+      const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
+      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
+    } else {
+      wait();
     }
-    cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
-    timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
     timeline_mark(a, 4);
     return;
   }

@@ -82,7 +82,8 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
 // select kernel's copy of a row's block scores):
 // the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
 // index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
-// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
+// and equal those of the former single pass's rank_by_rounds wherever that one reported them
+// (< 15). The entries [nb, 64) are set to
 // NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
 // loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
 // chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
@@ -160,61 +161,25 @@ __device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& 
   r1 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
 }
 
-// lean_beats over a whole row of kCountRow candidates as two rolled loops (the first half, where
-// lane + 32 is beaten on >=, then the second), 8 candidates (two float4) per iteration, the next
-// two loaded before the current ones are counted: ~80 instructions of code instead of ~280. At
-// the end of the single pass the code is cold and the unrolled count runs at the instruction
-// fetch's pace (session 21 round E, ncu source view of the clustered single pass at 64 x 8K
-// draft 0: 86 of its ~92 stall samples "no instruction"; the timeline: ~0.6 us for ~280
-// instructions).
-template <bool kFirstHalf>
-__device__ __forceinline__ void lean_beats_half_rolled(const float* half, float s0, float s1,
-                                                       float (&a0)[4], float (&a1)[4]) {
-  const float4* r4 = reinterpret_cast<const float4*>(half);
-  float4 x = r4[0], y = r4[1];
-#pragma unroll 1
-  for (int q = 2; q <= 8; q += 2) {
-    const float4 nx = r4[q & 7], ny = r4[(q + 1) & 7];  // q == 8: a harmless reload of 0 / 1
-    const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      a0[e & 3] += set_gt(v[e], s0);
-      a1[e & 3] += kFirstHalf ? set_ge(v[e], s1) : set_gt(v[e], s1);
-    }
-    x = nx;
-    y = ny;
-  }
-}
-
-// rank_by_counting's ranks with about half of its instructions (IndexerCudaOptions::
-// lean_select): row[0 .. 64) holds the row's candidates in shared memory with NaN at every
-// non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32 (NaN =
-// none). A candidate j beats lane's on a larger score, or an equal one (-0 == +0) with a smaller
-// id. Across the halves the id order is fixed (every j < 32 is below lane + 32, every j >= 32
-// above lane), so there the tie rule is the comparison itself (>= or >: lean_beats); the ties
-// inside a half are added by lean_add_ties. Per candidate and lane: a set.{gt,ge}.f32.f32 (1.0 /
-// 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no per-lane tie
-// predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes). kRolled:
-// lean_beats_half_rolled (the single pass's cold end).
-template <bool kRolled = false>
+// rank_by_counting's ranks with about half of its instructions (the single pass's final
+// selection, select_rows_lean): row[0 .. 64) holds the row's candidates in shared memory with NaN
+// at every non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32
+// (NaN = none). A candidate j beats lane's on a larger score, or an equal one (-0 == +0) with a
+// smaller id. Across the halves the id order is fixed (every j < 32 is below lane + 32, every
+// j >= 32 above lane), so there the tie rule is the comparison itself (>= or >: lean_beats); the
+// ties inside a half are added by lean_add_ties. Per candidate and lane: a set.{gt,ge}.f32.f32
+// (1.0 / 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no
+// per-lane tie predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
 __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
   float c0 = 0.0f, c1 = 0.0f;
-  if constexpr (kRolled) {
-    float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    lean_beats_half_rolled<true>(row, s0, s1, a0, a1);
-    lean_beats_half_rolled<false>(row + 32, s0, s1, a0, a1);
-    c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
-    c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
-  } else {
-    lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
-  }
+  lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
   r0 = static_cast<int>(c0);
   r1 = static_cast<int>(c1);
   lean_add_ties(s0, s1, r0, r1);
 }
 
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
-// lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_by_rounds,
+// lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_lean,
 // distinct) and are all below the local block; the ranks < 15 are selected. Candidate ids ascend
 // with (half, lane), so a selected id's slot is the count of selected ids before it (ballot
 // prefix); the local block follows them, -1 fills the rest.

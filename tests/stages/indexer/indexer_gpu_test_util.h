@@ -396,11 +396,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
     o = IndexerCudaOptions{};
-    o.lean_select = true;  // rank_lean / lean_beats: single pass, shared cluster rows, quarters
-    variants.push_back({"lean select", o});
-    o.lean_rolled = true;
-    variants.push_back({"lean select, rolled", o});
-    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;
@@ -523,7 +518,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs; 5-7: 1, 3 and 4 with lean_select (4: the cluster shares the rows).
+// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request).
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -565,25 +560,16 @@ inline void check_guards(const std::vector<int>& paths) {
   upload(in, d);
   d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
   d.pos.upload(pos.data(), static_cast<size_t>(pos.nbytes()));
-  for (int full_path : paths) {
-    const bool lean = full_path >= 5;
-    const int path = full_path == 5 ? 1 : full_path == 6 ? 3 : full_path == 7 ? 4 : full_path;
+  for (int path : paths) {
     IndexerCudaOptions o;
     o.force_cuda_cores = path == 2;
     o.unfused_decode = path == 1;
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    o.lean_select = lean;
-    const char* names[] = {"[fused] ",
-                           "[two-kernel] ",
-                           "[cuda cores] ",
-                           "[single pass] ",
-                           "[single pass cluster 4] ",
-                           "[two-kernel, lean select] ",
-                           "[single pass, lean select] ",
-                           "[single pass cluster 4, lean select] "};
-    const char* name = names[full_path];
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
+    const char* name = names[path];
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

@@ -161,6 +161,9 @@ struct IndexerCudaOptions {
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // Warps per row of select_short_kernel: 2, 4 or 8 (each counts 32, 16 or 8 of the 64
+  // candidates; 4 or 2 or 1 rows per CTA of 8 warps). Same ids.
+  int short_select_warps = 4;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

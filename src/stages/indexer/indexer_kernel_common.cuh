@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/pdl.cuh"
 #include "m3attn/config.h"
@@ -218,6 +219,15 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
+}
+
+// Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
+template <int kI, int kN, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (kI < kN) {
+    f(std::integral_constant<int, kI>{});
+    static_for<kI + 1, kN>(f);
+  }
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

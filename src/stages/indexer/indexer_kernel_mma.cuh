@@ -369,15 +369,6 @@ __device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, 
       : "memory");
 }
 
-// Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
-template <int kI, int kN, typename F>
-__device__ __forceinline__ void static_for(F&& f) {
-  if constexpr (kI < kN) {
-    f(std::integral_constant<int, kI>{});
-    static_for<kI + 1, kN>(f);
-  }
-}
-
 // The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
 // and positions arrive. A prologue whose tiles turn out not to be needed is waited for

@@ -428,32 +428,31 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 }
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
-// row has at most 63 candidates): kShortRowWarps warps per row instead of one. Each loads the
-// row's scores (the first also copies them to shared memory), counts the beats against a quarter
-// of the row's candidates (count_beats), and after a CTA barrier the first sums the partial
+// row has at most 63 candidates): kW warps per row instead of one. Each loads the row's scores
+// (the first also copies them to shared memory), counts the beats against its share of the row's
+// candidates (count_beats), and after a CTA barrier the first sums the partial
 // ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
 // rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
 // round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the
 // selection kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to
 // back: 23.5 vs 25.2-25.9 us (rounds B, C), 23.3 vs 25.5 (C2).
-constexpr int kShortRowWarps = 4;
-constexpr int kShortRows = kSelectWarps / kShortRowWarps;  // rows per CTA
+// kW warps per row (IndexerCudaOptions::short_select_warps: 2, 4 (the default) or 8), so
+// kSelectWarps / kW rows per CTA; warp q of a row counts the candidates [q 64 / kW,
+// (q + 1) 64 / kW).
 
-template <int kQ>
-__device__ __forceinline__ void count_quarter(const float* row, float s0, float s1, int& r0,
-                                              int& r1) {
-  count_beats<kQ*(kCountRow / kShortRowWarps), kCountRow / kShortRowWarps>(row, s0, s1, r0, r1);
-}
-
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  __shared__ __align__(16) float srow[kShortRows][kCountRow];
-  __shared__ int part[kShortRows][kShortRowWarps][kCountRow];
+  static_assert(kW == 2 || kW == 4 || kW == 8, "warps per row");
+  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
+  constexpr int kPart = kCountRow / kW;     // candidates per warp
+  __shared__ __align__(16) float srow[kRows][kCountRow];
+  __shared__ int part[kRows][kW][kCountRow];
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int rg = warp / kShortRowWarps, q = warp % kShortRowWarps;
-  const int64_t row = int64_t{blockIdx.x} * kShortRows + rg;
+  const int rg = warp / kW, q = warp % kW;
+  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
   // As in select_kernel: the position before the dependency wait, scores and ids after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
@@ -478,29 +477,42 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
     int r0 = 0, r1 = 0;
+    // count_beats needs its range at compile time: one case per warp of the row.
     switch (q) {
       case 0:
-        count_quarter<0>(srow[rg], s0, s1, r0, r1);
+        count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       case 1:
-        count_quarter<1>(srow[rg], s0, s1, r0, r1);
+        count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       case 2:
-        count_quarter<2>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 3:
+        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 4:
+        if constexpr (kW > 4) count_beats<4 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 5:
+        if constexpr (kW > 4) count_beats<5 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        break;
+      case 6:
+        if constexpr (kW > 4) count_beats<6 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       default:
-        count_quarter<3>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 4) count_beats<7 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
     }
     part[rg][q][lane] = r0;
     part[rg][q][lane + 32] = r1;
     select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  __syncthreads();  // every quarter's counts are in part
+  __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
     int r0 = 0, r1 = 0;
 #pragma unroll
-    for (int i = 0; i < kShortRowWarps; ++i) {
+    for (int i = 0; i < kW; ++i) {
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }

@@ -14,9 +14,9 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
 
 // The single pass's final selection (rank_lean) on a small batch (the sanitizers run it): integer
 // inputs (many exact ties among the block maxima: rank_lean's tie path), one and several tokens
-// per request, a NaN key; the two-kernel path against the twin, the single pass with one CTA and
-// in clusters of 2 and 4 (the cluster sharing the rows at 4 and 8 tokens per request) against the
-// two-kernel path.
+// per request, a NaN key; the two-kernel path (select_short_kernel with 2, 4 and 8 warps per
+// row) against the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster
+// sharing the rows at 4 and 8 tokens per request) against the two-kernel path.
 TEST(IndexerGpu, SinglePassSelectionSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -35,6 +35,12 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
     two.unfused_decode = true;
     const GpuResult g = run_gpu(d, two);
     compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
+    for (int w : {2, 8}) {  // select_short_kernel with 2 / 8 warps per row (4: above)
+      IndexerCudaOptions tw = two;
+      tw.short_select_warps = w;
+      compare(in, ref, run_gpu(d, tw), /*exact_scores=*/true,
+              label + " [two-kernel, " + std::to_string(w) + " warps per row]");
+    }
     for (int ctas : {1, 2, 4}) {
       IndexerCudaOptions so;
       so.single_pass = true;

@@ -164,6 +164,10 @@ struct IndexerCudaOptions {
   // Warps per row of select_short_kernel: 2, 4 or 8 (each counts 32, 16 or 8 of the 64
   // candidates; 4 or 2 or 1 rows per CTA of 8 warps). Same ids.
   int short_select_warps = 4;
+  // Clustered single pass where rank 0's table alone is written (at most 4 rows: one token per
+  // request): rank 0 writes its block maxima through the table's local shared-memory address
+  // instead of the cluster-mapped (mapa) one. Same ids.
+  bool local_table_writes = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

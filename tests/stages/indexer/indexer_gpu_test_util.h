@@ -401,6 +401,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       variants.push_back({w == 2 ? "2 warps per short row" : "8 warps per short row", o});
     }
     o = IndexerCudaOptions{};
+    o.local_table_writes = true;  // the clustered single pass's own table by local stores
+    variants.push_back({"local table writes", o});
+    o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
     o.k_splits = 2;

@@ -45,6 +45,7 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
       IndexerCudaOptions so;
       so.single_pass = true;
       so.single_pass_ctas = ctas;
+      so.local_table_writes = ctas == 4;
       ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
       const GpuResult c = run_gpu(d, so);
       expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");

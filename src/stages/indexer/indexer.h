@@ -155,19 +155,20 @@ struct IndexerCudaOptions {
   bool fast_select = true;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
-  // batches, not prefill chunks: indexer.cu), each row is ranked by 4 warps (select_short_kernel:
-  // each counts the beats against a quarter of the row's candidates) instead of one. Session 17,
+  // batches, not prefill chunks: indexer.cu), each row is ranked by short_select_warps warps
+  // (select_short_kernel: each counts the beats against its share of the row's candidates;
+  // session 17 measured 4) instead of one. Session 17,
   // same-run A/Bs, 64 x 8K draft 3 (two-kernel path): round B 25.7 / 23.5 us (isolated / back to
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
-  // Warps per row of select_short_kernel: 2, 4 or 8 (each counts 32, 16 or 8 of the 64
-  // candidates; 4 or 2 or 1 rows per CTA of 8 warps). Same ids.
-  int short_select_warps = 4;
-  // Clustered single pass where rank 0's table alone is written (at most 4 rows: one token per
-  // request): rank 0 writes its block maxima through the table's local shared-memory address
-  // instead of the cluster-mapped (mapa) one. Same ids.
-  bool local_table_writes = false;
+  // Warps per row of select_short_kernel: 2 (each counts 32 of the 64 candidates, 4 rows per
+  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA). Session 21 round G, same-round A/B at 64 x
+  // 8K draft 3 (flat decode), three alternating runs, back to back: 2 warps 23.5 / 23.4 / 23.4
+  // us vs 4 warps 23.8 / 23.6 / 23.6 (isolated 26.0 / 25.8 / 25.8 vs 26.0 / 25.9 / 25.7); 8
+  // warps lost (24.1 / 23.9 / 24.1; timeline with 4: the rows counted 0.96 us (p50) after their
+  // scores arrived). Same ids.
+  int short_select_warps = 2;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -635,11 +635,9 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).
-    if (first < b1) {
-      const bool own = shared || (a.local_table && blockIdx.y == 0);  // rank == blockIdx.y
-      score(own ? sblk : map_to_cluster_rank(sblk, 0), 0,
+    if (first < b1)
+      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
-    }
     timeline_mark(a, 2);
     cluster_arrive_release();
     const auto wait = [&] {

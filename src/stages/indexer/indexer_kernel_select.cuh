@@ -13,8 +13,8 @@
 // and each lane ranks its two candidates by counting the candidates that beat them
 // (rank_by_counting, ~600 independent instructions), then the selected ids are written in order
 // by ballot prefix counts (emit_ranked_row). Where max_pages <= 64 (every row that short),
-// select_short_kernel does the same with 4 warps per row, each counting a quarter
-// (IndexerCudaOptions::short_select, the default). Longer rows:
+// select_short_kernel does the same with 2 (or 4) warps per row, each counting its share
+// (IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
 // one pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
 // row's 15 best keys are among the union of the lanes' lists, so 15 merge rounds pop the largest
@@ -428,21 +428,19 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 }
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
-// row has at most 63 candidates): kW warps per row instead of one. Each loads the row's scores
-// (the first also copies them to shared memory), counts the beats against its share of the row's
-// candidates (count_beats), and after a CTA barrier the first sums the partial
-// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
-// rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
-// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the
-// selection kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to
-// back: 23.5 vs 25.2-25.9 us (rounds B, C), 23.3 vs 25.5 (C2).
-// kW warps per row (IndexerCudaOptions::short_select_warps: 2, 4 (the default) or 8), so
-// kSelectWarps / kW rows per CTA; warp q of a row counts the candidates [q 64 / kW,
-// (q + 1) 64 / kW).
-
+// row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2, the
+// default, or 4), kSelectWarps / kW rows per CTA. Each loads the row's scores (the first also
+// copies them to shared memory), warp q counts the beats against the candidates
+// [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the partial
+// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
+// rank_by_counting's dependent work per warp and more warps to hide it (session 17 round A ncu,
+// 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the selection
+// kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
+// warps per row vs one: 23.5 vs 25.2-25.9 us (session 17 rounds B, C), 23.3 vs 25.5 (C2); 2 vs 4:
+// see IndexerCudaOptions::short_select_warps.
 template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  static_assert(kW == 2 || kW == 4 || kW == 8, "warps per row");
+  static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
   __shared__ __align__(16) float srow[kRows][kCountRow];
@@ -488,20 +486,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       case 2:
         if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
-      case 3:
-        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-        break;
-      case 4:
-        if constexpr (kW > 4) count_beats<4 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-        break;
-      case 5:
-        if constexpr (kW > 4) count_beats<5 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-        break;
-      case 6:
-        if constexpr (kW > 4) count_beats<6 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-        break;
       default:
-        if constexpr (kW > 4) count_beats<7 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
     }
     part[rg][q][lane] = r0;

@@ -395,14 +395,9 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
-    for (int w : {2, 8}) {
-      o = IndexerCudaOptions{};
-      o.short_select_warps = w;  // select_short_kernel with 2 / 8 warps per row
-      variants.push_back({w == 2 ? "2 warps per short row" : "8 warps per short row", o});
-    }
     o = IndexerCudaOptions{};
-    o.local_table_writes = true;  // the clustered single pass's own table by local stores
-    variants.push_back({"local table writes", o});
+    o.short_select_warps = 4;  // select_short_kernel with 4 warps per row (default: 2)
+    variants.push_back({"4 warps per short row", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

@@ -404,6 +404,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
+  a.short_lean = options.short_select_lean ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;

@@ -169,6 +169,10 @@ struct IndexerCudaOptions {
   // warps lost (24.1 / 23.9 / 24.1; timeline with 4: the rows counted 0.96 us (p50) after their
   // scores arrived). Same ids.
   int short_select_warps = 2;
+  // select_short_kernel counts each warp's share with lean_beats (one set.f32.f32 and one FADD
+  // per candidate and lane; the ties inside a half added by the row's first warp, lean_add_ties)
+  // instead of count_beats. Same ids.
+  bool short_select_lean = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

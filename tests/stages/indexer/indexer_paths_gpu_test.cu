@@ -38,6 +38,13 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
     IndexerCudaOptions tw = two;
     tw.short_select_warps = 4;  // select_short_kernel with 4 warps per row (2: above)
     compare(in, ref, run_gpu(d, tw), /*exact_scores=*/true, label + " [two-kernel, 4 warps]");
+    for (int w : {2, 4}) {  // the shares counted by lean_beats
+      IndexerCudaOptions tl = two;
+      tl.short_select_warps = w;
+      tl.short_select_lean = true;
+      compare(in, ref, run_gpu(d, tl), /*exact_scores=*/true,
+              label + " [two-kernel, lean, " + std::to_string(w) + " warps]");
+    }
     for (int ctas : {1, 2, 4}) {
       IndexerCudaOptions so;
       so.single_pass = true;

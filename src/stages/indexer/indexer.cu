@@ -349,9 +349,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
-  M3_CHECK_ARG(options.short_select_warps == 2 || options.short_select_warps == 4,
+  M3_CHECK_ARG(options.short_select_warps == 0 || options.short_select_warps == 2 ||
+                   options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
-               " is not 2 or 4");
+               " is not 0, 2 or 4");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -404,7 +405,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
-  a.short_lean = options.short_select_lean ? 1 : 0;
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
@@ -484,7 +484,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
     // Rows of at most 63 candidates, short_select_warps warps per row.
-    const int w = options.short_select_warps;
+    const int w = options.short_select_warps > 0 ? options.short_select_warps
+                                                 : (rows >= sms ? 2 : 4);
     const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,

@@ -163,16 +163,16 @@ struct IndexerCudaOptions {
   // warp per row (the A/B switch).
   bool short_select = true;
   // Warps per row of select_short_kernel: 2 (each counts 32 of the 64 candidates, 4 rows per
-  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA). Session 21 round G, same-round A/B at 64 x
-  // 8K draft 3 (flat decode), three alternating runs, back to back: 2 warps 23.5 / 23.4 / 23.4
-  // us vs 4 warps 23.8 / 23.6 / 23.6 (isolated 26.0 / 25.8 / 25.8 vs 26.0 / 25.9 / 25.7); 8
-  // warps lost (24.1 / 23.9 / 24.1; timeline with 4: the rows counted 0.96 us (p50) after their
-  // scores arrived). Same ids.
-  int short_select_warps = 2;
-  // select_short_kernel counts each warp's share with lean_beats (one set.f32.f32 and one FADD
-  // per candidate and lane; the ties inside a half added by the row's first warp, lean_add_ties)
-  // instead of count_beats. Same ids.
-  bool short_select_lean = false;
+  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA); 0: automatic, 2 where the call has at least
+  // one row per SM, else 4. Session 21, same-round A/Bs (back to back): 64 x 8K draft 3 (flat
+  // decode, 1024 rows), three alternating runs, 2 warps 23.5 / 23.4 / 23.4 us vs 4 warps
+  // 23.8 / 23.6 / 23.6 (round G) and 23.6 / 23.4 / 23.4 vs 23.8 / 23.7 / 23.7 (round H); batch 1
+  // (two-kernel plan, 4 / 16 rows), round H: draft 0 5.4 / 5.3 with 2 vs 5.2 / 5.2 with 4, draft 3
+  // 6.2 / 6.2 vs 6.0 / 6.0; between 16 and 1024 rows not measured. Lost: 8 warps per row (24.1 /
+  // 23.9 / 24.1, round G), each warp's share counted by lean_beats (23.7 / 23.5 / 23.5 with 2
+  // warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4, round E). Timeline with 4
+  // (round G): the rows counted 0.96 us (p50) after their scores arrived. Same ids.
+  int short_select_warps = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -428,8 +428,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 }
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
-// row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2, the
-// default, or 4), kSelectWarps / kW rows per CTA. Each loads the row's scores (the first also
+// row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2 where
+// the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's scores (the first also
 // copies them to shared memory), warp q counts the beats against the candidates
 // [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the partial
 // ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
@@ -473,28 +473,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     }
   }
   __syncthreads();  // the rows' copies are in srow
-  if (local >= 0 && a.short_lean) {
-    // short_select_lean: the share's beats by lean_beats (the ties inside the halves are added
-    // by the row's first warp after the sum: lean_add_ties).
-    float c0 = 0.0f, c1 = 0.0f;
-    switch (q) {
-      case 0:
-        lean_beats<0, kPart>(srow[rg], s0, s1, c0, c1);
-        break;
-      case 1:
-        lean_beats<kPart, kPart>(srow[rg], s0, s1, c0, c1);
-        break;
-      case 2:
-        if constexpr (kW > 2) lean_beats<2 * kPart, kPart>(srow[rg], s0, s1, c0, c1);
-        break;
-      default:
-        if constexpr (kW > 2) lean_beats<3 * kPart, kPart>(srow[rg], s0, s1, c0, c1);
-        break;
-    }
-    part[rg][q][lane] = static_cast<int>(c0);
-    part[rg][q][lane + 32] = static_cast<int>(c1);
-    select_timeline_stamp(a, 1, static_cast<uint32_t>(c0 + c1));
-  } else if (local >= 0) {
+  if (local >= 0) {
     int r0 = 0, r1 = 0;
     // count_beats needs its range at compile time: one case per warp of the row.
     switch (q) {
@@ -523,7 +502,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }
-    if (a.short_lean) lean_add_ties(s0, s1, r0, r1);
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
   select_timeline_mark(a, 2);

@@ -395,13 +395,11 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
-    o = IndexerCudaOptions{};
-    o.short_select_warps = 4;  // select_short_kernel with 4 warps per row (default: 2)
-    variants.push_back({"4 warps per short row", o});
-    o.short_select_lean = true;  // lean_beats shares, 4 and 2 warps per row
-    variants.push_back({"4 warps per short row, lean", o});
-    o.short_select_warps = 2;
-    variants.push_back({"2 warps per short row, lean", o});
+    for (int w : {2, 4}) {
+      o = IndexerCudaOptions{};
+      o.short_select_warps = w;  // select_short_kernel with 2 / 4 warps per row (default: auto)
+      variants.push_back({w == 2 ? "2 warps per short row" : "4 warps per short row", o});
+    }
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

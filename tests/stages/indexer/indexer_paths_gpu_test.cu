@@ -14,8 +14,8 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
 
 // The single pass's final selection (rank_lean) on a small batch (the sanitizers run it): integer
 // inputs (many exact ties among the block maxima: rank_lean's tie path), one and several tokens
-// per request, a NaN key; the two-kernel path (select_short_kernel with 2 and 4 warps per row)
-// against the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster
+// per request, a NaN key; the two-kernel path (select_short_kernel automatic, with 2 and with 4
+// warps per row) against the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster
 // sharing the rows at 4 and 8 tokens per request) against the two-kernel path.
 TEST(IndexerGpu, SinglePassSelectionSmall) {
   M3_REQUIRE_GPU();
@@ -35,15 +35,11 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
     two.unfused_decode = true;
     const GpuResult g = run_gpu(d, two);
     compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
-    IndexerCudaOptions tw = two;
-    tw.short_select_warps = 4;  // select_short_kernel with 4 warps per row (2: above)
-    compare(in, ref, run_gpu(d, tw), /*exact_scores=*/true, label + " [two-kernel, 4 warps]");
-    for (int w : {2, 4}) {  // the shares counted by lean_beats
-      IndexerCudaOptions tl = two;
-      tl.short_select_warps = w;
-      tl.short_select_lean = true;
-      compare(in, ref, run_gpu(d, tl), /*exact_scores=*/true,
-              label + " [two-kernel, lean, " + std::to_string(w) + " warps]");
+    for (int w : {2, 4}) {  // select_short_kernel with 2 / 4 warps per row (above: automatic)
+      IndexerCudaOptions tw = two;
+      tw.short_select_warps = w;
+      compare(in, ref, run_gpu(d, tw), /*exact_scores=*/true,
+              label + " [two-kernel, " + std::to_string(w) + " warps]");
     }
     for (int ctas : {1, 2, 4}) {
       IndexerCudaOptions so;

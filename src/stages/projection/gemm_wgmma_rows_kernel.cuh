@@ -189,11 +189,13 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
 // with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
 // 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
-// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
-// and releases: its stream), 2 = wgmma without the scaled fold (each fragment value only added to
-// its accumulator, so that the wgmmas stay live: session 19's first version of 2 had no use of the
-// fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
-// D-G's "without folds" rows the same as 1).
+// bench diagnostics, n = 8 / 32 / 64, results wrong): 1 = no wgmma and no fold (the kernel's own
+// ring, waits and releases: its stream), 2 = wgmma without the scaled fold (each fragment value
+// only added to its accumulator, so that the wgmmas stay live: session 19's first version of 2 had
+// no use of the fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which
+// made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
+// activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
+// activation traffic and no activation TMA writes after the first ring; session 21).
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -271,7 +273,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
-        mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
+        const uint32_t act_bytes = kDiag == 3 && i >= kStages ? 0u : uint32_t{kActBytes};
+        mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + act_bytes));
         // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
         for (int w = 0; w < kWg; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
@@ -301,7 +304,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
-        const int nk = stage_kblocks(i);
+        const int nk = kDiag == 3 && i >= kStages ? 0 : stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
                       0, smem_addr(&full_bar[s]));

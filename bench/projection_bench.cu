@@ -468,7 +468,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18: the row split with each ring slot's
   // activations loaded once and reused (diagnostics: wrong results; 14 / 15 / 18 also serve M 17-64
   // since session 21); 19-21: 14 / 15 / 18 chained; 22-25: the wide form (one CTA of 74-75 rows
-  // per SM, m64n80), 2 K blocks per stage plain / chained, 1 K block plain / chained. (Session 20 also timed and removed: a
+  // per SM, m64n80), 2 K blocks per stage plain / chained, 1 K block plain / chained; 26-28: 22's
+  // diagnostics 1-3 (as 14 / 15 / 18), 29 / 30: 26 / 27 chained. (Session 20 also timed and removed: a
   // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
   // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
   // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
@@ -500,7 +501,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true},
       {0, false, 16, 0, false, true, 1, false, false, 0, true},
-      {0, false, 16, 0, false, true, 1, true, false, 0, true}};
+      {0, false, 16, 0, false, true, 1, true, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 1, true},
+      {0, false, 16, 0, false, true, 0, false, false, 2, true},
+      {0, false, 16, 0, false, true, 0, false, false, 3, true},
+      {0, false, 16, 0, false, true, 0, true, false, 1, true},
+      {0, false, 16, 0, false, true, 0, true, false, 2, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

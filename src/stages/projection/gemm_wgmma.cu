@@ -226,11 +226,14 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
 }
 
 // The wide form (n = 32 or 64 boxes): `kpb` 1 or 2 K blocks per stage (0: 2; 4 would spill:
-// 255 registers).
+// 255 registers); `diag` (bench diagnostics, 2 K blocks per stage).
 template <int kNw>
-Status dispatch_rows_wide(int kpb, const CUtensorMap& xmap,
+Status dispatch_rows_wide(int kpb, int diag, const CUtensorMap& xmap,
                           const gemm_wgmma_detail::RowsArgs& args, int grid,
                           const CudaDeviceInfo& info, cudaStream_t stream) {
+  if (diag == 1) return launch_rows<kNw, 2, 1, 1, true>(xmap, args, grid, info, stream);
+  if (diag == 2) return launch_rows<kNw, 2, 1, 2, true>(xmap, args, grid, info, stream);
+  if (diag == 3) return launch_rows<kNw, 2, 1, 3, true>(xmap, args, grid, info, stream);
   if (kpb == 4) return unsupported("the row split's wide form takes 1 or 2 K blocks per stage");
   if (kpb == 1) return launch_rows<kNw, 1, 1, 0, true>(xmap, args, grid, info, stream);
   return launch_rows<kNw, 2, 1, 0, true>(xmap, args, grid, info, stream);
@@ -415,7 +418,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // activation boxes per SM).
     const bool wide = rows_wide(n, rgrid);
     const bool two_wg = !wide && options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    const int diag = !wide && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     const int box_rows = wide ? (m <= 32 ? 32 : 64) : box_rows_for(m);
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows,
@@ -430,8 +433,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (wide && m <= 32) return dispatch_rows_wide<32>(kpb, xmap, ra, rgrid, info, stream);
-    if (wide) return dispatch_rows_wide<64>(kpb, xmap, ra, rgrid, info, stream);
+    if (wide && m <= 32) return dispatch_rows_wide<32>(kpb, diag, xmap, ra, rgrid, info, stream);
+    if (wide) return dispatch_rows_wide<64>(kpb, diag, xmap, ra, rgrid, info, stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);

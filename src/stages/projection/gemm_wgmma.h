@@ -83,8 +83,8 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight). An image packed for at most one CTA per SM (41-80 rows per CTA,
   // gemm_wgmma_rows_ctas(n, 1)) runs the wide form (session 21, variant): one CTA of one consumer
-  // warpgroup per SM, token-major m64n80k32 at every M, `burst` 1 or 2 (0: 2), ctas_per_sm and
-  // the diagnostics ignored.
+  // warpgroup per SM, token-major m64n80k32 at every M, `burst` 1 or 2 (0: 2), ctas_per_sm
+  // ignored.
   const void* row_packed_weights = nullptr;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
@@ -138,9 +138,9 @@ struct GemmWgmmaOptions {
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
-  // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
-  // releases, i.e. its stream), without its scaled folds (2: fragments only summed) or with each
-  // ring slot's activations loaded once and reused (3). 0: off.
+  // per CTA, or the wide form; burst 0) at M <= 8 or 17-64 (wide: any M) without its wgmmas and
+  // folds (1: its own ring, waits and releases, i.e. its stream), without its scaled folds (2:
+  // fragments only summed) or with each ring slot's activations loaded once and reused (3). 0: off.
   int debug_rows_diag = 0;
 };
 

@@ -394,6 +394,7 @@ struct ShapeVariant {
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
   bool wide = false;            // rows: the wide form's image (gemm_wgmma_rows_ctas(n, 1) CTAs)
+  bool pipelined = false;       // GemmWgmmaOptions::rows_pipelined
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -469,7 +470,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // activations loaded once and reused (diagnostics: wrong results; 14 / 15 / 18 also serve M 17-64
   // since session 21); 19-21: 14 / 15 / 18 chained; 22-25: the wide form (one CTA of 74-75 rows
   // per SM, m64n80), 2 K blocks per stage plain / chained, 1 K block plain / chained; 26-28: 22's
-  // diagnostics 1-3 (as 14 / 15 / 18), 29 / 30: 26 / 27 chained. (Session 20 also timed and removed: a
+  // diagnostics 1-3 (as 14 / 15 / 18), 29 / 30: 26 / 27 chained; 31 / 32: the wide form
+  // pipelined (1 K block per stage, the next stage's wgmmas before the fold) plain / chained.
+  // (Session 20 also timed and removed: a
   // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
   // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
   // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
@@ -506,7 +509,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 2, true},
       {0, false, 16, 0, false, true, 0, false, false, 3, true},
       {0, false, 16, 0, false, true, 0, true, false, 1, true},
-      {0, false, 16, 0, false, true, 0, true, false, 2, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 2, true},
+      {0, false, 16, 0, false, true, 1, false, false, 0, true, true},
+      {0, false, 16, 0, false, true, 1, true, false, 0, true, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -761,6 +766,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
+      o.rows_pipelined = variants[v].pipelined;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -779,7 +785,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (variants[v].wide ? " wide" : "") +
+          (variants[v].wide ? " wide" : "") + (variants[v].pipelined ? " pipelined" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

@@ -169,14 +169,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false, bool kPipe = false>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg, kWide>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kWide>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kWide, kPipe>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = gemm_wgmma_detail::rows_ctas_per_sm<kWg, kWide>();
     constexpr int kMaxSmem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kWide>(
@@ -226,15 +226,17 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
 }
 
 // The wide form (n = 32 or 64 boxes): `kpb` 1 or 2 K blocks per stage (0: 2; 4 would spill:
-// 255 registers); `diag` (bench diagnostics, 2 K blocks per stage).
+// 255 registers); `diag` (bench diagnostics, 2 K blocks per stage); `pipelined` (1 K block per
+// stage, stage i + 1's wgmmas issued before stage i's fold).
 template <int kNw>
-Status dispatch_rows_wide(int kpb, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_wide(int kpb, int diag, bool pipelined, const CUtensorMap& xmap,
                           const gemm_wgmma_detail::RowsArgs& args, int grid,
                           const CudaDeviceInfo& info, cudaStream_t stream) {
   if (diag == 1) return launch_rows<kNw, 2, 1, 1, true>(xmap, args, grid, info, stream);
   if (diag == 2) return launch_rows<kNw, 2, 1, 2, true>(xmap, args, grid, info, stream);
   if (diag == 3) return launch_rows<kNw, 2, 1, 3, true>(xmap, args, grid, info, stream);
   if (kpb == 4) return unsupported("the row split's wide form takes 1 or 2 K blocks per stage");
+  if (pipelined) return launch_rows<kNw, 1, 1, 0, true, true>(xmap, args, grid, info, stream);
   if (kpb == 1) return launch_rows<kNw, 1, 1, 0, true>(xmap, args, grid, info, stream);
   return launch_rows<kNw, 2, 1, 0, true>(xmap, args, grid, info, stream);
 }
@@ -433,8 +435,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (wide && m <= 32) return dispatch_rows_wide<32>(kpb, diag, xmap, ra, rgrid, info, stream);
-    if (wide) return dispatch_rows_wide<64>(kpb, diag, xmap, ra, rgrid, info, stream);
+    const bool pipe = options.rows_pipelined;
+    if (wide && m <= 32)
+      return dispatch_rows_wide<32>(kpb, diag, pipe, xmap, ra, rgrid, info, stream);
+    if (wide) return dispatch_rows_wide<64>(kpb, diag, pipe, xmap, ra, rgrid, info, stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);

@@ -86,6 +86,9 @@ struct GemmWgmmaOptions {
   // warpgroup per SM, token-major m64n80k32 at every M, `burst` 1 or 2 (0: 2), ctas_per_sm
   // ignored.
   const void* row_packed_weights = nullptr;
+  // Variant (session 21), the wide form only: 1 K block per stage, each stage's wgmmas issued
+  // before the previous stage's fold (two fragment sets in flight); `burst` ignored.
+  bool rows_pipelined = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -65,6 +65,8 @@
 // traffic. Tensor work: G x K / 32 wgmma m64nNk32 (64 / 37 of the useful rows' work).
 #pragma once
 
+#include <type_traits>
+
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 
 namespace m3attn::gemm_wgmma_detail {
@@ -223,7 +225,11 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // (227 KB). A stage holds the activation boxes first, then the weights: with 32-row boxes the m64
 // A tile of the last box reads 4 KB into the stage's weights (landed with it; those token rows'
 // outputs are never stored).
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false>
+//
+// kPipe (wide form, 1 K block per stage; session 21 variant): the consumer issues stage i + 1's
+// wgmmas (a second fragment set) before it folds stage i, so that with one warpgroup per SM the
+// tensor cores work during the fold; it holds two stages at a time.
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false, bool kPipe = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kWide>()))
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64 || kWide;  // the token-major form (above)
@@ -240,6 +246,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   constexpr int kBn = kWide ? 80 : 40;       // token-major: the B operand's rows (n)
   constexpr int kAcc = kTok ? kBn / 2 : kNw / 2;  // fp32 accumulators per thread
   static_assert(!kWide || kWg == 1, "the wide form has one consumer warpgroup");
+  static_assert(!kPipe || (kWide && kKpb == 1), "pipelined: the wide form at 1 K block");
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
@@ -402,12 +409,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
   float frag[kKpb][kAcc];
 
-  // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
-  // group count per stage constant).
+  // Stage i's wgmmas, one commit group per K block (empty groups past the last K block, and for a
+  // stage past the last one (kPipe), keep the group count per stage constant).
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
-    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
-    const int left = kb_count - i * kKpb;
+    const bool live = !kPipe || i < steps;
+    if (live) mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    const int left = live ? kb_count - i * kKpb : 0;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights =
         stage + static_cast<uint32_t>(kWeightOff + wg * kKpb * kRowBlockBytes);
@@ -439,8 +447,9 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
-    wgmma_wait<0>();
+  // kPending: the commit groups of a later stage still in flight (kPipe).
+  auto fold = [&](int i, float(&f)[kKpb][kAcc], auto pending) {
+    wgmma_wait<decltype(pending)::value>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -475,13 +484,29 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
+  using NonePending = std::integral_constant<int, 0>;
   issue(0, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  fold(0, frag);
-  for (int i = 1; i < steps; ++i) {
-    issue(i, frag);
-    fold(i, frag);
+  if constexpr (kPipe) {
+    // Two fragment sets in turn; stage i + 1's groups stay in flight while stage i is folded.
+    using NextPending = std::integral_constant<int, kKpb>;
+    float frag2[kKpb][kAcc];
+    int i = 0;
+    for (; i + 2 <= steps; i += 2) {
+      issue(i + 1, frag2);
+      fold(i, frag, NextPending{});
+      issue(i + 2, frag);  // (past the last stage: empty groups)
+      fold(i + 1, frag2, NextPending{});
+    }
+    if (i < steps) fold(i, frag, NonePending{});
+    wgmma_wait<0>();  // (the empty groups of a stage past the last one, when steps is even)
+  } else {
+    fold(0, frag, NonePending{});
+    for (int i = 1; i < steps; ++i) {
+      issue(i, frag);
+      fold(i, frag, NonePending{});
+    }
   }
 
 #pragma unroll

@@ -80,6 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
+  bool pipelined = false;   // GemmWgmmaOptions::rows_pipelined (the wide form)
 };
 
 std::string describe(const Case& c) {
@@ -91,7 +92,8 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
+         " pipelined " + std::to_string(c.pipelined);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -107,6 +109,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
+  o.rows_pipelined = c.pipelined;
   return o;
 }
 
@@ -319,7 +322,18 @@ std::vector<Case> exact_cases() {
         Case{57, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 124},
         Case{17, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 132},
         Case{40, 640, 2048, 0, 0, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 9},
-        Case{64, 1280, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 16}};
+        Case{64, 1280, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 16},
+        // The wide form pipelined (1 K block per stage, the next stage's wgmmas in flight during
+        // the fold): even and odd stage counts (48, 9, 5, 64 K blocks), 80 rows, PDL.
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 132,
+             true},
+        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 132,
+             true},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 124,
+             true},
+        Case{57, 640, 640, 8, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 8, true},
+        Case{17, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 132,
+             true}};
   // clang-format on
 }
 
@@ -813,20 +827,20 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
 }
 
 // The wide form (an image of more than 40 rows per CTA): small shapes for compute-sanitizer
-// (memcheck / racecheck), 32- and 64-row activation boxes, 1 and 2 K blocks per stage, rings
-// reused (K 4096), 80 and 71-72 rows per CTA, exact against the twin.
+// (memcheck / racecheck), 32- and 64-row activation boxes, 2 and 1 K blocks per stage and
+// pipelined, rings reused (K 4096), 80 and 71-72 rows per CTA, exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallWide) {
   M3_REQUIRE_WGMMA();
   for (int row_ctas : {8, 9}) {
-    for (int burst : {0, 1}) {
+    for (int form : {0, 1, 2}) {  // burst 0 (2 K blocks), burst 1, pipelined
       for (int64_t m : {1, 33, 64}) {
         const uint64_t seed = fresh_seed();
         M3_SEED_TRACE(seed);
         SCOPED_TRACE(::testing::Message()
-                     << "M " << m << " row CTAs " << row_ctas << " burst " << burst);
+                     << "M " << m << " row CTAs " << row_ctas << " form " << form);
         Rng rng(seed);
-        const Case c{m,    640, 4096,  0, 0,     false, 0,    4,       burst,
-                     true, 0,   false, 1, false, 0,     false, true, row_ctas};
+        const Case c{m,    640,  4096,  0, 0,     false, 0,    4,        form == 1 ? 1 : 0,
+                     true, 0,    false, 1, false, 0,     false, true, row_ctas, form == 2};
         GemmData d = make_integer_data(c.m, c.n, c.k, rng);
         DeviceGemm dev(d, c.n);
         const std::vector<uint16_t> got = run_twice(dev, c);

@@ -393,8 +393,6 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool wide = false;            // rows: the wide form's image (gemm_wgmma_rows_ctas(n, 1) CTAs)
-  bool pipelined = false;       // GemmWgmmaOptions::rows_pipelined
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -468,11 +466,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18: the row split with each ring slot's
   // activations loaded once and reused (diagnostics: wrong results; 14 / 15 / 18 also serve M 17-64
-  // since session 21); 19-21: 14 / 15 / 18 chained; 22-25: the wide form (one CTA of 74-75 rows
-  // per SM, m64n80), 2 K blocks per stage plain / chained, 1 K block plain / chained; 26-28: 22's
-  // diagnostics 1-3 (as 14 / 15 / 18), 29 / 30: 26 / 27 chained; 31 / 32: the wide form
-  // pipelined (1 K block per stage, the next stage's wgmmas before the fold) plain / chained.
-  // (Session 20 also timed and removed: a
+  // since session 21); 19-21: 14 / 15 / 18 chained. (Session 20 also timed and removed: a
   // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
   // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
   // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
@@ -500,18 +494,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 3},
       {0, false, 16, 0, false, true, 0, true, false, 1},
       {0, false, 16, 0, false, true, 0, true, false, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true},
-      {0, false, 16, 0, false, true, 1, false, false, 0, true},
-      {0, false, 16, 0, false, true, 1, true, false, 0, true},
-      {0, false, 16, 0, false, true, 0, false, false, 1, true},
-      {0, false, 16, 0, false, true, 0, false, false, 2, true},
-      {0, false, 16, 0, false, true, 0, false, false, 3, true},
-      {0, false, 16, 0, false, true, 0, true, false, 1, true},
-      {0, false, 16, 0, false, true, 0, true, false, 2, true},
-      {0, false, 16, 0, false, true, 1, false, false, 0, true, true},
-      {0, false, 16, 0, false, true, 1, true, false, 0, true, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 3}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -549,25 +532,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   }
   // The row split's image of every weight copy (none where the row split cannot serve the shape:
   // its variants then print why).
-  // row_images[w][copy]: w = 1 the wide form's image (one CTA per SM).
-  std::vector<void*> row_images[2];
+  std::vector<void*> row_images;
   const Status rows_ok = gemm_wgmma_rows_supported(n, k);
-  int row_ctas[2] = {0, 0};
-  for (int wide = 0; wide < 2; ++wide) {
-    Result<int> row_ctas_r = gemm_wgmma_rows_ctas(n, wide ? 1 : 2);
-    must(row_ctas_r.status(), "gemm_wgmma_rows_ctas");
-    row_ctas[wide] = row_ctas_r.value();
-    // (No wide image where a CTA would get more than 80 rows: its variants then print why.)
-    if (wide && (n + row_ctas[wide] - 1) / row_ctas[wide] > 80) continue;
-    for (int c = 0; c < copies && rows_ok.ok(); ++c) {
-      Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
-      must(rb.status(), "gemm_wgmma_rows_packed_bytes");
-      void* buf = device_alloc<uint8_t>(rb.value());
-      const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-      must(gemm_wgmma_pack_weights_rows(wv, row_ctas[wide], buf, rb.value(), stream),
-           "gemm_wgmma_pack_weights_rows");
-      row_images[wide].push_back(buf);
-    }
+  Result<int> row_ctas_r = gemm_wgmma_rows_ctas(n);
+  must(row_ctas_r.status(), "gemm_wgmma_rows_ctas");
+  const int row_ctas = row_ctas_r.value();
+  for (int c = 0; c < copies && rows_ok.ok(); ++c) {
+    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
+    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
+    void* buf = device_alloc<uint8_t>(rb.value());
+    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+    must(gemm_wgmma_pack_weights_rows(wv, row_ctas, buf, rb.value(), stream),
+         "gemm_wgmma_pack_weights_rows");
+    row_images.push_back(buf);
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
@@ -766,15 +743,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.rows_pipelined = variants[v].pipelined;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
         GemmWgmmaOptions oc = o;
         if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
         if (variants[v].rows) {
-          oc.row_packed_weights = row_images[variants[v].wide][static_cast<size_t>(c)];
-          oc.row_packed_ctas = row_ctas[variants[v].wide];
+          oc.row_packed_weights = row_images[static_cast<size_t>(c)];
+          oc.row_packed_ctas = row_ctas;
         }
         return oc;
       };
@@ -785,15 +761,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (variants[v].wide ? " wide" : "") + (variants[v].pipelined ? " pipelined" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
-      if (variants[v].rows && row_images[variants[v].wide].empty()) {
+      if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
-                    rows_ok.ok() ? "no wide image (more than 80 rows per CTA)"
-                                 : rows_ok.to_string().c_str());
+                    rows_ok.to_string().c_str());
         continue;
       }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
@@ -852,8 +826,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   }
   for (const auto& bufs : packed)
     for (void* buf : bufs) cudaFree(buf);
-  for (const auto& bufs : row_images)
-    for (void* buf : bufs) cudaFree(buf);
+  for (void* buf : row_images) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);

@@ -150,18 +150,12 @@ void set_scales_out(gemm_wgmma_detail::ScalesOut* s, const GemmParams& p) {
   s->ldo = p.out.stride[0];
 }
 
-// The row split's grid: `per_sm` CTAs per SM (2; 1 for the wide form's image), at most one per
-// weight row.
-int rows_grid(int64_t n, int sms, int per_sm = 2) {
-  return static_cast<int>(std::min<int64_t>(int64_t{per_sm} * sms, n));
-}
-
-// Whether an image of `grid` CTAs runs the wide form (more than kRowsMax rows per CTA).
-bool rows_wide(int64_t n, int64_t grid) { return (n + grid - 1) / grid > gemm_wgmma_detail::kRowsMax; }
+// The row split's grid: two CTAs per SM, at most one per weight row.
+int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
 
 Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
-  if ((n + grid - 1) / grid > gemm_wgmma_detail::kRowsMaxWide)
-    return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMaxWide, " x ", grid,
+  if ((n + grid - 1) / grid > gemm_wgmma_detail::kRowsMax)
+    return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", grid,
                        " (its CTAs), got N = ", n);
   if (k / kBlockK > gemm_wgmma_detail::kRowsMaxKblocks)
     return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
@@ -169,18 +163,18 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false, bool kPipe = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
-  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg, kWide>() < 2) {
+  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kWide, kPipe>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
-    constexpr int kPerSm = gemm_wgmma_detail::rows_ctas_per_sm<kWg, kWide>();
-    constexpr int kMaxSmem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kWide>(
-        gemm_wgmma_detail::kRowsMaxKblocks);
+    constexpr int kPerSm = kWg == 1 ? 2 : 1;
+    constexpr int kMaxSmem =
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(gemm_wgmma_detail::kRowsMaxKblocks);
     // The shared-memory opt-in once per device (each device has its own module); two CTAs must
     // fit on an SM (the grid is one wave of them).
     static std::atomic<int> ready[64] = {};  // (one table per instantiation)
@@ -196,7 +190,7 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
                            " B of dynamic shared memory); ", kPerSm, " are needed");
       if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
     }
-    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kWide>(args.kblocks);
+    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(args.kblocks);
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
                                        dim3(kThreads), smem, stream, args.early_weights != 0, xmap,
                                        args));
@@ -225,22 +219,6 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
   return launch_rows<kNw, 4, 1>(xmap, args, grid, info, stream);
 }
 
-// The wide form (n = 32 or 64 boxes): `kpb` 1 or 2 K blocks per stage (0: 2; 4 would spill:
-// 255 registers); `diag` (bench diagnostics, 2 K blocks per stage); `pipelined` (1 K block per
-// stage, stage i + 1's wgmmas issued before stage i's fold).
-template <int kNw>
-Status dispatch_rows_wide(int kpb, int diag, bool pipelined, const CUtensorMap& xmap,
-                          const gemm_wgmma_detail::RowsArgs& args, int grid,
-                          const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (diag == 1) return launch_rows<kNw, 2, 1, 1, true>(xmap, args, grid, info, stream);
-  if (diag == 2) return launch_rows<kNw, 2, 1, 2, true>(xmap, args, grid, info, stream);
-  if (diag == 3) return launch_rows<kNw, 2, 1, 3, true>(xmap, args, grid, info, stream);
-  if (kpb == 4) return unsupported("the row split's wide form takes 1 or 2 K blocks per stage");
-  if (pipelined) return launch_rows<kNw, 1, 1, 0, true, true>(xmap, args, grid, info, stream);
-  if (kpb == 1) return launch_rows<kNw, 1, 1, 0, true>(xmap, args, grid, info, stream);
-  return launch_rows<kNw, 2, 1, 0, true>(xmap, args, grid, info, stream);
-}
-
 }  // namespace
 
 Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
@@ -255,13 +233,11 @@ Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
   return rows_shape_supported(n, k, rows_grid(n, info.sms));
 }
 
-Result<int> gemm_wgmma_rows_ctas(int64_t n, int ctas_per_sm) {
+Result<int> gemm_wgmma_rows_ctas(int64_t n) {
   M3_CHECK_ARG(n > 0, "gemm_wgmma_rows_ctas: N = ", n, " must be positive");
-  M3_CHECK_ARG(ctas_per_sm == 1 || ctas_per_sm == 2, "gemm_wgmma_rows_ctas: ctas_per_sm = ",
-               ctas_per_sm, " must be 1 or 2");
   CudaDeviceInfo info;
   M3_RETURN_IF_ERROR(current_device_info(&info));
-  return rows_grid(n, info.sms, ctas_per_sm);
+  return rows_grid(n, info.sms);
 }
 
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
@@ -414,17 +390,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
-    // An image of more than kRowsMax rows per CTA runs the wide form (one CTA of one warpgroup
-    // per SM, token-major m64n80, activation boxes of 32 or 64 rows). Otherwise ctas_per_sm = 1:
-    // one CTA of two consumer warpgroups per SM (the same image; one ring and one set of
-    // activation boxes per SM).
-    const bool wide = rows_wide(n, rgrid);
-    const bool two_wg = !wide && options.ctas_per_sm == 1 && rgrid % 2 == 0;
+    // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
+    // set of activation boxes per SM).
+    const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
-    const int box_rows = wide ? (m <= 32 ? 32 : 64) : box_rows_for(m);
     CUtensorMap xmap;
-    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box_rows,
-                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
+    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
+                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                  "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
     set_scales_out(&ra, p);
@@ -435,10 +408,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    const bool pipe = options.rows_pipelined;
-    if (wide && m <= 32)
-      return dispatch_rows_wide<32>(kpb, diag, pipe, xmap, ra, rgrid, info, stream);
-    if (wide) return dispatch_rows_wide<64>(kpb, diag, pipe, xmap, ra, rgrid, info, stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);

@@ -81,14 +81,8 @@ struct GemmWgmmaOptions {
   // cuBLASLt's 23.0-23.2 / 21.4-21.5; o_proj M 1 17.9-18.1 / 16.1, M 16 21.1-21.3 / 17.1-17.3. Not
   // with cluster_split or packed_weights; min_units_per_cta, max_waves, owner_fixup and
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
-  // as the weight). An image packed for at most one CTA per SM (41-80 rows per CTA,
-  // gemm_wgmma_rows_ctas(n, 1)) runs the wide form (session 21, variant): one CTA of one consumer
-  // warpgroup per SM, token-major m64n80k32 at every M, `burst` 1 or 2 (0: 2), ctas_per_sm
-  // ignored.
+  // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant (session 21), the wide form only: 1 K block per stage, each stage's wgmmas issued
-  // before the previous stage's fold (two fragment sets in flight); `burst` ignored.
-  bool rows_pipelined = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
@@ -141,9 +135,9 @@ struct GemmWgmmaOptions {
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
-  // per CTA, or the wide form; burst 0) at M <= 8 or 17-64 (wide: any M) without its wgmmas and
-  // folds (1: its own ring, waits and releases, i.e. its stream), without its scaled folds (2:
-  // fragments only summed) or with each ring slot's activations loaded once and reused (3). 0: off.
+  // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
+  // releases, i.e. its stream), without its scaled folds (2: fragments only summed) or with each
+  // ring slot's activations loaded once and reused (3). 0: off.
   int debug_rows_diag = 0;
 };
 
@@ -169,18 +163,14 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
                                const GemmWgmmaOptions& options, cudaStream_t stream);
 
 // Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
-// OK, or unsupported naming the limit (at most 40 weight rows per CTA of its grid, K <= 8192).
+// OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
 Status gemm_wgmma_rows_supported(int64_t n, int64_t k);
-// The row split's CTA count for N weight rows on the current device: min(ctas_per_sm x SMs, N),
-// one wave. ctas_per_sm 2 (the row split); 1: an image for the wide form (session 21, variant:
-// more than 40 and at most 80 rows per CTA run one CTA of one consumer warpgroup per SM, token-
-// major m64n80k32 at every M; gemm_wgmma_rows_kernel.cuh, kWide).
-Result<int> gemm_wgmma_rows_ctas(int64_t n, int ctas_per_sm = 2);
+// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave.
+Result<int> gemm_wgmma_rows_ctas(int64_t n);
 // Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for `ctas`
-// CTAs (1 <= ctas <= N, at most 80 rows each: more than 40 is the wide form's image;
-// gemm_wgmma_rows_ctas for this device) into `packed`
+// CTAs (1 <= ctas <= N, at most 40 rows each; gemm_wgmma_rows_ctas for this device) into `packed`
 // (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
 // count as GemmWgmmaOptions::row_packed_ctas.
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,

@@ -40,6 +40,15 @@
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
 // the CTA's count, m < M).
 //
+// Lost (session 21 round B, same round, b2b us, deleted): a wide form — an image of one CTA per
+// SM (74-75 rows for N 9856), one CTA of one consumer warpgroup per SM, token-major m64n80k32 at
+// every M, activation boxes first in each stage (read once per SM), a 5-7 stage ring of 2 K
+// blocks: fused M 1 / 16 / 32 / 64 21.5 / 19.3 / 19.5 / 21.0 against 17.4 / 17.4 / 17.3 / 21.2
+// (chained 20.4 / 20.4 / 20.5 / 21.0 against 15.4 / 16.2 / 17.5 / 20.2); 1 K block per stage
+// 23.8-25.8; o_proj M 1 chained 23.4 against 14.9. Its own ring without compute was already
+// slower (M 32 17.16 against 16.34), and one warpgroup per SM pays the fold serially (M 32:
+// wgmma +0.9 us, scaled fold +1.45 over its stream).
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
@@ -65,21 +74,14 @@
 // traffic. Tensor work: G x K / 32 wgmma m64nNk32 (64 / 37 of the useful rows' work).
 #pragma once
 
-#include <type_traits>
-
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 
 namespace m3attn::gemm_wgmma_detail {
 
-constexpr int kRowsMax = 40;      // weight rows per (virtual) CTA at most
-constexpr int kRowsMaxWide = 80;  // the wide form's (kWide, below): an image of <= 1 CTA per SM
-constexpr int kImageStep = 4;     // K blocks per step of the packed image
-constexpr int kRowsMaxKblocks = 64;  // K <= 8192 (scales staged in shared memory)
-// One K block of a CTA's rows, at most (a ring slot).
-template <bool kWide>
-constexpr int rows_block_bytes() {
-  return (kWide ? kRowsMaxWide : kRowsMax) * 128;
-}
+constexpr int kRowsMax = 40;                    // weight rows per (virtual) CTA at most
+constexpr int kRowBlockBytes = kRowsMax * 128;  // one K block of a CTA's rows, at most
+constexpr int kImageStep = 4;                   // K blocks per step of the packed image
+constexpr int kRowsMaxKblocks = 64;             // K <= 8192 (scales staged in shared memory)
 // kWg consumer warpgroups per CTA (GemmWgmmaOptions::ctas_per_sm = 1 gives 2: one CTA per SM,
 // each warpgroup the virtual CTA 2c + wg of the image's grid, one ring and one set of activation
 // boxes for both); the producer warp after them.
@@ -87,56 +89,44 @@ template <int kWg>
 constexpr int rows_threads() {
   return 128 * kWg + 32;
 }
-// CTAs per SM: two of one consumer warpgroup, or one (two warpgroups, or the wide form).
-template <int kWg, bool kWide>
-constexpr int rows_ctas_per_sm() {
-  return kWg == 1 && !kWide ? 2 : 1;
-}
 // Shared memory per CTA: two CTAs per SM (228 KB less 1 KB each) or one (227 KB less 1 KB).
-template <int kWg, bool kWide>
+template <int kWg>
 constexpr int rows_smem_per_cta() {
-  return rows_ctas_per_sm<kWg, kWide>() == 2 ? 115712 : 231424;
+  return kWg == 1 ? 115712 : 231424;
 }
 
 // K blocks per ring stage by default (fragments in flight: 2 x kKpb x kNw / 2 registers per
 // thread; GemmWgmmaOptions::burst overrides it with 1, 2 or 4).
-template <int kNw, bool kWide = false>
+template <int kNw>
 constexpr int rows_default_kpb() {
   // (Session 18 round C, fused / o_proj, us back to back: at n 8 4 K blocks 17.18 / 16.14 vs 2
   // 17.61 / 16.83, at n 16 17.24 / 17.08 vs 17.39 / 18.04; at n 32 2 (4 leaves two stages: 27-31
   // us). At n 64 the token-major form: 2 (session 19 round F: 23.0-23.1 vs 26.1-26.2 with 1).
   // Session 19 rounds D / F at n 16 fused: 2 K blocks 16.82 (plain), 16.12-16.44 (chained) vs 4
   // 17.40-17.48, 16.60-16.79; o_proj chained 19.25-19.29 vs 16.64-16.67: kept at 4.)
-  return kNw <= 16 && !kWide ? 4 : 2;
+  return kNw <= 16 ? 4 : 2;
 }
-template <int kNw, int kKpb, int kWg, bool kWide>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
-  return kKpb * (kWg * rows_block_bytes<kWide>() + kNw * 128);
+  return kKpb * (kWg * kRowBlockBytes + kNw * 128);
 }
-// Activation scales per K block in shared memory: the wide form's token-major fold reads the
-// scales of all 64 token rows of its m64 tile (zero past M) whatever its boxes' rows.
-template <int kNw, bool kWide>
-constexpr int rows_sa_cols() {
-  return kWide ? 64 : kNw;
-}
-template <int kNw, int kWg, bool kWide>
+template <int kNw, int kWg>
 constexpr int rows_scale_bytes(int kblocks) {
-  return (rows_sa_cols<kNw, kWide>() + 2 * kWg) * kblocks * 4;
+  return (kNw + 2 * kWg) * kblocks * 4;
 }
 // Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
 // shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
-template <int kNw, int kKpb, int kWg, bool kWide = false>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_stages() {
-  constexpr int fit = (rows_smem_per_cta<kWg, kWide>() - 1024 - 1024 -
-                       rows_scale_bytes<kNw, kWg, kWide>(kRowsMaxKblocks)) /
-                      rows_stage_bytes<kNw, kKpb, kWg, kWide>();
+  constexpr int fit =
+      (rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg>(kRowsMaxKblocks)) /
+      rows_stage_bytes<kNw, kKpb, kWg>();
   return fit < 12 ? fit : 12;
 }
-template <int kNw, int kKpb, int kWg, bool kWide = false>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_smem_bytes(int kblocks) {
-  return 1024 +
-         rows_stages<kNw, kKpb, kWg, kWide>() * rows_stage_bytes<kNw, kKpb, kWg, kWide>() +
-         rows_scale_bytes<kNw, kWg, kWide>(kblocks);
+  return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
+         rows_scale_bytes<kNw, kWg>(kblocks);
 }
 
 struct RowsArgs : ScalesOut {
@@ -215,53 +205,30 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-//
-// The wide form (kWide, session 21): an image packed for at most one CTA per SM (41-80 rows per
-// CTA: 74-75 for N 9856 on 132 SMs) runs one CTA of one consumer warpgroup per SM, token-major at
-// every M with the CTA's rows as one m64n80k32 B operand (rows past the CTA's count read
-// neighbouring bytes of the stage and are never stored) and activation boxes of 32 (M <= 32) or
-// 64 rows. Per SM and K block it reads the activations once instead of twice (from L2 and into
-// shared memory) and issues one wgmma per k step where two CTAs issued two; the ring is one CTA's
-// (227 KB). A stage holds the activation boxes first, then the weights: with 32-row boxes the m64
-// A tile of the last box reads 4 KB into the stage's weights (landed with it; those token rows'
-// outputs are never stored).
-//
-// kPipe (wide form, 1 K block per stage; session 21 variant): the consumer issues stage i + 1's
-// wgmmas (a second fragment set) before it folds stage i, so that with one warpgroup per SM the
-// tensor cores work during the fold; it holds two stages at a time.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kWide = false, bool kPipe = false>
-__global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kWide>()))
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
+__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kTok = kNw == 64 || kWide;  // the token-major form (above)
+  constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
-  constexpr int kStages = rows_stages<kNw, kKpb, kWg, kWide>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg, kWide>();
-  constexpr int kRowBlockBytes = rows_block_bytes<kWide>();
-  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
+  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
-  // Offsets in a stage: weights then activations, or (kWide) activations then weights.
-  constexpr int kActOff = kWide ? 0 : kWeightBytes;
-  constexpr int kWeightOff = kWide ? kKpb * kActBytes : 0;
-  constexpr int kSaCols = rows_sa_cols<kNw, kWide>();
-  constexpr int kBn = kWide ? 80 : 40;       // token-major: the B operand's rows (n)
-  constexpr int kAcc = kTok ? kBn / 2 : kNw / 2;  // fp32 accumulators per thread
-  static_assert(!kWide || kWg == 1, "the wide form has one consumer warpgroup");
-  static_assert(!kPipe || (kWide && kKpb == 1), "pipelined: the wide form at 1 K block");
+  constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(kStageBytes % 1024 == 0 && kActBytes % 1024 == 0, "1024-byte swizzle alignment");
-  // Swap-AB: the m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows
-  // past the CTA's count run at most 1 KB past its weights, into the stage's activation boxes
-  // (landed with it). Wide: the m64 A tile of the last box reads 8 KB from its start.
-  static_assert(kWide || kKpb * kActBytes >= 1024, "A tile overruns its stage");
-  static_assert(!kWide || (kKpb - 1) * kActBytes + 8192 <= kStageBytes, "A tile overruns");
+  // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
+  // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
+  // it).
+  static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  // Scales: s_sa[kb * kSaCols + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
+  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
   // scale block r_begin / 128 + h of its rows, clamped to the last block).
   float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
                                          static_cast<uint32_t>(kStages * kStageBytes));
@@ -321,8 +288,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
         for (int w = 0; w < kWg; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
           const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
-          const uint32_t dst = base + static_cast<uint32_t>(s * kStageBytes + kWeightOff +
-                                                            w * kKpb * kRowBlockBytes);
+          const uint32_t dst =
+              base + static_cast<uint32_t>(s * kStageBytes + w * kKpb * kRowBlockBytes);
           const uint32_t bytes = nk * static_cast<uint32_t>(rw * 128);
           const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
           if (p.weight_evict_first) {
@@ -345,7 +312,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
-        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kActOff);
+        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = kDiag == 3 && i >= kStages ? 0 : stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
@@ -363,15 +330,15 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   const int wg = tid / 128;
   const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
   const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
-  float* s_sb = s_sa + kb_count * kSaCols + wg * kb_count * 2;
+  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
   for (int i = tid % 128; i < kb_count * 2; i += 128) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  for (int i = tid; i < kb_count * kSaCols; i += kConsumers) {
-    const int kb = i / kSaCols, m = i - kb * kSaCols;
+  for (int i = tid; i < kb_count * kNw; i += kConsumers) {
+    const int kb = i / kNw, m = i - kb * kNw;
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
     } else {
@@ -409,16 +376,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
   float frag[kKpb][kAcc];
 
-  // Stage i's wgmmas, one commit group per K block (empty groups past the last K block, and for a
-  // stage past the last one (kPipe), keep the group count per stage constant).
+  // Stage i's wgmmas, one commit group per K block (empty groups past the last K block keep the
+  // group count per stage constant).
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
-    const bool live = !kPipe || i < steps;
-    if (live) mbar_wait(full0 + 8 * s, (i / kStages) & 1);
-    const int left = live ? kb_count - i * kKpb : 0;
+    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
-    const uint32_t weights =
-        stage + static_cast<uint32_t>(kWeightOff + wg * kKpb * kRowBlockBytes);
+    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
@@ -428,11 +393,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
       if (q < left && kDiag != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t x_addr = stage + static_cast<uint32_t>(kActOff + q * kActBytes);
+        const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k) {
           if constexpr (kTok) {
-            Wgmma<kBn>::mma(f[q], smem_desc(x_addr + 32 * k),
+            Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
                            smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
           } else {
             Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
@@ -447,9 +412,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
   // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
-  // kPending: the commit groups of a later stage still in flight (kPipe).
-  auto fold = [&](int i, float(&f)[kKpb][kAcc], auto pending) {
-    wgmma_wait<decltype(pending)::value>();
+  auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
+    wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -458,7 +422,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
       } else if (q < left && kDiag != 1) {
         const int kb = i * kKpb + q;
-        const float* sa = s_sa + kb * kSaCols;
+        const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
           // Two tokens x two weight-scale blocks: four products per K block.
           const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
@@ -484,29 +448,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), (rows_ctas_per_sm<kWg, kW
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
-  using NonePending = std::integral_constant<int, 0>;
   issue(0, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  if constexpr (kPipe) {
-    // Two fragment sets in turn; stage i + 1's groups stay in flight while stage i is folded.
-    using NextPending = std::integral_constant<int, kKpb>;
-    float frag2[kKpb][kAcc];
-    int i = 0;
-    for (; i + 2 <= steps; i += 2) {
-      issue(i + 1, frag2);
-      fold(i, frag, NextPending{});
-      issue(i + 2, frag);  // (past the last stage: empty groups)
-      fold(i + 1, frag2, NextPending{});
-    }
-    if (i < steps) fold(i, frag, NonePending{});
-    wgmma_wait<0>();  // (the empty groups of a stage past the last one, when steps is even)
-  } else {
-    fold(0, frag, NonePending{});
-    for (int i = 1; i < steps; ++i) {
-      issue(i, frag);
-      fold(i, frag, NonePending{});
-    }
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
+    issue(i, frag);
+    fold(i, frag);
   }
 
 #pragma unroll

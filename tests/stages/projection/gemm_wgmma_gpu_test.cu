@@ -80,7 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool pipelined = false;   // GemmWgmmaOptions::rows_pipelined (the wide form)
 };
 
 std::string describe(const Case& c) {
@@ -92,8 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " pipelined " + std::to_string(c.pipelined);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -109,7 +107,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.rows_pipelined = c.pipelined;
   return o;
 }
 
@@ -310,30 +307,7 @@ std::vector<Case> exact_cases() {
         Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
         Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // The wide form (session 21: an image of 41-80 rows per CTA, one CTA of one warpgroup
-        // per SM, token-major m64n80): fused width on 132 CTAs (74-75 rows, straddling weight-
-        // scale blocks) at M 1 / 32 / 64, 124 CTAs (80 rows) with padded tokens, row-major scales,
-        // 1 K block per stage and a partial stage (K blocks 9), o_proj width (46-47 rows) at K
-        // 8192, PDL, 16-byte aligned operands, 71 rows on 9 CTAs, ctas_per_sm 1 (ignored).
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 132},
-        Case{32, 9856, 6144, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 132},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 132},
-        Case{57, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 124},
-        Case{17, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 132},
-        Case{40, 640, 2048, 0, 0, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 9},
-        Case{64, 1280, 640, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 16},
-        // The wide form pipelined (1 K block per stage, the next stage's wgmmas in flight during
-        // the fold): even and odd stage counts (48, 9, 5, 64 K blocks), 80 rows, PDL.
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 132,
-             true},
-        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 132,
-             true},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 124,
-             true},
-        Case{57, 640, 640, 8, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 8, true},
-        Case{17, 6144, 8192, 0, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 132,
-             true}};
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}};
   // clang-format on
 }
 
@@ -826,34 +800,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// The wide form (an image of more than 40 rows per CTA): small shapes for compute-sanitizer
-// (memcheck / racecheck), 32- and 64-row activation boxes, 2 and 1 K blocks per stage and
-// pipelined, rings reused (K 4096), 80 and 71-72 rows per CTA, exact against the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallWide) {
-  M3_REQUIRE_WGMMA();
-  for (int row_ctas : {8, 9}) {
-    for (int form : {0, 1, 2}) {  // burst 0 (2 K blocks), burst 1, pipelined
-      for (int64_t m : {1, 33, 64}) {
-        const uint64_t seed = fresh_seed();
-        M3_SEED_TRACE(seed);
-        SCOPED_TRACE(::testing::Message()
-                     << "M " << m << " row CTAs " << row_ctas << " form " << form);
-        Rng rng(seed);
-        const Case c{m,    640,  4096,  0, 0,     false, 0,    4,        form == 1 ? 1 : 0,
-                     true, 0,    false, 1, false, 0,     false, true, row_ctas, form == 2};
-        GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-        DeviceGemm dev(d, c.n);
-        const std::vector<uint16_t> got = run_twice(dev, c);
-        std::string report;
-        EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-      }
-    }
-  }
-}
-
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
-// missing, above N or with more than 80 rows per CTA, N beyond 80 rows per CTA, K beyond 8192, bad
-// pack calls, 4 K blocks per stage in the wide form; nothing written.
+// missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
+// pack calls; nothing written.
 TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -882,7 +831,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.row_packed_ctas = ctas;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  // The CTA count: required, at most N, at most 80 rows per CTA (3 CTAs: 86 rows).
+  // The CTA count: required, at most N, at most 40 rows per CTA (6 CTAs: 43 rows).
   for (int n_ctas : {0, -1, 257}) {
     bad = {};
     bad.row_packed_weights = image.data();
@@ -897,16 +846,10 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   }
   bad = {};
   bad.row_packed_weights = image.data();
-  bad.row_packed_ctas = 3;
+  bad.row_packed_ctas = 6;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 3, image.data(), image.bytes(), nullptr).code(),
-            StatusCode::kUnsupported);
-  bad = {};
-  bad.row_packed_weights = image.data();
-  bad.row_packed_ctas = 4;  // 64 rows per CTA: the wide form, which takes 1 or 2 K blocks per stage
-  bad.burst = 4;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 6, image.data(), image.bytes(), nullptr).code(),
             StatusCode::kUnsupported);
   EXPECT_EQ(gemm_wgmma_rows_ctas(0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr).code(),
@@ -939,8 +882,8 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   }
   const int sms = testing::current_device_sms();
   {
-    // N = 81 rows per CTA (rounded up to 128): unsupported, nothing written.
-    const int64_t n = (81 * 2 * sms + 127) / 128 * 128;
+    // N = 41 rows per CTA (rounded up to 128): unsupported, nothing written.
+    const int64_t n = (41 * 2 * sms + 127) / 128 * 128;
     GemmData big = make_integer_data(1, n, 128, rng);
     DeviceGemm dbig(big, n);
     DeviceBuffer wbig = make_workspace(n, 1);

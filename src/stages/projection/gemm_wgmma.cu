@@ -171,7 +171,7 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
                        " (GemmWgmmaOptions::burst)");
   } else {
     auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSplit>;
-    constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
+    constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg, kSplit>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kSplit>(
         gemm_wgmma_detail::kRowsMaxKblocks);

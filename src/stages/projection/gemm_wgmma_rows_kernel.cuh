@@ -85,9 +85,9 @@ constexpr int kRowsMaxKblocks = 64;             // K <= 8192 (scales staged in s
 // kWg consumer warpgroups per CTA (GemmWgmmaOptions::ctas_per_sm = 1 gives 2: one CTA per SM,
 // each warpgroup the virtual CTA 2c + wg of the image's grid, one ring and one set of activation
 // boxes for both); the producer warp after them.
-template <int kWg>
+template <int kWg, bool kSplit = false>
 constexpr int rows_threads() {
-  return 128 * kWg + 32;
+  return 128 * kWg + (kSplit ? 64 : 32);  // kSplit: a second producer warp (activations)
 }
 // Shared memory per CTA: two CTAs per SM (228 KB less 1 KB each) or one (227 KB less 1 KB).
 template <int kWg>
@@ -243,7 +243,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // overrun (above) stays inside the stage's slot only for CTAs of at most 39 (4 K blocks per
 // stage) or 38 rows (2): checked on the host.
 template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false>
-__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
+__global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
@@ -300,7 +300,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
-    if (lane == 1 && p.trace != nullptr) {
+    const int pwarp = (tid - kConsumers) / 32;  // kSplit: warp 1 streams the activations
+    if (pwarp == 0 && lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-5 (see kRowsTraceWords).
       unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
       t[0] = global_ns();
@@ -317,7 +318,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
     // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
-    if (lane == 0) {
+    if (pwarp == 0 && lane == 0) {
       const uint64_t policy = evict_first_policy();
       const int r_cta = rows_begin(vcta0, vgrid, p.n);
       const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
@@ -367,8 +368,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
                       0, smem_addr(&full_bar[s]));
       }
     }
-    if (kSplit && lane == 2) {
-      // kSplit: lane 2 streams the activation boxes, K block kb into slot kb % kActSlots.
+    if (kSplit && pwarp == 1 && lane == 0) {
+      // kSplit: its own warp streams the activation boxes, K block kb into slot kb % kActSlots.
+      // (Round D had lane 2 of the weights' warp do it: its waits and lane 0's, divergent in one
+      // warp, held each other up — fused M 32 27.7 us b2b, the consumers 5.9 us behind the last
+      // weight stage.)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int kb = 0; kb < kb_count; ++kb) {
         const int s = kb % kSlots;

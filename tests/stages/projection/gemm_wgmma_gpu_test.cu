@@ -314,7 +314,7 @@ std::vector<Case> exact_cases() {
         // The activations in their own ring (rows_split_act, session 21): fused width at every n
         // (37-38 rows, CTAs straddling weight-scale blocks), 4 and 2 K blocks per stage, a
         // partial stage (K blocks 9), K 8192 (o_proj width), padded tokens, row-major scales,
-        // PDL, 16-byte aligned operands, an image for 251 CTAs, one row per CTA.
+        // PDL, 16-byte aligned operands, an image for 300 CTAs (a second wave), one row per CTA.
         Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
              true},
         Case{16, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
@@ -327,7 +327,7 @@ std::vector<Case> exact_cases() {
         Case{57, 6144, 8192, 0, 16, true, 0, 4, 2, false, 0, false, 1, false, 0, false, true, 0,
              true},
         Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251,
+        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 300,
              true},
         Case{5, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true}};
   // clang-format on

@@ -83,12 +83,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant (session 21), the row split only: its weight ring stages hold weights only and the
-  // activation boxes get their own ring of one-K-block slots (a second producer lane), so that the
-  // weight ring is 4 K blocks per stage (`burst` 0 or 4; 2 allowed) at every M; each K block is
-  // folded as soon as its wgmmas complete. One warpgroup per CTA (not ctas_per_sm 1), no
-  // diagnostics, CTAs of at most 39 rows (38 with burst 2).
-  bool rows_split_act = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -49,6 +49,15 @@
 // slower (M 32 17.16 against 16.34), and one warpgroup per SM pays the fold serially (M 32:
 // wgmma +0.9 us, scaled fold +1.45 over its stream).
 //
+// Lost too (session 21 rounds D-E, deleted): the activation boxes in their own ring of one-K-block
+// slots (weight-only stages of 4 K blocks at every n: 5 / 4 / 4 / 3 stages at n 8 / 16 / 32 / 64,
+// 3-13 slots, a second producer warp; each K block folded as its group completed): fused M 1 /
+// 16 / 32 / 64 20.0 / 19.0 / 23.4 / 28.9 us b2b against 17.3 / 17.2 / 17.2 / 21.2 (2 K blocks
+// per stage: 20.7 / 22.6 / 24.1 / 26.8). The weights landed as early or earlier (M 32 first ->
+// last full 13.5 us against 13.7) but the consumers ended 4.6-6.5 us after the last weight
+// stage: a box requested only when a slot frees (L2 under the stream's load) comes too late; in
+// the stage, it is requested a ring ahead like the weights.
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
@@ -85,9 +94,9 @@ constexpr int kRowsMaxKblocks = 64;             // K <= 8192 (scales staged in s
 // kWg consumer warpgroups per CTA (GemmWgmmaOptions::ctas_per_sm = 1 gives 2: one CTA per SM,
 // each warpgroup the virtual CTA 2c + wg of the image's grid, one ring and one set of activation
 // boxes for both); the producer warp after them.
-template <int kWg, bool kSplit = false>
+template <int kWg>
 constexpr int rows_threads() {
-  return 128 * kWg + (kSplit ? 64 : 32);  // kSplit: a second producer warp (activations)
+  return 128 * kWg + 32;
 }
 // Shared memory per CTA: two CTAs per SM (228 KB less 1 KB each) or one (227 KB less 1 KB).
 template <int kWg>
@@ -106,41 +115,27 @@ constexpr int rows_default_kpb() {
   // 17.40-17.48, 16.60-16.79; o_proj chained 19.25-19.29 vs 16.64-16.67: kept at 4.)
   return kNw <= 16 ? 4 : 2;
 }
-// A ring stage: kKpb K blocks of every warpgroup's rows and (unless kSplit) their activation
-// boxes.
-template <int kNw, int kKpb, int kWg, bool kSplit = false>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
-  return kKpb * (kWg * kRowBlockBytes + (kSplit ? 0 : kNw * 128));
+  return kKpb * (kWg * kRowBlockBytes + kNw * 128);
 }
 template <int kNw, int kWg>
 constexpr int rows_scale_bytes(int kblocks) {
   return (kNw + 2 * kWg) * kblocks * 4;
 }
 // Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
-// shared memory (kSplit: and kKpb activation slots), at most 12 stages (at least 2).
+// shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
 template <int kNw, int kKpb, int kWg>
-constexpr int rows_ring_room() {
-  return rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg>(kRowsMaxKblocks);
-}
-template <int kNw, int kKpb, int kWg, bool kSplit = false>
 constexpr int rows_stages() {
-  constexpr int fit = (rows_ring_room<kNw, kKpb, kWg>() - (kSplit ? kKpb * kNw * 128 : 0)) /
-                      rows_stage_bytes<kNw, kKpb, kWg, kSplit>();
+  constexpr int fit =
+      (rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg>(kRowsMaxKblocks)) /
+      rows_stage_bytes<kNw, kKpb, kWg>();
   return fit < 12 ? fit : 12;
 }
-// kSplit: the activation slots (one K block's box each) in the rest, at most 16.
-template <int kNw, int kKpb, int kWg, bool kSplit>
-constexpr int rows_act_slots() {
-  constexpr int fit = (rows_ring_room<kNw, kKpb, kWg>() - rows_stages<kNw, kKpb, kWg, kSplit>() *
-                                                            rows_stage_bytes<kNw, kKpb, kWg, kSplit>()) /
-                      (kNw * 128);
-  return !kSplit ? 0 : fit < 16 ? fit : 16;
-}
-template <int kNw, int kKpb, int kWg, bool kSplit = false>
+template <int kNw, int kKpb, int kWg>
 constexpr int rows_smem_bytes(int kblocks) {
-  return 1024 +
-         rows_stages<kNw, kKpb, kWg, kSplit>() * rows_stage_bytes<kNw, kKpb, kWg, kSplit>() +
-         rows_act_slots<kNw, kKpb, kWg, kSplit>() * kNw * 128 + rows_scale_bytes<kNw, kWg>(kblocks);
+  return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
+         rows_scale_bytes<kNw, kWg>(kblocks);
 }
 
 struct RowsArgs : ScalesOut {
@@ -189,19 +184,6 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
-// wgmma_wait<pending>() for a pending count in [0, kMax] known after unrolling.
-template <int kMax>
-__device__ __forceinline__ void wgmma_wait_upto(int pending) {
-  if constexpr (kMax == 0) {
-    wgmma_wait<0>();
-  } else {
-    if (pending == kMax) {
-      wgmma_wait<kMax>();
-    } else {
-      wgmma_wait_upto<kMax - 1>(pending);
-    }
-  }
-}
 
 template <int kThreads>
 __device__ __forceinline__ void rows_consumer_barrier() {
@@ -232,25 +214,13 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-//
-// kSplit (session 21 variant, GemmWgmmaOptions::rows_split_act; one warpgroup per CTA): the ring
-// stages hold weights only and the activation boxes have their own ring of kActSlots one-K-block
-// slots, filled by a second producer lane, so that a CTA's weight ring is as deep and its bulk
-// copies as large (4 K blocks) at n 32 / 64 as at n 8 (an activation box comes from L2 and needs
-// less lead than the weights from HBM). The consumers wait for a stage's weights and boxes, issue
-// its wgmmas, then fold each K block as soon as its commit group completes (wgmma.wait_group
-// kKpb - 1 - q) and release its box at once; the weights after the last fold. Swap-AB's A-tile
-// overrun (above) stays inside the stage's slot only for CTAs of at most 39 (4 K blocks per
-// stage) or 38 rows (2): checked on the host.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSplit = false>
-__global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
+__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
-  constexpr int kStages = rows_stages<kNw, kKpb, kWg, kSplit>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg, kSplit>();
-  constexpr int kActSlots = rows_act_slots<kNw, kKpb, kWg, kSplit>();
-  constexpr int kSlots = kSplit ? kActSlots : 1;  // (a divisor in every instantiation)
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
   constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
@@ -260,21 +230,17 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
   // The m64 A tile of the last K column reads up to 64 x 16 bytes from its start: rows past the
   // CTA's count run at most 1 KB past its weights, into the stage's activation boxes (landed with
   // it).
-  static_assert(kSplit || kKpb * kActBytes >= 1024, "A tile overruns its stage");
-  static_assert(!kSplit || (kWg == 1 && kDiag == 0 && kActSlots >= kKpb), "split activations");
+  static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
-  __shared__ __align__(8) uint64_t act_full[kSlots];
-  __shared__ __align__(8) uint64_t act_empty[kSlots];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  const uint32_t act_base = base + static_cast<uint32_t>(kStages * kStageBytes);  // kSplit
   // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
   // scale block r_begin / 128 + h of its rows, clamped to the last block).
-  float* s_sa = reinterpret_cast<float*>(
-      smem_raw + (base - raw) + static_cast<uint32_t>(kStages * kStageBytes + kActSlots * kActBytes));
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
+                                         static_cast<uint32_t>(kStages * kStageBytes));
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
@@ -290,18 +256,13 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
       mbar_init(smem_addr(&full_bar[s]), 1);
       mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
-    for (int s = 0; s < kActSlots; ++s) {
-      mbar_init(smem_addr(&act_full[s]), 1);
-      mbar_init(smem_addr(&act_empty[s]), kConsumers);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 
   if (tid >= kConsumers) {
-    const int pwarp = (tid - kConsumers) / 32;  // kSplit: warp 1 streams the activations
-    if (pwarp == 0 && lane == 1 && p.trace != nullptr) {
+    if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-5 (see kRowsTraceWords).
       unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
       t[0] = global_ns();
@@ -318,7 +279,7 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
     }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
     // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
-    if (pwarp == 0 && lane == 0) {
+    if (lane == 0) {
       const uint64_t policy = evict_first_policy();
       const int r_cta = rows_begin(vcta0, vgrid, p.n);
       const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
@@ -330,8 +291,7 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
-        const uint32_t act_bytes =
-            kSplit || (kDiag == 3 && i >= kStages) ? 0u : uint32_t{kActBytes};
+        const uint32_t act_bytes = kDiag == 3 && i >= kStages ? 0u : uint32_t{kActBytes};
         mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + act_bytes));
         // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
         for (int w = 0; w < kWg; ++w) {
@@ -362,24 +322,10 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
-        const int nk = kSplit || (kDiag == 3 && i >= kStages) ? 0 : stage_kblocks(i);
+        const int nk = kDiag == 3 && i >= kStages ? 0 : stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
                       0, smem_addr(&full_bar[s]));
-      }
-    }
-    if (kSplit && pwarp == 1 && lane == 0) {
-      // kSplit: its own warp streams the activation boxes, K block kb into slot kb % kActSlots.
-      // (Round D had lane 2 of the weights' warp do it: its waits and lane 0's, divergent in one
-      // warp, held each other up — fused M 32 27.7 us b2b, the consumers 5.9 us behind the last
-      // weight stage.)
-      asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      for (int kb = 0; kb < kb_count; ++kb) {
-        const int s = kb % kSlots;
-        const uint32_t full = smem_addr(&act_full[s]);
-        if (kb >= kSlots) mbar_wait(smem_addr(&act_empty[s]), ((kb / kSlots) - 1) & 1);
-        mbar_arrive_expect_tx(full, kActBytes);
-        tma_load_2d(act_base + static_cast<uint32_t>(s * kActBytes), &xmap, kb * kBlockK, 0, full);
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -432,7 +378,6 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
         hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
   }
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
-  const uint32_t act_full0 = smem_addr(act_full), act_empty0 = smem_addr(act_empty);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
@@ -446,13 +391,6 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     const int left = kb_count - i * kKpb;
-    if constexpr (kSplit) {  // the stage's activation boxes (all before the first wgmma)
-#pragma unroll
-      for (int q = 0; q < kKpb; ++q) {
-        const int kb = i * kKpb + q;
-        if (q < left) mbar_wait(act_full0 + 8 * (kb % kSlots), (kb / kSlots) & 1);
-      }
-    }
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
@@ -464,9 +402,7 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
       if (q < left && kDiag != 1) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t x_addr =
-            kSplit ? act_base + static_cast<uint32_t>(((i * kKpb + q) % kSlots) * kActBytes)
-                   : stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
+        const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
 #pragma unroll
         for (int k = 0; k < kBlockK / 32; ++k) {
           if constexpr (kTok) {
@@ -486,11 +422,10 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
-    if (!kSplit) wgmma_wait<0>();
+    wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (kSplit) wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -518,7 +453,6 @@ __global__ void __launch_bounds__(rows_threads<kWg, kSplit>(), kWg == 1 ? 2 : 1)
           }
         }
       }
-      if (kSplit && q < left) mbar_arrive(act_empty0 + 8 * ((i * kKpb + q) % kSlots));
     }
     mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };

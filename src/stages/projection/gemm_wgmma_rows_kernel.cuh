@@ -184,6 +184,19 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// wgmma_wait<pending>() for a pending count in [0, kMax] known after unrolling.
+template <int kMax>
+__device__ __forceinline__ void wgmma_wait_upto(int pending) {
+  if constexpr (kMax == 0) {
+    wgmma_wait<0>();
+  } else {
+    if (pending == kMax) {
+      wgmma_wait<kMax>();
+    } else {
+      wgmma_wait_upto<kMax - 1>(pending);
+    }
+  }
+}
 
 template <int kThreads>
 __device__ __forceinline__ void rows_consumer_barrier() {
@@ -214,7 +227,11 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+//
+// kProg (session 21 variant, GemmWgmmaOptions::rows_progressive_fold): each K block of a stage is
+// folded as soon as its own commit group completes (wgmma.wait_group kKpb - 1 - q), while the
+// stage's later K blocks' wgmmas still run, instead of after wait_group 0.
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kProg = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
@@ -422,10 +439,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
   // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
-    wgmma_wait<0>();
+    if (!kProg) wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
+      if (kProg) wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];

@@ -413,6 +413,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    ra.staged_epilogue = options.rows_staged_epilogue ? 1 : 0;
     ra.trace = options.debug_trace;
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, diag, prog, xmap, ra, rgrid, info, stream);

@@ -144,6 +144,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  int staged_epilogue;  // GemmWgmmaOptions::rows_staged_epilogue (session 21 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -484,11 +485,44 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     fold(i, frag);
   }
 
+  if (p.staged_epilogue) {
+    // Staged (variant): the warpgroup's [token][weight row] tile through the (drained) ring, then
+    // each token's 37-38 outputs as one warp store of 4-byte pairs (after a 2-byte head when
+    // the CTA's first row is odd) instead of kAcc scattered 2-byte stores per thread.
+    constexpr int kPitch = kRowsMax + 2;  // bf16 per tile row
+    uint16_t* tile = reinterpret_cast<uint16_t*>(smem_raw + (base - raw)) + wg * 64 * kPitch;
 #pragma unroll
-  for (int j = 0; j < kAcc; ++j) {
-    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+    for (int j = 0; j < kAcc; ++j) {
+      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+      const int m = kTok ? row : col, r = kTok ? col : row;
+      if (r < rows) tile[m * kPitch + r] = float_to_bf16(acc[j]);  // (swap-AB: r up to 63)
+    }
+    rows_consumer_barrier<kConsumers>();
+    const bool pairs = p.ldo % 2 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 3u) == 0;
+    const int head = r_begin & 1;
+    for (int m = warp; m < p.m; m += 4) {
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const uint16_t* src = tile + m * kPitch;
+      if (pairs) {
+        if (head && lane == 0) dst[0] = src[0];
+        const int e = head + 2 * lane;
+        if (e + 1 < rows) {
+          *reinterpret_cast<uint32_t*>(dst + e) =
+              static_cast<uint32_t>(src[e]) | (static_cast<uint32_t>(src[e + 1]) << 16);
+        } else if (e < rows) {
+          dst[e] = src[e];
+        }
+      } else {
+        for (int e = lane; e < rows; e += 32) dst[e] = src[e];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) {
+      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+      const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+      if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+    }
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;

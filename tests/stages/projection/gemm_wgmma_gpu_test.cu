@@ -81,6 +81,7 @@ struct Case {
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool prog = false;        // GemmWgmmaOptions::rows_progressive_fold
+  bool staged = false;      // GemmWgmmaOptions::rows_staged_epilogue
 };
 
 std::string describe(const Case& c) {
@@ -93,7 +94,8 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " progressive fold " + std::to_string(c.prog);
+         " progressive fold " + std::to_string(c.prog) + " staged epilogue " +
+         std::to_string(c.staged);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,6 +112,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
   o.rows_progressive_fold = c.prog;
+  o.rows_staged_epilogue = c.staged;
   return o;
 }
 
@@ -328,7 +331,27 @@ std::vector<Case> exact_cases() {
         Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
         Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251,
              true},
-        Case{5, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true}};
+        Case{5, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
+        // The staged epilogue (rows_staged_epilogue): every n, swap-AB and token-major, CTAs
+        // starting on odd and even rows (fused width), padded / odd output rows (ld pad 8 and 3:
+        // 2-byte stores only), 16-byte aligned operands, two warpgroups per CTA, with the
+        // progressive fold, an image for 251 CTAs, one row per CTA.
+        Case{1, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             false, true},
+        Case{13, 9856, 1152, 8, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
+             false, true},
+        Case{32, 9856, 6144, 3, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             true, true},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             true, true},
+        Case{57, 6144, 8192, 3, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             false, true},
+        Case{40, 9856, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
+             false, true},
+        Case{33, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251,
+             false, true},
+        Case{2, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false,
+             true}};
   // clang-format on
 }
 
@@ -822,7 +845,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
 }
 
 // The progressive fold (rows_progressive_fold): small shapes for compute-sanitizer (memcheck /
-// racecheck), every n, rings reused (K 4096, 32 K blocks), exact against the twin.
+// racecheck), every n, rings reused (K 4096, 32 K blocks), at M 1 / 9 / 17 with the staged
+// epilogue (rows_staged_epilogue), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallProgressive) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {1, 9, 17, 64}) {
@@ -831,7 +855,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallProgressive) {
     SCOPED_TRACE(::testing::Message() << "M " << m);
     Rng rng(seed);
     const Case c{m,    640, 4096,  0, 0,     false, 0,    4, 0,
-                 true, 0,   false, 1, false, 0,     false, true, 0, true};
+                 true, 0,   false, 1, false, 0,     false, true, 0, true, m % 2 == 1};
     GemmData d = make_integer_data(c.m, c.n, c.k, rng);
     DeviceGemm dev(d, c.n);
     const std::vector<uint16_t> got = run_twice(dev, c);

@@ -83,13 +83,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variant (session 21), the row split with one warpgroup per CTA and burst 0: each K block of a
-  // ring stage folded as soon as its own wgmmas complete (wgmma.wait_group per K block) while the
-  // stage's later K blocks' wgmmas run, instead of after all of the stage's.
-  bool rows_progressive_fold = false;
-  // Variant (session 21), the row split: its outputs staged per warpgroup in shared memory and
-  // written as one warp store of 4-byte pairs per token instead of scattered 2-byte stores.
-  bool rows_staged_epilogue = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -24,10 +24,11 @@
 //
 // Consumers, one stage at a time: each K block's 4 wgmma m64nNk32 go into their own temporary
 // fragment (kNw / 2 fp32 registers; 20 in the token-major form) and their own commit group; the
-// warpgroup waits for the stage's groups (wgmma.wait_group 0), folds its fragments into the
-// accumulators (scale products from shared memory, staged once per CTA: the activation scales of
-// every K block and the CTA's two possible weight-scale blocks, a CTA's rows straddling at most
-// one 128-row boundary) and releases the stage before waiting for the next one. (Session 18
+// warpgroup folds each K block's fragment as soon as its group completes (wgmma.wait_group
+// kKpb - 1 - q, session 21) into the accumulators (scale products from shared memory, staged once
+// per CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks,
+// a CTA's rows straddling at most one 128-row boundary) and releases the stage before waiting for
+// the next one. (Session 18
 // issued stage i + 1's wgmmas before folding stage i, so that the tensor cores never waited for a
 // fold; session 19 round G, same round, back to back: serial stages 17.20-17.24 vs 17.61-17.75 us
 // at M 32, 21.76-21.78 vs 23.91-23.95 at M 64, 17.26-17.34 vs 17.56-17.58 at M 16, equal at M 1
@@ -57,6 +58,12 @@
 // last full 13.5 us against 13.7) but the consumers ended 4.6-6.5 us after the last weight
 // stage: a box requested only when a slot frees (L2 under the stream's load) comes too late; in
 // the stage, it is requested a ring ahead like the weights.
+//
+// Lost as well (session 21 round F, deleted): a staged epilogue (each warpgroup's [token][row]
+// outputs through the drained ring, then one warp store of 4-byte pairs per token): fused M 1 /
+// 16 / 32 17.54-17.60 / 17.64-17.65 / 18.03-18.17 us b2b against 17.37-17.46 / 17.19-17.23 /
+// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36): the scattered 2-byte stores are not
+// what M 64's last stage -> exit (~2 us) waits for.
 //
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
@@ -144,7 +151,6 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int staged_epilogue;  // GemmWgmmaOptions::rows_staged_epilogue (session 21 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -228,11 +234,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-//
-// kProg (session 21 variant, GemmWgmmaOptions::rows_progressive_fold): each K block of a stage is
-// folded as soon as its own commit group completes (wgmma.wait_group kKpb - 1 - q), while the
-// stage's later K blocks' wgmmas still run, instead of after wait_group 0.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kProg = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
@@ -435,16 +437,22 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's fragments (its groups complete) folded into acc in K-block order, then the stage
-  // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
-  // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
-  // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
+  // Stage i's fragments folded into acc in K-block order, each K block q as soon as its own
+  // commit group completes (wgmma.wait_group kKpb - 1 - q) while the stage's later K blocks'
+  // wgmmas still run, then the stage released. (Session 21 round F, same round, b2b us, against
+  // folding after wait_group 0: o_proj M 1 16.11-16.12 vs 16.28-16.32, chained 14.63-14.75 vs
+  // 14.94-15.00; o_proj M 16 15.78-15.81 vs 16.08-16.09, chained 15.55-15.62 vs 15.86-15.87;
+  // fused M 1 / 16 / 32 / 64 17.32 / 17.13-17.14 / 17.18-17.22 / 21.26 vs 17.37-17.46 /
+  // 17.19-17.23 / 17.21-17.24 / 21.26-21.36, chained 15.30-15.35 / 15.95-16.02 / 17.32-17.33 /
+  // 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 / 20.25-20.27. Session 19 round F: releasing
+  // the stage before the fold, as soon as its wgmmas were complete, was no faster with the
+  // pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to back, M 16 equal, M 32 18.10 vs
+  // 17.61-17.62.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
-    if (!kProg) wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (kProg) wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
+      wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -485,44 +493,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     fold(i, frag);
   }
 
-  if (p.staged_epilogue) {
-    // Staged (variant): the warpgroup's [token][weight row] tile through the (drained) ring, then
-    // each token's 37-38 outputs as one warp store of 4-byte pairs (after a 2-byte head when
-    // the CTA's first row is odd) instead of kAcc scattered 2-byte stores per thread.
-    constexpr int kPitch = kRowsMax + 2;  // bf16 per tile row
-    uint16_t* tile = reinterpret_cast<uint16_t*>(smem_raw + (base - raw)) + wg * 64 * kPitch;
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) {
-      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = kTok ? row : col, r = kTok ? col : row;
-      if (r < rows) tile[m * kPitch + r] = float_to_bf16(acc[j]);  // (swap-AB: r up to 63)
-    }
-    rows_consumer_barrier<kConsumers>();
-    const bool pairs = p.ldo % 2 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 3u) == 0;
-    const int head = r_begin & 1;
-    for (int m = warp; m < p.m; m += 4) {
-      uint16_t* dst = p.out + m * p.ldo + r_begin;
-      const uint16_t* src = tile + m * kPitch;
-      if (pairs) {
-        if (head && lane == 0) dst[0] = src[0];
-        const int e = head + 2 * lane;
-        if (e + 1 < rows) {
-          *reinterpret_cast<uint32_t*>(dst + e) =
-              static_cast<uint32_t>(src[e]) | (static_cast<uint32_t>(src[e + 1]) << 16);
-        } else if (e < rows) {
-          dst[e] = src[e];
-        }
-      } else {
-        for (int e = lane; e < rows; e += 32) dst[e] = src[e];
-      }
-    }
-  } else {
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j) {
-      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-      if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
-    }
+  for (int j = 0; j < kAcc; ++j) {
+    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;

@@ -80,8 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool prog = false;        // GemmWgmmaOptions::rows_progressive_fold
-  bool staged = false;      // GemmWgmmaOptions::rows_staged_epilogue
 };
 
 std::string describe(const Case& c) {
@@ -93,9 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " progressive fold " + std::to_string(c.prog) + " staged epilogue " +
-         std::to_string(c.staged);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -111,8 +107,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.rows_progressive_fold = c.prog;
-  o.rows_staged_epilogue = c.staged;
   return o;
 }
 
@@ -313,45 +307,7 @@ std::vector<Case> exact_cases() {
         Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
         Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // The progressive fold (rows_progressive_fold, session 21): fused width at every n, a
-        // partial stage (K blocks 9), K 8192 (o_proj width), padded tokens, row-major scales, PDL,
-        // 16-byte aligned operands, an image for 251 CTAs, one row per CTA.
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{16, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
-             true},
-        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{27, 9856, 1152, 8, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{57, 6144, 8192, 0, 16, true, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 0,
-             true},
-        Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{40, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251,
-             true},
-        Case{5, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        // The staged epilogue (rows_staged_epilogue): every n, swap-AB and token-major, CTAs
-        // starting on odd and even rows (fused width), padded / odd output rows (ld pad 8 and 3:
-        // 2-byte stores only), 16-byte aligned operands, two warpgroups per CTA, with the
-        // progressive fold, an image for 251 CTAs, one row per CTA.
-        Case{1, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             false, true},
-        Case{13, 9856, 1152, 8, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0,
-             false, true},
-        Case{32, 9856, 6144, 3, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true, true},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             true, true},
-        Case{57, 6144, 8192, 3, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             false, true},
-        Case{40, 9856, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0,
-             false, true},
-        Case{33, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251,
-             false, true},
-        Case{2, 128, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false,
-             true}};
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}};
   // clang-format on
 }
 
@@ -844,29 +800,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// The progressive fold (rows_progressive_fold): small shapes for compute-sanitizer (memcheck /
-// racecheck), every n, rings reused (K 4096, 32 K blocks), at M 1 / 9 / 17 with the staged
-// epilogue (rows_staged_epilogue), exact against the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallProgressive) {
-  M3_REQUIRE_WGMMA();
-  for (int64_t m : {1, 9, 17, 64}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "M " << m);
-    Rng rng(seed);
-    const Case c{m,    640, 4096,  0, 0,     false, 0,    4, 0,
-                 true, 0,   false, 1, false, 0,     false, true, 0, true, m % 2 == 1};
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-  }
-}
-
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
 // missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
-// pack calls, the progressive fold with burst 2 or two warpgroups; nothing written.
+// pack calls; nothing written.
 TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   M3_REQUIRE_WGMMA();
   Rng rng(fresh_seed());
@@ -927,14 +863,6 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.row_packed_weights = image.data();
   bad.row_packed_ctas = ctas;
   bad.burst = 3;  // K blocks per stage: 1, 2 or 4
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
-  bad.burst = 2;  // the progressive fold: burst 0, one warpgroup per CTA
-  bad.rows_progressive_fold = true;
-  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-            StatusCode::kInvalidArgument);
-  bad.burst = 0;
-  bad.ctas_per_sm = 1;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   {

@@ -151,6 +151,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  int early_release;  // GemmWgmmaOptions::rows_early_release (session 21 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -234,7 +235,11 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+//
+// kNsplit (n 32 only; session 21 variant, GemmWgmmaOptions::rows_n_split): each k step as two
+// m64n16k32 wgmmas on the fragment's halves (tokens 0-15 and 16-31) instead of one m64n32k32: two
+// independent accumulation chains per K block, the same registers and fold.
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kNsplit = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
@@ -429,8 +434,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
                            smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
           } else {
-            Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
-                            smem_desc(x_addr + 32 * k), k);
+            if constexpr (kNsplit) {
+              static_assert(kNw == 32, "the N split serves n 32");
+              // Token rows 16-31 of the 128B-swizzled box start 2048 bytes in (two 8-row groups).
+              auto& lo = *reinterpret_cast<float(*)[8]>(&f[q][0]);
+              auto& hi = *reinterpret_cast<float(*)[8]>(&f[q][8]);
+              const uint64_t a = smem_desc_interleave(w_addr + 2 * k * lbo, lbo);
+              Wgmma<16>::mma(lo, a, smem_desc(x_addr + 32 * k), k);
+              Wgmma<16>::mma(hi, a, smem_desc(x_addr + 2048 + 32 * k), k);
+            } else {
+              Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                              smem_desc(x_addr + 32 * k), k);
+            }
           }
         }
       }
@@ -453,6 +468,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
+      // (Variant, rows_early_release: the stage's reads are done once its last group completes.)
+      if (q == kKpb - 1 && p.early_release) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -481,7 +498,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
+    if (!p.early_release) mbar_arrive(empty0 + 8 * (i % kStages));  // its own reads released
   };
 
   issue(0, frag);

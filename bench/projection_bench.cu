@@ -393,8 +393,6 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool nsplit = false;          // GemmWgmmaOptions::rows_n_split
-  bool early_release = false;   // GemmWgmmaOptions::rows_early_release
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -468,13 +466,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18: the row split with each ring slot's
   // activations loaded once and reused (diagnostics: wrong results; 14 / 15 / 18 also serve M 17-64
-  // since session 21); 19-21: 14 / 15 / 18 chained; 22 / 23: the row split with each n 32 k step
-  // as two m64n16 wgmmas (rows_n_split) plain / chained; 24 / 25: with each stage released before
-  // its last fold (rows_early_release) plain / chained. (Session 21 also timed and removed: the wide
+  // since session 21); 19-21: 14 / 15 / 18 chained. (Session 21 also timed and removed: the wide
   // form, one CTA of 74-75 rows per SM with m64n80 wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the
   // activations in their own ring of one-K-block slots (rounds D-E: M 32 23.4 vs 17.2); a staged
-  // epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64 equal); the progressive fold of round F became
-  // the fold.) (Session 20 also timed and removed: a
+  // epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64 equal); n 32 k steps as two m64n16 wgmmas
+  // (round H: M 32 19.7 vs 17.4); the progressive fold of round F and the stage released before
+  // its last fold (round H: M 64 21.12 vs 21.40) became the kernel's.) (Session 20 also timed and removed: a
   // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
   // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
   // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
@@ -502,11 +499,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 3},
       {0, false, 16, 0, false, true, 0, true, false, 1},
       {0, false, 16, 0, false, true, 0, true, false, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 3}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -755,8 +748,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.rows_n_split = variants[v].nsplit;
-      o.rows_early_release = variants[v].early_release;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -775,8 +766,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
-          (variants[v].nsplit ? " n split" : "") +
-          (variants[v].early_release ? " early release" : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

@@ -83,11 +83,6 @@ struct GemmWgmmaOptions {
   // weight_l2_promotion do not apply. Opt-in: the caller keeps the image (N K bytes, as much again
   // as the weight).
   const void* row_packed_weights = nullptr;
-  // Variants (session 21), the row split: at M 17-32 (one warpgroup, burst 0) each k step as two
-  // m64n16k32 wgmmas (two independent chains per K block); a ring stage released as soon as its
-  // last wgmmas complete, before its last K block's fold.
-  bool rows_n_split = false;
-  bool rows_early_release = false;
   // The row split's CTA count: the `ctas` the image was packed for (gemm_wgmma_pack_weights_rows);
   // required with row_packed_weights. The kernel runs that many (virtual) CTAs whatever the device,
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only

@@ -27,8 +27,8 @@
 // warpgroup folds each K block's fragment as soon as its group completes (wgmma.wait_group
 // kKpb - 1 - q, session 21) into the accumulators (scale products from shared memory, staged once
 // per CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks,
-// a CTA's rows straddling at most one 128-row boundary) and releases the stage before waiting for
-// the next one. (Session 18
+// a CTA's rows straddling at most one 128-row boundary), releasing the stage once its last group
+// completes (before that K block's fold), and waits for the next one. (Session 18
 // issued stage i + 1's wgmmas before folding stage i, so that the tensor cores never waited for a
 // fold; session 19 round G, same round, back to back: serial stages 17.20-17.24 vs 17.61-17.75 us
 // at M 32, 21.76-21.78 vs 23.91-23.95 at M 64, 17.26-17.34 vs 17.56-17.58 at M 16, equal at M 1
@@ -151,7 +151,6 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int early_release;  // GemmWgmmaOptions::rows_early_release (session 21 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -160,7 +159,8 @@ struct RowsArgs : ScalesOut {
 // Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same
 // words for its stream without compute): %globaltimer ns at entry, clock64 at entry, clock64 when
 // the first, the middle (steps / 2) and the last ring stage was full, when the last stage was
-// released by every consumer (folded), after the epilogue's stores, and %globaltimer ns at the
+// released by every consumer (its wgmmas done; since session 21 before the last K block's fold),
+// after the epilogue's stores, and %globaltimer ns at the
 // end. Only two globaltimer reads per CTA (a read costs ~0.3 us); the host puts each CTA's
 // clock64 marks on the globaltimer base with the CTA's own clock rate (cycles between the two
 // reads over their ns). Words 0-5 come from the producer warp's idle lane 1, which follows the
@@ -235,11 +235,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
 // activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
 // activation traffic and no activation TMA writes after the first ring; session 21).
-//
-// kNsplit (n 32 only; session 21 variant, GemmWgmmaOptions::rows_n_split): each k step as two
-// m64n16k32 wgmmas on the fragment's halves (tokens 0-15 and 16-31) instead of one m64n32k32: two
-// independent accumulation chains per K block, the same registers and fold.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kNsplit = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
@@ -434,18 +430,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             Wgmma<40>::mma(f[q], smem_desc(x_addr + 32 * k),
                            smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
           } else {
-            if constexpr (kNsplit) {
-              static_assert(kNw == 32, "the N split serves n 32");
-              // Token rows 16-31 of the 128B-swizzled box start 2048 bytes in (two 8-row groups).
-              auto& lo = *reinterpret_cast<float(*)[8]>(&f[q][0]);
-              auto& hi = *reinterpret_cast<float(*)[8]>(&f[q][8]);
-              const uint64_t a = smem_desc_interleave(w_addr + 2 * k * lbo, lbo);
-              Wgmma<16>::mma(lo, a, smem_desc(x_addr + 32 * k), k);
-              Wgmma<16>::mma(hi, a, smem_desc(x_addr + 2048 + 32 * k), k);
-            } else {
-              Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
-                              smem_desc(x_addr + 32 * k), k);
-            }
+            Wgmma<kNw>::mma(f[q], smem_desc_interleave(w_addr + 2 * k * lbo, lbo),
+                            smem_desc(x_addr + 32 * k), k);
           }
         }
       }
@@ -454,22 +440,27 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   };
   // Stage i's fragments folded into acc in K-block order, each K block q as soon as its own
   // commit group completes (wgmma.wait_group kKpb - 1 - q) while the stage's later K blocks'
-  // wgmmas still run, then the stage released. (Session 21 round F, same round, b2b us, against
+  // wgmmas still run; the stage is released once its last group completes, before the last K
+  // block's fold (which reads registers and scales only). (Session 21 round H, same round, b2b
+  // us, release before vs after the last fold: fused M 64 21.12-21.13 vs 21.40-21.41, chained
+  // 20.06-20.12 vs 20.24-20.26; M 16 chained 16.07 vs 16.16-16.19; o_proj M 1 chained
+  // 14.63-14.73 vs 14.77-14.80; M 1 / 32 and o_proj M 16 equal. Round F, same round, b2b us, against
   // folding after wait_group 0: o_proj M 1 16.11-16.12 vs 16.28-16.32, chained 14.63-14.75 vs
   // 14.94-15.00; o_proj M 16 15.78-15.81 vs 16.08-16.09, chained 15.55-15.62 vs 15.86-15.87;
   // fused M 1 / 16 / 32 / 64 17.32 / 17.13-17.14 / 17.18-17.22 / 21.26 vs 17.37-17.46 /
   // 17.19-17.23 / 17.21-17.24 / 21.26-21.36, chained 15.30-15.35 / 15.95-16.02 / 17.32-17.33 /
-  // 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 / 20.25-20.27. Session 19 round F: releasing
-  // the stage before the fold, as soon as its wgmmas were complete, was no faster with the
-  // pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to back, M 16 equal, M 32 18.10 vs
-  // 17.61-17.62.)
+  // 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 / 20.25-20.27. Session 19 round F had
+  // released whole stages before their folds with the pipelined order (stage i + 1 issued
+  // before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session 21 round H also timed
+  // each n 32 k step as two m64n16k32 wgmmas, two independent chains per K block with the same
+  // registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
-      // (Variant, rows_early_release: the stage's reads are done once its last group completes.)
-      if (q == kKpb - 1 && p.early_release) mbar_arrive(empty0 + 8 * (i % kStages));
+      // After the last group: the stage's reads are done; each thread releases its own.
+      if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -498,7 +489,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    if (!p.early_release) mbar_arrive(empty0 + 8 * (i % kStages));  // its own reads released
   };
 
   issue(0, frag);

@@ -136,8 +136,7 @@ struct GemmWgmmaOptions {
   unsigned long long* debug_trace = nullptr;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
-  // releases, i.e. its stream), without its scaled folds (2: fragments only summed) or with each
-  // ring slot's activations loaded once and reused (3). 0: off.
+  // releases, i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.
   int debug_rows_diag = 0;
 };
 

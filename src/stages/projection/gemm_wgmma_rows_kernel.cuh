@@ -232,9 +232,13 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // ring, waits and releases: its stream), 2 = wgmma without the scaled fold (each fragment value
 // only added to its accumulator, so that the wgmmas stay live: session 19's first version of 2 had
 // no use of the fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which
-// made rounds D-G's "without folds" rows the same as 1), 3 = the full kernel with each ring slot's
-// activation boxes loaded once (the first kStages stages) and reused by every later stage (no L2
-// activation traffic and no activation TMA writes after the first ring; session 21).
+// made rounds D-G's "without folds" rows the same as 1). Session 21 round A (b2b plain / chained,
+// fused): M 32 full 17.25-17.27 / 17.39-17.47, 1: 16.33-16.35 / 15.05-15.13, 2: 17.05-17.11 /
+// 16.58-16.60; M 64 21.21-21.23 / 20.15-20.17, 19.34-19.35 / 17.96-18.02, 20.19-20.20 /
+// 18.82-18.84; o_proj M 1 16.23-16.28 / 14.95-14.96, 14.34-14.49 / 12.79-12.86, 15.63-15.70 /
+// 13.91. A third mode that loaded each ring slot's activation boxes only once (no activation
+// traffic after the first ring) was slower at M 32 (17.46-17.53) and 0.5 us faster at M 64
+// (20.64-20.71): the activation traffic is not what binds; deleted.
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -312,8 +316,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
-        const uint32_t act_bytes = kDiag == 3 && i >= kStages ? 0u : uint32_t{kActBytes};
-        mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + act_bytes));
+        mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
         // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
         for (int w = 0; w < kWg; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
@@ -343,7 +346,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
-        const int nk = kDiag == 3 && i >= kStages ? 0 : stage_kblocks(i);
+        const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
                       0, smem_addr(&full_bar[s]));
@@ -438,22 +441,21 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's fragments folded into acc in K-block order, each K block q as soon as its own
-  // commit group completes (wgmma.wait_group kKpb - 1 - q) while the stage's later K blocks'
-  // wgmmas still run; the stage is released once its last group completes, before the last K
-  // block's fold (which reads registers and scales only). (Session 21 round H, same round, b2b
-  // us, release before vs after the last fold: fused M 64 21.12-21.13 vs 21.40-21.41, chained
-  // 20.06-20.12 vs 20.24-20.26; M 16 chained 16.07 vs 16.16-16.19; o_proj M 1 chained
-  // 14.63-14.73 vs 14.77-14.80; M 1 / 32 and o_proj M 16 equal. Round F, same round, b2b us, against
-  // folding after wait_group 0: o_proj M 1 16.11-16.12 vs 16.28-16.32, chained 14.63-14.75 vs
-  // 14.94-15.00; o_proj M 16 15.78-15.81 vs 16.08-16.09, chained 15.55-15.62 vs 15.86-15.87;
-  // fused M 1 / 16 / 32 / 64 17.32 / 17.13-17.14 / 17.18-17.22 / 21.26 vs 17.37-17.46 /
-  // 17.19-17.23 / 17.21-17.24 / 21.26-21.36, chained 15.30-15.35 / 15.95-16.02 / 17.32-17.33 /
-  // 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 / 20.25-20.27. Session 19 round F had
-  // released whole stages before their folds with the pipelined order (stage i + 1 issued
-  // before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session 21 round H also timed
-  // each n 32 k step as two m64n16k32 wgmmas, two independent chains per K block with the same
-  // registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
+  // Stage i's fragments folded into acc in K-block order, each K block q as soon as its own commit
+  // group completes (wgmma.wait_group kKpb - 1 - q) while the stage's later K blocks' wgmmas still
+  // run; the stage is released once its last group completes, before the last K block's fold (which
+  // reads registers and scales only). (Session 21 round H, same round, b2b us, release before vs
+  // after the last fold: fused M 64 21.12-21.13 vs 21.40-21.41, chained 20.06-20.12 vs 20.24-20.26;
+  // M 16 chained 16.07 vs 16.16-16.19; o_proj M 1 chained 14.63-14.73 vs 14.77-14.80; M 1 / 32 and
+  // o_proj M 16 equal. Round F, same round, b2b us, against folding after wait_group 0: o_proj M 1
+  // 16.11-16.12 vs 16.28-16.32, chained 14.63-14.75 vs 14.94-15.00; o_proj M 16 15.78-15.81 vs
+  // 16.08-16.09, chained 15.55-15.62 vs 15.86-15.87; fused M 1 / 16 / 32 / 64 17.32 / 17.13-17.14 /
+  // 17.18-17.22 / 21.26 vs 17.37-17.46 / 17.19-17.23 / 17.21-17.24 / 21.26-21.36, chained
+  // 15.30-15.35 / 15.95-16.02 / 17.32-17.33 / 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 /
+  // 20.25-20.27. Session 19 round F had released whole stages before their folds with the pipelined
+  // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
+  // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
+  // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll

@@ -42,8 +42,9 @@
 //   name contains SUBSTR, e.g. "sparse decode B256 ctx8K draft3"; "A|B": either); --compare-kernels
 //   (decode/verify only: sparse draft 0/1/3/7 and dense draft 3 at 8K, each case under the
 //   automatic plan, the mma.sync decode kernel, the wgmma verify kernel's variants "v8" (cp.async
-//   loads) and "v53" (TMA loads, two-pass NaN test, lazy running max, conflict-free f16 V stores,
-//   the early copies, the rows out by bulk copies: the automatic verify choice beyond one wave),
+//   loads) and "v69" (TMA loads, two-pass NaN test, lazy running max, conflict-free f16 V stores,
+//   the early copies, the rows out by bulk copies, K / V copies L2 evict-first: the automatic
+//   verify choice beyond one wave),
 //   and for draft 7 the wgmma prefill kernel).
 #include <cuda_runtime_api.h>
 
@@ -112,8 +113,8 @@ __global__ void __launch_bounds__(256, 2)
                         const int32_t* list, const int32_t* start, uint32_t* sink, int delay_ns,
                         uint64_t* tl) {
   extern __shared__ __align__(128) uint8_t ring[];
-  // tl (--timeline): 8 words per CTA as the attention kernels write them: entry, list read, first
-  // copies issued, first block landed, last block landed, exit, blocks, SM id + 1.
+  // tl (--timeline): 8 words per CTA, as the attention kernels write their first 8: entry, list
+  // read, first copies issued, first block landed, last block landed, exit, blocks, SM id + 1.
   const auto mark = [&](int slot) {
     if (tl == nullptr || threadIdx.x != 0) return;
     uint64_t t;
@@ -388,12 +389,14 @@ bench::Row timing_row(const std::string& name, const std::string& verdict, doubl
   return row;
 }
 
-// The per-CTA timeline words (8 per CTA, see AttentionCudaConfig::timeline) of one cold call:
+// The per-CTA timeline words (see AttentionCudaConfig::timeline) of one cold call:
 // per phase the times of the CTAs that own a tile (us after the first CTA's entry), their phase
 // lengths, the CTAs without a tile (the grid is sized for the worst token distribution), and the
 // CTAs' ends by SM.
-void analyze_timeline(const std::string& name, double cold_us, const std::vector<uint64_t>& tl) {
-  constexpr int kWords = 8;
+// kWords: words per CTA (the attention kernels' 16, the plain read's 8); words 8-15 (the sparse
+// verify front's and epilogue's stamps) are printed where a CTA recorded them.
+void analyze_timeline(const std::string& name, double cold_us, const std::vector<uint64_t>& tl,
+                      int kWords) {
   const int64_t max_ctas = static_cast<int64_t>(tl.size()) / kWords;
   uint64_t g0 = ~uint64_t{0};
   for (int64_t x = 0; x < max_ctas; ++x)
@@ -436,6 +439,20 @@ void analyze_timeline(const std::string& name, double cold_us, const std::vector
       std::printf("   phase us: p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f", pct(len[sl - 1], 0.1),
                   pct(len[sl - 1], 0.5), pct(len[sl - 1], 0.9), pct(len[sl - 1], 1));
     std::printf("\n");
+  }
+  // The front's and the bulk epilogue's stamps (words 8-15 where recorded): at us after the
+  // first entry.
+  const char* front[] = {"ids", "ranked", "page0", "copy0", "staged", "bulk", "ep_in", "ep_st"};
+  for (int sl = 8; sl < std::min(kWords, 16); ++sl) {
+    std::vector<double> v;
+    for (int64_t x = 0; x < max_ctas; ++x) {
+      const uint64_t* w = tl.data() + x * kWords;
+      if (w[0] && w[1] && w[sl]) v.push_back(us(w[sl]));
+    }
+    if (v.empty()) continue;
+    std::printf("  %-8s at us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f  (%zu CTAs)\n",
+                front[sl - 8], pct(v, 0), pct(v, 0.1), pct(v, 0.5), pct(v, 0.9), pct(v, 1),
+                v.size());
   }
   std::printf(
       "  per block (first landed .. last attended) us: p10 %.3f p50 %.3f p90 %.3f max %.3f\n",
@@ -560,7 +577,7 @@ bench::Row read_ceiling_row(const Case& c, const Pool& pool, int copies, int cal
     check_cuda(cudaMemcpy(tl.data(), d_tl, tl_bytes, cudaMemcpyDeviceToHost), "timeline");
     cudaFree(d_tl);
     analyze_timeline(name + " (phases: list read, copies issued, first landed, last landed)",
-                     tt.median_us, tl);
+                     tt.median_us, tl, 8);
   }
   for (void* d : d_lists) cudaFree(d);
   cudaFree(d_start);
@@ -585,7 +602,7 @@ void run_once(const Case& c, cudaStream_t s, int copy = 0) {
 // times of the CTAs that own a tile (us after the first CTA's entry), their phase lengths, the CTAs
 // without a tile (the grid is sized for the worst token distribution), and the CTAs' ends by SM.
 void print_timeline(Case& c, cudaStream_t stream) {
-  constexpr int kWords = 8;
+  constexpr int kWords = 16;                  // attention_kernel.cuh kTimelineWords
   const int64_t max_ctas = c.T * kNkv * 128;  // T x n_kv x splits (<= 128)
   const size_t bytes = static_cast<size_t>(max_ctas) * kWords * 8;
   uint64_t* d_tl = static_cast<uint64_t*>(upload(nullptr, bytes));
@@ -601,7 +618,7 @@ void print_timeline(Case& c, cudaStream_t stream) {
   std::vector<uint64_t> tl(static_cast<size_t>(max_ctas) * kWords);
   check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
   cudaFree(d_tl);
-  analyze_timeline(c.name, t.median_us, tl);
+  analyze_timeline(c.name, t.median_us, tl, kWords);
 }
 
 // Twin rows of tokens `toks` ([toks.size(), n_q * 128] bf16), each rebuilt as a one-token request
@@ -842,7 +859,7 @@ int main(int argc, char** argv) {
       }
     } else if (compare) {
       // {kernel, verify kernel variant}
-      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 53}};
+      const std::vector<std::array<int, 2>> kp = {{0, 0}, {1, 0}, {5, 8}, {5, 69}};
       for (const auto& [kernel, variant] : kp) {
         AttentionCudaConfig x = cfg;
         x.kernel = kernel;

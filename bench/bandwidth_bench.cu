@@ -759,9 +759,12 @@ void run_rows(void* src, size_t src_bytes, const void* act, int* sink, int sms, 
   // (Round A also timed a 4.8 KB copy per K block and sub-tile into 1024-byte aligned slots, 2 or
   // 4 K blocks per stage, 1 or 2 CTAs per SM, 0 / 8 / 64 activation rows: 16.2-22.1 us back to back
   // for the fused weights against 15.47 for one copy per stage; o_proj 17.3-24.2 against 13.23.)
+  // Session 21: 32 activation rows (the M 32 kernel's L2 traffic) and one CTA per SM (74-75 rows
+  // of a 132-CTA image, each CTA reading the activations once per SM) with 64 / 32 rows.
   const RowCase cases[] = {{2, 4, 8, 1, 0},       {2, 4, 8, 1, 1},       {2, 2, 8, 1, 0},
                            {2, 2, 8, 1, 1},       {2, 2, 64, 1, 1},      {2, 1, 64, 1, 1},
-                           {2, 4, 8, 1, 1, true}, {2, 2, 64, 1, 1, true}};
+                           {2, 4, 8, 1, 1, true}, {2, 2, 64, 1, 1, true}, {2, 2, 32, 1, 1},
+                           {1, 2, 64, 1, 1},      {1, 2, 32, 1, 1}};
   std::vector<bench::Row> rows;
   for (const Shape& sh : shapes) {
     const size_t bytes = static_cast<size_t>(sh.n * sh.k);

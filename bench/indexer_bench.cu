@@ -61,7 +61,7 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -93,6 +93,10 @@ namespace {
 using bench::check_cuda;
 
 constexpr int kNkv = 4;
+// IndexerCudaOptions::timeline layout (indexer_kernel_common.cuh): words per scorer warp and per
+// selection-kernel warp.
+constexpr int64_t kStride = 24;
+constexpr int64_t kSelWords = 8;
 constexpr int64_t kPageBytes = int64_t{kPageSize} * kHeadDim;  // one index-K page (dense stride)
 
 // Bytes drawn from the E4M3 codes of -3 .. 3 (passed packed in `codes`).
@@ -623,7 +627,7 @@ int main(int argc, char** argv) {
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
     const int64_t sel_warps = c.T * kNkv * 4 + 64;
-    const size_t words = static_cast<size_t>((warps + 1) * 16 + sel_warps * 4);
+    const size_t words = static_cast<size_t>(warps * kStride + 16 + sel_warps * kSelWords);
     const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
     o.timeline = d_tl;
@@ -649,7 +653,7 @@ int main(int argc, char** argv) {
     // offset of its latest-read pair (ns = offset + clock / GHz).
     std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pairs;  // SM -> (ns, clock)
     for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       if (!e[0]) continue;
       const int sm = static_cast<int>(e[7]);
       if (e[13]) pairs[sm].emplace_back(e[13], e[14]);
@@ -688,14 +692,14 @@ int main(int argc, char** argv) {
     };
     double g0 = 1e300;
     for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       double ns = 0;
       if (e[0] && ns_of(static_cast<int>(e[7]), e[8], &ns)) g0 = std::min(g0, ns);
     }
     // at(w, slot): us after the first warp's entry, or kNone when not recorded.
     constexpr double kNone = -1e30;
     const auto at = [&](int64_t w, int slot) {
-      const uint64_t* e = tl.data() + w * 16;
+      const uint64_t* e = tl.data() + w * kStride;
       double ns = 0;
       if (!e[0] || !e[slot] || !ns_of(static_cast<int>(e[7]), e[8 + slot], &ns)) return kNone;
       return (ns - g0) * 1e-3;
@@ -724,20 +728,40 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     {
+      // The single pass's final selection: per selecting warp, its first row in
+      // registers (word 16) and ranked (17), after the barrier (slot 3).
+      std::vector<double> ld, rk;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * kStride;
+        double ns = 0, b = at(w, 3);
+        if (!e[0] || !e[16] || b == kNone) continue;
+        if (ns_of(static_cast<int>(e[7]), e[16], &ns)) ld.push_back((ns - g0) * 1e-3 - b);
+        if (e[17] && ns_of(static_cast<int>(e[7]), e[17], &ns)) rk.push_back((ns - g0) * 1e-3 - b);
+      }
+      if (!ld.empty())
+        std::printf(
+            "  final selection (%zu warps), us after the barrier: first row loaded p50 %6.2f "
+            "p90 %6.2f max %6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
+            pct(rk, 1));
+    }
+    {
       // The selection kernel (when one runs): its warps' entry, release from the dependency
       // wait and row written, beside the scorer's last warp done.
       double last_done = kNone;
       for (int64_t w = 0; w < warps; ++w) last_done = std::max(last_done, at(w, 4));
-      std::vector<double> ent, rel, don;
-      const uint64_t* sel = tl.data() + (warps + 1) * 16;
+      std::vector<double> ent, rel, don, ld, rk;
+      const uint64_t* sel = tl.data() + warps * kStride + 16;
       for (int64_t w = 0; w < sel_warps; ++w) {
-        const uint64_t* e = sel + w * 4;
+        const uint64_t* e = sel + w * kSelWords;
         if (!e[0]) continue;
         const int sm = static_cast<int>(e[0] - 1);
         double ns = 0;
         if (e[1] && ns_of(sm, e[1], &ns)) ent.push_back((ns - g0) * 1e-3);
         if (e[2] && ns_of(sm, e[2], &ns)) rel.push_back((ns - g0) * 1e-3);
         if (e[3] && ns_of(sm, e[3], &ns)) don.push_back((ns - g0) * 1e-3);
+        if (e[4] && ns_of(sm, e[4], &ns)) ld.push_back((ns - g0) * 1e-3);
+        if (e[5] && ns_of(sm, e[5], &ns)) rk.push_back((ns - g0) * 1e-3);
       }
       if (!rel.empty())
         std::printf(
@@ -746,7 +770,13 @@ int main(int argc, char** argv) {
             "last warp done %6.2f\n",
             ent.size(), pct(ent, 0), pct(ent, 0.5), pct(rel, 0), pct(rel, 0.5), pct(rel, 1),
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
-      else
+      if (!ld.empty())
+        std::printf(
+            "  select kernel (short) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
+            "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
+            pct(rk, 1));
+      if (rel.empty())
         std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }
     // Where the spread of "scored" lives: between the warps of a CTA, between the CTAs of a
@@ -759,7 +789,7 @@ int main(int argc, char** argv) {
         double lo = 1e30, hi = kNone;
         int sm = -1;
         for (int w = 0; w < 4; ++w) {
-          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * 16;
+          const uint64_t* e = tl.data() + ((x * pl.k_splits + y) * 4 + w) * kStride;
           const double t2 = at((x * pl.k_splits + y) * 4 + w, 2);
           if (t2 == kNone) continue;
           lo = std::min(lo, t2);
@@ -1007,7 +1037,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}};
+                                {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1018,6 +1048,8 @@ int main(int argc, char** argv) {
     all[8].o.flat_decode = 3;
     all[9].o.flat_decode = 1;
     all[9].o.short_select = false;
+    all[10].o.short_select_warps = 2;
+    all[11].o.short_select_warps = 4;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1058,7 +1090,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1; "
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, w2 / w4 = short_select_warps 2 / 4; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -392,7 +392,7 @@ struct ShapeVariant {
   // ring of weights is requested while the preceding call's last CTAs finish.
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
-  int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a at M <= 8)
+  int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -464,10 +464,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without the L2 evict-first policy (as bandwidth_bench --rows streams them); 13: the stream-K
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
-  // 17: the row split with 2 K blocks per stage, chained. (Session 20 also timed and removed: a
-  // K split of the row split, one CTA per image CTA pair whose two warpgroups took alternate
-  // stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K block
-  // per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
+  // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
+  // serve M 17-64 since session 21). (Session 21 also timed and removed: the diagnostic with each
+  // ring slot's activations loaded once (round A: M 32 slower, M 64 0.5 us faster); the wide form,
+  // one CTA of 74-75 rows per SM with m64n80 wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the
+  // activations in their own ring of one-K-block slots (rounds D-E: M 32 23.4 vs 17.2); a staged
+  // epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64 equal); n 32 k steps as two m64n16 wgmmas
+  // (round H: M 32 19.7 vs 17.4); the progressive fold of round F and the stage released before its
+  // last fold (round H: M 64 21.12 vs 21.40) became the kernel's.) (Session 20 also timed and
+  // removed: a K split of the row split, one CTA per image CTA pair whose two warpgroups took
+  // alternate stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K
+  // block per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
   // (round D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj
   // M 1 chained 15.3 / 15.4 vs 14.8); a ring of slots sized by the CTAs' rows (round E: o_proj M
   // 1 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3). The
@@ -488,7 +495,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 1},
       {0, false, 16, 0, false, true, 0, false, false, 2},
       {1, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 2, true}};
+      {0, false, 16, 0, false, true, 2, true},
+      {0, false, 16, 0, false, true, 0, true, false, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 2}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -771,7 +780,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     st.to_string().c_str());
         continue;
       }
-      const bool ablated = variants[v].diag > 0 && m <= 8;  // (diagnostics: results wrong)
+      const bool ablated = variants[v].diag > 0;  // (diagnostics: results wrong)
       add(
           name,
           [&](cudaStream_t stc, int c) {

@@ -92,7 +92,14 @@ constexpr int64_t kVerifyMinAvgTokens = 2;
 // Session 20: 53 (21 with the rows out by bulk copies, attention_verify_wgmma.cuh write_rows_bulk)
 // replaces 21: B256 x 4 @ 32K 157.5-158.1 and 158.7-159.9 vs 160.7-160.8 and 160.5-161.6 us (rounds
 // D / E, same-run alternating runs); 21 was removed.
-constexpr int kAutoVerifyVariant = 53;  // sparse and dense (layers 0-2) alike
+// Session 21: 64 (53 with one bulk copy of a token's rows per warp, which also takes out_q)
+// replaces 53: B256 x 4 isolated us, same-run alternating runs, tie: 157.6-158.4 vs 157.7-160.3 @
+// 32K (round F), 158.9-162.0 vs 158.8-161.8 @ 8K and 161.2-161.5 vs 159.1-163.0 @ 32K (round G); 53
+// removed. 69 (64 with the K / V copies L2 evict-first, as 67) replaces 64: round H, B256 x 4 at
+// 8K / 32K, three alternating runs each, isolated 158.0-161.4 (mean 159.8) vs 158.6-164.6
+// (161.5) us, b2b 154.2-157.4 (155.9) vs 156.4-158.9 (158.1); round I 156.2-158.9 (157.4) vs
+// 157.4-159.3 (158.1), b2b 153.3 vs 155.4; 64 removed.
+constexpr int kAutoVerifyVariant = 69;  // sparse and dense (layers 0-2) alike
 // ... except for one-wave grids (make_plan), where 27 (21's loop on cp.async loads, the early
 // copies by TMA, as in the decode kernel) runs. Round C2 (two runs, sparse draft 3, isolated us at
 // 8K / 32K / 128K): B64 x 4 44.7 / 44.4 / 44.7 and 44.8 / 44.6 / 44.3 vs 45.5 / 46.3 / 46.0
@@ -110,7 +117,19 @@ constexpr int kAutoVerifyVariant = 53;  // sparse and dense (layers 0-2) alike
 // Session 20: 52 (42 with the rows out by bulk copies) replaces 42: B64 x 4 at 8K / 32K / 128K
 // 41.4-42.1 vs 42.2-42.8 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (42.24) (round E); 42 was
 // removed, and so were 50, 51, 54-57 (see attention_verify_kernel).
-constexpr int kAutoVerifyOneWave = 52;
+// Session 21: 67 replaces 52: 52 with the guessed tile's page-table reads issued before the tile
+// scan and list entry 0 copied right after it (kPageEarly), one bulk copy of a token's output rows
+// per warp (kBulkOut) and the K / V copies L2 evict-first (kEvictFirst); the steps were 60, 63
+// (removed). B64 x 4 at 8K / 32K / 128K, isolated us, same-run alternating runs (3 each): round G
+// 67 41.3-41.6 (mean 41.49, b2b 39.5-39.7) vs 52 41.9-42.5 (42.19, b2b 41.8-42.4); 63 (67 without
+// evict-first) 41.0-42.2 (41.48, b2b 41.3-41.9). Rounds C / D / F: 60 41.66 / 41.91 / 41.3 vs 52
+// 42.24 / 42.31 / 41.9 (means); see attention_verify_kernel for what lost (58, 59, 61, 62, 65,
+// 66, 68). 70 (67 with request `tile`'s page-table row in shared memory, one copy per candidate
+// warp, and Q loaded after the ids) replaces 67: round H 40.8-41.4 (mean 41.21) vs 41.1-41.8
+// (41.44), b2b 39.2-39.8 (39.62) vs 39.3-39.8 (39.63); timeline @ 32K: ids 1.38 vs 1.60 us,
+// first block landed 4.42 vs 4.54; round I 40.4-41.2 (mean 40.81) vs 40.6-41.3 (41.03), b2b 39.04
+// vs 38.98; 67 removed.
+constexpr int kAutoVerifyOneWave = 70;
 // No L2 prefetch ahead of the shared-memory ring (AttentionCudaConfig::l2_prefetch, which had no
 // effect since session 13, was removed in session 16): it was never faster (session 11: 4-15 %
 // slower per line, session 12: bulk prefetches of whole tiles 8-33 % slower) and was removed in
@@ -193,13 +212,14 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
     pl.ctas = cfg.persistent_ctas > 0 ? cfg.persistent_ctas : sm_count();
   }
   if (cfg.verify_variant != 0 && cfg.verify_variant != 8 && cfg.verify_variant != 27 &&
-      cfg.verify_variant != 52 && cfg.verify_variant != 53)
+      cfg.verify_variant != 69 && cfg.verify_variant != 70)
     return unsupported(
         "run_attention_cuda: verify_variant ", cfg.verify_variant,
-        " is not 0, 8, 27, 52 or 53 (9, 11, 12, 14 and 15 were removed in session 15; 13, "
-        "16 and 18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session 18; "
-        "34, 37-41 and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 "
-        "without them), 50, 51 and 54-57 in session 20)");
+        " is not 0, 8, 27, 69 or 70 (9, 11, 12, 14 and 15 were removed in session 15; 13, 16 and "
+        "18-20 in session 16; 17, 22-26 in session 17; 28-33, 35 and 36 in session 18; 34, 37-41 "
+        "and 43-46 in session 19; 21 (53 without the bulk-copied rows), 42 (52 without them), 50, "
+        "51 and 54-57 in session 20; 52 and 53 (the defaults before session 21), 58-68 in session "
+        "21)");
   if (pl.verify) {
     pl.verify_variant = cfg.verify_variant != 0 ? cfg.verify_variant : kAutoVerifyVariant;
     if (cfg.tokens_per_tile != 0 && cfg.tokens_per_tile != av::kQT)
@@ -265,8 +285,9 @@ Status make_plan(const AttentionParams& p, const AttentionCudaConfig& cfg, Plan*
   }
   if (pl.verify && cfg.verify_variant == 0 && pl.splits == 1 && R > 0) {
     // One wave (the likely CTA count, R requests of ceil(T / R) tokens each, fits 2 CTAs per SM):
-    // 52, the loop on cp.async loads with one early copy and Q loaded at entry; more waves: 53
-    // (kAutoVerifyVariant); both write their rows by bulk copies.
+    // 70, the loop on cp.async loads with one early copy, the guessed tile's page-table entries
+    // (from a shared-memory copy of its row) and Q read early; more waves: 69 (kAutoVerifyVariant),
+    // the TMA ring; both write their rows by bulk copies and copy K / V L2 evict-first.
     const int64_t per_request = (T + R - 1) / R;
     const int64_t likely_ctas = R * ((per_request + av::kQT - 1) / av::kQT) * p.n_kv;
     if (likely_ctas <= split_wave()) pl.verify_variant = kAutoVerifyOneWave;
@@ -299,12 +320,14 @@ Status launch_prefill(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaSt
   return Status::Ok();
 }
 
-// Variants 27, 52, 53 (kTma: TMA loads, kEarly: the early copies, kTwoPass: the two-pass V NaN
-// test, kLazy: the lazy running max, kBulkOut: the rows out by bulk copies) run as 8 (cp.async, the
-// NaN test in every block) where the pool is not 16-byte aligned or the driver refuses the tensor
-// maps.
+// Variants 27, 69, 70 (kTma: TMA loads, kEarly: the early copies, kTwoPass: the two-pass V NaN
+// test, kLazy: the lazy running max, kBulkOut: the rows out by bulk copies, kPageEarly: the guessed
+// tile's page-table reads before the scan, kEvictFirst: the K / V copies L2 evict-first) run as 8
+// (cp.async, the NaN test in every block) where the pool is not 16-byte aligned or the driver
+// refuses the tensor maps.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = av::kStages - 1, bool kQEarly = false, bool kBulkOut = false>
+          int kFirst = av::kStages - 1, bool kQEarly = false, bool kBulkOut = false,
+          bool kPageEarly = false, bool kEvictFirst = false, int kRowPages = 0>
 Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStream_t stream) {
   M3_CHECK_ARG(pl.tiles * n_kv <= std::numeric_limits<int32_t>::max(),
                "run_attention_cuda: ", pl.tiles, " tiles x ", n_kv,
@@ -314,8 +337,8 @@ Status launch_verify(const ak::AttnArgs& args, const Plan& pl, int n_kv, cudaStr
     if (!attention_prefill_ws::encode_maps(args, &kmap, &vmap, &qmap))
       return launch_verify<kVec16, false>(args, pl, n_kv, stream);
   }
-  auto kernel =
-      av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly, kBulkOut>;
+  auto kernel = av::attention_verify_kernel<kVec16, kTma, kTwoPass, kLazy, kEarly, kFirst, kQEarly,
+                                            kBulkOut, kPageEarly, kEvictFirst, kRowPages>;
   M3_CUDA_RETURN_IF_ERROR(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, av::kSmemBytes));
   const dim3 grid(static_cast<unsigned>(pl.tiles * n_kv), 1u, static_cast<unsigned>(pl.splits));
@@ -366,11 +389,14 @@ Status dispatch(const ak::AttnArgs& args, const Plan& pl, int n_kv, bool vec16,
     switch (pl.verify_variant) {
       case 27:
         return launch_verify<true, false, true, true, true>(args, pl, n_kv, stream);
-      case 52:  // 27 with one early copy, Q loaded at entry for the guessed tile, bulk-copied rows
-        return launch_verify<true, false, true, true, true, 1, true, true>(args, pl, n_kv, stream);
-      case 53:  // the TMA ring with two early copies, bulk-copied rows
-        return launch_verify<true, true, true, true, true, av::kStages - 1, false, true>(
+      case 70:  // one early copy, Q after the ids, the guessed tile's page reads from a
+                // shared-memory copy of its row before the scan, bulk rows, K / V copies L2
+                // evict-first
+        return launch_verify<true, false, true, true, true, 1, true, true, true, true, 1024>(
             args, pl, n_kv, stream);
+      case 69:  // the TMA ring with two early copies, bulk rows, K / V copies L2 evict-first
+        return launch_verify<true, true, true, true, true, av::kStages - 1, false, true, false,
+                             true>(args, pl, n_kv, stream);
       default:
         return launch_verify<true, false>(args, pl, n_kv, stream);
     }

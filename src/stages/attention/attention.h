@@ -90,20 +90,23 @@ struct AttentionCudaConfig {
                    // were removed in session 13, 11 in session 14 (unsupported)
   int persistent_ctas = 0;  // kernel 15: CTAs of the persistent grid (0: one per SM;
                             // fewer make each CTA walk more work items, e.g. in tests)
-  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (52 when the
-                            // likely grid is one wave of 2 CTAs per SM without splits, else 53), 8
-                            // cp.async loads of K and V (the NaN test in every block), 53 TMA
+  int verify_variant = 0;   // kernel 5 (attention_verify_wgmma.cuh): 0 automatic (70 when the
+                            // likely grid is one wave of 2 CTAs per SM without splits, else 69), 8
+                            // cp.async loads of K and V (the NaN test in every block), 69 TMA
                             // loads (where TMA can address the pool; else 8 runs), the V NaN
                             // test in a second pass that runs only when the first one's output
                             // holds a NaN, a lazy running max, conflict-free f16 V stores, a
                             // shorter epilogue (session 16's 17), the first two blocks
                             // requested as soon as their pages are known (session 17; one split,
-                            // sparse) and the output rows written by bulk copies (session 20;
-                            // one split); 27: 53's loop on cp.async loads, the early copies by
-                            // TMA, the rows by plain stores; 52: 27 with only the first block
-                            // requested early (session 18), Q loaded at entry for the guessed
-                            // tile (session 19) and the rows by bulk copies (session 20)
-                            // (9, 11-26, 28-51, 54-57 were removed)
+                            // sparse), a token's output rows (and out_q's) written by one bulk
+                            // copy per warp (sessions 20 / 21; one split) and the K / V copies L2
+                            // evict-first (session 21); 27: 69's loop on cp.async loads, the early
+                            // copies by TMA, the rows by plain stores, no cache hint; 70: 27 with
+                            // only the first block requested early (session 18), Q loaded for the
+                            // guessed tile (session 19) once its ids landed, that tile's
+                            // page-table entries read from a shared-memory copy of the request's
+                            // row before the tile scan, 69's bulk rows and evict-first copies
+                            // (session 21) (9, 11-26, 28-68 were removed)
   int decode_kernel = 0;    // the 8-warp decode kernel: 0 automatic (11 when the likely grid is
                             // one wave of 2 CTAs per SM, else 10), 10 (session 17) with
                             // its first two blocks requested by TMA as soon as their pages are
@@ -118,11 +121,14 @@ struct AttentionCudaConfig {
                                      // src/core/pdl.cuh): each waits (griddepcontrol.wait) before
                                      // reading ids, Q, the cache or the workspace; off: plain
                                      // stream-ordered launches (same kernels, same bytes)
-  // Diagnostics for benchmarks (null: off; not validated): the decode and verify kernels write 8
+  // Diagnostics for benchmarks (null: off; not validated): the decode and verify kernels write 16
   // uint64 words per CTA of their grid (CTA x + X (y + Y z)): %globaltimer ns at entry, tile found,
   // block list built, first block landed, last block attended, exit (words 0-5; a CTA without a
-  // tile writes only 0 and 5), its block count (6) and SM id + 1 (7). Size it for the grid (at
-  // most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels ignore it.
+  // tile writes only 0 and 5), its block count (6) and SM id + 1 (7); the sparse verify kernel
+  // also stamps its front in words 8-11 (ids arrived, union ranked, first page known, first copy
+  // issued) and its bulk epilogue in 12-15 (attention_kernel.cuh timeline_mark). Size it for the
+  // grid (at most T x n_kv x splits CTAs) and clear it before the call. The prefill kernels
+  // ignore it.
   uint64_t* timeline = nullptr;
 };
 

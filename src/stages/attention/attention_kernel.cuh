@@ -87,15 +87,23 @@ struct AttnArgs {
 // x + X (y + Y z) of its grid) records %globaltimer (ns) in word `slot` of its kTimelineWords
 // words: 0 entry, 1 tile found and its inputs loaded, 2 block list built, 3 first block landed, 4
 // last block attended (before the epilogue), 5 exit (also for a CTA without a tile: then words 1-4
-// stay 0); word 6 = the blocks the CTA walks, word 7 = its SM id + 1 (written at entry).
-constexpr int kTimelineWords = 8;
+// stay 0); word 6 = the blocks the CTA walks, word 7 = its SM id + 1 (written at entry). Words
+// 8-11 stamp the sparse verify front (session 21; 0 where a kernel does not record them): 8 the
+// tile's block ids arrived (thread 0's), 9 the union's ranks known (the warp front), 10 the page of
+// the list's first entry known, 11 its early copy issued (timeline_mark_dep / timeline_mark_any);
+// 12 / 13 the epilogue of the bulk-copied rows: rows staged in shared memory and fenced, thread
+// 0's copy issued; 14 / 15 that epilogue's entry (NaN dims read) and its staging stores issued.
+constexpr int kTimelineWords = 16;
+__device__ __forceinline__ uint64_t* timeline_words(const AttnArgs& a) {
+  const int64_t cta =
+      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
+  return a.timeline + cta * kTimelineWords;
+}
 __device__ __forceinline__ void timeline_mark(const AttnArgs& a, int slot, int value = 0) {
   if (a.timeline == nullptr || threadIdx.x != 0) return;
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  const int64_t cta =
-      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-  uint64_t* w = a.timeline + cta * kTimelineWords;
+  uint64_t* w = timeline_words(a);
   w[slot] = t;
   if (slot == 0) {
     uint32_t sm;
@@ -103,6 +111,21 @@ __device__ __forceinline__ void timeline_mark(const AttnArgs& a, int slot, int v
     w[7] = uint64_t{sm} + 1;
   }
   if (slot == 2) w[6] = static_cast<uint64_t>(value);
+}
+// Thread 0 records `slot` once `dep` is in its registers (the asm reads it: a pending load of dep
+// is waited for first).
+__device__ __forceinline__ void timeline_mark_dep(const AttnArgs& a, int slot, int dep) {
+  if (a.timeline == nullptr || threadIdx.x != 0) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+  timeline_words(a)[slot] = t;
+}
+// The calling thread (any) records `slot`, after `dep` is in its registers.
+__device__ __forceinline__ void timeline_mark_any(const AttnArgs& a, int slot, int dep) {
+  if (a.timeline == nullptr) return;
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : "r"(dep));
+  timeline_words(a)[slot] = t;
 }
 // %globaltimer when the timeline is on (0 otherwise), for a mark recorded later (timeline_put).
 __device__ __forceinline__ uint64_t timeline_now(const AttnArgs& a) {
@@ -112,9 +135,7 @@ __device__ __forceinline__ uint64_t timeline_now(const AttnArgs& a) {
 }
 __device__ __forceinline__ void timeline_put(const AttnArgs& a, int slot, uint64_t t) {
   if (a.timeline == nullptr || threadIdx.x != 0) return;
-  const int64_t cta =
-      blockIdx.x + int64_t{gridDim.x} * (blockIdx.y + int64_t{gridDim.y} * blockIdx.z);
-  a.timeline[cta * kTimelineWords + slot] = t;
+  timeline_words(a)[slot] = t;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -299,19 +320,26 @@ __device__ __forceinline__ int block_inclusive_scan(int v, int* s_warp, int& tot
 // Tile `tile` of the batch: requests are cut into ceil(n_r / QT) tiles of QT tokens, in request
 // order. Writes {request, first token, tokens} to s_tile; false when the tile does not exist
 // (the grid is sized for the worst case). A CTA of `Threads` threads.
+// first (optional): request_bounds(a, threadIdx.x), loaded by the caller ahead of time (the first
+// Threads requests' bounds; the rest are loaded here).
+struct TileBounds {
+  int lo, hi;
+};
+__device__ __forceinline__ TileBounds request_bounds(const AttnArgs& a, int r) {
+  if (r >= a.R) return {0, 0};
+  return {min(max(a.query_start[r], 0), a.T), min(max(a.query_start[r + 1], 0), a.T)};
+}
 template <int QT, int Threads = kThreads>
-__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile) {
+__device__ bool find_tile(const AttnArgs& a, int tile, int* s_warp, int* s_tile,
+                          const TileBounds* first = nullptr) {
   if (threadIdx.x == 0) s_tile[0] = -1;
   __syncthreads();
   int carry = 0;
   for (int base = 0; base < a.R; base += Threads) {
     const int r = base + static_cast<int>(threadIdx.x);
-    int lo = 0, hi = 0, cnt = 0;
-    if (r < a.R) {
-      lo = min(max(a.query_start[r], 0), a.T);
-      hi = min(max(a.query_start[r + 1], 0), a.T);
-      cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
-    }
+    const TileBounds tb = base == 0 && first != nullptr ? *first : request_bounds(a, r);
+    const int lo = tb.lo, hi = tb.hi;
+    const int cnt = hi > lo ? (hi - lo + QT - 1) / QT : 0;
     int total = 0;
     const int incl = block_inclusive_scan<Threads>(cnt, s_warp, total);
     const int excl = incl - cnt;
@@ -417,6 +445,24 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
   }
   return page;
 }
+// The same with the page-table entry already read (`page`, from guessed_page's read of the right
+// row; -1 when that read was skipped, which happens exactly when b does not count here either).
+__device__ __forceinline__ int candidate_page_known(const AttnArgs& a, int pos, int& b, int page) {
+  if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages) {
+    if (page < 0 || page >= a.num_pages) b = -1;
+    return page;
+  }
+  b = -1;
+  return -1;
+}
+// candidate_page's read of the page-table entry of block b in request r's row, issued before the
+// tile scan confirms r (the verify kernel's guessed request), not waited for here: -1 without a
+// read where b cannot count.
+__device__ __forceinline__ int guessed_page(const AttnArgs& a, int r, int pos, int b) {
+  if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)
+    return a.page_table[static_cast<int64_t>(r) * a.pt_stride + b];
+  return -1;
+}
 
 // The union of a tile's sparse selections (all threads of the CTA of `Threads` threads call it).
 // Candidate c = tid < QT * 16 is slot c % 16 of token c / 16 (cand_b its id, cand_pos the token's
@@ -428,7 +474,8 @@ __device__ __forceinline__ int candidate_page(const AttnArgs& a, int64_t pt_row,
 // barrier (the caller's). `early(b, page)` runs in every thread as soon as its candidate's page is
 // known, before any barrier (b = -1 for a candidate that does not count and for threads without
 // one): the verify kernel issues its first copies there (entry k of the list is the k-th
-// candidate, in candidate order, whose id occurs first).
+// candidate, in candidate order, whose id occurs first). page_known: known_page is this thread's
+// page-table entry, already read (candidate_page_known; the caller has confirmed the row).
 struct NoEarly {
   __device__ __forceinline__ void operator()(int, int) const {}
 };
@@ -437,7 +484,8 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
                                             int cand_pos, const int* s_pos, int* s_cand_b,
                                             int* s_cand_page, int* s_warp, int* s_list_b,
                                             int* s_list_page, int* s_list_mask, int* s_list_vlim,
-                                            Early early = {}) {
+                                            Early early = {}, bool page_known = false,
+                                            int known_page = -1) {
   constexpr int kCand = kTopKIds * QT;
   static_assert(kCand <= Threads && kCand <= kMaxList, "one candidate per thread");
   const int tid = threadIdx.x;
@@ -445,7 +493,8 @@ __device__ __forceinline__ int sparse_union(const AttnArgs& a, int64_t pt_row, i
     int b = -1, page = -1;
     if (tid < kCand) {
       b = cand_b;
-      page = candidate_page(a, pt_row, cand_pos, b);
+      page = page_known ? candidate_page_known(a, cand_pos, b, known_page)
+                        : candidate_page(a, pt_row, cand_pos, b);
       s_cand_b[tid] = b;
       s_cand_page[tid] = page;
     }
@@ -533,11 +582,29 @@ __device__ __forceinline__ ChunkEntries chunk_entries(const AttnArgs& a, int64_t
           s_list_vlim != nullptr ? s_list_vlim + off : nullptr};
 }
 
+// An L2 policy for data read once (the selected K / V tiles of a decode / verify call: each
+// (page, KV head) tile is read by one CTA once): evict first, so the call's stream of ~134 MB (B64
+// x 4) does not push the kernel's code, page table, ids and Q out of L2 ahead of their next use
+// (the verify kernel's epilogue runs code no warp has fetched since the grid started).
+__device__ __forceinline__ uint64_t evict_first_policy() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ void cp_async_16_hint(uint32_t dst, const void* src, uint64_t policy) {
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(dst),
+               "l"(src), "l"(policy)
+               : "memory");
+}
+
 // Raw K and V tiles of one (page, KV head) into one pipeline stage ([K tile | V tile]), each
 // [128 keys][128 bytes] with 16-byte chunk c of key k stored at chunk (c ^ (k & 7)), so that
 // ldmatrix reads of 8 keys x 16 bytes hit 8 distinct bank groups. All `Threads` threads call it.
-template <bool kVec16, int Threads = kThreads>
-__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage) {
+// kHint (16-byte copies only): with the L2 cache policy `policy` (evict_first_policy).
+template <bool kVec16, int Threads = kThreads, bool kHint = false>
+__device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, uint8_t* stage,
+                                           uint64_t policy = 0) {
+  static_assert(!kHint || kVec16, "cache hints on the 16-byte copies");
   static_assert(kTileBytes / 16 % Threads == 0, "whole 16-byte chunks per thread");
   const uint8_t* kt =
       a.kv + static_cast<int64_t>(page) * a.page_stride + static_cast<int64_t>(g) * kTileBytes;
@@ -549,7 +616,10 @@ __device__ __forceinline__ void load_block(const AttnArgs& a, int page, int g, u
     const int key = i >> 3, c = i & 7;
     const uint32_t kdst = ks + key * kDim + ((c ^ (key & 7)) << 4);
     const uint32_t vdst = kdst + kTileBytes;
-    if constexpr (kVec16) {
+    if constexpr (kHint) {
+      cp_async_16_hint(kdst, kt + i * 16, policy);
+      cp_async_16_hint(vdst, vt + i * 16, policy);
+    } else if constexpr (kVec16) {
       cp_async_16(kdst, kt + i * 16);
       cp_async_16(vdst, vt + i * 16);
     } else {
@@ -572,14 +642,34 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// tma_load_4d with an L2 cache policy (evict_first_policy).
+__device__ __forceinline__ void tma_load_4d_hint(uint32_t dst, const CUtensorMap* map, int c0,
+                                                 int c1, int c2, int c3, uint32_t bar,
+                                                 uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint "
+      "[%0], [%1, {%2, %3, %4, %5}], [%6], %7;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar),
+      "l"(policy)
+      : "memory");
+}
+
 // The layout of load_block by two TMA copies (K, V maps of [pages][n_kv][128][128] bytes with the
 // 128-byte swizzle: chunk c of row k lands at c ^ (k & 7) when `dst` is 1024-byte aligned), issued
-// by ONE thread onto mbarrier `bar`, which completes when both tiles landed.
+// by ONE thread onto mbarrier `bar`, which completes when both tiles landed. kHint: with the L2
+// cache policy `policy`.
+template <bool kHint = false>
 __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CUtensorMap* vmap,
-                                               int page, int g, uint32_t dst, uint32_t bar) {
+                                               int page, int g, uint32_t dst, uint32_t bar,
+                                               uint64_t policy = 0) {
   sm90::mbar_arrive_expect_tx(bar, kStageBytes);
-  tma_load_4d(dst, kmap, 0, 0, g, page, bar);
-  tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
+  if constexpr (kHint) {
+    tma_load_4d_hint(dst, kmap, 0, 0, g, page, bar, policy);
+    tma_load_4d_hint(dst + kTileBytes, vmap, 0, 0, g, page, bar, policy);
+  } else {
+    tma_load_4d(dst, kmap, 0, 0, g, page, bar);
+    tma_load_4d(dst + kTileBytes, vmap, 0, 0, g, page, bar);
+  }
 }
 
 // The early copies of the verify and decode kernels (kEarly), run by every thread inside
@@ -587,10 +677,11 @@ __device__ __forceinline__ void tma_load_block(const CUtensorMap* kmap, const CU
 // (warp 0) come first in candidate order, so the k-th first occurrence among them is entry k of the
 // list. Warp 0 copies entries 0 .. Max - 1 by TMA into the stages at base + k * kStageBytes
 // (mbarrier s_full[k]) and lane 0 writes how many it copied to *s_count; the other warps return.
-template <int Max>
+// kHint: the copies with the L2 cache policy `policy` (evict_first_policy).
+template <int Max, bool kHint = false>
 __device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMap* kmap,
                                              const CUtensorMap* vmap, int g, uint32_t base,
-                                             uint64_t* s_full, int* s_count) {
+                                             uint64_t* s_full, int* s_count, uint64_t policy = 0) {
   if ((threadIdx.x >> 5) != 0) return;  // warp-uniform
   const int lane = threadIdx.x & 31;
   const uint32_t same = __match_any_sync(0xffffffffu, cb >= 0 ? cb : -1 - lane);
@@ -598,7 +689,8 @@ __device__ __forceinline__ void early_copies(int cb, int cpage, const CUtensorMa
   const uint32_t firsts = __ballot_sync(0xffffffffu, first);
   const int rank = __popc(firsts & ((1u << lane) - 1u));
   if (first && rank < Max)
-    tma_load_block(kmap, vmap, cpage, g, base + rank * kStageBytes, smem_u32(&s_full[rank]));
+    tma_load_block<kHint>(kmap, vmap, cpage, g, base + rank * kStageBytes, smem_u32(&s_full[rank]),
+                          policy);
   if (lane == 0) *s_count = min(__popc(firsts), Max);
 }
 

@@ -351,23 +351,61 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
   }
 }
 
-// kBulkOut (variants 52, 53; session 20): write_rows' BF16 rows through shared memory and out by
-// the TMA engine (one 256-byte bulk copy per row) instead of 32 4-byte global stores per lane. Why
-// (ncu of 42, session 20 round B, B64 x 4 @ 32K): the epilogue's samples were the exit's drain (49
-// of 257) and a long-scoreboard wait on the first instruction that reuses a store's data register
-// (34): the stores queue in the SM's load / store path behind the neighbour CTA's cp.async
-// refills, and the timeline put the epilogue at ~1.1 us per CTA (the plain read's: 0.16). Same-run
-// A/Bs (isolated us, 3 alternating runs at 8K / 32K / 128K): 52 = 42 + this, B64 x 4 41.4-42.1 vs
-// 42.2-42.8 for 42 (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (mean 42.24) (round E); 53 = 21
-// + this, B256 x 4 @ 32K 157.5-158.1 vs 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Rows are staged
+// kBulkOut (session 20: per-row copies; session 21: one copy per warp): write_rows' BF16 rows (and,
+// with out_q, o_proj's E4M3 rows) through shared memory and out by the TMA engine instead of 4-byte
+// (2-byte) global stores per lane. Why (ncu of 42, session 20 round B, B64 x 4 @ 32K): the
+// epilogue's samples were the exit's drain (49 of 257) and a long-scoreboard wait on the first
+// instruction that reuses a store's data register (34): the stores queue in the SM's load / store
+// path behind the neighbour CTA's cp.async refills. Session 20 (one 256-byte copy per row, lanes
+// h < group, variants 52 / 53, removed in session 21): B64 x 4 41.4-42.1 vs 42.2-42.8 us for 42
+// (round D), 41.6-42.0 (mean 41.77) vs 42.0-42.6 (42.24) (round E); B256 x 4 @ 32K 157.5-158.1 vs
+// 160.7-160.8 (D), 158.7-159.9 vs 160.5-161.6 (E). Session 21: each warp (token) stages its 16 rows
 // kRowPitch bytes apart (256 + 16: the 8 rows x 4 lanes of each 4-byte store hit 32 distinct
-// banks) in the ring (free after the loop); each warp (token) fences its stores for the async
-// proxy and its lanes h < group copy row h. Only where it applies (CTA-uniform): one split, no
-// out_q, 16-byte aligned out rows; elsewhere write_rows.
+// banks) in the ring (free after the loop), repacks them contiguously (8 16-byte loads and stores
+// per lane, conflict-free), fences them for the async proxy, and lane 0 writes them with ONE bulk
+// copy of group x 256 bytes (the group's heads of a token are contiguous in `out`). Why (round D,
+// 60 at B64 x 4 @ 32K, stamps and a source-level ncu): the epilogue took 1.70 us p50 per CTA (the
+// plain read's 0.16); a warp's 16 per-row copies become ptxas' loop over the lanes' distinct
+// addresses (R2UR, UBLKCP, BRA.U.ANY: 16 serial rounds, 0.67 us from the rows fenced to thread 0's
+// copy issued), and the staging took 0.64 us, its samples mostly "no instruction" (code fetched
+// cold), so the NaN dims' selects are a separate loop and the common path one straight run of
+// code. Round F: the epilogue 1.34 us p50 (63) vs 1.70 (60); B64 x 4 tie (41.0-41.7 vs 41.1-41.5
+// us), with out_q 44.5-45.8 vs 45.7-46.7 (60: per-lane stores); B256 x 4 (64 vs 53) tie in rounds
+// F / G (157.6-162.0 vs 157.7-163.0). Lost in round D: 62 (60 with the rows staged by 8
+// stmatrix.x4 per warp instead of 32 st.shared.b32 per lane: the staging's time is not its store
+// count). With out_q the E4M3 rows go the same way (staged at kQPitch, repacked, one group x
+// 128-byte copy per warp; session 20's per-row form, 19db3dd on s20-att, was never run); the
+// scales stay plain stores. Only where it applies (CTA-uniform): one split, 16-byte aligned
+// out / out_q rows; elsewhere write_rows.
 constexpr int kRowPitch = 2 * ak::kDim + 16;
 __device__ __forceinline__ bool bulk_out_ok(const AttnArgs& a) {
-  return a.splits == 1 && a.out_q == nullptr &&
-         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2) & 15) == 0;
+  return a.splits == 1 &&
+         ((reinterpret_cast<uintptr_t>(a.out) | static_cast<uintptr_t>(a.out_stride) * 2 |
+           reinterpret_cast<uintptr_t>(a.out_q)) &
+          15) == 0;
+}
+constexpr int kQPitch = ak::kDim + 16;  // (8 rows x 4 lanes of 2-byte stores: distinct banks)
+constexpr int kPackOffset = ak::kRows * kRowPitch * kQT;  // the packed rows, after the staged
+constexpr int kQStageOffset = kPackOffset + kQT * ak::kRows * 2 * ak::kDim;
+constexpr int kQPackOffset = kQStageOffset + kQT * ak::kRows * kQPitch;
+static_assert(kQPackOffset + kQT * ak::kRows * ak::kDim <= kStages * kStageBytes,
+              "the row buffers fit the ring");
+__device__ __forceinline__ void bulk_store(const void* dst, const uint8_t* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(ak::smem_u32(src)), "r"(bytes)
+               : "memory");
+}
+// Rows [0, 16) of `bytes` bytes each, staged `pitch` apart at src -> contiguous at dst (the warp).
+template <int kBytes, int kPitch>
+__device__ __forceinline__ void pack_rows(uint8_t* dst, const uint8_t* src) {
+  constexpr int kChunks = kBytes / 16;  // per row
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int k = 0; k < ak::kRows * kChunks / 32; ++k) {
+    const int i = 32 * k + lane, rr = i / kChunks, c = i % kChunks;
+    *reinterpret_cast<uint4*>(dst + rr * kBytes + 16 * c) =
+        *reinterpret_cast<const uint4*>(src + rr * kPitch + 16 * c);
+  }
 }
 __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& st,
                                                 const uint32_t* nan_dims, int t0, int nt, int g,
@@ -378,37 +416,74 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
 #pragma unroll
   for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
   const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+  ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
+  uint8_t* qrows = stage + kQStageOffset + tok * ak::kRows * kQPitch;  // (with out_q)
+  const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float lsum = st.l[e];
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
-    uint8_t* r = rows + (grp + 8 * e) * kRowPitch + 4 * tig;
+    const int h = grp + 8 * e;
+    uint8_t* r = rows + h * kRowPitch + 4 * tig;
+    uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
+    if (!any_nan) {   // (warp-uniform) the common path without the NaN selects
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
-      if (any_nan) {
-        const int dim = 8 * j + 2 * tig;
-        if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
-        if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
+      for (int j = 0; j < 16; ++j) {
+        const __nv_bfloat162 b2 =
+            __floats2bfloat162_rn(st.o[4 * j + 2 * e] * inv, st.o[4 * j + 2 * e + 1] * inv);
+        wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+        *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
       }
-      const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
-      *reinterpret_cast<uint32_t*>(r + 16 * j) = *reinterpret_cast<const uint32_t*>(&b2);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
+        if (any_nan) {
+          const int dim = 8 * j + 2 * tig;
+          if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
+          if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
+        }
+        const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
+        wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
+        *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
+      }
+    }
+    if (a.out_q != nullptr) {  // (CTA-uniform) the row's 128 dims are this quad's
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        *reinterpret_cast<uint16_t*>(qrows + h * kQPitch + 8 * j + 2 * tig) =
+            static_cast<uint16_t>(ak::quant_pair(wv[j], sc, rcp));
+      if (tig == 0 && tok < nt && h < a.group)
+        a.out_scales[t * a.sc_stride_t + (g * a.group + h) * a.sc_stride_h] = sc;
     }
   }
+  ak::timeline_mark(a, 15);
+  __syncwarp();  // the warp's rows are staged
+  uint8_t* packed = stage + kPackOffset + tok * ak::kRows * 2 * ak::kDim;
+  uint8_t* qpacked = stage + kQPackOffset + tok * ak::kRows * ak::kDim;
+  pack_rows<2 * ak::kDim, kRowPitch>(packed, rows);
+  if (a.out_q != nullptr) pack_rows<ak::kDim, kQPitch>(qpacked, qrows);
   ap::fence_proxy_async();  // this thread's st.shared -> the bulk copies' reads
   __syncwarp();
-  if (tok < nt && lane < a.group) {
-    const uint16_t* dst = a.out + static_cast<int64_t>(t0 + tok) * a.out_stride +
-                          static_cast<int64_t>(g * a.group + lane) * ak::kDim;
-    asm volatile(
-        "cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n"
-        "cp.async.bulk.commit_group;\n"
-        "cp.async.bulk.wait_group.read 0;\n" ::"l"(dst),
-        "r"(ak::smem_u32(rows + lane * kRowPitch)), "n"(2 * ak::kDim)
-        : "memory");
+  ak::timeline_mark(a, 12);
+  if (tok < nt && lane == 0) {
+    const int64_t col = static_cast<int64_t>(g * a.group) * ak::kDim;
+    bulk_store(a.out + t * a.out_stride + col, packed, a.group * 2 * ak::kDim);
+    if (a.out_q != nullptr)
+      bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col, qpacked,
+                 a.group * ak::kDim);
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+    ak::timeline_mark(a, 13);
+    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
   }
 }
 
@@ -421,15 +496,56 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The decode / verify kernel (variants 8, 27, 52, 53). Grid: (tiles bound x n_kv, 1, splits); block:
-// kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else cp.async;
-// kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN (below).
-// kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap (session
-// 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma there,
-// C7517; without it the time was the same, round B: variant 12). kLazy (variants 13 / 17, automatic
-// since session 15): the lazy running max of ap::softmax_block. Removed in session 15: variant 14
-// (round C: 13 with the previous stage refilled right after the first barrier, P V(i - 1) waited
-// for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
+// kPageEarly (variant 60, session 21): the guessed tile's page-table reads issued as soon as its
+// ids land, before the tile scan, and the first block's copy right after the scan. Why (session 21
+// round B timeline, 52 at B64 x 4 @ 32K, p50 us after the first entry): the scan was done at
+// 1.76, the ids were read after it and a barrier, the first page landed at 2.24 and the early copy
+// went out at 2.59 (early_copies' __match_any_sync and ballot after the page), the plain read's
+// copies at 1.22. Here every thread loads the guessed tile's ids and positions and request tid's
+// query_start bounds at entry; each candidate reads its entry of request `tile`'s page-table row
+// (guessed_page; the guess of a batch of 4-token requests) as soon as its id lands; then the scan
+// (bounds already loaded); when it confirms request, first token and count, warp 0's lowest lane
+// whose candidate counts copies list entry 0 (early_copy_first) and sparse_union uses the pages
+// read (candidate_page_known); otherwise 52's front. Same list, same bytes, same order.
+// Lost in round B (same-run A/B, B64 x 4 isolated us at 8K / 32K / 128K, three runs): 58, the
+// union built by warp 0 alone (the 64 candidates two per lane, token masks by six
+// __match_any_sync over the token pairs, ranks by ballots, the scan after it, then the early
+// copy): 42.1-43.7 vs 41.8-42.9 for 52; timeline @ 32K: ids 1.60, ranked 1.98 (six match_any:
+// ~0.4 us), scan done 2.46, copy 2.91 (52: 2.59), list 3.30 (52: 3.78), first block landed 5.31
+// (5.44), per block 2.30 (2.32). 59 (58 with the request's page-table row copied into shared
+// memory at entry) was built and removed unmeasured. Round C: 60 41.5-42.2 us (mean 41.66) vs 52
+// 41.6-43.5 (42.24); timeline @ 32K: ids 1.60, first page 1.95, copy 2.21 (52: 2.59), first block
+// landed 4.51 (4.77). Lost in round D: 61 (60 with request `tile`'s page-table row copied into
+// shared memory by the candidate threads at entry, so the page reads are shared-memory reads):
+// its row copies went out ahead of the ids (ids 1.92 vs 1.63, copy 2.59 vs 2.27); 41.3-42.8 vs
+// 41.3-43.0 for 60.
+
+// List entry 0 (the lowest lane of warp 0 whose candidate counts: always a first occurrence) by
+// TMA into stage 0, as early_copies<1> without its __match_any_sync; returns the count (0 or 1;
+// warp 0, 0 elsewhere). cb: this thread's candidate id, -1 when it does not count. kHint: with the
+// L2 cache policy `policy` (kEvictFirst).
+template <bool kHint>
+__device__ __forceinline__ int early_copy_first(int cb, int cpage, const CUtensorMap* kmap,
+                                                const CUtensorMap* vmap, int g, uint32_t base,
+                                                uint64_t* s_full, uint64_t policy) {
+  if ((threadIdx.x >> 5) != 0) return 0;  // warp-uniform
+  const int lane = threadIdx.x & 31;
+  const uint32_t ok = __ballot_sync(0xffffffffu, cb >= 0);
+  if (ok != 0u && lane == __ffs(ok) - 1)
+    ak::tma_load_block<kHint>(kmap, vmap, cpage, g, base, ak::smem_u32(&s_full[0]), policy);
+  return ok != 0u ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decode / verify kernel (variants 8, 27, 69, 70). Grid: (tiles bound x n_kv, 1,
+// splits); block: kThreads; dynamic smem kSmemBytes. kTma: K and V tiles by TMA (kmap, vmap), else
+// cp.async; kTwoPass: the V NaN test only in a second pass when the first one's O holds a NaN
+// (below). kTma: the stage's mbarrier is polled without sm90::mbar_wait's clock64 timeout and trap
+// (session 15: with the trap in the loop ptxas injected a wait for the previous block's P V wgmma
+// there, C7517; without it the time was the same, round B: variant 12). kLazy (variants 13 / 17,
+// automatic since session 15): the lazy running max of ap::softmax_block. Removed in session 15:
+// variant 14 (round C: 13 with the previous stage refilled right after the first barrier, P V(i -
+// 1) waited for at the top, and the output rows staged in shared memory for 16-byte stores: B64 x 4
 // 49.7-49.9 vs 47.4-47.7 us, B256 x 4 181.5-183.4 vs 174.7-176.2) and variant 15 (round D: 13 with
 // the staged output rows alone: with out_q B64 x 4 50.6-50.8 vs 50.8-51.3 us, within the spread).
 // Session 16: variant 17 (automatic then) is 13 with conflict-free f16 V stores, the proxy fence
@@ -505,7 +621,8 @@ __device__ __forceinline__ void init_full_barriers(uint64_t* s_full) {
 // made every block slower; 56 (52 with the stage ring by TMA, 21's loop with one early copy)
 // 43.2-44.8; 57 (52 with the pass-0 NaN probe summed as a tree) 41.6-42.2, mean 41.82 vs 41.77.
 template <bool kVec16, bool kTma, bool kTwoPass = false, bool kLazy = false, bool kEarly = kTma,
-          int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false>
+          int kFirst = kStages - 1, bool kQEarly = false, bool kBulkOut = false,
+          bool kPageEarly = false, bool kEvictFirst = false, int kRowPages = 0>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_verify_kernel(const __grid_constant__ AttnArgs a,
                             const __grid_constant__ CUtensorMap kmap,
@@ -513,6 +630,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   static_assert(!kTma || kVec16, "TMA needs 16-byte aligned pools");
   static_assert(kFirst >= 1 && kFirst <= kStages - 1, "the early copies fill pre-loop stages");
   static_assert(kVec16 || !kEarly, "the early copies are TMA copies");
+  static_assert(!kPageEarly || (kEarly && kFirst == 1), "kPageEarly issues one early copy");
+  static_assert(!kEvictFirst || kVec16, "kEvictFirst: 16-byte cp.async or TMA copies");
+  static_assert(kRowPages == 0 || (kPageEarly && kQEarly && kCand == 64 && kRowPages % 4 == 0),
+                "kRowPages: kPageEarly's page reads from shared memory, warps 0-1 the candidates");
   extern __shared__ uint8_t smem_raw[];
   __shared__ int s_warp[kThreads / 32];
   __shared__ int s_tile[4];  // request, first token, tokens; [3]: kEarly's early entries
@@ -526,6 +647,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint32_t s_nan[kQT][4];  // (token, dim) bits of NaN V elements the token sees
   __shared__ __align__(8) uint64_t s_full[kStages];  // kTma: K and V of the stage landed
   __shared__ uint64_t s_first;  // AttentionCudaConfig::timeline: when the first block landed
+  __shared__ __align__(16) int s_row[kRowPages > 0 ? 2 * kRowPages : 1];  // kRowPages: 2 copies
 
   const int tid = threadIdx.x, tok = tid >> 5;
   // Tile-major grid: the KV heads of a tile are neighbours, and the CTAs past the last real tile
@@ -539,19 +661,96 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   ak::timeline_mark(a, 0);
   if (kEarly && a.sparse) ak::prefetch_page_row<kThreads>(a, tile);
+  // kEvictFirst (69, 70): the K / V copies with the L2 evict-first policy (evict_first_policy).
+  const uint64_t policy = kEvictFirst ? ak::evict_first_policy() : 0;
+  // kPageEarly (CTA-uniform; see early_copy_first): the guessed tile's inputs and request tid's
+  // bounds at entry.
+  const int64_t t_guess = int64_t{kQT} * tile;
+  const bool page_early =
+      kPageEarly && a.sparse && !a.pdl && a.splits == 1 && tile < a.R && t_guess < a.T;
+  const int pe_t0 = page_early ? static_cast<int>(t_guess) : -1;
+  const int pe_nt = page_early ? min(kQT, a.T - pe_t0) : 0;
+  ak::TileInputs in;
+  ak::TileBounds pe_bounds{0, 0};
+  // kRowPages (70): each candidate warp (0, 1) copies the first row_held entries of request
+  // `tile`'s page-table row into its own half of s_row (cp.async; where the row is 16-byte
+  // aligned), so its page reads are shared-memory reads once its ids land, with no cross-warp
+  // barrier; and Q is loaded only after that (warps 2-3: once a position they load landed), so the
+  // grid's 2 MB of Q no longer queue in DRAM ahead of the ids and rows. Round H (B64 x 4, same-run,
+  // 3 runs x 8K / 32K / 128K): 40.8-41.4 us (mean 41.21) vs 67 41.1-41.8 (41.44); ids 1.38 vs 1.60
+  // us, first block landed 4.42 vs 4.54 (@ 32K). (61, the rows without the late Q, and 66, the late
+  // Q without the rows, did not pay; 66's named barrier also drew racecheck hazards.)
+  const int32_t* pe_row = a.page_table + static_cast<int64_t>(tile) * a.pt_stride;
+  const int row_held =
+      kRowPages > 0 && page_early && (reinterpret_cast<uintptr_t>(pe_row) & 15) == 0
+          ? min(a.max_pages, kRowPages)
+          : 0;  // (CTA-uniform)
+  int* my_row = s_row + (tok & 1) * kRowPages;
+  int q_dep = 0;  // kRowPages, warps 2-3: a position of the tile, read before Q
+  if (page_early) {
+    init_full_barriers(s_full);
+    ak::load_tile_inputs<kQT, true>(a, g, pe_t0, pe_nt, in);  // (pdl_wait: a no-op here)
+    pe_bounds = ak::request_bounds(a, tid);
+    if (row_held > 0 && tid < kCand) {
+      const uint32_t dst = ak::smem_u32(my_row);
+      const int lane = tid & 31;
+      for (int c = lane; c < row_held / 4; c += 32) ak::cp_async_16(dst + 16 * c, pe_row + 4 * c);
+      for (int e = (row_held & ~3) + lane; e < row_held; e += 32)
+        ak::cp_async_4(dst + 4 * e, pe_row + e);
+      ak::cp_async_commit();
+    } else if (row_held > 0) {
+      q_dep = a.positions[pe_t0];
+    }
+  }
   // kQEarly: this warp's Q fragments of the guessed tile (its token 4 tile + tok; plain launches).
   uint32_t qe[4][4];
   int q_t0 = -1, q_nt = 0;  // the guessed tile whose Q is in qe
-  if constexpr (kQEarly) {
-    const int64_t tg = int64_t{kQT} * tile;
-    if (!a.pdl && tg < a.T) {
-      q_t0 = static_cast<int>(tg);
-      q_nt = min(kQT, a.T - q_t0);
-      ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+  const auto load_q_early = [&] {
+    if constexpr (kQEarly) {
+      const int64_t tg = int64_t{kQT} * tile;
+      if (!a.pdl && tg < a.T) {
+        q_t0 = static_cast<int>(tg);
+        q_nt = min(kQT, a.T - q_t0);
+        ak::load_q_fragments(a, g, q_t0 + tok, tok < q_nt, qe);
+      }
     }
+  };
+  // (with row_held, below: after the ids and rows)
+  if (row_held == 0) load_q_early();
+  bool has_tile = false, pages_known = false;  // pages_known: spec_page is the right entry
+  int spec_page = -1;
+  int early_count = 0;  // pages_known: list entries early_copy_first requested (warp 0)
+  if (page_early) {
+    if (row_held > 0) {  // (CTA-uniform)
+      if (tid < kCand) {
+        ak::cp_async_wait<0>();  // this warp's row copy
+        __syncwarp();
+        const int b = in.cand_b, pos = in.cand_pos;
+        if (pos >= 0 && b >= 0 && b <= (pos >> 7) && b < a.max_pages)  // (as guessed_page)
+          spec_page = b < row_held ? my_row[b] : pe_row[b];
+        load_q_early();               // (after the ids, which the branch above read)
+      } else if (q_dep != INT_MIN) {  // (waits for q_dep; never false for a valid position)
+        load_q_early();
+      }
+    } else {
+      spec_page = ak::guessed_page(a, tile, in.cand_pos, in.cand_b);
+    }
+    ak::timeline_mark_dep(a, 8, in.cand_b);
+    has_tile = ak::find_tile<kQT, kThreads>(a, tile, s_warp, s_tile, &pe_bounds);
+    const bool inputs_held = has_tile && s_tile[1] == pe_t0 && s_tile[2] == pe_nt;
+    pages_known = inputs_held && s_tile[0] == tile;  // (CTA-uniform)
+    if (pages_known) {
+      int cb = in.cand_b;
+      const int cpage = ak::candidate_page_known(a, in.cand_pos, cb, spec_page);
+      ak::timeline_mark_dep(a, 10, cpage);
+      early_count = early_copy_first<kEvictFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, policy);
+      ak::timeline_mark(a, 11);
+    } else if (has_tile && !inputs_held) {
+      ak::load_tile_inputs<kQT, false>(a, g, s_tile[1], s_tile[2], in);
+    }
+  } else {
+    has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   }
-  ak::TileInputs in;
-  const bool has_tile = ak::find_tile_and_load<kQT, kThreads>(a, tile, g, s_warp, s_tile, in);
   if (a.out_q != nullptr && blockIdx.x == 0 && split == 0) ak::write_quant_padding<kThreads>(a);
   if (!has_tile) {  // CTA-uniform
     ak::timeline_mark(a, 5);
@@ -571,10 +770,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   if (tid < kQT) s_pos[tid] = in.pos;
   if (tid < kQT * 4) s_nan[tid >> 2][tid & 3] = 0u;
-  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a separate
-  // __shared__ int written here raced, per racecheck, with the reads of s_tile just above.)
-  if (tid == 0) s_tile[3] = 0;
-  if (kTma || kEarly) init_full_barriers(s_full);
+  // kEarly: list entries 0 .. s_tile[3] - 1 are already requested. (Session 17 round A: a
+  // separate __shared__ int written here raced, per racecheck, with the reads of s_tile just
+  // above; session 21 round D: s_tile[3] written by warp 0 right after the scan raced with the
+  // other warps' reads of s_tile there.)
+  if (tid == 0) s_tile[3] = early_count;
+  if ((kTma || kEarly) && !page_early) init_full_barriers(s_full);
   __syncthreads();           // s_pos, s_nan, s_full
   uint32_t full_parity = 0;  // kTma: bit st = parity of the next completion of stage st
   // Block j of the current list into stage st: cp.async by every thread (one commit group per
@@ -582,10 +783,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   auto load = [&](int j, int count, const int* lmask, const int* lpage, int st) {
     if constexpr (kTma) {
       if (tid == 0 && j < count && lmask[j])
-        ak::tma_load_block(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
-                           ak::smem_u32(&s_full[st]));
+        ak::tma_load_block<kEvictFirst>(&kmap, &vmap, lpage[j], g, base + st * kStageBytes,
+                                        ak::smem_u32(&s_full[st]), policy);
     } else {
-      if (j < count && lmask[j]) ak::load_block<kVec16>(a, lpage[j], g, smem + st * kStageBytes);
+      if (j < count && lmask[j])
+        ak::load_block<kVec16, kThreads, kEvictFirst>(a, lpage[j], g, smem + st * kStageBytes,
+                                                      policy);
       ak::cp_async_commit();
     }
   };
@@ -599,13 +802,18 @@ __global__ void __launch_bounds__(kThreads, 2)
     // (splits == 1: the CTA walks the list from entry 0; the loop below skips their loads).
     auto early = [&](int cb, int cpage) {
       if constexpr (kEarly) {
-        if (a.splits == 1)
-          ak::early_copies<kFirst>(cb, cpage, &kmap, &vmap, g, base, s_full, &s_tile[3]);
+        if (a.splits == 1 && !pages_known) {  // (pages_known: early_copy_first above)
+          ak::timeline_mark_dep(a, 10, cpage);
+          ak::early_copies<kFirst, kEvictFirst>(cb, cpage, &kmap, &vmap, g, base, s_full,
+                                                &s_tile[3], policy);
+          ak::timeline_mark(a, 11);
+        }
       }
     };
-    n_total = ak::sparse_union<kQT, kThreads>(a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b,
-                                              s_cand_page, s_warp, s_list_b, s_list_page,
-                                              s_list_mask, s_list_vlim, early);
+    if (!page_early) ak::timeline_mark_dep(a, 8, in.cand_b);
+    n_total = ak::sparse_union<kQT, kThreads>(
+        a, pt_row, in.cand_b, in.cand_pos, s_pos, s_cand_b, s_cand_page, s_warp, s_list_b,
+        s_list_page, s_list_mask, s_list_vlim, early, pages_known, spec_page);
   } else {
     int maxpos = -1;
 #pragma unroll

@@ -349,6 +349,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
+  M3_CHECK_ARG(options.short_select_warps == 0 || options.short_select_warps == 2 ||
+                   options.short_select_warps == 4,
+               "run_indexer_cuda: short_select_warps ", options.short_select_warps,
+               " is not 0, 2 or 4");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -479,10 +483,13 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   const bool select_pdl = max_pages > kTopK || pdl;
   if (options.short_select && max_pages <= ik::kCountRow &&
       rows <= kShortSelectMaxRowsPerSm * sms) {
-    // Rows of at most 63 candidates, kShortRowWarps warps per row.
-    const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kShortRows)));
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(ik::select_short_kernel, short_grid,
-                                       dim3(ik::kSelectThreads), 0, stream, select_pdl, a));
+    // Rows of at most 63 candidates, short_select_warps warps per row.
+    const int w = options.short_select_warps > 0 ? options.short_select_warps
+                                                 : (rows >= sms ? 2 : 4);
+    const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
+    const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
+                                       select_pdl, a));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();
   }

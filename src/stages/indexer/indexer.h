@@ -155,12 +155,25 @@ struct IndexerCudaOptions {
   bool fast_select = true;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
-  // batches, not prefill chunks: indexer.cu), each row is ranked by 4 warps (select_short_kernel:
-  // each counts the beats against a quarter of the row's candidates) instead of one. Session 17,
+  // batches, not prefill chunks: indexer.cu), each row is ranked by short_select_warps warps
+  // (select_short_kernel: each counts the beats against its share of the row's candidates;
+  // session 17 measured 4) instead of one. Session 17,
   // same-run A/Bs, 64 x 8K draft 3 (two-kernel path): round B 25.7 / 23.5 us (isolated / back to
   // back) vs 28.0 / 25.2, round C 25.6-25.7 / 23.5 vs 29.1-29.2 / 25.6-25.9. Same ids. false: one
   // warp per row (the A/B switch).
   bool short_select = true;
+  // Warps per row of select_short_kernel: 2 (each counts 32 of the 64 candidates, 4 rows per
+  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA); 0: automatic, 2 where the call has at least
+  // one row per SM, else 4. Session 21, same-round A/Bs (back to back): 64 x 8K draft 3 (flat
+  // decode, 1024 rows), three alternating runs, 2 warps 23.5 / 23.4 / 23.4 us vs 4 warps
+  // 23.8 / 23.6 / 23.6 (round G), 23.6 / 23.4 / 23.4 vs 23.8 / 23.7 / 23.7 (round H), 23.3 /
+  // 23.1 / 23.1 vs 23.3 / 23.2 / 23.2 (round I); batch 1 (two-kernel plan, 4 / 16 rows): draft 0
+  // 5.4 / 5.3 with 2 vs 5.2 / 5.2 with 4, draft 3 6.2 / 6.2 vs 6.0 / 6.0 (round H), 5.3 / 5.3 vs
+  // 5.2 / 5.2 and 6.2 / 6.2 vs 6.1 / 6.1 (round I); between 16 and 1024 rows not measured. Lost: 8 warps per row (24.1 /
+  // 23.9 / 24.1, round G), each warp's share counted by lean_beats (23.7 / 23.5 / 23.5 with 2
+  // warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4, round E). Timeline with 4
+  // (round G): the rows counted 0.96 us (p50) after their scores arrived. Same ids.
+  int short_select_warps = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -173,9 +186,9 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Diagnostics for benchmarks (null: off): device buffer of 16 uint64 per warp of the scorer's
+  // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
-  // few %globaltimer pairs), then 16 spare words, then 4 per warp of the selection kernel
+  // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel
   // (indexer_kernel_common.cuh, timeline_mark / select_timeline_mark; bench --timeline). Not
   // validated: the caller guarantees the size.
   uint64_t* timeline = nullptr;

@@ -34,6 +34,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "core/pdl.cuh"
 #include "m3attn/config.h"
@@ -96,8 +97,11 @@ struct KernelArgs {
 // (session 17 round A: 1.2 us between two marks with 4 warps per SM, 2.4 us with 8, whatever the
 // warps did between them), so marking every phase with it distorted the phases it measured.
 // Written even before pdl_wait (the buffer is the caller's own).
+// Words 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
+// warp's first row's scores are in registers and once it is ranked (each read waits for that
+// value).
 constexpr int kTimelineSlots = 5;
-constexpr int kTimelineStride = 16;
+constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {
   uint64_t g;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
@@ -126,20 +130,48 @@ __device__ __forceinline__ void timeline_mark(const KernelArgs& a, int slot) {
   }
 }
 
-// The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
-// word kTimelineStride * (grid.x * grid.y * 4 + 1) of the scorer's grid), 4 words per
-// selection warp (global warp index): the SM id + 1, clock64 at entry, at the release from
-// pdl_wait, and when its row is written (the benchmark converts them with the scorer warps'
-// globaltimer pairs of the same SM).
-__device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
+// clock64 once `dep` is available (the read is issued after the register is written), into word
+// `word` of the warp's kTimelineStride words (lane 0; timeline only).
+__device__ __forceinline__ uint64_t clock_after(uint32_t dep) {
+  uint64_t c;
+  asm volatile("{\n .reg .b32 t;\n mov.b32 t, %1;\n mov.u64 %0, %%clock64;\n}"
+               : "=l"(c)
+               : "r"(dep));
+  return c;
+}
+__device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, uint32_t dep) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
-  const uint64_t c = static_cast<uint64_t>(clock64());
+  const uint64_t c = clock_after(dep);
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  a.timeline[w * kTimelineStride + word] = c;
+}
+
+// The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
+// word kTimelineStride * (grid.x * grid.y * 4) + 16 of the scorer's grid), kSelectTimelineWords
+// words per selection warp (global warp index): the SM id + 1, clock64 at entry, at the release
+// from pdl_wait, when its row is written, and (select_timeline_stamp) once its scores are loaded
+// and once they are ranked (the benchmark converts them with the scorer warps' globaltimer pairs
+// of the same SM).
+constexpr int kSelectTimelineWords = 8;
+__device__ __forceinline__ uint64_t* select_timeline_entry(const KernelArgs& a) {
   const int64_t score_ctas = a.flat_warps > 0
                                  ? int64_t{a.num_overflow} + a.flat_warps / 4
                                  : (int64_t{a.num_overflow} + a.num_requests) * a.k_splits;
-  const int64_t base = (score_ctas * 4 + 1) * kTimelineStride;
+  const int64_t base = score_ctas * 4 * kTimelineStride + 16;
   const int64_t w = int64_t{blockIdx.x} * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  uint64_t* e = a.timeline + base + w * 4;
+  return a.timeline + base + w * kSelectTimelineWords;
+}
+// Word 4 + k (k 0: scores loaded, 1: ranked) once `dep` is available.
+__device__ __forceinline__ void select_timeline_stamp(const KernelArgs& a, int k, uint32_t dep) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const uint64_t c = clock_after(dep);
+  select_timeline_entry(a)[4 + k] = c;
+}
+__device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const uint64_t c = static_cast<uint64_t>(clock64());
+  uint64_t* e = select_timeline_entry(a);
   if (slot == 0) {
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
@@ -187,6 +219,15 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
+}
+
+// Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
+template <int kI, int kN, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  if constexpr (kI < kN) {
+    f(std::integral_constant<int, kI>{});
+    static_for<kI + 1, kN>(f);
+  }
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

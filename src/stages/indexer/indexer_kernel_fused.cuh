@@ -1,6 +1,6 @@
 // The single pass's selection inside the scorer (see indexer_kernel_mma.cuh): after a decode
 // unit's CTA (or cluster) scored every block, the block maxima of its rows sit in a shared table
-// [kDecRows][kFusedMaxChunk]; fused_local_select turns each row's candidates into the row's final
+// [kDecRows][kFusedMaxChunk]; select_rows_lean turns each row's candidates into the row's final
 // block_ids; finish_overflow_rows completes a single-pass overflow tile's rows from its block
 // scores.
 #pragma once
@@ -16,126 +16,68 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 // block-max table holds [kDecRows][kFusedMaxChunk] f32 (8 KB).
 constexpr int kFusedMaxChunk = 64;
 static_assert(kFusedMaxChunk % 32 == 0 && kFusedMaxChunk % kMmaWarps == 0, "chunk shape");
-static_assert(kFusedMaxChunk == kCountRow, "rank_by_counting ranks a table row");
+static_assert(kFusedMaxChunk == kCountRow, "rank_lean ranks a table row");
 
-// Ranks among a warp's 64 candidates, for N rows at once (row i: lane l holds scores s0[i] of id0
-// and s1[i] of id1; NaN = none) by 15 rounds of a warp-wide maximum of the lanes' larger remaining
-// key (candidate_key: score, then smaller id; distinct), as warp_top15 does: r0 / r1 = the round
-// that took the candidate, or 15 when it is not among the 15 best. ~12 instructions per round and
-// row instead of ~10 per candidate of a counting loop (64 candidates: ~180 instead of ~700 per
-// row). A round is two dependent redux.sync, so one row is a latency chain of 30; the N rows'
-// chains are independent and interleave (session 12 round B ncu, 256 x 8K draft 3: the
-// selection of 4 rows per warp, one after the other, held ~14 % of the single pass's warp stall
-// samples at the end of every CTA).
-template <int N>
-__device__ __forceinline__ void rank_by_rounds(const float (&s0)[N], const float (&s1)[N], int id0,
-                                               int id1, int (&r0)[N], int (&r1)[N]) {
-  uint64_t head[N], tail[N];
-  bool head_is_1[N];
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const uint64_t k0 = candidate_key(s0[i], id0), k1 = candidate_key(s1[i], id1);
-    head_is_1[i] = k1 > k0;
-    head[i] = head_is_1[i] ? k1 : k0;
-    tail[i] = head_is_1[i] ? k0 : k1;
-    r0[i] = r1[i] = kTopK - 1;
-  }
-  for (int r = 0; r < kTopK - 1; ++r) {
-    uint32_t any = 0;
-#pragma unroll
-    for (int i = 0; i < N; ++i) {
-      const uint32_t hh = static_cast<uint32_t>(head[i] >> 32), hl = static_cast<uint32_t>(head[i]);
-      const uint32_t best_hi = __reduce_max_sync(0xffffffffu, hh);
-      const uint32_t best_lo = __reduce_max_sync(0xffffffffu, hh == best_hi ? hl : 0u);
-      any |= best_hi;
-      // One lane (keys are distinct) takes its head; best_hi == 0: no candidate left in row i.
-      if (best_hi != 0 && hh == best_hi && hl == best_lo) {
-        if (head_is_1[i])
-          r1[i] = r;
-        else
-          r0[i] = r;
-        head[i] = tail[i];
-        tail[i] = 0;
-        head_is_1[i] = !head_is_1[i];
-      }
-    }
-    if (any == 0) break;  // no candidate left in any row (uniform)
-  }
-}
-
-// Single pass, after every block is scored (b0 == 0, one split or the cluster's table): the rows'
-// final selection. Row j of the unit (warp j % 4) has the candidates [0, min(b1, local)): its
-// local block is forced (no candidate), blocks past it are invisible to the row. Each lane holds
-// the scores of blocks lane and lane + 32; rank_by_rounds ranks them (ranks are distinct: keys
-// are; NaN is never a candidate), kG rows of the warp at a time (one row of more than 16
-// candidates: rank_by_counting). The ranks < 15 are the row's choice; the row of block_ids is
-// written at once (trivial rows included): candidate ids are < local and ascend with the lane, so a
-// selected id's slot is the count of selected ids before it (ballot prefix), the local block
-// follows them, -1 fills the rest. lane_pos: lane l < n holds the position of token t0 + l (no
-// reload at the CTA's end).
-template <int kG>
-__device__ __forceinline__ void select_rows(const KernelArgs& a, float* sblk, int t0, int rows,
-                                            int b0, int b1, int lane_pos) {
+// The single pass's final selection (session 21: rank_lean; until then rank_by_rounds, 15 rounds
+// of two dependent redux.sync per row, 4 rows of a warp interleaved, and rank_by_counting for
+// rows of more than 16 candidates): rows first_row, first_row + row_step, ... < rows of the
+// unit, one at a time per warp, from the table sblk (b0 == 0; columns [0, min(b1, local)) are the
+// row's candidates, the rest of the row is set to NaN here: the warp owns the row). Up to 15
+// candidates are all chosen (ranks 0, no counting). Row j's token is t0 + j / n_kv; lane_pos: lane
+// l < rows / n_kv holds the position of token t0 + l (no reload at the CTA's end). wait(): called
+// once by every lane, before the first read of the table (the barrier that completes it): the
+// first row's position, trivial-row output and bounds are worked out before it, while the
+// barrier completes (session 21 round F timeline, 64 x 8K draft 0: the first row's scores in
+// registers 0.05 us after the barrier instead of 0.29). The row of block_ids is written at once
+// by emit_ranked_row. Timeline words 16 / 17: the warp's first row's scores loaded / ranked.
+// Session 21, 64 x 8K draft 0 back to back (2-CTA clusters), same-round A/Bs against the former
+// selection: 20.7 / 20.8 / 20.7 us vs 20.9 / 21.2 / 20.9 (round F), 20.8 / 21.0 / 20.7 vs
+// 21.0 / 21.3 / 21.0 (round E); 256 x 8K: draft 3 (4-CTA clusters, rows shared) 74.7 / 73.6 vs
+// 74.3 / 74.1, draft 0 64.9 vs 65.4 (round F). Lost: rank_lean's count as two rolled,
+// software-pipelined loops (~80 instructions of code instead of ~280, against the instruction
+// fetch stalls of the cold count: round E ncu, 86 of its ~92 stall samples "no instruction"):
+// 20.8 / 21.1 / 20.9 (round F; ranked 0.82 us after the barrier vs 0.65); a dry run of the
+// selection on scratch between the barrier's arrive and wait, so that its code is cached
+// (22.0-22.1 vs 21.8-21.9, round C); an mbarrier per table instead of the final cluster barrier
+// (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C).
+template <typename Wait>
+__device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
+                                                 int rows, int b0, int b1, int lane_pos,
+                                                 int first_row, int row_step, Wait&& wait) {
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  constexpr int kPer = kFusedMaxChunk / 32;
-  static_assert(kPer == 2, "rank_by_rounds takes two candidates per lane");
-  for (int j0 = warp; j0 < rows; j0 += kG * kMmaWarps) {  // warp-uniform conditions from here on
-    float s[kPer][kG];
-    int rank[kPer][kG];
-    bool live[kG];
-    int local[kG], nbs[kG];
-#pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      const int j = j0 + g * kMmaWarps;
-      live[g] = false;
-      local[g] = -1;
-      if (j < rows) {
-        const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < n <= 32
-        local[g] = trivial_row(a, a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK, pos, true);
-        live[g] = local[g] >= 0;
-      }
-      const int nb = live[g] ? min(b1, local[g]) - b0 : 0;  // <= kFusedMaxChunk
-      nbs[g] = nb;
-      const float* row = sblk + j * kFusedMaxChunk;
-#pragma unroll
-      for (int c = 0; c < kPer; ++c) {
-        const int i = lane + 32 * c;
-        s[c][g] = i < nb ? row[i] : quiet_nan();
-      }
+  bool waited = false;
+  for (int j = first_row; j < rows; j += row_step) {  // warp-uniform
+    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
+    int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
+    const int local = trivial_row(a, out, pos, true);
+    if (local < 0) continue;
+    const int nb = min(b1, local) - b0;  // <= kFusedMaxChunk
+    float* row = sblk + j * kFusedMaxChunk;
+    if (!waited) {
+      wait();
+      waited = true;
     }
-    if constexpr (kG == 1) {
-      // Counting only for rows of more than 16 candidates (warp-uniform; sblk may be null when no
-      // row is live): its cost is fixed, while the rounds stop once the candidates run out
-      // (session 14 round B / C, batch 1 at 32K, fused path, 4-block splits: 14.9 / 15.1 us with
-      // counting vs 11.6 in round A with the rounds; 1 x 128K 20.5 vs 18.9).
-      if (live[0] && nbs[0] > kTopK) {
-        rank_by_counting(sblk + j0 * kFusedMaxChunk, nbs[0], s[0][0], s[1][0], rank[0][0],
-                         rank[1][0]);
-      } else {
-        rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
-      }
-    } else {
-      rank_by_rounds(s[0], s[1], b0 + lane, b0 + lane + 32, rank[0], rank[1]);
+    const float s0 = lane < nb ? row[lane] : quiet_nan();
+    const float s1 = lane + 32 < nb ? row[lane + 32] : quiet_nan();
+    if (j == first_row) timeline_stamp(a, 16, __float_as_uint(s0) ^ __float_as_uint(s1));
+    int r0 = 0, r1 = 0;
+    if (nb > kTopK - 1) {
+      if (lane >= nb) row[lane] = quiet_nan();
+      if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
+      __syncwarp();
+      rank_lean(row, s0, s1, r0, r1);
     }
-#pragma unroll
-    for (int g = 0; g < kG; ++g) {
-      if (!live[g]) continue;
-      const int64_t row_index = int64_t{t0} * a.n_kv + j0 + g * kMmaWarps;
-      emit_ranked_row(a.block_ids + row_index * kTopK, s[0][g], s[1][g], rank[0][g], rank[1][g],
-                      local[g]);  // b0 == 0
-    }
+    if (j == first_row) timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
+    emit_ranked_row(out, s0, s1, r0, r1, local);
   }
+  if (!waited) wait();
 }
 
-// The final selection of every row of the unit (see select_rows): one row per warp at a time for
-// <= 4 rows (draft 0 at n_kv 4), else 4 rows of a warp together.
+// The final selection of every row of a one-CTA unit (after its CTA barrier): warp w the rows w,
+// w + 4, ...
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,
                                                    int rows, int b0, int b1, int lane_pos) {
-  if (rows <= kMmaWarps)
-    select_rows<1>(a, sblk, t0, rows, b0, b1, lane_pos);
-  else
-    select_rows<4>(a, sblk, t0, rows, b0, b1, lane_pos);
+  select_rows_lean(a, sblk, t0, rows, b0, b1, lane_pos, threadIdx.x >> 5, kMmaWarps, [] {});
 }
 
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The

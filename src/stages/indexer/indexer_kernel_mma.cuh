@@ -293,10 +293,13 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
 // fused, to the CTA's shared block-max table sblk[row][b - b0].
+// share > 0 (the clustered single pass with more rows than a CTA has warps):
+// sblk is this CTA's own table and every value goes to the tables of cluster ranks 0 .. share - 1
+// (distributed shared memory), so that every CTA of the cluster can select rows.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
                                              int rows, int b, bool page_ok, int g, int tig,
-                                             float* sblk, int b0) {
+                                             float* sblk, int b0, int share) {
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt) {
 #pragma unroll
@@ -307,9 +310,16 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
       v = warp_block_max_xor(v, 16);
       const int j = nt * 8 + tig * 2 + e;
       if (g == 0 && j < rows) {
-        if constexpr (kFused)
-          sblk[j * kFusedMaxChunk + (b - b0)] = page_ok ? v : quiet_nan();
-        else
+        if constexpr (kFused) {
+          float* dst = sblk + j * kFusedMaxChunk + (b - b0);
+          const float val = page_ok ? v : quiet_nan();
+          if (share == 0) {
+            *dst = val;
+          } else {
+#pragma unroll 1
+            for (int rk = 0; rk < share; ++rk) *map_to_cluster_rank(dst, rk) = val;
+          }
+        } else
           a.scores[(int64_t{t0} * a.n_kv + j) * a.max_pages + b] = page_ok ? v : quiet_nan();
       }
       s.run[nt][e] = neg_inf();
@@ -359,15 +369,6 @@ __device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, 
       : "memory");
 }
 
-// Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
-template <int kI, int kN, typename F>
-__device__ __forceinline__ void static_for(F&& f) {
-  if constexpr (kI < kN) {
-    f(std::integral_constant<int, kI>{});
-    static_for<kI + 1, kN>(f);
-  }
-}
-
 // The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
 // and positions arrive. A prologue whose tiles turn out not to be needed is waited for
@@ -412,7 +413,7 @@ template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued) {
+                                            float* sblk, int b0, bool pre_issued, int share) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -486,7 +487,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 #pragma unroll 1
       for (int t = 0; t < 8; ++t) tile_step(t);
     }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0);
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -603,35 +604,54 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, int tb0) {
+  const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       case 2:
         decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       case 3:
         decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
       default:
         decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre);
+                               table, tb0, pre, share);
         break;
     }
   };
   timeline_mark(a, 1);
   if constexpr (kCluster) {
+    // More rows than a CTA has warps (several tokens per request): every CTA's table receives
+    // every block max and the cluster's warps share the rows; otherwise rank 0's table alone and
+    // its warps select (cluster-uniform: rows comes from query_start). Session 21, 256 x 8K
+    // draft 3 (4-CTA clusters) back to back, with rank_lean, against rank 0's warps selecting
+    // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
+    // (round F).
+    const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (first < b1) score(map_to_cluster_rank(sblk, 0), 0);
+    // One call site (each is a full copy of the unrolled decode loops).
+    if (first < b1)
+      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
-    cluster_wait_acquire();  // every block max of [0, nvis) is in rank 0's table
-    timeline_mark(a, 3);
-    if (blockIdx.y == 0) fused_local_select(a, sblk, qa, rows, 0, nvis, p);
+    const auto wait = [&] {
+      cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
+      timeline_mark(a, 3);
+    };
+    if (shared || blockIdx.y == 0) {
+      // The rows' metadata (and trivial rows) before the wait, the counting after it.
+      const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
+      const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
+      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
+    } else {
+      wait();
+    }
     timeline_mark(a, 4);
     return;
   }
@@ -644,7 +664,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, b0);
+  if (first < b1) score(sblk, b0, 0);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

@@ -13,8 +13,8 @@
 // and each lane ranks its two candidates by counting the candidates that beat them
 // (rank_by_counting, ~600 independent instructions), then the selected ids are written in order
 // by ballot prefix counts (emit_ranked_row). Where max_pages <= 64 (every row that short),
-// select_short_kernel does the same with 4 warps per row, each counting a quarter
-// (IndexerCudaOptions::short_select, the default). Longer rows:
+// select_short_kernel does the same with 2 (or 4) warps per row, each counting its share
+// (IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
 // one pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
 // row's 15 best keys are among the union of the lanes' lists, so 15 merge rounds pop the largest
@@ -82,7 +82,8 @@ __device__ __forceinline__ void count_beats(const float* row, float s0, float s1
 // select kernel's copy of a row's block scores):
 // the number of candidates that beat each, i.e. have a larger score or an equal one and a smaller
 // index (the order of candidate_key: -0 ties with +0, NaN never beats), so the ranks are distinct
-// and equal rank_by_rounds' wherever that one reports them (< 15). The entries [nb, 64) are set to
+// and equal those of the former single pass's rank_by_rounds wherever that one reported them
+// (< 15). The entries [nb, 64) are set to
 // NaN first (this warp owns the row), then every lane reads the whole row as broadcast 16-byte
 // loads and counts into 8 independent accumulators (~8 instructions per candidate, no dependent
 // chain) instead of 15 rounds of two dependent redux.sync. Session 14 timelines, 64 x 8K draft 0
@@ -106,8 +107,79 @@ __device__ __forceinline__ void rank_by_counting(float* row, int nb, float s0, f
   count_beats<0, kCountRow>(row, s0, s1, r0, r1);
 }
 
+// 1.0f when a > b (ordered: false with a NaN), else 0.0f: one FSET.BF.
+__device__ __forceinline__ float set_gt(float a, float b) {
+  float m;
+  asm("set.gt.f32.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+__device__ __forceinline__ float set_ge(float a, float b) {
+  float m;
+  asm("set.ge.f32.f32 %0, %1, %2;" : "=f"(m) : "f"(a), "f"(b));
+  return m;
+}
+
+// The beats of rank_lean over the candidates kJ0 .. kJ0 + kN - 1 of the row only (kJ0, kN
+// multiples of 4; row: 64 entries, NaN at non-candidates), without the ties inside a half: c0 /
+// c1 = how many of them beat the lane's candidates lane / lane + 32 on score alone (>, and >= for
+// ids below 32 against lane + 32).
+template <int kJ0, int kN>
+__device__ __forceinline__ void lean_beats(const float* row, float s0, float s1, float& c0,
+                                           float& c1) {
+  static_assert(kJ0 % 4 == 0 && kN % 4 == 0 && kJ0 + kN <= kCountRow, "whole float4s");
+  float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = kJ0 / 4; q < (kJ0 + kN) / 4; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      // id 4 q + e: the first half (q < 8) is below lane + 32, the second above lane.
+      a0[e] += set_gt(v[e], s0);
+      a1[e] += q < 8 ? set_ge(v[e], s1) : set_gt(v[e], s1);
+    }
+  }
+  c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+  c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
+}
+
+// Adds the ties inside the halves to ranks counted by lean_beats (r0 / r1 for the lane's
+// candidates lane / lane + 32; NaN scores = none), every lane of the warp calling: a candidate
+// beats an equal one of the same half with a larger id. Such ties are rare on real scores, and
+// lean_beats' ranks of the non-NaN candidates are a permutation of 0 .. n - 1 exactly when there
+// is none (a tie group of m candidates in a half has m ranks equal instead of m consecutive ones:
+// a sum short by m (m - 1) / 2), so one sum (redux.sync) decides; only then the lanes below with
+// the same score bits (-0 as +0) in the lane's half are counted (__match_any_sync).
+__device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& r1) {
+  const bool c0 = s0 == s0, c1 = s1 == s1;
+  const int n = __popc(__ballot_sync(0xffffffffu, c0)) + __popc(__ballot_sync(0xffffffffu, c1));
+  const int sum = static_cast<int>(__reduce_add_sync(
+      0xffffffffu, static_cast<uint32_t>((c0 ? r0 : 0) + (c1 ? r1 : 0))));
+  if (sum == n * (n - 1) / 2) return;  // warp-uniform: no tie inside a half
+  const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
+  r0 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0)) & below);
+  r1 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s1 == 0.0f ? 0.0f : s1)) & below);
+}
+
+// rank_by_counting's ranks with about half of its instructions (the single pass's final
+// selection, select_rows_lean): row[0 .. 64) holds the row's candidates in shared memory with NaN
+// at every non-candidate (the caller wrote them), s0 / s1 the lane's candidates lane / lane + 32
+// (NaN = none). A candidate j beats lane's on a larger score, or an equal one (-0 == +0) with a
+// smaller id. Across the halves the id order is fixed (every j < 32 is below lane + 32, every
+// j >= 32 above lane), so there the tie rule is the comparison itself (>= or >: lean_beats); the
+// ties inside a half are added by lean_add_ties. Per candidate and lane: a set.{gt,ge}.f32.f32
+// (1.0 / 0.0) and an FADD into one of 8 independent accumulators (exact: sums <= 64); no
+// per-lane tie predicate (rank_by_counting: ~540 instructions, this: ~290, sm_90a cubin sizes).
+__device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, int& r0, int& r1) {
+  float c0 = 0.0f, c1 = 0.0f;
+  lean_beats<0, kCountRow>(row, s0, s1, c0, c1);
+  r0 = static_cast<int>(c0);
+  r1 = static_cast<int>(c1);
+  lean_add_ties(s0, s1, r0, r1);
+}
+
 // Writes a row of block_ids from ranked candidates: the lane's candidates have ids lane and
-// lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_by_rounds,
+// lane + 32 (scores s0 / s1, NaN = none; ranks r0 / r1 from rank_by_counting or rank_lean,
 // distinct) and are all below the local block; the ranks < 15 are selected. Candidate ids ascend
 // with (half, lane), so a selected id's slot is the count of selected ids before it (ballot
 // prefix); the local block follows them, -1 fills the rest.
@@ -356,32 +428,29 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 }
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
-// row has at most 63 candidates): kShortRowWarps warps per row instead of one. Each loads the
-// row's scores (the first also copies them to shared memory), counts the beats against a quarter
-// of the row's candidates (count_beats), and after a CTA barrier the first sums the partial
-// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A quarter of
-// rank_by_counting's dependent work per warp and four times the warps to hide it (session 17
-// round A ncu, 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the
-// selection kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to
-// back: 23.5 vs 25.2-25.9 us (rounds B, C), 23.3 vs 25.5 (C2).
-constexpr int kShortRowWarps = 4;
-constexpr int kShortRows = kSelectWarps / kShortRowWarps;  // rows per CTA
-
-template <int kQ>
-__device__ __forceinline__ void count_quarter(const float* row, float s0, float s1, int& r0,
-                                              int& r1) {
-  count_beats<kQ*(kCountRow / kShortRowWarps), kCountRow / kShortRowWarps>(row, s0, s1, r0, r1);
-}
-
+// row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2 where
+// the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's scores (the first also
+// copies them to shared memory), warp q counts the beats against the candidates
+// [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the partial
+// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
+// rank_by_counting's dependent work per warp and more warps to hide it (session 17 round A ncu,
+// 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the selection
+// kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
+// warps per row vs one: 23.5 vs 25.2-25.9 us (session 17 rounds B, C), 23.3 vs 25.5 (C2); 2 vs 4:
+// see IndexerCudaOptions::short_select_warps.
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  __shared__ __align__(16) float srow[kShortRows][kCountRow];
-  __shared__ int part[kShortRows][kShortRowWarps][kCountRow];
+  static_assert(kW == 2 || kW == 4, "warps per row");
+  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
+  constexpr int kPart = kCountRow / kW;     // candidates per warp
+  __shared__ __align__(16) float srow[kRows][kCountRow];
+  __shared__ int part[kRows][kW][kCountRow];
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int rg = warp / kShortRowWarps, q = warp % kShortRowWarps;
-  const int64_t row = int64_t{blockIdx.x} * kShortRows + rg;
+  const int rg = warp / kW, q = warp % kW;
+  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
   const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
   // As in select_kernel: the position before the dependency wait, scores and ids after it.
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
@@ -396,6 +465,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
       const float* scores = a.scores + row * a.max_pages;
       if (lane < local) s0 = __ldcg(scores + lane);
       if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
+      select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
       if (q == 0) {
         srow[rg][lane] = s0;
         srow[rg][lane + 32] = s1;
@@ -405,28 +475,30 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
     int r0 = 0, r1 = 0;
+    // count_beats needs its range at compile time: one case per warp of the row.
     switch (q) {
       case 0:
-        count_quarter<0>(srow[rg], s0, s1, r0, r1);
+        count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       case 1:
-        count_quarter<1>(srow[rg], s0, s1, r0, r1);
+        count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       case 2:
-        count_quarter<2>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
       default:
-        count_quarter<3>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
         break;
     }
     part[rg][q][lane] = r0;
     part[rg][q][lane + 32] = r1;
+    select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  __syncthreads();  // every quarter's counts are in part
+  __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
     int r0 = 0, r1 = 0;
 #pragma unroll
-    for (int i = 0; i < kShortRowWarps; ++i) {
+    for (int i = 0; i < kW; ++i) {
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }

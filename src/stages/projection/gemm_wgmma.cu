@@ -201,15 +201,15 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
-// diagnostics at n = 8: one warpgroup, the default K blocks per stage).
+// diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
 Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if constexpr (kNw == 8) {
-    if (diag == 1) return launch_rows<8, kDefault, 1, 1>(xmap, args, grid, info, stream);
-    if (diag == 2) return launch_rows<8, kDefault, 1, 2>(xmap, args, grid, info, stream);
+  if constexpr (kNw != 16) {
+    if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
+    if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
@@ -392,7 +392,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    const int diag = m <= 8 && !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -409,8 +409,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trace = options.debug_trace;
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

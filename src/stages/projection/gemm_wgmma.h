@@ -135,8 +135,8 @@ struct GemmWgmmaOptions {
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
-  // per CTA, burst 0) at M <= 8 without its wgmmas and folds (1: its own ring, waits and releases,
-  // i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.
+  // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
+  // releases, i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.
   int debug_rows_diag = 0;
 };
 

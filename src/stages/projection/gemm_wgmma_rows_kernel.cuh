@@ -24,10 +24,11 @@
 //
 // Consumers, one stage at a time: each K block's 4 wgmma m64nNk32 go into their own temporary
 // fragment (kNw / 2 fp32 registers; 20 in the token-major form) and their own commit group; the
-// warpgroup waits for the stage's groups (wgmma.wait_group 0), folds its fragments into the
-// accumulators (scale products from shared memory, staged once per CTA: the activation scales of
-// every K block and the CTA's two possible weight-scale blocks, a CTA's rows straddling at most
-// one 128-row boundary) and releases the stage before waiting for the next one. (Session 18
+// warpgroup folds each K block's fragment as soon as its group completes (wgmma.wait_group
+// kKpb - 1 - q, session 21) into the accumulators (scale products from shared memory, staged once
+// per CTA: the activation scales of every K block and the CTA's two possible weight-scale blocks,
+// a CTA's rows straddling at most one 128-row boundary), releasing the stage once its last group
+// completes (before that K block's fold), and waits for the next one. (Session 18
 // issued stage i + 1's wgmmas before folding stage i, so that the tensor cores never waited for a
 // fold; session 19 round G, same round, back to back: serial stages 17.20-17.24 vs 17.61-17.75 us
 // at M 32, 21.76-21.78 vs 23.91-23.95 at M 64, 17.26-17.34 vs 17.56-17.58 at M 16, equal at M 1
@@ -39,6 +40,30 @@
 // and a non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
 // the CTA's count, m < M).
+//
+// Lost (session 21 round B, same round, b2b us, deleted): a wide form — an image of one CTA per
+// SM (74-75 rows for N 9856), one CTA of one consumer warpgroup per SM, token-major m64n80k32 at
+// every M, activation boxes first in each stage (read once per SM), a 5-7 stage ring of 2 K
+// blocks: fused M 1 / 16 / 32 / 64 21.5 / 19.3 / 19.5 / 21.0 against 17.4 / 17.4 / 17.3 / 21.2
+// (chained 20.4 / 20.4 / 20.5 / 21.0 against 15.4 / 16.2 / 17.5 / 20.2); 1 K block per stage
+// 23.8-25.8; o_proj M 1 chained 23.4 against 14.9. Its own ring without compute was already
+// slower (M 32 17.16 against 16.34), and one warpgroup per SM pays the fold serially (M 32:
+// wgmma +0.9 us, scaled fold +1.45 over its stream).
+//
+// Lost too (session 21 rounds D-E, deleted): the activation boxes in their own ring of one-K-block
+// slots (weight-only stages of 4 K blocks at every n: 5 / 4 / 4 / 3 stages at n 8 / 16 / 32 / 64,
+// 3-13 slots, a second producer warp; each K block folded as its group completed): fused M 1 /
+// 16 / 32 / 64 20.0 / 19.0 / 23.4 / 28.9 us b2b against 17.3 / 17.2 / 17.2 / 21.2 (2 K blocks
+// per stage: 20.7 / 22.6 / 24.1 / 26.8). The weights landed as early or earlier (M 32 first ->
+// last full 13.5 us against 13.7) but the consumers ended 4.6-6.5 us after the last weight
+// stage: a box requested only when a slot frees (L2 under the stream's load) comes too late; in
+// the stage, it is requested a ring ahead like the weights.
+//
+// Lost as well (session 21 round F, deleted): a staged epilogue (each warpgroup's [token][row]
+// outputs through the drained ring, then one warp store of 4-byte pairs per token): fused M 1 /
+// 16 / 32 17.54-17.60 / 17.64-17.65 / 18.03-18.17 us b2b against 17.37-17.46 / 17.19-17.23 /
+// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36): the scattered 2-byte stores are not
+// what M 64's last stage -> exit (~2 us) waits for.
 //
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
@@ -134,7 +159,8 @@ struct RowsArgs : ScalesOut {
 // Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same
 // words for its stream without compute): %globaltimer ns at entry, clock64 at entry, clock64 when
 // the first, the middle (steps / 2) and the last ring stage was full, when the last stage was
-// released by every consumer (folded), after the epilogue's stores, and %globaltimer ns at the
+// released by every consumer (its wgmmas done; since session 21 before the last K block's fold),
+// after the epilogue's stores, and %globaltimer ns at the
 // end. Only two globaltimer reads per CTA (a read costs ~0.3 us); the host puts each CTA's
 // clock64 marks on the globaltimer base with the CTA's own clock rate (cycles between the two
 // reads over their ns). Words 0-5 come from the producer warp's idle lane 1, which follows the
@@ -166,6 +192,19 @@ template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 }
+// wgmma_wait<pending>() for a pending count in [0, kMax] known after unrolling.
+template <int kMax>
+__device__ __forceinline__ void wgmma_wait_upto(int pending) {
+  if constexpr (kMax == 0) {
+    wgmma_wait<0>();
+  } else {
+    if (pending == kMax) {
+      wgmma_wait<kMax>();
+    } else {
+      wgmma_wait_upto<kMax - 1>(pending);
+    }
+  }
+}
 
 template <int kThreads>
 __device__ __forceinline__ void rows_consumer_barrier() {
@@ -189,11 +228,17 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // fold needs 4 scale products instead of 32. Round F (same round, b2b, fused): M 64 23.0-23.1 us
 // with 2 K blocks per stage against swap-AB's 26.5-26.7 (M 48 23.9 against 26.4-26.6; o_proj M 64
 // 27.8-28.0 against 33.7-34.3); cuBLASLt 21.4 at M 64. kDiag (GemmWgmmaOptions::debug_rows_diag;
-// bench diagnostics, n = 8, results wrong): 1 = no wgmma and no fold (the kernel's own ring, waits
-// and releases: its stream), 2 = wgmma without the scaled fold (each fragment value only added to
-// its accumulator, so that the wgmmas stay live: session 19's first version of 2 had no use of the
-// fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which made rounds
-// D-G's "without folds" rows the same as 1).
+// bench diagnostics, n = 8 / 32 / 64, results wrong): 1 = no wgmma and no fold (the kernel's own
+// ring, waits and releases: its stream), 2 = wgmma without the scaled fold (each fragment value
+// only added to its accumulator, so that the wgmmas stay live: session 19's first version of 2 had
+// no use of the fragments and ptxas dropped every wgmma (ncu, round G: tensor pipe 0 cycles), which
+// made rounds D-G's "without folds" rows the same as 1). Session 21 round A (b2b plain / chained,
+// fused): M 32 full 17.25-17.27 / 17.39-17.47, 1: 16.33-16.35 / 15.05-15.13, 2: 17.05-17.11 /
+// 16.58-16.60; M 64 21.21-21.23 / 20.15-20.17, 19.34-19.35 / 17.96-18.02, 20.19-20.20 /
+// 18.82-18.84; o_proj M 1 16.23-16.28 / 14.95-14.96, 14.34-14.49 / 12.79-12.86, 15.63-15.70 /
+// 13.91. A third mode that loaded each ring slot's activation boxes only once (no activation
+// traffic after the first ring) was slower at M 32 (17.46-17.53) and 0.5 us faster at M 64
+// (20.64-20.71): the activation traffic is not what binds; deleted.
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
@@ -396,15 +441,28 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       wgmma_commit();
     }
   };
-  // Stage i's fragments (its groups complete) folded into acc in K-block order, then the stage
-  // released. (Session 19 round F: releasing it before the fold, as soon as its wgmmas were
-  // complete, was no faster with the pipelined stages: M 1 17.25-17.32 vs 17.14-17.15 us back to
-  // back, M 16 equal, M 32 18.10 vs 17.61-17.62.)
+  // Stage i's fragments folded into acc in K-block order, each K block q as soon as its own commit
+  // group completes (wgmma.wait_group kKpb - 1 - q) while the stage's later K blocks' wgmmas still
+  // run; the stage is released once its last group completes, before the last K block's fold (which
+  // reads registers and scales only). (Session 21 round H, same round, b2b us, release before vs
+  // after the last fold: fused M 64 21.12-21.13 vs 21.40-21.41, chained 20.06-20.12 vs 20.24-20.26;
+  // M 16 chained 16.07 vs 16.16-16.19; o_proj M 1 chained 14.63-14.73 vs 14.77-14.80; M 1 / 32 and
+  // o_proj M 16 equal. Round F, same round, b2b us, against folding after wait_group 0: o_proj M 1
+  // 16.11-16.12 vs 16.28-16.32, chained 14.63-14.75 vs 14.94-15.00; o_proj M 16 15.78-15.81 vs
+  // 16.08-16.09, chained 15.55-15.62 vs 15.86-15.87; fused M 1 / 16 / 32 / 64 17.32 / 17.13-17.14 /
+  // 17.18-17.22 / 21.26 vs 17.37-17.46 / 17.19-17.23 / 17.21-17.24 / 21.26-21.36, chained
+  // 15.30-15.35 / 15.95-16.02 / 17.32-17.33 / 20.21-20.23 vs 15.35 / 16.00-16.07 / 17.41-17.48 /
+  // 20.25-20.27. Session 19 round F had released whole stages before their folds with the pipelined
+  // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
+  // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
+  // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
-    wgmma_wait<0>();
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
+      wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
+      // After the last group: the stage's reads are done; each thread releases its own.
+      if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -433,7 +491,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-    mbar_arrive(empty0 + 8 * (i % kStages));  // each thread releases its own reads
   };
 
   issue(0, frag);

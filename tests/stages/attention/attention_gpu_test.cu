@@ -6,8 +6,8 @@
 // inputs == eager byte for byte, and rejected calls that write nothing. Every scenario runs the
 // launch-config families of `configs` (below): the automatic plan, the mma.sync decode kernel, the
 // Hopper wgmma prefill kernel (8-token tiles) and the Hopper wgmma decode / verify kernel (4-token
-// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 52 and 53), with and without splits;
-// all must meet the same tolerance.
+// tiles x 16 heads on one warpgroup: verify_variant 8, 27, 69 and 70), with and without splits; all
+// must meet the same tolerance.
 //
 // Tolerance: kRowRelL2 = 1e-2 per (token, head) row, derived in attention_gpu_test_util.h (shared
 // with the prefill kernel's tests).
@@ -72,12 +72,15 @@ std::string cfg_name(const AttentionCudaConfig& c) {
 // plan; kMma the mma.sync decode kernel (1-token tiles of any batch); kPrefill the wgmma prefill
 // kernel(s) kPrefillKernels (8-token tiles; the warp-specialised kernel, which the automatic plan
 // runs, has its own tests); kVerify the wgmma verify kernel (4-token tiles), variants 8 (cp.async
-// loads, the NaN test in every block), 53 (TMA, the two-pass V NaN test, a lazy running max, the
-// first copies issued before the union is complete, the rows out by bulk copies; 8 where TMA
-// cannot address the pool; automatic beyond one wave), 27 (53's loop on cp.async loads, plain
-// row stores) and 52 (27 with one early copy, Q loaded at entry for the guessed tile and the rows
-// out by bulk copies; automatic for one-wave grids); kMma also
-// runs decode_kernel 2 (no early copies) and 11 (one early copy; automatic for one-wave grids).
+// loads, the NaN test in every block), 69 (TMA, the two-pass V NaN test, a lazy running max, the
+// first copies issued before the union is complete, a token's rows out by one bulk copy per warp,
+// out_q too, the K / V copies L2 evict-first; 8 where TMA cannot address the pool; automatic
+// beyond one wave), 27 (69's loop on cp.async loads, plain row stores, no cache hint) and 70 (27
+// with one early copy, Q loaded for the guessed tile [4 tile, 4 tile + 4) once its ids landed,
+// that tile's page-table entries read from a shared-memory copy of request `tile`'s row before the
+// tile scan and used where it holds, 69's bulk rows and evict-first copies; automatic for
+// one-wave grids); kMma also runs decode_kernel 2 (no early copies) and 11 (one early copy;
+// automatic for one-wave grids).
 // Every launch config of a family is also run with `splits` CTAs per (tile, KV head) when splits
 // > 1.
 enum Family : unsigned { kAuto = 1, kMma = 2, kPrefill = 4, kVerify = 8, kAll = 15 };
@@ -98,7 +101,7 @@ std::vector<AttentionCudaConfig> configs(unsigned families, int splits) {
   if (families & kPrefill)
     for (int k : kPrefillKernels) add({8, 1, 0, k});
   if (families & kVerify)
-    for (int variant : {8, 27, 52, 53}) add({4, 1, 0, 5, 0, variant});
+    for (int variant : {8, 27, 69, 70}) add({4, 1, 0, 5, 0, variant});
   return v;
 }
 const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
@@ -365,31 +368,35 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const std::vector<RequestSpec> reqs = {{2600, 1}, {3100, 4}};
-  Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  DeviceProblem d;
-  upload(pr, d);
-  // Corrupt two page-table entries of blocks that request 1 selects (not its local block): the
-  // GPU must skip them, i.e. equal the twin on ids without those blocks.
-  const int r = 1;
-  const int64_t t0 = pr.hb.batch_view().query_start.ptr<int32_t>()[r];
-  const int32_t* sel = pr.ids.ptr<int32_t>() + t0 * kTopK;
-  const int32_t bad0 = sel[0], bad1 = sel[3];
-  Tensor table = pr.hb.page_table.clone();
-  table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad0] = -3;
-  table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad1] =
-      static_cast<int32_t>(pr.hb.num_pages() + 1000);
-  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
-  for (int64_t t = t0; t < pr.T(); ++t)
-    for (int k = 0; k < kTopK; ++k) {
-      int32_t& id = pr.ids.ptr<int32_t>()[t * kTopK + k];
-      if (id == bad0 || id == bad1) id = -1;
+  // Second set: 4-token requests, where verify 70 reads request 1's page-table entries before the
+  // tile scan (its guessed tile holds) and drops the corrupt entries after it.
+  for (const std::vector<RequestSpec>& reqs : {std::vector<RequestSpec>{{2600, 1}, {3100, 4}},
+                                               std::vector<RequestSpec>{{2600, 4}, {3100, 4}}}) {
+    Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    DeviceProblem d;
+    upload(pr, d);
+    // Corrupt two page-table entries of blocks that request 1 selects (not its local block): the
+    // GPU must skip them, i.e. equal the twin on ids without those blocks.
+    const int r = 1;
+    const int64_t t0 = pr.hb.batch_view().query_start.ptr<int32_t>()[r];
+    const int32_t* sel = pr.ids.ptr<int32_t>() + t0 * kTopK;
+    const int32_t bad0 = sel[0], bad1 = sel[3];
+    Tensor table = pr.hb.page_table.clone();
+    table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad0] = -3;
+    table.ptr<int32_t>()[int64_t{r} * pr.hb.max_pages() + bad1] =
+        static_cast<int32_t>(pr.hb.num_pages() + 1000);
+    d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
+    for (int64_t t = t0; t < pr.T(); ++t)
+      for (int k = 0; k < kTopK; ++k) {
+        int32_t& id = pr.ids.ptr<int32_t>()[t * kTopK + k];
+        if (id == bad0 || id == bad1) id = -1;
+      }
+    run_reference(pr, true);
+    for (const AttentionCudaConfig& cfg : configs(kAll, 4)) {
+      const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
+      expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
     }
-  run_reference(pr, true);
-  for (const AttentionCudaConfig& cfg : configs(kAll, 4)) {
-    const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
-    expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
   }
 }
 
@@ -438,18 +445,20 @@ TEST(AttentionGpu, NaNStaysInTheRowsThatSeeIt) {
 }
 
 // A small problem for the sanitizers (memcheck, racecheck): the wgmma verify kernel with and
-// without splits, its NaN path, and the mma.sync decode kernel (both variants). The 7-token
-// request makes verify 52's guessed tile [4 tile, 4 tile + 4) (Q loaded at entry) right for tiles
-// 0 and 1, wrong for tiles 2 and 3 (Q loaded again) and absent for tile 4.
+// without splits, its NaN path, and the mma.sync decode kernel (both variants). The guessed tile
+// [4 tile, 4 tile + 4) (verify 70: Q loaded early and the page-table reads of request `tile`'s
+// row before the tile scan) is right for tiles 0-3 and wrong for tiles 4-6 (Q and ids loaded
+// again); tiles 1-3 are not request `tile`'s (70 reads the pages again), tile 0 is; tiles 7 and 8
+// are absent.
 TEST(AttentionGpu, SanitizerSmallVerify) {
   M3_REQUIRE_GPU();
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const std::vector<RequestSpec> reqs = {{148, 4}, {2100, 7}, {700, 3}, {40, 1}};
+  const std::vector<RequestSpec> reqs = {{300, 8}, {148, 4}, {2100, 7}, {700, 3}, {40, 1}};
   Problem pr = make_problem(reqs, 32, 2, Pick::kRandom, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
-  pr.hb.kv_row(0, 150, 1, 0)[17] = 0x7F;
+  pr.hb.kv_row(1, 150, 1, 0)[17] = 0x7F;
   check_all_configs(pr, true, "sanitizer", configs(kMma | kVerify, 3));
 }
 
@@ -863,6 +872,12 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
                   "verify_variant 21 (53 without the bulk-copied rows, removed in session 20)");
   expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 54}, StatusCode::kUnsupported,
                   "verify_variant 54 (the quarter ring, removed in session 20)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 52}, StatusCode::kUnsupported,
+                  "verify_variant 52 (70 before session 21's front and epilogue, removed)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 53}, StatusCode::kUnsupported,
+                  "verify_variant 53 (69 before session 21's epilogue, removed in session 21)");
+  expect_rejected(good, ws.data(), ws.bytes(), {0, 1, 0, 5, 0, 67}, StatusCode::kUnsupported,
+                  "verify_variant 67 (70 without the row copy, removed in session 21)");
   expect_rejected(good, ws.data(), ws.bytes(), {1, 1, 0, 1, 0, 0, 8}, StatusCode::kUnsupported,
                   "decode_kernel 8 (the page-table prefetch, removed in session 17)");
   expect_rejected(

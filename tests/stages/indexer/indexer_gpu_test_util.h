@@ -395,6 +395,11 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.short_select = false;  // rows of <= 63 candidates by one warp each (the former kernel)
     variants.push_back({"one warp per short row", o});
+    for (int w : {2, 4}) {
+      o = IndexerCudaOptions{};
+      o.short_select_warps = w;  // select_short_kernel with 2 / 4 warps per row (default: auto)
+      variants.push_back({w == 2 ? "2 warps per short row" : "4 warps per short row", o});
+    }
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});
@@ -518,7 +523,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs.
+// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request).
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);

@@ -12,6 +12,46 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
   check_guards({0, 1, 2, 3, 4});
 }
 
+// The single pass's final selection (rank_lean) on a small batch (the sanitizers run it): integer
+// inputs (many exact ties among the block maxima: rank_lean's tie path), one and several tokens
+// per request, a NaN key; the two-kernel path (select_short_kernel automatic, with 2 and with 4
+// warps per row) against the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster
+// sharing the rows at 4 and 8 tokens per request) against the two-kernel path.
+TEST(IndexerGpu, SinglePassSelectionSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int tokens : {1, 4, 8}) {
+    Inputs in = make_inputs({{5000, tokens}, {3000, tokens}, {7990 - tokens, tokens}}, 4, rng,
+                            /*integer=*/true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    in.hb.index_row(0, 7 * 128 + 9)[5] = 0x7f;  // request 0's block 7 scores NaN
+    const Reference ref = reference(in);
+    DeviceSet d;
+    upload(in, d);
+    const std::string label = std::to_string(tokens) + " tokens per request";
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    const GpuResult g = run_gpu(d, two);
+    compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
+    for (int w : {2, 4}) {  // select_short_kernel with 2 / 4 warps per row (above: automatic)
+      IndexerCudaOptions tw = two;
+      tw.short_select_warps = w;
+      compare(in, ref, run_gpu(d, tw), /*exact_scores=*/true,
+              label + " [two-kernel, " + std::to_string(w) + " warps]");
+    }
+    for (int ctas : {1, 2, 4}) {
+      IndexerCudaOptions so;
+      so.single_pass = true;
+      so.single_pass_ctas = ctas;
+      ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
+      const GpuResult c = run_gpu(d, so);
+      expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");
+    }
+  }
+}
+
 TEST(IndexerGpu, GraphReplayWithNewInputsEqualsEager) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();

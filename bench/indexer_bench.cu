@@ -1034,9 +1034,9 @@ int main(int argc, char** argv) {
       IndexerCudaOptions o;
     };
     // 2k: the two-kernel path at the default plan's k_splits (set per case below).
-    std::vector<Variant> all = {{"base", default_o},   {"2k", default_o},    {"late", default_o},
-                                {"sorted", default_o}, {"q1", default_o},    {"flat0", default_o},
-                                {"flat1", default_o},  {"flat2", default_o}, {"flat3", default_o},
+    std::vector<Variant> all = {{"base", default_o},    {"2k", default_o},    {"late", default_o},
+                                {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
+                                {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
@@ -1090,8 +1090,8 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, w2 / w4 = short_select_warps 2 / 4; "
-        "--repeat N: the variants alternate, N runs)",
+        "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
+        "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }

@@ -484,20 +484,26 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // faster; M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round
   // F and serial stages (no fold while the next stage's wgmmas are in flight) its only order since
   // round G.)
-  const ShapeVariant variants[] = {
-      {0, false, 16, 0, false, false},   {1, false, 16, 0, false, false},
-      {0, true, 16, 0, false, false},    {1, true, 16, 0, false, false},
-      {0, false, 16, 3, false, false},   {0, false, 16, 0, true, false},
-      {0, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 1},
-      {0, false, 16, 0, false, true, 2}, {0, false, 16, 0, false, true, 4},
-      {1, false, 16, 0, false, true},    {0, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 0, false, true}, {0, false, 16, 0, false, false, 0, true},
-      {0, false, 16, 0, false, true, 0, false, false, 1},
-      {0, false, 16, 0, false, true, 0, false, false, 2},
-      {1, false, 16, 0, false, true, 0, true},
-      {0, false, 16, 0, false, true, 2, true},
-      {0, false, 16, 0, false, true, 0, true, false, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 2}};
+  const ShapeVariant variants[] = {{0, false, 16, 0, false, false},
+                                   {1, false, 16, 0, false, false},
+                                   {0, true, 16, 0, false, false},
+                                   {1, true, 16, 0, false, false},
+                                   {0, false, 16, 3, false, false},
+                                   {0, false, 16, 0, true, false},
+                                   {0, false, 16, 0, false, true},
+                                   {0, false, 16, 0, false, true, 1},
+                                   {0, false, 16, 0, false, true, 2},
+                                   {0, false, 16, 0, false, true, 4},
+                                   {1, false, 16, 0, false, true},
+                                   {0, false, 16, 0, false, true, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, true},
+                                   {0, false, 16, 0, false, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 1},
+                                   {0, false, 16, 0, false, true, 0, false, false, 2},
+                                   {1, false, 16, 0, false, true, 0, true},
+                                   {0, false, 16, 0, false, true, 2, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 1},
+                                   {0, false, 16, 0, false, true, 0, true, false, 2}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -676,7 +682,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
       for (const int64_t v : prefill) {
         if (v < -1 || v > np) {
-          std::fprintf(stderr, "--prefill %lld: paths are -1 (default object), 0 (cuBLASLt) ... %d\n",
+          std::fprintf(stderr,
+                       "--prefill %lld: paths are -1 (default object), 0 (cuBLASLt) ... %d\n",
                        static_cast<long long>(v), np);
           return 2;
         }
@@ -691,9 +698,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         const GemmPrefillOptions po = kPrefillVariants[v - 1];
         Result<int> ctas = gemm_prefill_max_ctas(po);
         const std::string name = "prefill " + std::to_string(v) + ": cluster " +
-                                 std::to_string(po.cluster_m) + "x" +
-                                 std::to_string(po.cluster_n) + " group " +
-                                 std::to_string(po.group_m) + ", max CTAs " +
+                                 std::to_string(po.cluster_m) + "x" + std::to_string(po.cluster_n) +
+                                 " group " + std::to_string(po.group_m) + ", max CTAs " +
                                  (ctas.ok() ? std::to_string(ctas.value()) : "?");
         check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
         const Status st = run_gemm_prefill_cuda(params(0, out), stream, po);
@@ -773,8 +779,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         continue;
       }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
-      const Status st =
-          run_gemm_wgmma_cuda(params(0, out), ws, wsp.bytes, stream, with_copy(0));
+      const Status st = run_gemm_wgmma_cuda(params(0, out), ws, wsp.bytes, stream, with_copy(0));
       if (!st.ok()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     st.to_string().c_str());
@@ -784,8 +789,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       add(
           name,
           [&](cudaStream_t stc, int c) {
-            must(run_gemm_wgmma_cuda(params(c, out), ws, wsp.bytes, stc, with_copy(c)),
-                 "wgmma");
+            must(run_gemm_wgmma_cuda(params(c, out), ws, wsp.bytes, stc, with_copy(c)), "wgmma");
           },
           check_out("wgmma", ablated));
       if (trace) {
@@ -1042,12 +1046,12 @@ int run(int argc, char** argv) {
     } else if (f == "--trace") {
       trace = true;
     } else {
-      std::fprintf(
-          stderr,
-          "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-          "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] [--random] [--trace] [--tuner-probe])\n",
-          argv[i]);
+      std::fprintf(stderr,
+                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
+                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
+                   "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
+                   "[--random] [--trace] [--tuner-probe])\n",
+                   argv[i]);
       return 2;
     }
   }

@@ -169,10 +169,11 @@ struct IndexerCudaOptions {
   // 23.8 / 23.6 / 23.6 (round G), 23.6 / 23.4 / 23.4 vs 23.8 / 23.7 / 23.7 (round H), 23.3 /
   // 23.1 / 23.1 vs 23.3 / 23.2 / 23.2 (round I); batch 1 (two-kernel plan, 4 / 16 rows): draft 0
   // 5.4 / 5.3 with 2 vs 5.2 / 5.2 with 4, draft 3 6.2 / 6.2 vs 6.0 / 6.0 (round H), 5.3 / 5.3 vs
-  // 5.2 / 5.2 and 6.2 / 6.2 vs 6.1 / 6.1 (round I); between 16 and 1024 rows not measured. Lost: 8 warps per row (24.1 /
-  // 23.9 / 24.1, round G), each warp's share counted by lean_beats (23.7 / 23.5 / 23.5 with 2
-  // warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4, round E). Timeline with 4
-  // (round G): the rows counted 0.96 us (p50) after their scores arrived. Same ids.
+  // 5.2 / 5.2 and 6.2 / 6.2 vs 6.1 / 6.1 (round I); between 16 and 1024 rows not measured.
+  // Lost: 8 warps per row (24.1 / 23.9 / 24.1, round G), each warp's share counted by lean_beats
+  // (23.7 / 23.5 / 23.5 with 2 warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4,
+  // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
+  // Same ids.
   int short_select_warps = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead

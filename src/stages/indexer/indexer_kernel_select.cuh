@@ -153,8 +153,8 @@ __device__ __forceinline__ void lean_beats(const float* row, float s0, float s1,
 __device__ __forceinline__ void lean_add_ties(float s0, float s1, int& r0, int& r1) {
   const bool c0 = s0 == s0, c1 = s1 == s1;
   const int n = __popc(__ballot_sync(0xffffffffu, c0)) + __popc(__ballot_sync(0xffffffffu, c1));
-  const int sum = static_cast<int>(__reduce_add_sync(
-      0xffffffffu, static_cast<uint32_t>((c0 ? r0 : 0) + (c1 ? r1 : 0))));
+  const int sum = static_cast<int>(
+      __reduce_add_sync(0xffffffffu, static_cast<uint32_t>((c0 ? r0 : 0) + (c1 ? r1 : 0))));
   if (sum == n * (n - 1) / 2) return;  // warp-uniform: no tie inside a half
   const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
   r0 += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s0 == 0.0f ? 0.0f : s0)) & below);
@@ -429,10 +429,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
 // row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2 where
-// the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's scores (the first also
-// copies them to shared memory), warp q counts the beats against the candidates
-// [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the partial
-// ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
+// the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's
+// scores (the first also copies them to shared memory), warp q counts the beats against the
+// candidates [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the
+// partial ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
 // rank_by_counting's dependent work per warp and more warps to hide it (session 17 round A ncu,
 // 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the selection
 // kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4

@@ -78,8 +78,8 @@ Status launch(const CUtensorMap& amap, const CUtensorMap& bmap, const CUtensorMa
   cudaLaunchAttribute attr;
   const cudaLaunchConfig_t cfg =
       cluster_config(std::min(resident, args.units) * kCluster, kCluster, stream, &attr);
-  M3_CUDA_RETURN_IF_ERROR(
-      cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN>, amap, bmap, samap, omap, args));
+  M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, &gp::gemm_prefill_kernel<kClM, kClN>, amap, bmap,
+                                             samap, omap, args));
   return Status::Ok();
 }
 
@@ -136,17 +136,16 @@ Status run_gemm_prefill_cuda(const GemmParams& p, cudaStream_t stream,
   M3_CHECK_ARG(p.a.device.index == info.device, "run_gemm_prefill_cuda: tensors are on ",
                p.a.device.to_string(), " but the current device is ", info.device);
   const int64_t m = p.a.shape[0], n = p.b.shape[0], k = p.a.shape[1];
-  M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31),
-               "run_gemm_prefill_cuda: N = ", n, " and K = ", k,
-               " must be below 2^31 (TMA coordinates are 32-bit)");
+  M3_CHECK_ARG(n < (int64_t{1} << 31) && k < (int64_t{1} << 31), "run_gemm_prefill_cuda: N = ", n,
+               " and K = ", k, " must be below 2^31 (TMA coordinates are 32-bit)");
   if (m == 0) return Status::Ok();
   const int cm = options.cluster_m, cn = options.cluster_n;
   const int64_t m_tiles = (m + gp::kTileM - 1) / gp::kTileM;
   const int64_t m_groups = (m_tiles + cm - 1) / cm;
   const int64_t n_tiles = n / gp::kTileN;
   const int64_t n_groups = (n_tiles + cn - 1) / cn;
-  M3_CHECK_ARG(m_groups * n_groups < (int64_t{1} << 31), "run_gemm_prefill_cuda: ",
-               m_groups * n_groups, " cluster tiles must be below 2^31");
+  M3_CHECK_ARG(m_groups * n_groups < (int64_t{1} << 31),
+               "run_gemm_prefill_cuda: ", m_groups * n_groups, " cluster tiles must be below 2^31");
 
   CUtensorMap amap, bmap, samap, omap;
   M3_RETURN_IF_ERROR(encode_map(&amap, CU_TENSOR_MAP_DATA_TYPE_UINT8, p.a.data, m, k, p.a.stride[0],

@@ -15,8 +15,8 @@ TEST(IndexerGpu, GuardsAgainstBadDeviceData) {
 // The single pass's final selection (rank_lean) on a small batch (the sanitizers run it): integer
 // inputs (many exact ties among the block maxima: rank_lean's tie path), one and several tokens
 // per request, a NaN key; the two-kernel path (select_short_kernel automatic, with 2 and with 4
-// warps per row) against the twin, the single pass with one CTA and in clusters of 2 and 4 (the cluster
-// sharing the rows at 4 and 8 tokens per request) against the two-kernel path.
+// warps per row) against the twin, the single pass with one CTA and in clusters of 2 and 4 (the
+// cluster sharing the rows at 4 and 8 tokens per request) against the two-kernel path.
 TEST(IndexerGpu, SinglePassSelectionSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();

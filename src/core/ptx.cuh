@@ -1,5 +1,6 @@
 // PTX wrappers shared by the sm_90 kernels: shared-memory addresses, 2D TMA loads, tensor-map
-// prefetch, cluster addressing and the wgmma fence / commit / wait. (The mbarrier wrappers are in
+// prefetch, cluster addressing, the wgmma fence / commit / wait, the generic -> async proxy fence
+// and the bulk copies out of shared memory (issue, commit, wait). (The mbarrier wrappers are in
 // core/mbarrier.cuh.) Kernels bring the names they use into their namespace with `using`.
 #pragma once
 
@@ -51,6 +52,33 @@ __device__ __forceinline__ void wgmma_commit() {
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes (st.shared, completed cp.async) before
+// later async-proxy reads (wgmma operands, TMA / bulk stores); other threads' writes need a
+// barrier after their own fence.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// `bytes` (a multiple of 16) from shared memory at `src` to global memory at `dst` (both 16-byte
+// aligned) by the TMA engine, in this thread's current bulk group.
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
+               "r"(src), "r"(bytes)
+               : "memory");
+}
+// Closes this thread's current bulk group (bulk and TMA tensor stores).
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// Waits until every committed bulk store of this thread has read its shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// Waits until every committed bulk store of this thread is complete.
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 }  // namespace m3attn::sm90

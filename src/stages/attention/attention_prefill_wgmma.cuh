@@ -108,12 +108,7 @@ static_assert(kSmemBytes <= 227 * 1024, "dynamic shared memory");
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers.
 
-// Orders this thread's generic-proxy shared-memory writes (st.shared, completed cp.async) before
-// later async-proxy reads (wgmma operands); followed by a barrier for other threads' reads.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
+using sm90::fence_proxy_async;
 using sm90::wgmma_commit;
 using sm90::wgmma_fence;
 using sm90::wgmma_wait;

@@ -82,6 +82,7 @@
 
 #include <cstdint>
 
+#include "core/ptx.cuh"
 #include "stages/attention/attention_kernel.cuh"
 #include "stages/attention/attention_prefill_wgmma.cuh"
 
@@ -274,21 +275,36 @@ __device__ __forceinline__ void attend_block(Rows& st, float (&s)[64], uint32_t 
 // that has a NaN dim, BF16 pairs by one cvt.rn.bf16x2.f32 (round to nearest even like
 // float_to_bf16; the NaNs here are the canonical 0x7fffffff of GPU arithmetic, which both turn
 // into 0x7fff), the row amax only with out_q.
+// The epilogue's per-warp pieces (write_rows, write_rows_bulk): the NaN-dim masks (nan_dims: 4
+// words, one bit per dim) copied into nd, true where any lane of the warp has one; a row's value
+// summed, and its BF16 pairs' largest magnitude taken, over the lane quad that holds the row.
+__device__ __forceinline__ bool load_nan_dims(const uint32_t* nan_dims, uint32_t (&nd)[4]) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
+  return __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+__device__ __forceinline__ float quad_amax(const uint32_t (&wv)[16]) {
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  return fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+}
 __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
                                            const uint32_t* nan_dims, int t0, int nt, int g,
                                            int split) {
   const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   uint32_t nd[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
-  const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+  const bool any_nan = load_nan_dims(nan_dims, nd);
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    float lsum = st.l[e];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const float lsum = quad_sum(st.l[e]);
     const float inv = a.splits == 1 && lsum > 0.0f ? 1.0f / lsum : 1.0f;
     float v[32];
     if (any_nan) {
@@ -309,19 +325,13 @@ __device__ __forceinline__ void write_rows(const AttnArgs& a, const Rows& st,
     const int h = grp + 8 * e;
     if (a.splits == 1) {
       uint32_t wv[16];  // BF16 pairs of dims 8 j + 2 tig, + 1
-      float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const __nv_bfloat162 b2 = __floats2bfloat162_rn(v[2 * j], v[2 * j + 1]);
         wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
       }
       // o_proj's E4M3 input (CTA-uniform branch): the row's 128 dims are this lane quad's.
-      if (a.out_q != nullptr) {
-#pragma unroll
-        for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      }
+      const float amax = a.out_q != nullptr ? quad_amax(wv) : 0.0f;
       if (tok >= nt || h >= a.group) continue;
       const int64_t col = static_cast<int64_t>(g * a.group + h) * ak::kDim;
       uint16_t* orow = a.out + t * a.out_stride + col;
@@ -390,11 +400,6 @@ constexpr int kQStageOffset = kPackOffset + kQT * ak::kRows * 2 * ak::kDim;
 constexpr int kQPackOffset = kQStageOffset + kQT * ak::kRows * kQPitch;
 static_assert(kQPackOffset + kQT * ak::kRows * ak::kDim <= kStages * kStageBytes,
               "the row buffers fit the ring");
-__device__ __forceinline__ void bulk_store(const void* dst, const uint8_t* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(ak::smem_u32(src)), "r"(bytes)
-               : "memory");
-}
 // Rows [0, 16) of `bytes` bytes each, staged `pitch` apart at src -> contiguous at dst (the warp).
 template <int kBytes, int kPitch>
 __device__ __forceinline__ void pack_rows(uint8_t* dst, const uint8_t* src) {
@@ -413,18 +418,14 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   const int lane = threadIdx.x & 31, tok = threadIdx.x >> 5;
   const int grp = lane >> 2, tig = lane & 3;
   uint32_t nd[4];
-#pragma unroll
-  for (int k = 0; k < 4; ++k) nd[k] = nan_dims[k];
-  const bool any_nan = __any_sync(0xffffffffu, (nd[0] | nd[1] | nd[2] | nd[3]) != 0u);
+  const bool any_nan = load_nan_dims(nan_dims, nd);
   ak::timeline_mark_dep(a, 14, any_nan);
   uint8_t* rows = stage + tok * ak::kRows * kRowPitch;
   uint8_t* qrows = stage + kQStageOffset + tok * ak::kRows * kQPitch;  // (with out_q)
   const int64_t t = t0 + tok;
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
-    float lsum = st.l[e];
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
-    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const float lsum = quad_sum(st.l[e]);
     const float inv = lsum > 0.0f ? 1.0f / lsum : 1.0f;
     const int h = grp + 8 * e;
     uint8_t* r = rows + h * kRowPitch + 4 * tig;
@@ -441,23 +442,16 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         float v0 = st.o[4 * j + 2 * e] * inv, v1 = st.o[4 * j + 2 * e + 1] * inv;
-        if (any_nan) {
-          const int dim = 8 * j + 2 * tig;
-          if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
-          if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
-        }
+        const int dim = 8 * j + 2 * tig;
+        if ((nd[dim >> 5] >> (dim & 31)) & 1u) v0 = __int_as_float(0x7fffffff);
+        if ((nd[(dim + 1) >> 5] >> ((dim + 1) & 31)) & 1u) v1 = __int_as_float(0x7fffffff);
         const __nv_bfloat162 b2 = __floats2bfloat162_rn(v0, v1);
         wv[j] = *reinterpret_cast<const uint32_t*>(&b2);
         *reinterpret_cast<uint32_t*>(r + 16 * j) = wv[j];
       }
     }
     if (a.out_q != nullptr) {  // (CTA-uniform) the row's 128 dims are this quad's
-      float amax = 0.0f;
-#pragma unroll
-      for (int j = 0; j < 16; ++j) amax = fmaxf(amax, ak::amax_pair(wv[j]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float sc = ak::quant_scale(amax), rcp = ak::quant_rcp(sc);
+      const float sc = ak::quant_scale(quad_amax(wv)), rcp = ak::quant_rcp(sc);
 #pragma unroll
       for (int j = 0; j < 16; ++j)
         *reinterpret_cast<uint16_t*>(qrows + h * kQPitch + 8 * j + 2 * tig) =
@@ -477,13 +471,14 @@ __device__ __forceinline__ void write_rows_bulk(const AttnArgs& a, const Rows& s
   ak::timeline_mark(a, 12);
   if (tok < nt && lane == 0) {
     const int64_t col = static_cast<int64_t>(g * a.group) * ak::kDim;
-    bulk_store(a.out + t * a.out_stride + col, packed, a.group * 2 * ak::kDim);
+    sm90::bulk_store(a.out + t * a.out_stride + col, ak::smem_u32(packed),
+                     a.group * 2 * ak::kDim);
     if (a.out_q != nullptr)
-      bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col, qpacked,
-                 a.group * ak::kDim);
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+      sm90::bulk_store(a.out_q + t * (int64_t{a.n_kv} * a.group * ak::kDim) + col,
+                       ak::smem_u32(qpacked), a.group * ak::kDim);
+    sm90::bulk_commit();
     ak::timeline_mark(a, 13);
-    asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+    sm90::bulk_wait_read();
   }
 }
 

@@ -96,6 +96,10 @@ struct PrefillArgs {
 
 // ---- PTX helpers ------------------------------------------------------------------------------
 
+using sm90::bulk_commit;
+using sm90::bulk_wait_all;
+using sm90::bulk_wait_read;
+using sm90::fence_proxy_async;
 using sm90::map_to_rank;
 using sm90::prefetch_tensor_map;
 using sm90::smem_addr;
@@ -122,17 +126,6 @@ __device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t sr
           reinterpret_cast<uint64_t>(map)),
       "r"(x), "r"(y), "r"(src)
       : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// Waits until every committed bulk store of this thread has read its shared-memory source.
-__device__ __forceinline__ void bulk_wait_read() {
-  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
-}
-// Waits until every committed bulk store of this thread is complete.
-__device__ __forceinline__ void bulk_wait_all() {
-  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
 
@@ -419,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // st.shared -> TMA store
+      fence_proxy_async();  // st.shared -> TMA store
       warpgroup_barrier(wg);
       if (tid == 0) {
         const int y = mt * kTileM + wg * 64;

@@ -470,7 +470,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
       mbar_init(smem_addr(&xdone_bar), 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    sm90::fence_proxy_async();
   }
   __syncthreads();
   // Cluster split: no CTA touches another's barriers before every CTA of the cluster has

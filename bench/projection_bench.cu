@@ -987,6 +987,29 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   return 0;
 }
 
+// ---- --lt-survey: every cuBLASLt configuration at --ms M1,M2,... (Fp8BlockGemm::survey_cublaslt) --
+// One autotuned object (cuBLASLt only, max_m the largest M); per M its survey: every algorithm id
+// x tile x stages id x cluster shape that cublasLtMatmulAlgoCheck accepts, timed (integer
+// operands, cold L2, median of 3) within --survey-ms B of wall time, the fastest 3 T listed, then
+// the kept algorithm and the T fastest identical ones re-timed on random operands, in turns.
+int run_lt_survey(int64_t n, int64_t k, const std::vector<int64_t>& ms, int top, int budget_ms) {
+  Fp8BlockGemmOptions opt;
+  opt.wgmma_max_m = 0;
+  opt.wgmma_auto_max_m = 0;
+  opt.prefill_min_m = 0;
+  auto r = Fp8BlockGemm::create(ms.back(), n, k, opt);
+  must(r.status(), "Fp8BlockGemm::create");
+  std::unique_ptr<Fp8BlockGemm> g = std::move(r).value();
+  std::printf("%s", g->describe().c_str());
+  for (const int64_t m : ms) {
+    Result<std::string> t = g->survey_cublaslt(m, top, budget_ms);
+    must(t.status(), "survey_cublaslt");
+    std::printf("%s", t.value().c_str());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
 std::vector<int64_t> parse_list(const char* s) {
   std::vector<int64_t> v;
   for (const char* p = s; *p;) {
@@ -1003,7 +1026,8 @@ int run(int argc, char** argv) {
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
   std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
-  bool random = false, trace = false, tuner_probe = false;
+  bool random = false, trace = false, tuner_probe = false, lt_survey = false;
+  int survey_top = 8, survey_ms = 12000;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -1035,6 +1059,12 @@ int run(int argc, char** argv) {
       shape = parse_list(argv[++i]);
     } else if (f == "--tuner-probe") {
       tuner_probe = true;
+    } else if (f == "--lt-survey") {
+      lt_survey = true;
+    } else if (f == "--survey-top") {
+      int_arg(&survey_top);
+    } else if (f == "--survey-ms") {
+      int_arg(&survey_ms);
     } else if (f == "--ms" && i + 1 < argc) {
       shape_ms = parse_list(argv[++i]);
     } else if (f == "--variant" && i + 1 < argc) {
@@ -1050,7 +1080,8 @@ int run(int argc, char** argv) {
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
                    "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
                    "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
-                   "[--random] [--trace] [--tuner-probe])\n",
+                   "[--random] [--trace] [--tuner-probe] [--lt-survey [--survey-top T] "
+                   "[--survey-ms B]])\n",
                    argv[i]);
       return 2;
     }
@@ -1063,6 +1094,7 @@ int run(int argc, char** argv) {
     }
     std::sort(shape_ms.begin(), shape_ms.end());
     if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
+    if (lt_survey) return run_lt_survey(shape[0], shape[1], shape_ms, survey_top, survey_ms);
     return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json);
   }
   const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}

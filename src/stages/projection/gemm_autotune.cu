@@ -54,6 +54,19 @@ __global__ void tune_fill_f32(float* p, int64_t n, float value) {
     p[i] = value;
 }
 
+// Random E4M3 bytes (every finite code, NaN codes 0x7F / 0xFF replaced by 0): operands whose bits
+// toggle like real quantized activations and weights (the GPU's power draw, hence its clocks
+// under the power cap, depend on it; only survey_cublaslt uses them).
+__global__ void tune_fill_random_e4m3(uint8_t* p, int64_t n, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint32_t h = static_cast<uint32_t>(
+        tune_mix64(static_cast<uint64_t>(i) ^ (static_cast<uint64_t>(seed) << 48)) >> 32);
+    const uint32_t b = h & 0xFFu;
+    p[i] = static_cast<uint8_t>((b & 0x7Fu) == 0x7Fu ? 0u : b);
+  }
+}
+
 // Order-independent 64-bit fingerprint of n bf16 values (sum of a hash of (index, bits)).
 __global__ void tune_hash_bf16(const uint16_t* d, int64_t n, unsigned long long* out) {
   unsigned long long acc = 0;
@@ -803,6 +816,250 @@ void Fp8BlockGemm::Impl::autotune() {
     for (Bucket& b : buckets)
       if (b.tuning.empty()) b.tuning = "not tuned: " + failure;
   }
+}
+
+// ---- survey_cublaslt (bench tool) ------------------------------------------------------------
+
+Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double budget_ms) {
+  Impl& s = *impl_;
+  m = gemm_padded_rows(m);
+  M3_CHECK_ARG(m >= 4 && m <= gemm_padded_rows(s.max_m), "survey_cublaslt: M = ", m,
+               " must be in [4, max_m]");
+  const auto start = TuneClock::now();
+  const auto deadline =
+      start + std::chrono::microseconds(static_cast<int64_t>(std::max(budget_ms, 1.0) * 1e3));
+  TuneScratch t;
+  M3_RETURN_IF_ERROR(s.make_scratch(m, &t));
+  M3_RETURN_IF_ERROR(s.set_problem(m, t.ld_x, t.ld_w, t.ld_d));
+  M3_RETURN_IF_ERROR(s.set_scale_pointers(t.sw, t.sa));
+  const Bucket* bucket = &s.buckets.back();
+  for (const Bucket& b : s.buckets) {
+    if (m <= b.m_hi) {
+      bucket = &b;
+      break;
+    }
+  }
+  const double flop = 2.0 * static_cast<double>(m) * static_cast<double>(s.n) * s.k;
+  auto tflops = [&](double us) { return us > 0 ? flop / us / 1e6 : 0.0; };
+  constexpr int kIters = 3;
+
+  struct Row {
+    cublasLtMatmulAlgo_t algo = {};
+    std::string label;
+    float waves = 0;
+    size_t ws = 0;
+    double us = -1;
+    bool same = false;
+  };
+  auto label_of = [](const cublasLtMatmulAlgo_t& a) {
+    return short_label(a) + " custom " +
+           std::to_string(config_value(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
+  };
+  // The algorithm run() uses for m, first: the fingerprint every other must reproduce.
+  Row kept;
+  kept.algo = bucket->algo[kAligned];
+  kept.label = label_of(kept.algo);
+  bool launched = false;
+  unsigned long long want = 0;
+  M3_RETURN_IF_ERROR(s.measure(kept.algo, t, m, kIters, &launched, &want, &kept.us));
+  if (!launched) return make_status(StatusCode::kCudaError, "survey: the kept algorithm refused");
+  kept.same = true;
+
+  auto check = [&](const cublasLtMatmulAlgo_t& a, Row* r) {
+    cublasLtMatmulHeuristicResult_t res = {};
+    if (cublasLtMatmulAlgoCheck(s.handle, s.desc(), s.w_layout(), s.x_layout(), s.d_layout(),
+                                s.d_layout(), &a, &res) != CUBLAS_STATUS_SUCCESS ||
+        res.workspaceSize > s.options.workspace_bytes)
+      return false;
+    r->algo = a;
+    r->waves = res.wavesCount;
+    r->ws = res.workspaceSize;
+    r->label = label_of(a);
+    return true;
+  };
+
+  // (1) Enumeration: every id x tile x stages x cluster shape that passes the check (swizzle 0,
+  // custom option 0, no split-K). Checks get at most a third of the budget.
+  const auto check_end = start + (deadline - start) / 3;
+  std::vector<int> ids(256);
+  int count = 0;
+  if (cublasLtMatmulAlgoGetIds(s.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3,
+                               CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_16BF,
+                               static_cast<int>(ids.size()), ids.data(),
+                               &count) != CUBLAS_STATUS_SUCCESS)
+    count = 0;
+  ids.resize(static_cast<size_t>(std::max(count, 0)));
+  {  // the kept algorithm's id first
+    const int kept_id = static_cast<int>(config_value(kept.algo, CUBLASLT_ALGO_CONFIG_ID));
+    ids.erase(std::remove(ids.begin(), ids.end(), kept_id), ids.end());
+    ids.insert(ids.begin(), kept_id);
+  }
+  std::vector<int> cluster_order = {CUBLASLT_CLUSTER_SHAPE_AUTO, CUBLASLT_CLUSTER_SHAPE_1x1x1};
+  for (int cl = CUBLASLT_CLUSTER_SHAPE_1x1x1 + 1; cl < CUBLASLT_CLUSTER_SHAPE_END; ++cl)
+    cluster_order.push_back(cl);
+  int64_t checks = 0;
+  bool checks_cut = false;
+  std::vector<Row> rows;
+  std::ostringstream caps_text;
+  for (int id : ids) {
+    cublasLtMatmulAlgo_t base;
+    if (cublasLtMatmulAlgoInit(s.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3,
+                               CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_16BF, id,
+                               &base) != CUBLAS_STATUS_SUCCESS)
+      continue;
+    std::vector<uint32_t> tiles = cap_list(base, CUBLASLT_ALGO_CAP_TILE_IDS);
+    std::vector<uint32_t> stages = cap_list(base, CUBLASLT_ALGO_CAP_STAGES_IDS);
+    if (tiles.empty()) tiles.push_back(CUBLASLT_MATMUL_TILE_UNDEFINED);
+    if (stages.empty()) stages.push_back(CUBLASLT_MATMUL_STAGES_UNDEFINED);
+    int32_t custom_max = 0;
+    if (!cap_value(base, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max)) custom_max = 0;
+    uint32_t swz = 0;
+    if (!cap_value(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swz)) swz = 0;
+    int passed = 0;
+    for (uint32_t tile : tiles) {
+      for (uint32_t st : stages) {
+        // The automatic and the 1x1x1 shapes first; the other shapes only when one of them passes.
+        bool any = false;
+        for (int cl : cluster_order) {
+          if (cl > CUBLASLT_CLUSTER_SHAPE_1x1x1 && !any) break;
+          if (TuneClock::now() >= check_end) {
+            checks_cut = true;
+            break;
+          }
+          cublasLtMatmulAlgo_t a = base;
+          if (!set_config(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
+              !set_config(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, st) ||
+              !set_config(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, static_cast<uint16_t>(cl)))
+            continue;
+          ++checks;
+          Row r;
+          if (check(a, &r)) {
+            rows.push_back(r);
+            ++passed;
+            any = true;
+          }
+        }
+        if (checks_cut) break;
+      }
+      if (checks_cut) break;
+    }
+    caps_text << "  id " << id << ": " << tiles.size() << " tiles, " << stages.size()
+              << " stages ids, custom options 0.." << custom_max << ", swizzle "
+              << swz << "; " << passed << " configurations pass\n";
+    if (checks_cut) break;
+  }
+
+  // (2) Timing, in enumeration order, until the budget is spent (leaving a sixth for the rest).
+  const auto time_end = deadline - (deadline - start) / 6;
+  int timed = 0, refused = 0, differ = 0;
+  bool timing_cut = false;
+  auto time_row = [&](Row* r) -> Status {
+    bool ok = false;
+    unsigned long long print = 0;
+    M3_RETURN_IF_ERROR(s.measure(r->algo, t, m, kIters, &ok, &print, &r->us));
+    ++timed;
+    if (!ok) {
+      ++refused;
+      r->us = -1;
+    }
+    r->same = ok && print == want;
+    if (ok && !r->same) ++differ;
+    return Status::Ok();
+  };
+  for (Row& r : rows) {
+    if (TuneClock::now() >= time_end) {
+      timing_cut = true;
+      break;
+    }
+    M3_RETURN_IF_ERROR(time_row(&r));
+  }
+  auto by_time = [](const Row& x, const Row& y) {
+    if ((x.us > 0) != (y.us > 0)) return x.us > 0;
+    return x.us < y.us;
+  };
+  std::stable_sort(rows.begin(), rows.end(), by_time);
+
+  // (3) CTA swizzle and custom options on the 8 fastest.
+  std::vector<Row> extra;
+  for (size_t i = 0; i < rows.size() && i < 8 && rows[i].us > 0; ++i) {
+    int32_t custom_max = 0;
+    if (!cap_value(rows[i].algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max))
+      custom_max = 0;
+    for (uint32_t swizzle : {0u, 1u}) {
+      for (int32_t c = 0; c <= std::min(custom_max, 15); ++c) {
+        if (swizzle == 0 && c == 0) continue;
+        cublasLtMatmulAlgo_t a = rows[i].algo;
+        if (!set_config(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle) ||
+            !set_config(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, c))
+          continue;
+        ++checks;
+        Row r;
+        if (check(a, &r)) extra.push_back(r);
+      }
+    }
+  }
+  for (Row& r : extra) {
+    if (TuneClock::now() >= time_end) {
+      timing_cut = true;
+      break;
+    }
+    M3_RETURN_IF_ERROR(time_row(&r));
+  }
+  rows.insert(rows.end(), extra.begin(), extra.end());
+  std::stable_sort(rows.begin(), rows.end(), by_time);
+
+  std::ostringstream os;
+  char line[512];
+  os << "cuBLASLt survey at M " << m << ", N " << s.n << ", K " << s.k << " ("
+     << ids.size() << " algorithm ids):\n"
+     << caps_text.str() << "  " << checks << " checks" << (checks_cut ? " (cut by time)" : "")
+     << ", " << rows.size() << " configurations pass, " << timed << " timed"
+     << (timing_cut ? " (cut by time)" : "") << ", " << refused << " refused at launch, "
+     << differ << " with another output than the kept algorithm's\n";
+  std::snprintf(line, sizeof(line), "  kept (run() at this M): %s  %.2f us  %.1f TFLOP/s\n",
+                kept.label.c_str(), kept.us, tflops(kept.us));
+  os << line;
+  os << "  integer operands (the tuner's), median of " << kIters << " cold-L2 launches:\n";
+  int shown = 0;
+  for (const Row& r : rows) {
+    if (r.us <= 0 || shown >= std::max(top, 1) * 3) break;
+    std::snprintf(line, sizeof(line), "  %3d  %-78s waves %6.2f ws %9zu  %8.2f us  %7.1f  %s\n",
+                  ++shown, r.label.c_str(), r.waves, r.ws, r.us, tflops(r.us),
+                  r.same ? "same" : "DIFFERENT");
+    os << line;
+  }
+
+  // (4) Random operands: the kept algorithm and the `top` fastest identical ones, in turns.
+  tune_fill_random_e4m3<<<1024, 256, 0, t.stream>>>(t.a, m * t.ld_x, 101);
+  tune_fill_random_e4m3<<<1024, 256, 0, t.stream>>>(t.w, s.n * t.ld_w, 202);
+  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  std::vector<Row> best = {kept};
+  for (const Row& r : rows) {
+    if (static_cast<int>(best.size()) > top) break;
+    if (r.us > 0 && r.same && config_key(r.algo) != config_key(kept.algo)) best.push_back(r);
+  }
+  std::vector<std::vector<double>> rt(best.size());
+  for (int pass = 0; pass < 2; ++pass) {
+    for (size_t i = 0; i < best.size(); ++i) {
+      bool ok = false;
+      unsigned long long print = 0;
+      double us = -1;
+      M3_RETURN_IF_ERROR(s.measure(best[i].algo, t, m, 5, &ok, &print, &us));
+      rt[i].push_back(ok ? us : -1);
+    }
+  }
+  os << "  random operands, median of 5 cold-L2 launches, two passes in turns (us / TFLOP/s):\n";
+  for (size_t i = 0; i < best.size(); ++i) {
+    std::snprintf(line, sizeof(line), "  %s %-78s  %8.2f / %7.1f   %8.2f / %7.1f\n",
+                  i == 0 ? "kept" : "    ", best[i].label.c_str(), rt[i][0], tflops(rt[i][0]),
+                  rt[i][1], tflops(rt[i][1]));
+    os << line;
+  }
+  os << "  (" << std::chrono::duration_cast<std::chrono::milliseconds>(TuneClock::now() - start)
+            .count()
+     << " ms)\n";
+  (void)s.set_scale_pointers(s.workspace, s.workspace);
+  return os.str();
 }
 
 }  // namespace m3attn

@@ -987,6 +987,69 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
   return 0;
 }
 
+// ---- --fused-pair: issue #4's "fused faster than the unfused pair at every M" table -------------
+// The fused N 9856 GEMM against the pair N 9216 + N 640 (one graph), isolated and back to back,
+// at the main table's M list (or --ms), for two kinds of objects: cuBLASLt only (autotuned, as the
+// main table) and the default options (what the layer gets: the autotuner may give a bucket to
+// the wgmma or the prefill kernel). Operands as the main table (quantized bf16, random weights).
+int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
+                   cudaStream_t stream, bool json) {
+  Fp8BlockGemmOptions lt_opt;
+  lt_opt.wgmma_max_m = 0;
+  lt_opt.prefill_min_m = 0;
+  Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt),
+          make(b.max_pad, kN2, lt_opt)};
+  Trio df{make(b.max_pad, kNF, {}), make(b.max_pad, kN1, {}), make(b.max_pad, kN2, {})};
+  std::printf("default-options fused object:\n%s", df.fused->describe().c_str());
+  bool pass = spot_check(b, lt, "cuBLASLt", stream);
+  pass = spot_check(b, df, "default objects", stream) && pass;
+  fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
+  check_cuda(cudaGetLastError(), "fill");
+  std::vector<bench::Row> rows;
+  for (int64_t rows_m : ms) {
+    const Calls c = make_calls(b, rows_m);
+    const int64_t m = gemm_padded_rows(rows_m);
+    must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
+    check_cuda(cudaStreamSynchronize(stream), "quantize");
+    const double flops = 2.0 * static_cast<double>(rows_m) * kNF * kK;
+    bench::Row r;
+    r.add("M", std::to_string(rows_m));
+    for (const Trio* g : {&lt, &df}) {
+      const std::string pre = g == &lt ? "lt_" : "default_";
+      const Both tf = time_both(
+          b, rows_m,
+          [&](const Calls& x, cudaStream_t st) { must(g->fused->run(x.fused, st), "fused"); },
+          stream, iters, &pass, "fused");
+      const Both tp = time_both(
+          b, rows_m,
+          [&](const Calls& x, cudaStream_t st) {
+            must(g->first->run(x.first, st), "N = 9216");
+            must(g->second->run(x.second, st), "N = 640");
+          },
+          stream, iters, &pass, "pair");
+      r.add(pre + "fused_us", tf.us);
+      r.add(pre + "fused_b2b", tf.b2b_us);
+      r.add(pre + "TFLOPs", flops / tf.us / 1e6, 1);
+      r.add(pre + "pair_us", tp.us);
+      r.add(pre + "pair_b2b", tp.b2b_us);
+      r.add(pre + "pair/fused", tp.us / tf.us, 3);
+      r.add(pre + "b2b", tp.b2b_us / tf.b2b_us, 3);
+      r.add(pre + "faster", tp.us > tf.us && tp.b2b_us > tf.b2b_us ? "yes" : "NO");
+    }
+    rows.push_back(r);
+    std::printf("M %lld: default fused %s | N=9216 %s | N=640 %s\n",
+                static_cast<long long>(rows_m), df.fused->algorithm_for(m).c_str(),
+                df.first->algorithm_for(m).c_str(), df.second->algorithm_for(m).c_str());
+  }
+  bench::print_rows(
+      "fused N=9856 vs pair 9216+640, cuBLASLt-only (lt_) and default-options (default_) objects; "
+      "us: graph replay after an L2 flush, b2b: per call back to back; faster: pair slower in "
+      "both timings",
+      rows, json);
+  std::printf("spot checks %s\n", pass ? "PASS" : "FAIL");
+  return pass ? 0 : 1;
+}
+
 // ---- --lt-survey: every cuBLASLt configuration at --ms M1,M2,... (Fp8BlockGemm::survey_cublaslt) --
 // One autotuned object (cuBLASLt only, max_m the largest M); per M its survey: every algorithm id
 // x tile x stages id x cluster shape that cublasLtMatmulAlgoCheck accepts, timed (integer
@@ -1026,8 +1089,9 @@ int run(int argc, char** argv) {
   std::vector<int64_t> shape, shape_ms = {1, 16, 32, 64, 128, 256};
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
   std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
-  bool random = false, trace = false, tuner_probe = false, lt_survey = false;
+  bool random = false, trace = false, tuner_probe = false, lt_survey = false, fused_pair = false;
   int survey_top = 8, survey_ms = 12000;
+  bool ms_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
     auto int_arg = [&](int* out) {
@@ -1059,6 +1123,8 @@ int run(int argc, char** argv) {
       shape = parse_list(argv[++i]);
     } else if (f == "--tuner-probe") {
       tuner_probe = true;
+    } else if (f == "--fused-pair") {
+      fused_pair = true;
     } else if (f == "--lt-survey") {
       lt_survey = true;
     } else if (f == "--survey-top") {
@@ -1067,6 +1133,7 @@ int run(int argc, char** argv) {
       int_arg(&survey_ms);
     } else if (f == "--ms" && i + 1 < argc) {
       shape_ms = parse_list(argv[++i]);
+      ms_given = true;
     } else if (f == "--variant" && i + 1 < argc) {
       only_variants = parse_list(argv[++i]);
     } else if (f == "--prefill" && i + 1 < argc) {
@@ -1081,7 +1148,7 @@ int run(int argc, char** argv) {
                    "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
                    "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
                    "[--random] [--trace] [--tuner-probe] [--lt-survey [--survey-top T] "
-                   "[--survey-ms B]])\n",
+                   "[--survey-ms B]]; --fused-pair [--ms M1,M2,...])\n",
                    argv[i]);
       return 2;
     }
@@ -1097,10 +1164,14 @@ int run(int argc, char** argv) {
     if (lt_survey) return run_lt_survey(shape[0], shape[1], shape_ms, survey_top, survey_ms);
     return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json);
   }
-  const std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
+  std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick
                                       ? std::vector<int64_t>{1, 64, 4096}
                                       : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
+  if (fused_pair && ms_given) {
+    ms = shape_ms;
+    std::sort(ms.begin(), ms.end());
+  }
   const int iters = quick ? 10 : 30;
 
   cudaStream_t stream;
@@ -1136,6 +1207,7 @@ int run(int argc, char** argv) {
   check_cuda(cudaStreamSynchronize(stream), "fill");
   std::printf("back-to-back timing: %d copies of the weights + scales (%.1f MB each)\n", copies,
               static_cast<double>(w_bytes + sw_bytes) / 1e6);
+  if (fused_pair) return run_fused_pair(b, ms, iters, stream, json);
 
   if (wgmma_only) {
     // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64

@@ -53,7 +53,10 @@
 // (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
 // cuBLASLt object, -1 the default-options object (what the layer gets: its autotuner may choose
 // the prefill kernel; its describe() is printed), 1.. the prefill kernel's variants
-// (gemm_prefill.h; table kPrefillVariants).
+// (gemm_prefill.h; table kPrefillVariants); --settle-ms S (with --shape): the GPU idles S ms
+// before each path's isolated and back-to-back timing (same power state for every path of an A/B);
+// --lt-survey (with --shape and --ms): every cuBLASLt configuration timed, see run_lt_survey;
+// --fused-pair [--ms ...]: only the fused-vs-pair table, see run_fused_pair.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -66,6 +69,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "core/numeric.h"
@@ -450,7 +454,7 @@ constexpr GemmPrefillOptions kPrefillVariants[] = {
 
 int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
               const std::vector<int64_t>& only_variants, const std::vector<int64_t>& prefill,
-              bool random, bool trace, bool json) {
+              bool random, bool trace, bool json, int settle_ms) {
   // Variant 0 is the default (two CTAs per SM, stream-K); 1 one CTA per SM (the automatic choice
   // above M 16 until session 15, round B); 2 / 3 the owner fixup; 4 the cluster split with C = 3.
   // (Round A also timed 14, 24, 28 and 48 units per CTA and C = 1 / 2: slower at every M,
@@ -647,10 +651,23 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       if (!same && !random && !uncompared) pass = false;
       return random || uncompared ? "n/a" : same ? "identical" : "DIFFERENT";
     };
+    // --settle-ms S: the GPU idles S ms before each timing, so every path of an A/B starts from
+    // the same power state. (Round A of session 22: random operands run into the 700 W power cap
+    // (clocks 1395-1980 MHz, throttle reason "SW power cap"), and the same cuBLASLt algorithm timed
+    // 381.5 / 415.2 us isolated through the default object, whose check (an 80 MB download and a
+    // host compare) idled the GPU before its timing, against 447.3 / 452.2 us right after the
+    // previous path's back-to-back run.)
+    auto settle = [&] {
+      if (settle_ms <= 0) return;
+      check_cuda(cudaStreamSynchronize(stream), "settle");
+      std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
+    };
     auto add = [&](const std::string& path, const std::function<void(cudaStream_t, int)>& call,
                    const char* check) {
+      settle();
       const bench::Timing ti =
           bench::time_graph_cold([&](cudaStream_t st) { call(st, 0); }, stream, 3, 30);
+      settle();
       const bench::Timing tb = bench::time_graph_back_to_back(call, copies, stream);
       bench::Row row;
       row.add("M", std::to_string(rows_m));
@@ -1090,7 +1107,7 @@ int run(int argc, char** argv) {
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
   std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
   bool random = false, trace = false, tuner_probe = false, lt_survey = false, fused_pair = false;
-  int survey_top = 8, survey_ms = 12000;
+  int survey_top = 8, survey_ms = 12000, settle_ms = 0;
   bool ms_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -1127,6 +1144,8 @@ int run(int argc, char** argv) {
       fused_pair = true;
     } else if (f == "--lt-survey") {
       lt_survey = true;
+    } else if (f == "--settle-ms") {
+      int_arg(&settle_ms);
     } else if (f == "--survey-top") {
       int_arg(&survey_top);
     } else if (f == "--survey-ms") {
@@ -1147,7 +1166,7 @@ int run(int argc, char** argv) {
                    "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
                    "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
                    "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
-                   "[--random] [--trace] [--tuner-probe] [--lt-survey [--survey-top T] "
+                   "[--random] [--trace] [--settle-ms S] [--tuner-probe] [--lt-survey [--survey-top T] "
                    "[--survey-ms B]]; --fused-pair [--ms M1,M2,...])\n",
                    argv[i]);
       return 2;
@@ -1162,7 +1181,8 @@ int run(int argc, char** argv) {
     std::sort(shape_ms.begin(), shape_ms.end());
     if (tuner_probe) return run_tuner_probe(shape[0], shape[1], json);
     if (lt_survey) return run_lt_survey(shape[0], shape[1], shape_ms, survey_top, survey_ms);
-    return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json);
+    return run_shape(shape[0], shape[1], shape_ms, only_variants, prefill, random, trace, json,
+                     settle_ms);
   }
   std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
                                   : quick

@@ -851,10 +851,7 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     double us = -1;
     bool same = false;
   };
-  auto label_of = [](const cublasLtMatmulAlgo_t& a) {
-    return short_label(a) + " custom " +
-           std::to_string(config_value(a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION));
-  };
+  auto label_of = [](const cublasLtMatmulAlgo_t& a) { return short_label(a); };
   // The algorithm run() uses for m, first: the fingerprint every other must reproduce.
   Row kept;
   kept.algo = bucket->algo[kAligned];
@@ -949,83 +946,119 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     if (checks_cut) break;
   }
 
-  // (2) Timing, in enumeration order, until the budget is spent (leaving a sixth for the rest).
-  const auto time_end = deadline - (deadline - start) / 6;
-  int timed = 0, refused = 0, differ = 0;
-  bool timing_cut = false;
-  auto time_row = [&](Row* r) -> Status {
-    bool ok = false;
-    unsigned long long print = 0;
-    M3_RETURN_IF_ERROR(s.measure(r->algo, t, m, kIters, &ok, &print, &r->us));
-    ++timed;
-    if (!ok) {
-      ++refused;
-      r->us = -1;
-    }
-    r->same = ok && print == want;
-    if (ok && !r->same) ++differ;
-    return Status::Ok();
-  };
-  for (Row& r : rows) {
-    if (TuneClock::now() >= time_end) {
-      timing_cut = true;
-      break;
-    }
-    M3_RETURN_IF_ERROR(time_row(&r));
-  }
-  auto by_time = [](const Row& x, const Row& y) {
-    if ((x.us > 0) != (y.us > 0)) return x.us > 0;
-    return x.us < y.us;
-  };
-  std::stable_sort(rows.begin(), rows.end(), by_time);
-
-  // (3) CTA swizzle and custom options on the 8 fastest.
-  std::vector<Row> extra;
-  for (size_t i = 0; i < rows.size() && i < 8 && rows[i].us > 0; ++i) {
+  // (2) Every shape under every custom option and CTA swizzle that passes the check. (Round A:
+  // algorithm 66, the only one that passes here, has custom options 0..7 and the heuristic's
+  // algorithm uses 6; other custom options write other bits, so shapes are compared under each.)
+  std::vector<Row> cands;
+  for (const Row& sh : rows) {
     int32_t custom_max = 0;
-    if (!cap_value(rows[i].algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max))
-      custom_max = 0;
-    for (uint32_t swizzle : {0u, 1u}) {
-      for (int32_t c = 0; c <= std::min(custom_max, 15); ++c) {
-        if (swizzle == 0 && c == 0) continue;
-        cublasLtMatmulAlgo_t a = rows[i].algo;
+    if (!cap_value(sh.algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max)) custom_max = 0;
+    for (int32_t c = 0; c <= std::min(custom_max, 15); ++c) {
+      for (uint32_t swizzle : {0u, 1u}) {
+        cublasLtMatmulAlgo_t a = sh.algo;
         if (!set_config(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle) ||
             !set_config(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, c))
           continue;
         ++checks;
         Row r;
-        if (check(a, &r)) extra.push_back(r);
+        if (check(a, &r)) cands.push_back(r);
       }
     }
   }
-  for (Row& r : extra) {
+  // (3) One fingerprinted launch of each (until half the budget is spent): only configurations
+  // that write the kept algorithm's bits on the integer operands are timed.
+  const auto print_end = start + (deadline - start) / 2;
+  int printed = 0, refused = 0, differ = 0;
+  bool print_cut = false;
+  std::vector<Row> same;
+  for (Row& r : cands) {
+    if (TuneClock::now() >= print_end) {
+      print_cut = true;
+      break;
+    }
+    const size_t elems = static_cast<size_t>(m * t.ld_d);
+    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+    ++printed;
+    if (s.launch_scratch(r.algo, t) != CUBLAS_STATUS_SUCCESS) {
+      cudaGetLastError();
+      ++refused;
+      continue;
+    }
+    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
+    M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    unsigned long long h = 0;
+    M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&h, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
+    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+    if (h != want) {
+      ++differ;
+      continue;
+    }
+    r.same = true;
+    same.push_back(r);
+  }
+  // (4) Timing of the identical ones until five sixths of the budget are spent.
+  const auto time_end = deadline - (deadline - start) / 6;
+  int timed = 0;
+  bool timing_cut = false;
+  for (Row& r : same) {
     if (TuneClock::now() >= time_end) {
       timing_cut = true;
       break;
     }
-    M3_RETURN_IF_ERROR(time_row(&r));
+    bool ok = false;
+    unsigned long long print = 0;
+    M3_RETURN_IF_ERROR(s.measure(r.algo, t, m, kIters, &ok, &print, &r.us));
+    ++timed;
+    if (!ok) r.us = -1;
   }
-  rows.insert(rows.end(), extra.begin(), extra.end());
-  std::stable_sort(rows.begin(), rows.end(), by_time);
+  auto by_time = [](const Row& x, const Row& y) {
+    if ((x.us > 0) != (y.us > 0)) return x.us > 0;
+    return x.us < y.us;
+  };
+  std::stable_sort(same.begin(), same.end(), by_time);
 
   std::ostringstream os;
   char line[512];
   os << "cuBLASLt survey at M " << m << ", N " << s.n << ", K " << s.k << " ("
      << ids.size() << " algorithm ids):\n"
      << caps_text.str() << "  " << checks << " checks" << (checks_cut ? " (cut by time)" : "")
-     << ", " << rows.size() << " configurations pass, " << timed << " timed"
-     << (timing_cut ? " (cut by time)" : "") << ", " << refused << " refused at launch, "
-     << differ << " with another output than the kept algorithm's\n";
+     << ", " << rows.size() << " shapes (id, tile, stages, cluster) pass; " << cands.size()
+     << " with custom options and swizzle; " << printed << " launched"
+     << (print_cut ? " (cut by time)" : "") << ": " << refused << " refused, " << differ
+     << " with other bits than the kept algorithm's, " << same.size() << " identical, " << timed
+     << " of them timed" << (timing_cut ? " (cut by time)" : "") << "\n";
+  {
+    // Per tile: shapes, identical configurations, the fastest identical one.
+    std::vector<int64_t> tiles_seen;
+    for (const Row& r : rows) {
+      const int64_t tile = config_value(r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID);
+      if (std::find(tiles_seen.begin(), tiles_seen.end(), tile) != tiles_seen.end()) continue;
+      tiles_seen.push_back(tile);
+      int n_shapes = 0, n_same = 0;
+      double best_us = -1;
+      for (const Row& x : rows) n_shapes += config_value(x.algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == tile;
+      for (const Row& x : same) {
+        if (config_value(x.algo, CUBLASLT_ALGO_CONFIG_TILE_ID) != tile) continue;
+        ++n_same;
+        if (x.us > 0 && (best_us < 0 || x.us < best_us)) best_us = x.us;
+      }
+      std::snprintf(line, sizeof(line),
+                    "  tile %lld: %d shapes, %d identical configurations, fastest %.2f us\n",
+                    static_cast<long long>(tile), n_shapes, n_same, best_us);
+      os << line;
+    }
+  }
   std::snprintf(line, sizeof(line), "  kept (run() at this M): %s  %.2f us  %.1f TFLOP/s\n",
                 kept.label.c_str(), kept.us, tflops(kept.us));
   os << line;
-  os << "  integer operands (the tuner's), median of " << kIters << " cold-L2 launches:\n";
+  os << "  identical configurations, integer operands (the tuner's), median of " << kIters
+     << " cold-L2 launches:\n";
   int shown = 0;
-  for (const Row& r : rows) {
+  for (const Row& r : same) {
     if (r.us <= 0 || shown >= std::max(top, 1) * 3) break;
-    std::snprintf(line, sizeof(line), "  %3d  %-78s waves %6.2f ws %9zu  %8.2f us  %7.1f  %s\n",
-                  ++shown, r.label.c_str(), r.waves, r.ws, r.us, tflops(r.us),
-                  r.same ? "same" : "DIFFERENT");
+    std::snprintf(line, sizeof(line), "  %3d  %-78s waves %6.2f ws %9zu  %8.2f us  %7.1f\n",
+                  ++shown, r.label.c_str(), r.waves, r.ws, r.us, tflops(r.us));
     os << line;
   }
 
@@ -1034,9 +1067,9 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
   tune_fill_random_e4m3<<<1024, 256, 0, t.stream>>>(t.w, s.n * t.ld_w, 202);
   M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   std::vector<Row> best = {kept};
-  for (const Row& r : rows) {
+  for (const Row& r : same) {
     if (static_cast<int>(best.size()) > top) break;
-    if (r.us > 0 && r.same && config_key(r.algo) != config_key(kept.algo)) best.push_back(r);
+    if (r.us > 0 && config_key(r.algo) != config_key(kept.algo)) best.push_back(r);
   }
   std::vector<std::vector<double>> rt(best.size());
   for (int pass = 0; pass < 2; ++pass) {

@@ -141,7 +141,8 @@ inline std::string short_label(const cublasLtMatmulAlgo_t& algo) {
      << config_value(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM) << " red "
      << config_value(algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME) << " swz "
      << config_value(algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING) << " cluster "
-     << config_value(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID);
+     << config_value(algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID) << " custom "
+     << config_value(algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
   return os.str();
 }
 

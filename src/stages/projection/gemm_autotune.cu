@@ -913,28 +913,34 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     uint32_t swz = 0;
     if (!cap_value(base, CUBLASLT_ALGO_CAP_CTA_SWIZZLING_SUPPORT, &swz)) swz = 0;
     int passed = 0;
+    // (Round B: the tiles that pass depend on the custom option -- 128 x 128 passes only under
+    // custom options other than 0 -- so the custom option is part of the shape.)
     for (uint32_t tile : tiles) {
       for (uint32_t st : stages) {
-        // The automatic and the 1x1x1 shapes first; the other shapes only when one of them passes.
-        bool any = false;
-        for (int cl : cluster_order) {
-          if (cl > CUBLASLT_CLUSTER_SHAPE_1x1x1 && !any) break;
-          if (TuneClock::now() >= check_end) {
-            checks_cut = true;
-            break;
+        for (int32_t custom = 0; custom <= std::min(custom_max, 15); ++custom) {
+          // The automatic and the 1x1x1 shapes first; the others only when one of them passes.
+          bool any = false;
+          for (int cl : cluster_order) {
+            if (cl > CUBLASLT_CLUSTER_SHAPE_1x1x1 && !any) break;
+            if (TuneClock::now() >= check_end) {
+              checks_cut = true;
+              break;
+            }
+            cublasLtMatmulAlgo_t a = base;
+            if (!set_config(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
+                !set_config(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, st) ||
+                !set_config(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, custom) ||
+                !set_config(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, static_cast<uint16_t>(cl)))
+              continue;
+            ++checks;
+            Row r;
+            if (check(a, &r)) {
+              rows.push_back(r);
+              ++passed;
+              any = true;
+            }
           }
-          cublasLtMatmulAlgo_t a = base;
-          if (!set_config(&a, CUBLASLT_ALGO_CONFIG_TILE_ID, tile) ||
-              !set_config(&a, CUBLASLT_ALGO_CONFIG_STAGES_ID, st) ||
-              !set_config(&a, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, static_cast<uint16_t>(cl)))
-            continue;
-          ++checks;
-          Row r;
-          if (check(a, &r)) {
-            rows.push_back(r);
-            ++passed;
-            any = true;
-          }
+          if (checks_cut) break;
         }
         if (checks_cut) break;
       }
@@ -946,25 +952,34 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     if (checks_cut) break;
   }
 
-  // (2) Every shape under every custom option and CTA swizzle that passes the check. (Round A:
-  // algorithm 66, the only one that passes here, has custom options 0..7 and the heuristic's
-  // algorithm uses 6; other custom options write other bits, so shapes are compared under each.)
+  // (2) Every shape with and without CTA swizzle, 128-row or -column tiles of at least 128 x 128
+  // first (timing may be cut by the budget at large M).
   std::vector<Row> cands;
   for (const Row& sh : rows) {
-    int32_t custom_max = 0;
-    if (!cap_value(sh.algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max)) custom_max = 0;
-    for (int32_t c = 0; c <= std::min(custom_max, 15); ++c) {
-      for (uint32_t swizzle : {0u, 1u}) {
-        cublasLtMatmulAlgo_t a = sh.algo;
-        if (!set_config(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle) ||
-            !set_config(&a, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, c))
-          continue;
-        ++checks;
-        Row r;
-        if (check(a, &r)) cands.push_back(r);
-      }
+    for (uint32_t swizzle : {0u, 1u}) {
+      cublasLtMatmulAlgo_t a = sh.algo;
+      if (!set_config(&a, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, swizzle)) continue;
+      ++checks;
+      Row r;
+      if (check(a, &r)) cands.push_back(r);
     }
   }
+  auto big_tile = [](const Row& r) {
+    switch (config_value(r.algo, CUBLASLT_ALGO_CONFIG_TILE_ID)) {
+      case CUBLASLT_MATMUL_TILE_128x128:
+      case CUBLASLT_MATMUL_TILE_128x256:
+      case CUBLASLT_MATMUL_TILE_256x128:
+      case CUBLASLT_MATMUL_TILE_128x160:
+      case CUBLASLT_MATMUL_TILE_160x128:
+      case CUBLASLT_MATMUL_TILE_192x128:
+      case CUBLASLT_MATMUL_TILE_128x192:
+        return true;
+      default:
+        return false;
+    }
+  };
+  std::stable_sort(cands.begin(), cands.end(),
+                   [&](const Row& x, const Row& y) { return big_tile(x) && !big_tile(y); });
   // (3) One fingerprinted launch of each (until half the budget is spent): only configurations
   // that write the kept algorithm's bits on the integer operands are timed.
   const auto print_end = start + (deadline - start) / 2;

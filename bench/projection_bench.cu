@@ -51,9 +51,10 @@
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
 // autotuner's replay timing against the benchmark's, see run_tuner_probe); --prefill P1,P2,...
 // (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
-// cuBLASLt object, -1 the default-options object (what the layer gets: its autotuner may choose
-// the prefill kernel; its describe() is printed), 1.. the prefill kernel's variants
-// (gemm_prefill.h; table kPrefillVariants); --settle-ms S (with --shape): the GPU idles S ms
+// cuBLASLt object, -2 cuBLASLt with the heuristic's algorithm (no autotuning), -1 the
+// default-options object (what the layer gets: its autotuner may choose the prefill kernel; its
+// describe() is printed), 1.. the prefill kernel's variants (gemm_prefill.h; table
+// kPrefillVariants); --settle-ms S (with --shape or --fused-pair): the GPU idles S ms
 // before each path's isolated and back-to-back timing (same power state for every path of an A/B);
 // --lt-survey (with --shape and --ms): every cuBLASLt configuration timed, see run_lt_survey;
 // --fused-pair [--ms ...]: only the fused-vs-pair table, see run_fused_pair.
@@ -594,6 +595,15 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // The default-options object (autotuned: cuBLASLt or, inside the auto range, the wgmma kernel
   // per M bucket, whichever the tuner timed faster; from M 1024 on the prefill kernel likewise):
   // what the layer gets. (With --prefill only when path -1 is asked for.)
+  // Path -2: cuBLASLt with the heuristic's algorithm (autotune off): the tuner's A/B reference.
+  std::unique_ptr<Fp8BlockGemm> heur;
+  if (std::find(prefill.begin(), prefill.end(), -2) != prefill.end()) {
+    Fp8BlockGemmOptions ho = lt_opt;
+    ho.autotune = false;
+    auto rh = Fp8BlockGemm::create(ms.back(), n, k, ho);
+    must(rh.status(), "Fp8BlockGemm::create (heuristic)");
+    heur = std::move(rh).value();
+  }
   std::unique_ptr<Fp8BlockGemm> dflt;
   if (prefill.empty() || std::find(prefill.begin(), prefill.end(), -1) != prefill.end()) {
     auto rd = Fp8BlockGemm::create(ms.back(), n, k, Fp8BlockGemmOptions{});
@@ -702,11 +712,21 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // Alternating paths of a same-round A/B: each checked against cuBLASLt first.
       const int np = static_cast<int>(sizeof(kPrefillVariants) / sizeof(kPrefillVariants[0]));
       for (const int64_t v : prefill) {
-        if (v < -1 || v > np) {
+        if (v < -2 || v > np) {
           std::fprintf(stderr,
-                       "--prefill %lld: paths are -1 (default object), 0 (cuBLASLt) ... %d\n",
+                       "--prefill %lld: paths are -2 (heuristic cuBLASLt), -1 (default object), 0 "
+                       "(cuBLASLt) ... %d\n",
                        static_cast<long long>(v), np);
           return 2;
+        }
+        if (v == -2) {
+          check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
+          must(heur->run(params(0, out), stream), "heuristic object");
+          add(
+              "heuristic: " + heur->algorithm_for(m),
+              [&](cudaStream_t st, int c) { must(heur->run(params(c, out), st), "heuristic"); },
+              check_out("heuristic object"));
+          continue;
         }
         if (v == -1) {
           add_default();
@@ -1014,7 +1034,7 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
 // main table) and the default options (what the layer gets: the autotuner may give a bucket to
 // the wgmma or the prefill kernel). Operands as the main table (quantized bf16, random weights).
 int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
-                   cudaStream_t stream, bool json) {
+                   cudaStream_t stream, bool json, int settle_ms) {
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.prefill_min_m = 0;
@@ -1035,12 +1055,20 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
     const double flops = 2.0 * static_cast<double>(rows_m) * kNF * kK;
     bench::Row r;
     r.add("M", std::to_string(rows_m));
+    // From M 1024 on (power-capped sizes) the GPU idles settle_ms before each timing.
+    auto settle = [&] {
+      if (settle_ms <= 0 || rows_m < 1024) return;
+      check_cuda(cudaStreamSynchronize(stream), "settle");
+      std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
+    };
     for (const Trio* g : {&lt, &df}) {
       const std::string pre = g == &lt ? "lt_" : "default_";
+      settle();
       const Both tf = time_both(
           b, rows_m,
           [&](const Calls& x, cudaStream_t st) { must(g->fused->run(x.fused, st), "fused"); },
           stream, iters, &pass, "fused");
+      settle();
       const Both tp = time_both(
           b, rows_m,
           [&](const Calls& x, cudaStream_t st) {
@@ -1231,7 +1259,7 @@ int run(int argc, char** argv) {
   check_cuda(cudaStreamSynchronize(stream), "fill");
   std::printf("back-to-back timing: %d copies of the weights + scales (%.1f MB each)\n", copies,
               static_cast<double>(w_bytes + sw_bytes) / 1e6);
-  if (fused_pair) return run_fused_pair(b, ms, iters, stream, json);
+  if (fused_pair) return run_fused_pair(b, ms, iters, stream, json, settle_ms);
 
   if (wgmma_only) {
     // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64

@@ -88,6 +88,11 @@ __global__ void tune_read_sweep(const int4* __restrict__ p, int64_t n, int* sink
   if (acc == 0x7fffffff) *sink = acc;  // practically never true; keeps the loads alive
 }
 
+// Buckets from this M on also try the heuristic's algorithm under its other custom options
+// (tune_bucket, step 0b): the prefill sizes, where session 22 measured it (decode buckets keep the
+// session-21 search).
+constexpr int64_t kTuneCustomOptionsMinM = 1024;
+
 std::vector<uint32_t> cap_list(const cublasLtMatmulAlgo_t& algo,
                                cublasLtMatmulAlgoCapAttributes_t attr) {
   size_t bytes = 0;
@@ -387,6 +392,30 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
       if (!consider(algo, phase_a_end, &error)) break;
     }
     M3_RETURN_IF_ERROR(error);
+  }
+
+  // (0b) Prefill-size buckets: the heuristic's algorithm under the id's other custom options,
+  // each under the cluster shapes above. Session 22 (projection_bench --lt-survey, round C, fused
+  // N 9856, K 6144, integer operands, cold L2): the heuristic's custom option 6 with 1x2 clusters
+  // ran 350.3 us at M 4096 and 1489.5 at M 16384, custom 4 with 2x1 clusters 342.1-342.4 and
+  // 1352.5, with the same output bits; the tuner tried only custom option 6 (a tile's valid
+  // custom options come from the check alone: 128 x 128 fails under custom option 0).
+  if (b.m_hi >= kTuneCustomOptionsMinM) {
+    int32_t custom_max = 0;
+    if (!cap_value(ref.algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max)) custom_max = 0;
+    const int64_t ref_custom = config_value(ref.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
+    for (int32_t custom = 0; custom <= std::min(custom_max, 15); ++custom) {
+      if (custom == ref_custom) continue;
+      for (uint16_t cluster : clusters) {
+        cublasLtMatmulAlgo_t algo = ref.algo;
+        if (!set_config(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, custom) ||
+            !set_config(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cluster) ||
+            !set_config(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 0u))
+          continue;
+        if (!consider(algo, phase_a_end, &error)) break;
+      }
+      M3_RETURN_IF_ERROR(error);
+    }
   }
 
   // (1) The heuristic's other candidates.
@@ -1087,6 +1116,7 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     if (r.us > 0 && config_key(r.algo) != config_key(kept.algo)) best.push_back(r);
   }
   std::vector<std::vector<double>> rt(best.size());
+  std::vector<unsigned long long> random_print(best.size(), 0);
   for (int pass = 0; pass < 2; ++pass) {
     for (size_t i = 0; i < best.size(); ++i) {
       bool ok = false;
@@ -1094,13 +1124,18 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
       double us = -1;
       M3_RETURN_IF_ERROR(s.measure(best[i].algo, t, m, 5, &ok, &print, &us));
       rt[i].push_back(ok ? us : -1);
+      if (pass == 0) random_print[i] = print;
     }
   }
-  os << "  random operands, median of 5 cold-L2 launches, two passes in turns (us / TFLOP/s):\n";
+  // "bits": the output on random operands (inexact sums: a different summation order shows)
+  // against the kept algorithm's.
+  os << "  random operands, median of 5 cold-L2 launches, two passes in turns (us / TFLOP/s; "
+        "output bits vs the kept algorithm's):\n";
   for (size_t i = 0; i < best.size(); ++i) {
-    std::snprintf(line, sizeof(line), "  %s %-78s  %8.2f / %7.1f   %8.2f / %7.1f\n",
+    std::snprintf(line, sizeof(line), "  %s %-78s  %8.2f / %7.1f   %8.2f / %7.1f  %s\n",
                   i == 0 ? "kept" : "    ", best[i].label.c_str(), rt[i][0], tflops(rt[i][0]),
-                  rt[i][1], tflops(rt[i][1]));
+                  rt[i][1], tflops(rt[i][1]),
+                  i == 0 ? "" : random_print[i] == random_print[0] ? "same" : "DIFFERENT");
     os << line;
   }
   os << "  (" << std::chrono::duration_cast<std::chrono::milliseconds>(TuneClock::now() - start)

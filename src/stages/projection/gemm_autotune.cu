@@ -56,7 +56,7 @@ __global__ void tune_fill_f32(float* p, int64_t n, float value) {
 
 // Random E4M3 bytes (every finite code, NaN codes 0x7F / 0xFF replaced by 0): operands whose bits
 // toggle like real quantized activations and weights (the GPU's power draw, hence its clocks
-// under the power cap, depend on it; only survey_cublaslt uses them).
+// under the power cap, depend on it): the prefill-size buckets' timing operands.
 __global__ void tune_fill_random_e4m3(uint8_t* p, int64_t n, uint32_t seed) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
@@ -87,11 +87,6 @@ __global__ void tune_read_sweep(const int4* __restrict__ p, int64_t n, int* sink
     acc ^= p[i].x ^ p[i].w;
   if (acc == 0x7fffffff) *sink = acc;  // practically never true; keeps the loads alive
 }
-
-// Buckets from this M on also try the heuristic's algorithm under its other custom options
-// (tune_bucket, step 0b): the prefill sizes, where session 22 measured it (decode buckets keep the
-// session-21 search).
-constexpr int64_t kTuneCustomOptionsMinM = 1024;
 
 std::vector<uint32_t> cap_list(const cublasLtMatmulAlgo_t& algo,
                                cublasLtMatmulAlgoCapAttributes_t attr) {
@@ -193,6 +188,18 @@ Status Fp8BlockGemm::Impl::make_scratch(int64_t m, TuneScratch* t) {
   }
   tune_fill_e4m3<<<1024, 256, 0, t->stream>>>(t->a, m * t->ld_x, 1);
   tune_fill_e4m3<<<1024, 256, 0, t->stream>>>(t->w, n * t->ld_w, 2);
+  if (m >= kTuneRandomMinM) {  // (without them every bucket is timed on the integer operands)
+    if (alloc(reinterpret_cast<void**>(&t->ar), static_cast<size_t>(m * t->ld_x), "random A")
+            .ok() &&
+        alloc(reinterpret_cast<void**>(&t->wr), static_cast<size_t>(n * t->ld_w), "random B")
+            .ok()) {
+      tune_fill_random_e4m3<<<1024, 256, 0, t->stream>>>(t->ar, m * t->ld_x, 3);
+      tune_fill_random_e4m3<<<1024, 256, 0, t->stream>>>(t->wr, n * t->ld_w, 4);
+    } else {
+      if (t->ar) cudaFree(t->ar);
+      t->ar = nullptr;
+    }
+  }
   tune_fill_f32<<<256, 256, 0, t->stream>>>(t->sa, m * kb, 1.0f / 64);
   tune_fill_f32<<<256, 256, 0, t->stream>>>(t->sw, n / kQuantBlock * kb_row, 1.0f / 32);
   M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -223,9 +230,11 @@ bool Fp8BlockGemm::Impl::check_bucket(const Bucket& b, const TuneScratch& t,
 
 // One launch on the scratch operands (layouts at the scratch M, scale pointers set).
 cublasStatus_t Fp8BlockGemm::Impl::launch_scratch(const cublasLtMatmulAlgo_t& algo,
-                                                  const TuneScratch& t) {
+                                                  const TuneScratch& t, bool timed) {
   const float alpha = 1.0f, beta = 0.0f;
-  return cublasLtMatmul(handle, desc(), &alpha, t.w, w_layout(), t.a, x_layout(), &beta, t.d,
+  const bool rnd = timed && t.random_timing;
+  return cublasLtMatmul(handle, desc(), &alpha, rnd ? t.wr : t.w, w_layout(), rnd ? t.ar : t.a,
+                        x_layout(), &beta, t.d,
                         d_layout(), t.d, d_layout(), &algo, workspace, options.workspace_bytes,
                         t.stream);
 }
@@ -258,7 +267,7 @@ Status Fp8BlockGemm::Impl::measure(const cublasLtMatmulAlgo_t& algo, const TuneS
   for (int i = 0; i < iters; ++i) {
     M3_CUDA_RETURN_IF_ERROR(flush_l2(t, i));
     M3_CUDA_RETURN_IF_ERROR(cudaEventRecord(t.ev[2 * i], t.stream));
-    if (launch_scratch(algo, t) != CUBLAS_STATUS_SUCCESS) {
+    if (launch_scratch(algo, t, true) != CUBLAS_STATUS_SUCCESS) {
       cudaGetLastError();
       M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
       return Status::Ok();  // not launched
@@ -392,30 +401,6 @@ Status Fp8BlockGemm::Impl::tune_bucket(Bucket& b, const TuneScratch& t,
       if (!consider(algo, phase_a_end, &error)) break;
     }
     M3_RETURN_IF_ERROR(error);
-  }
-
-  // (0b) Prefill-size buckets: the heuristic's algorithm under the id's other custom options,
-  // each under the cluster shapes above. Session 22 (projection_bench --lt-survey, round C, fused
-  // N 9856, K 6144, integer operands, cold L2): the heuristic's custom option 6 with 1x2 clusters
-  // ran 350.3 us at M 4096 and 1489.5 at M 16384, custom 4 with 2x1 clusters 342.1-342.4 and
-  // 1352.5, with the same output bits; the tuner tried only custom option 6 (a tile's valid
-  // custom options come from the check alone: 128 x 128 fails under custom option 0).
-  if (b.m_hi >= kTuneCustomOptionsMinM) {
-    int32_t custom_max = 0;
-    if (!cap_value(ref.algo, CUBLASLT_ALGO_CAP_CUSTOM_OPTION_MAX, &custom_max)) custom_max = 0;
-    const int64_t ref_custom = config_value(ref.algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION);
-    for (int32_t custom = 0; custom <= std::min(custom_max, 15); ++custom) {
-      if (custom == ref_custom) continue;
-      for (uint16_t cluster : clusters) {
-        cublasLtMatmulAlgo_t algo = ref.algo;
-        if (!set_config(&algo, CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, custom) ||
-            !set_config(&algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, cluster) ||
-            !set_config(&algo, CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, 0u))
-          continue;
-        if (!consider(algo, phase_a_end, &error)) break;
-      }
-      M3_RETURN_IF_ERROR(error);
-    }
   }
 
   // (1) The heuristic's other candidates.
@@ -595,13 +580,16 @@ Status graph_median_us(const TuneScratch& t, int iters, Launch launch, double* u
 }
 
 // The scratch operands as our own kernels' parameters: `rows` tokens of A, the n x k weights.
-GemmParams scratch_params(const TuneScratch& t, int64_t rows, int64_t n, int64_t k, int device) {
+// `timed`: the random copies when t.random_timing (the timing operands).
+GemmParams scratch_params(const TuneScratch& t, int64_t rows, int64_t n, int64_t k, int device,
+                          bool timed = false) {
   const Device dev = Device::cuda(device);
   const int64_t kb_row = gemm_weight_scales_row_stride(k);
+  const bool rnd = timed && t.random_timing;
   GemmParams p;
-  p.a = TensorView::strided(t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
+  p.a = TensorView::strided(rnd ? t.ar : t.a, DType::kE4M3, {rows, k}, {t.ld_x, 1}, dev);
   p.a_scales = gemm_activation_scales_view(t.sa, rows, k, dev);
-  p.b = TensorView::strided(t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
+  p.b = TensorView::strided(rnd ? t.wr : t.w, DType::kE4M3, {n, k}, {t.ld_w, 1}, dev);
   p.b_scales =
       TensorView::strided(t.sw, DType::kF32, {n / kQuantBlock, k / kQuantBlock}, {kb_row, 1}, dev);
   p.out = TensorView::strided(t.d, DType::kBF16, {rows, n}, {t.ld_d, 1}, dev);
@@ -612,9 +600,10 @@ GemmParams scratch_params(const TuneScratch& t, int64_t rows, int64_t n, int64_t
 // Status) once on poisoned output, its fingerprint compared with the kept cuBLASLt algorithm's
 // (`want`), then timed as graph replays (graph_median_us). Appends "<label> <us>" to `timed`, or
 // why it was not timed; *us < 0 unless it was timed.
-template <typename Run>
+template <typename Run, typename TimedRun>
 Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long want, int iters,
-                      const std::string& label, Run run, std::string* timed, double* us) {
+                      const std::string& label, Run run, TimedRun timed_run, std::string* timed,
+                      double* us) {
   *us = -1;
   auto note = [&](const std::string& what) {
     *timed += (timed->empty() ? "" : ", ") + label + what;
@@ -637,7 +626,7 @@ Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long wan
     note(" output differs from cuBLASLt's");
     return Status::Ok();
   }
-  M3_RETURN_IF_ERROR(graph_median_us(t, iters, [&] { return run().ok(); }, us));
+  M3_RETURN_IF_ERROR(graph_median_us(t, iters, [&] { return timed_run().ok(); }, us));
   if (*us >= 0) note(" " + fmt_us(*us));
   return Status::Ok();
 }
@@ -698,10 +687,11 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
         (o.max_waves == 1 ? std::string() : " waves " + std::to_string(o.max_waves)) +
         (o.cluster_split == 0 ? std::string() : " cluster " + std::to_string(o.cluster_split));
     double us = -1;
-    M3_RETURN_IF_ERROR(time_candidate(
-        t, elems, b.tuned_print, kIters, label,
-        [&] { return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o); },
-        &timed, &us));
+    auto run = [&] {
+      return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o);
+    };
+    M3_RETURN_IF_ERROR(time_candidate(t, elems, b.tuned_print, kIters, label, run, run, &timed,
+                                      &us));
     if (us < 0) continue;
     if (best_us < 0 || us < best_us) {
       best_us = us;
@@ -745,9 +735,12 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
 Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
   const int64_t rows = std::min(b.m_hi, t.m);
   const GemmParams p = scratch_params(t, rows, n, k, device);
+  const GemmParams pt = scratch_params(t, rows, n, k, device, true);  // timing operands
   const size_t elems = static_cast<size_t>(rows * t.ld_d);
   constexpr int kIters = 5;
-  auto lt_launch = [&] { return launch_scratch(b.algo[kAligned], t) == CUBLAS_STATUS_SUCCESS; };
+  auto lt_launch = [&] {
+    return launch_scratch(b.algo[kAligned], t, true) == CUBLAS_STATUS_SUCCESS;
+  };
   // (Layouts and scale pointers of the cuBLASLt launch are still at m_hi from tune_bucket.)
   double lt_us = -1;
   M3_RETURN_IF_ERROR(graph_median_us(t, kIters, lt_launch, &lt_us));
@@ -764,9 +757,10 @@ Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
     o.cluster_n = shape % 10;
     const std::string label = prefill_label(o);
     double us = -1;
-    M3_RETURN_IF_ERROR(time_candidate(t, elems, b.tuned_print, kIters, label,
-                                      [&] { return run_gemm_prefill_cuda(p, t.stream, o); },
-                                      &timed, &us));
+    M3_RETURN_IF_ERROR(time_candidate(
+        t, elems, b.tuned_print, kIters, label,
+        [&] { return run_gemm_prefill_cuda(p, t.stream, o); },
+        [&] { return run_gemm_prefill_cuda(pt, t.stream, o); }, &timed, &us));
     if (us < 0) continue;
     if (best_us < 0 || us < best_us) {
       best_us = us;
@@ -780,7 +774,7 @@ Status Fp8BlockGemm::Impl::tune_prefill(Bucket& b, const TuneScratch& t) {
     if (us > 0) lt_us = std::min(lt_us, us);
     us = -1;
     M3_RETURN_IF_ERROR(graph_median_us(
-        t, kIters, [&] { return run_gemm_prefill_cuda(p, t.stream, b.prefill_options).ok(); },
+        t, kIters, [&] { return run_gemm_prefill_cuda(pt, t.stream, b.prefill_options).ok(); },
         &us));
     if (us > 0) best_us = std::min(best_us, us);
   }
@@ -822,6 +816,7 @@ void Fp8BlockGemm::Impl::autotune() {
           continue;
         }
         const auto slice = (deadline - now) / std::max(remaining, 1);
+        t.random_timing = b.m_hi >= kTuneRandomMinM && t.ar != nullptr && t.wr != nullptr;
         (void)(st = tune_bucket(b, t, caps, now + slice));
         --remaining;
         if (!st.ok()) break;

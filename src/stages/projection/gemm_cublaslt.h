@@ -43,7 +43,9 @@
 // heuristic's on integer-valued data (exact in every summation order); anything else is skipped.
 // Timing: CUDA events around each launch, L2 flushed (memset of twice its size, then a read sweep
 // of it, so no dirty line is written back inside the timed launch) before each,
-// median of a few launches. Rule: the fastest candidate replaces the heuristic's only if it is at
+// median of a few launches; buckets with m_hi >= 1024 are timed on random E4M3 operands (every
+// finite code), where the GPU's power cap decides the clocks as it does on real activations
+// (kTuneRandomMinM in gemm_cublaslt_internal.h), the output check stays on the integer ones. Rule: the fastest candidate replaces the heuristic's only if it is at
 // least 2% faster. Bounded by autotune_budget_ms of wall time per object (what is left when the
 // time is spent keeps the heuristic's choice). The result depends on measured times, so two
 // objects may choose differently; each choice is deterministic run to run (no atomics) and

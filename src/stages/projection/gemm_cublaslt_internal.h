@@ -67,6 +67,15 @@ struct Bucket {
 
 constexpr int kTuneMaxIters = 7;
 
+// Buckets from this M on are timed on random operands (TuneScratch::ar / wr; outputs are still
+// compared on the integer ones). Why (session 22, round D, fused N 9856, K 6144, M 16384, 500 ms
+// idle before each timing): on random operands the GPU runs into its 700 W power cap, and
+// cuBLASLt with 1x1 clusters (custom option 4), which the tuner had timed 1.4 % faster than the
+// heuristic's 1x2 on its integer operands, ran 1627-1641 us isolated against 1520; 2x1 / 1x1
+// clusters read twice the L2 bytes of the 1x2 multicast. On integer operands (little power) the
+// two are equal (1369-1371 us).
+constexpr int64_t kTuneRandomMinM = 1024;
+
 // Device memory and events of one tuning session (freed by the destructor).
 struct TuneScratch {
   int64_t m = 0, ld_x = 0, ld_w = 0, ld_d = 0;
@@ -74,6 +83,11 @@ struct TuneScratch {
   float* sa = nullptr;
   uint8_t* w = nullptr;
   float* sw = nullptr;
+  // Random E4M3 copies of a and w (every finite code), allocated when m >= kTuneRandomMinM: with
+  // random_timing set, the timed launches read them (the fingerprint launch always reads a / w).
+  uint8_t* ar = nullptr;
+  uint8_t* wr = nullptr;
+  bool random_timing = false;
   uint16_t* d = nullptr;
   unsigned long long* hash = nullptr;
   void* flush = nullptr;
@@ -86,7 +100,8 @@ struct TuneScratch {
     if (stream) cudaStreamSynchronize(stream);
     for (int i = 0; i < events; ++i) cudaEventDestroy(ev[i]);
     for (void* p : {static_cast<void*>(a), static_cast<void*>(sa), static_cast<void*>(w),
-                    static_cast<void*>(sw), static_cast<void*>(d), static_cast<void*>(hash), flush})
+                    static_cast<void*>(sw), static_cast<void*>(ar), static_cast<void*>(wr),
+                    static_cast<void*>(d), static_cast<void*>(hash), flush})
       if (p) cudaFree(p);
     if (stream) cudaStreamDestroy(stream);
   }
@@ -212,8 +227,10 @@ struct Fp8BlockGemm::Impl {
   bool check_bucket(const gemm_lt::Bucket& b, const gemm_lt::TuneScratch& t,
                     const cublasLtMatmulAlgo_t& algo, gemm_lt::Candidate* c);
 
-  // One launch on the scratch operands (layouts at the scratch M, scale pointers set).
-  cublasStatus_t launch_scratch(const cublasLtMatmulAlgo_t& algo, const gemm_lt::TuneScratch& t);
+  // One launch on the scratch operands (layouts at the scratch M, scale pointers set); `timed`:
+  // on the random copies when t.random_timing.
+  cublasStatus_t launch_scratch(const cublasLtMatmulAlgo_t& algo, const gemm_lt::TuneScratch& t,
+                                bool timed = false);
 
   // Runs the candidate once into a poisoned output and fingerprints it, then times `iters`
   // launches (L2 flushed before each). Returns kCudaError only for a CUDA failure (the tuning

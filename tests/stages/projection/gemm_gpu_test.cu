@@ -387,11 +387,12 @@ TEST(GemmGpuAutotune, TunedAlgorithmsMatchTwin) {
   EXPECT_EQ(r.touched, 0);
 }
 
-// Prefill-size buckets (m_hi >= 1024) also try the heuristic's algorithm under its other custom
-// options (tune_bucket step 0b): whatever was chosen for the bucket [1028, 2048] matches the CPU
-// twin bit for bit on integer inputs and within the bound on random inputs, at a bucket end and
-// inside the bucket. Also prints whether the tuned and the heuristic's algorithms write the same
-// bits on the random inputs (different summation orders are allowed by the contract).
+// Prefill-size buckets (m_hi >= kTuneRandomMinM = 1024) are timed on random operands (their
+// outputs still compared on the integer ones): whatever was chosen for the bucket [1028, 2048]
+// matches the CPU twin bit for bit on integer inputs and within the bound on random inputs, at a
+// bucket end and inside the bucket. Also prints whether the tuned and the heuristic's algorithms
+// write the same bits on the random inputs (different summation orders are allowed by the
+// contract).
 TEST(GemmGpuAutotune, PrefillBucketsMatchTwin) {
   M3_REQUIRE_GPU();
   constexpr int64_t kN = 1024, kKsmall = 1024;

@@ -1101,9 +1101,10 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
 
 // ---- --lt-survey: every cuBLASLt configuration at --ms M1,M2,... (Fp8BlockGemm::survey_cublaslt) --
 // One autotuned object (cuBLASLt only, max_m the largest M); per M its survey: every algorithm id
-// x tile x stages id x cluster shape that cublasLtMatmulAlgoCheck accepts, timed (integer
-// operands, cold L2, median of 3) within --survey-ms B of wall time, the fastest 3 T listed, then
-// the kept algorithm and the T fastest identical ones re-timed on random operands, in turns.
+// x tile x stages id x custom option x cluster shape x CTA swizzle that cublasLtMatmulAlgoCheck
+// accepts, launched once, those writing the kept algorithm's bits timed (integer operands, cold
+// L2, median of 3) within --survey-ms B of wall time, the fastest 3 T listed, then the kept
+// algorithm and the T fastest re-timed on random operands, in turns (output bits compared).
 int run_lt_survey(int64_t n, int64_t k, const std::vector<int64_t>& ms, int top, int budget_ms) {
   Fp8BlockGemmOptions opt;
   opt.wgmma_max_m = 0;

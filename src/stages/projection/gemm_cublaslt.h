@@ -264,11 +264,13 @@ class Fp8BlockGemm {
 
   // Bench tool (projection_bench --lt-survey): every cuBLASLt configuration for this type
   // combination that cublasLtMatmulAlgoCheck accepts at M = m (rounded up to 4, <= max_m) within
-  // the workspace -- every algorithm id, tile, stages id and cluster shape (no split-K), then CTA
-  // swizzle and custom options on the fastest -- timed like the autotuner (eager launches, cold
-  // L2, median of 3) on its integer-valued scratch operands until budget_ms of wall time is spent;
-  // then the `top` fastest and the algorithm run() uses for m re-timed on random operands, in turns,
-  // twice. Returns the tables as text. Allocates scratch memory (freed on return) and synchronizes.
+  // the workspace -- every algorithm id x tile x stages id x custom option x cluster shape (no
+  // split-K), each with and without CTA swizzle -- launched once on the autotuner's integer-valued
+  // scratch operands; those writing the bits of the algorithm run() uses for m are timed like the
+  // autotuner (eager launches, cold L2, median of 3) until budget_ms of wall time is spent; then
+  // the `top` fastest and the kept algorithm re-timed on random operands, in turns, twice, their
+  // output bits compared with the kept algorithm's. Returns the tables as text. Allocates scratch
+  // memory (freed on return) and synchronizes.
   Result<std::string> survey_cublaslt(int64_t m, int top, double budget_ms);
 
   struct Impl;

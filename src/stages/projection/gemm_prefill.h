@@ -29,7 +29,8 @@ struct GemmPrefillOptions {
   int cluster_m = 1;
   int cluster_n = 2;
   // Raster group: tiles are visited in groups of `group_m` m tiles (rounded up to whole clusters)
-  // by every n tile, m fastest.
+  // by every n tile, m fastest. Session 22 (round G, 1x2, M 4096, random operands): 16 429.2-429.4
+  // us, 8 435.7-436.5, 32 435.3-435.6.
   int group_m = 16;
 };
 

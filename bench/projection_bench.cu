@@ -449,8 +449,8 @@ std::string trace_summary(const TraceBuffer& tb) {
 }
 
 // --prefill variants 1, 2, ...: GemmPrefillOptions {cluster_m, cluster_n, group_m}. (Session 20
-// round E also timed 2x2 clusters and free (unordered) issue: slower, deleted.) Session 22 (round G,
-// M 4096, random operands, 500 ms idle, two alternating runs, isolated us): 1x2 group 16 (the
+// round E also timed 2x2 clusters and free (unordered) issue: slower, deleted.) Session 22 (round
+// G, M 4096, random operands, 500 ms idle, two alternating runs, isolated us): 1x2 group 16 (the
 // default) 429.2 / 429.4, group 8 435.7 / 436.5, group 32 435.3 / 435.6; round F: 1x2 426.9-427.2,
 // 2x1 429.1-429.6 against cuBLASLt's 378.2-378.6.
 constexpr GemmPrefillOptions kPrefillVariants[] = {
@@ -1036,13 +1036,12 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
 // at the main table's M list (or --ms), for two kinds of objects: cuBLASLt only (autotuned, as the
 // main table) and the default options (what the layer gets: the autotuner may give a bucket to
 // the wgmma or the prefill kernel). Operands as the main table (quantized bf16, random weights).
-int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
-                   cudaStream_t stream, bool json, int settle_ms) {
+int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, cudaStream_t stream,
+                   bool json, int settle_ms) {
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.prefill_min_m = 0;
-  Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt),
-          make(b.max_pad, kN2, lt_opt)};
+  Trio lt{make(b.max_pad, kNF, lt_opt), make(b.max_pad, kN1, lt_opt), make(b.max_pad, kN2, lt_opt)};
   Trio df{make(b.max_pad, kNF, {}), make(b.max_pad, kN1, {}), make(b.max_pad, kN2, {})};
   std::printf("default-options fused object:\n%s", df.fused->describe().c_str());
   bool pass = spot_check(b, lt, "cuBLASLt", stream);
@@ -1089,9 +1088,9 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
       r.add(pre + "faster", tp.us > tf.us && tp.b2b_us > tf.b2b_us ? "yes" : "NO");
     }
     rows.push_back(r);
-    std::printf("M %lld: default fused %s | N=9216 %s | N=640 %s\n",
-                static_cast<long long>(rows_m), df.fused->algorithm_for(m).c_str(),
-                df.first->algorithm_for(m).c_str(), df.second->algorithm_for(m).c_str());
+    std::printf("M %lld: default fused %s | N=9216 %s | N=640 %s\n", static_cast<long long>(rows_m),
+                df.fused->algorithm_for(m).c_str(), df.first->algorithm_for(m).c_str(),
+                df.second->algorithm_for(m).c_str());
   }
   bench::print_rows(
       "fused N=9856 vs pair 9216+640, cuBLASLt-only (lt_) and default-options (default_) objects; "
@@ -1102,9 +1101,9 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters,
   return pass ? 0 : 1;
 }
 
-// ---- --lt-survey: every cuBLASLt configuration at --ms M1,M2,... (Fp8BlockGemm::survey_cublaslt) --
-// One autotuned object (cuBLASLt only, max_m the largest M); per M its survey: every algorithm id
-// x tile x stages id x custom option x cluster shape x CTA swizzle that cublasLtMatmulAlgoCheck
+// ---- --lt-survey: every cuBLASLt configuration (Fp8BlockGemm::survey_cublaslt) ---------------
+// One autotuned object (cuBLASLt only, max_m the largest --ms); per M its survey: every algorithm
+// id x tile x stages id x custom option x cluster shape x CTA swizzle that cublasLtMatmulAlgoCheck
 // accepts, launched once, those writing the kept algorithm's bits timed (integer operands, cold
 // L2, median of 3) within --survey-ms B of wall time, the fastest 3 T listed, then the kept
 // algorithm and the T fastest re-timed on random operands, in turns (output bits compared).
@@ -1198,13 +1197,14 @@ int run(int argc, char** argv) {
     } else if (f == "--trace") {
       trace = true;
     } else {
-      std::fprintf(stderr,
-                   "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
-                   "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
-                   "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
-                   "[--random] [--trace] [--settle-ms S] [--tuner-probe] [--lt-survey [--survey-top T] "
-                   "[--survey-ms B]]; --fused-pair [--ms M1,M2,...])\n",
-                   argv[i]);
+      std::fprintf(
+          stderr,
+          "unknown flag %s (flags: --json --quick --verbose --wgmma-only, and with "
+          "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
+          "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
+          "[--random] [--trace] [--settle-ms S] [--tuner-probe] [--lt-survey [--survey-top T] "
+          "[--survey-ms B]]; --fused-pair [--ms M1,M2,...])\n",
+          argv[i]);
       return 2;
     }
   }
@@ -1221,9 +1221,8 @@ int run(int argc, char** argv) {
                      settle_ms);
   }
   std::vector<int64_t> ms = wgmma_only ? std::vector<int64_t>{64}
-                                  : quick
-                                      ? std::vector<int64_t>{1, 64, 4096}
-                                      : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
+                            : quick    ? std::vector<int64_t>{1, 64, 4096}
+                                       : std::vector<int64_t>{1, 4, 16, 64, 256, 1024, 4096, 16384};
   if (fused_pair && ms_given) {
     ms = shape_ms;
     std::sort(ms.begin(), ms.end());

@@ -234,9 +234,8 @@ cublasStatus_t Fp8BlockGemm::Impl::launch_scratch(const cublasLtMatmulAlgo_t& al
   const float alpha = 1.0f, beta = 0.0f;
   const bool rnd = timed && t.random_timing;
   return cublasLtMatmul(handle, desc(), &alpha, rnd ? t.wr : t.w, w_layout(), rnd ? t.ar : t.a,
-                        x_layout(), &beta, t.d,
-                        d_layout(), t.d, d_layout(), &algo, workspace, options.workspace_bytes,
-                        t.stream);
+                        x_layout(), &beta, t.d, d_layout(), t.d, d_layout(), &algo, workspace,
+                        options.workspace_bytes, t.stream);
 }
 
 // Runs the candidate once into a poisoned output and fingerprints it, then times `iters`
@@ -626,7 +625,8 @@ Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long wan
     note(" output differs from cuBLASLt's");
     return Status::Ok();
   }
-  M3_RETURN_IF_ERROR(graph_median_us(t, iters, [&] { return timed_run().ok(); }, us));
+  M3_RETURN_IF_ERROR(graph_median_us(
+      t, iters, [&] { return timed_run().ok(); }, us));
   if (*us >= 0) note(" " + fmt_us(*us));
   return Status::Ok();
 }
@@ -690,8 +690,8 @@ Status Fp8BlockGemm::Impl::tune_wgmma(Bucket& b, const TuneScratch& t) {
     auto run = [&] {
       return run_gemm_wgmma_cuda(p, wgmma_workspace, wgmma_workspace_bytes, t.stream, o);
     };
-    M3_RETURN_IF_ERROR(time_candidate(t, elems, b.tuned_print, kIters, label, run, run, &timed,
-                                      &us));
+    M3_RETURN_IF_ERROR(
+        time_candidate(t, elems, b.tuned_print, kIters, label, run, run, &timed, &us));
     if (us < 0) continue;
     if (best_us < 0 || us < best_us) {
       best_us = us;
@@ -904,10 +904,9 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
   const auto check_end = start + (deadline - start) / 3;
   std::vector<int> ids(256);
   int count = 0;
-  if (cublasLtMatmulAlgoGetIds(s.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3,
-                               CUDA_R_8F_E4M3, CUDA_R_16BF, CUDA_R_16BF,
-                               static_cast<int>(ids.size()), ids.data(),
-                               &count) != CUBLAS_STATUS_SUCCESS)
+  if (cublasLtMatmulAlgoGetIds(
+          s.handle, CUBLAS_COMPUTE_32F, CUDA_R_32F, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF,
+          CUDA_R_16BF, static_cast<int>(ids.size()), ids.data(), &count) != CUBLAS_STATUS_SUCCESS)
     count = 0;
   ids.resize(static_cast<size_t>(std::max(count, 0)));
   {  // the kept algorithm's id first
@@ -971,8 +970,8 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
       if (checks_cut) break;
     }
     caps_text << "  id " << id << ": " << tiles.size() << " tiles, " << stages.size()
-              << " stages ids, custom options 0.." << custom_max << ", swizzle "
-              << swz << "; " << passed << " configurations pass\n";
+              << " stages ids, custom options 0.." << custom_max << ", swizzle " << swz << "; "
+              << passed << " configurations pass\n";
     if (checks_cut) break;
   }
 
@@ -1059,8 +1058,8 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
 
   std::ostringstream os;
   char line[512];
-  os << "cuBLASLt survey at M " << m << ", N " << s.n << ", K " << s.k << " ("
-     << ids.size() << " algorithm ids):\n"
+  os << "cuBLASLt survey at M " << m << ", N " << s.n << ", K " << s.k << " (" << ids.size()
+     << " algorithm ids):\n"
      << caps_text.str() << "  " << checks << " checks" << (checks_cut ? " (cut by time)" : "")
      << ", " << rows.size() << " shapes (id, tile, stages, cluster) pass; " << cands.size()
      << " with custom options and swizzle; " << printed << " launched"
@@ -1076,7 +1075,8 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
       tiles_seen.push_back(tile);
       int n_shapes = 0, n_same = 0;
       double best_us = -1;
-      for (const Row& x : rows) n_shapes += config_value(x.algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == tile;
+      for (const Row& x : rows)
+        n_shapes += config_value(x.algo, CUBLASLT_ALGO_CONFIG_TILE_ID) == tile;
       for (const Row& x : same) {
         if (config_value(x.algo, CUBLASLT_ALGO_CONFIG_TILE_ID) != tile) continue;
         ++n_same;
@@ -1130,11 +1130,13 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
     std::snprintf(line, sizeof(line), "  %s %-78s  %8.2f / %7.1f   %8.2f / %7.1f  %s\n",
                   i == 0 ? "kept" : "    ", best[i].label.c_str(), rt[i][0], tflops(rt[i][0]),
                   rt[i][1], tflops(rt[i][1]),
-                  i == 0 ? "" : random_print[i] == random_print[0] ? "same" : "DIFFERENT");
+                  i == 0                               ? ""
+                  : random_print[i] == random_print[0] ? "same"
+                                                       : "DIFFERENT");
     os << line;
   }
-  os << "  (" << std::chrono::duration_cast<std::chrono::milliseconds>(TuneClock::now() - start)
-            .count()
+  os << "  ("
+     << std::chrono::duration_cast<std::chrono::milliseconds>(TuneClock::now() - start).count()
      << " ms)\n";
   (void)s.set_scale_pointers(s.workspace, s.workspace);
   return os.str();

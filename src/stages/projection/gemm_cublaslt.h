@@ -45,12 +45,13 @@
 // of it, so no dirty line is written back inside the timed launch) before each,
 // median of a few launches; buckets with m_hi >= 1024 are timed on random E4M3 operands (every
 // finite code), where the GPU's power cap decides the clocks as it does on real activations
-// (kTuneRandomMinM in gemm_cublaslt_internal.h), the output check stays on the integer ones. Rule: the fastest candidate replaces the heuristic's only if it is at
-// least 2% faster. Bounded by autotune_budget_ms of wall time per object (what is left when the
-// time is spent keeps the heuristic's choice). The result depends on measured times, so two
-// objects may choose differently; each choice is deterministic run to run (no atomics) and
-// describe() says what was chosen and why. Any failure of the tuning itself (allocation, ...)
-// leaves the heuristic's choice and is reported by describe(); create() still succeeds.
+// (kTuneRandomMinM in gemm_cublaslt_internal.h), the output check stays on the integer ones. Rule:
+// the fastest candidate replaces the heuristic's only if it is at least 2% faster. Bounded by
+// autotune_budget_ms of wall time per object (what is left when the time is spent keeps the
+// heuristic's choice). The result depends on measured times, so two objects may choose differently;
+// each choice is deterministic run to run (no atomics) and describe() says what was chosen and why.
+// Any failure of the tuning itself (allocation, ...) leaves the heuristic's choice and is reported
+// by describe(); create() still succeeds.
 //
 // With Fp8BlockGemmOptions::small_m_max > 0, calls with M <= small_m_max run the small-M kernel
 // (run_gemm_small_m_cuda, gemm_small_m_kernel.cuh) instead: same math, equal up to fp32

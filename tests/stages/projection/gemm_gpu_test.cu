@@ -450,10 +450,11 @@ TEST(GemmGpuAutotune, PrefillBucketsMatchTwin) {
       const std::vector<uint16_t> got_h = dev_h.result(&touched);
       std::string report;
       const int64_t differ = count_bit_mismatches(got, got_h, kN, &report);
-      std::printf("[ INFO     ] M %lld random: worst |gpu-cpu| / bound %.3g; tuned (%s) vs "
-                  "heuristic (%s): %lld outputs differ\n",
-                  static_cast<long long>(m), r.worst_ratio, gemm->algorithm_for(m).c_str(),
-                  heur->algorithm_for(m).c_str(), static_cast<long long>(differ));
+      std::printf(
+          "[ INFO     ] M %lld random: worst |gpu-cpu| / bound %.3g; tuned (%s) vs "
+          "heuristic (%s): %lld outputs differ\n",
+          static_cast<long long>(m), r.worst_ratio, gemm->algorithm_for(m).c_str(),
+          heur->algorithm_for(m).c_str(), static_cast<long long>(differ));
     }
   }
 }

@@ -134,6 +134,11 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
+  // Variant (session 22, row split at M > 16 with the default K blocks per stage): each ring stage
+  // carries its K blocks' activation scales (copied by the producer warp with the stage) instead
+  // of the CTA staging every K block's at its start: 16 KB less shared memory at M 64, a ring of
+  // 4 stages instead of 3 (6 instead of 5 at M 32; two warpgroups per CTA: 6 / 7). Same bits.
+  bool row_stage_scales = false;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.

@@ -126,23 +126,33 @@ template <int kNw, int kKpb, int kWg>
 constexpr int rows_stage_bytes() {
   return kKpb * (kWg * kRowBlockBytes + kNw * 128);
 }
-template <int kNw, int kWg>
+// Scales staged once per CTA: the activation scales of every K block (unless kSs) and each
+// warpgroup's two weight-scale blocks.
+template <int kNw, int kWg, bool kSs>
 constexpr int rows_scale_bytes(int kblocks) {
-  return (kNw + 2 * kWg) * kblocks * 4;
+  return ((kSs ? 0 : kNw) + 2 * kWg) * kblocks * 4;
+}
+// kSs (GemmWgmmaOptions::row_stage_scales, session 22): the activation scales of a stage's K
+// blocks travel with the stage, in a slot of kKpb x kNw floats beside the ring.
+template <int kNw, int kKpb, bool kSs>
+constexpr int rows_slot_bytes() {
+  return kSs ? kKpb * kNw * 4 : 0;
 }
 // Ring depth: what fits next to the alignment slack, the scales of K 8192 and ~1 KB of static
 // shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
-template <int kNw, int kKpb, int kWg>
+template <int kNw, int kKpb, int kWg, bool kSs = false>
 constexpr int rows_stages() {
-  constexpr int fit =
-      (rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg>(kRowsMaxKblocks)) /
-      rows_stage_bytes<kNw, kKpb, kWg>();
+  constexpr int fit = (rows_smem_per_cta<kWg>() - 1024 - 1024 -
+                       rows_scale_bytes<kNw, kWg, kSs>(kRowsMaxKblocks)) /
+                      (rows_stage_bytes<kNw, kKpb, kWg>() + rows_slot_bytes<kNw, kKpb, kSs>());
   return fit < 12 ? fit : 12;
 }
-template <int kNw, int kKpb, int kWg>
+template <int kNw, int kKpb, int kWg, bool kSs = false>
 constexpr int rows_smem_bytes(int kblocks) {
-  return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
-         rows_scale_bytes<kNw, kWg>(kblocks);
+  return 1024 +
+         rows_stages<kNw, kKpb, kWg, kSs>() *
+             (rows_stage_bytes<kNw, kKpb, kWg>() + rows_slot_bytes<kNw, kKpb, kSs>()) +
+         rows_scale_bytes<kNw, kWg, kSs>(kblocks);
 }
 
 struct RowsArgs : ScalesOut {
@@ -186,6 +196,13 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
   const int snk = kblocks - st * kImageStep < kImageStep ? kblocks - st * kImageStep : kImageStep;
   return int64_t{st} * kImageStep * n * 128 + int64_t{r_begin} * snk * 128 +
          int64_t{q} * rows * 128;
+}
+
+// cp.async of 4 bytes, zero-filled when !live (nothing read from src).
+__device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, bool live) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src),
+               "r"(live ? 4 : 0)
+               : "memory");
 }
 
 template <int kPending>
@@ -239,12 +256,16 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // 13.91. A third mode that loaded each ring slot's activation boxes only once (no activation
 // traffic after the first ring) was slower at M 32 (17.46-17.53) and 0.5 us faster at M 64
 // (20.64-20.71): the activation traffic is not what binds; deleted.
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSs = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
   constexpr int kConsumers = 128 * kWg;
-  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg, kSs>();
+  constexpr int kSlotFloats = rows_slot_bytes<kNw, kKpb, kSs>() / 4;  // kSs: a stage's act. scales
+  // kSs: the producer warp's lanes other than 1 (lane 1: the trace) each copy a share of a
+  // stage's activation scales and arrive on its full barrier once they have landed.
+  constexpr int kScaleLanes = 31;
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
   constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
@@ -262,10 +283,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
-  // scale block r_begin / 128 + h of its rows, clamped to the last block).
-  float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
-                                         static_cast<uint32_t>(kStages * kStageBytes));
+  // Scales: kSs: each stage's slot, s_slot[s * kSlotFloats + q * kNw + m]; else s_sa[kb * kNw +
+  // m] for every K block; (zero for m >= M); then per warpgroup s_sb[kb * 2 + h] (weight-scale
+  // block r_begin / 128 + h of its rows, clamped to the last block).
+  float* s_slot = reinterpret_cast<float*>(smem_raw + (base - raw) +
+                                           static_cast<uint32_t>(kStages * kStageBytes));
+  float* s_sa = s_slot + kStages * kSlotFloats;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
@@ -278,7 +301,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1);
+      mbar_init(smem_addr(&full_bar[s]), kSs ? 1 + kScaleLanes : 1);
       mbar_init(smem_addr(&empty_bar[s]), kConsumers);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -303,8 +326,10 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       t[5] = static_cast<unsigned long long>(clock64());
     }
     // Producer: lane 0 streams the stages. A stage's full barrier counts lane 0's
-    // arrive.expect_tx (weights and activation boxes together) and the copies' bytes.
-    if (lane == 0) {
+    // arrive.expect_tx (weights and activation boxes together) and the copies' bytes; kSs: also
+    // one cp.async.mbarrier.arrive.noinc of each scale lane (0, 2 ... 31) once its share of the
+    // stage's activation scales (4-byte cp.async each, zero-filled for m >= M) has landed.
+    if (lane == 0 || (kSs && lane != 1)) {
       const uint64_t policy = evict_first_policy();
       const int r_cta = rows_begin(vcta0, vgrid, p.n);
       const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
@@ -339,17 +364,31 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
       // before waiting for the preceding grid, whose outputs (activations, scales) come after.
       const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
-      for (int i = 0; i < early; ++i) load_weights(i);
+      if (lane == 0)
+        for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
-        if (i >= early) load_weights(i);
-        const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q)
-          tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
-                      0, smem_addr(&full_bar[s]));
+        if (lane == 0) {
+          if (i >= early) load_weights(i);
+          const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
+          for (int q = 0; q < nk; ++q)
+            tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap,
+                        (i * kKpb + q) * kBlockK, 0, smem_addr(&full_bar[s]));
+        }
+        if constexpr (kSs) {
+          const int sl = lane == 0 ? 0 : lane - 1;
+          const uint32_t slot = smem_addr(s_slot + s * kSlotFloats);
+          for (int e = sl; e < nk * kNw; e += kScaleLanes) {
+            const int q = e / kNw, m = e - q * kNw;
+            const bool live = m < p.m;
+            cp_async_4_zfill(slot + 4 * static_cast<uint32_t>(e),
+                             p.sa + (live ? m * p.sa_s0 + (i * kKpb + q) * p.sa_s1 : 0), live);
+          }
+          cp_async_mbar_arrive_noinc(smem_addr(&full_bar[s]));
+        }
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -363,14 +402,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int wg = tid / 128;
   const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
   const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
-  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
+  float* s_sb = s_sa + (kSs ? 0 : kb_count * kNw) + wg * kb_count * 2;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
   for (int i = tid % 128; i < kb_count * 2; i += 128) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  for (int i = tid; i < kb_count * kNw; i += kConsumers) {
+  for (int i = tid; i < (kSs ? 0 : kb_count * kNw); i += kConsumers) {
     const int kb = i / kNw, m = i - kb * kNw;
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
@@ -456,10 +495,20 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
   // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
   // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
+  // kSs: the thread's activation scales of K block q (tokens m0 + 8 c + e at av[2 c + e]; kTok:
+  // tokens row0, row0 + 8) come from the stage's slot before the stage is released.
+  constexpr int kAv = kTok ? 2 : kNw / 4;
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
+      [[maybe_unused]] float av[kAv];
+      if constexpr (kSs) {
+        const float* slot = s_slot + (i % kStages) * kSlotFloats + q * kNw;
+#pragma unroll
+        for (int c = 0; c < kAv; ++c)
+          av[c] = kTok ? slot[row0 + 8 * c] : slot[m0 + 8 * (c / 2) + c % 2];
+      }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
       if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
@@ -472,7 +521,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         if constexpr (kTok) {
           // Two tokens x two weight-scale blocks: four products per K block.
           const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
-          const float t0 = sa[row0], t1 = sa[row0 + 8];
+          float t0, t1;
+          if constexpr (kSs) {
+            t0 = av[0];
+            t1 = av[1];
+          } else {
+            t0 = sa[row0];
+            t1 = sa[row0 + 8];
+          }
           const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
@@ -486,7 +542,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+            float a;
+            if constexpr (kSs) {
+              a = av[2 * (j / 4) + j % 2];
+            } else {
+              a = sa[m];
+            }
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * a, acc[j]);
           }
         }
       }

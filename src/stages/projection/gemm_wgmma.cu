@@ -202,7 +202,7 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage); `ss` (stage
-// scales, variant at n 32 / 64: the default K blocks per stage, diag and two_wg as without).
+// scales, variant at n 32 / 64: the default K blocks per stage; diag 1 also with two_wg).
 template <int kNw>
 Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool ss, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
@@ -210,9 +210,12 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool ss, const CUtensor
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
   if constexpr (kNw >= 32) {
     if (ss) {
+      if (two_wg) {
+        if (diag == 1) return launch_rows<kNw, kDefault, 2, 1, true>(xmap, args, grid, info, stream);
+        return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
+      }
       if (diag == 1) return launch_rows<kNw, kDefault, 1, 1, true>(xmap, args, grid, info, stream);
       if (diag == 2) return launch_rows<kNw, kDefault, 1, 2, true>(xmap, args, grid, info, stream);
-      if (two_wg) return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
       return launch_rows<kNw, kDefault, 1, 0, true>(xmap, args, grid, info, stream);
     }
   }
@@ -401,8 +404,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     const bool ss = options.row_stage_scales && kpb == 0 && m > 16;
+    // (Diagnostics: one warpgroup per CTA; with stage scales also two, mode 1.)
+    const int diag = kpb != 0 ? 0
+                     : !two_wg ? options.debug_rows_diag
+                     : ss && options.debug_rows_diag == 1 ? 1
+                                                          : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

@@ -141,7 +141,8 @@ struct GemmWgmmaOptions {
   bool row_stage_scales = false;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
-  // releases, i.e. its stream) or without its scaled folds (2: fragments only summed). 0: off.
+  // releases, i.e. its stream) or without its scaled folds (2: fragments only summed); with
+  // row_stage_scales at M > 16 mode 1 also for two warpgroups per CTA. 0: off.
   int debug_rows_diag = 0;
 };
 

@@ -163,18 +163,18 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSs = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSs = false, bool kTurns = false>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg, kSs>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSs>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSs, kTurns>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
-    constexpr int kMaxSmem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kSs>(
-        gemm_wgmma_detail::kRowsMaxKblocks);
+    constexpr int kMaxSmem =
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg, kSs>(gemm_wgmma_detail::kRowsMaxKblocks);
     // The shared-memory opt-in once per device (each device has its own module); two CTAs must
     // fit on an SM (the grid is one wave of them).
     static std::atomic<int> ready[64] = {};  // (one table per instantiation)
@@ -202,16 +202,20 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage); `ss` (stage
-// scales, variant at n 32 / 64: the default K blocks per stage; diag 1 also with two_wg).
+// scales, variant at n 32 / 64: the default K blocks per stage; diag 1 also with two_wg; `turns`
+// with two_wg).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool ss, const CUtensorMap& xmap,
-                         const gemm_wgmma_detail::RowsArgs& args, int grid,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool ss, bool turns,
+                         const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
   if constexpr (kNw >= 32) {
     if (ss) {
       if (two_wg) {
-        if (diag == 1) return launch_rows<kNw, kDefault, 2, 1, true>(xmap, args, grid, info, stream);
+        if (diag == 1)
+          return launch_rows<kNw, kDefault, 2, 1, true>(xmap, args, grid, info, stream);
+        if (turns)
+          return launch_rows<kNw, kDefault, 2, 0, true, true>(xmap, args, grid, info, stream);
         return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
       }
       if (diag == 1) return launch_rows<kNw, kDefault, 1, 1, true>(xmap, args, grid, info, stream);
@@ -405,9 +409,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const bool ss = options.row_stage_scales && kpb == 0 && m > 16;
+    const bool turns = ss && two_wg && options.row_wg_turns;
     // (Diagnostics: one warpgroup per CTA; with stage scales also two, mode 1.)
-    const int diag = kpb != 0 ? 0
-                     : !two_wg ? options.debug_rows_diag
+    const int diag = kpb != 0                             ? 0
+                     : !two_wg                            ? options.debug_rows_diag
                      : ss && options.debug_rows_diag == 1 ? 1
                                                           : 0;
     CUtensorMap xmap;
@@ -424,10 +429,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, ss, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, ss, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, ss, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, diag, ss, xmap, ra, rgrid, info, stream);
+    if (m <= 8)
+      return dispatch_rows_kpb<8>(kpb, two_wg, diag, ss, turns, xmap, ra, rgrid, info, stream);
+    if (m <= 16)
+      return dispatch_rows_kpb<16>(kpb, two_wg, 0, ss, turns, xmap, ra, rgrid, info, stream);
+    if (m <= 32)
+      return dispatch_rows_kpb<32>(kpb, two_wg, diag, ss, turns, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, ss, turns, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

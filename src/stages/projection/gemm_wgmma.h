@@ -139,6 +139,9 @@ struct GemmWgmmaOptions {
   // of the CTA staging every K block's at its start: 16 KB less shared memory at M 64, a ring of
   // 4 stages instead of 3 (6 instead of 5 at M 32; two warpgroups per CTA: 6 / 7). Same bits.
   bool row_stage_scales = false;
+  // Variant (session 22, with row_stage_scales and ctas_per_sm = 1): the CTA's two consumer
+  // warpgroups issue each stage's wgmmas in turns (one folds while the other's run). Same bits.
+  bool row_wg_turns = false;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream) or without its scaled folds (2: fragments only summed); with

@@ -142,9 +142,9 @@ constexpr int rows_slot_bytes() {
 // shared memory, at most 12 stages (the consumers hold two stages at a time: at least 2).
 template <int kNw, int kKpb, int kWg, bool kSs = false>
 constexpr int rows_stages() {
-  constexpr int fit = (rows_smem_per_cta<kWg>() - 1024 - 1024 -
-                       rows_scale_bytes<kNw, kWg, kSs>(kRowsMaxKblocks)) /
-                      (rows_stage_bytes<kNw, kKpb, kWg>() + rows_slot_bytes<kNw, kKpb, kSs>());
+  constexpr int fit =
+      (rows_smem_per_cta<kWg>() - 1024 - 1024 - rows_scale_bytes<kNw, kWg, kSs>(kRowsMaxKblocks)) /
+      (rows_stage_bytes<kNw, kKpb, kWg>() + rows_slot_bytes<kNw, kKpb, kSs>());
   return fit < 12 ? fit : 12;
 }
 template <int kNw, int kKpb, int kWg, bool kSs = false>
@@ -256,7 +256,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // 13.91. A third mode that loaded each ring slot's activation boxes only once (no activation
 // traffic after the first ring) was slower at M 32 (17.46-17.53) and 0.5 us faster at M 64
 // (20.64-20.71): the activation traffic is not what binds; deleted.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSs = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSs = false, bool kTurns = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;  // the token-major form (above)
@@ -375,8 +375,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
           if (i >= early) load_weights(i);
           const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
           for (int q = 0; q < nk; ++q)
-            tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap,
-                        (i * kKpb + q) * kBlockK, 0, smem_addr(&full_bar[s]));
+            tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
+                        0, smem_addr(&full_bar[s]));
         }
         if constexpr (kSs) {
           const int sl = lane == 0 ? 0 : lane - 1;
@@ -555,13 +555,35 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
   };
 
-  issue(0, frag);
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
-  rows_consumer_barrier<kConsumers>();                // everyone's
-  fold(0, frag);
-  for (int i = 1; i < steps; ++i) {
-    issue(i, frag);
-    fold(i, frag);
+  if constexpr (kTurns) {
+    // kTurns (two warpgroups, GemmWgmmaOptions::row_wg_turns): the warpgroups issue each stage's
+    // wgmmas in turns (warpgroup 0 first; named barrier 2 + w is warpgroup w's turn), so the
+    // tensor cores run one warpgroup's K blocks while the other folds its own, instead of both
+    // issuing at once and both folding at once.
+    // (Warpgroup 1's arrival before the loop gives warpgroup 0 the first turn, warpgroup 0's wait
+    // after it takes warpgroup 1's last pass: no branch inside the loop, whose divergent paths
+    // made ptxas serialize every wgmma, C7520.)
+    static_assert(kWg == 2, "turns between two warpgroups");
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
+    rows_consumer_barrier<kConsumers>();                // everyone's
+    const int my_turn = 2 + wg, other_turn = 3 - wg;
+    if (wg == 1) asm volatile("bar.arrive 2, %0;\n" ::"n"(kConsumers) : "memory");
+    for (int i = 0; i < steps; ++i) {
+      asm volatile("bar.sync %0, %1;\n" ::"r"(my_turn), "n"(kConsumers) : "memory");
+      issue(i, frag);
+      asm volatile("bar.arrive %0, %1;\n" ::"r"(other_turn), "n"(kConsumers) : "memory");
+      fold(i, frag);
+    }
+    if (wg == 0) asm volatile("bar.sync 2, %0;\n" ::"n"(kConsumers) : "memory");
+  } else {
+    issue(0, frag);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
+    rows_consumer_barrier<kConsumers>();                // everyone's
+    fold(0, frag);
+    for (int i = 1; i < steps; ++i) {
+      issue(i, frag);
+      fold(i, frag);
+    }
   }
 
 #pragma unroll

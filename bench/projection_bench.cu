@@ -393,7 +393,6 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool stage_scales = false;    // GemmWgmmaOptions::row_stage_scales
   bool wg_turns = false;        // GemmWgmmaOptions::row_wg_turns
 };
 
@@ -467,12 +466,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
-  // serve M 17-64 since session 21); 20 / 21: the row split with each stage's activation scales in
-  // the stage (session 22), plain / chained; 22 / 23: its ring (as 14 / 18); 24 / 25: it with two
-  // warpgroups per CTA, plain / chained; 26 / 27: the ring of 24 / 25; 28 / 29: 24 / 25 with the
-  // warpgroups issuing in turns. (Session 21 also timed and removed: the diagnostic with each
-  // ring slot's activations loaded once (round A: M 32 slower, M 64 0.5 us faster); the wide form,
-  // one CTA of 74-75 rows per SM with m64n80 wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the
+  // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
+  // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
+  // session 22); 23 / 24 / 25: the same chained; 26: the ring of two warpgroups per CTA (10
+  // without wgmma and folds); 27 / 28: 10 / 16 with the warpgroups issuing in turns. (Session 22
+  // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
+  // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2). (Session 21 also timed and removed: the diagnostic with
+  // each ring slot's activations loaded once (round A: M 32 slower, M 64 0.5 us faster); the wide
+  // form, one CTA of 74-75 rows per SM with m64n80 wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the
   // activations in their own ring of one-K-block slots (rounds D-E: M 32 23.4 vs 17.2); a staged
   // epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64 equal); n 32 k steps as two m64n16 wgmmas
   // (round H: M 32 19.7 vs 17.4); the progressive fold of round F and the stage released before its
@@ -509,16 +510,15 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 2, true},
                                    {0, false, 16, 0, false, true, 0, true, false, 1},
                                    {0, false, 16, 0, false, true, 0, true, false, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 1, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 1, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4},
+                                   {0, false, 16, 0, false, true, 0, false, false, 5},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4},
+                                   {0, false, 16, 0, false, true, 0, true, false, 5},
+                                   {1, false, 16, 0, false, true, 0, false, false, 1},
                                    {1, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, true},
-                                   {1, false, 16, 0, false, true, 0, false, false, 1, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 1, true},
-                                   {1, false, 16, 0, false, true, 0, false, false, 0, true, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, true, true}};
+                                   {1, false, 16, 0, false, true, 0, true, false, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -766,7 +766,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.row_stage_scales = variants[v].stage_scales;
       o.row_wg_turns = variants[v].wg_turns;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -789,7 +788,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
-          (variants[v].stage_scales ? " stage scales" : "") +
           (variants[v].wg_turns ? " turns" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {

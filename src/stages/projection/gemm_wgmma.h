@@ -134,18 +134,14 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Variant (session 22, row split at M > 16 with the default K blocks per stage): each ring stage
-  // carries its K blocks' activation scales (copied by the producer warp with the stage) instead
-  // of the CTA staging every K block's at its start: 16 KB less shared memory at M 64, a ring of
-  // 4 stages instead of 3 (6 instead of 5 at M 32; two warpgroups per CTA: 6 / 7). Same bits.
-  bool row_stage_scales = false;
-  // Variant (session 22, with row_stage_scales and ctas_per_sm = 1): the CTA's two consumer
-  // warpgroups issue each stage's wgmmas in turns (one folds while the other's run). Same bits.
+  // Variant (session 22, the row split with ctas_per_sm = 1): the CTA's two consumer warpgroups
+  // issue each stage's wgmmas in turns, so that one folds while the other's run. Same bits.
   bool row_wg_turns = false;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
-  // releases, i.e. its stream) or without its scaled folds (2: fragments only summed); with
-  // row_stage_scales at M > 16 mode 1 also for two warpgroups per CTA. 0: off.
+  // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
+  // the output stores (3), the whole kernel without the output stores (4), 3 without the
+  // activation scales' loads (5); two warpgroups per CTA: 1 only. 0: off.
   int debug_rows_diag = 0;
 };
 

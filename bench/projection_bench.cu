@@ -394,6 +394,7 @@ struct ShapeVariant {
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
   bool wg_turns = false;        // GemmWgmmaOptions::row_wg_turns
+  int epilogue = 0;             // GemmWgmmaOptions::row_epilogue (3: a diagnostic, check n/a)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -469,7 +470,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
   // session 22); 23 / 24 / 25: the same chained; 26: the ring of two warpgroups per CTA (10
-  // without wgmma and folds); 27 / 28: 10 / 16 with the warpgroups issuing in turns. (Session 22
+  // without wgmma and folds); 27 / 28: 10 / 16 with the warpgroups issuing in turns; 29 / 30: the
+  // row split with its outputs as 4-byte pairs (M > 32) / through shared memory, 31: with as many
+  // bytes in coalesced lines (a diagnostic), 32-34: 29-31 chained; 35: 1 K block per stage,
+  // chained. (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2). (Session 21 also timed and removed: the diagnostic with
   // each ring slot's activations loaded once (round A: M 32 slower, M 64 0.5 us faster); the wide
@@ -518,7 +522,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, true, false, 5},
                                    {1, false, 16, 0, false, true, 0, false, false, 1},
                                    {1, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, true}};
+                                   {1, false, 16, 0, false, true, 0, true, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, false, 1},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, false, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, false, 3},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, false, 1},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, false, 2},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, false, 3},
+                                   {0, false, 16, 0, false, true, 1, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -767,6 +778,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
       o.row_wg_turns = variants[v].wg_turns;
+      o.row_epilogue = variants[v].epilogue;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -789,6 +801,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].wg_turns ? " turns" : "") +
+          (variants[v].epilogue > 0 ? " epilogue " + std::to_string(variants[v].epilogue) : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
@@ -802,7 +815,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     st.to_string().c_str());
         continue;
       }
-      const bool ablated = variants[v].diag > 0;  // (diagnostics: results wrong)
+      // (diagnostics: results wrong)
+      const bool ablated = variants[v].diag > 0 || variants[v].epilogue == 3;
       add(
           name,
           [&](cudaStream_t stc, int c) {

@@ -405,6 +405,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const bool turns = two_wg && options.row_wg_turns;
+    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 3,
+                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0 ... 3");
     const int diag = kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
@@ -419,6 +421,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
+    ra.epilogue = options.row_epilogue;
     ra.trace = options.debug_trace;
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, turns, diag, xmap, ra, rgrid, info, stream);

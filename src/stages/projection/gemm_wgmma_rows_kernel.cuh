@@ -151,6 +151,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22 variants; 0: scattered 2-byte stores)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -535,14 +536,95 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
   }
 
+  // Epilogue (RowsArgs::epilogue, session 22 variants; no wgmma in flight any more).
+  // (kNoStores: a condition never true (M <= 64) that the compiler cannot fold, so that kDiag 4
+  // keeps every wgmma and fold.)
+  const bool store = kNoStores ? p.m > 64 : true;
+  if (p.epilogue == 1 && kTok) {
+    // 1 (token-major form): bf16 pairs as 4-byte stores. A quad (lanes 4 t ... 4 t + 3) holds
+    // columns 8 c + 2 q + {0, 1} of tokens row0 and row0 + 8; where a token's output row starts
+    // on an odd element, each lane pairs its odd column with the next lane's even one (a
+    // shuffle; lane 3 takes lane 0's of the next c) and lane 0 stores column 0 alone.
+    const int q = lane % 4, src = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
-  for (int j = 0; j < kAcc; ++j) {
-    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-    // (kNoStores: a condition never true (M <= 64) that the compiler cannot fold, so that kDiag
-    // 4 keeps every wgmma and fold.)
-    const bool store = kNoStores ? p.m > 64 : true;
-    if (store && m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+    for (int h = 0; h < 2; ++h) {
+      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c) {
+        x0[c] = float_to_bf16(acc[4 * c + 2 * h]);
+        x1[c] = float_to_bf16(acc[4 * c + 2 * h + 1]);
+      }
+      x0[kAcc / 4] = 0;
+#pragma unroll
+      for (int c = 0; c <= kAcc / 4; ++c)
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], src));
+      const int m = row0 + 8 * h;
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
+      if (store && m < p.m) {
+        if (odd && q == 0 && rows > 0) dst[0] = x0[0];
+#pragma unroll
+        for (int c = 0; c < kAcc / 4; ++c) {
+          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
+          const uint16_t lo = odd ? x1[c] : x0[c];
+          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
+          if (col + 1 < rows) {
+            *reinterpret_cast<uint32_t*>(dst + col) = lo | (static_cast<uint32_t>(hi) << 16);
+          } else if (col < rows) {
+            dst[col] = lo;
+          }
+        }
+      }
+    }
+  } else if (p.epilogue == 2) {
+    // 2: the [token][row] tile through the drained ring (stage 0), then each token's 37-38
+    // outputs as one warp store of 4-byte pairs (a 2-byte head where the row starts on an odd
+    // element).
+    constexpr int kPitch = kRowsMax + 2;  // bf16 per tile row
+    uint16_t* tile = reinterpret_cast<uint16_t*>(smem_raw + (base - raw)) + wg * 64 * kPitch;
+    rows_consumer_barrier<kConsumers>();  // every warp's wgmmas done: the ring is free
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) {
+      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+      const int m = kTok ? row : col, r = kTok ? col : row;
+      if (r < rows) tile[m * kPitch + r] = float_to_bf16(acc[j]);
+    }
+    rows_consumer_barrier<kConsumers>();
+    for (int m = warp; m < p.m && store; m += 4) {
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const uint16_t* t = tile + m * kPitch;
+      const int head = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
+      if (head && lane == 0 && rows > 0) dst[0] = t[0];
+      const int e = head + 2 * lane;
+      if (e + 1 < rows) {
+        *reinterpret_cast<uint32_t*>(dst + e) =
+            static_cast<uint32_t>(t[e]) | (static_cast<uint32_t>(t[e + 1]) << 16);
+      } else if (e < rows) {
+        dst[e] = t[e];
+      }
+    }
+  } else if (p.epilogue == 3) {
+    // 3 (bench diagnostic, results WRONG): the same number of bytes as full, coalesced 128-byte
+    // lines into the front of the output (the thread's values as bf16 pairs, word k of thread t
+    // of CTA b at word (b (kAcc / 2 - 1) + k) 128 + t, clipped to M x ldo elements).
+    uint32_t* words = reinterpret_cast<uint32_t*>(p.out);
+    const int64_t limit = int64_t{p.m} * p.ldo / 2;
+    const int tt = tid % 128;
+#pragma unroll
+    for (int k = 0; k < kAcc / 2 - 1; ++k) {
+      const int64_t w =
+          (int64_t{blockIdx.x} * kWg * (kAcc / 2 - 1) + wg * (kAcc / 2 - 1) + k) * 128 + tt;
+      const uint32_t v =
+          float_to_bf16(acc[2 * k]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * k + 1])) << 16);
+      if (store && w < limit) words[w] = v;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) {
+      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+      const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
+      if (store && m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+    }
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;

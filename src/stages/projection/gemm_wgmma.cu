@@ -163,14 +163,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kTurns = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kTurns>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -200,29 +200,20 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage; `turns`: issuing in turns) or one (two CTAs
-// per SM); `diag` (bench diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per
-// stage; two warpgroups: mode 1 only).
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
+// diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, bool turns, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if (two_wg && diag > 1)
-    return unsupported("the row split's diagnostic mode ", diag, " is for one warpgroup per CTA");
   if constexpr (kNw != 16) {
-    if (two_wg && diag == 1)
-      return launch_rows<kNw, kDefault, 2, 1>(xmap, args, grid, info, stream);
-    if (!two_wg) {
-      if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
-      if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
-      if (diag == 3) return launch_rows<kNw, kDefault, 1, 3>(xmap, args, grid, info, stream);
-      if (diag == 4) return launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
-      if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
-    }
+    if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
+    if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
+    if (diag == 3) return launch_rows<kNw, kDefault, 1, 3>(xmap, args, grid, info, stream);
+    if (diag == 4) return launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
+    if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
   }
-  if (two_wg && turns)
-    return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
   if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
@@ -404,10 +395,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    const bool turns = two_wg && options.row_wg_turns;
-    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 3,
-                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0 ... 3");
-    const int diag = kpb == 0 ? options.debug_rows_diag : 0;
+    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 2,
+                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0, 1 or 2");
+    const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
                                   box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
@@ -423,12 +413,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.epilogue = options.row_epilogue;
     ra.trace = options.debug_trace;
-    if (m <= 8)
-      return dispatch_rows_kpb<8>(kpb, two_wg, turns, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, turns, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, turns, diag, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, turns, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

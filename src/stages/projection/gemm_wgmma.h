@@ -134,20 +134,16 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Variant (session 22, the row split with ctas_per_sm = 1): the CTA's two consumer warpgroups
-  // issue each stage's wgmmas in turns, so that one folds while the other's run. Same bits.
-  bool row_wg_turns = false;
-  // Variant (session 22, the row split's epilogue): 0 = each thread's bf16 outputs as 2-byte
-  // stores; 1 = at M > 32 bf16 pairs as 4-byte stores (a quad shuffle where a token's outputs
-  // start on an odd element; else as 0); 2 = through shared memory, then one warp store of 4-byte
-  // pairs per token; 3 = bench diagnostic (results WRONG): as many bytes as coalesced 128-byte
-  // lines into the front of the output. Same bits for 0-2.
+  // The row split's epilogue (session 22). Its outputs go as bf16 pairs in 4-byte stores at M > 32
+  // (token-major form); at M <= 32, 1 (variant) pairs them likewise across lanes, 0 stores each
+  // value alone. 2 = bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into
+  // the front of the output.
   int row_epilogue = 0;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
-  // activation scales' loads (5); two warpgroups per CTA: 1 only. 0: off.
+  // activation scales' loads (5). 0: off.
   int debug_rows_diag = 0;
 };
 

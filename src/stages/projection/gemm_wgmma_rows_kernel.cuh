@@ -65,6 +65,14 @@
 // 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36): the scattered 2-byte stores are not
 // what M 64's last stage -> exit (~2 us) waits for.
 //
+// Lost (session 22 rounds B-C, same round, b2b us, deleted): for two warpgroups per CTA, issuing
+// each stage's wgmmas in turns (named barriers; one folds while the other's run): fused M 1 / 16
+// / 32 / 64 18.03-18.06 / 17.90-17.92 / 21.17-21.26 / 24.63-24.74 against 17.49-17.51 /
+// 17.56-17.61 / 20.91-20.94 / 24.52-24.72 without, 17.24-17.34 / 17.17-17.22 / 17.06-17.22 /
+// 21.07-21.08 with two CTAs per SM; the ring of two warpgroups alone (no wgmma, no fold) was
+// already 20.31-20.36 at M 64 against 19.48-19.51 for two CTAs (traces: first -> last full stage
+// 15.6 us against 12.7).
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
@@ -151,7 +159,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22 variants; 0: scattered 2-byte stores)
+  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22): 1 swap-AB pairs, 2 a diagnostic
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -250,7 +258,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kTurns = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;                                // the token-major form (above)
@@ -506,46 +514,46 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
   };
 
-  if constexpr (kTurns) {
-    // kTurns (two warpgroups, GemmWgmmaOptions::row_wg_turns, session 22): the warpgroups issue
-    // each stage's wgmmas in turns (named barrier 2 + w: warpgroup w's turn), so that the tensor
-    // cores run one warpgroup's K blocks while the other folds its own, instead of both issuing at
-    // once and both folding at once. (Warpgroup 1's arrival before the loop gives warpgroup 0 the
-    // first turn and warpgroup 0's wait after it takes warpgroup 1's last pass: no branch inside
-    // the loop, whose divergent paths made ptxas serialize every wgmma, C7520.)
-    static_assert(kWg == 2, "turns between two warpgroups");
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-    rows_consumer_barrier<kConsumers>();
-    const int my_turn = 2 + wg, other_turn = 3 - wg;
-    if (wg == 1) asm volatile("bar.arrive 2, %0;\n" ::"n"(kConsumers) : "memory");
-    for (int i = 0; i < steps; ++i) {
-      asm volatile("bar.sync %0, %1;\n" ::"r"(my_turn), "n"(kConsumers) : "memory");
-      issue(i, frag);
-      asm volatile("bar.arrive %0, %1;\n" ::"r"(other_turn), "n"(kConsumers) : "memory");
-      fold(i, frag);
-    }
-    if (wg == 0) asm volatile("bar.sync 2, %0;\n" ::"n"(kConsumers) : "memory");
-  } else {
-    issue(0, frag);
-    asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
-    rows_consumer_barrier<kConsumers>();                // everyone's
-    fold(0, frag);
-    for (int i = 1; i < steps; ++i) {
-      issue(i, frag);
-      fold(i, frag);
-    }
+  issue(0, frag);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
+  rows_consumer_barrier<kConsumers>();                // everyone's
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
+    issue(i, frag);
+    fold(i, frag);
   }
 
-  // Epilogue (RowsArgs::epilogue, session 22 variants; no wgmma in flight any more).
+  // Epilogue (no wgmma in flight any more): bf16 pairs as 4-byte stores. The token-major form
+  // always, swap-AB at RowsArgs::epilogue 1 (variant); else each value as a 2-byte store.
+  // (Session 22 round D, same round, b2b us, fused M 64: pairs 19.62-19.67 / chained 18.44-18.48
+  // against 2-byte stores 20.86-21.08 / 19.84-19.87; the kernel without any stores 18.61-18.64 /
+  // 17.52-17.55, with as many bytes written as whole 128-byte lines (diagnostic, RowsArgs::
+  // epilogue 2) 18.76-18.85 / 17.72-17.78: the cost is the pattern of the outputs' partial
+  // sectors, not the bytes. Also lost there (deleted): the outputs through the drained ring, then
+  // one warp store of 4-byte pairs per token: M 64 21.26 / 20.17, M 32 18.15-18.32 against
+  // 17.28-17.35, M 16 17.83-17.85 against 17.25-17.26.)
   // (kNoStores: a condition never true (M <= 64) that the compiler cannot fold, so that kDiag 4
   // keeps every wgmma and fold.)
   const bool store = kNoStores ? p.m > 64 : true;
-  if (p.epilogue == 1 && kTok) {
-    // 1 (token-major form): bf16 pairs as 4-byte stores. A quad (lanes 4 t ... 4 t + 3) holds
-    // columns 8 c + 2 q + {0, 1} of tokens row0 and row0 + 8; where a token's output row starts
-    // on an odd element, each lane pairs its odd column with the next lane's even one (a
-    // shuffle; lane 3 takes lane 0's of the next c) and lane 0 stores column 0 alone.
-    const int q = lane % 4, src = (lane & ~3) | ((q + 1) & 3);
+  if (p.epilogue == 2) {
+    // Bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into the front of
+    // the output (the thread's values as bf16 pairs, word k of thread t of warpgroup w of CTA b
+    // at word ((b kWg + w) (kAcc / 2 - 1) + k) 128 + t, clipped to M x ldo elements).
+    uint32_t* words = reinterpret_cast<uint32_t*>(p.out);
+    const int64_t limit = int64_t{p.m} * p.ldo / 2;
+#pragma unroll
+    for (int k = 0; k < kAcc / 2 - 1; ++k) {
+      const int64_t w = ((int64_t{blockIdx.x} * kWg + wg) * (kAcc / 2 - 1) + k) * 128 + tid % 128;
+      const uint32_t v =
+          float_to_bf16(acc[2 * k]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * k + 1])) << 16);
+      if (store && w < limit) words[w] = v;
+    }
+  } else if constexpr (kTok) {
+    // A quad (lanes 4 t ... 4 t + 3) holds columns 8 c + 2 q + {0, 1} (weight rows of the CTA) of
+    // tokens row0 and row0 + 8: a pair per lane and c; where a token's outputs start on an odd
+    // element, each lane pairs its odd column with the next lane's even one (a shuffle; lane 3
+    // takes lane 0's of the next c) and lane 0 stores column 0 alone.
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
@@ -557,7 +565,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       x0[kAcc / 4] = 0;
 #pragma unroll
       for (int c = 0; c <= kAcc / 4; ++c)
-        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], src));
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
       const int m = row0 + 8 * h;
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
@@ -576,47 +584,52 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         }
       }
     }
-  } else if (p.epilogue == 2) {
-    // 2: the [token][row] tile through the drained ring (stage 0), then each token's 37-38
-    // outputs as one warp store of 4-byte pairs (a 2-byte head where the row starts on an odd
-    // element).
-    constexpr int kPitch = kRowsMax + 2;  // bf16 per tile row
-    uint16_t* tile = reinterpret_cast<uint16_t*>(smem_raw + (base - raw)) + wg * 64 * kPitch;
-    rows_consumer_barrier<kConsumers>();  // every warp's wgmmas done: the ring is free
+  } else if (p.epilogue == 1) {
+    // Swap-AB pairs (variant): the thread holds weight rows t and t + 8 (t = lane / 4, of the
+    // warp's 16) of tokens 8 c + 2 q + e. For each (c, e), where row t starts a pair (its
+    // output element is 4-byte aligned) the lane stores rows (t, t + 1) (row t + 1 from lane t +
+    // 1; t = 7: row 8, lane 0's second row); a lane whose row t ends a pair stores rows (t + 7,
+    // t + 8) (row t + 7 from lane t - 1); the warp's rows 0 and 15 without a partner in the warp
+    // (odd starts) go alone.
+    const int t = lane / 4;
+    const int up = (lane + 4) % 32, down = (lane + 28) % 32;
 #pragma unroll
-    for (int j = 0; j < kAcc; ++j) {
-      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = kTok ? row : col, r = kTok ? col : row;
-      if (r < rows) tile[m * kPitch + r] = float_to_bf16(acc[j]);
-    }
-    rows_consumer_barrier<kConsumers>();
-    for (int m = warp; m < p.m && store; m += 4) {
-      uint16_t* dst = p.out + m * p.ldo + r_begin;
-      const uint16_t* t = tile + m * kPitch;
-      const int head = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      if (head && lane == 0 && rows > 0) dst[0] = t[0];
-      const int e = head + 2 * lane;
-      if (e + 1 < rows) {
-        *reinterpret_cast<uint32_t*>(dst + e) =
-            static_cast<uint32_t>(t[e]) | (static_cast<uint32_t>(t[e + 1]) << 16);
-      } else if (e < rows) {
-        dst[e] = t[e];
+    for (int c = 0; c < kAcc / 4; ++c) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint16_t a0 = float_to_bf16(acc[4 * c + e]);
+        const uint16_t a1 = float_to_bf16(acc[4 * c + 2 + e]);
+        const uint16_t up0 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a0, up));
+        const uint16_t up1 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a1, up));
+        const uint16_t dn1 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a1, down));
+        const int m = m0 + 8 * c + e;
+        uint16_t* dst = p.out + m * p.ldo + r_begin + 16 * warp;  // the warp's row 0
+        const bool start = ((((reinterpret_cast<uintptr_t>(dst) >> 1) + t) & 1u) == 0);
+        const int limit = rows - 16 * warp;  // the warp's rows below the CTA's count
+        if (store && m < p.m) {
+          int r0;
+          uint16_t lo, hi;
+          if (start) {
+            r0 = t;
+            lo = a0;
+            hi = t < 7 ? up0 : up1;
+          } else if (t > 0) {
+            r0 = t + 7;
+            lo = dn1;
+            hi = a1;
+          } else {
+            r0 = -1;  // row 0 alone (below)
+            lo = hi = 0;
+          }
+          if (r0 >= 0 && r0 + 1 < limit) {
+            *reinterpret_cast<uint32_t*>(dst + r0) = lo | (static_cast<uint32_t>(hi) << 16);
+          } else if (r0 >= 0 && r0 < limit) {
+            dst[r0] = lo;
+          }
+          if (!start && t == 0 && 0 < limit) dst[0] = a0;   // odd start: row 0 alone
+          if (start && t == 7 && 15 < limit) dst[15] = a1;  // odd start: row 15 alone
+        }
       }
-    }
-  } else if (p.epilogue == 3) {
-    // 3 (bench diagnostic, results WRONG): the same number of bytes as full, coalesced 128-byte
-    // lines into the front of the output (the thread's values as bf16 pairs, word k of thread t
-    // of CTA b at word (b (kAcc / 2 - 1) + k) 128 + t, clipped to M x ldo elements).
-    uint32_t* words = reinterpret_cast<uint32_t*>(p.out);
-    const int64_t limit = int64_t{p.m} * p.ldo / 2;
-    const int tt = tid % 128;
-#pragma unroll
-    for (int k = 0; k < kAcc / 2 - 1; ++k) {
-      const int64_t w =
-          (int64_t{blockIdx.x} * kWg * (kAcc / 2 - 1) + wg * (kAcc / 2 - 1) + k) * 128 + tt;
-      const uint32_t v =
-          float_to_bf16(acc[2 * k]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * k + 1])) << 16);
-      if (store && w < limit) words[w] = v;
     }
   } else {
 #pragma unroll

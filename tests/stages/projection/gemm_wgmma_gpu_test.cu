@@ -80,7 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool wg_turns = false;    // GemmWgmmaOptions::row_wg_turns
   int epilogue = 0;         // GemmWgmmaOptions::row_epilogue
 };
 
@@ -94,7 +93,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " turns " + std::to_string(c.wg_turns) + " epilogue " + std::to_string(c.epilogue);
+         " epilogue " + std::to_string(c.epilogue);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,7 +109,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_wg_turns = c.wg_turns;
   o.row_epilogue = c.epilogue;
   return o;
 }
@@ -313,37 +311,21 @@ std::vector<Case> exact_cases() {
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
         Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // Row split with two warpgroups per CTA issuing in turns (row_wg_turns, session 22): every
-        // n (swap-AB at M <= 32, token-major above), fused width, K 8192, partial stages (K blocks
-        // 9, 5), PDL, padded output rows, row-major activation scales, no evict-first, an odd
-        // image CTA count (one warpgroup per CTA: turns ignored).
-        Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{33, 640, 2048, 8, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{24, 9856, 1152, 0, 16, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{32, 9856, 6144, 0, 0, false, 1, 4, 0, false, 0, false, 1, false, 0, false, true, 0, true},
-        Case{64, 6144, 8192, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{1, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{16, 9856, 640, 8, 16, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{57, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 251, true},
-        // Row split epilogues (row_epilogue, session 22): 4-byte pairs (1: M > 32; as 0 below)
-        // and through shared memory (2), fused width (CTAs starting on odd and even rows), odd
-        // output strides (ld pad 3 / 5: the pairs' parity changes from token to token), 16-byte
-        // aligned operands, row-major activation scales, PDL, two warpgroups per CTA (also in
-        // turns), an image for 251 CTAs, every n for 2.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 1},
-        Case{33, 9856, 1152, 3, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 1},
-        Case{57, 640, 2048, 5, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 1},
-        Case{48, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 1},
-        Case{16, 9856, 640, 3, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 1},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{33, 9856, 1152, 3, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
-        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{17, 9856, 1152, 5, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, false, 2},
-        Case{13, 640, 2048, 3, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{64, 6144, 8192, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, false, 2},
-        Case{24, 9856, 1152, 3, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true, 2},
-        Case{40, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, false, 2}};
+        // Row split outputs as 4-byte pairs at M <= 32 (row_epilogue 1, session 22; M > 32
+        // always): fused width (CTAs starting on odd and even rows, warps' rows 0 / 15 alone),
+        // one to three rows per CTA (N 640), padded / 16-byte aligned outputs, row-major
+        // activation scales, PDL, two warpgroups per CTA, an image for 251 CTAs, every n.
+        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{17, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
+        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{16, 9856, 640, 16, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{13, 640, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{24, 9856, 1152, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{29, 9856, 640, 0, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 1},
+        Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
+        // The token-major pairs at odd starts and padded outputs (M > 32; session 22).
+        Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0}};
   // clang-format on
 }
 
@@ -836,49 +818,25 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// Row split epilogues 1 / 2 (row_epilogue): small shapes for compute-sanitizer (memcheck /
-// racecheck), both CTA shapes, every n, odd output stride, rings reused (K 4096), exact against
-// the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallEpilogues) {
+// Row split outputs as 4-byte pairs (row_epilogue 1 at M <= 32; always above): small shapes for
+// compute-sanitizer (memcheck / racecheck), both CTA shapes, every n, padded outputs, rings
+// reused (K 4096), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   M3_REQUIRE_WGMMA();
-  for (int epi : {1, 2}) {
-    for (int ctas : {0, 1}) {
-      for (int64_t m : {1, 9, 17, 33, 64}) {
-        if (epi == 1 && (m <= 32 || ctas == 1)) continue;  // (1: the token-major form)
-        const uint64_t seed = fresh_seed();
-        M3_SEED_TRACE(seed);
-        SCOPED_TRACE(::testing::Message()
-                     << "M " << m << " ctas/SM " << ctas << " epilogue " << epi);
-        Rng rng(seed);
-        Case c{m, 640, 4096, 3, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
-        c.epilogue = epi;
-        GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-        DeviceGemm dev(d, c.n + c.ld_pad);
-        const std::vector<uint16_t> got = run_twice(dev, c);
-        std::string report;
-        EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-      }
+  for (int ctas : {0, 1}) {
+    for (int64_t m : {1, 9, 17, 33, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
+      Rng rng(seed);
+      Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
+      c.epilogue = 1;
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n + c.ld_pad);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
     }
-  }
-}
-
-// Row split with two warpgroups per CTA issuing in turns (row_wg_turns): small shapes for
-// compute-sanitizer (memcheck / racecheck), every n, rings reused (K 4096), PDL, exact against the
-// twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallTurns) {
-  M3_REQUIRE_WGMMA();
-  for (int64_t m : {1, 9, 17, 33, 64}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "M " << m);
-    Rng rng(seed);
-    Case c{m, 640, 4096, 0, 0, false, 1, 4, 0, true, 0, m == 33, 1, false, 0, false, true};
-    c.wg_turns = true;
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
   }
 }
 

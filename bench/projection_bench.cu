@@ -394,6 +394,7 @@ struct ShapeVariant {
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
   int epilogue = 0;             // GemmWgmmaOptions::row_epilogue (2: a diagnostic, check n/a)
+  int prefetch = 0;             // GemmWgmmaOptions::row_prefetch_stages
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -470,7 +471,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
   // session 22); 23 / 24 / 25: the same chained; 26 / 27: the row split with M <= 32's outputs
   // as 4-byte pairs (GemmWgmmaOptions::row_epilogue 1), plain / chained; 28 / 29: with as many
-  // bytes written as whole lines (diagnostic, row_epilogue 2); 30: 1 K block per stage, chained.
+  // bytes written as whole lines (diagnostic, row_epilogue 2); 30: 1 K block per stage, chained;
+  // 31 / 32 / 33: 11 with 4 / 8 / 16 stages past the first ring prefetched into L2 before the
+  // wait (GemmWgmmaOptions::row_prefetch_stages).
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns
   // (round C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through
@@ -524,7 +527,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, true, false, 0, 1},
                                    {0, false, 16, 0, false, true, 0, false, false, 0, 2},
                                    {0, false, 16, 0, false, true, 0, true, false, 0, 2},
-                                   {0, false, 16, 0, false, true, 1, true}};
+                                   {0, false, 16, 0, false, true, 1, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 4},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 8},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 16}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -773,6 +779,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
       o.row_epilogue = variants[v].epilogue;
+      o.row_prefetch_stages = variants[v].prefetch;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -795,6 +802,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].epilogue > 0 ? " epilogue " + std::to_string(variants[v].epilogue) : "") +
+          (variants[v].prefetch > 0 ? " prefetch " + std::to_string(variants[v].prefetch) : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),

@@ -139,6 +139,10 @@ struct GemmWgmmaOptions {
   // value alone. 2 = bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into
   // the front of the output.
   int row_epilogue = 0;
+  // Variant (session 22, the row split with programmatic_launch): besides its first ring, the
+  // kernel prefetches this many further stages' weights into L2 before waiting for the preceding
+  // grid (0: none). Same bits.
+  int row_prefetch_stages = 0;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without

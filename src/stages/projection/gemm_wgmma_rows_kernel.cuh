@@ -160,6 +160,7 @@ struct RowsArgs : ScalesOut {
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
   int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22): 1 swap-AB pairs, 2 a diagnostic
+  int prefetch_stages;  // GemmWgmmaOptions::row_prefetch_stages (session 22 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -361,6 +362,23 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       // before waiting for the preceding grid, whose outputs (activations, scales) come after.
       const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
       for (int i = 0; i < early; ++i) load_weights(i);
+      // RowsArgs::prefetch_stages (programmatic launch; session 22 variant): the weights of the
+      // next stages after the first ring into L2 too, so that HBM keeps streaming while the
+      // prefetched ring waits for the preceding grid's activations and is worked off.
+      if (early > 0) {
+        const int last = early + p.prefetch_stages < steps ? early + p.prefetch_stages : steps;
+        for (int i = early; i < last; ++i) {
+          const int nk = stage_kblocks(i);
+          for (int w = 0; w < kWg; ++w) {
+            const int rb = rows_begin(vcta0 + w, vgrid, p.n);
+            const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
+            const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src),
+                         "r"(static_cast<uint32_t>(nk * rw * 128))
+                         : "memory");
+          }
+        }
+      }
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;

@@ -81,6 +81,7 @@ struct Case {
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   int epilogue = 0;         // GemmWgmmaOptions::row_epilogue
+  int prefetch = 0;         // GemmWgmmaOptions::row_prefetch_stages
 };
 
 std::string describe(const Case& c) {
@@ -93,7 +94,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " epilogue " + std::to_string(c.epilogue);
+         " epilogue " + std::to_string(c.epilogue) + " prefetch " + std::to_string(c.prefetch);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,6 +111,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
   o.row_epilogue = c.epilogue;
+  o.row_prefetch_stages = c.prefetch;
   return o;
 }
 
@@ -325,7 +327,13 @@ std::vector<Case> exact_cases() {
         Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
         // The token-major pairs at odd starts and padded outputs (M > 32; session 22).
         Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0}};
+        Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        // Row split, PDL with stages past the first ring prefetched into L2 (row_prefetch_stages,
+        // session 22): every n, more stages than the K has (clipped), two warpgroups per CTA.
+        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 8},
+        Case{64, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
+        Case{1, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
+        Case{16, 9856, 6144, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 4}};
   // clang-format on
 }
 

@@ -472,8 +472,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // session 22); 23 / 24 / 25: the same chained; 26 / 27: the row split with M <= 32's outputs
   // as 4-byte pairs (GemmWgmmaOptions::row_epilogue 1), plain / chained; 28 / 29: with as many
   // bytes written as whole lines (diagnostic, row_epilogue 2); 30: 1 K block per stage, chained;
-  // 31 / 32 / 33: 11 with 4 / 8 / 16 stages past the first ring prefetched into L2 before the
-  // wait (GemmWgmmaOptions::row_prefetch_stages).
+  // 31 / 32: 6 with each stage's weights 4 / 8 stages ahead prefetched into L2 (GemmWgmmaOptions::
+  // row_prefetch_stages); 33 / 34: the same chained (11).
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns
   // (round C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through
@@ -528,9 +528,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 0, 2},
                                    {0, false, 16, 0, false, true, 0, true, false, 0, 2},
                                    {0, false, 16, 0, false, true, 1, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 0, 4},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 0, 8},
                                    {0, false, 16, 0, false, true, 0, true, false, 0, 0, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 8},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 16}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 8}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -139,9 +139,9 @@ struct GemmWgmmaOptions {
   // value alone. 2 = bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into
   // the front of the output.
   int row_epilogue = 0;
-  // Variant (session 22, the row split with programmatic_launch): besides its first ring, the
-  // kernel prefetches this many further stages' weights into L2 before waiting for the preceding
-  // grid (0: none). Same bits.
+  // Variant (session 22, the row split): with each ring stage's weights, those of the stage this
+  // many stages later are prefetched into L2 (0: none), so that HBM streams ahead of the ring
+  // (with programmatic_launch also before waiting for the preceding grid). Same bits.
   int row_prefetch_stages = 0;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and

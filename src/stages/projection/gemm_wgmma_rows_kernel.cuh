@@ -334,6 +334,23 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int left = kb_count - i * kKpb;
         return left < kKpb ? left : kKpb;
       };
+      // RowsArgs::prefetch_stages = D (session 22 variant): with stage j's weights, stage j + D's
+      // into L2 (cp.async.bulk.prefetch.L2; D past the ring), so that HBM streams D stages ahead
+      // of the ring and the ring's own loads hit L2: a shorter latency for the same ring (and,
+      // chained, HBM busy while the first ring waits for the preceding grid).
+      auto prefetch = [&](int i) {
+        const int j = i + p.prefetch_stages;
+        if (p.prefetch_stages <= 0 || j < kStages || j >= steps) return;
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(j));
+        for (int w = 0; w < kWg; ++w) {
+          const int rb = rows_begin(vcta0 + w, vgrid, p.n);
+          const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
+          const uint8_t* src = p.image + rows_image_offset(j * kKpb, rb, rw, p.n, kb_count);
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src),
+                       "r"(nk * static_cast<uint32_t>(rw * 128))
+                       : "memory");
+        }
+      };
       auto load_weights = [&](int i) {
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
@@ -361,29 +378,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
       // before waiting for the preceding grid, whose outputs (activations, scales) come after.
       const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
-      for (int i = 0; i < early; ++i) load_weights(i);
-      // RowsArgs::prefetch_stages (programmatic launch; session 22 variant): the weights of the
-      // next stages after the first ring into L2 too, so that HBM keeps streaming while the
-      // prefetched ring waits for the preceding grid's activations and is worked off.
-      if (early > 0) {
-        const int last = early + p.prefetch_stages < steps ? early + p.prefetch_stages : steps;
-        for (int i = early; i < last; ++i) {
-          const int nk = stage_kblocks(i);
-          for (int w = 0; w < kWg; ++w) {
-            const int rb = rows_begin(vcta0 + w, vgrid, p.n);
-            const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
-            const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src),
-                         "r"(static_cast<uint32_t>(nk * rw * 128))
-                         : "memory");
-          }
-        }
+      for (int i = 0; i < early; ++i) {
+        load_weights(i);
+        prefetch(i);
       }
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
-        if (i >= early) load_weights(i);
+        if (i >= early) {
+          load_weights(i);
+          prefetch(i);
+        }
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)

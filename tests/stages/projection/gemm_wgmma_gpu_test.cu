@@ -328,12 +328,15 @@ std::vector<Case> exact_cases() {
         // The token-major pairs at odd starts and padded outputs (M > 32; session 22).
         Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
-        // Row split, PDL with stages past the first ring prefetched into L2 (row_prefetch_stages,
-        // session 22): every n, more stages than the K has (clipped), two warpgroups per CTA.
+        // Row split with each stage's weights some stages ahead prefetched into L2
+        // (row_prefetch_stages, session 22): PDL or not, every n, further than the K has
+        // (clipped), two warpgroups per CTA.
         Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 8},
         Case{64, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
         Case{1, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
-        Case{16, 9856, 6144, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 4}};
+        Case{16, 9856, 6144, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 4},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 6},
+        Case{24, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 3}};
   // clang-format on
 }
 

@@ -473,7 +473,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // as 4-byte pairs (GemmWgmmaOptions::row_epilogue 1), plain / chained; 28 / 29: with as many
   // bytes written as whole lines (diagnostic, row_epilogue 2); 30: 1 K block per stage, chained;
   // 31 / 32: 6 with each stage's weights 4 / 8 stages ahead prefetched into L2 (GemmWgmmaOptions::
-  // row_prefetch_stages); 33 / 34: the same chained (11).
+  // row_prefetch_stages); 33 / 34: the same chained (11); 35 / 36: M > 32's outputs as 8-byte
+  // chunks (row_epilogue 3), plain / chained.
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns
   // (round C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through
@@ -531,7 +532,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 0, 0, 4},
                                    {0, false, 16, 0, false, true, 0, false, false, 0, 0, 8},
                                    {0, false, 16, 0, false, true, 0, true, false, 0, 0, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 8}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 0, 8},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 3},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 3}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -398,8 +398,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     M3_CHECK_ARG(options.row_prefetch_stages >= 0,
                  "GemmWgmmaOptions::row_prefetch_stages = ", options.row_prefetch_stages,
                  " must not be negative");
-    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 2,
-                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0, 1 or 2");
+    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 3,
+                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0 ... 3");
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],

@@ -137,7 +137,7 @@ struct GemmWgmmaOptions {
   // The row split's epilogue (session 22). Its outputs go as bf16 pairs in 4-byte stores at M > 32
   // (token-major form); at M <= 32, 1 (variant) pairs them likewise across lanes, 0 stores each
   // value alone. 2 = bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into
-  // the front of the output.
+  // the front of the output. 3 (variant, M > 32): the pairs joined into 8-byte aligned chunks.
   int row_epilogue = 0;
   // Variant (session 22, the row split): with each ring stage's weights, those of the stage this
   // many stages later are prefetched into L2 (0: none), so that HBM streams ahead of the ring

@@ -159,7 +159,8 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22): 1 swap-AB pairs, 2 a diagnostic
+  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22): 1 swap-AB pairs, 2 a diagnostic,
+                 // 3 token-major 8-byte chunks
   int prefetch_stages;  // GemmWgmmaOptions::row_prefetch_stages (session 22 variant)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
@@ -571,6 +572,90 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       const uint32_t v =
           float_to_bf16(acc[2 * k]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * k + 1])) << 16);
       if (store && w < limit) words[w] = v;
+    }
+  } else if (kTok && p.epilogue == 3) {
+    // Token-major 8-byte chunks (variant): the pairs below (pv[h][c]: columns 8 c + 2 q + p0,
+    // + 1 of token row0 + 8 h; p0 = 1 where the tokens' outputs start on an odd element) joined
+    // two by two into 8-byte aligned chunks: where pair 4 c + q starts one (jb = 0: q even),
+    // lanes q and q ^ 1 trade one pair so that the even lane stores token h = 0's chunk and the
+    // odd lane token h = 1's; else (jb = 1) lanes 1 / 2 and 3 / 0 (lane 0 with its next c) do,
+    // the odd lane storing h = 0, and lane 0's first pairs stay alone.
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+    const uintptr_t a = (reinterpret_cast<uintptr_t>(p.out + r_begin) >> 1) & 3u;  // (ldo % 8 == 0)
+    const int p0 = static_cast<int>(a & 1u);
+    const bool jb = ((a + p0) & 3u) != 0;
+    uint32_t pv[2][kAcc / 4 + 1];
+    uint16_t head[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c) {
+        x0[c] = float_to_bf16(acc[4 * c + 2 * h]);
+        x1[c] = float_to_bf16(acc[4 * c + 2 * h + 1]);
+      }
+      x0[kAcc / 4] = 0;
+#pragma unroll
+      for (int c = 0; c <= kAcc / 4; ++c)
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c) {
+        const uint16_t lo = p0 ? x1[c] : x0[c];
+        const uint16_t hi = p0 ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
+        pv[h][c] = lo | (static_cast<uint32_t>(hi) << 16);
+      }
+      pv[h][kAcc / 4] = 0;
+      head[h] = x0[0];
+    }
+    const int partner = !jb ? (lane ^ 1) : (lane & ~3) | ((q & 1) ? ((q + 1) & 3) : ((q + 3) & 3));
+    // The chunk a lane stores: token h = odd lane ^ jb ... (see above), first column col.
+    const int hs = jb ? ((q & 1) ? 0 : 1) : (q & 1);
+    const int m = row0 + 8 * hs;
+    uint16_t* dst = p.out + m * p.ldo + r_begin;
+#pragma unroll
+    for (int c = 0; c < kAcc / 4; ++c) {
+      uint32_t send, lo, hi;
+      int col;
+      if (!jb) {
+        send = (q & 1) ? pv[0][c] : pv[1][c];
+      } else {
+        send = (q & 1) ? pv[1][c] : pv[0][c + (q == 0 ? 1 : 0)];
+      }
+      const uint32_t recv = __shfl_sync(0xffffffffu, send, partner);
+      if (!jb) {
+        lo = (q & 1) ? recv : pv[0][c];
+        hi = (q & 1) ? pv[1][c] : recv;
+        col = 8 * c + 2 * (q & ~1) + p0;
+      } else {
+        lo = (q & 1) ? pv[0][c] : recv;
+        hi = (q & 1) ? recv : pv[1][c + (q == 0 ? 1 : 0)];
+        col = 8 * c + 2 * ((q & 1) ? q : ((q + 3) & 3)) + p0;
+      }
+      if (store && m < p.m) {
+        if (col + 3 < rows) {
+          *reinterpret_cast<uint2*>(dst + col) = make_uint2(lo, hi);
+        } else if (col + 1 < rows) {
+          *reinterpret_cast<uint32_t*>(dst + col) = lo;
+          if (col + 2 < rows) dst[col + 2] = static_cast<uint16_t>(hi & 0xffffu);
+        } else if (col < rows) {
+          dst[col] = static_cast<uint16_t>(lo & 0xffffu);
+        }
+      }
+    }
+    if (q == 0) {  // lane 0: column 0 alone (odd starts); pair 0 alone (jb)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int mh = row0 + 8 * h;
+        uint16_t* d = p.out + mh * p.ldo + r_begin;
+        if (store && mh < p.m) {
+          if (p0 && rows > 0) d[0] = head[h];
+          if (jb && p0 + 1 < rows) {
+            *reinterpret_cast<uint32_t*>(d + p0) = pv[h][0];
+          } else if (jb && p0 < rows) {
+            d[p0] = static_cast<uint16_t>(pv[h][0] & 0xffffu);
+          }
+        }
+      }
     }
   } else if constexpr (kTok) {
     // A quad (lanes 4 t ... 4 t + 3) holds columns 8 c + 2 q + {0, 1} (weight rows of the CTA) of

@@ -336,7 +336,15 @@ std::vector<Case> exact_cases() {
         Case{1, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
         Case{16, 9856, 6144, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 4},
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 6},
-        Case{24, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 3}};
+        Case{24, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 3},
+        // Token-major outputs as 8-byte chunks (row_epilogue 3, session 22): fused width (CTAs
+        // starting at every alignment mod 4), padded / 16-byte aligned outputs, one to three rows
+        // per CTA, two warpgroups per CTA, PDL, an image for 251 CTAs.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
+        Case{33, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 3},
+        Case{57, 640, 2048, 16, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
+        Case{48, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
+        Case{40, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 3}};
   // clang-format on
 }
 
@@ -829,19 +837,21 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// Row split outputs as 4-byte pairs (row_epilogue 1 at M <= 32; always above): small shapes for
+// Row split outputs as 4-byte pairs (row_epilogue 1 at M <= 32; always above) or 8-byte chunks
+// (row_epilogue 3, M > 32): small shapes for
 // compute-sanitizer (memcheck / racecheck), both CTA shapes, every n, padded outputs, rings
 // reused (K 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   M3_REQUIRE_WGMMA();
   for (int ctas : {0, 1}) {
-    for (int64_t m : {1, 9, 17, 33, 64}) {
+    for (int64_t m : {1, 9, 17, 33, 64, -33, -64}) {  // (negative: 8-byte chunks, row_epilogue 3)
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
       Rng rng(seed);
-      Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
-      c.epilogue = 1;
+      Case c{m < 0 ? -m : m, 640, 4096,  8, 0,     false, ctas,  4,   0,
+             true,           0,   false, 1, false, 0,     false, true};
+      c.epilogue = m < 0 ? 3 : 1;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

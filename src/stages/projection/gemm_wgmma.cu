@@ -395,11 +395,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    M3_CHECK_ARG(options.row_prefetch_stages >= 0,
-                 "GemmWgmmaOptions::row_prefetch_stages = ", options.row_prefetch_stages,
-                 " must not be negative");
-    M3_CHECK_ARG(options.row_epilogue >= 0 && options.row_epilogue <= 3,
-                 "GemmWgmmaOptions::row_epilogue = ", options.row_epilogue, " must be 0 ... 3");
+    M3_CHECK_ARG(options.row_store_hint >= 0 && options.row_store_hint <= 3,
+                 "GemmWgmmaOptions::row_store_hint = ", options.row_store_hint, " must be 0 ... 3");
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
@@ -414,8 +411,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    ra.epilogue = options.row_epilogue;
-    ra.prefetch_stages = options.row_prefetch_stages;
+    ra.store_hint = options.row_store_hint;
     ra.trace = options.debug_trace;
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);

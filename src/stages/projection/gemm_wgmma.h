@@ -134,15 +134,9 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // The row split's epilogue (session 22). Its outputs go as bf16 pairs in 4-byte stores at M > 32
-  // (token-major form); at M <= 32, 1 (variant) pairs them likewise across lanes, 0 stores each
-  // value alone. 2 = bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into
-  // the front of the output. 3 (variant, M > 32): the pairs joined into 8-byte aligned chunks.
-  int row_epilogue = 0;
-  // Variant (session 22, the row split): with each ring stage's weights, those of the stage this
-  // many stages later are prefetched into L2 (0: none), so that HBM streams ahead of the ring
-  // (with programmatic_launch also before waiting for the preceding grid). Same bits.
-  int row_prefetch_stages = 0;
+  // Variant (session 22, the row split's output stores): 0 plain st.global, 1 .L1::no_allocate,
+  // 2 .cs (streaming), 3 .cg (cached in L2 only). Same bits.
+  int row_store_hint = 0;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without

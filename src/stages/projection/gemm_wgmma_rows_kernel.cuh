@@ -159,9 +159,7 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int epilogue;  // GemmWgmmaOptions::row_epilogue (session 22): 1 swap-AB pairs, 2 a diagnostic,
-                 // 3 token-major 8-byte chunks
-  int prefetch_stages;  // GemmWgmmaOptions::row_prefetch_stages (session 22 variant)
+  int store_hint;  // GemmWgmmaOptions::row_store_hint (session 22 variant): 0 plain stores
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -197,6 +195,31 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
   const int snk = kblocks - st * kImageStep < kImageStep ? kblocks - st * kImageStep : kImageStep;
   return int64_t{st} * kImageStep * n * 128 + int64_t{r_begin} * snk * 128 +
          int64_t{q} * rows * 128;
+}
+
+// The epilogue's output stores with RowsArgs::store_hint (session 22 variant): 0 plain st.global,
+// 1 .L1::no_allocate, 2 .cs (streaming), 3 .cg (L2 only).
+__device__ __forceinline__ void store_out(int hint, uint16_t* p, uint16_t v) {
+  if (hint == 1) {
+    asm volatile("st.global.L1::no_allocate.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
+  } else if (hint == 2) {
+    asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
+  } else if (hint == 3) {
+    asm volatile("st.global.cg.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
+  } else {
+    *p = v;
+  }
+}
+__device__ __forceinline__ void store_out_pair(int hint, uint16_t* p, uint32_t v) {
+  if (hint == 1) {
+    asm volatile("st.global.L1::no_allocate.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+  } else if (hint == 2) {
+    asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+  } else if (hint == 3) {
+    asm volatile("st.global.cg.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+  } else {
+    *reinterpret_cast<uint32_t*>(p) = v;
+  }
 }
 
 template <int kPending>
@@ -335,23 +358,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int left = kb_count - i * kKpb;
         return left < kKpb ? left : kKpb;
       };
-      // RowsArgs::prefetch_stages = D (session 22 variant): with stage j's weights, stage j + D's
-      // into L2 (cp.async.bulk.prefetch.L2; D past the ring), so that HBM streams D stages ahead
-      // of the ring and the ring's own loads hit L2: a shorter latency for the same ring (and,
-      // chained, HBM busy while the first ring waits for the preceding grid).
-      auto prefetch = [&](int i) {
-        const int j = i + p.prefetch_stages;
-        if (p.prefetch_stages <= 0 || j < kStages || j >= steps) return;
-        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(j));
-        for (int w = 0; w < kWg; ++w) {
-          const int rb = rows_begin(vcta0 + w, vgrid, p.n);
-          const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
-          const uint8_t* src = p.image + rows_image_offset(j * kKpb, rb, rw, p.n, kb_count);
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src),
-                       "r"(nk * static_cast<uint32_t>(rw * 128))
-                       : "memory");
-        }
-      };
       auto load_weights = [&](int i) {
         const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[s]);
@@ -379,18 +385,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
       // before waiting for the preceding grid, whose outputs (activations, scales) come after.
       const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
-      for (int i = 0; i < early; ++i) {
-        load_weights(i);
-        prefetch(i);
-      }
+      for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kStages;
         if (i >= kStages) mbar_wait(smem_addr(&empty_bar[s]), ((i / kStages) - 1) & 1);
-        if (i >= early) {
-          load_weights(i);
-          prefetch(i);
-        }
+        if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
@@ -548,116 +548,20 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     fold(i, frag);
   }
 
-  // Epilogue (no wgmma in flight any more): bf16 pairs as 4-byte stores. The token-major form
-  // always, swap-AB at RowsArgs::epilogue 1 (variant); else each value as a 2-byte store.
-  // (Session 22 round D, same round, b2b us, fused M 64: pairs 19.62-19.67 / chained 18.44-18.48
-  // against 2-byte stores 20.86-21.08 / 19.84-19.87; the kernel without any stores 18.61-18.64 /
-  // 17.52-17.55, with as many bytes written as whole 128-byte lines (diagnostic, RowsArgs::
-  // epilogue 2) 18.76-18.85 / 17.72-17.78: the cost is the pattern of the outputs' partial
-  // sectors, not the bytes. Also lost there (deleted): the outputs through the drained ring, then
-  // one warp store of 4-byte pairs per token: M 64 21.26 / 20.17, M 32 18.15-18.32 against
-  // 17.28-17.35, M 16 17.83-17.85 against 17.25-17.26.)
+  // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
+  // (4-byte stores), swap-AB each value alone. (Session 22, same rounds, b2b us, fused M 64 /
+  // chained: round D pairs 19.62-19.67 / 18.44-18.48 against 2-byte stores 20.86-21.08 /
+  // 19.84-19.87; the kernel without any stores 18.61-18.64 / 17.52-17.55, with as many bytes
+  // written as whole 128-byte lines (a diagnostic) 18.76-18.85 / 17.72-17.78: the outputs' pattern
+  // costs, not their bytes. Lost and deleted: the outputs through the drained ring, one warp store
+  // of 4-byte pairs per token (round D: M 64 21.26, M 32 18.15-18.32 vs 17.28-17.35, M 16 17.83
+  // vs 17.25); round E: the pairs joined into 8-byte aligned chunks (M 64 21.37 vs 20.26-20.34,
+  // chained 20.49-20.53 vs 19.37-19.42), swap-AB pairs across lanes (M 32 18.60-18.71 vs
+  // 17.93-18.03, M 16 17.58-17.60 vs 17.10-17.24).)
   // (kNoStores: a condition never true (M <= 64) that the compiler cannot fold, so that kDiag 4
   // keeps every wgmma and fold.)
   const bool store = kNoStores ? p.m > 64 : true;
-  if (p.epilogue == 2) {
-    // Bench diagnostic (results WRONG): as many bytes as whole 128-byte lines into the front of
-    // the output (the thread's values as bf16 pairs, word k of thread t of warpgroup w of CTA b
-    // at word ((b kWg + w) (kAcc / 2 - 1) + k) 128 + t, clipped to M x ldo elements).
-    uint32_t* words = reinterpret_cast<uint32_t*>(p.out);
-    const int64_t limit = int64_t{p.m} * p.ldo / 2;
-#pragma unroll
-    for (int k = 0; k < kAcc / 2 - 1; ++k) {
-      const int64_t w = ((int64_t{blockIdx.x} * kWg + wg) * (kAcc / 2 - 1) + k) * 128 + tid % 128;
-      const uint32_t v =
-          float_to_bf16(acc[2 * k]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * k + 1])) << 16);
-      if (store && w < limit) words[w] = v;
-    }
-  } else if (kTok && p.epilogue == 3) {
-    // Token-major 8-byte chunks (variant): the pairs below (pv[h][c]: columns 8 c + 2 q + p0,
-    // + 1 of token row0 + 8 h; p0 = 1 where the tokens' outputs start on an odd element) joined
-    // two by two into 8-byte aligned chunks: where pair 4 c + q starts one (jb = 0: q even),
-    // lanes q and q ^ 1 trade one pair so that the even lane stores token h = 0's chunk and the
-    // odd lane token h = 1's; else (jb = 1) lanes 1 / 2 and 3 / 0 (lane 0 with its next c) do,
-    // the odd lane storing h = 0, and lane 0's first pairs stay alone.
-    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
-    const uintptr_t a = (reinterpret_cast<uintptr_t>(p.out + r_begin) >> 1) & 3u;  // (ldo % 8 == 0)
-    const int p0 = static_cast<int>(a & 1u);
-    const bool jb = ((a + p0) & 3u) != 0;
-    uint32_t pv[2][kAcc / 4 + 1];
-    uint16_t head[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
-#pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c) {
-        x0[c] = float_to_bf16(acc[4 * c + 2 * h]);
-        x1[c] = float_to_bf16(acc[4 * c + 2 * h + 1]);
-      }
-      x0[kAcc / 4] = 0;
-#pragma unroll
-      for (int c = 0; c <= kAcc / 4; ++c)
-        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
-#pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c) {
-        const uint16_t lo = p0 ? x1[c] : x0[c];
-        const uint16_t hi = p0 ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-        pv[h][c] = lo | (static_cast<uint32_t>(hi) << 16);
-      }
-      pv[h][kAcc / 4] = 0;
-      head[h] = x0[0];
-    }
-    const int partner = !jb ? (lane ^ 1) : (lane & ~3) | ((q & 1) ? ((q + 1) & 3) : ((q + 3) & 3));
-    // The chunk a lane stores: token h = odd lane ^ jb ... (see above), first column col.
-    const int hs = jb ? ((q & 1) ? 0 : 1) : (q & 1);
-    const int m = row0 + 8 * hs;
-    uint16_t* dst = p.out + m * p.ldo + r_begin;
-#pragma unroll
-    for (int c = 0; c < kAcc / 4; ++c) {
-      uint32_t send, lo, hi;
-      int col;
-      if (!jb) {
-        send = (q & 1) ? pv[0][c] : pv[1][c];
-      } else {
-        send = (q & 1) ? pv[1][c] : pv[0][c + (q == 0 ? 1 : 0)];
-      }
-      const uint32_t recv = __shfl_sync(0xffffffffu, send, partner);
-      if (!jb) {
-        lo = (q & 1) ? recv : pv[0][c];
-        hi = (q & 1) ? pv[1][c] : recv;
-        col = 8 * c + 2 * (q & ~1) + p0;
-      } else {
-        lo = (q & 1) ? pv[0][c] : recv;
-        hi = (q & 1) ? recv : pv[1][c + (q == 0 ? 1 : 0)];
-        col = 8 * c + 2 * ((q & 1) ? q : ((q + 3) & 3)) + p0;
-      }
-      if (store && m < p.m) {
-        if (col + 3 < rows) {
-          *reinterpret_cast<uint2*>(dst + col) = make_uint2(lo, hi);
-        } else if (col + 1 < rows) {
-          *reinterpret_cast<uint32_t*>(dst + col) = lo;
-          if (col + 2 < rows) dst[col + 2] = static_cast<uint16_t>(hi & 0xffffu);
-        } else if (col < rows) {
-          dst[col] = static_cast<uint16_t>(lo & 0xffffu);
-        }
-      }
-    }
-    if (q == 0) {  // lane 0: column 0 alone (odd starts); pair 0 alone (jb)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int mh = row0 + 8 * h;
-        uint16_t* d = p.out + mh * p.ldo + r_begin;
-        if (store && mh < p.m) {
-          if (p0 && rows > 0) d[0] = head[h];
-          if (jb && p0 + 1 < rows) {
-            *reinterpret_cast<uint32_t*>(d + p0) = pv[h][0];
-          } else if (jb && p0 < rows) {
-            d[p0] = static_cast<uint16_t>(pv[h][0] & 0xffffu);
-          }
-        }
-      }
-    }
-  } else if constexpr (kTok) {
+  if constexpr (kTok) {
     // A quad (lanes 4 t ... 4 t + 3) holds columns 8 c + 2 q + {0, 1} (weight rows of the CTA) of
     // tokens row0 and row0 + 8: a pair per lane and c; where a token's outputs start on an odd
     // element, each lane pairs its odd column with the next lane's even one (a shuffle; lane 3
@@ -679,64 +583,17 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
       if (store && m < p.m) {
-        if (odd && q == 0 && rows > 0) dst[0] = x0[0];
+        if (odd && q == 0 && rows > 0) store_out(p.store_hint, dst, x0[0]);
 #pragma unroll
         for (int c = 0; c < kAcc / 4; ++c) {
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
           if (col + 1 < rows) {
-            *reinterpret_cast<uint32_t*>(dst + col) = lo | (static_cast<uint32_t>(hi) << 16);
+            store_out_pair(p.store_hint, dst + col, lo | (static_cast<uint32_t>(hi) << 16));
           } else if (col < rows) {
-            dst[col] = lo;
+            store_out(p.store_hint, dst + col, lo);
           }
-        }
-      }
-    }
-  } else if (p.epilogue == 1) {
-    // Swap-AB pairs (variant): the thread holds weight rows t and t + 8 (t = lane / 4, of the
-    // warp's 16) of tokens 8 c + 2 q + e. For each (c, e), where row t starts a pair (its
-    // output element is 4-byte aligned) the lane stores rows (t, t + 1) (row t + 1 from lane t +
-    // 1; t = 7: row 8, lane 0's second row); a lane whose row t ends a pair stores rows (t + 7,
-    // t + 8) (row t + 7 from lane t - 1); the warp's rows 0 and 15 without a partner in the warp
-    // (odd starts) go alone.
-    const int t = lane / 4;
-    const int up = (lane + 4) % 32, down = (lane + 28) % 32;
-#pragma unroll
-    for (int c = 0; c < kAcc / 4; ++c) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const uint16_t a0 = float_to_bf16(acc[4 * c + e]);
-        const uint16_t a1 = float_to_bf16(acc[4 * c + 2 + e]);
-        const uint16_t up0 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a0, up));
-        const uint16_t up1 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a1, up));
-        const uint16_t dn1 = static_cast<uint16_t>(__shfl_sync(0xffffffffu, a1, down));
-        const int m = m0 + 8 * c + e;
-        uint16_t* dst = p.out + m * p.ldo + r_begin + 16 * warp;  // the warp's row 0
-        const bool start = ((((reinterpret_cast<uintptr_t>(dst) >> 1) + t) & 1u) == 0);
-        const int limit = rows - 16 * warp;  // the warp's rows below the CTA's count
-        if (store && m < p.m) {
-          int r0;
-          uint16_t lo, hi;
-          if (start) {
-            r0 = t;
-            lo = a0;
-            hi = t < 7 ? up0 : up1;
-          } else if (t > 0) {
-            r0 = t + 7;
-            lo = dn1;
-            hi = a1;
-          } else {
-            r0 = -1;  // row 0 alone (below)
-            lo = hi = 0;
-          }
-          if (r0 >= 0 && r0 + 1 < limit) {
-            *reinterpret_cast<uint32_t*>(dst + r0) = lo | (static_cast<uint32_t>(hi) << 16);
-          } else if (r0 >= 0 && r0 < limit) {
-            dst[r0] = lo;
-          }
-          if (!start && t == 0 && 0 < limit) dst[0] = a0;   // odd start: row 0 alone
-          if (start && t == 7 && 15 < limit) dst[15] = a1;  // odd start: row 15 alone
         }
       }
     }
@@ -744,8 +601,9 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
     for (int j = 0; j < kAcc; ++j) {
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-      if (store && m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+      const int m = col, r = row;  // token, weight row of the CTA
+      if (store && m < p.m && r < rows)
+        store_out(p.store_hint, p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)

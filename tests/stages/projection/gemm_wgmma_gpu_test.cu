@@ -80,8 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  int epilogue = 0;         // GemmWgmmaOptions::row_epilogue
-  int prefetch = 0;         // GemmWgmmaOptions::row_prefetch_stages
+  int store_hint = 0;       // GemmWgmmaOptions::row_store_hint
 };
 
 std::string describe(const Case& c) {
@@ -94,7 +93,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " epilogue " + std::to_string(c.epilogue) + " prefetch " + std::to_string(c.prefetch);
+         " store hint " + std::to_string(c.store_hint);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -110,8 +109,7 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_epilogue = c.epilogue;
-  o.row_prefetch_stages = c.prefetch;
+  o.row_store_hint = c.store_hint;
   return o;
 }
 
@@ -313,38 +311,18 @@ std::vector<Case> exact_cases() {
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
         Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        // Row split outputs as 4-byte pairs at M <= 32 (row_epilogue 1, session 22; M > 32
-        // always): fused width (CTAs starting on odd and even rows, warps' rows 0 / 15 alone),
-        // one to three rows per CTA (N 640), padded / 16-byte aligned outputs, row-major
-        // activation scales, PDL, two warpgroups per CTA, an image for 251 CTAs, every n.
-        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{17, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{16, 9856, 640, 16, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{13, 640, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{24, 9856, 1152, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{29, 9856, 640, 0, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 1},
-        Case{8, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
-        // The token-major pairs at odd starts and padded outputs (M > 32; session 22).
+        // Token-major outputs as bf16 pairs (session 22): CTAs starting on odd rows, padded and
+        // 16-byte aligned outputs, one to three rows per CTA, two warpgroups per CTA, PDL.
         Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
-        // Row split with each stage's weights some stages ahead prefetched into L2
-        // (row_prefetch_stages, session 22): PDL or not, every n, further than the K has
-        // (clipped), two warpgroups per CTA.
-        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 8},
-        Case{64, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
-        Case{1, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 16},
-        Case{16, 9856, 6144, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 0, 4},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 6},
-        Case{24, 6144, 8192, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 0, 3},
-        // Token-major outputs as 8-byte chunks (row_epilogue 3, session 22): fused width (CTAs
-        // starting at every alignment mod 4), padded / 16-byte aligned outputs, one to three rows
-        // per CTA, two warpgroups per CTA, PDL, an image for 251 CTAs.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
-        Case{33, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 3},
-        Case{57, 640, 2048, 16, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
-        Case{48, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
-        Case{40, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, 3}};
+        Case{64, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        // Output store hints (row_store_hint 1 / 2 / 3, session 22): both forms.
+        Case{64, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
+        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
+        Case{40, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{1, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{57, 640, 2048, 16, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
+        Case{16, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3}};
   // clang-format on
 }
 
@@ -837,21 +815,19 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// Row split outputs as 4-byte pairs (row_epilogue 1 at M <= 32; always above) or 8-byte chunks
-// (row_epilogue 3, M > 32): small shapes for
-// compute-sanitizer (memcheck / racecheck), both CTA shapes, every n, padded outputs, rings
-// reused (K 4096), exact against the twin.
+// Row split, token-major outputs as bf16 pairs (session 22) and every store hint: small shapes for
+// compute-sanitizer (memcheck / racecheck), both CTA shapes, padded outputs, rings reused (K
+// 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   M3_REQUIRE_WGMMA();
   for (int ctas : {0, 1}) {
-    for (int64_t m : {1, 9, 17, 33, 64, -33, -64}) {  // (negative: 8-byte chunks, row_epilogue 3)
+    for (int64_t m : {1, 17, 33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
       Rng rng(seed);
-      Case c{m < 0 ? -m : m, 640, 4096,  8, 0,     false, ctas,  4,   0,
-             true,           0,   false, 1, false, 0,     false, true};
-      c.epilogue = m < 0 ? 3 : 1;
+      Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
+      c.store_hint = static_cast<int>(m % 4);
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

@@ -395,8 +395,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // ctas_per_sm = 1: one CTA of two consumer warpgroups per SM (the same image; one ring and one
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
-    M3_CHECK_ARG(options.row_store_hint >= 0 && options.row_store_hint <= 3,
-                 "GemmWgmmaOptions::row_store_hint = ", options.row_store_hint, " must be 0 ... 3");
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
@@ -411,7 +409,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    ra.store_hint = options.row_store_hint;
     ra.trace = options.debug_trace;
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);

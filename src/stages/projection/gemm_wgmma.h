@@ -134,9 +134,6 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Variant (session 22, the row split's output stores): 0 plain st.global, 1 .L1::no_allocate,
-  // 2 .cs (streaming), 3 .cg (cached in L2 only). Same bits.
-  int row_store_hint = 0;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without

@@ -159,7 +159,6 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
-  int store_hint;  // GemmWgmmaOptions::row_store_hint (session 22 variant): 0 plain stores
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -197,29 +196,15 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
          int64_t{q} * rows * 128;
 }
 
-// The epilogue's output stores with RowsArgs::store_hint (session 22 variant): 0 plain st.global,
-// 1 .L1::no_allocate, 2 .cs (streaming), 3 .cg (L2 only).
-__device__ __forceinline__ void store_out(int hint, uint16_t* p, uint16_t v) {
-  if (hint == 1) {
-    asm volatile("st.global.L1::no_allocate.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
-  } else if (hint == 2) {
-    asm volatile("st.global.cs.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
-  } else if (hint == 3) {
-    asm volatile("st.global.cg.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
-  } else {
-    *p = v;
-  }
+// The epilogue's output stores, without allocating in L1 (session 22 round F, same round, b2b
+// us, against plain st.global: fused M 32 17.68-17.72 vs 17.97-18.04, chained 17.59-17.61 vs
+// 17.88-17.94; M 64 19.89-19.96 vs 20.02-20.06, chained 19.02 vs 19.14-19.15; .cs 17.77-17.97 /
+// 19.95 at M 32 / 64, .cg no faster than plain).
+__device__ __forceinline__ void store_out(uint16_t* p, uint16_t v) {
+  asm volatile("st.global.L1::no_allocate.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
 }
-__device__ __forceinline__ void store_out_pair(int hint, uint16_t* p, uint32_t v) {
-  if (hint == 1) {
-    asm volatile("st.global.L1::no_allocate.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-  } else if (hint == 2) {
-    asm volatile("st.global.cs.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-  } else if (hint == 3) {
-    asm volatile("st.global.cg.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-  } else {
-    *reinterpret_cast<uint32_t*>(p) = v;
-  }
+__device__ __forceinline__ void store_out_pair(uint16_t* p, uint32_t v) {
+  asm volatile("st.global.L1::no_allocate.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
 
 template <int kPending>
@@ -549,17 +534,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   }
 
   // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
-  // (4-byte stores), swap-AB each value alone. (Session 22, same rounds, b2b us, fused M 64 /
-  // chained: round D pairs 19.62-19.67 / 18.44-18.48 against 2-byte stores 20.86-21.08 /
-  // 19.84-19.87; the kernel without any stores 18.61-18.64 / 17.52-17.55, with as many bytes
-  // written as whole 128-byte lines (a diagnostic) 18.76-18.85 / 17.72-17.78: the outputs' pattern
-  // costs, not their bytes. Lost and deleted: the outputs through the drained ring, one warp store
-  // of 4-byte pairs per token (round D: M 64 21.26, M 32 18.15-18.32 vs 17.28-17.35, M 16 17.83
-  // vs 17.25); round E: the pairs joined into 8-byte aligned chunks (M 64 21.37 vs 20.26-20.34,
-  // chained 20.49-20.53 vs 19.37-19.42), swap-AB pairs across lanes (M 32 18.60-18.71 vs
-  // 17.93-18.03, M 16 17.58-17.60 vs 17.10-17.24).)
-  // (kNoStores: a condition never true (M <= 64) that the compiler cannot fold, so that kDiag 4
-  // keeps every wgmma and fold.)
+  // (4-byte stores), swap-AB each value alone (store_out: not allocated in L1). (Session 22, same
+  // rounds, b2b us, fused M 64 / chained: round D pairs 19.62-19.67 / 18.44-18.48 against 2-byte
+  // stores 20.86-21.08 / 19.84-19.87; the kernel without any stores 18.61-18.64 / 17.52-17.55, with
+  // as many bytes written as whole 128-byte lines (a diagnostic) 18.76-18.85 / 17.72-17.78: the
+  // outputs' pattern costs, not their bytes. Lost and deleted: the outputs through the drained
+  // ring, one warp store of 4-byte pairs per token (round D: M 64 21.26, M 32 18.15-18.32
+  // vs 17.28-17.35, M 16 17.83 vs 17.25); round E: the pairs joined into 8-byte aligned chunks (M
+  // 64 21.37 vs 20.26-20.34, chained 20.49-20.53 vs 19.37-19.42), swap-AB pairs across lanes (M
+  // 32 18.60-18.71 vs 17.93-18.03, M 16 17.58-17.60 vs 17.10-17.24).) (kNoStores: a condition never
+  // true (M <= 64) that the compiler cannot fold, so that kDiag 4 keeps every wgmma and fold.)
   const bool store = kNoStores ? p.m > 64 : true;
   if constexpr (kTok) {
     // A quad (lanes 4 t ... 4 t + 3) holds columns 8 c + 2 q + {0, 1} (weight rows of the CTA) of
@@ -583,16 +567,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
       if (store && m < p.m) {
-        if (odd && q == 0 && rows > 0) store_out(p.store_hint, dst, x0[0]);
+        if (odd && q == 0 && rows > 0) store_out(dst, x0[0]);
 #pragma unroll
         for (int c = 0; c < kAcc / 4; ++c) {
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
           if (col + 1 < rows) {
-            store_out_pair(p.store_hint, dst + col, lo | (static_cast<uint32_t>(hi) << 16));
+            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
           } else if (col < rows) {
-            store_out(p.store_hint, dst + col, lo);
+            store_out(dst + col, lo);
           }
         }
       }
@@ -603,7 +587,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
       const int m = col, r = row;  // token, weight row of the CTA
       if (store && m < p.m && r < rows)
-        store_out(p.store_hint, p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
+        store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)

@@ -80,7 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  int store_hint = 0;       // GemmWgmmaOptions::row_store_hint
 };
 
 std::string describe(const Case& c) {
@@ -92,8 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " store hint " + std::to_string(c.store_hint);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -109,7 +107,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_store_hint = c.store_hint;
   return o;
 }
 
@@ -315,14 +312,7 @@ std::vector<Case> exact_cases() {
         // 16-byte aligned outputs, one to three rows per CTA, two warpgroups per CTA, PDL.
         Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
-        Case{64, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        // Output store hints (row_store_hint 1 / 2 / 3, session 22): both forms.
-        Case{64, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 1},
-        Case{32, 9856, 1152, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, 1},
-        Case{40, 9856, 640, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{1, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{57, 640, 2048, 16, 0, true, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3},
-        Case{16, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 3}};
+        Case{64, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0}};
   // clang-format on
 }
 
@@ -815,7 +805,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// Row split, token-major outputs as bf16 pairs (session 22) and every store hint: small shapes for
+// Row split, token-major outputs as bf16 pairs (session 22): small shapes for
 // compute-sanitizer (memcheck / racecheck), both CTA shapes, padded outputs, rings reused (K
 // 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
@@ -827,7 +817,6 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
       SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
       Rng rng(seed);
       Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
-      c.store_hint = static_cast<int>(m % 4);
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

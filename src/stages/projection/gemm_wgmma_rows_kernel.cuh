@@ -268,7 +268,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kPre = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;                                // the token-major form (above)
@@ -487,10 +487,33 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
   // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
   // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
+  // kPre (GemmWgmmaOptions::row_early_scales, session 22 variant): K block q's scales are read
+  // from shared memory before its wgmma wait, so that their latency runs under the wgmmas instead
+  // of after them (the wait's memory clobber keeps the compiler from hoisting them).
+  constexpr int kPreN = kTok ? 4 : 2 + kNw / 4;
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
+      [[maybe_unused]] float pre[kPreN];
+      if constexpr (kPre) {
+        // (Clamped past the last K block: the loads stay inside the staged scales.)
+        const int kb = i * kKpb + q < kb_count ? i * kKpb + q : kb_count - 1;
+        const float* sa = s_sa + kb * kNw;
+        if constexpr (kTok) {
+          pre[0] = s_sb[2 * kb];
+          pre[1] = s_sb[2 * kb + 1];
+          pre[2] = sa[row0];
+          pre[3] = sa[row0 + 8];
+        } else {
+          pre[0] = s_sb[2 * kb + h0];
+          pre[1] = s_sb[2 * kb + h1];
+#pragma unroll
+          for (int c = 0; c < kNw / 8; ++c)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) pre[2 + 2 * c + e] = sa[m0 + 8 * c + e];
+        }
+      }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
       if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
@@ -502,8 +525,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
           // Two tokens x two weight-scale blocks: four products per K block.
-          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
-          const float t0 = sa[row0], t1 = sa[row0 + 8];
+          float sb0, sb1, t0, t1;
+          if constexpr (kPre) {
+            sb0 = pre[0];
+            sb1 = pre[1];
+            t0 = pre[2];
+            t1 = pre[3];
+          } else {
+            sb0 = s_sb[2 * kb];
+            sb1 = s_sb[2 * kb + 1];
+            t0 = sa[row0];
+            t1 = sa[row0 + 8];
+          }
           const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
@@ -513,11 +546,24 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
           }
         } else {
-          const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
+          float sb0, sb1;
+          if constexpr (kPre) {
+            sb0 = pre[0];
+            sb1 = pre[1];
+          } else {
+            sb0 = s_sb[2 * kb + h0];
+            sb1 = s_sb[2 * kb + h1];
+          }
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+            float a;
+            if constexpr (kPre) {
+              a = pre[2 + 2 * (j / 4) + j % 2];
+            } else {
+              a = sa[m];
+            }
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * a, acc[j]);
           }
         }
       }

@@ -393,7 +393,6 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool early_scales = false;    // GemmWgmmaOptions::row_early_scales
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -468,8 +467,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
   // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
-  // session 22); 23 / 24 / 25: the same chained; 26 / 27: the row split with each K block's scales
-  // read before its wgmma wait (GemmWgmmaOptions::row_early_scales), plain / chained. (Session 22
+  // session 22); 23 / 24 / 25: the same chained. (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
   // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -477,7 +475,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // token-major form's 4-byte pairs became its epilogue (round D: M 64 19.6 vs 21.0); round E:
   // those pairs as 8-byte chunks (M 64 21.4 vs 20.3), swap-AB pairs (M 32 18.6-18.7 vs 17.9-18.0),
   // each stage's weights 4 / 8 stages ahead prefetched into L2 (M 32 20.1 / 21.9 vs 18.0, chained M
-  // 1 17.1-17.7 vs 15.3), 1 K block per stage chained (round D: M 64 24.1 vs 20.0).) (Session 21
+  // 1 17.1-17.7 vs 15.3), 1 K block per stage chained (round D: M 64 24.1 vs 20.0); round F: the
+  // output stores' L1 no-allocate hint became the kernel's, .cs / .cg lost; round G: each K
+  // block's scales read before its wgmma wait became n 8's, slower at n 16-64.) (Session 21
   // also timed and removed: the diagnostic with each ring slot's activations loaded once (round A:
   // M 32 slower, M 64 0.5 us faster); the wide form, one CTA of 74-75 rows per SM with m64n80
   // wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the activations in their own ring of one-K-block
@@ -521,9 +521,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 5},
                                    {0, false, 16, 0, false, true, 0, true, false, 3},
                                    {0, false, 16, 0, false, true, 0, true, false, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 5},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, true}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 5}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -771,7 +769,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.row_early_scales = variants[v].early_scales;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -793,7 +790,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
-          (variants[v].early_scales ? " early scales" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),

@@ -163,14 +163,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kPre = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kPre>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -201,10 +201,9 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
-// diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage); `pre` (the
-// variant GemmWgmmaOptions::row_early_scales: one warpgroup, the default K blocks per stage).
+// diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool pre, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
@@ -216,8 +215,6 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool pre, const CUtenso
     if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
-  if (pre && kpb == 0)
-    return launch_rows<kNw, kDefault, 1, 0, true>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
   if (kpb == 1) return launch_rows<kNw, 1, 1>(xmap, args, grid, info, stream);
   if (kpb == 2) return launch_rows<kNw, 2, 1>(xmap, args, grid, info, stream);
@@ -413,17 +410,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
-    if (m <= 8)
-      return dispatch_rows_kpb<8>(kpb, two_wg, diag, options.row_early_scales, xmap, ra, rgrid,
-                                  info, stream);
-    if (m <= 16)
-      return dispatch_rows_kpb<16>(kpb, two_wg, 0, options.row_early_scales, xmap, ra, rgrid, info,
-                                   stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, diag, options.row_early_scales, xmap, ra, rgrid,
-                                   info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, diag, options.row_early_scales, xmap, ra, rgrid, info,
-                                 stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

@@ -134,9 +134,6 @@ struct GemmWgmmaOptions {
   // its own words (gemm_wgmma_rows_kernel.cuh, kRowsTraceWords: entry, first / middle / last
   // stage full, last fold, epilogue done). Results are unchanged.
   unsigned long long* debug_trace = nullptr;
-  // Variant (session 22, the row split with two CTAs per SM and the default K blocks per stage):
-  // each K block's scales read from shared memory before waiting for its wgmmas. Same bits.
-  bool row_early_scales = false;
   // Benchmark diagnostics (projection_bench variants; results WRONG): the row split (one warpgroup
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without

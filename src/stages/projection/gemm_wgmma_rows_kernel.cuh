@@ -268,7 +268,7 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kPre = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;                                // the token-major form (above)
@@ -487,9 +487,14 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
   // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
   // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
-  // kPre (GemmWgmmaOptions::row_early_scales, session 22 variant): K block q's scales are read
-  // from shared memory before its wgmma wait, so that their latency runs under the wgmmas instead
-  // of after them (the wait's memory clobber keeps the compiler from hoisting them).
+  // kPre (n = 8, session 22): K block q's scales are read from shared memory before its wgmma
+  // wait, so that their latency runs under the wgmmas instead of after them (the wait's memory
+  // clobber keeps the compiler from hoisting them). Round G, same round, b2b us: o_proj M 1
+  // 16.09 vs 16.28-16.34, chained 14.52-14.61 vs 14.65-14.75; fused M 1 17.42-17.44 vs
+  // 17.47-17.48, chained 15.32-15.43 vs 15.40-15.42; slower at n 16 / 32 / 64 (o_proj M 16
+  // 16.28-16.31 vs 15.73-15.75; fused M 32 17.65-17.82 vs 17.35-17.48, M 64 19.77-19.83 vs
+  // 19.55-19.61, chained 18.77-18.80 vs 18.50-18.53).
+  constexpr bool kPre = kNw == 8;
   constexpr int kPreN = kTok ? 4 : 2 + kNw / 4;
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;

@@ -80,7 +80,6 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool early_scales = false;  // GemmWgmmaOptions::row_early_scales
 };
 
 std::string describe(const Case& c) {
@@ -92,8 +91,7 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " early scales " + std::to_string(c.early_scales);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -109,7 +107,6 @@ GemmWgmmaOptions options_of(const Case& c) {
   o.max_waves = c.waves;
   o.owner_fixup = c.owner;
   o.cluster_split = c.cluster;
-  o.row_early_scales = c.early_scales;
   return o;
 }
 
@@ -316,17 +313,11 @@ std::vector<Case> exact_cases() {
         Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
         Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{64, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        // Each K block's scales read before its wgmma wait (row_early_scales, session 22): every
-        // n, fused width, partial stages (K blocks 9, 5), K 8192, padded outputs, row-major
-        // activation scales, PDL, an image for 251 CTAs; two warpgroups per CTA ignore it.
-        Case{1, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{16, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{32, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{24, 9856, 640, 16, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251, true},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{57, 6144, 8192, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{40, 9856, 1152, 0, 0, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{33, 640, 2048, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true}};
+        // n 8 reads each K block's scales before its wgmma wait (session 22): M 1-8, fused and
+        // o_proj widths, partial stages (K blocks 9), K 8192, padded outputs, PDL, 251 CTAs.
+        Case{8, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        Case{1, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
+        Case{5, 9856, 6144, 16, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0}};
   // clang-format on
 }
 
@@ -819,20 +810,18 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
   }
 }
 
-// Row split, token-major outputs as bf16 pairs and early scales (session 22): small shapes for
+// Row split, token-major outputs as bf16 pairs (session 22): small shapes for
 // compute-sanitizer (memcheck / racecheck), both CTA shapes, padded outputs, rings reused (K
 // 4096), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   M3_REQUIRE_WGMMA();
-  for (int form : {0, 1, 2}) {  // two CTAs per SM, one CTA of two warpgroups, early scales
-    const int ctas = form == 1 ? 1 : 0;
+  for (int ctas : {0, 1}) {  // two CTAs of one warpgroup per SM, one CTA of two
     for (int64_t m : {1, 17, 33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " form " << form);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
       Rng rng(seed);
       Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
-      c.early_scales = form == 2;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

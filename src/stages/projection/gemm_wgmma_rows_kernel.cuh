@@ -39,7 +39,8 @@
 // block.) (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0),
 // and a non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
-// the CTA's count, m < M).
+// the CTA's count, m < M) without allocating them in L1, as bf16 pairs in the token-major form
+// (session 22: see the epilogue).
 //
 // Lost (session 21 round B, same round, b2b us, deleted): a wide form — an image of one CTA per
 // SM (74-75 rows for N 9856), one CTA of one consumer warpgroup per SM, token-major m64n80k32 at
@@ -62,8 +63,9 @@
 // Lost as well (session 21 round F, deleted): a staged epilogue (each warpgroup's [token][row]
 // outputs through the drained ring, then one warp store of 4-byte pairs per token): fused M 1 /
 // 16 / 32 17.54-17.60 / 17.64-17.65 / 18.03-18.17 us b2b against 17.37-17.46 / 17.19-17.23 /
-// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36): the scattered 2-byte stores are not
-// what M 64's last stage -> exit (~2 us) waits for.
+// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36). (Session 22 measured the stores
+// themselves at 2.4 us of M 64's 21.1 (the kernel without them 18.6) and found a pattern that
+// costs less: the token-major bf16 pairs of the epilogue below.)
 //
 // Lost (session 22 rounds B-C, same round, b2b us, deleted): for two warpgroups per CTA, issuing
 // each stage's wgmmas in turns (named barriers; one folds while the other's run): fused M 1 / 16
@@ -494,8 +496,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // 17.47-17.48, chained 15.32-15.43 vs 15.40-15.42; slower at n 16 / 32 / 64 (o_proj M 16
   // 16.28-16.31 vs 15.73-15.75; fused M 32 17.65-17.82 vs 17.35-17.48, M 64 19.77-19.83 vs
   // 19.55-19.61, chained 18.77-18.80 vs 18.50-18.53).
-  constexpr bool kPre = kNw == 8;
-  constexpr int kPreN = kTok ? 4 : 2 + kNw / 4;
+  constexpr bool kPre = kNw == 8;  // (swap-AB)
+  constexpr int kPreN = 2 + kNw / 4;
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll
@@ -505,19 +507,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         // (Clamped past the last K block: the loads stay inside the staged scales.)
         const int kb = i * kKpb + q < kb_count ? i * kKpb + q : kb_count - 1;
         const float* sa = s_sa + kb * kNw;
-        if constexpr (kTok) {
-          pre[0] = s_sb[2 * kb];
-          pre[1] = s_sb[2 * kb + 1];
-          pre[2] = sa[row0];
-          pre[3] = sa[row0 + 8];
-        } else {
-          pre[0] = s_sb[2 * kb + h0];
-          pre[1] = s_sb[2 * kb + h1];
+        pre[0] = s_sb[2 * kb + h0];
+        pre[1] = s_sb[2 * kb + h1];
 #pragma unroll
-          for (int c = 0; c < kNw / 8; ++c)
+        for (int c = 0; c < kNw / 8; ++c)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) pre[2 + 2 * c + e] = sa[m0 + 8 * c + e];
-        }
+          for (int e = 0; e < 2; ++e) pre[2 + 2 * c + e] = sa[m0 + 8 * c + e];
       }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
@@ -530,18 +525,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
           // Two tokens x two weight-scale blocks: four products per K block.
-          float sb0, sb1, t0, t1;
-          if constexpr (kPre) {
-            sb0 = pre[0];
-            sb1 = pre[1];
-            t0 = pre[2];
-            t1 = pre[3];
-          } else {
-            sb0 = s_sb[2 * kb];
-            sb1 = s_sb[2 * kb + 1];
-            t0 = sa[row0];
-            t1 = sa[row0 + 8];
-          }
+          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
+          const float t0 = sa[row0], t1 = sa[row0 + 8];
           const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {

@@ -187,6 +187,80 @@ __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __re
   }
 }
 
+// --ceiling, diagnostics for issue #5's dynamic work assignment (session 22): read_paged with the
+// pages taken from a global counter instead of dealt statically. Every warp takes flattened
+// page-table entries (request-major: entry e = block e % max_pages of request e / max_pages) from
+// ctl[0] by one atomicAdd each, two entries ahead (the atomic and the page-table load each have
+// one page's time to return). kSignal: also what a dynamic indexer must do per block: lanes 0-3
+// store a word to `scratch` (the block maxima), then the warp fences (__threadfence) and lane 0
+// increments the request's done counter ctl[2 + r]; the signal of page e is given after the
+// first half of page e + 1's loads are issued (as the indexer's ring keeps tiles in flight). The
+// warp that exits last (ctl[1] counts them) resets ctl[0], ctl[1] and the done counters, so
+// every call starts from zero (ctl is zeroed once at allocation).
+template <bool kSignal>
+__global__ void read_paged_dyn(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
+                               int64_t entries, int max_pages, int* sink, unsigned* ctl,
+                               int* scratch) {
+  const int lane = threadIdx.x & 31;
+  const unsigned warps = gridDim.x * (blockDim.x >> 5);
+  const auto take = [&]() {
+    unsigned v = 0;
+    if (lane == 0) v = atomicAdd(ctl, 1u);
+    return v;
+  };
+  int64_t e = __shfl_sync(0xffffffffu, take(), 0);
+  int64_t e1 = __shfl_sync(0xffffffffu, take(), 0);
+  int32_t pg = e < entries ? __ldg(table + e) : 0;
+  int32_t pg1 = e1 < entries ? __ldg(table + e1) : 0;
+  int acc = 0;
+  int64_t prev = -1;
+  while (e < entries) {
+    const unsigned raw2 = take();  // lane 0: the entry after e1
+    const int4* src = reinterpret_cast<const int4*>(pool + int64_t{pg} * kPageBytes) + lane;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      int4 v[16];
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                     : "l"(src + (h * 16 + u) * 32));
+      }
+      if (kSignal && h == 0 && prev >= 0) {
+        if (lane < 4) scratch[prev * 4 + lane] = acc;
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) atomicAdd(ctl + 2 + prev / max_pages, 1u);
+      }
+#pragma unroll
+      for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+    }
+    prev = e;
+    e = e1;
+    pg = pg1;
+    e1 = __shfl_sync(0xffffffffu, raw2, 0);
+    pg1 = e1 < entries ? __ldg(table + e1) : 0;
+  }
+  if (kSignal && prev >= 0) {
+    if (lane < 4) scratch[prev * 4 + lane] = acc;
+    __threadfence();
+    __syncwarp();
+    if (lane == 0) atomicAdd(ctl + 2 + prev / max_pages, 1u);
+  }
+  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
+  if (lane == 0) {
+    __threadfence();
+    if (atomicAdd(ctl + 1, 1u) == warps - 1) {
+      const int64_t requests = entries / max_pages;
+      if (kSignal)
+        for (int64_t r = 0; r < requests; ++r) ctl[2 + r] = 0;
+      ctl[0] = 0;
+      ctl[1] = 0;
+      __threadfence();
+    }
+  }
+}
+
 uint64_t integer_codes() {
   uint64_t codes = 0;
   for (int v = -3; v <= 3; ++v)
@@ -949,6 +1023,10 @@ int main(int argc, char** argv) {
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sm count");
     int* sink = static_cast<int*>(device_alloc(size_t{64} * 1024 * 4));
+    // read_paged_dyn's counters (zeroed once; every call leaves them zero) and its stores.
+    unsigned* dyn_ctl = static_cast<unsigned*>(device_alloc(size_t{4} * (2 + 4096)));
+    check_cuda(cudaMemset(dyn_ctl, 0, size_t{4} * (2 + 4096)), "dyn ctl");
+    int* dyn_scratch = static_cast<int*>(device_alloc(size_t{4} * 4 * (size_t{1} << 20)));
     for (int draft : {0, 3}) {
       for (int ctx : contexts) {
         for (int batch : batches) {
@@ -984,7 +1062,33 @@ int main(int argc, char** argv) {
                 stream);
             if (tp.median_us < paged_best) paged_best = tp.median_us, paged_grid = k * sms;
           }
+          // Dynamic page assignment (read_paged_dyn), with and without the per-page signal, at
+          // the grid of the static paged read and at one and two 8-warp CTAs per SM.
+          double dyn_best[2] = {1e30, 1e30};
+          int dyn_grid[2] = {0, 0};
+          for (int sig = 0; sig < 2; ++sig)
+            for (int k : {1, 2, 4}) {
+              const bench::Timing td = bench::time_graph_cold(
+                  [&](cudaStream_t st) {
+                    const auto kern = sig ? read_paged_dyn<true> : read_paged_dyn<false>;
+                    kern<<<k * sms, 256, 0, st>>>(pool.data,
+                                                  static_cast<const int32_t*>(c.d_tables[0]),
+                                                  entries, c.max_pages, sink, dyn_ctl, dyn_scratch);
+                  },
+                  stream);
+              if (td.median_us < dyn_best[sig]) dyn_best[sig] = td.median_us, dyn_grid[sig] = k * sms;
+            }
           const int calls = std::max(8, 2 * c.copies);
+          bench::Timing db[2];
+          for (int sig = 0; sig < 2; ++sig)
+            db[sig] = bench::time_graph_back_to_back(
+                [&](cudaStream_t st, int copy) {
+                  const auto kern = sig ? read_paged_dyn<true> : read_paged_dyn<false>;
+                  kern<<<dyn_grid[sig], 256, 0, st>>>(
+                      pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries,
+                      c.max_pages, sink, dyn_ctl, dyn_scratch);
+                },
+                c.copies, stream, calls);
           const bench::Timing fb = bench::time_graph_back_to_back(
               [&](cudaStream_t st, int copy) {
                 bench::launch_plain_read(flat_src(copy), n16, flat_grid, 512, sink, st);
@@ -1006,13 +1110,18 @@ int main(int argc, char** argv) {
           row.add("read_b2b", fb.median_us, 1);
           row.add("paged_us", paged_best, 1);
           row.add("paged_b2b", pb.median_us, 1);
+          row.add("dyn_us", dyn_best[0], 1);
+          row.add("dyn_b2b", db[0].median_us, 1);
+          row.add("dynsig_us", dyn_best[1], 1);
+          row.add("dynsig_b2b", db[1].median_us, 1);
           row.add("read_%copy", pct_copy(c, flat_best), 1);
           row.add("read_b2b_%", pct_copy(c, fb.median_us), 1);
           row.add("paged_%copy", pct_copy(c, paged_best), 1);
           row.add("paged_b2b_%", pct_copy(c, pb.median_us), 1);
           row.add("idx/read", 100.0 * flat_best / tm.iso.median_us, 1);
           row.add("idx/read_b2b", 100.0 * fb.median_us / tm.b2b.median_us, 1);
-          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid));
+          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid) + "/" +
+                               std::to_string(dyn_grid[0]) + "/" + std::to_string(dyn_grid[1]));
           row.add("copies", std::to_string(c.copies));
           rows.push_back(row);
           free_case(c);
@@ -1020,6 +1129,8 @@ int main(int argc, char** argv) {
       }
     }
     cudaFree(sink);
+    cudaFree(dyn_ctl);
+    cudaFree(dyn_scratch);
     bench::print_rows(
         "indexer vs plain reads of the same index-K bytes (graph replay, cold L2; isolated and "
         "back to back; read = contiguous, paged = the case's pages via its page table; idx/read "

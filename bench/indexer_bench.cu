@@ -61,11 +61,13 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, dyn = IndexerCudaOptions::dynamic_decode
+//   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline), --dyn LAG (the default options with
+//   dynamic_decode, dynamic_lag LAG (0: automatic), e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -371,6 +373,8 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       TensorView::contiguous(c.d_tables[0], DType::kI32, {R, int64_t{c.max_pages}}, dev);
   c.p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
   c.ws = TensorView::contiguous(c.d_ws, DType::kF32, {static_cast<int64_t>(c.ws_bytes / 4)}, dev);
+  if (!indexer_workspace_init(c.ws, nullptr).ok()) std::exit(1);
+  check_cuda(cudaDeviceSynchronize(), "workspace init");
   return c;
 }
 
@@ -533,6 +537,9 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
   if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
+  if (pl.dyn_ctas > 0)
+    return "d dyn " + std::to_string(pl.dyn_ctas) + " r" + std::to_string(pl.dyn_rows) + " L" +
+           std::to_string(pl.dyn_lag) + " S" + std::to_string(pl.dyn_static);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -571,6 +578,7 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
+  int dyn_lag = -1;  // --dyn L: dynamic_decode with dynamic_lag L (0: automatic)
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -618,6 +626,8 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
+    else if (a == "--dyn" && i + 1 < argc)
+      dyn_lag = std::atoi(argv[++i]);
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -641,7 +651,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--dyn LAG] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -656,6 +666,10 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
+  if (dyn_lag >= 0) {
+    default_o.dynamic_decode = true;
+    default_o.dynamic_lag = dyn_lag;
+  }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -696,7 +710,9 @@ int main(int argc, char** argv) {
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
-    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
+    const int64_t units =
+        (c.T + 31) / 32 +
+        (pl.flat_ctas > 0 ? pl.flat_ctas : (pl.dyn_ctas > 0 ? pl.dyn_ctas : c.R));
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
@@ -1148,7 +1164,9 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},    {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
+                                {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o},
+                                {"dyn", default_o},     {"dyn12", default_o}, {"dyn50", default_o},
+                                {"dyns6", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1161,6 +1179,10 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
+    for (int i = 12; i <= 15; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
+    all[13].o.dynamic_lag = 12;
+    all[14].o.dynamic_lag = 50;
+    all[15].o.dynamic_static = 6;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

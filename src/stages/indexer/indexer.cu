@@ -13,6 +13,7 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_dynamic.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -127,6 +128,13 @@ int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
   return ceil_div(num_tokens * n_kv * max_pages * int64_t{sizeof(float)}, 16) * 16;
 }
 
+// The workspace: the control area, the f32 block scores, then (tagged_offset) the dynamic
+// decode's tagged block maxima, u64 [T * n_kv, max_pages] for max_pages <= kFusedMaxChunk.
+int64_t tagged_offset(int64_t num_tokens, int n_kv, int max_pages) {
+  return static_cast<int64_t>(kIndexerControlBytes) +
+         scores_bytes_aligned(num_tokens, n_kv, max_pages);
+}
+
 // The launch plan, from host-known values only (shapes, options, the SM count).
 struct Plan {
   bool mma = false;
@@ -136,7 +144,10 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
+  int64_t dyn_ctas = 0;   // dynamic decode: decode CTAs (grid.x = overflow + dyn_ctas, grid.y 1)
+  int64_t dyn_rows = 0, dyn_tasks = 0, dyn_lag = 0, dyn_static = 3;
 };
+
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   Plan pl;
@@ -267,6 +278,34 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.dec_chunk = max_pages;
     }
   }
+  // Dynamic decode (IndexerCudaOptions::dynamic_decode): one CTA of 4 warps per SM after the
+  // overflow tiles, where every CTA of the grid can be resident at once (a selection item may
+  // wait for any earlier item: indexer_kernel_dynamic.cuh): at most one overflow tile per SM
+  // beside the decode CTAs (two CTAs fit per SM). The ring scores the first 8 or 16 rows of a
+  // request (the rows of ceil(T / R) tokens: equal-length batches); rows beyond, from global
+  // memory. One selection item per guessed row; the lag: the requests whose stream items the
+  // warps' three-item pipelines hold.
+  if (pl.mma && o.dynamic_decode && T > 0 && max_pages <= ik::kFusedMaxChunk &&
+      pl.overflow <= sms) {
+    const int64_t tokens = std::clamp<int64_t>(ceil_div(T, R), 1, ik::kDecRows / p.n_kv);
+    const int64_t rows = tokens * p.n_kv;
+    const int64_t warps = int64_t{sms} * ik::kMmaWarps;
+    const int64_t items = R * (max_pages + rows);
+    if (items + 3 * warps < std::numeric_limits<int32_t>::max()) {
+      pl.fused = pl.single = false;
+      pl.flat_ctas = 0;
+      pl.dyn_ctas = sms;
+      pl.units = pl.overflow + sms;
+      pl.k_splits = 1;
+      pl.dec_chunk = max_pages;
+      pl.dyn_rows = rows <= 8 ? 8 : 16;
+      pl.dyn_tasks = rows;
+      pl.dyn_lag = std::min<int64_t>(
+          R, o.dynamic_lag > 0 ? o.dynamic_lag : ceil_div(3 * warps, max_pages));
+      // (S - 3) W <= items keeps the grab count exact (indexer_kernel_dynamic.cuh).
+      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static, 3, std::max<int64_t>(3, items / warps));
+    }
+  }
   return pl;
 }
 
@@ -306,7 +345,22 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
+  // Monotone in every argument (a workspace sized for a capacity serves every smaller call).
+  const int64_t tagged = num_tokens * n_kv * std::min<int64_t>(max_pages, ik::kFusedMaxChunk) * 8;
+  return static_cast<size_t>(tagged_offset(num_tokens, n_kv, max_pages) + tagged);
+}
+
+Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream) {
+  M3_CHECK_ARG(workspace.device.type == DeviceType::kCUDA,
+               "indexer_workspace_init needs a CUDA view, got ", workspace.device.to_string());
+  M3_RETURN_IF_ERROR(check_contiguous(workspace, "indexer workspace"));
+  const int64_t have = workspace.numel() * dtype_size(workspace.dtype);
+  M3_CHECK_ARG(have >= static_cast<int64_t>(kIndexerControlBytes), "indexer workspace holds ",
+               have, " bytes, less than its control area (", kIndexerControlBytes, ")");
+  M3_CHECK_ARG(workspace.data != nullptr && aligned16(workspace.data),
+               "indexer workspace must be 16-byte aligned, got address ", workspace.data);
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(workspace.data, 0, static_cast<size_t>(have), stream));
+  return Status::Ok();
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -323,6 +377,10 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.dyn_ctas = static_cast<int>(pl.dyn_ctas);
+  info.dyn_rows = static_cast<int>(pl.dyn_rows);
+  info.dyn_lag = static_cast<int>(pl.dyn_lag);
+  info.dyn_static = static_cast<int>(pl.dyn_static);
   return info;
 }
 
@@ -396,7 +454,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
-  a.scores = static_cast<float*>(workspace.data);
+  uint8_t* const ws = static_cast<uint8_t*>(workspace.data);
+  a.ctl = reinterpret_cast<unsigned*>(ws);
+  a.scores = reinterpret_cast<float*>(ws + kIndexerControlBytes);
+  a.tagged = reinterpret_cast<uint64_t*>(ws + tagged_offset(T, p.n_kv, max_pages));
+  a.dyn_warps = static_cast<int>(pl.dyn_ctas * ik::kMmaWarps);
+  a.dyn_tasks = static_cast<int>(std::max<int64_t>(pl.dyn_tasks, 1));
+  a.dyn_lag = static_cast<int>(pl.dyn_lag);
+  a.dyn_static = static_cast<int>(pl.dyn_static);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
@@ -430,6 +495,17 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
       return Status::Ok();
     };
+    if (pl.dyn_ctas > 0) {
+      // Dynamic decode: the scorer finishes every row (indexer_kernel_dynamic.cuh).
+      const auto dkernel =
+          pl.dyn_rows == 8 ? ik::score_dynamic_kernel<1> : ik::score_dynamic_kernel<2>;
+      size_t dsmem = 0;
+      M3_RETURN_IF_ERROR(prepare(dkernel, ik::kMmaSmemBytes, &dsmem));
+      M3_CUDA_RETURN_IF_ERROR(
+          launch_pdl(dkernel, grid, dim3(ik::kMmaThreads), dsmem, stream, pdl, a));
+      M3_CUDA_CHECK_LAUNCH();
+      return Status::Ok();
+    }
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;

@@ -72,6 +72,16 @@ struct KernelArgs {
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
+  // IndexerCudaOptions::dynamic_decode (indexer_kernel_dynamic.cuh): the decode warps (4 per CTA
+  // after the overflow tiles; 0: off), selection items per request, the lag in requests of the
+  // selection items behind the stream items, the workspace's control words and its tagged block
+  // maxima (u64 [T * n_kv, max_pages]: score bits, the call's tag in the high word).
+  int dyn_warps = 0;
+  int dyn_tasks = 1;
+  int dyn_lag = 0;
+  int dyn_static = 3;  // static item slots per warp before its first grab (>= 3)
+  unsigned* ctl = nullptr;
+  uint64_t* tagged = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K

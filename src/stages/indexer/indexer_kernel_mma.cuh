@@ -239,16 +239,14 @@ struct DecodeState {
 // waits; session 13 rounds A-B: single pass at 8K, draft 3, one CTA per request: 64 requests
 // 34.9 vs 40.0 us, 128: 46.4 vs 48.9; elsewhere equal or up to 2 % faster, never slower beyond
 // the run-to-run spread). NT >= 3 keeps one accumulator (registers).
+// The tile's work once lane (g, tig) holds its slices of key rows g (lo0, hi0) and g + 8 (lo1,
+// hi1) (see row_slice_f16): decode_compute_tile from the swizzled shared tile, the dynamic
+// decode's fallback (indexer_kernel_dynamic.cuh) from global memory.
 template <int NT>
-__device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
-                                                    int key0, bool mask, int g, int tig) {
-  const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
-  const uint8_t* r1 = r0 + 8 * kRowBytes;
-  const int sw = (g & 1) << 2;
-  const int c_lo = (tig ^ sw) << 4;
-  const int c_hi = ((tig + 4) ^ sw) << 4;
-  const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
-  const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
+__device__ __forceinline__ void decode_compute_slices(DecodeState<NT>& s, const uint4& lo0,
+                                                      const uint4& hi0, const uint4& lo1,
+                                                      const uint4& hi1, int key0, bool mask,
+                                                      int g) {
   constexpr bool kTwo = NT <= 2;
   float c[NT][4], d[kTwo ? NT : 1][4];
 #pragma unroll
@@ -289,6 +287,19 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
     s.run[nt][0] = block_max(s.run[nt][0], block_max(c[nt][0], c[nt][2]));
     s.run[nt][1] = block_max(s.run[nt][1], block_max(c[nt][1], c[nt][3]));
   }
+}
+
+template <int NT>
+__device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
+                                                    int key0, bool mask, int g, int tig) {
+  const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
+  const uint8_t* r1 = r0 + 8 * kRowBytes;
+  const int sw = (g & 1) << 2;
+  const int c_lo = (tig ^ sw) << 4;
+  const int c_hi = ((tig + 4) ^ sw) << 4;
+  const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
+  const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
+  decode_compute_slices<NT>(s, lo0, hi0, lo1, hi1, key0, mask, g);
 }
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,

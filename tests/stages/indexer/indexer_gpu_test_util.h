@@ -195,6 +195,9 @@ inline void upload(const Inputs& in, DeviceSet& d, int64_t pool_offset = 0) {
                                        {in.T(), int64_t{in.n_kv}, int64_t{kTopK}}, cuda);
   d.workspace = TensorView::contiguous(static_cast<uint8_t*>(d.ws.data()) + kGuard, DType::kF32,
                                        {static_cast<int64_t>(d.ws_bytes / 4)}, cuda);
+  const Status st = indexer_workspace_init(d.workspace, nullptr);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 // Overwrites the inputs of `d` in place with those of `in` (same shapes: CUDA-graph replays).
@@ -215,8 +218,12 @@ inline void poison_outputs(DeviceSet& d) {
   std::fill(ids.begin() + kGuard, ids.begin() + kGuard + static_cast<long>(d.ids_bytes),
             kIdsPoison);
   d.ids.upload(ids.data(), ids.size());
+  // The control area as indexer_workspace_init leaves it (zero: download checks that every call
+  // leaves its work counter zero), the rest poisoned (tagged entries then carry the tag
+  // 0xc3c3c3c3, which no call uses).
   std::vector<uint8_t> ws(d.ws_bytes + 2 * kGuard, kGuardByte);
-  std::fill(ws.begin() + kGuard, ws.begin() + kGuard + static_cast<long>(d.ws_bytes), kWsPoison);
+  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
+  for (size_t i = 0; i < d.ws_bytes; ++i) ws[kGuard + i] = i < control ? uint8_t{0} : kWsPoison;
   d.ws.upload(ws.data(), ws.size());
 }
 
@@ -239,8 +246,15 @@ inline GpuResult download(const DeviceSet& d) {
   std::memcpy(g.ids.data(), ids.data() + kGuard, d.ids_bytes);
   const std::vector<uint8_t> ws = d.ws.download_all();
   EXPECT_TRUE(guards_intact(ws, d.ws_bytes)) << "workspace guard bytes changed";
-  g.scores.resize(d.ws_bytes / 4);
-  std::memcpy(g.scores.data(), ws.data() + kGuard, d.ws_bytes);
+  // The control area (the dynamic decode's work counter must be back to zero), then the scores.
+  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
+  if (control >= 4) {
+    uint32_t counter = 0;
+    std::memcpy(&counter, ws.data() + kGuard, 4);
+    EXPECT_EQ(counter, 0u) << "the workspace's work counter is not zero after the call";
+  }
+  g.scores.resize((d.ws_bytes - control) / 4);
+  std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);
   return g;
 }
 
@@ -433,6 +447,22 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }
+    // The dynamic decode (work items from a global counter, rows selected in the scorer) where
+    // its plan applies (<= 64 blocks), with the automatic lag, lag 1 and a lag past the batch
+    // (every selection item after every block); the first variant only (its other options do
+    // not apply to it).
+    for (int lag : {0, 1, 1000}) {
+      if (&v != &variants.front()) break;
+      IndexerCudaOptions dy = v.o;
+      dy.dynamic_decode = true;
+      dy.dynamic_lag = lag;
+      const IndexerCudaPlan dp = indexer_cuda_plan(d.params, dy);
+      if (dp.dyn_ctas == 0) continue;
+      const GpuResult c = run_gpu(d, dy);
+      expect_same_ids(in, c, g,
+                      name + ", dynamic r" + std::to_string(dp.dyn_rows) + " lag " +
+                          std::to_string(dp.dyn_lag) + " vs two-kernel]");
+    }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
     for (int ctas : {1, 2, 3, 8}) {
@@ -523,7 +553,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request).
+// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request), 5 dynamic decode.
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -572,9 +602,12 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
-                           "[single pass cluster 4] "};
+    o.dynamic_decode = path == 5;
+    const char* names[] = {"[fused] ",       "[two-kernel] ",
+                           "[cuda cores] ",  "[single pass] ",
+                           "[single pass cluster 4] ", "[dynamic] "};
     const char* name = names[path];
+    if (path == 5) EXPECT_GT(indexer_cuda_plan(d.params, o).dyn_ctas, 0);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

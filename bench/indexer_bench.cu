@@ -835,6 +835,19 @@ int main(int argc, char** argv) {
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
     }
+    if (pl.dyn_ctas > 0) {
+      // The dynamic decode's selection items: polls that found their row incomplete (word 18).
+      uint64_t polls = 0, spinning = 0;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * kStride;
+        if (!e[0]) continue;
+        polls += e[18];
+        spinning += e[18] > 0 ? 1 : 0;
+      }
+      std::printf("  dynamic: %llu selection polls found their row incomplete (%llu warps)\n",
+                  static_cast<unsigned long long>(polls),
+                  static_cast<unsigned long long>(spinning));
+    }
     {
       // The selection kernel (when one runs): its warps' entry, release from the dependency
       // wait and row written, beside the scorer's last warp done.

@@ -157,6 +157,15 @@ __device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, ui
   a.timeline[w * kTimelineStride + word] = c;
 }
 
+// A value (not a clock) into word `word` of the warp's kTimelineStride words (lane 0; timeline
+// only): the dynamic decode's word 18, its selection items' polls that found their row incomplete.
+__device__ __forceinline__ void timeline_value(const KernelArgs& a, int word, uint64_t value) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  a.timeline[w * kTimelineStride + word] = value;
+}
+
 // The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
 // word kTimelineStride * (grid.x * grid.y * 4) + 16 of the scorer's grid), kSelectTimelineWords
 // words per selection warp (global warp index): the SM id + 1, clock64 at entry, at the release

@@ -80,20 +80,23 @@ struct DynItem {
   int kind, r, j;
 };
 
-__device__ __forceinline__ DynItem dyn_item(const KernelArgs& a, int64_t i) {
-  const int64_t R = a.num_requests, nb = a.max_pages, tp = a.dyn_tasks, L = a.dyn_lag;
-  if (i < 0) return {2, 0, 0};
+// 32-bit arithmetic (a 64-bit division is a ~70-instruction routine): the host keeps the items
+// and the grab values below 2^31.
+__device__ __forceinline__ DynItem dyn_item(const KernelArgs& a, int64_t index) {
+  if (index < 0 || index >= int64_t{a.num_requests} * (a.max_pages + a.dyn_tasks))
+    return {2, 0, 0};
+  uint32_t i = static_cast<uint32_t>(index);
+  const uint32_t R = a.num_requests, nb = a.max_pages, tp = a.dyn_tasks, L = a.dyn_lag;
   if (i < L * nb) return {0, static_cast<int>(i / nb), static_cast<int>(i % nb)};
   i -= L * nb;
-  const int64_t slot = nb + tp;
+  const uint32_t slot = nb + tp;
   if (i < (R - L) * slot) {
-    const int64_t s = L + i / slot, o = i % slot;
-    if (o < nb) return {0, static_cast<int>(s), static_cast<int>(o)};
-    return {1, static_cast<int>(s - L), static_cast<int>(o - nb)};
+    const uint32_t s = i / slot, o = i - s * slot;
+    if (o < nb) return {0, static_cast<int>(L + s), static_cast<int>(o)};
+    return {1, static_cast<int>(s), static_cast<int>(o - nb)};
   }
   i -= (R - L) * slot;
-  if (i < L * tp) return {1, static_cast<int>(R - L + i / tp), static_cast<int>(i % tp)};
-  return {2, 0, 0};
+  return {1, static_cast<int>(R - L + i / tp), static_cast<int>(i % tp)};
 }
 
 // A request's metadata as loaded for an item (before query_start is checked): the raw
@@ -271,7 +274,7 @@ __device__ __forceinline__ void decode_block_global(const KernelArgs& a, int qa,
 // every candidate carries this call's tag (polled), ranked by rank_lean in `srow` (64 floats of
 // the warp's ring that no copy targets between items).
 __device__ __forceinline__ void dyn_select(const KernelArgs& a, int qa, int rows, int lane_pos,
-                                        int task, uint32_t tag, float* srow) {
+                                        int task, uint32_t tag, float* srow, uint32_t& polls) {
   const int lane = threadIdx.x & 31;
   for (int j = task; j < rows; j += a.dyn_tasks) {  // warp-uniform
     const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
@@ -286,6 +289,7 @@ __device__ __forceinline__ void dyn_select(const KernelArgs& a, int qa, int rows
       const bool ok0 = lane >= nb || static_cast<uint32_t>(e0 >> 32) == tag;
       const bool ok1 = lane + 32 >= nb || static_cast<uint32_t>(e1 >> 32) == tag;
       if (__all_sync(0xffffffffu, ok0 && ok1)) break;
+      ++polls;
       __nanosleep(64);
       if (!ok0) e0 = ld_relaxed_u64(row + lane);
       if (!ok1) e1 = ld_relaxed_u64(row + lane + 32);
@@ -378,6 +382,7 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
   bool iss1 = dyn_issue(a, it1, pg1, sl1);
   DynReq<NT> q;
   dyn_resolve<NT>(a, m0, it.kind == 0, q);
+  uint32_t polls = 0;  // selection polls that found the row incomplete (timeline word 18)
   timeline_mark(a, 1);
 
   while (it.kind != 2) {  // warp-uniform
@@ -413,7 +418,7 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
       }
       timeline_mark(a, 2);
     } else if (it.kind == 1) {
-      dyn_select(a, q.qa, q.rows, q.p, it.j, tag, srow);
+      dyn_select(a, q.qa, q.rows, q.p, it.j, tag, srow, polls);
     }
     // Every processed item of a slot >= S - 3 grabs once (S W <= items, or S == 3), so a call
     // makes exactly items - (S - 3) W grabs: the grab returning the last of them is the call's
@@ -442,6 +447,7 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
     if (lane == 0 && it.kind != 2 && k + 3 >= S) grab = atomicAdd(a.ctl + kCtlNext, 1u);
   }
   cp_async_wait<0>();  // no copy may outlive the CTA (zero-fill copies of items past the end)
+  timeline_value(a, 18, polls);
   timeline_mark(a, 4);
 }
 

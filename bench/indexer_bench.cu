@@ -62,7 +62,8 @@
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, dyn = IndexerCudaOptions::dynamic_decode
-//   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6);
+//   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6; dynk1 / dynk16:
+//   dynamic_classes 1 / 16);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -539,7 +540,8 @@ std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   if (pl.dyn_ctas > 0)
     return "d dyn " + std::to_string(pl.dyn_ctas) + " r" + std::to_string(pl.dyn_rows) + " L" +
-           std::to_string(pl.dyn_lag) + " S" + std::to_string(pl.dyn_static);
+           std::to_string(pl.dyn_lag) + " S" + std::to_string(pl.dyn_static) + " K" +
+           std::to_string(pl.dyn_classes);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -1179,7 +1181,7 @@ int main(int argc, char** argv) {
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o},
                                 {"dyn", default_o},     {"dyn12", default_o}, {"dyn50", default_o},
-                                {"dyns6", default_o}};
+                                {"dyns6", default_o},   {"dynk1", default_o}, {"dynk16", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1192,10 +1194,12 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    for (int i = 12; i <= 15; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
+    for (int i = 12; i <= 17; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
     all[13].o.dynamic_lag = 12;
     all[14].o.dynamic_lag = 50;
     all[15].o.dynamic_static = 6;
+    all[16].o.dynamic_classes = 1;
+    all[17].o.dynamic_classes = 16;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

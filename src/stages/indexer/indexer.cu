@@ -145,7 +145,7 @@ struct Plan {
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
   int64_t dyn_ctas = 0;   // dynamic decode: decode CTAs (grid.x = overflow + dyn_ctas, grid.y 1)
-  int64_t dyn_rows = 0, dyn_tasks = 0, dyn_lag = 0, dyn_static = 3;
+  int64_t dyn_rows = 0, dyn_tasks = 0, dyn_lag = 0, dyn_static = 3, dyn_classes = 1;
 };
 
 
@@ -302,8 +302,12 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.dyn_tasks = rows;
       pl.dyn_lag = std::min<int64_t>(
           R, o.dynamic_lag > 0 ? o.dynamic_lag : ceil_div(3 * warps, max_pages));
-      // (S - 3) W <= items keeps the grab count exact (indexer_kernel_dynamic.cuh).
-      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static, 3, std::max<int64_t>(3, items / warps));
+      // Classes of warps and items, each with its own counter; (S - 3) W <= items in every class
+      // keeps the grab counts exact (indexer_kernel_dynamic.cuh).
+      pl.dyn_classes = std::clamp<int64_t>(o.dynamic_classes > 0 ? o.dynamic_classes : 8, 1,
+                                           ik::kMaxDynClasses);
+      const int64_t cw = ceil_div(warps, pl.dyn_classes), ci = items / pl.dyn_classes;
+      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static, 3, std::max<int64_t>(3, ci / cw));
     }
   }
   return pl;
@@ -381,6 +385,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dyn_rows = static_cast<int>(pl.dyn_rows);
   info.dyn_lag = static_cast<int>(pl.dyn_lag);
   info.dyn_static = static_cast<int>(pl.dyn_static);
+  info.dyn_classes = static_cast<int>(pl.dyn_classes);
   return info;
 }
 
@@ -411,6 +416,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.dynamic_classes >= 0 && options.dynamic_classes <= ik::kMaxDynClasses,
+               "run_indexer_cuda: dynamic_classes ", options.dynamic_classes,
+               " is outside [0, ", ik::kMaxDynClasses, "]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -462,6 +470,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.dyn_tasks = static_cast<int>(std::max<int64_t>(pl.dyn_tasks, 1));
   a.dyn_lag = static_cast<int>(pl.dyn_lag);
   a.dyn_static = static_cast<int>(pl.dyn_static);
+  a.dyn_classes = static_cast<int>(pl.dyn_classes);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K

@@ -81,7 +81,7 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 // (row, block), the score's bits and the call's tag). Apart from the control area and the tags
 // (which the init's zeros make safe), contents need no initialization and are not preserved
 // between runs. (Until session 16 the fused path's candidate lists followed the scores.)
-constexpr size_t kIndexerControlBytes = 256;
+constexpr size_t kIndexerControlBytes = 17 * 256;
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
 struct IndexerCudaOptions {
@@ -208,6 +208,11 @@ struct IndexerCudaOptions {
   // before its first grab from the counter; at least 3 (the pipeline's depth), at most the
   // batch's items / W (0: 3).
   int dynamic_static = 0;
+  // Dynamic decode: counters (1..16; 0: automatic, 8): warp w and item i belong to class
+  // w mod classes / i mod classes, each class with its own counter on its own L2 line (session 22
+  // round C: one counter for every warp made the stream half as fast, 39.6 vs 23.2 us at 64 x 8K
+  // draft 3).
+  int dynamic_classes = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel
@@ -243,6 +248,7 @@ struct IndexerCudaPlan {
   int dyn_rows = 0;     // dynamic decode: query rows scored from the ring (8 or 16)
   int dyn_lag = 0;      // dynamic decode: the selection items' lag in requests
   int dyn_static = 0;   // dynamic decode: static item slots per warp
+  int dyn_classes = 0;  // dynamic decode: counters
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -79,7 +79,8 @@ struct KernelArgs {
   int dyn_warps = 0;
   int dyn_tasks = 1;
   int dyn_lag = 0;
-  int dyn_static = 3;  // static item slots per warp before its first grab (>= 3)
+  int dyn_static = 3;   // static item slots per warp before its first grab (>= 3)
+  int dyn_classes = 1;  // independent counters (warps and items split by index mod classes)
   unsigned* ctl = nullptr;
   uint64_t* tagged = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]

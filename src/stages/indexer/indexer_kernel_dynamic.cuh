@@ -49,13 +49,20 @@
 // CTAs can be resident at once (a static item's warp always gets to run).
 #pragma once
 
+#include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 
 namespace m3attn::indexer_kernel {
 
-// Words of the workspace's control area (KernelArgs::ctl): the grab counter and the call count.
-constexpr int kCtlNext = 0;
-constexpr int kCtlCalls = 1;
+// Words of the workspace's control area (KernelArgs::ctl): word 0 the call count, word 1 the
+// classes done in this call; class c's grab counter at word kCtlStride (c + 1) (each on its own
+// 256-byte line: the atomics of different classes go to different L2 slices). dyn_classes <=
+// kMaxDynClasses.
+constexpr int kCtlCalls = 0;
+constexpr int kCtlClassesDone = 1;
+constexpr int kCtlStride = 64;
+constexpr int kMaxDynClasses = 16;
+static_assert((kMaxDynClasses + 1) * kCtlStride * 4 == kIndexerControlBytes, "control area");
 constexpr uint32_t kTagPeriod = (1u << 23) - 1;
 
 __device__ __forceinline__ uint32_t ld_acquire_u32(const unsigned* p) {
@@ -331,9 +338,18 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
-  const int64_t W = a.dyn_warps;
-  const int64_t items = int64_t{a.num_requests} * (a.max_pages + a.dyn_tasks);
-  const int64_t v = (int64_t{blockIdx.x} - a.num_overflow) * kMmaWarps + warp;
+  // The warp's class: items i = K j + cls (class-local j) and warps w = K u + cls (class-local
+  // u) form an independent instance of the scheme with its own counter.
+  const int K = a.dyn_classes;
+  const int64_t w_all = (int64_t{blockIdx.x} - a.num_overflow) * kMmaWarps + warp;
+  const int cls = static_cast<int>(w_all % K);
+  const int64_t v = w_all / K;
+  const int64_t W = (int64_t{a.dyn_warps} - cls + K - 1) / K;
+  const int64_t items =
+      (int64_t{a.num_requests} * (a.max_pages + a.dyn_tasks) - cls + K - 1) / K;
+  unsigned* const counter = a.ctl + (cls + 1) * kCtlStride;
+  // Class-local item j -> its item.
+  const auto item_at = [&](int64_t j) { return dyn_item(a, j < items ? j * K + cls : -1); };
   uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   float* srow = reinterpret_cast<float*>(ring + (kDecStages - 1) * kTileBytes);
@@ -342,7 +358,7 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
   // S W + c (c the grab issued when slot k - 3 started).
   const int64_t S = a.dyn_static;
   const int64_t last_grab = items - (S - 3) * W - 1;
-  DynItem it = dyn_item(a, v), it1 = dyn_item(a, v + W), it2 = dyn_item(a, v + 2 * W);
+  DynItem it = item_at(v), it1 = item_at(v + W), it2 = item_at(v + 2 * W);
   DynMeta<NT> m0, m1;
   dyn_meta_issue<NT>(a, it, !a.pdl && it.kind == 0, m0);
   dyn_meta_issue<NT>(a, it1, !a.pdl && it1.kind == 0, m1);
@@ -377,12 +393,14 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
   const uint32_t tag = calls % kTagPeriod + 1;
   unsigned grab = 0;  // lane 0: the grab for slot k + 3
   int64_t k = 0;      // the current slot
-  if (lane == 0 && it.kind != 2 && S <= 3) grab = atomicAdd(a.ctl + kCtlNext, 1u);
+  if (lane == 0 && it.kind != 2 && S <= 3) grab = atomicAdd(counter, 1u);
   int32_t pg1 = dyn_guard(a, raw1);
   bool iss1 = dyn_issue(a, it1, pg1, sl1);
   DynReq<NT> q;
   dyn_resolve<NT>(a, m0, it.kind == 0, q);
   uint32_t polls = 0;  // selection polls that found the row incomplete (timeline word 18)
+  bool last = false;   // lane 0: this warp made its class's last grab
+  unsigned ticket = 0;  // ... and its class's place among the classes done
   timeline_mark(a, 1);
 
   while (it.kind != 2) {  // warp-uniform
@@ -426,9 +444,9 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
     const bool grabbed = k + 3 >= S;
     const unsigned c = __shfl_sync(0xffffffffu, grab, 0);
     if (lane == 0 && grabbed && static_cast<int64_t>(c) == last_grab) {
-      // (Release: after the grab, so no warp of this call that grabbed reads the new count.)
-      st_release_u32(a.ctl + kCtlNext, 0u);
-      st_release_u32(a.ctl + kCtlCalls, calls + 1u);
+      // The class's grabs are done: its ticket among the classes (read at the warp's exit).
+      last = true;
+      ticket = atomicAdd(a.ctl + kCtlClassesDone, 1u);
     }
     // Rotate: k + 1 becomes current (its metadata arrived during this item), k + 2's page and
     // metadata, k + 3 from the grab.
@@ -440,13 +458,23 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
     pg1 = dyn_guard(a, raw2);
     iss1 = dyn_issue(a, it1, pg1, sl2);
     dyn_meta_issue<NT>(a, it1, it1.kind == 0, m1);
-    it2 = dyn_item(a, grabbed ? S * W + static_cast<int64_t>(c) : v + (k + 3) * W);
+    it2 = item_at(grabbed ? S * W + static_cast<int64_t>(c) : v + (k + 3) * W);
     raw2 = dyn_raw_page(a, it2);
     sl2 = dyn_seq_len(a, it2);
     ++k;
-    if (lane == 0 && it.kind != 2 && k + 3 >= S) grab = atomicAdd(a.ctl + kCtlNext, 1u);
+    if (lane == 0 && it.kind != 2 && k + 3 >= S) grab = atomicAdd(counter, 1u);
   }
   cp_async_wait<0>();  // no copy may outlive the CTA (zero-fill copies of items past the end)
+  if (last) {
+    // The class's counter back to zero; the last class done counts the call (release: after
+    // the grabs, so no warp of this call reads the new count). At the exit: nothing is in
+    // flight that a release would wait for.
+    st_release_u32(counter, 0u);
+    if (ticket == static_cast<unsigned>(K - 1)) {
+      st_release_u32(a.ctl + kCtlClassesDone, 0u);
+      st_release_u32(a.ctl + kCtlCalls, calls + 1u);
+    }
+  }
   timeline_value(a, 18, polls);
   timeline_mark(a, 4);
 }

@@ -247,11 +247,13 @@ inline GpuResult download(const DeviceSet& d) {
   const std::vector<uint8_t> ws = d.ws.download_all();
   EXPECT_TRUE(guards_intact(ws, d.ws_bytes)) << "workspace guard bytes changed";
   // The control area (the dynamic decode's work counter must be back to zero), then the scores.
+  // (Words 64 (c + 1) for the 16 classes c, and word 1, the classes done.)
   const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  if (control >= 4) {
+  for (size_t word = 1; (word + 1) * 4 <= control; word = word == 1 ? 64 : word + 64) {
     uint32_t counter = 0;
-    std::memcpy(&counter, ws.data() + kGuard, 4);
-    EXPECT_EQ(counter, 0u) << "the workspace's work counter is not zero after the call";
+    std::memcpy(&counter, ws.data() + kGuard + word * 4, 4);
+    EXPECT_EQ(counter, 0u) << "the workspace's control word " << word
+                           << " is not zero after the call";
   }
   g.scores.resize((d.ws_bytes - control) / 4);
   std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);

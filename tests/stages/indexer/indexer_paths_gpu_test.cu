@@ -57,7 +57,7 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
 // per request (where the guessed bounds are wrong, and requests with more rows than the ring's 8
 // or 16 score the rest from global memory), a request of <= 16 blocks (trivial rows); against the
 // twin through the two-kernel path, with the automatic lag, lag 1 and 1000 (every selection item
-// last). Then captured in a CUDA graph and replayed twice on new inputs without resetting the
+// last), each with 1, 8 and 16 counters (calls with different counts on one workspace). Then captured in a CUDA graph and replayed twice on new inputs without resetting the
 // workspace (the work counter must be back at zero and the call's tag advance): same ids.
 TEST(IndexerGpu, DynamicDecodeSmall) {
   M3_REQUIRE_GPU();
@@ -87,14 +87,19 @@ TEST(IndexerGpu, DynamicDecodeSmall) {
     IndexerCudaOptions dy;
     dy.dynamic_decode = true;
     for (int lag : {0, 1, 1000}) {
-      dy.dynamic_lag = lag;
-      const IndexerCudaPlan pl = indexer_cuda_plan(d.params, dy);
-      ASSERT_GT(pl.dyn_ctas, 0);
-      expect_same_ids(in, run_gpu(d, dy), g,
-                      label + " [dynamic r" + std::to_string(pl.dyn_rows) + " lag " +
-                          std::to_string(pl.dyn_lag) + "]");
+      for (int classes : {1, 0, 16}) {  // one counter, automatic (8), 16
+        dy.dynamic_lag = lag;
+        dy.dynamic_classes = classes;
+        const IndexerCudaPlan pl = indexer_cuda_plan(d.params, dy);
+        ASSERT_GT(pl.dyn_ctas, 0);
+        expect_same_ids(in, run_gpu(d, dy), g,
+                        label + " [dynamic r" + std::to_string(pl.dyn_rows) + " lag " +
+                            std::to_string(pl.dyn_lag) + " classes " +
+                            std::to_string(pl.dyn_classes) + "]");
+      }
     }
     dy.dynamic_lag = 0;
+    dy.dynamic_classes = 0;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     poison_outputs(d);

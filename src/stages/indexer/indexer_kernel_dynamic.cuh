@@ -482,9 +482,11 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
 // Dynamic decode's scorer (grid.x = num_overflow + dyn_warps / 4, grid.y 1): overflow tiles as
 // the single pass's (block scores, then their rows after a CTA barrier), decode warps as above.
 // NT: n-tiles of query rows scored from the ring (8 NT rows; the host's guess of the rows per
-// request).
+// request). Launch bounds of one CTA per SM: without them ptxas held the NT = 1 kernel to 168
+// registers and spilled; with them 194 / 212 registers (NT 1 / 2), still two CTAs per SM (the
+// host's residency rule).
 template <int NT>
-__global__ void __launch_bounds__(kMmaThreads) score_dynamic_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kMmaThreads, 1) score_dynamic_kernel(const KernelArgs a) {
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   pdl_launch_dependents();

@@ -63,12 +63,15 @@
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, dyn = IndexerCudaOptions::dynamic_decode
 //   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6; dynk1 / dynk16:
-//   dynamic_classes 1 / 16);
+//   dynamic_classes 1 / 16; dyn2 / dyn2s6: dynamic_ctas_per_sm 2, dynamic_static 3 / 6), fdyn =
+//   IndexerCudaOptions::flat_dynamic (with the default plan's flat decode; f1dyn: with
+//   flat_decode 1);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --dyn LAG (the default options with
-//   dynamic_decode, dynamic_lag LAG (0: automatic), e.g. for --timeline).
+//   dynamic_decode, dynamic_lag LAG (0: automatic), e.g. for --timeline; --dyn-ctas N: and
+//   dynamic_ctas_per_sm N), --fdyn (the default options with flat_dynamic).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -537,7 +540,8 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
+  if (pl.flat_ctas > 0)
+    return "2 flat " + std::to_string(pl.flat_ctas) + (pl.flat_dyn ? " dyn" : "");
   if (pl.dyn_ctas > 0)
     return "d dyn " + std::to_string(pl.dyn_ctas) + " r" + std::to_string(pl.dyn_rows) + " L" +
            std::to_string(pl.dyn_lag) + " S" + std::to_string(pl.dyn_static) + " K" +
@@ -581,6 +585,8 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   int dyn_lag = -1;  // --dyn L: dynamic_decode with dynamic_lag L (0: automatic)
+  int dyn_ctas = 0;  // --dyn-ctas N: dynamic_ctas_per_sm N
+  bool fdyn = false;  // --fdyn: flat_dynamic
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -630,6 +636,10 @@ int main(int argc, char** argv) {
       flat = std::atoi(argv[++i]);
     else if (a == "--dyn" && i + 1 < argc)
       dyn_lag = std::atoi(argv[++i]);
+    else if (a == "--dyn-ctas" && i + 1 < argc)
+      dyn_ctas = std::atoi(argv[++i]);
+    else if (a == "--fdyn")
+      fdyn = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -653,7 +663,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--dyn LAG] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--fdyn] [--dyn LAG] [--dyn-ctas N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -668,9 +678,11 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
+  default_o.flat_dynamic = fdyn;
   if (dyn_lag >= 0) {
     default_o.dynamic_decode = true;
     default_o.dynamic_lag = dyn_lag;
+    default_o.dynamic_ctas_per_sm = dyn_ctas;
   }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -1181,7 +1193,9 @@ int main(int argc, char** argv) {
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o},
                                 {"dyn", default_o},     {"dyn12", default_o}, {"dyn50", default_o},
-                                {"dyns6", default_o},   {"dynk1", default_o}, {"dynk16", default_o}};
+                                {"dyns6", default_o},   {"dynk1", default_o}, {"dynk16", default_o},
+                                {"dyn2", default_o},    {"dyn2s6", default_o},
+                                {"fdyn", default_o},    {"f1dyn", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1194,7 +1208,13 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    for (int i = 12; i <= 17; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
+    for (int i = 12; i <= 19; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
+    all[18].o.dynamic_ctas_per_sm = 2;
+    all[19].o.dynamic_ctas_per_sm = 2;
+    all[19].o.dynamic_static = 6;
+    all[20].o.flat_dynamic = true;
+    all[21].o.flat_dynamic = true;
+    all[21].o.flat_decode = 1;
     all[13].o.dynamic_lag = 12;
     all[14].o.dynamic_lag = 50;
     all[15].o.dynamic_static = 6;

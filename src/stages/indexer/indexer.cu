@@ -135,6 +135,12 @@ int64_t tagged_offset(int64_t num_tokens, int n_kv, int max_pages) {
          scores_bytes_aligned(num_tokens, n_kv, max_pages);
 }
 
+// The flat decode's per-request counters (flat_dynamic) after the tagged table: T int32.
+int64_t counters_offset(int64_t num_tokens, int n_kv, int max_pages) {
+  return tagged_offset(num_tokens, n_kv, max_pages) +
+         num_tokens * n_kv * std::min<int64_t>(max_pages, ik::kFusedMaxChunk) * 8;
+}
+
 // The launch plan, from host-known values only (shapes, options, the SM count).
 struct Plan {
   bool mma = false;
@@ -144,6 +150,7 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
+  bool flat_dyn = false;  // flat decode with per-request block counters (flat_dynamic)
   int64_t dyn_ctas = 0;   // dynamic decode: decode CTAs (grid.x = overflow + dyn_ctas, grid.y 1)
   int64_t dyn_rows = 0, dyn_tasks = 0, dyn_lag = 0, dyn_static = 3, dyn_classes = 1;
 };
@@ -276,12 +283,13 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
+      pl.flat_dyn = o.flat_dynamic && R <= T;
     }
   }
-  // Dynamic decode (IndexerCudaOptions::dynamic_decode): one CTA of 4 warps per SM after the
-  // overflow tiles, where every CTA of the grid can be resident at once (a selection item may
-  // wait for any earlier item: indexer_kernel_dynamic.cuh): at most one overflow tile per SM
-  // beside the decode CTAs (two CTAs fit per SM). The ring scores the first 8 or 16 rows of a
+  // Dynamic decode (IndexerCudaOptions::dynamic_decode): one or two CTAs of 4 warps per SM
+  // after the overflow tiles; every decode CTA can be resident at once (a selection item may
+  // wait for any earlier item: indexer_kernel_dynamic.cuh; two CTAs fit per SM, and the overflow
+  // tiles, first in the grid, wait for nothing). At most one overflow tile per SM. The ring scores the first 8 or 16 rows of a
   // request (the rows of ceil(T / R) tokens: equal-length batches); rows beyond, from global
   // memory. One selection item per guessed row; the lag: the requests whose stream items the
   // warps' three-item pipelines hold.
@@ -289,13 +297,15 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.overflow <= sms) {
     const int64_t tokens = std::clamp<int64_t>(ceil_div(T, R), 1, ik::kDecRows / p.n_kv);
     const int64_t rows = tokens * p.n_kv;
-    const int64_t warps = int64_t{sms} * ik::kMmaWarps;
+    const int64_t per_sm = o.dynamic_ctas_per_sm == 2 ? 2 : 1;
+    const int64_t warps = per_sm * sms * ik::kMmaWarps;
     const int64_t items = R * (max_pages + rows);
     if (items + 3 * warps < std::numeric_limits<int32_t>::max()) {
       pl.fused = pl.single = false;
       pl.flat_ctas = 0;
-      pl.dyn_ctas = sms;
-      pl.units = pl.overflow + sms;
+      pl.flat_dyn = false;
+      pl.dyn_ctas = per_sm * sms;
+      pl.units = pl.overflow + pl.dyn_ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
       pl.dyn_rows = rows <= 8 ? 8 : 16;
@@ -350,8 +360,8 @@ int sm_count() {
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
   // Monotone in every argument (a workspace sized for a capacity serves every smaller call).
-  const int64_t tagged = num_tokens * n_kv * std::min<int64_t>(max_pages, ik::kFusedMaxChunk) * 8;
-  return static_cast<size_t>(tagged_offset(num_tokens, n_kv, max_pages) + tagged);
+  return static_cast<size_t>(counters_offset(num_tokens, n_kv, max_pages) +
+                             ceil_div(num_tokens * 4, 16) * 16);
 }
 
 Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream) {
@@ -381,6 +391,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.flat_dyn = pl.flat_dyn;
   info.dyn_ctas = static_cast<int>(pl.dyn_ctas);
   info.dyn_rows = static_cast<int>(pl.dyn_rows);
   info.dyn_lag = static_cast<int>(pl.dyn_lag);
@@ -416,6 +427,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.dynamic_ctas_per_sm >= 0 && options.dynamic_ctas_per_sm <= 2,
+               "run_indexer_cuda: dynamic_ctas_per_sm ", options.dynamic_ctas_per_sm,
+               " is outside [0, 2]");
   M3_CHECK_ARG(options.dynamic_classes >= 0 && options.dynamic_classes <= ik::kMaxDynClasses,
                "run_indexer_cuda: dynamic_classes ", options.dynamic_classes,
                " is outside [0, ", ik::kMaxDynClasses, "]");
@@ -466,11 +480,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.ctl = reinterpret_cast<unsigned*>(ws);
   a.scores = reinterpret_cast<float*>(ws + kIndexerControlBytes);
   a.tagged = reinterpret_cast<uint64_t*>(ws + tagged_offset(T, p.n_kv, max_pages));
+  a.req_ctr =
+      pl.flat_dyn ? reinterpret_cast<int*>(ws + counters_offset(T, p.n_kv, max_pages)) : nullptr;
   a.dyn_warps = static_cast<int>(pl.dyn_ctas * ik::kMmaWarps);
   a.dyn_tasks = static_cast<int>(std::max<int64_t>(pl.dyn_tasks, 1));
   a.dyn_lag = static_cast<int>(pl.dyn_lag);
   a.dyn_static = static_cast<int>(pl.dyn_static);
   a.dyn_classes = static_cast<int>(pl.dyn_classes);
+  a.dyn_tok = T % std::max<int64_t>(R, 1) == 0 ? static_cast<int>(T / std::max<int64_t>(R, 1)) : 0;
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
@@ -549,9 +566,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
       size_t msmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel, ik::kMmaSmemBytes, &msmem));
+      const auto mkernel = pl.flat_dyn ? ik::score_flat_dyn_kernel : ik::score_mma_kernel;
+      M3_RETURN_IF_ERROR(prepare(mkernel, ik::kMmaSmemBytes, &msmem));
       M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
+          launch_pdl(mkernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
     } else {
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));

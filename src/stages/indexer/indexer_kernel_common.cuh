@@ -81,8 +81,12 @@ struct KernelArgs {
   int dyn_lag = 0;
   int dyn_static = 3;   // static item slots per warp before its first grab (>= 3)
   int dyn_classes = 1;  // independent counters (warps and items split by index mod classes)
+  int dyn_tok = 0;      // T / R where R divides T (request r's guessed tokens: r T / R ...), else 0
   unsigned* ctl = nullptr;
   uint64_t* tagged = nullptr;
+  // IndexerCudaOptions::flat_dynamic: per-request block counters in the workspace (null: off),
+  // zero at the call's start; the selection kernel, which follows the flat scorer, zeroes them.
+  int* req_ctr = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K

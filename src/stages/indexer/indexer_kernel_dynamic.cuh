@@ -130,9 +130,14 @@ __device__ __forceinline__ void dyn_meta_issue(const KernelArgs& a, const DynIte
   const int r = it.r;
   m.qa = __ldg(a.query_start + r);
   m.qe = __ldg(a.query_start + r + 1);
-  m.ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
-  m.gn = min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - m.ga,
-             a.dec_tokens);
+  if (a.dyn_tok > 0) {  // (no 64-bit division where R divides T)
+    m.ga = r * a.dyn_tok;
+    m.gn = min(a.dyn_tok, a.dec_tokens);
+  } else {
+    m.ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+    m.gn = min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - m.ga,
+               a.dec_tokens);
+  }
   if (lane < m.gn) m.p = __ldg(a.positions + m.ga + lane);
   if (with_q) {
     const uint8_t* iq0 = a.iq + int64_t{m.ga} * a.n_kv * kRowBytes;

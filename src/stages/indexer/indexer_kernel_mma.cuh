@@ -420,15 +420,24 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused>
+template <int NT, bool kFused, bool kDyn = false>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued, int share) {
+  constexpr bool dyn = kDyn;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + step - 1) / step;
+  // kDyn (IndexerCudaOptions::flat_dynamic; first = the warp's index among the request's step
+  // warps): slots 0-2 are the blocks first + k step, later slots 3 step + c for the grabs c of
+  // the request's counter a.req_ctr[r] (one per slot, issued two blocks ahead), until a block
+  // >= b1. Blocks bk, bk1, bk2 of the slots k, k + 1, k + 2.
+  int bk = first, bk1 = first + step, bk2 = first + 2 * step;
+  unsigned grab = 0;  // lane 0: the grab for slot k + 3
+  int* const ctr = dyn ? a.req_ctr + r : nullptr;
+  if (dyn && lane == 0 && bk2 < b1) grab = atomicAdd(ctr, 1);
 
   // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
   // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
@@ -467,8 +476,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
-  for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * step;
+  for (int k = 0; dyn ? bk < b1 : k < nblk; ++k) {
+    const int b = dyn ? bk : first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
@@ -501,7 +510,16 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
-    raw_k2 = raw_page_at(k + 3);
+    if (dyn) {
+      bk = bk1;
+      bk1 = bk2;
+      const int c = static_cast<int>(__shfl_sync(0xffffffffu, grab, 0));
+      bk2 = bk2 < b1 ? 3 * step + c : b1;  // (a slot past the end issued no grab)
+      raw_k2 = bk2 < b1 ? __ldg(a.page_table + int64_t{r} * a.pt_stride + bk2) : -1;
+      if (lane == 0 && bk2 < b1) grab = atomicAdd(ctr, 1);
+    } else {
+      raw_k2 = raw_page_at(k + 3);
+    }
   }
   cp_async_wait<0>();
 }
@@ -520,8 +538,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false>
+template <bool kFused, bool kSingle, bool kCluster = false, bool kDyn = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
+  static_assert(!kDyn || !kFused, "flat_dynamic: the two-kernel flat decode only");
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
@@ -550,6 +569,13 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
     first = b0;
     step = 1;
+    if constexpr (kDyn) {
+      // flat_dynamic: the request's blocks shared by its n warps (decode_unit's kDyn).
+      b0 = 0;
+      bend = a.max_pages;
+      first = v - lo;
+      step = n;
+    }
   }
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
@@ -614,24 +640,25 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
-  // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
+  // The warp's blocks first, first + 4, ... < b1 (flat_dynamic: see decode_unit's kDyn); block
+  // b's maxima go to table[row][b - tb0].
   const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+        decode_unit<1, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
+                                     q, p, table, tb0, pre, share);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+        decode_unit<2, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
+                                     q, p, table, tb0, pre, share);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+        decode_unit<3, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
+                                     q, p, table, tb0, pre, share);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+        decode_unit<4, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
+                                     q, p, table, tb0, pre, share);
         break;
     }
   };
@@ -843,14 +870,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false, bool kDyn = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kDyn>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -875,6 +902,13 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false>(a, smem, sh);
+}
+
+// Flat decode with flat_dynamic (per-request block counters, KernelArgs::req_ctr).
+__global__ void __launch_bounds__(kMmaThreads) score_flat_dyn_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<false, false, false, true>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

@@ -219,11 +219,15 @@ inline void poison_outputs(DeviceSet& d) {
             kIdsPoison);
   d.ids.upload(ids.data(), ids.size());
   // The control area as indexer_workspace_init leaves it (zero: download checks that every call
-  // leaves its work counter zero), the rest poisoned (tagged entries then carry the tag
+  // leaves its work counters zero), the rest poisoned (tagged entries then carry the tag
   // 0xc3c3c3c3, which no call uses).
+  // The flat decode's request counters (the last T int32s, 16-byte padded) stay zero too.
   std::vector<uint8_t> ws(d.ws_bytes + 2 * kGuard, kGuardByte);
   const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  for (size_t i = 0; i < d.ws_bytes; ++i) ws[kGuard + i] = i < control ? uint8_t{0} : kWsPoison;
+  const size_t tail =
+      std::min(d.ws_bytes, (static_cast<size_t>(d.params.batch.num_tokens) * 4 + 15) / 16 * 16);
+  for (size_t i = 0; i < d.ws_bytes; ++i)
+    ws[kGuard + i] = i < control || i >= d.ws_bytes - tail ? uint8_t{0} : kWsPoison;
   d.ws.upload(ws.data(), ws.size());
 }
 
@@ -254,6 +258,22 @@ inline GpuResult download(const DeviceSet& d) {
     std::memcpy(&counter, ws.data() + kGuard + word * 4, 4);
     EXPECT_EQ(counter, 0u) << "the workspace's control word " << word
                            << " is not zero after the call";
+  }
+  // The flat decode's per-request counters (the workspace's last T int32s, 16-byte padded) are
+  // zero after every call.
+  {
+    const size_t T = static_cast<size_t>(d.params.batch.num_tokens);
+    const size_t tail = (T * 4 + 15) / 16 * 16;
+    if (d.ws_bytes >= control + tail)
+      for (size_t i = 0; i < T; ++i) {
+        int32_t cnt = 0;
+        std::memcpy(&cnt, ws.data() + kGuard + d.ws_bytes - tail + i * 4, 4);
+        if (cnt != 0) {
+          ADD_FAILURE() << "the workspace's request counter " << i << " is " << cnt
+                        << " after the call";
+          break;
+        }
+      }
   }
   g.scores.resize((d.ws_bytes - control) / 4);
   std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);
@@ -440,12 +460,17 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     }
     // Flat decode (the two-kernel scorer over balanced warp ranges, flat_decode CTAs per SM):
     // the same block scores, checked against the twin like the two-kernel path.
-    for (int flat : {1, 3}) {
+    // With flat_dynamic (per-request block counters) too.
+    for (int flat : {1, 3, -1, -3}) {
       IndexerCudaOptions fl = v.o;
-      fl.flat_decode = flat;
-      if (indexer_cuda_plan(d.params, fl).flat_ctas == 0) continue;
+      fl.flat_decode = flat < 0 ? -flat : flat;
+      fl.flat_dynamic = flat < 0;
+      const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
+      if (fp.flat_ctas == 0) continue;
+      if (flat < 0 && !fp.flat_dyn) continue;
       const GpuResult f = run_gpu(d, fl);
-      const std::string fname = name + ", flat " + std::to_string(flat);
+      const std::string fname =
+          name + ", flat " + std::to_string(fl.flat_decode) + (fp.flat_dyn ? " dynamic" : "");
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
     }

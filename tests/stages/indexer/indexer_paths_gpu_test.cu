@@ -90,16 +90,19 @@ TEST(IndexerGpu, DynamicDecodeSmall) {
       for (int classes : {1, 0, 16}) {  // one counter, automatic (8), 16
         dy.dynamic_lag = lag;
         dy.dynamic_classes = classes;
+        dy.dynamic_ctas_per_sm = classes == 16 ? 2 : 0;  // two CTAs per SM with 16 counters
         const IndexerCudaPlan pl = indexer_cuda_plan(d.params, dy);
         ASSERT_GT(pl.dyn_ctas, 0);
         expect_same_ids(in, run_gpu(d, dy), g,
                         label + " [dynamic r" + std::to_string(pl.dyn_rows) + " lag " +
                             std::to_string(pl.dyn_lag) + " classes " +
-                            std::to_string(pl.dyn_classes) + "]");
+                            std::to_string(pl.dyn_classes) + " ctas " +
+                            std::to_string(pl.dyn_ctas) + "]");
       }
     }
     dy.dynamic_lag = 0;
     dy.dynamic_classes = 0;
+    dy.dynamic_ctas_per_sm = 0;
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     poison_outputs(d);

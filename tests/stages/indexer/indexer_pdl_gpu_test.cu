@@ -227,6 +227,10 @@ std::vector<Variant> all_variants(bool short_context) {
     o = {};
     o.dynamic_decode = true;
     v.push_back({"dynamic", o});
+    o = {};
+    o.flat_decode = 1;
+    o.flat_dynamic = true;
+    v.push_back({"flat dynamic", o});
   }
   return v;
 }

@@ -63,7 +63,8 @@
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, dyn = IndexerCudaOptions::dynamic_decode
 //   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6; dynk1 / dynk16:
-//   dynamic_classes 1 / 16; dyn2 / dyn2s6: dynamic_ctas_per_sm 2, dynamic_static 3 / 6), fdyn =
+//   dynamic_classes 1 / 16; dyn2 / dyn2s6 / dyn2l25: dynamic_ctas_per_sm 2, dynamic_static 3 / 6,
+//   dynamic_lag 25), fdyn =
 //   IndexerCudaOptions::flat_dynamic (with the default plan's flat decode; f1dyn: with
 //   flat_decode 1);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
@@ -1195,7 +1196,8 @@ int main(int argc, char** argv) {
                                 {"dyn", default_o},     {"dyn12", default_o}, {"dyn50", default_o},
                                 {"dyns6", default_o},   {"dynk1", default_o}, {"dynk16", default_o},
                                 {"dyn2", default_o},    {"dyn2s6", default_o},
-                                {"fdyn", default_o},    {"f1dyn", default_o}};
+                                {"fdyn", default_o},    {"f1dyn", default_o},
+                                {"dyn2l25", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1215,6 +1217,9 @@ int main(int argc, char** argv) {
     all[20].o.flat_dynamic = true;
     all[21].o.flat_dynamic = true;
     all[21].o.flat_decode = 1;
+    all[22].o.dynamic_decode = true;
+    all[22].o.dynamic_ctas_per_sm = 2;
+    all[22].o.dynamic_lag = 25;
     all[13].o.dynamic_lag = 12;
     all[14].o.dynamic_lag = 50;
     all[15].o.dynamic_static = 6;

@@ -289,22 +289,25 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // Dynamic decode (IndexerCudaOptions::dynamic_decode): one or two CTAs of 4 warps per SM
   // after the overflow tiles; every decode CTA can be resident at once (a selection item may
   // wait for any earlier item: indexer_kernel_dynamic.cuh; two CTAs fit per SM, and the overflow
-  // tiles, first in the grid, wait for nothing). At most one overflow tile per SM. The ring scores the first 8 or 16 rows of a
+  // tiles, first in the grid, wait for nothing). Fewer overflow tiles than SMs. The ring scores the first 8 or 16 rows of a
   // request (the rows of ceil(T / R) tokens: equal-length batches); rows beyond, from global
   // memory. One selection item per guessed row; the lag: the requests whose stream items the
   // warps' three-item pipelines hold.
   if (pl.mma && o.dynamic_decode && T > 0 && max_pages <= ik::kFusedMaxChunk &&
-      pl.overflow <= sms) {
+      pl.overflow < sms) {
     const int64_t tokens = std::clamp<int64_t>(ceil_div(T, R), 1, ik::kDecRows / p.n_kv);
     const int64_t rows = tokens * p.n_kv;
     const int64_t per_sm = o.dynamic_ctas_per_sm == 2 ? 2 : 1;
-    const int64_t warps = per_sm * sms * ik::kMmaWarps;
+    const int64_t warps = (per_sm == 2 ? 2 * sms - pl.overflow : sms) * ik::kMmaWarps;
     const int64_t items = R * (max_pages + rows);
     if (items + 3 * warps < std::numeric_limits<int32_t>::max()) {
       pl.fused = pl.single = false;
       pl.flat_ctas = 0;
       pl.flat_dyn = false;
-      pl.dyn_ctas = per_sm * sms;
+      // Two CTAs per SM (the registers' limit): the overflow tiles take slots of their own
+      // (in decode batches they hold them for ~20 us of sequential metadata loads: round E, a
+      // decode CTA of 272 at 2 per SM entered at 19.7 us), so the decode CTAs fill the rest.
+      pl.dyn_ctas = per_sm == 2 ? 2 * sms - pl.overflow : sms;
       pl.units = pl.overflow + pl.dyn_ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;

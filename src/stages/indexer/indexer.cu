@@ -320,7 +320,10 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.dyn_classes = std::clamp<int64_t>(o.dynamic_classes > 0 ? o.dynamic_classes : 8, 1,
                                            ik::kMaxDynClasses);
       const int64_t cw = ceil_div(warps, pl.dyn_classes), ci = items / pl.dyn_classes;
-      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static, 3, std::max<int64_t>(3, ci / cw));
+      // Automatic 4 (3 where a class has no more items than warps): no grab before the first
+      // items' tiles.
+      const int64_t s_max = std::max<int64_t>(3, ci / cw);
+      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static > 0 ? o.dynamic_static : 4, 3, s_max);
     }
   }
   return pl;

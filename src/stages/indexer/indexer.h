@@ -215,7 +215,7 @@ struct IndexerCudaOptions {
   int dynamic_lag = 0;
   // Dynamic decode: items each warp takes statically (item v + k W for slot k, warp v of W)
   // before its first grab from the counter; at least 3 (the pipeline's depth), at most the
-  // batch's items / W (0: 3).
+  // batch's items / W (0: 4, or 3 where that is the most).
   int dynamic_static = 0;
   // Dynamic decode: counters (1..16; 0: automatic, 8): warp w and item i belong to class
   // w mod classes / i mod classes, each class with its own counter on its own L2 line (session 22

@@ -65,9 +65,9 @@ constexpr int kMaxDynClasses = 16;
 static_assert((kMaxDynClasses + 1) * kCtlStride * 4 == kIndexerControlBytes, "control area");
 constexpr uint32_t kTagPeriod = (1u << 23) - 1;
 
-__device__ __forceinline__ uint32_t ld_acquire_u32(const unsigned* p) {
+__device__ __forceinline__ uint32_t ld_relaxed_u32(const unsigned* p) {
   uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 __device__ __forceinline__ uint64_t ld_relaxed_u64(const uint64_t* p) {
@@ -386,27 +386,31 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
       cp_async_commit();
     });
   };
-  // This call's tag (acquire: read before any grab of this warp). Its L1 invalidation
-  // (CCTL.IVALL) stalls the warp until the load returns: before the prologue's copies flood the
-  // memory system where no programmatic launch needs it after pdl_wait (session 22 round D ncu:
-  // 4 % of the samples, the warps ready ~6 us after entry with it after the prologue).
-  uint32_t calls = a.pdl ? 0u : ld_acquire_u32(a.ctl + kCtlCalls);
+  // This call's tag, read before any grab of this warp: a relaxed load whose value the first
+  // item's flush or selection consumes before the warp's first grab is issued (at S = 3 the grab
+  // for slot 3 waits for the end of slot 0), and an SM issues a warp's instructions in order.
+  // (An acquire load's L1 invalidation, CCTL.IVALL, stalled every warp ~1.9 us at the start:
+  // round D ncu.)
+  uint32_t calls = a.pdl ? 0u : ld_relaxed_u32(a.ctl + kCtlCalls);
+  DynReq<NT> q;
+  // Without programmatic launch the first item's request is resolved before the prologue's
+  // copies: its metadata would otherwise queue behind every warp's first tiles (round F: ready
+  // 7-8 us after entry at two CTAs per SM).
+  if (!a.pdl) dyn_resolve<NT>(a, m0, it.kind == 0, q);
   if (early) prologue();
   pdl_wait();
-  if (a.pdl) calls = ld_acquire_u32(a.ctl + kCtlCalls);
+  if (a.pdl) calls = ld_relaxed_u32(a.ctl + kCtlCalls);
   if (!early) prologue();
   if (a.pdl) {  // index_q only after the wait
     dyn_meta_issue<NT>(a, it, it.kind == 0, m0);
     dyn_meta_issue<NT>(a, it1, it1.kind == 0, m1);
+    dyn_resolve<NT>(a, m0, it.kind == 0, q);
   }
   const uint32_t tag = calls % kTagPeriod + 1;
   unsigned grab = 0;  // lane 0: the grab for slot k + 3
   int64_t k = 0;      // the current slot
-  if (lane == 0 && it.kind != 2 && S <= 3) grab = atomicAdd(counter, 1u);
   int32_t pg1 = dyn_guard(a, raw1);
   bool iss1 = dyn_issue(a, it1, pg1, sl1);
-  DynReq<NT> q;
-  dyn_resolve<NT>(a, m0, it.kind == 0, q);
   uint32_t polls = 0;  // selection polls that found the row incomplete (timeline word 18)
   bool last = false;   // lane 0: this warp made its class's last grab
   unsigned ticket = 0;  // ... and its class's place among the classes done
@@ -451,6 +455,7 @@ __device__ __forceinline__ void dynamic_decode_warp(const KernelArgs& a, uint8_t
     // makes exactly items - (S - 3) W grabs: the grab returning the last of them is the call's
     // last, and its warp resets the counter and counts the call (no grab of this call follows).
     const bool grabbed = k + 3 >= S;
+    if (S == 3 && k == 0 && lane == 0) grab = atomicAdd(counter, 1u);  // (see the tag's load)
     const unsigned c = __shfl_sync(0xffffffffu, grab, 0);
     if (lane == 0 && grabbed && static_cast<int64_t>(c) == last_grab) {
       // The class's grabs are done: its ticket among the classes (read at the warp's exit).

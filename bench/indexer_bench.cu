@@ -61,18 +61,11 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, dyn = IndexerCudaOptions::dynamic_decode
-//   (dyn12 / dyn50: dynamic_lag 12 / 50; dyns6: dynamic_static 6; dynk1 / dynk16:
-//   dynamic_classes 1 / 16; dyn2 / dyn2s6 / dyn2l25: dynamic_ctas_per_sm 2, dynamic_static 3 / 6,
-//   dynamic_lag 25), fdyn =
-//   IndexerCudaOptions::flat_dynamic (with the default plan's flat decode; f1dyn: with
-//   flat_decode 1);
+//   !short_select, w2 / w4 = short_select_warps 2 / 4;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --dyn LAG (the default options with
-//   dynamic_decode, dynamic_lag LAG (0: automatic), e.g. for --timeline; --dyn-ctas N: and
-//   dynamic_ctas_per_sm N), --fdyn (the default options with flat_dynamic).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -194,80 +187,6 @@ __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __re
   }
 }
 
-// --ceiling, diagnostics for issue #5's dynamic work assignment (session 22): read_paged with the
-// pages taken from a global counter instead of dealt statically. Every warp takes flattened
-// page-table entries (request-major: entry e = block e % max_pages of request e / max_pages) from
-// ctl[0] by one atomicAdd each, two entries ahead (the atomic and the page-table load each have
-// one page's time to return). kSignal: also what a dynamic indexer must do per block: lanes 0-3
-// store a word to `scratch` (the block maxima), then the warp fences (__threadfence) and lane 0
-// increments the request's done counter ctl[2 + r]; the signal of page e is given after the
-// first half of page e + 1's loads are issued (as the indexer's ring keeps tiles in flight). The
-// warp that exits last (ctl[1] counts them) resets ctl[0], ctl[1] and the done counters, so
-// every call starts from zero (ctl is zeroed once at allocation).
-template <bool kSignal>
-__global__ void read_paged_dyn(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
-                               int64_t entries, int max_pages, int* sink, unsigned* ctl,
-                               int* scratch) {
-  const int lane = threadIdx.x & 31;
-  const unsigned warps = gridDim.x * (blockDim.x >> 5);
-  const auto take = [&]() {
-    unsigned v = 0;
-    if (lane == 0) v = atomicAdd(ctl, 1u);
-    return v;
-  };
-  int64_t e = __shfl_sync(0xffffffffu, take(), 0);
-  int64_t e1 = __shfl_sync(0xffffffffu, take(), 0);
-  int32_t pg = e < entries ? __ldg(table + e) : 0;
-  int32_t pg1 = e1 < entries ? __ldg(table + e1) : 0;
-  int acc = 0;
-  int64_t prev = -1;
-  while (e < entries) {
-    const unsigned raw2 = take();  // lane 0: the entry after e1
-    const int4* src = reinterpret_cast<const int4*>(pool + int64_t{pg} * kPageBytes) + lane;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      int4 v[16];
-#pragma unroll
-      for (int u = 0; u < 16; ++u) {
-        asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                     : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                     : "l"(src + (h * 16 + u) * 32));
-      }
-      if (kSignal && h == 0 && prev >= 0) {
-        if (lane < 4) scratch[prev * 4 + lane] = acc;
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) atomicAdd(ctl + 2 + prev / max_pages, 1u);
-      }
-#pragma unroll
-      for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    }
-    prev = e;
-    e = e1;
-    pg = pg1;
-    e1 = __shfl_sync(0xffffffffu, raw2, 0);
-    pg1 = e1 < entries ? __ldg(table + e1) : 0;
-  }
-  if (kSignal && prev >= 0) {
-    if (lane < 4) scratch[prev * 4 + lane] = acc;
-    __threadfence();
-    __syncwarp();
-    if (lane == 0) atomicAdd(ctl + 2 + prev / max_pages, 1u);
-  }
-  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
-  if (lane == 0) {
-    __threadfence();
-    if (atomicAdd(ctl + 1, 1u) == warps - 1) {
-      const int64_t requests = entries / max_pages;
-      if (kSignal)
-        for (int64_t r = 0; r < requests; ++r) ctl[2 + r] = 0;
-      ctl[0] = 0;
-      ctl[1] = 0;
-      __threadfence();
-    }
-  }
-}
-
 uint64_t integer_codes() {
   uint64_t codes = 0;
   for (int v = -3; v <= 3; ++v)
@@ -378,8 +297,6 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       TensorView::contiguous(c.d_tables[0], DType::kI32, {R, int64_t{c.max_pages}}, dev);
   c.p.block_ids = TensorView::contiguous(c.d_ids, DType::kI32, {c.T, kNkv, kTopK}, dev);
   c.ws = TensorView::contiguous(c.d_ws, DType::kF32, {static_cast<int64_t>(c.ws_bytes / 4)}, dev);
-  if (!indexer_workspace_init(c.ws, nullptr).ok()) std::exit(1);
-  check_cuda(cudaDeviceSynchronize(), "workspace init");
   return c;
 }
 
@@ -541,12 +458,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0)
-    return "2 flat " + std::to_string(pl.flat_ctas) + (pl.flat_dyn ? " dyn" : "");
-  if (pl.dyn_ctas > 0)
-    return "d dyn " + std::to_string(pl.dyn_ctas) + " r" + std::to_string(pl.dyn_rows) + " L" +
-           std::to_string(pl.dyn_lag) + " S" + std::to_string(pl.dyn_static) + " K" +
-           std::to_string(pl.dyn_classes);
+  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -585,9 +497,6 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
-  int dyn_lag = -1;  // --dyn L: dynamic_decode with dynamic_lag L (0: automatic)
-  int dyn_ctas = 0;  // --dyn-ctas N: dynamic_ctas_per_sm N
-  bool fdyn = false;  // --fdyn: flat_dynamic
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -635,12 +544,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--dyn" && i + 1 < argc)
-      dyn_lag = std::atoi(argv[++i]);
-    else if (a == "--dyn-ctas" && i + 1 < argc)
-      dyn_ctas = std::atoi(argv[++i]);
-    else if (a == "--fdyn")
-      fdyn = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -664,7 +567,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--fdyn] [--dyn LAG] [--dyn-ctas N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -679,12 +582,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.flat_dynamic = fdyn;
-  if (dyn_lag >= 0) {
-    default_o.dynamic_decode = true;
-    default_o.dynamic_lag = dyn_lag;
-    default_o.dynamic_ctas_per_sm = dyn_ctas;
-  }
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -725,9 +622,7 @@ int main(int argc, char** argv) {
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
     // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
-    const int64_t units =
-        (c.T + 31) / 32 +
-        (pl.flat_ctas > 0 ? pl.flat_ctas : (pl.dyn_ctas > 0 ? pl.dyn_ctas : c.R));
+    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 4 warps per row).
@@ -849,19 +744,6 @@ int main(int argc, char** argv) {
             "p90 %6.2f max %6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
-    }
-    if (pl.dyn_ctas > 0) {
-      // The dynamic decode's selection items: polls that found their row incomplete (word 18).
-      uint64_t polls = 0, spinning = 0;
-      for (int64_t w = 0; w < warps; ++w) {
-        const uint64_t* e = tl.data() + w * kStride;
-        if (!e[0]) continue;
-        polls += e[18];
-        spinning += e[18] > 0 ? 1 : 0;
-      }
-      std::printf("  dynamic: %llu selection polls found their row incomplete (%llu warps)\n",
-                  static_cast<unsigned long long>(polls),
-                  static_cast<unsigned long long>(spinning));
     }
     {
       // The selection kernel (when one runs): its warps' entry, release from the dependency
@@ -1067,10 +949,6 @@ int main(int argc, char** argv) {
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "sm count");
     int* sink = static_cast<int*>(device_alloc(size_t{64} * 1024 * 4));
-    // read_paged_dyn's counters (zeroed once; every call leaves them zero) and its stores.
-    unsigned* dyn_ctl = static_cast<unsigned*>(device_alloc(size_t{4} * (2 + 4096)));
-    check_cuda(cudaMemset(dyn_ctl, 0, size_t{4} * (2 + 4096)), "dyn ctl");
-    int* dyn_scratch = static_cast<int*>(device_alloc(size_t{4} * 4 * (size_t{1} << 20)));
     for (int draft : {0, 3}) {
       for (int ctx : contexts) {
         for (int batch : batches) {
@@ -1106,33 +984,7 @@ int main(int argc, char** argv) {
                 stream);
             if (tp.median_us < paged_best) paged_best = tp.median_us, paged_grid = k * sms;
           }
-          // Dynamic page assignment (read_paged_dyn), with and without the per-page signal, at
-          // the grid of the static paged read and at one and two 8-warp CTAs per SM.
-          double dyn_best[2] = {1e30, 1e30};
-          int dyn_grid[2] = {0, 0};
-          for (int sig = 0; sig < 2; ++sig)
-            for (int k : {1, 2, 4}) {
-              const bench::Timing td = bench::time_graph_cold(
-                  [&](cudaStream_t st) {
-                    const auto kern = sig ? read_paged_dyn<true> : read_paged_dyn<false>;
-                    kern<<<k * sms, 256, 0, st>>>(pool.data,
-                                                  static_cast<const int32_t*>(c.d_tables[0]),
-                                                  entries, c.max_pages, sink, dyn_ctl, dyn_scratch);
-                  },
-                  stream);
-              if (td.median_us < dyn_best[sig]) dyn_best[sig] = td.median_us, dyn_grid[sig] = k * sms;
-            }
           const int calls = std::max(8, 2 * c.copies);
-          bench::Timing db[2];
-          for (int sig = 0; sig < 2; ++sig)
-            db[sig] = bench::time_graph_back_to_back(
-                [&](cudaStream_t st, int copy) {
-                  const auto kern = sig ? read_paged_dyn<true> : read_paged_dyn<false>;
-                  kern<<<dyn_grid[sig], 256, 0, st>>>(
-                      pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries,
-                      c.max_pages, sink, dyn_ctl, dyn_scratch);
-                },
-                c.copies, stream, calls);
           const bench::Timing fb = bench::time_graph_back_to_back(
               [&](cudaStream_t st, int copy) {
                 bench::launch_plain_read(flat_src(copy), n16, flat_grid, 512, sink, st);
@@ -1154,18 +1006,13 @@ int main(int argc, char** argv) {
           row.add("read_b2b", fb.median_us, 1);
           row.add("paged_us", paged_best, 1);
           row.add("paged_b2b", pb.median_us, 1);
-          row.add("dyn_us", dyn_best[0], 1);
-          row.add("dyn_b2b", db[0].median_us, 1);
-          row.add("dynsig_us", dyn_best[1], 1);
-          row.add("dynsig_b2b", db[1].median_us, 1);
           row.add("read_%copy", pct_copy(c, flat_best), 1);
           row.add("read_b2b_%", pct_copy(c, fb.median_us), 1);
           row.add("paged_%copy", pct_copy(c, paged_best), 1);
           row.add("paged_b2b_%", pct_copy(c, pb.median_us), 1);
           row.add("idx/read", 100.0 * flat_best / tm.iso.median_us, 1);
           row.add("idx/read_b2b", 100.0 * fb.median_us / tm.b2b.median_us, 1);
-          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid) + "/" +
-                               std::to_string(dyn_grid[0]) + "/" + std::to_string(dyn_grid[1]));
+          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid));
           row.add("copies", std::to_string(c.copies));
           rows.push_back(row);
           free_case(c);
@@ -1173,8 +1020,6 @@ int main(int argc, char** argv) {
       }
     }
     cudaFree(sink);
-    cudaFree(dyn_ctl);
-    cudaFree(dyn_scratch);
     bench::print_rows(
         "indexer vs plain reads of the same index-K bytes (graph replay, cold L2; isolated and "
         "back to back; read = contiguous, paged = the case's pages via its page table; idx/read "
@@ -1192,12 +1037,7 @@ int main(int argc, char** argv) {
     std::vector<Variant> all = {{"base", default_o},    {"2k", default_o},    {"late", default_o},
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
-                                {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o},
-                                {"dyn", default_o},     {"dyn12", default_o}, {"dyn50", default_o},
-                                {"dyns6", default_o},   {"dynk1", default_o}, {"dynk16", default_o},
-                                {"dyn2", default_o},    {"dyn2s6", default_o},
-                                {"fdyn", default_o},    {"f1dyn", default_o},
-                                {"dyn2l25", default_o}};
+                                {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;
@@ -1210,21 +1050,6 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    for (int i = 12; i <= 19; ++i) all[static_cast<size_t>(i)].o.dynamic_decode = true;
-    all[18].o.dynamic_ctas_per_sm = 2;
-    all[19].o.dynamic_ctas_per_sm = 2;
-    all[19].o.dynamic_static = 6;
-    all[20].o.flat_dynamic = true;
-    all[21].o.flat_dynamic = true;
-    all[21].o.flat_decode = 1;
-    all[22].o.dynamic_decode = true;
-    all[22].o.dynamic_ctas_per_sm = 2;
-    all[22].o.dynamic_lag = 25;
-    all[13].o.dynamic_lag = 12;
-    all[14].o.dynamic_lag = 50;
-    all[15].o.dynamic_static = 6;
-    all[16].o.dynamic_classes = 1;
-    all[17].o.dynamic_classes = 16;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

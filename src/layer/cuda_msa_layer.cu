@@ -270,9 +270,6 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
   w->indexer_ws_bytes_ =
       std::max<size_t>(16, indexer_workspace_bytes(static_cast<int64_t>(M), g.n_kv, cap.max_pages));
   M3_RETURN_IF_ERROR(alloc(w->indexer_ws_bytes_, &w->indexer_ws_));
-  // The indexer's workspace starts zeroed (indexer_workspace_init's contract: the dynamic decode's
-  // control area and tags); every call leaves it ready for the next.
-  M3_CUDA_RETURN_IF_ERROR(cudaMemset(w->indexer_ws_.data(), 0, w->indexer_ws_.bytes()));
   w->attention_ws_bytes_ = std::max<size_t>(16, attention_workspace_bound());
   M3_RETURN_IF_ERROR(alloc(w->attention_ws_bytes_, &w->attention_ws_));
 

@@ -13,7 +13,6 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
-#include "stages/indexer/indexer_kernel_dynamic.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -64,6 +63,37 @@ constexpr int64_t kDecodeChunkShort = 24;
 //  entry, the cluster barrier and final selection add ~1.8 us; flat's stream ends later (its
 //  warps are ready ~1 us later and the SMs end 4-5 us apart, the single pass's 1.7 us), and
 //  its selection kernel ends ~2.9 us after the scorer's last warp.
+// Session 22 (64 x 8K, same-round A/Bs, back-to-back us, draft 0 / draft 3 vs the defaults),
+// all lost and deleted:
+//  - dynamic decode (issue #5's "finer work assignment"): one CTA of 4 warps per SM (or two),
+//    request-major items (one block of a request's rows, or the selection of one of its rows,
+//    lagging behind its blocks) taken from global counters in a zeroed workspace control area
+//    (the call's last grab reset it), block maxima stored as u64 (score bits + a per-call tag)
+//    so that selection items polled their rows without fences, no selection kernel. Round C (one
+//    counter): 32.1-33.6 / 39.1-40.1 vs 21.1-21.2 / 23.1-23.2; round D (8 / 1 / 16 counters on
+//    separate lines): 30.7-31.1 / 38.3-39.0 vs 21.1 / 23.2-23.3; round E (two CTAs per SM):
+//    29.6-29.7 / 31.7-31.8 vs 21.0-21.1 / 23.3-23.4; round F (overflow tiles kept out of the
+//    decode CTAs' slots): 24.4-24.6 / 27.2-27.7 vs 21.0-21.1 / 23.2-23.4; round G (no acquire
+//    load, the first item's request resolved before the first tiles: ready 3.9-4.0 us after
+//    entry instead of 7.2-8.1): 25.2-25.7 / 27.7-28.3 vs 21.3-21.4 / 23.5-23.7. Timelines and
+//    ncu: the stream's end was balanced (round C, one CTA per SM, d3: 90 % of the CTAs ended
+//    within 1.3 us, the flat plan's 5 us apart), but each item switches request (query rows,
+//    positions, item arithmetic: ~600 instructions beside the block's ~780), and the warps are
+//    latency bound at one per scheduler (round D ncu, d3: 5.3 cycles per issued instruction,
+//    issue slots 17 % busy, DRAM 33 %), so the stream ran at half speed; two CTAs per SM hid
+//    that in the middle of the stream but not at its start and end;
+//  - flat_dynamic (a request's blocks shared by its flat warps through a per-request counter,
+//    three static blocks per warp first, no request switch): 24.4 vs 23.3-23.4 at d3 (round E;
+//    CTA ends still 17.4-21.5 us: the spread lies between SMs, not between a request's warps,
+//    and it changes from call to call), flat1 with it at d0 22.6-22.7 vs 21.7-21.8 (flat1) and
+//    21.0-21.1 (single pass);
+//  - (bench diagnostic, round A) the paged read of the 64 x 8K pages taken from one atomic
+//    counter two pages ahead: 26.0 / 23.7-23.8 us isolated / back to back vs 20.0 / 17.7-17.8
+//    for the static read; with a fence and a per-request done counter per page 26.2-26.4 /
+//    24.2.
+//  The lesson: the stream is bound by DRAM and by each warp's instruction latency at once; any
+//  work added per block costs the whole stream, so a finer balance needs a mechanism that adds
+//  nothing per block.
 constexpr int64_t kFlatRuleChunk = 12;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 4;
@@ -128,19 +158,6 @@ int64_t scores_bytes_aligned(int64_t num_tokens, int n_kv, int max_pages) {
   return ceil_div(num_tokens * n_kv * max_pages * int64_t{sizeof(float)}, 16) * 16;
 }
 
-// The workspace: the control area, the f32 block scores, then (tagged_offset) the dynamic
-// decode's tagged block maxima, u64 [T * n_kv, max_pages] for max_pages <= kFusedMaxChunk.
-int64_t tagged_offset(int64_t num_tokens, int n_kv, int max_pages) {
-  return static_cast<int64_t>(kIndexerControlBytes) +
-         scores_bytes_aligned(num_tokens, n_kv, max_pages);
-}
-
-// The flat decode's per-request counters (flat_dynamic) after the tagged table: T int32.
-int64_t counters_offset(int64_t num_tokens, int n_kv, int max_pages) {
-  return tagged_offset(num_tokens, n_kv, max_pages) +
-         num_tokens * n_kv * std::min<int64_t>(max_pages, ik::kFusedMaxChunk) * 8;
-}
-
 // The launch plan, from host-known values only (shapes, options, the SM count).
 struct Plan {
   bool mma = false;
@@ -150,11 +167,7 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
-  bool flat_dyn = false;  // flat decode with per-request block counters (flat_dynamic)
-  int64_t dyn_ctas = 0;   // dynamic decode: decode CTAs (grid.x = overflow + dyn_ctas, grid.y 1)
-  int64_t dyn_rows = 0, dyn_tasks = 0, dyn_lag = 0, dyn_static = 3, dyn_classes = 1;
 };
-
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   Plan pl;
@@ -283,47 +296,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
-      pl.flat_dyn = o.flat_dynamic && R <= T;
-    }
-  }
-  // Dynamic decode (IndexerCudaOptions::dynamic_decode): one or two CTAs of 4 warps per SM
-  // after the overflow tiles; every decode CTA can be resident at once (a selection item may
-  // wait for any earlier item: indexer_kernel_dynamic.cuh; two CTAs fit per SM, and the overflow
-  // tiles, first in the grid, wait for nothing). Fewer overflow tiles than SMs. The ring scores the first 8 or 16 rows of a
-  // request (the rows of ceil(T / R) tokens: equal-length batches); rows beyond, from global
-  // memory. One selection item per guessed row; the lag: the requests whose stream items the
-  // warps' three-item pipelines hold.
-  if (pl.mma && o.dynamic_decode && T > 0 && max_pages <= ik::kFusedMaxChunk &&
-      pl.overflow < sms) {
-    const int64_t tokens = std::clamp<int64_t>(ceil_div(T, R), 1, ik::kDecRows / p.n_kv);
-    const int64_t rows = tokens * p.n_kv;
-    const int64_t per_sm = o.dynamic_ctas_per_sm == 2 ? 2 : 1;
-    const int64_t warps = (per_sm == 2 ? 2 * sms - pl.overflow : sms) * ik::kMmaWarps;
-    const int64_t items = R * (max_pages + rows);
-    if (items + 3 * warps < std::numeric_limits<int32_t>::max()) {
-      pl.fused = pl.single = false;
-      pl.flat_ctas = 0;
-      pl.flat_dyn = false;
-      // Two CTAs per SM (the registers' limit): the overflow tiles take slots of their own
-      // (in decode batches they hold them for ~20 us of sequential metadata loads: round E, a
-      // decode CTA of 272 at 2 per SM entered at 19.7 us), so the decode CTAs fill the rest.
-      pl.dyn_ctas = per_sm == 2 ? 2 * sms - pl.overflow : sms;
-      pl.units = pl.overflow + pl.dyn_ctas;
-      pl.k_splits = 1;
-      pl.dec_chunk = max_pages;
-      pl.dyn_rows = rows <= 8 ? 8 : 16;
-      pl.dyn_tasks = rows;
-      pl.dyn_lag = std::min<int64_t>(
-          R, o.dynamic_lag > 0 ? o.dynamic_lag : ceil_div(3 * warps, max_pages));
-      // Classes of warps and items, each with its own counter; (S - 3) W <= items in every class
-      // keeps the grab counts exact (indexer_kernel_dynamic.cuh).
-      pl.dyn_classes = std::clamp<int64_t>(o.dynamic_classes > 0 ? o.dynamic_classes : 8, 1,
-                                           ik::kMaxDynClasses);
-      const int64_t cw = ceil_div(warps, pl.dyn_classes), ci = items / pl.dyn_classes;
-      // Automatic 4 (3 where a class has no more items than warps): no grab before the first
-      // items' tiles.
-      const int64_t s_max = std::max<int64_t>(3, ci / cw);
-      pl.dyn_static = std::clamp<int64_t>(o.dynamic_static > 0 ? o.dynamic_static : 4, 3, s_max);
     }
   }
   return pl;
@@ -365,22 +337,7 @@ int sm_count() {
 
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  // Monotone in every argument (a workspace sized for a capacity serves every smaller call).
-  return static_cast<size_t>(counters_offset(num_tokens, n_kv, max_pages) +
-                             ceil_div(num_tokens * 4, 16) * 16);
-}
-
-Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream) {
-  M3_CHECK_ARG(workspace.device.type == DeviceType::kCUDA,
-               "indexer_workspace_init needs a CUDA view, got ", workspace.device.to_string());
-  M3_RETURN_IF_ERROR(check_contiguous(workspace, "indexer workspace"));
-  const int64_t have = workspace.numel() * dtype_size(workspace.dtype);
-  M3_CHECK_ARG(have >= static_cast<int64_t>(kIndexerControlBytes), "indexer workspace holds ",
-               have, " bytes, less than its control area (", kIndexerControlBytes, ")");
-  M3_CHECK_ARG(workspace.data != nullptr && aligned16(workspace.data),
-               "indexer workspace must be 16-byte aligned, got address ", workspace.data);
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(workspace.data, 0, static_cast<size_t>(have), stream));
-  return Status::Ok();
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -397,12 +354,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
-  info.flat_dyn = pl.flat_dyn;
-  info.dyn_ctas = static_cast<int>(pl.dyn_ctas);
-  info.dyn_rows = static_cast<int>(pl.dyn_rows);
-  info.dyn_lag = static_cast<int>(pl.dyn_lag);
-  info.dyn_static = static_cast<int>(pl.dyn_static);
-  info.dyn_classes = static_cast<int>(pl.dyn_classes);
   return info;
 }
 
@@ -433,12 +384,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
-  M3_CHECK_ARG(options.dynamic_ctas_per_sm >= 0 && options.dynamic_ctas_per_sm <= 2,
-               "run_indexer_cuda: dynamic_ctas_per_sm ", options.dynamic_ctas_per_sm,
-               " is outside [0, 2]");
-  M3_CHECK_ARG(options.dynamic_classes >= 0 && options.dynamic_classes <= ik::kMaxDynClasses,
-               "run_indexer_cuda: dynamic_classes ", options.dynamic_classes,
-               " is outside [0, ", ik::kMaxDynClasses, "]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -482,18 +427,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
-  uint8_t* const ws = static_cast<uint8_t*>(workspace.data);
-  a.ctl = reinterpret_cast<unsigned*>(ws);
-  a.scores = reinterpret_cast<float*>(ws + kIndexerControlBytes);
-  a.tagged = reinterpret_cast<uint64_t*>(ws + tagged_offset(T, p.n_kv, max_pages));
-  a.req_ctr =
-      pl.flat_dyn ? reinterpret_cast<int*>(ws + counters_offset(T, p.n_kv, max_pages)) : nullptr;
-  a.dyn_warps = static_cast<int>(pl.dyn_ctas * ik::kMmaWarps);
-  a.dyn_tasks = static_cast<int>(std::max<int64_t>(pl.dyn_tasks, 1));
-  a.dyn_lag = static_cast<int>(pl.dyn_lag);
-  a.dyn_static = static_cast<int>(pl.dyn_static);
-  a.dyn_classes = static_cast<int>(pl.dyn_classes);
-  a.dyn_tok = T % std::max<int64_t>(R, 1) == 0 ? static_cast<int>(T / std::max<int64_t>(R, 1)) : 0;
+  a.scores = static_cast<float*>(workspace.data);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
@@ -527,17 +461,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(cap)));
       return Status::Ok();
     };
-    if (pl.dyn_ctas > 0) {
-      // Dynamic decode: the scorer finishes every row (indexer_kernel_dynamic.cuh).
-      const auto dkernel =
-          pl.dyn_rows == 8 ? ik::score_dynamic_kernel<1> : ik::score_dynamic_kernel<2>;
-      size_t dsmem = 0;
-      M3_RETURN_IF_ERROR(prepare(dkernel, ik::kMmaSmemBytes, &dsmem));
-      M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(dkernel, grid, dim3(ik::kMmaThreads), dsmem, stream, pdl, a));
-      M3_CUDA_CHECK_LAUNCH();
-      return Status::Ok();
-    }
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
@@ -572,10 +495,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
       size_t msmem = 0;
-      const auto mkernel = pl.flat_dyn ? ik::score_flat_dyn_kernel : ik::score_mma_kernel;
-      M3_RETURN_IF_ERROR(prepare(mkernel, ik::kMmaSmemBytes, &msmem));
+      M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel, ik::kMmaSmemBytes, &msmem));
       M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(mkernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
+          launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
     } else {
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));

@@ -69,21 +69,13 @@ Status verify_block_selection(const float* block_scores, int n_valid, const int3
 #if defined(M3ATTN_WITH_CUDA)
 // ---- CUDA indexer (indexer.cu) ----
 //
-// Workspace: device memory the caller owns (no allocation inside the run), zeroed once after
-// allocation (indexer_workspace_init) before its first run. Its first kIndexerControlBytes are
-// the control area of the dynamic decode (IndexerCudaOptions::dynamic_decode: a work counter
-// every call leaves zero, and a call count); then T * n_kv * max_pages * 4 bytes of block
-// scores, f32 [T, n_kv, max_pages]: after a run, entry (t, h, b) is the GPU's B(t, h, b) for
-// every token with more than 16 visible blocks and every b < n_valid(t) (tests read them; other
-// entries are unspecified), except the rows of decode units when the single pass runs
-// (IndexerCudaPlan::single: their block scores stay on chip) or the dynamic decode (their block
-// maxima go to the tagged table that follows: T * n_kv * min(max_pages, 64) * 8 bytes, u64 per
-// (row, block), the score's bits and the call's tag), then T int32 per-request block counters of
-// the flat decode's flat_dynamic (zero between calls). Apart from the control area, the counters
-// and the tags
-// (which the init's zeros make safe), contents need no initialization and are not preserved
-// between runs. (Until session 16 the fused path's candidate lists followed the scores.)
-constexpr size_t kIndexerControlBytes = 17 * 256;
+// Workspace: device memory the caller owns (no allocation inside the run). Its first
+// T * n_kv * max_pages * 4 bytes hold the block scores, f32 [T, n_kv, max_pages]: after a run,
+// entry (t, h, b) is the GPU's B(t, h, b) for every token with more than 16 visible blocks and
+// every b < n_valid(t) (tests read them; other entries are unspecified), except the rows of
+// decode units when the single pass runs (IndexerCudaPlan::single): their block scores stay on
+// chip. Contents need no initialization and are not preserved between runs. (Until session 16 the
+// fused path's candidate lists followed the scores.)
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages);
 
 struct IndexerCudaOptions {
@@ -195,38 +187,6 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Flat decode only (session 22): the blocks of a request are shared by its warps through a
-  // per-request counter in the workspace instead of fixed ranges: each warp takes its first
-  // three blocks statically (its index among the request's n warps, + n, + 2n), then one block
-  // per grab (the grab two blocks ahead), so the request's warps end within about a block of
-  // each other; the selection kernel zeroes the counters. Applies where flat decode runs and
-  // R <= T. Same ids.
-  bool flat_dynamic = false;
-  // Dynamic decode (session 22, indexer_kernel_dynamic.cuh): where max_pages <= 64 and the
-  // tensor-core scorer runs, the decode units' work as items taken from a global counter in the
-  // workspace's control area by about 4 warps per SM (one CTA per SM; request-major: a block of
-  // a request's rows, or a selection of some of its rows), the block maxima tagged with the call
-  // into the workspace, the rows selected by the warps as their requests complete (no selection
-  // kernel, no barrier); overflow tiles (prefill tokens) score and select their rows as in the
-  // single pass. Needs the workspace zeroed once (indexer_workspace_init). Same ids.
-  bool dynamic_decode = false;
-  // Dynamic decode: requests of stream items between a request's last block and its selection
-  // items (0: automatic, about the requests the warps' three-item pipelines hold).
-  int dynamic_lag = 0;
-  // Dynamic decode: items each warp takes statically (item v + k W for slot k, warp v of W)
-  // before its first grab from the counter; at least 3 (the pipeline's depth), at most the
-  // batch's items / W (0: 4, or 3 where that is the most).
-  int dynamic_static = 0;
-  // Dynamic decode: counters (1..16; 0: automatic, 8): warp w and item i belong to class
-  // w mod classes / i mod classes, each class with its own counter on its own L2 line (session 22
-  // round C: one counter for every warp made the stream half as fast, 39.6 vs 23.2 us at 64 x 8K
-  // draft 3).
-  int dynamic_classes = 0;
-  // Dynamic decode: CTAs (of 4 warps) per SM, 1 or 2 (0: 1). Session 22 round D ncu (64 x 8K
-  // draft 3, one CTA per SM): ~1400 instructions per item (776 of them the block's tiles) at 5.3
-  // cycles each, one warp per scheduler: the warps' instruction latency, not DRAM (33 % busy),
-  // set the stream's pace.
-  int dynamic_ctas_per_sm = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel
@@ -257,13 +217,6 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
-  bool flat_dyn = false;  // flat decode with per-request block counters (flat_dynamic)
-  int dyn_ctas = 0;     // dynamic decode (IndexerCudaOptions::dynamic_decode): decode CTAs (4
-                        // warps each, grid.y 1); 0: off
-  int dyn_rows = 0;     // dynamic decode: query rows scored from the ring (8 or 16)
-  int dyn_lag = 0;      // dynamic decode: the selection items' lag in requests
-  int dyn_static = 0;   // dynamic decode: static item slots per warp
-  int dyn_classes = 0;  // dynamic decode: counters
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 
@@ -278,11 +231,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
 // max_pages) bytes, 16-byte aligned.
 Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cudaStream_t stream,
                         const IndexerCudaOptions& options = {});
-
-// Zeroes a freshly allocated workspace (any contiguous CUDA view, 16-byte aligned, at least
-// kIndexerControlBytes) on `stream`: run once after allocation, before its first
-// run_indexer_cuda (every call leaves the control area ready for the next).
-Status indexer_workspace_init(const TensorView& workspace, cudaStream_t stream);
 #endif
 
 }  // namespace m3attn

@@ -72,21 +72,6 @@ struct KernelArgs {
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
-  // IndexerCudaOptions::dynamic_decode (indexer_kernel_dynamic.cuh): the decode warps (4 per CTA
-  // after the overflow tiles; 0: off), selection items per request, the lag in requests of the
-  // selection items behind the stream items, the workspace's control words and its tagged block
-  // maxima (u64 [T * n_kv, max_pages]: score bits, the call's tag in the high word).
-  int dyn_warps = 0;
-  int dyn_tasks = 1;
-  int dyn_lag = 0;
-  int dyn_static = 3;   // static item slots per warp before its first grab (>= 3)
-  int dyn_classes = 1;  // independent counters (warps and items split by index mod classes)
-  int dyn_tok = 0;      // T / R where R divides T (request r's guessed tokens: r T / R ...), else 0
-  unsigned* ctl = nullptr;
-  uint64_t* tagged = nullptr;
-  // IndexerCudaOptions::flat_dynamic: per-request block counters in the workspace (null: off),
-  // zero at the call's start; the selection kernel, which follows the flat scorer, zeroes them.
-  int* req_ctr = nullptr;
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
   // (the producer) finished. Then decode units issue, before pdl_wait, only copies of index-K
@@ -160,15 +145,6 @@ __device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, ui
   const int64_t w =
       (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   a.timeline[w * kTimelineStride + word] = c;
-}
-
-// A value (not a clock) into word `word` of the warp's kTimelineStride words (lane 0; timeline
-// only): the dynamic decode's word 18, its selection items' polls that found their row incomplete.
-__device__ __forceinline__ void timeline_value(const KernelArgs& a, int word, uint64_t value) {
-  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
-  const int64_t w =
-      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  a.timeline[w * kTimelineStride + word] = value;
 }
 
 // The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from

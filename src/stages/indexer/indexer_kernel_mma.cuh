@@ -239,14 +239,16 @@ struct DecodeState {
 // waits; session 13 rounds A-B: single pass at 8K, draft 3, one CTA per request: 64 requests
 // 34.9 vs 40.0 us, 128: 46.4 vs 48.9; elsewhere equal or up to 2 % faster, never slower beyond
 // the run-to-run spread). NT >= 3 keeps one accumulator (registers).
-// The tile's work once lane (g, tig) holds its slices of key rows g (lo0, hi0) and g + 8 (lo1,
-// hi1) (see row_slice_f16): decode_compute_tile from the swizzled shared tile, the dynamic
-// decode's fallback (indexer_kernel_dynamic.cuh) from global memory.
 template <int NT>
-__device__ __forceinline__ void decode_compute_slices(DecodeState<NT>& s, const uint4& lo0,
-                                                      const uint4& hi0, const uint4& lo1,
-                                                      const uint4& hi1, int key0, bool mask,
-                                                      int g) {
+__device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
+                                                    int key0, bool mask, int g, int tig) {
+  const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
+  const uint8_t* r1 = r0 + 8 * kRowBytes;
+  const int sw = (g & 1) << 2;
+  const int c_lo = (tig ^ sw) << 4;
+  const int c_hi = ((tig + 4) ^ sw) << 4;
+  const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
+  const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
   constexpr bool kTwo = NT <= 2;
   float c[NT][4], d[kTwo ? NT : 1][4];
 #pragma unroll
@@ -287,19 +289,6 @@ __device__ __forceinline__ void decode_compute_slices(DecodeState<NT>& s, const 
     s.run[nt][0] = block_max(s.run[nt][0], block_max(c[nt][0], c[nt][2]));
     s.run[nt][1] = block_max(s.run[nt][1], block_max(c[nt][1], c[nt][3]));
   }
-}
-
-template <int NT>
-__device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const uint8_t* tile,
-                                                    int key0, bool mask, int g, int tig) {
-  const uint8_t* r0 = tile + g * kRowBytes;  // rows g and g + 8 share the swizzle parity
-  const uint8_t* r1 = r0 + 8 * kRowBytes;
-  const int sw = (g & 1) << 2;
-  const int c_lo = (tig ^ sw) << 4;
-  const int c_hi = ((tig + 4) ^ sw) << 4;
-  const uint4 lo0 = lds16(r0 + c_lo), hi0 = lds16(r0 + c_hi);
-  const uint4 lo1 = lds16(r1 + c_lo), hi1 = lds16(r1 + c_hi);
-  decode_compute_slices<NT>(s, lo0, hi0, lo1, hi1, key0, mask, g);
 }
 
 // End of block b: the block max of every row goes to the workspace scores (two-kernel path) or,
@@ -420,24 +409,15 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused, bool kDyn = false>
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
                                             float* sblk, int b0, bool pre_issued, int share) {
-  constexpr bool dyn = kDyn;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
   const int nblk = (b1 - first + step - 1) / step;
-  // kDyn (IndexerCudaOptions::flat_dynamic; first = the warp's index among the request's step
-  // warps): slots 0-2 are the blocks first + k step, later slots 3 step + c for the grabs c of
-  // the request's counter a.req_ctr[r] (one per slot, issued two blocks ahead), until a block
-  // >= b1. Blocks bk, bk1, bk2 of the slots k, k + 1, k + 2.
-  int bk = first, bk1 = first + step, bk2 = first + 2 * step;
-  unsigned grab = 0;  // lane 0: the grab for slot k + 3
-  int* const ctr = dyn ? a.req_ctr + r : nullptr;
-  if (dyn && lane == 0 && bk2 < b1) grab = atomicAdd(ctr, 1);
 
   // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
   // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
@@ -476,8 +456,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
 
-  for (int k = 0; dyn ? bk < b1 : k < nblk; ++k) {
-    const int b = dyn ? bk : first + k * step;
+  for (int k = 0; k < nblk; ++k) {
+    const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
@@ -510,16 +490,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
-    if (dyn) {
-      bk = bk1;
-      bk1 = bk2;
-      const int c = static_cast<int>(__shfl_sync(0xffffffffu, grab, 0));
-      bk2 = bk2 < b1 ? 3 * step + c : b1;  // (a slot past the end issued no grab)
-      raw_k2 = bk2 < b1 ? __ldg(a.page_table + int64_t{r} * a.pt_stride + bk2) : -1;
-      if (lane == 0 && bk2 < b1) grab = atomicAdd(ctr, 1);
-    } else {
-      raw_k2 = raw_page_at(k + 3);
-    }
+    raw_k2 = raw_page_at(k + 3);
   }
   cp_async_wait<0>();
 }
@@ -538,9 +509,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false, bool kDyn = false>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
-  static_assert(!kDyn || !kFused, "flat_dynamic: the two-kernel flat decode only");
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
@@ -569,13 +539,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
     first = b0;
     step = 1;
-    if constexpr (kDyn) {
-      // flat_dynamic: the request's blocks shared by its n warps (decode_unit's kDyn).
-      b0 = 0;
-      bend = a.max_pages;
-      first = v - lo;
-      step = n;
-    }
   }
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
@@ -640,25 +603,24 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
-  // The warp's blocks first, first + 4, ... < b1 (flat_dynamic: see decode_unit's kDyn); block
-  // b's maxima go to table[row][b - tb0].
+  // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
   const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
-                                     q, p, table, tb0, pre, share);
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre, share);
         break;
       case 2:
-        decode_unit<2, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
-                                     q, p, table, tb0, pre, share);
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre, share);
         break;
       case 3:
-        decode_unit<3, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
-                                     q, p, table, tb0, pre, share);
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre, share);
         break;
       default:
-        decode_unit<4, kFused, kDyn>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second,
-                                     q, p, table, tb0, pre, share);
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+                               table, tb0, pre, share);
         break;
     }
   };
@@ -870,14 +832,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, bool kDyn = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kDyn>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -902,13 +864,6 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false>(a, smem, sh);
-}
-
-// Flat decode with flat_dynamic (per-request block counters, KernelArgs::req_ctr).
-__global__ void __launch_bounds__(kMmaThreads) score_flat_dyn_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, true>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

@@ -409,15 +409,6 @@ __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int
   emit_row(out, local, warp_top15(top));
 }
 
-// flat_dynamic: the scorer (complete: after pdl_wait) is done with its per-request block
-// counters; they go back to zero for the next call.
-__device__ __forceinline__ void reset_request_counters(const KernelArgs& a) {
-  if (a.req_ctr == nullptr) return;
-  for (int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x); i < a.num_requests;
-       i += static_cast<int>(gridDim.x * blockDim.x))
-    a.req_ctr[i] = 0;
-}
-
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
   __shared__ __align__(16) float row_copy[kSelectWarps][kCountRow];
   __shared__ uint64_t survivors[kSelectWarps][64];
@@ -431,7 +422,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
   pdl_wait();
   select_timeline_mark(a, 1);
-  reset_request_counters(a);
   if (!in_range) return;
   select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
   select_timeline_mark(a, 2);
@@ -466,7 +456,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
   pdl_wait();
   select_timeline_mark(a, 1);
-  reset_request_counters(a);
   int32_t* out = a.block_ids + row * kTopK;
   int local = -1;  // uniform over the row's warps
   float s0 = quiet_nan(), s1 = quiet_nan();

@@ -195,9 +195,6 @@ inline void upload(const Inputs& in, DeviceSet& d, int64_t pool_offset = 0) {
                                        {in.T(), int64_t{in.n_kv}, int64_t{kTopK}}, cuda);
   d.workspace = TensorView::contiguous(static_cast<uint8_t*>(d.ws.data()) + kGuard, DType::kF32,
                                        {static_cast<int64_t>(d.ws_bytes / 4)}, cuda);
-  const Status st = indexer_workspace_init(d.workspace, nullptr);
-  EXPECT_TRUE(st.ok()) << st.to_string();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 // Overwrites the inputs of `d` in place with those of `in` (same shapes: CUDA-graph replays).
@@ -218,16 +215,8 @@ inline void poison_outputs(DeviceSet& d) {
   std::fill(ids.begin() + kGuard, ids.begin() + kGuard + static_cast<long>(d.ids_bytes),
             kIdsPoison);
   d.ids.upload(ids.data(), ids.size());
-  // The control area as indexer_workspace_init leaves it (zero: download checks that every call
-  // leaves its work counters zero), the rest poisoned (tagged entries then carry the tag
-  // 0xc3c3c3c3, which no call uses).
-  // The flat decode's request counters (the last T int32s, 16-byte padded) stay zero too.
   std::vector<uint8_t> ws(d.ws_bytes + 2 * kGuard, kGuardByte);
-  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  const size_t tail =
-      std::min(d.ws_bytes, (static_cast<size_t>(d.params.batch.num_tokens) * 4 + 15) / 16 * 16);
-  for (size_t i = 0; i < d.ws_bytes; ++i)
-    ws[kGuard + i] = i < control || i >= d.ws_bytes - tail ? uint8_t{0} : kWsPoison;
+  std::fill(ws.begin() + kGuard, ws.begin() + kGuard + static_cast<long>(d.ws_bytes), kWsPoison);
   d.ws.upload(ws.data(), ws.size());
 }
 
@@ -250,33 +239,8 @@ inline GpuResult download(const DeviceSet& d) {
   std::memcpy(g.ids.data(), ids.data() + kGuard, d.ids_bytes);
   const std::vector<uint8_t> ws = d.ws.download_all();
   EXPECT_TRUE(guards_intact(ws, d.ws_bytes)) << "workspace guard bytes changed";
-  // The control area (the dynamic decode's work counter must be back to zero), then the scores.
-  // (Words 64 (c + 1) for the 16 classes c, and word 1, the classes done.)
-  const size_t control = std::min(d.ws_bytes, kIndexerControlBytes);
-  for (size_t word = 1; (word + 1) * 4 <= control; word = word == 1 ? 64 : word + 64) {
-    uint32_t counter = 0;
-    std::memcpy(&counter, ws.data() + kGuard + word * 4, 4);
-    EXPECT_EQ(counter, 0u) << "the workspace's control word " << word
-                           << " is not zero after the call";
-  }
-  // The flat decode's per-request counters (the workspace's last T int32s, 16-byte padded) are
-  // zero after every call.
-  {
-    const size_t T = static_cast<size_t>(d.params.batch.num_tokens);
-    const size_t tail = (T * 4 + 15) / 16 * 16;
-    if (d.ws_bytes >= control + tail)
-      for (size_t i = 0; i < T; ++i) {
-        int32_t cnt = 0;
-        std::memcpy(&cnt, ws.data() + kGuard + d.ws_bytes - tail + i * 4, 4);
-        if (cnt != 0) {
-          ADD_FAILURE() << "the workspace's request counter " << i << " is " << cnt
-                        << " after the call";
-          break;
-        }
-      }
-  }
-  g.scores.resize((d.ws_bytes - control) / 4);
-  std::memcpy(g.scores.data(), ws.data() + kGuard + control, d.ws_bytes - control);
+  g.scores.resize(d.ws_bytes / 4);
+  std::memcpy(g.scores.data(), ws.data() + kGuard, d.ws_bytes);
   return g;
 }
 
@@ -460,35 +424,14 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     }
     // Flat decode (the two-kernel scorer over balanced warp ranges, flat_decode CTAs per SM):
     // the same block scores, checked against the twin like the two-kernel path.
-    // With flat_dynamic (per-request block counters) too.
-    for (int flat : {1, 3, -1, -3}) {
+    for (int flat : {1, 3}) {
       IndexerCudaOptions fl = v.o;
-      fl.flat_decode = flat < 0 ? -flat : flat;
-      fl.flat_dynamic = flat < 0;
-      const IndexerCudaPlan fp = indexer_cuda_plan(d.params, fl);
-      if (fp.flat_ctas == 0) continue;
-      if (flat < 0 && !fp.flat_dyn) continue;
+      fl.flat_decode = flat;
+      if (indexer_cuda_plan(d.params, fl).flat_ctas == 0) continue;
       const GpuResult f = run_gpu(d, fl);
-      const std::string fname =
-          name + ", flat " + std::to_string(fl.flat_decode) + (fp.flat_dyn ? " dynamic" : "");
+      const std::string fname = name + ", flat " + std::to_string(flat);
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
-    }
-    // The dynamic decode (work items from a global counter, rows selected in the scorer) where
-    // its plan applies (<= 64 blocks), with the automatic lag, lag 1 and a lag past the batch
-    // (every selection item after every block); the first variant only (its other options do
-    // not apply to it).
-    for (int lag : {0, 1, 1000}) {
-      if (&v != &variants.front()) break;
-      IndexerCudaOptions dy = v.o;
-      dy.dynamic_decode = true;
-      dy.dynamic_lag = lag;
-      const IndexerCudaPlan dp = indexer_cuda_plan(d.params, dy);
-      if (dp.dyn_ctas == 0) continue;
-      const GpuResult c = run_gpu(d, dy);
-      expect_same_ids(in, c, g,
-                      name + ", dynamic r" + std::to_string(dp.dyn_rows) + " lag " +
-                          std::to_string(dp.dyn_lag) + " vs two-kernel]");
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).
@@ -580,7 +523,7 @@ inline void check_nan() {
 }
 
 // paths: 0 tensor cores fused, 1 two-kernel, 2 CUDA cores, 3 single pass, 4 single pass in
-// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request), 5 dynamic decode.
+// clusters of 4 CTAs (the cluster shares the rows: 4 and 2 tokens per request).
 inline void check_guards(const std::vector<int>& paths) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -629,12 +572,9 @@ inline void check_guards(const std::vector<int>& paths) {
     o.single_pass = path == 3 || path == 4;
     o.single_pass_ctas = path == 4 ? 4 : 0;
     o.fused_decode_always = path == 0 || path == 3 || path == 4;
-    o.dynamic_decode = path == 5;
-    const char* names[] = {"[fused] ",       "[two-kernel] ",
-                           "[cuda cores] ",  "[single pass] ",
-                           "[single pass cluster 4] ", "[dynamic] "};
+    const char* names[] = {"[fused] ", "[two-kernel] ", "[cuda cores] ", "[single pass] ",
+                           "[single pass cluster 4] "};
     const char* name = names[path];
-    if (path == 5) EXPECT_GT(indexer_cuda_plan(d.params, o).dyn_ctas, 0);
     if (path == 3) EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);
     if (path == 4) {
       EXPECT_TRUE(indexer_cuda_plan(d.params, o).single);

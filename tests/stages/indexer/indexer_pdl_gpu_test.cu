@@ -224,13 +224,6 @@ std::vector<Variant> all_variants(bool short_context) {
       o.single_pass_ctas = ctas;
       v.push_back({ctas == 1 ? "single pass" : ctas == 2 ? "cluster 2" : "cluster 8", o});
     }
-    o = {};
-    o.dynamic_decode = true;
-    v.push_back({"dynamic", o});
-    o = {};
-    o.flat_decode = 1;
-    o.flat_dynamic = true;
-    v.push_back({"flat dynamic", o});
   }
   return v;
 }

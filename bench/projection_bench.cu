@@ -473,25 +473,37 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // default chained; 14 / 15: the row split (M <= 8) without its wgmmas and folds / without its
   // folds (diagnostics: wrong results); 16: the row split with two warpgroups per CTA, chained;
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
-  // serve M 17-64 since session 21). (Session 21 also timed and removed: the diagnostic with each
-  // ring slot's activations loaded once (round A: M 32 slower, M 64 0.5 us faster); the wide form,
-  // one CTA of 74-75 rows per SM with m64n80 wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the
-  // activations in their own ring of one-K-block slots (rounds D-E: M 32 23.4 vs 17.2); a staged
-  // epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64 equal); n 32 k steps as two m64n16 wgmmas
-  // (round H: M 32 19.7 vs 17.4); the progressive fold of round F and the stage released before its
-  // last fold (round H: M 64 21.12 vs 21.40) became the kernel's.) (Session 20 also timed and
-  // removed: a K split of the row split, one CTA per image CTA pair whose two warpgroups took
-  // alternate stages and shared the activations (round A, b2b: fused M 32 / 64 24.2 / 25.4 us, 1 K
-  // block per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4 independent wgmma chains per K block
-  // (round D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1 vs 21.7, M 1 / 16 equal or slower; o_proj
-  // M 1 chained 15.3 / 15.4 vs 14.8); a ring of slots sized by the CTAs' rows (round E: o_proj M
-  // 1 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K blocks per stage chained 21.0 / 32.3). The
-  // token-major fold by bit masks became the fold (round E).) (Session 19 also timed and removed:
-  // the activations multicast across clusters of 2 / 4 CTAs (round B: 2-4x slower at M 32 / 64,
-  // the clusters spilling into a second wave), a stage released before its fold (round F: no
-  // faster; M 32 0.5 us slower); the token-major form is the row split's own at M > 32 since round
-  // F and serial stages (no fold while the next stage's wgmmas are in flight) its only order since
-  // round G.)
+  // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
+  // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
+  // session 22); 23 / 24 / 25: the same chained. (Session 22
+  // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
+  // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
+  // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
+  // memory, one warp store per token (round D: M 64 21.3 vs 21.0, M 32 18.2-18.3 vs 17.3); the
+  // token-major form's 4-byte pairs became its epilogue (round D: M 64 19.6 vs 21.0); round E:
+  // those pairs as 8-byte chunks (M 64 21.4 vs 20.3), swap-AB pairs (M 32 18.6-18.7 vs 17.9-18.0),
+  // each stage's weights 4 / 8 stages ahead prefetched into L2 (M 32 20.1 / 21.9 vs 18.0, chained M
+  // 1 17.1-17.7 vs 15.3), 1 K block per stage chained (round D: M 64 24.1 vs 20.0); round F: the
+  // output stores' L1 no-allocate hint became the kernel's, .cs / .cg lost; round G: each K
+  // block's scales read before its wgmma wait became n 8's, slower at n 16-64.) (Session 21
+  // also timed and removed: the diagnostic with each ring slot's activations loaded once (round A:
+  // M 32 slower, M 64 0.5 us faster); the wide form, one CTA of 74-75 rows per SM with m64n80
+  // wgmmas (round B: M 32 19.5 vs 17.3 us b2b); the activations in their own ring of one-K-block
+  // slots (rounds D-E: M 32 23.4 vs 17.2); a staged epilogue (round F: M 32 18.0-18.2 vs 17.2, M 64
+  // equal); n 32 k steps as two m64n16 wgmmas (round H: M 32 19.7 vs 17.4); the progressive fold of
+  // round F and the stage released before its last fold (round H: M 64 21.12 vs 21.40) became the
+  // kernel's.) (Session 20 also timed and removed: a K split of the row split, one CTA per image
+  // CTA pair whose two warpgroups took alternate stages and shared the activations (round A, b2b:
+  // fused M 32 / 64 24.2 / 25.4 us, 1 K block per stage 32.3 / 33.8, vs 17.3-17.4 / 21.7); 2 / 4
+  // independent wgmma chains per K block (round D, b2b: M 32 18.9 / 21.7 vs 17.3, M 64 23.1
+  // vs 21.7, M 1 / 16 equal or slower; o_proj M 1 chained 15.3 / 15.4 vs 14.8); a ring of slots
+  // sized by the CTAs' rows (round E: o_proj M 1 17.75 / chained 17.41 vs 16.93 / 16.28; 2 / 1 K
+  // blocks per stage chained 21.0 / 32.3). The token-major fold by bit masks became the fold (round
+  // E).) (Session 19 also timed and removed: the activations multicast across clusters of 2 / 4
+  // CTAs (round B: 2-4x slower at M 32 / 64, the clusters spilling into a second wave), a stage
+  // released before its fold (round F: no faster; M 32 0.5 us slower); the token-major form is the
+  // row split's own at M > 32 since round F and serial stages (no fold while the next stage's
+  // wgmmas are in flight) its only order since round G.)
   const ShapeVariant variants[] = {{0, false, 16, 0, false, false},
                                    {1, false, 16, 0, false, false},
                                    {0, true, 16, 0, false, false},
@@ -511,7 +523,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {1, false, 16, 0, false, true, 0, true},
                                    {0, false, 16, 0, false, true, 2, true},
                                    {0, false, 16, 0, false, true, 0, true, false, 1},
-                                   {0, false, 16, 0, false, true, 0, true, false, 2}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4},
+                                   {0, false, 16, 0, false, true, 0, false, false, 5},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4},
+                                   {0, false, 16, 0, false, true, 0, true, false, 5}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -829,7 +847,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     st.to_string().c_str());
         continue;
       }
-      const bool ablated = variants[v].diag > 0;  // (diagnostics: results wrong)
+      // (diagnostics: results wrong)
+      const bool ablated = variants[v].diag > 0;
       add(
           name,
           [&](cudaStream_t stc, int c) {

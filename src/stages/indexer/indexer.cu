@@ -63,6 +63,37 @@ constexpr int64_t kDecodeChunkShort = 24;
 //  entry, the cluster barrier and final selection add ~1.8 us; flat's stream ends later (its
 //  warps are ready ~1 us later and the SMs end 4-5 us apart, the single pass's 1.7 us), and
 //  its selection kernel ends ~2.9 us after the scorer's last warp.
+// Session 22 (64 x 8K, same-round A/Bs, back-to-back us, draft 0 / draft 3 vs the defaults),
+// all lost and deleted:
+//  - dynamic decode (issue #5's "finer work assignment"): one CTA of 4 warps per SM (or two),
+//    request-major items (one block of a request's rows, or the selection of one of its rows,
+//    lagging behind its blocks) taken from global counters in a zeroed workspace control area
+//    (the call's last grab reset it), block maxima stored as u64 (score bits + a per-call tag)
+//    so that selection items polled their rows without fences, no selection kernel. Round C (one
+//    counter): 32.1-33.6 / 39.1-40.1 vs 21.1-21.2 / 23.1-23.2; round D (8 / 1 / 16 counters on
+//    separate lines): 30.7-31.1 / 38.3-39.0 vs 21.1 / 23.2-23.3; round E (two CTAs per SM):
+//    29.6-29.7 / 31.7-31.8 vs 21.0-21.1 / 23.3-23.4; round F (overflow tiles kept out of the
+//    decode CTAs' slots): 24.4-24.6 / 27.2-27.7 vs 21.0-21.1 / 23.2-23.4; round G (no acquire
+//    load, the first item's request resolved before the first tiles: ready 3.9-4.0 us after
+//    entry instead of 7.2-8.1): 25.2-25.7 / 27.7-28.3 vs 21.3-21.4 / 23.5-23.7. Timelines and
+//    ncu: the stream's end was balanced (round C, one CTA per SM, d3: 90 % of the CTAs ended
+//    within 1.3 us, the flat plan's 5 us apart), but each item switches request (query rows,
+//    positions, item arithmetic: ~600 instructions beside the block's ~780), and the warps are
+//    latency bound at one per scheduler (round D ncu, d3: 5.3 cycles per issued instruction,
+//    issue slots 17 % busy, DRAM 33 %), so the stream ran at half speed; two CTAs per SM hid
+//    that in the middle of the stream but not at its start and end;
+//  - flat_dynamic (a request's blocks shared by its flat warps through a per-request counter,
+//    three static blocks per warp first, no request switch): 24.4 vs 23.3-23.4 at d3 (round E;
+//    CTA ends still 17.4-21.5 us: the spread lies between SMs, not between a request's warps,
+//    and it changes from call to call), flat1 with it at d0 22.6-22.7 vs 21.7-21.8 (flat1) and
+//    21.0-21.1 (single pass);
+//  - (bench diagnostic, round A) the paged read of the 64 x 8K pages taken from one atomic
+//    counter two pages ahead: 26.0 / 23.7-23.8 us isolated / back to back vs 20.0 / 17.7-17.8
+//    for the static read; with a fence and a per-request done counter per page 26.2-26.4 /
+//    24.2.
+//  The lesson: the stream is bound by DRAM and by each warp's instruction latency at once; any
+//  work added per block costs the whole stream, so a finer balance needs a mechanism that adds
+//  nothing per block.
 constexpr int64_t kFlatRuleChunk = 12;
 // The automatic single pass (see make_plan) applies up to this many query tokens per request.
 constexpr int64_t kSingleMaxTokensPerRequest = 4;

@@ -210,6 +210,9 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
   if constexpr (kNw != 16) {
     if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
+    if (diag == 3) return launch_rows<kNw, kDefault, 1, 3>(xmap, args, grid, info, stream);
+    if (diag == 4) return launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
+    if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;

@@ -39,7 +39,8 @@
 // block.) (The fragments are not zeroed: the first wgmma of a K block ignores them (scale-d = 0),
 // and a non-wgmma write of an accumulator register while other groups are in flight makes ptxas
 // serialize every wgmma, C7515.) Epilogue: each thread writes its fragment's bf16 outputs (rows <
-// the CTA's count, m < M).
+// the CTA's count, m < M) without allocating them in L1, as bf16 pairs in the token-major form
+// (session 22: see the epilogue).
 //
 // Lost (session 21 round B, same round, b2b us, deleted): a wide form — an image of one CTA per
 // SM (74-75 rows for N 9856), one CTA of one consumer warpgroup per SM, token-major m64n80k32 at
@@ -62,8 +63,17 @@
 // Lost as well (session 21 round F, deleted): a staged epilogue (each warpgroup's [token][row]
 // outputs through the drained ring, then one warp store of 4-byte pairs per token): fused M 1 /
 // 16 / 32 17.54-17.60 / 17.64-17.65 / 18.03-18.17 us b2b against 17.37-17.46 / 17.19-17.23 /
-// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36): the scattered 2-byte stores are not
-// what M 64's last stage -> exit (~2 us) waits for.
+// 17.21-17.24, M 64 equal (21.35-21.43 against 21.26-21.36). (Session 22 measured the stores
+// themselves at 2.4 us of M 64's 21.1 (the kernel without them 18.6) and found a pattern that
+// costs less: the token-major bf16 pairs of the epilogue below.)
+//
+// Lost (session 22 rounds B-C, same round, b2b us, deleted): for two warpgroups per CTA, issuing
+// each stage's wgmmas in turns (named barriers; one folds while the other's run): fused M 1 / 16
+// / 32 / 64 18.03-18.06 / 17.90-17.92 / 21.17-21.26 / 24.63-24.74 against 17.49-17.51 /
+// 17.56-17.61 / 20.91-20.94 / 24.52-24.72 without, 17.24-17.34 / 17.17-17.22 / 17.06-17.22 /
+// 21.07-21.08 with two CTAs per SM; the ring of two warpgroups alone (no wgmma, no fold) was
+// already 20.31-20.36 at M 64 against 19.48-19.51 for two CTAs (traces: first -> last full stage
+// 15.6 us against 12.7).
 //
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
@@ -188,6 +198,17 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
          int64_t{q} * rows * 128;
 }
 
+// The epilogue's output stores, without allocating in L1 (session 22 round F, same round, b2b
+// us, against plain st.global: fused M 32 17.68-17.72 vs 17.97-18.04, chained 17.59-17.61 vs
+// 17.88-17.94; M 64 19.89-19.96 vs 20.02-20.06, chained 19.02 vs 19.14-19.15; .cs 17.77-17.97 /
+// 19.95 at M 32 / 64, .cg no faster than plain).
+__device__ __forceinline__ void store_out(uint16_t* p, uint16_t v) {
+  asm volatile("st.global.L1::no_allocate.b16 [%0], %1;\n" ::"l"(p), "h"(v) : "memory");
+}
+__device__ __forceinline__ void store_out_pair(uint16_t* p, uint32_t v) {
+  asm volatile("st.global.L1::no_allocate.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
@@ -238,11 +259,23 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // 18.82-18.84; o_proj M 1 16.23-16.28 / 14.95-14.96, 14.34-14.49 / 12.79-12.86, 15.63-15.70 /
 // 13.91. A third mode that loaded each ring slot's activation boxes only once (no activation
 // traffic after the first ring) was slower at M 32 (17.46-17.53) and 0.5 us faster at M 64
-// (20.64-20.71): the activation traffic is not what binds; deleted.
+// (20.64-20.71): the activation traffic is not what binds; deleted. Session 22: 3 = 1 without
+// the epilogue's stores, 4 = the whole kernel without the epilogue's stores (its accumulators
+// kept live), 5 = 3 without the activation scales' loads (the ring alone, as bandwidth_bench
+// --rows streams it).
+//
+// Lost (session 22 round B, same round, b2b us, deleted): each stage's activation scales copied
+// with the stage (the producer warp's 31 other lanes, 4-byte cp.async, noinc arrivals on the
+// full barrier) instead of once per CTA, for a deeper ring (M 64 4 stages instead of 3, M 32 6
+// instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
+// alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
+// same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
 template <int kNw, int kKpb, int kWg, int kDiag = 0>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kTok = kNw == 64;  // the token-major form (above)
+  constexpr bool kTok = kNw == 64;                                // the token-major form (above)
+  constexpr bool kRing = kDiag == 1 || kDiag == 3 || kDiag == 5;  // diagnostics: no wgmma, no fold
+  constexpr bool kNoStores = kDiag >= 3;                          // diagnostics: no output stores
   constexpr int kConsumers = 128 * kWg;
   constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
   constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
@@ -370,7 +403,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  for (int i = tid; i < kb_count * kNw; i += kConsumers) {
+  for (int i = tid; i < (kDiag == 5 ? 0 : kb_count * kNw); i += kConsumers) {
     const int kb = i / kNw, m = i - kb * kNw;
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
@@ -423,7 +456,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
-      if (q < left && kDiag != 1) {
+      if (q < left && !kRing) {
         // K block q: columns 8 q ... of the stage's chunk; a k32 step spans two columns.
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = stage + static_cast<uint32_t>(kWeightBytes + q * kActBytes);
@@ -456,17 +489,38 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // order (stage i + 1 issued before stage i's fold): no faster, M 32 18.10 vs 17.61-17.62. Session
   // 21 round H also timed each n 32 k step as two m64n16k32 wgmmas, two independent chains per K
   // block with the same registers and fold: M 32 19.72-19.77 vs 17.40-17.49, deleted.)
+  // kPre (n = 8, session 22): K block q's scales are read from shared memory before its wgmma
+  // wait, so that their latency runs under the wgmmas instead of after them (the wait's memory
+  // clobber keeps the compiler from hoisting them). Round G, same round, b2b us: o_proj M 1
+  // 16.09 vs 16.28-16.34, chained 14.52-14.61 vs 14.65-14.75; fused M 1 17.42-17.44 vs
+  // 17.47-17.48, chained 15.32-15.43 vs 15.40-15.42; slower at n 16 / 32 / 64 (o_proj M 16
+  // 16.28-16.31 vs 15.73-15.75; fused M 32 17.65-17.82 vs 17.35-17.48, M 64 19.77-19.83 vs
+  // 19.55-19.61, chained 18.77-18.80 vs 18.50-18.53).
+  constexpr bool kPre = kNw == 8;  // (swap-AB)
+  constexpr int kPreN = 2 + kNw / 4;
   auto fold = [&](int i, float(&f)[kKpb][kAcc]) {
     const int left = kb_count - i * kKpb;
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
+      [[maybe_unused]] float pre[kPreN];
+      if constexpr (kPre) {
+        // (Clamped past the last K block: the loads stay inside the staged scales.)
+        const int kb = i * kKpb + q < kb_count ? i * kKpb + q : kb_count - 1;
+        const float* sa = s_sa + kb * kNw;
+        pre[0] = s_sb[2 * kb + h0];
+        pre[1] = s_sb[2 * kb + h1];
+#pragma unroll
+        for (int c = 0; c < kNw / 8; ++c)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) pre[2 + 2 * c + e] = sa[m0 + 8 * c + e];
+      }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
       if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
-      } else if (q < left && kDiag != 1) {
+      } else if (q < left && !kRing) {
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
@@ -482,11 +536,24 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
             acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
           }
         } else {
-          const float sb0 = s_sb[2 * kb + h0], sb1 = s_sb[2 * kb + h1];
+          float sb0, sb1;
+          if constexpr (kPre) {
+            sb0 = pre[0];
+            sb1 = pre[1];
+          } else {
+            sb0 = s_sb[2 * kb + h0];
+            sb1 = s_sb[2 * kb + h1];
+          }
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) {
             const int m = m0 + 8 * (j / 4) + j % 2;
-            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * sa[m], acc[j]);
+            float a;
+            if constexpr (kPre) {
+              a = pre[2 + 2 * (j / 4) + j % 2];
+            } else {
+              a = sa[m];
+            }
+            acc[j] = fmaf(f[q][j], ((j / 2) % 2 ? sb1 : sb0) * a, acc[j]);
           }
         }
       }
@@ -502,11 +569,62 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     fold(i, frag);
   }
 
+  // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
+  // (4-byte stores), swap-AB each value alone (store_out: not allocated in L1). (Session 22, same
+  // rounds, b2b us, fused M 64 / chained: round D pairs 19.62-19.67 / 18.44-18.48 against 2-byte
+  // stores 20.86-21.08 / 19.84-19.87; the kernel without any stores 18.61-18.64 / 17.52-17.55, with
+  // as many bytes written as whole 128-byte lines (a diagnostic) 18.76-18.85 / 17.72-17.78: the
+  // outputs' pattern costs, not their bytes. Lost and deleted: the outputs through the drained
+  // ring, one warp store of 4-byte pairs per token (round D: M 64 21.26, M 32 18.15-18.32
+  // vs 17.28-17.35, M 16 17.83 vs 17.25); round E: the pairs joined into 8-byte aligned chunks (M
+  // 64 21.37 vs 20.26-20.34, chained 20.49-20.53 vs 19.37-19.42), swap-AB pairs across lanes (M
+  // 32 18.60-18.71 vs 17.93-18.03, M 16 17.58-17.60 vs 17.10-17.24).) (kNoStores: a condition never
+  // true (M <= 64) that the compiler cannot fold, so that kDiag 4 keeps every wgmma and fold.)
+  const bool store = kNoStores ? p.m > 64 : true;
+  if constexpr (kTok) {
+    // A quad (lanes 4 t ... 4 t + 3) holds columns 8 c + 2 q + {0, 1} (weight rows of the CTA) of
+    // tokens row0 and row0 + 8: a pair per lane and c; where a token's outputs start on an odd
+    // element, each lane pairs its odd column with the next lane's even one (a shuffle; lane 3
+    // takes lane 0's of the next c) and lane 0 stores column 0 alone.
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
-  for (int j = 0; j < kAcc; ++j) {
-    const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-    const int m = kTok ? row : col, r = kTok ? col : row;  // token, weight row of the CTA
-    if (m < p.m && r < rows) p.out[m * p.ldo + r_begin + r] = float_to_bf16(acc[j]);
+    for (int h = 0; h < 2; ++h) {
+      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c) {
+        x0[c] = float_to_bf16(acc[4 * c + 2 * h]);
+        x1[c] = float_to_bf16(acc[4 * c + 2 * h + 1]);
+      }
+      x0[kAcc / 4] = 0;
+#pragma unroll
+      for (int c = 0; c <= kAcc / 4; ++c)
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
+      const int m = row0 + 8 * h;
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
+      if (store && m < p.m) {
+        if (odd && q == 0 && rows > 0) store_out(dst, x0[0]);
+#pragma unroll
+        for (int c = 0; c < kAcc / 4; ++c) {
+          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
+          const uint16_t lo = odd ? x1[c] : x0[c];
+          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
+          if (col + 1 < rows) {
+            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
+          } else if (col < rows) {
+            store_out(dst + col, lo);
+          }
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kAcc; ++j) {
+      const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
+      const int m = col, r = row;  // token, weight row of the CTA
+      if (store && m < p.m && r < rows)
+        store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
+    }
   }
   if (p.trace != nullptr && tid == 0) {  // (no wgmma in flight any more)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;

@@ -307,7 +307,17 @@ std::vector<Case> exact_cases() {
         Case{33, 384, 6144, 24, 0, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{57, 6144, 8192, 0, 16, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0},
         Case{64, 9856, 2048, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
-        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251}};
+        Case{48, 9856, 1152, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
+        // Token-major outputs as bf16 pairs (session 22): CTAs starting on odd rows, padded and
+        // 16-byte aligned outputs, one to three rows per CTA, two warpgroups per CTA, PDL.
+        Case{57, 9856, 2048, 8, 16, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        Case{33, 640, 1152, 16, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        Case{64, 9856, 640, 8, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0},
+        // n 8 reads each K block's scales before its wgmma wait (session 22): M 1-8, fused and
+        // o_proj widths, partial stages (K blocks 9), K 8192, padded outputs, PDL, 251 CTAs.
+        Case{8, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        Case{1, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
+        Case{5, 9856, 6144, 16, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0}};
   // clang-format on
 }
 
@@ -796,6 +806,27 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallManyTokens) {
         std::string report;
         EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
       }
+    }
+  }
+}
+
+// Row split, token-major outputs as bf16 pairs (session 22): small shapes for
+// compute-sanitizer (memcheck / racecheck), both CTA shapes, padded outputs, rings reused (K
+// 4096), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
+  M3_REQUIRE_WGMMA();
+  for (int ctas : {0, 1}) {  // two CTAs of one warpgroup per SM, one CTA of two
+    for (int64_t m : {1, 17, 33, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
+      Rng rng(seed);
+      Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n + c.ld_pad);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
     }
   }
 }

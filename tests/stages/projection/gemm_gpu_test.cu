@@ -335,42 +335,16 @@ TEST(GemmGpuAutotune, TunedAlgorithmsMatchTwin) {
     EXPECT_LT(ms, opt.autotune_budget_ms + 5000) << "tuning exceeded its time bound";
     for (int64_t m : {int64_t{4}, int64_t{64}}) {
       SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n);
-      {
-        const uint64_t seed = fresh_seed();
-        M3_SEED_TRACE(seed);
-        Rng rng(seed);
-        GemmData d = make_integer_data(m, n, kHidden, rng);
-        const std::vector<uint16_t> ref = cpu_gemm(d);
-        DeviceGemm dev(d, n);
-        const Status st = gemm->run(dev.params(), nullptr);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-        int64_t touched = 0;
-        const std::vector<uint16_t> got = dev.result(&touched);
-        std::string report;
-        EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
-        EXPECT_EQ(touched, 0);
-      }
-      {
-        const uint64_t seed = fresh_seed();
-        M3_SEED_TRACE(seed);
-        Rng rng(seed);
-        GemmData d = make_random_data(m, n, kHidden, rng);
-        const std::vector<uint16_t> ref = cpu_gemm(d);
-        const std::vector<double> s = abs_sums(d);
-        DeviceGemm dev(d, n);
-        const Status st = gemm->run(dev.params(), nullptr);
-        ASSERT_TRUE(st.ok()) << st.to_string();
-        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-        int64_t touched = 0;
-        const std::vector<uint16_t> got = dev.result(&touched);
-        const BoundReport r = check_bound(got, ref, s, n, std::ldexp(1.0, -10));
-        std::printf("[ INFO     ] tuned M %lld N %lld: worst |gpu-cpu| / bound %.3g\n",
-                    static_cast<long long>(m), static_cast<long long>(n), r.worst_ratio);
-        EXPECT_EQ(r.non_finite, 0);
-        EXPECT_EQ(r.violations, 0) << r.text;
-        EXPECT_EQ(touched, 0);
-      }
+      expect_object_exact(*gemm, m, n, kHidden);
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      Rng rng(seed);
+      GemmData d = make_random_data(m, n, kHidden, rng);
+      const std::vector<uint16_t> ref = cpu_gemm(d);
+      int64_t touched = 0;
+      const std::vector<uint16_t> got = run_object(*gemm, d, &touched);
+      ASSERT_EQ(got.size(), ref.size());
+      expect_within_bound("tuned", got, ref, abs_sums(d), d, std::ldexp(1.0, -10), touched);
     }
   }
   // Fused vs unfused, both tuned (possibly different algorithms): exact on integer inputs.
@@ -410,52 +384,22 @@ TEST(GemmGpuAutotune, PrefillBucketsMatchTwin) {
   EXPECT_NE(text.find("tuned at M = 2048"), std::string::npos) << text;
   for (int64_t m : {int64_t{1100}, int64_t{2048}}) {
     SCOPED_TRACE(::testing::Message() << "M " << m);
-    {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      Rng rng(seed);
-      GemmData d = make_integer_data(m, kN, kKsmall, rng);
-      const std::vector<uint16_t> ref = cpu_gemm(d);
-      DeviceGemm dev(d, kN);
-      const Status st = gemm->run(dev.params(), nullptr);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-      int64_t touched = 0;
-      const std::vector<uint16_t> got = dev.result(&touched);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, ref, kN, &report), 0) << report;
-      EXPECT_EQ(touched, 0);
-    }
-    {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      Rng rng(seed);
-      GemmData d = make_random_data(m, kN, kKsmall, rng);
-      const std::vector<uint16_t> ref = cpu_gemm(d);
-      const std::vector<double> s = abs_sums(d);
-      DeviceGemm dev(d, kN);
-      const Status st = gemm->run(dev.params(), nullptr);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-      int64_t touched = 0;
-      const std::vector<uint16_t> got = dev.result(&touched);
-      const BoundReport r = check_bound(got, ref, s, kN, std::ldexp(1.0, -10));
-      EXPECT_EQ(r.non_finite, 0);
-      EXPECT_EQ(r.violations, 0) << r.text;
-      EXPECT_EQ(touched, 0);
-      DeviceGemm dev_h(d, kN);
-      const Status st_h = heur->run(dev_h.params(), nullptr);
-      ASSERT_TRUE(st_h.ok()) << st_h.to_string();
-      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-      const std::vector<uint16_t> got_h = dev_h.result(&touched);
-      std::string report;
-      const int64_t differ = count_bit_mismatches(got, got_h, kN, &report);
-      std::printf(
-          "[ INFO     ] M %lld random: worst |gpu-cpu| / bound %.3g; tuned (%s) vs "
-          "heuristic (%s): %lld outputs differ\n",
-          static_cast<long long>(m), r.worst_ratio, gemm->algorithm_for(m).c_str(),
-          heur->algorithm_for(m).c_str(), static_cast<long long>(differ));
-    }
+    expect_object_exact(*gemm, m, kN, kKsmall);
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    Rng rng(seed);
+    GemmData d = make_random_data(m, kN, kKsmall, rng);
+    const std::vector<uint16_t> ref = cpu_gemm(d);
+    int64_t touched = 0, touched_h = 0;
+    const std::vector<uint16_t> got = run_object(*gemm, d, &touched);
+    const std::vector<uint16_t> got_h = run_object(*heur, d, &touched_h);
+    ASSERT_EQ(got.size(), ref.size());
+    ASSERT_EQ(got_h.size(), ref.size());
+    expect_within_bound("tuned, random", got, ref, abs_sums(d), d, std::ldexp(1.0, -10), touched);
+    const int64_t differ = count_bit_mismatches(got, got_h, kN, nullptr);
+    std::printf("[ INFO     ] M %lld random: tuned (%s) vs heuristic (%s): %lld outputs differ\n",
+                static_cast<long long>(m), gemm->algorithm_for(m).c_str(),
+                heur->algorithm_for(m).c_str(), static_cast<long long>(differ));
   }
 }
 
@@ -469,20 +413,7 @@ TEST(GemmGpuAutotune, ZeroBudgetKeepsHeuristic) {
   const std::string text = gemm->describe();
   EXPECT_NE(text.find("not tuned"), std::string::npos) << text;
   EXPECT_EQ(text.find("(autotuned;"), std::string::npos) << text;
-  const uint64_t seed = fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  GemmData d = make_integer_data(16, 256, 512, rng);
-  const std::vector<uint16_t> ref = cpu_gemm(d);
-  DeviceGemm dev(d, 256);
-  const Status st = gemm->run(dev.params(), nullptr);
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  const std::vector<uint16_t> got = dev.result(&touched);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, ref, 256, &report), 0) << report;
-  EXPECT_EQ(touched, 0);
+  expect_object_exact(*gemm, 16, 256, 512);
 }
 
 // Prints the algorithms cuBLASLt chose for the projection shapes (for the performance log).

@@ -274,6 +274,34 @@ inline void expect_within_bound(const std::string& label, const std::vector<uint
   EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
 }
 
+// Runs `gemm` on `d` (output rows n apart) and returns the [m, n] result; `touched` counts bytes
+// written outside it. A failed run fails the test and returns an empty result.
+inline std::vector<uint16_t> run_object(Fp8BlockGemm& gemm, const GemmData& d, int64_t* touched) {
+  DeviceGemm dev(d, d.n);
+  const Status st = gemm.run(dev.params(), nullptr);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  const cudaError_t e = cudaDeviceSynchronize();
+  EXPECT_EQ(e, cudaSuccess) << cudaGetErrorString(e);
+  if (!st.ok() || e != cudaSuccess) return {};
+  return dev.result(touched);
+}
+
+// Integer-valued [m, n, k] operands from a fresh seed (exact in any summation order): `gemm`
+// matches the CPU twin bit for bit and writes nothing outside its output.
+inline void expect_object_exact(Fp8BlockGemm& gemm, int64_t m, int64_t n, int64_t k) {
+  const uint64_t seed = testing::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  GemmData d = make_integer_data(m, n, k, rng);
+  const std::vector<uint16_t> ref = cpu_gemm(d);
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = run_object(gemm, d, &touched);
+  ASSERT_EQ(got.size(), ref.size());
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, n, &report), 0) << report;
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+}
+
 // The reference object: cuBLASLt's heuristic algorithm only (no tuning, so neither the wgmma nor
 // the prefill kernel is ever chosen).
 inline Fp8BlockGemmOptions cublaslt_only() {

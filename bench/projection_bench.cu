@@ -356,6 +356,29 @@ Both time_both(const Buffers& b, int64_t rows, const CallRun& run, cudaStream_t 
   return t;
 }
 
+// time_both of the fused call of `g`, and of the unfused pair of `t` (N 9216 then N 640).
+Both time_fused(const Buffers& b, int64_t rows, Fp8BlockGemm& g, cudaStream_t stream, int iters,
+                bool* pass, const char* what) {
+  return time_both(
+      b, rows, [&](const Calls& x, cudaStream_t s) { must(g.run(x.fused, s), what); }, stream,
+      iters, pass, what);
+}
+Both time_pair(const Buffers& b, int64_t rows, const Trio& t, cudaStream_t stream, int iters,
+               bool* pass, const char* what) {
+  return time_both(
+      b, rows,
+      [&](const Calls& x, cudaStream_t s) {
+        must(t.first->run(x.first, s), what);
+        must(t.second->run(x.second, s), what);
+      },
+      stream, iters, pass, what);
+}
+
+// Issue #4's criterion: the pair slower than the fused call in both timings.
+const char* fused_faster(const Both& fused, const Both& pair) {
+  return pair.us > fused.us && pair.b2b_us > fused.b2b_us ? "yes" : "NO";
+}
+
 double pct_copy(double bytes, double us) {
   return 100.0 * bytes / us / 1e3 / bench::kCopyBandwidthGBs;
 }
@@ -1085,18 +1108,9 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
     for (const Trio* g : {&lt, &df}) {
       const std::string pre = g == &lt ? "lt_" : "default_";
       settle();
-      const Both tf = time_both(
-          b, rows_m,
-          [&](const Calls& x, cudaStream_t st) { must(g->fused->run(x.fused, st), "fused"); },
-          stream, iters, &pass, "fused");
+      const Both tf = time_fused(b, rows_m, *g->fused, stream, iters, &pass, "fused");
       settle();
-      const Both tp = time_both(
-          b, rows_m,
-          [&](const Calls& x, cudaStream_t st) {
-            must(g->first->run(x.first, st), "N = 9216");
-            must(g->second->run(x.second, st), "N = 640");
-          },
-          stream, iters, &pass, "pair");
+      const Both tp = time_pair(b, rows_m, *g, stream, iters, &pass, "pair");
       r.add(pre + "fused_us", tf.us);
       r.add(pre + "fused_b2b", tf.b2b_us);
       r.add(pre + "TFLOPs", flops / tf.us / 1e6, 1);
@@ -1104,7 +1118,7 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
       r.add(pre + "pair_b2b", tp.b2b_us);
       r.add(pre + "pair/fused", tp.us / tf.us, 3);
       r.add(pre + "b2b", tp.b2b_us / tf.b2b_us, 3);
-      r.add(pre + "faster", tp.us > tf.us && tp.b2b_us > tf.b2b_us ? "yes" : "NO");
+      r.add(pre + "faster", fused_faster(tf, tp));
     }
     rows.push_back(r);
     std::printf("M %lld: default fused %s | N=9216 %s | N=640 %s\n", static_cast<long long>(rows_m),
@@ -1381,20 +1395,11 @@ int run(int argc, char** argv) {
 
     const bench::Timing tq = bench::time_graph_cold(
         [&](cudaStream_t s) { must(run_quantize_cuda(c.q, s), "quantize"); }, stream, 3, iters);
-    const Both tf = time_both(
-        b, rows_m,
-        [&](const Calls& x, cudaStream_t s) { must(lt.fused->run(x.fused, s), "fused"); }, stream,
-        iters, &pass, "fused cuBLASLt");
+    const Both tf = time_fused(b, rows_m, *lt.fused, stream, iters, &pass, "fused cuBLASLt");
     const bench::Timing th = bench::time_graph_cold(
         [&](cudaStream_t s) { must(fused_heur->run(c.fused, s), "fused (heuristic)"); }, stream, 3,
         iters);
-    const Both tp = time_both(
-        b, rows_m,
-        [&](const Calls& x, cudaStream_t s) {
-          must(lt.first->run(x.first, s), "N = 9216");
-          must(lt.second->run(x.second, s), "N = 640");
-        },
-        stream, iters, &pass, "pair cuBLASLt");
+    const Both tp = time_pair(b, rows_m, lt, stream, iters, &pass, "pair cuBLASLt");
     const bench::Timing tqf = bench::time_graph_cold(
         [&](cudaStream_t s) {
           must(run_quantize_cuda(c.q, s), "quantize");
@@ -1424,7 +1429,7 @@ int run(int argc, char** argv) {
     r.add("pair_TFLOPs", flops / tp.us / 1e6, 1);
     r.add("pair/fused", tp.us / tf.us, 3);
     r.add("pair/fused_b2b", tp.b2b_us / tf.b2b_us, 3);
-    r.add("fused_faster", tp.us > tf.us && tp.b2b_us > tf.b2b_us ? "yes" : "NO");
+    r.add("fused_faster", fused_faster(tf, tp));
     r.add("q+fused_us", tqf.median_us);
     rows.push_back(r);
     std::printf("M %lld: fused %s | N=9216 %s | N=640 %s\n", static_cast<long long>(rows_m),
@@ -1484,18 +1489,10 @@ int run(int argc, char** argv) {
     must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
     check_cuda(cudaStreamSynchronize(stream), "quantize");
     auto fused_time = [&](Fp8BlockGemm& g, const char* what) {
-      return time_both(
-          b, rows_m, [&](const Calls& x, cudaStream_t s) { must(g.run(x.fused, s), what); }, stream,
-          iters, &pass, what);
+      return time_fused(b, rows_m, g, stream, iters, &pass, what);
     };
     auto pair_time = [&](const Trio& t, const char* what) {
-      return time_both(
-          b, rows_m,
-          [&](const Calls& x, cudaStream_t s) {
-            must(t.first->run(x.first, s), what);
-            must(t.second->run(x.second, s), what);
-          },
-          stream, iters, &pass, what);
+      return time_pair(b, rows_m, t, stream, iters, &pass, what);
     };
     // The quantizer, then the fused GEMM (what the layer runs).
     auto q_time = [&](Fp8BlockGemm& g, const char* what) {
@@ -1556,8 +1553,7 @@ int run(int argc, char** argv) {
     r.add("wg_pair_b2b_%copy", pct_copy(pair_bytes, t_wg_pair.b2b_us), 1);
     r.add("default_pair_us", t_dflt_pair.us);
     r.add("default_pair_b2b_us", t_dflt_pair.b2b_us);
-    r.add("default_fused_faster",
-          t_dflt_pair.us > t_dflt.us && t_dflt_pair.b2b_us > t_dflt.b2b_us ? "yes" : "NO");
+    r.add("default_fused_faster", fused_faster(t_dflt, t_dflt_pair));
     r.add("q+lt_us", t_qlt.us);
     r.add("q+lt_b2b_us", t_qlt.b2b_us);
     r.add("q+wgmma_us", t_qwg.us);

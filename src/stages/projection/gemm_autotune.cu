@@ -88,6 +88,23 @@ __global__ void tune_read_sweep(const int4* __restrict__ p, int64_t n, int* sink
   if (acc == 0x7fffffff) *sink = acc;  // practically never true; keeps the loads alive
 }
 
+// Before a fingerprinted launch: the first `elems` outputs poisoned (0xFF bytes) and the
+// fingerprint zeroed.
+Status clear_output(const TuneScratch& t, size_t elems) {
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+  return Status::Ok();
+}
+
+// After it: the fingerprint (tune_hash_bf16) of the first `elems` outputs; synchronises t.stream.
+Status output_fingerprint(const TuneScratch& t, size_t elems, unsigned long long* h) {
+  tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
+  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(h, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
+  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  return Status::Ok();
+}
+
 std::vector<uint32_t> cap_list(const cublasLtMatmulAlgo_t& algo,
                                cublasLtMatmulAlgoCapAttributes_t attr) {
   size_t bytes = 0;
@@ -247,8 +264,7 @@ Status Fp8BlockGemm::Impl::measure(const cublasLtMatmulAlgo_t& algo, const TuneS
                                    unsigned long long* fingerprint, double* median_us) {
   const size_t elems = static_cast<size_t>(std::min(rows, t.m) * t.ld_d);
   *launched = false;
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+  M3_RETURN_IF_ERROR(clear_output(t, elems));
   if (launch_scratch(algo, t) != CUBLAS_STATUS_SUCCESS) {
     cudaGetLastError();
     return cudaStreamSynchronize(t.stream) == cudaSuccess
@@ -256,11 +272,8 @@ Status Fp8BlockGemm::Impl::measure(const cublasLtMatmulAlgo_t& algo, const TuneS
                : make_status(StatusCode::kCudaError,
                              "autotune: stream failed after a refused launch");
   }
-  tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
-  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   unsigned long long h = 0;
-  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&h, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
-  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  M3_RETURN_IF_ERROR(output_fingerprint(t, elems, &h));
   *fingerprint = h;
   iters = std::max(1, std::min(iters, kTuneMaxIters));
   for (int i = 0; i < iters; ++i) {
@@ -607,8 +620,7 @@ Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long wan
   auto note = [&](const std::string& what) {
     *timed += (timed->empty() ? "" : ", ") + label + what;
   };
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
-  M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+  M3_RETURN_IF_ERROR(clear_output(t, elems));
   const Status first = run();
   if (!first.ok()) {
     cudaGetLastError();
@@ -616,11 +628,8 @@ Status time_candidate(const TuneScratch& t, size_t elems, unsigned long long wan
     note(" refused (" + first.to_string() + ")");
     return Status::Ok();
   }
-  tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
-  M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   unsigned long long print = 0;
-  M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&print, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
-  M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+  M3_RETURN_IF_ERROR(output_fingerprint(t, elems, &print));
   if (print != want) {
     note(" output differs from cuBLASLt's");
     return Status::Ok();
@@ -1015,19 +1024,15 @@ Result<std::string> Fp8BlockGemm::survey_cublaslt(int64_t m, int top, double bud
       break;
     }
     const size_t elems = static_cast<size_t>(m * t.ld_d);
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.d, 0xFF, elems * 2, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(t.hash, 0, 8, t.stream));
+    M3_RETURN_IF_ERROR(clear_output(t, elems));
     ++printed;
     if (s.launch_scratch(r.algo, t) != CUBLAS_STATUS_SUCCESS) {
       cudaGetLastError();
       ++refused;
       continue;
     }
-    tune_hash_bf16<<<512, 256, 0, t.stream>>>(t.d, static_cast<int64_t>(elems), t.hash);
-    M3_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     unsigned long long h = 0;
-    M3_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&h, t.hash, 8, cudaMemcpyDeviceToHost, t.stream));
-    M3_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(t.stream));
+    M3_RETURN_IF_ERROR(output_fingerprint(t, elems, &h));
     if (h != want) {
       ++differ;
       continue;

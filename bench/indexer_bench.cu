@@ -911,6 +911,8 @@ int main(int argc, char** argv) {
             check_cuda(cudaGetLastError(), "stand-in");
           };
           const bench::Timing alone = bench::time_graph_cold(standin, stream);
+          const bench::Timing alone_b2b = bench::time_graph_back_to_back(
+              [&](cudaStream_t s, int) { standin(s); }, 1, stream, std::max(8, 2 * c.copies));
           const std::string what = "pdl b" + std::to_string(batch) + " ctx " + std::to_string(ctx) +
                                    " draft " + std::to_string(draft);
           bool pass = true;
@@ -927,6 +929,12 @@ int main(int argc, char** argv) {
           row.add("pair_b2b_us", seq.b2b.median_us, 1);
           row.add("pdl_b2b_us", pro.b2b.median_us, 1);
           row.add("saved_b2b_us", seq.b2b.median_us - pro.b2b.median_us, 1);
+          // The indexer's share of a back-to-back chain: pair minus the stand-in alone, and its
+          // index-K bytes over that share (% of the copy bandwidth).
+          row.add("standin_b2b_us", alone_b2b.median_us, 1);
+          row.add("idx_b2b_us", seq.b2b.median_us - alone_b2b.median_us, 1);
+          row.add("idx_pdl_b2b_us", pro.b2b.median_us - alone_b2b.median_us, 1);
+          row.add("pdl_b2b_%", pct_copy(c, pro.b2b.median_us - alone_b2b.median_us), 1);
           rows.push_back(row);
           cudaFree(src);
           free_case(c);
@@ -935,7 +943,9 @@ int main(int argc, char** argv) {
     }
     bench::print_rows(
         "indexer behind a producer stand-in (graph replay, cold L2; pair = stand-in + indexer, "
-        "normal vs programmatic launch of the indexer; isolated and back to back)",
+        "normal vs programmatic launch of the indexer; isolated and back to back; idx_*: pair "
+        "minus the stand-in alone, back to back; pdl_b2b_%: index-K bytes over idx_pdl_b2b_us, "
+        "% of copy bandwidth)",
         rows, json);
     return finish();
   }

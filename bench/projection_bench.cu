@@ -421,6 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
+  bool ksplit = false;          // GemmWgmmaOptions::row_k_split (its own image, one CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -498,7 +499,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
   // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
-  // session 22); 23 / 24 / 25: the same chained. (Session 22
+  // session 22); 23 / 24 / 25: the same chained. 26-37 (session 23): the row split's K split
+  // (row_k_split): 26 / 27 2-CTA clusters plain / chained, 28 / 29 one CTA of two halves per SM
+  // plain / chained; diagnostics (M > 32) 30 / 31 clusters, ring without stores (3) / kernel
+  // without stores (4), 32 / 33 the same with one CTA per pair; 34-37: 30-33 chained. (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
   // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -552,7 +556,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 5},
                                    {0, false, 16, 0, false, true, 0, true, false, 3},
                                    {0, false, 16, 0, false, true, 0, true, false, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 5}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 5},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
+                                   {1, false, 16, 0, false, true, 0, false, false, 0, true},
+                                   {1, false, 16, 0, false, true, 0, true, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4, true},
+                                   {1, false, 16, 0, false, true, 0, false, false, 3, true},
+                                   {1, false, 16, 0, false, true, 0, false, false, 4, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4, true},
+                                   {1, false, 16, 0, false, true, 0, true, false, 3, true},
+                                   {1, false, 16, 0, false, true, 0, true, false, 4, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -603,6 +619,21 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     must(gemm_wgmma_pack_weights_rows(wv, row_ctas, buf, rb.value(), stream),
          "gemm_wgmma_pack_weights_rows");
     row_images.push_back(buf);
+  }
+  // The K split's image of every weight copy (packed for its image CTAs: one per SM).
+  std::vector<void*> ks_images;
+  const Status ks_ok = gemm_wgmma_rows_supported(n, k, true);
+  Result<int> ks_ctas_r = gemm_wgmma_rows_ctas(n, true);
+  must(ks_ctas_r.status(), "gemm_wgmma_rows_ctas");
+  const int ks_ctas = ks_ctas_r.value();
+  for (int c = 0; c < copies && ks_ok.ok(); ++c) {
+    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
+    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
+    void* buf = device_alloc<uint8_t>(rb.value());
+    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+    must(gemm_wgmma_pack_weights_rows(wv, ks_ctas, buf, rb.value(), stream),
+         "gemm_wgmma_pack_weights_rows");
+    ks_images.push_back(buf);
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
@@ -841,9 +872,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       auto with_copy = [&](int c) {
         GemmWgmmaOptions oc = o;
         if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
-        if (variants[v].rows) {
+        if (variants[v].rows && !variants[v].ksplit) {
           oc.row_packed_weights = row_images[static_cast<size_t>(c)];
           oc.row_packed_ctas = row_ctas;
+        }
+        if (variants[v].ksplit) {
+          oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
+          oc.row_packed_ctas = ks_ctas;
+          oc.row_k_split = true;
         }
         return oc;
       };
@@ -853,14 +889,22 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
+          (variants[v].packed ? " packed" : "") +
+          (variants[v].ksplit ? " row K split"
+           : variants[v].rows ? " row split"
+                              : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
-      if (variants[v].rows && row_images.empty()) {
+      if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
+        continue;
+      }
+      if (variants[v].ksplit && ks_images.empty()) {
+        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    ks_ok.to_string().c_str());
         continue;
       }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
@@ -919,6 +963,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   for (const auto& bufs : packed)
     for (void* buf : bufs) cudaFree(buf);
   for (void* buf : row_images) cudaFree(buf);
+  for (void* buf : ks_images) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);

@@ -88,6 +88,17 @@ struct GemmWgmmaOptions {
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
+  // Variant (session 23; with row_packed_weights): the row split's K split
+  // (gemm_wgmma_rows_ksplit_kernel.cuh). The image's CTAs become pairs of halves: both halves own
+  // the image CTA's rows (at most 76), half h the K blocks of the image steps s with s % 2 == h;
+  // each half folds its token-major m64n80k32 products (activation boxes of 32 token rows at M
+  // <= 32, else 64) and the two reduce-scatter their fp32 sums before each stores half the tokens.
+  // A pair is a 2-CTA cluster (two CTAs per SM; distributed shared memory), or with ctas_per_sm
+  // = 1 one CTA of two halves (one per SM). Pack the image for gemm_wgmma_rows_ctas(N, true)
+  // CTAs (one per SM) and pass that count as row_packed_ctas; burst must be 0; K up to 6272
+  // (gemm_wgmma_rows_supported(N, K, true)). Same products as the row split; the fp32 sum of the
+  // two halves' partial sums instead of one running sum over K.
+  bool row_k_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -165,13 +176,17 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
 
 // Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
 // OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
-Status gemm_wgmma_rows_supported(int64_t n, int64_t k);
-// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave.
-Result<int> gemm_wgmma_rows_ctas(int64_t n);
+// k_split: whether its K split (GemmWgmmaOptions::row_k_split) does (at most 76 rows per pair of
+// halves, K <= 6272).
+Status gemm_wgmma_rows_supported(int64_t n, int64_t k, bool k_split = false);
+// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave;
+// k_split: the K split's image CTAs (pairs of halves), min(SMs, N).
+Result<int> gemm_wgmma_rows_ctas(int64_t n, bool k_split = false);
 // Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for `ctas`
-// CTAs (1 <= ctas <= N, at most 40 rows each; gemm_wgmma_rows_ctas for this device) into `packed`
+// CTAs (1 <= ctas <= N, at most 76 rows each: 40 for the row split, 76 for its K split;
+// gemm_wgmma_rows_ctas for this device) into `packed`
 // (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
 // count as GemmWgmmaOptions::row_packed_ctas.
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,

@@ -1,0 +1,424 @@
+// The row split's K split (GemmWgmmaOptions::row_k_split; session 23, opt-in): the math and the
+// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (74-75 for N
+// 9856 over 132 image CTAs) shared by a PAIR of CTAs (or of warpgroups, see below) that split its
+// K: half h in {0, 1} takes the image steps s with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h +
+// 3), so both halves read neighbouring steps of the image (the grid still reads a front through
+// memory) and each reads only the activation boxes of its own K blocks.
+//
+// Why (the lead's arithmetic for session 23, M 64): the row split's 264 CTAs each read the whole
+// activation matrix (64 x 6144 B) from L2 for 37-38 weight rows (104 MB of L2 -> shared traffic
+// for 60.55 MB of weights) and issue 192 m64n40k32 per CTA; per SM ~1.25 MB of TMA writes and as
+// many wgmma operand reads. A pair of halves over 74-75 rows reads the activations once per pair
+// (52 MB) and issues 96 token-major m64n80k32 per half (N 80 >= the rows: 94 % useful): ~31 %
+// less shared-memory traffic per SM, and twice the weight bytes per stage (a deeper DRAM ring at
+// the same shared memory).
+//
+// Per half: one consumer warpgroup (token-major: A = the activation box, m64 = 64 token rows; B =
+// the pair's weight rows, n80) and one producer warp; a ring of kKsStages stages of kKsKpb K
+// blocks; all activation slots first (1024-byte aligned, 64 token rows each whatever M: the m64 A
+// tile never reads past its slot), then the weight slots (the n80 B tile of the last K column
+// reads (80 - rows) x 16 bytes past the stage's rows: each weight slot keeps that much room), then
+// the scales of the half's own K blocks. The fold, the release of each stage and the epilogue's
+// bf16 pairs are the row split's token-major ones at n 80.
+//
+// The end: a reduce-scatter of the fp32 accumulators. Both halves hold the same fragment layout
+// (warp w: tokens 16 w ... 16 w + 15); the half that stores warp w's tokens is w / 2 at M > 32
+// (kNw 64) and w at M <= 32 (kNw 32: tokens 0-31 live in warps 0-1; warps 2-3 hold padding and
+// skip their folds). Each half writes the fragments of the warps the other half stores into the
+// other half's drained ring (its first activation stage), one barrier later each adds what it
+// received to its own and stores its tokens: runs of 2 x rows bytes (150 at N 9856) per token, as
+// many stores per SM as before over half the tokens.
+//
+// Two forms of a pair (kCl):
+//   kCl = true: a 2-CTA cluster, two CTAs per SM (grid 2 x image CTAs); the reduce-scatter goes
+//     through distributed shared memory (st.shared::cluster), ordered by two cluster barriers
+//     (the peer's ring drained; the writes landed). Every thread of both CTAs joins them, the
+//     producer warps included, and no CTA exits before the second (its shared memory is written).
+//   kCl = false: one CTA per pair, one per SM (grid = image CTAs): warpgroup h is half h, producer
+//     warp 8 + h feeds its ring; the reduce-scatter goes through the CTA's own shared memory
+//     between two named barriers of the 256 consumer threads.
+//
+// kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
+// alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
+// stores (accumulators kept live); the reduce-scatter runs in both.
+#pragma once
+
+#include "stages/projection/gemm_wgmma_rows_kernel.cuh"
+
+namespace m3attn::gemm_wgmma_detail {
+
+// m64n80k32: the K split's token-major wgmma (40 fp32 per thread).
+template <>
+struct Wgmma<80> {
+  __device__ __forceinline__ static void mma(float (&d)[40], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+        "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+        "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see the slots)
+constexpr int kKsKpb = 2;       // K blocks per ring stage
+constexpr int kKsStages = 3;
+constexpr int kKsActSlot = 64 * kBlockK;  // one K block's activations (64 token rows)
+constexpr int kKsActStage = kKsKpb * kKsActSlot;
+// A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
+// (fewer rows leave more room than they overrun).
+constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
+constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
+// Local K blocks per half at most: what fits next to the ring in a CTA of two per SM (115712 B,
+// at most 256 B of static shared memory, the 1024-byte alignment slack). K 6144: 24.
+constexpr int kKsMaxLocalKblocks = (115712 - 256 - 1024 - kKsRing) / kKsScaleBytesPerKb;
+// One half's region in the one-CTA form (the second half's ring 1024-byte aligned).
+constexpr int kKsHalfBytes =
+    (kKsRing + kKsMaxLocalKblocks * kKsScaleBytesPerKb + 1023) / 1024 * 1024;
+static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
+static_assert(2 * 10 * 32 * 16 <= kKsActStage, "the reduce-scatter fits one activation stage");
+
+// K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
+__host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
+  const int rem = kblocks % 8 - 4 * h;
+  return 4 * (kblocks / 8) + (rem < 0 ? 0 : rem > 4 ? 4 : rem);
+}
+__host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
+  return 8 * (l / 4) + 4 * h + l % 4;
+}
+// Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
+__host__ __device__ constexpr int rows_ksplit_smem_bytes(bool cl, int kbl0) {
+  return 1024 + (cl ? 0 : kKsHalfBytes) + kKsRing + kbl0 * kKsScaleBytesPerKb;
+}
+
+__device__ __forceinline__ void st_shared_cluster_v4(uint32_t addr, float a, float b, float c,
+                                                     float d) {
+  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+}
+__device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+template <bool kCl>
+constexpr int rows_ksplit_threads() {
+  return kCl ? 160 : 320;
+}
+
+template <int kNw, bool kCl, int kDiag = 0>
+__global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
+    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
+  constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
+  constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
+  static_assert(kNw == 32 || kNw == 64, "token rows of the activation box");
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[kCl ? 1 : 2][kKsStages];
+  __shared__ __align__(8) uint64_t empty_bar[kCl ? 1 : 2][kKsStages];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  // The half this thread works for: the cluster rank (kCl), else the warpgroup (consumers) or
+  // producer warp 8 + h.
+  // (A warp-uniform value by a shuffle: with a per-thread one, the loop trip counts and stage
+  // sizes below would put the wgmmas on a divergent path for ptxas, which then serializes them.)
+  const int h = kCl ? static_cast<int>(cluster_ctarank())
+                    : __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
+  const bool producer = kCl ? tid >= 128 : tid >= 256;
+  const int bi = kCl ? 0 : h;  // index of the half's barriers
+  const int g = kCl ? static_cast<int>(blockIdx.x) / 2 : static_cast<int>(blockIdx.x);
+  const int pairs = kCl ? static_cast<int>(gridDim.x) / 2 : static_cast<int>(gridDim.x);
+  const int r_begin = rows_begin(g, pairs, p.n);
+  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
+  const int kb_count = p.kblocks;
+  const int kbl = ksplit_local_kblocks(kb_count, h);
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // The half's region: activation slots, weight slots, scales.
+  const uint32_t hbase = base + static_cast<uint32_t>(kCl ? 0 : h * kKsHalfBytes);
+  const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + kKsRing);
+  float* s_sb = s_sa + kbl * 64;
+
+  if (tid == 0) {
+    prefetch_tensor_map(&xmap);
+    for (int b = 0; b < (kCl ? 1 : 2); ++b)
+      for (int s = 0; s < kKsStages; ++s) {
+        mbar_init(smem_addr(&full_bar[b][s]), 1);
+        mbar_init(smem_addr(&empty_bar[b][s]), 128);
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  if (producer) {
+    if (lane == 1 && p.trace != nullptr && (kCl || h == 0)) {
+      // Diagnostics (bench only): the trace's words 0-5 (kRowsTraceWords) of the CTA (one CTA
+      // per pair: of half 0).
+      unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+      t[0] = global_ns();
+      t[1] = static_cast<unsigned long long>(clock64());
+      for (int i = 0; i < steps; ++i) {
+        mbar_wait(smem_addr(&full_bar[bi][i % kKsStages]), (i / kKsStages) & 1);
+        const unsigned long long c = static_cast<unsigned long long>(clock64());
+        if (i == 0) t[2] = c;
+        if (i == steps / 2) t[3] = c;
+        if (i == steps - 1) t[4] = c;
+      }
+      if (steps > 0)
+        mbar_wait(smem_addr(&empty_bar[bi][(steps - 1) % kKsStages]),
+                  ((steps - 1) / kKsStages) & 1);
+      t[5] = static_cast<unsigned long long>(clock64());
+    }
+    if (lane == 0) {
+      // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
+      // rows, its K blocks' columns) and activation boxes on one full barrier.
+      const uint64_t policy = evict_first_policy();
+      auto stage_kblocks = [&](int i) {
+        const int left = kbl - i * kKsKpb;
+        return left < kKsKpb ? left : kKsKpb;
+      };
+      auto load_weights = [&](int i) {
+        const int s = i % kKsStages;
+        const uint32_t full = smem_addr(&full_bar[bi][s]);
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kNw * 128));
+        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+        const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
+        const uint8_t* src =
+            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+        if (p.weight_evict_first) {
+          bulk_load_hint(dst, src, bytes, full, policy);
+        } else {
+          asm volatile(
+              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+              "%2, [%3];\n" ::"r"(dst),
+              "l"(src), "r"(bytes), "r"(full)
+              : "memory");
+        }
+      };
+      // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
+      const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;
+      for (int i = 0; i < early; ++i) load_weights(i);
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % kKsStages;
+        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[bi][s]), ((i / kKsStages) - 1) & 1);
+        if (i >= early) load_weights(i);
+        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+        const int nk = stage_kblocks(i);
+        for (int q = 0; q < nk; ++q)
+          tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
+                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[bi][s]));
+      }
+    }
+    if constexpr (kCl) {
+      // Both cluster barriers of the reduce-scatter (below) count every thread of the cluster.
+      __syncwarp();
+      cluster_arrive();
+      cluster_wait();
+      cluster_arrive();
+      cluster_wait();
+    }
+    return;
+  }
+
+  // Consumers (warpgroup h of the CTA, or the CTA's only one). Scales by cp.async, waited for
+  // after the first stage's wgmmas are issued (as the row split does).
+  const int ct = tid % 128;
+  const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
+  for (int i = ct; i < kbl * 2; i += 128) {
+    const int l = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
+    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  for (int i = ct; i < kbl * 64; i += 128) {
+    const int l = i / 64, m = i - l * 64;
+    if (m < p.m) {
+      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
+    } else {
+      s_sa[i] = 0.0f;
+    }
+  }
+
+  const int warp = (tid / 32) % 4;
+  // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
+  const int row0 = 16 * warp + lane / 4;
+  const int m0 = 2 * (lane % 4);
+  // kNw 32: warps 2-3 hold padding tokens only (no fold, nothing sent or stored).
+  const bool holds = kNw == 64 || warp < 2;
+  // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
+  uint32_t hsel[kAcc / 4][2];
+#pragma unroll
+  for (int c = 0; c < kAcc / 4; ++c)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
+  const uint32_t full0 = smem_addr(&full_bar[bi][0]), empty0 = smem_addr(&empty_bar[bi][0]);
+  const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
+
+  float acc[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+  float frag[kKsKpb][kAcc];
+
+  auto issue = [&](int i) {
+    const int s = i % kKsStages;
+    mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
+    const int left = kbl - i * kKsKpb;
+    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+    wgmma_fence();
+#pragma unroll
+    for (int q = 0; q < kKsKpb; ++q) {
+      if (q < left && !kRing) {
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
+                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+      }
+      wgmma_commit();
+    }
+  };
+  // The row split's token-major fold (each K block as its group completes; the stage released
+  // after its last group, before the last fold).
+  auto fold = [&](int i) {
+    const int left = kbl - i * kKsKpb;
+#pragma unroll
+    for (int q = 0; q < kKsKpb; ++q) {
+      wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
+      if (q == kKsKpb - 1) mbar_arrive(empty0 + 8 * (i % kKsStages));
+      if (q < left && !kRing && holds) {
+        const int l = i * kKsKpb + q;
+        const float* sa = s_sa + l * 64;
+        const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
+        const float t0 = sa[row0], t1 = sa[row0 + 8];
+        const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) {
+          const uint32_t m = hsel[j / 4][j % 2];
+          const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+          const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+          acc[j] = fmaf(frag[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
+        }
+      }
+    }
+  };
+
+  if (steps > 0) {
+    issue(0);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
+    fold(0);
+    for (int i = 1; i < steps; ++i) {
+      issue(i);
+      fold(i);
+    }
+  }
+
+  // Reduce-scatter (see the top): warp w's tokens are stored by half `owner`; the other half's
+  // fragments of them arrive in slot `slot` of this half's drained ring (first activation stage):
+  // [slot][c][lane] x 16 bytes (acc 4 c ... 4 c + 3).
+  const int owner = kNw == 64 ? warp / 2 : warp;
+  const int slot = kNw == 64 ? warp % 2 : 0;
+  const uint32_t xoff = static_cast<uint32_t>(((slot * (kAcc / 4)) * 32 + lane) * 16);
+  if constexpr (kCl) {
+    cluster_arrive();  // this CTA's ring is drained (every wgmma of it waited for)
+    cluster_wait();    // ... and the peer's
+    if (holds && owner != h) {
+      const uint32_t dst = map_to_rank(base + xoff, static_cast<uint32_t>(h ^ 1));
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c)
+        st_shared_cluster_v4(dst + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                             acc[4 * c + 3]);
+    }
+    cluster_arrive();  // (release: the writes above)
+    cluster_wait();
+  } else {
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+    if (holds && owner != h) {
+      const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c)
+        st_shared_v4(dst + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
+    }
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");
+  }
+  const bool mine = holds && owner == h;
+  if (mine) {
+    // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
+#pragma unroll
+    for (int c = 0; c < kAcc / 4; ++c) {
+      const float4 v = ld_shared_v4(hbase + xoff + c * 512);
+      acc[4 * c] += v.x;
+      acc[4 * c + 1] += v.y;
+      acc[4 * c + 2] += v.z;
+      acc[4 * c + 3] += v.w;
+    }
+  }
+
+  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80.
+  const bool store = kNoStores ? p.m > 64 : true;
+  {
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
+#pragma unroll
+      for (int c = 0; c < kAcc / 4; ++c) {
+        x0[c] = float_to_bf16(acc[4 * c + 2 * hh]);
+        x1[c] = float_to_bf16(acc[4 * c + 2 * hh + 1]);
+      }
+      x0[kAcc / 4] = 0;
+#pragma unroll
+      for (int c = 0; c <= kAcc / 4; ++c)
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
+      const int m = row0 + 8 * hh;
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
+      if (store && mine && m < p.m) {
+        if (odd && q == 0 && rows > 0) store_out(dst, x0[0]);
+#pragma unroll
+        for (int c = 0; c < kAcc / 4; ++c) {
+          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
+          const uint16_t lo = odd ? x1[c] : x0[c];
+          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
+          if (col + 1 < rows) {
+            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
+          } else if (col < rows) {
+            store_out(dst + col, lo);
+          }
+        }
+      }
+    }
+  }
+  if (p.trace != nullptr && tid == 0) {
+    unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+    t[6] = static_cast<unsigned long long>(clock64());
+    t[7] = global_ns();
+  }
+}
+
+}  // namespace m3attn::gemm_wgmma_detail

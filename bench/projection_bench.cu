@@ -57,7 +57,7 @@
 // kPrefillVariants); --settle-ms S (with --shape or --fused-pair): the GPU idles S ms
 // before each path's isolated and back-to-back timing (same power state for every path of an A/B);
 // --lt-survey (with --shape and --ms): every cuBLASLt configuration timed, see run_lt_survey;
-// --fused-pair [--ms ...]: only the fused-vs-pair table, see run_fused_pair.
+// --fused-pair [--ms ...] [--reps R]: only the fused-vs-pair table, see run_fused_pair.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1123,8 +1123,12 @@ int run_tuner_probe(int64_t n, int64_t k, bool json) {
 // at the main table's M list (or --ms), for two kinds of objects: cuBLASLt only (autotuned, as the
 // main table) and the default options (what the layer gets: the autotuner may give a bucket to
 // the wgmma or the prefill kernel). Operands as the main table (quantized bf16, random weights).
+// From M 1024 on the GEMMs run at the board's power cap, where one timing of each is a coin toss
+// between power states: --reps R times each of them R times there, alternating which goes first,
+// with settle_ms of idle before every timing; the table shows the medians and how many of the R
+// pairings the fused call won (isolated / back to back).
 int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, cudaStream_t stream,
-                   bool json, int settle_ms) {
+                   bool json, int settle_ms, int reps) {
   Fp8BlockGemmOptions lt_opt;
   lt_opt.wgmma_max_m = 0;
   lt_opt.prefill_min_m = 0;
@@ -1135,6 +1139,11 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
   pass = spot_check(b, df, "default objects", stream) && pass;
   fill_bf16<<<1024, 256, 0, stream>>>(b.x, b.max_rows * kK, 1);  // the spot check overwrote x
   check_cuda(cudaGetLastError(), "fill");
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const size_t h = v.size() / 2;
+    return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+  };
   std::vector<bench::Row> rows;
   for (int64_t rows_m : ms) {
     const Calls c = make_calls(b, rows_m);
@@ -1142,20 +1151,33 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
     must(run_quantize_cuda(c.q, stream), "run_quantize_cuda");
     check_cuda(cudaStreamSynchronize(stream), "quantize");
     const double flops = 2.0 * static_cast<double>(rows_m) * kNF * kK;
+    const bool capped = rows_m >= 1024;  // power-capped sizes: settle, repeat
+    const int n = capped ? reps : 1;
     bench::Row r;
     r.add("M", std::to_string(rows_m));
-    // From M 1024 on (power-capped sizes) the GPU idles settle_ms before each timing.
     auto settle = [&] {
-      if (settle_ms <= 0 || rows_m < 1024) return;
+      if (settle_ms <= 0 || !capped) return;
       check_cuda(cudaStreamSynchronize(stream), "settle");
       std::this_thread::sleep_for(std::chrono::milliseconds(settle_ms));
     };
     for (const Trio* g : {&lt, &df}) {
       const std::string pre = g == &lt ? "lt_" : "default_";
-      settle();
-      const Both tf = time_fused(b, rows_m, *g->fused, stream, iters, &pass, "fused");
-      settle();
-      const Both tp = time_pair(b, rows_m, *g, stream, iters, &pass, "pair");
+      std::vector<double> fu, fb, pu, pb;
+      int wins_us = 0, wins_b2b = 0;
+      for (int i = 0; i < n; ++i) {
+        Both tf, tp;
+        for (int turn = 0; turn < 2; ++turn) {
+          settle();
+          if ((turn == 0) == (i % 2 == 0))
+            tf = time_fused(b, rows_m, *g->fused, stream, iters, &pass, "fused");
+          else
+            tp = time_pair(b, rows_m, *g, stream, iters, &pass, "pair");
+        }
+        fu.push_back(tf.us), fb.push_back(tf.b2b_us), pu.push_back(tp.us), pb.push_back(tp.b2b_us);
+        wins_us += tp.us > tf.us;
+        wins_b2b += tp.b2b_us > tf.b2b_us;
+      }
+      const Both tf{median(fu), median(fb)}, tp{median(pu), median(pb)};
       r.add(pre + "fused_us", tf.us);
       r.add(pre + "fused_b2b", tf.b2b_us);
       r.add(pre + "TFLOPs", flops / tf.us / 1e6, 1);
@@ -1163,6 +1185,8 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
       r.add(pre + "pair_b2b", tp.b2b_us);
       r.add(pre + "pair/fused", tp.us / tf.us, 3);
       r.add(pre + "b2b", tp.b2b_us / tf.b2b_us, 3);
+      r.add(pre + "wins", std::to_string(wins_us) + "/" + std::to_string(wins_b2b) + " of " +
+                              std::to_string(n));
       r.add(pre + "faster", fused_faster(tf, tp));
     }
     rows.push_back(r);
@@ -1172,8 +1196,9 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
   }
   bench::print_rows(
       "fused N=9856 vs pair 9216+640, cuBLASLt-only (lt_) and default-options (default_) objects; "
-      "us: graph replay after an L2 flush, b2b: per call back to back; faster: pair slower in "
-      "both timings",
+      "us: graph replay after an L2 flush, b2b: per call back to back (medians of the repetitions "
+      "from M 1024 on); wins: repetitions the fused call won, isolated / b2b; faster: pair slower "
+      "in both medians",
       rows, json);
   std::printf("spot checks %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;
@@ -1220,7 +1245,7 @@ int run(int argc, char** argv) {
   std::vector<int64_t> only_variants;  // --variant V1,V2,... (empty: all)
   std::vector<int64_t> prefill;        // --prefill P1,P2,... (empty: the default tables)
   bool random = false, trace = false, tuner_probe = false, lt_survey = false, fused_pair = false;
-  int survey_top = 8, survey_ms = 12000, settle_ms = 0;
+  int survey_top = 8, survey_ms = 12000, settle_ms = 0, reps = 1;
   bool ms_given = false;
   for (int i = 1; i < argc; ++i) {
     const std::string f = argv[i];
@@ -1259,6 +1284,8 @@ int run(int argc, char** argv) {
       lt_survey = true;
     } else if (f == "--settle-ms") {
       int_arg(&settle_ms);
+    } else if (f == "--reps") {
+      int_arg(&reps);
     } else if (f == "--survey-top") {
       int_arg(&survey_top);
     } else if (f == "--survey-ms") {
@@ -1281,10 +1308,14 @@ int run(int argc, char** argv) {
           "--wgmma-only: --min-units U --promotion P --burst B --waves W --pdl-chain; "
           "--shape N,K [--ms M1,M2,...] [--variant V1,V2,...] [--prefill P1,P2,...] "
           "[--random] [--trace] [--settle-ms S] [--tuner-probe] [--lt-survey [--survey-top T] "
-          "[--survey-ms B]]; --fused-pair [--ms M1,M2,...])\n",
+          "[--survey-ms B]]; --fused-pair [--ms M1,M2,...] [--settle-ms S] [--reps R])\n",
           argv[i]);
       return 2;
     }
+  }
+  if (reps < 1 || reps > 100 || settle_ms < 0) {
+    std::fprintf(stderr, "--reps needs 1..100 and --settle-ms a value >= 0\n");
+    return 2;
   }
   if (!shape.empty()) {
     if (shape.size() != 2 || shape[0] <= 0 || shape[0] % 128 != 0 || shape[1] <= 0 ||
@@ -1340,7 +1371,7 @@ int run(int argc, char** argv) {
   check_cuda(cudaStreamSynchronize(stream), "fill");
   std::printf("back-to-back timing: %d copies of the weights + scales (%.1f MB each)\n", copies,
               static_cast<double>(w_bytes + sw_bytes) / 1e6);
-  if (fused_pair) return run_fused_pair(b, ms, iters, stream, json, settle_ms);
+  if (fused_pair) return run_fused_pair(b, ms, iters, stream, json, settle_ms, reps);
 
   if (wgmma_only) {
     // The wgmma kernel alone (for profiling): one spot check, then the fused GEMM at M = 1, 16, 64

@@ -842,8 +842,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
 // v grid + c as the 128 x 128 tile TMA would have written into shared memory (128B swizzle: row r
 // at r 128 bytes, its 16-byte chunk j at chunk j ^ (r % 8)), so at every step of the stream the
 // grid's CTAs read neighbouring 16 KB blocks. One thread per 16-byte chunk.
-__global__ void pack_weights_kernel(const uint8_t* __restrict__ b, int64_t ldb, int kblocks,
-                                    int units, int grid, uint8_t* __restrict__ packed) {
+static __global__ void pack_weights_kernel(const uint8_t* __restrict__ b, int64_t ldb, int kblocks,
+                                           int units, int grid, uint8_t* __restrict__ packed) {
   const int64_t chunks = int64_t{units} * (kWeightTileBytes / 16);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < chunks;
        i += int64_t{gridDim.x} * blockDim.x) {

@@ -421,7 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool ksplit = false;          // GemmWgmmaOptions::row_k_split (its own image, one CTA per SM)
+  int ksplit = 0;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -502,7 +502,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // session 22); 23 / 24 / 25: the same chained. 26-37 (session 23): the row split's K split
   // (row_k_split): 26 / 27 2-CTA clusters plain / chained, 28 / 29 one CTA of two halves per SM
   // plain / chained; diagnostics (M > 32) 30 / 31 clusters, ring without stores (3) / kernel
-  // without stores (4), 32 / 33 the same with one CTA per pair; 34-37: 30-33 chained. (Session 22
+  // without stores (4), 32 / 33 the same with one CTA per pair; 34-37: 30-33 chained; 26-37
+  // have each half store half the tokens (row_k_split 2); 38-45 half the columns (row_k_split 1):
+  // 38 / 39 one CTA per pair plain / chained, 40 / 41 its diagnostics 3 / 4, 42 / 43 the same
+  // chained, 44 / 45 2-CTA clusters plain / chained. (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
   // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -557,18 +560,26 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, true, false, 3},
                                    {0, false, 16, 0, false, true, 0, true, false, 4},
                                    {0, false, 16, 0, false, true, 0, true, false, 5},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
-                                   {1, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 3, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 4, true},
-                                   {1, false, 16, 0, false, true, 0, false, false, 3, true},
-                                   {1, false, 16, 0, false, true, 0, false, false, 4, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 3, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 4, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 3, true},
-                                   {1, false, 16, 0, false, true, 0, true, false, 4, true}};
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 2},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 2},
+                                   {1, false, 16, 0, false, true, 0, false, false, 0, 2},
+                                   {1, false, 16, 0, false, true, 0, true, false, 0, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4, 2},
+                                   {1, false, 16, 0, false, true, 0, false, false, 3, 2},
+                                   {1, false, 16, 0, false, true, 0, false, false, 4, 2},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3, 2},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4, 2},
+                                   {1, false, 16, 0, false, true, 0, true, false, 3, 2},
+                                   {1, false, 16, 0, false, true, 0, true, false, 4, 2},
+                                   {1, false, 16, 0, false, true, 0, false, false, 0, 1},
+                                   {1, false, 16, 0, false, true, 0, true, false, 0, 1},
+                                   {1, false, 16, 0, false, true, 0, false, false, 3, 1},
+                                   {1, false, 16, 0, false, true, 0, false, false, 4, 1},
+                                   {1, false, 16, 0, false, true, 0, true, false, 3, 1},
+                                   {1, false, 16, 0, false, true, 0, true, false, 4, 1},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 1},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 1}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -879,7 +890,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         if (variants[v].ksplit) {
           oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
           oc.row_packed_ctas = ks_ctas;
-          oc.row_k_split = true;
+          oc.row_k_split = variants[v].ksplit;
         }
         return oc;
       };
@@ -890,7 +901,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit ? " row K split"
+          (variants[v].ksplit == 2   ? " row K split tokens"
+           : variants[v].ksplit == 1 ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +

@@ -416,6 +416,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     // The K split (its own K blocks per stage; activation boxes of 32 or 64 token rows).
+    M3_CHECK_ARG(options.row_k_split >= 0 && options.row_k_split <= 2,
+                 "GemmWgmmaOptions::row_k_split = ", options.row_k_split, " must be 0, 1 or 2");
     M3_CHECK_ARG(!options.row_k_split || kpb == 0, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 with row_k_split");
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
@@ -438,6 +440,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trace = options.debug_trace;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.ctas_per_sm == 1,
+                                                   options.row_k_split == 2,
                                                    options.debug_rows_diag, info, stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);

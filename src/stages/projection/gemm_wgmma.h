@@ -89,16 +89,17 @@ struct GemmWgmmaOptions {
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
   // Variant (session 23; with row_packed_weights): the row split's K split
-  // (gemm_wgmma_rows_ksplit_kernel.cuh). The image's CTAs become pairs of halves: both halves own
-  // the image CTA's rows (at most 76), half h the K blocks of the image steps s with s % 2 == h;
-  // each half folds its token-major m64n80k32 products (activation boxes of 32 token rows at M
-  // <= 32, else 64) and the two reduce-scatter their fp32 sums before each stores half the tokens.
-  // A pair is a 2-CTA cluster (two CTAs per SM; distributed shared memory), or with ctas_per_sm
-  // = 1 one CTA of two halves (one per SM). Pack the image for gemm_wgmma_rows_ctas(N, true)
-  // CTAs (one per SM) and pass that count as row_packed_ctas; burst must be 0; K up to 6272
-  // (gemm_wgmma_rows_supported(N, K, true)). Same products as the row split; the fp32 sum of the
-  // two halves' partial sums instead of one running sum over K.
-  bool row_k_split = false;
+  // (gemm_wgmma_rows_ksplit_kernel.cuh), 1 or 2 (0: off). The image's CTAs become pairs of
+  // halves: both halves own the image CTA's rows (at most 76), half h the K blocks of the image
+  // steps s with s % 2 == h; each half folds its token-major m64n80k32 products (activation boxes
+  // of 32 token rows at M <= 32, else 64) and the two reduce-scatter their fp32 sums: half h then
+  // stores rows 40 h ... 40 h + 39 of the pair for every token (1) or half the tokens (2; session
+  // 23 A/B). A pair is a 2-CTA cluster (two CTAs per SM; distributed shared memory), or with
+  // ctas_per_sm = 1 one CTA of two halves (one per SM). Pack the image for
+  // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas; burst
+  // must be 0; K up to 6272 (gemm_wgmma_rows_supported(N, K, true)). Same products as the row
+  // split; the fp32 sum of the two halves' partial sums instead of one running sum over K.
+  int row_k_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

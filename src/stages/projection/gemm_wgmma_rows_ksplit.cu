@@ -10,10 +10,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kNw, bool kCl, int kDiag>
+template <int kNw, bool kCl, bool kByCols, int kDiag>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kNw, kCl, kDiag>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kNw, kCl, kByCols, kDiag>;
   constexpr int kThreads = rows_ksplit_threads<kCl>();
   constexpr int kPerSm = kCl ? 2 : 1;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kCl, kKsMaxLocalKblocks);
@@ -59,21 +59,24 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
   return Status::Ok();
 }
 
-template <bool kCl>
+template <bool kCl, bool kByCols>
 Status dispatch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                 const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (args.m <= 32) return launch<32, kCl, 0>(xmap, args, pairs, info, stream);
-  if (diag == 3) return launch<64, kCl, 3>(xmap, args, pairs, info, stream);
-  if (diag == 4) return launch<64, kCl, 4>(xmap, args, pairs, info, stream);
-  return launch<64, kCl, 0>(xmap, args, pairs, info, stream);
+  if (args.m <= 32) return launch<32, kCl, kByCols, 0>(xmap, args, pairs, info, stream);
+  if (diag == 3) return launch<64, kCl, kByCols, 3>(xmap, args, pairs, info, stream);
+  if (diag == 4) return launch<64, kCl, kByCols, 4>(xmap, args, pairs, info, stream);
+  return launch<64, kCl, kByCols, 0>(xmap, args, pairs, info, stream);
 }
 
 }  // namespace
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, bool one_cta,
-                          int diag, const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (one_cta) return dispatch<false>(xmap, args, pairs, diag, info, stream);
-  return dispatch<true>(xmap, args, pairs, diag, info, stream);
+                          bool by_tokens, int diag, const CudaDeviceInfo& info,
+                          cudaStream_t stream) {
+  if (one_cta && by_tokens) return dispatch<false, false>(xmap, args, pairs, diag, info, stream);
+  if (one_cta) return dispatch<false, true>(xmap, args, pairs, diag, info, stream);
+  if (by_tokens) return dispatch<true, false>(xmap, args, pairs, diag, info, stream);
+  return dispatch<true, true>(xmap, args, pairs, diag, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

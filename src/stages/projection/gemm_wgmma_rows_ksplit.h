@@ -15,10 +15,12 @@ struct RowsArgs;
 
 // Launches the K split over `pairs` image CTAs for M = args.m rows (the activation map's box: 32
 // token rows at M <= 32, else 64): as 2-CTA clusters (2 x pairs CTAs, two per SM) or, one_cta, one
-// CTA of two halves per pair (one per SM). diag: 0, or the bench diagnostics 3 / 4 (M > 32 only;
-// results wrong). The caller has validated the shape (rows per pair, local K blocks).
+// CTA of two halves per pair (one per SM); each half stores half the columns of every token or,
+// by_tokens, half the tokens. diag: 0, or the bench diagnostics 3 / 4 (M > 32 only; results
+// wrong). The caller has validated the shape (rows per pair, local K blocks).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, bool one_cta,
-                          int diag, const CudaDeviceInfo& info, cudaStream_t stream);
+                          bool by_tokens, int diag, const CudaDeviceInfo& info,
+                          cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

@@ -112,6 +112,13 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
                : "memory");
   return v;
 }
+// Cluster barrier arrival / wait for threads of a warp that may have diverged.
+__device__ __forceinline__ void cluster_arrive_any() {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_any() {
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
 __device__ __forceinline__ uint32_t cluster_ctarank() {
   uint32_t r;
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
@@ -123,7 +130,7 @@ constexpr int rows_ksplit_threads() {
   return kCl ? 160 : 320;
 }
 
-template <int kNw, bool kCl, int kDiag = 0>
+template <int kNw, bool kCl, bool kByCols, int kDiag = 0>
 __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
@@ -235,11 +242,13 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     }
     if constexpr (kCl) {
       // Both cluster barriers of the reduce-scatter (below) count every thread of the cluster.
-      __syncwarp();
-      cluster_arrive();
-      cluster_wait();
-      cluster_arrive();
-      cluster_wait();
+      // (Not the .aligned forms: they need the warp converged, and the reconvergence ptxas then
+      // places after the trace lane's block holds lane 0 until the trace lane saw every stage
+      // full, which needs lane 0: round A's trace hung there.)
+      cluster_arrive_any();
+      cluster_wait_any();
+      cluster_arrive_any();
+      cluster_wait_any();
     }
     return;
   }
@@ -338,40 +347,50 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     }
   }
 
-  // Reduce-scatter (see the top): warp w's tokens are stored by half `owner`; the other half's
-  // fragments of them arrive in slot `slot` of this half's drained ring (first activation stage):
-  // [slot][c][lane] x 16 bytes (acc 4 c ... 4 c + 3).
+  // Reduce-scatter (see the top). kByCols: half h stores column groups c in [5 h, 5 h + 5) (the
+  // pair's weight rows 40 h ... 40 h + 39) of every token and sends the other five; else warp w's
+  // tokens are stored by half `owner`, which receives all ten groups of them. What a half
+  // receives lands in its drained ring (first activation slots): [slot][group][lane] x 16 bytes.
+  constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
+  constexpr int kSent = kByCols ? kGroups / 2 : kGroups;
   const int owner = kNw == 64 ? warp / 2 : warp;
-  const int slot = kNw == 64 ? warp % 2 : 0;
-  const uint32_t xoff = static_cast<uint32_t>(((slot * (kAcc / 4)) * 32 + lane) * 16);
+  const int slot = kByCols ? warp : kNw == 64 ? warp % 2 : 0;
+  const uint32_t xoff = static_cast<uint32_t>(((slot * kSent) * 32 + lane) * 16);
+  const bool sends = holds && (kByCols || owner != h);
+  const bool mine = holds && (kByCols || owner == h);
+  // Whether group c (a constant after unrolling) is the other half's (kByCols).
+  auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
   if constexpr (kCl) {
     cluster_arrive();  // this CTA's ring is drained (every wgmma of it waited for)
     cluster_wait();    // ... and the peer's
-    if (holds && owner != h) {
+    if (sends) {
       const uint32_t dst = map_to_rank(base + xoff, static_cast<uint32_t>(h ^ 1));
 #pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c)
-        st_shared_cluster_v4(dst + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
-                             acc[4 * c + 3]);
+      for (int c = 0; c < kGroups; ++c)
+        if (!kByCols || other(c))
+          st_shared_cluster_v4(dst + (c % kSent) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                               acc[4 * c + 3]);
     }
     cluster_arrive();  // (release: the writes above)
     cluster_wait();
   } else {
     asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
-    if (holds && owner != h) {
+    if (sends) {
       const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c)
-        st_shared_v4(dst + c * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
+      for (int c = 0; c < kGroups; ++c)
+        if (!kByCols || other(c))
+          st_shared_v4(dst + (c % kSent) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                       acc[4 * c + 3]);
     }
     asm volatile("bar.sync 3, 256;\n" ::: "memory");
   }
-  const bool mine = holds && owner == h;
   if (mine) {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
 #pragma unroll
-    for (int c = 0; c < kAcc / 4; ++c) {
-      const float4 v = ld_shared_v4(hbase + xoff + c * 512);
+    for (int c = 0; c < kGroups; ++c) {
+      if (kByCols && other(c)) continue;
+      const float4 v = ld_shared_v4(hbase + xoff + (c % kSent) * 512);
       acc[4 * c] += v.x;
       acc[4 * c + 1] += v.y;
       acc[4 * c + 2] += v.z;
@@ -379,35 +398,41 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     }
   }
 
-  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80.
+  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over
+  // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
+  // stored alone, as the one at lo_col is when the outputs start on an odd element).
   const bool store = kNoStores ? p.m > 64 : true;
+  const int lo_col = kByCols ? 8 * (kGroups / 2) * h : 0;
+  const int hi_col = kByCols ? min(rows, lo_col + 8 * (kGroups / 2)) : rows;
   {
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
+      uint16_t x0[kGroups + 1], x1[kGroups], nb[kGroups + 1];
 #pragma unroll
-      for (int c = 0; c < kAcc / 4; ++c) {
+      for (int c = 0; c < kGroups; ++c) {
         x0[c] = float_to_bf16(acc[4 * c + 2 * hh]);
         x1[c] = float_to_bf16(acc[4 * c + 2 * hh + 1]);
       }
-      x0[kAcc / 4] = 0;
+      x0[kGroups] = 0;
 #pragma unroll
-      for (int c = 0; c <= kAcc / 4; ++c)
+      for (int c = 0; c <= kGroups; ++c)
         nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
       const int m = row0 + 8 * hh;
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
       if (store && mine && m < p.m) {
-        if (odd && q == 0 && rows > 0) store_out(dst, x0[0]);
+        if (odd && q == 0 && lo_col < hi_col)
+          store_out(dst + lo_col, kByCols && h == 1 ? x0[kGroups / 2] : x0[0]);
 #pragma unroll
-        for (int c = 0; c < kAcc / 4; ++c) {
+        for (int c = 0; c < kGroups; ++c) {
+          if (kByCols && other(c)) continue;
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-          if (col + 1 < rows) {
+          if (col + 1 < hi_col) {
             store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
-          } else if (col < rows) {
+          } else if (col < hi_col) {
             store_out(dst + col, lo);
           }
         }

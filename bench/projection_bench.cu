@@ -505,7 +505,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without stores (4), 32 / 33 the same with one CTA per pair; 34-37: 30-33 chained; 26-37
   // have each half store half the tokens (row_k_split 2); 38-45 half the columns (row_k_split 1):
   // 38 / 39 one CTA per pair plain / chained, 40 / 41 its diagnostics 3 / 4, 42 / 43 the same
-  // chained, 44 / 45 2-CTA clusters plain / chained. (Session 22
+  // chained, 44 / 45 2-CTA clusters plain / chained; 46 / 47 the row split (M > 32) without
+  // stores and without its hold on the ring (diagnostic 6: each stage released as soon as it is
+  // full) plain / chained, 48 / 49 the same for 38. (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
   // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -579,7 +581,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {1, false, 16, 0, false, true, 0, true, false, 3, 1},
                                    {1, false, 16, 0, false, true, 0, true, false, 4, 1},
                                    {0, false, 16, 0, false, true, 0, false, false, 0, 1},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 1}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 1},
+                                   {0, false, 16, 0, false, true, 0, false, false, 6},
+                                   {0, false, 16, 0, false, true, 0, true, false, 6},
+                                   {1, false, 16, 0, false, true, 0, false, false, 6, 1},
+                                   {1, false, 16, 0, false, true, 0, true, false, 6, 1}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -230,6 +230,9 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
     if (diag == 3) return launch_rows<kNw, kDefault, 1, 3>(xmap, args, grid, info, stream);
     if (diag == 4) return launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
     if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
+    if constexpr (kNw == 64) {
+      if (diag == 6) return launch_rows<kNw, kDefault, 1, 6>(xmap, args, grid, info, stream);
+    }
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
@@ -421,9 +424,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     M3_CHECK_ARG(!options.row_k_split || kpb == 0, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 with row_k_split");
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
-                     ((options.debug_rows_diag == 3 || options.debug_rows_diag == 4) && m > 32),
+                     ((options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
+                       options.debug_rows_diag == 6) &&
+                      m > 32),
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
-                 ": the row K split has diagnostics 3 and 4 at M > 32 only");
+                 ": the row K split has diagnostics 3, 4 and 6 at M > 32 only");
     const int box = options.row_k_split ? (m <= 32 ? 32 : 64) : box_rows_for(m);
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box,

@@ -150,7 +150,8 @@ struct GemmWgmmaOptions {
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
-  // activation scales' loads (5). 0: off.
+  // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
+  // wgmmas read it (6, M > 32). 0: off.
   int debug_rows_diag = 0;
 };
 

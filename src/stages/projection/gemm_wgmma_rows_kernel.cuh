@@ -262,7 +262,8 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // (20.64-20.71): the activation traffic is not what binds; deleted. Session 22: 3 = 1 without
 // the epilogue's stores, 4 = the whole kernel without the epilogue's stores (its accumulators
 // kept live), 5 = 3 without the activation scales' loads (the ring alone, as bandwidth_bench
-// --rows streams it).
+// --rows streams it). Session 23: 6 = 4 with each stage released as soon as it is full, before
+// its wgmmas read it (the kernel without its hold on the ring; n 64 only).
 //
 // Lost (session 22 round B, same round, b2b us, deleted): each stage's activation scales copied
 // with the stage (the producer warp's 31 other lanes, 4-byte cp.async, noinc arrivals on the
@@ -447,6 +448,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
@@ -516,7 +518,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
-      if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
+      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];

@@ -65,6 +65,7 @@ Status dispatch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int di
   if (args.m <= 32) return launch<32, kCl, kByCols, 0>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<64, kCl, kByCols, 3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<64, kCl, kByCols, 4>(xmap, args, pairs, info, stream);
+  if (diag == 6) return launch<64, kCl, kByCols, 6>(xmap, args, pairs, info, stream);
   return launch<64, kCl, kByCols, 0>(xmap, args, pairs, info, stream);
 }
 

@@ -40,7 +40,8 @@
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
-// stores (accumulators kept live); the reduce-scatter runs in both.
+// stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
 #pragma once
 
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
@@ -294,6 +295,7 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
   auto issue = [&](int i) {
     const int s = i % kKsStages;
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
+    if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kbl - i * kKsKpb;
     const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
     const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
@@ -318,7 +320,7 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
-      if (q == kKsKpb - 1) mbar_arrive(empty0 + 8 * (i % kKsStages));
+      if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing && holds) {
         const int l = i * kKsKpb + q;
         const float* sa = s_sa + l * 64;

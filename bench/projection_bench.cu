@@ -421,7 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  int ksplit = 0;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -499,15 +499,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
   // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
-  // session 22); 23 / 24 / 25: the same chained. 26-37 (session 23): the row split's K split
-  // (row_k_split): 26 / 27 2-CTA clusters plain / chained, 28 / 29 one CTA of two halves per SM
-  // plain / chained; diagnostics (M > 32) 30 / 31 clusters, ring without stores (3) / kernel
-  // without stores (4), 32 / 33 the same with one CTA per pair; 34-37: 30-33 chained; 26-37
-  // have each half store half the tokens (row_k_split 2); 38-45 half the columns (row_k_split 1):
-  // 38 / 39 one CTA per pair plain / chained, 40 / 41 its diagnostics 3 / 4, 42 / 43 the same
-  // chained, 44 / 45 2-CTA clusters plain / chained; 46 / 47 the row split (M > 32) without
-  // stores and without its hold on the ring (diagnostic 6: each stage released as soon as it is
-  // full) plain / chained, 48 / 49 the same for 38. (Session 22
+  // session 22); 23 / 24 / 25: the same chained. Session 23: 26 / 27 the row split's K split
+  // (row_k_split, one CTA of two halves per SM) plain / chained, 28 / 29 its diagnostics 3 / 4
+  // (ring, kernel without stores), 30 / 31 the same chained; 32 / 33 the row split (M > 32)
+  // without stores and without its hold on the ring (diagnostic 6: each stage released as soon as
+  // it is full) plain / chained, 34 / 35 the same for the K split; 36 / 37 the K split with 1 K
+  // block per stage (burst 1) plain / chained; 38 / 39 the row split / the K split (M > 32)
+  // returning after their setup (diagnostic 7: the launch alone). (Session 23 also timed and
+  // removed: the K split's
+  // pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs 20.0 us for one CTA of
+  // two halves, chained 19.5 vs 18.5); its halves each storing half the tokens instead of half
+  // the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36).) (Session 22
   // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
   // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
   // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -562,30 +564,20 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, true, false, 3},
                                    {0, false, 16, 0, false, true, 0, true, false, 4},
                                    {0, false, 16, 0, false, true, 0, true, false, 5},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, 2},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 2},
-                                   {1, false, 16, 0, false, true, 0, false, false, 0, 2},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 3, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 4, 2},
-                                   {1, false, 16, 0, false, true, 0, false, false, 3, 2},
-                                   {1, false, 16, 0, false, true, 0, false, false, 4, 2},
-                                   {0, false, 16, 0, false, true, 0, true, false, 3, 2},
-                                   {0, false, 16, 0, false, true, 0, true, false, 4, 2},
-                                   {1, false, 16, 0, false, true, 0, true, false, 3, 2},
-                                   {1, false, 16, 0, false, true, 0, true, false, 4, 2},
-                                   {1, false, 16, 0, false, true, 0, false, false, 0, 1},
-                                   {1, false, 16, 0, false, true, 0, true, false, 0, 1},
-                                   {1, false, 16, 0, false, true, 0, false, false, 3, 1},
-                                   {1, false, 16, 0, false, true, 0, false, false, 4, 1},
-                                   {1, false, 16, 0, false, true, 0, true, false, 3, 1},
-                                   {1, false, 16, 0, false, true, 0, true, false, 4, 1},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, 1},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 1},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4, true},
                                    {0, false, 16, 0, false, true, 0, false, false, 6},
                                    {0, false, 16, 0, false, true, 0, true, false, 6},
-                                   {1, false, 16, 0, false, true, 0, false, false, 6, 1},
-                                   {1, false, 16, 0, false, true, 0, true, false, 6, 1}};
+                                   {0, false, 16, 0, false, true, 0, false, false, 6, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 6, true},
+                                   {0, false, 16, 0, false, true, 1, false, false, 0, true},
+                                   {0, false, 16, 0, false, true, 1, true, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 7},
+                                   {0, false, 16, 0, false, true, 0, false, false, 7, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -907,8 +899,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit == 2   ? " row K split tokens"
-           : variants[v].ksplit == 1 ? " row K split"
+          (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
@@ -1203,8 +1194,8 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
       r.add(pre + "pair_b2b", tp.b2b_us);
       r.add(pre + "pair/fused", tp.us / tf.us, 3);
       r.add(pre + "b2b", tp.b2b_us / tf.b2b_us, 3);
-      r.add(pre + "wins", std::to_string(wins_us) + "/" + std::to_string(wins_b2b) + " of " +
-                              std::to_string(n));
+      r.add(pre + "wins",
+            std::to_string(wins_us) + "/" + std::to_string(wins_b2b) + " of " + std::to_string(n));
       r.add(pre + "faster", fused_faster(tf, tp));
     }
     rows.push_back(r);

@@ -89,17 +89,16 @@ struct GemmWgmmaOptions {
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
   // Variant (session 23; with row_packed_weights): the row split's K split
-  // (gemm_wgmma_rows_ksplit_kernel.cuh), 1 or 2 (0: off). The image's CTAs become pairs of
-  // halves: both halves own the image CTA's rows (at most 76), half h the K blocks of the image
-  // steps s with s % 2 == h; each half folds its token-major m64n80k32 products (activation boxes
-  // of 32 token rows at M <= 32, else 64) and the two reduce-scatter their fp32 sums: half h then
-  // stores rows 40 h ... 40 h + 39 of the pair for every token (1) or half the tokens (2; session
-  // 23 A/B). A pair is a 2-CTA cluster (two CTAs per SM; distributed shared memory), or with
-  // ctas_per_sm = 1 one CTA of two halves (one per SM). Pack the image for
-  // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas; burst
-  // must be 0; K up to 6272 (gemm_wgmma_rows_supported(N, K, true)). Same products as the row
+  // (gemm_wgmma_rows_ksplit_kernel.cuh). Each image CTA's rows (at most 76) go to one CTA of two
+  // halves (one CTA per SM); half h takes the K blocks of the image steps s with s % 2 == h, folds
+  // its token-major m64n80k32 products (activation boxes of 32 token rows at M <= 32, else 64),
+  // and the halves reduce-scatter their fp32 sums through shared memory; half h then stores the
+  // pair's rows 40 h ... 40 h + 39 of every token. Pack the image for
+  // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas;
+  // ctas_per_sm does not apply; burst: K blocks per stage, 0 or 2 (3 stages), 1 (6 stages); K up
+  // to 6400 (gemm_wgmma_rows_supported(N, K, true); burst 1: 6272). Same products as the row
   // split; the fp32 sum of the two halves' partial sums instead of one running sum over K.
-  int row_k_split = 0;
+  bool row_k_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -151,7 +150,8 @@ struct GemmWgmmaOptions {
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
-  // wgmmas read it (6, M > 32). 0: off.
+  // wgmmas read it (6, M > 32), every CTA returning after its setup (7, M > 32: the launch alone).
+  // 0: off.
   int debug_rows_diag = 0;
 };
 
@@ -179,7 +179,7 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
 // Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
 // OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
 // k_split: whether its K split (GemmWgmmaOptions::row_k_split) does (at most 76 rows per pair of
-// halves, K <= 6272).
+// halves, K <= 6400).
 Status gemm_wgmma_rows_supported(int64_t n, int64_t k, bool k_split = false);
 // The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave;
 // k_split: the K split's image CTAs (pairs of halves), min(SMs, N).

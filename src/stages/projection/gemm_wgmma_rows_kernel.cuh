@@ -263,7 +263,8 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // the epilogue's stores, 4 = the whole kernel without the epilogue's stores (its accumulators
 // kept live), 5 = 3 without the activation scales' loads (the ring alone, as bandwidth_bench
 // --rows streams it). Session 23: 6 = 4 with each stage released as soon as it is full, before
-// its wgmmas read it (the kernel without its hold on the ring; n 64 only).
+// its wgmmas read it (the kernel without its hold on the ring; n 64 only), 7 = every CTA
+// returning after its barrier setup (the launch and CTA start-up alone; n 64 only).
 //
 // Lost (session 22 round B, same round, b2b us, deleted): each stage's activation scales copied
 // with the stage (the producer warp's 31 other lanes, 4-byte cp.async, noinc arrivals on the
@@ -319,6 +320,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if constexpr (kDiag == 7) return;  // (diagnostic: the launch alone; see kDiag)
 
   if (tid >= kConsumers) {
     if (lane == 1 && p.trace != nullptr) {

@@ -13,14 +13,13 @@ namespace m3attn::gemm_wgmma_detail {
 
 struct RowsArgs;
 
-// Launches the K split over `pairs` image CTAs for M = args.m rows (the activation map's box: 32
-// token rows at M <= 32, else 64): as 2-CTA clusters (2 x pairs CTAs, two per SM) or, one_cta, one
-// CTA of two halves per pair (one per SM); each half stores half the columns of every token or,
-// by_tokens, half the tokens. diag: 0, or the bench diagnostics 3 / 4 (M > 32 only; results
-// wrong). The caller has validated the shape (rows per pair, local K blocks).
-Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, bool one_cta,
-                          bool by_tokens, int diag, const CudaDeviceInfo& info,
-                          cudaStream_t stream);
+// Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
+// args.m rows (the activation map's box: 32 token rows at M <= 32, else 64), kpb K blocks per
+// stage (1 or 2). diag: 0, or the bench diagnostics 3 / 4 / 6 (M > 32 only; results wrong). The
+// caller has validated the shape (rows per pair; local K blocks for 2 K blocks per stage, 1
+// checks its own).
+Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int kpb,
+                          int diag, const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

@@ -1,9 +1,10 @@
 // The row split's K split (GemmWgmmaOptions::row_k_split; session 23, opt-in): the math and the
 // packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (74-75 for N
-// 9856 over 132 image CTAs) shared by a PAIR of CTAs (or of warpgroups, see below) that split its
-// K: half h in {0, 1} takes the image steps s with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h +
-// 3), so both halves read neighbouring steps of the image (the grid still reads a front through
-// memory) and each reads only the activation boxes of its own K blocks.
+// 9856 over 132 image CTAs, one per SM) shared by the two HALVES of one CTA (two consumer
+// warpgroups, two producer warps), which split its K: half h in {0, 1} takes the image steps s
+// with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h + 3), so both halves read neighbouring steps
+// of the image (the grid still reads a front through memory) and each reads only the activation
+// boxes of its own K blocks.
 //
 // Why (the lead's arithmetic for session 23, M 64): the row split's 264 CTAs each read the whole
 // activation matrix (64 x 6144 B) from L2 for 37-38 weight rows (104 MB of L2 -> shared traffic
@@ -14,34 +15,39 @@
 // the same shared memory).
 //
 // Per half: one consumer warpgroup (token-major: A = the activation box, m64 = 64 token rows; B =
-// the pair's weight rows, n80) and one producer warp; a ring of kKsStages stages of kKsKpb K
-// blocks; all activation slots first (1024-byte aligned, 64 token rows each whatever M: the m64 A
-// tile never reads past its slot), then the weight slots (the n80 B tile of the last K column
-// reads (80 - rows) x 16 bytes past the stage's rows: each weight slot keeps that much room), then
-// the scales of the half's own K blocks. The fold, the release of each stage and the epilogue's
-// bf16 pairs are the row split's token-major ones at n 80.
+// the pair's weight rows, n80) and one producer warp (warp 8 + h); a ring of 3 stages of 2 K
+// blocks (or 6 of 1: GemmWgmmaOptions::burst 1); all activation slots first (1024-byte aligned, 64
+// token rows each whatever M: the m64 A tile never reads past its slot), then the weight slots
+// (the n80 B tile of the last K column reads (80 - rows) x 16 bytes past the stage's rows: each
+// weight slot keeps that much room), then the scales of the half's own K blocks. The fold, the
+// release of each stage and the epilogue's bf16 pairs are the row split's token-major ones at n
+// 80.
 //
-// The end: a reduce-scatter of the fp32 accumulators. Both halves hold the same fragment layout
-// (warp w: tokens 16 w ... 16 w + 15); the half that stores warp w's tokens is w / 2 at M > 32
-// (kNw 64) and w at M <= 32 (kNw 32: tokens 0-31 live in warps 0-1; warps 2-3 hold padding and
-// skip their folds). Each half writes the fragments of the warps the other half stores into the
-// other half's drained ring (its first activation stage), one barrier later each adds what it
-// received to its own and stores its tokens: runs of 2 x rows bytes (150 at N 9856) per token, as
-// many stores per SM as before over half the tokens.
+// The end: a reduce-scatter of the fp32 accumulators through the CTA's shared memory. Both halves
+// hold the same fragment layout (warp w: tokens 16 w ... 16 w + 15; column groups c = 0 ... 9 of
+// 8 weight rows); half h stores column groups 5 h ... 5 h + 4 (the pair's rows 40 h ... 40 h +
+// 39) of every token. Between two named barriers of the 256 consumer threads (both rings
+// drained; the writes landed) each thread writes its five groups of the other half's columns
+// into the other half's drained ring (its first activation slots), then adds what it received to
+// its own five and stores them: every warp of the SM stores, 80-byte runs per token. (kNw 32, M
+// <= 32: tokens 0-31 live in warps 0-1; warps 2-3 hold padding and skip their folds, sends and
+// stores.)
 //
-// Two forms of a pair (kCl):
-//   kCl = true: a 2-CTA cluster, two CTAs per SM (grid 2 x image CTAs); the reduce-scatter goes
-//     through distributed shared memory (st.shared::cluster), ordered by two cluster barriers
-//     (the peer's ring drained; the writes landed). Every thread of both CTAs joins them, the
-//     producer warps included, and no CTA exits before the second (its shared memory is written).
-//   kCl = false: one CTA per pair, one per SM (grid = image CTAs): warpgroup h is half h, producer
-//     warp 8 + h feeds its ring; the reduce-scatter goes through the CTA's own shared memory
-//     between two named barriers of the 256 consumer threads.
+// Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
+// pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory
+// between two cluster barriers): round A M 64 21.24-21.28 / 19.51-19.55 against 19.97-19.99 /
+// 18.51-18.54 for one CTA of two halves, its ring alone (diagnostic 3) 18.11 against 17.11; M 32
+// 20.57-20.61 / 18.55-18.58 against 19.21-19.30 / 17.56-17.57. (Traced, its launch hung in rounds
+// A and C; not understood, not pursued.) Each half storing half the TOKENS (warps 2 h, 2 h + 1 at
+// M > 32; 150-byte runs per token by half the warps): round C M 64 19.88-19.96 / 18.42-18.43
+// against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
+// 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
-// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. 7 = every CTA
+// returning after its barrier setup (the launch and CTA start-up alone).
 #pragma once
 
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
@@ -68,23 +74,35 @@ struct Wgmma<80> {
 };
 
 constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see the slots)
-constexpr int kKsKpb = 2;       // K blocks per ring stage
-constexpr int kKsStages = 3;
-constexpr int kKsActSlot = 64 * kBlockK;  // one K block's activations (64 token rows)
-constexpr int kKsActStage = kKsKpb * kKsActSlot;
+constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
+constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
+constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
+// One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
+// static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
+// activation slots stay aligned).
+constexpr int kKsHalfBytes = (232448 - 256 - 1024) / 2 / 1024 * 1024;
+// kKpb K blocks per ring stage (GemmWgmmaOptions::burst: 2 by default, or 1): 3 or 6 stages.
+template <int kKpb>
+constexpr int ks_stages() {
+  return kKpb == 1 ? 6 : 3;
+}
 // A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
 // (fewer rows leave more room than they overrun).
-constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
-constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
-constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
-// Local K blocks per half at most: what fits next to the ring in a CTA of two per SM (115712 B,
-// at most 256 B of static shared memory, the 1024-byte alignment slack). K 6144: 24.
-constexpr int kKsMaxLocalKblocks = (115712 - 256 - 1024 - kKsRing) / kKsScaleBytesPerKb;
-// One half's region in the one-CTA form (the second half's ring 1024-byte aligned).
-constexpr int kKsHalfBytes =
-    (kKsRing + kKsMaxLocalKblocks * kKsScaleBytesPerKb + 1023) / 1024 * 1024;
-static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
-static_assert(2 * 10 * 32 * 16 <= kKsActStage, "the reduce-scatter fits one activation stage");
+template <int kKpb>
+constexpr int ks_weight_stage() {
+  return kKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+}
+template <int kKpb>
+constexpr int ks_ring() {
+  return ks_stages<kKpb>() * (kKpb * kKsActSlot + ks_weight_stage<kKpb>());
+}
+// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24).
+template <int kKpb>
+constexpr int ks_max_local_kblocks() {
+  return (kKsHalfBytes - ks_ring<kKpb>()) / kKsScaleBytesPerKb;
+}
+// The default's (2 K blocks per stage) limit: the host's shape check (1 checks its own).
+constexpr int kKsMaxLocalKblocks = ks_max_local_kblocks<2>();
 
 // K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
 __host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
@@ -95,16 +113,11 @@ __host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
-__host__ __device__ constexpr int rows_ksplit_smem_bytes(bool cl, int kbl0) {
-  return 1024 + (cl ? 0 : kKsHalfBytes) + kKsRing + kbl0 * kKsScaleBytesPerKb;
+template <int kKpb>
+__host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
+  return 1024 + kKsHalfBytes + ks_ring<kKpb>() + kbl0 * kKsScaleBytesPerKb;
 }
 
-__device__ __forceinline__ void st_shared_cluster_v4(uint32_t addr, float a, float b, float c,
-                                                     float d) {
-  asm volatile("st.shared::cluster.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-}
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -113,64 +126,53 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
                : "memory");
   return v;
 }
-// Cluster barrier arrival / wait for threads of a warp that may have diverged.
-__device__ __forceinline__ void cluster_arrive_any() {
-  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-}
-__device__ __forceinline__ void cluster_wait_any() {
-  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t cluster_ctarank() {
-  uint32_t r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
-  return r;
-}
 
-template <bool kCl>
-constexpr int rows_ksplit_threads() {
-  return kCl ? 160 : 320;
-}
-
-template <int kNw, bool kCl, bool kByCols, int kDiag = 0>
-__global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
+template <int kNw, int kKsKpb, int kDiag = 0>
+__global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
+  constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+  constexpr int kKsStages = ks_stages<kKsKpb>();
+  constexpr int kKsActStage = kKsKpb * kKsActSlot;
+  constexpr int kKsWeightStage = ks_weight_stage<kKsKpb>();
+  constexpr int kKsRing = ks_ring<kKsKpb>();
   static_assert(kNw == 32 || kNw == 64, "token rows of the activation box");
+  static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
+  static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
+  static_assert(kKsRing + ks_max_local_kblocks<kKsKpb>() * kKsScaleBytesPerKb <= kKsHalfBytes,
+                "a half's region");
+  // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
+  static_assert(4 * (kGroups / 2) * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[kCl ? 1 : 2][kKsStages];
-  __shared__ __align__(8) uint64_t empty_bar[kCl ? 1 : 2][kKsStages];
+  __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
+  __shared__ __align__(8) uint64_t empty_bar[2][kKsStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
-  // The half this thread works for: the cluster rank (kCl), else the warpgroup (consumers) or
-  // producer warp 8 + h.
-  // (A warp-uniform value by a shuffle: with a per-thread one, the loop trip counts and stage
-  // sizes below would put the wgmmas on a divergent path for ptxas, which then serializes them.)
-  const int h = kCl ? static_cast<int>(cluster_ctarank())
-                    : __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
-  const bool producer = kCl ? tid >= 128 : tid >= 256;
-  const int bi = kCl ? 0 : h;  // index of the half's barriers
-  const int g = kCl ? static_cast<int>(blockIdx.x) / 2 : static_cast<int>(blockIdx.x);
-  const int pairs = kCl ? static_cast<int>(gridDim.x) / 2 : static_cast<int>(gridDim.x);
+  // The half this thread works for: its warpgroup (consumers) or producer warp 8 + h. (A
+  // warp-uniform value by a shuffle: with a per-thread one, the loop trip counts and stage sizes
+  // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
+  const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
+  const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
   const int r_begin = rows_begin(g, pairs, p.n);
   const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   const int steps = (kbl + kKsKpb - 1) / kKsKpb;
   // The half's region: activation slots, weight slots, scales.
-  const uint32_t hbase = base + static_cast<uint32_t>(kCl ? 0 : h * kKsHalfBytes);
+  const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
   const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
   float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + kKsRing);
   float* s_sb = s_sa + kbl * 64;
 
   if (tid == 0) {
     prefetch_tensor_map(&xmap);
-    for (int b = 0; b < (kCl ? 1 : 2); ++b)
+    for (int b = 0; b < 2; ++b)
       for (int s = 0; s < kKsStages; ++s) {
         mbar_init(smem_addr(&full_bar[b][s]), 1);
         mbar_init(smem_addr(&empty_bar[b][s]), 128);
@@ -179,25 +181,26 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if constexpr (kDiag == 7) return;  // (diagnostic: the launch alone; see kDiag)
 
-  if (producer) {
-    if (lane == 1 && p.trace != nullptr && (kCl || h == 0)) {
-      // Diagnostics (bench only): the trace's words 0-5 (kRowsTraceWords) of the CTA (one CTA
-      // per pair: of half 0).
+  if (tid >= 256) {
+    if (lane == 1 && p.trace != nullptr) {
+      // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
+      // (the row split's "last stage released") is half 1's last stage full (the summary's
+      // "folded" mark).
       unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
-      t[0] = global_ns();
-      t[1] = static_cast<unsigned long long>(clock64());
-      for (int i = 0; i < steps; ++i) {
-        mbar_wait(smem_addr(&full_bar[bi][i % kKsStages]), (i / kKsStages) & 1);
-        const unsigned long long c = static_cast<unsigned long long>(clock64());
-        if (i == 0) t[2] = c;
-        if (i == steps / 2) t[3] = c;
-        if (i == steps - 1) t[4] = c;
+      if (h == 0) {
+        t[0] = global_ns();
+        t[1] = static_cast<unsigned long long>(clock64());
       }
-      if (steps > 0)
-        mbar_wait(smem_addr(&empty_bar[bi][(steps - 1) % kKsStages]),
-                  ((steps - 1) / kKsStages) & 1);
-      t[5] = static_cast<unsigned long long>(clock64());
+      for (int i = 0; i < steps; ++i) {
+        mbar_wait(smem_addr(&full_bar[h][i % kKsStages]), (i / kKsStages) & 1);
+        const unsigned long long c = static_cast<unsigned long long>(clock64());
+        if (h == 0 && i == 0) t[2] = c;
+        if (h == 0 && i == steps / 2) t[3] = c;
+        if (i == steps - 1) t[h == 0 ? 4 : 5] = c;
+      }
+      if (h == 1 && steps == 0) t[5] = static_cast<unsigned long long>(clock64());
     }
     if (lane == 0) {
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
@@ -209,7 +212,7 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
       };
       auto load_weights = [&](int i) {
         const int s = i % kKsStages;
-        const uint32_t full = smem_addr(&full_bar[bi][s]);
+        const uint32_t full = smem_addr(&full_bar[h][s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kNw * 128));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
@@ -232,30 +235,20 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
         const int s = i % kKsStages;
-        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[bi][s]), ((i / kKsStages) - 1) & 1);
+        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
-                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[bi][s]));
+                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[h][s]));
       }
     }
-    if constexpr (kCl) {
-      // Both cluster barriers of the reduce-scatter (below) count every thread of the cluster.
-      // (Not the .aligned forms: they need the warp converged, and the reconvergence ptxas then
-      // places after the trace lane's block holds lane 0 until the trace lane saw every stage
-      // full, which needs lane 0: round A's trace hung there.)
-      cluster_arrive_any();
-      cluster_wait_any();
-      cluster_arrive_any();
-      cluster_wait_any();
-    }
-    return;
+    return;  // (consumers synchronize with named barriers only)
   }
 
-  // Consumers (warpgroup h of the CTA, or the CTA's only one). Scales by cp.async, waited for
-  // after the first stage's wgmmas are issued (as the row split does).
+  // Consumers (warpgroup h). Scales by cp.async, waited for after the first stage's wgmmas are
+  // issued (as the row split does).
   const int ct = tid % 128;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
   for (int i = ct; i < kbl * 2; i += 128) {
@@ -279,12 +272,12 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
   // kNw 32: warps 2-3 hold padding tokens only (no fold, nothing sent or stored).
   const bool holds = kNw == 64 || warp < 2;
   // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
-  uint32_t hsel[kAcc / 4][2];
+  uint32_t hsel[kGroups][2];
 #pragma unroll
-  for (int c = 0; c < kAcc / 4; ++c)
+  for (int c = 0; c < kGroups; ++c)
 #pragma unroll
     for (int e = 0; e < 2; ++e) hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
-  const uint32_t full0 = smem_addr(&full_bar[bi][0]), empty0 = smem_addr(&empty_bar[bi][0]);
+  const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
 
   float acc[kAcc];
@@ -302,7 +295,8 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
-      if (q < left && !kRing) {
+      // (K block 0 of a stage always exists: no branch around its wgmmas.)
+      if ((q == 0 || q < left) && !kRing) {
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
 #pragma unroll
@@ -321,7 +315,7 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
-      if (q < left && !kRing && holds) {
+      if ((q == 0 || q < left) && !kRing && holds) {
         const int l = i * kKsKpb + q;
         const float* sa = s_sa + l * 64;
         const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
@@ -349,50 +343,27 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
     }
   }
 
-  // Reduce-scatter (see the top). kByCols: half h stores column groups c in [5 h, 5 h + 5) (the
-  // pair's weight rows 40 h ... 40 h + 39) of every token and sends the other five; else warp w's
-  // tokens are stored by half `owner`, which receives all ten groups of them. What a half
-  // receives lands in its drained ring (first activation slots): [slot][group][lane] x 16 bytes.
-  constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
-  constexpr int kSent = kByCols ? kGroups / 2 : kGroups;
-  const int owner = kNw == 64 ? warp / 2 : warp;
-  const int slot = kByCols ? warp : kNw == 64 ? warp % 2 : 0;
-  const uint32_t xoff = static_cast<uint32_t>(((slot * kSent) * 32 + lane) * 16);
-  const bool sends = holds && (kByCols || owner != h);
-  const bool mine = holds && (kByCols || owner == h);
-  // Whether group c (a constant after unrolling) is the other half's (kByCols).
+  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and sends the
+  // other five, as [warp][group - 5 (1 - h)][lane] x 16 bytes into the other half's drained ring.
+  const uint32_t xoff = static_cast<uint32_t>(((warp * (kGroups / 2)) * 32 + lane) * 16);
+  // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
-  if constexpr (kCl) {
-    cluster_arrive();  // this CTA's ring is drained (every wgmma of it waited for)
-    cluster_wait();    // ... and the peer's
-    if (sends) {
-      const uint32_t dst = map_to_rank(base + xoff, static_cast<uint32_t>(h ^ 1));
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  if (holds) {
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
-      for (int c = 0; c < kGroups; ++c)
-        if (!kByCols || other(c))
-          st_shared_cluster_v4(dst + (c % kSent) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
-                               acc[4 * c + 3]);
-    }
-    cluster_arrive();  // (release: the writes above)
-    cluster_wait();
-  } else {
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
-    if (sends) {
-      const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
-#pragma unroll
-      for (int c = 0; c < kGroups; ++c)
-        if (!kByCols || other(c))
-          st_shared_v4(dst + (c % kSent) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
-                       acc[4 * c + 3]);
-    }
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");
+    for (int c = 0; c < kGroups; ++c)
+      if (other(c))
+        st_shared_v4(dst + (c % (kGroups / 2)) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                     acc[4 * c + 3]);
   }
-  if (mine) {
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");
+  if (holds) {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
-      if (kByCols && other(c)) continue;
-      const float4 v = ld_shared_v4(hbase + xoff + (c % kSent) * 512);
+      if (other(c)) continue;
+      const float4 v = ld_shared_v4(hbase + xoff + (c % (kGroups / 2)) * 512);
       acc[4 * c] += v.x;
       acc[4 * c + 1] += v.y;
       acc[4 * c + 2] += v.z;
@@ -404,8 +375,8 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
   // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
   // stored alone, as the one at lo_col is when the outputs start on an odd element).
   const bool store = kNoStores ? p.m > 64 : true;
-  const int lo_col = kByCols ? 8 * (kGroups / 2) * h : 0;
-  const int hi_col = kByCols ? min(rows, lo_col + 8 * (kGroups / 2)) : rows;
+  const int lo_col = 8 * (kGroups / 2) * h;
+  const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
   {
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
@@ -423,12 +394,12 @@ __global__ void __launch_bounds__(rows_ksplit_threads<kCl>(), kCl ? 2 : 1)
       const int m = row0 + 8 * hh;
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && mine && m < p.m) {
+      if (store && holds && m < p.m) {
         if (odd && q == 0 && lo_col < hi_col)
-          store_out(dst + lo_col, kByCols && h == 1 ? x0[kGroups / 2] : x0[0]);
+          store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
 #pragma unroll
         for (int c = 0; c < kGroups; ++c) {
-          if (kByCols && other(c)) continue;
+          if (other(c)) continue;
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];

@@ -321,13 +321,14 @@ std::vector<Case> exact_cases() {
         Case{8, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{1, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
         Case{5, 9856, 6144, 16, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
-        // The row split's K split (session 23): 2-CTA clusters (ctas 0) and one CTA of two
-        // halves (ctas 1); fused width (74-75 rows per pair, pairs straddling weight-scale
-        // blocks and starting on odd rows), every M class (box of 32 / 64 tokens, padded
-        // tokens), K blocks 9 / 13 / 5 / 3 / 1 (halves of unequal length, half 1 idle at 3 and
-        // 1), the largest K (49 K blocks: 25 in half 0), images for 100 / 200 pairs (61-62 and
-        // 30-31 rows; 200 pairs: a second wave), padded / 16-byte aligned operands, row-major
-        // activation scales, PDL, no evict-first.
+        // The row split's K split (session 23; one CTA of two halves per SM, whatever
+        // ctas_per_sm): fused width (74-75 rows per pair, pairs straddling weight-scale blocks
+        // and starting on odd rows), every M class (box of 32 / 64 tokens, padded tokens), K
+        // blocks 9 / 13 / 5 / 3 / 1 (halves of unequal length, half 1 idle at 3 and 1), the
+        // largest K (50 K blocks: 26 in half 0), images for 100 / 200 pairs (61-62 and 30-31
+        // rows; 200 pairs: a second wave), 2 to 5 rows per pair (half 1 without columns),
+        // padded / 16-byte aligned operands, row-major activation scales, PDL, no evict-first,
+        // 1 K block per stage (burst 1).
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{32, 9856, 6144, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
@@ -336,12 +337,15 @@ std::vector<Case> exact_cases() {
         Case{57, 9856, 1664, 8, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 0, true},
         Case{33, 640, 384, 0, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
         Case{17, 384, 128, 16, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{64, 6144, 6272, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 100, true},
+        Case{64, 6144, 6400, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 100, true},
         Case{48, 6144, 2048, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 200, true},
         Case{40, 6144, 1152, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 200, true},
         Case{5, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{16, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true}};
+        Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{24, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{57, 6144, 6272, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
 }
 
@@ -858,18 +862,18 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   }
 }
 
-// Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), 2-CTA
-// clusters and one CTA of two halves, both activation boxes (M <= 32, M > 32), padded outputs,
-// rings reused (K 4096: 16 K blocks per half), exact against the twin.
+// Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), 2 and 1
+// K blocks per stage, both activation boxes (M <= 32, M > 32), padded outputs, rings reused (K
+// 4096: 16 K blocks per half), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  for (int ctas : {0, 1}) {  // clusters of two CTAs, one CTA of two halves
+  for (int burst : {0, 1}) {
     for (int64_t m : {1, 33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
       Rng rng(seed);
-      Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
+      Case c{m, 640, 4096, 8, 0, false, 0, 4, burst, true, 0, false, 1, false, 0, false, true};
       c.k_split = true;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
@@ -939,30 +943,33 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
   bad.row_packed_ctas = 6;
-  bad.burst = 2;  // (the K split has its own stages)
+  bad.burst = 4;  // (the K split: 1 or 2 K blocks per stage)
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad.burst = 0;
   bad.debug_rows_diag = 3;  // (its diagnostics: M > 32 only)
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  {
-    // K 6400 (50 K blocks: 26 in half 0): beyond what a half stages.
-    GemmData wide = make_integer_data(1, 256, 6400, rng);
+  // K 6528 (51 K blocks: 27 in half 0): beyond what a half stages; K 6400 with 1 K block per
+  // stage (26 in half 0, 25 at most there) likewise.
+  for (int64_t kw : {6528, 6400}) {
+    GemmData wide = make_integer_data(1, 256, kw, rng);
     DeviceGemm dwide(wide, 256);
-    DeviceBuffer iwide(static_cast<size_t>(256 * 6400), 0);
+    DeviceBuffer iwide(static_cast<size_t>(256 * kw), 0);
     GemmWgmmaOptions o;
     o.row_packed_weights = iwide.data();
     o.row_packed_ctas = 6;
     o.row_k_split = true;
+    o.burst = kw == 6400 ? 1 : 0;
     EXPECT_EQ(run_gemm_wgmma_cuda(dwide.params(), ws.data(), ws.bytes(), nullptr, o).code(),
-              StatusCode::kUnsupported);
-    EXPECT_EQ(gemm_wgmma_rows_supported(256, 6400, true).code(), StatusCode::kUnsupported);
-    EXPECT_TRUE(gemm_wgmma_rows_supported(256, 6272, true).ok());
+              StatusCode::kUnsupported)
+        << kw;
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
     int64_t touched = 0;
     for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);
   }
+  EXPECT_EQ(gemm_wgmma_rows_supported(256, 6528, true).code(), StatusCode::kUnsupported);
+  EXPECT_TRUE(gemm_wgmma_rows_supported(256, 6400, true).ok());
   EXPECT_EQ(gemm_wgmma_rows_ctas(0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr).code(),
             StatusCode::kInvalidArgument);  // too small

@@ -421,7 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  int ksplit = 0;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -505,7 +505,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without stores and without its hold on the ring (diagnostic 6: each stage released as soon as
   // it is full) plain / chained, 34 / 35 the same for the K split; 36 / 37 the K split with 1 K
   // block per stage (burst 1) plain / chained; 38 / 39 the row split / the K split (M > 32)
-  // returning after their setup (diagnostic 7: the launch alone). (Session 23 also timed and
+  // returning after their setup (diagnostic 7: the launch alone); 40 / 41 the K split with one
+  // producer warp streaming both halves' stages in turns (row_k_split 2) plain / chained, 42 / 43
+  // its diagnostics 3 / 4. (Session 23 also timed and
   // removed: the K split's
   // pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs 20.0 us for one CTA of
   // two halves, chained 19.5 vs 18.5); its halves each storing half the tokens instead of half
@@ -577,7 +579,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 1, false, false, 0, true},
                                    {0, false, 16, 0, false, true, 1, true, false, 0, true},
                                    {0, false, 16, 0, false, true, 0, false, false, 7},
-                                   {0, false, 16, 0, false, true, 0, false, false, 7, true}};
+                                   {0, false, 16, 0, false, true, 0, false, false, 7, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, 2},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3, 2},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4, 2}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -899,9 +905,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit ? " row K split"
-           : variants[v].rows ? " row split"
-                              : "") +
+          (variants[v].ksplit == 2 ? " row K split lockstep"
+           : variants[v].ksplit    ? " row K split"
+           : variants[v].rows      ? " row split"
+                                   : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

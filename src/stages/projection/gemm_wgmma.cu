@@ -420,8 +420,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     // The K split (its own K blocks per stage; activation boxes of 32 or 64 token rows).
-    M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 1 || kpb == 2,
-                 "GemmWgmmaOptions::burst = ", kpb, " must be 0, 1 or 2 with row_k_split");
+    M3_CHECK_ARG(options.row_k_split >= 0 && options.row_k_split <= 2,
+                 "GemmWgmmaOptions::row_k_split = ", options.row_k_split, " must be 0, 1 or 2");
+    M3_CHECK_ARG(
+        options.row_k_split == 0 || kpb == 0 || kpb == 2 || (kpb == 1 && options.row_k_split == 1),
+        "GemmWgmmaOptions::burst = ", kpb, " must be 0, 2 or (row_k_split 1) 1 with ",
+        "row_k_split");
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
                      ((options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
                        options.debug_rows_diag == 6 || options.debug_rows_diag == 7) &&
@@ -444,6 +448,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trace = options.debug_trace;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, kpb == 1 ? 1 : 2,
+                                                   options.row_k_split == 2,
                                                    options.debug_rows_diag, info, stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);

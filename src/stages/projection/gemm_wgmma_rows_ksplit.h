@@ -18,8 +18,9 @@ struct RowsArgs;
 // stage (1 or 2). diag: 0, or the bench diagnostics 3 / 4 / 6 (M > 32 only; results wrong). The
 // caller has validated the shape (rows per pair; local K blocks for 2 K blocks per stage, 1
 // checks its own).
+// lockstep: one producer warp streams both halves' stages in turns (2 K blocks per stage).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int kpb,
-                          int diag, const CudaDeviceInfo& info, cudaStream_t stream);
+                          bool lockstep, int diag, const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

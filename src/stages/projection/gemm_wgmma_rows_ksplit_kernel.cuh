@@ -127,7 +127,7 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kNw, int kKsKpb, int kDiag = 0>
+template <int kNw, int kKsKpb, bool kLock, int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
@@ -202,23 +202,29 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       if (h == 1 && steps == 0) t[5] = static_cast<unsigned long long>(clock64());
     }
-    if (lane == 0) {
-      // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
+    if (lane == 0 && (!kLock || h == 0)) {
+      // Lane 0 streams its half's stages (kLock: warp 8 streams both halves' stages in turns,
+      // stage i of half 0 then of half 1): each stage's weights (one bulk copy of the pair's
       // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
-      auto stage_kblocks = [&](int i) {
-        const int left = kbl - i * kKsKpb;
+      auto steps_of = [&](int hh) {
+        return (ksplit_local_kblocks(kb_count, hh) + kKsKpb - 1) / kKsKpb;
+      };
+      auto stage_kblocks = [&](int hh, int i) {
+        const int left = ksplit_local_kblocks(kb_count, hh) - i * kKsKpb;
         return left < kKsKpb ? left : kKsKpb;
       };
-      auto load_weights = [&](int i) {
+      auto load_weights = [&](int hh, int i) {
         const int s = i % kKsStages;
-        const uint32_t full = smem_addr(&full_bar[h][s]);
-        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        const uint32_t full = smem_addr(&full_bar[hh][s]);
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(hh, i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kNw * 128));
-        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+        const uint32_t dst =
+            base +
+            static_cast<uint32_t>(hh * kKsHalfBytes + kKsStages * kKsActStage + s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src =
-            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, hh), r_begin,
+                                                         rows, p.n, kb_count);
         if (p.weight_evict_first) {
           bulk_load_hint(dst, src, bytes, full, policy);
         } else {
@@ -229,19 +235,29 @@ __global__ void __launch_bounds__(kKsThreads, 1)
               : "memory");
         }
       };
+      const int h_lo = kLock ? 0 : h, h_hi = kLock ? 1 : h;
       // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
-      const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;
-      for (int i = 0; i < early; ++i) load_weights(i);
+      auto early_of = [&](int hh) {
+        return p.early_weights ? (steps_of(hh) < kKsStages ? steps_of(hh) : kKsStages) : 0;
+      };
+      for (int i = 0; i < kKsStages; ++i)
+        for (int hh = h_lo; hh <= h_hi; ++hh)
+          if (i < early_of(hh)) load_weights(hh, i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      for (int i = 0; i < steps; ++i) {
-        const int s = i % kKsStages;
-        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
-        if (i >= early) load_weights(i);
-        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-        const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q)
-          tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
-                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[h][s]));
+      const int steps_max = steps_of(h_lo);  // (half 0 has at least half 1's K blocks)
+      for (int i = 0; i < steps_max; ++i) {
+        for (int hh = h_lo; hh <= h_hi; ++hh) {
+          if (i >= steps_of(hh)) continue;
+          const int s = i % kKsStages;
+          if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[hh][s]), ((i / kKsStages) - 1) & 1);
+          if (i >= early_of(hh)) load_weights(hh, i);
+          const uint32_t act = base + static_cast<uint32_t>(hh * kKsHalfBytes + s * kKsActStage);
+          const int nk = stage_kblocks(hh, i);
+          for (int q = 0; q < nk; ++q)
+            tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
+                        ksplit_kblock(i * kKsKpb + q, hh) * kBlockK, 0,
+                        smem_addr(&full_bar[hh][s]));
+        }
       }
     }
     return;  // (consumers synchronize with named barriers only)

@@ -80,7 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows; ctas_per_sm 1: one CTA)
+  int k_split = 0;          // GemmWgmmaOptions::row_k_split (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -345,7 +345,12 @@ std::vector<Case> exact_cases() {
         Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{24, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{57, 6144, 6272, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true}};
+        Case{57, 6144, 6272, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
+        // One producer warp streaming both halves' stages in turns (row_k_split 2): fused
+        // width, halves of unequal length (K blocks 13), half 1 idle (K blocks 3), PDL.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
+        Case{57, 9856, 1664, 8, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, 2},
+        Case{33, 640, 384, 0, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2}};
   // clang-format on
 }
 
@@ -863,18 +868,20 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
 }
 
 // Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), 2 and 1
-// K blocks per stage, both activation boxes (M <= 32, M > 32), padded outputs, rings reused (K
-// 4096: 16 K blocks per half), exact against the twin.
+// K blocks per stage, one producer warp for both halves, both activation boxes (M <= 32, M > 32),
+// padded outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  for (int burst : {0, 1}) {
+  // 2 K blocks per stage, 1, and one producer warp for both halves (row_k_split 2)
+  for (int form = 0; form < 3; ++form) {
+    const int burst = form == 1 ? 1 : 0;
     for (int64_t m : {1, 33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " burst " << burst);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " form " << form);
       Rng rng(seed);
       Case c{m, 640, 4096, 8, 0, false, 0, 4, burst, true, 0, false, 1, false, 0, false, true};
-      c.k_split = true;
+      c.k_split = form == 2 ? 2 : 1;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

@@ -505,16 +505,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // without stores and without its hold on the ring (diagnostic 6: each stage released as soon as
   // it is full) plain / chained, 34 / 35 the same for the K split; 36 / 37 the K split with 1 K
   // block per stage (burst 1) plain / chained; 38 / 39 the row split / the K split (M > 32)
-  // returning after their setup (diagnostic 7: the launch alone); 40 / 41 the K split with one
-  // producer warp streaming both halves' stages in turns (row_k_split 2) plain / chained, 42 / 43
-  // its diagnostics 3 / 4. (Session 23 also timed and
-  // removed: the K split's
-  // pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs 20.0 us for one CTA of
-  // two halves, chained 19.5 vs 18.5); its halves each storing half the tokens instead of half
-  // the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36).) (Session 22
-  // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
-  // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
-  // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
+  // returning after their setup (diagnostic 7: the launch alone); 40 / 41 the K split with each
+  // half handing its partial sums over in its own drained ring (row_k_split 2: one wait for the
+  // other half) plain / chained, 42 / 43 its diagnostics 3 / 4. (Session 23 also timed and removed:
+  // the K split's pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs 20.0 us for
+  // one CTA of two halves, chained 19.5 vs 18.5); its halves each storing half the tokens instead
+  // of half the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36); one producer warp
+  // streaming both halves' stages in turns (round F: M 64 plain 19.69-19.94 vs 20.01-20.08, chained
+  // 19.04-19.23 vs 18.19-18.28); 1 K block per stage (round E: chained 19.57-19.62 vs 18.29).)
+  // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
+  // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round
+  // C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
   // memory, one warp store per token (round D: M 64 21.3 vs 21.0, M 32 18.2-18.3 vs 17.3); the
   // token-major form's 4-byte pairs became its epilogue (round D: M 64 19.6 vs 21.0); round E:
   // those pairs as 8-byte chunks (M 64 21.4 vs 20.3), swap-AB pairs (M 32 18.6-18.7 vs 17.9-18.0),
@@ -905,7 +906,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit == 2 ? " row K split lockstep"
+          (variants[v].ksplit == 2 ? " row K split one barrier"
            : variants[v].ksplit    ? " row K split"
            : variants[v].rows      ? " row split"
                                    : "") +

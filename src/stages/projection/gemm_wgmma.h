@@ -97,9 +97,10 @@ struct GemmWgmmaOptions {
   // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas;
   // ctas_per_sm does not apply; burst: K blocks per stage, 0 or 2 (3 stages), 1 (6 stages); K up
   // to 6400 (gemm_wgmma_rows_supported(N, K, true); burst 1: 6272). Same products as the row
-  // split; the fp32 sum of the two halves' partial sums instead of one running sum over K. 1: a
-  // producer warp per half; 2 (session 23 A/B): one producer warp streaming both halves' stages
-  // in turns (2 K blocks per stage only). 0: off.
+  // split; the fp32 sum of the two halves' partial sums instead of one running sum over K. 1: each
+  // half writes the other's columns into the other's ring once both rings are drained; 2 (session
+  // 23 A/B): into its own ring once it is drained (one wait for the other half; 2 K blocks per
+  // stage only). 0: off.
   int row_k_split = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

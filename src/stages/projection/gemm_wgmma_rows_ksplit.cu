@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kNw, int kKpb, bool kLock, int kDiag>
+template <int kNw, int kKpb, bool kOneBar, int kDiag>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kNw, kKpb, kLock, kDiag>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kNw, kKpb, kOneBar, kDiag>;
   constexpr int kMaxLocal = ks_max_local_kblocks<kKpb>();
   constexpr int kMaxSmem = rows_ksplit_smem_bytes<kKpb>(kMaxLocal);
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
@@ -43,23 +43,23 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
   return Status::Ok();
 }
 
-template <int kKpb, bool kLock>
+template <int kKpb, bool kOneBar>
 Status dispatch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                 const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (args.m <= 32) return launch<32, kKpb, kLock, 0>(xmap, args, pairs, info, stream);
-  if (diag == 3) return launch<64, kKpb, kLock, 3>(xmap, args, pairs, info, stream);
-  if (diag == 4) return launch<64, kKpb, kLock, 4>(xmap, args, pairs, info, stream);
-  if (diag == 6) return launch<64, kKpb, kLock, 6>(xmap, args, pairs, info, stream);
-  if (diag == 7) return launch<64, kKpb, kLock, 7>(xmap, args, pairs, info, stream);
-  return launch<64, kKpb, kLock, 0>(xmap, args, pairs, info, stream);
+  if (args.m <= 32) return launch<32, kKpb, kOneBar, 0>(xmap, args, pairs, info, stream);
+  if (diag == 3) return launch<64, kKpb, kOneBar, 3>(xmap, args, pairs, info, stream);
+  if (diag == 4) return launch<64, kKpb, kOneBar, 4>(xmap, args, pairs, info, stream);
+  if (diag == 6) return launch<64, kKpb, kOneBar, 6>(xmap, args, pairs, info, stream);
+  if (diag == 7) return launch<64, kKpb, kOneBar, 7>(xmap, args, pairs, info, stream);
+  return launch<64, kKpb, kOneBar, 0>(xmap, args, pairs, info, stream);
 }
 
 }  // namespace
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int kpb,
-                          bool lockstep, int diag, const CudaDeviceInfo& info,
+                          bool one_barrier, int diag, const CudaDeviceInfo& info,
                           cudaStream_t stream) {
-  if (lockstep) return dispatch<2, true>(xmap, args, pairs, diag, info, stream);
+  if (one_barrier) return dispatch<2, true>(xmap, args, pairs, diag, info, stream);
   if (kpb == 1) return dispatch<1, false>(xmap, args, pairs, diag, info, stream);
   return dispatch<2, false>(xmap, args, pairs, diag, info, stream);
 }

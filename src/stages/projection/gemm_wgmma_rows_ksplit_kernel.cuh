@@ -127,7 +127,7 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kNw, int kKsKpb, bool kLock, int kDiag = 0>
+template <int kNw, int kKsKpb, bool kOneBar, int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
@@ -202,29 +202,23 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       }
       if (h == 1 && steps == 0) t[5] = static_cast<unsigned long long>(clock64());
     }
-    if (lane == 0 && (!kLock || h == 0)) {
-      // Lane 0 streams its half's stages (kLock: warp 8 streams both halves' stages in turns,
-      // stage i of half 0 then of half 1): each stage's weights (one bulk copy of the pair's
+    if (lane == 0) {
+      // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
       // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
-      auto steps_of = [&](int hh) {
-        return (ksplit_local_kblocks(kb_count, hh) + kKsKpb - 1) / kKsKpb;
-      };
-      auto stage_kblocks = [&](int hh, int i) {
-        const int left = ksplit_local_kblocks(kb_count, hh) - i * kKsKpb;
+      auto stage_kblocks = [&](int i) {
+        const int left = kbl - i * kKsKpb;
         return left < kKsKpb ? left : kKsKpb;
       };
-      auto load_weights = [&](int hh, int i) {
+      auto load_weights = [&](int i) {
         const int s = i % kKsStages;
-        const uint32_t full = smem_addr(&full_bar[hh][s]);
-        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(hh, i));
+        const uint32_t full = smem_addr(&full_bar[h][s]);
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kNw * 128));
-        const uint32_t dst =
-            base +
-            static_cast<uint32_t>(hh * kKsHalfBytes + kKsStages * kKsActStage + s * kKsWeightStage);
+        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, hh), r_begin,
-                                                         rows, p.n, kb_count);
+        const uint8_t* src =
+            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
         if (p.weight_evict_first) {
           bulk_load_hint(dst, src, bytes, full, policy);
         } else {
@@ -235,29 +229,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
               : "memory");
         }
       };
-      const int h_lo = kLock ? 0 : h, h_hi = kLock ? 1 : h;
       // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
-      auto early_of = [&](int hh) {
-        return p.early_weights ? (steps_of(hh) < kKsStages ? steps_of(hh) : kKsStages) : 0;
-      };
-      for (int i = 0; i < kKsStages; ++i)
-        for (int hh = h_lo; hh <= h_hi; ++hh)
-          if (i < early_of(hh)) load_weights(hh, i);
+      const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;
+      for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
-      const int steps_max = steps_of(h_lo);  // (half 0 has at least half 1's K blocks)
-      for (int i = 0; i < steps_max; ++i) {
-        for (int hh = h_lo; hh <= h_hi; ++hh) {
-          if (i >= steps_of(hh)) continue;
-          const int s = i % kKsStages;
-          if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[hh][s]), ((i / kKsStages) - 1) & 1);
-          if (i >= early_of(hh)) load_weights(hh, i);
-          const uint32_t act = base + static_cast<uint32_t>(hh * kKsHalfBytes + s * kKsActStage);
-          const int nk = stage_kblocks(hh, i);
-          for (int q = 0; q < nk; ++q)
-            tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
-                        ksplit_kblock(i * kKsKpb + q, hh) * kBlockK, 0,
-                        smem_addr(&full_bar[hh][s]));
-        }
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % kKsStages;
+        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
+        if (i >= early) load_weights(i);
+        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+        const int nk = stage_kblocks(i);
+        for (int q = 0; q < nk; ++q)
+          tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
+                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[h][s]));
       }
     }
     return;  // (consumers synchronize with named barriers only)
@@ -359,27 +343,36 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
   }
 
-  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and sends the
-  // other five, as [warp][group - 5 (1 - h)][lane] x 16 bytes into the other half's drained ring.
+  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and hands over the
+  // other five as [warp][group - 5 (1 - h)][lane] x 16 bytes in a drained ring: kOneBar writes
+  // them into its own ring once its warpgroup's wgmmas are done (one wait for the other half),
+  // else into the other half's once both rings are drained (two).
   const uint32_t xoff = static_cast<uint32_t>(((warp * (kGroups / 2)) * 32 + lane) * 16);
+  const uint32_t mine_at = hbase + xoff;
+  const uint32_t other_at = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
   // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
-  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  if constexpr (kOneBar) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // this half's ring drained
+  } else {
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  }
   if (holds) {
-    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
+    const uint32_t dst = kOneBar ? mine_at : other_at;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
       if (other(c))
         st_shared_v4(dst + (c % (kGroups / 2)) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
                      acc[4 * c + 3]);
   }
-  asm volatile("bar.sync 3, 256;\n" ::: "memory");
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
   if (holds) {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
+    const uint32_t src = kOneBar ? other_at : mine_at;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
       if (other(c)) continue;
-      const float4 v = ld_shared_v4(hbase + xoff + (c % (kGroups / 2)) * 512);
+      const float4 v = ld_shared_v4(src + (c % (kGroups / 2)) * 512);
       acc[4 * c] += v.x;
       acc[4 * c + 1] += v.y;
       acc[4 * c + 2] += v.z;

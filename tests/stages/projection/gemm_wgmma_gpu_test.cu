@@ -346,7 +346,7 @@ std::vector<Case> exact_cases() {
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{24, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
         Case{57, 6144, 6272, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
-        // One producer warp streaming both halves' stages in turns (row_k_split 2): fused
+        // Each half handing its partial sums over in its own ring (row_k_split 2): fused
         // width, halves of unequal length (K blocks 13), half 1 idle (K blocks 3), PDL.
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
         Case{57, 9856, 1664, 8, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, 2},
@@ -868,11 +868,11 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
 }
 
 // Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), 2 and 1
-// K blocks per stage, one producer warp for both halves, both activation boxes (M <= 32, M > 32),
+// K blocks per stage, both hand-overs of the partial sums, both activation boxes (M <= 32, M > 32),
 // padded outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  // 2 K blocks per stage, 1, and one producer warp for both halves (row_k_split 2)
+  // 2 K blocks per stage, 1, and the hand-over in the own ring (row_k_split 2)
   for (int form = 0; form < 3; ++form) {
     const int burst = form == 1 ? 1 : 0;
     for (int64_t m : {1, 33, 64}) {

@@ -421,7 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  int ksplit = 0;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -503,16 +503,15 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // (row_k_split, one CTA of two halves per SM) plain / chained, 28 / 29 its diagnostics 3 / 4
   // (ring, kernel without stores), 30 / 31 the same chained; 32 / 33 the row split (M > 32)
   // without stores and without its hold on the ring (diagnostic 6: each stage released as soon as
-  // it is full) plain / chained, 34 / 35 the same for the K split; 36 / 37 the K split with 1 K
-  // block per stage (burst 1) plain / chained; 38 / 39 the row split / the K split (M > 32)
-  // returning after their setup (diagnostic 7: the launch alone); 40 / 41 the K split with each
-  // half handing its partial sums over in its own drained ring (row_k_split 2: one wait for the
-  // other half) plain / chained, 42 / 43 its diagnostics 3 / 4. (Session 23 also timed and removed:
-  // the K split's pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs 20.0 us for
-  // one CTA of two halves, chained 19.5 vs 18.5); its halves each storing half the tokens instead
-  // of half the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36); one producer warp
-  // streaming both halves' stages in turns (round F: M 64 plain 19.69-19.94 vs 20.01-20.08, chained
-  // 19.04-19.23 vs 18.19-18.28); 1 K block per stage (round E: chained 19.57-19.62 vs 18.29).)
+  // it is full) plain / chained, 34 / 35 the same for the K split. (Session 23 also timed and
+  // removed: the K split's pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs
+  // 20.0 us for one CTA of two halves, chained 19.5 vs 18.5); its halves each storing half the
+  // tokens instead of half the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36); 1 K
+  // block per stage (round E: chained 19.57-19.62 vs 18.29); one producer warp streaming both
+  // halves' stages in turns (round F: M 64 plain 19.69-19.94 vs 20.01-20.08, chained 19.04-19.23
+  // vs 18.19-18.28); each half handing its sums over in its own ring, one wait for the other half
+  // (round G: equal); diagnostic 7, both kernels returning after their setup (round E: the launch
+  // alone, 1.29-1.38 us b2b for either).)
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round
   // C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -576,15 +575,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 6},
                                    {0, false, 16, 0, false, true, 0, true, false, 6},
                                    {0, false, 16, 0, false, true, 0, false, false, 6, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 6, true},
-                                   {0, false, 16, 0, false, true, 1, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 1, true, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 7},
-                                   {0, false, 16, 0, false, true, 0, false, false, 7, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, 2},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 3, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 4, 2}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 6, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -906,10 +897,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit == 2 ? " row K split one barrier"
-           : variants[v].ksplit    ? " row K split"
-           : variants[v].rows      ? " row split"
-                                   : "") +
+          (variants[v].ksplit ? " row K split"
+           : variants[v].rows ? " row split"
+                              : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

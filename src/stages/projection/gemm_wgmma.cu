@@ -232,7 +232,6 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
     if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
     if constexpr (kNw == 64) {
       if (diag == 6) return launch_rows<kNw, kDefault, 1, 6>(xmap, args, grid, info, stream);
-      if (diag == 7) return launch_rows<kNw, kDefault, 1, 7>(xmap, args, grid, info, stream);
     }
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
@@ -420,18 +419,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
     // The K split (its own K blocks per stage; activation boxes of 32 or 64 token rows).
-    M3_CHECK_ARG(options.row_k_split >= 0 && options.row_k_split <= 2,
-                 "GemmWgmmaOptions::row_k_split = ", options.row_k_split, " must be 0, 1 or 2");
-    M3_CHECK_ARG(
-        options.row_k_split == 0 || kpb == 0 || kpb == 2 || (kpb == 1 && options.row_k_split == 1),
-        "GemmWgmmaOptions::burst = ", kpb, " must be 0, 2 or (row_k_split 1) 1 with ",
-        "row_k_split");
+    M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
+                 " must be 0 or 2 with row_k_split");
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
                      ((options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
-                       options.debug_rows_diag == 6 || options.debug_rows_diag == 7) &&
+                       options.debug_rows_diag == 6) &&
                       m > 32),
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
-                 ": the row K split has diagnostics 3, 4, 6 and 7 at M > 32 only");
+                 ": the row K split has diagnostics 3, 4 and 6 at M > 32 only");
     const int box = options.row_k_split ? (m <= 32 ? 32 : 64) : box_rows_for(m);
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box,
@@ -447,9 +442,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
     if (options.row_k_split)
-      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, kpb == 1 ? 1 : 2,
-                                                   options.row_k_split == 2,
-                                                   options.debug_rows_diag, info, stream);
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);

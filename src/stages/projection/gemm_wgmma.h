@@ -95,13 +95,12 @@ struct GemmWgmmaOptions {
   // and the halves reduce-scatter their fp32 sums through shared memory; half h then stores the
   // pair's rows 40 h ... 40 h + 39 of every token. Pack the image for
   // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas;
-  // ctas_per_sm does not apply; burst: K blocks per stage, 0 or 2 (3 stages), 1 (6 stages); K up
-  // to 6400 (gemm_wgmma_rows_supported(N, K, true); burst 1: 6272). Same products as the row
-  // split; the fp32 sum of the two halves' partial sums instead of one running sum over K. 1: each
-  // half writes the other's columns into the other's ring once both rings are drained; 2 (session
-  // 23 A/B): into its own ring once it is drained (one wait for the other half; 2 K blocks per
-  // stage only). 0: off.
-  int row_k_split = 0;
+  // ctas_per_sm does not apply; burst must be 0 or 2 (3 stages of 2 K blocks); K up to 6400
+  // (gemm_wgmma_rows_supported(N, K, true)). Same products as the row split; the fp32 sum of the
+  // two halves' partial sums instead of one running sum over K. Session 23 (fused N 9856 x K
+  // 6144, b2b us, same rounds): M 64 chained 18.19-18.29 against the row split's 18.50-18.72,
+  // plain 19.84-20.08 against 19.43-19.71; slower at M 32 (plain 19.1-19.4 against 17.2).
+  bool row_k_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -153,8 +152,7 @@ struct GemmWgmmaOptions {
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
-  // wgmmas read it (6, M > 32), every CTA returning after its setup (7, M > 32: the launch alone).
-  // 0: off.
+  // wgmmas read it (6, M > 32). 0: off.
   int debug_rows_diag = 0;
 };
 

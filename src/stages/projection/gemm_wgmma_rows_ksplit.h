@@ -14,14 +14,11 @@ namespace m3attn::gemm_wgmma_detail {
 struct RowsArgs;
 
 // Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
-// args.m rows (the activation map's box: 32 token rows at M <= 32, else 64), kpb K blocks per
-// stage (1 or 2). one_barrier: each half hands its partial sums over in its own drained ring (2
-// K blocks per stage). diag: 0, or the bench diagnostics 3 / 4 / 6 / 7 (M > 32 only; results
-// wrong). The caller has validated the shape (rows per pair; local K blocks for 2 K blocks per
-// stage, 1 checks its own).
-Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int kpb,
-                          bool one_barrier, int diag, const CudaDeviceInfo& info,
-                          cudaStream_t stream);
+// args.m rows (the activation map's box: 32 token rows at M <= 32, else 64). diag: 0, or the
+// bench diagnostics 3 / 4 / 6 (M > 32 only; results wrong). The caller has validated the shape
+// (rows per pair, local K blocks).
+Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
+                          const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

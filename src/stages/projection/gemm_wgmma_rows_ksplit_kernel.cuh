@@ -16,7 +16,7 @@
 //
 // Per half: one consumer warpgroup (token-major: A = the activation box, m64 = 64 token rows; B =
 // the pair's weight rows, n80) and one producer warp (warp 8 + h); a ring of 3 stages of 2 K
-// blocks (or 6 of 1: GemmWgmmaOptions::burst 1); all activation slots first (1024-byte aligned, 64
+// blocks; all activation slots first (1024-byte aligned, 64
 // token rows each whatever M: the m64 A tile never reads past its slot), then the weight slots
 // (the n80 B tile of the last K column reads (80 - rows) x 16 bytes past the stage's rows: each
 // weight slot keeps that much room), then the scales of the half's own K blocks. The fold, the
@@ -46,8 +46,7 @@
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
-// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. 7 = every CTA
-// returning after its barrier setup (the launch and CTA start-up alone).
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
 #pragma once
 
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
@@ -81,28 +80,20 @@ constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, tw
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
 // activation slots stay aligned).
 constexpr int kKsHalfBytes = (232448 - 256 - 1024) / 2 / 1024 * 1024;
-// kKpb K blocks per ring stage (GemmWgmmaOptions::burst: 2 by default, or 1): 3 or 6 stages.
-template <int kKpb>
-constexpr int ks_stages() {
-  return kKpb == 1 ? 6 : 3;
-}
+constexpr int kKsKpb = 2;     // K blocks per ring stage
+constexpr int kKsStages = 3;  // ring stages per half
+constexpr int kKsActStage = kKsKpb * kKsActSlot;
 // A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
 // (fewer rows leave more room than they overrun).
-template <int kKpb>
-constexpr int ks_weight_stage() {
-  return kKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
-}
-template <int kKpb>
-constexpr int ks_ring() {
-  return ks_stages<kKpb>() * (kKpb * kKsActSlot + ks_weight_stage<kKpb>());
-}
-// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24).
-template <int kKpb>
-constexpr int ks_max_local_kblocks() {
-  return (kKsHalfBytes - ks_ring<kKpb>()) / kKsScaleBytesPerKb;
-}
-// The default's (2 K blocks per stage) limit: the host's shape check (1 checks its own).
-constexpr int kKsMaxLocalKblocks = ks_max_local_kblocks<2>();
+constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
+// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; 26:
+// K up to 6400).
+constexpr int kKsMaxLocalKblocks = (kKsHalfBytes - kKsRing) / kKsScaleBytesPerKb;
+static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
+static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
+// (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
+static_assert(4 * 5 * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
 
 // K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
 __host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
@@ -113,9 +104,8 @@ __host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
-template <int kKpb>
 __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
-  return 1024 + kKsHalfBytes + ks_ring<kKpb>() + kbl0 * kKsScaleBytesPerKb;
+  return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
 }
 
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
@@ -127,24 +117,14 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kNw, int kKsKpb, bool kOneBar, int kDiag = 0>
+template <int kNw, int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  constexpr int kKsStages = ks_stages<kKsKpb>();
-  constexpr int kKsActStage = kKsKpb * kKsActSlot;
-  constexpr int kKsWeightStage = ks_weight_stage<kKsKpb>();
-  constexpr int kKsRing = ks_ring<kKsKpb>();
   static_assert(kNw == 32 || kNw == 64, "token rows of the activation box");
-  static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
-  static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
-  static_assert(kKsRing + ks_max_local_kblocks<kKsKpb>() * kKsScaleBytesPerKb <= kKsHalfBytes,
-                "a half's region");
-  // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
-  static_assert(4 * (kGroups / 2) * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -181,7 +161,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  if constexpr (kDiag == 7) return;  // (diagnostic: the launch alone; see kDiag)
 
   if (tid >= 256) {
     if (lane == 1 && p.trace != nullptr) {
@@ -295,8 +274,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     wgmma_fence();
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
-      // (K block 0 of a stage always exists: no branch around its wgmmas.)
-      if ((q == 0 || q < left) && !kRing) {
+      if (q < left && !kRing) {
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
 #pragma unroll
@@ -315,7 +293,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
-      if ((q == 0 || q < left) && !kRing && holds) {
+      if (q < left && !kRing && holds) {
         const int l = i * kKsKpb + q;
         const float* sa = s_sa + l * 64;
         const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
@@ -343,22 +321,17 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
   }
 
-  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and hands over the
-  // other five as [warp][group - 5 (1 - h)][lane] x 16 bytes in a drained ring: kOneBar writes
-  // them into its own ring once its warpgroup's wgmmas are done (one wait for the other half),
-  // else into the other half's once both rings are drained (two).
+  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and sends the
+  // other five, as [warp][group - 5 (1 - h)][lane] x 16 bytes into the other half's drained ring.
+  // (Session 23 round G, same round, b2b us, M 64: each half writing into its OWN drained ring
+  // after its warpgroup's barrier, one wait for the other half: 19.97-20.00 / chained
+  // 18.25-18.32 against 19.88-20.00 / 18.26-18.28; not kept.)
   const uint32_t xoff = static_cast<uint32_t>(((warp * (kGroups / 2)) * 32 + lane) * 16);
-  const uint32_t mine_at = hbase + xoff;
-  const uint32_t other_at = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
   // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
-  if constexpr (kOneBar) {
-    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // this half's ring drained
-  } else {
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
-  }
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
   if (holds) {
-    const uint32_t dst = kOneBar ? mine_at : other_at;
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
       if (other(c))
@@ -368,11 +341,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
   if (holds) {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
-    const uint32_t src = kOneBar ? other_at : mine_at;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
       if (other(c)) continue;
-      const float4 v = ld_shared_v4(src + (c % (kGroups / 2)) * 512);
+      const float4 v = ld_shared_v4(hbase + xoff + (c % (kGroups / 2)) * 512);
       acc[4 * c] += v.x;
       acc[4 * c + 1] += v.y;
       acc[4 * c + 2] += v.z;

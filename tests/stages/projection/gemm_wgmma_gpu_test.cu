@@ -80,7 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  int k_split = 0;          // GemmWgmmaOptions::row_k_split (with rows)
+  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -327,8 +327,7 @@ std::vector<Case> exact_cases() {
         // blocks 9 / 13 / 5 / 3 / 1 (halves of unequal length, half 1 idle at 3 and 1), the
         // largest K (50 K blocks: 26 in half 0), images for 100 / 200 pairs (61-62 and 30-31
         // rows; 200 pairs: a second wave), 2 to 5 rows per pair (half 1 without columns),
-        // padded / 16-byte aligned operands, row-major activation scales, PDL, no evict-first,
-        // 1 K block per stage (burst 1).
+        // padded / 16-byte aligned operands, row-major activation scales, PDL, no evict-first.
         Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{32, 9856, 6144, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
@@ -342,15 +341,7 @@ std::vector<Case> exact_cases() {
         Case{40, 6144, 1152, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 200, true},
         Case{5, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
         Case{16, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 1, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{24, 9856, 1152, 8, 0, true, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{57, 6144, 6272, 0, 16, false, 0, 4, 1, true, 0, true, 1, false, 0, false, true, 0, true},
-        // Each half handing its partial sums over in its own ring (row_k_split 2): fused
-        // width, halves of unequal length (K blocks 13), half 1 idle (K blocks 3), PDL.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2},
-        Case{57, 9856, 1664, 8, 0, false, 0, 4, 0, false, 0, true, 1, false, 0, false, true, 0, 2},
-        Case{33, 640, 384, 0, 16, true, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, 2}};
+        Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
 }
 
@@ -867,27 +858,23 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   }
 }
 
-// Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), 2 and 1
-// K blocks per stage, both hand-overs of the partial sums, both activation boxes (M <= 32, M > 32),
-// padded outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
+// Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), both
+// activation boxes (M <= 32, M > 32), padded outputs, rings reused (K 4096: 16 K blocks per
+// half), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  // 2 K blocks per stage, 1, and the hand-over in the own ring (row_k_split 2)
-  for (int form = 0; form < 3; ++form) {
-    const int burst = form == 1 ? 1 : 0;
-    for (int64_t m : {1, 33, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " form " << form);
-      Rng rng(seed);
-      Case c{m, 640, 4096, 8, 0, false, 0, 4, burst, true, 0, false, 1, false, 0, false, true};
-      c.k_split = form == 2 ? 2 : 1;
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n + c.ld_pad);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-    }
+  for (int64_t m : {1, 33, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+    c.k_split = true;
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    DeviceGemm dev(d, c.n + c.ld_pad);
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
   }
 }
 
@@ -950,27 +937,28 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
   bad.row_packed_ctas = 6;
-  bad.burst = 4;  // (the K split: 1 or 2 K blocks per stage)
+  bad.burst = 4;  // (the K split: 2 K blocks per stage)
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
   bad.burst = 0;
   bad.debug_rows_diag = 3;  // (its diagnostics: M > 32 only)
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kInvalidArgument);
-  // K 6528 (51 K blocks: 27 in half 0): beyond what a half stages; K 6400 with 1 K block per
-  // stage (26 in half 0, 25 at most there) likewise.
-  for (int64_t kw : {6528, 6400}) {
-    GemmData wide = make_integer_data(1, 256, kw, rng);
+  bad.debug_rows_diag = 0;
+  bad.burst = 1;  // (the K split: 2 K blocks per stage)
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  {
+    // K 6528 (51 K blocks: 27 in half 0): beyond what a half stages.
+    GemmData wide = make_integer_data(1, 256, 6528, rng);
     DeviceGemm dwide(wide, 256);
-    DeviceBuffer iwide(static_cast<size_t>(256 * kw), 0);
+    DeviceBuffer iwide(static_cast<size_t>(256 * 6528), 0);
     GemmWgmmaOptions o;
     o.row_packed_weights = iwide.data();
     o.row_packed_ctas = 6;
     o.row_k_split = true;
-    o.burst = kw == 6400 ? 1 : 0;
     EXPECT_EQ(run_gemm_wgmma_cuda(dwide.params(), ws.data(), ws.bytes(), nullptr, o).code(),
-              StatusCode::kUnsupported)
-        << kw;
+              StatusCode::kUnsupported);
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
     int64_t touched = 0;
     for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);

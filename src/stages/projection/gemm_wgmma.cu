@@ -418,16 +418,18 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
-    // The K split (its own K blocks per stage; activation boxes of 32 or 64 token rows).
+    // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
+    if (options.row_k_split && m <= 32)
+      return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
+                         "session 23), got M = ", m);
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
-                     ((options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
-                       options.debug_rows_diag == 6) &&
-                      m > 32),
+                     options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
+                     options.debug_rows_diag == 6,
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
-                 ": the row K split has diagnostics 3, 4 and 6 at M > 32 only");
-    const int box = options.row_k_split ? (m <= 32 ? 32 : 64) : box_rows_for(m);
+                 ": the row K split has diagnostics 3, 4 and 6");
+    const int box = options.row_k_split ? 64 : box_rows_for(m);
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box,
                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));

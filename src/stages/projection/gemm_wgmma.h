@@ -88,18 +88,18 @@ struct GemmWgmmaOptions {
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
-  // Variant (session 23; with row_packed_weights): the row split's K split
+  // Variant (session 23; with row_packed_weights; M 33 ... 64): the row split's K split
   // (gemm_wgmma_rows_ksplit_kernel.cuh). Each image CTA's rows (at most 76) go to one CTA of two
   // halves (one CTA per SM); half h takes the K blocks of the image steps s with s % 2 == h, folds
-  // its token-major m64n80k32 products (activation boxes of 32 token rows at M <= 32, else 64),
-  // and the halves reduce-scatter their fp32 sums through shared memory; half h then stores the
-  // pair's rows 40 h ... 40 h + 39 of every token. Pack the image for
-  // gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as row_packed_ctas;
-  // ctas_per_sm does not apply; burst must be 0 or 2 (3 stages of 2 K blocks); K up to 6400
-  // (gemm_wgmma_rows_supported(N, K, true)). Same products as the row split; the fp32 sum of the
-  // two halves' partial sums instead of one running sum over K. Session 23 (fused N 9856 x K
-  // 6144, b2b us, same rounds): M 64 chained 18.19-18.29 against the row split's 18.50-18.72,
-  // plain 19.84-20.08 against 19.43-19.71; slower at M 32 (plain 19.1-19.4 against 17.2).
+  // its token-major m64n80k32 products, and the halves reduce-scatter their fp32 sums through
+  // shared memory; half h then stores the pair's rows 40 h ... 40 h + 39 of every token. Pack the
+  // image for gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as
+  // row_packed_ctas; ctas_per_sm does not apply; burst must be 0 or 2 (3 stages of 2 K blocks); K
+  // up to 6400 (gemm_wgmma_rows_supported(N, K, true)); M <= 32 is unsupported (slower than the
+  // row split there). Same products as the row split; the fp32 sum of the two halves' partial sums
+  // instead of one running sum over K. Session 23 (fused N 9856 x K 6144, b2b us, same rounds): M
+  // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
+  // 19.43-19.71.
   bool row_k_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

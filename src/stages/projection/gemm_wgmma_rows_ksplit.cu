@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kNw, int kDiag>
+template <int kDiag>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kNw, kDiag>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kDiag>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
   // wave of one CTA per SM.
@@ -26,9 +26,8 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
     M3_CUDA_RETURN_IF_ERROR(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kKsThreads, kMaxSmem));
     if (resident < 1)
-      return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row K split): no CTA of ",
-                         "the n = ", kNw, " kernel fits on an SM (", kMaxSmem,
-                         " B of dynamic shared memory)");
+      return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row K split): no CTA fits ",
+                         "on an SM (", kMaxSmem, " B of dynamic shared memory)");
     if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
   }
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
@@ -43,11 +42,10 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                           const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (args.m <= 32) return launch<32, 0>(xmap, args, pairs, info, stream);
-  if (diag == 3) return launch<64, 3>(xmap, args, pairs, info, stream);
-  if (diag == 4) return launch<64, 4>(xmap, args, pairs, info, stream);
-  if (diag == 6) return launch<64, 6>(xmap, args, pairs, info, stream);
-  return launch<64, 0>(xmap, args, pairs, info, stream);
+  if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
+  if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);
+  if (diag == 6) return launch<6>(xmap, args, pairs, info, stream);
+  return launch<0>(xmap, args, pairs, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

@@ -14,9 +14,9 @@ namespace m3attn::gemm_wgmma_detail {
 struct RowsArgs;
 
 // Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
-// args.m rows (the activation map's box: 32 token rows at M <= 32, else 64). diag: 0, or the
-// bench diagnostics 3 / 4 / 6 (M > 32 only; results wrong). The caller has validated the shape
-// (rows per pair, local K blocks).
+// args.m rows, 33 ... 64 (the activation map's box: 64 token rows). diag: 0, or the bench
+// diagnostics 3 / 4 / 6 (results wrong). The caller has validated the shape (M, rows per pair,
+// local K blocks).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                           const CudaDeviceInfo& info, cudaStream_t stream);
 

@@ -29,9 +29,12 @@
 // 39) of every token. Between two named barriers of the 256 consumer threads (both rings
 // drained; the writes landed) each thread writes its five groups of the other half's columns
 // into the other half's drained ring (its first activation slots), then adds what it received to
-// its own five and stores them: every warp of the SM stores, 80-byte runs per token. (kNw 32, M
-// <= 32: tokens 0-31 live in warps 0-1; warps 2-3 hold padding and skip their folds, sends and
-// stores.)
+// its own five and stores them: every warp of the SM stores, 80-byte runs per token.
+//
+// M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
+// split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
+// 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
+// 19.39-19.40 / 17.58-17.61 against 17.26-17.39 / 17.35-17.39); that form was deleted.
 //
 // Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
 // pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory
@@ -117,14 +120,13 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kNw, int kDiag = 0>
+template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  static_assert(kNw == 32 || kNw == 64, "token rows of the activation box");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         const int s = i % kKsStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
-        mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kNw * 128));
+        mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src =
@@ -248,8 +250,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
   const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
-  // kNw 32: warps 2-3 hold padding tokens only (no fold, nothing sent or stored).
-  const bool holds = kNw == 64 || warp < 2;
   // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
   uint32_t hsel[kGroups][2];
 #pragma unroll
@@ -293,7 +293,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
-      if (q < left && !kRing && holds) {
+      if (q < left && !kRing) {
         const int l = i * kKsKpb + q;
         const float* sa = s_sa + l * 64;
         const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
@@ -330,7 +330,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
-  if (holds) {
+  {
     const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
                      acc[4 * c + 3]);
   }
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
-  if (holds) {
+  {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const int m = row0 + 8 * hh;
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && holds && m < p.m) {
+      if (store && m < p.m) {
         if (odd && q == 0 && lo_col < hi_col)
           store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
 #pragma unroll

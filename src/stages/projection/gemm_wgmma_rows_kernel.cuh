@@ -79,13 +79,14 @@
 // split — each image CTA's rows (74-75 over 132 image CTAs) shared by the two halves of one CTA
 // per SM, half h taking the image steps s % 2 == h, token-major m64n80k32, a reduce-scatter of
 // the fp32 sums through shared memory, each half storing half the columns. Same rounds, b2b us,
-// fused M 64: chained 18.19-18.29 against 18.50-18.72 here (rounds C-G), plain 19.84-20.08
+// fused M 64: chained 18.19-18.38 against 18.50-18.72 here (rounds C-H), plain 19.84-20.08
 // against 19.43-19.71; at M <= 32 slower (M 32 plain 19.4 against 17.3: M 33-64 only). Its
 // traces (rounds D / E, isolated): the stream runs at its ring's pace with the compute on (first
 // -> last full stage 11.5 us, ring alone 11.5-11.7) where this kernel's slows from 12.5 to 15.4,
-// but its tail (last stage full -> CTA done) is 2.5 us against 1.2 here. Diagnostic 6 (round D: stages released before their
-// wgmmas) puts the hold of this kernel's consumers on its ring at 0.3 us of its ~1.9 us of
-// compute at M 64 (18.48 against 18.77 without stores; chained 17.72 against 17.84).
+// but its tail (last stage full -> CTA done) is 2.5 us against 1.2 here. Diagnostic 6 (round D:
+// stages released before their wgmmas) puts the hold of this kernel's consumers on its ring at
+// 0.3 us of its ~1.9 us of compute at M 64 (18.48 against 18.77 without stores; chained 17.72
+// against 17.84).
 //
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and

@@ -328,20 +328,33 @@ std::vector<Case> exact_cases() {
         // 26 in half 0), images for 100 / 200 pairs (61-62 and 30-31 rows; 200 pairs: a second
         // wave), 2 to 5 rows per pair (half 1 without columns), padded / 16-byte aligned
         // operands, row-major activation scales, PDL, no evict-first.
-        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{40, 9856, 6144, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{48, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{36, 9856, 1152, 0, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{57, 9856, 1664, 8, 0, false, 0, 4, 0, false, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{40, 9856, 6144, 8, 16, true, 0, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{48, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{36, 9856, 1152, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{57, 9856, 1664, 8, 0, false, 0, 4, 0,
+             false, 0, false, 1, false, 0, false, true, 0, true},
         Case{33, 640, 384, 0, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{50, 384, 128, 16, 0, false, 1, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{64, 6144, 6400, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 100, true},
-        Case{48, 6144, 2048, 0, 0, true, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 200, true},
-        Case{40, 6144, 1152, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 200, true},
-        Case{37, 9856, 6144, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 0, true},
-        Case{63, 9856, 6144, 0, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
-        Case{64, 9856, 640, 0, 16, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true}};
+        Case{50, 384, 128, 16, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 6144, 6400, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 100, true},
+        Case{48, 6144, 2048, 0, 0, true, 1, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 200, true},
+        Case{40, 6144, 1152, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 200, true},
+        Case{37, 9856, 6144, 8, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{63, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 640, 0, 16, false, 0, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
 }
 

@@ -421,6 +421,7 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
+  bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -498,10 +499,22 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // 17: the row split with 2 K blocks per stage, chained; 18 / 19: 14 / 15 chained (14 / 15 also
   // serve M 17-64 since session 21); 20 / 21 / 22: the row split without its output stores: its
   // ring, the whole kernel, its ring without the activation scales' loads (diagnostics 3 / 4 / 5,
-  // session 22); 23 / 24 / 25: the same chained. (Session 22
-  // also timed and removed: each stage's activation scales carried in the stage (round B: M 32 /
-  // 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round C: M
-  // 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
+  // session 22); 23 / 24 / 25: the same chained. Session 23: 26 / 27 the row split's K split
+  // (row_k_split, one CTA of two halves per SM) plain / chained, 28 / 29 its diagnostics 3 / 4
+  // (ring, kernel without stores), 30 / 31 the same chained; 32 / 33 the row split (M > 32)
+  // without stores and without its hold on the ring (diagnostic 6: each stage released as soon as
+  // it is full) plain / chained, 34 / 35 the same for the K split. (Session 23 also timed and
+  // removed: the K split's pairs as 2-CTA clusters, two per SM (round A, b2b: M 64 21.2-21.3 vs
+  // 20.0 us for one CTA of two halves, chained 19.5 vs 18.5); its halves each storing half the
+  // tokens instead of half the columns (round C: M 64 chained 18.42-18.43 vs 18.32-18.36); 1 K
+  // block per stage (round E: chained 19.57-19.62 vs 18.29); one producer warp streaming both
+  // halves' stages in turns (round F: M 64 plain 19.69-19.94 vs 20.01-20.08, chained 19.04-19.23
+  // vs 18.19-18.28); each half handing its sums over in its own ring, one wait for the other half
+  // (round G: equal); diagnostic 7, both kernels returning after their setup (round E: the launch
+  // alone, 1.29-1.38 us b2b for either).)
+  // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
+  // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round
+  // C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
   // memory, one warp store per token (round D: M 64 21.3 vs 21.0, M 32 18.2-18.3 vs 17.3); the
   // token-major form's 4-byte pairs became its epilogue (round D: M 64 19.6 vs 21.0); round E:
   // those pairs as 8-byte chunks (M 64 21.4 vs 20.3), swap-AB pairs (M 32 18.6-18.7 vs 17.9-18.0),
@@ -552,7 +565,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                    {0, false, 16, 0, false, true, 0, false, false, 5},
                                    {0, false, 16, 0, false, true, 0, true, false, 3},
                                    {0, false, 16, 0, false, true, 0, true, false, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 5}};
+                                   {0, false, 16, 0, false, true, 0, true, false, 5},
+                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 4, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 3, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 4, true},
+                                   {0, false, 16, 0, false, true, 0, false, false, 6},
+                                   {0, false, 16, 0, false, true, 0, true, false, 6},
+                                   {0, false, 16, 0, false, true, 0, false, false, 6, true},
+                                   {0, false, 16, 0, false, true, 0, true, false, 6, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -603,6 +626,21 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     must(gemm_wgmma_pack_weights_rows(wv, row_ctas, buf, rb.value(), stream),
          "gemm_wgmma_pack_weights_rows");
     row_images.push_back(buf);
+  }
+  // The K split's image of every weight copy (packed for its image CTAs: one per SM).
+  std::vector<void*> ks_images;
+  const Status ks_ok = gemm_wgmma_rows_supported(n, k, true);
+  Result<int> ks_ctas_r = gemm_wgmma_rows_ctas(n, true);
+  must(ks_ctas_r.status(), "gemm_wgmma_rows_ctas");
+  const int ks_ctas = ks_ctas_r.value();
+  for (int c = 0; c < copies && ks_ok.ok(); ++c) {
+    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
+    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
+    void* buf = device_alloc<uint8_t>(rb.value());
+    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+    must(gemm_wgmma_pack_weights_rows(wv, ks_ctas, buf, rb.value(), stream),
+         "gemm_wgmma_pack_weights_rows");
+    ks_images.push_back(buf);
   }
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
@@ -841,9 +879,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       auto with_copy = [&](int c) {
         GemmWgmmaOptions oc = o;
         if (variants[v].packed) oc.packed_weights = packed[pack_index][static_cast<size_t>(c)];
-        if (variants[v].rows) {
+        if (variants[v].rows && !variants[v].ksplit) {
           oc.row_packed_weights = row_images[static_cast<size_t>(c)];
           oc.row_packed_ctas = row_ctas;
+        }
+        if (variants[v].ksplit) {
+          oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
+          oc.row_packed_ctas = ks_ctas;
+          oc.row_k_split = variants[v].ksplit;
         }
         return oc;
       };
@@ -853,14 +896,22 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
-          (variants[v].packed ? " packed" : "") + (variants[v].rows ? " row split" : "") +
+          (variants[v].packed ? " packed" : "") +
+          (variants[v].ksplit ? " row K split"
+           : variants[v].rows ? " row split"
+                              : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
-      if (variants[v].rows && row_images.empty()) {
+      if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
+        continue;
+      }
+      if (variants[v].ksplit && ks_images.empty()) {
+        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    ks_ok.to_string().c_str());
         continue;
       }
       check_cuda(cudaMemsetAsync(out, 0xA5, out_bytes, stream), "poison");
@@ -919,6 +970,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   for (const auto& bufs : packed)
     for (void* buf : bufs) cudaFree(buf);
   for (void* buf : row_images) cudaFree(buf);
+  for (void* buf : ks_images) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);
@@ -1140,8 +1192,8 @@ int run_fused_pair(const Buffers& b, const std::vector<int64_t>& ms, int iters, 
       r.add(pre + "pair_b2b", tp.b2b_us);
       r.add(pre + "pair/fused", tp.us / tf.us, 3);
       r.add(pre + "b2b", tp.b2b_us / tf.b2b_us, 3);
-      r.add(pre + "wins", std::to_string(wins_us) + "/" + std::to_string(wins_b2b) + " of " +
-                              std::to_string(n));
+      r.add(pre + "wins",
+            std::to_string(wins_us) + "/" + std::to_string(wins_b2b) + " of " + std::to_string(n));
       r.add(pre + "faster", fused_faster(tf, tp));
     }
     rows.push_back(r);

@@ -13,6 +13,8 @@
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
+#include "stages/projection/gemm_wgmma_rows_ksplit.h"
+#include "stages/projection/gemm_wgmma_rows_ksplit_kernel.cuh"
 
 namespace m3attn {
 
@@ -150,16 +152,31 @@ void set_scales_out(gemm_wgmma_detail::ScalesOut* s, const GemmParams& p) {
   s->ldo = p.out.stride[0];
 }
 
-// The row split's grid: two CTAs per SM, at most one per weight row.
-int rows_grid(int64_t n, int sms) { return static_cast<int>(std::min<int64_t>(2 * sms, n)); }
+// The row split's grid: two CTAs per SM (the K split: one pair of halves per SM), at most one per
+// weight row.
+int rows_grid(int64_t n, int sms, bool k_split) {
+  return static_cast<int>(std::min<int64_t>(k_split ? sms : 2 * sms, n));
+}
 
-Status rows_shape_supported(int64_t n, int64_t k, int64_t grid) {
-  if ((n + grid - 1) / grid > gemm_wgmma_detail::kRowsMax)
-    return unsupported("the row split serves N <= ", gemm_wgmma_detail::kRowsMax, " x ", grid,
-                       " (its CTAs), got N = ", n);
+// Whether a row split over `grid` image CTAs serves N x K: the row split (at most kRowsMax rows per
+// CTA, K <= 8192), the K split (at most kKsRowsMax rows per pair, its halves' K blocks staged next
+// to its ring) or, `image`, either (what the packed image itself allows).
+enum class RowsForm { kRows, kKSplit, kImage };
+Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form) {
+  const int64_t max_rows =
+      form == RowsForm::kRows ? gemm_wgmma_detail::kRowsMax : gemm_wgmma_detail::kKsRowsMax;
+  const char* what = form == RowsForm::kKSplit ? "the row K split" : "the row split";
+  if ((n + grid - 1) / grid > max_rows)
+    return unsupported(what, " serves N <= ", max_rows, " x ", grid,
+                       " (its image CTAs), got N = ", n);
   if (k / kBlockK > gemm_wgmma_detail::kRowsMaxKblocks)
     return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
                        ", got K = ", k);
+  if (form == RowsForm::kKSplit &&
+      gemm_wgmma_detail::ksplit_local_kblocks(static_cast<int>(k / kBlockK), 0) >
+          gemm_wgmma_detail::kKsMaxLocalKblocks)
+    return unsupported("the row K split stages at most ", gemm_wgmma_detail::kKsMaxLocalKblocks,
+                       " K blocks per half (K 6400 or less), got K = ", k);
   return Status::Ok();
 }
 
@@ -213,6 +230,9 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
     if (diag == 3) return launch_rows<kNw, kDefault, 1, 3>(xmap, args, grid, info, stream);
     if (diag == 4) return launch_rows<kNw, kDefault, 1, 4>(xmap, args, grid, info, stream);
     if (diag == 5) return launch_rows<kNw, kDefault, 1, 5>(xmap, args, grid, info, stream);
+    if constexpr (kNw == 64) {
+      if (diag == 6) return launch_rows<kNw, kDefault, 1, 6>(xmap, args, grid, info, stream);
+    }
   }
   if (two_wg) return launch_rows<kNw, kDefault, 2>(xmap, args, grid, info, stream);
   if (kpb == 0) kpb = kDefault;
@@ -223,7 +243,7 @@ Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap
 
 }  // namespace
 
-Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
+Status gemm_wgmma_rows_supported(int64_t n, int64_t k, bool k_split) {
   M3_CHECK_ARG(n > 0 && n % kTileN == 0 && k > 0 && k % kBlockK == 0,
                "gemm_wgmma_rows_supported: N = ", n, " and K = ", k,
                " must be positive multiples of ", kTileN);
@@ -232,14 +252,15 @@ Status gemm_wgmma_rows_supported(int64_t n, int64_t k) {
   if (info.major != 9)
     return unsupported("the row split needs an sm_90 device (wgmma, TMA); device ", info.device,
                        " has compute capability ", info.major, ".x");
-  return rows_shape_supported(n, k, rows_grid(n, info.sms));
+  return rows_shape_supported(n, k, rows_grid(n, info.sms, k_split),
+                              k_split ? RowsForm::kKSplit : RowsForm::kRows);
 }
 
-Result<int> gemm_wgmma_rows_ctas(int64_t n) {
+Result<int> gemm_wgmma_rows_ctas(int64_t n, bool k_split) {
   M3_CHECK_ARG(n > 0, "gemm_wgmma_rows_ctas: N = ", n, " must be positive");
   CudaDeviceInfo info;
   M3_RETURN_IF_ERROR(current_device_info(&info));
-  return rows_grid(n, info.sms);
+  return rows_grid(n, info.sms, k_split);
 }
 
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
@@ -259,7 +280,7 @@ Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
                "gemm_wgmma_pack_weights_rows: N = ", n, " and K = ", k, " must be below 2^31");
   M3_CHECK_ARG(ctas >= 1 && ctas <= n, "gemm_wgmma_pack_weights_rows: ctas = ", ctas,
                " must be in [1, N = ", n, "]");
-  M3_RETURN_IF_ERROR(rows_shape_supported(n, k, ctas));
+  M3_RETURN_IF_ERROR(rows_shape_supported(n, k, ctas, RowsForm::kImage));
   M3_RETURN_IF_ERROR(
       check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights_rows"));
   gemm_wgmma_detail::pack_weights_rows_kernel<<<1024, 256, 0, stream>>>(
@@ -388,7 +409,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const int rgrid = options.row_packed_ctas;
     M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
                  " must be the image's CTA count, in [1, N = ", n, "]");
-    M3_RETURN_IF_ERROR(rows_shape_supported(n, k, rgrid));
+    M3_RETURN_IF_ERROR(rows_shape_supported(
+        n, k, rgrid, options.row_k_split ? RowsForm::kKSplit : RowsForm::kRows));
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
@@ -396,10 +418,21 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
+    M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
+                 " must be 0 or 2 with row_k_split");
+    if (options.row_k_split && m <= 32)
+      return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
+                         "session 23), got M = ", m);
+    M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
+                     options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
+                     options.debug_rows_diag == 6,
+                 "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
+                 ": the row K split has diagnostics 3, 4 and 6");
+    const int box = options.row_k_split ? 64 : box_rows_for(m);
     CUtensorMap xmap;
-    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0],
-                                  box_rows_for(m), CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                  "activations"));
+    M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box,
+                                  CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));
     gemm_wgmma_detail::RowsArgs ra;
     ra.image = static_cast<const uint8_t*>(options.row_packed_weights);
     set_scales_out(&ra, p);
@@ -410,6 +443,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = options.programmatic_launch ? 1 : 0;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
+    if (options.row_k_split)
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);

@@ -88,6 +88,19 @@ struct GemmWgmmaOptions {
   // so an image packed for another SM count stays exact (later CTAs wait for a second wave: only
   // slower); gemm_wgmma_rows_ctas gives the current device's one-wave count.
   int row_packed_ctas = 0;
+  // Variant (session 23; with row_packed_weights; M 33 ... 64): the row split's K split
+  // (gemm_wgmma_rows_ksplit_kernel.cuh). Each image CTA's rows (at most 76) go to one CTA of two
+  // halves (one CTA per SM); half h takes the K blocks of the image steps s with s % 2 == h, folds
+  // its token-major m64n80k32 products, and the halves reduce-scatter their fp32 sums through
+  // shared memory; half h then stores the pair's rows 40 h ... 40 h + 39 of every token. Pack the
+  // image for gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as
+  // row_packed_ctas; ctas_per_sm does not apply; burst must be 0 or 2 (3 stages of 2 K blocks); K
+  // up to 6400 (gemm_wgmma_rows_supported(N, K, true)); M <= 32 is unsupported (slower than the
+  // row split there). Same products as the row split; the fp32 sum of the two halves' partial sums
+  // instead of one running sum over K. Session 23 (fused N 9856 x K 6144, b2b us, same rounds): M
+  // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
+  // 19.43-19.71.
+  bool row_k_split = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -138,7 +151,8 @@ struct GemmWgmmaOptions {
   // per CTA, burst 0) at M <= 8 or 17-64 without its wgmmas and folds (1: its own ring, waits and
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
-  // activation scales' loads (5). 0: off.
+  // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
+  // wgmmas read it (6, M > 32). 0: off.
   int debug_rows_diag = 0;
 };
 
@@ -165,13 +179,17 @@ Status gemm_wgmma_pack_weights(const TensorView& b, void* packed, size_t packed_
 
 // Whether the row split (GemmWgmmaOptions::row_packed_weights) serves N x K on the current device:
 // OK, or unsupported naming the limit (at most 40 weight rows per CTA, K <= 8192).
-Status gemm_wgmma_rows_supported(int64_t n, int64_t k);
-// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave.
-Result<int> gemm_wgmma_rows_ctas(int64_t n);
+// k_split: whether its K split (GemmWgmmaOptions::row_k_split) does (at most 76 rows per pair of
+// halves, K <= 6400).
+Status gemm_wgmma_rows_supported(int64_t n, int64_t k, bool k_split = false);
+// The row split's CTA count for N weight rows on the current device: min(2 x SMs, N), one wave;
+// k_split: the K split's image CTAs (pairs of halves), min(SMs, N).
+Result<int> gemm_wgmma_rows_ctas(int64_t n, bool k_split = false);
 // Bytes of the row split's image (GemmWgmmaOptions::row_packed_weights) of an N x K weight: N K.
 Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // Writes b (E4M3 [N, K], K-contiguous, 16-byte aligned rows) as the row split's image for `ctas`
-// CTAs (1 <= ctas <= N, at most 40 rows each; gemm_wgmma_rows_ctas for this device) into `packed`
+// CTAs (1 <= ctas <= N, at most 76 rows each: 40 for the row split, 76 for its K split;
+// gemm_wgmma_rows_ctas for this device) into `packed`
 // (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
 // count as GemmWgmmaOptions::row_packed_ctas.
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,

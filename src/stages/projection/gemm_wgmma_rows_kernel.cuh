@@ -75,6 +75,19 @@
 // already 20.31-20.36 at M 64 against 19.48-19.51 for two CTAs (traces: first -> last full stage
 // 15.6 us against 12.7).
 //
+// Session 23 (opt-in, GemmWgmmaOptions::row_k_split, gemm_wgmma_rows_ksplit_kernel.cuh): the K
+// split — each image CTA's rows (74-75 over 132 image CTAs) shared by the two halves of one CTA
+// per SM, half h taking the image steps s % 2 == h, token-major m64n80k32, a reduce-scatter of
+// the fp32 sums through shared memory, each half storing half the columns. Same rounds, b2b us,
+// fused M 64: chained 18.19-18.38 against 18.50-18.72 here (rounds C-H), plain 19.84-20.08
+// against 19.43-19.71; at M <= 32 slower (M 32 plain 19.4 against 17.3: M 33-64 only). Its
+// traces (rounds D / E, isolated): the stream runs at its ring's pace with the compute on (first
+// -> last full stage 11.5 us, ring alone 11.5-11.7) where this kernel's slows from 12.5 to 15.4,
+// but its tail (last stage full -> CTA done) is 2.5 us against 1.2 here. Diagnostic 6 (round D:
+// stages released before their wgmmas) puts the hold of this kernel's consumers on its ring at
+// 0.3 us of its ~1.9 us of compute at M 64 (18.48 against 18.77 without stores; chained 17.72
+// against 17.84).
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
@@ -262,7 +275,8 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
 // (20.64-20.71): the activation traffic is not what binds; deleted. Session 22: 3 = 1 without
 // the epilogue's stores, 4 = the whole kernel without the epilogue's stores (its accumulators
 // kept live), 5 = 3 without the activation scales' loads (the ring alone, as bandwidth_bench
-// --rows streams it).
+// --rows streams it). Session 23: 6 = 4 with each stage released as soon as it is full, before
+// its wgmmas read it (the kernel without its hold on the ring; n 64 only).
 //
 // Lost (session 22 round B, same round, b2b us, deleted): each stage's activation scales copied
 // with the stage (the producer warp's 31 other lanes, 4-byte cp.async, noinc arrivals on the
@@ -447,6 +461,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
     mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
     const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
@@ -516,7 +531,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
-      if (q == kKpb - 1) mbar_arrive(empty0 + 8 * (i % kStages));
+      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];

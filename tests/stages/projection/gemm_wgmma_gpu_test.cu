@@ -80,6 +80,7 @@ struct Case {
   bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
+  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -91,7 +92,8 @@ std::string describe(const Case& c) {
          " L2 promotion " + std::to_string(c.promotion) + " PDL " + std::to_string(c.pdl) +
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
-         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas);
+         " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
+         " row K split " + std::to_string(c.k_split);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -133,9 +135,10 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
   DeviceBuffer rows_image(c.rows && rows_bytes.ok() ? rows_bytes.value() : 16, 0);
   if (c.rows) {
     EXPECT_TRUE(rows_bytes.ok()) << rows_bytes.status().to_string();
-    Result<int> ctas = gemm_wgmma_rows_ctas(c.n);
+    Result<int> ctas = gemm_wgmma_rows_ctas(c.n, c.k_split);
     EXPECT_TRUE(ctas.ok()) << ctas.status().to_string();
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
+    o.row_k_split = c.k_split;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -317,7 +320,41 @@ std::vector<Case> exact_cases() {
         // o_proj widths, partial stages (K blocks 9), K 8192, padded outputs, PDL, 251 CTAs.
         Case{8, 9856, 1152, 8, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
         Case{1, 6144, 8192, 0, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true, 251},
-        Case{5, 9856, 6144, 16, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0}};
+        Case{5, 9856, 6144, 16, 0, false, 1, 4, 0, true, 0, true, 1, false, 0, false, true, 0},
+        // The row split's K split (session 23; one CTA of two halves per SM, whatever
+        // ctas_per_sm; M 33-64): fused width (74-75 rows per pair, pairs straddling
+        // weight-scale blocks and starting on odd rows), padded tokens, K blocks 9 / 13 / 5 / 3
+        // / 1 (halves of unequal length, half 1 idle at 3 and 1), the largest K (50 K blocks:
+        // 26 in half 0), images for 100 / 200 pairs (61-62 and 30-31 rows; 200 pairs: a second
+        // wave), 2 to 5 rows per pair (half 1 without columns), padded / 16-byte aligned
+        // operands, row-major activation scales, PDL, no evict-first.
+        Case{64, 9856, 6144, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{40, 9856, 6144, 8, 16, true, 0, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{48, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{36, 9856, 1152, 0, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{57, 9856, 1664, 8, 0, false, 0, 4, 0,
+             false, 0, false, 1, false, 0, false, true, 0, true},
+        Case{33, 640, 384, 0, 16, true, 0, 4, 0, true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{50, 384, 128, 16, 0, false, 1, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{64, 6144, 6400, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 100, true},
+        Case{48, 6144, 2048, 0, 0, true, 1, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 200, true},
+        Case{40, 6144, 1152, 0, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 200, true},
+        Case{37, 9856, 6144, 8, 0, false, 0, 4, 0,
+             true, 0, false, 1, false, 0, false, true, 0, true},
+        Case{63, 9856, 6144, 0, 0, false, 1, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true},
+        Case{64, 9856, 640, 0, 16, false, 0, 4, 0,
+             true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
 }
 
@@ -658,16 +695,19 @@ TEST(GemmWgmmaRules, RejectedCallsWriteNothing) {
   EXPECT_EQ(empty.out.download_all(), std::vector<uint8_t>(empty.out.bytes(), kPoison));
 }
 
-// Row split (row_packed_weights): captured once in a CUDA graph, replayed with new activations and
-// activation scales written into the same buffers (the weights and their image unchanged): equals
-// the twin exactly and an eager run byte for byte; a plain and a programmatic launch agree.
+// Row split (row_packed_weights) and its K split (row_k_split): captured once in a CUDA graph,
+// replayed with new activations and activation scales written into the same buffers (the weights
+// and their image unchanged): equals the twin exactly and an eager run byte for byte; a plain and a
+// programmatic launch agree.
 TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {1, 16, 40}) {
-    for (bool pdl : {false, true}) {
+    for (int form = 0; form < 4; ++form) {  // the row split / its K split (M > 32), plain / chained
+      const bool ks = form >= 2, pdl = form % 2 == 1;
+      if (ks && m <= 32) continue;
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " PDL " << pdl);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " PDL " << pdl << " K split " << ks);
       Rng rng(seed);
       const int64_t n = 9856, k = 2048;
       const GemmData d1 = make_integer_data(m, n, k, rng);
@@ -679,7 +719,7 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
       Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
       ASSERT_TRUE(bytes.ok()) << bytes.status().to_string();
       DeviceBuffer image(bytes.value(), 0);
-      Result<int> ctas = gemm_wgmma_rows_ctas(n);
+      Result<int> ctas = gemm_wgmma_rows_ctas(n, ks);
       ASSERT_TRUE(ctas.ok()) << ctas.status().to_string();
       ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
                                                image.bytes(), nullptr)
@@ -687,6 +727,7 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
       GemmWgmmaOptions o;
       o.row_packed_weights = image.data();
       o.row_packed_ctas = ctas.value();
+      o.row_k_split = ks;
       o.programmatic_launch = pdl;
       cudaStream_t stream;
       M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -831,6 +872,25 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   }
 }
 
+// Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), padded
+// tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {33, 50, 64}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+    c.k_split = true;
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    DeviceGemm dev(d, c.n + c.ld_pad);
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+  }
+}
+
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
 // missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
 // pack calls; nothing written.
@@ -880,8 +940,42 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.row_packed_ctas = 6;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 6, image.data(), image.bytes(), nullptr).code(),
+  // The image itself serves up to 76 rows per CTA (the K split's pairs): 3 CTAs (86 rows) no;
+  // the K split over 3 pairs neither, over 6 (43 rows) it runs (below, with the K split's own
+  // rejections).
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 3, image.data(), image.bytes(), nullptr).code(),
             StatusCode::kUnsupported);
+  bad.row_k_split = true;
+  bad.row_packed_ctas = 3;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kUnsupported);
+  bad.row_packed_ctas = 6;
+  bad.burst = 4;  // (the K split: 2 K blocks per stage)
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad.burst = 0;  // (M 8: the K split serves M 33-64)
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kUnsupported);
+  bad.burst = 1;  // (the K split: 2 K blocks per stage)
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  {
+    // K 6528 (51 K blocks: 27 in half 0): beyond what a half stages.
+    GemmData wide = make_integer_data(40, 256, 6528, rng);
+    DeviceGemm dwide(wide, 256);
+    DeviceBuffer iwide(static_cast<size_t>(256 * 6528), 0);
+    GemmWgmmaOptions o;
+    o.row_packed_weights = iwide.data();
+    o.row_packed_ctas = 6;
+    o.row_k_split = true;
+    EXPECT_EQ(run_gemm_wgmma_cuda(dwide.params(), ws.data(), ws.bytes(), nullptr, o).code(),
+              StatusCode::kUnsupported);
+    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+    int64_t touched = 0;
+    for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
+  EXPECT_EQ(gemm_wgmma_rows_supported(256, 6528, true).code(), StatusCode::kUnsupported);
+  EXPECT_TRUE(gemm_wgmma_rows_supported(256, 6400, true).ok());
   EXPECT_EQ(gemm_wgmma_rows_ctas(0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr).code(),
             StatusCode::kInvalidArgument);  // too small

@@ -1,0 +1,403 @@
+// The row split's K split (GemmWgmmaOptions::row_k_split; session 23, opt-in): the math and the
+// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (74-75 for N
+// 9856 over 132 image CTAs, one per SM) shared by the two HALVES of one CTA (two consumer
+// warpgroups, two producer warps), which split its K: half h in {0, 1} takes the image steps s
+// with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h + 3), so both halves read neighbouring steps
+// of the image (the grid still reads a front through memory) and each reads only the activation
+// boxes of its own K blocks.
+//
+// Why (the lead's arithmetic for session 23, M 64): the row split's 264 CTAs each read the whole
+// activation matrix (64 x 6144 B) from L2 for 37-38 weight rows (104 MB of L2 -> shared traffic
+// for 60.55 MB of weights) and issue 192 m64n40k32 per CTA; per SM ~1.25 MB of TMA writes and as
+// many wgmma operand reads. A pair of halves over 74-75 rows reads the activations once per pair
+// (52 MB) and issues 96 token-major m64n80k32 per half (N 80 >= the rows: 94 % useful): ~31 %
+// less shared-memory traffic per SM, and twice the weight bytes per stage (a deeper DRAM ring at
+// the same shared memory).
+//
+// Per half: one consumer warpgroup (token-major: A = the activation box, m64 = 64 token rows; B =
+// the pair's weight rows, n80) and one producer warp (warp 8 + h); a ring of 3 stages of 2 K
+// blocks; all activation slots first (1024-byte aligned, 64
+// token rows each whatever M: the m64 A tile never reads past its slot), then the weight slots
+// (the n80 B tile of the last K column reads (80 - rows) x 16 bytes past the stage's rows: each
+// weight slot keeps that much room), then the scales of the half's own K blocks. The fold, the
+// release of each stage and the epilogue's bf16 pairs are the row split's token-major ones at n
+// 80.
+//
+// The end: a reduce-scatter of the fp32 accumulators through the CTA's shared memory. Both halves
+// hold the same fragment layout (warp w: tokens 16 w ... 16 w + 15; column groups c = 0 ... 9 of
+// 8 weight rows); half h stores column groups 5 h ... 5 h + 4 (the pair's rows 40 h ... 40 h +
+// 39) of every token. Between two named barriers of the 256 consumer threads (both rings
+// drained; the writes landed) each thread writes its five groups of the other half's columns
+// into the other half's drained ring (its first activation slots), then adds what it received to
+// its own five and stores them: every warp of the SM stores, 80-byte runs per token.
+//
+// M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
+// split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
+// 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
+// 19.39-19.40 / 17.58-17.61 against 17.26-17.39 / 17.35-17.39); that form was deleted.
+//
+// Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
+// pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory
+// between two cluster barriers): round A M 64 21.24-21.28 / 19.51-19.55 against 19.97-19.99 /
+// 18.51-18.54 for one CTA of two halves, its ring alone (diagnostic 3) 18.11 against 17.11; M 32
+// 20.57-20.61 / 18.55-18.58 against 19.21-19.30 / 17.56-17.57. (Traced, its launch hung in rounds
+// A and C; not understood, not pursued.) Each half storing half the TOKENS (warps 2 h, 2 h + 1 at
+// M > 32; 150-byte runs per token by half the warps): round C M 64 19.88-19.96 / 18.42-18.43
+// against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
+// 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
+//
+// kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
+// alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
+// stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
+#pragma once
+
+#include "stages/projection/gemm_wgmma_rows_kernel.cuh"
+
+namespace m3attn::gemm_wgmma_detail {
+
+// m64n80k32: the K split's token-major wgmma (40 fp32 per thread).
+template <>
+struct Wgmma<80> {
+  __device__ __forceinline__ static void mma(float (&d)[40], uint64_t a, uint64_t b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n80k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+        "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, "
+        "%27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}, %40, %41, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
+          "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
+          "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
+          "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
+          "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
+          "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
+        : "l"(a), "l"(b), "r"(scale_d));
+  }
+};
+
+constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see the slots)
+constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
+constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
+constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
+// One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
+// static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
+// activation slots stay aligned).
+constexpr int kKsHalfBytes = (232448 - 256 - 1024) / 2 / 1024 * 1024;
+constexpr int kKsKpb = 2;     // K blocks per ring stage
+constexpr int kKsStages = 3;  // ring stages per half
+constexpr int kKsActStage = kKsKpb * kKsActSlot;
+// A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
+// (fewer rows leave more room than they overrun).
+constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
+// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; 26:
+// K up to 6400).
+constexpr int kKsMaxLocalKblocks = (kKsHalfBytes - kKsRing) / kKsScaleBytesPerKb;
+static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
+static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
+// (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
+static_assert(4 * 5 * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
+
+// K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
+__host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
+  const int rem = kblocks % 8 - 4 * h;
+  return 4 * (kblocks / 8) + (rem < 0 ? 0 : rem > 4 ? 4 : rem);
+}
+__host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
+  return 8 * (l / 4) + 4 * h + l % 4;
+}
+// Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
+__host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
+  return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
+}
+
+__device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+template <int kDiag = 0>
+__global__ void __launch_bounds__(kKsThreads, 1)
+    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
+  constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
+  constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
+  constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+
+  extern __shared__ uint8_t smem_raw[];
+  __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
+  __shared__ __align__(8) uint64_t empty_bar[2][kKsStages];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  // The half this thread works for: its warpgroup (consumers) or producer warp 8 + h. (A
+  // warp-uniform value by a shuffle: with a per-thread one, the loop trip counts and stage sizes
+  // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
+  const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
+  const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
+  const int r_begin = rows_begin(g, pairs, p.n);
+  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
+  const int kb_count = p.kblocks;
+  const int kbl = ksplit_local_kblocks(kb_count, h);
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // The half's region: activation slots, weight slots, scales.
+  const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
+  const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + kKsRing);
+  float* s_sb = s_sa + kbl * 64;
+
+  if (tid == 0) {
+    prefetch_tensor_map(&xmap);
+    for (int b = 0; b < 2; ++b)
+      for (int s = 0; s < kKsStages; ++s) {
+        mbar_init(smem_addr(&full_bar[b][s]), 1);
+        mbar_init(smem_addr(&empty_bar[b][s]), 128);
+      }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+
+  if (tid >= 256) {
+    if (lane == 1 && p.trace != nullptr) {
+      // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
+      // (the row split's "last stage released") is half 1's last stage full (the summary's
+      // "folded" mark).
+      unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+      if (h == 0) {
+        t[0] = global_ns();
+        t[1] = static_cast<unsigned long long>(clock64());
+      }
+      for (int i = 0; i < steps; ++i) {
+        mbar_wait(smem_addr(&full_bar[h][i % kKsStages]), (i / kKsStages) & 1);
+        const unsigned long long c = static_cast<unsigned long long>(clock64());
+        if (h == 0 && i == 0) t[2] = c;
+        if (h == 0 && i == steps / 2) t[3] = c;
+        if (i == steps - 1) t[h == 0 ? 4 : 5] = c;
+      }
+      if (h == 1 && steps == 0) t[5] = static_cast<unsigned long long>(clock64());
+    }
+    if (lane == 0) {
+      // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
+      // rows, its K blocks' columns) and activation boxes on one full barrier.
+      const uint64_t policy = evict_first_policy();
+      auto stage_kblocks = [&](int i) {
+        const int left = kbl - i * kKsKpb;
+        return left < kKsKpb ? left : kKsKpb;
+      };
+      auto load_weights = [&](int i) {
+        const int s = i % kKsStages;
+        const uint32_t full = smem_addr(&full_bar[h][s]);
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
+        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+        const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
+        const uint8_t* src =
+            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+        if (p.weight_evict_first) {
+          bulk_load_hint(dst, src, bytes, full, policy);
+        } else {
+          asm volatile(
+              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+              "%2, [%3];\n" ::"r"(dst),
+              "l"(src), "r"(bytes), "r"(full)
+              : "memory");
+        }
+      };
+      // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
+      const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;
+      for (int i = 0; i < early; ++i) load_weights(i);
+      asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % kKsStages;
+        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
+        if (i >= early) load_weights(i);
+        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+        const int nk = stage_kblocks(i);
+        for (int q = 0; q < nk; ++q)
+          tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
+                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[h][s]));
+      }
+    }
+    return;  // (consumers synchronize with named barriers only)
+  }
+
+  // Consumers (warpgroup h). Scales by cp.async, waited for after the first stage's wgmmas are
+  // issued (as the row split does).
+  const int ct = tid % 128;
+  const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
+  for (int i = ct; i < kbl * 2; i += 128) {
+    const int l = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
+    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  for (int i = ct; i < kbl * 64; i += 128) {
+    const int l = i / 64, m = i - l * 64;
+    if (m < p.m) {
+      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
+    } else {
+      s_sa[i] = 0.0f;
+    }
+  }
+
+  const int warp = (tid / 32) % 4;
+  // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
+  const int row0 = 16 * warp + lane / 4;
+  const int m0 = 2 * (lane % 4);
+  // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
+  uint32_t hsel[kGroups][2];
+#pragma unroll
+  for (int c = 0; c < kGroups; ++c)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
+  const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
+  const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
+
+  float acc[kAcc];
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
+  float frag[kKsKpb][kAcc];
+
+  auto issue = [&](int i) {
+    const int s = i % kKsStages;
+    mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
+    if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
+    const int left = kbl - i * kKsKpb;
+    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+    wgmma_fence();
+#pragma unroll
+    for (int q = 0; q < kKsKpb; ++q) {
+      if (q < left && !kRing) {
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
+                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+      }
+      wgmma_commit();
+    }
+  };
+  // The row split's token-major fold (each K block as its group completes; the stage released
+  // after its last group, before the last fold).
+  auto fold = [&](int i) {
+    const int left = kbl - i * kKsKpb;
+#pragma unroll
+    for (int q = 0; q < kKsKpb; ++q) {
+      wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
+      if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
+      if (q < left && !kRing) {
+        const int l = i * kKsKpb + q;
+        const float* sa = s_sa + l * 64;
+        const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
+        const float t0 = sa[row0], t1 = sa[row0 + 8];
+        const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+        for (int j = 0; j < kAcc; ++j) {
+          const uint32_t m = hsel[j / 4][j % 2];
+          const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+          const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+          acc[j] = fmaf(frag[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
+        }
+      }
+    }
+  };
+
+  if (steps > 0) {
+    issue(0);
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
+    fold(0);
+    for (int i = 1; i < steps; ++i) {
+      issue(i);
+      fold(i);
+    }
+  }
+
+  // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and sends the
+  // other five, as [warp][group - 5 (1 - h)][lane] x 16 bytes into the other half's drained ring.
+  // (Session 23 round G, same round, b2b us, M 64: each half writing into its OWN drained ring
+  // after its warpgroup's barrier, one wait for the other half: 19.97-20.00 / chained
+  // 18.25-18.32 against 19.88-20.00 / 18.26-18.28; not kept.)
+  const uint32_t xoff = static_cast<uint32_t>(((warp * (kGroups / 2)) * 32 + lane) * 16);
+  // Whether group c (a constant after unrolling) is the other half's.
+  auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  {
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c)
+      if (other(c))
+        st_shared_v4(dst + (c % (kGroups / 2)) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                     acc[4 * c + 3]);
+  }
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
+  {
+    // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) {
+      if (other(c)) continue;
+      const float4 v = ld_shared_v4(hbase + xoff + (c % (kGroups / 2)) * 512);
+      acc[4 * c] += v.x;
+      acc[4 * c + 1] += v.y;
+      acc[4 * c + 2] += v.z;
+      acc[4 * c + 3] += v.w;
+    }
+  }
+
+  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over
+  // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
+  // stored alone, as the one at lo_col is when the outputs start on an odd element).
+  const bool store = kNoStores ? p.m > 64 : true;
+  const int lo_col = 8 * (kGroups / 2) * h;
+  const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
+  {
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      uint16_t x0[kGroups + 1], x1[kGroups], nb[kGroups + 1];
+#pragma unroll
+      for (int c = 0; c < kGroups; ++c) {
+        x0[c] = float_to_bf16(acc[4 * c + 2 * hh]);
+        x1[c] = float_to_bf16(acc[4 * c + 2 * hh + 1]);
+      }
+      x0[kGroups] = 0;
+#pragma unroll
+      for (int c = 0; c <= kGroups; ++c)
+        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
+      const int m = row0 + 8 * hh;
+      uint16_t* dst = p.out + m * p.ldo + r_begin;
+      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
+      if (store && m < p.m) {
+        if (odd && q == 0 && lo_col < hi_col)
+          store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
+#pragma unroll
+        for (int c = 0; c < kGroups; ++c) {
+          if (other(c)) continue;
+          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
+          const uint16_t lo = odd ? x1[c] : x0[c];
+          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
+          if (col + 1 < hi_col) {
+            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
+          } else if (col < hi_col) {
+            store_out(dst + col, lo);
+          }
+        }
+      }
+    }
+  }
+  if (p.trace != nullptr && tid == 0) {
+    unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
+    t[6] = static_cast<unsigned long long>(clock64());
+    t[7] = global_ns();
+  }
+}
+
+}  // namespace m3attn::gemm_wgmma_detail

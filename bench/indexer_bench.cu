@@ -66,7 +66,8 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --flat-form N (the default options with
-//   flat_form N; --variants ff1 / ff2 = flat_form 1 / 2).
+//   flat_form N; --variants ff1 / ff2 = flat_form 1 / 2), --select-warm (the default options with
+//   select_warm; --variants sw, ff1sw = with flat_form 1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -499,6 +500,7 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   int flat_form = 0;  // --flat-form N: IndexerCudaOptions::flat_form of the default options
+  bool select_warm = false;  // --select-warm: IndexerCudaOptions::select_warm of the default options
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -548,6 +550,8 @@ int main(int argc, char** argv) {
       flat = std::atoi(argv[++i]);
     else if (a == "--flat-form" && i + 1 < argc)
       flat_form = std::atoi(argv[++i]);
+    else if (a == "--select-warm")
+      select_warm = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -572,6 +576,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--flat-form N] "
+                   "[--select-warm] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -587,6 +592,7 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.flat_form = flat_form;
+  default_o.select_warm = select_warm;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1048,6 +1054,12 @@ int main(int argc, char** argv) {
       all.push_back({f == 1 ? "ff1" : "ff2", default_o});
       all.back().o.flat_form = f;
     }
+    // sw = select_warm (the short selection's code run once before its dependency wait); ff1sw.
+    all.push_back({"sw", default_o});
+    all.back().o.select_warm = true;
+    all.push_back({"ff1sw", default_o});
+    all.back().o.flat_form = 1;
+    all.back().o.select_warm = true;
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;

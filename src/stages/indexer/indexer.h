@@ -175,6 +175,9 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // Same ids.
   int short_select_warps = 0;
+  // select_short_kernel runs its code once before the dependency wait on stand-in data (no load
+  // of scores, no store) to have it in the instruction caches when the scorer completes. Same ids.
+  bool select_warm = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

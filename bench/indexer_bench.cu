@@ -65,9 +65,8 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --flat-form N (the default options with
-//   flat_form N; --variants ff1 / ff2 = flat_form 1 / 2), --select-warm (the default options with
-//   select_warm; --variants sw, ff1sw = with flat_form 1).
+//   options with flat_decode N, e.g. for --timeline), --select-warm (the default options with
+//   select_warm; --variants sw).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -499,7 +498,6 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
-  int flat_form = 0;  // --flat-form N: IndexerCudaOptions::flat_form of the default options
   bool select_warm = false;  // --select-warm: IndexerCudaOptions::select_warm of the default options
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
@@ -548,8 +546,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--flat-form" && i + 1 < argc)
-      flat_form = std::atoi(argv[++i]);
     else if (a == "--select-warm")
       select_warm = true;
     else if (a == "--single-ctas" && i + 1 < argc)
@@ -575,7 +571,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--flat-form N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--select-warm] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
@@ -591,7 +587,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.flat_form = flat_form;
   default_o.select_warm = select_warm;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -1049,16 +1044,8 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
-    // ff1 / ff2 = flat_form 1 / 2 (the pipelined flat tile loop, two / one accumulators).
-    for (int f : {1, 2}) {
-      all.push_back({f == 1 ? "ff1" : "ff2", default_o});
-      all.back().o.flat_form = f;
-    }
-    // sw = select_warm (the short selection's code run once before its dependency wait); ff1sw.
+    // sw = select_warm (the short selection's code run once before its dependency wait).
     all.push_back({"sw", default_o});
-    all.back().o.select_warm = true;
-    all.push_back({"ff1sw", default_o});
-    all.back().o.flat_form = 1;
     all.back().o.select_warm = true;
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;

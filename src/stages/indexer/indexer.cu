@@ -380,8 +380,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.flat_decode >= -1 && options.flat_decode <= kFusedCtasPerSm,
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
-  M3_CHECK_ARG(options.flat_form >= 0 && options.flat_form <= 2, "run_indexer_cuda: flat_form ",
-               options.flat_form, " is outside [0, 2]");
   M3_CHECK_ARG(options.short_select_warps == 0 || options.short_select_warps == 2 ||
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
@@ -495,14 +493,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
-      // limit: opt in. Flat decode in the pipelined form: score_flat_kernel.
-      const auto kernel = pl.flat_ctas > 0 && options.flat_form == 1   ? ik::score_flat_kernel<1>
-                          : pl.flat_ctas > 0 && options.flat_form == 2 ? ik::score_flat_kernel<2>
-                                                                       : ik::score_mma_kernel;
+      // limit: opt in.
       size_t msmem = 0;
-      M3_RETURN_IF_ERROR(prepare(kernel, ik::kMmaSmemBytes, &msmem));
+      M3_RETURN_IF_ERROR(prepare(ik::score_mma_kernel, ik::kMmaSmemBytes, &msmem));
       M3_CUDA_RETURN_IF_ERROR(
-          launch_pdl(kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
+          launch_pdl(ik::score_mma_kernel, grid, dim3(ik::kMmaThreads), msmem, stream, pdl, a));
     } else {
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(ik::score_simple_kernel, grid, dim3(ik::kSimpleThreads), 0, stream, pdl, a));

@@ -190,12 +190,6 @@ struct IndexerCudaOptions {
   // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
   // former 6 splits of 12 blocks). Same ids.
   int flat_decode = 0;
-  // Where flat decode runs: the form of its warps' tile loop. 0: decode_unit (the shared-memory
-  // loads of a tile at its step, the causal mask per tile); 1: the pipelined form
-  // (score_flat_kernel: tile i + 1's loads before tile i's math, the mask per block); 2: as 1 with
-  // one accumulator per n-tile. Flat warps of up to 16 query rows (4 tokens at n_kv 4); the
-  // others take form 0. Same ids.
-  int flat_form = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

@@ -404,6 +404,13 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
+// Session 23 (64 x 8K draft 3, flat decode), lost and deleted: a pipelined form of this loop for
+// flat warps (the shared-memory loads of tile i + 1 before tile i's math, the causal mask decided
+// per block so that the unmasked copy of the 8 tiles is branch-free, the ring a whole block
+// ahead): 896 instead of 984 warp instructions per block (ncu), but 31 % of the stall samples
+// "no instruction" (the fetch of the two unrolled copies no longer hidden behind the waits), and
+// 23.7-23.8 us back to back vs 23.3-23.5 (round A, three alternating runs; one accumulator per
+// n-tile instead of two: 23.7-23.9); CTA ends 17.6-22.0 us vs 16.2-21.3 (timelines, same round).
 // The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
 // blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
@@ -495,158 +502,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
-// ---------------------------------------------------------------------------------------------
-// Flat decode, pipelined form (IndexerCudaOptions::flat_form, score_flat_kernel): the flat warp's
-// blocks (step 1, two-kernel path, NT <= 2) with
-//  - the shared-memory loads of tile i + 1 issued before the math of tile i (its key slices held
-//    in registers across the step), so their latency hides under the HMMAs instead of starting
-//    each tile's dependent chain LDS -> F2FP -> HMMA -> max;
-//  - the causal mask decided per block: two unrolled copies of the 8 tiles, the one without the
-//    mask free of branches, so that ptxas may schedule one tile's tail (the last HMMAs, the
-//    adds and maxima) under the next tile's loads and conversions. In decode_unit the per-tile
-//    `if (mask)` splits every tile into its own basic blocks (ncu source view, session 22 round
-//    H: a BSSY / BRA / BSYNC per tile, the last HMMA's latency exposed before every tile's adds);
-//  - the ring a whole block ahead: at tile t of block k the copy of tile t of block k + 1 goes
-//    into stage t (its key slices are already in registers), so the 8 stages hold the tile in
-//    registers and 7 in flight, as in decode_unit, and every copy offset stays an immediate.
-// kTwoAcc: even and odd k16 steps in two accumulators (decode_compute_tile's chains of 4) or one
-// accumulator per n-tile (chains of 8, no adds).
-
-// One lane's slices of a 16-key tile (rows g and g + 8, see decode_compute_tile).
-struct TileRegs {
-  uint4 lo0, hi0, lo1, hi1;
-};
-
-// The tile at `tile` (a ring stage) into registers; off_lo / off_hi: the lane's byte offsets of
-// its two 16-byte chunks of row g (row g + 8: + 8 rows).
-__device__ __forceinline__ TileRegs load_tile_regs(const uint8_t* tile, int off_lo, int off_hi) {
-  return {lds16(tile + off_lo), lds16(tile + off_hi), lds16(tile + off_lo + 8 * kRowBytes),
-          lds16(tile + off_hi + 8 * kRowBytes)};
-}
-
-template <int NT, bool kMask, bool kTwoAcc>
-__device__ __forceinline__ void flat_tile_math(DecodeState<NT>& s, const TileRegs& k, int key0,
-                                               int g) {
-  float c[NT][4], d[NT][4];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) c[nt][i] = d[nt][i] = 0.0f;
-#pragma unroll
-  for (int st = 0; st < 8; ++st) {
-    const uint32_t w0 = word_of(k.lo0, k.hi0, st), w1 = word_of(k.lo1, k.hi1, st);
-    uint32_t a0, a1, a2, a3;
-    f16x2_pair(w0, a0, a2);
-    f16x2_pair(w1, a1, a3);
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      if (kTwoAcc && (st & 1))
-        hmma(d[nt], a0, a1, a2, a3, s.q[nt][2 * st], s.q[nt][2 * st + 1]);
-      else
-        hmma(c[nt], a0, a1, a2, a3, s.q[nt][2 * st], s.q[nt][2 * st + 1]);
-    }
-  }
-  if constexpr (kTwoAcc) {
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) c[nt][i] += d[nt][i];
-  }
-  const int p0 = key0 + g;  // key of C rows g; rows g + 8 hold key p0 + 8
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    if constexpr (kMask) {
-      c[nt][0] = p0 <= s.rpos[nt][0] ? c[nt][0] : neg_inf();
-      c[nt][1] = p0 <= s.rpos[nt][1] ? c[nt][1] : neg_inf();
-      c[nt][2] = p0 + 8 <= s.rpos[nt][0] ? c[nt][2] : neg_inf();
-      c[nt][3] = p0 + 8 <= s.rpos[nt][1] ? c[nt][3] : neg_inf();
-    }
-    s.run[nt][0] = block_max(s.run[nt][0], block_max(c[nt][0], c[nt][2]));
-    s.run[nt][1] = block_max(s.run[nt][1], block_max(c[nt][1], c[nt][3]));
-  }
-}
-
-// decode_unit's contract for a flat warp (step 1, the two-kernel path's scores), NT <= 2.
-template <int NT, bool kTwoAcc>
-__device__ __forceinline__ void decode_unit_flat(const KernelArgs& a, uint8_t* smem, int r, int t0,
-                                                 int rows, int first, int b1, int64_t pg_first,
-                                                 int64_t pg_second, const QueryRaw& qraw,
-                                                 int lane_pos, bool pre_issued) {
-  static_assert(NT <= 2, "the unrolled form");
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  const int nblk = b1 - first;
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
-  const int sw = (g & 1) << 2;
-  const int off_lo = g * kRowBytes + ((tig ^ sw) << 4);
-  const int off_hi = g * kRowBytes + (((tig + 4) ^ sw) << 4);
-  const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k) : -1;
-  };
-  const auto guard = [&](int32_t pg) {
-    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
-  };
-  const auto src_of = [&](int32_t pg) {
-    return (pg >= 0 ? page_base(a, pg) : a.cache) + lane * 16;
-  };
-  int32_t pg_k = static_cast<int32_t>(pg_first);
-  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-  int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
-  // Tile 7 of the first block: the ring now holds the whole block.
-  issue_tile_at<7>(ring_dst, src_of(pg_k), pg_k >= 0 ? 16u : 0u);
-  cp_async_commit();
-
-  DecodeState<NT> s;
-  int min_pos = INT_MAX;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    slice_to_f16(qraw.lo[nt], qraw.hi[nt], s.q[nt]);  // zero slices (rows >= rows) give zeros
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int j = nt * 8 + tig * 2 + e;
-      const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-      s.rpos[nt][e] = j < rows ? pos : -1;
-      if (j < rows) min_pos = min(min_pos, pos);
-      s.run[nt][e] = neg_inf();
-    }
-  }
-  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
-
-  cp_async_wait<kDecStages - 1>();  // tile 0 landed
-  __syncwarp();
-  TileRegs cur = load_tile_regs(ring, off_lo, off_hi);
-  for (int k = 0; k < nblk; ++k) {
-    const int b = first + k;
-    const uint8_t* src_k1 = src_of(pg_k1);
-    const uint32_t bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
-    // Global tile i = 8 k + t: before its step the copies of tiles <= i + 7 are issued.
-    const auto block = [&](auto mask_c) {
-      static_for<0, 8>([&](auto tc) {
-        constexpr int kT = decltype(tc)::value;
-        cp_async_wait<kDecStages - 2>();  // tile i + 1 landed
-        __syncwarp();  // every lane's copies of tile i + 1 and loads of tile i are done
-        issue_tile_at<kT>(ring_dst, src_k1, bytes_k1);  // tile kT of block k + 1 into stage kT
-        cp_async_commit();
-        const TileRegs next = load_tile_regs(ring + ((kT + 1) % 8) * kTileBytes, off_lo, off_hi);
-        flat_tile_math<NT, decltype(mask_c)::value, kTwoAcc>(s, cur, b * kPageSize + kT * 16, g);
-        cur = next;
-      });
-    };
-    if (b * kPageSize + kPageSize - 1 > min_pos)
-      block(std::true_type{});
-    else
-      block(std::false_type{});
-    decode_flush<NT, false>(s, a, t0, rows, b, pg_k >= 0, g, tig, nullptr, 0, 0);
-    pg_k = pg_k1;
-    pg_k1 = guard(raw_k2);
-    raw_k2 = raw_page_at(k + 3);
-  }
-  cp_async_wait<0>();
-}
-
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
@@ -661,11 +516,8 @@ __device__ __forceinline__ void decode_unit_flat(const KernelArgs& a, uint8_t* s
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// kFlatForm (score_flat_kernel, two-kernel path only): 1 / 2 score the flat warps' rows of <= 16
-// query rows by decode_unit_flat with two / one accumulators per n-tile.
-template <bool kFused, bool kSingle, bool kCluster = false, int kFlatForm = 0>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
-  static_assert(kFlatForm == 0 || !kFused, "the flat form: the two-kernel path only");
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
   if constexpr (kCluster) cluster_arrive_relaxed();
@@ -762,22 +614,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
-        if constexpr (kFlatForm > 0)
-          if (step == 1) {  // a flat warp
-            decode_unit_flat<1, kFlatForm == 1>(a, smem, r, qa, rows, first, b1, pg_first,
-                                                pg_second, q, p, pre);
-            break;
-          }
         decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       case 2:
-        if constexpr (kFlatForm > 0)
-          if (step == 1) {
-            decode_unit_flat<2, kFlatForm == 1>(a, smem, r, qa, rows, first, b1, pg_first,
-                                                pg_second, q, p, pre);
-            break;
-          }
         decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
@@ -999,14 +839,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, int kFlatForm = 0>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kFlatForm>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -1031,15 +871,6 @@ __global__ void __launch_bounds__(kMmaThreads) score_mma_kernel(const KernelArgs
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<false>(a, smem, sh);
-}
-
-// The two-kernel path with flat decode in the pipelined form (IndexerCudaOptions::flat_form
-// 1 / 2: decode_unit_flat with two / one accumulators per n-tile; flat warps of <= 16 rows).
-template <int kFlatForm>
-__global__ void __launch_bounds__(kMmaThreads, 1) score_flat_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  score_mma_body<false, false, false, kFlatForm>(a, smem, sh);
 }
 
 // Fused decode: decode units keep their block maxima in shared memory and write them to the

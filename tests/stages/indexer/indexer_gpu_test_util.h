@@ -435,16 +435,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       const std::string fname = name + ", flat " + std::to_string(flat);
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
-      // The pipelined forms of the flat tile loop (score_flat_kernel): form 1 adds in the same
-      // order (the same block scores, the same ids), form 2 in another (one accumulator: the
-      // same ids where the scores are exact).
-      for (int form : {1, 2}) {
-        fl.flat_form = form;
-        const GpuResult ff = run_gpu(d, fl);
-        const std::string ffname = fname + " form " + std::to_string(form);
-        compare(in, ref, ff, /*exact_scores=*/in.integer, ffname + "]");
-        if (form == 1 || in.integer) expect_same_ids(in, ff, g, ffname + " vs two-kernel]");
-      }
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).

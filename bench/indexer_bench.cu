@@ -66,7 +66,7 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --select-warm (the default options with
-//   select_warm; --variants sw).
+//   select_warm; --variants sw), --early-select (with early_select; --variants es).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -499,6 +499,7 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool select_warm = false;  // --select-warm: IndexerCudaOptions::select_warm of the default options
+  bool early_select = false;  // --early-select: IndexerCudaOptions::early_select (default options)
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -548,6 +549,8 @@ int main(int argc, char** argv) {
       flat = std::atoi(argv[++i]);
     else if (a == "--select-warm")
       select_warm = true;
+    else if (a == "--early-select")
+      early_select = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -572,7 +575,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--select-warm] "
+                   "[--select-warm] [--early-select] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -588,6 +591,7 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.select_warm = select_warm;
+  default_o.early_select = early_select;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1044,9 +1048,12 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
-    // sw = select_warm (the short selection's code run once before its dependency wait).
+    // sw = select_warm (the short selection's code run once before its dependency wait); es =
+    // early_select (rows selected as soon as their request's flat warps are done).
     all.push_back({"sw", default_o});
     all.back().o.select_warm = true;
+    all.push_back({"es", default_o});
+    all.back().o.early_select = true;
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;

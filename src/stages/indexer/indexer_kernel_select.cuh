@@ -589,4 +589,146 @@ __global__ void __launch_bounds__(kSelectThreads, 4) select_short_warm_kernel(co
   select_timeline_mark(a, 2);
 }
 
+// Acquire load of a control word (early selection).
+__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// select_short_kernel with early selection (IndexerCudaOptions::early_select; see early_request):
+// a CTA whose rows all belong to requests owned by their flat decode warps polls those requests'
+// control words before the dependency wait and selects its rows as soon as their warps are done
+// (the rows' scores are then written: each warp's fence and atomic release them, the poll's
+// acquire load and the CTA barrier order them before the score loads); after the wait each warp
+// of such a request adds its arrival to the word, which also tells whether the early rows stand
+// (the low half is the request's flat warp count exactly) or must be selected again (garbage in
+// the word), and the last arrival resets the word. Other CTAs select after the wait, as
+// select_short_kernel. A poll gives up after ~1 ms (then the wait decides).
+template <int kW>
+__global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(const KernelArgs a) {
+  static_assert(kW == 2 || kW == 4, "warps per row");
+  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
+  constexpr int kPart = kCountRow / kW;     // candidates per warp
+  constexpr long long kPollCycles = 2000000;
+  __shared__ __align__(16) float srow[kRows][kCountRow];
+  __shared__ int part[kRows][kW][kCountRow];
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int rg = warp / kW, q = warp % kW;
+  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
+  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
+  // As in select_kernel: the batch metadata before the dependency wait, scores and ids after it
+  // (or after the row's request signalled).
+  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
+  int32_t* out = a.block_ids + row * kTopK;
+  // The row's request (the first whose end passes the token; query_start monotone by contract,
+  // else the search still ends in range) and whether its flat warps signal.
+  int r = -1, n_r = 0, m_r = 0;
+  if (in_range && a.control != nullptr) {
+    const int t = static_cast<int>(row / a.n_kv);
+    int lo = 0, hi = a.num_requests;
+    while (lo < hi) {
+      const int mid = (lo + hi) >> 1;
+      if (load_query_start(a, mid + 1) > t)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    if (lo < a.num_requests) {
+      const int qa = load_query_start(a, lo), qe = load_query_start(a, lo + 1);
+      if (qa <= t && t < qe && early_request(a, qa, qe)) {
+        r = lo;
+        n_r = flat_warps_of(a, r);
+        m_r = (qe - qa) * a.n_kv * kW;  // selection warps of the request's rows
+      }
+    }
+  }
+  bool ready = r >= 0;
+  if (ready) {
+    uint32_t done = 0;
+    if (lane == 0) {
+      const long long t0 = clock64();
+      for (;;) {
+        done = ld_acquire_gpu(a.control + r) & 0xffffu;
+        if (done >= static_cast<uint32_t>(n_r) || clock64() - t0 > kPollCycles) break;
+        __nanosleep(200);
+      }
+    }
+    ready = __shfl_sync(0xffffffffu, done, 0) >= static_cast<uint32_t>(n_r);
+  }
+  const bool early = __syncthreads_and(!in_range || ready) != 0;
+
+  const auto select_rows = [&]() {
+    int local = -1;  // uniform over the row's warps
+    float s0 = quiet_nan(), s1 = quiet_nan();
+    if (in_range) {
+      local = trivial_row(a, out, pos, q == 0);
+      if (local >= 0) {
+        const float* scores = a.scores + row * a.max_pages;
+        if (lane < local) s0 = __ldcg(scores + lane);
+        if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
+        select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
+        if (q == 0) {
+          srow[rg][lane] = s0;
+          srow[rg][lane + 32] = s1;
+        }
+      }
+    }
+    __syncthreads();  // the rows' copies are in srow
+    if (local >= 0) {
+      int r0 = 0, r1 = 0;
+      switch (q) {
+        case 0:
+          count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
+          break;
+        case 1:
+          count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
+          break;
+        case 2:
+          if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+          break;
+        default:
+          if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+          break;
+      }
+      part[rg][q][lane] = r0;
+      part[rg][q][lane + 32] = r1;
+      select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
+    }
+    __syncthreads();  // every warp's counts are in part
+    if (local >= 0 && q == 0) {
+      int r0 = 0, r1 = 0;
+#pragma unroll
+      for (int i = 0; i < kW; ++i) {
+        r0 += part[rg][i][lane];
+        r1 += part[rg][i][lane + 32];
+      }
+      emit_ranked_row(out, s0, s1, r0, r1, local);
+    }
+  };
+
+  if (early) {
+    select_timeline_mark(a, 1);
+    select_rows();
+    __syncthreads();  // srow and part may be rewritten below
+  }
+  pdl_wait();  // the scorer grid completed: every flat warp has signalled
+  if (!early) select_timeline_mark(a, 1);
+  bool again = false;
+  if (r >= 0) {
+    uint32_t old = 0;
+    if (lane == 0) {
+      old = atomicAdd(a.control + r, 0x10000u);
+      if ((old >> 16) == static_cast<uint32_t>(m_r - 1)) atomicExch(a.control + r, 0u);  // last
+    }
+    old = __shfl_sync(0xffffffffu, old, 0);
+    again = early && (old & 0xffffu) != static_cast<uint32_t>(n_r);
+  }
+  if (!early || __syncthreads_or(again)) select_rows();
+  select_timeline_mark(a, 2);
+}
+
 }  // namespace m3attn::indexer_kernel

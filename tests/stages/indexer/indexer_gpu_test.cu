@@ -368,5 +368,75 @@ TEST(IndexerGpu, FusedPathOverManySplits) {
   }
 }
 
+// Early selection (IndexerCudaOptions::early_select) under flat decode: a verify batch of the
+// automatic flat plan (4 tokens per request, about 0.48 requests per SM) and a mixed batch under
+// forced flat decode (decode requests of 1-8 tokens, whose rows may be selected early, beside a
+// prefill chunk, whose rows are selected after the dependency wait). First call on a poisoned
+// workspace (control words of garbage: the early rows are selected again after the wait), then
+// two calls on the workspace as the previous call left it (the words at 0: the early rows stand);
+// ids equal to the two-kernel path's every time, every control word back at 0 after each call.
+TEST(IndexerGpu, EarlySelectionUnderFlatDecode) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  for (int which = 0; which < 2; ++which) {
+    std::vector<RequestSpec> reqs;
+    if (which == 0) {
+      const int R = std::max(1, sms * 16 / 33);
+      for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 8188)), 4});
+      reqs[0] = {8188, 4};
+    } else {
+      for (int i = 0; i < 40; ++i) {
+        const int n = 1 + static_cast<int>(rng.integer(0, 7));
+        reqs.push_back({static_cast<int>(rng.integer(100, 8192 - n)), n});
+      }
+      reqs[5] = {3000, 200};  // a prefill chunk: overflow tiles
+      reqs[9] = {8192 - 8, 8};
+    }
+    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    DeviceSet d;
+    upload(in, d);
+    const std::string what = which == 0 ? "verify batch" : "mixed batch, flat 1";
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    two.flat_decode = -1;
+    const GpuResult g = run_gpu(d, two);
+    compare(in, reference(in), g, /*exact_scores=*/true, what + " [two-kernel]");
+    for (int w : {2, 4}) {
+      IndexerCudaOptions o;
+      o.early_select = true;
+      o.short_select_warps = w;
+      if (which == 1 || indexer_cuda_plan(d.params, o).flat_ctas == 0) o.flat_decode = 1;
+      ASSERT_GT(indexer_cuda_plan(d.params, o).flat_ctas, 0) << what;
+      const std::string name = what + ", " + std::to_string(w) + " warps per row";
+      // The control words: one per request after the block scores (16-byte aligned).
+      const size_t ctl = static_cast<size_t>((in.rows() * in.max_pages() * 4 + 15) / 16 * 16) / 4;
+      const auto words_zero = [&](const GpuResult& res) {
+        int bad = 0;
+        for (size_t r = 0; r < reqs.size(); ++r) {
+          uint32_t v = 0;
+          std::memcpy(&v, &res.scores[ctl + r], 4);
+          bad += v != 0u ? 1 : 0;
+        }
+        return bad;
+      };
+      const GpuResult e = run_gpu(d, o);  // poisoned workspace
+      expect_same_ids(in, e, g, name + " [early selection, garbage words vs two-kernel]");
+      EXPECT_EQ(words_zero(e), 0) << name << ": control words left set";
+      for (int call = 0; call < 2; ++call) {
+        ASSERT_TRUE(run_indexer_cuda(d.params, d.workspace, nullptr, o).ok());
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const GpuResult c = download(d);
+        expect_same_ids(in, c, g, name + " [early selection, call " + std::to_string(call + 2) +
+                                      " vs two-kernel]");
+        EXPECT_EQ(words_zero(c), 0) << name << ": control words left set, call " << call + 2;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace m3attn::indexer_gpu_test

@@ -65,8 +65,8 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --select-warm (the default options with
-//   select_warm; --variants sw), --early-select (with early_select; --variants es).
+//   options with flat_decode N, e.g. for --timeline), --early-select (the default options with
+//   early_select; --variants es).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -498,7 +498,6 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
-  bool select_warm = false;  // --select-warm: IndexerCudaOptions::select_warm of the default options
   bool early_select = false;  // --early-select: IndexerCudaOptions::early_select (default options)
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
@@ -547,8 +546,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--select-warm")
-      select_warm = true;
     else if (a == "--early-select")
       early_select = true;
     else if (a == "--single-ctas" && i + 1 < argc)
@@ -575,7 +572,7 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--select-warm] [--early-select] "
+                   "[--early-select] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -590,7 +587,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.select_warm = select_warm;
   default_o.early_select = early_select;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -1048,10 +1044,7 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
-    // sw = select_warm (the short selection's code run once before its dependency wait); es =
-    // early_select (rows selected as soon as their request's flat warps are done).
-    all.push_back({"sw", default_o});
-    all.back().o.select_warm = true;
+    // es = early_select (rows selected as soon as their request's flat warps are done).
     all.push_back({"es", default_o});
     all.back().o.early_select = true;
     all[1].o.unfused_decode = true;

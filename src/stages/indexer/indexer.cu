@@ -536,10 +536,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_CUDA_CHECK_LAUNCH();
       return Status::Ok();
     }
-    const auto kernel = options.select_warm
-                            ? (w == 2 ? ik::select_short_warm_kernel<2>
-                                      : ik::select_short_warm_kernel<4>)
-                            : (w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>);
+    const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

@@ -175,9 +175,6 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // Same ids.
   int short_select_warps = 0;
-  // select_short_kernel runs its code once before the dependency wait on stand-in data (no load
-  // of scores, no store) to have it in the instruction caches when the scorer completes. Same ids.
-  bool select_warm = false;
   // Early selection: where flat decode runs and select_short_kernel follows (R <= T), the rows of
   // requests whose tokens the flat warps own entirely are selected as soon as those warps are done
   // (each signals its request in a control word after the workspace scores), not after the whole

@@ -183,9 +183,8 @@ __device__ __forceinline__ void rank_lean(const float* row, float s0, float s1, 
 // distinct) and are all below the local block; the ranks < 15 are selected. Candidate ids ascend
 // with (half, lane), so a selected id's slot is the count of selected ids before it (ballot
 // prefix); the local block follows them, -1 fills the rest.
-// write false: the same instructions, no store (select_short_warm_kernel's first pass).
 __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1, int r0, int r1,
-                                                int local, bool write = true) {
+                                                int local) {
   const int lane = threadIdx.x & 31;
   const uint32_t below = (1u << lane) - 1u;
   int count = 0;
@@ -194,12 +193,12 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
     const float sc = c == 0 ? s0 : s1;
     const bool take = sc == sc && (c == 0 ? r0 : r1) < kTopK - 1;
     const uint32_t taken = __ballot_sync(0xffffffffu, take);
-    if (take && write) out[count + __popc(taken & below)] = lane + 32 * c;
+    if (take) out[count + __popc(taken & below)] = lane + 32 * c;
     count += __popc(taken);
   }
   // count <= 15 (distinct ranks); the local block exceeds every candidate id.
-  if (write && lane == count) out[lane] = local;
-  if (write && lane > count && lane < kTopK) out[lane] = -1;
+  if (lane == count) out[lane] = local;
+  if (lane > count && lane < kTopK) out[lane] = -1;
 }
 
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
@@ -508,87 +507,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
   select_timeline_mark(a, 2);
 }
 
-// select_short_kernel with its body run twice (IndexerCudaOptions::select_warm), first before the
-// dependency wait on stand-in data (every row 63 NaN candidates: no score load, no store), so that
-// the code after the wait is in the SM's instruction caches when the scorer's grid completes (the
-// selecting warps are resident and idle for most of the scorer's run; the code after the wait
-// runs once per warp, straight-line, and session 21's timeline put ~1.1 us between a warp's
-// scores arriving and its ranks, for ~200 instructions). At most 64 registers (4 CTAs per SM):
-// the CTAs stay resident beside the scorer's.
-template <int kW>
-__global__ void __launch_bounds__(kSelectThreads, 4) select_short_warm_kernel(const KernelArgs a) {
-  static_assert(kW == 2 || kW == 4, "warps per row");
-  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
-  constexpr int kPart = kCountRow / kW;     // candidates per warp
-  __shared__ __align__(16) float srow[kRows][kCountRow];
-  __shared__ int part[kRows][kW][kCountRow];
-  pdl_launch_dependents();
-  select_timeline_mark(a, 0);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int rg = warp / kW, q = warp % kW;
-  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
-  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  int32_t* out = a.block_ids + row * kTopK;
-#pragma unroll 1
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool live = pass == 1;
-    if (live) {
-      pdl_wait();
-      select_timeline_mark(a, 1);
-    }
-    int local = -1;  // uniform over the row's warps
-    float s0 = quiet_nan(), s1 = quiet_nan();
-    if (in_range) {
-      local = live ? trivial_row(a, out, pos, q == 0) : kCountRow - 1;
-      if (local >= 0) {
-        const float* scores = a.scores + row * a.max_pages;
-        if (live && lane < local) s0 = __ldcg(scores + lane);
-        if (live && lane + 32 < local) s1 = __ldcg(scores + lane + 32);
-        if (live) select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
-        if (q == 0) {
-          srow[rg][lane] = s0;
-          srow[rg][lane + 32] = s1;
-        }
-      }
-    }
-    __syncthreads();  // the rows' copies are in srow
-    if (local >= 0) {
-      int r0 = 0, r1 = 0;
-      switch (q) {
-        case 0:
-          count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 1:
-          count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 2:
-          if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        default:
-          if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-      }
-      part[rg][q][lane] = r0;
-      part[rg][q][lane + 32] = r1;
-      if (live) select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
-    }
-    __syncthreads();  // every warp's counts are in part
-    if (local >= 0 && q == 0) {
-      int r0 = 0, r1 = 0;
-#pragma unroll
-      for (int i = 0; i < kW; ++i) {
-        r0 += part[rg][i][lane];
-        r1 += part[rg][i][lane + 32];
-      }
-      emit_ranked_row(out, s0, s1, r0, r1, local, live);
-    }
-    if (!live) __syncthreads();  // srow and part are rewritten by the live pass
-  }
-  select_timeline_mark(a, 2);
-}
-
+// Session 23 round B (64 x 8K draft 3, flat decode, 2 warps per row): ncu of select_short_kernel,
+// 615 instructions per warp, 1.26 M for the call's 2048 warps, i.e. ~2400 per scheduler: the
+// ~1.1-1.3 us between the scores' arrival and the ranks (timelines) is the issue rate of all rows
+// ranked at once after the scorer grid completes. Lost and deleted: the body run once before the
+// dependency wait on stand-in data to warm the instruction caches, 23.7-23.9 vs 23.4-23.5 us back
+// to back (three alternating runs; scores loaded to ranked still 1.26 us).
 // Acquire load of a control word (early selection).
 __device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v;

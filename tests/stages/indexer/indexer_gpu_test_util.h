@@ -399,9 +399,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       o = IndexerCudaOptions{};
       o.short_select_warps = w;  // select_short_kernel with 2 / 4 warps per row (default: auto)
       variants.push_back({w == 2 ? "2 warps per short row" : "4 warps per short row", o});
-      o.select_warm = true;  // its code run once before the dependency wait
-      variants.push_back({w == 2 ? "2 warps per short row, warm" : "4 warps per short row, warm",
-                          o});
     }
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;

@@ -782,6 +782,34 @@ int main(int argc, char** argv) {
             "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
+      // Early selection (diagnostic words 6 / 7 of select_short_early_kernel's warps): flags and
+      // the control word each warp's arrival found (low: flat warps done, high: arrivals before).
+      int64_t n_flag = 0, n_own = 0, n_ready = 0, n_early = 0, n_again = 0, n_last = 0;
+      int64_t n_low_ok = 0;
+      for (int64_t w = 0; w < sel_warps; ++w) {
+        const uint64_t* e = sel + w * kSelWords;
+        if (!e[0] || !e[6]) continue;
+        ++n_flag;
+        n_own += (e[6] & 2) ? 1 : 0;
+        n_ready += (e[6] & 4) ? 1 : 0;
+        n_early += (e[6] & 8) ? 1 : 0;
+        n_again += (e[6] & 16) ? 1 : 0;
+        if (e[6] & 2) {
+          const uint32_t old = static_cast<uint32_t>(e[7]);
+          const uint32_t nr = static_cast<uint32_t>(e[7] >> 48);
+          const uint32_t mr = static_cast<uint32_t>((e[7] >> 32) & 0xffff);
+          n_low_ok += (old & 0xffffu) == nr ? 1 : 0;
+          n_last += (old >> 16) == mr - 1 ? 1 : 0;
+        }
+      }
+      if (n_flag)
+        std::printf("  early selection: %lld warps, %lld of owned requests, %lld polled done, %lld in "
+                    "early CTAs, %lld selected again; arrivals with low == flat warps %lld, last "
+                    "arrivals %lld\n",
+                    static_cast<long long>(n_flag), static_cast<long long>(n_own),
+                    static_cast<long long>(n_ready), static_cast<long long>(n_early),
+                    static_cast<long long>(n_again), static_cast<long long>(n_low_ok),
+                    static_cast<long long>(n_last));
       if (rel.empty())
         std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }

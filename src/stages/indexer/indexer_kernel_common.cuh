@@ -171,6 +171,12 @@ __device__ __forceinline__ void select_timeline_stamp(const KernelArgs& a, int k
   const uint64_t c = clock_after(dep);
   select_timeline_entry(a)[4 + k] = c;
 }
+// Word `word` (6 or 7) of the warp's entry := v (lane 0; timeline only): the early selection's
+// flags and its arrival's control word (select_short_early_kernel).
+__device__ __forceinline__ void select_timeline_word(const KernelArgs& a, int word, uint64_t v) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  select_timeline_entry(a)[word] = v;
+}
 __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
   const uint64_t c = static_cast<uint64_t>(clock64());

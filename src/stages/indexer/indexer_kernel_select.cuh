@@ -513,10 +513,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
 // ranked at once after the scorer grid completes. Lost and deleted: the body run once before the
 // dependency wait on stand-in data to warm the instruction caches, 23.7-23.9 vs 23.4-23.5 us back
 // to back (three alternating runs; scores loaded to ranked still 1.26 us).
-// Acquire load of a control word (early selection).
-__device__ __forceinline__ uint32_t ld_acquire_gpu(const uint32_t* p) {
+// Relaxed load of a control word (early selection's poll; an acquire load per poll would
+// invalidate the SM's L1 each time, beside the scorer's warps): the fence after the last poll
+// orders the scores' loads.
+__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
   uint32_t v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
 
@@ -576,10 +578,11 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(cons
     if (lane == 0) {
       const long long t0 = clock64();
       for (;;) {
-        done = ld_acquire_gpu(a.control + r) & 0xffffu;
+        done = ld_relaxed_gpu(a.control + r) & 0xffffu;
         if (done >= static_cast<uint32_t>(n_r) || clock64() - t0 > kPollCycles) break;
         __nanosleep(200);
       }
+      __threadfence();  // acquire: the request's scores after the count
     }
     ready = __shfl_sync(0xffffffffu, done, 0) >= static_cast<uint32_t>(n_r);
   }
@@ -650,7 +653,13 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(cons
     }
     old = __shfl_sync(0xffffffffu, old, 0);
     again = early && (old & 0xffffu) != static_cast<uint32_t>(n_r);
+    select_timeline_word(a, 7, (uint64_t{static_cast<uint32_t>(n_r)} << 48) |
+                                   (uint64_t{static_cast<uint32_t>(m_r)} << 32) | old);
   }
+  // Timeline word 6: 1 + (request owned by flat warps) 2 + (polled done) 4 + (CTA early) 8 +
+  // (selected again) 16.
+  select_timeline_word(a, 6, 1u | (r >= 0 ? 2u : 0u) | (ready ? 4u : 0u) | (early ? 8u : 0u) |
+                                 (again ? 16u : 0u));
   if (!early || __syncthreads_or(again)) select_rows();
   select_timeline_mark(a, 2);
 }

@@ -419,6 +419,7 @@ TEST(IndexerGpu, EarlySelectionUnderFlatDecode) {
         for (size_t r = 0; r < reqs.size(); ++r) {
           uint32_t v = 0;
           std::memcpy(&v, &res.scores[ctl + r], 4);
+          if (v != 0u && bad < 4) std::printf("[ indexer  ] control word %zu: %08x\n", r, v);
           bad += v != 0u ? 1 : 0;
         }
         return bad;

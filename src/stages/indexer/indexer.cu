@@ -335,11 +335,12 @@ int sm_count() {
 
 }  // namespace
 
-// The block scores, then one control word per request of the early selection (R <= T).
+// The block scores, then one control word per request of the early selection (R <= T), a
+// 128-byte line each.
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
   return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages) +
-                             ceil_div(num_tokens * 4, 16) * 16);
+                             num_tokens * ik::kControlStride * 4);
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {

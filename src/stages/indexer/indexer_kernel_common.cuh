@@ -300,6 +300,11 @@ __device__ __forceinline__ bool split_range(const KernelArgs& a, int nvis, int& 
 // word left inconsistent by garbage heals in one call). The selection polls the low half for the
 // request's flat warp count; after its dependency wait (every flat warp has signalled) a low half
 // other than that count means the word did not start at 0, and the rows are selected again.
+// One 128-byte line per control word (polls of different requests on different lines).
+constexpr int kControlStride = 32;
+__device__ __forceinline__ uint32_t* control_word(const KernelArgs& a, int r) {
+  return a.control + int64_t{r} * kControlStride;
+}
 __device__ __forceinline__ bool early_request(const KernelArgs& a, int qa, int qe) {
   return a.control != nullptr && qa < qe && qe - qa <= a.dec_tokens;
 }
@@ -313,9 +318,9 @@ __device__ __forceinline__ int flat_warps_of(const KernelArgs& a, int r) {
 __device__ __forceinline__ void flat_signal(const KernelArgs& a, int r, bool first_warp) {
   __syncwarp();  // the lanes' score stores before lane 0's fence
   if ((threadIdx.x & 31) == 0) {
-    if (first_warp) atomicAnd(a.control + r, 0xffffu);
+    if (first_warp) atomicAnd(control_word(a, r), 0xffffu);
     __threadfence();
-    atomicAdd(a.control + r, 1u);
+    atomicAdd(control_word(a, r), 1u);
   }
 }
 

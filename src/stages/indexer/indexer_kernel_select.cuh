@@ -572,15 +572,21 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(cons
       }
     }
   }
+  // One poll per request and CTA: the warp whose row is the CTA's first of its request.
+  __shared__ int req_of[kSelectWarps];
+  if (lane == 0) req_of[warp] = r;
+  __syncthreads();
+  bool poller = r >= 0;
+  for (int w = 0; w < warp; ++w) poller = poller && req_of[w] != r;
   bool ready = r >= 0;
-  if (ready) {
+  if (poller) {
     uint32_t done = 0;
     if (lane == 0) {
       const long long t0 = clock64();
       for (;;) {
-        done = ld_relaxed_gpu(a.control + r) & 0xffffu;
+        done = ld_relaxed_gpu(control_word(a, r)) & 0xffffu;
         if (done >= static_cast<uint32_t>(n_r) || clock64() - t0 > kPollCycles) break;
-        __nanosleep(200);
+        __nanosleep(500);
       }
       __threadfence();  // acquire: the request's scores after the count
     }
@@ -648,8 +654,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(cons
   if (r >= 0) {
     uint32_t old = 0;
     if (lane == 0) {
-      old = atomicAdd(a.control + r, 0x10000u);
-      if ((old >> 16) == static_cast<uint32_t>(m_r - 1)) atomicExch(a.control + r, 0u);  // last
+      old = atomicAdd(control_word(a, r), 0x10000u);
+      if ((old >> 16) == static_cast<uint32_t>(m_r - 1)) atomicExch(control_word(a, r), 0u);
     }
     old = __shfl_sync(0xffffffffu, old, 0);
     again = early && (old & 0xffffu) != static_cast<uint32_t>(n_r);

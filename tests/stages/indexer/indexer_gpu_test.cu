@@ -374,7 +374,8 @@ TEST(IndexerGpu, FusedPathOverManySplits) {
 // prefill chunk, whose rows are selected after the dependency wait). First call on a poisoned
 // workspace (control words of garbage: the early rows are selected again after the wait), then
 // two calls on the workspace as the previous call left it (the words at 0: the early rows stand);
-// ids equal to the two-kernel path's every time, every control word back at 0 after each call.
+// ids equal to the two-kernel path's every time, every control word back at 0 after each call
+// (which also shows that the early path ran: the poison is not 0).
 TEST(IndexerGpu, EarlySelectionUnderFlatDecode) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -395,8 +396,11 @@ TEST(IndexerGpu, EarlySelectionUnderFlatDecode) {
       reqs[5] = {3000, 200};  // a prefill chunk: overflow tiles
       reqs[9] = {8192 - 8, 8};
     }
-    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true);
+    // No spare page-table column: max_pages 64, where select_short_kernel (and so the early
+    // selection) applies.
+    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
     ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
     upload(in, d);
     const std::string what = which == 0 ? "verify batch" : "mixed batch, flat 1";
@@ -412,13 +416,13 @@ TEST(IndexerGpu, EarlySelectionUnderFlatDecode) {
       if (which == 1 || indexer_cuda_plan(d.params, o).flat_ctas == 0) o.flat_decode = 1;
       ASSERT_GT(indexer_cuda_plan(d.params, o).flat_ctas, 0) << what;
       const std::string name = what + ", " + std::to_string(w) + " warps per row";
-      // The control words: one per request after the block scores (16-byte aligned).
-      const size_t ctl = static_cast<size_t>((in.rows() * in.max_pages() * 4 + 15) / 16 * 16) / 4;
+      // The control words: the workspace's last T 128-byte lines, one per request.
+      const size_t ctl = (d.ws_bytes - static_cast<size_t>(in.T()) * 128) / 4;
       const auto words_zero = [&](const GpuResult& res) {
         int bad = 0;
         for (size_t r = 0; r < reqs.size(); ++r) {
           uint32_t v = 0;
-          std::memcpy(&v, &res.scores[ctl + r], 4);
+          std::memcpy(&v, &res.scores[ctl + 32 * r], 4);
           if (v != 0u && bad < 4) std::printf("[ indexer  ] control word %zu: %08x\n", r, v);
           bad += v != 0u ? 1 : 0;
         }

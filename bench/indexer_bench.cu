@@ -65,8 +65,7 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --early-select (the default options with
-//   early_select; --variants es).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -498,7 +497,6 @@ int main(int argc, char** argv) {
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
-  bool early_select = false;  // --early-select: IndexerCudaOptions::early_select (default options)
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -546,8 +544,6 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--early-select")
-      early_select = true;
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
@@ -572,7 +568,6 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
-                   "[--early-select] "
                    "[--no-short-select] "
                    "[--k K,K,...]\n",
                    argv[0]);
@@ -587,7 +582,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.early_select = early_select;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -782,34 +776,6 @@ int main(int argc, char** argv) {
             "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
-      // Early selection (diagnostic words 6 / 7 of select_short_early_kernel's warps): flags and
-      // the control word each warp's arrival found (low: flat warps done, high: arrivals before).
-      int64_t n_flag = 0, n_own = 0, n_ready = 0, n_early = 0, n_again = 0, n_last = 0;
-      int64_t n_low_ok = 0;
-      for (int64_t w = 0; w < sel_warps; ++w) {
-        const uint64_t* e = sel + w * kSelWords;
-        if (!e[0] || !e[6]) continue;
-        ++n_flag;
-        n_own += (e[6] & 2) ? 1 : 0;
-        n_ready += (e[6] & 4) ? 1 : 0;
-        n_early += (e[6] & 8) ? 1 : 0;
-        n_again += (e[6] & 16) ? 1 : 0;
-        if (e[6] & 2) {
-          const uint32_t old = static_cast<uint32_t>(e[7]);
-          const uint32_t nr = static_cast<uint32_t>(e[7] >> 48);
-          const uint32_t mr = static_cast<uint32_t>((e[7] >> 32) & 0xffff);
-          n_low_ok += (old & 0xffffu) == nr ? 1 : 0;
-          n_last += (old >> 16) == mr - 1 ? 1 : 0;
-        }
-      }
-      if (n_flag)
-        std::printf("  early selection: %lld warps, %lld of owned requests, %lld polled done, %lld in "
-                    "early CTAs, %lld selected again; arrivals with low == flat warps %lld, last "
-                    "arrivals %lld\n",
-                    static_cast<long long>(n_flag), static_cast<long long>(n_own),
-                    static_cast<long long>(n_ready), static_cast<long long>(n_early),
-                    static_cast<long long>(n_again), static_cast<long long>(n_low_ok),
-                    static_cast<long long>(n_last));
       if (rel.empty())
         std::printf("  no selection kernel (scorer's last warp done %6.2f us)\n", last_done);
     }
@@ -1072,9 +1038,6 @@ int main(int argc, char** argv) {
                                 {"sorted", default_o},  {"q1", default_o},    {"flat0", default_o},
                                 {"flat1", default_o},   {"flat2", default_o}, {"flat3", default_o},
                                 {"flat1q1", default_o}, {"w2", default_o},    {"w4", default_o}};
-    // es = early_select (rows selected as soon as their request's flat warps are done).
-    all.push_back({"es", default_o});
-    all.back().o.early_select = true;
     all[1].o.unfused_decode = true;
     all[2].o.early_query_loads = false;
     all[3].o.fast_select = false;

@@ -335,12 +335,9 @@ int sm_count() {
 
 }  // namespace
 
-// The block scores, then one control word per request of the early selection (R <= T), a
-// 128-byte line each.
 size_t indexer_workspace_bytes(int64_t num_tokens, int n_kv, int max_pages) {
   if (num_tokens <= 0 || n_kv <= 0 || max_pages <= 0) return 0;
-  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages) +
-                             num_tokens * ik::kControlStride * 4);
+  return static_cast<size_t>(scores_bytes_aligned(num_tokens, n_kv, max_pages));
 }
 
 bool indexer_cuda_uses_tensor_cores(const IndexerParams& p, const IndexerCudaOptions& options) {
@@ -442,14 +439,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
-  // Early selection: flat decode scored, select_short_early_kernel selects (the same condition
-  // as select_short_kernel's below), one control word per request after the scores.
-  const bool early = options.early_select && pl.flat_ctas > 0 && max_pages > kTopK && R <= T &&
-                     options.short_select && max_pages <= ik::kCountRow &&
-                     rows <= kShortSelectMaxRowsPerSm * sms;
-  if (early)
-    a.control = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace.data) +
-                                            scores_bytes_aligned(T, p.n_kv, max_pages));
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
   M3_CHECK_ARG(select_blocks <= std::numeric_limits<int32_t>::max(), "run_indexer_cuda: ", rows,
                " selection rows exceed the grid limit");
@@ -528,15 +517,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     // Rows of at most 63 candidates, short_select_warps warps per row.
     const int w = options.short_select_warps > 0 ? options.short_select_warps
                                                  : (rows >= sms ? 2 : 4);
-    if (early) {
-      const auto kernel =
-          w == 2 ? ik::select_short_early_kernel<2> : ik::select_short_early_kernel<4>;
-      const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
-      M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
-                                         select_pdl, a));
-      M3_CUDA_CHECK_LAUNCH();
-      return Status::Ok();
-    }
     const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,

@@ -175,13 +175,6 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // Same ids.
   int short_select_warps = 0;
-  // Early selection: where flat decode runs and select_short_kernel follows (R <= T), the rows of
-  // requests whose tokens the flat warps own entirely are selected as soon as those warps are done
-  // (each signals its request in a control word after the workspace scores), not after the whole
-  // scorer grid; the others after it. Same ids whatever the workspace held before (a control word
-  // that did not start at 0 is detected after the dependency wait and its rows are selected
-  // again; the call leaves every word it used at 0).
-  bool early_select = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -71,9 +71,6 @@ struct KernelArgs {
   // after the overflow tiles (grid.y 1), each serving a contiguous block range of one request
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
-  // IndexerCudaOptions::early_select (flat decode with select_short_early_kernel): one word per
-  // request after the workspace scores (flat_signal / select_short_early_kernel); null: off.
-  uint32_t* control = nullptr;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage
@@ -170,12 +167,6 @@ __device__ __forceinline__ void select_timeline_stamp(const KernelArgs& a, int k
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
   const uint64_t c = clock_after(dep);
   select_timeline_entry(a)[4 + k] = c;
-}
-// Word `word` (6 or 7) of the warp's entry := v (lane 0; timeline only): the early selection's
-// flags and its arrival's control word (select_short_early_kernel).
-__device__ __forceinline__ void select_timeline_word(const KernelArgs& a, int word, uint64_t v) {
-  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
-  select_timeline_entry(a)[word] = v;
 }
 __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int slot) {
   if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
@@ -288,40 +279,6 @@ __device__ __forceinline__ bool split_range(const KernelArgs& a, int nvis, int& 
   b0 = static_cast<int>(blockIdx.y) * chunk;
   b1 = min(nvis, b0 + chunk);
   return b0 < b1;
-}
-
-// Early selection (IndexerCudaOptions::early_select): the selection kernel's rows of a request
-// whose tokens its flat decode warps own entirely (qa < qe, qe - qa <= dec_tokens) start as soon as
-// those warps are done instead of after the whole scorer grid. Control word of request r (the
-// workspace after the scores, zero-initialisation not needed for correctness): the low half counts
-// the request's flat warps that finished (flat_signal), the high half the selection warps of its
-// rows that passed their dependency wait; the selection warp that completes the high count resets
-// the word to 0 for the next call, and the request's first flat warp clears the high half (so a
-// word left inconsistent by garbage heals in one call). The selection polls the low half for the
-// request's flat warp count; after its dependency wait (every flat warp has signalled) a low half
-// other than that count means the word did not start at 0, and the rows are selected again.
-// One 128-byte line per control word (polls of different requests on different lines).
-constexpr int kControlStride = 32;
-__device__ __forceinline__ uint32_t* control_word(const KernelArgs& a, int r) {
-  return a.control + int64_t{r} * kControlStride;
-}
-__device__ __forceinline__ bool early_request(const KernelArgs& a, int qa, int qe) {
-  return a.control != nullptr && qa < qe && qe - qa <= a.dec_tokens;
-}
-// Flat warps of request r: [r W / R, (r + 1) W / R) of the W = flat_warps.
-__device__ __forceinline__ int flat_warps_of(const KernelArgs& a, int r) {
-  return static_cast<int>(int64_t{r + 1} * a.flat_warps / a.num_requests -
-                          int64_t{r} * a.flat_warps / a.num_requests);
-}
-// A flat warp of request r is done (its block scores are written, by any of its lanes): every lane
-// calls.
-__device__ __forceinline__ void flat_signal(const KernelArgs& a, int r, bool first_warp) {
-  __syncwarp();  // the lanes' score stores before lane 0's fence
-  if ((threadIdx.x & 31) == 0) {
-    if (first_warp) atomicAnd(control_word(a, r), 0xffffu);
-    __threadfence();
-    atomicAdd(control_word(a, r), 1u);
-  }
 }
 
 // Calls f(r, ta, te) for every token segment [ta, te) of request r that this CTA owns (see the

@@ -528,7 +528,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
   int bend = static_cast<int>(min(int64_t{b0} + a.dec_chunk, int64_t{a.max_pages}));
   int first = b0 + warp, step = kMmaWarps;
-  bool first_flat = false;  // flat decode: the request's first warp (early selection)
   if (!kFused && a.flat_warps > 0) {
     // Flat decode (two-kernel path, IndexerCudaOptions::flat_decode): warp v of the flat_warps
     // decode warps (the CTAs after the overflow tiles, 4 warps each, grid.y 1) serves request r
@@ -547,7 +546,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
     first = b0;
     step = 1;
-    first_flat = v == lo;
   }
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
@@ -671,16 +669,9 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       return;
     }
   } else {
-    // Early selection: a flat warp signals its request once its scores are written (here or
-    // below).
-    if (first >= b1) {  // warp-uniform; the two-kernel decode path has no CTA barrier
-      if (a.flat_warps > 0 && early_request(a, qa, qe)) flat_signal(a, r, first_flat);
-      return;
-    }
+    if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
   if (first < b1) score(sblk, b0, 0);
-  if constexpr (!kFused)
-    if (a.flat_warps > 0 && early_request(a, qa, qe)) flat_signal(a, r, first_flat);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

@@ -438,6 +438,25 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
 // warps per row vs one: 23.5 vs 25.2-25.9 us (session 17 rounds B, C), 23.3 vs 25.5 (C2); 2 vs 4:
 // see IndexerCudaOptions::short_select_warps.
+// Session 23 (64 x 8K draft 3, flat decode, 1024 rows, 2 warps per row; same-round A/Bs, back
+// to back), lost and deleted:
+//  - the body run once before the dependency wait on stand-in data (no score load, no store), to
+//    have the code cached when the scorer completes: 23.7-23.9 vs 23.4-23.5 us (round B); scores
+//    loaded to ranked still 1.26 us. ncu (round B, timeline build): 615 instructions per warp
+//    (~290 of them the 32 candidates' counts with the tie rule), 1.26 M for the 2048 warps;
+//  - early selection: each flat warp signalled its request in a control word after the
+//    workspace scores (atomic add, the request's first warp clearing the arrivals), the selection
+//    CTAs polled their rows' requests before the dependency wait and selected as soon as the
+//    request's warps were done; after the wait one atomic per warp counted its arrival and
+//    verified that the word had started at 0 (else the rows were selected again), the last
+//    arrival reset it (correct with any workspace content; a test on a poisoned then reused
+//    workspace passed). 28.4-28.7 vs 23.2-23.6 us with an acquire load per poll of every warp
+//    (rounds C, D: the scorer's last warp 2.3 us later), 24.9-25.1 vs 23.6-23.9 with one relaxed
+//    poll per request and CTA, a 128-byte line per word, 500 ns sleeps (round E). Timeline (E):
+//    a request is done only when the last of its warps on 2-3 SMs is (early decisions 20.3-23.8
+//    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
+//    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
+//    last warp, where the dependency wait's selection needs ~2.5.
 template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
@@ -504,169 +523,6 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     }
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
-  select_timeline_mark(a, 2);
-}
-
-// Session 23 round B (64 x 8K draft 3, flat decode, 2 warps per row): ncu of select_short_kernel,
-// 615 instructions per warp, 1.26 M for the call's 2048 warps, i.e. ~2400 per scheduler: the
-// ~1.1-1.3 us between the scores' arrival and the ranks (timelines) is the issue rate of all rows
-// ranked at once after the scorer grid completes. Lost and deleted: the body run once before the
-// dependency wait on stand-in data to warm the instruction caches, 23.7-23.9 vs 23.4-23.5 us back
-// to back (three alternating runs; scores loaded to ranked still 1.26 us).
-// Relaxed load of a control word (early selection's poll; an acquire load per poll would
-// invalidate the SM's L1 each time, beside the scorer's warps): the fence after the last poll
-// orders the scores' loads.
-__device__ __forceinline__ uint32_t ld_relaxed_gpu(const uint32_t* p) {
-  uint32_t v;
-  asm volatile("ld.relaxed.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// select_short_kernel with early selection (IndexerCudaOptions::early_select; see early_request):
-// a CTA whose rows all belong to requests owned by their flat decode warps polls those requests'
-// control words before the dependency wait and selects its rows as soon as their warps are done
-// (the rows' scores are then written: each warp's fence and atomic release them, the poll's
-// acquire load and the CTA barrier order them before the score loads); after the wait each warp
-// of such a request adds its arrival to the word, which also tells whether the early rows stand
-// (the low half is the request's flat warp count exactly) or must be selected again (garbage in
-// the word), and the last arrival resets the word. Other CTAs select after the wait, as
-// select_short_kernel. A poll gives up after ~1 ms (then the wait decides).
-template <int kW>
-__global__ void __launch_bounds__(kSelectThreads) select_short_early_kernel(const KernelArgs a) {
-  static_assert(kW == 2 || kW == 4, "warps per row");
-  constexpr int kRows = kSelectWarps / kW;  // rows per CTA
-  constexpr int kPart = kCountRow / kW;     // candidates per warp
-  constexpr long long kPollCycles = 2000000;
-  __shared__ __align__(16) float srow[kRows][kCountRow];
-  __shared__ int part[kRows][kW][kCountRow];
-  pdl_launch_dependents();
-  select_timeline_mark(a, 0);
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int rg = warp / kW, q = warp % kW;
-  const int64_t row = int64_t{blockIdx.x} * kRows + rg;
-  const bool in_range = row < int64_t{a.num_tokens} * a.n_kv;
-  // As in select_kernel: the batch metadata before the dependency wait, scores and ids after it
-  // (or after the row's request signalled).
-  const int pos = in_range ? __ldg(a.positions + row / a.n_kv) : -1;
-  int32_t* out = a.block_ids + row * kTopK;
-  // The row's request (the first whose end passes the token; query_start monotone by contract,
-  // else the search still ends in range) and whether its flat warps signal.
-  int r = -1, n_r = 0, m_r = 0;
-  if (in_range && a.control != nullptr) {
-    const int t = static_cast<int>(row / a.n_kv);
-    int lo = 0, hi = a.num_requests;
-    while (lo < hi) {
-      const int mid = (lo + hi) >> 1;
-      if (load_query_start(a, mid + 1) > t)
-        hi = mid;
-      else
-        lo = mid + 1;
-    }
-    if (lo < a.num_requests) {
-      const int qa = load_query_start(a, lo), qe = load_query_start(a, lo + 1);
-      if (qa <= t && t < qe && early_request(a, qa, qe)) {
-        r = lo;
-        n_r = flat_warps_of(a, r);
-        m_r = (qe - qa) * a.n_kv * kW;  // selection warps of the request's rows
-      }
-    }
-  }
-  // One poll per request and CTA: the warp whose row is the CTA's first of its request.
-  __shared__ int req_of[kSelectWarps];
-  if (lane == 0) req_of[warp] = r;
-  __syncthreads();
-  bool poller = r >= 0;
-  for (int w = 0; w < warp; ++w) poller = poller && req_of[w] != r;
-  bool ready = r >= 0;
-  if (poller) {
-    uint32_t done = 0;
-    if (lane == 0) {
-      const long long t0 = clock64();
-      for (;;) {
-        done = ld_relaxed_gpu(control_word(a, r)) & 0xffffu;
-        if (done >= static_cast<uint32_t>(n_r) || clock64() - t0 > kPollCycles) break;
-        __nanosleep(500);
-      }
-      __threadfence();  // acquire: the request's scores after the count
-    }
-    ready = __shfl_sync(0xffffffffu, done, 0) >= static_cast<uint32_t>(n_r);
-  }
-  const bool early = __syncthreads_and(!in_range || ready) != 0;
-
-  const auto select_rows = [&]() {
-    int local = -1;  // uniform over the row's warps
-    float s0 = quiet_nan(), s1 = quiet_nan();
-    if (in_range) {
-      local = trivial_row(a, out, pos, q == 0);
-      if (local >= 0) {
-        const float* scores = a.scores + row * a.max_pages;
-        if (lane < local) s0 = __ldcg(scores + lane);
-        if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
-        select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
-        if (q == 0) {
-          srow[rg][lane] = s0;
-          srow[rg][lane + 32] = s1;
-        }
-      }
-    }
-    __syncthreads();  // the rows' copies are in srow
-    if (local >= 0) {
-      int r0 = 0, r1 = 0;
-      switch (q) {
-        case 0:
-          count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 1:
-          count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        case 2:
-          if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-        default:
-          if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
-          break;
-      }
-      part[rg][q][lane] = r0;
-      part[rg][q][lane + 32] = r1;
-      select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
-    }
-    __syncthreads();  // every warp's counts are in part
-    if (local >= 0 && q == 0) {
-      int r0 = 0, r1 = 0;
-#pragma unroll
-      for (int i = 0; i < kW; ++i) {
-        r0 += part[rg][i][lane];
-        r1 += part[rg][i][lane + 32];
-      }
-      emit_ranked_row(out, s0, s1, r0, r1, local);
-    }
-  };
-
-  if (early) {
-    select_timeline_mark(a, 1);
-    select_rows();
-    __syncthreads();  // srow and part may be rewritten below
-  }
-  pdl_wait();  // the scorer grid completed: every flat warp has signalled
-  if (!early) select_timeline_mark(a, 1);
-  bool again = false;
-  if (r >= 0) {
-    uint32_t old = 0;
-    if (lane == 0) {
-      old = atomicAdd(control_word(a, r), 0x10000u);
-      if ((old >> 16) == static_cast<uint32_t>(m_r - 1)) atomicExch(control_word(a, r), 0u);
-    }
-    old = __shfl_sync(0xffffffffu, old, 0);
-    again = early && (old & 0xffffu) != static_cast<uint32_t>(n_r);
-    select_timeline_word(a, 7, (uint64_t{static_cast<uint32_t>(n_r)} << 48) |
-                                   (uint64_t{static_cast<uint32_t>(m_r)} << 32) | old);
-  }
-  // Timeline word 6: 1 + (request owned by flat warps) 2 + (polled done) 4 + (CTA early) 8 +
-  // (selected again) 16.
-  select_timeline_word(a, 6, 1u | (r >= 0 ? 2u : 0u) | (ready ? 4u : 0u) | (early ? 8u : 0u) |
-                                 (again ? 16u : 0u));
-  if (!early || __syncthreads_or(again)) select_rows();
   select_timeline_mark(a, 2);
 }
 

@@ -432,11 +432,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       const std::string fname = name + ", flat " + std::to_string(flat);
       compare(in, ref, f, /*exact_scores=*/in.integer, fname + "]");
       expect_same_ids(in, f, g, fname + " vs two-kernel]");
-      // Early selection (run_gpu poisons the workspace: control words of garbage, so the rows
-      // selected early are selected again after the dependency wait).
-      IndexerCudaOptions fe = fl;
-      fe.early_select = true;
-      expect_same_ids(in, run_gpu(d, fe), g, fname + ", early selection vs two-kernel]");
     }
     // The single-pass variant (one split, no selection kernel) where its plan applies (<= 64
     // blocks), with one CTA per unit and as clusters of 2, 3 and 8 CTAs (single_pass_ctas).

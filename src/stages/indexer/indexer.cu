@@ -517,7 +517,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     // Rows of at most 63 candidates, short_select_warps warps per row.
     const int w = options.short_select_warps > 0 ? options.short_select_warps
                                                  : (rows >= sms ? 2 : 4);
-    const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
+    // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
+    const bool resident = pl.flat_ctas > sms;
+    const auto kernel = w == 2 ? (resident ? ik::select_short_resident_kernel<2>
+                                           : ik::select_short_kernel<2>)
+                               : (resident ? ik::select_short_resident_kernel<4>
+                                           : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

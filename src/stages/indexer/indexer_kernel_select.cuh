@@ -458,7 +458,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 //    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
 //    last warp, where the dependency wait's selection needs ~2.5.
 template <int kW>
-__global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
+__device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
@@ -524,6 +524,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
   select_timeline_mark(a, 2);
+}
+template <int kW>
+__global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
+  select_short_body<kW>(a);
+}
+// At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
+// 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
+// 2 or more CTAs per SM).
+template <int kW>
+__global__ void __launch_bounds__(kSelectThreads, 6) select_short_resident_kernel(const KernelArgs a) {
+  select_short_body<kW>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -54,8 +54,9 @@
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
 //   --case),
 //   --read-timeline BATCH,CONTEXT,DRAFT (diagnostics: the ceiling's paged read of that case at 1-4
-//   CTAs per SM, one cold call each with per-CTA %globaltimer marks: entry, first page landed,
-//   end, and each SM's last end),
+//   CTAs per SM, then at one CTA per SM of 4 / 8 warps each reading a contiguous range of pages
+//   (flat decode's assignment), one cold call each with per-CTA %globaltimer marks: entry, first
+//   page landed, end, and each SM's last end),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
@@ -133,7 +134,9 @@ __global__ void producer_standin(uint8_t* dst, const uint8_t* src, int64_t bytes
 // (word 1), when warp 0's first page has landed (word 2) and, after a CTA barrier, when every warp
 // of the CTA is done (word 3): 4 words per CTA in `tl` (three timer reads per CTA, so the marks do
 // not serialise an SM's warps the way per-warp reads would).
-template <bool kMark>
+// kContig (--read-timeline's flat rows): warp w of the W warps reads the contiguous entries
+// [w E / W, (w + 1) E / W) instead (flat decode's assignment of blocks to warps, without compute).
+template <bool kMark, bool kContig = false>
 __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
                            int64_t entries, int* sink, uint64_t* tl) {
   const int lane = threadIdx.x & 31;
@@ -148,10 +151,13 @@ __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __re
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x >> 5);
   int acc = 0;
   bool first = true;
-  int64_t e = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
-  int32_t pg = e < entries ? __ldg(table + e) : 0;
-  for (; e < entries; e += warps) {
-    const int32_t next = e + warps < entries ? __ldg(table + e + warps) : 0;
+  const int64_t wi = blockIdx.x * int64_t{blockDim.x >> 5} + (threadIdx.x >> 5);
+  int64_t e = kContig ? wi * entries / warps : wi;
+  const int64_t e_end = kContig ? (wi + 1) * entries / warps : entries;
+  const int64_t step = kContig ? 1 : warps;
+  int32_t pg = e < e_end ? __ldg(table + e) : 0;
+  for (; e < e_end; e += step) {
+    const int32_t next = e + step < e_end ? __ldg(table + e + step) : 0;
     const int4* src = reinterpret_cast<const int4*>(pool + int64_t{pg} * kPageBytes) + lane;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -838,15 +844,23 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
     };
-    for (int k : {1, 2, 3, 4}) {
-      const int grid = k * sms;
+    // k 1-4: CTAs per SM of 8 warps, pages dealt round-robin over the warps; k 5 / 6: one CTA
+    // per SM of 4 / 8 warps, each warp a contiguous range of pages (flat decode's assignment).
+    for (int k : {1, 2, 3, 4, 5, 6}) {
+      const bool contig = k >= 5;
+      const int grid = contig ? sms : k * sms;
+      const int threads = k == 5 ? 128 : 256;
       const size_t bytes = size_t{4} * grid * 8;
       uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
       const bench::Timing t = bench::time_cold(
           [&](cudaStream_t st) {
             check_cuda(cudaMemsetAsync(d_tl, 0, bytes, st), "timeline clear");
-            read_paged<true><<<grid, 256, 0, st>>>(
-                pool.data, static_cast<const int32_t*>(c.d_tables[0]), entries, sink, d_tl);
+            const int32_t* table = static_cast<const int32_t*>(c.d_tables[0]);
+            if (contig)
+              read_paged<true, true><<<grid, threads, 0, st>>>(pool.data, table, entries, sink,
+                                                                d_tl);
+            else
+              read_paged<true><<<grid, threads, 0, st>>>(pool.data, table, entries, sink, d_tl);
           },
           stream, 1, 5);
       std::vector<uint64_t> tl(bytes / 8);
@@ -871,13 +885,14 @@ int main(int argc, char** argv) {
       std::vector<double> sme;
       for (const auto& kv : sm_end) sme.push_back(kv.second);
       std::printf(
-          "read timeline b%d ctx %d draft %d, %d CTAs (%d per SM) x 8 warps, cold call %.1f us "
-          "(median of 5 incl. memset)\n"
+          "read timeline b%d ctx %d draft %d, %d CTAs (%d per SM) x %d warps%s, cold call %.1f "
+          "us (median of 5 incl. memset)\n"
           "  entry  us: p50 %6.2f max %6.2f\n"
           "  landed us: min %6.2f p50 %6.2f p90 %6.2f max %6.2f (warp 0's first page)\n"
           "  end    us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n"
           "  SM end us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f (%zu SMs)\n",
-          only_batch, only_ctx, only_draft, grid, k, t.median_us, pct(entry, 0.5), pct(entry, 1),
+          only_batch, only_ctx, only_draft, grid, contig ? 1 : k, threads / 32,
+          contig ? ", contiguous pages per warp" : "", t.median_us, pct(entry, 0.5), pct(entry, 1),
           pct(land, 0), pct(land, 0.5), pct(land, 0.9), pct(land, 1), pct(end, 0), pct(end, 0.1),
           pct(end, 0.5), pct(end, 0.9), pct(end, 1), pct(sme, 0), pct(sme, 0.1), pct(sme, 0.5),
           pct(sme, 0.9), pct(sme, 1), sme.size());

@@ -283,11 +283,19 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   pl.k_splits = k;
   pl.dec_chunk = chunk;
   // Flat decode (IndexerCudaOptions::flat_decode): the two-kernel path over flat_decode x SMs
-  // CTAs of balanced block ranges, where every request gets at least one warp; automatic (one CTA
-  // per SM) in the range of kFlatRuleChunk where the plan is still the two-kernel path.
+  // CTAs of balanced block ranges, where every request gets at least one warp; automatic in the
+  // range of kFlatRuleChunk where the plan is still the two-kernel path: two CTAs per SM at more
+  // than 3 and up to 4 tokens per request (4: the measured case), else one. Session 23, 64 x 8K draft 3, same-run A/Bs, back to back: two
+  // CTAs per SM (and select_short_resident_kernel beside them) 23.0 / 23.1 / 23.1 us vs 23.3 /
+  // 23.2 / 23.3 for one (round H; isolated 25.4-25.5 vs 25.5-25.8), three 25.3-25.5; with the
+  // 45-register selection (half of its CTAs entering only as scorer CTAs exit) two lost, 24.4-24.6
+  // vs 23.6-23.7 (round G). Timelines: scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs
+  // 24.1 (rounds H / F). Other token counts not measured at two CTAs per SM.
   const bool flat_auto =
       o.flat_decode == 0 && flat_rule && !o.unfused_decode && !pl.fused && !pl.single;
-  const int64_t flat_per_sm = o.flat_decode > 0 ? o.flat_decode : (flat_auto ? 1 : 0);
+  const int64_t flat_auto_per_sm = T > 3 * R && T <= kSingleMaxTokensPerRequest * R ? 2 : 1;
+  const int64_t flat_per_sm =
+      o.flat_decode > 0 ? o.flat_decode : (flat_auto ? flat_auto_per_sm : 0);
   if (pl.mma && flat_per_sm > 0 && T > 0) {
     const int64_t ctas = flat_per_sm * sms;
     if (ctas * ik::kMmaWarps >= R) {
@@ -517,7 +525,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     // Rows of at most 63 candidates, short_select_warps warps per row.
     const int w = options.short_select_warps > 0 ? options.short_select_warps
                                                  : (rows >= sms ? 2 : 4);
-    const auto kernel = w == 2 ? ik::select_short_kernel<2> : ik::select_short_kernel<4>;
+    // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
+    const bool resident = pl.flat_ctas > sms;
+    const auto kernel = w == 2 ? (resident ? ik::select_short_resident_kernel<2>
+                                           : ik::select_short_kernel<2>)
+                               : (resident ? ik::select_short_resident_kernel<4>
+                                           : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

@@ -182,10 +182,12 @@ struct IndexerCudaOptions {
   // gets the same number of blocks within a few; then the selection kernel. Applies where the
   // tensor-core scorer runs and W >= R (elsewhere the plan without it); overflow tiles (prefill
   // tokens) then run one split each. Automatic (k_splits 0, !unfused_decode): one CTA per SM
-  // where the plan is the two-kernel path at <= 64 blocks and 24-block splits would give one to
-  // about three CTAs per SM (at 132 SMs and 8K: 44-66 requests of 2-8 tokens; indexer.cu,
-  // kFlatRuleChunk; session 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the
-  // former 6 splits of 12 blocks). Same ids.
+  // (two at more than 3 and up to 4 tokens per request; session 23: 64 x 8K draft 3 23.0-23.1 vs
+  // 23.2-23.3 us back to back, with a 40-register selection kernel beside them) where the plan is
+  // the two-kernel path at <= 64 blocks and 24-block splits would give one to about three CTAs
+  // per SM (at 132 SMs and 8K: 44-66 requests of 2-8 tokens; indexer.cu, kFlatRuleChunk; session
+  // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
+  // blocks). Same ids.
   int flat_decode = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a

@@ -404,6 +404,13 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
+// Session 23 (64 x 8K draft 3, flat decode), lost and deleted: a pipelined form of this loop for
+// flat warps (the shared-memory loads of tile i + 1 before tile i's math, the causal mask decided
+// per block so that the unmasked copy of the 8 tiles is branch-free, the ring a whole block
+// ahead): 896 instead of 984 warp instructions per block (ncu), but 31 % of the stall samples
+// "no instruction" (the fetch of the two unrolled copies no longer hidden behind the waits), and
+// 23.7-23.8 us back to back vs 23.3-23.5 (round A, three alternating runs; one accumulator per
+// n-tile instead of two: 23.7-23.9); CTA ends 17.6-22.0 us vs 16.2-21.3 (timelines, same round).
 // The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
 // blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
 // guarded pages of the first two, loaded by the caller before the query_start round trip).

@@ -438,8 +438,27 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
 // warps per row vs one: 23.5 vs 25.2-25.9 us (session 17 rounds B, C), 23.3 vs 25.5 (C2); 2 vs 4:
 // see IndexerCudaOptions::short_select_warps.
+// Session 23 (64 x 8K draft 3, flat decode, 1024 rows, 2 warps per row; same-round A/Bs, back
+// to back), lost and deleted:
+//  - the body run once before the dependency wait on stand-in data (no score load, no store), to
+//    have the code cached when the scorer completes: 23.7-23.9 vs 23.4-23.5 us (round B); scores
+//    loaded to ranked still 1.26 us. ncu (round B, timeline build): 615 instructions per warp
+//    (~290 of them the 32 candidates' counts with the tie rule), 1.26 M for the 2048 warps;
+//  - early selection: each flat warp signalled its request in a control word after the
+//    workspace scores (atomic add, the request's first warp clearing the arrivals), the selection
+//    CTAs polled their rows' requests before the dependency wait and selected as soon as the
+//    request's warps were done; after the wait one atomic per warp counted its arrival and
+//    verified that the word had started at 0 (else the rows were selected again), the last
+//    arrival reset it (correct with any workspace content; a test on a poisoned then reused
+//    workspace passed). 28.4-28.7 vs 23.2-23.6 us with an acquire load per poll of every warp
+//    (rounds C, D: the scorer's last warp 2.3 us later), 24.9-25.1 vs 23.6-23.9 with one relaxed
+//    poll per request and CTA, a 128-byte line per word, 500 ns sleeps (round E). Timeline (E):
+//    a request is done only when the last of its warps on 2-3 SMs is (early decisions 20.3-23.8
+//    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
+//    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
+//    last warp, where the dependency wait's selection needs ~2.5.
 template <int kW>
-__global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
+__device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
@@ -505,6 +524,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
   select_timeline_mark(a, 2);
+}
+template <int kW>
+__global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
+  select_short_body<kW>(a);
+}
+// At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
+// 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
+// 2 or more CTAs per SM).
+template <int kW>
+__global__ void __launch_bounds__(kSelectThreads, 6) select_short_resident_kernel(const KernelArgs a) {
+  select_short_body<kW>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -61,9 +61,10 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
 }
 
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
-// requests per SM: 64 on an H200) runs flat decode with one CTA per SM where 12-block splits
-// would still fit one wave (session 19; session 18 used those splits); ids and block scores
-// against the twin, ids against the split plan (flat_decode -1).
+// requests per SM: 64 on an H200) runs flat decode with two CTAs per SM (session 23; one in
+// sessions 19-22) where 12-block splits would still fit one wave (session 19; session 18 used
+// those splits); ids and block scores against the twin, ids against the split plan
+// (flat_decode -1).
 TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -87,7 +88,7 @@ TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   if (R * 3 >= sms && R * 6 <= 3 * sms) {
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
-    EXPECT_EQ(pl.flat_ctas, sms);
+    EXPECT_EQ(pl.flat_ctas, 2 * sms);
     EXPECT_EQ(pl.k_splits, 1);
   }
   const GpuResult g = run_gpu(d, IndexerCudaOptions{});
@@ -365,6 +366,44 @@ TEST(IndexerGpu, FusedPathOverManySplits) {
         }
       }
     }
+  }
+}
+
+// Flat decode at two CTAs per SM with rows of <= 63 candidates (no spare page-table column,
+// contexts of 17-21 blocks): the selection runs select_short_resident_kernel (the 40-register
+// form) at 2 and 4 warps per row; ids and block scores against the twin, ids against the
+// two-kernel path. Small, for the sanitizers.
+TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < 40; ++i) {
+    const int n = 1 + static_cast<int>(rng.integer(0, 3));
+    reqs.push_back({static_cast<int>(rng.integer(2100, 2680 - n)), n});
+  }
+  const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  ASSERT_LE(in.max_pages(), 64);
+  DeviceSet d;
+  upload(in, d);
+  const Reference ref = reference(in);
+  IndexerCudaOptions two;
+  two.unfused_decode = true;
+  two.flat_decode = -1;
+  const GpuResult g = run_gpu(d, two);
+  compare(in, ref, g, /*exact_scores=*/true, "flat 2 small [two-kernel]");
+  for (int w : {2, 4}) {
+    IndexerCudaOptions o;
+    o.flat_decode = 2;
+    o.short_select_warps = w;
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, o);
+    EXPECT_EQ(pl.flat_ctas, 2 * mt::current_device_sms());
+    const std::string name = "flat 2 small, " + std::to_string(w) + " warps per row";
+    const GpuResult f = run_gpu(d, o);
+    compare(in, ref, f, /*exact_scores=*/true, name);
+    expect_same_ids(in, f, g, name + " vs two-kernel");
   }
 }
 

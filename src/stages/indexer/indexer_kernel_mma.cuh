@@ -495,6 +495,215 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
+// ---------------------------------------------------------------------------------------------
+// Tail pool of the clustered single pass (IndexerCudaOptions::tail_pool_blocks, the cluster
+// kernel's pool instance; decode units of <= 4 rows: one n-tile, rank 0's table alone).
+// Each warp streams the blocks of its CTA's chunk dealt to it as usual, except the chunk's last
+// tail_pool_blocks blocks: those of every CTA of the cluster form one pool of 16-key tiles, which
+// the cluster's warps take one at a time from a counter in rank 0's shared memory once their own
+// blocks are issued, so that the warps (and the cluster's SMs) end within about a tile of each
+// other instead of at their own pace (timelines: the warps of one CTA end ~1 us apart at the
+// median with identical block counts, the CTAs of a cluster ~0.5 us). A pool tile's maxima go to
+// rank 0's tile table [row][pool tile]; after the final cluster barrier rank 0's warps fold each
+// pooled block's 8 tiles into the block-max table before they select. The counter is read one tile
+// ahead (the atomic's round trip hides behind a tile's MMAs); the static blocks' loop is the
+// plain one, apart from the last block, whose tile steps issue pool tiles instead of the next
+// block's.
+constexpr int kPoolCols = 256;  // tiles of the pool at most: 32 blocks
+constexpr int kPoolSmemBytes = kMmaWarps * kPoolCols * 4 + 128;  // tile table + the counter
+__device__ __forceinline__ float* pool_table(uint8_t* smem) {
+  return reinterpret_cast<float*>(smem + kFusedSmemBytes);
+}
+__device__ __forceinline__ uint32_t* pool_counter(uint8_t* smem) {
+  return reinterpret_cast<uint32_t*>(smem + kFusedSmemBytes + kMmaWarps * kPoolCols * 4);
+}
+__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t v) {
+  uint32_t old;
+  asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v));
+  return old;
+}
+
+struct TailPool {
+  int tiles = 0;          // pool tiles of the cluster (8 per pooled block)
+  int blk = -1;           // lane k < tiles / 8: the cluster's k-th pooled block
+  int page = -1;          // lane k: its page (guarded: -1 outside the pool)
+  uint32_t ctr = 0;       // shared::cluster address of rank 0's tile counter
+  float* part = nullptr;  // rank 0's tile table (generic address, distributed shared memory)
+};
+
+// Tile kS of the ring (compile-time stage) from a runtime source (a pool tile: stage != tile
+// index in its page): issue_tile_at with the source offsets of one tile.
+template <int kS>
+__device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, uint32_t bytes) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%4], [%1+512], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%5], [%1+1024], 16, %2;\n"
+      "cp.async.cg.shared.global [%0+%6], [%1+1536], 16, %2;\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512),
+      "n"(kS * kTileBytes + 1024), "n"(kS * kTileBytes + 1536)
+      : "memory");
+}
+
+// decode_unit for one n-tile (rows <= 8) with the tail pool: the warp's static blocks first,
+// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table` (rank
+// 0's, column = block id), then pool tiles until the counter passes tp.tiles. Every warp of the
+// cluster calls it (also with no static block), so that every pool tile is taken.
+__device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t* smem, int r,
+                                                   int t0, int rows, int first, int s1,
+                                                   int64_t pg_first, int64_t pg_second,
+                                                   const QueryRaw& qraw, int lane_pos,
+                                                   float* table, bool pre_issued,
+                                                   const TailPool& tp) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  constexpr int kStep = kMmaWarps;
+  const int nblk = first < s1 ? (s1 - first + kStep - 1) / kStep : 0;
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
+  const auto raw_page_at = [&](int k) {
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kStep) : -1;
+  };
+  const auto guard = [&](int32_t pg) {
+    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
+  };
+  // A prologue issued for a block that turned out pooled is waited for and dropped.
+  if (pre_issued && nblk == 0) cp_async_wait<0>();
+  int32_t pg_k = static_cast<int32_t>(pg_first);
+  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
+  int32_t raw_k2 = raw_page_at(2);
+  if (!pre_issued && nblk > 0) stream_prologue(a, ring, pg_first, lane);
+
+  DecodeState<1> s;
+  int min_pos = INT_MAX;
+  slice_to_f16(qraw.lo[0], qraw.hi[0], s.q[0]);
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const int j = tig * 2 + e;
+    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
+    s.rpos[0][e] = j < rows ? pos : -1;
+    if (j < rows) min_pos = min(min_pos, pos);
+    s.run[0][e] = neg_inf();
+  }
+  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+
+  // Pool tiles: `grabbed` (lane 0) is the counter's answer for the next pool issue, requested one
+  // issue ahead; meta[stage] the pool tile in that ring stage (-1: none, the pool is drained for
+  // this warp: the counter only grows, so every later stage holds none either).
+  bool more = tp.tiles > 0;  // warp-uniform
+  uint32_t grabbed = 0;
+  int meta[kDecStages];
+  const auto grab = [&] {
+    if (more && lane == 0) grabbed = atom_add_cluster(tp.ctr, 1u);
+  };
+  const auto pool_issue = [&](auto sc) {  // into stage sc (not committed)
+    constexpr int kS = decltype(sc)::value;
+    int i = -1;
+    if (more) {
+      i = static_cast<int>(__shfl_sync(0xffffffffu, grabbed, 0));
+      if (i >= tp.tiles) {
+        more = false;
+        i = -1;
+      } else {
+        grab();
+      }
+    }
+    meta[kS] = i;
+    if (i >= 0) {
+      const int pg = __shfl_sync(0xffffffffu, tp.page, i >> 3);
+      const uint8_t* src = (pg >= 0 ? page_base(a, pg) + (i & 7) * kTileBytes : a.cache) + lane * 16;
+      issue_tile_to<kS>(ring_dst, src, pg >= 0 ? 16u : 0u);
+    }
+  };
+
+  for (int k = 0; k < nblk; ++k) {
+    const int b = first + k * kStep;
+    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
+    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
+    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
+    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
+    const bool last = k == nblk - 1;  // its tile steps 1..7 issue the first pool tiles
+    if (last) grab();
+    static_for<0, 8>([&](auto tc) {
+      constexpr int kT = decltype(tc)::value;
+      cp_async_wait<kDecStages - 2>();
+      __syncwarp();
+      if constexpr (kT == 0) {
+        issue_tile_at<7>(ring_dst, src_k, bytes_k);
+      } else {
+        if (last)
+          pool_issue(std::integral_constant<int, kT - 1>{});
+        else
+          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+      }
+      cp_async_commit();
+      decode_compute_tile<1>(s, ring + kT * kTileBytes, b * kPageSize + kT * 16, mask, g, tig);
+    });
+    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, 0);
+    pg_k = pg_k1;
+    pg_k1 = guard(raw_k2);
+    raw_k2 = raw_page_at(k + 3);
+  }
+  if (nblk == 0) {  // the pool's own prologue: stages 0 .. 6
+    grab();
+    static_for<0, kDecStages - 1>([&](auto sc) {
+      pool_issue(sc);
+      cp_async_commit();
+    });
+  }
+  // Stages 0 .. 6 hold the first pool tiles (or none); stage kS's tile is computed while the next
+  // pool tile goes into stage kS - 1.
+  bool live = true;
+  while (live) {
+    static_for<0, kDecStages>([&](auto sc) {
+      constexpr int kS = decltype(sc)::value;
+      if (!live) return;
+      cp_async_wait<kDecStages - 2>();
+      __syncwarp();
+      pool_issue(std::integral_constant<int, (kS + kDecStages - 1) % kDecStages>{});
+      cp_async_commit();
+      const int i = meta[kS];
+      if (i < 0) {
+        live = false;
+        return;
+      }
+      const int blk = __shfl_sync(0xffffffffu, tp.blk, i >> 3);
+      const int pg = __shfl_sync(0xffffffffu, tp.page, i >> 3);
+      decode_compute_tile<1>(s, ring + kS * kTileBytes, blk * kPageSize + (i & 7) * 16,
+                             blk * kPageSize + kPageSize - 1 > min_pos, g, tig);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = s.run[0][e];
+        v = warp_block_max_xor(v, 4);
+        v = warp_block_max_xor(v, 8);
+        v = warp_block_max_xor(v, 16);
+        const int j = tig * 2 + e;
+        if (g == 0 && j < rows) tp.part[j * kPoolCols + i] = pg >= 0 ? v : quiet_nan();
+        s.run[0][e] = neg_inf();
+      }
+    });
+  }
+  cp_async_wait<0>();
+}
+
+// Rank 0, after the final cluster barrier: row j's pooled blocks' maxima (max of their 8 tiles'
+// maxima in the tile table `part`) into the block-max table; the calling warp then reads the row.
+__device__ __forceinline__ void pool_fold_row(const TailPool& tp, const float* part, float* table,
+                                              int j) {
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < tp.tiles; base += 32) {  // warp-uniform; tiles: a multiple of 8
+    const int c = base + lane;
+    float v = c < tp.tiles ? part[j * kPoolCols + c] : neg_inf();
+    v = warp_block_max_xor(v, 1);
+    v = warp_block_max_xor(v, 2);
+    v = warp_block_max_xor(v, 4);
+    const int blk = __shfl_sync(0xffffffffu, tp.blk, (c >> 3) & 31);
+    if ((lane & 7) == 0 && c < tp.tiles) table[j * kFusedMaxChunk + blk] = v;
+  }
+  __syncwarp();
+}
+
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
@@ -509,11 +718,20 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false>
+// kPool (with kCluster): the tail pool (decode_unit_pooled) where a.pool_blocks applies.
+template <bool kFused, bool kSingle, bool kCluster = false, bool kPool = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
+  static_assert(!kPool || kCluster, "tail pool: the clustered single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) cluster_arrive_relaxed();
+  if constexpr (kCluster) {
+    if (kPool && blockIdx.y == 0 && threadIdx.x == 0) {
+      *pool_counter(smem) = 0u;  // published to the cluster by this arrive, before any take
+      cluster_arrive_release();
+    } else {
+      cluster_arrive_relaxed();
+    }
+  }
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -633,7 +851,47 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
     // (round F).
     const bool shared = rows > kMmaWarps;
+    // Tail pool (cluster-uniform): CTA y pools the last min(P, its blocks) of its chunk; lane k
+    // holds the cluster's k-th pooled block (CTAs in rank order) and its page.
+    TailPool tp;
+    int s1 = b1;  // end of this CTA's static blocks
+    const int pool_p = a.pool_blocks;
+    const bool pool = kPool && !shared && rows > 0 && pool_p > 0 &&
+                      static_cast<int>(gridDim.y) * pool_p <= kPoolCols / 8;
+    if (pool) {
+      int cum = 0;
+      for (int y = 0; y < static_cast<int>(gridDim.y); ++y) {
+        const int yb0 = min(y * a.dec_chunk, a.max_pages);
+        const int yb1 = min(nvis, min(yb0 + a.dec_chunk, a.max_pages));
+        const int pc = max(0, min(pool_p, yb1 - yb0));
+        if (lane >= cum && lane < cum + pc) tp.blk = yb1 - pc + (lane - cum);
+        if (y == static_cast<int>(blockIdx.y)) s1 = yb1 - pc;
+        cum += pc;
+      }
+      tp.tiles = cum * 8;
+      tp.page = tp.blk >= 0 ? static_cast<int>(guarded_page(a, r, tp.blk)) : -1;
+      tp.ctr = sm90::map_to_rank(smem_addr(pool_counter(smem)), 0);
+      tp.part = map_to_cluster_rank(pool_table(smem), 0);
+    }
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
+    if (pool) {  // the plain path's end below, with the pooled blocks' tiles folded first
+      decode_unit_pooled(a, smem, r, qa, rows, first, s1, pg_first, pg_second, q, p,
+                         map_to_cluster_rank(sblk, 0), pre, tp);
+      timeline_mark(a, 2);
+      cluster_arrive_release();
+      const auto wait = [&] {
+        cluster_wait_acquire();  // every block and tile max is in rank 0's tables
+        if (blockIdx.y == 0)     // this warp's rows
+          for (int j = warp; j < rows; j += kMmaWarps) pool_fold_row(tp, pool_table(smem), sblk, j);
+        timeline_mark(a, 3);
+      };
+      if (blockIdx.y == 0)
+        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, wait);
+      else
+        wait();
+      timeline_mark(a, 4);
+      return;
+    }
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
@@ -832,14 +1090,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false, bool kPool = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kPool>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -892,6 +1150,14 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const 
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, true, true>(a, smem, sh);
+}
+
+// The clustered single pass with the tail pool (IndexerCudaOptions::tail_pool_blocks > 0; see
+// decode_unit_pooled). Dynamic shared memory: kFusedSmemBytes + kPoolSmemBytes.
+__global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_pool_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<true, true, true, true>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -38,6 +38,7 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
+//   --pool N (the default options with tail_pool_blocks N, e.g. for --timeline),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
 //   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
@@ -66,8 +67,7 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --pool N (the default options with
-//   tail_pool_blocks N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -498,11 +498,11 @@ int main(int argc, char** argv) {
   bool json = false, quick = false, unfused_only = false, sweep = false, only = false,
        clusters = false, pdl = false, no_guess = false, timeline = false, ceiling = false,
        variants = false, late = false, sorted = false, read_timeline = false;
-  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0,
-      pool_blocks = 0;
+  int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
+  int pool_blocks = 0;  // --pool N: IndexerCudaOptions::tail_pool_blocks of the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -547,12 +547,12 @@ int main(int argc, char** argv) {
       repeat = std::max(1, std::atoi(argv[++i]));
     else if (a == "--flat" && i + 1 < argc)
       flat = std::atoi(argv[++i]);
-    else if (a == "--pool" && i + 1 < argc)
-      pool_blocks = std::atoi(argv[++i]);
     else if (a == "--single-ctas" && i + 1 < argc)
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
+    else if (a == "--pool" && i + 1 < argc)
+      pool_blocks = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -572,9 +572,9 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--pool N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--k K,K,...]\n",
+                   "[--pool N] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -587,11 +587,11 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.tail_pool_blocks = pool_blocks;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
+  default_o.tail_pool_blocks = pool_blocks;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;

@@ -466,14 +466,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     };
     if (pl.single && pl.k_splits > 1) {
-      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index; with
-      // the tail pool, its kernel and shared tile table.
-      const bool pool = a.pool_blocks > 0;
-      const auto ckernel =
-          pool ? ik::score_fused_cluster_pool_kernel : ik::score_fused_cluster_kernel;
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index (with
+      // the tail pool: its tile table and counter after the block-max table).
+      const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(
-          ckernel, ik::kFusedSmemBytes + (pool ? ik::kPoolSmemBytes : 0), &csmem));
+          ckernel, ik::kFusedSmemBytes + (a.pool_blocks > 0 ? ik::kPoolSmemBytes : 0), &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

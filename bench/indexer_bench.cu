@@ -63,7 +63,7 @@
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, pool2 / pool4 / pool8 =
-//   tail_pool_blocks 2 / 4 / 8;
+//   tail_pool_blocks 2 / 4 / 8, p4s = pool4 and split_selection;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -1063,6 +1063,10 @@ int main(int argc, char** argv) {
     all.back().o.tail_pool_blocks = 4;
     all.push_back({"pool8", default_o});
     all.back().o.tail_pool_blocks = 8;
+    // p4s = pool4 and IndexerCudaOptions::split_selection.
+    all.push_back({"p4s", default_o});
+    all.back().o.tail_pool_blocks = 4;
+    all.back().o.split_selection = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

@@ -437,7 +437,9 @@ struct TailPool {
   int blk = -1;           // lane k < tiles / 8: the cluster's k-th pooled block
   int page = -1;          // lane k: its page (guarded: -1 outside the pool)
   uint32_t ctr = 0;       // shared::cluster address of rank 0's tile counter
-  float* part = nullptr;  // rank 0's tile table (generic address, distributed shared memory)
+  float* part = nullptr;  // share 0: rank 0's tile table (generic address, distributed shared
+                          // memory); else this CTA's, written to ranks 0 .. share - 1
+  int share = 0;
 };
 
 // Tile kS of the ring (compile-time stage) from a runtime source (a pool tile: stage != tile
@@ -455,14 +457,15 @@ __device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, 
 }
 
 // decode_unit for one n-tile (rows <= 8) with the tail pool: the warp's static blocks first,
-// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table` (rank
-// 0's, column = block id), then pool tiles until the counter passes tp.tiles. Every warp of the
+// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table`
+// (column = block id; share as decode_flush's: 0 when `table` is rank 0's), then pool tiles until
+// the counter passes tp.tiles. Every warp of the
 // cluster calls it (also with no static block), so that every pool tile is taken.
 __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t* smem, int r,
                                                    int t0, int rows, int first, int s1,
                                                    int64_t pg_first, int64_t pg_second,
                                                    const QueryRaw& qraw, int lane_pos,
-                                                   float* table, bool pre_issued,
+                                                   float* table, int share, bool pre_issued,
                                                    const TailPool& tp) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -549,7 +552,7 @@ __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t*
       cp_async_commit();
       decode_compute_tile<1>(s, ring + kT * kTileBytes, b * kPageSize + kT * 16, mask, g, tig);
     });
-    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, 0);
+    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, share);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -588,7 +591,16 @@ __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t*
         v = warp_block_max_xor(v, 8);
         v = warp_block_max_xor(v, 16);
         const int j = tig * 2 + e;
-        if (g == 0 && j < rows) tp.part[j * kPoolCols + i] = pg >= 0 ? v : quiet_nan();
+        if (g == 0 && j < rows) {
+          float* dst = tp.part + j * kPoolCols + i;
+          const float val = pg >= 0 ? v : quiet_nan();
+          if (tp.share == 0) {
+            *dst = val;
+          } else {
+#pragma unroll 1
+            for (int rk = 0; rk < tp.share; ++rk) *map_to_cluster_rank(dst, rk) = val;
+          }
+        }
         s.run[0][e] = neg_inf();
       }
     });
@@ -852,7 +864,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     const bool shared = rows > kMmaWarps;
     // Tail pool (cluster-uniform): CTA y pools the last min(P, its blocks) of its chunk; lane k
     // holds the cluster's k-th pooled block (CTAs in rank order) and its page.
+    // Split selection (with the pool; cluster-uniform): ranks 0 and 1 both receive every block
+    // and pool tile max and each ranks half of every row's candidates (select_rows_half). (On the
+    // plain path too it cost 4 bytes of spills: ptxas, 168 registers.)
+    const bool split = a.split_select && !shared && rows > 0 && gridDim.y >= 2;
     TailPool tp;
+    tp.share = split ? 2 : 0;
     int s1 = b1;  // end of this CTA's static blocks
     const int pool_p = a.pool_blocks;
     const bool pool = !shared && rows > 0 && pool_p > 0 &&
@@ -870,21 +887,26 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       tp.tiles = cum * 8;
       tp.page = tp.blk >= 0 ? static_cast<int>(guarded_page(a, r, tp.blk)) : -1;
       tp.ctr = sm90::map_to_rank(smem_addr(pool_counter(smem)), 0);
-      tp.part = map_to_cluster_rank(pool_table(smem), 0);
+      tp.part = split ? pool_table(smem) : map_to_cluster_rank(pool_table(smem), 0);
     }
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     if (pool) {  // the plain path's end below, with the pooled blocks' tiles folded first
       decode_unit_pooled(a, smem, r, qa, rows, first, s1, pg_first, pg_second, q, p,
-                         map_to_cluster_rank(sblk, 0), pre, tp);
+                         split ? sblk : map_to_cluster_rank(sblk, 0), split ? 2 : 0, pre, tp);
       timeline_mark(a, 2);
       cluster_arrive_release();
       const auto wait = [&] {
-        cluster_wait_acquire();  // every block and tile max is in rank 0's tables
-        if (blockIdx.y == 0)     // this warp's rows
+        cluster_wait_acquire();  // every block and tile max is in the selecting ranks' tables
+        if (static_cast<int>(blockIdx.y) < (split ? 2 : 1))  // this warp's rows
           for (int j = warp; j < rows; j += kMmaWarps) pool_fold_row(tp, pool_table(smem), sblk, j);
         timeline_mark(a, 3);
       };
-      if (blockIdx.y == 0)
+      // The counting after the final barrier, the rows' metadata (and trivial rows) before it.
+      if (split && blockIdx.y == 0)
+        select_rows_half<0>(a, sblk, qa, rows, nvis, p, wait);
+      else if (split && blockIdx.y == 1)
+        select_rows_half<1>(a, sblk, qa, rows, nvis, p, wait);
+      else if (!split && blockIdx.y == 0)
         select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, wait);
       else
         wait();

@@ -38,7 +38,8 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
-//   --pool N (the default options with tail_pool_blocks N, e.g. for --timeline),
+//   --pool N (the default options with tail_pool_blocks N, e.g. for --timeline), --split (the
+//   default options with split_selection),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
 //   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
@@ -503,6 +504,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int pool_blocks = 0;  // --pool N: IndexerCudaOptions::tail_pool_blocks of the default options
+  bool split_sel = false;  // --split: IndexerCudaOptions::split_selection of the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -553,6 +555,8 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--pool" && i + 1 < argc)
       pool_blocks = std::atoi(argv[++i]);
+    else if (a == "--split")
+      split_sel = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -574,7 +578,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--pool N] [--k K,K,...]\n",
+                   "[--pool N] [--split] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -592,6 +596,7 @@ int main(int argc, char** argv) {
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
   default_o.tail_pool_blocks = pool_blocks;
+  default_o.split_selection = split_sel;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;

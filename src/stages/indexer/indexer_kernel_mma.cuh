@@ -735,9 +735,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
   if constexpr (kCluster) {
-    // The tail pool's counter (a.pool_blocks > 0: the launch added kPoolSmemBytes).
-    if (a.pool_blocks > 0 && blockIdx.y == 0 && threadIdx.x == 0) {
-      *pool_counter(smem) = 0u;  // published to the cluster by this arrive, before any take
+    // The tail pool's counter (a.pool_blocks > 0: the launch added kPoolSmemBytes), reset by
+    // rank 0 and published by its CTA's arrive (one arrive instruction for every thread of a CTA:
+    // round A's first version, thread 0 alone arriving with .release beside its warp's .relaxed,
+    // hung).
+    if (a.pool_blocks > 0 && blockIdx.y == 0) {
+      if (threadIdx.x == 0) *pool_counter(smem) = 0u;
       cluster_arrive_release();
     } else {
       cluster_arrive_relaxed();

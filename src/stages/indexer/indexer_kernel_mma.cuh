@@ -404,6 +404,97 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
   }
 }
 
+// The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
+// blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
+// guarded pages of the first two, loaded by the caller before the query_start round trip).
+// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
+// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
+template <int NT, bool kFused>
+__device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
+                                            int rows, int first, int b1, int step, int64_t pg_first,
+                                            int64_t pg_second, const QueryRaw& qraw, int lane_pos,
+                                            float* sblk, int b0, bool pre_issued, int share) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, tig = lane & 3;
+  const int nblk = (b1 - first + step - 1) / step;
+
+  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
+  // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
+  // k it issues tile 7 of block k (t == 0) or tile t - 1 of block k + 1. Pages: pg_k (block k),
+  // pg_k1 (block k + 1, -1 past the end: zero-fill copies that are never computed) and the raw
+  // page-table entry of block k + 2, loaded a block ahead and checked only when it rotates in
+  // (its load latency stays off the tile loop). The first tiles are issued before the query rows
+  // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
+  // block are unrolled: stages, keys and the flush are compile-time placed.
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
+  const auto raw_page_at = [&](int k) {
+    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
+  };
+  const auto guard = [&](int32_t pg) {
+    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
+  };
+  int32_t pg_k = static_cast<int32_t>(pg_first);
+  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
+  int32_t raw_k2 = raw_page_at(2);
+  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
+
+  DecodeState<NT> s;
+  int min_pos = INT_MAX;
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    slice_to_f16(qraw.lo[nt], qraw.hi[nt], s.q[nt]);  // zero slices (rows >= rows) give zeros
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int j = nt * 8 + tig * 2 + e;  // < kDecRows, so j / n_kv < 32
+      const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
+      s.rpos[nt][e] = j < rows ? pos : -1;
+      if (j < rows) min_pos = min(min_pos, pos);
+      s.run[nt][e] = neg_inf();
+    }
+  }
+  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+
+  for (int k = 0; k < nblk; ++k) {
+    const int b = first + k * step;
+    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
+    // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
+    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
+    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
+    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
+    // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
+    // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
+    const auto tile_step = [&](auto tc) {
+      const int t = tc;
+      cp_async_wait<kDecStages - 2>();
+      __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
+      if constexpr (!std::is_same_v<decltype(tc), int>) {
+        constexpr int kT = decltype(tc)::value;
+        if constexpr (kT == 0)
+          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+        else
+          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+      } else {
+        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
+      }
+      cp_async_commit();
+      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
+    };
+    if constexpr (NT <= 2) {
+      static_for<0, 8>(tile_step);
+    } else {
+#pragma unroll 1
+      for (int t = 0; t < 8; ++t) tile_step(t);
+    }
+    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
+    pg_k = pg_k1;
+    pg_k1 = guard(raw_k2);
+    raw_k2 = raw_page_at(k + 3);
+  }
+  cp_async_wait<0>();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tail pool of the clustered single pass (IndexerCudaOptions::tail_pool_blocks, the cluster
 // kernel's pool instance; decode units of <= 4 rows: one n-tile, rank 0's table alone).
@@ -623,97 +714,6 @@ __device__ __forceinline__ void pool_fold_row(const TailPool& tp, const float* p
     if ((lane & 7) == 0 && c < tp.tiles) table[j * kFusedMaxChunk + blk] = v;
   }
   __syncwarp();
-}
-
-// The warp's share of a decode unit: blocks first, first + step, ... < b1 (step 4: a split's
-// blocks dealt over the CTA's warps; 1: a flat decode warp's own range) (pg_first / pg_second: the
-// guarded pages of the first two, loaded by the caller before the query_start round trip).
-// pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
-// query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused>
-__device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
-                                            int rows, int first, int b1, int step, int64_t pg_first,
-                                            int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued, int share) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  const int nblk = (b1 - first + step - 1) / step;
-
-  // Tile stream: tile i = tile (i % 8) of block first + 4 (i / 8), in ring stage i % 8. The
-  // issue side runs kDecStages - 1 = 7 tiles ahead: while the compute side is at tile t of block
-  // k it issues tile 7 of block k (t == 0) or tile t - 1 of block k + 1. Pages: pg_k (block k),
-  // pg_k1 (block k + 1, -1 past the end: zero-fill copies that are never computed) and the raw
-  // page-table entry of block k + 2, loaded a block ahead and checked only when it rotates in
-  // (its load latency stays off the tile loop). The first tiles are issued before the query rows
-  // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
-  // block are unrolled: stages, keys and the flush are compile-time placed.
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
-  const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
-  };
-  const auto guard = [&](int32_t pg) {
-    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
-  };
-  int32_t pg_k = static_cast<int32_t>(pg_first);
-  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-  int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
-
-  DecodeState<NT> s;
-  int min_pos = INT_MAX;
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) {
-    slice_to_f16(qraw.lo[nt], qraw.hi[nt], s.q[nt]);  // zero slices (rows >= rows) give zeros
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int j = nt * 8 + tig * 2 + e;  // < kDecRows, so j / n_kv < 32
-      const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-      s.rpos[nt][e] = j < rows ? pos : -1;
-      if (j < rows) min_pos = min(min_pos, pos);
-      s.run[nt][e] = neg_inf();
-    }
-  }
-  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
-
-  for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * step;
-    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
-    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
-    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
-    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
-    // One tile step; tc is std::integral_constant (NT <= 2: the 8 tiles unrolled, every offset an
-    // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
-    const auto tile_step = [&](auto tc) {
-      const int t = tc;
-      cp_async_wait<kDecStages - 2>();
-      __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
-      if constexpr (!std::is_same_v<decltype(tc), int>) {
-        constexpr int kT = decltype(tc)::value;
-        if constexpr (kT == 0)
-          issue_tile_at<7>(ring_dst, src_k, bytes_k);
-        else
-          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
-      } else {
-        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
-      }
-      cp_async_commit();
-      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
-    };
-    if constexpr (NT <= 2) {
-      static_for<0, 8>(tile_step);
-    } else {
-#pragma unroll 1
-      for (int t = 0; t < 8; ++t) tile_step(t);
-    }
-    decode_flush<NT, kFused>(s, a, t0, rows, b, pg_k >= 0, g, tig, sblk, b0, share);
-    pg_k = pg_k1;
-    pg_k1 = guard(raw_k2);
-    raw_k2 = raw_page_at(k + 3);
-  }
-  cp_async_wait<0>();
 }
 
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y

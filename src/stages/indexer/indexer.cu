@@ -441,7 +441,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
   a.pool_blocks = options.tail_pool_blocks;
-  a.split_select = options.split_selection ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

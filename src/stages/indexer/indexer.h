@@ -127,10 +127,6 @@ struct IndexerCudaOptions {
   // instead of when the slowest one ends. Applies where clusters * tail_pool_blocks <= 32; else
   // the plain clustered pass. Same ids.
   int tail_pool_blocks = 0;
-  // With the tail pool only (where it applies): the final selection split over the cluster's
-  // first two CTAs, each ranking half of every row's candidates (both receive every block max)
-  // instead of the first CTA ranking all of them. Same ids.
-  bool split_selection = false;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -86,7 +86,6 @@ struct KernelArgs {
   uint64_t* timeline = nullptr;
   // IndexerCudaOptions::tail_pool_blocks (score_fused_cluster_pool_kernel): pooled blocks per CTA.
   int pool_blocks = 0;
-  int split_select = 0;  // IndexerCudaOptions::split_selection
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

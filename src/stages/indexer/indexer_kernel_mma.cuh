@@ -496,20 +496,23 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tail pool of the clustered single pass (IndexerCudaOptions::tail_pool_blocks, the cluster
-// kernel's pool instance; decode units of <= 4 rows: one n-tile, rank 0's table alone).
-// Each warp streams the blocks of its CTA's chunk dealt to it as usual, except the chunk's last
-// tail_pool_blocks blocks: those of every CTA of the cluster form one pool of 16-key tiles, which
-// the cluster's warps take one at a time from a counter in rank 0's shared memory once their own
-// blocks are issued, so that the warps (and the cluster's SMs) end within about a tile of each
-// other instead of at their own pace (timelines: the warps of one CTA end ~1 us apart at the
-// median with identical block counts, the CTAs of a cluster ~0.5 us). A pool tile's maxima go to
-// rank 0's tile table [row][pool tile]; after the final cluster barrier rank 0's warps fold each
-// pooled block's 8 tiles into the block-max table before they select. The counter is read one tile
-// ahead (the atomic's round trip hides behind a tile's MMAs); the static blocks' loop is the
-// plain one, apart from the last block, whose tile steps issue pool tiles instead of the next
-// block's.
-constexpr int kPoolCols = 256;  // tiles of the pool at most: 32 blocks
+// Tail pool of the clustered single pass (IndexerCudaOptions::tail_pool_blocks; decode units of
+// <= 4 rows: one n-tile, rank 0's table alone). Each warp streams the blocks of its CTA's chunk
+// dealt to it as usual, except the chunk's last tail_pool_blocks blocks: those form a pool of
+// 16-key tiles that the CTA's 4 warps take one at a time from a counter in the CTA's shared memory
+// once their own blocks are issued, so that the warps end within about a tile of each other
+// instead of at their own pace (round A timeline, 64 x 8K draft 0: the warps of one CTA end
+// 1.06 us apart at the median, 3.1 at most, with identical block counts; the CTAs of a cluster
+// 0.36 / 1.27). A pool tile's maxima go to the CTA's tile table [row][pool tile]; after a CTA
+// barrier each warp folds a row's pooled tiles into block maxima in rank 0's table. The counter
+// is read one tile ahead; the static blocks' loop is the plain one, apart from the last block,
+// whose tile steps issue pool tiles instead of the next block's.
+// Round B, the same pool shared by the whole cluster (the counter in rank 0's shared memory,
+// distributed shared memory atomics, tile maxima written to rank 0): 30.1 / 31.4-31.8 / 33.6-34.0
+// us back to back with 2 / 4 / 8 pooled blocks per CTA vs 21.8-21.9 without; timeline (4): the
+// stream 25.3 us instead of 15.5 (remote atomics under the stream's load: the tile steps waited
+// for them), rank 1's CTAs ending 1.3 us after rank 0's.
+constexpr int kPoolCols = 128;  // tiles of a CTA's pool at most: 16 blocks
 constexpr int kPoolSmemBytes = kMmaWarps * kPoolCols * 4 + 128;  // tile table + the counter
 __device__ __forceinline__ float* pool_table(uint8_t* smem) {
   return reinterpret_cast<float*>(smem + kFusedSmemBytes);
@@ -517,20 +520,11 @@ __device__ __forceinline__ float* pool_table(uint8_t* smem) {
 __device__ __forceinline__ uint32_t* pool_counter(uint8_t* smem) {
   return reinterpret_cast<uint32_t*>(smem + kFusedSmemBytes + kMmaWarps * kPoolCols * 4);
 }
-__device__ __forceinline__ uint32_t atom_add_cluster(uint32_t addr, uint32_t v) {
-  uint32_t old;
-  asm volatile("atom.shared::cluster.add.u32 %0, [%1], %2;" : "=r"(old) : "r"(addr), "r"(v));
-  return old;
-}
 
 struct TailPool {
-  int tiles = 0;          // pool tiles of the cluster (8 per pooled block)
-  int blk = -1;           // lane k < tiles / 8: the cluster's k-th pooled block
-  int page = -1;          // lane k: its page (guarded: -1 outside the pool)
-  uint32_t ctr = 0;       // shared::cluster address of rank 0's tile counter
-  float* part = nullptr;  // share 0: rank 0's tile table (generic address, distributed shared
-                          // memory); else this CTA's, written to ranks 0 .. share - 1
-  int share = 0;
+  int tiles = 0;  // pool tiles of the CTA (8 per pooled block)
+  int blk = -1;   // lane k < tiles / 8: the CTA's k-th pooled block
+  int page = -1;  // lane k: its page (guarded: -1 outside the pool)
 };
 
 // Tile kS of the ring (compile-time stage) from a runtime source (a pool tile: stage != tile
@@ -547,16 +541,33 @@ __device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, 
       : "memory");
 }
 
+// Row j's pooled blocks' maxima (max of their 8 tiles' maxima in the tile table `part`) into the
+// block-max table `table`.
+__device__ __forceinline__ void pool_fold_row(const TailPool& tp, const float* part, float* table,
+                                              int j) {
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < tp.tiles; base += 32) {  // warp-uniform; tiles: a multiple of 8
+    const int c = base + lane;
+    float v = c < tp.tiles ? part[j * kPoolCols + c] : neg_inf();
+    v = warp_block_max_xor(v, 1);
+    v = warp_block_max_xor(v, 2);
+    v = warp_block_max_xor(v, 4);
+    const int blk = __shfl_sync(0xffffffffu, tp.blk, (c >> 3) & 31);
+    if ((lane & 7) == 0 && c < tp.tiles) table[j * kFusedMaxChunk + blk] = v;
+  }
+  __syncwarp();
+}
+
 // decode_unit for one n-tile (rows <= 8) with the tail pool: the warp's static blocks first,
-// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table`
-// (column = block id; share as decode_flush's: 0 when `table` is rank 0's), then pool tiles until
-// the counter passes tp.tiles. Every warp of the
-// cluster calls it (also with no static block), so that every pool tile is taken.
+// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table` (rank
+// 0's, column = block id), then pool tiles until the counter passes tp.tiles, then (after a CTA
+// barrier) the pooled blocks' maxima of rows warp, warp + 4, ... into `table`. Every warp of the
+// CTA calls it (also with no static block), so that every pool tile is taken.
 __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t* smem, int r,
                                                    int t0, int rows, int first, int s1,
                                                    int64_t pg_first, int64_t pg_second,
                                                    const QueryRaw& qraw, int lane_pos,
-                                                   float* table, int share, bool pre_issued,
+                                                   float* table, bool pre_issued,
                                                    const TailPool& tp) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -595,10 +606,12 @@ __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t*
   // issue ahead; meta[stage] the pool tile in that ring stage (-1: none, the pool is drained for
   // this warp: the counter only grows, so every later stage holds none either).
   bool more = tp.tiles > 0;  // warp-uniform
+  float* const part = pool_table(smem);
   uint32_t grabbed = 0;
   int meta[kDecStages];
+  uint32_t* const ctr = pool_counter(smem);
   const auto grab = [&] {
-    if (more && lane == 0) grabbed = atom_add_cluster(tp.ctr, 1u);
+    if (more && lane == 0) grabbed = atomicAdd(ctr, 1u);
   };
   const auto pool_issue = [&](auto sc) {  // into stage sc (not committed)
     constexpr int kS = decltype(sc)::value;
@@ -643,7 +656,7 @@ __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t*
       cp_async_commit();
       decode_compute_tile<1>(s, ring + kT * kTileBytes, b * kPageSize + kT * 16, mask, g, tig);
     });
-    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, share);
+    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, 0);
     pg_k = pg_k1;
     pg_k1 = guard(raw_k2);
     raw_k2 = raw_page_at(k + 3);
@@ -682,39 +695,16 @@ __device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t*
         v = warp_block_max_xor(v, 8);
         v = warp_block_max_xor(v, 16);
         const int j = tig * 2 + e;
-        if (g == 0 && j < rows) {
-          float* dst = tp.part + j * kPoolCols + i;
-          const float val = pg >= 0 ? v : quiet_nan();
-          if (tp.share == 0) {
-            *dst = val;
-          } else {
-#pragma unroll 1
-            for (int rk = 0; rk < tp.share; ++rk) *map_to_cluster_rank(dst, rk) = val;
-          }
-        }
+        if (g == 0 && j < rows) part[j * kPoolCols + i] = pg >= 0 ? v : quiet_nan();
         s.run[0][e] = neg_inf();
       }
     });
   }
   cp_async_wait<0>();
+  __syncthreads();  // every pool tile's maxima are in the tile table
+  for (int j = warp; j < rows; j += kMmaWarps) pool_fold_row(tp, part, table, j);
 }
 
-// Rank 0, after the final cluster barrier: row j's pooled blocks' maxima (max of their 8 tiles'
-// maxima in the tile table `part`) into the block-max table; the calling warp then reads the row.
-__device__ __forceinline__ void pool_fold_row(const TailPool& tp, const float* part, float* table,
-                                              int j) {
-  const int lane = threadIdx.x & 31;
-  for (int base = 0; base < tp.tiles; base += 32) {  // warp-uniform; tiles: a multiple of 8
-    const int c = base + lane;
-    float v = c < tp.tiles ? part[j * kPoolCols + c] : neg_inf();
-    v = warp_block_max_xor(v, 1);
-    v = warp_block_max_xor(v, 2);
-    v = warp_block_max_xor(v, 4);
-    const int blk = __shfl_sync(0xffffffffu, tp.blk, (c >> 3) & 31);
-    if ((lane & 7) == 0 && c < tp.tiles) table[j * kFusedMaxChunk + blk] = v;
-  }
-  __syncwarp();
-}
 
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
@@ -736,10 +726,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   timeline_mark(a, 0);
   if constexpr (kCluster) {
     // The tail pool's counter (a.pool_blocks > 0: the launch added kPoolSmemBytes), reset by
-    // rank 0 and published by its CTA's arrive (one arrive instruction for every thread of a CTA:
-    // round A's first version, thread 0 alone arriving with .release beside its warp's .relaxed,
-    // hung).
-    if (a.pool_blocks > 0 && blockIdx.y == 0) {
+    // thread 0 and published to the CTA's warps by this arrive and the wait below (one arrive
+    // instruction for every thread of a CTA: round A's first version, thread 0 alone arriving
+    // with .release beside its warp's .relaxed, hung).
+    if (a.pool_blocks > 0) {
       if (threadIdx.x == 0) *pool_counter(smem) = 0u;
       cluster_arrive_release();
     } else {
@@ -865,59 +855,24 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
     // (round F).
     const bool shared = rows > kMmaWarps;
-    // Tail pool (cluster-uniform): CTA y pools the last min(P, its blocks) of its chunk; lane k
-    // holds the cluster's k-th pooled block (CTAs in rank order) and its page.
-    // Split selection (with the pool; cluster-uniform): ranks 0 and 1 both receive every block
-    // and pool tile max and each ranks half of every row's candidates (select_rows_half). (On the
-    // plain path too it cost 4 bytes of spills: ptxas, 168 registers.)
-    const bool split = a.split_select && !shared && rows > 0 && gridDim.y >= 2;
+    // Tail pool (cluster-uniform): this CTA pools the last min(P, its blocks) blocks of its chunk;
+    // lane k holds the k-th and its page.
     TailPool tp;
-    tp.share = split ? 2 : 0;
     int s1 = b1;  // end of this CTA's static blocks
-    const int pool_p = a.pool_blocks;
-    const bool pool = !shared && rows > 0 && pool_p > 0 &&
-                      static_cast<int>(gridDim.y) * pool_p <= kPoolCols / 8;
+    const bool pool = !shared && rows > 0 && a.pool_blocks > 0;
     if (pool) {
-      int cum = 0;
-      for (int y = 0; y < static_cast<int>(gridDim.y); ++y) {
-        const int yb0 = min(y * a.dec_chunk, a.max_pages);
-        const int yb1 = min(nvis, min(yb0 + a.dec_chunk, a.max_pages));
-        const int pc = max(0, min(pool_p, yb1 - yb0));
-        if (lane >= cum && lane < cum + pc) tp.blk = yb1 - pc + (lane - cum);
-        if (y == static_cast<int>(blockIdx.y)) s1 = yb1 - pc;
-        cum += pc;
-      }
-      tp.tiles = cum * 8;
+      const int pc = max(0, min(a.pool_blocks, b1 - b0));
+      s1 = b1 - pc;
+      tp.tiles = pc * 8;
+      tp.blk = lane < pc ? s1 + lane : -1;
       tp.page = tp.blk >= 0 ? static_cast<int>(guarded_page(a, r, tp.blk)) : -1;
-      tp.ctr = sm90::map_to_rank(smem_addr(pool_counter(smem)), 0);
-      tp.part = split ? pool_table(smem) : map_to_cluster_rank(pool_table(smem), 0);
     }
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (pool) {  // the plain path's end below, with the pooled blocks' tiles folded first
+    // One call site each (each is a full copy of the unrolled decode loops).
+    if (pool)
       decode_unit_pooled(a, smem, r, qa, rows, first, s1, pg_first, pg_second, q, p,
-                         split ? sblk : map_to_cluster_rank(sblk, 0), split ? 2 : 0, pre, tp);
-      timeline_mark(a, 2);
-      cluster_arrive_release();
-      const auto wait = [&] {
-        cluster_wait_acquire();  // every block and tile max is in the selecting ranks' tables
-        if (static_cast<int>(blockIdx.y) < (split ? 2 : 1))  // this warp's rows
-          for (int j = warp; j < rows; j += kMmaWarps) pool_fold_row(tp, pool_table(smem), sblk, j);
-        timeline_mark(a, 3);
-      };
-      // The counting after the final barrier, the rows' metadata (and trivial rows) before it.
-      if (split && blockIdx.y == 0)
-        select_rows_half<0>(a, sblk, qa, rows, nvis, p, wait);
-      else if (split && blockIdx.y == 1)
-        select_rows_half<1>(a, sblk, qa, rows, nvis, p, wait);
-      else if (!split && blockIdx.y == 0)
-        select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, wait);
-      else
-        wait();
-      timeline_mark(a, 4);
-      return;
-    }
-    // One call site (each is a full copy of the unrolled decode loops).
-    if (first < b1)
+                         map_to_cluster_rank(sblk, 0), pre, tp);
+    else if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);

@@ -1,10 +1,9 @@
 // GPU tests of the clustered single pass's tail pool (IndexerCudaOptions::tail_pool_blocks, see
-// decode_unit_pooled in indexer_kernel_mma.cuh) and its split selection (split_selection,
-// select_rows_half): the pooled blocks' tiles are scored by whichever warp of the cluster takes
-// them and two CTAs write parts of each row, so the ids must equal the two-kernel path's (itself
-// checked against the twin) for every pool size, cluster size and context, with NaN keys and
-// pages outside the pool in pooled blocks, and across CUDA-graph replays (the counter is reset by
-// every launch). Integer inputs: many exact ties among the block maxima (the tie counting).
+// decode_unit_pooled in indexer_kernel_mma.cuh): the pooled blocks' tiles are scored by whichever
+// warp of the CTA takes them, so the ids must equal the two-kernel path's (itself checked against
+// the twin) for every pool size, cluster size and context, with NaN keys and pages outside the
+// pool in pooled blocks, and across CUDA-graph replays (the counter is reset by every launch).
+// Integer inputs: many exact ties among the block maxima.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,19 +48,16 @@ TEST(IndexerGpu, TailPoolSmall) {
     two.unfused_decode = true;
     const GpuResult g = run_gpu(d, two);
     compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
-    for (int ctas : {2, 3, 8}) {
-      for (int pool : {1, 4, 16}) {
-        for (bool split : {false, true}) {
-          IndexerCudaOptions so;
-          so.single_pass = true;
-          so.single_pass_ctas = ctas;
-          so.tail_pool_blocks = pool;
-          so.split_selection = split;
-          ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
-          expect_same_ids(in, run_gpu(d, so), g,
-                          label + " [single pass, " + std::to_string(ctas) + " CTAs, pool " +
-                              std::to_string(pool) + (split ? ", split selection]" : "]"));
-        }
+    for (int ctas : {2, 3, 4, 8}) {
+      for (int pool : {1, 2, 4, 8, 16}) {
+        IndexerCudaOptions so;
+        so.single_pass = true;
+        so.single_pass_ctas = ctas;
+        so.tail_pool_blocks = pool;
+        ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
+        expect_same_ids(in, run_gpu(d, so), g,
+                        label + " [single pass, " + std::to_string(ctas) + " CTAs, pool " +
+                            std::to_string(pool) + "]");
       }
     }
   }
@@ -91,15 +87,11 @@ TEST(IndexerGpu, TailPoolBadPages) {
   two.unfused_decode = true;
   const GpuResult g = run_gpu(d, two);
   for (int pool : {2, 4, 8}) {
-    for (bool split : {false, true}) {
-      IndexerCudaOptions so;
-      so.single_pass = true;
-      so.single_pass_ctas = 2;
-      so.tail_pool_blocks = pool;
-      so.split_selection = split;
-      expect_same_ids(in, run_gpu(d, so), g,
-                      "bad pages [pool " + std::to_string(pool) + (split ? ", split]" : "]"));
-    }
+    IndexerCudaOptions so;
+    so.single_pass = true;
+    so.single_pass_ctas = 2;
+    so.tail_pool_blocks = pool;
+    expect_same_ids(in, run_gpu(d, so), g, "bad pages [pool " + std::to_string(pool) + "]");
   }
 }
 
@@ -121,11 +113,10 @@ TEST(IndexerGpu, TailPoolGraphReplay) {
   o.single_pass = true;
   o.single_pass_ctas = 2;
   o.tail_pool_blocks = 4;
-  o.split_selection = true;
   const GpuResult eager = run_gpu(d, o);
   IndexerCudaOptions two;
   two.unfused_decode = true;
-  expect_same_ids(in, eager, run_gpu(d, two), "pool 4 split eager vs two-kernel");
+  expect_same_ids(in, eager, run_gpu(d, two), "pool 4 eager vs two-kernel");
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);

@@ -387,9 +387,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.tail_pool_blocks >= 0 && options.tail_pool_blocks <= 16,
-               "run_indexer_cuda: tail_pool_blocks ", options.tail_pool_blocks,
-               " is outside [0, 16]");
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -440,7 +437,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
-  a.pool_blocks = options.tail_pool_blocks;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -466,12 +462,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       return Status::Ok();
     };
     if (pl.single && pl.k_splits > 1) {
-      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index (with
-      // the tail pool: its tile table and counter after the block-max table).
+      // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(
-          ckernel, ik::kFusedSmemBytes + (a.pool_blocks > 0 ? ik::kPoolSmemBytes : 0), &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

@@ -119,14 +119,6 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Clustered single pass only (single_pass_ctas > 1 in effect), rows of one token (<= 4 rows per
-  // request): the last tail_pool_blocks blocks of each CTA's chunk (1..16; 0 = off) are not dealt
-  // to its warps but form a pool shared by the whole cluster, 16-key tile by tile: a warp that ends
-  // its own blocks takes the pool's next tile from a counter in the first CTA's shared memory
-  // (distributed shared memory atomics, one tile ahead), so the cluster's 8 warps end together
-  // instead of when the slowest one ends. Applies where clusters * tail_pool_blocks <= 32; else
-  // the plain clustered pass. Same ids.
-  int tail_pool_blocks = 0;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -84,8 +84,6 @@ struct KernelArgs {
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
-  // IndexerCudaOptions::tail_pool_blocks (score_fused_cluster_pool_kernel): pooled blocks per CTA.
-  int pool_blocks = 0;
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -80,7 +80,6 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* s
   select_rows_lean(a, sblk, t0, rows, b0, b1, lane_pos, threadIdx.x >> 5, kMmaWarps, [] {});
 }
 
-
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
 // caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
 // equal-length requests: no further round trip); otherwise a binary search finds the last r with

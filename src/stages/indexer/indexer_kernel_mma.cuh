@@ -495,217 +495,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
-// ---------------------------------------------------------------------------------------------
-// Tail pool of the clustered single pass (IndexerCudaOptions::tail_pool_blocks; decode units of
-// <= 4 rows: one n-tile, rank 0's table alone). Each warp streams the blocks of its CTA's chunk
-// dealt to it as usual, except the chunk's last tail_pool_blocks blocks: those form a pool of
-// 16-key tiles that the CTA's 4 warps take one at a time from a counter in the CTA's shared memory
-// once their own blocks are issued, so that the warps end within about a tile of each other
-// instead of at their own pace (round A timeline, 64 x 8K draft 0: the warps of one CTA end
-// 1.06 us apart at the median, 3.1 at most, with identical block counts; the CTAs of a cluster
-// 0.36 / 1.27). A pool tile's maxima go to the CTA's tile table [row][pool tile]; after a CTA
-// barrier each warp folds a row's pooled tiles into block maxima in rank 0's table. The counter
-// is read one tile ahead; the static blocks' loop is the plain one, apart from the last block,
-// whose tile steps issue pool tiles instead of the next block's.
-// Round B, the same pool shared by the whole cluster (the counter in rank 0's shared memory,
-// distributed shared memory atomics, tile maxima written to rank 0): 30.1 / 31.4-31.8 / 33.6-34.0
-// us back to back with 2 / 4 / 8 pooled blocks per CTA vs 21.8-21.9 without; timeline (4): the
-// stream 25.3 us instead of 15.5 (remote atomics under the stream's load: the tile steps waited
-// for them), rank 1's CTAs ending 1.3 us after rank 0's.
-constexpr int kPoolCols = 128;  // tiles of a CTA's pool at most: 16 blocks
-constexpr int kPoolSmemBytes = kMmaWarps * kPoolCols * 4 + 128;  // tile table + the counter
-__device__ __forceinline__ float* pool_table(uint8_t* smem) {
-  return reinterpret_cast<float*>(smem + kFusedSmemBytes);
-}
-__device__ __forceinline__ uint32_t* pool_counter(uint8_t* smem) {
-  return reinterpret_cast<uint32_t*>(smem + kFusedSmemBytes + kMmaWarps * kPoolCols * 4);
-}
-
-struct TailPool {
-  int tiles = 0;  // pool tiles of the CTA (8 per pooled block)
-  int blk = -1;   // lane k < tiles / 8: the CTA's k-th pooled block
-  int page = -1;  // lane k: its page (guarded: -1 outside the pool)
-};
-
-// Tile kS of the ring (compile-time stage) from a runtime source (a pool tile: stage != tile
-// index in its page): issue_tile_at with the source offsets of one tile.
-template <int kS>
-__device__ __forceinline__ void issue_tile_to(uint32_t dst, const uint8_t* src, uint32_t bytes) {
-  asm volatile(
-      "cp.async.cg.shared.global [%0+%3], [%1], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%4], [%1+512], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%5], [%1+1024], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%6], [%1+1536], 16, %2;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512),
-      "n"(kS * kTileBytes + 1024), "n"(kS * kTileBytes + 1536)
-      : "memory");
-}
-
-// Row j's pooled blocks' maxima (max of their 8 tiles' maxima in the tile table `part`) into the
-// block-max table `table`.
-__device__ __forceinline__ void pool_fold_row(const TailPool& tp, const float* part, float* table,
-                                              int j) {
-  const int lane = threadIdx.x & 31;
-  for (int base = 0; base < tp.tiles; base += 32) {  // warp-uniform; tiles: a multiple of 8
-    const int c = base + lane;
-    float v = c < tp.tiles ? part[j * kPoolCols + c] : neg_inf();
-    v = warp_block_max_xor(v, 1);
-    v = warp_block_max_xor(v, 2);
-    v = warp_block_max_xor(v, 4);
-    const int blk = __shfl_sync(0xffffffffu, tp.blk, (c >> 3) & 31);
-    if ((lane & 7) == 0 && c < tp.tiles) table[j * kFusedMaxChunk + blk] = v;
-  }
-  __syncwarp();
-}
-
-// decode_unit for one n-tile (rows <= 8) with the tail pool: the warp's static blocks first,
-// first + 4, ... < s1 (its CTA's chunk minus the pooled blocks), block maxima into `table` (rank
-// 0's, column = block id), then pool tiles until the counter passes tp.tiles, then (after a CTA
-// barrier) the pooled blocks' maxima of rows warp, warp + 4, ... into `table`. Every warp of the
-// CTA calls it (also with no static block), so that every pool tile is taken.
-__device__ __forceinline__ void decode_unit_pooled(const KernelArgs& a, uint8_t* smem, int r,
-                                                   int t0, int rows, int first, int s1,
-                                                   int64_t pg_first, int64_t pg_second,
-                                                   const QueryRaw& qraw, int lane_pos,
-                                                   float* table, bool pre_issued,
-                                                   const TailPool& tp) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  constexpr int kStep = kMmaWarps;
-  const int nblk = first < s1 ? (s1 - first + kStep - 1) / kStep : 0;
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
-  const auto raw_page_at = [&](int k) {
-    return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * kStep) : -1;
-  };
-  const auto guard = [&](int32_t pg) {
-    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
-  };
-  // A prologue issued for a block that turned out pooled is waited for and dropped.
-  if (pre_issued && nblk == 0) cp_async_wait<0>();
-  int32_t pg_k = static_cast<int32_t>(pg_first);
-  int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
-  int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued && nblk > 0) stream_prologue(a, ring, pg_first, lane);
-
-  DecodeState<1> s;
-  int min_pos = INT_MAX;
-  slice_to_f16(qraw.lo[0], qraw.hi[0], s.q[0]);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int j = tig * 2 + e;
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-    s.rpos[0][e] = j < rows ? pos : -1;
-    if (j < rows) min_pos = min(min_pos, pos);
-    s.run[0][e] = neg_inf();
-  }
-  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
-
-  // Pool tiles: `grabbed` (lane 0) is the counter's answer for the next pool issue, requested one
-  // issue ahead; meta[stage] the pool tile in that ring stage (-1: none, the pool is drained for
-  // this warp: the counter only grows, so every later stage holds none either).
-  bool more = tp.tiles > 0;  // warp-uniform
-  float* const part = pool_table(smem);
-  uint32_t grabbed = 0;
-  int meta[kDecStages];
-  uint32_t* const ctr = pool_counter(smem);
-  const auto grab = [&] {
-    if (more && lane == 0) grabbed = atomicAdd(ctr, 1u);
-  };
-  const auto pool_issue = [&](auto sc) {  // into stage sc (not committed)
-    constexpr int kS = decltype(sc)::value;
-    int i = -1;
-    if (more) {
-      i = static_cast<int>(__shfl_sync(0xffffffffu, grabbed, 0));
-      if (i >= tp.tiles) {
-        more = false;
-        i = -1;
-      } else {
-        grab();
-      }
-    }
-    meta[kS] = i;
-    if (i >= 0) {
-      const int pg = __shfl_sync(0xffffffffu, tp.page, i >> 3);
-      const uint8_t* src = (pg >= 0 ? page_base(a, pg) + (i & 7) * kTileBytes : a.cache) + lane * 16;
-      issue_tile_to<kS>(ring_dst, src, pg >= 0 ? 16u : 0u);
-    }
-  };
-
-  for (int k = 0; k < nblk; ++k) {
-    const int b = first + k * kStep;
-    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
-    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
-    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
-    const bool last = k == nblk - 1;  // its tile steps 1..7 issue the first pool tiles
-    if (last) grab();
-    static_for<0, 8>([&](auto tc) {
-      constexpr int kT = decltype(tc)::value;
-      cp_async_wait<kDecStages - 2>();
-      __syncwarp();
-      if constexpr (kT == 0) {
-        issue_tile_at<7>(ring_dst, src_k, bytes_k);
-      } else {
-        if (last)
-          pool_issue(std::integral_constant<int, kT - 1>{});
-        else
-          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
-      }
-      cp_async_commit();
-      decode_compute_tile<1>(s, ring + kT * kTileBytes, b * kPageSize + kT * 16, mask, g, tig);
-    });
-    decode_flush<1, true>(s, a, t0, rows, b, pg_k >= 0, g, tig, table, 0, 0);
-    pg_k = pg_k1;
-    pg_k1 = guard(raw_k2);
-    raw_k2 = raw_page_at(k + 3);
-  }
-  if (nblk == 0) {  // the pool's own prologue: stages 0 .. 6
-    grab();
-    static_for<0, kDecStages - 1>([&](auto sc) {
-      pool_issue(sc);
-      cp_async_commit();
-    });
-  }
-  // Stages 0 .. 6 hold the first pool tiles (or none); stage kS's tile is computed while the next
-  // pool tile goes into stage kS - 1.
-  bool live = true;
-  while (live) {
-    static_for<0, kDecStages>([&](auto sc) {
-      constexpr int kS = decltype(sc)::value;
-      if (!live) return;
-      cp_async_wait<kDecStages - 2>();
-      __syncwarp();
-      pool_issue(std::integral_constant<int, (kS + kDecStages - 1) % kDecStages>{});
-      cp_async_commit();
-      const int i = meta[kS];
-      if (i < 0) {
-        live = false;
-        return;
-      }
-      const int blk = __shfl_sync(0xffffffffu, tp.blk, i >> 3);
-      const int pg = __shfl_sync(0xffffffffu, tp.page, i >> 3);
-      decode_compute_tile<1>(s, ring + kS * kTileBytes, blk * kPageSize + (i & 7) * 16,
-                             blk * kPageSize + kPageSize - 1 > min_pos, g, tig);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = s.run[0][e];
-        v = warp_block_max_xor(v, 4);
-        v = warp_block_max_xor(v, 8);
-        v = warp_block_max_xor(v, 16);
-        const int j = tig * 2 + e;
-        if (g == 0 && j < rows) part[j * kPoolCols + i] = pg >= 0 ? v : quiet_nan();
-        s.run[0][e] = neg_inf();
-      }
-    });
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every pool tile's maxima are in the tile table
-  for (int j = warp; j < rows; j += kMmaWarps) pool_fold_row(tp, part, table, j);
-}
-
-
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
@@ -724,18 +513,7 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) {
-    // The tail pool's counter (a.pool_blocks > 0: the launch added kPoolSmemBytes), reset by
-    // thread 0 and published to the CTA's warps by this arrive and the wait below (one arrive
-    // instruction for every thread of a CTA: round A's first version, thread 0 alone arriving
-    // with .release beside its warp's .relaxed, hung).
-    if (a.pool_blocks > 0) {
-      if (threadIdx.x == 0) *pool_counter(smem) = 0u;
-      cluster_arrive_release();
-    } else {
-      cluster_arrive_relaxed();
-    }
-  }
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -854,25 +632,23 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // draft 3 (4-CTA clusters) back to back, with rank_lean, against rank 0's warps selecting
     // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
     // (round F).
+    // Session 23 (64 x 8K draft 0, 2-CTA clusters), lost and deleted: a tail pool, the last 2 / 4
+    // / 8 blocks of each CTA's chunk taken by the warps tile by tile from a shared-memory counter
+    // (read one tile ahead) instead of dealt statically, the tiles' maxima folded into block
+    // maxima before the selection. Same-round b2b: the pool of the whole cluster in rank 0's
+    // shared memory (distributed shared memory atomics) 30.1 / 31.4-31.8 / 33.6-34.0 us vs
+    // 21.8-21.9 (round B); a pool per CTA (local atomics, its tiles folded after a CTA barrier)
+    // 24.5-24.6 / 25.2-25.4 / 26.7-27.0 vs 20.6-20.9 (round C). Timelines (pool 4): the warps
+    // did end together (round C: within a CTA 0.00 us apart, a cluster's CTAs 0.1, every CTA
+    // between 26.0 and 26.5 us), but each pool tile cost ~1.3 us instead of ~0.23 (the stream
+    // 23.8 us vs 14.9), and the final ranking in the pool kernel's own copy of the selection took
+    // 2.6 us (round B) vs 0.6-0.7: most likely the instruction fetch of code that runs once per
+    // call at the stream's end (the pool loop's unrolled steps, ~1200 instructions; not
+    // profiled), the same cost that paces the final count.
     const bool shared = rows > kMmaWarps;
-    // Tail pool (cluster-uniform): this CTA pools the last min(P, its blocks) blocks of its chunk;
-    // lane k holds the k-th and its page.
-    TailPool tp;
-    int s1 = b1;  // end of this CTA's static blocks
-    const bool pool = !shared && rows > 0 && a.pool_blocks > 0;
-    if (pool) {
-      const int pc = max(0, min(a.pool_blocks, b1 - b0));
-      s1 = b1 - pc;
-      tp.tiles = pc * 8;
-      tp.blk = lane < pc ? s1 + lane : -1;
-      tp.page = tp.blk >= 0 ? static_cast<int>(guarded_page(a, r, tp.blk)) : -1;
-    }
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    // One call site each (each is a full copy of the unrolled decode loops).
-    if (pool)
-      decode_unit_pooled(a, smem, r, qa, rows, first, s1, pg_first, pg_second, q, p,
-                         map_to_cluster_rank(sblk, 0), pre, tp);
-    else if (first < b1)
+    // One call site (each is a full copy of the unrolled decode loops).
+    if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);

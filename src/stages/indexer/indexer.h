@@ -119,6 +119,10 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
+  // The decode units' index-K tile copies carry the L2 policy evict_first (read once: the L2's
+  // first victims), so that what every call reads again (page tables, query rows, positions, the
+  // kernels' code) stays in L2 across back-to-back calls. Same ids.
+  bool stream_evict_first = false;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

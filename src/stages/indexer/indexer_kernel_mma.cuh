@@ -339,6 +339,13 @@ static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the pa
 __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
   return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
 }
+// The L2 policy of the index-K tile copies (IndexerCudaOptions::stream_evict_first): evict_first
+// for the fraction a.evict_fraction (1 or 0) of them makes the read-once stream the L2's first
+// victims, so that the lines every call reads again (page tables, query rows, positions, the
+// kernels' code) stay resident across back-to-back calls. The policy is created beside each tile's
+// copies (one instruction per 4 copies) from the kernel parameter, not kept in registers across
+// the loop (a 64-bit policy live through the decode loops spilled: ptxas).
+#define M3_TILE_POLICY "createpolicy.fractional.L2::evict_first.b64 pol, %3;\n"
 __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
                                            int lane) {
   const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
@@ -352,22 +359,42 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, i
       "l"(src), "r"(bytes)
       : "memory");
 }
+// issue_tile with the L2 policy (the prologue and the unrolled loop of n-tiles <= 2; the rolled
+// loop of 3-4 n-tiles keeps issue_tile: with the policy there, its registers spilled).
+__device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* ring, int64_t page,
+                                                  int t, int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+  const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
+  const uint32_t bytes = page >= 0 ? 16u : 0u;
+  asm volatile(
+      "{\n .reg .b64 pol;\n" M3_TILE_POLICY
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+512], [%1+512], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+1024], [%1+1024], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+1536], [%1+1536], 16, %2, pol;\n}\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "f"(a.evict_fraction)
+      : "memory");
+}
 
 // The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
 // compile-time placed): tile kT of the page whose lane source address is `src` (page base +
 // lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
-// whose lane destination is `dst` (shared address of the ring + lane_dst_offset).
+// whose lane destination is `dst` (shared address of the ring + lane_dst_offset); L2 policy as
+// issue_tile's.
 template <int kT>
-__device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, uint32_t bytes) {
+__device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
+                                              const uint8_t* src, uint32_t bytes) {
   asm volatile(
-      "cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%4], [%1+%4], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%5], [%1+%5], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%6], [%1+%6], 16, %2;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "n"(kT * kTileBytes), "n"(kT * kTileBytes + 512),
-      "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      "{\n .reg .b64 pol;\n" M3_TILE_POLICY
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%4], [%1+%4], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%5], [%1+%5], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%6], [%1+%6], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%7], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "f"(a.evict_fraction), "n"(kT * kTileBytes),
+      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
       : "memory");
 }
+#undef M3_TILE_POLICY
 
 // The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
@@ -377,7 +404,7 @@ __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ri
                                                 int64_t pg_first, int lane) {
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) {
-    issue_tile(a, ring, pg_first, i, lane);
+    issue_tile_hinted(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
 }
@@ -472,9 +499,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
         if constexpr (kT == 0)
-          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+          issue_tile_at<7>(a, ring_dst, src_k, bytes_k);
         else
-          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+          issue_tile_at<kT - 1>(a, ring_dst, src_k1, bytes_k1);
       } else {
         issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
       }

@@ -438,6 +438,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first ? 1.0f : 0.0f;
+  a.split_select = options.split_selection ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

@@ -123,6 +123,10 @@ struct IndexerCudaOptions {
   // first victims), so that what every call reads again (page tables, query rows, positions, the
   // kernels' code) stays in L2 across back-to-back calls. Same ids.
   bool stream_evict_first = false;
+  // Clustered single pass with <= 4 rows per request (one token at n_kv 4): the final selection
+  // split over the cluster's first two CTAs, each ranking half of every row's candidates (both
+  // receive every block max) instead of the first CTA ranking all of them. Same ids.
+  bool split_selection = false;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -80,6 +80,70 @@ __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* s
   select_rows_lean(a, sblk, t0, rows, b0, b1, lane_pos, threadIdx.x >> 5, kMmaWarps, [] {});
 }
 
+// The split final selection (IndexerCudaOptions::split_selection; the clustered single pass with
+// rows <= 4): cluster ranks 0 and 1 both hold every block max of the unit's rows, and rank kHalf
+// ranks the candidates with ids [32 kHalf, 32 kHalf + 32) of row j = its warp, one per lane,
+// against the whole row: 64 comparisons per lane instead of rank_lean's 128 (the selection after
+// the final barrier is instruction-fetch bound: its length is its code's). Both halves write their
+// selected ids into the same row of block_ids at their slots: half 0 from slot 0, half 1 after
+// half 0's count (the total minus its own: ranks of the non-NaN candidates are 0 .. n - 1, so
+// min(15, n) are selected), then half 1 the local block and the -1s; half 0 the trivial rows.
+// A candidate beats lane's on a larger score, or an equal one (-0 == +0) with a smaller id:
+// across the halves by the comparison itself (ids of half 0 beat half 1's on ties: set.ge), inside
+// the half by counting the equal ones below (__match_any_sync).
+template <int kHalf>
+__device__ __forceinline__ float half_beats(const float* row, float s) {
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int q = 0; q < kCountRow / 4; ++q) {
+    const float4 v4 = *reinterpret_cast<const float4*>(row + 4 * q);
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[e] += (kHalf == 1 && q < 8) ? set_ge(v[e], s) : set_gt(v[e], s);
+  }
+  return (acc[0] + acc[1]) + (acc[2] + acc[3]);
+}
+
+template <int kHalf, typename Wait>
+__device__ __forceinline__ void select_rows_half(const KernelArgs& a, float* sblk, int t0,
+                                                 int rows, int nvis, int lane_pos, Wait&& wait) {
+  const int lane = threadIdx.x & 31;
+  const int j = threadIdx.x >> 5;
+  if (j >= rows) {  // warp-uniform
+    wait();
+    return;
+  }
+  const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
+  int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
+  const int local = trivial_row(a, out, pos, kHalf == 0);
+  wait();
+  if (local < 0) return;
+  const int nb = min(nvis, local);  // <= kFusedMaxChunk
+  float* row = sblk + j * kFusedMaxChunk;
+  const float v0 = lane < nb ? row[lane] : quiet_nan();
+  const float v1 = lane + 32 < nb ? row[lane + 32] : quiet_nan();
+  if (lane >= nb) row[lane] = quiet_nan();
+  if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
+  __syncwarp();
+  const float s = kHalf == 0 ? v0 : v1;
+  if (j == 0) timeline_stamp(a, 16, __float_as_uint(s));
+  int r = static_cast<int>(half_beats<kHalf>(row, s));
+  const uint32_t below = (1u << lane) - 1u;
+  r += __popc(__match_any_sync(0xffffffffu, __float_as_uint(s == 0.0f ? 0.0f : s)) & below);
+  if (j == 0) timeline_stamp(a, 17, static_cast<uint32_t>(r));
+  const int n = __popc(__ballot_sync(0xffffffffu, v0 == v0)) +
+                __popc(__ballot_sync(0xffffffffu, v1 == v1));
+  const int total = min(n, kTopK - 1);
+  const bool take = s == s && r < kTopK - 1;
+  const uint32_t taken = __ballot_sync(0xffffffffu, take);
+  const int base = kHalf == 0 ? 0 : total - __popc(taken);
+  if (take) out[base + __popc(taken & below)] = lane + 32 * kHalf;
+  if (kHalf == 1) {
+    if (lane == total) out[lane] = local;
+    if (lane > total && lane < kTopK) out[lane] = -1;
+  }
+}
+
 // True when token t belongs to a decode unit: the first dec_tokens tokens of its request. The
 // caller loaded query_start[guess] and [guess + 1] for guess = t * R / T (right at once for
 // equal-length requests: no further round trip); otherwise a binary search finds the last r with

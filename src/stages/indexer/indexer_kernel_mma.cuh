@@ -673,18 +673,28 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // call at the stream's end (the pool loop's unrolled steps, ~1200 instructions; not
     // profiled), the same cost that paces the final count.
     const bool shared = rows > kMmaWarps;
+    // Split selection (IndexerCudaOptions::split_selection, cluster-uniform): ranks 0 and 1 both
+    // receive every block max and each ranks half of every row's candidates (select_rows_half).
+    const bool split = a.split_select && !shared && rows > 0 && gridDim.y >= 2;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
-      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
-            shared ? static_cast<int>(gridDim.y) : 0);
+      score(shared || split ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : (split ? 2 : 0));
     timeline_mark(a, 2);
     cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (shared || blockIdx.y == 0) {
+    if (split) {
+      if (blockIdx.y == 0)
+        select_rows_half<0>(a, sblk, qa, rows, nvis, p, wait);
+      else if (blockIdx.y == 1)
+        select_rows_half<1>(a, sblk, qa, rows, nvis, p, wait);
+      else
+        wait();
+    } else if (shared || blockIdx.y == 0) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;

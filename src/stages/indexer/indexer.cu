@@ -387,6 +387,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
+  M3_CHECK_ARG(options.dyn_tail_blocks >= 0 && options.dyn_tail_blocks <= ik::kFusedMaxChunk,
+               "run_indexer_cuda: dyn_tail_blocks ", options.dyn_tail_blocks, " is outside [0, ",
+               ik::kFusedMaxChunk, "]");
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -439,6 +442,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first ? 1.0f : 0.0f;
   a.split_select = options.split_selection ? 1 : 0;
+  a.dyn_blocks = options.dyn_tail_blocks;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -467,7 +471,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(
+          ckernel, ik::kFusedSmemBytes + (a.dyn_blocks > 0 ? ik::kDynSmemBytes : 0), &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

@@ -127,6 +127,10 @@ struct IndexerCudaOptions {
   // split over the cluster's first two CTAs, each ranking half of every row's candidates (both
   // receive every block max) instead of the first CTA ranking all of them. Same ids.
   bool split_selection = false;
+  // Clustered single pass with <= 4 rows per request: the last dyn_tail_blocks blocks of each
+  // CTA's chunk (0: none) are taken by its warps one block at a time from a shared-memory counter
+  // instead of dealt out in turn (where each warp keeps >= 3 blocks of its own). Same ids.
+  int dyn_tail_blocks = 0;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -88,6 +88,7 @@ struct KernelArgs {
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
   int split_select = 0;  // IndexerCudaOptions::split_selection
+  int dyn_blocks = 0;    // IndexerCudaOptions::dyn_tail_blocks
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -1,5 +1,6 @@
 // GPU tests of the clustered single pass's split final selection (IndexerCudaOptions::
-// split_selection, select_rows_half in indexer_kernel_fused.cuh) and of the L2 evict_first policy
+// split_selection, select_rows_half in indexer_kernel_fused.cuh), its dynamic tail
+// (dyn_tail_blocks, decode_unit_dyn: blocks taken from a counter) and of the L2 evict_first policy
 // of the decode units' index-K copies (stream_evict_first): two CTAs write the parts of each row
 // of block_ids, so the ids must equal the two-kernel path's (itself checked against the twin) for
 // every cluster size and context, with NaN keys, integer inputs (many exact ties among the block
@@ -49,16 +50,19 @@ TEST(IndexerGpu, SplitSelectionSmall) {
     compare(in, ref, g, /*exact_scores=*/true, label + " [two-kernel]");
     for (int ctas : {2, 3, 4, 8}) {
       for (int mode = 0; mode < 3; ++mode) {  // split; evict_first; both
-        IndexerCudaOptions so;
-        so.single_pass = true;
-        so.single_pass_ctas = ctas;
-        so.split_selection = mode != 1;
-        so.stream_evict_first = mode != 0;
-        ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
-        const char* names[] = {"split", "evict_first", "split, evict_first"};
-        expect_same_ids(in, run_gpu(d, so), g,
-                        label + " [single pass, " + std::to_string(ctas) + " CTAs, " +
-                            names[mode] + "]");
+        for (int dyn : {0, 4, 12, 20}) {  // 20: too many for 24- and 32-block chunks (plain)
+          IndexerCudaOptions so;
+          so.single_pass = true;
+          so.single_pass_ctas = ctas;
+          so.split_selection = mode != 1;
+          so.stream_evict_first = mode != 0;
+          so.dyn_tail_blocks = dyn;
+          ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
+          const char* names[] = {"split", "evict_first", "split, evict_first"};
+          expect_same_ids(in, run_gpu(d, so), g,
+                          label + " [single pass, " + std::to_string(ctas) + " CTAs, " +
+                              names[mode] + ", dynamic tail " + std::to_string(dyn) + "]");
+        }
       }
     }
   }
@@ -88,11 +92,16 @@ TEST(IndexerGpu, SplitSelectionBadPages) {
   two.unfused_decode = true;
   const GpuResult g = run_gpu(d, two);
   for (int ctas : {2, 4}) {
-    IndexerCudaOptions so;
-    so.single_pass = true;
-    so.single_pass_ctas = ctas;
-    so.split_selection = true;
-    expect_same_ids(in, run_gpu(d, so), g, "bad pages [split, " + std::to_string(ctas) + " CTAs]");
+    for (int dyn : {0, 8}) {
+      IndexerCudaOptions so;
+      so.single_pass = true;
+      so.single_pass_ctas = ctas;
+      so.split_selection = true;
+      so.dyn_tail_blocks = dyn;
+      expect_same_ids(in, run_gpu(d, so), g,
+                      "bad pages [split, " + std::to_string(ctas) + " CTAs, dynamic tail " +
+                          std::to_string(dyn) + "]");
+    }
   }
 }
 

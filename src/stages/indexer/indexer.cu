@@ -325,6 +325,13 @@ Status pdl_smem_bytes(size_t smem, int64_t ctas, int sms, int dev, size_t* out) 
   return Status::Ok();
 }
 
+// IndexerCudaOptions::stream_evict_first for this call (automatic: the clustered single pass with
+// 2 CTAs per request at one token per request, the 64 x 8K draft 0 plan where it was measured).
+bool evict_first(const IndexerParams& p, const IndexerCudaOptions& o, const Plan& pl) {
+  if (o.stream_evict_first != 0) return o.stream_evict_first > 0;
+  return pl.single && pl.k_splits == 2 && p.batch.num_tokens <= p.batch.num_requests;
+}
+
 int sm_count() {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -387,9 +394,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.dyn_tail_blocks >= 0 && options.dyn_tail_blocks <= ik::kFusedMaxChunk,
-               "run_indexer_cuda: dyn_tail_blocks ", options.dyn_tail_blocks, " is outside [0, ",
-               ik::kFusedMaxChunk, "]");
+  M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
+               "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
+               " is outside [-1, 1]");
 
   const int64_t T = p.batch.num_tokens;
   const int64_t R = p.batch.num_requests;
@@ -440,9 +447,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
-  a.evict_fraction = options.stream_evict_first ? 1.0f : 0.0f;
-  a.split_select = options.split_selection ? 1 : 0;
-  a.dyn_blocks = options.dyn_tail_blocks;
+  a.evict_fraction = evict_first(p, options, pl) ? 1.0f : 0.0f;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -471,8 +476,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(
-          ckernel, ik::kFusedSmemBytes + (a.dyn_blocks > 0 ? ik::kDynSmemBytes : 0), &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

@@ -119,18 +119,15 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // The decode units' index-K tile copies carry the L2 policy evict_first (read once: the L2's
-  // first victims), so that what every call reads again (page tables, query rows, positions, the
-  // kernels' code) stays in L2 across back-to-back calls. Same ids.
-  bool stream_evict_first = false;
-  // Clustered single pass with <= 4 rows per request (one token at n_kv 4): the final selection
-  // split over the cluster's first two CTAs, each ranking half of every row's candidates (both
-  // receive every block max) instead of the first CTA ranking all of them. Same ids.
-  bool split_selection = false;
-  // Clustered single pass with <= 4 rows per request: the last dyn_tail_blocks blocks of each
-  // CTA's chunk (0: none) are taken by its warps one block at a time from a shared-memory counter
-  // instead of dealt out in turn (where each warp keeps >= 3 blocks of its own). Same ids.
-  int dyn_tail_blocks = 0;
+  // L2 policy of the decode units' index-K tile copies: evict_first (1: always; 0: automatic, where
+  // measured: the clustered single pass with 2 CTAs per request at one query token per request;
+  // -1: never) makes the read-once stream the L2's first victims, so that what every call reads
+  // again (page tables, query rows, positions, the kernels' code) stays in L2 across
+  // back-to-back calls. Session 23, 64 x 8K draft 0, same-round A/Bs back to back (us, three
+  // alternating runs): 21.2 / 21.3 / 21.2 vs 21.7 / 21.8 / 21.7 without (round D), 21.0 / 21.1 /
+  // 20.9 vs 21.2 / 21.3 / 21.0 (E), 20.6 / 20.8 / 20.6 vs 20.9 / 21.0 / 20.7 (F); at 64 x 8K
+  // draft 3 (flat decode, not automatic) 23.2 / 23.1 vs 23.4 / 23.1 (D). Same ids.
+  int stream_evict_first = 0;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -87,8 +87,6 @@ struct KernelArgs {
   // IndexerCudaOptions::stream_evict_first: the fraction (1 or 0) of the decode units' index-K
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
-  int split_select = 0;  // IndexerCudaOptions::split_selection
-  int dyn_blocks = 0;    // IndexerCudaOptions::dyn_tail_blocks
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -522,105 +522,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
-// Dynamic tail of the clustered single pass (IndexerCudaOptions::dyn_tail_blocks = D; decode units
-// of <= 8 rows: one n-tile, rank 0's table). The warp scores its CTA's blocks first, first + 4,
-// ... below s_end = b1 - D as usual, then takes whole blocks of [s_end, b1) from a counter in its
-// CTA's shared memory until they are gone, so that the CTA's warps end within about a block of
-// each other rather than at their own pace (the warps of one CTA end 0.9-1.1 us apart at the
-// median, ~3 us at most, with identical block counts: rounds A-E timelines). Unlike the tail pool
-// (tiles, its own loop: lost in rounds B / C), every block runs through this one loop, whose code
-// stays hot; the dynamic part costs a shared-memory atomic per block, requested a block before it
-// decides a block id and two blocks before that block's tiles are issued (the page-table entry is
-// loaded a block ahead as in decode_unit). Needs >= 3 static blocks per warp (the prologue's block
-// and the first two pages come from the static list); the caller checks.
-__device__ __forceinline__ uint32_t* dyn_counter(uint8_t* smem) {
-  return reinterpret_cast<uint32_t*>(smem + kFusedSmemBytes);
-}
-constexpr int kDynSmemBytes = 128;  // the counter, after the block-max table
-__device__ __forceinline__ void decode_unit_dyn(const KernelArgs& a, uint8_t* smem, int r, int t0,
-                                                int rows, int first, int s_end, int b1,
-                                                int64_t pg_first, int64_t pg_second,
-                                                const QueryRaw& qraw, int lane_pos, float* table,
-                                                int share, bool pre_issued) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  constexpr int kStep = kMmaWarps;
-  const int n_static = first < s_end ? (s_end - first + kStep - 1) / kStep : 0;  // >= 3
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
-  uint32_t* const ctr = dyn_counter(smem);
-  // The warp's block sequence: the static blocks, then the counter's (one request ahead).
-  int handed = 0;     // static blocks handed out
-  uint32_t taken = 0;  // lane 0: the counter's answer for the next dynamic block
-  bool more = true;    // warp-uniform: the counter may still hold blocks
-  const auto next_block = [&]() -> int {
-    if (handed < n_static) {
-      const int b = first + handed * kStep;
-      if (++handed == n_static && lane == 0) taken = atomicAdd(ctr, 1u);  // the first request
-      return b;
-    }
-    if (!more) return -1;
-    const int b = s_end + static_cast<int>(__shfl_sync(0xffffffffu, taken, 0));
-    if (b >= b1) {
-      more = false;
-      return -1;
-    }
-    if (lane == 0) taken = atomicAdd(ctr, 1u);
-    return b;
-  };
-  const auto raw_page = [&](int b) {
-    return b >= 0 ? __ldg(a.page_table + int64_t{r} * a.pt_stride + b) : -1;
-  };
-  const auto guard = [&](int32_t pg) {
-    return (pg >= 0 && int64_t{pg} < a.num_pages) ? pg : int32_t{-1};
-  };
-  int b_k = next_block(), b_k1 = next_block(), b_k2 = next_block();  // first, first + 4, + 8
-  int32_t pg_k = static_cast<int32_t>(pg_first);
-  int32_t pg_k1 = static_cast<int32_t>(pg_second);
-  int32_t raw_k2 = raw_page(b_k2);
-  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
-
-  DecodeState<1> s;
-  int min_pos = INT_MAX;
-  slice_to_f16(qraw.lo[0], qraw.hi[0], s.q[0]);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int j = tig * 2 + e;
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-    s.rpos[0][e] = j < rows ? pos : -1;
-    if (j < rows) min_pos = min(min_pos, pos);
-    s.run[0][e] = neg_inf();
-  }
-  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
-
-  while (b_k >= 0) {  // warp-uniform
-    const bool mask = b_k * kPageSize + kPageSize - 1 > min_pos;
-    const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
-    const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
-    const uint32_t bytes_k = pg_k >= 0 ? 16u : 0u, bytes_k1 = pg_k1 >= 0 ? 16u : 0u;
-    static_for<0, 8>([&](auto tc) {
-      constexpr int kT = decltype(tc)::value;
-      cp_async_wait<kDecStages - 2>();
-      __syncwarp();  // tile kT landed for every lane; the previous tile's stage is free
-      if constexpr (kT == 0)
-        issue_tile_at<7>(a, ring_dst, src_k, bytes_k);
-      else
-        issue_tile_at<kT - 1>(a, ring_dst, src_k1, bytes_k1);
-      cp_async_commit();
-      decode_compute_tile<1>(s, ring + kT * kTileBytes, b_k * kPageSize + kT * 16, mask, g, tig);
-    });
-    decode_flush<1, true>(s, a, t0, rows, b_k, pg_k >= 0, g, tig, table, 0, share);
-    b_k = b_k1;
-    b_k1 = b_k2;
-    pg_k = pg_k1;
-    pg_k1 = b_k1 >= 0 ? guard(raw_k2) : -1;
-    b_k2 = next_block();
-    raw_k2 = raw_page(b_k2);
-  }
-  cp_async_wait<0>();
-}
-
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
@@ -639,17 +540,7 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) {
-    // The dynamic tail's counter (a.dyn_blocks > 0: the launch added kDynSmemBytes), reset by
-    // thread 0 and published to the CTA's warps by this arrive and the wait below (every thread of
-    // a CTA executes the same arrive instruction).
-    if (a.dyn_blocks > 0) {
-      if (threadIdx.x == 0) *dyn_counter(smem) = 0u;
-      cluster_arrive_release();
-    } else {
-      cluster_arrive_relaxed();
-    }
-  }
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -780,36 +671,29 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // 23.8 us vs 14.9), and the final ranking in the pool kernel's own copy of the selection took
     // 2.6 us (round B) vs 0.6-0.7: most likely the instruction fetch of code that runs once per
     // call at the stream's end (the pool loop's unrolled steps, ~1200 instructions; not
-    // profiled), the same cost that paces the final count.
+    // profiled), the same cost that paces the final count. Also lost (same-round b2b, us): the
+    // final selection split over the cluster's two CTAs (both tables receiving every block max,
+    // each CTA ranking half of every row's candidates: 0.45 us from the barrier to the ranks
+    // instead of 0.62-0.69) 21.1 / 21.3 / 21.1 vs 21.2 / 21.3 / 21.0 (round E; with evict_first
+    // 20.9 / 21.2 / 20.9 vs 21.0 / 21.1 / 20.9), with evict_first 20.6 / 20.9 / 20.7 vs 20.6 /
+    // 20.8 / 20.6 (round F); a dynamic tail, each CTA's last 4 / 8 / 12 blocks taken by its warps
+    // block by block from a shared-memory counter in the same loop (with evict_first and the
+    // split, round F): 20.8 / 20.8 / 20.8, 20.7 / 20.9 / 20.8, 20.8 / 20.9 / 20.8 vs 20.6 / 20.9 /
+    // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
+    // ahead, a block of granularity).
     const bool shared = rows > kMmaWarps;
-    // Split selection (IndexerCudaOptions::split_selection, cluster-uniform): ranks 0 and 1 both
-    // receive every block max and each ranks half of every row's candidates (select_rows_half).
-    const bool split = a.split_select && !shared && rows > 0 && gridDim.y >= 2;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    // Dynamic tail (CTA-uniform): >= 3 static blocks per warp before it.
-    const bool dyn =
-        !shared && rows > 0 && a.dyn_blocks > 0 && b1 - b0 - a.dyn_blocks >= 3 * kMmaWarps;
-    // One call site each (each is a full copy of the unrolled decode loops).
-    if (dyn)
-      decode_unit_dyn(a, smem, r, qa, rows, first, b1 - a.dyn_blocks, b1, pg_first, pg_second, q, p,
-                      split ? sblk : map_to_cluster_rank(sblk, 0), split ? 2 : 0, pre);
-    else if (first < b1)
-      score(shared || split ? sblk : map_to_cluster_rank(sblk, 0), 0,
-            shared ? static_cast<int>(gridDim.y) : (split ? 2 : 0));
+    // One call site (each is a full copy of the unrolled decode loops).
+    if (first < b1)
+      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (split) {
-      if (blockIdx.y == 0)
-        select_rows_half<0>(a, sblk, qa, rows, nvis, p, wait);
-      else if (blockIdx.y == 1)
-        select_rows_half<1>(a, sblk, qa, rows, nvis, p, wait);
-      else
-        wait();
-    } else if (shared || blockIdx.y == 0) {
+    if (shared || blockIdx.y == 0) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;

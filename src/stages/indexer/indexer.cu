@@ -325,13 +325,6 @@ Status pdl_smem_bytes(size_t smem, int64_t ctas, int sms, int dev, size_t* out) 
   return Status::Ok();
 }
 
-// IndexerCudaOptions::stream_evict_first for this call (automatic: the clustered single pass with
-// 2 CTAs per request at one token per request, the 64 x 8K draft 0 plan where it was measured).
-bool evict_first(const IndexerParams& p, const IndexerCudaOptions& o, const Plan& pl) {
-  if (o.stream_evict_first != 0) return o.stream_evict_first > 0;
-  return pl.single && pl.k_splits == 2 && p.batch.num_tokens <= p.batch.num_requests;
-}
-
 int sm_count() {
   int dev = 0, sms = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -447,7 +440,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
-  a.evict_fraction = evict_first(p, options, pl) ? 1.0f : 0.0f;
+  a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

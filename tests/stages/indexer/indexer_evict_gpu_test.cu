@@ -1,10 +1,9 @@
 // GPU tests of the L2 evict_first policy of the decode units' index-K tile copies
-// (IndexerCudaOptions::stream_evict_first; automatic on the clustered single pass with 2 CTAs per
-// request at one token per request): a cache hint only, so the ids must equal those of the
-// two-kernel path without it (checked against the twin before a page-table entry is moved outside
-// the pool) with the policy forced on, off and automatic, on every decode path that copies index-K
-// tiles (the clustered and one-CTA single pass, flat decode, the fused and two-kernel paths), with
-// NaN keys and a page outside the pool.
+// (IndexerCudaOptions::stream_evict_first; automatic: on for every plan): a cache hint only, so
+// the ids must equal those of the two-kernel path without it (checked against the twin before a
+// page-table entry is moved outside the pool) with the policy forced on, off and automatic, on
+// every decode path that copies index-K tiles (the clustered and one-CTA single pass, flat decode,
+// the fused and two-kernel paths), with NaN keys and a page outside the pool.
 #include <gtest/gtest.h>
 
 #include <cstring>

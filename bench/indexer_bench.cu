@@ -38,6 +38,7 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
+//   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
 //   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
@@ -62,7 +63,7 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -506,6 +507,7 @@ int main(int argc, char** argv) {
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
+  int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -554,6 +556,8 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
+    else if (a == "--ef" && i + 1 < argc)
+      evict_first = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -575,7 +579,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--k K,K,...]\n",
+                   "[--ef N] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -592,6 +596,7 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
+  default_o.stream_evict_first = evict_first;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -1075,6 +1080,9 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
+    // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
+    all.push_back({"noef", default_o});
+    all.back().o.stream_evict_first = -1;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

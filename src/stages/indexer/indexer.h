@@ -119,6 +119,17 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
+  // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
+  // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
+  // that what every call reads again (page tables, query rows, positions, the kernels' code) stays
+  // in L2 across back-to-back calls. Session 23, same-round A/Bs back to back (us, three
+  // alternating runs, with vs without): 64 x 8K draft 0 21.2 / 21.3 / 21.2 vs 21.7 / 21.8 / 21.7
+  // (round D), 21.0 / 21.1 / 20.9 vs 21.2 / 21.3 / 21.0 (E), 20.6 / 20.8 / 20.6 vs 20.9 / 21.0 /
+  // 20.7 (F), 21.2 / 21.3 / 21.2 vs 21.8 / 21.6 / 21.7 (H); round I: 256 x 8K draft 3 72.2 / 72.1 /
+  // 72.4 vs 75.1 / 74.8 / 75.5, draft 0 64.9 / 64.8 / 64.6 vs 65.0 / 65.0 / 65.0; 64 x 32K draft 3
+  // 73.4 / 73.3 / 73.4 vs 74.3 / 74.5 / 74.7; 64 x 8K draft 3 (flat) 22.7 / 22.8 / 22.8 vs 23.1 /
+  // 23.1 / 23.1; batch 1 x 8K draft 0 / 3 5.2 / 6.1 vs 5.3 / 6.2 (all three runs). Same ids.
+  int stream_evict_first = 0;
   // Programmatic dependent launch (src/core/pdl.cuh) of the indexer's first kernel (the scorer,
   // or the selection kernel when nothing is scored): it may start while the previous kernel in
   // the stream (the producer) still runs, and waits for it (pdl_wait) before it reads index_q or

@@ -84,6 +84,9 @@ struct KernelArgs {
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
   // timeline_mark.
   uint64_t* timeline = nullptr;
+  // IndexerCudaOptions::stream_evict_first: the fraction (1 or 0) of the decode units' index-K
+  // copies marked L2 evict_first.
+  float evict_fraction = 0.0f;
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -339,6 +339,14 @@ static_assert(kDecStages == kPageSize / 16, "stage index == tile index in the pa
 __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
   return static_cast<uint32_t>(swizzled(lane >> 3, lane & 7));
 }
+// The L2 policy of the index-K tile copies (IndexerCudaOptions::stream_evict_first): evict_first
+// for the fraction a.evict_fraction (1 or 0) of them makes the read-once stream the L2's first
+// victims, so that the lines every call reads again (page tables, query rows, positions, the
+// kernels' code) stay resident across back-to-back calls. The policy is created beside each tile's
+// copies (one instruction per 4 copies) from the kernel parameter rather than held in registers
+// through the decode loops. ptxas: score_fused_cluster_kernel 168 registers with 4 bytes of spills
+// (main: none; none either when its 3-4 n-tile paths are left out, so most likely there).
+#define M3_TILE_POLICY "createpolicy.fractional.L2::evict_first.b64 pol, %3;\n"
 __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
                                            int lane) {
   const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
@@ -352,22 +360,42 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, i
       "l"(src), "r"(bytes)
       : "memory");
 }
+// issue_tile with the L2 policy (the prologue; the unrolled loop of <= 2 n-tiles uses
+// issue_tile_at; the rolled loop of 3-4 n-tiles keeps plain copies).
+__device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* ring, int64_t page,
+                                                  int t, int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+  const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
+  const uint32_t bytes = page >= 0 ? 16u : 0u;
+  asm volatile(
+      "{\n .reg .b64 pol;\n" M3_TILE_POLICY
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+512], [%1+512], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+1024], [%1+1024], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+1536], [%1+1536], 16, %2, pol;\n}\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "f"(a.evict_fraction)
+      : "memory");
+}
 
 // The cp.async path of issue_tile with every offset an immediate (the decode loop's tiles are
 // compile-time placed): tile kT of the page whose lane source address is `src` (page base +
 // lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
-// whose lane destination is `dst` (shared address of the ring + lane_dst_offset).
+// whose lane destination is `dst` (shared address of the ring + lane_dst_offset); L2 policy as
+// issue_tile's.
 template <int kT>
-__device__ __forceinline__ void issue_tile_at(uint32_t dst, const uint8_t* src, uint32_t bytes) {
+__device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
+                                              const uint8_t* src, uint32_t bytes) {
   asm volatile(
-      "cp.async.cg.shared.global [%0+%3], [%1+%3], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%4], [%1+%4], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%5], [%1+%5], 16, %2;\n"
-      "cp.async.cg.shared.global [%0+%6], [%1+%6], 16, %2;\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "n"(kT * kTileBytes), "n"(kT * kTileBytes + 512),
-      "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      "{\n .reg .b64 pol;\n" M3_TILE_POLICY
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%4], [%1+%4], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%5], [%1+%5], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%6], [%1+%6], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%7], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
+      "l"(src), "r"(bytes), "f"(a.evict_fraction), "n"(kT * kTileBytes),
+      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
       : "memory");
 }
+#undef M3_TILE_POLICY
 
 // The start of a warp's tile stream: tiles 0 .. kDecStages - 2, all in the warp's first block
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
@@ -377,7 +405,7 @@ __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ri
                                                 int64_t pg_first, int lane) {
 #pragma unroll
   for (int i = 0; i < kDecStages - 1; ++i) {
-    issue_tile(a, ring, pg_first, i, lane);
+    issue_tile_hinted(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
 }
@@ -479,9 +507,9 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
         if constexpr (kT == 0)
-          issue_tile_at<7>(ring_dst, src_k, bytes_k);
+          issue_tile_at<7>(a, ring_dst, src_k, bytes_k);
         else
-          issue_tile_at<kT - 1>(ring_dst, src_k1, bytes_k1);
+          issue_tile_at<kT - 1>(a, ring_dst, src_k1, bytes_k1);
       } else {
         issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
       }
@@ -639,6 +667,28 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // draft 3 (4-CTA clusters) back to back, with rank_lean, against rank 0's warps selecting
     // every row with the former counting: 74.5 vs 75.3 us (round C), 74.7 / 73.6 vs 74.3 / 74.1
     // (round F).
+    // Session 23 (64 x 8K draft 0, 2-CTA clusters), lost and deleted: a tail pool, the last 2 / 4
+    // / 8 blocks of each CTA's chunk taken by the warps tile by tile from a shared-memory counter
+    // (read one tile ahead) instead of dealt statically, the tiles' maxima folded into block
+    // maxima before the selection. Same-round b2b: the pool of the whole cluster in rank 0's
+    // shared memory (distributed shared memory atomics) 30.1 / 31.4-31.8 / 33.6-34.0 us vs
+    // 21.8-21.9 (round B); a pool per CTA (local atomics, its tiles folded after a CTA barrier)
+    // 24.5-24.6 / 25.2-25.4 / 26.7-27.0 vs 20.6-20.9 (round C). Timelines (pool 4): the warps
+    // did end together (round C: within a CTA 0.00 us apart, a cluster's CTAs 0.1, every CTA
+    // between 26.0 and 26.5 us), but each pool tile cost ~1.3 us instead of ~0.23 (the stream
+    // 23.8 us vs 14.9), and the final ranking in the pool kernel's own copy of the selection took
+    // 2.6 us (round B) vs 0.6-0.7: most likely the instruction fetch of code that runs once per
+    // call at the stream's end (the pool loop's unrolled steps, ~1200 instructions; not
+    // profiled), the same cost that paces the final count. Also lost (same-round b2b, us): the
+    // final selection split over the cluster's two CTAs (both tables receiving every block max,
+    // each CTA ranking half of every row's candidates: 0.45 us from the barrier to the ranks
+    // instead of 0.62-0.69) 21.1 / 21.3 / 21.1 vs 21.2 / 21.3 / 21.0 (round E; with evict_first
+    // 20.9 / 21.2 / 20.9 vs 21.0 / 21.1 / 20.9), with evict_first 20.6 / 20.9 / 20.7 vs 20.6 /
+    // 20.8 / 20.6 (round F); a dynamic tail, each CTA's last 4 / 8 / 12 blocks taken by its warps
+    // block by block from a shared-memory counter in the same loop (with evict_first and the
+    // split, round F): 20.8 / 20.8 / 20.8, 20.7 / 20.9 / 20.8, 20.8 / 20.9 / 20.8 vs 20.6 / 20.9 /
+    // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
+    // ahead, a block of granularity).
     const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).

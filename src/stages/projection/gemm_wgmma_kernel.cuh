@@ -257,6 +257,21 @@ __device__ __forceinline__ void bulk_load_hint(uint32_t dst, const void* src, ui
       : "memory");
 }
 
+// bulk_load_hint when `hint`, else the same copy without a cache policy (the row split's weight
+// stages, GemmWgmmaOptions::weight_evict_first).
+__device__ __forceinline__ void bulk_load_maybe_hint(uint32_t dst, const void* src, uint32_t bytes,
+                                                     uint32_t bar, uint64_t policy, bool hint) {
+  if (hint) {
+    bulk_load_hint(dst, src, bytes, bar, policy);
+  } else {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+        "[%3];\n" ::"r"(dst),
+        "l"(src), "r"(bytes), "r"(bar)
+        : "memory");
+  }
+}
+
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

@@ -372,15 +372,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
               base + static_cast<uint32_t>(s * kStageBytes + w * kKpb * kRowBlockBytes);
           const uint32_t bytes = nk * static_cast<uint32_t>(rw * 128);
           const uint8_t* src = p.image + rows_image_offset(i * kKpb, rb, rw, p.n, kb_count);
-          if (p.weight_evict_first) {
-            bulk_load_hint(dst, src, bytes, full, policy);
-          } else {
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-                "%2, [%3];\n" ::"r"(dst),
-                "l"(src), "r"(bytes), "r"(full)
-                : "memory");
-          }
+          bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
         }
       };
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)

@@ -200,15 +200,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src =
             p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
-        if (p.weight_evict_first) {
-          bulk_load_hint(dst, src, bytes, full, policy);
-        } else {
-          asm volatile(
-              "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
-              "%2, [%3];\n" ::"r"(dst),
-              "l"(src), "r"(bytes), "r"(full)
-              : "memory");
-        }
+        bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
       const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;

@@ -285,12 +285,13 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // Flat decode (IndexerCudaOptions::flat_decode): the two-kernel path over flat_decode x SMs
   // CTAs of balanced block ranges, where every request gets at least one warp; automatic in the
   // range of kFlatRuleChunk where the plan is still the two-kernel path: two CTAs per SM at more
-  // than 3 and up to 4 tokens per request (4: the measured case), else one. Session 23, 64 x 8K draft 3, same-run A/Bs, back to back: two
-  // CTAs per SM (and select_short_resident_kernel beside them) 23.0 / 23.1 / 23.1 us vs 23.3 /
-  // 23.2 / 23.3 for one (round H; isolated 25.4-25.5 vs 25.5-25.8), three 25.3-25.5; with the
-  // 45-register selection (half of its CTAs entering only as scorer CTAs exit) two lost, 24.4-24.6
-  // vs 23.6-23.7 (round G). Timelines: scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs
-  // 24.1 (rounds H / F). Other token counts not measured at two CTAs per SM.
+  // than 3 and up to 4 tokens per request (4: the measured case), else one. Session 23, 64 x 8K
+  // draft 3, same-run A/Bs, back to back: two CTAs per SM (and select_short_resident_kernel
+  // beside them) 23.0 / 23.1 / 23.1 us vs 23.3 / 23.2 / 23.3 for one (round H; isolated
+  // 25.4-25.5 vs 25.5-25.8), three 25.3-25.5; with the 45-register selection (half of its CTAs
+  // entering only as scorer CTAs exit) two lost, 24.4-24.6 vs 23.6-23.7 (round G). Timelines:
+  // scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs 24.1 (rounds H / F). Other token
+  // counts not measured at two CTAs per SM.
   const bool flat_auto =
       o.flat_decode == 0 && flat_rule && !o.unfused_decode && !pl.fused && !pl.single;
   const int64_t flat_auto_per_sm = T > 3 * R && T <= kSingleMaxTokensPerRequest * R ? 2 : 1;

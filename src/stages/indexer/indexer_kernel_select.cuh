@@ -533,7 +533,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const Kern
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
 template <int kW>
-__global__ void __launch_bounds__(kSelectThreads, 6) select_short_resident_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kSelectThreads, 6)
+    select_short_resident_kernel(const KernelArgs a) {
   select_short_body<kW>(a);
 }
 

@@ -643,8 +643,9 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 // Packs b [N, K] (row stride ldb bytes) into the row split's image for `grid` CTAs (see the top of
 // this file): 16-byte chunk j of row r (of its CTA) of K block kb at column 8 (kb % kImageStep) + j
 // of the CTA's chunk of kb's step. One thread per 16-byte chunk of b.
-static __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb, int n,
-                                                int kblocks, int grid, uint8_t* __restrict__ image) {
+static __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb,
+                                                int n, int kblocks, int grid,
+                                                uint8_t* __restrict__ image) {
   const int64_t row_chunks = int64_t{kblocks} * (kBlockK / 16);
   const int64_t chunks = int64_t{n} * row_chunks;
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < chunks;

@@ -253,6 +253,36 @@ __device__ __forceinline__ uint64_t smem_desc_interleave(uint32_t addr, uint32_t
          (static_cast<uint64_t>(128 >> 4) << 32);
 }
 
+// Token-major fold (the row split at n 64 and its K split): a thread's accumulators 4 c ... 4 c + 3
+// hold weight columns first_col + 8 c + {0, 1} of tokens row0 and row0 + 8; hsel[c][e] is all ones
+// where column 8 c + e lies in the second weight-scale block past blk0 (a CTA's rows straddle at
+// most one 128-row boundary), so each accumulator picks its scale product with one bitwise select.
+template <int kGroups>
+__device__ __forceinline__ void token_scale_masks(uint32_t (&hsel)[kGroups][2], int first_col,
+                                                  int blk0) {
+#pragma unroll
+  for (int c = 0; c < kGroups; ++c)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) hsel[c][e] = (first_col + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
+}
+
+// acc += frag x sa[token] x sb[block]: two tokens (sa[row0], sa[row0 + 8]) times the two
+// weight-scale blocks (sb0, sb1) give the K block's four scale products.
+template <int kAcc>
+__device__ __forceinline__ void fold_token_major(float (&acc)[kAcc], const float (&frag)[kAcc],
+                                                 const uint32_t (&hsel)[kAcc / 4][2],
+                                                 const float* sa, float sb0, float sb1, int row0) {
+  const float t0 = sa[row0], t1 = sa[row0 + 8];
+  const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+  for (int j = 0; j < kAcc; ++j) {
+    const uint32_t m = hsel[j / 4][j % 2];
+    const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
+    const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
+    acc[j] = fmaf(frag[j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
+  }
+}
+
 // n = 64 (M > 32) runs the token-major form (kTok, session 19): the activations are the wgmma A
 // operand (m64 = the 64 token rows, K-major 128B-swizzled boxes) and the CTA's weight rows the B
 // operand (n40: rows past the CTA's 37-38 read neighbouring bytes of the stage and are never
@@ -433,13 +463,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int h0 = (r_begin + row0) / 128 - blk0;
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
-  if constexpr (kTok) {
-#pragma unroll
-    for (int c = 0; c < kAcc / 4; ++c)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
-  }
+  if constexpr (kTok) token_scale_masks(hsel, r_begin + m0, blk0);
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
@@ -531,17 +555,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int kb = i * kKpb + q;
         const float* sa = s_sa + kb * kNw;
         if constexpr (kTok) {
-          // Two tokens x two weight-scale blocks: four products per K block.
-          const float sb0 = s_sb[2 * kb], sb1 = s_sb[2 * kb + 1];
-          const float t0 = sa[row0], t1 = sa[row0 + 8];
-          const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
-#pragma unroll
-          for (int j = 0; j < kAcc; ++j) {
-            const uint32_t m = hsel[j / 4][j % 2];
-            const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
-            const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
-            acc[j] = fmaf(f[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
-          }
+          fold_token_major(acc, f[q], hsel, sa, s_sb[2 * kb], s_sb[2 * kb + 1], row0);
         } else {
           float sb0, sb1;
           if constexpr (kPre) {

@@ -244,10 +244,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int m0 = 2 * (lane % 4);
   // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
   uint32_t hsel[kGroups][2];
-#pragma unroll
-  for (int c = 0; c < kGroups; ++c)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) hsel[c][e] = (r_begin + m0 + 8 * c + e) / 128 - blk0 > 0 ? ~0u : 0u;
+  token_scale_masks(hsel, r_begin + m0, blk0);
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
 
@@ -287,17 +284,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
         const int l = i * kKsKpb + q;
-        const float* sa = s_sa + l * 64;
-        const float sb0 = s_sb[2 * l], sb1 = s_sb[2 * l + 1];
-        const float t0 = sa[row0], t1 = sa[row0 + 8];
-        const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
-#pragma unroll
-        for (int j = 0; j < kAcc; ++j) {
-          const uint32_t m = hsel[j / 4][j % 2];
-          const uint32_t lo = __float_as_uint((j / 2) % 2 ? p10 : p00);
-          const uint32_t hi = __float_as_uint((j / 2) % 2 ? p11 : p01);
-          acc[j] = fmaf(frag[q][j], __uint_as_float((lo & ~m) | (hi & m)), acc[j]);
-        }
+        fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
       }
     }
   };

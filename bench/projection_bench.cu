@@ -421,7 +421,9 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  bool ksplit = false;        // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  bool alt = false;           // GemmWgmmaOptions::row_alt_stages
+  bool warp_release = false;  // GemmWgmmaOptions::row_warp_release
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -430,6 +432,7 @@ struct ShapeVariant {
 // end (1 - mean CTA lifetime / kernel span).
 struct TraceBuffer {
   unsigned long long* dev = nullptr;
+  unsigned long long* dev2 = nullptr;  // the row split's second launch (a back-to-back pair)
   int ctas = 0;
   double clock_ghz = 1.0;
 };
@@ -540,42 +543,50 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // released before its fold (round F: no faster; M 32 0.5 us slower); the token-major form is the
   // row split's own at M > 32 since round F and serial stages (no fold while the next stage's
   // wgmmas are in flight) its only order since round G.)
-  const ShapeVariant variants[] = {{0, false, 16, 0, false, false},
-                                   {1, false, 16, 0, false, false},
-                                   {0, true, 16, 0, false, false},
-                                   {1, true, 16, 0, false, false},
-                                   {0, false, 16, 3, false, false},
-                                   {0, false, 16, 0, true, false},
-                                   {0, false, 16, 0, false, true},
-                                   {0, false, 16, 0, false, true, 1},
-                                   {0, false, 16, 0, false, true, 2},
-                                   {0, false, 16, 0, false, true, 4},
-                                   {1, false, 16, 0, false, true},
-                                   {0, false, 16, 0, false, true, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, true},
-                                   {0, false, 16, 0, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 1},
-                                   {0, false, 16, 0, false, true, 0, false, false, 2},
-                                   {1, false, 16, 0, false, true, 0, true},
-                                   {0, false, 16, 0, false, true, 2, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 1},
-                                   {0, false, 16, 0, false, true, 0, true, false, 2},
-                                   {0, false, 16, 0, false, true, 0, false, false, 3},
-                                   {0, false, 16, 0, false, true, 0, false, false, 4},
-                                   {0, false, 16, 0, false, true, 0, false, false, 5},
-                                   {0, false, 16, 0, false, true, 0, true, false, 3},
-                                   {0, false, 16, 0, false, true, 0, true, false, 4},
-                                   {0, false, 16, 0, false, true, 0, true, false, 5},
-                                   {0, false, 16, 0, false, true, 0, false, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 0, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 3, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 4, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 3, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 4, true},
-                                   {0, false, 16, 0, false, true, 0, false, false, 6},
-                                   {0, false, 16, 0, false, true, 0, true, false, 6},
-                                   {0, false, 16, 0, false, true, 0, false, false, 6, true},
-                                   {0, false, 16, 0, false, true, 0, true, false, 6, true}};
+  const ShapeVariant variants[] = {
+      {0, false, 16, 0, false, false},
+      {1, false, 16, 0, false, false},
+      {0, true, 16, 0, false, false},
+      {1, true, 16, 0, false, false},
+      {0, false, 16, 3, false, false},
+      {0, false, 16, 0, true, false},
+      {0, false, 16, 0, false, true},
+      {0, false, 16, 0, false, true, 1},
+      {0, false, 16, 0, false, true, 2},
+      {0, false, 16, 0, false, true, 4},
+      {1, false, 16, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true},
+      {0, false, 16, 0, false, true, 0, false, true},
+      {0, false, 16, 0, false, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 2},
+      {1, false, 16, 0, false, true, 0, true},
+      {0, false, 16, 0, false, true, 2, true},
+      {0, false, 16, 0, false, true, 0, true, false, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 2},
+      {0, false, 16, 0, false, true, 0, false, false, 3},
+      {0, false, 16, 0, false, true, 0, false, false, 4},
+      {0, false, 16, 0, false, true, 0, false, false, 5},
+      {0, false, 16, 0, false, true, 0, true, false, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 4},
+      {0, false, 16, 0, false, true, 0, true, false, 5},
+      {0, false, 16, 0, false, true, 0, false, false, 0, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true},
+      {0, false, 16, 0, false, true, 0, false, false, 3, true},
+      {0, false, 16, 0, false, true, 0, false, false, 4, true},
+      {0, false, 16, 0, false, true, 0, true, false, 3, true},
+      {0, false, 16, 0, false, true, 0, true, false, 4, true},
+      {0, false, 16, 0, false, true, 0, false, false, 6},
+      {0, false, 16, 0, false, true, 0, true, false, 6},
+      {0, false, 16, 0, false, true, 0, false, false, 6, true},
+      {0, false, 16, 0, false, true, 0, true, false, 6, true},
+      // (session 24: 36-41, A/Bs at M <= 32)
+      {0, false, 16, 0, false, true, 1, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, false, true},
+      {0, false, 16, 0, false, true, 0, true, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -658,6 +669,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     tbuf.ctas = static_cast<int>(std::max<int64_t>(2 * sms, n / 128 * 8));
     tbuf.clock_ghz = khz / 1e6;
     tbuf.dev =
+        device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());
+    tbuf.dev2 =
         device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());
   }
   Fp8BlockGemmOptions lt_opt;
@@ -874,6 +887,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
+      o.row_alt_stages = variants[v].alt;
+      o.row_warp_release = variants[v].warp_release;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -901,6 +916,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
+          (variants[v].alt ? " alt stages" : "") +
+          (variants[v].warp_release ? " warp release" : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
@@ -930,30 +947,41 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           },
           check_out("wgmma", ablated));
       if (trace) {
-        GemmWgmmaOptions ot = with_copy(0);
+        // The row split: a back-to-back pair in one graph (the second call on the next weight
+        // copy, chained as the variant chains), both traced on the first call's time base, so
+        // that the second shows when its CTAs enter, get their first stage and end against the
+        // first's end (with programmatic launch: how much of the first's tail it overlaps).
+        const bool pair = variants[v].rows;
+        GemmWgmmaOptions ot = with_copy(0), ot2 = with_copy(1 % copies);
         ot.debug_trace = tbuf.dev;
-        check_cuda(
-            cudaMemsetAsync(tbuf.dev, 0,
-                            static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words() * 8, stream),
-            "trace clear");
+        ot2.debug_trace = tbuf.dev2;
+        const size_t trace_bytes = static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words() * 8;
+        check_cuda(cudaMemsetAsync(tbuf.dev, 0, trace_bytes, stream), "trace clear");
+        check_cuda(cudaMemsetAsync(tbuf.dev2, 0, trace_bytes, stream), "trace clear");
         bench::time_graph_cold(
             [&](cudaStream_t stc) {
               must(run_gemm_wgmma_cuda(params(0, out), ws, wsp.bytes, stc, ot), "traced");
+              if (pair)
+                must(run_gemm_wgmma_cuda(params(1 % copies, out), ws, wsp.bytes, stc, ot2),
+                     "traced");
             },
             stream, 0, 1);
         check_cuda(cudaStreamSynchronize(stream), "traced");
-        std::string summary;
-        if (variants[v].rows) {
-          std::vector<unsigned long long> words(static_cast<size_t>(tbuf.ctas) *
-                                                gemm_wgmma_trace_words());
-          check_cuda(cudaMemcpy(words.data(), tbuf.dev, words.size() * 8, cudaMemcpyDeviceToHost),
+        if (pair) {
+          std::vector<unsigned long long> words(trace_bytes / 8), words2(trace_bytes / 8);
+          check_cuda(cudaMemcpy(words.data(), tbuf.dev, trace_bytes, cudaMemcpyDeviceToHost),
                      "trace");
-          summary = bench::rows_trace_summary(words, tbuf.ctas);
+          check_cuda(cudaMemcpy(words2.data(), tbuf.dev2, trace_bytes, cudaMemcpyDeviceToHost),
+                     "trace");
+          const unsigned long long t0 = bench::rows_trace_first_entry(words, tbuf.ctas);
+          std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
+                      name.c_str(), bench::rows_trace_summary(words, tbuf.ctas, t0).c_str());
+          std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
+                      name.c_str(), bench::rows_trace_summary(words2, tbuf.ctas, t0).c_str());
         } else {
-          summary = trace_summary(tbuf);
+          std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                      trace_summary(tbuf).c_str());
         }
-        std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
-                    summary.c_str());
       }
     }
   }
@@ -977,6 +1005,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   cudaFree(ref);
   cudaFree(ws);
   if (tbuf.dev) cudaFree(tbuf.dev);
+  if (tbuf.dev2) cudaFree(tbuf.dev2);
   cudaStreamDestroy(stream);
   std::printf("shape checks %s\n", pass ? "PASS" : "FAIL");
   return pass ? 0 : 1;

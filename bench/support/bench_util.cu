@@ -190,18 +190,27 @@ void print_rows(const std::string& title, const std::vector<Row>& rows, bool jso
   }
 }
 
-std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas) {
+unsigned long long rows_trace_first_entry(const std::vector<unsigned long long>& words, int ctas) {
   constexpr int kWords = 8;
   const size_t n = std::min(static_cast<size_t>(ctas), words.size() / kWords);
-  double t0 = 0;
-  bool any = false;
+  unsigned long long t0 = 0;
   for (size_t c = 0; c < n; ++c) {
-    const double e = static_cast<double>(words[c * kWords]);
-    if (e == 0) continue;
-    t0 = any ? std::min(t0, e) : e;
-    any = true;
+    const unsigned long long e = words[c * kWords];
+    if (e != 0 && (t0 == 0 || e < t0)) t0 = e;
   }
-  if (!any) return "no trace";
+  return t0;
+}
+
+std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas,
+                               unsigned long long t0_ns) {
+  constexpr int kWords = 8;
+  const size_t n = std::min(static_cast<size_t>(ctas), words.size() / kWords);
+  if (rows_trace_first_entry(words, ctas) == 0) return "no trace";
+  const unsigned long long t0 = t0_ns != 0 ? t0_ns : rows_trace_first_entry(words, ctas);
+  // (Differences in integers first: a double holds a raw %globaltimer value to ~100 ns only.)
+  auto since_t0 = [&](unsigned long long ns) {
+    return static_cast<double>(static_cast<long long>(ns - t0));
+  };
   // Marks: entry, first full, middle full, last full, folded, epilogue done (us after t0).
   constexpr int kMarks = 6;
   std::vector<double> mark[kMarks], ghz, to_first, stream, tail;
@@ -210,11 +219,11 @@ std::string rows_trace_summary(const std::vector<unsigned long long>& words, int
     if (w[0] == 0 || w[7] <= w[0] || w[6] <= w[1]) continue;
     const double cyc_per_ns = static_cast<double>(w[6] - w[1]) / static_cast<double>(w[7] - w[0]);
     auto at = [&](int word) {
-      return (static_cast<double>(w[0]) - t0 +
+      return (since_t0(w[0]) +
               static_cast<double>(static_cast<long long>(w[word] - w[1])) / cyc_per_ns) /
              1e3;
     };
-    mark[0].push_back((static_cast<double>(w[0]) - t0) / 1e3);
+    mark[0].push_back(since_t0(w[0]) / 1e3);
     for (int k = 1; k < kMarks; ++k) mark[k].push_back(at(k + 1));
     ghz.push_back(cyc_per_ns);
     to_first.push_back(at(2) - mark[0].back());
@@ -233,7 +242,8 @@ std::string rows_trace_summary(const std::vector<unsigned long long>& words, int
     return v[v.size() / 2];
   };
   const char* names[kMarks] = {"entry", "first full", "mid full", "last full", "folded", "done"};
-  std::string out = std::to_string(ghz.size()) + " CTAs, us min/median/max after the first entry:";
+  std::string out = std::to_string(ghz.size()) + " CTAs, us min/median/max after " +
+                    (t0_ns != 0 ? "the time base:" : "the first entry:");
   for (int k = 0; k < kMarks; ++k) out += std::string(" ") + names[k] + " " + stat(mark[k]) + ";";
   char buf[256];
   std::snprintf(buf, sizeof(buf),

@@ -73,7 +73,11 @@ void launch_plain_read(const void* p, size_t n16, int grid, int threads, int* si
 // summarized: each CTA's clock64 marks put on the globaltimer base at the CTA's own clock rate,
 // then over the CTAs min / median / max of every mark in us after the first CTA's entry, the
 // median per-CTA phases (entry -> first full, first -> last full, last full -> end), the kernel's
-// span and the SMs' clock.
-std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas);
+// span and the SMs' clock. t0_ns (a %globaltimer value; 0: the first CTA's entry) is the time base
+// of the marks and of the span (a second launch summarized on the first one's base).
+std::string rows_trace_summary(const std::vector<unsigned long long>& words, int ctas,
+                               unsigned long long t0_ns = 0);
+// The first CTA's entry (%globaltimer ns) in such a trace; 0 if none.
+unsigned long long rows_trace_first_entry(const std::vector<unsigned long long>& words, int ctas);
 
 }  // namespace m3attn::bench

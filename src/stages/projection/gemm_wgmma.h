@@ -101,6 +101,14 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
+  // Variant (session 24; with row_packed_weights, M <= 32, two CTAs per SM, burst 0): each CTA of
+  // the row split runs two consumer warpgroups over the same rows, taking alternate ring stages
+  // (gemm_wgmma_rows_kernel.cuh, kAlt); the fp32 sum of the two warpgroups' partial sums instead
+  // of one running sum over K.
+  bool row_alt_stages = false;
+  // Variant (session 24; with row_packed_weights): one empty-barrier arrival per consumer warp
+  // instead of one per consumer thread. Results are unchanged.
+  bool row_warp_release = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -174,6 +174,9 @@ struct RowsArgs : ScalesOut {
   int weight_evict_first;
   int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
   int trigger_dependents;
+  // Variant (session 24, GemmWgmmaOptions::row_warp_release): one empty-barrier arrival per
+  // consumer warp (its lane 0, after the warp's aligned wgmma wait) instead of one per thread.
+  int warp_release;
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -238,6 +241,16 @@ __device__ __forceinline__ void wgmma_wait_upto(int pending) {
       wgmma_wait_upto<kMax - 1>(pending);
     }
   }
+}
+
+// mbar_arrive where `pred` holds, as one predicated instruction: a branch around it between
+// wgmmas in flight would make ptxas serialize every wgmma of the kernel (C7518).
+__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::
+          "r"(bar),
+      "r"(static_cast<uint32_t>(pred))
+      : "memory");
 }
 
 template <int kThreads>
@@ -314,16 +327,30 @@ __device__ __forceinline__ void fold_token_major(float (&acc)[kAcc], const float
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
-__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
+// kAlt (session 24, GemmWgmmaOptions::row_alt_stages; kWg = 2, two CTAs per SM, n <= 32): the
+// CTA's two consumer warpgroups share ONE image CTA's rows (the ring, barriers and stage bytes of
+// kWg = 1) and take alternate stages (warpgroup w the stages i with i % 2 == w), so that one
+// warpgroup's wait for its wgmmas, its fold and its next stage's issue overlap the other's
+// wgmmas; the two fp32 sums are then reduce-scattered through the drained ring and each
+// warpgroup stores half of every thread's outputs. Each stage has a full barrier per warpgroup
+// (with an odd ring depth a slot serves both warpgroups in turns, and a warpgroup must never see
+// a phase completed for the other).
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kAlt = false>
+__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kTok = kNw == 64;                                // the token-major form (above)
+  constexpr bool kTok = kNw == 64;         // the token-major form (above)
+  constexpr int kGroups = kAlt ? 1 : kWg;  // image CTAs (row groups) per CTA
+  static_assert(!kAlt || (kWg == 2 && !kTok && kDiag == 0), "kAlt: two swap-AB warpgroups");
   constexpr bool kRing = kDiag == 1 || kDiag == 3 || kDiag == 5;  // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;                          // diagnostics: no output stores
   constexpr int kConsumers = 128 * kWg;
-  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
-  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
+  constexpr int kStages = rows_stages<kNw, kKpb, kGroups>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kGroups>();
+  constexpr int kWeightBytes = kGroups * kKpb * kRowBlockBytes;  // per stage; activations after
+  // Full barriers: one per stage, kAlt one per stage and warpgroup (full_at: stage i's; its
+  // parity counts the uses of that barrier before i: every kFullPeriod-th stage).
+  constexpr int kFullBars = kAlt ? 2 * kStages : kStages;
+  constexpr int kFullPeriod = kAlt && kStages % 2 == 1 ? 2 * kStages : kStages;
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
@@ -335,7 +362,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[kStages];
+  __shared__ __align__(8) uint64_t full_bar[kFullBars];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -347,17 +374,23 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   // Warpgroup wg of CTA c is the image's CTA c kWg + wg of kWg x gridDim.x (the producer warp:
-  // wg = kWg).
-  const int vgrid = static_cast<int>(gridDim.x) * kWg, vcta0 = static_cast<int>(blockIdx.x) * kWg;
+  // wg = kWg); kAlt: both are the image's CTA c.
+  const int vgrid = static_cast<int>(gridDim.x) * kGroups;
+  const int vcta0 = static_cast<int>(blockIdx.x) * kGroups;
+  auto full_at = [&](int i) {
+    return smem_addr(&full_bar[kAlt ? 2 * (i % kStages) + (i & 1) : i % kStages]);
+  };
+  auto full_parity = [&](int i) { return static_cast<uint32_t>((i / kFullPeriod) & 1); };
+  // Empty-barrier arrivals per stage: its consumers' threads (p.warp_release: their warps).
+  const uint32_t releasers =
+      (kAlt ? 128u : static_cast<uint32_t>(kConsumers)) >> (p.warp_release ? 5 : 0);
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
 
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_addr(&full_bar[s]), 1);
-      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
-    }
+    for (int s = 0; s < kFullBars; ++s) mbar_init(smem_addr(&full_bar[s]), 1);
+    for (int s = 0; s < kStages; ++s) mbar_init(smem_addr(&empty_bar[s]), releasers);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -370,7 +403,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       t[0] = global_ns();
       t[1] = static_cast<unsigned long long>(clock64());
       for (int i = 0; i < steps; ++i) {
-        mbar_wait(smem_addr(&full_bar[i % kStages]), (i / kStages) & 1);
+        mbar_wait(full_at(i), full_parity(i));
         const unsigned long long c = static_cast<unsigned long long>(clock64());
         if (i == 0) t[2] = c;
         if (i == steps / 2) t[3] = c;
@@ -384,18 +417,19 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     if (lane == 0) {
       const uint64_t policy = evict_first_policy();
       const int r_cta = rows_begin(vcta0, vgrid, p.n);
-      const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
+      const uint32_t cta_rows =
+          static_cast<uint32_t>(rows_begin(vcta0 + kGroups, vgrid, p.n) - r_cta);
       auto stage_kblocks = [&](int i) {
         const int left = kb_count - i * kKpb;
         return left < kKpb ? left : kKpb;
       };
       auto load_weights = [&](int i) {
         const int s = i % kStages;
-        const uint32_t full = smem_addr(&full_bar[s]);
+        const uint32_t full = full_at(i);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
         // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
-        for (int w = 0; w < kWg; ++w) {
+        for (int w = 0; w < kGroups; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
           const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
           const uint32_t dst =
@@ -418,7 +452,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
-                      0, smem_addr(&full_bar[s]));
+                      0, full_at(i));
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -429,12 +463,16 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // load and store at a time, the consumers spent 24 % of all stall samples on these loads at the
   // start while the ring filled up). The weight scales are constant; the activation scales come
   // after the preceding grid (they are its outputs).
-  const int wg = tid / 128;
-  const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
-  const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
-  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
+  // (Through a shuffle from lane 0: ptxas then knows wg is the same in the whole warp, so kAlt's
+  // loop over the warpgroup's stages is not a divergent path around wgmmas, C7520.)
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  const int rg = kAlt ? 0 : wg;  // the warpgroup's row group (image CTA vcta0 + rg)
+  const int r_begin = rows_begin(vcta0 + rg, vgrid, p.n);
+  const int rows = rows_begin(vcta0 + rg + 1, vgrid, p.n) - r_begin;
+  float* s_sb = s_sa + kb_count * kNw + rg * kb_count * 2;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
-  for (int i = tid % 128; i < kb_count * 2; i += 128) {
+  // (kAlt: warpgroup 0 stages the shared weight scales; both wait at the barrier below.)
+  for (int i = tid % 128; i < (kAlt && wg == 1 ? 0 : kb_count * 2); i += 128) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
@@ -464,7 +502,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   if constexpr (kTok) token_scale_masks(hsel, r_begin + m0, blk0);
-  const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
+  const uint32_t empty0 = smem_addr(empty_bar);
+  const bool releases = p.warp_release == 0 || lane == 0;  // (this thread arrives on empty)
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
@@ -476,11 +515,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   // group count per stage constant).
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
-    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    mbar_wait(full_at(i), full_parity(i));
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
-    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
+    const uint32_t weights = stage + static_cast<uint32_t>(rg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
@@ -547,7 +586,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
       }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
-      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
+      if (q == kKpb - 1 && kDiag != 6) mbar_arrive_if(empty0 + 8 * (i % kStages), releases);
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];
@@ -581,13 +620,39 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     }
   };
 
-  issue(0, frag);
+  // kAlt: warpgroup wg takes the stages wg, wg + 2, ... (the host runs kAlt with two stages or
+  // more: a branch around the first issue would make ptxas serialize every wgmma, C7518).
+  const int first = kAlt ? wg : 0;
+  constexpr int kStride = kAlt ? 2 : 1;
+  issue(first, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  fold(0, frag);
-  for (int i = 1; i < steps; ++i) {
+  fold(first, frag);
+  for (int i = first + kStride; i < steps; i += kStride) {
     issue(i, frag);
     fold(i, frag);
+  }
+  // kAlt: reduce-scatter of the two warpgroups' sums. Warpgroup w keeps accumulators [w kHalf,
+  // (w + 1) kHalf) and hands the other half to the other warpgroup through the drained ring (every
+  // stage landed and was read by its wgmmas once both warpgroups pass the first barrier), as
+  // [owner's accumulator][thread] floats (consecutive threads, consecutive words).
+  constexpr int kHalf = kAcc / 2;
+  if constexpr (kAlt) {
+    float* xbuf = reinterpret_cast<float*>(smem_raw + (base - raw));
+    const int t = tid % 128, other = 1 - wg;
+    asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both warpgroups' stages done
+    // (Constant indices into acc, the warpgroup's half picked by selects: an index depending on
+    // wg would put acc in local memory.)
+#pragma unroll
+    for (int j = 0; j < kHalf; ++j)
+      xbuf[(other * kHalf + j) * 128 + t] = wg == 0 ? acc[kHalf + j] : acc[j];
+    asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both hand-overs written
+#pragma unroll
+    for (int j = 0; j < kHalf; ++j) {
+      const float x = xbuf[(wg * kHalf + j) * 128 + t];
+      acc[j] = wg == 0 ? acc[j] + x : acc[j];
+      acc[kHalf + j] = wg == 0 ? acc[kHalf + j] : acc[kHalf + j] + x;
+    }
   }
 
   // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
@@ -643,7 +708,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     for (int j = 0; j < kAcc; ++j) {
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
       const int m = col, r = row;  // token, weight row of the CTA
-      if (store && m < p.m && r < rows)
+      const bool mine = !kAlt || j / kHalf == wg;  // (kAlt: the warpgroup's half)
+      if (store && mine && m < p.m && r < rows)
         store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }

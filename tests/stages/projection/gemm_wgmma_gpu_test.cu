@@ -71,16 +71,18 @@ struct Case {
   int ctas_per_sm;    // GemmWgmmaOptions
   int min_units;
   int burst = 0;
-  bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
-  int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
-  bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
-  int waves = 1;            // GemmWgmmaOptions::max_waves
-  bool owner = false;       // GemmWgmmaOptions::owner_fixup
-  int cluster = 0;          // GemmWgmmaOptions::cluster_split
-  bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
-  bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
-  int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
+  bool evict_first = true;    // GemmWgmmaOptions::weight_evict_first
+  int promotion = 256;        // GemmWgmmaOptions::weight_l2_promotion
+  bool pdl = false;           // GemmWgmmaOptions::programmatic_launch
+  int waves = 1;              // GemmWgmmaOptions::max_waves
+  bool owner = false;         // GemmWgmmaOptions::owner_fixup
+  int cluster = 0;            // GemmWgmmaOptions::cluster_split
+  bool packed = false;        // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
+  bool rows = false;          // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
+  int row_ctas = 0;           // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
+  bool k_split = false;       // GemmWgmmaOptions::row_k_split (with rows)
+  bool alt = false;           // GemmWgmmaOptions::row_alt_stages (with rows)
+  bool warp_release = false;  // GemmWgmmaOptions::row_warp_release (with rows)
 };
 
 std::string describe(const Case& c) {
@@ -93,7 +95,8 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split);
+         " row K split " + std::to_string(c.k_split) + " alt stages " + std::to_string(c.alt) +
+         " warp release " + std::to_string(c.warp_release);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -139,6 +142,8 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     EXPECT_TRUE(ctas.ok()) << ctas.status().to_string();
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
+    o.row_alt_stages = c.alt;
+    o.row_warp_release = c.warp_release;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -183,7 +188,7 @@ TEST_P(GemmWgmmaExact, IntegerInputsBitIdenticalToTwin) {
 // The exact cases, as a vector (::testing::ValuesIn): a ::testing::Values list of ~110 cases
 // instantiates a variadic tuple of that size, which took one host compiler ~270 s (session 20).
 std::vector<Case> exact_cases() {
-  return {
+  std::vector<Case> cases = {
       Case{1, 9856, 6144, 0, 0, false, 0, 4},      // decode, fused width
       Case{3, 640, 6144, 8, 16, true, 0, 4},       // odd M, unaligned, row-major sa
       Case{4, 9856, 256, 0, 0, false, 0, 4},       // two K blocks: whole tiles
@@ -356,6 +361,42 @@ std::vector<Case> exact_cases() {
         Case{64, 9856, 640, 0, 16, false, 0, 4, 0,
              true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
+  // The row split with two warpgroups per CTA taking alternate stages (session 24, M <= 32): fused
+  // width (37-38 rows per CTA, CTAs straddling weight-scale blocks), n 8 / 16 / 32 with rings of
+  // 4 / 3 / 5 stages (odd rings: a slot serves both warpgroups in turns), partial last stages (K
+  // blocks 9, 13), one stage only (K 128: warpgroup 1 idle), K 8192, odd M, one or two rows per
+  // CTA, padded / 16-byte aligned operands, row-major activation scales, PDL, an image for 251
+  // CTAs, with one release per warp.
+  auto alt = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, size_t shift, bool sa_row_major,
+                bool pdl, int row_ctas = 0, bool warp_release = false) {
+    Case c{m, n, k, ld_pad, shift, sa_row_major, 0, 4, 0, true, 0, pdl};
+    c.rows = true;
+    c.row_ctas = row_ctas;
+    c.alt = true;
+    c.warp_release = warp_release;
+    return c;
+  };
+  for (const Case& c :
+       {alt(1, 9856, 6144, 0, 0, false, false), alt(5, 9856, 1152, 8, 16, true, false),
+        alt(16, 9856, 6144, 0, 0, false, true), alt(17, 9856, 2048, 0, 0, false, false),
+        alt(32, 9856, 6144, 0, 0, false, true), alt(24, 640, 128, 0, 0, false, false),
+        alt(32, 6144, 8192, 16, 0, false, false), alt(9, 9856, 1664, 0, 16, true, false),
+        alt(32, 9856, 2048, 0, 0, false, false, 251), alt(3, 384, 6144, 0, 0, false, true),
+        alt(32, 9856, 640, 0, 0, false, false, 0, true)})
+    cases.push_back(c);
+  // One empty-barrier arrival per consumer warp (session 24): every n, two warpgroups per CTA (8
+  // arrivals), the token-major form, PDL, padded outputs.
+  auto warp = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, int ctas_per_sm, bool pdl) {
+    Case c{m, n, k, ld_pad, 0, false, ctas_per_sm, 4, 0, true, 0, pdl};
+    c.rows = true;
+    c.warp_release = true;
+    return c;
+  };
+  for (const Case& c : {warp(1, 9856, 6144, 0, 0, false), warp(32, 9856, 6144, 0, 0, true),
+                        warp(64, 9856, 6144, 0, 0, false), warp(16, 9856, 1152, 0, 1, false),
+                        warp(33, 384, 6144, 24, 0, true)})
+    cases.push_back(c);
+  return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmWgmmaExact, ::testing::ValuesIn(exact_cases()));
@@ -891,6 +932,48 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
+// Row split with alternate stages (session 24): small shapes for compute-sanitizer (memcheck /
+// racecheck), every n, odd rings reused (K 4096: 8-16 stages through rings of 3-5), padded
+// outputs, per-thread and per-warp releases, exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallAltStages) {
+  M3_REQUIRE_WGMMA();
+  for (int64_t m : {1, 9, 17, 32}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(::testing::Message() << "M " << m);
+    Rng rng(seed);
+    Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+    c.alt = true;
+    c.warp_release = m % 2 == 0;
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    DeviceGemm dev(d, c.n + c.ld_pad);
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+  }
+}
+
+// Alternate stages serve M <= 32 only (the token-major form above has no such variant); nothing
+// written.
+TEST(GemmWgmmaRowSplit, AltStagesRejectMoreTokens) {
+  M3_REQUIRE_WGMMA();
+  Rng rng(fresh_seed());
+  GemmData d = make_integer_data(33, 256, 512, rng);
+  DeviceGemm dev(d, 256);
+  DeviceBuffer ws = make_workspace(256, 33);
+  DeviceBuffer image(256 * 512, 0);
+  Result<int> rc = gemm_wgmma_rows_ctas(256);
+  ASSERT_TRUE(rc.ok()) << rc.status().to_string();
+  GemmWgmmaOptions o;
+  o.row_packed_weights = image.data();
+  o.row_packed_ctas = rc.value();
+  o.row_alt_stages = true;
+  EXPECT_EQ(run_gemm_wgmma_cuda(dev.params(), ws.data(), ws.bytes(), nullptr, o).code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dev.out.download_all(), std::vector<uint8_t>(dev.out.bytes(), kPoison));
+}
+
 // Row split rejections: with cluster_split or packed_weights, a misaligned image, a CTA count
 // missing, above N or with more than 40 rows per CTA, N beyond 40 rows per CTA, K beyond 8192, bad
 // pack calls; nothing written.
@@ -940,6 +1023,20 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.row_packed_ctas = 6;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
+  // Alternate stages (session 24): with two CTAs per SM, the default K blocks per stage and no
+  // diagnostics only (M 8 here; M > 32 in GemmWgmmaRowSplit.AltStagesRejectMoreTokens).
+  for (int variant = 0; variant < 3; ++variant) {
+    bad = {};
+    bad.row_packed_weights = image.data();
+    bad.row_packed_ctas = ctas;
+    bad.row_alt_stages = true;
+    if (variant == 0) bad.ctas_per_sm = 1;
+    if (variant == 1) bad.burst = 1;
+    if (variant == 2) bad.debug_rows_diag = 1;
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument)
+        << variant;
+  }
   // The image itself serves up to 76 rows per CTA (the K split's pairs): 3 CTAs (86 rows) no;
   // the K split over 3 pairs neither, over 6 (43 rows) it runs (below, with the K split's own
   // rejections).

@@ -218,19 +218,17 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `alt` (n <= 32, two
-// CTAs per SM of two warpgroups taking alternate stages; the default K blocks per stage); `diag`
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `alt` (two CTAs per
+// SM of two warpgroups taking alternate stages; the default K blocks per stage); `diag`
 // (bench diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
 Status dispatch_rows_kpb(int kpb, bool two_wg, bool alt, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  if constexpr (kNw <= 32) {
-    // (One stage only: nothing to alternate; the one-warpgroup kernel runs it.)
-    if (alt && args.kblocks > kDefault)
-      return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
-  }
+  // (One stage only: nothing to alternate; the one-warpgroup kernel runs it.)
+  if (alt && args.kblocks > kDefault)
+    return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
   if constexpr (kNw != 16) {
     if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
@@ -425,10 +423,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
-    M3_CHECK_ARG(!options.row_alt_stages || (m <= 32 && !two_wg && kpb == 0 &&
-                                             options.debug_rows_diag == 0 && !options.row_k_split),
-                 "GemmWgmmaOptions::row_alt_stages serves M <= 32 with two CTAs per SM, burst 0 ",
-                 "and no diagnostics, got M = ", m);
+    M3_CHECK_ARG(!options.row_alt_stages ||
+                     (!two_wg && kpb == 0 && options.debug_rows_diag == 0 && !options.row_k_split),
+                 "GemmWgmmaOptions::row_alt_stages needs two CTAs per SM, burst 0, no diagnostics ",
+                 "and no row_k_split");
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
@@ -463,7 +461,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, alt, 0, xmap, ra, rgrid, info, stream);
     if (m <= 32)
       return dispatch_rows_kpb<32>(kpb, two_wg, alt, diag, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, false, diag, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, alt, diag, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

@@ -101,10 +101,10 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // Variant (session 24; with row_packed_weights, M <= 32, two CTAs per SM, burst 0): each CTA of
-  // the row split runs two consumer warpgroups over the same rows, taking alternate ring stages
-  // (gemm_wgmma_rows_kernel.cuh, kAlt); the fp32 sum of the two warpgroups' partial sums instead
-  // of one running sum over K.
+  // Variant (session 24; with row_packed_weights, two CTAs per SM, burst 0, no diagnostics): each
+  // CTA of the row split runs two consumer warpgroups over the same rows, taking alternate ring
+  // stages (gemm_wgmma_rows_kernel.cuh, kAlt); the fp32 sum of the two warpgroups' partial sums
+  // instead of one running sum over K.
   bool row_alt_stages = false;
   // Variant (session 24; with row_packed_weights): one empty-barrier arrival per consumer warp
   // instead of one per consumer thread. Results are unchanged.

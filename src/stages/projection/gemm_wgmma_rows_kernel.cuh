@@ -327,20 +327,20 @@ __device__ __forceinline__ void fold_token_major(float (&acc)[kAcc], const float
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-// kAlt (session 24, GemmWgmmaOptions::row_alt_stages; kWg = 2, two CTAs per SM, n <= 32): the
+// kAlt (session 24, GemmWgmmaOptions::row_alt_stages; kWg = 2, two CTAs per SM): the
 // CTA's two consumer warpgroups share ONE image CTA's rows (the ring, barriers and stage bytes of
 // kWg = 1) and take alternate stages (warpgroup w the stages i with i % 2 == w), so that one
 // warpgroup's wait for its wgmmas, its fold and its next stage's issue overlap the other's
 // wgmmas; the two fp32 sums are then reduce-scattered through the drained ring and each
-// warpgroup stores half of every thread's outputs. Each stage has a full barrier per warpgroup
-// (with an odd ring depth a slot serves both warpgroups in turns, and a warpgroup must never see
-// a phase completed for the other).
+// warpgroup stores half of every thread's outputs (kTok: one of its two tokens). Each stage has a
+// full barrier per warpgroup (with an odd ring depth a slot serves both warpgroups in turns, and a
+// warpgroup must never see a phase completed for the other).
 template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kAlt = false>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kTok = kNw == 64;         // the token-major form (above)
   constexpr int kGroups = kAlt ? 1 : kWg;  // image CTAs (row groups) per CTA
-  static_assert(!kAlt || (kWg == 2 && !kTok && kDiag == 0), "kAlt: two swap-AB warpgroups");
+  static_assert(!kAlt || (kWg == 2 && kDiag == 0), "kAlt: two warpgroups, no diagnostics");
   constexpr bool kRing = kDiag == 1 || kDiag == 3 || kDiag == 5;  // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;                          // diagnostics: no output stores
   constexpr int kConsumers = 128 * kWg;
@@ -632,27 +632,25 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     issue(i, frag);
     fold(i, frag);
   }
-  // kAlt: reduce-scatter of the two warpgroups' sums. Warpgroup w keeps accumulators [w kHalf,
-  // (w + 1) kHalf) and hands the other half to the other warpgroup through the drained ring (every
-  // stage landed and was read by its wgmmas once both warpgroups pass the first barrier), as
-  // [owner's accumulator][thread] floats (consecutive threads, consecutive words).
-  constexpr int kHalf = kAcc / 2;
+  // kAlt: reduce-scatter of the two warpgroups' sums. Warpgroup w keeps the accumulators it
+  // stores (mine(j): swap-AB the half [w kAcc / 2, (w + 1) kAcc / 2), its tokens m0 + 8 c with
+  // c in the warpgroup's half; kTok the token row0 + 8 w) and hands the others to the other
+  // warpgroup through the drained ring (every stage landed and was read by its wgmmas once both
+  // warpgroups pass the first barrier), as [accumulator][thread] floats (consecutive threads,
+  // consecutive words). (Constant indices into acc, predicated by wg: an index depending on wg
+  // would put acc in local memory.)
+  auto mine = [&](int j) { return !kAlt || (kTok ? (j / 2) % 2 : j / (kAcc / 2)) == wg; };
   if constexpr (kAlt) {
     float* xbuf = reinterpret_cast<float*>(smem_raw + (base - raw));
-    const int t = tid % 128, other = 1 - wg;
+    const int t = tid % 128;
     asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both warpgroups' stages done
-    // (Constant indices into acc, the warpgroup's half picked by selects: an index depending on
-    // wg would put acc in local memory.)
 #pragma unroll
-    for (int j = 0; j < kHalf; ++j)
-      xbuf[(other * kHalf + j) * 128 + t] = wg == 0 ? acc[kHalf + j] : acc[j];
+    for (int j = 0; j < kAcc; ++j)
+      if (!mine(j)) xbuf[j * 128 + t] = acc[j];
     asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both hand-overs written
 #pragma unroll
-    for (int j = 0; j < kHalf; ++j) {
-      const float x = xbuf[(wg * kHalf + j) * 128 + t];
-      acc[j] = wg == 0 ? acc[j] + x : acc[j];
-      acc[kHalf + j] = wg == 0 ? acc[kHalf + j] : acc[kHalf + j] + x;
-    }
+    for (int j = 0; j < kAcc; ++j)
+      if (mine(j)) acc[j] += xbuf[j * 128 + t];
   }
 
   // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
@@ -675,6 +673,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      if (kAlt && h != wg) continue;  // (kAlt: the other warpgroup's token)
       uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
 #pragma unroll
       for (int c = 0; c < kAcc / 4; ++c) {
@@ -708,8 +707,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     for (int j = 0; j < kAcc; ++j) {
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
       const int m = col, r = row;  // token, weight row of the CTA
-      const bool mine = !kAlt || j / kHalf == wg;  // (kAlt: the warpgroup's half)
-      if (store && mine && m < p.m && r < rows)
+      if (store && mine(j) && m < p.m && r < rows)
         store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }

@@ -423,6 +423,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // set of activation boxes per SM).
     const bool two_wg = options.ctas_per_sm == 1 && rgrid % 2 == 0;
     const int diag = !two_wg && kpb == 0 ? options.debug_rows_diag : 0;
+    M3_CHECK_ARG(options.row_early_stages >= 0,
+                 "GemmWgmmaOptions::row_early_stages = ", options.row_early_stages,
+                 " must be >= 0");
     M3_CHECK_ARG(!options.row_alt_stages ||
                      (!two_wg && kpb == 0 && options.debug_rows_diag == 0 && !options.row_k_split),
                  "GemmWgmmaOptions::row_alt_stages needs two CTAs per SM, burst 0, no diagnostics ",
@@ -449,9 +452,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.m = static_cast<int>(m);
     ra.kblocks = static_cast<int>(kblocks);
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
-    ra.early_weights = options.programmatic_launch ? 1 : 0;
+    // (Early weights with programmatic launch: a ring, or row_early_stages stages.)
+    ra.early_weights = !options.programmatic_launch   ? 0
+                       : options.row_early_stages > 0 ? options.row_early_stages
+                                                      : 1 << 20;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
-    ra.warp_release = options.row_warp_release ? 1 : 0;
     ra.trace = options.debug_trace;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,

@@ -106,9 +106,10 @@ struct GemmWgmmaOptions {
   // stages (gemm_wgmma_rows_kernel.cuh, kAlt); the fp32 sum of the two warpgroups' partial sums
   // instead of one running sum over K.
   bool row_alt_stages = false;
-  // Variant (session 24; with row_packed_weights): one empty-barrier arrival per consumer warp
-  // instead of one per consumer thread. Results are unchanged.
-  bool row_warp_release = false;
+  // Variant (session 24; with row_packed_weights and programmatic_launch): the weights of at most
+  // this many ring stages are requested before griddepcontrol.wait (0: the whole first ring).
+  // Results are unchanged.
+  int row_early_stages = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -172,11 +172,10 @@ struct RowsArgs : ScalesOut {
   const uint8_t* image;  // gemm_wgmma_pack_weights_rows for this grid
   int n, m, kblocks;
   int weight_evict_first;
-  int early_weights;  // programmatic launch: first ring of weights before griddepcontrol.wait
+  // Programmatic launch: the weights of the first early_weights stages (at most a ring) before
+  // griddepcontrol.wait; 0: none.
+  int early_weights;
   int trigger_dependents;
-  // Variant (session 24, GemmWgmmaOptions::row_warp_release): one empty-barrier arrival per
-  // consumer warp (its lane 0, after the warp's aligned wgmma wait) instead of one per thread.
-  int warp_release;
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -241,16 +240,6 @@ __device__ __forceinline__ void wgmma_wait_upto(int pending) {
       wgmma_wait_upto<kMax - 1>(pending);
     }
   }
-}
-
-// mbar_arrive where `pred` holds, as one predicated instruction: a branch around it between
-// wgmmas in flight would make ptxas serialize every wgmma of the kernel (C7518).
-__device__ __forceinline__ void mbar_arrive_if(uint32_t bar, bool pred) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.u32 p, %1, 0;\n@p mbarrier.arrive.shared::cta.b64 _, [%0];\n}\n" ::
-          "r"(bar),
-      "r"(static_cast<uint32_t>(pred))
-      : "memory");
 }
 
 template <int kThreads>
@@ -381,9 +370,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     return smem_addr(&full_bar[kAlt ? 2 * (i % kStages) + (i & 1) : i % kStages]);
   };
   auto full_parity = [&](int i) { return static_cast<uint32_t>((i / kFullPeriod) & 1); };
-  // Empty-barrier arrivals per stage: its consumers' threads (p.warp_release: their warps).
-  const uint32_t releasers =
-      (kAlt ? 128u : static_cast<uint32_t>(kConsumers)) >> (p.warp_release ? 5 : 0);
+  // Empty-barrier arrivals per stage: its consumers' threads.
+  const uint32_t releasers = kAlt ? 128u : static_cast<uint32_t>(kConsumers);
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
 
@@ -440,8 +428,10 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
         }
       };
       // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
-      // before waiting for the preceding grid, whose outputs (activations, scales) come after.
-      const int early = p.early_weights ? (steps < kStages ? steps : kStages) : 0;
+      // before waiting for the preceding grid, whose outputs (activations, scales) come after
+      // (p.early_weights: at most that many stages).
+      const int ring = steps < kStages ? steps : kStages;
+      const int early = p.early_weights < ring ? p.early_weights : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
@@ -503,7 +493,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   if constexpr (kTok) token_scale_masks(hsel, r_begin + m0, blk0);
   const uint32_t empty0 = smem_addr(empty_bar);
-  const bool releases = p.warp_release == 0 || lane == 0;  // (this thread arrives on empty)
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
@@ -586,7 +575,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
       }
       wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);  // K block q's group complete
       // After the last group: the stage's reads are done; each thread releases its own.
-      if (q == kKpb - 1 && kDiag != 6) mbar_arrive_if(empty0 + 8 * (i % kStages), releases);
+      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && kDiag == 2) {
 #pragma unroll
         for (int j = 0; j < kAcc; ++j) acc[j] += f[q][j];

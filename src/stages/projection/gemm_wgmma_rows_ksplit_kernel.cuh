@@ -203,7 +203,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
-      const int early = p.early_weights ? (steps < kKsStages ? steps : kKsStages) : 0;
+      const int ring = steps < kKsStages ? steps : kKsStages;
+      const int early = p.early_weights < ring ? p.early_weights : ring;  // (see RowsArgs)
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {

@@ -71,18 +71,18 @@ struct Case {
   int ctas_per_sm;    // GemmWgmmaOptions
   int min_units;
   int burst = 0;
-  bool evict_first = true;    // GemmWgmmaOptions::weight_evict_first
-  int promotion = 256;        // GemmWgmmaOptions::weight_l2_promotion
-  bool pdl = false;           // GemmWgmmaOptions::programmatic_launch
-  int waves = 1;              // GemmWgmmaOptions::max_waves
-  bool owner = false;         // GemmWgmmaOptions::owner_fixup
-  int cluster = 0;            // GemmWgmmaOptions::cluster_split
-  bool packed = false;        // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
-  bool rows = false;          // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
-  int row_ctas = 0;           // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
-  bool k_split = false;       // GemmWgmmaOptions::row_k_split (with rows)
-  bool alt = false;           // GemmWgmmaOptions::row_alt_stages (with rows)
-  bool warp_release = false;  // GemmWgmmaOptions::row_warp_release (with rows)
+  bool evict_first = true;  // GemmWgmmaOptions::weight_evict_first
+  int promotion = 256;      // GemmWgmmaOptions::weight_l2_promotion
+  bool pdl = false;         // GemmWgmmaOptions::programmatic_launch
+  int waves = 1;            // GemmWgmmaOptions::max_waves
+  bool owner = false;       // GemmWgmmaOptions::owner_fixup
+  int cluster = 0;          // GemmWgmmaOptions::cluster_split
+  bool packed = false;      // GemmWgmmaOptions::packed_weights (gemm_wgmma_pack_weights)
+  bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
+  int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
+  bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
+  bool alt = false;         // GemmWgmmaOptions::row_alt_stages (with rows)
+  int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
 };
 
 std::string describe(const Case& c) {
@@ -96,7 +96,7 @@ std::string describe(const Case& c) {
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
          " row K split " + std::to_string(c.k_split) + " alt stages " + std::to_string(c.alt) +
-         " warp release " + std::to_string(c.warp_release);
+         " early stages " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -143,7 +143,7 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
     o.row_alt_stages = c.alt;
-    o.row_warp_release = c.warp_release;
+    o.row_early_stages = c.early;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -367,14 +367,14 @@ std::vector<Case> exact_cases() {
   // (K blocks 9, 13), one stage only (K 128: the one-warpgroup kernel), K 8192, odd and padded
   // M (the token-major form's two tokens per thread split between the warpgroups), one or two
   // rows per CTA, CTAs starting on odd rows (bf16 pairs), padded / 16-byte aligned operands,
-  // row-major activation scales, PDL, an image for 251 CTAs, with one release per warp.
+  // row-major activation scales, PDL (also with one early stage), an image for 251 CTAs.
   auto alt = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, size_t shift, bool sa_row_major,
-                bool pdl, int row_ctas = 0, bool warp_release = false) {
+                bool pdl, int row_ctas = 0, int early = 0) {
     Case c{m, n, k, ld_pad, shift, sa_row_major, 0, 4, 0, true, 0, pdl};
     c.rows = true;
     c.row_ctas = row_ctas;
     c.alt = true;
-    c.warp_release = warp_release;
+    c.early = early;
     return c;
   };
   for (const Case& c :
@@ -383,22 +383,25 @@ std::vector<Case> exact_cases() {
         alt(32, 9856, 6144, 0, 0, false, true), alt(24, 640, 128, 0, 0, false, false),
         alt(32, 6144, 8192, 16, 0, false, false), alt(9, 9856, 1664, 0, 16, true, false),
         alt(32, 9856, 2048, 0, 0, false, false, 251), alt(3, 384, 6144, 0, 0, false, true),
-        alt(32, 9856, 640, 0, 0, false, false, 0, true), alt(64, 9856, 6144, 0, 0, false, true),
+        alt(32, 9856, 640, 0, 0, false, true, 0, 1), alt(64, 9856, 6144, 0, 0, false, true),
         alt(33, 384, 6144, 24, 0, true, false), alt(57, 9856, 2048, 8, 16, false, false),
-        alt(64, 6144, 8192, 0, 0, false, false, 251),
-        alt(48, 9856, 1152, 0, 0, true, true, 0, true), alt(40, 640, 128, 0, 0, false, false)})
+        alt(64, 6144, 8192, 0, 0, false, false, 251), alt(48, 9856, 1152, 0, 0, true, true, 0, 2),
+        alt(40, 640, 128, 0, 0, false, false)})
     cases.push_back(c);
-  // One empty-barrier arrival per consumer warp (session 24): every n, two warpgroups per CTA (8
-  // arrivals), the token-major form, PDL, padded outputs.
-  auto warp = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, int ctas_per_sm, bool pdl) {
-    Case c{m, n, k, ld_pad, 0, false, ctas_per_sm, 4, 0, true, 0, pdl};
+  // Programmatic launch with the weights of only 1-3 early stages (session 24): every n, two
+  // warpgroups per CTA, the K split, more early stages than the ring (clamped), a single stage.
+  auto early = [](int64_t m, int64_t n, int64_t k, int ctas_per_sm, int stages, bool k_split) {
+    Case c{m, n, k, 0, 0, false, ctas_per_sm, 4, 0, true, 0, true};
     c.rows = true;
-    c.warp_release = true;
+    c.early = stages;
+    c.k_split = k_split;
     return c;
   };
-  for (const Case& c : {warp(1, 9856, 6144, 0, 0, false), warp(32, 9856, 6144, 0, 0, true),
-                        warp(64, 9856, 6144, 0, 0, false), warp(16, 9856, 1152, 0, 1, false),
-                        warp(33, 384, 6144, 24, 0, true)})
+  for (const Case& c : {early(1, 9856, 6144, 0, 1, false), early(32, 9856, 6144, 0, 2, false),
+                        early(16, 9856, 2048, 0, 3, false), early(64, 9856, 6144, 0, 1, false),
+                        early(20, 9856, 1152, 1, 2, false), early(32, 640, 1024, 0, 9, false),
+                        early(8, 384, 128, 0, 1, false), early(64, 9856, 6144, 0, 1, true),
+                        early(40, 9856, 1152, 0, 2, true)})
     cases.push_back(c);
   return cases;
 }
@@ -938,7 +941,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
 
 // Row split with alternate stages (session 24): small shapes for compute-sanitizer (memcheck /
 // racecheck), every n, odd rings reused (K 4096: 8-16 stages through rings of 3-5), padded
-// outputs, per-thread and per-warp releases, exact against the twin.
+// outputs, plain and programmatic launches (one or a ring of early stages), exact against the
+// twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallAltStages) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {1, 9, 17, 32, 33, 64}) {
@@ -948,7 +952,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallAltStages) {
     Rng rng(seed);
     Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
     c.alt = true;
-    c.warp_release = m % 2 == 0;
+    c.pdl = m % 2 == 1;
+    c.early = m % 4 == 1 ? 1 : 0;
     GemmData d = make_integer_data(c.m, c.n, c.k, rng);
     DeviceGemm dev(d, c.n + c.ld_pad);
     const std::vector<uint16_t> got = run_twice(dev, c);
@@ -1006,20 +1011,6 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   bad.row_packed_ctas = 6;
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
             StatusCode::kUnsupported);
-  // Alternate stages (session 24): with two CTAs per SM, the default K blocks per stage and no
-  // diagnostics only.
-  for (int variant = 0; variant < 3; ++variant) {
-    bad = {};
-    bad.row_packed_weights = image.data();
-    bad.row_packed_ctas = ctas;
-    bad.row_alt_stages = true;
-    if (variant == 0) bad.ctas_per_sm = 1;
-    if (variant == 1) bad.burst = 1;
-    if (variant == 2) bad.debug_rows_diag = 1;
-    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-              StatusCode::kInvalidArgument)
-        << variant;
-  }
   // The image itself serves up to 76 rows per CTA (the K split's pairs): 3 CTAs (86 rows) no;
   // the K split over 3 pairs neither, over 6 (43 rows) it runs (below, with the K split's own
   // rejections).
@@ -1114,6 +1105,26 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
     int64_t touched = 0;
     for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);
+  }
+  // Alternate stages (session 24): with two CTAs per SM, the default K blocks per stage, no
+  // diagnostics and no K split only; early stages not negative.
+  for (int variant = 0; variant < 5; ++variant) {
+    bad = {};
+    bad.row_packed_weights = image.data();
+    bad.row_packed_ctas = ctas;
+    bad.row_alt_stages = true;
+    if (variant == 0) bad.ctas_per_sm = 1;
+    if (variant == 1) bad.burst = 1;
+    if (variant == 2) bad.debug_rows_diag = 1;
+    if (variant == 3) bad.row_k_split = true;
+    if (variant == 4) {
+      bad.row_alt_stages = false;
+      bad.programmatic_launch = true;
+      bad.row_early_stages = -1;
+    }
+    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+              StatusCode::kInvalidArgument)
+        << variant;
   }
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;

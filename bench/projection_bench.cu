@@ -422,8 +422,7 @@ struct ShapeVariant {
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
   bool ksplit = false;  // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
-  bool alt = false;     // GemmWgmmaOptions::row_alt_stages
-  int early = 0;        // GemmWgmmaOptions::row_early_stages (with chain)
+  int early = 0;        // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -580,15 +579,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 6},
       {0, false, 16, 0, false, true, 0, false, false, 6, true},
       {0, false, 16, 0, false, true, 0, true, false, 6, true},
-      // (session 24: 36-37 alternate stages, 38-40 chained with 1-3 early stages, 41-42 the K
-      // split chained with 1-2 early stages)
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, false, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, false, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, false, 3},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, false, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, false, 2}};
+      // (session 24: 36-39 chained with 1 / 2 / 3 early stages or the whole first ring; 40-41 the
+      // K split chained with 2 early stages or the whole ring)
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 12},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 12}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -889,7 +887,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
       o.debug_rows_diag = variants[v].diag;
-      o.row_alt_stages = variants[v].alt;
       o.row_early_stages = variants[v].early;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -918,7 +915,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
-          (variants[v].alt ? " alt stages" : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +

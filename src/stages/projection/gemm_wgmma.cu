@@ -180,19 +180,18 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kAlt = false>
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
-  constexpr int kGroups = kAlt ? 1 : kWg;  // image CTAs per CTA
-  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kGroups>() < 2) {
+  if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kAlt>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
-    constexpr int kPerSm = kGroups == 1 ? 2 : 1;
+    constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
-        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kGroups>(gemm_wgmma_detail::kRowsMaxKblocks);
+        gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(gemm_wgmma_detail::kRowsMaxKblocks);
     // The shared-memory opt-in once per device (each device has its own module); two CTAs must
     // fit on an SM (the grid is one wave of them).
     static std::atomic<int> ready[64] = {};  // (one table per instantiation)
@@ -208,8 +207,8 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
                            " B of dynamic shared memory); ", kPerSm, " are needed");
       if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
     }
-    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kGroups>(args.kblocks);
-    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kGroups)),
+    const int smem = gemm_wgmma_detail::rows_smem_bytes<kNw, kKpb, kWg>(args.kblocks);
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(grid / kWg)),
                                        dim3(kThreads), smem, stream, args.early_weights != 0, xmap,
                                        args));
     M3_CUDA_CHECK_LAUNCH();
@@ -218,17 +217,13 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 }
 
 // K blocks per stage: `kpb` (1, 2 or 4; 0: the default for n); two warpgroups per CTA (one CTA per
-// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `alt` (two CTAs per
-// SM of two warpgroups taking alternate stages; the default K blocks per stage); `diag`
-// (bench diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
+// SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
+// diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, bool alt, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
-  // (One stage only: nothing to alternate; the one-warpgroup kernel runs it.)
-  if (alt && args.kblocks > kDefault)
-    return launch_rows<kNw, kDefault, 2, 0, true>(xmap, args, grid, info, stream);
   if constexpr (kNw != 16) {
     if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
@@ -426,10 +421,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     M3_CHECK_ARG(options.row_early_stages >= 0,
                  "GemmWgmmaOptions::row_early_stages = ", options.row_early_stages,
                  " must be >= 0");
-    M3_CHECK_ARG(!options.row_alt_stages ||
-                     (!two_wg && kpb == 0 && options.debug_rows_diag == 0 && !options.row_k_split),
-                 "GemmWgmmaOptions::row_alt_stages needs two CTAs per SM, burst 0, no diagnostics ",
-                 "and no row_k_split");
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
@@ -452,21 +443,19 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.m = static_cast<int>(m);
     ra.kblocks = static_cast<int>(kblocks);
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
-    // (Early weights with programmatic launch: a ring, or row_early_stages stages.)
+    // (Early weights with programmatic launch: row_early_stages stages, or the kernel's default.)
     ra.early_weights = !options.programmatic_launch   ? 0
                        : options.row_early_stages > 0 ? options.row_early_stages
-                                                      : 1 << 20;
+                                                      : -1;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.trace = options.debug_trace;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
                                                    stream);
-    const bool alt = options.row_alt_stages;
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, alt, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, alt, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32)
-      return dispatch_rows_kpb<32>(kpb, two_wg, alt, diag, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, alt, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
+    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

@@ -101,14 +101,11 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // Variant (session 24; with row_packed_weights, two CTAs per SM, burst 0, no diagnostics): each
-  // CTA of the row split runs two consumer warpgroups over the same rows, taking alternate ring
-  // stages (gemm_wgmma_rows_kernel.cuh, kAlt); the fp32 sum of the two warpgroups' partial sums
-  // instead of one running sum over K.
-  bool row_alt_stages = false;
-  // Variant (session 24; with row_packed_weights and programmatic_launch): the weights of at most
-  // this many ring stages are requested before griddepcontrol.wait (0: the whole first ring).
-  // Results are unchanged.
+  // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
+  // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
+  // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split one stage per half). Requesting the
+  // whole first ring early made the first stage land late (behind the ring's burst). Results do
+  // not depend on it.
   int row_early_stages = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
@@ -136,7 +133,8 @@ struct GemmWgmmaOptions {
   // wave), so SMs idling at the tail are not what limits the kernel.
   int max_waves = 1;
   // Programmatic dependent launch: the kernel may start while the preceding kernel in the stream
-  // finishes and requests its first ring of weights before waiting for it (griddepcontrol.wait);
+  // finishes and requests its first ring of weights (the row split: its first few stages,
+  // row_early_stages) before waiting for it (griddepcontrol.wait);
   // activations, scales and every write come after the wait. The preceding kernel must not write
   // the weights. Graph-capturable (a programmatic edge).
   bool programmatic_launch = false;

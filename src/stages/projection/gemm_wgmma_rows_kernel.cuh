@@ -162,6 +162,21 @@ constexpr int rows_stages() {
       rows_stage_bytes<kNw, kKpb, kWg>();
   return fit < 12 ? fit : 12;
 }
+// Stages whose weights a programmatic launch requests before griddepcontrol.wait by default: a
+// few K blocks, not the whole first ring. (Session 24 round C, same round, b2b us, chained, the
+// whole ring against 1 / 2 / 3 stages: M 1 (4 stages of 4 K blocks) 15.49-15.50 against
+// 15.64-15.66 / 15.24-15.33 / 15.17-15.18; M 16 (3 of 4) 15.91-15.92 against 15.57-15.60 /
+// 15.38-15.39 / the ring; M 32 (5 of 2) 17.20-17.30 against 16.08-16.12 / 16.11 / 16.31-16.34;
+// M 64 (3 of 2) 18.60-18.62 against 1 stage 18.40-18.47. Pair traces at M 32 (round B / C): with
+// the whole ring every CTA requests 48 KB at entry (12.7 MB over the grid) and its first stage,
+// whose activations come only after griddepcontrol.wait, lands 3.5 us after the CTA enters (a
+// plain launch's: 2.0); with one stage 1.8 us.) In K blocks: 12 at n 8, 8 at n 16, 2 at n 32 and
+// 64 (at least one stage).
+template <int kNw, int kKpb>
+constexpr int rows_early_stages() {
+  constexpr int kblocks = kNw <= 8 ? 12 : kNw <= 16 ? 8 : 2;
+  return kblocks / kKpb > 1 ? kblocks / kKpb : 1;
+}
 template <int kNw, int kKpb, int kWg>
 constexpr int rows_smem_bytes(int kblocks) {
   return 1024 + rows_stages<kNw, kKpb, kWg>() * rows_stage_bytes<kNw, kKpb, kWg>() +
@@ -172,8 +187,8 @@ struct RowsArgs : ScalesOut {
   const uint8_t* image;  // gemm_wgmma_pack_weights_rows for this grid
   int n, m, kblocks;
   int weight_evict_first;
-  // Programmatic launch: the weights of the first early_weights stages (at most a ring) before
-  // griddepcontrol.wait; 0: none.
+  // Programmatic launch: the weights of the first early_weights stages (at most a ring; < 0: the
+  // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
@@ -316,30 +331,16 @@ __device__ __forceinline__ void fold_token_major(float (&acc)[kAcc], const float
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-// kAlt (session 24, GemmWgmmaOptions::row_alt_stages; kWg = 2, two CTAs per SM): the
-// CTA's two consumer warpgroups share ONE image CTA's rows (the ring, barriers and stage bytes of
-// kWg = 1) and take alternate stages (warpgroup w the stages i with i % 2 == w), so that one
-// warpgroup's wait for its wgmmas, its fold and its next stage's issue overlap the other's
-// wgmmas; the two fp32 sums are then reduce-scattered through the drained ring and each
-// warpgroup stores half of every thread's outputs (kTok: one of its two tokens). Each stage has a
-// full barrier per warpgroup (with an odd ring depth a slot serves both warpgroups in turns, and a
-// warpgroup must never see a phase completed for the other).
-template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kAlt = false>
-__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
+template <int kNw, int kKpb, int kWg, int kDiag = 0>
+__global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kTok = kNw == 64;         // the token-major form (above)
-  constexpr int kGroups = kAlt ? 1 : kWg;  // image CTAs (row groups) per CTA
-  static_assert(!kAlt || (kWg == 2 && kDiag == 0), "kAlt: two warpgroups, no diagnostics");
+  constexpr bool kTok = kNw == 64;                                // the token-major form (above)
   constexpr bool kRing = kDiag == 1 || kDiag == 3 || kDiag == 5;  // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;                          // diagnostics: no output stores
   constexpr int kConsumers = 128 * kWg;
-  constexpr int kStages = rows_stages<kNw, kKpb, kGroups>();
-  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kGroups>();
-  constexpr int kWeightBytes = kGroups * kKpb * kRowBlockBytes;  // per stage; activations after
-  // Full barriers: one per stage, kAlt one per stage and warpgroup (full_at: stage i's; its
-  // parity counts the uses of that barrier before i: every kFullPeriod-th stage).
-  constexpr int kFullBars = kAlt ? 2 * kStages : kStages;
-  constexpr int kFullPeriod = kAlt && kStages % 2 == 1 ? 2 * kStages : kStages;
+  constexpr int kStages = rows_stages<kNw, kKpb, kWg>();
+  constexpr int kStageBytes = rows_stage_bytes<kNw, kKpb, kWg>();
+  constexpr int kWeightBytes = kWg * kKpb * kRowBlockBytes;  // per stage; activations after
   constexpr int kActBytes = kNw * 128;
   constexpr int kAcc = kTok ? 20 : kNw / 2;  // fp32 accumulators per thread (m64n40 / m64nN)
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
@@ -351,7 +352,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   static_assert(kKpb * kActBytes >= 1024, "A tile overruns its stage");
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[kFullBars];
+  __shared__ __align__(8) uint64_t full_bar[kStages];
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -363,22 +364,17 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   // Warpgroup wg of CTA c is the image's CTA c kWg + wg of kWg x gridDim.x (the producer warp:
-  // wg = kWg); kAlt: both are the image's CTA c.
-  const int vgrid = static_cast<int>(gridDim.x) * kGroups;
-  const int vcta0 = static_cast<int>(blockIdx.x) * kGroups;
-  auto full_at = [&](int i) {
-    return smem_addr(&full_bar[kAlt ? 2 * (i % kStages) + (i & 1) : i % kStages]);
-  };
-  auto full_parity = [&](int i) { return static_cast<uint32_t>((i / kFullPeriod) & 1); };
-  // Empty-barrier arrivals per stage: its consumers' threads.
-  const uint32_t releasers = kAlt ? 128u : static_cast<uint32_t>(kConsumers);
+  // wg = kWg).
+  const int vgrid = static_cast<int>(gridDim.x) * kWg, vcta0 = static_cast<int>(blockIdx.x) * kWg;
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
 
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
-    for (int s = 0; s < kFullBars; ++s) mbar_init(smem_addr(&full_bar[s]), 1);
-    for (int s = 0; s < kStages; ++s) mbar_init(smem_addr(&empty_bar[s]), releasers);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_addr(&full_bar[s]), 1);
+      mbar_init(smem_addr(&empty_bar[s]), kConsumers);
+    }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -391,7 +387,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
       t[0] = global_ns();
       t[1] = static_cast<unsigned long long>(clock64());
       for (int i = 0; i < steps; ++i) {
-        mbar_wait(full_at(i), full_parity(i));
+        mbar_wait(smem_addr(&full_bar[i % kStages]), (i / kStages) & 1);
         const unsigned long long c = static_cast<unsigned long long>(clock64());
         if (i == 0) t[2] = c;
         if (i == steps / 2) t[3] = c;
@@ -405,19 +401,18 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     if (lane == 0) {
       const uint64_t policy = evict_first_policy();
       const int r_cta = rows_begin(vcta0, vgrid, p.n);
-      const uint32_t cta_rows =
-          static_cast<uint32_t>(rows_begin(vcta0 + kGroups, vgrid, p.n) - r_cta);
+      const uint32_t cta_rows = static_cast<uint32_t>(rows_begin(vcta0 + kWg, vgrid, p.n) - r_cta);
       auto stage_kblocks = [&](int i) {
         const int left = kb_count - i * kKpb;
         return left < kKpb ? left : kKpb;
       };
       auto load_weights = [&](int i) {
         const int s = i % kStages;
-        const uint32_t full = full_at(i);
+        const uint32_t full = smem_addr(&full_bar[s]);
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * (cta_rows * 128 + kActBytes));
         // One copy per warpgroup's rows (its chunk's columns of the stage's K blocks).
-        for (int w = 0; w < kGroups; ++w) {
+        for (int w = 0; w < kWg; ++w) {
           const int rb = rows_begin(vcta0 + w, vgrid, p.n);
           const int rw = rows_begin(vcta0 + w + 1, vgrid, p.n) - rb;
           const uint32_t dst =
@@ -427,11 +422,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
           bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
         }
       };
-      // Programmatic launch: the weights of the first ring (no preceding kernel writes them)
-      // before waiting for the preceding grid, whose outputs (activations, scales) come after
-      // (p.early_weights: at most that many stages).
+      // Programmatic launch: the weights of the first stages (no preceding kernel writes them)
+      // before waiting for the preceding grid, whose outputs (activations, scales) come after.
       const int ring = steps < kStages ? steps : kStages;
-      const int early = p.early_weights < ring ? p.early_weights : ring;
+      const int want = p.early_weights < 0 ? rows_early_stages<kNw, kKpb>() : p.early_weights;
+      const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {
@@ -442,7 +437,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q)
           tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
-                      0, full_at(i));
+                      0, smem_addr(&full_bar[s]));
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -453,16 +448,12 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   // load and store at a time, the consumers spent 24 % of all stall samples on these loads at the
   // start while the ring filled up). The weight scales are constant; the activation scales come
   // after the preceding grid (they are its outputs).
-  // (Through a shuffle from lane 0: ptxas then knows wg is the same in the whole warp, so kAlt's
-  // loop over the warpgroup's stages is not a divergent path around wgmmas, C7520.)
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-  const int rg = kAlt ? 0 : wg;  // the warpgroup's row group (image CTA vcta0 + rg)
-  const int r_begin = rows_begin(vcta0 + rg, vgrid, p.n);
-  const int rows = rows_begin(vcta0 + rg + 1, vgrid, p.n) - r_begin;
-  float* s_sb = s_sa + kb_count * kNw + rg * kb_count * 2;
+  const int wg = tid / 128;
+  const int r_begin = rows_begin(vcta0 + wg, vgrid, p.n);
+  const int rows = rows_begin(vcta0 + wg + 1, vgrid, p.n) - r_begin;
+  float* s_sb = s_sa + kb_count * kNw + wg * kb_count * 2;
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
-  // (kAlt: warpgroup 0 stages the shared weight scales; both wait at the barrier below.)
-  for (int i = tid % 128; i < (kAlt && wg == 1 ? 0 : kb_count * 2); i += 128) {
+  for (int i = tid % 128; i < kb_count * 2; i += 128) {
     const int kb = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kb * p.sb_s1);
   }
@@ -492,7 +483,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   const int h1 = (r_begin + row0 + 8) / 128 - blk0;
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   if constexpr (kTok) token_scale_masks(hsel, r_begin + m0, blk0);
-  const uint32_t empty0 = smem_addr(empty_bar);
+  const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the chunk
 
   float acc[kAcc];
@@ -504,11 +495,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
   // group count per stage constant).
   auto issue = [&](int i, float(&f)[kKpb][kAcc]) {
     const int s = i % kStages;
-    mbar_wait(full_at(i), full_parity(i));
+    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kb_count - i * kKpb;
     const uint32_t stage = base + static_cast<uint32_t>(s * kStageBytes);
-    const uint32_t weights = stage + static_cast<uint32_t>(rg * kKpb * kRowBlockBytes);
+    const uint32_t weights = stage + static_cast<uint32_t>(wg * kKpb * kRowBlockBytes);
     // (No zeroing of f: the first wgmma of a K block ignores it (scale-d = 0), and a non-wgmma
     // write of an accumulator register while other groups are in flight makes ptxas serialize
     // every wgmma, C7515.)
@@ -609,37 +600,13 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     }
   };
 
-  // kAlt: warpgroup wg takes the stages wg, wg + 2, ... (the host runs kAlt with two stages or
-  // more: a branch around the first issue would make ptxas serialize every wgmma, C7518).
-  const int first = kAlt ? wg : 0;
-  constexpr int kStride = kAlt ? 2 : 1;
-  issue(first, frag);
+  issue(0, frag);
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // this thread's scale copies
   rows_consumer_barrier<kConsumers>();                // everyone's
-  fold(first, frag);
-  for (int i = first + kStride; i < steps; i += kStride) {
+  fold(0, frag);
+  for (int i = 1; i < steps; ++i) {
     issue(i, frag);
     fold(i, frag);
-  }
-  // kAlt: reduce-scatter of the two warpgroups' sums. Warpgroup w keeps the accumulators it
-  // stores (mine(j): swap-AB the half [w kAcc / 2, (w + 1) kAcc / 2), its tokens m0 + 8 c with
-  // c in the warpgroup's half; kTok the token row0 + 8 w) and hands the others to the other
-  // warpgroup through the drained ring (every stage landed and was read by its wgmmas once both
-  // warpgroups pass the first barrier), as [accumulator][thread] floats (consecutive threads,
-  // consecutive words). (Constant indices into acc, predicated by wg: an index depending on wg
-  // would put acc in local memory.)
-  auto mine = [&](int j) { return !kAlt || (kTok ? (j / 2) % 2 : j / (kAcc / 2)) == wg; };
-  if constexpr (kAlt) {
-    float* xbuf = reinterpret_cast<float*>(smem_raw + (base - raw));
-    const int t = tid % 128;
-    asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both warpgroups' stages done
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j)
-      if (!mine(j)) xbuf[j * 128 + t] = acc[j];
-    asm volatile("bar.sync 2, 256;\n" ::: "memory");  // both hand-overs written
-#pragma unroll
-    for (int j = 0; j < kAcc; ++j)
-      if (mine(j)) acc[j] += xbuf[j * 128 + t];
   }
 
   // Epilogue (no wgmma in flight any more). The token-major form stores its outputs as bf16 pairs
@@ -662,7 +629,6 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      if (kAlt && h != wg) continue;  // (kAlt: the other warpgroup's token)
       uint16_t x0[kAcc / 4 + 1], x1[kAcc / 4], nb[kAcc / 4 + 1];
 #pragma unroll
       for (int c = 0; c < kAcc / 4; ++c) {
@@ -696,7 +662,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 || kAlt ? 2 : 1)
     for (int j = 0; j < kAcc; ++j) {
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
       const int m = col, r = row;  // token, weight row of the CTA
-      if (store && mine(j) && m < p.m && r < rows)
+      if (store && m < p.m && r < rows)
         store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }

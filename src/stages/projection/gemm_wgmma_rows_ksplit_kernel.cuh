@@ -202,9 +202,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
             p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
-      // Programmatic launch: the weights of the first ring before waiting for the preceding grid.
+      // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
+      // (RowsArgs::early_weights; by default one stage per half: session 24 round C, same round,
+      // b2b us, M 64 chained 17.79-17.84 against 18.34-18.36 with the whole ring.)
       const int ring = steps < kKsStages ? steps : kKsStages;
-      const int early = p.early_weights < ring ? p.early_weights : ring;  // (see RowsArgs)
+      const int want = p.early_weights < 0 ? 1 : p.early_weights;
+      const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       for (int i = 0; i < steps; ++i) {

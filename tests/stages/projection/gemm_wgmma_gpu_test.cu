@@ -81,7 +81,6 @@ struct Case {
   bool rows = false;        // GemmWgmmaOptions::row_packed_weights (gemm_wgmma_pack_weights_rows)
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
-  bool alt = false;         // GemmWgmmaOptions::row_alt_stages (with rows)
   int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
 };
 
@@ -95,8 +94,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split) + " alt stages " + std::to_string(c.alt) +
-         " early stages " + std::to_string(c.early);
+         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -142,7 +140,6 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     EXPECT_TRUE(ctas.ok()) << ctas.status().to_string();
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
-    o.row_alt_stages = c.alt;
     o.row_early_stages = c.early;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
@@ -361,35 +358,9 @@ std::vector<Case> exact_cases() {
         Case{64, 9856, 640, 0, 16, false, 0, 4, 0,
              true, 0, true, 1, false, 0, false, true, 0, true}};
   // clang-format on
-  // The row split with two warpgroups per CTA taking alternate stages (session 24): fused width
-  // (37-38 rows per CTA, CTAs straddling weight-scale blocks), n 8 / 16 / 32 / 64 with rings of 4
-  // / 3 / 5 / 3 stages (odd rings: a slot serves both warpgroups in turns), partial last stages
-  // (K blocks 9, 13), one stage only (K 128: the one-warpgroup kernel), K 8192, odd and padded
-  // M (the token-major form's two tokens per thread split between the warpgroups), one or two
-  // rows per CTA, CTAs starting on odd rows (bf16 pairs), padded / 16-byte aligned operands,
-  // row-major activation scales, PDL (also with one early stage), an image for 251 CTAs.
-  auto alt = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, size_t shift, bool sa_row_major,
-                bool pdl, int row_ctas = 0, int early = 0) {
-    Case c{m, n, k, ld_pad, shift, sa_row_major, 0, 4, 0, true, 0, pdl};
-    c.rows = true;
-    c.row_ctas = row_ctas;
-    c.alt = true;
-    c.early = early;
-    return c;
-  };
-  for (const Case& c :
-       {alt(1, 9856, 6144, 0, 0, false, false), alt(5, 9856, 1152, 8, 16, true, false),
-        alt(16, 9856, 6144, 0, 0, false, true), alt(17, 9856, 2048, 0, 0, false, false),
-        alt(32, 9856, 6144, 0, 0, false, true), alt(24, 640, 128, 0, 0, false, false),
-        alt(32, 6144, 8192, 16, 0, false, false), alt(9, 9856, 1664, 0, 16, true, false),
-        alt(32, 9856, 2048, 0, 0, false, false, 251), alt(3, 384, 6144, 0, 0, false, true),
-        alt(32, 9856, 640, 0, 0, false, true, 0, 1), alt(64, 9856, 6144, 0, 0, false, true),
-        alt(33, 384, 6144, 24, 0, true, false), alt(57, 9856, 2048, 8, 16, false, false),
-        alt(64, 6144, 8192, 0, 0, false, false, 251), alt(48, 9856, 1152, 0, 0, true, true, 0, 2),
-        alt(40, 640, 128, 0, 0, false, false)})
-    cases.push_back(c);
-  // Programmatic launch with the weights of only 1-3 early stages (session 24): every n, two
-  // warpgroups per CTA, the K split, more early stages than the ring (clamped), a single stage.
+  // Programmatic launch with the weights of 1-3 early stages (session 24; the default is covered
+  // by every PDL case above): every n, two warpgroups per CTA, the K split, more early stages than
+  // the ring (clamped), a single stage.
   auto early = [](int64_t m, int64_t n, int64_t k, int ctas_per_sm, int stages, bool k_split) {
     Case c{m, n, k, 0, 0, false, ctas_per_sm, 4, 0, true, 0, true};
     c.rows = true;
@@ -939,26 +910,26 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
-// Row split with alternate stages (session 24): small shapes for compute-sanitizer (memcheck /
-// racecheck), every n, odd rings reused (K 4096: 8-16 stages through rings of 3-5), padded
-// outputs, plain and programmatic launches (one or a ring of early stages), exact against the
-// twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallAltStages) {
+// Row split and its K split with programmatic launch and early stages (session 24): small shapes
+// for compute-sanitizer (memcheck / racecheck), every n, the default and one early stage, rings
+// reused (K 4096), padded outputs, exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallEarlyStages) {
   M3_REQUIRE_WGMMA();
-  for (int64_t m : {1, 9, 17, 32, 33, 64}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "M " << m);
-    Rng rng(seed);
-    Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
-    c.alt = true;
-    c.pdl = m % 2 == 1;
-    c.early = m % 4 == 1 ? 1 : 0;
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n + c.ld_pad);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+  for (int64_t m : {1, 9, 17, 33, 64}) {
+    for (int early : {0, 1}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " early stages " << early);
+      Rng rng(seed);
+      Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true};
+      c.early = early;
+      c.k_split = m == 64 && early == 1;
+      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+      DeviceGemm dev(d, c.n + c.ld_pad);
+      const std::vector<uint16_t> got = run_twice(dev, c);
+      std::string report;
+      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    }
   }
 }
 
@@ -1106,26 +1077,14 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
     int64_t touched = 0;
     for (uint16_t v : dwide.result(&touched)) ASSERT_EQ(v, 0xA5A5);
   }
-  // Alternate stages (session 24): with two CTAs per SM, the default K blocks per stage, no
-  // diagnostics and no K split only; early stages not negative.
-  for (int variant = 0; variant < 5; ++variant) {
-    bad = {};
-    bad.row_packed_weights = image.data();
-    bad.row_packed_ctas = ctas;
-    bad.row_alt_stages = true;
-    if (variant == 0) bad.ctas_per_sm = 1;
-    if (variant == 1) bad.burst = 1;
-    if (variant == 2) bad.debug_rows_diag = 1;
-    if (variant == 3) bad.row_k_split = true;
-    if (variant == 4) {
-      bad.row_alt_stages = false;
-      bad.programmatic_launch = true;
-      bad.row_early_stages = -1;
-    }
-    EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
-              StatusCode::kInvalidArgument)
-        << variant;
-  }
+  // Early stages (session 24): not negative.
+  bad = {};
+  bad.row_packed_weights = image.data();
+  bad.row_packed_ctas = ctas;
+  bad.programmatic_launch = true;
+  bad.row_early_stages = -1;
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
   int64_t touched = 0;
   for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5);

@@ -47,7 +47,8 @@
 // one table: cuBLASLt and the wgmma kernel's variants (CTAs per SM, owner_fixup) on an N x K
 // weight, e.g. o_proj 6144,8192, at --ms M1,M2,... (default 1,16,32,64,128,256); --variant
 // V1,V2,... times only those wgmma variants, in that order, repeats allowed (alternating runs for
-// same-round A/Bs; for profiling: each one's check launch comes first); --random; --trace:
+// same-round A/Bs; for profiling: each one's check launch comes first; -1 the cuBLASLt row, -2 the
+// default-options object's); --random; --trace (the row split: a back-to-back pair):
 // a per-CTA timeline summary of each variant (GemmWgmmaOptions::debug_trace); --tuner-probe: the
 // autotuner's replay timing against the benchmark's, see run_tuner_probe); --prefill P1,P2,...
 // (with --shape, M > 64 rows): times only these paths, in that order, repeats allowed: 0 the tuned
@@ -874,8 +875,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v : order) {
+      // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
+      if (v == -1 || v == -2) {
+        if (v == -1) add_cublaslt();
+        if (v == -2) add_default();
+        continue;
+      }
       if (v < 0 || v >= nv) {
-        std::fprintf(stderr, "--variant %d: variants are 0 ... %d\n", v, nv - 1);
+        std::fprintf(stderr, "--variant %d: variants are -2 ... %d\n", v, nv - 1);
         return 2;
       }
       GemmWgmmaOptions o;

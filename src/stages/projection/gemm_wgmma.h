@@ -103,7 +103,7 @@ struct GemmWgmmaOptions {
   bool row_k_split = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
-  // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split one stage per half). Requesting the
+  // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the
   // whole first ring early made the first stage land late (behind the ring's burst). Results do
   // not depend on it.
   int row_early_stages = 0;

@@ -203,10 +203,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
-      // (RowsArgs::early_weights; by default one stage per half: session 24 round C, same round,
-      // b2b us, M 64 chained 17.79-17.84 against 18.34-18.36 with the whole ring.)
+      // (RowsArgs::early_weights; by default two of the three stages per half. Session 24, same
+      // rounds, b2b us, M 64 chained: round D 2 stages 17.68-17.70, 1 stage 18.00-18.03, the whole
+      // ring 18.39-18.41; round C 1 stage 17.79-17.84, the ring 18.34-18.36.)
       const int ring = steps < kKsStages ? steps : kKsStages;
-      const int want = p.early_weights < 0 ? 1 : p.early_weights;
+      const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");

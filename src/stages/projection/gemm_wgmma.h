@@ -107,6 +107,10 @@ struct GemmWgmmaOptions {
   // whole first ring early made the first stage land late (behind the ring's burst). Results do
   // not depend on it.
   int row_early_stages = 0;
+  // A/B (session 24; with row_packed_weights): each K block's activation slot as one box of its n
+  // token rows (rows past M filled with zeros by the tensor unit), as before session 24, instead of
+  // two boxes of n / 2 inside the tensor. Results are unchanged.
+  bool row_one_box = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -191,6 +191,7 @@ struct RowsArgs : ScalesOut {
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
+  int one_box;  // A/B (session 24, GemmWgmmaOptions::row_one_box): one activation box per slot
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -226,6 +227,29 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
   const int snk = kblocks - st * kImageStep < kImageStep ? kblocks - st * kImageStep : kImageStep;
   return int64_t{st} * kImageStep * n * 128 + int64_t{r_begin} * snk * 128 +
          int64_t{q} * rows * 128;
+}
+
+// Activation slots of n token rows (session 24). A kernel of n >= 16 rows serves M in (n / 2, n]
+// and loads each K block's activations as two boxes of n / 2 rows, both inside the activation
+// tensor: tokens [0, n / 2) into slot rows [0, n / 2) and tokens [M - n / 2, M) into slot rows
+// [n / 2, n) (a 1024-byte aligned half slot; tokens of both boxes are computed twice and stored
+// from the first). One box of n rows reaching past row M - 1 made the tensor unit fill the rest
+// with zeros, which cost microseconds (round E, same round, b2b us: the row split at M 33, 31 of
+// 64 rows past the tensor, 28.62-28.68 plain against 19.58-19.62 at M 64; M 48 21.78-21.83; o_proj
+// M 33 35.70-35.76 against 24.02-24.11). n 8 keeps one box of 8 rows (M 1-8).
+struct SlotTokens {
+  int half, start2, m;  // rows per box (n / 2; n at n 8), first token of the second box, M
+  __device__ __forceinline__ int token(int r) const { return r < half ? r : start2 + r - half; }
+  // Whether slot row r holds a token this thread's outputs are stored for (its first copy).
+  __device__ __forceinline__ bool stored(int r) const {
+    const int t = token(r);
+    return t < m && (r < half || t >= half);
+  }
+};
+template <int kSlotRows>
+__device__ __forceinline__ SlotTokens slot_tokens(int m) {
+  constexpr int kHalf = kSlotRows >= 16 ? kSlotRows / 2 : kSlotRows;
+  return SlotTokens{kHalf, m - kHalf > 0 ? m - kHalf : 0, m};
 }
 
 // The epilogue's output stores, without allocating in L1 (session 22 round F, same round, b2b
@@ -356,8 +380,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   __shared__ __align__(8) uint64_t empty_bar[kStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
-  // Scales: s_sa[kb * kNw + m] (zero for m >= M), then per warpgroup s_sb[kb * 2 + h] (weight-
-  // scale block r_begin / 128 + h of its rows, clamped to the last block).
+  // Scales: s_sa[kb * kNw + r] (slot row r's token's; zero past M), then per warpgroup s_sb[kb *
+  // 2 + h] (weight-scale block r_begin / 128 + h of its rows, clamped to the last block).
   float* s_sa = reinterpret_cast<float*>(smem_raw + (base - raw) +
                                          static_cast<uint32_t>(kStages * kStageBytes));
 
@@ -368,6 +392,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int vgrid = static_cast<int>(gridDim.x) * kWg, vcta0 = static_cast<int>(blockIdx.x) * kWg;
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
+  // The token in each activation slot row (p.one_box: one box of kNw rows, slot row = token).
+  const SlotTokens slots = p.one_box ? SlotTokens{kNw, 0, p.m} : slot_tokens<kNw>(p.m);
 
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
@@ -435,9 +461,15 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         if (i >= early) load_weights(i);
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q)
-          tma_load_2d(act + static_cast<uint32_t>(q * kActBytes), &xmap, (i * kKpb + q) * kBlockK,
-                      0, smem_addr(&full_bar[s]));
+        for (int q = 0; q < nk; ++q) {
+          // (Two boxes of half the slot from n 16 on: SlotTokens.)
+          const uint32_t dst = act + static_cast<uint32_t>(q * kActBytes);
+          const int k0 = (i * kKpb + q) * kBlockK;
+          tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[s]));
+          if (kNw >= 16 && !p.one_box)
+            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
+                        smem_addr(&full_bar[s]));
+        }
       }
     }
     return;  // (consumers synchronize with bar.sync 1 only)
@@ -459,7 +491,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = tid; i < (kDiag == 5 ? 0 : kb_count * kNw); i += kConsumers) {
-    const int kb = i / kNw, m = i - kb * kNw;
+    const int kb = i / kNw, m = slots.token(i - kb * kNw);  // (per slot row)
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kb * p.sa_s1);
     } else {
@@ -639,10 +671,10 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
       for (int c = 0; c <= kAcc / 4; ++c)
         nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
-      const int m = row0 + 8 * h;
+      const int m = slots.token(row0 + 8 * h);
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && m < p.m) {
+      if (store && slots.stored(row0 + 8 * h)) {
         if (odd && q == 0 && rows > 0) store_out(dst, x0[0]);
 #pragma unroll
         for (int c = 0; c < kAcc / 4; ++c) {
@@ -661,8 +693,8 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 #pragma unroll
     for (int j = 0; j < kAcc; ++j) {
       const int col = m0 + 8 * (j / 4) + j % 2, row = row0 + 8 * ((j / 2) % 2);
-      const int m = col, r = row;  // token, weight row of the CTA
-      if (store && m < p.m && r < rows)
+      const int m = slots.token(col), r = row;  // token, weight row of the CTA
+      if (store && slots.stored(col) && r < rows)
         store_out(p.out + m * p.ldo + r_begin + r, float_to_bf16(acc[j]));
     }
   }

@@ -14,7 +14,8 @@
 // less shared-memory traffic per SM, and twice the weight bytes per stage (a deeper DRAM ring at
 // the same shared memory).
 //
-// Per half: one consumer warpgroup (token-major: A = the activation box, m64 = 64 token rows; B =
+// Per half: one consumer warpgroup (token-major: A = the activation slot, m64 = 64 token rows,
+// loaded as two boxes of 32 (SlotTokens, gemm_wgmma_rows_kernel.cuh; session 24); B =
 // the pair's weight rows, n80) and one producer warp (warp 8 + h); a ring of 3 stages of 2 K
 // blocks; all activation slots first (1024-byte aligned, 64
 // token rows each whatever M: the m64 A tile never reads past its slot), then the weight slots
@@ -146,6 +147,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // Two boxes of 32 token rows per K block (p.one_box: one of 64, slot row = token).
+  const SlotTokens slots = p.one_box ? SlotTokens{64, 0, p.m} : slot_tokens<64>(p.m);
   // The half's region: activation slots, weight slots, scales.
   const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
   const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
@@ -217,9 +220,14 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
         const int nk = stage_kblocks(i);
-        for (int q = 0; q < nk; ++q)
-          tma_load_2d(act + static_cast<uint32_t>(q * kKsActSlot), &xmap,
-                      ksplit_kblock(i * kKsKpb + q, h) * kBlockK, 0, smem_addr(&full_bar[h][s]));
+        for (int q = 0; q < nk; ++q) {
+          const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
+          const int k0 = ksplit_kblock(i * kKsKpb + q, h) * kBlockK;
+          tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
+          if (!p.one_box)
+            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
+                        smem_addr(&full_bar[h][s]));
+        }
       }
     }
     return;  // (consumers synchronize with named barriers only)
@@ -235,7 +243,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = ct; i < kbl * 64; i += 128) {
-    const int l = i / 64, m = i - l * 64;
+    const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
     if (m < p.m) {
       cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
     } else {
@@ -356,10 +364,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
       for (int c = 0; c <= kGroups; ++c)
         nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
-      const int m = row0 + 8 * hh;
+      const int m = slots.token(row0 + 8 * hh);
       uint16_t* dst = p.out + m * p.ldo + r_begin;
       const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && m < p.m) {
+      if (store && slots.stored(row0 + 8 * hh)) {
         if (odd && q == 0 && lo_col < hi_col)
           store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
 #pragma unroll

@@ -374,6 +374,21 @@ std::vector<Case> exact_cases() {
                         early(8, 384, 128, 0, 1, false), early(64, 9856, 6144, 0, 1, true),
                         early(40, 9856, 1152, 0, 2, true)})
     cases.push_back(c);
+  // Activation slots loaded as two boxes of half the slot (session 24; tokens [0, n / 2) and
+  // [M - n / 2, M), the overlap stored once): the first M above each half slot (9, 17, 33), odd M
+  // just below a full slot (15, 31, 63), fused width, padded outputs, PDL, two warpgroups per CTA,
+  // the K split.
+  auto slot = [](int64_t m, int64_t ld_pad, int ctas_per_sm, bool pdl, bool k_split) {
+    Case c{m, 9856, 2048, ld_pad, 0, false, ctas_per_sm, 4, 0, true, 0, pdl};
+    c.rows = true;
+    c.k_split = k_split;
+    return c;
+  };
+  for (const Case& c :
+       {slot(9, 0, 0, false, false), slot(15, 8, 0, true, false), slot(17, 0, 1, false, false),
+        slot(31, 0, 0, true, false), slot(33, 16, 0, false, false), slot(63, 0, 1, true, false),
+        slot(33, 0, 0, true, true), slot(47, 8, 0, false, true)})
+    cases.push_back(c);
   return cases;
 }
 

@@ -276,16 +276,26 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
   Fp8BlockGemmOptions go;
   go.small_m_max = options.gemm_small_m_max;
   const int64_t m = static_cast<int64_t>(M);
-  auto make = [&](int64_t n, int64_t k, std::unique_ptr<Fp8BlockGemm>* out) -> Status {
-    Result<std::unique_ptr<Fp8BlockGemm>> r = Fp8BlockGemm::create(m, n, k, go);
+  auto make = [&](int64_t n, int64_t k, const Fp8BlockGemmOptions& o,
+                  std::unique_ptr<Fp8BlockGemm>* out) -> Status {
+    Result<std::unique_ptr<Fp8BlockGemm>> r = Fp8BlockGemm::create(m, n, k, o);
     M3_RETURN_IF_ERROR(r.status());
     *out = std::move(r.value());
     return Status::Ok();
   };
-  M3_RETURN_IF_ERROR(make(g.packed_width(), g.hidden, &w->gemm_fused_));
-  M3_RETURN_IF_ERROR(make(int64_t{g.n_q + 2 * g.n_kv} * kHeadDim, g.hidden, &w->gemm_qkv_));
-  M3_RETURN_IF_ERROR(make(static_cast<int64_t>(index_width), g.hidden, &w->gemm_index_));
-  M3_RETURN_IF_ERROR(make(g.hidden, static_cast<int64_t>(q_width), &w->gemm_o_));
+  // With the row split on (set_row_split), the fused projection runs it up to M 64 and o_proj up
+  // to M 32 with one activation box per slot. Session 24 round G (fused N 9856 x K 6144 and o_proj
+  // N 6144 x K 8192, b2b us, plain): the fused row split 17.68-20.24 at M 9-48 and 19.83-19.89 at
+  // M 64 against the default object's 20.61-21.61; o_proj's row split 16.41-16.55 / 21.19-21.20 at
+  // M 9 / 17 with one box (two: 16.62-16.65 / 22.73-22.76) against 19.57 / 21.14, but 23.69-25.4
+  // at M 33-64 against 21.44-22.15.
+  Fp8BlockGemmOptions go_fused = go, go_o = go;
+  go_fused.row_split_max_m = 64;
+  go_o.wgmma.row_one_box = true;
+  M3_RETURN_IF_ERROR(make(g.packed_width(), g.hidden, go_fused, &w->gemm_fused_));
+  M3_RETURN_IF_ERROR(make(int64_t{g.n_q + 2 * g.n_kv} * kHeadDim, g.hidden, go, &w->gemm_qkv_));
+  M3_RETURN_IF_ERROR(make(static_cast<int64_t>(index_width), g.hidden, go, &w->gemm_index_));
+  M3_RETURN_IF_ERROR(make(g.hidden, static_cast<int64_t>(q_width), go_o, &w->gemm_o_));
   return w;
 }
 

@@ -194,7 +194,8 @@ class CudaMsaLayer {
   const QuantizeParams& input_quantize() const { return quantize_in_; }
   // The decode row split (session 20, opt-in): this layer's own row-split images of its fused
   // projection weight (sparse layers) and of o_proj (gemm_wgmma_pack_weights_rows), through which
-  // the workspace's shared GEMM objects run every step with M <= their row_split_max_m
+  // the workspace's shared GEMM objects run every step with M <= their row_split_max_m (fused 64,
+  // o_proj 32: session 24)
   // (Fp8BlockGemm::run_row_split; the unfused path is unchanged). The cost: the images hold the
   // weights' bytes again, N K per weight (M3 TP1: 60.55 MB fused + 50.33 MB o_proj = 110.9 MB per
   // layer; row_split_bytes()). With the projection's / o_proj's bit in programmatic_stages those

@@ -501,8 +501,8 @@ void capture_run(CudaMsaLayer& L, cudaStream_t stream, cudaGraph_t* graph, cudaG
 // From `host_pool`'s state and poisoned outputs: L.run captured once and replayed three times back
 // to back (each replay rewrites the same cache rows, so the results stay comparable); `out` holds
 // the outputs after the last replay.
-void replay_three_times(CudaMsaLayer& L, const PagePool& host_pool, DevicePool& dev_pool,
-                        int64_t T, const MsaGeometry& g, cudaStream_t stream, Outputs* out) {
+void replay_three_times(CudaMsaLayer& L, const PagePool& host_pool, DevicePool& dev_pool, int64_t T,
+                        const MsaGeometry& g, cudaStream_t stream, Outputs* out) {
   dev_pool.upload(host_pool);
   poison_outputs(L, T, g);
   cudaGraph_t graph;
@@ -791,8 +791,9 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
 }
 
 // The decode row split (set_row_split: the layer's own row-split images of its fused and o_proj
-// weights, session 20). A decode step of 20 tokens (M <= row_split_max_m: both GEMMs run the row
-// split) stays within one E4M3 step of the cuBLASLt path at every intermediate and close at
+// weights, session 20). A decode step of 20 tokens (both GEMMs run the row split) and one of 40
+// (session 24: the fused GEMM runs the row split up to M 64, o_proj up to 32) stay within one
+// E4M3 step of the cuBLASLt path at every intermediate and close at
 // attn_out (the GEMMs sum in another order); eager runs and a graph with the GEMMs launched
 // programmatically (PDL) give the row split's bits exactly; a mixed step (M above the limit) is
 // bit-identical to the plain path (the GEMM objects fall back); switching back off restores the
@@ -807,12 +808,12 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
   ASSERT_TRUE(packed.ok());
-  const Scenario decode = decode_scenario(rng, 20);
-  const Scenario scenarios[2] = {decode, mixed_scenario(rng, 1)};
+  const Scenario scenarios[3] = {decode_scenario(rng, 20), decode_scenario(rng, 40),
+                                 mixed_scenario(rng, 1)};
   cudaStream_t stream;
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int si = 0; si < 2; ++si) {
-    SCOPED_TRACE(si == 0 ? "decode" : "mixed");
+  for (int si = 0; si < 3; ++si) {
+    SCOPED_TRACE(si == 0 ? "decode 20" : si == 1 ? "decode 40" : "mixed");
     PlannedStep ps;
     ASSERT_NO_FATAL_FAILURE(
         plan_layer_step(g, packed.value(), rope, scenarios[si], true, rng, &ps, stream));
@@ -837,15 +838,15 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
     EXPECT_EQ(L.row_split_bytes(),
               static_cast<size_t>(g.packed_width() * g.hidden + g.hidden * g.n_q * kHeadDim));
     ASSERT_NO_FATAL_FAILURE(run_eager(&tr_rs, &rs));
-    if (si == 0) {
+    if (si < 2) {
       expect_e4m3_close(tr_rs.q, tr_plain.q, "q row split vs plain");
       expect_e4m3_close(tr_rs.k, tr_plain.k, "k row split vs plain");
       expect_e4m3_close(tr_rs.v, tr_plain.v, "v row split vs plain");
       expect_e4m3_close(tr_rs.index_q, tr_plain.index_q, "index_q row split vs plain");
       bool finite = true;
-      const double e = rel_l2_bf16(reinterpret_cast<const uint16_t*>(rs.out.data()),
-                                   reinterpret_cast<const uint16_t*>(plain.out.data()),
-                                   T * g.hidden, &finite);
+      const double e =
+          rel_l2_bf16(reinterpret_cast<const uint16_t*>(rs.out.data()),
+                      reinterpret_cast<const uint16_t*>(plain.out.data()), T * g.hidden, &finite);
       EXPECT_TRUE(finite);
       EXPECT_LE(e, 5e-2) << "attn_out row split vs plain";
     } else {

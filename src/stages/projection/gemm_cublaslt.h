@@ -194,7 +194,9 @@ struct Fp8BlockGemmOptions {
   // 20.8-21.1 and the stream-K wgmma kernel's 21.7-23.3 / 19.8-21.2; at M 64 28.7 / 25.5 against
   // cuBLASLt's 22.9 / 21.3. Session 19 round G (serial stages, token-major at M > 32; back to
   // back): 17.3-17.5 us at M 1-32 against cuBLASLt's 21.2-21.4, 21.8 at M 64 against 21.4-21.6
-  // (20.7 when chained by programmatic dependent launch): 32 stays.
+  // (20.7 when chained by programmatic dependent launch): 32 stays. (Session 24 round G: the fused
+  // weight's row split at M 33-64 19.8-20.2 against the default object's 21.4-21.6, o_proj's
+  // 23.7-25.4 against 21.4-22.2; the layer's fused object takes 64, CudaLayerWorkspace.)
   int row_split_max_m = 32;
   // Buckets with m_hi >= this may run the prefill kernel (run_gemm_prefill_cuda) when the
   // autotuner times it faster than cuBLASLt (0: never).

@@ -432,10 +432,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                      options.debug_rows_diag == 6,
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
                  ": the row K split has diagnostics 3, 4 and 6");
-    // (Activation slots of n >= 16 token rows load two boxes of n / 2: SlotTokens in
+    // (Activation slots of n >= 16 token rows load two boxes of n / 2 for M < n: SlotTokens in
     // gemm_wgmma_rows_kernel.cuh; the K split's slots have 64 rows.)
     const int slot = options.row_k_split ? 64 : box_rows_for(m);
-    const int box = slot >= 16 && !options.row_one_box ? slot / 2 : slot;
+    const int box = slot >= 16 && m < slot && !options.row_one_box ? slot / 2 : slot;
     CUtensorMap xmap;
     M3_RETURN_IF_ERROR(encode_map(&xmap, p.a.data, m, k, m <= 1 ? k : p.a.stride[0], box,
                                   CU_TENSOR_MAP_L2_PROMOTION_L2_256B, "activations"));

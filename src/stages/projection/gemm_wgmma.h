@@ -107,9 +107,11 @@ struct GemmWgmmaOptions {
   // whole first ring early made the first stage land late (behind the ring's burst). Results do
   // not depend on it.
   int row_early_stages = 0;
-  // A/B (session 24; with row_packed_weights): each K block's activation slot as one box of its n
-  // token rows (rows past M filled with zeros by the tensor unit), as before session 24, instead of
-  // two boxes of n / 2 inside the tensor. Results are unchanged.
+  // With row_packed_weights (session 24): each K block's activation slot of n token rows as one
+  // box even where it reaches past row M - 1 (the tensor unit fills those rows with zeros), instead
+  // of two boxes of n / 2 inside the tensor (gemm_wgmma_rows_kernel.cuh, SlotTokens). Two boxes
+  // were faster on the fused weight at M 17-48, one box on o_proj's (N 6144, K 8192) at M 9-31 and
+  // 48-63 (round G). Results do not depend on it.
   bool row_one_box = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)

@@ -88,6 +88,17 @@
 // 0.3 us of its ~1.9 us of compute at M 64 (18.48 against 18.77 without stores; chained 17.72
 // against 17.84).
 //
+// Session 24: a programmatic launch requests only its first few stages' weights before
+// griddepcontrol.wait (rows_early_stages: M 32 chained 16.08-16.38 us b2b against 17.20-17.49
+// with the whole first ring), and activation slots of n >= 16 token rows load as two in-bounds
+// boxes (SlotTokens). Lost (same rounds, b2b us, deleted): two consumer warpgroups per CTA over
+// the same rows taking alternate stages (round B: M 16 17.93-18.00 / chained 16.62-16.65 against
+// 17.44-17.46 / 16.15-16.20, M 32 17.62-17.67 / 17.62-17.64 against 17.46-17.55 / 17.43-17.44;
+// round C: M 64 20.47-20.56 / 19.59-19.68 against 19.56-19.64 / 18.60-18.62): the pace at M 32
+// is not one warpgroup's serial wgmma -> fold -> issue; one empty arrival per warp instead of per
+// thread (round B: equal at every M); at M 32 chained, 1 K block per stage (20.66-20.73 against
+// 17.40-17.46), one CTA of two warpgroups (19.89-19.93), no evict-first hint (17.56-17.57).
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:
@@ -191,7 +202,7 @@ struct RowsArgs : ScalesOut {
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
-  int one_box;  // A/B (session 24, GemmWgmmaOptions::row_one_box): one activation box per slot
+  int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -229,16 +240,23 @@ __host__ __device__ __forceinline__ int64_t rows_image_offset(int kb, int r_begi
          int64_t{q} * rows * 128;
 }
 
-// Activation slots of n token rows (session 24). A kernel of n >= 16 rows serves M in (n / 2, n]
-// and loads each K block's activations as two boxes of n / 2 rows, both inside the activation
-// tensor: tokens [0, n / 2) into slot rows [0, n / 2) and tokens [M - n / 2, M) into slot rows
-// [n / 2, n) (a 1024-byte aligned half slot; tokens of both boxes are computed twice and stored
-// from the first). One box of n rows reaching past row M - 1 made the tensor unit fill the rest
-// with zeros, which cost microseconds (round E, same round, b2b us: the row split at M 33, 31 of
-// 64 rows past the tensor, 28.62-28.68 plain against 19.58-19.62 at M 64; M 48 21.78-21.83; o_proj
-// M 33 35.70-35.76 against 24.02-24.11). n 8 keeps one box of 8 rows (M 1-8).
+// Activation slots of n token rows (session 24). A kernel of n >= 16 rows serves M in (n / 2, n];
+// for M < n it loads each K block's activations as two boxes of n / 2 rows, both inside the
+// activation tensor: tokens [0, n / 2) into slot rows [0, n / 2) and tokens [M - n / 2, M) into
+// slot rows [n / 2, n) (a 1024-byte aligned half slot; tokens of both boxes are computed twice and
+// stored from the first). One box of n rows reaching past row M - 1 (the tensor unit fills the
+// rest with zeros) cost microseconds on the fused weight. Round G, same round, b2b us plain /
+// chained, two boxes against one: fused M 17 18.26-18.27 / 17.19-17.23 against 19.82-19.89 /
+// 18.74-18.76, M 33 20.00-20.02 / 18.89-18.90 against 28.43-28.50 / 26.89-26.90, M 48
+// 20.11-20.24 / 18.93-19.00 against 22.07-22.08 / 20.77-20.80, M 9 equal; the K split M 33
+// 20.03-20.06 / 17.71-17.75 against 23.44-23.49 / 20.75-20.76. At M = n one box (in bounds) is
+// faster (fused M 64 19.83-19.89 / 18.46-18.61 against two boxes' 20.39-20.52 / 19.28-19.31), and
+// o_proj (N 6144, K 8192) preferred one box even past M except at M 33 (M 17 21.19-21.20 /
+// 20.32-20.37 against 22.73-22.76 / 21.77-21.82; M 48 24.64-24.68 against 25.14-25.23; M 33
+// 35.74-35.76 against 25.26): GemmWgmmaOptions::row_one_box keeps one box (the layer's o_proj).
+// n 8 keeps one box of 8 rows (M 1-8).
 struct SlotTokens {
-  int half, start2, m;  // rows per box (n / 2; n at n 8), first token of the second box, M
+  int half, start2, m;  // rows per box (n / 2, or n for one box), first token of the 2nd box, M
   __device__ __forceinline__ int token(int r) const { return r < half ? r : start2 + r - half; }
   // Whether slot row r holds a token this thread's outputs are stored for (its first copy).
   __device__ __forceinline__ bool stored(int r) const {
@@ -246,9 +264,11 @@ struct SlotTokens {
     return t < m && (r < half || t >= half);
   }
 };
+// The slot's tokens for M (one_box: one box of kSlotRows rows whatever M).
 template <int kSlotRows>
-__device__ __forceinline__ SlotTokens slot_tokens(int m) {
-  constexpr int kHalf = kSlotRows >= 16 ? kSlotRows / 2 : kSlotRows;
+__device__ __forceinline__ SlotTokens slot_tokens(int m, bool one_box) {
+  if (kSlotRows < 16 || one_box || m >= kSlotRows) return SlotTokens{kSlotRows, 0, m};
+  constexpr int kHalf = kSlotRows / 2;
   return SlotTokens{kHalf, m - kHalf > 0 ? m - kHalf : 0, m};
 }
 
@@ -392,8 +412,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
   const int vgrid = static_cast<int>(gridDim.x) * kWg, vcta0 = static_cast<int>(blockIdx.x) * kWg;
   const int kb_count = p.kblocks;
   const int steps = (kb_count + kKpb - 1) / kKpb;
-  // The token in each activation slot row (p.one_box: one box of kNw rows, slot row = token).
-  const SlotTokens slots = p.one_box ? SlotTokens{kNw, 0, p.m} : slot_tokens<kNw>(p.m);
+  const SlotTokens slots = slot_tokens<kNw>(p.m, p.one_box);  // the token in each slot row
 
   if (tid == kConsumers) {
     prefetch_tensor_map(&xmap);
@@ -462,11 +481,11 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
         const uint32_t act = base + static_cast<uint32_t>(s * kStageBytes + kWeightBytes);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q) {
-          // (Two boxes of half the slot from n 16 on: SlotTokens.)
+          // (Two boxes of half the slot for M < n from n 16 on: SlotTokens.)
           const uint32_t dst = act + static_cast<uint32_t>(q * kActBytes);
           const int k0 = (i * kKpb + q) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[s]));
-          if (kNw >= 16 && !p.one_box)
+          if (slots.half < kNw)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
                         smem_addr(&full_bar[s]));
         }

@@ -147,8 +147,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   const int steps = (kbl + kKsKpb - 1) / kKsKpb;
-  // Two boxes of 32 token rows per K block (p.one_box: one of 64, slot row = token).
-  const SlotTokens slots = p.one_box ? SlotTokens{64, 0, p.m} : slot_tokens<64>(p.m);
+  // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
+  const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
   const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
   const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
           const int k0 = ksplit_kblock(i * kKsKpb + q, h) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
-          if (!p.one_box)
+          if (slots.half < 64)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
                         smem_addr(&full_bar[h][s]));
         }

@@ -202,7 +202,8 @@ struct RowsArgs : ScalesOut {
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
-  int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
+  int one_box;     // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
+  int split_last;  // A/B (session 24, GemmWgmmaOptions::row_ks_split_last; the K split only)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;

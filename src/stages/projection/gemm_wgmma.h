@@ -113,9 +113,6 @@ struct GemmWgmmaOptions {
   // were faster on the fused weight at M 17-48, one box on o_proj's (N 6144, K 8192) at M 9-31 and
   // 48-63 (round G). Results do not depend on it.
   bool row_one_box = false;
-  // A/B (session 24; with row_k_split): each half's last stage of two K blocks as two stages of
-  // one. Results are unchanged.
-  bool row_ks_split_last = false;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -90,8 +90,9 @@
 //
 // Session 24: a programmatic launch requests only its first few stages' weights before
 // griddepcontrol.wait (rows_early_stages: M 32 chained 16.08-16.38 us b2b against 17.20-17.49
-// with the whole first ring), and activation slots of n >= 16 token rows load as two in-bounds
-// boxes (SlotTokens). Lost (same rounds, b2b us, deleted): two consumer warpgroups per CTA over
+// with the whole first ring), and activation slots of n >= 16 token rows that would reach past
+// row M - 1 load as two in-bounds boxes (SlotTokens: M 33 19.93-20.02 against 28.33-28.50). Lost
+// (same rounds, b2b us, deleted): two consumer warpgroups per CTA over
 // the same rows taking alternate stages (round B: M 16 17.93-18.00 / chained 16.62-16.65 against
 // 17.44-17.46 / 16.15-16.20, M 32 17.62-17.67 / 17.62-17.64 against 17.46-17.55 / 17.43-17.44;
 // round C: M 64 20.47-20.56 / 19.59-19.68 against 19.56-19.64 / 18.60-18.62): the pace at M 32
@@ -202,8 +203,7 @@ struct RowsArgs : ScalesOut {
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
-  int one_box;     // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
-  int split_last;  // A/B (session 24, GemmWgmmaOptions::row_ks_split_last; the K split only)
+  int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;

@@ -146,16 +146,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
-  // Stage i: local K blocks [stage_first(i), stage_first(i) + stage_count(i)). (A/B, session 24,
-  // p.split_last: a last stage of two K blocks runs as two stages of one, so that less compute
-  // follows the last bytes to land.)
-  const bool split_last = p.split_last != 0 && kbl >= kKsKpb && kbl % kKsKpb == 0;
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
-  auto stage_first = [&](int i) { return split_last && i == steps - 1 ? kbl - 1 : i * kKsKpb; };
-  auto stage_count = [&](int i) {
-    const int left = kbl - stage_first(i), most = split_last && i >= steps - 2 ? 1 : kKsKpb;
-    return left < most ? left : most;
-  };
+  // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K
+  // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
+  // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
+  // 17.79-17.80 against 19.91-19.92 / 17.77.)
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
@@ -199,15 +194,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
       // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
+      auto stage_kblocks = [&](int i) {
+        const int left = kbl - i * kKsKpb;
+        return left < kKsKpb ? left : kKsKpb;
+      };
       auto load_weights = [&](int i) {
         const int s = i % kKsStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
-        const uint32_t nk = static_cast<uint32_t>(stage_count(i));
+        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
-                                                         rows, p.n, kb_count);
+        const uint8_t* src =
+            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
@@ -224,10 +223,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-        const int nk = stage_count(i);
+        const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q) {
           const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
+          const int k0 = ksplit_kblock(i * kKsKpb + q, h) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
           if (slots.half < 64)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
@@ -275,7 +274,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     const int s = i % kKsStages;
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
-    const int left = stage_count(i);
+    const int left = kbl - i * kKsKpb;
     const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
     const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
@@ -295,13 +294,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // The row split's token-major fold (each K block as its group completes; the stage released
   // after its last group, before the last fold).
   auto fold = [&](int i) {
-    const int left = stage_count(i);
+    const int left = kbl - i * kKsKpb;
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
-        const int l = stage_first(i) + q;
+        const int l = i * kKsKpb + q;
         fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
       }
     }

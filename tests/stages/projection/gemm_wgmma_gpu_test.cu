@@ -82,7 +82,6 @@ struct Case {
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
-  bool split_last = false;  // GemmWgmmaOptions::row_ks_split_last (with k_split)
 };
 
 std::string describe(const Case& c) {
@@ -95,8 +94,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
-         " split last " + std::to_string(c.split_last);
+         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -143,7 +141,6 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
-    o.row_ks_split_last = c.split_last;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -392,14 +389,6 @@ std::vector<Case> exact_cases() {
         slot(31, 0, 0, true, false), slot(33, 16, 0, false, false), slot(63, 0, 1, true, false),
         slot(33, 0, 0, true, true), slot(47, 8, 0, false, true)})
     cases.push_back(c);
-  // The K split with each half's last stage split in two (session 24, A/B): fused width, halves of
-  // 24 / 24, 5 / 4 (only half 1 splits) and 1 / 0 K blocks, PDL.
-  for (int64_t k : {6144, 1152, 128}) {
-    Case c = slot(k == 128 ? 40 : 64, 0, 0, k == 6144, true);
-    c.k = k;
-    c.split_last = true;
-    cases.push_back(c);
-  }
   return cases;
 }
 
@@ -928,7 +917,6 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
     Rng rng(seed);
     Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
     c.k_split = true;
-    c.split_last = m == 50;  // (A/B, session 24)
     GemmData d = make_integer_data(c.m, c.n, c.k, rng);
     DeviceGemm dev(d, c.n + c.ld_pad);
     const std::vector<uint16_t> got = run_twice(dev, c);

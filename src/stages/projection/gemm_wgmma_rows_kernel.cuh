@@ -89,16 +89,16 @@
 // against 17.84).
 //
 // Session 24: a programmatic launch requests only its first few stages' weights before
-// griddepcontrol.wait (rows_early_stages: M 32 chained 16.08-16.38 us b2b against 17.20-17.49
-// with the whole first ring), and activation slots of n >= 16 token rows that would reach past
-// row M - 1 load as two in-bounds boxes (SlotTokens: M 33 19.93-20.02 against 28.33-28.50). Lost
-// (same rounds, b2b us, deleted): two consumer warpgroups per CTA over
-// the same rows taking alternate stages (round B: M 16 17.93-18.00 / chained 16.62-16.65 against
-// 17.44-17.46 / 16.15-16.20, M 32 17.62-17.67 / 17.62-17.64 against 17.46-17.55 / 17.43-17.44;
-// round C: M 64 20.47-20.56 / 19.59-19.68 against 19.56-19.64 / 18.60-18.62): the pace at M 32
-// is not one warpgroup's serial wgmma -> fold -> issue; one empty arrival per warp instead of per
-// thread (round B: equal at every M); at M 32 chained, 1 K block per stage (20.66-20.73 against
-// 17.40-17.46), one CTA of two warpgroups (19.89-19.93), no evict-first hint (17.56-17.57).
+// griddepcontrol.wait (rows_early_stages: M 32 chained 16.08-16.38 us b2b against 17.20-17.49 with
+// the whole first ring), and activation slots of n >= 16 token rows that would reach past row M - 1
+// load as two in-bounds boxes (SlotTokens: M 33 19.93-20.02 against 28.33-28.50). Lost (same
+// rounds, b2b us, deleted): two consumer warpgroups per CTA over the same rows taking alternate
+// stages (round B: M 16 17.93-18.00 / chained 16.62-16.65 against 17.44-17.46 / 16.15-16.20, M 32
+// 17.62-17.67 / 17.62-17.64 against 17.46-17.55 / 17.43-17.44; round C: M 64 20.47-20.56 /
+// 19.59-19.68 against 19.56-19.64 / 18.60-18.62): the pace at M 32 is not one warpgroup's serial
+// wgmma -> fold -> issue; one empty arrival per warp instead of per thread (round B: equal at every
+// M); at M 32 chained, 1 K block per stage (20.66-20.73 against 17.40-17.46), one CTA of two
+// warpgroups (19.89-19.93), no evict-first hint (17.56-17.57).
 //
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and

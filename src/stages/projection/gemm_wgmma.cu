@@ -180,14 +180,14 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form) {
   return Status::Ok();
 }
 
-template <int kNw, int kKpb, int kWg, int kDiag = 0>
+template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSlots = true>
 Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& args, int grid,
                    const CudaDeviceInfo& info, cudaStream_t stream) {
   if constexpr (gemm_wgmma_detail::rows_stages<kNw, kKpb, kWg>() < 2) {
     return unsupported("the row split cannot hold two stages of ", kKpb, " K blocks at n = ", kNw,
                        " (GemmWgmmaOptions::burst)");
   } else {
-    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag>;
+    auto* kernel = &gemm_wgmma_detail::gemm_rows_kernel<kNw, kKpb, kWg, kDiag, kSlots>;
     constexpr int kThreads = gemm_wgmma_detail::rows_threads<kWg>();
     constexpr int kPerSm = kWg == 1 ? 2 : 1;
     constexpr int kMaxSmem =
@@ -220,10 +220,13 @@ Status launch_rows(const CUtensorMap& xmap, const gemm_wgmma_detail::RowsArgs& a
 // SM, `grid` even; the default K blocks per stage) or one (two CTAs per SM); `diag` (bench
 // diagnostics at n = 8 / 32 / 64: one warpgroup, the default K blocks per stage).
 template <int kNw>
-Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, const CUtensorMap& xmap,
+Status dispatch_rows_kpb(int kpb, bool two_wg, int diag, bool fixed_slots, const CUtensorMap& xmap,
                          const gemm_wgmma_detail::RowsArgs& args, int grid,
                          const CudaDeviceInfo& info, cudaStream_t stream) {
   constexpr int kDefault = gemm_wgmma_detail::rows_default_kpb<kNw>();
+  if constexpr (kNw >= 16) {
+    if (fixed_slots) return launch_rows<kNw, kDefault, 1, 0, false>(xmap, args, grid, info, stream);
+  }
   if constexpr (kNw != 16) {
     if (diag == 1) return launch_rows<kNw, kDefault, 1, 1>(xmap, args, grid, info, stream);
     if (diag == 2) return launch_rows<kNw, kDefault, 1, 2>(xmap, args, grid, info, stream);
@@ -456,10 +459,18 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
                                                    stream);
-    if (m <= 8) return dispatch_rows_kpb<8>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
-    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, xmap, ra, rgrid, info, stream);
-    if (m <= 32) return dispatch_rows_kpb<32>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
-    return dispatch_rows_kpb<64>(kpb, two_wg, diag, xmap, ra, rgrid, info, stream);
+    // (Bench diagnostic: the kernel without the two-box slot code, where one box serves.)
+    const bool fixed = options.debug_rows_fixed_slots;
+    M3_CHECK_ARG(!fixed || (!two_wg && kpb == 0 && diag == 0 && !options.row_k_split &&
+                            (m == box_rows_for(m) || options.row_one_box)),
+                 "GemmWgmmaOptions::debug_rows_fixed_slots needs one CTA warpgroup, burst 0, no ",
+                 "other diagnostic, no K split and M = 16 / 32 / 64 or row_one_box");
+    if (m <= 8)
+      return dispatch_rows_kpb<8>(kpb, two_wg, diag, false, xmap, ra, rgrid, info, stream);
+    if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, fixed, xmap, ra, rgrid, info, stream);
+    if (m <= 32)
+      return dispatch_rows_kpb<32>(kpb, two_wg, diag, fixed, xmap, ra, rgrid, info, stream);
+    return dispatch_rows_kpb<64>(kpb, two_wg, diag, fixed, xmap, ra, rgrid, info, stream);
   }
 
   // Automatic: two CTAs per SM at every M (session 15, round B, fused N 9856: M 32 23.65 vs 27.07

@@ -422,10 +422,9 @@ struct ShapeVariant {
   bool chain = false;
   bool no_evict_first = false;  // GemmWgmmaOptions::weight_evict_first = false
   int diag = 0;                 // GemmWgmmaOptions::debug_rows_diag (check: n/a)
-  bool ksplit = false;       // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
-  int early = 0;             // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
-  bool one_box = false;      // GemmWgmmaOptions::row_one_box
-  bool fixed_slots = false;  // GemmWgmmaOptions::debug_rows_fixed_slots
+  bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
+  int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
+  bool one_box = false;  // GemmWgmmaOptions::row_one_box
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -594,10 +593,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (46-47: the row split, plain / chained, compiled without the two-box slot code)
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -906,7 +902,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.debug_rows_fixed_slots = variants[v].fixed_slots;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -935,9 +930,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                               : "") +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") +
-          (variants[v].fixed_slots ? " fixed slots" : "") +
-          (variants[v].chain ? " pdl chain" : "") +
+          (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {

@@ -167,10 +167,6 @@ struct GemmWgmmaOptions {
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
   // wgmmas read it (6, M > 32). 0: off.
   int debug_rows_diag = 0;
-  // Benchmark diagnostic (session 24 A/B; results unchanged): the row split compiled without the
-  // two-box activation-slot code (one box, slot row = token), at M = 16 / 32 / 64 or with
-  // row_one_box only.
-  bool debug_rows_fixed_slots = false;
 };
 
 // uint64 words per CTA in GemmWgmmaOptions::debug_trace.

@@ -376,8 +376,8 @@ __device__ __forceinline__ void fold_token_major(float (&acc)[kAcc], const float
 // instead of 5): M 32 / 64 24.05-24.07 / 31.68-31.72 against 17.45-17.46 / 21.20-21.22 (its ring
 // alone 20.68-20.70 / 28.76-28.78 against 16.37-16.38 / 19.36-19.38): the whole grid reads the
 // same few scale lines at each stage (one L2 slice), a stage's scales land microseconds late.
-// kSlots = false (A/B, session 24, GemmWgmmaOptions::debug_rows_fixed_slots): the kernel compiled
-// without the two-box slot code (slot row = token, one box), valid where one box serves.
+// kSlots = false: the kernel compiled without the two-box slot code (slot row = token, one box),
+// run where one box serves (M = n or GemmWgmmaOptions::row_one_box; gemm_wgmma.cu, round L).
 template <int kNw, int kKpb, int kWg, int kDiag = 0, bool kSlots = true>
 __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
     gemm_rows_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {

@@ -119,6 +119,13 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
+  // Clustered single pass (single_pass_ctas > 1) only: the first warp of each selecting CTA to
+  // finish its blocks runs the final selection once on a scratch row before the cluster barrier,
+  // through the same out-of-line code the real rows then run, so that the selection's
+  // instructions are in the SM's instruction cache when the barrier completes (the cold ranking
+  // ran at instruction-fetch pace: session 21 ncu, 86 of 92 stall samples "no instruction").
+  // Same ids. Session 24: the A/B switch (bench variant wr).
+  bool warm_select = false;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

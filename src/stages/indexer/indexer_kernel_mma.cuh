@@ -490,6 +490,10 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     }
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+  if (a.timeline != nullptr) {  // diagnostics: the warp's first tile landed (word 19)
+    cp_async_wait<kDecStages - 2>();
+    timeline_stamp(a, 19, 0u);
+  }
 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
@@ -625,6 +629,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first < spec_b1) {
       stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
+      timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
@@ -690,22 +695,37 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
     // ahead, a block of granularity).
     const bool shared = rows > kMmaWarps;
+    const bool selects = shared || blockIdx.y == 0;  // this CTA's warps select rows
+    // warm_select: the order in which this CTA's warps finish their blocks (the first one runs the
+    // dry selection, off the critical path: the CTA's last warp ends ~1 us later at the median).
+    __shared__ int finish_order;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
+    if (a.warm_select) {     // grid-uniform
+      if (threadIdx.x == 0) finish_order = 0;
+      __syncthreads();
+    }
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
+    if (a.warm_select && selects) {
+      int order = 0;
+      if (lane == 0) order = atomicAdd(&finish_order, 1);
+      if (__shfl_sync(0xffffffffu, order, 0) == 0)
+        warm_rank_emit(smem + warp * (kDecStages * kTileBytes));  // the warp's idle ring
+    }
     cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (shared || blockIdx.y == 0) {
+    if (selects) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
-      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
+      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait,
+                       a.warm_select != 0);
     } else {
       wait();
     }

@@ -40,6 +40,7 @@
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
 //   --warm (the default options with warm_select, e.g. for --timeline),
+//   --ring N (the --single-ctas options with single_pass_ring N),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -68,7 +69,7 @@
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, wr =
-//   warm_select;
+//   warm_select, s4 = single pass in 4-CTA clusters, s4r4 = s4 with single_pass_ring 4;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -515,6 +516,7 @@ int main(int argc, char** argv) {
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   bool warm = false;     // --warm: IndexerCudaOptions::warm_select in the default options
   bool tl_b2b = false;   // --tl-b2b: --timeline of the last call of a back-to-back sequence
+  int ring = 0;          // --ring N: IndexerCudaOptions::single_pass_ring of --single-ctas
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -569,6 +571,8 @@ int main(int argc, char** argv) {
       warm = true;
     else if (a == "--tl-b2b")
       tl_b2b = true;
+    else if (a == "--ring" && i + 1 < argc)
+      ring = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -590,7 +594,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--warm] [--tl-b2b] [--k K,K,...]\n",
+                   "[--ef N] [--warm] [--tl-b2b] [--ring N] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -607,6 +611,8 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
+  single_o.single_pass_ring = ring;
+  single_o.warm_select = warm;
   default_o.stream_evict_first = evict_first;
   default_o.warm_select = warm;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
@@ -1139,6 +1145,13 @@ int main(int argc, char** argv) {
     // wr = IndexerCudaOptions::warm_select (the clustered single pass's dry selection).
     all.push_back({"wr", default_o});
     all.back().o.warm_select = true;
+    // s4 = the single pass in 4-CTA clusters (single_pass_ctas 4), s4r4 = s4 with 4-tile rings
+    // (single_pass_ring 4: the bytes in flight of 2-CTA clusters with 8-tile rings).
+    all.push_back({"s4", default_o});
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 4;
+    all.push_back({"s4r4", all.back().o});
+    all.back().o.single_pass_ring = 4;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1180,7 +1193,8 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, wr = warm_select; "
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, wr = warm_select, "
+        "s4 = single pass in 4-CTA clusters, s4r4 = s4 with single_pass_ring 4; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

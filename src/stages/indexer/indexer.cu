@@ -396,6 +396,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
+  M3_CHECK_ARG(options.single_pass_ring == 0 || options.single_pass_ring == 4 ||
+                   options.single_pass_ring == 8,
+               "run_indexer_cuda: single_pass_ring ", options.single_pass_ring,
+               " is not 0, 4 or 8");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");
@@ -477,7 +481,8 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     };
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = ik::score_fused_cluster_kernel;
+      const auto ckernel = options.single_pass_ring == 4 ? ik::score_fused_cluster_ring4_kernel
+                                                         : ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};

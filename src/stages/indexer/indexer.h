@@ -126,6 +126,10 @@ struct IndexerCudaOptions {
   // ran at instruction-fetch pace: session 21 ncu, 86 of 92 stall samples "no instruction").
   // Same ids. Session 24: the A/B switch (bench variant wr).
   bool warm_select = false;
+  // Clustered single pass (single_pass_ctas > 1) only: tiles per warp ring (0 or 8: the default,
+  // 7 tiles of 2 KB in flight per warp; 4: 3 in flight, for twice the CTAs per SM at the same
+  // bytes in flight, e.g. 4-CTA clusters at 64 x 8K). Same ids. Session 24: the A/B switch.
+  int single_pass_ring = 0;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

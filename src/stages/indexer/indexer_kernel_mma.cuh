@@ -348,8 +348,9 @@ __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
 // (main: none; none either when its 3-4 n-tile paths are left out, so most likely there).
 #define M3_TILE_POLICY "createpolicy.fractional.L2::evict_first.b64 pol, %3;\n"
 __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
-                                           int lane) {
-  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+                                           int lane, int stage = -1) {
+  const uint32_t dst =
+      smem_addr(ring) + (stage < 0 ? t : stage) * kTileBytes + lane_dst_offset(lane);
   const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
   const uint32_t bytes = page >= 0 ? 16u : 0u;
   asm volatile(
@@ -363,8 +364,9 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, i
 // issue_tile with the L2 policy (the prologue; the unrolled loop of <= 2 n-tiles uses
 // issue_tile_at; the rolled loop of 3-4 n-tiles keeps plain copies).
 __device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* ring, int64_t page,
-                                                  int t, int lane) {
-  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
+                                                  int t, int lane, int stage = -1) {
+  const uint32_t dst =
+      smem_addr(ring) + (stage < 0 ? t : stage) * kTileBytes + lane_dst_offset(lane);
   const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
   const uint32_t bytes = page >= 0 ? 16u : 0u;
   asm volatile(
@@ -382,17 +384,20 @@ __device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* 
 // lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
 // whose lane destination is `dst` (shared address of the ring + lane_dst_offset); L2 policy as
 // issue_tile's.
-template <int kT>
+// kS: the ring stage (kT with the 8-stage ring; kT % 4 with single_pass_ring 4).
+template <int kT, int kS = kT>
 __device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
                                               const uint8_t* src, uint32_t bytes) {
   asm volatile(
       "{\n .reg .b64 pol;\n" M3_TILE_POLICY
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%4], [%1+%4], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%5], [%1+%5], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%6], [%1+%6], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%7], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%8], [%1+%4], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%9], [%1+%5], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%10], [%1+%6], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%11], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
       "l"(src), "r"(bytes), "f"(a.evict_fraction), "n"(kT * kTileBytes),
-      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
+      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536),
+      "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512), "n"(kS * kTileBytes + 1024),
+      "n"(kS * kTileBytes + 1536)
       : "memory");
 }
 #undef M3_TILE_POLICY
@@ -401,10 +406,11 @@ __device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
 // and positions arrive. A prologue whose tiles turn out not to be needed is waited for
 // (cp_async_wait<0>: no copy may outlive the CTA).
+template <int kStages = kDecStages>
 __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring,
                                                 int64_t pg_first, int lane) {
 #pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) {
+  for (int i = 0; i < kStages - 1; ++i) {
     issue_tile_hinted(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
@@ -444,7 +450,9 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-template <int NT, bool kFused>
+// kStages: the warp's ring (kDecStages; 4 with IndexerCudaOptions::single_pass_ring 4: tile i in
+// stage i % 4, the issue side 3 tiles ahead).
+template <int NT, bool kFused, int kStages = kDecStages>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
@@ -462,7 +470,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   // (its load latency stays off the tile loop). The first tiles are issued before the query rows
   // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
   // block are unrolled: stages, keys and the flush are compile-time placed.
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
+  static_assert(kStages == kDecStages || kStages == 4, "rings of 8 or 4 tiles");
+  uint8_t* ring = smem + warp * (kStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
     return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
@@ -473,7 +482,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   int32_t pg_k = static_cast<int32_t>(pg_first);
   int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
   int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
+  if (!pre_issued) stream_prologue<kStages>(a, ring, pg_first, lane);
 
   DecodeState<NT> s;
   int min_pos = INT_MAX;
@@ -491,7 +500,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
   if (a.timeline != nullptr) {  // diagnostics: the warp's first tile landed (word 19)
-    cp_async_wait<kDecStages - 2>();
+    cp_async_wait<kStages - 2>();
     timeline_stamp(a, 19, 0u);
   }
 
@@ -506,19 +515,26 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      cp_async_wait<kDecStages - 2>();
+      cp_async_wait<kStages - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
-        if constexpr (kT == 0)
-          issue_tile_at<7>(a, ring_dst, src_k, bytes_k);
+        // The tile issued now, kStages - 1 ahead, counted from this block's tile 0: tile kX of
+        // block k, or tile kX - 8 of block k + 1; its stage is the previous tile's.
+        constexpr int kX = kT + kStages - 1;
+        if constexpr (kX < 8)
+          issue_tile_at<kX, kX % kStages>(a, ring_dst, src_k, bytes_k);
         else
-          issue_tile_at<kT - 1>(a, ring_dst, src_k1, bytes_k1);
-      } else {
+          issue_tile_at<kX - 8, kX % kStages>(a, ring_dst, src_k1, bytes_k1);
+      } else if constexpr (kStages == kDecStages) {
         issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
+      } else {
+        const int x = t + kStages - 1;
+        issue_tile(a, ring, x < 8 ? pg_k : pg_k1, x & 7, lane, x % kStages);
       }
       cp_async_commit();
-      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
+      const int stage = kStages == kDecStages ? t : t % kStages;
+      decode_compute_tile<NT>(s, ring + stage * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -548,7 +564,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-template <bool kFused, bool kSingle, bool kCluster = false>
+// kStages: the warps' tile rings (decode_unit).
+template <bool kFused, bool kSingle, bool kCluster = false, int kStages = kDecStages>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
@@ -627,7 +644,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
     if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
     if (first < spec_b1) {
-      stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
+      stream_prologue<kStages>(a, smem + warp * (kStages * kTileBytes), pg_first, lane);
       pre = true;
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
@@ -647,19 +664,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<1, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       case 2:
-        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<2, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       case 3:
-        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<3, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       default:
-        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<4, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
     }
@@ -713,7 +730,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       int order = 0;
       if (lane == 0) order = atomicAdd(&finish_order, 1);
       if (__shfl_sync(0xffffffffu, order, 0) == 0)
-        warm_rank_emit(smem + warp * (kDecStages * kTileBytes));  // the warp's idle ring
+        warm_rank_emit(smem + warp * (kStages * kTileBytes));  // the warp's idle ring
     }
     cluster_arrive_release();
     const auto wait = [&] {
@@ -909,14 +926,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false>
+template <bool kFused, bool kSingle = false, bool kCluster = false, int kStages = kDecStages>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster>(a, smem);
+    decode_path<kFused, kSingle, kCluster, kStages>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -969,6 +986,16 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const 
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, true, true>(a, smem, sh);
+}
+
+// The clustered single pass with 4-tile rings per warp (IndexerCudaOptions::single_pass_ring 4):
+// with twice the CTAs per SM, the bytes in flight of one CTA of 8-tile rings. Same layout and
+// dynamic shared memory (kFusedSmemBytes; the rings use half of theirs).
+__global__ void __launch_bounds__(kMmaThreads)
+    score_fused_cluster_ring4_kernel(const KernelArgs a) {
+  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
+  __shared__ OverflowShared sh;
+  score_mma_body<true, true, true, 4>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -3,7 +3,8 @@
 // row is then ranked by the same out-of-line code): the ids must equal those of the two-kernel
 // path (itself checked against the twin) for clusters of 2, 4 and 8 CTAs, at one token per
 // request (rank 0's warps select) and four (every CTA's warps select, rows shared), with NaN
-// keys, requests whose rows are trivial (<= 16 visible blocks) and CTAs without blocks.
+// keys, requests whose rows are trivial (<= 16 visible blocks) and CTAs without blocks. The same
+// for IndexerCudaOptions::single_pass_ring 4 (4-tile rings per warp), with and without it.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -14,7 +15,7 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
-TEST(IndexerGpu, WarmSelectSameIds) {
+TEST(IndexerGpu, ClusterOptionsSameIds) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -35,12 +36,19 @@ TEST(IndexerGpu, WarmSelectSameIds) {
     const GpuResult g = run_gpu(d, two);
     compare(in, reference(in), g, /*exact_scores=*/true, label + " [two-kernel]");
     for (int ctas : {2, 4, 8}) {
-      IndexerCudaOptions o;
-      o.single_pass = true;
-      o.single_pass_ctas = ctas;
-      o.warm_select = true;
-      expect_same_ids(in, run_gpu(d, o), g,
-                      label + " [cluster " + std::to_string(ctas) + ", warm_select]");
+      for (int ring : {0, 4}) {
+        for (bool warm : {false, true}) {
+          if (ring == 0 && !warm) continue;  // the default: every other indexer test
+          IndexerCudaOptions o;
+          o.single_pass = true;
+          o.single_pass_ctas = ctas;
+          o.single_pass_ring = ring;
+          o.warm_select = warm;
+          expect_same_ids(in, run_gpu(d, o), g,
+                          label + " [cluster " + std::to_string(ctas) + ", ring " +
+                              std::to_string(ring) + (warm ? ", warm_select]" : "]"));
+        }
+      }
     }
   }
 }

@@ -450,7 +450,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
-  a.warm_select = options.warm_select && pl.single && pl.k_splits > 1 ? 1 : 0;
+  a.front_first = options.single_pass_front ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
@@ -485,6 +485,11 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                                          : ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      // 4-tile rings: at most ceil(CTAs / SMs) CTAs per SM (the bytes in flight per SM of 8-tile
+      // rings at half the CTAs; the scheduler otherwise stacks up to 3 on some SMs).
+      if (options.single_pass_ring == 4)
+        M3_RETURN_IF_ERROR(pdl_smem_bytes(std::max(csmem, size_t{ik::kFusedSmemBytes}), ctas, sms,
+                                          current, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

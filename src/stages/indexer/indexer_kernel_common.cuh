@@ -79,7 +79,7 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
-  int warm_select = 0;  // IndexerCudaOptions::warm_select (the clustered single pass)
+  int front_first = 0;  // IndexerCudaOptions::single_pass_front (the clustered single pass)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
@@ -103,9 +103,10 @@ struct KernelArgs {
 // Written even before pdl_wait (the buffer is the caller's own).
 // Words 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
 // warp's first row's scores are in registers and once it is ranked (each read waits for that
-// value; with warm_select once it is ranked and written). Words 18 / 19: the decode warp's front,
+// value). Words 18 / 19: the decode warp's front,
 // clock64 once its first index-K copies are issued (decode_path's early start) and once its
-// first tile has landed (decode_unit).
+// first tile has landed (decode_unit); 20 / 21: once its first page-table entry / seq_lens[r] is
+// in registers (stamped just before the early start); 22: once the guessed loads are issued.
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {

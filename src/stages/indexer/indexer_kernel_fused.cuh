@@ -39,45 +39,16 @@ static_assert(kFusedMaxChunk == kCountRow, "rank_lean ranks a table row");
 // 20.8 / 21.1 / 20.9 (round F; ranked 0.82 us after the barrier vs 0.65); a dry run of the
 // selection on scratch between the barrier's arrive and wait, so that its code is cached
 // (22.0-22.1 vs 21.8-21.9, round C); an mbarrier per table instead of the final cluster barrier
-// (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C).
-// A row's ranking and output (select_rows_lean's steps after the scores are in registers) as one
-// out-of-line body (IndexerCudaOptions::warm_select): warm_rank_emit's dry run and the real rows
-// execute the same instructions, so the dry run leaves them in the SM's instruction cache. Returns
-// r0 + r1 (a value the timeline's stamp can wait for).
-__device__ __noinline__ int rank_emit_outlined(float* row, int nb, float s0, float s1, int local,
-                                                int32_t* out) {
-  const int lane = threadIdx.x & 31;
-  int r0 = 0, r1 = 0;
-  if (nb > kTopK - 1) {
-    if (lane >= nb) row[lane] = quiet_nan();
-    if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
-    __syncwarp();
-    rank_lean(row, s0, s1, r0, r1);
-  }
-  emit_ranked_row(out, s0, s1, r0, r1, local);
-  return r0 + r1;
-}
-
-// The dry run of warm_select: one row of 64 distinct scores (no ties: the common path) ranked and
-// written into `scratch` (320 bytes of shared memory the warp owns; its earlier cp.async copies
-// completed: every lane passed cp_async_wait<0>).
-__device__ __forceinline__ void warm_rank_emit(uint8_t* scratch) {
-  const int lane = threadIdx.x & 31;
-  float* row = reinterpret_cast<float*>(scratch);
-  __syncwarp();  // every lane's copies into the scratch bytes have landed
-  row[lane] = static_cast<float>(lane);
-  row[lane + 32] = static_cast<float>(lane + 32);
-  __syncwarp();
-  rank_emit_outlined(row, kFusedMaxChunk, row[lane], row[lane + 32], kFusedMaxChunk,
-                     reinterpret_cast<int32_t*>(row + kFusedMaxChunk));
-  __syncwarp();
-}
-
+// (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C). Session 24 (64 x 8K draft 0, same-round
+// b2b): the first warp of rank 0 to finish its blocks ranking a scratch row (an out-of-line
+// rank-and-emit, so the real rows then ran the same, cached instructions) before the cluster
+// barrier: 22.0 / 21.9 / 21.9 vs 21.8 / 21.9 / 21.8 (round A); back-to-back timeline: ranked 0.75
+// us (p50) after the barrier vs 0.66 without, so instruction fetch is not what paces the count
+// between calls (one warp per scheduler, ~1100 cycles for ~290 instructions).
 template <typename Wait>
 __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
                                                  int rows, int b0, int b1, int lane_pos,
-                                                 int first_row, int row_step, Wait&& wait,
-                                                 bool outlined = false) {
+                                                 int first_row, int row_step, Wait&& wait) {
   const int lane = threadIdx.x & 31;
   bool waited = false;
   for (int j = first_row; j < rows; j += row_step) {  // warp-uniform
@@ -94,11 +65,6 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
     const float s0 = lane < nb ? row[lane] : quiet_nan();
     const float s1 = lane + 32 < nb ? row[lane + 32] : quiet_nan();
     if (j == first_row) timeline_stamp(a, 16, __float_as_uint(s0) ^ __float_as_uint(s1));
-    if (outlined) {  // warm_select: word 17 once the row is ranked and written
-      const int rsum = rank_emit_outlined(row, nb, s0, s1, local, out);
-      if (j == first_row) timeline_stamp(a, 17, static_cast<uint32_t>(rsum));
-      continue;
-    }
     int r0 = 0, r1 = 0;
     if (nb > kTopK - 1) {
       if (lane >= nb) row[lane] = quiet_nan();

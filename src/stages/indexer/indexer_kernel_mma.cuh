@@ -612,14 +612,45 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
-  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
-  const int gn = a.guess
-                     ? min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga,
-                           a.dec_tokens)
-                     : 0;                                   // no guess: nothing loaded early
+  bool pre = false;
+  // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and the
+  // page table) bounds the unit's visible blocks, so the first tiles of the warp's first block go
+  // out before the positions are reduced. The exact bound from the positions decides what is
+  // scored; tiles issued for a block that turns out invisible are waited for and ignored (bounded
+  // waste, only when seq_lens disagrees with positions). Programmatic launch: only blocks that
+  // end before the request's first new position (seq_lens[r] - its tokens in this step;
+  // positions are consecutive inside a request), whose rows no kernel of the step writes, are
+  // read before pdl_wait. Timeline words 20 / 21 / 18: the page-table entry and seq_lens[r] in
+  // registers, the copies issued.
+  const auto early_start = [&] {
+    int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
+    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
+    timeline_stamp(a, 20, static_cast<uint32_t>(pg_first));
+    timeline_stamp(a, 21, static_cast<uint32_t>(seq_len));
+    if (first < spec_b1) {
+      stream_prologue<kStages>(a, smem + warp * (kStages * kTileBytes), pg_first, lane);
+      pre = true;
+      timeline_stamp(a, 18, 0u);
+    }
+  };
+  // IndexerCudaOptions::single_pass_front (the clustered single pass): the early start before
+  // the guessed loads below, so that the copies wait only for the page-table entry and seq_lens,
+  // not for the guess's arithmetic and load issue (one token per request: the guess is r itself).
+  const bool front_first = kCluster && a.front_first;
+  if (front_first) early_start();
+  const bool one_each = front_first && a.num_tokens == a.num_requests;
+  const int ga =
+      one_each ? r : static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+  const int gn =
+      a.guess ? (one_each ? 1
+                          : min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) -
+                                    ga,
+                                a.dec_tokens))
+              : 0;                                          // no guess: nothing loaded early
   int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;  // lane l < n: position of token qa + l
   QueryRaw q;
   if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
+  timeline_stamp(a, 22, 0u);  // the guessed loads issued
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
   bool guessed = a.guess && qa == ga && n == gn;
   if (a.early && !a.guess) {
@@ -631,24 +662,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (!a.pdl) load_query_raw(a, qa, n * a.n_kv, q);
     guessed = true;  // loaded at the right bounds
   }
-  bool pre = false;
-  {
-    // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
-    // the page table) bounds the unit's visible blocks, so the first tiles of the warp's first
-    // block go out before the positions are reduced. The exact bound from the positions decides
-    // what is scored; tiles issued for a block that turns out invisible are waited for and
-    // ignored (bounded waste, only when seq_lens disagrees with positions). Programmatic launch:
-    // only blocks that end before the request's first new position (seq_lens[r] - its tokens in
-    // this step; positions are consecutive inside a request), whose rows no kernel of the step
-    // writes, are read before pdl_wait.
-    int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
-    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
-    if (first < spec_b1) {
-      stream_prologue<kStages>(a, smem + warp * (kStages * kTileBytes), pg_first, lane);
-      pre = true;
-      timeline_stamp(a, 18, 0u);  // the warp's first copies issued
-    }
-  }
+  if (!front_first) early_start();
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this
   // (a no-op after a normal launch).
@@ -712,37 +726,22 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
     // ahead, a block of granularity).
     const bool shared = rows > kMmaWarps;
-    const bool selects = shared || blockIdx.y == 0;  // this CTA's warps select rows
-    // warm_select: the order in which this CTA's warps finish their blocks (the first one runs the
-    // dry selection, off the critical path: the CTA's last warp ends ~1 us later at the median).
-    __shared__ int finish_order;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (a.warm_select) {     // grid-uniform
-      if (threadIdx.x == 0) finish_order = 0;
-      __syncthreads();
-    }
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
-    if (a.warm_select && selects) {
-      int order = 0;
-      if (lane == 0) order = atomicAdd(&finish_order, 1);
-      if (__shfl_sync(0xffffffffu, order, 0) == 0)
-        warm_rank_emit(smem + warp * (kStages * kTileBytes));  // the warp's idle ring
-    }
     cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (selects) {
+    if (shared || blockIdx.y == 0) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
-      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait,
-                       a.warm_select != 0);
+      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, first_row, row_step, wait);
     } else {
       wait();
     }

@@ -39,7 +39,7 @@
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
-//   --ring N (the --single-ctas options with single_pass_ring N), --front (single_pass_front),
+//   --early-rank (single_pass_early_rank in the default and --single-ctas options),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -67,9 +67,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, s4 = single
-//   pass in 4-CTA clusters, s4r4 = s4 with single_pass_ring 4, sf = single_pass_front, s4r4f =
-//   s4r4 with single_pass_front;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, er =
+//   single_pass_early_rank;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -515,8 +514,7 @@ int main(int argc, char** argv) {
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   bool tl_b2b = false;   // --tl-b2b: --timeline of the last call of a back-to-back sequence
-  int ring = 0;          // --ring N: IndexerCudaOptions::single_pass_ring of --single-ctas
-  bool front = false;    // --front: IndexerCudaOptions::single_pass_front (default and single)
+  bool early_rank = false;  // --early-rank: IndexerCudaOptions::single_pass_early_rank
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -569,10 +567,8 @@ int main(int argc, char** argv) {
       evict_first = std::atoi(argv[++i]);
     else if (a == "--tl-b2b")
       tl_b2b = true;
-    else if (a == "--ring" && i + 1 < argc)
-      ring = std::atoi(argv[++i]);
-    else if (a == "--front")
-      front = true;
+    else if (a == "--early-rank")
+      early_rank = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -594,7 +590,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--ring N] [--front] [--k K,K,...]\n",
+                   "[--ef N] [--tl-b2b] [--early-rank] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -611,9 +607,8 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
-  single_o.single_pass_ring = ring;
-  single_o.single_pass_front = front;
-  default_o.single_pass_front = front;
+  single_o.single_pass_early_rank = early_rank;
+  default_o.single_pass_early_rank = early_rank;
   default_o.stream_evict_first = evict_first;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
@@ -796,22 +791,6 @@ int main(int argc, char** argv) {
             "%6.2f max %6.2f; first tile landed (%zu) p10 %6.2f p50 %6.2f max %6.2f\n",
             iss.size(), pct(iss, 0.1), pct(iss, 0.5), pct(iss, 1), lan.size(), pct(lan, 0.1),
             pct(lan, 0.5), pct(lan, 1));
-      // Words 20 / 21 / 22: page-table entry and seq_lens[r] in registers (stamped just before
-      // the early start), guessed loads issued.
-      std::vector<double> pt, sl, gl;
-      for (int64_t w = 0; w < warps; ++w) {
-        const uint64_t* e = tl.data() + w * kStride;
-        double ns = 0;
-        if (!e[0]) continue;
-        if (e[20] && ns_of(static_cast<int>(e[7]), e[20], &ns)) pt.push_back((ns - g0) * 1e-3);
-        if (e[21] && ns_of(static_cast<int>(e[7]), e[21], &ns)) sl.push_back((ns - g0) * 1e-3);
-        if (e[22] && ns_of(static_cast<int>(e[7]), e[22], &ns)) gl.push_back((ns - g0) * 1e-3);
-      }
-      if (!pt.empty())
-        std::printf(
-            "  front p50 / max us: page-table entry in %6.2f / %6.2f, seq_lens in %6.2f / %6.2f, "
-            "guessed loads issued %6.2f / %6.2f\n",
-            pct(pt, 0.5), pct(pt, 1), pct(sl, 0.5), pct(sl, 1), pct(gl, 0.5), pct(gl, 1));
     }
     {
       // The single pass's final selection: per selecting warp, its first row in
@@ -1158,19 +1137,10 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
-    // s4 = the single pass in 4-CTA clusters (single_pass_ctas 4), s4r4 = s4 with 4-tile rings
-    // (single_pass_ring 4: the bytes in flight of 2-CTA clusters with 8-tile rings).
-    all.push_back({"s4", default_o});
-    all.back().o.single_pass = true;
-    all.back().o.single_pass_ctas = 4;
-    all.push_back({"s4r4", all.back().o});
-    all.back().o.single_pass_ring = 4;
-    // sf = single_pass_front (the clustered single pass's early start before the guessed loads),
-    // s4r4f = s4r4 with it.
-    all.push_back({"s4r4f", all.back().o});
-    all.back().o.single_pass_front = true;
-    all.push_back({"sf", default_o});
-    all.back().o.single_pass_front = true;
+    // er = IndexerCudaOptions::single_pass_early_rank (the clustered single pass ranks from
+    // before its cluster barrier).
+    all.push_back({"er", default_o});
+    all.back().o.single_pass_early_rank = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1213,8 +1183,7 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, "
-        "s4 = single pass in 4-CTA clusters, s4r4 = s4 with single_pass_ring 4, sf = "
-        "single_pass_front, s4r4f = s4r4 with sf; "
+        "er = single_pass_early_rank; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

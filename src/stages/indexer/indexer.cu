@@ -396,10 +396,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.single_pass_ring == 0 || options.single_pass_ring == 4 ||
-                   options.single_pass_ring == 8,
-               "run_indexer_cuda: single_pass_ring ", options.single_pass_ring,
-               " is not 0, 4 or 8");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");
@@ -450,7 +446,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
-  a.front_first = options.single_pass_front ? 1 : 0;
+  a.early_rank = options.single_pass_early_rank && pl.single && pl.k_splits > 1 ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
@@ -481,15 +477,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     };
     if (pl.single && pl.k_splits > 1) {
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
-      const auto ckernel = options.single_pass_ring == 4 ? ik::score_fused_cluster_ring4_kernel
-                                                         : ik::score_fused_cluster_kernel;
+      const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
       M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
-      // 4-tile rings: at most ceil(CTAs / SMs) CTAs per SM (the bytes in flight per SM of 8-tile
-      // rings at half the CTAs; the scheduler otherwise stacks up to 3 on some SMs).
-      if (options.single_pass_ring == 4)
-        M3_RETURN_IF_ERROR(pdl_smem_bytes(std::max(csmem, size_t{ik::kFusedSmemBytes}), ctas, sms,
-                                          current, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

@@ -119,17 +119,13 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Clustered single pass (single_pass_ctas > 1) only: tiles per warp ring (0 or 8: the default,
-  // 7 tiles of 2 KB in flight per warp; 4: 3 in flight, for twice the CTAs per SM at the same
-  // bytes in flight, e.g. 4-CTA clusters at 64 x 8K; the launch then requests enough shared
-  // memory that at most ceil(CTAs / SMs) CTAs fit on one SM, as pdl_smem_bytes: session 24 round
-  // A without it put 1 to 3 CTAs on an SM). Same ids. Session 24: the A/B switch.
-  int single_pass_ring = 0;
-  // Clustered single pass only: a decode warp issues its first index-K copies as soon as its
-  // page-table entry and seq_lens[r] are in, before it works out and loads the guessed query rows
-  // and positions (one token per request: the guess is the request index, no division). Same
-  // ids. Session 24: the A/B switch.
-  bool single_pass_front = false;
+  // Clustered single pass (single_pass_ctas > 1) at one token per request (rows <= 4 per unit):
+  // the first CTA's warp j ranks row j from before the cluster barrier: a snapshot of the row
+  // once its own blocks are done (ranked among themselves while the cluster's last blocks
+  // stream), then the remaining entries polled as they are written (the table starts with an
+  // "unwritten" NaN) and added (one compare per lane and entry, ballots for their own ranks); the
+  // barrier is waited for after the row is written. Same ids. Session 24: the A/B switch.
+  bool single_pass_early_rank = false;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

@@ -79,7 +79,7 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
-  int front_first = 0;  // IndexerCudaOptions::single_pass_front (the clustered single pass)
+  int early_rank = 0;   // IndexerCudaOptions::single_pass_early_rank (the clustered single pass)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
@@ -103,10 +103,8 @@ struct KernelArgs {
 // Written even before pdl_wait (the buffer is the caller's own).
 // Words 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
 // warp's first row's scores are in registers and once it is ranked (each read waits for that
-// value). Words 18 / 19: the decode warp's front,
-// clock64 once its first index-K copies are issued (decode_path's early start) and once its
-// first tile has landed (decode_unit); 20 / 21: once its first page-table entry / seq_lens[r] is
-// in registers (stamped just before the early start); 22: once the guessed loads are issued.
+// value). Words 18 / 19: the decode warp's front, clock64 once its first index-K copies are
+// issued (decode_path's early start) and once its first tile has landed (decode_unit).
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {
@@ -226,6 +224,17 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
+}
+// Relaxed cluster-scope 32-bit store / load through a generic address (IndexerCudaOptions::
+// single_pass_early_rank: rank 0's table entries, each written once by some CTA of the cluster
+// while rank 0 reads the row before the cluster barrier: strong accesses, no data race).
+__device__ __forceinline__ void st_relaxed_cluster(float* p, float v) {
+  asm volatile("st.relaxed.cluster.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
+__device__ __forceinline__ float ld_relaxed_cluster(const float* p) {
+  float v;
+  asm volatile("ld.relaxed.cluster.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
+  return v;
 }
 
 // Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).

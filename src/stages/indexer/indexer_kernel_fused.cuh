@@ -78,6 +78,99 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
   if (!waited) wait();
 }
 
+// IndexerCudaOptions::single_pass_early_rank: the clustered single pass's final selection of row
+// j by rank 0's warp j (rows <= kMmaWarps), started before the cluster barrier. Rank 0 filled its
+// table with kUnwritten before the start barrier and every block max is written once
+// (st_relaxed_cluster). Once the warp's own blocks are done (and it arrived at the barrier) it
+// takes a snapshot of its row: the entries already written are final, and lean_beats on the
+// snapshot (the unwritten ones as NaN, which beat nothing) ranks them among themselves. Then it
+// polls the unwritten ("late") entries until they are in (bounded: after kEarlyRankSpin cycles it
+// waits for the cluster barrier instead, after which every entry is final), adds each late
+// entry's beats of the early candidates (one compare per lane and late entry), counts the late
+// candidates' beats by ballots (the same rule: on score alone inside a half, by id order across
+// the halves), adds the ties inside the halves (lean_add_ties) and writes the row. So the ranking
+// runs while the cluster's last blocks stream, and the row no longer waits for the barrier.
+// `wait`: the cluster barrier's wait (every CTA's writes into this table done: called once by
+// every lane, at the latest before return). scratch: 64 floats of shared memory the warp owns
+// (its idle tile ring). Timeline: slot 3 once the row is complete, words 16 / 17 as
+// select_rows_lean's.
+constexpr uint32_t kUnwritten = 0xffbadbadu;  // a NaN no flush writes (max.NaN gives 0x7fffffff)
+constexpr long long kEarlyRankSpin = 20000;   // cycles (~11 us): a fallback, never the rule
+template <typename Wait>
+__device__ __forceinline__ void select_row_early(const KernelArgs& a, const float* sblk, int t0,
+                                                 int rows, int b1, int lane_pos, int j,
+                                                 float* scratch, Wait&& wait) {
+  const int lane = threadIdx.x & 31;
+  if (j >= rows) {  // warp-uniform
+    wait();
+    return;
+  }
+  const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
+  int32_t* out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
+  const int local = trivial_row(a, out, pos, true);
+  if (local < 0) {
+    wait();
+    return;
+  }
+  const int nb = min(b1, local);  // candidates 0 .. nb - 1 (b0 == 0)
+  const float* row = sblk + j * kFusedMaxChunk;
+  const bool in0 = lane < nb, in1 = lane + 32 < nb;
+  float f0 = in0 ? ld_relaxed_cluster(row + lane) : quiet_nan();
+  float f1 = in1 ? ld_relaxed_cluster(row + lane + 32) : quiet_nan();
+  const bool late0 = in0 && __float_as_uint(f0) == kUnwritten;
+  const bool late1 = in1 && __float_as_uint(f1) == kUnwritten;
+  const uint32_t m0 = __ballot_sync(0xffffffffu, late0), m1 = __ballot_sync(0xffffffffu, late1);
+  // Early pass: the written entries ranked among themselves.
+  __syncwarp();  // every lane's tile copies into the scratch bytes have landed
+  scratch[lane] = late0 ? quiet_nan() : f0;
+  scratch[lane + 32] = late1 ? quiet_nan() : f1;
+  __syncwarp();
+  float c0 = 0.0f, c1 = 0.0f;
+  lean_beats<0, kCountRow>(scratch, scratch[lane], scratch[lane + 32], c0, c1);
+  // The late entries, polled.
+  bool waited = false;
+  const long long start = clock64();
+  for (uint32_t p = m0 | m1; p != 0;) {  // warp-uniform
+    if (clock64() - start > kEarlyRankSpin) {
+      wait();
+      waited = true;
+    }
+    if (late0 && __float_as_uint(f0) == kUnwritten) f0 = ld_relaxed_cluster(row + lane);
+    if (late1 && __float_as_uint(f1) == kUnwritten) f1 = ld_relaxed_cluster(row + lane + 32);
+    if (waited) break;  // every entry is final after the barrier
+    p = __ballot_sync(0xffffffffu, (late0 && __float_as_uint(f0) == kUnwritten) ||
+                                       (late1 && __float_as_uint(f1) == kUnwritten));
+  }
+  timeline_mark(a, 3);
+  timeline_stamp(a, 16, __float_as_uint(f0) ^ __float_as_uint(f1));
+  // Late entries: their beats of every candidate, and (ballots) every candidate's beats of them.
+  int r0 = 0, r1 = 0;
+  for (uint32_t l = m0; l != 0; l &= l - 1) {  // first half: id src
+    const int src = __ffs(l) - 1;
+    const float v = __shfl_sync(0xffffffffu, f0, src);
+    c0 += set_gt(v, f0);
+    c1 += set_ge(v, f1);
+    const int n = __popc(__ballot_sync(0xffffffffu, f0 > v)) +
+                  __popc(__ballot_sync(0xffffffffu, f1 > v));
+    if (lane == src) r0 = n;
+  }
+  for (uint32_t l = m1; l != 0; l &= l - 1) {  // second half: id 32 + src
+    const int src = __ffs(l) - 1;
+    const float v = __shfl_sync(0xffffffffu, f1, src);
+    c0 += set_gt(v, f0);
+    c1 += set_gt(v, f1);
+    const int n = __popc(__ballot_sync(0xffffffffu, f0 >= v)) +
+                  __popc(__ballot_sync(0xffffffffu, f1 > v));
+    if (lane == src) r1 = n;
+  }
+  if (!late0) r0 = static_cast<int>(c0);
+  if (!late1) r1 = static_cast<int>(c1);
+  lean_add_ties(f0, f1, r0, r1);
+  timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
+  emit_ranked_row(out, f0, f1, r0, r1, local);
+  if (!waited) wait();
+}
+
 // The final selection of every row of a one-CTA unit (after its CTA barrier): warp w the rows w,
 // w + 4, ...
 __device__ __forceinline__ void fused_local_select(const KernelArgs& a, float* sblk, int t0,

@@ -314,7 +314,10 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
           float* dst = sblk + j * kFusedMaxChunk + (b - b0);
           const float val = page_ok ? v : quiet_nan();
           if (share == 0) {
-            *dst = val;
+            if (a.early_rank)  // rank 0 reads the row before the barrier (select_row_early)
+              st_relaxed_cluster(dst, val);
+            else
+              *dst = val;
           } else {
 #pragma unroll 1
             for (int rk = 0; rk < share; ++rk) *map_to_cluster_rank(dst, rk) = val;
@@ -348,9 +351,8 @@ __device__ __forceinline__ uint32_t lane_dst_offset(int lane) {
 // (main: none; none either when its 3-4 n-tile paths are left out, so most likely there).
 #define M3_TILE_POLICY "createpolicy.fractional.L2::evict_first.b64 pol, %3;\n"
 __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, int64_t page, int t,
-                                           int lane, int stage = -1) {
-  const uint32_t dst =
-      smem_addr(ring) + (stage < 0 ? t : stage) * kTileBytes + lane_dst_offset(lane);
+                                           int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
   const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
   const uint32_t bytes = page >= 0 ? 16u : 0u;
   asm volatile(
@@ -364,9 +366,8 @@ __device__ __forceinline__ void issue_tile(const KernelArgs& a, uint8_t* ring, i
 // issue_tile with the L2 policy (the prologue; the unrolled loop of <= 2 n-tiles uses
 // issue_tile_at; the rolled loop of 3-4 n-tiles keeps plain copies).
 __device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* ring, int64_t page,
-                                                  int t, int lane, int stage = -1) {
-  const uint32_t dst =
-      smem_addr(ring) + (stage < 0 ? t : stage) * kTileBytes + lane_dst_offset(lane);
+                                                  int t, int lane) {
+  const uint32_t dst = smem_addr(ring) + t * kTileBytes + lane_dst_offset(lane);
   const uint8_t* src = (page >= 0 ? page_base(a, page) + t * kTileBytes : a.cache) + lane * 16;
   const uint32_t bytes = page >= 0 ? 16u : 0u;
   asm volatile(
@@ -384,20 +385,17 @@ __device__ __forceinline__ void issue_tile_hinted(const KernelArgs& a, uint8_t* 
 // lane * 16, or the pool base with bytes 0 for a page outside the pool) into stage kT of the ring
 // whose lane destination is `dst` (shared address of the ring + lane_dst_offset); L2 policy as
 // issue_tile's.
-// kS: the ring stage (kT with the 8-stage ring; kT % 4 with single_pass_ring 4).
-template <int kT, int kS = kT>
+template <int kT>
 __device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
                                               const uint8_t* src, uint32_t bytes) {
   asm volatile(
       "{\n .reg .b64 pol;\n" M3_TILE_POLICY
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%8], [%1+%4], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%9], [%1+%5], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%10], [%1+%6], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+%11], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%4], [%1+%4], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%5], [%1+%5], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%6], [%1+%6], 16, %2, pol;\n"
+      "cp.async.cg.shared.global.L2::cache_hint [%0+%7], [%1+%7], 16, %2, pol;\n}\n" ::"r"(dst),
       "l"(src), "r"(bytes), "f"(a.evict_fraction), "n"(kT * kTileBytes),
-      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536),
-      "n"(kS * kTileBytes), "n"(kS * kTileBytes + 512), "n"(kS * kTileBytes + 1024),
-      "n"(kS * kTileBytes + 1536)
+      "n"(kT * kTileBytes + 512), "n"(kT * kTileBytes + 1024), "n"(kT * kTileBytes + 1536)
       : "memory");
 }
 #undef M3_TILE_POLICY
@@ -406,11 +404,10 @@ __device__ __forceinline__ void issue_tile_at(const KernelArgs& a, uint32_t dst,
 // (page pg_first). Needs only the page-table entry, so decode_path issues it before query_start
 // and positions arrive. A prologue whose tiles turn out not to be needed is waited for
 // (cp_async_wait<0>: no copy may outlive the CTA).
-template <int kStages = kDecStages>
 __device__ __forceinline__ void stream_prologue(const KernelArgs& a, uint8_t* ring,
                                                 int64_t pg_first, int lane) {
 #pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
+  for (int i = 0; i < kDecStages - 1; ++i) {
     issue_tile_hinted(a, ring, pg_first, i, lane);
     cp_async_commit();
   }
@@ -450,9 +447,7 @@ __device__ __forceinline__ void load_query_raw(const KernelArgs& a, int t0, int 
 // guarded pages of the first two, loaded by the caller before the query_start round trip).
 // pre_issued: the caller already ran stream_prologue (same ring and pg_first). qraw: the unit's
 // query rows (load_query_raw); lane_pos: lane l < rows / n_kv holds the position of token t0 + l.
-// kStages: the warp's ring (kDecStages; 4 with IndexerCudaOptions::single_pass_ring 4: tile i in
-// stage i % 4, the issue side 3 tiles ahead).
-template <int NT, bool kFused, int kStages = kDecStages>
+template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
@@ -470,8 +465,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   // (its load latency stays off the tile loop). The first tiles are issued before the query rows
   // are loaded and converted, so that work hides under the index-K latency. The 8 tiles of a
   // block are unrolled: stages, keys and the flush are compile-time placed.
-  static_assert(kStages == kDecStages || kStages == 4, "rings of 8 or 4 tiles");
-  uint8_t* ring = smem + warp * (kStages * kTileBytes);
+  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
   const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
   const auto raw_page_at = [&](int k) {
     return k < nblk ? __ldg(a.page_table + int64_t{r} * a.pt_stride + first + k * step) : -1;
@@ -482,7 +476,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   int32_t pg_k = static_cast<int32_t>(pg_first);
   int32_t pg_k1 = nblk > 1 ? static_cast<int32_t>(pg_second) : -1;
   int32_t raw_k2 = raw_page_at(2);
-  if (!pre_issued) stream_prologue<kStages>(a, ring, pg_first, lane);
+  if (!pre_issued) stream_prologue(a, ring, pg_first, lane);
 
   DecodeState<NT> s;
   int min_pos = INT_MAX;
@@ -500,7 +494,7 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
   if (a.timeline != nullptr) {  // diagnostics: the warp's first tile landed (word 19)
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<kDecStages - 2>();
     timeline_stamp(a, 19, 0u);
   }
 
@@ -515,26 +509,19 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     // immediate) or int (NT >= 3: a loop; unrolled, the 3-4 n-tiles' registers spilled).
     const auto tile_step = [&](auto tc) {
       const int t = tc;
-      cp_async_wait<kStages - 2>();
+      cp_async_wait<kDecStages - 2>();
       __syncwarp();  // tile t landed for every lane; the previous tile's stage is free
       if constexpr (!std::is_same_v<decltype(tc), int>) {
         constexpr int kT = decltype(tc)::value;
-        // The tile issued now, kStages - 1 ahead, counted from this block's tile 0: tile kX of
-        // block k, or tile kX - 8 of block k + 1; its stage is the previous tile's.
-        constexpr int kX = kT + kStages - 1;
-        if constexpr (kX < 8)
-          issue_tile_at<kX, kX % kStages>(a, ring_dst, src_k, bytes_k);
+        if constexpr (kT == 0)
+          issue_tile_at<7>(a, ring_dst, src_k, bytes_k);
         else
-          issue_tile_at<kX - 8, kX % kStages>(a, ring_dst, src_k1, bytes_k1);
-      } else if constexpr (kStages == kDecStages) {
-        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
+          issue_tile_at<kT - 1>(a, ring_dst, src_k1, bytes_k1);
       } else {
-        const int x = t + kStages - 1;
-        issue_tile(a, ring, x < 8 ? pg_k : pg_k1, x & 7, lane, x % kStages);
+        issue_tile(a, ring, t == 0 ? pg_k : pg_k1, t == 0 ? 7 : t - 1, lane);
       }
       cp_async_commit();
-      const int stage = kStages == kDecStages ? t : t % kStages;
-      decode_compute_tile<NT>(s, ring + stage * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
+      decode_compute_tile<NT>(s, ring + t * kTileBytes, b * kPageSize + t * 16, mask, g, tig);
     };
     if constexpr (NT <= 2) {
       static_for<0, 8>(tile_step);
@@ -564,12 +551,26 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
 // the start and its wait before the first remote write (every CTA of the cluster has started),
 // then a release / acquire barrier once every block max is written; every thread of the cluster
 // passes both, whatever its data.
-// kStages: the warps' tile rings (decode_unit).
-template <bool kFused, bool kSingle, bool kCluster = false, int kStages = kDecStages>
+template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) cluster_arrive_relaxed();
+  if constexpr (kCluster) {
+    if (a.early_rank) {  // grid-uniform
+      // Rank 0's table starts unwritten (select_row_early), before any CTA of the cluster may
+      // write it (the start barrier, with release semantics here).
+      if (blockIdx.y == 0) {
+        const float u = __uint_as_float(kUnwritten);
+        float4* t = reinterpret_cast<float4*>(smem + kMmaSmemBytes);
+        for (int i = static_cast<int>(threadIdx.x); i < kDecRows * kFusedMaxChunk / 4;
+             i += kMmaThreads)
+          t[i] = make_float4(u, u, u, u);
+      }
+      cluster_arrive_release();
+    } else {
+      cluster_arrive_relaxed();
+    }
+  }
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -612,45 +613,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int qa = load_query_start(a, r);
   const int qe = load_query_start(a, r + 1);
   const int seq_len = __ldg(a.seq_lens + r);
-  bool pre = false;
-  // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and the
-  // page table) bounds the unit's visible blocks, so the first tiles of the warp's first block go
-  // out before the positions are reduced. The exact bound from the positions decides what is
-  // scored; tiles issued for a block that turns out invisible are waited for and ignored (bounded
-  // waste, only when seq_lens disagrees with positions). Programmatic launch: only blocks that
-  // end before the request's first new position (seq_lens[r] - its tokens in this step;
-  // positions are consecutive inside a request), whose rows no kernel of the step writes, are
-  // read before pdl_wait. Timeline words 20 / 21 / 18: the page-table entry and seq_lens[r] in
-  // registers, the copies issued.
-  const auto early_start = [&] {
-    int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
-    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
-    timeline_stamp(a, 20, static_cast<uint32_t>(pg_first));
-    timeline_stamp(a, 21, static_cast<uint32_t>(seq_len));
-    if (first < spec_b1) {
-      stream_prologue<kStages>(a, smem + warp * (kStages * kTileBytes), pg_first, lane);
-      pre = true;
-      timeline_stamp(a, 18, 0u);
-    }
-  };
-  // IndexerCudaOptions::single_pass_front (the clustered single pass): the early start before
-  // the guessed loads below, so that the copies wait only for the page-table entry and seq_lens,
-  // not for the guess's arithmetic and load issue (one token per request: the guess is r itself).
-  const bool front_first = kCluster && a.front_first;
-  if (front_first) early_start();
-  const bool one_each = front_first && a.num_tokens == a.num_requests;
-  const int ga =
-      one_each ? r : static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
-  const int gn =
-      a.guess ? (one_each ? 1
-                          : min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) -
-                                    ga,
-                                a.dec_tokens))
-              : 0;                                          // no guess: nothing loaded early
+  const int ga = static_cast<int>(int64_t{r} * a.num_tokens / a.num_requests);
+  const int gn = a.guess
+                     ? min(static_cast<int>(int64_t{r + 1} * a.num_tokens / a.num_requests) - ga,
+                           a.dec_tokens)
+                     : 0;                                   // no guess: nothing loaded early
   int p = lane < gn ? __ldg(a.positions + ga + lane) : -1;  // lane l < n: position of token qa + l
   QueryRaw q;
   if (!a.pdl) load_query_raw(a, ga, gn * a.n_kv, q);
-  timeline_stamp(a, 22, 0u);  // the guessed loads issued
   const int n = min(qe - qa, a.dec_tokens);  // <= 32 tokens
   bool guessed = a.guess && qa == ga && n == gn;
   if (a.early && !a.guess) {
@@ -662,7 +632,24 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (!a.pdl) load_query_raw(a, qa, n * a.n_kv, q);
     guessed = true;  // loaded at the right bounds
   }
-  if (!front_first) early_start();
+  bool pre = false;
+  {
+    // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and
+    // the page table) bounds the unit's visible blocks, so the first tiles of the warp's first
+    // block go out before the positions are reduced. The exact bound from the positions decides
+    // what is scored; tiles issued for a block that turns out invisible are waited for and
+    // ignored (bounded waste, only when seq_lens disagrees with positions). Programmatic launch:
+    // only blocks that end before the request's first new position (seq_lens[r] - its tokens in
+    // this step; positions are consecutive inside a request), whose rows no kernel of the step
+    // writes, are read before pdl_wait.
+    int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
+    if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
+    if (first < spec_b1) {
+      stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
+      pre = true;
+      timeline_stamp(a, 18, 0u);  // the warp's first copies issued
+    }
+  }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this
   // (a no-op after a normal launch).
@@ -678,19 +665,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
-        decode_unit<1, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       case 2:
-        decode_unit<2, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       case 3:
-        decode_unit<3, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
       default:
-        decode_unit<4, kFused, kStages>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
+        decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
                                table, tb0, pre, share);
         break;
     }
@@ -737,7 +724,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (shared || blockIdx.y == 0) {
+    if (a.early_rank && !shared) {  // cluster-uniform
+      // IndexerCudaOptions::single_pass_early_rank: rank 0's warp j ranks row j from before the
+      // barrier (select_row_early; the warp's idle tile ring as scratch).
+      if (blockIdx.y == 0)
+        select_row_early(a, sblk, qa, rows, nvis, p, warp,
+                         reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
+                         [] { cluster_wait_acquire(); });
+      else
+        wait();
+    } else if (shared || blockIdx.y == 0) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
@@ -925,14 +921,14 @@ __device__ __forceinline__ void overflow_segment(const KernelArgs& a, uint8_t* r
   __syncthreads();  // the ring and page_ok are reused by the next segment
 }
 
-template <bool kFused, bool kSingle = false, bool kCluster = false, int kStages = kDecStages>
+template <bool kFused, bool kSingle = false, bool kCluster = false>
 __device__ __forceinline__ void score_mma_body(const KernelArgs& a, uint8_t* smem,
                                                OverflowShared& sh) {
   // The dependent grid (the select kernel, or the next stage after a single pass) may be
   // scheduled once every CTA has started; it waits for this grid's completion before reading.
   pdl_launch_dependents();
   if (static_cast<int>(blockIdx.x) >= a.num_overflow) {
-    decode_path<kFused, kSingle, kCluster, kStages>(a, smem);
+    decode_path<kFused, kSingle, kCluster>(a, smem);
     return;
   }
   pdl_wait();  // programmatic launch: before reading index_q / index-K or writing anything
@@ -985,16 +981,6 @@ __global__ void __launch_bounds__(kMmaThreads) score_fused_cluster_kernel(const 
   extern __shared__ __align__(kSmemAlign) uint8_t smem[];
   __shared__ OverflowShared sh;
   score_mma_body<true, true, true>(a, smem, sh);
-}
-
-// The clustered single pass with 4-tile rings per warp (IndexerCudaOptions::single_pass_ring 4):
-// with twice the CTAs per SM, the bytes in flight of one CTA of 8-tile rings. Same layout and
-// dynamic shared memory (kFusedSmemBytes; the rings use half of theirs).
-__global__ void __launch_bounds__(kMmaThreads)
-    score_fused_cluster_ring4_kernel(const KernelArgs a) {
-  extern __shared__ __align__(kSmemAlign) uint8_t smem[];
-  __shared__ OverflowShared sh;
-  score_mma_body<true, true, true, 4>(a, smem, sh);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -1,11 +1,10 @@
-// GPU tests of the clustered single pass's opt-ins (session 24): single_pass_ring 4 (4-tile warp
-// rings: the issue side 3 tiles ahead, stage = tile % 4, at most ceil(CTAs / SMs) CTAs per SM)
-// and single_pass_front (the first copies issued before the guessed query-row and position
-// loads). Ids must equal those of the two-kernel path (itself checked against the twin) for
-// clusters of 2, 4 and 8 CTAs, at one token per request (rank 0's warps select) and four (every
-// CTA's warps select, rows shared), with NaN keys, requests whose rows are trivial (<= 16 visible
-// blocks), CTAs without blocks, and a batch of as many tokens as requests whose guessed bounds are
-// wrong (reloaded).
+// GPU tests of the clustered single pass's opt-in single_pass_early_rank (session 24: rank 0's
+// warps rank their rows from a snapshot taken before the cluster barrier, then poll and add the
+// entries written later). Ids must equal those of the two-kernel path (itself checked against the
+// twin) for clusters of 2, 4 and 8 CTAs, at one token per request (rank 0's warps select) and
+// four (every CTA's warps select, rows shared: early rank does not apply), on integer inputs
+// (scores tie often), with NaN keys, requests whose rows are trivial (<= 16 visible blocks), CTAs
+// without blocks, and a batch of as many tokens as requests whose guessed bounds are wrong.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -16,7 +15,7 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
-void check_cluster_options(const std::vector<RequestSpec>& reqs, Rng& rng,
+void check_early_rank(const std::vector<RequestSpec>& reqs, Rng& rng,
                            const std::string& label) {
   Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
   ASSERT_FALSE(::testing::Test::HasFailure());
@@ -29,23 +28,16 @@ void check_cluster_options(const std::vector<RequestSpec>& reqs, Rng& rng,
   const GpuResult g = run_gpu(d, two);
   compare(in, reference(in), g, /*exact_scores=*/true, label + " [two-kernel]");
   for (int ctas : {2, 4, 8}) {
-    for (int ring : {0, 4}) {
-      for (bool front : {false, true}) {
-        if (ring == 0 && !front) continue;  // the default: every other indexer test
-        IndexerCudaOptions o;
-        o.single_pass = true;
-        o.single_pass_ctas = ctas;
-        o.single_pass_ring = ring;
-        o.single_pass_front = front;
-        expect_same_ids(in, run_gpu(d, o), g,
-                        label + " [cluster " + std::to_string(ctas) + ", ring " +
-                            std::to_string(ring) + (front ? ", front]" : "]"));
-      }
-    }
+    IndexerCudaOptions o;
+    o.single_pass = true;
+    o.single_pass_ctas = ctas;
+    o.single_pass_early_rank = true;
+    expect_same_ids(in, run_gpu(d, o), g,
+                    label + " [cluster " + std::to_string(ctas) + ", early rank]");
   }
 }
 
-TEST(IndexerGpu, ClusterOptionsSameIds) {
+TEST(IndexerGpu, EarlyRankSameIds) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
@@ -54,11 +46,11 @@ TEST(IndexerGpu, ClusterOptionsSameIds) {
     std::vector<RequestSpec> reqs;
     for (int ctx : {8192, 8000, 5000, 4097, 2049, 1000, 129})
       reqs.push_back({ctx - tokens, tokens});
-    check_cluster_options(reqs, rng, std::to_string(tokens) + " token(s) per request");
+    check_early_rank(reqs, rng, std::to_string(tokens) + " token(s) per request");
   }
   // As many tokens as requests but not one each (a request without tokens, one with two): the
   // guessed bounds (request r's token r) are wrong from request 1 on and reloaded.
-  check_cluster_options({{8191, 1}, {5000, 0}, {6000, 2}, {4095, 1}}, rng,
+  check_early_rank({{8191, 1}, {5000, 0}, {6000, 2}, {4095, 1}}, rng,
                         "unequal tokens per request");
 }
 

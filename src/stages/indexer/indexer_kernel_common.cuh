@@ -236,6 +236,16 @@ __device__ __forceinline__ float ld_relaxed_cluster(const float* p) {
   asm volatile("ld.relaxed.cluster.f32 %0, [%1];" : "=f"(v) : "l"(p) : "memory");
   return v;
 }
+// single_pass_early_rank 2: the count of finished writer lanes in rank 0's shared memory (a
+// release add publishing the lane's table writes; acquire loads by rank 0).
+__device__ __forceinline__ void red_release_cluster_add(uint32_t* p, uint32_t v) {
+  asm volatile("red.release.cluster.add.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_acquire_cluster(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.cluster.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 // Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).
 template <int kI, int kN, typename F>

@@ -96,6 +96,8 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
 // select_rows_lean's.
 constexpr uint32_t kUnwritten = 0xffbadbadu;  // a NaN no flush writes (max.NaN gives 0x7fffffff)
 constexpr long long kEarlyRankSpin = 20000;   // cycles (~11 us): a fallback, never the rule
+constexpr long long kEarlyRankTrap = 2000000;  // cycles (~1 ms): single_pass_early_rank 2's
+                                               // count never complete (a bug): trap, no hang
 template <typename Wait>
 __device__ __forceinline__ void select_row_early(const KernelArgs& a, const float* sblk, int t0,
                                                  int rows, int b1, int lane_pos, int j,

@@ -314,7 +314,7 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
           float* dst = sblk + j * kFusedMaxChunk + (b - b0);
           const float val = page_ok ? v : quiet_nan();
           if (share == 0) {
-            if (a.early_rank)  // rank 0 reads the row before the barrier (select_row_early)
+            if (a.early_rank)  // rank 0 reads the row before the barrier (select_rows_early)
               st_relaxed_cluster(dst, val);
             else
               *dst = val;
@@ -555,15 +555,20 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  // single_pass_early_rank 2: decode lanes of the cluster done writing rank 0's table.
+  // single_pass_early_rank: rows claimed by rank 0's warps (select_rows_early); 2: decode lanes
+  // of the cluster done writing rank 0's table.
+  __shared__ int row_claims;
   __shared__ uint32_t written_lanes;
   if constexpr (kCluster) {
     if (a.early_rank) {  // grid-uniform
-      // Rank 0's table starts unwritten (select_row_early) and its count of finished writer
+      // Rank 0's table starts unwritten (select_rows_early) and its count of finished writer
       // lanes at 0, before any CTA of the cluster may write them (the start barrier, with
       // release semantics here).
       if (blockIdx.y == 0) {
-        if (threadIdx.x == 0) written_lanes = 0;
+        if (threadIdx.x == 0) {
+          row_claims = 0;
+          written_lanes = 0;
+        }
         const float u = __uint_as_float(kUnwritten);
         float4* t = reinterpret_cast<float4*>(smem + kMmaSmemBytes);
         for (int i = static_cast<int>(threadIdx.x); i < kDecRows * kFusedMaxChunk / 4;
@@ -735,18 +740,20 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (a.early_rank == 2 && !shared) {  // cluster-uniform
       // single_pass_early_rank 2: no cluster barrier at the end. Lanes 0-3 wrote the warp's
       // block maxima (decode_flush); each adds 1 to rank 0's count with release semantics, and
-      // the CTAs other than rank 0 are done. Rank 0's warps rank their rows (select_row_early)
+      // the CTAs other than rank 0 are done. Rank 0's warps rank the rows (select_rows_early)
       // and leave only once every lane of the cluster has counted (acquire): no write into its
       // shared memory may follow its exit.
       if (lane < 4) red_release_cluster_add(map_to_cluster_rank(&written_lanes, 0), 1u);
       if (blockIdx.y == 0) {
         const uint32_t total = 4u * kMmaWarps * gridDim.y;
-        select_row_early(a, sblk, qa, rows, nvis, p, warp,
-                         reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)), [&] {
-                           const long long start = clock64();
-                           while (ld_acquire_cluster(&written_lanes) < total)
-                             if (clock64() - start > kEarlyRankTrap) __trap();  // never: a bug
-                         });
+        select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
+                          reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)), [&] {
+                            const long long start = clock64();
+                            while (ld_acquire_cluster(&written_lanes) < total) {
+                              if (clock64() - start > kEarlyRankTrap) __trap();  // never: a bug
+                              __nanosleep(64);
+                            }
+                          });
       }
       timeline_mark(a, 4);
       return;
@@ -757,12 +764,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       timeline_mark(a, 3);
     };
     if (a.early_rank && !shared) {  // cluster-uniform
-      // IndexerCudaOptions::single_pass_early_rank: rank 0's warp j ranks row j from before the
-      // barrier (select_row_early; the warp's idle tile ring as scratch).
+      // IndexerCudaOptions::single_pass_early_rank 1: rank 0's warps rank the rows from before
+      // the barrier (select_rows_early; the warp's idle tile ring as scratch).
       if (blockIdx.y == 0)
-        select_row_early(a, sblk, qa, rows, nvis, p, warp,
-                         reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
-                         [] { cluster_wait_acquire(); });
+        select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
+                          reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
+                          [] { cluster_wait_acquire(); });
       else
         wait();
     } else if (shared || blockIdx.y == 0) {

@@ -5,7 +5,8 @@
 // twin) for clusters of 2, 4 and 8 CTAs, at one token per request (rank 0's warps select) and
 // four (every CTA's warps select, rows shared: early rank does not apply), on integer inputs
 // (scores tie often), with NaN keys, requests whose rows are trivial (<= 16 visible blocks), CTAs
-// without blocks, and a batch of as many tokens as requests whose guessed bounds are wrong.
+// without blocks, a batch of as many tokens as requests whose guessed bounds are wrong, and two
+// index heads at two tokens per request.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -16,9 +17,9 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
-void check_early_rank(const std::vector<RequestSpec>& reqs, Rng& rng,
-                           const std::string& label) {
-  Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+void check_early_rank(const std::vector<RequestSpec>& reqs, Rng& rng, const std::string& label,
+                      int n_kv = 4) {
+  Inputs in = make_inputs(reqs, n_kv, rng, /*integer=*/true, 0, /*extra_cols=*/0);
   ASSERT_FALSE(::testing::Test::HasFailure());
   in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
   in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
@@ -55,7 +56,35 @@ TEST(IndexerGpu, EarlyRankSameIds) {
   // As many tokens as requests but not one each (a request without tokens, one with two): the
   // guessed bounds (request r's token r) are wrong from request 1 on and reloaded.
   check_early_rank({{8191, 1}, {5000, 0}, {6000, 2}, {4095, 1}}, rng,
-                        "unequal tokens per request");
+                   "unequal tokens per request");
+  // Two index heads, two tokens per request: 4 rows of two tokens (row j is token j / 2's).
+  std::vector<RequestSpec> two;
+  for (int ctx : {8192, 7000, 3000, 200}) two.push_back({ctx - 2, 2});
+  check_early_rank(two, rng, "n_kv 2, 2 tokens per request", 2);
+}
+
+// A small case for compute-sanitizer (memcheck / racecheck): two requests of one token, 2-CTA
+// clusters, both early-rank modes, against the two-kernel path.
+TEST(IndexerGpu, EarlyRankSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  Inputs in = make_inputs({{8191, 1}, {3000, 1}}, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  DeviceSet d;
+  upload(in, d);
+  IndexerCudaOptions two;
+  two.unfused_decode = true;
+  const GpuResult g = run_gpu(d, two);
+  compare(in, reference(in), g, /*exact_scores=*/true, "small [two-kernel]");
+  for (int mode : {1, 2}) {
+    IndexerCudaOptions o;
+    o.single_pass = true;
+    o.single_pass_ctas = 2;
+    o.single_pass_early_rank = mode;
+    expect_same_ids(in, run_gpu(d, o), g, "small [early rank " + std::to_string(mode) + "]");
+  }
 }
 
 }  // namespace

@@ -67,8 +67,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, er / er2 =
-//   single_pass_early_rank 1 / 2;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, er / er2 /
+//   er3 = single_pass_early_rank 1 / 2 / 3;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -1143,6 +1143,8 @@ int main(int argc, char** argv) {
     all.back().o.single_pass_early_rank = 1;
     all.push_back({"er2", default_o});
     all.back().o.single_pass_early_rank = 2;
+    all.push_back({"er3", default_o});  // the end without the barrier, ranking after it
+    all.back().o.single_pass_early_rank = 3;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1185,7 +1187,7 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, "
-        "er / er2 = single_pass_early_rank 1 / 2; "
+        "er / er2 / er3 = single_pass_early_rank 1 / 2 / 3; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

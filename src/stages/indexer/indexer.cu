@@ -396,9 +396,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.single_pass_early_rank >= 0 && options.single_pass_early_rank <= 2,
+  M3_CHECK_ARG(options.single_pass_early_rank >= 0 && options.single_pass_early_rank <= 3,
                "run_indexer_cuda: single_pass_early_rank ", options.single_pass_early_rank,
-               " is outside [0, 2]");
+               " is outside [0, 3]");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");

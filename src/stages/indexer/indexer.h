@@ -126,8 +126,8 @@ struct IndexerCudaOptions {
   // table starts with an "unwritten" NaN) and added (one compare per lane and entry, ballots for
   // their own ranks); 1: the cluster barrier is waited for after the row is written; 2: no
   // barrier at the end: the writer lanes count themselves into the first CTA (release adds),
-  // the other CTAs exit, the first waits for the full count. Same ids. Session 24: the A/B
-  // switch.
+  // the other CTAs exit, the first waits for the full count; 3: that end without the early
+  // ranking (the first CTA ranks once the count is full). Same ids. Session 24: the A/B switch.
   int single_pass_early_rank = 0;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so

@@ -737,23 +737,32 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
-    if (a.early_rank == 2 && !shared) {  // cluster-uniform
-      // single_pass_early_rank 2: no cluster barrier at the end. Lanes 0-3 wrote the warp's
+    if (a.early_rank >= 2 && !shared) {  // cluster-uniform
+      // single_pass_early_rank 2 / 3: no cluster barrier at the end. Lanes 0-3 wrote the warp's
       // block maxima (decode_flush); each adds 1 to rank 0's count with release semantics, and
-      // the CTAs other than rank 0 are done. Rank 0's warps rank the rows (select_rows_early)
-      // and leave only once every lane of the cluster has counted (acquire): no write into its
-      // shared memory may follow its exit.
+      // the CTAs other than rank 0 are done. Rank 0's warps rank the rows (2: select_rows_early,
+      // 3: select_rows_lean once the count is full) and leave only once every lane of the
+      // cluster has counted (acquire): no write into its shared memory may follow its exit.
       if (lane < 4) red_release_cluster_add(map_to_cluster_rank(&written_lanes, 0), 1u);
       if (blockIdx.y == 0) {
         const uint32_t total = 4u * kMmaWarps * gridDim.y;
-        select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
-                          reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)), [&] {
-                            const long long start = clock64();
-                            while (ld_acquire_cluster(&written_lanes) < total) {
-                              if (clock64() - start > kEarlyRankTrap) __trap();  // never: a bug
-                              __nanosleep(64);
-                            }
-                          });
+        const auto counted = [&] {
+          const long long start = clock64();
+          while (ld_acquire_cluster(&written_lanes) < total) {
+            if (clock64() - start > kEarlyRankTrap) __trap();  // never: a bug
+            __nanosleep(64);
+          }
+        };
+        if (a.early_rank == 2) {
+          select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
+                            reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
+                            counted);
+        } else {
+          select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, [&] {
+            counted();
+            timeline_mark(a, 3);
+          });
+        }
       }
       timeline_mark(a, 4);
       return;

@@ -1,7 +1,7 @@
 // GPU tests of the clustered single pass's opt-in single_pass_early_rank (session 24: rank 0's
 // warps rank their rows from a snapshot taken before the cluster barrier, then poll and add the
 // entries written later; 1: the cluster barrier at the end, 2: a count of finished writer lanes
-// instead, the other CTAs exiting at once). Ids must equal those of the two-kernel path (itself checked against the
+// instead, the other CTAs exiting at once; 3: that end, ranking once the count is full). Ids must equal those of the two-kernel path (itself checked against the
 // twin) for clusters of 2, 4 and 8 CTAs, at one token per request (rank 0's warps select) and
 // four (every CTA's warps select, rows shared: early rank does not apply), on integer inputs
 // (scores tie often), with NaN keys, requests whose rows are trivial (<= 16 visible blocks), CTAs
@@ -30,7 +30,7 @@ void check_early_rank(const std::vector<RequestSpec>& reqs, Rng& rng, const std:
   const GpuResult g = run_gpu(d, two);
   compare(in, reference(in), g, /*exact_scores=*/true, label + " [two-kernel]");
   for (int ctas : {2, 4, 8}) {
-    for (int mode : {1, 2}) {
+    for (int mode : {1, 2, 3}) {
       IndexerCudaOptions o;
       o.single_pass = true;
       o.single_pass_ctas = ctas;
@@ -78,7 +78,7 @@ TEST(IndexerGpu, EarlyRankSmall) {
   two.unfused_decode = true;
   const GpuResult g = run_gpu(d, two);
   compare(in, reference(in), g, /*exact_scores=*/true, "small [two-kernel]");
-  for (int mode : {1, 2}) {
+  for (int mode : {1, 2, 3}) {
     IndexerCudaOptions o;
     o.single_pass = true;
     o.single_pass_ctas = 2;

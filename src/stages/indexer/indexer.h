@@ -119,16 +119,14 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Clustered single pass (single_pass_ctas > 1) at one token per request (rows <= 4 per unit),
-  // 1 or 2 (0: off): the first CTA's warp j ranks row j from before the cluster barrier: a
-  // snapshot of the row once its own blocks are done (ranked among themselves while the
-  // cluster's last blocks stream), then the remaining entries polled as they are written (the
-  // table starts with an "unwritten" NaN) and added (one compare per lane and entry, ballots for
-  // their own ranks); 1: the cluster barrier is waited for after the row is written; 2: no
-  // barrier at the end: the writer lanes count themselves into the first CTA (release adds),
-  // the other CTAs exit, the first waits for the full count; 3: that end without the early
-  // ranking (the first CTA ranks once the count is full). Same ids. Session 24: the A/B switch.
-  int single_pass_early_rank = 0;
+  // Clustered single pass (single_pass_ctas > 1) only: each decode warp publishes the block it is
+  // at (a progress word in shared memory), and the warps of the cluster's other CTAs (not the
+  // first: it ranks), once their own blocks are done while a warp of their CTA still streams,
+  // prefetch into L2 (cp.async.bulk.prefetch) the blocks that the cluster's unfinished warps have
+  // not started, so that the stream's ragged end reads them from L2 (the DRAM is no longer busy
+  // then: the warps still streaming keep only 7 tiles each in flight). Same ids. Session 24: the
+  // A/B switch.
+  bool single_pass_tail_prefetch = false;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

@@ -40,11 +40,21 @@ static_assert(kFusedMaxChunk == kCountRow, "rank_lean ranks a table row");
 // selection on scratch between the barrier's arrive and wait, so that its code is cached
 // (22.0-22.1 vs 21.8-21.9, round C); an mbarrier per table instead of the final cluster barrier
 // (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C). Session 24 (64 x 8K draft 0, same-round
-// b2b): the first warp of rank 0 to finish its blocks ranking a scratch row (an out-of-line
+// b2b, us): the first warp of rank 0 to finish its blocks ranking a scratch row (an out-of-line
 // rank-and-emit, so the real rows then ran the same, cached instructions) before the cluster
 // barrier: 22.0 / 21.9 / 21.9 vs 21.8 / 21.9 / 21.8 (round A); back-to-back timeline: ranked 0.75
 // us (p50) after the barrier vs 0.66 without, so instruction fetch is not what paces the count
-// between calls (one warp per scheduler, ~1100 cycles for ~290 instructions).
+// between calls (one warp per scheduler, ~1100 cycles for ~290 instructions). An early ranking
+// (rank 0's table filled with an "unwritten" NaN before a release arrive at the start, block
+// maxima stored with st.relaxed.cluster; rank 0's warps ranked a snapshot of their row once their
+// own blocks were done, polled the entries written later and added them by one compare per lane
+// and ballots; after the row, the cluster barrier (1) or a count of writer lanes in rank 0 by
+// release adds, the other CTAs exiting at once (2)): round E 21.8 / 21.7 / 21.8 (1) and 21.8 /
+// 21.8 / 21.8 (2) vs 21.7 / 21.6 / 21.6 (the row's own warp, often the cluster's last, ran the
+// 0.6 us early pass after its blocks; the late entries one at a time took 0.44 us); reworked
+// (rows claimed in finish order, late entries four at a time, a pause between polls) round F
+// 21.8-22.0 / 21.8-22.0 vs 20.7-20.9. Timelines: the release arrive and the table fill delayed the
+// first copies by 0.44 us, and the end after the last block scored took 1.9-2.2 us vs 1.4.
 template <typename Wait>
 __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
                                                  int rows, int b0, int b1, int lane_pos,
@@ -75,143 +85,6 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
     if (j == first_row) timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
     emit_ranked_row(out, s0, s1, r0, r1, local);
   }
-  if (!waited) wait();
-}
-
-// IndexerCudaOptions::single_pass_early_rank: the clustered single pass's final selection
-// (rows <= kMmaWarps, the table in rank 0) started before the cluster's last blocks are scored.
-// Rank 0 filled its table with kUnwritten before the start barrier and every block max is written
-// once (st_relaxed_cluster). Rank 0's warps take the rows in the order they finish their own
-// blocks (at most kEarlyRowsPerWarp each, so the CTA's last warp usually takes none), and for each
-// row early_row_begin takes a snapshot: the entries already written are final, and lean_beats on
-// the snapshot (the unwritten ones as NaN, which beat nothing) ranks them among themselves. Then
-// early_row_finish polls the unwritten ("late") entries until they are in (with a pause between
-// polls, so that the poll does not take the shared-memory pipe from the warps still streaming;
-// bounded: after kEarlyRankSpin cycles it waits for the end of the cluster instead, after which
-// every entry is final), adds the late entries' beats of the early candidates (one compare per
-// lane and late entry) and counts the late candidates' beats by ballots (the same rule: on score
-// alone inside a half, by id order across the halves), four late entries at a time, adds the ties
-// inside the halves (lean_add_ties) and writes the row.
-constexpr uint32_t kUnwritten = 0xffbadbadu;  // a NaN no flush writes (max.NaN gives 0x7fffffff)
-constexpr long long kEarlyRankSpin = 20000;   // cycles (~11 us): a fallback, never the rule
-constexpr long long kEarlyRankTrap = 2000000;  // cycles (~1 ms): single_pass_early_rank 2's
-                                               // count never complete (a bug): trap, no hang
-constexpr int kEarlyRowsPerWarp = 2;
-struct EarlyRow {
-  const float* row = nullptr;  // null: nothing left to do (trivial row, already written)
-  int32_t* out = nullptr;
-  int local = 0;
-  float f0 = 0.0f, f1 = 0.0f;  // the lane's candidates lane / lane + 32 (NaN: none)
-  float c0 = 0.0f, c1 = 0.0f;  // their beats among the snapshot's entries
-  uint32_t m0 = 0, m1 = 0;     // late entries (unwritten at the snapshot) of each half
-};
-
-// Row j's snapshot and early pass (see above); scratch: 64 floats of shared memory the warp owns
-// (its idle tile ring).
-__device__ __forceinline__ EarlyRow early_row_begin(const KernelArgs& a, const float* sblk, int t0,
-                                                    int b1, int lane_pos, int j, float* scratch) {
-  const int lane = threadIdx.x & 31;
-  EarlyRow e;
-  const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);  // j / n_kv < 32
-  e.out = a.block_ids + (int64_t{t0} * a.n_kv + j) * kTopK;
-  e.local = trivial_row(a, e.out, pos, true);
-  if (e.local < 0) return e;
-  const int nb = min(b1, e.local);  // candidates 0 .. nb - 1 (b0 == 0)
-  e.row = sblk + j * kFusedMaxChunk;
-  const bool in0 = lane < nb, in1 = lane + 32 < nb;
-  e.f0 = in0 ? ld_relaxed_cluster(e.row + lane) : quiet_nan();
-  e.f1 = in1 ? ld_relaxed_cluster(e.row + lane + 32) : quiet_nan();
-  const bool late0 = in0 && __float_as_uint(e.f0) == kUnwritten;
-  const bool late1 = in1 && __float_as_uint(e.f1) == kUnwritten;
-  e.m0 = __ballot_sync(0xffffffffu, late0);
-  e.m1 = __ballot_sync(0xffffffffu, late1);
-  __syncwarp();  // every lane's earlier reads of the scratch (and tile copies into it) are done
-  scratch[lane] = late0 ? quiet_nan() : e.f0;
-  scratch[lane + 32] = late1 ? quiet_nan() : e.f1;
-  __syncwarp();
-  lean_beats<0, kCountRow>(scratch, scratch[lane], scratch[lane + 32], e.c0, e.c1);
-  return e;
-}
-
-// The rest of a row begun by early_row_begin: the late entries polled and added, the row written.
-// wait(): the end of the cluster (every entry final), called at most once per warp (*waited).
-template <typename Wait>
-__device__ __forceinline__ void early_row_finish(const KernelArgs& a, EarlyRow& e, Wait&& wait,
-                                                 bool* waited) {
-  const int lane = threadIdx.x & 31;
-  if (e.row == nullptr) return;  // warp-uniform
-  const bool late0 = (e.m0 >> lane) & 1u, late1 = (e.m1 >> lane) & 1u;
-  const long long start = clock64();
-  for (uint32_t p = e.m0 | e.m1; p != 0;) {  // warp-uniform
-    if (!*waited && clock64() - start > kEarlyRankSpin) {
-      wait();
-      *waited = true;
-    }
-    if (late0 && __float_as_uint(e.f0) == kUnwritten) e.f0 = ld_relaxed_cluster(e.row + lane);
-    if (late1 && __float_as_uint(e.f1) == kUnwritten) e.f1 = ld_relaxed_cluster(e.row + lane + 32);
-    if (*waited) break;  // every entry is final after the end of the cluster
-    p = __ballot_sync(0xffffffffu, (late0 && __float_as_uint(e.f0) == kUnwritten) ||
-                                       (late1 && __float_as_uint(e.f1) == kUnwritten));
-    if (p != 0) __nanosleep(64);
-  }
-  timeline_mark(a, 3);
-  timeline_stamp(a, 16, __float_as_uint(e.f0) ^ __float_as_uint(e.f1));
-  // Late entries, four at a time: their beats of every candidate, and (ballots) every
-  // candidate's beats of them.
-  int r0 = 0, r1 = 0;
-  for (uint64_t late = (uint64_t{e.m1} << 32) | e.m0; late != 0;) {  // warp-uniform
-    int id[4];
-    float v[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      id[u] = late != 0 ? __ffsll(static_cast<long long>(late)) - 1 : -1;
-      late &= late - 1;
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u)
-      v[u] = __shfl_sync(0xffffffffu, id[u] < 32 ? e.f0 : e.f1, id[u] & 31);
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (id[u] < 0) continue;  // warp-uniform
-      const bool first_half = id[u] < 32;
-      e.c0 += set_gt(v[u], e.f0);
-      e.c1 += first_half ? set_ge(v[u], e.f1) : set_gt(v[u], e.f1);
-      const int n = __popc(__ballot_sync(0xffffffffu, first_half ? e.f0 > v[u] : e.f0 >= v[u])) +
-                    __popc(__ballot_sync(0xffffffffu, e.f1 > v[u]));
-      if (lane == (id[u] & 31)) (first_half ? r0 : r1) = n;
-    }
-  }
-  if (!late0) r0 = static_cast<int>(e.c0);
-  if (!late1) r1 = static_cast<int>(e.c1);
-  lean_add_ties(e.f0, e.f1, r0, r1);
-  timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
-  emit_ranked_row(e.out, e.f0, e.f1, r0, r1, e.local);
-}
-
-// Rank 0's warp in early-rank mode, once its own blocks are done: up to kEarlyRowsPerWarp rows
-// claimed in finish order from *claims (rank 0's shared counter, 0 at the start), begun at once,
-// then finished; wait() (the end of the cluster) last, once.
-template <typename Wait>
-__device__ __forceinline__ void select_rows_early(const KernelArgs& a, const float* sblk, int t0,
-                                                  int rows, int b1, int lane_pos, int* claims,
-                                                  float* scratch, Wait&& wait) {
-  const int lane = threadIdx.x & 31;
-  EarlyRow e[kEarlyRowsPerWarp];
-  int taken = 0;
-#pragma unroll
-  for (int k = 0; k < kEarlyRowsPerWarp; ++k) {
-    if (taken < k) break;  // warp-uniform: no row left
-    int j = 0;
-    if (lane == 0) j = atomicAdd(claims, 1);
-    j = __shfl_sync(0xffffffffu, j, 0);
-    if (j >= rows) break;
-    e[k] = early_row_begin(a, sblk, t0, b1, lane_pos, j, scratch);
-    taken = k + 1;
-  }
-  bool waited = false;
-#pragma unroll
-  for (int k = 0; k < kEarlyRowsPerWarp; ++k)
-    if (k < taken) early_row_finish(a, e[k], wait, &waited);
   if (!waited) wait();
 }
 

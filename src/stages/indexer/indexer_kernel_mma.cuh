@@ -143,6 +143,8 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
+// single_pass_tail_prefetch: a finished warp's progress word.
+constexpr int kTailDone = 1 << 20;
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -314,10 +316,7 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
           float* dst = sblk + j * kFusedMaxChunk + (b - b0);
           const float val = page_ok ? v : quiet_nan();
           if (share == 0) {
-            if (a.early_rank)  // rank 0 reads the row before the barrier (select_rows_early)
-              st_relaxed_cluster(dst, val);
-            else
-              *dst = val;
+            *dst = val;
           } else {
 #pragma unroll 1
             for (int rk = 0; rk < share; ++rk) *map_to_cluster_rank(dst, rk) = val;
@@ -451,7 +450,8 @@ template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued, int share) {
+                                            float* sblk, int b0, bool pre_issued, int share,
+                                            int* progress) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -501,6 +501,8 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
+    // single_pass_tail_prefetch: block k is being computed, block k + 1 being issued.
+    if (progress != nullptr && lane == 0) st_relaxed_cluster(progress, k);
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
     const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
@@ -555,33 +557,15 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  // single_pass_early_rank: rows claimed by rank 0's warps (select_rows_early); 2: decode lanes
-  // of the cluster done writing rank 0's table.
-  __shared__ int row_claims;
-  __shared__ uint32_t written_lanes;
-  if constexpr (kCluster) {
-    if (a.early_rank) {  // grid-uniform
-      // Rank 0's table starts unwritten (select_rows_early) and its count of finished writer
-      // lanes at 0, before any CTA of the cluster may write them (the start barrier, with
-      // release semantics here).
-      if (blockIdx.y == 0) {
-        if (threadIdx.x == 0) {
-          row_claims = 0;
-          written_lanes = 0;
-        }
-        const float u = __uint_as_float(kUnwritten);
-        float4* t = reinterpret_cast<float4*>(smem + kMmaSmemBytes);
-        for (int i = static_cast<int>(threadIdx.x); i < kDecRows * kFusedMaxChunk / 4;
-             i += kMmaThreads)
-          t[i] = make_float4(u, u, u, u);
-      }
-      cluster_arrive_release();
-    } else {
-      cluster_arrive_relaxed();
-    }
-  }
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
+  // single_pass_tail_prefetch: the block each warp of this CTA is at (kTailDone: finished); set
+  // before the start barrier (no CTA of the cluster reads it earlier).
+  __shared__ int progress[kMmaWarps];
+  if constexpr (kCluster) {
+    if (a.tail_prefetch && lane == 0) st_relaxed_cluster(&progress[warp], 0);
+    cluster_arrive_relaxed();
+  }
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
   int b0 =
       static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
@@ -671,23 +655,23 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, int tb0, int share) {
+  const auto score = [&](float* table, int tb0, int share, int* progress) {
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+                               table, tb0, pre, share, progress);
         break;
       case 2:
         decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+                               table, tb0, pre, share, progress);
         break;
       case 3:
         decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+                               table, tb0, pre, share, progress);
         break;
       default:
         decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share);
+                               table, tb0, pre, share, progress);
         break;
     }
   };
@@ -735,53 +719,47 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
-            shared ? static_cast<int>(gridDim.y) : 0);
+            shared ? static_cast<int>(gridDim.y) : 0, a.tail_prefetch ? &progress[warp] : nullptr);
     timeline_mark(a, 2);
-    if (a.early_rank >= 2 && !shared) {  // cluster-uniform
-      // single_pass_early_rank 2 / 3: no cluster barrier at the end. Lanes 0-3 wrote the warp's
-      // block maxima (decode_flush); each adds 1 to rank 0's count with release semantics, and
-      // the CTAs other than rank 0 are done. Rank 0's warps rank the rows (2: select_rows_early,
-      // 3: select_rows_lean once the count is full) and leave only once every lane of the
-      // cluster has counted (acquire): no write into its shared memory may follow its exit.
-      if (lane < 4) red_release_cluster_add(map_to_cluster_rank(&written_lanes, 0), 1u);
-      if (blockIdx.y == 0) {
-        const uint32_t total = 4u * kMmaWarps * gridDim.y;
-        const auto counted = [&] {
-          const long long start = clock64();
-          while (ld_acquire_cluster(&written_lanes) < total) {
-            if (clock64() - start > kEarlyRankTrap) __trap();  // never: a bug
-            __nanosleep(64);
+    if (a.tail_prefetch) {  // grid-uniform
+      if (lane == 0) st_relaxed_cluster(&progress[warp], kTailDone);
+      __syncwarp();
+      bool others = false;  // a warp of this CTA still streams
+#pragma unroll
+      for (int v = 0; v < kMmaWarps; ++v)
+        others = others || ld_relaxed_cluster(&progress[v]) < kTailDone;
+      if (blockIdx.y != 0 && others) {
+        // Not the first CTA (it ranks) and not this CTA's last warp (its arrive would wait for
+        // the reads): lane l reads the progress of the cluster's warp l (CTA l / 4, warp l % 4)
+        // before the arrive (no CTA of the cluster exits before it), then prefetches the blocks
+        // that warp has not started.
+        const int cw = lane < kMmaWarps * static_cast<int>(gridDim.y) ? lane : -1;
+        const int k = cw >= 0 ? ld_relaxed_cluster(map_to_cluster_rank(&progress[cw % kMmaWarps],
+                                                                        cw / kMmaWarps))
+                              : kTailDone;
+        cluster_arrive_release();
+        if (k < kTailDone) {
+          const int y0 = static_cast<int>(
+              min(int64_t{cw / kMmaWarps} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
+          const int y1 = min(nvis, static_cast<int>(min(int64_t{y0} + a.dec_chunk,
+                                                        int64_t{a.max_pages})));
+          // From the block it issues now (the tiles already issued: in flight or in its ring).
+          for (int b = y0 + cw % kMmaWarps + kMmaWarps * (k + 1); b < y1; b += kMmaWarps) {
+            const int64_t pg = guarded_page(a, r, b);
+            if (pg >= 0) prefetch_l2_bulk(page_base(a, pg), kPageBytes);
           }
-        };
-        if (a.early_rank == 2) {
-          select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
-                            reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
-                            counted);
-        } else {
-          select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, [&] {
-            counted();
-            timeline_mark(a, 3);
-          });
         }
+      } else {
+        cluster_arrive_release();
       }
-      timeline_mark(a, 4);
-      return;
+    } else {
+      cluster_arrive_release();
     }
-    cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
     };
-    if (a.early_rank && !shared) {  // cluster-uniform
-      // IndexerCudaOptions::single_pass_early_rank 1: rank 0's warps rank the rows from before
-      // the barrier (select_rows_early; the warp's idle tile ring as scratch).
-      if (blockIdx.y == 0)
-        select_rows_early(a, sblk, qa, rows, nvis, p, &row_claims,
-                          reinterpret_cast<float*>(smem + warp * (kDecStages * kTileBytes)),
-                          [] { cluster_wait_acquire(); });
-      else
-        wait();
-    } else if (shared || blockIdx.y == 0) {
+    if (shared || blockIdx.y == 0) {
       // The rows' metadata (and trivial rows) before the wait, the counting after it.
       const int first_row = (shared ? static_cast<int>(blockIdx.y) * kMmaWarps : 0) + warp;
       const int row_step = (shared ? static_cast<int>(gridDim.y) : 1) * kMmaWarps;
@@ -801,7 +779,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, b0, 0);
+  if (first < b1) score(sblk, b0, 0, nullptr);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

@@ -39,7 +39,6 @@
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
-//   --tail-prefetch (single_pass_tail_prefetch in the default and --single-ctas options),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -67,8 +66,7 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, tp =
-//   single_pass_tail_prefetch;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -514,7 +512,6 @@ int main(int argc, char** argv) {
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   bool tl_b2b = false;   // --tl-b2b: --timeline of the last call of a back-to-back sequence
-  bool tail_prefetch = false;  // --tail-prefetch: IndexerCudaOptions::single_pass_tail_prefetch
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -567,8 +564,6 @@ int main(int argc, char** argv) {
       evict_first = std::atoi(argv[++i]);
     else if (a == "--tl-b2b")
       tl_b2b = true;
-    else if (a == "--tail-prefetch")
-      tail_prefetch = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -590,7 +585,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--tail-prefetch] [--k K,K,...]\n",
+                   "[--ef N] [--tl-b2b] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -607,8 +602,6 @@ int main(int argc, char** argv) {
   two_o.unfused_decode = true;
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
-  single_o.single_pass_tail_prefetch = tail_prefetch;
-  default_o.single_pass_tail_prefetch = tail_prefetch;
   default_o.stream_evict_first = evict_first;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
@@ -1137,10 +1130,6 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
-    // tp = IndexerCudaOptions::single_pass_tail_prefetch (L2 prefetch of the clustered single
-    // pass's unstarted blocks by its finished warps).
-    all.push_back({"tp", default_o});
-    all.back().o.single_pass_tail_prefetch = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1183,7 +1172,7 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, "
-        "tp = single_pass_tail_prefetch; "
+
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

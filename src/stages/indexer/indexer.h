@@ -119,14 +119,6 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Clustered single pass (single_pass_ctas > 1) only: each decode warp publishes the block it is
-  // at (a progress word in shared memory), and the warps of the cluster's other CTAs (not the
-  // first: it ranks), once their own blocks are done while a warp of their CTA still streams,
-  // prefetch into L2 (cp.async.bulk.prefetch) the blocks that the cluster's unfinished warps have
-  // not started, so that the stream's ragged end reads them from L2 (the DRAM is no longer busy
-  // then: the warps still streaming keep only 7 tiles each in flight). Same ids. Session 24: the
-  // A/B switch.
-  bool single_pass_tail_prefetch = false;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

@@ -79,7 +79,6 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
-  int tail_prefetch = 0;  // IndexerCudaOptions::single_pass_tail_prefetch (the clustered pass)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see
@@ -224,22 +223,6 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
-}
-// Relaxed cluster-scope 32-bit store / load through a generic address
-// (IndexerCudaOptions::single_pass_tail_prefetch: a decode warp's progress word, read by the
-// other CTAs of its cluster while it streams: strong accesses, no data race).
-__device__ __forceinline__ void st_relaxed_cluster(int* p, int v) {
-  asm volatile("st.relaxed.cluster.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ int ld_relaxed_cluster(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.cluster.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-// Prefetches `bytes` (a multiple of 16) at the 16-byte aligned global address p into L2 (one
-// bulk-copy-unit request, no registers or shared memory).
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).

@@ -143,8 +143,6 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
-// single_pass_tail_prefetch: a finished warp's progress word.
-constexpr int kTailDone = 1 << 20;
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -450,8 +448,7 @@ template <int NT, bool kFused>
 __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, int r, int t0,
                                             int rows, int first, int b1, int step, int64_t pg_first,
                                             int64_t pg_second, const QueryRaw& qraw, int lane_pos,
-                                            float* sblk, int b0, bool pre_issued, int share,
-                                            int* progress) {
+                                            float* sblk, int b0, bool pre_issued, int share) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, tig = lane & 3;
@@ -501,8 +498,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    // single_pass_tail_prefetch: block k is being computed, block k + 1 being issued.
-    if (progress != nullptr && lane == 0) st_relaxed_cluster(progress, k);
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
     const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
@@ -557,15 +552,9 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
+  if constexpr (kCluster) cluster_arrive_relaxed();
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  // single_pass_tail_prefetch: the block each warp of this CTA is at (kTailDone: finished); set
-  // before the start barrier (no CTA of the cluster reads it earlier).
-  __shared__ int progress[kMmaWarps];
-  if constexpr (kCluster) {
-    if (a.tail_prefetch && lane == 0) st_relaxed_cluster(&progress[warp], 0);
-    cluster_arrive_relaxed();
-  }
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
   int b0 =
       static_cast<int>(min(int64_t{blockIdx.y} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
@@ -655,23 +644,23 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
-  const auto score = [&](float* table, int tb0, int share, int* progress) {
+  const auto score = [&](float* table, int tb0, int share) {
     switch ((rows + 7) / 8) {
       case 1:
         decode_unit<1, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share, progress);
+                               table, tb0, pre, share);
         break;
       case 2:
         decode_unit<2, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share, progress);
+                               table, tb0, pre, share);
         break;
       case 3:
         decode_unit<3, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share, progress);
+                               table, tb0, pre, share);
         break;
       default:
         decode_unit<4, kFused>(a, smem, r, qa, rows, first, b1, step, pg_first, pg_second, q, p,
-                               table, tb0, pre, share, progress);
+                               table, tb0, pre, share);
         break;
     }
   };
@@ -713,48 +702,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // moved before the guessed query-row and position loads 21.4 / 21.3 / 21.4 vs 21.4 / 21.4 /
     // 21.5 (round C; back-to-back timeline: first copies issued 1.22 us after entry instead of
     // 1.80, but the first tile landed 3.81 vs 3.95: 7 tiles per warp from every warp at once queue
-    // at DRAM, so the front is not where the time goes).
+    // at DRAM, so the front is not where the time goes); the unstarted blocks of the cluster's
+    // unfinished warps prefetched into L2 (cp.async.bulk.prefetch, each decode warp publishing
+    // the block it was at in a relaxed shared word, read through distributed shared memory by
+    // the non-first CTA's finished warps while a warp of their CTA still streamed) 20.8 / 20.9 /
+    // 20.8 / 20.9 vs 20.7 / 20.8 / 20.7 / 20.6 (round H).
     const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
-            shared ? static_cast<int>(gridDim.y) : 0, a.tail_prefetch ? &progress[warp] : nullptr);
+            shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
-    if (a.tail_prefetch) {  // grid-uniform
-      if (lane == 0) st_relaxed_cluster(&progress[warp], kTailDone);
-      __syncwarp();
-      bool others = false;  // a warp of this CTA still streams
-#pragma unroll
-      for (int v = 0; v < kMmaWarps; ++v)
-        others = others || ld_relaxed_cluster(&progress[v]) < kTailDone;
-      if (blockIdx.y != 0 && others) {
-        // Not the first CTA (it ranks) and not this CTA's last warp (its arrive would wait for
-        // the reads): lane l reads the progress of the cluster's warp l (CTA l / 4, warp l % 4)
-        // before the arrive (no CTA of the cluster exits before it), then prefetches the blocks
-        // that warp has not started.
-        const int cw = lane < kMmaWarps * static_cast<int>(gridDim.y) ? lane : -1;
-        const int k = cw >= 0 ? ld_relaxed_cluster(map_to_cluster_rank(&progress[cw % kMmaWarps],
-                                                                        cw / kMmaWarps))
-                              : kTailDone;
-        cluster_arrive_release();
-        if (k < kTailDone) {
-          const int y0 = static_cast<int>(
-              min(int64_t{cw / kMmaWarps} * a.dec_chunk, static_cast<int64_t>(a.max_pages)));
-          const int y1 = min(nvis, static_cast<int>(min(int64_t{y0} + a.dec_chunk,
-                                                        int64_t{a.max_pages})));
-          // From the block it issues now (the tiles already issued: in flight or in its ring).
-          for (int b = y0 + cw % kMmaWarps + kMmaWarps * (k + 1); b < y1; b += kMmaWarps) {
-            const int64_t pg = guarded_page(a, r, b);
-            if (pg >= 0) prefetch_l2_bulk(page_base(a, pg), kPageBytes);
-          }
-        }
-      } else {
-        cluster_arrive_release();
-      }
-    } else {
-      cluster_arrive_release();
-    }
+    cluster_arrive_release();
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);
@@ -779,7 +739,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   } else {
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
-  if (first < b1) score(sblk, b0, 0, nullptr);
+  if (first < b1) score(sblk, b0, 0);
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

@@ -66,7 +66,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, rh =
+//   rank_hoisted;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -1130,6 +1131,9 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
+    // rh = IndexerCudaOptions::rank_hoisted (the single pass's count from registers).
+    all.push_back({"rh", default_o});
+    all.back().o.rank_hoisted = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1171,8 +1175,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, "
-
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, rh = rank_hoisted; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -66,8 +66,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, rh =
-//   rank_hoisted;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl =
+//   programmatic_launch (back to back: each call behind the previous one);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -1131,9 +1131,11 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
-    // rh = IndexerCudaOptions::rank_hoisted (the single pass's count from registers).
-    all.push_back({"rh", default_o});
-    all.back().o.rank_hoisted = true;
+    // pdl = IndexerCudaOptions::programmatic_launch (a measurement, not a default: back to back
+    // each call is then launched programmatically behind the previous one, whose tail its front
+    // overlaps; the layer's decode step measured no gain from it in session 23).
+    all.push_back({"pdl", default_o});
+    all.back().o.programmatic_launch = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1175,7 +1177,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, rh = rank_hoisted; "
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = programmatic_launch; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

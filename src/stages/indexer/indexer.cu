@@ -446,7 +446,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).
   a.guess = options.guess_request_bounds && T <= R ? 1 : 0;
-  a.rank_hoisted = options.rank_hoisted ? 1 : 0;
   a.early = options.early_query_loads && !pl.single ? 1 : 0;
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;

@@ -119,10 +119,6 @@ struct IndexerCudaOptions {
   // single pass's one launch with up to k times the CTAs (more bytes in flight at small batches).
   // Same ids.
   int single_pass_ctas = 0;
-  // Single pass: the final count (rank_lean) loads the row's 64 scores into registers before the
-  // first comparison and keeps eight accumulators per candidate (rank_lean_hoisted). Same ranks.
-  // Session 24: the A/B switch.
-  bool rank_hoisted = false;
   // L2 policy of the decode units' index-K tile copies: evict_first (1 or 0, the default:
   // automatic, on for every plan; -1: never) makes the read-once stream the L2's first victims, so
   // that what every call reads again (page tables, query rows, positions, the kernels' code) stays

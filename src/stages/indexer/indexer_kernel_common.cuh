@@ -79,7 +79,6 @@ struct KernelArgs {
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
-  int rank_hoisted = 0;  // IndexerCudaOptions::rank_hoisted (the single pass's final count)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)
   // IndexerCudaOptions::timeline (benchmarks): per decode warp, kTimelineStride uint64, see

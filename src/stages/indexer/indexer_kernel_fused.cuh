@@ -54,37 +54,9 @@ static_assert(kFusedMaxChunk == kCountRow, "rank_lean ranks a table row");
 // 0.6 us early pass after its blocks; the late entries one at a time took 0.44 us); reworked
 // (rows claimed in finish order, late entries four at a time, a pause between polls) round F
 // 21.8-22.0 / 21.8-22.0 vs 20.7-20.9. Timelines: the release arrive and the table fill delayed the
-// first copies by 0.44 us, and the end after the last block scored took 1.9-2.2 us vs 1.4.
-// rank_lean with every score of the row loaded into registers before the first comparison and
-// eight accumulators per candidate (IndexerCudaOptions::rank_hoisted): the same counts, so the
-// same ranks; for a count that otherwise waits on each float4 in turn (one warp per scheduler:
-// ~1100 cycles for ~290 instructions at the single pass's end).
-__device__ __forceinline__ void rank_lean_hoisted(const float* row, float s0, float s1, int& r0,
-                                                  int& r1) {
-  float4 v4[kCountRow / 4];
-#pragma unroll
-  for (int q = 0; q < kCountRow / 4; ++q) v4[q] = *reinterpret_cast<const float4*>(row + 4 * q);
-  float a0[8], a1[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) a0[i] = a1[i] = 0.0f;
-#pragma unroll
-  for (int q = 0; q < kCountRow / 4; ++q) {
-    const float v[4] = {v4[q].x, v4[q].y, v4[q].z, v4[q].w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      // id 4 q + e: the first half (q < 8) is below lane + 32, the second above lane.
-      const int i = (4 * q + e) & 7;
-      a0[i] += set_gt(v[e], s0);
-      a1[i] += q < 8 ? set_ge(v[e], s1) : set_gt(v[e], s1);
-    }
-  }
-  const float c0 = ((a0[0] + a0[1]) + (a0[2] + a0[3])) + ((a0[4] + a0[5]) + (a0[6] + a0[7]));
-  const float c1 = ((a1[0] + a1[1]) + (a1[2] + a1[3])) + ((a1[4] + a1[5]) + (a1[6] + a1[7]));
-  r0 = static_cast<int>(c0);
-  r1 = static_cast<int>(c1);
-  lean_add_ties(s0, s1, r0, r1);
-}
-
+// first copies by 0.44 us, and the end after the last block scored took 1.9-2.2 us vs 1.4. The
+// count with the row's 64 scores loaded into registers first and eight accumulators per
+// candidate: 21.5 / 21.5 / 21.5 vs 21.5 / 21.4 / 21.4 (round I).
 template <typename Wait>
 __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
                                                  int rows, int b0, int b1, int lane_pos,
@@ -110,10 +82,7 @@ __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sbl
       if (lane >= nb) row[lane] = quiet_nan();
       if (lane + 32 >= nb) row[lane + 32] = quiet_nan();
       __syncwarp();
-      if (a.rank_hoisted)
-        rank_lean_hoisted(row, s0, s1, r0, r1);
-      else
-        rank_lean(row, s0, s1, r0, r1);
+      rank_lean(row, s0, s1, r0, r1);
     }
     if (j == first_row) timeline_stamp(a, 17, static_cast<uint32_t>(r0 + r1));
     emit_ranked_row(out, s0, s1, r0, r1, local);

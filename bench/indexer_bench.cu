@@ -512,7 +512,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
-  bool tl_b2b = false;   // --tl-b2b: --timeline of the last call of a back-to-back sequence
+  bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -746,8 +746,7 @@ int main(int argc, char** argv) {
     std::printf(
         "timeline b%d ctx %d draft %d, plan %s, %lld warps, %s %.1f us; clock64 at %.3f GHz "
         "(measured; nominal %.3f)\n",
-        only_batch, only_ctx, only_draft, plan_str(c, o).c_str(),
-        static_cast<long long>(warps),
+        only_batch, only_ctx, only_draft, plan_str(c, o).c_str(), static_cast<long long>(warps),
         tl_b2b ? "last call of a back-to-back sequence, per call"
                : "eager cold call (median of 5 incl. memset)",
         t.median_us, ghz, khz * 1e-6);
@@ -1177,7 +1176,8 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = programmatic_launch; "
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
+        "programmatic_launch; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();

@@ -39,6 +39,8 @@
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
+//   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
+//   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
 //   lets its dependents start at once, spins ~3 us, then rewrites index_q; the pair timed with a
 //   normal and with a programmatic launch of the indexer (IndexerCudaOptions::programmatic_launch),
@@ -49,7 +51,8 @@
 //   --timeline BATCH,CONTEXT,DRAFT (diagnostics: one cold call of the default plan (or
 //   --single-ctas N) with IndexerCudaOptions::timeline; per phase of the decode warps (ready to
 //   score, scored, barrier passed, done) the spread of %globaltimer over the warps relative to
-//   the first warp's entry, and the median / max clock64 duration of each phase; then where the
+//   the first warp's entry, and the median / max clock64 duration of each phase; the front (first
+//   copies issued, first tile landed); then where the
 //   spread of the scored phase lives: within a CTA, between a cluster's CTAs, per SM id),
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
 //   contiguous and through the case's page tables, isolated and back to back; batch 64 / 256, or
@@ -63,7 +66,8 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl =
+//   programmatic_launch (back to back: each call behind the previous one);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
@@ -508,6 +512,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
+  bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -558,6 +563,8 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
+    else if (a == "--tl-b2b")
+      tl_b2b = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -579,7 +586,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--k K,K,...]\n",
+                   "[--ef N] [--tl-b2b] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -647,7 +654,28 @@ int main(int argc, char** argv) {
       const Status st = run_indexer_cuda(c.p, c.ws, s, o);
       if (!st.ok()) std::exit(1);
     };
-    const bench::Timing t = bench::time_cold(launch, stream, 1, 5);
+    bench::Timing t;
+    if (tl_b2b) {
+      // --tl-b2b: the calls of a back-to-back sequence (one graph, call i over page-table copy
+      // i % copies, as the b2b timing), only the last one recording (every replay rewrites the
+      // same words); t = the sequence's per-call time.
+      check_cuda(cudaMemsetAsync(d_tl, 0, bytes, stream), "timeline clear");
+      const int calls = std::max(8, 2 * c.copies);
+      int captured = 0;
+      t = bench::time_graph_back_to_back(
+          [&](cudaStream_t s, int copy) {
+            IndexerParams p = c.p;
+            p.batch.page_table.data = c.d_tables[copy];
+            IndexerCudaOptions oi = o;
+            if (++captured < calls) oi.timeline = nullptr;
+            const Status st = run_indexer_cuda(p, c.ws, s, oi);
+            if (!st.ok()) std::exit(1);
+          },
+          c.copies, stream, calls);
+      check_cuda(cudaStreamSynchronize(stream), "b2b timeline");
+    } else {
+      t = bench::time_cold(launch, stream, 1, 5);
+    }
     std::vector<uint64_t> tl(words);
     check_cuda(cudaMemcpy(tl.data(), d_tl, bytes, cudaMemcpyDeviceToHost), "timeline");
     int dev = 0, khz = 0;
@@ -716,9 +744,11 @@ int main(int argc, char** argv) {
       return (ns - g0) * 1e-3;
     };
     std::printf(
-        "timeline b%d ctx %d draft %d, plan %s, %lld warps, eager cold call %.1f us "
-        "(median of 5 incl. memset); clock64 at %.3f GHz (measured; nominal %.3f)\n",
+        "timeline b%d ctx %d draft %d, plan %s, %lld warps, %s %.1f us; clock64 at %.3f GHz "
+        "(measured; nominal %.3f)\n",
         only_batch, only_ctx, only_draft, plan_str(c, o).c_str(), static_cast<long long>(warps),
+        tl_b2b ? "last call of a back-to-back sequence, per call"
+               : "eager cold call (median of 5 incl. memset)",
         t.median_us, ghz, khz * 1e-6);
     const char* names[] = {"entry", "ready", "scored", "barrier", "done"};
     for (int sl = 0; sl < 5; ++sl) {
@@ -737,6 +767,23 @@ int main(int argc, char** argv) {
         std::printf("   phase us: p50 %6.2f p90 %6.2f max %6.2f", pct(dur, 0.5), pct(dur, 0.9),
                     pct(dur, 1));
       std::printf("\n");
+    }
+    {
+      // The decode warps' front: first index-K copies issued (word 18), first tile landed (19).
+      std::vector<double> iss, lan;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * kStride;
+        double ns = 0;
+        if (!e[0]) continue;
+        if (e[18] && ns_of(static_cast<int>(e[7]), e[18], &ns)) iss.push_back((ns - g0) * 1e-3);
+        if (e[19] && ns_of(static_cast<int>(e[7]), e[19], &ns)) lan.push_back((ns - g0) * 1e-3);
+      }
+      if (!lan.empty())
+        std::printf(
+            "  front, us after the first entry: first copies issued (%zu warps) p10 %6.2f p50 "
+            "%6.2f max %6.2f; first tile landed (%zu) p10 %6.2f p50 %6.2f max %6.2f\n",
+            iss.size(), pct(iss, 0.1), pct(iss, 0.5), pct(iss, 1), lan.size(), pct(lan, 0.1),
+            pct(lan, 0.5), pct(lan, 1));
     }
     {
       // The single pass's final selection: per selecting warp, its first row in
@@ -1083,6 +1130,11 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
+    // pdl = IndexerCudaOptions::programmatic_launch (a measurement, not a default: back to back
+    // each call is then launched programmatically behind the previous one, whose tail its front
+    // overlaps; the layer's decode step measured no gain from it in session 23).
+    all.push_back({"pdl", default_o});
+    all.back().o.programmatic_launch = true;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1124,7 +1176,9 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
+        "programmatic_launch; "
+        "--repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }

@@ -39,7 +39,24 @@ static_assert(kFusedMaxChunk == kCountRow, "rank_lean ranks a table row");
 // 20.8 / 21.1 / 20.9 (round F; ranked 0.82 us after the barrier vs 0.65); a dry run of the
 // selection on scratch between the barrier's arrive and wait, so that its code is cached
 // (22.0-22.1 vs 21.8-21.9, round C); an mbarrier per table instead of the final cluster barrier
-// (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C).
+// (22.0-22.1; 256 x 8K draft 3 82.3 vs 74.5, round C). Session 24 (64 x 8K draft 0, same-round
+// b2b, us): the first warp of rank 0 to finish its blocks ranking a scratch row (an out-of-line
+// rank-and-emit, so the real rows then ran the same, cached instructions) before the cluster
+// barrier: 22.0 / 21.9 / 21.9 vs 21.8 / 21.9 / 21.8 (round A); back-to-back timeline: ranked 0.75
+// us (p50) after the barrier vs 0.66 without, so instruction fetch is not what paces the count
+// between calls (one warp per scheduler, ~1100 cycles for ~290 instructions). An early ranking
+// (rank 0's table filled with an "unwritten" NaN before a release arrive at the start, block
+// maxima stored with st.relaxed.cluster; rank 0's warps ranked a snapshot of their row once their
+// own blocks were done, polled the entries written later and added them by one compare per lane
+// and ballots; after the row, the cluster barrier (1) or a count of writer lanes in rank 0 by
+// release adds, the other CTAs exiting at once (2)): round E 21.8 / 21.7 / 21.8 (1) and 21.8 /
+// 21.8 / 21.8 (2) vs 21.7 / 21.6 / 21.6 (the row's own warp, often the cluster's last, ran the
+// 0.6 us early pass after its blocks; the late entries one at a time took 0.44 us); reworked
+// (rows claimed in finish order, late entries four at a time, a pause between polls) round F
+// 21.8-22.0 / 21.8-22.0 vs 20.7-20.9. Timelines: the release arrive and the table fill delayed the
+// first copies by 0.44 us, and the end after the last block scored took 1.9-2.2 us vs 1.4. The
+// count with the row's 64 scores loaded into registers first and eight accumulators per
+// candidate: 21.5 / 21.5 / 21.5 vs 21.5 / 21.4 / 21.4 (round I).
 template <typename Wait>
 __device__ __forceinline__ void select_rows_lean(const KernelArgs& a, float* sblk, int t0,
                                                  int rows, int b0, int b1, int lane_pos,

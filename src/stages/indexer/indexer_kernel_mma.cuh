@@ -490,6 +490,10 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
     }
   }
   min_pos = __reduce_min_sync(0xffffffffu, min_pos);
+  if (a.timeline != nullptr) {  // diagnostics: the warp's first tile landed (word 19)
+    cp_async_wait<kDecStages - 2>();
+    timeline_stamp(a, 19, 0u);
+  }
 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
@@ -625,6 +629,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first < spec_b1) {
       stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
+      timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
@@ -689,6 +694,19 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // split, round F): 20.8 / 20.8 / 20.8, 20.7 / 20.9 / 20.8, 20.8 / 20.9 / 20.8 vs 20.6 / 20.9 /
     // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
     // ahead, a block of granularity).
+    // Session 24 (same-round b2b, us), lost and deleted: 4-CTA clusters (8 warps per SM) with
+    // 4-tile warp rings (the bytes in flight of 2-CTA clusters with 8-tile rings) 21.7 / 21.7 /
+    // 21.8 vs 21.8 / 21.9 / 21.8 (round A; 8-tile rings 22.6-22.8), the scheduler putting 1 to 3
+    // CTAs on an SM; capped at 2 per SM by the shared-memory request 28.0-28.3 vs 21.4-21.5 (round
+    // C: a second wave, the 4-CTA clusters do not tile the GPCs at 2 per SM); the early start
+    // moved before the guessed query-row and position loads 21.4 / 21.3 / 21.4 vs 21.4 / 21.4 /
+    // 21.5 (round C; back-to-back timeline: first copies issued 1.22 us after entry instead of
+    // 1.80, but the first tile landed 3.81 vs 3.95: 7 tiles per warp from every warp at once queue
+    // at DRAM, so the front is not where the time goes); the unstarted blocks of the cluster's
+    // unfinished warps prefetched into L2 (cp.async.bulk.prefetch, each decode warp publishing
+    // the block it was at in a relaxed shared word, read through distributed shared memory by
+    // the non-first CTA's finished warps while a warp of their CTA still streamed) 20.8 / 20.9 /
+    // 20.8 / 20.9 vs 20.7 / 20.8 / 20.7 / 20.6 (round H).
     const bool shared = rows > kMmaWarps;
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).

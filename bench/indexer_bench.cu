@@ -63,11 +63,14 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, gt / gt1 /
+//   gt4 = short_select_count 1 (strict counts, the tie rule at the boundary) at the automatic / 1
+//   / 4 warps per row;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
+//   short_select_count / short_select_warps N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -508,6 +511,8 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
+  int count_form = 0;   // --count N: IndexerCudaOptions::short_select_count of the default options
+  int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -558,6 +563,10 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
+    else if (a == "--count" && i + 1 < argc)
+      count_form = std::atoi(argv[++i]);
+    else if (a == "--sw" && i + 1 < argc)
+      select_warps = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -579,7 +588,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--k K,K,...]\n",
+                   "[--ef N] [--count N] [--sw N] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -597,6 +606,8 @@ int main(int argc, char** argv) {
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
   default_o.stream_evict_first = evict_first;
+  default_o.short_select_count = count_form;
+  default_o.short_select_warps = select_warps;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -1083,6 +1094,13 @@ int main(int argc, char** argv) {
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
+    // gt / gt1 / gt4 = short_select_count 1 (strict counts, ties at the boundary) at the
+    // automatic / 1 / 4 warps per row.
+    for (int w : {0, 1, 4}) {
+      all.push_back({w == 0 ? "gt" : (w == 1 ? "gt1" : "gt4"), default_o});
+      all.back().o.short_select_count = 1;
+      all.back().o.short_select_warps = w;
+    }
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1124,7 +1142,8 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
+        "w2 / w4 = short_select_warps 2 / 4, gt / gt1 / gt4 = short_select_count 1 at auto / 1 / 4 "
+        "warps per row; --repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }

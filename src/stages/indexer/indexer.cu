@@ -390,9 +390,13 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
   M3_CHECK_ARG(options.short_select_warps == 0 || options.short_select_warps == 2 ||
-                   options.short_select_warps == 4,
+                   options.short_select_warps == 4 ||
+                   (options.short_select_warps == 1 && options.short_select_count == 1),
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
-               " is not 0, 2 or 4");
+               " is not 0, 2 or 4 (or 1 with short_select_count 1)");
+  M3_CHECK_ARG(options.short_select_count == 0 || options.short_select_count == 1,
+               "run_indexer_cuda: short_select_count ", options.short_select_count,
+               " is not 0 or 1");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -532,10 +536,19 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                                  : (rows >= sms ? 2 : 4);
     // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
     const bool resident = pl.flat_ctas > sms;
-    const auto kernel = w == 2 ? (resident ? ik::select_short_resident_kernel<2>
-                                           : ik::select_short_kernel<2>)
-                               : (resident ? ik::select_short_resident_kernel<4>
-                                           : ik::select_short_kernel<4>);
+    const auto pick = [resident](auto k, auto kr) { return resident ? kr : k; };
+    void (*kernel)(ik::KernelArgs) = nullptr;
+    if (options.short_select_count == 1) {
+      kernel = w == 1   ? pick(ik::select_short_kernel<1, true>,
+                               ik::select_short_resident_kernel<1, true>)
+               : w == 2 ? pick(ik::select_short_kernel<2, true>,
+                               ik::select_short_resident_kernel<2, true>)
+                        : pick(ik::select_short_kernel<4, true>,
+                               ik::select_short_resident_kernel<4, true>);
+    } else {
+      kernel = w == 2 ? pick(ik::select_short_kernel<2>, ik::select_short_resident_kernel<2>)
+                      : pick(ik::select_short_kernel<4>, ik::select_short_resident_kernel<4>);
+    }
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

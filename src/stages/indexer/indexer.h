@@ -174,7 +174,7 @@ struct IndexerCudaOptions {
   // warp per row (the A/B switch).
   bool short_select = true;
   // Warps per row of select_short_kernel: 2 (each counts 32 of the 64 candidates, 4 rows per
-  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA); 0: automatic, 2 where the call has at least
+  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA) (1 with short_select_count 1); 0: automatic, 2 where the call has at least
   // one row per SM, else 4. Session 21, same-round A/Bs (back to back): 64 x 8K draft 3 (flat
   // decode, 1024 rows), three alternating runs, 2 warps 23.5 / 23.4 / 23.4 us vs 4 warps
   // 23.8 / 23.6 / 23.6 (round G), 23.6 / 23.4 / 23.4 vs 23.8 / 23.7 / 23.7 (round H), 23.3 /
@@ -186,6 +186,11 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // Same ids.
   int short_select_warps = 0;
+  // How select_short_kernel ranks (session 24 A/B; 0 = automatic: the per-candidate tie rule of
+  // count_beats; 1: strict counts (one set.gt and one add per candidate, gt_counts) and the tie
+  // rule applied at the selection's boundary only (take_by_counts); short_select_warps may then
+  // also be 1, one warp per row). Same ids.
+  int short_select_count = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

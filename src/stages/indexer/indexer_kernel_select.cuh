@@ -201,6 +201,75 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
   if (lane > count && lane < kTopK) out[lane] = -1;
 }
 
+// The strict counts of take_by_counts over the candidates kJ0 .. kJ0 + kN - 1 of the row only
+// (row: 64 entries, NaN past the row's candidates; kJ0, kN multiples of 16): c0 / c1 = how many of
+// them have a larger score than the lane's candidates lane / lane + 32 (set.gt: NaN never larger,
+// -0 == +0). No tie rule, so one set.gt and one FADD per candidate and lane candidate (exact:
+// sums <= 64), half of count_beats' instructions whatever the data's ties.
+template <int kJ0, int kN>
+__device__ __forceinline__ void gt_counts(const float* row, float s0, float s1, float& c0,
+                                          float& c1) {
+  static_assert(kJ0 % 16 == 0 && kN % 16 == 0 && kJ0 + kN <= kCountRow, "whole groups");
+  float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Groups of 16 candidates (4 float4) in a rolled loop: with the whole range unrolled ptxas
+  // hoisted every load (64 registers for 64 candidates) and spilled in the 40-register forms.
+#pragma unroll 1
+  for (int g = kJ0; g < kJ0 + kN; g += 16) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 v4 = *reinterpret_cast<const float4*>(row + g + 4 * q);
+      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a0[e] += set_gt(v[e], s0);
+        a1[e] += set_gt(v[e], s1);
+      }
+    }
+  }
+  c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+  c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
+}
+
+// The row's selected candidates from strict counts (gt_counts over every candidate; every lane
+// of the warp calling): t0 / t1 = whether the lane's candidates lane / lane + 32 (scores s0 / s1,
+// NaN = none; c0 / c1 candidates with a larger score) are among the 15 best in the order (score
+// descending, id ascending). A candidate with c >= 15 is out; the candidates with c < 15 ("in")
+// are exactly those scoring at least the boundary score t = the smallest "in" score. When at
+// most 15 are in, they are the selection. Otherwise ties straddle the boundary: every in
+// candidate above t is selected (c_gt(t) of them, < 15), and of the candidates scoring t the
+// 15 - c_gt(t) with the smallest ids (id order = (half, lane): ballot prefix counts). The tie rule
+// thus costs a few warp-wide steps per row instead of a per-candidate predicate (count_beats), and
+// unlike lean_add_ties it does not depend on how many ties the row holds.
+__device__ __forceinline__ void take_by_counts(float s0, float s1, int c0, int c1, bool& t0,
+                                               bool& t1) {
+  const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
+  t0 = s0 == s0 && c0 < kTopK - 1;
+  t1 = s1 == s1 && c1 < kTopK - 1;
+  const int n = __popc(__ballot_sync(0xffffffffu, t0)) + __popc(__ballot_sync(0xffffffffu, t1));
+  if (n <= kTopK - 1) return;  // warp-uniform
+  float t = fminf(t0 ? s0 : __int_as_float(0x7f800000), t1 ? s1 : __int_as_float(0x7f800000));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) t = fminf(t, __shfl_xor_sync(0xffffffffu, t, o));
+  const uint32_t e0 = __ballot_sync(0xffffffffu, t0 && s0 == t);
+  const uint32_t e1 = __ballot_sync(0xffffffffu, t1 && s1 == t);
+  const int keep = kTopK - 1 - (n - __popc(e0) - __popc(e1));  // boundary candidates kept, >= 1
+  if (t0 && s0 == t) t0 = __popc(e0 & below) < keep;
+  if (t1 && s1 == t) t1 = __popc(e0) + __popc(e1 & below) < keep;
+}
+
+// emit_ranked_row with the selection given as flags (take_by_counts): the taken candidates' ids
+// in ascending order (ballot prefix counts), then the local block, then -1.
+__device__ __forceinline__ void emit_taken_row(int32_t* out, bool t0, bool t1, int local) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t below = (1u << lane) - 1u;
+  const uint32_t b0 = __ballot_sync(0xffffffffu, t0), b1 = __ballot_sync(0xffffffffu, t1);
+  if (t0) out[__popc(b0 & below)] = lane;
+  if (t1) out[__popc(b0) + __popc(b1 & below)] = lane + 32;
+  const int count = __popc(b0) + __popc(b1);  // <= 15; the local block exceeds every candidate id
+  if (lane == count) out[lane] = local;
+  if (lane > count && lane < kTopK) out[lane] = -1;
+}
+
 // Inserts key into a lane's list top[0] >= top[1] >= ... (15 entries, 0 = empty) if it beats the
 // smallest entry. Distinct keys: entry i becomes top[i - 1] (shifted down), key, or stays.
 __device__ __forceinline__ void insert_key(uint64_t (&top)[kTopK - 1], uint64_t key) {
@@ -457,9 +526,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 //    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
 //    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
 //    last warp, where the dependency wait's selection needs ~2.5.
-template <int kW>
+// kGt (IndexerCudaOptions::short_select_count 1): each warp's share counted by gt_counts and
+// the row's selection decided by take_by_counts (strict counts, the tie rule at the boundary
+// only) instead of count_beats' per-candidate tie rule; kW = 1 (one warp per row) only with kGt.
+template <int kW, bool kGt>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
-  static_assert(kW == 2 || kW == 4, "warps per row");
+  static_assert(kW == 2 || kW == 4 || (kW == 1 && kGt), "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
   __shared__ __align__(16) float srow[kRows][kCountRow];
@@ -491,51 +563,76 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       }
     }
   }
-  __syncthreads();  // the rows' copies are in srow
+  if constexpr (kW == 1) {
+    __syncwarp();  // the warp's own row copy
+  } else {
+    __syncthreads();  // the rows' copies are in srow
+  }
+  int r0 = 0, r1 = 0;
   if (local >= 0) {
-    int r0 = 0, r1 = 0;
-    // count_beats needs its range at compile time: one case per warp of the row.
+    // The counts need their range at compile time: one case per warp of the row.
+    const auto count = [&](auto j0) {
+      constexpr int kJ0 = decltype(j0)::value;
+      if constexpr (kGt) {
+        float c0 = 0.0f, c1 = 0.0f;
+        gt_counts<kJ0, kPart>(srow[rg], s0, s1, c0, c1);
+        r0 = static_cast<int>(c0);
+        r1 = static_cast<int>(c1);
+      } else {
+        count_beats<kJ0, kPart>(srow[rg], s0, s1, r0, r1);
+      }
+    };
     switch (q) {
       case 0:
-        count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
+        count(std::integral_constant<int, 0>{});
         break;
       case 1:
-        count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 1) count(std::integral_constant<int, kPart>{});
         break;
       case 2:
-        if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count(std::integral_constant<int, 2 * kPart>{});
         break;
       default:
-        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count(std::integral_constant<int, 3 * kPart>{});
         break;
     }
-    part[rg][q][lane] = r0;
-    part[rg][q][lane + 32] = r1;
+    if constexpr (kW > 1) {
+      part[rg][q][lane] = r0;
+      part[rg][q][lane + 32] = r1;
+    }
     select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  __syncthreads();  // every warp's counts are in part
+  if constexpr (kW > 1) __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
-    int r0 = 0, r1 = 0;
+    if constexpr (kW > 1) {
+      r0 = r1 = 0;
 #pragma unroll
-    for (int i = 0; i < kW; ++i) {
-      r0 += part[rg][i][lane];
-      r1 += part[rg][i][lane + 32];
+      for (int i = 0; i < kW; ++i) {
+        r0 += part[rg][i][lane];
+        r1 += part[rg][i][lane + 32];
+      }
     }
-    emit_ranked_row(out, s0, s1, r0, r1, local);
+    if constexpr (kGt) {
+      bool t0 = false, t1 = false;
+      take_by_counts(s0, s1, r0, r1, t0, t1);
+      emit_taken_row(out, t0, t1, local);
+    } else {
+      emit_ranked_row(out, s0, s1, r0, r1, local);
+    }
   }
   select_timeline_mark(a, 2);
 }
-template <int kW>
+template <int kW, bool kGt = false>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  select_short_body<kW>(a);
+  select_short_body<kW, kGt>(a);
 }
 // At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
-template <int kW>
+template <int kW, bool kGt = false>
 __global__ void __launch_bounds__(kSelectThreads, 6)
     select_short_resident_kernel(const KernelArgs a) {
-  select_short_body<kW>(a);
+  select_short_body<kW, kGt>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -407,5 +407,51 @@ TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
   }
 }
 
+// short_select_count 1 (gt_counts + take_by_counts) on rows full of exact ties (integer inputs:
+// block maxima are small integers, so tie groups straddle the 15th place in most rows) and with
+// NaN blocks, at 1 / 2 / 4 warps per row, in both kernel forms (flat 2 runs the 40-register one):
+// ids equal to the twin's and to the default selection's. Small, for the sanitizers.
+TEST(IndexerGpu, StrictCountSelectionSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < 24; ++i) {
+    const int n = 1 + static_cast<int>(rng.integer(0, 3));
+    // Request 1 is long enough for its 50 NaN blocks.
+    reqs.push_back({static_cast<int>(rng.integer(i == 1 ? 7000 : 1900, 8192 - n)), n});
+  }
+  Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  // NaN keys: request 0 in blocks 2 and 9, request 1 in 50 of its blocks (fewer than 15
+  // candidates remain).
+  for (int b : {2, 9}) in.hb.index_row(0, b * 128 + 7)[5] = 0x7f;
+  for (int b = 0; b < 50; ++b) in.hb.index_row(1, b * 128 + 64)[3] = 0x7f;
+  ASSERT_LE(in.max_pages(), 64);
+  DeviceSet d;
+  upload(in, d);
+  const Reference ref = reference(in);
+  IndexerCudaOptions two;
+  two.unfused_decode = true;
+  two.flat_decode = -1;
+  const GpuResult g = run_gpu(d, two);
+  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [default selection]");
+  for (int flat : {-1, 2}) {
+    for (int w : {1, 2, 4}) {
+      IndexerCudaOptions o = two;
+      o.unfused_decode = flat < 0;
+      o.flat_decode = flat;
+      o.short_select_count = 1;
+      o.short_select_warps = w;
+      const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
+                               std::to_string(w) + " warps per row";
+      const GpuResult f = run_gpu(d, o);
+      compare(in, ref, f, /*exact_scores=*/true, name);
+      expect_same_ids(in, f, g, name + " vs default selection");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace m3attn::indexer_gpu_test

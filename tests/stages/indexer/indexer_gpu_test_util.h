@@ -400,6 +400,12 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       o.short_select_warps = w;  // select_short_kernel with 2 / 4 warps per row (default: auto)
       variants.push_back({w == 2 ? "2 warps per short row" : "4 warps per short row", o});
     }
+    for (int w : {0, 1}) {
+      o = IndexerCudaOptions{};
+      o.short_select_count = 1;  // strict counts, the tie rule at the selection's boundary
+      o.short_select_warps = w;
+      variants.push_back({w == 0 ? "strict counts" : "strict counts, 1 warp per short row", o});
+    }
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

@@ -65,12 +65,13 @@
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
 //   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, gt / gt1 /
 //   gt4 = short_select_count 1 (strict counts, the tie rule at the boundary) at the automatic / 1
-//   / 4 warps per row;
+//   / 4 warps per row, fin = select_barrier (flat decode selecting in its own grid);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
-//   short_select_count / short_select_warps N, e.g. for --timeline).
+//   short_select_count / short_select_warps N, e.g. for --timeline), --fin (the default options
+//   with select_barrier, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -468,7 +469,8 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
+  if (pl.flat_ctas > 0)
+    return std::string(pl.in_grid_select ? "1 flat " : "2 flat ") + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -513,6 +515,7 @@ int main(int argc, char** argv) {
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   int count_form = 0;   // --count N: IndexerCudaOptions::short_select_count of the default options
   int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
+  bool in_grid = false;  // --fin: IndexerCudaOptions::select_barrier set in the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -567,6 +570,8 @@ int main(int argc, char** argv) {
       count_form = std::atoi(argv[++i]);
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
+    else if (a == "--fin")
+      in_grid = true;
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -588,7 +593,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
                    "[--no-short-select] "
-                   "[--ef N] [--count N] [--sw N] [--k K,K,...]\n",
+                   "[--ef N] [--count N] [--sw N] [--fin] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -608,6 +613,11 @@ int main(int argc, char** argv) {
   default_o.stream_evict_first = evict_first;
   default_o.short_select_count = count_form;
   default_o.short_select_warps = select_warps;
+  // IndexerCudaOptions::select_barrier: one zeroed word for the whole run (calls are sequential;
+  // each leaves it ready for the next).
+  uint32_t* barrier_word = static_cast<uint32_t*>(device_alloc(128));
+  check_cuda(cudaMemset(barrier_word, 0, 128), "barrier word");
+  if (in_grid) default_o.select_barrier = barrier_word;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -1101,6 +1111,9 @@ int main(int argc, char** argv) {
       all.back().o.short_select_count = 1;
       all.back().o.short_select_warps = w;
     }
+    // fin = IndexerCudaOptions::select_barrier (flat decode selecting in its own grid).
+    all.push_back({"fin", default_o});
+    all.back().o.select_barrier = barrier_word;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1143,7 +1156,8 @@ int main(int argc, char** argv) {
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, gt / gt1 / gt4 = short_select_count 1 at auto / 1 / 4 "
-        "warps per row; --repeat N: the variants alternate, N runs)",
+        "warps per row, fin = select_barrier (in-grid selection, plan '1 flat'); --repeat N: the "
+        "variants alternate, N runs)",
         rows, json);
     return finish();
   }

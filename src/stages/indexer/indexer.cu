@@ -13,6 +13,7 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
+#include "stages/indexer/indexer_kernel_finish.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -167,6 +168,7 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
+  bool finish = false;    // flat decode selecting in its own grid (score_flat_finish_kernel)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -305,6 +307,11 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
+      // In-grid selection (IndexerCudaOptions::select_barrier): short rows, a normal launch, and
+      // a grid within the scorer's residency (kFusedCtasPerSm per SM, registers; the launcher
+      // also asks the occupancy calculator and keeps the selection kernel where it says no).
+      pl.finish = o.select_barrier != nullptr && !o.programmatic_launch &&
+                  max_pages <= ik::kCountRow && pl.units <= kFusedCtasPerSm * sms;
     }
   }
   return pl;
@@ -363,6 +370,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.in_grid_select = pl.finish;
   return info;
 }
 
@@ -415,6 +423,18 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " query tokens but no request owns them (num_requests 0)");
   const int64_t need = static_cast<int64_t>(indexer_workspace_bytes(T, p.n_kv, max_pages));
   M3_RETURN_IF_ERROR(check_workspace(p, workspace, need));
+  if (options.select_barrier != nullptr) {
+    // The barrier word is written by the call: never inside the workspace or a tensor of it.
+    const uintptr_t b = reinterpret_cast<uintptr_t>(options.select_barrier);
+    M3_CHECK_ARG(b % 4 == 0, "run_indexer_cuda: select_barrier ", options.select_barrier,
+                 " is not 4-byte aligned");
+    const ByteRange w{b, b + 4};
+    for (const TensorView* t : {&workspace, &p.index_q, &p.index_cache, &p.block_ids,
+                                &p.batch.query_start, &p.batch.positions, &p.batch.seq_lens,
+                                &p.batch.page_table})
+      M3_CHECK_ARG(t->data == nullptr || !ranges_overlap(w, byte_range(*t)),
+                   "run_indexer_cuda: select_barrier overlaps a tensor of the call");
+  }
   if (T == 0) return Status::Ok();
 
   int sms = 0;
@@ -509,6 +529,31 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {
+      if (pl.finish) {
+        // Cooperative: every CTA resident at once (the grid barrier); where the occupancy
+        // calculator says the grid does not fit, the two kernels below instead.
+        const auto fkernel = ik::score_flat_finish_kernel;
+        size_t fsmem = 0;
+        M3_RETURN_IF_ERROR(prepare(fkernel, ik::kMmaSmemBytes, &fsmem));
+        int per_sm = 0;
+        M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+            &per_sm, fkernel, ik::kMmaThreads, fsmem));
+        if (int64_t{per_sm} * sms >= ctas) {
+          cudaLaunchConfig_t fcfg = {};
+          fcfg.gridDim = grid;
+          fcfg.blockDim = dim3(ik::kMmaThreads);
+          fcfg.dynamicSmemBytes = fsmem;
+          fcfg.stream = stream;
+          cudaLaunchAttribute fattr[1];
+          fattr[0].id = cudaLaunchAttributeCooperative;
+          fattr[0].val.cooperative = 1;
+          fcfg.attrs = fattr;
+          fcfg.numAttrs = 1;
+          M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&fcfg, fkernel, a, options.select_barrier));
+          M3_CUDA_CHECK_LAUNCH();
+          return Status::Ok();  // the grid wrote every row
+        }
+      }
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
       size_t msmem = 0;

@@ -191,6 +191,15 @@ struct IndexerCudaOptions {
   // rule applied at the selection's boundary only (take_by_counts); short_select_warps may then
   // also be 1, one warp per row). Same ids.
   int short_select_count = 0;
+  // In-grid selection (session 24 A/B): a device pointer to a uint32 that the caller zeroed once
+  // (before its first use; every call leaves it ready for the next) and that one call at a time
+  // uses, never part of the workspace or any tensor of the call; null: off. Where flat decode
+  // runs, every row has at most 63 candidates (max_pages <= 64), programmatic_launch is off and the
+  // grid fits on the device at once, the flat scorer is launched as a cooperative grid whose CTAs
+  // meet at a barrier on this word once every block score is written, then select every row
+  // themselves (one warp per row, strict counts as short_select_count 1): no selection kernel and
+  // no dependency release between two grids. Same ids.
+  uint32_t* select_barrier = nullptr;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -235,6 +244,7 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
+  bool in_grid_select = false;  // flat decode selecting in its own grid (select_barrier)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

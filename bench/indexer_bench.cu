@@ -63,15 +63,15 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, gt / gt1 /
-//   gt4 = short_select_count 1 (strict counts, the tie rule at the boundary) at the automatic / 1
-//   / 4 warps per row, fin = select_barrier (flat decode selecting in its own grid);
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1;
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
 //   short_select_count / short_select_warps N, e.g. for --timeline), --fin (the default options
-//   with select_barrier, e.g. for --timeline).
+//   with select_barrier, e.g. for --timeline). Session 24 --variants columns: gt / gt1 / gt4 =
+//   short_select_count 1 (strict counts, the tie rule at the boundary) at the automatic / 1 / 4
+//   warps per row, fin = select_barrier (flat decode selecting in its own grid).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -510,12 +510,12 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
+  int count_form = 0;    // --count N: IndexerCudaOptions::short_select_count of the default options
+  int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
+  bool in_grid = false;  // --fin: IndexerCudaOptions::select_barrier set in the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
-  int count_form = 0;   // --count N: IndexerCudaOptions::short_select_count of the default options
-  int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
-  bool in_grid = false;  // --fin: IndexerCudaOptions::select_barrier set in the default options
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -564,14 +564,14 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
-    else if (a == "--ef" && i + 1 < argc)
-      evict_first = std::atoi(argv[++i]);
     else if (a == "--count" && i + 1 < argc)
       count_form = std::atoi(argv[++i]);
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
     else if (a == "--fin")
       in_grid = true;
+    else if (a == "--ef" && i + 1 < argc)
+      evict_first = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -591,9 +591,10 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--count N] [--sw N] "
+                   "[--fin] "
                    "[--no-short-select] "
-                   "[--ef N] [--count N] [--sw N] [--fin] [--k K,K,...]\n",
+                   "[--ef N] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -606,11 +607,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  fused_o.fused_decode_always = true;
-  two_o.unfused_decode = true;
-  single_o.single_pass = true;
-  single_o.single_pass_ctas = single_ctas;
-  default_o.stream_evict_first = evict_first;
   default_o.short_select_count = count_form;
   default_o.short_select_warps = select_warps;
   // IndexerCudaOptions::select_barrier: one zeroed word for the whole run (calls are sequential;
@@ -618,6 +614,11 @@ int main(int argc, char** argv) {
   uint32_t* barrier_word = static_cast<uint32_t*>(device_alloc(128));
   check_cuda(cudaMemset(barrier_word, 0, 128), "barrier word");
   if (in_grid) default_o.select_barrier = barrier_word;
+  fused_o.fused_decode_always = true;
+  two_o.unfused_decode = true;
+  single_o.single_pass = true;
+  single_o.single_pass_ctas = single_ctas;
+  default_o.stream_evict_first = evict_first;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -1101,19 +1102,18 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
-    all.push_back({"noef", default_o});
-    all.back().o.stream_evict_first = -1;
     // gt / gt1 / gt4 = short_select_count 1 (strict counts, ties at the boundary) at the
-    // automatic / 1 / 4 warps per row.
+    // automatic / 1 / 4 warps per row; fin = select_barrier (flat decode selecting in its grid).
     for (int w : {0, 1, 4}) {
       all.push_back({w == 0 ? "gt" : (w == 1 ? "gt1" : "gt4"), default_o});
       all.back().o.short_select_count = 1;
       all.back().o.short_select_warps = w;
     }
-    // fin = IndexerCudaOptions::select_barrier (flat decode selecting in its own grid).
     all.push_back({"fin", default_o});
     all.back().o.select_barrier = barrier_word;
+    // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
+    all.push_back({"noef", default_o});
+    all.back().o.stream_evict_first = -1;
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
@@ -1154,10 +1154,10 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
+        "gt / gt1 / gt4 = short_select_count 1 at auto / 1 / 4 warps per row, fin = "
+        "select_barrier (in-grid selection, plan '1 flat'), "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, gt / gt1 / gt4 = short_select_count 1 at auto / 1 / 4 "
-        "warps per row, fin = select_barrier (in-grid selection, plan '1 flat'); --repeat N: the "
-        "variants alternate, N runs)",
+        "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);
     return finish();
   }

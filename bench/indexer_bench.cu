@@ -68,10 +68,9 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
-//   short_select_count / short_select_warps N, e.g. for --timeline), --fin (the default options
-//   with select_barrier, e.g. for --timeline). Session 24 --variants columns: gt / gt1 / gt4 =
-//   short_select_count 1 (strict counts, the tie rule at the boundary) at the automatic / 1 / 4
-//   warps per row, fin = select_barrier (flat decode selecting in its own grid).
+//   short_select_count / short_select_warps N, e.g. for --timeline). Session 24 --variants
+//   columns: beats / strict = short_select_count -1 / 1 (select_short's per-candidate tie rule /
+//   strict counts at any warps per row).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -469,8 +468,7 @@ Times check_and_time(const Case& c, const Pool& pool, const std::vector<Slice>& 
 
 std::string plan_str(const Case& c, const IndexerCudaOptions& o) {
   const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-  if (pl.flat_ctas > 0)
-    return std::string(pl.in_grid_select ? "1 flat " : "2 flat ") + std::to_string(pl.flat_ctas);
+  if (pl.flat_ctas > 0) return "2 flat " + std::to_string(pl.flat_ctas);
   return std::string(pl.single ? "s" : (pl.fused ? "f" : "2")) + " k" +
          std::to_string(pl.k_splits) + " c" + std::to_string(pl.dec_chunk);
 }
@@ -512,7 +510,6 @@ int main(int argc, char** argv) {
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   int count_form = 0;    // --count N: IndexerCudaOptions::short_select_count of the default options
   int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
-  bool in_grid = false;  // --fin: IndexerCudaOptions::select_barrier set in the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
@@ -568,8 +565,6 @@ int main(int argc, char** argv) {
       count_form = std::atoi(argv[++i]);
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
-    else if (a == "--fin")
-      in_grid = true;
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
@@ -592,7 +587,6 @@ int main(int argc, char** argv) {
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--count N] [--sw N] "
-                   "[--fin] "
                    "[--no-short-select] "
                    "[--ef N] [--k K,K,...]\n",
                    argv[0]);
@@ -609,11 +603,6 @@ int main(int argc, char** argv) {
   default_o.flat_decode = flat;
   default_o.short_select_count = count_form;
   default_o.short_select_warps = select_warps;
-  // IndexerCudaOptions::select_barrier: one zeroed word for the whole run (calls are sequential;
-  // each leaves it ready for the next).
-  uint32_t* barrier_word = static_cast<uint32_t*>(device_alloc(128));
-  check_cuda(cudaMemset(barrier_word, 0, 128), "barrier word");
-  if (in_grid) default_o.select_barrier = barrier_word;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1102,15 +1091,12 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    // gt / gt1 / gt4 = short_select_count 1 (strict counts, ties at the boundary) at the
-    // automatic / 1 / 4 warps per row; fin = select_barrier (flat decode selecting in its grid).
-    for (int w : {0, 1, 4}) {
-      all.push_back({w == 0 ? "gt" : (w == 1 ? "gt1" : "gt4"), default_o});
-      all.back().o.short_select_count = 1;
-      all.back().o.short_select_warps = w;
+    // beats / strict = short_select_count -1 / 1 (the per-candidate tie rule / strict counts at
+    // any warps per row).
+    for (int form : {-1, 1}) {
+      all.push_back({form < 0 ? "beats" : "strict", default_o});
+      all.back().o.short_select_count = form;
     }
-    all.push_back({"fin", default_o});
-    all.back().o.select_barrier = barrier_word;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1154,8 +1140,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "gt / gt1 / gt4 = short_select_count 1 at auto / 1 / 4 warps per row, fin = "
-        "select_barrier (in-grid selection, plan '1 flat'), "
+        "beats / strict = short_select_count -1 / 1, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

@@ -13,7 +13,6 @@
 #include "m3attn/config.h"
 #include "stages/indexer/indexer.h"
 #include "stages/indexer/indexer_kernel_common.cuh"
-#include "stages/indexer/indexer_kernel_finish.cuh"
 #include "stages/indexer/indexer_kernel_mma.cuh"
 #include "stages/indexer/indexer_kernel_select.cuh"
 #include "stages/indexer/indexer_kernel_simple.cuh"
@@ -168,7 +167,6 @@ struct Plan {
   int64_t k_splits = 1;  // grid.y
   int64_t dec_chunk = 1;
   int64_t flat_ctas = 0;  // flat decode: decode CTAs (grid.x = overflow + flat_ctas, grid.y 1)
-  bool finish = false;    // flat decode selecting in its own grid (score_flat_finish_kernel)
 };
 
 Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
@@ -294,6 +292,16 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // entering only as scorer CTAs exit) two lost, 24.4-24.6 vs 23.6-23.7 (round G). Timelines:
   // scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs 24.1 (rounds H / F). Other token
   // counts not measured at two CTAs per SM.
+  // Session 24 (64 x 8K draft 3), lost and deleted: the flat scorer launched as a cooperative
+  // grid (every CTA resident) whose CTAs met at a grid barrier on a caller-zeroed word once every
+  // block score was written (the CTAs' adds summing to 2^31, so that each call flips the top bit
+  // and leaves the low bits zero), then selected every row themselves (one warp per row, strict
+  // counts): no selection kernel. 27.0 / 26.8 / 27.0 us isolated, 24.9 / 24.9 / 24.8 back to back
+  // vs 25.3-25.7 / 22.9-23.1 (round B, three alternating runs). Timeline (cold call): scorer's
+  // last warp 19.47 us, barrier passed 20.41-21.01 (the last CTA's fence and atomic, then the
+  // pollers' loads: ~1 us, more than the selection kernel's dependency release, 0.76-0.82), rows
+  // done p50 21.96 / max 22.37; yet the call took 30.5 us vs 28.0-28.7: the cooperative launch
+  // costs ~2 us outside the kernel.
   const bool flat_auto =
       o.flat_decode == 0 && flat_rule && !o.unfused_decode && !pl.fused && !pl.single;
   const int64_t flat_auto_per_sm = T > 3 * R && T <= kSingleMaxTokensPerRequest * R ? 2 : 1;
@@ -307,11 +315,6 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
       pl.units = pl.overflow + ctas;
       pl.k_splits = 1;
       pl.dec_chunk = max_pages;
-      // In-grid selection (IndexerCudaOptions::select_barrier): short rows, a normal launch, and
-      // a grid within the scorer's residency (kFusedCtasPerSm per SM, registers; the launcher
-      // also asks the occupancy calculator and keeps the selection kernel where it says no).
-      pl.finish = o.select_barrier != nullptr && !o.programmatic_launch &&
-                  max_pages <= ik::kCountRow && pl.units <= kFusedCtasPerSm * sms;
     }
   }
   return pl;
@@ -370,7 +373,6 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
-  info.in_grid_select = pl.finish;
   return info;
 }
 
@@ -398,13 +400,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                "run_indexer_cuda: flat_decode ", options.flat_decode, " is outside [-1, ",
                kFusedCtasPerSm, "]");
   M3_CHECK_ARG(options.short_select_warps == 0 || options.short_select_warps == 2 ||
-                   options.short_select_warps == 4 ||
-                   (options.short_select_warps == 1 && options.short_select_count == 1),
+                   options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
-               " is not 0, 2 or 4 (or 1 with short_select_count 1)");
-  M3_CHECK_ARG(options.short_select_count == 0 || options.short_select_count == 1,
+               " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.short_select_count >= -1 && options.short_select_count <= 1,
                "run_indexer_cuda: short_select_count ", options.short_select_count,
-               " is not 0 or 1");
+               " is outside [-1, 1]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -423,18 +424,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " query tokens but no request owns them (num_requests 0)");
   const int64_t need = static_cast<int64_t>(indexer_workspace_bytes(T, p.n_kv, max_pages));
   M3_RETURN_IF_ERROR(check_workspace(p, workspace, need));
-  if (options.select_barrier != nullptr) {
-    // The barrier word is written by the call: never inside the workspace or a tensor of it.
-    const uintptr_t b = reinterpret_cast<uintptr_t>(options.select_barrier);
-    M3_CHECK_ARG(b % 4 == 0, "run_indexer_cuda: select_barrier ", options.select_barrier,
-                 " is not 4-byte aligned");
-    const ByteRange w{b, b + 4};
-    for (const TensorView* t : {&workspace, &p.index_q, &p.index_cache, &p.block_ids,
-                                &p.batch.query_start, &p.batch.positions, &p.batch.seq_lens,
-                                &p.batch.page_table})
-      M3_CHECK_ARG(t->data == nullptr || !ranges_overlap(w, byte_range(*t)),
-                   "run_indexer_cuda: select_barrier overlaps a tensor of the call");
-  }
   if (T == 0) return Status::Ok();
 
   int sms = 0;
@@ -529,31 +518,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       M3_CUDA_RETURN_IF_ERROR(
           launch_pdl(kernel, grid, dim3(ik::kMmaThreads), fsmem, stream, pdl, a));
     } else if (pl.mma) {
-      if (pl.finish) {
-        // Cooperative: every CTA resident at once (the grid barrier); where the occupancy
-        // calculator says the grid does not fit, the two kernels below instead.
-        const auto fkernel = ik::score_flat_finish_kernel;
-        size_t fsmem = 0;
-        M3_RETURN_IF_ERROR(prepare(fkernel, ik::kMmaSmemBytes, &fsmem));
-        int per_sm = 0;
-        M3_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-            &per_sm, fkernel, ik::kMmaThreads, fsmem));
-        if (int64_t{per_sm} * sms >= ctas) {
-          cudaLaunchConfig_t fcfg = {};
-          fcfg.gridDim = grid;
-          fcfg.blockDim = dim3(ik::kMmaThreads);
-          fcfg.dynamicSmemBytes = fsmem;
-          fcfg.stream = stream;
-          cudaLaunchAttribute fattr[1];
-          fattr[0].id = cudaLaunchAttributeCooperative;
-          fattr[0].val.cooperative = 1;
-          fcfg.attrs = fattr;
-          fcfg.numAttrs = 1;
-          M3_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&fcfg, fkernel, a, options.select_barrier));
-          M3_CUDA_CHECK_LAUNCH();
-          return Status::Ok();  // the grid wrote every row
-        }
-      }
       // 64 KB of dynamic shared memory plus the kernel's static bytes pass the default 48 KB
       // limit: opt in.
       size_t msmem = 0;
@@ -581,15 +545,16 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                                  : (rows >= sms ? 2 : 4);
     // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
     const bool resident = pl.flat_ctas > sms;
+    // Strict counts (short_select_count): automatic at 2 warps per row.
+    const bool strict =
+        options.short_select_count > 0 || (options.short_select_count == 0 && w == 2);
     const auto pick = [resident](auto k, auto kr) { return resident ? kr : k; };
     void (*kernel)(ik::KernelArgs) = nullptr;
-    if (options.short_select_count == 1) {
-      kernel = w == 1   ? pick(ik::select_short_kernel<1, true>,
-                               ik::select_short_resident_kernel<1, true>)
-               : w == 2 ? pick(ik::select_short_kernel<2, true>,
-                               ik::select_short_resident_kernel<2, true>)
-                        : pick(ik::select_short_kernel<4, true>,
-                               ik::select_short_resident_kernel<4, true>);
+    if (strict) {
+      kernel =
+          w == 2
+              ? pick(ik::select_short_kernel<2, true>, ik::select_short_resident_kernel<2, true>)
+              : pick(ik::select_short_kernel<4, true>, ik::select_short_resident_kernel<4, true>);
     } else {
       kernel = w == 2 ? pick(ik::select_short_kernel<2>, ik::select_short_resident_kernel<2>)
                       : pick(ik::select_short_kernel<4>, ik::select_short_resident_kernel<4>);

@@ -174,7 +174,7 @@ struct IndexerCudaOptions {
   // warp per row (the A/B switch).
   bool short_select = true;
   // Warps per row of select_short_kernel: 2 (each counts 32 of the 64 candidates, 4 rows per
-  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA) (1 with short_select_count 1); 0: automatic, 2 where the call has at least
+  // CTA of 8 warps) or 4 (16 each, 2 rows per CTA); 0: automatic, 2 where the call has at least
   // one row per SM, else 4. Session 21, same-round A/Bs (back to back): 64 x 8K draft 3 (flat
   // decode, 1024 rows), three alternating runs, 2 warps 23.5 / 23.4 / 23.4 us vs 4 warps
   // 23.8 / 23.6 / 23.6 (round G), 23.6 / 23.4 / 23.4 vs 23.8 / 23.7 / 23.7 (round H), 23.3 /
@@ -186,20 +186,15 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // Same ids.
   int short_select_warps = 0;
-  // How select_short_kernel ranks (session 24 A/B; 0 = automatic: the per-candidate tie rule of
-  // count_beats; 1: strict counts (one set.gt and one add per candidate, gt_counts) and the tie
-  // rule applied at the selection's boundary only (take_by_counts); short_select_warps may then
-  // also be 1, one warp per row). Same ids.
+  // How select_short_kernel ranks: strict counts (gt_counts: one set.gt and one add per candidate
+  // and lane candidate, the tie rule applied at the selection's boundary only: take_by_counts) or
+  // the per-candidate tie rule (count_beats). 0 = automatic: strict counts at 2 warps per row,
+  // the tie rule at 4; 1: strict counts, -1: the tie rule, whatever the warps. Session 24,
+  // same-round A/Bs, 64 x 8K draft 3 (2 warps per row) back to back: 22.7 / 22.9 vs 23.0 / 23.2
+  // us (round A), 22.8 / 22.7 / 22.7 vs 23.1 / 22.9 / 23.1 (round B); timeline (A): the rows
+  // ranked 0.71 us after their scores arrived vs 1.08. Strict counts at 4 warps per row: 64 x 8K
+  // 23.2 / 23.3 vs 23.0 / 23.2, batch 1 x 8K draft 3 6.1 / 6.1 vs 6.0 / 6.0 (round A). Same ids.
   int short_select_count = 0;
-  // In-grid selection (session 24 A/B): a device pointer to a uint32 that the caller zeroed once
-  // (before its first use; every call leaves it ready for the next) and that one call at a time
-  // uses, never part of the workspace or any tensor of the call; null: off. Where flat decode
-  // runs, every row has at most 63 candidates (max_pages <= 64), programmatic_launch is off and the
-  // grid fits on the device at once, the flat scorer is launched as a cooperative grid whose CTAs
-  // meet at a barrier on this word once every block score is written, then select every row
-  // themselves (one warp per row, strict counts as short_select_count 1): no selection kernel and
-  // no dependency release between two grids. Same ids.
-  uint32_t* select_barrier = nullptr;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W
@@ -244,7 +239,6 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
-  bool in_grid_select = false;  // flat decode selecting in its own grid (select_barrier)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -247,14 +247,19 @@ __device__ __forceinline__ void take_by_counts(float s0, float s1, int c0, int c
   t1 = s1 == s1 && c1 < kTopK - 1;
   const int n = __popc(__ballot_sync(0xffffffffu, t0)) + __popc(__ballot_sync(0xffffffffu, t1));
   if (n <= kTopK - 1) return;  // warp-uniform
-  float t = fminf(t0 ? s0 : __int_as_float(0x7f800000), t1 ? s1 : __int_as_float(0x7f800000));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) t = fminf(t, __shfl_xor_sync(0xffffffffu, t, o));
-  const uint32_t e0 = __ballot_sync(0xffffffffu, t0 && s0 == t);
-  const uint32_t e1 = __ballot_sync(0xffffffffu, t1 && s1 == t);
+  // The boundary score as an order-preserving key (-0 as +0; NaN is never "in"), its minimum by
+  // one redux.sync instead of a chain of five shuffles (this step is on the row's critical path).
+  const auto key = [](float x) {
+    const uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  };
+  const uint32_t k0 = t0 ? key(s0) : 0xffffffffu, k1 = t1 ? key(s1) : 0xffffffffu;
+  const uint32_t t = __reduce_min_sync(0xffffffffu, min(k0, k1));
+  const uint32_t e0 = __ballot_sync(0xffffffffu, t0 && k0 == t);
+  const uint32_t e1 = __ballot_sync(0xffffffffu, t1 && k1 == t);
   const int keep = kTopK - 1 - (n - __popc(e0) - __popc(e1));  // boundary candidates kept, >= 1
-  if (t0 && s0 == t) t0 = __popc(e0 & below) < keep;
-  if (t1 && s1 == t) t1 = __popc(e0) + __popc(e1 & below) < keep;
+  if (t0 && k0 == t) t0 = __popc(e0 & below) < keep;
+  if (t1 && k1 == t) t1 = __popc(e0) + __popc(e1 & below) < keep;
 }
 
 // emit_ranked_row with the selection given as flags (take_by_counts): the taken candidates' ids
@@ -526,12 +531,17 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 //    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
 //    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
 //    last warp, where the dependency wait's selection needs ~2.5.
-// kGt (IndexerCudaOptions::short_select_count 1): each warp's share counted by gt_counts and
-// the row's selection decided by take_by_counts (strict counts, the tie rule at the boundary
-// only) instead of count_beats' per-candidate tie rule; kW = 1 (one warp per row) only with kGt.
+// kGt (IndexerCudaOptions::short_select_count): each warp's share counted by gt_counts and the
+// row's selection decided by take_by_counts (strict counts, the tie rule at the boundary only)
+// instead of count_beats' per-candidate tie rule. Session 24 (64 x 8K draft 3, 2 warps per row),
+// lost: one warp per row with strict counts (rows of 8 per CTA, no CTA barrier), 22.9 / 23.0 and
+// 22.9 / 22.8 / 22.7 us back to back vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds
+// A, B; timeline A: ranked 0.65 us after the scores arrived vs 0.71). Also lost there: the flat
+// scorer as a cooperative grid selecting its rows itself after a grid barrier (see make_plan in
+// indexer.cu).
 template <int kW, bool kGt>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
-  static_assert(kW == 2 || kW == 4 || (kW == 1 && kGt), "warps per row");
+  static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
   __shared__ __align__(16) float srow[kRows][kCountRow];
@@ -563,11 +573,7 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       }
     }
   }
-  if constexpr (kW == 1) {
-    __syncwarp();  // the warp's own row copy
-  } else {
-    __syncthreads();  // the rows' copies are in srow
-  }
+  __syncthreads();  // the rows' copies are in srow
   int r0 = 0, r1 = 0;
   if (local >= 0) {
     // The counts need their range at compile time: one case per warp of the row.
@@ -587,7 +593,7 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
         count(std::integral_constant<int, 0>{});
         break;
       case 1:
-        if constexpr (kW > 1) count(std::integral_constant<int, kPart>{});
+        count(std::integral_constant<int, kPart>{});
         break;
       case 2:
         if constexpr (kW > 2) count(std::integral_constant<int, 2 * kPart>{});
@@ -596,21 +602,17 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
         if constexpr (kW > 2) count(std::integral_constant<int, 3 * kPart>{});
         break;
     }
-    if constexpr (kW > 1) {
-      part[rg][q][lane] = r0;
-      part[rg][q][lane + 32] = r1;
-    }
+    part[rg][q][lane] = r0;
+    part[rg][q][lane + 32] = r1;
     select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  if constexpr (kW > 1) __syncthreads();  // every warp's counts are in part
+  __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
-    if constexpr (kW > 1) {
-      r0 = r1 = 0;
+    r0 = r1 = 0;
 #pragma unroll
-      for (int i = 0; i < kW; ++i) {
-        r0 += part[rg][i][lane];
-        r1 += part[rg][i][lane + 32];
-      }
+    for (int i = 0; i < kW; ++i) {
+      r0 += part[rg][i][lane];
+      r1 += part[rg][i][lane + 32];
     }
     if constexpr (kGt) {
       bool t0 = false, t1 = false;

@@ -407,10 +407,11 @@ TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
   }
 }
 
-// short_select_count 1 (gt_counts + take_by_counts) on rows full of exact ties (integer inputs:
-// block maxima are small integers, so tie groups straddle the 15th place in most rows) and with
-// NaN blocks, at 1 / 2 / 4 warps per row, in both kernel forms (flat 2 runs the 40-register one):
-// ids equal to the twin's and to the default selection's. Small, for the sanitizers.
+// Strict counts (gt_counts + take_by_counts: short_select_count 1, automatic at 2 warps per row)
+// on rows full of exact ties (integer inputs: block maxima are small integers, so tie groups
+// straddle the 15th place in most rows) and with NaN blocks, at 2 / 4 warps per row, in both
+// kernel forms (flat 2 runs the 40-register one): ids equal to the twin's and to those of the
+// per-candidate tie rule (short_select_count -1). Small, for the sanitizers.
 TEST(IndexerGpu, StrictCountSelectionSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -435,10 +436,11 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
   IndexerCudaOptions two;
   two.unfused_decode = true;
   two.flat_decode = -1;
+  two.short_select_count = -1;
   const GpuResult g = run_gpu(d, two);
-  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [default selection]");
+  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [tie rule]");
   for (int flat : {-1, 2}) {
-    for (int w : {1, 2, 4}) {
+    for (int w : {2, 4}) {
       IndexerCudaOptions o = two;
       o.unfused_decode = flat < 0;
       o.flat_decode = flat;
@@ -448,93 +450,9 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
                                std::to_string(w) + " warps per row";
       const GpuResult f = run_gpu(d, o);
       compare(in, ref, f, /*exact_scores=*/true, name);
-      expect_same_ids(in, f, g, name + " vs default selection");
+      expect_same_ids(in, f, g, name + " vs the tie rule");
     }
   }
-}
-
-// select_barrier (flat decode selecting in its own cooperative grid after a grid barrier): ids
-// equal to the twin's and to the two-kernel path's on rows full of ties and NaN, over repeated
-// eager calls and graph replays on one barrier word, which every call must leave with its low 31
-// bits zero (its top bit flips once per call); a batch whose long request also runs overflow
-// tiles; flat 1 and 2. Small, for the sanitizers.
-TEST(IndexerGpu, InGridSelectionSmall) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  uint32_t* word = nullptr;
-  ASSERT_EQ(cudaMalloc(&word, 128), cudaSuccess);
-  ASSERT_EQ(cudaMemset(word, 0, 128), cudaSuccess);
-  uint32_t calls = 0;  // barriers the word has seen
-  const auto expect_word = [&](const std::string& what) {
-    uint32_t w = 0;
-    ASSERT_EQ(cudaMemcpy(&w, word, 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    EXPECT_EQ(w, (calls & 1) ? 0x80000000u : 0u) << what << " after " << calls << " calls";
-  };
-  cudaStream_t stream;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  for (int set = 0; set < 2; ++set) {
-    std::vector<RequestSpec> reqs;
-    for (int i = 0; i < 20; ++i) {
-      const int n = 1 + static_cast<int>(rng.integer(0, 3));
-      reqs.push_back({static_cast<int>(rng.integer(i == 1 ? 7000 : 1900, 8192 - n)), n});
-    }
-    if (set == 1) reqs.push_back({3000, 70});  // tokens past the decode unit: overflow tiles
-    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    for (int b : {2, 9}) in.hb.index_row(0, b * 128 + 7)[5] = 0x7f;
-    for (int b = 0; b < 50; ++b) in.hb.index_row(1, b * 128 + 64)[3] = 0x7f;
-    ASSERT_LE(in.max_pages(), 64);
-    DeviceSet d;
-    upload(in, d);
-    const Reference ref = reference(in);
-    IndexerCudaOptions two;
-    two.unfused_decode = true;
-    two.flat_decode = -1;
-    const GpuResult g = run_gpu(d, two);
-    compare(in, ref, g, /*exact_scores=*/true, "in-grid selection [two-kernel]");
-    for (int flat : {1, 2}) {
-      IndexerCudaOptions o;
-      o.flat_decode = flat;
-      o.select_barrier = word;
-      const std::string name =
-          "in-grid selection, set " + std::to_string(set) + ", flat " + std::to_string(flat);
-      ASSERT_TRUE(indexer_cuda_plan(d.params, o).in_grid_select) << name;
-      for (int rep = 0; rep < 2; ++rep) {
-        const GpuResult f = run_gpu(d, o);
-        ++calls;
-        compare(in, ref, f, /*exact_scores=*/true, name);
-        expect_same_ids(in, f, g, name + " vs two-kernel");
-        expect_word(name);
-      }
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-      const Status st = run_indexer_cuda(d.params, d.workspace, stream, o);
-      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-      ASSERT_TRUE(st.ok()) << st.to_string();
-      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-      for (int rep = 0; rep < 2; ++rep) {
-        poison_outputs(d);
-        ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-        ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-        ++calls;
-        expect_same_ids(in, download(d), g, name + ", graph replay vs two-kernel");
-        expect_word(name + ", graph replay");
-      }
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-    }
-    // Not applicable with a programmatic launch: the plan keeps the selection kernel.
-    IndexerCudaOptions po;
-    po.flat_decode = 2;
-    po.select_barrier = word;
-    po.programmatic_launch = true;
-    EXPECT_FALSE(indexer_cuda_plan(d.params, po).in_grid_select);
-  }
-  cudaStreamDestroy(stream);
-  cudaFree(word);
 }
 
 }  // namespace

@@ -70,7 +70,7 @@
 //   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
 //   short_select_count / short_select_warps N, e.g. for --timeline). Session 24 --variants
 //   columns: beats / strict = short_select_count -1 / 1 (select_short's per-candidate tie rule /
-//   strict counts at any warps per row).
+//   strict counts at any warps per row), d32 = flat_div32 1 (32-bit flat assignment).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1097,6 +1097,9 @@ int main(int argc, char** argv) {
       all.push_back({form < 0 ? "beats" : "strict", default_o});
       all.back().o.short_select_count = form;
     }
+    // d32 = flat_div32 1 (flat decode's warp assignment in 32-bit divisions).
+    all.push_back({"d32", default_o});
+    all.back().o.flat_div32 = 1;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1140,7 +1143,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "beats / strict = short_select_count -1 / 1, "
+        "beats / strict = short_select_count -1 / 1, d32 = flat_div32 1, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

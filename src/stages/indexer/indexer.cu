@@ -449,6 +449,14 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
   a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
+  // 32-bit assignment where (v + 1) R, (r + 1) W and (v - lo + 1) max_pages stay below 2^32
+  // (v < W, R <= W, v - lo < n <= W).
+  a.flat_div32 = options.flat_div32 > 0 &&
+                         int64_t{a.flat_warps} *
+                                 std::max<int64_t>(std::max<int64_t>(R, max_pages), a.flat_warps) <
+                             (int64_t{1} << 32)
+                     ? 1
+                     : 0;
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);

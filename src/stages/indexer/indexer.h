@@ -195,6 +195,9 @@ struct IndexerCudaOptions {
   // ranked 0.71 us after their scores arrived vs 1.08. Strict counts at 4 warps per row: 64 x 8K
   // 23.2 / 23.3 vs 23.0 / 23.2, batch 1 x 8K draft 3 6.1 / 6.1 vs 6.0 / 6.0 (round A). Same ids.
   int short_select_count = 0;
+  // Flat decode's warp assignment (request and block range of each warp) in 32-bit integer
+  // divisions where every product fits (session 24 A/B; 0: 64-bit, 1: 32-bit). Same ids.
+  int flat_div32 = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -567,11 +567,25 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // splits of 12 blocks) and no warp serves two requests.
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
-    r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
-    const int lo = static_cast<int>(int64_t{r} * W / R);
-    const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
-    b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
-    bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
+    if (a.flat_div32) {
+      // The same values in 32-bit unsigned arithmetic (every product < 2^32: checked by the
+      // host): five divisions on the path to the first page-table load, each a short inline
+      // sequence instead of a 64-bit division subroutine.
+      const uint32_t uv = static_cast<uint32_t>(v), uR = static_cast<uint32_t>(R),
+                     uW = static_cast<uint32_t>(W), mp = static_cast<uint32_t>(a.max_pages);
+      const uint32_t ur = ((uv + 1) * uR - 1) / uW;
+      const uint32_t ulo = ur * uW / uR;
+      const uint32_t un = (ur + 1) * uW / uR - ulo;
+      r = static_cast<int>(ur);
+      b0 = static_cast<int>((uv - ulo) * mp / un);
+      bend = static_cast<int>((uv - ulo + 1) * mp / un);
+    } else {
+      r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
+      const int lo = static_cast<int>(int64_t{r} * W / R);
+      const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
+      b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
+      bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
+    }
     first = b0;
     step = 1;
   }

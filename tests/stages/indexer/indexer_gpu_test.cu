@@ -453,6 +453,16 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
       expect_same_ids(in, f, g, name + " vs the tie rule");
     }
   }
+  // Flat decode's warp assignment in 32-bit divisions (flat_div32): the same block ranges.
+  for (int flat : {1, 2, 3}) {
+    IndexerCudaOptions o;
+    o.flat_decode = flat;
+    o.flat_div32 = 1;
+    const std::string name = "flat " + std::to_string(flat) + ", 32-bit assignment";
+    const GpuResult f = run_gpu(d, o);
+    compare(in, ref, f, /*exact_scores=*/true, name);
+    expect_same_ids(in, f, g, name + " vs two-kernel");
+  }
 }
 
 }  // namespace

@@ -67,10 +67,8 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline), --count N / --sw N (the default options with
-//   short_select_count / short_select_warps N, e.g. for --timeline). Session 24 --variants
-//   columns: beats / strict = short_select_count -1 / 1 (select_short's per-candidate tie rule /
-//   strict counts at any warps per row), d32 = flat_div32 1 (32-bit flat assignment).
+//   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
+//   short_select_warps N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -508,7 +506,6 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
-  int count_form = 0;    // --count N: IndexerCudaOptions::short_select_count of the default options
   int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
@@ -561,8 +558,6 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
-    else if (a == "--count" && i + 1 < argc)
-      count_form = std::atoi(argv[++i]);
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
     else if (a == "--ef" && i + 1 < argc)
@@ -586,7 +581,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--count N] [--sw N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
                    "[--ef N] [--k K,K,...]\n",
                    argv[0]);
@@ -601,7 +596,6 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
-  default_o.short_select_count = count_form;
   default_o.short_select_warps = select_warps;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
@@ -1091,15 +1085,6 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    // beats / strict = short_select_count -1 / 1 (the per-candidate tie rule / strict counts at
-    // any warps per row).
-    for (int form : {-1, 1}) {
-      all.push_back({form < 0 ? "beats" : "strict", default_o});
-      all.back().o.short_select_count = form;
-    }
-    // d32 = flat_div32 1 (flat decode's warp assignment in 32-bit divisions).
-    all.push_back({"d32", default_o});
-    all.back().o.flat_div32 = 1;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1143,7 +1128,6 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "beats / strict = short_select_count -1 / 1, d32 = flat_div32 1, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

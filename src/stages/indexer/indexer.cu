@@ -403,9 +403,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
-  M3_CHECK_ARG(options.short_select_count >= -1 && options.short_select_count <= 1,
-               "run_indexer_cuda: short_select_count ", options.short_select_count,
-               " is outside [-1, 1]");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -449,14 +446,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
   a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
-  // 32-bit assignment where (v + 1) R, (r + 1) W and (v - lo + 1) max_pages stay below 2^32
-  // (v < W, R <= W, v - lo < n <= W).
-  a.flat_div32 = options.flat_div32 > 0 &&
-                         int64_t{a.flat_warps} *
-                                 std::max<int64_t>(std::max<int64_t>(R, max_pages), a.flat_warps) <
-                             (int64_t{1} << 32)
-                     ? 1
-                     : 0;
+  // Flat decode's assignment in 32-bit divisions where (v + 1) R, (r + 1) W and (v - lo + 1)
+  // max_pages stay below 2^32 (v < W, R <= W, v - lo < n <= W; decode_path).
+  const int64_t flat_bound = std::max<int64_t>({R, int64_t{max_pages}, int64_t{a.flat_warps}});
+  a.flat_div32 = int64_t{a.flat_warps} * flat_bound < (int64_t{1} << 32) ? 1 : 0;
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);
@@ -553,20 +546,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                                  : (rows >= sms ? 2 : 4);
     // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
     const bool resident = pl.flat_ctas > sms;
-    // Strict counts (short_select_count): automatic at 2 warps per row.
-    const bool strict =
-        options.short_select_count > 0 || (options.short_select_count == 0 && w == 2);
-    const auto pick = [resident](auto k, auto kr) { return resident ? kr : k; };
-    void (*kernel)(ik::KernelArgs) = nullptr;
-    if (strict) {
-      kernel =
-          w == 2
-              ? pick(ik::select_short_kernel<2, true>, ik::select_short_resident_kernel<2, true>)
-              : pick(ik::select_short_kernel<4, true>, ik::select_short_resident_kernel<4, true>);
-    } else {
-      kernel = w == 2 ? pick(ik::select_short_kernel<2>, ik::select_short_resident_kernel<2>)
-                      : pick(ik::select_short_kernel<4>, ik::select_short_resident_kernel<4>);
-    }
+    const auto kernel = w == 2 ? (resident ? ik::select_short_resident_kernel<2>
+                                           : ik::select_short_kernel<2>)
+                               : (resident ? ik::select_short_resident_kernel<4>
+                                           : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

@@ -184,20 +184,8 @@ struct IndexerCudaOptions {
   // Lost: 8 warps per row (24.1 / 23.9 / 24.1, round G), each warp's share counted by lean_beats
   // (23.7 / 23.5 / 23.5 with 2 warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4,
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
-  // Same ids.
+  // (Session 21's counts; since session 24 strict counts, see select_short_body.) Same ids.
   int short_select_warps = 0;
-  // How select_short_kernel ranks: strict counts (gt_counts: one set.gt and one add per candidate
-  // and lane candidate, the tie rule applied at the selection's boundary only: take_by_counts) or
-  // the per-candidate tie rule (count_beats). 0 = automatic: strict counts at 2 warps per row,
-  // the tie rule at 4; 1: strict counts, -1: the tie rule, whatever the warps. Session 24,
-  // same-round A/Bs, 64 x 8K draft 3 (2 warps per row) back to back: 22.7 / 22.9 vs 23.0 / 23.2
-  // us (round A), 22.8 / 22.7 / 22.7 vs 23.1 / 22.9 / 23.1 (round B); timeline (A): the rows
-  // ranked 0.71 us after their scores arrived vs 1.08. Strict counts at 4 warps per row: 64 x 8K
-  // 23.2 / 23.3 vs 23.0 / 23.2, batch 1 x 8K draft 3 6.1 / 6.1 vs 6.0 / 6.0 (round A). Same ids.
-  int short_select_count = 0;
-  // Flat decode's warp assignment (request and block range of each warp) in 32-bit integer
-  // divisions where every product fits (session 24 A/B; 0: 64-bit, 1: 32-bit). Same ids.
-  int flat_div32 = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -13,8 +13,9 @@
 // and each lane ranks its two candidates by counting the candidates that beat them
 // (rank_by_counting, ~600 independent instructions), then the selected ids are written in order
 // by ballot prefix counts (emit_ranked_row). Where max_pages <= 64 (every row that short),
-// select_short_kernel does the same with 2 (or 4) warps per row, each counting its share
-// (IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
+// select_short_kernel ranks with 2 (or 4) warps per row, each counting its share by strict counts
+// with the tie rule at the selection's boundary (gt_counts, take_by_counts;
+// IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
 // one pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
 // row's 15 best keys are among the union of the lanes' lists, so 15 merge rounds pop the largest
@@ -504,9 +505,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
 // row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2 where
 // the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's
-// scores (the first also copies them to shared memory), warp q counts the beats against the
-// candidates [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the
-// partial ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
+// scores (the first also copies them to shared memory), warp q counts the candidates of
+// [q 64 / kW, (q + 1) 64 / kW) scoring above the lane's (gt_counts), and after a CTA barrier the
+// first sums the partial counts, applies the tie rule at the boundary (take_by_counts) and writes
+// the row (emit_taken_row; trivial rows by trivial_row). A share of
 // rank_by_counting's dependent work per warp and more warps to hide it (session 17 round A ncu,
 // 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the selection
 // kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
@@ -531,15 +533,18 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 //    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
 //    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
 //    last warp, where the dependency wait's selection needs ~2.5.
-// kGt (IndexerCudaOptions::short_select_count): each warp's share counted by gt_counts and the
-// row's selection decided by take_by_counts (strict counts, the tie rule at the boundary only)
-// instead of count_beats' per-candidate tie rule. Session 24 (64 x 8K draft 3, 2 warps per row),
-// lost: one warp per row with strict counts (rows of 8 per CTA, no CTA barrier), 22.9 / 23.0 and
-// 22.9 / 22.8 / 22.7 us back to back vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds
-// A, B; timeline A: ranked 0.65 us after the scores arrived vs 0.71). Also lost there: the flat
-// scorer as a cooperative grid selecting its rows itself after a grid barrier (see make_plan in
-// indexer.cu).
-template <int kW, bool kGt>
+// Session 24 (same-round A/Bs, back to back): strict counts replace count_beats' per-candidate
+// tie rule (each warp's share ~150 instead of ~290 instructions; the rows of the bench's integer
+// data are full of exact ties, which cost a few warp-wide steps at the boundary only). 64 x 8K
+// draft 3 (2 warps per row): 22.7 / 22.9 vs 23.0 / 23.2 us (round A), 22.8 / 22.7 / 22.7 vs 23.1
+// / 22.9 / 23.1 (B), 22.7 / 22.8 / 22.7 vs 23.0 / 23.2 / 23.1 (D); timeline (A): the rows ranked
+// 0.71 us after their scores arrived vs 1.08. Batch 1 x 8K (4 warps per row), with the boundary's
+// minimum by redux.sync: draft 3 6.0 / 6.0 / 6.0 vs 6.1 / 6.1 / 6.0, draft 0 5.1 / 5.1 vs 5.1 /
+// 5.1 (D; with five shuffles for that minimum, round A: 6.1 / 6.1 vs 6.0 / 6.0). Lost and
+// deleted: one warp per row with strict counts (8 rows per CTA, no CTA barrier), 22.9 / 23.0 and
+// 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the flat
+// scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu).
+template <int kW>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
@@ -578,15 +583,10 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   if (local >= 0) {
     // The counts need their range at compile time: one case per warp of the row.
     const auto count = [&](auto j0) {
-      constexpr int kJ0 = decltype(j0)::value;
-      if constexpr (kGt) {
-        float c0 = 0.0f, c1 = 0.0f;
-        gt_counts<kJ0, kPart>(srow[rg], s0, s1, c0, c1);
-        r0 = static_cast<int>(c0);
-        r1 = static_cast<int>(c1);
-      } else {
-        count_beats<kJ0, kPart>(srow[rg], s0, s1, r0, r1);
-      }
+      float c0 = 0.0f, c1 = 0.0f;
+      gt_counts<decltype(j0)::value, kPart>(srow[rg], s0, s1, c0, c1);
+      r0 = static_cast<int>(c0);
+      r1 = static_cast<int>(c1);
     };
     switch (q) {
       case 0:
@@ -614,27 +614,23 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }
-    if constexpr (kGt) {
-      bool t0 = false, t1 = false;
-      take_by_counts(s0, s1, r0, r1, t0, t1);
-      emit_taken_row(out, t0, t1, local);
-    } else {
-      emit_ranked_row(out, s0, s1, r0, r1, local);
-    }
+    bool t0 = false, t1 = false;
+    take_by_counts(s0, s1, r0, r1, t0, t1);
+    emit_taken_row(out, t0, t1, local);
   }
   select_timeline_mark(a, 2);
 }
-template <int kW, bool kGt = false>
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  select_short_body<kW, kGt>(a);
+  select_short_body<kW>(a);
 }
 // At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
-template <int kW, bool kGt = false>
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads, 6)
     select_short_resident_kernel(const KernelArgs a) {
-  select_short_body<kW, kGt>(a);
+  select_short_body<kW>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -407,11 +407,12 @@ TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
   }
 }
 
-// Strict counts (gt_counts + take_by_counts: short_select_count 1, automatic at 2 warps per row)
-// on rows full of exact ties (integer inputs: block maxima are small integers, so tie groups
-// straddle the 15th place in most rows) and with NaN blocks, at 2 / 4 warps per row, in both
-// kernel forms (flat 2 runs the 40-register one): ids equal to the twin's and to those of the
-// per-candidate tie rule (short_select_count -1). Small, for the sanitizers.
+// select_short's strict counts (gt_counts + take_by_counts) on rows full of exact ties (integer
+// inputs: block maxima are small integers, so tie groups straddle the 15th place in most rows)
+// and with NaN blocks, at 2 / 4 warps per row, in both kernel forms (flat 2 runs the 40-register
+// one): ids equal to the twin's and to those of one warp per row (select_kernel: the
+// per-candidate tie rule, rank_by_counting). Flat 1 / 2 / 3 take their warp assignment in 32-bit
+// divisions. Small, for the sanitizers.
 TEST(IndexerGpu, StrictCountSelectionSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -433,35 +434,24 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
   DeviceSet d;
   upload(in, d);
   const Reference ref = reference(in);
-  IndexerCudaOptions two;
-  two.unfused_decode = true;
-  two.flat_decode = -1;
-  two.short_select_count = -1;
-  const GpuResult g = run_gpu(d, two);
-  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [tie rule]");
-  for (int flat : {-1, 2}) {
+  IndexerCudaOptions one;
+  one.unfused_decode = true;
+  one.flat_decode = -1;
+  one.short_select = false;
+  const GpuResult g = run_gpu(d, one);
+  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [one warp per row]");
+  for (int flat : {-1, 1, 2, 3}) {
     for (int w : {2, 4}) {
-      IndexerCudaOptions o = two;
+      IndexerCudaOptions o;
       o.unfused_decode = flat < 0;
       o.flat_decode = flat;
-      o.short_select_count = 1;
       o.short_select_warps = w;
       const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
                                std::to_string(w) + " warps per row";
       const GpuResult f = run_gpu(d, o);
       compare(in, ref, f, /*exact_scores=*/true, name);
-      expect_same_ids(in, f, g, name + " vs the tie rule");
+      expect_same_ids(in, f, g, name + " vs one warp per row");
     }
-  }
-  // Flat decode's warp assignment in 32-bit divisions (flat_div32): the same block ranges.
-  for (int flat : {1, 2, 3}) {
-    IndexerCudaOptions o;
-    o.flat_decode = flat;
-    o.flat_div32 = 1;
-    const std::string name = "flat " + std::to_string(flat) + ", 32-bit assignment";
-    const GpuResult f = run_gpu(d, o);
-    compare(in, ref, f, /*exact_scores=*/true, name);
-    expect_same_ids(in, f, g, name + " vs two-kernel");
   }
 }
 

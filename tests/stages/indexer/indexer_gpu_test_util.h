@@ -400,14 +400,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
       o.short_select_warps = w;  // select_short_kernel with 2 / 4 warps per row (default: auto)
       variants.push_back({w == 2 ? "2 warps per short row" : "4 warps per short row", o});
     }
-    // Both forms of select_short at the warp counts where the automatic choice does not run
-    // them: strict counts at 4 warps per row (small calls), the per-candidate tie rule at 2.
-    o = IndexerCudaOptions{};
-    o.short_select_count = 1;
-    variants.push_back({"strict counts", o});
-    o.short_select_count = -1;
-    o.short_select_warps = 2;
-    variants.push_back({"tie rule, 2 warps per short row", o});
     o = IndexerCudaOptions{};
     o.force_cuda_cores = true;
     variants.push_back({"cuda cores", o});

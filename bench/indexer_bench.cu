@@ -68,7 +68,8 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline).
+//   short_select_warps N, e.g. for --timeline), --even (the default options with flat_even, e.g.
+//   for --timeline); session 24 --variants column: even = flat_even.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -507,6 +508,7 @@ int main(int argc, char** argv) {
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
+  bool even = false;     // --even: IndexerCudaOptions::flat_even in the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
@@ -560,6 +562,8 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
+    else if (a == "--even")
+      even = true;
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
@@ -581,7 +585,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] [--even] "
                    "[--no-short-select] "
                    "[--ef N] [--k K,K,...]\n",
                    argv[0]);
@@ -597,6 +601,7 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.short_select_warps = select_warps;
+  default_o.flat_even = even;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1085,6 +1090,9 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
+    // even = IndexerCudaOptions::flat_even (every request's warps and blocks per warp equal).
+    all.push_back({"even", default_o});
+    all.back().o.flat_even = true;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1128,6 +1136,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
+        "even = flat_even, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

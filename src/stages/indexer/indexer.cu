@@ -308,7 +308,14 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   const int64_t flat_per_sm =
       o.flat_decode > 0 ? o.flat_decode : (flat_auto ? flat_auto_per_sm : 0);
   if (pl.mma && flat_per_sm > 0 && T > 0) {
-    const int64_t ctas = flat_per_sm * sms;
+    int64_t ctas = flat_per_sm * sms;
+    if (o.flat_even) {
+      // Every request the same number of warps n and every warp the same number of blocks: the
+      // largest n <= slots / R that divides max_pages, where n R fills whole CTAs.
+      int64_t n = ctas * ik::kMmaWarps / R;
+      while (n > 1 && max_pages % n != 0) --n;
+      if (n >= 1 && (n * R) % ik::kMmaWarps == 0) ctas = n * R / ik::kMmaWarps;
+    }
     if (ctas * ik::kMmaWarps >= R) {
       pl.fused = pl.single = false;
       pl.flat_ctas = ctas;

@@ -69,7 +69,7 @@
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline), --even (the default options with flat_even, e.g.
-//   for --timeline); session 24 --variants column: even = flat_even.
+//   for --timeline); session 24 --variants columns: even = flat_even, mask = short_select_masks.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1090,6 +1090,9 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
+    // mask = IndexerCudaOptions::short_select_masks.
+    all.push_back({"mask", default_o});
+    all.back().o.short_select_masks = true;
     // even = IndexerCudaOptions::flat_even (every request's warps and blocks per warp equal).
     all.push_back({"even", default_o});
     all.back().o.flat_even = true;
@@ -1136,7 +1139,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "even = flat_even, "
+        "even = flat_even, mask = short_select_masks, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

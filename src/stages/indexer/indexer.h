@@ -186,6 +186,8 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // (Session 21's counts; since session 24 strict counts, see select_short_body.) Same ids.
   int short_select_warps = 0;
+  // select_short's counts as integer masks, two per three-input add (session 24 A/B). Same ids.
+  bool short_select_masks = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

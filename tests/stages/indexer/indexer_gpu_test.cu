@@ -446,11 +446,14 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
       o.unfused_decode = flat < 0;
       o.flat_decode = flat;
       o.short_select_warps = w;
-      const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
-                               std::to_string(w) + " warps per row";
-      const GpuResult f = run_gpu(d, o);
-      compare(in, ref, f, /*exact_scores=*/true, name);
-      expect_same_ids(in, f, g, name + " vs one warp per row");
+      for (bool masks : {false, true}) {
+        o.short_select_masks = masks;
+        const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
+                                 std::to_string(w) + " warps per row" + (masks ? ", masks" : "");
+        const GpuResult f = run_gpu(d, o);
+        compare(in, ref, f, /*exact_scores=*/true, name);
+        expect_same_ids(in, f, g, name + " vs one warp per row");
+      }
     }
   }
   // flat_even: every request the same warps (a divisor of max_pages), whole CTAs.

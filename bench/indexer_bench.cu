@@ -68,8 +68,8 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline), --even (the default options with flat_even, e.g.
-//   for --timeline); session 24 --variants columns: even = flat_even, mask = short_select_masks.
+//   short_select_warps N, e.g. for --timeline); session 24 --variants column: mask =
+//   short_select_masks.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -508,7 +508,6 @@ int main(int argc, char** argv) {
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
   int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
-  bool even = false;     // --even: IndexerCudaOptions::flat_even in the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
@@ -562,8 +561,6 @@ int main(int argc, char** argv) {
       no_short_select = true;
     else if (a == "--sw" && i + 1 < argc)
       select_warps = std::atoi(argv[++i]);
-    else if (a == "--even")
-      even = true;
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
     else if (a == "--vlist" && i + 1 < argc) {
@@ -585,7 +582,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] [--even] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
                    "[--ef N] [--k K,K,...]\n",
                    argv[0]);
@@ -601,7 +598,6 @@ int main(int argc, char** argv) {
   }
   default_o.flat_decode = flat;
   default_o.short_select_warps = select_warps;
-  default_o.flat_even = even;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1093,9 +1089,6 @@ int main(int argc, char** argv) {
     // mask = IndexerCudaOptions::short_select_masks.
     all.push_back({"mask", default_o});
     all.back().o.short_select_masks = true;
-    // even = IndexerCudaOptions::flat_even (every request's warps and blocks per warp equal).
-    all.push_back({"even", default_o});
-    all.back().o.flat_even = true;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1139,7 +1132,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "even = flat_even, mask = short_select_masks, "
+        "mask = short_select_masks, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

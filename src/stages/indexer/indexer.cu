@@ -292,6 +292,12 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // entering only as scorer CTAs exit) two lost, 24.4-24.6 vs 23.6-23.7 (round G). Timelines:
   // scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs 24.1 (rounds H / F). Other token
   // counts not measured at two CTAs per SM.
+  // Session 24 (64 x 8K draft 3, same-round A/B, back to back), lost and deleted: every request
+  // on the same number of warps, the largest divisor of max_pages within the CTA budget (16 warps
+  // of exactly 4 blocks in 256 CTAs instead of 16-17 warps of 3-4 blocks in 264): 22.3 / 22.3 /
+  // 22.3 us vs 22.2 / 22.4 / 22.4 (round F). Timelines (b2b): a CTA's warps ended 0.86 us apart
+  // at the median instead of 1.44, but the CTAs' last blocks no earlier (CTA ends p50 18.56 /
+  // max 20.42 vs 17.39 / 18.70): every SM then holds 32 blocks, the most any SM holds anyway.
   // Session 24 (64 x 8K draft 3), lost and deleted: the flat scorer launched as a cooperative
   // grid (every CTA resident) whose CTAs met at a grid barrier on a caller-zeroed word once every
   // block score was written (the CTAs' adds summing to 2^31, so that each call flips the top bit
@@ -308,14 +314,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   const int64_t flat_per_sm =
       o.flat_decode > 0 ? o.flat_decode : (flat_auto ? flat_auto_per_sm : 0);
   if (pl.mma && flat_per_sm > 0 && T > 0) {
-    int64_t ctas = flat_per_sm * sms;
-    if (o.flat_even) {
-      // Every request the same number of warps n and every warp the same number of blocks: the
-      // largest n <= slots / R that divides max_pages, where n R fills whole CTAs.
-      int64_t n = ctas * ik::kMmaWarps / R;
-      while (n > 1 && max_pages % n != 0) --n;
-      if (n >= 1 && (n * R) % ik::kMmaWarps == 0) ctas = n * R / ik::kMmaWarps;
-    }
+    const int64_t ctas = flat_per_sm * sms;
     if (ctas * ik::kMmaWarps >= R) {
       pl.fused = pl.single = false;
       pl.flat_ctas = ctas;

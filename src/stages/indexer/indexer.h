@@ -202,11 +202,6 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
-  // Flat decode with even warps (session 24 A/B): every request gets the same number of warps,
-  // the largest count within flat_decode x SMs CTAs that divides max_pages (64 x 8K at 2 CTAs per
-  // SM: 16 warps of 4 blocks each, 256 CTAs, instead of 16-17 warps of 3-4 blocks in 264), so
-  // that the warps of an SM end together. Same ids.
-  bool flat_even = false;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

@@ -456,19 +456,6 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
       }
     }
   }
-  // flat_even: every request the same warps (a divisor of max_pages), whole CTAs.
-  for (int flat : {1, 2}) {
-    IndexerCudaOptions o;
-    o.flat_decode = flat;
-    o.flat_even = true;
-    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, o);
-    EXPECT_GT(pl.flat_ctas, 0);
-    EXPECT_EQ(pl.flat_ctas * 4 % in.hb.num_requests(), 0) << "flat " << flat;
-    const std::string name = "flat " + std::to_string(flat) + " even";
-    const GpuResult f = run_gpu(d, o);
-    compare(in, ref, f, /*exact_scores=*/true, name);
-    expect_same_ids(in, f, g, name + " vs one warp per row");
-  }
 }
 
 }  // namespace

@@ -188,6 +188,9 @@ struct IndexerCudaOptions {
   int short_select_warps = 0;
   // select_short's counts as integer masks, two per three-input add (session 24 A/B). Same ids.
   bool short_select_masks = false;
+  // select_short with a row copy per warp and a named barrier per row instead of the two CTA
+  // barriers (session 24 A/B). Same ids.
+  bool short_select_pair = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

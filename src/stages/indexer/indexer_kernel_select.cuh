@@ -574,13 +574,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // deleted: one warp per row with strict counts (8 rows per CTA, no CTA barrier), 22.9 / 23.0 and
 // 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the flat
 // scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu).
-// kMasked: the counts by gt_counts_masked (IndexerCudaOptions::short_select_masks).
-template <int kW, bool kMasked>
+// kMasked: the counts by gt_counts_masked (IndexerCudaOptions::short_select_masks). kPair
+// (IndexerCudaOptions::short_select_pair, session 24 A/B): each warp copies the row for itself
+// (no CTA barrier before the counts) and the row's warps meet at a named barrier of their own
+// before the sums instead of the CTA barrier: a row waits only for its own warps.
+template <int kW, bool kMasked, bool kPair>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
-  __shared__ __align__(16) float srow[kRows][kCountRow];
+  __shared__ __align__(16) float srow[kPair ? kSelectWarps : kRows][kCountRow];
   __shared__ int part[kRows][kW][kCountRow];
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
@@ -603,22 +606,26 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       if (lane < local) s0 = __ldcg(scores + lane);
       if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
       select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
-      if (q == 0) {
-        srow[rg][lane] = s0;
-        srow[rg][lane + 32] = s1;
+      if (kPair || q == 0) {
+        srow[kPair ? warp : rg][lane] = s0;
+        srow[kPair ? warp : rg][lane + 32] = s1;
       }
     }
   }
-  __syncthreads();  // the rows' copies are in srow
+  if constexpr (kPair)
+    __syncwarp();  // the warp's own copy
+  else
+    __syncthreads();  // the rows' copies are in srow
+  float* const crow = srow[kPair ? warp : rg];
   int r0 = 0, r1 = 0;
   if (local >= 0) {
     // The counts need their range at compile time: one case per warp of the row.
     const auto count = [&](auto j0) {
       float c0 = 0.0f, c1 = 0.0f;
       if constexpr (kMasked)
-        gt_counts_masked<decltype(j0)::value, kPart>(srow[rg], s0, s1, c0, c1);
+        gt_counts_masked<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
       else
-        gt_counts<decltype(j0)::value, kPart>(srow[rg], s0, s1, c0, c1);
+        gt_counts<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
       r0 = static_cast<int>(c0);
       r1 = static_cast<int>(c1);
     };
@@ -640,7 +647,10 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
     part[rg][q][lane + 32] = r1;
     select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  __syncthreads();  // every warp's counts are in part
+  if constexpr (kPair)  // the row's warps (barrier 1 + rg; 0 is __syncthreads')
+    asm volatile("bar.sync %0, %1;" ::"r"(1 + rg), "n"(32 * kW) : "memory");
+  else
+    __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
     r0 = r1 = 0;
 #pragma unroll
@@ -654,17 +664,17 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   }
   select_timeline_mark(a, 2);
 }
-template <int kW, bool kMasked = false>
+template <int kW, bool kMasked = false, bool kPair = false>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  select_short_body<kW, kMasked>(a);
+  select_short_body<kW, kMasked, kPair>(a);
 }
 // At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
-template <int kW, bool kMasked = false>
+template <int kW, bool kMasked = false, bool kPair = false>
 __global__ void __launch_bounds__(kSelectThreads, 6)
     select_short_resident_kernel(const KernelArgs a) {
-  select_short_body<kW, kMasked>(a);
+  select_short_body<kW, kMasked, kPair>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -555,11 +555,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
     const auto pick = [resident](auto k, auto kr) { return resident ? kr : k; };
     void (*kernel)(ik::KernelArgs) = nullptr;
     if (options.short_select_pair)
-      kernel = w == 2 ? pick(ik::select_short_kernel<2, false, true>,
-                             ik::select_short_resident_kernel<2, false, true>)
-                      : pick(ik::select_short_kernel<4, false, true>,
-                             ik::select_short_resident_kernel<4, false, true>);
-    else if (options.short_select_masks)
       kernel =
           w == 2
               ? pick(ik::select_short_kernel<2, true>, ik::select_short_resident_kernel<2, true>)

@@ -186,8 +186,6 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // (Session 21's counts; since session 24 strict counts, see select_short_body.) Same ids.
   int short_select_warps = 0;
-  // select_short's counts as integer masks, two per three-input add (session 24 A/B). Same ids.
-  bool short_select_masks = false;
   // select_short with a row copy per warp and a named barrier per row instead of the two CTA
   // barriers (session 24 A/B). Same ids.
   bool short_select_pair = false;

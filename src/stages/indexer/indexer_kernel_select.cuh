@@ -231,36 +231,6 @@ __device__ __forceinline__ void gt_counts(const float* row, float s0, float s1, 
   c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
 }
 
-// 0xffffffff when a > b (ordered: 0 with a NaN), else 0: one FSET.
-__device__ __forceinline__ uint32_t mask_gt(float a, float b) {
-  uint32_t m;
-  asm("set.gt.u32.f32 %0, %1, %2;" : "=r"(m) : "f"(a), "f"(b));
-  return m;
-}
-
-// gt_counts with integer masks (IndexerCudaOptions::short_select_masks, session 24 A/B): each
-// set.gt gives 0 or -1 and one three-input add (IADD3) takes two of them, so a float4 of
-// candidates costs 8 compares and 4 adds instead of 8 and 8. c0 / c1 as gt_counts'.
-template <int kJ0, int kN>
-__device__ __forceinline__ void gt_counts_masked(const float* row, float s0, float s1, float& c0,
-                                                 float& c1) {
-  static_assert(kJ0 % 16 == 0 && kN % 16 == 0 && kJ0 + kN <= kCountRow, "whole groups");
-  int a0[2] = {0, 0}, a1[2] = {0, 0};
-#pragma unroll 1
-  for (int g = kJ0; g < kJ0 + kN; g += 16) {
-#pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      const float4 v = *reinterpret_cast<const float4*>(row + g + 4 * q);
-      a0[0] += static_cast<int>(mask_gt(v.x, s0)) + static_cast<int>(mask_gt(v.y, s0));
-      a0[1] += static_cast<int>(mask_gt(v.z, s0)) + static_cast<int>(mask_gt(v.w, s0));
-      a1[0] += static_cast<int>(mask_gt(v.x, s1)) + static_cast<int>(mask_gt(v.y, s1));
-      a1[1] += static_cast<int>(mask_gt(v.z, s1)) + static_cast<int>(mask_gt(v.w, s1));
-    }
-  }
-  c0 = static_cast<float>(-(a0[0] + a0[1]));
-  c1 = static_cast<float>(-(a1[0] + a1[1]));
-}
-
 // The row's selected candidates from strict counts (gt_counts over every candidate; every lane
 // of the warp calling): t0 / t1 = whether the lane's candidates lane / lane + 32 (scores s0 / s1,
 // NaN = none; c0 / c1 candidates with a larger score) are among the 15 best in the order (score
@@ -572,13 +542,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // minimum by redux.sync: draft 3 6.0 / 6.0 / 6.0 vs 6.1 / 6.1 / 6.0, draft 0 5.1 / 5.1 vs 5.1 /
 // 5.1 (D; with five shuffles for that minimum, round A: 6.1 / 6.1 vs 6.0 / 6.0). Lost and
 // deleted: one warp per row with strict counts (8 rows per CTA, no CTA barrier), 22.9 / 23.0 and
-// 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the flat
-// scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu).
-// kMasked: the counts by gt_counts_masked (IndexerCudaOptions::short_select_masks). kPair
-// (IndexerCudaOptions::short_select_pair, session 24 A/B): each warp copies the row for itself
-// (no CTA barrier before the counts) and the row's warps meet at a named barrier of their own
-// before the sums instead of the CTA barrier: a row waits only for its own warps.
-template <int kW, bool kMasked, bool kPair>
+// 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the counts
+// as 0 / -1 compare masks (set.gt.u32.f32), two per three-input add (8 compares and 4 adds per
+// float4 instead of 8 and 8): 22.9 / 23.1 / 23.2 vs 22.5 / 22.7 / 22.6 (round G); the flat
+// scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu). ncu
+// (round G, one launch, no timeline): 745 K warp instructions for the 2048 warps (364 per warp),
+// issue slots 17 % busy, 10.8 cycles per issued instruction (the kernel alone: no scorer beside).
+// kPair (IndexerCudaOptions::short_select_pair, session 24 A/B): each warp copies the row for
+// itself (no CTA barrier before the counts) and the row's warps meet at a named barrier of their
+// own before the sums instead of the CTA barrier: a row waits only for its own warps.
+template <int kW, bool kPair>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
@@ -622,10 +595,7 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
     // The counts need their range at compile time: one case per warp of the row.
     const auto count = [&](auto j0) {
       float c0 = 0.0f, c1 = 0.0f;
-      if constexpr (kMasked)
-        gt_counts_masked<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
-      else
-        gt_counts<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
+      gt_counts<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
       r0 = static_cast<int>(c0);
       r1 = static_cast<int>(c1);
     };
@@ -664,17 +634,17 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   }
   select_timeline_mark(a, 2);
 }
-template <int kW, bool kMasked = false, bool kPair = false>
+template <int kW, bool kPair = false>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  select_short_body<kW, kMasked, kPair>(a);
+  select_short_body<kW, kPair>(a);
 }
 // At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
-template <int kW, bool kMasked = false, bool kPair = false>
+template <int kW, bool kPair = false>
 __global__ void __launch_bounds__(kSelectThreads, 6)
     select_short_resident_kernel(const KernelArgs a) {
-  select_short_body<kW, kMasked, kPair>(a);
+  select_short_body<kW, kPair>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

@@ -68,8 +68,7 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline); session 24 --variants column: pair =
-//   short_select_pair.
+//   short_select_warps N, e.g. for --timeline).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1086,9 +1085,6 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    // pair = IndexerCudaOptions::short_select_pair.
-    all.push_back({"pair", default_o});
-    all.back().o.short_select_pair = true;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1132,7 +1128,6 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "pair = short_select_pair, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

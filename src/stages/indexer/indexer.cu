@@ -552,16 +552,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                                  : (rows >= sms ? 2 : 4);
     // Beside flat decode at 2 or more CTAs per SM, the register-capped form.
     const bool resident = pl.flat_ctas > sms;
-    const auto pick = [resident](auto k, auto kr) { return resident ? kr : k; };
-    void (*kernel)(ik::KernelArgs) = nullptr;
-    if (options.short_select_pair)
-      kernel =
-          w == 2
-              ? pick(ik::select_short_kernel<2, true>, ik::select_short_resident_kernel<2, true>)
-              : pick(ik::select_short_kernel<4, true>, ik::select_short_resident_kernel<4, true>);
-    else
-      kernel = w == 2 ? pick(ik::select_short_kernel<2>, ik::select_short_resident_kernel<2>)
-                      : pick(ik::select_short_kernel<4>, ik::select_short_resident_kernel<4>);
+    const auto kernel = w == 2 ? (resident ? ik::select_short_resident_kernel<2>
+                                           : ik::select_short_kernel<2>)
+                               : (resident ? ik::select_short_resident_kernel<4>
+                                           : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
                                        select_pdl, a));

@@ -186,9 +186,6 @@ struct IndexerCudaOptions {
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
   // (Session 21's counts; since session 24 strict counts, see select_short_body.) Same ids.
   int short_select_warps = 0;
-  // select_short with a row copy per warp and a named barrier per row instead of the two CTA
-  // barriers (session 24 A/B). Same ids.
-  bool short_select_pair = false;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead
   // of k_splits splits per request: request r owns the warps [r W / R, (r + 1) W / R) of the W

@@ -544,19 +544,18 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // deleted: one warp per row with strict counts (8 rows per CTA, no CTA barrier), 22.9 / 23.0 and
 // 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the counts
 // as 0 / -1 compare masks (set.gt.u32.f32), two per three-input add (8 compares and 4 adds per
-// float4 instead of 8 and 8): 22.9 / 23.1 / 23.2 vs 22.5 / 22.7 / 22.6 (round G); the flat
+// float4 instead of 8 and 8): 22.9 / 23.1 / 23.2 vs 22.5 / 22.7 / 22.6 (round G); a row copy per
+// warp and a named barrier per row (its two warps) instead of the two CTA barriers: 22.2 / 22.4 /
+// 22.4 vs 22.2 / 22.4 / 22.3 (round H, a tie: the barriers are not the cost); the flat
 // scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu). ncu
 // (round G, one launch, no timeline): 745 K warp instructions for the 2048 warps (364 per warp),
 // issue slots 17 % busy, 10.8 cycles per issued instruction (the kernel alone: no scorer beside).
-// kPair (IndexerCudaOptions::short_select_pair, session 24 A/B): each warp copies the row for
-// itself (no CTA barrier before the counts) and the row's warps meet at a named barrier of their
-// own before the sums instead of the CTA barrier: a row waits only for its own warps.
-template <int kW, bool kPair>
+template <int kW>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
   constexpr int kRows = kSelectWarps / kW;  // rows per CTA
   constexpr int kPart = kCountRow / kW;     // candidates per warp
-  __shared__ __align__(16) float srow[kPair ? kSelectWarps : kRows][kCountRow];
+  __shared__ __align__(16) float srow[kRows][kCountRow];
   __shared__ int part[kRows][kW][kCountRow];
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
@@ -579,23 +578,19 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       if (lane < local) s0 = __ldcg(scores + lane);
       if (lane + 32 < local) s1 = __ldcg(scores + lane + 32);
       select_timeline_stamp(a, 0, __float_as_uint(s0) ^ __float_as_uint(s1));
-      if (kPair || q == 0) {
-        srow[kPair ? warp : rg][lane] = s0;
-        srow[kPair ? warp : rg][lane + 32] = s1;
+      if (q == 0) {
+        srow[rg][lane] = s0;
+        srow[rg][lane + 32] = s1;
       }
     }
   }
-  if constexpr (kPair)
-    __syncwarp();  // the warp's own copy
-  else
-    __syncthreads();  // the rows' copies are in srow
-  float* const crow = srow[kPair ? warp : rg];
-  int r0 = 0, r1 = 0;
+  __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
+    int r0 = 0, r1 = 0;
     // The counts need their range at compile time: one case per warp of the row.
     const auto count = [&](auto j0) {
       float c0 = 0.0f, c1 = 0.0f;
-      gt_counts<decltype(j0)::value, kPart>(crow, s0, s1, c0, c1);
+      gt_counts<decltype(j0)::value, kPart>(srow[rg], s0, s1, c0, c1);
       r0 = static_cast<int>(c0);
       r1 = static_cast<int>(c1);
     };
@@ -617,12 +612,9 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
     part[rg][q][lane + 32] = r1;
     select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
   }
-  if constexpr (kPair)  // the row's warps (barrier 1 + rg; 0 is __syncthreads')
-    asm volatile("bar.sync %0, %1;" ::"r"(1 + rg), "n"(32 * kW) : "memory");
-  else
-    __syncthreads();  // every warp's counts are in part
+  __syncthreads();  // every warp's counts are in part
   if (local >= 0 && q == 0) {
-    r0 = r1 = 0;
+    int r0 = 0, r1 = 0;
 #pragma unroll
     for (int i = 0; i < kW; ++i) {
       r0 += part[rg][i][lane];
@@ -634,17 +626,17 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   }
   select_timeline_mark(a, 2);
 }
-template <int kW, bool kPair = false>
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads) select_short_kernel(const KernelArgs a) {
-  select_short_body<kW, kPair>(a);
+  select_short_body<kW>(a);
 }
 // At most 40 registers (6 CTAs per SM): two CTAs fit beside two flat decode CTAs per SM (2 x 168 x
 // 128 registers), so every CTA of a 1024-row call is resident while the scorer runs (flat decode at
 // 2 or more CTAs per SM).
-template <int kW, bool kPair = false>
+template <int kW>
 __global__ void __launch_bounds__(kSelectThreads, 6)
     select_short_resident_kernel(const KernelArgs a) {
-  select_short_body<kW, kPair>(a);
+  select_short_body<kW>(a);
 }
 
 }  // namespace m3attn::indexer_kernel

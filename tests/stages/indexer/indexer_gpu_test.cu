@@ -446,15 +446,11 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
       o.unfused_decode = flat < 0;
       o.flat_decode = flat;
       o.short_select_warps = w;
-      for (bool pair : {false, true}) {
-        o.short_select_pair = pair;
-        const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
-                                 std::to_string(w) + " warps per row" +
-                                 (pair ? ", pair barriers" : "");
-        const GpuResult f = run_gpu(d, o);
-        compare(in, ref, f, /*exact_scores=*/true, name);
-        expect_same_ids(in, f, g, name + " vs one warp per row");
-      }
+      const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
+                               std::to_string(w) + " warps per row";
+      const GpuResult f = run_gpu(d, o);
+      compare(in, ref, f, /*exact_scores=*/true, name);
+      expect_same_ids(in, f, g, name + " vs one warp per row");
     }
   }
 }

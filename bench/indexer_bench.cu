@@ -68,8 +68,8 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 (--variants: the two-kernel path
-//   at 3 / 4 / 6 splits).
+//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
+//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1086,12 +1086,16 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
-    // 2k3 / 2k4 / 2k6 = the two-kernel path at 3 / 4 / 6 splits (unfused_decode, k_splits).
-    for (int k : {3, 4, 6}) {
-      all.push_back({k == 3 ? "2k3" : (k == 4 ? "2k4" : "2k6"), default_o});
+    // 2k3 / 2k4 / 2k6 / 2k8 = the two-kernel path at 3 / 4 / 6 / 8 splits (unfused_decode,
+    // k_splits); sp4 = the single pass in 4-CTA clusters.
+    for (int k : {3, 4, 6, 8}) {
+      all.push_back({k == 3 ? "2k3" : (k == 4 ? "2k4" : (k == 6 ? "2k6" : "2k8")), default_o});
       all.back().o.unfused_decode = true;
       all.back().o.k_splits = k;
     }
+    all.push_back({"sp4", default_o});
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 4;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1135,7 +1139,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "2kK = unfused_decode at K splits, "
+        "2kK = unfused_decode at K splits, sp4 = single pass in 4-CTA clusters, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4; --repeat N: the variants alternate, N runs)",
         rows, json);

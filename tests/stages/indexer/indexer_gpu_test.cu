@@ -60,6 +60,49 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
+// Verify batches of 4 tokens per request from 1.9 requests per SM at <= 64 blocks: the automatic
+// plan is the two-kernel path in 12-block splits (session 24; the single pass in 4-CTA clusters
+// before, still the plan at 3 tokens per request). Ids and block scores against the twin, ids
+// against that single pass.
+TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  const int R = 2 * sms;
+  for (int tokens : {3, 4}) {
+    std::vector<RequestSpec> reqs;
+    for (int i = 0; i < R; ++i)
+      reqs.push_back({static_cast<int>(rng.integer(1900, 2800 - tokens)), tokens});
+    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+    const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
+    DeviceSet d;
+    upload(in, d);
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    if (tokens == 3) {
+      EXPECT_TRUE(pl.single);
+      EXPECT_EQ(pl.k_splits, 4);
+      continue;
+    }
+    EXPECT_FALSE(pl.single);
+    EXPECT_FALSE(pl.fused);
+    EXPECT_EQ(pl.flat_ctas, 0);
+    EXPECT_EQ(pl.dec_chunk, 12);
+    EXPECT_EQ(pl.k_splits, 6);
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    compare(in, reference(in), g, false, "automatic 12-block splits, many verify requests");
+    IndexerCudaOptions single;
+    single.single_pass = true;
+    single.single_pass_ctas = 4;
+    expect_same_ids(in, run_gpu(d, single), g, "single pass in 4-CTA clusters vs 12-block splits");
+  }
+}
+
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
 // requests per SM: 64 on an H200) runs flat decode with two CTAs per SM (session 23; one in
 // sessions 19-22) where 12-block splits would still fit one wave (session 19; session 18 used

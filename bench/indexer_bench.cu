@@ -1104,9 +1104,11 @@ int main(int argc, char** argv) {
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
+    // --case: any batch size (the table's batches otherwise).
+    const std::vector<int> vbatches = only ? std::vector<int>{only_batch} : batches;
     for (int run = 0; run < repeat; ++run)
       for (int ctx : contexts) {
-        for (int batch : batches) {
+        for (int batch : vbatches) {
           const int draft = only ? only_draft : 3;
           if (only && (batch != only_batch || ctx != only_ctx)) continue;
           if (!only && batch == 1) continue;

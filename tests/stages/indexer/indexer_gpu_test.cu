@@ -60,9 +60,9 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
-// Verify batches of 4 tokens per request from 1.9 requests per SM at <= 64 blocks: the automatic
-// plan is the two-kernel path in 12-block splits (session 24; the single pass in 4-CTA clusters
-// before, still the plan at 3 tokens per request). Ids against that single pass and against the
+// Verify batches (2 and 4 tokens per request) of more than one request per SM at <= 64 blocks:
+// the automatic plan is the two-kernel path in 12-block splits (session 24; before, the single
+// pass in 4-CTA clusters from 1.9 requests per SM). Ids against that single pass and against the
 // two-kernel path in 3 splits (both checked against the twin elsewhere; the twin of 2 x SMs
 // requests would take this test ~30 s).
 TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
@@ -72,7 +72,7 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   Rng rng(seed);
   const int sms = mt::current_device_sms();
   const int R = 2 * sms;
-  for (int tokens : {3, 4}) {
+  for (int tokens : {2, 4}) {
     std::vector<RequestSpec> reqs;
     for (int i = 0; i < R; ++i)
       reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
@@ -85,25 +85,22 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
     const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
     std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
                 sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
-    if (tokens == 3) {
-      EXPECT_TRUE(pl.single);
-      EXPECT_EQ(pl.k_splits, 4);
-      continue;
-    }
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
     EXPECT_EQ(pl.flat_ctas, 0);
     EXPECT_EQ(pl.dec_chunk, 12);
     EXPECT_EQ(pl.k_splits, 6);
+    const std::string what = std::to_string(tokens) + " tokens per request";
     const GpuResult g = run_gpu(d, IndexerCudaOptions{});
     IndexerCudaOptions single;
     single.single_pass = true;
     single.single_pass_ctas = 4;
-    expect_same_ids(in, run_gpu(d, single), g, "single pass in 4-CTA clusters vs 12-block splits");
+    expect_same_ids(in, run_gpu(d, single), g,
+                    "single pass in 4-CTA clusters vs 12-block splits, " + what);
     IndexerCudaOptions three;
     three.unfused_decode = true;
     three.k_splits = 3;
-    expect_same_ids(in, run_gpu(d, three), g, "3 splits vs 12-block splits");
+    expect_same_ids(in, run_gpu(d, three), g, "3 splits vs 12-block splits, " + what);
   }
 }
 

@@ -35,18 +35,18 @@ constexpr int64_t kDecodeChunk = 16;
 // blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
-// ... and for verify batches (2-4 tokens per request) of more than one request per SM at <= 64
-// blocks (where the single pass in 4-CTA clusters ran from 1.9 requests per SM, and 3 splits of
-// 24 blocks below): the two-kernel path in 12-block splits. Session 24 (select_short's strict
-// counts), same-run A/Bs at 8K, back to back: 256 requests draft 3, 6 splits of 12 blocks 68.4 /
-// 68.4 / 68.6 us vs 72.1 / 71.9 / 72.1 for the single pass (round J; isolated 71.3-71.6 vs
-// 75.5-76.0; 3 of 24 69.3-69.7, 4 of 16 70.4-71.1, flat decode at 1 / 2 CTAs per SM 80.0-80.9),
-// 69.5 / 69.8 / 69.8 vs 73.1 / 72.6 / 73.2 (round K; 8 of 8 70.2-70.5); round L: 256 requests
-// draft 2 68.3 / 68.5 vs 75.3 / 75.2, draft 1 66.9 / 67.1 vs 70.9 / 71.3 (8 of 8: 69.1-69.2,
-// 67.8-67.9), 192 requests draft 3 54.0 / 54.3 vs 55.7 / 56.0 for 3 of 24 (single pass 60.3 /
-// 60.4). Not measured: drafts 1-2 between 1 and 1.9 requests per SM. At 128 requests (0.97 per
-// SM, the 2-CTA single pass) 3 / 6 splits 39.0-39.2 / 39.4 vs 39.8 / 39.9 (round L): left as it
-// is. Draft 0 at 256 x 8K keeps its single pass: 64.9 / 65.4 vs 67.5 / 67.4 for 4 of 16 (J).
+// ... and for verify batches (2-4 tokens per request) from 1.9 requests per SM at <= 64 blocks
+// (where the single pass in 4-CTA clusters ran before): the two-kernel path in 12-block splits.
+// Session 24 (select_short's strict counts), same-run A/Bs at 8K, back to back: 256 requests draft
+// 3, 6 splits of 12 blocks 68.4 / 68.4 / 68.6 us vs 72.1 / 71.9 / 72.1 for the single pass (round
+// J; isolated 71.3-71.6 vs 75.5-76.0; 3 of 24 69.3-69.7, 4 of 16 70.4-71.1, flat decode at 1 / 2
+// CTAs per SM 80.0-80.9), 69.5 / 69.8 / 69.8 vs 73.1 / 72.6 / 73.2 (round K; 8 of 8 70.2-70.5);
+// round L: 256 requests draft 2 68.3 / 68.5 vs 75.3 / 75.2, draft 1 66.9 / 67.1 vs 70.9 / 71.3 (8
+// of 8: 69.1-69.2, 67.8-67.9), 192 requests draft 3 54.0 / 54.3 vs 55.7 / 56.0 for 3 of 24 (single
+// pass 60.3 / 60.4: not applied yet, 1.45 requests per SM; no round was left for a rule between 1
+// and 1.9). At 128 requests (0.97 per SM, the 2-CTA single pass) 3 / 6 splits 39.0-39.2 / 39.4
+// vs 39.8 / 39.9 (round L): left as it is. Draft 0 at 256 x 8K keeps its single pass: 64.9 / 65.4
+// vs 67.5 / 67.4 for 4 of 16 (J).
 constexpr int64_t kManyVerifyChunk = 12;
 // Where 24-block chunks give at least one CTA per SM and 12-block ones would still fit one wave
 // (kFusedCtasPerSm per SM; at 132 SMs and 64 blocks: 44-66 requests), the two-kernel path runs
@@ -210,8 +210,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     int64_t dchunk = std::min<int64_t>(
         max_pages <= ik::kFusedMaxChunk ? kDecodeChunkShort : kDecodeChunk, round4(max_pages));
     // The many-verify range (kManyVerifyChunk): its chunk whatever the CTA target gives.
-    const bool many_verify =
-        max_pages <= ik::kFusedMaxChunk && T > R && T <= kSingleMaxTokensPerRequest * R && R > sms;
+    const bool many_verify = max_pages <= ik::kFusedMaxChunk && T > R &&
+                             T <= kSingleMaxTokensPerRequest * R && 10 * R >= 19 * int64_t{sms};
     if (many_verify)
       dchunk = std::min<int64_t>(kManyVerifyChunk, round4(max_pages));
     else if (R * ceil_div(max_pages, dchunk) < sms)

@@ -60,9 +60,9 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
-// Verify batches (2 and 4 tokens per request) of more than one request per SM at <= 64 blocks:
-// the automatic plan is the two-kernel path in 12-block splits (session 24; before, the single
-// pass in 4-CTA clusters from 1.9 requests per SM). Ids against that single pass and against the
+// Verify batches (2 and 4 tokens per request) from 1.9 requests per SM at <= 64 blocks: the
+// automatic plan is the two-kernel path in 12-block splits (session 24; before, the single pass in
+// 4-CTA clusters). Ids against that single pass and against the
 // two-kernel path in 3 splits (both checked against the twin elsewhere; the twin of 2 x SMs
 // requests would take this test ~30 s).
 TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {

@@ -71,7 +71,9 @@
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
-//   options with flat_decode N, e.g. for --timeline).
+//   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
+//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
+//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -509,6 +511,7 @@ int main(int argc, char** argv) {
        variants = false, late = false, sorted = false, read_timeline = false;
   int only_batch = 0, only_ctx = 0, only_draft = 0, single_ctas = 0, repeat = 1, flat = 0;
   bool no_short_select = false;    // --no-short-select: IndexerCudaOptions::short_select false
+  int select_warps = 0;  // --sw N: IndexerCudaOptions::short_select_warps of the default options
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
@@ -561,6 +564,8 @@ int main(int argc, char** argv) {
       single_ctas = std::atoi(argv[++i]);
     else if (a == "--no-short-select")
       no_short_select = true;
+    else if (a == "--sw" && i + 1 < argc)
+      select_warps = std::atoi(argv[++i]);
     else if (a == "--ef" && i + 1 < argc)
       evict_first = std::atoi(argv[++i]);
     else if (a == "--tl-b2b")
@@ -584,7 +589,7 @@ int main(int argc, char** argv) {
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
-                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] "
+                   "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
                    "[--ef N] [--tl-b2b] [--k K,K,...]\n",
                    argv[0]);
@@ -599,6 +604,7 @@ int main(int argc, char** argv) {
     o->short_select = !no_short_select;
   }
   default_o.flat_decode = flat;
+  default_o.short_select_warps = select_warps;
   fused_o.fused_decode_always = true;
   two_o.unfused_decode = true;
   single_o.single_pass = true;
@@ -1127,6 +1133,16 @@ int main(int argc, char** argv) {
     all[9].o.short_select = false;
     all[10].o.short_select_warps = 2;
     all[11].o.short_select_warps = 4;
+    // 2k3 / 2k4 / 2k6 / 2k8 = the two-kernel path at 3 / 4 / 6 / 8 splits (unfused_decode,
+    // k_splits); sp4 = the single pass in 4-CTA clusters.
+    for (int k : {3, 4, 6, 8}) {
+      all.push_back({k == 3 ? "2k3" : (k == 4 ? "2k4" : (k == 6 ? "2k6" : "2k8")), default_o});
+      all.back().o.unfused_decode = true;
+      all.back().o.k_splits = k;
+    }
+    all.push_back({"sp4", default_o});
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 4;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1140,9 +1156,11 @@ int main(int argc, char** argv) {
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
+    // --case: any batch size (the table's batches otherwise).
+    const std::vector<int> vbatches = only ? std::vector<int>{only_batch} : batches;
     for (int run = 0; run < repeat; ++run)
       for (int ctx : contexts) {
-        for (int batch : batches) {
+        for (int batch : vbatches) {
           const int draft = only ? only_draft : 3;
           if (only && (batch != only_batch || ctx != only_ctx)) continue;
           if (!only && batch == 1) continue;
@@ -1175,6 +1193,7 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
+        "2kK = unfused_decode at K splits, sp4 = single pass in 4-CTA clusters, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "

@@ -35,6 +35,19 @@ constexpr int64_t kDecodeChunk = 16;
 // blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
+// ... and for verify batches (2-4 tokens per request) from 1.9 requests per SM at <= 64 blocks
+// (where the single pass in 4-CTA clusters ran before): the two-kernel path in 12-block splits.
+// Session 24 (select_short's strict counts), same-run A/Bs at 8K, back to back: 256 requests draft
+// 3, 6 splits of 12 blocks 68.4 / 68.4 / 68.6 us vs 72.1 / 71.9 / 72.1 for the single pass (round
+// J; isolated 71.3-71.6 vs 75.5-76.0; 3 of 24 69.3-69.7, 4 of 16 70.4-71.1, flat decode at 1 / 2
+// CTAs per SM 80.0-80.9), 69.5 / 69.8 / 69.8 vs 73.1 / 72.6 / 73.2 (round K; 8 of 8 70.2-70.5);
+// round L: 256 requests draft 2 68.3 / 68.5 vs 75.3 / 75.2, draft 1 66.9 / 67.1 vs 70.9 / 71.3 (8
+// of 8: 69.1-69.2, 67.8-67.9), 192 requests draft 3 54.0 / 54.3 vs 55.7 / 56.0 for 3 of 24 (single
+// pass 60.3 / 60.4: not applied yet, 1.45 requests per SM; no round was left for a rule between 1
+// and 1.9). At 128 requests (0.97 per SM, the 2-CTA single pass) 3 / 6 splits 39.0-39.2 / 39.4
+// vs 39.8 / 39.9 (round L): left as it is. Draft 0 at 256 x 8K keeps its single pass: 64.9 / 65.4
+// vs 67.5 / 67.4 for 4 of 16 (J).
+constexpr int64_t kManyVerifyChunk = 12;
 // Where 24-block chunks give at least one CTA per SM and 12-block ones would still fit one wave
 // (kFusedCtasPerSm per SM; at 132 SMs and 64 blocks: 44-66 requests), the two-kernel path runs
 // flat decode with one CTA per SM instead (IndexerCudaOptions::flat_decode): every warp a
@@ -196,13 +209,18 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
     // target alone (8 per SM); 256 x 8K 78.7 us either way (its target gives 16 already).
     int64_t dchunk = std::min<int64_t>(
         max_pages <= ik::kFusedMaxChunk ? kDecodeChunkShort : kDecodeChunk, round4(max_pages));
-    if (R * ceil_div(max_pages, dchunk) < sms)
+    // The many-verify range (kManyVerifyChunk): its chunk whatever the CTA target gives.
+    const bool many_verify = max_pages <= ik::kFusedMaxChunk && T > R &&
+                             T <= kSingleMaxTokensPerRequest * R && 10 * R >= 19 * int64_t{sms};
+    if (many_verify)
+      dchunk = std::min<int64_t>(kManyVerifyChunk, round4(max_pages));
+    else if (R * ceil_div(max_pages, dchunk) < sms)
       dchunk =
           std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps, dchunk);
     else if (dchunk == kDecodeChunkShort &&
              R * ceil_div(max_pages, kFlatRuleChunk) <= kFusedCtasPerSm * sms)
       flat_rule = true;
-    chunk = std::max(chunk, dchunk);
+    chunk = many_verify ? dchunk : std::max(chunk, dchunk);
     k = ceil_div(max_pages, chunk);
   }
   if (pl.mma && !o.unfused_decode && max_pages > kTopK && T > 0 &&
@@ -258,15 +276,15 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   //  - 2-4 tokens per request at 0.7-1 requests per SM, 2 CTAs per request (round B, draft 3: 96
   //    requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 / 40.9 vs 45.1 / 43.4; round C: 36.0 vs
   //    40.4, 43.3 vs 46.0), and from 1.9 requests per SM, 4 CTAs (256 requests, rounds B / C: 76.6
-  //    / 77.1 vs 77.4 / 78.5 us); the two-kernel path stays at 64 requests (27.9 vs 29.3 us with
-  //    3 CTAs) and between 1 and 1.9 requests per SM (not measured).
+  //    / 77.1 vs 77.4 / 78.5 us; since session 24 the two-kernel path in 12-block splits there:
+  //    see kManyVerifyChunk); the two-kernel path stays at 64 requests (27.9 vs 29.3 us with 3
+  //    CTAs).
   const int64_t R_all = std::max(1, p.batch.num_requests);
   int64_t rule_ctas = 0;  // CTAs per request of the automatic single pass; 0: not automatic
   if (T <= R_all) {
     if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
   } else if (T <= R_all * kSingleMaxTokensPerRequest) {
     if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms) rule_ctas = 2;
-    if (10 * R_all >= 19 * int64_t{sms}) rule_ctas = 4;
   }
   const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && rule_ctas > 0;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && T > 0 &&
@@ -292,6 +310,22 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // entering only as scorer CTAs exit) two lost, 24.4-24.6 vs 23.6-23.7 (round G). Timelines:
   // scorer's last warp 20.5 vs 21.2 us, rows written by 23.3 vs 24.1 (rounds H / F). Other token
   // counts not measured at two CTAs per SM.
+  // Session 24 (64 x 8K draft 3, same-round A/B, back to back), lost and deleted: every request
+  // on the same number of warps, the largest divisor of max_pages within the CTA budget (16 warps
+  // of exactly 4 blocks in 256 CTAs instead of 16-17 warps of 3-4 blocks in 264): 22.3 / 22.3 /
+  // 22.3 us vs 22.2 / 22.4 / 22.4 (round F). Timelines (b2b): a CTA's warps ended 0.86 us apart
+  // at the median instead of 1.44, but the CTAs' last blocks no earlier (CTA ends p50 18.56 /
+  // max 20.42 vs 17.39 / 18.70): every SM then holds 32 blocks, the most any SM holds anyway.
+  // Session 24 (64 x 8K draft 3), lost and deleted: the flat scorer launched as a cooperative
+  // grid (every CTA resident) whose CTAs met at a grid barrier on a caller-zeroed word once every
+  // block score was written (the CTAs' adds summing to 2^31, so that each call flips the top bit
+  // and leaves the low bits zero), then selected every row themselves (one warp per row, strict
+  // counts): no selection kernel. 27.0 / 26.8 / 27.0 us isolated, 24.9 / 24.9 / 24.8 back to back
+  // vs 25.3-25.7 / 22.9-23.1 (round B, three alternating runs). Timeline (cold call): scorer's
+  // last warp 19.47 us, barrier passed 20.41-21.01 (the last CTA's fence and atomic, then the
+  // pollers' loads: ~1 us, more than the selection kernel's dependency release, 0.76-0.82), rows
+  // done p50 21.96 / max 22.37; yet the call took 30.5 us vs 28.0-28.7: the cooperative launch
+  // costs ~2 us outside the kernel.
   const bool flat_auto =
       o.flat_decode == 0 && flat_rule && !o.unfused_decode && !pl.fused && !pl.single;
   const int64_t flat_auto_per_sm = T > 3 * R && T <= kSingleMaxTokensPerRequest * R ? 2 : 1;
@@ -436,6 +470,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                " work units exceed the grid limit");
   a.num_overflow = static_cast<int>(pl.overflow);
   a.flat_warps = static_cast<int>(pl.flat_ctas * ik::kMmaWarps);
+  // Flat decode's assignment in 32-bit divisions where (v + 1) R, (r + 1) W and (v - lo + 1)
+  // max_pages stay below 2^32 (v < W, R <= W, v - lo < n <= W; decode_path).
+  const int64_t flat_bound = std::max<int64_t>({R, int64_t{max_pages}, int64_t{a.flat_warps}});
+  a.flat_div32 = int64_t{a.flat_warps} * flat_bound < (int64_t{1} << 32) ? 1 : 0;
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);

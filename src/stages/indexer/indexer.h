@@ -104,15 +104,16 @@ struct IndexerCudaOptions {
   // once, an overflow tile from the block scores it wrote; no selection kernel follows (same
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
-  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 and from 1.9
-  // requests per SM (see single_pass_ctas); true forces it.
+  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
+  // (see single_pass_ctas; from 1.9 requests per SM, 2-4 tokens run the two-kernel path in
+  // 12-block splits since session 24); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
   bool single_pass = false;
   // Single pass only (forced or automatic): CTAs per decode unit, run as one thread-block cluster
   // of (1, k, 1) CTAs (1..8; 0 = automatic: where the automatic plan picks the single pass, its
-  // count (sms / R at one token per request, 2 or 4 at 2-4 tokens), else 1). With k > 1 the unit's
+  // count (sms / R at one token per request, 2 at 2-4 tokens), else 1). With k > 1 the unit's
   // blocks are cut into k chunks of a multiple of 4 blocks (fewer CTAs when the chunks cover
   // max_pages sooner); each CTA scores its chunk and writes the block maxima into the first CTA's
   // shared table (distributed shared memory), which finishes the rows after a cluster barrier: the
@@ -184,7 +185,7 @@ struct IndexerCudaOptions {
   // Lost: 8 warps per row (24.1 / 23.9 / 24.1, round G), each warp's share counted by lean_beats
   // (23.7 / 23.5 / 23.5 with 2 warps, round H; 23.5 / 23.4 / 23.6 vs 23.4 / 23.2 / 23.3 with 4,
   // round E). Timeline with 4 (round G): the rows counted 0.96 us (p50) after their scores arrived.
-  // Same ids.
+  // (Session 21's counts; since session 24 strict counts, see select_short_body.) Same ids.
   int short_select_warps = 0;
   // Flat decode (1-3: CTAs per SM; 0: automatic; -1: never): the two-kernel tensor-core path
   // with the decode units' blocks dealt over flat_decode x SMs CTAs of 4 warps (one wave) instead

@@ -71,6 +71,9 @@ struct KernelArgs {
   // after the overflow tiles (grid.y 1), each serving a contiguous block range of one request
   // (decode_path); 0: decode units of k_splits splits.
   int flat_warps = 0;
+  // Flat decode's warp assignment in 32-bit integer divisions (set by the host where every product
+  // fits in 32 bits; decode_path).
+  int flat_div32 = 0;
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage

@@ -13,8 +13,9 @@
 // and each lane ranks its two candidates by counting the candidates that beat them
 // (rank_by_counting, ~600 independent instructions), then the selected ids are written in order
 // by ballot prefix counts (emit_ranked_row). Where max_pages <= 64 (every row that short),
-// select_short_kernel does the same with 2 (or 4) warps per row, each counting its share
-// (IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
+// select_short_kernel ranks with 2 (or 4) warps per row, each counting its share by strict counts
+// with the tie rule at the selection's boundary (gt_counts, take_by_counts;
+// IndexerCudaOptions::short_select, the default; short_select_warps). Longer rows:
 // one pass over the row: lane l reads blocks l, l + 32, ... (4 loads in flight per lane) and keeps
 // its own 15 largest keys sorted in registers (an unrolled insertion, static indices only). The
 // row's 15 best keys are among the union of the lanes' lists, so 15 merge rounds pop the largest
@@ -197,6 +198,80 @@ __device__ __forceinline__ void emit_ranked_row(int32_t* out, float s0, float s1
     count += __popc(taken);
   }
   // count <= 15 (distinct ranks); the local block exceeds every candidate id.
+  if (lane == count) out[lane] = local;
+  if (lane > count && lane < kTopK) out[lane] = -1;
+}
+
+// The strict counts of take_by_counts over the candidates kJ0 .. kJ0 + kN - 1 of the row only
+// (row: 64 entries, NaN past the row's candidates; kJ0, kN multiples of 16): c0 / c1 = how many of
+// them have a larger score than the lane's candidates lane / lane + 32 (set.gt: NaN never larger,
+// -0 == +0). No tie rule, so one set.gt and one FADD per candidate and lane candidate (exact:
+// sums <= 64), half of count_beats' instructions whatever the data's ties.
+template <int kJ0, int kN>
+__device__ __forceinline__ void gt_counts(const float* row, float s0, float s1, float& c0,
+                                          float& c1) {
+  static_assert(kJ0 % 16 == 0 && kN % 16 == 0 && kJ0 + kN <= kCountRow, "whole groups");
+  float a0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, a1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Groups of 16 candidates (4 float4) in a rolled loop: with the whole range unrolled ptxas
+  // hoisted every load (64 registers for 64 candidates) and spilled in the 40-register forms.
+#pragma unroll 1
+  for (int g = kJ0; g < kJ0 + kN; g += 16) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const float4 v4 = *reinterpret_cast<const float4*>(row + g + 4 * q);
+      const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        a0[e] += set_gt(v[e], s0);
+        a1[e] += set_gt(v[e], s1);
+      }
+    }
+  }
+  c0 = (a0[0] + a0[1]) + (a0[2] + a0[3]);
+  c1 = (a1[0] + a1[1]) + (a1[2] + a1[3]);
+}
+
+// The row's selected candidates from strict counts (gt_counts over every candidate; every lane
+// of the warp calling): t0 / t1 = whether the lane's candidates lane / lane + 32 (scores s0 / s1,
+// NaN = none; c0 / c1 candidates with a larger score) are among the 15 best in the order (score
+// descending, id ascending). A candidate with c >= 15 is out; the candidates with c < 15 ("in")
+// are exactly those scoring at least the boundary score t = the smallest "in" score. When at
+// most 15 are in, they are the selection. Otherwise ties straddle the boundary: every in
+// candidate above t is selected (c_gt(t) of them, < 15), and of the candidates scoring t the
+// 15 - c_gt(t) with the smallest ids (id order = (half, lane): ballot prefix counts). The tie rule
+// thus costs a few warp-wide steps per row instead of a per-candidate predicate (count_beats), and
+// unlike lean_add_ties it does not depend on how many ties the row holds.
+__device__ __forceinline__ void take_by_counts(float s0, float s1, int c0, int c1, bool& t0,
+                                               bool& t1) {
+  const uint32_t below = (1u << (threadIdx.x & 31)) - 1u;
+  t0 = s0 == s0 && c0 < kTopK - 1;
+  t1 = s1 == s1 && c1 < kTopK - 1;
+  const int n = __popc(__ballot_sync(0xffffffffu, t0)) + __popc(__ballot_sync(0xffffffffu, t1));
+  if (n <= kTopK - 1) return;  // warp-uniform
+  // The boundary score as an order-preserving key (-0 as +0; NaN is never "in"), its minimum by
+  // one redux.sync instead of a chain of five shuffles (this step is on the row's critical path).
+  const auto key = [](float x) {
+    const uint32_t u = __float_as_uint(x == 0.0f ? 0.0f : x);
+    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  };
+  const uint32_t k0 = t0 ? key(s0) : 0xffffffffu, k1 = t1 ? key(s1) : 0xffffffffu;
+  const uint32_t t = __reduce_min_sync(0xffffffffu, min(k0, k1));
+  const uint32_t e0 = __ballot_sync(0xffffffffu, t0 && k0 == t);
+  const uint32_t e1 = __ballot_sync(0xffffffffu, t1 && k1 == t);
+  const int keep = kTopK - 1 - (n - __popc(e0) - __popc(e1));  // boundary candidates kept, >= 1
+  if (t0 && k0 == t) t0 = __popc(e0 & below) < keep;
+  if (t1 && k1 == t) t1 = __popc(e0) + __popc(e1 & below) < keep;
+}
+
+// emit_ranked_row with the selection given as flags (take_by_counts): the taken candidates' ids
+// in ascending order (ballot prefix counts), then the local block, then -1.
+__device__ __forceinline__ void emit_taken_row(int32_t* out, bool t0, bool t1, int local) {
+  const int lane = threadIdx.x & 31;
+  const uint32_t below = (1u << lane) - 1u;
+  const uint32_t b0 = __ballot_sync(0xffffffffu, t0), b1 = __ballot_sync(0xffffffffu, t1);
+  if (t0) out[__popc(b0 & below)] = lane;
+  if (t1) out[__popc(b0) + __popc(b1 & below)] = lane + 32;
+  const int count = __popc(b0) + __popc(b1);  // <= 15; the local block exceeds every candidate id
   if (lane == count) out[lane] = local;
   if (lane > count && lane < kTopK) out[lane] = -1;
 }
@@ -430,9 +505,10 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // Selection of short rows (IndexerCudaOptions::short_select; max_pages <= kCountRow, so every
 // row has at most 63 candidates): kW warps per row instead of one (short_select_warps: 2 where
 // the call has a row per SM or more, else 4), kSelectWarps / kW rows per CTA. Each loads the row's
-// scores (the first also copies them to shared memory), warp q counts the beats against the
-// candidates [q 64 / kW, (q + 1) 64 / kW) (count_beats), and after a CTA barrier the first sums the
-// partial ranks and writes the row (emit_ranked_row; trivial rows by trivial_row). A share of
+// scores (the first also copies them to shared memory), warp q counts the candidates of
+// [q 64 / kW, (q + 1) 64 / kW) scoring above the lane's (gt_counts), and after a CTA barrier the
+// first sums the partial counts, applies the tie rule at the boundary (take_by_counts) and writes
+// the row (emit_taken_row; trivial rows by trivial_row). A share of
 // rank_by_counting's dependent work per warp and more warps to hide it (session 17 round A ncu,
 // 64 x 8K draft 3: select_kernel ~730 instructions per warp at ~16 cycles each; the selection
 // kernel then ended ~3 us after the scorer). Same-run A/Bs at 64 x 8K draft 3, back to back, 4
@@ -457,6 +533,23 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 //    us, scorer's last warp 22.75), and its rows then still need ~0.5 us to notice, ~1.2 us to
 //    rank and ~1 us to write and arrive: the last row written 26.2 us, 3.5 us after the scorer's
 //    last warp, where the dependency wait's selection needs ~2.5.
+// Session 24 (same-round A/Bs, back to back): strict counts replace count_beats' per-candidate
+// tie rule (each warp's share ~150 instead of ~290 instructions; the rows of the bench's integer
+// data are full of exact ties, which cost a few warp-wide steps at the boundary only). 64 x 8K
+// draft 3 (2 warps per row): 22.7 / 22.9 vs 23.0 / 23.2 us (round A), 22.8 / 22.7 / 22.7 vs 23.1
+// / 22.9 / 23.1 (B), 22.7 / 22.8 / 22.7 vs 23.0 / 23.2 / 23.1 (D); timeline (A): the rows ranked
+// 0.71 us after their scores arrived vs 1.08. Batch 1 x 8K (4 warps per row), with the boundary's
+// minimum by redux.sync: draft 3 6.0 / 6.0 / 6.0 vs 6.1 / 6.1 / 6.0, draft 0 5.1 / 5.1 vs 5.1 /
+// 5.1 (D; with five shuffles for that minimum, round A: 6.1 / 6.1 vs 6.0 / 6.0). Lost and
+// deleted: one warp per row with strict counts (8 rows per CTA, no CTA barrier), 22.9 / 23.0 and
+// 22.9 / 22.8 / 22.7 vs 22.7 / 22.9 and 22.8 / 22.7 / 22.7 for 2 warps (rounds A, B); the counts
+// as 0 / -1 compare masks (set.gt.u32.f32), two per three-input add (8 compares and 4 adds per
+// float4 instead of 8 and 8): 22.9 / 23.1 / 23.2 vs 22.5 / 22.7 / 22.6 (round G); a row copy per
+// warp and a named barrier per row (its two warps) instead of the two CTA barriers: 22.2 / 22.4 /
+// 22.4 vs 22.2 / 22.4 / 22.3 (round H, a tie: the barriers are not the cost); the flat
+// scorer as a cooperative grid selecting its rows itself (see make_plan in indexer.cu). ncu
+// (round G, one launch, no timeline): 745 K warp instructions for the 2048 warps (364 per warp),
+// issue slots 17 % busy, 10.8 cycles per issued instruction (the kernel alone: no scorer beside).
 template <int kW>
 __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   static_assert(kW == 2 || kW == 4, "warps per row");
@@ -494,19 +587,25 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
   __syncthreads();  // the rows' copies are in srow
   if (local >= 0) {
     int r0 = 0, r1 = 0;
-    // count_beats needs its range at compile time: one case per warp of the row.
+    // The counts need their range at compile time: one case per warp of the row.
+    const auto count = [&](auto j0) {
+      float c0 = 0.0f, c1 = 0.0f;
+      gt_counts<decltype(j0)::value, kPart>(srow[rg], s0, s1, c0, c1);
+      r0 = static_cast<int>(c0);
+      r1 = static_cast<int>(c1);
+    };
     switch (q) {
       case 0:
-        count_beats<0, kPart>(srow[rg], s0, s1, r0, r1);
+        count(std::integral_constant<int, 0>{});
         break;
       case 1:
-        count_beats<kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        count(std::integral_constant<int, kPart>{});
         break;
       case 2:
-        if constexpr (kW > 2) count_beats<2 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count(std::integral_constant<int, 2 * kPart>{});
         break;
       default:
-        if constexpr (kW > 2) count_beats<3 * kPart, kPart>(srow[rg], s0, s1, r0, r1);
+        if constexpr (kW > 2) count(std::integral_constant<int, 3 * kPart>{});
         break;
     }
     part[rg][q][lane] = r0;
@@ -521,7 +620,9 @@ __device__ __forceinline__ void select_short_body(const KernelArgs& a) {
       r0 += part[rg][i][lane];
       r1 += part[rg][i][lane + 32];
     }
-    emit_ranked_row(out, s0, s1, r0, r1, local);
+    bool t0 = false, t1 = false;
+    take_by_counts(s0, s1, r0, r1, t0, t1);
+    emit_taken_row(out, t0, t1, local);
   }
   select_timeline_mark(a, 2);
 }

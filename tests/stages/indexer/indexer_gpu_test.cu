@@ -60,6 +60,50 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
+// Verify batches (2 and 4 tokens per request) from 1.9 requests per SM at <= 64 blocks: the
+// automatic plan is the two-kernel path in 12-block splits (session 24; before, the single pass in
+// 4-CTA clusters). Ids against that single pass and against the
+// two-kernel path in 3 splits (both checked against the twin elsewhere; the twin of 2 x SMs
+// requests would take this test ~30 s).
+TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  const int R = 2 * sms;
+  for (int tokens : {2, 4}) {
+    std::vector<RequestSpec> reqs;
+    for (int i = 0; i < R; ++i)
+      reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
+    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
+    DeviceSet d;
+    upload(in, d);
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    EXPECT_FALSE(pl.single);
+    EXPECT_FALSE(pl.fused);
+    EXPECT_EQ(pl.flat_ctas, 0);
+    EXPECT_EQ(pl.dec_chunk, 12);
+    EXPECT_EQ(pl.k_splits, 6);
+    const std::string what = std::to_string(tokens) + " tokens per request";
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    IndexerCudaOptions single;
+    single.single_pass = true;
+    single.single_pass_ctas = 4;
+    expect_same_ids(in, run_gpu(d, single), g,
+                    "single pass in 4-CTA clusters vs 12-block splits, " + what);
+    IndexerCudaOptions three;
+    three.unfused_decode = true;
+    three.k_splits = 3;
+    expect_same_ids(in, run_gpu(d, three), g, "3 splits vs 12-block splits, " + what);
+  }
+}
+
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
 // requests per SM: 64 on an H200) runs flat decode with two CTAs per SM (session 23; one in
 // sessions 19-22) where 12-block splits would still fit one wave (session 19; session 18 used
@@ -404,6 +448,54 @@ TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
     const GpuResult f = run_gpu(d, o);
     compare(in, ref, f, /*exact_scores=*/true, name);
     expect_same_ids(in, f, g, name + " vs two-kernel");
+  }
+}
+
+// select_short's strict counts (gt_counts + take_by_counts) on rows full of exact ties (integer
+// inputs: block maxima are small integers, so tie groups straddle the 15th place in most rows)
+// and with NaN blocks, at 2 / 4 warps per row, in both kernel forms (flat 2 runs the 40-register
+// one): ids equal to the twin's and to those of one warp per row (select_kernel: the
+// per-candidate tie rule, rank_by_counting). Flat 1 / 2 / 3 take their warp assignment in 32-bit
+// divisions. Small, for the sanitizers.
+TEST(IndexerGpu, StrictCountSelectionSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < 24; ++i) {
+    const int n = 1 + static_cast<int>(rng.integer(0, 3));
+    // Request 1 is long enough for its 50 NaN blocks.
+    reqs.push_back({static_cast<int>(rng.integer(i == 1 ? 7000 : 1900, 8192 - n)), n});
+  }
+  Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  // NaN keys: request 0 in blocks 2 and 9, request 1 in 50 of its blocks (fewer than 15
+  // candidates remain).
+  for (int b : {2, 9}) in.hb.index_row(0, b * 128 + 7)[5] = 0x7f;
+  for (int b = 0; b < 50; ++b) in.hb.index_row(1, b * 128 + 64)[3] = 0x7f;
+  ASSERT_LE(in.max_pages(), 64);
+  DeviceSet d;
+  upload(in, d);
+  const Reference ref = reference(in);
+  IndexerCudaOptions one;
+  one.unfused_decode = true;
+  one.flat_decode = -1;
+  one.short_select = false;
+  const GpuResult g = run_gpu(d, one);
+  compare(in, ref, g, /*exact_scores=*/true, "strict counts small [one warp per row]");
+  for (int flat : {-1, 1, 2, 3}) {
+    for (int w : {2, 4}) {
+      IndexerCudaOptions o;
+      o.unfused_decode = flat < 0;
+      o.flat_decode = flat;
+      o.short_select_warps = w;
+      const std::string name = "strict counts small, flat " + std::to_string(flat) + ", " +
+                               std::to_string(w) + " warps per row";
+      const GpuResult f = run_gpu(d, o);
+      compare(in, ref, f, /*exact_scores=*/true, name);
+      expect_same_ids(in, f, g, name + " vs one warp per row");
+    }
   }
 }
 

@@ -629,37 +629,32 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       packed[ctas - 1].push_back(buf);
     }
   }
-  // The row split's image of every weight copy (none where the row split cannot serve the shape:
-  // its variants then print why).
-  std::vector<void*> row_images;
+  // The row split's image of every weight copy, packed for its image CTAs (two per SM; the K
+  // split's: one per SM); none where the form cannot serve the shape (its variants then print why).
+  const auto image_ctas = [&](bool k_split) {
+    Result<int> ctas = gemm_wgmma_rows_ctas(n, k_split);
+    must(ctas.status(), "gemm_wgmma_rows_ctas");
+    return ctas.value();
+  };
+  const auto pack_images = [&](int ctas, const Status& ok) {
+    std::vector<void*> images;
+    for (int c = 0; c < copies && ok.ok(); ++c) {
+      Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
+      must(rb.status(), "gemm_wgmma_rows_packed_bytes");
+      void* buf = device_alloc<uint8_t>(rb.value());
+      const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
+      must(gemm_wgmma_pack_weights_rows(wv, ctas, buf, rb.value(), stream),
+           "gemm_wgmma_pack_weights_rows");
+      images.push_back(buf);
+    }
+    return images;
+  };
   const Status rows_ok = gemm_wgmma_rows_supported(n, k);
-  Result<int> row_ctas_r = gemm_wgmma_rows_ctas(n);
-  must(row_ctas_r.status(), "gemm_wgmma_rows_ctas");
-  const int row_ctas = row_ctas_r.value();
-  for (int c = 0; c < copies && rows_ok.ok(); ++c) {
-    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
-    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
-    void* buf = device_alloc<uint8_t>(rb.value());
-    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-    must(gemm_wgmma_pack_weights_rows(wv, row_ctas, buf, rb.value(), stream),
-         "gemm_wgmma_pack_weights_rows");
-    row_images.push_back(buf);
-  }
-  // The K split's image of every weight copy (packed for its image CTAs: one per SM).
-  std::vector<void*> ks_images;
+  const int row_ctas = image_ctas(false);
+  const std::vector<void*> row_images = pack_images(row_ctas, rows_ok);
   const Status ks_ok = gemm_wgmma_rows_supported(n, k, true);
-  Result<int> ks_ctas_r = gemm_wgmma_rows_ctas(n, true);
-  must(ks_ctas_r.status(), "gemm_wgmma_rows_ctas");
-  const int ks_ctas = ks_ctas_r.value();
-  for (int c = 0; c < copies && ks_ok.ok(); ++c) {
-    Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
-    must(rb.status(), "gemm_wgmma_rows_packed_bytes");
-    void* buf = device_alloc<uint8_t>(rb.value());
-    const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-    must(gemm_wgmma_pack_weights_rows(wv, ks_ctas, buf, rb.value(), stream),
-         "gemm_wgmma_pack_weights_rows");
-    ks_images.push_back(buf);
-  }
+  const int ks_ctas = image_ctas(true);
+  const std::vector<void*> ks_images = pack_images(ks_ctas, ks_ok);
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));

@@ -283,6 +283,16 @@ __device__ __forceinline__ void store_out(uint16_t* p, uint16_t v) {
 __device__ __forceinline__ void store_out_pair(uint16_t* p, uint32_t v) {
   asm volatile("st.global.L1::no_allocate.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
 }
+// Columns col and col + 1 of an output row that ends at `limit`: one 4-byte store of the bf16 pair
+// where both lie inside, the first alone where only it does (both epilogues' token-major stores).
+__device__ __forceinline__ void store_out_clipped(uint16_t* row, int col, uint16_t lo, uint16_t hi,
+                                                  int limit) {
+  if (col + 1 < limit) {
+    store_out_pair(row + col, lo | (static_cast<uint32_t>(hi) << 16));
+  } else if (col < limit) {
+    store_out(row + col, lo);
+  }
+}
 
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
@@ -704,11 +714,7 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-          if (col + 1 < rows) {
-            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
-          } else if (col < rows) {
-            store_out(dst + col, lo);
-          }
+          store_out_clipped(dst, col, lo, hi, rows);
         }
       }
     }

@@ -380,11 +380,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           const int col = 8 * c + 2 * q + (odd ? 1 : 0);
           const uint16_t lo = odd ? x1[c] : x0[c];
           const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-          if (col + 1 < hi_col) {
-            store_out_pair(dst + col, lo | (static_cast<uint32_t>(hi) << 16));
-          } else if (col < hi_col) {
-            store_out(dst + col, lo);
-          }
+          store_out_clipped(dst, col, lo, hi, hi_col);
         }
       }
     }

@@ -476,6 +476,79 @@ std::string trace_summary(const TraceBuffer& tb) {
   return buf;
 }
 
+// --trace on the K split (row_k_split): its tail, from the second block of trace words the kernel
+// writes after the grid's (gemm_wgmma_rows_ksplit_kernel.cuh; the buffer's 2 x SMs x 8 words fit
+// in TraceBuffer's). Per call, us after each CTA's last stage full (the later of its halves'),
+// median / max over the CTAs: each half ready for its last stage (its previous fold done; > 0:
+// the consumers lag the ring), each half's last fold done, the hand-over summed, half 0's /
+// half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
+// second call's entry after the first call's last warp on that SM, and the second call's first
+// stage after the first call's last warp anywhere (what griddepcontrol.wait waits for).
+std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, int grid,
+                                unsigned long long t0, std::vector<double>* sm_last,
+                                const std::vector<double>* prev_sm_last, double* last_any,
+                                double prev_last_any) {
+  constexpr int kW = 8;
+  if (words.size() < static_cast<size_t>(2 * grid * kW)) return "no tail trace";
+  std::vector<double> v[8], gap, first_after;
+  auto since_t0 = [&](unsigned long long ns) {
+    return static_cast<double>(static_cast<long long>(ns - t0));
+  };
+  double any = 0;
+  for (int c = 0; c < grid; ++c) {
+    const unsigned long long* w = &words[static_cast<size_t>(c * kW)];
+    const unsigned long long* x = &words[static_cast<size_t>((grid + c) * kW)];
+    if (w[0] == 0 || w[7] <= w[0] || w[6] <= w[1] || x[7] == 0) continue;
+    const double cpn = static_cast<double>(w[6] - w[1]) / static_cast<double>(w[7] - w[0]);
+    auto at = [&](unsigned long long clk) {
+      return (since_t0(w[0]) + static_cast<double>(static_cast<long long>(clk - w[1])) / cpn) /
+             1e3;
+    };
+    const double lf = std::max(at(w[4]), at(w[5]));
+    const unsigned long long marks[8] = {x[1], x[2], x[3], x[4], x[5], w[6], x[6], x[7]};
+    for (int k = 0; k < 8; ++k)
+      if (marks[k] != 0) v[k].push_back(at(marks[k]) - lf);
+    const double last = at(x[7]);
+    any = std::max(any, last);
+    const int sm = static_cast<int>(x[0]);
+    if (sm_last != nullptr) {
+      if (sm_last->size() <= static_cast<size_t>(sm)) sm_last->resize(sm + 1, -1.0);
+      (*sm_last)[sm] = last;
+    }
+    if (prev_sm_last != nullptr && static_cast<size_t>(sm) < prev_sm_last->size() &&
+        (*prev_sm_last)[sm] >= 0)
+      gap.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_last)[sm]);
+    if (prev_last_any > 0) first_after.push_back(at(w[2]) - prev_last_any);
+  }
+  if (last_any != nullptr) *last_any = any;
+  auto stat = [](std::vector<double> a) {
+    if (a.empty()) return std::string("-");
+    std::sort(a.begin(), a.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.2f/%.2f", a[a.size() / 2], a.back());
+    return std::string(buf);
+  };
+  const char* names[8] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
+                          "h1 last fold",      "summed",            "h0 stored",
+                          "h1 stored",         "last warp stored"};
+  std::string out = "K split tail, us after the CTA's last stage full (median/max):";
+  for (int k = 0; k < 8; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), " last warp anywhere %.2f", any);
+  out += buf;
+  if (!gap.empty())
+    out += "; entry after the first call's last warp on its SM (min/median/max) " +
+           [&] {
+             std::sort(gap.begin(), gap.end());
+             char b[64];
+             std::snprintf(b, sizeof(b), "%.2f/%.2f/%.2f", gap.front(), gap[gap.size() / 2],
+                           gap.back());
+             return std::string(b);
+           }() +
+           "; first stage full after the first call's last warp anywhere " + stat(first_after);
+  return out;
+}
+
 // --prefill variants 1, 2, ...: GemmPrefillOptions {cluster_m, cluster_n, group_m}. (Session 20
 // round E also timed 2x2 clusters and free (unordered) issue: slower, deleted.) Session 22 (round
 // G, M 4096, random operands, 500 ms idle, two alternating runs, isolated us): 1x2 group 16 (the
@@ -985,6 +1058,19 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                       name.c_str(), bench::rows_trace_summary(words, tbuf.ctas, t0).c_str());
           std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
                       name.c_str(), bench::rows_trace_summary(words2, tbuf.ctas, t0).c_str());
+          if (variants[v].ksplit) {
+            std::vector<double> sm_last;
+            double last_any = 0;
+            std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
+                        name.c_str(),
+                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0)
+                            .c_str());
+            std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
+                        name.c_str(),
+                        ksplit_tail_summary(words2, ks_ctas, t0, nullptr, &sm_last, nullptr,
+                                            last_any)
+                            .c_str());
+          }
         } else {
           std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                       trace_summary(tbuf).c_str());

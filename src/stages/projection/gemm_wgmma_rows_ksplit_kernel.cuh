@@ -47,6 +47,13 @@
 // against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
 // 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
 //
+// Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
+// split's kRowsTraceWords per CTA (below), and a second block of kRowsTraceWords per CTA after the
+// grid's (trace + (gridDim.x + blockIdx.x) x kRowsTraceWords; the buffer holds 2 x grid blocks):
+// the SM id, then clock64 marks of the tail (session 25): each half's consumers ready for their
+// last stage (its previous fold done) and done with their last fold, the hand-over summed (half
+// 0's thread 0), half 1's stores issued, and the last consumer warp's stores issued.
+//
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
@@ -306,14 +313,28 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
   };
 
+  // Trace marks (thread 0 of each half; see the top): the second block of words.
+  unsigned long long* const tx =
+      p.trace != nullptr ? p.trace + int64_t{gridDim.x + blockIdx.x} * kRowsTraceWords : nullptr;
+  const bool tmark = tx != nullptr && ct == 0;
   if (steps > 0) {
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
     fold(0);
     for (int i = 1; i < steps; ++i) {
+      // (No wgmma in flight here: fold(i - 1) waited for every group.)
+      if (tmark && i == steps - 1) tx[1 + h] = static_cast<unsigned long long>(clock64());
       issue(i);
       fold(i);
+    }
+  }
+  if (tmark) {
+    tx[3 + h] = static_cast<unsigned long long>(clock64());
+    if (h == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+      tx[0] = smid;
     }
   }
 
@@ -326,6 +347,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  // (Trace: a counter of the consumer warps done with their stores, in half 0's drained weight
+  // slots, which the hand-over does not touch; zeroed before the barrier below.)
+  const uint32_t tcount = base + static_cast<uint32_t>(kKsStages * kKsActStage);
+  if (tx != nullptr && tid == 0) asm volatile("st.shared.u32 [%0], 0;\n" ::"r"(tcount) : "memory");
   {
     const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
@@ -347,6 +372,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       acc[4 * c + 3] += v.w;
     }
   }
+  if (tmark && h == 0) tx[5] = static_cast<unsigned long long>(clock64());
 
   // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over
   // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
@@ -389,6 +415,14 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
     t[6] = static_cast<unsigned long long>(clock64());
     t[7] = global_ns();
+  }
+  if (tx != nullptr) {
+    if (tmark && h == 1) tx[6] = static_cast<unsigned long long>(clock64());
+    if (lane == 0) {
+      uint32_t before;
+      asm volatile("atom.shared.add.u32 %0, [%1], 1;\n" : "=r"(before) : "r"(tcount) : "memory");
+      if (before == 7) tx[7] = static_cast<unsigned long long>(clock64());
+    }
   }
 }
 

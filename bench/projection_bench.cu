@@ -490,7 +490,7 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                                 double prev_last_any) {
   constexpr int kW = 8;
   if (words.size() < static_cast<size_t>(2 * grid * kW)) return "no tail trace";
-  std::vector<double> v[8], gap, first_after;
+  std::vector<double> v[8], gap, first_after, end1, end2;
   auto since_t0 = [&](unsigned long long ns) {
     return static_cast<double>(static_cast<long long>(ns - t0));
   };
@@ -516,8 +516,11 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
       (*sm_last)[sm] = last;
     }
     if (prev_sm_last != nullptr && static_cast<size_t>(sm) < prev_sm_last->size() &&
-        (*prev_sm_last)[sm] >= 0)
+        (*prev_sm_last)[sm] >= 0) {
       gap.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_last)[sm]);
+      end1.push_back((*prev_sm_last)[sm]);
+      end2.push_back(last);
+    }
     if (prev_last_any > 0) first_after.push_back(at(w[2]) - prev_last_any);
   }
   if (last_any != nullptr) *last_any = any;
@@ -546,6 +549,21 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
              return std::string(b);
            }() +
            "; first stage full after the first call's last warp anywhere " + stat(first_after);
+  if (end1.size() > 2) {
+    // Whether the same SMs end late in both calls (a static imbalance) or not.
+    double m1 = 0, m2 = 0, s11 = 0, s22 = 0, s12 = 0;
+    const double cnt = static_cast<double>(end1.size());
+    for (size_t i = 0; i < end1.size(); ++i) m1 += end1[i] / cnt, m2 += end2[i] / cnt;
+    for (size_t i = 0; i < end1.size(); ++i) {
+      s11 += (end1[i] - m1) * (end1[i] - m1);
+      s22 += (end2[i] - m2) * (end2[i] - m2);
+      s12 += (end1[i] - m1) * (end2[i] - m2);
+    }
+    char b[96];
+    std::snprintf(b, sizeof(b), "; per-SM last warp, correlation of the two calls %.2f",
+                  s12 / std::sqrt(s11 * s22 + 1e-30));
+    out += b;
+  }
   return out;
 }
 
@@ -948,7 +966,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     std::vector<int> order;
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
-    for (const int v : order) {
+    for (const int v_req : order) {
+      // (Session 25: 100 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
+      // GemmWgmmaOptions::row_ks_form = F.)
+      const int ks_form = v_req >= 100 ? (v_req - 100) / 2 : 0;
+      const int v = v_req >= 100 ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -970,6 +992,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
+      o.row_ks_form = ks_form;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -996,6 +1019,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
+          (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
@@ -1053,11 +1077,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                      "trace");
           check_cuda(cudaMemcpy(words2.data(), tbuf.dev2, trace_bytes, cudaMemcpyDeviceToHost),
                      "trace");
-          const unsigned long long t0 = bench::rows_trace_first_entry(words, tbuf.ctas);
+          // (The K split's CTAs only: its second block of words follows them.)
+          const int tctas = variants[v].ksplit ? ks_ctas : tbuf.ctas;
+          const unsigned long long t0 = bench::rows_trace_first_entry(words, tctas);
           std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
-                      name.c_str(), bench::rows_trace_summary(words, tbuf.ctas, t0).c_str());
+                      name.c_str(), bench::rows_trace_summary(words, tctas, t0).c_str());
           std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
-                      name.c_str(), bench::rows_trace_summary(words2, tbuf.ctas, t0).c_str());
+                      name.c_str(), bench::rows_trace_summary(words2, tctas, t0).c_str());
           if (variants[v].ksplit) {
             std::vector<double> sm_last;
             double last_any = 0;

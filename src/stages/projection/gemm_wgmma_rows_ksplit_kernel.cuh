@@ -119,6 +119,13 @@ __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
   return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
 }
 
+// Two floats as a bf16 pair (lo in bits 0-15), each rounded to nearest even.
+__device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -128,7 +135,12 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0>
+// Forms of the tail (GemmWgmmaOptions::row_ks_form; session 25 A/Bs): 0 = the reduce-scatter and
+// token-major bf16 pairs above; 1 = the same stores with fewer instructions; 2 = 1's pairs
+// staged in shared memory, stored a token row per warp (see kForm below).
+constexpr int kKsForms = 3;
+
+template <int kDiag = 0, int kForm = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
@@ -380,7 +392,107 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
   const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
-  {
+  if constexpr (kForm == 2) {
+    // Form 2: form 1's pairs staged as the CTA's [token][column] bf16 tile in half 1's drained
+    // weight slots (a row of 176 bytes: the writes of a warp's 8 tokens x 4 lanes hit 32 banks;
+    // a row starting on an odd element shifted by one), then each token's row stored by one warp as
+    // 4-byte words, 128 contiguous bytes per store (instead of 16 bytes of 8 tokens).
+    constexpr int kOwn = kAcc / 2;
+    constexpr int kTileRow = 176;
+    const uint32_t tile = base + static_cast<uint32_t>(kKsHalfBytes + kKsStages * kKsActStage);
+    float own[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
+    const int q = lane % 4;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row0 + 8 * hh;
+      const uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin;
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
+      const uint32_t trow = tile + static_cast<uint32_t>(r * kTileRow + 2 * odd);
+#pragma unroll
+      for (int j = 0; j < kOwn / 4; ++j) {
+        const uint32_t pair = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
+        const uint32_t at = trow + static_cast<uint32_t>(2 * (lo_col + 8 * j + 2 * q));
+        if (odd) {
+          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(static_cast<uint16_t>(pair))
+                       : "memory");
+          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at + 2),
+                       "h"(static_cast<uint16_t>(pair >> 16))
+                       : "memory");
+        } else {
+          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(pair) : "memory");
+        }
+      }
+    }
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // the tile written
+    // Warp w8 (0-7) stores slot rows w8, w8 + 8, ...: word j of a row is its 4-byte aligned
+    // output word j (columns 2 j - odd, 2 j + 1 - odd), halves outside [0, rows) left alone.
+    const int w8 = tid / 32;
+    for (int r = w8; r < 64; r += 8) {
+      if (!slots.stored(r)) continue;
+      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin;
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
+      const int words = (odd + rows + 1) / 2;
+      uint16_t* const wbase = dst - odd;
+      for (int j = lane; j < words; j += 32) {
+        uint32_t v;
+        asm volatile("ld.shared.u32 %0, [%1];\n"
+                     : "=r"(v)
+                     : "r"(tile + static_cast<uint32_t>(r * kTileRow + 4 * j))
+                     : "memory");
+        const int c0 = 2 * j - odd;  // the word's first column
+        if (c0 >= 0 && c0 + 1 < rows) {
+          store_out_pair(wbase + 2 * j, v);
+        } else if (c0 < 0) {
+          store_out(wbase + 2 * j + 1, static_cast<uint16_t>(v >> 16));
+        } else {
+          store_out(wbase + 2 * j, static_cast<uint16_t>(v));
+        }
+      }
+    }
+  } else if constexpr (kForm == 1) {
+    // Form 1: the same bytes with fewer instructions (the form above converts and shuffles all ten
+    // groups, ~530 instructions per warp, the tail's largest part in round K's ncu samples): the
+    // half's own sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32
+    // (round to nearest even, as float_to_bf16; NaNs here are GPU arithmetic's canonical one,
+    // which both turn into 0x7fff), one shuffle of the packed pairs per group for rows that start
+    // on an odd element.
+    constexpr int kOwn = kAcc / 2;  // 5 groups of 4
+    float own[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
+    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      uint32_t w[kOwn / 4], nb[kOwn / 4];
+#pragma unroll
+      for (int j = 0; j < kOwn / 4; ++j)
+        w[j] = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
+      // Odd rows: the pair at column 8 j + 2 q + 1 is this lane's second column and the next
+      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides).
+#pragma unroll
+      for (int j = 0; j < kOwn / 4; ++j)
+        nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
+      const int r = row0 + 8 * hh;
+      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col;
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
+      const int limit = hi_col - lo_col;
+      if (slots.stored(r)) {
+        if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
+#pragma unroll
+        for (int j = 0; j < kOwn / 4; ++j) {
+          const int col = 8 * j + 2 * q + odd;
+          const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
+          if (col + 1 < limit) {
+            store_out_pair(dst + col, pair);
+          } else if (col < limit) {
+            store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+          }
+        }
+      }
+    }
+  } else {
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {

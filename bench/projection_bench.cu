@@ -477,8 +477,9 @@ std::string trace_summary(const TraceBuffer& tb) {
 }
 
 // --trace on the K split (row_k_split): its tail, from the second block of trace words the kernel
-// writes after the grid's (gemm_wgmma_rows_ksplit_kernel.cuh; the buffer's 2 x SMs x 8 words fit
-// in TraceBuffer's). Per call, us after each CTA's last stage full (the later of its halves'),
+// writes after the grid's (gemm_wgmma_rows_ksplit_kernel.cuh: SMs x (8 + 16) words, within
+// TraceBuffer's 3 x SMs x 8). Per call, us after each CTA's last stage full (the later of its
+// halves'),
 // median / max over the CTAs: each half ready for its last stage (its previous fold done; > 0:
 // the consumers lag the ring), each half's last fold done, the hand-over summed, half 0's /
 // half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
@@ -488,16 +489,16 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                                 unsigned long long t0, std::vector<double>* sm_last,
                                 const std::vector<double>* prev_sm_last, double* last_any,
                                 double prev_last_any) {
-  constexpr int kW = 8;
-  if (words.size() < static_cast<size_t>(2 * grid * kW)) return "no tail trace";
-  std::vector<double> v[8], gap, first_after, end1, end2;
+  constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
+  if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
+  std::vector<double> v[8], gap, first_after, end1, end2, wait_after, full_after_wait;
   auto since_t0 = [&](unsigned long long ns) {
     return static_cast<double>(static_cast<long long>(ns - t0));
   };
   double any = 0;
   for (int c = 0; c < grid; ++c) {
     const unsigned long long* w = &words[static_cast<size_t>(c * kW)];
-    const unsigned long long* x = &words[static_cast<size_t>((grid + c) * kW)];
+    const unsigned long long* x = &words[static_cast<size_t>(grid * kW + c * kX)];
     if (w[0] == 0 || w[7] <= w[0] || w[6] <= w[1] || x[7] == 0) continue;
     const double cpn = static_cast<double>(w[6] - w[1]) / static_cast<double>(w[7] - w[0]);
     auto at = [&](unsigned long long clk) {
@@ -522,6 +523,8 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
       end2.push_back(last);
     }
     if (prev_last_any > 0) first_after.push_back(at(w[2]) - prev_last_any);
+    if (prev_last_any > 0 && x[8] != 0) wait_after.push_back(at(x[8]) - prev_last_any);
+    if (x[8] != 0) full_after_wait.push_back(at(w[2]) - at(x[8]));
   }
   if (last_any != nullptr) *last_any = any;
   auto stat = [](std::vector<double> a) {
@@ -548,7 +551,9 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                            gap.back());
              return std::string(b);
            }() +
-           "; first stage full after the first call's last warp anywhere " + stat(first_after);
+           "; first stage full after the first call's last warp anywhere " + stat(first_after) +
+           "; half 0 past griddepcontrol.wait after it " + stat(wait_after);
+  out += "; first stage full after half 0's wait " + stat(full_after_wait);
   if (end1.size() > 2) {
     // Whether the same SMs end late in both calls (a static imbalance) or not.
     double m1 = 0, m2 = 0, s11 = 0, s22 = 0, s12 = 0;
@@ -759,7 +764,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs");
     check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock");
-    tbuf.ctas = static_cast<int>(std::max<int64_t>(2 * sms, n / 128 * 8));
+    // (3 x SMs: the K split's SMs CTAs write 8 + 16 words each.)
+    tbuf.ctas = static_cast<int>(std::max<int64_t>(3 * sms, n / 128 * 8));
     tbuf.clock_ghz = khz / 1e6;
     tbuf.dev =
         device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());

@@ -48,11 +48,12 @@
 // 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
 //
 // Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
-// split's kRowsTraceWords per CTA (below), and a second block of kRowsTraceWords per CTA after the
-// grid's (trace + (gridDim.x + blockIdx.x) x kRowsTraceWords; the buffer holds 2 x grid blocks):
-// the SM id, then clock64 marks of the tail (session 25): each half's consumers ready for their
-// last stage (its previous fold done) and done with their last fold, the hand-over summed (half
-// 0's thread 0), half 1's stores issued, and the last consumer warp's stores issued.
+// split's kRowsTraceWords per CTA (below), and a second block of kKsTraceExtWords per CTA after
+// the grid's (trace + gridDim.x x kRowsTraceWords + blockIdx.x x kKsTraceExtWords; the buffer
+// holds 3 x grid blocks of kRowsTraceWords): the SM id, then clock64 marks of the tail (session
+// 25): each half's consumers ready for their last stage (its previous fold done) and done with
+// their last fold, the hand-over summed (half 0's thread 0), half 1's stores issued, the last
+// consumer warp's stores issued; then each half's producer past griddepcontrol.wait.
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
@@ -87,6 +88,7 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
+constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
 // activation slots stay aligned).
@@ -237,6 +239,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      if (p.trace != nullptr)
+        p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
+                h] = static_cast<unsigned long long>(clock64());
       for (int i = 0; i < steps; ++i) {
         const int s = i % kKsStages;
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
@@ -327,7 +332,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 
   // Trace marks (thread 0 of each half; see the top): the second block of words.
   unsigned long long* const tx =
-      p.trace != nullptr ? p.trace + int64_t{gridDim.x + blockIdx.x} * kRowsTraceWords : nullptr;
+      p.trace != nullptr
+          ? p.trace + int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords
+          : nullptr;
   const bool tmark = tx != nullptr && ct == 0;
   if (steps > 0) {
     issue(0);

@@ -974,8 +974,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
       // (Session 25: 100 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F.)
-      const int ks_form = v_req >= 100 ? (v_req - 100) / 2 : 0;
+      // GemmWgmmaOptions::row_ks_form = F; 200 + 2 D + c with its diagnostic D.)
+      const int ks_form = v_req >= 100 && v_req < 200 ? (v_req - 100) / 2 : 0;
+      const int ks_diag = v_req >= 200 ? (v_req - 200) / 2 : 0;
       const int v = v_req >= 100 ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
@@ -999,6 +1000,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
       o.row_ks_form = ks_form;
+      if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -1026,6 +1028,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
+          (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
@@ -1049,7 +1052,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         continue;
       }
       // (diagnostics: results wrong)
-      const bool ablated = variants[v].diag > 0;
+      const bool ablated = variants[v].diag > 0 || ks_diag > 0;
       add(
           name,
           [&](cudaStream_t stc, int c) {

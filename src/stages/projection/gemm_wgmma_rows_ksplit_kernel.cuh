@@ -58,8 +58,12 @@
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
-// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. Session 25: 2 =
+// the whole kernel with each K block's fragments only summed into the accumulators (no scaled
+// fold; stores kept), what the fold costs.
 #pragma once
+
+#include <type_traits>
 
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
 
@@ -139,8 +143,9 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 
 // Forms of the tail (GemmWgmmaOptions::row_ks_form; session 25 A/Bs): 0 = the reduce-scatter and
 // token-major bf16 pairs above; 1 = the same stores with fewer instructions; 2 = 1's pairs
-// staged in shared memory, stored a token row per warp (see kForm below).
-constexpr int kKsForms = 3;
+// staged in shared memory, stored a token row per warp; 3 / 4 = 1 / 2 with the consumer loop
+// pipelined by K block (see kPipe / kEpi below).
+constexpr int kKsForms = 5;
 
 template <int kDiag = 0, int kForm = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
@@ -149,6 +154,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+  // Forms (kKsForms): the consumer loop (3 / 4 pipelined) and the epilogue (kEpi 0 / 1 / 2).
+  constexpr bool kPipe = kForm >= 3;
+  constexpr int kEpi = kForm >= 3 ? kForm - 2 : kForm;
+  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -325,7 +334,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
         const int l = i * kKsKpb + q;
-        fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
+        if constexpr (kDiag == 2) {
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
+        } else {
+          fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
+        }
       }
     }
   };
@@ -336,7 +350,55 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           ? p.trace + int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords
           : nullptr;
   const bool tmark = tx != nullptr && ct == 0;
-  if (steps > 0) {
+  if constexpr (kPipe) {
+    // Forms 3 / 4: each K block's wgmmas issued as soon as its fragment is folded, so that the
+    // tensor cores hold one K block while the other one folds: the stage's first K block (fragment
+    // 0) right after fragment 0's fold of the previous stage (waiting for the stage to be full),
+    // its second after fragment 1's. The same products and the same fold order.
+    static_assert(kKsKpb == 2, "two fragments");
+    auto issue_blk = [&](int i, auto qc) {
+      constexpr int q = decltype(qc)::value;
+      const int s = i % kKsStages;
+      if (q == 0) mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
+      const int left = kbl - i * kKsKpb;
+      wgmma_fence();
+      if (q < left) {
+        const uint32_t w_addr = wbase + static_cast<uint32_t>(s * kKsWeightStage) +
+                                static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = hbase + static_cast<uint32_t>(s * kKsActStage + q * kKsActSlot);
+#pragma unroll
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
+                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+      }
+      wgmma_commit();
+    };
+    auto fold_blk = [&](int i, auto qc) {
+      constexpr int q = decltype(qc)::value;
+      if (q < kbl - i * kKsKpb) {
+        const int l = i * kKsKpb + q;
+        fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
+      }
+    };
+    using Q0 = std::integral_constant<int, 0>;
+    using Q1 = std::integral_constant<int, 1>;
+    if (steps > 0) {
+      issue_blk(0, Q0{});
+      issue_blk(0, Q1{});
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
+      for (int i = 0; i < steps; ++i) {
+        const bool next = i + 1 < steps;
+        wgmma_wait<1>();  // fragment 0 of stage i
+        fold_blk(i, Q0{});
+        if (next) issue_blk(i + 1, Q0{});
+        wgmma_wait_upto<1>(next ? 1 : 0);  // fragment 1 of stage i
+        mbar_arrive(empty0 + 8 * (i % kKsStages));
+        fold_blk(i, Q1{});
+        if (next) issue_blk(i + 1, Q1{});
+      }
+    }
+  } else if (steps > 0) {
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
@@ -399,7 +461,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
   const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
-  if constexpr (kForm == 2) {
+  if constexpr (kEpi == 2) {
     // Form 2: form 1's pairs staged as the CTA's [token][column] bf16 tile in half 1's drained
     // weight slots (a row of 176 bytes: the writes of a warp's 8 tokens x 4 lanes hit 32 banks;
     // a row starting on an odd element shifted by one), then each token's row stored by one warp as
@@ -458,7 +520,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         }
       }
     }
-  } else if constexpr (kForm == 1) {
+  } else if constexpr (kEpi == 1) {
     // Form 1: the same bytes with fewer instructions (the form above converts and shuffles all ten
     // groups, ~530 instructions per warp, the tail's largest part in round K's ncu samples): the
     // half's own sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32

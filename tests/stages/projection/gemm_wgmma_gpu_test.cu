@@ -928,8 +928,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
-// The K split's tail forms (session 25, GemmWgmmaOptions::row_ks_form 1 / 2: its epilogue's
-// stores with fewer instructions / staged through shared memory): exact against the twin on the
+// The K split's forms (session 25, GemmWgmmaOptions::row_ks_form 1 / 2: its epilogue's stores
+// with fewer instructions / staged through shared memory; 3 / 4: the same with the consumer loop
+// pipelined by K block): exact against the twin on the
 // shapes that reach their edges: fused width (pairs of 74-75 rows starting on odd and even rows,
 // straddling weight-scale blocks), padded outputs (rows starting on odd elements whatever the
 // pair), padded tokens and two activation boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half
@@ -944,7 +945,7 @@ TEST(GemmWgmmaRowSplit, KSplitForms) {
     c.ks_form = form;
     return c;
   };
-  for (int form : {1, 2}) {
+  for (int form : {1, 2, 3, 4}) {
     for (const Case& c :
          {ks(64, 9856, 6144, 0, false, 0, form), ks(64, 9856, 2048, 1, true, 0, form),
           ks(33, 9856, 1152, 8, false, 0, form), ks(47, 9856, 2048, 3, true, 0, form),
@@ -967,7 +968,7 @@ TEST(GemmWgmmaRowSplit, KSplitForms) {
 // reused (K 4096), padded tokens and outputs (odd row starts), exact against the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitForms) {
   M3_REQUIRE_WGMMA();
-  for (int form : {1, 2}) {
+  for (int form : {1, 2, 3, 4}) {
     for (int64_t m : {33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);

@@ -973,11 +973,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
-      // (Session 25: 100 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F; 200 + 2 D + c with its diagnostic D.)
-      const int ks_form = v_req >= 100 && v_req < 200 ? (v_req - 100) / 2 : 0;
-      const int ks_diag = v_req >= 200 ? (v_req - 200) / 2 : 0;
-      const int v = v_req >= 100 ? 26 + v_req % 2 : v_req;
+      // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
+      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D.)
+      const bool ks_v = v_req >= 150 && v_req < 190;
+      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
+      const int ks_diag = ks_v && v_req >= 170 ? (v_req - 170) / 2 : 0;
+      const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();

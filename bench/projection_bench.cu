@@ -595,6 +595,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
+  // (Session 25, pa: --variant 100 + j runs the row-split variant kAregVariants[j].base with the
+  // activations in registers (GemmWgmmaOptions::row_areg) and its diagnostic `diag`: 100 / 101
+  // plain / chained, 102 / 103 its ring alone (diagnostic 1), 104 / 105 its ring with the
+  // activation loads (diagnostic 2).)
+  struct AregVariant {
+    int base, diag;
+  };
+  constexpr AregVariant kAregVariants[] = {{6, 0}, {11, 0}, {6, 1}, {11, 1}, {6, 2}, {11, 2}};
+  constexpr int kAregFirst = 100;
+  constexpr int kAregCount = static_cast<int>(sizeof(kAregVariants) / sizeof(kAregVariants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
   cudaStream_t stream;
@@ -875,7 +885,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     std::vector<int> order;
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
-    for (const int v : order) {
+    for (const int v_arg : order) {
+      const bool areg = v_arg >= kAregFirst && v_arg < kAregFirst + kAregCount;
+      const int v = areg ? kAregVariants[v_arg - kAregFirst].base : v_arg;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -897,6 +909,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
+      o.row_areg = areg;
+      if (areg) o.debug_rows_diag = kAregVariants[v_arg - kAregFirst].diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -914,7 +928,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string("wgmma ctas ") +
+          std::string(areg ? "A regs " : "") + "wgmma ctas " +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
@@ -927,7 +941,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
-          (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
+          (o.debug_rows_diag > 0 ? " ABLATE " + std::to_string(o.debug_rows_diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
@@ -946,7 +960,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         continue;
       }
       // (diagnostics: results wrong)
-      const bool ablated = variants[v].diag > 0;
+      const bool ablated = o.debug_rows_diag > 0;
       add(
           name,
           [&](cudaStream_t stc, int c) {

@@ -13,6 +13,7 @@
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
+#include "stages/projection/gemm_wgmma_rows_areg.h"
 #include "stages/projection/gemm_wgmma_rows_ksplit.h"
 #include "stages/projection/gemm_wgmma_rows_ksplit_kernel.cuh"
 
@@ -427,6 +428,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
+    // The row split with A in registers (two CTAs of one warpgroup per SM, its own stages).
+    M3_CHECK_ARG(!options.row_areg || (!options.row_k_split && options.ctas_per_sm == 0 &&
+                                       kpb == 0 && options.debug_rows_diag >= 0 &&
+                                       options.debug_rows_diag <= 2),
+                 "GemmWgmmaOptions::row_areg excludes row_k_split, ctas_per_sm (",
+                 options.ctas_per_sm, "), burst (", kpb, ") and diagnostics other than 1 / 2 (",
+                 options.debug_rows_diag, ")");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -459,6 +467,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
                                                    stream);
+    if (options.row_areg)
+      return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
+                                                 options.debug_rows_diag, info, stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

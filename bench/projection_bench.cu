@@ -596,13 +596,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   // (Session 25, pa: --variant 100 + j runs the row-split variant kAregVariants[j].base with the
-  // activations in registers (GemmWgmmaOptions::row_areg) and its diagnostic `diag`: 100 / 101
-  // plain / chained, 102 / 103 its ring alone (diagnostic 1), 104 / 105 its ring with the
-  // activation loads (diagnostic 2).)
+  // activations in registers (GemmWgmmaOptions::row_areg), its diagnostic `diag` and
+  // row_areg_stages `stages`: 100 / 101 plain / chained, 102 / 103 its ring alone (diagnostic 1),
+  // 104 / 105 its ring with the activation loads (diagnostic 2), 106-109 a ring of 6 / 8 stages
+  // plain / chained, 110 / 111 diagnostic 2 with 6 stages.)
   struct AregVariant {
-    int base, diag;
+    int base, diag, stages;
   };
-  constexpr AregVariant kAregVariants[] = {{6, 0}, {11, 0}, {6, 1}, {11, 1}, {6, 2}, {11, 2}};
+  constexpr AregVariant kAregVariants[] = {{6, 0, 0},  {11, 0, 0}, {6, 1, 0}, {11, 1, 0},
+                                           {6, 2, 0},  {11, 2, 0}, {6, 0, 6}, {11, 0, 6},
+                                           {6, 0, 8},  {11, 0, 8}, {6, 2, 6}, {11, 2, 6}};
   constexpr int kAregFirst = 100;
   constexpr int kAregCount = static_cast<int>(sizeof(kAregVariants) / sizeof(kAregVariants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -910,7 +913,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
       o.row_areg = areg;
-      if (areg) o.debug_rows_diag = kAregVariants[v_arg - kAregFirst].diag;
+      if (areg) {
+        o.debug_rows_diag = kAregVariants[v_arg - kAregFirst].diag;
+        o.row_areg_stages = kAregVariants[v_arg - kAregFirst].stages;
+      }
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -928,7 +934,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string(areg ? "A regs " : "") + "wgmma ctas " +
+          std::string(!areg                  ? ""
+                      : o.row_areg_stages > 0 ? "A regs " + std::to_string(o.row_areg_stages) + " "
+                                              : "A regs ") +
+          "wgmma ctas " +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +

@@ -431,10 +431,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The row split with A in registers (two CTAs of one warpgroup per SM, its own stages).
     M3_CHECK_ARG(!options.row_areg || (!options.row_k_split && options.ctas_per_sm == 0 &&
                                        kpb == 0 && options.debug_rows_diag >= 0 &&
-                                       options.debug_rows_diag <= 2),
+                                       options.debug_rows_diag <= 2 &&
+                                       (options.row_areg_stages == 0 ||
+                                        options.row_areg_stages == 6 ||
+                                        options.row_areg_stages == 8)),
                  "GemmWgmmaOptions::row_areg excludes row_k_split, ctas_per_sm (",
                  options.ctas_per_sm, "), burst (", kpb, ") and diagnostics other than 1 / 2 (",
-                 options.debug_rows_diag, ")");
+                 options.debug_rows_diag, "); row_areg_stages (", options.row_areg_stages,
+                 ") must be 0, 6 or 8");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -469,7 +473,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                                    stream);
     if (options.row_areg)
       return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
-                                                 options.debug_rows_diag, info, stream);
+                                                 options.row_areg_stages, options.debug_rows_diag,
+                                                 info, stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

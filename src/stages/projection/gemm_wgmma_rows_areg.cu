@@ -11,20 +11,27 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-// K blocks of activations a consumer thread holds in registers ahead of their wgmmas.
+// K blocks of activations a consumer thread holds in registers ahead of their wgmmas (168
+// registers, the cap for two CTAs of 160 threads per SM; 6 spilled).
 constexpr int kAregAhead = 4;
 
-template <int kDiag>
-Status launch(const RowsAregArgs& args, int grid, const CudaDeviceInfo& info,
-              cudaStream_t stream) {
-  auto* kernel = &gemm_rows_areg_kernel<kAregAhead, kDiag>;
-  constexpr int kSmem = rows_areg_smem_bytes();
+template <int kStages, int kDiag>
+Status launch(const RowsAregArgs& args, int grid, const CudaDeviceInfo& info, cudaStream_t stream) {
+  auto* kernel = &gemm_rows_areg_kernel<kAregAhead, kStages, kDiag>;
+  constexpr int kSmem = rows_areg_smem_bytes(kStages);
   // The shared-memory opt-in once per device (each device has its own module); two CTAs must fit
-  // on an SM (the grid is one wave of them).
+  // on an SM (the grid is one wave of them). The carveout asks for no more shared memory than two
+  // CTAs need (each also holds 1 KB the system reserves), so that the rest stays L1 (the
+  // activations the SM's two CTAs both read).
   static std::atomic<int> ready[64] = {};  // (one table per instantiation)
   if (info.device >= 64 || ready[info.device].load(std::memory_order_acquire) == 0) {
     M3_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    constexpr int kPerSm = 2 * (kSmem + 1024);
+    constexpr int kMaxPerSm = 228 * 1024;
+    M3_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel,
+                                                 cudaFuncAttributePreferredSharedMemoryCarveout,
+                                                 (kPerSm * 100 + kMaxPerSm - 1) / kMaxPerSm));
     int resident = 0;
     M3_CUDA_RETURN_IF_ERROR(
         cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kAregThreads, kSmem));
@@ -41,17 +48,25 @@ Status launch(const RowsAregArgs& args, int grid, const CudaDeviceInfo& info,
   return Status::Ok();
 }
 
+template <int kStages>
+Status launch_diag(const RowsAregArgs& args, int grid, int diag, const CudaDeviceInfo& info,
+                   cudaStream_t stream) {
+  if (diag == 1) return launch<kStages, 1>(args, grid, info, stream);
+  if (diag == 2) return launch<kStages, 2>(args, grid, info, stream);
+  return launch<kStages, 0>(args, grid, info, stream);
+}
+
 }  // namespace
 
-Status launch_rows_areg(const RowsArgs& args, const void* a, int64_t lda, int grid, int diag,
-                        const CudaDeviceInfo& info, cudaStream_t stream) {
+Status launch_rows_areg(const RowsArgs& args, const void* a, int64_t lda, int grid, int stages,
+                        int diag, const CudaDeviceInfo& info, cudaStream_t stream) {
   RowsAregArgs ra;
   static_cast<RowsArgs&>(ra) = args;
   ra.a = static_cast<const uint8_t*>(a);
   ra.lda = lda;
-  if (diag == 1) return launch<1>(ra, grid, info, stream);
-  if (diag == 2) return launch<2>(ra, grid, info, stream);
-  return launch<0>(ra, grid, info, stream);
+  if (stages == 6) return launch_diag<6>(ra, grid, diag, info, stream);
+  if (stages == 8) return launch_diag<8>(ra, grid, diag, info, stream);
+  return launch_diag<kAregMaxStages>(ra, grid, diag, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

@@ -425,6 +425,8 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
+  bool areg = false;     // GemmWgmmaOptions::row_areg (the row split's image)
+  int areg_stages = 0;   // GemmWgmmaOptions::row_areg_stages
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -593,21 +595,24 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
+      // (session 25, pa: 46-57 the row split with the activations in registers (row_areg): 46 / 47
+      // plain / chained, 48 / 49 its ring alone (diagnostic 1), 50 / 51 its ring with the
+      // activation loads (diagnostic 2), 52-55 a ring of 6 / 8 stages plain / chained, 56 / 57
+      // diagnostic 2 with 6 stages)
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 8},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 8},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
-  // (Session 25, pa: --variant 100 + j runs the row-split variant kAregVariants[j].base with the
-  // activations in registers (GemmWgmmaOptions::row_areg), its diagnostic `diag` and
-  // row_areg_stages `stages`: 100 / 101 plain / chained, 102 / 103 its ring alone (diagnostic 1),
-  // 104 / 105 its ring with the activation loads (diagnostic 2), 106-109 a ring of 6 / 8 stages
-  // plain / chained, 110 / 111 diagnostic 2 with 6 stages.)
-  struct AregVariant {
-    int base, diag, stages;
-  };
-  constexpr AregVariant kAregVariants[] = {{6, 0, 0},  {11, 0, 0}, {6, 1, 0}, {11, 1, 0},
-                                           {6, 2, 0},  {11, 2, 0}, {6, 0, 6}, {11, 0, 6},
-                                           {6, 0, 8},  {11, 0, 8}, {6, 2, 6}, {11, 2, 6}};
-  constexpr int kAregFirst = 100;
-  constexpr int kAregCount = static_cast<int>(sizeof(kAregVariants) / sizeof(kAregVariants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
   cudaStream_t stream;
@@ -888,9 +893,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     std::vector<int> order;
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
-    for (const int v_arg : order) {
-      const bool areg = v_arg >= kAregFirst && v_arg < kAregFirst + kAregCount;
-      const int v = areg ? kAregVariants[v_arg - kAregFirst].base : v_arg;
+    for (const int v : order) {
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -909,14 +912,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
+      o.row_areg = variants[v].areg;
+      o.row_areg_stages = variants[v].areg_stages;
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_areg = areg;
-      if (areg) {
-        o.debug_rows_diag = kAregVariants[v_arg - kAregFirst].diag;
-        o.row_areg_stages = kAregVariants[v_arg - kAregFirst].stages;
-      }
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -934,9 +934,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string(!areg                  ? ""
-                      : o.row_areg_stages > 0 ? "A regs " + std::to_string(o.row_areg_stages) + " "
-                                              : "A regs ") +
+          std::string(!variants[v].areg            ? ""
+                      : variants[v].areg_stages > 0 ? "A regs " +
+                                                          std::to_string(variants[v].areg_stages) +
+                                                          " "
+                                                    : "A regs ") +
           "wgmma ctas " +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
@@ -950,7 +952,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
-          (o.debug_rows_diag > 0 ? " ABLATE " + std::to_string(o.debug_rows_diag) : "");
+          (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
@@ -969,7 +971,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         continue;
       }
       // (diagnostics: results wrong)
-      const bool ablated = o.debug_rows_diag > 0;
+      const bool ablated = variants[v].diag > 0;
       add(
           name,
           [&](cudaStream_t stc, int c) {

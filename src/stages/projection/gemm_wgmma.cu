@@ -471,10 +471,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
                                                    stream);
-    if (options.row_areg)
-      return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
-                                                 options.row_areg_stages, options.debug_rows_diag,
-                                                 info, stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against
@@ -482,6 +478,11 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // M 64 19.70-19.78 / 18.46-18.51 against 19.86-19.87 / 18.54-18.58).
     const bool fixed =
         !two_wg && kpb == 0 && diag == 0 && (m == box_rows_for(m) || options.row_one_box);
+    // The row split with A in registers (its own kernel; the same image).
+    if (options.row_areg)
+      return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
+                                                 options.row_areg_stages, options.debug_rows_diag,
+                                                 info, stream);
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, diag, false, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, fixed, xmap, ra, rgrid, info, stream);

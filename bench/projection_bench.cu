@@ -425,6 +425,8 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
+  bool areg = false;     // GemmWgmmaOptions::row_areg (the row split's image)
+  int areg_stages = 0;   // GemmWgmmaOptions::row_areg_stages
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -689,7 +691,23 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
+      // (session 25, pa: 46-57 the row split with the activations in registers (row_areg): 46 / 47
+      // plain / chained, 48 / 49 its ring alone (diagnostic 1), 50 / 51 its ring with the
+      // activation loads (diagnostic 2), 52-55 a ring of 6 / 8 stages plain / chained, 56 / 57
+      // diagnostic 2 with 6 stages)
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 8},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 8},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -997,6 +1015,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
+      o.row_areg = variants[v].areg;
+      o.row_areg_stages = variants[v].areg_stages;
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
@@ -1019,7 +1039,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string("wgmma ctas ") +
+          std::string(!variants[v].areg            ? ""
+                      : variants[v].areg_stages > 0 ? "A regs " +
+                                                          std::to_string(variants[v].areg_stages) +
+                                                          " "
+                                                    : "A regs ") +
+          "wgmma ctas " +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +

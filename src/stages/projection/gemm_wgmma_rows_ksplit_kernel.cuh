@@ -141,10 +141,13 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Forms of the tail (GemmWgmmaOptions::row_ks_form; session 25 A/Bs): 0 = the reduce-scatter and
-// token-major bf16 pairs above; 1 = the same stores with fewer instructions; 2 = 1's pairs
-// staged in shared memory, stored a token row per warp; 3 / 4 = 1 / 2 with the consumer loop
-// pipelined by K block (see kPipe / kEpi below).
+// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs): 0 = the reduce-scatter and token-major
+// bf16 pairs above; 1 = the same stores with fewer instructions (kEpi); 2 = 1 with the consumer
+// loop pipelined by K block (kPipe); 3 = 1 with the first ring's activations gated (kGate); 4 =
+// 2 and 3. (Round B, same round, b2b us: 1's pairs staged in shared memory as a [token][column]
+// tile and stored a token row per warp, 128 contiguous bytes per store, lost: M 64 21.06-21.11 /
+// chained 19.04-19.09 against 19.78-19.79 / 17.61-17.63 for 1; its trace: summed -> stored 2.6 us
+// against 0.8; deleted.)
 constexpr int kKsForms = 5;
 
 template <int kDiag = 0, int kForm = 0>
@@ -154,9 +157,11 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  // Forms (kKsForms): the consumer loop (3 / 4 pipelined) and the epilogue (kEpi 0 / 1 / 2).
-  constexpr bool kPipe = kForm >= 3;
-  constexpr int kEpi = kForm >= 3 ? kForm - 2 : kForm;
+  // Forms (kKsForms): the epilogue (kEpi), the consumer loop (kPipe), the first ring's activations
+  // (kGate).
+  constexpr int kEpi = kForm >= 1 ? 1 : 0;
+  constexpr bool kPipe = kForm == 2 || kForm == 4;
+  constexpr bool kGate = kForm >= 3;
   static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics");
 
   extern __shared__ uint8_t smem_raw[];
@@ -251,10 +256,17 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
                 h] = static_cast<unsigned long long>(clock64());
+      // Forms 3 / 4: the first ring's weights at once, its later activation boxes only once stage
+      // 0 has landed (its activations first through L2: round B's traces had the first stage full
+      // 1.4-2.1 us after griddepcontrol.wait, with every CTA's three stages of boxes requested at
+      // once).
+      const int wfirst = kGate ? ring : early;
+      for (int i = early; i < wfirst; ++i) load_weights(i);
       for (int i = 0; i < steps; ++i) {
         const int s = i % kKsStages;
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
-        if (i >= early) load_weights(i);
+        if (i >= wfirst) load_weights(i);
+        if (kGate && i >= 1 && i < kKsStages) mbar_wait(smem_addr(&full_bar[h][0]), 0);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q) {
@@ -351,7 +363,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           : nullptr;
   const bool tmark = tx != nullptr && ct == 0;
   if constexpr (kPipe) {
-    // Forms 3 / 4: each K block's wgmmas issued as soon as its fragment is folded, so that the
+    // Forms 2 / 4: each K block's wgmmas issued as soon as its fragment is folded, so that the
     // tensor cores hold one K block while the other one folds: the stage's first K block (fragment
     // 0) right after fragment 0's fold of the previous stage (waiting for the stage to be full),
     // its second after fragment 1's. The same products and the same fold order.
@@ -461,66 +473,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
   const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
-  if constexpr (kEpi == 2) {
-    // Form 2: form 1's pairs staged as the CTA's [token][column] bf16 tile in half 1's drained
-    // weight slots (a row of 176 bytes: the writes of a warp's 8 tokens x 4 lanes hit 32 banks;
-    // a row starting on an odd element shifted by one), then each token's row stored by one warp as
-    // 4-byte words, 128 contiguous bytes per store (instead of 16 bytes of 8 tokens).
-    constexpr int kOwn = kAcc / 2;
-    constexpr int kTileRow = 176;
-    const uint32_t tile = base + static_cast<uint32_t>(kKsHalfBytes + kKsStages * kKsActStage);
-    float own[kOwn];
-#pragma unroll
-    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
-    const int q = lane % 4;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 8 * hh;
-      const uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin;
-      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      const uint32_t trow = tile + static_cast<uint32_t>(r * kTileRow + 2 * odd);
-#pragma unroll
-      for (int j = 0; j < kOwn / 4; ++j) {
-        const uint32_t pair = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
-        const uint32_t at = trow + static_cast<uint32_t>(2 * (lo_col + 8 * j + 2 * q));
-        if (odd) {
-          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at), "h"(static_cast<uint16_t>(pair))
-                       : "memory");
-          asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(at + 2),
-                       "h"(static_cast<uint16_t>(pair >> 16))
-                       : "memory");
-        } else {
-          asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(at), "r"(pair) : "memory");
-        }
-      }
-    }
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // the tile written
-    // Warp w8 (0-7) stores slot rows w8, w8 + 8, ...: word j of a row is its 4-byte aligned
-    // output word j (columns 2 j - odd, 2 j + 1 - odd), halves outside [0, rows) left alone.
-    const int w8 = tid / 32;
-    for (int r = w8; r < 64; r += 8) {
-      if (!slots.stored(r)) continue;
-      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin;
-      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      const int words = (odd + rows + 1) / 2;
-      uint16_t* const wbase = dst - odd;
-      for (int j = lane; j < words; j += 32) {
-        uint32_t v;
-        asm volatile("ld.shared.u32 %0, [%1];\n"
-                     : "=r"(v)
-                     : "r"(tile + static_cast<uint32_t>(r * kTileRow + 4 * j))
-                     : "memory");
-        const int c0 = 2 * j - odd;  // the word's first column
-        if (c0 >= 0 && c0 + 1 < rows) {
-          store_out_pair(wbase + 2 * j, v);
-        } else if (c0 < 0) {
-          store_out(wbase + 2 * j + 1, static_cast<uint16_t>(v >> 16));
-        } else {
-          store_out(wbase + 2 * j, static_cast<uint16_t>(v));
-        }
-      }
-    }
-  } else if constexpr (kEpi == 1) {
+  if constexpr (kEpi == 1) {
     // Form 1: the same bytes with fewer instructions (the form above converts and shuffles all ten
     // groups, ~530 instructions per warp, the tail's largest part in round K's ncu samples): the
     // half's own sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32

@@ -992,9 +992,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
       // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D.)
+      // GemmWgmmaOptions::row_ks_form = F; 160 + 2 F + c the same over the row split's image
+      // (row_ks_pairs, F >= 1); 170 + 2 D + c with its diagnostic D.)
       const bool ks_v = v_req >= 150 && v_req < 190;
-      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
+      const bool ks_pairs = ks_v && v_req >= 160 && v_req < 170;
+      const int ks_form = ks_v && v_req < 170 ? (v_req - (ks_pairs ? 160 : 150)) / 2 : 0;
       const int ks_diag = ks_v && v_req >= 170 ? (v_req - 170) / 2 : 0;
       const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
@@ -1036,6 +1038,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
         }
+        if (ks_pairs) {
+          oc.row_packed_weights = row_images[static_cast<size_t>(c)];
+          oc.row_packed_ctas = row_ctas;
+          oc.row_ks_pairs = true;
+        }
         return oc;
       };
       const std::string name =
@@ -1054,6 +1061,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
+          (ks_pairs ? " over row image" : "") +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
@@ -1061,6 +1069,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
+        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
+                    rows_ok.to_string().c_str());
+        continue;
+      }
+      if (ks_pairs && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
         continue;

@@ -141,27 +141,45 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs): 0 = the reduce-scatter and token-major
-// bf16 pairs above; 1 = the same stores with fewer instructions (kEpi); 2 = 1 with the consumer
-// loop pipelined by K block (kPipe); 3 = 1 with the first ring's activations gated (kGate); 4 =
-// 2 and 3. (Round B, same round, b2b us: 1's pairs staged in shared memory as a [token][column]
-// tile and stored a token row per warp, 128 contiguous bytes per store, lost: M 64 21.06-21.11 /
-// chained 19.04-19.09 against 19.78-19.79 / 17.61-17.63 for 1; its trace: summed -> stored 2.6 us
-// against 0.8; deleted.)
-constexpr int kKsForms = 5;
+// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): bit 0 (kFoldP) = the
+// fold's scale picked by one predicate per column pair (setp + two selp per column pair, one fma
+// per value) instead of the bit-mask select that ptxas turned into a per-value fmul plus predicate
+// shuffling (round K's ncu counts: 140 instructions per K block per warp); bit 1 (kDescInc) = the
+// wgmma descriptors of a stage as its first ones plus constants (the address field's low bits)
+// instead of built per k step.
+constexpr int kKsForms = 4;
 
-template <int kDiag = 0, int kForm = 0>
+// m64n40k32 into accumulators kOff ... kOff + 19 of an n80 fragment (kPairs: one per image CTA of
+// the pair; the two n40 fragments side by side are the n80 one's layout).
+template <int kOff>
+__device__ __forceinline__ void mma_n40_at(float (&d)[40], uint64_t a, uint64_t b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n40k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
+      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1;\n}\n"
+      : "+f"(d[kOff + 0]), "+f"(d[kOff + 1]), "+f"(d[kOff + 2]), "+f"(d[kOff + 3]),
+        "+f"(d[kOff + 4]), "+f"(d[kOff + 5]), "+f"(d[kOff + 6]), "+f"(d[kOff + 7]),
+        "+f"(d[kOff + 8]), "+f"(d[kOff + 9]), "+f"(d[kOff + 10]), "+f"(d[kOff + 11]),
+        "+f"(d[kOff + 12]), "+f"(d[kOff + 13]), "+f"(d[kOff + 14]), "+f"(d[kOff + 15]),
+        "+f"(d[kOff + 16]), "+f"(d[kOff + 17]), "+f"(d[kOff + 18]), "+f"(d[kOff + 19])
+      : "l"(a), "l"(b), "r"(scale_d));
+}
+
+// kPairs (GemmWgmmaOptions::row_ks_pairs; session 25): the K split over the row split's image
+// (gemm_wgmma_rows_ctas(N) image CTAs, two per CTA: 2 g and 2 g + 1, at most 38 rows each), so
+// that the layer's row-split image serves it too. Each stage's weights are two bulk copies (the
+// two image CTAs' chunks of the stage's K blocks, side by side in the weight slot) and each k step
+// two m64n40k32 (image CTA 2 g + e into accumulator columns 40 e ... 40 e + 39); half e stores
+// image CTA 2 g + e's rows, so the reduce-scatter's split at column 40 is the image's.
+template <int kDiag = 0, int kForm = 0, bool kPairs = false>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  // Forms (kKsForms): the epilogue (kEpi), the consumer loop (kPipe), the first ring's activations
-  // (kGate).
-  constexpr int kEpi = kForm >= 1 ? 1 : 0;
-  constexpr bool kPipe = kForm == 2 || kForm == 4;
-  constexpr bool kGate = kForm >= 3;
+  constexpr bool kFoldP = (kForm & 1) != 0;    // forms (kKsForms)
+  constexpr bool kDescInc = (kForm & 2) != 0;
   static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics");
 
   extern __shared__ uint8_t smem_raw[];
@@ -177,8 +195,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
   const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
   const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
-  const int r_begin = rows_begin(g, pairs, p.n);
-  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
+  // The CTA's rows [r_begin, r_begin + rows); kPairs: image CTA 2 g's [r_begin, r_mid), 2 g + 1's
+  // [r_mid, r_begin + rows).
+  const int r_begin = kPairs ? rows_begin(2 * g, 2 * pairs, p.n) : rows_begin(g, pairs, p.n);
+  const int rows = (kPairs ? rows_begin(2 * g + 2, 2 * pairs, p.n) : rows_begin(g + 1, pairs, p.n)) -
+                   r_begin;
+  const int r_mid = kPairs ? rows_begin(2 * g + 1, 2 * pairs, p.n) : r_begin + rows;
+  const int rows0 = r_mid - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K
@@ -239,10 +262,21 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
-        const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src =
-            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
-        bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
+        const int kb = ksplit_kblock(i * kKsKpb, h);
+        if constexpr (kPairs) {
+          // Image CTA 2 g's chunk, then 2 g + 1's right after it.
+          const uint32_t bytes0 = nk * static_cast<uint32_t>(rows0 * 128);
+          bulk_load_maybe_hint(dst, p.image + rows_image_offset(kb, r_begin, rows0, p.n, kb_count),
+                               bytes0, full, policy, p.weight_evict_first);
+          bulk_load_maybe_hint(dst + bytes0,
+                               p.image + rows_image_offset(kb, r_mid, rows - rows0, p.n, kb_count),
+                               nk * static_cast<uint32_t>((rows - rows0) * 128), full, policy,
+                               p.weight_evict_first);
+        } else {
+          const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
+          const uint8_t* src = p.image + rows_image_offset(kb, r_begin, rows, p.n, kb_count);
+          bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
+        }
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
       // (RowsArgs::early_weights; by default two of the three stages per half. Session 24, same
@@ -256,17 +290,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
                 h] = static_cast<unsigned long long>(clock64());
-      // Forms 3 / 4: the first ring's weights at once, its later activation boxes only once stage
-      // 0 has landed (its activations first through L2: round B's traces had the first stage full
-      // 1.4-2.1 us after griddepcontrol.wait, with every CTA's three stages of boxes requested at
-      // once).
-      const int wfirst = kGate ? ring : early;
-      for (int i = early; i < wfirst; ++i) load_weights(i);
+      // (Session 25 round C, same round, b2b us, lost and deleted: the first ring's weights at
+      // once and its later activation boxes only after stage 0 had landed, so that stage 0's
+      // boxes pass L2 first: M 64 20.72-20.81 / chained 18.49 against 19.73-19.91 / 17.65-17.73.)
       for (int i = 0; i < steps; ++i) {
         const int s = i % kKsStages;
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
-        if (i >= wfirst) load_weights(i);
-        if (kGate && i >= 1 && i < kKsStages) mbar_wait(smem_addr(&full_bar[h][0]), 0);
+        if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
         const int nk = stage_kblocks(i);
         for (int q = 0; q < nk; ++q) {
@@ -306,32 +336,116 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int m0 = 2 * (lane % 4);
   // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
   uint32_t hsel[kGroups][2];
-  token_scale_masks(hsel, r_begin + m0, blk0);
+  if constexpr (kPairs) {
+    // (Columns 40 e + j are row r_begin + j of image CTA 2 g, r_mid + j of 2 g + 1.)
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        hsel[c][e] =
+            ((c < kGroups / 2 ? r_begin : r_mid - 8 * (kGroups / 2)) + m0 + 8 * c + e) / 128 -
+                        blk0 >
+                    0
+                ? ~0u
+                : 0u;
+  } else {
+    token_scale_masks(hsel, r_begin + m0, blk0);
+  }
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
+  // kPairs: the two image CTAs' K columns (their chunks side by side in the weight slot).
+  const uint32_t lbo0 = static_cast<uint32_t>(rows0 * 16);
+  const uint32_t lbo1 = static_cast<uint32_t>((rows - rows0) * 16);
+  // K block q (of nk) of stage s, k step k: the n80 wgmma, or kPairs its two n40 halves.
+  // kDescInc: each descriptor is the ring's first one (per operand) plus the offset's 16-byte
+  // units in its address field (bits 0-13; shared memory addresses stay below 2^18, so no carry).
+  const uint64_t da_base = smem_desc(hbase);
+  const uint64_t db_base = smem_desc_interleave(wbase, kPairs ? lbo0 : lbo);
+  const uint64_t db1_base = smem_desc_interleave(wbase, lbo1);
+  auto desc_plus = [](uint64_t d, uint32_t units) {
+    uint32_t lo, hi;
+    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
+    lo += units;
+    uint64_t r;
+    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
+    return r;
+  };
+  auto mma_k = [&](float(&d)[kAcc], int s, int q, int nk, int k) {
+    const uint32_t x_addr = hbase + static_cast<uint32_t>(s * kKsActStage + q * kKsActSlot);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+    const uint32_t wstep = static_cast<uint32_t>(q * 8 + 2 * k);  // the K column of the tile
+    uint64_t a;
+    if constexpr (kDescInc) {
+      a = desc_plus(da_base, static_cast<uint32_t>((s * kKsActStage + q * kKsActSlot) / 16 + 2 * k));
+    } else {
+      a = smem_desc(x_addr + 32 * k);
+    }
+    if constexpr (kPairs) {
+      uint64_t b0, b1;
+      if constexpr (kDescInc) {
+        const uint32_t ws = static_cast<uint32_t>(s * (kKsWeightStage / 16));
+        b0 = desc_plus(db_base, ws + wstep * (lbo0 / 16));
+        b1 = desc_plus(db1_base, ws + static_cast<uint32_t>(nk) * 8 * (lbo0 / 16) + wstep * (lbo1 / 16));
+      } else {
+        b0 = smem_desc_interleave(weights + wstep * lbo0, lbo0);
+        b1 = smem_desc_interleave(weights + static_cast<uint32_t>(nk) * 8 * lbo0 + wstep * lbo1,
+                                  lbo1);
+      }
+      mma_n40_at<0>(d, a, b0, k);
+      mma_n40_at<20>(d, a, b1, k);
+    } else {
+      uint64_t b;
+      if constexpr (kDescInc) {
+        b = desc_plus(db_base, static_cast<uint32_t>(s * (kKsWeightStage / 16)) + wstep * (lbo / 16));
+      } else {
+        b = smem_desc_interleave(weights + wstep * lbo, lbo);
+      }
+      Wgmma<80>::mma(d, a, b, k);
+    }
+  };
 
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
   float frag[kKsKpb][kAcc];
 
+  // kFoldP: acc += frag x sa[token] x sb[block] with the block of column pair (c, e) from one
+  // compare against the thread's first block-1 column (bt_lo for groups 0-4, bt_hi for 5-9: the
+  // pair's second image CTA with kPairs); the same products as fold_token_major.
+  const int bt_lo = 128 * (blk0 + 1) - r_begin - m0;
+  const int bt_hi = kPairs ? 128 * (blk0 + 1) - (r_mid - 8 * (kGroups / 2)) - m0 : bt_lo;
+  auto fold_pairs_p = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
+    const float t0 = sa[row0], t1 = sa[row0 + 8];
+    const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        asm("{\n.reg .pred p;\n.reg .f32 s0, s1;\n"
+            "setp.le.s32 p, %4, %5;\n"
+            "selp.f32 s0, %6, %7, p;\n"
+            "selp.f32 s1, %8, %9, p;\n"
+            "fma.rn.f32 %0, %2, s0, %0;\n"
+            "fma.rn.f32 %1, %3, s1, %1;\n}\n"
+            : "+f"(acc[4 * c + e]), "+f"(acc[4 * c + 2 + e])
+            : "f"(f[4 * c + e]), "f"(f[4 * c + 2 + e]), "r"(c < kGroups / 2 ? bt_lo : bt_hi),
+              "r"(8 * c + e), "f"(p01), "f"(p00), "f"(p11), "f"(p10));
+      }
+    }
+  };
+
   auto issue = [&](int i) {
     const int s = i % kKsStages;
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kbl - i * kKsKpb;
-    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
+    const int nk = left < kKsKpb ? left : kKsKpb;
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       if (q < left && !kRing) {
-        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k)
-          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
-                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
+        for (int k = 0; k < kBlockK / 32; ++k) mma_k(frag[q], s, q, nk, k);
       }
       wgmma_commit();
     }
@@ -349,6 +463,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         if constexpr (kDiag == 2) {
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
+        } else if constexpr (kFoldP) {
+          fold_pairs_p(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
         } else {
           fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
         }
@@ -362,55 +478,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           ? p.trace + int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords
           : nullptr;
   const bool tmark = tx != nullptr && ct == 0;
-  if constexpr (kPipe) {
-    // Forms 2 / 4: each K block's wgmmas issued as soon as its fragment is folded, so that the
-    // tensor cores hold one K block while the other one folds: the stage's first K block (fragment
-    // 0) right after fragment 0's fold of the previous stage (waiting for the stage to be full),
-    // its second after fragment 1's. The same products and the same fold order.
-    static_assert(kKsKpb == 2, "two fragments");
-    auto issue_blk = [&](int i, auto qc) {
-      constexpr int q = decltype(qc)::value;
-      const int s = i % kKsStages;
-      if (q == 0) mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
-      const int left = kbl - i * kKsKpb;
-      wgmma_fence();
-      if (q < left) {
-        const uint32_t w_addr = wbase + static_cast<uint32_t>(s * kKsWeightStage) +
-                                static_cast<uint32_t>(q) * 8 * lbo;
-        const uint32_t x_addr = hbase + static_cast<uint32_t>(s * kKsActStage + q * kKsActSlot);
-#pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k)
-          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
-                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
-      }
-      wgmma_commit();
-    };
-    auto fold_blk = [&](int i, auto qc) {
-      constexpr int q = decltype(qc)::value;
-      if (q < kbl - i * kKsKpb) {
-        const int l = i * kKsKpb + q;
-        fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
-      }
-    };
-    using Q0 = std::integral_constant<int, 0>;
-    using Q1 = std::integral_constant<int, 1>;
-    if (steps > 0) {
-      issue_blk(0, Q0{});
-      issue_blk(0, Q1{});
-      asm volatile("cp.async.wait_all;\n" ::: "memory");
-      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
-      for (int i = 0; i < steps; ++i) {
-        const bool next = i + 1 < steps;
-        wgmma_wait<1>();  // fragment 0 of stage i
-        fold_blk(i, Q0{});
-        if (next) issue_blk(i + 1, Q0{});
-        wgmma_wait_upto<1>(next ? 1 : 0);  // fragment 1 of stage i
-        mbar_arrive(empty0 + 8 * (i % kKsStages));
-        fold_blk(i, Q1{});
-        if (next) issue_blk(i + 1, Q1{});
-      }
-    }
-  } else if (steps > 0) {
+  // (Session 25 round C, same round, b2b us, lost and deleted: each K block's wgmmas issued as
+  // soon as its fragment was folded, the next stage's first K block before this stage's second
+  // fold: M 64 19.77-19.80 / chained 18.01-18.03 against 19.73-19.91 / 17.65-17.73.)
+  if (steps > 0) {
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
@@ -467,19 +538,20 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
   if (tmark && h == 0) tx[5] = static_cast<unsigned long long>(clock64());
 
-  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over
-  // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
-  // stored alone, as the one at lo_col is when the outputs start on an odd element).
+  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over the
+  // half's columns [lo_col, lo_col + limit) (a pair never crosses the limit: the column before it
+  // is stored alone, as the first one is when the outputs start on an odd element). The half's own
+  // sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32 (round to
+  // nearest even, as float_to_bf16; NaNs here are GPU arithmetic's canonical one, which both turn
+  // into 0x7fff), one shuffle of the packed pairs per group for rows that start on an odd element.
+  // (Session 25 round B, same round, b2b us: the former epilogue, which converted and shuffled all
+  // ten groups, ~530 instructions per warp: M 64 20.19-20.20 / chained 17.70-17.75 against
+  // 19.78-19.79 / 17.61-17.63 now, M 33 chained 17.64-17.65 against 17.15-17.16. Lost there: the
+  // pairs staged in shared memory as a [token][column] tile and stored a token row per warp, 128
+  // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
-  const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
-  if constexpr (kEpi == 1) {
-    // Form 1: the same bytes with fewer instructions (the form above converts and shuffles all ten
-    // groups, ~530 instructions per warp, the tail's largest part in round K's ncu samples): the
-    // half's own sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32
-    // (round to nearest even, as float_to_bf16; NaNs here are GPU arithmetic's canonical one,
-    // which both turn into 0x7fff), one shuffle of the packed pairs per group for rows that start
-    // on an odd element.
+  {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];
 #pragma unroll
@@ -497,10 +569,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       for (int j = 0; j < kOwn / 4; ++j)
         nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
       const int r = row0 + 8 * hh;
-      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col;
+      // (The half's first output row and column count; kPairs: its image CTA's.)
+      uint16_t* dst =
+          p.out + slots.token(r) * p.ldo + (kPairs ? (h == 1 ? r_mid : r_begin) : r_begin + lo_col);
       const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      const int limit = hi_col - lo_col;
-      if (slots.stored(r)) {
+      const int limit = kPairs ? (h == 1 ? rows - rows0 : rows0)
+                               : min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
+      if (store && slots.stored(r)) {
         if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
@@ -511,36 +586,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
           } else if (col < limit) {
             store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
           }
-        }
-      }
-    }
-  } else {
-    const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      uint16_t x0[kGroups + 1], x1[kGroups], nb[kGroups + 1];
-#pragma unroll
-      for (int c = 0; c < kGroups; ++c) {
-        x0[c] = float_to_bf16(acc[4 * c + 2 * hh]);
-        x1[c] = float_to_bf16(acc[4 * c + 2 * hh + 1]);
-      }
-      x0[kGroups] = 0;
-#pragma unroll
-      for (int c = 0; c <= kGroups; ++c)
-        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
-      const int m = slots.token(row0 + 8 * hh);
-      uint16_t* dst = p.out + m * p.ldo + r_begin;
-      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && slots.stored(row0 + 8 * hh)) {
-        if (odd && q == 0 && lo_col < hi_col)
-          store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
-#pragma unroll
-        for (int c = 0; c < kGroups; ++c) {
-          if (other(c)) continue;
-          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
-          const uint16_t lo = odd ? x1[c] : x0[c];
-          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-          store_out_clipped(dst, col, lo, hi, hi_col);
         }
       }
     }

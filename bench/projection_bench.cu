@@ -992,12 +992,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
       // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F; 160 + 2 F + c the same over the row split's image
-      // (row_ks_pairs, F >= 1); 170 + 2 D + c with its diagnostic D.)
+      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D (D <= 6); 185 /
+      // 187 chained with 1 / 3 (its whole ring) early stages per half.)
       const bool ks_v = v_req >= 150 && v_req < 190;
-      const bool ks_pairs = ks_v && v_req >= 160 && v_req < 170;
-      const int ks_form = ks_v && v_req < 170 ? (v_req - (ks_pairs ? 160 : 150)) / 2 : 0;
-      const int ks_diag = ks_v && v_req >= 170 ? (v_req - 170) / 2 : 0;
+      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
+      const int ks_diag = ks_v && v_req >= 170 && v_req < 184 ? (v_req - 170) / 2 : 0;
+      const int ks_early = ks_v && v_req >= 184 ? 1 + 2 * ((v_req - 184) / 2) : 0;
       const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
@@ -1024,6 +1024,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.row_one_box = variants[v].one_box;
       o.row_ks_form = ks_form;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
+      if (ks_early > 0) o.row_early_stages = ks_early;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -1037,11 +1038,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
-        }
-        if (ks_pairs) {
-          oc.row_packed_weights = row_images[static_cast<size_t>(c)];
-          oc.row_packed_ctas = row_ctas;
-          oc.row_ks_pairs = true;
         }
         return oc;
       };
@@ -1061,7 +1057,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
-          (ks_pairs ? " over row image" : "") +
+          (ks_early > 0 ? " early " + std::to_string(ks_early) : std::string()) +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
@@ -1069,11 +1065,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
-        std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
-                    rows_ok.to_string().c_str());
-        continue;
-      }
-      if (ks_pairs && row_images.empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     rows_ok.to_string().c_str());
         continue;

@@ -473,19 +473,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                       (options.row_k_split && options.debug_rows_diag == 0)),
                  "GemmWgmmaOptions::row_ks_form = ", options.row_ks_form, " must be in [0, ",
                  gemm_wgmma_detail::kKsForms, ") (0 without row_k_split or with diagnostics)");
-    // (row_ks_pairs: the K split over the row split's image, two image CTAs of at most 38 rows per
-    // CTA; no diagnostics.)
-    M3_CHECK_ARG(!options.row_ks_pairs || (options.row_k_split && options.debug_rows_diag == 0),
-                 "GemmWgmmaOptions::row_ks_pairs needs row_k_split (and no diagnostics)");
-    if (options.row_ks_pairs &&
-        (rgrid % 2 != 0 || (n + rgrid - 1) / rgrid > gemm_wgmma_detail::kKsRowsMax / 2))
-      return unsupported("the row K split over image pairs needs an even image CTA count of at ",
-                         "most ", gemm_wgmma_detail::kKsRowsMax / 2, " rows each, got ", rgrid,
-                         " CTAs for N = ", n);
     if (options.row_k_split)
-      return gemm_wgmma_detail::launch_rows_ksplit(
-          xmap, ra, options.row_ks_pairs ? rgrid / 2 : rgrid, options.debug_rows_diag,
-          options.row_ks_form, options.row_ks_pairs, info, stream);
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag,
+                                                   options.row_ks_form, info, stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

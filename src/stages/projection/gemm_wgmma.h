@@ -104,11 +104,6 @@ struct GemmWgmmaOptions {
   // With row_k_split (session 25, A/B forms of its consumers; results do not depend on it): 0 =
   // the form above. (Forms: gemm_wgmma_rows_ksplit_kernel.cuh, kKsForms.)
   int row_ks_form = 0;
-  // With row_k_split (session 25): the K split over the row split's image
-  // (packed for gemm_wgmma_rows_ctas(N) CTAs, passed as row_packed_ctas; at most 38 rows per image
-  // CTA), each CTA serving two image CTAs (gemm_wgmma_rows_ksplit_kernel.cuh, kPairs): one image
-  // for both forms. Results do not depend on it.
-  bool row_ks_pairs = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the

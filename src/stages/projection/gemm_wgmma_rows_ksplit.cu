@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kDiag, int kForm = 0, bool kPairs = false>
+template <int kDiag, int kForm = 0>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kForm, kPairs>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kForm>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
   // wave of one CTA per SM.
@@ -41,18 +41,9 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 }  // namespace
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          int form, bool image_pairs, const CudaDeviceInfo& info,
-                          cudaStream_t stream) {
-  static_assert(kKsForms == 4, "one launch per form");
-  if (image_pairs) {
-    if (form == 1) return launch<0, 1, true>(xmap, args, pairs, info, stream);
-    if (form == 2) return launch<0, 2, true>(xmap, args, pairs, info, stream);
-    if (form == 3) return launch<0, 3, true>(xmap, args, pairs, info, stream);
-    return launch<0, 0, true>(xmap, args, pairs, info, stream);
-  }
+                          int form, const CudaDeviceInfo& info, cudaStream_t stream) {
+  static_assert(kKsForms == 2, "one launch per form");
   if (form == 1) return launch<0, 1>(xmap, args, pairs, info, stream);
-  if (form == 2) return launch<0, 2>(xmap, args, pairs, info, stream);
-  if (form == 3) return launch<0, 3>(xmap, args, pairs, info, stream);
   if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);

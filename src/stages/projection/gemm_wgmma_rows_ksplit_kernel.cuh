@@ -141,46 +141,24 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): bit 0 (kFoldP) = the
-// fold's scale picked by one predicate per column pair (setp + two selp per column pair, one fma
-// per value) instead of the bit-mask select that ptxas turned into a per-value fmul plus predicate
-// shuffling (round K's ncu counts: 140 instructions per K block per warp); bit 1 (kDescInc) = the
-// wgmma descriptors of a stage as its first ones plus constants (the address field's low bits)
-// instead of built per k step.
-constexpr int kKsForms = 4;
+// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
+// below; 1 = its epilogue's shuffles skipped where every output row of the CTA starts on an even
+// element, its interior pairs stored without the clip test.
+constexpr int kKsForms = 2;
 
-// m64n40k32 into accumulators kOff ... kOff + 19 of an n80 fragment (kPairs: one per image CTA of
-// the pair; the two n40 fragments side by side are the n80 one's layout).
-template <int kOff>
-__device__ __forceinline__ void mma_n40_at(float (&d)[40], uint64_t a, uint64_t b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %22, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n40k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7, %8, "
-      "%9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19}, %20, %21, p, 1, 1;\n}\n"
-      : "+f"(d[kOff + 0]), "+f"(d[kOff + 1]), "+f"(d[kOff + 2]), "+f"(d[kOff + 3]),
-        "+f"(d[kOff + 4]), "+f"(d[kOff + 5]), "+f"(d[kOff + 6]), "+f"(d[kOff + 7]),
-        "+f"(d[kOff + 8]), "+f"(d[kOff + 9]), "+f"(d[kOff + 10]), "+f"(d[kOff + 11]),
-        "+f"(d[kOff + 12]), "+f"(d[kOff + 13]), "+f"(d[kOff + 14]), "+f"(d[kOff + 15]),
-        "+f"(d[kOff + 16]), "+f"(d[kOff + 17]), "+f"(d[kOff + 18]), "+f"(d[kOff + 19])
-      : "l"(a), "l"(b), "r"(scale_d));
-}
-
-// kPairs (GemmWgmmaOptions::row_ks_pairs; session 25): the K split over the row split's image
-// (gemm_wgmma_rows_ctas(N) image CTAs, two per CTA: 2 g and 2 g + 1, at most 38 rows each), so
-// that the layer's row-split image serves it too. Each stage's weights are two bulk copies (the
-// two image CTAs' chunks of the stage's K blocks, side by side in the weight slot) and each k step
-// two m64n40k32 (image CTA 2 g + e into accumulator columns 40 e ... 40 e + 39); half e stores
-// image CTA 2 g + e's rows, so the reduce-scatter's split at column 40 is the image's.
-template <int kDiag = 0, int kForm = 0, bool kPairs = false>
+// (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
+// image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
+// m64n40k32 per k step, so that the layer's row image could serve it: M 64 20.54 / chained
+// 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
+// the ring: two wgmmas per k step read the activations twice).)
+template <int kDiag = 0, int kForm = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  constexpr bool kFoldP = (kForm & 1) != 0;    // forms (kKsForms)
-  constexpr bool kDescInc = (kForm & 2) != 0;
-  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics");
+  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics (kKsForms)");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -195,13 +173,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
   const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
   const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
-  // The CTA's rows [r_begin, r_begin + rows); kPairs: image CTA 2 g's [r_begin, r_mid), 2 g + 1's
-  // [r_mid, r_begin + rows).
-  const int r_begin = kPairs ? rows_begin(2 * g, 2 * pairs, p.n) : rows_begin(g, pairs, p.n);
-  const int rows = (kPairs ? rows_begin(2 * g + 2, 2 * pairs, p.n) : rows_begin(g + 1, pairs, p.n)) -
-                   r_begin;
-  const int r_mid = kPairs ? rows_begin(2 * g + 1, 2 * pairs, p.n) : r_begin + rows;
-  const int rows0 = r_mid - r_begin;
+  const int r_begin = rows_begin(g, pairs, p.n);
+  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K
@@ -262,21 +235,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
-        const int kb = ksplit_kblock(i * kKsKpb, h);
-        if constexpr (kPairs) {
-          // Image CTA 2 g's chunk, then 2 g + 1's right after it.
-          const uint32_t bytes0 = nk * static_cast<uint32_t>(rows0 * 128);
-          bulk_load_maybe_hint(dst, p.image + rows_image_offset(kb, r_begin, rows0, p.n, kb_count),
-                               bytes0, full, policy, p.weight_evict_first);
-          bulk_load_maybe_hint(dst + bytes0,
-                               p.image + rows_image_offset(kb, r_mid, rows - rows0, p.n, kb_count),
-                               nk * static_cast<uint32_t>((rows - rows0) * 128), full, policy,
-                               p.weight_evict_first);
-        } else {
-          const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-          const uint8_t* src = p.image + rows_image_offset(kb, r_begin, rows, p.n, kb_count);
-          bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
-        }
+        const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
+        const uint8_t* src =
+            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+        bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
       // (RowsArgs::early_weights; by default two of the three stages per half. Session 24, same
@@ -334,87 +296,29 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
   const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
-  // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
-  uint32_t hsel[kGroups][2];
-  if constexpr (kPairs) {
-    // (Columns 40 e + j are row r_begin + j of image CTA 2 g, r_mid + j of 2 g + 1.)
-#pragma unroll
-    for (int c = 0; c < kGroups; ++c)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        hsel[c][e] =
-            ((c < kGroups / 2 ? r_begin : r_mid - 8 * (kGroups / 2)) + m0 + 8 * c + e) / 128 -
-                        blk0 >
-                    0
-                ? ~0u
-                : 0u;
-  } else {
-    token_scale_masks(hsel, r_begin + m0, blk0);
-  }
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
-  // kPairs: the two image CTAs' K columns (their chunks side by side in the weight slot).
-  const uint32_t lbo0 = static_cast<uint32_t>(rows0 * 16);
-  const uint32_t lbo1 = static_cast<uint32_t>((rows - rows0) * 16);
-  // K block q (of nk) of stage s, k step k: the n80 wgmma, or kPairs its two n40 halves.
-  // kDescInc: each descriptor is the ring's first one (per operand) plus the offset's 16-byte
-  // units in its address field (bits 0-13; shared memory addresses stay below 2^18, so no carry).
-  const uint64_t da_base = smem_desc(hbase);
-  const uint64_t db_base = smem_desc_interleave(wbase, kPairs ? lbo0 : lbo);
-  const uint64_t db1_base = smem_desc_interleave(wbase, lbo1);
-  auto desc_plus = [](uint64_t d, uint32_t units) {
-    uint32_t lo, hi;
-    asm("mov.b64 {%0, %1}, %2;\n" : "=r"(lo), "=r"(hi) : "l"(d));
-    lo += units;
-    uint64_t r;
-    asm("mov.b64 %0, {%1, %2};\n" : "=l"(r) : "r"(lo), "r"(hi));
-    return r;
-  };
-  auto mma_k = [&](float(&d)[kAcc], int s, int q, int nk, int k) {
-    const uint32_t x_addr = hbase + static_cast<uint32_t>(s * kKsActStage + q * kKsActSlot);
-    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
-    const uint32_t wstep = static_cast<uint32_t>(q * 8 + 2 * k);  // the K column of the tile
-    uint64_t a;
-    if constexpr (kDescInc) {
-      a = desc_plus(da_base, static_cast<uint32_t>((s * kKsActStage + q * kKsActSlot) / 16 + 2 * k));
-    } else {
-      a = smem_desc(x_addr + 32 * k);
-    }
-    if constexpr (kPairs) {
-      uint64_t b0, b1;
-      if constexpr (kDescInc) {
-        const uint32_t ws = static_cast<uint32_t>(s * (kKsWeightStage / 16));
-        b0 = desc_plus(db_base, ws + wstep * (lbo0 / 16));
-        b1 = desc_plus(db1_base, ws + static_cast<uint32_t>(nk) * 8 * (lbo0 / 16) + wstep * (lbo1 / 16));
-      } else {
-        b0 = smem_desc_interleave(weights + wstep * lbo0, lbo0);
-        b1 = smem_desc_interleave(weights + static_cast<uint32_t>(nk) * 8 * lbo0 + wstep * lbo1,
-                                  lbo1);
-      }
-      mma_n40_at<0>(d, a, b0, k);
-      mma_n40_at<20>(d, a, b1, k);
-    } else {
-      uint64_t b;
-      if constexpr (kDescInc) {
-        b = desc_plus(db_base, static_cast<uint32_t>(s * (kKsWeightStage / 16)) + wstep * (lbo / 16));
-      } else {
-        b = smem_desc_interleave(weights + wstep * lbo, lbo);
-      }
-      Wgmma<80>::mma(d, a, b, k);
-    }
-  };
+  // (Session 25 round D, same round, b2b us: each wgmma descriptor as the ring's first one plus a
+  // constant in its address field instead of built per k step: M 64 chained 17.48-17.53 against
+  // 17.57-17.60 alone, 17.45-17.46 with the fold below against its 17.37-17.38 (spills); not kept.)
 
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
   float frag[kKsKpb][kAcc];
 
-  // kFoldP: acc += frag x sa[token] x sb[block] with the block of column pair (c, e) from one
-  // compare against the thread's first block-1 column (bt_lo for groups 0-4, bt_hi for 5-9: the
-  // pair's second image CTA with kPairs); the same products as fold_token_major.
-  const int bt_lo = 128 * (blk0 + 1) - r_begin - m0;
-  const int bt_hi = kPairs ? 128 * (blk0 + 1) - (r_mid - 8 * (kGroups / 2)) - m0 : bt_lo;
-  auto fold_pairs_p = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
+  // The fold: acc += frag x sa[token] x sb[block] (a thread's values: tokens row0 / row0 + 8, its
+  // columns 8 c + m0 + e of the CTA's rows, whose weight-scale block is blk0 or blk0 + 1: a CTA's
+  // rows straddle at most one 128-row boundary), the block of column (c, e) by one compare
+  // against the thread's first column past the boundary, bt. (The row split's fold_token_major
+  // picks each value's scale product by a bit mask; ptxas turned that into predicate shuffling
+  // and a multiply per value, ~140 instructions per K block per warp in round K's ncu counts
+  // against ~105 here. Session 25 round D, same round, b2b us: M 64 19.36-19.47 / chained
+  // 17.37-17.38 against 19.72-19.73 / 17.57-17.60 with fold_token_major; M 33 chained
+  // 16.87-16.89 against 17.14-17.19, M 48 17.08-17.09 against 17.35-17.40. Round C's
+  // diagnostic 2, each fragment only summed: 16.97-16.99 against 17.81-17.86.)
+  const int bt = 128 * (blk0 + 1) - r_begin - m0;
+  auto fold = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
     const float t0 = sa[row0], t1 = sa[row0 + 8];
     const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
@@ -428,7 +332,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
             "fma.rn.f32 %0, %2, s0, %0;\n"
             "fma.rn.f32 %1, %3, s1, %1;\n}\n"
             : "+f"(acc[4 * c + e]), "+f"(acc[4 * c + 2 + e])
-            : "f"(f[4 * c + e]), "f"(f[4 * c + 2 + e]), "r"(c < kGroups / 2 ? bt_lo : bt_hi),
+            : "f"(f[4 * c + e]), "f"(f[4 * c + 2 + e]), "r"(bt),
               "r"(8 * c + e), "f"(p01), "f"(p00), "f"(p11), "f"(p10));
       }
     }
@@ -439,20 +343,25 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = kbl - i * kKsKpb;
+    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
-    const int nk = left < kKsKpb ? left : kKsKpb;
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       if (q < left && !kRing) {
+        const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
+        const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
 #pragma unroll
-        for (int k = 0; k < kBlockK / 32; ++k) mma_k(frag[q], s, q, nk, k);
+        for (int k = 0; k < kBlockK / 32; ++k)
+          Wgmma<80>::mma(frag[q], smem_desc(x_addr + 32 * k),
+                         smem_desc_interleave(w_addr + 2 * k * lbo, lbo), k);
       }
       wgmma_commit();
     }
   };
-  // The row split's token-major fold (each K block as its group completes; the stage released
-  // after its last group, before the last fold).
-  auto fold = [&](int i) {
+  // Each K block folded as its group completes; the stage released after its last group, before
+  // the last fold (the row split's order).
+  auto fold_stage = [&](int i) {
     const int left = kbl - i * kKsKpb;
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
@@ -463,10 +372,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         if constexpr (kDiag == 2) {
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
-        } else if constexpr (kFoldP) {
-          fold_pairs_p(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
         } else {
-          fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
+          fold(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
         }
       }
     }
@@ -485,12 +392,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
-    fold(0);
+    fold_stage(0);
     for (int i = 1; i < steps; ++i) {
       // (No wgmma in flight here: fold(i - 1) waited for every group.)
       if (tmark && i == steps - 1) tx[1 + h] = static_cast<unsigned long long>(clock64());
       issue(i);
-      fold(i);
+      fold_stage(i);
     }
   }
   if (tmark) {
@@ -563,25 +470,30 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
       for (int j = 0; j < kOwn / 4; ++j)
         w[j] = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
-      // Odd rows: the pair at column 8 j + 2 q + 1 is this lane's second column and the next
-      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides).
-#pragma unroll
-      for (int j = 0; j < kOwn / 4; ++j)
-        nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
       const int r = row0 + 8 * hh;
-      // (The half's first output row and column count; kPairs: its image CTA's.)
-      uint16_t* dst =
-          p.out + slots.token(r) * p.ldo + (kPairs ? (h == 1 ? r_mid : r_begin) : r_begin + lo_col);
+      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col;
       const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      const int limit = kPairs ? (h == 1 ? rows - rows0 : rows0)
-                               : min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
+      const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
+      // Odd rows: the pair at column 8 j + 2 q + 1 is this lane's second column and the next
+      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides). (Form 1:
+      // only in warps with an odd row.)
+      if (kForm != 1 || __any_sync(0xffffffffu, odd != 0)) {
+#pragma unroll
+        for (int j = 0; j < kOwn / 4; ++j)
+          nb[j] =
+              __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
+      } else {
+#pragma unroll
+        for (int j = 0; j < kOwn / 4; ++j) nb[j] = 0u;
+      }
       if (store && slots.stored(r)) {
         if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
           const int col = 8 * j + 2 * q + odd;
           const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
-          if (col + 1 < limit) {
+          // (Form 1: groups whose last pair ends before the limit without the clip test.)
+          if ((kForm == 1 && 8 * j + 8 < limit) || col + 1 < limit) {
             store_out_pair(dst + col, pair);
           } else if (col < limit) {
             store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));

@@ -143,8 +143,9 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 
 // Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
 // below; 1 = its epilogue's shuffles skipped where every output row of the CTA starts on an even
-// element, its interior pairs stored without the clip test.
-constexpr int kKsForms = 2;
+// element, its interior pairs stored without the clip test; 2 = each half's last stage of two K
+// blocks as two stages of one (kSplitLast).
+constexpr int kKsForms = 3;
 
 // (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
 // image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
@@ -181,7 +182,17 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // Form 2 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
+  // compute follows the last bytes to land (re-measured with the cheaper fold and epilogue).
+  constexpr bool kSplitLast = kForm == 2;
+  static_assert(kKsKpb == 2, "stage_first / stage_nk");
+  const bool split_last = kSplitLast && kbl >= 2 && kbl % 2 == 0;
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
+  // Stage i's first local K block and its K blocks.
+  auto stage_first = [&](int i) { return split_last && i == steps - 1 ? kbl - 1 : 2 * i; };
+  auto stage_nk = [&](int i) {
+    return split_last && i >= steps - 2 ? 1 : (kbl - 2 * i < 2 ? kbl - 2 * i : 2);
+  };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
@@ -225,19 +236,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
       // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
-      auto stage_kblocks = [&](int i) {
-        const int left = kbl - i * kKsKpb;
-        return left < kKsKpb ? left : kKsKpb;
-      };
       auto load_weights = [&](int i) {
         const int s = i % kKsStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
-        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        const uint32_t nk = static_cast<uint32_t>(stage_nk(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src =
-            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+            p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin, rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
@@ -260,10 +267,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-        const int nk = stage_kblocks(i);
+        const int nk = stage_nk(i);
         for (int q = 0; q < nk; ++q) {
           const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = ksplit_kblock(i * kKsKpb + q, h) * kBlockK;
+          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
           if (slots.half < 64)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     const int s = i % kKsStages;
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
-    const int left = kbl - i * kKsKpb;
+    const int left = stage_nk(i);
     const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
     const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
@@ -362,13 +369,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // Each K block folded as its group completes; the stage released after its last group, before
   // the last fold (the row split's order).
   auto fold_stage = [&](int i) {
-    const int left = kbl - i * kKsKpb;
+    const int left = stage_nk(i);
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
-        const int l = i * kKsKpb + q;
+        const int l = stage_first(i) + q;
         if constexpr (kDiag == 2) {
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];

@@ -24,14 +24,16 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     int resident = 0;
     M3_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kKsThreads, kMaxSmem));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, ks_threads(kForm),
+                                                      kMaxSmem));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row K split): no CTA fits ",
                          "on an SM (", kMaxSmem, " B of dynamic shared memory)");
     if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
   }
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)), dim3(kKsThreads),
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)),
+                                     dim3(static_cast<unsigned>(ks_threads(kForm))),
                                      static_cast<size_t>(rows_ksplit_smem_bytes(kbl0)), stream,
                                      args.early_weights != 0, xmap, args));
   M3_CUDA_CHECK_LAUNCH();
@@ -42,9 +44,10 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                           int form, const CudaDeviceInfo& info, cudaStream_t stream) {
-  static_assert(kKsForms == 3, "one launch per form");
+  static_assert(kKsForms == 4, "one launch per form");
   if (form == 1) return launch<0, 1>(xmap, args, pairs, info, stream);
   if (form == 2) return launch<0, 2>(xmap, args, pairs, info, stream);
+  if (form == 3) return launch<0, 3>(xmap, args, pairs, info, stream);
   if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);

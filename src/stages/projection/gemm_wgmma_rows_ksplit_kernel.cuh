@@ -92,6 +92,8 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
+// Threads of a form (kKsForms): form 3 pads the producers to a warpgroup (setmaxnreg).
+constexpr int ks_threads(int form) { return form == 3 ? 3 * 128 : kKsThreads; }
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
@@ -144,8 +146,9 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 // Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
 // below; 1 = its epilogue's shuffles skipped where every output row of the CTA starts on an even
 // element, its interior pairs stored without the clip test; 2 = each half's last stage of two K
-// blocks as two stages of one (kSplitLast).
-constexpr int kKsForms = 3;
+// blocks as two stages of one (kSplitLast); 3 = 384 threads, the producer warpgroup's registers
+// given to the consumers by setmaxnreg (no spills at 168).
+constexpr int kKsForms = 4;
 
 // (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
 // image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
@@ -153,7 +156,7 @@ constexpr int kKsForms = 3;
 // 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
 // the ring: two wgmmas per k step read the activations twice).)
 template <int kDiag = 0, int kForm = 0>
-__global__ void __launch_bounds__(kKsThreads, 1)
+__global__ void __launch_bounds__(ks_threads(kForm), 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
@@ -212,8 +215,18 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // Form 3: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
+  // (384 threads at 168 registers: 40 for the producers, 232 for the consumers).
+  if constexpr (kForm == 3) {
+    if (tid >= 256) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
+  }
 
   if (tid >= 256) {
+    if (tid >= 256 + 64) return;  // (form 3's idle warps)
     if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
       // (the row split's "last stage released") is half 1's last stage full (the summary's

@@ -493,7 +493,9 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                                 double prev_last_any) {
   constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
   if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
-  std::vector<double> v[8], gap, first_after, end1, end2, wait_after, full_after_wait;
+  std::vector<double> v[9], gap, first_after, end1, end2, wait_after, full_after_wait;
+  double slow_last = -1;
+  std::string slow;  // the CTA whose last warp stored last: its marks
   auto since_t0 = [&](unsigned long long ns) {
     return static_cast<double>(static_cast<long long>(ns - t0));
   };
@@ -508,10 +510,20 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
              1e3;
     };
     const double lf = std::max(at(w[4]), at(w[5]));
-    const unsigned long long marks[8] = {x[1], x[2], x[3], x[4], x[5], w[6], x[6], x[7]};
-    for (int k = 0; k < 8; ++k)
+    const unsigned long long marks[9] = {x[1], x[2], x[3], x[4], x[5], x[10], w[6], x[6], x[7]};
+    for (int k = 0; k < 9; ++k)
       if (marks[k] != 0) v[k].push_back(at(marks[k]) - lf);
     const double last = at(x[7]);
+    if (last > slow_last) {
+      slow_last = last;
+      char b[256];
+      std::snprintf(b, sizeof(b),
+                    "entry %.2f, first full %.2f, last full %.2f / %.2f (h0 / h1), ready %.2f / %.2f, "
+                    "last fold %.2f / %.2f, summed %.2f, last warp %.2f",
+                    since_t0(w[0]) / 1e3, at(w[2]), at(w[4]), at(w[5]), at(x[1]), at(x[2]), at(x[3]),
+                    at(x[4]), at(x[5]), last);
+      slow = b;
+    }
     any = std::max(any, last);
     const int sm = static_cast<int>(x[0]);
     if (sm_last != nullptr) {
@@ -536,11 +548,12 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     std::snprintf(buf, sizeof(buf), "%.2f/%.2f", a[a.size() / 2], a.back());
     return std::string(buf);
   };
-  const char* names[8] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
-                          "h1 last fold",      "summed",            "h0 stored",
-                          "h1 stored",         "last warp stored"};
+  const char* names[9] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
+                          "h1 last fold",      "summed",            "h0 about to store",
+                          "h0 stored",         "h1 stored",         "last warp stored"};
   std::string out = "K split tail, us after the CTA's last stage full (median/max):";
-  for (int k = 0; k < 8; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
+  for (int k = 0; k < 9; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
+  out += " the CTA ending last (us after the time base): " + slow + ";";
   char buf[128];
   std::snprintf(buf, sizeof(buf), " last warp anywhere %.2f", any);
   out += buf;

@@ -44,10 +44,9 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                           int form, const CudaDeviceInfo& info, cudaStream_t stream) {
-  static_assert(kKsForms == 4, "one launch per form");
+  static_assert(kKsForms == 3, "one launch per form");
   if (form == 1) return launch<0, 1>(xmap, args, pairs, info, stream);
   if (form == 2) return launch<0, 2>(xmap, args, pairs, info, stream);
-  if (form == 3) return launch<0, 3>(xmap, args, pairs, info, stream);
   if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);

@@ -53,7 +53,8 @@
 // holds 3 x grid blocks of kRowsTraceWords): the SM id, then clock64 marks of the tail (session
 // 25): each half's consumers ready for their last stage (its previous fold done) and done with
 // their last fold, the hand-over summed (half 0's thread 0), half 1's stores issued, the last
-// consumer warp's stores issued; then each half's producer past griddepcontrol.wait.
+// consumer warp's stores issued; then each half's producer past griddepcontrol.wait, half 0's
+// thread 0 about to store.
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
@@ -92,8 +93,8 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
-// Threads of a form (kKsForms): form 3 pads the producers to a warpgroup (setmaxnreg).
-constexpr int ks_threads(int form) { return form == 3 ? 3 * 128 : kKsThreads; }
+// Threads of a form (kKsForms): form 2 pads the producers to a warpgroup (setmaxnreg).
+constexpr int ks_threads(int form) { return form == 2 ? 3 * 128 : kKsThreads; }
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
@@ -144,11 +145,10 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 }
 
 // Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
-// below; 1 = its epilogue's shuffles skipped where every output row of the CTA starts on an even
-// element, its interior pairs stored without the clip test; 2 = each half's last stage of two K
-// blocks as two stages of one (kSplitLast); 3 = 384 threads, the producer warpgroup's registers
-// given to the consumers by setmaxnreg (no spills at 168).
-constexpr int kKsForms = 4;
+// below; 1 = each half's last stage of two K blocks as two stages of one (kSplitLast); 2 = 384
+// threads, the producer warpgroup's registers given to the consumers by setmaxnreg (no spills at
+// 168).
+constexpr int kKsForms = 3;
 
 // (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
 // image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
@@ -185,9 +185,9 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  // Form 2 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
+  // Form 1 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
   // compute follows the last bytes to land (re-measured with the cheaper fold and epilogue).
-  constexpr bool kSplitLast = kForm == 2;
+  constexpr bool kSplitLast = kForm == 1;
   static_assert(kKsKpb == 2, "stage_first / stage_nk");
   const bool split_last = kSplitLast && kbl >= 2 && kbl % 2 == 0;
   const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
@@ -215,9 +215,9 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  // Form 3: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
+  // Form 2: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
   // (384 threads at 168 registers: 40 for the producers, 232 for the consumers).
-  if constexpr (kForm == 3) {
+  if constexpr (kForm == 2) {
     if (tid >= 256) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     } else {
@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   }
 
   if (tid >= 256) {
-    if (tid >= 256 + 64) return;  // (form 3's idle warps)
+    if (tid >= 256 + 64) return;  // (form 2's idle warps)
     if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
       // (the row split's "last stage released") is half 1's last stage full (the summary's
@@ -495,25 +495,21 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
       const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
       const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
       // Odd rows: the pair at column 8 j + 2 q + 1 is this lane's second column and the next
-      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides). (Form 1:
-      // only in warps with an odd row.)
-      if (kForm != 1 || __any_sync(0xffffffffu, odd != 0)) {
+      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides). (Session 25
+      // round E, same round, b2b us: these shuffles only in warps with an odd row and the interior
+      // pairs stored without the clip test: M 64 19.53-19.63 / chained 17.50-17.52 against
+      // 19.58-19.61 / 17.48-17.49; not kept.)
 #pragma unroll
-        for (int j = 0; j < kOwn / 4; ++j)
-          nb[j] =
-              __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
-      } else {
-#pragma unroll
-        for (int j = 0; j < kOwn / 4; ++j) nb[j] = 0u;
-      }
+      for (int j = 0; j < kOwn / 4; ++j)
+        nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
+      if (tmark && h == 0 && hh == 0) tx[10] = static_cast<unsigned long long>(clock64());
       if (store && slots.stored(r)) {
         if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
           const int col = 8 * j + 2 * q + odd;
           const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
-          // (Form 1: groups whose last pair ends before the limit without the clip test.)
-          if ((kForm == 1 && 8 * j + 8 < limit) || col + 1 < limit) {
+          if (col + 1 < limit) {
             store_out_pair(dst + col, pair);
           } else if (col < limit) {
             store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));

@@ -841,6 +841,57 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
   EXPECT_EQ(r.value()->describe().find("row split"), std::string::npos);
 }
 
+// Fp8BlockGemm::run_row_split with a K-split image (session 25, GemmRowImage::ks_data,
+// Fp8BlockGemmOptions::row_k_split_min_m 33): M 33 / 48 / 64 run the K split over it, M 32 the
+// row split, and where the K split cannot serve the shape (K 8192 > 6400) the row split too;
+// exact against the twin with the weight itself poisoned, plain and with PDL.
+TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
+  M3_REQUIRE_WGMMA();
+  for (const int64_t k : {2048, 8192}) {
+    const int64_t n = k == 2048 ? 9856 : 640;
+    Fp8BlockGemmOptions o;
+    o.autotune = false;
+    o.row_split_max_m = 64;
+    o.row_k_split_min_m = 33;
+    auto r = Fp8BlockGemm::create(64, n, k, o);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
+    for (int64_t m : {32, 33, 48, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " K " << k);
+      Rng rng(seed);
+      GemmData d = make_integer_data(m, n, k, rng);
+      DeviceGemm dev(d, n);
+      Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
+      ASSERT_TRUE(bytes.ok());
+      Result<int> ctas = gemm_wgmma_rows_ctas(n), ks_ctas = gemm_wgmma_rows_ctas(n, true);
+      ASSERT_TRUE(ctas.ok() && ks_ctas.ok());
+      DeviceBuffer image(bytes.value(), 0), ks_image(bytes.value(), 0);
+      ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
+                                               image.bytes(), nullptr)
+                      .ok());
+      ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ks_ctas.value(), ks_image.data(),
+                                               ks_image.bytes(), nullptr)
+                      .ok());
+      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+      dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
+      const GemmRowImage img{image.data(), ctas.value(), ks_image.data(), ks_ctas.value()};
+      for (bool pdl : {false, true}) {
+        dev.out.poison(kPoison);
+        const Status st = gemm->run_row_split(dev.params(), img, pdl, nullptr);
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+        int64_t touched = 0;
+        const std::vector<uint16_t> got = dev.result(&touched);
+        EXPECT_EQ(touched, 0);
+        std::string report;
+        EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0) << "PDL " << pdl << report;
+      }
+    }
+  }
+}
+
 // Row split: small shapes for compute-sanitizer (memcheck / racecheck), both CTA shapes, every n,
 // ring stages reused (K 4096: 32 K blocks, 8-32 stages' worth through rings of 3-11), exact
 // against the twin.

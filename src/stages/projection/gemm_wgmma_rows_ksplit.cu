@@ -12,8 +12,8 @@ namespace m3attn::gemm_wgmma_detail {
 namespace {
 
 template <int kDiag, int kForm = 0>
-Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
-              cudaStream_t stream) {
+Status launch(const CUtensorMap& xmap, const CUtensorMap& omap, const RowsArgs& args, int pairs,
+              const CudaDeviceInfo& info, cudaStream_t stream) {
   auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kForm>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
@@ -24,34 +24,32 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     int resident = 0;
     M3_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, ks_threads(kForm),
-                                                      kMaxSmem));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kKsThreads, kMaxSmem));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row K split): no CTA fits ",
                          "on an SM (", kMaxSmem, " B of dynamic shared memory)");
     if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
   }
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)),
-                                     dim3(static_cast<unsigned>(ks_threads(kForm))),
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)), dim3(kKsThreads),
                                      static_cast<size_t>(rows_ksplit_smem_bytes(kbl0)), stream,
-                                     args.early_weights != 0, xmap, args));
+                                     args.early_weights != 0, xmap, omap, args));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 }  // namespace
 
-Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          int form, const CudaDeviceInfo& info, cudaStream_t stream) {
-  static_assert(kKsForms == 3, "one launch per form");
-  if (form == 1) return launch<0, 1>(xmap, args, pairs, info, stream);
-  if (form == 2) return launch<0, 2>(xmap, args, pairs, info, stream);
-  if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
-  if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
-  if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);
-  if (diag == 6) return launch<6>(xmap, args, pairs, info, stream);
-  return launch<0>(xmap, args, pairs, info, stream);
+Status launch_rows_ksplit(const CUtensorMap& xmap, const CUtensorMap& omap, const RowsArgs& args,
+                          int pairs, int diag, int form, const CudaDeviceInfo& info,
+                          cudaStream_t stream) {
+  static_assert(kKsForms == 2, "one launch per form");
+  if (form == 1) return launch<0, 1>(xmap, omap, args, pairs, info, stream);
+  if (diag == 2) return launch<2>(xmap, omap, args, pairs, info, stream);
+  if (diag == 3) return launch<3>(xmap, omap, args, pairs, info, stream);
+  if (diag == 4) return launch<4>(xmap, omap, args, pairs, info, stream);
+  if (diag == 6) return launch<6>(xmap, omap, args, pairs, info, stream);
+  return launch<0>(xmap, omap, args, pairs, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

@@ -93,8 +93,6 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
-// Threads of a form (kKsForms): form 2 pads the producers to a warpgroup (setmaxnreg).
-constexpr int ks_threads(int form) { return form == 2 ? 3 * 128 : kKsThreads; }
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
@@ -145,10 +143,30 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 }
 
 // Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
-// below; 1 = each half's last stage of two K blocks as two stages of one (kSplitLast); 2 = 384
-// threads, the producer warpgroup's registers given to the consumers by setmaxnreg (no spills at
-// 168).
-constexpr int kKsForms = 3;
+// below; 1 = its epilogue's first kKsTmaCols columns of every token written by a TMA tensor store
+// from a [token][column] bf16 tile in shared memory (omap: the output's map, box kKsTmaCols x 64
+// or 32 token rows), the CTA's last columns by the threads' 2-byte stores (pairs of at least
+// kKsTmaCols rows; fewer: form 0's epilogue). (Round F, same round: the epilogue's stores cost
+// 0.86 us chained at M 64: 17.40-17.44 against 16.56 without them; its trace: 0.72 us from the
+// first store to the last, ten 4-byte stores per thread, each to 8 tokens' rows.)
+constexpr int kKsForms = 2;
+constexpr int kKsTmaCols = 72;  // a multiple of 8 (16-byte box rows), at most the pair's rows
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+using sm90::bulk_commit;
+using sm90::bulk_wait_read;
+using sm90::fence_proxy_async;
+
+// A TMA tensor store of the box at (x, y) = (column, row) from shared memory, in this thread's bulk
+// group.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int x, int y) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(x), "r"(y)
+               : "memory");
+}
 
 // (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
 // image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
@@ -156,8 +174,9 @@ constexpr int kKsForms = 3;
 // 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
 // the ring: two wgmmas per k step read the activations twice).)
 template <int kDiag = 0, int kForm = 0>
-__global__ void __launch_bounds__(ks_threads(kForm), 1)
-    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+__global__ void __launch_bounds__(kKsThreads, 1)
+    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap,
+                            const __grid_constant__ CUtensorMap omap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
@@ -185,17 +204,14 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  // Form 1 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
-  // compute follows the last bytes to land (re-measured with the cheaper fold and epilogue).
-  constexpr bool kSplitLast = kForm == 1;
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // Stage i's first local K block and its K blocks. (Session 25 round F, same round, b2b us: each
+  // half's last stage of two K blocks as two stages of one re-measured with the cheaper fold and
+  // epilogue, tied again: M 64 19.56-19.60 / chained 17.39-17.42 against 19.44-19.52 /
+  // 17.40-17.44; M 33 / 48 chained +0.05-0.1.)
   static_assert(kKsKpb == 2, "stage_first / stage_nk");
-  const bool split_last = kSplitLast && kbl >= 2 && kbl % 2 == 0;
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
-  // Stage i's first local K block and its K blocks.
-  auto stage_first = [&](int i) { return split_last && i == steps - 1 ? kbl - 1 : 2 * i; };
-  auto stage_nk = [&](int i) {
-    return split_last && i >= steps - 2 ? 1 : (kbl - 2 * i < 2 ? kbl - 2 * i : 2);
-  };
+  auto stage_first = [](int i) { return 2 * i; };
+  auto stage_nk = [&](int i) { return kbl - 2 * i < 2 ? kbl - 2 * i : 2; };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
@@ -215,18 +231,10 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  // Form 2: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
-  // (384 threads at 168 registers: 40 for the producers, 232 for the consumers).
-  if constexpr (kForm == 2) {
-    if (tid >= 256) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    }
-  }
-
+  // (Session 25 round F, same round, b2b us: 384 threads, the producer warpgroup's registers given
+  // to the consumers by setmaxnreg 40 / 232 (no spills): M 64 19.35-19.43 / chained 17.34-17.46
+  // against 19.44-19.52 / 17.40-17.44, M 33 / 48 within 0.1: tied, deleted.)
   if (tid >= 256) {
-    if (tid >= 256 + 64) return;  // (form 2's idle warps)
     if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
       // (the row split's "last stage released") is half 1's last stage full (the summary's
@@ -478,7 +486,44 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
-  {
+  if (kForm == 1 && rows >= kKsTmaCols) {
+    // Form 1 (see kKsForms): the tile in half 1's drained weight slots (rows of 144 bytes: a
+    // warp's 8 tokens x 4 lanes hit 32 banks), then one thread's TMA store(s).
+    constexpr int kOwn = kAcc / 2;
+    constexpr int kRowBytes = kKsTmaCols * 2;
+    const uint32_t tile = base + static_cast<uint32_t>(kKsHalfBytes + kKsStages * kKsActStage);
+    float own[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
+    const int q = lane % 4;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int r = row0 + 8 * hh;
+#pragma unroll
+      for (int j = 0; j < kOwn / 4; ++j) {
+        const uint32_t pair = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
+        const int col = lo_col + 8 * j + 2 * q;  // (even: a pair lies inside or outside the tile)
+        if (col < kKsTmaCols) {
+          st_shared_u32(tile + static_cast<uint32_t>(r * kRowBytes + 2 * col), pair);
+        } else if (store && slots.stored(r)) {
+          uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + col;
+          if (col < rows) store_out(dst, static_cast<uint16_t>(pair & 0xffffu));
+          if (col + 1 < rows) store_out(dst + 1, static_cast<uint16_t>(pair >> 16));
+        }
+      }
+    }
+    fence_proxy_async();  // this thread's tile writes -> the TMA store's reads (after the barrier)
+    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // the tile written
+    if (tid == 0 && store) {
+      // One box of 64 slot rows (tokens 0-63, rows past M not written), or two of 32 (SlotTokens).
+      tma_store_2d(&omap, tile, r_begin, 0);
+      if (slots.half < 64)
+        tma_store_2d(&omap, tile + static_cast<uint32_t>(slots.half * kRowBytes), r_begin,
+                     slots.start2);
+      bulk_commit();
+      bulk_wait_read();  // (the tile must outlive the store's reads)
+    }
+  } else {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];
 #pragma unroll

@@ -842,7 +842,8 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
 }
 
 // Fp8BlockGemm::run_row_split with a K-split image (session 25, GemmRowImage::ks_data,
-// Fp8BlockGemmOptions::row_k_split_min_m 33): M 33 / 48 / 64 run the K split over it, M 32 the
+// Fp8BlockGemmOptions::row_k_split_min_m 33; Fp8BlockGemm takes M % 4 == 0): M 36 / 48 / 64 run
+// the K split over it, M 32 the
 // row split, and where the K split cannot serve the shape (K 8192 > 6400) the row split too;
 // exact against the twin with the weight itself poisoned, plain and with PDL.
 TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
@@ -856,7 +857,7 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
     auto r = Fp8BlockGemm::create(64, n, k, o);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
-    for (int64_t m : {32, 33, 48, 64}) {
+    for (int64_t m : {32, 36, 48, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " K " << k);
@@ -979,9 +980,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
-// The K split's forms (session 25, GemmWgmmaOptions::row_ks_form 1: each half's last stage split in
-// two; 2: 384 threads with setmaxnreg): exact against the twin on the shapes that reach their
-// edges: fused
+// The K split's forms (session 25, GemmWgmmaOptions::row_ks_form 1: the outputs through a shared
+// memory tile and a TMA tensor store, the last columns by 2-byte stores; pairs of fewer than 72
+// rows: the form-0 epilogue): exact against the twin on the shapes that reach their edges: fused
 // width (pairs of 74-75 rows starting on odd and even rows, straddling weight-scale blocks),
 // padded outputs, padded tokens and two activation boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per
 // pair (half 1 without columns), images for 100 / 200 pairs (61-62 and 30-31 rows), K blocks 1 /
@@ -996,7 +997,7 @@ TEST(GemmWgmmaRowSplit, KSplitForms) {
     c.ks_form = form;
     return c;
   };
-  for (int form : {1, 2}) {
+  for (int form : {1}) {
     for (const Case& c :
          {ks(64, 9856, 6144, 0, false, 0, form), ks(64, 9856, 2048, 8, true, 0, form),
           ks(33, 9856, 1152, 16, false, 0, form), ks(47, 9856, 2048, 8, true, 0, form),
@@ -1016,16 +1017,19 @@ TEST(GemmWgmmaRowSplit, KSplitForms) {
 }
 
 // The K split's forms, small shapes for compute-sanitizer (memcheck / racecheck): rings reused
-// (K 4096), padded tokens and outputs, PDL at M 64, exact against the twin.
+// (K 4096; form 1: the fused width, K 1152), padded tokens and outputs, PDL at M 64, exact against
+// the twin.
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitForms) {
   M3_REQUIRE_WGMMA();
-  for (int form : {0, 1, 2}) {
+  for (int form : {0, 1}) {
     for (int64_t m : {33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " form " << form);
       Rng rng(seed);
-      Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, m == 64, 1, false, 0, false, true};
+      // (Form 1's TMA store needs pairs of 72 rows or more: the fused width.)
+      Case c{m, form == 1 ? 9856 : 640, form == 1 ? 1152 : 4096, 8, 0, false, 0, 4, 0,
+             true, 0, m == 64, 1, false, 0, false, true};
       c.k_split = true;
       c.ks_form = form;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);

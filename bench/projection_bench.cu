@@ -1004,13 +1004,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
-      // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D (D <= 6); 185 /
-      // 187 chained with 1 / 3 (its whole ring) early stages per half.)
-      const bool ks_v = v_req >= 150 && v_req < 190;
-      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
-      const int ks_diag = ks_v && v_req >= 170 && v_req < 184 ? (v_req - 170) / 2 : 0;
-      const int ks_early = ks_v && v_req >= 184 ? 1 + 2 * ((v_req - 184) / 2) : 0;
+      // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
+      // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
+      const bool ks_v = v_req >= 170 && v_req < 184;
+      const int ks_diag = ks_v ? (v_req - 170) / 2 : 0;
       const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
@@ -1035,9 +1032,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_ks_form = ks_form;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
-      if (ks_early > 0) o.row_early_stages = ks_early;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -1069,8 +1064,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
-          (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
-          (ks_early > 0 ? " early " + std::to_string(ks_early) : std::string()) +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +

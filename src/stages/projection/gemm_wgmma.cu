@@ -468,22 +468,9 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
-    M3_CHECK_ARG(options.row_ks_form >= 0 && options.row_ks_form < gemm_wgmma_detail::kKsForms &&
-                     (options.row_ks_form == 0 ||
-                      (options.row_k_split && options.debug_rows_diag == 0)),
-                 "GemmWgmmaOptions::row_ks_form = ", options.row_ks_form, " must be in [0, ",
-                 gemm_wgmma_detail::kKsForms, ") (0 without row_k_split or with diagnostics)");
-    if (options.row_k_split) {
-      // (Form 1's output map: bf16, box kKsTmaCols columns x the activation slot's box rows.)
-      CUtensorMap omap{};
-      if (options.row_ks_form == 1)
-        M3_RETURN_IF_ERROR(encode_tensor_map_2d(
-            &omap, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p.out.data, m, n, p.out.stride[0] * 2, box,
-            gemm_wgmma_detail::kKsTmaCols, CU_TENSOR_MAP_SWIZZLE_NONE,
-            CU_TENSOR_MAP_L2_PROMOTION_NONE, "output"));
-      return gemm_wgmma_detail::launch_rows_ksplit(xmap, omap, ra, rgrid, options.debug_rows_diag,
-                                                   options.row_ks_form, info, stream);
-    }
+    if (options.row_k_split)
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

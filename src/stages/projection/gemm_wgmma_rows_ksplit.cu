@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kDiag, int kForm = 0>
-Status launch(const CUtensorMap& xmap, const CUtensorMap& omap, const RowsArgs& args, int pairs,
-              const CudaDeviceInfo& info, cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kForm>;
+template <int kDiag>
+Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
+              cudaStream_t stream) {
+  auto* kernel = &gemm_rows_ksplit_kernel<kDiag>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
   // wave of one CTA per SM.
@@ -33,23 +33,20 @@ Status launch(const CUtensorMap& xmap, const CUtensorMap& omap, const RowsArgs& 
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
   M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)), dim3(kKsThreads),
                                      static_cast<size_t>(rows_ksplit_smem_bytes(kbl0)), stream,
-                                     args.early_weights != 0, xmap, omap, args));
+                                     args.early_weights != 0, xmap, args));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
 
 }  // namespace
 
-Status launch_rows_ksplit(const CUtensorMap& xmap, const CUtensorMap& omap, const RowsArgs& args,
-                          int pairs, int diag, int form, const CudaDeviceInfo& info,
-                          cudaStream_t stream) {
-  static_assert(kKsForms == 2, "one launch per form");
-  if (form == 1) return launch<0, 1>(xmap, omap, args, pairs, info, stream);
-  if (diag == 2) return launch<2>(xmap, omap, args, pairs, info, stream);
-  if (diag == 3) return launch<3>(xmap, omap, args, pairs, info, stream);
-  if (diag == 4) return launch<4>(xmap, omap, args, pairs, info, stream);
-  if (diag == 6) return launch<6>(xmap, omap, args, pairs, info, stream);
-  return launch<0>(xmap, omap, args, pairs, info, stream);
+Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
+                          const CudaDeviceInfo& info, cudaStream_t stream) {
+  if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
+  if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
+  if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);
+  if (diag == 6) return launch<6>(xmap, args, pairs, info, stream);
+  return launch<0>(xmap, args, pairs, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

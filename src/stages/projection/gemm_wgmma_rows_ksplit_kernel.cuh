@@ -142,46 +142,13 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
-// below; 1 = its epilogue's first kKsTmaCols columns of every token written by a TMA tensor store
-// from a [token][column] bf16 tile in shared memory (omap: the output's map, box kKsTmaCols x 64
-// or 32 token rows), the CTA's last columns by the threads' 2-byte stores (pairs of at least
-// kKsTmaCols rows; fewer: form 0's epilogue). (Round F, same round: the epilogue's stores cost
-// 0.86 us chained at M 64: 17.40-17.44 against 16.56 without them; its trace: 0.72 us from the
-// first store to the last, ten 4-byte stores per thread, each to 8 tokens' rows.)
-constexpr int kKsForms = 2;
-constexpr int kKsTmaCols = 72;  // a multiple of 8 (16-byte box rows), at most the pair's rows
-
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-using sm90::bulk_commit;
-using sm90::bulk_wait_read;
-using sm90::fence_proxy_async;
-
-// A TMA tensor store of the box at (x, y) = (column, row) from shared memory, in this thread's bulk
-// group.
-__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int x, int y) {
-  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(src), "r"(x), "r"(y)
-               : "memory");
-}
-
-// (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
-// image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
-// m64n40k32 per k step, so that the layer's row image could serve it: M 64 20.54 / chained
-// 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
-// the ring: two wgmmas per k step read the activations twice).)
-template <int kDiag = 0, int kForm = 0>
+template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
-    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap,
-                            const __grid_constant__ CUtensorMap omap, const RowsArgs p) {
+    gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics (kKsForms)");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -486,44 +453,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
-  if (kForm == 1 && rows >= kKsTmaCols) {
-    // Form 1 (see kKsForms): the tile in half 1's drained weight slots (rows of 144 bytes: a
-    // warp's 8 tokens x 4 lanes hit 32 banks), then one thread's TMA store(s).
-    constexpr int kOwn = kAcc / 2;
-    constexpr int kRowBytes = kKsTmaCols * 2;
-    const uint32_t tile = base + static_cast<uint32_t>(kKsHalfBytes + kKsStages * kKsActStage);
-    float own[kOwn];
-#pragma unroll
-    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
-    const int q = lane % 4;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 8 * hh;
-#pragma unroll
-      for (int j = 0; j < kOwn / 4; ++j) {
-        const uint32_t pair = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
-        const int col = lo_col + 8 * j + 2 * q;  // (even: a pair lies inside or outside the tile)
-        if (col < kKsTmaCols) {
-          st_shared_u32(tile + static_cast<uint32_t>(r * kRowBytes + 2 * col), pair);
-        } else if (store && slots.stored(r)) {
-          uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + col;
-          if (col < rows) store_out(dst, static_cast<uint16_t>(pair & 0xffffu));
-          if (col + 1 < rows) store_out(dst + 1, static_cast<uint16_t>(pair >> 16));
-        }
-      }
-    }
-    fence_proxy_async();  // this thread's tile writes -> the TMA store's reads (after the barrier)
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // the tile written
-    if (tid == 0 && store) {
-      // One box of 64 slot rows (tokens 0-63, rows past M not written), or two of 32 (SlotTokens).
-      tma_store_2d(&omap, tile, r_begin, 0);
-      if (slots.half < 64)
-        tma_store_2d(&omap, tile + static_cast<uint32_t>(slots.half * kRowBytes), r_begin,
-                     slots.start2);
-      bulk_commit();
-      bulk_wait_read();  // (the tile must outlive the store's reads)
-    }
-  } else {
+  // (Session 25 round G: the first 72 columns through a shared-memory tile and one TMA tensor
+  // store per CTA faulted on the device (illegal instruction) in its first run; no round was left
+  // to find why, deleted.)
+  {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];
 #pragma unroll

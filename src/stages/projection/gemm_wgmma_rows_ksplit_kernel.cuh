@@ -20,9 +20,23 @@
 // blocks; all activation slots first (1024-byte aligned, 64
 // token rows each whatever M: the m64 A tile never reads past its slot), then the weight slots
 // (the n80 B tile of the last K column reads (80 - rows) x 16 bytes past the stage's rows: each
-// weight slot keeps that much room), then the scales of the half's own K blocks. The fold, the
-// release of each stage and the epilogue's bf16 pairs are the row split's token-major ones at n
-// 80.
+// weight slot keeps that much room), then the scales of the half's own K blocks. The release of
+// each stage is the row split's; the fold picks each column pair's scale by a predicate and the
+// epilogue converts pairs by cvt.rn.bf16x2 (session 25, below).
+//
+// Session 25 (same rounds, b2b us plain / chained, fused M 64): round A's tail trace (last stage
+// full -> last consumer warp's stores 2.5-3.0 us; summed -> stored 1.0-1.25 of it) and round C's
+// diagnostics (the scaled fold 0.8 us, the stores 0.8 us chained) led to the epilogue without
+// wasted conversions (round B: 19.78-19.79 / 17.61-17.63 against 20.19-20.20 / 17.70-17.75) and
+// the fold by predicate (round D: 19.36-19.47 / 17.37-17.38 against 19.72-19.73 / 17.57-17.60);
+// round H: M 33 / 48 / 64 19.10-19.19 / 16.99-17.10, 19.24-19.30 / 17.18-17.24, 19.54-19.61 /
+// 17.49-17.51 against the row split's 19.98-20.13 / 18.96-19.04, 20.04-20.07 / 18.89-18.96,
+// 19.76-19.79 / 18.54-18.56. Still 0.9 us from 16.57 at M 64 chained: round F without the stores
+// 16.56, without the scaled fold 16.83-16.85 (against 17.40-17.44). Lost (deleted; numbers at the
+// code): the epilogue's pairs staged in shared memory (B), a pipelined consumer loop and a gated
+// first ring (C), incremental wgmma descriptors and the K split over the row split's image (D),
+// an epilogue fast path and 1 / 3 early stages (E), the last stage split in two and setmaxnreg
+// (F), a TMA-store epilogue (G: faulted on the device, never understood).
 //
 // The end: a reduce-scatter of the fp32 accumulators through the CTA's shared memory. Both halves
 // hold the same fragment layout (warp w: tokens 16 w ... 16 w + 15; column groups c = 0 ... 9 of

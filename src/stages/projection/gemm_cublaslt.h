@@ -198,6 +198,15 @@ struct Fp8BlockGemmOptions {
   // weight's row split at M 33-64 19.8-20.2 against the default object's 21.4-21.6, o_proj's
   // 23.7-25.4 against 21.4-22.2; the layer's fused object takes 64, CudaLayerWorkspace.)
   int row_split_max_m = 32;
+  // run_row_split calls whose image has a K-split image (GemmRowImage::ks_data) and M >= this (>
+  // 32) run the row split's K split over that image (GemmWgmmaOptions::row_k_split) where it
+  // serves the shape, the row split otherwise; 0: never. (Session 25 round H, fused N 9856 x K
+  // 6144, b2b us plain / chained: M 33 19.10-19.19 / 16.99-17.10 against the row split's
+  // 19.98-20.13 / 18.96-19.04; M 48 19.24-19.30 / 17.18-17.24 against 20.04-20.07 / 18.89-18.96;
+  // M 64 19.54-19.61 / 17.49-17.51 against 19.76-19.79 / 18.54-18.56. The layer does not use it:
+  // a second image of the fused weight, +60.55 MB per sparse layer at TP1, gave its decode 64x8K
+  // step nothing in round H's layer_bench, graph 121.5 against 121.0 us, b2b 120.7 against 120.1.)
+  int row_k_split_min_m = 0;
   // Buckets with m_hi >= this may run the prefill kernel (run_gemm_prefill_cuda) when the
   // autotuner times it faster than cuBLASLt (0: never).
   int64_t prefill_min_m = 1024;
@@ -213,6 +222,10 @@ struct Fp8BlockGemmOptions {
 struct GemmRowImage {
   const void* data = nullptr;
   int ctas = 0;
+  // Optionally the same weight's K-split image (gemm_wgmma_pack_weights_rows for ks_ctas =
+  // gemm_wgmma_rows_ctas(N, true) CTAs; Fp8BlockGemmOptions::row_k_split_min_m); null: none.
+  const void* ks_data = nullptr;
+  int ks_ctas = 0;
 };
 
 class Fp8BlockGemm {

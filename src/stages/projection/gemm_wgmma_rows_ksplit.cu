@@ -42,6 +42,7 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
                           const CudaDeviceInfo& info, cudaStream_t stream) {
+  if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);
   if (diag == 6) return launch<6>(xmap, args, pairs, info, stream);

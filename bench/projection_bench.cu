@@ -427,6 +427,7 @@ struct ShapeVariant {
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
   bool areg = false;     // GemmWgmmaOptions::row_areg (the row split's image)
   int areg_stages = 0;   // GemmWgmmaOptions::row_areg_stages
+  int areg_form = 0;     // GemmWgmmaOptions::row_areg_form
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -596,22 +597,32 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (session 25, pa: 46-57 the row split with the activations in registers (row_areg): 46 / 47
-      // plain / chained, 48 / 49 its ring alone (diagnostic 1), 50 / 51 its ring with the
-      // activation loads (diagnostic 2), 52-55 a ring of 6 / 8 stages plain / chained, 56 / 57
-      // diagnostic 2 with 6 stages)
+      // (session 25, pa: 46-65 the row split with the activations in registers (row_areg), plain /
+      // chained pairs: 46 / 47 the default, 48 / 49 its ring alone (diagnostic 1), 50 / 51 a ring
+      // of 6 stages, 52 / 53 its ring with the activation loads (diagnostic 2), 54 / 55 the same
+      // with 6 stages, 56 / 57 6 stages with L1 prefetches 8 K blocks ahead (form 2), 58 / 59 2 K
+      // blocks of registers ahead (form 1), 60 / 61 6 stages, L1 12 ahead (form 3), 62 / 63
+      // diagnostic 2 of form 1, 64 / 65 diagnostic 2 of 6 stages form 2)
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 8},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 8},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
       {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6}};
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6, 2},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 0, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 0, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6, 3},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 0, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 0, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6, 2}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -914,6 +925,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.weight_evict_first = !variants[v].no_evict_first;
       o.row_areg = variants[v].areg;
       o.row_areg_stages = variants[v].areg_stages;
+      o.row_areg_form = variants[v].areg_form;
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
@@ -939,6 +951,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                                                           std::to_string(variants[v].areg_stages) +
                                                           " "
                                                     : "A regs ") +
+          (variants[v].areg_form > 0 ? "form " + std::to_string(variants[v].areg_form) + " "
+                                     : "") +
           "wgmma ctas " +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +

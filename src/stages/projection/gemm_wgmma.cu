@@ -433,12 +433,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                        kpb == 0 && options.debug_rows_diag >= 0 &&
                                        options.debug_rows_diag <= 2 &&
                                        (options.row_areg_stages == 0 ||
-                                        options.row_areg_stages == 6 ||
-                                        options.row_areg_stages == 8)),
+                                        options.row_areg_stages == 6) &&
+                                       options.row_areg_form >= 0 && options.row_areg_form <= 3),
                  "GemmWgmmaOptions::row_areg excludes row_k_split, ctas_per_sm (",
                  options.ctas_per_sm, "), burst (", kpb, ") and diagnostics other than 1 / 2 (",
                  options.debug_rows_diag, "); row_areg_stages (", options.row_areg_stages,
-                 ") must be 0, 6 or 8");
+                 ") must be 0 or 6, row_areg_form (", options.row_areg_form, ") 0 ... 3");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -481,8 +481,8 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The row split with A in registers (its own kernel; the same image).
     if (options.row_areg)
       return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
-                                                 options.row_areg_stages, options.debug_rows_diag,
-                                                 info, stream);
+                                                 options.row_areg_stages, options.row_areg_form,
+                                                 options.debug_rows_diag, info, stream);
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, diag, false, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, fixed, xmap, ra, rgrid, info, stream);

@@ -121,9 +121,12 @@ struct GemmWgmmaOptions {
   // and burst must be 0; row_early_stages and row_one_box do not apply (a programmatic launch
   // requests its whole ring before griddepcontrol.wait: it holds no activations).
   bool row_areg = false;
-  // With row_areg: its ring's stages (0: the deepest, 11 of 2 K blocks; 6 or 8 leave more of the
-  // SM's memory to L1, where its two CTAs share the activations). Results do not depend on it.
+  // With row_areg: its ring's stages (0: the deepest, 11 of 2 K blocks; 6 leaves more of the SM's
+  // memory to L1, where its two CTAs share the activations) and its form (round C A/B: 0 = 4 K
+  // blocks of activations loaded ahead into registers, 1 = 2 K blocks, 2 / 3 = 4 and each K
+  // block's lines prefetched into L1 8 / 12 K blocks ahead). Results do not depend on them.
   int row_areg_stages = 0;
+  int row_areg_form = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).

@@ -11,13 +11,19 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-// K blocks of activations a consumer thread holds in registers ahead of their wgmmas (168
-// registers, the cap for two CTAs of 160 threads per SM; 6 spilled).
-constexpr int kAregAhead = 4;
+// Forms (GemmWgmmaOptions::row_areg_form, round C A/B): K blocks of activations a consumer thread
+// holds in registers ahead of their wgmmas (4: 168 registers, the cap for two CTAs of 160
+// threads per SM; 6 spilled) and K blocks prefetched into L1 ahead (0: none).
+template <int kForm>
+constexpr int kAregAhead = kForm == 1 ? 2 : 4;
+template <int kForm>
+constexpr int kAregL1Ahead = kForm == 2   ? 8
+                             : kForm == 3 ? 12
+                                          : 0;
 
-template <int kStages, int kDiag>
+template <int kStages, int kDiag, int kForm>
 Status launch(const RowsAregArgs& args, int grid, const CudaDeviceInfo& info, cudaStream_t stream) {
-  auto* kernel = &gemm_rows_areg_kernel<kAregAhead, kStages, kDiag>;
+  auto* kernel = &gemm_rows_areg_kernel<kAregAhead<kForm>, kStages, kDiag, kAregL1Ahead<kForm>>;
   constexpr int kSmem = rows_areg_smem_bytes(kStages);
   // The shared-memory opt-in once per device (each device has its own module); two CTAs must fit
   // on an SM (the grid is one wave of them). The carveout asks for no more shared memory than two
@@ -48,25 +54,33 @@ Status launch(const RowsAregArgs& args, int grid, const CudaDeviceInfo& info, cu
   return Status::Ok();
 }
 
-template <int kStages>
-Status launch_diag(const RowsAregArgs& args, int grid, int diag, const CudaDeviceInfo& info,
+template <int kStages, int kDiag>
+Status launch_form(const RowsAregArgs& args, int grid, int form, const CudaDeviceInfo& info,
                    cudaStream_t stream) {
-  if (diag == 1) return launch<kStages, 1>(args, grid, info, stream);
-  if (diag == 2) return launch<kStages, 2>(args, grid, info, stream);
-  return launch<kStages, 0>(args, grid, info, stream);
+  if (form == 1) return launch<kStages, kDiag, 1>(args, grid, info, stream);
+  if (form == 2) return launch<kStages, kDiag, 2>(args, grid, info, stream);
+  if (form == 3) return launch<kStages, kDiag, 3>(args, grid, info, stream);
+  return launch<kStages, kDiag, 0>(args, grid, info, stream);
+}
+
+template <int kStages>
+Status launch_diag(const RowsAregArgs& args, int grid, int diag, int form,
+                   const CudaDeviceInfo& info, cudaStream_t stream) {
+  if (diag == 1) return launch<kStages, 1, 0>(args, grid, info, stream);
+  if (diag == 2) return launch_form<kStages, 2>(args, grid, form, info, stream);
+  return launch_form<kStages, 0>(args, grid, form, info, stream);
 }
 
 }  // namespace
 
 Status launch_rows_areg(const RowsArgs& args, const void* a, int64_t lda, int grid, int stages,
-                        int diag, const CudaDeviceInfo& info, cudaStream_t stream) {
+                        int form, int diag, const CudaDeviceInfo& info, cudaStream_t stream) {
   RowsAregArgs ra;
   static_cast<RowsArgs&>(ra) = args;
   ra.a = static_cast<const uint8_t*>(a);
   ra.lda = lda;
-  if (stages == 6) return launch_diag<6>(ra, grid, diag, info, stream);
-  if (stages == 8) return launch_diag<8>(ra, grid, diag, info, stream);
-  return launch_diag<kAregMaxStages>(ra, grid, diag, info, stream);
+  if (stages == 6) return launch_diag<6>(ra, grid, diag, form, info, stream);
+  return launch_diag<kAregMaxStages>(ra, grid, diag, form, info, stream);
 }
 
 }  // namespace m3attn::gemm_wgmma_detail

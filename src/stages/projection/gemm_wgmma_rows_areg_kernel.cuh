@@ -120,12 +120,16 @@ __device__ __forceinline__ void quad_transpose(uint32_t (&w)[4], int t) {
   }
 }
 
-template <int kAhead, int kStages, int kDiag = 0>
+// kL1Ahead > kAhead (0: off): each K block's activation lines are also prefetched into L1
+// (prefetch.global.L1, no register) kL1Ahead K blocks ahead, so that the register loads kAhead
+// ahead hit L1 (round C A/B).
+template <int kAhead, int kStages, int kDiag = 0, int kL1Ahead = 0>
 __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const RowsAregArgs p) {
   constexpr bool kRing = kDiag == 1 || kDiag == 2;  // diagnostics: no wgmma, no fold
   constexpr bool kLoads = kDiag != 1;
   constexpr int kAcc = 20;  // m64n40: fp32 accumulators per thread
   static_assert(kAhead % kAregKpb == 0, "whole stages ahead");
+  static_assert(kL1Ahead == 0 || kL1Ahead > kAhead, "L1 prefetch beyond the register loads");
   static_assert(kStages >= 2 && kStages <= kAregMaxStages, "a ring of 2 ... kAregMaxStages");
   constexpr int kUnroll = kAhead / kAregKpb;  // stages per unrolled turn (static register ring)
 
@@ -239,6 +243,14 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
     }
   };
 
+  // (One prefetch per 128-byte line: the quad's lane 0, rows row0 and row0 + 8.)
+  auto prefetch_block = [&](int kb) {
+    if (kLoads && kL1Ahead > 0 && t4 == 0 && kb < kb_count) {
+      if (live0) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo0 + kb * kBlockK)));
+      if (live1) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo1 + kb * kBlockK)));
+    }
+  };
+
   [[maybe_unused]] uint32_t hsel[kAcc / 4][2] = {};
   token_scale_masks(hsel, r_begin + m0, blk0);
   const uint32_t full0 = smem_addr(full_bar), empty0 = smem_addr(empty_bar);
@@ -254,6 +266,7 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
 #pragma unroll
   for (int d = 0; d < kAhead; ++d)
     if (d < kb_count) load_block(ring[d], d);
+  for (int d = kAhead; d < kL1Ahead; ++d) prefetch_block(d);
 
   // Stage i's wgmmas (K block q from ring[slot + q]), one commit group per K block (empty groups
   // past the last K block keep the count per stage constant).
@@ -317,6 +330,7 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
         }
       }
       if (kb + kAhead < kb_count) load_block(r, kb + kAhead);
+      prefetch_block(kb + kL1Ahead);
     }
   };
 

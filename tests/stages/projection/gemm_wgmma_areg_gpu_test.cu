@@ -39,13 +39,14 @@ struct AregCase {
   bool sa_row_major = false;  // activation scales [M, K / 128] row-major
   bool pdl = false;           // programmatic_launch + trigger_dependents
   int stages = 0;             // GemmWgmmaOptions::row_areg_stages
+  int form = 0;               // GemmWgmmaOptions::row_areg_form
 };
 
 std::string describe(const AregCase& c) {
   return "M " + std::to_string(c.m) + " N " + std::to_string(c.n) + " K " + std::to_string(c.k) +
          " ld pad " + std::to_string(c.ld_pad) + " shift " + std::to_string(c.shift) +
          " sa row-major " + std::to_string(c.sa_row_major) + " PDL " + std::to_string(c.pdl) +
-         " stages " + std::to_string(c.stages);
+         " stages " + std::to_string(c.stages) + " form " + std::to_string(c.form);
 }
 
 void PrintTo(const AregCase& c, std::ostream* os) { *os << describe(c); }
@@ -58,6 +59,7 @@ std::vector<uint16_t> run_areg_twice(DeviceGemm& dev, const AregCase& c) {
   o.row_areg = true;
   o.programmatic_launch = o.trigger_dependents = c.pdl;
   o.row_areg_stages = c.stages;
+  o.row_areg_form = c.form;
   Result<int> ctas = gemm_wgmma_rows_ctas(c.n);
   EXPECT_TRUE(ctas.ok()) << ctas.status().to_string();
   o.row_packed_ctas = ctas.ok() ? ctas.value() : 1;
@@ -107,20 +109,22 @@ TEST_P(GemmWgmmaAreg, IntegerInputsBitIdenticalToTwin) {
 
 std::vector<AregCase> areg_cases() {
   return {
-      AregCase{64, 9856, 6144},                        // the fused decode shape, M 64
-      AregCase{64, 9856, 6144, 0, 0, false, true},     // chained
-      AregCase{33, 9856, 6144, 8, 0, false, false},    // odd M, odd-start output rows
-      AregCase{48, 9856, 6144, 0, 16, true, true},     // unaligned, row-major scales, chained
-      AregCase{32, 9856, 6144},                        // half the token rows
-      AregCase{1, 9856, 6144, 0, 0, false, true},      // one token
-      AregCase{17, 9856, 1152},                        // K 9 blocks: a last stage of one
-      AregCase{63, 9856, 384, 8},                      // 3 K blocks: fewer than held ahead
-      AregCase{37, 9856, 128},                         // one K block
-      AregCase{64, 640, 1664, 0, 16},                  // 2-3 rows per CTA, 13 K blocks
-      AregCase{50, 384, 6144, 24, 0, true},            // 1-2 rows per CTA, padded outputs
-      AregCase{9, 6144, 8192, 0, 0, false, true},      // o_proj's shape: K 8192
-      AregCase{64, 9856, 6144, 0, 0, false, true, 6},  // rings of 6 and 8 stages
-      AregCase{41, 9856, 1152, 8, 0, false, false, 8},
+      AregCase{64, 9856, 6144},                            // the fused decode shape, M 64
+      AregCase{64, 9856, 6144, 0, 0, false, true},         // chained
+      AregCase{33, 9856, 6144, 8, 0, false, false},        // odd M, odd-start output rows
+      AregCase{48, 9856, 6144, 0, 16, true, true},         // unaligned, row-major scales, chained
+      AregCase{32, 9856, 6144},                            // half the token rows
+      AregCase{1, 9856, 6144, 0, 0, false, true},          // one token
+      AregCase{17, 9856, 1152},                            // K 9 blocks: a last stage of one
+      AregCase{63, 9856, 384, 8},                          // 3 K blocks: fewer than held ahead
+      AregCase{37, 9856, 128},                             // one K block
+      AregCase{64, 640, 1664, 0, 16},                      // 2-3 rows per CTA, 13 K blocks
+      AregCase{50, 384, 6144, 24, 0, true},                // 1-2 rows per CTA, padded outputs
+      AregCase{9, 6144, 8192, 0, 0, false, true},          // o_proj's shape: K 8192
+      AregCase{64, 9856, 6144, 0, 0, false, true, 6},      // a ring of 6 stages
+      AregCase{41, 9856, 1152, 8, 0, false, false, 6, 2},  // forms 1-3
+      AregCase{64, 9856, 2048, 0, 0, false, true, 0, 1},
+      AregCase{35, 9856, 6144, 0, 16, false, false, 6, 3},
   };
 }
 
@@ -132,7 +136,8 @@ TEST(GemmWgmmaAregSanitizer, SanitizerSmall) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {1, 33, 64})
     for (bool pdl : {false, true})
-      for (int stages : {0, 6}) expect_exact(AregCase{m, 640, 4096, 8, 0, false, pdl, stages});
+      for (int stages : {0, 6})
+        expect_exact(AregCase{m, 640, 4096, 8, 0, false, pdl, stages, stages == 6 ? 2 : 0});
 }
 
 // Calls the A-register form does not serve are rejected before anything is written.
@@ -144,7 +149,7 @@ TEST(GemmWgmmaAregRules, RejectedCallsWriteNothing) {
   DeviceBuffer image(static_cast<size_t>(640 * 1024), 0);
   Result<int> ctas = gemm_wgmma_rows_ctas(640);
   ASSERT_TRUE(ctas.ok());
-  for (int bad = 0; bad < 5; ++bad) {
+  for (int bad = 0; bad < 6; ++bad) {
     GemmWgmmaOptions o;
     o.row_areg = true;
     o.row_packed_weights = image.data();
@@ -153,7 +158,8 @@ TEST(GemmWgmmaAregRules, RejectedCallsWriteNothing) {
     if (bad == 1) o.ctas_per_sm = 1;
     if (bad == 2) o.burst = 2;
     if (bad == 3) o.debug_rows_diag = 4;
-    if (bad == 4) o.row_areg_stages = 5;
+    if (bad == 4) o.row_areg_stages = 8;
+    if (bad == 5) o.row_areg_form = 4;
     const Status st = run_gemm_wgmma_cuda(dev.params(), nullptr, 0, nullptr, o);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << "case " << bad << ": " << st.to_string();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);

@@ -27,8 +27,8 @@
 // they are requested kAhead K blocks ahead, as the weights are a ring ahead.) The activation
 // scales of the thread's two tokens come with them (two more loads per K block); the weight scales
 // of the CTA's two possible 128-row blocks are staged in shared memory once (cp.async), as in the
-// row split. Token rows past M load zeros (no loads) and are not stored: any M in 1 ... 64 runs
-// the same code, without the row split's activation boxes past M.
+// row split. Token rows past M load row M - 1 and are not stored: any M in 1 ... 64 runs the same
+// code, without the row split's activation boxes past M.
 //
 // Every CTA reads the whole activation matrix (64 x 6144 bytes at M 64: 104 MB from L2 over the
 // grid, as the row split's boxes): the two CTAs of an SM read the same bytes at about the same
@@ -209,15 +209,18 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
   // CTA's weight row 8 c + m0 + e) and the bytes 4 t ... of each 16-byte K column it loads.
   const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
-  const bool live0 = row0 < p.m, live1 = row0 + 8 < p.m;
+  // Token rows past M load row M - 1's bytes (their outputs are never stored; each output token
+  // row depends on its own A row only): the loads are unconditional, so that they write the ring's
+  // registers directly. (Round C's SASS: with "row < M ? load : 0" ptxas loaded into temporaries
+  // and moved them into the ring right away, and each move waited for its load, so nothing was in
+  // flight ahead: 41-46 us b2b at M 64.)
+  const int r0 = row0 < p.m ? row0 : p.m - 1, r1 = row0 + 8 < p.m ? row0 + 8 : p.m - 1;
   const int t4 = lane % 4;
   // (32-bit offsets from two base pointers: 64 x K bytes and 64 x K / 128 scales fit easily, and
   // the kernel sits at its register cap.)
   const uint8_t* xa = p.a + 16 * t4;
-  const int xo0 = live0 ? static_cast<int>(row0 * p.lda) : 0;
-  const int xo1 = live1 ? static_cast<int>((row0 + 8) * p.lda) : 0;
-  const int so0 = live0 ? static_cast<int>(row0 * p.sa_s0) : 0;
-  const int so1 = live1 ? static_cast<int>((row0 + 8) * p.sa_s0) : 0;
+  const int xo0 = static_cast<int>(r0 * p.lda), xo1 = static_cast<int>(r1 * p.lda);
+  const int so0 = static_cast<int>(r0 * p.sa_s0), so1 = static_cast<int>(r1 * p.sa_s0);
   const int sa_s1 = static_cast<int>(p.sa_s1);
   auto load_block = [&](AregBlock& r, int kb) {
     if constexpr (kLoads) {
@@ -225,10 +228,8 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         // (Columns t + 4 c of both rows: 16-byte loads.)
-        const uint4 v0 =
-            live0 ? *reinterpret_cast<const uint4*>(xa + (xo0 + k0 + 64 * c)) : uint4{};
-        const uint4 v1 =
-            live1 ? *reinterpret_cast<const uint4*>(xa + (xo1 + k0 + 64 * c)) : uint4{};
+        const uint4 v0 = *reinterpret_cast<const uint4*>(xa + (xo0 + k0 + 64 * c));
+        const uint4 v1 = *reinterpret_cast<const uint4*>(xa + (xo1 + k0 + 64 * c));
         r.w[c][0] = v0.x;
         r.w[c][1] = v0.y;
         r.w[c][2] = v0.z;
@@ -238,16 +239,16 @@ __global__ void __launch_bounds__(kAregThreads, 2) gemm_rows_areg_kernel(const R
         r.w[2 + c][2] = v1.z;
         r.w[2 + c][3] = v1.w;
       }
-      r.s0 = live0 ? p.sa[so0 + kb * sa_s1] : 0.0f;
-      r.s1 = live1 ? p.sa[so1 + kb * sa_s1] : 0.0f;
+      r.s0 = p.sa[so0 + kb * sa_s1];
+      r.s1 = p.sa[so1 + kb * sa_s1];
     }
   };
 
   // (One prefetch per 128-byte line: the quad's lane 0, rows row0 and row0 + 8.)
   auto prefetch_block = [&](int kb) {
     if (kLoads && kL1Ahead > 0 && t4 == 0 && kb < kb_count) {
-      if (live0) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo0 + kb * kBlockK)));
-      if (live1) asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo1 + kb * kBlockK)));
+      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo0 + kb * kBlockK)));
+      asm volatile("prefetch.global.L1 [%0];\n" ::"l"(xa + (xo1 + kb * kBlockK)));
     }
   };
 

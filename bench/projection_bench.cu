@@ -622,7 +622,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 0, 1},
       {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 0, 1},
       {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6, 2}};
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6, 2},
+      // (66-73, round E: a ring of 3 stages: plain / chained, diagnostic 2, diagnostic 1, form 1)
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true, 3},
+      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 3, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 3, 1}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);

@@ -433,12 +433,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                        kpb == 0 && options.debug_rows_diag >= 0 &&
                                        options.debug_rows_diag <= 2 &&
                                        (options.row_areg_stages == 0 ||
+                                        options.row_areg_stages == 3 ||
                                         options.row_areg_stages == 6) &&
                                        options.row_areg_form >= 0 && options.row_areg_form <= 3),
                  "GemmWgmmaOptions::row_areg excludes row_k_split, ctas_per_sm (",
                  options.ctas_per_sm, "), burst (", kpb, ") and diagnostics other than 1 / 2 (",
                  options.debug_rows_diag, "); row_areg_stages (", options.row_areg_stages,
-                 ") must be 0 or 6, row_areg_form (", options.row_areg_form, ") 0 ... 3");
+                 ") must be 0, 3 or 6, row_areg_form (", options.row_areg_form, ") 0 ... 3");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);

@@ -122,7 +122,7 @@ struct GemmWgmmaOptions {
   // requests its whole ring before griddepcontrol.wait: it holds no activations).
   bool row_areg = false;
   // With row_areg: its ring's stages (0: the deepest, 11 of 2 K blocks; 6 leaves more of the SM's
-  // memory to L1, where its two CTAs share the activations) and its form (round C A/B: 0 = 4 K
+  // memory to L1, where its two CTAs share the activations; 3: round E's queueing test) and its form (round C A/B: 0 = 4 K
   // blocks of activations loaded ahead into registers, 1 = 2 K blocks, 2 / 3 = 4 and each K
   // block's lines prefetched into L1 8 / 12 K blocks ahead). Results do not depend on them.
   int row_areg_stages = 0;

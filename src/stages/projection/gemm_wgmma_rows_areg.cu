@@ -79,6 +79,7 @@ Status launch_rows_areg(const RowsArgs& args, const void* a, int64_t lda, int gr
   static_cast<RowsArgs&>(ra) = args;
   ra.a = static_cast<const uint8_t*>(a);
   ra.lda = lda;
+  if (stages == 3) return launch_diag<3>(ra, grid, diag, form, info, stream);
   if (stages == 6) return launch_diag<6>(ra, grid, diag, form, info, stream);
   return launch_diag<kAregMaxStages>(ra, grid, diag, form, info, stream);
 }

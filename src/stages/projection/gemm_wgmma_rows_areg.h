@@ -17,7 +17,7 @@ struct RowsArgs;
 
 // Launches it over `grid` image CTAs (two CTAs per SM; the row split's image) for M = args.m rows,
 // 1 ... 64, activations `a` (E4M3 [M, K], rows `lda` bytes apart, 16-byte aligned), a ring of
-// `stages` stages (6, or anything else: the deepest, 11), form `form`
+// `stages` stages (3, 6, or anything else: the deepest, 11), form `form`
 // (GemmWgmmaOptions::row_areg_form). diag: 0, or the bench diagnostics 1 / 2 (results wrong). The
 // caller has validated the shape (rows per CTA, K).
 Status launch_rows_areg(const RowsArgs& args, const void* a, int64_t lda, int grid, int stages,

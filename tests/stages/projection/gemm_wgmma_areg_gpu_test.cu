@@ -125,6 +125,7 @@ std::vector<AregCase> areg_cases() {
       AregCase{41, 9856, 1152, 8, 0, false, false, 6, 2},  // forms 1-3
       AregCase{64, 9856, 2048, 0, 0, false, true, 0, 1},
       AregCase{35, 9856, 6144, 0, 16, false, false, 6, 3},
+      AregCase{64, 9856, 6144, 0, 0, false, true, 3},  // a ring of 3 stages
   };
 }
 
@@ -158,7 +159,7 @@ TEST(GemmWgmmaAregRules, RejectedCallsWriteNothing) {
     if (bad == 1) o.ctas_per_sm = 1;
     if (bad == 2) o.burst = 2;
     if (bad == 3) o.debug_rows_diag = 4;
-    if (bad == 4) o.row_areg_stages = 8;
+    if (bad == 4) o.row_areg_stages = 8;  // (0, 3 or 6)
     if (bad == 5) o.row_areg_form = 4;
     const Status st = run_gemm_wgmma_cuda(dev.params(), nullptr, 0, nullptr, o);
     EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << "case " << bad << ": " << st.to_string();

@@ -425,9 +425,6 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
-  bool areg = false;     // GemmWgmmaOptions::row_areg (the row split's image)
-  int areg_stages = 0;   // GemmWgmmaOptions::row_areg_stages
-  int areg_form = 0;     // GemmWgmmaOptions::row_areg_form
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -519,6 +516,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // vs 18.19-18.28); each half handing its sums over in its own ring, one wait for the other half
   // (round G: equal); diagnostic 7, both kernels returning after their setup (round E: the launch
   // alone, 1.29-1.38 us b2b for either).)
+  // (Session 25 also timed and removed: the row split with its wgmma A operand in registers, loaded
+  // from global memory a few K blocks ahead, its ring weights only (rounds A-E: M 64 b2b 36-52 us
+  // against 19.7-19.9; gemm_wgmma_rows_kernel.cuh).)
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round
   // C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -596,48 +596,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (session 25, pa: 46-65 the row split with the activations in registers (row_areg), plain /
-      // chained pairs: 46 / 47 the default, 48 / 49 its ring alone (diagnostic 1), 50 / 51 a ring
-      // of 6 stages, 52 / 53 its ring with the activation loads (diagnostic 2), 54 / 55 the same
-      // with 6 stages, 56 / 57 6 stages with L1 prefetches 8 K blocks ahead (form 2), 58 / 59 2 K
-      // blocks of registers ahead (form 1), 60 / 61 6 stages, L1 12 ahead (form 3), 62 / 63
-      // diagnostic 2 of form 1, 64 / 65 diagnostic 2 of 6 stages form 2)
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6, 2},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 0, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 0, 1},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6, 3},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 0, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 0, 1},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6, 2},
-      // (66-73, round E: a ring of 3 stages: plain / chained, diagnostic 2, diagnostic 1, form 1)
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true, 3},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 3, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 3, 1},
-      // (74-77, round F: diagnostic 3 (the loads alone: no ring) and 4 (2 with ld.cg), plain /
-      // chained)
-      {0, false, 16, 0, false, true, 0, false, false, 3, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 3, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 4, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 4, false, 0, false, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -938,9 +897,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
-      o.row_areg = variants[v].areg;
-      o.row_areg_stages = variants[v].areg_stages;
-      o.row_areg_form = variants[v].areg_form;
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
@@ -961,14 +917,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string(!variants[v].areg            ? ""
-                      : variants[v].areg_stages > 0 ? "A regs " +
-                                                          std::to_string(variants[v].areg_stages) +
-                                                          " "
-                                                    : "A regs ") +
-          (variants[v].areg_form > 0 ? "form " + std::to_string(variants[v].areg_form) + " "
-                                     : "") +
-          "wgmma ctas " +
+          std::string("wgmma ctas ") +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +

@@ -32,6 +32,8 @@
 //   aq       the attention writes o_proj's E4M3 input itself (set_attention_quantize);
 //   rs       the decode row split (set_row_split: per-layer images of the fused and o_proj
 //            weights; M <= 32 by default, so decode 64 only);
+//   ks       rs plus the K split's image of the fused weight (set_row_k_split: the fused GEMM's
+//            M 33-64 steps run the K split);
 //   (a setting without pdl / aq / rs has it off). E.g. --settings plain,aq,pdl+aq,pdl:qpao+aq.
 // Every setting must give the first setting's outputs (attn_out, block_ids) byte for byte
 // (checked), except that a setting whose row split differs from the first's is held to the
@@ -133,6 +135,7 @@ int main(int argc, char** argv) {
     bool aq = false;
     bool is_default = false;  // the layer's defaults (read from the layer once it exists)
     bool rs = false;
+    bool ks = false;  // (with rs) the K split's image for M 33-64 (set_row_k_split)
   };
   std::vector<Setting> settings = {{"default", 0, false, true}};
   for (int i = 1; i < argc; ++i) {
@@ -187,6 +190,8 @@ int main(int argc, char** argv) {
               st.aq = true;
             } else if (tok == "rs") {
               st.rs = true;
+            } else if (tok == "ks") {
+              st.rs = st.ks = true;
             } else {
               known = false;
             }
@@ -315,6 +320,7 @@ int main(int argc, char** argv) {
       layer.set_programmatic_stages(st.is_default ? default_pdl : st.pdl);
       layer.set_attention_quantize(st.is_default ? default_aq : st.aq);
       ok_or_die(layer.set_row_split(st.is_default ? default_rs : st.rs), "row split");
+      ok_or_die(layer.set_row_k_split(!st.is_default && st.ks), "row K split");
     };
     auto variant_name = [&](int k) {
       return std::string(k % 2 == 0 ? "fused " : "unfused ") +
@@ -387,9 +393,10 @@ int main(int argc, char** argv) {
     // No setting may change a byte (each variant against the same variant in the first setting),
     // except the row split's summation order (then: rel L2 <= 5e-2 against it).
     bool same = true;
-    auto rs_of = [&](int k) {
+    auto rs_of = [&](int k) {  // (the summation order: row split, and its K split at M 33-64)
       const Setting& st = settings[static_cast<size_t>(k / 2)];
-      return st.is_default ? default_rs : st.rs;
+      const bool rs = st.is_default ? default_rs : st.rs;
+      return (rs ? 1 : 0) + (!st.is_default && st.ks ? 2 : 0);
     };
     for (int k = 2; k < nvar; ++k) {
       if (rs_of(k) != rs_of(k % 2)) {

@@ -476,6 +476,115 @@ std::string trace_summary(const TraceBuffer& tb) {
   return buf;
 }
 
+// --trace on the K split (row_k_split): its tail, from the second block of trace words the kernel
+// writes after the grid's (gemm_wgmma_rows_ksplit_kernel.cuh: SMs x (8 + 16) words, within
+// TraceBuffer's 3 x SMs x 8). Per call, us after each CTA's last stage full (the later of its
+// halves'),
+// median / max over the CTAs: each half ready for its last stage (its previous fold done; > 0:
+// the consumers lag the ring), each half's last fold done, the hand-over summed, half 0's /
+// half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
+// second call's entry after the first call's last warp on that SM, and the second call's first
+// stage after the first call's last warp anywhere (what griddepcontrol.wait waits for).
+std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, int grid,
+                                unsigned long long t0, std::vector<double>* sm_last,
+                                const std::vector<double>* prev_sm_last, double* last_any,
+                                double prev_last_any) {
+  constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
+  if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
+  std::vector<double> v[9], gap, first_after, end1, end2, wait_after, full_after_wait;
+  double slow_last = -1;
+  std::string slow;  // the CTA whose last warp stored last: its marks
+  auto since_t0 = [&](unsigned long long ns) {
+    return static_cast<double>(static_cast<long long>(ns - t0));
+  };
+  double any = 0;
+  for (int c = 0; c < grid; ++c) {
+    const unsigned long long* w = &words[static_cast<size_t>(c * kW)];
+    const unsigned long long* x = &words[static_cast<size_t>(grid * kW + c * kX)];
+    if (w[0] == 0 || w[7] <= w[0] || w[6] <= w[1] || x[7] == 0) continue;
+    const double cpn = static_cast<double>(w[6] - w[1]) / static_cast<double>(w[7] - w[0]);
+    auto at = [&](unsigned long long clk) {
+      return (since_t0(w[0]) + static_cast<double>(static_cast<long long>(clk - w[1])) / cpn) /
+             1e3;
+    };
+    const double lf = std::max(at(w[4]), at(w[5]));
+    const unsigned long long marks[9] = {x[1], x[2], x[3], x[4], x[5], x[10], w[6], x[6], x[7]};
+    for (int k = 0; k < 9; ++k)
+      if (marks[k] != 0) v[k].push_back(at(marks[k]) - lf);
+    const double last = at(x[7]);
+    if (last > slow_last) {
+      slow_last = last;
+      char b[256];
+      std::snprintf(b, sizeof(b),
+                    "entry %.2f, first full %.2f, last full %.2f / %.2f (h0 / h1), ready %.2f / %.2f, "
+                    "last fold %.2f / %.2f, summed %.2f, last warp %.2f",
+                    since_t0(w[0]) / 1e3, at(w[2]), at(w[4]), at(w[5]), at(x[1]), at(x[2]), at(x[3]),
+                    at(x[4]), at(x[5]), last);
+      slow = b;
+    }
+    any = std::max(any, last);
+    const int sm = static_cast<int>(x[0]);
+    if (sm_last != nullptr) {
+      if (sm_last->size() <= static_cast<size_t>(sm)) sm_last->resize(sm + 1, -1.0);
+      (*sm_last)[sm] = last;
+    }
+    if (prev_sm_last != nullptr && static_cast<size_t>(sm) < prev_sm_last->size() &&
+        (*prev_sm_last)[sm] >= 0) {
+      gap.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_last)[sm]);
+      end1.push_back((*prev_sm_last)[sm]);
+      end2.push_back(last);
+    }
+    if (prev_last_any > 0) first_after.push_back(at(w[2]) - prev_last_any);
+    if (prev_last_any > 0 && x[8] != 0) wait_after.push_back(at(x[8]) - prev_last_any);
+    if (x[8] != 0) full_after_wait.push_back(at(w[2]) - at(x[8]));
+  }
+  if (last_any != nullptr) *last_any = any;
+  auto stat = [](std::vector<double> a) {
+    if (a.empty()) return std::string("-");
+    std::sort(a.begin(), a.end());
+    char buf[64];
+    std::snprintf(buf, sizeof(buf), "%.2f/%.2f", a[a.size() / 2], a.back());
+    return std::string(buf);
+  };
+  const char* names[9] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
+                          "h1 last fold",      "summed",            "h0 about to store",
+                          "h0 stored",         "h1 stored",         "last warp stored"};
+  std::string out = "K split tail, us after the CTA's last stage full (median/max):";
+  for (int k = 0; k < 9; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
+  out += " the CTA ending last (us after the time base): " + slow + ";";
+  char buf[128];
+  std::snprintf(buf, sizeof(buf), " last warp anywhere %.2f", any);
+  out += buf;
+  if (!gap.empty())
+    out += "; entry after the first call's last warp on its SM (min/median/max) " +
+           [&] {
+             std::sort(gap.begin(), gap.end());
+             char b[64];
+             std::snprintf(b, sizeof(b), "%.2f/%.2f/%.2f", gap.front(), gap[gap.size() / 2],
+                           gap.back());
+             return std::string(b);
+           }() +
+           "; first stage full after the first call's last warp anywhere " + stat(first_after) +
+           "; half 0 past griddepcontrol.wait after it " + stat(wait_after);
+  out += "; first stage full after half 0's wait " + stat(full_after_wait);
+  if (end1.size() > 2) {
+    // Whether the same SMs end late in both calls (a static imbalance) or not.
+    double m1 = 0, m2 = 0, s11 = 0, s22 = 0, s12 = 0;
+    const double cnt = static_cast<double>(end1.size());
+    for (size_t i = 0; i < end1.size(); ++i) m1 += end1[i] / cnt, m2 += end2[i] / cnt;
+    for (size_t i = 0; i < end1.size(); ++i) {
+      s11 += (end1[i] - m1) * (end1[i] - m1);
+      s22 += (end2[i] - m2) * (end2[i] - m2);
+      s12 += (end1[i] - m1) * (end2[i] - m2);
+    }
+    char b[96];
+    std::snprintf(b, sizeof(b), "; per-SM last warp, correlation of the two calls %.2f",
+                  s12 / std::sqrt(s11 * s22 + 1e-30));
+    out += b;
+  }
+  return out;
+}
+
 // --prefill variants 1, 2, ...: GemmPrefillOptions {cluster_m, cluster_n, group_m}. (Session 20
 // round E also timed 2x2 clusters and free (unordered) issue: slower, deleted.) Session 22 (round
 // G, M 4096, random operands, 500 ms idle, two alternating runs, isolated us): 1x2 group 16 (the
@@ -671,7 +780,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     check_cuda(cudaGetDevice(&dev), "device");
     check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "SMs");
     check_cuda(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, dev), "clock");
-    tbuf.ctas = static_cast<int>(std::max<int64_t>(2 * sms, n / 128 * 8));
+    // (3 x SMs: the K split's SMs CTAs write 8 + 16 words each.)
+    tbuf.ctas = static_cast<int>(std::max<int64_t>(3 * sms, n / 128 * 8));
     tbuf.clock_ghz = khz / 1e6;
     tbuf.dev =
         device_alloc<unsigned long long>(static_cast<size_t>(tbuf.ctas) * gemm_wgmma_trace_words());
@@ -878,7 +988,15 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     std::vector<int> order;
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
-    for (const int v : order) {
+    for (const int v_req : order) {
+      // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
+      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D (D <= 6); 185 /
+      // 187 chained with 1 / 3 (its whole ring) early stages per half.)
+      const bool ks_v = v_req >= 150 && v_req < 190;
+      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
+      const int ks_diag = ks_v && v_req >= 170 && v_req < 184 ? (v_req - 170) / 2 : 0;
+      const int ks_early = ks_v && v_req >= 184 ? 1 + 2 * ((v_req - 184) / 2) : 0;
+      const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -900,6 +1018,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
+      o.row_ks_form = ks_form;
+      if (ks_diag > 0) o.debug_rows_diag = ks_diag;
+      if (ks_early > 0) o.row_early_stages = ks_early;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -926,6 +1047,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
+          (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
+          (ks_early > 0 ? " early " + std::to_string(ks_early) : std::string()) +
+          (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
@@ -949,7 +1073,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         continue;
       }
       // (diagnostics: results wrong)
-      const bool ablated = variants[v].diag > 0;
+      const bool ablated = variants[v].diag > 0 || ks_diag > 0;
       add(
           name,
           [&](cudaStream_t stc, int c) {
@@ -983,11 +1107,26 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                      "trace");
           check_cuda(cudaMemcpy(words2.data(), tbuf.dev2, trace_bytes, cudaMemcpyDeviceToHost),
                      "trace");
-          const unsigned long long t0 = bench::rows_trace_first_entry(words, tbuf.ctas);
+          // (The K split's CTAs only: its second block of words follows them.)
+          const int tctas = variants[v].ksplit ? ks_ctas : tbuf.ctas;
+          const unsigned long long t0 = bench::rows_trace_first_entry(words, tctas);
           std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
-                      name.c_str(), bench::rows_trace_summary(words, tbuf.ctas, t0).c_str());
+                      name.c_str(), bench::rows_trace_summary(words, tctas, t0).c_str());
           std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
-                      name.c_str(), bench::rows_trace_summary(words2, tbuf.ctas, t0).c_str());
+                      name.c_str(), bench::rows_trace_summary(words2, tctas, t0).c_str());
+          if (variants[v].ksplit) {
+            std::vector<double> sm_last;
+            double last_any = 0;
+            std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
+                        name.c_str(),
+                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0)
+                            .c_str());
+            std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
+                        name.c_str(),
+                        ksplit_tail_summary(words2, ks_ctas, t0, nullptr, &sm_last, nullptr,
+                                            last_any)
+                            .c_str());
+          }
         } else {
           std::printf("trace M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                       trace_summary(tbuf).c_str());

@@ -291,6 +291,7 @@ Result<std::shared_ptr<CudaLayerWorkspace>> CudaLayerWorkspace::create(
   // at M 33-64 against 21.44-22.15.
   Fp8BlockGemmOptions go_fused = go, go_o = go;
   go_fused.row_split_max_m = 64;
+  go_fused.row_k_split_min_m = 33;  // (only with the layer's K-split image: set_row_k_split)
   go_o.wgmma.row_one_box = true;
   M3_RETURN_IF_ERROR(make(g.packed_width(), g.hidden, go_fused, &w->gemm_fused_));
   M3_RETURN_IF_ERROR(make(int64_t{g.n_q + 2 * g.n_kv} * kHeadDim, g.hidden, go, &w->gemm_qkv_));
@@ -432,6 +433,26 @@ Status CudaMsaLayer::set_row_split(bool on) {
     row_ctas_o_ = ctas_o;
   }
   row_split_ = on;
+  return Status::Ok();
+}
+
+Status CudaMsaLayer::set_row_k_split(bool on) {
+  if (on && sparse_ && ks_fused_.data() == nullptr) {
+    const int64_t n = wv_fused_.shape[0], k = wv_fused_.shape[1];
+    M3_RETURN_IF_ERROR(gemm_wgmma_rows_supported(n, k, true));
+    Result<int> c = gemm_wgmma_rows_ctas(n, true);
+    M3_RETURN_IF_ERROR(c.status());
+    Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
+    M3_RETURN_IF_ERROR(bytes.status());
+    CudaBuffer image;
+    M3_RETURN_IF_ERROR(alloc(bytes.value(), &image));
+    M3_RETURN_IF_ERROR(
+        gemm_wgmma_pack_weights_rows(wv_fused_, c.value(), image.data(), image.bytes(), nullptr));
+    M3_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    ks_fused_ = std::move(image);
+    ks_ctas_fused_ = c.value();
+  }
+  row_k_split_ = on;
   return Status::Ok();
 }
 
@@ -610,8 +631,11 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
       return external_input_quantize_ ? Status::Ok() : run_quantize_cuda(quantize_in_, stream, pdl);
     case LayerStage::kProjection:
       if (fuse && row_split_)
-        return w.gemm_fused_->run_row_split(gemm_fused_, {row_fused_.data(), row_ctas_fused_}, pdl,
-                                            stream);
+        return w.gemm_fused_->run_row_split(
+            gemm_fused_,
+            {row_fused_.data(), row_ctas_fused_, row_k_split_ ? ks_fused_.data() : nullptr,
+             ks_ctas_fused_},
+            pdl, stream);
       if (fuse) return w.gemm_fused_->run(gemm_fused_, stream);
       M3_RETURN_IF_ERROR(w.gemm_qkv_->run(gemm_qkv_, stream));
       return sparse_ ? w.gemm_index_->run(gemm_index_, stream) : Status::Ok();

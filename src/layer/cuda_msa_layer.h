@@ -208,6 +208,16 @@ class CudaMsaLayer {
   Status set_row_split(bool on);
   bool row_split() const { return row_split_; }
   size_t row_split_bytes() const { return row_fused_.bytes() + row_o_.bytes(); }
+  // With the row split on (session 25, opt-in): the fused projection's steps with M 33-64 run the
+  // row split's K split (GemmWgmmaOptions::row_k_split) over a second image of the fused weight
+  // (one image CTA per SM; Fp8BlockGemmOptions::row_k_split_min_m), the row split elsewhere. The
+  // cost: the fused weight's bytes once more (M3 TP1: 60.55 MB per sparse layer;
+  // row_k_split_bytes()). The first enable packs the image (legacy stream, then a device sync);
+  // unsupported (nothing changes) where the K split cannot serve the fused weight; no effect on
+  // layers without a fused projection. Results equal the row split's up to fp32 summation order.
+  Status set_row_k_split(bool on);
+  bool row_k_split() const { return row_k_split_; }
+  size_t row_k_split_bytes() const { return ks_fused_.bytes(); }
   // Programmatic dependent launch (core/pdl.cuh) of every stage kernel that supports it (the
   // quantize stages, the producers, the indexer, the attention, and the projection GEMMs when the
   // row split runs them; cuBLASLt launches normally): each may start while the kernel before it
@@ -290,6 +300,10 @@ class CudaMsaLayer {
   // set_row_split: the images of w_fused_ (sparse) and w_o_ and the CTA counts they were packed
   // for.
   bool row_split_ = false;
+  // set_row_k_split: the K-split image of w_fused_ and its CTA count.
+  CudaBuffer ks_fused_;
+  int ks_ctas_fused_ = 0;
+  bool row_k_split_ = false;
   CudaBuffer row_fused_, row_o_;
   int row_ctas_fused_ = 0, row_ctas_o_ = 0;
   CudaBuffer rope_;

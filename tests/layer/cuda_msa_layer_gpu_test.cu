@@ -872,6 +872,74 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
   cudaStreamDestroy(stream);
 }
 
+// The row split's K split in the layer (session 25, set_row_k_split: a second image of the fused
+// weight, run by the fused GEMM at M 33-64): decode 40 close to the plain path, exact under PDL
+// (eager and as a graph) against its own plain launches; its image holds the fused weight's bytes;
+// off again: the row split's outputs byte for byte.
+TEST_F(CudaLayerTest, RowKSplitCloseToPlainPathAndExactUnderPdl) {
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  mt::Rng rng(seed);
+  const MsaGeometry g = mt::small_geometry(512, 8, 2);
+  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
+  ASSERT_TRUE(w.ok());
+  const Tensor rope = mt::make_rope(4096, g.rope_theta);
+  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
+  ASSERT_TRUE(packed.ok());
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  PlannedStep ps;
+  ASSERT_NO_FATAL_FAILURE(plan_layer_step(g, packed.value(), rope, decode_scenario(rng, 40), true,
+                                          rng, &ps, stream));
+  CudaMsaLayer& L = *ps.layer;
+  const int64_t T = ps.T;
+  ASSERT_TRUE(L.fused());
+  auto run_eager = [&](LayerTrace* tr, Outputs* o) {
+    ps.dev_pool.upload(ps.host_pool);
+    poison_outputs(L, T, g);
+    ASSERT_TRUE(L.run(stream).ok());
+    M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+    *o = grab(L, ps.dev_pool, T, g);
+    if (tr != nullptr) ASSERT_TRUE(L.download_trace(tr, nullptr, stream).ok());
+  };
+  LayerTrace tr_plain, tr_ks;
+  Outputs plain, rs, ks, ks_pdl, back;
+  ASSERT_NO_FATAL_FAILURE(run_eager(&tr_plain, &plain));
+  ASSERT_TRUE(L.set_row_split(true).ok());
+  ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &rs));
+  EXPECT_FALSE(L.row_k_split());
+  const Status on = L.set_row_k_split(true);
+  ASSERT_TRUE(on.ok()) << on.to_string();
+  EXPECT_TRUE(L.row_k_split());
+  EXPECT_EQ(L.row_k_split_bytes(), static_cast<size_t>(g.packed_width() * g.hidden));
+  ASSERT_NO_FATAL_FAILURE(run_eager(&tr_ks, &ks));
+  expect_e4m3_close(tr_ks.q, tr_plain.q, "q K split vs plain");
+  expect_e4m3_close(tr_ks.k, tr_plain.k, "k K split vs plain");
+  expect_e4m3_close(tr_ks.v, tr_plain.v, "v K split vs plain");
+  expect_e4m3_close(tr_ks.index_q, tr_plain.index_q, "index_q K split vs plain");
+  bool finite = true;
+  const double e =
+      rel_l2_bf16(reinterpret_cast<const uint16_t*>(ks.out.data()),
+                  reinterpret_cast<const uint16_t*>(plain.out.data()), T * g.hidden, &finite);
+  EXPECT_TRUE(finite);
+  EXPECT_LE(e, 5e-2) << "attn_out K split vs plain";
+  L.set_programmatic_launch(true);
+  ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &ks_pdl));
+  EXPECT_TRUE(ks_pdl.out == ks.out && ks_pdl.ids == ks.ids && ks_pdl.pool == ks.pool)
+      << "eager, PDL: differs from the K split's plain launches";
+  Outputs replay;
+  ASSERT_NO_FATAL_FAILURE(replay_three_times(L, ps.host_pool, ps.dev_pool, T, g, stream, &replay));
+  EXPECT_TRUE(replay.out == ks.out && replay.q == ks.q && replay.ids == ks.ids &&
+              replay.pool == ks.pool)
+      << "graph, PDL: differs from the K split's plain launches";
+  L.set_programmatic_launch(false);
+  ASSERT_TRUE(L.set_row_k_split(false).ok());
+  ASSERT_NO_FATAL_FAILURE(run_eager(nullptr, &back));
+  EXPECT_TRUE(back.out == rs.out && back.pool == rs.pool) << "K split off: not the row split";
+  EXPECT_TRUE(ps.dev_pool.guards_intact());
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(CudaLayerTest, RejectedUploadAndPlanTouchNothing) {
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);

@@ -198,6 +198,12 @@ struct Fp8BlockGemmOptions {
   // weight's row split at M 33-64 19.8-20.2 against the default object's 21.4-21.6, o_proj's
   // 23.7-25.4 against 21.4-22.2; the layer's fused object takes 64, CudaLayerWorkspace.)
   int row_split_max_m = 32;
+  // run_row_split calls whose image has a K-split image (GemmRowImage::ks_data) and M >= this (>
+  // 32) run the row split's K split over that image (GemmWgmmaOptions::row_k_split) where it
+  // serves the shape, the row split otherwise; 0: never. (Session 25, fused N 9856 x K 6144, b2b us
+  // chained / plain, same rounds: M 64 17.37-17.49 / 19.36-19.61 against the row split's 18.60 /
+  // 19.75; M 33 17.04 against 18.93-18.98; M 48 17.24-17.27 against 19.18-19.31.)
+  int row_k_split_min_m = 0;
   // Buckets with m_hi >= this may run the prefill kernel (run_gemm_prefill_cuda) when the
   // autotuner times it faster than cuBLASLt (0: never).
   int64_t prefill_min_m = 1024;
@@ -213,6 +219,10 @@ struct Fp8BlockGemmOptions {
 struct GemmRowImage {
   const void* data = nullptr;
   int ctas = 0;
+  // Optionally the same weight's K-split image (gemm_wgmma_pack_weights_rows for ks_ctas =
+  // gemm_wgmma_rows_ctas(N, true) CTAs; Fp8BlockGemmOptions::row_k_split_min_m); null: none.
+  const void* ks_data = nullptr;
+  int ks_ctas = 0;
 };
 
 class Fp8BlockGemm {

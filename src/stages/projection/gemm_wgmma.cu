@@ -431,10 +431,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
-                     options.debug_rows_diag == 3 || options.debug_rows_diag == 4 ||
-                     options.debug_rows_diag == 6,
+                     options.debug_rows_diag == 2 || options.debug_rows_diag == 3 ||
+                     options.debug_rows_diag == 4 || options.debug_rows_diag == 6,
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
-                 ": the row K split has diagnostics 3, 4 and 6");
+                 ": the row K split has diagnostics 2, 3, 4 and 6");
     // (Activation slots of n >= 16 token rows load two boxes of n / 2 for M < n: SlotTokens in
     // gemm_wgmma_rows_kernel.cuh; the K split's slots have 64 rows.)
     const int slot = options.row_k_split ? 64 : box_rows_for(m);
@@ -456,9 +456,14 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
+    M3_CHECK_ARG(options.row_ks_form >= 0 && options.row_ks_form < gemm_wgmma_detail::kKsForms &&
+                     (options.row_ks_form == 0 ||
+                      (options.row_k_split && options.debug_rows_diag == 0)),
+                 "GemmWgmmaOptions::row_ks_form = ", options.row_ks_form, " must be in [0, ",
+                 gemm_wgmma_detail::kKsForms, ") (0 without row_k_split or with diagnostics)");
     if (options.row_k_split)
-      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
-                                                   stream);
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag,
+                                                   options.row_ks_form, info, stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

@@ -47,11 +47,24 @@
 // against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
 // 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
 //
+// Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
+// split's kRowsTraceWords per CTA (below), and a second block of kKsTraceExtWords per CTA after
+// the grid's (trace + gridDim.x x kRowsTraceWords + blockIdx.x x kKsTraceExtWords; the buffer
+// holds 3 x grid blocks of kRowsTraceWords): the SM id, then clock64 marks of the tail (session
+// 25): each half's consumers ready for their last stage (its previous fold done) and done with
+// their last fold, the hand-over summed (half 0's thread 0), half 1's stores issued, the last
+// consumer warp's stores issued; then each half's producer past griddepcontrol.wait, half 0's
+// thread 0 about to store.
+//
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
-// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three.
+// its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. Session 25: 2 =
+// the whole kernel with each K block's fragments only summed into the accumulators (no scaled
+// fold; stores kept), what the fold costs.
 #pragma once
+
+#include <type_traits>
 
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
 
@@ -80,6 +93,9 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
+// Threads of a form (kKsForms): form 2 pads the producers to a warpgroup (setmaxnreg).
+constexpr int ks_threads(int form) { return form == 2 ? 3 * 128 : kKsThreads; }
+constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
 // activation slots stay aligned).
@@ -112,6 +128,13 @@ __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
   return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
 }
 
+// Two floats as a bf16 pair (lo in bits 0-15), each rounded to nearest even.
+__device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -121,13 +144,25 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0>
-__global__ void __launch_bounds__(kKsThreads, 1)
+// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
+// below; 1 = each half's last stage of two K blocks as two stages of one (kSplitLast); 2 = 384
+// threads, the producer warpgroup's registers given to the consumers by setmaxnreg (no spills at
+// 168).
+constexpr int kKsForms = 3;
+
+// (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
+// image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
+// m64n40k32 per k step, so that the layer's row image could serve it: M 64 20.54 / chained
+// 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
+// the ring: two wgmmas per k step read the activations twice).)
+template <int kDiag = 0, int kForm = 0>
+__global__ void __launch_bounds__(ks_threads(kForm), 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics (kKsForms)");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -150,7 +185,17 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // Form 1 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
+  // compute follows the last bytes to land (re-measured with the cheaper fold and epilogue).
+  constexpr bool kSplitLast = kForm == 1;
+  static_assert(kKsKpb == 2, "stage_first / stage_nk");
+  const bool split_last = kSplitLast && kbl >= 2 && kbl % 2 == 0;
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
+  // Stage i's first local K block and its K blocks.
+  auto stage_first = [&](int i) { return split_last && i == steps - 1 ? kbl - 1 : 2 * i; };
+  auto stage_nk = [&](int i) {
+    return split_last && i >= steps - 2 ? 1 : (kbl - 2 * i < 2 ? kbl - 2 * i : 2);
+  };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
@@ -170,8 +215,18 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // Form 2: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
+  // (384 threads at 168 registers: 40 for the producers, 232 for the consumers).
+  if constexpr (kForm == 2) {
+    if (tid >= 256) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    }
+  }
 
   if (tid >= 256) {
+    if (tid >= 256 + 64) return;  // (form 2's idle warps)
     if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
       // (the row split's "last stage released") is half 1's last stage full (the summary's
@@ -194,19 +249,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
       // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
-      auto stage_kblocks = [&](int i) {
-        const int left = kbl - i * kKsKpb;
-        return left < kKsKpb ? left : kKsKpb;
-      };
       auto load_weights = [&](int i) {
         const int s = i % kKsStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
-        const uint32_t nk = static_cast<uint32_t>(stage_kblocks(i));
+        const uint32_t nk = static_cast<uint32_t>(stage_nk(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src =
-            p.image + rows_image_offset(ksplit_kblock(i * kKsKpb, h), r_begin, rows, p.n, kb_count);
+            p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin, rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
@@ -218,15 +269,21 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
+      if (p.trace != nullptr)
+        p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
+                h] = static_cast<unsigned long long>(clock64());
+      // (Session 25 round C, same round, b2b us, lost and deleted: the first ring's weights at
+      // once and its later activation boxes only after stage 0 had landed, so that stage 0's
+      // boxes pass L2 first: M 64 20.72-20.81 / chained 18.49 against 19.73-19.91 / 17.65-17.73.)
       for (int i = 0; i < steps; ++i) {
         const int s = i % kKsStages;
         if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
         if (i >= early) load_weights(i);
         const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-        const int nk = stage_kblocks(i);
+        const int nk = stage_nk(i);
         for (int q = 0; q < nk; ++q) {
           const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = ksplit_kblock(i * kKsKpb + q, h) * kBlockK;
+          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
           if (slots.half < 64)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
@@ -259,22 +316,53 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
   const int row0 = 16 * warp + lane / 4;
   const int m0 = 2 * (lane % 4);
-  // Weight-scale block of each column (0 or 1 past blk0) as an all-ones / all-zero mask.
-  uint32_t hsel[kGroups][2];
-  token_scale_masks(hsel, r_begin + m0, blk0);
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
+  // (Session 25 round D, same round, b2b us: each wgmma descriptor as the ring's first one plus a
+  // constant in its address field instead of built per k step: M 64 chained 17.48-17.53 against
+  // 17.57-17.60 alone, 17.45-17.46 with the fold below against its 17.37-17.38 (spills); not kept.)
 
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
   float frag[kKsKpb][kAcc];
 
+  // The fold: acc += frag x sa[token] x sb[block] (a thread's values: tokens row0 / row0 + 8, its
+  // columns 8 c + m0 + e of the CTA's rows, whose weight-scale block is blk0 or blk0 + 1: a CTA's
+  // rows straddle at most one 128-row boundary), the block of column (c, e) by one compare
+  // against the thread's first column past the boundary, bt. (The row split's fold_token_major
+  // picks each value's scale product by a bit mask; ptxas turned that into predicate shuffling
+  // and a multiply per value, ~140 instructions per K block per warp in round K's ncu counts
+  // against ~105 here. Session 25 round D, same round, b2b us: M 64 19.36-19.47 / chained
+  // 17.37-17.38 against 19.72-19.73 / 17.57-17.60 with fold_token_major; M 33 chained
+  // 16.87-16.89 against 17.14-17.19, M 48 17.08-17.09 against 17.35-17.40. Round C's
+  // diagnostic 2, each fragment only summed: 16.97-16.99 against 17.81-17.86.)
+  const int bt = 128 * (blk0 + 1) - r_begin - m0;
+  auto fold = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
+    const float t0 = sa[row0], t1 = sa[row0 + 8];
+    const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
+#pragma unroll
+    for (int c = 0; c < kGroups; ++c) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        asm("{\n.reg .pred p;\n.reg .f32 s0, s1;\n"
+            "setp.le.s32 p, %4, %5;\n"
+            "selp.f32 s0, %6, %7, p;\n"
+            "selp.f32 s1, %8, %9, p;\n"
+            "fma.rn.f32 %0, %2, s0, %0;\n"
+            "fma.rn.f32 %1, %3, s1, %1;\n}\n"
+            : "+f"(acc[4 * c + e]), "+f"(acc[4 * c + 2 + e])
+            : "f"(f[4 * c + e]), "f"(f[4 * c + 2 + e]), "r"(bt),
+              "r"(8 * c + e), "f"(p01), "f"(p00), "f"(p11), "f"(p10));
+      }
+    }
+  };
+
   auto issue = [&](int i) {
     const int s = i % kKsStages;
     mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
-    const int left = kbl - i * kKsKpb;
+    const int left = stage_nk(i);
     const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
     const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
@@ -291,29 +379,53 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       wgmma_commit();
     }
   };
-  // The row split's token-major fold (each K block as its group completes; the stage released
-  // after its last group, before the last fold).
-  auto fold = [&](int i) {
-    const int left = kbl - i * kKsKpb;
+  // Each K block folded as its group completes; the stage released after its last group, before
+  // the last fold (the row split's order).
+  auto fold_stage = [&](int i) {
+    const int left = stage_nk(i);
 #pragma unroll
     for (int q = 0; q < kKsKpb; ++q) {
       wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
       if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
-        const int l = i * kKsKpb + q;
-        fold_token_major(acc, frag[q], hsel, s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1], row0);
+        const int l = stage_first(i) + q;
+        if constexpr (kDiag == 2) {
+#pragma unroll
+          for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
+        } else {
+          fold(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
+        }
       }
     }
   };
 
+  // Trace marks (thread 0 of each half; see the top): the second block of words.
+  unsigned long long* const tx =
+      p.trace != nullptr
+          ? p.trace + int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords
+          : nullptr;
+  const bool tmark = tx != nullptr && ct == 0;
+  // (Session 25 round C, same round, b2b us, lost and deleted: each K block's wgmmas issued as
+  // soon as its fragment was folded, the next stage's first K block before this stage's second
+  // fold: M 64 19.77-19.80 / chained 18.01-18.03 against 19.73-19.91 / 17.65-17.73.)
   if (steps > 0) {
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
-    fold(0);
+    fold_stage(0);
     for (int i = 1; i < steps; ++i) {
+      // (No wgmma in flight here: fold(i - 1) waited for every group.)
+      if (tmark && i == steps - 1) tx[1 + h] = static_cast<unsigned long long>(clock64());
       issue(i);
-      fold(i);
+      fold_stage(i);
+    }
+  }
+  if (tmark) {
+    tx[3 + h] = static_cast<unsigned long long>(clock64());
+    if (h == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+      tx[0] = smid;
     }
   }
 
@@ -326,6 +438,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // Whether group c (a constant after unrolling) is the other half's.
   auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  // (Trace: a counter of the consumer warps done with their stores, in half 0's drained weight
+  // slots, which the hand-over does not touch; zeroed before the barrier below.)
+  const uint32_t tcount = base + static_cast<uint32_t>(kKsStages * kKsActStage);
+  if (tx != nullptr && tid == 0) asm volatile("st.shared.u32 [%0], 0;\n" ::"r"(tcount) : "memory");
   {
     const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
@@ -347,40 +463,57 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       acc[4 * c + 3] += v.w;
     }
   }
+  if (tmark && h == 0) tx[5] = static_cast<unsigned long long>(clock64());
 
-  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over
-  // the half's columns [lo_col, hi_col) (a pair never crosses hi_col: the column before it is
-  // stored alone, as the one at lo_col is when the outputs start on an odd element).
+  // Epilogue: the row split's token-major bf16 pairs (gemm_wgmma_rows_kernel.cuh), n 80, over the
+  // half's columns [lo_col, lo_col + limit) (a pair never crosses the limit: the column before it
+  // is stored alone, as the first one is when the outputs start on an odd element). The half's own
+  // sums picked once (h is not a constant), each bf16 pair by one cvt.rn.bf16x2.f32 (round to
+  // nearest even, as float_to_bf16; NaNs here are GPU arithmetic's canonical one, which both turn
+  // into 0x7fff), one shuffle of the packed pairs per group for rows that start on an odd element.
+  // (Session 25 round B, same round, b2b us: the former epilogue, which converted and shuffled all
+  // ten groups, ~530 instructions per warp: M 64 20.19-20.20 / chained 17.70-17.75 against
+  // 19.78-19.79 / 17.61-17.63 now, M 33 chained 17.64-17.65 against 17.15-17.16. Lost there: the
+  // pairs staged in shared memory as a [token][column] tile and stored a token row per warp, 128
+  // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
-  const int hi_col = min(rows, lo_col + 8 * (kGroups / 2));
   {
+    constexpr int kOwn = kAcc / 2;  // 5 groups of 4
+    float own[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      uint16_t x0[kGroups + 1], x1[kGroups], nb[kGroups + 1];
+      uint32_t w[kOwn / 4], nb[kOwn / 4];
 #pragma unroll
-      for (int c = 0; c < kGroups; ++c) {
-        x0[c] = float_to_bf16(acc[4 * c + 2 * hh]);
-        x1[c] = float_to_bf16(acc[4 * c + 2 * hh + 1]);
-      }
-      x0[kGroups] = 0;
+      for (int j = 0; j < kOwn / 4; ++j)
+        w[j] = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
+      const int r = row0 + 8 * hh;
+      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col;
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
+      const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
+      // Odd rows: the pair at column 8 j + 2 q + 1 is this lane's second column and the next
+      // lane's first (q = 3: lane q = 0's of the next group, which that lane provides). (Session 25
+      // round E, same round, b2b us: these shuffles only in warps with an odd row and the interior
+      // pairs stored without the clip test: M 64 19.53-19.63 / chained 17.50-17.52 against
+      // 19.58-19.61 / 17.48-17.49; not kept.)
 #pragma unroll
-      for (int c = 0; c <= kGroups; ++c)
-        nb[c] = static_cast<uint16_t>(__shfl_sync(0xffffffffu, x0[c], next));
-      const int m = slots.token(row0 + 8 * hh);
-      uint16_t* dst = p.out + m * p.ldo + r_begin;
-      const bool odd = ((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u) != 0;
-      if (store && slots.stored(row0 + 8 * hh)) {
-        if (odd && q == 0 && lo_col < hi_col)
-          store_out(dst + lo_col, h == 1 ? x0[kGroups / 2] : x0[0]);
+      for (int j = 0; j < kOwn / 4; ++j)
+        nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
+      if (tmark && h == 0 && hh == 0) tx[10] = static_cast<unsigned long long>(clock64());
+      if (store && slots.stored(r)) {
+        if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
 #pragma unroll
-        for (int c = 0; c < kGroups; ++c) {
-          if (other(c)) continue;
-          const int col = 8 * c + 2 * q + (odd ? 1 : 0);
-          const uint16_t lo = odd ? x1[c] : x0[c];
-          const uint16_t hi = odd ? (q < 3 ? nb[c] : nb[c + 1]) : x1[c];
-          store_out_clipped(dst, col, lo, hi, hi_col);
+        for (int j = 0; j < kOwn / 4; ++j) {
+          const int col = 8 * j + 2 * q + odd;
+          const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
+          if (col + 1 < limit) {
+            store_out_pair(dst + col, pair);
+          } else if (col < limit) {
+            store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+          }
         }
       }
     }
@@ -389,6 +522,14 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     unsigned long long* t = p.trace + int64_t{blockIdx.x} * kRowsTraceWords;
     t[6] = static_cast<unsigned long long>(clock64());
     t[7] = global_ns();
+  }
+  if (tx != nullptr) {
+    if (tmark && h == 1) tx[6] = static_cast<unsigned long long>(clock64());
+    if (lane == 0) {
+      uint32_t before;
+      asm volatile("atom.shared.add.u32 %0, [%1], 1;\n" : "=r"(before) : "r"(tcount) : "memory");
+      if (before == 7) tx[7] = static_cast<unsigned long long>(clock64());
+    }
   }
 }
 

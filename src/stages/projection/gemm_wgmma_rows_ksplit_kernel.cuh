@@ -268,6 +268,14 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
       const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
+      // (RowsArgs::ks_l2_stages: the weights of stages ring ... ring + ks_l2_stages - 1 into L2.)
+      for (int i = ring; i < ring + p.ks_l2_stages && i < steps; ++i) {
+        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
+                                                         rows, p.n, kb_count);
+        const uint32_t bytes = static_cast<uint32_t>(stage_nk(i) * rows * 128);
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
+                     : "memory");
+      }
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +

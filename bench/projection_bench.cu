@@ -626,7 +626,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // (round G: equal); diagnostic 7, both kernels returning after their setup (round E: the launch
   // alone, 1.29-1.38 us b2b for either).)
   // (Session 25 also timed and removed: the row split with its wgmma A operand in registers, loaded
-  // from global memory a few K blocks ahead, its ring weights only (rounds A-E: M 64 b2b 36-52 us
+  // from global memory a few K blocks ahead, its ring weights only (rounds A-F: M 64 b2b 36-52 us
   // against 19.7-19.9; gemm_wgmma_rows_kernel.cuh).)
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round

@@ -996,9 +996,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
       const int ks_diag = ks_v && v_req >= 170 && v_req < 184 ? (v_req - 170) / 2 : 0;
       const int ks_early = ks_v && v_req >= 184 ? 1 + 2 * ((v_req - 184) / 2) : 0;
-      // (pa: 100 + 2 P + c the K split, 26 + c, with GemmWgmmaOptions::row_ks_l2_stages = P.)
+      // (pa: 100 + 2 P + c the K split, 26 + c, with GemmWgmmaOptions::row_ks_l2_stages = P; 130
+      // + 2 P + c the same with row_ks_l2_late.)
       const bool pa_v = v_req >= 100 && v_req < 150;
-      const int ks_l2 = pa_v ? (v_req - 100) / 2 : 0;
+      const bool ks_late = v_req >= 130 && v_req < 150;
+      const int ks_l2 = pa_v ? (v_req - (ks_late ? 130 : 100)) / 2 : 0;
       const int v = ks_v || pa_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
@@ -1025,6 +1027,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       if (ks_early > 0) o.row_early_stages = ks_early;
       o.row_ks_l2_stages = ks_l2;
+      o.row_ks_l2_late = ks_late;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -1052,7 +1055,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
            : variants[v].rows ? " row split"
                               : "") +
           (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
-          (ks_l2 > 0 ? " L2 " + std::to_string(ks_l2) : std::string()) +
+          (ks_l2 > 0 ? (ks_late ? " L2 late " : " L2 ") + std::to_string(ks_l2) : std::string()) +
           (ks_early > 0 ? " early " + std::to_string(ks_early) : std::string()) +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +

@@ -113,8 +113,10 @@ struct GemmWgmmaOptions {
   // With row_k_split (session 25, pa; the front of a call): each half also prefetches into L2, before
   // griddepcontrol.wait, the weights of this many stages past its first ring (the ring cannot take
   // them yet), so that HBM keeps streaming while the CTA waits for the preceding grid and its
-  // first stage. 0: none. Results do not depend on it.
+  // first stage. 0: none. row_ks_l2_late: the same prefetches issued after the activation boxes of
+  // the early stages (behind griddepcontrol.wait), not before them. Results do not depend on them.
   int row_ks_l2_stages = 0;
+  bool row_ks_l2_late = false;
   // With row_packed_weights (session 24): each K block's activation slot of n token rows as one
   // box even where it reaches past row M - 1 (the tensor unit fills those rows with zeros), instead
   // of two boxes of n / 2 inside the tensor (gemm_wgmma_rows_kernel.cuh, SlotTokens). Two boxes

@@ -268,14 +268,20 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
       const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
-      // (RowsArgs::ks_l2_stages: the weights of stages ring ... ring + ks_l2_stages - 1 into L2.)
-      for (int i = ring; i < ring + p.ks_l2_stages && i < steps; ++i) {
-        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
-                                                         rows, p.n, kb_count);
-        const uint32_t bytes = static_cast<uint32_t>(stage_nk(i) * rows * 128);
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
-                     : "memory");
-      }
+      // RowsArgs::ks_l2_stages = P > 0: the weights of stages ring ... ring + P - 1 into L2 here;
+      // -P: the same after the activation boxes of the early stages (behind the wait).
+      const int l2_stages = p.ks_l2_stages < 0 ? -p.ks_l2_stages : p.ks_l2_stages;
+      // (Not in form 2, whose producers hold 40 registers.)
+      auto prefetch_l2 = [&]() {
+        for (int i = ring; kForm != 2 && i < ring + l2_stages && i < steps; ++i) {
+          const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h),
+                                                           r_begin, rows, p.n, kb_count);
+          const uint32_t bytes = static_cast<uint32_t>(stage_nk(i) * rows * 128);
+          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
+                       : "memory");
+        }
+      };
+      if (p.ks_l2_stages > 0) prefetch_l2();
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
@@ -297,6 +303,7 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
                         smem_addr(&full_bar[h][s]));
         }
+        if (p.ks_l2_stages < 0 && i == (early > 1 ? early : 1) - 1) prefetch_l2();
       }
     }
     return;  // (consumers synchronize with named barriers only)

@@ -1,7 +1,8 @@
-// The K split's front options (GemmWgmmaOptions::row_ks_l2_stages, session 25) against the CPU
-// twin: integer-valued inputs bit-identical (see gemm_gpu_test_util.h), nothing outside the output
-// written, a second launch identical; plain and programmatic launches, more prefetched stages
-// than the half has, odd M, padded outputs; the option without row_k_split is rejected.
+// The K split's front options (GemmWgmmaOptions::row_ks_l2_stages / row_ks_l2_late, session 25)
+// against the CPU twin: integer-valued inputs bit-identical (see gemm_gpu_test_util.h), nothing
+// outside the output written, a second launch identical; plain and programmatic launches, more
+// prefetched stages than the half has, odd M, padded outputs; the option without row_k_split is
+// rejected.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -30,17 +31,20 @@ using testing::Rng;
   } while (0)
 
 // The K split on its own image (one image CTA per SM) with `l2_stages`, run twice; exact.
-void expect_ksplit_exact(int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int l2_stages) {
+void expect_ksplit_exact(int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int l2_stages,
+                         bool late = false) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
-  SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n << " K " << k << " ld pad " << ld_pad
-                                    << " PDL " << pdl << " L2 stages " << l2_stages);
+  SCOPED_TRACE(::testing::Message()
+               << "M " << m << " N " << n << " K " << k << " ld pad " << ld_pad << " PDL " << pdl
+               << " L2 stages " << l2_stages << " late " << late);
   Rng rng(seed);
   GemmData d = make_integer_data(m, n, k, rng);
   DeviceGemm dev(d, n + ld_pad);
   GemmWgmmaOptions o;
   o.row_k_split = true;
   o.row_ks_l2_stages = l2_stages;
+  o.row_ks_l2_late = late;
   o.programmatic_launch = o.trigger_dependents = pdl;
   Result<int> ctas = gemm_wgmma_rows_ctas(n, true);
   ASSERT_TRUE(ctas.ok()) << ctas.status().to_string();
@@ -73,13 +77,16 @@ TEST(GemmWgmmaKSplitFront, L2PrefetchStagesBitIdenticalToTwin) {
   M3_REQUIRE_WGMMA();
   expect_ksplit_exact(64, 9856, 6144, 0, true, 4);
   expect_ksplit_exact(41, 9856, 6144, 8, false, 2);
-  expect_ksplit_exact(64, 9856, 1152, 0, true, 100);  // more stages than each half has
+  expect_ksplit_exact(64, 9856, 1152, 0, true, 100);      // more stages than each half has
+  expect_ksplit_exact(48, 9856, 2048, 0, true, 4, true);  // after the early boxes
+  expect_ksplit_exact(33, 9856, 2048, 8, false, 4, true);
 }
 
 // Small shapes for compute-sanitizer (memcheck / racecheck).
 TEST(GemmWgmmaKSplitFront, SanitizerSmall) {
   M3_REQUIRE_WGMMA();
-  for (bool pdl : {false, true}) expect_ksplit_exact(40, 640, 4096, 8, pdl, 4);
+  for (bool pdl : {false, true})
+    for (bool late : {false, true}) expect_ksplit_exact(40, 640, 4096, 8, pdl, 4, late);
 }
 
 TEST(GemmWgmmaKSplitFront, L2PrefetchWithoutKSplitRejected) {

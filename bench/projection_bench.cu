@@ -989,19 +989,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (int v = 0; v < nv; ++v) order.push_back(v);
     if (!only_variants.empty()) order.assign(only_variants.begin(), only_variants.end());
     for (const int v_req : order) {
-      // (Session 25: 150 + 2 F + c runs the K split, variant 26 + c (plain / chained), with
-      // GemmWgmmaOptions::row_ks_form = F; 170 + 2 D + c with its diagnostic D (D <= 6); 185 /
-      // 187 chained with 1 / 3 (its whole ring) early stages per half.)
-      const bool ks_v = v_req >= 150 && v_req < 190;
-      const int ks_form = ks_v && v_req < 170 ? (v_req - 150) / 2 : 0;
-      const int ks_diag = ks_v && v_req >= 170 && v_req < 184 ? (v_req - 170) / 2 : 0;
-      const int ks_early = ks_v && v_req >= 184 ? 1 + 2 * ((v_req - 184) / 2) : 0;
-      // (pa: 100 + 2 P + c the K split, 26 + c, with GemmWgmmaOptions::row_ks_l2_stages = P; 130
-      // + 2 P + c the same with row_ks_l2_late.)
-      const bool pa_v = v_req >= 100 && v_req < 150;
-      const bool ks_late = v_req >= 130 && v_req < 150;
-      const int ks_l2 = pa_v ? (v_req - (ks_late ? 130 : 100)) / 2 : 0;
-      const int v = ks_v || pa_v ? 26 + v_req % 2 : v_req;
+      // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
+      // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
+      const bool ks_v = v_req >= 170 && v_req < 184;
+      const int ks_diag = ks_v ? (v_req - 170) / 2 : 0;
+      const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -1023,11 +1015,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_ks_form = ks_form;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
-      if (ks_early > 0) o.row_early_stages = ks_early;
-      o.row_ks_l2_stages = ks_l2;
-      o.row_ks_l2_late = ks_late;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
       auto with_copy = [&](int c) {
@@ -1054,9 +1042,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +
-          (ks_form > 0 ? " form " + std::to_string(ks_form) : std::string()) +
-          (ks_l2 > 0 ? (ks_late ? " L2 late " : " L2 ") + std::to_string(ks_l2) : std::string()) +
-          (ks_early > 0 ? " early " + std::to_string(ks_early) : std::string()) +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +

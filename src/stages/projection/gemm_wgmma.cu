@@ -427,11 +427,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
-    M3_CHECK_ARG(options.row_ks_l2_stages >= 0 &&
-                     (options.row_ks_l2_stages == 0 ||
-                      (options.row_k_split && options.row_ks_form != 2)),
-                 "GemmWgmmaOptions::row_ks_l2_stages = ", options.row_ks_l2_stages,
-                 " must be >= 0 (and 0 without row_k_split or with row_ks_form 2)");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -455,23 +450,15 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.kblocks = static_cast<int>(kblocks);
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     // (Early weights with programmatic launch: row_early_stages stages, or the kernel's default.)
-    ra.ks_l2_stages = !options.row_k_split ? 0
-                      : options.row_ks_l2_late ? -options.row_ks_l2_stages
-                                               : options.row_ks_l2_stages;
     ra.early_weights = !options.programmatic_launch   ? 0
                        : options.row_early_stages > 0 ? options.row_early_stages
                                                       : -1;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
-    M3_CHECK_ARG(options.row_ks_form >= 0 && options.row_ks_form < gemm_wgmma_detail::kKsForms &&
-                     (options.row_ks_form == 0 ||
-                      (options.row_k_split && options.debug_rows_diag == 0)),
-                 "GemmWgmmaOptions::row_ks_form = ", options.row_ks_form, " must be in [0, ",
-                 gemm_wgmma_detail::kKsForms, ") (0 without row_k_split or with diagnostics)");
     if (options.row_k_split)
-      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag,
-                                                   options.row_ks_form, info, stream);
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

@@ -101,22 +101,12 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // With row_k_split (session 25, A/B forms of its consumers; results do not depend on it): 0 =
-  // the form above. (Forms: gemm_wgmma_rows_ksplit_kernel.cuh, kKsForms.)
-  int row_ks_form = 0;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the
   // whole first ring early made the first stage land late (behind the ring's burst). Results do
   // not depend on it.
   int row_early_stages = 0;
-  // With row_k_split (session 25, pa; the front of a call): each half also prefetches into L2, before
-  // griddepcontrol.wait, the weights of this many stages past its first ring (the ring cannot take
-  // them yet), so that HBM keeps streaming while the CTA waits for the preceding grid and its
-  // first stage. 0: none. row_ks_l2_late: the same prefetches issued after the activation boxes of
-  // the early stages (behind griddepcontrol.wait), not before them. Results do not depend on them.
-  int row_ks_l2_stages = 0;
-  bool row_ks_l2_late = false;
   // With row_packed_weights (session 24): each K block's activation slot of n token rows as one
   // box even where it reaches past row M - 1 (the tensor unit fills those rows with zeros), instead
   // of two boxes of n / 2 inside the tensor (gemm_wgmma_rows_kernel.cuh, SlotTokens). Two boxes

@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kDiag, int kForm = 0>
+template <int kDiag>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kForm>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kDiag>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
   // wave of one CTA per SM.
@@ -24,16 +24,14 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem));
     int resident = 0;
     M3_CUDA_RETURN_IF_ERROR(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, ks_threads(kForm),
-                                                      kMaxSmem));
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kKsThreads, kMaxSmem));
     if (resident < 1)
       return make_status(StatusCode::kCudaError, "run_gemm_wgmma_cuda (row K split): no CTA fits ",
                          "on an SM (", kMaxSmem, " B of dynamic shared memory)");
     if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
   }
   const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
-  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)),
-                                     dim3(static_cast<unsigned>(ks_threads(kForm))),
+  M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)), dim3(kKsThreads),
                                      static_cast<size_t>(rows_ksplit_smem_bytes(kbl0)), stream,
                                      args.early_weights != 0, xmap, args));
   M3_CUDA_CHECK_LAUNCH();
@@ -43,10 +41,7 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 }  // namespace
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          int form, const CudaDeviceInfo& info, cudaStream_t stream) {
-  static_assert(kKsForms == 3, "one launch per form");
-  if (form == 1) return launch<0, 1>(xmap, args, pairs, info, stream);
-  if (form == 2) return launch<0, 2>(xmap, args, pairs, info, stream);
+                          const CudaDeviceInfo& info, cudaStream_t stream) {
   if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);

@@ -93,8 +93,6 @@ constexpr int kKsRowsMax = 76;  // weight rows per pair at most (n80 B tile; see
 constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (64 token rows)
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
-// Threads of a form (kKsForms): form 2 pads the producers to a warpgroup (setmaxnreg).
-constexpr int ks_threads(int form) { return form == 2 ? 3 * 128 : kKsThreads; }
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
@@ -144,25 +142,13 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// Forms (GemmWgmmaOptions::row_ks_form; session 25 A/Bs, results identical): 0 = the kernel
-// below; 1 = each half's last stage of two K blocks as two stages of one (kSplitLast); 2 = 384
-// threads, the producer warpgroup's registers given to the consumers by setmaxnreg (no spills at
-// 168).
-constexpr int kKsForms = 3;
-
-// (Session 25 round D, same round, b2b us, lost and deleted: the K split over the row split's
-// image, each CTA serving image CTAs 2 g and 2 g + 1 with two bulk copies per stage and two
-// m64n40k32 per k step, so that the layer's row image could serve it: M 64 20.54 / chained
-// 18.89-18.92 against 19.72-19.73 / 17.57-17.60 on its own image (the consumers a stage behind
-// the ring: two wgmmas per k step read the activations twice).)
-template <int kDiag = 0, int kForm = 0>
-__global__ void __launch_bounds__(ks_threads(kForm), 1)
+template <int kDiag = 0>
+__global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
   constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
-  static_assert(kForm == 0 || kDiag == 0, "forms without diagnostics (kKsForms)");
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -185,17 +171,14 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  // Form 1 (kSplitLast): the half's last stage of two K blocks as two stages of one, so that less
-  // compute follows the last bytes to land (re-measured with the cheaper fold and epilogue).
-  constexpr bool kSplitLast = kForm == 1;
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  // Stage i's first local K block and its K blocks. (Session 25 round F, same round, b2b us: each
+  // half's last stage of two K blocks as two stages of one re-measured with the cheaper fold and
+  // epilogue, tied again: M 64 19.56-19.60 / chained 17.39-17.42 against 19.44-19.52 /
+  // 17.40-17.44; M 33 / 48 chained +0.05-0.1.)
   static_assert(kKsKpb == 2, "stage_first / stage_nk");
-  const bool split_last = kSplitLast && kbl >= 2 && kbl % 2 == 0;
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb + (split_last ? 1 : 0);
-  // Stage i's first local K block and its K blocks.
-  auto stage_first = [&](int i) { return split_last && i == steps - 1 ? kbl - 1 : 2 * i; };
-  auto stage_nk = [&](int i) {
-    return split_last && i >= steps - 2 ? 1 : (kbl - 2 * i < 2 ? kbl - 2 * i : 2);
-  };
+  auto stage_first = [](int i) { return 2 * i; };
+  auto stage_nk = [&](int i) { return kbl - 2 * i < 2 ? kbl - 2 * i : 2; };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
@@ -215,18 +198,10 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   }
   __syncthreads();
   if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-  // Form 2: the producer warpgroup (warps 8-11; 10 and 11 idle) gives registers to the consumers
-  // (384 threads at 168 registers: 40 for the producers, 232 for the consumers).
-  if constexpr (kForm == 2) {
-    if (tid >= 256) {
-      asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    } else {
-      asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-    }
-  }
-
+  // (Session 25 round F, same round, b2b us: 384 threads, the producer warpgroup's registers given
+  // to the consumers by setmaxnreg 40 / 232 (no spills): M 64 19.35-19.43 / chained 17.34-17.46
+  // against 19.44-19.52 / 17.40-17.44, M 33 / 48 within 0.1: tied, deleted.)
   if (tid >= 256) {
-    if (tid >= 256 + 64) return;  // (form 2's idle warps)
     if (lane == 1 && p.trace != nullptr) {
       // Diagnostics (bench only): the trace's words 0-4 (kRowsTraceWords) from half 0; word 5
       // (the row split's "last stage released") is half 1's last stage full (the summary's
@@ -268,20 +243,12 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
       const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
-      // RowsArgs::ks_l2_stages = P > 0: the weights of stages ring ... ring + P - 1 into L2 here;
-      // -P: the same after the activation boxes of the early stages (behind the wait).
-      const int l2_stages = p.ks_l2_stages < 0 ? -p.ks_l2_stages : p.ks_l2_stages;
-      // (Not in form 2, whose producers hold 40 registers.)
-      auto prefetch_l2 = [&]() {
-        for (int i = ring; kForm != 2 && i < ring + l2_stages && i < steps; ++i) {
-          const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h),
-                                                           r_begin, rows, p.n, kb_count);
-          const uint32_t bytes = static_cast<uint32_t>(stage_nk(i) * rows * 128);
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes)
-                       : "memory");
-        }
-      };
-      if (p.ks_l2_stages > 0) prefetch_l2();
+      // (Session 25 round G, pa, same round, b2b us, lost and deleted: each half also prefetching
+      // into L2 here (cp.async.bulk.prefetch.L2) the weights of 2 / 4 / 8 stages past its first
+      // ring, to keep HBM busy until the first stage: M 64 chained 18.10-18.20 / 19.10-19.14 /
+      // 21.03-21.06 against 17.40-17.53, plain 21.45-21.58 / 23.30-23.32 / 25.35-25.43 against
+      // 19.62-19.65; M 33 / 48 chained +0.6-3.4. The pair trace at 4: entry -> first full 5.61 us
+      // against 2.65, the prefetches queued ahead of the first stages' activation boxes.)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
@@ -303,7 +270,6 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
                         smem_addr(&full_bar[h][s]));
         }
-        if (p.ks_l2_stages < 0 && i == (early > 1 ? early : 1) - 1) prefetch_l2();
       }
     }
     return;  // (consumers synchronize with named barriers only)
@@ -493,6 +459,9 @@ __global__ void __launch_bounds__(ks_threads(kForm), 1)
   // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
+  // (Session 25 round G: the first 72 columns through a shared-memory tile and one TMA tensor
+  // store per CTA faulted on the device (illegal instruction) in its first run; no round was left
+  // to find why, deleted.)
   {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];

@@ -82,7 +82,6 @@ struct Case {
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
-  int ks_form = 0;          // GemmWgmmaOptions::row_ks_form (with k_split)
 };
 
 std::string describe(const Case& c) {
@@ -95,8 +94,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
-         " K split form " + std::to_string(c.ks_form);
+         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -143,7 +141,6 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
-    o.row_ks_form = c.ks_form;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -842,7 +839,8 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
 }
 
 // Fp8BlockGemm::run_row_split with a K-split image (session 25, GemmRowImage::ks_data,
-// Fp8BlockGemmOptions::row_k_split_min_m 33): M 33 / 48 / 64 run the K split over it, M 32 the
+// Fp8BlockGemmOptions::row_k_split_min_m 33; Fp8BlockGemm takes M % 4 == 0): M 36 / 48 / 64 run
+// the K split over it, M 32 the
 // row split, and where the K split cannot serve the shape (K 8192 > 6400) the row split too;
 // exact against the twin with the weight itself poisoned, plain and with PDL.
 TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
@@ -856,7 +854,7 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
     auto r = Fp8BlockGemm::create(64, n, k, o);
     ASSERT_TRUE(r.ok()) << r.status().to_string();
     std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
-    for (int64_t m : {32, 33, 48, 64}) {
+    for (int64_t m : {32, 36, 48, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(::testing::Message() << "M " << m << " K " << k);
@@ -979,55 +977,51 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   }
 }
 
-// The K split's forms (session 25, GemmWgmmaOptions::row_ks_form 1: each half's last stage split in
-// two; 2: 384 threads with setmaxnreg): exact against the twin on the shapes that reach their
-// edges: fused
-// width (pairs of 74-75 rows starting on odd and even rows, straddling weight-scale blocks),
-// padded outputs, padded tokens and two activation boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per
-// pair (half 1 without columns), images for 100 / 200 pairs (61-62 and 30-31 rows), K blocks 1 /
-// 3 / 9 / 13 (partial stages, half 1 idle), PDL.
-TEST(GemmWgmmaRowSplit, KSplitForms) {
+// The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
+// cvt.rn.bf16x2): exact against the twin on fused width (pairs of 74-75 rows starting on odd and
+// even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation boxes
+// (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 / 200 pairs
+// (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL.
+TEST(GemmWgmmaRowSplit, KSplitEdges) {
   M3_REQUIRE_WGMMA();
-  auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas, int form) {
+  auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
     Case c{m, n, k, ld_pad, 0, false, 0, 4, 0, true, 0, pdl};
     c.rows = true;
     c.k_split = true;
     c.row_ctas = row_ctas;
-    c.ks_form = form;
     return c;
   };
-  for (int form : {1, 2}) {
-    for (const Case& c :
-         {ks(64, 9856, 6144, 0, false, 0, form), ks(64, 9856, 2048, 8, true, 0, form),
-          ks(33, 9856, 1152, 16, false, 0, form), ks(47, 9856, 2048, 8, true, 0, form),
-          ks(57, 6144, 1664, 0, false, 100, form), ks(63, 6144, 1152, 16, true, 200, form),
-          ks(50, 384, 128, 16, false, 0, form), ks(40, 640, 384, 8, false, 0, form)}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(describe(c));
-      Rng rng(seed);
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n + c.ld_pad);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
-    }
+  for (const Case& c :
+       {ks(64, 9856, 6144, 0, false, 0), ks(64, 9856, 2048, 8, true, 0),
+        ks(33, 9856, 1152, 16, false, 0), ks(47, 9856, 2048, 8, true, 0),
+        ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
+        ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(describe(c));
+    Rng rng(seed);
+    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+    DeviceGemm dev(d, c.n + c.ld_pad);
+    const std::vector<uint16_t> got = run_twice(dev, c);
+    std::string report;
+    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
   }
 }
 
-// The K split's forms, small shapes for compute-sanitizer (memcheck / racecheck): rings reused
-// (K 4096), padded tokens and outputs, PDL at M 64, exact against the twin.
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitForms) {
+// The K split with programmatic launch (session 25's fold and epilogue): small shapes for
+// compute-sanitizer (memcheck / racecheck), rings reused (K 4096), padded tokens and outputs, the
+// fused width at K 1152 (pairs of 74-75 rows), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
   M3_REQUIRE_WGMMA();
-  for (int form : {0, 1, 2}) {
+  for (const int64_t n : {640, 9856}) {
     for (int64_t m : {33, 64}) {
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " form " << form);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n);
       Rng rng(seed);
-      Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, m == 64, 1, false, 0, false, true};
+      Case c{m, n, n == 640 ? 4096 : 1152, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false,
+             true};
       c.k_split = true;
-      c.ks_form = form;
       GemmData d = make_integer_data(c.m, c.n, c.k, rng);
       DeviceGemm dev(d, c.n + c.ld_pad);
       const std::vector<uint16_t> got = run_twice(dev, c);

@@ -283,6 +283,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     const int l = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
   }
+  // (pa, the front; RowsArgs::ks_l2_stages = P) While the CTA waits for the preceding grid, the
+  // half's consumers prefetch into L2, one 128-byte line per instruction (the load path, not the
+  // bulk-copy queue that the first stages' activation boxes wait in), the weights of the P stages
+  // past its first ring, which its producer can request only as stages free.
+  {
+    const int ring = steps < kKsStages ? steps : kKsStages;
+    for (int i = ring; i < ring + p.ks_l2_stages && i < steps; ++i) {
+      const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
+                                                       rows, p.n, kb_count);
+      for (int x = ct; x < stage_nk(i) * rows; x += 128)
+        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + int64_t{x} * 128));
+    }
+  }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = ct; i < kbl * 64; i += 128) {
     const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)

@@ -993,10 +993,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
       const bool ks_v = v_req >= 170 && v_req < 184;
       const int ks_diag = ks_v ? (v_req - 170) / 2 : 0;
-      // (pa: 100 + 2 P + c the K split, 26 + c, with GemmWgmmaOptions::row_ks_l2_lines = P.)
-      const bool pa_v = v_req >= 100 && v_req < 150;
-      const int ks_l2 = pa_v ? (v_req - 100) / 2 : 0;
-      const int v = ks_v || pa_v ? 26 + v_req % 2 : v_req;
+      const int v = ks_v ? 26 + v_req % 2 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -1018,7 +1015,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_ks_l2_lines = ks_l2;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -1043,7 +1039,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (ks_l2 > 0 ? " L2 lines " + std::to_string(ks_l2) : std::string()) +
           (variants[v].ksplit ? " row K split"
            : variants[v].rows ? " row split"
                               : "") +

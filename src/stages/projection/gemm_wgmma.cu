@@ -427,10 +427,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
-    M3_CHECK_ARG(options.row_ks_l2_lines >= 0 &&
-                     (options.row_ks_l2_lines == 0 || options.row_k_split),
-                 "GemmWgmmaOptions::row_ks_l2_lines = ", options.row_ks_l2_lines,
-                 " must be >= 0 (and 0 without row_k_split)");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -454,7 +450,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.kblocks = static_cast<int>(kblocks);
     ra.weight_evict_first = options.weight_evict_first ? 1 : 0;
     // (Early weights with programmatic launch: row_early_stages stages, or the kernel's default.)
-    ra.ks_l2_stages = options.row_k_split ? options.row_ks_l2_lines : 0;
     ra.early_weights = !options.programmatic_launch   ? 0
                        : options.row_early_stages > 0 ? options.row_early_stages
                                                       : -1;

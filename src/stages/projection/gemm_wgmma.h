@@ -107,11 +107,6 @@ struct GemmWgmmaOptions {
   // whole first ring early made the first stage land late (behind the ring's burst). Results do
   // not depend on it.
   int row_early_stages = 0;
-  // With row_k_split (session 25, pa, the front of a call): each half's consumers prefetch into L2,
-  // line by line before griddepcontrol.wait, the weights of this many stages past its first ring
-  // (round I A/B; round G's bulk prefetches of the same bytes from the producer lost: they queued
-  // ahead of the first stages' activation boxes). 0: none. Results do not depend on it.
-  int row_ks_l2_lines = 0;
   // With row_packed_weights (session 24): each K block's activation slot of n token rows as one
   // box even where it reaches past row M - 1 (the tensor unit fills those rows with zeros), instead
   // of two boxes of n / 2 inside the tensor (gemm_wgmma_rows_kernel.cuh, SlotTokens). Two boxes

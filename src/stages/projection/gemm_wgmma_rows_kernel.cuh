@@ -227,10 +227,6 @@ struct RowsArgs : ScalesOut {
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
-  // The K split's front (GemmWgmmaOptions::row_ks_l2_lines): stages past its first ring whose
-  // weights each half's consumers prefetch into L2 line by line before griddepcontrol.wait; 0
-  // elsewhere.
-  int ks_l2_stages;
 };
 
 // Trace words per CTA (projection_bench --trace; bandwidth_bench --rows --trace writes the same

@@ -243,12 +243,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
-      // (Session 25 round G, pa, same round, b2b us, lost and deleted: each half also prefetching
-      // into L2 here (cp.async.bulk.prefetch.L2) the weights of 2 / 4 / 8 stages past its first
-      // ring, to keep HBM busy until the first stage: M 64 chained 18.10-18.20 / 19.10-19.14 /
-      // 21.03-21.06 against 17.40-17.53, plain 21.45-21.58 / 23.30-23.32 / 25.35-25.43 against
-      // 19.62-19.65; M 33 / 48 chained +0.6-3.4. The pair trace at 4: entry -> first full 5.61 us
-      // against 2.65, the prefetches queued ahead of the first stages' activation boxes.)
+      // (Session 25, pa, same rounds, b2b us, lost and deleted: the weights of 1-8 stages past the
+      // first ring prefetched into L2 before griddepcontrol.wait, to keep HBM busy until the first
+      // stage. Round G, by this producer with bulk prefetches (cp.async.bulk.prefetch.L2), 2 / 4 /
+      // 8 stages: M 64 chained 18.10-18.20 / 19.10-19.14 / 21.03-21.06 against 17.40-17.53, plain
+      // 21.45-21.58 / 23.30-23.32 / 25.35-25.43 against 19.62-19.65, M 33 / 48 chained +0.6-3.4;
+      // round I, by the half's consumers line by line (prefetch.global.L2), 1 / 2 / 4 stages: M 64
+      // chained 17.89-17.91 / 18.15-18.20 / 19.17-19.20 against 17.41-17.48, plain (2) 21.08-21.26
+      // against 19.49-19.64, M 33 / 48 (2 / 4) 17.77 / 18.79, 18.05 / 18.96 against 16.92 / 17.22.
+      // Pair traces: entry -> first full 5.61 us at 4 bulk stages, 4.37 at 2 line stages, against
+      // 2.65-2.82: the front is bandwidth-bound already (the two early stages per half and stage 2
+      // keep each SM's share of HBM busy until the first stage is consumed), and any bytes asked
+      // for ahead of the first stage make it land later. The boundary's cost is the previous call's
+      // tail plus the ~0.85 us before the next call's CTA enters its SM (one ~224 KB CTA per SM).)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +
@@ -282,19 +289,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   for (int i = ct; i < kbl * 2; i += 128) {
     const int l = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
-  }
-  // (pa, the front; RowsArgs::ks_l2_stages = P) While the CTA waits for the preceding grid, the
-  // half's consumers prefetch into L2, one 128-byte line per instruction (the load path, not the
-  // bulk-copy queue that the first stages' activation boxes wait in), the weights of the P stages
-  // past its first ring, which its producer can request only as stages free.
-  {
-    const int ring = steps < kKsStages ? steps : kKsStages;
-    for (int i = ring; i < ring + p.ks_l2_stages && i < steps; ++i) {
-      const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
-                                                       rows, p.n, kb_count);
-      for (int x = ct; x < stage_nk(i) * rows; x += 128)
-        asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src + int64_t{x} * 128));
-    }
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = ct; i < kbl * 64; i += 128) {

@@ -425,8 +425,6 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
-  bool areg = false;     // GemmWgmmaOptions::row_areg (the row split's image)
-  int areg_stages = 0;   // GemmWgmmaOptions::row_areg_stages
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -627,6 +625,9 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   // vs 18.19-18.28); each half handing its sums over in its own ring, one wait for the other half
   // (round G: equal); diagnostic 7, both kernels returning after their setup (round E: the launch
   // alone, 1.29-1.38 us b2b for either).)
+  // (Session 25 also timed and removed: the row split with its wgmma A operand in registers, loaded
+  // from global memory a few K blocks ahead, its ring weights only (rounds A-F: M 64 b2b 36-52 us
+  // against 19.7-19.9; gemm_wgmma_rows_kernel.cuh).)
   // (Session 22 also timed and removed: each stage's activation scales carried in the stage (round
   // B: M 32 / 64 24.1 / 31.7 us b2b vs 17.5 / 21.2); two warpgroups per CTA issuing in turns (round
   // C: M 64 24.6-24.7 vs 24.5-24.7 without, 21.1 with two CTAs per SM); the outputs through shared
@@ -704,23 +705,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (session 25, pa: 46-57 the row split with the activations in registers (row_areg): 46 / 47
-      // plain / chained, 48 / 49 its ring alone (diagnostic 1), 50 / 51 its ring with the
-      // activation loads (diagnostic 2), 52-55 a ring of 6 / 8 stages plain / chained, 56 / 57
-      // diagnostic 2 with 6 stages)
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 1, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 1, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, false, true, 8},
-      {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, false, true, 8},
-      {0, false, 16, 0, false, true, 0, false, false, 2, false, 0, false, true, 6},
-      {0, false, 16, 0, false, true, 0, true, false, 2, false, 0, false, true, 6}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -1027,8 +1012,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.burst = variants[v].burst;
       o.programmatic_launch = o.trigger_dependents = variants[v].chain;
       o.weight_evict_first = !variants[v].no_evict_first;
-      o.row_areg = variants[v].areg;
-      o.row_areg_stages = variants[v].areg_stages;
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
@@ -1050,12 +1033,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
         return oc;
       };
       const std::string name =
-          std::string(!variants[v].areg            ? ""
-                      : variants[v].areg_stages > 0 ? "A regs " +
-                                                          std::to_string(variants[v].areg_stages) +
-                                                          " "
-                                                    : "A regs ") +
-          "wgmma ctas " +
+          std::string("wgmma ctas ") +
           (o.ctas_per_sm == 0 ? "auto" : std::to_string(o.ctas_per_sm)) +
           (o.owner_fixup ? " owner fixup" : "") +
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +

@@ -13,7 +13,6 @@
 #include "stages/projection/gemm_wgmma.h"
 #include "stages/projection/gemm_wgmma_kernel.cuh"
 #include "stages/projection/gemm_wgmma_rows_kernel.cuh"
-#include "stages/projection/gemm_wgmma_rows_areg.h"
 #include "stages/projection/gemm_wgmma_rows_ksplit.h"
 #include "stages/projection/gemm_wgmma_rows_ksplit_kernel.cuh"
 
@@ -428,17 +427,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
-    // The row split with A in registers (two CTAs of one warpgroup per SM, its own stages).
-    M3_CHECK_ARG(!options.row_areg || (!options.row_k_split && options.ctas_per_sm == 0 &&
-                                       kpb == 0 && options.debug_rows_diag >= 0 &&
-                                       options.debug_rows_diag <= 2 &&
-                                       (options.row_areg_stages == 0 ||
-                                        options.row_areg_stages == 6 ||
-                                        options.row_areg_stages == 8)),
-                 "GemmWgmmaOptions::row_areg excludes row_k_split, ctas_per_sm (",
-                 options.ctas_per_sm, "), burst (", kpb, ") and diagnostics other than 1 / 2 (",
-                 options.debug_rows_diag, "); row_areg_stages (", options.row_areg_stages,
-                 ") must be 0, 6 or 8");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -478,11 +466,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // M 64 19.70-19.78 / 18.46-18.51 against 19.86-19.87 / 18.54-18.58).
     const bool fixed =
         !two_wg && kpb == 0 && diag == 0 && (m == box_rows_for(m) || options.row_one_box);
-    // The row split with A in registers (its own kernel; the same image).
-    if (options.row_areg)
-      return gemm_wgmma_detail::launch_rows_areg(ra, p.a.data, m <= 1 ? k : p.a.stride[0], rgrid,
-                                                 options.row_areg_stages, options.debug_rows_diag,
-                                                 info, stream);
     if (m <= 8)
       return dispatch_rows_kpb<8>(kpb, two_wg, diag, false, xmap, ra, rgrid, info, stream);
     if (m <= 16) return dispatch_rows_kpb<16>(kpb, two_wg, 0, fixed, xmap, ra, rgrid, info, stream);

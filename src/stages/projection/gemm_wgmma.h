@@ -113,17 +113,6 @@ struct GemmWgmmaOptions {
   // were faster on the fused weight at M 17-48, one box on o_proj's (N 6144, K 8192) at M 9-31 and
   // 48-63 (round G). Results do not depend on it.
   bool row_one_box = false;
-  // Variant (session 25; with row_packed_weights, the row split's image; M 1 ... 64): the row split
-  // with the activations in registers (gemm_wgmma_rows_areg_kernel.cuh): the token-major m64n40k32
-  // at every M with its A operand loaded by the consumer threads from global memory (L2) a few K
-  // blocks ahead, so that the shared-memory ring holds weights only (kAregStages stages of 2 K
-  // blocks instead of 3). Same products and bits as the row split's token-major form. ctas_per_sm
-  // and burst must be 0; row_early_stages and row_one_box do not apply (a programmatic launch
-  // requests its whole ring before griddepcontrol.wait: it holds no activations).
-  bool row_areg = false;
-  // With row_areg: its ring's stages (0: the deepest, 11 of 2 K blocks; 6 or 8 leave more of the
-  // SM's memory to L1, where its two CTAs share the activations). Results do not depend on it.
-  int row_areg_stages = 0;
   // Fewer CTAs than ctas_per_sm x SMs when the GEMM has fewer than this many 16 KB units per CTA.
   int min_units_per_cta = 16;  // (session 11: 16 beat 4 by 17 % at M 1 and 16 on the H200)
   // Load the weights with an L2 evict-first policy (they are read once per call).
@@ -176,8 +165,7 @@ struct GemmWgmmaOptions {
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
-  // wgmmas read it (6, M > 32). With row_areg: its ring alone (1), 1 with the activation loads
-  // (2). 0: off.
+  // wgmmas read it (6, M > 32). 0: off.
   int debug_rows_diag = 0;
 };
 

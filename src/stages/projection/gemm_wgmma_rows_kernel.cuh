@@ -100,6 +100,26 @@
 // M); at M 32 chained, 1 K block per stage (20.66-20.73 against 17.40-17.46), one CTA of two
 // warpgroups (19.89-19.93), no evict-first hint (17.56-17.57).
 //
+// Lost (session 25, rounds A-F, same rounds, b2b us, fused M 64, deleted): the token-major form
+// with its wgmma A operand in REGISTERS, loaded by each consumer thread from global memory (the
+// L2-resident activations) 4 K blocks ahead, so that the ring held weights only (11 stages of 2 K
+// blocks; the weight scales staged once, the activation scales loaded with the fragments; exact
+// against the twin at every M). Its ring alone was the fastest yet (17.42 plain / 14.77 chained,
+// 3 stages 17.10-17.21 / 15.11-15.25, against this kernel's ring with its activation boxes 18.04 /
+// 16.76), but the loads never kept up: 4-byte fragment loads 52.0-52.1 / 51.4-51.5 (round A);
+// 16-byte column loads with a 4 x 4 quad transpose 42.2-46.1 / 40.4-43.7 (rounds B-E, rings of
+// 3 to 11 stages alike); 2 K blocks ahead instead of 4 faster (36.0 / 34.4 at 3 stages), L1
+// prefetches 8 / 12 K blocks ahead slower (49.0-50.8 / 46.0-49.1); the ring with the 16-byte
+// loads and no wgmma 29.2-35.9. This kernel: 19.72-19.90 / 18.52-18.63. ncu (rounds C / E): L2
+// throughput 26-30 %, DRAM 22-25 %, issue slots 15-24 %, L1 hit rate 48 %, 2 % excess sectors;
+// every warp waits on the long scoreboard at the first use of each K block's fragments. Round F
+// found the cause: the same loads with no weight ring at all (no copies, no barrier waits) took
+// 25.0-26.0 us b2b (ld.cg, L2 only: 36.0-37.9 with the ring), i.e. the per-thread load path moved
+// the 104 MB that every CTA's copy of the activations amounts to at ~4 TB/s (~31 GB/s per SM),
+// where this kernel's TMA boxes bring them with the weights in ~18 us. (Round C's SASS had also
+// shown "row < M ? load : 0" compiled as load + move into the ring, each move waiting for its
+// load; unconditional loads (round D) changed nothing measurable.)
+//
 // Two warpgroups per CTA (kWg = 2, GemmWgmmaOptions::ctas_per_sm = 1): one CTA per SM whose
 // warpgroup w is the image's CTA 2c + w (the same image), one ring of deeper stages (4-11) and
 // one set of activation boxes for both, each warpgroup's rows one bulk copy per stage. Round I:

@@ -257,6 +257,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
+      // (Session 25, pa, same rounds, b2b us, lost and deleted: the weights of 1-8 stages past the
+      // first ring prefetched into L2 before griddepcontrol.wait, to keep HBM busy until the first
+      // stage. Round G, by this producer with bulk prefetches (cp.async.bulk.prefetch.L2), 2 / 4 /
+      // 8 stages: M 64 chained 18.10-18.20 / 19.10-19.14 / 21.03-21.06 against 17.40-17.53, plain
+      // 21.45-21.58 / 23.30-23.32 / 25.35-25.43 against 19.62-19.65, M 33 / 48 chained +0.6-3.4;
+      // round I, by the half's consumers line by line (prefetch.global.L2), 1 / 2 / 4 stages: M 64
+      // chained 17.89-17.91 / 18.15-18.20 / 19.17-19.20 against 17.41-17.48, plain (2) 21.08-21.26
+      // against 19.49-19.64, M 33 / 48 (2 / 4) 17.77 / 18.79, 18.05 / 18.96 against 16.92 / 17.22.
+      // Pair traces: entry -> first full 5.61 us at 4 bulk stages, 4.37 at 2 line stages, against
+      // 2.65-2.82: the front is bandwidth-bound already (the two early stages per half and stage 2
+      // keep each SM's share of HBM busy until the first stage is consumed), and any bytes asked
+      // for ahead of the first stage make it land later. The boundary's cost is the previous call's
+      // tail plus the ~0.85 us before the next call's CTA enters its SM (one ~224 KB CTA per SM).)
       asm volatile("griddepcontrol.wait;\n" ::: "memory");
       if (p.trace != nullptr)
         p.trace[int64_t{gridDim.x} * kRowsTraceWords + int64_t{blockIdx.x} * kKsTraceExtWords + 8 +

@@ -154,6 +154,16 @@ __device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, ui
   a.timeline[w * kTimelineStride + word] = c;
 }
 
+// A value (not a clock) into `word` of the warp's kTimelineStride words (lane 0; timeline only).
+// Word 20: the number of blocks the decode warp scores (decode_path); word 21 (timeline_stamp,
+// clustered single pass): clock64 once the warp's release arrive at the end returned.
+__device__ __forceinline__ void timeline_word(const KernelArgs& a, int word, uint64_t value) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  a.timeline[w * kTimelineStride + word] = value;
+}
+
 // The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
 // word kTimelineStride * (grid.x * grid.y * 4) + 16 of the scorer's grid), kSelectTimelineWords
 // words per selection warp (global warp index): the SM id + 1, clock64 at entry, at the release

@@ -658,6 +658,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));  // <= max_pages
   const int b1 = min(nvis, bend);
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
+  timeline_word(a, 20, first < b1 ? static_cast<uint64_t>((b1 - first + step - 1) / step) : 0u);
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
@@ -732,6 +733,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
             shared ? static_cast<int>(gridDim.y) : 0);
     timeline_mark(a, 2);
     cluster_arrive_release();
+    timeline_stamp(a, 21, 0u);  // the release arrive returned
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);

@@ -201,6 +201,12 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
+  // Decode units: each warp loads the page-table entries of its blocks after its first two at
+  // its start (one lane per block, with the first two) and, once its first copies are issued,
+  // L2-prefetches one 128-byte line of each of those pages, so that their address translations
+  // (and that line) are fetched at the start, in parallel, instead of one block at a time when
+  // the stream reaches the page. Same ids (an A/B switch, session 25).
+  bool warm_translations = false;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

@@ -599,6 +599,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
+  // IndexerCudaOptions::warm_translations: lane l the page of the warp's block 2 + l (loaded with
+  // the first two, prefetched after the first copies).
+  const int warm_b = first + (lane + 2) * step;
+  const int64_t pg_warm = a.warm && warm_b < bend ? guarded_page(a, r, warm_b) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -648,6 +652,11 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       pre = true;
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
+  }
+  if (pg_warm >= 0) {
+    // An L2 prefetch reads nothing into registers, and pages past the visible blocks cost at most
+    // a line each (bounded waste: seq_lens and positions are not waited for).
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(page_base(a, pg_warm)) : "memory");
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this

@@ -30,7 +30,8 @@
 //   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
 //   192, 8K; with --case that case alone; --k K,K,... replaces the k_splits list, 0 = auto),
 //   --contiguous (each request's pages consecutive
-//   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
+//   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --window
+//   (each page-table copy's pages those of --contiguous, shuffled within that span), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
@@ -253,6 +254,9 @@ struct Case {
 };
 
 bool g_contiguous = false;  // --contiguous: request r's pages are r * max_pages + j (no scatter)
+// --window: each copy's pages are those of --contiguous (one span of the pool per copy), shuffled
+// within it (the scatter's DRAM pattern over ~1 / copies of the address translations).
+bool g_window = false;
 
 Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64& rng,
                uint64_t seed) {
@@ -278,7 +282,8 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       bench::back_to_back_copies(static_cast<size_t>(need * kPageBytes)), pool.pages / need));
   for (int i = 0; i < c.copies; ++i) {
     std::vector<int32_t> t(perm.begin() + i * need, perm.begin() + (i + 1) * need);
-    if (g_contiguous) std::iota(t.begin(), t.end(), static_cast<int32_t>(i * need));
+    if (g_contiguous || g_window) std::iota(t.begin(), t.end(), static_cast<int32_t>(i * need));
+    if (g_window) std::shuffle(t.begin(), t.end(), rng);
     c.tables.push_back(std::move(t));
   }
   for (int r = 0; r <= R; ++r) c.qs[r] = r * new_tokens;
@@ -587,12 +592,14 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--contiguous")
       g_contiguous = true;
+    else if (a == "--window")
+      g_window = true;
     else if (a == "--case" && i + 1 < argc &&
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       only = true;
     else {
       std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
+                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] [--window] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "

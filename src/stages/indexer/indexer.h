@@ -105,8 +105,8 @@ struct IndexerCudaOptions {
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
   // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
-  // (see single_pass_ctas; from 1.9 requests per SM, 2-4 tokens run the two-kernel path in
-  // 12-block splits since session 24); true forces it.
+  // (see single_pass_ctas; above one request per SM, 2-4 tokens run the two-kernel path in
+  // 12-block splits: sessions 24-25); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).

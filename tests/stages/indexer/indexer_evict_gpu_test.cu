@@ -72,5 +72,61 @@ TEST(IndexerGpu, EvictFirstSameIds) {
   }
 }
 
+// IndexerCudaOptions::warm_translations (each decode warp L2-prefetches a line of every page of
+// its blocks after the first two at its start): the same ids on every decode path, with pages
+// outside the pool (a negative entry and one past the pool's end: guarded, not prefetched) and
+// NaN keys.
+TEST(IndexerGpu, WarmTranslationsSameIds) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int tokens : {1, 4}) {
+    std::vector<RequestSpec> reqs;
+    for (int ctx : {8192, 8000, 5000, 4097, 2049, 129})
+      reqs.push_back({ctx - tokens, tokens});
+    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
+    in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
+    DeviceSet d;
+    upload(in, d);
+    std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
+    std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
+    const int64_t cols = in.hb.page_table.shape()[1];
+    table[static_cast<size_t>(1 * cols + 40)] = -2;       // request 1, block 40
+    table[static_cast<size_t>(2 * cols + 13)] = 1 << 30;  // request 2, block 13
+    d.table.upload(table.data(), table.size() * 4);
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    const GpuResult g = run_gpu(d, two);
+    const std::string label = std::to_string(tokens) + " token(s) per request";
+    struct Path {
+      const char* name;
+      IndexerCudaOptions o;
+    };
+    std::vector<Path> paths;
+    for (int ctas : {1, 2, 4}) {
+      IndexerCudaOptions o;
+      o.single_pass = true;
+      o.single_pass_ctas = ctas;
+      paths.push_back({ctas == 1 ? "single pass" : ctas == 2 ? "cluster 2" : "cluster 4", o});
+    }
+    IndexerCudaOptions o;
+    o.flat_decode = 1;
+    paths.push_back({"flat 1", o});
+    o = IndexerCudaOptions{};
+    o.fused_decode_always = true;
+    paths.push_back({"fused", o});
+    o = IndexerCudaOptions{};
+    o.unfused_decode = true;
+    paths.push_back({"two-kernel", o});
+    for (Path& path : paths) {
+      path.o.warm_translations = true;
+      expect_same_ids(in, run_gpu(d, path.o), g, label + " [" + path.name + ", warm]");
+    }
+  }
+}
+
 }  // namespace
 }  // namespace m3attn::indexer_gpu_test

@@ -60,19 +60,23 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
-// Verify batches (2 and 4 tokens per request) from 1.9 requests per SM at <= 64 blocks: the
-// automatic plan is the two-kernel path in 12-block splits (session 24; before, the single pass in
-// 4-CTA clusters). Ids against that single pass and against the
-// two-kernel path in 3 splits (both checked against the twin elsewhere; the twin of 2 x SMs
-// requests would take this test ~30 s).
+// Verify batches of more than one request per SM at <= 64 blocks: the automatic plan is the
+// two-kernel path in 12-block splits (session 24 from 1.9 requests per SM, at 2 and 4 tokens per
+// request; before, the single pass in 4-CTA clusters; session 25 from just above one request per
+// SM, 3 tokens per request at ~1.13 here; before, 3 splits of 24 blocks). Ids against the single
+// pass in 4-CTA clusters and against the two-kernel path in 3 splits (both checked against the
+// twin elsewhere; the twin of 2 x SMs requests would take this test ~30 s).
 TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const int sms = mt::current_device_sms();
-  const int R = 2 * sms;
-  for (int tokens : {2, 4}) {
+  const struct {
+    int R, tokens;
+  } cases[] = {{2 * sms, 2}, {2 * sms, 4}, {sms + sms / 8 + 1, 3}};
+  for (const auto& cs : cases) {
+    const int R = cs.R, tokens = cs.tokens;
     std::vector<RequestSpec> reqs;
     for (int i = 0; i < R; ++i)
       reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
@@ -90,7 +94,8 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
     EXPECT_EQ(pl.flat_ctas, 0);
     EXPECT_EQ(pl.dec_chunk, 12);
     EXPECT_EQ(pl.k_splits, 6);
-    const std::string what = std::to_string(tokens) + " tokens per request";
+    const std::string what =
+        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
     const GpuResult g = run_gpu(d, IndexerCudaOptions{});
     IndexerCudaOptions single;
     single.single_pass = true;

@@ -105,8 +105,8 @@ struct IndexerCudaOptions {
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
   // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
-  // (see single_pass_ctas; above one request per SM, 2-4 tokens run the two-kernel path in
-  // 12-block splits: sessions 24-25); true forces it.
+  // (3-4 tokens: 0.7-0.84; see single_pass_ctas; above, the two-kernel path: in 12-block splits
+  // above one request per SM, sessions 24-25); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
@@ -201,12 +201,13 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
-  // Decode units: each warp loads the page-table entries of its blocks after its first two at
-  // its start (one lane per block, with the first two) and, once its first copies are issued,
-  // L2-prefetches one 128-byte line of each of those pages, so that their address translations
-  // (and that line) are fetched at the start, in parallel, instead of one block at a time when
-  // the stream reaches the page. Same ids (an A/B switch, session 25).
-  bool warm_translations = false;
+  // Decode units (1, 2; 0: off): each warp loads the page-table entries of its blocks after its
+  // first two with them (one lane per block) and, once its first copies are issued, touches each
+  // of those pages: 1 loads one word of it (L2 only) into a register read at the warp's end, 2
+  // issues a bulk (TMA) L2 prefetch of its first line; so that the pages' address translations
+  // are fetched at the start, in parallel, instead of one block at a time when the stream reaches
+  // the page. Not with programmatic_launch. Same ids (an A/B switch, session 25).
+  int warm_translations = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

@@ -600,9 +600,11 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
   // IndexerCudaOptions::warm_translations: lane l the page of the warp's block 2 + l (loaded with
-  // the first two, prefetched after the first copies).
+  // the first two, touched after the first copies). Not with programmatic launch (index-K is
+  // read only after pdl_wait there, beyond the prologue's settled blocks).
   const int warm_b = first + (lane + 2) * step;
-  const int64_t pg_warm = a.warm && warm_b < bend ? guarded_page(a, r, warm_b) : int64_t{-1};
+  const int64_t pg_warm =
+      a.warm && !a.pdl && warm_b < bend ? guarded_page(a, r, warm_b) : int64_t{-1};
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -653,10 +655,25 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
   }
+  // warm_translations 1: one word of the page loaded (L2 only) into a register read only at the
+  // warp's end (so that no register reuse waits for it), which, unlike an L2 prefetch, is not
+  // dropped when its address translation misses; 2: a bulk (TMA) L2 prefetch of the page's first
+  // line. Pages past the visible blocks cost a line each (bounded waste: seq_lens and positions
+  // are not waited for). Session 25 round B: the L2 prefetch form (prefetch.global.L2 of the
+  // page's first line) tied, 64 x 8K b2b draft 0 21.3 / 21.2 / 21.2 us vs 21.2 / 21.2 / 21.2,
+  // draft 3 22.2 / 22.4 vs 22.3 / 22.4; with each page-table copy's pages shuffled inside one
+  // 67 MB span (bench --window: the scatter's DRAM pattern with ~34 instead of ~1900 2 MB
+  // translations) the default ran 20.8 / 20.8 us, contiguous pages 20.7 (round A).
+  uint32_t warm_word = 0;
   if (pg_warm >= 0) {
-    // An L2 prefetch reads nothing into registers, and pages past the visible blocks cost at most
-    // a line each (bounded waste: seq_lens and positions are not waited for).
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(page_base(a, pg_warm)) : "memory");
+    if (a.warm == 1)
+      asm volatile("ld.global.cg.u32 %0, [%1];"
+                   : "=r"(warm_word)
+                   : "l"(page_base(a, pg_warm))
+                   : "memory");
+    else
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(page_base(a, pg_warm))
+                   : "memory");
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this
@@ -740,6 +757,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
+    asm volatile("" ::"r"(warm_word));  // warm_translations 1: read at the end
     timeline_mark(a, 2);
     cluster_arrive_release();
     timeline_stamp(a, 21, 0u);  // the release arrive returned
@@ -768,6 +786,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
   if (first < b1) score(sblk, b0, 0);
+  asm volatile("" ::"r"(warm_word));  // warm_translations 1: read at the end
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

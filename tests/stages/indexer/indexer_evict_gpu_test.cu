@@ -72,8 +72,8 @@ TEST(IndexerGpu, EvictFirstSameIds) {
   }
 }
 
-// IndexerCudaOptions::warm_translations (each decode warp L2-prefetches a line of every page of
-// its blocks after the first two at its start): the same ids on every decode path, with pages
+// IndexerCudaOptions::warm_translations 1 / 2 (each decode warp touches every page of its blocks
+// after the first two at its start: a load, a bulk L2 prefetch): the same ids on every decode path, with pages
 // outside the pool (a negative entry and one past the pool's end: guarded, not prefetched) and
 // NaN keys.
 TEST(IndexerGpu, WarmTranslationsSameIds) {
@@ -121,10 +121,13 @@ TEST(IndexerGpu, WarmTranslationsSameIds) {
     o = IndexerCudaOptions{};
     o.unfused_decode = true;
     paths.push_back({"two-kernel", o});
-    for (Path& path : paths) {
-      path.o.warm_translations = true;
-      expect_same_ids(in, run_gpu(d, path.o), g, label + " [" + path.name + ", warm]");
-    }
+    for (int warm : {1, 2})
+      for (Path& path : paths) {
+        IndexerCudaOptions o = path.o;
+        o.warm_translations = warm;
+        expect_same_ids(in, run_gpu(d, o), g,
+                        label + " [" + path.name + ", warm " + std::to_string(warm) + "]");
+      }
   }
 }
 

@@ -109,6 +109,55 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   }
 }
 
+// Verify batches of 3-4 tokens per request at 0.84-1 requests per SM at <= 64 blocks: the
+// automatic plan is the two-kernel path in 3 splits of 24 blocks (session 25; before, the single
+// pass in 2-CTA clusters, which stays at 2 tokens and below 0.84). Ids against that single pass
+// and the 12-block splits (both checked against the twin elsewhere).
+TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  const struct {
+    int R, tokens;
+    bool single;
+  } cases[] = {{sms * 9 / 10 + 1, 3, false}, {sms, 4, false}, {sms * 9 / 10 + 1, 2, true}};
+  for (const auto& cs : cases) {
+    const int R = cs.R, tokens = cs.tokens;
+    std::vector<RequestSpec> reqs;
+    for (int i = 0; i < R; ++i)
+      reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
+    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
+    DeviceSet d;
+    upload(in, d);
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    EXPECT_EQ(pl.single, cs.single);
+    if (!cs.single) {
+      EXPECT_FALSE(pl.fused);
+      EXPECT_EQ(pl.flat_ctas, 0);
+      EXPECT_EQ(pl.dec_chunk, 24);
+      EXPECT_EQ(pl.k_splits, 3);
+    }
+    const std::string what =
+        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    IndexerCudaOptions single;
+    single.single_pass = true;
+    single.single_pass_ctas = 2;
+    expect_same_ids(in, run_gpu(d, single), g, "2-CTA single pass vs automatic, " + what);
+    IndexerCudaOptions six;
+    six.unfused_decode = true;
+    six.k_splits = 6;
+    expect_same_ids(in, run_gpu(d, six), g, "12-block splits vs automatic, " + what);
+  }
+}
+
 // The automatic two-kernel plan of verify batches at 8K (4 tokens per request, about 0.48
 // requests per SM: 64 on an H200) runs flat decode with two CTAs per SM (session 23; one in
 // sessions 19-22) where 12-block splits would still fit one wave (session 19; session 18 used

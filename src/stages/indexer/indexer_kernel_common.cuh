@@ -155,6 +155,22 @@ __device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, ui
   a.timeline[w * kTimelineStride + word] = c;
 }
 
+// Slot `slot` (< kTimelineSlots - 1) of timeline_mark with a clock64 value `c` read earlier, so
+// that the mark's global stores come after the release arrive that ends the clustered single
+// pass's stream (a release waits for the thread's earlier stores: writing the mark before it
+// would make the arrive wait for an L2 round trip that the normal path does not have).
+__device__ __forceinline__ uint64_t timeline_clock(const KernelArgs& a) {
+  return a.timeline != nullptr ? static_cast<uint64_t>(clock64()) : 0u;
+}
+__device__ __forceinline__ void timeline_mark_at(const KernelArgs& a, int slot, uint64_t c) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  uint64_t* e = a.timeline + w * kTimelineStride;
+  e[8 + slot] = c;
+  e[slot] = 1;
+}
+
 // A value (not a clock) into `word` of the warp's kTimelineStride words (lane 0; timeline only).
 // Word 20: the number of blocks the decode warp scores (decode_path); word 21 (timeline_stamp,
 // clustered single pass): clock64 once the warp's release arrive at the end returned.

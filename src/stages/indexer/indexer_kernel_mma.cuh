@@ -758,9 +758,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
     asm volatile("" ::"r"(warm_word));  // warm_translations 1: read at the end
-    timeline_mark(a, 2);
+    const uint64_t scored_at = timeline_clock(a);
     cluster_arrive_release();
     timeline_stamp(a, 21, 0u);  // the release arrive returned
+    timeline_mark_at(a, 2, scored_at);
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);

@@ -281,7 +281,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   //  - one token per request from 1/8 request per SM (session 13 round B, 8K draft 0: 32 requests
   //    4 CTAs 16.7 / 14.4 us vs 18.1 / 15.4; 64: 2 CTAs 23.8 / 21.8 vs 25.6 / 23.3; 96: 31.7 vs
   //    33.6; 128: 1 CTA 38.0 vs 43.4; 256: 68.1 vs 74.1; batch 1 ties at 8 CTAs: 9.5 us);
-  //  - 2-4 tokens per request at 0.7-1 requests per SM (3-4 tokens: to 0.84 since session 25),
+  //  - 2-4 tokens per request at 0.7-1 requests per SM (3-4 tokens: to 0.95 since session 25),
   //    2 CTAs per request (round B, draft 3: 96 requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 /
   //    40.9 vs 45.1 / 43.4; round C: 36.0 vs
   //    40.4, 43.3 vs 46.0), and from 1.9 requests per SM, 4 CTAs (256 requests, rounds B / C: 76.6
@@ -293,12 +293,14 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   if (T <= R_all) {
     if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
   } else if (T <= R_all * kSingleMaxTokensPerRequest) {
-    // From 0.84 requests per SM at more than 2 tokens per request: the two-kernel path (3 splits
-    // of 24 blocks). Session 25, 8K b2b, vs the 2-CTA single pass: 112 requests draft 3 36.5 /
-    // 36.2 us vs 36.7 / 36.6 (round B); 128 draft 2 38.6 / 38.5 vs 39.1 / 39.0 (B), draft 3 39.0 /
-    // 39.0 vs 39.8 / 40.0 (round A); but 96 draft 3 32.9 / 32.9 vs 32.5 / 32.5 and 128 draft 1
-    // 37.9 / 37.7 vs 37.0 / 37.0 (A).
-    const bool verify_two_kernel = T > 2 * R_all && 25 * R_all >= 21 * int64_t{sms};
+    // From 0.95 requests per SM at more than 2 tokens per request: the two-kernel path (3 splits
+    // of 24 blocks). Session 25, 8K b2b, vs the 2-CTA single pass: 128 requests draft 3 39.0 /
+    // 39.0 us vs 39.8 / 40.0 (round A), 38.5 / 38.3 vs 39.1 / 39.3 (round C), draft 2 38.6 / 38.5
+    // vs 39.1 / 39.0 (round B); a tie below: 120 draft 3 37.9 / 37.8 vs 37.8 / 37.5 (C), 112 draft
+    // 3 36.5 / 36.2 vs 36.7 / 36.6 (B), draft 2 35.9 / 35.6 vs 36.1 / 35.7 (C); the single pass
+    // ahead at 96 draft 3 (32.5 / 32.5 vs 32.9 / 32.9) and 128 draft 1 (37.0 / 37.0 vs 37.9 /
+    // 37.7, round A).
+    const bool verify_two_kernel = T > 2 * R_all && 20 * R_all >= 19 * int64_t{sms};
     if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms && !verify_two_kernel) rule_ctas = 2;
   }
   const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && rule_ctas > 0;
@@ -445,9 +447,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.warm_translations >= 0 && options.warm_translations <= 2,
-               "run_indexer_cuda: warm_translations ", options.warm_translations,
-               " is outside [0, 2]");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");
@@ -506,7 +505,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
-  a.warm = options.warm_translations;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

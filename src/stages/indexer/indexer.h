@@ -105,7 +105,7 @@ struct IndexerCudaOptions {
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
   // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
-  // (3-4 tokens: 0.7-0.84; see single_pass_ctas; above, the two-kernel path: in 12-block splits
+  // (3-4 tokens: 0.7-0.95; see single_pass_ctas; above, the two-kernel path: in 12-block splits
   // above one request per SM, sessions 24-25); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
@@ -201,13 +201,6 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
-  // Decode units (1, 2; 0: off): each warp loads the page-table entries of its blocks after its
-  // first two with them (one lane per block) and, once its first copies are issued, touches each
-  // of those pages: 1 loads one word of it (L2 only) into a register read at the warp's end, 2
-  // issues a bulk (TMA) L2 prefetch of its first line; so that the pages' address translations
-  // are fetched at the start, in parallel, instead of one block at a time when the stream reaches
-  // the page. Not with programmatic_launch. Same ids (an A/B switch, session 25).
-  int warm_translations = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

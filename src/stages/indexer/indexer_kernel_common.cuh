@@ -90,7 +90,6 @@ struct KernelArgs {
   // IndexerCudaOptions::stream_evict_first: the fraction (1 or 0) of the decode units' index-K
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
-  int warm = 0;  // IndexerCudaOptions::warm_translations (0, 1, 2)
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

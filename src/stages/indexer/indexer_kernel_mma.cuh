@@ -599,12 +599,18 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
-  // IndexerCudaOptions::warm_translations: lane l the page of the warp's block 2 + l (loaded with
-  // the first two, touched after the first copies). Not with programmatic launch (index-K is
-  // read only after pdl_wait there, beyond the prologue's settled blocks).
-  const int warm_b = first + (lane + 2) * step;
-  const int64_t pg_warm =
-      a.warm && !a.pdl && warm_b < bend ? guarded_page(a, r, warm_b) : int64_t{-1};
+  // Session 25 (64 x 8K, same-round A/Bs, back to back), lost and deleted: each warp touching
+  // every page of its blocks after the first two at its start (their page-table entries loaded
+  // with the first two, one lane per block), so that the pages' address translations are fetched
+  // in parallel at the start instead of one block at a time: an L2 prefetch of the page's first
+  // line 21.3 / 21.2 / 21.2 us vs 21.2 / 21.2 / 21.2 at draft 0, 22.2 / 22.4 vs 22.3 / 22.4 at
+  // draft 3 (round B); a load of one word per page (L2 only, into a register read at the warp's
+  // end) 21.3 / 21.4 / 21.3 vs 21.2 / 21.2 / 21.2, 22.3 / 22.4 vs 22.3 / 22.4; a bulk (TMA) L2
+  // prefetch of the line 21.3 / 21.4 / 21.3, 22.2 / 22.4 (round C). The translations do cost:
+  // with each page-table copy's pages shuffled inside one 67 MB span (bench --window: the
+  // scatter's DRAM pattern with ~34 instead of ~1900 2 MB translations per call) draft 0 ran
+  // 20.8 / 20.8 us b2b (round B; scattered 21.2-21.4, contiguous 20.7 in round A, the paged read
+  // 17.3 vs 18.1), but fetched early they are not kept until the stream reaches the page.
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -654,26 +660,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       pre = true;
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
-  }
-  // warm_translations 1: one word of the page loaded (L2 only) into a register read only at the
-  // warp's end (so that no register reuse waits for it), which, unlike an L2 prefetch, is not
-  // dropped when its address translation misses; 2: a bulk (TMA) L2 prefetch of the page's first
-  // line. Pages past the visible blocks cost a line each (bounded waste: seq_lens and positions
-  // are not waited for). Session 25 round B: the L2 prefetch form (prefetch.global.L2 of the
-  // page's first line) tied, 64 x 8K b2b draft 0 21.3 / 21.2 / 21.2 us vs 21.2 / 21.2 / 21.2,
-  // draft 3 22.2 / 22.4 vs 22.3 / 22.4; with each page-table copy's pages shuffled inside one
-  // 67 MB span (bench --window: the scatter's DRAM pattern with ~34 instead of ~1900 2 MB
-  // translations) the default ran 20.8 / 20.8 us, contiguous pages 20.7 (round A).
-  uint32_t warm_word = 0;
-  if (pg_warm >= 0) {
-    if (a.warm == 1)
-      asm volatile("ld.global.cg.u32 %0, [%1];"
-                   : "=r"(warm_word)
-                   : "l"(page_base(a, pg_warm))
-                   : "memory");
-    else
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(page_base(a, pg_warm))
-                   : "memory");
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this
@@ -757,7 +743,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first < b1)
       score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
             shared ? static_cast<int>(gridDim.y) : 0);
-    asm volatile("" ::"r"(warm_word));  // warm_translations 1: read at the end
     const uint64_t scored_at = timeline_clock(a);
     cluster_arrive_release();
     timeline_stamp(a, 21, 0u);  // the release arrive returned
@@ -787,7 +772,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (first >= b1) return;  // warp-uniform; the two-kernel decode path has no CTA barrier
   }
   if (first < b1) score(sblk, b0, 0);
-  asm volatile("" ::"r"(warm_word));  // warm_translations 1: read at the end
   timeline_mark(a, 2);
   if constexpr (kFused) {
     __syncthreads();  // every block max of [b0, b1) is in sblk

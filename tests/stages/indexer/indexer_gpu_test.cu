@@ -109,9 +109,9 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   }
 }
 
-// Verify batches of 3-4 tokens per request at 0.84-1 requests per SM at <= 64 blocks: the
+// Verify batches of 3-4 tokens per request at 0.95-1 requests per SM at <= 64 blocks: the
 // automatic plan is the two-kernel path in 3 splits of 24 blocks (session 25; before, the single
-// pass in 2-CTA clusters, which stays at 2 tokens and below 0.84). Ids against that single pass
+// pass in 2-CTA clusters, which stays at 2 tokens and below 0.95). Ids against that single pass
 // and the 12-block splits (both checked against the twin elsewhere).
 TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
   M3_REQUIRE_GPU();
@@ -122,7 +122,8 @@ TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
   const struct {
     int R, tokens;
     bool single;
-  } cases[] = {{sms * 9 / 10 + 1, 3, false}, {sms, 4, false}, {sms * 9 / 10 + 1, 2, true}};
+  } cases[] = {{sms * 19 / 20 + 1, 3, false}, {sms, 4, false}, {sms * 19 / 20 + 1, 2, true},
+               {sms * 9 / 10, 4, true}};
   for (const auto& cs : cases) {
     const int R = cs.R, tokens = cs.tokens;
     std::vector<RequestSpec> reqs;

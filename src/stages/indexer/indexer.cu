@@ -505,6 +505,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
+  a.async_maxima = options.cluster_async_maxima ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -533,7 +534,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kClusterSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

@@ -201,6 +201,12 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
+  // The clustered single pass with at most 4 rows per request (one token at n_kv 4): the CTAs of
+  // rank > 0 send their block maxima to rank 0's table by st.async, which completes them on an
+  // mbarrier of rank 0 as they land, and exit; rank 0's warps wait on it instead of the final
+  // cluster barrier (no release round trip after the last block). Same ids (an A/B switch,
+  // session 25).
+  bool cluster_async_maxima = false;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

@@ -90,6 +90,7 @@ struct KernelArgs {
   // IndexerCudaOptions::stream_evict_first: the fraction (1 or 0) of the decode units' index-K
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
+  int async_maxima = 0;  // IndexerCudaOptions::cluster_async_maxima
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
@@ -252,6 +253,15 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
+}
+
+// The shared::cluster address of `p` (a shared-memory variable of this CTA) in the CTA `rank`
+// of the cluster (for st.async and remote mbarrier operands).
+__device__ __forceinline__ uint32_t cluster_smem_addr(const void* p, uint32_t rank) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+  return out;
 }
 
 // Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).

@@ -1030,6 +1030,35 @@ int main(int argc, char** argv) {
             k, call_copy[k], pct(ends, 0.1), med, pct(ends, 0.9), pct(ends, 1), pct(land, 0.5),
             pct(land, 1), saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0);
       }
+      // Between consecutive calls (globaltimer: every CTA's warp 0 at entry, every warp at its
+      // end): the kernel's span (first entry -> last end) and the gap from the last warp's end to
+      // the next call's first entry (the launch of the next call; with a selection kernel after
+      // the scorer, the scorer's end).
+      {
+        std::vector<std::pair<uint64_t, uint64_t>> span;  // (first entry, last end) ns
+        for (uint64_t* dbuf : d_calls) {
+          std::vector<uint64_t> v(words);
+          check_cuda(cudaMemcpy(v.data(), dbuf, bytes, cudaMemcpyDeviceToHost), "timeline");
+          uint64_t lo = ~0ull, hi = 0;
+          for (int64_t w = 0; w < warps; ++w) {
+            const uint64_t* e = v.data() + w * kStride;
+            if (!e[0]) continue;
+            if (e[13]) lo = std::min(lo, e[13]);
+            if (e[5]) hi = std::max(hi, e[5]);
+          }
+          span.emplace_back(lo, hi);
+        }
+        std::printf(
+            "  calls (globaltimer us): span first entry -> last warp end [gap to the next call's "
+            "first entry]:");
+        for (size_t k = 0; k < span.size(); ++k) {
+          std::printf(" %.2f", (static_cast<double>(span[k].second) - span[k].first) * 1e-3);
+          if (k + 1 < span.size())
+            std::printf(" [%+.2f]",
+                        (static_cast<double>(span[k + 1].first) - span[k].second) * 1e-3);
+        }
+        std::printf("\n");
+      }
       // The CTA -> SM placement from call to call.
       int same = 0, total = 0;
       for (size_t k = 1; k < recs.size(); ++k)

@@ -39,8 +39,8 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
-//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --am (the
-//   default options with cluster_async_maxima, e.g. for --timeline),
+//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --no-am (the
+//   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -76,7 +76,8 @@
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
 //   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters); sp2 (the single
-//   pass in 2-CTA clusters), am (IndexerCudaOptions::cluster_async_maxima).
+//   pass in 2-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima), la1 / la2
+//   (translation_lookahead 1 / 2).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -525,7 +526,7 @@ int main(int argc, char** argv) {
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
-  bool async_maxima = false;  // --am: the default options with cluster_async_maxima
+  bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -580,8 +581,8 @@ int main(int argc, char** argv) {
       evict_first = std::atoi(argv[++i]);
     else if (a == "--tl-b2b")
       tl_b2b = true;
-    else if (a == "--am")
-      async_maxima = true;
+    else if (a == "--no-am")
+      async_maxima = false;
     else if (a == "--tl-calls" && i + 1 < argc) {
       tl_calls = std::max(2, std::atoi(argv[++i]));
       tl_b2b = true;
@@ -609,7 +610,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--tl-calls N] [--am] [--k K,K,...]\n",
+                   "[--ef N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -1418,8 +1419,12 @@ int main(int argc, char** argv) {
     all.push_back({"sp2", default_o});  // the single pass in 2-CTA clusters
     all.back().o.single_pass = true;
     all.back().o.single_pass_ctas = 2;
-    all.push_back({"am", default_o});  // IndexerCudaOptions::cluster_async_maxima
-    all.back().o.cluster_async_maxima = true;
+    all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
+    all.back().o.cluster_async_maxima = false;
+    all.push_back({"la1", default_o});  // IndexerCudaOptions::translation_lookahead 1 / 2
+    all.back().o.translation_lookahead = 1;
+    all.push_back({"la2", default_o});
+    all.back().o.translation_lookahead = 2;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1471,7 +1476,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "2kK = unfused_decode at K splits, sp4 / sp2 = single pass in 4 / 2-CTA clusters, "
-        "am = cluster_async_maxima, "
+        "noam = !cluster_async_maxima, la1 / la2 = translation_lookahead 1 / 2, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "

@@ -76,8 +76,7 @@
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
 //   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters); sp2 (the single
-//   pass in 2-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima), la1 / la2
-//   (translation_lookahead 1 / 2).
+//   pass in 2-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1421,10 +1420,6 @@ int main(int argc, char** argv) {
     all.back().o.single_pass_ctas = 2;
     all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
     all.back().o.cluster_async_maxima = false;
-    all.push_back({"la1", default_o});  // IndexerCudaOptions::translation_lookahead 1 / 2
-    all.back().o.translation_lookahead = 1;
-    all.push_back({"la2", default_o});
-    all.back().o.translation_lookahead = 2;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1476,7 +1471,7 @@ int main(int argc, char** argv) {
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
         "2kK = unfused_decode at K splits, sp4 / sp2 = single pass in 4 / 2-CTA clusters, "
-        "noam = !cluster_async_maxima, la1 / la2 = translation_lookahead 1 / 2, "
+        "noam = !cluster_async_maxima, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "

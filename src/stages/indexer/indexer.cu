@@ -447,9 +447,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
-  M3_CHECK_ARG(options.translation_lookahead >= 0 && options.translation_lookahead <= 2,
-               "run_indexer_cuda: translation_lookahead ", options.translation_lookahead,
-               " is outside [0, 2]");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");
@@ -509,7 +506,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
   a.async_maxima = options.cluster_async_maxima ? 1 : 0;
-  a.lookahead = options.translation_lookahead;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

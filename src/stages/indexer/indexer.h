@@ -208,14 +208,10 @@ struct IndexerCudaOptions {
   // A/Bs at 8K draft 0 (us isolated / back to back, three or two alternating runs): 64 requests
   // (2-CTA clusters) 23.3 / 23.6 / 23.4, 21.2 / 21.2 / 21.2 vs 23.4 / 23.7 / 23.5, 21.3 / 21.2 /
   // 21.3 with the barrier; 32 (4-CTA) 16.4 / 16.2, 14.1 / 14.0 vs 16.5 / 16.4, 14.2 / 14.1; 44
-  // (3-CTA) 19.6 / 19.6, 17.5 / 17.5 vs 19.9 / 19.7, 17.6 / 17.6. false: the cluster barrier
-  // (the A/B switch). Same ids.
+  // (3-CTA) 19.6 / 19.6, 17.5 / 17.5 vs 19.9 / 19.7, 17.6 / 17.6; round E, 64 requests: 23.5 /
+  // 23.8 / 23.6, 21.5 / 21.6 / 21.5 vs 23.7 / 23.9 / 23.8, 21.7 / 21.7 / 21.7. false: the cluster
+  // barrier (the A/B switch). Same ids.
   bool cluster_async_maxima = true;
-  // Decode warps (1, 2; 0: off): at the start of each block, the page two blocks ahead is touched
-  // by an L2 prefetch of its first line (1) or a bulk (TMA) L2 prefetch of it (2), so that its
-  // address translation is fetched ~2 us before its first copies. Same ids (an A/B switch,
-  // session 25).
-  int translation_lookahead = 0;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

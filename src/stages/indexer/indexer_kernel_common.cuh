@@ -91,7 +91,6 @@ struct KernelArgs {
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
   int async_maxima = 0;  // IndexerCudaOptions::cluster_async_maxima
-  int lookahead = 0;     // IndexerCudaOptions::translation_lookahead
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

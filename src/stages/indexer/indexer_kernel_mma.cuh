@@ -513,19 +513,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   for (int k = 0; k < nblk; ++k) {
     const int b = first + k * step;
     const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    if (a.lookahead != 0 && lane == 0) {
-      // IndexerCudaOptions::translation_lookahead: block k + 2's page (its raw entry was loaded a
-      // block ago) touched now, ~2 us before its first copies: 1 an L2 prefetch of its first
-      // line, 2 a bulk (TMA) L2 prefetch of it.
-      const int32_t pg2 = guard(raw_k2);
-      if (pg2 >= 0) {
-        if (a.lookahead == 1)
-          asm volatile("prefetch.global.L2 [%0];" ::"l"(page_base(a, pg2)) : "memory");
-        else
-          asm volatile("cp.async.bulk.prefetch.L2.global [%0], 128;" ::"l"(page_base(a, pg2))
-                       : "memory");
-      }
-    }
     // Lane source addresses of blocks k and k + 1 (zero-fill from the pool base where -1).
     const uint8_t* src_k = (pg_k >= 0 ? page_base(a, pg_k) : a.cache) + lane * 16;
     const uint8_t* src_k1 = (pg_k1 >= 0 ? page_base(a, pg_k1) : a.cache) + lane * 16;
@@ -582,9 +569,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   timeline_mark(a, 0);
   if constexpr (kCluster) {
     if (a.async_maxima && blockIdx.y == 0 && threadIdx.x == 0) {
-      // cluster_async_maxima: rank 0's table mbarrier (one arrival per warp of rank 0, plus the
-      // bytes of the other ranks' st.async), visible to the cluster once its start wait passes.
-      sm90::mbar_init(smem_addr(smem + kFusedSmemBytes), kMmaWarps);
+      // cluster_async_maxima: rank 0's table mbarrier (one arrival per thread of rank 0, plus
+      // the bytes of the other ranks' st.async), visible to the cluster once its start wait
+      // passes.
+      sm90::mbar_init(smem_addr(smem + kFusedSmemBytes), kMmaThreads);
       asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     cluster_arrive_relaxed();
@@ -642,11 +630,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // line 21.3 / 21.2 / 21.2 us vs 21.2 / 21.2 / 21.2 at draft 0, 22.2 / 22.4 vs 22.3 / 22.4 at
   // draft 3 (round B); a load of one word per page (L2 only, into a register read at the warp's
   // end) 21.3 / 21.4 / 21.3 vs 21.2 / 21.2 / 21.2, 22.3 / 22.4 vs 22.3 / 22.4; a bulk (TMA) L2
-  // prefetch of the line 21.3 / 21.4 / 21.3, 22.2 / 22.4 (round C). The translations do cost:
-  // with each page-table copy's pages shuffled inside one 67 MB span (bench --window: the
-  // scatter's DRAM pattern with ~34 instead of ~1900 2 MB translations per call) draft 0 ran
+  // prefetch of the line 21.3 / 21.4 / 21.3, 22.2 / 22.4 (round C); just in time instead, the
+  // page two blocks ahead touched at each block's start (its raw entry already loaded), ~2 us
+  // before its first copies: L2 prefetch 21.8 / 21.7 / 21.6 vs 21.5 / 21.6 / 21.5, 22.5 / 22.7
+  // vs 22.5 / 22.7; bulk prefetch 21.7 / 21.6 / 21.6, 22.6 / 22.8 (round E). The translations
+  // do cost: with each page-table copy's pages shuffled inside one 67 MB span (bench --window:
+  // the scatter's DRAM pattern with ~34 instead of ~1900 2 MB translations per call) draft 0 ran
   // 20.8 / 20.8 us b2b (round B; scattered 21.2-21.4, contiguous 20.7 in round A, the paged read
-  // 17.3 vs 18.1), but fetched early they are not kept until the stream reaches the page.
+  // 17.3 vs 18.1), but no touch ahead of the stream made the stream faster.
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -783,22 +774,21 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (async) {
       // IndexerCudaOptions::cluster_async_maxima: no cluster barrier at the end. The other ranks'
       // maxima complete rank 0's table mbarrier as they land (st.async), so those CTAs are done;
-      // rank 0's warps wrote theirs locally and arrive on it (release), warp 0 announcing the
-      // other ranks' bytes: every row's value of every visible block past rank 0's chunk.
+      // rank 0's threads wrote theirs locally and each arrives on it (release: every writer
+      // orders its own stores; round E's racecheck reported lanes 1-3's table stores against the
+      // readers when only lane 0 of each warp arrived after a __syncwarp), thread 0 announcing
+      // the other ranks' bytes: every row's value of every visible block past rank 0's chunk.
       timeline_mark(a, 2);
       if (blockIdx.y != 0) {
         timeline_mark(a, 4);
         return;
       }
       const uint32_t bar = smem_addr(smem + kFusedSmemBytes);
-      __syncwarp();
-      if (lane == 0) {
-        if (warp == 0)
-          sm90::mbar_arrive_expect_tx(
-              bar, static_cast<uint32_t>(rows * 4 * (nvis - min(nvis, bend))));
-        else
-          sm90::mbar_arrive(bar);
-      }
+      if (threadIdx.x == 0)
+        sm90::mbar_arrive_expect_tx(bar,
+                                    static_cast<uint32_t>(rows * 4 * (nvis - min(nvis, bend))));
+      else
+        sm90::mbar_arrive(bar);
       const auto await = [&] {
         sm90::mbar_wait<true>(bar, 0);  // every block max of [0, nvis) is in the table
         timeline_mark(a, 3);

@@ -72,64 +72,6 @@ TEST(IndexerGpu, EvictFirstSameIds) {
   }
 }
 
-// IndexerCudaOptions::translation_lookahead 1 / 2 (each decode warp touches the page two blocks
-// ahead at the start of each block): the same ids on every decode path, with pages outside the
-// pool (negative, past the pool's end: guarded, never touched) and NaN keys.
-TEST(IndexerGpu, TranslationLookaheadSameIds) {
-  M3_REQUIRE_GPU();
-  const uint64_t seed = mt::fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  for (int tokens : {1, 4}) {
-    std::vector<RequestSpec> reqs;
-    for (int ctx : {8192, 8000, 5000, 4097, 2049, 129})
-      reqs.push_back({ctx - tokens, tokens});
-    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
-    in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
-    DeviceSet d;
-    upload(in, d);
-    std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
-    std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
-    const int64_t cols = in.hb.page_table.shape()[1];
-    table[static_cast<size_t>(1 * cols + 40)] = -2;       // request 1, block 40
-    table[static_cast<size_t>(2 * cols + 13)] = 1 << 30;  // request 2, block 13
-    d.table.upload(table.data(), table.size() * 4);
-    IndexerCudaOptions two;
-    two.unfused_decode = true;
-    const GpuResult g = run_gpu(d, two);
-    const std::string label = std::to_string(tokens) + " token(s) per request";
-    struct Path {
-      const char* name;
-      IndexerCudaOptions o;
-    };
-    std::vector<Path> paths;
-    for (int ctas : {1, 2, 4}) {
-      IndexerCudaOptions o;
-      o.single_pass = true;
-      o.single_pass_ctas = ctas;
-      paths.push_back({ctas == 1 ? "single pass" : ctas == 2 ? "cluster 2" : "cluster 4", o});
-    }
-    IndexerCudaOptions o;
-    o.flat_decode = 1;
-    paths.push_back({"flat 1", o});
-    o = IndexerCudaOptions{};
-    o.fused_decode_always = true;
-    paths.push_back({"fused", o});
-    o = IndexerCudaOptions{};
-    o.unfused_decode = true;
-    paths.push_back({"two-kernel", o});
-    for (int la : {1, 2})
-      for (const Path& path : paths) {
-        IndexerCudaOptions q = path.o;
-        q.translation_lookahead = la;
-        expect_same_ids(in, run_gpu(d, q), g,
-                        label + " [" + path.name + ", lookahead " + std::to_string(la) + "]");
-      }
-  }
-}
-
 // IndexerCudaOptions::cluster_async_maxima (the clustered single pass's other ranks send their
 // block maxima to rank 0 by st.async on rank 0's table mbarrier; no final cluster barrier): the
 // same ids as the two-kernel path in 2-, 3-, 4- and 8-CTA clusters, with a page outside the pool,

@@ -75,8 +75,8 @@
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
-//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters); sp2 (the single
-//   pass in 2-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
+//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters); sp2 / sp8 (the
+//   single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -1418,6 +1418,9 @@ int main(int argc, char** argv) {
     all.push_back({"sp2", default_o});  // the single pass in 2-CTA clusters
     all.back().o.single_pass = true;
     all.back().o.single_pass_ctas = 2;
+    all.push_back({"sp8", default_o});  // the single pass in 8-CTA clusters
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 8;
     all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
     all.back().o.cluster_async_maxima = false;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
@@ -1470,7 +1473,8 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "2kK = unfused_decode at K splits, sp4 / sp2 = single pass in 4 / 2-CTA clusters, "
+        "2kK = unfused_decode at K splits, sp4 / sp2 / sp8 = single pass in 4 / 2 / 8-CTA "
+        "clusters, "
         "noam = !cluster_async_maxima, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "

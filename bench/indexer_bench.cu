@@ -74,8 +74,8 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
-//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters); sp2 / sp8 (the
+//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / 2k16 / sp4 (--variants:
+//   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 / sp8 (the
 //   single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
 #include <cuda_runtime_api.h>
 
@@ -1407,8 +1407,13 @@ int main(int argc, char** argv) {
     all[11].o.short_select_warps = 4;
     // 2k3 / 2k4 / 2k6 / 2k8 = the two-kernel path at 3 / 4 / 6 / 8 splits (unfused_decode,
     // k_splits); sp4 = the single pass in 4-CTA clusters.
-    for (int k : {3, 4, 6, 8}) {
-      all.push_back({k == 3 ? "2k3" : (k == 4 ? "2k4" : (k == 6 ? "2k6" : "2k8")), default_o});
+    for (int k : {3, 4, 6, 8, 16}) {
+      all.push_back({k == 3   ? "2k3"
+                     : k == 4 ? "2k4"
+                     : k == 6 ? "2k6"
+                     : k == 8 ? "2k8"
+                              : "2k16",
+                     default_o});
       all.back().o.unfused_decode = true;
       all.back().o.k_splits = k;
     }

@@ -278,7 +278,8 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // Single pass: forced by the option, or automatic where it measured fastest (isolated / back to
   // back, vs the two-kernel path; <= 64 blocks), with sms / R CTAs per request (about one CTA per
   // SM) as a thread-block cluster where that is > 1:
-  //  - one token per request from 1/8 request per SM (session 13 round B, 8K draft 0: 32 requests
+  //  - one token per request from 1/17 request per SM (8-CTA clusters below 1/8: session 25,
+  //    see below; session 13 round B, 8K draft 0: 32 requests
   //    4 CTAs 16.7 / 14.4 us vs 18.1 / 15.4; 64: 2 CTAs 23.8 / 21.8 vs 25.6 / 23.3; 96: 31.7 vs
   //    33.6; 128: 1 CTA 38.0 vs 43.4; 256: 68.1 vs 74.1; batch 1 ties at 8 CTAs: 9.5 us);
   //  - 2-4 tokens per request at 0.7-1 requests per SM (3-4 tokens: to 0.95 since session 25),
@@ -292,6 +293,13 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   int64_t rule_ctas = 0;  // CTAs per request of the automatic single pass; 0: not automatic
   if (T <= R_all) {
     if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
+    // Below 1/8 request per SM, from 1/17: 8-CTA clusters (since session 25, where the other
+    // CTAs no longer meet rank 0 at a final cluster barrier: cluster_async_maxima). Round G, 8K
+    // b2b: 8 requests 6.9 / 6.9 us vs 7.2 / 7.2 for the two-kernel path (16 splits of 4 blocks;
+    // isolated 9.6 / 9.5 vs 10.0 / 10.0); 16 requests 9.2 / 9.2 vs 9.2 / 9.2 (8 of 8); batch 1
+    // stays two-kernel (6.3 vs 5.2-5.3).
+    else if (17 * R_all >= sms)
+      rule_ctas = kMaxClusterCtas;
   } else if (T <= R_all * kSingleMaxTokensPerRequest) {
     // From 0.95 requests per SM at more than 2 tokens per request: the two-kernel path (3 splits
     // of 24 blocks). Session 25, 8K b2b, vs the 2-CTA single pass: 128 requests draft 3 39.0 /

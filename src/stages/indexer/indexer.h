@@ -104,7 +104,7 @@ struct IndexerCudaOptions {
   // once, an overflow tile from the block scores it wrote; no selection kernel follows (same
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
-  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
+  // per request from 1/17 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
   // (3-4 tokens: 0.7-0.95; see single_pass_ctas; above, the two-kernel path: in 12-block splits
   // above one request per SM, sessions 24-25); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens

@@ -23,16 +23,20 @@ TEST(IndexerGpu, GenerationContextsUpTo8KSinglePass) {
 }
 
 // The automatic plan of decode batches at <= 8K: the single pass in clusters of sms / R CTAs per
-// request at one token per request (R = sms / 3: 3 CTAs), and of 2 CTAs at 4 tokens per request
-// (R = 0.8 sms); ids against the two-kernel path (same block maxima) and the twin.
+// request at one token per request (R = sms / 3: 3 CTAs; R = sms / 16, below 1/8 request per SM:
+// 8 CTAs, session 25), and of 2 CTAs at 4 tokens per request (R = 0.8 sms); ids against the
+// two-kernel path (same block maxima) and the twin.
 TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const int sms = mt::current_device_sms();
-  for (int tokens : {1, 4}) {
-    const int R = tokens == 1 ? std::max(1, sms / 3) : std::max(1, sms * 4 / 5);
+  for (int tokens : {1, 4, 0}) {  // 0: one token per request, R = sms / 16
+    const int R = tokens == 1   ? std::max(1, sms / 3)
+                  : tokens == 4 ? std::max(1, sms * 4 / 5)
+                                : std::max(1, sms / 16);
+    if (tokens == 0) tokens = 1;
     std::vector<RequestSpec> reqs;
     for (int i = 0; i < R; ++i)
       reqs.push_back({static_cast<int>(rng.integer(0, 8192 - tokens)), tokens});
@@ -46,7 +50,7 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
     const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
     std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
                 sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
-    const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;
+    const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;  // sms / 16 requests: 8
     const int chunk = ((64 + ctas - 1) / ctas + 3) / 4 * 4;
     EXPECT_TRUE(pl.single);
     EXPECT_EQ(pl.k_splits, (64 + chunk - 1) / chunk);

@@ -30,7 +30,8 @@
 //   context 8K (draft 0 and 3) and 32K (draft 0), plus each path's automatic plan at batch 128 /
 //   192, 8K; with --case that case alone; --k K,K,... replaces the k_splits list, 0 = auto),
 //   --contiguous (each request's pages consecutive
-//   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --case
+//   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --window
+//   (each page-table copy's pages those of --contiguous, shuffled within that span), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
 //   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
@@ -38,7 +39,8 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
-//   --ef N (the default options with stream_evict_first N, e.g. for --timeline),
+//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --no-am (the
+//   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -72,11 +74,13 @@
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
-//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / sp4 (--variants: the
-//   two-kernel path at 3 / 4 / 6 / 8 splits, the single pass in 4-CTA clusters).
+//   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / 2k16 / sp4 (--variants:
+//   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 / sp8 (the
+//   single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -251,6 +255,9 @@ struct Case {
 };
 
 bool g_contiguous = false;  // --contiguous: request r's pages are r * max_pages + j (no scatter)
+// --window: each copy's pages are those of --contiguous (one span of the pool per copy), shuffled
+// within it (the scatter's DRAM pattern over ~1 / copies of the address translations).
+bool g_window = false;
 
 Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64& rng,
                uint64_t seed) {
@@ -276,7 +283,8 @@ Case make_case(int R, int ctx, int new_tokens, const Pool& pool, std::mt19937_64
       bench::back_to_back_copies(static_cast<size_t>(need * kPageBytes)), pool.pages / need));
   for (int i = 0; i < c.copies; ++i) {
     std::vector<int32_t> t(perm.begin() + i * need, perm.begin() + (i + 1) * need);
-    if (g_contiguous) std::iota(t.begin(), t.end(), static_cast<int32_t>(i * need));
+    if (g_contiguous || g_window) std::iota(t.begin(), t.end(), static_cast<int32_t>(i * need));
+    if (g_window) std::shuffle(t.begin(), t.end(), rng);
     c.tables.push_back(std::move(t));
   }
   for (int r = 0; r <= R; ++r) c.qs[r] = r * new_tokens;
@@ -516,6 +524,8 @@ int main(int argc, char** argv) {
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
+  int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
+  bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--json")
@@ -570,6 +580,12 @@ int main(int argc, char** argv) {
       evict_first = std::atoi(argv[++i]);
     else if (a == "--tl-b2b")
       tl_b2b = true;
+    else if (a == "--no-am")
+      async_maxima = false;
+    else if (a == "--tl-calls" && i + 1 < argc) {
+      tl_calls = std::max(2, std::atoi(argv[++i]));
+      tl_b2b = true;
+    }
     else if (a == "--vlist" && i + 1 < argc) {
       std::string l = argv[++i];
       size_t at = 0;
@@ -580,18 +596,20 @@ int main(int argc, char** argv) {
       }
     } else if (a == "--contiguous")
       g_contiguous = true;
+    else if (a == "--window")
+      g_window = true;
     else if (a == "--case" && i + 1 < argc &&
              std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
       only = true;
     else {
       std::fprintf(stderr,
-                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] "
+                   "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] [--window] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
                    "[--no-guess] [--late] [--sorted] [--timeline BATCH,CONTEXT,DRAFT] "
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--k K,K,...]\n",
+                   "[--ef N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -610,6 +628,7 @@ int main(int argc, char** argv) {
   single_o.single_pass = true;
   single_o.single_pass_ctas = single_ctas;
   default_o.stream_evict_first = evict_first;
+  default_o.cluster_async_maxima = async_maxima;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -655,25 +674,38 @@ int main(int argc, char** argv) {
     const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
     o.timeline = d_tl;
+    // --tl-calls N: the last N calls of the back-to-back sequence each record into their own
+    // buffer (the last call's is d_tl, which the single-call analysis below reads).
+    std::vector<uint64_t*> d_calls;
+    for (int i = 0; i + 1 < tl_calls; ++i)
+      d_calls.push_back(static_cast<uint64_t*>(device_alloc(bytes)));
+    if (tl_calls > 0) d_calls.push_back(d_tl);
     const auto launch = [&](cudaStream_t s) {
       check_cuda(cudaMemsetAsync(d_tl, 0, bytes, s), "timeline clear");
       const Status st = run_indexer_cuda(c.p, c.ws, s, o);
       if (!st.ok()) std::exit(1);
     };
     bench::Timing t;
+    std::vector<int> call_copy(static_cast<size_t>(std::max(tl_calls, 0)), -1);
     if (tl_b2b) {
       // --tl-b2b: the calls of a back-to-back sequence (one graph, call i over page-table copy
       // i % copies, as the b2b timing), only the last one recording (every replay rewrites the
       // same words); t = the sequence's per-call time.
       check_cuda(cudaMemsetAsync(d_tl, 0, bytes, stream), "timeline clear");
-      const int calls = std::max(8, 2 * c.copies);
+      for (uint64_t* d : d_calls) check_cuda(cudaMemsetAsync(d, 0, bytes, stream), "clear");
+      const int calls = std::max({8, 2 * c.copies, tl_calls});
       int captured = 0;
       t = bench::time_graph_back_to_back(
           [&](cudaStream_t s, int copy) {
             IndexerParams p = c.p;
             p.batch.page_table.data = c.d_tables[copy];
             IndexerCudaOptions oi = o;
-            if (++captured < calls) oi.timeline = nullptr;
+            const int k = ++captured - (calls - tl_calls) - 1;  // buffer of this call
+            if (k >= 0 && tl_calls > 0) call_copy[static_cast<size_t>(k)] = copy;
+            if (tl_calls > 0)
+              oi.timeline = k >= 0 ? d_calls[static_cast<size_t>(k)] : nullptr;
+            else if (captured < calls)
+              oi.timeline = nullptr;
             const Status st = run_indexer_cuda(p, c.ws, s, oi);
             if (!st.ok()) std::exit(1);
           },
@@ -792,6 +824,26 @@ int main(int argc, char** argv) {
             pct(lan, 0.5), pct(lan, 1));
     }
     {
+      // The clustered single pass's end: the release arrive returned (word 21), us after the
+      // warp's blocks were scored (slot 2), and for the cluster's last warp to score, the arrive
+      // and the barrier (slot 3) after its last block.
+      std::vector<double> arr;
+      double last = kNone, last_arr = kNone, last_bar = kNone;
+      for (int64_t w = 0; w < warps; ++w) {
+        const uint64_t* e = tl.data() + w * kStride;
+        double ns = 0;
+        const double s2 = at(w, 2);
+        if (!e[0] || !e[21] || s2 == kNone || !ns_of(static_cast<int>(e[7]), e[21], &ns)) continue;
+        arr.push_back((ns - g0) * 1e-3 - s2);
+        if (s2 > last) last = s2, last_arr = (ns - g0) * 1e-3 - s2, last_bar = at(w, 3) - s2;
+      }
+      if (!arr.empty())
+        std::printf(
+            "  release arrive returned (%zu warps), us after the warp's last block: p50 %.2f p90 "
+            "%.2f max %.2f; the last warp to score (%.2f): arrive +%.2f, barrier passed +%.2f\n",
+            arr.size(), pct(arr, 0.5), pct(arr, 0.9), pct(arr, 1), last, last_arr, last_bar);
+    }
+    {
       // The single pass's final selection: per selecting warp, its first row in
       // registers (word 16) and ranked (17), after the barrier (slot 3).
       std::vector<double> ld, rk;
@@ -882,6 +934,226 @@ int main(int argc, char** argv) {
     for (size_t i = 0; i < by_sm.size(); ++i)
       std::printf("%s%d:%.1f", i % 12 == 0 ? "\n    " : " ", by_sm[i].first, by_sm[i].second);
     std::printf("\n");
+    if (tl_calls > 0) {
+      // --tl-calls: is the spread of the CTAs' ends the same from call to call (the same SMs,
+      // or the same CTAs, late every time) or does it move? Per recorded call, per CTA: its SM,
+      // its last warp scored and its first tile landed (earliest warp), on that call's own time
+      // base (as above); then per SM the deviation of its CTAs' last scored from the call's
+      // median, and the correlation of those deviations between calls (pairwise; calls of the
+      // same page-table copy read the same pages).
+      struct CtaRec {
+        int sm = -1;
+        int blocks = 0;  // blocks its warps scored (word 20)
+        double scored = 0, landed = 0;
+      };
+      const auto per_cta = [&](const std::vector<uint64_t>& v) {
+        std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pr;
+        for (int64_t w = 0; w < warps; ++w) {
+          const uint64_t* e = v.data() + w * kStride;
+          if (!e[0]) continue;
+          if (e[13]) pr[static_cast<int>(e[7])].emplace_back(e[13], e[14]);
+          if (e[5]) pr[static_cast<int>(e[7])].emplace_back(e[5], e[6]);
+        }
+        std::vector<double> sl;
+        for (auto& kv : pr) {
+          auto& q = kv.second;
+          std::sort(q.begin(), q.end());
+          if (q.size() >= 2 && q.back().first - q.front().first > 5000)
+            sl.push_back(static_cast<double>(q.back().second - q.front().second) /
+                         static_cast<double>(q.back().first - q.front().first));
+        }
+        const double hz = sl.empty() ? khz * 1e-6 : pct(sl, 0.5);
+        uint64_t gb = 0, cb = 0;
+        if (!pr.empty()) gb = pr.begin()->second.front().first, cb = pr.begin()->second.front().second;
+        const auto rc = [&](uint64_t x) {
+          return static_cast<double>(static_cast<int64_t>(x - cb)) / hz;
+        };
+        std::map<int, double> off;
+        for (auto& kv : pr)
+          off[kv.first] = static_cast<double>(static_cast<int64_t>(kv.second.back().first - gb)) -
+                          rc(kv.second.back().second);
+        const auto ns = [&](int sm, uint64_t x) { return off.count(sm) ? off[sm] + rc(x) : 0.0; };
+        double first = 1e300;
+        for (int64_t w = 0; w < warps; ++w) {
+          const uint64_t* e = v.data() + w * kStride;
+          if (e[0] && off.count(static_cast<int>(e[7]))) first = std::min(first, ns(static_cast<int>(e[7]), e[8]));
+        }
+        std::vector<CtaRec> out(static_cast<size_t>(units * pl.k_splits));
+        for (int64_t cta = 0; cta < units * pl.k_splits; ++cta) {
+          CtaRec& r = out[static_cast<size_t>(cta)];
+          double hi = kNone, lo = 1e30;
+          for (int w = 0; w < 4; ++w) {
+            const uint64_t* e = v.data() + (cta * 4 + w) * kStride;
+            const int sm = static_cast<int>(e[7]);
+            if (!e[0] || !e[2] || !off.count(sm)) continue;
+            r.sm = sm;
+            r.blocks += static_cast<int>(e[20]);
+            hi = std::max(hi, (ns(sm, e[10]) - first) * 1e-3);
+            if (e[19]) lo = std::min(lo, (ns(sm, e[19]) - first) * 1e-3);
+          }
+          r.scored = hi;
+          r.landed = lo < 1e29 ? lo : 0.0;
+          if (hi == kNone) r.sm = -1;
+        }
+        return out;
+      };
+      std::vector<std::vector<CtaRec>> recs;
+      std::vector<std::map<int, double>> dev;  // per call: SM -> last scored - the call's median
+      std::vector<std::map<int, double>> sm_blocks;  // per call: SM -> blocks of its CTAs
+      for (size_t k = 0; k < d_calls.size(); ++k) {
+        std::vector<uint64_t> v(words);
+        check_cuda(cudaMemcpy(v.data(), d_calls[k], bytes, cudaMemcpyDeviceToHost), "timeline");
+        recs.push_back(per_cta(v));
+        std::vector<double> ends, land;
+        for (const CtaRec& r : recs.back())
+          if (r.sm >= 0) ends.push_back(r.scored), land.push_back(r.landed);
+        const double med = pct(ends, 0.5);
+        std::map<int, double> d;
+        for (const CtaRec& r : recs.back())
+          if (r.sm >= 0) d[r.sm] = std::max(d.count(r.sm) ? d[r.sm] : -1e30, r.scored - med);
+        dev.push_back(d);
+        std::map<int, double> nb;
+        for (const CtaRec& r : recs.back())
+          if (r.sm >= 0) nb[r.sm] += r.blocks;
+        sm_blocks.push_back(nb);
+        // Within the call: does a CTA that ends late start late (first tile landed)?
+        double ma = 0, mb = 0, sab = 0, saa = 0, sbb = 0;
+        for (size_t i = 0; i < ends.size(); ++i) ma += ends[i], mb += land[i];
+        ma /= std::max<size_t>(ends.size(), 1);
+        mb /= std::max<size_t>(ends.size(), 1);
+        for (size_t i = 0; i < ends.size(); ++i)
+          sab += (ends[i] - ma) * (land[i] - mb), saa += (ends[i] - ma) * (ends[i] - ma),
+              sbb += (land[i] - mb) * (land[i] - mb);
+        std::printf(
+            "  call %zu (page-table copy %d): CTA last scored p10 %.2f p50 %.2f p90 %.2f max %.2f; "
+            "first tile landed p50 %.2f max %.2f; corr(end, first tile) %.2f\n",
+            k, call_copy[k], pct(ends, 0.1), med, pct(ends, 0.9), pct(ends, 1), pct(land, 0.5),
+            pct(land, 1), saa > 0 && sbb > 0 ? sab / std::sqrt(saa * sbb) : 0.0);
+      }
+      // Between consecutive calls (globaltimer: every CTA's warp 0 at entry, every warp at its
+      // end): the kernel's span (first entry -> last end) and the gap from the last warp's end to
+      // the next call's first entry (the launch of the next call; with a selection kernel after
+      // the scorer, the scorer's end).
+      {
+        std::vector<std::pair<uint64_t, uint64_t>> span;  // (first entry, last end) ns
+        for (uint64_t* dbuf : d_calls) {
+          std::vector<uint64_t> v(words);
+          check_cuda(cudaMemcpy(v.data(), dbuf, bytes, cudaMemcpyDeviceToHost), "timeline");
+          uint64_t lo = ~0ull, hi = 0;
+          for (int64_t w = 0; w < warps; ++w) {
+            const uint64_t* e = v.data() + w * kStride;
+            if (!e[0]) continue;
+            if (e[13]) lo = std::min(lo, e[13]);
+            if (e[5]) hi = std::max(hi, e[5]);
+          }
+          span.emplace_back(lo, hi);
+        }
+        std::printf(
+            "  calls (globaltimer us): span first entry -> last warp end [gap to the next call's "
+            "first entry]:");
+        for (size_t k = 0; k < span.size(); ++k) {
+          std::printf(" %.2f", (static_cast<double>(span[k].second) - span[k].first) * 1e-3);
+          if (k + 1 < span.size())
+            std::printf(" [%+.2f]",
+                        (static_cast<double>(span[k + 1].first) - span[k].second) * 1e-3);
+        }
+        std::printf("\n");
+      }
+      // The CTA -> SM placement from call to call.
+      int same = 0, total = 0;
+      for (size_t k = 1; k < recs.size(); ++k)
+        for (size_t i = 0; i < recs[k].size(); ++i)
+          if (recs[k][i].sm >= 0 && recs[0][i].sm >= 0) {
+            ++total;
+            same += recs[k][i].sm == recs[0][i].sm;
+          }
+      std::printf("  CTA -> SM placement as in call 0: %d of %d (CTA, call) pairs\n", same, total);
+      const auto corr = [](const std::map<int, double>& x, const std::map<int, double>& y) {
+        std::vector<std::pair<double, double>> v;
+        for (const auto& kv : x)
+          if (y.count(kv.first)) v.emplace_back(kv.second, y.at(kv.first));
+        double ma = 0, mb = 0;
+        for (auto& q : v) ma += q.first, mb += q.second;
+        ma /= std::max<size_t>(v.size(), 1);
+        mb /= std::max<size_t>(v.size(), 1);
+        double ab = 0, aa = 0, bb = 0;
+        for (auto& q : v)
+          ab += (q.first - ma) * (q.second - mb), aa += (q.first - ma) * (q.first - ma),
+              bb += (q.second - mb) * (q.second - mb);
+        return aa > 0 && bb > 0 ? ab / std::sqrt(aa * bb) : 0.0;
+      };
+      // Per CTA (grid index) deviations, to tell "the same SM" from "the same CTA / pages".
+      std::vector<std::map<int, double>> cdev;
+      for (const auto& rc : recs) {
+        std::vector<double> ends;
+        for (const CtaRec& r : rc)
+          if (r.sm >= 0) ends.push_back(r.scored);
+        const double med = pct(ends, 0.5);
+        std::map<int, double> d;
+        for (size_t i = 0; i < rc.size(); ++i)
+          if (rc[i].sm >= 0) d[static_cast<int>(i)] = rc[i].scored - med;
+        cdev.push_back(d);
+      }
+      std::printf("  correlation of per-SM end deviations between calls (row/col = call):\n");
+      double same_copy = 0, other_copy = 0;
+      int n_same = 0, n_other = 0;
+      for (size_t i = 0; i < dev.size(); ++i) {
+        std::printf("    %zu:", i);
+        for (size_t j = 0; j < dev.size(); ++j) {
+          const double r = corr(dev[i], dev[j]);
+          std::printf(" %5.2f", r);
+          if (j > i) {
+            if (call_copy[i] == call_copy[j])
+              same_copy += r, ++n_same;
+            else
+              other_copy += r, ++n_other;
+          }
+        }
+        std::printf("\n");
+      }
+      double cta_same = 0, cta_other = 0;
+      int m_same = 0, m_other = 0;
+      for (size_t i = 0; i < cdev.size(); ++i)
+        for (size_t j = i + 1; j < cdev.size(); ++j) {
+          const double r = corr(cdev[i], cdev[j]);
+          if (call_copy[i] == call_copy[j])
+            cta_same += r, ++m_same;
+          else
+            cta_other += r, ++m_other;
+        }
+      {
+        double cb = 0;
+        for (size_t k = 0; k < dev.size(); ++k) cb += corr(dev[k], sm_blocks[k]);
+        std::printf("  mean correlation per SM of end deviation with the SM's blocks: %.2f\n",
+                    dev.empty() ? 0.0 : cb / static_cast<double>(dev.size()));
+      }
+      std::printf(
+          "  mean correlation per SM: same page copy %.2f (%d pairs), other copies %.2f (%d); "
+          "per CTA (grid index): same copy %.2f, other copies %.2f\n",
+          n_same ? same_copy / n_same : 0.0, n_same, n_other ? other_copy / n_other : 0.0, n_other,
+          m_same ? cta_same / m_same : 0.0, m_other ? cta_other / m_other : 0.0);
+      // SMs by their mean deviation over the calls: the slowest and fastest 16, per call.
+      std::map<int, std::vector<double>> by;
+      for (const auto& d : dev)
+        for (const auto& kv : d) by[kv.first].push_back(kv.second);
+      std::vector<std::pair<double, int>> order;
+      for (const auto& kv : by)
+        order.emplace_back(std::accumulate(kv.second.begin(), kv.second.end(), 0.0) /
+                               static_cast<double>(kv.second.size()),
+                           kv.first);
+      std::sort(order.begin(), order.end());
+      std::printf("  per SM (mean deviation us: deviation in each call), all SMs, fastest first:\n");
+      for (const auto& q : order) {
+        std::printf("    sm %3d blocks %3.0f mean %+5.2f:", q.second,
+                    sm_blocks.back().count(q.second) ? sm_blocks.back().at(q.second) : 0.0,
+                    q.first);
+        for (size_t k = 0; k < dev.size(); ++k)
+          std::printf(" %+5.2f", dev[k].count(q.second) ? dev[k].at(q.second) : 0.0);
+        std::printf("\n");
+      }
+    }
+    for (uint64_t* d : d_calls)
+      if (d != d_tl) cudaFree(d);
     cudaFree(d_tl);
     free_case(c);
     return finish();
@@ -1135,14 +1407,27 @@ int main(int argc, char** argv) {
     all[11].o.short_select_warps = 4;
     // 2k3 / 2k4 / 2k6 / 2k8 = the two-kernel path at 3 / 4 / 6 / 8 splits (unfused_decode,
     // k_splits); sp4 = the single pass in 4-CTA clusters.
-    for (int k : {3, 4, 6, 8}) {
-      all.push_back({k == 3 ? "2k3" : (k == 4 ? "2k4" : (k == 6 ? "2k6" : "2k8")), default_o});
+    for (int k : {3, 4, 6, 8, 16}) {
+      all.push_back({k == 3   ? "2k3"
+                     : k == 4 ? "2k4"
+                     : k == 6 ? "2k6"
+                     : k == 8 ? "2k8"
+                              : "2k16",
+                     default_o});
       all.back().o.unfused_decode = true;
       all.back().o.k_splits = k;
     }
     all.push_back({"sp4", default_o});
     all.back().o.single_pass = true;
     all.back().o.single_pass_ctas = 4;
+    all.push_back({"sp2", default_o});  // the single pass in 2-CTA clusters
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 2;
+    all.push_back({"sp8", default_o});  // the single pass in 8-CTA clusters
+    all.back().o.single_pass = true;
+    all.back().o.single_pass_ctas = 8;
+    all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
+    all.back().o.cluster_async_maxima = false;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
     all.push_back({"noef", default_o});
     all.back().o.stream_evict_first = -1;
@@ -1193,7 +1478,9 @@ int main(int argc, char** argv) {
         "indexer decode: default options vs opt-in variants, same plan (graph replay, cold L2; "
         "isolated and back to back, us; 2k = unfused_decode at the default k_splits, late = "
         "!early_query_loads, sorted = !fast_select, q1 = !short_select, flatN = flat_decode N, "
-        "2kK = unfused_decode at K splits, sp4 = single pass in 4-CTA clusters, "
+        "2kK = unfused_decode at K splits, sp4 / sp2 / sp8 = single pass in 4 / 2 / 8-CTA "
+        "clusters, "
+        "noam = !cluster_async_maxima, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
         "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "

@@ -35,18 +35,26 @@ constexpr int64_t kDecodeChunk = 16;
 // blocks vs 4 of 16: 64 x 8K draft 3 27.8 / 26.0 us (isolated / back to back) vs 30.6 / 28.2,
 // draft 0 26.0 / 23.6 vs 25.6 / 23.6; 256 x 8K draft 3 77.4 / 75.7 vs 78.5 / 77.0.
 constexpr int64_t kDecodeChunkShort = 24;
-// ... and for verify batches (2-4 tokens per request) from 1.9 requests per SM at <= 64 blocks
-// (where the single pass in 4-CTA clusters ran before): the two-kernel path in 12-block splits.
+// ... and for verify batches (2-4 tokens per request) of more than one request per SM at <= 64
+// blocks (where the single pass in 4-CTA clusters ran from 1.9 requests per SM, and 3 splits of
+// 24 blocks below): the two-kernel path in 12-block splits.
 // Session 24 (select_short's strict counts), same-run A/Bs at 8K, back to back: 256 requests draft
 // 3, 6 splits of 12 blocks 68.4 / 68.4 / 68.6 us vs 72.1 / 71.9 / 72.1 for the single pass (round
 // J; isolated 71.3-71.6 vs 75.5-76.0; 3 of 24 69.3-69.7, 4 of 16 70.4-71.1, flat decode at 1 / 2
 // CTAs per SM 80.0-80.9), 69.5 / 69.8 / 69.8 vs 73.1 / 72.6 / 73.2 (round K; 8 of 8 70.2-70.5);
 // round L: 256 requests draft 2 68.3 / 68.5 vs 75.3 / 75.2, draft 1 66.9 / 67.1 vs 70.9 / 71.3 (8
 // of 8: 69.1-69.2, 67.8-67.9), 192 requests draft 3 54.0 / 54.3 vs 55.7 / 56.0 for 3 of 24 (single
-// pass 60.3 / 60.4: not applied yet, 1.45 requests per SM; no round was left for a rule between 1
-// and 1.9). At 128 requests (0.97 per SM, the 2-CTA single pass) 3 / 6 splits 39.0-39.2 / 39.4
-// vs 39.8 / 39.9 (round L): left as it is. Draft 0 at 256 x 8K keeps its single pass: 64.9 / 65.4
-// vs 67.5 / 67.4 for 4 of 16 (J).
+// pass 60.3 / 60.4). At 128 requests (0.97 per SM, the 2-CTA single pass) 3 / 6 splits
+// 39.0-39.2 / 39.4 vs 39.8 / 39.9 (round L). Draft 0 at 256 x 8K keeps its single pass: 64.9 /
+// 65.4 vs 67.5 / 67.4 for 4 of 16 (J).
+// Session 25 round A (8K, back to back, two alternating runs, 6 splits of 12 vs the 3 of 24 that
+// ran between 1 and 1.9 requests per SM): 144 requests draft 1 41.5 / 41.4 us vs 43.6 / 43.8,
+// draft 3 42.7 / 42.6 vs 47.0 / 47.0; 192 draft 1 52.7 / 53.1 vs 54.1 / 54.7, draft 2 54.3 /
+// 54.6 vs 55.8 / 56.2; 240 draft 1 63.2 / 63.3 vs 64.8 / 64.7, draft 3 66.1 / 66.3 vs 67.5 / 67.5:
+// hence from just above one request per SM. At and below one request per SM the 2-CTA single pass
+// stays: 96 requests draft 3 32.5 / 32.5 vs 32.9 / 32.9 (3 of 24) and 33.0 / 33.1 (6 of 12); 128
+// draft 1 37.0 / 37.0 vs 37.9 / 37.7 and 38.4 / 38.4, draft 3 39.8 / 40.0 vs 39.0 / 39.0 and
+// 39.6 / 39.5.
 constexpr int64_t kManyVerifyChunk = 12;
 // Where 24-block chunks give at least one CTA per SM and 12-block ones would still fit one wave
 // (kFusedCtasPerSm per SM; at 132 SMs and 64 blocks: 44-66 requests), the two-kernel path runs
@@ -211,7 +219,7 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
         max_pages <= ik::kFusedMaxChunk ? kDecodeChunkShort : kDecodeChunk, round4(max_pages));
     // The many-verify range (kManyVerifyChunk): its chunk whatever the CTA target gives.
     const bool many_verify = max_pages <= ik::kFusedMaxChunk && T > R &&
-                             T <= kSingleMaxTokensPerRequest * R && 10 * R >= 19 * int64_t{sms};
+                             T <= kSingleMaxTokensPerRequest * R && R > int64_t{sms};
     if (many_verify)
       dchunk = std::min<int64_t>(kManyVerifyChunk, round4(max_pages));
     else if (R * ceil_div(max_pages, dchunk) < sms)
@@ -270,21 +278,38 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   // Single pass: forced by the option, or automatic where it measured fastest (isolated / back to
   // back, vs the two-kernel path; <= 64 blocks), with sms / R CTAs per request (about one CTA per
   // SM) as a thread-block cluster where that is > 1:
-  //  - one token per request from 1/8 request per SM (session 13 round B, 8K draft 0: 32 requests
+  //  - one token per request from 1/17 request per SM (8-CTA clusters below 1/8: session 25,
+  //    see below; session 13 round B, 8K draft 0: 32 requests
   //    4 CTAs 16.7 / 14.4 us vs 18.1 / 15.4; 64: 2 CTAs 23.8 / 21.8 vs 25.6 / 23.3; 96: 31.7 vs
   //    33.6; 128: 1 CTA 38.0 vs 43.4; 256: 68.1 vs 74.1; batch 1 ties at 8 CTAs: 9.5 us);
-  //  - 2-4 tokens per request at 0.7-1 requests per SM, 2 CTAs per request (round B, draft 3: 96
-  //    requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 / 40.9 vs 45.1 / 43.4; round C: 36.0 vs
+  //  - 2-4 tokens per request at 0.7-1 requests per SM (3-4 tokens: to 0.95 since session 25),
+  //    2 CTAs per request (round B, draft 3: 96 requests 35.7 / 34.1 vs 40.1 / 38.3; 128: 42.6 /
+  //    40.9 vs 45.1 / 43.4; round C: 36.0 vs
   //    40.4, 43.3 vs 46.0), and from 1.9 requests per SM, 4 CTAs (256 requests, rounds B / C: 76.6
-  //    / 77.1 vs 77.4 / 78.5 us; since session 24 the two-kernel path in 12-block splits there:
-  //    see kManyVerifyChunk); the two-kernel path stays at 64 requests (27.9 vs 29.3 us with 3
-  //    CTAs).
+  //    / 77.1 vs 77.4 / 78.5 us; since session 24 the two-kernel path in 12-block splits there,
+  //    since session 25 above one request per SM: see kManyVerifyChunk); the two-kernel path
+  //    stays at 64 requests (27.9 vs 29.3 us with 3 CTAs).
   const int64_t R_all = std::max(1, p.batch.num_requests);
   int64_t rule_ctas = 0;  // CTAs per request of the automatic single pass; 0: not automatic
   if (T <= R_all) {
     if (8 * R_all >= sms) rule_ctas = std::clamp<int64_t>(sms / R_all, 1, kMaxClusterCtas);
+    // Below 1/8 request per SM, from 1/17: 8-CTA clusters (since session 25, where the other
+    // CTAs no longer meet rank 0 at a final cluster barrier: cluster_async_maxima). Round G, 8K
+    // b2b: 8 requests 6.9 / 6.9 us vs 7.2 / 7.2 for the two-kernel path (16 splits of 4 blocks;
+    // isolated 9.6 / 9.5 vs 10.0 / 10.0); 16 requests 9.2 / 9.2 vs 9.2 / 9.2 (8 of 8); batch 1
+    // stays two-kernel (6.3 vs 5.2-5.3).
+    else if (17 * R_all >= sms)
+      rule_ctas = kMaxClusterCtas;
   } else if (T <= R_all * kSingleMaxTokensPerRequest) {
-    if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms) rule_ctas = 2;
+    // From 0.95 requests per SM at more than 2 tokens per request: the two-kernel path (3 splits
+    // of 24 blocks). Session 25, 8K b2b, vs the 2-CTA single pass: 128 requests draft 3 39.0 /
+    // 39.0 us vs 39.8 / 40.0 (round A), 38.5 / 38.3 vs 39.1 / 39.3 (round C), draft 2 38.6 / 38.5
+    // vs 39.1 / 39.0 (round B); a tie below: 120 draft 3 37.9 / 37.8 vs 37.8 / 37.5 (C), 112 draft
+    // 3 36.5 / 36.2 vs 36.7 / 36.6 (B), draft 2 35.9 / 35.6 vs 36.1 / 35.7 (C); the single pass
+    // ahead at 96 draft 3 (32.5 / 32.5 vs 32.9 / 32.9) and 128 draft 1 (37.0 / 37.0 vs 37.9 /
+    // 37.7, round A).
+    const bool verify_two_kernel = T > 2 * R_all && 20 * R_all >= 19 * int64_t{sms};
+    if (10 * R_all >= 7 * int64_t{sms} && R_all <= sms && !verify_two_kernel) rule_ctas = 2;
   }
   const bool auto_single = o.k_splits == 0 && !o.fused_decode_always && rule_ctas > 0;
   if (pl.mma && (o.single_pass || auto_single) && !o.unfused_decode && T > 0 &&
@@ -488,6 +513,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.fast_select = options.fast_select ? 1 : 0;
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
+  a.async_maxima = options.cluster_async_maxima ? 1 : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);
@@ -516,7 +542,7 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
       // Clustered single pass: clusters of the k_splits (<= 8) CTAs of one grid.x index.
       const auto ckernel = ik::score_fused_cluster_kernel;
       size_t csmem = 0;
-      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kFusedSmemBytes, &csmem));
+      M3_RETURN_IF_ERROR(prepare(ckernel, ik::kClusterSmemBytes, &csmem));
       cudaLaunchConfig_t ccfg = {};
       ccfg.gridDim = grid;
       ccfg.blockDim = dim3(ik::kMmaThreads);

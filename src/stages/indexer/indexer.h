@@ -104,9 +104,9 @@ struct IndexerCudaOptions {
   // once, an overflow tile from the block scores it wrote; no selection kernel follows (same
   // ids).
   // The automatic plan (k_splits 0, !fused_decode_always) picks it for batches of one query token
-  // per request from 1/8 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
-  // (see single_pass_ctas; from 1.9 requests per SM, 2-4 tokens run the two-kernel path in
-  // 12-block splits since session 24); true forces it.
+  // per request from 1/17 request per SM, and of 2-4 tokens per request at 0.7-1 requests per SM
+  // (3-4 tokens: 0.7-0.95; see single_pass_ctas; above, the two-kernel path: in 12-block splits
+  // above one request per SM, sessions 24-25); true forces it.
   // Device data that breaks the contract: with a query_start that is not monotone, rows of tokens
   // that no decode unit and no overflow tile claims are left unwritten (the two-kernel path
   // writes in-range but meaningless ids there).
@@ -201,6 +201,17 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
+  // The clustered single pass with at most 4 rows per request (one token at n_kv 4): the CTAs of
+  // rank > 0 send their block maxima to rank 0's table by st.async, which completes them on an
+  // mbarrier of rank 0 as they land, and exit; rank 0's warps wait on it instead of the final
+  // cluster barrier (no release round trip after the last block). Session 25 round D, same-run
+  // A/Bs at 8K draft 0 (us isolated / back to back, three or two alternating runs): 64 requests
+  // (2-CTA clusters) 23.3 / 23.6 / 23.4, 21.2 / 21.2 / 21.2 vs 23.4 / 23.7 / 23.5, 21.3 / 21.2 /
+  // 21.3 with the barrier; 32 (4-CTA) 16.4 / 16.2, 14.1 / 14.0 vs 16.5 / 16.4, 14.2 / 14.1; 44
+  // (3-CTA) 19.6 / 19.6, 17.5 / 17.5 vs 19.9 / 19.7, 17.6 / 17.6; round E, 64 requests: 23.5 /
+  // 23.8 / 23.6, 21.5 / 21.6 / 21.5 vs 23.7 / 23.9 / 23.8, 21.7 / 21.7 / 21.7. false: the cluster
+  // barrier (the A/B switch). Same ids.
+  bool cluster_async_maxima = true;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

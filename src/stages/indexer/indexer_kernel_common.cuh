@@ -90,6 +90,7 @@ struct KernelArgs {
   // IndexerCudaOptions::stream_evict_first: the fraction (1 or 0) of the decode units' index-K
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
+  int async_maxima = 0;  // IndexerCudaOptions::cluster_async_maxima
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every
@@ -152,6 +153,32 @@ __device__ __forceinline__ void timeline_stamp(const KernelArgs& a, int word, ui
   const int64_t w =
       (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   a.timeline[w * kTimelineStride + word] = c;
+}
+
+// Slot `slot` (< kTimelineSlots - 1) of timeline_mark with a clock64 value `c` read earlier, so
+// that the mark's global stores come after the release arrive that ends the clustered single
+// pass's stream (a release waits for the thread's earlier stores: writing the mark before it
+// would make the arrive wait for an L2 round trip that the normal path does not have).
+__device__ __forceinline__ uint64_t timeline_clock(const KernelArgs& a) {
+  return a.timeline != nullptr ? static_cast<uint64_t>(clock64()) : 0u;
+}
+__device__ __forceinline__ void timeline_mark_at(const KernelArgs& a, int slot, uint64_t c) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  uint64_t* e = a.timeline + w * kTimelineStride;
+  e[8 + slot] = c;
+  e[slot] = 1;
+}
+
+// A value (not a clock) into `word` of the warp's kTimelineStride words (lane 0; timeline only).
+// Word 20: the number of blocks the decode warp scores (decode_path); word 21 (timeline_stamp,
+// clustered single pass): clock64 once the warp's release arrive at the end returned.
+__device__ __forceinline__ void timeline_word(const KernelArgs& a, int word, uint64_t value) {
+  if (a.timeline == nullptr || (threadIdx.x & 31) != 0) return;
+  const int64_t w =
+      (int64_t{blockIdx.x} * gridDim.y + blockIdx.y) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  a.timeline[w * kTimelineStride + word] = value;
 }
 
 // The selection kernel's marks (same buffer, after the scorer's warps' words and 16 more: from
@@ -226,6 +253,15 @@ __device__ __forceinline__ T* map_to_cluster_rank(T* p, uint32_t rank) {
   uint64_t out;
   asm volatile("mapa.u64 %0, %1, %2;" : "=l"(out) : "l"(reinterpret_cast<uint64_t>(p)), "r"(rank));
   return reinterpret_cast<T*>(out);
+}
+
+// The shared::cluster address of `p` (a shared-memory variable of this CTA) in the CTA `rank`
+// of the cluster (for st.async and remote mbarrier operands).
+__device__ __forceinline__ uint32_t cluster_smem_addr(const void* p, uint32_t rank) {
+  const uint32_t local = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  uint32_t out;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(local), "r"(rank));
+  return out;
 }
 
 // Calls f(std::integral_constant<int, I>) for I = kI .. kN - 1 (a compile-time unrolled loop).

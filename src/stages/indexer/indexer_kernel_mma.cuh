@@ -111,6 +111,7 @@
 #include <climits>
 #include <type_traits>
 
+#include "core/mbarrier.cuh"
 #include "core/ptx.cuh"
 #include "stages/indexer/indexer_kernel_common.cuh"
 #include "stages/indexer/indexer_kernel_fused.cuh"
@@ -143,6 +144,9 @@ constexpr int kSmemAlign = 128;
 // Fused decode: the shared block-max table [kDecRows][kFusedMaxChunk] f32 after the ring: 72 KB
 // in all, 3 CTAs per SM.
 constexpr int kFusedSmemBytes = kMmaSmemBytes + kDecRows * kFusedMaxChunk * 4;
+// The clustered single pass: + the table's mbarrier (IndexerCudaOptions::cluster_async_maxima),
+// right after the table.
+constexpr int kClusterSmemBytes = kFusedSmemBytes + 16;
 
 __device__ __forceinline__ uint4 ld_query16(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
@@ -296,6 +300,9 @@ __device__ __forceinline__ void decode_compute_tile(DecodeState<NT>& s, const ui
 // share > 0 (the clustered single pass with more rows than a CTA has warps):
 // sblk is this CTA's own table and every value goes to the tables of cluster ranks 0 .. share - 1
 // (distributed shared memory), so that every CTA of the cluster can select rows.
+// share < 0 (cluster_async_maxima, a CTA of rank > 0): sblk is this CTA's own table, and every
+// value goes to the same place in rank 0's by st.async, which completes its bytes on rank 0's
+// table mbarrier (right after the table) when they land.
 template <int NT, bool kFused>
 __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArgs& a, int t0,
                                              int rows, int b, bool page_ok, int g, int tig,
@@ -315,6 +322,14 @@ __device__ __forceinline__ void decode_flush(DecodeState<NT>& s, const KernelArg
           const float val = page_ok ? v : quiet_nan();
           if (share == 0) {
             *dst = val;
+          } else if (share < 0) {
+            const uint32_t rdst = cluster_smem_addr(dst, 0);
+            const uint32_t rbar = cluster_smem_addr(sblk + kDecRows * kFusedMaxChunk, 0);
+            asm volatile(
+                "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
+                    rdst),
+                "r"(__float_as_uint(val)), "r"(rbar)
+                : "memory");
           } else {
 #pragma unroll 1
             for (int rk = 0; rk < share; ++rk) *map_to_cluster_rank(dst, rk) = val;
@@ -552,7 +567,16 @@ template <bool kFused, bool kSingle, bool kCluster = false>
 __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) {
   static_assert(!kCluster || (kFused && kSingle), "cluster: the single pass only");
   timeline_mark(a, 0);
-  if constexpr (kCluster) cluster_arrive_relaxed();
+  if constexpr (kCluster) {
+    if (a.async_maxima && blockIdx.y == 0 && threadIdx.x == 0) {
+      // cluster_async_maxima: rank 0's table mbarrier (one arrival per thread of rank 0, plus
+      // the bytes of the other ranks' st.async), visible to the cluster once its start wait
+      // passes.
+      sm90::mbar_init(smem_addr(smem + kFusedSmemBytes), kMmaThreads);
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    cluster_arrive_relaxed();
+  }
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   int r = static_cast<int>(blockIdx.x) - a.num_overflow;
@@ -599,6 +623,21 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
+  // Session 25 (64 x 8K, same-round A/Bs, back to back), lost and deleted: each warp touching
+  // every page of its blocks after the first two at its start (their page-table entries loaded
+  // with the first two, one lane per block), so that the pages' address translations are fetched
+  // in parallel at the start instead of one block at a time: an L2 prefetch of the page's first
+  // line 21.3 / 21.2 / 21.2 us vs 21.2 / 21.2 / 21.2 at draft 0, 22.2 / 22.4 vs 22.3 / 22.4 at
+  // draft 3 (round B); a load of one word per page (L2 only, into a register read at the warp's
+  // end) 21.3 / 21.4 / 21.3 vs 21.2 / 21.2 / 21.2, 22.3 / 22.4 vs 22.3 / 22.4; a bulk (TMA) L2
+  // prefetch of the line 21.3 / 21.4 / 21.3, 22.2 / 22.4 (round C); just in time instead, the
+  // page two blocks ahead touched at each block's start (its raw entry already loaded), ~2 us
+  // before its first copies: L2 prefetch 21.8 / 21.7 / 21.6 vs 21.5 / 21.6 / 21.5, 22.5 / 22.7
+  // vs 22.5 / 22.7; bulk prefetch 21.7 / 21.6 / 21.6, 22.6 / 22.8 (round E). The translations
+  // do cost: with each page-table copy's pages shuffled inside one 67 MB span (bench --window:
+  // the scatter's DRAM pattern with ~34 instead of ~1900 2 MB translations per call) draft 0 ran
+  // 20.8 / 20.8 us b2b (round B; scattered 21.2-21.4, contiguous 20.7 in round A, the paged read
+  // 17.3 vs 18.1), but no touch ahead of the stream made the stream faster.
   // Everything the start needs is loaded at once, before the early start below (its copies are
   // asm volatile with a memory clobber, so loads after them would wait for the page-table entry):
   // query_start and seq_lens, and (a.guess: one token per request) at the guessed bounds of an
@@ -658,6 +697,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));  // <= max_pages
   const int b1 = min(nvis, bend);
   if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
+  timeline_word(a, 20, first < b1 ? static_cast<uint64_t>((b1 - first + step - 1) / step) : 0u);
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
   // The warp's blocks first, first + 4, ... < b1; block b's maxima go to table[row][b - tb0].
@@ -725,13 +765,42 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // the non-first CTA's finished warps while a warp of their CTA still streamed) 20.8 / 20.9 /
     // 20.8 / 20.9 vs 20.7 / 20.8 / 20.7 / 20.6 (round H).
     const bool shared = rows > kMmaWarps;
+    const bool async = a.async_maxima && !shared;  // cluster-uniform
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
     // One call site (each is a full copy of the unrolled decode loops).
     if (first < b1)
-      score(shared ? sblk : map_to_cluster_rank(sblk, 0), 0,
-            shared ? static_cast<int>(gridDim.y) : 0);
-    timeline_mark(a, 2);
+      score(shared || async ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : (async && blockIdx.y != 0 ? -1 : 0));
+    if (async) {
+      // IndexerCudaOptions::cluster_async_maxima: no cluster barrier at the end. The other ranks'
+      // maxima complete rank 0's table mbarrier as they land (st.async), so those CTAs are done;
+      // rank 0's threads wrote theirs locally and each arrives on it (release: every writer
+      // orders its own stores; round E's racecheck reported lanes 1-3's table stores against the
+      // readers when only lane 0 of each warp arrived after a __syncwarp), thread 0 announcing
+      // the other ranks' bytes: every row's value of every visible block past rank 0's chunk.
+      timeline_mark(a, 2);
+      if (blockIdx.y != 0) {
+        timeline_mark(a, 4);
+        return;
+      }
+      const uint32_t bar = smem_addr(smem + kFusedSmemBytes);
+      if (threadIdx.x == 0)
+        sm90::mbar_arrive_expect_tx(bar,
+                                    static_cast<uint32_t>(rows * 4 * (nvis - min(nvis, bend))));
+      else
+        sm90::mbar_arrive(bar);
+      const auto await = [&] {
+        sm90::mbar_wait<true>(bar, 0);  // every block max of [0, nvis) is in the table
+        timeline_mark(a, 3);
+      };
+      select_rows_lean(a, sblk, qa, rows, 0, nvis, p, warp, kMmaWarps, await);
+      timeline_mark(a, 4);
+      return;
+    }
+    const uint64_t scored_at = timeline_clock(a);
     cluster_arrive_release();
+    timeline_stamp(a, 21, 0u);  // the release arrive returned
+    timeline_mark_at(a, 2, scored_at);
     const auto wait = [&] {
       cluster_wait_acquire();  // every block max of [0, nvis) is in the table(s)
       timeline_mark(a, 3);

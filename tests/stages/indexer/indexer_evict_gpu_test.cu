@@ -72,5 +72,46 @@ TEST(IndexerGpu, EvictFirstSameIds) {
   }
 }
 
+// IndexerCudaOptions::cluster_async_maxima (the clustered single pass's other ranks send their
+// block maxima to rank 0 by st.async on rank 0's table mbarrier; no final cluster barrier): the
+// same ids as the two-kernel path in 2-, 3-, 4- and 8-CTA clusters, with a page outside the pool,
+// NaN keys, trivial rows (<= 16 visible blocks) and, at 4 tokens per request (16 rows: the
+// cluster barrier path), the fallback.
+TEST(IndexerGpu, ClusterAsyncMaximaSameIds) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (int tokens : {1, 4}) {
+    std::vector<RequestSpec> reqs;
+    for (int ctx : {8192, 8000, 5000, 4097, 2049, 129, 8191, 3000})
+      reqs.push_back({ctx - tokens, tokens});
+    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
+    in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
+    DeviceSet d;
+    upload(in, d);
+    std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
+    std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
+    table[static_cast<size_t>(1 * in.hb.page_table.shape()[1] + 40)] = -2;  // request 1, block 40
+    d.table.upload(table.data(), table.size() * 4);
+    IndexerCudaOptions two;
+    two.unfused_decode = true;
+    const GpuResult g = run_gpu(d, two);
+    const std::string label = std::to_string(tokens) + " token(s) per request";
+    for (int ctas : {2, 3, 4, 8})
+      for (int rep = 0; rep < 3; ++rep) {  // the mbarrier is set up afresh every launch
+        IndexerCudaOptions o;
+        o.single_pass = true;
+        o.single_pass_ctas = ctas;
+        o.cluster_async_maxima = rep < 2;  // the last: the cluster barrier
+        expect_same_ids(in, run_gpu(d, o), g,
+                        label + " [cluster " + std::to_string(ctas) +
+                            (rep < 2 ? ", async maxima]" : ", cluster barrier]"));
+      }
+  }
+}
+
 }  // namespace
 }  // namespace m3attn::indexer_gpu_test

@@ -23,16 +23,20 @@ TEST(IndexerGpu, GenerationContextsUpTo8KSinglePass) {
 }
 
 // The automatic plan of decode batches at <= 8K: the single pass in clusters of sms / R CTAs per
-// request at one token per request (R = sms / 3: 3 CTAs), and of 2 CTAs at 4 tokens per request
-// (R = 0.8 sms); ids against the two-kernel path (same block maxima) and the twin.
+// request at one token per request (R = sms / 3: 3 CTAs; R = sms / 16, below 1/8 request per SM:
+// 8 CTAs, session 25), and of 2 CTAs at 4 tokens per request (R = 0.8 sms); ids against the
+// two-kernel path (same block maxima) and the twin.
 TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const int sms = mt::current_device_sms();
-  for (int tokens : {1, 4}) {
-    const int R = tokens == 1 ? std::max(1, sms / 3) : std::max(1, sms * 4 / 5);
+  for (int tokens : {1, 4, 0}) {  // 0: one token per request, R = sms / 16
+    const int R = tokens == 1   ? std::max(1, sms / 3)
+                  : tokens == 4 ? std::max(1, sms * 4 / 5)
+                                : std::max(1, sms / 16);
+    if (tokens == 0) tokens = 1;
     std::vector<RequestSpec> reqs;
     for (int i = 0; i < R; ++i)
       reqs.push_back({static_cast<int>(rng.integer(0, 8192 - tokens)), tokens});
@@ -46,7 +50,7 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
     const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
     std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
                 sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
-    const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;
+    const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;  // sms / 16 requests: 8
     const int chunk = ((64 + ctas - 1) / ctas + 3) / 4 * 4;
     EXPECT_TRUE(pl.single);
     EXPECT_EQ(pl.k_splits, (64 + chunk - 1) / chunk);
@@ -60,19 +64,23 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
   }
 }
 
-// Verify batches (2 and 4 tokens per request) from 1.9 requests per SM at <= 64 blocks: the
-// automatic plan is the two-kernel path in 12-block splits (session 24; before, the single pass in
-// 4-CTA clusters). Ids against that single pass and against the
-// two-kernel path in 3 splits (both checked against the twin elsewhere; the twin of 2 x SMs
-// requests would take this test ~30 s).
+// Verify batches of more than one request per SM at <= 64 blocks: the automatic plan is the
+// two-kernel path in 12-block splits (session 24 from 1.9 requests per SM, at 2 and 4 tokens per
+// request; before, the single pass in 4-CTA clusters; session 25 from just above one request per
+// SM, 3 tokens per request at ~1.13 here; before, 3 splits of 24 blocks). Ids against the single
+// pass in 4-CTA clusters and against the two-kernel path in 3 splits (both checked against the
+// twin elsewhere; the twin of 2 x SMs requests would take this test ~30 s).
 TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const int sms = mt::current_device_sms();
-  const int R = 2 * sms;
-  for (int tokens : {2, 4}) {
+  const struct {
+    int R, tokens;
+  } cases[] = {{2 * sms, 2}, {2 * sms, 4}, {sms + sms / 8 + 1, 3}};
+  for (const auto& cs : cases) {
+    const int R = cs.R, tokens = cs.tokens;
     std::vector<RequestSpec> reqs;
     for (int i = 0; i < R; ++i)
       reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
@@ -90,7 +98,8 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
     EXPECT_EQ(pl.flat_ctas, 0);
     EXPECT_EQ(pl.dec_chunk, 12);
     EXPECT_EQ(pl.k_splits, 6);
-    const std::string what = std::to_string(tokens) + " tokens per request";
+    const std::string what =
+        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
     const GpuResult g = run_gpu(d, IndexerCudaOptions{});
     IndexerCudaOptions single;
     single.single_pass = true;
@@ -101,6 +110,56 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
     three.unfused_decode = true;
     three.k_splits = 3;
     expect_same_ids(in, run_gpu(d, three), g, "3 splits vs 12-block splits, " + what);
+  }
+}
+
+// Verify batches of 3-4 tokens per request at 0.95-1 requests per SM at <= 64 blocks: the
+// automatic plan is the two-kernel path in 3 splits of 24 blocks (session 25; before, the single
+// pass in 2-CTA clusters, which stays at 2 tokens and below 0.95). Ids against that single pass
+// and the 12-block splits (both checked against the twin elsewhere).
+TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  const struct {
+    int R, tokens;
+    bool single;
+  } cases[] = {{sms * 19 / 20 + 1, 3, false}, {sms, 4, false}, {sms * 19 / 20 + 1, 2, true},
+               {sms * 9 / 10, 4, true}};
+  for (const auto& cs : cases) {
+    const int R = cs.R, tokens = cs.tokens;
+    std::vector<RequestSpec> reqs;
+    for (int i = 0; i < R; ++i)
+      reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
+    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_EQ(in.max_pages(), 64);
+    DeviceSet d;
+    upload(in, d);
+    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    EXPECT_EQ(pl.single, cs.single);
+    if (!cs.single) {
+      EXPECT_FALSE(pl.fused);
+      EXPECT_EQ(pl.flat_ctas, 0);
+      EXPECT_EQ(pl.dec_chunk, 24);
+      EXPECT_EQ(pl.k_splits, 3);
+    }
+    const std::string what =
+        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    IndexerCudaOptions single;
+    single.single_pass = true;
+    single.single_pass_ctas = 2;
+    expect_same_ids(in, run_gpu(d, single), g, "2-CTA single pass vs automatic, " + what);
+    IndexerCudaOptions six;
+    six.unfused_decode = true;
+    six.k_splits = 6;
+    expect_same_ids(in, run_gpu(d, six), g, "12-block splits vs automatic, " + what);
   }
 }
 

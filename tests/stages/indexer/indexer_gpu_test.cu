@@ -10,6 +10,24 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
+// The plan tests' verify batch at 8K: R requests of `tokens` query tokens with contexts of
+// 1900-2300 tokens, the first at the full 64 blocks (no spare page-table column), integer-valued.
+Inputs verify_batch_at_8k(int R, int tokens, Rng& rng) {
+  std::vector<RequestSpec> reqs;
+  for (int i = 0; i < R; ++i)
+    reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
+  reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
+  return make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+}
+
+// The automatic plan of the batch on d.params, printed for the log.
+IndexerCudaPlan printed_plan(const DeviceSet& d, int sms, int R, int tokens) {
+  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+  std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
+              sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  return pl;
+}
+
 TEST(IndexerGpu, GenerationContextsAndDraftLengths) {
   M3_REQUIRE_GPU();
   check_generation_contexts({1, 127, 128, 129, 2048, 2049, 2050, 4097, 9000}, "generation");
@@ -47,9 +65,7 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
     ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
     upload(in, d);
-    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
-                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;  // sms / 16 requests: 8
     const int chunk = ((64 + ctas - 1) / ctas + 3) / 4 * 4;
     EXPECT_TRUE(pl.single);
@@ -81,18 +97,12 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   } cases[] = {{2 * sms, 2}, {2 * sms, 4}, {sms + sms / 8 + 1, 3}};
   for (const auto& cs : cases) {
     const int R = cs.R, tokens = cs.tokens;
-    std::vector<RequestSpec> reqs;
-    for (int i = 0; i < R; ++i)
-      reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
-    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
-    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+    const Inputs in = verify_batch_at_8k(R, tokens, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
     ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
     upload(in, d);
-    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
-                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
     EXPECT_EQ(pl.flat_ctas, 0);
@@ -130,18 +140,12 @@ TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
                {sms * 9 / 10, 4, true}};
   for (const auto& cs : cases) {
     const int R = cs.R, tokens = cs.tokens;
-    std::vector<RequestSpec> reqs;
-    for (int i = 0; i < R; ++i)
-      reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
-    reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
-    const Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+    const Inputs in = verify_batch_at_8k(R, tokens, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
     ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
     upload(in, d);
-    const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-    std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
-                sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+    const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     EXPECT_EQ(pl.single, cs.single);
     if (!cs.single) {
       EXPECT_FALSE(pl.fused);

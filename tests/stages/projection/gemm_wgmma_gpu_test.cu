@@ -165,6 +165,16 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
   return first;
 }
 
+// Runs case c twice on integer-valued data drawn from rng (outputs padded by c.ld_pad) and expects
+// both runs bit-exact against the CPU twin.
+void expect_exact_vs_twin(const Case& c, Rng& rng) {
+  GemmData d = make_integer_data(c.m, c.n, c.k, rng);
+  DeviceGemm dev(d, c.n + c.ld_pad);
+  const std::vector<uint16_t> got = run_twice(dev, c);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+}
+
 class GemmWgmmaExact : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GemmWgmmaExact, IntegerInputsBitIdenticalToTwin) {
@@ -949,11 +959,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
       SCOPED_TRACE(::testing::Message() << "M " << m << " ctas/SM " << ctas);
       Rng rng(seed);
       Case c{m, 640, 4096, 8, 0, false, ctas, 4, 0, true, 0, false, 1, false, 0, false, true};
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n + c.ld_pad);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+      expect_exact_vs_twin(c, rng);
     }
   }
 }
@@ -969,11 +975,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
     Rng rng(seed);
     Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
     c.k_split = true;
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n + c.ld_pad);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    expect_exact_vs_twin(c, rng);
   }
 }
 
@@ -1000,11 +1002,7 @@ TEST(GemmWgmmaRowSplit, KSplitEdges) {
     M3_SEED_TRACE(seed);
     SCOPED_TRACE(describe(c));
     Rng rng(seed);
-    GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-    DeviceGemm dev(d, c.n + c.ld_pad);
-    const std::vector<uint16_t> got = run_twice(dev, c);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+    expect_exact_vs_twin(c, rng);
   }
 }
 
@@ -1022,11 +1020,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
       Case c{m, n, n == 640 ? 4096 : 1152, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false,
              true};
       c.k_split = true;
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n + c.ld_pad);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+      expect_exact_vs_twin(c, rng);
     }
   }
 }
@@ -1045,11 +1039,7 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallEarlyStages) {
       Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false, true};
       c.early = early;
       c.k_split = m == 64 && early == 1;
-      GemmData d = make_integer_data(c.m, c.n, c.k, rng);
-      DeviceGemm dev(d, c.n + c.ld_pad);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), c.n, &report), 0) << report;
+      expect_exact_vs_twin(c, rng);
     }
   }
 }

@@ -36,7 +36,7 @@
 // code): the epilogue's pairs staged in shared memory (B), a pipelined consumer loop and a gated
 // first ring (C), incremental wgmma descriptors and the K split over the row split's image (D),
 // an epilogue fast path and 1 / 3 early stages (E), the last stage split in two and setmaxnreg
-// (F), a TMA-store epilogue (G: faulted on the device, never understood).
+// (F), a TMA-store epilogue (G, X: see the epilogue).
 //
 // The end: a reduce-scatter of the fp32 accumulators through the CTA's shared memory. Both halves
 // hold the same fragment layout (warp w: tokens 16 w ... 16 w + 15; column groups c = 0 ... 9 of
@@ -481,8 +481,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const bool store = kNoStores ? p.m > 64 : true;
   const int lo_col = 8 * (kGroups / 2) * h;
   // (Session 25 round G: the first 72 columns through a shared-memory tile and one TMA tensor
-  // store per CTA faulted on the device (illegal instruction) in its first run; no round was left
-  // to find why, deleted.)
+  // store per CTA faulted on the device (illegal instruction): a tensor store's innermost start
+  // coordinate must be a multiple of 16 bytes, which a CTA's first column (74-75 columns per CTA)
+  // mostly is not. Round X (branch s25-pc, e9d581b): 64 columns from the CTA's first 16-byte
+  // aligned column through a 128-byte-swizzled tile in the drained weight slots, the rest by
+  // 2-byte stores, bulk wait before exit: no fault, memcheck / racecheck clean, but slower, b2b
+  // plain / chained M 64 19.91-19.93 / 17.79-17.80 against 19.53-19.54 / 17.44-17.45, M 48
+  // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 / 17.50-17.58 against
+  // 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch padded by 4:
+  // columns left zero). Not merged.)
   {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];

@@ -245,8 +245,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src =
-            p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin, rows, p.n, kb_count);
+        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
+                                                         rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
@@ -487,9 +487,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // aligned column through a 128-byte-swizzled tile in the drained weight slots, the rest by
   // 2-byte stores, bulk wait before exit: no fault, memcheck / racecheck clean, but slower, b2b
   // plain / chained M 64 19.91-19.93 / 17.79-17.80 against 19.53-19.54 / 17.44-17.45, M 48
-  // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 / 17.50-17.58 against
-  // 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch padded by 4:
-  // columns left zero). Not merged.)
+  // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 /
+  // 17.50-17.58 against 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch
+  // padded by 4: columns left zero). Not merged.)
   {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];

@@ -75,8 +75,8 @@
 //   (IndexerCudaOptions::short_select false for every path and table), --flat N (the default
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / 2k16 / sp4 (--variants:
-//   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 / sp8 (the
-//   single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
+//   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 /
+//   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -964,7 +964,8 @@ int main(int argc, char** argv) {
         }
         const double hz = sl.empty() ? khz * 1e-6 : pct(sl, 0.5);
         uint64_t gb = 0, cb = 0;
-        if (!pr.empty()) gb = pr.begin()->second.front().first, cb = pr.begin()->second.front().second;
+        if (!pr.empty())
+          gb = pr.begin()->second.front().first, cb = pr.begin()->second.front().second;
         const auto rc = [&](uint64_t x) {
           return static_cast<double>(static_cast<int64_t>(x - cb)) / hz;
         };
@@ -976,7 +977,8 @@ int main(int argc, char** argv) {
         double first = 1e300;
         for (int64_t w = 0; w < warps; ++w) {
           const uint64_t* e = v.data() + w * kStride;
-          if (e[0] && off.count(static_cast<int>(e[7]))) first = std::min(first, ns(static_cast<int>(e[7]), e[8]));
+          if (e[0] && off.count(static_cast<int>(e[7])))
+            first = std::min(first, ns(static_cast<int>(e[7]), e[8]));
         }
         std::vector<CtaRec> out(static_cast<size_t>(units * pl.k_splits));
         for (int64_t cta = 0; cta < units * pl.k_splits; ++cta) {
@@ -1142,7 +1144,8 @@ int main(int argc, char** argv) {
                                static_cast<double>(kv.second.size()),
                            kv.first);
       std::sort(order.begin(), order.end());
-      std::printf("  per SM (mean deviation us: deviation in each call), all SMs, fastest first:\n");
+      std::printf(
+          "  per SM (mean deviation us: deviation in each call), all SMs, fastest first:\n");
       for (const auto& q : order) {
         std::printf("    sm %3d blocks %3.0f mean %+5.2f:", q.second,
                     sm_blocks.back().count(q.second) ? sm_blocks.back().at(q.second) : 0.0,

@@ -515,11 +515,12 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     if (last > slow_last) {
       slow_last = last;
       char b[256];
-      std::snprintf(b, sizeof(b),
-                    "entry %.2f, first full %.2f, last full %.2f / %.2f (h0 / h1), ready %.2f / %.2f, "
-                    "last fold %.2f / %.2f, summed %.2f, last warp %.2f",
-                    since_t0(w[0]) / 1e3, at(w[2]), at(w[4]), at(w[5]), at(x[1]), at(x[2]), at(x[3]),
-                    at(x[4]), at(x[5]), last);
+      std::snprintf(
+          b, sizeof(b),
+          "entry %.2f, first full %.2f, last full %.2f / %.2f (h0 / h1), ready %.2f / %.2f, "
+          "last fold %.2f / %.2f, summed %.2f, last warp %.2f",
+          since_t0(w[0]) / 1e3, at(w[2]), at(w[4]), at(w[5]), at(x[1]), at(x[2]), at(x[3]),
+          at(x[4]), at(x[5]), last);
       slow = b;
     }
     any = std::max(any, last);

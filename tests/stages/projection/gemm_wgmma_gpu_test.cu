@@ -981,9 +981,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
 
 // The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
 // cvt.rn.bf16x2): exact against the twin on fused width (pairs of 74-75 rows starting on odd and
-// even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation boxes
-// (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 / 200 pairs
-// (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL.
+// even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation
+// boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 /
+// 200 pairs (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL.
 TEST(GemmWgmmaRowSplit, KSplitEdges) {
   M3_REQUIRE_WGMMA();
   auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -15,19 +16,35 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
+// Integer-valued inputs of one request per context (ctx - tokens cached tokens, `tokens` query
+// tokens each) with NaN keys in request 0's blocks 31 and 62.
+Inputs inputs_with_nan_keys(std::initializer_list<int> contexts, int tokens, Rng& rng) {
+  std::vector<RequestSpec> reqs;
+  for (int ctx : contexts) reqs.push_back({ctx - tokens, tokens});
+  Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+  if (::testing::Test::HasFailure()) return in;  // the caller's check stops the test
+  in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;
+  in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
+  return in;
+}
+
+// Points the device page table's entry (request, block) outside the pool (-2); the host batch
+// keeps the page, so the twin no longer describes the device inputs.
+void move_page_outside_pool(const Inputs& in, DeviceSet& d, int request, int block) {
+  std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
+  std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
+  table[static_cast<size_t>(request * in.hb.page_table.shape()[1] + block)] = -2;
+  d.table.upload(table.data(), table.size() * 4);
+}
+
 TEST(IndexerGpu, EvictFirstSameIds) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   for (int tokens : {1, 4}) {
-    std::vector<RequestSpec> reqs;
-    for (int ctx : {8192, 8000, 5000, 4097, 2049, 129})
-      reqs.push_back({ctx - tokens, tokens});
-    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+    const Inputs in = inputs_with_nan_keys({8192, 8000, 5000, 4097, 2049, 129}, tokens, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
-    in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
     DeviceSet d;
     upload(in, d);
     IndexerCudaOptions two;
@@ -37,10 +54,7 @@ TEST(IndexerGpu, EvictFirstSameIds) {
     compare(in, reference(in), run_gpu(d, two), /*exact_scores=*/true, label + " [two-kernel]");
     // A page outside the pool in request 1 (block 40): NaN on every path (the twin's host batch
     // keeps the page: ids against the two-kernel path from here on).
-    std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
-    std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
-    table[static_cast<size_t>(1 * in.hb.page_table.shape()[1] + 40)] = -2;
-    d.table.upload(table.data(), table.size() * 4);
+    move_page_outside_pool(in, d, /*request=*/1, /*block=*/40);
     const GpuResult g = run_gpu(d, two);
     for (int ef : {1, 0, -1}) {
       struct Path {
@@ -83,19 +97,12 @@ TEST(IndexerGpu, ClusterAsyncMaximaSameIds) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   for (int tokens : {1, 4}) {
-    std::vector<RequestSpec> reqs;
-    for (int ctx : {8192, 8000, 5000, 4097, 2049, 129, 8191, 3000})
-      reqs.push_back({ctx - tokens, tokens});
-    Inputs in = make_inputs(reqs, 4, rng, /*integer=*/true, 0, /*extra_cols=*/0);
+    const Inputs in =
+        inputs_with_nan_keys({8192, 8000, 5000, 4097, 2049, 129, 8191, 3000}, tokens, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    in.hb.index_row(0, 31 * 128 + 7)[9] = 0x7f;  // NaN keys in request 0's blocks 31 and 62
-    in.hb.index_row(0, 62 * 128 + 100)[40] = 0x7f;
     DeviceSet d;
     upload(in, d);
-    std::vector<int32_t> table(static_cast<size_t>(in.hb.page_table.numel()));
-    std::memcpy(table.data(), in.hb.page_table.data(), table.size() * 4);
-    table[static_cast<size_t>(1 * in.hb.page_table.shape()[1] + 40)] = -2;  // request 1, block 40
-    d.table.upload(table.data(), table.size() * 4);
+    move_page_outside_pool(in, d, /*request=*/1, /*block=*/40);
     IndexerCudaOptions two;
     two.unfused_decode = true;
     const GpuResult g = run_gpu(d, two);

@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "indexer_gpu_test_util.h"
 
@@ -18,6 +21,32 @@ Inputs verify_batch_at_8k(int R, int tokens, Rng& rng) {
     reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
   reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
   return make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+}
+
+IndexerCudaOptions single_pass_in(int ctas) {
+  IndexerCudaOptions o;
+  o.single_pass = true;
+  o.single_pass_ctas = ctas;
+  return o;
+}
+
+IndexerCudaOptions two_kernel_in(int k_splits) {
+  IndexerCudaOptions o;
+  o.unfused_decode = true;
+  o.k_splits = k_splits;
+  return o;
+}
+
+// Forced plans, each with a label saying which plan it is checked against.
+using ForcedPlans = std::vector<std::pair<IndexerCudaOptions, std::string>>;
+
+// The ids of the automatic plan against those of each forced plan.
+void expect_forced_plans_agree(const Inputs& in, DeviceSet& d, int R, int tokens,
+                               const ForcedPlans& plans) {
+  const std::string what =
+      std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
+  const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+  for (const auto& [o, label] : plans) expect_same_ids(in, run_gpu(d, o), g, label + ", " + what);
 }
 
 // The automatic plan of the batch on d.params, printed for the log.
@@ -108,18 +137,10 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
     EXPECT_EQ(pl.flat_ctas, 0);
     EXPECT_EQ(pl.dec_chunk, 12);
     EXPECT_EQ(pl.k_splits, 6);
-    const std::string what =
-        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
-    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
-    IndexerCudaOptions single;
-    single.single_pass = true;
-    single.single_pass_ctas = 4;
-    expect_same_ids(in, run_gpu(d, single), g,
-                    "single pass in 4-CTA clusters vs 12-block splits, " + what);
-    IndexerCudaOptions three;
-    three.unfused_decode = true;
-    three.k_splits = 3;
-    expect_same_ids(in, run_gpu(d, three), g, "3 splits vs 12-block splits, " + what);
+    expect_forced_plans_agree(
+        in, d, R, tokens,
+        {{single_pass_in(4), "single pass in 4-CTA clusters vs 12-block splits"},
+         {two_kernel_in(3), "3 splits vs 12-block splits"}});
   }
 }
 
@@ -153,17 +174,9 @@ TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
       EXPECT_EQ(pl.dec_chunk, 24);
       EXPECT_EQ(pl.k_splits, 3);
     }
-    const std::string what =
-        std::to_string(R) + " requests x " + std::to_string(tokens) + " tokens";
-    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
-    IndexerCudaOptions single;
-    single.single_pass = true;
-    single.single_pass_ctas = 2;
-    expect_same_ids(in, run_gpu(d, single), g, "2-CTA single pass vs automatic, " + what);
-    IndexerCudaOptions six;
-    six.unfused_decode = true;
-    six.k_splits = 6;
-    expect_same_ids(in, run_gpu(d, six), g, "12-block splits vs automatic, " + what);
+    expect_forced_plans_agree(in, d, R, tokens,
+                              {{single_pass_in(2), "2-CTA single pass vs automatic"},
+                               {two_kernel_in(6), "12-block splits vs automatic"}});
   }
 }
 

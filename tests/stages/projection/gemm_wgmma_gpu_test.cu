@@ -850,9 +850,9 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
 
 // Fp8BlockGemm::run_row_split with a K-split image (session 25, GemmRowImage::ks_data,
 // Fp8BlockGemmOptions::row_k_split_min_m 33; Fp8BlockGemm takes M % 4 == 0): M 36 / 48 / 64 run
-// the K split over it, M 32 the
-// row split, and where the K split cannot serve the shape (K 8192 > 6400) the row split too;
-// exact against the twin with the weight itself poisoned, plain and with PDL.
+// the K split over it, M 32 the row split, and where the K split cannot serve the shape (K 8192 >
+// 6400) the row split too; exact against the twin with the weight itself poisoned, plain and with
+// PDL.
 TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
   M3_REQUIRE_WGMMA();
   for (const int64_t k : {2048, 8192}) {

@@ -526,31 +526,50 @@ int main(int argc, char** argv) {
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
+  // Flags without a value, each setting its variable to true.
+  const std::map<std::string, bool*> switches = {{"--json", &json},
+                                                 {"--quick", &quick},
+                                                 {"--unfused", &unfused_only},
+                                                 {"--sweep", &sweep},
+                                                 {"--clusters", &clusters},
+                                                 {"--pdl", &pdl},
+                                                 {"--no-guess", &no_guess},
+                                                 {"--ceiling", &ceiling},
+                                                 {"--variants", &variants},
+                                                 {"--late", &late},
+                                                 {"--sorted", &sorted},
+                                                 {"--no-short-select", &no_short_select},
+                                                 {"--tl-b2b", &tl_b2b},
+                                                 {"--contiguous", &g_contiguous},
+                                                 {"--window", &g_window}};
+  // Flags with an integer value.
+  const std::map<std::string, int*> numbers = {{"--flat", &flat},
+                                               {"--single-ctas", &single_ctas},
+                                               {"--sw", &select_warps},
+                                               {"--ef", &evict_first}};
+  // Flags with a BATCH,CONTEXT,DRAFT value (only_batch, only_ctx, only_draft), each setting its
+  // mode to true.
+  const std::map<std::string, bool*> case_modes = {
+      {"--timeline", &timeline}, {"--read-timeline", &read_timeline}, {"--case", &only}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json")
-      json = true;
-    else if (a == "--quick")
-      quick = true;
-    else if (a == "--unfused")
-      unfused_only = true;
-    else if (a == "--sweep")
-      sweep = true;
-    else if (a == "--clusters")
-      clusters = true;
-    else if (a == "--pdl")
-      pdl = true;
-    else if (a == "--no-guess")
-      no_guess = true;
-    else if (a == "--ceiling")
-      ceiling = true;
-    else if (a == "--variants")
-      variants = true;
-    else if (a == "--late")
-      late = true;
-    else if (a == "--sorted")
-      sorted = true;
-    else if (a == "--k" && i + 1 < argc) {
+    const bool has_value = i + 1 < argc;
+    if (const auto sw = switches.find(a); sw != switches.end()) {
+      *sw->second = true;
+    } else if (const auto nb = numbers.find(a); nb != numbers.end() && has_value) {
+      *nb->second = std::atoi(argv[++i]);
+    } else if (const auto cm = case_modes.find(a);
+               cm != case_modes.end() && has_value &&
+               std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3) {
+      *cm->second = true;
+    } else if (a == "--no-am") {
+      async_maxima = false;
+    } else if (a == "--repeat" && has_value) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--tl-calls" && has_value) {
+      tl_calls = std::max(2, std::atoi(argv[++i]));
+      tl_b2b = true;
+    } else if (a == "--k" && has_value) {
       sweep_k.clear();
       const char* q = argv[++i];
       while (*q) {
@@ -560,33 +579,7 @@ int main(int argc, char** argv) {
         sweep_k.push_back(static_cast<int>(v));
         q = *end == ',' ? end + 1 : end;
       }
-    } else if (a == "--timeline" && i + 1 < argc &&
-               std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      timeline = true;
-    else if (a == "--read-timeline" && i + 1 < argc &&
-             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      read_timeline = true;
-    else if (a == "--repeat" && i + 1 < argc)
-      repeat = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--flat" && i + 1 < argc)
-      flat = std::atoi(argv[++i]);
-    else if (a == "--single-ctas" && i + 1 < argc)
-      single_ctas = std::atoi(argv[++i]);
-    else if (a == "--no-short-select")
-      no_short_select = true;
-    else if (a == "--sw" && i + 1 < argc)
-      select_warps = std::atoi(argv[++i]);
-    else if (a == "--ef" && i + 1 < argc)
-      evict_first = std::atoi(argv[++i]);
-    else if (a == "--tl-b2b")
-      tl_b2b = true;
-    else if (a == "--no-am")
-      async_maxima = false;
-    else if (a == "--tl-calls" && i + 1 < argc) {
-      tl_calls = std::max(2, std::atoi(argv[++i]));
-      tl_b2b = true;
-    }
-    else if (a == "--vlist" && i + 1 < argc) {
+    } else if (a == "--vlist" && has_value) {
       std::string l = argv[++i];
       size_t at = 0;
       while (at <= l.size()) {
@@ -594,14 +587,7 @@ int main(int argc, char** argv) {
         if (e > at) vlist.push_back(l.substr(at, e - at));
         at = e + 1;
       }
-    } else if (a == "--contiguous")
-      g_contiguous = true;
-    else if (a == "--window")
-      g_window = true;
-    else if (a == "--case" && i + 1 < argc &&
-             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      only = true;
-    else {
+    } else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] [--window] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "

@@ -36,15 +36,8 @@
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
 
-namespace m3attn {
+namespace m3attn::testing::attn {
 namespace {
-
-using testing::BatchOptions;
-using testing::DeviceBuffer;
-using testing::fresh_seed;
-using testing::RequestSpec;
-using testing::Rng;
-using namespace testing::attn;  // NOLINT(build/namespaces)
 
 std::string cfg_name(const AttentionCudaConfig& c) {
   std::ostringstream os;
@@ -151,11 +144,11 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
   // A fresh prefill (from position 0: every causal mask matters), a chunk after a cached prefix
   // that is not a block multiple, a one-token chunk, then generation requests with draft 3.
   std::vector<RequestSpec> ctx = {{0, 261}, {2900, 97}, {129, 1}};
-  const std::vector<RequestSpec> reqs = testing::mixed_requests(ctx, 5, 3, 4500, rng);
+  const std::vector<RequestSpec> reqs = mixed_requests(ctx, 5, 3, 4500, rng);
   for (Pick pick : {Pick::kShared, Pick::kRandom}) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs), configs(kAll, 4));
+    check_all_configs(pr, true, "mixed " + describe_requests(reqs), configs(kAll, 4));
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
   check_all_configs(pr, false, "mixed", configs(kAll, 5));
@@ -173,7 +166,7 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
   for (Pick pick : {Pick::kShared, Pick::kRandom}) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "long chunks " + testing::describe_requests(reqs),
+    check_all_configs(pr, true, "long chunks " + describe_requests(reqs),
                       configs(kAuto | kPrefill, 3));
   }
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
@@ -459,8 +452,7 @@ TEST(AttentionGpu, ProgrammaticLaunchEqualsPlain) {
   for (const std::vector<RequestSpec>* reqs : {&decode, &verify}) {
     for (AttentionCudaConfig cfg : configs(kAuto | kMma | kVerify, 3)) {
       if (cfg.tokens_per_tile > 1 && reqs == &decode) continue;
-      SCOPED_TRACE(::testing::Message()
-                   << testing::describe_requests(*reqs) << " " << cfg_name(cfg));
+      SCOPED_TRACE(::testing::Message() << describe_requests(*reqs) << " " << cfg_name(cfg));
       Problem pr = make_problem(*reqs, 64, 4, Pick::kRandom, rng);
       ASSERT_FALSE(::testing::Test::HasFailure());
       DeviceProblem d;
@@ -549,8 +541,8 @@ TEST(AttentionGpu, QuantizedOutputEqualsQuantizeStage) {
     const int64_t T = pr.T(), heads = pr.n_q, m_pad = (T + 3) / 4 * 4 + 4;
     const int64_t width = heads * kHeadDim;
     for (const AttentionCudaConfig& cfg : sc.cfgs) {
-      SCOPED_TRACE(::testing::Message() << testing::describe_requests(*sc.reqs) << " "
-                                        << cfg_name(cfg) << (sc.nan ? " NaN" : ""));
+      SCOPED_TRACE(::testing::Message() << describe_requests(*sc.reqs) << " " << cfg_name(cfg)
+                                        << (sc.nan ? " NaN" : ""));
       const std::vector<uint8_t> plain = run_gpu(pr, d, true, cfg);
       AttentionParams p = device_params(pr, d, true);
       DeviceBuffer q8(static_cast<size_t>(m_pad * width), 0x5A);
@@ -853,4 +845,4 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
 }
 
 }  // namespace
-}  // namespace m3attn
+}  // namespace m3attn::testing::attn

@@ -31,15 +31,8 @@
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
 
-namespace m3attn {
+namespace m3attn::testing::attn {
 namespace {
-
-using testing::BatchOptions;
-using testing::DeviceBuffer;
-using testing::fresh_seed;
-using testing::RequestSpec;
-using testing::Rng;
-using namespace testing::attn;  // NOLINT(build/namespaces)
 
 constexpr int kWs = 15;   // AttentionCudaConfig::kernel of the warp-specialised kernel
 constexpr int kAuto = 0;  // the automatic plan (kernel 15 on these batches)
@@ -97,8 +90,8 @@ TEST(AttentionPrefillWsGpu, ChunksAndMixedBatchesMatchTwin) {
   // block nor tile multiples, chunk lengths off the 8-token tile, one-token and short chunks,
   // contexts past 16 blocks (sparse != dense), then generation requests with draft 3.
   const std::vector<RequestSpec> ctx = {{0, 333}, {1917, 120}, {4100, 41}, {3, 9}, {2500, 1}};
-  const std::vector<RequestSpec> reqs = testing::mixed_requests(ctx, 4, 3, 4500, rng);
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  const std::vector<RequestSpec> reqs = mixed_requests(ctx, 4, 3, 4500, rng);
+  SCOPED_TRACE(describe_requests(reqs));
   for (bool per_token : {false, true}) {
     Problem c = make_case(reqs, 32, 2, per_token, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
@@ -116,7 +109,7 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 291}, {6001, 77}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   Problem c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(
@@ -131,7 +124,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 45}, {1000, 19}, {2049, 1}, {5000, 12}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   const int64_t tile = int64_t{kPageSize} * kHeadDim;
   // Gapped planes and pages: multiples of 16 bytes (TMA), then of 4 only (kernel 4 runs).
   for (int64_t extra : {int64_t{48}, int64_t{20}}) {
@@ -161,7 +154,7 @@ TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 20}, {300, 17}, {2500, 9}, {4000, 1}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   Problem c = make_case(reqs, 32, 2, true, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   int32_t* ids = c.ids.ptr<int32_t>();
@@ -317,4 +310,4 @@ TEST(AttentionPrefillWsGpu, NegativePersistentCtasIsRejected) {
 }
 
 }  // namespace
-}  // namespace m3attn
+}  // namespace m3attn::testing::attn

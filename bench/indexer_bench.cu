@@ -509,6 +509,68 @@ bench::Row case_row(const Case& c, int draft, const std::string& plan, bool pass
   return row;
 }
 
+// One time base for a timeline of `warps` scorer warps (kStride words each): per SM the
+// (globaltimer, clock64) pairs of its warps (warp 0's at entry, every warp's at its end); the clock
+// rate from the median over SMs of the slope between an SM's entry pair and its latest end pair
+// (nominal `khz` where no SM spans 5 us), and per SM the offset of its latest-read pair
+// (ns = offset + clock / GHz).
+struct TimelineClock {
+  double ghz = 0;
+  // Times relative to one pair (gbase, cbase), as doubles of small magnitude (a raw globaltimer
+  // value in a double keeps only 256 ns).
+  uint64_t gbase = 0, cbase = 0;
+  std::map<int, double> offset;  // SM -> ns (after gbase) at clock cbase
+  double first_entry = 1e300;    // ns of the earliest warp entry
+
+  TimelineClock(const std::vector<uint64_t>& tl, int64_t warps, int khz) {
+    std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pairs;  // SM -> (ns, clock)
+    for (int64_t w = 0; w < warps; ++w) {
+      const uint64_t* e = tl.data() + w * kStride;
+      if (!e[0]) continue;
+      const int sm = static_cast<int>(e[7]);
+      if (e[13]) pairs[sm].emplace_back(e[13], e[14]);
+      if (e[5]) pairs[sm].emplace_back(e[5], e[6]);
+    }
+    std::vector<double> slopes;
+    for (auto& kv : pairs) {
+      auto& v = kv.second;
+      std::sort(v.begin(), v.end());
+      if (v.size() >= 2 && v.back().first - v.front().first > 5000)
+        slopes.push_back(static_cast<double>(v.back().second - v.front().second) /
+                         static_cast<double>(v.back().first - v.front().first));
+    }
+    std::sort(slopes.begin(), slopes.end());
+    ghz =
+        slopes.empty() ? khz * 1e-6 : slopes[static_cast<size_t>(0.5 * (slopes.size() - 1) + 0.5)];
+    if (!pairs.empty()) {
+      gbase = pairs.begin()->second.front().first;
+      cbase = pairs.begin()->second.front().second;
+    }
+    for (auto& kv : pairs) {
+      const auto& p = kv.second.back();
+      offset[kv.first] =
+          static_cast<double>(static_cast<int64_t>(p.first - gbase)) - rel_clk(p.second);
+    }
+    for (int64_t w = 0; w < warps; ++w) {
+      const uint64_t* e = tl.data() + w * kStride;
+      double ns = 0;
+      if (e[0] && ns_of(static_cast<int>(e[7]), e[8], &ns)) first_entry = std::min(first_entry, ns);
+    }
+  }
+
+  double rel_clk(uint64_t c) const {
+    return static_cast<double>(static_cast<int64_t>(c - cbase)) / ghz;
+  }
+
+  // The ns (after gbase) of clock value `clk` read on SM `sm`; false where the SM has no pair.
+  bool ns_of(int sm, uint64_t clk, double* out) const {
+    const auto it = offset.find(sm);
+    if (it == offset.end()) return false;
+    *out = it->second + rel_clk(clk);
+    return true;
+  }
+};
+
 }  // namespace
 }  // namespace m3attn
 
@@ -526,31 +588,50 @@ int main(int argc, char** argv) {
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
+  // Flags without a value, each setting its variable to true.
+  const std::map<std::string, bool*> switches = {{"--json", &json},
+                                                 {"--quick", &quick},
+                                                 {"--unfused", &unfused_only},
+                                                 {"--sweep", &sweep},
+                                                 {"--clusters", &clusters},
+                                                 {"--pdl", &pdl},
+                                                 {"--no-guess", &no_guess},
+                                                 {"--ceiling", &ceiling},
+                                                 {"--variants", &variants},
+                                                 {"--late", &late},
+                                                 {"--sorted", &sorted},
+                                                 {"--no-short-select", &no_short_select},
+                                                 {"--tl-b2b", &tl_b2b},
+                                                 {"--contiguous", &g_contiguous},
+                                                 {"--window", &g_window}};
+  // Flags with an integer value.
+  const std::map<std::string, int*> numbers = {{"--flat", &flat},
+                                               {"--single-ctas", &single_ctas},
+                                               {"--sw", &select_warps},
+                                               {"--ef", &evict_first}};
+  // Flags with a BATCH,CONTEXT,DRAFT value (only_batch, only_ctx, only_draft), each setting its
+  // mode to true.
+  const std::map<std::string, bool*> case_modes = {
+      {"--timeline", &timeline}, {"--read-timeline", &read_timeline}, {"--case", &only}};
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--json")
-      json = true;
-    else if (a == "--quick")
-      quick = true;
-    else if (a == "--unfused")
-      unfused_only = true;
-    else if (a == "--sweep")
-      sweep = true;
-    else if (a == "--clusters")
-      clusters = true;
-    else if (a == "--pdl")
-      pdl = true;
-    else if (a == "--no-guess")
-      no_guess = true;
-    else if (a == "--ceiling")
-      ceiling = true;
-    else if (a == "--variants")
-      variants = true;
-    else if (a == "--late")
-      late = true;
-    else if (a == "--sorted")
-      sorted = true;
-    else if (a == "--k" && i + 1 < argc) {
+    const bool has_value = i + 1 < argc;
+    if (const auto sw = switches.find(a); sw != switches.end()) {
+      *sw->second = true;
+    } else if (const auto nb = numbers.find(a); nb != numbers.end() && has_value) {
+      *nb->second = std::atoi(argv[++i]);
+    } else if (const auto cm = case_modes.find(a);
+               cm != case_modes.end() && has_value &&
+               std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3) {
+      *cm->second = true;
+    } else if (a == "--no-am") {
+      async_maxima = false;
+    } else if (a == "--repeat" && has_value) {
+      repeat = std::max(1, std::atoi(argv[++i]));
+    } else if (a == "--tl-calls" && has_value) {
+      tl_calls = std::max(2, std::atoi(argv[++i]));
+      tl_b2b = true;
+    } else if (a == "--k" && has_value) {
       sweep_k.clear();
       const char* q = argv[++i];
       while (*q) {
@@ -560,33 +641,7 @@ int main(int argc, char** argv) {
         sweep_k.push_back(static_cast<int>(v));
         q = *end == ',' ? end + 1 : end;
       }
-    } else if (a == "--timeline" && i + 1 < argc &&
-               std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      timeline = true;
-    else if (a == "--read-timeline" && i + 1 < argc &&
-             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      read_timeline = true;
-    else if (a == "--repeat" && i + 1 < argc)
-      repeat = std::max(1, std::atoi(argv[++i]));
-    else if (a == "--flat" && i + 1 < argc)
-      flat = std::atoi(argv[++i]);
-    else if (a == "--single-ctas" && i + 1 < argc)
-      single_ctas = std::atoi(argv[++i]);
-    else if (a == "--no-short-select")
-      no_short_select = true;
-    else if (a == "--sw" && i + 1 < argc)
-      select_warps = std::atoi(argv[++i]);
-    else if (a == "--ef" && i + 1 < argc)
-      evict_first = std::atoi(argv[++i]);
-    else if (a == "--tl-b2b")
-      tl_b2b = true;
-    else if (a == "--no-am")
-      async_maxima = false;
-    else if (a == "--tl-calls" && i + 1 < argc) {
-      tl_calls = std::max(2, std::atoi(argv[++i]));
-      tl_b2b = true;
-    }
-    else if (a == "--vlist" && i + 1 < argc) {
+    } else if (a == "--vlist" && has_value) {
       std::string l = argv[++i];
       size_t at = 0;
       while (at <= l.size()) {
@@ -594,14 +649,7 @@ int main(int argc, char** argv) {
         if (e > at) vlist.push_back(l.substr(at, e - at));
         at = e + 1;
       }
-    } else if (a == "--contiguous")
-      g_contiguous = true;
-    else if (a == "--window")
-      g_window = true;
-    else if (a == "--case" && i + 1 < argc &&
-             std::sscanf(argv[++i], "%d,%d,%d", &only_batch, &only_ctx, &only_draft) == 3)
-      only = true;
-    else {
+    } else {
       std::fprintf(stderr,
                    "usage: %s [--json] [--quick] [--unfused] [--sweep] [--contiguous] [--window] "
                    "[--case BATCH,CONTEXT,DRAFT] [--clusters] [--single-ctas N] [--pdl] "
@@ -724,55 +772,9 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
     };
-    // One time base: per SM the (globaltimer, clock64) pairs of its warps (warp 0's at entry,
-    // every warp's at its end); the clock rate from the median over SMs of the slope between an
-    // SM's entry pair and its latest end pair (nominal where no SM spans 5 us), and per SM the
-    // offset of its latest-read pair (ns = offset + clock / GHz).
-    std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pairs;  // SM -> (ns, clock)
-    for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * kStride;
-      if (!e[0]) continue;
-      const int sm = static_cast<int>(e[7]);
-      if (e[13]) pairs[sm].emplace_back(e[13], e[14]);
-      if (e[5]) pairs[sm].emplace_back(e[5], e[6]);
-    }
-    std::vector<double> slopes;
-    for (auto& kv : pairs) {
-      auto& v = kv.second;
-      std::sort(v.begin(), v.end());
-      if (v.size() >= 2 && v.back().first - v.front().first > 5000)
-        slopes.push_back(static_cast<double>(v.back().second - v.front().second) /
-                         static_cast<double>(v.back().first - v.front().first));
-    }
-    const double ghz = slopes.empty() ? khz * 1e-6 : pct(slopes, 0.5);
-    // Times relative to one pair (gbase, cbase), as doubles of small magnitude (a raw globaltimer
-    // value in a double keeps only 256 ns).
-    uint64_t gbase = 0, cbase = 0;
-    if (!pairs.empty()) {
-      gbase = pairs.begin()->second.front().first;
-      cbase = pairs.begin()->second.front().second;
-    }
-    const auto rel_clk = [&](uint64_t c) {
-      return static_cast<double>(static_cast<int64_t>(c - cbase)) / ghz;
-    };
-    std::map<int, double> offset;  // SM -> ns (after gbase) at clock cbase
-    for (auto& kv : pairs) {
-      const auto& p = kv.second.back();
-      offset[kv.first] =
-          static_cast<double>(static_cast<int64_t>(p.first - gbase)) - rel_clk(p.second);
-    }
-    const auto ns_of = [&](int sm, uint64_t clk, double* out) {
-      const auto it = offset.find(sm);
-      if (it == offset.end()) return false;
-      *out = it->second + rel_clk(clk);
-      return true;
-    };
-    double g0 = 1e300;
-    for (int64_t w = 0; w < warps; ++w) {
-      const uint64_t* e = tl.data() + w * kStride;
-      double ns = 0;
-      if (e[0] && ns_of(static_cast<int>(e[7]), e[8], &ns)) g0 = std::min(g0, ns);
-    }
+    const TimelineClock clock(tl, warps, khz);  // one time base (see TimelineClock)
+    const double ghz = clock.ghz, g0 = clock.first_entry;
+    const auto ns_of = [&](int sm, uint64_t clk, double* out) { return clock.ns_of(sm, clk, out); };
     // at(w, slot): us after the first warp's entry, or kNone when not recorded.
     constexpr double kNone = -1e30;
     const auto at = [&](int64_t w, int slot) {
@@ -947,39 +949,13 @@ int main(int argc, char** argv) {
         double scored = 0, landed = 0;
       };
       const auto per_cta = [&](const std::vector<uint64_t>& v) {
-        std::map<int, std::vector<std::pair<uint64_t, uint64_t>>> pr;
-        for (int64_t w = 0; w < warps; ++w) {
-          const uint64_t* e = v.data() + w * kStride;
-          if (!e[0]) continue;
-          if (e[13]) pr[static_cast<int>(e[7])].emplace_back(e[13], e[14]);
-          if (e[5]) pr[static_cast<int>(e[7])].emplace_back(e[5], e[6]);
-        }
-        std::vector<double> sl;
-        for (auto& kv : pr) {
-          auto& q = kv.second;
-          std::sort(q.begin(), q.end());
-          if (q.size() >= 2 && q.back().first - q.front().first > 5000)
-            sl.push_back(static_cast<double>(q.back().second - q.front().second) /
-                         static_cast<double>(q.back().first - q.front().first));
-        }
-        const double hz = sl.empty() ? khz * 1e-6 : pct(sl, 0.5);
-        uint64_t gb = 0, cb = 0;
-        if (!pr.empty())
-          gb = pr.begin()->second.front().first, cb = pr.begin()->second.front().second;
-        const auto rc = [&](uint64_t x) {
-          return static_cast<double>(static_cast<int64_t>(x - cb)) / hz;
+        const TimelineClock clock(v, warps, khz);  // this call's own time base
+        const auto ns = [&](int sm, uint64_t x) {
+          double t = 0.0;  // 0 where the SM has no pair
+          clock.ns_of(sm, x, &t);
+          return t;
         };
-        std::map<int, double> off;
-        for (auto& kv : pr)
-          off[kv.first] = static_cast<double>(static_cast<int64_t>(kv.second.back().first - gb)) -
-                          rc(kv.second.back().second);
-        const auto ns = [&](int sm, uint64_t x) { return off.count(sm) ? off[sm] + rc(x) : 0.0; };
-        double first = 1e300;
-        for (int64_t w = 0; w < warps; ++w) {
-          const uint64_t* e = v.data() + w * kStride;
-          if (e[0] && off.count(static_cast<int>(e[7])))
-            first = std::min(first, ns(static_cast<int>(e[7]), e[8]));
-        }
+        const double first = clock.first_entry;
         std::vector<CtaRec> out(static_cast<size_t>(units * pl.k_splits));
         for (int64_t cta = 0; cta < units * pl.k_splits; ++cta) {
           CtaRec& r = out[static_cast<size_t>(cta)];
@@ -987,7 +963,7 @@ int main(int argc, char** argv) {
           for (int w = 0; w < 4; ++w) {
             const uint64_t* e = v.data() + (cta * 4 + w) * kStride;
             const int sm = static_cast<int>(e[7]);
-            if (!e[0] || !e[2] || !off.count(sm)) continue;
+            if (!e[0] || !e[2] || !clock.offset.count(sm)) continue;
             r.sm = sm;
             r.blocks += static_cast<int>(e[20]);
             hi = std::max(hi, (ns(sm, e[10]) - first) * 1e-3);

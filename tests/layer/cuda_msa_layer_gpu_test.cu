@@ -35,6 +35,7 @@
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cache/cache_view.h"
@@ -245,6 +246,26 @@ void expect_e4m3_close_after_gemm(const Tensor& gpu, const Tensor& cpu, const ch
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << gpu.numel()
                     << " E4M3 values beyond one step and 2^-5: " << report;
+}
+
+// Random sparse attention weights of `g` from `seed`, packed for one rank (TP 1).
+void pack_random_weights(const MsaGeometry& g, uint64_t seed, PackedRankWeights* packed) {
+  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
+  ASSERT_TRUE(w.ok()) << w.status().to_string();
+  Result<PackedRankWeights> p = pack_rank(w.value(), 1, 0);
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  *packed = std::move(p.value());
+}
+
+// `got` within relative L2 `bound` of `want` over n bf16 values (the whole tensor), every value
+// finite; returns the error.
+double expect_bf16_close(const uint16_t* got, const uint16_t* want, int64_t n, double bound,
+                         const std::string& what) {
+  bool finite = true;
+  const double e = rel_l2_bf16(got, want, n, &finite);
+  EXPECT_TRUE(finite) << what << ": not finite";
+  EXPECT_LE(e, bound) << what;
+  return e;
 }
 
 class CudaLayerTest : public ::testing::Test {
@@ -522,8 +543,8 @@ TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlo
   const MsaGeometry g = mt::small_geometry(512, 8, 2);
   const int draft = 1, bucket_requests = 8;
   const int64_t bucket_tokens = bucket_requests * (1 + draft);
-  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
-  ASSERT_TRUE(w.ok());
+  PackedRankWeights packed;
+  ASSERT_NO_FATAL_FAILURE(pack_random_weights(g, seed, &packed));
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
   const int width = 32;
   const int64_t pages = 200;
@@ -532,10 +553,7 @@ TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlo
   DevicePool dev_pool = make_device_pool(host_pool);
 
   CudaLayerCapacity cap{bucket_tokens, bucket_requests, width};
-  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
-  ASSERT_TRUE(packed.ok());
-  Result<std::unique_ptr<CudaMsaLayer>> layer =
-      CudaMsaLayer::create(packed.value(), rope.view(), cap);
+  Result<std::unique_ptr<CudaMsaLayer>> layer = CudaMsaLayer::create(packed, rope.view(), cap);
   ASSERT_TRUE(layer.ok()) << layer.status().to_string();
   CudaMsaLayer& L = *layer.value();
   Result<std::unique_ptr<CudaStepMetadata>> meta_r = CudaStepMetadata::create(cap);
@@ -657,12 +675,9 @@ TEST_F(CudaLayerTest, GraphReplayWithFewerRequestsEqualsEagerAndWritesOnlyItsSlo
                                         static_cast<int64_t>(plain.q.size()), &report),
               0)
         << report;
-    bool finite = true;
-    const double e =
-        rel_l2_bf16(reinterpret_cast<const uint16_t*>(plain.out.data()),
-                    reinterpret_cast<const uint16_t*>(replay.out.data()), TB * g.hidden, &finite);
-    EXPECT_TRUE(finite);
-    EXPECT_LE(e, 1e-2) << "padded replay vs unpadded eager attn_out";
+    expect_bf16_close(reinterpret_cast<const uint16_t*>(plain.out.data()),
+                      reinterpret_cast<const uint16_t*>(replay.out.data()), TB * g.hidden, 1e-2,
+                      "padded replay vs unpadded eager attn_out");
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -674,14 +689,11 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   M3_SEED_TRACE(seed);
   mt::Rng rng(seed);
   const MsaGeometry g = mt::small_geometry(640, 8, 2);
-  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
-  ASSERT_TRUE(w.ok());
+  PackedRankWeights packed;
+  ASSERT_NO_FATAL_FAILURE(pack_random_weights(g, seed, &packed));
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
-  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
-  ASSERT_TRUE(packed.ok());
   PlannedStep ps;
-  ASSERT_NO_FATAL_FAILURE(
-      plan_layer_step(g, packed.value(), rope, mixed_scenario(rng, 1), true, rng, &ps));
+  ASSERT_NO_FATAL_FAILURE(plan_layer_step(g, packed, rope, mixed_scenario(rng, 1), true, rng, &ps));
   CudaMsaLayer& L = *ps.layer;
   const int64_t T = ps.T;
 
@@ -702,11 +714,8 @@ TEST_F(CudaLayerTest, FusedEqualsUnfusedWithinOneE4m3Step) {
   expect_e4m3_close(tr[1].v, tr[0].v, "v unfused vs fused");
   expect_e4m3_close(tr[1].index_q, tr[0].index_q, "index_q unfused vs fused");
   expect_e4m3_close(tr[1].index_k, tr[0].index_k, "index_k unfused vs fused");
-  bool finite = true;
-  const double e =
-      rel_l2_bf16(out[1].ptr<uint16_t>(), out[0].ptr<uint16_t>(), T * g.hidden, &finite);
-  EXPECT_TRUE(finite);
-  EXPECT_LE(e, 5e-2) << "attn_out unfused vs fused";
+  const double e = expect_bf16_close(out[1].ptr<uint16_t>(), out[0].ptr<uint16_t>(), T * g.hidden,
+                                     5e-2, "attn_out unfused vs fused");
   std::printf("  [layer] fused vs unfused attn_out relative L2 %.2e\n", e);
 }
 
@@ -723,11 +732,9 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   M3_SEED_TRACE(seed);
   mt::Rng rng(seed);
   const MsaGeometry g = mt::small_geometry(512, 8, 2);
-  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
-  ASSERT_TRUE(w.ok());
+  PackedRankWeights packed;
+  ASSERT_NO_FATAL_FAILURE(pack_random_weights(g, seed, &packed));
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
-  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
-  ASSERT_TRUE(packed.ok());
   const Scenario decode = decode_scenario(rng, 40);
   const Scenario scenarios[2] = {mixed_scenario(rng, 1), decode};
   struct Setting {
@@ -739,7 +746,7 @@ TEST_F(CudaLayerTest, LaunchSettingsBitIdenticalToPlainLaunches) {
   M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   for (const Scenario& s : scenarios) {
     PlannedStep ps;
-    ASSERT_NO_FATAL_FAILURE(plan_layer_step(g, packed.value(), rope, s, true, rng, &ps, stream));
+    ASSERT_NO_FATAL_FAILURE(plan_layer_step(g, packed, rope, s, true, rng, &ps, stream));
     CudaMsaLayer& L = *ps.layer;
     const int64_t T = ps.T;
     const PagePool& host_pool = ps.host_pool;
@@ -803,11 +810,9 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
   M3_SEED_TRACE(seed);
   mt::Rng rng(seed);
   const MsaGeometry g = mt::small_geometry(512, 8, 2);
-  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
-  ASSERT_TRUE(w.ok());
+  PackedRankWeights packed;
+  ASSERT_NO_FATAL_FAILURE(pack_random_weights(g, seed, &packed));
   const Tensor rope = mt::make_rope(4096, g.rope_theta);
-  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
-  ASSERT_TRUE(packed.ok());
   const Scenario scenarios[3] = {decode_scenario(rng, 20), decode_scenario(rng, 40),
                                  mixed_scenario(rng, 1)};
   cudaStream_t stream;
@@ -816,7 +821,7 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
     SCOPED_TRACE(si == 0 ? "decode 20" : si == 1 ? "decode 40" : "mixed");
     PlannedStep ps;
     ASSERT_NO_FATAL_FAILURE(
-        plan_layer_step(g, packed.value(), rope, scenarios[si], true, rng, &ps, stream));
+        plan_layer_step(g, packed, rope, scenarios[si], true, rng, &ps, stream));
     CudaMsaLayer& L = *ps.layer;
     const int64_t T = ps.T;
     ASSERT_TRUE(L.fused());
@@ -843,12 +848,9 @@ TEST_F(CudaLayerTest, RowSplitCloseToPlainPathAndExactUnderPdl) {
       expect_e4m3_close(tr_rs.k, tr_plain.k, "k row split vs plain");
       expect_e4m3_close(tr_rs.v, tr_plain.v, "v row split vs plain");
       expect_e4m3_close(tr_rs.index_q, tr_plain.index_q, "index_q row split vs plain");
-      bool finite = true;
-      const double e =
-          rel_l2_bf16(reinterpret_cast<const uint16_t*>(rs.out.data()),
-                      reinterpret_cast<const uint16_t*>(plain.out.data()), T * g.hidden, &finite);
-      EXPECT_TRUE(finite);
-      EXPECT_LE(e, 5e-2) << "attn_out row split vs plain";
+      expect_bf16_close(reinterpret_cast<const uint16_t*>(rs.out.data()),
+                        reinterpret_cast<const uint16_t*>(plain.out.data()), T * g.hidden, 5e-2,
+                        "attn_out row split vs plain");
     } else {
       EXPECT_TRUE(rs.out == plain.out && rs.q == plain.q) << "mixed step: not the plain path";
     }
@@ -896,13 +898,10 @@ TEST_F(CudaLayerTest, RejectedUploadAndPlanTouchNothing) {
       << "padded shape below the step";
   ASSERT_TRUE(meta.value()->upload(ok_plan, 20, 4096, {}, nullptr).ok());
 
-  Result<AttentionWeights> w = random_attention_weights(g, seed, true);
-  ASSERT_TRUE(w.ok());
+  PackedRankWeights packed;
+  ASSERT_NO_FATAL_FAILURE(pack_random_weights(g, seed, &packed));
   const Tensor rope = mt::make_rope(64, g.rope_theta);
-  Result<PackedRankWeights> packed = pack_rank(w.value(), 1, 0);
-  ASSERT_TRUE(packed.ok());
-  Result<std::unique_ptr<CudaMsaLayer>> layer =
-      CudaMsaLayer::create(packed.value(), rope.view(), cap);
+  Result<std::unique_ptr<CudaMsaLayer>> layer = CudaMsaLayer::create(packed, rope.view(), cap);
   ASSERT_TRUE(layer.ok());
   PagePool host_pool = mt::make_random_pool(g.n_kv, 20, true, rng);
   DevicePool dev_pool = make_device_pool(host_pool);

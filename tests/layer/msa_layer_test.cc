@@ -364,6 +364,35 @@ MixedStep make_mixed(const MsaGeometry& g, Rng& rng, int64_t ctx_cached, int64_t
   return s;
 }
 
+// Two layers run the same mixed step, each from its own copy of the step's pool and cache manager.
+struct TwoLayerRuns {
+  PagePool pool_a, pool_b;
+  std::vector<int32_t> positions;  // of the step's tokens
+  Tensor out_a, out_b;
+  LayerTrace ta, tb;
+};
+
+// Layer a (reading the index caches when `a_sparse`) and layer b (`b_sparse`) on the step `s`.
+void run_both_layers(const MsaLayer& a, bool a_sparse, const MsaLayer& b, bool b_sparse,
+                     const MixedStep& s, int hidden, TwoLayerRuns* r) {
+  r->pool_a = s.pool.clone();
+  r->pool_b = s.pool.clone();
+  CacheManager ma = s.cache, mb = s.cache;
+  Result<StepPlan> plan_a = plan_step(ma, s.desc);
+  Result<StepPlan> plan_b = plan_step(mb, s.desc);
+  ASSERT_TRUE(plan_a.ok() && plan_b.ok());
+  const int64_t T = plan_a.value().num_tokens();
+  r->positions = plan_a.value().positions;
+  r->out_a = Tensor(DType::kBF16, {T, hidden});
+  r->out_b = Tensor(DType::kBF16, {T, hidden});
+  ASSERT_TRUE(a.step(plan_a.value(),
+                     layer_io(r->pool_a, s.hidden.view(), r->out_a.view(), a_sparse), &r->ta)
+                  .ok());
+  ASSERT_TRUE(b.step(plan_b.value(),
+                     layer_io(r->pool_b, s.hidden.view(), r->out_b.view(), b_sparse), &r->tb)
+                  .ok());
+}
+
 TEST(MsaLayerTest, FusedEqualsUnfused) {
   const uint64_t seed = fresh_seed();
   M3_SEED_TRACE(seed);
@@ -378,35 +407,24 @@ TEST(MsaLayerTest, FusedEqualsUnfused) {
   ASSERT_FALSE(unfused.fused());
   MixedStep s = make_mixed(g, rng, rng.integer(1800, 2000), rng.integer(100, 200),
                            rng.integer(2049, 2500), rng.integer(1, 500), 2, true);
-  PagePool pa = s.pool.clone(), pb = s.pool.clone();
-  CacheManager ma = s.cache, mb = s.cache;
-  Result<StepPlan> plan_a = plan_step(ma, s.desc);
-  Result<StepPlan> plan_b = plan_step(mb, s.desc);
-  ASSERT_TRUE(plan_a.ok() && plan_b.ok());
-  const int64_t T = plan_a.value().num_tokens();
-  Tensor out_a(DType::kBF16, {T, g.hidden}), out_b(DType::kBF16, {T, g.hidden});
-  LayerTrace ta, tb;
-  ASSERT_TRUE(
-      fused.step(plan_a.value(), layer_io(pa, s.hidden.view(), out_a.view(), true), &ta).ok());
-  ASSERT_TRUE(
-      unfused.step(plan_b.value(), layer_io(pb, s.hidden.view(), out_b.view(), true), &tb).ok());
+  TwoLayerRuns r;
+  ASSERT_NO_FATAL_FAILURE(run_both_layers(fused, true, unfused, true, s, g.hidden, &r));
+  const LayerTrace &ta = r.ta, &tb = r.tb;
 
   // The contract: Q, K, index-Q, index-K within one E4M3 step, V byte-identical.
-  std::string report;
-  EXPECT_EQ(count_e4m3_mismatches(ta.q.ptr<uint8_t>(), tb.q.ptr<uint8_t>(), ta.q.numel(), &report),
-            0)
-      << report;
-  EXPECT_EQ(count_e4m3_mismatches(ta.k.ptr<uint8_t>(), tb.k.ptr<uint8_t>(), ta.k.numel(), &report),
-            0)
-      << report;
-  EXPECT_EQ(count_e4m3_mismatches(ta.index_q.ptr<uint8_t>(), tb.index_q.ptr<uint8_t>(),
-                                  ta.index_q.numel(), &report),
-            0)
-      << report;
-  EXPECT_EQ(count_e4m3_mismatches(ta.index_k.ptr<uint8_t>(), tb.index_k.ptr<uint8_t>(),
-                                  ta.index_k.numel(), &report),
-            0)
-      << report;
+  const struct {
+    const char* name;
+    const Tensor &a, &b;
+  } e4m3_pairs[] = {{"q", ta.q, tb.q},
+                    {"k", ta.k, tb.k},
+                    {"index_q", ta.index_q, tb.index_q},
+                    {"index_k", ta.index_k, tb.index_k}};
+  for (const auto& e : e4m3_pairs) {
+    std::string report;
+    EXPECT_EQ(count_e4m3_mismatches(e.a.ptr<uint8_t>(), e.b.ptr<uint8_t>(), e.a.numel(), &report),
+              0)
+        << e.name << ": " << report;
+  }
   EXPECT_TRUE(same_tensor(ta.v, tb.v)) << "V must be byte-identical";
   // The CPU twins are byte-identical (see the top of the file), hence so is everything after.
   EXPECT_TRUE(same_tensor(ta.q, tb.q) && same_tensor(ta.k, tb.k) &&
@@ -414,8 +432,8 @@ TEST(MsaLayerTest, FusedEqualsUnfused) {
       << "the CPU twins of the fused and unfused paths are expected to be byte-identical";
   EXPECT_TRUE(same_tensor(ta.block_ids, tb.block_ids));
   EXPECT_TRUE(same_tensor(ta.attn_core, tb.attn_core));
-  EXPECT_TRUE(same_tensor(out_a, out_b));
-  EXPECT_TRUE(same_bytes(pa.data(), pb.data(), pa.bytes())) << "the pools differ";
+  EXPECT_TRUE(same_tensor(r.out_a, r.out_b));
+  EXPECT_TRUE(same_bytes(r.pool_a.data(), r.pool_b.data(), r.pool_a.bytes())) << "the pools differ";
 }
 
 TEST(MsaLayerTest, SparseEqualsDenseWithAtMost16VisibleBlocks) {
@@ -435,26 +453,17 @@ TEST(MsaLayerTest, SparseEqualsDenseWithAtMost16VisibleBlocks) {
   const int64_t ctx_new = rng.integer(100, 200);
   MixedStep s = make_mixed(g, rng, rng.integer(0, 2047 - ctx_new), ctx_new,
                            rng.integer(1900, 2047 - draft), rng.integer(1, 300), draft, true);
-  PagePool pa = s.pool.clone(), pb = s.pool.clone();
-  CacheManager ma = s.cache, mb = s.cache;
-  Result<StepPlan> plan_a = plan_step(ma, s.desc);
-  Result<StepPlan> plan_b = plan_step(mb, s.desc);
-  ASSERT_TRUE(plan_a.ok() && plan_b.ok());
-  const int64_t T = plan_a.value().num_tokens();
-  Tensor out_a(DType::kBF16, {T, g.hidden}), out_b(DType::kBF16, {T, g.hidden});
-  LayerTrace ta, tb;
-  ASSERT_TRUE(
-      sparse.step(plan_a.value(), layer_io(pa, s.hidden.view(), out_a.view(), true), &ta).ok());
-  ASSERT_TRUE(
-      dense.step(plan_b.value(), layer_io(pb, s.hidden.view(), out_b.view(), false), &tb).ok());
-  EXPECT_EQ(pruned_tokens(ta.block_ids, plan_a.value().positions, g.n_kv), 0);
+  TwoLayerRuns r;
+  ASSERT_NO_FATAL_FAILURE(run_both_layers(sparse, true, dense, false, s, g.hidden, &r));
+  const LayerTrace &ta = r.ta, &tb = r.tb;
+  EXPECT_EQ(pruned_tokens(ta.block_ids, r.positions, g.n_kv), 0);
   EXPECT_TRUE(same_tensor(ta.q, tb.q));
   EXPECT_TRUE(same_tensor(ta.k, tb.k));
   EXPECT_TRUE(same_tensor(ta.v, tb.v));
   EXPECT_TRUE(same_tensor(ta.attn_core, tb.attn_core))
       << "attn_core differs at byte "
       << first_diff(ta.attn_core.data(), tb.attn_core.data(), ta.attn_core.nbytes());
-  EXPECT_TRUE(same_tensor(out_a, out_b));
+  EXPECT_TRUE(same_tensor(r.out_a, r.out_b));
   EXPECT_TRUE(tb.block_ids.shape().empty()) << "dense layers select no blocks";
 }
 

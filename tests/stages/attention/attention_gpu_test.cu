@@ -36,26 +36,8 @@
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
 
-namespace m3attn {
+namespace m3attn::testing::attn {
 namespace {
-
-using testing::BatchOptions;
-using testing::DeviceBuffer;
-using testing::fresh_seed;
-using testing::RequestSpec;
-using testing::Rng;
-using testing::attn::device_params;
-using testing::attn::DeviceProblem;
-using testing::attn::expect_matches;
-using testing::attn::kGuard;
-using testing::attn::kPoison;
-using testing::attn::make_problem;
-using testing::attn::make_workspace;
-using testing::attn::Pick;
-using testing::attn::Problem;
-using testing::attn::run_gpu;
-using testing::attn::run_reference;
-using testing::attn::upload;
 
 std::string cfg_name(const AttentionCudaConfig& c) {
   std::ostringstream os;
@@ -109,17 +91,7 @@ const std::vector<AttentionCudaConfig> kAllConfigs = configs(kAll, 3);
 // The twin once, then the GPU under every config.
 void check_all_configs(Problem& pr, bool sparse, const std::string& what,
                        const std::vector<AttentionCudaConfig>& cfgs = kAllConfigs) {
-  run_reference(pr, sparse);
-  if (::testing::Test::HasFatalFailure()) return;
-  DeviceProblem d;
-  upload(pr, d);
-  for (const AttentionCudaConfig& cfg : cfgs) {
-    const std::vector<uint8_t> got = run_gpu(pr, d, sparse, cfg);
-    const double worst =
-        expect_matches(pr, d, got, what + (sparse ? " sparse, " : " dense, ") + cfg_name(cfg));
-    std::printf("  %s %s %s: worst row relative L2 %.2e\n", what.c_str(),
-                sparse ? "sparse" : "dense", cfg_name(cfg).c_str(), worst);
-  }
+  check_against_twin(pr, sparse, what, cfgs, cfg_name);
 }
 
 // ---- tests
@@ -172,11 +144,11 @@ TEST(AttentionGpu, LargePrefillAndMixedBatchesMatchTwin) {
   // A fresh prefill (from position 0: every causal mask matters), a chunk after a cached prefix
   // that is not a block multiple, a one-token chunk, then generation requests with draft 3.
   std::vector<RequestSpec> ctx = {{0, 261}, {2900, 97}, {129, 1}};
-  const std::vector<RequestSpec> reqs = testing::mixed_requests(ctx, 5, 3, 4500, rng);
+  const std::vector<RequestSpec> reqs = mixed_requests(ctx, 5, 3, 4500, rng);
   for (Pick pick : {Pick::kShared, Pick::kRandom}) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "mixed " + testing::describe_requests(reqs), configs(kAll, 4));
+    check_all_configs(pr, true, "mixed " + describe_requests(reqs), configs(kAll, 4));
   }
   Problem pr = make_problem(reqs, 32, 2, Pick::kShared, rng);
   check_all_configs(pr, false, "mixed", configs(kAll, 5));
@@ -194,7 +166,7 @@ TEST(AttentionGpu, WgmmaLongChunksMatchTwin) {
   for (Pick pick : {Pick::kShared, Pick::kRandom}) {
     Problem pr = make_problem(reqs, 32, 2, pick, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
-    check_all_configs(pr, true, "long chunks " + testing::describe_requests(reqs),
+    check_all_configs(pr, true, "long chunks " + describe_requests(reqs),
                       configs(kAuto | kPrefill, 3));
   }
   Problem pr = make_problem(reqs, 16, 1, Pick::kShared, rng);
@@ -322,13 +294,8 @@ TEST(AttentionGpu, SparseEqualsDenseWithAtMost16Blocks) {
   upload(pr, d);
   // Explicit launch shapes only: the automatic plan may legitimately split sparse and dense
   // differently (different block bounds), which changes fp32 rounding.
-  for (const AttentionCudaConfig& cfg : kAllConfigs) {
-    if (cfg.tokens_per_tile == 0) continue;
-    const std::vector<uint8_t> s = run_gpu(pr, d, true, cfg);
-    const std::vector<uint8_t> dn = run_gpu(pr, d, false, cfg);
-    EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << cfg_name(cfg);
-    expect_matches(pr, d, s, "sparse == dense, " + cfg_name(cfg));
-  }
+  for (const AttentionCudaConfig& cfg : kAllConfigs)
+    if (cfg.tokens_per_tile != 0) expect_sparse_equals_dense(pr, d, cfg, cfg_name(cfg));
 }
 
 TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
@@ -343,24 +310,9 @@ TEST(AttentionGpu, LargePoolPageIdsPast2To31Bytes) {
   DeviceProblem d;
   upload(pr, d);
   // The same pages, shifted up by 65536 pages of 32 KB (2^31 bytes) in a larger device pool.
-  constexpr int64_t kShift = 65536;
-  const int64_t page_stride = pr.hb.kv_page_stride();
-  ASSERT_EQ(page_stride, 2 * int64_t{kPageSize} * kHeadDim);
-  const int64_t pages = kShift + pr.hb.num_pages();
-  DeviceBuffer big(static_cast<size_t>(pages * page_stride), 0x7F);
-  M3_CUDA_TEST_CHECK(cudaMemcpy(static_cast<uint8_t*>(big.data()) + kShift * page_stride,
-                                pr.hb.kv_pool.data(), static_cast<size_t>(pr.hb.kv_pool.nbytes()),
-                                cudaMemcpyHostToDevice));
-  Tensor table = pr.hb.page_table.clone();
-  for (int64_t i = 0; i < table.numel(); ++i)
-    if (table.ptr<int32_t>()[i] >= 0) table.ptr<int32_t>()[i] += static_cast<int32_t>(kShift);
-  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
-  d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
-                            Device::cuda(0));
-  for (const AttentionCudaConfig& cfg : configs(kAll, 3)) {
-    const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);
-    expect_matches(pr, d, got, "pages past 2^31 bytes, " + cfg_name(cfg));
-  }
+  DeviceBuffer big;
+  ASSERT_NO_FATAL_FAILURE(move_pool_past_2_31_bytes(pr, d, &big));
+  expect_configs_match(pr, d, true, configs(kAll, 3), "pages past 2^31 bytes, ", cfg_name);
 }
 
 TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
@@ -393,10 +345,8 @@ TEST(AttentionGpu, OutOfPoolPageIdsAreSkippedOnDevice) {
         if (id == bad0 || id == bad1) id = -1;
       }
     run_reference(pr, true);
-    for (const AttentionCudaConfig& cfg : configs(kAll, 4)) {
-      const std::vector<uint8_t> got = run_gpu(pr, d, true, cfg);  // d.ids still has bad0, bad1
-      expect_matches(pr, d, got, "corrupt page table, " + cfg_name(cfg));
-    }
+    // d.ids still has bad0, bad1.
+    expect_configs_match(pr, d, true, configs(kAll, 4), "corrupt page table, ", cfg_name);
   }
 }
 
@@ -471,44 +421,10 @@ TEST(AttentionGpu, GraphReplayWithNewInputsEqualsEager) {
   for (bool sparse : {true, false}) {
     for (const AttentionCudaConfig& cfg : configs(kAll, 3)) {
       SCOPED_TRACE(::testing::Message() << (sparse ? "sparse " : "dense ") << cfg_name(cfg));
-      Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
+      const Problem a = make_problem(reqs, 64, 4, Pick::kShared, rng);
       Problem b = make_problem(reqs, 64, 4, Pick::kRandom, rng);  // same shapes, new contents
       ASSERT_FALSE(::testing::Test::HasFailure());
-      ASSERT_EQ(a.hb.kv_pool.nbytes(), b.hb.kv_pool.nbytes());
-      DeviceProblem d;
-      upload(a, d);
-      AttentionParams p = device_params(a, d, sparse);
-      const size_t ws_bytes = make_workspace(d, p, cfg);
-      cudaStream_t stream;
-      M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
-      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      // New inputs into the same buffers, then replay.
-      d.q.upload(b.q.data(), static_cast<size_t>(b.q.nbytes()));
-      d.ids.upload(b.ids.data(), static_cast<size_t>(b.ids.nbytes()));
-      d.pool.upload(b.hb.kv_pool.data(), static_cast<size_t>(b.hb.kv_pool.nbytes()));
-      d.table.upload(b.hb.page_table.data(), static_cast<size_t>(b.hb.page_table.nbytes()));
-      d.out.poison(kPoison);
-      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint8_t> replay = d.out.download_all();
-      d.out.poison(kPoison);
-      d.ws.poison(0xFF);
-      const Status e = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
-      ASSERT_TRUE(e.ok()) << e.to_string();
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint8_t> eager = d.out.download_all();
-      EXPECT_TRUE(replay == eager) << "graph replay differs from eager";
-      run_reference(b, sparse);
-      expect_matches(b, d, replay, "graph replay");
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
+      expect_graph_replay_equals_eager(a, b, sparse, cfg);
     }
   }
 }
@@ -536,8 +452,7 @@ TEST(AttentionGpu, ProgrammaticLaunchEqualsPlain) {
   for (const std::vector<RequestSpec>* reqs : {&decode, &verify}) {
     for (AttentionCudaConfig cfg : configs(kAuto | kMma | kVerify, 3)) {
       if (cfg.tokens_per_tile > 1 && reqs == &decode) continue;
-      SCOPED_TRACE(::testing::Message()
-                   << testing::describe_requests(*reqs) << " " << cfg_name(cfg));
+      SCOPED_TRACE(::testing::Message() << describe_requests(*reqs) << " " << cfg_name(cfg));
       Problem pr = make_problem(*reqs, 64, 4, Pick::kRandom, rng);
       ASSERT_FALSE(::testing::Test::HasFailure());
       DeviceProblem d;
@@ -626,8 +541,8 @@ TEST(AttentionGpu, QuantizedOutputEqualsQuantizeStage) {
     const int64_t T = pr.T(), heads = pr.n_q, m_pad = (T + 3) / 4 * 4 + 4;
     const int64_t width = heads * kHeadDim;
     for (const AttentionCudaConfig& cfg : sc.cfgs) {
-      SCOPED_TRACE(::testing::Message() << testing::describe_requests(*sc.reqs) << " "
-                                        << cfg_name(cfg) << (sc.nan ? " NaN" : ""));
+      SCOPED_TRACE(::testing::Message() << describe_requests(*sc.reqs) << " " << cfg_name(cfg)
+                                        << (sc.nan ? " NaN" : ""));
       const std::vector<uint8_t> plain = run_gpu(pr, d, true, cfg);
       AttentionParams p = device_params(pr, d, true);
       DeviceBuffer q8(static_cast<size_t>(m_pad * width), 0x5A);
@@ -930,4 +845,4 @@ TEST(AttentionGpu, RejectedCallsWriteNothing) {
 }
 
 }  // namespace
-}  // namespace m3attn
+}  // namespace m3attn::testing::attn

@@ -1,7 +1,9 @@
 // Helpers shared by the GPU attention tests (attention_gpu_test.cu: every kernel; and
 // attention_prefill_gpu_test.cu: the warp-specialised prefill kernel): one problem (a batch, E4M3
 // queries, ranked block ids) on the host, its device copies with a guarded, row-padded output, one
-// eager GPU run with poisoned output and workspace, and the comparison with the CPU twin.
+// eager GPU run with poisoned output and workspace, and the comparison with the CPU twin; the
+// checks both files run: every config against the twin, sparse == dense, page ids past 2^31 bytes
+// and CUDA-graph replay with new inputs.
 //
 // Tolerance (per (token, head) row of 128 outputs, relative L2 against the twin): kRowRelL2 = 1e-2.
 //   - Both sides round once to BF16 (8 significant bits): each is within 2^-9 of its exact value,
@@ -26,11 +28,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <numeric>
 #include <sstream>
 #include <string>
 #include <vector>
 
+#include "cache/cache_view.h"
 #include "core/numeric.h"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
@@ -290,6 +294,104 @@ inline double expect_matches(const Problem& pr, const DeviceProblem& d,
     }
   }
   return worst;
+}
+
+// The GPU on `d` under every config of `cfgs`, each compared with the twin already in pr.ref
+// (expect_matches) under the label `prefix` + name(cfg); prints each config's worst row error.
+inline void expect_configs_match(const Problem& pr, DeviceProblem& d, bool sparse,
+                                 const std::vector<AttentionCudaConfig>& cfgs,
+                                 const std::string& prefix,
+                                 std::string (*name)(const AttentionCudaConfig&)) {
+  for (const AttentionCudaConfig& cfg : cfgs) {
+    const std::string label = prefix + name(cfg);
+    const std::vector<uint8_t> got = run_gpu(pr, d, sparse, cfg);
+    const double worst = expect_matches(pr, d, got, label);
+    std::printf("  %s: worst row relative L2 %.2e\n", label.c_str(), worst);
+  }
+}
+
+// The twin once (pr.ref), then expect_configs_match on a fresh upload under the label `what` +
+// " sparse, " / " dense, " + name(cfg).
+inline void check_against_twin(Problem& pr, bool sparse, const std::string& what,
+                               const std::vector<AttentionCudaConfig>& cfgs,
+                               std::string (*name)(const AttentionCudaConfig&)) {
+  run_reference(pr, sparse);
+  if (::testing::Test::HasFatalFailure()) return;
+  DeviceProblem d;
+  upload(pr, d);
+  expect_configs_match(pr, d, sparse, cfgs, what + (sparse ? " sparse, " : " dense, "), name);
+}
+
+// Under `cfg`, the GPU's sparse and dense outputs are the same bytes (<= 16 visible blocks), and
+// the sparse one matches the twin (pr.ref, sparse).
+inline void expect_sparse_equals_dense(const Problem& pr, DeviceProblem& d,
+                                       const AttentionCudaConfig& cfg, const std::string& name) {
+  const std::vector<uint8_t> s = run_gpu(pr, d, true, cfg);
+  const std::vector<uint8_t> dn = run_gpu(pr, d, false, cfg);
+  EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << name;
+  expect_matches(pr, d, s, "sparse == dense, " + name);
+}
+
+// Page ids past 2^31 bytes (one KV head: pages of 32 KB): copies pr's pages into the top of a
+// device pool `*big` 65536 pages (2^31 bytes) larger, and points d's page table (every id
+// shifted) and KV view at it. Keep `*big` alive while `d` is used.
+inline void move_pool_past_2_31_bytes(const Problem& pr, DeviceProblem& d, DeviceBuffer* big) {
+  constexpr int64_t kShift = 65536;
+  const int64_t page_stride = pr.hb.kv_page_stride();
+  ASSERT_EQ(page_stride, 2 * int64_t{kPageSize} * kHeadDim);
+  const int64_t pages = kShift + pr.hb.num_pages();
+  *big = DeviceBuffer(static_cast<size_t>(pages * page_stride), 0x7F);
+  M3_CUDA_TEST_CHECK(cudaMemcpy(static_cast<uint8_t*>(big->data()) + kShift * page_stride,
+                                pr.hb.kv_pool.data(), static_cast<size_t>(pr.hb.kv_pool.nbytes()),
+                                cudaMemcpyHostToDevice));
+  Tensor table = pr.hb.page_table.clone();
+  for (int64_t i = 0; i < table.numel(); ++i)
+    if (table.ptr<int32_t>()[i] >= 0) table.ptr<int32_t>()[i] += static_cast<int32_t>(kShift);
+  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
+  d.kv = make_kv_cache_view(big->data(), pages, 1, page_stride, pr.hb.kv_plane_stride(),
+                            Device::cuda(0));
+}
+
+// CUDA-graph replay with new inputs: captures the GPU run on `a`'s device buffers, writes `b`'s
+// inputs (same shapes, new contents) into them and replays. The replay equals an eager run on the
+// same buffers byte for byte and matches b's twin.
+inline void expect_graph_replay_equals_eager(const Problem& a, Problem& b, bool sparse,
+                                             const AttentionCudaConfig& cfg) {
+  ASSERT_EQ(a.hb.kv_pool.nbytes(), b.hb.kv_pool.nbytes());
+  DeviceProblem d;
+  upload(a, d);
+  const AttentionParams p = device_params(a, d, sparse);
+  const size_t ws_bytes = make_workspace(d, p, cfg);
+  cudaStream_t stream;
+  M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
+  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  // New inputs into the same buffers, then replay.
+  d.q.upload(b.q.data(), static_cast<size_t>(b.q.nbytes()));
+  d.ids.upload(b.ids.data(), static_cast<size_t>(b.ids.nbytes()));
+  d.pool.upload(b.hb.kv_pool.data(), static_cast<size_t>(b.hb.kv_pool.nbytes()));
+  d.table.upload(b.hb.page_table.data(), static_cast<size_t>(b.hb.page_table.nbytes()));
+  d.out.poison(kPoison);
+  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<uint8_t> replay = d.out.download_all();
+  d.out.poison(kPoison);
+  d.ws.poison(0xFF);
+  const Status e = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
+  ASSERT_TRUE(e.ok()) << e.to_string();
+  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<uint8_t> eager = d.out.download_all();
+  EXPECT_TRUE(replay == eager) << "graph replay differs from eager";
+  run_reference(b, sparse);
+  expect_matches(b, d, replay, "graph replay");
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace m3attn::testing::attn

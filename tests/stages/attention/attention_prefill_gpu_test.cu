@@ -20,12 +20,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdio>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "cache/cache_view.h"
 #include "m3attn/config.h"
 #include "stages/attention/attention.h"
 #include "stages/attention/attention_gpu_test_util.h"
@@ -33,23 +31,8 @@
 #include "support/cuda_test_util.h"
 #include "support/test_util.h"
 
-namespace m3attn {
+namespace m3attn::testing::attn {
 namespace {
-
-using testing::BatchOptions;
-using testing::DeviceBuffer;
-using testing::fresh_seed;
-using testing::RequestSpec;
-using testing::Rng;
-using testing::attn::DeviceProblem;
-using testing::attn::expect_matches;
-using testing::attn::kPoison;
-using testing::attn::make_problem;
-using testing::attn::Pick;
-using testing::attn::Problem;
-using testing::attn::run_gpu;
-using testing::attn::run_reference;
-using testing::attn::upload;
 
 constexpr int kWs = 15;   // AttentionCudaConfig::kernel of the warp-specialised kernel
 constexpr int kAuto = 0;  // the automatic plan (kernel 15 on these batches)
@@ -75,19 +58,10 @@ Problem make_case(const std::vector<RequestSpec>& reqs, int n_q, int n_kv, bool 
   return make_problem(reqs, n_q, n_kv, per_token ? Pick::kRandom : Pick::kShared, rng, o);
 }
 
-// The twin once per mode, then kernel 6 under every config (and kernel 4 as a reference line).
+// The twin once per mode, then the kernels under every config (kernel 4 as a reference line).
 void check_configs(Problem& c, bool sparse, const std::string& what,
                    const std::vector<AttentionCudaConfig>& cfgs) {
-  run_reference(c, sparse);
-  if (::testing::Test::HasFailure()) return;
-  DeviceProblem d;
-  upload(c, d);
-  for (const AttentionCudaConfig& cfg : cfgs) {
-    const std::string name = what + (sparse ? " sparse, " : " dense, ") + describe(cfg);
-    const std::vector<uint8_t> got = run_gpu(c, d, sparse, cfg);
-    const double worst = expect_matches(c, d, got, name);
-    std::printf("  %s: worst row relative L2 %.2e\n", name.c_str(), worst);
-  }
+  check_against_twin(c, sparse, what, cfgs, describe);
 }
 
 std::vector<AttentionCudaConfig> standard_configs() {
@@ -116,8 +90,8 @@ TEST(AttentionPrefillWsGpu, ChunksAndMixedBatchesMatchTwin) {
   // block nor tile multiples, chunk lengths off the 8-token tile, one-token and short chunks,
   // contexts past 16 blocks (sparse != dense), then generation requests with draft 3.
   const std::vector<RequestSpec> ctx = {{0, 333}, {1917, 120}, {4100, 41}, {3, 9}, {2500, 1}};
-  const std::vector<RequestSpec> reqs = testing::mixed_requests(ctx, 4, 3, 4500, rng);
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  const std::vector<RequestSpec> reqs = mixed_requests(ctx, 4, 3, 4500, rng);
+  SCOPED_TRACE(describe_requests(reqs));
   for (bool per_token : {false, true}) {
     Problem c = make_case(reqs, 32, 2, per_token, rng);
     ASSERT_FALSE(::testing::Test::HasFailure());
@@ -135,7 +109,7 @@ TEST(AttentionPrefillWsGpu, M3GeometryMatchesTwin) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 291}, {6001, 77}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   Problem c = make_case(reqs, 64, 4, false, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   check_configs(
@@ -150,7 +124,7 @@ TEST(AttentionPrefillWsGpu, StridedPools) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 45}, {1000, 19}, {2049, 1}, {5000, 12}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   const int64_t tile = int64_t{kPageSize} * kHeadDim;
   // Gapped planes and pages: multiples of 16 bytes (TMA), then of 4 only (kernel 4 runs).
   for (int64_t extra : {int64_t{48}, int64_t{20}}) {
@@ -180,7 +154,7 @@ TEST(AttentionPrefillWsGpu, JunkIdsAndItemsWithoutBlocks) {
   M3_SEED_TRACE(seed);
   Rng rng(seed);
   const std::vector<RequestSpec> reqs = {{0, 20}, {300, 17}, {2500, 9}, {4000, 1}};
-  SCOPED_TRACE(testing::describe_requests(reqs));
+  SCOPED_TRACE(describe_requests(reqs));
   Problem c = make_case(reqs, 32, 2, true, rng);
   ASSERT_FALSE(::testing::Test::HasFailure());
   int32_t* ids = c.ids.ptr<int32_t>();
@@ -230,12 +204,8 @@ TEST(AttentionPrefillWsGpu, SparseEqualsDenseWithAtMost16Blocks) {
   DeviceProblem d;
   upload(c, d);
   for (const AttentionCudaConfig& cfg :
-       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5)}) {
-    const std::vector<uint8_t> s = run_gpu(c, d, true, cfg);
-    const std::vector<uint8_t> dn = run_gpu(c, d, false, cfg);
-    EXPECT_TRUE(s == dn) << "sparse and dense GPU outputs differ under " << describe(cfg);
-    expect_matches(c, d, s, "sparse == dense, " + describe(cfg));
-  }
+       {ws_config(1, 0), ws_config(3, 0), ws_config(2, 4), ws_config(2, 5)})
+    expect_sparse_equals_dense(c, d, cfg, describe(cfg));
 }
 
 TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
@@ -250,25 +220,10 @@ TEST(AttentionPrefillWsGpu, LargePoolPageIdsPast2To31Bytes) {
   ASSERT_FALSE(::testing::Test::HasFailure());
   DeviceProblem d;
   upload(c, d);
-  constexpr int64_t kShift = 65536;  // pages of 32 KB: 2^31 bytes
-  const int64_t page_stride = c.hb.kv_page_stride();
-  ASSERT_EQ(page_stride, 2 * int64_t{kPageSize} * kHeadDim);
-  const int64_t pages = kShift + c.hb.num_pages();
-  DeviceBuffer big(static_cast<size_t>(pages * page_stride), 0x7F);
-  M3_CUDA_TEST_CHECK(cudaMemcpy(static_cast<uint8_t*>(big.data()) + kShift * page_stride,
-                                c.hb.kv_pool.data(), static_cast<size_t>(c.hb.kv_pool.nbytes()),
-                                cudaMemcpyHostToDevice));
-  Tensor table = c.hb.page_table.clone();
-  for (int64_t i = 0; i < table.numel(); ++i)
-    if (table.ptr<int32_t>()[i] >= 0) table.ptr<int32_t>()[i] += static_cast<int32_t>(kShift);
-  d.table.upload(table.data(), static_cast<size_t>(table.nbytes()));
-  d.kv = make_kv_cache_view(big.data(), pages, 1, page_stride, c.hb.kv_plane_stride(),
-                            Device::cuda(0));
-  for (const AttentionCudaConfig& cfg :
-       {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kAuto)}) {
-    const std::vector<uint8_t> got = run_gpu(c, d, true, cfg);
-    expect_matches(c, d, got, "pages past 2^31 bytes, " + describe(cfg));
-  }
+  DeviceBuffer big;
+  ASSERT_NO_FATAL_FAILURE(move_pool_past_2_31_bytes(c, d, &big));
+  expect_configs_match(c, d, true, {ws_config(0, 0), ws_config(3, 2), ws_config(0, 0, kAuto)},
+                       "pages past 2^31 bytes, ", describe);
 }
 
 TEST(AttentionPrefillWsGpu, NaNInAVisibleValuePropagates) {
@@ -332,40 +287,7 @@ TEST(AttentionPrefillWsGpu, GraphReplayWithNewInputsEqualsEager) {
       const Problem a = make_case(reqs, 64, 4, false, rng);
       Problem b = make_case(reqs, 64, 4, true, rng);  // same shapes, new contents
       ASSERT_FALSE(::testing::Test::HasFailure());
-      ASSERT_EQ(a.hb.kv_pool.nbytes(), b.hb.kv_pool.nbytes());
-      DeviceProblem d;
-      upload(a, d);
-      const AttentionParams p = testing::attn::device_params(a, d, sparse);
-      const size_t ws_bytes = testing::attn::make_workspace(d, p, cfg);
-      cudaStream_t stream;
-      M3_CUDA_TEST_CHECK(cudaStreamCreate(&stream));
-      cudaGraph_t graph;
-      cudaGraphExec_t exec;
-      M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      const Status s = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
-      M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-      ASSERT_TRUE(s.ok()) << s.to_string();
-      M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      d.q.upload(b.q.data(), static_cast<size_t>(b.q.nbytes()));
-      d.ids.upload(b.ids.data(), static_cast<size_t>(b.ids.nbytes()));
-      d.pool.upload(b.hb.kv_pool.data(), static_cast<size_t>(b.hb.kv_pool.nbytes()));
-      d.table.upload(b.hb.page_table.data(), static_cast<size_t>(b.hb.page_table.nbytes()));
-      d.out.poison(kPoison);
-      M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint8_t> replay = d.out.download_all();
-      d.out.poison(kPoison);
-      d.ws.poison(0xFF);
-      const Status e = run_attention_cuda(p, d.ws.data(), ws_bytes, stream, cfg);
-      ASSERT_TRUE(e.ok()) << e.to_string();
-      M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-      const std::vector<uint8_t> eager = d.out.download_all();
-      EXPECT_TRUE(replay == eager) << "graph replay differs from eager";
-      run_reference(b, sparse);
-      expect_matches(b, d, replay, "graph replay");
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
-      cudaStreamDestroy(stream);
+      expect_graph_replay_equals_eager(a, b, sparse, cfg);
     }
   }
 }
@@ -380,12 +302,12 @@ TEST(AttentionPrefillWsGpu, NegativePersistentCtasIsRejected) {
   DeviceProblem d;
   upload(c, d);
   const std::vector<uint8_t> before = d.out.download_all();
-  const Status s = run_attention_cuda(testing::attn::device_params(c, d, true), nullptr, 0, nullptr,
-                                      ws_config(1, -1));
+  const Status s =
+      run_attention_cuda(device_params(c, d, true), nullptr, 0, nullptr, ws_config(1, -1));
   EXPECT_FALSE(s.ok());
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_TRUE(d.out.download_all() == before) << "a rejected call wrote its output";
 }
 
 }  // namespace
-}  // namespace m3attn
+}  // namespace m3attn::testing::attn

@@ -13,14 +13,24 @@
 namespace m3attn::indexer_gpu_test {
 namespace {
 
-// The plan tests' verify batch at 8K: R requests of `tokens` query tokens with contexts of
-// 1900-2300 tokens, the first at the full 64 blocks (no spare page-table column), integer-valued.
-Inputs verify_batch_at_8k(int R, int tokens, Rng& rng) {
+// The inputs of a plan test (n_kv 4, no spare page-table column), uploaded into `d`: the batch
+// must come out at `max_pages` blocks (callers then assert that nothing failed).
+Inputs uploaded_plan_inputs(const std::vector<RequestSpec>& reqs, bool integer, int max_pages,
+                            Rng& rng, DeviceSet& d) {
+  Inputs in = make_inputs(reqs, 4, rng, integer, 0, 0);
+  EXPECT_EQ(in.max_pages(), max_pages);
+  if (!::testing::Test::HasFailure()) upload(in, d);
+  return in;
+}
+
+// The plan tests' verify batch at 8K, uploaded into `d`: R requests of `tokens` query tokens with
+// contexts of 1900-2300 tokens, the first at the full 64 blocks, integer-valued.
+Inputs verify_batch_at_8k(int R, int tokens, Rng& rng, DeviceSet& d) {
   std::vector<RequestSpec> reqs;
   for (int i = 0; i < R; ++i)
     reqs.push_back({static_cast<int>(rng.integer(1900, 2300 - tokens)), tokens});
   reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
-  return make_inputs(reqs, 4, rng, /*integer=*/true, 0, 0);
+  return uploaded_plan_inputs(reqs, /*integer=*/true, 64, rng, d);
 }
 
 IndexerCudaOptions single_pass_in(int ctas) {
@@ -52,8 +62,11 @@ void expect_forced_plans_agree(const Inputs& in, DeviceSet& d, int R, int tokens
 // The automatic plan of the batch on d.params, printed for the log.
 IndexerCudaPlan printed_plan(const DeviceSet& d, int sms, int R, int tokens) {
   const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-  std::printf("[ indexer  ] %d SMs, %d requests x %d tokens: plan single %d k_splits %d c %d\n",
-              sms, R, tokens, pl.single ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  std::printf(
+      "[ indexer  ] %d SMs, %d requests x %d tokens, %d blocks: plan single %d fused %d flat %d "
+      "k_splits %d c %d\n",
+      sms, R, tokens, d.params.batch.max_pages, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.flat_ctas,
+      pl.k_splits, pl.dec_chunk);
   return pl;
 }
 
@@ -89,19 +102,15 @@ TEST(IndexerGpu, AutomaticClusteredSinglePass) {
       reqs.push_back({static_cast<int>(rng.integer(0, 8192 - tokens)), tokens});
     reqs[0] = {8192 - tokens, tokens};  // one request at the full 64 blocks
     // No spare page-table column: max_pages 64, where the single pass applies.
-    const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
-    upload(in, d);
+    const Inputs in = uploaded_plan_inputs(reqs, false, 64, rng, d);
+    ASSERT_FALSE(::testing::Test::HasFailure());
     const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     const int ctas = tokens == 1 ? std::clamp(sms / R, 1, 8) : 2;  // sms / 16 requests: 8
     const int chunk = ((64 + ctas - 1) / ctas + 3) / 4 * 4;
     EXPECT_TRUE(pl.single);
     EXPECT_EQ(pl.k_splits, (64 + chunk - 1) / chunk);
-    IndexerCudaOptions two;
-    two.unfused_decode = true;
-    const GpuResult g = run_gpu(d, two);
+    const GpuResult g = run_gpu(d, two_kernel_in(0));
     const std::string what = std::to_string(R) + " requests x " + std::to_string(tokens);
     compare(in, reference(in), g, false, "automatic plan, two-kernel, " + what);
     expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g,
@@ -126,11 +135,9 @@ TEST(IndexerGpu, AutomaticSplitsForManyVerifyRequestsAt8K) {
   } cases[] = {{2 * sms, 2}, {2 * sms, 4}, {sms + sms / 8 + 1, 3}};
   for (const auto& cs : cases) {
     const int R = cs.R, tokens = cs.tokens;
-    const Inputs in = verify_batch_at_8k(R, tokens, rng);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
-    upload(in, d);
+    const Inputs in = verify_batch_at_8k(R, tokens, rng, d);
+    ASSERT_FALSE(::testing::Test::HasFailure());
     const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
@@ -161,11 +168,9 @@ TEST(IndexerGpu, AutomaticTwoKernelForVerifyBatchesNearOneRequestPerSm) {
                {sms * 9 / 10, 4, true}};
   for (const auto& cs : cases) {
     const int R = cs.R, tokens = cs.tokens;
-    const Inputs in = verify_batch_at_8k(R, tokens, rng);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    ASSERT_EQ(in.max_pages(), 64);
     DeviceSet d;
-    upload(in, d);
+    const Inputs in = verify_batch_at_8k(R, tokens, rng, d);
+    ASSERT_FALSE(::testing::Test::HasFailure());
     const IndexerCudaPlan pl = printed_plan(d, sms, R, tokens);
     EXPECT_EQ(pl.single, cs.single);
     if (!cs.single) {
@@ -195,16 +200,10 @@ TEST(IndexerGpu, AutomaticFlatDecodeForVerifyBatchesAt8K) {
   std::vector<RequestSpec> reqs;
   for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2000, 8188)), 4});
   reqs[0] = {8188, 4};  // one request at the full 64 blocks
-  const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  ASSERT_EQ(in.max_pages(), 64);
   DeviceSet d;
-  upload(in, d);
-  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-  std::printf(
-      "[ indexer  ] %d SMs, %d requests x 4 tokens: plan single %d fused %d flat %d k_splits %d "
-      "c %d\n",
-      sms, R, pl.single ? 1 : 0, pl.fused ? 1 : 0, pl.flat_ctas, pl.k_splits, pl.dec_chunk);
+  const Inputs in = uploaded_plan_inputs(reqs, false, 64, rng, d);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const IndexerCudaPlan pl = printed_plan(d, sms, R, 4);
   if (R * 3 >= sms && R * 6 <= 3 * sms) {
     EXPECT_FALSE(pl.single);
     EXPECT_FALSE(pl.fused);
@@ -236,16 +235,10 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
   std::vector<RequestSpec> reqs;
   for (int i = 0; i < R; ++i) reqs.push_back({static_cast<int>(rng.integer(2100, 6000)), 4});
   reqs[0] = {kBlocks * 128 - 4, 4};
-  const Inputs in = make_inputs(reqs, 4, rng, false, 0, 0);
-  ASSERT_FALSE(::testing::Test::HasFailure());
-  ASSERT_EQ(in.max_pages(), kBlocks);
   DeviceSet d;
-  upload(in, d);
-  const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
-  std::printf(
-      "[ indexer  ] %d SMs, %d requests x 4 tokens, %d blocks: plan fused %d k_splits %d "
-      "c %d\n",
-      sms, R, kBlocks, pl.fused ? 1 : 0, pl.k_splits, pl.dec_chunk);
+  const Inputs in = uploaded_plan_inputs(reqs, false, kBlocks, rng, d);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  const IndexerCudaPlan pl = printed_plan(d, sms, R, 4);
   const int ctas64 = R * (kBlocks / 64);
   if (ctas64 >= sms && ctas64 <= 3 * sms) {  // the rule's domain
     const int slots = 3 * sms;
@@ -258,9 +251,7 @@ TEST(IndexerGpu, AutomaticFusedPlanForVerifyBatches) {
     EXPECT_EQ(pl.k_splits, (kBlocks + c - 1) / c);
     EXPECT_LE(R * pl.k_splits, slots);
   }
-  IndexerCudaOptions two;
-  two.unfused_decode = true;
-  const GpuResult g = run_gpu(d, two);
+  const GpuResult g = run_gpu(d, two_kernel_in(0));
   compare(in, reference(in), g, false, "verify plan, two-kernel");
   expect_same_ids(in, run_gpu(d, IndexerCudaOptions{}), g, "automatic fused plan for verify");
 }
@@ -299,9 +290,7 @@ TEST(IndexerGpu, FlatDecodeWithFewWarpsPerRequest) {
           "flat 1, " + std::to_string(R) + " requests x " + std::to_string(1 + draft);
       const GpuResult f = run_gpu(d, fl);
       compare(in, reference(in), f, /*exact_scores=*/true, what);
-      IndexerCudaOptions two;
-      two.unfused_decode = true;
-      expect_same_ids(in, f, run_gpu(d, two), what + " vs two-kernel");
+      expect_same_ids(in, f, run_gpu(d, two_kernel_in(0)), what + " vs two-kernel");
     }
   }
 }
@@ -509,8 +498,7 @@ TEST(IndexerGpu, FlatDecodeTwoCtasPerSmSmall) {
   DeviceSet d;
   upload(in, d);
   const Reference ref = reference(in);
-  IndexerCudaOptions two;
-  two.unfused_decode = true;
+  IndexerCudaOptions two = two_kernel_in(0);
   two.flat_decode = -1;
   const GpuResult g = run_gpu(d, two);
   compare(in, ref, g, /*exact_scores=*/true, "flat 2 small [two-kernel]");
@@ -554,8 +542,7 @@ TEST(IndexerGpu, StrictCountSelectionSmall) {
   DeviceSet d;
   upload(in, d);
   const Reference ref = reference(in);
-  IndexerCudaOptions one;
-  one.unfused_decode = true;
+  IndexerCudaOptions one = two_kernel_in(0);
   one.flat_decode = -1;
   one.short_select = false;
   const GpuResult g = run_gpu(d, one);

@@ -274,6 +274,39 @@ inline void expect_within_bound(const std::string& label, const std::vector<uint
   EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
 }
 
+// After a launch into `dev` that returned `st`: it succeeded, and once the device is synchronized
+// the output is bit-identical to `ref` (integer inputs) with nothing outside [M, N] written.
+inline void expect_launch_exact(const Status& st, const DeviceGemm& dev,
+                                const std::vector<uint16_t>& ref) {
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  std::string report;
+  EXPECT_EQ(count_bit_mismatches(got, ref, dev.n, &report), 0) << report;
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+}
+
+// After a launch into `dev` that returned `st`: it succeeded, and once the device is synchronized
+// the output is within the accumulation bound of `ref` (expect_within_bound under `label`).
+inline void expect_launch_within_bound(const std::string& label, const Status& st,
+                                       const DeviceGemm& dev, const std::vector<uint16_t>& ref,
+                                       const GemmData& d, double s_factor) {
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+  int64_t touched = 0;
+  const std::vector<uint16_t> got = dev.result(&touched);
+  expect_within_bound(label, got, ref, abs_sums(d), d, s_factor, touched);
+}
+
+// A rejected call wrote nothing: every output of `dev` still holds the poison, and so does every
+// byte around it.
+inline void expect_output_unwritten(const DeviceGemm& dev) {
+  int64_t touched = 0;
+  for (uint16_t v : dev.result(&touched)) ASSERT_EQ(v, 0xA5A5) << "the output was written";
+  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+}
+
 // Runs `gemm` on `d` (output rows n apart) and returns the [m, n] result; `touched` counts bytes
 // written outside it. A failed run fails the test and returns an empty result.
 inline std::vector<uint16_t> run_object(Fp8BlockGemm& gemm, const GemmData& d, int64_t* touched) {

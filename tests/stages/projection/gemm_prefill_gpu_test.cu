@@ -62,13 +62,7 @@ TEST_P(GemmPrefillExact, IntegerInputsBitIdenticalToTwin) {
   DeviceGemm dev(d, c.n + c.ld_pad, c.shift);
   const Status st =
       run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster, c.group_m));
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  const std::vector<uint16_t> got = dev.result(&touched);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
-  EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
+  expect_launch_exact(st, dev, ref);
 }
 
 // (ValuesIn over a vector: a long Values(...) list instantiates a huge variadic template.)
@@ -109,15 +103,10 @@ TEST_P(GemmPrefillRandom, WithinBoundOfTwin) {
   Rng rng(seed);
   GemmData d = make_random_data(c.m, c.n, c.k, rng);
   const std::vector<uint16_t> ref = cpu_gemm(d);
-  const std::vector<double> s = abs_sums(d);
   DeviceGemm dev(d, c.n);
   const Status st = run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(c.cluster));
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  const std::vector<uint16_t> got = dev.result(&touched);
-  expect_within_bound("prefill cluster " + std::to_string(c.cluster), got, ref, s, d,
-                      std::ldexp(1.0, -10), touched);
+  expect_launch_within_bound("prefill cluster " + std::to_string(c.cluster), st, dev, ref, d,
+                             std::ldexp(1.0, -10));
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GemmPrefillRandom,
@@ -233,10 +222,7 @@ TEST(GemmPrefill, RejectsRowMajorActivationScales) {
   const Status st = run_gemm_prefill_cuda(dev.params(), nullptr);
   EXPECT_EQ(st.code(), StatusCode::kUnsupported) << st.to_string();
   M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  const std::vector<uint16_t> got = dev.result(&touched);
-  EXPECT_EQ(touched, 0);
-  for (const uint16_t v : got) ASSERT_EQ(v, 0xA5A5) << "the output was written";
+  expect_output_unwritten(dev);
 }
 
 // Small cases for compute-sanitizer (memcheck / racecheck), one per cluster size: more tiles than
@@ -248,13 +234,7 @@ void sanitizer_case(int cluster) {
   const std::vector<uint16_t> ref = cpu_gemm(d);
   DeviceGemm dev(d, d.n);
   const Status st = run_gemm_prefill_cuda(dev.params(), nullptr, prefill_options(cluster, 2));
-  ASSERT_TRUE(st.ok()) << st.to_string();
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  int64_t touched = 0;
-  const std::vector<uint16_t> got = dev.result(&touched);
-  std::string report;
-  EXPECT_EQ(count_bit_mismatches(got, ref, d.n, &report), 0) << report;
-  EXPECT_EQ(touched, 0);
+  expect_launch_exact(st, dev, ref);
 }
 
 TEST(GemmPrefill, SanitizerSmallCluster1x1) {

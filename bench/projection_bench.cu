@@ -1010,9 +1010,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (const int v_req : order) {
       // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
+      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 42-59) with diagnostic
+      // D, e.g. 1447: variant 47 without its output stores.)
       const bool ks_v = v_req >= 170 && v_req < 184;
-      const int ks_diag = ks_v ? (v_req - 170) / 2 : 0;
-      const int v = ks_v ? 26 + v_req % 2 : v_req;
+      const bool ks_d = v_req >= 1000 && v_req < 2000;
+      const int ks_diag = ks_v ? (v_req - 170) / 2 : ks_d ? (v_req / 100) % 10 : 0;
+      const int v = ks_v ? 26 + v_req % 2 : ks_d ? v_req % 100 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();

@@ -425,8 +425,7 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
-  int stagger = 0;       // GemmWgmmaOptions::row_k_split_stagger (with ksplit)
-  int handover = 0;      // GemmWgmmaOptions::row_k_split_handover (with ksplit)
+  bool chunks = false;   // GemmWgmmaOptions::row_k_split_chunk_stores (with ksplit)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -709,22 +708,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (session 26, the K split's stagger S and hand-over H, plain / chained: 46-47 S 1 H 2,
-      // 48-49 S 2 H 2, 50-51 S 1 H 1, 52-53 S 2 H 1, 54-55 S 0 H 2, 56-57 S 1 H 0, 58-59 S 2 H 0)
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 1, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 1, 2},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 2, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 2, 2},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 1, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 1, 1},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 2, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 2, 1},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 0, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 0, 2},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 1, 0},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 1, 0},
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 2, 0},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 2, 0}};
+      // (session 26: 46-47 the K split with chunk stores, plain / chained. Session 26 also timed
+      // and removed, same rounds A-B, fused M 64 b2b us: the halves staggered, half 1's last 1 / 2
+      // K blocks moved to half 0 (half 1's sums handed over one way: arrive / sync on named
+      // barriers), chained 17.81-17.89 / 17.76-17.92 against 17.64-17.67; the one-way hand-over
+      // alone 17.62-17.68 (tie).)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -1010,7 +1000,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (const int v_req : order) {
       // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
-      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 42-59) with diagnostic
+      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 42-47) with diagnostic
       // D, e.g. 1447: variant 47 without its output stores.)
       const bool ks_v = v_req >= 170 && v_req < 184;
       const bool ks_d = v_req >= 1000 && v_req < 2000;
@@ -1037,8 +1027,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_k_split_stagger = variants[v].stagger;
-      o.row_k_split_handover = variants[v].handover;
+      o.row_k_split_chunk_stores = variants[v].chunks;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -1070,8 +1059,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
           (variants[v].one_box ? " one box" : "") +
-          (variants[v].stagger > 0 ? " stagger " + std::to_string(variants[v].stagger) : "") +
-          (variants[v].handover > 0 ? " handover " + std::to_string(variants[v].handover) : "") +
+          (variants[v].chunks ? " chunk stores" : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");

@@ -173,7 +173,7 @@ Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form) {
     return unsupported("the row split serves K <= ", gemm_wgmma_detail::kRowsMaxKblocks * kBlockK,
                        ", got K = ", k);
   if (form == RowsForm::kKSplit &&
-      gemm_wgmma_detail::ksplit_even_kblocks(static_cast<int>(k / kBlockK), 0) >
+      gemm_wgmma_detail::ksplit_local_kblocks(static_cast<int>(k / kBlockK), 0) >
           gemm_wgmma_detail::kKsMaxLocalKblocks)
     return unsupported("the row K split stages at most ", gemm_wgmma_detail::kKsMaxLocalKblocks,
                        " K blocks per half (K 6400 or less), got K = ", k);
@@ -427,12 +427,6 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     // The K split (its own K blocks per stage; activation boxes of 64 token rows; M > 32).
     M3_CHECK_ARG(!options.row_k_split || kpb == 0 || kpb == 2, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0 or 2 with row_k_split");
-    M3_CHECK_ARG(options.row_k_split_stagger >= 0,
-                 "GemmWgmmaOptions::row_k_split_stagger = ", options.row_k_split_stagger,
-                 " must be >= 0");
-    M3_CHECK_ARG(options.row_k_split_handover >= 0 && options.row_k_split_handover <= 2,
-                 "GemmWgmmaOptions::row_k_split_handover = ", options.row_k_split_handover,
-                 " must be 0, 1 or 2");
     if (options.row_k_split && m <= 32)
       return unsupported("the row K split serves M 33 ... 64 (slower than the row split below: ",
                          "session 23), got M = ", m);
@@ -461,8 +455,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                                                       : -1;
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
-    ra.ks_stagger = options.row_k_split_stagger;
-    ra.ks_handover = options.row_k_split_handover;
+    ra.ks_chunk_stores = options.row_k_split_chunk_stores ? 1 : 0;
     ra.trace = options.debug_trace;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,

@@ -101,19 +101,11 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // With row_k_split (session 26, variants): the stagger, K blocks moved from the end of half 1's
-  // share to the end of half 0's (half 0 then takes 2 x row_k_split_stagger more), so that half 1
-  // ends first and half 0's last stage has the SM to itself; clamped to the image's last step
-  // (only where half 1 owns it: an even number of 4-K-block steps) and to the K blocks half 0 can
-  // stage (K 6144: at most 2). 0: the even split.
-  int row_k_split_stagger = 0;
-  // With row_k_split (session 26, variants): how the halves combine their fp32 sums. 0: the
-  // reduce-scatter between two barriers of both halves, each half storing 40 columns; 1: half 1
-  // leaves its sums in shared memory and exits, half 0 adds them and stores all 80 columns; 2:
-  // half 1 leaves the sums of half 0's columns and waits, half 0 leaves the sums of half 1's
-  // columns and goes on to add and store its own, half 1 then its own. Results do not depend on
-  // it (a + b = b + a).
-  int row_k_split_handover = 0;
+  // With row_k_split (session 26, variant): each output row's 16-byte aligned chunks stored whole
+  // (one 16-byte store per chunk, gathered through shared memory by the row's four lanes) instead
+  // of as 4-byte bf16 pairs; the columns outside whole chunks as before. Results do not depend on
+  // it.
+  bool row_k_split_chunk_stores = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the

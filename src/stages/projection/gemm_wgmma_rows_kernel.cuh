@@ -224,9 +224,8 @@ struct RowsArgs : ScalesOut {
   int early_weights;
   int trigger_dependents;
   int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
-  // The K split only (gemm_wgmma_rows_ksplit_kernel.cuh): GemmWgmmaOptions::row_k_split_stagger
-  // and row_k_split_handover.
-  int ks_stagger = 0, ks_handover = 0;
+  // The K split only (gemm_wgmma_rows_ksplit_kernel.cuh): GemmWgmmaOptions::row_k_split_chunk_stores.
+  int ks_chunk_stores = 0;
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;

@@ -30,8 +30,7 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
                          "on an SM (", kMaxSmem, " B of dynamic shared memory)");
     if (info.device < 64) ready[info.device].store(1, std::memory_order_release);
   }
-  const int kbl0 =
-      ksplit_local_kblocks(args.kblocks, 0, ksplit_moved(args.kblocks, args.ks_stagger));
+  const int kbl0 = ksplit_local_kblocks(args.kblocks, 0);
   M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(pairs)), dim3(kKsThreads),
                                      static_cast<size_t>(rows_ksplit_smem_bytes(kbl0)), stream,
                                      args.early_weights != 0, xmap, args));

@@ -46,15 +46,19 @@
 // into the other half's drained ring (its first activation slots), then adds what it received to
 // its own five and stores them: every warp of the SM stores, 80-byte runs per token.
 //
-// Session 26 (variants, GemmWgmmaOptions::row_k_split_stagger / row_k_split_handover): the
-// halves staggered. With the even split both halves' last stages land together, so the SM's tail
-// is serial: both last stages' wgmmas on one SM's tensor cores, the barrier waiting for the slower
-// half, the exchange, the stores. The stagger moves the last S K blocks of half 1 (the tail of the
-// image's last step) to the end of half 0's share (ksplit_moved), so half 1 ends about 2 S K
-// blocks of the SM's stream earlier and half 0's last stage has the tensor cores alone; the
-// one-way hand-overs (kKsHandHalf0 / kKsHandSplit, at the end) keep half 1's early sums off half
-// 0's path: half 1 leaves them in its drained ring and arrives on a named barrier without
-// waiting.
+// Session 26 (rounds A-B, same rounds, b2b us, fused M 64 chained; lost and deleted): the halves
+// staggered, the last 1 / 2 K blocks of half 1 (the image's last step) moved to the end of half
+// 0's share, half 1's sums handed over one way (left in its drained ring, bar.arrive; half 0
+// bar.sync after its last fold, then either storing all 80 columns or handing half 1's five
+// groups back through a second named barrier): 17.78-17.92 / 17.76-17.92 against 17.64-17.67 (M
+// 33 / 48 +0.1-0.25 too); the one-way hand-over without the stagger 17.62-17.68 (tie). The
+// trace: half 0's consumers 0.5-0.6 us behind its last stage when it lands (against ~0 for the
+// even split): once half 1 stops, half 0's last stages arrive at the SM's whole share of DRAM,
+// faster than one warpgroup computes them (~0.2 us per K block), so the tail after the last byte
+// did not shrink (last full -> last warp 2.2-2.4 us either way). Without the scaled fold (diag 2)
+// the stagger tied (17.06-17.20 against 17.09); without the stores (diag 4) it lost (16.92-17.00
+// against 16.74-16.79). Racecheck also flagged half 1's writes before bar.arrive against half 0's
+// reads after bar.sync (likely its model of bar.arrive; the results were exact in every test).
 //
 // M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
 // split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
@@ -118,11 +122,6 @@ constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
-// The hand-over of the halves' sums (GemmWgmmaOptions::row_k_split_handover; see the top): the
-// reduce-scatter between two barriers of both halves; half 1's sums left for half 0, which stores
-// all 80 columns; half 1's five groups left for half 0 and half 0's other five for half 1, which
-// stores them.
-constexpr int kKsHandExchange = 0, kKsHandHalf0 = 1, kKsHandSplit = 2;
 // One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
 // static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
 // activation slots stay aligned).
@@ -142,33 +141,12 @@ static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
 // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
 static_assert(4 * 5 * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
 
-// K blocks of half h without the stagger (image steps s with s % 2 == h) for K / 128 = kblocks;
-// the l-th one.
-__host__ __device__ __forceinline__ int ksplit_even_kblocks(int kblocks, int h) {
+// K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
+__host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
   const int rem = kblocks % 8 - 4 * h;
   return 4 * (kblocks / 8) + (rem < 0 ? 0 : rem > 4 ? 4 : rem);
 }
-// The stagger (GemmWgmmaOptions::row_k_split_stagger, session 26): the last `moved` K blocks of
-// half 1 go to the end of half 0's list, so that half 1 ends a little before half 0 (see the top).
-// They are the tail of the image's last step where half 1 owns that step (an even number of
-// steps); at most `stagger`, that step's K blocks and what half 0's scales have room for; 0 where
-// half 0 owns the last step (it has more K blocks then anyway). Half 0's own blocks are whole
-// steps then (an even count), so its stages of two stay inside one step; half 1's list only
-// loses its tail.
-__host__ __device__ __forceinline__ int ksplit_moved(int kblocks, int stagger) {
-  const int steps = (kblocks + kImageStep - 1) / kImageStep;
-  if (stagger <= 0 || steps % 2 != 0) return 0;
-  const int last = kblocks - kImageStep * (steps - 1);
-  const int room = kKsMaxLocalKblocks - ksplit_even_kblocks(kblocks, 0);
-  const int e = stagger < last ? stagger : last;
-  return e < room ? e : room > 0 ? room : 0;
-}
-__host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h, int moved) {
-  return ksplit_even_kblocks(kblocks, h) + (h == 0 ? moved : -moved);
-}
-__host__ __device__ __forceinline__ int ksplit_kblock(int l, int h, int kblocks, int moved) {
-  const int even0 = ksplit_even_kblocks(kblocks, 0);
-  if (h == 0 && l >= even0) return kblocks - moved + (l - even0);
+__host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
@@ -181,6 +159,16 @@ __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   uint32_t r;
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
+}
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// A 16-byte output chunk, without allocating in L1 (as store_out).
+__device__ __forceinline__ void store_out_chunk(uintptr_t p, float4 v) {
+  asm volatile("st.global.L1::no_allocate.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x),
+               "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
 }
 
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
@@ -203,7 +191,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
   __shared__ __align__(8) uint64_t empty_bar[2][kKsStages];
-  __shared__ uint32_t tail_count;  // (trace: consumer warps done with their stores)
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
 
@@ -217,9 +204,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int r_begin = rows_begin(g, pairs, p.n);
   const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
   const int kb_count = p.kblocks;
-  const int moved = ksplit_moved(kb_count, p.ks_stagger);
-  const int kbl = ksplit_local_kblocks(kb_count, h, moved);
-  auto kblock_of = [&](int l) { return ksplit_kblock(l, h, kb_count, moved); };
+  const int kbl = ksplit_local_kblocks(kb_count, h);
   // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
@@ -247,7 +232,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         mbar_init(smem_addr(&full_bar[b][s]), 1);
         mbar_init(smem_addr(&empty_bar[b][s]), 128);
       }
-    tail_count = 0;
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
@@ -285,8 +269,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
         const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
-        const uint8_t* src =
-            p.image + rows_image_offset(kblock_of(stage_first(i)), r_begin, rows, p.n, kb_count);
+        const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
+                                                         rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
@@ -325,7 +309,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         const int nk = stage_nk(i);
         for (int q = 0; q < nk; ++q) {
           const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = kblock_of(stage_first(i) + q) * kBlockK;
+          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
           tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
           if (slots.half < 64)
             tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
@@ -342,13 +326,13 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   const int blk0 = r_begin / 128, last_blk = p.n / 128 - 1;
   for (int i = ct; i < kbl * 2; i += 128) {
     const int l = i / 2, blk = blk0 + (i % 2) < last_blk ? blk0 + (i % 2) : last_blk;
-    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + kblock_of(l) * p.sb_s1);
+    cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   for (int i = ct; i < kbl * 64; i += 128) {
     const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
     if (m < p.m) {
-      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + kblock_of(l) * p.sa_s1);
+      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
     } else {
       s_sa[i] = 0.0f;
     }
@@ -477,20 +461,23 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // after its warpgroup's barrier, one wait for the other half: 19.97-20.00 / chained
   // 18.25-18.32 against 19.88-20.00 / 18.26-18.28; not kept.)
   const uint32_t xoff = static_cast<uint32_t>(((warp * (kGroups / 2)) * 32 + lane) * 16);
-  const int hand = p.ks_handover;
-  if (hand == kKsHandExchange) {
-    // Whether group c (a constant after unrolling) is the other half's.
-    auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
-    {
-      const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
+  // Whether group c (a constant after unrolling) is the other half's.
+  auto other = [&](int c) { return (c >= kGroups / 2) != (h == 1); };
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
+  // (Trace: a counter of the consumer warps done with their stores, in half 0's drained weight
+  // slots, which the hand-over does not touch; zeroed before the barrier below.)
+  const uint32_t tcount = base + static_cast<uint32_t>(kKsStages * kKsActStage);
+  if (tx != nullptr && tid == 0) asm volatile("st.shared.u32 [%0], 0;\n" ::"r"(tcount) : "memory");
+  {
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
-      for (int c = 0; c < kGroups; ++c)
-        if (other(c))
-          st_shared_v4(dst + (c % (kGroups / 2)) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
-                       acc[4 * c + 3]);
-    }
-    asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
+    for (int c = 0; c < kGroups; ++c)
+      if (other(c))
+        st_shared_v4(dst + (c % (kGroups / 2)) * 512, acc[4 * c], acc[4 * c + 1], acc[4 * c + 2],
+                     acc[4 * c + 3]);
+  }
+  asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' hand-overs written
+  {
     // Own + received: the same fp32 sum (a + b = b + a) whichever half stores.
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
@@ -500,52 +487,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       acc[4 * c + 1] += v.y;
       acc[4 * c + 2] += v.z;
       acc[4 * c + 3] += v.w;
-    }
-  } else {
-    // The one-way hand-overs (session 26, the stagger's; see the top). Half 1, usually done
-    // first, leaves its partial sums in its own drained ring (group c at slot(c): groups 0-4 in
-    // one 10 KB block, 5-9 in the next) and arrives on barrier 3 without waiting; half 0 waits
-    // there after its last fold (by then mostly passed). kKsHandHalf0: half 1 leaves all ten
-    // groups and exits, half 0 sums and stores all 80 columns. kKsHandSplit: half 1 leaves
-    // groups 0-4 and waits on barrier 4; half 0 leaves its partial groups 5-9 there, arrives on
-    // barrier 4 and stores groups 0-4, half 1 groups 5-9 (the same fp32 sums: a + b = b + a).
-    const uint32_t xbase = base + static_cast<uint32_t>(kKsHalfBytes) + xoff;
-    auto slot = [&](int c) {
-      return xbase + static_cast<uint32_t>((c / (kGroups / 2)) * 4 * (kGroups / 2) * 512 +
-                                           (c % (kGroups / 2)) * 512);
-    };
-    auto add_from = [&](int c) {
-      const float4 v = ld_shared_v4(slot(c));
-      acc[4 * c] += v.x;
-      acc[4 * c + 1] += v.y;
-      acc[4 * c + 2] += v.z;
-      acc[4 * c + 3] += v.w;
-    };
-    auto leave = [&](int c) {
-      st_shared_v4(slot(c), acc[4 * c], acc[4 * c + 1], acc[4 * c + 2], acc[4 * c + 3]);
-    };
-    if (h == 1) {
-      // Every warp of the half past its last stage's wgmmas before its ring is written.
-      asm volatile("bar.sync 2, 128;\n" ::: "memory");
-#pragma unroll
-      for (int c = 0; c < kGroups; ++c)
-        if (c < kGroups / 2 || hand == kKsHandHalf0) leave(c);
-      asm volatile("bar.arrive 3, 256;\n" ::: "memory");
-      if (hand == kKsHandSplit) {
-        asm volatile("bar.sync 4, 256;\n" ::: "memory");  // half 0's groups 5-9 left
-#pragma unroll
-        for (int c = kGroups / 2; c < kGroups; ++c) add_from(c);
-      }
-    } else {
-      asm volatile("bar.sync 3, 256;\n" ::: "memory");  // half 1's partial sums left
-      if (hand == kKsHandSplit) {
-#pragma unroll
-        for (int c = kGroups / 2; c < kGroups; ++c) leave(c);
-        asm volatile("bar.arrive 4, 256;\n" ::: "memory");
-      }
-#pragma unroll
-      for (int c = 0; c < kGroups; ++c)
-        if (c < kGroups / 2 || hand == kKsHandHalf0) add_from(c);
     }
   }
   if (tmark && h == 0) tx[5] = static_cast<unsigned long long>(clock64());
@@ -562,10 +503,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // pairs staged in shared memory as a [token][column] tile and stored a token row per warp, 128
   // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
   const bool store = kNoStores ? p.m > 64 : true;
-  // The column halves this half stores (part: columns 40 part ... 40 part + 39): its own, or with
-  // kKsHandHalf0 both for half 0 and none for half 1.
-  const int first_part = hand == kKsHandHalf0 ? 0 : h;
-  const int parts = hand != kKsHandHalf0 ? 1 : h == 0 ? 2 : 0;
+  const int lo_col = 8 * (kGroups / 2) * h;
   // (Session 25 round G: the first 72 columns through a shared-memory tile and one TMA tensor
   // store per CTA faulted on the device (illegal instruction): a tensor store's innermost start
   // coordinate must be a multiple of 16 bytes, which a CTA's first column (74-75 columns per CTA)
@@ -576,14 +514,19 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 /
   // 17.50-17.58 against 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch
   // padded by 4: columns left zero). Not merged.)
-#pragma unroll 1
-  for (int part = first_part; part < first_part + parts; ++part) {
+  {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
-    const int lo_col = 8 * (kGroups / 2) * part;
     float own[kOwn];
 #pragma unroll
-    for (int j = 0; j < kOwn; ++j) own[j] = part == 1 ? acc[kOwn + j] : acc[j];
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+    // Chunk stores (RowsArgs::ks_chunk_stores, session 26): each row's 16-byte aligned chunks
+    // inside the half's columns [fa, fe) are gathered by the row's four lanes (a quad: the same
+    // lanes read what they wrote, so a warp barrier orders it) in 80 bytes per row of the half's
+    // drained ring past the hand-over (its second activation slot; [warp][hh][row]) and stored
+    // 16 bytes at a time; the columns outside whole chunks as 4- / 2-byte stores as before.
+    const bool chunks = p.ks_chunk_stores != 0;
+    const uint32_t stage = hbase + static_cast<uint32_t>(kKsActStage + warp * 1280 + (lane / 4) * 80);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       uint32_t w[kOwn / 4], nb[kOwn / 4];
@@ -602,20 +545,37 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
       for (int j = 0; j < kOwn / 4; ++j)
         nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
-      if (tmark && h == 0 && hh == 0 && part == first_part)
-        tx[10] = static_cast<unsigned long long>(clock64());
-      if (store && slots.stored(r)) {
+      if (tmark && h == 0 && hh == 0) tx[10] = static_cast<unsigned long long>(clock64());
+      const bool here = store && slots.stored(r);
+      const uintptr_t gb = reinterpret_cast<uintptr_t>(dst);
+      const uintptr_t fa = (gb + 15) & ~uintptr_t{15};
+      const uintptr_t fe = (gb + 2 * static_cast<uintptr_t>(limit > 0 ? limit : 0)) & ~uintptr_t{15};
+      const int nfull = chunks && here && fe > fa ? static_cast<int>((fe - fa) / 16) : 0;
+      const uint32_t srow = stage + static_cast<uint32_t>(hh * 640);
+      if (here) {
+        // (The first column alone lies before fa: gb is odd then.)
         if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
           const int col = 8 * j + 2 * q + odd;
           const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
+          // (A pair is 4-byte aligned: inside one chunk or outside all.)
+          const uintptr_t a = gb + 2 * static_cast<uintptr_t>(col);
           if (col + 1 < limit) {
-            store_out_pair(dst + col, pair);
+            if (nfull > 0 && a >= fa && a < fe) {
+              st_shared_u32(srow + static_cast<uint32_t>(a - fa), pair);
+            } else {
+              store_out_pair(dst + col, pair);
+            }
           } else if (col < limit) {
             store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
           }
         }
+      }
+      if (chunks) {
+        __syncwarp();
+        for (int k = q; k < nfull; k += 4)
+          store_out_chunk(fa + 16 * k, ld_shared_v4(srow + static_cast<uint32_t>(16 * k)));
       }
     }
   }
@@ -628,10 +588,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     if (tmark && h == 1) tx[6] = static_cast<unsigned long long>(clock64());
     if (lane == 0) {
       uint32_t before;
-      asm volatile("atom.shared.add.u32 %0, [%1], 1;\n"
-                   : "=r"(before)
-                   : "r"(smem_addr(&tail_count))
-                   : "memory");
+      asm volatile("atom.shared.add.u32 %0, [%1], 1;\n" : "=r"(before) : "r"(tcount) : "memory");
       if (before == 7) tx[7] = static_cast<unsigned long long>(clock64());
     }
   }

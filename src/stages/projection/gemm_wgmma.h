@@ -101,11 +101,6 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // With row_k_split (session 26, variant): each output row's 16-byte aligned chunks stored whole
-  // (one 16-byte store per chunk, gathered through shared memory by the row's four lanes) instead
-  // of as 4-byte bf16 pairs; the columns outside whole chunks as before. Results do not depend on
-  // it.
-  bool row_k_split_chunk_stores = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the
@@ -170,7 +165,8 @@ struct GemmWgmmaOptions {
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
-  // wgmmas read it (6, M > 32). 0: off.
+  // wgmmas read it (6, M > 32); the K split also 7: its output stores issued with a false
+  // predicate (fetched and issued, nothing written). 0: off.
   int debug_rows_diag = 0;
 };
 

@@ -224,8 +224,6 @@ struct RowsArgs : ScalesOut {
   int early_weights;
   int trigger_dependents;
   int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
-  // The K split only (gemm_wgmma_rows_ksplit_kernel.cuh): GemmWgmmaOptions::row_k_split_chunk_stores.
-  int ks_chunk_stores = 0;
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;

@@ -89,7 +89,9 @@
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
 // its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. Session 25: 2 =
 // the whole kernel with each K block's fragments only summed into the accumulators (no scaled
-// fold; stores kept), what the fold costs.
+// fold; stores kept), what the fold costs. Session 26: 7 = the whole kernel with its output
+// stores issued under a false predicate (the store instructions fetched and issued, nothing
+// written): whether the stores' time is their instructions or their writes.
 #pragma once
 
 #include <type_traits>
@@ -161,13 +163,16 @@ __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   return r;
 }
 
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+// Diagnostic 7 (bench only): the output stores issued with a false predicate (fetched and issued,
+// nothing written).
+__device__ __forceinline__ void store_out_dead(uint16_t* p, uint16_t v, int off) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n@q st.global.L1::no_allocate.b16 [%0], %1;\n}\n"
+               ::"l"(p), "h"(v), "r"(off)
+               : "memory");
 }
-// A 16-byte output chunk, without allocating in L1 (as store_out).
-__device__ __forceinline__ void store_out_chunk(uintptr_t p, float4 v) {
-  asm volatile("st.global.L1::no_allocate.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x),
-               "f"(v.y), "f"(v.z), "f"(v.w)
+__device__ __forceinline__ void store_out_pair_dead(uint16_t* p, uint32_t v, int off) {
+  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n@q st.global.L1::no_allocate.b32 [%0], %1;\n}\n"
+               ::"l"(p), "r"(v), "r"(off)
                : "memory");
 }
 
@@ -184,7 +189,7 @@ template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
-  constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
+  constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;  // diagnostics: no stores
   constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
   constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
 
@@ -520,13 +525,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
     for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
-    // Chunk stores (RowsArgs::ks_chunk_stores, session 26): each row's 16-byte aligned chunks
-    // inside the half's columns [fa, fe) are gathered by the row's four lanes (a quad: the same
-    // lanes read what they wrote, so a warp barrier orders it) in 80 bytes per row of the half's
-    // drained ring past the hand-over (its second activation slot; [warp][hh][row]) and stored
-    // 16 bytes at a time; the columns outside whole chunks as 4- / 2-byte stores as before.
-    const bool chunks = p.ks_chunk_stores != 0;
-    const uint32_t stage = hbase + static_cast<uint32_t>(kKsActStage + warp * 1280 + (lane / 4) * 80);
+    // (Trace, session 26: half 0's thread 0 reads the clock after its first output store, after
+    // the first row's stores and before the second row's; written at the end, so that no trace
+    // store sits between them.)
+    unsigned long long c_first = 0, c_row0 = 0, c_row1 = 0;
+    // (Diagnostic 7: the stores predicated off by a value the compiler cannot know.)
+    const int live = kDiag == 7 ? static_cast<int>(p.m > 64) : 1;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       uint32_t w[kOwn / 4], nb[kOwn / 4];
@@ -546,37 +550,42 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       for (int j = 0; j < kOwn / 4; ++j)
         nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
       if (tmark && h == 0 && hh == 0) tx[10] = static_cast<unsigned long long>(clock64());
-      const bool here = store && slots.stored(r);
-      const uintptr_t gb = reinterpret_cast<uintptr_t>(dst);
-      const uintptr_t fa = (gb + 15) & ~uintptr_t{15};
-      const uintptr_t fe = (gb + 2 * static_cast<uintptr_t>(limit > 0 ? limit : 0)) & ~uintptr_t{15};
-      const int nfull = chunks && here && fe > fa ? static_cast<int>((fe - fa) / 16) : 0;
-      const uint32_t srow = stage + static_cast<uint32_t>(hh * 640);
-      if (here) {
-        // (The first column alone lies before fa: gb is odd then.)
-        if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
+      if (tmark && h == 0 && hh == 1) c_row1 = static_cast<unsigned long long>(clock64());
+      if (store && slots.stored(r)) {
+        if (odd && q == 0 && limit > 0) {
+          if (kDiag == 7) {
+            store_out_dead(dst, static_cast<uint16_t>(w[0] & 0xffffu), live);
+          } else {
+            store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
+          }
+        }
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
           const int col = 8 * j + 2 * q + odd;
           const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
-          // (A pair is 4-byte aligned: inside one chunk or outside all.)
-          const uintptr_t a = gb + 2 * static_cast<uintptr_t>(col);
           if (col + 1 < limit) {
-            if (nfull > 0 && a >= fa && a < fe) {
-              st_shared_u32(srow + static_cast<uint32_t>(a - fa), pair);
+            if (kDiag == 7) {
+              store_out_pair_dead(dst + col, pair, live);
             } else {
               store_out_pair(dst + col, pair);
             }
           } else if (col < limit) {
-            store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+            if (kDiag == 7) {
+              store_out_dead(dst + col, static_cast<uint16_t>(pair & 0xffffu), live);
+            } else {
+              store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+            }
           }
+          if (tmark && h == 0 && hh == 0 && j == 0)
+            c_first = static_cast<unsigned long long>(clock64());
         }
       }
-      if (chunks) {
-        __syncwarp();
-        for (int k = q; k < nfull; k += 4)
-          store_out_chunk(fa + 16 * k, ld_shared_v4(srow + static_cast<uint32_t>(16 * k)));
-      }
+      if (tmark && h == 0 && hh == 0) c_row0 = static_cast<unsigned long long>(clock64());
+    }
+    if (tmark && h == 0) {
+      tx[11] = c_first;
+      tx[12] = c_row0;
+      tx[13] = c_row1;
     }
   }
   if (p.trace != nullptr && tid == 0) {

@@ -425,6 +425,7 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
+  bool flat = false;     // GemmWgmmaOptions::row_k_split_flat_stores (with ksplit)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -716,7 +717,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // whole 16-byte chunks stored through the row's quad's shared memory, 17.56-17.67 against
       // 17.64-17.66 (M 33 / 48 chained 17.48-17.53 / 17.45-17.50 against 17.30-17.34 /
       // 17.31-17.36).)
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
+      // (46-47: the K split with flat stores, plain / chained; session 26)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true}};
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -1002,7 +1006,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (const int v_req : order) {
       // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
-      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 40-41, 44-45) with
+      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 40-41, 44-47) with
       // diagnostic D, e.g. 1427: variant 27 without its output stores.)
       const bool ks_v = v_req >= 170 && v_req < 184;
       const bool ks_d = v_req >= 1000 && v_req < 2000;
@@ -1029,6 +1033,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
+      o.row_k_split_flat_stores = variants[v].flat;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -1059,7 +1064,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") +
+          (variants[v].one_box ? " one box" : "") + (variants[v].flat ? " flat stores" : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");

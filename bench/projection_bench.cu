@@ -425,7 +425,6 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
-  bool flat = false;     // GemmWgmmaOptions::row_k_split_flat_stores (with ksplit)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -509,8 +508,8 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
              1e3;
     };
     const double lf = std::max(at(w[4]), at(w[5]));
-    const unsigned long long marks[12] = {x[1], x[2],  x[3],  x[4],  x[5], x[10],
-                                          w[6], x[6],  x[7],  x[11], x[12], x[13]};
+    const unsigned long long marks[12] = {x[1], x[2], x[3], x[4],  x[5],  x[10],
+                                          w[6], x[6], x[7], x[11], x[12], x[13]};
     for (int k = 0; k < 12; ++k)
       if (marks[k] != 0) v[k].push_back(at(marks[k]) - lf);
     const double last = at(x[7]);
@@ -549,10 +548,18 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     std::snprintf(buf, sizeof(buf), "%.2f/%.2f", a[a.size() / 2], a.back());
     return std::string(buf);
   };
-  const char* names[12] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
-                          "h1 last fold",      "summed",            "h0 about to store",
-                          "h0 stored",         "h1 stored",         "last warp stored",
-                          "h0 first store issued", "h0 row 0 stored", "h0 row 1 converted"};
+  const char* names[12] = {"h0 ready for last",
+                           "h1 ready for last",
+                           "h0 last fold",
+                           "h1 last fold",
+                           "summed",
+                           "h0 about to store",
+                           "h0 stored",
+                           "h1 stored",
+                           "last warp stored",
+                           "h0 first store issued",
+                           "h0 row 0 stored",
+                           "h0 row 1 converted"};
   std::string out = "K split tail, us after the CTA's last stage full (median/max):";
   for (int k = 0; k < 12; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
   out += " the CTA ending last (us after the time base): " + slow + ";";
@@ -716,11 +723,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 17.64-17.67; the one-way hand-over alone 17.62-17.68 (tie); round C each output row's
       // whole 16-byte chunks stored through the row's quad's shared memory, 17.56-17.67 against
       // 17.64-17.66 (M 33 / 48 chained 17.48-17.53 / 17.45-17.50 against 17.30-17.34 /
-      // 17.31-17.36).)
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
-      // (46-47: the K split with flat stores, plain / chained; session 26)
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true}};
+      // 17.31-17.36); round E the epilogue's addresses and clip masks worked out before the
+      // hand-over and its stores issued without branches, plain 19.85-19.93 against 19.67-19.76
+      // (M 33 / 48 +0.1-0.2).)
+  };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -1006,7 +1012,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (const int v_req : order) {
       // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
-      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 40-41, 44-47) with
+      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 40-41, 44-45) with
       // diagnostic D, e.g. 1427: variant 27 without its output stores.)
       const bool ks_v = v_req >= 170 && v_req < 184;
       const bool ks_d = v_req >= 1000 && v_req < 2000;
@@ -1033,7 +1039,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       o.debug_rows_diag = variants[v].diag;
       o.row_early_stages = variants[v].early;
       o.row_one_box = variants[v].one_box;
-      o.row_k_split_flat_stores = variants[v].flat;
       if (ks_diag > 0) o.debug_rows_diag = ks_diag;
       // (Per weight copy c: the packed variants read the copy's packed image.)
       const int pack_index = o.ctas_per_sm == 1 ? 0 : 1;
@@ -1064,7 +1069,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") + (variants[v].flat ? " flat stores" : "") +
+          (variants[v].one_box ? " one box" : "") +
           (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");

@@ -101,10 +101,6 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
-  // With row_k_split (session 26, variant): the epilogue's addresses and clip tests worked out
-  // before the halves' hand-over, its stores issued without branches (each under a bit of a
-  // precomputed mask). Results do not depend on it.
-  bool row_k_split_flat_stores = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the

@@ -224,7 +224,6 @@ struct RowsArgs : ScalesOut {
   int early_weights;
   int trigger_dependents;
   int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
-  int ks_flat_stores = 0;  // the K split only: GemmWgmmaOptions::row_k_split_flat_stores
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;

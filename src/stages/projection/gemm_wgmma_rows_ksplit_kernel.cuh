@@ -60,6 +60,24 @@
 // against 16.74-16.79). Racecheck also flagged half 1's writes before bar.arrive against half 0's
 // reads after bar.sync (likely its model of bar.arrive; the results were exact in every test).
 //
+// Session 26, the stores (rounds C-D, same rounds, b2b us, M 64 chained): about to store ->
+// stored is 0.8-0.9 us of the tail, diag 4 (no stores) 16.60 against 17.45. Not the number of
+// store transactions: round C's chunk stores (each row's whole 16-byte chunks gathered by the
+// row's quad through shared memory, 16-byte stores: ~4x fewer, fuller L2 writes) tied, 17.56-17.67
+// against 17.64-17.66, and lost at M 33 / 48 (+0.15-0.2; deleted). Round D: diag 7 (the same
+// store instructions under a false predicate: issued, nothing written) 17.03-17.07 against
+// 17.45 and diag 4's 16.60; its trace about to store -> stored 0.50 us against 0.85, the first
+// store 0.1 us after the mark in both: ~half the store phase is the epilogue's instructions (two
+// warps per scheduler, a dependent chain with a branch per store), half the writes (the second
+// token row's stores wait 0.5 us against 0.24 without writes). Round E (lost, deleted): the
+// epilogue's pointers and clip masks worked out before the hand-over and its stores issued
+// without branches, plain 19.85-19.93 against 19.67-19.76 (M 33 / 48 +0.05-0.2): its trace has
+// the first token row's five stores issued within 0.04 us and the second row's taking 0.7 us,
+// about to store -> stored 0.79 against 0.75, and the hand-over 0.3 us later (the hoisted work
+// before its barrier). So the stores stall on the writes in flight once a warp has issued about
+// five (of ten); what bounds them (L2 write latency under the other SMs' weight stream, the SM's
+// outstanding writes) is open.
+//
 // M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
 // split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
 // 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
@@ -82,7 +100,9 @@
 // 25): each half's consumers ready for their last stage (its previous fold done) and done with
 // their last fold, the hand-over summed (half 0's thread 0), half 1's stores issued, the last
 // consumer warp's stores issued; then each half's producer past griddepcontrol.wait, half 0's
-// thread 0 about to store.
+// thread 0 about to store; session 26: half 0's thread 0 after its first output store, after its
+// first token row's stores and with its second row converted (words 11-13, read into registers
+// and written after the stores).
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
@@ -163,36 +183,21 @@ __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   return r;
 }
 
-// Flat stores (RowsArgs::ks_flat_stores): a store under bit `bit` of a precomputed mask, no
-// branch.
-template <int kBit>
-__device__ __forceinline__ void store_out_pair_if(uintptr_t p, uint32_t v, uint32_t mask) {
-  asm volatile(
-      "{\n.reg .pred q;\n.reg .b32 t;\nand.b32 t, %2, %3;\nsetp.ne.b32 q, t, 0;\n"
-      "@q st.global.L1::no_allocate.b32 [%0], %1;\n}\n" ::"l"(p),
-      "r"(v), "r"(mask), "n"(1u << kBit)
-      : "memory");
-}
-template <int kBit>
-__device__ __forceinline__ void store_out_if(uintptr_t p, uint16_t v, uint32_t mask) {
-  asm volatile(
-      "{\n.reg .pred q;\n.reg .b32 t;\nand.b32 t, %2, %3;\nsetp.ne.b32 q, t, 0;\n"
-      "@q st.global.L1::no_allocate.b16 [%0], %1;\n}\n" ::"l"(p),
-      "h"(v), "r"(mask), "n"(1u << kBit)
-      : "memory");
-}
-
 // Diagnostic 7 (bench only): the output stores issued with a false predicate (fetched and issued,
 // nothing written).
 __device__ __forceinline__ void store_out_dead(uint16_t* p, uint16_t v, int off) {
-  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n@q st.global.L1::no_allocate.b16 [%0], %1;\n}\n"
-               ::"l"(p), "h"(v), "r"(off)
-               : "memory");
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n"
+      "@q st.global.L1::no_allocate.b16 [%0], %1;\n}\n" ::"l"(p),
+      "h"(v), "r"(off)
+      : "memory");
 }
 __device__ __forceinline__ void store_out_pair_dead(uint16_t* p, uint32_t v, int off) {
-  asm volatile("{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n@q st.global.L1::no_allocate.b32 [%0], %1;\n}\n"
-               ::"l"(p), "r"(v), "r"(off)
-               : "memory");
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n"
+      "@q st.global.L1::no_allocate.b32 [%0], %1;\n}\n" ::"l"(p),
+      "r"(v), "r"(off)
+      : "memory");
 }
 
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
@@ -207,10 +212,11 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
-  constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;  // diagnostics: no stores
-  constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
-  constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+  constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
+  // (diagnostics 3, 4, 6: no output stores)
+  constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;
+  constexpr int kAcc = 40;           // fp32 accumulators per thread (m64n80)
+  constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -479,48 +485,6 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
   }
 
-  const bool store = kNoStores ? p.m > 64 : true;
-  const int lo_col = 8 * (kGroups / 2) * h;
-  // Flat stores (RowsArgs::ks_flat_stores, session 26): the epilogue's addresses and clip tests
-  // worked out before the hand-over (its barriers wait for the slower half anyway), as one pointer
-  // per token row (this lane's first pair, column 2 q + odd) and a mask per row (bits 0-4: group
-  // j's pair whole, 5-9: its first column alone, 10: the row's first column alone (odd rows, lane
-  // q = 0), 11: the row starts on an odd element); after it, the ten conversions, the shuffles
-  // and the stores without a branch (each under its mask bit). (Diagnostic 7 and the trace,
-  // round D: of the ~0.85 us from the first output store to the last, ~0.5 us remain with the
-  // stores issued under a false predicate: the epilogue's instructions, two warps per scheduler.)
-  const bool flat = kDiag != 7 && p.ks_flat_stores != 0;
-  uint64_t fptr[2] = {0, 0};
-  uint32_t fmask[2] = {0, 0};
-  if (flat) {
-    const int fq = lane % 4;
-    const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int r = row0 + 8 * hh;
-      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col;
-      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(dst) >> 1) & 1u);
-      uint32_t m = 0;
-      if (store && slots.stored(r)) {
-        m = static_cast<uint32_t>(odd) << 11;
-        if (odd && fq == 0 && limit > 0) m |= 1u << 10;
-#pragma unroll
-        for (int j = 0; j < kGroups / 2; ++j) {
-          const int col = 8 * j + 2 * fq + odd;
-          if (col + 1 < limit) {
-            m |= 1u << j;
-          } else if (col < limit) {
-            m |= 1u << (5 + j);
-          }
-        }
-      }
-      const uint64_t ptr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(dst + 2 * fq + odd));
-      // (Pinned here: a volatile move keeps the work before the barrier below.)
-      asm volatile("mov.b64 %0, %1;\n" : "=l"(fptr[hh]) : "l"(ptr));
-      asm volatile("mov.b32 %0, %1;\n" : "=r"(fmask[hh]) : "r"(m));
-    }
-  }
-
   // Reduce-scatter (see the top): half h stores column groups 5 h ... 5 h + 4 and sends the
   // other five, as [warp][group - 5 (1 - h)][lane] x 16 bytes into the other half's drained ring.
   // (Session 23 round G, same round, b2b us, M 64: each half writing into its OWN drained ring
@@ -568,6 +532,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // 19.78-19.79 / 17.61-17.63 now, M 33 chained 17.64-17.65 against 17.15-17.16. Lost there: the
   // pairs staged in shared memory as a [token][column] tile and stored a token row per warp, 128
   // contiguous bytes per store: M 64 21.06-21.11 / 19.04-19.09 (summed -> stored 2.6 us).)
+  const bool store = kNoStores ? p.m > 64 : true;
+  const int lo_col = 8 * (kGroups / 2) * h;
   // (Session 25 round G: the first 72 columns through a shared-memory tile and one TMA tensor
   // store per CTA faulted on the device (illegal instruction): a tensor store's innermost start
   // coordinate must be a multiple of 16 bytes, which a CTA's first column (74-75 columns per CTA)
@@ -590,42 +556,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     unsigned long long c_first = 0, c_row0 = 0, c_row1 = 0;
     // (Diagnostic 7: the stores predicated off by a value the compiler cannot know.)
     const int live = kDiag == 7 ? static_cast<int>(p.m > 64) : 1;
-    if (flat) {
-      uint32_t w[2][kOwn / 4], nb[2][kOwn / 4];
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-#pragma unroll
-        for (int j = 0; j < kOwn / 4; ++j)
-          w[hh][j] = bf16x2_rn(own[4 * j + 2 * hh], own[4 * j + 2 * hh + 1]);
-#pragma unroll
-        for (int j = 0; j < kOwn / 4; ++j)
-          nb[hh][j] = __shfl_sync(0xffffffffu,
-                                  q == 0 ? (j + 1 < kOwn / 4 ? w[hh][j + 1] : 0u) : w[hh][j], next);
-      }
-      if (tmark && h == 0) tx[10] = static_cast<unsigned long long>(clock64());
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const uint32_t m = fmask[hh];
-        const bool odd = (m >> 11) & 1u;
-        const uintptr_t base_ptr = static_cast<uintptr_t>(fptr[hh]);
-        store_out_if<10>(base_ptr - 2, static_cast<uint16_t>(w[hh][0] & 0xffffu), m);
-        auto put = [&](auto jc) {
-          constexpr int j = decltype(jc)::value;
-          const uint32_t pair = odd ? __byte_perm(w[hh][j], nb[hh][j], 0x5432) : w[hh][j];
-          store_out_pair_if<j>(base_ptr + 16 * j, pair, m);
-          store_out_if<5 + j>(base_ptr + 16 * j, static_cast<uint16_t>(pair & 0xffffu), m);
-        };
-        put(std::integral_constant<int, 0>{});
-        if (tmark && h == 0 && hh == 0) c_first = static_cast<unsigned long long>(clock64());
-        put(std::integral_constant<int, 1>{});
-        put(std::integral_constant<int, 2>{});
-        put(std::integral_constant<int, 3>{});
-        put(std::integral_constant<int, 4>{});
-        if (tmark && h == 0 && hh == 0) c_row0 = c_row1 = static_cast<unsigned long long>(clock64());
-      }
-    }
-#pragma unroll
-    for (int hh = 0; hh < 2 && !flat; ++hh) {
+    for (int hh = 0; hh < 2; ++hh) {
       uint32_t w[kOwn / 4], nb[kOwn / 4];
 #pragma unroll
       for (int j = 0; j < kOwn / 4; ++j)

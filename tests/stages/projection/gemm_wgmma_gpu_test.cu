@@ -82,7 +82,6 @@ struct Case {
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
-  bool flat = false;        // GemmWgmmaOptions::row_k_split_flat_stores (with k_split)
 };
 
 std::string describe(const Case& c) {
@@ -95,8 +94,7 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
-         " flat stores " + std::to_string(c.flat);
+         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -143,7 +141,6 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
-    o.row_k_split_flat_stores = c.flat;
     const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
                                                    rows_image.data(), rows_image.bytes(), nullptr);
     EXPECT_TRUE(st.ok()) << st.to_string();
@@ -967,14 +964,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
   }
 }
 
-// The K split's store forms (session 26): the epilogue's stores behind branches, or flat
-// (GemmWgmmaOptions::row_k_split_flat_stores).
-class GemmWgmmaKSplitStores : public ::testing::TestWithParam<bool> {};
-
 // Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), padded
-// tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin; both
-// store forms (session 26).
-TEST_P(GemmWgmmaKSplitStores, SanitizerSmallKSplit) {
+// tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
   for (int64_t m : {33, 50, 64}) {
     const uint64_t seed = fresh_seed();
@@ -983,16 +975,41 @@ TEST_P(GemmWgmmaKSplitStores, SanitizerSmallKSplit) {
     Rng rng(seed);
     Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
     c.k_split = true;
-    c.flat = GetParam();
+    expect_exact_vs_twin(c, rng);
+  }
+}
+
+// The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
+// cvt.rn.bf16x2): exact against the twin on fused width (pairs of 74-75 rows starting on odd and
+// even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation
+// boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 /
+// 200 pairs (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL.
+TEST(GemmWgmmaRowSplit, KSplitEdges) {
+  M3_REQUIRE_WGMMA();
+  auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
+    Case c{m, n, k, ld_pad, 0, false, 0, 4, 0, true, 0, pdl};
+    c.rows = true;
+    c.k_split = true;
+    c.row_ctas = row_ctas;
+    return c;
+  };
+  for (const Case& c :
+       {ks(64, 9856, 6144, 0, false, 0), ks(64, 9856, 2048, 8, true, 0),
+        ks(33, 9856, 1152, 16, false, 0), ks(47, 9856, 2048, 8, true, 0),
+        ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
+        ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
+    const uint64_t seed = fresh_seed();
+    M3_SEED_TRACE(seed);
+    SCOPED_TRACE(describe(c));
+    Rng rng(seed);
     expect_exact_vs_twin(c, rng);
   }
 }
 
 // The K split with programmatic launch (session 25's fold and epilogue): small shapes for
 // compute-sanitizer (memcheck / racecheck), rings reused (K 4096), padded tokens and outputs, the
-// fused width at K 1152 (pairs of 74-75 rows), exact against the twin; both store forms (session
-// 26).
-TEST_P(GemmWgmmaKSplitStores, SanitizerSmallKSplitPdl) {
+// fused width at K 1152 (pairs of 74-75 rows), exact against the twin.
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
   M3_REQUIRE_WGMMA();
   for (const int64_t n : {640, 9856}) {
     for (int64_t m : {33, 64}) {
@@ -1003,52 +1020,7 @@ TEST_P(GemmWgmmaKSplitStores, SanitizerSmallKSplitPdl) {
       Case c{m, n, n == 640 ? 4096 : 1152, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false,
              true};
       c.k_split = true;
-      c.flat = GetParam();
       expect_exact_vs_twin(c, rng);
-    }
-  }
-}
-
-INSTANTIATE_TEST_SUITE_P(Forms, GemmWgmmaKSplitStores, ::testing::Bool(),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "FlatStores" : "BranchStores");
-                         });
-
-// The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
-// cvt.rn.bf16x2): exact against the twin on fused width (pairs of 74-75 rows starting on odd and
-// even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation
-// boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 /
-// 200 pairs (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL;
-// both store forms on each case (session 26; one twin per case) and operands only 16-byte
-// aligned.
-TEST(GemmWgmmaRowSplit, KSplitEdges) {
-  M3_REQUIRE_WGMMA();
-  auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
-    Case c{m, n, k, ld_pad, 0, false, 0, 4, 0, true, 0, pdl};
-    c.rows = true;
-    c.k_split = true;
-    c.row_ctas = row_ctas;
-    return c;
-  };
-  Case shifted = ks(48, 9856, 1152, 8, true, 0);
-  shifted.shift = 16;
-  for (const Case& c0 : {ks(64, 9856, 6144, 0, false, 0), ks(64, 9856, 2048, 8, true, 0),
-                         ks(33, 9856, 1152, 16, false, 0), ks(47, 9856, 2048, 8, true, 0),
-                         ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
-                         ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0), shifted}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    Rng rng(seed);
-    GemmData d = make_integer_data(c0.m, c0.n, c0.k, rng);
-    const std::vector<uint16_t> ref = cpu_gemm(d);
-    for (const bool flat : {false, true}) {
-      Case c = c0;
-      c.flat = flat;
-      SCOPED_TRACE(describe(c));
-      DeviceGemm dev(d, c.n + c.ld_pad, c.shift);
-      const std::vector<uint16_t> got = run_twice(dev, c);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, ref, c.n, &report), 0) << report;
     }
   }
 }

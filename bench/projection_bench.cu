@@ -491,7 +491,7 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                                 double prev_last_any) {
   constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
   if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
-  std::vector<double> v[9], gap, first_after, end1, end2, wait_after, full_after_wait;
+  std::vector<double> v[12], gap, first_after, end1, end2, wait_after, full_after_wait;
   double slow_last = -1;
   std::string slow;  // the CTA whose last warp stored last: its marks
   auto since_t0 = [&](unsigned long long ns) {
@@ -508,8 +508,9 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
              1e3;
     };
     const double lf = std::max(at(w[4]), at(w[5]));
-    const unsigned long long marks[9] = {x[1], x[2], x[3], x[4], x[5], x[10], w[6], x[6], x[7]};
-    for (int k = 0; k < 9; ++k)
+    const unsigned long long marks[12] = {x[1], x[2], x[3], x[4],  x[5],  x[10],
+                                          w[6], x[6], x[7], x[11], x[12], x[13]};
+    for (int k = 0; k < 12; ++k)
       if (marks[k] != 0) v[k].push_back(at(marks[k]) - lf);
     const double last = at(x[7]);
     if (last > slow_last) {
@@ -547,11 +548,20 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     std::snprintf(buf, sizeof(buf), "%.2f/%.2f", a[a.size() / 2], a.back());
     return std::string(buf);
   };
-  const char* names[9] = {"h0 ready for last", "h1 ready for last", "h0 last fold",
-                          "h1 last fold",      "summed",            "h0 about to store",
-                          "h0 stored",         "h1 stored",         "last warp stored"};
+  const char* names[12] = {"h0 ready for last",
+                           "h1 ready for last",
+                           "h0 last fold",
+                           "h1 last fold",
+                           "summed",
+                           "h0 about to store",
+                           "h0 stored",
+                           "h1 stored",
+                           "last warp stored",
+                           "h0 first store issued",
+                           "h0 row 0 stored",
+                           "h0 row 1 converted"};
   std::string out = "K split tail, us after the CTA's last stage full (median/max):";
-  for (int k = 0; k < 9; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
+  for (int k = 0; k < 12; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
   out += " the CTA ending last (us after the time base): " + slow + ";";
   char buf[128];
   std::snprintf(buf, sizeof(buf), " last warp anywhere %.2f", any);
@@ -706,7 +716,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, false, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, false, 0, true},
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true}};
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, true},
+      // (Session 26 also timed and removed, same rounds, fused b2b us, M 64 chained: round A-B the
+      // halves staggered, half 1's last 1 / 2 K blocks moved to half 0 (half 1's sums handed
+      // over one way: arrive / sync on named barriers), 17.81-17.89 / 17.76-17.92 against
+      // 17.64-17.67; the one-way hand-over alone 17.62-17.68 (tie); round C each output row's
+      // whole 16-byte chunks stored through the row's quad's shared memory, 17.56-17.67 against
+      // 17.64-17.66 (M 33 / 48 chained 17.48-17.53 / 17.45-17.50 against 17.30-17.34 /
+      // 17.31-17.36); round E the epilogue's addresses and clip masks worked out before the
+      // hand-over and its stores issued without branches, plain 19.85-19.93 against 19.67-19.76
+      // (M 33 / 48 +0.1-0.2).)
+  };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
   const int64_t sw_stride = gemm_weight_scales_row_stride(k);
@@ -992,9 +1012,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (const int v_req : order) {
       // (Session 25, bench diagnostics: 170 + 2 D + c runs the K split, variant 26 + c (plain /
       // chained), with its diagnostic D (GemmWgmmaOptions::debug_rows_diag, results wrong).)
+      // (Session 26: 1000 + 100 D + v runs K-split variant v < 100 (26-27, 40-41, 44-45) with
+      // diagnostic D, e.g. 1427: variant 27 without its output stores.)
       const bool ks_v = v_req >= 170 && v_req < 184;
-      const int ks_diag = ks_v ? (v_req - 170) / 2 : 0;
-      const int v = ks_v ? 26 + v_req % 2 : v_req;
+      const bool ks_d = v_req >= 1000 && v_req < 2000;
+      const int ks_diag = ks_v ? (v_req - 170) / 2 : ks_d ? (v_req / 100) % 10 : 0;
+      const int v = ks_v ? 26 + v_req % 2 : ks_d ? v_req % 100 : v_req;
       // (-1: the cuBLASLt row, -2: the default-options object's, for A/Bs against them.)
       if (v == -1 || v == -2) {
         if (v == -1) add_cublaslt();
@@ -1046,7 +1069,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
+          (variants[v].one_box ? " one box" : "") +
+          (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {

@@ -432,9 +432,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
                          "session 23), got M = ", m);
     M3_CHECK_ARG(!options.row_k_split || options.debug_rows_diag == 0 ||
                      options.debug_rows_diag == 2 || options.debug_rows_diag == 3 ||
-                     options.debug_rows_diag == 4 || options.debug_rows_diag == 6,
+                     options.debug_rows_diag == 4 || options.debug_rows_diag == 6 ||
+                     options.debug_rows_diag == 7,
                  "GemmWgmmaOptions::debug_rows_diag = ", options.debug_rows_diag,
-                 ": the row K split has diagnostics 2, 3, 4 and 6");
+                 ": the row K split has diagnostics 2, 3, 4, 6 and 7");
     // (Activation slots of n >= 16 token rows load two boxes of n / 2 for M < n: SlotTokens in
     // gemm_wgmma_rows_kernel.cuh; the K split's slots have 64 rows.)
     const int slot = options.row_k_split ? 64 : box_rows_for(m);

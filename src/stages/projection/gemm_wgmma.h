@@ -165,7 +165,8 @@ struct GemmWgmmaOptions {
   // releases, i.e. its stream), without its scaled folds (2: fragments only summed), 1 without
   // the output stores (3), the whole kernel without the output stores (4), 3 without the
   // activation scales' loads (5), 4 with each stage released as soon as it is full, before its
-  // wgmmas read it (6, M > 32). 0: off.
+  // wgmmas read it (6, M > 32); the K split also 7: its output stores issued with a false
+  // predicate (fetched and issued, nothing written). 0: off.
   int debug_rows_diag = 0;
 };
 

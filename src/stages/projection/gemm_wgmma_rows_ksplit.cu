@@ -46,6 +46,7 @@ Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pai
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);
   if (diag == 6) return launch<6>(xmap, args, pairs, info, stream);
+  if (diag == 7) return launch<7>(xmap, args, pairs, info, stream);
   return launch<0>(xmap, args, pairs, info, stream);
 }
 

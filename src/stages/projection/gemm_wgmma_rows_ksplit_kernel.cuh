@@ -46,6 +46,38 @@
 // into the other half's drained ring (its first activation slots), then adds what it received to
 // its own five and stores them: every warp of the SM stores, 80-byte runs per token.
 //
+// Session 26 (rounds A-B, same rounds, b2b us, fused M 64 chained; lost and deleted): the halves
+// staggered, the last 1 / 2 K blocks of half 1 (the image's last step) moved to the end of half
+// 0's share, half 1's sums handed over one way (left in its drained ring, bar.arrive; half 0
+// bar.sync after its last fold, then either storing all 80 columns or handing half 1's five
+// groups back through a second named barrier): 17.78-17.92 / 17.76-17.92 against 17.64-17.67 (M
+// 33 / 48 +0.1-0.25 too); the one-way hand-over without the stagger 17.62-17.68 (tie). The
+// trace: half 0's consumers 0.5-0.6 us behind its last stage when it lands (against ~0 for the
+// even split): once half 1 stops, half 0's last stages arrive at the SM's whole share of DRAM,
+// faster than one warpgroup computes them (~0.2 us per K block), so the tail after the last byte
+// did not shrink (last full -> last warp 2.2-2.4 us either way). Without the scaled fold (diag 2)
+// the stagger tied (17.06-17.20 against 17.09); without the stores (diag 4) it lost (16.92-17.00
+// against 16.74-16.79). Racecheck also flagged half 1's writes before bar.arrive against half 0's
+// reads after bar.sync (likely its model of bar.arrive; the results were exact in every test).
+//
+// Session 26, the stores (rounds C-D, same rounds, b2b us, M 64 chained): about to store ->
+// stored is 0.8-0.9 us of the tail, diag 4 (no stores) 16.60 against 17.45. Not the number of
+// store transactions: round C's chunk stores (each row's whole 16-byte chunks gathered by the
+// row's quad through shared memory, 16-byte stores: ~4x fewer, fuller L2 writes) tied, 17.56-17.67
+// against 17.64-17.66, and lost at M 33 / 48 (+0.15-0.2; deleted). Round D: diag 7 (the same
+// store instructions under a false predicate: issued, nothing written) 17.03-17.07 against
+// 17.45 and diag 4's 16.60; its trace about to store -> stored 0.50 us against 0.85, the first
+// store 0.1 us after the mark in both: ~half the store phase is the epilogue's instructions (two
+// warps per scheduler, a dependent chain with a branch per store), half the writes (the second
+// token row's stores wait 0.5 us against 0.24 without writes). Round E (lost, deleted): the
+// epilogue's pointers and clip masks worked out before the hand-over and its stores issued
+// without branches, plain 19.85-19.93 against 19.67-19.76 (M 33 / 48 +0.05-0.2): its trace has
+// the first token row's five stores issued within 0.04 us and the second row's taking 0.7 us,
+// about to store -> stored 0.79 against 0.75, and the hand-over 0.3 us later (the hoisted work
+// before its barrier). So the stores stall on the writes in flight once a warp has issued about
+// five (of ten); what bounds them (L2 write latency under the other SMs' weight stream, the SM's
+// outstanding writes) is open.
+//
 // M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
 // split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
 // 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
@@ -68,14 +100,18 @@
 // 25): each half's consumers ready for their last stage (its previous fold done) and done with
 // their last fold, the hand-over summed (half 0's thread 0), half 1's stores issued, the last
 // consumer warp's stores issued; then each half's producer past griddepcontrol.wait, half 0's
-// thread 0 about to store.
+// thread 0 about to store; session 26: half 0's thread 0 after its first output store, after its
+// first token row's stores and with its second row converted (words 11-13, read into registers
+// and written after the stores).
 //
 // kDiag (GemmWgmmaOptions::debug_rows_diag; bench diagnostics, results wrong): 3 = its ring
 // alone (no wgmma, no fold) without the output stores, 4 = the whole kernel without the output
 // stores (accumulators kept live), 6 = 4 with each stage released as soon as it is full, before
 // its wgmmas read it (no hold on the ring); the reduce-scatter runs in all three. Session 25: 2 =
 // the whole kernel with each K block's fragments only summed into the accumulators (no scaled
-// fold; stores kept), what the fold costs.
+// fold; stores kept), what the fold costs. Session 26: 7 = the whole kernel with its output
+// stores issued under a false predicate (the store instructions fetched and issued, nothing
+// written): whether the stores' time is their instructions or their writes.
 #pragma once
 
 #include <type_traits>
@@ -147,6 +183,23 @@ __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   return r;
 }
 
+// Diagnostic 7 (bench only): the output stores issued with a false predicate (fetched and issued,
+// nothing written).
+__device__ __forceinline__ void store_out_dead(uint16_t* p, uint16_t v, int off) {
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n"
+      "@q st.global.L1::no_allocate.b16 [%0], %1;\n}\n" ::"l"(p),
+      "h"(v), "r"(off)
+      : "memory");
+}
+__device__ __forceinline__ void store_out_pair_dead(uint16_t* p, uint32_t v, int off) {
+  asm volatile(
+      "{\n.reg .pred q;\nsetp.ne.s32 q, %2, 0;\n"
+      "@q st.global.L1::no_allocate.b32 [%0], %1;\n}\n" ::"l"(p),
+      "r"(v), "r"(off)
+      : "memory");
+}
+
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -159,10 +212,11 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
 template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  constexpr bool kRing = kDiag == 3;      // diagnostics: no wgmma, no fold
-  constexpr bool kNoStores = kDiag >= 3;  // diagnostics: no output stores
-  constexpr int kAcc = 40;                // fp32 accumulators per thread (m64n80)
-  constexpr int kGroups = kAcc / 4;       // column groups of 8 (acc 4 c ... 4 c + 3)
+  constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
+  // (diagnostics 3, 4, 6: no output stores)
+  constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;
+  constexpr int kAcc = 40;           // fp32 accumulators per thread (m64n80)
+  constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
 
   extern __shared__ uint8_t smem_raw[];
   __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
@@ -496,6 +550,12 @@ __global__ void __launch_bounds__(kKsThreads, 1)
 #pragma unroll
     for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
     const int q = lane % 4, next = (lane & ~3) | ((q + 1) & 3);
+    // (Trace, session 26: half 0's thread 0 reads the clock after its first output store, after
+    // the first row's stores and before the second row's; written at the end, so that no trace
+    // store sits between them.)
+    unsigned long long c_first = 0, c_row0 = 0, c_row1 = 0;
+    // (Diagnostic 7: the stores predicated off by a value the compiler cannot know.)
+    const int live = kDiag == 7 ? static_cast<int>(p.m > 64) : 1;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       uint32_t w[kOwn / 4], nb[kOwn / 4];
@@ -515,19 +575,42 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       for (int j = 0; j < kOwn / 4; ++j)
         nb[j] = __shfl_sync(0xffffffffu, q == 0 ? (j + 1 < kOwn / 4 ? w[j + 1] : 0u) : w[j], next);
       if (tmark && h == 0 && hh == 0) tx[10] = static_cast<unsigned long long>(clock64());
+      if (tmark && h == 0 && hh == 1) c_row1 = static_cast<unsigned long long>(clock64());
       if (store && slots.stored(r)) {
-        if (odd && q == 0 && limit > 0) store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
+        if (odd && q == 0 && limit > 0) {
+          if (kDiag == 7) {
+            store_out_dead(dst, static_cast<uint16_t>(w[0] & 0xffffu), live);
+          } else {
+            store_out(dst, static_cast<uint16_t>(w[0] & 0xffffu));
+          }
+        }
 #pragma unroll
         for (int j = 0; j < kOwn / 4; ++j) {
           const int col = 8 * j + 2 * q + odd;
           const uint32_t pair = odd ? __byte_perm(w[j], nb[j], 0x5432) : w[j];
           if (col + 1 < limit) {
-            store_out_pair(dst + col, pair);
+            if (kDiag == 7) {
+              store_out_pair_dead(dst + col, pair, live);
+            } else {
+              store_out_pair(dst + col, pair);
+            }
           } else if (col < limit) {
-            store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+            if (kDiag == 7) {
+              store_out_dead(dst + col, static_cast<uint16_t>(pair & 0xffffu), live);
+            } else {
+              store_out(dst + col, static_cast<uint16_t>(pair & 0xffffu));
+            }
           }
+          if (tmark && h == 0 && hh == 0 && j == 0)
+            c_first = static_cast<unsigned long long>(clock64());
         }
       }
+      if (tmark && h == 0 && hh == 0) c_row0 = static_cast<unsigned long long>(clock64());
+    }
+    if (tmark && h == 0) {
+      tx[11] = c_first;
+      tx[12] = c_row0;
+      tx[13] = c_row1;
     }
   }
   if (p.trace != nullptr && tid == 0) {

@@ -425,6 +425,9 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
+  // The K split (session 26): 1 its aligned partition (row_k_split_align 4, its own image), 2 that
+  // and the 8-byte output stores (row_k_split_pair_stores).
+  int ks_form = 0;
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -726,6 +729,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 17.31-17.36); round E the epilogue's addresses and clip masks worked out before the
       // hand-over and its stores issued without branches, plain 19.85-19.93 against 19.67-19.76
       // (M 33 / 48 +0.1-0.2).)
+      // (46-49, session 26: the K split plain / chained over its aligned partition with today's
+      // 4-byte stores, then with the 8-byte stores)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 1},
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, 2},
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -769,14 +778,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     must(ctas.status(), "gemm_wgmma_rows_ctas");
     return ctas.value();
   };
-  const auto pack_images = [&](int ctas, const Status& ok) {
+  const auto pack_images = [&](int ctas, const Status& ok, int align = 1) {
     std::vector<void*> images;
     for (int c = 0; c < copies && ok.ok(); ++c) {
       Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
       must(rb.status(), "gemm_wgmma_rows_packed_bytes");
       void* buf = device_alloc<uint8_t>(rb.value());
       const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-      must(gemm_wgmma_pack_weights_rows(wv, ctas, buf, rb.value(), stream),
+      must(gemm_wgmma_pack_weights_rows(wv, ctas, buf, rb.value(), stream, align),
            "gemm_wgmma_pack_weights_rows");
       images.push_back(buf);
     }
@@ -788,6 +797,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   const Status ks_ok = gemm_wgmma_rows_supported(n, k, true);
   const int ks_ctas = image_ctas(true);
   const std::vector<void*> ks_images = pack_images(ks_ctas, ks_ok);
+  // (The K split's aligned partition: its own images, packed only when a variant asks for them.)
+  bool want_aligned = only_variants.empty();
+  for (const int64_t v_req : only_variants)
+    want_aligned = want_aligned || (v_req % 100 >= 46 && v_req % 100 <= 49);
+  const std::vector<void*> ks_images4 =
+      want_aligned ? pack_images(ks_ctas, ks_ok, 4) : std::vector<void*>{};
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
@@ -1050,9 +1065,12 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_ctas = row_ctas;
         }
         if (variants[v].ksplit) {
-          oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
+          const bool aligned = variants[v].ks_form > 0;
+          oc.row_packed_weights = (aligned ? ks_images4 : ks_images)[static_cast<size_t>(c)];
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
+          oc.row_k_split_align = aligned ? 4 : 1;
+          oc.row_k_split_pair_stores = variants[v].ks_form == 2;
         }
         return oc;
       };
@@ -1063,7 +1081,10 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit ? " row K split"
+          (variants[v].ksplit
+               ? std::string(" row K split") + (variants[v].ks_form == 1   ? " aligned"
+                                                : variants[v].ks_form == 2 ? " aligned 8B"
+                                                                           : "")
            : variants[v].rows ? " row split"
                               : "") +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
@@ -1078,7 +1099,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     rows_ok.to_string().c_str());
         continue;
       }
-      if (variants[v].ksplit && ks_images.empty()) {
+      if (variants[v].ksplit && (variants[v].ks_form > 0 ? ks_images4 : ks_images).empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     ks_ok.to_string().c_str());
         continue;
@@ -1166,6 +1187,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (void* buf : bufs) cudaFree(buf);
   for (void* buf : row_images) cudaFree(buf);
   for (void* buf : ks_images) cudaFree(buf);
+  for (void* buf : ks_images4) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);

@@ -226,6 +226,7 @@ struct GemmRowImage {
   // gemm_wgmma_rows_ctas(N, true) CTAs; Fp8BlockGemmOptions::row_k_split_min_m); null: none.
   const void* ks_data = nullptr;
   int ks_ctas = 0;
+  int ks_row_align = 1;  // the row_align ks_data was packed with (1 or 4)
 };
 
 class Fp8BlockGemm {

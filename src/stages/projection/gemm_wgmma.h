@@ -101,6 +101,14 @@ struct GemmWgmmaOptions {
   // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
   // 19.43-19.71.
   bool row_k_split = false;
+  // With row_k_split (session 26): the image's partition, the row_align it was packed with
+  // (gemm_wgmma_pack_weights_rows): 1, or 4 (each pair's first row a multiple of 4 where N % 4 ==
+  // 0 and N / 4 >= row_packed_ctas; at N 9856 over 132 pairs of 72 and 76 rows).
+  int row_k_split_align = 1;
+  // With row_k_split (session 26): the epilogue's outputs as 8-byte stores of 4 columns (half
+  // the store instructions) where row_k_split_align is 4 (and aligned) and the output's base and
+  // pitch are 8-byte aligned; elsewhere the 4-byte pairs. Results do not depend on it.
+  bool row_k_split_pair_stores = false;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the
@@ -206,8 +214,11 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // gemm_wgmma_rows_ctas for this device) into `packed`
 // (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
 // count as GemmWgmmaOptions::row_packed_ctas.
+// row_align 4 (the K split only, session 26): the aligned partition, each image CTA's first row a
+// multiple of 4 where N % 4 == 0 and N / 4 >= ctas (else the plain one); calls then pass
+// GemmWgmmaOptions::row_k_split_align = 4.
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
-                                    size_t packed_bytes, cudaStream_t stream);
+                                    size_t packed_bytes, cudaStream_t stream, int row_align = 1);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

@@ -200,6 +200,12 @@ __device__ __forceinline__ void store_out_pair_dead(uint16_t* p, uint32_t v, int
       : "memory");
 }
 
+// Four bf16 outputs (two pairs, lo first) by one 8-byte store (p 8-byte aligned).
+__device__ __forceinline__ void store_out_pair2(uint16_t* p, uint32_t lo, uint32_t hi) {
+  asm volatile("st.global.L1::no_allocate.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(lo), "r"(hi)
+               : "memory");
+}
+
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -209,7 +215,9 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0>
+// kPairs: the epilogue's 8-byte stores (pairs of bf16 pairs; the host launches it only over the
+// aligned partition with an 8-byte aligned output and pitch: launch_rows_ksplit).
+template <int kDiag = 0, bool kPairs = false>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
@@ -231,8 +239,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
   const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
   const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
-  const int r_begin = rows_begin(g, pairs, p.n);
-  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
+  const int r_begin = rows_begin(g, pairs, p.n, p.row_align);
+  const int rows = rows_begin(g + 1, pairs, p.n, p.row_align) - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K
@@ -544,7 +552,62 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 /
   // 17.50-17.58 against 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch
   // padded by 4: columns left zero). Not merged.)
-  {
+  if constexpr (kPairs) {
+    // Pairs of pairs (session 26): 8-byte stores of 4 consecutive columns, half the store
+    // instructions. Lanes q and q ^ 1 of a quad trade one bf16 pair per group: lane q even sends
+    // its row0 + 8 pair and keeps row0's columns 8 j + 2 q ... 8 j + 2 q + 3 (its pair, then the
+    // odd lane's), lane q odd sends its row0 pair and keeps row0 + 8's columns 8 j + 2 q - 2 ...
+    // 8 j + 2 q + 1 (the even lane's pair, then its own). Every run starts on a multiple of 4
+    // columns: r_begin (the aligned partition), lo_col and the out pointer / pitch (8-byte
+    // aligned) are the host's conditions for this form; the row limit is a multiple of 4 there,
+    // the scalar tail below only a guard.
+    constexpr int kOwn = kAcc / 2;  // 5 groups of 4
+    float own[kOwn];
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
+    const int q = lane % 4, odd_lane = q & 1;
+    unsigned long long c_first = 0, c_conv = 0, c_done = 0;
+    uint32_t lo[kOwn / 4], hi[kOwn / 4];
+#pragma unroll
+    for (int j = 0; j < kOwn / 4; ++j) {
+      const uint32_t w0 = bf16x2_rn(own[4 * j], own[4 * j + 1]);
+      const uint32_t w1 = bf16x2_rn(own[4 * j + 2], own[4 * j + 3]);
+      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd_lane ? w0 : w1, 1);
+      lo[j] = odd_lane ? got : w0;
+      hi[j] = odd_lane ? w1 : got;
+    }
+    if (tmark && h == 0) {
+      c_conv = static_cast<unsigned long long>(clock64());
+      tx[10] = c_conv;
+    }
+    const int r = row0 + 8 * odd_lane;
+    const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
+    if (store && slots.stored(r)) {
+      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col + 4 * (q >> 1);
+#pragma unroll
+      for (int j = 0; j < kOwn / 4; ++j) {
+        const int col = 8 * j + 4 * (q >> 1);
+        if (col + 4 <= limit) {
+          store_out_pair2(dst + 8 * j, lo[j], hi[j]);
+        } else if (col < limit) {
+          if (col + 2 <= limit) {
+            store_out_pair(dst + 8 * j, lo[j]);
+          } else {
+            store_out(dst + 8 * j, static_cast<uint16_t>(lo[j] & 0xffffu));
+          }
+          if (col + 3 == limit) store_out(dst + 8 * j + 2, static_cast<uint16_t>(hi[j] & 0xffffu));
+        }
+        if (tmark && h == 0 && j == 0) c_first = static_cast<unsigned long long>(clock64());
+      }
+    }
+    if (tmark && h == 0) {
+      c_done = static_cast<unsigned long long>(clock64());
+      // (The tail's words 11-13 here: after the first store, after all five, converted.)
+      tx[11] = c_first;
+      tx[12] = c_done;
+      tx[13] = c_conv;
+    }
+  } else {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];
 #pragma unroll

@@ -418,13 +418,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const int rgrid = options.row_packed_ctas;
     M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
                  " must be the image's CTA count, in [1, N = ", n, "]");
-    M3_CHECK_ARG(
-        options.row_k_split_align == 1 || (options.row_k_split_align == 4 && options.row_k_split),
-        "GemmWgmmaOptions::row_k_split_align = ", options.row_k_split_align,
-        " must be 1, or 4 with row_k_split");
-    M3_RETURN_IF_ERROR(
-        rows_shape_supported(n, k, rgrid, options.row_k_split ? RowsForm::kKSplit : RowsForm::kRows,
-                             options.row_k_split_align));
+    // (row_k_split_align: the K split's partition only; the row split's is always the plain one.)
+    const int row_align = options.row_k_split ? options.row_k_split_align : 1;
+    M3_CHECK_ARG(row_align == 1 || row_align == 4, "GemmWgmmaOptions::row_k_split_align = ",
+                 row_align, " must be 1 or 4");
+    M3_RETURN_IF_ERROR(rows_shape_supported(
+        n, k, rgrid, options.row_k_split ? RowsForm::kKSplit : RowsForm::kRows, row_align));
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
@@ -468,16 +467,10 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
-    ra.row_align = options.row_k_split ? options.row_k_split_align : 1;
-    if (options.row_k_split) {
-      // The 8-byte stores where every 4-column run of the output is 8-byte aligned: the aligned
-      // partition (each pair's first row a multiple of 4) and the output's base and pitch.
-      const bool pair_stores = options.row_k_split_pair_stores &&
-                               gemm_wgmma_detail::rows_aligned(rgrid, ra.n, ra.row_align) &&
-                               reinterpret_cast<uintptr_t>(ra.out) % 8 == 0 && ra.ldo % 4 == 0;
-      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag,
-                                                   pair_stores, info, stream);
-    }
+    ra.row_align = row_align;
+    if (options.row_k_split)
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

@@ -11,10 +11,10 @@ namespace m3attn::gemm_wgmma_detail {
 
 namespace {
 
-template <int kDiag, bool kPairs = false>
+template <int kDiag>
 Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const CudaDeviceInfo& info,
               cudaStream_t stream) {
-  auto* kernel = &gemm_rows_ksplit_kernel<kDiag, kPairs>;
+  auto* kernel = &gemm_rows_ksplit_kernel<kDiag>;
   constexpr int kMaxSmem = rows_ksplit_smem_bytes(kKsMaxLocalKblocks);
   // The shared-memory opt-in once per device (each device has its own module); the grid is one
   // wave of one CTA per SM.
@@ -41,8 +41,7 @@ Status launch(const CUtensorMap& xmap, const RowsArgs& args, int pairs, const Cu
 }  // namespace
 
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          bool pair_stores, const CudaDeviceInfo& info, cudaStream_t stream) {
-  if (diag == 0 && pair_stores) return launch<0, true>(xmap, args, pairs, info, stream);
+                          const CudaDeviceInfo& info, cudaStream_t stream) {
   if (diag == 2) return launch<2>(xmap, args, pairs, info, stream);
   if (diag == 3) return launch<3>(xmap, args, pairs, info, stream);
   if (diag == 4) return launch<4>(xmap, args, pairs, info, stream);

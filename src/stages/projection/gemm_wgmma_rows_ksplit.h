@@ -16,10 +16,9 @@ struct RowsArgs;
 // Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
 // args.m rows, 33 ... 64 (the activation map's box: 64 token rows). diag: 0, or the bench
 // diagnostics 2 / 3 / 4 / 6 / 7 (results wrong). The caller has validated the shape (M, rows per
-// pair, local K blocks). pair_stores (diag 0 only): the epilogue's 8-byte stores, which need
-// the aligned partition (rows_aligned for args.row_align) and an 8-byte aligned output and pitch.
+// pair, local K blocks).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          bool pair_stores, const CudaDeviceInfo& info, cudaStream_t stream);
+                          const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

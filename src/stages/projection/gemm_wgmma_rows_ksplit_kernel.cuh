@@ -1,6 +1,7 @@
 // The row split's K split (GemmWgmmaOptions::row_k_split; session 23, opt-in): the math and the
-// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (74-75 for N
-// 9856 over 132 image CTAs, one per SM) shared by the two HALVES of one CTA (two consumer
+// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (72 / 76 for N
+// 9856 over 132 image CTAs, one per SM: the aligned partition, session 26 below; 74-75 over the
+// plain one) shared by the two HALVES of one CTA (two consumer
 // warpgroups, two producer warps), which split its K: half h in {0, 1} takes the image steps s
 // with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h + 3), so both halves read neighbouring steps
 // of the image (the grid still reads a front through memory) and each reads only the activation
@@ -77,6 +78,24 @@
 // before its barrier). So the stores stall on the writes in flight once a warp has issued about
 // five (of ten); what bounds them (L2 write latency under the other SMs' weight stream, the SM's
 // outstanding writes) is open.
+//
+// Session 26, round F (same round, 3 runs, b2b us plain / chained): the aligned partition (each
+// pair's first row a multiple of 4: rows_begin with RowsArgs::row_align 4, the image packed the
+// same way; 72 / 76 rows per pair at N 9856 against 74-75) won although its largest pair has 76
+// rows against 75: M 64 19.30-19.33 / 17.34-17.43 against 19.50-19.57 / 17.56-17.57, M 48
+// 19.08-19.10 / 17.11-17.16 against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03
+// against 18.97-19.08 / 17.08-17.11; the default since (GemmWgmmaOptions::row_k_split_align 4).
+// (Why is not measured apart: every pair's outputs then start on an even element, so no pair
+// straddles two lanes and no column is stored alone, and each pair's weight bytes per K block start
+// 512-byte aligned in the image. Its trace, M 64 chained: about to store -> h0 stored 0.54 us
+// against 0.73, last warp stored 2.20 after the last stage full against 2.31.) Lost there and
+// deleted: over the aligned partition, the outputs as 8-byte stores of 4 columns (one shuffle per
+// group between lanes q and q ^ 1 of a quad: lane q even keeping token row0's columns 8 j + 2 q ...
+// + 3, lane q odd row0 + 8's; 5 stores per thread instead of 10): M 64 19.27-19.33 / 17.39-17.46, M
+// 48 19.09-19.19 / 17.15-17.22, M 33 18.84-18.95 / 16.97-17.00 against the 4-byte pairs' numbers
+// above (a tie). Its trace: the five 8-byte stores issued over 0.38 us after the first (against ten
+// 4-byte ones over ~0.45): half the store instructions, the same bytes and about the same stall:
+// not the number of stores a warp has in flight, more likely the writes themselves.
 //
 // M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
 // split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
@@ -200,12 +219,6 @@ __device__ __forceinline__ void store_out_pair_dead(uint16_t* p, uint32_t v, int
       : "memory");
 }
 
-// Four bf16 outputs (two pairs, lo first) by one 8-byte store (p 8-byte aligned).
-__device__ __forceinline__ void store_out_pair2(uint16_t* p, uint32_t lo, uint32_t hi) {
-  asm volatile("st.global.L1::no_allocate.v2.b32 [%0], {%1, %2};\n" ::"l"(p), "r"(lo), "r"(hi)
-               : "memory");
-}
-
 __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   float4 v;
   asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
@@ -215,9 +228,7 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-// kPairs: the epilogue's 8-byte stores (pairs of bf16 pairs; the host launches it only over the
-// aligned partition with an 8-byte aligned output and pitch: launch_rows_ksplit).
-template <int kDiag = 0, bool kPairs = false>
+template <int kDiag = 0>
 __global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
   constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
@@ -552,62 +563,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // 19.84-19.85 / 17.59-17.62 against 19.18-19.19 / 17.14-17.16, M 33 19.81-19.82 /
   // 17.50-17.58 against 18.99-19.02 / 16.88-16.90, and its edge test failed (M 48, output pitch
   // padded by 4: columns left zero). Not merged.)
-  if constexpr (kPairs) {
-    // Pairs of pairs (session 26): 8-byte stores of 4 consecutive columns, half the store
-    // instructions. Lanes q and q ^ 1 of a quad trade one bf16 pair per group: lane q even sends
-    // its row0 + 8 pair and keeps row0's columns 8 j + 2 q ... 8 j + 2 q + 3 (its pair, then the
-    // odd lane's), lane q odd sends its row0 pair and keeps row0 + 8's columns 8 j + 2 q - 2 ...
-    // 8 j + 2 q + 1 (the even lane's pair, then its own). Every run starts on a multiple of 4
-    // columns: r_begin (the aligned partition), lo_col and the out pointer / pitch (8-byte
-    // aligned) are the host's conditions for this form; the row limit is a multiple of 4 there,
-    // the scalar tail below only a guard.
-    constexpr int kOwn = kAcc / 2;  // 5 groups of 4
-    float own[kOwn];
-#pragma unroll
-    for (int j = 0; j < kOwn; ++j) own[j] = h == 1 ? acc[kOwn + j] : acc[j];
-    const int q = lane % 4, odd_lane = q & 1;
-    unsigned long long c_first = 0, c_conv = 0, c_done = 0;
-    uint32_t lo[kOwn / 4], hi[kOwn / 4];
-#pragma unroll
-    for (int j = 0; j < kOwn / 4; ++j) {
-      const uint32_t w0 = bf16x2_rn(own[4 * j], own[4 * j + 1]);
-      const uint32_t w1 = bf16x2_rn(own[4 * j + 2], own[4 * j + 3]);
-      const uint32_t got = __shfl_xor_sync(0xffffffffu, odd_lane ? w0 : w1, 1);
-      lo[j] = odd_lane ? got : w0;
-      hi[j] = odd_lane ? w1 : got;
-    }
-    if (tmark && h == 0) {
-      c_conv = static_cast<unsigned long long>(clock64());
-      tx[10] = c_conv;
-    }
-    const int r = row0 + 8 * odd_lane;
-    const int limit = min(rows, lo_col + 8 * (kGroups / 2)) - lo_col;
-    if (store && slots.stored(r)) {
-      uint16_t* dst = p.out + slots.token(r) * p.ldo + r_begin + lo_col + 4 * (q >> 1);
-#pragma unroll
-      for (int j = 0; j < kOwn / 4; ++j) {
-        const int col = 8 * j + 4 * (q >> 1);
-        if (col + 4 <= limit) {
-          store_out_pair2(dst + 8 * j, lo[j], hi[j]);
-        } else if (col < limit) {
-          if (col + 2 <= limit) {
-            store_out_pair(dst + 8 * j, lo[j]);
-          } else {
-            store_out(dst + 8 * j, static_cast<uint16_t>(lo[j] & 0xffffu));
-          }
-          if (col + 3 == limit) store_out(dst + 8 * j + 2, static_cast<uint16_t>(hi[j] & 0xffffu));
-        }
-        if (tmark && h == 0 && j == 0) c_first = static_cast<unsigned long long>(clock64());
-      }
-    }
-    if (tmark && h == 0) {
-      c_done = static_cast<unsigned long long>(clock64());
-      // (The tail's words 11-13 here: after the first store, after all five, converted.)
-      tx[11] = c_first;
-      tx[12] = c_done;
-      tx[13] = c_conv;
-    }
-  } else {
+  {
     constexpr int kOwn = kAcc / 2;  // 5 groups of 4
     float own[kOwn];
 #pragma unroll

@@ -425,6 +425,9 @@ struct ShapeVariant {
   bool ksplit = false;   // GemmWgmmaOptions::row_k_split (its own image: one image CTA per SM)
   int early = 0;         // GemmWgmmaOptions::row_early_stages (with chain; 12: the whole ring)
   bool one_box = false;  // GemmWgmmaOptions::row_one_box
+  // The K split over the plain partition (row_k_split_align 1, its own image; session 26: the
+  // default is the aligned one).
+  bool ks_plain = false;
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -726,6 +729,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 17.31-17.36); round E the epilogue's addresses and clip masks worked out before the
       // hand-over and its stores issued without branches, plain 19.85-19.93 against 19.67-19.76
       // (M 33 / 48 +0.1-0.2).)
+      // (46-47, session 26: the K split plain / chained over the plain partition, 74-75 rows per
+      // pair, its form before round F; 26-27 run the aligned one, 72 / 76 rows at N 9856. Also
+      // timed in round F and removed, b2b us plain / chained: over the aligned partition the
+      // epilogue's outputs as 8-byte stores of 4 columns (one shuffle per group between lanes q
+      // and q ^ 1, 5 stores per thread instead of 10): M 64 19.27-19.33 / 17.39-17.46 against
+      // 19.30-19.33 / 17.34-17.43 with the 4-byte pairs, M 48 19.09-19.19 / 17.15-17.22 against
+      // 19.08-19.10 / 17.11-17.16, M 33 18.84-18.95 / 16.97-17.00 against 18.90-18.95 /
+      // 16.99-17.03.)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true},
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -769,14 +782,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     must(ctas.status(), "gemm_wgmma_rows_ctas");
     return ctas.value();
   };
-  const auto pack_images = [&](int ctas, const Status& ok) {
+  const auto pack_images = [&](int ctas, const Status& ok, int align = 1) {
     std::vector<void*> images;
     for (int c = 0; c < copies && ok.ok(); ++c) {
       Result<size_t> rb = gemm_wgmma_rows_packed_bytes(n, k);
       must(rb.status(), "gemm_wgmma_rows_packed_bytes");
       void* buf = device_alloc<uint8_t>(rb.value());
       const TensorView wv = TensorView::contiguous(w[c], DType::kE4M3, {n, k}, Device::cuda(0));
-      must(gemm_wgmma_pack_weights_rows(wv, ctas, buf, rb.value(), stream),
+      must(gemm_wgmma_pack_weights_rows(wv, ctas, buf, rb.value(), stream, align),
            "gemm_wgmma_pack_weights_rows");
       images.push_back(buf);
     }
@@ -787,7 +800,13 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
   const std::vector<void*> row_images = pack_images(row_ctas, rows_ok);
   const Status ks_ok = gemm_wgmma_rows_supported(n, k, true);
   const int ks_ctas = image_ctas(true);
-  const std::vector<void*> ks_images = pack_images(ks_ctas, ks_ok);
+  const std::vector<void*> ks_images = pack_images(ks_ctas, ks_ok, 4);
+  // (The K split's plain partition: its own images, packed only when a variant asks for them.)
+  bool want_plain = only_variants.empty();
+  for (const int64_t v_req : only_variants)
+    want_plain = want_plain || v_req % 100 == 46 || v_req % 100 == 47;
+  const std::vector<void*> ks_images1 =
+      want_plain ? pack_images(ks_ctas, ks_ok, 1) : std::vector<void*>{};
   uint8_t* a = device_alloc<uint8_t>(static_cast<size_t>(max_pad * k));
   float* sa = device_alloc<float>(static_cast<size_t>(max_pad * kb));
   uint16_t* out = device_alloc<uint16_t>(static_cast<size_t>(max_pad * n));
@@ -1050,9 +1069,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_ctas = row_ctas;
         }
         if (variants[v].ksplit) {
-          oc.row_packed_weights = ks_images[static_cast<size_t>(c)];
+          const bool plain = variants[v].ks_plain;
+          oc.row_packed_weights = (plain ? ks_images1 : ks_images)[static_cast<size_t>(c)];
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
+          oc.row_k_split_align = plain ? 1 : 4;
         }
         return oc;
       };
@@ -1063,7 +1084,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.min_units_per_cta != 16 ? " units " + std::to_string(o.min_units_per_cta) : "") +
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
-          (variants[v].ksplit ? " row K split"
+          (variants[v].ksplit
+               ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "")
            : variants[v].rows ? " row split"
                               : "") +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
@@ -1078,7 +1100,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
                     rows_ok.to_string().c_str());
         continue;
       }
-      if (variants[v].ksplit && ks_images.empty()) {
+      if (variants[v].ksplit && (variants[v].ks_plain ? ks_images1 : ks_images).empty()) {
         std::printf("M %lld %s: %s\n", static_cast<long long>(rows_m), name.c_str(),
                     ks_ok.to_string().c_str());
         continue;
@@ -1166,6 +1188,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
     for (void* buf : bufs) cudaFree(buf);
   for (void* buf : row_images) cudaFree(buf);
   for (void* buf : ks_images) cudaFree(buf);
+  for (void* buf : ks_images1) cudaFree(buf);
   cudaFree(a);
   cudaFree(sa);
   cudaFree(out);

@@ -415,7 +415,7 @@ namespace {
 
 // The row split over `image` (packed for `ctas` CTAs) with the object's wgmma options otherwise.
 Status run_rows(const Fp8BlockGemmOptions& options, const GemmParams& p, const void* image,
-                int ctas, const void* ks_image, int ks_ctas, bool programmatic,
+                int ctas, const void* ks_image, int ks_ctas, int ks_align, bool programmatic,
                 cudaStream_t stream) {
   GemmWgmmaOptions o = options.wgmma;
   o.row_packed_weights = image;
@@ -433,6 +433,7 @@ Status run_rows(const Fp8BlockGemmOptions& options, const GemmParams& p, const v
     ks.row_packed_weights = ks_image;
     ks.row_packed_ctas = ks_ctas;
     ks.row_k_split = true;
+    ks.row_k_split_align = ks_align;
     const Status st = run_gemm_wgmma_cuda(p, nullptr, 0, stream, ks);
     if (st.code() != StatusCode::kUnsupported) return st;
   }
@@ -449,8 +450,8 @@ Status Fp8BlockGemm::run_row_split(const GemmParams& p, const GemmRowImage& imag
     return run(p, stream);
   M3_RETURN_IF_ERROR(check(p));
   if (m == 0) return Status::Ok();
-  return run_rows(s.options, p, image.data, image.ctas, image.ks_data, image.ks_ctas, programmatic,
-                  stream);
+  return run_rows(s.options, p, image.data, image.ctas, image.ks_data, image.ks_ctas,
+                  image.ks_row_align, programmatic, stream);
 }
 
 Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
@@ -460,7 +461,7 @@ Status Fp8BlockGemm::run(const GemmParams& p, cudaStream_t stream) {
   if (m == 0) return Status::Ok();
   if (s.row_weight != nullptr && p.b.data == s.row_weight && p.b.stride[0] == s.row_weight_stride &&
       m <= s.options.row_split_max_m && m <= kGemmWgmmaMaxM)
-    return run_rows(s.options, p, s.row_image, s.row_ctas, nullptr, 0, false, stream);
+    return run_rows(s.options, p, s.row_image, s.row_ctas, nullptr, 0, 1, false, stream);
   if (m <= s.wgmma_max_m)
     return run_gemm_wgmma_cuda(p, s.wgmma_workspace, s.wgmma_workspace_bytes, stream,
                                s.options.wgmma);

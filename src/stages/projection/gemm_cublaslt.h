@@ -223,9 +223,11 @@ struct GemmRowImage {
   const void* data = nullptr;
   int ctas = 0;
   // Optionally the same weight's K-split image (gemm_wgmma_pack_weights_rows for ks_ctas =
-  // gemm_wgmma_rows_ctas(N, true) CTAs; Fp8BlockGemmOptions::row_k_split_min_m); null: none.
+  // gemm_wgmma_rows_ctas(N, true) CTAs and row_align ks_row_align, by default 4;
+  // Fp8BlockGemmOptions::row_k_split_min_m); null: none.
   const void* ks_data = nullptr;
   int ks_ctas = 0;
+  int ks_row_align = 4;
 };
 
 class Fp8BlockGemm {

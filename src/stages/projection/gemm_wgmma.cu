@@ -162,11 +162,15 @@ int rows_grid(int64_t n, int sms, bool k_split) {
 // CTA, K <= 8192), the K split (at most kKsRowsMax rows per pair, its halves' K blocks staged next
 // to its ring) or, `image`, either (what the packed image itself allows).
 enum class RowsForm { kRows, kKSplit, kImage };
-Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form) {
+// align: the image's partition (gemm_wgmma_detail::rows_begin; 4: the K split's aligned one).
+Status rows_shape_supported(int64_t n, int64_t k, int64_t grid, RowsForm form, int align = 1) {
   const int64_t max_rows =
       form == RowsForm::kRows ? gemm_wgmma_detail::kRowsMax : gemm_wgmma_detail::kKsRowsMax;
   const char* what = form == RowsForm::kKSplit ? "the row K split" : "the row split";
-  if ((n + grid - 1) / grid > max_rows)
+  const bool aligned =
+      n < (int64_t{1} << 31) && grid < (int64_t{1} << 31) &&
+      gemm_wgmma_detail::rows_aligned(static_cast<int>(grid), static_cast<int>(n), align);
+  if (aligned ? 4 * ((n / 4 + grid - 1) / grid) > max_rows : (n + grid - 1) / grid > max_rows)
     return unsupported(what, " serves N <= ", max_rows, " x ", grid,
                        " (its image CTAs), got N = ", n);
   if (k / kBlockK > gemm_wgmma_detail::kRowsMaxKblocks)
@@ -274,7 +278,7 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k) {
 }
 
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
-                                    size_t packed_bytes, cudaStream_t stream) {
+                                    size_t packed_bytes, cudaStream_t stream, int row_align) {
   M3_RETURN_IF_ERROR(check_pack_weight(b, "gemm_wgmma_pack_weights_rows"));
   const int64_t n = b.shape[0], k = b.shape[1];
   Result<size_t> need = gemm_wgmma_rows_packed_bytes(n, k);
@@ -283,12 +287,14 @@ Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
                "gemm_wgmma_pack_weights_rows: N = ", n, " and K = ", k, " must be below 2^31");
   M3_CHECK_ARG(ctas >= 1 && ctas <= n, "gemm_wgmma_pack_weights_rows: ctas = ", ctas,
                " must be in [1, N = ", n, "]");
-  M3_RETURN_IF_ERROR(rows_shape_supported(n, k, ctas, RowsForm::kImage));
+  M3_CHECK_ARG(row_align == 1 || row_align == 4,
+               "gemm_wgmma_pack_weights_rows: row_align = ", row_align, " must be 1 or 4");
+  M3_RETURN_IF_ERROR(rows_shape_supported(n, k, ctas, RowsForm::kImage, row_align));
   M3_RETURN_IF_ERROR(
       check_pack_buffer(packed, packed_bytes, need.value(), "gemm_wgmma_pack_weights_rows"));
   gemm_wgmma_detail::pack_weights_rows_kernel<<<1024, 256, 0, stream>>>(
       static_cast<const uint8_t*>(b.data), b.stride[0], static_cast<int>(n),
-      static_cast<int>(k / kBlockK), ctas, static_cast<uint8_t*>(packed));
+      static_cast<int>(k / kBlockK), ctas, row_align, static_cast<uint8_t*>(packed));
   M3_CUDA_CHECK_LAUNCH();
   return Status::Ok();
 }
@@ -412,8 +418,12 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     const int rgrid = options.row_packed_ctas;
     M3_CHECK_ARG(rgrid >= 1 && rgrid <= n, "GemmWgmmaOptions::row_packed_ctas = ", rgrid,
                  " must be the image's CTA count, in [1, N = ", n, "]");
+    // (row_k_split_align: the K split's partition only; the row split's is always the plain one.)
+    const int row_align = options.row_k_split ? options.row_k_split_align : 1;
+    M3_CHECK_ARG(row_align == 1 || row_align == 4, "GemmWgmmaOptions::row_k_split_align = ",
+                 row_align, " must be 1 or 4");
     M3_RETURN_IF_ERROR(rows_shape_supported(
-        n, k, rgrid, options.row_k_split ? RowsForm::kKSplit : RowsForm::kRows));
+        n, k, rgrid, options.row_k_split ? RowsForm::kKSplit : RowsForm::kRows, row_align));
     const int kpb = options.burst;
     M3_CHECK_ARG(kpb == 0 || kpb == 1 || kpb == 2 || kpb == 4, "GemmWgmmaOptions::burst = ", kpb,
                  " must be 0, 1, 2 or 4 with row_packed_weights (K blocks per ring stage)");
@@ -457,6 +467,7 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
+    ra.row_align = row_align;
     if (options.row_k_split)
       return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
                                                    stream);

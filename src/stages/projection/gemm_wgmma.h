@@ -93,14 +93,23 @@ struct GemmWgmmaOptions {
   // halves (one CTA per SM); half h takes the K blocks of the image steps s with s % 2 == h, folds
   // its token-major m64n80k32 products, and the halves reduce-scatter their fp32 sums through
   // shared memory; half h then stores the pair's rows 40 h ... 40 h + 39 of every token. Pack the
-  // image for gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) and pass that count as
-  // row_packed_ctas; ctas_per_sm does not apply; burst must be 0 or 2 (3 stages of 2 K blocks); K
-  // up to 6400 (gemm_wgmma_rows_supported(N, K, true)); M <= 32 is unsupported (slower than the
-  // row split there). Same products as the row split; the fp32 sum of the two halves' partial sums
-  // instead of one running sum over K. Session 23 (fused N 9856 x K 6144, b2b us, same rounds): M
-  // 64 chained 18.19-18.38 against the row split's 18.50-18.72, plain 19.84-20.08 against
-  // 19.43-19.71.
+  // image for gemm_wgmma_rows_ctas(N, true) CTAs (one per SM) with row_align row_k_split_align (4
+  // by default) and pass that count as row_packed_ctas; ctas_per_sm does not apply; burst must
+  // be 0 or 2 (3 stages of 2 K blocks); K up to 6400 (gemm_wgmma_rows_supported(N, K, true)); M
+  // <= 32 is unsupported (slower than the row split there). Same products as the row split; the
+  // fp32 sum of the two halves' partial sums instead of one running sum over K. Session 23
+  // (fused N 9856 x K 6144, b2b us, same rounds): M 64 chained 18.19-18.38 against the row
+  // split's 18.50-18.72, plain 19.84-20.08 against 19.43-19.71.
   bool row_k_split = false;
+  // With row_k_split (session 26): the image's partition, the row_align it was packed with
+  // (gemm_wgmma_pack_weights_rows; the two must agree): 4 (default), each pair's first row a
+  // multiple of 4 where N % 4 == 0 and N / 4 >= row_packed_ctas (at N 9856 over 132 pairs of 72
+  // and 76 rows; elsewhere the plain partition), or 1, the plain partition (74-75 rows). Session
+  // 26 round F (fused N 9856 x K 6144, same round, 3 runs, b2b us plain / chained): M 64
+  // 19.30-19.33 / 17.34-17.43 against 19.50-19.57 / 17.56-17.57, M 48 19.08-19.10 / 17.11-17.16
+  // against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03 against 18.97-19.08 /
+  // 17.08-17.11.
+  int row_k_split_align = 4;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the
@@ -206,8 +215,11 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // gemm_wgmma_rows_ctas for this device) into `packed`
 // (gemm_wgmma_rows_packed_bytes bytes, 16-byte aligned), on `stream`. Calls then pass the same
 // count as GemmWgmmaOptions::row_packed_ctas.
+// row_align 4 (the K split's image, session 26): the aligned partition, each image CTA's first row
+// a multiple of 4 where N % 4 == 0 and N / 4 >= ctas (else the plain one), what the K split reads
+// by default (GemmWgmmaOptions::row_k_split_align 4); 1: the plain one (the row split's).
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
-                                    size_t packed_bytes, cudaStream_t stream);
+                                    size_t packed_bytes, cudaStream_t stream, int row_align = 1);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

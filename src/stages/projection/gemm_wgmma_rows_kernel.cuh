@@ -223,7 +223,8 @@ struct RowsArgs : ScalesOut {
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
   int trigger_dependents;
-  int one_box;  // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
+  int one_box;        // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
+  int row_align = 1;  // the image's partition (rows_begin; the K split only: 1 or 4)
   // Bench diagnostics (GemmWgmmaOptions::debug_trace; nullptr in every production call):
   // kRowsTraceWords per CTA, written by consumer thread 0 (below).
   unsigned long long* trace;
@@ -244,12 +245,20 @@ struct RowsArgs : ScalesOut {
 constexpr int kRowsTraceWords = 8;
 static_assert(kRowsTraceWords == kTraceWords, "gemm_wgmma_trace_words() serves both kernels");
 
-// CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r.
-__host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n) {
-  return static_cast<int>(int64_t{c} * n / grid);
+// CTA c's first weight row among `grid` CTAs sharing n rows; the CTA owning row r. align 4 (the K
+// split's aligned partition, session 26: RowsArgs::row_align) splits n / 4 runs of 4 rows the same
+// way, so that every CTA starts on a multiple of 4, where n % 4 == 0 and every CTA gets a run
+// (rows_aligned); otherwise (and for align 1) the plain partition.
+__host__ __device__ __forceinline__ bool rows_aligned(int grid, int n, int align) {
+  return align == 4 && n % 4 == 0 && n / 4 >= grid;
 }
-__host__ __device__ __forceinline__ int rows_owner(int r, int grid, int n) {
-  return static_cast<int>((int64_t{r + 1} * grid - 1) / n);
+__host__ __device__ __forceinline__ int rows_begin(int c, int grid, int n, int align = 1) {
+  return rows_aligned(grid, n, align) ? 4 * static_cast<int>(int64_t{c} * (n / 4) / grid)
+                                      : static_cast<int>(int64_t{c} * n / grid);
+}
+__host__ __device__ __forceinline__ int rows_owner(int r, int grid, int n, int align = 1) {
+  return rows_aligned(grid, n, align) ? static_cast<int>((int64_t{r / 4 + 1} * grid - 1) / (n / 4))
+                                      : static_cast<int>((int64_t{r + 1} * grid - 1) / n);
 }
 // Byte offset in the image of K block kb of the CTA with rows [r_begin, r_begin + rows) (its
 // columns 8 (kb % kImageStep) ... inside the CTA's chunk of kb's step).
@@ -757,8 +766,9 @@ __global__ void __launch_bounds__(rows_threads<kWg>(), kWg == 1 ? 2 : 1)
 // Packs b [N, K] (row stride ldb bytes) into the row split's image for `grid` CTAs (see the top of
 // this file): 16-byte chunk j of row r (of its CTA) of K block kb at column 8 (kb % kImageStep) + j
 // of the CTA's chunk of kb's step. One thread per 16-byte chunk of b.
-static __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb,
-                                                int n, int kblocks, int grid,
+// align: the partition (rows_begin; 4: the K split's aligned one).
+static __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, int64_t ldb, int n,
+                                                int kblocks, int grid, int align,
                                                 uint8_t* __restrict__ image) {
   const int64_t row_chunks = int64_t{kblocks} * (kBlockK / 16);
   const int64_t chunks = int64_t{n} * row_chunks;
@@ -767,8 +777,9 @@ static __global__ void pack_weights_rows_kernel(const uint8_t* __restrict__ b, i
     const int row = static_cast<int>(i / row_chunks);
     const int cj = static_cast<int>(i - int64_t{row} * row_chunks);
     const int kb = cj / 8, j = cj % 8;
-    const int c = rows_owner(row, grid, n);
-    const int r_begin = rows_begin(c, grid, n), rows = rows_begin(c + 1, grid, n) - r_begin;
+    const int c = rows_owner(row, grid, n, align);
+    const int r_begin = rows_begin(c, grid, n, align);
+    const int rows = rows_begin(c + 1, grid, n, align) - r_begin;
     const int r = row - r_begin;
     const uint4 v = *reinterpret_cast<const uint4*>(b + int64_t{row} * ldb + int64_t{cj} * 16);
     *reinterpret_cast<uint4*>(image + rows_image_offset(kb, r_begin, rows, n, kblocks) +

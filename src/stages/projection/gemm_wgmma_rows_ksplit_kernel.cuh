@@ -1,6 +1,7 @@
 // The row split's K split (GemmWgmmaOptions::row_k_split; session 23, opt-in): the math and the
-// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (74-75 for N
-// 9856 over 132 image CTAs, one per SM) shared by the two HALVES of one CTA (two consumer
+// packed image of gemm_wgmma_rows_kernel.cuh, with the weight rows of one image CTA (72 / 76 for N
+// 9856 over 132 image CTAs, one per SM: the aligned partition, session 26 below; 74-75 over the
+// plain one) shared by the two HALVES of one CTA (two consumer
 // warpgroups, two producer warps), which split its K: half h in {0, 1} takes the image steps s
 // with s % 2 == h (K blocks 8 j + 4 h ... 8 j + 4 h + 3), so both halves read neighbouring steps
 // of the image (the grid still reads a front through memory) and each reads only the activation
@@ -77,6 +78,24 @@
 // before its barrier). So the stores stall on the writes in flight once a warp has issued about
 // five (of ten); what bounds them (L2 write latency under the other SMs' weight stream, the SM's
 // outstanding writes) is open.
+//
+// Session 26, round F (same round, 3 runs, b2b us plain / chained): the aligned partition (each
+// pair's first row a multiple of 4: rows_begin with RowsArgs::row_align 4, the image packed the
+// same way; 72 / 76 rows per pair at N 9856 against 74-75) won although its largest pair has 76
+// rows against 75: M 64 19.30-19.33 / 17.34-17.43 against 19.50-19.57 / 17.56-17.57, M 48
+// 19.08-19.10 / 17.11-17.16 against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03
+// against 18.97-19.08 / 17.08-17.11; the default since (GemmWgmmaOptions::row_k_split_align 4).
+// (Why is not measured apart: every pair's outputs then start on an even element, so no pair
+// straddles two lanes and no column is stored alone, and each pair's weight bytes per K block start
+// 512-byte aligned in the image. Its trace, M 64 chained: about to store -> h0 stored 0.54 us
+// against 0.73, last warp stored 2.20 after the last stage full against 2.31.) Lost there and
+// deleted: over the aligned partition, the outputs as 8-byte stores of 4 columns (one shuffle per
+// group between lanes q and q ^ 1 of a quad: lane q even keeping token row0's columns 8 j + 2 q ...
+// + 3, lane q odd row0 + 8's; 5 stores per thread instead of 10): M 64 19.27-19.33 / 17.39-17.46, M
+// 48 19.09-19.19 / 17.15-17.22, M 33 18.84-18.95 / 16.97-17.00 against the 4-byte pairs' numbers
+// above (a tie). Its trace: the five 8-byte stores issued over 0.38 us after the first (against ten
+// 4-byte ones over ~0.45): half the store instructions, the same bytes and about the same stall:
+// not the number of stores a warp has in flight, more likely the writes themselves.
 //
 // M > 32 only: at M <= 32 (a 32-row box, warps 2-3 holding padding) it was slower than the row
 // split in every round, plain and chained (round H, b2b us: M 1 23.05-23.07 / 20.02-20.10 against
@@ -231,8 +250,8 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // below put the wgmmas on a divergent path for ptxas, which then serializes them, C7520.)
   const int h = __shfl_sync(0xffffffffu, tid < 256 ? tid / 128 : (tid - 256) / 32, 0);
   const int g = static_cast<int>(blockIdx.x), pairs = static_cast<int>(gridDim.x);
-  const int r_begin = rows_begin(g, pairs, p.n);
-  const int rows = rows_begin(g + 1, pairs, p.n) - r_begin;
+  const int r_begin = rows_begin(g, pairs, p.n, p.row_align);
+  const int rows = rows_begin(g + 1, pairs, p.n, p.row_align) - r_begin;
   const int kb_count = p.kblocks;
   const int kbl = ksplit_local_kblocks(kb_count, h);
   // (Session 24 round I, same round, b2b us, lost and deleted: each half's last stage of two K

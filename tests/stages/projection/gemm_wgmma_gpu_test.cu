@@ -82,6 +82,9 @@ struct Case {
   int row_ctas = 0;         // its CTA count (GemmWgmmaOptions::row_packed_ctas; 0: this device's)
   bool k_split = false;     // GemmWgmmaOptions::row_k_split (with rows)
   int early = 0;            // GemmWgmmaOptions::row_early_stages (with rows and pdl)
+  // The K split's partition (session 26): the image's row_align and
+  // GemmWgmmaOptions::row_k_split_align, 4 (the default, aligned) or 1 (plain).
+  int ks_align = 4;
 };
 
 std::string describe(const Case& c) {
@@ -94,7 +97,8 @@ std::string describe(const Case& c) {
          " waves " + std::to_string(c.waves) + " owner fixup " + std::to_string(c.owner) +
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
-         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early);
+         " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
+         " K split align " + std::to_string(c.ks_align);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -141,8 +145,10 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_packed_ctas = c.row_ctas > 0 ? c.row_ctas : ctas.ok() ? ctas.value() : 1;
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
-    const Status st = gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas,
-                                                   rows_image.data(), rows_image.bytes(), nullptr);
+    o.row_k_split_align = c.ks_align;
+    const Status st =
+        gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas, rows_image.data(),
+                                     rows_image.bytes(), nullptr, c.k_split ? c.ks_align : 1);
     EXPECT_TRUE(st.ok()) << st.to_string();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     dev.b.poison(0x7F);
@@ -765,8 +771,9 @@ TEST(GemmWgmmaRowSplit, GraphReplayWithNewInputsEqualsEager) {
       DeviceBuffer image(bytes.value(), 0);
       Result<int> ctas = gemm_wgmma_rows_ctas(n, ks);
       ASSERT_TRUE(ctas.ok()) << ctas.status().to_string();
+      // (The K split's image: its default partition, row_align 4.)
       ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
-                                               image.bytes(), nullptr)
+                                               image.bytes(), nullptr, ks ? 4 : 1)
                       .ok());
       GemmWgmmaOptions o;
       o.row_packed_weights = image.data();
@@ -853,48 +860,53 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
 // the K split over it, M 32 the row split, and where the K split cannot serve the shape (K 8192 >
 // 6400) the row split too; exact against the twin with the weight itself poisoned, plain and with
 // PDL.
+// Session 26: K-split images of the aligned partition (GemmRowImage::ks_row_align 4, the default)
+// and of the plain one.
 TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
   M3_REQUIRE_WGMMA();
-  for (const int64_t k : {2048, 8192}) {
-    const int64_t n = k == 2048 ? 9856 : 640;
-    Fp8BlockGemmOptions o;
-    o.autotune = false;
-    o.row_split_max_m = 64;
-    o.row_k_split_min_m = 33;
-    auto r = Fp8BlockGemm::create(64, n, k, o);
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
-    for (int64_t m : {32, 36, 48, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " K " << k);
-      Rng rng(seed);
-      GemmData d = make_integer_data(m, n, k, rng);
-      DeviceGemm dev(d, n);
-      Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
-      ASSERT_TRUE(bytes.ok());
-      Result<int> ctas = gemm_wgmma_rows_ctas(n), ks_ctas = gemm_wgmma_rows_ctas(n, true);
-      ASSERT_TRUE(ctas.ok() && ks_ctas.ok());
-      DeviceBuffer image(bytes.value(), 0), ks_image(bytes.value(), 0);
-      ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
-                                               image.bytes(), nullptr)
-                      .ok());
-      ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ks_ctas.value(), ks_image.data(),
-                                               ks_image.bytes(), nullptr)
-                      .ok());
-      M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-      dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
-      const GemmRowImage img{image.data(), ctas.value(), ks_image.data(), ks_ctas.value()};
-      for (bool pdl : {false, true}) {
-        dev.out.poison(kPoison);
-        const Status st = gemm->run_row_split(dev.params(), img, pdl, nullptr);
-        ASSERT_TRUE(st.ok()) << st.to_string();
+  for (const int align : {1, 4}) {
+    for (const int64_t k : {2048, 8192}) {
+      const int64_t n = k == 2048 ? 9856 : 640;
+      Fp8BlockGemmOptions o;
+      o.autotune = false;
+      o.row_split_max_m = 64;
+      o.row_k_split_min_m = 33;
+      auto r = Fp8BlockGemm::create(64, n, k, o);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      std::unique_ptr<Fp8BlockGemm> gemm = std::move(r).value();
+      for (int64_t m : {32, 36, 48, 64}) {
+        const uint64_t seed = fresh_seed();
+        M3_SEED_TRACE(seed);
+        SCOPED_TRACE(::testing::Message() << "M " << m << " K " << k << " K-split align " << align);
+        Rng rng(seed);
+        GemmData d = make_integer_data(m, n, k, rng);
+        DeviceGemm dev(d, n);
+        Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
+        ASSERT_TRUE(bytes.ok());
+        Result<int> ctas = gemm_wgmma_rows_ctas(n), ks_ctas = gemm_wgmma_rows_ctas(n, true);
+        ASSERT_TRUE(ctas.ok() && ks_ctas.ok());
+        DeviceBuffer image(bytes.value(), 0), ks_image(bytes.value(), 0);
+        ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
+                                                 image.bytes(), nullptr)
+                        .ok());
+        ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ks_ctas.value(), ks_image.data(),
+                                                 ks_image.bytes(), nullptr, align)
+                        .ok());
         M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-        int64_t touched = 0;
-        const std::vector<uint16_t> got = dev.result(&touched);
-        EXPECT_EQ(touched, 0);
-        std::string report;
-        EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0) << "PDL " << pdl << report;
+        dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
+        const GemmRowImage img{image.data(), ctas.value(), ks_image.data(), ks_ctas.value(), align};
+        for (bool pdl : {false, true}) {
+          dev.out.poison(kPoison);
+          const Status st = gemm->run_row_split(dev.params(), img, pdl, nullptr);
+          ASSERT_TRUE(st.ok()) << st.to_string();
+          M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
+          int64_t touched = 0;
+          const std::vector<uint16_t> got = dev.result(&touched);
+          EXPECT_EQ(touched, 0);
+          std::string report;
+          EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0)
+              << "PDL " << pdl << report;
+        }
       }
     }
   }
@@ -966,16 +978,21 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
 
 // Row K split (session 23): small shapes for compute-sanitizer (memcheck / racecheck), padded
 // tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
+// Session 26: both partitions (the aligned one: at N 640 pairs of 4 / 8 rows, half 1 without
+// columns; the plain one).
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  for (int64_t m : {33, 50, 64}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(::testing::Message() << "M " << m);
-    Rng rng(seed);
-    Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
-    c.k_split = true;
-    expect_exact_vs_twin(c, rng);
+  for (int align : {4, 1}) {
+    for (int64_t m : {33, 50, 64}) {
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(::testing::Message() << "M " << m << " K split align " << align);
+      Rng rng(seed);
+      Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
+      c.k_split = true;
+      c.ks_align = align;
+      expect_exact_vs_twin(c, rng);
+    }
   }
 }
 
@@ -984,6 +1001,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
 // even rows, straddling weight-scale blocks), padded outputs, padded tokens and two activation
 // boxes (M 33 / 47 / 57 / 63), 2 to 5 rows per pair (half 1 without columns), images for 100 /
 // 200 pairs (61-62 and 30-31 rows), K blocks 1 / 3 / 9 / 13 (partial stages, half 1 idle), PDL.
+// Session 26: every case over both partitions (the aligned one, the default: pairs of 72 / 76 rows
+// at N 9856, 60 / 64 and 28 / 32 rows over 100 / 200 pairs, 4 / 8 at N 640, the plain partition
+// at N 384 (96 runs of 4 rows, fewer than the pairs); the plain one).
 TEST(GemmWgmmaRowSplit, KSplitEdges) {
   M3_REQUIRE_WGMMA();
   auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
@@ -993,34 +1013,40 @@ TEST(GemmWgmmaRowSplit, KSplitEdges) {
     c.row_ctas = row_ctas;
     return c;
   };
-  for (const Case& c :
-       {ks(64, 9856, 6144, 0, false, 0), ks(64, 9856, 2048, 8, true, 0),
-        ks(33, 9856, 1152, 16, false, 0), ks(47, 9856, 2048, 8, true, 0),
-        ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
-        ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
-    const uint64_t seed = fresh_seed();
-    M3_SEED_TRACE(seed);
-    SCOPED_TRACE(describe(c));
-    Rng rng(seed);
-    expect_exact_vs_twin(c, rng);
+  for (int align : {4, 1}) {
+    for (Case c : {ks(64, 9856, 6144, 0, false, 0), ks(64, 9856, 2048, 8, true, 0),
+                   ks(33, 9856, 1152, 16, false, 0), ks(47, 9856, 2048, 8, true, 0),
+                   ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
+                   ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
+      c.ks_align = align;
+      const uint64_t seed = fresh_seed();
+      M3_SEED_TRACE(seed);
+      SCOPED_TRACE(describe(c));
+      Rng rng(seed);
+      expect_exact_vs_twin(c, rng);
+    }
   }
 }
 
 // The K split with programmatic launch (session 25's fold and epilogue): small shapes for
 // compute-sanitizer (memcheck / racecheck), rings reused (K 4096), padded tokens and outputs, the
 // fused width at K 1152 (pairs of 74-75 rows), exact against the twin.
+// Session 26: both partitions (see SanitizerSmallKSplit).
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
   M3_REQUIRE_WGMMA();
-  for (const int64_t n : {640, 9856}) {
-    for (int64_t m : {33, 64}) {
-      const uint64_t seed = fresh_seed();
-      M3_SEED_TRACE(seed);
-      SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n);
-      Rng rng(seed);
-      Case c{m, n, n == 640 ? 4096 : 1152, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0, false,
-             true};
-      c.k_split = true;
-      expect_exact_vs_twin(c, rng);
+  for (int align : {4, 1}) {
+    for (const int64_t n : {640, 9856}) {
+      for (int64_t m : {33, 64}) {
+        const uint64_t seed = fresh_seed();
+        M3_SEED_TRACE(seed);
+        SCOPED_TRACE(::testing::Message() << "M " << m << " N " << n << " K split align " << align);
+        Rng rng(seed);
+        Case c{m,    n, n == 640 ? 4096 : 1152, 8, 0, false, 0, 4, 0, true, 0, true, 1, false, 0,
+               false, true};
+        c.k_split = true;
+        c.ks_align = align;
+        expect_exact_vs_twin(c, rng);
+      }
     }
   }
 }
@@ -1111,6 +1137,13 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
             StatusCode::kUnsupported);
   bad.burst = 1;  // (the K split: 2 K blocks per stage)
   EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad.burst = 0;
+  bad.row_k_split_align = 2;  // (the K split's partitions: 1 or 4)
+  EXPECT_EQ(run_gemm_wgmma_cuda(p, ws.data(), ws.bytes(), nullptr, bad).code(),
+            StatusCode::kInvalidArgument);
+  bad.row_k_split_align = 4;
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 6, image.data(), image.bytes(), nullptr, 2).code(),
             StatusCode::kInvalidArgument);
   {
     // K 6528 (51 K blocks: 27 in half 0): beyond what a half stages.

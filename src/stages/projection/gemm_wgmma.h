@@ -108,7 +108,7 @@ struct GemmWgmmaOptions {
   // 26 round F (fused N 9856 x K 6144, same round, 3 runs, b2b us plain / chained): M 64
   // 19.30-19.33 / 17.34-17.43 against 19.50-19.57 / 17.56-17.57, M 48 19.08-19.10 / 17.11-17.16
   // against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03 against 18.97-19.08 /
-  // 17.08-17.11.
+  // 17.08-17.11; round FINAL2 M 64 19.32-19.38 / 17.33-17.42 against 19.56-19.60 / 17.56-17.62.
   int row_k_split_align = 4;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:

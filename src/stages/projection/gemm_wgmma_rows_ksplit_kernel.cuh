@@ -85,6 +85,9 @@
 // rows against 75: M 64 19.30-19.33 / 17.34-17.43 against 19.50-19.57 / 17.56-17.57, M 48
 // 19.08-19.10 / 17.11-17.16 against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03
 // against 18.97-19.08 / 17.08-17.11; the default since (GemmWgmmaOptions::row_k_split_align 4).
+// Round FINAL2 (the default's tip, same round, 3 runs): M 64 19.32-19.38 / 17.33-17.42 against
+// 19.56-19.60 / 17.56-17.62, M 48 19.08-19.20 / 17.18-17.20 against 19.22-19.28 / 17.29-17.32, M
+// 33 18.94-19.02 / 17.02-17.07 against 19.06-19.13 / 17.07-17.15.
 // (Why is not measured apart: every pair's outputs then start on an even element, so no pair
 // straddles two lanes and no column is stored alone, and each pair's weight bytes per K block start
 // 512-byte aligned in the image. Its trace, M 64 chained: about to store -> h0 stored 0.54 us

@@ -417,7 +417,7 @@ Status CudaMsaLayer::set_row_split(bool on) {
       M3_RETURN_IF_ERROR(bytes.status());
       M3_RETURN_IF_ERROR(alloc(bytes.value(), image));
       M3_RETURN_IF_ERROR(
-          gemm_wgmma_pack_weights_rows(wv, c.value(), image->data(), image->bytes(), nullptr));
+          gemm_wgmma_pack_weights_rows(wv, c.value(), image->data(), image->bytes(), nullptr, 1));
       *ctas = c.value();
       return Status::Ok();
     };

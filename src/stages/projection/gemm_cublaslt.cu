@@ -246,7 +246,7 @@ Status Fp8BlockGemm::pack_weights_rows(const TensorView& b, cudaStream_t stream)
   M3_RETURN_IF_ERROR(ctas.status());
   s.row_weight = nullptr;  // (unused until the image is written)
   M3_RETURN_IF_ERROR(
-      gemm_wgmma_pack_weights_rows(b, ctas.value(), s.row_image, s.row_image_bytes, stream));
+      gemm_wgmma_pack_weights_rows(b, ctas.value(), s.row_image, s.row_image_bytes, stream, 1));
   s.row_ctas = ctas.value();
   s.row_weight = b.data;
   s.row_weight_stride = b.stride[0];

@@ -217,9 +217,11 @@ Result<size_t> gemm_wgmma_rows_packed_bytes(int64_t n, int64_t k);
 // count as GemmWgmmaOptions::row_packed_ctas.
 // row_align 4 (the K split's image, session 26): the aligned partition, each image CTA's first row
 // a multiple of 4 where N % 4 == 0 and N / 4 >= ctas (else the plain one), what the K split reads
-// by default (GemmWgmmaOptions::row_k_split_align 4); 1: the plain one (the row split's).
+// by default (GemmWgmmaOptions::row_k_split_align 4); 1: the plain one (the row split's). No
+// default: the image does not record its partition, and a K split reading an image packed with
+// another one computes wrong outputs without an error, so every caller states it.
 Status gemm_wgmma_pack_weights_rows(const TensorView& b, int ctas, void* packed,
-                                    size_t packed_bytes, cudaStream_t stream, int row_align = 1);
+                                    size_t packed_bytes, cudaStream_t stream, int row_align);
 
 // Whether the current device can run the kernel (sm_90 with TMA and wgmma).
 bool gemm_wgmma_device_supported();

@@ -887,7 +887,7 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
         ASSERT_TRUE(ctas.ok() && ks_ctas.ok());
         DeviceBuffer image(bytes.value(), 0), ks_image(bytes.value(), 0);
         ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ctas.value(), image.data(),
-                                                 image.bytes(), nullptr)
+                                                 image.bytes(), nullptr, 1)
                         .ok());
         ASSERT_TRUE(gemm_wgmma_pack_weights_rows(dev.params().b, ks_ctas.value(), ks_image.data(),
                                                  ks_image.bytes(), nullptr, align)
@@ -1110,7 +1110,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
               StatusCode::kInvalidArgument)
         << n_ctas;
     EXPECT_EQ(
-        gemm_wgmma_pack_weights_rows(p.b, n_ctas, image.data(), image.bytes(), nullptr).code(),
+        gemm_wgmma_pack_weights_rows(p.b, n_ctas, image.data(), image.bytes(), nullptr, 1).code(),
         StatusCode::kInvalidArgument)
         << n_ctas;
   }
@@ -1122,7 +1122,7 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   // The image itself serves up to 76 rows per CTA (the K split's pairs): 3 CTAs (86 rows) no;
   // the K split over 3 pairs neither, over 6 (43 rows) it runs (below, with the K split's own
   // rejections).
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 3, image.data(), image.bytes(), nullptr).code(),
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, 3, image.data(), image.bytes(), nullptr, 1).code(),
             StatusCode::kUnsupported);
   bad.row_k_split = true;
   bad.row_packed_ctas = 3;
@@ -1163,10 +1163,10 @@ TEST(GemmWgmmaRowSplit, RejectedCallsWriteNothing) {
   EXPECT_EQ(gemm_wgmma_rows_supported(256, 6528, true).code(), StatusCode::kUnsupported);
   EXPECT_TRUE(gemm_wgmma_rows_supported(256, 6400, true).ok());
   EXPECT_EQ(gemm_wgmma_rows_ctas(0).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr).code(),
+  EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, image.data(), 64, nullptr, 1).code(),
             StatusCode::kInvalidArgument);  // too small
   EXPECT_EQ(gemm_wgmma_pack_weights_rows(p.b, ctas, static_cast<uint8_t*>(image.data()) + 8,
-                                         image.bytes() - 8, nullptr)
+                                         image.bytes() - 8, nullptr, 1)
                 .code(),
             StatusCode::kInvalidArgument);  // misaligned
   EXPECT_EQ(gemm_wgmma_rows_packed_bytes(200, 512).status().code(), StatusCode::kInvalidArgument);

@@ -834,14 +834,7 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRunsThePackedWeight) {
     EXPECT_NE(gemm->describe().find("row split"), std::string::npos) << gemm->describe();
     const bool row_split = m <= o.row_split_max_m;
     if (row_split) dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
-    const Status st = gemm->run(dev.params(), nullptr);
-    ASSERT_TRUE(st.ok()) << st.to_string();
-    M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-    int64_t touched = 0;
-    const std::vector<uint16_t> got = dev.result(&touched);
-    EXPECT_EQ(touched, 0);
-    std::string report;
-    EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0) << report;
+    expect_launch_exact(gemm->run(dev.params(), nullptr), dev, cpu_gemm(d));
   }
   // Shapes the row split cannot serve are refused and change nothing.
   Fp8BlockGemmOptions o;
@@ -896,16 +889,10 @@ TEST(GemmWgmmaRowSplit, Fp8BlockGemmRowSplitWithKSplitImage) {
         dev.b.poison(0x7F);  // E4M3 NaN: any read of b would show
         const GemmRowImage img{image.data(), ctas.value(), ks_image.data(), ks_ctas.value(), align};
         for (bool pdl : {false, true}) {
+          SCOPED_TRACE(::testing::Message() << "PDL " << pdl);
           dev.out.poison(kPoison);
-          const Status st = gemm->run_row_split(dev.params(), img, pdl, nullptr);
-          ASSERT_TRUE(st.ok()) << st.to_string();
-          M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-          int64_t touched = 0;
-          const std::vector<uint16_t> got = dev.result(&touched);
-          EXPECT_EQ(touched, 0);
-          std::string report;
-          EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(d), n, &report), 0)
-              << "PDL " << pdl << report;
+          expect_launch_exact(gemm->run_row_split(dev.params(), img, pdl, nullptr), dev,
+                              cpu_gemm(d));
         }
       }
     }

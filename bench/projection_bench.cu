@@ -428,6 +428,11 @@ struct ShapeVariant {
   // The K split over the plain partition (row_k_split_align 1, its own image; session 26: the
   // default is the aligned one).
   bool ks_plain = false;
+  // The K split's compact form (GemmWgmmaOptions::row_k_split_compact; session 27: a CTA that fits
+  // twice on an SM) and, chained, its trigger point (row_k_split_trigger: 0 at the start, 1 once
+  // the last stages are full, 2 once the last loads are issued).
+  bool compact = false;
+  int trigger = 0;
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -488,13 +493,18 @@ std::string trace_summary(const TraceBuffer& tb) {
 // half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
 // second call's entry after the first call's last warp on that SM, and the second call's first
 // stage after the first call's last warp anywhere (what griddepcontrol.wait waits for).
+// Session 27 (the compact form, which fits twice on an SM): how many distinct SMs the grid's CTAs
+// ran on (one per SM per call as designed), and the second call's entry after the first call's
+// last stage full (the later half's) on the same SM (negative: before it).
 std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, int grid,
                                 unsigned long long t0, std::vector<double>* sm_last,
                                 const std::vector<double>* prev_sm_last, double* last_any,
-                                double prev_last_any) {
+                                double prev_last_any, std::vector<double>* sm_full = nullptr,
+                                const std::vector<double>* prev_sm_full = nullptr) {
   constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
   if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
-  std::vector<double> v[12], gap, first_after, end1, end2, wait_after, full_after_wait;
+  std::vector<double> v[12], gap, first_after, end1, end2, wait_after, full_after_wait, gap_full;
+  std::vector<int> sms;
   double slow_last = -1;
   std::string slow;  // the CTA whose last warp stored last: its marks
   auto since_t0 = [&](unsigned long long ns) {
@@ -529,10 +539,18 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     }
     any = std::max(any, last);
     const int sm = static_cast<int>(x[0]);
+    sms.push_back(sm);
     if (sm_last != nullptr) {
       if (sm_last->size() <= static_cast<size_t>(sm)) sm_last->resize(sm + 1, -1.0);
       (*sm_last)[sm] = last;
     }
+    if (sm_full != nullptr) {
+      if (sm_full->size() <= static_cast<size_t>(sm)) sm_full->resize(sm + 1, -1.0);
+      (*sm_full)[sm] = lf;
+    }
+    if (prev_sm_full != nullptr && static_cast<size_t>(sm) < prev_sm_full->size() &&
+        (*prev_sm_full)[sm] >= 0)
+      gap_full.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_full)[sm]);
     if (prev_sm_last != nullptr && static_cast<size_t>(sm) < prev_sm_last->size() &&
         (*prev_sm_last)[sm] >= 0) {
       gap.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_last)[sm]);
@@ -563,7 +581,12 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                            "h0 first store issued",
                            "h0 row 0 stored",
                            "h0 row 1 converted"};
-  std::string out = "K split tail, us after the CTA's last stage full (median/max):";
+  std::sort(sms.begin(), sms.end());
+  const size_t distinct =
+      sms.empty() ? 0 : static_cast<size_t>(std::unique(sms.begin(), sms.end()) - sms.begin());
+  std::string out = "SMs " + std::to_string(distinct) + " distinct for " +
+                    std::to_string(sms.size()) + " traced CTAs; " +
+                    "K split tail, us after the CTA's last stage full (median/max):";
   for (int k = 0; k < 12; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
   out += " the CTA ending last (us after the time base): " + slow + ";";
   char buf[128];
@@ -581,6 +604,15 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
            "; first stage full after the first call's last warp anywhere " + stat(first_after) +
            "; half 0 past griddepcontrol.wait after it " + stat(wait_after);
   out += "; first stage full after half 0's wait " + stat(full_after_wait);
+  if (!gap_full.empty()) {
+    std::sort(gap_full.begin(), gap_full.end());
+    char b[128];
+    std::snprintf(b, sizeof(b),
+                  "; entry after the first call's last stage full on its SM (min/median/max) "
+                  "%.2f/%.2f/%.2f",
+                  gap_full.front(), gap_full[gap_full.size() / 2], gap_full.back());
+    out += b;
+  }
   if (end1.size() > 2) {
     // Whether the same SMs end late in both calls (a static imbalance) or not.
     double m1 = 0, m2 = 0, s11 = 0, s22 = 0, s12 = 0;
@@ -739,6 +771,16 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 16.99-17.03.)
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true},
+      // (48-53, session 27: the K split's compact form (two CTAs fit on an SM; one per SM per
+      // call) plain; chained with the trigger at the start, once the last stages are full, once
+      // the last loads are issued (its whole weight ring early); chained with 2 of its 3 weight
+      // stages early, trigger once full / at the start. Diagnostics: 1348 its ring alone.)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, false, true},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 0},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 2},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 1},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 0},
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -1074,6 +1116,8 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
           oc.row_k_split_align = plain ? 1 : 4;
+          oc.row_k_split_compact = variants[v].compact;
+          oc.row_k_split_trigger = variants[v].trigger;
         }
         return oc;
       };
@@ -1085,14 +1129,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
           (variants[v].ksplit
-               ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "")
+               ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "") +
+                     (variants[v].compact ? " compact" : "") +
+                     (variants[v].chain && variants[v].trigger > 0
+                          ? " trigger " + std::to_string(variants[v].trigger)
+                          : "")
            : variants[v].rows ? " row split"
                               : "") +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") +
-          (variants[v].chain ? " pdl chain" : "") +
+          (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {
@@ -1155,16 +1202,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
                       name.c_str(), bench::rows_trace_summary(words2, tctas, t0).c_str());
           if (variants[v].ksplit) {
-            std::vector<double> sm_last;
+            std::vector<double> sm_last, sm_full;
             double last_any = 0;
             std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
                         name.c_str(),
-                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0)
+                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0,
+                                            &sm_full, nullptr)
                             .c_str());
             std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
                         name.c_str(),
                         ksplit_tail_summary(words2, ks_ctas, t0, nullptr, &sm_last, nullptr,
-                                            last_any)
+                                            last_any, nullptr, &sm_full)
                             .c_str());
           }
         } else {

@@ -15,10 +15,11 @@ struct RowsArgs;
 
 // Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
 // args.m rows, 33 ... 64 (the activation map's box: 64 token rows). diag: 0, or the bench
-// diagnostics 2 / 3 / 4 / 6 / 7 (results wrong). The caller has validated the shape (M, rows per
-// pair, local K blocks).
+// diagnostics 2 / 3 / 4 / 6 / 7 (results wrong). compact: the form that fits twice on an SM
+// (GemmWgmmaOptions::row_k_split_compact). The caller has validated the shape (M, rows per pair,
+// local K blocks).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          const CudaDeviceInfo& info, cudaStream_t stream);
+                          bool compact, const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

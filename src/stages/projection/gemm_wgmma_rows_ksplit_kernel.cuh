@@ -115,6 +115,18 @@
 // against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
 // 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
 //
+// Session 27, the compact form (GemmWgmmaOptions::row_k_split_compact, KsForm<true> below; the
+// same kernel, epilogue, fold order, hand-over and trace): a CTA that fits twice on an SM (~114 KB
+// of shared memory, 96 registers), still one CTA per SM per call. Why (the lead's arithmetic): in a
+// chained b2b run the next call's CTA could only enter an SM once this call's ~230 KB CTA had left
+// it, so each SM's share of DRAM idled through this CTA's ~2.3 us tail (last byte landed -> stores
+// done) and the ~0.85 us before the next CTA entered (a plain 60.55 MB read takes ~14.7 us against
+// 17.3-17.4 chained). With room for a second CTA and griddepcontrol.launch_dependents issued late
+// (RowsArgs::trigger_dependents 2 / 3: once the CTA's last stages are full / its last loads
+// issued), the next call's CTA enters during the tail and requests its whole weight ring before
+// griddepcontrol.wait. The risk: a ring half as deep per SM (3 weight stages of one K block per
+// half: ~58 KB of weights in flight per SM against ~117 KB) may stream slower.
+//
 // Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
 // split's kRowsTraceWords per CTA (below), and a second block of kKsTraceExtWords per CTA after
 // the grid's (trace + gridDim.x x kRowsTraceWords + blockIdx.x x kKsTraceExtWords; the buffer
@@ -166,24 +178,44 @@ constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
-// One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
-// static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
-// activation slots stay aligned).
-constexpr int kKsHalfBytes = (232448 - 256 - 1024) / 2 / 1024 * 1024;
-constexpr int kKsKpb = 2;     // K blocks per ring stage
-constexpr int kKsStages = 3;  // ring stages per half
-constexpr int kKsActStage = kKsKpb * kKsActSlot;
-// A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
-// (fewer rows leave more room than they overrun).
-constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
-constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
-// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; 26:
-// K up to 6400).
-constexpr int kKsMaxLocalKblocks = (kKsHalfBytes - kKsRing) / kKsScaleBytesPerKb;
-static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
-static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
-// (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
-static_assert(4 * 5 * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
+// The two forms' shared-memory layouts (per half: activation slots, weight slots, scales).
+// kCompact false, the K split since session 23: one CTA per SM (~230 KB), a ring of 3 stages of 2
+// K blocks, each stage one activation slot and one weight slot per K block. kCompact true (session
+// 27, GemmWgmmaOptions::row_k_split_compact): a CTA that fits TWICE on an SM (2 x (dynamic + static
+// + 1 KB reserved) <= 233472 B, and <= 96 registers per thread), so that a chained call's CTA can
+// enter the SM while this call's CTA runs its tail: stages of ONE K block, 3 weight slots and 2
+// activation slots per half, decoupled (stage i's weights issued once stage i - 3 is released, its
+// activation boxes once stage i - 2 is; both complete on stage i's full barrier).
+template <bool kCompact>
+struct KsForm {
+  static constexpr int kKpb = kCompact ? 1 : 2;        // K blocks per ring stage
+  static constexpr int kStages = 3;                    // full / empty barriers, weight slots
+  static constexpr int kActSlots = kCompact ? 2 : 3;   // activation stages per half
+  static constexpr int kCtasPerSm = kCompact ? 2 : 1;  // (__launch_bounds__, the launch's check)
+  static constexpr int kActStage = kKpb * kKsActSlot;
+  // A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
+  // (fewer rows leave more room than they overrun).
+  static constexpr int kWeightStage = kKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+  static constexpr int kRing = kActSlots * kActStage + kStages * kWeightStage;
+  // One half's region: at most half of what one CTA may hold (one per SM: 232448 B; two per SM:
+  // 233472 / 2 less the 1 KB the SM reserves per CTA), less at most 256 B of static shared memory
+  // and the 1024-byte alignment slack, a multiple of 1024 (the second half's activation slots stay
+  // aligned). Compact: 56320 B (ring 45760, scales of up to 40 local K blocks).
+  static constexpr int kHalfBytes =
+      ((kCompact ? 233472 / 2 - 1024 : 232448) - 256 - 1024) / 2 / 1024 * 1024;
+  // Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; the
+  // default form 26: K up to 6400).
+  static constexpr int kMaxLocalKblocks = (kHalfBytes - kRing) / kKsScaleBytesPerKb;
+  static_assert(kActStage % 1024 == 0 && kWeightStage % 16 == 0, "slot alignment");
+  static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
+  // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
+  static_assert(4 * 5 * 32 * 16 <= kActSlots * kActStage, "reduce-scatter space");
+  // (A 4th weight slot in the compact form: 55552 B of ring, 61888 with K 6144's scales: no fit.)
+  static_assert(!kCompact || 2 * (1024 + 2 * kHalfBytes + 256 + 1024) <= 233472, "two per SM");
+};
+// The default form's limit (the shape check; the compact form holds more).
+constexpr int kKsMaxLocalKblocks = KsForm<false>::kMaxLocalKblocks;
+static_assert(KsForm<true>::kMaxLocalKblocks >= kKsMaxLocalKblocks, "the compact form's K");
 
 // K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
 __host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
@@ -194,8 +226,10 @@ __host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
+template <bool kCompact>
 __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
-  return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
+  using F = KsForm<kCompact>;
+  return 1024 + F::kHalfBytes + F::kRing + kbl0 * kKsScaleBytesPerKb;
 }
 
 // Two floats as a bf16 pair (lo in bits 0-15), each rounded to nearest even.
@@ -231,9 +265,11 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0>
-__global__ void __launch_bounds__(kKsThreads, 1)
+template <int kDiag = 0, bool kCompact = false>
+__global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
+  using F = KsForm<kCompact>;
+  constexpr int kKpb = F::kKpb, kStages = F::kStages;
   constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
   // (diagnostics 3, 4, 6: no output stores)
   constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;
@@ -241,8 +277,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
-  __shared__ __align__(8) uint64_t empty_bar[2][kKsStages];
+  __shared__ __align__(8) uint64_t full_bar[2][kStages];
+  __shared__ __align__(8) uint64_t empty_bar[2][kStages];
+  __shared__ uint32_t trigger_count;  // (RowsArgs::trigger_dependents 2 / 3: the halves ready)
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
 
@@ -261,33 +298,38 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
+  const int steps = (kbl + kKpb - 1) / kKpb;
   // Stage i's first local K block and its K blocks. (Session 25 round F, same round, b2b us: each
   // half's last stage of two K blocks as two stages of one re-measured with the cheaper fold and
   // epilogue, tied again: M 64 19.56-19.60 / chained 17.39-17.42 against 19.44-19.52 /
   // 17.40-17.44; M 33 / 48 chained +0.05-0.1.)
-  static_assert(kKsKpb == 2, "stage_first / stage_nk");
-  auto stage_first = [](int i) { return 2 * i; };
-  auto stage_nk = [&](int i) { return kbl - 2 * i < 2 ? kbl - 2 * i : 2; };
+  auto stage_first = [](int i) { return kKpb * i; };
+  auto stage_nk = [&](int i) { return kbl - kKpb * i < kKpb ? kbl - kKpb * i : kKpb; };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
-  const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
-  const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
-  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + kKsRing);
+  const uint32_t hbase = base + static_cast<uint32_t>(h * F::kHalfBytes);
+  const uint32_t wbase = hbase + static_cast<uint32_t>(F::kActSlots * F::kActStage);
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + F::kRing);
   float* s_sb = s_sa + kbl * 64;
 
   if (tid == 0) {
     prefetch_tensor_map(&xmap);
     for (int b = 0; b < 2; ++b)
-      for (int s = 0; s < kKsStages; ++s) {
+      for (int s = 0; s < kStages; ++s) {
         mbar_init(smem_addr(&full_bar[b][s]), 1);
         mbar_init(smem_addr(&empty_bar[b][s]), 128);
       }
+    trigger_count = 0;
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  // Programmatic launch: when the next chained call may start (RowsArgs::trigger_dependents; one
+  // thread per CTA suffices: the PTX ISA counts a CTA's first launch_dependents, later ones have no
+  // effect). 1: here, at the start. 2 / 3 (late, the compact form's point; session 27): once both
+  // halves' last stages are full / their last loads issued (the producers below), so that the next
+  // call's CTA, entering the SM's free slot, streams its weights during this CTA's tail.
+  if (p.trigger_dependents == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   // (Session 25 round F, same round, b2b us: 384 threads, the producer warpgroup's registers given
   // to the consumers by setmaxnreg 40 / 232 (no spills): M 64 19.35-19.43 / chained 17.34-17.46
   // against 19.44-19.52 / 17.40-17.44, M 33 / 48 within 0.1: tied, deleted.)
@@ -302,7 +344,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
         t[1] = static_cast<unsigned long long>(clock64());
       }
       for (int i = 0; i < steps; ++i) {
-        mbar_wait(smem_addr(&full_bar[h][i % kKsStages]), (i / kKsStages) & 1);
+        mbar_wait(smem_addr(&full_bar[h][i % kStages]), (i / kStages) & 1);
         const unsigned long long c = static_cast<unsigned long long>(clock64());
         if (h == 0 && i == 0) t[2] = c;
         if (h == 0 && i == steps / 2) t[3] = c;
@@ -312,25 +354,40 @@ __global__ void __launch_bounds__(kKsThreads, 1)
     }
     if (lane == 0) {
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
-      // rows, its K blocks' columns) and activation boxes on one full barrier.
+      // rows, its K blocks' columns) and activation boxes on one full barrier (its expected bytes
+      // armed with the weights, which are always issued first).
       const uint64_t policy = evict_first_policy();
       auto load_weights = [&](int i) {
-        const int s = i % kKsStages;
+        const int s = i % kStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
         const uint32_t nk = static_cast<uint32_t>(stage_nk(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
-        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+        const uint32_t dst = wbase + static_cast<uint32_t>(s * F::kWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
                                                          rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
+      auto load_acts = [&](int i) {
+        const uint32_t full = smem_addr(&full_bar[h][i % kStages]);
+        const uint32_t act = hbase + static_cast<uint32_t>((i % F::kActSlots) * F::kActStage);
+        const int nk = stage_nk(i);
+        for (int q = 0; q < nk; ++q) {
+          const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
+          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
+          tma_load_2d(dst, &xmap, k0, 0, full);
+          if (slots.half < 64)
+            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
+                        full);
+        }
+      };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
       // (RowsArgs::early_weights; by default two of the three stages per half. Session 24, same
       // rounds, b2b us, M 64 chained: round D 2 stages 17.68-17.70, 1 stage 18.00-18.03, the whole
-      // ring 18.39-18.41; round C 1 stage 17.79-17.84, the ring 18.34-18.36.)
-      const int ring = steps < kKsStages ? steps : kKsStages;
-      const int want = p.early_weights < 0 ? 2 : p.early_weights;
+      // ring 18.39-18.41; round C 1 stage 17.79-17.84, the ring 18.34-18.36.) The compact form:
+      // by default its whole weight ring (3 stages of one K block per half; session 27).
+      const int ring = steps < kStages ? steps : kStages;
+      const int want = p.early_weights < 0 ? (kCompact ? kStages : 2) : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       // (Session 25, pa, same rounds, b2b us, lost and deleted: the weights of 1-8 stages past the
@@ -353,20 +410,40 @@ __global__ void __launch_bounds__(kKsThreads, 1)
       // (Session 25 round C, same round, b2b us, lost and deleted: the first ring's weights at
       // once and its later activation boxes only after stage 0 had landed, so that stage 0's
       // boxes pass L2 first: M 64 20.72-20.81 / chained 18.49 against 19.73-19.91 / 17.65-17.73.)
-      for (int i = 0; i < steps; ++i) {
-        const int s = i % kKsStages;
-        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
-        if (i >= early) load_weights(i);
-        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-        const int nk = stage_nk(i);
-        for (int q = 0; q < nk; ++q) {
-          const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
-          tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
-          if (slots.half < 64)
-            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
-                        smem_addr(&full_bar[h][s]));
+      if constexpr (!kCompact) {
+        for (int i = 0; i < steps; ++i) {
+          const int s = i % kStages;
+          if (i >= kStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kStages) - 1) & 1);
+          if (i >= early) load_weights(i);
+          load_acts(i);
         }
+      } else {
+        // The first ring (the weights not requested early, the first activation stages), then
+        // per released stage j: stage j + 2's activations (its slot) and stage j + 3's weights.
+        for (int i = 0; i < ring; ++i) {
+          if (i >= early) load_weights(i);
+          if (i < F::kActSlots) load_acts(i);
+        }
+        static_assert(F::kActSlots == 2 && kStages == 3, "the activations one stage behind");
+        for (int j = 0; j + F::kActSlots < steps; ++j) {
+          mbar_wait(smem_addr(&empty_bar[h][j % kStages]), (j / kStages) & 1);
+          load_acts(j + 2);
+          if (j + 3 < steps) load_weights(j + 3);
+        }
+      }
+      if (p.trigger_dependents >= 2) {
+        // Late trigger: 3, once this half's last loads are issued; 2, once its last stage is full
+        // (within one phase of its barrier: the producer issued that stage after stage steps - 3
+        // was released, i.e. after stage steps - 4 had landed on the same barrier). The second
+        // half to get there triggers for the CTA.
+        if (p.trigger_dependents == 2 && steps > 0)
+          mbar_wait(smem_addr(&full_bar[h][(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
+        uint32_t before;
+        asm volatile("atom.shared.add.u32 %0, [%1], 1;\n"
+                     : "=r"(before)
+                     : "r"(smem_addr(&trigger_count))
+                     : "memory");
+        if (before == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
       }
     }
     return;  // (consumers synchronize with named barriers only)
@@ -403,7 +480,7 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  float frag[kKsKpb][kAcc];
+  float frag[kKpb][kAcc];
 
   // The fold: acc += frag x sa[token] x sb[block] (a thread's values: tokens row0 / row0 + 8, its
   // columns 8 c + m0 + e of the CTA's rows, whose weight-scale block is blk0 or blk0 + 1: a CTA's
@@ -437,15 +514,15 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   };
 
   auto issue = [&](int i) {
-    const int s = i % kKsStages;
-    mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
+    const int s = i % kStages;
+    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = stage_nk(i);
-    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
-    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
+    const uint32_t act = hbase + static_cast<uint32_t>((i % F::kActSlots) * F::kActStage);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * F::kWeightStage);
     wgmma_fence();
 #pragma unroll
-    for (int q = 0; q < kKsKpb; ++q) {
+    for (int q = 0; q < kKpb; ++q) {
       if (q < left && !kRing) {
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
@@ -462,9 +539,9 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   auto fold_stage = [&](int i) {
     const int left = stage_nk(i);
 #pragma unroll
-    for (int q = 0; q < kKsKpb; ++q) {
-      wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
-      if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
+    for (int q = 0; q < kKpb; ++q) {
+      wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);
+      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
       if (q < left && !kRing) {
         const int l = stage_first(i) + q;
         if constexpr (kDiag == 2) {
@@ -518,10 +595,10 @@ __global__ void __launch_bounds__(kKsThreads, 1)
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
   // (Trace: a counter of the consumer warps done with their stores, in half 0's drained weight
   // slots, which the hand-over does not touch; zeroed before the barrier below.)
-  const uint32_t tcount = base + static_cast<uint32_t>(kKsStages * kKsActStage);
+  const uint32_t tcount = base + static_cast<uint32_t>(F::kActSlots * F::kActStage);
   if (tx != nullptr && tid == 0) asm volatile("st.shared.u32 [%0], 0;\n" ::"r"(tcount) : "memory");
   {
-    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * F::kHalfBytes) + xoff;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
       if (other(c))

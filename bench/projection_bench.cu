@@ -433,6 +433,7 @@ struct ShapeVariant {
   // the last stages are full, 2 once the last loads are issued).
   bool compact = false;
   int trigger = 0;
+  int slots = 3;  // with compact: weight slots per half (row_k_split_weight_slots)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -781,6 +782,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 2},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 1},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 0},
+      // (54-56, session 27 round B: the compact form with 4 weight slots per half (its activation
+      // scales in registers) plain; chained with the trigger at the start / once full.)
+      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, false, true, 0, 4},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 0, 4},
+      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 1, 4},
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -1118,6 +1124,7 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_k_split_align = plain ? 1 : 4;
           oc.row_k_split_compact = variants[v].compact;
           oc.row_k_split_trigger = variants[v].trigger;
+          oc.row_k_split_weight_slots = variants[v].slots;
         }
         return oc;
       };
@@ -1130,7 +1137,11 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (variants[v].packed ? " packed" : "") +
           (variants[v].ksplit
                ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "") +
-                     (variants[v].compact ? " compact" : "") +
+                     (variants[v].compact
+                          ? " compact" + (variants[v].slots != 3
+                                              ? " slots " + std::to_string(variants[v].slots)
+                                              : std::string())
+                          : "") +
                      (variants[v].chain && variants[v].trigger > 0
                           ? " trigger " + std::to_string(variants[v].trigger)
                           : "")

@@ -117,6 +117,10 @@ struct GemmWgmmaOptions {
   // enters the SM while this call's CTA runs its tail and streams its whole weight ring then.
   // Same products and fold order as the K split (bit-identical outputs).
   bool row_k_split_compact = false;
+  // With row_k_split_compact (session 27): weight slots per half, 3 (default) or 4 (the activation
+  // scales then read into registers a stage ahead instead of staged in shared memory, to make
+  // room).
+  int row_k_split_weight_slots = 3;
   // With row_k_split and trigger_dependents (session 27): where each CTA executes
   // griddepcontrol.launch_dependents: 0 at its start (as the other kernels), 1 once both halves'
   // last stages are full, 2 once both halves' last loads are issued. A late trigger lets a chained

@@ -126,6 +126,18 @@
 // issued), the next call's CTA enters during the tail and requests its whole weight ring before
 // griddepcontrol.wait. The risk: a ring half as deep per SM (3 weight stages of one K block per
 // half: ~58 KB of weights in flight per SM against ~117 KB) may stream slower.
+// Round A (same round, 2 runs, b2b us, fused M 64; the default form's 26 / 27 against the compact
+// one's): plain 19.68-19.74 against 19.24-19.30; chained 18.33-18.35 with the trigger at the start,
+// 18.84-19.40 once the last stages are full, 19.02-19.04 once the last loads are issued, 18.60-20.03
+// with 2 early stages, against 17.40-17.42 (M 33 / 48 chained: 18.20-18.28 / 18.23-18.24 at the
+// start, 21.9-23.6 late, against 17.04 / 17.18-17.20). Its ring alone (diagnostic 3) plain
+// 17.15-17.18 against 16.98-17.00. The trace (M 64 chained): one CTA per SM in both calls (132
+// distinct SMs); first -> last stage full 13.6-14.0 us per CTA against 10.5 (the consumers ready
+// for the last stage before it lands: the shallow ring, not the compute, bounds it); with the start
+// trigger the next call's first stage full 1.1-1.2 us after the previous call's last warp against
+// 2.5-4.1 (the boundary the form was for), but with a late one its CTAs enter 1.6-2.7 us after the
+// previous call's last stage full (the dependent launch's own latency after the last CTA's
+// trigger), i.e. only as the tail ends.
 //
 // Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
 // split's kRowsTraceWords per CTA (below), and a second block of kKsTraceExtWords per CTA after
@@ -185,13 +197,19 @@ constexpr int kKsTraceExtWords = 16;              // the trace's second block pe
 // + 1 KB reserved) <= 233472 B, and <= 96 registers per thread), so that a chained call's CTA can
 // enter the SM while this call's CTA runs its tail: stages of ONE K block, 3 weight slots and 2
 // activation slots per half, decoupled (stage i's weights issued once stage i - 3 is released, its
-// activation boxes once stage i - 2 is; both complete on stage i's full barrier).
-template <bool kCompact>
+// activation boxes once stage i - 2 is; both complete on stage i's full barrier). kForm: 0 the
+// default form; 3 the compact one; 4 the compact one with 4 weight slots, its activation scales
+// not staged in shared memory but read into registers (each thread its two tokens' scales, at the
+// start of each stage; that frees the 4th slot's room).
+template <int kForm>
 struct KsForm {
-  static constexpr int kKpb = kCompact ? 1 : 2;        // K blocks per ring stage
-  static constexpr int kStages = 3;                    // full / empty barriers, weight slots
-  static constexpr int kActSlots = kCompact ? 2 : 3;   // activation stages per half
-  static constexpr int kCtasPerSm = kCompact ? 2 : 1;  // (__launch_bounds__, the launch's check)
+  static constexpr bool kCompact = kForm != 0;
+  static constexpr int kKpb = kCompact ? 1 : 2;         // K blocks per ring stage
+  static constexpr int kStages = kCompact ? kForm : 3;  // full / empty barriers, weight slots
+  static constexpr int kActSlots = kCompact ? 2 : 3;    // activation stages per half
+  static constexpr int kCtasPerSm = kCompact ? 2 : 1;   // (__launch_bounds__, the launch)
+  static constexpr bool kRegScales = kForm == 4;        // activation scales read into registers
+  static constexpr int kScaleBytesPerKb = kRegScales ? 2 * 4 : kKsScaleBytesPerKb;
   static constexpr int kActStage = kKpb * kKsActSlot;
   // A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
   // (fewer rows leave more room than they overrun).
@@ -205,17 +223,22 @@ struct KsForm {
       ((kCompact ? 233472 / 2 - 1024 : 232448) - 256 - 1024) / 2 / 1024 * 1024;
   // Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; the
   // default form 26: K up to 6400).
-  static constexpr int kMaxLocalKblocks = (kHalfBytes - kRing) / kKsScaleBytesPerKb;
+  static constexpr int kMaxLocalKblocks = (kHalfBytes - kRing) / kScaleBytesPerKb;
   static_assert(kActStage % 1024 == 0 && kWeightStage % 16 == 0, "slot alignment");
   static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
   // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
   static_assert(4 * 5 * 32 * 16 <= kActSlots * kActStage, "reduce-scatter space");
-  // (A 4th weight slot in the compact form: 55552 B of ring, 61888 with K 6144's scales: no fit.)
+  // (A 4th weight slot with the activation scales staged: 55552 B of ring, 61888 with K 6144's
+  // scales: no fit; hence kForm 4's registers. Read a stage ahead, or copied a stage ahead into a
+  // shared ring of each warp's 16 rows, ptxas spilled more at 96 registers.)
+  static_assert(kForm == 0 || kForm == 3 || kForm == 4, "forms");
   static_assert(!kCompact || 2 * (1024 + 2 * kHalfBytes + 256 + 1024) <= 233472, "two per SM");
 };
-// The default form's limit (the shape check; the compact form holds more).
-constexpr int kKsMaxLocalKblocks = KsForm<false>::kMaxLocalKblocks;
-static_assert(KsForm<true>::kMaxLocalKblocks >= kKsMaxLocalKblocks, "the compact form's K");
+// The default form's limit (the shape check; the compact forms hold more).
+constexpr int kKsMaxLocalKblocks = KsForm<0>::kMaxLocalKblocks;
+static_assert(KsForm<3>::kMaxLocalKblocks >= kKsMaxLocalKblocks &&
+                  KsForm<4>::kMaxLocalKblocks >= kKsMaxLocalKblocks,
+              "the compact forms' K");
 
 // K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
 __host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
@@ -226,10 +249,10 @@ __host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
-template <bool kCompact>
+template <int kForm>
 __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
-  using F = KsForm<kCompact>;
-  return 1024 + F::kHalfBytes + F::kRing + kbl0 * kKsScaleBytesPerKb;
+  using F = KsForm<kForm>;
+  return 1024 + F::kHalfBytes + F::kRing + kbl0 * F::kScaleBytesPerKb;
 }
 
 // Two floats as a bf16 pair (lo in bits 0-15), each rounded to nearest even.
@@ -265,10 +288,11 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0, bool kCompact = false>
-__global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
+template <int kDiag = 0, int kForm = 0>
+__global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  using F = KsForm<kCompact>;
+  using F = KsForm<kForm>;
+  constexpr bool kCompact = F::kCompact;
   constexpr int kKpb = F::kKpb, kStages = F::kStages;
   constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
   // (diagnostics 3, 4, 6: no output stores)
@@ -310,8 +334,9 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
   // The half's region: activation slots, weight slots, scales.
   const uint32_t hbase = base + static_cast<uint32_t>(h * F::kHalfBytes);
   const uint32_t wbase = hbase + static_cast<uint32_t>(F::kActSlots * F::kActStage);
+  // (kForm 4: the weight scales only.)
   float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + F::kRing);
-  float* s_sb = s_sa + kbl * 64;
+  float* s_sb = s_sa + (F::kRegScales ? 0 : kbl * 64);
 
   if (tid == 0) {
     prefetch_tensor_map(&xmap);
@@ -424,18 +449,18 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
           if (i >= early) load_weights(i);
           if (i < F::kActSlots) load_acts(i);
         }
-        static_assert(F::kActSlots == 2 && kStages == 3, "the activations one stage behind");
+        static_assert(F::kActSlots < kStages, "the activations behind the weights");
         for (int j = 0; j + F::kActSlots < steps; ++j) {
           mbar_wait(smem_addr(&empty_bar[h][j % kStages]), (j / kStages) & 1);
-          load_acts(j + 2);
-          if (j + 3 < steps) load_weights(j + 3);
+          load_acts(j + F::kActSlots);
+          if (j + kStages < steps) load_weights(j + kStages);
         }
       }
       if (p.trigger_dependents >= 2) {
         // Late trigger: 3, once this half's last loads are issued; 2, once its last stage is full
-        // (within one phase of its barrier: the producer issued that stage after stage steps - 3
-        // was released, i.e. after stage steps - 4 had landed on the same barrier). The second
-        // half to get there triggers for the CTA.
+        // (within one phase of its barrier: the producer issued that stage after stage steps - 1 -
+        // kActSlots was released, i.e. after stage steps - 1 - kStages had landed on the same
+        // barrier). The second half to get there triggers for the CTA.
         if (p.trigger_dependents == 2 && steps > 0)
           mbar_wait(smem_addr(&full_bar[h][(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
         uint32_t before;
@@ -458,18 +483,32 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  for (int i = ct; i < kbl * 64; i += 128) {
-    const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
-    if (m < p.m) {
-      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
-    } else {
-      s_sa[i] = 0.0f;
+  if constexpr (!F::kRegScales) {
+    for (int i = ct; i < kbl * 64; i += 128) {
+      const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
+      if (m < p.m) {
+        cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
+      } else {
+        s_sa[i] = 0.0f;
+      }
     }
   }
 
   const int warp = (tid / 32) % 4;
   // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
   const int row0 = 16 * warp + lane / 4;
+  // kForm 4: the activation scales of the thread's two tokens for local K block l (0 for padding
+  // rows), read from L2 (after griddepcontrol.wait) before the stage's full-barrier wait. (32-bit
+  // index arithmetic, the tokens worked out at each read: at 96 registers, holding them spilled.)
+  auto load_sa = [&](int l) {
+    const int kbo = ksplit_kblock(l, h) * static_cast<int>(p.sa_s1);
+    const int t0 = slots.token(row0), t1 = slots.token(row0 + 8);
+    const int s0 = static_cast<int>(p.sa_s0);
+    float2 t;
+    t.x = t0 < p.m ? __ldcg(p.sa + (t0 * s0 + kbo)) : 0.0f;
+    t.y = t1 < p.m ? __ldcg(p.sa + (t1 * s0 + kbo)) : 0.0f;
+    return t;
+  };
   const int m0 = 2 * (lane % 4);
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
@@ -493,8 +532,7 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
   // 16.87-16.89 against 17.14-17.19, M 48 17.08-17.09 against 17.35-17.40. Round C's
   // diagnostic 2, each fragment only summed: 16.97-16.99 against 17.81-17.86.)
   const int bt = 128 * (blk0 + 1) - r_begin - m0;
-  auto fold = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
-    const float t0 = sa[row0], t1 = sa[row0 + 8];
+  auto fold = [&](const float(&f)[kAcc], float t0, float t1, float sb0, float sb1) {
     const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
@@ -536,7 +574,7 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
   };
   // Each K block folded as its group completes; the stage released after its last group, before
   // the last fold (the row split's order).
-  auto fold_stage = [&](int i) {
+  auto fold_stage = [&](int i, float2 sa_reg) {
     const int left = stage_nk(i);
 #pragma unroll
     for (int q = 0; q < kKpb; ++q) {
@@ -548,7 +586,12 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
         } else {
-          fold(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
+          if constexpr (F::kRegScales) {
+            fold(frag[q], sa_reg.x, sa_reg.y, s_sb[2 * l], s_sb[2 * l + 1]);
+          } else {
+            fold(frag[q], s_sa[l * 64 + row0], s_sa[l * 64 + row0 + 8], s_sb[2 * l],
+                 s_sb[2 * l + 1]);
+          }
         }
       }
     }
@@ -564,15 +607,17 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kCompact>::kCtasPerSm)
   // soon as its fragment was folded, the next stage's first K block before this stage's second
   // fold: M 64 19.77-19.80 / chained 18.01-18.03 against 19.73-19.91 / 17.65-17.73.)
   if (steps > 0) {
+    float2 sa_now = F::kRegScales ? load_sa(0) : float2{0.0f, 0.0f};
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
-    fold_stage(0);
+    fold_stage(0, sa_now);
     for (int i = 1; i < steps; ++i) {
+      if constexpr (F::kRegScales) sa_now = load_sa(i);
       // (No wgmma in flight here: fold(i - 1) waited for every group.)
       if (tmark && i == steps - 1) tx[1 + h] = static_cast<unsigned long long>(clock64());
       issue(i);
-      fold_stage(i);
+      fold_stage(i, sa_now);
     }
   }
   if (tmark) {

@@ -85,7 +85,9 @@ struct Case {
   // The K split's partition (session 26): the image's row_align and
   // GemmWgmmaOptions::row_k_split_align, 4 (the default, aligned) or 1 (plain).
   int ks_align = 4;
-  bool ks_compact = false;  // GemmWgmmaOptions::row_k_split_compact (session 27)
+  // GemmWgmmaOptions::row_k_split_compact with row_k_split_weight_slots 3 / 4; 0: the default form
+  // (session 27).
+  int ks_slots = 0;
 };
 
 std::string describe(const Case& c) {
@@ -99,8 +101,8 @@ std::string describe(const Case& c) {
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
          " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
-         " K split align " + std::to_string(c.ks_align) + " compact " +
-         std::to_string(c.ks_compact);
+         " K split align " + std::to_string(c.ks_align) + " compact slots " +
+         std::to_string(c.ks_slots);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -148,7 +150,8 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
     o.row_k_split_align = c.ks_align;
-    o.row_k_split_compact = c.ks_compact;
+    o.row_k_split_compact = c.ks_slots > 0;
+    o.row_k_split_weight_slots = c.ks_slots > 0 ? c.ks_slots : 3;
     const Status st =
         gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas, rows_image.data(),
                                      rows_image.bytes(), nullptr, c.k_split ? c.ks_align : 1);
@@ -970,8 +973,9 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
 // tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
 // Session 26: both partitions (the aligned one: at N 640 pairs of 4 / 8 rows, half 1 without
 // columns; the plain one).
-// Session 27: the same cases over the compact form (SanitizerSmallKSplitCompact).
-void sanitizer_small_ksplit(bool compact) {
+// Session 27: the same cases over the compact forms (SanitizerSmallKSplitCompact: 3 and 4 weight
+// slots).
+void sanitizer_small_ksplit(int slots) {
   for (int align : {4, 1}) {
     for (int64_t m : {33, 50, 64}) {
       const uint64_t seed = fresh_seed();
@@ -981,7 +985,7 @@ void sanitizer_small_ksplit(bool compact) {
       Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
       c.k_split = true;
       c.ks_align = align;
-      c.ks_compact = compact;
+      c.ks_slots = slots;
       expect_exact_vs_twin(c, rng);
     }
   }
@@ -989,12 +993,12 @@ void sanitizer_small_ksplit(bool compact) {
 
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
   M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit(false);
+  sanitizer_small_ksplit(0);
 }
 
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompact) {
   M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit(true);
+  for (int slots : {3, 4}) sanitizer_small_ksplit(slots);
 }
 
 // The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
@@ -1005,10 +1009,10 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompact) {
 // Session 26: every case over both partitions (the aligned one, the default: pairs of 72 / 76 rows
 // at N 9856, 60 / 64 and 28 / 32 rows over 100 / 200 pairs, 4 / 8 at N 640, the plain partition
 // at N 384 (96 runs of 4 rows, fewer than the pairs); the plain one).
-// Session 27: the same cases over the compact form (KSplitEdgesCompact: stages of one K block, so
-// K blocks 1 / 3 / 9 / 13 leave 1-7 stages per half, fewer than its 3 weight / 2 activation slots
-// at the smallest).
-void ksplit_edges(bool compact) {
+// Session 27: the same cases over the compact forms (KSplitEdgesCompact: stages of one K block,
+// so K blocks 1 / 3 / 9 / 13 leave 1-7 stages per half, fewer than its 3 / 4 weight and 2
+// activation slots at the smallest).
+void ksplit_edges(int slots) {
   auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
     Case c{m, n, k, ld_pad, 0, false, 0, 4, 0, true, 0, pdl};
     c.rows = true;
@@ -1022,7 +1026,7 @@ void ksplit_edges(bool compact) {
                    ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
                    ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
       c.ks_align = align;
-      c.ks_compact = compact;
+      c.ks_slots = slots;
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(describe(c));
@@ -1034,20 +1038,20 @@ void ksplit_edges(bool compact) {
 
 TEST(GemmWgmmaRowSplit, KSplitEdges) {
   M3_REQUIRE_WGMMA();
-  ksplit_edges(false);
+  ksplit_edges(0);
 }
 
 TEST(GemmWgmmaRowSplit, KSplitEdgesCompact) {
   M3_REQUIRE_WGMMA();
-  ksplit_edges(true);
+  for (int slots : {3, 4}) ksplit_edges(slots);
 }
 
 // The K split with programmatic launch (session 25's fold and epilogue): small shapes for
 // compute-sanitizer (memcheck / racecheck), rings reused (K 4096), padded tokens and outputs, the
 // fused width at K 1152 (pairs of 74-75 rows), exact against the twin.
 // Session 26: both partitions (see SanitizerSmallKSplit).
-// Session 27: the same cases over the compact form (SanitizerSmallKSplitCompactPdl).
-void sanitizer_small_ksplit_pdl(bool compact) {
+// Session 27: the same cases over the compact forms (SanitizerSmallKSplitCompactPdl).
+void sanitizer_small_ksplit_pdl(int slots) {
   for (int align : {4, 1}) {
     for (const int64_t n : {640, 9856}) {
       for (int64_t m : {33, 64}) {
@@ -1059,7 +1063,7 @@ void sanitizer_small_ksplit_pdl(bool compact) {
                false, true};
         c.k_split = true;
         c.ks_align = align;
-        c.ks_compact = compact;
+        c.ks_slots = slots;
         expect_exact_vs_twin(c, rng);
       }
     }
@@ -1068,22 +1072,22 @@ void sanitizer_small_ksplit_pdl(bool compact) {
 
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
   M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit_pdl(false);
+  sanitizer_small_ksplit_pdl(0);
 }
 
 TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompactPdl) {
   M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit_pdl(true);
+  for (int slots : {3, 4}) sanitizer_small_ksplit_pdl(slots);
 }
 
 // The compact K split chained (session 27): calls on one stream with programmatic launch, each
 // triggering its dependents (at the start, once its last stages are full, once its last loads are
-// issued, in turns), so that two calls' CTAs share SMs (the next one's CTA enters beside the
-// previous one's, streams its weights and waits for the previous grid). Three GEMMs of their own
-// weights, activations and outputs (M 64 / 48 / 33, the fused width, K 2048: 8 K blocks per half),
-// each run twice in the chain, every output exact against the twin, nothing written outside it;
-// then the whole chain captured in a graph (the programmatic edges of a decode step) and replayed
-// on re-poisoned outputs, exact again.
+// issued, in turns; 3 and 4 weight slots in turns), so that two calls' CTAs share SMs (the next
+// one's CTA enters beside the previous one's, streams its weights and waits for the previous grid).
+// Three GEMMs of their own weights, activations and outputs (M 64 / 48 / 33, the fused width, K
+// 2048: 8 K blocks per half), each run twice in the chain, every output exact against the twin,
+// nothing written outside it; then the whole chain captured in a graph (the programmatic edges of a
+// decode step) and replayed on re-poisoned outputs, exact again.
 TEST(GemmWgmmaRowSplit, KSplitCompactChainedCallsExact) {
   M3_REQUIRE_WGMMA();
   const uint64_t seed = fresh_seed();
@@ -1123,6 +1127,7 @@ TEST(GemmWgmmaRowSplit, KSplitCompactChainedCallsExact) {
       o.programmatic_launch = true;
       o.trigger_dependents = true;
       o.row_k_split_trigger = (call + 1) % 3;  // (1, 2, 0, ...: the late triggers first)
+      o.row_k_split_weight_slots = 3 + call % 2;
       const Status st = run_gemm_wgmma_cuda(devs[static_cast<size_t>(g)]->params(), ws.data(),
                                             ws.bytes(), stream, o);
       EXPECT_TRUE(st.ok()) << "call " << call << ": " << st.to_string();

@@ -428,12 +428,6 @@ struct ShapeVariant {
   // The K split over the plain partition (row_k_split_align 1, its own image; session 26: the
   // default is the aligned one).
   bool ks_plain = false;
-  // The K split's compact form (GemmWgmmaOptions::row_k_split_compact; session 27: a CTA that fits
-  // twice on an SM) and, chained, its trigger point (row_k_split_trigger: 0 at the start, 1 once
-  // the last stages are full, 2 once the last loads are issued).
-  bool compact = false;
-  int trigger = 0;
-  int slots = 3;  // with compact: weight slots per half (row_k_split_weight_slots)
 };
 
 // --trace: one isolated launch (after an L2 flush) with GemmWgmmaOptions::debug_trace; prints, over
@@ -494,9 +488,9 @@ std::string trace_summary(const TraceBuffer& tb) {
 // half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
 // second call's entry after the first call's last warp on that SM, and the second call's first
 // stage after the first call's last warp anywhere (what griddepcontrol.wait waits for).
-// Session 27 (the compact form, which fits twice on an SM): how many distinct SMs the grid's CTAs
-// ran on (one per SM per call as designed), and the second call's entry after the first call's
-// last stage full (the later half's) on the same SM (negative: before it).
+// Session 27: how many distinct SMs the grid's CTAs ran on (a form whose CTA fits twice on an SM
+// could double up), and the second call's entry after the first call's last stage full (the
+// later half's) on the same SM (negative: before it).
 std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, int grid,
                                 unsigned long long t0, std::vector<double>* sm_last,
                                 const std::vector<double>* prev_sm_last, double* last_any,
@@ -772,21 +766,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 16.99-17.03.)
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true},
-      // (48-53, session 27: the K split's compact form (two CTAs fit on an SM; one per SM per
-      // call) plain; chained with the trigger at the start, once the last stages are full, once
-      // the last loads are issued (its whole weight ring early); chained with 2 of its 3 weight
-      // stages early, trigger once full / at the start. Diagnostics: 1348 its ring alone.)
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, false, true},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 0},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 2},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 1},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 2, false, false, true, 0},
-      // (54-56, session 27 round B: the compact form with 4 weight slots per half (its activation
-      // scales in registers) plain; chained with the trigger at the start / once full.)
-      {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, false, true, 0, 4},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 0, 4},
-      {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, false, true, 1, 4},
+      // (Session 27 also timed and removed, same rounds, fused b2b us, 2-3 runs: the K split's
+      // compact form, a CTA that fits twice on an SM (stages of one K block, 3 weight and 2
+      // activation slots per half, 96 registers; one CTA per SM per call, 132 distinct SMs in
+      // every traced grid), so that a chained call's CTA enters during this call's tail. Round A
+      // M 64 plain 19.68-19.74 against 19.24-19.30, chained 18.33-18.35 (trigger at the start),
+      // 18.84-19.40 (late: once its last stages were full), 19.02-19.04 (once its last loads were
+      // issued) against 17.40-17.42; M 33 / 48 chained 18.20-18.28 / 18.23-18.24 at the start,
+      // 21.9-23.6 late, against 17.04 / 17.18-17.20. Round B, with 4 weight slots (its activation
+      // scales read into registers per stage): M 64 plain 21.34-21.40, chained 19.83-19.93,
+      // against the 3-slot form's 19.75-19.79 / 18.35-18.41 and 19.25-19.33 / 17.34-17.41; rings
+      // alone (diagnostic 3) plain 16.94-16.98 (4 slots) / 17.29-17.36 (3) against 16.99-17.01,
+      // chained 15.86-15.92 / 15.95 against 15.23-15.25. See gemm_wgmma_rows_ksplit_kernel.cuh.)
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -1122,9 +1113,6 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           oc.row_packed_ctas = ks_ctas;
           oc.row_k_split = variants[v].ksplit;
           oc.row_k_split_align = plain ? 1 : 4;
-          oc.row_k_split_compact = variants[v].compact;
-          oc.row_k_split_trigger = variants[v].trigger;
-          oc.row_k_split_weight_slots = variants[v].slots;
         }
         return oc;
       };
@@ -1136,21 +1124,14 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           (o.cluster_split > 0 ? " cluster " + std::to_string(o.cluster_split) : std::string()) +
           (variants[v].packed ? " packed" : "") +
           (variants[v].ksplit
-               ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "") +
-                     (variants[v].compact
-                          ? " compact" + (variants[v].slots != 3
-                                              ? " slots " + std::to_string(variants[v].slots)
-                                              : std::string())
-                          : "") +
-                     (variants[v].chain && variants[v].trigger > 0
-                          ? " trigger " + std::to_string(variants[v].trigger)
-                          : "")
+               ? std::string(" row K split") + (variants[v].ks_plain ? " plain partition" : "")
            : variants[v].rows ? " row split"
                               : "") +
           (ks_diag > 0 ? " ABLATE " + std::to_string(ks_diag) : std::string()) +
           (o.burst != 0 ? " burst " + std::to_string(o.burst) : "") +
           (variants[v].early > 0 ? " early " + std::to_string(variants[v].early) : "") +
-          (variants[v].one_box ? " one box" : "") + (variants[v].chain ? " pdl chain" : "") +
+          (variants[v].one_box ? " one box" : "") +
+          (variants[v].chain ? " pdl chain" : "") +
           (variants[v].no_evict_first ? " no evict-first" : "") +
           (variants[v].diag > 0 ? " ABLATE " + std::to_string(variants[v].diag) : "");
       if (variants[v].rows && !variants[v].ksplit && row_images.empty()) {

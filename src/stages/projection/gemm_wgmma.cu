@@ -464,23 +464,13 @@ Status run_gemm_wgmma_cuda(const GemmParams& p, void* workspace, size_t workspac
     ra.early_weights = !options.programmatic_launch   ? 0
                        : options.row_early_stages > 0 ? options.row_early_stages
                                                       : -1;
-    // (The K split's late triggers: RowsArgs::trigger_dependents 2 / 3.)
-    M3_CHECK_ARG(options.row_k_split_weight_slots == 3 || options.row_k_split_weight_slots == 4,
-                 "GemmWgmmaOptions::row_k_split_weight_slots = ", options.row_k_split_weight_slots,
-                 " must be 3 or 4");
-    M3_CHECK_ARG(options.row_k_split_trigger >= 0 && options.row_k_split_trigger <= 2,
-                 "GemmWgmmaOptions::row_k_split_trigger = ", options.row_k_split_trigger,
-                 " must be 0, 1 or 2");
-    ra.trigger_dependents = !options.trigger_dependents ? 0
-                            : options.row_k_split       ? 1 + options.row_k_split_trigger
-                                                        : 1;
+    ra.trigger_dependents = options.trigger_dependents ? 1 : 0;
     ra.one_box = options.row_one_box ? 1 : 0;
     ra.trace = options.debug_trace;
     ra.row_align = row_align;
     if (options.row_k_split)
-      return gemm_wgmma_detail::launch_rows_ksplit(
-          xmap, ra, rgrid, options.debug_rows_diag,
-          options.row_k_split_compact ? options.row_k_split_weight_slots : 0, info, stream);
+      return gemm_wgmma_detail::launch_rows_ksplit(xmap, ra, rgrid, options.debug_rows_diag, info,
+                                                   stream);
     // Where one activation box serves (M = 16 / 32 / 64, or row_one_box), the default
     // configuration runs the kernel compiled without the two-box slot code (session 24 round L,
     // same round, b2b us plain / chained, 3 runs: M 32 17.28-17.38 / 16.33-16.44 against

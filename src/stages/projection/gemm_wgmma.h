@@ -110,22 +110,6 @@ struct GemmWgmmaOptions {
   // against 19.23-19.26 / 17.34-17.40, M 33 18.90-18.95 / 16.99-17.03 against 18.97-19.08 /
   // 17.08-17.11; round FINAL2 M 64 19.32-19.38 / 17.33-17.42 against 19.56-19.60 / 17.56-17.62.
   int row_k_split_align = 4;
-  // With row_k_split (session 27, opt-in): its compact form, a CTA that fits twice on an SM (~114
-  // KB of shared memory, <= 96 registers per thread; gemm_wgmma_rows_ksplit_kernel.cuh KsForm):
-  // stages of one K block, 3 weight slots and 2 activation slots per half; still one CTA per SM
-  // per call, so that a chained call's CTA (programmatic_launch; its trigger row_k_split_trigger)
-  // enters the SM while this call's CTA runs its tail and streams its whole weight ring then.
-  // Same products and fold order as the K split (bit-identical outputs).
-  bool row_k_split_compact = false;
-  // With row_k_split_compact (session 27): weight slots per half, 3 (default) or 4 (the activation
-  // scales then read into registers a stage ahead instead of staged in shared memory, to make
-  // room).
-  int row_k_split_weight_slots = 3;
-  // With row_k_split and trigger_dependents (session 27): where each CTA executes
-  // griddepcontrol.launch_dependents: 0 at its start (as the other kernels), 1 once both halves'
-  // last stages are full, 2 once both halves' last loads are issued. A late trigger lets a chained
-  // compact call's CTAs enter only for this call's tail. Results do not depend on it.
-  int row_k_split_trigger = 0;
   // With row_packed_weights and programmatic_launch (session 24): the weights of at most this many
   // ring stages are requested before griddepcontrol.wait; 0: the kernels' default (a few K blocks:
   // gemm_wgmma_rows_kernel.cuh rows_early_stages; the K split two stages per half). Requesting the

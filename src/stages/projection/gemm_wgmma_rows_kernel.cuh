@@ -222,8 +222,6 @@ struct RowsArgs : ScalesOut {
   // Programmatic launch: the weights of the first early_weights stages (at most a ring; < 0: the
   // kernel's default, rows_early_stages) before griddepcontrol.wait; 0: none.
   int early_weights;
-  // griddepcontrol.launch_dependents: 0 none, 1 at the start; the K split also 2 / 3, once its
-  // halves' last stages are full / their last loads issued (GemmWgmmaOptions::row_k_split_trigger).
   int trigger_dependents;
   int one_box;        // GemmWgmmaOptions::row_one_box: one activation box per slot whatever M
   int row_align = 1;  // the image's partition (rows_begin; the K split only: 1 or 4)

@@ -15,12 +15,10 @@ struct RowsArgs;
 
 // Launches the K split over `pairs` image CTAs (one CTA of two halves each, one per SM) for M =
 // args.m rows, 33 ... 64 (the activation map's box: 64 token rows). diag: 0, or the bench
-// diagnostics 2 / 3 / 4 / 6 / 7 (results wrong). compact_slots: 0, the default form; 3 / 4, the
-// form that fits twice on an SM with that many weight slots per half
-// (GemmWgmmaOptions::row_k_split_compact, row_k_split_weight_slots). The caller has validated the
-// shape (M, rows per pair, local K blocks).
+// diagnostics 2 / 3 / 4 / 6 / 7 (results wrong). The caller has validated the shape (M, rows per
+// pair, local K blocks).
 Status launch_rows_ksplit(const CUtensorMap& xmap, const RowsArgs& args, int pairs, int diag,
-                          int compact_slots, const CudaDeviceInfo& info, cudaStream_t stream);
+                          const CudaDeviceInfo& info, cudaStream_t stream);
 
 }  // namespace m3attn::gemm_wgmma_detail
 

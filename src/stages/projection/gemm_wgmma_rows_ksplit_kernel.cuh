@@ -105,6 +105,31 @@
 // 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
 // 19.39-19.40 / 17.58-17.61 against 17.26-17.39 / 17.35-17.39); that form was deleted.
 //
+// Session 27 (rounds A-B, same rounds, b2b us plain / chained, fused M 64; lost and deleted): a
+// compact form that fit TWICE on an SM (~113 KB of shared memory, 96 registers: stages of one K
+// block, 3 weight and 2 activation slots per half, weights issued 3 stages ahead and activations
+// 2; still one CTA per SM per call: 132 distinct SMs in every traced grid), so that a chained
+// call's CTA could enter during this CTA's tail and stream its weight ring then, with
+// griddepcontrol.launch_dependents at the start or late (once both halves' last stages were full /
+// their last loads issued). Round A: 19.68-19.74 / 18.33-18.35 (start trigger), 18.84-19.40 (once
+// full), 19.02-19.04 (once issued) against 19.24-19.30 / 17.40-17.42; M 33 / 48 chained
+// 18.20-18.28 / 18.23-18.24 at the start and 21.9-23.6 late, against 17.04 / 17.18-17.20. Round
+// B: 19.75-19.79 / 18.35-18.41 against 19.25-19.33 / 17.34-17.41; with 4 weight slots (the
+// activation scales read into registers per stage, which made room) 21.34-21.40 / 19.83-19.93.
+// Its ring alone (diagnostic 3): 17.29-17.36 / 15.95 (3 slots), 16.94-16.98 / 15.86-15.92 (4)
+// against 16.99-17.01 / 15.23-15.25. Why (traces): the start trigger did move the boundary (the
+// next call's first stage full 1.1-1.3 us after the previous call's last warp anywhere against
+// 2.4-4.1), but the 3-slot CTA streamed its share in 13.4-14.0 us (first -> last stage full)
+// against 10.5-10.6, its consumers about level with the ring at the last stage (ready for it
+// -0.1 to +0.2 us, as the default form's): likely the ring, two stages of one K block in flight per
+// half while one is computed (not measured apart); the 4-slot one in 14.1, its consumers 0.3 us
+// behind the ring (the per-stage scale reads exposed). And even without compute the
+// co-resident ring loses chained by ~0.65 us: the weights the early-entered CTAs stream during
+// the previous call are taken from that call's stream (zero-sum), and nothing is left at the
+// boundary to gain in exchange. A late trigger let the next call's CTAs enter only 1.6-2.7 us
+// after the previous call's last stage full on their SM (the dependent launch's own latency after
+// the grid's last trigger), i.e. as the tail ended.
+//
 // Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
 // pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory
 // between two cluster barriers): round A M 64 21.24-21.28 / 19.51-19.55 against 19.97-19.99 /
@@ -114,30 +139,6 @@
 // M > 32; 150-byte runs per token by half the warps): round C M 64 19.88-19.96 / 18.42-18.43
 // against 19.84-19.86 / 18.32-18.36 for half the columns (M 32: 19.14-19.15 / 17.36-17.40 against
 // 19.36-19.37 / 17.62-17.65; the row split is faster there anyway: 17.22-17.24 / 17.40-17.49).
-//
-// Session 27, the compact form (GemmWgmmaOptions::row_k_split_compact, KsForm<true> below; the
-// same kernel, epilogue, fold order, hand-over and trace): a CTA that fits twice on an SM (~114 KB
-// of shared memory, 96 registers), still one CTA per SM per call. Why (the lead's arithmetic): in a
-// chained b2b run the next call's CTA could only enter an SM once this call's ~230 KB CTA had left
-// it, so each SM's share of DRAM idled through this CTA's ~2.3 us tail (last byte landed -> stores
-// done) and the ~0.85 us before the next CTA entered (a plain 60.55 MB read takes ~14.7 us against
-// 17.3-17.4 chained). With room for a second CTA and griddepcontrol.launch_dependents issued late
-// (RowsArgs::trigger_dependents 2 / 3: once the CTA's last stages are full / its last loads
-// issued), the next call's CTA enters during the tail and requests its whole weight ring before
-// griddepcontrol.wait. The risk: a ring half as deep per SM (3 weight stages of one K block per
-// half: ~58 KB of weights in flight per SM against ~117 KB) may stream slower.
-// Round A (same round, 2 runs, b2b us, fused M 64; the default form's 26 / 27 against the compact
-// one's): plain 19.68-19.74 against 19.24-19.30; chained 18.33-18.35 with the trigger at the start,
-// 18.84-19.40 once the last stages are full, 19.02-19.04 once the last loads are issued, 18.60-20.03
-// with 2 early stages, against 17.40-17.42 (M 33 / 48 chained: 18.20-18.28 / 18.23-18.24 at the
-// start, 21.9-23.6 late, against 17.04 / 17.18-17.20). Its ring alone (diagnostic 3) plain
-// 17.15-17.18 against 16.98-17.00. The trace (M 64 chained): one CTA per SM in both calls (132
-// distinct SMs); first -> last stage full 13.6-14.0 us per CTA against 10.5 (the consumers ready
-// for the last stage before it lands: the shallow ring, not the compute, bounds it); with the start
-// trigger the next call's first stage full 1.1-1.2 us after the previous call's last warp against
-// 2.5-4.1 (the boundary the form was for), but with a late one its CTAs enter 1.6-2.7 us after the
-// previous call's last stage full (the dependent launch's own latency after the last CTA's
-// trigger), i.e. only as the tail ends.
 //
 // Trace (GemmWgmmaOptions::debug_trace; projection_bench --trace, bench diagnostics): the row
 // split's kRowsTraceWords per CTA (below), and a second block of kKsTraceExtWords per CTA after
@@ -190,55 +191,24 @@ constexpr int kKsActSlot = 64 * kBlockK;          // one K block's activations (
 constexpr int kKsScaleBytesPerKb = (64 + 2) * 4;  // 64 activation scales, 2 weight-scale blocks
 constexpr int kKsThreads = 2 * 128 + 2 * 32;      // two consumer warpgroups, two producer warps
 constexpr int kKsTraceExtWords = 16;              // the trace's second block per CTA (below)
-// The two forms' shared-memory layouts (per half: activation slots, weight slots, scales).
-// kCompact false, the K split since session 23: one CTA per SM (~230 KB), a ring of 3 stages of 2
-// K blocks, each stage one activation slot and one weight slot per K block. kCompact true (session
-// 27, GemmWgmmaOptions::row_k_split_compact): a CTA that fits TWICE on an SM (2 x (dynamic + static
-// + 1 KB reserved) <= 233472 B, and <= 96 registers per thread), so that a chained call's CTA can
-// enter the SM while this call's CTA runs its tail: stages of ONE K block, 3 weight slots and 2
-// activation slots per half, decoupled (stage i's weights issued once stage i - 3 is released, its
-// activation boxes once stage i - 2 is; both complete on stage i's full barrier). kForm: 0 the
-// default form; 3 the compact one; 4 the compact one with 4 weight slots, its activation scales
-// not staged in shared memory but read into registers (each thread its two tokens' scales, at the
-// start of each stage; that frees the 4th slot's room).
-template <int kForm>
-struct KsForm {
-  static constexpr bool kCompact = kForm != 0;
-  static constexpr int kKpb = kCompact ? 1 : 2;         // K blocks per ring stage
-  static constexpr int kStages = kCompact ? kForm : 3;  // full / empty barriers, weight slots
-  static constexpr int kActSlots = kCompact ? 2 : 3;    // activation stages per half
-  static constexpr int kCtasPerSm = kCompact ? 2 : 1;   // (__launch_bounds__, the launch)
-  static constexpr bool kRegScales = kForm == 4;        // activation scales read into registers
-  static constexpr int kScaleBytesPerKb = kRegScales ? 2 * 4 : kKsScaleBytesPerKb;
-  static constexpr int kActStage = kKpb * kKsActSlot;
-  // A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
-  // (fewer rows leave more room than they overrun).
-  static constexpr int kWeightStage = kKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
-  static constexpr int kRing = kActSlots * kActStage + kStages * kWeightStage;
-  // One half's region: at most half of what one CTA may hold (one per SM: 232448 B; two per SM:
-  // 233472 / 2 less the 1 KB the SM reserves per CTA), less at most 256 B of static shared memory
-  // and the 1024-byte alignment slack, a multiple of 1024 (the second half's activation slots stay
-  // aligned). Compact: 56320 B (ring 45760, scales of up to 40 local K blocks).
-  static constexpr int kHalfBytes =
-      ((kCompact ? 233472 / 2 - 1024 : 232448) - 256 - 1024) / 2 / 1024 * 1024;
-  // Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; the
-  // default form 26: K up to 6400).
-  static constexpr int kMaxLocalKblocks = (kHalfBytes - kRing) / kScaleBytesPerKb;
-  static_assert(kActStage % 1024 == 0 && kWeightStage % 16 == 0, "slot alignment");
-  static_assert(kImageStep % kKpb == 0, "a stage lies inside one image step");
-  // (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
-  static_assert(4 * 5 * 32 * 16 <= kActSlots * kActStage, "reduce-scatter space");
-  // (A 4th weight slot with the activation scales staged: 55552 B of ring, 61888 with K 6144's
-  // scales: no fit; hence kForm 4's registers. Read a stage ahead, or copied a stage ahead into a
-  // shared ring of each warp's 16 rows, ptxas spilled more at 96 registers.)
-  static_assert(kForm == 0 || kForm == 3 || kForm == 4, "forms");
-  static_assert(!kCompact || 2 * (1024 + 2 * kHalfBytes + 256 + 1024) <= 233472, "two per SM");
-};
-// The default form's limit (the shape check; the compact forms hold more).
-constexpr int kKsMaxLocalKblocks = KsForm<0>::kMaxLocalKblocks;
-static_assert(KsForm<3>::kMaxLocalKblocks >= kKsMaxLocalKblocks &&
-                  KsForm<4>::kMaxLocalKblocks >= kKsMaxLocalKblocks,
-              "the compact forms' K");
+// One half's region: at most half of what one CTA per SM may hold (232448 B, at most 256 B of
+// static shared memory, the 1024-byte alignment slack), a multiple of 1024 (the second half's
+// activation slots stay aligned).
+constexpr int kKsHalfBytes = (232448 - 256 - 1024) / 2 / 1024 * 1024;
+constexpr int kKsKpb = 2;     // K blocks per ring stage
+constexpr int kKsStages = 3;  // ring stages per half
+constexpr int kKsActStage = kKsKpb * kKsActSlot;
+// A stage's weights plus the n80 B tile's overrun past its last K column at kKsRowsMax rows
+// (fewer rows leave more room than they overrun).
+constexpr int kKsWeightStage = kKsKpb * kKsRowsMax * kBlockK + (80 - kKsRowsMax) * 16;
+constexpr int kKsRing = kKsStages * (kKsActStage + kKsWeightStage);
+// Local K blocks per half at most: the scales of what fits next to the ring (K 6144: 24; 26:
+// K up to 6400).
+constexpr int kKsMaxLocalKblocks = (kKsHalfBytes - kKsRing) / kKsScaleBytesPerKb;
+static_assert(kKsActStage % 1024 == 0 && kKsWeightStage % 16 == 0, "slot alignment");
+static_assert(kImageStep % kKsKpb == 0, "a stage lies inside one image step");
+// (The reduce-scatter uses the drained activation slots, contiguous from the ring's start.)
+static_assert(4 * 5 * 32 * 16 <= kKsStages * kKsActStage, "reduce-scatter space");
 
 // K blocks of half h (image steps s with s % 2 == h) for K / 128 = kblocks; the l-th one.
 __host__ __device__ __forceinline__ int ksplit_local_kblocks(int kblocks, int h) {
@@ -249,10 +219,8 @@ __host__ __device__ __forceinline__ int ksplit_kblock(int l, int h) {
   return 8 * (l / 4) + 4 * h + l % 4;
 }
 // Dynamic shared memory of a launch whose first half has kbl0 local K blocks.
-template <int kForm>
 __host__ __device__ constexpr int rows_ksplit_smem_bytes(int kbl0) {
-  using F = KsForm<kForm>;
-  return 1024 + F::kHalfBytes + F::kRing + kbl0 * F::kScaleBytesPerKb;
+  return 1024 + kKsHalfBytes + kKsRing + kbl0 * kKsScaleBytesPerKb;
 }
 
 // Two floats as a bf16 pair (lo in bits 0-15), each rounded to nearest even.
@@ -288,12 +256,9 @@ __device__ __forceinline__ float4 ld_shared_v4(uint32_t addr) {
   return v;
 }
 
-template <int kDiag = 0, int kForm = 0>
-__global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
+template <int kDiag = 0>
+__global__ void __launch_bounds__(kKsThreads, 1)
     gemm_rows_ksplit_kernel(const __grid_constant__ CUtensorMap xmap, const RowsArgs p) {
-  using F = KsForm<kForm>;
-  constexpr bool kCompact = F::kCompact;
-  constexpr int kKpb = F::kKpb, kStages = F::kStages;
   constexpr bool kRing = kDiag == 3;  // diagnostics: no wgmma, no fold
   // (diagnostics 3, 4, 6: no output stores)
   constexpr bool kNoStores = kDiag == 3 || kDiag == 4 || kDiag == 6;
@@ -301,9 +266,8 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   constexpr int kGroups = kAcc / 4;  // column groups of 8 (acc 4 c ... 4 c + 3)
 
   extern __shared__ uint8_t smem_raw[];
-  __shared__ __align__(8) uint64_t full_bar[2][kStages];
-  __shared__ __align__(8) uint64_t empty_bar[2][kStages];
-  __shared__ uint32_t trigger_count;  // (RowsArgs::trigger_dependents 2 / 3: the halves ready)
+  __shared__ __align__(8) uint64_t full_bar[2][kKsStages];
+  __shared__ __align__(8) uint64_t empty_bar[2][kKsStages];
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
 
@@ -322,39 +286,33 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   // blocks as two stages of one, so that less compute follows the last bytes to land: M 64
   // 20.15-20.18 / chained 17.90-17.94 against 19.98-20.12 / 17.81-17.83, M 48 20.15-20.16 /
   // 17.79-17.80 against 19.91-19.92 / 17.77.)
-  const int steps = (kbl + kKpb - 1) / kKpb;
+  const int steps = (kbl + kKsKpb - 1) / kKsKpb;
   // Stage i's first local K block and its K blocks. (Session 25 round F, same round, b2b us: each
   // half's last stage of two K blocks as two stages of one re-measured with the cheaper fold and
   // epilogue, tied again: M 64 19.56-19.60 / chained 17.39-17.42 against 19.44-19.52 /
   // 17.40-17.44; M 33 / 48 chained +0.05-0.1.)
-  auto stage_first = [](int i) { return kKpb * i; };
-  auto stage_nk = [&](int i) { return kbl - kKpb * i < kKpb ? kbl - kKpb * i : kKpb; };
+  static_assert(kKsKpb == 2, "stage_first / stage_nk");
+  auto stage_first = [](int i) { return 2 * i; };
+  auto stage_nk = [&](int i) { return kbl - 2 * i < 2 ? kbl - 2 * i : 2; };
   // Two boxes of 32 token rows per K block for M < 64 (SlotTokens; p.one_box: one of 64).
   const SlotTokens slots = slot_tokens<64>(p.m, p.one_box != 0);
   // The half's region: activation slots, weight slots, scales.
-  const uint32_t hbase = base + static_cast<uint32_t>(h * F::kHalfBytes);
-  const uint32_t wbase = hbase + static_cast<uint32_t>(F::kActSlots * F::kActStage);
-  // (kForm 4: the weight scales only.)
-  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + F::kRing);
-  float* s_sb = s_sa + (F::kRegScales ? 0 : kbl * 64);
+  const uint32_t hbase = base + static_cast<uint32_t>(h * kKsHalfBytes);
+  const uint32_t wbase = hbase + static_cast<uint32_t>(kKsStages * kKsActStage);
+  float* s_sa = reinterpret_cast<float*>(smem_raw + (hbase - raw) + kKsRing);
+  float* s_sb = s_sa + kbl * 64;
 
   if (tid == 0) {
     prefetch_tensor_map(&xmap);
     for (int b = 0; b < 2; ++b)
-      for (int s = 0; s < kStages; ++s) {
+      for (int s = 0; s < kKsStages; ++s) {
         mbar_init(smem_addr(&full_bar[b][s]), 1);
         mbar_init(smem_addr(&empty_bar[b][s]), 128);
       }
-    trigger_count = 0;
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();
-  // Programmatic launch: when the next chained call may start (RowsArgs::trigger_dependents; one
-  // thread per CTA suffices: the PTX ISA counts a CTA's first launch_dependents, later ones have no
-  // effect). 1: here, at the start. 2 / 3 (late, the compact form's point; session 27): once both
-  // halves' last stages are full / their last loads issued (the producers below), so that the next
-  // call's CTA, entering the SM's free slot, streams its weights during this CTA's tail.
-  if (p.trigger_dependents == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if (p.trigger_dependents) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   // (Session 25 round F, same round, b2b us: 384 threads, the producer warpgroup's registers given
   // to the consumers by setmaxnreg 40 / 232 (no spills): M 64 19.35-19.43 / chained 17.34-17.46
   // against 19.44-19.52 / 17.40-17.44, M 33 / 48 within 0.1: tied, deleted.)
@@ -369,7 +327,7 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
         t[1] = static_cast<unsigned long long>(clock64());
       }
       for (int i = 0; i < steps; ++i) {
-        mbar_wait(smem_addr(&full_bar[h][i % kStages]), (i / kStages) & 1);
+        mbar_wait(smem_addr(&full_bar[h][i % kKsStages]), (i / kKsStages) & 1);
         const unsigned long long c = static_cast<unsigned long long>(clock64());
         if (h == 0 && i == 0) t[2] = c;
         if (h == 0 && i == steps / 2) t[3] = c;
@@ -379,40 +337,25 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
     }
     if (lane == 0) {
       // Lane 0 streams the half's stages: each stage's weights (one bulk copy of the pair's
-      // rows, its K blocks' columns) and activation boxes on one full barrier (its expected bytes
-      // armed with the weights, which are always issued first).
+      // rows, its K blocks' columns) and activation boxes on one full barrier.
       const uint64_t policy = evict_first_policy();
       auto load_weights = [&](int i) {
-        const int s = i % kStages;
+        const int s = i % kKsStages;
         const uint32_t full = smem_addr(&full_bar[h][s]);
         const uint32_t nk = static_cast<uint32_t>(stage_nk(i));
         mbar_arrive_expect_tx(full, nk * static_cast<uint32_t>(rows * 128 + kKsActSlot));
-        const uint32_t dst = wbase + static_cast<uint32_t>(s * F::kWeightStage);
+        const uint32_t dst = wbase + static_cast<uint32_t>(s * kKsWeightStage);
         const uint32_t bytes = nk * static_cast<uint32_t>(rows * 128);
         const uint8_t* src = p.image + rows_image_offset(ksplit_kblock(stage_first(i), h), r_begin,
                                                          rows, p.n, kb_count);
         bulk_load_maybe_hint(dst, src, bytes, full, policy, p.weight_evict_first);
       };
-      auto load_acts = [&](int i) {
-        const uint32_t full = smem_addr(&full_bar[h][i % kStages]);
-        const uint32_t act = hbase + static_cast<uint32_t>((i % F::kActSlots) * F::kActStage);
-        const int nk = stage_nk(i);
-        for (int q = 0; q < nk; ++q) {
-          const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
-          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
-          tma_load_2d(dst, &xmap, k0, 0, full);
-          if (slots.half < 64)
-            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
-                        full);
-        }
-      };
       // Programmatic launch: the weights of the first stages before waiting for the preceding grid.
       // (RowsArgs::early_weights; by default two of the three stages per half. Session 24, same
       // rounds, b2b us, M 64 chained: round D 2 stages 17.68-17.70, 1 stage 18.00-18.03, the whole
-      // ring 18.39-18.41; round C 1 stage 17.79-17.84, the ring 18.34-18.36.) The compact form:
-      // by default its whole weight ring (3 stages of one K block per half; session 27).
-      const int ring = steps < kStages ? steps : kStages;
-      const int want = p.early_weights < 0 ? (kCompact ? kStages : 2) : p.early_weights;
+      // ring 18.39-18.41; round C 1 stage 17.79-17.84, the ring 18.34-18.36.)
+      const int ring = steps < kKsStages ? steps : kKsStages;
+      const int want = p.early_weights < 0 ? 2 : p.early_weights;
       const int early = want < ring ? want : ring;
       for (int i = 0; i < early; ++i) load_weights(i);
       // (Session 25, pa, same rounds, b2b us, lost and deleted: the weights of 1-8 stages past the
@@ -435,40 +378,20 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
       // (Session 25 round C, same round, b2b us, lost and deleted: the first ring's weights at
       // once and its later activation boxes only after stage 0 had landed, so that stage 0's
       // boxes pass L2 first: M 64 20.72-20.81 / chained 18.49 against 19.73-19.91 / 17.65-17.73.)
-      if constexpr (!kCompact) {
-        for (int i = 0; i < steps; ++i) {
-          const int s = i % kStages;
-          if (i >= kStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kStages) - 1) & 1);
-          if (i >= early) load_weights(i);
-          load_acts(i);
+      for (int i = 0; i < steps; ++i) {
+        const int s = i % kKsStages;
+        if (i >= kKsStages) mbar_wait(smem_addr(&empty_bar[h][s]), ((i / kKsStages) - 1) & 1);
+        if (i >= early) load_weights(i);
+        const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+        const int nk = stage_nk(i);
+        for (int q = 0; q < nk; ++q) {
+          const uint32_t dst = act + static_cast<uint32_t>(q * kKsActSlot);
+          const int k0 = ksplit_kblock(stage_first(i) + q, h) * kBlockK;
+          tma_load_2d(dst, &xmap, k0, 0, smem_addr(&full_bar[h][s]));
+          if (slots.half < 64)
+            tma_load_2d(dst + static_cast<uint32_t>(slots.half * kBlockK), &xmap, k0, slots.start2,
+                        smem_addr(&full_bar[h][s]));
         }
-      } else {
-        // The first ring (the weights not requested early, the first activation stages), then
-        // per released stage j: stage j + 2's activations (its slot) and stage j + 3's weights.
-        for (int i = 0; i < ring; ++i) {
-          if (i >= early) load_weights(i);
-          if (i < F::kActSlots) load_acts(i);
-        }
-        static_assert(F::kActSlots < kStages, "the activations behind the weights");
-        for (int j = 0; j + F::kActSlots < steps; ++j) {
-          mbar_wait(smem_addr(&empty_bar[h][j % kStages]), (j / kStages) & 1);
-          load_acts(j + F::kActSlots);
-          if (j + kStages < steps) load_weights(j + kStages);
-        }
-      }
-      if (p.trigger_dependents >= 2) {
-        // Late trigger: 3, once this half's last loads are issued; 2, once its last stage is full
-        // (within one phase of its barrier: the producer issued that stage after stage steps - 1 -
-        // kActSlots was released, i.e. after stage steps - 1 - kStages had landed on the same
-        // barrier). The second half to get there triggers for the CTA.
-        if (p.trigger_dependents == 2 && steps > 0)
-          mbar_wait(smem_addr(&full_bar[h][(steps - 1) % kStages]), ((steps - 1) / kStages) & 1);
-        uint32_t before;
-        asm volatile("atom.shared.add.u32 %0, [%1], 1;\n"
-                     : "=r"(before)
-                     : "r"(smem_addr(&trigger_count))
-                     : "memory");
-        if (before == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
       }
     }
     return;  // (consumers synchronize with named barriers only)
@@ -483,32 +406,18 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
     cp_async_4(smem_addr(s_sb + i), p.sb + blk * p.sb_s0 + ksplit_kblock(l, h) * p.sb_s1);
   }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  if constexpr (!F::kRegScales) {
-    for (int i = ct; i < kbl * 64; i += 128) {
-      const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
-      if (m < p.m) {
-        cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
-      } else {
-        s_sa[i] = 0.0f;
-      }
+  for (int i = ct; i < kbl * 64; i += 128) {
+    const int l = i / 64, m = slots.token(i - l * 64);  // (per slot row)
+    if (m < p.m) {
+      cp_async_4(smem_addr(s_sa + i), p.sa + m * p.sa_s0 + ksplit_kblock(l, h) * p.sa_s1);
+    } else {
+      s_sa[i] = 0.0f;
     }
   }
 
   const int warp = (tid / 32) % 4;
   // The thread's tokens row0, row0 + 8 and weight columns m0 + 8 c + {0, 1} of the pair's rows.
   const int row0 = 16 * warp + lane / 4;
-  // kForm 4: the activation scales of the thread's two tokens for local K block l (0 for padding
-  // rows), read from L2 (after griddepcontrol.wait) before the stage's full-barrier wait. (32-bit
-  // index arithmetic, the tokens worked out at each read: at 96 registers, holding them spilled.)
-  auto load_sa = [&](int l) {
-    const int kbo = ksplit_kblock(l, h) * static_cast<int>(p.sa_s1);
-    const int t0 = slots.token(row0), t1 = slots.token(row0 + 8);
-    const int s0 = static_cast<int>(p.sa_s0);
-    float2 t;
-    t.x = t0 < p.m ? __ldcg(p.sa + (t0 * s0 + kbo)) : 0.0f;
-    t.y = t1 < p.m ? __ldcg(p.sa + (t1 * s0 + kbo)) : 0.0f;
-    return t;
-  };
   const int m0 = 2 * (lane % 4);
   const uint32_t full0 = smem_addr(&full_bar[h][0]), empty0 = smem_addr(&empty_bar[h][0]);
   const uint32_t lbo = static_cast<uint32_t>(rows * 16);  // one 16-byte K column of the rows
@@ -519,7 +428,7 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   float acc[kAcc];
 #pragma unroll
   for (int j = 0; j < kAcc; ++j) acc[j] = 0.0f;
-  float frag[kKpb][kAcc];
+  float frag[kKsKpb][kAcc];
 
   // The fold: acc += frag x sa[token] x sb[block] (a thread's values: tokens row0 / row0 + 8, its
   // columns 8 c + m0 + e of the CTA's rows, whose weight-scale block is blk0 or blk0 + 1: a CTA's
@@ -532,7 +441,8 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   // 16.87-16.89 against 17.14-17.19, M 48 17.08-17.09 against 17.35-17.40. Round C's
   // diagnostic 2, each fragment only summed: 16.97-16.99 against 17.81-17.86.)
   const int bt = 128 * (blk0 + 1) - r_begin - m0;
-  auto fold = [&](const float(&f)[kAcc], float t0, float t1, float sb0, float sb1) {
+  auto fold = [&](const float(&f)[kAcc], const float* sa, float sb0, float sb1) {
+    const float t0 = sa[row0], t1 = sa[row0 + 8];
     const float p00 = t0 * sb0, p01 = t0 * sb1, p10 = t1 * sb0, p11 = t1 * sb1;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c) {
@@ -552,15 +462,15 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   };
 
   auto issue = [&](int i) {
-    const int s = i % kStages;
-    mbar_wait(full0 + 8 * s, (i / kStages) & 1);
+    const int s = i % kKsStages;
+    mbar_wait(full0 + 8 * s, (i / kKsStages) & 1);
     if (kDiag == 6) mbar_arrive(empty0 + 8 * s);  // (diagnostic: no hold; see kDiag)
     const int left = stage_nk(i);
-    const uint32_t act = hbase + static_cast<uint32_t>((i % F::kActSlots) * F::kActStage);
-    const uint32_t weights = wbase + static_cast<uint32_t>(s * F::kWeightStage);
+    const uint32_t act = hbase + static_cast<uint32_t>(s * kKsActStage);
+    const uint32_t weights = wbase + static_cast<uint32_t>(s * kKsWeightStage);
     wgmma_fence();
 #pragma unroll
-    for (int q = 0; q < kKpb; ++q) {
+    for (int q = 0; q < kKsKpb; ++q) {
       if (q < left && !kRing) {
         const uint32_t w_addr = weights + static_cast<uint32_t>(q) * 8 * lbo;
         const uint32_t x_addr = act + static_cast<uint32_t>(q * kKsActSlot);
@@ -574,24 +484,19 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   };
   // Each K block folded as its group completes; the stage released after its last group, before
   // the last fold (the row split's order).
-  auto fold_stage = [&](int i, float2 sa_reg) {
+  auto fold_stage = [&](int i) {
     const int left = stage_nk(i);
 #pragma unroll
-    for (int q = 0; q < kKpb; ++q) {
-      wgmma_wait_upto<kKpb - 1>(kKpb - 1 - q);
-      if (q == kKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kStages));
+    for (int q = 0; q < kKsKpb; ++q) {
+      wgmma_wait_upto<kKsKpb - 1>(kKsKpb - 1 - q);
+      if (q == kKsKpb - 1 && kDiag != 6) mbar_arrive(empty0 + 8 * (i % kKsStages));
       if (q < left && !kRing) {
         const int l = stage_first(i) + q;
         if constexpr (kDiag == 2) {
 #pragma unroll
           for (int j = 0; j < kAcc; ++j) acc[j] += frag[q][j];
         } else {
-          if constexpr (F::kRegScales) {
-            fold(frag[q], sa_reg.x, sa_reg.y, s_sb[2 * l], s_sb[2 * l + 1]);
-          } else {
-            fold(frag[q], s_sa[l * 64 + row0], s_sa[l * 64 + row0 + 8], s_sb[2 * l],
-                 s_sb[2 * l + 1]);
-          }
+          fold(frag[q], s_sa + l * 64, s_sb[2 * l], s_sb[2 * l + 1]);
         }
       }
     }
@@ -607,17 +512,15 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   // soon as its fragment was folded, the next stage's first K block before this stage's second
   // fold: M 64 19.77-19.80 / chained 18.01-18.03 against 19.73-19.91 / 17.65-17.73.)
   if (steps > 0) {
-    float2 sa_now = F::kRegScales ? load_sa(0) : float2{0.0f, 0.0f};
     issue(0);
     asm volatile("cp.async.wait_all;\n" ::: "memory");
     asm volatile("bar.sync %0, 128;\n" ::"r"(1 + h) : "memory");  // the half's scales
-    fold_stage(0, sa_now);
+    fold_stage(0);
     for (int i = 1; i < steps; ++i) {
-      if constexpr (F::kRegScales) sa_now = load_sa(i);
       // (No wgmma in flight here: fold(i - 1) waited for every group.)
       if (tmark && i == steps - 1) tx[1 + h] = static_cast<unsigned long long>(clock64());
       issue(i);
-      fold_stage(i, sa_now);
+      fold_stage(i);
     }
   }
   if (tmark) {
@@ -640,10 +543,10 @@ __global__ void __launch_bounds__(kKsThreads, KsForm<kForm>::kCtasPerSm)
   asm volatile("bar.sync 3, 256;\n" ::: "memory");  // both halves' rings drained
   // (Trace: a counter of the consumer warps done with their stores, in half 0's drained weight
   // slots, which the hand-over does not touch; zeroed before the barrier below.)
-  const uint32_t tcount = base + static_cast<uint32_t>(F::kActSlots * F::kActStage);
+  const uint32_t tcount = base + static_cast<uint32_t>(kKsStages * kKsActStage);
   if (tx != nullptr && tid == 0) asm volatile("st.shared.u32 [%0], 0;\n" ::"r"(tcount) : "memory");
   {
-    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * F::kHalfBytes) + xoff;
+    const uint32_t dst = base + static_cast<uint32_t>((h ^ 1) * kKsHalfBytes) + xoff;
 #pragma unroll
     for (int c = 0; c < kGroups; ++c)
       if (other(c))

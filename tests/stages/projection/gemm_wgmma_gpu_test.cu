@@ -85,9 +85,6 @@ struct Case {
   // The K split's partition (session 26): the image's row_align and
   // GemmWgmmaOptions::row_k_split_align, 4 (the default, aligned) or 1 (plain).
   int ks_align = 4;
-  // GemmWgmmaOptions::row_k_split_compact with row_k_split_weight_slots 3 / 4; 0: the default form
-  // (session 27).
-  int ks_slots = 0;
 };
 
 std::string describe(const Case& c) {
@@ -101,8 +98,7 @@ std::string describe(const Case& c) {
          " cluster split " + std::to_string(c.cluster) + " packed " + std::to_string(c.packed) +
          " row split " + std::to_string(c.rows) + " row CTAs " + std::to_string(c.row_ctas) +
          " row K split " + std::to_string(c.k_split) + " early stages " + std::to_string(c.early) +
-         " K split align " + std::to_string(c.ks_align) + " compact slots " +
-         std::to_string(c.ks_slots);
+         " K split align " + std::to_string(c.ks_align);
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << describe(c); }
@@ -150,8 +146,6 @@ std::vector<uint16_t> run_twice(DeviceGemm& dev, const Case& c) {
     o.row_k_split = c.k_split;
     o.row_early_stages = c.early;
     o.row_k_split_align = c.ks_align;
-    o.row_k_split_compact = c.ks_slots > 0;
-    o.row_k_split_weight_slots = c.ks_slots > 0 ? c.ks_slots : 3;
     const Status st =
         gemm_wgmma_pack_weights_rows(dev.params().b, o.row_packed_ctas, rows_image.data(),
                                      rows_image.bytes(), nullptr, c.k_split ? c.ks_align : 1);
@@ -973,9 +967,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallPairs) {
 // tokens and outputs, rings reused (K 4096: 16 K blocks per half), exact against the twin.
 // Session 26: both partitions (the aligned one: at N 640 pairs of 4 / 8 rows, half 1 without
 // columns; the plain one).
-// Session 27: the same cases over the compact forms (SanitizerSmallKSplitCompact: 3 and 4 weight
-// slots).
-void sanitizer_small_ksplit(int slots) {
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
+  M3_REQUIRE_WGMMA();
   for (int align : {4, 1}) {
     for (int64_t m : {33, 50, 64}) {
       const uint64_t seed = fresh_seed();
@@ -985,20 +978,9 @@ void sanitizer_small_ksplit(int slots) {
       Case c{m, 640, 4096, 8, 0, false, 0, 4, 0, true, 0, false, 1, false, 0, false, true};
       c.k_split = true;
       c.ks_align = align;
-      c.ks_slots = slots;
       expect_exact_vs_twin(c, rng);
     }
   }
-}
-
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplit) {
-  M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit(0);
-}
-
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompact) {
-  M3_REQUIRE_WGMMA();
-  for (int slots : {3, 4}) sanitizer_small_ksplit(slots);
 }
 
 // The K split's edges (session 25: the fold by predicate and the epilogue's bf16 pairs by
@@ -1009,10 +991,8 @@ TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompact) {
 // Session 26: every case over both partitions (the aligned one, the default: pairs of 72 / 76 rows
 // at N 9856, 60 / 64 and 28 / 32 rows over 100 / 200 pairs, 4 / 8 at N 640, the plain partition
 // at N 384 (96 runs of 4 rows, fewer than the pairs); the plain one).
-// Session 27: the same cases over the compact forms (KSplitEdgesCompact: stages of one K block,
-// so K blocks 1 / 3 / 9 / 13 leave 1-7 stages per half, fewer than its 3 / 4 weight and 2
-// activation slots at the smallest).
-void ksplit_edges(int slots) {
+TEST(GemmWgmmaRowSplit, KSplitEdges) {
+  M3_REQUIRE_WGMMA();
   auto ks = [](int64_t m, int64_t n, int64_t k, int64_t ld_pad, bool pdl, int row_ctas) {
     Case c{m, n, k, ld_pad, 0, false, 0, 4, 0, true, 0, pdl};
     c.rows = true;
@@ -1026,7 +1006,6 @@ void ksplit_edges(int slots) {
                    ks(57, 6144, 1664, 0, false, 100), ks(63, 6144, 1152, 16, true, 200),
                    ks(50, 384, 128, 16, false, 0), ks(40, 640, 384, 8, false, 0)}) {
       c.ks_align = align;
-      c.ks_slots = slots;
       const uint64_t seed = fresh_seed();
       M3_SEED_TRACE(seed);
       SCOPED_TRACE(describe(c));
@@ -1036,22 +1015,12 @@ void ksplit_edges(int slots) {
   }
 }
 
-TEST(GemmWgmmaRowSplit, KSplitEdges) {
-  M3_REQUIRE_WGMMA();
-  ksplit_edges(0);
-}
-
-TEST(GemmWgmmaRowSplit, KSplitEdgesCompact) {
-  M3_REQUIRE_WGMMA();
-  for (int slots : {3, 4}) ksplit_edges(slots);
-}
-
 // The K split with programmatic launch (session 25's fold and epilogue): small shapes for
 // compute-sanitizer (memcheck / racecheck), rings reused (K 4096), padded tokens and outputs, the
 // fused width at K 1152 (pairs of 74-75 rows), exact against the twin.
 // Session 26: both partitions (see SanitizerSmallKSplit).
-// Session 27: the same cases over the compact forms (SanitizerSmallKSplitCompactPdl).
-void sanitizer_small_ksplit_pdl(int slots) {
+TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
+  M3_REQUIRE_WGMMA();
   for (int align : {4, 1}) {
     for (const int64_t n : {640, 9856}) {
       for (int64_t m : {33, 64}) {
@@ -1063,103 +1032,10 @@ void sanitizer_small_ksplit_pdl(int slots) {
                false, true};
         c.k_split = true;
         c.ks_align = align;
-        c.ks_slots = slots;
         expect_exact_vs_twin(c, rng);
       }
     }
   }
-}
-
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitPdl) {
-  M3_REQUIRE_WGMMA();
-  sanitizer_small_ksplit_pdl(0);
-}
-
-TEST(GemmWgmmaRowSplit, SanitizerSmallKSplitCompactPdl) {
-  M3_REQUIRE_WGMMA();
-  for (int slots : {3, 4}) sanitizer_small_ksplit_pdl(slots);
-}
-
-// The compact K split chained (session 27): calls on one stream with programmatic launch, each
-// triggering its dependents (at the start, once its last stages are full, once its last loads are
-// issued, in turns; 3 and 4 weight slots in turns), so that two calls' CTAs share SMs (the next
-// one's CTA enters beside the previous one's, streams its weights and waits for the previous grid).
-// Three GEMMs of their own weights, activations and outputs (M 64 / 48 / 33, the fused width, K
-// 2048: 8 K blocks per half), each run twice in the chain, every output exact against the twin,
-// nothing written outside it; then the whole chain captured in a graph (the programmatic edges of a
-// decode step) and replayed on re-poisoned outputs, exact again.
-TEST(GemmWgmmaRowSplit, KSplitCompactChainedCallsExact) {
-  M3_REQUIRE_WGMMA();
-  const uint64_t seed = fresh_seed();
-  M3_SEED_TRACE(seed);
-  Rng rng(seed);
-  const int64_t n = 9856, k = 2048;
-  Result<int> ctas = gemm_wgmma_rows_ctas(n, true);
-  ASSERT_TRUE(ctas.ok()) << ctas.status().to_string();
-  Result<size_t> bytes = gemm_wgmma_rows_packed_bytes(n, k);
-  ASSERT_TRUE(bytes.ok()) << bytes.status().to_string();
-  const int64_t ms[3] = {64, 48, 33};
-  std::vector<GemmData> data;
-  std::vector<std::unique_ptr<DeviceGemm>> devs;
-  std::vector<DeviceBuffer> images;
-  for (int g = 0; g < 3; ++g) {
-    data.push_back(make_integer_data(ms[g], n, k, rng));
-    devs.push_back(std::make_unique<DeviceGemm>(data.back(), n + 8));
-    images.emplace_back(bytes.value(), 0);
-    ASSERT_TRUE(gemm_wgmma_pack_weights_rows(devs.back()->params().b, ctas.value(),
-                                             images.back().data(), images.back().bytes(), nullptr,
-                                             4)
-                    .ok());
-  }
-  M3_CUDA_TEST_CHECK(cudaDeviceSynchronize());
-  for (auto& dev : devs) dev->b.poison(0x7F);  // only the images may be read
-  DeviceBuffer ws = make_workspace(n, 64);
-  cudaStream_t stream;
-  M3_CUDA_TEST_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  auto chain = [&]() {
-    for (int call = 0; call < 6; ++call) {
-      const int g = call % 3;
-      GemmWgmmaOptions o;
-      o.row_packed_weights = images[static_cast<size_t>(g)].data();
-      o.row_packed_ctas = ctas.value();
-      o.row_k_split = true;
-      o.row_k_split_compact = true;
-      o.programmatic_launch = true;
-      o.trigger_dependents = true;
-      o.row_k_split_trigger = (call + 1) % 3;  // (1, 2, 0, ...: the late triggers first)
-      o.row_k_split_weight_slots = 3 + call % 2;
-      const Status st = run_gemm_wgmma_cuda(devs[static_cast<size_t>(g)]->params(), ws.data(),
-                                            ws.bytes(), stream, o);
-      EXPECT_TRUE(st.ok()) << "call " << call << ": " << st.to_string();
-    }
-  };
-  auto check = [&](const char* what) {
-    for (int g = 0; g < 3; ++g) {
-      SCOPED_TRACE(::testing::Message() << what << ", GEMM " << g << " (M " << ms[g] << ")");
-      int64_t touched = 0;
-      const std::vector<uint16_t> got = devs[static_cast<size_t>(g)]->result(&touched);
-      std::string report;
-      EXPECT_EQ(count_bit_mismatches(got, cpu_gemm(data[static_cast<size_t>(g)]), n, &report), 0)
-          << report;
-      EXPECT_EQ(touched, 0) << "bytes outside the [M, N] output were written";
-    }
-  };
-  chain();
-  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-  check("eager chain");
-  for (auto& dev : devs) dev->out.poison(kPoison);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  M3_CUDA_TEST_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  chain();
-  M3_CUDA_TEST_CHECK(cudaStreamEndCapture(stream, &graph));
-  M3_CUDA_TEST_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  M3_CUDA_TEST_CHECK(cudaGraphLaunch(exec, stream));
-  M3_CUDA_TEST_CHECK(cudaStreamSynchronize(stream));
-  check("graph replay");
-  M3_CUDA_TEST_CHECK(cudaGraphExecDestroy(exec));
-  M3_CUDA_TEST_CHECK(cudaGraphDestroy(graph));
-  M3_CUDA_TEST_CHECK(cudaStreamDestroy(stream));
 }
 
 // Row split and its K split with programmatic launch and early stages (session 24): small shapes

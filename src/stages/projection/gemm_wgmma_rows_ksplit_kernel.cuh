@@ -129,6 +129,16 @@
 // boundary to gain in exchange. A late trigger let the next call's CTAs enter only 1.6-2.7 us
 // after the previous call's last stage full on their SM (the dependent launch's own latency after
 // the grid's last trigger), i.e. as the tail ended.
+// Round C (the default form's boundary, M 64 chained, same round, 2 runs, b2b us): 17.43-17.47;
+// without the output stores (diagnostic 4) 16.76-16.79, the stores under a false predicate (7)
+// 17.19, the ring alone (3) 15.24-15.28. Its traces (second call, medians): the next CTA enters
+// 0.89-0.90 us after the previous CTA's last warp on its SM with stores, 0.99-1.02 without (4, 7)
+// and with the ring alone (3): not the stores draining before the CTA retires, but the turnover
+// itself (retire, dispatch, the prologue up to the entry mark). Its half 0 passes
+// griddepcontrol.wait 0.42-0.46 us after the previous call's last warp anywhere and its first
+// stage is full 1.65 us after that (ring alone 2.37-2.41; what bounds it, the early weights all
+// SMs request at entry or the activation boxes after the wait, is not measured apart). Last stage
+// full -> CTA done 1.96-1.99 us, 1.55-1.63 without stores, 0.50-0.52 for the ring alone.
 //
 // Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
 // pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory

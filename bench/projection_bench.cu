@@ -488,13 +488,18 @@ std::string trace_summary(const TraceBuffer& tb) {
 // half 1's stores issued, the last consumer warp's stores issued; then per SM (a pair), the
 // second call's entry after the first call's last warp on that SM, and the second call's first
 // stage after the first call's last warp anywhere (what griddepcontrol.wait waits for).
+// Session 27: how many distinct SMs the grid's CTAs ran on (a form whose CTA fits twice on an SM
+// could double up), and the second call's entry after the first call's last stage full (the
+// later half's) on the same SM (negative: before it).
 std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, int grid,
                                 unsigned long long t0, std::vector<double>* sm_last,
                                 const std::vector<double>* prev_sm_last, double* last_any,
-                                double prev_last_any) {
+                                double prev_last_any, std::vector<double>* sm_full = nullptr,
+                                const std::vector<double>* prev_sm_full = nullptr) {
   constexpr int kW = 8, kX = 16;  // (kRowsTraceWords, kKsTraceExtWords)
   if (words.size() < static_cast<size_t>(grid * (kW + kX))) return "no tail trace";
-  std::vector<double> v[12], gap, first_after, end1, end2, wait_after, full_after_wait;
+  std::vector<double> v[12], gap, first_after, end1, end2, wait_after, full_after_wait, gap_full;
+  std::vector<int> sms;
   double slow_last = -1;
   std::string slow;  // the CTA whose last warp stored last: its marks
   auto since_t0 = [&](unsigned long long ns) {
@@ -529,10 +534,18 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
     }
     any = std::max(any, last);
     const int sm = static_cast<int>(x[0]);
+    sms.push_back(sm);
     if (sm_last != nullptr) {
       if (sm_last->size() <= static_cast<size_t>(sm)) sm_last->resize(sm + 1, -1.0);
       (*sm_last)[sm] = last;
     }
+    if (sm_full != nullptr) {
+      if (sm_full->size() <= static_cast<size_t>(sm)) sm_full->resize(sm + 1, -1.0);
+      (*sm_full)[sm] = lf;
+    }
+    if (prev_sm_full != nullptr && static_cast<size_t>(sm) < prev_sm_full->size() &&
+        (*prev_sm_full)[sm] >= 0)
+      gap_full.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_full)[sm]);
     if (prev_sm_last != nullptr && static_cast<size_t>(sm) < prev_sm_last->size() &&
         (*prev_sm_last)[sm] >= 0) {
       gap.push_back(since_t0(w[0]) / 1e3 - (*prev_sm_last)[sm]);
@@ -563,7 +576,12 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
                            "h0 first store issued",
                            "h0 row 0 stored",
                            "h0 row 1 converted"};
-  std::string out = "K split tail, us after the CTA's last stage full (median/max):";
+  std::sort(sms.begin(), sms.end());
+  const size_t distinct =
+      sms.empty() ? 0 : static_cast<size_t>(std::unique(sms.begin(), sms.end()) - sms.begin());
+  std::string out = "SMs " + std::to_string(distinct) + " distinct for " +
+                    std::to_string(sms.size()) + " traced CTAs; " +
+                    "K split tail, us after the CTA's last stage full (median/max):";
   for (int k = 0; k < 12; ++k) out += std::string(" ") + names[k] + " " + stat(v[k]) + ";";
   out += " the CTA ending last (us after the time base): " + slow + ";";
   char buf[128];
@@ -581,6 +599,15 @@ std::string ksplit_tail_summary(const std::vector<unsigned long long>& words, in
            "; first stage full after the first call's last warp anywhere " + stat(first_after) +
            "; half 0 past griddepcontrol.wait after it " + stat(wait_after);
   out += "; first stage full after half 0's wait " + stat(full_after_wait);
+  if (!gap_full.empty()) {
+    std::sort(gap_full.begin(), gap_full.end());
+    char b[128];
+    std::snprintf(b, sizeof(b),
+                  "; entry after the first call's last stage full on its SM (min/median/max) "
+                  "%.2f/%.2f/%.2f",
+                  gap_full.front(), gap_full[gap_full.size() / 2], gap_full.back());
+    out += b;
+  }
   if (end1.size() > 2) {
     // Whether the same SMs end late in both calls (a static imbalance) or not.
     double m1 = 0, m2 = 0, s11 = 0, s22 = 0, s12 = 0;
@@ -739,6 +766,18 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
       // 16.99-17.03.)
       {0, false, 16, 0, false, true, 0, false, false, 0, true, 0, false, true},
       {0, false, 16, 0, false, true, 0, true, false, 0, true, 0, false, true},
+      // (Session 27 also timed and removed, same rounds, fused b2b us, 2-3 runs: the K split's
+      // compact form, a CTA that fits twice on an SM (stages of one K block, 3 weight and 2
+      // activation slots per half, 96 registers; one CTA per SM per call, 132 distinct SMs in
+      // every traced grid), so that a chained call's CTA enters during this call's tail. Round A
+      // M 64 plain 19.68-19.74 against 19.24-19.30, chained 18.33-18.35 (trigger at the start),
+      // 18.84-19.40 (late: once its last stages were full), 19.02-19.04 (once its last loads were
+      // issued) against 17.40-17.42; M 33 / 48 chained 18.20-18.28 / 18.23-18.24 at the start,
+      // 21.9-23.6 late, against 17.04 / 17.18-17.20. Round B, with 4 weight slots (its activation
+      // scales read into registers per stage): M 64 plain 21.34-21.40, chained 19.83-19.93,
+      // against the 3-slot form's 19.75-19.79 / 18.35-18.41 and 19.25-19.33 / 17.34-17.41; rings
+      // alone (diagnostic 3) plain 16.94-16.98 (4 slots) / 17.29-17.36 (3) against 16.99-17.01,
+      // chained 15.86-15.92 / 15.95 against 15.23-15.25. See gemm_wgmma_rows_ksplit_kernel.cuh.)
   };
   const int nv = static_cast<int>(sizeof(variants) / sizeof(variants[0]));
   const int64_t kb = k / 128, max_pad = gemm_padded_rows(ms.back());
@@ -1155,16 +1194,17 @@ int run_shape(int64_t n, int64_t k, const std::vector<int64_t>& ms,
           std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
                       name.c_str(), bench::rows_trace_summary(words2, tctas, t0).c_str());
           if (variants[v].ksplit) {
-            std::vector<double> sm_last;
+            std::vector<double> sm_last, sm_full;
             double last_any = 0;
             std::printf("trace M %lld %s: first call: %s\n", static_cast<long long>(rows_m),
                         name.c_str(),
-                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0)
+                        ksplit_tail_summary(words, ks_ctas, t0, &sm_last, nullptr, &last_any, 0,
+                                            &sm_full, nullptr)
                             .c_str());
             std::printf("trace M %lld %s: second call: %s\n", static_cast<long long>(rows_m),
                         name.c_str(),
                         ksplit_tail_summary(words2, ks_ctas, t0, nullptr, &sm_last, nullptr,
-                                            last_any)
+                                            last_any, nullptr, &sm_full)
                             .c_str());
           }
         } else {

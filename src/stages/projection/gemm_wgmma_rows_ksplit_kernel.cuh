@@ -105,6 +105,41 @@
 // 17.26-17.28 / 15.27-15.31, M 16 19.62 / 17.89-17.95 against 17.23-17.25 / 15.94-15.98, M 32
 // 19.39-19.40 / 17.58-17.61 against 17.26-17.39 / 17.35-17.39); that form was deleted.
 //
+// Session 27 (rounds A-B, same rounds, b2b us plain / chained, fused M 64; lost and deleted): a
+// compact form that fit TWICE on an SM (~113 KB of shared memory, 96 registers: stages of one K
+// block, 3 weight and 2 activation slots per half, weights issued 3 stages ahead and activations
+// 2; still one CTA per SM per call: 132 distinct SMs in every traced grid), so that a chained
+// call's CTA could enter during this CTA's tail and stream its weight ring then, with
+// griddepcontrol.launch_dependents at the start or late (once both halves' last stages were full /
+// their last loads issued). Round A: 19.68-19.74 / 18.33-18.35 (start trigger), 18.84-19.40 (once
+// full), 19.02-19.04 (once issued) against 19.24-19.30 / 17.40-17.42; M 33 / 48 chained
+// 18.20-18.28 / 18.23-18.24 at the start and 21.9-23.6 late, against 17.04 / 17.18-17.20. Round
+// B: 19.75-19.79 / 18.35-18.41 against 19.25-19.33 / 17.34-17.41; with 4 weight slots (the
+// activation scales read into registers per stage, which made room) 21.34-21.40 / 19.83-19.93.
+// Its ring alone (diagnostic 3): 17.29-17.36 / 15.95 (3 slots), 16.94-16.98 / 15.86-15.92 (4)
+// against 16.99-17.01 / 15.23-15.25. Why (traces): the start trigger did move the boundary (the
+// next call's first stage full 1.1-1.3 us after the previous call's last warp anywhere against
+// 2.4-4.1), but the 3-slot CTA streamed its share in 13.4-14.0 us (first -> last stage full)
+// against 10.5-10.6, its consumers about level with the ring at the last stage (ready for it
+// -0.1 to +0.2 us, as the default form's): likely the ring, two stages of one K block in flight per
+// half while one is computed (not measured apart); the 4-slot one in 14.1, its consumers 0.3 us
+// behind the ring (the per-stage scale reads exposed). And even without compute the
+// co-resident ring loses chained by ~0.65 us: the weights the early-entered CTAs stream during
+// the previous call are taken from that call's stream (zero-sum), and nothing is left at the
+// boundary to gain in exchange. A late trigger let the next call's CTAs enter only 1.6-2.7 us
+// after the previous call's last stage full on their SM (the dependent launch's own latency after
+// the grid's last trigger), i.e. as the tail ended.
+// Round C (the default form's boundary, M 64 chained, same round, 2 runs, b2b us): 17.43-17.47;
+// without the output stores (diagnostic 4) 16.76-16.79, the stores under a false predicate (7)
+// 17.19, the ring alone (3) 15.24-15.28. Its traces (second call, medians): the next CTA enters
+// 0.89-0.90 us after the previous CTA's last warp on its SM with stores, 0.99-1.02 without (4, 7)
+// and with the ring alone (3): not the stores draining before the CTA retires, but the turnover
+// itself (retire, dispatch, the prologue up to the entry mark). Its half 0 passes
+// griddepcontrol.wait 0.42-0.46 us after the previous call's last warp anywhere and its first
+// stage is full 1.65 us after that (ring alone 2.37-2.41; what bounds it, the early weights all
+// SMs request at entry or the activation boxes after the wait, is not measured apart). Last stage
+// full -> CTA done 1.96-1.99 us, 1.55-1.63 without stores, 0.50-0.52 for the ring alone.
+//
 // Lost (session 23, same rounds, b2b us plain / chained, fused N 9856 x K 6144; deleted): the
 // pair as a 2-CTA cluster (two CTAs per SM, the reduce-scatter through distributed shared memory
 // between two cluster barriers): round A M 64 21.24-21.28 / 19.51-19.55 against 19.97-19.99 /

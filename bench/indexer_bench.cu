@@ -76,7 +76,10 @@
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / 2k16 / sp4 (--variants:
 //   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 /
-//   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
+//   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima),
+//   wide4 / wide8 / wide16 (IndexerCudaOptions::wide_select 4 / 8 / 16 warps per row, forced),
+//   nowide (wide_select -1: one warp per long row), fkN (any N: the fused path at N splits,
+//   fused_decode_always with k_splits N; fkNn: the same with wide_select -1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -715,9 +718,9 @@ int main(int argc, char** argv) {
     // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
     const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
-    // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
-    // select_timeline_mark; at most 4 warps per row).
-    const int64_t sel_warps = c.T * kNkv * 4 + 64;
+    // + 16 spare words, then kSelWords words per selection warp (indexer_kernel_common.cuh,
+    // select_timeline_mark; at most 16 warps per row: select_wide_kernel).
+    const int64_t sel_warps = c.T * kNkv * 16 + 64;
     const size_t words = static_cast<size_t>(warps * kStride + 16 + sel_warps * kSelWords);
     const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
@@ -1415,6 +1418,25 @@ int main(int argc, char** argv) {
     // overlaps; the layer's decode step measured no gain from it in session 23).
     all.push_back({"pdl", default_o});
     all.back().o.programmatic_launch = true;
+    // wide4 / wide8 / wide16 = IndexerCudaOptions::wide_select 4 / 8 / 16 (forced), nowide =
+    // wide_select -1 (select_kernel: one warp per row).
+    for (int w : {4, 8, 16}) {
+      all.push_back({w == 4 ? "wide4" : w == 8 ? "wide8" : "wide16", default_o});
+      all.back().o.wide_select = w;
+    }
+    all.push_back({"nowide", default_o});
+    all.back().o.wide_select = -1;
+    // fkN (any N in --vlist): the fused path at N splits (fused_decode_always, k_splits N);
+    // fkNn: the same with wide_select -1.
+    std::vector<std::string> fk_names;
+    for (const std::string& n : vlist)
+      if (n.size() > 2 && n.compare(0, 2, "fk") == 0) fk_names.push_back(n);
+    for (const std::string& n : fk_names) {
+      all.push_back({n.c_str(), default_o});
+      all.back().o.fused_decode_always = true;
+      all.back().o.k_splits = std::atoi(n.c_str() + 2);
+      if (n.back() == 'n') all.back().o.wide_select = -1;
+    }
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||

@@ -130,6 +130,12 @@ constexpr int64_t kFusedCtasPerSm = 3;
 // us with four warps per row vs 159.4-162.5 with one).
 constexpr int64_t kShortSelectMaxRowsPerSm = 32;
 
+// wide_select (automatic): select_wide_kernel with this many warps per row where the call has
+// at most kWideSelectMaxRows rows of more than 64 candidates (batch-1 decode: 4 rows at draft 0,
+// 16 at draft 3; measured there only).
+constexpr int kWideSelectWarps = 8;
+constexpr int64_t kWideSelectMaxRows = 16;
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool tensor_core_path(const IndexerParams& p, const IndexerCudaOptions& o) {
@@ -452,6 +458,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.wide_select == -1 || options.wide_select == 0 || options.wide_select == 4 ||
+                   options.wide_select == 8 || options.wide_select == 16,
+               "run_indexer_cuda: wide_select ", options.wide_select, " is not -1, 0, 4, 8 or 16");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -602,6 +611,19 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                            : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
+                                       select_pdl, a));
+    M3_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
+  const int wide = options.wide_select != 0 ? options.wide_select
+                                            : (rows <= kWideSelectMaxRows ? kWideSelectWarps : -1);
+  if (wide > 0 && max_pages > ik::kCountRow && rows <= std::numeric_limits<int32_t>::max()) {
+    // Rows of up to max_pages - 1 candidates, one CTA of `wide` warps per row.
+    const auto kernel = wide == 4   ? ik::select_wide_kernel<4>
+                        : wide == 8 ? ik::select_wide_kernel<8>
+                                    : ik::select_wide_kernel<16>;
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(rows)),
+                                       dim3(static_cast<unsigned>(wide * 32)), 0, stream,
                                        select_pdl, a));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();

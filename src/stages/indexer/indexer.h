@@ -165,6 +165,14 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
+  // Rows of more than 64 candidates in calls of few rows (batch-1 decode at long contexts: 4 rows
+  // of 1023 candidates at 128K, 16 at draft 3): select_wide_kernel ranks each row on one CTA of
+  // wide_select warps (each warp a share of the row's candidates, a threshold from the 32 groups'
+  // largest keys, the survivors ranked by one warp) instead of one warp per row. 0: automatic
+  // (8 warps where the call has at most 16 rows, indexer.cu kWideSelectMaxRows); -1: never; 4, 8
+  // or 16: that many warps per row wherever the selection kernel ranks rows of more than 64
+  // candidates. Same ids.
+  int wide_select = 0;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
   // batches, not prefill chunks: indexer.cu), each row is ranked by short_select_warps warps

@@ -443,6 +443,26 @@ __device__ __forceinline__ bool select_by_threshold(const float* scores, int loc
   return true;
 }
 
+// The per-lane sorted lists of a row of `local` candidates (one warp): lane l inserts the keys of
+// blocks l, l + 32, ... into its 15-entry list, warp_top15 merges, emit_row writes the row. Exact
+// for any row; the fallback of the threshold selections.
+__device__ __forceinline__ void select_row_sorted(const float* scores, int local, int32_t* out) {
+  const int lane = threadIdx.x & 31;
+  uint64_t top[kTopK - 1];
+#pragma unroll
+  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+  int b = lane;
+  for (; b + 96 < local; b += 128) {
+    const float s0 = scores[b], s1 = scores[b + 32], s2 = scores[b + 64], s3 = scores[b + 96];
+    insert_key(top, candidate_key(s0, b));
+    insert_key(top, candidate_key(s1, b + 32));
+    insert_key(top, candidate_key(s2, b + 64));
+    insert_key(top, candidate_key(s3, b + 96));
+  }
+  for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
+  emit_row(out, local, warp_top15(top));
+}
+
 // One row of the selection kernel (one warp), after the dependency wait: the row's ids from its
 // workspace block scores. srow: the warp's 64-float shared row, buf: its 64 survivor keys.
 __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int pos, float* srow,
@@ -468,20 +488,7 @@ __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int
     return;
   }
   if (a.fast_select && select_by_threshold(scores, local, out, buf)) return;
-  uint64_t top[kTopK - 1];
-#pragma unroll
-  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
-  int b = lane;
-  for (; b + 96 < local; b += 128) {
-    const float s0 = scores[b], s1 = scores[b + 32], s2 = scores[b + 64], s3 = scores[b + 96];
-    insert_key(top, candidate_key(s0, b));
-    insert_key(top, candidate_key(s1, b + 32));
-    insert_key(top, candidate_key(s2, b + 64));
-    insert_key(top, candidate_key(s3, b + 96));
-  }
-  for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
-
-  emit_row(out, local, warp_top15(top));
+  select_row_sorted(scores, local, out);
 }
 
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
@@ -499,6 +506,120 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   select_timeline_mark(a, 1);
   if (!in_range) return;
   select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
+  select_timeline_mark(a, 2);
+}
+
+// Long rows in calls of few rows (IndexerCudaOptions::wide_select; batch-1 decode at long
+// contexts: 4 rows of 1023 candidates at 128K, where select_kernel ranks each row on one warp):
+// one CTA of kW warps per row. Thread (w, l) holds the blocks c kW 32 + 32 w + l (c = 0, 1, ...;
+// kWidePer of them per pass, in registers), so group l (the blocks = l mod 32) is
+// select_by_threshold's lane l. Every warp writes its lanes' largest keys to shared memory; after
+// a CTA barrier every warp (redundantly, so that no second barrier follows) takes the groups'
+// largest keys G_l (the maximum over the warps) and the threshold L = the 15th largest G: 15
+// distinct groups hold a key >= L, so the row's 15 best keys are all >= L (exact under the strict
+// order of candidate_key: score descending, then id ascending; NaN = key 0, never taken). The keys
+// >= L (the survivors) are appended to a shared list (one shared atomic per warp and pass); after
+// a second CTA barrier warp 0 ranks them by counting (keys are distinct), puts the 15 best in
+// order and writes the row (emit_row: ascending ids, the local block, -1). More than kWideCap
+// survivors (rows with fewer than 15 groups holding a non-NaN key, or data built against the
+// groups): warp 0 selects the row by the per-lane sorted lists. Same ids as select_kernel.
+constexpr int kWidePer = 4;   // a thread's candidates per pass (registers)
+constexpr int kWideCap = 64;  // survivors ranked by counting (two per lane of warp 0)
+
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a) {
+  constexpr int kStride = kW * 32;
+  constexpr int kPass = kStride * kWidePer;
+  __shared__ uint64_t gmax[kW][32];
+  __shared__ uint64_t surv[kWideCap];
+  __shared__ uint64_t best[kTopK];
+  __shared__ int count;
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = blockIdx.x;  // one CTA per row: grid.x == T * n_kv
+  // As in select_kernel: the position before the dependency wait, scores and ids after it.
+  const int pos = __ldg(a.positions + row / a.n_kv);
+  if (threadIdx.x == 0) count = 0;  // ordered before the atomics by the first CTA barrier
+  pdl_wait();
+  select_timeline_mark(a, 1);
+  int32_t* out = a.block_ids + row * kTopK;
+  const int local = trivial_row(a, out, pos, warp == 0);
+  if (local < 0) return;  // CTA-uniform (one row)
+  const float* scores = a.scores + row * a.max_pages;
+  uint64_t k[kWidePer];
+  const auto load = [&](int c0) {
+    float v[kWidePer];
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const int b = c0 + i * kStride + warp * 32 + lane;
+      v[i] = b < local ? __ldcg(scores + b) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const int b = c0 + i * kStride + warp * 32 + lane;
+      k[i] = b < local ? candidate_key(v[i], b) : 0;
+    }
+  };
+  uint64_t m = 0;
+  for (int c0 = 0; c0 < local; c0 += kPass) {
+    load(c0);
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) m = k[i] > m ? k[i] : m;
+  }
+  gmax[warp][lane] = m;
+  select_timeline_stamp(a, 0, static_cast<uint32_t>(m));
+  __syncthreads();  // every warp's lane maxima are in gmax
+  uint64_t g = gmax[0][lane];
+#pragma unroll
+  for (int w = 1; w < kW; ++w) {
+    const uint64_t o = gmax[w][lane];
+    g = o > g ? o : g;
+  }
+  int beats = 0;  // groups whose largest key beats this lane's group's
+#pragma unroll 8
+  for (int i = 0; i < 32; ++i) beats += __shfl_sync(0xffffffffu, g, i) > g ? 1 : 0;
+  const bool top = beats < kTopK - 1;  // among the 15 largest group maxima
+  const uint32_t gh = static_cast<uint32_t>(g >> 32), gl = static_cast<uint32_t>(g);
+  const uint32_t lh = __reduce_min_sync(0xffffffffu, top ? gh : 0xffffffffu);
+  const uint32_t ll = __reduce_min_sync(0xffffffffu, top && gh == lh ? gl : 0xffffffffu);
+  const uint64_t L = (static_cast<uint64_t>(lh) << 32) | ll;
+  const uint32_t below = (1u << lane) - 1u;
+  for (int c0 = 0; c0 < local; c0 += kPass) {
+    if (local > kPass) load(c0);  // CTA-uniform; a one-pass row is still in k
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const bool sv = k[i] != 0 && k[i] >= L;
+      const uint32_t bal = __ballot_sync(0xffffffffu, sv);
+      if (bal == 0) continue;  // warp-uniform
+      int base = 0;
+      if (lane == 0) base = atomicAdd(&count, __popc(bal));
+      base = __shfl_sync(0xffffffffu, base, 0);
+      const int at = base + __popc(bal & below);
+      if (sv && at < kWideCap) surv[at] = k[i];
+    }
+  }
+  __syncthreads();  // every survivor is in surv (count: how many there were)
+  if (warp != 0) return;
+  const int n = count;
+  if (n > kWideCap) {  // warp-uniform
+    select_row_sorted(scores, local, out);
+    select_timeline_mark(a, 2);
+    return;
+  }
+  const uint64_t k0 = lane < n ? surv[lane] : 0, k1 = lane + 32 < n ? surv[lane + 32] : 0;
+  int r0 = 0, r1 = 0;  // survivors beating k0 / k1 (distinct keys: distinct ranks)
+  for (int j = 0; j < n; ++j) {
+    const uint64_t o = surv[j];
+    r0 += o > k0 ? 1 : 0;
+    r1 += o > k1 ? 1 : 0;
+  }
+  select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
+  if (lane < n && r0 < kTopK - 1) best[r0] = k0;
+  if (lane + 32 < n && r1 < kTopK - 1) best[r1] = k1;
+  __syncwarp();
+  // Lane k < min(n, 15) holds the k-th best key (every rank below min(n, 15) was written once).
+  emit_row(out, local, lane < min(n, kTopK - 1) ? best[lane] : 0);
   select_timeline_mark(a, 2);
 }
 

@@ -39,7 +39,9 @@
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
-//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --no-am (the
+//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --wide N (every
+//   path's options with IndexerCudaOptions::wide_select N: -1 one warp per long row, 4 / 8 / 16
+//   warps per row; every table, --timeline and --sweep), --no-am (the
 //   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
@@ -588,6 +590,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
+  int wide = 0;         // --wide N: IndexerCudaOptions::wide_select of every path's options
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
@@ -611,7 +614,8 @@ int main(int argc, char** argv) {
   const std::map<std::string, int*> numbers = {{"--flat", &flat},
                                                {"--single-ctas", &single_ctas},
                                                {"--sw", &select_warps},
-                                               {"--ef", &evict_first}};
+                                               {"--ef", &evict_first},
+                                               {"--wide", &wide}};
   // Flags with a BATCH,CONTEXT,DRAFT value (only_batch, only_ctx, only_draft), each setting its
   // mode to true.
   const std::map<std::string, bool*> case_modes = {
@@ -660,7 +664,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
+                   "[--ef N] [--wide N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -671,6 +675,7 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
+    o->wide_select = wide;
   }
   default_o.flat_decode = flat;
   default_o.short_select_warps = select_warps;
@@ -893,7 +898,7 @@ int main(int argc, char** argv) {
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
       if (!ld.empty())
         std::printf(
-            "  select kernel (short) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
+            "  select kernel (short / wide) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
             "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));

@@ -80,16 +80,16 @@ TEST(IndexerGpu, WideSelectionSmall) {
   }
 }
 
-// Batches of 1-3 generation requests at 8K + 1, 32K and 65537 tokens (rows of 64 to 512
-// candidates: one and several passes of the 8-warp CTA), drafts 0 / 1 / 3 / 7 (4 to 96 rows),
-// integer inputs (exact ties) and, at draft 1, normal ones.
+// Batches of 1-3 generation requests at 8K + 1, 32K, 65537 and 100000 tokens (rows of 64 to 781
+// candidates: one pass, and two passes of the 4-warp CTA at 100000), drafts 0 / 1 / 3 / 7 (4 to
+// 96 rows), integer inputs (exact ties) and, at draft 1, normal ones.
 TEST(IndexerGpu, WideSelectionBatchOneLongContexts) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
   M3_SEED_TRACE(seed);
   Rng rng(seed);
-  const std::vector<std::vector<int>> batches = {
-      {65537}, {32768}, {8193}, {32768, 8193}, {65537, 20000, 8193}};
+  const std::vector<std::vector<int>> batches = {{65537}, {100000},      {32768},
+                                                 {8193},  {32768, 8193}, {65537, 20000, 8193}};
   for (int draft : {0, 1, 3, 7}) {
     for (const std::vector<int>& ctx : batches) {
       const bool integer = draft != 1;

@@ -80,8 +80,10 @@
 //   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 /
 //   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima),
 //   wide4 / wide8 / wide16 (IndexerCudaOptions::wide_select 4 / 8 / 16 warps per row, forced),
-//   nowide (wide_select -1: one warp per long row), fkN (any N: the fused path at N splits,
-//   fused_decode_always with k_splits N; fkNn: the same with wide_select -1).
+//   nowide (wide_select -1: one warp per long row), widev1 (wide_select_v1: session 27 round D's
+//   form), ovf (overflow_tiles_always), main (ovf and nowide: main's options before session 27),
+//   fkN (any N: the fused path at N splits, fused_decode_always with k_splits N; fkNn: the same
+//   with wide_select -1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -720,8 +722,9 @@ int main(int argc, char** argv) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-    // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
-    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
+    // Overflow tiles (32 tokens at n_kv 4; none at <= 8 tokens), then the decode units (or the
+    // flat decode CTAs).
+    const int64_t units = pl.overflow_tiles + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
     // + 16 spare words, then kSelWords words per selection warp (indexer_kernel_common.cuh,
     // select_timeline_mark; at most 16 warps per row: select_wide_kernel).
@@ -898,8 +901,8 @@ int main(int argc, char** argv) {
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
       if (!ld.empty())
         std::printf(
-            "  select kernel (short / wide) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
-            "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            "  select kernel (short / wide) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max "
+            "%6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
       if (rel.empty())
@@ -1430,6 +1433,17 @@ int main(int argc, char** argv) {
       all.back().o.wide_select = w;
     }
     all.push_back({"nowide", default_o});
+    all.back().o.wide_select = -1;
+    // widev1 = IndexerCudaOptions::wide_select_v1 (round D's form, 8 warps); ovf =
+    // overflow_tiles_always (the former grid: overflow tiles at any token count); main = the
+    // options of main before session 27 (both, and wide_select -1).
+    all.push_back({"widev1", default_o});
+    all.back().o.wide_select_v1 = true;
+    all.back().o.wide_select = 8;
+    all.push_back({"ovf", default_o});
+    all.back().o.overflow_tiles_always = true;
+    all.push_back({"main", default_o});
+    all.back().o.overflow_tiles_always = true;
     all.back().o.wide_select = -1;
     // fkN (any N in --vlist): the fused path at N splits (fused_decode_always, k_splits N);
     // fkNn: the same with wide_select -1.

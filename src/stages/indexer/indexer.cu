@@ -202,7 +202,10 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   const int64_t T = p.batch.num_tokens;
   const int max_pages = p.batch.max_pages;
   const int64_t pre_tokens = ik::kPreRows / p.n_kv;
-  pl.overflow = ceil_div(T, pre_tokens);
+  // No overflow tile where every token belongs to a decode unit (IndexerCudaOptions::
+  // overflow_tiles_always): with T <= 32 / n_kv no request has tokens past its decode unit.
+  const int64_t dec_tokens = ik::kDecRows / p.n_kv;
+  pl.overflow = T <= dec_tokens && !o.overflow_tiles_always ? 0 : ceil_div(T, pre_tokens);
   pl.units = pl.overflow + p.batch.num_requests;
   if (max_pages <= kTopK) return pl;  // nothing is scored: the selection kernel alone
   const int min_chunk = pl.mma ? ik::kMmaWarps : 1;
@@ -428,6 +431,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.overflow_tiles = static_cast<int>(pl.overflow);
   return info;
 }
 
@@ -619,9 +623,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                             : (rows <= kWideSelectMaxRows ? kWideSelectWarps : -1);
   if (wide > 0 && max_pages > ik::kCountRow && rows <= std::numeric_limits<int32_t>::max()) {
     // Rows of up to max_pages - 1 candidates, one CTA of `wide` warps per row.
-    const auto kernel = wide == 4   ? ik::select_wide_kernel<4>
-                        : wide == 8 ? ik::select_wide_kernel<8>
-                                    : ik::select_wide_kernel<16>;
+    const auto kernel = options.wide_select_v1 ? ik::select_wide_kernel<8, true>
+                        : wide == 4            ? ik::select_wide_kernel<4>
+                        : wide == 8            ? ik::select_wide_kernel<8>
+                                               : ik::select_wide_kernel<16>;
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(rows)),
                                        dim3(static_cast<unsigned>(wide * 32)), 0, stream,
                                        select_pdl, a));

@@ -173,6 +173,16 @@ struct IndexerCudaOptions {
   // or 16: that many warps per row wherever the selection kernel ranks rows of more than 64
   // candidates. Same ids.
   int wide_select = 0;
+  // The wide selection's first form (session 27 round D) for the A/B: 8 warps per row. Same ids.
+  bool wide_select_v1 = false;
+  // Calls of at most 32 / n_kv query tokens (batch-1 decode and verify: 1-8 tokens at n_kv 4)
+  // launch no overflow tiles: every token then belongs to a decode unit (a request's first 32 /
+  // n_kv tokens), so an overflow tile could find no work (with or without device data that
+  // breaks the contract). Round D timeline, 1 x 128K: the grid (2, 128) put its 128 empty
+  // overflow CTAs on the even SMs and the 128 decode CTAs twice on 44 odd SMs (CTA i on SM i mod
+  // 132), 48 SMs idle; the doubled SMs' CTAs ended ~1.5 us after the others. true: the former
+  // grid (the A/B switch). Same ids.
+  bool overflow_tiles_always = false;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
   // batches, not prefill chunks: indexer.cu), each row is ranked by short_select_warps warps
@@ -250,6 +260,7 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
+  int overflow_tiles = 0;  // grid.x of the scorer before the decode units (prefill tiles)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

@@ -9,7 +9,8 @@
 //            whole generation request (1 + draft_len <= 8 tokens at n_kv 4). CTA x < num_overflow
 //            is an "overflow tile": the flat token range [x * pre_tokens, (x + 1) * pre_tokens)
 //            minus the tokens decode units own; it may hold segments of several requests (prefill
-//            chunks).
+//            chunks). num_overflow is 0 when T <= dec_tokens (no token can lie past its request's
+//            decode unit; IndexerCudaOptions::overflow_tiles_always).
 //   grid.y = k_splits: the visible blocks [0, nvis) of a segment (nvis from its largest position)
 //            are cut into k_splits chunks of max(min_chunk, ceil(nvis / k_splits)) blocks
 //            (overflow tiles, CUDA-core scorer); decode units of the tensor-core scorer use

@@ -37,6 +37,8 @@
 // (pdl_launch_dependents).
 #pragma once
 
+#include <climits>
+
 #include "stages/indexer/indexer_kernel_common.cuh"
 
 namespace m3attn::indexer_kernel {
@@ -526,13 +528,21 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 constexpr int kWidePer = 4;   // a thread's candidates per pass (registers)
 constexpr int kWideCap = 64;  // survivors ranked by counting (two per lane of warp 0)
 
-template <int kW>
+// kV1: round D's form (the threshold's counts by 32 shuffles in every warp, one shared atomic
+// per warp and candidate slot holding survivors, the survivors ranked by a rolled loop, emit_row)
+// for the A/B against the default (counts from a per-warp shared copy of the group maxima, one
+// atomic per warp and pass, the ranking in unrolled groups of 16 survivors over a zero-padded list,
+// the 15 ids placed by counting in shared memory).
+template <int kW, bool kV1 = false>
 __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a) {
   constexpr int kStride = kW * 32;
   constexpr int kPass = kStride * kWidePer;
+  static_assert(kStride >= kWideCap, "the padding is zeroed by one store per thread");
   __shared__ uint64_t gmax[kW][32];
-  __shared__ uint64_t surv[kWideCap];
+  __shared__ __align__(16) uint64_t gcopy[kV1 ? 1 : kW][32];
+  __shared__ __align__(16) uint64_t surv[kWideCap];
   __shared__ uint64_t best[kTopK];
+  __shared__ __align__(16) int sel[kTopK];
   __shared__ int count;
   pdl_launch_dependents();
   select_timeline_mark(a, 0);
@@ -540,7 +550,10 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
   const int64_t row = blockIdx.x;  // one CTA per row: grid.x == T * n_kv
   // As in select_kernel: the position before the dependency wait, scores and ids after it.
   const int pos = __ldg(a.positions + row / a.n_kv);
-  if (threadIdx.x == 0) count = 0;  // ordered before the atomics by the first CTA barrier
+  // Ordered before their readers by the first CTA barrier (shared memory only: before the wait).
+  if (threadIdx.x == 0) count = 0;
+  if (!kV1 && threadIdx.x < kWideCap) surv[threadIdx.x] = 0;  // key 0 never beats a survivor
+  if (!kV1 && threadIdx.x < kTopK) sel[threadIdx.x] = INT_MAX;
   pdl_wait();
   select_timeline_mark(a, 1);
   int32_t* out = a.block_ids + row * kTopK;
@@ -577,8 +590,25 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
     g = o > g ? o : g;
   }
   int beats = 0;  // groups whose largest key beats this lane's group's
+  if constexpr (kV1) {
 #pragma unroll 8
-  for (int i = 0; i < 32; ++i) beats += __shfl_sync(0xffffffffu, g, i) > g ? 1 : 0;
+    for (int i = 0; i < 32; ++i) beats += __shfl_sync(0xffffffffu, g, i) > g ? 1 : 0;
+  } else {
+    // The warp's own copy of the 32 group maxima, read back as broadcasts (16-byte loads): every
+    // warp counts without shuffles (8 warps x 64 shuffles would queue on the SM's one shuffle
+    // unit).
+    gcopy[kV1 ? 0 : warp][lane] = g;
+    __syncwarp();
+    const ulonglong2* gc = reinterpret_cast<const ulonglong2*>(gcopy[kV1 ? 0 : warp]);
+    int b2[2] = {0, 0};
+#pragma unroll
+    for (int q = 0; q < 16; ++q) {
+      const ulonglong2 o = gc[q];
+      b2[0] += o.x > g ? 1 : 0;
+      b2[1] += o.y > g ? 1 : 0;
+    }
+    beats = b2[0] + b2[1];
+  }
   const bool top = beats < kTopK - 1;  // among the 15 largest group maxima
   const uint32_t gh = static_cast<uint32_t>(g >> 32), gl = static_cast<uint32_t>(g);
   const uint32_t lh = __reduce_min_sync(0xffffffffu, top ? gh : 0xffffffffu);
@@ -587,16 +617,37 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
   const uint32_t below = (1u << lane) - 1u;
   for (int c0 = 0; c0 < local; c0 += kPass) {
     if (local > kPass) load(c0);  // CTA-uniform; a one-pass row is still in k
+    if constexpr (kV1) {
 #pragma unroll
-    for (int i = 0; i < kWidePer; ++i) {
-      const bool sv = k[i] != 0 && k[i] >= L;
-      const uint32_t bal = __ballot_sync(0xffffffffu, sv);
-      if (bal == 0) continue;  // warp-uniform
-      int base = 0;
-      if (lane == 0) base = atomicAdd(&count, __popc(bal));
-      base = __shfl_sync(0xffffffffu, base, 0);
-      const int at = base + __popc(bal & below);
-      if (sv && at < kWideCap) surv[at] = k[i];
+      for (int i = 0; i < kWidePer; ++i) {
+        const bool sv = k[i] != 0 && k[i] >= L;
+        const uint32_t bal = __ballot_sync(0xffffffffu, sv);
+        if (bal == 0) continue;  // warp-uniform
+        int base = 0;
+        if (lane == 0) base = atomicAdd(&count, __popc(bal));
+        base = __shfl_sync(0xffffffffu, base, 0);
+        const int at = base + __popc(bal & below);
+        if (sv && at < kWideCap) surv[at] = k[i];
+      }
+    } else {
+      // The pass's survivors of the warp at one shared atomic.
+      uint32_t bal[kWidePer];
+      int total = 0;
+#pragma unroll
+      for (int i = 0; i < kWidePer; ++i) {
+        bal[i] = __ballot_sync(0xffffffffu, k[i] != 0 && k[i] >= L);
+        total += __popc(bal[i]);
+      }
+      if (total == 0) continue;  // warp-uniform
+      int at = 0;
+      if (lane == 0) at = atomicAdd(&count, total);
+      at = __shfl_sync(0xffffffffu, at, 0);
+#pragma unroll
+      for (int i = 0; i < kWidePer; ++i) {
+        const int slot = at + __popc(bal[i] & below);
+        if ((bal[i] >> lane) & 1u && slot < kWideCap) surv[slot] = k[i];
+        at += __popc(bal[i]);
+      }
     }
   }
   __syncthreads();  // every survivor is in surv (count: how many there were)
@@ -609,17 +660,57 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
   }
   const uint64_t k0 = lane < n ? surv[lane] : 0, k1 = lane + 32 < n ? surv[lane + 32] : 0;
   int r0 = 0, r1 = 0;  // survivors beating k0 / k1 (distinct keys: distinct ranks)
-  for (int j = 0; j < n; ++j) {
-    const uint64_t o = surv[j];
-    r0 += o > k0 ? 1 : 0;
-    r1 += o > k1 ? 1 : 0;
+  if constexpr (kV1) {
+    for (int j = 0; j < n; ++j) {
+      const uint64_t o = surv[j];
+      r0 += o > k0 ? 1 : 0;
+      r1 += o > k1 ? 1 : 0;
+    }
+  } else {
+    // Groups of 16 survivors, unrolled (8 broadcast 16-byte loads each); the entries past n are
+    // 0 and beat nothing.
+    const ulonglong2* sv2 = reinterpret_cast<const ulonglong2*>(surv);
+    for (int j0 = 0; j0 < n; j0 += 16) {  // warp-uniform
+      int c[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int q = 0; q < 8; ++q) {
+        const ulonglong2 o = sv2[j0 / 2 + q];
+        c[0] += o.x > k0 ? 1 : 0;
+        c[1] += o.y > k0 ? 1 : 0;
+        c[2] += o.x > k1 ? 1 : 0;
+        c[3] += o.y > k1 ? 1 : 0;
+      }
+      r0 += c[0] + c[1];
+      r1 += c[2] + c[3];
+    }
   }
   select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
-  if (lane < n && r0 < kTopK - 1) best[r0] = k0;
-  if (lane + 32 < n && r1 < kTopK - 1) best[r1] = k1;
-  __syncwarp();
-  // Lane k < min(n, 15) holds the k-th best key (every rank below min(n, 15) was written once).
-  emit_row(out, local, lane < min(n, kTopK - 1) ? best[lane] : 0);
+  if constexpr (kV1) {
+    if (lane < n && r0 < kTopK - 1) best[r0] = k0;
+    if (lane + 32 < n && r1 < kTopK - 1) best[r1] = k1;
+    __syncwarp();
+    // Lane k < min(n, 15) holds the k-th best key (every rank below min(n, 15) was written once).
+    emit_row(out, local, lane < min(n, kTopK - 1) ? best[lane] : 0);
+  } else {
+    // The 15 best ids by rank into sel (INT_MAX past them), then each its slot among them in
+    // ascending order by counting the smaller ones (distinct ids); the local block (larger than
+    // every candidate id) after them, then -1.
+    if (lane < n && r0 < kTopK - 1) sel[r0] = candidate_id(k0);
+    if (lane + 32 < n && r1 < kTopK - 1) sel[r1] = candidate_id(k1);
+    __syncwarp();
+    const int cnt = min(n, kTopK - 1);
+    const int my = sel[lane & (kTopK - 1)];
+    int slot = 0;
+    const int4* s4 = reinterpret_cast<const int4*>(sel);
+#pragma unroll
+    for (int q = 0; q < kTopK / 4; ++q) {
+      const int4 o = s4[q];
+      slot += (o.x < my ? 1 : 0) + (o.y < my ? 1 : 0) + (o.z < my ? 1 : 0) + (o.w < my ? 1 : 0);
+    }
+    if (lane < cnt) out[slot] = my;
+    if (lane == cnt) out[cnt] = local;
+    if (lane > cnt && lane < kTopK) out[lane] = -1;
+  }
   select_timeline_mark(a, 2);
 }
 

@@ -4,11 +4,13 @@
 // draft lengths 0 / 1 / 3 / 7, integer inputs (block maxima full of exact ties, also across the
 // warps' shares and the passes), NaN blocks, rows of all-equal scores, rows with fewer than 15
 // groups holding a non-NaN candidate (more survivors than the kernel ranks: the sorted-list
-// fallback), and CUDA-graph replay.
+// fallback), and CUDA-graph replay; and the grid without overflow tiles at few tokens
+// (IndexerCudaOptions::overflow_tiles_always) on every scorer path.
 #include <gtest/gtest.h>
 
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "indexer_gpu_test_util.h"
@@ -54,6 +56,12 @@ void check_wide(const Inputs& in, const std::string& label) {
   IndexerCudaOptions two = wide_in(16);
   two.unfused_decode = true;
   vs.push_back({two, "wide 16, two-kernel"});
+  IndexerCudaOptions v1 = wide_in(8);
+  v1.wide_select_v1 = true;  // round D's form
+  vs.push_back({v1, "wide 8 v1"});
+  IndexerCudaOptions ovf = wide_in(8);
+  ovf.overflow_tiles_always = true;  // the former grid
+  vs.push_back({ovf, "wide 8, overflow tiles"});
   for (const Variant& v : vs) {
     const GpuResult g = run_gpu(d, v.o);
     compare(in, ref, g, in.integer, label + " [" + v.name + "]");
@@ -76,6 +84,37 @@ TEST(IndexerGpu, WideSelectionSmall) {
       for (int b : {3, 40, 63}) in.hb.index_row(0, b * 128 + 11)[7] = 0x7f;  // NaN blocks
       check_wide(in, "wide small draft " + std::to_string(draft) + " " +
                          mt::describe_requests(generation(ctx, draft)));
+    }
+  }
+}
+
+// The sanitizers' case: one request at 12000 tokens, draft 3 (16 rows of 93 candidates), and one
+// at 20000 with NaN in every block whose id is >= 14 mod 32 (70 candidates in 14 groups: the
+// threshold is 0, all 70 survive, more than the kernel ranks: the sorted-list fallback); integer
+// inputs; the default, 4 warps and round D's form, each against one warp per row and the twin.
+TEST(IndexerGpu, WideSelectionSanitizerSmall) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  for (bool few : {false, true}) {
+    Inputs in = make_inputs(generation({few ? 20000 : 12000}, 3), 4, rng, /*integer=*/true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    if (few)
+      for (int b = 0; b * 128 < in.hb.seq_len(0); ++b)
+        if (b % 32 >= 14) in.hb.index_row(0, b * 128 + 3)[1] = 0x7f;
+    const Reference ref = reference(in);
+    DeviceSet d;
+    upload(in, d);
+    const std::string label = few ? "wide sanitizer, 14 groups" : "wide sanitizer";
+    const GpuResult one = run_gpu(d, wide_in(-1));
+    IndexerCudaOptions v1 = wide_in(8);
+    v1.wide_select_v1 = true;
+    for (const auto& [o, name] : std::vector<std::pair<IndexerCudaOptions, std::string>>{
+             {IndexerCudaOptions{}, "default"}, {wide_in(4), "wide 4"}, {v1, "wide 8 v1"}}) {
+      const GpuResult g = run_gpu(d, o);
+      compare(in, ref, g, /*exact_scores=*/true, label + " [" + name + "]");
+      expect_same_ids(in, g, one, label + " [" + name + " vs one warp per row]");
     }
   }
 }
@@ -162,6 +201,64 @@ TEST(IndexerGpu, WideSelectionGraphReplayEqualsEager) {
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
+}
+
+// Calls of at most 32 / n_kv tokens launch no overflow tiles (IndexerCudaOptions::
+// overflow_tiles_always): at n_kv 4 (8 tokens: one request of 8, two of 4, four of 2), n_kv 8 (4
+// tokens) and n_kv 1 (32 tokens: two requests of 16), every scorer path (default, two-kernel,
+// CUDA cores, single pass in one CTA and in 4-CTA clusters, flat decode) gives the ids of the
+// former grid, and the default path the twin's.
+TEST(IndexerGpu, NoOverflowTilesAtFewTokens) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  struct Case {
+    int n_kv;
+    std::vector<RequestSpec> reqs;
+  };
+  const std::vector<Case> cases = {{4, {{9000 - 8, 8}}},
+                                   {4, {{5000, 4}, {2000, 4}}},
+                                   {4, {{7000, 2}, {100, 2}, {3000, 2}, {20000, 2}}},
+                                   {8, {{6000, 4}}},
+                                   {1, {{4000, 16}, {8100, 16}}}};
+  for (const Case& c : cases) {
+    const Inputs in = make_inputs(c.reqs, c.n_kv, rng, /*integer=*/true);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    ASSERT_LE(in.T(), 32 / c.n_kv);
+    const Reference ref = reference(in);
+    DeviceSet d;
+    upload(in, d);
+    const std::string label =
+        "n_kv " + std::to_string(c.n_kv) + " " + mt::describe_requests(c.reqs);
+    IndexerCudaOptions ovf;
+    ovf.overflow_tiles_always = true;
+    EXPECT_EQ(indexer_cuda_plan(d.params, IndexerCudaOptions{}).overflow_tiles, 0) << label;
+    EXPECT_EQ(indexer_cuda_plan(d.params, ovf).overflow_tiles, 1) << label;
+    std::vector<std::pair<IndexerCudaOptions, std::string>> paths = {{{}, "default"}};
+    IndexerCudaOptions o;
+    o.unfused_decode = true;
+    paths.push_back({o, "two-kernel"});
+    o = IndexerCudaOptions{};
+    o.force_cuda_cores = true;
+    paths.push_back({o, "cuda cores"});
+    o = IndexerCudaOptions{};
+    o.single_pass = true;
+    paths.push_back({o, "single pass"});
+    o.single_pass_ctas = 4;
+    paths.push_back({o, "single pass, 4-CTA clusters"});
+    o = IndexerCudaOptions{};
+    o.flat_decode = 1;
+    paths.push_back({o, "flat 1"});
+    for (const auto& [po, name] : paths) {
+      if (po.single_pass && !indexer_cuda_plan(d.params, po).single) continue;  // > 64 blocks
+      const GpuResult g = run_gpu(d, po);
+      if (name == "default") compare(in, ref, g, /*exact_scores=*/true, label + " [default]");
+      IndexerCudaOptions former = po;
+      former.overflow_tiles_always = true;
+      expect_same_ids(in, g, run_gpu(d, former), label + " [" + name + " vs overflow tiles]");
+    }
+  }
 }
 
 // Rejected values of wide_select touch nothing.

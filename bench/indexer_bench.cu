@@ -33,7 +33,7 @@
 //   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --window
 //   (each page-table copy's pages those of --contiguous, shuffled within that span), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
-//   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
+//   context must be in the table's sets; with --variants any batch and context), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
 //   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3; with
 //   --case that batch and draft alone),
@@ -80,8 +80,8 @@
 //   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 /
 //   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima),
 //   wide4 / wide8 / wide16 (IndexerCudaOptions::wide_select 4 / 8 / 16 warps per row, forced),
-//   nowide (wide_select -1: one warp per long row), widev1 (wide_select_v1: session 27 round D's
-//   form), ovf (overflow_tiles_always), main (ovf and nowide: main's options before session 27),
+//   nowide (wide_select -1: one warp per long row), ovf (overflow_tiles_always), one
+//   (fused_small_ctas_per_sm 1), main (ovf, nowide and one: main's options before session 27),
 //   fkN (any N: the fused path at N splits, fused_decode_always with k_splits N; fkNn: the same
 //   with wide_select -1).
 #include <cuda_runtime_api.h>
@@ -698,6 +698,7 @@ int main(int argc, char** argv) {
   for (int b : batches)
     for (int ctx : contexts)
       pool_pages = std::max<int64_t>(pool_pages, int64_t{b} * ctx / kPageSize);
+  if (only) pool_pages = std::max<int64_t>(pool_pages, int64_t{only_batch} * only_ctx / kPageSize);
   pool_pages = std::max<int64_t>(pool_pages, 65536 / kPageSize) + 64;
   Pool pool;
   pool.pages = pool_pages;
@@ -783,7 +784,19 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
     };
-    const TimelineClock clock(tl, warps, khz);  // one time base (see TimelineClock)
+    TimelineClock clock(tl, warps, khz);  // one time base (see TimelineClock)
+    {
+      // SMs that ran selection warps but no scorer warp: their offset from the selection warps'
+      // own (globaltimer, clock64) pair at entry (words 6 / 7).
+      const uint64_t* sel = tl.data() + warps * kStride + 16;
+      for (int64_t w = 0; w < sel_warps; ++w) {
+        const uint64_t* e = sel + w * kSelWords;
+        const int sm = static_cast<int>(e[0]) - 1;
+        if (!e[0] || !e[6] || clock.offset.count(sm)) continue;
+        clock.offset[sm] = static_cast<double>(static_cast<int64_t>(e[6] - clock.gbase)) -
+                           clock.rel_clk(e[7]);
+      }
+    }
     const double ghz = clock.ghz, g0 = clock.first_entry;
     const auto ns_of = [&](int sm, uint64_t clk, double* out) { return clock.ns_of(sm, clk, out); };
     // at(w, slot): us after the first warp's entry, or kNone when not recorded.
@@ -1434,17 +1447,18 @@ int main(int argc, char** argv) {
     }
     all.push_back({"nowide", default_o});
     all.back().o.wide_select = -1;
-    // widev1 = IndexerCudaOptions::wide_select_v1 (round D's form, 8 warps); ovf =
-    // overflow_tiles_always (the former grid: overflow tiles at any token count); main = the
-    // options of main before session 27 (both, and wide_select -1).
-    all.push_back({"widev1", default_o});
-    all.back().o.wide_select_v1 = true;
-    all.back().o.wide_select = 8;
+    // ovf = overflow_tiles_always (the former grid: overflow tiles at any token count); main =
+    // the options of main before session 27 (ovf, wide_select -1, fused_small_ctas_per_sm 1).
     all.push_back({"ovf", default_o});
     all.back().o.overflow_tiles_always = true;
     all.push_back({"main", default_o});
     all.back().o.overflow_tiles_always = true;
     all.back().o.wide_select = -1;
+    all.back().o.fused_small_ctas_per_sm = 1;
+    // one = IndexerCudaOptions::fused_small_ctas_per_sm 1 (the former fused plan below one wave:
+    // one CTA per SM).
+    all.push_back({"one", default_o});
+    all.back().o.fused_small_ctas_per_sm = 1;
     // fkN (any N in --vlist): the fused path at N splits (fused_decode_always, k_splits N);
     // fkNn: the same with wide_select -1.
     std::vector<std::string> fk_names;
@@ -1461,10 +1475,11 @@ int main(int argc, char** argv) {
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
-    // --case: any batch size (the table's batches otherwise).
+    // --case: any batch size and context (the table's otherwise).
     const std::vector<int> vbatches = only ? std::vector<int>{only_batch} : batches;
+    const std::vector<int> vcontexts = only ? std::vector<int>{only_ctx} : contexts;
     for (int run = 0; run < repeat; ++run)
-      for (int ctx : contexts) {
+      for (int ctx : vcontexts) {
         for (int batch : vbatches) {
           const int draft = only ? only_draft : 3;
           if (only && (batch != only_batch || ctx != only_ctx)) continue;

@@ -130,6 +130,11 @@ constexpr int64_t kFusedCtasPerSm = 3;
 // us with four warps per row vs 159.4-162.5 with one).
 constexpr int64_t kShortSelectMaxRowsPerSm = 32;
 
+// Fused decode below one wave (fewer CTAs than SMs at the default chunks: small batches at long
+// contexts): chunks sized for about this many CTAs per SM (at least 4 blocks: one per warp).
+// Session 27 round E, 1 x 128K draft 0, three alternating runs: 256 splits of 4 blocks 9.6 / 9.6 /
+// 9.6 us back to back vs 9.9-10.0 for 128 of 8 (one per SM, the former rule).
+constexpr int64_t kFusedSmallCtasPerSm = 2;
 // wide_select (automatic): select_wide_kernel with this many warps per row where the call has
 // at most kWideSelectMaxRows rows of more than 64 candidates (batch-1 decode: 4 rows at draft 0,
 // 16 at draft 3; measured there only).
@@ -272,9 +277,14 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
           if (c >= 40) fchunk = std::min<int64_t>(c, ik::kFusedMaxChunk);
         }
       }
-      if (R * ceil_div(max_pages, fchunk) < sms)
-        fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
-                                     fchunk);
+      if (R * ceil_div(max_pages, fchunk) < sms) {
+        // Below one CTA per SM: about kFusedSmallCtasPerSm CTAs per SM
+        // (IndexerCudaOptions::fused_small_ctas_per_sm).
+        const int64_t per_sm =
+            o.fused_small_ctas_per_sm > 0 ? o.fused_small_ctas_per_sm : kFusedSmallCtasPerSm;
+        fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, per_sm * sms)),
+                                     ik::kMmaWarps, fchunk);
+      }
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
@@ -462,6 +472,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.fused_small_ctas_per_sm >= 0 && options.fused_small_ctas_per_sm <= 3,
+               "run_indexer_cuda: fused_small_ctas_per_sm ", options.fused_small_ctas_per_sm,
+               " is outside [0, 3]");
   M3_CHECK_ARG(options.wide_select == -1 || options.wide_select == 0 || options.wide_select == 4 ||
                    options.wide_select == 8 || options.wide_select == 16,
                "run_indexer_cuda: wide_select ", options.wide_select, " is not -1, 0, 4, 8 or 16");
@@ -623,10 +636,9 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                             : (rows <= kWideSelectMaxRows ? kWideSelectWarps : -1);
   if (wide > 0 && max_pages > ik::kCountRow && rows <= std::numeric_limits<int32_t>::max()) {
     // Rows of up to max_pages - 1 candidates, one CTA of `wide` warps per row.
-    const auto kernel = options.wide_select_v1 ? ik::select_wide_kernel<8, true>
-                        : wide == 4            ? ik::select_wide_kernel<4>
-                        : wide == 8            ? ik::select_wide_kernel<8>
-                                               : ik::select_wide_kernel<16>;
+    const auto kernel = wide == 4   ? ik::select_wide_kernel<4>
+                        : wide == 8 ? ik::select_wide_kernel<8>
+                                    : ik::select_wide_kernel<16>;
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(rows)),
                                        dim3(static_cast<unsigned>(wide * 32)), 0, stream,
                                        select_pdl, a));

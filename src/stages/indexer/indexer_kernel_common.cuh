@@ -187,7 +187,8 @@ __device__ __forceinline__ void timeline_word(const KernelArgs& a, int word, uin
 // words per selection warp (global warp index): the SM id + 1, clock64 at entry, at the release
 // from pdl_wait, when its row is written, and (select_timeline_stamp) once its scores are loaded
 // and once they are ranked (the benchmark converts them with the scorer warps' globaltimer pairs
-// of the same SM).
+// of the same SM, or its own globaltimer / clock64 pair at entry in words 6 / 7 where no scorer
+// warp ran on that SM).
 constexpr int kSelectTimelineWords = 8;
 __device__ __forceinline__ uint64_t* select_timeline_entry(const KernelArgs& a) {
   const int64_t score_ctas = a.flat_warps > 0
@@ -211,6 +212,9 @@ __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int sl
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     e[0] = sm + 1;
+    // A (globaltimer, clock64) pair for SMs where no scorer warp ran (words 6 / 7).
+    e[6] = globaltimer_ns();
+    e[7] = static_cast<uint64_t>(clock64());
   }
   e[1 + slot] = c;
 }

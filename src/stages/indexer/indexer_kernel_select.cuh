@@ -519,29 +519,37 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // a CTA barrier every warp (redundantly, so that no second barrier follows) takes the groups'
 // largest keys G_l (the maximum over the warps) and the threshold L = the 15th largest G: 15
 // distinct groups hold a key >= L, so the row's 15 best keys are all >= L (exact under the strict
-// order of candidate_key: score descending, then id ascending; NaN = key 0, never taken). The keys
+// order of candidate_key: score descending, then id ascending; NaN = key 0, never taken). The
+// count of the G that beat a lane's runs over the warp's own shared copy of the 32 G (broadcast
+// 16-byte loads), not shuffles (8 warps x 64 shuffles queue on the SM's shuffle unit). The keys
 // >= L (the survivors) are appended to a shared list (one shared atomic per warp and pass); after
-// a second CTA barrier warp 0 ranks them by counting (keys are distinct), puts the 15 best in
-// order and writes the row (emit_row: ascending ids, the local block, -1). More than kWideCap
-// survivors (rows with fewer than 15 groups holding a non-NaN key, or data built against the
-// groups): warp 0 selects the row by the per-lane sorted lists. Same ids as select_kernel.
+// a second CTA barrier warp 0 ranks them by counting (keys are distinct) over the zero-padded
+// list in unrolled groups of 16, puts the 15 best ids in rank order and places each by counting
+// the smaller ones (ascending ids), then the local block, then -1. More than kWideCap survivors
+// (rows with fewer than 15 groups holding a non-NaN candidate, or data built against the groups):
+// warp 0 selects the row by the per-lane sorted lists. Same ids as select_kernel.
+// Session 27, same-round A/Bs (back to back, us, three alternating runs unless noted; "one warp"
+// = select_kernel, wide_select -1): round D (this kernel's first form, see below; with the former
+// grid) 1 x 128K draft 0 10.9 / 10.9 vs 14.9-15.0 for one warp per row (4 warps per row 11.6-11.7,
+// 16 warps 11.2), draft 3 11.5 / 11.5 vs 15.4 (4: 12.4, 16: 11.9); 1 x 32K draft 0 7.0 / 7.0 vs
+// 8.2, draft 3 7.6 / 7.6 vs 8.7-8.8 (two runs each). Round D timeline (1 x 128K draft 0): released
+// 0.58 us after the scorer's last warp, scores in registers +0.54, ranked +1.79, row written
+// +0.42. Round E (this form, without overflow tiles): 1 x 128K draft 0 10.0 / 9.9 / 9.9 vs 14.0
+// for one warp and 10.3 / 10.3 / 10.3 for the first form; draft 3 10.3 / 10.4 / 10.3 vs 14.7-14.8
+// and 11.2; 1 x 32K draft 0 6.3 / 6.4 / 6.4 vs 7.7-7.8 and 6.7; draft 3 7.2 vs 8.6-8.7. The first
+// form, deleted: the counts by 32 shuffles in every warp, one shared atomic per warp and candidate
+// slot holding survivors, a rolled ranking loop over the survivors, emit_row.
 constexpr int kWidePer = 4;   // a thread's candidates per pass (registers)
 constexpr int kWideCap = 64;  // survivors ranked by counting (two per lane of warp 0)
 
-// kV1: round D's form (the threshold's counts by 32 shuffles in every warp, one shared atomic
-// per warp and candidate slot holding survivors, the survivors ranked by a rolled loop, emit_row)
-// for the A/B against the default (counts from a per-warp shared copy of the group maxima, one
-// atomic per warp and pass, the ranking in unrolled groups of 16 survivors over a zero-padded list,
-// the 15 ids placed by counting in shared memory).
-template <int kW, bool kV1 = false>
+template <int kW>
 __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a) {
   constexpr int kStride = kW * 32;
   constexpr int kPass = kStride * kWidePer;
   static_assert(kStride >= kWideCap, "the padding is zeroed by one store per thread");
   __shared__ uint64_t gmax[kW][32];
-  __shared__ __align__(16) uint64_t gcopy[kV1 ? 1 : kW][32];
+  __shared__ __align__(16) uint64_t gcopy[kW][32];
   __shared__ __align__(16) uint64_t surv[kWideCap];
-  __shared__ uint64_t best[kTopK];
   __shared__ __align__(16) int sel[kTopK];
   __shared__ int count;
   pdl_launch_dependents();
@@ -552,8 +560,8 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
   const int pos = __ldg(a.positions + row / a.n_kv);
   // Ordered before their readers by the first CTA barrier (shared memory only: before the wait).
   if (threadIdx.x == 0) count = 0;
-  if (!kV1 && threadIdx.x < kWideCap) surv[threadIdx.x] = 0;  // key 0 never beats a survivor
-  if (!kV1 && threadIdx.x < kTopK) sel[threadIdx.x] = INT_MAX;
+  if (threadIdx.x < kWideCap) surv[threadIdx.x] = 0;  // key 0 never beats a survivor
+  if (threadIdx.x < kTopK) sel[threadIdx.x] = INT_MAX;
   pdl_wait();
   select_timeline_mark(a, 1);
   int32_t* out = a.block_ids + row * kTopK;
@@ -589,27 +597,18 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
     const uint64_t o = gmax[w][lane];
     g = o > g ? o : g;
   }
-  int beats = 0;  // groups whose largest key beats this lane's group's
-  if constexpr (kV1) {
-#pragma unroll 8
-    for (int i = 0; i < 32; ++i) beats += __shfl_sync(0xffffffffu, g, i) > g ? 1 : 0;
-  } else {
-    // The warp's own copy of the 32 group maxima, read back as broadcasts (16-byte loads): every
-    // warp counts without shuffles (8 warps x 64 shuffles would queue on the SM's one shuffle
-    // unit).
-    gcopy[kV1 ? 0 : warp][lane] = g;
-    __syncwarp();
-    const ulonglong2* gc = reinterpret_cast<const ulonglong2*>(gcopy[kV1 ? 0 : warp]);
-    int b2[2] = {0, 0};
+  // The groups whose largest key beats this lane's group's, from the warp's own copy.
+  gcopy[warp][lane] = g;
+  __syncwarp();
+  const ulonglong2* gc = reinterpret_cast<const ulonglong2*>(gcopy[warp]);
+  int b2[2] = {0, 0};
 #pragma unroll
-    for (int q = 0; q < 16; ++q) {
-      const ulonglong2 o = gc[q];
-      b2[0] += o.x > g ? 1 : 0;
-      b2[1] += o.y > g ? 1 : 0;
-    }
-    beats = b2[0] + b2[1];
+  for (int q = 0; q < 16; ++q) {
+    const ulonglong2 o = gc[q];
+    b2[0] += o.x > g ? 1 : 0;
+    b2[1] += o.y > g ? 1 : 0;
   }
-  const bool top = beats < kTopK - 1;  // among the 15 largest group maxima
+  const bool top = b2[0] + b2[1] < kTopK - 1;  // among the 15 largest group maxima
   const uint32_t gh = static_cast<uint32_t>(g >> 32), gl = static_cast<uint32_t>(g);
   const uint32_t lh = __reduce_min_sync(0xffffffffu, top ? gh : 0xffffffffu);
   const uint32_t ll = __reduce_min_sync(0xffffffffu, top && gh == lh ? gl : 0xffffffffu);
@@ -617,37 +616,23 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
   const uint32_t below = (1u << lane) - 1u;
   for (int c0 = 0; c0 < local; c0 += kPass) {
     if (local > kPass) load(c0);  // CTA-uniform; a one-pass row is still in k
-    if constexpr (kV1) {
+    // The pass's survivors of the warp at one shared atomic.
+    uint32_t bal[kWidePer];
+    int total = 0;
 #pragma unroll
-      for (int i = 0; i < kWidePer; ++i) {
-        const bool sv = k[i] != 0 && k[i] >= L;
-        const uint32_t bal = __ballot_sync(0xffffffffu, sv);
-        if (bal == 0) continue;  // warp-uniform
-        int base = 0;
-        if (lane == 0) base = atomicAdd(&count, __popc(bal));
-        base = __shfl_sync(0xffffffffu, base, 0);
-        const int at = base + __popc(bal & below);
-        if (sv && at < kWideCap) surv[at] = k[i];
-      }
-    } else {
-      // The pass's survivors of the warp at one shared atomic.
-      uint32_t bal[kWidePer];
-      int total = 0;
+    for (int i = 0; i < kWidePer; ++i) {
+      bal[i] = __ballot_sync(0xffffffffu, k[i] != 0 && k[i] >= L);
+      total += __popc(bal[i]);
+    }
+    if (total == 0) continue;  // warp-uniform
+    int at = 0;
+    if (lane == 0) at = atomicAdd(&count, total);
+    at = __shfl_sync(0xffffffffu, at, 0);
 #pragma unroll
-      for (int i = 0; i < kWidePer; ++i) {
-        bal[i] = __ballot_sync(0xffffffffu, k[i] != 0 && k[i] >= L);
-        total += __popc(bal[i]);
-      }
-      if (total == 0) continue;  // warp-uniform
-      int at = 0;
-      if (lane == 0) at = atomicAdd(&count, total);
-      at = __shfl_sync(0xffffffffu, at, 0);
-#pragma unroll
-      for (int i = 0; i < kWidePer; ++i) {
-        const int slot = at + __popc(bal[i] & below);
-        if ((bal[i] >> lane) & 1u && slot < kWideCap) surv[slot] = k[i];
-        at += __popc(bal[i]);
-      }
+    for (int i = 0; i < kWidePer; ++i) {
+      const int slot = at + __popc(bal[i] & below);
+      if ((bal[i] >> lane) & 1u && slot < kWideCap) surv[slot] = k[i];
+      at += __popc(bal[i]);
     }
   }
   __syncthreads();  // every survivor is in surv (count: how many there were)
@@ -658,59 +643,43 @@ __global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a
     select_timeline_mark(a, 2);
     return;
   }
-  const uint64_t k0 = lane < n ? surv[lane] : 0, k1 = lane + 32 < n ? surv[lane + 32] : 0;
-  int r0 = 0, r1 = 0;  // survivors beating k0 / k1 (distinct keys: distinct ranks)
-  if constexpr (kV1) {
-    for (int j = 0; j < n; ++j) {
-      const uint64_t o = surv[j];
-      r0 += o > k0 ? 1 : 0;
-      r1 += o > k1 ? 1 : 0;
-    }
-  } else {
-    // Groups of 16 survivors, unrolled (8 broadcast 16-byte loads each); the entries past n are
-    // 0 and beat nothing.
-    const ulonglong2* sv2 = reinterpret_cast<const ulonglong2*>(surv);
-    for (int j0 = 0; j0 < n; j0 += 16) {  // warp-uniform
-      int c[4] = {0, 0, 0, 0};
+  const uint64_t k0 = surv[lane], k1 = surv[lane + 32];  // 0 past n
+  // Survivors beating k0 / k1 (distinct keys: distinct ranks), in groups of 16 (8 broadcast
+  // 16-byte loads each); the entries past n are 0 and beat nothing.
+  int r0 = 0, r1 = 0;
+  const ulonglong2* sv2 = reinterpret_cast<const ulonglong2*>(surv);
+  for (int j0 = 0; j0 < n; j0 += 16) {  // warp-uniform
+    int c[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int q = 0; q < 8; ++q) {
-        const ulonglong2 o = sv2[j0 / 2 + q];
-        c[0] += o.x > k0 ? 1 : 0;
-        c[1] += o.y > k0 ? 1 : 0;
-        c[2] += o.x > k1 ? 1 : 0;
-        c[3] += o.y > k1 ? 1 : 0;
-      }
-      r0 += c[0] + c[1];
-      r1 += c[2] + c[3];
+    for (int q = 0; q < 8; ++q) {
+      const ulonglong2 o = sv2[j0 / 2 + q];
+      c[0] += o.x > k0 ? 1 : 0;
+      c[1] += o.y > k0 ? 1 : 0;
+      c[2] += o.x > k1 ? 1 : 0;
+      c[3] += o.y > k1 ? 1 : 0;
     }
+    r0 += c[0] + c[1];
+    r1 += c[2] + c[3];
   }
   select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
-  if constexpr (kV1) {
-    if (lane < n && r0 < kTopK - 1) best[r0] = k0;
-    if (lane + 32 < n && r1 < kTopK - 1) best[r1] = k1;
-    __syncwarp();
-    // Lane k < min(n, 15) holds the k-th best key (every rank below min(n, 15) was written once).
-    emit_row(out, local, lane < min(n, kTopK - 1) ? best[lane] : 0);
-  } else {
-    // The 15 best ids by rank into sel (INT_MAX past them), then each its slot among them in
-    // ascending order by counting the smaller ones (distinct ids); the local block (larger than
-    // every candidate id) after them, then -1.
-    if (lane < n && r0 < kTopK - 1) sel[r0] = candidate_id(k0);
-    if (lane + 32 < n && r1 < kTopK - 1) sel[r1] = candidate_id(k1);
-    __syncwarp();
-    const int cnt = min(n, kTopK - 1);
-    const int my = sel[lane & (kTopK - 1)];
-    int slot = 0;
-    const int4* s4 = reinterpret_cast<const int4*>(sel);
+  // The 15 best ids by rank into sel (INT_MAX past them), then each its slot among them in
+  // ascending order by counting the smaller ones (distinct ids); the local block (larger than
+  // every candidate id) after them, then -1.
+  if (lane < n && r0 < kTopK - 1) sel[r0] = candidate_id(k0);
+  if (lane + 32 < n && r1 < kTopK - 1) sel[r1] = candidate_id(k1);
+  __syncwarp();
+  const int cnt = min(n, kTopK - 1);
+  const int my = sel[lane & (kTopK - 1)];
+  int slot = 0;
+  const int4* s4 = reinterpret_cast<const int4*>(sel);
 #pragma unroll
-    for (int q = 0; q < kTopK / 4; ++q) {
-      const int4 o = s4[q];
-      slot += (o.x < my ? 1 : 0) + (o.y < my ? 1 : 0) + (o.z < my ? 1 : 0) + (o.w < my ? 1 : 0);
-    }
-    if (lane < cnt) out[slot] = my;
-    if (lane == cnt) out[cnt] = local;
-    if (lane > cnt && lane < kTopK) out[lane] = -1;
+  for (int q = 0; q < kTopK / 4; ++q) {
+    const int4 o = s4[q];
+    slot += (o.x < my ? 1 : 0) + (o.y < my ? 1 : 0) + (o.z < my ? 1 : 0) + (o.w < my ? 1 : 0);
   }
+  if (lane < cnt) out[slot] = my;
+  if (lane == cnt) out[cnt] = local;
+  if (lane > cnt && lane < kTopK) out[lane] = -1;
   select_timeline_mark(a, 2);
 }
 

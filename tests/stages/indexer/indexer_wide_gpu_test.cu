@@ -8,6 +8,8 @@
 // (IndexerCudaOptions::overflow_tiles_always) on every scorer path.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -56,9 +58,6 @@ void check_wide(const Inputs& in, const std::string& label) {
   IndexerCudaOptions two = wide_in(16);
   two.unfused_decode = true;
   vs.push_back({two, "wide 16, two-kernel"});
-  IndexerCudaOptions v1 = wide_in(8);
-  v1.wide_select_v1 = true;  // round D's form
-  vs.push_back({v1, "wide 8 v1"});
   IndexerCudaOptions ovf = wide_in(8);
   ovf.overflow_tiles_always = true;  // the former grid
   vs.push_back({ovf, "wide 8, overflow tiles"});
@@ -91,7 +90,7 @@ TEST(IndexerGpu, WideSelectionSmall) {
 // The sanitizers' case: one request at 12000 tokens, draft 3 (16 rows of 93 candidates), and one
 // at 20000 with NaN in every block whose id is >= 14 mod 32 (70 candidates in 14 groups: the
 // threshold is 0, all 70 survive, more than the kernel ranks: the sorted-list fallback); integer
-// inputs; the default, 4 warps and round D's form, each against one warp per row and the twin.
+// inputs; the default (8 warps), 4 and 16 warps, each against one warp per row and the twin.
 TEST(IndexerGpu, WideSelectionSanitizerSmall) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -108,10 +107,8 @@ TEST(IndexerGpu, WideSelectionSanitizerSmall) {
     upload(in, d);
     const std::string label = few ? "wide sanitizer, 14 groups" : "wide sanitizer";
     const GpuResult one = run_gpu(d, wide_in(-1));
-    IndexerCudaOptions v1 = wide_in(8);
-    v1.wide_select_v1 = true;
     for (const auto& [o, name] : std::vector<std::pair<IndexerCudaOptions, std::string>>{
-             {IndexerCudaOptions{}, "default"}, {wide_in(4), "wide 4"}, {v1, "wide 8 v1"}}) {
+             {IndexerCudaOptions{}, "default"}, {wide_in(4), "wide 4"}, {wide_in(16), "wide 16"}}) {
       const GpuResult g = run_gpu(d, o);
       compare(in, ref, g, /*exact_scores=*/true, label + " [" + name + "]");
       expect_same_ids(in, g, one, label + " [" + name + " vs one warp per row]");
@@ -258,6 +255,47 @@ TEST(IndexerGpu, NoOverflowTilesAtFewTokens) {
       former.overflow_tiles_always = true;
       expect_same_ids(in, g, run_gpu(d, former), label + " [" + name + " vs overflow tiles]");
     }
+  }
+}
+
+// The automatic fused plan below one wave (IndexerCudaOptions::fused_small_ctas_per_sm): one
+// request at 128K (1024 blocks, no spare page-table column) and two at 64K + 100 (draft 3) split
+// into chunks for about two CTAs per SM (4 blocks at 128K on 132 SMs) instead of one; the ids equal
+// the former plan's (one CTA per SM) and the twin's.
+TEST(IndexerGpu, SmallBatchFusedPlanTwoCtasPerSm) {
+  M3_REQUIRE_GPU();
+  const uint64_t seed = mt::fresh_seed();
+  M3_SEED_TRACE(seed);
+  Rng rng(seed);
+  const int sms = mt::current_device_sms();
+  for (const std::vector<int>& ctx : {std::vector<int>{131072}, std::vector<int>{65636, 65636}}) {
+    const int draft = ctx.size() == 1 ? 0 : 3;
+    const int R = static_cast<int>(ctx.size());
+    const Inputs in = make_inputs(generation(ctx, draft), 4, rng, /*integer=*/true, 0, 0);
+    ASSERT_FALSE(::testing::Test::HasFailure());
+    const int mp = in.max_pages();
+    DeviceSet d;
+    upload(in, d);
+    const std::string label = mt::describe_requests(generation(ctx, draft));
+    IndexerCudaOptions one;
+    one.fused_small_ctas_per_sm = 1;
+    const auto chunk_for = [&](int per_sm) {  // the rule below one wave (64-block chunks cap)
+      const int c = (mp * R + per_sm * sms - 1) / (per_sm * sms);
+      return std::min(64, std::max(4, (c + 3) / 4 * 4));
+    };
+    if (R * ((mp + 63) / 64) < sms) {  // below one wave at the default 64-block chunks
+      const IndexerCudaPlan pl = indexer_cuda_plan(d.params, IndexerCudaOptions{});
+      const IndexerCudaPlan pl1 = indexer_cuda_plan(d.params, one);
+      EXPECT_TRUE(pl.fused && pl1.fused) << label;
+      EXPECT_EQ(pl.dec_chunk, chunk_for(2)) << label;
+      EXPECT_EQ(pl.k_splits, (mp + pl.dec_chunk - 1) / pl.dec_chunk) << label;
+      EXPECT_EQ(pl1.dec_chunk, chunk_for(1)) << label;
+      std::printf("[ indexer  ] %s on %d SMs: k%d c%d (one CTA per SM: k%d c%d)\n", label.c_str(),
+                  sms, pl.k_splits, pl.dec_chunk, pl1.k_splits, pl1.dec_chunk);
+    }
+    const GpuResult g = run_gpu(d, IndexerCudaOptions{});
+    compare(in, reference(in), g, /*exact_scores=*/true, label + " [default]");
+    expect_same_ids(in, g, run_gpu(d, one), label + " [default vs one CTA per SM]");
   }
 }
 

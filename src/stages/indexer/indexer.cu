@@ -131,15 +131,26 @@ constexpr int64_t kFusedCtasPerSm = 3;
 constexpr int64_t kShortSelectMaxRowsPerSm = 32;
 
 // Fused decode below one wave (fewer CTAs than SMs at the default chunks: small batches at long
-// contexts): chunks sized for about this many CTAs per SM (at least 4 blocks: one per warp).
-// Session 27 round E, 1 x 128K draft 0, three alternating runs: 256 splits of 4 blocks 9.6 / 9.6 /
-// 9.6 us back to back vs 9.9-10.0 for 128 of 8 (one per SM, the former rule).
+// contexts) with one request and no overflow tile (batch-1 decode and verify): chunks sized for
+// about this many CTAs per SM (at least 4 blocks: one per warp) instead of one (the rule for
+// every other batch). Session 27, same-round A/Bs, back to back (us; three alternating runs
+// unless noted; vs one CTA per SM): round E, 1 x 128K draft 0, 256 splits of 4 blocks 9.6 / 9.6 /
+// 9.6 vs 9.9-10.0 for 128 of 8 (64 of 16: 10.0-10.1); round F: 1 x 128K draft 0 9.6 / 9.6 / 9.6 vs
+// 9.9 / 9.9 / 10.0, draft 3 10.4 / 10.4 / 10.4 vs 10.4 / 10.5 / 10.4; 1 x 96K draft 0 (192 of 4
+// vs 96 of 8) 8.7 / 8.7 / 8.8 vs 9.0 / 8.9 / 8.9; 1 x 80K draft 3 9.1 / 9.1 / 9.1 vs 9.1 / 9.2 /
+// 9.2 (contexts up to ~66K: 4-block chunks either way). Not for several requests (round F, two
+// runs): 2 x 128K draft 0 14.2 / 14.4 vs 14.1 / 14.2; 8 x 128K draft 0 43.4 / 43.7 vs 42.0 / 42.1;
+// 2 x 128K draft 3 18.9 / 18.9 vs 19.0 / 19.2; 4 x 32K draft 0 9.9 / 9.9 vs 9.9 / 10.0; 2 x 64K
+// draft 3 12.8 / 12.8 vs 12.9 / 12.9.
 constexpr int64_t kFusedSmallCtasPerSm = 2;
 // wide_select (automatic): select_wide_kernel with this many warps per row where the call has
 // at most kWideSelectMaxRows rows of more than 64 candidates (batch-1 decode: 4 rows at draft 0,
-// 16 at draft 3; measured there only).
+// 16 at draft 3). Session 27 round F (two alternating runs, back to back) at 32 rows: 8 x 128K
+// draft 0 37.5 / 37.4 us vs 43.4 / 43.7 for one warp per row (both at 32 splits of 32 blocks),
+// 2 x 128K draft 3 14.6 / 14.7 vs 18.9 / 18.9. Measured at 4, 16 and 32 rows (batch-1 numbers:
+// IndexerCudaOptions::wide_select); more rows (64 x 32K: 256) keep one warp per row.
 constexpr int kWideSelectWarps = 8;
-constexpr int64_t kWideSelectMaxRows = 16;
+constexpr int64_t kWideSelectMaxRows = 32;
 
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
@@ -278,10 +289,11 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
         }
       }
       if (R * ceil_div(max_pages, fchunk) < sms) {
-        // Below one CTA per SM: about kFusedSmallCtasPerSm CTAs per SM
-        // (IndexerCudaOptions::fused_small_ctas_per_sm).
-        const int64_t per_sm =
-            o.fused_small_ctas_per_sm > 0 ? o.fused_small_ctas_per_sm : kFusedSmallCtasPerSm;
+        // Below one CTA per SM: one CTA per SM, or for one request without overflow tiles about
+        // kFusedSmallCtasPerSm (IndexerCudaOptions::fused_small_ctas_per_sm).
+        const int64_t per_sm = o.fused_small_ctas_per_sm > 0 ? o.fused_small_ctas_per_sm
+                               : R == 1 && pl.overflow == 0  ? kFusedSmallCtasPerSm
+                                                             : 1;
         fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, per_sm * sms)),
                                      ik::kMmaWarps, fchunk);
       }

@@ -169,7 +169,7 @@ struct IndexerCudaOptions {
   // of 1023 candidates at 128K, 16 at draft 3): select_wide_kernel ranks each row on one CTA of
   // wide_select warps (each warp a share of the row's candidates, a threshold from the 32 groups'
   // largest keys, the survivors ranked by one warp) instead of one warp per row. 0: automatic
-  // (8 warps where the call has at most 16 rows, indexer.cu kWideSelectMaxRows); -1: never; 4, 8
+  // (8 warps where the call has at most 32 rows, indexer.cu kWideSelectMaxRows); -1: never; 4, 8
   // or 16: that many warps per row wherever the selection kernel ranks rows of more than 64
   // candidates. Session 27 round E (back to back, three alternating runs, with the grid without
   // overflow tiles): 1 x 128K draft 0 10.0 / 9.9 / 9.9 us vs 14.0 with -1, draft 3 10.3-10.4 vs
@@ -190,8 +190,9 @@ struct IndexerCudaOptions {
   bool overflow_tiles_always = false;
   // The automatic fused plan below one wave (fewer decode CTAs than SMs at its default chunks:
   // batch 1 above 16K, small batches at long contexts): chunks of a multiple of 4 blocks sized for
-  // about fused_small_ctas_per_sm CTAs per SM (0: automatic, 2; 1: the former rule, one per SM;
-  // 1-3). Same ids.
+  // about fused_small_ctas_per_sm CTAs per SM (0: automatic, 2 for one request of at most 32 /
+  // n_kv tokens, else 1, indexer.cu kFusedSmallCtasPerSm; 1: the former rule, one per SM; 1-3).
+  // Session 27 round F: 1 x 128K draft 0 9.6 us back to back vs 9.9-10.0 with 1. Same ids.
   int fused_small_ctas_per_sm = 0;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify

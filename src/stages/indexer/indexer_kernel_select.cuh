@@ -1,4 +1,5 @@
-// Top-16 block selection from the workspace block scores: one warp per (token, head) row.
+// Top-16 block selection from the workspace block scores: one warp per (token, head) row (calls
+// of at most 32 rows of more than 64 candidates: one CTA per row, select_wide_kernel below).
 //
 //   n_valid = pos / 128 + 1, local = pos / 128.
 //   n_valid <= 16: ids 0 .. n_valid - 1, then -1 (no score is read).
@@ -538,7 +539,14 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // for one warp and 10.3 / 10.3 / 10.3 for the first form; draft 3 10.3 / 10.4 / 10.3 vs 14.7-14.8
 // and 11.2; 1 x 32K draft 0 6.3 / 6.4 / 6.4 vs 7.7-7.8 and 6.7; draft 3 7.2 vs 8.6-8.7. The first
 // form, deleted: the counts by 32 shuffles in every warp, one shared atomic per warp and candidate
-// slot holding survivors, a rolled ranking loop over the survivors, emit_row.
+// slot holding survivors, a rolled ranking loop over the survivors, emit_row. Round F timeline
+// (this form, 1 x 128K draft 0, 256 splits of 4 blocks, back to back, 9.6 us per call): released
+// 0.44 us after the scorer's last warp, scores in registers +0.62, ranked +1.33, row written
+// +0.28; the next call's scorer entered 3.58 us after this call's last scorer warp. Not tried: the
+// path from the first barrier on is ~2400 cycles for a few hundred instructions per warp, and the
+// CTAs sit ~6 us before the dependency wait, so a dry run of the body on stand-in data there (its
+// code fetched before the release) may shorten it; sessions 18 / 23 lost that trick at 64 x 8K,
+// where thousands of selection warps competed with the scorer.
 constexpr int kWidePer = 4;   // a thread's candidates per pass (registers)
 constexpr int kWideCap = 64;  // survivors ranked by counting (two per lane of warp 0)
 

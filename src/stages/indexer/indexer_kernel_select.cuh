@@ -533,7 +533,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
 // = select_kernel, wide_select -1): round D (this kernel's first form, see below; with the former
 // grid) 1 x 128K draft 0 10.9 / 10.9 vs 14.9-15.0 for one warp per row (4 warps per row 11.6-11.7,
 // 16 warps 11.2), draft 3 11.5 / 11.5 vs 15.4 (4: 12.4, 16: 11.9); 1 x 32K draft 0 7.0 / 7.0 vs
-// 8.2, draft 3 7.6 / 7.6 vs 8.7-8.8 (two runs each). Round D timeline (1 x 128K draft 0): released
+// 8.2, draft 3 7.6 / 7.6 vs 8.8 (two runs each). Round D timeline (1 x 128K draft 0): released
 // 0.58 us after the scorer's last warp, scores in registers +0.54, ranked +1.79, row written
 // +0.42. Round E (this form, without overflow tiles): 1 x 128K draft 0 10.0 / 9.9 / 9.9 vs 14.0
 // for one warp and 10.3 / 10.3 / 10.3 for the first form; draft 3 10.3 / 10.4 / 10.3 vs 14.7-14.8

@@ -33,13 +33,15 @@
 //   in the pool instead of scattered over it: the TLB / DRAM-locality comparison), --window
 //   (each page-table copy's pages those of --contiguous, shuffled within that span), --case
 //   BATCH,CONTEXT,DRAFT (that decode case alone, e.g. 256,8192,3, for profilers; batch and
-//   context must be in the table's sets), --clusters (only a table of the single pass with 1, 2, 3,
+//   context must be in the table's sets; with --variants any batch and context), --clusters (only a table of the single pass with 1, 2, 3,
 //   4 and 8 CTAs per request, IndexerCudaOptions::single_pass_ctas, beside the default plan and
 //   the two-kernel path, at batch {1, 32, 64, 96, 128, 192, 256} x 8K, draft 0 and 3; with
 //   --case that batch and draft alone),
 //   --single-ctas N
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
-//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --no-am (the
+//   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --wide N (every
+//   path's options with IndexerCudaOptions::wide_select N: -1 one warp per long row, 4 / 8 / 16
+//   warps per row; every table, --timeline and --sweep), --no-am (the
 //   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
@@ -76,7 +78,12 @@
 //   options with flat_decode N, e.g. for --timeline), --sw N (the default options with
 //   short_select_warps N, e.g. for --timeline); 2k3 / 2k4 / 2k6 / 2k8 / 2k16 / sp4 (--variants:
 //   the two-kernel path at 3 / 4 / 6 / 8 / 16 splits, the single pass in 4-CTA clusters); sp2 /
-//   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima).
+//   sp8 (the single pass in 2 / 8-CTA clusters), noam (!IndexerCudaOptions::cluster_async_maxima),
+//   wide4 / wide8 / wide16 (IndexerCudaOptions::wide_select 4 / 8 / 16 warps per row, forced),
+//   nowide (wide_select -1: one warp per long row), ovf (overflow_tiles_always), one
+//   (fused_small_ctas_per_sm 1), main (ovf, nowide and one: main's options before session 27),
+//   fkN (any N: the fused path at N splits, fused_decode_always with k_splits N; fkNn: the same
+//   with wide_select -1).
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -585,6 +592,7 @@ int main(int argc, char** argv) {
   std::vector<std::string> vlist;  // --vlist: the --variants columns (default: all)
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
+  int wide = 0;         // --wide N: IndexerCudaOptions::wide_select of every path's options
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
@@ -608,7 +616,8 @@ int main(int argc, char** argv) {
   const std::map<std::string, int*> numbers = {{"--flat", &flat},
                                                {"--single-ctas", &single_ctas},
                                                {"--sw", &select_warps},
-                                               {"--ef", &evict_first}};
+                                               {"--ef", &evict_first},
+                                               {"--wide", &wide}};
   // Flags with a BATCH,CONTEXT,DRAFT value (only_batch, only_ctx, only_draft), each setting its
   // mode to true.
   const std::map<std::string, bool*> case_modes = {
@@ -657,7 +666,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
+                   "[--ef N] [--wide N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -668,6 +677,7 @@ int main(int argc, char** argv) {
     o->early_query_loads = !late;
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
+    o->wide_select = wide;
   }
   default_o.flat_decode = flat;
   default_o.short_select_warps = select_warps;
@@ -688,6 +698,7 @@ int main(int argc, char** argv) {
   for (int b : batches)
     for (int ctx : contexts)
       pool_pages = std::max<int64_t>(pool_pages, int64_t{b} * ctx / kPageSize);
+  if (only) pool_pages = std::max<int64_t>(pool_pages, int64_t{only_batch} * only_ctx / kPageSize);
   pool_pages = std::max<int64_t>(pool_pages, 65536 / kPageSize) + 64;
   Pool pool;
   pool.pages = pool_pages;
@@ -712,12 +723,13 @@ int main(int argc, char** argv) {
     Case c = make_case(only_batch, only_ctx, 1 + only_draft, pool, rng, rng());
     IndexerCudaOptions o = single_ctas > 0 ? single_o : default_o;
     const IndexerCudaPlan pl = indexer_cuda_plan(c.p, o);
-    // Overflow tiles (32 tokens at n_kv 4), then the decode units (or the flat decode CTAs).
-    const int64_t units = (c.T + 31) / 32 + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
+    // Overflow tiles (32 tokens at n_kv 4; none at <= 8 tokens), then the decode units (or the
+    // flat decode CTAs).
+    const int64_t units = pl.overflow_tiles + (pl.flat_ctas > 0 ? pl.flat_ctas : c.R);
     const int64_t warps = units * pl.k_splits * 4;
-    // + 16 spare words, then 4 words per selection warp (indexer_kernel_common.cuh,
-    // select_timeline_mark; at most 4 warps per row).
-    const int64_t sel_warps = c.T * kNkv * 4 + 64;
+    // + 16 spare words, then kSelWords words per selection warp (indexer_kernel_common.cuh,
+    // select_timeline_mark; at most 16 warps per row: select_wide_kernel).
+    const int64_t sel_warps = c.T * kNkv * 16 + 64;
     const size_t words = static_cast<size_t>(warps * kStride + 16 + sel_warps * kSelWords);
     const size_t bytes = words * 8;
     uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
@@ -772,7 +784,19 @@ int main(int argc, char** argv) {
       std::sort(v.begin(), v.end());
       return v[static_cast<size_t>(q * (v.size() - 1) + 0.5)];
     };
-    const TimelineClock clock(tl, warps, khz);  // one time base (see TimelineClock)
+    TimelineClock clock(tl, warps, khz);  // one time base (see TimelineClock)
+    {
+      // SMs that ran selection warps but no scorer warp: their offset from the selection warps'
+      // own (globaltimer, clock64) pair at entry (words 6 / 7).
+      const uint64_t* sel = tl.data() + warps * kStride + 16;
+      for (int64_t w = 0; w < sel_warps; ++w) {
+        const uint64_t* e = sel + w * kSelWords;
+        const int sm = static_cast<int>(e[0]) - 1;
+        if (!e[0] || !e[6] || clock.offset.count(sm)) continue;
+        clock.offset[sm] = static_cast<double>(static_cast<int64_t>(e[6] - clock.gbase)) -
+                           clock.rel_clk(e[7]);
+      }
+    }
     const double ghz = clock.ghz, g0 = clock.first_entry;
     const auto ns_of = [&](int sm, uint64_t clk, double* out) { return clock.ns_of(sm, clk, out); };
     // at(w, slot): us after the first warp's entry, or kNone when not recorded.
@@ -890,8 +914,8 @@ int main(int argc, char** argv) {
             don.size(), pct(don, 0.5), pct(don, 0.9), pct(don, 1), last_done);
       if (!ld.empty())
         std::printf(
-            "  select kernel (short) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max %6.2f; "
-            "ranked p50 %6.2f p90 %6.2f max %6.2f\n",
+            "  select kernel (short / wide) at us: scores loaded (%zu) p50 %6.2f p90 %6.2f max "
+            "%6.2f; ranked p50 %6.2f p90 %6.2f max %6.2f\n",
             ld.size(), pct(ld, 0.5), pct(ld, 0.9), pct(ld, 1), pct(rk, 0.5), pct(rk, 0.9),
             pct(rk, 1));
       if (rel.empty())
@@ -1415,15 +1439,47 @@ int main(int argc, char** argv) {
     // overlaps; the layer's decode step measured no gain from it in session 23).
     all.push_back({"pdl", default_o});
     all.back().o.programmatic_launch = true;
+    // wide4 / wide8 / wide16 = IndexerCudaOptions::wide_select 4 / 8 / 16 (forced), nowide =
+    // wide_select -1 (select_kernel: one warp per row).
+    for (int w : {4, 8, 16}) {
+      all.push_back({w == 4 ? "wide4" : w == 8 ? "wide8" : "wide16", default_o});
+      all.back().o.wide_select = w;
+    }
+    all.push_back({"nowide", default_o});
+    all.back().o.wide_select = -1;
+    // ovf = overflow_tiles_always (the former grid: overflow tiles at any token count); main =
+    // the options of main before session 27 (ovf, wide_select -1, fused_small_ctas_per_sm 1).
+    all.push_back({"ovf", default_o});
+    all.back().o.overflow_tiles_always = true;
+    all.push_back({"main", default_o});
+    all.back().o.overflow_tiles_always = true;
+    all.back().o.wide_select = -1;
+    all.back().o.fused_small_ctas_per_sm = 1;
+    // one = IndexerCudaOptions::fused_small_ctas_per_sm 1 (the former fused plan below one wave:
+    // one CTA per SM).
+    all.push_back({"one", default_o});
+    all.back().o.fused_small_ctas_per_sm = 1;
+    // fkN (any N in --vlist): the fused path at N splits (fused_decode_always, k_splits N);
+    // fkNn: the same with wide_select -1.
+    std::vector<std::string> fk_names;
+    for (const std::string& n : vlist)
+      if (n.size() > 2 && n.compare(0, 2, "fk") == 0) fk_names.push_back(n);
+    for (const std::string& n : fk_names) {
+      all.push_back({n.c_str(), default_o});
+      all.back().o.fused_decode_always = true;
+      all.back().o.k_splits = std::atoi(n.c_str() + 2);
+      if (n.back() == 'n') all.back().o.wide_select = -1;
+    }
     std::vector<Variant> vs;
     for (const Variant& v : all)
       if (vlist.empty() || v.name == std::string("base") ||
           std::find(vlist.begin(), vlist.end(), v.name) != vlist.end())
         vs.push_back(v);
-    // --case: any batch size (the table's batches otherwise).
+    // --case: any batch size and context (the table's otherwise).
     const std::vector<int> vbatches = only ? std::vector<int>{only_batch} : batches;
+    const std::vector<int> vcontexts = only ? std::vector<int>{only_ctx} : contexts;
     for (int run = 0; run < repeat; ++run)
-      for (int ctx : contexts) {
+      for (int ctx : vcontexts) {
         for (int batch : vbatches) {
           const int draft = only ? only_draft : 3;
           if (only && (batch != only_batch || ctx != only_ctx)) continue;

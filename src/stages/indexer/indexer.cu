@@ -130,6 +130,28 @@ constexpr int64_t kFusedCtasPerSm = 3;
 // us with four warps per row vs 159.4-162.5 with one).
 constexpr int64_t kShortSelectMaxRowsPerSm = 32;
 
+// Fused decode below one wave (fewer CTAs than SMs at the default chunks: small batches at long
+// contexts) with one request and no overflow tile (batch-1 decode and verify): chunks sized for
+// about this many CTAs per SM (at least 4 blocks: one per warp) instead of one (the rule for
+// every other batch). Session 27, same-round A/Bs, back to back (us; three alternating runs
+// unless noted; vs one CTA per SM): round E, 1 x 128K draft 0, 256 splits of 4 blocks 9.6 / 9.6 /
+// 9.6 vs 9.9-10.0 for 128 of 8 (64 of 16: 10.0-10.1); round F: 1 x 128K draft 0 9.6 / 9.6 / 9.6 vs
+// 9.9 / 9.9 / 10.0, draft 3 10.4 / 10.4 / 10.4 vs 10.4 / 10.5 / 10.4; 1 x 96K draft 0 (192 of 4
+// vs 96 of 8) 8.7 / 8.7 / 8.8 vs 9.0 / 8.9 / 8.9; 1 x 80K draft 3 9.1 / 9.1 / 9.1 vs 9.1 / 9.2 /
+// 9.2 (contexts up to ~66K: 4-block chunks either way). Not for several requests (round F, two
+// runs): 2 x 128K draft 0 14.2 / 14.4 vs 14.1 / 14.2; 8 x 128K draft 0 43.4 / 43.7 vs 42.0 / 42.1;
+// 2 x 128K draft 3 18.9 / 18.9 vs 19.0 / 19.2; 4 x 32K draft 0 9.9 / 9.9 vs 9.9 / 10.0; 2 x 64K
+// draft 3 12.8 / 12.8 vs 12.9 / 12.9.
+constexpr int64_t kFusedSmallCtasPerSm = 2;
+// wide_select (automatic): select_wide_kernel with this many warps per row where the call has
+// at most kWideSelectMaxRows rows of more than 64 candidates (batch-1 decode: 4 rows at draft 0,
+// 16 at draft 3). Session 27 round F (two alternating runs, back to back) at 32 rows: 8 x 128K
+// draft 0 37.5 / 37.4 us vs 43.4 / 43.7 for one warp per row (both at 32 splits of 32 blocks),
+// 2 x 128K draft 3 14.6 / 14.7 vs 18.9 / 18.9. Measured at 4, 16 and 32 rows (batch-1 numbers:
+// IndexerCudaOptions::wide_select); more rows (64 x 32K: 256) keep one warp per row.
+constexpr int kWideSelectWarps = 8;
+constexpr int64_t kWideSelectMaxRows = 32;
+
 bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 bool tensor_core_path(const IndexerParams& p, const IndexerCudaOptions& o) {
@@ -196,7 +218,10 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
   const int64_t T = p.batch.num_tokens;
   const int max_pages = p.batch.max_pages;
   const int64_t pre_tokens = ik::kPreRows / p.n_kv;
-  pl.overflow = ceil_div(T, pre_tokens);
+  // No overflow tile where every token belongs to a decode unit (IndexerCudaOptions::
+  // overflow_tiles_always): with T <= 32 / n_kv no request has tokens past its decode unit.
+  const int64_t dec_tokens = ik::kDecRows / p.n_kv;
+  pl.overflow = T <= dec_tokens && !o.overflow_tiles_always ? 0 : ceil_div(T, pre_tokens);
   pl.units = pl.overflow + p.batch.num_requests;
   if (max_pages <= kTopK) return pl;  // nothing is scored: the selection kernel alone
   const int min_chunk = pl.mma ? ik::kMmaWarps : 1;
@@ -263,9 +288,15 @@ Plan make_plan(const IndexerParams& p, const IndexerCudaOptions& o, int sms) {
           if (c >= 40) fchunk = std::min<int64_t>(c, ik::kFusedMaxChunk);
         }
       }
-      if (R * ceil_div(max_pages, fchunk) < sms)
-        fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, sms)), ik::kMmaWarps,
-                                     fchunk);
+      if (R * ceil_div(max_pages, fchunk) < sms) {
+        // Below one CTA per SM: one CTA per SM, or for one request without overflow tiles about
+        // kFusedSmallCtasPerSm (IndexerCudaOptions::fused_small_ctas_per_sm).
+        const int64_t per_sm = o.fused_small_ctas_per_sm > 0 ? o.fused_small_ctas_per_sm
+                               : R == 1 && pl.overflow == 0  ? kFusedSmallCtasPerSm
+                                                             : 1;
+        fchunk = std::clamp<int64_t>(round4(ceil_div(int64_t{max_pages} * R, per_sm * sms)),
+                                     ik::kMmaWarps, fchunk);
+      }
     }
     fchunk = std::min<int64_t>(fchunk, ik::kFusedMaxChunk);
     const int64_t need = ceil_div(max_pages, fchunk);
@@ -422,6 +453,7 @@ IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptio
   info.dec_chunk = static_cast<int>(pl.dec_chunk);
   info.single = pl.single;
   info.flat_ctas = static_cast<int>(pl.flat_ctas);
+  info.overflow_tiles = static_cast<int>(pl.overflow);
   return info;
 }
 
@@ -452,6 +484,12 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                    options.short_select_warps == 4,
                "run_indexer_cuda: short_select_warps ", options.short_select_warps,
                " is not 0, 2 or 4");
+  M3_CHECK_ARG(options.fused_small_ctas_per_sm >= 0 && options.fused_small_ctas_per_sm <= 3,
+               "run_indexer_cuda: fused_small_ctas_per_sm ", options.fused_small_ctas_per_sm,
+               " is outside [0, 3]");
+  M3_CHECK_ARG(options.wide_select == -1 || options.wide_select == 0 || options.wide_select == 4 ||
+                   options.wide_select == 8 || options.wide_select == 16,
+               "run_indexer_cuda: wide_select ", options.wide_select, " is not -1, 0, 4, 8 or 16");
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
@@ -602,6 +640,19 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
                                            : ik::select_short_kernel<4>);
     const dim3 short_grid(static_cast<unsigned>(ceil_div(rows, ik::kSelectWarps / w)));
     M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, short_grid, dim3(ik::kSelectThreads), 0, stream,
+                                       select_pdl, a));
+    M3_CUDA_CHECK_LAUNCH();
+    return Status::Ok();
+  }
+  const int wide = options.wide_select != 0 ? options.wide_select
+                                            : (rows <= kWideSelectMaxRows ? kWideSelectWarps : -1);
+  if (wide > 0 && max_pages > ik::kCountRow && rows <= std::numeric_limits<int32_t>::max()) {
+    // Rows of up to max_pages - 1 candidates, one CTA of `wide` warps per row.
+    const auto kernel = wide == 4   ? ik::select_wide_kernel<4>
+                        : wide == 8 ? ik::select_wide_kernel<8>
+                                    : ik::select_wide_kernel<16>;
+    M3_CUDA_RETURN_IF_ERROR(launch_pdl(kernel, dim3(static_cast<unsigned>(rows)),
+                                       dim3(static_cast<unsigned>(wide * 32)), 0, stream,
                                        select_pdl, a));
     M3_CUDA_CHECK_LAUNCH();
     return Status::Ok();

@@ -165,6 +165,35 @@ struct IndexerCudaOptions {
   // the 15th largest of the lanes' largest keys, ranked by counting (the per-lane sorted lists
   // where more than 64 survive). Same ids. false: the per-lane sorted lists (the A/B switch).
   bool fast_select = true;
+  // Rows of more than 64 candidates in calls of few rows (batch-1 decode at long contexts: 4 rows
+  // of 1023 candidates at 128K, 16 at draft 3): select_wide_kernel ranks each row on one CTA of
+  // wide_select warps (each warp a share of the row's candidates, a threshold from the 32 groups'
+  // largest keys, the survivors ranked by one warp) instead of one warp per row. 0: automatic
+  // (8 warps where the call has at most 32 rows, indexer.cu kWideSelectMaxRows); -1: never; 4, 8
+  // or 16: that many warps per row wherever the selection kernel ranks rows of more than 64
+  // candidates. Session 27 round E (back to back, three alternating runs, with the grid without
+  // overflow tiles): 1 x 128K draft 0 10.0 / 9.9 / 9.9 us vs 14.0 with -1, draft 3 10.3-10.4 vs
+  // 14.7-14.8; 1 x 32K draft 0 6.3-6.4 vs 7.7-7.8, draft 3 7.2 vs 8.6-8.7 (round D: 4 and 16 warps
+  // slower than 8; select_wide_kernel). Same ids.
+  int wide_select = 0;
+  // Calls of at most 32 / n_kv query tokens (batch-1 decode and verify: 1-8 tokens at n_kv 4)
+  // launch no overflow tiles: every token then belongs to a decode unit (a request's first 32 /
+  // n_kv tokens), so an overflow tile could find no work (with or without device data that
+  // breaks the contract). Round D timeline, 1 x 128K: the grid (2, 128) put its 128 empty
+  // overflow CTAs on the even SMs and the 128 decode CTAs twice on 44 odd SMs (CTA i on SM i mod
+  // 132), 48 SMs idle; the doubled SMs' CTAs ended ~1.5 us after the others. true: the former
+  // grid (the A/B switch). Round E (back to back, three alternating runs, with the wide
+  // selection): 1 x 128K draft 0 10.0 / 9.9 / 9.9 us vs 10.4 / 10.4 / 10.4 with the former grid,
+  // draft 3 10.3-10.4 vs 11.0; 1 x 32K draft 0 6.3-6.4 vs 6.8 (there the 64 decode CTAs sat on the
+  // odd SMs, one each, behind the 64 overflow CTAs), draft 3 7.2 vs 7.3; 1 x 8K (two-kernel plan)
+  // draft 0 5.2 vs 5.2 (main's options), draft 3 5.9-6.0 vs 6.1-6.2. Same ids.
+  bool overflow_tiles_always = false;
+  // The automatic fused plan below one wave (fewer decode CTAs than SMs at its default chunks:
+  // batch 1 above 16K, small batches at long contexts): chunks of a multiple of 4 blocks sized for
+  // about fused_small_ctas_per_sm CTAs per SM (0: automatic, 2 for one request of at most 32 /
+  // n_kv tokens, else 1, indexer.cu kFusedSmallCtasPerSm; 1: the former rule, one per SM; 1-3).
+  // Session 27 round F: 1 x 128K draft 0 9.6 us back to back vs 9.9-10.0 with 1. Same ids.
+  int fused_small_ctas_per_sm = 0;
   // Where the selection kernel runs, max_pages <= 64 (contexts up to 8K: every row has at most
   // 63 candidates) and the call has at most 32 rows (tokens x n_kv) per SM (decode and verify
   // batches, not prefill chunks: indexer.cu), each row is ranked by short_select_warps warps
@@ -242,6 +271,7 @@ struct IndexerCudaPlan {
                         // one thread-block cluster of k_splits CTAs per unit
   int flat_ctas = 0;    // flat decode (IndexerCudaOptions::flat_decode): decode CTAs of the
                         // scorer (k_splits 1); 0: R units of k_splits splits
+  int overflow_tiles = 0;  // grid.x of the scorer before the decode units (prefill tiles)
 };
 IndexerCudaPlan indexer_cuda_plan(const IndexerParams& p, const IndexerCudaOptions& options);
 

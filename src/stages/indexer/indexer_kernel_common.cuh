@@ -9,7 +9,8 @@
 //            whole generation request (1 + draft_len <= 8 tokens at n_kv 4). CTA x < num_overflow
 //            is an "overflow tile": the flat token range [x * pre_tokens, (x + 1) * pre_tokens)
 //            minus the tokens decode units own; it may hold segments of several requests (prefill
-//            chunks).
+//            chunks). num_overflow is 0 when T <= dec_tokens (no token can lie past its request's
+//            decode unit; IndexerCudaOptions::overflow_tiles_always).
 //   grid.y = k_splits: the visible blocks [0, nvis) of a segment (nvis from its largest position)
 //            are cut into k_splits chunks of max(min_chunk, ceil(nvis / k_splits)) blocks
 //            (overflow tiles, CUDA-core scorer); decode units of the tensor-core scorer use
@@ -186,7 +187,8 @@ __device__ __forceinline__ void timeline_word(const KernelArgs& a, int word, uin
 // words per selection warp (global warp index): the SM id + 1, clock64 at entry, at the release
 // from pdl_wait, when its row is written, and (select_timeline_stamp) once its scores are loaded
 // and once they are ranked (the benchmark converts them with the scorer warps' globaltimer pairs
-// of the same SM).
+// of the same SM, or its own globaltimer / clock64 pair at entry in words 6 / 7 where no scorer
+// warp ran on that SM).
 constexpr int kSelectTimelineWords = 8;
 __device__ __forceinline__ uint64_t* select_timeline_entry(const KernelArgs& a) {
   const int64_t score_ctas = a.flat_warps > 0
@@ -210,6 +212,9 @@ __device__ __forceinline__ void select_timeline_mark(const KernelArgs& a, int sl
     uint32_t sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     e[0] = sm + 1;
+    // A (globaltimer, clock64) pair for SMs where no scorer warp ran (words 6 / 7).
+    e[6] = globaltimer_ns();
+    e[7] = static_cast<uint64_t>(clock64());
   }
   e[1 + slot] = c;
 }

@@ -1,4 +1,5 @@
-// Top-16 block selection from the workspace block scores: one warp per (token, head) row.
+// Top-16 block selection from the workspace block scores: one warp per (token, head) row (calls
+// of at most 32 rows of more than 64 candidates: one CTA per row, select_wide_kernel below).
 //
 //   n_valid = pos / 128 + 1, local = pos / 128.
 //   n_valid <= 16: ids 0 .. n_valid - 1, then -1 (no score is read).
@@ -36,6 +37,8 @@
 // attribute. It lets its own dependent (the attention) be scheduled at once
 // (pdl_launch_dependents).
 #pragma once
+
+#include <climits>
 
 #include "stages/indexer/indexer_kernel_common.cuh"
 
@@ -443,6 +446,26 @@ __device__ __forceinline__ bool select_by_threshold(const float* scores, int loc
   return true;
 }
 
+// The per-lane sorted lists of a row of `local` candidates (one warp): lane l inserts the keys of
+// blocks l, l + 32, ... into its 15-entry list, warp_top15 merges, emit_row writes the row. Exact
+// for any row; the fallback of the threshold selections.
+__device__ __forceinline__ void select_row_sorted(const float* scores, int local, int32_t* out) {
+  const int lane = threadIdx.x & 31;
+  uint64_t top[kTopK - 1];
+#pragma unroll
+  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
+  int b = lane;
+  for (; b + 96 < local; b += 128) {
+    const float s0 = scores[b], s1 = scores[b + 32], s2 = scores[b + 64], s3 = scores[b + 96];
+    insert_key(top, candidate_key(s0, b));
+    insert_key(top, candidate_key(s1, b + 32));
+    insert_key(top, candidate_key(s2, b + 64));
+    insert_key(top, candidate_key(s3, b + 96));
+  }
+  for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
+  emit_row(out, local, warp_top15(top));
+}
+
 // One row of the selection kernel (one warp), after the dependency wait: the row's ids from its
 // workspace block scores. srow: the warp's 64-float shared row, buf: its 64 survivor keys.
 __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int pos, float* srow,
@@ -468,20 +491,7 @@ __device__ __forceinline__ void select_row(const KernelArgs& a, int64_t row, int
     return;
   }
   if (a.fast_select && select_by_threshold(scores, local, out, buf)) return;
-  uint64_t top[kTopK - 1];
-#pragma unroll
-  for (int i = 0; i < kTopK - 1; ++i) top[i] = 0;
-  int b = lane;
-  for (; b + 96 < local; b += 128) {
-    const float s0 = scores[b], s1 = scores[b + 32], s2 = scores[b + 64], s3 = scores[b + 96];
-    insert_key(top, candidate_key(s0, b));
-    insert_key(top, candidate_key(s1, b + 32));
-    insert_key(top, candidate_key(s2, b + 64));
-    insert_key(top, candidate_key(s3, b + 96));
-  }
-  for (; b < local; b += 32) insert_key(top, candidate_key(scores[b], b));
-
-  emit_row(out, local, warp_top15(top));
+  select_row_sorted(scores, local, out);
 }
 
 __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs a) {
@@ -499,6 +509,185 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(const KernelArgs
   select_timeline_mark(a, 1);
   if (!in_range) return;
   select_row(a, row, pos, row_copy[threadIdx.x >> 5], survivors[threadIdx.x >> 5]);
+  select_timeline_mark(a, 2);
+}
+
+// Long rows in calls of few rows (IndexerCudaOptions::wide_select; batch-1 decode at long
+// contexts: 4 rows of 1023 candidates at 128K, where select_kernel ranks each row on one warp):
+// one CTA of kW warps per row. Thread (w, l) holds the blocks c kW 32 + 32 w + l (c = 0, 1, ...;
+// kWidePer of them per pass, in registers), so group l (the blocks = l mod 32) is
+// select_by_threshold's lane l. Every warp writes its lanes' largest keys to shared memory; after
+// a CTA barrier every warp (redundantly, so that no second barrier follows) takes the groups'
+// largest keys G_l (the maximum over the warps) and the threshold L = the 15th largest G: 15
+// distinct groups hold a key >= L, so the row's 15 best keys are all >= L (exact under the strict
+// order of candidate_key: score descending, then id ascending; NaN = key 0, never taken). The
+// count of the G that beat a lane's runs over the warp's own shared copy of the 32 G (broadcast
+// 16-byte loads), not shuffles (8 warps x 64 shuffles queue on the SM's shuffle unit). The keys
+// >= L (the survivors) are appended to a shared list (one shared atomic per warp and pass); after
+// a second CTA barrier warp 0 ranks them by counting (keys are distinct) over the zero-padded
+// list in unrolled groups of 16, puts the 15 best ids in rank order and places each by counting
+// the smaller ones (ascending ids), then the local block, then -1. More than kWideCap survivors
+// (rows with fewer than 15 groups holding a non-NaN candidate, or data built against the groups):
+// warp 0 selects the row by the per-lane sorted lists. Same ids as select_kernel.
+// Session 27, same-round A/Bs (back to back, us, three alternating runs unless noted; "one warp"
+// = select_kernel, wide_select -1): round D (this kernel's first form, see below; with the former
+// grid) 1 x 128K draft 0 10.9 / 10.9 vs 14.9-15.0 for one warp per row (4 warps per row 11.6-11.7,
+// 16 warps 11.2), draft 3 11.5 / 11.5 vs 15.4 (4: 12.4, 16: 11.9); 1 x 32K draft 0 7.0 / 7.0 vs
+// 8.2, draft 3 7.6 / 7.6 vs 8.8 (two runs each). Round D timeline (1 x 128K draft 0): released
+// 0.58 us after the scorer's last warp, scores in registers +0.54, ranked +1.79, row written
+// +0.42. Round E (this form, without overflow tiles): 1 x 128K draft 0 10.0 / 9.9 / 9.9 vs 14.0
+// for one warp and 10.3 / 10.3 / 10.3 for the first form; draft 3 10.3 / 10.4 / 10.3 vs 14.7-14.8
+// and 11.2; 1 x 32K draft 0 6.3 / 6.4 / 6.4 vs 7.7-7.8 and 6.7; draft 3 7.2 vs 8.6-8.7. The first
+// form, deleted: the counts by 32 shuffles in every warp, one shared atomic per warp and candidate
+// slot holding survivors, a rolled ranking loop over the survivors, emit_row. Round F timeline
+// (this form, 1 x 128K draft 0, 256 splits of 4 blocks, back to back, 9.6 us per call): released
+// 0.44 us after the scorer's last warp, scores in registers +0.62, ranked +1.33, row written
+// +0.28; the next call's scorer entered 3.58 us after this call's last scorer warp. Not tried: the
+// path from the first barrier on is ~2400 cycles for a few hundred instructions per warp, and the
+// CTAs sit ~6 us before the dependency wait, so a dry run of the body on stand-in data there (its
+// code fetched before the release) may shorten it; sessions 18 / 23 lost that trick at 64 x 8K,
+// where thousands of selection warps competed with the scorer.
+constexpr int kWidePer = 4;   // a thread's candidates per pass (registers)
+constexpr int kWideCap = 64;  // survivors ranked by counting (two per lane of warp 0)
+
+template <int kW>
+__global__ void __launch_bounds__(kW * 32) select_wide_kernel(const KernelArgs a) {
+  constexpr int kStride = kW * 32;
+  constexpr int kPass = kStride * kWidePer;
+  static_assert(kStride >= kWideCap, "the padding is zeroed by one store per thread");
+  __shared__ uint64_t gmax[kW][32];
+  __shared__ __align__(16) uint64_t gcopy[kW][32];
+  __shared__ __align__(16) uint64_t surv[kWideCap];
+  __shared__ __align__(16) int sel[kTopK];
+  __shared__ int count;
+  pdl_launch_dependents();
+  select_timeline_mark(a, 0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = blockIdx.x;  // one CTA per row: grid.x == T * n_kv
+  // As in select_kernel: the position before the dependency wait, scores and ids after it.
+  const int pos = __ldg(a.positions + row / a.n_kv);
+  // Ordered before their readers by the first CTA barrier (shared memory only: before the wait).
+  if (threadIdx.x == 0) count = 0;
+  if (threadIdx.x < kWideCap) surv[threadIdx.x] = 0;  // key 0 never beats a survivor
+  if (threadIdx.x < kTopK) sel[threadIdx.x] = INT_MAX;
+  pdl_wait();
+  select_timeline_mark(a, 1);
+  int32_t* out = a.block_ids + row * kTopK;
+  const int local = trivial_row(a, out, pos, warp == 0);
+  if (local < 0) return;  // CTA-uniform (one row)
+  const float* scores = a.scores + row * a.max_pages;
+  uint64_t k[kWidePer];
+  const auto load = [&](int c0) {
+    float v[kWidePer];
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const int b = c0 + i * kStride + warp * 32 + lane;
+      v[i] = b < local ? __ldcg(scores + b) : 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const int b = c0 + i * kStride + warp * 32 + lane;
+      k[i] = b < local ? candidate_key(v[i], b) : 0;
+    }
+  };
+  uint64_t m = 0;
+  for (int c0 = 0; c0 < local; c0 += kPass) {
+    load(c0);
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) m = k[i] > m ? k[i] : m;
+  }
+  gmax[warp][lane] = m;
+  select_timeline_stamp(a, 0, static_cast<uint32_t>(m));
+  __syncthreads();  // every warp's lane maxima are in gmax
+  uint64_t g = gmax[0][lane];
+#pragma unroll
+  for (int w = 1; w < kW; ++w) {
+    const uint64_t o = gmax[w][lane];
+    g = o > g ? o : g;
+  }
+  // The groups whose largest key beats this lane's group's, from the warp's own copy.
+  gcopy[warp][lane] = g;
+  __syncwarp();
+  const ulonglong2* gc = reinterpret_cast<const ulonglong2*>(gcopy[warp]);
+  int b2[2] = {0, 0};
+#pragma unroll
+  for (int q = 0; q < 16; ++q) {
+    const ulonglong2 o = gc[q];
+    b2[0] += o.x > g ? 1 : 0;
+    b2[1] += o.y > g ? 1 : 0;
+  }
+  const bool top = b2[0] + b2[1] < kTopK - 1;  // among the 15 largest group maxima
+  const uint32_t gh = static_cast<uint32_t>(g >> 32), gl = static_cast<uint32_t>(g);
+  const uint32_t lh = __reduce_min_sync(0xffffffffu, top ? gh : 0xffffffffu);
+  const uint32_t ll = __reduce_min_sync(0xffffffffu, top && gh == lh ? gl : 0xffffffffu);
+  const uint64_t L = (static_cast<uint64_t>(lh) << 32) | ll;
+  const uint32_t below = (1u << lane) - 1u;
+  for (int c0 = 0; c0 < local; c0 += kPass) {
+    if (local > kPass) load(c0);  // CTA-uniform; a one-pass row is still in k
+    // The pass's survivors of the warp at one shared atomic.
+    uint32_t bal[kWidePer];
+    int total = 0;
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      bal[i] = __ballot_sync(0xffffffffu, k[i] != 0 && k[i] >= L);
+      total += __popc(bal[i]);
+    }
+    if (total == 0) continue;  // warp-uniform
+    int at = 0;
+    if (lane == 0) at = atomicAdd(&count, total);
+    at = __shfl_sync(0xffffffffu, at, 0);
+#pragma unroll
+    for (int i = 0; i < kWidePer; ++i) {
+      const int slot = at + __popc(bal[i] & below);
+      if ((bal[i] >> lane) & 1u && slot < kWideCap) surv[slot] = k[i];
+      at += __popc(bal[i]);
+    }
+  }
+  __syncthreads();  // every survivor is in surv (count: how many there were)
+  if (warp != 0) return;
+  const int n = count;
+  if (n > kWideCap) {  // warp-uniform
+    select_row_sorted(scores, local, out);
+    select_timeline_mark(a, 2);
+    return;
+  }
+  const uint64_t k0 = surv[lane], k1 = surv[lane + 32];  // 0 past n
+  // Survivors beating k0 / k1 (distinct keys: distinct ranks), in groups of 16 (8 broadcast
+  // 16-byte loads each); the entries past n are 0 and beat nothing.
+  int r0 = 0, r1 = 0;
+  const ulonglong2* sv2 = reinterpret_cast<const ulonglong2*>(surv);
+  for (int j0 = 0; j0 < n; j0 += 16) {  // warp-uniform
+    int c[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int q = 0; q < 8; ++q) {
+      const ulonglong2 o = sv2[j0 / 2 + q];
+      c[0] += o.x > k0 ? 1 : 0;
+      c[1] += o.y > k0 ? 1 : 0;
+      c[2] += o.x > k1 ? 1 : 0;
+      c[3] += o.y > k1 ? 1 : 0;
+    }
+    r0 += c[0] + c[1];
+    r1 += c[2] + c[3];
+  }
+  select_timeline_stamp(a, 1, static_cast<uint32_t>(r0 + r1));
+  // The 15 best ids by rank into sel (INT_MAX past them), then each its slot among them in
+  // ascending order by counting the smaller ones (distinct ids); the local block (larger than
+  // every candidate id) after them, then -1.
+  if (lane < n && r0 < kTopK - 1) sel[r0] = candidate_id(k0);
+  if (lane + 32 < n && r1 < kTopK - 1) sel[r1] = candidate_id(k1);
+  __syncwarp();
+  const int cnt = min(n, kTopK - 1);
+  const int my = sel[lane & (kTopK - 1)];
+  int slot = 0;
+  const int4* s4 = reinterpret_cast<const int4*>(sel);
+#pragma unroll
+  for (int q = 0; q < kTopK / 4; ++q) {
+    const int4 o = s4[q];
+    slot += (o.x < my ? 1 : 0) + (o.y < my ? 1 : 0) + (o.z < my ? 1 : 0) + (o.w < my ? 1 : 0);
+  }
+  if (lane < cnt) out[slot] = my;
+  if (lane == cnt) out[cnt] = local;
+  if (lane > cnt && lane < kTopK) out[lane] = -1;
   select_timeline_mark(a, 2);
 }
 

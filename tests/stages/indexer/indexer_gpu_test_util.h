@@ -388,6 +388,7 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
     o = IndexerCudaOptions{};
     o.early_query_loads = false;  // the former order: positions and query rows after the tiles
     o.fast_select = false;        // long rows by the per-lane sorted lists
+    o.wide_select = -1;           // ... on one warp per row, also in calls of few rows
     variants.push_back({"late loads, sorted lists", o});
     o = IndexerCudaOptions{};
     o.guess_request_bounds = false;  // the early loads also at one token per request

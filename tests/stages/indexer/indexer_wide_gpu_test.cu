@@ -33,9 +33,25 @@ std::vector<RequestSpec> generation(const std::vector<int>& contexts, int draft)
   return reqs;
 }
 
-// The default options (automatic: the wide selection at <= 16 rows), the wide selection forced at
+struct Variant {
+  IndexerCudaOptions o;
+  std::string name;
+};
+
+// Each variant on the uploaded inputs against the twin (exact where the inputs are integers) and
+// against `one` (one warp per row), id for id.
+void expect_variants(const Inputs& in, const Reference& ref, DeviceSet& d, const GpuResult& one,
+                     const std::vector<Variant>& vs, const std::string& label) {
+  for (const Variant& v : vs) {
+    const GpuResult g = run_gpu(d, v.o);
+    compare(in, ref, g, in.integer, label + " [" + v.name + "]");
+    expect_same_ids(in, g, one, label + " [" + v.name + " vs one warp per row]");
+  }
+}
+
+// The default options (automatic: the wide selection at <= 32 rows), the wide selection forced at
 // 4, 8 and 16 warps per row, and the fused path with many splits plus 8 warps: each against the
-// twin (exact where the inputs are integers) and against one warp per row, id for id.
+// twin and against one warp per row (expect_variants).
 void check_wide(const Inputs& in, const std::string& label) {
   const Reference ref = reference(in);
   DeviceSet d;
@@ -43,10 +59,6 @@ void check_wide(const Inputs& in, const std::string& label) {
   ASSERT_GT(in.max_pages(), 64);
   const GpuResult one = run_gpu(d, wide_in(-1));
   compare(in, ref, one, in.integer, label + " [one warp per row]");
-  struct Variant {
-    IndexerCudaOptions o;
-    std::string name;
-  };
   std::vector<Variant> vs = {{IndexerCudaOptions{}, "default"},
                              {wide_in(4), "wide 4"},
                              {wide_in(8), "wide 8"},
@@ -61,11 +73,7 @@ void check_wide(const Inputs& in, const std::string& label) {
   IndexerCudaOptions ovf = wide_in(8);
   ovf.overflow_tiles_always = true;  // the former grid
   vs.push_back({ovf, "wide 8, overflow tiles"});
-  for (const Variant& v : vs) {
-    const GpuResult g = run_gpu(d, v.o);
-    compare(in, ref, g, in.integer, label + " [" + v.name + "]");
-    expect_same_ids(in, g, one, label + " [" + v.name + " vs one warp per row]");
-  }
+  expect_variants(in, ref, d, one, vs, label);
 }
 
 // Small (the sanitizers run it): batch 1 at 65 blocks (8K + 1: rows of 64 candidates) and at 12K,
@@ -107,12 +115,10 @@ TEST(IndexerGpu, WideSelectionSanitizerSmall) {
     upload(in, d);
     const std::string label = few ? "wide sanitizer, 14 groups" : "wide sanitizer";
     const GpuResult one = run_gpu(d, wide_in(-1));
-    for (const auto& [o, name] : std::vector<std::pair<IndexerCudaOptions, std::string>>{
-             {IndexerCudaOptions{}, "default"}, {wide_in(4), "wide 4"}, {wide_in(16), "wide 16"}}) {
-      const GpuResult g = run_gpu(d, o);
-      compare(in, ref, g, /*exact_scores=*/true, label + " [" + name + "]");
-      expect_same_ids(in, g, one, label + " [" + name + " vs one warp per row]");
-    }
+    expect_variants(
+        in, ref, d, one,
+        {{IndexerCudaOptions{}, "default"}, {wide_in(4), "wide 4"}, {wide_in(16), "wide 16"}},
+        label);
   }
 }
 

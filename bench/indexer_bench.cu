@@ -41,7 +41,9 @@
 //   (the single-pass columns and sweep rows use N CTAs per request: single_pass_ctas),
 //   --ef N (the default options with stream_evict_first N, e.g. for --timeline), --wide N (every
 //   path's options with IndexerCudaOptions::wide_select N: -1 one warp per long row, 4 / 8 / 16
-//   warps per row; every table, --timeline and --sweep), --no-am (the
+//   warps per row; every table, --timeline and --sweep), --pf N (every path's options with
+//   IndexerCudaOptions::pdl_prefetch_blocks N: the L2 prefetch of programmatic launches, e.g.
+//   for --pdl and the pdl variant), --no-am (the
 //   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
@@ -666,6 +668,7 @@ int main(int argc, char** argv) {
   std::vector<int> sweep_k = {0, 2, 3, 4, 6, 8, 12, 16, 32};  // --sweep's k_splits (0: auto)
   int evict_first = 0;  // --ef N: IndexerCudaOptions::stream_evict_first of the default options
   int wide = 0;         // --wide N: IndexerCudaOptions::wide_select of every path's options
+  int prefetch = 0;     // --pf N: IndexerCudaOptions::pdl_prefetch_blocks of every path's options
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
@@ -690,7 +693,8 @@ int main(int argc, char** argv) {
                                                {"--single-ctas", &single_ctas},
                                                {"--sw", &select_warps},
                                                {"--ef", &evict_first},
-                                               {"--wide", &wide}};
+                                               {"--wide", &wide},
+                                               {"--pf", &prefetch}};
   // Flags with a BATCH,CONTEXT,DRAFT value (only_batch, only_ctx, only_draft), each setting its
   // mode to true.
   const std::map<std::string, bool*> case_modes = {
@@ -739,7 +743,8 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--wide N] [--tl-b2b] [--tl-calls N] [--no-am] [--k K,K,...]\n",
+                   "[--ef N] [--wide N] [--pf N] [--tl-b2b] [--tl-calls N] [--no-am] "
+                   "[--k K,K,...]\n",
                    argv[0]);
       return 2;
     }
@@ -751,6 +756,7 @@ int main(int argc, char** argv) {
     o->fast_select = !sorted;
     o->short_select = !no_short_select;
     o->wide_select = wide;
+    o->pdl_prefetch_blocks = prefetch;
   }
   default_o.flat_decode = flat;
   default_o.short_select_warps = select_warps;

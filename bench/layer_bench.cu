@@ -32,6 +32,8 @@
 //   aq       the attention writes o_proj's E4M3 input itself (set_attention_quantize);
 //   rs       the decode row split (set_row_split: per-layer images of the fused and o_proj
 //            weights; M <= 32 by default, so decode 64 only);
+//   pf:N     the indexer's L2 prefetch before its pdl wait (set_indexer_pdl_prefetch N: 0
+//            automatic, the layer's default; -1 none; used only with pdl:i or pdl);
 //   (a setting without pdl / aq / rs has it off). E.g. --settings plain,aq,pdl+aq,pdl:qpao+aq.
 // Every setting must give the first setting's outputs (attn_out, block_ids) byte for byte
 // (checked), except that a setting whose row split differs from the first's is held to the
@@ -47,6 +49,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -133,6 +136,7 @@ int main(int argc, char** argv) {
     bool aq = false;
     bool is_default = false;  // the layer's defaults (read from the layer once it exists)
     bool rs = false;
+    int pf = 0;  // CudaMsaLayer::set_indexer_pdl_prefetch
   };
   std::vector<Setting> settings = {{"default", 0, false, true}};
   for (int i = 1; i < argc; ++i) {
@@ -187,6 +191,8 @@ int main(int argc, char** argv) {
               st.aq = true;
             } else if (tok == "rs") {
               st.rs = true;
+            } else if (tok.rfind("pf:", 0) == 0 && tok.size() > 3) {
+              st.pf = std::atoi(tok.c_str() + 3);
             } else {
               known = false;
             }
@@ -195,7 +201,7 @@ int main(int argc, char** argv) {
         if (!known) {
           std::fprintf(stderr,
                        "layer_bench: unknown setting '%s' (default, plain, or pdl / pdl:LETTERS / "
-                       "aq / rs joined by '+')\n",
+                       "aq / rs / pf:N joined by '+')\n",
                        name.c_str());
           return 2;
         }
@@ -314,6 +320,7 @@ int main(int argc, char** argv) {
       layer.set_fused(k % 2 == 0);
       layer.set_programmatic_stages(st.is_default ? default_pdl : st.pdl);
       layer.set_attention_quantize(st.is_default ? default_aq : st.aq);
+      layer.set_indexer_pdl_prefetch(st.is_default ? 0 : st.pf);
       ok_or_die(layer.set_row_split(st.is_default ? default_rs : st.rs), "row split");
     };
     auto variant_name = [&](int k) {

@@ -623,6 +623,7 @@ Status CudaMsaLayer::launch_stage(LayerStage stage, cudaStream_t stream) {
       if (!sparse_) return Status::Ok();
       IndexerCudaOptions options;
       options.programmatic_launch = pdl;
+      options.pdl_prefetch_blocks = indexer_pdl_prefetch_;
       return run_indexer_cuda(indexer_, indexer_ws_, stream, options);
     }
     case LayerStage::kAttention: {

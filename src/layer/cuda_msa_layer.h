@@ -226,6 +226,10 @@ class CudaMsaLayer {
   void set_programmatic_stages(uint32_t mask) { programmatic_stages_ = mask & kAllStages; }
   uint32_t programmatic_stages() const { return programmatic_stages_; }
   static constexpr uint32_t stage_bit(LayerStage s) { return 1u << static_cast<int>(s); }
+  // IndexerCudaOptions::pdl_prefetch_blocks of the indexer stage (used when that stage launches
+  // programmatically: index-K blocks asked of the L2 while the producer runs; 0 automatic, -1
+  // none). Takes effect at the next run.
+  void set_indexer_pdl_prefetch(int blocks) { indexer_pdl_prefetch_ = blocks; }
   static constexpr uint32_t kAllStages = (1u << kNumLayerStages) - 1;
   // The attention writes o_proj's E4M3 input and 1x128 scales itself (AttentionParams::out_q /
   // out_scales: byte-identical to the output quantize stage on its bf16 output, which it still
@@ -280,6 +284,7 @@ class CudaMsaLayer {
   MsaLayerOptions options_;
   bool external_input_quantize_ = false;
   uint32_t programmatic_stages_ = 0;
+  int indexer_pdl_prefetch_ = 0;
   bool attention_quantize_ = true;
   int64_t max_position_ = 0;
   std::shared_ptr<CudaLayerWorkspace> workspace_;

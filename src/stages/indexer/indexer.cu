@@ -149,6 +149,8 @@ constexpr int64_t kFusedSmallCtasPerSm = 2;
 // draft 0 37.5 / 37.4 us vs 43.4 / 43.7 for one warp per row (both at 32 splits of 32 blocks),
 // 2 x 128K draft 3 14.6 / 14.7 vs 18.9 / 18.9. Measured at 4, 16 and 32 rows (batch-1 numbers:
 // IndexerCudaOptions::wide_select); more rows (64 x 32K: 256) keep one warp per row.
+// IndexerCudaOptions::pdl_prefetch_blocks: at most this many blocks per decode warp.
+constexpr int kPdlPrefetchMaxBlocks = 8;
 constexpr int kWideSelectWarps = 8;
 constexpr int64_t kWideSelectMaxRows = 32;
 
@@ -493,6 +495,10 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   M3_CHECK_ARG(options.single_pass_ctas >= 0 && options.single_pass_ctas <= kMaxClusterCtas,
                "run_indexer_cuda: single_pass_ctas ", options.single_pass_ctas, " is outside [0, ",
                kMaxClusterCtas, "]");
+  M3_CHECK_ARG(options.pdl_prefetch_blocks >= -1 &&
+                   options.pdl_prefetch_blocks <= kPdlPrefetchMaxBlocks,
+               "run_indexer_cuda: pdl_prefetch_blocks ", options.pdl_prefetch_blocks,
+               " is outside [-1, ", kPdlPrefetchMaxBlocks, "]");
   M3_CHECK_ARG(options.stream_evict_first >= -1 && options.stream_evict_first <= 1,
                "run_indexer_cuda: stream_evict_first ", options.stream_evict_first,
                " is outside [-1, 1]");
@@ -543,6 +549,18 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.scores = static_cast<float*>(workspace.data);
   a.block_ids = p.block_ids.ptr<int32_t>();
   a.pdl = options.programmatic_launch ? 1 : 0;
+  if (options.programmatic_launch && pl.mma && options.pdl_prefetch_blocks >= 0) {
+    int prefetch = options.pdl_prefetch_blocks;
+    if (prefetch == 0) {
+      // Automatic: a quarter of the L2 over every decode warp, whole pages, at most 8 per warp.
+      int l2 = 0;
+      M3_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, current));
+      const int64_t warps = (pl.flat_ctas > 0 ? pl.flat_ctas : R * pl.k_splits) * ik::kMmaWarps;
+      prefetch = static_cast<int>(
+          std::min<int64_t>(kPdlPrefetchMaxBlocks, int64_t{l2} / 4 / (warps * ik::kPageBytes)));
+    }
+    a.pdl_prefetch = prefetch;
+  }
   // The guess only where it measured faster: one token per request (session 14 round B, 64 x 8K
   // draft 0: 23.1 / 22.9 vs 23.7 / 23.6 us without; 256 x 8K draft 3, 4-CTA clusters: 79.0 / 78.9
   // vs 76.8 / 76.5 us without).

@@ -146,6 +146,15 @@ struct IndexerCudaOptions {
   // indexer kernel triggers its dependents at its start (pdl_launch_dependents), whatever this
   // flag.
   bool programmatic_launch = false;
+  // With programmatic_launch: before pdl_wait, each decode warp also asks the L2 for the next
+  // pdl_prefetch_blocks of its blocks after the first (whole 16 KB pages, one
+  // cp.async.bulk.prefetch.L2 each; blocks that end before the request's first new position
+  // only, as the early tiles), so that the index-K stream runs while the previous kernel (the
+  // producer: latency-bound, the DRAM idle) finishes; after the wait the copies of those blocks
+  // find them in L2 or in flight. 0: automatic (as many blocks per warp as fill a quarter of the
+  // L2 over all decode warps, at most 8); -1: none; N: up to N. Without programmatic_launch
+  // nothing is prefetched. Same ids.
+  int pdl_prefetch_blocks = 0;
   // Decode units of batches with one query token per request guess their request's token range as
   // [r T / R, (r + 1) T / R) (right for batches of equal-length requests) and load its positions
   // and query rows before query_start arrives, reloading when the guess was wrong (same ids

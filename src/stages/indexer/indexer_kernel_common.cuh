@@ -82,6 +82,9 @@ struct KernelArgs {
   // blocks that lie entirely before their request's first new position (seq_lens[r] minus the
   // request's tokens: rows no kernel of this step writes), and load index_q after it.
   int pdl = 0;
+  // With pdl: blocks per decode warp, after its first, prefetched into L2 before pdl_wait
+  // (IndexerCudaOptions::pdl_prefetch_blocks; decode_path).
+  int pdl_prefetch = 0;
   int guess = 1;        // guess_request_bounds and one token per request (decode units)
   int early = 0;        // early_query_loads (decode units without the guess, not the single pass)
   int fast_select = 0;  // select_kernel: long rows by select_by_threshold (fast_select)

@@ -687,6 +687,16 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       pre = true;
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
     }
+    // IndexerCudaOptions::pdl_prefetch_blocks: lane i asks the L2 for the warp's block i + 1
+    // (same bound as the early tiles), so the stream runs while the previous kernel finishes.
+    const int pb = first + (lane + 1) * step;
+    if (lane < a.pdl_prefetch && pb < spec_b1) {
+      const int64_t pg = guarded_page(a, r, pb);
+      if (pg >= 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(page_base(a, pg)),
+                     "r"(static_cast<uint32_t>(kPageBytes))
+                     : "memory");
+    }
   }
   if (!guessed) p = lane < n ? __ldg(a.positions + qa + lane) : -1;
   // Programmatic launch: index_q, the step's index-K rows and every global write come after this

@@ -2,6 +2,8 @@
 // CUDA-graph replay, rejected calls.
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "indexer_gpu_test_util.h"
 
 namespace m3attn::indexer_gpu_test {
@@ -180,6 +182,13 @@ TEST(IndexerGpu, InvalidCallsAreRejectedAndTouchNothing) {
     IndexerCudaOptions o;
     o.single_pass_ctas = 9;
     expect_rejected(d.params, d.workspace, o, "single_pass_ctas 9");
+  }
+  for (int blocks : {-2, 9}) {
+    IndexerCudaOptions o;
+    o.programmatic_launch = true;
+    o.pdl_prefetch_blocks = blocks;
+    const std::string what = "pdl_prefetch_blocks " + std::to_string(blocks);
+    expect_rejected(d.params, d.workspace, o, what.c_str());
   }
   {
     IndexerParams p = d.params;

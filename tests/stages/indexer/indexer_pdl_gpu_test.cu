@@ -217,6 +217,12 @@ std::vector<Variant> all_variants(bool short_context) {
   o.unfused_decode = true;
   o.short_select = false;
   v.push_back({"two-kernel, one warp per short row", o});
+  o = {};
+  o.pdl_prefetch_blocks = -1;
+  v.push_back({"no L2 prefetch", o});
+  o = {};
+  o.pdl_prefetch_blocks = 8;
+  v.push_back({"L2 prefetch 8", o});
   if (short_context) {
     for (int ctas : {1, 2, 8}) {
       o = {};

@@ -44,8 +44,7 @@
 //   warps per row; every table, --timeline and --sweep), --pf N (every path's options with
 //   IndexerCudaOptions::pdl_prefetch_blocks N: the L2 prefetch of programmatic launches, e.g.
 //   for --pdl and the pdl variant), --no-am (the
-//   default options without cluster_async_maxima, e.g. for --timeline), --il (the default options
-//   with flat_interleave, e.g. for --timeline),
+//   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -674,7 +673,6 @@ int main(int argc, char** argv) {
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
-  bool interleave = false;   // --il: the default options with flat_interleave
   // Flags without a value, each setting its variable to true.
   const std::map<std::string, bool*> switches = {{"--json", &json},
                                                  {"--quick", &quick},
@@ -690,8 +688,7 @@ int main(int argc, char** argv) {
                                                  {"--no-short-select", &no_short_select},
                                                  {"--tl-b2b", &tl_b2b},
                                                  {"--contiguous", &g_contiguous},
-                                                 {"--window", &g_window},
-                                                 {"--il", &interleave}};
+                                                 {"--window", &g_window}};
   // Flags with an integer value.
   const std::map<std::string, int*> numbers = {{"--flat", &flat},
                                                {"--single-ctas", &single_ctas},
@@ -747,7 +744,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--wide N] [--pf N] [--tl-b2b] [--tl-calls N] [--no-am] [--il] "
+                   "[--ef N] [--wide N] [--pf N] [--tl-b2b] [--tl-calls N] [--no-am] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -770,7 +767,6 @@ int main(int argc, char** argv) {
   single_o.single_pass_ctas = single_ctas;
   default_o.stream_evict_first = evict_first;
   default_o.cluster_async_maxima = async_maxima;
-  default_o.flat_interleave = interleave;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;

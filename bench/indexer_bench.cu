@@ -73,8 +73,7 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, il / flat1il / flat2il = flat_interleave
-//   (with flat_decode 0 / 1 / 2), noef = stream_evict_first -1, pdl =
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl =
 //   programmatic_launch (back to back: each call behind the previous one);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
@@ -1547,16 +1546,6 @@ int main(int argc, char** argv) {
     all.push_back({"sp8", default_o});  // the single pass in 8-CTA clusters
     all.back().o.single_pass = true;
     all.back().o.single_pass_ctas = 8;
-    // il = IndexerCudaOptions::flat_interleave (flat decode plans: blocks round robin over the
-    // request's warps); flat1il / flat2il: with flat_decode 1 / 2.
-    all.push_back({"il", default_o});
-    all.back().o.flat_interleave = true;
-    all.push_back({"flat1il", default_o});
-    all.back().o.flat_interleave = true;
-    all.back().o.flat_decode = 1;
-    all.push_back({"flat2il", default_o});
-    all.back().o.flat_interleave = true;
-    all.back().o.flat_decode = 2;
     all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
     all.back().o.cluster_async_maxima = false;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
@@ -1645,8 +1634,7 @@ int main(int argc, char** argv) {
         "clusters, "
         "noam = !cluster_async_maxima, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, il / flat1il / flat2il = flat_interleave (flat_decode "
-        "0 / 1 / 2), noef = stream_evict_first -1, pdl = "
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);

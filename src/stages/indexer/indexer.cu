@@ -543,7 +543,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   // max_pages stay below 2^32 (v < W, R <= W, v - lo < n <= W; decode_path).
   const int64_t flat_bound = std::max<int64_t>({R, int64_t{max_pages}, int64_t{a.flat_warps}});
   a.flat_div32 = int64_t{a.flat_warps} * flat_bound < (int64_t{1} << 32) ? 1 : 0;
-  a.flat_interleave = options.flat_interleave ? 1 : 0;
   a.min_chunk = pl.mma ? ik::kMmaWarps : 1;
   a.k_splits = static_cast<int>(pl.k_splits);
   a.dec_chunk = static_cast<int>(pl.dec_chunk);

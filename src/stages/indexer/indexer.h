@@ -239,9 +239,6 @@ struct IndexerCudaOptions {
   // 19: 64 x 8K draft 3 23.3-23.7 vs 23.9-24.2 us back to back for the former 6 splits of 12
   // blocks). Same ids.
   int flat_decode = 0;
-  // Flat decode: each request's blocks dealt round robin over its warps (warp i of the request's
-  // n: blocks i, i + n, ...) instead of a contiguous range per warp. Same ids.
-  bool flat_interleave = false;
   // The clustered single pass with at most 4 rows per request (one token at n_kv 4): the CTAs of
   // rank > 0 send their block maxima to rank 0's table by st.async, which completes them on an
   // mbarrier of rank 0 as they land, and exit; rank 0's warps wait on it instead of the final

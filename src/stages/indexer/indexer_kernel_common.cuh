@@ -75,7 +75,6 @@ struct KernelArgs {
   // Flat decode's warp assignment in 32-bit integer divisions (set by the host where every product
   // fits in 32 bits; decode_path).
   int flat_div32 = 0;
-  int flat_interleave = 0;  // IndexerCudaOptions::flat_interleave
   float* scores = nullptr;       // workspace f32 [T * n_kv, max_pages]
   int32_t* block_ids = nullptr;  // i32 [T, n_kv, 16]
   // IndexerCudaOptions::programmatic_launch: the first kernel may run before the previous stage

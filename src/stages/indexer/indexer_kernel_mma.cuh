@@ -595,7 +595,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // splits of 12 blocks) and no warp serves two requests.
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
-    int wi = 0, wn = 1;  // the warp's index among its request's warps, and their count
     if (a.flat_div32) {
       // The same values in 32-bit unsigned arithmetic (every product < 2^32: checked by the
       // host): five straight-line 32-bit divisions on the path to the first page-table load (in
@@ -609,28 +608,17 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
       const uint32_t ulo = ur * uW / uR;
       const uint32_t un = (ur + 1) * uW / uR - ulo;
       r = static_cast<int>(ur);
-      wi = static_cast<int>(uv - ulo);
-      wn = static_cast<int>(un);
       b0 = static_cast<int>((uv - ulo) * mp / un);
       bend = static_cast<int>((uv - ulo + 1) * mp / un);
     } else {
       r = static_cast<int>((int64_t{v + 1} * R - 1) / W);
       const int lo = static_cast<int>(int64_t{r} * W / R);
       const int n = static_cast<int>(int64_t{r + 1} * W / R) - lo;
-      wi = v - lo;
-      wn = n;
       b0 = static_cast<int>(int64_t{v - lo} * a.max_pages / n);
       bend = static_cast<int>(int64_t{v - lo + 1} * a.max_pages / n);
     }
     first = b0;
     step = 1;
-    if (a.flat_interleave) {
-      // IndexerCudaOptions::flat_interleave: the request's blocks dealt round robin over its
-      // warps (warp i: i, i + n, ...) instead of contiguous ranges.
-      first = wi;
-      step = wn;
-      bend = a.max_pages;
-    }
   }
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};

@@ -61,13 +61,12 @@
 //   copies issued, first tile landed); then where the
 //   spread of the scored phase lives: within a CTA, between a cluster's CTAs, per SM id),
 //   --ceiling (only a table of the default plan beside plain reads of the same index-K bytes,
-//   contiguous and through the case's page tables, isolated and back to back, the same pages
-//   claimed dynamically by the warps (read_paged_dyn) and each warp reading a contiguous range of
-//   them; batch 64 / 256, or --case),
+//   contiguous and through the case's page tables, isolated and back to back, and the same pages
+//   with each warp reading a contiguous range of them; batch 64 / 256, or --case),
 //   --read-timeline BATCH,CONTEXT,DRAFT (diagnostics: the ceiling's paged read of that case at 1-4
 //   CTAs per SM, then at one CTA per SM of 4 / 8 warps each reading a contiguous range of pages
-//   (flat decode's assignment), then read_paged_dyn at 1 / 2 CTAs per SM, one cold call each
-//   with per-CTA %globaltimer marks: entry, first page landed, end, and each SM's last end),
+//   (flat decode's assignment), one cold call each with per-CTA %globaltimer marks: entry, first
+//   page landed, end, and each SM's last end),
 //   --variants (only a table of the default options beside A/B variants, each isolated and
 //   back to back in the same run: 2k = IndexerCudaOptions::unfused_decode at the default plan's
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
@@ -204,78 +203,6 @@ __global__ void read_paged(const uint8_t* __restrict__ pool, const int32_t* __re
     pg = next;
   }
   if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
-  if (kMark) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint64_t g;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-      tl[blockIdx.x * 4 + 3] = g;
-    }
-  }
-}
-
-// --ceiling / --read-timeline (session 28): the case's pages read with dynamic balance. Each warp
-// claims 8 KB units (half pages; unit u = half u % 2 of table entry u / 2) from a global counter
-// one unit ahead of the unit it reads (the claim's round trip and the next unit's page-table load
-// overlap the current unit's 16 loads per lane), so the warps that find fast pages take more and
-// every warp runs until the pool is empty. ctr[0] is the claim counter, ctr[1] counts finished
-// warps; the last warp to finish resets both, so back-to-back calls (and graph replays) start from
-// zero. Marks as read_paged's.
-template <bool kMark>
-__global__ void read_paged_dyn(const uint8_t* __restrict__ pool, const int32_t* __restrict__ table,
-                               int64_t entries, int* ctr, int* sink, uint64_t* tl) {
-  const int lane = threadIdx.x & 31;
-  if (kMark && threadIdx.x == 0) {
-    uint64_t g;
-    uint32_t sm;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(g));
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    tl[blockIdx.x * 4 + 0] = g;
-    tl[blockIdx.x * 4 + 1] = sm;
-  }
-  const int64_t units = entries * 2;
-  const auto claim_raw = [&]() { return lane == 0 ? atomicAdd(ctr, 1) : 0; };
-  const auto bcast = [&](int raw) { return __shfl_sync(0xffffffffu, raw, 0); };
-  int u0 = bcast(claim_raw());
-  int u1 = bcast(claim_raw());
-  int32_t pg0 = u0 < units ? __ldg(table + u0 / 2) : 0;
-  int acc = 0;
-  bool first = true;
-  while (u0 < units) {
-    const int raw2 = claim_raw();  // in flight while unit u0 is read
-    const int32_t pg1 = u1 < units ? __ldg(table + u1 / 2) : 0;
-    const int4* src =
-        reinterpret_cast<const int4*>(pool + int64_t{pg0} * kPageBytes + (u0 & 1) * (kPageBytes / 2)) +
-        lane;
-    int4 v[16];
-#pragma unroll
-    for (int u = 0; u < 16; ++u) {
-      asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-                   : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                   : "l"(src + u * 32));
-    }
-#pragma unroll
-    for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
-    if (kMark && first && threadIdx.x == 0) {
-      uint64_t g;
-      asm volatile("{\n .reg .b32 t;\n mov.b32 t, %1;\n mov.u64 %0, %%globaltimer;\n}"
-                   : "=l"(g)
-                   : "r"(acc));
-      tl[blockIdx.x * 4 + 2] = g;
-    }
-    first = false;
-    u0 = u1;
-    pg0 = pg1;
-    u1 = bcast(raw2);
-  }
-  if (acc == 0x7fffffff) sink[blockIdx.x] = acc;
-  if (lane == 0) {
-    const int total = static_cast<int>(gridDim.x * (blockDim.x >> 5));
-    if (atomicAdd(ctr + 1, 1) == total - 1) {
-      ctr[0] = 0;
-      ctr[1] = 0;
-    }
-  }
   if (kMark) {
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -1258,12 +1185,9 @@ int main(int argc, char** argv) {
     };
     // k 1-4: CTAs per SM of 8 warps, pages dealt round-robin over the warps; k 5 / 6: one CTA
     // per SM of 4 / 8 warps, each warp a contiguous range of pages (flat decode's assignment).
-    int* ctr = static_cast<int*>(device_alloc(8));
-    check_cuda(cudaMemset(ctr, 0, 8), "counter");
-    // k 7 / 8: read_paged_dyn, 1 / 2 CTAs per SM of 8 warps.
-    for (int k : {1, 2, 3, 4, 5, 6, 7, 8}) {
-      const bool contig = k == 5 || k == 6, dyn = k >= 7;
-      const int grid = contig ? sms : dyn ? (k - 6) * sms : k * sms;
+    for (int k : {1, 2, 3, 4, 5, 6}) {
+      const bool contig = k >= 5;
+      const int grid = contig ? sms : k * sms;
       const int threads = k == 5 ? 128 : 256;
       const size_t bytes = size_t{4} * grid * 8;
       uint64_t* d_tl = static_cast<uint64_t*>(device_alloc(bytes));
@@ -1271,10 +1195,7 @@ int main(int argc, char** argv) {
           [&](cudaStream_t st) {
             check_cuda(cudaMemsetAsync(d_tl, 0, bytes, st), "timeline clear");
             const int32_t* table = static_cast<const int32_t*>(c.d_tables[0]);
-            if (dyn)
-              read_paged_dyn<true><<<grid, threads, 0, st>>>(pool.data, table, entries, ctr, sink,
-                                                             d_tl);
-            else if (contig)
+            if (contig)
               read_paged<true, true><<<grid, threads, 0, st>>>(pool.data, table, entries, sink,
                                                                 d_tl);
             else
@@ -1309,14 +1230,13 @@ int main(int argc, char** argv) {
           "  landed us: min %6.2f p50 %6.2f p90 %6.2f max %6.2f (warp 0's first page)\n"
           "  end    us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f\n"
           "  SM end us: min %6.2f p10 %6.2f p50 %6.2f p90 %6.2f max %6.2f (%zu SMs)\n",
-          only_batch, only_ctx, only_draft, grid, contig ? 1 : dyn ? k - 6 : k, threads / 32,
-          contig ? ", contiguous pages per warp" : dyn ? ", dynamic half pages" : "", t.median_us, pct(entry, 0.5), pct(entry, 1),
+          only_batch, only_ctx, only_draft, grid, contig ? 1 : k, threads / 32,
+          contig ? ", contiguous pages per warp" : "", t.median_us, pct(entry, 0.5), pct(entry, 1),
           pct(land, 0), pct(land, 0.5), pct(land, 0.9), pct(land, 1), pct(end, 0), pct(end, 0.1),
           pct(end, 0.5), pct(end, 0.9), pct(end, 1), pct(sme, 0), pct(sme, 0.1), pct(sme, 0.5),
           pct(sme, 0.9), pct(sme, 1), sme.size());
       cudaFree(d_tl);
     }
-    cudaFree(ctr);
     cudaFree(sink);
     free_case(c);
     return finish();
@@ -1410,15 +1330,8 @@ int main(int argc, char** argv) {
           const auto flat_src = [&](int copy) {
             return reinterpret_cast<const int4*>(pool.data + int64_t{copy} * entries * kPageBytes);
           };
-          double flat_best = 1e30, paged_best = 1e30, dyn_best = 1e30;
-          int flat_grid = 0, paged_grid = 0, dyn_grid = 0;
-          int* ctr = static_cast<int*>(device_alloc(8));
-          check_cuda(cudaMemset(ctr, 0, 8), "counter");
-          const auto dyn_read = [&](cudaStream_t st, int grid, int copy) {
-            read_paged_dyn<false><<<grid, 256, 0, st>>>(
-                pool.data, static_cast<const int32_t*>(c.d_tables[copy]), entries, ctr, sink,
-                nullptr);
-          };
+          double flat_best = 1e30, paged_best = 1e30;
+          int flat_grid = 0, paged_grid = 0;
           for (int k : {1, 2, 4, 8, 16}) {
             const bench::Timing tf = bench::time_graph_cold(
                 [&](cudaStream_t st) {
@@ -1434,11 +1347,6 @@ int main(int argc, char** argv) {
                 },
                 stream);
             if (tp.median_us < paged_best) paged_best = tp.median_us, paged_grid = k * sms;
-            if (k <= 4) {
-              const bench::Timing td = bench::time_graph_cold(
-                  [&](cudaStream_t st) { dyn_read(st, k * sms, 0); }, stream);
-              if (td.median_us < dyn_best) dyn_best = td.median_us, dyn_grid = k * sms;
-            }
           }
           const int calls = std::max(8, 2 * c.copies);
           const bench::Timing fb = bench::time_graph_back_to_back(
@@ -1453,9 +1361,6 @@ int main(int argc, char** argv) {
                     nullptr);
               },
               c.copies, stream, calls);
-          const bench::Timing db = bench::time_graph_back_to_back(
-              [&](cudaStream_t st, int copy) { dyn_read(st, dyn_grid, copy); }, c.copies, stream,
-              calls);
           // Flat decode's assignment without compute: one CTA per SM of 8 warps, each warp a
           // contiguous range of pages (read_paged's kContig).
           const bench::Timing cb = bench::time_graph_back_to_back(
@@ -1466,7 +1371,6 @@ int main(int argc, char** argv) {
               },
               c.copies, stream, calls);
           check_cuda(cudaStreamSynchronize(stream), "ceiling");
-          cudaFree(ctr);
           bench::Row row = case_row(c, draft, plan_str(c, default_o), pass);
           row.add("index_MB", c.index_bytes / 1e6, 1);
           row.add("idx_us", tm.iso.median_us, 1);
@@ -1475,8 +1379,6 @@ int main(int argc, char** argv) {
           row.add("read_b2b", fb.median_us, 1);
           row.add("paged_us", paged_best, 1);
           row.add("paged_b2b", pb.median_us, 1);
-          row.add("dyn_us", dyn_best, 1);
-          row.add("dyn_b2b", db.median_us, 1);
           row.add("contig_b2b", cb.median_us, 1);
           row.add("read_%copy", pct_copy(c, flat_best), 1);
           row.add("read_b2b_%", pct_copy(c, fb.median_us), 1);
@@ -1484,8 +1386,7 @@ int main(int argc, char** argv) {
           row.add("paged_b2b_%", pct_copy(c, pb.median_us), 1);
           row.add("idx/read", 100.0 * flat_best / tm.iso.median_us, 1);
           row.add("idx/read_b2b", 100.0 * fb.median_us / tm.b2b.median_us, 1);
-          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid) + "/" +
-                               std::to_string(dyn_grid));
+          row.add("grids", std::to_string(flat_grid) + "/" + std::to_string(paged_grid));
           row.add("copies", std::to_string(c.copies));
           rows.push_back(row);
           free_case(c);
@@ -1495,9 +1396,9 @@ int main(int argc, char** argv) {
     cudaFree(sink);
     bench::print_rows(
         "indexer vs plain reads of the same index-K bytes (graph replay, cold L2; isolated and "
-        "back to back; read = contiguous, paged = the case's pages via its page table, dyn = the "
-        "same pages claimed by the warps in 8 KB units from a counter, contig = each warp a "
-        "contiguous range of them, one CTA per SM; idx/read "
+        "back to back; read = contiguous, paged = the case's pages via its page table, contig = "
+        "the same pages, each warp a contiguous range of them, one CTA per SM of 8 warps; "
+        "idx/read "
         "= read time / indexer time, %)",
         rows, json);
     return finish();

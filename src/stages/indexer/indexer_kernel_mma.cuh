@@ -593,6 +593,12 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // the warp's index among them). Every SM then gets the same number of blocks within a few
     // (one CTA per SM, the automatic choice: 28-32 at 64 x 8K, 7-8 per warp, vs 24-36 for 6
     // splits of 12 blocks) and no warp serves two requests.
+    // Session 28, lost and deleted: the request's blocks dealt round robin over its warps (warp
+    // i of n: blocks i, i + n, ...), after a plain read of the same pages ran 18.2 us back to back
+    // dealt round robin over the grid's warps against 22.9 with a contiguous range per warp
+    // (indexer_bench --ceiling, round A): 64 x 8K draft 3 22.7-22.8 vs 22.5-22.7 b2b (round C,
+    // three alternating runs), 48 x 8K draft 3 18.4 vs 18.5, 64 x 8K draft 1 21.4-21.5 vs 21.5,
+    // flat1 with it 24.0-24.1 vs 22.9-23.1. The scorer's order of pages is not what holds it.
     const int v = r * kMmaWarps + warp;
     const int R = a.num_requests, W = a.flat_warps;
     if (a.flat_div32) {

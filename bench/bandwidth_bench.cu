@@ -25,6 +25,7 @@
 //   read   the plain vector-load read of the same bytes (the first table's kernel).
 //
 // The plain read also runs on the unfused pair's two weights (9216 x 6144 and 640 x 6144).
+// --launch (session 28): the per-call cost of grid shapes (spin kernels; see run_launch).
 // --lsu (session 17): the same units read by every thread with 16-byte loads into registers
 //   (frag: each thread its wgmma A-fragment rows, the memory side of a GEMM with its A operand in
 //   registers) or with cp.async into a shared-memory ring, beside the kernel's TMA stream and the
@@ -67,6 +68,72 @@ __global__ void copy_kernel(const int4* __restrict__ src, int4* __restrict__ dst
 }
 
 __global__ void empty_kernel() {}
+
+// --launch: a kernel that only waits spin_ns (%globaltimer, thread 0 of each CTA; the others
+// wait at a CTA barrier), for the per-call cost of a grid's shape (clusters, dynamic shared
+// memory) back to back.
+__global__ void spin_kernel(uint64_t spin_ns) {
+  if (threadIdx.x == 0) {
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < spin_ns);
+  }
+  __syncthreads();
+}
+
+// --launch (session 28): the indexer's 64 x 8K draft-0 grid shape (128 CTAs of 128 threads,
+// 72 KB of dynamic shared memory, 2-CTA clusters) against plain forms of it, as empty kernels and
+// as kernels that spin 15 us, isolated (graph replay after a flush) and back to back (32 calls in
+// one graph): what the cluster launch and the shared memory cost per call.
+void run_launch(int sms, cudaStream_t stream, bool json) {
+  struct Shape {
+    const char* name;
+    int ctas, cluster;
+    size_t smem;
+  };
+  const Shape shapes[] = {{"128 x 128 thr", 128, 1, 0},
+                          {"128 x 128 thr, 72 KB", 128, 1, 72 * 1024},
+                          {"128 x 128 thr, 2-CTA clusters", 128, 2, 0},
+                          {"128 x 128 thr, 2-CTA clusters, 72 KB", 128, 2, 72 * 1024},
+                          {"SMs x 128 thr, 72 KB", sms, 1, 72 * 1024}};
+  bench::check_cuda(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  96 * 1024),
+             "smem attribute");
+  std::vector<bench::Row> rows;
+  for (const Shape& sh : shapes) {
+    for (uint64_t spin : {uint64_t{0}, uint64_t{15000}}) {
+      const auto launch = [&](cudaStream_t st) {
+        cudaLaunchConfig_t cfg = {};
+        cfg.gridDim = dim3(1, static_cast<unsigned>(sh.ctas), 1);
+        cfg.blockDim = dim3(128);
+        cfg.dynamicSmemBytes = sh.smem;
+        cfg.stream = st;
+        cudaLaunchAttribute attr[1];
+        attr[0].id = cudaLaunchAttributeClusterDimension;
+        attr[0].val.clusterDim.x = 1;
+        attr[0].val.clusterDim.y = static_cast<unsigned>(sh.cluster);
+        attr[0].val.clusterDim.z = 1;
+        cfg.attrs = attr;
+        cfg.numAttrs = sh.cluster > 1 ? 1 : 0;
+        bench::check_cuda(cudaLaunchKernelEx(&cfg, spin_kernel, spin), "spin launch");
+      };
+      const bench::Timing ti = bench::time_graph_cold(launch, stream);
+      const bench::Timing tb = bench::time_graph_back_to_back(
+          [&](cudaStream_t st, int) { launch(st); }, 1, stream, 32);
+      bench::Row r;
+      r.add("grid", sh.name);
+      r.add("spin_us", spin * 1e-3, 1);
+      r.add("us", ti.median_us, 2);
+      r.add("b2b_us", tb.median_us, 2);
+      r.add("b2b_over_spin_us", tb.median_us - spin * 1e-3, 2);
+      rows.push_back(r);
+    }
+  }
+  bench::print_rows("per-call cost of grid shapes (spin kernels; isolated and back to back)", rows,
+                    json);
+}
 
 // ---- --tiles: the decode GEMM's weight stream without compute ----------------------------------
 
@@ -878,7 +945,8 @@ struct Size {
 
 int main(int argc, char** argv) {
   using namespace m3attn;
-  bool json = false, quick = false, tiles = false, lsu = false, rows_mode = false, trace = false;
+  bool json = false, quick = false, tiles = false, lsu = false, rows_mode = false, trace = false,
+       launch = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json")) {
       json = true;
@@ -892,8 +960,11 @@ int main(int argc, char** argv) {
       rows_mode = true;
     } else if (!std::strcmp(argv[i], "--trace")) {
       trace = true;
+    } else if (!std::strcmp(argv[i], "--launch")) {
+      launch = true;
     } else {
-      std::fprintf(stderr, "usage: %s [--json] [--quick] [--tiles] [--lsu] [--rows [--trace]]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--json] [--quick] [--tiles] [--lsu] [--rows [--trace]] [--launch]\n",
                    argv[0]);
       return 2;
     }
@@ -921,6 +992,14 @@ int main(int argc, char** argv) {
   bench::check_cuda(cudaMemset(src, 0x3c, max_src_bytes), "cudaMemset(src)");
   cudaStream_t stream;
   bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
+  if (launch) {
+    run_launch(sms, stream, json);
+    cudaFree(src);
+    cudaFree(dst);
+    cudaFree(sink);
+    cudaStreamDestroy(stream);
+    return 0;
+  }
   if (tiles || lsu || rows_mode) {
     // Activations: 64 rows x 8192 bytes (zeros), L2-resident after the first unit reads them.
     void* act = nullptr;

@@ -153,7 +153,12 @@ struct IndexerCudaOptions {
   // producer: latency-bound, the DRAM idle) finishes; after the wait the copies of those blocks
   // find them in L2 or in flight. 0: automatic (as many blocks per warp as fill a quarter of the
   // L2 over all decode warps, at most 8); -1: none; N: up to N. Without programmatic_launch
-  // nothing is prefetched. Same ids.
+  // nothing is prefetched. Same ids. Session 28 round B (indexer_bench --pdl: behind a stand-in
+  // that lets it start, spins ~3 us and rewrites index_q; the indexer's share of the pair back to
+  // back): 64 x 8K draft 0 18.6 us automatic (3 blocks per warp) and with 2 vs 19.2 with none,
+  // 4 blocks 19.8, 8 blocks 22.7 (more than the L2 holds); draft 3 (flat decode) 23.0 automatic
+  // or none; 256 x 8K draft 0 63.2-63.5 either way. layer_bench decode with the indexer launched
+  // programmatically (not the layer's default): within 1 us of the default at 16-256 x 8K.
   int pdl_prefetch_blocks = 0;
   // Decode units of batches with one query token per request guess their request's token range as
   // [r T / R, (r + 1) T / R) (right for batches of equal-length requests) and load its positions

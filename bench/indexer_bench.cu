@@ -839,15 +839,24 @@ int main(int argc, char** argv) {
       std::printf("\n");
     }
     {
-      // The decode warps' front: first index-K copies issued (word 18), first tile landed (19).
-      std::vector<double> iss, lan;
+      // The decode warps' front: first page-table entry and seq_lens value in registers (words
+      // 22 / 23), first index-K copies issued (18), first tile landed (19).
+      std::vector<double> iss, lan, ent, sql;
       for (int64_t w = 0; w < warps; ++w) {
         const uint64_t* e = tl.data() + w * kStride;
         double ns = 0;
         if (!e[0]) continue;
         if (e[18] && ns_of(static_cast<int>(e[7]), e[18], &ns)) iss.push_back((ns - g0) * 1e-3);
         if (e[19] && ns_of(static_cast<int>(e[7]), e[19], &ns)) lan.push_back((ns - g0) * 1e-3);
+        if (e[22] && ns_of(static_cast<int>(e[7]), e[22], &ns)) ent.push_back((ns - g0) * 1e-3);
+        if (e[23] && ns_of(static_cast<int>(e[7]), e[23], &ns)) sql.push_back((ns - g0) * 1e-3);
       }
+      if (!ent.empty())
+        std::printf(
+            "  front, us after the first entry: page-table entry in (%zu warps) p10 %6.2f p50 "
+            "%6.2f max %6.2f; seq_lens in p10 %6.2f p50 %6.2f max %6.2f\n",
+            ent.size(), pct(ent, 0.1), pct(ent, 0.5), pct(ent, 1), pct(sql, 0.1), pct(sql, 0.5),
+            pct(sql, 1));
       if (!lan.empty())
         std::printf(
             "  front, us after the first entry: first copies issued (%zu warps) p10 %6.2f p50 "

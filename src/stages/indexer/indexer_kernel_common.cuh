@@ -111,7 +111,8 @@ struct KernelArgs {
 // Words 16 / 17 (timeline_stamp): the single pass's lean final selection, clock64 once the
 // warp's first row's scores are in registers and once it is ranked (each read waits for that
 // value). Words 18 / 19: the decode warp's front, clock64 once its first index-K copies are
-// issued (decode_path's early start) and once its first tile has landed (decode_unit).
+// issued (decode_path's early start) and once its first tile has landed (decode_unit); words
+// 22 / 23: once its first page-table entry and its request's seq_lens value are in registers.
 constexpr int kTimelineSlots = 5;
 constexpr int kTimelineStride = 24;
 __device__ __forceinline__ uint64_t globaltimer_ns() {

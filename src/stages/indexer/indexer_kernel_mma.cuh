@@ -676,6 +676,8 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     if (!a.pdl) load_query_raw(a, qa, n * a.n_kv, q);
     guessed = true;  // loaded at the right bounds
   }
+  timeline_stamp(a, 22, static_cast<uint32_t>(pg_first));  // the first page-table entry is in
+  timeline_stamp(a, 23, static_cast<uint32_t>(seq_len));    // seq_lens[r] is in
   bool pre = false;
   {
     // Early start: seq_lens[r] (the request's last position + 1, loaded beside query_start and

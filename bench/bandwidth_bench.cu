@@ -98,9 +98,9 @@ void run_launch(int sms, cudaStream_t stream, bool json) {
                           {"128 x 128 thr, 2-CTA clusters", 128, 2, 0},
                           {"128 x 128 thr, 2-CTA clusters, 72 KB", 128, 2, 72 * 1024},
                           {"SMs x 128 thr, 72 KB", sms, 1, 72 * 1024}};
-  bench::check_cuda(cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  96 * 1024),
-             "smem attribute");
+  bench::check_cuda(
+      cudaFuncSetAttribute(spin_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 96 * 1024),
+      "smem attribute");
   std::vector<bench::Row> rows;
   for (const Shape& sh : shapes) {
     for (uint64_t spin : {uint64_t{0}, uint64_t{15000}}) {
@@ -120,8 +120,8 @@ void run_launch(int sms, cudaStream_t stream, bool json) {
         bench::check_cuda(cudaLaunchKernelEx(&cfg, spin_kernel, spin), "spin launch");
       };
       const bench::Timing ti = bench::time_graph_cold(launch, stream);
-      const bench::Timing tb = bench::time_graph_back_to_back(
-          [&](cudaStream_t st, int) { launch(st); }, 1, stream, 32);
+      const bench::Timing tb =
+          bench::time_graph_back_to_back([&](cudaStream_t st, int) { launch(st); }, 1, stream, 32);
       bench::Row r;
       r.add("grid", sh.name);
       r.add("spin_us", spin * 1e-3, 1);
@@ -985,6 +985,13 @@ int main(int argc, char** argv) {
   int device = 0, sms = 0;
   bench::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   bench::check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "attr");
+  if (launch) {
+    cudaStream_t stream;
+    bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
+    run_launch(sms, stream, json);
+    cudaStreamDestroy(stream);
+    return 0;
+  }
   void *src = nullptr, *dst = nullptr, *sink = nullptr;
   bench::check_cuda(cudaMalloc(&src, max_src_bytes), "cudaMalloc(src)");
   bench::check_cuda(cudaMalloc(&dst, max_bytes), "cudaMalloc(dst)");
@@ -992,14 +999,6 @@ int main(int argc, char** argv) {
   bench::check_cuda(cudaMemset(src, 0x3c, max_src_bytes), "cudaMemset(src)");
   cudaStream_t stream;
   bench::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
-  if (launch) {
-    run_launch(sms, stream, json);
-    cudaFree(src);
-    cudaFree(dst);
-    cudaFree(sink);
-    cudaStreamDestroy(stream);
-    return 0;
-  }
   if (tiles || lsu || rows_mode) {
     // Activations: 64 rows x 8192 bytes (zeros), L2-resident after the first unit reads them.
     void* act = nullptr;

@@ -44,8 +44,7 @@
 //   warps per row; every table, --timeline and --sweep), --pf N (every path's options with
 //   IndexerCudaOptions::pdl_prefetch_blocks N: the L2 prefetch of programmatic launches, e.g.
 //   for --pdl and the pdl variant), --no-am (the
-//   default options without cluster_async_maxima, e.g. for --timeline), --coop (the default
-//   options with cooperative_blocks, e.g. for --timeline),
+//   default options without cluster_async_maxima, e.g. for --timeline),
 //   --tl-b2b (--timeline of the last call of a back-to-back sequence, as b2b_us times it, instead
 //   of an eager cold call: the front and the end as they are between calls),
 //   --pdl (only a table of the indexer behind a stand-in for the layer's producer: a kernel that
@@ -73,8 +72,7 @@
 //   k_splits, late = !early_query_loads, sorted = !fast_select, q1 = !short_select (one warp per
 //   row of <= 63 candidates), flat1 / flat2 / flat3 = IndexerCudaOptions::flat_decode 1 / 2 / 3,
 //   flat0 = flat_decode -1 (never: the plan without it), flat1q1 = flat_decode 1 with
-//   !short_select, w2 / w4 = short_select_warps 2 / 4, coop = cooperative_blocks, noef =
-//   stream_evict_first -1, pdl =
+//   !short_select, w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl =
 //   programmatic_launch (back to back: each call behind the previous one);
 //   --vlist NAME,... keeps base and the named ones; --repeat N: N runs, the variants alternating
 //   in each; batch 64 / 256 x 8K / 32K / 128K at draft 3, or --case), --no-short-select
@@ -601,7 +599,6 @@ int main(int argc, char** argv) {
   bool tl_b2b = false;  // --tl-b2b: --timeline of the last call of a back-to-back sequence
   int tl_calls = 0;     // --tl-calls N: the last N calls of the sequence (implies --tl-b2b)
   bool async_maxima = true;  // --no-am: the default options without cluster_async_maxima
-  bool coop = false;         // --coop: the default options with cooperative_blocks
   // Flags without a value, each setting its variable to true.
   const std::map<std::string, bool*> switches = {{"--json", &json},
                                                  {"--quick", &quick},
@@ -617,8 +614,7 @@ int main(int argc, char** argv) {
                                                  {"--no-short-select", &no_short_select},
                                                  {"--tl-b2b", &tl_b2b},
                                                  {"--contiguous", &g_contiguous},
-                                                 {"--window", &g_window},
-                                                 {"--coop", &coop}};
+                                                 {"--window", &g_window}};
   // Flags with an integer value.
   const std::map<std::string, int*> numbers = {{"--flat", &flat},
                                                {"--single-ctas", &single_ctas},
@@ -674,7 +670,7 @@ int main(int argc, char** argv) {
                    "[--ceiling] [--read-timeline BATCH,CONTEXT,DRAFT] "
                    "[--variants] [--vlist NAME,...] [--repeat N] [--flat N] [--sw N] "
                    "[--no-short-select] "
-                   "[--ef N] [--wide N] [--pf N] [--tl-b2b] [--tl-calls N] [--no-am] [--coop] "
+                   "[--ef N] [--wide N] [--pf N] [--tl-b2b] [--tl-calls N] [--no-am] "
                    "[--k K,K,...]\n",
                    argv[0]);
       return 2;
@@ -697,7 +693,6 @@ int main(int argc, char** argv) {
   single_o.single_pass_ctas = single_ctas;
   default_o.stream_evict_first = evict_first;
   default_o.cluster_async_maxima = async_maxima;
-  default_o.cooperative_blocks = coop;
   const IndexerCudaOptions main_o = unfused_only ? two_o : default_o;
   // The sweep times the fused path (or the flag's path) whatever the automatic choice.
   const IndexerCudaOptions sweep_o = unfused_only ? two_o : fused_o;
@@ -1461,10 +1456,6 @@ int main(int argc, char** argv) {
     all.push_back({"sp8", default_o});  // the single pass in 8-CTA clusters
     all.back().o.single_pass = true;
     all.back().o.single_pass_ctas = 8;
-    // coop = IndexerCudaOptions::cooperative_blocks (the clustered single pass at one token per
-    // request: the CTA's warps share each block).
-    all.push_back({"coop", default_o});
-    all.back().o.cooperative_blocks = true;
     all.push_back({"noam", default_o});  // !IndexerCudaOptions::cluster_async_maxima
     all.back().o.cluster_async_maxima = false;
     // noef = IndexerCudaOptions::stream_evict_first -1 (never; the default: every plan).
@@ -1553,8 +1544,7 @@ int main(int argc, char** argv) {
         "clusters, "
         "noam = !cluster_async_maxima, "
         "flat0 = flat_decode -1 (never), flat1q1 = flat1 and q1, "
-        "w2 / w4 = short_select_warps 2 / 4, coop = cooperative_blocks, noef = "
-        "stream_evict_first -1, pdl = "
+        "w2 / w4 = short_select_warps 2 / 4, noef = stream_evict_first -1, pdl = "
         "programmatic_launch; "
         "--repeat N: the variants alternate, N runs)",
         rows, json);

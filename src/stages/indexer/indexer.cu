@@ -570,11 +570,6 @@ Status run_indexer_cuda(const IndexerParams& p, const TensorView& workspace, cud
   a.timeline = options.timeline;
   a.evict_fraction = options.stream_evict_first >= 0 ? 1.0f : 0.0f;  // automatic: every plan
   a.async_maxima = options.cluster_async_maxima ? 1 : 0;
-  a.coop = options.cooperative_blocks && pl.single && pl.k_splits > 1 &&
-                   options.cluster_async_maxima && T <= R && p.n_kv <= ik::kMmaWarps &&
-                   pl.dec_chunk <= ik::kCoopMaxBlocks
-               ? 1
-               : 0;
   const bool pdl = options.programmatic_launch;
   const int64_t rows = T * p.n_kv;
   const int64_t select_blocks = ceil_div(rows, ik::kSelectWarps);

@@ -255,12 +255,6 @@ struct IndexerCudaOptions {
   // 23.8 / 23.6, 21.5 / 21.6 / 21.5 vs 23.7 / 23.9 / 23.8, 21.7 / 21.7 / 21.7. false: the cluster
   // barrier (the A/B switch). Same ids.
   bool cluster_async_maxima = true;
-  // The clustered single pass with async maxima at one token per request (n_kv <= 4, chunks of
-  // <= 32 blocks): the CTA's 4 warps stream each block of its chunk together (warp w tiles 2 w
-  // and 2 w + 1 of every page) instead of each warp whole blocks, so the CTA's warps end together;
-  // the warps' maxima of a block meet in shared memory (indexer_kernel_mma.cuh, decode_unit_coop).
-  // Same ids.
-  bool cooperative_blocks = false;
   // Diagnostics for benchmarks (null: off): device buffer of 24 uint64 per warp of the scorer's
   // grid (grid.x * grid.y * 4 warps) where the decode warps record clock64 at their phases (and a
   // few %globaltimer pairs), then 16 spare words, then 8 per warp of the selection kernel

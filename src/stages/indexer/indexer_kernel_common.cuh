@@ -95,9 +95,6 @@ struct KernelArgs {
   // copies marked L2 evict_first.
   float evict_fraction = 0.0f;
   int async_maxima = 0;  // IndexerCudaOptions::cluster_async_maxima
-  // IndexerCudaOptions::cooperative_blocks: set by the host only for the clustered single pass
-  // with async maxima, one token per request (T <= R), n_kv <= 4 and chunks of <= 32 blocks.
-  int coop = 0;
 };
 
 // Diagnostics (IndexerCudaOptions::timeline; benchmarks only, null otherwise): lane 0 of every

@@ -549,140 +549,6 @@ __device__ __forceinline__ void decode_unit(const KernelArgs& a, uint8_t* smem, 
   cp_async_wait<0>();
 }
 
-// Cooperative blocks (IndexerCudaOptions::cooperative_blocks; the clustered single pass with
-// async maxima, at most 4 rows per unit): the CTA's 4 warps stream every block of the CTA's chunk
-// together, warp w tiles 2 w and 2 w + 1 of each page, instead of each warp whole blocks b0 + w,
-// b0 + w + 4, ... So the CTA's warps end within a tile of each other (with whole blocks a CTA's
-// warps ended 1.03 us apart at the median, 64 x 8K draft 0: session 28 round A), and the CTA
-// keeps its four warps' bytes in flight to its last block. Each warp folds its tiles' maxima of
-// a block (32 keys) into its own rows of the block-max table (rows kCoopPartRow (w + 1) + j,
-// free: the unit has at most 4 rows); after a CTA barrier the CTA's threads take the max over
-// the 4 warps (NaN-propagating, as one warp over all 128 keys) into rows j (rank 0) or send it
-// to rank 0's rows by st.async (other ranks), exactly the values the per-warp blocks produce.
-constexpr int kCoopTiles = kPageSize / 16 / kMmaWarps;  // tiles of a page per warp
-static_assert(kCoopTiles == 2, "cooperative blocks: two tiles of each page per warp");
-constexpr int kCoopPartRow = 4;  // warp w's partial maxima in table rows 4 (w + 1) + j, j < 4
-static_assert(kCoopPartRow * (kMmaWarps + 1) <= kDecRows, "partial rows fit in the table");
-constexpr int kCoopMaxBlocks = 32;  // blocks of a chunk: one page-table entry per lane
-
-// Tile i of warp `warp`'s cooperative stream: block i / 2 of the chunk (raw page-table entry
-// `entry`; -1 or outside the pool: zero fill, no traffic), tile kCoopTiles warp + i % 2 of its
-// page, into ring stage i % kDecStages (ring_dst: the warp's ring + lane_dst_offset). The caller
-// commits.
-__device__ __forceinline__ void coop_issue(const KernelArgs& a, uint32_t ring_dst, int i,
-                                           int warp, int32_t entry, int lane) {
-  const bool ok = entry >= 0 && int64_t{entry} < a.num_pages;
-  const uint32_t dst = ring_dst + static_cast<uint32_t>(i & (kDecStages - 1)) * kTileBytes;
-  const uint8_t* src =
-      (ok ? page_base(a, entry) + (kCoopTiles * warp + (i & 1)) * kTileBytes : a.cache) + lane * 16;
-  const uint32_t bytes = ok ? 16u : 0u;
-  asm volatile(
-      "{\n .reg .b64 pol;\n"
-      "createpolicy.fractional.L2::evict_first.b64 pol, %3;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+512], [%1+512], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+1024], [%1+1024], 16, %2, pol;\n"
-      "cp.async.cg.shared.global.L2::cache_hint [%0+1536], [%1+1536], 16, %2, pol;\n}\n" ::"r"(dst),
-      "l"(src), "r"(bytes), "f"(a.evict_fraction)
-      : "memory");
-}
-
-// The first kDecStages - 1 tiles of the warp's cooperative stream (blocks 0-3 of the chunk);
-// lane k's `entry` is block k's raw page-table entry; blocks >= nblk zero fill.
-__device__ __forceinline__ void coop_prologue(const KernelArgs& a, uint32_t ring_dst, int warp,
-                                              int32_t entry, int nblk, int lane) {
-#pragma unroll
-  for (int i = 0; i < kDecStages - 1; ++i) {
-    const int32_t e = __shfl_sync(0xffffffffu, entry, i / 2);
-    coop_issue(a, ring_dst, i, warp, i / 2 < nblk ? e : -1, lane);
-    cp_async_commit();
-  }
-}
-
-// The cooperative decode unit (<= 4 rows, NT 1): blocks [b0, b1) of the chunk (b1 - b0 <=
-// kCoopMaxBlocks), lane k's `entry` the raw page-table entry of block b0 + k (-1 past b1);
-// pre_issued: the caller ran coop_prologue on the same entries. The block maxima end in rows
-// j < rows, columns b, of sblk (remote false: this CTA is rank 0) or of rank 0's table by
-// st.async on its table mbarrier (remote true). Called by every thread of the CTA (a CTA barrier).
-__device__ __forceinline__ void decode_unit_coop(const KernelArgs& a, uint8_t* smem, int rows,
-                                                 int b0, int b1, int32_t entry,
-                                                 const QueryRaw& qraw, int lane_pos, float* sblk,
-                                                 bool pre_issued, bool remote) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, tig = lane & 3;
-  const int nblk = b1 - b0;
-  uint8_t* ring = smem + warp * (kDecStages * kTileBytes);
-  const uint32_t ring_dst = smem_addr(ring) + lane_dst_offset(lane);
-  if (!pre_issued) coop_prologue(a, ring_dst, warp, entry, nblk, lane);
-
-  DecodeState<1> s;
-  int min_pos = INT_MAX;
-  slice_to_f16(qraw.lo[0], qraw.hi[0], s.q[0]);
-#pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int j = tig * 2 + e;
-    const int pos = __shfl_sync(0xffffffffu, lane_pos, j / a.n_kv);
-    s.rpos[0][e] = j < rows ? pos : -1;
-    if (j < rows) min_pos = min(min_pos, pos);
-    s.run[0][e] = neg_inf();
-  }
-  min_pos = __reduce_min_sync(0xffffffffu, min_pos);
-  if (a.timeline != nullptr) {  // diagnostics: the warp's first tile landed (word 19)
-    cp_async_wait<kDecStages - 2>();
-    timeline_stamp(a, 19, 0u);
-  }
-  float* part = sblk + kCoopPartRow * (warp + 1) * kFusedMaxChunk;
-  const int nt = kCoopTiles * nblk;
-#pragma unroll 2
-  for (int i = 0; i < nt; ++i) {
-    cp_async_wait<kDecStages - 2>();
-    __syncwarp();  // tile i landed for every lane; the previous tile's stage is free
-    const int ia = i + kDecStages - 1;
-    const int32_t ea = __shfl_sync(0xffffffffu, entry, (ia / 2) & 31);
-    coop_issue(a, ring_dst, ia, warp, ia / 2 < nblk ? ea : -1, lane);
-    cp_async_commit();
-    const int b = b0 + i / 2;
-    const bool mask = b * kPageSize + kPageSize - 1 > min_pos;
-    decode_compute_tile<1>(s, ring + (i & (kDecStages - 1)) * kTileBytes,
-                           b * kPageSize + (kCoopTiles * warp + (i & 1)) * 16, mask, g, tig);
-    if (i & 1) {
-      const int32_t e = __shfl_sync(0xffffffffu, entry, (i / 2) & 31);
-      const bool page_ok = e >= 0 && int64_t{e} < a.num_pages;
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        float v = s.run[0][c];
-        v = warp_block_max_xor(v, 4);
-        v = warp_block_max_xor(v, 8);
-        v = warp_block_max_xor(v, 16);
-        const int j = tig * 2 + c;
-        if (g == 0 && j < rows) part[j * kFusedMaxChunk + b] = page_ok ? v : quiet_nan();
-        s.run[0][c] = neg_inf();
-      }
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp's partial maxima of [b0, b1) are in the table
-  const uint32_t rbar = remote ? cluster_smem_addr(sblk + kDecRows * kFusedMaxChunk, 0) : 0u;
-  for (int idx = static_cast<int>(threadIdx.x); idx < rows * nblk; idx += kMmaThreads) {
-    const int j = idx / nblk, b = b0 + idx - j * nblk;
-    float v = sblk[(kCoopPartRow + j) * kFusedMaxChunk + b];
-#pragma unroll
-    for (int w = 1; w < kMmaWarps; ++w)
-      v = block_max(v, sblk[(kCoopPartRow * (w + 1) + j) * kFusedMaxChunk + b]);
-    float* dst = sblk + j * kFusedMaxChunk + b;
-    if (!remote) {
-      *dst = v;
-    } else {
-      asm volatile(
-          "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(
-              cluster_smem_addr(dst, 0)),
-          "r"(__float_as_uint(v)), "r"(rbar)
-          : "memory");
-    }
-  }
-}
-
 // Decode units split their blocks by the host-known max_pages, not by the device-side nvis: CTA y
 // owns [y * dec_chunk, (y + 1) * dec_chunk) (dec_chunk a multiple of 4, so every warp of a full
 // chunk gets the same number of blocks), clipped to the unit's visible blocks. That makes the
@@ -763,9 +629,6 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   // Columns < max_pages of row r are inside the page table whatever the device data says.
   const int64_t pg_first = first < bend ? guarded_page(a, r, first) : int64_t{-1};
   const int64_t pg_second = first + step < bend ? guarded_page(a, r, first + step) : int64_t{-1};
-  // IndexerCudaOptions::cooperative_blocks: lane k holds the raw page-table entry of block b0 + k.
-  const int32_t coop_entry =
-      a.coop && lane < bend - b0 ? __ldg(a.page_table + int64_t{r} * a.pt_stride + b0 + lane) : -1;
   // Session 25 (64 x 8K, same-round A/Bs, back to back), lost and deleted: each warp touching
   // every page of its blocks after the first two at its start (their page-table entries loaded
   // with the first two, one lane per block), so that the pages' address translations are fetched
@@ -827,16 +690,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // writes, are read before pdl_wait.
     int spec_b1 = min(blocks_to_score(a, seq_len - 1), bend);
     if (a.pdl) spec_b1 = min(spec_b1, max(seq_len - max(qe - qa, 0), 0) / kPageSize);
-    if (a.coop) {
-      // Cooperative blocks: the prologue reads the chunk's first kDecStages / kCoopTiles blocks,
-      // only when every one of them is safe to read early.
-      if (b0 < bend && min(bend, b0 + kDecStages / kCoopTiles) <= spec_b1) {
-        coop_prologue(a, smem_addr(smem + warp * (kDecStages * kTileBytes)) + lane_dst_offset(lane),
-                      warp, coop_entry, bend - b0, lane);
-        pre = true;
-        timeline_stamp(a, 18, 0u);
-      }
-    } else if (first < spec_b1) {
+    if (first < spec_b1) {
       stream_prologue(a, smem + warp * (kDecStages * kTileBytes), pg_first, lane);
       pre = true;
       timeline_stamp(a, 18, 0u);  // the warp's first copies issued
@@ -860,7 +714,7 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
   int nvis = 0;  // the unit's blocks to score (all splits)
   if (n > 0) nvis = blocks_to_score(a, __reduce_max_sync(0xffffffffu, p));  // <= max_pages
   const int b1 = min(nvis, bend);
-  if (pre && (a.coop ? b0 : first) >= b1) cp_async_wait<0>();  // the prologue is not needed
+  if (pre && first >= b1) cp_async_wait<0>();  // warp-uniform: the prologue is not needed
   timeline_word(a, 20, first < b1 ? static_cast<uint64_t>((b1 - first + step - 1) / step) : 0u);
   const int rows = n * a.n_kv;                 // <= kDecRows
   float* sblk = kFused ? reinterpret_cast<float*>(smem + kMmaSmemBytes) : nullptr;
@@ -931,22 +785,10 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     const bool shared = rows > kMmaWarps;
     const bool async = a.async_maxima && !shared;  // cluster-uniform
     cluster_wait_acquire();  // every CTA of the cluster runs: rank 0's table may be written
-    if (a.coop && async) {
-      if (b0 < b1)  // CTA-uniform (decode_unit_coop has a CTA barrier)
-        decode_unit_coop(a, smem, rows, b0, b1, lane < b1 - b0 ? coop_entry : -1, q, p, sblk, pre,
-                         blockIdx.y != 0);
-    } else {
-      // Cooperative blocks where device data gave a unit more rows than the host planned for
-      // (a query_start that breaks the contract): the per-warp blocks, their own prologue.
-      if (a.coop && pre) {
-        cp_async_wait<0>();
-        pre = false;
-      }
-      // One call site (each is a full copy of the unrolled decode loops).
-      if (first < b1)
-        score(shared || async ? sblk : map_to_cluster_rank(sblk, 0), 0,
-              shared ? static_cast<int>(gridDim.y) : (async && blockIdx.y != 0 ? -1 : 0));
-    }
+    // One call site (each is a full copy of the unrolled decode loops).
+    if (first < b1)
+      score(shared || async ? sblk : map_to_cluster_rank(sblk, 0), 0,
+            shared ? static_cast<int>(gridDim.y) : (async && blockIdx.y != 0 ? -1 : 0));
     if (async) {
       // IndexerCudaOptions::cluster_async_maxima: no cluster barrier at the end. The other ranks'
       // maxima complete rank 0's table mbarrier as they land (st.async), so those CTAs are done;

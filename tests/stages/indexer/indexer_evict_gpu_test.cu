@@ -90,7 +90,7 @@ TEST(IndexerGpu, EvictFirstSameIds) {
 // block maxima to rank 0 by st.async on rank 0's table mbarrier; no final cluster barrier): the
 // same ids as the two-kernel path in 2-, 3-, 4- and 8-CTA clusters, with a page outside the pool,
 // NaN keys, trivial rows (<= 16 visible blocks) and, at 4 tokens per request (16 rows: the
-// cluster barrier path), the fallback; also with IndexerCudaOptions::cooperative_blocks.
+// cluster barrier path), the fallback.
 TEST(IndexerGpu, ClusterAsyncMaximaSameIds) {
   M3_REQUIRE_GPU();
   const uint64_t seed = mt::fresh_seed();
@@ -108,16 +108,14 @@ TEST(IndexerGpu, ClusterAsyncMaximaSameIds) {
     const GpuResult g = run_gpu(d, two);
     const std::string label = std::to_string(tokens) + " token(s) per request";
     for (int ctas : {2, 3, 4, 8})
-      for (int rep = 0; rep < 4; ++rep) {  // the mbarrier is set up afresh every launch
+      for (int rep = 0; rep < 3; ++rep) {  // the mbarrier is set up afresh every launch
         IndexerCudaOptions o;
         o.single_pass = true;
         o.single_pass_ctas = ctas;
-        o.cluster_async_maxima = rep != 2;  // 2: the cluster barrier
-        o.cooperative_blocks = rep == 3;    // 3: each CTA's warps share its blocks
-        const char* what[] = {", async maxima]", ", async maxima]", ", cluster barrier]",
-                              ", async maxima, cooperative blocks]"};
+        o.cluster_async_maxima = rep < 2;  // the last: the cluster barrier
         expect_same_ids(in, run_gpu(d, o), g,
-                        label + " [cluster " + std::to_string(ctas) + what[rep]);
+                        label + " [cluster " + std::to_string(ctas) +
+                            (rep < 2 ? ", async maxima]" : ", cluster barrier]"));
       }
   }
 }

@@ -446,12 +446,6 @@ inline void check_all_paths(const Inputs& in, const std::string& label, int64_t 
                       name + ", single pass" +
                           (ctas > 1 ? " cluster " + std::to_string(ctas) : std::string()) +
                           " vs two-kernel]");
-      if (ctas > 1) {  // IndexerCudaOptions::cooperative_blocks (one token per request only)
-        so.cooperative_blocks = true;
-        expect_same_ids(in, run_gpu(d, so), g,
-                        name + ", single pass cluster " + std::to_string(ctas) +
-                            ", cooperative blocks vs two-kernel]");
-      }
     }
   }
   EXPECT_TRUE(d.pool.download_all() == pool_before) << "the index pool was modified";

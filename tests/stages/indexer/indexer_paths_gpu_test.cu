@@ -50,9 +50,6 @@ TEST(IndexerGpu, SinglePassSelectionSmall) {
       ASSERT_TRUE(indexer_cuda_plan(d.params, so).single);
       const GpuResult c = run_gpu(d, so);
       expect_same_ids(in, c, g, label + " [single pass, " + std::to_string(ctas) + " CTAs]");
-      so.cooperative_blocks = true;  // one token per request: each CTA's warps share its blocks
-      expect_same_ids(in, run_gpu(d, so), g,
-                      label + " [single pass, " + std::to_string(ctas) + " CTAs, cooperative]");
     }
   }
 }

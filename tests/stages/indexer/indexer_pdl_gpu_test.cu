@@ -230,9 +230,6 @@ std::vector<Variant> all_variants(bool short_context) {
       o.single_pass_ctas = ctas;
       v.push_back({ctas == 1 ? "single pass" : ctas == 2 ? "cluster 2" : "cluster 8", o});
     }
-    o.single_pass_ctas = 2;
-    o.cooperative_blocks = true;  // applies to the one-token batch only (T <= R)
-    v.push_back({"cluster 2, cooperative blocks", o});
   }
   return v;
 }
@@ -264,20 +261,6 @@ TEST(IndexerGpuPdl, ProgrammaticLaunchBehindAWriterEqualsNormalLaunch) {
     plant_visible_row(in, 0);  // 17918..17921: block 139 is a candidate of 17920 / 17921
     ASSERT_FALSE(::testing::Test::HasFailure());
     check_programmatic(in, all_variants(false), "pdl 18K", true);
-  }
-  {
-    // One token per request at <= 64 blocks: the clustered single pass, also with
-    // IndexerCudaOptions::cooperative_blocks (its early tiles cover four blocks).
-    const Inputs in = make_inputs({{8191, 1}, {5000, 1}, {7000, 1}, {4100, 1}, {2049, 1}}, 4, rng,
-                                  false, 0, 0);
-    ASSERT_FALSE(::testing::Test::HasFailure());
-    IndexerCudaOptions o;
-    o.single_pass = true;
-    o.single_pass_ctas = 2;
-    std::vector<Variant> v = {{"auto", {}}, {"cluster 2", o}};
-    o.cooperative_blocks = true;
-    v.push_back({"cluster 2, cooperative blocks", o});
-    check_programmatic(in, v, "pdl one token per request", false);
   }
   {
     // <= 16 blocks: no scorer, the selection kernel is the first (programmatic) kernel.

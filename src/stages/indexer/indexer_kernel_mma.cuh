@@ -769,6 +769,14 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // split, round F): 20.8 / 20.8 / 20.8, 20.7 / 20.9 / 20.8, 20.8 / 20.9 / 20.8 vs 20.6 / 20.9 /
     // 20.7, the warps of a CTA still ending 1.08 us apart at the median (blocks decided two blocks
     // ahead, a block of granularity).
+    // Session 28 (round G, same-round b2b, us), lost and deleted: cooperative blocks, the CTA's
+    // 4 warps streaming each block of its chunk together (warp w tiles 2 w and 2 w + 1 of every
+    // page, a 4-block window per warp, the warps' maxima of a block meeting in shared memory after
+    // a CTA barrier; twin-equal ids, memcheck / racecheck clean): the CTA's warps then ended
+    // within 0.01 us of each other (against 1.03 at the median), but every CTA later: 64 x 8K
+    // 21.9-22.0 vs 20.9-21.2 (CTA last scored p50 17.7 vs 16.8-17.0), 32 x 8K (4-CTA clusters)
+    // 15.1 vs 13.5-13.6, 44 x 8K 19.6 vs 17.2-17.3, 8 x 8K 8.5-8.6 vs 7.2: 2 KB pieces of four
+    // pages in flight per warp stream slower than 14 KB runs of one.
     // Session 24 (same-round b2b, us), lost and deleted: 4-CTA clusters (8 warps per SM) with
     // 4-tile warp rings (the bytes in flight of 2-CTA clusters with 8-tile rings) 21.7 / 21.7 /
     // 21.8 vs 21.8 / 21.9 / 21.8 (round A; 8-tile rings 22.6-22.8), the scheduler putting 1 to 3

@@ -775,8 +775,8 @@ __device__ __forceinline__ void decode_path(const KernelArgs& a, uint8_t* smem) 
     // a CTA barrier; twin-equal ids, memcheck / racecheck clean): the CTA's warps then ended
     // within 0.01 us of each other (against 1.03 at the median), but every CTA later: 64 x 8K
     // 21.9-22.0 vs 20.9-21.2 (CTA last scored p50 17.7 vs 16.8-17.0), 32 x 8K (4-CTA clusters)
-    // 15.1 vs 13.5-13.6, 44 x 8K 19.6 vs 17.2-17.3, 8 x 8K 8.5-8.6 vs 7.2: 2 KB pieces of four
-    // pages in flight per warp stream slower than 14 KB runs of one.
+    // 15.1 vs 13.5-13.6, 44 x 8K 19.6 vs 17.2-17.3, 8 x 8K 8.5-8.6 vs 7.2; most likely (not
+    // profiled) 2 KB pieces of four pages in flight per warp stream slower than 14 KB runs of one.
     // Session 24 (same-round b2b, us), lost and deleted: 4-CTA clusters (8 warps per SM) with
     // 4-tile warp rings (the bytes in flight of 2-CTA clusters with 8-tile rings) 21.7 / 21.7 /
     // 21.8 vs 21.8 / 21.9 / 21.8 (round A; 8-tile rings 22.6-22.8), the scheduler putting 1 to 3

@@ -844,12 +844,17 @@ int main(int argc, char** argv) {
       std::vector<double> iss, lan, ent, sql;
       for (int64_t w = 0; w < warps; ++w) {
         const uint64_t* e = tl.data() + w * kStride;
-        double ns = 0;
         if (!e[0]) continue;
-        if (e[18] && ns_of(static_cast<int>(e[7]), e[18], &ns)) iss.push_back((ns - g0) * 1e-3);
-        if (e[19] && ns_of(static_cast<int>(e[7]), e[19], &ns)) lan.push_back((ns - g0) * 1e-3);
-        if (e[22] && ns_of(static_cast<int>(e[7]), e[22], &ns)) ent.push_back((ns - g0) * 1e-3);
-        if (e[23] && ns_of(static_cast<int>(e[7]), e[23], &ns)) sql.push_back((ns - g0) * 1e-3);
+        // Word `word` (a clock64 stamp, 0 = none) of warp w in us after the first entry.
+        const auto add = [&](int word, std::vector<double>& out) {
+          double ns = 0;
+          if (e[word] && ns_of(static_cast<int>(e[7]), e[word], &ns))
+            out.push_back((ns - g0) * 1e-3);
+        };
+        add(18, iss);
+        add(19, lan);
+        add(22, ent);
+        add(23, sql);
       }
       if (!ent.empty())
         std::printf(
